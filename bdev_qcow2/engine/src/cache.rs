@@ -1,0 +1,315 @@
+//! A set-associative cache of fixed-size metadata blocks (L2 slices, refcount blocks).
+//!
+//! `set = hash(key) & (sets - 1)`; each set has `ways` entries stored flat, so lookup and
+//! victim choice cost O(ways) whatever the cache size. Victim: an invalid way first, else
+//! the least recently used way of the set. Each way remembers the epoch its contents were
+//! read under; a lookup hits only when the caller's current epoch matches, which is how a
+//! per-core replica is validated against the metadata owner (DESIGN.md §5).
+
+/// Key value marking an invalid way.
+const INVALID: u64 = u64::MAX;
+
+/// Hit/miss/eviction counters.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct CacheStats {
+    /// Lookups that found a valid entry with the current epoch.
+    pub hits: u64,
+    /// Lookups that did not.
+    pub misses: u64,
+    /// Valid entries replaced by an insert.
+    pub evictions: u64,
+    /// Entries found with an outdated epoch (counted as misses too).
+    pub stale: u64,
+}
+
+/// Sizing of a cache.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CacheConfig {
+    /// Total bytes of cached blocks (rounded down to a power-of-two number of sets).
+    pub size_bytes: u64,
+    /// Ways per set.
+    pub ways: usize,
+}
+
+/// A set-associative cache of blocks of `T` (u64 words for L2 slices, bytes for refcounts).
+pub struct SetAssocCache<T> {
+    ways: usize,
+    set_bits: u32,
+    block_len: usize,
+    keys: Vec<u64>,
+    epochs: Vec<u32>,
+    stamps: Vec<u64>,
+    data: Vec<T>,
+    clock: u64,
+    stats: CacheStats,
+}
+
+impl<T: Copy + Default> SetAssocCache<T> {
+    /// A cache of `sets * ways` blocks of `block_len` items, where `sets` is the largest
+    /// power of two with `sets * ways * block_bytes <= size_bytes` (at least 1), and never
+    /// more entries than `max_blocks` (no point caching more blocks than the image has).
+    pub fn new(cfg: CacheConfig, block_len: usize, max_blocks: u64) -> Self {
+        let ways = cfg.ways.clamp(1, 64);
+        let block_bytes = (block_len * std::mem::size_of::<T>()).max(1) as u64;
+        let blocks = (cfg.size_bytes / block_bytes).min(max_blocks.max(1)).max(1);
+        let sets = (blocks / ways as u64).max(1);
+        let set_bits = 63 - sets.leading_zeros();
+        let n = (1usize << set_bits) * ways;
+        SetAssocCache {
+            ways,
+            set_bits,
+            block_len,
+            keys: vec![INVALID; n],
+            epochs: vec![0; n],
+            stamps: vec![0; n],
+            data: vec![T::default(); n * block_len],
+            clock: 0,
+            stats: CacheStats::default(),
+        }
+    }
+
+    /// Number of sets.
+    pub fn sets(&self) -> usize {
+        1 << self.set_bits
+    }
+    /// Ways per set.
+    pub fn ways(&self) -> usize {
+        self.ways
+    }
+    /// Total number of blocks the cache holds.
+    pub fn capacity(&self) -> usize {
+        self.keys.len()
+    }
+    /// Items per block.
+    pub fn block_len(&self) -> usize {
+        self.block_len
+    }
+    /// Counters.
+    pub fn stats(&self) -> CacheStats {
+        self.stats
+    }
+
+    /// The set a key maps to: the key's bits folded by XOR in `set_bits` chunks, so
+    /// consecutive keys (sequential slices) fill every set evenly and power-of-two strides
+    /// still spread over all sets.
+    pub fn set_of(&self, key: u64) -> usize {
+        if self.set_bits == 0 {
+            return 0;
+        }
+        let mut k = key;
+        let mut h = 0;
+        while k != 0 {
+            h ^= k;
+            k >>= self.set_bits;
+        }
+        (h & ((1 << self.set_bits) - 1)) as usize
+    }
+
+    fn find(&self, key: u64) -> Option<usize> {
+        let base = self.set_of(key) * self.ways;
+        (base..base + self.ways).find(|&w| self.keys[w] == key)
+    }
+
+    /// Looks `key` up under `epoch`: `Some(way)` on a hit (and the way becomes most recently
+    /// used), `None` on a miss. Counts the result.
+    pub fn lookup(&mut self, key: u64, epoch: u32) -> Option<usize> {
+        match self.find(key) {
+            Some(w) if self.epochs[w] == epoch => {
+                self.clock += 1;
+                self.stamps[w] = self.clock;
+                self.stats.hits += 1;
+                Some(w)
+            }
+            Some(_) => {
+                self.stats.stale += 1;
+                self.stats.misses += 1;
+                None
+            }
+            None => {
+                self.stats.misses += 1;
+                None
+            }
+        }
+    }
+
+    /// Like [`lookup`](Self::lookup) but changes nothing (no counters, no LRU update).
+    pub fn probe(&self, key: u64, epoch: u32) -> Option<usize> {
+        self.find(key).filter(|&w| self.epochs[w] == epoch)
+    }
+
+    /// Marks a way most recently used and counts a hit (to commit a [`probe`](Self::probe)).
+    pub fn touch(&mut self, way: usize) {
+        self.clock += 1;
+        self.stamps[way] = self.clock;
+        self.stats.hits += 1;
+    }
+
+    /// The block stored in `way`.
+    pub fn block(&self, way: usize) -> &[T] {
+        &self.data[way * self.block_len..(way + 1) * self.block_len]
+    }
+
+    /// The way `insert` would fill for `key`: the way already holding `key`, else an invalid
+    /// way, else the least recently used way of the set.
+    pub fn victim(&self, key: u64) -> usize {
+        let base = self.set_of(key) * self.ways;
+        if let Some(w) = self.find(key) {
+            return w;
+        }
+        let mut best = base;
+        for w in base..base + self.ways {
+            if self.keys[w] == INVALID {
+                return w;
+            }
+            if self.stamps[w] < self.stamps[best] {
+                best = w;
+            }
+        }
+        best
+    }
+
+    /// Stores `block` under `key` read at `epoch`, evicting per [`victim`](Self::victim).
+    /// Returns the way. `fill` writes the block contents in place (no temporary copy).
+    pub fn insert_with(&mut self, key: u64, epoch: u32, fill: impl FnOnce(&mut [T])) -> usize {
+        let w = self.victim(key);
+        if self.keys[w] != INVALID && self.keys[w] != key {
+            self.stats.evictions += 1;
+        }
+        self.keys[w] = key;
+        self.epochs[w] = epoch;
+        self.clock += 1;
+        self.stamps[w] = self.clock;
+        fill(&mut self.data[w * self.block_len..(w + 1) * self.block_len]);
+        w
+    }
+
+    /// Drops `key` if cached.
+    pub fn invalidate(&mut self, key: u64) {
+        if let Some(w) = self.find(key) {
+            self.keys[w] = INVALID;
+        }
+    }
+
+    /// Drops everything.
+    pub fn clear(&mut self) {
+        self.keys.fill(INVALID);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cache(sets: u64, ways: usize) -> SetAssocCache<u64> {
+        SetAssocCache::new(
+            CacheConfig {
+                size_bytes: sets * ways as u64 * 64,
+                ways,
+            },
+            8,
+            u64::MAX,
+        )
+    }
+
+    /// `n` distinct keys that all map to the set of `key0`.
+    fn same_set(c: &SetAssocCache<u64>, key0: u64, n: usize) -> Vec<u64> {
+        let s = c.set_of(key0);
+        (0..).filter(|k| c.set_of(*k) == s).take(n).collect()
+    }
+
+    #[test]
+    fn sizing() {
+        let c = cache(16, 8);
+        assert_eq!(c.sets(), 16);
+        assert_eq!(c.capacity(), 128);
+        // Never more blocks than the image has.
+        let c = SetAssocCache::<u64>::new(
+            CacheConfig {
+                size_bytes: 1 << 30,
+                ways: 8,
+            },
+            8,
+            20,
+        );
+        assert!(c.capacity() <= 20);
+        // Non-power-of-two budgets round down.
+        let c = SetAssocCache::<u64>::new(
+            CacheConfig {
+                size_bytes: 64 * 8 * 5,
+                ways: 8,
+            },
+            8,
+            u64::MAX,
+        );
+        assert_eq!(c.sets(), 4);
+    }
+
+    #[test]
+    fn set_mapping_spreads_sequential_keys() {
+        let c = cache(64, 4);
+        let mut counts = vec![0; c.sets()];
+        for k in 0..64 * 16 {
+            counts[c.set_of(k)] += 1;
+        }
+        assert!(counts.iter().all(|&n| n == 16), "{counts:?}");
+        // A power-of-two stride equal to the number of sets still uses every set.
+        let mut used = vec![false; c.sets()];
+        for i in 0..64u64 {
+            used[c.set_of(i * 64)] = true;
+        }
+        assert!(used.iter().all(|&u| u));
+    }
+
+    #[test]
+    fn hit_miss_and_counters() {
+        let mut c = cache(4, 2);
+        assert_eq!(c.lookup(7, 0), None);
+        let w = c.insert_with(7, 0, |b| b.fill(42));
+        assert_eq!(c.lookup(7, 0), Some(w));
+        assert!(c.block(w).iter().all(|&x| x == 42));
+        // A different epoch is a (stale) miss.
+        assert_eq!(c.lookup(7, 2), None);
+        assert_eq!(
+            c.stats(),
+            CacheStats {
+                hits: 1,
+                misses: 2,
+                evictions: 0,
+                stale: 1
+            }
+        );
+    }
+
+    #[test]
+    fn invalid_ways_first_then_lru() {
+        let mut c = cache(4, 4);
+        let keys = same_set(&c, 0, 6);
+        for &k in &keys[..4] {
+            c.insert_with(k, 0, |_| {});
+        }
+        assert_eq!(c.stats().evictions, 0);
+        // Invalidate one: the next insert must reuse that way, evicting nothing.
+        let w1 = c.probe(keys[1], 0).unwrap();
+        c.invalidate(keys[1]);
+        assert_eq!(c.insert_with(keys[4], 0, |_| {}), w1);
+        assert_eq!(c.stats().evictions, 0);
+        // Touch keys[0]; LRU is now keys[2].
+        assert!(c.lookup(keys[0], 0).is_some());
+        let w2 = c.probe(keys[2], 0).unwrap();
+        assert_eq!(c.insert_with(keys[5], 0, |_| {}), w2);
+        assert_eq!(c.stats().evictions, 1);
+        assert!(c.probe(keys[2], 0).is_none());
+        assert!(c.probe(keys[0], 0).is_some());
+        assert!(c.probe(keys[3], 0).is_some());
+    }
+
+    #[test]
+    fn reinsert_same_key_does_not_evict() {
+        let mut c = cache(1, 2);
+        let w = c.insert_with(1, 0, |b| b.fill(1));
+        assert_eq!(c.insert_with(1, 2, |b| b.fill(2)), w);
+        assert_eq!(c.stats().evictions, 0);
+        assert_eq!(c.lookup(1, 2), Some(w));
+        assert_eq!(c.block(w)[0], 2);
+    }
+}

@@ -1,0 +1,347 @@
+//! A backing chain and the guest read path over it.
+//!
+//! Layer 0 is the image the guest sees; layer `i + 1` is the backing image of layer `i`
+//! (qcow2 or raw). Backing devices are chosen by the host (named bdevs in SPDK, files the
+//! operator allowed in the tool); the engine never opens anything by a name found in an image.
+
+use crate::error::{Error, Result};
+use crate::exec::{join_all, DevId, Exec};
+use crate::format::ClusterMapping;
+use crate::image::Qcow2;
+use crate::io::{BlockDevice, BufSlice, DeviceOp, SECTOR};
+use crate::limits::MAX_BACKING_DEPTH;
+use crate::types::GuestOffset;
+use std::cell::RefCell;
+use std::future::Future;
+use std::pin::Pin;
+use std::rc::Rc;
+
+/// One layer of a chain.
+pub enum Layer<D: BlockDevice> {
+    /// A qcow2 image.
+    Qcow2(Qcow2<D>),
+    /// A raw image: guest offset = device offset; its size is the device size.
+    Raw {
+        /// The device.
+        dev: DevId,
+        /// Virtual size (the device size).
+        size: u64,
+    },
+}
+
+impl<D: BlockDevice> Layer<D> {
+    /// Virtual size of this layer.
+    pub fn size(&self) -> u64 {
+        match self {
+            Layer::Qcow2(q) => q.size(),
+            Layer::Raw { size, .. } => *size,
+        }
+    }
+}
+
+/// Counters of the read path.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct ReadStats {
+    /// Guest reads served entirely on the fast path (cached metadata, plain data/zeros).
+    pub fast_reads: u64,
+    /// Guest reads that needed a slow path (miss, compressed, backing).
+    pub slow_reads: u64,
+}
+
+type BoxFut = Pin<Box<dyn Future<Output = Result<()>>>>;
+
+/// A data run planned by the fast path: host offset, offset in the guest buffer, length.
+#[derive(Clone, Copy)]
+struct Run {
+    host: u64,
+    buf_off: usize,
+    len: usize,
+}
+
+/// An image and its backing chain, served on one core.
+pub struct Chain<D: BlockDevice> {
+    exec: Exec<D>,
+    layers: Vec<Layer<D>>,
+    /// Reused plan storage of the fast path (no allocation per request).
+    scratch: RefCell<(Vec<Run>, Vec<(usize, usize)>)>,
+    stats: RefCell<ReadStats>,
+}
+
+impl<D: BlockDevice> Chain<D> {
+    /// Builds a chain from its layers, top first. Refuses more than
+    /// [`MAX_BACKING_DEPTH`] layers.
+    pub fn new(exec: &Exec<D>, layers: Vec<Layer<D>>) -> Result<Rc<Self>> {
+        if layers.is_empty() {
+            return Err(Error::BackingChain(
+                "a chain needs at least one image".into(),
+            ));
+        }
+        if layers.len() > MAX_BACKING_DEPTH {
+            return Err(Error::BackingChain(format!(
+                "backing chain deeper than {MAX_BACKING_DEPTH} images"
+            )));
+        }
+        Ok(Rc::new(Chain {
+            exec: exec.clone(),
+            layers,
+            scratch: RefCell::new((Vec::with_capacity(64), Vec::with_capacity(64))),
+            stats: RefCell::new(ReadStats::default()),
+        }))
+    }
+
+    /// The layers, top first.
+    pub fn layers(&self) -> &[Layer<D>] {
+        &self.layers
+    }
+    /// Virtual size of the top image.
+    pub fn size(&self) -> u64 {
+        self.layers[0].size()
+    }
+    /// The executor.
+    pub fn exec(&self) -> &Exec<D> {
+        &self.exec
+    }
+    /// Read-path counters.
+    pub fn stats(&self) -> ReadStats {
+        *self.stats.borrow()
+    }
+
+    /// Starts a guest read of `buf.len` bytes at `offset`; its completion is reported with
+    /// `tag` by [`Exec::poll`]. Offset and length must be multiples of 512 and inside the
+    /// disk (otherwise the request completes with [`Error::InvalidRequest`]).
+    ///
+    /// When every L2 slice involved is cached and the range holds only data clusters and
+    /// zeros, the device reads are submitted directly (no task, no allocation); otherwise a
+    /// slow-path task does the work.
+    pub fn submit_read(self: &Rc<Self>, tag: u64, offset: u64, buf: BufSlice<D::Buf>) {
+        let len = buf.len as u64;
+        if offset % SECTOR != 0 || len % SECTOR != 0 {
+            return self.exec.complete(
+                tag,
+                Err(Error::InvalidRequest("read not aligned to 512 bytes")),
+            );
+        }
+        if offset.checked_add(len).is_none_or(|e| e > self.size()) {
+            return self.exec.complete(
+                tag,
+                Err(Error::InvalidRequest("read past the end of the disk")),
+            );
+        }
+        if self.try_fast_read(tag, offset, &buf) {
+            self.stats.borrow_mut().fast_reads += 1;
+            return;
+        }
+        self.stats.borrow_mut().slow_reads += 1;
+        let chain = self.clone();
+        self.exec.spawn(async move {
+            let r = read_layer(chain.clone(), 0, offset, buf).await;
+            chain.exec.complete(tag, r);
+        });
+    }
+
+    /// The fast path: plans the request from cached slices only; returns false (having
+    /// changed nothing but LRU/hit counters) when a slow path is needed.
+    fn try_fast_read(&self, tag: u64, offset: u64, buf: &BufSlice<D::Buf>) -> bool {
+        let Layer::Qcow2(q) = &self.layers[0] else {
+            let Layer::Raw { dev, .. } = &self.layers[0] else {
+                return false;
+            };
+            let req = self.exec.request_begin(tag);
+            self.exec.request_op(
+                req,
+                *dev,
+                DeviceOp::Read {
+                    offset,
+                    buf: buf.clone(),
+                },
+            );
+            self.exec.request_arm(req);
+            return true;
+        };
+        let has_backing = self.layers.len() > 1;
+        let mut scratch = self.scratch.borrow_mut();
+        let (runs, zeros) = &mut *scratch;
+        runs.clear();
+        zeros.clear();
+        let end = offset + buf.len as u64;
+        let mut pos = offset;
+        while pos < end {
+            let Ok(Some((m, m_end))) = q.resolve_cached(GuestOffset(pos)) else {
+                return false;
+            };
+            let n = (m_end.min(end) - pos) as usize;
+            let buf_off = (pos - offset) as usize;
+            match m {
+                ClusterMapping::Data { host, .. } => {
+                    // `host` is the start of the (sub)cluster holding `pos`.
+                    let host = host.0 + (pos & (q.geometry().subcluster_size() - 1));
+                    match runs.last_mut() {
+                        Some(r)
+                            if r.host + r.len as u64 == host && r.buf_off + r.len == buf_off =>
+                        {
+                            r.len += n
+                        }
+                        _ => runs.push(Run {
+                            host,
+                            buf_off,
+                            len: n,
+                        }),
+                    }
+                }
+                ClusterMapping::Zero => zeros.push((buf_off, n)),
+                ClusterMapping::Unallocated if !has_backing => zeros.push((buf_off, n)),
+                _ => return false,
+            }
+            pos += n as u64;
+        }
+        for &(o, n) in zeros.iter() {
+            buf.sub(o, n).zero();
+        }
+        let req = self.exec.request_begin(tag);
+        for r in runs.iter() {
+            self.exec.request_op(
+                req,
+                q.dev(),
+                DeviceOp::Read {
+                    offset: r.host,
+                    buf: buf.sub(r.buf_off, r.len),
+                },
+            );
+        }
+        self.exec.request_arm(req);
+        true
+    }
+
+    /// Reads `buf.len` bytes at `offset` and waits for them (for tasks and tools).
+    pub async fn read(self: &Rc<Self>, offset: u64, buf: BufSlice<D::Buf>) -> Result<()> {
+        if offset % SECTOR != 0 || buf.len as u64 % SECTOR != 0 {
+            return Err(Error::InvalidRequest("read not aligned to 512 bytes"));
+        }
+        if offset
+            .checked_add(buf.len as u64)
+            .is_none_or(|e| e > self.size())
+        {
+            return Err(Error::InvalidRequest("read past the end of the disk"));
+        }
+        read_layer(self.clone(), 0, offset, buf).await
+    }
+
+    /// Allocation status of guest bytes at `offset` in layer `layer` alone: the mapping of
+    /// the first (sub)cluster and how many bytes from `offset` (up to `end`) share it.
+    /// Raw layers report data at the same offset.
+    pub async fn block_status(
+        &self,
+        layer: usize,
+        offset: u64,
+        end: u64,
+    ) -> Result<(ClusterMapping, u64)> {
+        match &self.layers[layer] {
+            Layer::Qcow2(q) => q.extent(offset, end).await,
+            Layer::Raw { .. } => Ok((
+                ClusterMapping::Data {
+                    host: crate::types::HostOffset(offset),
+                    copied: true,
+                },
+                end - offset,
+            )),
+        }
+    }
+}
+
+/// Reads `buf.len` bytes at `offset` from layer `idx` downwards.
+fn read_layer<D: BlockDevice>(
+    chain: Rc<Chain<D>>,
+    idx: usize,
+    offset: u64,
+    buf: BufSlice<D::Buf>,
+) -> BoxFut {
+    Box::pin(async move {
+        let len = buf.len as u64;
+        let size = chain.layers[idx].size();
+        // Past the end of a (backing) layer the disk reads as zeros.
+        if offset >= size {
+            buf.zero();
+            return Ok(());
+        }
+        if offset + len > size {
+            let inside = (size - offset) as usize;
+            buf.sub(inside, buf.len - inside).zero();
+        }
+        let avail = (len.min(size - offset)) as usize;
+        match &chain.layers[idx] {
+            Layer::Raw { dev, .. } => {
+                // Keep device I/O sector aligned; a partial last sector reads zeros past EOF.
+                let n = (avail as u64).div_ceil(SECTOR) as usize * SECTOR as usize;
+                let n = n.min(buf.len);
+                chain.exec.read(*dev, offset, buf.sub(0, n)).await
+            }
+            Layer::Qcow2(q) => read_qcow2(&chain, idx, q, offset, buf.sub(0, avail)).await,
+        }
+    })
+}
+
+async fn read_qcow2<D: BlockDevice>(
+    chain: &Rc<Chain<D>>,
+    idx: usize,
+    q: &Qcow2<D>,
+    offset: u64,
+    buf: BufSlice<D::Buf>,
+) -> Result<()> {
+    let end = offset + buf.len as u64;
+    let mut futs: Vec<BoxFut> = Vec::new();
+    let mut run: Option<(u64, u64, u64)> = None; // (host, guest, len)
+    let flush = |run: &mut Option<(u64, u64, u64)>, futs: &mut Vec<BoxFut>| {
+        if let Some((host, guest, len)) = run.take() {
+            let sub = buf.sub((guest - offset) as usize, len as usize);
+            futs.push(Box::pin(chain.exec.read(q.dev(), host, sub)));
+        }
+    };
+    let mut pos = offset;
+    while pos < end {
+        let (m, n) = q.extent(pos, end).await?;
+        match m {
+            ClusterMapping::Data { host, .. } => {
+                // `host` is the start of the (sub)cluster holding `pos`.
+                let host = host.0 + (pos & (q.geometry().subcluster_size() - 1));
+                match &mut run {
+                    Some((h, g, l)) if *h + *l == host && *g + *l == pos => *l += n,
+                    _ => {
+                        flush(&mut run, &mut futs);
+                        run = Some((host, pos, n));
+                    }
+                }
+            }
+            ClusterMapping::Zero => {
+                flush(&mut run, &mut futs);
+                buf.sub((pos - offset) as usize, n as usize).zero();
+            }
+            ClusterMapping::Unallocated => {
+                flush(&mut run, &mut futs);
+                let sub = buf.sub((pos - offset) as usize, n as usize);
+                if idx + 1 < chain.layers.len() {
+                    futs.push(read_layer(chain.clone(), idx + 1, pos, sub));
+                } else {
+                    sub.zero();
+                }
+            }
+            ClusterMapping::Compressed(d) => {
+                flush(&mut run, &mut futs);
+                let cs = q.geometry().cluster_size();
+                let in_cluster = (pos & (cs - 1)) as usize;
+                let sub = buf.sub((pos - offset) as usize, n as usize);
+                let chain = chain.clone();
+                futs.push(Box::pin(async move {
+                    let Layer::Qcow2(q) = &chain.layers[idx] else {
+                        return Ok(());
+                    };
+                    let data = q.read_compressed_cluster(d).await?;
+                    sub.copy_in(0, &data[in_cluster..in_cluster + sub.len]);
+                    Ok(())
+                }));
+            }
+        }
+        pos += n;
+    }
+    flush(&mut run, &mut futs);
+    join_all(futs).await
+}

@@ -1,0 +1,415 @@
+//! The per-core executor: drives slow paths written as `async fn`s and the devices they use.
+//!
+//! One `Exec` per core (SPDK thread / reactor). Everything in it is single-threaded
+//! (`Rc`/`RefCell`), so nothing here locks. Tasks are woken only by their own device
+//! completions, which arrive when the host calls [`Exec::poll`]; no waker machinery is
+//! needed (tasks are polled with a no-op waker).
+//!
+//! Guest requests complete through a queue that [`Exec::poll`] drains into the host's
+//! callback, so hot paths (cache-hit reads) submit device I/O directly without a task.
+
+use crate::error::{Error, Result};
+use crate::io::{BlockDevice, BufSlice, Busy, DeviceError, DeviceOp};
+use slab::Slab;
+use std::cell::{Cell, RefCell};
+use std::collections::VecDeque;
+use std::future::Future;
+use std::pin::Pin;
+use std::rc::Rc;
+use std::task::{Context, Poll, Waker};
+
+/// Index of a device registered with an [`Exec`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct DevId(pub usize);
+
+type Task = Pin<Box<dyn Future<Output = ()>>>;
+
+/// Who waits for a device operation.
+enum Waiter {
+    /// A task; the result is parked here until the task polls it.
+    Task {
+        task: usize,
+        result: Option<Result<(), DeviceError>>,
+    },
+    /// A guest request on the fast path.
+    Request(usize),
+}
+
+/// A guest request split into several device operations on the fast path.
+struct Request {
+    tag: u64,
+    remaining: u32,
+    error: Option<Error>,
+}
+
+/// Per-operation counters.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct ExecStats {
+    /// Device operations submitted.
+    pub device_ops: u64,
+    /// Submissions refused as busy and retried later.
+    pub busy_retries: u64,
+    /// Tasks spawned (slow paths).
+    pub tasks_spawned: u64,
+}
+
+struct Inner<D: BlockDevice> {
+    devs: RefCell<Vec<D>>,
+    waiters: RefCell<Slab<Waiter>>,
+    requests: RefCell<Slab<Request>>,
+    retry: RefCell<VecDeque<(DevId, DeviceOp<D::Buf>, u64)>>,
+    tasks: RefCell<Slab<Option<Task>>>,
+    ready: RefCell<VecDeque<usize>>,
+    current: Cell<Option<usize>>,
+    done: RefCell<VecDeque<(u64, Result<()>)>>,
+    /// Reused scratch for reaped completions (no allocation per poll).
+    reaped: RefCell<Vec<(u64, Result<(), DeviceError>)>>,
+    stats: Cell<ExecStats>,
+}
+
+/// A per-core executor (cheap to clone: a shared handle).
+pub struct Exec<D: BlockDevice> {
+    inner: Rc<Inner<D>>,
+}
+
+impl<D: BlockDevice> Clone for Exec<D> {
+    fn clone(&self) -> Self {
+        Exec {
+            inner: self.inner.clone(),
+        }
+    }
+}
+
+impl<D: BlockDevice> Default for Exec<D> {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl<D: BlockDevice> Exec<D> {
+    /// An executor with no devices.
+    pub fn new() -> Self {
+        Exec {
+            inner: Rc::new(Inner {
+                devs: RefCell::new(Vec::new()),
+                waiters: RefCell::new(Slab::with_capacity(256)),
+                requests: RefCell::new(Slab::with_capacity(256)),
+                retry: RefCell::new(VecDeque::new()),
+                tasks: RefCell::new(Slab::with_capacity(64)),
+                ready: RefCell::new(VecDeque::with_capacity(64)),
+                current: Cell::new(None),
+                done: RefCell::new(VecDeque::with_capacity(256)),
+                reaped: RefCell::new(Vec::with_capacity(256)),
+                stats: Cell::new(ExecStats::default()),
+            }),
+        }
+    }
+
+    /// Registers a device; its completions are reaped by [`Exec::poll`].
+    pub fn add_device(&self, dev: D) -> DevId {
+        let mut devs = self.inner.devs.borrow_mut();
+        devs.push(dev);
+        DevId(devs.len() - 1)
+    }
+
+    /// Runs `f` on a registered device (e.g. to read its size or allocate a buffer).
+    pub fn with_device<R>(&self, dev: DevId, f: impl FnOnce(&mut D) -> R) -> R {
+        f(&mut self.inner.devs.borrow_mut()[dev.0])
+    }
+
+    /// Size of a registered device.
+    pub fn device_size(&self, dev: DevId) -> u64 {
+        self.with_device(dev, |d| d.size())
+    }
+
+    /// Allocates a zeroed DMA-able buffer from a device.
+    pub fn alloc_buf(&self, dev: DevId, len: usize) -> D::Buf {
+        self.with_device(dev, |d| d.alloc_buf(len))
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> ExecStats {
+        self.inner.stats.get()
+    }
+
+    fn bump(&self, f: impl FnOnce(&mut ExecStats)) {
+        let mut s = self.inner.stats.get();
+        f(&mut s);
+        self.inner.stats.set(s);
+    }
+
+    /// Submits now, or queues for retry when the device is busy (order is preserved).
+    fn submit_raw(&self, dev: DevId, op: DeviceOp<D::Buf>, tag: u64) {
+        self.bump(|s| s.device_ops += 1);
+        let mut retry = self.inner.retry.borrow_mut();
+        if !retry.is_empty() {
+            retry.push_back((dev, op, tag));
+            return;
+        }
+        if let Err(Busy(op, tag)) = self.inner.devs.borrow_mut()[dev.0].submit(op, tag) {
+            self.bump(|s| s.busy_retries += 1);
+            retry.push_back((dev, op, tag));
+        }
+    }
+
+    /// Spawns a slow-path task; it first runs at the next [`Exec::poll`].
+    pub fn spawn(&self, fut: impl Future<Output = ()> + 'static) {
+        self.bump(|s| s.tasks_spawned += 1);
+        let id = self.inner.tasks.borrow_mut().insert(Some(Box::pin(fut)));
+        self.inner.ready.borrow_mut().push_back(id);
+    }
+
+    /// A future that performs one device operation and yields its result.
+    pub fn io(&self, dev: DevId, op: DeviceOp<D::Buf>) -> IoFuture<D> {
+        IoFuture {
+            exec: self.clone(),
+            state: IoState::Init(dev, op),
+        }
+    }
+
+    /// Reads `buf.len` bytes at `offset` of `dev` into `buf`.
+    pub fn read(&self, dev: DevId, offset: u64, buf: BufSlice<D::Buf>) -> IoFuture<D> {
+        self.io(dev, DeviceOp::Read { offset, buf })
+    }
+
+    /// Starts a fast-path guest request: returns its id for [`Exec::request_read`] calls,
+    /// then [`Exec::request_arm`] once every device operation is submitted.
+    pub fn request_begin(&self, tag: u64) -> usize {
+        self.inner.requests.borrow_mut().insert(Request {
+            tag,
+            // One extra reference held until `request_arm`, so early completions cannot
+            // finish the request while it is still being built.
+            remaining: 1,
+            error: None,
+        })
+    }
+
+    /// Adds one device operation to a fast-path request.
+    pub fn request_op(&self, req: usize, dev: DevId, op: DeviceOp<D::Buf>) {
+        if let Some(r) = self.inner.requests.borrow_mut().get_mut(req) {
+            r.remaining += 1;
+        }
+        let w = self.inner.waiters.borrow_mut().insert(Waiter::Request(req));
+        self.submit_raw(dev, op, w as u64);
+    }
+
+    /// Drops the builder's reference; the request completes when its last op does.
+    pub fn request_arm(&self, req: usize) {
+        self.request_put(req, Ok(()));
+    }
+
+    fn request_put(&self, req: usize, res: Result<(), DeviceError>) {
+        let mut reqs = self.inner.requests.borrow_mut();
+        let Some(r) = reqs.get_mut(req) else { return };
+        if let Err(e) = res {
+            r.error.get_or_insert(Error::Io(e.0));
+        }
+        r.remaining -= 1;
+        if r.remaining == 0 {
+            let r = reqs.remove(req);
+            self.inner
+                .done
+                .borrow_mut()
+                .push_back((r.tag, r.error.map_or(Ok(()), Err)));
+        }
+    }
+
+    /// Completes a guest request (from a task): reported by the next [`Exec::poll`].
+    pub fn complete(&self, tag: u64, result: Result<()>) {
+        self.inner.done.borrow_mut().push_back((tag, result));
+    }
+
+    /// Polls devices, runs woken tasks, and reports completed guest requests to `done`.
+    /// Returns the number of events processed (0 when idle). Never blocks.
+    pub fn poll(&self, done: &mut dyn FnMut(u64, Result<()>)) -> usize {
+        let mut events = 0;
+        // Retry submissions the devices refused earlier, in order.
+        loop {
+            let Some((dev, op, tag)) = self.inner.retry.borrow_mut().pop_front() else {
+                break;
+            };
+            if let Err(Busy(op, tag)) = self.inner.devs.borrow_mut()[dev.0].submit(op, tag) {
+                self.inner.retry.borrow_mut().push_front((dev, op, tag));
+                break;
+            }
+        }
+        // Reap device completions.
+        let ndev = self.inner.devs.borrow().len();
+        let mut reaped = std::mem::take(&mut *self.inner.reaped.borrow_mut());
+        for i in 0..ndev {
+            let mut devs = self.inner.devs.borrow_mut();
+            events += devs[i].poll(&mut |tag, res| reaped.push((tag, res)));
+        }
+        for (tag, res) in reaped.drain(..) {
+            let w = {
+                let mut waiters = self.inner.waiters.borrow_mut();
+                match waiters.get_mut(tag as usize) {
+                    Some(Waiter::Task { task, result }) => {
+                        *result = Some(res);
+                        self.inner.ready.borrow_mut().push_back(*task);
+                        None
+                    }
+                    Some(Waiter::Request(_)) => match waiters.remove(tag as usize) {
+                        Waiter::Request(r) => Some(r),
+                        Waiter::Task { .. } => None,
+                    },
+                    None => None,
+                }
+            };
+            if let Some(req) = w {
+                self.request_put(req, res);
+            }
+        }
+        *self.inner.reaped.borrow_mut() = reaped;
+        // Run ready tasks.
+        let mut cx = Context::from_waker(Waker::noop());
+        loop {
+            let Some(id) = self.inner.ready.borrow_mut().pop_front() else {
+                break;
+            };
+            let fut = self
+                .inner
+                .tasks
+                .borrow_mut()
+                .get_mut(id)
+                .and_then(Option::take);
+            let Some(mut fut) = fut else { continue };
+            events += 1;
+            self.inner.current.set(Some(id));
+            let r = fut.as_mut().poll(&mut cx);
+            self.inner.current.set(None);
+            let mut tasks = self.inner.tasks.borrow_mut();
+            match r {
+                Poll::Ready(()) => {
+                    tasks.remove(id);
+                }
+                Poll::Pending => tasks[id] = Some(fut),
+            }
+        }
+        // Report finished guest requests.
+        loop {
+            let Some((tag, res)) = self.inner.done.borrow_mut().pop_front() else {
+                break;
+            };
+            events += 1;
+            done(tag, res);
+        }
+        events
+    }
+
+    /// Whether any task, device operation or unreported completion is outstanding.
+    pub fn busy(&self) -> bool {
+        !self.inner.tasks.borrow().is_empty()
+            || !self.inner.waiters.borrow().is_empty()
+            || !self.inner.done.borrow().is_empty()
+    }
+
+    /// Runs `fut` to completion by polling (the host's "synchronous" entry point for open,
+    /// info and the like). Busy-polls: never sleeps in the kernel. Guest requests that
+    /// complete meanwhile are dropped, so do not mix it with [`Exec::poll`] users.
+    pub fn block_on<T: 'static>(&self, fut: impl Future<Output = T> + 'static) -> T {
+        let slot: Rc<RefCell<Option<T>>> = Rc::new(RefCell::new(None));
+        let s2 = slot.clone();
+        self.spawn(async move {
+            let v = fut.await;
+            *s2.borrow_mut() = Some(v);
+        });
+        loop {
+            self.poll(&mut |_, _| {});
+            if let Some(v) = slot.borrow_mut().take() {
+                return v;
+            }
+        }
+    }
+}
+
+enum IoState<D: BlockDevice> {
+    Init(DevId, DeviceOp<D::Buf>),
+    Waiting(usize),
+    Done,
+}
+
+/// Future of one device operation (see [`Exec::io`]).
+pub struct IoFuture<D: BlockDevice> {
+    exec: Exec<D>,
+    state: IoState<D>,
+}
+
+impl<D: BlockDevice> Unpin for IoFuture<D> {}
+
+impl<D: BlockDevice> Future for IoFuture<D> {
+    type Output = Result<()>;
+    fn poll(mut self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<Result<()>> {
+        let this = &mut *self;
+        match std::mem::replace(&mut this.state, IoState::Done) {
+            IoState::Init(dev, op) => {
+                let Some(task) = this.exec.inner.current.get() else {
+                    return Poll::Ready(Err(Error::InvalidRequest(
+                        "device future polled outside a task",
+                    )));
+                };
+                let w = this
+                    .exec
+                    .inner
+                    .waiters
+                    .borrow_mut()
+                    .insert(Waiter::Task { task, result: None });
+                this.exec.submit_raw(dev, op, w as u64);
+                this.state = IoState::Waiting(w);
+                Poll::Pending
+            }
+            IoState::Waiting(w) => {
+                let mut waiters = this.exec.inner.waiters.borrow_mut();
+                let ready = matches!(
+                    waiters.get(w),
+                    Some(Waiter::Task {
+                        result: Some(_),
+                        ..
+                    })
+                );
+                if !ready {
+                    drop(waiters);
+                    this.state = IoState::Waiting(w);
+                    return Poll::Pending;
+                }
+                match waiters.remove(w) {
+                    Waiter::Task {
+                        result: Some(r), ..
+                    } => Poll::Ready(r.map_err(|e| Error::Io(e.0))),
+                    _ => Poll::Ready(Err(Error::Io(5))),
+                }
+            }
+            IoState::Done => Poll::Ready(Err(Error::InvalidRequest(
+                "device future polled after completion",
+            ))),
+        }
+    }
+}
+
+/// Awaits every future of `futs` concurrently; returns the first error, after all finished.
+pub async fn join_all<F: Future<Output = Result<()>>>(futs: Vec<F>) -> Result<()> {
+    let mut futs: Vec<Option<Pin<Box<F>>>> = futs.into_iter().map(|f| Some(Box::pin(f))).collect();
+    let mut first_err = None;
+    std::future::poll_fn(move |cx| {
+        let mut pending = false;
+        for slot in futs.iter_mut() {
+            if let Some(f) = slot {
+                match f.as_mut().poll(cx) {
+                    Poll::Ready(r) => {
+                        if let Err(e) = r {
+                            first_err.get_or_insert(e);
+                        }
+                        *slot = None;
+                    }
+                    Poll::Pending => pending = true,
+                }
+            }
+        }
+        if pending {
+            Poll::Pending
+        } else {
+            Poll::Ready(first_err.take().map_or(Ok(()), Err))
+        }
+    })
+    .await
+}

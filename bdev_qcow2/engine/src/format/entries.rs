@@ -1,0 +1,390 @@
+//! L1 and L2 table entries, the extended-L2 subcluster bitmap and compressed-cluster
+//! descriptors. Raw words live behind accessors; callers match on [`ClusterMapping`].
+
+use crate::error::{corrupt, Field, Result};
+use crate::types::{HostOffset, SUBCLUSTERS};
+
+/// Bits 9..=55: the cluster-aligned host offset of an L1/L2 entry.
+const OFFSET_MASK: u64 = 0x00ff_ffff_ffff_fe00;
+/// COPIED: refcount is exactly one (bit 63).
+pub const COPIED: u64 = 1 << 63;
+/// Compressed cluster (bit 62, L2 only).
+pub const COMPRESSED: u64 = 1 << 62;
+/// Reads as zero (bit 0, standard L2 entries of v3 images).
+pub const ZERO: u64 = 1;
+/// Reserved bits of an L1 entry: 0..=8 and 56..=62.
+const L1_RESERVED: u64 = 0x7f00_0000_0000_01ff;
+/// Reserved bits of a standard (uncompressed) L2 entry: 1..=8 and 56..=61.
+const L2_RESERVED: u64 = 0x3f00_0000_0000_01fe;
+
+/// One L1 entry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct L1Entry(pub u64);
+
+impl L1Entry {
+    /// Host offset of the L2 table, or `None` when unallocated.
+    ///
+    /// Errors (corruption) when reserved bits are set, the offset is not cluster aligned,
+    /// or the table would lie past `device_size`.
+    pub fn l2_table(&self, cluster_size: u64, device_size: u64) -> Result<Option<HostOffset>> {
+        let v = self.0;
+        if v & L1_RESERVED != 0 {
+            return Err(corrupt(Field::L1Entry, v, "reserved bits set"));
+        }
+        let off = v & OFFSET_MASK;
+        if off == 0 {
+            if v & COPIED != 0 {
+                return Err(corrupt(Field::L1Entry, v, "offset 0 with COPIED set"));
+            }
+            return Ok(None);
+        }
+        if off % cluster_size != 0 {
+            return Err(corrupt(
+                Field::L1Entry,
+                v,
+                "L2 table offset not aligned to a cluster",
+            ));
+        }
+        if off
+            .checked_add(cluster_size)
+            .is_none_or(|e| e > device_size)
+        {
+            return Err(corrupt(
+                Field::L1Entry,
+                v,
+                "L2 table past the end of the device",
+            ));
+        }
+        Ok(Some(HostOffset(off)))
+    }
+    /// Whether COPIED is set.
+    pub fn is_copied(&self) -> bool {
+        self.0 & COPIED != 0
+    }
+    /// An entry pointing at `l2` with COPIED set.
+    pub fn new(l2: HostOffset, copied: bool) -> L1Entry {
+        L1Entry(l2.0 | if copied { COPIED } else { 0 })
+    }
+}
+
+/// One L2 entry (the first 64 bits of an extended entry).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct L2Entry(pub u64);
+
+/// The 64-bit subcluster bitmap of an extended L2 entry: bits 0..32 allocated,
+/// bits 32..64 reads-as-zero.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct SubclusterBitmap(pub u64);
+
+impl SubclusterBitmap {
+    /// Allocation bit of subcluster `i`.
+    pub fn allocated(&self, i: u64) -> bool {
+        (self.0 >> i) & 1 != 0
+    }
+    /// Reads-as-zero bit of subcluster `i`.
+    pub fn zero(&self, i: u64) -> bool {
+        (self.0 >> (32 + i)) & 1 != 0
+    }
+    /// Bitmap with the given allocation and zero masks.
+    pub fn new(alloc: u32, zero: u32) -> SubclusterBitmap {
+        SubclusterBitmap(u64::from(alloc) | (u64::from(zero) << 32))
+    }
+}
+
+/// A compressed cluster's location.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CompressedDescriptor {
+    /// First byte of the compressed stream.
+    pub offset: HostOffset,
+    /// Bytes from `offset` to the end of the last 512-byte sector used.
+    pub len: u64,
+}
+
+/// What an L2 entry says about one cluster (or, with extended L2, one subcluster).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ClusterMapping {
+    /// Not allocated here: read from the backing image, or zeros without one.
+    Unallocated,
+    /// Reads as zeros (zero flag, or subcluster zero bit).
+    Zero,
+    /// Data at `host` (the host offset of the start of the cluster / subcluster).
+    Data {
+        /// Host offset of the (sub)cluster's first byte.
+        host: HostOffset,
+        /// Whether COPIED is set (refcount 1: writable in place).
+        copied: bool,
+    },
+    /// A compressed cluster.
+    Compressed(CompressedDescriptor),
+}
+
+/// Image properties needed to interpret L2 entries.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct L2Context {
+    /// log2 of the cluster size.
+    pub cluster_bits: u32,
+    /// Version 3 (zero flag allowed).
+    pub v3: bool,
+    /// Extended L2 entries.
+    pub extended_l2: bool,
+    /// Size of the device holding the image.
+    pub device_size: u64,
+}
+
+impl L2Entry {
+    /// Whether this is a compressed descriptor.
+    pub fn is_compressed(&self) -> bool {
+        self.0 & COMPRESSED != 0
+    }
+    /// Whether COPIED is set.
+    pub fn is_copied(&self) -> bool {
+        self.0 & COPIED != 0
+    }
+    /// Decodes a compressed descriptor (bit 62 must be set).
+    pub fn compressed(&self, cluster_bits: u32, device_size: u64) -> Result<CompressedDescriptor> {
+        let v = self.0;
+        // x = 62 - (cluster_bits - 8): bits 0..x are the offset, x..62 the extra sectors.
+        let x = 62 - (cluster_bits - 8);
+        let offset = v & ((1u64 << x) - 1);
+        let sectors = ((v & !(COPIED | COMPRESSED)) >> x) + 1;
+        if v & COPIED != 0 {
+            return Err(corrupt(
+                Field::CompressedDescriptor,
+                v,
+                "COPIED set on a compressed cluster",
+            ));
+        }
+        if offset == 0 {
+            return Err(corrupt(
+                Field::CompressedDescriptor,
+                v,
+                "compressed data at offset 0",
+            ));
+        }
+        let len = sectors * 512 - (offset & 511);
+        if offset
+            .checked_add(len)
+            .is_none_or(|e| e > device_size.div_ceil(512) * 512)
+        {
+            return Err(corrupt(
+                Field::CompressedDescriptor,
+                v,
+                "compressed data extends past the end of the device",
+            ));
+        }
+        Ok(CompressedDescriptor {
+            offset: HostOffset(offset),
+            len,
+        })
+    }
+
+    /// Interprets a standard L2 entry for the whole cluster (no extended L2).
+    pub fn mapping(&self, ctx: &L2Context) -> Result<ClusterMapping> {
+        let v = self.0;
+        if self.is_compressed() {
+            return Ok(ClusterMapping::Compressed(
+                self.compressed(ctx.cluster_bits, ctx.device_size)?,
+            ));
+        }
+        if v & L2_RESERVED != 0 {
+            return Err(corrupt(Field::L2Entry, v, "reserved bits set"));
+        }
+        let zero = v & ZERO != 0;
+        if zero && !ctx.v3 {
+            return Err(corrupt(Field::L2Entry, v, "zero flag in a version 2 image"));
+        }
+        let off = v & OFFSET_MASK;
+        let cs = 1u64 << ctx.cluster_bits;
+        if off == 0 {
+            if v & COPIED != 0 {
+                return Err(corrupt(Field::L2Entry, v, "offset 0 with COPIED set"));
+            }
+            return Ok(if zero {
+                ClusterMapping::Zero
+            } else {
+                ClusterMapping::Unallocated
+            });
+        }
+        check_data_cluster(v, off, cs, ctx.device_size)?;
+        if zero {
+            // Preallocated zero cluster: reads as zeros.
+            return Ok(ClusterMapping::Zero);
+        }
+        Ok(ClusterMapping::Data {
+            host: HostOffset(off),
+            copied: v & COPIED != 0,
+        })
+    }
+
+    /// Interprets an extended L2 entry for subcluster `sc` (0..32).
+    pub fn subcluster_mapping(
+        &self,
+        bitmap: SubclusterBitmap,
+        sc: u64,
+        ctx: &L2Context,
+    ) -> Result<ClusterMapping> {
+        let v = self.0;
+        if self.is_compressed() {
+            // Compressed clusters cannot be combined with extended L2.
+            return Err(corrupt(
+                Field::L2Entry,
+                v,
+                "compressed cluster in an image with extended L2",
+            ));
+        }
+        // With extended L2 the zero flag (bit 0) is reserved too.
+        if v & (L2_RESERVED | ZERO) != 0 {
+            return Err(corrupt(Field::L2Entry, v, "reserved bits set"));
+        }
+        let alloc_mask = bitmap.0 as u32;
+        let zero_mask = (bitmap.0 >> 32) as u32;
+        if alloc_mask & zero_mask != 0 {
+            return Err(corrupt(
+                Field::SubclusterBitmap,
+                bitmap.0,
+                "subcluster both allocated and zero",
+            ));
+        }
+        let off = v & OFFSET_MASK;
+        let cs = 1u64 << ctx.cluster_bits;
+        if off == 0 {
+            if v & COPIED != 0 {
+                return Err(corrupt(Field::L2Entry, v, "offset 0 with COPIED set"));
+            }
+            if alloc_mask != 0 {
+                return Err(corrupt(
+                    Field::SubclusterBitmap,
+                    bitmap.0,
+                    "allocated subclusters in an unallocated cluster",
+                ));
+            }
+        } else {
+            check_data_cluster(v, off, cs, ctx.device_size)?;
+        }
+        Ok(if bitmap.zero(sc) {
+            ClusterMapping::Zero
+        } else if bitmap.allocated(sc) {
+            ClusterMapping::Data {
+                host: HostOffset(off + sc * (cs / SUBCLUSTERS)),
+                copied: v & COPIED != 0,
+            }
+        } else {
+            ClusterMapping::Unallocated
+        })
+    }
+}
+
+fn check_data_cluster(v: u64, off: u64, cs: u64, device_size: u64) -> Result<()> {
+    if off % cs != 0 {
+        return Err(corrupt(
+            Field::L2Entry,
+            v,
+            "data cluster offset not aligned to a cluster",
+        ));
+    }
+    if off.checked_add(cs).is_none_or(|e| e > device_size) {
+        // QEMU pads the last data cluster only to the written length; tolerate a last cluster
+        // that starts inside the device (reads past EOF return zeros like QEMU's file driver).
+        if off >= device_size {
+            return Err(corrupt(
+                Field::L2Entry,
+                v,
+                "data cluster past the end of the device",
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Builds a compressed descriptor for `offset` spanning `len` bytes (`len` at most one
+/// cluster, so the sector count fits its field).
+pub fn compressed_entry(cluster_bits: u32, offset: u64, len: u64) -> L2Entry {
+    let x = 62 - (cluster_bits - 8);
+    let end = offset + len;
+    let sectors = end.div_ceil(512) - offset / 512;
+    debug_assert!(sectors - 1 < 1 << (cluster_bits - 8));
+    L2Entry(COMPRESSED | ((sectors - 1) << x) | offset)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ctx() -> L2Context {
+        L2Context {
+            cluster_bits: 16,
+            v3: true,
+            extended_l2: false,
+            device_size: 1 << 30,
+        }
+    }
+
+    #[test]
+    fn standard_entries() {
+        let c = ctx();
+        assert_eq!(L2Entry(0).mapping(&c), Ok(ClusterMapping::Unallocated));
+        assert_eq!(L2Entry(1).mapping(&c), Ok(ClusterMapping::Zero));
+        assert_eq!(
+            L2Entry(COPIED | 0x50000).mapping(&c),
+            Ok(ClusterMapping::Data {
+                host: HostOffset(0x50000),
+                copied: true
+            })
+        );
+        assert!(matches!(
+            L2Entry(0x50200).mapping(&c),
+            Err(crate::Error::Corrupt {
+                field: Field::L2Entry,
+                ..
+            })
+        ));
+        assert!(L2Entry(COPIED).mapping(&c).is_err());
+        assert!(L2Entry(1 << 57 | 0x50000).mapping(&c).is_err());
+        let v2 = L2Context { v3: false, ..c };
+        assert!(L2Entry(1).mapping(&v2).is_err());
+        assert!(L2Entry(1 << 40).mapping(&c).is_err());
+    }
+
+    #[test]
+    fn compressed_roundtrip() {
+        for bits in 9..=21u32 {
+            let len = 3000.min(1 << bits);
+            let e = compressed_entry(bits, 0x12345, len);
+            let d = e.compressed(bits, 1 << 30).unwrap();
+            assert_eq!(d.offset, HostOffset(0x12345));
+            assert!(d.len >= len && d.len < len + 512);
+        }
+    }
+
+    #[test]
+    fn extended_entries() {
+        let c = L2Context {
+            extended_l2: true,
+            ..ctx()
+        };
+        let e = L2Entry(COPIED | 0x40000);
+        let bm = SubclusterBitmap::new(0b101, 0b010);
+        assert_eq!(
+            e.subcluster_mapping(bm, 2, &c),
+            Ok(ClusterMapping::Data {
+                host: HostOffset(0x40000 + 2 * 2048),
+                copied: true
+            })
+        );
+        assert_eq!(e.subcluster_mapping(bm, 1, &c), Ok(ClusterMapping::Zero));
+        assert_eq!(
+            e.subcluster_mapping(bm, 3, &c),
+            Ok(ClusterMapping::Unallocated)
+        );
+        assert!(e
+            .subcluster_mapping(SubclusterBitmap::new(1, 1), 0, &c)
+            .is_err());
+        assert!(L2Entry(0)
+            .subcluster_mapping(SubclusterBitmap::new(1, 0), 0, &c)
+            .is_err());
+        assert_eq!(
+            L2Entry(0).subcluster_mapping(SubclusterBitmap::new(0, 1), 0, &c),
+            Ok(ClusterMapping::Zero)
+        );
+    }
+}

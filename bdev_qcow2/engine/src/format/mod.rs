@@ -1,0 +1,16 @@
+//! On-disk structures: decode, encode, validate. Bytes in, typed values out; no I/O.
+
+pub mod be;
+pub mod entries;
+pub mod header;
+pub mod refcount;
+pub mod snapshot;
+
+pub use entries::{
+    ClusterMapping, CompressedDescriptor, L1Entry, L2Context, L2Entry, SubclusterBitmap,
+};
+pub use header::{CompressionType, Extensions, Header, ImageHeader};
+pub use snapshot::Snapshot;
+
+#[cfg(test)]
+mod tests;

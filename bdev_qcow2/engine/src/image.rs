@@ -1,0 +1,392 @@
+//! An open qcow2 image: validated header, L1 table, refcount table, snapshot table and the
+//! per-core caches of L2 slices and refcount blocks.
+
+use crate::cache::{CacheConfig, CacheStats, SetAssocCache};
+use crate::error::{corrupt, invalid, Error, Field, Result};
+use crate::exec::{DevId, Exec};
+use crate::format::header::{peek_cluster_bits, PEEK_LEN};
+use crate::format::refcount::{entries_per_block, get_refcount, refcount_block_offset};
+use crate::format::snapshot::{decode_snapshots, SnapshotDecode};
+use crate::format::{
+    ClusterMapping, ImageHeader, L1Entry, L2Context, L2Entry, Snapshot, SubclusterBitmap,
+};
+use crate::io::{BlockDevice, BufSlice, IoBuffer, SECTOR};
+use crate::limits::MAX_CACHE_BYTES;
+use crate::types::{Geometry, GuestOffset, SUBCLUSTERS};
+use std::cell::RefCell;
+
+/// Options for opening an image.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct OpenOptions {
+    /// Bytes of L2 slice cache per core (like QEMU's `l2-cache-size`). `None`: enough to
+    /// cover the whole image, capped at 32 MiB.
+    pub l2_cache_bytes: Option<u64>,
+    /// L2 slice size in bytes (power of two, 512 ..= cluster size; clamped to the cluster).
+    pub l2_slice_bytes: u64,
+    /// Ways per set of the slice cache.
+    pub cache_ways: usize,
+    /// Bytes of refcount block cache.
+    pub refcount_cache_bytes: u64,
+}
+
+impl Default for OpenOptions {
+    fn default() -> Self {
+        OpenOptions {
+            l2_cache_bytes: None,
+            l2_slice_bytes: 4096,
+            cache_ways: 8,
+            refcount_cache_bytes: 256 * 1024,
+        }
+    }
+}
+
+/// Default cap on the L2 cache when the operator gives no size (QEMU's default maximum).
+pub const DEFAULT_L2_CACHE_MAX: u64 = 32 << 20;
+
+/// An open qcow2 image on one device.
+pub struct Qcow2<D: BlockDevice> {
+    exec: Exec<D>,
+    dev: DevId,
+    device_size: u64,
+    header: ImageHeader,
+    geo: Geometry,
+    ctx: L2Context,
+    l1: Vec<L1Entry>,
+    refcount_table: Vec<u64>,
+    snapshots: Vec<Snapshot>,
+    l2_cache: RefCell<SetAssocCache<u64>>,
+    rc_cache: RefCell<SetAssocCache<u8>>,
+}
+
+/// Reads `len` bytes at `off` (any alignment) through a sector-aligned bounce buffer.
+pub async fn read_bytes<D: BlockDevice>(
+    exec: &Exec<D>,
+    dev: DevId,
+    off: u64,
+    len: u64,
+) -> Result<Vec<u8>> {
+    let start = off / SECTOR * SECTOR;
+    let end = off
+        .checked_add(len)
+        .ok_or(Error::InvalidRequest("read range overflows"))?
+        .div_ceil(SECTOR)
+        * SECTOR;
+    let n = (end - start) as usize;
+    let buf = exec.alloc_buf(dev, n);
+    exec.read(dev, start, BufSlice::whole(buf.clone())).await?;
+    let mut out = vec![0u8; len as usize];
+    buf.copy_out((off - start) as usize, &mut out);
+    Ok(out)
+}
+
+fn be_words(bytes: &[u8]) -> impl Iterator<Item = u64> + '_ {
+    bytes.chunks_exact(8).map(|c| {
+        let mut a = [0u8; 8];
+        a.copy_from_slice(c);
+        u64::from_be_bytes(a)
+    })
+}
+
+impl<D: BlockDevice> Qcow2<D> {
+    /// Opens and validates the image on `dev`. Reads cluster 0, the L1 table, the refcount
+    /// table and the snapshot table; returns the first invalid field found.
+    pub async fn open(exec: &Exec<D>, dev: DevId, opts: OpenOptions) -> Result<Self> {
+        let device_size = exec.device_size(dev);
+        if device_size < PEEK_LEN as u64 {
+            return Err(invalid(
+                Field::HeaderLength,
+                device_size,
+                "device smaller than a header",
+            ));
+        }
+        let peek = read_bytes(exec, dev, 0, PEEK_LEN as u64).await?;
+        let cluster_bits = peek_cluster_bits(&peek)?;
+        let c0_len = (1u64 << cluster_bits).min(device_size);
+        let c0 = read_bytes(exec, dev, 0, c0_len).await?;
+        let header = ImageHeader::decode(&c0, device_size)?;
+        let h = &header.header;
+        let geo = header.geometry(opts.l2_slice_bytes.max(512).ilog2());
+        let ctx = L2Context {
+            cluster_bits,
+            v3: h.version == 3,
+            extended_l2: header.extended_l2(),
+            device_size,
+        };
+        let l1_bytes = read_bytes(exec, dev, h.l1_table_offset, u64::from(h.l1_size) * 8).await?;
+        let l1: Vec<L1Entry> = be_words(&l1_bytes).map(L1Entry).collect();
+        let rt_bytes = read_bytes(
+            exec,
+            dev,
+            h.refcount_table_offset,
+            u64::from(h.refcount_table_clusters) << cluster_bits,
+        )
+        .await?;
+        let refcount_table: Vec<u64> = be_words(&rt_bytes).collect();
+        let snapshots = Self::read_snapshots(exec, dev, &header, device_size).await?;
+
+        // Cache sizing: by default, enough slices for the whole image, capped.
+        let total_slices = (l1.len() as u64).max(1) * geo.slices_per_l2();
+        let slice_bytes = 1u64 << geo.slice_bits;
+        let want = opts
+            .l2_cache_bytes
+            .unwrap_or_else(|| (total_slices * slice_bytes).min(DEFAULT_L2_CACHE_MAX));
+        if want > MAX_CACHE_BYTES {
+            return Err(Error::InvalidRequest("l2 cache size above 4 GiB"));
+        }
+        let l2_cache = SetAssocCache::new(
+            CacheConfig {
+                size_bytes: want.max(slice_bytes),
+                ways: opts.cache_ways,
+            },
+            (slice_bytes / 8) as usize,
+            total_slices,
+        );
+        let rc_cache = SetAssocCache::new(
+            CacheConfig {
+                size_bytes: opts.refcount_cache_bytes.max(1 << cluster_bits),
+                ways: 4,
+            },
+            1usize << cluster_bits,
+            refcount_table.len() as u64,
+        );
+        Ok(Qcow2 {
+            exec: exec.clone(),
+            dev,
+            device_size,
+            header,
+            geo,
+            ctx,
+            l1,
+            refcount_table,
+            snapshots,
+            l2_cache: RefCell::new(l2_cache),
+            rc_cache: RefCell::new(rc_cache),
+        })
+    }
+
+    async fn read_snapshots(
+        exec: &Exec<D>,
+        dev: DevId,
+        header: &ImageHeader,
+        device_size: u64,
+    ) -> Result<Vec<Snapshot>> {
+        let h = &header.header;
+        if h.nb_snapshots == 0 {
+            return Ok(Vec::new());
+        }
+        let cs = header.cluster_size();
+        let mut want = (u64::from(h.nb_snapshots) * 64).max(4096);
+        loop {
+            let avail = device_size.saturating_sub(h.snapshots_offset);
+            let len = want.min(avail);
+            let buf = read_bytes(exec, dev, h.snapshots_offset, len).await?;
+            match decode_snapshots(&buf, h.nb_snapshots, cs, device_size)? {
+                SnapshotDecode::Done(s) => return Ok(s),
+                SnapshotDecode::NeedBytes(n) => {
+                    if n > avail {
+                        return Err(invalid(
+                            Field::SnapshotTable,
+                            n,
+                            "snapshot table extends past the end of the device",
+                        ));
+                    }
+                    want = n.max(want * 2);
+                }
+            }
+        }
+    }
+
+    /// The decoded header.
+    pub fn header(&self) -> &ImageHeader {
+        &self.header
+    }
+    /// Cluster/L2 geometry.
+    pub fn geometry(&self) -> Geometry {
+        self.geo
+    }
+    /// Virtual disk size.
+    pub fn size(&self) -> u64 {
+        self.header.header.size
+    }
+    /// The device this image lives on.
+    pub fn dev(&self) -> DevId {
+        self.dev
+    }
+    /// Size of that device.
+    pub fn device_size(&self) -> u64 {
+        self.device_size
+    }
+    /// Internal snapshots.
+    pub fn snapshots(&self) -> &[Snapshot] {
+        &self.snapshots
+    }
+    /// The executor the image does I/O on.
+    pub fn exec(&self) -> &Exec<D> {
+        &self.exec
+    }
+    /// L2 slice cache counters.
+    pub fn l2_cache_stats(&self) -> CacheStats {
+        self.l2_cache.borrow().stats()
+    }
+    /// Refcount block cache counters.
+    pub fn refcount_cache_stats(&self) -> CacheStats {
+        self.rc_cache.borrow().stats()
+    }
+    /// Sets and ways of the L2 slice cache.
+    pub fn l2_cache_shape(&self) -> (usize, usize) {
+        let c = self.l2_cache.borrow();
+        (c.sets(), c.ways())
+    }
+
+    /// The host offset of the L2 table covering `off`, or `None` if unallocated.
+    fn l2_table(&self, off: GuestOffset) -> Result<Option<crate::types::HostOffset>> {
+        let idx = self.geo.l1_index(off) as usize;
+        let e = self
+            .l1
+            .get(idx)
+            .ok_or_else(|| corrupt(Field::L1Entry, idx as u64, "L1 index beyond the L1 table"))?;
+        e.l2_table(self.geo.cluster_size(), self.device_size)
+    }
+
+    /// Interprets the (sub)cluster at `off` from its slice `block`; returns the mapping and
+    /// the guest offset where that (sub)cluster ends.
+    fn resolve(&self, block: &[u64], off: GuestOffset) -> Result<(ClusterMapping, u64)> {
+        let i = self.geo.index_in_slice(off) as usize;
+        let cs = self.geo.cluster_size();
+        let cluster_start = off.0 & !(cs - 1);
+        if self.geo.extended_l2 {
+            let sc_size = cs / SUBCLUSTERS;
+            let sc = self.geo.offset_in_cluster(off.0) / sc_size;
+            let m = L2Entry(block[2 * i]).subcluster_mapping(
+                SubclusterBitmap(block[2 * i + 1]),
+                sc,
+                &self.ctx,
+            )?;
+            Ok((m, cluster_start + (sc + 1) * sc_size))
+        } else {
+            Ok((L2Entry(block[i]).mapping(&self.ctx)?, cluster_start + cs))
+        }
+    }
+
+    /// Mapping of the (sub)cluster at `off` if its slice is cached (fast path; touches the
+    /// LRU and counts a hit). `Ok(None)` on a cache miss. Returns the mapping and its end.
+    pub fn resolve_cached(&self, off: GuestOffset) -> Result<Option<(ClusterMapping, u64)>> {
+        let Some(_) = self.l2_table(off)? else {
+            return Ok(Some((ClusterMapping::Unallocated, self.l1_entry_end(off))));
+        };
+        let key = self.geo.slice_id(off);
+        let mut cache = self.l2_cache.borrow_mut();
+        let Some(way) = cache.probe(key, 0) else {
+            return Ok(None);
+        };
+        cache.touch(way);
+        self.resolve(cache.block(way), off).map(Some)
+    }
+
+    fn l1_entry_end(&self, off: GuestOffset) -> u64 {
+        let cov = self.geo.l1_entry_coverage();
+        (off.0 / cov + 1).saturating_mul(cov)
+    }
+
+    /// Loads the slice covering `off` into the cache if needed. Returns `false` when the
+    /// L2 table is unallocated (nothing to load).
+    async fn load_slice(&self, off: GuestOffset) -> Result<bool> {
+        let Some(l2) = self.l2_table(off)? else {
+            return Ok(false);
+        };
+        let key = self.geo.slice_id(off);
+        if self.l2_cache.borrow_mut().lookup(key, 0).is_some() {
+            return Ok(true);
+        }
+        let host = self.geo.slice_host_offset(l2, off);
+        let slice_bytes = 1usize << self.geo.slice_bits;
+        let buf = self.exec.alloc_buf(self.dev, slice_bytes);
+        self.exec
+            .read(self.dev, host.0, BufSlice::whole(buf.clone()))
+            .await?;
+        let mut raw = vec![0u8; slice_bytes];
+        buf.copy_out(0, &mut raw);
+        self.l2_cache.borrow_mut().insert_with(key, 0, |block| {
+            for (dst, w) in block.iter_mut().zip(be_words(&raw)) {
+                *dst = w;
+            }
+        });
+        Ok(true)
+    }
+
+    /// Describes guest bytes starting at `off` (< `end`): the mapping of the first
+    /// (sub)cluster and how many bytes from `off` share it (same kind; for data, contiguous
+    /// host offsets), not crossing a slice boundary. Loads the slice on a miss.
+    pub async fn extent(&self, off: u64, end: u64) -> Result<(ClusterMapping, u64)> {
+        let go = GuestOffset(off);
+        if !self.load_slice(go).await? {
+            let e = self.l1_entry_end(go).min(end);
+            return Ok((ClusterMapping::Unallocated, e - off));
+        }
+        let slice_end = (off / self.geo.slice_coverage() + 1) * self.geo.slice_coverage();
+        let stop = end.min(slice_end);
+        let cache = self.l2_cache.borrow();
+        let key = self.geo.slice_id(go);
+        let way = cache
+            .probe(key, 0)
+            .ok_or_else(|| corrupt(Field::L2Entry, key, "slice evicted while in use"))?;
+        let block = cache.block(way);
+        let (first, mut pos) = self.resolve(block, go)?;
+        while pos < stop {
+            let (next, next_end) = self.resolve(block, GuestOffset(pos))?;
+            let continues = match (first, next) {
+                (ClusterMapping::Data { host: h0, .. }, ClusterMapping::Data { host: h1, .. }) => {
+                    h1.0 == h0.0 + (pos - off)
+                }
+                (ClusterMapping::Zero, ClusterMapping::Zero) => true,
+                (ClusterMapping::Unallocated, ClusterMapping::Unallocated) => true,
+                _ => false,
+            };
+            if !continues {
+                break;
+            }
+            pos = next_end;
+        }
+        Ok((first, pos.min(stop) - off))
+    }
+
+    /// Reads and decompresses one compressed cluster into a new cluster-sized vector.
+    pub async fn read_compressed_cluster(
+        &self,
+        d: crate::format::CompressedDescriptor,
+    ) -> Result<Vec<u8>> {
+        let input = read_bytes(&self.exec, self.dev, d.offset.0, d.len).await?;
+        let mut out = vec![0u8; self.geo.cluster_size() as usize];
+        crate::compress::decompress(self.header.header.compression_type, &input, &mut out)?;
+        Ok(out)
+    }
+
+    /// Refcount of the host cluster containing `host_off` (through the refcount block cache).
+    pub async fn refcount(&self, host_off: u64) -> Result<u64> {
+        let h = &self.header.header;
+        let cluster = host_off >> h.cluster_bits;
+        let per_block = entries_per_block(h.cluster_bits, h.refcount_order);
+        let rt_index = cluster / per_block;
+        let Some(&entry) = self.refcount_table.get(rt_index as usize) else {
+            return Ok(0);
+        };
+        let Some(block_off) =
+            refcount_block_offset(entry, self.geo.cluster_size(), self.device_size)?
+        else {
+            return Ok(0);
+        };
+        let idx = cluster % per_block;
+        let hit = self.rc_cache.borrow_mut().lookup(block_off.0, 0);
+        if let Some(w) = hit {
+            return Ok(get_refcount(
+                self.rc_cache.borrow().block(w),
+                h.refcount_order,
+                idx,
+            ));
+        }
+        let raw = read_bytes(&self.exec, self.dev, block_off.0, self.geo.cluster_size()).await?;
+        let mut cache = self.rc_cache.borrow_mut();
+        let w = cache.insert_with(block_off.0, 0, |b| b.copy_from_slice(&raw));
+        Ok(get_refcount(cache.block(w), h.refcount_order, idx))
+    }
+}

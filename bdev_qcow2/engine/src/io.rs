@@ -1,0 +1,161 @@
+//! The seams a host implements: a polled block device and the buffers it reads into.
+//!
+//! The shape fits an SPDK base-bdev channel (submit returns at once, `-ENOMEM` means busy,
+//! completions arrive when the thread polls), an io_uring file (SQ full means busy, CQEs
+//! are reaped by polling) and the in-memory test device alike. Nothing here blocks.
+
+use std::fmt;
+
+/// Alignment (offset, length and memory) the engine keeps for every device I/O.
+pub const SECTOR: u64 = 512;
+
+/// A buffer the device reads into or writes from. It is a cheap handle (cloning shares the
+/// same memory, like an iovec or a DMA buffer pointer); the host guarantees the memory stays
+/// valid while any clone exists. Methods panic only on out-of-range offsets, which the
+/// engine never passes.
+pub trait IoBuffer: Clone + 'static {
+    /// Length in bytes.
+    fn len(&self) -> usize;
+    /// Whether the buffer is empty.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// Copies `dst.len()` bytes starting at `off` out of the buffer.
+    fn copy_out(&self, off: usize, dst: &mut [u8]);
+    /// Copies `src` into the buffer at `off`.
+    fn copy_in(&self, off: usize, src: &[u8]);
+    /// Sets `len` bytes at `off` to `byte`.
+    fn fill(&self, off: usize, len: usize, byte: u8);
+}
+
+/// A byte range of an [`IoBuffer`].
+#[derive(Clone)]
+pub struct BufSlice<B> {
+    /// The buffer.
+    pub buf: B,
+    /// Start within the buffer.
+    pub off: usize,
+    /// Length.
+    pub len: usize,
+}
+
+impl<B: IoBuffer> BufSlice<B> {
+    /// The whole buffer.
+    pub fn whole(buf: B) -> Self {
+        let len = buf.len();
+        BufSlice { buf, off: 0, len }
+    }
+    /// A sub-range (`off` relative to this slice).
+    pub fn sub(&self, off: usize, len: usize) -> Self {
+        debug_assert!(off + len <= self.len);
+        BufSlice {
+            buf: self.buf.clone(),
+            off: self.off + off,
+            len,
+        }
+    }
+    /// Fills the whole slice with zeros.
+    pub fn zero(&self) {
+        self.buf.fill(self.off, self.len, 0);
+    }
+    /// Copies `src` into the slice at `off`.
+    pub fn copy_in(&self, off: usize, src: &[u8]) {
+        self.buf.copy_in(self.off + off, src);
+    }
+    /// Copies out of the slice at `off`.
+    pub fn copy_out(&self, off: usize, dst: &mut [u8]) {
+        self.buf.copy_out(self.off + off, dst);
+    }
+}
+
+impl<B> fmt::Debug for BufSlice<B> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "BufSlice({}+{})", self.off, self.len)
+    }
+}
+
+/// One device operation.
+#[derive(Debug, Clone)]
+pub enum DeviceOp<B> {
+    /// Read `buf.len` bytes at `offset` into `buf`. A read past the end of the device
+    /// returns zeros for the missing part (like a file).
+    Read {
+        /// Byte offset on the device.
+        offset: u64,
+        /// Destination.
+        buf: BufSlice<B>,
+    },
+    /// Write `buf` at `offset`.
+    Write {
+        /// Byte offset on the device.
+        offset: u64,
+        /// Source.
+        buf: BufSlice<B>,
+    },
+    /// Make every completed write stable.
+    Flush,
+}
+
+impl<B> DeviceOp<B> {
+    /// Short name for logs.
+    pub fn name(&self) -> &'static str {
+        match self {
+            DeviceOp::Read { .. } => "read",
+            DeviceOp::Write { .. } => "write",
+            DeviceOp::Flush => "flush",
+        }
+    }
+}
+
+/// A device failure: the errno the device reported (EIO, ENOSPC, …).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeviceError(pub i32);
+
+/// `submit` could not take the operation now (queue full / `-ENOMEM`); it is handed back and
+/// the caller retries after polling.
+#[derive(Debug)]
+pub struct Busy<B>(pub DeviceOp<B>, pub u64);
+
+/// A polled block device. `submit` never blocks; completions are reported by `poll`.
+pub trait BlockDevice: 'static {
+    /// The buffer type this device does I/O with (DMA-able memory on SPDK).
+    type Buf: IoBuffer;
+    /// Size in bytes.
+    fn size(&self) -> u64;
+    /// Allocates a zeroed, suitably aligned buffer for metadata or bounce I/O.
+    fn alloc_buf(&mut self, len: usize) -> Self::Buf;
+    /// Submits `op` tagged `tag`; returns at once. `Err(Busy)` hands the op back.
+    fn submit(&mut self, op: DeviceOp<Self::Buf>, tag: u64) -> Result<(), Busy<Self::Buf>>;
+    /// Reaps completed operations, calling `done(tag, result)` for each; returns how many.
+    fn poll(&mut self, done: &mut dyn FnMut(u64, Result<(), DeviceError>)) -> usize;
+}
+
+/// A plain heap buffer for hosts and tests that need no DMA memory: a shared `Vec<u8>`.
+#[derive(Clone, Default)]
+pub struct HeapBuf(pub std::rc::Rc<std::cell::RefCell<Vec<u8>>>);
+
+impl HeapBuf {
+    /// A zeroed buffer of `len` bytes.
+    pub fn new(len: usize) -> Self {
+        HeapBuf(std::rc::Rc::new(std::cell::RefCell::new(vec![0; len])))
+    }
+    /// A copy of the contents.
+    pub fn to_vec(&self) -> Vec<u8> {
+        self.0.borrow().clone()
+    }
+}
+
+impl IoBuffer for HeapBuf {
+    fn len(&self) -> usize {
+        self.0.borrow().len()
+    }
+    fn copy_out(&self, off: usize, dst: &mut [u8]) {
+        dst.copy_from_slice(&self.0.borrow()[off..off + dst.len()]);
+    }
+    fn copy_in(&self, off: usize, src: &[u8]) {
+        self.0.borrow_mut()[off..off + src.len()].copy_from_slice(src);
+    }
+    fn fill(&self, off: usize, len: usize, byte: u8) {
+        self.0.borrow_mut()[off..off + len].fill(byte);
+    }
+}

@@ -1,0 +1,31 @@
+//! `qcow2_engine`: a host-agnostic qcow2 engine.
+//!
+//! Pure Rust, no `unsafe`, no SPDK and no OS I/O: the host (the SPDK module or the
+//! standalone io_uring host) supplies a polled [`io::BlockDevice`] and drives an
+//! [`exec::Exec`] per core. See `DESIGN.md` for the architecture.
+//!
+//! - [`format`]: on-disk structures (decode, encode, validate);
+//! - [`types`]: offsets and cluster geometry;
+//! - [`cache`]: the set-associative slice cache;
+//! - [`image`]: an open image (header, tables, caches);
+//! - [`chain`]: backing chains and the guest read path;
+//! - [`exec`], [`io`]: the executor and device seams.
+#![forbid(unsafe_code)]
+
+pub mod cache;
+pub mod chain;
+pub mod compress;
+pub mod error;
+pub mod exec;
+pub mod format;
+pub mod image;
+pub mod io;
+pub mod limits;
+#[cfg(any(test, feature = "testing"))]
+pub mod testing;
+pub mod types;
+
+pub use chain::{Chain, Layer};
+pub use error::{Error, Field, Result};
+pub use exec::{DevId, Exec};
+pub use image::{OpenOptions, Qcow2};

@@ -1,0 +1,46 @@
+//! Resource bounds: what an image may make us allocate or compute.
+//!
+//! Each limit is a named constant with its reason. An image that asks for more is
+//! refused at open with an error naming the field.
+
+/// Largest L1 table we load, in entries (32 MiB of table, as QEMU's `QCOW_MAX_L1_SIZE`).
+/// With 2 MiB clusters that addresses far more than any real disk.
+pub const MAX_L1_ENTRIES: u64 = 32 * 1024 * 1024 / 8;
+
+/// Largest refcount table, in bytes (QEMU's `QCOW_MAX_REFTABLE_SIZE`, 8 MiB).
+pub const MAX_REFCOUNT_TABLE_BYTES: u64 = 8 * 1024 * 1024;
+
+/// Most internal snapshots an image may list (QEMU's `QCOW_MAX_SNAPSHOTS`).
+pub const MAX_SNAPSHOTS: u64 = 65536;
+
+/// Largest snapshot table we read, in bytes (QEMU caps it at 64 MiB as well).
+pub const MAX_SNAPSHOT_TABLE_BYTES: u64 = 64 * 1024 * 1024;
+
+/// Largest per-snapshot extra data (the spec allows any size; QEMU refuses > 1024).
+pub const MAX_SNAPSHOT_EXTRA_DATA: u64 = 1024;
+
+/// Longest backing file name (QEMU refuses > 1023 bytes).
+pub const MAX_BACKING_FILE_NAME: u64 = 1023;
+
+/// Deepest backing chain we open (the top image counts as depth 0).
+pub const MAX_BACKING_DEPTH: usize = 32;
+
+/// Largest virtual size: 2^61 bytes (2 EiB), well below overflow of any offset arithmetic.
+pub const MAX_VIRTUAL_SIZE: u64 = 1 << 61;
+
+/// Most persistent bitmaps an image may declare (QEMU's limit).
+pub const MAX_BITMAPS: u64 = 65535;
+
+/// Largest bitmap directory (QEMU's limit, 64 MiB).
+pub const MAX_BITMAP_DIRECTORY_BYTES: u64 = 64 * 1024 * 1024;
+
+/// Smallest and largest cluster_bits accepted (512 B – 2 MiB).
+pub const MIN_CLUSTER_BITS: u32 = 9;
+/// See [`MIN_CLUSTER_BITS`].
+pub const MAX_CLUSTER_BITS: u32 = 21;
+
+/// Extended L2 needs subclusters of at least 512 bytes: 32 subclusters of a 16 KiB cluster.
+pub const MIN_CLUSTER_BITS_EXTENDED_L2: u32 = 14;
+
+/// Largest slice cache we build for one image, in bytes (a misconfiguration guard).
+pub const MAX_CACHE_BYTES: u64 = 4 << 30;

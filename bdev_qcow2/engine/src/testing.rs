@@ -1,0 +1,135 @@
+//! An in-memory block device for tests, with hooks to inject what a real device cannot do
+//! on demand: failures of the k-th operation, latency (in polls), a queue depth that makes
+//! it report busy, and a log of every write and flush (for crash-state replay).
+
+use crate::io::{BlockDevice, BufSlice, Busy, DeviceError, DeviceOp, HeapBuf, IoBuffer};
+use std::cell::RefCell;
+use std::collections::VecDeque;
+use std::rc::Rc;
+
+/// One recorded device write or flush.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LoggedOp {
+    /// Bytes written at an offset.
+    Write(u64, Vec<u8>),
+    /// A completed flush.
+    Flush,
+}
+
+/// State shared between a [`MemDevice`] and the test that inspects it.
+#[derive(Default)]
+pub struct MemState {
+    /// Device contents.
+    pub data: Vec<u8>,
+    /// Most operations in flight before `submit` says busy (0: unlimited).
+    pub queue_depth: usize,
+    /// Polls an operation takes to complete.
+    pub latency_polls: u64,
+    /// Fail the operation with this index (0-based, counting every submitted op) with errno.
+    pub fail_op: Option<(u64, i32)>,
+    /// Operations submitted so far.
+    pub ops: u64,
+    /// Reads submitted so far.
+    pub reads: u64,
+    /// Whether to record writes and flushes in `log`.
+    pub record: bool,
+    /// Recorded writes and flushes.
+    pub log: Vec<LoggedOp>,
+    inflight: VecDeque<(u64, u64, Result<(), DeviceError>)>,
+    polls: u64,
+}
+
+/// The in-memory device. Clones share the same state.
+#[derive(Clone)]
+pub struct MemDevice(pub Rc<RefCell<MemState>>);
+
+impl MemDevice {
+    /// A device holding `data`.
+    pub fn new(data: Vec<u8>) -> Self {
+        MemDevice(Rc::new(RefCell::new(MemState {
+            data,
+            ..Default::default()
+        })))
+    }
+    /// The device contents.
+    pub fn contents(&self) -> Vec<u8> {
+        self.0.borrow().data.clone()
+    }
+}
+
+fn copy_to(buf: &BufSlice<HeapBuf>, src: &[u8]) {
+    buf.copy_in(0, src);
+}
+
+impl BlockDevice for MemDevice {
+    type Buf = HeapBuf;
+    fn size(&self) -> u64 {
+        self.0.borrow().data.len() as u64
+    }
+    fn alloc_buf(&mut self, len: usize) -> HeapBuf {
+        HeapBuf::new(len)
+    }
+    fn submit(&mut self, op: DeviceOp<HeapBuf>, tag: u64) -> Result<(), Busy<HeapBuf>> {
+        let mut s = self.0.borrow_mut();
+        if s.queue_depth > 0 && s.inflight.len() >= s.queue_depth {
+            return Err(Busy(op, tag));
+        }
+        let index = s.ops;
+        s.ops += 1;
+        let fail = match s.fail_op {
+            Some((k, errno)) if k == index => Some(DeviceError(errno)),
+            _ => None,
+        };
+        let result = match (fail, op) {
+            (Some(e), _) => Err(e),
+            (None, DeviceOp::Read { offset, buf }) => {
+                s.reads += 1;
+                let size = s.data.len() as u64;
+                let mut tmp = vec![0u8; buf.len];
+                if offset < size {
+                    let n = (size - offset).min(buf.len as u64) as usize;
+                    tmp[..n].copy_from_slice(&s.data[offset as usize..offset as usize + n]);
+                }
+                copy_to(&buf, &tmp);
+                Ok(())
+            }
+            (None, DeviceOp::Write { offset, buf }) => {
+                let mut tmp = vec![0u8; buf.len];
+                buf.copy_out(0, &mut tmp);
+                let end = offset as usize + tmp.len();
+                if s.data.len() < end {
+                    s.data.resize(end, 0);
+                }
+                s.data[offset as usize..end].copy_from_slice(&tmp);
+                if s.record {
+                    s.log.push(LoggedOp::Write(offset, tmp));
+                }
+                Ok(())
+            }
+            (None, DeviceOp::Flush) => {
+                if s.record {
+                    s.log.push(LoggedOp::Flush);
+                }
+                Ok(())
+            }
+        };
+        let due = s.polls + s.latency_polls;
+        s.inflight.push_back((due, tag, result));
+        Ok(())
+    }
+    fn poll(&mut self, done: &mut dyn FnMut(u64, Result<(), DeviceError>)) -> usize {
+        let mut s = self.0.borrow_mut();
+        s.polls += 1;
+        let now = s.polls;
+        let mut n = 0;
+        while let Some(&(due, tag, res)) = s.inflight.front() {
+            if due > now {
+                break;
+            }
+            s.inflight.pop_front();
+            n += 1;
+            done(tag, res);
+        }
+        n
+    }
+}

@@ -1,0 +1,160 @@
+//! Newtype units: guest and host offsets and the cluster geometry that converts between
+//! them. Conversions are named methods; no ad-hoc shifts elsewhere.
+
+use std::fmt;
+
+/// A byte offset in the guest's virtual disk.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
+pub struct GuestOffset(pub u64);
+
+/// A byte offset in the image file (the base device).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
+pub struct HostOffset(pub u64);
+
+impl fmt::Display for GuestOffset {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "guest {:#x}", self.0)
+    }
+}
+
+impl fmt::Display for HostOffset {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "host {:#x}", self.0)
+    }
+}
+
+/// Cluster and L2 geometry of one image, derived from the header.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Geometry {
+    /// log2 of the cluster size (9..=21).
+    pub cluster_bits: u32,
+    /// Whether L2 entries are 128-bit extended entries (32 subclusters each).
+    pub extended_l2: bool,
+    /// log2 of the L2 slice size in bytes (9..=cluster_bits).
+    pub slice_bits: u32,
+}
+
+/// Number of subclusters per cluster with extended L2 entries.
+pub const SUBCLUSTERS: u64 = 32;
+
+impl Geometry {
+    /// Cluster size in bytes.
+    pub fn cluster_size(&self) -> u64 {
+        1 << self.cluster_bits
+    }
+    /// Bytes per L2 entry (8, or 16 with extended L2).
+    pub fn l2_entry_bytes(&self) -> u64 {
+        if self.extended_l2 {
+            16
+        } else {
+            8
+        }
+    }
+    /// log2 of the number of L2 entries in one L2 table (one cluster).
+    pub fn l2_bits(&self) -> u32 {
+        self.cluster_bits - if self.extended_l2 { 4 } else { 3 }
+    }
+    /// Entries per L2 table.
+    pub fn l2_entries(&self) -> u64 {
+        1 << self.l2_bits()
+    }
+    /// Guest bytes covered by one L1 entry (one whole L2 table).
+    pub fn l1_entry_coverage(&self) -> u64 {
+        1 << (self.cluster_bits + self.l2_bits())
+    }
+    /// L2 entries per slice.
+    pub fn slice_entries(&self) -> u64 {
+        (1 << self.slice_bits) / self.l2_entry_bytes()
+    }
+    /// Slices per L2 table.
+    pub fn slices_per_l2(&self) -> u64 {
+        1 << (self.cluster_bits - self.slice_bits)
+    }
+    /// Subcluster size in bytes (the cluster size without extended L2).
+    pub fn subcluster_size(&self) -> u64 {
+        if self.extended_l2 {
+            self.cluster_size() / SUBCLUSTERS
+        } else {
+            self.cluster_size()
+        }
+    }
+    /// Guest cluster index of a guest offset.
+    pub fn guest_cluster(&self, off: GuestOffset) -> u64 {
+        off.0 >> self.cluster_bits
+    }
+    /// Offset within its cluster.
+    pub fn offset_in_cluster(&self, off: u64) -> u64 {
+        off & (self.cluster_size() - 1)
+    }
+    /// L1 index covering a guest offset.
+    pub fn l1_index(&self, off: GuestOffset) -> u64 {
+        off.0 >> (self.cluster_bits + self.l2_bits())
+    }
+    /// L2 index (within its table) of a guest offset.
+    pub fn l2_index(&self, off: GuestOffset) -> u64 {
+        self.guest_cluster(off) & (self.l2_entries() - 1)
+    }
+    /// Global slice id of a guest offset: dense over the image, used as the cache key.
+    pub fn slice_id(&self, off: GuestOffset) -> u64 {
+        self.guest_cluster(off) / self.slice_entries()
+    }
+    /// Index within its slice of the L2 entry for a guest offset.
+    pub fn index_in_slice(&self, off: GuestOffset) -> u64 {
+        self.guest_cluster(off) & (self.slice_entries() - 1)
+    }
+    /// Which slice of its L2 table holds a guest offset's entry.
+    pub fn slice_in_l2(&self, off: GuestOffset) -> u64 {
+        self.l2_index(off) / self.slice_entries()
+    }
+    /// Host offset of the slice holding `off`'s entry, given its L2 table's offset.
+    pub fn slice_host_offset(&self, l2_table: HostOffset, off: GuestOffset) -> HostOffset {
+        HostOffset(l2_table.0 + (self.slice_in_l2(off) << self.slice_bits))
+    }
+    /// Guest bytes covered by one slice.
+    pub fn slice_coverage(&self) -> u64 {
+        self.slice_entries() << self.cluster_bits
+    }
+    /// Number of L1 entries needed to address `size` guest bytes.
+    pub fn l1_entries_for(&self, size: u64) -> u64 {
+        size.div_ceil(self.l1_entry_coverage())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn geometry_64k() {
+        let g = Geometry {
+            cluster_bits: 16,
+            extended_l2: false,
+            slice_bits: 12,
+        };
+        assert_eq!(g.l2_entries(), 8192);
+        assert_eq!(g.slice_entries(), 512);
+        assert_eq!(g.slices_per_l2(), 16);
+        assert_eq!(g.l1_entry_coverage(), 512 << 20);
+        let off = GuestOffset((512 << 20) + 3 * 65536 * 512 + 7 * 65536 + 5);
+        assert_eq!(g.l1_index(off), 1);
+        assert_eq!(g.slice_in_l2(off), 3);
+        assert_eq!(g.index_in_slice(off), 7);
+        assert_eq!(g.slice_id(off), 16 + 3);
+        assert_eq!(
+            g.slice_host_offset(HostOffset(1 << 20), off),
+            HostOffset((1 << 20) + 3 * 4096)
+        );
+    }
+
+    #[test]
+    fn geometry_extended() {
+        let g = Geometry {
+            cluster_bits: 16,
+            extended_l2: true,
+            slice_bits: 12,
+        };
+        assert_eq!(g.l2_entries(), 4096);
+        assert_eq!(g.slice_entries(), 256);
+        assert_eq!(g.subcluster_size(), 2048);
+    }
+}
