@@ -19,7 +19,7 @@ use std::rc::Rc;
 /// One layer of a chain.
 pub enum Layer<D: BlockDevice> {
     /// A qcow2 image.
-    Qcow2(Qcow2<D>),
+    Qcow2(Box<Qcow2<D>>),
     /// A raw image: guest offset = device offset; its size is the device size.
     Raw {
         /// The device.
@@ -48,6 +48,9 @@ pub struct ReadStats {
     pub slow_reads: u64,
 }
 
+/// Fast-path plan: data runs and zero ranges (offset, length in the guest buffer).
+type FastPlan = (Vec<Run>, Vec<(usize, usize)>);
+
 type BoxFut = Pin<Box<dyn Future<Output = Result<()>>>>;
 
 /// A data run planned by the fast path: host offset, offset in the guest buffer, length.
@@ -63,7 +66,7 @@ pub struct Chain<D: BlockDevice> {
     exec: Exec<D>,
     layers: Vec<Layer<D>>,
     /// Reused plan storage of the fast path (no allocation per request).
-    scratch: RefCell<(Vec<Run>, Vec<(usize, usize)>)>,
+    scratch: RefCell<FastPlan>,
     stats: RefCell<ReadStats>,
 }
 
@@ -115,7 +118,7 @@ impl<D: BlockDevice> Chain<D> {
     /// slow-path task does the work.
     pub fn submit_read(self: &Rc<Self>, tag: u64, offset: u64, buf: BufSlice<D::Buf>) {
         let len = buf.len as u64;
-        if offset % SECTOR != 0 || len % SECTOR != 0 {
+        if !offset.is_multiple_of(SECTOR) || !len.is_multiple_of(SECTOR) {
             return self.exec.complete(
                 tag,
                 Err(Error::InvalidRequest("read not aligned to 512 bytes")),
@@ -188,8 +191,8 @@ impl<D: BlockDevice> Chain<D> {
                         }),
                     }
                 }
-                ClusterMapping::Zero => zeros.push((buf_off, n)),
-                ClusterMapping::Unallocated if !has_backing => zeros.push((buf_off, n)),
+                ClusterMapping::Zero { .. } => zeros.push((buf_off, n)),
+                ClusterMapping::Unallocated { .. } if !has_backing => zeros.push((buf_off, n)),
                 _ => return false,
             }
             pos += n as u64;
@@ -214,7 +217,7 @@ impl<D: BlockDevice> Chain<D> {
 
     /// Reads `buf.len` bytes at `offset` and waits for them (for tasks and tools).
     pub async fn read(self: &Rc<Self>, offset: u64, buf: BufSlice<D::Buf>) -> Result<()> {
-        if offset % SECTOR != 0 || buf.len as u64 % SECTOR != 0 {
+        if !offset.is_multiple_of(SECTOR) || !(buf.len as u64).is_multiple_of(SECTOR) {
             return Err(Error::InvalidRequest("read not aligned to 512 bytes"));
         }
         if offset
@@ -311,11 +314,11 @@ async fn read_qcow2<D: BlockDevice>(
                     }
                 }
             }
-            ClusterMapping::Zero => {
+            ClusterMapping::Zero { .. } => {
                 flush(&mut run, &mut futs);
                 buf.sub((pos - offset) as usize, n as usize).zero();
             }
-            ClusterMapping::Unallocated => {
+            ClusterMapping::Unallocated { .. } => {
                 flush(&mut run, &mut futs);
                 let sub = buf.sub((pos - offset) as usize, n as usize);
                 if idx + 1 < chain.layers.len() {

@@ -53,11 +53,14 @@ pub struct ExecStats {
     pub tasks_spawned: u64,
 }
 
+/// A submission the device refused as busy, to retry: device, operation, tag.
+type Queued<D> = (DevId, DeviceOp<<D as BlockDevice>::Buf>, u64);
+
 struct Inner<D: BlockDevice> {
     devs: RefCell<Vec<D>>,
     waiters: RefCell<Slab<Waiter>>,
     requests: RefCell<Slab<Request>>,
-    retry: RefCell<VecDeque<(DevId, DeviceOp<D::Buf>, u64)>>,
+    retry: RefCell<VecDeque<Queued<D>>>,
     tasks: RefCell<Slab<Option<Task>>>,
     ready: RefCell<VecDeque<usize>>,
     current: Cell<Option<usize>>,

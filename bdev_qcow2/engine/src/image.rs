@@ -204,9 +204,10 @@ impl<D: BlockDevice> Qcow2<D> {
     pub fn geometry(&self) -> Geometry {
         self.geo
     }
-    /// Virtual disk size.
+    /// Virtual disk size: the header's size rounded down to whole 512-byte sectors, as
+    /// QEMU sees it.
     pub fn size(&self) -> u64 {
-        self.header.header.size
+        self.header.header.size / SECTOR * SECTOR
     }
     /// The device this image lives on.
     pub fn dev(&self) -> DevId {
@@ -272,7 +273,10 @@ impl<D: BlockDevice> Qcow2<D> {
     /// LRU and counts a hit). `Ok(None)` on a cache miss. Returns the mapping and its end.
     pub fn resolve_cached(&self, off: GuestOffset) -> Result<Option<(ClusterMapping, u64)>> {
         let Some(_) = self.l2_table(off)? else {
-            return Ok(Some((ClusterMapping::Unallocated, self.l1_entry_end(off))));
+            return Ok(Some((
+                ClusterMapping::Unallocated { host: None },
+                self.l1_entry_end(off),
+            )));
         };
         let key = self.geo.slice_id(off);
         let mut cache = self.l2_cache.borrow_mut();
@@ -321,7 +325,7 @@ impl<D: BlockDevice> Qcow2<D> {
         let go = GuestOffset(off);
         if !self.load_slice(go).await? {
             let e = self.l1_entry_end(go).min(end);
-            return Ok((ClusterMapping::Unallocated, e - off));
+            return Ok((ClusterMapping::Unallocated { host: None }, e - off));
         }
         let slice_end = (off / self.geo.slice_coverage() + 1) * self.geo.slice_coverage();
         let stop = end.min(slice_end);
@@ -334,15 +338,9 @@ impl<D: BlockDevice> Qcow2<D> {
         let (first, mut pos) = self.resolve(block, go)?;
         while pos < stop {
             let (next, next_end) = self.resolve(block, GuestOffset(pos))?;
-            let continues = match (first, next) {
-                (ClusterMapping::Data { host: h0, .. }, ClusterMapping::Data { host: h1, .. }) => {
-                    h1.0 == h0.0 + (pos - off)
-                }
-                (ClusterMapping::Zero, ClusterMapping::Zero) => true,
-                (ClusterMapping::Unallocated, ClusterMapping::Unallocated) => true,
-                _ => false,
-            };
-            if !continues {
+            // `first` describes the (sub)cluster that starts at `first_start` (<= `off`).
+            let first_start = off & !(self.geo.subcluster_size() - 1);
+            if !first.continues_with(&next, pos - first_start) {
                 break;
             }
             pos = next_end;

@@ -2,7 +2,7 @@
 //! on demand: failures of the k-th operation, latency (in polls), a queue depth that makes
 //! it report busy, and a log of every write and flush (for crash-state replay).
 
-use crate::io::{BlockDevice, BufSlice, Busy, DeviceError, DeviceOp, HeapBuf, IoBuffer};
+use crate::io::{BlockDevice, BufSlice, Busy, DeviceError, DeviceOp, HeapBuf};
 use std::cell::RefCell;
 use std::collections::VecDeque;
 use std::rc::Rc;

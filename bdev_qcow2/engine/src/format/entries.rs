@@ -38,7 +38,7 @@ impl L1Entry {
             }
             return Ok(None);
         }
-        if off % cluster_size != 0 {
+        if !off.is_multiple_of(cluster_size) {
             return Err(corrupt(
                 Field::L1Entry,
                 v,
@@ -103,10 +103,18 @@ pub struct CompressedDescriptor {
 /// What an L2 entry says about one cluster (or, with extended L2, one subcluster).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ClusterMapping {
-    /// Not allocated here: read from the backing image, or zeros without one.
-    Unallocated,
-    /// Reads as zeros (zero flag, or subcluster zero bit).
-    Zero,
+    /// Not allocated here: read from the backing image, or zeros without one. `host` is
+    /// set when the cluster is allocated but this subcluster is not (extended L2).
+    Unallocated {
+        /// Host offset reserved for the subcluster, if any.
+        host: Option<HostOffset>,
+    },
+    /// Reads as zeros (zero flag, or subcluster zero bit). `host` is set when the cluster
+    /// stays allocated (preallocated zero cluster).
+    Zero {
+        /// Host offset of the preallocated (sub)cluster, if any.
+        host: Option<HostOffset>,
+    },
     /// Data at `host` (the host offset of the start of the cluster / subcluster).
     Data {
         /// Host offset of the (sub)cluster's first byte.
@@ -129,6 +137,38 @@ pub struct L2Context {
     pub extended_l2: bool,
     /// Size of the device holding the image.
     pub device_size: u64,
+}
+
+impl ClusterMapping {
+    /// Host offset of the (sub)cluster, when the entry names one (data, preallocated zero,
+    /// allocated-but-unused subcluster). Compressed clusters report none.
+    pub fn host(&self) -> Option<HostOffset> {
+        match *self {
+            ClusterMapping::Data { host, .. } => Some(host),
+            ClusterMapping::Zero { host } | ClusterMapping::Unallocated { host } => host,
+            ClusterMapping::Compressed(_) => None,
+        }
+    }
+
+    /// Whether `next`, starting `delta` bytes after `self`, extends the same extent: the same
+    /// kind, and host offsets either both absent or contiguous.
+    pub fn continues_with(&self, next: &ClusterMapping, delta: u64) -> bool {
+        let same_kind = matches!(
+            (self, next),
+            (ClusterMapping::Data { .. }, ClusterMapping::Data { .. })
+                | (ClusterMapping::Zero { .. }, ClusterMapping::Zero { .. })
+                | (
+                    ClusterMapping::Unallocated { .. },
+                    ClusterMapping::Unallocated { .. }
+                )
+        );
+        same_kind
+            && match (self.host(), next.host()) {
+                (None, None) => true,
+                (Some(a), Some(b)) => a.0.checked_add(delta) == Some(b.0),
+                _ => false,
+            }
+    }
 }
 
 impl L2Entry {
@@ -200,15 +240,17 @@ impl L2Entry {
                 return Err(corrupt(Field::L2Entry, v, "offset 0 with COPIED set"));
             }
             return Ok(if zero {
-                ClusterMapping::Zero
+                ClusterMapping::Zero { host: None }
             } else {
-                ClusterMapping::Unallocated
+                ClusterMapping::Unallocated { host: None }
             });
         }
         check_data_cluster(v, off, cs, ctx.device_size)?;
         if zero {
             // Preallocated zero cluster: reads as zeros.
-            return Ok(ClusterMapping::Zero);
+            return Ok(ClusterMapping::Zero {
+                host: Some(HostOffset(off)),
+            });
         }
         Ok(ClusterMapping::Data {
             host: HostOffset(off),
@@ -261,21 +303,22 @@ impl L2Entry {
         } else {
             check_data_cluster(v, off, cs, ctx.device_size)?;
         }
+        let host = (off != 0).then(|| HostOffset(off + sc * (cs / SUBCLUSTERS)));
         Ok(if bitmap.zero(sc) {
-            ClusterMapping::Zero
-        } else if bitmap.allocated(sc) {
+            ClusterMapping::Zero { host }
+        } else if let (true, Some(host)) = (bitmap.allocated(sc), host) {
             ClusterMapping::Data {
-                host: HostOffset(off + sc * (cs / SUBCLUSTERS)),
+                host,
                 copied: v & COPIED != 0,
             }
         } else {
-            ClusterMapping::Unallocated
+            ClusterMapping::Unallocated { host }
         })
     }
 }
 
 fn check_data_cluster(v: u64, off: u64, cs: u64, device_size: u64) -> Result<()> {
-    if off % cs != 0 {
+    if !off.is_multiple_of(cs) {
         return Err(corrupt(
             Field::L2Entry,
             v,
@@ -322,8 +365,20 @@ mod tests {
     #[test]
     fn standard_entries() {
         let c = ctx();
-        assert_eq!(L2Entry(0).mapping(&c), Ok(ClusterMapping::Unallocated));
-        assert_eq!(L2Entry(1).mapping(&c), Ok(ClusterMapping::Zero));
+        assert_eq!(
+            L2Entry(0).mapping(&c),
+            Ok(ClusterMapping::Unallocated { host: None })
+        );
+        assert_eq!(
+            L2Entry(1).mapping(&c),
+            Ok(ClusterMapping::Zero { host: None })
+        );
+        assert_eq!(
+            L2Entry(0x50001).mapping(&c),
+            Ok(ClusterMapping::Zero {
+                host: Some(HostOffset(0x50000))
+            })
+        );
         assert_eq!(
             L2Entry(COPIED | 0x50000).mapping(&c),
             Ok(ClusterMapping::Data {
@@ -371,10 +426,17 @@ mod tests {
                 copied: true
             })
         );
-        assert_eq!(e.subcluster_mapping(bm, 1, &c), Ok(ClusterMapping::Zero));
+        assert_eq!(
+            e.subcluster_mapping(bm, 1, &c),
+            Ok(ClusterMapping::Zero {
+                host: Some(HostOffset(0x40000 + 2048))
+            })
+        );
         assert_eq!(
             e.subcluster_mapping(bm, 3, &c),
-            Ok(ClusterMapping::Unallocated)
+            Ok(ClusterMapping::Unallocated {
+                host: Some(HostOffset(0x40000 + 3 * 2048))
+            })
         );
         assert!(e
             .subcluster_mapping(SubclusterBitmap::new(1, 1), 0, &c)
@@ -384,7 +446,7 @@ mod tests {
             .is_err());
         assert_eq!(
             L2Entry(0).subcluster_mapping(SubclusterBitmap::new(0, 1), 0, &c),
-            Ok(ClusterMapping::Zero)
+            Ok(ClusterMapping::Zero { host: None })
         );
     }
 }

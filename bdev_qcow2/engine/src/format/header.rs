@@ -627,7 +627,7 @@ fn check_table(
     if may_be_empty && len == 0 {
         return Ok(());
     }
-    if off % cluster_size != 0 {
+    if !off.is_multiple_of(cluster_size) {
         return Err(invalid(field, off, "not aligned to a cluster"));
     }
     if off == 0 {
@@ -741,7 +741,7 @@ fn decode_extensions(c0: &[u8], start: u64, end: u64, h: &Header) -> Result<Exte
                             "bad bitmap directory size",
                         ));
                     }
-                    if doff % (1u64 << h.cluster_bits) != 0 || doff == 0 {
+                    if !doff.is_multiple_of(1u64 << h.cluster_bits) || doff == 0 {
                         return Err(invalid(
                             Field::BitmapsExtension,
                             doff,

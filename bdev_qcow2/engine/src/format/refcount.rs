@@ -25,7 +25,7 @@ pub fn refcount_block_offset(
             "reserved bits set",
         ));
     }
-    if entry % cluster_size != 0 {
+    if !entry.is_multiple_of(cluster_size) {
         return Err(corrupt(
             Field::RefcountTableEntry,
             entry,

@@ -103,7 +103,7 @@ pub fn decode_snapshots(
                 "snapshot L1 table larger than 32 MiB",
             ));
         }
-        if l1_table_offset % cluster_size != 0 || (l1_size > 0 && l1_table_offset == 0) {
+        if !l1_table_offset.is_multiple_of(cluster_size) || (l1_size > 0 && l1_table_offset == 0) {
             return Err(invalid(
                 Field::SnapshotL1Table,
                 l1_table_offset,

@@ -1,0 +1,223 @@
+//! `qcow2 map`: where each guest range comes from, with the same JSON shape, values and
+//! merging as `qemu-img map --output=json`.
+
+use super::{ImageArgs, OutputFormat};
+use crate::host::{open_chain, Format, Opened, ToolError, ToolResult};
+use crate::uring::data_or_hole;
+use qcow2_engine::format::ClusterMapping;
+use std::fmt::Write;
+use std::fs::File;
+
+/// Arguments of `qcow2 map`.
+#[derive(Debug, clap::Args)]
+pub struct MapArgs {
+    /// Output format.
+    #[arg(long, value_enum, default_value = "human")]
+    pub output: OutputFormat,
+    #[command(flatten)]
+    #[allow(missing_docs)]
+    pub image: ImageArgs,
+}
+
+/// One map entry (qemu-img's `MapEntry`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MapEntry {
+    /// Guest offset.
+    pub start: u64,
+    /// Length in bytes.
+    pub length: u64,
+    /// Chain depth the data was found at (0 = top).
+    pub depth: usize,
+    /// Allocated at that depth.
+    pub present: bool,
+    /// Reads as zeros.
+    pub zero: bool,
+    /// Holds data.
+    pub data: bool,
+    /// Compressed cluster.
+    pub compressed: bool,
+    /// Host offset in the layer's file, when known.
+    pub offset: Option<u64>,
+}
+
+impl MapEntry {
+    /// Whether `next` continues this entry (qemu-img's merge rule).
+    fn merges_with(&self, next: &MapEntry) -> bool {
+        self.start + self.length == next.start
+            && self.depth == next.depth
+            && self.present == next.present
+            && self.zero == next.zero
+            && self.data == next.data
+            && self.compressed == next.compressed
+            && match (self.offset, next.offset) {
+                (None, None) => true,
+                (Some(a), Some(b)) => a + self.length == b,
+                _ => false,
+            }
+    }
+}
+
+/// Status of guest bytes at `pos` (up to `end`) through the chain.
+async fn chain_status(
+    o: &Opened,
+    raw_files: &[Option<File>],
+    pos: u64,
+    end: u64,
+) -> qcow2_engine::Result<MapEntry> {
+    let layers = o.chain.layers();
+    let mut idx = 0;
+    let mut end = end;
+    loop {
+        if let Some(f) = &raw_files[idx] {
+            let (is_data, run_end) = data_or_hole(f, pos, end);
+            return Ok(MapEntry {
+                start: pos,
+                length: run_end - pos,
+                depth: idx,
+                present: true,
+                zero: !is_data,
+                data: is_data,
+                compressed: false,
+                offset: Some(pos),
+            });
+        }
+        let (m, n) = o.chain.block_status(idx, pos, end).await?;
+        let sc = match &layers[idx] {
+            qcow2_engine::Layer::Qcow2(q) => q.geometry().subcluster_size(),
+            qcow2_engine::Layer::Raw { .. } => 1,
+        };
+        let off_in = |h: qcow2_engine::types::HostOffset| h.0 + (pos & (sc - 1));
+        let mut e = MapEntry {
+            start: pos,
+            length: n,
+            depth: idx,
+            present: true,
+            zero: false,
+            data: false,
+            compressed: false,
+            offset: m.host().map(off_in),
+        };
+        match m {
+            ClusterMapping::Data { .. } => e.data = true,
+            ClusterMapping::Compressed(_) => {
+                e.data = true;
+                e.compressed = true;
+            }
+            ClusterMapping::Zero { .. } => e.zero = true,
+            ClusterMapping::Unallocated { .. } => {
+                let has_backing = idx + 1 < layers.len();
+                if has_backing && pos < layers[idx + 1].size() {
+                    // Look in the backing image, no further than its end.
+                    end = (pos + n).min(layers[idx + 1].size());
+                    idx += 1;
+                    continue;
+                }
+                // Unallocated at the bottom, or past the backing image's end: zeros.
+                e.present = false;
+                e.zero = true;
+            }
+        }
+        return Ok(e);
+    }
+}
+
+/// Computes the merged map of the whole disk.
+pub fn compute(o: &Opened) -> ToolResult<Vec<MapEntry>> {
+    let raw_files: Vec<Option<File>> = o
+        .files
+        .iter()
+        .map(|(p, f)| match f {
+            Format::Raw => File::open(p).map(Some).map_err(|source| ToolError::Io {
+                path: p.display().to_string(),
+                source,
+            }),
+            Format::Qcow2 => Ok(None),
+        })
+        .collect::<ToolResult<_>>()?;
+    let size = o.chain.size();
+    let exec = o.exec.clone();
+    // The walk runs as one task on the executor (slices are loaded on demand).
+    let o2 = Opened {
+        exec: o.exec.clone(),
+        chain: o.chain.clone(),
+        files: o.files.clone(),
+    };
+    let res = exec.block_on(async move {
+        let mut out: Vec<MapEntry> = Vec::new();
+        let mut pos = 0;
+        while pos < size {
+            let e = chain_status(&o2, &raw_files, pos, size).await?;
+            pos += e.length;
+            match out.last_mut() {
+                Some(last) if last.merges_with(&e) => last.length += e.length,
+                _ => out.push(e),
+            }
+        }
+        Ok::<_, qcow2_engine::Error>(out)
+    });
+    res.map_err(|source| ToolError::Engine {
+        path: o.files[0].0.display().to_string(),
+        source,
+    })
+}
+
+/// Renders entries exactly as `qemu-img map --output=json` prints them.
+pub fn to_json(entries: &[MapEntry]) -> String {
+    let mut s = String::from("[");
+    for (i, e) in entries.iter().enumerate() {
+        let _ = write!(
+            s,
+            "{{ \"start\": {}, \"length\": {}, \"depth\": {}, \"present\": {}, \"zero\": {}, \"data\": {}, \"compressed\": {}",
+            e.start, e.length, e.depth, e.present, e.zero, e.data, e.compressed
+        );
+        if let Some(o) = e.offset {
+            let _ = write!(s, ", \"offset\": {o}");
+        }
+        s.push('}');
+        if i + 1 < entries.len() {
+            s.push_str(",\n");
+        }
+    }
+    s.push_str("]\n");
+    s
+}
+
+/// Runs `qcow2 map`; returns the text to print.
+pub fn run(args: &MapArgs) -> ToolResult<String> {
+    let o = open_chain(&args.image.spec()?)?;
+    let entries = compute(&o)?;
+    match args.output {
+        OutputFormat::Json => Ok(to_json(&entries)),
+        OutputFormat::Human => {
+            let mut s = format!(
+                "{:<16}{:<16}{:<16}{}\n",
+                "Offset", "Length", "Mapped to", "File"
+            );
+            for e in entries.iter().filter(|e| e.data) {
+                let Some(off) = e.offset else {
+                    return Err(ToolError::Usage(
+                        "File contains external, encrypted or compressed clusters.".into(),
+                    ));
+                };
+                let _ = writeln!(
+                    s,
+                    "{:<16}{:<16}{:<16}{}",
+                    c_hex(e.start),
+                    c_hex(e.length),
+                    c_hex(off),
+                    o.files[e.depth].0.display()
+                );
+            }
+            Ok(s)
+        }
+    }
+}
+
+/// C's `%#x`: `0` for zero, `0x…` otherwise.
+fn c_hex(v: u64) -> String {
+    if v == 0 {
+        "0".into()
+    } else {
+        format!("{v:#x}")
+    }
+}

@@ -1,0 +1,70 @@
+//! Subcommands of the `qcow2` tool.
+
+pub mod convert;
+pub mod info;
+pub mod map;
+
+use crate::host::{Format, OpenSpec};
+use qcow2_engine::OpenOptions;
+use std::path::PathBuf;
+
+/// Options shared by subcommands that open an image.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ImageArgs {
+    /// Image format (never probed).
+    #[arg(short = 'f', long = "format", value_enum, default_value = "qcow2")]
+    pub format: Format,
+    /// Allow opening backing files named inside the image (relative to its directory).
+    #[arg(long)]
+    pub allow_backing: bool,
+    /// L2 slice cache size per core (e.g. 1M). Default: covers the image, at most 32 MiB.
+    #[arg(long, value_parser = crate::parse_size)]
+    pub l2_cache_size: Option<u64>,
+    /// L2 slice size in bytes (power of two, 512 up to the cluster size).
+    #[arg(long, value_parser = crate::parse_size, default_value = "4096")]
+    pub l2_slice_size: u64,
+    /// Ways per set of the slice cache.
+    #[arg(long, default_value_t = 8)]
+    pub cache_ways: usize,
+    /// The image.
+    pub image: PathBuf,
+}
+
+impl ImageArgs {
+    /// The open spec these arguments describe.
+    pub fn spec(&self) -> Result<OpenSpec, crate::host::ToolError> {
+        if !self.l2_slice_size.is_power_of_two() || self.l2_slice_size < 512 {
+            return Err(crate::host::ToolError::Usage(format!(
+                "--l2-slice-size must be a power of two of at least 512 (got {})",
+                self.l2_slice_size
+            )));
+        }
+        if self.cache_ways == 0 || self.cache_ways > 64 {
+            return Err(crate::host::ToolError::Usage(
+                "--cache-ways must be 1..=64".into(),
+            ));
+        }
+        Ok(OpenSpec {
+            path: self.image.clone(),
+            format: self.format,
+            allow_backing: self.allow_backing,
+            opts: OpenOptions {
+                l2_cache_bytes: self.l2_cache_size,
+                l2_slice_bytes: self.l2_slice_size,
+                cache_ways: self.cache_ways,
+                ..OpenOptions::default()
+            },
+            queue_depth: 64,
+        })
+    }
+}
+
+/// `--output` choices, as qemu-img spells them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Default)]
+pub enum OutputFormat {
+    /// Human-readable text.
+    #[default]
+    Human,
+    /// JSON.
+    Json,
+}

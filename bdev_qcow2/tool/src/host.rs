@@ -1,0 +1,208 @@
+//! The standalone host: opens an image and its backing chain from paths, on io_uring
+//! devices driven by one executor (one core).
+
+use crate::uring::UringDevice;
+use qcow2_engine::{Chain, Exec, Layer, OpenOptions, Qcow2};
+use std::collections::HashSet;
+use std::path::{Path, PathBuf};
+use std::rc::Rc;
+
+/// Errors of the tool.
+#[derive(Debug, thiserror::Error)]
+pub enum ToolError {
+    /// The engine refused the image or an I/O failed.
+    #[error("{path}: {source}")]
+    Engine {
+        /// The image concerned.
+        path: String,
+        /// What the engine said.
+        source: qcow2_engine::Error,
+    },
+    /// Opening or accessing a host file failed.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file concerned.
+        path: String,
+        /// The OS error.
+        source: std::io::Error,
+    },
+    /// Bad usage or an unsupported request.
+    #[error("{0}")]
+    Usage(String),
+}
+
+/// Result type of the tool.
+pub type ToolResult<T> = Result<T, ToolError>;
+
+/// Image formats the tool can open. There is no probing: the format is always stated.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Format {
+    /// qcow2 (version 2 or 3).
+    Qcow2,
+    /// A raw disk image.
+    Raw,
+}
+
+impl Format {
+    /// Parses a format name recorded in an image (backing format extension).
+    pub fn from_name(s: &str) -> Option<Format> {
+        match s {
+            "qcow2" => Some(Format::Qcow2),
+            "raw" => Some(Format::Raw),
+            _ => None,
+        }
+    }
+    /// The name qemu-img uses.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Format::Qcow2 => "qcow2",
+            Format::Raw => "raw",
+        }
+    }
+}
+
+/// How to open an image.
+#[derive(Debug, Clone)]
+pub struct OpenSpec {
+    /// Path of the top image.
+    pub path: PathBuf,
+    /// Its format.
+    pub format: Format,
+    /// Whether backing files named inside images may be opened.
+    pub allow_backing: bool,
+    /// Engine options (cache sizes).
+    pub opts: OpenOptions,
+    /// io_uring queue depth per device.
+    pub queue_depth: u32,
+}
+
+/// An opened chain with the paths and formats of its layers (top first).
+pub struct Opened {
+    /// The executor driving every device of the chain.
+    pub exec: Exec<UringDevice>,
+    /// The chain.
+    pub chain: Rc<Chain<UringDevice>>,
+    /// Path and format of each layer.
+    pub files: Vec<(PathBuf, Format)>,
+}
+
+fn engine_err(path: &Path) -> impl FnOnce(qcow2_engine::Error) -> ToolError + '_ {
+    move |source| ToolError::Engine {
+        path: path.display().to_string(),
+        source,
+    }
+}
+
+/// Opens one image file as a device on `exec`.
+pub fn open_device(
+    exec: &Exec<UringDevice>,
+    path: &Path,
+    writable: bool,
+    depth: u32,
+) -> ToolResult<qcow2_engine::DevId> {
+    let dev = UringDevice::open(path, writable, depth).map_err(|source| ToolError::Io {
+        path: path.display().to_string(),
+        source,
+    })?;
+    Ok(exec.add_device(dev))
+}
+
+/// Opens a qcow2 image on its own (no backing chain), for `info`.
+pub fn open_single(spec: &OpenSpec) -> ToolResult<(Exec<UringDevice>, Rc<Qcow2<UringDevice>>)> {
+    let exec = Exec::new();
+    let dev = open_device(&exec, &spec.path, false, spec.queue_depth)?;
+    let e2 = exec.clone();
+    let opts = spec.opts;
+    let q = exec
+        .block_on(async move { Qcow2::open(&e2, dev, opts).await })
+        .map_err(engine_err(&spec.path))?;
+    Ok((exec, Rc::new(q)))
+}
+
+/// Opens the image and, if allowed, its backing chain. A backing file named inside an image
+/// is opened only with `allow_backing`; relative names resolve against the directory of the
+/// image naming them; the backing format must be recorded (no probing); loops and chains
+/// deeper than the engine's limit are refused.
+pub fn open_chain(spec: &OpenSpec) -> ToolResult<Opened> {
+    let exec: Exec<UringDevice> = Exec::new();
+    let mut layers = Vec::new();
+    let mut files = Vec::new();
+    let mut seen = HashSet::new();
+    let mut path = spec.path.clone();
+    let mut format = spec.format;
+    loop {
+        if layers.len() >= qcow2_engine::limits::MAX_BACKING_DEPTH {
+            return Err(ToolError::Engine {
+                path: spec.path.display().to_string(),
+                source: qcow2_engine::Error::BackingChain(format!(
+                    "backing chain deeper than {} images",
+                    qcow2_engine::limits::MAX_BACKING_DEPTH
+                )),
+            });
+        }
+        let canon = std::fs::canonicalize(&path).map_err(|source| ToolError::Io {
+            path: path.display().to_string(),
+            source,
+        })?;
+        if !seen.insert(canon.clone()) {
+            return Err(ToolError::Engine {
+                path: spec.path.display().to_string(),
+                source: qcow2_engine::Error::BackingChain(format!(
+                    "loop: {} appears twice",
+                    canon.display()
+                )),
+            });
+        }
+        let dev = open_device(&exec, &path, false, spec.queue_depth)?;
+        files.push((path.clone(), format));
+        match format {
+            Format::Raw => {
+                let size = exec.device_size(dev);
+                layers.push(Layer::Raw { dev, size });
+                break;
+            }
+            Format::Qcow2 => {
+                let e2 = exec.clone();
+                let opts = spec.opts;
+                let q = exec
+                    .block_on(async move { Qcow2::open(&e2, dev, opts).await })
+                    .map_err(engine_err(&path))?;
+                let backing = q.header().backing_file.clone();
+                let backing_fmt = q.header().extensions.backing_format.clone();
+                layers.push(Layer::Qcow2(Box::new(q)));
+                let Some(name) = backing else { break };
+                if !spec.allow_backing {
+                    return Err(ToolError::Engine {
+                        path: path.display().to_string(),
+                        source: qcow2_engine::Error::BackingNotAllowed(name),
+                    });
+                }
+                let fmt = match backing_fmt.as_deref() {
+                    None => {
+                        return Err(ToolError::Engine {
+                            path: path.display().to_string(),
+                            source: qcow2_engine::Error::BackingChain(format!(
+                                "backing file '{name}' has no recorded format; refusing to probe"
+                            )),
+                        })
+                    }
+                    Some(f) => Format::from_name(f).ok_or_else(|| ToolError::Engine {
+                        path: path.display().to_string(),
+                        source: qcow2_engine::Error::BackingChain(format!(
+                            "unsupported backing format '{f}'"
+                        )),
+                    })?,
+                };
+                let next = Path::new(&name);
+                path = if next.is_absolute() {
+                    next.to_path_buf()
+                } else {
+                    path.parent().unwrap_or(Path::new(".")).join(next)
+                };
+                format = fmt;
+            }
+        }
+    }
+    let chain = Chain::new(&exec, layers).map_err(engine_err(&spec.path))?;
+    Ok(Opened { exec, chain, files })
+}

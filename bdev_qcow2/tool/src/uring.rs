@@ -1,0 +1,333 @@
+//! The standalone host's block device: a file or block device driven by io_uring.
+//!
+//! `submit` only queues an SQE (busy when the ring is full); `poll` submits queued SQEs
+//! without waiting and reaps CQEs, so nothing ever sleeps in the kernel. Files are opened
+//! with O_DIRECT when the file system accepts 512-byte aligned direct I/O, buffered
+//! otherwise. Short reads at end of file are completed with zeros, other short transfers
+//! are resubmitted for the remainder.
+
+use io_uring::{opcode, types, IoUring};
+use qcow2_engine::io::{BlockDevice, Busy, DeviceError, DeviceOp, IoBuffer};
+use slab::Slab;
+use std::alloc::{alloc_zeroed, dealloc, Layout};
+use std::fs::{File, OpenOptions};
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
+use std::path::Path;
+use std::ptr::NonNull;
+use std::rc::Rc;
+
+/// Memory alignment of every buffer (enough for O_DIRECT on 4 KiB-sector devices).
+pub const BUF_ALIGN: usize = 4096;
+
+struct AlignedMem {
+    ptr: NonNull<u8>,
+    layout: Layout,
+}
+
+impl Drop for AlignedMem {
+    fn drop(&mut self) {
+        // SAFETY: `ptr` was returned by `alloc_zeroed(layout)` and is freed exactly once.
+        unsafe { dealloc(self.ptr.as_ptr(), self.layout) }
+    }
+}
+
+/// A 4 KiB-aligned, zero-initialised heap buffer shared by handle (like a DMA buffer).
+///
+/// Clones share the memory. The engine never touches a range while a device operation on
+/// it is in flight, and the device holds a clone until the operation completes, so the
+/// kernel never writes into freed memory.
+#[derive(Clone)]
+pub struct AlignedBuf {
+    mem: Rc<AlignedMem>,
+    len: usize,
+}
+
+impl AlignedBuf {
+    /// A zeroed buffer of `len` bytes.
+    pub fn new(len: usize) -> Self {
+        let size = len.max(1).next_multiple_of(BUF_ALIGN);
+        let Ok(layout) = Layout::from_size_align(size, BUF_ALIGN) else {
+            panic!("buffer of {len} bytes is too large");
+        };
+        // SAFETY: `layout` has a non-zero size.
+        let raw = unsafe { alloc_zeroed(layout) };
+        let Some(ptr) = NonNull::new(raw) else {
+            std::alloc::handle_alloc_error(layout)
+        };
+        AlignedBuf {
+            mem: Rc::new(AlignedMem { ptr, layout }),
+            len,
+        }
+    }
+
+    fn ptr(&self, off: usize, len: usize) -> *mut u8 {
+        assert!(
+            off.checked_add(len).is_some_and(|e| e <= self.len),
+            "buffer range out of bounds"
+        );
+        // SAFETY: `off + len <= self.len` was just checked, so the result stays inside the
+        // allocation.
+        unsafe { self.mem.ptr.as_ptr().add(off) }
+    }
+
+    /// A copy of `len` bytes at `off`.
+    pub fn to_vec(&self, off: usize, len: usize) -> Vec<u8> {
+        let mut v = vec![0; len];
+        self.copy_out(off, &mut v);
+        v
+    }
+}
+
+impl IoBuffer for AlignedBuf {
+    fn len(&self) -> usize {
+        self.len
+    }
+    fn copy_out(&self, off: usize, dst: &mut [u8]) {
+        let src = self.ptr(off, dst.len());
+        // SAFETY: the range is in bounds (checked by `ptr`); `dst` is a distinct Rust slice,
+        // so the regions do not overlap; no device I/O is in flight on this range.
+        unsafe { std::ptr::copy_nonoverlapping(src, dst.as_mut_ptr(), dst.len()) }
+    }
+    fn copy_in(&self, off: usize, src: &[u8]) {
+        let dst = self.ptr(off, src.len());
+        // SAFETY: as in `copy_out`, with the roles swapped.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst, src.len()) }
+    }
+    fn fill(&self, off: usize, len: usize, byte: u8) {
+        let dst = self.ptr(off, len);
+        // SAFETY: the range is in bounds (checked by `ptr`).
+        unsafe { std::ptr::write_bytes(dst, byte, len) }
+    }
+}
+
+/// An operation in flight: what to resubmit after a short transfer.
+struct InFlight {
+    tag: u64,
+    op: DeviceOp<AlignedBuf>,
+    done: usize,
+}
+
+/// A file or block device served through io_uring.
+pub struct UringDevice {
+    file: File,
+    ring: IoUring,
+    size: u64,
+    depth: usize,
+    inflight: Slab<InFlight>,
+    unsubmitted: usize,
+    direct: bool,
+    completions: Vec<(u64, Result<(), DeviceError>)>,
+}
+
+/// Size of a file or block device.
+fn device_size(file: &File) -> std::io::Result<u64> {
+    let md = file.metadata()?;
+    if md.file_type().is_block_device() {
+        let mut size: u64 = 0;
+        // BLKGETSIZE64 = _IOR(0x12, 114, size_t)
+        const BLKGETSIZE64: libc::c_ulong = 0x8008_1272;
+        // SAFETY: the fd is valid for the lifetime of `file`; the ioctl writes one u64.
+        let r = unsafe { libc::ioctl(file.as_raw_fd(), BLKGETSIZE64, &mut size as *mut u64) };
+        if r != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(size)
+    } else {
+        Ok(md.len())
+    }
+}
+
+/// Whether 512-byte aligned O_DIRECT reads work on this file.
+fn direct_io_works(file: &File, size: u64) -> bool {
+    if size < 512 {
+        return false;
+    }
+    let buf = AlignedBuf::new(512);
+    let p = buf.ptr(0, 512);
+    // SAFETY: `p` points at 512 writable bytes owned by `buf`, alive for the call.
+    let r = unsafe { libc::pread(file.as_raw_fd(), p.cast(), 512, 0) };
+    r == 512
+}
+
+impl UringDevice {
+    /// Opens `path` (read-only unless `writable`) with a ring of `depth` entries.
+    pub fn open(path: &Path, writable: bool, depth: u32) -> std::io::Result<Self> {
+        let open = |direct: bool| {
+            let mut o = OpenOptions::new();
+            o.read(true).write(writable);
+            if direct {
+                o.custom_flags(libc::O_DIRECT);
+            }
+            o.open(path)
+        };
+        let (file, direct) = match open(true) {
+            Ok(f) => {
+                let size = device_size(&f)?;
+                if direct_io_works(&f, size) {
+                    (f, true)
+                } else {
+                    (open(false)?, false)
+                }
+            }
+            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => (open(false)?, false),
+            Err(e) => return Err(e),
+        };
+        let size = device_size(&file)?;
+        let ring = IoUring::new(depth.next_power_of_two())?;
+        Ok(UringDevice {
+            file,
+            ring,
+            size,
+            depth: depth as usize,
+            inflight: Slab::with_capacity(depth as usize),
+            unsubmitted: 0,
+            direct,
+            completions: Vec::with_capacity(depth as usize),
+        })
+    }
+
+    /// Whether O_DIRECT is in use.
+    pub fn is_direct(&self) -> bool {
+        self.direct
+    }
+
+    /// Queues the SQE for `inflight[idx]` (its remaining part). Returns false if the SQ is full.
+    fn push_sqe(&mut self, idx: usize) -> bool {
+        let fd = types::Fd(self.file.as_raw_fd());
+        let f = &self.inflight[idx];
+        let entry = match &f.op {
+            DeviceOp::Read { offset, buf } | DeviceOp::Write { offset, buf } => {
+                let ptr = buf.buf.ptr(buf.off + f.done, buf.len - f.done);
+                let len = (buf.len - f.done) as u32;
+                let off = offset + f.done as u64;
+                if matches!(f.op, DeviceOp::Read { .. }) {
+                    opcode::Read::new(fd, ptr, len).offset(off).build()
+                } else {
+                    opcode::Write::new(fd, ptr, len).offset(off).build()
+                }
+            }
+            DeviceOp::Flush => opcode::Fsync::new(fd)
+                .flags(types::FsyncFlags::DATASYNC)
+                .build(),
+        }
+        .user_data(idx as u64);
+        // SAFETY: the buffer behind `ptr` is kept alive by the `InFlight` entry (which holds
+        // a clone of its handle) until the CQE for this SQE is reaped in `poll`.
+        let pushed = unsafe { self.ring.submission().push(&entry).is_ok() };
+        if pushed {
+            self.unsubmitted += 1;
+        }
+        pushed
+    }
+
+    /// Handles one CQE; may resubmit the remainder of a short transfer.
+    fn complete(&mut self, idx: usize, res: i32) {
+        if res < 0 {
+            let f = self.inflight.remove(idx);
+            self.completions.push((f.tag, Err(DeviceError(-res))));
+            return;
+        }
+        let n = res as usize;
+        let f = &mut self.inflight[idx];
+        let (total, is_read, buf) = match &f.op {
+            DeviceOp::Read { buf, .. } => (buf.len, true, Some(buf.clone())),
+            DeviceOp::Write { buf, .. } => (buf.len, false, None),
+            DeviceOp::Flush => (0, false, None),
+        };
+        f.done += n;
+        if f.done >= total {
+            let f = self.inflight.remove(idx);
+            self.completions.push((f.tag, Ok(())));
+        } else if n == 0 && is_read {
+            // End of file: the rest reads as zeros.
+            if let Some(b) = buf {
+                b.buf.fill(b.off + f.done, total - f.done, 0);
+            }
+            let f = self.inflight.remove(idx);
+            self.completions.push((f.tag, Ok(())));
+        } else if n == 0 {
+            let f = self.inflight.remove(idx);
+            self.completions.push((f.tag, Err(DeviceError(libc::EIO))));
+        } else if !self.push_sqe(idx) {
+            // Cannot happen: this entry's own slot in the ring was just freed.
+            let f = self.inflight.remove(idx);
+            self.completions
+                .push((f.tag, Err(DeviceError(libc::EBUSY))));
+        }
+    }
+}
+
+impl BlockDevice for UringDevice {
+    type Buf = AlignedBuf;
+
+    fn size(&self) -> u64 {
+        self.size
+    }
+
+    fn alloc_buf(&mut self, len: usize) -> AlignedBuf {
+        AlignedBuf::new(len)
+    }
+
+    fn submit(&mut self, op: DeviceOp<AlignedBuf>, tag: u64) -> Result<(), Busy<AlignedBuf>> {
+        if self.inflight.len() >= self.depth {
+            return Err(Busy(op, tag));
+        }
+        if let DeviceOp::Write { offset, buf } = &op {
+            self.size = self.size.max(offset + buf.len as u64);
+        }
+        let idx = self.inflight.insert(InFlight { tag, op, done: 0 });
+        if !self.push_sqe(idx) {
+            let f = self.inflight.remove(idx);
+            return Err(Busy(f.op, f.tag));
+        }
+        Ok(())
+    }
+
+    fn poll(&mut self, done: &mut dyn FnMut(u64, Result<(), DeviceError>)) -> usize {
+        if self.unsubmitted > 0 {
+            // Never waits: only hands the queued SQEs to the kernel.
+            match self.ring.submit() {
+                Ok(_) => self.unsubmitted = 0,
+                Err(e)
+                    if e.raw_os_error() == Some(libc::EBUSY)
+                        || e.raw_os_error() == Some(libc::EAGAIN) => {}
+                Err(e) => tracing::error!("io_uring submit failed: {e}"),
+            }
+        }
+        let mut cqes: [(u64, i32); 64] = [(0, 0); 64];
+        let mut n = 0;
+        for cqe in self.ring.completion().take(64) {
+            cqes[n] = (cqe.user_data(), cqe.result());
+            n += 1;
+        }
+        for &(idx, res) in &cqes[..n] {
+            self.complete(idx as usize, res);
+        }
+        let count = self.completions.len();
+        for (tag, res) in self.completions.drain(..) {
+            done(tag, res);
+        }
+        count
+    }
+}
+
+/// Whether `pos` of a file lies in data or a hole, and where that run ends (`SEEK_DATA` /
+/// `SEEK_HOLE`). Returns `(is_data, end)`; file systems without hole reporting say data.
+pub fn data_or_hole(file: &File, pos: u64, end: u64) -> (bool, u64) {
+    let fd = file.as_raw_fd();
+    // SAFETY: lseek on a valid fd has no memory effects.
+    let data = unsafe { libc::lseek(fd, pos as libc::off_t, libc::SEEK_DATA) };
+    if data < 0 {
+        // ENXIO: no data at or after pos — a hole to the end.
+        return (false, end);
+    }
+    let data = data as u64;
+    if data > pos {
+        return (false, data.min(end));
+    }
+    // SAFETY: as above.
+    let hole = unsafe { libc::lseek(fd, pos as libc::off_t, libc::SEEK_HOLE) };
+    let hole = if hole < 0 { end } else { hole as u64 };
+    (true, hole.min(end).max(pos + 1))
+}
