@@ -104,14 +104,23 @@ pub fn run(args: &InfoArgs) -> ToolResult<String> {
                     o
                 })
                 .collect();
-            let mut data = json!({
-                "compat": if h.version == 2 { "0.10" } else { "1.1" },
-                "compression-type": h.compression_type.name(),
-                "lazy-refcounts": ih.lazy_refcounts(),
-                "refcount-bits": ih.refcount_bits(),
-                "corrupt": ih.is_corrupt(),
-                "extended-l2": ih.extended_l2(),
-            });
+            // Like qemu-img, version 2 images list only the fields they can have.
+            let mut data = if h.version == 2 {
+                json!({
+                    "compat": "0.10",
+                    "compression-type": h.compression_type.name(),
+                    "refcount-bits": ih.refcount_bits(),
+                })
+            } else {
+                json!({
+                    "compat": "1.1",
+                    "compression-type": h.compression_type.name(),
+                    "lazy-refcounts": ih.lazy_refcounts(),
+                    "refcount-bits": ih.refcount_bits(),
+                    "corrupt": ih.is_corrupt(),
+                    "extended-l2": ih.extended_l2(),
+                })
+            };
             if let Some(m) = data.as_object_mut() {
                 if let Some(df) = &ih.extensions.external_data_file {
                     m.insert("data-file".into(), json!(df));
@@ -221,12 +230,18 @@ fn human(v: &Value) -> String {
                 .map(|x| x.to_string().trim_matches('"').to_string())
                 .unwrap_or_default()
         };
-        let _ = writeln!(s, "    compat: {}", b("compat"));
-        let _ = writeln!(s, "    compression type: {}", b("compression-type"));
-        let _ = writeln!(s, "    lazy refcounts: {}", b("lazy-refcounts"));
-        let _ = writeln!(s, "    refcount bits: {}", b("refcount-bits"));
-        let _ = writeln!(s, "    corrupt: {}", b("corrupt"));
-        let _ = writeln!(s, "    extended l2: {}", b("extended-l2"));
+        for (key, label) in [
+            ("compat", "compat"),
+            ("compression-type", "compression type"),
+            ("lazy-refcounts", "lazy refcounts"),
+            ("refcount-bits", "refcount bits"),
+            ("corrupt", "corrupt"),
+            ("extended-l2", "extended l2"),
+        ] {
+            if d.get(key).is_some() {
+                let _ = writeln!(s, "    {label}: {}", b(key));
+            }
+        }
         let bits = |k: &str| d.get(k).and_then(Value::as_u64).unwrap_or(0);
         let inc = feature_names(
             bits("incompatible-features"),

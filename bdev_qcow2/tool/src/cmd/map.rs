@@ -57,10 +57,11 @@ impl MapEntry {
     }
 }
 
-/// Status of guest bytes at `pos` (up to `end`) through the chain.
+/// Status of guest bytes at `pos` (up to `end`) through the chain. `files` holds each
+/// layer's file and whether it is raw.
 async fn chain_status(
     o: &Opened,
-    raw_files: &[Option<File>],
+    files: &[(File, bool)],
     pos: u64,
     end: u64,
 ) -> qcow2_engine::Result<MapEntry> {
@@ -68,7 +69,7 @@ async fn chain_status(
     let mut idx = 0;
     let mut end = end;
     loop {
-        if let Some(f) = &raw_files[idx] {
+        if let (f, true) = &files[idx] {
             let (is_data, run_end) = data_or_hole(f, pos, end);
             return Ok(MapEntry {
                 start: pos,
@@ -98,7 +99,15 @@ async fn chain_status(
             offset: m.host().map(off_in),
         };
         match m {
-            ClusterMapping::Data { .. } => e.data = true,
+            ClusterMapping::Data { host, .. } => {
+                e.data = true;
+                // Like QEMU, look through to the image file: data whose host bytes are a
+                // hole (or past the end of the file) reads as zeros.
+                let h = off_in(host);
+                let (is_data, run_end) = data_or_hole(&files[idx].0, h, h + n);
+                e.zero = !is_data;
+                e.length = run_end - h;
+            }
             ClusterMapping::Compressed(_) => {
                 e.data = true;
                 e.compressed = true;
@@ -123,15 +132,16 @@ async fn chain_status(
 
 /// Computes the merged map of the whole disk.
 pub fn compute(o: &Opened) -> ToolResult<Vec<MapEntry>> {
-    let raw_files: Vec<Option<File>> = o
+    let raw_files: Vec<(File, bool)> = o
         .files
         .iter()
-        .map(|(p, f)| match f {
-            Format::Raw => File::open(p).map(Some).map_err(|source| ToolError::Io {
-                path: p.display().to_string(),
-                source,
-            }),
-            Format::Qcow2 => Ok(None),
+        .map(|(p, f)| {
+            File::open(p)
+                .map(|file| (file, *f == Format::Raw))
+                .map_err(|source| ToolError::Io {
+                    path: p.display().to_string(),
+                    source,
+                })
         })
         .collect::<ToolResult<_>>()?;
     let size = o.chain.size();
