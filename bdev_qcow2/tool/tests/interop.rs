@@ -3,6 +3,8 @@
 //! `qemu-img convert -O raw`, and `qcow2 map --output=json` must equal
 //! `qemu-img map --output=json`.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test helpers may panic
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
