@@ -102,6 +102,6 @@ pub fn run(args: &ConvertArgs) -> ToolResult<String> {
             }
         }
     }
-    out.sync_all().map_err(io_err)?;
+    // Like `qemu-img convert`, the output is not fsync()ed (run `sync` if it must be durable).
     Ok(String::new())
 }

@@ -47,6 +47,23 @@ pub fn human_size(n: u64) -> String {
     format!("{s} {}", UNITS[i])
 }
 
+/// `YYYY-MM-DD HH:MM:SS` (UTC) for a Unix time.
+fn utc_date(secs: u64) -> String {
+    let days = (secs / 86400) as i64;
+    let rem = secs % 86400;
+    // Civil-from-days (Howard Hinnant's algorithm).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    format!("{y:04}-{m:02}-{d:02} {:02}:{:02}:{:02}", rem / 3600, rem / 60 % 60, rem % 60)
+}
+
 fn feature_names(bits: u64, known: &[(u64, &str)]) -> Vec<String> {
     (0..64)
         .filter(|b| bits & (1u64 << b) != 0)
@@ -216,7 +233,7 @@ fn human(v: &Value) -> String {
                 sn.get("id").and_then(Value::as_str).unwrap_or(""),
                 sn.get("name").and_then(Value::as_str).unwrap_or(""),
                 human_size(sn.get("vm-state-size").and_then(Value::as_u64).unwrap_or(0)),
-                sn.get("date-sec").and_then(Value::as_u64).unwrap_or(0),
+                utc_date(sn.get("date-sec").and_then(Value::as_u64).unwrap_or(0)),
                 secs / 3600,
                 secs / 60 % 60,
                 secs % 60
@@ -275,6 +292,12 @@ fn human(v: &Value) -> String {
 #[cfg(test)]
 mod tests {
     use super::human_size;
+
+    #[test]
+    fn dates() {
+        assert_eq!(super::utc_date(0), "1970-01-01 00:00:00");
+        assert_eq!(super::utc_date(1_796_015_300), "2026-11-30 05:08:20");
+    }
 
     #[test]
     fn sizes_like_qemu() {
