@@ -27,11 +27,19 @@ fn qemu_img(args: &[&str]) -> Output {
     run(Command::new("qemu-img").args(args))
 }
 
-/// Runs qemu-io commands (one process, many `-c`) on a qcow2 image.
+/// Runs qemu-io commands (one process, many `-c`) on a qcow2 image. Commands may name
+/// `RAND`, replaced by a file of random bytes next to the image (for `write -s`).
 fn qemu_io(img: &Path, cmds: &[String]) {
+    let rand = img.with_file_name("random.bin");
+    if !rand.exists() {
+        let mut r = Rng(0x1234_5678);
+        let data: Vec<u8> = (0..8 << 20).map(|_| r.next() as u8).collect();
+        std::fs::write(&rand, data).expect("write random data");
+    }
+    let cmds: Vec<String> = cmds.iter().map(|c| c.replace("RAND", rand.to_str().expect("utf-8"))).collect();
     let mut c = Command::new("qemu-io");
     c.arg("-f").arg("qcow2");
-    for x in cmds {
+    for x in &cmds {
         c.arg("-c").arg(x);
     }
     c.arg(img);
@@ -57,8 +65,9 @@ impl Rng {
     }
 }
 
-/// A random workload of writes with patterns, zero writes (with and without unmap) and
-/// discards, 512-byte aligned, sizes from one sector to several clusters.
+/// A random workload of writes (constant patterns, and random bytes so that data misplaced
+/// within a cluster shows), zero writes (with and without unmap) and discards, 512-byte
+/// aligned, sizes from one sector to several clusters.
 fn workload(seed: u64, size: u64, cluster: u64, n: usize) -> Vec<String> {
     let mut r = Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
     let sectors = size / 512;
@@ -71,6 +80,7 @@ fn workload(seed: u64, size: u64, cluster: u64, n: usize) -> Vec<String> {
             0 => format!("write -z {off} {len}"),
             1 => format!("write -z -u {off} {len}"),
             2 => format!("discard {off} {len}"),
+            3 | 4 => format!("write -s RAND {off} {len}"),
             _ => format!("write -P {} {off} {len}", 1 + r.below(254)),
         };
         cmds.push(cmd);
