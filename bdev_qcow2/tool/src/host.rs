@@ -74,6 +74,8 @@ pub struct OpenSpec {
     pub opts: OpenOptions,
     /// io_uring queue depth per device.
     pub queue_depth: u32,
+    /// Bypass the page cache (O_DIRECT) where the file system allows.
+    pub direct: bool,
 }
 
 /// An opened chain with the paths and formats of its layers (top first).
@@ -98,19 +100,22 @@ pub fn open_device(
     exec: &Exec<UringDevice>,
     path: &Path,
     writable: bool,
-    depth: u32,
+    spec: &OpenSpec,
 ) -> ToolResult<qcow2_engine::DevId> {
-    let dev = UringDevice::open(path, writable, depth).map_err(|source| ToolError::Io {
-        path: path.display().to_string(),
-        source,
-    })?;
+    let dev =
+        UringDevice::open(path, writable, spec.direct, spec.queue_depth).map_err(|source| {
+            ToolError::Io {
+                path: path.display().to_string(),
+                source,
+            }
+        })?;
     Ok(exec.add_device(dev))
 }
 
 /// Opens a qcow2 image on its own (no backing chain), for `info`.
 pub fn open_single(spec: &OpenSpec) -> ToolResult<(Exec<UringDevice>, Rc<Qcow2<UringDevice>>)> {
     let exec = Exec::new();
-    let dev = open_device(&exec, &spec.path, false, spec.queue_depth)?;
+    let dev = open_device(&exec, &spec.path, false, spec)?;
     let e2 = exec.clone();
     let opts = spec.opts;
     let q = exec
@@ -153,7 +158,7 @@ pub fn open_chain(spec: &OpenSpec) -> ToolResult<Opened> {
                 )),
             });
         }
-        let dev = open_device(&exec, &path, false, spec.queue_depth)?;
+        let dev = open_device(&exec, &path, false, spec)?;
         files.push((path.clone(), format));
         match format {
             Format::Raw => {

@@ -71,6 +71,16 @@ impl AlignedBuf {
         unsafe { self.mem.ptr.as_ptr().add(off) }
     }
 
+    /// Whether `len` bytes at `off` are all zero (no device I/O may be in flight on them).
+    pub fn is_zero(&self, off: usize, len: usize) -> bool {
+        let p = self.ptr(off, len);
+        // SAFETY: the range is in bounds (checked by `ptr`) and initialised (the allocation
+        // is zeroed at creation); no I/O writes it meanwhile (the caller's contract), and the
+        // slice does not outlive this call.
+        let s = unsafe { std::slice::from_raw_parts(p, len) };
+        s.iter().all(|b| *b == 0)
+    }
+
     /// A copy of `len` bytes at `off`.
     pub fn to_vec(&self, off: usize, len: usize) -> Vec<u8> {
         let mut v = vec![0; len];
@@ -151,8 +161,9 @@ fn direct_io_works(file: &File, size: u64) -> bool {
 }
 
 impl UringDevice {
-    /// Opens `path` (read-only unless `writable`) with a ring of `depth` entries.
-    pub fn open(path: &Path, writable: bool, depth: u32) -> std::io::Result<Self> {
+    /// Opens `path` (read-only unless `writable`) with a ring of `depth` entries, with
+    /// O_DIRECT if `direct` is asked for and the file system supports it.
+    pub fn open(path: &Path, writable: bool, direct: bool, depth: u32) -> std::io::Result<Self> {
         let open = |direct: bool| {
             let mut o = OpenOptions::new();
             o.read(true).write(writable);
@@ -161,16 +172,16 @@ impl UringDevice {
             }
             o.open(path)
         };
-        let (file, direct) = match open(true) {
+        let (file, direct) = match open(direct) {
             Ok(f) => {
                 let size = device_size(&f)?;
-                if direct_io_works(&f, size) {
+                if !direct || direct_io_works(&f, size) {
                     (f, true)
                 } else {
                     (open(false)?, false)
                 }
             }
-            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => (open(false)?, false),
+            Err(e) if direct && e.raw_os_error() == Some(libc::EINVAL) => (open(false)?, false),
             Err(e) => return Err(e),
         };
         let size = device_size(&file)?;

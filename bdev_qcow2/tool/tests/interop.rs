@@ -36,7 +36,10 @@ fn qemu_io(img: &Path, cmds: &[String]) {
         let data: Vec<u8> = (0..8 << 20).map(|_| r.next() as u8).collect();
         std::fs::write(&rand, data).expect("write random data");
     }
-    let cmds: Vec<String> = cmds.iter().map(|c| c.replace("RAND", rand.to_str().expect("utf-8"))).collect();
+    let cmds: Vec<String> = cmds
+        .iter()
+        .map(|c| c.replace("RAND", rand.to_str().expect("utf-8")))
+        .collect();
     let mut c = Command::new("qemu-io");
     c.arg("-f").arg("qcow2");
     for x in &cmds {

@@ -5,9 +5,11 @@
 
 use super::ImageArgs;
 use crate::host::{open_chain, ToolError, ToolResult};
-use crate::uring::AlignedBuf;
-use qcow2_engine::io::BufSlice;
-use std::os::unix::fs::FileExt;
+use crate::uring::{AlignedBuf, UringDevice};
+use qcow2_engine::io::{BufSlice, DeviceOp};
+
+/// Tag bit marking output writes (read tags are slot numbers).
+const WRITE_TAG: u64 = 1 << 63;
 use std::path::PathBuf;
 
 /// Output formats of `convert`.
@@ -57,28 +59,30 @@ pub fn run(args: &ConvertArgs) -> ToolResult<String> {
         .map_err(io_err)?;
     out.set_len(size).map_err(io_err)?;
 
+    drop(out);
+    // Output writes go through io_uring too, so they overlap with reads (the kernel copies
+    // into the page cache on its own workers) instead of stalling the polling loop.
+    let out_dev = UringDevice::open(&args.output, true, false, 64).map_err(io_err)?;
+    let out_id = o.exec.add_device(out_dev);
+
     let depth = args.queue_depth.max(1);
     let chunk = args.chunk_size as usize;
     let bufs: Vec<AlignedBuf> = (0..depth).map(|_| AlignedBuf::new(chunk)).collect();
-    // Per slot: the guest offset and length in flight, if any.
+    // Per slot: the guest offset and length being read or written, if any.
     let mut slots: Vec<Option<(u64, usize)>> = vec![None; depth];
     let mut next = 0u64;
     let mut done: Vec<(u64, qcow2_engine::Result<()>)> = Vec::with_capacity(depth);
-    let mut host_buf = vec![0u8; chunk];
     loop {
         for (i, slot) in slots.iter_mut().enumerate() {
             if slot.is_none() && next < size {
                 let len = (size - next).min(chunk as u64) as usize;
                 *slot = Some((next, len));
-                o.chain.submit_read(
-                    i as u64,
-                    next,
-                    BufSlice {
-                        buf: bufs[i].clone(),
-                        off: 0,
-                        len,
-                    },
-                );
+                let buf = BufSlice {
+                    buf: bufs[i].clone(),
+                    off: 0,
+                    len,
+                };
+                o.chain.submit_read(i as u64, next, buf);
                 next += len as u64;
             }
         }
@@ -87,19 +91,34 @@ pub fn run(args: &ConvertArgs) -> ToolResult<String> {
         }
         o.exec.poll(&mut |tag, r| done.push((tag, r)));
         for (tag, r) in done.drain(..) {
-            let i = tag as usize;
-            let Some((off, len)) = slots[i].take() else {
+            let i = (tag & !WRITE_TAG) as usize;
+            if tag & WRITE_TAG != 0 {
+                slots[i] = None;
+                r.map_err(|source| ToolError::Engine {
+                    path: args.output.display().to_string(),
+                    source,
+                })?;
                 continue;
-            };
+            }
+            let Some((off, len)) = slots[i] else { continue };
             r.map_err(|source| ToolError::Engine {
                 path: args.image.image.display().to_string(),
                 source,
             })?;
-            let data = &mut host_buf[..len];
-            qcow2_engine::io::IoBuffer::copy_out(&bufs[i], 0, data);
-            if data.iter().any(|b| *b != 0) {
-                out.write_all_at(data, off).map_err(io_err)?;
+            if bufs[i].is_zero(0, len) {
+                // Leave a hole, like qemu-img.
+                slots[i] = None;
+                continue;
             }
+            let req = o.exec.request_begin(WRITE_TAG | i as u64);
+            let buf = BufSlice {
+                buf: bufs[i].clone(),
+                off: 0,
+                len,
+            };
+            o.exec
+                .request_op(req, out_id, DeviceOp::Write { offset: off, buf });
+            o.exec.request_arm(req);
         }
     }
     // Like `qemu-img convert`, the output is not fsync()ed (run `sync` if it must be durable).

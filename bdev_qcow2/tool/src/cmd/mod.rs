@@ -26,8 +26,21 @@ pub struct ImageArgs {
     /// Ways per set of the slice cache.
     #[arg(long, default_value_t = 8)]
     pub cache_ways: usize,
+    /// Cache mode of the image files, as qemu-img's `-t`/`-T`: `none` bypasses the page
+    /// cache (O_DIRECT, where the file system allows it), `writeback` uses it.
+    #[arg(short = 'T', long = "cache", value_enum, default_value = "none")]
+    pub cache: CacheMode,
     /// The image.
     pub image: PathBuf,
+}
+
+/// Host page-cache use for image files.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum CacheMode {
+    /// O_DIRECT (falls back to buffered I/O where unsupported).
+    None,
+    /// Buffered I/O through the page cache.
+    Writeback,
 }
 
 impl ImageArgs {
@@ -55,6 +68,7 @@ impl ImageArgs {
                 ..OpenOptions::default()
             },
             queue_depth: 64,
+            direct: self.cache == CacheMode::None,
         })
     }
 }
