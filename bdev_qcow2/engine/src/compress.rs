@@ -17,7 +17,22 @@ pub fn decompress(ct: CompressionType, input: &[u8], out: &mut [u8]) -> Result<(
 fn inflate_raw(input: &[u8], out: &mut [u8]) -> Result<()> {
     let mut d = flate2::Decompress::new(false);
     match d.decompress(input, out, flate2::FlushDecompress::Finish) {
-        Ok(_) if d.total_out() as usize == out.len() => Ok(()),
+        Ok(flate2::Status::StreamEnd) if d.total_out() as usize == out.len() => Ok(()),
+        Ok(_) if d.total_out() as usize == out.len() => {
+            // The cluster is full but the stream has not ended: only its end-of-block code
+            // may be left (QEMU accepts that), or more data. Decode one more byte to tell;
+            // errors in what follows a full cluster are ignored, as QEMU does.
+            let rest = input.get(d.total_in() as usize..).unwrap_or_default();
+            let _ = d.decompress(rest, &mut [0u8; 1], flate2::FlushDecompress::Finish);
+            if d.total_out() as usize > out.len() {
+                return Err(corrupt(
+                    Field::CompressedData,
+                    d.total_in(),
+                    "deflate stream larger than a cluster",
+                ));
+            }
+            Ok(())
+        }
         Ok(_) => Err(corrupt(
             Field::CompressedData,
             d.total_out(),
@@ -48,7 +63,11 @@ fn unzstd(input: &[u8], out: &mut [u8]) -> Result<()> {
             )
         })?;
         if outb.pos() == outb.capacity() {
-            return Ok(());
+            return if hint == 0 {
+                Ok(())
+            } else {
+                zstd_check_no_more_output(&mut dec, &mut inb)
+            };
         }
         if hint == 0 {
             // End of a frame before the cluster is full.
@@ -64,6 +83,35 @@ fn unzstd(input: &[u8], out: &mut [u8]) -> Result<()> {
                 inb.pos() as u64,
                 "truncated zstd stream",
             ));
+        }
+    }
+}
+
+/// After a full cluster with the frame unfinished: errors if the stream still decodes to
+/// more output (a compressed cluster larger than a cluster). What is left may also be just
+/// the frame's epilogue; errors in it are ignored, as for deflate.
+fn zstd_check_no_more_output(
+    dec: &mut zstd::stream::raw::Decoder<'_>,
+    inb: &mut zstd::stream::raw::InBuffer<'_>,
+) -> Result<()> {
+    use zstd::stream::raw::{Operation, OutBuffer};
+    let mut extra = [0u8; 1];
+    let mut xb = OutBuffer::around(&mut extra[..]);
+    // Bounded: stops as soon as an iteration consumes no input.
+    loop {
+        let before = inb.pos();
+        let Ok(hint) = dec.run(inb, &mut xb) else {
+            return Ok(());
+        };
+        if xb.pos() > 0 {
+            return Err(corrupt(
+                Field::CompressedData,
+                inb.pos() as u64,
+                "zstd stream larger than a cluster",
+            ));
+        }
+        if hint == 0 || inb.pos() == before {
+            return Ok(());
         }
     }
 }

@@ -68,9 +68,8 @@ pub async fn read_bytes<D: BlockDevice>(
     let start = off / SECTOR * SECTOR;
     let end = off
         .checked_add(len)
-        .ok_or(Error::InvalidRequest("read range overflows"))?
-        .div_ceil(SECTOR)
-        * SECTOR;
+        .and_then(|e| e.div_ceil(SECTOR).checked_mul(SECTOR))
+        .ok_or(Error::InvalidRequest("read range overflows"))?;
     let n = (end - start) as usize;
     let buf = exec.alloc_buf(dev, n);
     exec.read(dev, start, BufSlice::whole(buf.clone())).await?;

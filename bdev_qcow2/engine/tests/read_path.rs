@@ -14,25 +14,42 @@ use std::rc::Rc;
 
 fn sh(cmd: &mut Command) {
     let out = cmd.output().expect("run");
-    assert!(out.status.success(), "{cmd:?}: {}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{cmd:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 /// Creates an image with qemu-img, runs qemu-io commands, returns (image bytes, raw bytes).
 fn make_image(dir: &Path, opts: &str, size: &str, io: &[&str]) -> (Vec<u8>, Vec<u8>) {
     let img = dir.join("img.qcow2");
     let raw = dir.join("img.raw");
-    sh(Command::new("qemu-img").args(["create", "-q", "-f", "qcow2", "-o", opts]).arg(&img).arg(size));
+    sh(Command::new("qemu-img")
+        .args(["create", "-q", "-f", "qcow2", "-o", opts])
+        .arg(&img)
+        .arg(size));
     let mut q = Command::new("qemu-io");
     q.args(["-f", "qcow2"]);
     for c in io {
         q.arg("-c").arg(c);
     }
     sh(q.arg(&img));
-    sh(Command::new("qemu-img").args(["convert", "-O", "raw"]).arg(&img).arg(&raw));
+    sh(Command::new("qemu-img")
+        .args(["convert", "-O", "raw"])
+        .arg(&img)
+        .arg(&raw));
     (std::fs::read(&img).unwrap(), std::fs::read(&raw).unwrap())
 }
 
-fn open(bytes: Vec<u8>, opts: OpenOptions) -> (Exec<MemDevice>, MemDevice, Result<Rc<Chain<MemDevice>>, Error>) {
+fn open(
+    bytes: Vec<u8>,
+    opts: OpenOptions,
+) -> (
+    Exec<MemDevice>,
+    MemDevice,
+    Result<Rc<Chain<MemDevice>>, Error>,
+) {
     let exec = Exec::new();
     let dev = MemDevice::new(bytes);
     let id = exec.add_device(dev.clone());
@@ -43,7 +60,12 @@ fn open(bytes: Vec<u8>, opts: OpenOptions) -> (Exec<MemDevice>, MemDevice, Resul
 }
 
 /// Reads [off, off+len) through the submit/poll interface; returns the data or the error.
-fn submit_and_wait(exec: &Exec<MemDevice>, chain: &Rc<Chain<MemDevice>>, off: u64, len: usize) -> Result<Vec<u8>, Error> {
+fn submit_and_wait(
+    exec: &Exec<MemDevice>,
+    chain: &Rc<Chain<MemDevice>>,
+    off: u64,
+    len: usize,
+) -> Result<Vec<u8>, Error> {
     let buf = HeapBuf::new(len);
     chain.submit_read(7, off, BufSlice::whole(buf.clone()));
     let result: RefCell<Option<Result<(), Error>>> = RefCell::new(None);
@@ -59,7 +81,12 @@ fn submit_and_wait(exec: &Exec<MemDevice>, chain: &Rc<Chain<MemDevice>>, off: u6
 #[test]
 fn fast_path_is_one_device_io_per_contiguous_run() {
     let dir = tempfile::tempdir().unwrap();
-    let (img, raw) = make_image(dir.path(), "cluster_size=65536", "16M", &["write -P 0x11 0 1M", "write -z 1M 64k"]);
+    let (img, raw) = make_image(
+        dir.path(),
+        "cluster_size=65536",
+        "16M",
+        &["write -P 0x11 0 1M", "write -z 1M 64k"],
+    );
     let (exec, dev, chain) = open(img, OpenOptions::default());
     let chain = chain.unwrap();
     // First read misses the slice: slow path.
@@ -72,14 +99,24 @@ fn fast_path_is_one_device_io_per_contiguous_run() {
     let b = submit_and_wait(&exec, &chain, 0, 1 << 20).unwrap();
     assert_eq!(b, raw[..1 << 20]);
     assert_eq!(chain.stats().fast_reads, 1);
-    assert_eq!(dev.0.borrow().reads - reads, 1, "contiguous clusters must be one device I/O");
-    assert_eq!(exec.stats().tasks_spawned, tasks, "the fast path spawns no task");
+    assert_eq!(
+        dev.0.borrow().reads - reads,
+        1,
+        "contiguous clusters must be one device I/O"
+    );
+    assert_eq!(
+        exec.stats().tasks_spawned,
+        tasks,
+        "the fast path spawns no task"
+    );
     // Data plus a zero cluster plus unallocated space: still one device read on the fast path.
     let reads = dev.0.borrow().reads;
     let c = submit_and_wait(&exec, &chain, 0, 2 << 20).unwrap();
     assert_eq!(c, raw[..2 << 20]);
     assert_eq!(dev.0.borrow().reads - reads, 1);
-    let Layer::Qcow2(q) = &chain.layers()[0] else { panic!() };
+    let Layer::Qcow2(q) = &chain.layers()[0] else {
+        panic!()
+    };
     let s = q.l2_cache_stats();
     assert!(s.hits >= 2 && s.misses >= 1, "{s:?}");
 }
@@ -91,9 +128,21 @@ fn busy_slow_device_reads_like_qemu() {
         dir.path(),
         "cluster_size=4096,extended_l2=off",
         "8M",
-        &["write -P 0x21 0 3M", "write -P 0x22 5000k 100k", "discard 1M 512k", "write -z 2M 8k"],
+        &[
+            "write -P 0x21 0 3M",
+            "write -P 0x22 5000k 100k",
+            "discard 1M 512k",
+            "write -z 2M 8k",
+        ],
     );
-    let (exec, dev, chain) = open(img, OpenOptions { l2_cache_bytes: Some(4096), cache_ways: 2, ..Default::default() });
+    let (exec, dev, chain) = open(
+        img,
+        OpenOptions {
+            l2_cache_bytes: Some(4096),
+            cache_ways: 2,
+            ..Default::default()
+        },
+    );
     let chain = chain.unwrap();
     {
         let mut s = dev.0.borrow_mut();
@@ -123,9 +172,20 @@ fn busy_slow_device_reads_like_qemu() {
 #[test]
 fn a_failure_at_every_device_io_reaches_the_caller() {
     let dir = tempfile::tempdir().unwrap();
-    let (img, raw) = make_image(dir.path(), "cluster_size=4096", "4M", &["write -P 0x31 0 1M", "write -P 0x32 2M 40k"]);
+    let (img, raw) = make_image(
+        dir.path(),
+        "cluster_size=4096",
+        "4M",
+        &["write -P 0x31 0 1M", "write -P 0x32 2M 40k"],
+    );
     // Count the device operations of a clean open + full read.
-    let (exec, dev, chain) = open(img.clone(), OpenOptions { l2_cache_bytes: Some(4096), ..Default::default() });
+    let (exec, dev, chain) = open(
+        img.clone(),
+        OpenOptions {
+            l2_cache_bytes: Some(4096),
+            ..Default::default()
+        },
+    );
     let data = submit_and_wait(&exec, &chain.unwrap(), 0, raw.len()).unwrap();
     assert_eq!(data, raw);
     let total = dev.0.borrow().ops;
@@ -137,12 +197,19 @@ fn a_failure_at_every_device_io_reaches_the_caller() {
             dev.0.borrow_mut().fail_op = Some((k, errno));
             let id = exec.add_device(dev.clone());
             let e2 = exec.clone();
-            let opts = OpenOptions { l2_cache_bytes: Some(4096), ..Default::default() };
+            let opts = OpenOptions {
+                l2_cache_bytes: Some(4096),
+                ..Default::default()
+            };
             let r = exec
                 .block_on(async move { Qcow2::open(&e2, id, opts).await })
                 .and_then(|q| Chain::new(&exec, vec![Layer::Qcow2(Box::new(q))]))
                 .and_then(|c| submit_and_wait(&exec, &c, 0, raw.len()));
-            assert_eq!(r, Err(Error::Io(errno)), "failing op {k} with errno {errno}");
+            assert_eq!(
+                r,
+                Err(Error::Io(errno)),
+                "failing op {k} with errno {errno}"
+            );
         }
     }
 }
@@ -153,27 +220,62 @@ fn backing_chain_on_memory_devices() {
     let base = dir.path().join("base.qcow2");
     let top = dir.path().join("top.qcow2");
     let raw = dir.path().join("top.raw");
-    sh(Command::new("qemu-img").args(["create", "-q", "-f", "qcow2"]).arg(&base).arg("4M"));
-    sh(Command::new("qemu-io").args(["-f", "qcow2", "-c", "write -P 0x41 0 2M"]).arg(&base));
     sh(Command::new("qemu-img")
-        .args(["create", "-q", "-f", "qcow2", "-o", "backing_file=base.qcow2,backing_fmt=qcow2"])
+        .args(["create", "-q", "-f", "qcow2"])
+        .arg(&base)
+        .arg("4M"));
+    sh(Command::new("qemu-io")
+        .args(["-f", "qcow2", "-c", "write -P 0x41 0 2M"])
+        .arg(&base));
+    sh(Command::new("qemu-img")
+        .args([
+            "create",
+            "-q",
+            "-f",
+            "qcow2",
+            "-o",
+            "backing_file=base.qcow2,backing_fmt=qcow2",
+        ])
         .arg(&top));
-    sh(Command::new("qemu-io").args(["-f", "qcow2", "-c", "write -P 0x42 1M 4k", "-c", "discard 1536k 64k"]).arg(&top));
-    sh(Command::new("qemu-img").args(["convert", "-O", "raw"]).arg(&top).arg(&raw));
+    sh(Command::new("qemu-io")
+        .args([
+            "-f",
+            "qcow2",
+            "-c",
+            "write -P 0x42 1M 4k",
+            "-c",
+            "discard 1536k 64k",
+        ])
+        .arg(&top));
+    sh(Command::new("qemu-img")
+        .args(["convert", "-O", "raw"])
+        .arg(&top)
+        .arg(&raw));
     let exec = Exec::new();
     let mut layers = Vec::new();
     for p in [&top, &base] {
         let id = exec.add_device(MemDevice::new(std::fs::read(p).unwrap()));
         let e2 = exec.clone();
-        let q = exec.block_on(async move { Qcow2::open(&e2, id, OpenOptions::default()).await }).unwrap();
+        let q = exec
+            .block_on(async move { Qcow2::open(&e2, id, OpenOptions::default()).await })
+            .unwrap();
         layers.push(Layer::Qcow2(Box::new(q)));
     }
     let chain = Chain::new(&exec, layers).unwrap();
     let expect = std::fs::read(&raw).unwrap();
     for _ in 0..2 {
-        assert_eq!(submit_and_wait(&exec, &chain, 0, expect.len()).unwrap(), expect);
+        assert_eq!(
+            submit_and_wait(&exec, &chain, 0, expect.len()).unwrap(),
+            expect
+        );
     }
     // Unaligned and out-of-range requests are refused, not served.
-    assert!(matches!(submit_and_wait(&exec, &chain, 100, 512), Err(Error::InvalidRequest(_))));
-    assert!(matches!(submit_and_wait(&exec, &chain, 4 << 20, 512), Err(Error::InvalidRequest(_))));
+    assert!(matches!(
+        submit_and_wait(&exec, &chain, 100, 512),
+        Err(Error::InvalidRequest(_))
+    ));
+    assert!(matches!(
+        submit_and_wait(&exec, &chain, 4 << 20, 512),
+        Err(Error::InvalidRequest(_))
+    ));
 }

@@ -624,11 +624,13 @@ fn check_table(
     device_size: u64,
     may_be_empty: bool,
 ) -> Result<()> {
-    if may_be_empty && len == 0 {
-        return Ok(());
-    }
+    // Even an empty table must be aligned (as QEMU requires): its offset is still used,
+    // e.g. rounded to sectors for a zero-length read, which must not overflow.
     if !off.is_multiple_of(cluster_size) {
         return Err(invalid(field, off, "not aligned to a cluster"));
+    }
+    if may_be_empty && len == 0 {
+        return Ok(());
     }
     if off == 0 {
         return Err(invalid(field, off, "overlaps the header"));

@@ -1,1 +1,569 @@
+//! Property tests of the on-disk formats: encode → decode round trips of the header, the
+//! snapshot table, compressed descriptors and refcount entries, and "never panics, and
+//! what is accepted is in range" for arbitrary entries and mutated headers.
+//!
+//! Decoding validates tables against the device, so generated headers place every table
+//! at a cluster-aligned offset well inside [`DEVICE_SIZE`].
 
+use super::entries::{compressed_entry, ClusterMapping, L1Entry, L2Context, L2Entry};
+use super::entries::{SubclusterBitmap, COMPRESSED, COPIED};
+use super::header::{autoclear, ext_type, incompat, BitmapsExt, FeatureName};
+use super::header::{CompressionType, Extensions, Header, ImageHeader};
+use super::refcount::{entries_per_block, get_refcount, max_refcount, set_refcount};
+use super::snapshot::{decode_snapshots, encode_snapshots, Snapshot, SnapshotDecode};
+use crate::error::{Error, Field};
+use crate::limits::{
+    MAX_BITMAPS, MAX_BITMAP_DIRECTORY_BYTES, MAX_L1_ENTRIES, MAX_REFCOUNT_TABLE_BYTES,
+    MAX_SNAPSHOTS, MAX_SNAPSHOT_EXTRA_DATA, MAX_VIRTUAL_SIZE,
+};
+use crate::types::SUBCLUSTERS;
+use proptest::prelude::*;
+
+/// Device size given to the decoders: large enough for every generated table.
+const DEVICE_SIZE: u64 = 1 << 62;
+
+/// Printable ASCII (no NUL, valid UTF-8) of `min..=max` bytes.
+fn ascii(min: usize, max: usize) -> impl Strategy<Value = String> {
+    proptest::collection::vec(0x20u8..0x7f, min..=max)
+        .prop_map(|v| v.into_iter().map(char::from).collect())
+}
+
+/// Header extension types the decoder interprets (never generated as "unknown").
+const KNOWN_EXTS: [u32; 6] = [
+    ext_type::END,
+    ext_type::BACKING_FORMAT,
+    ext_type::FEATURE_NAME_TABLE,
+    ext_type::BITMAPS,
+    ext_type::ENCRYPTION,
+    ext_type::EXTERNAL_DATA_FILE,
+];
+
+/// The random choices behind one header (see [`make_header`]).
+#[derive(Debug, Clone)]
+struct HeaderSeed {
+    v3: bool,
+    cluster_bits: u32,
+    extended_l2: bool,
+    zstd: bool,
+    dirty: bool,
+    corrupt: bool,
+    compatible: u64,
+    autoclear: u64,
+    refcount_order: u32,
+    size: u64,
+    l1_extra: u64,
+    l1_at_zero: bool,
+    clusters: (u64, u64, u64),
+    rt_clusters: u64,
+    nb_snapshots: u32,
+    tail: Vec<u64>,
+    backing_format: Option<String>,
+    external_data_file: Option<String>,
+    bitmaps: Option<(u32, u64, u64)>,
+    feature_names: Vec<(u8, u8, String)>,
+    unknown: Vec<(u32, Vec<u8>)>,
+    backing_file: Option<String>,
+}
+
+fn header_seed() -> impl Strategy<Value = HeaderSeed> {
+    let geometry = (
+        any::<bool>(),
+        9u32..=21,
+        any::<bool>(),
+        any::<bool>(),
+        any::<bool>(),
+        any::<bool>(),
+        0u32..=6,
+    );
+    let features = (any::<u64>(), any::<u64>());
+    let tables = (
+        any::<u64>(),
+        0u64..16,
+        any::<bool>(),
+        (1u64..1 << 20, 1u64..1 << 20, 1u64..1 << 20),
+        any::<u64>(),
+        prop_oneof![Just(0u32), 1u32..=16, Just(MAX_SNAPSHOTS as u32)],
+    );
+    let extensions = (
+        proptest::collection::vec(any::<u64>(), 0..=4),
+        proptest::option::of(ascii(0, 15)),
+        proptest::option::of(ascii(0, 32)),
+        proptest::option::of((
+            1u32..=MAX_BITMAPS as u32,
+            1u64..=MAX_BITMAP_DIRECTORY_BYTES,
+            1u64..1 << 20,
+        )),
+        proptest::collection::vec((0u8..=2, any::<u8>(), ascii(0, 46)), 0..=4),
+        proptest::collection::vec(
+            (
+                any::<u32>().prop_filter("unknown type", |t| !KNOWN_EXTS.contains(t)),
+                proptest::collection::vec(any::<u8>(), 0..=32),
+            ),
+            0..=2,
+        ),
+        proptest::option::of(ascii(1, 1023)),
+    );
+    (geometry, features, tables, extensions).prop_map(
+        |(
+            (v3, cluster_bits, extended_l2, zstd, dirty, corrupt, refcount_order),
+            (compatible, autoclear),
+            (size, l1_extra, l1_at_zero, clusters, rt_clusters, nb_snapshots),
+            (tail, backing_format, external_data_file, bitmaps, feature_names, unknown, backing),
+        )| HeaderSeed {
+            v3,
+            cluster_bits,
+            extended_l2,
+            zstd,
+            dirty,
+            corrupt,
+            compatible,
+            autoclear,
+            refcount_order,
+            size,
+            l1_extra,
+            l1_at_zero,
+            clusters,
+            rt_clusters,
+            nb_snapshots,
+            tail,
+            backing_format,
+            external_data_file,
+            bitmaps,
+            feature_names,
+            unknown,
+            backing_file: backing,
+        },
+    )
+}
+
+/// A valid header from `s` (without its backing file name: see [`with_backing_file`]).
+fn make_header(s: &HeaderSeed) -> ImageHeader {
+    let cb = s.cluster_bits;
+    let cs = 1u64 << cb;
+    // Version 2 has none of the v3 fields; extended L2 needs 16 KiB clusters.
+    let extended_l2 = s.v3 && s.extended_l2 && cb >= 14;
+    let zstd = s.v3 && s.zstd;
+    let l2_bits = cb - if extended_l2 { 4 } else { 3 };
+    let l1_coverage = 1u64 << (cb + l2_bits);
+    let max_size = MAX_VIRTUAL_SIZE.min(l1_coverage * MAX_L1_ENTRIES);
+    let size = s.size % (max_size + 1);
+    let l1_size = (size.div_ceil(l1_coverage) + s.l1_extra).min(MAX_L1_ENTRIES);
+    let (l1_cluster, rt_cluster, snap_cluster) = s.clusters;
+    // An empty L1 table may sit at offset 0 (QEMU writes that for 0-byte disks).
+    let l1_table_offset = if l1_size == 0 && s.l1_at_zero {
+        0
+    } else {
+        l1_cluster * cs
+    };
+    let mut incompatible = 0;
+    if s.v3 {
+        incompatible |= if s.dirty { incompat::DIRTY } else { 0 };
+        incompatible |= if s.corrupt { incompat::CORRUPT } else { 0 };
+        incompatible |= if extended_l2 {
+            incompat::EXTENDED_L2
+        } else {
+            0
+        };
+        incompatible |= if zstd { incompat::COMPRESSION_TYPE } else { 0 };
+    }
+    // The bitmaps extension is only meaningful (and only decoded as such) with the
+    // autoclear bit; version 2 has no autoclear field.
+    let bitmaps = s
+        .bitmaps
+        .filter(|_| s.v3)
+        .map(|(nb_bitmaps, directory_size, dir_cluster)| BitmapsExt {
+            nb_bitmaps,
+            directory_size,
+            directory_offset: dir_cluster * cs,
+        });
+    let autoclear = match (s.v3, bitmaps.is_some()) {
+        (false, _) => 0,
+        (true, true) => s.autoclear | autoclear::BITMAPS,
+        (true, false) => s.autoclear & !autoclear::BITMAPS,
+    };
+    let unknown_tail: Vec<u8> = if s.v3 {
+        s.tail.iter().flat_map(|w| w.to_be_bytes()).collect()
+    } else {
+        Vec::new()
+    };
+    let header = Header {
+        version: if s.v3 { 3 } else { 2 },
+        backing_file_offset: 0,
+        backing_file_size: 0,
+        cluster_bits: cb,
+        size,
+        crypt_method: 0,
+        l1_size: l1_size as u32,
+        l1_table_offset,
+        refcount_table_offset: rt_cluster * cs,
+        refcount_table_clusters: (1 + s.rt_clusters % (MAX_REFCOUNT_TABLE_BYTES >> cb)) as u32,
+        nb_snapshots: s.nb_snapshots,
+        snapshots_offset: if s.nb_snapshots > 0 {
+            snap_cluster * cs
+        } else {
+            0
+        },
+        incompatible_features: incompatible,
+        compatible_features: if s.v3 { s.compatible } else { 0 },
+        autoclear_features: autoclear,
+        refcount_order: if s.v3 { s.refcount_order } else { 4 },
+        header_length: if s.v3 {
+            112 + unknown_tail.len() as u32
+        } else {
+            72
+        },
+        compression_type: if zstd {
+            CompressionType::Zstd
+        } else {
+            CompressionType::Zlib
+        },
+        unknown_tail,
+    };
+    let extensions = Extensions {
+        backing_format: s.backing_format.clone(),
+        feature_names: s
+            .feature_names
+            .iter()
+            .map(|(kind, bit, name)| FeatureName {
+                kind: *kind,
+                bit: *bit,
+                name: name.clone(),
+            })
+            .collect(),
+        bitmaps,
+        external_data_file: s.external_data_file.clone(),
+        encryption: None,
+        unknown: s.unknown.clone(),
+    };
+    ImageHeader {
+        header,
+        extensions,
+        backing_file: None,
+    }
+}
+
+/// Gives `h` the seed's backing file name, cut to what fits in cluster 0 after the
+/// extensions (the encoder places it there). `None` when not even one byte fits.
+fn with_backing_file(mut h: ImageHeader, name: &Option<String>) -> ImageHeader {
+    let Some(name) = name else { return h };
+    // Where the encoder puts a name: probe with a one-byte name.
+    h.backing_file = Some("x".into());
+    let Ok(probe) = h.encode() else {
+        h.backing_file = None;
+        return h;
+    };
+    let name_off = super::be::get_u64(&probe, 8);
+    let room = (h.cluster_size() - name_off) as usize;
+    h.backing_file = Some(name[..name.len().min(room)].to_string());
+    h
+}
+
+/// A snapshot whose L1 table is valid for `cluster_bits` on [`DEVICE_SIZE`].
+fn snapshot(cluster_bits: u32) -> impl Strategy<Value = Snapshot> {
+    (
+        (0u64..1 << 20, 0u32..=MAX_L1_ENTRIES as u32),
+        ascii(0, 64),
+        ascii(0, 64),
+        (any::<u32>(), any::<u32>(), any::<u64>(), any::<u32>()),
+        proptest::collection::vec(any::<u8>(), 0..=MAX_SNAPSHOT_EXTRA_DATA as usize),
+    )
+        .prop_map(
+            move |((l1_cluster, l1_size), id, name, (sec, nsec, clock, vmsize), extra)| {
+                // A non-empty L1 table cannot sit at offset 0 (the header).
+                let l1_cluster = if l1_size > 0 {
+                    l1_cluster.max(1)
+                } else {
+                    l1_cluster
+                };
+                Snapshot {
+                    l1_table_offset: l1_cluster << cluster_bits,
+                    l1_size,
+                    id,
+                    name,
+                    date_sec: sec,
+                    date_nsec: nsec,
+                    vm_clock_nsec: clock,
+                    vm_state_size: vmsize,
+                    extra_data: extra,
+                }
+            },
+        )
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+
+    /// decode(encode(h)) == h for valid headers of both versions, every cluster size,
+    /// refcount width, extended L2, compression type, extensions and backing file name;
+    /// and encoding is stable (encode(decode(encode(h))) == encode(h)).
+    #[test]
+    fn header_encode_decode_roundtrip(seed in header_seed()) {
+        let h = make_header(&seed);
+        let h = with_backing_file(h, &seed.backing_file);
+        // The extensions alone may not fit in a 512-byte cluster.
+        let Ok(bytes) = h.encode() else {
+            prop_assume!(false);
+            return Ok(());
+        };
+        prop_assert_eq!(bytes.len() as u64, h.cluster_size());
+        let decoded = ImageHeader::decode(&bytes, DEVICE_SIZE)
+            .map_err(|e| TestCaseError::fail(format!("decode refused: {e}")))?;
+
+        // The encoder chose where the backing file name goes: after the header and the
+        // extensions (at least the 8-byte end marker), inside cluster 0.
+        let mut want = h.clone();
+        match &h.backing_file {
+            Some(name) => {
+                let off = decoded.header.backing_file_offset;
+                prop_assert!(off >= u64::from(decoded.header.header_length) + 8);
+                prop_assert!(off + name.len() as u64 <= h.cluster_size());
+                prop_assert_eq!(&bytes[off as usize..off as usize + name.len()], name.as_bytes());
+                want.header.backing_file_offset = off;
+                want.header.backing_file_size = name.len() as u32;
+            }
+            None => {
+                prop_assert_eq!(decoded.header.backing_file_offset, 0);
+                prop_assert_eq!(decoded.header.backing_file_size, 0);
+            }
+        }
+        prop_assert_eq!(&decoded, &want);
+        let again = decoded
+            .encode()
+            .map_err(|e| TestCaseError::fail(format!("re-encode refused: {e}")))?;
+        prop_assert!(again == bytes, "re-encoding changed the bytes");
+    }
+
+    /// Mutating any bytes of a valid cluster 0 and decoding it against any device size
+    /// never panics; whatever is accepted re-encodes.
+    #[test]
+    fn header_decode_of_mutated_bytes_never_panics(
+        seed in header_seed(),
+        mutations in proptest::collection::vec((0usize..1024, any::<u8>()), 1..=8),
+        device_size in prop_oneof![Just(DEVICE_SIZE), Just(u64::MAX), 0u64..1 << 24],
+        truncate in prop_oneof![Just(None), (0usize..1024).prop_map(Some)],
+    ) {
+        let h = with_backing_file(make_header(&seed), &seed.backing_file);
+        let Ok(mut bytes) = h.encode() else {
+            prop_assume!(false);
+            return Ok(());
+        };
+        for (off, v) in mutations {
+            let len = bytes.len();
+            bytes[off % len] = v;
+        }
+        if let Some(n) = truncate {
+            bytes.truncate(n);
+        }
+        if let Ok(d) = ImageHeader::decode(&bytes, device_size) {
+            // What is accepted is in range.
+            let h = &d.header;
+            prop_assert!((9..=21).contains(&h.cluster_bits));
+            prop_assert!(h.version == 2 || h.version == 3);
+            prop_assert!(h.refcount_order <= 6 && h.crypt_method == 0);
+            prop_assert!(h.size <= MAX_VIRTUAL_SIZE);
+            prop_assert!(u64::from(h.l1_size) <= MAX_L1_ENTRIES);
+            prop_assert_eq!(h.l1_table_offset % d.cluster_size(), 0);
+            prop_assert_eq!(h.refcount_table_offset % d.cluster_size(), 0);
+            prop_assert!(h.refcount_table_offset > 0);
+            prop_assert!(u64::from(h.nb_snapshots) <= MAX_SNAPSHOTS);
+            prop_assert!(h.incompatible_features & !incompat::KNOWN == 0);
+            prop_assert!(d.backing_file.as_ref().is_none_or(|n| n.len() <= 1023));
+        }
+    }
+
+    /// decode(encode(table)) == table, and any prefix of the table either asks for more
+    /// bytes (never fewer than it has) or already holds every entry.
+    #[test]
+    fn snapshot_table_roundtrip(
+        (cluster_bits, snaps) in (9u32..=21).prop_flat_map(|cb| {
+            (Just(cb), proptest::collection::vec(snapshot(cb), 0..=6))
+        }),
+        cut in any::<prop::sample::Index>(),
+    ) {
+        let bytes = encode_snapshots(&snaps);
+        prop_assert_eq!(bytes.len() % 8, 0);
+        let nb = snaps.len() as u32;
+        let cs = 1u64 << cluster_bits;
+        prop_assert_eq!(
+            decode_snapshots(&bytes, nb, cs, DEVICE_SIZE),
+            Ok(SnapshotDecode::Done(snaps.clone()))
+        );
+        if !bytes.is_empty() {
+            let cut = cut.index(bytes.len());
+            match decode_snapshots(&bytes[..cut], nb, cs, DEVICE_SIZE) {
+                Ok(SnapshotDecode::NeedBytes(n)) => {
+                    prop_assert!(n as usize > cut && n as usize <= bytes.len(), "need {} at cut {}", n, cut);
+                }
+                Ok(SnapshotDecode::Done(got)) => prop_assert_eq!(got, snaps),
+                Err(e) => prop_assert!(false, "prefix of a valid table refused: {}", e),
+            }
+        }
+    }
+
+    /// Arbitrary bytes as a snapshot table: an error, a request for more bytes within the
+    /// table cap, or snapshots whose L1 tables lie inside the device. Never a panic.
+    #[test]
+    fn snapshot_decode_of_random_bytes_never_panics(
+        bytes in proptest::collection::vec(any::<u8>(), 0..2048),
+        nb in 0u32..=64,
+        cluster_bits in 9u32..=21,
+        device_size in 0u64..1 << 40,
+    ) {
+        let cs = 1u64 << cluster_bits;
+        match decode_snapshots(&bytes, nb, cs, device_size) {
+            Ok(SnapshotDecode::Done(snaps)) => {
+                prop_assert_eq!(snaps.len(), nb as usize);
+                for s in snaps {
+                    prop_assert_eq!(s.l1_table_offset % cs, 0);
+                    prop_assert!(s.l1_table_offset + u64::from(s.l1_size) * 8 <= device_size);
+                    prop_assert!(s.extra_data.len() as u64 <= MAX_SNAPSHOT_EXTRA_DATA);
+                }
+            }
+            Ok(SnapshotDecode::NeedBytes(n)) => prop_assert!(n as usize > bytes.len()),
+            Err(e) => prop_assert!(
+                matches!(
+                    e,
+                    Error::InvalidField { field: Field::SnapshotTable | Field::SnapshotL1Table, .. }
+                ),
+                "unexpected error {:?}",
+                e
+            ),
+        }
+    }
+
+    /// compressed_entry → compressed() gives back the offset and covers exactly the
+    /// sectors the stream touches, for every cluster size, offset and length that fit.
+    #[test]
+    fn compressed_descriptor_roundtrip(
+        cluster_bits in 9u32..=21,
+        offset_seed in any::<u64>(),
+        len_seed in any::<u64>(),
+    ) {
+        let cs = 1u64 << cluster_bits;
+        // Bits 0..x of the descriptor hold the offset.
+        let x = 62 - (cluster_bits - 8);
+        let offset = 1 + offset_seed % ((1u64 << x) - 1);
+        let len = 1 + len_seed % cs;
+        let e = compressed_entry(cluster_bits, offset, len);
+        prop_assert!(e.is_compressed() && !e.is_copied());
+        let d = e
+            .compressed(cluster_bits, DEVICE_SIZE)
+            .map_err(|e| TestCaseError::fail(e.to_string()))?;
+        prop_assert_eq!(d.offset.0, offset);
+        prop_assert_eq!(d.offset.0 + d.len, (offset + len).div_ceil(512) * 512);
+        prop_assert!(d.len >= len && d.len < len + 512);
+        let ctx = L2Context { cluster_bits, v3: true, extended_l2: false, device_size: DEVICE_SIZE };
+        prop_assert_eq!(e.mapping(&ctx), Ok(ClusterMapping::Compressed(d)));
+        // The same descriptor on a device that ends a sector before the stream does.
+        let end = (offset + len).div_ceil(512) * 512;
+        let short = e.compressed(cluster_bits, end - 512);
+        prop_assert!(
+            matches!(short, Err(Error::Corrupt { field: Field::CompressedDescriptor, .. })),
+            "descriptor past the device accepted: {:?}",
+            short
+        );
+        prop_assert!(e.compressed(cluster_bits, end).is_ok());
+    }
+
+    /// Any 64-bit L1 entry: an error naming the L1 entry, unallocated, or an aligned L2
+    /// table wholly inside the device.
+    #[test]
+    fn l1_entry_never_out_of_range(v in any::<u64>(), cluster_bits in 9u32..=21, device_size in any::<u64>()) {
+        let cs = 1u64 << cluster_bits;
+        match L1Entry(v).l2_table(cs, device_size) {
+            Ok(Some(off)) => {
+                prop_assert_eq!(off.0 % cs, 0);
+                prop_assert!(off.0 > 0 && off.0.checked_add(cs).is_some_and(|e| e <= device_size));
+            }
+            Ok(None) => prop_assert_eq!(v & !COPIED & 0x00ff_ffff_ffff_fe00, 0),
+            Err(e) => prop_assert_eq!(e.field(), Some(Field::L1Entry)),
+        }
+    }
+
+    /// Any standard or extended L2 entry: an error naming the entry (or its bitmap or
+    /// compressed descriptor), or a mapping whose host data starts inside the device.
+    #[test]
+    fn l2_entry_never_out_of_range(
+        v in prop_oneof![any::<u64>(), any::<u64>().prop_map(|v| v & 0x00ff_ffff_ffff_fe00 | COPIED)],
+        bitmap in any::<u64>(),
+        sc in 0u64..SUBCLUSTERS,
+        cluster_bits in 9u32..=21,
+        v3 in any::<bool>(),
+        extended in any::<bool>(),
+        device_size in prop_oneof![any::<u64>().prop_map(|d| d >> 8), 0u64..1 << 32],
+    ) {
+        let cs = 1u64 << cluster_bits;
+        let extended_l2 = extended && cluster_bits >= 14;
+        let ctx = L2Context { cluster_bits, v3, extended_l2, device_size };
+        let r = if extended_l2 {
+            L2Entry(v).subcluster_mapping(SubclusterBitmap(bitmap), sc, &ctx)
+        } else {
+            L2Entry(v).mapping(&ctx)
+        };
+        match r {
+            Ok(ClusterMapping::Data { host, .. }) => {
+                // The (sub)cluster is aligned and its cluster starts inside the device (a
+                // last cluster may be cut short: reads past the device end return zeros).
+                let unit = if extended_l2 { cs / SUBCLUSTERS } else { cs };
+                prop_assert_eq!(host.0 % unit, 0);
+                let cluster = host.0 & !(cs - 1);
+                prop_assert!(cluster > 0 && cluster < device_size);
+            }
+            Ok(ClusterMapping::Compressed(d)) => {
+                prop_assert!(!extended_l2);
+                prop_assert!(d.offset.0 > 0);
+                prop_assert!(d.offset.0 + d.len <= device_size.div_ceil(512) * 512);
+            }
+            Ok(_) => {}
+            Err(e) => prop_assert!(matches!(
+                e.field(),
+                Some(Field::L2Entry | Field::SubclusterBitmap | Field::CompressedDescriptor)
+            ), "{}", e),
+        }
+        // A compressed entry is refused with extended L2 whatever else it holds.
+        if extended_l2 && v & COMPRESSED != 0 {
+            prop_assert!(L2Entry(v).subcluster_mapping(SubclusterBitmap(bitmap), sc, &ctx).is_err());
+        }
+    }
+
+    /// set_refcount then get_refcount gives the value back, for every width, and leaves
+    /// every other entry of the block untouched; a value above the width is refused and
+    /// changes nothing.
+    #[test]
+    fn refcount_get_set_roundtrip(
+        order in 0u32..=6,
+        cluster_bits in 9u32..=12,
+        block_seed in proptest::collection::vec(any::<u8>(), 4096),
+        index_seed in any::<u64>(),
+        value_seed in any::<u64>(),
+    ) {
+        let cs = 1usize << cluster_bits;
+        let mut block = block_seed[..cs].to_vec();
+        let n = entries_per_block(cluster_bits, order);
+        let index = index_seed % n;
+        let max = max_refcount(order);
+        let value = value_seed & max;
+        let before: Vec<u64> = (0..n).map(|i| get_refcount(&block, order, i)).collect();
+        prop_assert!(before.iter().all(|v| *v <= max));
+
+        prop_assert_eq!(set_refcount(&mut block, order, index, value), Ok(()));
+        for i in 0..n {
+            let want = if i == index { value } else { before[i as usize] };
+            prop_assert_eq!(get_refcount(&block, order, i), want, "entry {}", i);
+        }
+
+        if order < 6 {
+            let saved = block.clone();
+            let too_big = max + 1 + (value_seed >> (1 << order));
+            let r = set_refcount(&mut block, order, index, too_big);
+            prop_assert!(
+                matches!(r, Err(Error::Corrupt { field: Field::RefcountBlockEntry, .. })),
+                "{} stored in a {}-bit refcount: {:?}",
+                too_big,
+                1u32 << order,
+                r
+            );
+            prop_assert!(block == saved, "a refused store changed the block");
+        }
+    }
+}
