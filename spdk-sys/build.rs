@@ -1,0 +1,229 @@
+//! Finds an installed SPDK and generates bindings to its public headers.
+//!
+//! Where SPDK is looked for, in order:
+//! 1. `SPDK_DIR`: an install prefix (`$SPDK_DIR/include`, `$SPDK_DIR/lib`) or a built source
+//!    tree (`$SPDK_DIR/include`, `$SPDK_DIR/build/lib`);
+//! 2. `pkg-config spdk_bdev` (its include and lib directories).
+//!
+//! When found: bindgen runs over `wrapper.h` with a narrow allowlist, `shim.c` is compiled,
+//! the crate is built with `cfg(spdk)`, and dependents see `DEP_SPDK_FOUND=1`,
+//! `DEP_SPDK_INCLUDE` and `DEP_SPDK_LIBDIR`. When not found (or `SPDK_SYS_DISABLE=1`), nothing
+//! is generated and the crate is empty: the workspace builds without SPDK.
+
+use std::env;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// The libraries a preloaded bdev module needs: the host binary has them loaded already,
+/// linking them again (dynamically) resolves to the very same copies.
+const LIBS: &[&str] = &[
+    "spdk_bdev",
+    "spdk_thread",
+    "spdk_json",
+    "spdk_jsonrpc",
+    "spdk_rpc",
+    "spdk_log",
+    "spdk_util",
+    "spdk_env_dpdk",
+];
+
+/// Functions bound (everything else in the headers is left out).
+const FUNCTIONS: &[&str] = &[
+    "spdk_bdev_open_ext",
+    "spdk_bdev_close",
+    "spdk_bdev_desc_get_bdev",
+    "spdk_bdev_get_io_channel",
+    "spdk_bdev_readv_blocks",
+    "spdk_bdev_writev_blocks",
+    "spdk_bdev_flush_blocks",
+    "spdk_bdev_free_io",
+    "spdk_bdev_get_by_name",
+    "spdk_bdev_get_name",
+    "spdk_bdev_get_block_size",
+    "spdk_bdev_get_num_blocks",
+    "spdk_bdev_get_buf_align",
+    "spdk_bdev_io_type_supported",
+    "spdk_bdev_register",
+    "spdk_bdev_unregister",
+    "spdk_bdev_destruct_done",
+    "spdk_bdev_io_complete",
+    "spdk_bdev_io_get_buf",
+    "spdk_bdev_io_get_thread",
+    "spdk_bdev_module_claim_bdev_desc",
+    "spdk_bdev_module_release_bdev",
+    "spdk_bdev_module_examine_done",
+    "spdk_io_device_register",
+    "spdk_io_device_unregister",
+    "spdk_get_io_channel",
+    "spdk_put_io_channel",
+    "spdk_for_each_channel",
+    "spdk_for_each_channel_continue",
+    "spdk_io_channel_iter_get_channel",
+    "spdk_io_channel_iter_get_ctx",
+    "spdk_io_channel_iter_get_io_device",
+    "spdk_poller_register_named",
+    "spdk_poller_unregister",
+    "spdk_get_thread",
+    "spdk_thread_send_msg",
+    "spdk_thread_get_name",
+    "spdk_thread_get_id",
+    "spdk_json_write_val_raw",
+    "spdk_jsonrpc_begin_result",
+    "spdk_jsonrpc_end_result",
+    "spdk_jsonrpc_send_error_response",
+    "spdk_rpc_register_method",
+    "spdk_log",
+    "spdk_log_get_flag",
+    "spdk_log_get_print_level",
+    "spdk_dma_zmalloc",
+    "spdk_dma_free",
+    "spdk_sys_.*",
+];
+
+/// Types and constants bound besides those the functions pull in.
+const TYPES: &[&str] = &[
+    "spdk_bdev_io_type",
+    "spdk_bdev_io_status",
+    "spdk_bdev_event_type",
+    "spdk_bdev_claim_type",
+    "spdk_log_level",
+    "spdk_json_val",
+    "spdk_json_val_type",
+    "spdk_bdev_module",
+    "spdk_bdev_fn_table",
+];
+const VARS: &[&str] = &[
+    "SPDK_RPC_RUNTIME",
+    "SPDK_RPC_STARTUP",
+    "SPDK_JSONRPC_ERROR_.*",
+];
+
+struct Found {
+    include: PathBuf,
+    libdir: PathBuf,
+}
+
+fn from_spdk_dir(dir: &Path) -> Option<Found> {
+    let include = dir.join("include");
+    if !include.join("spdk/bdev_module.h").exists() {
+        println!(
+            "cargo:warning=SPDK_DIR={} has no include/spdk/bdev_module.h",
+            dir.display()
+        );
+        return None;
+    }
+    let libdir = [dir.join("build/lib"), dir.join("lib")]
+        .into_iter()
+        .find(|d| d.join("libspdk_bdev.so").exists() || d.join("libspdk_bdev.a").exists())?;
+    Some(Found { include, libdir })
+}
+
+fn pkg_config_var(args: &[&str]) -> Option<String> {
+    let out = Command::new("pkg-config").args(args).output().ok()?;
+    if !out.status.success() {
+        return None;
+    }
+    Some(String::from_utf8_lossy(&out.stdout).trim().to_string())
+}
+
+fn from_pkg_config() -> Option<Found> {
+    // `--exists` first: a missing module is the common "no SPDK here" case.
+    pkg_config_var(&["--exists", "spdk_bdev"])?;
+    let flags = |arg: &str, prefix: &str| -> Vec<PathBuf> {
+        pkg_config_var(&[arg, "spdk_bdev"])
+            .unwrap_or_default()
+            .split_whitespace()
+            .filter_map(|f| f.strip_prefix(prefix).map(PathBuf::from))
+            .collect()
+    };
+    // The compiler's default directories come last (pkg-config omits them from its output).
+    let mut includes = flags("--cflags-only-I", "-I");
+    includes.extend(["/usr/local/include", "/usr/include"].map(PathBuf::from));
+    let mut libdirs = flags("--libs-only-L", "-L");
+    libdirs.extend(
+        [
+            "/usr/local/lib",
+            "/usr/lib/x86_64-linux-gnu",
+            "/usr/lib64",
+            "/usr/lib",
+        ]
+        .map(PathBuf::from),
+    );
+    let include = includes
+        .into_iter()
+        .find(|d| d.join("spdk/bdev_module.h").exists())?;
+    let libdir = libdirs
+        .into_iter()
+        .find(|d| d.join("libspdk_bdev.so").exists())?;
+    Some(Found { include, libdir })
+}
+
+fn main() {
+    println!("cargo::rustc-check-cfg=cfg(spdk)");
+    println!("cargo:rerun-if-env-changed=SPDK_DIR");
+    println!("cargo:rerun-if-env-changed=SPDK_SYS_DISABLE");
+    println!("cargo:rerun-if-env-changed=PKG_CONFIG_PATH");
+    println!("cargo:rerun-if-changed=wrapper.h");
+    println!("cargo:rerun-if-changed=shim.c");
+
+    if env::var_os("SPDK_SYS_DISABLE").is_some_and(|v| v == "1") {
+        println!("cargo:warning=SPDK support disabled (SPDK_SYS_DISABLE=1)");
+        println!("cargo:found=0");
+        return;
+    }
+    let found = match env::var_os("SPDK_DIR") {
+        Some(d) => from_spdk_dir(Path::new(&d)),
+        None => from_pkg_config(),
+    };
+    let Some(found) = found else {
+        println!(
+            "cargo:warning=SPDK not installed (pkg-config spdk_bdev not found): building without the SPDK module"
+        );
+        println!("cargo:found=0");
+        return;
+    };
+
+    let Some(out) = env::var_os("OUT_DIR").map(PathBuf::from) else {
+        panic!("cargo did not set OUT_DIR");
+    };
+    let mut b = bindgen::Builder::default()
+        .header("wrapper.h")
+        .clang_arg(format!("-I{}", found.include.display()))
+        .parse_callbacks(Box::new(bindgen::CargoCallbacks::new()))
+        .derive_default(true)
+        .prepend_enum_name(false)
+        .layout_tests(false)
+        .generate_comments(false);
+    for f in FUNCTIONS {
+        b = b.allowlist_function(f);
+    }
+    for t in TYPES {
+        b = b.allowlist_type(t);
+    }
+    for v in VARS {
+        b = b.allowlist_var(v);
+    }
+    let bindings = match b.generate() {
+        Ok(b) => b,
+        Err(e) => panic!("bindgen failed on SPDK's public headers: {e}"),
+    };
+    if let Err(e) = bindings.write_to_file(out.join("bindings.rs")) {
+        panic!("writing bindings.rs: {e}");
+    }
+
+    cc::Build::new()
+        .file("shim.c")
+        .include(&found.include)
+        .include(".")
+        .warnings(true)
+        .compile("spdk_sys_shim");
+
+    println!("cargo:rustc-link-search=native={}", found.libdir.display());
+    for l in LIBS {
+        println!("cargo:rustc-link-lib=dylib={l}");
+    }
+    println!("cargo:rustc-cfg=spdk");
+    println!("cargo:found=1");
+    println!("cargo:include={}", found.include.display());
+    println!("cargo:libdir={}", found.libdir.display());
+}
