@@ -149,6 +149,12 @@ impl<T: Copy + Default> SetAssocCache<T> {
         &self.data[way * self.block_len..(way + 1) * self.block_len]
     }
 
+    /// The block stored in `way`, for in-place updates that keep the replica in step with
+    /// the owner's dirty copy.
+    pub fn block_mut(&mut self, way: usize) -> &mut [T] {
+        &mut self.data[way * self.block_len..(way + 1) * self.block_len]
+    }
+
     /// The way `insert` would fill for `key`: the way already holding `key`, else an invalid
     /// way, else the least recently used way of the set.
     pub fn victim(&self, key: u64) -> usize {

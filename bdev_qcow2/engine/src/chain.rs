@@ -252,7 +252,7 @@ impl<D: BlockDevice> Chain<D> {
 }
 
 /// Reads `buf.len` bytes at `offset` from layer `idx` downwards.
-fn read_layer<D: BlockDevice>(
+pub(crate) fn read_layer<D: BlockDevice>(
     chain: Rc<Chain<D>>,
     idx: usize,
     offset: u64,

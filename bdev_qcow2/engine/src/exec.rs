@@ -300,6 +300,26 @@ impl<D: BlockDevice> Exec<D> {
         events
     }
 
+    /// The id of the task being polled, if any.
+    pub fn current_task(&self) -> Option<usize> {
+        self.inner.current.get()
+    }
+
+    /// Makes task `id` runnable (spurious wake-ups are harmless: every future re-checks).
+    pub fn wake(&self, id: usize) {
+        self.inner.ready.borrow_mut().push_back(id);
+    }
+
+    /// Writes `buf` at `offset` of `dev`.
+    pub fn write(&self, dev: DevId, offset: u64, buf: BufSlice<D::Buf>) -> IoFuture<D> {
+        self.io(dev, DeviceOp::Write { offset, buf })
+    }
+
+    /// Flushes `dev` (every completed write becomes stable).
+    pub fn flush(&self, dev: DevId) -> IoFuture<D> {
+        self.io(dev, DeviceOp::Flush)
+    }
+
     /// Whether any task, device operation or unreported completion is outstanding.
     pub fn busy(&self) -> bool {
         !self.inner.tasks.borrow().is_empty()
@@ -415,4 +435,86 @@ pub async fn join_all<F: Future<Output = Result<()>>>(futs: Vec<F>) -> Result<()
         }
     })
     .await
+}
+
+/// Tasks waiting for something other than a device operation (a lock, an in-flight
+/// allocation). `wait` parks the current task until the next `notify_all`.
+pub struct WaitQueue<D: BlockDevice> {
+    exec: Exec<D>,
+    waiters: RefCell<Vec<usize>>,
+}
+
+impl<D: BlockDevice> WaitQueue<D> {
+    /// An empty queue.
+    pub fn new(exec: &Exec<D>) -> Self {
+        WaitQueue {
+            exec: exec.clone(),
+            waiters: RefCell::new(Vec::new()),
+        }
+    }
+
+    /// Resolves after the next [`notify_all`](Self::notify_all) (callers re-check their
+    /// condition in a loop).
+    pub fn wait(&self) -> impl Future<Output = ()> + '_ {
+        let mut registered = false;
+        std::future::poll_fn(move |_| {
+            if registered {
+                return Poll::Ready(());
+            }
+            if let Some(t) = self.exec.current_task() {
+                self.waiters.borrow_mut().push(t);
+            }
+            registered = true;
+            Poll::Pending
+        })
+    }
+
+    /// Wakes every waiting task.
+    pub fn notify_all(&self) {
+        for t in self.waiters.borrow_mut().drain(..) {
+            self.exec.wake(t);
+        }
+    }
+}
+
+/// A lock for one executor's tasks (serialises metadata updates across awaits).
+pub struct AsyncLock<D: BlockDevice> {
+    locked: Cell<bool>,
+    queue: WaitQueue<D>,
+}
+
+/// Holds an [`AsyncLock`]; unlocks on drop.
+pub struct LockGuard<'a, D: BlockDevice> {
+    lock: &'a AsyncLock<D>,
+}
+
+impl<D: BlockDevice> AsyncLock<D> {
+    /// An unlocked lock.
+    pub fn new(exec: &Exec<D>) -> Self {
+        AsyncLock {
+            locked: Cell::new(false),
+            queue: WaitQueue::new(exec),
+        }
+    }
+
+    /// Waits until the lock is free and takes it.
+    pub async fn lock(&self) -> LockGuard<'_, D> {
+        while self.locked.get() {
+            self.queue.wait().await;
+        }
+        self.locked.set(true);
+        LockGuard { lock: self }
+    }
+
+    /// Whether someone holds the lock.
+    pub fn is_locked(&self) -> bool {
+        self.locked.get()
+    }
+}
+
+impl<D: BlockDevice> Drop for LockGuard<'_, D> {
+    fn drop(&mut self) {
+        self.lock.locked.set(false);
+        self.lock.queue.notify_all();
+    }
 }

@@ -13,7 +13,7 @@ use crate::format::{
 use crate::io::{BlockDevice, BufSlice, IoBuffer, SECTOR};
 use crate::limits::MAX_CACHE_BYTES;
 use crate::types::{Geometry, GuestOffset, SUBCLUSTERS};
-use std::cell::RefCell;
+use std::cell::{Cell, Ref, RefCell};
 
 /// Options for opening an image.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -27,6 +27,8 @@ pub struct OpenOptions {
     pub cache_ways: usize,
     /// Bytes of refcount block cache.
     pub refcount_cache_bytes: u64,
+    /// Open for writing (the image must not be marked corrupt).
+    pub writable: bool,
 }
 
 impl Default for OpenOptions {
@@ -36,6 +38,7 @@ impl Default for OpenOptions {
             l2_slice_bytes: 4096,
             cache_ways: 8,
             refcount_cache_bytes: 256 * 1024,
+            writable: false,
         }
     }
 }
@@ -45,17 +48,20 @@ pub const DEFAULT_L2_CACHE_MAX: u64 = 32 << 20;
 
 /// An open qcow2 image on one device.
 pub struct Qcow2<D: BlockDevice> {
-    exec: Exec<D>,
-    dev: DevId,
-    device_size: u64,
-    header: ImageHeader,
-    geo: Geometry,
-    ctx: L2Context,
-    l1: Vec<L1Entry>,
-    refcount_table: Vec<u64>,
-    snapshots: Vec<Snapshot>,
-    l2_cache: RefCell<SetAssocCache<u64>>,
-    rc_cache: RefCell<SetAssocCache<u8>>,
+    pub(crate) exec: Exec<D>,
+    pub(crate) dev: DevId,
+    /// Size of the device as far as entries may point (grows as clusters are allocated).
+    pub(crate) device_size: Cell<u64>,
+    pub(crate) header: RefCell<ImageHeader>,
+    pub(crate) geo: Geometry,
+    pub(crate) ctx: Cell<L2Context>,
+    pub(crate) l1: RefCell<Vec<L1Entry>>,
+    pub(crate) refcount_table: RefCell<Vec<u64>>,
+    pub(crate) snapshots: Vec<Snapshot>,
+    pub(crate) l2_cache: RefCell<SetAssocCache<u64>>,
+    pub(crate) rc_cache: RefCell<SetAssocCache<u8>>,
+    /// Owner-side state for writes (None when opened read-only).
+    pub(crate) meta: Option<crate::meta::Meta<D>>,
 }
 
 /// Reads `len` bytes at `off` (any alignment) through a sector-aligned bounce buffer.
@@ -148,19 +154,36 @@ impl<D: BlockDevice> Qcow2<D> {
             1usize << cluster_bits,
             refcount_table.len() as u64,
         );
-        Ok(Qcow2 {
+        let meta = if opts.writable {
+            if header.is_corrupt() {
+                return Err(Error::ReadOnly);
+            }
+            if header.is_dirty() {
+                return Err(Error::UnsupportedFeature(
+                    "image is dirty (lazy refcounts); run `qcow2 check -r all` before writing"
+                        .into(),
+                ));
+            }
+            Some(crate::meta::Meta::new(exec, &header, &c0, device_size))
+        } else {
+            None
+        };
+        let q = Qcow2 {
             exec: exec.clone(),
             dev,
-            device_size,
-            header,
+            device_size: Cell::new(device_size),
+            header: RefCell::new(header),
             geo,
-            ctx,
-            l1,
-            refcount_table,
+            ctx: Cell::new(ctx),
+            l1: RefCell::new(l1),
+            refcount_table: RefCell::new(refcount_table),
             snapshots,
             l2_cache: RefCell::new(l2_cache),
             rc_cache: RefCell::new(rc_cache),
-        })
+            meta,
+        };
+        q.index_metadata();
+        Ok(q)
     }
 
     async fn read_snapshots(
@@ -195,9 +218,13 @@ impl<D: BlockDevice> Qcow2<D> {
         }
     }
 
-    /// The decoded header.
-    pub fn header(&self) -> &ImageHeader {
-        &self.header
+    /// The decoded header (as currently in effect).
+    pub fn header(&self) -> Ref<'_, ImageHeader> {
+        self.header.borrow()
+    }
+    /// Whether the image is open for writing.
+    pub fn is_writable(&self) -> bool {
+        self.meta.is_some()
     }
     /// Cluster/L2 geometry.
     pub fn geometry(&self) -> Geometry {
@@ -206,7 +233,7 @@ impl<D: BlockDevice> Qcow2<D> {
     /// Virtual disk size: the header's size rounded down to whole 512-byte sectors, as
     /// QEMU sees it.
     pub fn size(&self) -> u64 {
-        self.header.header.size / SECTOR * SECTOR
+        self.header.borrow().header.size / SECTOR * SECTOR
     }
     /// The device this image lives on.
     pub fn dev(&self) -> DevId {
@@ -214,7 +241,7 @@ impl<D: BlockDevice> Qcow2<D> {
     }
     /// Size of that device.
     pub fn device_size(&self) -> u64 {
-        self.device_size
+        self.device_size.get()
     }
     /// Internal snapshots.
     pub fn snapshots(&self) -> &[Snapshot] {
@@ -239,18 +266,19 @@ impl<D: BlockDevice> Qcow2<D> {
     }
 
     /// The host offset of the L2 table covering `off`, or `None` if unallocated.
-    fn l2_table(&self, off: GuestOffset) -> Result<Option<crate::types::HostOffset>> {
+    pub(crate) fn l2_table(&self, off: GuestOffset) -> Result<Option<crate::types::HostOffset>> {
         let idx = self.geo.l1_index(off) as usize;
-        let e = self
-            .l1
-            .get(idx)
-            .ok_or_else(|| corrupt(Field::L1Entry, idx as u64, "L1 index beyond the L1 table"))?;
-        e.l2_table(self.geo.cluster_size(), self.device_size)
+        let e =
+            self.l1.borrow().get(idx).copied().ok_or_else(|| {
+                corrupt(Field::L1Entry, idx as u64, "L1 index beyond the L1 table")
+            })?;
+        e.l2_table(self.geo.cluster_size(), self.device_size.get())
     }
 
     /// Interprets the (sub)cluster at `off` from its slice `block`; returns the mapping and
     /// the guest offset where that (sub)cluster ends.
-    fn resolve(&self, block: &[u64], off: GuestOffset) -> Result<(ClusterMapping, u64)> {
+    pub(crate) fn resolve(&self, block: &[u64], off: GuestOffset) -> Result<(ClusterMapping, u64)> {
+        let ctx = self.ctx.get();
         let i = self.geo.index_in_slice(off) as usize;
         let cs = self.geo.cluster_size();
         let cluster_start = off.0 & !(cs - 1);
@@ -260,11 +288,11 @@ impl<D: BlockDevice> Qcow2<D> {
             let m = L2Entry(block[2 * i]).subcluster_mapping(
                 SubclusterBitmap(block[2 * i + 1]),
                 sc,
-                &self.ctx,
+                &ctx,
             )?;
             Ok((m, cluster_start + (sc + 1) * sc_size))
         } else {
-            Ok((L2Entry(block[i]).mapping(&self.ctx)?, cluster_start + cs))
+            Ok((L2Entry(block[i]).mapping(&ctx)?, cluster_start + cs))
         }
     }
 
@@ -293,13 +321,22 @@ impl<D: BlockDevice> Qcow2<D> {
 
     /// Loads the slice covering `off` into the cache if needed. Returns `false` when the
     /// L2 table is unallocated (nothing to load).
-    async fn load_slice(&self, off: GuestOffset) -> Result<bool> {
+    pub(crate) async fn load_slice(&self, off: GuestOffset) -> Result<bool> {
         let Some(l2) = self.l2_table(off)? else {
             return Ok(false);
         };
         let key = self.geo.slice_id(off);
         if self.l2_cache.borrow_mut().lookup(key, 0).is_some() {
             return Ok(true);
+        }
+        // The owner's dirty copy is newer than the device.
+        if let Some(m) = &self.meta {
+            if let Some(words) = m.dirty_slice(key) {
+                self.l2_cache
+                    .borrow_mut()
+                    .insert_with(key, 0, |b| b.copy_from_slice(&words));
+                return Ok(true);
+            }
         }
         let host = self.geo.slice_host_offset(l2, off);
         let slice_bytes = 1usize << self.geo.slice_bits;
@@ -354,36 +391,70 @@ impl<D: BlockDevice> Qcow2<D> {
     ) -> Result<Vec<u8>> {
         let input = read_bytes(&self.exec, self.dev, d.offset.0, d.len).await?;
         let mut out = vec![0u8; self.geo.cluster_size() as usize];
-        crate::compress::decompress(self.header.header.compression_type, &input, &mut out)?;
+        let ct = self.header.borrow().header.compression_type;
+        crate::compress::decompress(ct, &input, &mut out)?;
         Ok(out)
     }
 
-    /// Refcount of the host cluster containing `host_off` (through the refcount block cache).
+    /// Refcount of the host cluster containing `host_off` (through the refcount block
+    /// cache, or the owner's dirty copy).
     pub async fn refcount(&self, host_off: u64) -> Result<u64> {
-        let h = &self.header.header;
-        let cluster = host_off >> h.cluster_bits;
-        let per_block = entries_per_block(h.cluster_bits, h.refcount_order);
+        let order = self.header.borrow().header.refcount_order;
+        let Some((block, idx)) = self.rc_locate(host_off >> self.geo.cluster_bits)? else {
+            return Ok(0);
+        };
+        self.load_rc_block(block).await?;
+        Ok(self.with_rc_block(block, |b| get_refcount(b, order, idx)))
+    }
+
+    /// Where the refcount of host cluster `cluster` lives: (block offset, index in block),
+    /// or `None` when no refcount block covers it (refcount 0).
+    pub(crate) fn rc_locate(&self, cluster: u64) -> Result<Option<(u64, u64)>> {
+        let h = self.header.borrow();
+        let per_block = entries_per_block(h.header.cluster_bits, h.header.refcount_order);
         let rt_index = cluster / per_block;
-        let Some(&entry) = self.refcount_table.get(rt_index as usize) else {
-            return Ok(0);
+        let Some(&entry) = self.refcount_table.borrow().get(rt_index as usize) else {
+            return Ok(None);
         };
-        let Some(block_off) =
-            refcount_block_offset(entry, self.geo.cluster_size(), self.device_size)?
+        let Some(block) =
+            refcount_block_offset(entry, self.geo.cluster_size(), self.device_size.get())?
         else {
-            return Ok(0);
+            return Ok(None);
         };
-        let idx = cluster % per_block;
-        let hit = self.rc_cache.borrow_mut().lookup(block_off.0, 0);
-        if let Some(w) = hit {
-            return Ok(get_refcount(
-                self.rc_cache.borrow().block(w),
-                h.refcount_order,
-                idx,
-            ));
+        Ok(Some((block.0, cluster % per_block)))
+    }
+
+    /// Makes sure refcount block `block` is in the cache (or the owner's dirty set).
+    pub(crate) async fn load_rc_block(&self, block: u64) -> Result<()> {
+        if self.meta.as_ref().is_some_and(|m| m.has_dirty_rc(block)) {
+            return Ok(());
         }
-        let raw = read_bytes(&self.exec, self.dev, block_off.0, self.geo.cluster_size()).await?;
-        let mut cache = self.rc_cache.borrow_mut();
-        let w = cache.insert_with(block_off.0, 0, |b| b.copy_from_slice(&raw));
-        Ok(get_refcount(cache.block(w), h.refcount_order, idx))
+        if self.rc_cache.borrow_mut().lookup(block, 0).is_some() {
+            return Ok(());
+        }
+        let raw = read_bytes(&self.exec, self.dev, block, self.geo.cluster_size()).await?;
+        // Another task may have dirtied it meanwhile: the dirty copy wins.
+        if self.meta.as_ref().is_some_and(|m| m.has_dirty_rc(block)) {
+            return Ok(());
+        }
+        self.rc_cache
+            .borrow_mut()
+            .insert_with(block, 0, |b| b.copy_from_slice(&raw));
+        Ok(())
+    }
+
+    /// Runs `f` on refcount block `block`, which [`load_rc_block`](Self::load_rc_block)
+    /// just loaded (no await in between). The owner's dirty copy wins over the cache.
+    pub(crate) fn with_rc_block<R>(&self, block: u64, f: impl FnOnce(&[u8]) -> R) -> R {
+        if let Some(m) = &self.meta {
+            if let Some(b) = m.dirty_rc_ref(block) {
+                return f(&b);
+            }
+        }
+        let cache = self.rc_cache.borrow();
+        match cache.probe(block, 0) {
+            Some(w) => f(cache.block(w)),
+            None => f(&vec![0u8; self.geo.cluster_size() as usize]),
+        }
     }
 }

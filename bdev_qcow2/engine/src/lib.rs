@@ -15,15 +15,18 @@
 pub mod cache;
 pub mod chain;
 pub mod compress;
+pub mod create;
 pub mod error;
 pub mod exec;
 pub mod format;
 pub mod image;
 pub mod io;
 pub mod limits;
+pub mod meta;
 #[cfg(any(test, feature = "testing"))]
 pub mod testing;
 pub mod types;
+pub mod write;
 
 pub use chain::{Chain, Layer};
 pub use error::{Error, Field, Result};

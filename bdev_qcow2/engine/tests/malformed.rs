@@ -478,6 +478,7 @@ fn fixture_opens_and_reads_back() {
     assert_eq!(h.backing_file, None);
     assert_eq!(h.header.compression_type, CompressionType::Zlib);
     assert!(o.image.snapshots().is_empty());
+    drop(h);
     let mem = o.mem.clone();
     mem.0.borrow_mut().record = true;
     assert_eq!(read_disk(o).ok(), Some(expected_disk()));

@@ -569,6 +569,13 @@ impl ImageHeader {
         let mut exts = Vec::new();
         encode_extensions(&self.extensions, &mut exts);
         let name = self.backing_file.as_deref().unwrap_or("");
+        if hl + exts.len() + name.len() > cs && !self.extensions.feature_names.is_empty() {
+            // Like QEMU, leave out the (optional) feature name table when it does not fit.
+            let mut ext = self.extensions.clone();
+            ext.feature_names.clear();
+            exts.clear();
+            encode_extensions(&ext, &mut exts);
+        }
         let name_off = hl + exts.len();
         if name_off + name.len() > cs {
             return Err(invalid(

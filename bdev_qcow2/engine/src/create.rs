@@ -1,0 +1,231 @@
+//! Formatting a fresh image on a device (`qcow2 create`, and the SPDK format RPC).
+//!
+//! Layout, as QEMU lays it out: the header in cluster 0, then the refcount table, the
+//! refcount blocks covering the metadata, then the L1 table. Everything is written, then
+//! flushed; the header is written last so a crash leaves no valid-looking half image.
+
+use crate::error::{invalid, Error, Field, Result};
+use crate::exec::{DevId, Exec};
+use crate::format::header::{
+    self, default_feature_names, incompat, CompressionType, Extensions, Header,
+};
+use crate::format::refcount::{entries_per_block, set_refcount};
+use crate::format::ImageHeader;
+use crate::io::{BlockDevice, BufSlice, IoBuffer};
+use crate::limits::{
+    MAX_CLUSTER_BITS, MAX_L1_ENTRIES, MAX_VIRTUAL_SIZE, MIN_CLUSTER_BITS,
+    MIN_CLUSTER_BITS_EXTENDED_L2,
+};
+
+/// What to create (the `qemu-img create -o` options).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CreateOptions {
+    /// Virtual size in bytes (rounded up to 512).
+    pub size: u64,
+    /// log2 of the cluster size (default 16: 64 KiB).
+    pub cluster_bits: u32,
+    /// 2 (compat=0.10) or 3 (compat=1.1, default).
+    pub version: u32,
+    /// log2 of the refcount width in bits (default 4: 16 bits).
+    pub refcount_order: u32,
+    /// Extended L2 entries (subclusters).
+    pub extended_l2: bool,
+    /// Lazy refcounts (compatible feature bit).
+    pub lazy_refcounts: bool,
+    /// Compression algorithm for compressed clusters.
+    pub compression_type: CompressionType,
+    /// Backing file name recorded in the image (never opened here).
+    pub backing_file: Option<String>,
+    /// Backing file format recorded in the image.
+    pub backing_format: Option<String>,
+}
+
+impl Default for CreateOptions {
+    fn default() -> Self {
+        CreateOptions {
+            size: 0,
+            cluster_bits: 16,
+            version: 3,
+            refcount_order: 4,
+            extended_l2: false,
+            lazy_refcounts: false,
+            compression_type: CompressionType::Zlib,
+            backing_file: None,
+            backing_format: None,
+        }
+    }
+}
+
+impl CreateOptions {
+    fn validate(&self) -> Result<()> {
+        if !(MIN_CLUSTER_BITS..=MAX_CLUSTER_BITS).contains(&self.cluster_bits) {
+            return Err(invalid(
+                Field::ClusterBits,
+                self.cluster_bits.into(),
+                "cluster size must be 512 B – 2 MiB",
+            ));
+        }
+        if self.version != 2 && self.version != 3 {
+            return Err(Error::UnsupportedVersion(self.version));
+        }
+        if self.refcount_order > 6 {
+            return Err(invalid(
+                Field::RefcountOrder,
+                self.refcount_order.into(),
+                "refcount_bits must be 1..=64",
+            ));
+        }
+        if self.version == 2 {
+            if self.refcount_order != 4 {
+                return Err(invalid(
+                    Field::RefcountOrder,
+                    self.refcount_order.into(),
+                    "compat=0.10 needs refcount_bits=16",
+                ));
+            }
+            if self.extended_l2
+                || self.lazy_refcounts
+                || self.compression_type != CompressionType::Zlib
+            {
+                return Err(invalid(
+                    Field::Version,
+                    2,
+                    "extended_l2, lazy_refcounts and zstd need compat=1.1",
+                ));
+            }
+        }
+        if self.extended_l2 && self.cluster_bits < MIN_CLUSTER_BITS_EXTENDED_L2 {
+            return Err(invalid(
+                Field::ClusterBits,
+                self.cluster_bits.into(),
+                "extended_l2 needs clusters of at least 16 KiB",
+            ));
+        }
+        if self.size > MAX_VIRTUAL_SIZE {
+            return Err(invalid(
+                Field::Size,
+                self.size,
+                "virtual size above 2^61 bytes",
+            ));
+        }
+        if self.backing_file.as_ref().is_some_and(|b| b.len() > 1023) {
+            return Err(invalid(
+                Field::BackingFileSize,
+                1024,
+                "backing file name longer than 1023 bytes",
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Writes a fresh, empty image described by `opts` onto `dev` and flushes it.
+pub async fn create<D: BlockDevice>(
+    exec: &Exec<D>,
+    dev: DevId,
+    opts: &CreateOptions,
+) -> Result<()> {
+    opts.validate()?;
+    let cs = 1u64 << opts.cluster_bits;
+    let size = opts.size.div_ceil(512) * 512;
+    let l2_bits = opts.cluster_bits - if opts.extended_l2 { 4 } else { 3 };
+    let l1_entries = size.div_ceil(1u64 << (opts.cluster_bits + l2_bits));
+    if l1_entries > MAX_L1_ENTRIES {
+        return Err(invalid(
+            Field::Size,
+            size,
+            "needs an L1 table larger than 32 MiB",
+        ));
+    }
+    let l1_clusters = (l1_entries * 8).div_ceil(cs).max(1);
+    let per_block = entries_per_block(opts.cluster_bits, opts.refcount_order);
+    // Fixpoint: the refcount blocks must count themselves and the table.
+    let (mut rt_clusters, mut blocks) = (1u64, 1u64);
+    loop {
+        let total = 1 + rt_clusters + blocks + l1_clusters;
+        let nb = total.div_ceil(per_block);
+        let nrt = (nb * 8).div_ceil(cs).max(1);
+        if nb == blocks && nrt == rt_clusters {
+            break;
+        }
+        blocks = nb;
+        rt_clusters = nrt;
+    }
+    let rt_off = cs;
+    let rb_off = rt_off + rt_clusters * cs;
+    let l1_off = rb_off + blocks * cs;
+    let total = 1 + rt_clusters + blocks + l1_clusters;
+
+    let mut incompatible = 0;
+    if opts.extended_l2 {
+        incompatible |= incompat::EXTENDED_L2;
+    }
+    if opts.compression_type != CompressionType::Zlib {
+        incompatible |= incompat::COMPRESSION_TYPE;
+    }
+    let ih = ImageHeader {
+        header: Header {
+            version: opts.version,
+            backing_file_offset: 0,
+            backing_file_size: 0,
+            cluster_bits: opts.cluster_bits,
+            size,
+            crypt_method: 0,
+            l1_size: l1_entries as u32,
+            l1_table_offset: l1_off,
+            refcount_table_offset: rt_off,
+            refcount_table_clusters: rt_clusters as u32,
+            nb_snapshots: 0,
+            snapshots_offset: 0,
+            incompatible_features: incompatible,
+            compatible_features: if opts.lazy_refcounts {
+                header::compat::LAZY_REFCOUNTS
+            } else {
+                0
+            },
+            autoclear_features: 0,
+            refcount_order: opts.refcount_order,
+            header_length: if opts.version == 3 {
+                header::V3_HEADER_LEN
+            } else {
+                header::V2_HEADER_LEN
+            },
+            compression_type: opts.compression_type,
+            unknown_tail: Vec::new(),
+        },
+        extensions: Extensions {
+            backing_format: opts.backing_format.clone(),
+            feature_names: if opts.version == 3 {
+                default_feature_names()
+            } else {
+                Vec::new()
+            },
+            ..Default::default()
+        },
+        backing_file: opts.backing_file.clone(),
+    };
+    let c0 = ih.encode()?;
+
+    let write = |off: u64, bytes: Vec<u8>| {
+        let buf = exec.alloc_buf(dev, bytes.len());
+        buf.copy_in(0, &bytes);
+        exec.write(dev, off, BufSlice::whole(buf))
+    };
+    // Refcount table and blocks.
+    let mut rt = vec![0u8; (rt_clusters * cs) as usize];
+    for b in 0..blocks {
+        let off = rb_off + b * cs;
+        rt[(b * 8) as usize..(b * 8 + 8) as usize].copy_from_slice(&off.to_be_bytes());
+        let mut block = vec![0u8; cs as usize];
+        for c in (b * per_block)..((b + 1) * per_block).min(total) {
+            set_refcount(&mut block, opts.refcount_order, c % per_block, 1)?;
+        }
+        write(off, block).await?;
+    }
+    write(rt_off, rt).await?;
+    write(l1_off, vec![0u8; (l1_clusters * cs) as usize]).await?;
+    exec.flush(dev).await?;
+    // Header last.
+    write(0, c0).await?;
+    exec.flush(dev).await
+}

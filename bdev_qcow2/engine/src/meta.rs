@@ -1,0 +1,830 @@
+//! The metadata owner's state for writes: dirty L2 slices and refcount blocks, the cluster
+//! allocator, deferred frees, and the ordered write-back that keeps every crash state
+//! consistent (DESIGN.md §7).
+//!
+//! Ordering is expressed as phases of one write-back, each a dependency of the next:
+//! 1. refcount blocks (increments; new blocks are self-describing) — then a flush, then the
+//!    refcount-table entries of new blocks — then a flush. That flush also makes every data
+//!    write completed so far stable, so (rule 3) no L2 entry can reach the device before the
+//!    data it points at.
+//! 2. L2 slices (new tables whole) — then a flush — then L1 entries of new tables — flush.
+//! 3. Frees: references removed by phase 2 are now stable, so the refcount decrements are
+//!    applied and written — flush — and only then may the allocator reuse those clusters.
+//! 4. The header, when a table moved.
+//!
+//! Every metadata mutation runs under `lock`, so a write-back sees a consistent set.
+
+use crate::error::{corrupt, Error, Field, Result};
+use crate::exec::{AsyncLock, Exec, WaitQueue};
+use crate::format::refcount::{entries_per_block, get_refcount, set_refcount};
+use crate::format::{ImageHeader, L1Entry};
+use crate::image::{read_bytes, Qcow2};
+use crate::io::{BlockDevice, BufSlice, IoBuffer, SECTOR};
+use crate::types::GuestOffset;
+use std::cell::{Ref, RefCell};
+use std::collections::{BTreeMap, BTreeSet, HashSet};
+
+/// Dirty metadata beyond which a commit writes back on its own (bounded memory).
+const WRITEBACK_THRESHOLD_BYTES: u64 = 8 << 20;
+
+/// Owner-side mutable state.
+pub(crate) struct MetaState {
+    /// Dirty L2 slices by slice id (authoritative; the cache holds replicas).
+    pub dirty_l2: BTreeMap<u64, Vec<u64>>,
+    /// Dirty refcount blocks by host offset (authoritative).
+    pub dirty_rc: BTreeMap<u64, Vec<u8>>,
+    /// L1 indices changed since the last write-back.
+    pub dirty_l1: BTreeSet<u64>,
+    /// Refcount-table indices changed since the last write-back.
+    pub dirty_rt: BTreeSet<u64>,
+    /// Host byte ranges whose reference was removed in not-yet-stable metadata.
+    pub pending_frees: Vec<(u64, u64)>,
+    /// Clusters whose refcount dropped to 0 but is not yet stable: not reusable.
+    pub unstable_frees: HashSet<u64>,
+    /// Where the next free-cluster search starts.
+    pub alloc_hint: u64,
+    /// Clusters at or past this index were never written since open (they read as zeros).
+    pub fresh_from: u64,
+    /// Guest clusters with an allocation in flight (writers of the same cluster wait).
+    pub inflight: BTreeSet<u64>,
+    /// The first sector of the image as on disk; header updates patch it.
+    pub sector0: Vec<u8>,
+    /// Whether `sector0` must be written.
+    pub header_dirty: bool,
+    /// Cluster indices of refcount blocks and active L2 tables (overlap check).
+    pub meta_clusters: HashSet<u64>,
+}
+
+/// The owner: lock, in-flight waiters and state.
+pub struct Meta<D: BlockDevice> {
+    pub(crate) lock: AsyncLock<D>,
+    pub(crate) inflight_wait: WaitQueue<D>,
+    pub(crate) st: RefCell<MetaState>,
+}
+
+impl<D: BlockDevice> Meta<D> {
+    pub(crate) fn new(exec: &Exec<D>, header: &ImageHeader, c0: &[u8], device_size: u64) -> Self {
+        let cs = header.cluster_size();
+        let mut sector0 = vec![0u8; SECTOR as usize];
+        let n = c0.len().min(sector0.len());
+        sector0[..n].copy_from_slice(&c0[..n]);
+        let end = device_size.div_ceil(cs);
+        Meta {
+            lock: AsyncLock::new(exec),
+            inflight_wait: WaitQueue::new(exec),
+            st: RefCell::new(MetaState {
+                dirty_l2: BTreeMap::new(),
+                dirty_rc: BTreeMap::new(),
+                dirty_l1: BTreeSet::new(),
+                dirty_rt: BTreeSet::new(),
+                pending_frees: Vec::new(),
+                unstable_frees: HashSet::new(),
+                alloc_hint: 0,
+                fresh_from: end,
+                inflight: BTreeSet::new(),
+                sector0,
+                header_dirty: false,
+                meta_clusters: HashSet::new(),
+            }),
+        }
+    }
+
+    /// A copy of a dirty L2 slice, if the owner holds one.
+    pub(crate) fn dirty_slice(&self, key: u64) -> Option<Vec<u64>> {
+        self.st.borrow().dirty_l2.get(&key).cloned()
+    }
+    /// Whether refcount block `block` is dirty.
+    pub(crate) fn has_dirty_rc(&self, block: u64) -> bool {
+        self.st.borrow().dirty_rc.contains_key(&block)
+    }
+    /// The dirty copy of refcount block `block`.
+    pub(crate) fn dirty_rc_ref(&self, block: u64) -> Option<Ref<'_, Vec<u8>>> {
+        Ref::filter_map(self.st.borrow(), |s| s.dirty_rc.get(&block)).ok()
+    }
+}
+
+fn words_to_bytes(words: &[u64], out: &mut [u8]) {
+    for (c, w) in out.chunks_exact_mut(8).zip(words) {
+        c.copy_from_slice(&w.to_be_bytes());
+    }
+}
+
+impl<D: BlockDevice> Qcow2<D> {
+    /// The owner state, or `ReadOnly`.
+    pub(crate) fn meta(&self) -> Result<&Meta<D>> {
+        self.meta.as_ref().ok_or(Error::ReadOnly)
+    }
+
+    fn cluster_bits(&self) -> u32 {
+        self.geo.cluster_bits
+    }
+
+    fn per_block(&self) -> u64 {
+        let h = self.header.borrow();
+        entries_per_block(h.header.cluster_bits, h.header.refcount_order)
+    }
+
+    /// Grows the device size entries may point at (clusters we allocated).
+    fn note_allocated(&self, end_cluster: u64) {
+        let end = end_cluster << self.cluster_bits();
+        if end > self.device_size.get() {
+            self.device_size.set(end);
+            let mut ctx = self.ctx.get();
+            ctx.device_size = end;
+            self.ctx.set(ctx);
+        }
+    }
+
+    /// Whether host bytes `[off, off+len)` overlap the image's own metadata (header, L1,
+    /// refcount table and blocks, active L2 tables, snapshot table and snapshot L1s).
+    pub(crate) fn overlaps_metadata(&self, off: u64, len: u64) -> bool {
+        let cs = self.geo.cluster_size();
+        let h = self.header.borrow();
+        let hh = &h.header;
+        let hit = |start: u64, bytes: u64| {
+            bytes > 0 && off < start.saturating_add(bytes) && start < off.saturating_add(len)
+        };
+        if hit(0, cs)
+            || hit(hh.l1_table_offset, u64::from(hh.l1_size) * 8)
+            || hit(
+                hh.refcount_table_offset,
+                u64::from(hh.refcount_table_clusters) << self.cluster_bits(),
+            )
+        {
+            return true;
+        }
+        if hh.nb_snapshots > 0 && hit(hh.snapshots_offset, cs) {
+            return true;
+        }
+        if self
+            .snapshots
+            .iter()
+            .any(|s| hit(s.l1_table_offset, u64::from(s.l1_size) * 8))
+        {
+            return true;
+        }
+        if let Some(m) = &self.meta {
+            let st = m.st.borrow();
+            let first = off >> self.cluster_bits();
+            let last = (off + len.max(1) - 1) >> self.cluster_bits();
+            if (first..=last).any(|c| st.meta_clusters.contains(&c)) {
+                return true;
+            }
+        }
+        false
+    }
+
+    /// Records the clusters of refcount blocks and L2 tables for the overlap check.
+    pub(crate) fn index_metadata(&self) {
+        let Some(m) = &self.meta else { return };
+        let cs = self.geo.cluster_size();
+        let mut set = HashSet::new();
+        for e in self.refcount_table.borrow().iter() {
+            if *e != 0 && e % cs == 0 {
+                set.insert(e >> self.cluster_bits());
+            }
+        }
+        for e in self.l1.borrow().iter() {
+            if let Ok(Some(t)) = e.l2_table(cs, u64::MAX) {
+                set.insert(t.0 >> self.cluster_bits());
+            }
+        }
+        m.st.borrow_mut().meta_clusters = set;
+    }
+
+    /// Sets the corrupt bit on disk (best effort) after an inconsistency was detected, and
+    /// returns the error to fail the request with.
+    pub(crate) async fn mark_corrupt(
+        &self,
+        field: Field,
+        value: u64,
+        reason: &'static str,
+    ) -> Error {
+        tracing::error!("qcow2: marking image corrupt: {field}: {reason} ({value:#x})");
+        if let Some(m) = &self.meta {
+            let sector = {
+                let mut st = m.st.borrow_mut();
+                let v = crate::format::be::get_u64(&st.sector0, 72)
+                    | crate::format::header::incompat::CORRUPT;
+                if crate::format::be::get_u32(&st.sector0, 4) == 3 {
+                    crate::format::be::put_u64(&mut st.sector0, 72, v);
+                }
+                st.sector0.clone()
+            };
+            let buf = self.exec.alloc_buf(self.dev, sector.len());
+            buf.copy_in(0, &sector);
+            let _ = self.exec.write(self.dev, 0, BufSlice::whole(buf)).await;
+            let _ = self.exec.flush(self.dev).await;
+            self.header.borrow_mut().header.incompatible_features |=
+                crate::format::header::incompat::CORRUPT;
+        }
+        corrupt(field, value, reason)
+    }
+
+    // ----- L2 -----------------------------------------------------------------------
+
+    /// Makes the slice holding `off`'s L2 entry dirty (loading it if needed). The L2 table
+    /// must exist (see [`ensure_l2`](Self::ensure_l2)).
+    pub(crate) async fn dirty_slice_for(&self, off: GuestOffset) -> Result<()> {
+        let m = self.meta()?;
+        let key = self.geo.slice_id(off);
+        if m.st.borrow().dirty_l2.contains_key(&key) {
+            return Ok(());
+        }
+        if !self.load_slice(off).await? {
+            return Err(corrupt(
+                Field::L1Entry,
+                off.0,
+                "no L2 table for a dirty slice",
+            ));
+        }
+        if m.st.borrow().dirty_l2.contains_key(&key) {
+            return Ok(());
+        }
+        let cache = self.l2_cache.borrow();
+        let w = cache
+            .probe(key, 0)
+            .ok_or_else(|| corrupt(Field::L2Entry, key, "slice evicted while in use"))?;
+        m.st.borrow_mut()
+            .dirty_l2
+            .insert(key, cache.block(w).to_vec());
+        Ok(())
+    }
+
+    /// Reads the raw L2 words of `off`'s entry (`(entry, bitmap)`; bitmap 0 without
+    /// extended L2). The slice must be dirty or cached.
+    pub(crate) async fn l2_words(&self, off: GuestOffset) -> Result<(u64, u64)> {
+        if !self.load_slice(off).await? {
+            return Ok((0, 0));
+        }
+        let key = self.geo.slice_id(off);
+        let i = self.geo.index_in_slice(off) as usize;
+        let ext = self.geo.extended_l2;
+        let pick = |b: &[u64]| {
+            if ext {
+                (b[2 * i], b[2 * i + 1])
+            } else {
+                (b[i], 0)
+            }
+        };
+        if let Some(m) = &self.meta {
+            if let Some(b) = m.st.borrow().dirty_l2.get(&key) {
+                return Ok(pick(b));
+            }
+        }
+        let cache = self.l2_cache.borrow();
+        let w = cache
+            .probe(key, 0)
+            .ok_or_else(|| corrupt(Field::L2Entry, key, "slice evicted while in use"))?;
+        Ok(pick(cache.block(w)))
+    }
+
+    /// Sets `off`'s L2 entry (and bitmap with extended L2) in the dirty slice and the
+    /// cache replica. [`dirty_slice_for`](Self::dirty_slice_for) must have run.
+    pub(crate) fn set_l2_words(&self, off: GuestOffset, entry: u64, bitmap: u64) -> Result<()> {
+        let m = self.meta()?;
+        let key = self.geo.slice_id(off);
+        let i = self.geo.index_in_slice(off) as usize;
+        let ext = self.geo.extended_l2;
+        let put = |b: &mut [u64]| {
+            if ext {
+                b[2 * i] = entry;
+                b[2 * i + 1] = bitmap;
+            } else {
+                b[i] = entry;
+            }
+        };
+        {
+            let mut st = m.st.borrow_mut();
+            let b = st
+                .dirty_l2
+                .get_mut(&key)
+                .ok_or_else(|| corrupt(Field::L2Entry, key, "L2 slice not dirty"))?;
+            put(b);
+        }
+        let mut cache = self.l2_cache.borrow_mut();
+        if let Some(w) = cache.probe(key, 0) {
+            put(cache.block_mut(w));
+        }
+        Ok(())
+    }
+
+    /// Makes sure the L2 table covering `off` exists and is writable (COPIED): allocates a
+    /// new one, or copies a table shared with a snapshot.
+    pub(crate) async fn ensure_l2(&self, off: GuestOffset) -> Result<()> {
+        let m = self.meta()?;
+        let idx = self.geo.l1_index(off);
+        let e = self.l1.borrow()[idx as usize];
+        let cs = self.geo.cluster_size();
+        let old = e.l2_table(cs, self.device_size.get())?;
+        if old.is_some() && e.is_copied() {
+            return Ok(());
+        }
+        let (start, _, _) = self.alloc_clusters(1).await?;
+        let new = start << self.cluster_bits();
+        let words_per_table = (cs / 8) as usize;
+        let content: Vec<u64> = match old {
+            Some(t) => {
+                let raw = read_bytes(&self.exec, self.dev, t.0, cs).await?;
+                // The active L1 no longer references the old table once L1 is stable.
+                m.st.borrow_mut().pending_frees.push((t.0, cs));
+                raw.chunks_exact(8)
+                    .map(|c| u64::from_be_bytes(c.try_into().unwrap_or([0; 8])))
+                    .collect()
+            }
+            None => vec![0; words_per_table],
+        };
+        let slice_words = ((1u64 << self.geo.slice_bits) / 8) as usize;
+        let first_slice = idx * self.geo.slices_per_l2();
+        {
+            let mut st = m.st.borrow_mut();
+            for (s, chunk) in content.chunks(slice_words).enumerate() {
+                st.dirty_l2.insert(first_slice + s as u64, chunk.to_vec());
+            }
+            st.dirty_l1.insert(idx);
+            st.meta_clusters.insert(start);
+        }
+        {
+            let mut cache = self.l2_cache.borrow_mut();
+            for s in 0..self.geo.slices_per_l2() {
+                cache.invalidate(first_slice + s);
+            }
+        }
+        self.l1.borrow_mut()[idx as usize] = L1Entry::new(crate::types::HostOffset(new), true);
+        Ok(())
+    }
+
+    // ----- refcounts and allocation --------------------------------------------------
+
+    /// Adds `delta` to the refcount of host cluster `cluster` (in the dirty copy). Never
+    /// wraps: a refcount that would leave its range is corruption.
+    pub(crate) async fn update_refcount(&self, cluster: u64, delta: i64) -> Result<u64> {
+        let m = self.meta()?;
+        let (block, idx) = self.ensure_rc_block(cluster).await?;
+        self.load_rc_block(block).await?;
+        let order = self.header.borrow().header.refcount_order;
+        let mut st = m.st.borrow_mut();
+        let b = match st.dirty_rc.entry(block) {
+            std::collections::btree_map::Entry::Occupied(e) => e.into_mut(),
+            std::collections::btree_map::Entry::Vacant(v) => {
+                let bytes = {
+                    let cache = self.rc_cache.borrow();
+                    let w = cache.probe(block, 0).ok_or_else(|| {
+                        corrupt(
+                            Field::RefcountBlockEntry,
+                            block,
+                            "refcount block evicted while in use",
+                        )
+                    })?;
+                    cache.block(w).to_vec()
+                };
+                self.rc_cache.borrow_mut().invalidate(block);
+                v.insert(bytes)
+            }
+        };
+        let old = get_refcount(b, order, idx);
+        let new = if delta >= 0 {
+            old.checked_add(delta as u64)
+        } else {
+            old.checked_sub(delta.unsigned_abs())
+        }
+        .ok_or_else(|| corrupt(Field::RefcountBlockEntry, cluster, "refcount would wrap"))?;
+        set_refcount(b, order, idx, new)?;
+        Ok(new)
+    }
+
+    /// The refcount block covering host cluster `cluster`, allocating a self-describing
+    /// block (placed at the first cluster of the range it covers) and growing the refcount
+    /// table when needed. Returns (block offset, index within block).
+    async fn ensure_rc_block(&self, cluster: u64) -> Result<(u64, u64)> {
+        if let Some(loc) = self.rc_locate(cluster)? {
+            return Ok(loc);
+        }
+        let m = self.meta()?;
+        let per_block = self.per_block();
+        let r = cluster / per_block;
+        if r >= self.refcount_table.borrow().len() as u64 {
+            Box::pin(self.grow_refcount_table(r + 1)).await?;
+            if let Some(loc) = self.rc_locate(cluster)? {
+                return Ok(loc);
+            }
+        }
+        let b = r * per_block;
+        let cs = self.geo.cluster_size();
+        if self.overlaps_metadata(b << self.cluster_bits(), cs) {
+            return Err(self
+                .mark_corrupt(
+                    Field::RefcountTableEntry,
+                    b,
+                    "new refcount block would overlap metadata",
+                )
+                .await);
+        }
+        let order = self.header.borrow().header.refcount_order;
+        let mut bytes = vec![0u8; cs as usize];
+        set_refcount(&mut bytes, order, 0, 1)?;
+        {
+            let mut st = m.st.borrow_mut();
+            st.dirty_rc.insert(b << self.cluster_bits(), bytes);
+            st.dirty_rt.insert(r);
+            st.meta_clusters.insert(b);
+            if b >= st.fresh_from {
+                st.fresh_from = b + 1;
+            }
+        }
+        self.refcount_table.borrow_mut()[r as usize] = b << self.cluster_bits();
+        self.note_allocated(b + 1);
+        Ok((b << self.cluster_bits(), cluster % per_block))
+    }
+
+    /// Replaces the refcount table by a larger one holding at least `min_entries`: the new
+    /// table and the refcount blocks covering it are placed past every allocated cluster,
+    /// written and flushed, then the header points at them, then the old table is freed.
+    async fn grow_refcount_table(&self, min_entries: u64) -> Result<()> {
+        let m = self.meta()?;
+        let cs = self.geo.cluster_size();
+        let bits = self.cluster_bits();
+        let per_block = self.per_block();
+        let order = self.header.borrow().header.refcount_order;
+        let old: Vec<u64> = self.refcount_table.borrow().clone();
+        let (old_off, old_clusters) = {
+            let h = self.header.borrow();
+            (
+                h.header.refcount_table_offset,
+                u64::from(h.header.refcount_table_clusters),
+            )
+        };
+        // First make every pending refcount change stable in the old layout.
+        self.writeback_locked().await?;
+        let start = {
+            let st = m.st.borrow();
+            st.fresh_from.max(self.device_size.get().div_ceil(cs))
+        };
+        let mut entries = min_entries.max(old.len() as u64 * 2).max(cs / 8);
+        let mut extra = 0u64;
+        let (table_clusters, missing) = loop {
+            let table_clusters = (entries * 8).div_ceil(cs);
+            let end = start + table_clusters + extra;
+            let (lo, hi) = (start / per_block, (end - 1) / per_block);
+            if hi >= entries {
+                entries = hi + 1;
+                continue;
+            }
+            let missing: Vec<u64> = (lo..=hi)
+                .filter(|r| old.get(*r as usize).is_none_or(|e| *e == 0))
+                .collect();
+            if missing.len() as u64 == extra {
+                break (table_clusters, missing);
+            }
+            extra = missing.len() as u64;
+        };
+        if table_clusters << bits > crate::limits::MAX_REFCOUNT_TABLE_BYTES {
+            return Err(Error::UnsupportedFeature(
+                "refcount table would exceed 8 MiB".into(),
+            ));
+        }
+        let end = start + table_clusters + extra;
+        let mut table = old.clone();
+        table.resize(entries as usize, 0);
+        // New blocks, right after the new table; each counts the new clusters in its range.
+        for (i, r) in missing.iter().enumerate() {
+            let at = start + table_clusters + i as u64;
+            table[*r as usize] = at << bits;
+            let mut bytes = vec![0u8; cs as usize];
+            for c in (r * per_block).max(start)..((r + 1) * per_block).min(end) {
+                set_refcount(&mut bytes, order, c % per_block, 1)?;
+            }
+            let buf = self.exec.alloc_buf(self.dev, cs as usize);
+            buf.copy_in(0, &bytes);
+            self.exec
+                .write(self.dev, at << bits, BufSlice::whole(buf))
+                .await?;
+            m.st.borrow_mut().meta_clusters.insert(at);
+        }
+        self.note_allocated(end);
+        // Existing blocks covering part of the new area count it too.
+        *self.refcount_table.borrow_mut() = table.clone();
+        for c in start..end {
+            let r = c / per_block;
+            if !missing.contains(&r) {
+                self.update_refcount(c, 1).await?;
+            }
+        }
+        // Write those blocks, then the new table, then flush.
+        self.write_dirty_rc().await?;
+        let mut tbytes = vec![0u8; (table_clusters << bits) as usize];
+        words_to_bytes(&table, &mut tbytes);
+        let buf = self.exec.alloc_buf(self.dev, tbytes.len());
+        buf.copy_in(0, &tbytes);
+        self.exec
+            .write(self.dev, start << bits, BufSlice::whole(buf))
+            .await?;
+        self.exec.flush(self.dev).await?;
+        // Then the header.
+        {
+            let mut h = self.header.borrow_mut();
+            h.header.refcount_table_offset = start << bits;
+            h.header.refcount_table_clusters = table_clusters as u32;
+            let mut st = m.st.borrow_mut();
+            crate::format::be::put_u64(&mut st.sector0, 48, start << bits);
+            crate::format::be::put_u32(&mut st.sector0, 56, table_clusters as u32);
+            st.header_dirty = true;
+            st.dirty_rt.clear();
+            st.fresh_from = st.fresh_from.max(end);
+        }
+        self.write_header().await?;
+        self.exec.flush(self.dev).await?;
+        // Finally the old table's clusters are free.
+        m.st.borrow_mut()
+            .pending_frees
+            .push((old_off, old_clusters << bits));
+        Ok(())
+    }
+
+    /// Allocates up to `n` contiguous free host clusters (at least one): refcounts become
+    /// 1 (dirty). Returns (first cluster, count, fresh) where `fresh` means the clusters were
+    /// never written since open and read as zeros.
+    pub(crate) async fn alloc_clusters(&self, n: u64) -> Result<(u64, u64, bool)> {
+        let m = self.meta()?;
+        let mut c = m.st.borrow().alloc_hint.max(1);
+        let start = loop {
+            if self.cluster_is_free(c).await? {
+                break c;
+            }
+            c += 1;
+        };
+        let mut count = 1;
+        while count < n && self.cluster_is_free(start + count).await? {
+            count += 1;
+        }
+        for i in 0..count {
+            let rc = self.update_refcount(start + i, 1).await?;
+            if rc != 1 {
+                return Err(self
+                    .mark_corrupt(
+                        Field::RefcountBlockEntry,
+                        start + i,
+                        "allocated cluster already in use",
+                    )
+                    .await);
+            }
+        }
+        let fresh = {
+            let mut st = m.st.borrow_mut();
+            st.alloc_hint = start + count;
+            let fresh = start >= st.fresh_from;
+            if start + count > st.fresh_from {
+                st.fresh_from = start + count;
+            }
+            fresh
+        };
+        self.note_allocated(start + count);
+        Ok((start, count, fresh))
+    }
+
+    /// Whether host cluster `c` may be allocated: refcount 0, not freed-but-unstable, not
+    /// metadata.
+    async fn cluster_is_free(&self, c: u64) -> Result<bool> {
+        let m = self.meta()?;
+        if m.st.borrow().unstable_frees.contains(&c) {
+            return Ok(false);
+        }
+        if self.overlaps_metadata(c << self.cluster_bits(), self.geo.cluster_size()) {
+            return Ok(false);
+        }
+        let order = self.header.borrow().header.refcount_order;
+        let (block, idx) = self.ensure_rc_block(c).await?;
+        self.load_rc_block(block).await?;
+        Ok(self.with_rc_block(block, |b| get_refcount(b, order, idx)) == 0)
+    }
+
+    /// Drops the references of host bytes `[off, off+len)` once the metadata that removed
+    /// them is stable (rule 2).
+    pub(crate) fn free_later(&self, off: u64, len: u64) -> Result<()> {
+        self.meta()?.st.borrow_mut().pending_frees.push((off, len));
+        Ok(())
+    }
+
+    /// Frees clusters that were allocated but never referenced (an aborted allocation).
+    pub(crate) async fn free_unreferenced(&self, start: u64, count: u64) -> Result<()> {
+        let m = self.meta()?;
+        for c in start..start + count {
+            self.update_refcount(c, -1).await?;
+            m.st.borrow_mut().unstable_frees.insert(c);
+        }
+        Ok(())
+    }
+
+    // ----- write-back ----------------------------------------------------------------
+
+    async fn write_dirty_rc(&self) -> Result<bool> {
+        let m = self.meta()?;
+        let blocks: Vec<(u64, Vec<u8>)> = std::mem::take(&mut m.st.borrow_mut().dirty_rc)
+            .into_iter()
+            .collect();
+        if blocks.is_empty() {
+            return Ok(false);
+        }
+        for (off, bytes) in &blocks {
+            if !self.is_metadata_cluster(*off) {
+                return Err(self
+                    .mark_corrupt(
+                        Field::RefcountTableEntry,
+                        *off,
+                        "refcount block write outside known blocks",
+                    )
+                    .await);
+            }
+            let buf = self.exec.alloc_buf(self.dev, bytes.len());
+            buf.copy_in(0, bytes);
+            if let Err(e) = self.exec.write(self.dev, *off, BufSlice::whole(buf)).await {
+                // Keep everything dirty so nothing is lost; the caller fails the request.
+                let mut st = m.st.borrow_mut();
+                for (o, b) in blocks {
+                    st.dirty_rc.entry(o).or_insert(b);
+                }
+                return Err(e);
+            }
+        }
+        let mut cache = self.rc_cache.borrow_mut();
+        for (off, bytes) in blocks {
+            cache.insert_with(off, 0, |b| b.copy_from_slice(&bytes));
+        }
+        Ok(true)
+    }
+
+    fn is_metadata_cluster(&self, off: u64) -> bool {
+        self.meta.as_ref().is_some_and(|m| {
+            m.st.borrow()
+                .meta_clusters
+                .contains(&(off >> self.cluster_bits()))
+        })
+    }
+
+    /// Writes the sectors of a table (`words` at host `table_off`) holding `indices`.
+    async fn write_table_sectors(
+        &self,
+        table_off: u64,
+        words: &[u64],
+        indices: &BTreeSet<u64>,
+    ) -> Result<()> {
+        let per_sector = SECTOR / 8;
+        let sectors: BTreeSet<u64> = indices.iter().map(|i| i / per_sector).collect();
+        for s in sectors {
+            let first = (s * per_sector) as usize;
+            let mut bytes = vec![0u8; SECTOR as usize];
+            let end = (first + per_sector as usize).min(words.len());
+            words_to_bytes(&words[first..end], &mut bytes);
+            let buf = self.exec.alloc_buf(self.dev, bytes.len());
+            buf.copy_in(0, &bytes);
+            self.exec
+                .write(self.dev, table_off + s * SECTOR, BufSlice::whole(buf))
+                .await?;
+        }
+        Ok(())
+    }
+
+    async fn write_header(&self) -> Result<()> {
+        let m = self.meta()?;
+        let sector = {
+            let mut st = m.st.borrow_mut();
+            st.header_dirty = false;
+            st.sector0.clone()
+        };
+        let buf = self.exec.alloc_buf(self.dev, sector.len());
+        buf.copy_in(0, &sector);
+        self.exec.write(self.dev, 0, BufSlice::whole(buf)).await
+    }
+
+    /// Writes all dirty metadata in dependency order (see the module doc). The caller holds
+    /// the metadata lock. On error, whatever was not written stays dirty.
+    pub(crate) async fn writeback_locked(&self) -> Result<()> {
+        let m = self.meta()?;
+        // Phase 1: refcounts (and the data written so far) before any L2/L1 reference.
+        let wrote_rc = self.write_dirty_rc().await?;
+        let (has_l2, rt_dirty) = {
+            let st = m.st.borrow();
+            (
+                !st.dirty_l2.is_empty() || !st.dirty_l1.is_empty(),
+                !st.dirty_rt.is_empty(),
+            )
+        };
+        if rt_dirty {
+            self.exec.flush(self.dev).await?;
+            let rt_dirty = std::mem::take(&mut m.st.borrow_mut().dirty_rt);
+            let table = self.refcount_table.borrow().clone();
+            let off = self.header.borrow().header.refcount_table_offset;
+            if let Err(e) = self.write_table_sectors(off, &table, &rt_dirty).await {
+                m.st.borrow_mut().dirty_rt.extend(rt_dirty);
+                return Err(e);
+            }
+        }
+        if wrote_rc || has_l2 || rt_dirty {
+            self.exec.flush(self.dev).await?;
+        }
+        // Phase 2: L2 slices, then L1 entries of new tables.
+        if has_l2 {
+            let slices: Vec<(u64, Vec<u64>)> = std::mem::take(&mut m.st.borrow_mut().dirty_l2)
+                .into_iter()
+                .collect();
+            let slice_bytes = 1usize << self.geo.slice_bits;
+            for (i, (key, words)) in slices.iter().enumerate() {
+                let goff = GuestOffset(*key * self.geo.slice_coverage());
+                let r = match self.l2_table(goff) {
+                    Ok(Some(t)) => {
+                        let host = self.geo.slice_host_offset(t, goff);
+                        if !self.is_metadata_cluster(host.0) {
+                            Err(self
+                                .mark_corrupt(
+                                    Field::L1Entry,
+                                    host.0,
+                                    "L2 write outside known L2 tables",
+                                )
+                                .await)
+                        } else {
+                            let buf = self.exec.alloc_buf(self.dev, slice_bytes);
+                            let mut bytes = vec![0u8; slice_bytes];
+                            words_to_bytes(words, &mut bytes);
+                            buf.copy_in(0, &bytes);
+                            self.exec
+                                .write(self.dev, host.0, BufSlice::whole(buf))
+                                .await
+                        }
+                    }
+                    Ok(None) => Err(corrupt(
+                        Field::L1Entry,
+                        *key,
+                        "dirty slice without an L2 table",
+                    )),
+                    Err(e) => Err(e),
+                };
+                if let Err(e) = r {
+                    let mut st = m.st.borrow_mut();
+                    for (k, w) in slices.into_iter().skip(i) {
+                        st.dirty_l2.entry(k).or_insert(w);
+                    }
+                    return Err(e);
+                }
+            }
+            let l1_dirty = std::mem::take(&mut m.st.borrow_mut().dirty_l1);
+            if !l1_dirty.is_empty() {
+                self.exec.flush(self.dev).await?;
+                let words: Vec<u64> = self.l1.borrow().iter().map(|e| e.0).collect();
+                let off = self.header.borrow().header.l1_table_offset;
+                if let Err(e) = self.write_table_sectors(off, &words, &l1_dirty).await {
+                    m.st.borrow_mut().dirty_l1.extend(l1_dirty);
+                    return Err(e);
+                }
+            }
+            self.exec.flush(self.dev).await?;
+        }
+        // Phase 3: frees whose removal is now stable.
+        let frees = std::mem::take(&mut m.st.borrow_mut().pending_frees);
+        if !frees.is_empty() {
+            let bits = self.cluster_bits();
+            for (off, len) in &frees {
+                for c in (off >> bits)..((off + len).div_ceil(1 << bits)) {
+                    let new = self.update_refcount(c, -1).await?;
+                    if new == 0 {
+                        m.st.borrow_mut().unstable_frees.insert(c);
+                        let mut st = m.st.borrow_mut();
+                        st.meta_clusters.remove(&c);
+                        if c < st.alloc_hint {
+                            st.alloc_hint = c;
+                        }
+                    }
+                }
+            }
+            self.write_dirty_rc().await?;
+            self.exec.flush(self.dev).await?;
+            m.st.borrow_mut().unstable_frees.clear();
+        }
+        if m.st.borrow().header_dirty {
+            self.write_header().await?;
+            self.exec.flush(self.dev).await?;
+        }
+        Ok(())
+    }
+
+    /// Writes back when the dirty set has grown past the threshold (memory bound).
+    pub(crate) async fn maybe_writeback_locked(&self) -> Result<()> {
+        let m = self.meta()?;
+        let dirty = {
+            let st = m.st.borrow();
+            st.dirty_l2.len() as u64 * (1u64 << self.geo.slice_bits)
+                + st.dirty_rc.len() as u64 * self.geo.cluster_size()
+        };
+        if dirty > WRITEBACK_THRESHOLD_BYTES {
+            self.writeback_locked().await?;
+        }
+        Ok(())
+    }
+
+    /// Guest flush: every write completed before it is stable when this returns.
+    pub async fn flush(&self) -> Result<()> {
+        let m = self.meta()?;
+        let _g = m.lock.lock().await;
+        self.writeback_locked().await?;
+        self.exec.flush(self.dev).await
+    }
+}

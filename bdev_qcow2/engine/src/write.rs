@@ -1,0 +1,735 @@
+//! The guest write path: in-place writes, allocating writes as two-phase plans (plan under
+//! the metadata lock → data I/O without it → commit or abort under the lock), write-zeroes,
+//! discard and flush.
+//!
+//! Allocating writes merge the COW head and tail with the guest data into one device write,
+//! and skip COW areas that read as zero when the new cluster was never written (it reads
+//! zero already). With extended L2 only the touched subclusters are written. Writers of a
+//! guest cluster with an allocation in flight wait for it to commit, so overlapping
+//! allocations are ordered.
+
+use crate::chain::{read_layer, Chain, Layer};
+use crate::error::{corrupt, Error, Field, Result};
+use crate::format::entries::{COPIED, ZERO};
+use crate::format::{ClusterMapping, L2Entry, SubclusterBitmap};
+use crate::image::Qcow2;
+use crate::io::{BlockDevice, BufSlice, DeviceOp, IoBuffer, SECTOR};
+use crate::types::GuestOffset;
+use std::rc::Rc;
+
+/// What a write does to one guest cluster.
+#[derive(Debug, Clone, Copy)]
+enum Action {
+    /// Data goes to `host` (the cluster's host offset), no metadata change.
+    InPlace { host: u64 },
+    /// Extended L2, cluster allocated and COPIED: data to `host`, then the bitmap changes.
+    SubclusterInPlace { host: u64, entry: u64, bitmap: u64 },
+    /// A preallocated zero cluster (COPIED): rewrite the whole cluster, clear the zero flag.
+    Rewrite { host: u64, entry: u64 },
+    /// Needs a new cluster; `old` is what it replaces (freed after commit when shared).
+    Alloc { bitmap: u64, old: ClusterMapping },
+}
+
+/// One guest cluster of a write: its guest start, the written range within it, the action.
+#[derive(Debug, Clone, Copy)]
+struct Part {
+    cluster: u64,
+    a: u64,
+    b: u64,
+    action: Action,
+}
+
+/// Kinds of zeroing requests.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ZeroKind {
+    /// write-zeroes keeping allocation (unless `unmap`).
+    WriteZeroes { unmap: bool },
+    /// discard: free where possible, zero flag where a backing image would show through.
+    Discard,
+}
+
+fn top<D: BlockDevice>(chain: &Chain<D>) -> Result<&Qcow2<D>> {
+    match &chain.layers()[0] {
+        Layer::Qcow2(q) if q.is_writable() => Ok(q),
+        _ => Err(Error::ReadOnly),
+    }
+}
+
+fn check_range<D: BlockDevice>(chain: &Chain<D>, offset: u64, len: u64) -> Result<()> {
+    if !offset.is_multiple_of(SECTOR) || !len.is_multiple_of(SECTOR) {
+        return Err(Error::InvalidRequest("request not aligned to 512 bytes"));
+    }
+    if offset.checked_add(len).is_none_or(|e| e > chain.size()) {
+        return Err(Error::InvalidRequest("request past the end of the disk"));
+    }
+    Ok(())
+}
+
+impl<D: BlockDevice> Chain<D> {
+    /// Starts a guest write; completion is reported with `tag` by [`crate::Exec::poll`].
+    /// A write into allocated clusters whose refcount is 1, with their L2 slice cached, is
+    /// submitted directly (no task, no metadata); anything else runs as a slow-path task.
+    pub fn submit_write(self: &Rc<Self>, tag: u64, offset: u64, buf: BufSlice<D::Buf>) {
+        if let Err(e) = top(self).and_then(|_| check_range(self, offset, buf.len as u64)) {
+            return self.exec().complete(tag, Err(e));
+        }
+        if self.try_fast_write(tag, offset, &buf) {
+            return;
+        }
+        let chain = self.clone();
+        self.exec().spawn(async move {
+            let r = chain.write(offset, buf).await;
+            chain.exec().complete(tag, r);
+        });
+    }
+
+    /// Starts a write-zeroes (`unmap`: the clusters may be deallocated).
+    pub fn submit_write_zeroes(self: &Rc<Self>, tag: u64, offset: u64, len: u64, unmap: bool) {
+        let chain = self.clone();
+        self.exec().spawn(async move {
+            let r = chain.write_zeroes(offset, len, unmap).await;
+            chain.exec().complete(tag, r);
+        });
+    }
+
+    /// Starts a discard.
+    pub fn submit_discard(self: &Rc<Self>, tag: u64, offset: u64, len: u64) {
+        let chain = self.clone();
+        self.exec().spawn(async move {
+            let r = chain.discard(offset, len).await;
+            chain.exec().complete(tag, r);
+        });
+    }
+
+    /// Starts a guest flush.
+    pub fn submit_flush(self: &Rc<Self>, tag: u64) {
+        let chain = self.clone();
+        self.exec().spawn(async move {
+            let r = chain.flush().await;
+            chain.exec().complete(tag, r);
+        });
+    }
+
+    /// In-place fast path: every cluster COPIED data (standard L2), slice cached, no
+    /// allocation in flight. Returns false (changing nothing) otherwise.
+    fn try_fast_write(&self, tag: u64, offset: u64, buf: &BufSlice<D::Buf>) -> bool {
+        let Ok(q) = top(self) else { return false };
+        if q.geometry().extended_l2 {
+            return false;
+        }
+        let Ok(m) = q.meta() else { return false };
+        let cs = q.geometry().cluster_size();
+        let end = offset + buf.len as u64;
+        // Plan first (no side effects), then submit.
+        let mut runs: [(u64, usize, usize); 8] = [(0, 0, 0); 8];
+        let mut n = 0;
+        let mut pos = offset;
+        {
+            let st = m.st.borrow();
+            while pos < end {
+                if st.inflight.contains(&(pos / cs)) {
+                    return false;
+                }
+                let Ok(Some((ClusterMapping::Data { host, copied: true }, c_end))) =
+                    q.resolve_cached(GuestOffset(pos))
+                else {
+                    return false;
+                };
+                let len = (c_end.min(end) - pos) as usize;
+                let h = host.0 + (pos & (cs - 1));
+                let boff = (pos - offset) as usize;
+                if n > 0 && runs[n - 1].0 + runs[n - 1].2 as u64 == h {
+                    runs[n - 1].2 += len;
+                } else if n < runs.len() {
+                    runs[n] = (h, boff, len);
+                    n += 1;
+                } else {
+                    return false;
+                }
+                pos += len as u64;
+            }
+        }
+        let req = self.exec().request_begin(tag);
+        for &(h, boff, len) in &runs[..n] {
+            self.exec().request_op(
+                req,
+                q.dev(),
+                DeviceOp::Write {
+                    offset: h,
+                    buf: buf.sub(boff, len),
+                },
+            );
+        }
+        self.exec().request_arm(req);
+        true
+    }
+
+    /// Writes `buf` at `offset` and waits for it (acknowledged, not yet durable: see
+    /// [`flush`](Self::flush)).
+    pub async fn write(self: &Rc<Self>, offset: u64, buf: BufSlice<D::Buf>) -> Result<()> {
+        let q = top(self)?;
+        check_range(self, offset, buf.len as u64)?;
+        let end = offset + buf.len as u64;
+        let cov = q.geometry().slice_coverage();
+        let mut pos = offset;
+        while pos < end {
+            let chunk_end = end.min((pos / cov + 1) * cov);
+            let sub = buf.sub((pos - offset) as usize, (chunk_end - pos) as usize);
+            self.write_chunk(q, pos, chunk_end, Some(sub)).await?;
+            pos = chunk_end;
+        }
+        Ok(())
+    }
+
+    /// Takes the metadata lock once no cluster of `[first, last]` has an allocation in
+    /// flight, and marks them in flight.
+    async fn lock_clusters<'q>(
+        &self,
+        q: &'q Qcow2<D>,
+        first: u64,
+        last: u64,
+    ) -> Result<crate::exec::LockGuard<'q, D>> {
+        let m = q.meta()?;
+        loop {
+            let g = m.lock.lock().await;
+            let busy = m.st.borrow().inflight.range(first..=last).next().is_some();
+            if !busy {
+                m.st.borrow_mut().inflight.extend(first..=last);
+                return Ok(g);
+            }
+            drop(g);
+            m.inflight_wait.wait().await;
+        }
+    }
+
+    fn unmark_clusters(&self, q: &Qcow2<D>, first: u64, last: u64) {
+        if let Ok(m) = q.meta() {
+            let mut st = m.st.borrow_mut();
+            for c in first..=last {
+                st.inflight.remove(&c);
+            }
+            drop(st);
+            m.inflight_wait.notify_all();
+        }
+    }
+
+    /// Writes guest bytes `[start, end)` (inside one L2 slice); `data` is `None` for zeros.
+    async fn write_chunk(
+        self: &Rc<Self>,
+        q: &Qcow2<D>,
+        start: u64,
+        end: u64,
+        data: Option<BufSlice<D::Buf>>,
+    ) -> Result<()> {
+        let cs = q.geometry().cluster_size();
+        let (first, last) = (start / cs, (end - 1) / cs);
+        let guard = self.lock_clusters(q, first, last).await?;
+        let planned = self.plan(q, start, end).await;
+        let (parts, allocs) = match planned {
+            Ok(p) => p,
+            Err(e) => {
+                drop(guard);
+                self.unmark_clusters(q, first, last);
+                return Err(e);
+            }
+        };
+        drop(guard);
+        // Data phase, without the lock.
+        let res = self.write_data(q, start, &parts, &allocs, data).await;
+        // Commit or abort.
+        let m = q.meta()?;
+        let guard = m.lock.lock().await;
+        let r = match res {
+            Ok(()) => self.commit(q, &parts, &allocs).await,
+            Err(e) => {
+                for &(c0, n, _) in &allocs {
+                    let _ = q.free_unreferenced(c0, n).await;
+                }
+                Err(e)
+            }
+        };
+        let r = match r {
+            Ok(()) => q.maybe_writeback_locked().await,
+            Err(e) => Err(e),
+        };
+        drop(guard);
+        self.unmark_clusters(q, first, last);
+        r
+    }
+
+    /// Decides the action for each guest cluster of `[start, end)` and allocates what is
+    /// needed (refcounts and L2 tables, in the dirty metadata). Returns the parts and, per
+    /// allocated run, (first host cluster, count, fresh). Caller holds the lock.
+    async fn plan(
+        &self,
+        q: &Qcow2<D>,
+        start: u64,
+        end: u64,
+    ) -> Result<(Vec<Part>, Vec<(u64, u64, bool)>)> {
+        let geo = q.geometry();
+        let cs = geo.cluster_size();
+        let ctx = q.ctx.get();
+        let mut parts = Vec::new();
+        let mut pos = start;
+        while pos < end {
+            let cluster = pos & !(cs - 1);
+            let b = end.min(cluster + cs);
+            let (entry, bitmap) = q.l2_words(GuestOffset(cluster)).await?;
+            let e = L2Entry(entry);
+            let action = if geo.extended_l2 {
+                if e.is_compressed() {
+                    return Err(corrupt(
+                        Field::L2Entry,
+                        entry,
+                        "compressed cluster in an image with extended L2",
+                    ));
+                }
+                // Validate (reserved bits, bitmap consistency) through the mapping decoder.
+                e.subcluster_mapping(SubclusterBitmap(bitmap), 0, &ctx)?;
+                let host = entry & 0x00ff_ffff_ffff_fe00;
+                if host != 0 && e.is_copied() {
+                    Action::SubclusterInPlace {
+                        host,
+                        entry,
+                        bitmap,
+                    }
+                } else {
+                    let old = if host != 0 {
+                        ClusterMapping::Data {
+                            host: crate::types::HostOffset(host),
+                            copied: false,
+                        }
+                    } else {
+                        ClusterMapping::Unallocated { host: None }
+                    };
+                    Action::Alloc { bitmap, old }
+                }
+            } else {
+                match e.mapping(&ctx)? {
+                    ClusterMapping::Data { host, copied: true } => Action::InPlace { host: host.0 },
+                    ClusterMapping::Zero { host: Some(h) } if e.is_copied() => {
+                        Action::Rewrite { host: h.0, entry }
+                    }
+                    old => Action::Alloc { bitmap, old },
+                }
+            };
+            parts.push(Part {
+                cluster,
+                a: pos,
+                b,
+                action,
+            });
+            pos = b;
+        }
+        let need = parts
+            .iter()
+            .filter(|p| matches!(p.action, Action::Alloc { .. }))
+            .count() as u64;
+        let mut allocs = Vec::new();
+        if need > 0
+            || parts.iter().any(|p| {
+                matches!(
+                    p.action,
+                    Action::SubclusterInPlace { .. } | Action::Rewrite { .. }
+                )
+            })
+        {
+            q.ensure_l2(GuestOffset(start)).await?;
+        }
+        let mut left = need;
+        while left > 0 {
+            let (c0, n, fresh) = match q.alloc_clusters(left).await {
+                Ok(x) => x,
+                Err(e) => {
+                    for &(c, k, _) in &allocs {
+                        let _ = q.free_unreferenced(c, k).await;
+                    }
+                    return Err(e);
+                }
+            };
+            allocs.push((c0, n, fresh));
+            left -= n;
+        }
+        Ok((parts, allocs))
+    }
+
+    /// Host cluster (byte offset) and freshness assigned to the `i`-th allocating part.
+    fn alloc_host(q: &Qcow2<D>, allocs: &[(u64, u64, bool)], mut i: u64) -> (u64, bool) {
+        for &(c0, n, fresh) in allocs {
+            if i < n {
+                return ((c0 + i) << q.geometry().cluster_bits, fresh);
+            }
+            i -= n;
+        }
+        (0, false)
+    }
+
+    /// Whether guest bytes of `old` in this layer read as zeros without looking at data.
+    fn reads_zero(&self, old: &ClusterMapping, cluster: u64) -> bool {
+        match old {
+            ClusterMapping::Zero { .. } => true,
+            ClusterMapping::Unallocated { .. } => {
+                self.layers().get(1).is_none_or(|b| cluster >= b.size())
+            }
+            _ => false,
+        }
+    }
+
+    /// Issues the data writes of a plan: one device write per part (head and tail COW
+    /// merged in), and one per run of consecutive new clusters written straight from the
+    /// guest buffer when no COW data is needed.
+    async fn write_data(
+        self: &Rc<Self>,
+        q: &Qcow2<D>,
+        start: u64,
+        parts: &[Part],
+        allocs: &[(u64, u64, bool)],
+        data: Option<BufSlice<D::Buf>>,
+    ) -> Result<()> {
+        let geo = q.geometry();
+        let cs = geo.cluster_size();
+        let sc = geo.subcluster_size();
+        let mut futs = Vec::new();
+        // Pending direct run: (host start, guest start, len).
+        let mut run: Option<(u64, u64, u64)> = None;
+        let mut alloc_i = 0;
+        let exec = self.exec().clone();
+        let dev = q.dev();
+        let guest = |a: u64, len: u64| {
+            data.as_ref()
+                .map(|d| d.sub((a - start) as usize, len as usize))
+        };
+        let flush_run = |run: &mut Option<(u64, u64, u64)>, futs: &mut Vec<_>| {
+            if let Some((h, g, len)) = run.take() {
+                let buf = match guest(g, len) {
+                    Some(b) => b,
+                    None => BufSlice::whole(exec.alloc_buf(dev, len as usize)),
+                };
+                futs.push(Box::pin(exec.write(dev, h, buf)));
+            }
+        };
+        for p in parts {
+            // Host byte range to write and whether it needs a bounce buffer with COW data.
+            let (host, fresh, w_start, w_end) = match p.action {
+                Action::InPlace { host } => (host, false, p.a, p.b),
+                Action::Rewrite { host, .. } => (host, false, p.cluster, p.cluster + cs),
+                Action::SubclusterInPlace { host, .. } => {
+                    (host, false, p.a / sc * sc, p.b.div_ceil(sc) * sc)
+                }
+                Action::Alloc { old, .. } => {
+                    let (h, fresh) = Self::alloc_host(q, allocs, alloc_i);
+                    alloc_i += 1;
+                    if geo.extended_l2 {
+                        if matches!(old, ClusterMapping::Data { .. }) {
+                            // A shared cluster: copy all of it.
+                            (h, fresh, p.cluster, p.cluster + cs)
+                        } else {
+                            (h, fresh, p.a / sc * sc, p.b.div_ceil(sc) * sc)
+                        }
+                    } else if fresh && self.reads_zero(&old, p.cluster) {
+                        (h, fresh, p.a, p.b)
+                    } else {
+                        (h, fresh, p.cluster, p.cluster + cs)
+                    }
+                }
+            };
+            let _ = fresh;
+            let host_off = host + (w_start - p.cluster);
+            let len = w_end - w_start;
+            if w_start == p.a && w_end == p.b {
+                // Guest data only: extend or start a direct run.
+                match &mut run {
+                    Some((h, g, l)) if *h + *l == host_off && *g + *l == p.a => *l += len,
+                    _ => {
+                        flush_run(&mut run, &mut futs);
+                        run = Some((host_off, p.a, len));
+                    }
+                }
+                continue;
+            }
+            flush_run(&mut run, &mut futs);
+            // Bounce: COW data around the guest data.
+            let bounce = q.exec().alloc_buf(dev, len as usize);
+            let zero_cow = matches!(p.action, Action::Rewrite { .. });
+            if !zero_cow {
+                if w_start < p.a {
+                    let b = BufSlice {
+                        buf: bounce.clone(),
+                        off: 0,
+                        len: (p.a - w_start) as usize,
+                    };
+                    read_layer(self.clone(), 0, w_start, b).await?;
+                }
+                if p.b < w_end {
+                    let b = BufSlice {
+                        buf: bounce.clone(),
+                        off: (p.b - w_start) as usize,
+                        len: (w_end - p.b) as usize,
+                    };
+                    read_layer(self.clone(), 0, p.b, b).await?;
+                }
+            }
+            if let Some(g) = guest(p.a, p.b - p.a) {
+                let mut tmp = vec![0u8; g.len];
+                g.copy_out(0, &mut tmp);
+                bounce.copy_in((p.a - w_start) as usize, &tmp);
+            }
+            if q.overlaps_metadata(host_off, len) {
+                return Err(q
+                    .mark_corrupt(
+                        Field::L2Entry,
+                        host_off,
+                        "data write would overlap metadata",
+                    )
+                    .await);
+            }
+            futs.push(Box::pin(q.exec().write(
+                dev,
+                host_off,
+                BufSlice::whole(bounce),
+            )));
+        }
+        flush_run(&mut run, &mut futs);
+        crate::exec::join_all(futs).await
+    }
+
+    /// Records a finished plan in the dirty metadata. Caller holds the lock.
+    async fn commit(
+        &self,
+        q: &Qcow2<D>,
+        parts: &[Part],
+        allocs: &[(u64, u64, bool)],
+    ) -> Result<()> {
+        let geo = q.geometry();
+        let cs = geo.cluster_size();
+        let sc = geo.subcluster_size();
+        let mut alloc_i = 0;
+        for p in parts {
+            let touched = || -> u32 {
+                let s0 = (p.a - p.cluster) / sc;
+                let s1 = (p.b - p.cluster).div_ceil(sc);
+                (s0..s1).fold(0u32, |m, s| m | (1 << s))
+            };
+            match p.action {
+                Action::InPlace { .. } => {}
+                Action::Rewrite { host, entry } => {
+                    q.dirty_slice_for(GuestOffset(p.cluster)).await?;
+                    q.set_l2_words(GuestOffset(p.cluster), (entry & !ZERO) | COPIED | host, 0)?;
+                }
+                Action::SubclusterInPlace { entry, bitmap, .. } => {
+                    let t = touched();
+                    let nb = SubclusterBitmap::new(bitmap as u32 | t, (bitmap >> 32) as u32 & !t).0;
+                    if nb != bitmap {
+                        q.dirty_slice_for(GuestOffset(p.cluster)).await?;
+                        q.set_l2_words(GuestOffset(p.cluster), entry, nb)?;
+                    }
+                }
+                Action::Alloc { bitmap, old, .. } => {
+                    let (h, _) = Self::alloc_host(q, allocs, alloc_i);
+                    alloc_i += 1;
+                    q.dirty_slice_for(GuestOffset(p.cluster)).await?;
+                    let nb = if geo.extended_l2 {
+                        // A copied shared cluster keeps its allocated subclusters.
+                        let old_alloc = if matches!(old, ClusterMapping::Data { .. }) {
+                            bitmap as u32
+                        } else {
+                            0
+                        };
+                        let t = touched();
+                        SubclusterBitmap::new(old_alloc | t, (bitmap >> 32) as u32 & !t).0
+                    } else {
+                        0
+                    };
+                    q.set_l2_words(GuestOffset(p.cluster), h | COPIED, nb)?;
+                    match old {
+                        ClusterMapping::Data { host, .. } => q.free_later(host.0, cs)?,
+                        ClusterMapping::Zero { host: Some(h) } => q.free_later(h.0, cs)?,
+                        ClusterMapping::Compressed(d) => {
+                            let start = d.offset.0 & !511;
+                            q.free_later(start, (d.offset.0 + d.len).div_ceil(512) * 512 - start)?;
+                        }
+                        _ => {}
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Writes zeros over `[offset, offset+len)`: whole clusters (or subclusters) through
+    /// metadata only, partial ones as data.
+    pub async fn write_zeroes(self: &Rc<Self>, offset: u64, len: u64, unmap: bool) -> Result<()> {
+        self.zero_range(offset, len, ZeroKind::WriteZeroes { unmap })
+            .await
+    }
+
+    /// Discards `[offset, offset+len)`: whole clusters are freed (or get the zero flag when a
+    /// backing image would otherwise show through); partial clusters are left alone.
+    pub async fn discard(self: &Rc<Self>, offset: u64, len: u64) -> Result<()> {
+        self.zero_range(offset, len, ZeroKind::Discard).await
+    }
+
+    async fn zero_range(self: &Rc<Self>, offset: u64, len: u64, kind: ZeroKind) -> Result<()> {
+        let q = top(self)?;
+        check_range(self, offset, len)?;
+        let geo = q.geometry();
+        let cs = geo.cluster_size();
+        let gran = geo.subcluster_size();
+        let v3 = q.ctx.get().v3;
+        let end = offset + len;
+        let mut pos = offset;
+        while pos < end {
+            let cluster = pos & !(cs - 1);
+            let b = end.min(cluster + cs);
+            let whole_units = if geo.extended_l2 {
+                (pos.div_ceil(gran) * gran, b / gran * gran)
+            } else if pos == cluster && b == cluster + cs {
+                (pos, b)
+            } else {
+                (pos, pos)
+            };
+            let metadata_ok = v3 && whole_units.0 < whole_units.1;
+            if !metadata_ok {
+                if let ZeroKind::WriteZeroes { .. } = kind {
+                    self.write_chunk(q, pos, b, None).await?;
+                }
+                pos = b;
+                continue;
+            }
+            // Partial head/tail subclusters of write-zeroes are written as data.
+            if let ZeroKind::WriteZeroes { .. } = kind {
+                if pos < whole_units.0 {
+                    self.write_chunk(q, pos, whole_units.0, None).await?;
+                }
+                if whole_units.1 < b {
+                    self.write_chunk(q, whole_units.1, b, None).await?;
+                }
+            }
+            self.zero_cluster_metadata(q, cluster, whole_units.0, whole_units.1, kind)
+                .await?;
+            pos = b;
+        }
+        Ok(())
+    }
+
+    /// Zeroes/discards `[a, b)` of one cluster through its L2 entry.
+    async fn zero_cluster_metadata(
+        &self,
+        q: &Qcow2<D>,
+        cluster: u64,
+        a: u64,
+        b: u64,
+        kind: ZeroKind,
+    ) -> Result<()> {
+        let geo = q.geometry();
+        let cs = geo.cluster_size();
+        let c = cluster / cs;
+        let m = q.meta()?;
+        let guard = self.lock_clusters(q, c, c).await?;
+        let r = async {
+            let has_backing = self.layers().get(1).is_some_and(|l| cluster < l.size());
+            let (entry, bitmap) = q.l2_words(GuestOffset(cluster)).await?;
+            let e = L2Entry(entry);
+            let ctx = q.ctx.get();
+            let old = if geo.extended_l2 {
+                e.subcluster_mapping(SubclusterBitmap(bitmap), 0, &ctx)?;
+                None
+            } else {
+                Some(e.mapping(&ctx)?)
+            };
+            let (new_entry, new_bitmap, free): (u64, u64, Option<(u64, u64)>) = if geo.extended_l2 {
+                let sc = geo.subcluster_size();
+                let t = ((a - cluster) / sc..(b - cluster) / sc).fold(0u32, |m, s| m | (1 << s));
+                let host = entry & 0x00ff_ffff_ffff_fe00;
+                let all = t == u32::MAX;
+                let unmap = matches!(
+                    kind,
+                    ZeroKind::Discard | ZeroKind::WriteZeroes { unmap: true }
+                );
+                if all && unmap && host != 0 {
+                    let zero = if has_backing || kind != ZeroKind::Discard {
+                        u32::MAX
+                    } else {
+                        0
+                    };
+                    (0, SubclusterBitmap::new(0, zero).0, Some((host, cs)))
+                } else if kind == ZeroKind::Discard && !has_backing {
+                    (
+                        entry,
+                        SubclusterBitmap::new(bitmap as u32 & !t, (bitmap >> 32) as u32 & !t).0,
+                        None,
+                    )
+                } else {
+                    (
+                        entry,
+                        SubclusterBitmap::new(bitmap as u32 & !t, (bitmap >> 32) as u32 | t).0,
+                        None,
+                    )
+                }
+            } else {
+                let old = old.unwrap_or(ClusterMapping::Unallocated { host: None });
+                let unmap = matches!(
+                    kind,
+                    ZeroKind::Discard | ZeroKind::WriteZeroes { unmap: true }
+                );
+                let free = match old {
+                    ClusterMapping::Data { host, copied } if unmap || !copied => Some((host.0, cs)),
+                    ClusterMapping::Zero { host: Some(h) } if unmap || !e.is_copied() => {
+                        Some((h.0, cs))
+                    }
+                    ClusterMapping::Compressed(d) => {
+                        let s = d.offset.0 & !511;
+                        Some((s, (d.offset.0 + d.len).div_ceil(512) * 512 - s))
+                    }
+                    _ => None,
+                };
+                let keep_host = match (free, old) {
+                    (None, ClusterMapping::Data { host, .. }) => Some(host.0),
+                    (None, ClusterMapping::Zero { host: Some(h) }) => Some(h.0),
+                    _ => None,
+                };
+                let ne = match (kind, keep_host) {
+                    (_, Some(h)) => h | COPIED | ZERO,
+                    (ZeroKind::Discard, None) if !has_backing => 0,
+                    _ => ZERO,
+                };
+                (ne, 0, free)
+            };
+            if new_entry == entry && new_bitmap == bitmap {
+                return Ok(());
+            }
+            if q.l2_table(GuestOffset(cluster))?.is_none() {
+                if new_entry == 0 && new_bitmap == 0 {
+                    return Ok(());
+                }
+                q.ensure_l2(GuestOffset(cluster)).await?;
+            } else if !q.l1_copied(GuestOffset(cluster)) {
+                q.ensure_l2(GuestOffset(cluster)).await?;
+            }
+            q.dirty_slice_for(GuestOffset(cluster)).await?;
+            q.set_l2_words(GuestOffset(cluster), new_entry, new_bitmap)?;
+            if let Some((h, l)) = free {
+                q.free_later(h, l)?;
+            }
+            q.maybe_writeback_locked().await
+        }
+        .await;
+        drop(guard);
+        let _ = m;
+        self.unmark_clusters(q, c, c);
+        r
+    }
+
+    /// Guest flush: all writes completed before it are durable when it returns.
+    pub async fn flush(self: &Rc<Self>) -> Result<()> {
+        top(self)?.flush().await
+    }
+}
+
+impl<D: BlockDevice> Qcow2<D> {
+    /// Whether the L1 entry covering `off` has COPIED set.
+    pub(crate) fn l1_copied(&self, off: GuestOffset) -> bool {
+        let idx = self.geometry().l1_index(off) as usize;
+        self.l1.borrow().get(idx).is_some_and(|e| e.is_copied())
+    }
+}
