@@ -1,0 +1,27 @@
+//! Builds the module's registration shim when `spdk-sys` found SPDK, and sets `cfg(spdk)`.
+//!
+//! The shim (`src/ffi/register.c`) holds only SPDK's constructor-based registration macros
+//! (bdev module, RPC methods, log flag), which Rust cannot express; everything they register
+//! is defined in Rust.
+
+use std::env;
+
+fn main() {
+    println!("cargo::rustc-check-cfg=cfg(spdk)");
+    println!("cargo:rerun-if-changed=src/ffi/register.c");
+    let found = env::var("DEP_SPDK_FOUND").is_ok_and(|v| v == "1");
+    if !found {
+        return;
+    }
+    let Ok(include) = env::var("DEP_SPDK_INCLUDE") else {
+        panic!("spdk-sys found SPDK but exported no include directory");
+    };
+    cc::Build::new()
+        .file("src/ffi/register.c")
+        .include(include)
+        .warnings(true)
+        // Nothing references the constructors: keep the whole object in the cdylib.
+        .link_lib_modifier("+whole-archive")
+        .compile("bdev_qcow2_register");
+    println!("cargo:rustc-cfg=spdk");
+}

@@ -1,0 +1,382 @@
+//! Per-thread state of a qcow2 bdev: each SPDK thread that opens a channel gets its own
+//! engine executor, its own read-only replica of the image (slice cache included), its own
+//! channels of the base and backing bdevs, and a poller that drives them.
+//!
+//! The replica is opened asynchronously when the channel is created; requests arriving
+//! meanwhile wait in a queue. Every field is a `Cell`/`RefCell` used through `&Channel`,
+//! because completing a bdev_io can re-enter `submit_request` on the same channel.
+
+use crate::device::{IovView, SpdkBuf, SpdkDevice};
+use crate::ffi::bdev_io::BdevIo;
+use crate::ffi::io_channel::{self, ChannelIter};
+use crate::ffi::sys;
+use crate::ffi::thread::{self, Poller, POLLER_BUSY, POLLER_IDLE};
+use crate::node::{Node, BLOCK_SIZE};
+use qcow2_engine::io::BufSlice;
+use qcow2_engine::{Chain, DevId, Exec, Layer, Qcow2};
+use serde::Serialize;
+use std::cell::{Cell, RefCell};
+use std::collections::VecDeque;
+use std::ffi::{c_int, c_void, CStr};
+use std::rc::Rc;
+
+type Opened = Rc<RefCell<Option<qcow2_engine::Result<Qcow2<SpdkDevice>>>>>;
+
+/// One thread's channel of a qcow2 bdev.
+pub struct Channel {
+    exec: Exec<SpdkDevice>,
+    backing_dev: Option<DevId>,
+    opened: Opened,
+    chain: RefCell<Option<Rc<Chain<SpdkDevice>>>>,
+    failed: Cell<bool>,
+    /// Reads that arrived before the replica was open.
+    queued: RefCell<VecDeque<BdevIo>>,
+    /// Guest requests accepted and not completed.
+    outstanding: Cell<u64>,
+    /// Reset iterations waiting for `outstanding` to reach zero.
+    reset_waiters: RefCell<Vec<ChannelIter>>,
+    poller: RefCell<Option<Poller>>,
+    closing: Cell<bool>,
+    completed: Cell<u64>,
+    errors: Cell<u64>,
+    thread_name: String,
+}
+
+/// Counters of one channel (`bdev_qcow2_get_stats`).
+#[derive(Debug, Default, Clone, Serialize)]
+pub struct ChannelStats {
+    /// The SPDK thread of the channel.
+    pub thread: String,
+    /// L2 slice cache lookups that hit.
+    pub l2_cache_hits: u64,
+    /// ... that missed.
+    pub l2_cache_misses: u64,
+    /// Valid slices replaced.
+    pub l2_cache_evictions: u64,
+    /// Reads served on the fast path (cached metadata, one base I/O per contiguous run).
+    pub fast_reads: u64,
+    /// Reads that needed a slow path (slice miss, compressed, backing).
+    pub slow_reads: u64,
+    /// Reads completed.
+    pub completed: u64,
+    /// Reads completed with an error.
+    pub errors: u64,
+    /// Base submissions refused as busy (-ENOMEM) and retried.
+    pub busy_retries: u64,
+}
+
+impl ChannelStats {
+    /// Adds `o` into `self` (for totals).
+    pub fn add(&mut self, o: &ChannelStats) {
+        self.l2_cache_hits += o.l2_cache_hits;
+        self.l2_cache_misses += o.l2_cache_misses;
+        self.l2_cache_evictions += o.l2_cache_evictions;
+        self.fast_reads += o.fast_reads;
+        self.slow_reads += o.slow_reads;
+        self.completed += o.completed;
+        self.errors += o.errors;
+        self.busy_retries += o.busy_retries;
+    }
+}
+
+impl Channel {
+    fn new(node: &Node) -> Result<Box<Channel>, i32> {
+        let base = node.base.as_ref().ok_or(libc::ENODEV)?;
+        let exec: Exec<SpdkDevice> = Exec::new();
+        let base_dev = exec.add_device(SpdkDevice::new(base).ok_or(libc::ENOMEM)?);
+        let backing_dev = match &node.backing {
+            Some(d) => Some(exec.add_device(SpdkDevice::new(d).ok_or(libc::ENOMEM)?)),
+            None => None,
+        };
+        let opened: Opened = Rc::new(RefCell::new(None));
+        {
+            let (e2, o2, opts) = (exec.clone(), opened.clone(), node.opts);
+            exec.spawn(async move {
+                let r = Qcow2::open(&e2, base_dev, opts).await;
+                *o2.borrow_mut() = Some(r);
+            });
+        }
+        // SAFETY: called on an SPDK thread; the name is a valid C string or null.
+        let thread_name = unsafe {
+            let n = sys::spdk_thread_get_name(thread::current());
+            if n.is_null() {
+                String::new()
+            } else {
+                CStr::from_ptr(n).to_string_lossy().into_owned()
+            }
+        };
+        Ok(Box::new(Channel {
+            exec,
+            backing_dev,
+            opened,
+            chain: RefCell::new(None),
+            failed: Cell::new(false),
+            queued: RefCell::new(VecDeque::with_capacity(256)),
+            outstanding: Cell::new(0),
+            reset_waiters: RefCell::new(Vec::new()),
+            poller: RefCell::new(None),
+            closing: Cell::new(false),
+            completed: Cell::new(0),
+            errors: Cell::new(0),
+            thread_name,
+        }))
+    }
+
+    /// Counters of this channel.
+    pub fn stats(&self) -> ChannelStats {
+        let mut s = ChannelStats {
+            thread: self.thread_name.clone(),
+            completed: self.completed.get(),
+            errors: self.errors.get(),
+            busy_retries: self.exec.stats().busy_retries,
+            ..ChannelStats::default()
+        };
+        if let Some(chain) = self.chain.borrow().as_ref() {
+            let r = chain.stats();
+            s.fast_reads = r.fast_reads;
+            s.slow_reads = r.slow_reads;
+            if let Some(Layer::Qcow2(q)) = chain.layers().first() {
+                let c = q.l2_cache_stats();
+                s.l2_cache_hits = c.hits;
+                s.l2_cache_misses = c.misses;
+                s.l2_cache_evictions = c.evictions;
+            }
+        }
+        s
+    }
+
+    /// Once the replica is open: builds the chain (the backing bdev, if any, is a raw layer:
+    /// a qcow2 backing image is another of our bdevs) and submits the queued reads.
+    fn try_ready(&self) {
+        if self.chain.borrow().is_some() || self.failed.get() {
+            return;
+        }
+        let Some(r) = self.opened.borrow_mut().take() else {
+            return;
+        };
+        let chain = r.and_then(|q| {
+            let mut layers = vec![Layer::Qcow2(Box::new(q))];
+            if let Some(d) = self.backing_dev {
+                layers.push(Layer::Raw {
+                    dev: d,
+                    size: self.exec.device_size(d),
+                });
+            }
+            Chain::new(&self.exec, layers)
+        });
+        match chain {
+            Ok(c) => *self.chain.borrow_mut() = Some(c),
+            Err(e) => {
+                tracing::error!(
+                    "channel on {}: opening the image failed: {e}",
+                    self.thread_name
+                );
+                self.failed.set(true);
+            }
+        }
+        let queued = std::mem::take(&mut *self.queued.borrow_mut());
+        for io in queued {
+            self.read(io);
+        }
+    }
+
+    /// Starts a guest read (its buffers are attached).
+    fn read(&self, io: BdevIo) {
+        if self.failed.get() {
+            return self.finish(io, false);
+        }
+        let chain = self.chain.borrow();
+        let Some(chain) = chain.as_ref() else {
+            self.queued.borrow_mut().push_back(io);
+            return;
+        };
+        let len = io.num_blocks() * u64::from(BLOCK_SIZE);
+        let (iovs, cnt) = io.iovs();
+        // SAFETY: the bdev_io's iovecs hold `len` bytes and stay valid until we complete
+        // it, which happens only after the engine reported the request done.
+        let view = unsafe { IovView::new(iovs, cnt, len as usize) };
+        chain.submit_read(
+            io.tag(),
+            io.offset_blocks() * u64::from(BLOCK_SIZE),
+            BufSlice::whole(SpdkBuf::Iov(view)),
+        );
+    }
+
+    fn finish(&self, io: BdevIo, ok: bool) {
+        self.outstanding
+            .set(self.outstanding.get().saturating_sub(1));
+        self.completed.set(self.completed.get() + 1);
+        let status = if ok {
+            sys::SPDK_BDEV_IO_STATUS_SUCCESS
+        } else {
+            self.errors.set(self.errors.get() + 1);
+            sys::SPDK_BDEV_IO_STATUS_FAILED
+        };
+        io.complete(status);
+    }
+
+    /// Whether nothing is in flight (the channel may be freed).
+    fn idle(&self) -> bool {
+        !self.exec.busy() && self.outstanding.get() == 0
+    }
+}
+
+/// The channel behind a channel context area.
+///
+/// # Safety
+/// `ctx` must be the context area of a live channel of one of our nodes.
+unsafe fn from_ctx<'a>(ctx: *mut c_void) -> &'a Channel {
+    // SAFETY: `create_cb` stored a live `Box<Channel>` pointer in the area.
+    unsafe { &**ctx.cast::<*mut Channel>() }
+}
+
+/// `spdk_io_device_register` constructor: builds this thread's channel state.
+pub unsafe extern "C" fn create_cb(io_device: *mut c_void, ctx: *mut c_void) -> c_int {
+    // SAFETY: our io_devices are nodes, live while channels exist.
+    let node = unsafe { &*io_device.cast::<Node>() };
+    let ch = match Channel::new(node) {
+        Ok(c) => Box::into_raw(c),
+        Err(e) => return -e,
+    };
+    // SAFETY: `ch` stays alive until `chan_poll` or `destroy_cb` frees it, after which the
+    // poller never runs again.
+    match unsafe { Poller::register(chan_poll, ch.cast(), 0, c"qcow2_channel") } {
+        // SAFETY: `ch` is live and only ours.
+        Some(p) => unsafe { *(*ch).poller.borrow_mut() = Some(p) },
+        None => {
+            // SAFETY: no poller refers to it; nothing is in flight except the open task,
+            // which the executor drops with it.
+            drop(unsafe { Box::from_raw(ch) });
+            return -libc::ENOMEM;
+        }
+    }
+    // SAFETY: the context area has room for one pointer (size given at registration).
+    unsafe { *ctx.cast::<*mut Channel>() = ch };
+    0
+}
+
+/// Destructor: frees the state now if idle, else lets the poller free it once idle (a
+/// channel can go away while its replica is still being opened).
+pub unsafe extern "C" fn destroy_cb(_io_device: *mut c_void, ctx: *mut c_void) {
+    // SAFETY: the area holds the pointer `create_cb` stored.
+    let ch = unsafe { *ctx.cast::<*mut Channel>() };
+    // SAFETY: live channel state.
+    let c = unsafe { &*ch };
+    c.closing.set(true);
+    if c.idle() {
+        if let Some(p) = c.poller.borrow_mut().as_mut() {
+            p.unregister();
+        }
+        // SAFETY: idle and unregistered: nothing refers to the state any more.
+        drop(unsafe { Box::from_raw(ch) });
+    }
+}
+
+unsafe extern "C" fn chan_poll(ctx: *mut c_void) -> c_int {
+    let chp = ctx.cast::<Channel>();
+    // SAFETY: the poller's context is live channel state (freed only below, or by
+    // `destroy_cb` after unregistering this poller).
+    let ch = unsafe { &*chp };
+    let mut n = ch.exec.poll(&mut |tag, r| {
+        // SAFETY: tags are bdev_ios we submitted to the engine and have not completed.
+        if let Some(io) = unsafe { BdevIo::from_tag(tag) } {
+            if let Err(e) = &r {
+                tracing::debug!("read failed: {e}");
+            }
+            ch.finish(io, r.is_ok());
+        }
+    });
+    if ch.chain.borrow().is_none() && !ch.failed.get() {
+        ch.try_ready();
+        n += 1;
+    }
+    if ch.outstanding.get() == 0 && !ch.reset_waiters.borrow().is_empty() {
+        let waiters = std::mem::take(&mut *ch.reset_waiters.borrow_mut());
+        for it in waiters {
+            it.next(0);
+        }
+    }
+    if ch.closing.get() && ch.idle() {
+        if let Some(p) = ch.poller.borrow_mut().as_mut() {
+            p.unregister();
+        }
+        // SAFETY: closing (SPDK dropped the channel), idle and unregistered: last use.
+        drop(unsafe { Box::from_raw(chp) });
+        return POLLER_BUSY;
+    }
+    if n > 0 {
+        POLLER_BUSY
+    } else {
+        POLLER_IDLE
+    }
+}
+
+unsafe extern "C" fn get_buf_done(
+    ch: *mut sys::spdk_io_channel,
+    bdev_io: *mut sys::spdk_bdev_io,
+    success: bool,
+) {
+    // SAFETY: SPDK hands back our channel and the bdev_io we asked a buffer for.
+    let (c, io) = unsafe { (from_ctx(io_channel::ctx_of(ch)), BdevIo::from_raw(bdev_io)) };
+    let Some(io) = io else { return };
+    if success {
+        c.read(io);
+    } else {
+        c.finish(io, false);
+    }
+}
+
+/// `fn_table.submit_request`: one switch, one error tail.
+pub unsafe extern "C" fn submit_request(
+    ch: *mut sys::spdk_io_channel,
+    bdev_io: *mut sys::spdk_bdev_io,
+) {
+    // SAFETY: SPDK passes a channel of our bdev and a live bdev_io submitted to it.
+    let (c, io) = unsafe { (from_ctx(io_channel::ctx_of(ch)), BdevIo::from_raw(bdev_io)) };
+    let Some(io) = io else { return };
+    match io.io_type() {
+        sys::SPDK_BDEV_IO_TYPE_READ => {
+            c.outstanding.set(c.outstanding.get() + 1);
+            if io.has_buf() {
+                c.read(io);
+            } else {
+                io.get_buf(Some(get_buf_done), io.num_blocks() * u64::from(BLOCK_SIZE));
+            }
+        }
+        sys::SPDK_BDEV_IO_TYPE_RESET => {
+            // SAFETY: `bdev.ctxt` is our node, which is the io_device, registered while the
+            // bdev has I/O.
+            let node = unsafe { (*(*bdev_io).bdev).ctxt };
+            // SAFETY: as just said.
+            unsafe { io_channel::for_each_channel(node, io, reset_step, reset_done) };
+        }
+        _ => io.complete(sys::SPDK_BDEV_IO_STATUS_FAILED),
+    }
+}
+
+/// A reset visits every channel and moves on once that channel has no request in flight.
+fn reset_step(it: ChannelIter, _io: &mut BdevIo) {
+    // SAFETY: the iteration visits channels of our node.
+    let c = unsafe { from_ctx(it.ctx()) };
+    if c.outstanding.get() == 0 {
+        it.next(0);
+    } else {
+        c.reset_waiters.borrow_mut().push(it);
+    }
+}
+
+fn reset_done(io: BdevIo, status: c_int) {
+    io.complete(if status == 0 {
+        sys::SPDK_BDEV_IO_STATUS_SUCCESS
+    } else {
+        sys::SPDK_BDEV_IO_STATUS_FAILED
+    });
+}
+
+/// Collects a channel's counters during a `for_each_channel` (see `rpc.rs`).
+pub fn stats_step(it: ChannelIter, acc: &mut Vec<ChannelStats>) {
+    // SAFETY: the iteration visits channels of our node.
+    let c = unsafe { from_ctx(it.ctx()) };
+    acc.push(c.stats());
+    it.next(0);
+}

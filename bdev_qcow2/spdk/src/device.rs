@@ -1,0 +1,358 @@
+//! The engine's device seam over a base bdev: [`SpdkDevice`] (one per base bdev per SPDK
+//! thread) and the buffers it does I/O with, [`SpdkBuf`].
+//!
+//! `submit` calls `spdk_bdev_{readv,writev,flush}_blocks` at once (`-ENOMEM` → `Busy`, the
+//! executor retries); the completion callback only records `(tag, result)` in the device's
+//! queue, and [`BlockDevice::poll`] — run by the channel's poller through the executor —
+//! hands them to the engine. Per-operation state lives in a fixed pool of slots allocated
+//! when the channel is created, so a submission allocates nothing.
+
+use crate::ffi::bdev::Desc;
+use crate::ffi::dma::DmaMem;
+use crate::ffi::io_channel::ChannelRef;
+use crate::ffi::sys;
+use qcow2_engine::io::{BlockDevice, Busy, DeviceError, DeviceOp, IoBuffer};
+use std::collections::VecDeque;
+use std::ffi::c_void;
+use std::ptr::NonNull;
+use std::rc::Rc;
+
+/// The iovecs of a bdev_io (or any iovec array): a view that is valid while its owner —
+/// the outstanding bdev_io — is, which is longer than the engine holds the view.
+#[derive(Clone, Copy, Debug)]
+pub struct IovView {
+    iovs: *const sys::iovec,
+    cnt: usize,
+    len: usize,
+}
+
+impl IovView {
+    /// A view of the first `len` bytes of `cnt` iovecs at `iovs`.
+    ///
+    /// # Safety
+    /// The iovecs and the memory they describe (at least `len` bytes in total) must stay
+    /// valid and unaliased by Rust references while any copy of the view is used.
+    pub unsafe fn new(iovs: *const sys::iovec, cnt: usize, len: usize) -> IovView {
+        IovView { iovs, cnt, len }
+    }
+
+    fn iov(&self, i: usize) -> (*mut u8, usize) {
+        // SAFETY: `i < cnt` (callers iterate below `cnt`); the array is valid (constructor).
+        let v = unsafe { &*self.iovs.add(i) };
+        (v.iov_base.cast::<u8>(), v.iov_len)
+    }
+}
+
+/// A buffer the engine can read into: DMA memory (metadata, bounce buffers) or the
+/// iovecs of a guest bdev_io (the hot path reads straight into them).
+#[derive(Clone)]
+pub enum SpdkBuf {
+    /// Memory from `spdk_dma_zmalloc`, shared by handle.
+    Dma(Rc<DmaMem>),
+    /// A guest request's own iovecs.
+    Iov(IovView),
+}
+
+impl SpdkBuf {
+    /// Calls `f(ptr, len, pos)` for each contiguous piece of `len` bytes at `off`, where `pos`
+    /// is the piece's offset from `off`. Panics if the range is out of bounds (the engine
+    /// never asks for that).
+    fn segments(&self, off: usize, len: usize, mut f: impl FnMut(*mut u8, usize, usize)) {
+        assert!(
+            off.checked_add(len).is_some_and(|e| e <= self.len()),
+            "buffer range out of bounds"
+        );
+        if len == 0 {
+            return;
+        }
+        match self {
+            SpdkBuf::Dma(m) => {
+                // SAFETY: in bounds (asserted above).
+                f(unsafe { m.as_ptr().add(off) }, len, 0)
+            }
+            SpdkBuf::Iov(v) => {
+                let mut skip = off;
+                let mut pos = 0;
+                for i in 0..v.cnt {
+                    let (base, ilen) = v.iov(i);
+                    if skip >= ilen {
+                        skip -= ilen;
+                        continue;
+                    }
+                    let n = (ilen - skip).min(len - pos);
+                    // SAFETY: `skip < ilen`, so the pointer stays inside this iovec.
+                    f(unsafe { base.add(skip) }, n, pos);
+                    pos += n;
+                    skip = 0;
+                    if pos == len {
+                        return;
+                    }
+                }
+                panic!("iovecs shorter than the request");
+            }
+        }
+    }
+
+    /// Appends iovecs describing `len` bytes at `off` to `out` (no allocation while `out`
+    /// has capacity).
+    pub fn append_iovs(&self, off: usize, len: usize, out: &mut Vec<sys::iovec>) {
+        self.segments(off, len, |p, n, _| {
+            out.push(sys::iovec {
+                iov_base: p.cast::<c_void>(),
+                iov_len: n,
+            })
+        });
+    }
+}
+
+impl IoBuffer for SpdkBuf {
+    fn len(&self) -> usize {
+        match self {
+            SpdkBuf::Dma(m) => m.len(),
+            SpdkBuf::Iov(v) => v.len,
+        }
+    }
+    fn copy_out(&self, off: usize, dst: &mut [u8]) {
+        self.segments(off, dst.len(), |p, n, pos| {
+            // SAFETY: `p..p+n` is inside the buffer (segments); `dst[pos..pos+n]` is in
+            // bounds; a Rust slice never overlaps device memory; no I/O is in flight on it.
+            unsafe { std::ptr::copy_nonoverlapping(p, dst.as_mut_ptr().add(pos), n) }
+        });
+    }
+    fn copy_in(&self, off: usize, src: &[u8]) {
+        self.segments(off, src.len(), |p, n, pos| {
+            // SAFETY: as in `copy_out`, with the roles swapped.
+            unsafe { std::ptr::copy_nonoverlapping(src.as_ptr().add(pos), p, n) }
+        });
+    }
+    fn fill(&self, off: usize, len: usize, byte: u8) {
+        self.segments(off, len, |p, n, _| {
+            // SAFETY: `p..p+n` is inside the buffer (segments).
+            unsafe { std::ptr::write_bytes(p, byte, n) }
+        });
+    }
+}
+
+/// Iovecs preallocated per slot; requests with more segments grow that slot's vector once.
+const SLOT_IOVS: usize = 8;
+/// Operations one device can have in flight; beyond that `submit` answers `Busy`.
+pub const SLOTS: usize = 1024;
+
+/// One operation in flight.
+struct Slot {
+    owner: *mut Pool,
+    index: u32,
+    tag: u64,
+    /// Keeps DMA memory alive until the operation completes.
+    buf: Option<SpdkBuf>,
+    iovs: Vec<sys::iovec>,
+}
+
+/// Slots and completions of one device, at a stable address (the callbacks' `cb_arg`s
+/// point into it).
+struct Pool {
+    slots: Box<[Slot]>,
+    free: Vec<u32>,
+    done: VecDeque<(u64, Result<(), DeviceError>)>,
+}
+
+/// A base bdev as seen from one SPDK thread.
+pub struct SpdkDevice {
+    desc: *mut sys::spdk_bdev_desc,
+    ch: ChannelRef,
+    block_size: u64,
+    num_blocks: u64,
+    buf_align: usize,
+    pool: NonNull<Pool>,
+}
+
+impl SpdkDevice {
+    /// A device over `desc` on the calling thread (gets the thread's channel of the bdev).
+    /// `None` if SPDK has no channel for it.
+    ///
+    /// The descriptor must stay open as long as the device exists (the node that owns it
+    /// outlives every channel).
+    pub fn new(desc: &Desc) -> Option<SpdkDevice> {
+        let ch = ChannelRef::of_bdev(desc)?;
+        let pool = Box::into_raw(Box::new(Pool {
+            slots: Box::new([]),
+            free: (0..SLOTS as u32).rev().collect(),
+            done: VecDeque::with_capacity(SLOTS),
+        }));
+        let slots: Box<[Slot]> = (0..SLOTS as u32)
+            .map(|index| Slot {
+                owner: pool,
+                index,
+                tag: 0,
+                buf: None,
+                iovs: Vec::with_capacity(SLOT_IOVS),
+            })
+            .collect();
+        // SAFETY: `pool` was just leaked from a Box and is not shared yet.
+        unsafe { (*pool).slots = slots };
+        Some(SpdkDevice {
+            desc: desc.raw(),
+            ch,
+            block_size: u64::from(desc.block_size()),
+            num_blocks: desc.num_blocks(),
+            buf_align: desc.buf_align().max(4096),
+            // SAFETY: `Box::into_raw` never returns null.
+            pool: unsafe { NonNull::new_unchecked(pool) },
+        })
+    }
+
+    /// Operations submitted and not yet reaped by `poll`.
+    pub fn in_flight(&self) -> usize {
+        // SAFETY: the pool is ours; no callback runs concurrently (same thread).
+        let p = unsafe { self.pool.as_ref() };
+        SLOTS - p.free.len() + p.done.len()
+    }
+
+    fn complete_now(&mut self, tag: u64, r: Result<(), DeviceError>) {
+        // SAFETY: see `in_flight`.
+        unsafe { (*self.pool.as_ptr()).done.push_back((tag, r)) };
+    }
+}
+
+unsafe extern "C" fn io_done(bdev_io: *mut sys::spdk_bdev_io, success: bool, cb_arg: *mut c_void) {
+    // SAFETY: `bdev_io` is the child I/O SPDK hands back to us; freed once, here.
+    unsafe { sys::spdk_bdev_free_io(bdev_io) };
+    let slot = cb_arg.cast::<Slot>();
+    // SAFETY: `cb_arg` is a slot of a live pool (pools are freed only when no slot is in
+    // flight); callbacks run on the device's thread, never inside one of its methods, so
+    // no other reference to the pool is live.
+    unsafe {
+        let owner = (*slot).owner;
+        let tag = (*slot).tag;
+        (*slot).buf = None;
+        let pool = &mut *owner;
+        pool.free.push((*slot).index);
+        let r = if success {
+            Ok(())
+        } else {
+            Err(DeviceError(libc::EIO))
+        };
+        pool.done.push_back((tag, r));
+    }
+}
+
+impl BlockDevice for SpdkDevice {
+    type Buf = SpdkBuf;
+
+    fn size(&self) -> u64 {
+        self.num_blocks * self.block_size
+    }
+
+    fn alloc_buf(&mut self, len: usize) -> SpdkBuf {
+        SpdkBuf::Dma(Rc::new(DmaMem::new(len, self.buf_align)))
+    }
+
+    fn submit(&mut self, op: DeviceOp<SpdkBuf>, tag: u64) -> Result<(), Busy<SpdkBuf>> {
+        let bs = self.block_size;
+        let size = self.size();
+        // Reads past the end of the device return zeros for the missing part (the seam's
+        // contract); the part inside goes to the bdev.
+        let (offset, buf, is_read) = match &op {
+            DeviceOp::Flush => (0, None, false),
+            DeviceOp::Read { offset, buf } => {
+                let len = buf.len as u64;
+                let inside = size.saturating_sub(*offset).min(len);
+                if inside < len {
+                    buf.sub(inside as usize, (len - inside) as usize).zero();
+                }
+                if inside == 0 {
+                    self.complete_now(tag, Ok(()));
+                    return Ok(());
+                }
+                (*offset, Some(buf.sub(0, inside as usize)), true)
+            }
+            DeviceOp::Write { offset, buf } => (*offset, Some(buf.clone()), false),
+        };
+        if let Some(b) = &buf {
+            if !offset.is_multiple_of(bs) || !(b.len as u64).is_multiple_of(bs) {
+                self.complete_now(tag, Err(DeviceError(libc::EINVAL)));
+                return Ok(());
+            }
+        }
+        // SAFETY: see `in_flight`.
+        let pool = unsafe { &mut *self.pool.as_ptr() };
+        let Some(idx) = pool.free.pop() else {
+            return Err(Busy(op, tag));
+        };
+        let slot = &mut pool.slots[idx as usize];
+        slot.tag = tag;
+        slot.iovs.clear();
+        let slot_ptr = (slot as *mut Slot).cast::<c_void>();
+        // SAFETY: (all three calls) `desc` is open and `ch` is this thread's channel of it;
+        // the iovecs live in the slot and describe memory kept valid until completion (DMA
+        // memory is held in `slot.buf`; a bdev_io's buffers live until the guest request
+        // completes, which is after this operation does); `io_done` gets the slot back.
+        let rc = unsafe {
+            match &buf {
+                None => sys::spdk_bdev_flush_blocks(
+                    self.desc,
+                    self.ch.raw(),
+                    0,
+                    self.num_blocks,
+                    Some(io_done),
+                    slot_ptr,
+                ),
+                Some(b) => {
+                    b.buf.append_iovs(b.off, b.len, &mut slot.iovs);
+                    slot.buf = matches!(b.buf, SpdkBuf::Dma(_)).then(|| b.buf.clone());
+                    let iovcnt = slot.iovs.len() as i32;
+                    let f = if is_read {
+                        sys::spdk_bdev_readv_blocks
+                    } else {
+                        sys::spdk_bdev_writev_blocks
+                    };
+                    f(
+                        self.desc,
+                        self.ch.raw(),
+                        slot.iovs.as_mut_ptr(),
+                        iovcnt,
+                        offset / bs,
+                        b.len as u64 / bs,
+                        Some(io_done),
+                        slot_ptr,
+                    )
+                }
+            }
+        };
+        if rc == 0 {
+            return Ok(());
+        }
+        slot.buf = None;
+        pool.free.push(idx);
+        if rc == -libc::ENOMEM {
+            return Err(Busy(op, tag));
+        }
+        self.complete_now(tag, Err(DeviceError(-rc)));
+        Ok(())
+    }
+
+    fn poll(&mut self, done: &mut dyn FnMut(u64, Result<(), DeviceError>)) -> usize {
+        let mut n = 0;
+        loop {
+            // SAFETY: see `in_flight`; the borrow ends before `done` runs.
+            let next = unsafe { (*self.pool.as_ptr()).done.pop_front() };
+            let Some((tag, r)) = next else { break };
+            done(tag, r);
+            n += 1;
+        }
+        n
+    }
+}
+
+impl Drop for SpdkDevice {
+    fn drop(&mut self) {
+        if self.in_flight() > 0 {
+            // Completions would write into a freed pool: leak it instead (never expected:
+            // channels are torn down only when their executor is idle).
+            tracing::error!("base device dropped with operations in flight; leaking its pool");
+            return;
+        }
+        // SAFETY: leaked from a Box in `new`; no operation refers to it any more.
+        drop(unsafe { Box::from_raw(self.pool.as_ptr()) });
+    }
+}

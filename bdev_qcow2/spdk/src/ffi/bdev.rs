@@ -1,0 +1,122 @@
+//! Base bdevs: open descriptors, claims, geometry.
+
+use super::sys;
+use std::ffi::{c_void, CStr, CString};
+
+/// The handler SPDK calls for events on an open bdev (hot remove, resize, media).
+pub type EventCb =
+    unsafe extern "C" fn(sys::spdk_bdev_event_type, *mut sys::spdk_bdev, *mut c_void);
+
+/// Whether a bdev named `name` is registered.
+pub fn exists(name: &str) -> bool {
+    let Ok(c) = CString::new(name) else {
+        return false;
+    };
+    // SAFETY: `c` is a valid C string for the duration of the call.
+    !unsafe { sys::spdk_bdev_get_by_name(c.as_ptr()) }.is_null()
+}
+
+/// Name of a bdev.
+///
+/// # Safety
+/// `bdev` must be a registered bdev.
+pub unsafe fn name_of(bdev: *const sys::spdk_bdev) -> String {
+    // SAFETY: per the contract `bdev` is registered; its name is a valid C string.
+    unsafe { CStr::from_ptr(sys::spdk_bdev_get_name(bdev)) }
+        .to_string_lossy()
+        .into_owned()
+}
+
+/// An open descriptor of a bdev, closed by [`Desc::close`] on the thread that opened it.
+pub struct Desc {
+    desc: *mut sys::spdk_bdev_desc,
+    /// The thread that opened it (SPDK requires closing there).
+    pub thread: *mut sys::spdk_thread,
+}
+
+impl Desc {
+    /// Opens bdev `name` (read-only unless `write`), with `event_cb` for its events (called
+    /// with a null context). Returns SPDK's errno on failure (`ENODEV`: no such bdev).
+    pub fn open(name: &str, write: bool, event_cb: EventCb) -> Result<Desc, i32> {
+        let ctx = std::ptr::null_mut();
+        let c = CString::new(name).map_err(|_| libc::EINVAL)?;
+        let mut desc = std::ptr::null_mut();
+        // SAFETY: `c` outlives the call; `desc` receives the descriptor; `event_cb` is a
+        // valid function for the descriptor's lifetime (a plain fn).
+        let rc =
+            unsafe { sys::spdk_bdev_open_ext(c.as_ptr(), write, Some(event_cb), ctx, &mut desc) };
+        if rc != 0 {
+            return Err(-rc);
+        }
+        Ok(Desc {
+            desc,
+            thread: super::thread::current(),
+        })
+    }
+
+    /// Claims the bdev for `module` with claim type `kind` (released when closed).
+    ///
+    /// # Safety
+    /// `module` must be a registered bdev module.
+    pub unsafe fn claim(
+        &self,
+        kind: sys::spdk_bdev_claim_type,
+        module: *mut sys::spdk_bdev_module,
+    ) -> Result<(), i32> {
+        // SAFETY: `self.desc` is open; a null options pointer means defaults; `module` is
+        // registered (contract).
+        let rc = unsafe {
+            sys::spdk_bdev_module_claim_bdev_desc(self.desc, kind, std::ptr::null_mut(), module)
+        };
+        if rc != 0 {
+            return Err(-rc);
+        }
+        Ok(())
+    }
+
+    /// The raw descriptor (for I/O submission).
+    pub fn raw(&self) -> *mut sys::spdk_bdev_desc {
+        self.desc
+    }
+
+    /// The bdev behind the descriptor.
+    pub fn bdev(&self) -> *mut sys::spdk_bdev {
+        // SAFETY: `self.desc` is open.
+        unsafe { sys::spdk_bdev_desc_get_bdev(self.desc) }
+    }
+
+    /// Its name.
+    pub fn name(&self) -> String {
+        // SAFETY: the bdev of an open descriptor is registered.
+        unsafe { name_of(self.bdev()) }
+    }
+
+    /// Logical block size in bytes.
+    pub fn block_size(&self) -> u32 {
+        // SAFETY: the bdev of an open descriptor is registered.
+        unsafe { sys::spdk_bdev_get_block_size(self.bdev()) }
+    }
+
+    /// Number of blocks.
+    pub fn num_blocks(&self) -> u64 {
+        // SAFETY: as above.
+        unsafe { sys::spdk_bdev_get_num_blocks(self.bdev()) }
+    }
+
+    /// Size in bytes.
+    pub fn size(&self) -> u64 {
+        self.num_blocks() * u64::from(self.block_size())
+    }
+
+    /// Buffer alignment the bdev requires, in bytes.
+    pub fn buf_align(&self) -> usize {
+        // SAFETY: as above.
+        unsafe { sys::spdk_bdev_get_buf_align(self.bdev()) }
+    }
+
+    /// Closes the descriptor (releasing its claim). Must run on `self.thread`.
+    pub fn close(self) {
+        // SAFETY: `self.desc` is open and closed exactly once (`self` is consumed).
+        unsafe { sys::spdk_bdev_close(self.desc) }
+    }
+}

@@ -1,0 +1,20 @@
+/*
+ * Registration with SPDK at load time (constructors): the bdev module "qcow2", its RPC
+ * methods and its log flag. Everything registered here is defined in Rust (src/ffi, src/rpc.rs).
+ */
+#include <spdk/stdinc.h>
+#include <spdk/bdev_module.h>
+#include <spdk/rpc.h>
+#include <spdk/log.h>
+
+extern struct spdk_bdev_module BDEV_QCOW2_MODULE;
+void bdev_qcow2_rpc_create(struct spdk_jsonrpc_request *request, const struct spdk_json_val *params);
+void bdev_qcow2_rpc_delete(struct spdk_jsonrpc_request *request, const struct spdk_json_val *params);
+void bdev_qcow2_rpc_get_stats(struct spdk_jsonrpc_request *request,
+			      const struct spdk_json_val *params);
+
+SPDK_BDEV_MODULE_REGISTER(qcow2, &BDEV_QCOW2_MODULE)
+SPDK_RPC_REGISTER("bdev_qcow2_create", bdev_qcow2_rpc_create, SPDK_RPC_RUNTIME)
+SPDK_RPC_REGISTER("bdev_qcow2_delete", bdev_qcow2_rpc_delete, SPDK_RPC_RUNTIME)
+SPDK_RPC_REGISTER("bdev_qcow2_get_stats", bdev_qcow2_rpc_get_stats, SPDK_RPC_RUNTIME)
+SPDK_LOG_REGISTER_COMPONENT(vbdev_qcow2)

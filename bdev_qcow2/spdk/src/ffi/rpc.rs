@@ -1,0 +1,48 @@
+//! JSON-RPC requests and their responses.
+
+use super::sys;
+use serde_json::Value;
+use std::ffi::CString;
+
+/// JSON-RPC error code: invalid parameters.
+pub const INVALID_PARAMS: i32 = sys::SPDK_JSONRPC_ERROR_INVALID_PARAMS;
+
+/// A JSON-RPC request awaiting its response. Consumed by responding, which must happen
+/// exactly once (from any SPDK thread).
+pub struct Request(*mut sys::spdk_jsonrpc_request);
+
+impl Request {
+    /// Wraps a request handed to an RPC method.
+    ///
+    /// # Safety
+    /// `r` must be a request not yet responded to; the returned value must be the only
+    /// responder.
+    pub unsafe fn from_raw(r: *mut sys::spdk_jsonrpc_request) -> Request {
+        Request(r)
+    }
+
+    /// Responds with `result`.
+    pub fn result(self, result: &Value) {
+        // SAFETY: the request is live; begin/end pair up around one value.
+        unsafe {
+            let w = sys::spdk_jsonrpc_begin_result(self.0);
+            if w.is_null() {
+                return; // notification: no response wanted
+            }
+            super::json::write_value(w, result);
+            sys::spdk_jsonrpc_end_result(self.0, w);
+        }
+    }
+
+    /// Responds with an error: `code` (JSON-RPC) and a message.
+    pub fn error(self, code: i32, msg: &str) {
+        let m = CString::new(msg.replace('\0', " ")).unwrap_or_default();
+        // SAFETY: the request is live; `m` is a valid C string for the call.
+        unsafe { sys::spdk_jsonrpc_send_error_response(self.0, code, m.as_ptr()) }
+    }
+
+    /// Responds with an errno as the error code (SPDK's convention: negative errno).
+    pub fn errno(self, errno: i32, msg: &str) {
+        self.error(-errno, msg)
+    }
+}

@@ -1,0 +1,511 @@
+//! A qcow2 bdev ("node"): creation (open and claim the base bdev, read and validate the
+//! image on the creating thread — the metadata owner — then register), the function table
+//! SPDK calls, and teardown in a fixed order.
+
+use crate::channel::{self, Channel};
+use crate::device::SpdkDevice;
+use crate::ffi::bdev::{self, Desc};
+use crate::ffi::thread::{self, Poller, POLLER_BUSY, POLLER_IDLE};
+use crate::ffi::{io_channel, json, sys};
+use crate::module::module_ptr;
+use crate::params::CreateParams;
+use crate::registry::{self, NodePtr};
+use qcow2_engine::io::{BlockDevice, SECTOR};
+use qcow2_engine::{Exec, OpenOptions, Qcow2};
+use serde::Serialize;
+use serde_json::json;
+use std::cell::RefCell;
+use std::ffi::{c_int, c_void, CString};
+use std::rc::Rc;
+
+/// Block size of our bdevs (the engine's sector).
+pub const BLOCK_SIZE: u32 = SECTOR as u32;
+
+/// What `dump_info_json` says about the image (read when the bdev was created).
+#[derive(Debug, Clone, Serialize)]
+pub struct ImageInfo {
+    /// Virtual disk size in bytes.
+    pub virtual_size: u64,
+    /// Cluster size in bytes.
+    pub cluster_size: u64,
+    /// qcow2 version (2 or 3).
+    pub version: u32,
+    /// `0.10` (v2) or `1.1` (v3), as qemu-img calls them.
+    pub compat: &'static str,
+    /// Backing file name recorded in the image (informational: never opened).
+    pub backing_file: Option<String>,
+    /// Backing format recorded in the image.
+    pub backing_format: Option<String>,
+    /// Compression type of compressed clusters.
+    pub compression_type: &'static str,
+    /// Extended L2 entries (subclusters).
+    pub extended_l2: bool,
+    /// Refcount width in bits.
+    pub refcount_bits: u32,
+    /// Lazy refcounts enabled.
+    pub lazy_refcounts: bool,
+    /// The corrupt bit is set.
+    pub corrupt: bool,
+    /// The dirty bit is set.
+    pub dirty: bool,
+    /// Number of internal snapshots.
+    pub snapshots: usize,
+    /// Raw feature bitmaps.
+    pub incompatible_features: u64,
+    /// Raw feature bitmaps.
+    pub compatible_features: u64,
+    /// Raw feature bitmaps.
+    pub autoclear_features: u64,
+    /// The bdev holding the image.
+    pub base_bdev: String,
+    /// The bdev holding the backing image, if any.
+    pub backing_bdev: Option<String>,
+    /// Whether the bdev refuses writes (always, until the write path is wired).
+    pub read_only: bool,
+}
+
+impl ImageInfo {
+    fn of<D: BlockDevice>(q: &Qcow2<D>, p: &CreateParams) -> ImageInfo {
+        let h = q.header();
+        ImageInfo {
+            virtual_size: q.size(),
+            cluster_size: h.cluster_size(),
+            version: h.header.version,
+            compat: if h.header.version >= 3 { "1.1" } else { "0.10" },
+            backing_file: h.backing_file.clone(),
+            backing_format: h.extensions.backing_format.clone(),
+            compression_type: h.header.compression_type.name(),
+            extended_l2: h.extended_l2(),
+            refcount_bits: h.refcount_bits(),
+            lazy_refcounts: h.lazy_refcounts(),
+            corrupt: h.is_corrupt(),
+            dirty: h.is_dirty(),
+            snapshots: q.snapshots().len(),
+            incompatible_features: h.header.incompatible_features,
+            compatible_features: h.header.compatible_features,
+            autoclear_features: h.header.autoclear_features,
+            base_bdev: p.base_bdev.clone(),
+            backing_bdev: p.backing_bdev.clone(),
+            read_only: true,
+        }
+    }
+}
+
+/// One qcow2 bdev. Boxed and leaked while registered: its address is the io_device and the
+/// bdev's `ctxt`. Everything but `bdev` (SPDK's) is immutable after registration, except the
+/// descriptors, which teardown takes on the md thread after every channel is gone.
+pub struct Node {
+    /// The bdev SPDK knows.
+    pub bdev: sys::spdk_bdev,
+    name: CString,
+    /// The create call, written back by `write_config_json`.
+    pub params: CreateParams,
+    /// What the image header said.
+    pub info: ImageInfo,
+    /// Engine options of each channel's replica.
+    pub opts: OpenOptions,
+    /// The base bdev (holding the image).
+    pub base: Option<Desc>,
+    /// The backing bdev.
+    pub backing: Option<Desc>,
+    /// The metadata owner: the thread that created the bdev (and opened the descriptors).
+    pub md_thread: *mut sys::spdk_thread,
+}
+
+/// How a creation ends: the bdev name, or an errno and a message.
+pub type Outcome = Result<String, (i32, String)>;
+/// Who hears about it (an RPC response, or the examine that started a deferred creation).
+pub type Done = Box<dyn FnOnce(Outcome)>;
+
+/// A creation in progress: the image is being read on the md thread.
+struct Job {
+    params: CreateParams,
+    base: Option<Desc>,
+    backing: Option<Desc>,
+    exec: Exec<SpdkDevice>,
+    result: Rc<RefCell<Option<qcow2_engine::Result<ImageInfo>>>>,
+    poller: Option<Poller>,
+    done: Option<Done>,
+}
+
+fn fail(name: &str, descs: [Option<Desc>; 2], done: Done, errno: i32, msg: String) {
+    for d in descs.into_iter().flatten() {
+        d.close();
+    }
+    registry::lock().creating.retain(|n| n != name);
+    tracing::error!("bdev_qcow2_create {name}: {msg}");
+    done(Err((errno, msg)));
+}
+
+fn strerror(e: i32) -> String {
+    std::io::Error::from_raw_os_error(e).to_string()
+}
+
+/// Opens and claims `name` read-only for our module.
+fn open_claimed(name: &str, role: &str) -> Result<Desc, (i32, String)> {
+    let d = Desc::open(name, false, base_event).map_err(|e| {
+        (
+            e,
+            format!("cannot open {role} bdev {name}: {}", strerror(e)),
+        )
+    })?;
+    // SAFETY: our module is registered (at load time).
+    if let Err(e) = unsafe { d.claim(sys::SPDK_BDEV_CLAIM_READ_MANY_WRITE_NONE, module_ptr()) } {
+        d.close();
+        return Err((
+            e,
+            format!(
+                "cannot claim {role} bdev {name} (claimed by another module?): {}",
+                strerror(e)
+            ),
+        ));
+    }
+    if d.block_size() != BLOCK_SIZE {
+        let bs = d.block_size();
+        d.close();
+        return Err((
+            libc::EINVAL,
+            format!("{role} bdev {name} has {bs}-byte blocks; only {BLOCK_SIZE}-byte blocks are supported"),
+        ));
+    }
+    Ok(d)
+}
+
+/// Creates the bdev of `params` (whose base and backing bdevs exist) on the calling thread,
+/// which becomes its metadata owner. `done` hears the outcome, possibly before this returns.
+pub fn create(params: CreateParams, done: Done) {
+    let name = params.name.clone();
+    {
+        let mut reg = registry::lock();
+        if reg.knows(&name) || bdev::exists(&name) {
+            drop(reg);
+            return done(Err((libc::EEXIST, format!("bdev {name} already exists"))));
+        }
+        reg.creating.push(name.clone());
+    }
+    let base = match open_claimed(&params.base_bdev, "base") {
+        Ok(d) => d,
+        Err((e, m)) => return fail(&name, [None, None], done, e, m),
+    };
+    let backing = match params
+        .backing_bdev
+        .as_deref()
+        .map(|b| open_claimed(b, "backing"))
+    {
+        None => None,
+        Some(Ok(d)) => Some(d),
+        Some(Err((e, m))) => return fail(&name, [Some(base), None], done, e, m),
+    };
+    let exec: Exec<SpdkDevice> = Exec::new();
+    let Some(dev) = SpdkDevice::new(&base) else {
+        let m = format!("no I/O channel for base bdev {}", params.base_bdev);
+        return fail(&name, [Some(base), backing], done, libc::ENOMEM, m);
+    };
+    let dev = exec.add_device(dev);
+    let result = Rc::new(RefCell::new(None));
+    {
+        let (exec2, result2, p2) = (exec.clone(), result.clone(), params.clone());
+        let opts = params.open_options();
+        exec.spawn(async move {
+            let r = Qcow2::open(&exec2, dev, opts)
+                .await
+                .map(|q| ImageInfo::of(&q, &p2));
+            *result2.borrow_mut() = Some(r);
+        });
+    }
+    let job = Box::into_raw(Box::new(Job {
+        params,
+        base: Some(base),
+        backing,
+        exec,
+        result,
+        poller: None,
+        done: Some(done),
+    }));
+    // SAFETY: `job` stays alive until `job_poll` takes it back, after unregistering.
+    match unsafe { Poller::register(job_poll, job.cast(), 0, c"qcow2_create") } {
+        // SAFETY: `job` is live and not referenced elsewhere yet.
+        Some(p) => unsafe { (*job).poller = Some(p) },
+        None => {
+            // SAFETY: the poller was not registered: `job` is still only ours.
+            let mut job = unsafe { Box::from_raw(job) };
+            let done = job.done.take();
+            let descs = [job.base.take(), job.backing.take()];
+            let name = job.params.name.clone();
+            drop(job);
+            if let Some(done) = done {
+                fail(
+                    &name,
+                    descs,
+                    done,
+                    libc::ENOMEM,
+                    "cannot register a poller".into(),
+                );
+            }
+        }
+    }
+}
+
+unsafe extern "C" fn job_poll(ctx: *mut c_void) -> c_int {
+    let job = ctx.cast::<Job>();
+    // SAFETY: `ctx` is the live job registered with this poller; only this thread uses it.
+    let (n, finished) = unsafe {
+        let n = (*job).exec.poll(&mut |_, _| {});
+        (n, (*job).result.borrow().is_some() && !(*job).exec.busy())
+    };
+    if !finished {
+        return if n > 0 { POLLER_BUSY } else { POLLER_IDLE };
+    }
+    // SAFETY: finished: take the job back; the poller is unregistered right away and never
+    // runs again, so nothing else refers to it.
+    let mut job = unsafe { Box::from_raw(job) };
+    if let Some(p) = job.poller.as_mut() {
+        p.unregister();
+    }
+    finish(*job);
+    POLLER_BUSY
+}
+
+fn finish(mut job: Job) {
+    let name = job.params.name.clone();
+    let Some(done) = job.done.take() else { return };
+    let descs = [job.base.take(), job.backing.take()];
+    // Releases the md thread's channel of the base before anything else happens.
+    drop(job.exec);
+    let info = match job.result.borrow_mut().take() {
+        Some(Ok(i)) => i,
+        Some(Err(e)) => {
+            let m = format!("image on bdev {}: {e}", job.params.base_bdev);
+            return fail(&name, descs, done, libc::EINVAL, m);
+        }
+        None => return fail(&name, descs, done, libc::EIO, "image not read".into()),
+    };
+    match (&info.backing_file, &job.params.backing_bdev) {
+        (Some(f), None) => {
+            let m = format!(
+                "the image on bdev {} names backing file '{f}': give backing_bdev, the bdev that \
+                 holds it (paths inside images are never opened)",
+                job.params.base_bdev
+            );
+            return fail(&name, descs, done, libc::EINVAL, m);
+        }
+        (None, Some(b)) => {
+            let m = format!(
+                "backing_bdev {b} given, but the image on bdev {} has no backing file",
+                job.params.base_bdev
+            );
+            return fail(&name, descs, done, libc::EINVAL, m);
+        }
+        _ => {}
+    }
+    let [base, backing] = descs;
+    register(job.params, info, base, backing, done);
+}
+
+static FN_TABLE: sys::spdk_bdev_fn_table = sys::spdk_bdev_fn_table {
+    destruct: Some(destruct),
+    submit_request: Some(channel::submit_request),
+    io_type_supported: Some(io_type_supported),
+    get_io_channel: Some(get_io_channel),
+    dump_info_json: Some(dump_info_json),
+    write_config_json: Some(write_config_json),
+    // SAFETY: every other member is an optional function pointer, for which zero is `None`.
+    ..unsafe { std::mem::zeroed() }
+};
+
+fn register(
+    params: CreateParams,
+    info: ImageInfo,
+    base: Option<Desc>,
+    backing: Option<Desc>,
+    done: Done,
+) {
+    let name = params.name.clone();
+    let Ok(cname) = CString::new(name.clone()) else {
+        return fail(
+            &name,
+            [base, backing],
+            done,
+            libc::EINVAL,
+            "name contains NUL".into(),
+        );
+    };
+    let align = [&base, &backing]
+        .into_iter()
+        .flatten()
+        .map(|d| d.buf_align())
+        .max()
+        .unwrap_or(1)
+        .max(1);
+    let node = Box::into_raw(Box::new(Node {
+        // SAFETY: `spdk_bdev` is a C struct for which all-zero is the documented initial
+        // state before the module fills in its fields.
+        bdev: unsafe { std::mem::zeroed() },
+        name: cname,
+        opts: params.open_options(),
+        params,
+        info,
+        base,
+        backing,
+        md_thread: thread::current(),
+    }));
+    // SAFETY: `node` is live (leaked above) until `device_gone` frees it; SPDK copies the name.
+    unsafe {
+        let n = &mut *node;
+        io_channel::register_device(
+            node.cast(),
+            channel::create_cb,
+            channel::destroy_cb,
+            std::mem::size_of::<*mut Channel>() as u32,
+            &n.name,
+        );
+        n.bdev.name = n.name.as_ptr().cast_mut();
+        n.bdev.product_name = c"QCOW2 disk".as_ptr().cast_mut();
+        n.bdev.blocklen = BLOCK_SIZE;
+        n.bdev.blockcnt = n.info.virtual_size / u64::from(BLOCK_SIZE);
+        n.bdev.write_cache = 0;
+        // The hot path hands the guest's buffers to the base: ask for what the base needs.
+        n.bdev.required_alignment = if align > 1 { align.ilog2() as u8 } else { 0 };
+        n.bdev.ctxt = node.cast();
+        n.bdev.fn_table = &FN_TABLE;
+        n.bdev.module = module_ptr();
+    }
+    // SAFETY: the bdev struct is filled in and lives in the leaked node.
+    let rc = unsafe { sys::spdk_bdev_register(&mut (*node).bdev) };
+    if rc != 0 {
+        // SAFETY: registered just above; `device_gone` frees the node (no bdev to finish).
+        unsafe { io_channel::unregister_device(node.cast(), free_unregistered) };
+        registry::lock().creating.retain(|n| n != &name);
+        let m = format!("spdk_bdev_register failed: {}", strerror(-rc));
+        tracing::error!("bdev_qcow2_create {name}: {m}");
+        return done(Err((-rc, m)));
+    }
+    {
+        let mut reg = registry::lock();
+        reg.creating.retain(|n| n != &name);
+        reg.nodes.push((name.clone(), NodePtr(node)));
+    }
+    // SAFETY: registered node, immutable info.
+    let i = unsafe { &(*node).info };
+    tracing::info!(
+        "created qcow2 bdev {name} on {} ({} bytes, cluster {}, v{}{})",
+        i.base_bdev,
+        i.virtual_size,
+        i.cluster_size,
+        i.version,
+        i.backing_bdev
+            .as_ref()
+            .map(|b| format!(", backing {b}"))
+            .unwrap_or_default()
+    );
+    done(Ok(name));
+}
+
+/// Hot remove of a base or backing bdev: unregister every node using it (its I/O completes,
+/// then destruct closes the descriptors, which lets the base go).
+unsafe extern "C" fn base_event(
+    ty: sys::spdk_bdev_event_type,
+    bdev: *mut sys::spdk_bdev,
+    _ctx: *mut c_void,
+) {
+    // SAFETY: SPDK passes the bdev the event is about, still registered during the callback.
+    let name = unsafe { bdev::name_of(bdev) };
+    if ty != sys::SPDK_BDEV_EVENT_REMOVE {
+        tracing::info!("bdev {name}: event {ty} ignored");
+        return;
+    }
+    let victims: Vec<NodePtr> = registry::lock()
+        .nodes
+        .iter()
+        .filter(|(_, p)| {
+            // SAFETY: registered nodes are live; params are immutable.
+            let params = unsafe { &(*p.0).params };
+            params.base_bdev == name || params.backing_bdev.as_deref() == Some(name.as_str())
+        })
+        .map(|(_, p)| *p)
+        .collect();
+    for v in victims {
+        tracing::warn!("bdev {name} is going away: unregistering the qcow2 bdev on it");
+        // SAFETY: the node is registered; unregistering twice is refused by SPDK, not UB.
+        unsafe { sys::spdk_bdev_unregister(&mut (*v.0).bdev, None, std::ptr::null_mut()) };
+    }
+}
+
+/// Teardown, step 1 (SPDK calls it once the bdev is unregistered and unused): forget the
+/// node, then unregister the io_device; step 2 runs when every channel is gone.
+unsafe extern "C" fn destruct(ctx: *mut c_void) -> c_int {
+    let node = ctx.cast::<Node>();
+    registry::lock().nodes.retain(|(_, p)| p.0 != node);
+    // SAFETY: `node` is our registered io_device; freed only in `device_gone`.
+    unsafe { io_channel::unregister_device(ctx, device_gone) };
+    1 // asynchronous: `spdk_bdev_destruct_done` follows
+}
+
+/// Teardown, step 2: on the md thread (where they were opened), close the backing then the
+/// base descriptor (releasing the claims), tell SPDK destruct is done, free the node.
+unsafe extern "C" fn device_gone(io_device: *mut c_void) {
+    let node = io_device.cast::<Node>();
+    // SAFETY: no channel is left; the node is only ours now.
+    let md = unsafe { (*node).md_thread };
+    let finish = move || {
+        // SAFETY: as above; reclaimed exactly once.
+        let mut n = unsafe { Box::from_raw(node) };
+        if let Some(d) = n.backing.take() {
+            d.close();
+        }
+        if let Some(d) = n.base.take() {
+            d.close();
+        }
+        // SAFETY: our bdev, being destructed.
+        unsafe { sys::spdk_bdev_destruct_done(&mut n.bdev, 0) };
+        tracing::info!("qcow2 bdev {} deleted", n.params.name);
+    };
+    // SAFETY: the md thread created the bdev and lives until the app stops, after every
+    // bdev is gone.
+    if let Err(e) = unsafe { thread::exec_msg(md, finish) } {
+        tracing::error!("cannot reach the md thread ({e}): leaking the descriptors");
+    }
+}
+
+/// Frees a node whose bdev never registered (its descriptors are closed here, on the md
+/// thread, which is the one that registered it).
+unsafe extern "C" fn free_unregistered(io_device: *mut c_void) {
+    // SAFETY: the node never reached SPDK's bdev list; only ours.
+    let mut n = unsafe { Box::from_raw(io_device.cast::<Node>()) };
+    for d in [n.backing.take(), n.base.take()].into_iter().flatten() {
+        d.close();
+    }
+}
+
+unsafe extern "C" fn io_type_supported(_ctx: *mut c_void, ty: sys::spdk_bdev_io_type) -> bool {
+    // Claim only what works: reads, and resets (which wait for outstanding I/O).
+    matches!(
+        ty,
+        sys::SPDK_BDEV_IO_TYPE_READ | sys::SPDK_BDEV_IO_TYPE_RESET
+    )
+}
+
+unsafe extern "C" fn get_io_channel(ctx: *mut c_void) -> *mut sys::spdk_io_channel {
+    // SAFETY: `ctx` is our registered io_device (the node).
+    unsafe { sys::spdk_get_io_channel(ctx) }
+}
+
+unsafe extern "C" fn dump_info_json(ctx: *mut c_void, w: *mut sys::spdk_json_write_ctx) -> c_int {
+    // SAFETY: `ctx` is a registered node; `info` is immutable.
+    let info = unsafe { &(*ctx.cast::<Node>()).info };
+    let v = serde_json::to_value(info).unwrap_or_default();
+    // SAFETY: SPDK hands us a write context inside the bdev's `driver_specific` object.
+    unsafe { json::write_named(w, "qcow2", &v) };
+    0
+}
+
+unsafe extern "C" fn write_config_json(
+    bdev: *mut sys::spdk_bdev,
+    w: *mut sys::spdk_json_write_ctx,
+) {
+    // SAFETY: `bdev` is ours, so its `ctxt` is the node; `params` is immutable.
+    let params = unsafe { &(*(*bdev).ctxt.cast::<Node>()).params };
+    let v = json!({ "method": "bdev_qcow2_create", "params": params });
+    // SAFETY: SPDK hands us a write context inside the config array.
+    unsafe { json::write_value(w, &v) };
+}

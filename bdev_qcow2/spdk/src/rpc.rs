@@ -1,0 +1,258 @@
+//! The RPC methods `bdev_qcow2_create`, `bdev_qcow2_delete` and `bdev_qcow2_get_stats`
+//! (registered by `register.c`). Parameters are decoded into the structs of `params.rs`.
+
+use crate::channel::{self, ChannelStats};
+use crate::ffi::rpc::{Request, INVALID_PARAMS};
+use crate::ffi::{bdev, io_channel, json, sys};
+use crate::module::module_ptr;
+use crate::node;
+use crate::params::{CreateParams, DeleteParams, StatsParams};
+use crate::registry::{self, NodePtr};
+use serde::de::DeserializeOwned;
+use serde_json::{json, Value};
+use std::ffi::{c_int, c_void, CString};
+
+/// Decodes `params` into `T`, or answers the request with the reason and returns `None`.
+///
+/// # Safety
+/// `params` is what SPDK passed to the RPC method.
+unsafe fn decode<T: DeserializeOwned>(
+    req: Request,
+    params: *const sys::spdk_json_val,
+    method: &str,
+) -> Option<(Request, T)> {
+    // SAFETY: per the contract.
+    let v = match unsafe { json::decode(params) } {
+        Ok(Value::Null) => json!({}),
+        Ok(v) => v,
+        Err(e) => {
+            req.error(INVALID_PARAMS, &format!("{method}: {e}"));
+            return None;
+        }
+    };
+    match serde_json::from_value(v) {
+        Ok(t) => Some((req, t)),
+        Err(e) => {
+            req.error(INVALID_PARAMS, &format!("{method}: {e}"));
+            None
+        }
+    }
+}
+
+/// `bdev_qcow2_create`.
+///
+/// # Safety
+/// Called by SPDK's RPC server with a live request and its params.
+#[no_mangle]
+pub unsafe extern "C" fn bdev_qcow2_rpc_create(
+    request: *mut sys::spdk_jsonrpc_request,
+    params: *const sys::spdk_json_val,
+) {
+    // SAFETY: SPDK's request, answered exactly once below.
+    let req = unsafe { Request::from_raw(request) };
+    // SAFETY: SPDK's params.
+    let Some((req, p)) = (unsafe { decode::<CreateParams>(req, params, "bdev_qcow2_create") })
+    else {
+        return;
+    };
+    if let Err(m) = p.validate() {
+        return req.error(INVALID_PARAMS, &format!("bdev_qcow2_create: {m}"));
+    }
+    if !p.read_only {
+        tracing::warn!(
+            "bdev_qcow2_create {}: writes are not implemented yet; serving it read-only",
+            p.name
+        );
+    }
+    if p.prefetch == Some(true) {
+        tracing::warn!(
+            "bdev_qcow2_create {}: prefetch is not implemented yet",
+            p.name
+        );
+    }
+    let missing: Vec<&str> = std::iter::once(p.base_bdev.as_str())
+        .chain(p.backing_bdev.as_deref())
+        .filter(|b| !bdev::exists(b))
+        .collect();
+    if !missing.is_empty() {
+        // Deferred: completed by examine_config when the bdevs appear (this is what makes
+        // a saved config load whatever the order of its create calls).
+        let mut reg = registry::lock();
+        if reg.knows(&p.name) || bdev::exists(&p.name) {
+            drop(reg);
+            return req.errno(libc::EEXIST, &format!("bdev {} already exists", p.name));
+        }
+        tracing::info!(
+            "bdev_qcow2_create {}: waiting for bdev {} to appear",
+            p.name,
+            missing.join(", ")
+        );
+        let name = p.name.clone();
+        reg.pending.push(p);
+        drop(reg);
+        return req.result(&json!(name));
+    }
+    node::create(
+        p,
+        Box::new(move |r| match r {
+            Ok(name) => req.result(&json!(name)),
+            Err((e, m)) => req.errno(e, &m),
+        }),
+    );
+}
+
+unsafe extern "C" fn delete_done(ctx: *mut c_void, bdeverrno: c_int) {
+    // SAFETY: `ctx` is the request boxed by `bdev_qcow2_rpc_delete`, delivered once.
+    let req = unsafe { Box::from_raw(ctx.cast::<Request>()) };
+    if bdeverrno == 0 {
+        req.result(&json!(true));
+    } else {
+        req.errno(
+            -bdeverrno,
+            &std::io::Error::from_raw_os_error(-bdeverrno).to_string(),
+        );
+    }
+}
+
+/// `bdev_qcow2_delete`.
+///
+/// # Safety
+/// Called by SPDK's RPC server with a live request and its params.
+#[no_mangle]
+pub unsafe extern "C" fn bdev_qcow2_rpc_delete(
+    request: *mut sys::spdk_jsonrpc_request,
+    params: *const sys::spdk_json_val,
+) {
+    // SAFETY: SPDK's request, answered exactly once below.
+    let req = unsafe { Request::from_raw(request) };
+    // SAFETY: SPDK's params.
+    let Some((req, p)) = (unsafe { decode::<DeleteParams>(req, params, "bdev_qcow2_delete") })
+    else {
+        return;
+    };
+    {
+        let mut reg = registry::lock();
+        if let Some(i) = reg.pending.iter().position(|c| c.name == p.name) {
+            reg.pending.remove(i);
+            drop(reg);
+            tracing::info!("pending qcow2 bdev {} deleted", p.name);
+            return req.result(&json!(true));
+        }
+        if reg.creating.contains(&p.name) {
+            drop(reg);
+            return req.errno(libc::EBUSY, &format!("bdev {} is being created", p.name));
+        }
+        if reg.node(&p.name).is_none() {
+            drop(reg);
+            return req.errno(libc::ENODEV, &format!("no qcow2 bdev named {}", p.name));
+        }
+    }
+    let Ok(name) = CString::new(p.name.clone()) else {
+        return req.error(INVALID_PARAMS, "name contains NUL");
+    };
+    let ctx = Box::into_raw(Box::new(req));
+    // SAFETY: `name` is a valid C string; `delete_done` takes `ctx` back exactly once
+    // when the call succeeds.
+    let rc = unsafe {
+        sys::spdk_bdev_unregister_by_name(
+            name.as_ptr(),
+            module_ptr(),
+            Some(delete_done),
+            ctx.cast(),
+        )
+    };
+    if rc != 0 {
+        // SAFETY: SPDK refused, so `delete_done` will not run: `ctx` is still ours.
+        let req = unsafe { Box::from_raw(ctx) };
+        req.errno(
+            -rc,
+            &format!(
+                "cannot delete {}: {}",
+                p.name,
+                std::io::Error::from_raw_os_error(-rc)
+            ),
+        );
+    }
+}
+
+/// Statistics collection over several nodes, one `for_each_channel` after the other.
+struct Collect {
+    req: Option<Request>,
+    nodes: Vec<(String, NodePtr)>,
+    next: usize,
+    channels: Vec<ChannelStats>,
+    out: Vec<Value>,
+}
+
+fn collect_step(it: io_channel::ChannelIter, c: &mut Collect) {
+    channel::stats_step(it, &mut c.channels);
+}
+
+fn collect_done(mut c: Collect, _status: c_int) {
+    let channels = std::mem::take(&mut c.channels);
+    let mut total = ChannelStats::default();
+    for s in &channels {
+        total.add(s);
+    }
+    total.thread = String::new();
+    let name = c.nodes[c.next].0.clone();
+    c.out
+        .push(json!({ "name": name, "channels": channels, "total": total }));
+    c.next += 1;
+    collect_next(c);
+}
+
+fn collect_next(mut c: Collect) {
+    if c.next == c.nodes.len() {
+        if let Some(req) = c.req.take() {
+            req.result(&Value::Array(std::mem::take(&mut c.out)));
+        }
+        return;
+    }
+    let node = c.nodes[c.next].1;
+    // Still registered? (A delete may have raced the previous step.)
+    if !registry::lock().nodes.iter().any(|(_, p)| *p == node) {
+        c.next += 1;
+        return collect_next(c);
+    }
+    // SAFETY: the node is registered, so it is a registered io_device.
+    unsafe { io_channel::for_each_channel(node.0.cast(), c, collect_step, collect_done) };
+}
+
+/// `bdev_qcow2_get_stats`.
+///
+/// # Safety
+/// Called by SPDK's RPC server with a live request and its params.
+#[no_mangle]
+pub unsafe extern "C" fn bdev_qcow2_rpc_get_stats(
+    request: *mut sys::spdk_jsonrpc_request,
+    params: *const sys::spdk_json_val,
+) {
+    // SAFETY: SPDK's request, answered exactly once (by `collect_next`).
+    let req = unsafe { Request::from_raw(request) };
+    // SAFETY: SPDK's params.
+    let Some((req, p)) = (unsafe { decode::<StatsParams>(req, params, "bdev_qcow2_get_stats") })
+    else {
+        return;
+    };
+    let nodes: Vec<(String, NodePtr)> = {
+        let reg = registry::lock();
+        match &p.name {
+            Some(n) => match reg.node(n) {
+                Some(ptr) => vec![(n.clone(), ptr)],
+                None => {
+                    drop(reg);
+                    return req.errno(libc::ENODEV, &format!("no qcow2 bdev named {n}"));
+                }
+            },
+            None => reg.nodes.clone(),
+        }
+    };
+    collect_next(Collect {
+        req: Some(req),
+        nodes,
+        next: 0,
+        channels: Vec::new(),
+        out: Vec::new(),
+    });
+}

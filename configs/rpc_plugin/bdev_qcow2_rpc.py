@@ -1,0 +1,80 @@
+"""rpc.py plugin adding the bdev_qcow2_* commands.
+
+    PYTHONPATH=configs/rpc_plugin rpc.py --plugin bdev_qcow2_rpc bdev_qcow2_create -b q0 --base-bdev aio0
+"""
+
+
+def bdev_qcow2_create(client, name, base_bdev, backing_bdev=None, read_only=None,
+                      l2_cache_size=None, l2_slice_size=None, cache_ways=None, prefetch=None):
+    params = {'name': name, 'base_bdev': base_bdev}
+    if backing_bdev is not None:
+        params['backing_bdev'] = backing_bdev
+    if read_only is not None:
+        params['read_only'] = read_only
+    if l2_cache_size is not None:
+        params['l2_cache_size'] = l2_cache_size
+    if l2_slice_size is not None:
+        params['l2_slice_size'] = l2_slice_size
+    if cache_ways is not None:
+        params['cache_ways'] = cache_ways
+    if prefetch is not None:
+        params['prefetch'] = prefetch
+    return client.call('bdev_qcow2_create', params)
+
+
+def bdev_qcow2_delete(client, name):
+    return client.call('bdev_qcow2_delete', {'name': name})
+
+
+def bdev_qcow2_get_stats(client, name=None):
+    params = {}
+    if name is not None:
+        params['name'] = name
+    return client.call('bdev_qcow2_get_stats', params)
+
+
+def spdk_rpc_plugin_initialize(subparsers):
+    def create(args):
+        print_json(bdev_qcow2_create(args.client, name=args.name, base_bdev=args.base_bdev,
+                                     backing_bdev=args.backing_bdev,
+                                     read_only=args.read_only,
+                                     l2_cache_size=args.l2_cache_size,
+                                     l2_slice_size=args.l2_slice_size,
+                                     cache_ways=args.cache_ways,
+                                     prefetch=args.prefetch))
+
+    p = subparsers.add_parser('bdev_qcow2_create',
+                              help='Serve a qcow2 image stored on a bdev as a new bdev')
+    p.add_argument('-b', '--name', required=True, help='name of the qcow2 bdev to create')
+    p.add_argument('--base-bdev', required=True, help='bdev holding the qcow2 image')
+    p.add_argument('--backing-bdev', help='bdev holding the backing image (raw or qcow2 bdev)')
+    p.add_argument('--read-only', dest='read_only', action='store_true', default=None,
+                   help='serve read-only (the default while writes are not implemented)')
+    p.add_argument('--read-write', dest='read_only', action='store_false',
+                   help='ask for a writable bdev (served read-only until writes land)')
+    p.add_argument('--l2-cache-size', type=int, help='bytes of L2 slice cache per channel')
+    p.add_argument('--l2-slice-size', type=int, help='L2 slice size in bytes (default 4096)')
+    p.add_argument('--cache-ways', type=int, help='ways per set of the slice cache (default 8)')
+    p.add_argument('--prefetch', dest='prefetch', action='store_true', default=None,
+                   help='sequential read-ahead (not implemented yet)')
+    p.set_defaults(func=create)
+
+    def delete(args):
+        print_json(bdev_qcow2_delete(args.client, name=args.name))
+
+    p = subparsers.add_parser('bdev_qcow2_delete', help='Delete a qcow2 bdev')
+    p.add_argument('name', help='qcow2 bdev name')
+    p.set_defaults(func=delete)
+
+    def get_stats(args):
+        print_json(bdev_qcow2_get_stats(args.client, name=args.name))
+
+    p = subparsers.add_parser('bdev_qcow2_get_stats',
+                              help='Per-channel and total counters of qcow2 bdevs')
+    p.add_argument('-b', '--name', help='one qcow2 bdev (default: all)')
+    p.set_defaults(func=get_stats)
+
+
+def print_json(obj):
+    import json
+    print(json.dumps(obj, indent=2))
