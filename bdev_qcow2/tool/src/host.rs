@@ -2,6 +2,7 @@
 //! devices driven by one executor (one core).
 
 use crate::uring::UringDevice;
+use qcow2_engine::io::BlockDevice;
 use qcow2_engine::{Chain, Exec, Layer, OpenOptions, Qcow2};
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
@@ -70,6 +71,9 @@ pub struct OpenSpec {
     pub format: Format,
     /// Whether backing files named inside images may be opened.
     pub allow_backing: bool,
+    /// Open the top image for writing (backing layers are always read-only). Overrides
+    /// `opts.writable` for the top image.
+    pub writable: bool,
     /// Engine options (cache sizes).
     pub opts: OpenOptions,
     /// io_uring queue depth per device.
@@ -78,12 +82,14 @@ pub struct OpenSpec {
     pub direct: bool,
 }
 
-/// An opened chain with the paths and formats of its layers (top first).
-pub struct Opened {
+/// An opened chain with the paths and formats of its layers (top first). `D` is the device
+/// type of every layer: the io_uring device, or a wrapper around it (see
+/// [`open_chain_with`]).
+pub struct Opened<D: BlockDevice = UringDevice> {
     /// The executor driving every device of the chain.
-    pub exec: Exec<UringDevice>,
+    pub exec: Exec<D>,
     /// The chain.
-    pub chain: Rc<Chain<UringDevice>>,
+    pub chain: Rc<Chain<D>>,
     /// Path and format of each layer.
     pub files: Vec<(PathBuf, Format)>,
 }
@@ -95,6 +101,16 @@ fn engine_err(path: &Path) -> impl FnOnce(qcow2_engine::Error) -> ToolError + '_
     }
 }
 
+/// Opens one image file as an io_uring device (read-only unless `writable`).
+pub fn uring_device(path: &Path, writable: bool, spec: &OpenSpec) -> ToolResult<UringDevice> {
+    UringDevice::open(path, writable, spec.direct, spec.queue_depth).map_err(|source| {
+        ToolError::Io {
+            path: path.display().to_string(),
+            source,
+        }
+    })
+}
+
 /// Opens one image file as a device on `exec`.
 pub fn open_device(
     exec: &Exec<UringDevice>,
@@ -102,14 +118,7 @@ pub fn open_device(
     writable: bool,
     spec: &OpenSpec,
 ) -> ToolResult<qcow2_engine::DevId> {
-    let dev =
-        UringDevice::open(path, writable, spec.direct, spec.queue_depth).map_err(|source| {
-            ToolError::Io {
-                path: path.display().to_string(),
-                source,
-            }
-        })?;
-    Ok(exec.add_device(dev))
+    Ok(exec.add_device(uring_device(path, writable, spec)?))
 }
 
 /// Opens a qcow2 image on its own (no backing chain), for `info`.
@@ -129,7 +138,17 @@ pub fn open_single(spec: &OpenSpec) -> ToolResult<(Exec<UringDevice>, Rc<Qcow2<U
 /// image naming them; the backing format must be recorded (no probing); loops and chains
 /// deeper than the engine's limit are refused.
 pub fn open_chain(spec: &OpenSpec) -> ToolResult<Opened> {
-    let exec: Exec<UringDevice> = Exec::new();
+    open_chain_with(spec, |dev, _top| dev)
+}
+
+/// [`open_chain`] with every layer's device passed through `wrap(device, is_top)` first
+/// (e.g. to record the writes issued to the top image). Only the top image is opened
+/// writable, and only when `spec.writable` says so.
+pub fn open_chain_with<D: BlockDevice>(
+    spec: &OpenSpec,
+    mut wrap: impl FnMut(UringDevice, bool) -> D,
+) -> ToolResult<Opened<D>> {
+    let exec: Exec<D> = Exec::new();
     let mut layers = Vec::new();
     let mut files = Vec::new();
     let mut seen = HashSet::new();
@@ -158,7 +177,9 @@ pub fn open_chain(spec: &OpenSpec) -> ToolResult<Opened> {
                 )),
             });
         }
-        let dev = open_device(&exec, &path, false, spec)?;
+        let top = layers.is_empty();
+        let writable = top && spec.writable;
+        let dev = exec.add_device(wrap(uring_device(&path, writable, spec)?, top));
         files.push((path.clone(), format));
         match format {
             Format::Raw => {
@@ -168,7 +189,10 @@ pub fn open_chain(spec: &OpenSpec) -> ToolResult<Opened> {
             }
             Format::Qcow2 => {
                 let e2 = exec.clone();
-                let opts = spec.opts;
+                let opts = OpenOptions {
+                    writable,
+                    ..spec.opts
+                };
                 let q = exec
                     .block_on(async move { Qcow2::open(&e2, dev, opts).await })
                     .map_err(engine_err(&path))?;

@@ -2,7 +2,7 @@
 //! output and exit codes shaped like `qemu-img`.
 
 use clap::{Parser, Subcommand};
-use qcow2_tool::cmd::{convert, info, map};
+use qcow2_tool::cmd::{convert, create, info, io, map};
 use std::io::Write;
 use std::process::ExitCode;
 
@@ -25,6 +25,10 @@ enum Cmd {
     Map(map::MapArgs),
     /// Copy the virtual disk into a raw file (like `qemu-img convert -O raw`).
     Convert(convert::ConvertArgs),
+    /// Create a new qcow2 image (like `qemu-img create`).
+    Create(create::CreateArgs),
+    /// Run guest I/O commands on an image (like `qemu-io -c …`).
+    Io(io::IoArgs),
 }
 
 fn main() -> ExitCode {
@@ -37,6 +41,9 @@ fn main() -> ExitCode {
         Cmd::Info(a) => info::run(a),
         Cmd::Map(a) => map::run(a),
         Cmd::Convert(a) => convert::run(a),
+        Cmd::Create(a) => create::run(a),
+        // Exit status 1 when a command fails or a pattern does not match, like qemu-io.
+        Cmd::Io(a) => return io::main(a),
     };
     match r {
         Ok(out) => {

@@ -1,7 +1,9 @@
 //! Subcommands of the `qcow2` tool.
 
 pub mod convert;
+pub mod create;
 pub mod info;
+pub mod io;
 pub mod map;
 
 use crate::host::{Format, OpenSpec};
@@ -61,6 +63,7 @@ impl ImageArgs {
             path: self.image.clone(),
             format: self.format,
             allow_backing: self.allow_backing,
+            writable: false,
             opts: OpenOptions {
                 l2_cache_bytes: self.l2_cache_size,
                 l2_slice_bytes: self.l2_slice_size,
