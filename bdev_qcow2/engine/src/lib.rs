@@ -14,6 +14,7 @@
 
 pub mod cache;
 pub mod chain;
+pub mod check;
 pub mod compress;
 pub mod create;
 pub mod error;

@@ -2,7 +2,7 @@
 //! output and exit codes shaped like `qemu-img`.
 
 use clap::{Parser, Subcommand};
-use qcow2_tool::cmd::{convert, create, info, io, map};
+use qcow2_tool::cmd::{check, convert, create, info, io, map};
 use std::io::Write;
 use std::process::ExitCode;
 
@@ -29,6 +29,8 @@ enum Cmd {
     Create(create::CreateArgs),
     /// Run guest I/O commands on an image (like `qemu-io -c …`).
     Io(io::IoArgs),
+    /// Check the image's consistency and repair it (like `qemu-img check [-r leaks|all]`).
+    Check(check::CheckArgs),
 }
 
 fn main() -> ExitCode {
@@ -44,6 +46,8 @@ fn main() -> ExitCode {
         Cmd::Create(a) => create::run(a),
         // Exit status 1 when a command fails or a pattern does not match, like qemu-io.
         Cmd::Io(a) => return io::main(a),
+        // Its own exit codes (0 clean, 1 failed, 2 corruptions, 3 leaks), like qemu-img.
+        Cmd::Check(a) => return check::main(a),
     };
     match r {
         Ok(out) => {

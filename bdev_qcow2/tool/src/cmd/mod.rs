@@ -1,5 +1,6 @@
 //! Subcommands of the `qcow2` tool.
 
+pub mod check;
 pub mod convert;
 pub mod create;
 pub mod info;
