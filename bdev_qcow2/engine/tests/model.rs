@@ -227,3 +227,157 @@ model!(c2m_backing, 21, false, 4, true, 64 << 20, 150);
 model!(ext_l2_64k, 16, true, 4, false, 32 << 20, 400);
 model!(ext_l2_64k_backing_rc1, 16, true, 0, true, 32 << 20, 400);
 model!(ext_l2_2m, 21, true, 4, false, 64 << 20, 150);
+
+/// Continue writing an image made by qemu: internal snapshots (clusters and L2 tables
+/// shared, refcount 2) and compressed clusters must be copied on write; afterwards
+/// `qemu-img check` exits 0, the active image equals the reference, and every snapshot still
+/// reads exactly as before.
+fn continue_qemu_image(compressed: bool, extended_l2: bool, seed: u64) {
+    let dir = tempfile::tempdir().unwrap();
+    let img = dir.path().join("img.qcow2");
+    let sh = |args: &[&str]| {
+        let out = Command::new(args[0]).args(&args[1..]).output().unwrap();
+        assert!(
+            out.status.success(),
+            "{args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    let p = img.to_str().unwrap();
+    let opts = if extended_l2 {
+        "extended_l2=on"
+    } else {
+        "cluster_size=65536"
+    };
+    let src = dir.path().join("src.qcow2");
+    let s = src.to_str().unwrap();
+    sh(&[
+        "qemu-img", "create", "-q", "-f", "qcow2", "-o", opts, s, "16M",
+    ]);
+    sh(&[
+        "qemu-io",
+        "-f",
+        "qcow2",
+        "-c",
+        "write -P 0x61 0 6M",
+        "-c",
+        "write -P 0x62 9M 2M",
+        "-c",
+        "write -z 7M 512k",
+        s,
+    ]);
+    if compressed {
+        sh(&["qemu-img", "convert", "-c", "-O", "qcow2", s, p]);
+    } else {
+        std::fs::copy(&src, &img).unwrap();
+    }
+    sh(&["qemu-img", "snapshot", "-c", "s1", p]);
+    sh(&["qemu-io", "-f", "qcow2", "-c", "write -P 0x63 1M 1M", p]);
+    sh(&["qemu-img", "snapshot", "-c", "s2", p]);
+    // Expected contents of each snapshot, and of the active layer.
+    let snap_raw = |name: &str| {
+        let out = dir.path().join(format!("{name}.raw"));
+        sh(&[
+            "qemu-img",
+            "convert",
+            "-O",
+            "raw",
+            "-l",
+            &format!("snapshot.name={name}"),
+            p,
+            out.to_str().unwrap(),
+        ]);
+        std::fs::read(out).unwrap()
+    };
+    let s1 = snap_raw("s1");
+    let s2 = snap_raw("s2");
+    let active = dir.path().join("active.raw");
+    sh(&[
+        "qemu-img",
+        "convert",
+        "-O",
+        "raw",
+        p,
+        active.to_str().unwrap(),
+    ]);
+    let mut reference = std::fs::read(&active).unwrap();
+
+    let exec: Exec<MemDevice> = Exec::new();
+    let dev = MemDevice::new(std::fs::read(&img).unwrap());
+    let chain = Chain::new(&exec, vec![open_layer(&exec, &dev, true)]).unwrap();
+    let mut rng = Rng(seed);
+    let size = reference.len() as u64;
+    for _ in 0..200 {
+        let len = (1 + rng.below(300)) * 512;
+        let off = rng.below((size - len) / 512) * 512;
+        let c = chain.clone();
+        match rng.below(8) {
+            0 => {
+                exec.block_on(async move { c.write_zeroes(off, len, false).await })
+                    .unwrap();
+                reference[off as usize..(off + len) as usize].fill(0);
+            }
+            1 => {
+                exec.block_on(async move { c.flush().await }).unwrap();
+            }
+            _ => {
+                let data: Vec<u8> = (0..len).map(|_| rng.next() as u8).collect();
+                let buf = HeapBuf::new(len as usize);
+                buf.copy_in(0, &data);
+                exec.block_on(async move { c.write(off, BufSlice::whole(buf)).await })
+                    .unwrap();
+                reference[off as usize..(off + len) as usize].copy_from_slice(&data);
+            }
+        }
+    }
+    let c = chain.clone();
+    exec.block_on(async move { c.flush().await }).unwrap();
+    std::fs::write(&img, dev.contents()).unwrap();
+    let out = Command::new("qemu-img")
+        .args(["check", "-f", "qcow2", p])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "qemu-img check: {}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    let now = dir.path().join("now.raw");
+    sh(&["qemu-img", "convert", "-O", "raw", p, now.to_str().unwrap()]);
+    assert!(
+        std::fs::read(&now).unwrap() == reference,
+        "active layer differs from the reference"
+    );
+    assert!(snap_raw("s1") == s1, "snapshot s1 changed");
+    assert!(snap_raw("s2") == s2, "snapshot s2 changed");
+}
+
+#[test]
+fn continue_qemu_image_with_snapshots() {
+    continue_qemu_image(false, false, 31);
+}
+
+#[test]
+fn continue_qemu_image_compressed_with_snapshots() {
+    continue_qemu_image(true, false, 32);
+}
+
+#[test]
+fn continue_qemu_image_extended_l2_with_snapshots() {
+    continue_qemu_image(false, true, 33);
+}
+
+#[test]
+fn refcount_table_growth() {
+    // 512-byte clusters with 16-bit refcounts: one table cluster covers 8 MiB of host
+    // space, so writing 12 MiB must grow the refcount table (new table, blocks, header).
+    run(Setup {
+        cluster_bits: 9,
+        extended_l2: false,
+        refcount_order: 4,
+        backing: false,
+        size: 24 << 20,
+        ops: 60,
+        seed: 77,
+    });
+}
