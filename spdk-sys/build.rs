@@ -7,7 +7,8 @@
 //!
 //! When found: bindgen runs over `wrapper.h` with a narrow allowlist, `shim.c` is compiled,
 //! the crate is built with `cfg(spdk)`, and dependents see `DEP_SPDK_FOUND=1`,
-//! `DEP_SPDK_INCLUDE` and `DEP_SPDK_LIBDIR`. When not found (or `SPDK_SYS_DISABLE=1`), nothing
+//! `DEP_SPDK_INCLUDE`, `DEP_SPDK_LIBDIR` and `DEP_SPDK_EXTRA_LIBS` (libraries to link with
+//! `--no-as-needed` into executables). When not found (or `SPDK_SYS_DISABLE=1`), nothing
 //! is generated and the crate is empty: the workspace builds without SPDK.
 
 use std::env;
@@ -103,6 +104,11 @@ const VARS: &[&str] = &[
 struct Found {
     include: PathBuf,
     libdir: PathBuf,
+    /// Further libraries the SPDK libraries need but do not record (SPDK's shared
+    /// `libspdk_env_dpdk` leaves DPDK's `rte_*` libraries and system libraries such as
+    /// OpenSSL to the application, per `spdk_env_dpdk.pc` and `spdk_syslibs.pc`): linked, so
+    /// that executables (test binaries) link; a preloaded module finds them loaded already.
+    extra_libs: Vec<String>,
 }
 
 fn from_spdk_dir(dir: &Path) -> Option<Found> {
@@ -117,7 +123,11 @@ fn from_spdk_dir(dir: &Path) -> Option<Found> {
     let libdir = [dir.join("build/lib"), dir.join("lib")]
         .into_iter()
         .find(|d| d.join("libspdk_bdev.so").exists() || d.join("libspdk_bdev.a").exists())?;
-    Some(Found { include, libdir })
+    Some(Found {
+        include,
+        libdir,
+        extra_libs: Vec::new(),
+    })
 }
 
 fn pkg_config_var(args: &[&str]) -> Option<String> {
@@ -157,7 +167,18 @@ fn from_pkg_config() -> Option<Found> {
     let libdir = libdirs
         .into_iter()
         .find(|d| d.join("libspdk_bdev.so").exists())?;
-    Some(Found { include, libdir })
+    let extra_libs = pkg_config_var(&["--libs-only-l", "spdk_env_dpdk", "spdk_syslibs"])
+        .unwrap_or_default()
+        .split_whitespace()
+        .filter_map(|f| f.strip_prefix("-l"))
+        .filter(|l| !l.starts_with("spdk_"))
+        .map(String::from)
+        .collect();
+    Some(Found {
+        include,
+        libdir,
+        extra_libs,
+    })
 }
 
 fn main() {
@@ -224,6 +245,9 @@ fn main() {
     for l in LIBS {
         println!("cargo:rustc-link-lib=dylib={l}");
     }
+    // Nothing references these directly, so `--as-needed` would drop them: dependents link
+    // them with `-Wl,--no-as-needed` (link arguments do not propagate, hence the metadata).
+    println!("cargo:extra_libs={}", found.extra_libs.join(","));
     println!("cargo:rustc-cfg=spdk");
     println!("cargo:found=1");
     println!("cargo:include={}", found.include.display());

@@ -23,5 +23,15 @@ fn main() {
         // Nothing references the constructors: keep the whole object in the cdylib.
         .link_lib_modifier("+whole-archive")
         .compile("bdev_qcow2_register");
+    // Libraries SPDK's shared libraries need but do not record (DPDK, OpenSSL, …): linked
+    // into every artifact so test executables load; a preloaded module finds them loaded.
+    let extra = env::var("DEP_SPDK_EXTRA_LIBS").unwrap_or_default();
+    if !extra.is_empty() {
+        println!("cargo:rustc-link-arg=-Wl,--no-as-needed");
+        for l in extra.split(',') {
+            println!("cargo:rustc-link-arg=-l{l}");
+        }
+        println!("cargo:rustc-link-arg=-Wl,--as-needed");
+    }
     println!("cargo:rustc-cfg=spdk");
 }

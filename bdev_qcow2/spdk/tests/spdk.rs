@@ -1,0 +1,716 @@
+//! The module in real SPDK applications: `spdk_dd`, `bdevperf` and `spdk_tgt` with
+//! `libbdev_qcow2.so` preloaded, images made by qemu-img/qemu-io, content checked against
+//! `qemu-img convert -O raw`.
+//!
+//! Without SPDK (the build found no `spdk_bdev` pkg-config module, or SPDK's applications or
+//! rpc.py are missing) every test prints a `SKIPPED:` line saying why, and passes.
+//!
+//! Every SPDK process runs under a deadline (killed and the test failed when it passes) and
+//! the tests take turns (one SPDK application at a time). Hugepages are set up when possible
+//! (we run as root in CI), else the applications run with `--no-huge`. Environment:
+//! `BDEV_QCOW2_SO` picks the module to load (e.g. a release build, for the figures),
+//! `SPDK_RPC` the rpc.py to use (default: `spdk-rpc` or `rpc.py` on PATH).
+
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test helpers may panic
+
+use std::io::Write as _;
+
+/// Prints a line that test capture does not swallow (cargo shows it even on success).
+fn say(msg: &str) {
+    let _ = writeln!(std::io::stderr().lock(), "{msg}");
+}
+
+#[cfg(not(spdk))]
+#[test]
+fn spdk_tests_skipped() {
+    say("SKIPPED: SPDK not installed (pkg-config spdk_bdev not found): SPDK module tests not run");
+}
+
+#[cfg(spdk)]
+mod real {
+    use super::say;
+    use serde_json::{json, Value};
+    use std::fs;
+    use std::path::{Path, PathBuf};
+    use std::process::{Child, Command, Output, Stdio};
+    use std::sync::{Mutex, MutexGuard};
+    use std::time::{Duration, Instant};
+
+    /// One SPDK application at a time.
+    static TURN: Mutex<()> = Mutex::new(());
+
+    fn turn() -> MutexGuard<'static, ()> {
+        TURN.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn on_path(bin: &str) -> Option<PathBuf> {
+        std::env::var_os("PATH").and_then(|p| {
+            std::env::split_paths(&p)
+                .map(|d| d.join(bin))
+                .find(|f| f.is_file())
+        })
+    }
+
+    /// The module to preload.
+    fn module_so() -> PathBuf {
+        if let Some(p) = std::env::var_os("BDEV_QCOW2_SO") {
+            return PathBuf::from(p);
+        }
+        // target/<profile>/deps/<test> → target/<profile>/libbdev_qcow2.so
+        let exe = std::env::current_exe().unwrap();
+        exe.parent()
+            .and_then(Path::parent)
+            .unwrap()
+            .join("libbdev_qcow2.so")
+    }
+
+    /// rpc.py (with SPDK's python package importable by its interpreter).
+    fn rpc_py() -> Option<PathBuf> {
+        if let Some(p) = std::env::var_os("SPDK_RPC") {
+            return Some(PathBuf::from(p));
+        }
+        on_path("spdk-rpc").or_else(|| on_path("rpc.py"))
+    }
+
+    /// Why the tests cannot run here, if they cannot.
+    fn missing(apps: &[&str]) -> Option<String> {
+        for a in apps {
+            if on_path(a).is_none() {
+                return Some(format!("SPDK application {a} not on PATH"));
+            }
+        }
+        if !module_so().is_file() {
+            return Some(format!("{} not built", module_so().display()));
+        }
+        for q in ["qemu-img", "qemu-io"] {
+            if on_path(q).is_none() {
+                return Some(format!("{q} not installed"));
+            }
+        }
+        None
+    }
+
+    macro_rules! require {
+        ($($app:expr),*) => {
+            if let Some(why) = missing(&[$($app),*]) {
+                say(&format!("SKIPPED: {why}"));
+                return;
+            }
+        };
+    }
+
+    fn free_hugepages() -> u64 {
+        let info = fs::read_to_string("/proc/meminfo").unwrap_or_default();
+        let get = |k: &str| {
+            info.lines()
+                .find(|l| l.starts_with(k))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|v| v.parse::<u64>().ok())
+                .unwrap_or(0)
+        };
+        get("HugePages_Free:") * get("Hugepagesize:") / 1024
+    }
+
+    fn hugetlbfs_mounted() -> bool {
+        fs::read_to_string("/proc/mounts")
+            .unwrap_or_default()
+            .lines()
+            .any(|l| l.split_whitespace().nth(2) == Some("hugetlbfs"))
+    }
+
+    /// Memory arguments for SPDK applications: hugepages when there are (or can be made)
+    /// enough, else `--no-huge`.
+    fn mem_args() -> Vec<String> {
+        if free_hugepages() < 1024 || !hugetlbfs_mounted() {
+            // Best effort (root): reserve 2 GiB of 2 MiB pages and mount hugetlbfs.
+            let _ = fs::write("/proc/sys/vm/nr_hugepages", "1024");
+            if !hugetlbfs_mounted() {
+                let _ = fs::create_dir_all("/dev/hugepages");
+                let _ = Command::new("mount")
+                    .args(["-t", "hugetlbfs", "nodev", "/dev/hugepages"])
+                    .stderr(Stdio::null())
+                    .status();
+            }
+        }
+        if free_hugepages() >= 1024 && hugetlbfs_mounted() {
+            vec![]
+        } else {
+            vec!["--no-huge".into(), "-s".into(), "2048".into()]
+        }
+    }
+
+    /// A child process killed (and reaped) when dropped, so a failing test leaves nothing.
+    struct Proc {
+        child: Option<Child>,
+        what: String,
+        log: PathBuf,
+    }
+
+    impl Proc {
+        /// Waits for exit; kills it and fails the test after `secs`.
+        fn wait(mut self, secs: u64) -> (bool, String) {
+            let mut child = self.child.take().unwrap();
+            let deadline = Instant::now() + Duration::from_secs(secs);
+            loop {
+                if let Some(st) = child.try_wait().unwrap() {
+                    let log = fs::read_to_string(&self.log).unwrap_or_default();
+                    return (st.success(), log);
+                }
+                if Instant::now() > deadline {
+                    let _ = child.kill();
+                    let _ = child.wait();
+                    let log = fs::read_to_string(&self.log).unwrap_or_default();
+                    panic!("{} hung (killed after {secs} s):\n{log}", self.what);
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+    }
+
+    impl Drop for Proc {
+        fn drop(&mut self) {
+            if let Some(mut c) = self.child.take() {
+                let _ = c.kill();
+                let _ = c.wait();
+            }
+        }
+    }
+
+    /// Starts SPDK application `app` with our module preloaded (LD_PRELOAD on the
+    /// application alone), output to `log`.
+    fn spawn_spdk(app: &str, args: &[String], log: &Path) -> Proc {
+        let out = fs::File::create(log).unwrap();
+        let err = out.try_clone().unwrap();
+        let child = Command::new(app)
+            .env("LD_PRELOAD", module_so())
+            .arg("-u")
+            .args(mem_args())
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(out)
+            .stderr(err)
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot start {app}: {e}"));
+        Proc {
+            child: Some(child),
+            what: format!("{app} {}", args.join(" ")),
+            log: log.to_path_buf(),
+        }
+    }
+
+    fn run_ok(cmd: &mut Command) -> Output {
+        let out = cmd
+            .output()
+            .unwrap_or_else(|e| panic!("cannot run {cmd:?}: {e}"));
+        assert!(
+            out.status.success(),
+            "{cmd:?} failed: {}\n{}",
+            String::from_utf8_lossy(&out.stderr),
+            String::from_utf8_lossy(&out.stdout)
+        );
+        out
+    }
+
+    fn s(p: &Path) -> &str {
+        p.to_str().expect("utf-8 path")
+    }
+
+    fn qemu_img(args: &[&str]) {
+        run_ok(Command::new("qemu-img").args(args));
+    }
+
+    fn qemu_io(img: &Path, cmds: &[&str]) {
+        let mut c = Command::new("qemu-io");
+        c.arg("-f").arg("qcow2");
+        for x in cmds {
+            c.arg("-c").arg(x);
+        }
+        c.arg(img);
+        let out = run_ok(&mut c);
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            !text.contains("error") && !text.contains("failed"),
+            "qemu-io: {text}"
+        );
+    }
+
+    /// Patterns at cluster-straddling, partial and far-apart offsets, a zeroed range and a
+    /// discarded one.
+    const PATTERNS: &[&str] = &[
+        "write -P 0x11 0 1M",
+        "write -P 0x22 1536k 4k",
+        "write -P 0x33 2047k 3k",
+        "write -P 0x44 7M 130k",
+        "write -z 7232k 64k",
+        "write -P 0x55 30M 512",
+        "write -P 0x66 63M 1M",
+        "discard 512k 128k",
+    ];
+
+    /// An AIO bdev over `file`, padded first to whole 512-byte blocks: qemu-img leaves
+    /// qcow2 files of any length, AIO bdevs refuse a partial last block, and zeros past the
+    /// end of a qcow2 file change nothing.
+    fn aio(file: &Path, name: &str) -> Value {
+        pad(file);
+        json!({"method": "bdev_aio_create",
+               "params": {"filename": s(file), "name": name, "block_size": 512}})
+    }
+
+    fn qcow2(name: &str, base: &str, backing: Option<&str>) -> Value {
+        let mut p = json!({"name": name, "base_bdev": base});
+        if let Some(b) = backing {
+            p["backing_bdev"] = json!(b);
+        }
+        json!({"method": "bdev_qcow2_create", "params": p})
+    }
+
+    fn pad(file: &Path) {
+        let f = fs::OpenOptions::new().write(true).open(file).unwrap();
+        let len = f.metadata().unwrap().len();
+        f.set_len(len.next_multiple_of(512)).unwrap();
+    }
+
+    fn write_config(path: &Path, calls: Vec<Value>) {
+        let mut calls = calls;
+        calls.push(json!({"method": "bdev_wait_for_examine"}));
+        let cfg = json!({"subsystems": [{"subsystem": "bdev", "config": calls}]});
+        fs::write(path, serde_json::to_vec_pretty(&cfg).unwrap()).unwrap();
+    }
+
+    /// Copies bdev `bdev` out with spdk_dd and compares it with `qemu-img convert -O raw`.
+    fn dd_and_compare(dir: &Path, cfg: &Path, bdev: &str, img: &Path, tag: &str) {
+        let out = dir.join(format!("{tag}.spdk.raw"));
+        let want = dir.join(format!("{tag}.qemu.raw"));
+        let log = dir.join(format!("{tag}.dd.log"));
+        let args: Vec<String> = [
+            "--json",
+            s(cfg),
+            "--ib",
+            bdev,
+            "--of",
+            s(&out),
+            "--bs",
+            "1048576",
+        ]
+        .map(String::from)
+        .to_vec();
+        let (ok, text) = spawn_spdk("spdk_dd", &args, &log).wait(120);
+        assert!(ok, "spdk_dd failed:\n{text}");
+        qemu_img(&["convert", "-O", "raw", s(img), s(&want)]);
+        let a = fs::read(&out).unwrap();
+        let b = fs::read(&want).unwrap();
+        assert_eq!(a.len(), b.len(), "{tag}: size differs");
+        if let Some(i) = a.iter().zip(&b).position(|(x, y)| x != y) {
+            panic!("{tag}: first difference at byte {i}");
+        }
+        say(&format!(
+            "{tag}: spdk_dd copy of {bdev} is byte-identical to qemu-img convert"
+        ));
+    }
+
+    #[test]
+    fn spdk_dd_reads_what_qemu_img_reads() {
+        require!("spdk_dd");
+        let _t = turn();
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+
+        // 64 KiB and 4 KiB clusters.
+        for (tag, cs) in [("c64k", "65536"), ("c4k", "4096")] {
+            let img = d.join(format!("{tag}.qcow2"));
+            qemu_img(&[
+                "create",
+                "-q",
+                "-f",
+                "qcow2",
+                "-o",
+                &format!("cluster_size={cs}"),
+                s(&img),
+                "64M",
+            ]);
+            qemu_io(&img, PATTERNS);
+            let cfg = d.join(format!("{tag}.json"));
+            write_config(&cfg, vec![aio(&img, "aio0"), qcow2("q0", "aio0", None)]);
+            dd_and_compare(d, &cfg, "q0", &img, tag);
+        }
+
+        // Compressed clusters (zlib), listed before its base bdev: deferred creation.
+        let raw = d.join("plain.raw");
+        qemu_img(&["create", "-q", "-f", "raw", s(&raw), "64M"]);
+        run_ok(
+            Command::new("qemu-io")
+                .args(["-f", "raw"])
+                .args(
+                    PATTERNS
+                        .iter()
+                        .filter(|p| !p.starts_with("discard"))
+                        .flat_map(|p| ["-c", p]),
+                )
+                .arg(&raw),
+        );
+        let comp = d.join("comp.qcow2");
+        qemu_img(&[
+            "convert",
+            "-q",
+            "-c",
+            "-f",
+            "raw",
+            "-O",
+            "qcow2",
+            s(&raw),
+            s(&comp),
+        ]);
+        let cfg = d.join("comp.json");
+        write_config(&cfg, vec![qcow2("q0", "aio0", None), aio(&comp, "aio0")]);
+        dd_and_compare(d, &cfg, "q0", &comp, "compressed");
+
+        // A backing chain: the backing image is a second qcow2 bdev.
+        let base = d.join("base.qcow2");
+        qemu_img(&["create", "-q", "-f", "qcow2", s(&base), "64M"]);
+        qemu_io(&base, &["write -P 0xa1 0 8M", "write -P 0xa2 60M 4M"]);
+        let top = d.join("top.qcow2");
+        qemu_img(&[
+            "create",
+            "-q",
+            "-f",
+            "qcow2",
+            "-o",
+            "cluster_size=4096",
+            "-b",
+            s(&base),
+            "-F",
+            "qcow2",
+            s(&top),
+        ]);
+        qemu_io(
+            &top,
+            &[
+                "write -P 0xb1 4M 6M",
+                "write -z 62M 4k",
+                "write -P 0xb2 100k 3k",
+            ],
+        );
+        let cfg = d.join("chain.json");
+        write_config(
+            &cfg,
+            vec![
+                aio(&base, "aio_base"),
+                qcow2("qbase", "aio_base", None),
+                aio(&top, "aio_top"),
+                qcow2("qtop", "aio_top", Some("qbase")),
+            ],
+        );
+        dd_and_compare(d, &cfg, "qtop", &top, "backing");
+    }
+
+    /// One bdevperf row: (IOPS, failures per second).
+    fn bdevperf_row(out: &str, bdev: &str) -> (f64, f64) {
+        for l in out.lines() {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            if f.len() >= 6 && f[0] == bdev && f[1] == ":" {
+                return (f[3].parse().unwrap(), f[5].parse().unwrap());
+            }
+        }
+        panic!("no bdevperf result for {bdev} in:\n{out}");
+    }
+
+    #[test]
+    fn bdevperf_against_passthru_side_by_side() {
+        require!("bdevperf");
+        let _t = turn();
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        // Fully allocated (every cluster and L2 table in place): reads take the fast path.
+        let img = d.join("full.qcow2");
+        qemu_img(&[
+            "create",
+            "-q",
+            "-f",
+            "qcow2",
+            "-o",
+            "preallocation=falloc",
+            s(&img),
+            "256M",
+        ]);
+        let cfg = d.join("perf.json");
+        // The same base file under both: ours on aio0, SPDK's passthru on aio1.
+        write_config(
+            &cfg,
+            vec![
+                aio(&img, "aio0"),
+                aio(&img, "aio1"),
+                qcow2("q0", "aio0", None),
+                json!({"method": "bdev_passthru_create",
+                       "params": {"name": "p0", "base_bdev_name": "aio1"}}),
+            ],
+        );
+        for (w, size) in [("randread", "4096"), ("read", "65536")] {
+            let log = d.join(format!("{w}.log"));
+            let args: Vec<String> = [
+                "--json",
+                s(&cfg),
+                "-m",
+                "0x1",
+                "-q",
+                "32",
+                "-o",
+                size,
+                "-w",
+                w,
+                "-t",
+                "3",
+            ]
+            .map(String::from)
+            .to_vec();
+            let (ok, out) = spawn_spdk("bdevperf", &args, &log).wait(90);
+            assert!(ok, "bdevperf failed:\n{out}");
+            let (q_iops, q_fail) = bdevperf_row(&out, "q0");
+            let (p_iops, p_fail) = bdevperf_row(&out, "p0");
+            assert_eq!(q_fail, 0.0, "qcow2 bdev failed I/O:\n{out}");
+            assert_eq!(p_fail, 0.0, "passthru bdev failed I/O:\n{out}");
+            assert!(q_iops > 0.0, "no qcow2 I/O:\n{out}");
+            say(&format!(
+                "bdevperf -w {w} -o {size} -q 32 (same aio file, one core, side by side): \
+                 qcow2 {q_iops:.0} IOPS, passthru {p_iops:.0} IOPS, ratio {:.3}",
+                q_iops / p_iops
+            ));
+        }
+    }
+
+    /// A running `spdk_tgt` with an RPC socket.
+    struct Target {
+        proc: Option<Proc>,
+        sock: PathBuf,
+        log: PathBuf,
+    }
+
+    impl Target {
+        fn start(dir: &Path, tag: &str, config: Option<&Path>) -> Target {
+            let sock = dir.join(format!("{tag}.sock"));
+            let log = dir.join(format!("{tag}.tgt.log"));
+            let mut args = vec!["-r".to_string(), s(&sock).to_string()];
+            if let Some(c) = config {
+                args.extend(["--json".to_string(), s(c).to_string()]);
+            }
+            let proc = spawn_spdk("spdk_tgt", &args, &log);
+            let t = Target {
+                proc: Some(proc),
+                sock,
+                log,
+            };
+            let deadline = Instant::now() + Duration::from_secs(60);
+            loop {
+                if t.sock.exists() && t.try_rpc(&["framework_wait_init"]).0 {
+                    break;
+                }
+                assert!(
+                    Instant::now() < deadline,
+                    "spdk_tgt did not start:\n{}",
+                    t.log_text()
+                );
+                std::thread::sleep(Duration::from_millis(200));
+            }
+            t
+        }
+
+        fn log_text(&self) -> String {
+            fs::read_to_string(&self.log).unwrap_or_default()
+        }
+
+        /// Runs rpc.py with our plugin; returns success and stdout+stderr.
+        fn try_rpc(&self, args: &[&str]) -> (bool, String) {
+            let plugin_dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../configs/rpc_plugin");
+            let mut child = Command::new(rpc_py().unwrap())
+                .env("PYTHONPATH", plugin_dir)
+                .args([
+                    "-s",
+                    s(&self.sock),
+                    "-t",
+                    "30",
+                    "--plugin",
+                    "bdev_qcow2_rpc",
+                ])
+                .args(args)
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap();
+            let deadline = Instant::now() + Duration::from_secs(60);
+            while child.try_wait().unwrap().is_none() {
+                if Instant::now() > deadline {
+                    let _ = child.kill();
+                    panic!("rpc {args:?} hung:\n{}", self.log_text());
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            let out = child.wait_with_output().unwrap();
+            let text = format!(
+                "{}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+            (out.status.success(), text)
+        }
+
+        fn rpc(&self, args: &[&str]) -> Value {
+            let (ok, text) = self.try_rpc(args);
+            assert!(ok, "rpc {args:?} failed: {text}\n{}", self.log_text());
+            serde_json::from_str(text.trim()).unwrap_or(Value::String(text))
+        }
+
+        fn bdev(&self, name: &str) -> Option<Value> {
+            let (ok, text) = self.try_rpc(&["bdev_get_bdevs", "-b", name]);
+            if !ok {
+                return None;
+            }
+            let v: Value = serde_json::from_str(&text).ok()?;
+            v.get(0).cloned()
+        }
+
+        fn stop(mut self) {
+            let _ = self.try_rpc(&["spdk_kill_instance", "SIGTERM"]);
+            if let Some(p) = self.proc.take() {
+                let (ok, log) = p.wait(60);
+                assert!(ok, "spdk_tgt exited with an error:\n{log}");
+            }
+        }
+    }
+
+    #[test]
+    fn save_config_round_trip_and_delete_releases_base() {
+        require!("spdk_tgt");
+        if rpc_py().is_none() {
+            say("SKIPPED: rpc.py not found (set SPDK_RPC or put spdk-rpc on PATH)");
+            return;
+        }
+        let _t = turn();
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        let img = d.join("a.qcow2");
+        qemu_img(&["create", "-q", "-f", "qcow2", s(&img), "96M"]);
+        qemu_io(&img, PATTERNS);
+        let other = d.join("b.qcow2");
+        qemu_img(&[
+            "create",
+            "-q",
+            "-f",
+            "qcow2",
+            "-o",
+            "cluster_size=4096",
+            s(&other),
+            "8M",
+        ]);
+        let base = d.join("base.qcow2");
+        qemu_img(&["create", "-q", "-f", "qcow2", s(&base), "8M"]);
+        let top = d.join("top.qcow2");
+        qemu_img(&[
+            "create",
+            "-q",
+            "-f",
+            "qcow2",
+            "-b",
+            s(&base),
+            "-F",
+            "qcow2",
+            s(&top),
+        ]);
+
+        pad(&img);
+        pad(&other);
+        let t = Target::start(d, "first", None);
+        t.rpc(&["bdev_aio_create", s(&img), "aio0", "512"]);
+        let r = t.rpc(&[
+            "bdev_qcow2_create",
+            "-b",
+            "q0",
+            "--base-bdev",
+            "aio0",
+            "--cache-ways",
+            "4",
+        ]);
+        assert_eq!(r, json!("q0"));
+        let q0 = t.bdev("q0").expect("q0 registered");
+        assert_eq!(q0["num_blocks"], json!(96 * 2048));
+        assert_eq!(q0["driver_specific"]["qcow2"]["cluster_size"], json!(65536));
+        assert_eq!(t.bdev("aio0").unwrap()["claimed"], json!(true));
+        // A second bdev on the same base is refused? No: read-only claims are shared; but
+        // the same name is refused.
+        let (ok, text) = t.try_rpc(&["bdev_qcow2_create", "-b", "q0", "--base-bdev", "aio0"]);
+        assert!(!ok && text.contains("already exists"), "{text}");
+        // An image naming a backing file needs backing_bdev: refused with the reason.
+        pad(&top);
+        t.rpc(&["bdev_aio_create", s(&top), "aio_top", "512"]);
+        let (ok, text) = t.try_rpc(&["bdev_qcow2_create", "-b", "qtop", "--base-bdev", "aio_top"]);
+        assert!(!ok && text.contains("backing_bdev"), "{text}");
+        t.rpc(&["bdev_aio_delete", "aio_top"]);
+        // Not a qcow2 image: refused, and the base is released again.
+        let junk = d.join("junk.raw");
+        fs::write(&junk, vec![0u8; 1 << 20]).unwrap();
+        t.rpc(&["bdev_aio_create", s(&junk), "aio_junk", "512"]);
+        let (ok, text) = t.try_rpc(&["bdev_qcow2_create", "-b", "qj", "--base-bdev", "aio_junk"]);
+        assert!(!ok && text.contains("not a qcow2 image"), "{text}");
+        t.rpc(&["bdev_aio_delete", "aio_junk"]);
+        // Deferred: the base does not exist yet; it appears later and the bdev follows.
+        let r = t.rpc(&["bdev_qcow2_create", "-b", "q1", "--base-bdev", "aio1"]);
+        assert_eq!(r, json!("q1"));
+        assert!(t.bdev("q1").is_none());
+        t.rpc(&["bdev_aio_create", s(&other), "aio1", "512"]);
+        t.rpc(&["bdev_wait_for_examine"]);
+        let q1 = t.bdev("q1").expect("q1 created when aio1 appeared");
+        assert_eq!(q1["num_blocks"], json!(8 * 2048));
+        let stats = t.rpc(&["bdev_qcow2_get_stats"]);
+        assert_eq!(stats.as_array().map(Vec::len), Some(2), "{stats}");
+
+        let saved = t.rpc(&["save_config"]);
+        t.stop();
+        let cfg = d.join("saved.json");
+        fs::write(&cfg, serde_json::to_vec_pretty(&saved).unwrap()).unwrap();
+
+        // Restart with the saved config: both bdevs return with the same size.
+        let t = Target::start(d, "second", Some(&cfg));
+        t.rpc(&["bdev_wait_for_examine"]);
+        assert_eq!(
+            t.bdev("q0").expect("q0 restored")["num_blocks"],
+            q0["num_blocks"]
+        );
+        assert_eq!(
+            t.bdev("q1").expect("q1 restored")["num_blocks"],
+            q1["num_blocks"]
+        );
+        t.stop();
+
+        // The same config with our creates listed before the calls that create their bases.
+        let mut reordered = saved.clone();
+        for sub in reordered["subsystems"].as_array_mut().unwrap() {
+            if sub["subsystem"] == "bdev" {
+                let calls = sub["config"].as_array_mut().unwrap();
+                calls.sort_by_key(|c| c["method"] != "bdev_qcow2_create");
+            }
+        }
+        let cfg2 = d.join("reordered.json");
+        fs::write(&cfg2, serde_json::to_vec_pretty(&reordered).unwrap()).unwrap();
+        let t = Target::start(d, "third", Some(&cfg2));
+        t.rpc(&["bdev_wait_for_examine"]);
+        assert_eq!(
+            t.bdev("q0").expect("q0 restored (deferred)")["num_blocks"],
+            q0["num_blocks"]
+        );
+        assert_eq!(
+            t.bdev("q1").expect("q1 restored (deferred)")["num_blocks"],
+            q1["num_blocks"]
+        );
+
+        // Deleting releases the base: it can be deleted afterwards.
+        assert_eq!(t.rpc(&["bdev_qcow2_delete", "q0"]), json!(true));
+        assert!(t.bdev("q0").is_none());
+        assert_eq!(t.bdev("aio0").unwrap()["claimed"], json!(false));
+        t.rpc(&["bdev_aio_delete", "aio0"]);
+        assert!(t.bdev("aio0").is_none());
+        // Removing the base of a live qcow2 bdev takes the qcow2 bdev down first.
+        t.rpc(&["bdev_aio_delete", "aio1"]);
+        assert!(t.bdev("q1").is_none() && t.bdev("aio1").is_none());
+        let (ok, text) = t.try_rpc(&["bdev_qcow2_delete", "q1"]);
+        assert!(!ok && text.contains("no qcow2 bdev"), "{text}");
+        t.stop();
+    }
+}
