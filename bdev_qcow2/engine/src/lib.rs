@@ -16,6 +16,7 @@ pub mod cache;
 pub mod chain;
 pub mod check;
 pub mod compress;
+pub mod compressed_write;
 pub mod create;
 pub mod error;
 pub mod exec;

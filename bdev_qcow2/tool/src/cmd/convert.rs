@@ -1,7 +1,15 @@
-//! `qcow2 convert -O raw`: reads the whole virtual disk through the engine into a raw file.
+//! `qcow2 convert`: copies the virtual disk (the whole backing chain, flattened) into a new
+//! image.
 //!
-//! Reads are pipelined (several chunks in flight through the engine's read path); chunks
-//! that read as all zeros are left as holes in the output, like `qemu-img convert`.
+//! `-O raw`: reads are pipelined (several chunks in flight through the engine's read path);
+//! chunks that read as all zeros are left as holes in the output, like `qemu-img convert`.
+//!
+//! `-O qcow2`: the output is created by the engine (`-o` as for `qcow2 create`) and written
+//! through the engine's write path. Only allocated data is copied: the source's block status
+//! (through its backing chain) skips unallocated and zero ranges, and output clusters that
+//! read as all zeros are skipped too, so they stay unallocated. With `-c` every cluster is
+//! written compressed (see `qcow2_engine::compressed_write`). Several chunks are copied
+//! at once (`--queue-depth` tasks).
 
 use super::ImageArgs;
 use crate::host::{open_chain, ToolError, ToolResult};
@@ -17,6 +25,8 @@ use std::path::PathBuf;
 pub enum OutFormat {
     /// A raw disk image.
     Raw,
+    /// A qcow2 image, created with the `-o` options.
+    Qcow2,
 }
 
 /// Arguments of `qcow2 convert`.
@@ -25,6 +35,15 @@ pub struct ConvertArgs {
     /// Output format.
     #[arg(short = 'O', value_enum, default_value = "raw")]
     pub out_format: OutFormat,
+    /// Options of the new qcow2 image, as for `qcow2 create -o` (repeatable).
+    #[arg(short = 'o')]
+    pub options: Vec<String>,
+    /// Write compressed clusters (qcow2 output).
+    #[arg(short = 'c')]
+    pub compress: bool,
+    /// Show progress, like qemu-img's "(xx.xx/100%)".
+    #[arg(short = 'p')]
+    pub progress: bool,
     /// Bytes per read request.
     #[arg(long, value_parser = crate::parse_size, default_value = "1M")]
     pub chunk_size: u64,
@@ -43,6 +62,14 @@ pub fn run(args: &ConvertArgs) -> ToolResult<String> {
     if args.chunk_size == 0 || !args.chunk_size.is_multiple_of(512) {
         return Err(ToolError::Usage(
             "--chunk-size must be a positive multiple of 512".into(),
+        ));
+    }
+    if args.out_format == OutFormat::Qcow2 {
+        return qcow2_out::run(args);
+    }
+    if args.compress || !args.options.is_empty() {
+        return Err(ToolError::Usage(
+            "-c and -o need -O qcow2 (raw output has no options)".into(),
         ));
     }
     let o = open_chain(&args.image.spec()?)?;
@@ -123,4 +150,242 @@ pub fn run(args: &ConvertArgs) -> ToolResult<String> {
     }
     // Like `qemu-img convert`, the output is not fsync()ed (run `sync` if it must be durable).
     Ok(String::new())
+}
+
+mod qcow2_out {
+    //! `convert -O qcow2`.
+
+    use super::ConvertArgs;
+    use crate::cmd::create::{format_image, FormatOptions};
+    use crate::cmd::CacheMode;
+    use crate::host::{open_chain, ToolError, ToolResult};
+    use crate::uring::{AlignedBuf, UringDevice};
+    use indicatif::{ProgressBar, ProgressDrawTarget, ProgressState, ProgressStyle};
+    use qcow2_engine::format::ClusterMapping;
+    use qcow2_engine::io::{BlockDevice, BufSlice};
+    use qcow2_engine::{Chain, Layer, OpenOptions, Qcow2};
+    use std::cell::Cell;
+    use std::rc::Rc;
+
+    /// Whether guest bytes at `pos` hold data somewhere in the chain (`true`), or read as
+    /// zeros without any data (`false`); and how many bytes from `pos` share that answer.
+    async fn status<D: BlockDevice>(
+        chain: &Chain<D>,
+        pos: u64,
+        end: u64,
+    ) -> qcow2_engine::Result<(bool, u64)> {
+        let layers = chain.layers();
+        let (mut idx, mut end) = (0, end);
+        loop {
+            if let Layer::Raw { .. } = layers[idx] {
+                // Raw layers are all data; zero chunks are found by reading.
+                return Ok((true, end - pos));
+            }
+            let (m, n) = chain.block_status(idx, pos, end).await?;
+            if n == 0 {
+                return Err(qcow2_engine::Error::InvalidRequest(
+                    "block status made no progress",
+                ));
+            }
+            match m {
+                ClusterMapping::Data { .. } | ClusterMapping::Compressed(_) => {
+                    return Ok((true, n))
+                }
+                ClusterMapping::Zero { .. } => return Ok((false, n)),
+                ClusterMapping::Unallocated { .. } => {
+                    if idx + 1 < layers.len() && pos < layers[idx + 1].size() {
+                        end = (pos + n).min(layers[idx + 1].size());
+                        idx += 1;
+                        continue;
+                    }
+                    return Ok((false, n));
+                }
+            }
+        }
+    }
+
+    /// Copies guest bytes `[start, end)` (cluster-aligned, except at the end of the disk).
+    async fn copy_chunk(
+        src: Rc<Chain<UringDevice>>,
+        dst: Rc<Chain<UringDevice>>,
+        buf: AlignedBuf,
+        start: u64,
+        end: u64,
+        cluster: u64,
+        compress: bool,
+    ) -> qcow2_engine::Result<()> {
+        // Output clusters touched by data in the source.
+        let n = (end - start).div_ceil(cluster) as usize;
+        let mut touched = vec![false; n];
+        let mut pos = start;
+        while pos < end {
+            let (data, len) = status(&src, pos, end).await?;
+            if data {
+                let a = ((pos - start) / cluster) as usize;
+                let b = ((pos + len - start).div_ceil(cluster)) as usize;
+                touched[a..b].iter_mut().for_each(|t| *t = true);
+            }
+            pos += len;
+        }
+        let mut i = 0;
+        while i < n {
+            if !touched[i] {
+                i += 1;
+                continue;
+            }
+            let mut j = i;
+            while j < n && touched[j] {
+                j += 1;
+            }
+            // Read the run [i, j) of output clusters.
+            let a = start + i as u64 * cluster;
+            let b = (start + j as u64 * cluster).min(end);
+            let rbuf = BufSlice {
+                buf: buf.clone(),
+                off: 0,
+                len: (b - a) as usize,
+            };
+            src.read(a, rbuf).await?;
+            // Write every non-zero cluster; runs of them in one request (uncompressed).
+            let mut k = a;
+            while k < b {
+                let ce = (k + cluster).min(b);
+                let boff = (k - a) as usize;
+                if buf.is_zero(boff, (ce - k) as usize) {
+                    k = ce;
+                    continue;
+                }
+                if compress {
+                    let data = buf.to_vec(boff, (ce - k) as usize);
+                    dst.write_compressed(k, &data).await?;
+                    k = ce;
+                    continue;
+                }
+                let mut we = ce;
+                while we < b {
+                    let ne = (we + cluster).min(b);
+                    if buf.is_zero((we - a) as usize, (ne - we) as usize) {
+                        break;
+                    }
+                    we = ne;
+                }
+                let w = BufSlice {
+                    buf: buf.clone(),
+                    off: boff,
+                    len: (we - k) as usize,
+                };
+                dst.write(k, w).await?;
+                k = we;
+            }
+            i = j;
+        }
+        Ok(())
+    }
+
+    fn progress_bar(size: u64, show: bool) -> ProgressBar {
+        if !show {
+            return ProgressBar::hidden();
+        }
+        let style = ProgressStyle::with_template("    ({pct}/100%)")
+            .unwrap_or_else(|_| ProgressStyle::default_bar())
+            .with_key("pct", |s: &ProgressState, w: &mut dyn std::fmt::Write| {
+                let _ = write!(w, "{:.2}", s.fraction() * 100.0);
+            });
+        let pb = ProgressBar::with_draw_target(Some(size.max(1)), ProgressDrawTarget::stdout());
+        pb.set_style(style);
+        pb
+    }
+
+    /// Runs `convert -O qcow2`.
+    pub fn run(args: &ConvertArgs) -> ToolResult<String> {
+        let mut fo = FormatOptions::default();
+        for o in &args.options {
+            fo.apply(o)?;
+        }
+        if fo.create.backing_file.is_some() {
+            return Err(ToolError::Usage(
+                "convert -O qcow2 writes a standalone image: backing_file is not supported".into(),
+            ));
+        }
+        fo.validate()?;
+        let spec = args.image.spec()?;
+        let o = open_chain(&spec)?;
+        let size = o.chain.size();
+        if !size.is_multiple_of(512) {
+            return Err(ToolError::Usage(format!(
+                "{}: size {size} is not a multiple of 512 bytes",
+                args.image.image.display()
+            )));
+        }
+        fo.create.size = size;
+        format_image(&args.output, &fo.create)?;
+        let out_err = |source| ToolError::Engine {
+            path: args.output.display().to_string(),
+            source,
+        };
+        let direct = args.image.cache == CacheMode::None;
+        let dev =
+            UringDevice::open(&args.output, true, direct, 64).map_err(|source| ToolError::Io {
+                path: args.output.display().to_string(),
+                source,
+            })?;
+        let id = o.exec.add_device(dev);
+        let e2 = o.exec.clone();
+        let q = o
+            .exec
+            .block_on(async move {
+                Qcow2::open(
+                    &e2,
+                    id,
+                    OpenOptions {
+                        writable: true,
+                        ..OpenOptions::default()
+                    },
+                )
+                .await
+            })
+            .map_err(out_err)?;
+        let dst = Chain::new(&o.exec, vec![Layer::Qcow2(Box::new(q))]).map_err(out_err)?;
+
+        let cluster = 1u64 << fo.create.cluster_bits;
+        let chunk = args.chunk_size.max(cluster).div_ceil(cluster) * cluster;
+        let next = Rc::new(Cell::new(0u64));
+        let pb = progress_bar(size, args.progress);
+        let mut workers = Vec::new();
+        for _ in 0..args.queue_depth.max(1) {
+            let (src, dst, next, pb) = (o.chain.clone(), dst.clone(), next.clone(), pb.clone());
+            let compress = args.compress;
+            let buf = AlignedBuf::new(chunk as usize);
+            workers.push(async move {
+                loop {
+                    let start = next.get();
+                    if start >= size {
+                        return Ok(());
+                    }
+                    let end = (start + chunk).min(size);
+                    next.set(end);
+                    copy_chunk(
+                        src.clone(),
+                        dst.clone(),
+                        buf.clone(),
+                        start,
+                        end,
+                        cluster,
+                        compress,
+                    )
+                    .await?;
+                    pb.inc(end - start);
+                }
+            });
+        }
+        let d2 = dst.clone();
+        o.exec
+            .block_on(async move {
+                qcow2_engine::exec::join_all(workers).await?;
+                d2.flush().await
+            })
+            .map_err(out_err)?;
+        pb.finish();
+        Ok(String::new())
+    }
 }
