@@ -96,6 +96,15 @@ impl<D: BlockDevice> Qcow2<D> {
     /// Opens and validates the image on `dev`. Reads cluster 0, the L1 table, the refcount
     /// table and the snapshot table; returns the first invalid field found.
     pub async fn open(exec: &Exec<D>, dev: DevId, opts: OpenOptions) -> Result<Self> {
+        Self::open_inner(exec, dev, opts, false).await
+    }
+
+    async fn open_inner(
+        exec: &Exec<D>,
+        dev: DevId,
+        opts: OpenOptions,
+        repaired: bool,
+    ) -> Result<Self> {
         let device_size = exec.device_size(dev);
         if device_size < PEEK_LEN as u64 {
             return Err(invalid(
@@ -158,11 +167,22 @@ impl<D: BlockDevice> Qcow2<D> {
             if header.is_corrupt() {
                 return Err(Error::ReadOnly);
             }
-            if header.is_dirty() {
+            if header.is_dirty() && repaired {
                 return Err(Error::UnsupportedFeature(
-                    "image is dirty (lazy refcounts); run `qcow2 check -r all` before writing"
-                        .into(),
+                    "image is still dirty after its repair; run `qcow2 check -r all`".into(),
                 ));
+            }
+            if header.is_dirty() {
+                // Refcounts may be stale (lazy refcounts, or a crash while dirty): rebuild
+                // them before accepting writes (DESIGN.md §7 rule 7), then open afresh.
+                tracing::info!("qcow2: image is dirty; repairing refcounts before writing");
+                let report = crate::check::check(exec, dev, crate::check::Repair::All).await?;
+                if report.corruptions > report.corruptions_fixed || report.check_errors > 0 {
+                    return Err(Error::UnsupportedFeature(
+                        "image is dirty and its repair failed; run `qcow2 check -r all`".into(),
+                    ));
+                }
+                return Box::pin(Self::open_inner(exec, dev, opts, true)).await;
             }
             Some(crate::meta::Meta::new(exec, &header, &c0, device_size))
         } else {

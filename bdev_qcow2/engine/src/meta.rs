@@ -51,6 +51,8 @@ pub(crate) struct MetaState {
     pub sector0: Vec<u8>,
     /// Whether `sector0` must be written.
     pub header_dirty: bool,
+    /// Whether we set the dirty bit on disk (lazy refcounts) and must clear it.
+    pub dirty_bit_on_disk: bool,
     /// Cluster indices of refcount blocks and active L2 tables (overlap check).
     pub meta_clusters: HashSet<u64>,
 }
@@ -84,6 +86,7 @@ impl<D: BlockDevice> Meta<D> {
                 inflight: BTreeSet::new(),
                 sector0,
                 header_dirty: false,
+                dirty_bit_on_disk: false,
                 meta_clusters: HashSet::new(),
             }),
         }
@@ -455,7 +458,7 @@ impl<D: BlockDevice> Qcow2<D> {
             )
         };
         // First make every pending refcount change stable in the old layout.
-        self.writeback_locked().await?;
+        self.writeback_mode(true).await?;
         let start = {
             let st = m.st.borrow();
             st.fresh_from.max(self.device_size.get().div_ceil(cs))
@@ -699,15 +702,47 @@ impl<D: BlockDevice> Qcow2<D> {
     /// Writes all dirty metadata in dependency order (see the module doc). The caller holds
     /// the metadata lock. On error, whatever was not written stays dirty.
     pub(crate) async fn writeback_locked(&self) -> Result<()> {
+        self.writeback_mode(false).await
+    }
+
+    /// Sets the dirty bit on disk (and makes it stable) before metadata that relies on it.
+    async fn set_dirty_bit(&self) -> Result<()> {
         let m = self.meta()?;
-        // Phase 1: refcounts (and the data written so far) before any L2/L1 reference.
-        let wrote_rc = self.write_dirty_rc().await?;
+        if m.st.borrow().dirty_bit_on_disk {
+            return Ok(());
+        }
+        {
+            let mut st = m.st.borrow_mut();
+            let v = crate::format::be::get_u64(&st.sector0, 72)
+                | crate::format::header::incompat::DIRTY;
+            crate::format::be::put_u64(&mut st.sector0, 72, v);
+        }
+        self.write_header().await?;
+        self.exec.flush(self.dev).await?;
+        m.st.borrow_mut().dirty_bit_on_disk = true;
+        Ok(())
+    }
+
+    /// Write-back; with lazy refcounts (and not `full`), refcount blocks stay in memory and
+    /// the dirty bit, set and stable first, tells a later open to rebuild them (rule 7).
+    async fn writeback_mode(&self, full: bool) -> Result<()> {
+        let m = self.meta()?;
+        let lazy = !full && self.header.borrow().lazy_refcounts();
         let (has_l2, rt_dirty) = {
             let st = m.st.borrow();
             (
                 !st.dirty_l2.is_empty() || !st.dirty_l1.is_empty(),
                 !st.dirty_rt.is_empty(),
             )
+        };
+        // Phase 1: refcounts (and the data written so far) before any L2/L1 reference.
+        let wrote_rc = if lazy && !rt_dirty {
+            if has_l2 && !m.st.borrow().dirty_rc.is_empty() {
+                self.set_dirty_bit().await?;
+            }
+            false
+        } else {
+            self.write_dirty_rc().await?
         };
         if rt_dirty {
             self.exec.flush(self.dev).await?;
@@ -780,7 +815,20 @@ impl<D: BlockDevice> Qcow2<D> {
         }
         // Phase 3: frees whose removal is now stable.
         let frees = std::mem::take(&mut m.st.borrow_mut().pending_frees);
-        if !frees.is_empty() {
+        if lazy && !frees.is_empty() {
+            // Decrements stay in memory with the other lazy refcounts; the clusters are not
+            // reused until a full write-back made them stable.
+            let bits = self.cluster_bits();
+            for (off, len) in &frees {
+                for c in (off >> bits)..((off + len).div_ceil(1 << bits)) {
+                    if self.update_refcount(c, -1).await? == 0 {
+                        let mut st = m.st.borrow_mut();
+                        st.unstable_frees.insert(c);
+                        st.meta_clusters.remove(&c);
+                    }
+                }
+            }
+        } else if !frees.is_empty() || (!lazy && !m.st.borrow().unstable_frees.is_empty()) {
             let bits = self.cluster_bits();
             for (off, len) in &frees {
                 for c in (off >> bits)..((off + len).div_ceil(1 << bits)) {
@@ -798,6 +846,17 @@ impl<D: BlockDevice> Qcow2<D> {
             self.write_dirty_rc().await?;
             self.exec.flush(self.dev).await?;
             m.st.borrow_mut().unstable_frees.clear();
+        }
+        if full && m.st.borrow().dirty_bit_on_disk {
+            // Every refcount is stable now: the dirty bit can go.
+            {
+                let mut st = m.st.borrow_mut();
+                let v = crate::format::be::get_u64(&st.sector0, 72)
+                    & !crate::format::header::incompat::DIRTY;
+                crate::format::be::put_u64(&mut st.sector0, 72, v);
+                st.header_dirty = true;
+                st.dirty_bit_on_disk = false;
+            }
         }
         if m.st.borrow().header_dirty {
             self.write_header().await?;
@@ -818,6 +877,15 @@ impl<D: BlockDevice> Qcow2<D> {
             self.writeback_locked().await?;
         }
         Ok(())
+    }
+
+    /// Writes everything back (refcounts included, even with lazy refcounts), clears the
+    /// dirty bit and flushes: the image is clean on disk when this returns.
+    pub async fn close(&self) -> Result<()> {
+        let m = self.meta()?;
+        let _g = m.lock.lock().await;
+        self.writeback_mode(true).await?;
+        self.exec.flush(self.dev).await
     }
 
     /// Guest flush: every write completed before it is stable when this returns.

@@ -724,6 +724,12 @@ impl<D: BlockDevice> Chain<D> {
     pub async fn flush(self: &Rc<Self>) -> Result<()> {
         top(self)?.flush().await
     }
+
+    /// Flushes everything, refcounts included, and clears the dirty bit (lazy refcounts):
+    /// call before dropping a writable chain.
+    pub async fn close(self: &Rc<Self>) -> Result<()> {
+        top(self)?.close().await
+    }
 }
 
 impl<D: BlockDevice> Qcow2<D> {

@@ -215,6 +215,14 @@ fn crash_test(opts: CreateOptions, seed: u64, ops: usize, subsets: usize) -> usi
                 }
             }
             states += 1;
+            if opts.lazy_refcounts {
+                // A dirty image is repaired when opened for writing; then it must be clean.
+                let exec = Exec::new();
+                let dev = MemDevice::new(img.clone());
+                let chain = open(&exec, &dev, true).unwrap();
+                exec.block_on(async move { chain.close().await }).unwrap();
+                img = dev.contents();
+            }
             std::fs::write(&path, &img).unwrap();
             let (code, out) = qemu_check(&path);
             assert!(
@@ -285,6 +293,22 @@ fn crash_states_small_clusters_refcount_1() {
     );
     eprintln!("crash states tried (512 B clusters, refcount_bits 1): {n}");
     assert!(n > 50);
+}
+
+#[test]
+fn crash_states_lazy_refcounts() {
+    let n = crash_test(
+        CreateOptions {
+            size: 8 << 20,
+            lazy_refcounts: true,
+            ..Default::default()
+        },
+        14,
+        100,
+        2,
+    );
+    eprintln!("crash states tried (lazy refcounts, repaired on open): {n}");
+    assert!(n > 30);
 }
 
 #[test]

@@ -26,6 +26,7 @@ impl Rng {
 }
 
 struct Setup {
+    lazy: bool,
     cluster_bits: u32,
     extended_l2: bool,
     refcount_order: u32,
@@ -93,6 +94,7 @@ fn run(s: Setup) {
         cluster_bits: s.cluster_bits,
         extended_l2: s.extended_l2,
         refcount_order: s.refcount_order,
+        lazy_refcounts: s.lazy,
         backing_file: s.backing.then(|| "base.qcow2".to_string()),
         backing_format: s.backing.then(|| "qcow2".to_string()),
         ..Default::default()
@@ -171,7 +173,7 @@ fn run(s: Setup) {
         }
     }
     let c = chain.clone();
-    exec.block_on(async move { c.flush().await }).unwrap();
+    exec.block_on(async move { c.close().await }).unwrap();
     let img = dir.path().join("img.qcow2");
     let raw = dir.path().join("ref.raw");
     std::fs::write(&img, dev.contents()).unwrap();
@@ -205,6 +207,7 @@ macro_rules! model {
         #[test]
         fn $name() {
             run(Setup {
+                lazy: false,
                 cluster_bits: $bits,
                 extended_l2: $ext,
                 refcount_order: $order,
@@ -372,6 +375,7 @@ fn refcount_table_growth() {
     // 512-byte clusters with 16-bit refcounts: one table cluster covers 8 MiB of host
     // space, so writing 12 MiB must grow the refcount table (new table, blocks, header).
     run(Setup {
+        lazy: false,
         cluster_bits: 9,
         extended_l2: false,
         refcount_order: 4,
@@ -380,4 +384,57 @@ fn refcount_table_growth() {
         ops: 60,
         seed: 77,
     });
+}
+
+#[test]
+fn lazy_refcounts_64k() {
+    run(Setup {
+        lazy: true,
+        cluster_bits: 16,
+        extended_l2: false,
+        refcount_order: 4,
+        backing: false,
+        size: 32 << 20,
+        ops: 300,
+        seed: 78,
+    });
+}
+
+#[test]
+fn lazy_refcounts_set_the_dirty_bit_until_close() {
+    let exec: Exec<MemDevice> = Exec::new();
+    let dev = MemDevice::new(Vec::new());
+    let id = exec.add_device(dev.clone());
+    let e2 = exec.clone();
+    let opts = CreateOptions {
+        size: 8 << 20,
+        lazy_refcounts: true,
+        ..Default::default()
+    };
+    exec.block_on(async move { create(&e2, id, &opts).await })
+        .unwrap();
+    let chain = Chain::new(&exec, vec![open_layer(&exec, &dev, true)]).unwrap();
+    let dirty = |d: &MemDevice| d.contents()[72 + 7] & 1 != 0;
+    let c = chain.clone();
+    exec.block_on(async move {
+        c.write(0, BufSlice::whole(HeapBuf::new(65536))).await?;
+        c.flush().await
+    })
+    .unwrap();
+    assert!(
+        dirty(&dev),
+        "lazy refcounts: the dirty bit must be set once L2 relies on it"
+    );
+    // Reopening the dirty image for writing repairs it (a second executor, as after a crash).
+    let exec2: Exec<MemDevice> = Exec::new();
+    let copy = MemDevice::new(dev.contents());
+    let c2 = Chain::new(&exec2, vec![open_layer(&exec2, &copy, true)]).unwrap();
+    assert!(
+        !dirty(&copy),
+        "opening a dirty image for writing repairs it first"
+    );
+    exec2.block_on(async move { c2.close().await }).unwrap();
+    let c = chain.clone();
+    exec.block_on(async move { c.close().await }).unwrap();
+    assert!(!dirty(&dev), "close clears the dirty bit");
 }
