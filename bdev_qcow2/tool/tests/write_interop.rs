@@ -454,7 +454,7 @@ fn le64(b: &[u8], at: usize) -> u64 {
 /// sector (mark text inline after the 32-byte header) followed by its data sectors.
 fn read_log(path: &Path) -> Vec<Entry> {
     let b = std::fs::read(path).unwrap();
-    assert_eq!(le64(&b, 0), 0x6a73_6677_7368_72, "magic");
+    assert_eq!(le64(&b, 0), 0x006a_7366_7773_6872, "magic");
     assert_eq!(le64(&b, 8), 1, "version");
     let n = le64(&b, 16);
     let ss = u32::from_le_bytes(b[24..28].try_into().unwrap()) as usize;

@@ -204,6 +204,23 @@ mod qcow2_out {
         }
     }
 
+    /// Which image an error came from.
+    #[derive(Debug, Clone, Copy)]
+    enum Side {
+        Source,
+        Output,
+    }
+
+    type SideResult<T> = Result<T, (Side, qcow2_engine::Error)>;
+
+    fn on_src<T>(r: qcow2_engine::Result<T>) -> SideResult<T> {
+        r.map_err(|e| (Side::Source, e))
+    }
+
+    fn on_dst<T>(r: qcow2_engine::Result<T>) -> SideResult<T> {
+        r.map_err(|e| (Side::Output, e))
+    }
+
     /// Copies guest bytes `[start, end)` (cluster-aligned, except at the end of the disk).
     async fn copy_chunk(
         src: Rc<Chain<UringDevice>>,
@@ -213,13 +230,13 @@ mod qcow2_out {
         end: u64,
         cluster: u64,
         compress: bool,
-    ) -> qcow2_engine::Result<()> {
+    ) -> SideResult<()> {
         // Output clusters touched by data in the source.
         let n = (end - start).div_ceil(cluster) as usize;
         let mut touched = vec![false; n];
         let mut pos = start;
         while pos < end {
-            let (data, len) = status(&src, pos, end).await?;
+            let (data, len) = on_src(status(&src, pos, end).await)?;
             if data {
                 let a = ((pos - start) / cluster) as usize;
                 let b = ((pos + len - start).div_ceil(cluster)) as usize;
@@ -245,7 +262,7 @@ mod qcow2_out {
                 off: 0,
                 len: (b - a) as usize,
             };
-            src.read(a, rbuf).await?;
+            on_src(src.read(a, rbuf).await)?;
             // Write every non-zero cluster; runs of them in one request (uncompressed).
             let mut k = a;
             while k < b {
@@ -257,7 +274,7 @@ mod qcow2_out {
                 }
                 if compress {
                     let data = buf.to_vec(boff, (ce - k) as usize);
-                    dst.write_compressed(k, &data).await?;
+                    on_dst(dst.write_compressed(k, &data).await)?;
                     k = ce;
                     continue;
                 }
@@ -274,12 +291,40 @@ mod qcow2_out {
                     off: boff,
                     len: (we - k) as usize,
                 };
-                dst.write(k, w).await?;
+                on_dst(dst.write(k, w).await)?;
                 k = we;
             }
             i = j;
         }
         Ok(())
+    }
+
+    /// Awaits every future concurrently and returns their results in order.
+    async fn futures_all<F: std::future::Future<Output = SideResult<()>>>(
+        futs: Vec<F>,
+    ) -> Vec<SideResult<()>> {
+        let mut futs: Vec<_> = futs.into_iter().map(|f| Some(Box::pin(f))).collect();
+        let mut results: Vec<Option<SideResult<()>>> = futs.iter().map(|_| None).collect();
+        std::future::poll_fn(move |cx| {
+            let mut pending = false;
+            for (slot, res) in futs.iter_mut().zip(results.iter_mut()) {
+                if let Some(f) = slot {
+                    match f.as_mut().poll(cx) {
+                        std::task::Poll::Ready(r) => {
+                            *res = Some(r);
+                            *slot = None;
+                        }
+                        std::task::Poll::Pending => pending = true,
+                    }
+                }
+            }
+            if pending {
+                std::task::Poll::Pending
+            } else {
+                std::task::Poll::Ready(results.drain(..).map(|r| r.unwrap_or(Ok(()))).collect())
+            }
+        })
+        .await
     }
 
     fn progress_bar(size: u64, show: bool) -> ProgressBar {
@@ -364,7 +409,7 @@ mod qcow2_out {
                     }
                     let end = (start + chunk).min(size);
                     next.set(end);
-                    copy_chunk(
+                    let r = copy_chunk(
                         src.clone(),
                         dst.clone(),
                         buf.clone(),
@@ -373,7 +418,12 @@ mod qcow2_out {
                         cluster,
                         compress,
                     )
-                    .await?;
+                    .await;
+                    if r.is_err() {
+                        // Stop the other workers at their next chunk.
+                        next.set(size);
+                        return r;
+                    }
                     pb.inc(end - start);
                 }
             });
@@ -381,10 +431,25 @@ mod qcow2_out {
         let d2 = dst.clone();
         o.exec
             .block_on(async move {
-                qcow2_engine::exec::join_all(workers).await?;
-                d2.flush().await
+                // The first error of any worker, after all of them stopped.
+                let mut first = None;
+                for r in futures_all(workers).await {
+                    if let Err(e) = r {
+                        first.get_or_insert(e);
+                    }
+                }
+                match first {
+                    Some(e) => Err(e),
+                    None => on_dst(d2.flush().await),
+                }
             })
-            .map_err(out_err)?;
+            .map_err(|(side, source)| match side {
+                Side::Source => ToolError::Engine {
+                    path: args.image.image.display().to_string(),
+                    source,
+                },
+                Side::Output => out_err(source),
+            })?;
         pb.finish();
         Ok(String::new())
     }

@@ -438,6 +438,11 @@ fn run(args: &IoArgs, out: &mut dyn Write) -> ToolResult<bool> {
         .collect::<ToolResult<Vec<_>>>()?;
     let writable = cmds.iter().any(IoCmd::writes);
     let mut spec = args.image.spec()?;
+    if writable && spec.format == crate::host::Format::Raw {
+        return Err(ToolError::Usage(
+            "writing raw images is not supported (qcow2 io writes through the qcow2 engine)".into(),
+        ));
+    }
     spec.writable = writable;
     let log = match &args.log_writes {
         Some(p) => Some(WriteLog::create(p).map_err(|source| ToolError::Io {
