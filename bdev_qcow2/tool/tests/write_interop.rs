@@ -333,6 +333,12 @@ fn io_compat_0_10() {
 }
 
 #[test]
+fn io_lazy_refcounts() {
+    // The dirty bit is cleared at close: qemu-img check finds a clean image.
+    io_case("lazy_refcounts=on,cluster_size=4k", 16 << 20, 4096, 6, 150);
+}
+
+#[test]
 fn io_cluster_2m() {
     io_case("cluster_size=2M", 64 << 20, 2 << 20, 5, 40);
 }
@@ -600,6 +606,7 @@ fn convert_from_raw() {
         ("", true),
         ("cluster_size=4k", false),
         ("cluster_size=4k,compression_type=zstd", true),
+        ("lazy_refcounts=on", false),
     ] {
         let dst = d.path("dst.qcow2");
         let mut args = vec!["-f", "raw", "-O", "qcow2"];

@@ -440,7 +440,7 @@ mod qcow2_out {
                 }
                 match first {
                     Some(e) => Err(e),
-                    None => on_dst(d2.flush().await),
+                    None => on_dst(d2.close().await),
                 }
             })
             .map_err(|(side, source)| match side {

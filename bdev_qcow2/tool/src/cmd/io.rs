@@ -9,7 +9,8 @@
 //!
 //! `--log-writes LOG` records every write and flush the engine issues to the image file in
 //! the dm-log-writes format (see [`crate::logwrites`]), with a mark `flush-N` after the
-//! N-th flush completes (counting from 1; the final flush at close counts too).
+//! N-th flush completes (counting from 1; the final flush at close — `Chain::close`, which
+//! also clears a lazy-refcount image's dirty bit — counts too).
 
 use super::ImageArgs;
 use crate::host::{open_chain_with, ToolError, ToolResult};
@@ -326,12 +327,18 @@ fn run_commands(
     let exec = chain.exec().clone();
     let mut ok = true;
     let mut flushes = 0u64;
-    let mut flush = |ok: &mut bool, out: &mut dyn Write| {
+    // `close`: the final flush, which also clears the dirty bit of lazy-refcount images.
+    let mut flush = |ok: &mut bool, out: &mut dyn Write, close: bool| {
         if !writable {
             return;
         }
         let c = chain.clone();
-        match exec.block_on(async move { c.flush().await }) {
+        let r = if close {
+            exec.block_on(async move { c.close().await })
+        } else {
+            exec.block_on(async move { c.flush().await })
+        };
+        match r {
             Ok(()) => {
                 flushes += 1;
                 if let Some(l) = log {
@@ -396,11 +403,11 @@ fn run_commands(
                 let r = exec.block_on(discard(c, off, len));
                 ok &= done("discard", "discard", r, off, len, quiet, t0, out);
             }
-            IoCmd::Flush => flush(&mut ok, out),
+            IoCmd::Flush => flush(&mut ok, out, false),
         }
     }
     // Close: make everything durable, like qemu-io's bdrv_close.
-    flush(&mut ok, out);
+    flush(&mut ok, out, true);
     ok
 }
 
