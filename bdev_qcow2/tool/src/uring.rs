@@ -123,11 +123,38 @@ pub struct UringDevice {
     file: File,
     ring: IoUring,
     size: u64,
+    /// Length of the file on disk: at least `size`; grown ahead of appending writes (see
+    /// `grow_ahead`) and trimmed back to `size` on drop. 0 for block devices.
+    file_len: u64,
+    regular_file: bool,
     depth: usize,
     inflight: Slab<InFlight>,
     unsubmitted: usize,
     direct: bool,
     completions: Vec<(u64, Result<(), DeviceError>)>,
+    stats: DeviceStats,
+}
+
+/// Operation counters of a [`UringDevice`] (for benchmarks: write amplification).
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct DeviceStats {
+    /// Read operations submitted.
+    pub reads: u64,
+    /// Write operations submitted.
+    pub writes: u64,
+    /// Bytes written.
+    pub bytes_written: u64,
+    /// Flushes submitted.
+    pub flushes: u64,
+}
+
+impl Drop for UringDevice {
+    fn drop(&mut self) {
+        // Give back the space grown ahead of appending writes (what was never written).
+        if self.regular_file && self.file_len > self.size {
+            let _ = self.file.set_len(self.size);
+        }
+    }
 }
 
 /// Size of a file or block device.
@@ -148,16 +175,14 @@ fn device_size(file: &File) -> std::io::Result<u64> {
     }
 }
 
-/// Whether 512-byte aligned O_DIRECT reads work on this file.
-fn direct_io_works(file: &File, size: u64) -> bool {
-    if size < 512 {
-        return false;
-    }
+/// Whether 512-byte aligned O_DIRECT reads work on this file (a file system that cannot do
+/// direct I/O at that alignment answers EINVAL; an empty file answers 0 bytes).
+fn direct_io_works(file: &File) -> bool {
     let buf = AlignedBuf::new(512);
     let p = buf.ptr(0, 512);
     // SAFETY: `p` points at 512 writable bytes owned by `buf`, alive for the call.
     let r = unsafe { libc::pread(file.as_raw_fd(), p.cast(), 512, 0) };
-    r == 512
+    r >= 0
 }
 
 impl UringDevice {
@@ -174,8 +199,7 @@ impl UringDevice {
         };
         let (file, direct) = match open(direct) {
             Ok(f) => {
-                let size = device_size(&f)?;
-                if !direct || direct_io_works(&f, size) {
+                if !direct || direct_io_works(&f) {
                     (f, true)
                 } else {
                     (open(false)?, false)
@@ -186,16 +210,48 @@ impl UringDevice {
         };
         let size = device_size(&file)?;
         let ring = IoUring::new(depth.next_power_of_two())?;
+        let regular_file = file.metadata()?.file_type().is_file();
         Ok(UringDevice {
             file,
             ring,
             size,
+            file_len: size,
+            regular_file,
             depth: depth as usize,
             inflight: Slab::with_capacity(depth as usize),
             unsubmitted: 0,
             direct,
             completions: Vec::with_capacity(depth as usize),
+            stats: DeviceStats::default(),
         })
+    }
+
+    /// Extends a regular file by up to 1 GiB past `end` before a write that would append
+    /// to it. Appending writes are serialised by file systems (each changes the file size)
+    /// and writes into holes need block allocation; writes into preallocated space need
+    /// neither (measured by `qcow2-write-bench`: sequential first writes 0.52 → 0.82 of
+    /// overwrites). What was never written is trimmed off when the device is dropped; after a
+    /// crash the tail stays as zeros, which qcow2 ignores.
+    fn grow_ahead(&mut self, end: u64) {
+        if !self.regular_file {
+            return;
+        }
+        let target = end.max(self.file_len + (1 << 30)).next_multiple_of(1 << 20);
+        // Allocate the blocks too (unwritten extents), so writes there need no block
+        // allocation and the kernel can complete them without punting to a worker; fall
+        // back to a sparse extension where fallocate is unsupported.
+        let fd = self.file.as_raw_fd();
+        let start = self.file_len as libc::off_t;
+        // SAFETY: fallocate on a valid fd has no memory effects.
+        let r = unsafe { libc::fallocate(fd, 0, start, (target - self.file_len) as libc::off_t) };
+        if r == 0 || self.file.set_len(target).is_ok() {
+            self.file_len = target;
+        }
+    }
+
+    /// Operation counters.
+    pub fn stats(&self) -> DeviceStats {
+        self.stats
     }
 
     /// Whether O_DIRECT is in use.
@@ -284,8 +340,18 @@ impl BlockDevice for UringDevice {
         if self.inflight.len() >= self.depth {
             return Err(Busy(op, tag));
         }
-        if let DeviceOp::Write { offset, buf } = &op {
-            self.size = self.size.max(offset + buf.len as u64);
+        match &op {
+            DeviceOp::Write { offset, buf } => {
+                let end = offset + buf.len as u64;
+                if end > self.file_len {
+                    self.grow_ahead(end);
+                }
+                self.size = self.size.max(end);
+                self.stats.writes += 1;
+                self.stats.bytes_written += buf.len as u64;
+            }
+            DeviceOp::Read { .. } => self.stats.reads += 1,
+            DeviceOp::Flush => self.stats.flushes += 1,
         }
         let idx = self.inflight.insert(InFlight { tag, op, done: 0 });
         if !self.push_sqe(idx) {
