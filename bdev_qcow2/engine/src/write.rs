@@ -588,7 +588,11 @@ impl<D: BlockDevice> Chain<D> {
             } else {
                 (pos, pos)
             };
-            let metadata_ok = v3 && whole_units.0 < whole_units.1;
+            // Version 2 has no zero flag: only a discard with nothing underneath can go
+            // through metadata (the cluster becomes unallocated and reads as zeros).
+            let no_backing = self.layers().get(1).is_none_or(|l| cluster >= l.size());
+            let metadata_ok =
+                whole_units.0 < whole_units.1 && (v3 || (kind == ZeroKind::Discard && no_backing));
             if !metadata_ok {
                 if let ZeroKind::WriteZeroes { .. } = kind {
                     self.write_chunk(q, pos, b, None).await?;

@@ -438,3 +438,59 @@ fn lazy_refcounts_set_the_dirty_bit_until_close() {
     exec.block_on(async move { c.close().await }).unwrap();
     assert!(!dirty(&dev), "close clears the dirty bit");
 }
+
+#[test]
+fn compat_0_10_discard_deallocates() {
+    // Version 2 images have no zero flag; a discard without a backing image frees whole
+    // clusters (they read as zeros), as QEMU does.
+    let exec: Exec<MemDevice> = Exec::new();
+    let dev = MemDevice::new(Vec::new());
+    let id = exec.add_device(dev.clone());
+    let e2 = exec.clone();
+    let opts = CreateOptions {
+        size: 4 << 20,
+        version: 2,
+        ..Default::default()
+    };
+    exec.block_on(async move { create(&e2, id, &opts).await })
+        .unwrap();
+    let chain = Chain::new(&exec, vec![open_layer(&exec, &dev, true)]).unwrap();
+    let c = chain.clone();
+    let buf = HeapBuf::new(256 << 10);
+    buf.fill(0, 256 << 10, 0x77);
+    let read = HeapBuf::new(256 << 10);
+    let r2 = read.clone();
+    exec.block_on(async move {
+        c.write(0, BufSlice::whole(buf)).await?;
+        c.discard(0, 128 << 10).await?;
+        c.read(0, BufSlice::whole(r2)).await?;
+        c.close().await
+    })
+    .unwrap();
+    let data = read.to_vec();
+    assert!(data[..128 << 10].iter().all(|&b| b == 0));
+    assert!(data[128 << 10..].iter().all(|&b| b == 0x77));
+    let dir = tempfile::tempdir().unwrap();
+    let img = dir.path().join("v2.qcow2");
+    std::fs::write(&img, dev.contents()).unwrap();
+    let out = Command::new("qemu-img")
+        .args(["check", "-f", "qcow2"])
+        .arg(&img)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    let out = Command::new("qemu-img")
+        .args(["map", "--output=json", "-f", "qcow2"])
+        .arg(&img)
+        .output()
+        .unwrap();
+    let map: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(
+        map[0]["present"], false,
+        "discarded clusters are unallocated: {map}"
+    );
+}
