@@ -19,11 +19,14 @@ use std::cell::{Cell, RefCell};
 use std::collections::VecDeque;
 use std::ffi::{c_int, c_void, CStr};
 use std::rc::Rc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 type Opened = Rc<RefCell<Option<qcow2_engine::Result<Qcow2<SpdkDevice>>>>>;
 
 /// One thread's channel of a qcow2 bdev.
 pub struct Channel {
+    /// The node's count of live channel states (decremented on drop).
+    live: *const AtomicUsize,
     exec: Exec<SpdkDevice>,
     backing_dev: Option<DevId>,
     opened: Opened,
@@ -105,7 +108,9 @@ impl Channel {
                 CStr::from_ptr(n).to_string_lossy().into_owned()
             }
         };
+        node.live_channels.fetch_add(1, Ordering::AcqRel);
         Ok(Box::new(Channel {
+            live: &node.live_channels,
             exec,
             backing_dev,
             opened,
@@ -218,6 +223,18 @@ impl Channel {
     /// Whether nothing is in flight (the channel may be freed).
     fn idle(&self) -> bool {
         !self.exec.busy() && self.outstanding.get() == 0
+    }
+}
+
+impl Drop for Channel {
+    fn drop(&mut self) {
+        // Release the base channels (and any other engine state) before the node may
+        // close the descriptors they belong to.
+        self.chain.borrow_mut().take();
+        self.opened.borrow_mut().take();
+        self.exec = Exec::new();
+        // SAFETY: the node outlives its channel states (it waits for this count to reach 0).
+        unsafe { (*self.live).fetch_sub(1, Ordering::AcqRel) };
     }
 }
 

@@ -17,6 +17,7 @@ use serde_json::json;
 use std::cell::RefCell;
 use std::ffi::{c_int, c_void, CString};
 use std::rc::Rc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// Block size of our bdevs (the engine's sector).
 pub const BLOCK_SIZE: u32 = SECTOR as u32;
@@ -110,6 +111,10 @@ pub struct Node {
     pub backing: Option<Desc>,
     /// The metadata owner: the thread that created the bdev (and opened the descriptors).
     pub md_thread: *mut sys::spdk_thread,
+    /// Channel states not yet freed. SPDK may destroy a channel while its state still has
+    /// base I/O in flight (a replica being opened); that state is freed later by its poller,
+    /// and the descriptors must stay open until then.
+    pub live_channels: AtomicUsize,
 }
 
 /// How a creation ends: the bdev name, or an errno and a message.
@@ -348,6 +353,7 @@ fn register(
         base,
         backing,
         md_thread: thread::current(),
+        live_channels: AtomicUsize::new(0),
     }));
     // SAFETY: `node` is live (leaked above) until `device_gone` frees it; SPDK copies the name.
     unsafe {
@@ -441,30 +447,41 @@ unsafe extern "C" fn destruct(ctx: *mut c_void) -> c_int {
     1 // asynchronous: `spdk_bdev_destruct_done` follows
 }
 
-/// Teardown, step 2: on the md thread (where they were opened), close the backing then the
-/// base descriptor (releasing the claims), tell SPDK destruct is done, free the node.
+/// Teardown, step 2: on the md thread (where they were opened), once the last channel state
+/// is freed, close the backing then the base descriptor (releasing the claims), tell SPDK
+/// destruct is done, free the node.
 unsafe extern "C" fn device_gone(io_device: *mut c_void) {
     let node = io_device.cast::<Node>();
     // SAFETY: no channel is left; the node is only ours now.
     let md = unsafe { (*node).md_thread };
-    let finish = move || {
-        // SAFETY: as above; reclaimed exactly once.
-        let mut n = unsafe { Box::from_raw(node) };
-        if let Some(d) = n.backing.take() {
-            d.close();
-        }
-        if let Some(d) = n.base.take() {
-            d.close();
-        }
-        // SAFETY: our bdev, being destructed.
-        unsafe { sys::spdk_bdev_destruct_done(&mut n.bdev, 0) };
-        tracing::info!("qcow2 bdev {} deleted", n.params.name);
-    };
     // SAFETY: the md thread created the bdev and lives until the app stops, after every
     // bdev is gone.
-    if let Err(e) = unsafe { thread::exec_msg(md, finish) } {
+    if let Err(e) = unsafe { thread::exec_msg(md, move || close_when_unused(node)) } {
         tracing::error!("cannot reach the md thread ({e}): leaking the descriptors");
     }
+}
+
+fn close_when_unused(node: *mut Node) {
+    // SAFETY: the node stays allocated until freed below; the counter is atomic.
+    if unsafe { (*node).live_channels.load(Ordering::Acquire) } > 0 {
+        // A channel state still drains its I/O on some thread: look again shortly.
+        // SAFETY: as in `device_gone`.
+        let md = unsafe { (*node).md_thread };
+        // SAFETY: as in `device_gone`.
+        let _ = unsafe { thread::send_msg(md, move || close_when_unused(node)) };
+        return;
+    }
+    // SAFETY: unregistered, no channel state left: the node is only ours; reclaimed once.
+    let mut n = unsafe { Box::from_raw(node) };
+    if let Some(d) = n.backing.take() {
+        d.close();
+    }
+    if let Some(d) = n.base.take() {
+        d.close();
+    }
+    // SAFETY: our bdev, being destructed.
+    unsafe { sys::spdk_bdev_destruct_done(&mut n.bdev, 0) };
+    tracing::info!("qcow2 bdev {} deleted", n.params.name);
 }
 
 /// Frees a node whose bdev never registered (its descriptors are closed here, on the md

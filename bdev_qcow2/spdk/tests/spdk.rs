@@ -56,12 +56,17 @@ mod real {
         if let Some(p) = std::env::var_os("BDEV_QCOW2_SO") {
             return PathBuf::from(p);
         }
-        // target/<profile>/deps/<test> → target/<profile>/libbdev_qcow2.so
+        // The test runs from target/<profile>/deps/, where building the lib target for the
+        // tests (it is also an rlib) leaves the freshest .so; `cargo build` copies it one up.
         let exe = std::env::current_exe().unwrap();
-        exe.parent()
-            .and_then(Path::parent)
-            .unwrap()
-            .join("libbdev_qcow2.so")
+        let deps = exe.parent().unwrap();
+        [
+            deps.join("libbdev_qcow2.so"),
+            deps.join("../libbdev_qcow2.so"),
+        ]
+        .into_iter()
+        .find(|p| p.is_file())
+        .unwrap_or_else(|| deps.join("libbdev_qcow2.so"))
     }
 
     /// rpc.py (with SPDK's python package importable by its interpreter).

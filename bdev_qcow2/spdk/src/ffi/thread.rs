@@ -37,6 +37,25 @@ pub unsafe fn exec_msg(
     Ok(())
 }
 
+/// Queues `f` to run on `thread` as a message (even if it is the calling thread).
+///
+/// # Safety
+/// `thread` must be a live SPDK thread.
+pub unsafe fn send_msg(
+    thread: *mut sys::spdk_thread,
+    f: impl FnOnce() + 'static,
+) -> Result<(), i32> {
+    let ctx = Box::into_raw(Box::new(Box::new(f) as Msg)).cast::<c_void>();
+    // SAFETY: `thread` is live (contract); `run_msg` takes back ownership of `ctx`.
+    let rc = unsafe { sys::spdk_thread_send_msg(thread, Some(run_msg), ctx) };
+    if rc != 0 {
+        // SAFETY: the message was not queued, so `ctx` is still ours.
+        drop(unsafe { Box::from_raw(ctx.cast::<Msg>()) });
+        return Err(-rc);
+    }
+    Ok(())
+}
+
 /// A registered poller; unregistered by [`Poller::unregister`] (never implicitly, because a
 /// poller may unregister itself from inside its own callback).
 pub struct Poller(*mut sys::spdk_poller);
