@@ -229,3 +229,49 @@ pub async fn create<D: BlockDevice>(
     write(0, c0).await?;
     exec.flush(dev).await
 }
+
+/// `preallocation=metadata`: allocates every cluster of the (fresh, writable) top image of
+/// `chain` and points its L2 entries at them, contiguously, as QEMU does. The clusters are
+/// never written (they read as zeros from the sparse file); the device is extended to cover
+/// them. Closes (flushes) the image.
+pub async fn preallocate_metadata<D: BlockDevice>(
+    chain: &std::rc::Rc<crate::Chain<D>>,
+) -> Result<()> {
+    use crate::format::entries::COPIED;
+    use crate::types::GuestOffset;
+    let crate::Layer::Qcow2(q) = &chain.layers()[0] else {
+        return Err(Error::ReadOnly);
+    };
+    let m = q.meta()?;
+    let geo = q.geometry();
+    let cs = geo.cluster_size();
+    let n_clusters = q.size().div_ceil(cs);
+    let per_table = geo.l2_entries();
+    // With extended L2 the subclusters stay unallocated (they read as zeros), like QEMU.
+    let bitmap = 0;
+    let mut end = 0;
+    {
+        let _g = m.lock.lock().await;
+        let mut g = 0;
+        while g < n_clusters {
+            q.ensure_l2(GuestOffset(g * cs)).await?;
+            let table_end = n_clusters.min((g / per_table + 1) * per_table);
+            while g < table_end {
+                let (c0, n, _) = q.alloc_clusters(table_end - g).await?;
+                for i in 0..n {
+                    let off = GuestOffset((g + i) * cs);
+                    q.dirty_slice_for(off).await?;
+                    q.set_l2_words(off, ((c0 + i) << geo.cluster_bits) | COPIED, bitmap)?;
+                }
+                end = end.max((c0 + n) << geo.cluster_bits);
+                g += n;
+            }
+            q.maybe_writeback_locked().await?;
+        }
+    }
+    // Make the device cover the clusters (a sparse file grows), then write back.
+    q.exec()
+        .with_device(q.dev(), |d| d.ensure_size(end))
+        .map_err(|e| Error::Io(e.0))?;
+    chain.close().await
+}

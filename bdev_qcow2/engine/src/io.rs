@@ -128,6 +128,16 @@ pub trait BlockDevice: 'static {
     fn submit(&mut self, op: DeviceOp<Self::Buf>, tag: u64) -> Result<(), Busy<Self::Buf>>;
     /// Reaps completed operations, calling `done(tag, result)` for each; returns how many.
     fn poll(&mut self, done: &mut dyn FnMut(u64, Result<(), DeviceError>)) -> usize;
+    /// Makes the device at least `size` bytes long, reading zeros in the new part (a file
+    /// grows sparsely). Fixed-size devices (bdevs, block devices) only check the size.
+    /// Called rarely (image preallocation), never on an I/O path; may block.
+    fn ensure_size(&mut self, size: u64) -> Result<(), DeviceError> {
+        if size <= self.size() {
+            Ok(())
+        } else {
+            Err(DeviceError(28)) // ENOSPC
+        }
+    }
 }
 
 /// A plain heap buffer for hosts and tests that need no DMA memory: a shared `Vec<u8>`.

@@ -117,6 +117,13 @@ impl BlockDevice for MemDevice {
         s.inflight.push_back((due, tag, result));
         Ok(())
     }
+    fn ensure_size(&mut self, size: u64) -> Result<(), DeviceError> {
+        let mut s = self.0.borrow_mut();
+        if (s.data.len() as u64) < size {
+            s.data.resize(size as usize, 0);
+        }
+        Ok(())
+    }
     fn poll(&mut self, done: &mut dyn FnMut(u64, Result<(), DeviceError>)) -> usize {
         let mut s = self.0.borrow_mut();
         s.polls += 1;

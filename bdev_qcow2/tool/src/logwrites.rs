@@ -223,6 +223,10 @@ impl<D: BlockDevice> BlockDevice for LogWrites<D> {
         r
     }
 
+    fn ensure_size(&mut self, size: u64) -> Result<(), DeviceError> {
+        self.inner.ensure_size(size)
+    }
+
     fn poll(&mut self, done: &mut dyn FnMut(u64, Result<(), DeviceError>)) -> usize {
         let LogWrites {
             inner,

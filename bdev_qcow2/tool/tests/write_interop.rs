@@ -257,7 +257,13 @@ fn create_refusals() {
     let d = Dir::new();
     let img = d.path("x.qcow2");
     for args in [
-        vec!["-o", "preallocation=metadata", s(&img), "1M"],
+        vec![
+            "-o",
+            "preallocation=metadata,backing_file=b.qcow2,backing_fmt=qcow2",
+            s(&img),
+            "1M",
+        ],
+        vec!["-o", "preallocation=falloc", s(&img), "1M"],
         vec!["-o", "compat=0.10,refcount_bits=8", s(&img), "1M"],
         vec!["-o", "cluster_size=8k,extended_l2=on", s(&img), "1M"],
         vec!["-o", "cluster_size=1000", s(&img), "1M"],
@@ -269,11 +275,48 @@ fn create_refusals() {
         let out = output(Command::new(QCOW2).arg("create").args(&args));
         assert_eq!(out.status.code(), Some(1), "create {args:?} must fail");
     }
-    let out =
-        output(Command::new(QCOW2).args(["create", "-o", "preallocation=metadata", s(&img), "1M"]));
-    assert!(
-        String::from_utf8_lossy(&out.stderr).contains("preallocation=metadata is not supported")
-    );
+}
+
+#[test]
+fn create_preallocation_metadata_like_qemu() {
+    let d = Dir::new();
+    for opts in ["", ",compat=0.10", ",extended_l2=on", ",refcount_bits=1"] {
+        let ours = d.path("ours.qcow2");
+        let theirs = d.path("theirs.qcow2");
+        let o = format!("preallocation=metadata{opts}");
+        let out = output(Command::new(QCOW2).args(["create", "-q", "-o", &o, s(&ours), "64M"]));
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let out = output(Command::new("qemu-img").args([
+            "create",
+            "-q",
+            "-f",
+            "qcow2",
+            "-o",
+            &o,
+            s(&theirs),
+            "64M",
+        ]));
+        assert!(out.status.success());
+        let check = output(Command::new("qemu-img").args(["check", s(&ours)]));
+        assert!(
+            check.status.success(),
+            "{o}: {}",
+            String::from_utf8_lossy(&check.stdout)
+        );
+        // Every cluster allocated, at the same host offsets, reading as zeros.
+        let map = |p: &std::path::Path| {
+            output(Command::new("qemu-img").args(["map", "--output=json", s(p)])).stdout
+        };
+        assert_eq!(map(&ours), map(&theirs), "{o}: map differs from qemu-img's");
+        assert_eq!(
+            std::fs::metadata(&ours).unwrap().len(),
+            std::fs::metadata(&theirs).unwrap().len()
+        );
+    }
 }
 
 // ----- io ---------------------------------------------------------------------------

@@ -246,11 +246,8 @@ impl FormatOptions {
         if c.backing_format.is_some() && c.backing_file.is_none() {
             return usage("Backing format cannot be used without backing file");
         }
-        if self.preallocation == Preallocation::Metadata {
-            if c.backing_file.is_some() {
-                return usage("Backing file and preallocation can only be used at the same time if extended_l2 is on");
-            }
-            return usage("preallocation=metadata is not supported yet");
+        if self.preallocation == Preallocation::Metadata && c.backing_file.is_some() {
+            return usage("Backing file and preallocation can only be used at the same time if extended_l2 is on");
         }
         Ok(())
     }
@@ -395,7 +392,34 @@ pub fn run(args: &CreateArgs) -> ToolResult<String> {
         );
     }
     format_image(&args.image, &fo.create)?;
+    if fo.preallocation == Preallocation::Metadata {
+        preallocate(&args.image)?;
+    }
     Ok(out)
+}
+
+/// `preallocation=metadata` on a freshly formatted image.
+fn preallocate(path: &Path) -> ToolResult<()> {
+    let spec = crate::host::OpenSpec {
+        path: path.to_path_buf(),
+        format: Format::Qcow2,
+        allow_backing: false,
+        opts: qcow2_engine::OpenOptions {
+            writable: true,
+            ..Default::default()
+        },
+        queue_depth: 64,
+        direct: true,
+        writable: true,
+    };
+    let o = crate::host::open_chain(&spec)?;
+    let chain = o.chain.clone();
+    o.exec
+        .block_on(async move { qcow2_engine::create::preallocate_metadata(&chain).await })
+        .map_err(|source| ToolError::Engine {
+            path: path.display().to_string(),
+            source,
+        })
 }
 
 #[cfg(test)]
