@@ -137,6 +137,10 @@ impl<D: BlockDevice> Chain<D> {
                 };
                 let len = (c_end.min(end) - pos) as usize;
                 let h = host.0 + (pos & (cs - 1));
+                if q.overlaps_metadata(h, len as u64) {
+                    // The slow path refuses it and marks the image corrupt.
+                    return false;
+                }
                 let boff = (pos - offset) as usize;
                 if n > 0 && runs[n - 1].0 + runs[n - 1].2 as u64 == h {
                     runs[n - 1].2 += len;
@@ -320,6 +324,21 @@ impl<D: BlockDevice> Chain<D> {
                 action,
             });
             pos = b;
+        }
+        // Rule 6: an entry pointing into the image's own metadata is corruption; never
+        // write through it.
+        for p in &parts {
+            let host = match p.action {
+                Action::InPlace { host }
+                | Action::Rewrite { host, .. }
+                | Action::SubclusterInPlace { host, .. } => host,
+                Action::Alloc { .. } => continue,
+            };
+            if q.overlaps_metadata(host & !(cs - 1), cs) {
+                return Err(q
+                    .mark_corrupt(Field::L2Entry, host, "L2 entry points into metadata")
+                    .await);
+            }
         }
         let need = parts
             .iter()

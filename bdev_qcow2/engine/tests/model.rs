@@ -494,3 +494,155 @@ fn compat_0_10_discard_deallocates() {
         "discarded clusters are unallocated: {map}"
     );
 }
+
+/// Many allocating writes in flight at once, several into the same unallocated clusters
+/// (distinct sectors): none may be lost, whatever order the allocations commit in.
+fn concurrent_same_cluster(extended_l2: bool, backing: bool) {
+    let exec: Exec<MemDevice> = Exec::new();
+    let size = 4u64 << 20;
+    let mut reference = vec![0u8; size as usize];
+    let mut layers = Vec::new();
+    let dev = MemDevice::new(Vec::new());
+    let id = exec.add_device(dev.clone());
+    let e2 = exec.clone();
+    let opts = CreateOptions {
+        size,
+        extended_l2,
+        ..Default::default()
+    };
+    exec.block_on(async move { create(&e2, id, &opts).await })
+        .unwrap();
+    layers.push(open_layer(&exec, &dev, true));
+    if backing {
+        let mut rng = Rng(5);
+        let data: Vec<u8> = (0..size).map(|_| rng.next() as u8).collect();
+        reference.copy_from_slice(&data);
+        let raw = MemDevice::new(data);
+        let rid = exec.add_device(raw);
+        layers.push(Layer::Raw { dev: rid, size });
+    }
+    let chain = Chain::new(&exec, layers).unwrap();
+    dev.0.borrow_mut().latency_polls = 7;
+    let mut rng = Rng(9);
+    // 4 clusters × 16 sectors of 4 KiB, in a random order, all submitted at once.
+    let mut slots: Vec<u64> = (0..64).collect();
+    for i in (1..slots.len()).rev() {
+        slots.swap(i, rng.below(i as u64 + 1) as usize);
+    }
+    for (tag, s) in slots.iter().enumerate() {
+        let off = (s / 16) * 65536 + (s % 16) * 4096;
+        let data: Vec<u8> = (0..4096).map(|_| rng.next() as u8).collect();
+        reference[off as usize..off as usize + 4096].copy_from_slice(&data);
+        let buf = HeapBuf::new(4096);
+        buf.copy_in(0, &data);
+        chain.submit_write(tag as u64, off, BufSlice::whole(buf));
+    }
+    let mut done = 0;
+    while done < 64 {
+        exec.poll(&mut |_, r| {
+            r.unwrap();
+            done += 1;
+        });
+    }
+    let read = HeapBuf::new(size as usize);
+    let (c, r2) = (chain.clone(), read.clone());
+    exec.block_on(async move {
+        c.read(0, BufSlice::whole(r2)).await?;
+        c.close().await
+    })
+    .unwrap();
+    assert!(read.to_vec() == reference, "a concurrent write was lost");
+    let dir = tempfile::tempdir().unwrap();
+    let img = dir.path().join("c.qcow2");
+    std::fs::write(&img, dev.contents()).unwrap();
+    if !backing {
+        let out = Command::new("qemu-img")
+            .args(["check", "-f", "qcow2"])
+            .arg(&img)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stdout)
+        );
+    }
+}
+
+#[test]
+fn concurrent_allocations_of_the_same_clusters() {
+    concurrent_same_cluster(false, false);
+}
+
+#[test]
+fn concurrent_allocations_extended_l2() {
+    concurrent_same_cluster(true, false);
+}
+
+#[test]
+fn concurrent_cow_from_backing() {
+    concurrent_same_cluster(false, true);
+    concurrent_same_cluster(true, true);
+}
+
+#[test]
+fn l2_entry_into_metadata_is_refused_and_marks_corrupt() {
+    let exec: Exec<MemDevice> = Exec::new();
+    let dev = MemDevice::new(Vec::new());
+    let id = exec.add_device(dev.clone());
+    let e2 = exec.clone();
+    let opts = CreateOptions {
+        size: 4 << 20,
+        ..Default::default()
+    };
+    exec.block_on(async move { create(&e2, id, &opts).await })
+        .unwrap();
+    let chain = Chain::new(&exec, vec![open_layer(&exec, &dev, true)]).unwrap();
+    let c = chain.clone();
+    exec.block_on(async move {
+        c.write(0, BufSlice::whole(HeapBuf::new(4096))).await?;
+        c.close().await
+    })
+    .unwrap();
+    drop(chain);
+    // Point guest cluster 0 at the L1 table (COPIED, so it looks writable in place).
+    let mut img = dev.contents();
+    let be = |b: &[u8], o: usize| u64::from_be_bytes(b[o..o + 8].try_into().unwrap());
+    let l1 = be(&img, 40);
+    let l2 = be(&img, l1 as usize) & 0x00ff_ffff_ffff_fe00;
+    img[l2 as usize..l2 as usize + 8].copy_from_slice(&(l1 | 1 << 63).to_be_bytes());
+    let l1_before = img[l1 as usize..l1 as usize + 512].to_vec();
+    let exec: Exec<MemDevice> = Exec::new();
+    let dev = MemDevice::new(img);
+    let chain = Chain::new(&exec, vec![open_layer(&exec, &dev, true)]).unwrap();
+    let c = chain.clone();
+    let buf = HeapBuf::new(4096);
+    buf.fill(0, 4096, 0xee);
+    let r = exec.block_on(async move { c.write(0, BufSlice::whole(buf)).await });
+    assert!(
+        matches!(r, Err(qcow2_engine::Error::Corrupt { .. })),
+        "{r:?}"
+    );
+    let after = dev.contents();
+    assert_eq!(
+        after[l1 as usize..l1 as usize + 512],
+        l1_before[..],
+        "the L1 table was overwritten"
+    );
+    assert!(after[72 + 7] & 2 != 0, "the corrupt bit is set on disk");
+    // A corrupt image opens read-only only.
+    let e2 = exec.clone();
+    let id = exec.add_device(dev.clone());
+    let r = exec.block_on(async move {
+        Qcow2::open(
+            &e2,
+            id,
+            OpenOptions {
+                writable: true,
+                ..Default::default()
+            },
+        )
+        .await
+    });
+    assert!(matches!(r, Err(qcow2_engine::Error::ReadOnly)));
+}
