@@ -21,6 +21,8 @@ pub mod create;
 pub mod error;
 pub mod exec;
 pub mod format;
+#[cfg(any(test, feature = "testing"))]
+pub mod fuzzing;
 pub mod image;
 pub mod io;
 pub mod limits;
