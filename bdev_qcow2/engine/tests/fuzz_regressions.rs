@@ -5,6 +5,7 @@
 
 use qcow2_engine::check::Repair;
 use qcow2_engine::create::{create, CreateOptions};
+use qcow2_engine::format::{L2Context, L2Entry};
 use qcow2_engine::fuzzing::{image_ops, image_ops_input, parse, Op};
 use qcow2_engine::testing::MemDevice;
 use qcow2_engine::Exec;
@@ -88,4 +89,33 @@ fn parse_harness_runs_every_decoder() {
         input.extend_from_slice(&img);
         parse(&input);
     }
+}
+
+// ---------------------------------------------------------------------------------------
+// Findings
+// ---------------------------------------------------------------------------------------
+
+/// parse: a compressed L2 entry checked against a device of nearly 2^64 bytes overflowed
+/// rounding the device size up to a sector (`attempt to multiply with overflow`; in release
+/// builds every compressed cluster of such a device would have been refused).
+#[test]
+fn compressed_entry_on_a_device_near_u64_max_does_not_overflow() {
+    // Selector 2 (entries), p0: cluster_bits 9, device size taken from p1; p1 = u64::MAX;
+    // one L2 entry: compressed, data at offset 512, one sector.
+    let entry = (1u64 << 62) | 0x200;
+    let mut input = vec![2u8];
+    input.extend(be(&[0x300, u64::MAX, entry]));
+    parse(&input);
+
+    let ctx = L2Context {
+        cluster_bits: 9,
+        v3: true,
+        extended_l2: false,
+        device_size: u64::MAX,
+    };
+    let d = L2Entry(entry)
+        .compressed(9, u64::MAX)
+        .expect("inside the device");
+    assert_eq!((d.offset.0, d.len), (512, 512));
+    assert!(L2Entry(entry).mapping(&ctx).is_ok());
 }

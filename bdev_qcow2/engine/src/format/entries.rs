@@ -204,7 +204,7 @@ impl L2Entry {
         let len = sectors * 512 - (offset & 511);
         if offset
             .checked_add(len)
-            .is_none_or(|e| e > device_size.div_ceil(512) * 512)
+            .is_none_or(|e| e > device_size.div_ceil(512).saturating_mul(512))
         {
             return Err(corrupt(
                 Field::CompressedDescriptor,
