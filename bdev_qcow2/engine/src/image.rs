@@ -138,31 +138,7 @@ impl<D: BlockDevice> Qcow2<D> {
         let refcount_table: Vec<u64> = be_words(&rt_bytes).collect();
         let snapshots = Self::read_snapshots(exec, dev, &header, device_size).await?;
 
-        // Cache sizing: by default, enough slices for the whole image, capped.
-        let total_slices = (l1.len() as u64).max(1) * geo.slices_per_l2();
-        let slice_bytes = 1u64 << geo.slice_bits;
-        let want = opts
-            .l2_cache_bytes
-            .unwrap_or_else(|| (total_slices * slice_bytes).min(DEFAULT_L2_CACHE_MAX));
-        if want > MAX_CACHE_BYTES {
-            return Err(Error::InvalidRequest("l2 cache size above 4 GiB"));
-        }
-        let l2_cache = SetAssocCache::new(
-            CacheConfig {
-                size_bytes: want.max(slice_bytes),
-                ways: opts.cache_ways,
-            },
-            (slice_bytes / 8) as usize,
-            total_slices,
-        );
-        let rc_cache = SetAssocCache::new(
-            CacheConfig {
-                size_bytes: opts.refcount_cache_bytes.max(1 << cluster_bits),
-                ways: 4,
-            },
-            1usize << cluster_bits,
-            refcount_table.len() as u64,
-        );
+        let (l2_cache, rc_cache) = Self::new_caches(&geo, l1.len(), refcount_table.len(), &opts)?;
         let meta = if opts.writable {
             if header.is_corrupt() {
                 return Err(Error::ReadOnly);
@@ -236,6 +212,68 @@ impl<D: BlockDevice> Qcow2<D> {
                 }
             }
         }
+    }
+
+    /// Builds empty L2 slice and refcount block caches sized by `opts`.
+    fn new_caches(
+        geo: &Geometry,
+        l1_entries: usize,
+        rt_entries: usize,
+        opts: &OpenOptions,
+    ) -> Result<(SetAssocCache<u64>, SetAssocCache<u8>)> {
+        // By default, enough slices for the whole image, capped.
+        let total_slices = (l1_entries as u64).max(1) * geo.slices_per_l2();
+        let slice_bytes = 1u64 << geo.slice_bits;
+        let want = opts
+            .l2_cache_bytes
+            .unwrap_or_else(|| (total_slices * slice_bytes).min(DEFAULT_L2_CACHE_MAX));
+        if want > MAX_CACHE_BYTES {
+            return Err(Error::InvalidRequest("l2 cache size above 4 GiB"));
+        }
+        let l2_cache = SetAssocCache::new(
+            CacheConfig {
+                size_bytes: want.max(slice_bytes),
+                ways: opts.cache_ways,
+            },
+            (slice_bytes / 8) as usize,
+            total_slices,
+        );
+        let rc_cache = SetAssocCache::new(
+            CacheConfig {
+                size_bytes: opts.refcount_cache_bytes.max(geo.cluster_size()),
+                ways: 4,
+            },
+            geo.cluster_size() as usize,
+            rt_entries as u64,
+        );
+        Ok((l2_cache, rc_cache))
+    }
+
+    /// A read-only replica of this image for another core: the header, L1 and refcount
+    /// table validated here are copied (nothing is re-read), with empty caches sized by
+    /// `opts`, doing I/O on `dev` (that core's channel to the same device) through `exec`.
+    ///
+    /// A replica must not be used while this image is open for writing: it does not see the
+    /// owner's later metadata changes (per-core coherency is the epoch protocol's job).
+    pub fn replica(&self, exec: &Exec<D>, dev: DevId, opts: OpenOptions) -> Result<Self> {
+        let l1 = self.l1.borrow().clone();
+        let refcount_table = self.refcount_table.borrow().clone();
+        let (l2_cache, rc_cache) =
+            Self::new_caches(&self.geo, l1.len(), refcount_table.len(), &opts)?;
+        Ok(Qcow2 {
+            exec: exec.clone(),
+            dev,
+            device_size: Cell::new(self.device_size.get()),
+            header: RefCell::new(self.header.borrow().clone()),
+            geo: self.geo,
+            ctx: Cell::new(self.ctx.get()),
+            l1: RefCell::new(l1),
+            refcount_table: RefCell::new(refcount_table),
+            snapshots: self.snapshots.clone(),
+            l2_cache: RefCell::new(l2_cache),
+            rc_cache: RefCell::new(rc_cache),
+            meta: None,
+        })
     }
 
     /// The decoded header (as currently in effect).

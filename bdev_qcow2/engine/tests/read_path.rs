@@ -279,3 +279,31 @@ fn backing_chain_on_memory_devices() {
         Err(Error::InvalidRequest(_))
     ));
 }
+
+#[test]
+fn replica_for_another_core_reads_the_same() {
+    let dir = tempfile::tempdir().unwrap();
+    let (img, raw) = make_image(
+        dir.path(),
+        "cluster_size=4096",
+        "4M",
+        &["write -P 0x51 0 1M", "write -z 2M 64k"],
+    );
+    let (_exec, dev, chain) = open(img, OpenOptions::default());
+    let chain = chain.unwrap();
+    let Layer::Qcow2(q) = &chain.layers()[0] else {
+        panic!()
+    };
+    // Another core: its own executor and device channel, no re-read of the metadata.
+    let exec2: Exec<MemDevice> = Exec::new();
+    let id2 = exec2.add_device(dev.clone());
+    let reads_before = dev.0.borrow().reads;
+    let r = q.replica(&exec2, id2, OpenOptions::default()).unwrap();
+    assert_eq!(
+        dev.0.borrow().reads,
+        reads_before,
+        "a replica copies, it does not re-read"
+    );
+    let chain2 = Chain::new(&exec2, vec![Layer::Qcow2(Box::new(r))]).unwrap();
+    assert_eq!(submit_and_wait(&exec2, &chain2, 0, raw.len()).unwrap(), raw);
+}
