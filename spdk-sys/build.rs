@@ -51,6 +51,8 @@ const FUNCTIONS: &[&str] = &[
     "spdk_bdev_io_complete",
     "spdk_bdev_io_get_buf",
     "spdk_bdev_io_get_thread",
+    "spdk_bdev_io_get_io_channel",
+    "spdk_bdev_queue_io_wait",
     "spdk_bdev_module_claim_bdev_desc",
     "spdk_bdev_module_release_bdev",
     "spdk_bdev_module_examine_done",
@@ -94,6 +96,7 @@ const TYPES: &[&str] = &[
     "spdk_json_val_type",
     "spdk_bdev_module",
     "spdk_bdev_fn_table",
+    "spdk_bdev_io_wait_entry",
 ];
 const VARS: &[&str] = &[
     "SPDK_RPC_RUNTIME",

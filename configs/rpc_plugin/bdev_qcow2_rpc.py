@@ -49,9 +49,9 @@ def spdk_rpc_plugin_initialize(subparsers):
     p.add_argument('--base-bdev', required=True, help='bdev holding the qcow2 image')
     p.add_argument('--backing-bdev', help='bdev holding the backing image (raw or qcow2 bdev)')
     p.add_argument('--read-only', dest='read_only', action='store_true', default=None,
-                   help='serve read-only (the default while writes are not implemented)')
+                   help='serve read-only (per-channel replicas; the base is claimed shared)')
     p.add_argument('--read-write', dest='read_only', action='store_false',
-                   help='ask for a writable bdev (served read-only until writes land)')
+                   help='writable (the default): the image is opened for writing')
     p.add_argument('--l2-cache-size', type=int, help='bytes of L2 slice cache per channel')
     p.add_argument('--l2-slice-size', type=int, help='L2 slice size in bytes (default 4096)')
     p.add_argument('--cache-ways', type=int, help='ways per set of the slice cache (default 8)')

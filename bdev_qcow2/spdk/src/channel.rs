@@ -1,6 +1,9 @@
-//! Per-thread state of a qcow2 bdev: each SPDK thread that opens a channel gets its own
-//! engine executor, its own read-only replica of the image (slice cache included), its own
-//! channels of the base and backing bdevs, and a poller that drives them.
+//! Per-thread state of a qcow2 bdev. For a read-only bdev, each SPDK thread that opens a
+//! channel gets its own engine executor, its own read-only replica of the image (slice cache
+//! included), its own channels of the base and backing bdevs, and a poller that drives them.
+//! A writable bdev's channel holds none of that: it forwards every request to the metadata
+//! owner (`owner.rs`) and completes it when it comes back; it only counts what is in flight
+//! (for resets and teardown).
 //!
 //! The replica is opened asynchronously when the channel is created; requests arriving
 //! meanwhile wait in a queue. Every field is a `Cell`/`RefCell` used through `&Channel`,
@@ -12,6 +15,7 @@ use crate::ffi::io_channel::{self, ChannelIter};
 use crate::ffi::sys;
 use crate::ffi::thread::{self, Poller, POLLER_BUSY, POLLER_IDLE};
 use crate::node::{Node, BLOCK_SIZE};
+use crate::owner;
 use qcow2_engine::io::BufSlice;
 use qcow2_engine::{Chain, DevId, Exec, Layer, Qcow2};
 use serde::Serialize;
@@ -28,6 +32,8 @@ pub struct Channel {
     /// The node's count of live channel states (decremented on drop).
     live: *const AtomicUsize,
     exec: Exec<SpdkDevice>,
+    /// Writable bdev: the md thread every request is forwarded to.
+    forward_to: Option<*mut sys::spdk_thread>,
     backing_dev: Option<DevId>,
     opened: Opened,
     chain: RefCell<Option<Rc<Chain<SpdkDevice>>>>,
@@ -86,37 +92,17 @@ impl Channel {
     fn new(node: &Node) -> Result<Box<Channel>, i32> {
         let base = node.base.as_ref().ok_or(libc::ENODEV)?;
         let exec: Exec<SpdkDevice> = Exec::new();
-        let base_dev = exec.add_device(SpdkDevice::new(base).ok_or(libc::ENOMEM)?);
-        let backing_dev = match &node.backing {
-            Some(d) => Some(exec.add_device(SpdkDevice::new(d).ok_or(libc::ENOMEM)?)),
-            None => None,
-        };
-        let opened: Opened = Rc::new(RefCell::new(None));
-        {
-            let (e2, o2, opts) = (exec.clone(), opened.clone(), node.opts);
-            exec.spawn(async move {
-                let r = Qcow2::open(&e2, base_dev, opts).await;
-                *o2.borrow_mut() = Some(r);
-            });
-        }
-        // SAFETY: called on an SPDK thread; the name is a valid C string or null.
-        let thread_name = unsafe {
-            let n = sys::spdk_thread_get_name(thread::current());
-            if n.is_null() {
-                String::new()
-            } else {
-                CStr::from_ptr(n).to_string_lossy().into_owned()
-            }
-        };
+        let thread_name = current_thread_name();
         node.live_channels.fetch_add(1, Ordering::AcqRel);
-        Ok(Box::new(Channel {
+        let mut ch = Box::new(Channel {
             live: &node.live_channels,
             exec,
-            backing_dev,
-            opened,
+            forward_to: None,
+            backing_dev: None,
+            opened: Rc::new(RefCell::new(None)),
             chain: RefCell::new(None),
             failed: Cell::new(false),
-            queued: RefCell::new(VecDeque::with_capacity(256)),
+            queued: RefCell::new(VecDeque::new()),
             outstanding: Cell::new(0),
             reset_waiters: RefCell::new(Vec::new()),
             poller: RefCell::new(None),
@@ -124,7 +110,27 @@ impl Channel {
             completed: Cell::new(0),
             errors: Cell::new(0),
             thread_name,
-        }))
+        });
+        if !node.owner.is_null() {
+            ch.forward_to = Some(node.md_thread);
+            return Ok(ch);
+        }
+        let exec = &ch.exec;
+        let base_dev = exec.add_device(SpdkDevice::new(base).ok_or(libc::ENOMEM)?);
+        let backing_dev = match &node.backing {
+            Some(d) => Some(exec.add_device(SpdkDevice::new(d).ok_or(libc::ENOMEM)?)),
+            None => None,
+        };
+        {
+            let (e2, o2, opts) = (exec.clone(), ch.opened.clone(), node.opts);
+            exec.spawn(async move {
+                let r = Qcow2::open(&e2, base_dev, opts).await;
+                *o2.borrow_mut() = Some(r);
+            });
+        }
+        ch.backing_dev = backing_dev;
+        ch.queued.borrow_mut().reserve(256);
+        Ok(ch)
     }
 
     /// Counters of this channel.
@@ -207,16 +213,33 @@ impl Channel {
         );
     }
 
+    /// Starts a request that carries its buffers: forwarded to the owner (writable bdev) or
+    /// read from this channel's replica.
+    fn start(&self, io: BdevIo) {
+        match self.forward_to {
+            Some(md) => owner::forward(md, io),
+            None => self.read(io),
+        }
+    }
+
     fn finish(&self, io: BdevIo, ok: bool) {
+        self.finish_status(
+            io,
+            if ok {
+                sys::SPDK_BDEV_IO_STATUS_SUCCESS
+            } else {
+                sys::SPDK_BDEV_IO_STATUS_FAILED
+            },
+        );
+    }
+
+    fn finish_status(&self, io: BdevIo, status: sys::spdk_bdev_io_status) {
         self.outstanding
             .set(self.outstanding.get().saturating_sub(1));
         self.completed.set(self.completed.get() + 1);
-        let status = if ok {
-            sys::SPDK_BDEV_IO_STATUS_SUCCESS
-        } else {
+        if status != sys::SPDK_BDEV_IO_STATUS_SUCCESS {
             self.errors.set(self.errors.get() + 1);
-            sys::SPDK_BDEV_IO_STATUS_FAILED
-        };
+        }
         io.complete(status);
     }
 
@@ -236,6 +259,27 @@ impl Drop for Channel {
         // SAFETY: the node outlives its channel states (it waits for this count to reach 0).
         unsafe { (*self.live).fetch_sub(1, Ordering::AcqRel) };
     }
+}
+
+fn current_thread_name() -> String {
+    // SAFETY: called on an SPDK thread; the name is a valid C string or null.
+    unsafe {
+        let n = sys::spdk_thread_get_name(thread::current());
+        if n.is_null() {
+            String::new()
+        } else {
+            CStr::from_ptr(n).to_string_lossy().into_owned()
+        }
+    }
+}
+
+/// Completes a request the owner ran, on the thread (and channel) it was submitted on, with
+/// the status it carries back.
+pub fn complete_forwarded(io: BdevIo) {
+    // SAFETY: `io` was submitted on a channel of our bdev on this thread and is counted as
+    // outstanding there, so the channel state is live.
+    let c = unsafe { from_ctx(io_channel::ctx_of(io.io_channel())) };
+    c.finish_status(io, owner::status_of(io));
 }
 
 /// The channel behind a channel context area.
@@ -303,7 +347,7 @@ unsafe extern "C" fn chan_poll(ctx: *mut c_void) -> c_int {
             ch.finish(io, r.is_ok());
         }
     });
-    if ch.chain.borrow().is_none() && !ch.failed.get() {
+    if ch.forward_to.is_none() && ch.chain.borrow().is_none() && !ch.failed.get() {
         ch.try_ready();
         n += 1;
     }
@@ -337,7 +381,7 @@ unsafe extern "C" fn get_buf_done(
     let (c, io) = unsafe { (from_ctx(io_channel::ctx_of(ch)), BdevIo::from_raw(bdev_io)) };
     let Some(io) = io else { return };
     if success {
-        c.read(io);
+        c.start(io);
     } else {
         c.finish(io, false);
     }
@@ -355,11 +399,21 @@ pub unsafe extern "C" fn submit_request(
         sys::SPDK_BDEV_IO_TYPE_READ => {
             c.outstanding.set(c.outstanding.get() + 1);
             if io.has_buf() {
-                c.read(io);
+                c.start(io);
             } else {
                 io.get_buf(Some(get_buf_done), io.num_blocks() * u64::from(BLOCK_SIZE));
             }
         }
+        sys::SPDK_BDEV_IO_TYPE_WRITE
+        | sys::SPDK_BDEV_IO_TYPE_WRITE_ZEROES
+        | sys::SPDK_BDEV_IO_TYPE_UNMAP
+        | sys::SPDK_BDEV_IO_TYPE_FLUSH => match c.forward_to {
+            Some(md) => {
+                c.outstanding.set(c.outstanding.get() + 1);
+                owner::forward(md, io);
+            }
+            None => io.complete(sys::SPDK_BDEV_IO_STATUS_FAILED),
+        },
         sys::SPDK_BDEV_IO_TYPE_RESET => {
             // SAFETY: `bdev.ctxt` is our node, which is the io_device, registered while the
             // bdev has I/O.

@@ -1,8 +1,11 @@
 //! The engine's device seam over a base bdev: [`SpdkDevice`] (one per base bdev per SPDK
 //! thread) and the buffers it does I/O with, [`SpdkBuf`].
 //!
-//! `submit` calls `spdk_bdev_{readv,writev,flush}_blocks` at once (`-ENOMEM` → `Busy`, the
-//! executor retries); the completion callback only records `(tag, result)` in the device's
+//! `submit` calls `spdk_bdev_{readv,writev,flush}_blocks` at once. `-ENOMEM` (SPDK's pool of
+//! bdev_ios on this thread is empty) → `Busy`, and the device queues itself with
+//! `spdk_bdev_queue_io_wait`: until SPDK calls back (a bdev_io was freed), every submission
+//! answers `Busy` without calling SPDK, and the executor resubmits in order on the poll after
+//! the callback. The completion callback only records `(tag, result)` in the device's
 //! queue, and [`BlockDevice::poll`] — run by the channel's poller through the executor —
 //! hands them to the engine. Per-operation state lives in a fixed pool of slots allocated
 //! when the channel is created, so a submission allocates nothing.
@@ -154,6 +157,10 @@ struct Pool {
     slots: Box<[Slot]>,
     free: Vec<u32>,
     done: VecDeque<(u64, Result<(), DeviceError>)>,
+    /// The io_wait entry queued with SPDK while `waiting`.
+    wait: sys::spdk_bdev_io_wait_entry,
+    /// Queued with `spdk_bdev_queue_io_wait` and not called back yet.
+    waiting: bool,
 }
 
 /// A base bdev as seen from one SPDK thread.
@@ -178,6 +185,10 @@ impl SpdkDevice {
             slots: Box::new([]),
             free: (0..SLOTS as u32).rev().collect(),
             done: VecDeque::with_capacity(SLOTS),
+            // SAFETY: a plain C struct (pointers, an optional callback, list links) for
+            // which all-zero is a valid unqueued state.
+            wait: unsafe { std::mem::zeroed() },
+            waiting: false,
         }));
         let slots: Box<[Slot]> = (0..SLOTS as u32)
             .map(|index| Slot {
@@ -208,10 +219,36 @@ impl SpdkDevice {
         SLOTS - p.free.len() + p.done.len()
     }
 
+    /// After `-ENOMEM`: asks SPDK to call back when a bdev_io is free again. If SPDK refuses
+    /// (its cache is not actually empty), the executor simply retries on its next poll.
+    fn wait_for_bdev_io(&mut self) {
+        let pool = self.pool.as_ptr();
+        // SAFETY: see `in_flight`; the entry lives in the pool, which is not freed while
+        // `waiting` (see `Drop`); `desc` and `ch` are open on this thread.
+        unsafe {
+            if (*pool).waiting {
+                return;
+            }
+            let bdev = sys::spdk_bdev_desc_get_bdev(self.desc);
+            (*pool).wait.bdev = bdev;
+            (*pool).wait.cb_fn = Some(io_wait_done);
+            (*pool).wait.cb_arg = pool.cast();
+            if sys::spdk_bdev_queue_io_wait(bdev, self.ch.raw(), &mut (*pool).wait) == 0 {
+                (*pool).waiting = true;
+            }
+        }
+    }
+
     fn complete_now(&mut self, tag: u64, r: Result<(), DeviceError>) {
         // SAFETY: see `in_flight`.
         unsafe { (*self.pool.as_ptr()).done.push_back((tag, r)) };
     }
+}
+
+unsafe extern "C" fn io_wait_done(cb_arg: *mut c_void) {
+    // SAFETY: `cb_arg` is the pool that queued the entry, kept alive while `waiting`; the
+    // callback runs on the device's thread, outside its methods.
+    unsafe { (*cb_arg.cast::<Pool>()).waiting = false };
 }
 
 unsafe extern "C" fn io_done(bdev_io: *mut sys::spdk_bdev_io, success: bool, cb_arg: *mut c_void) {
@@ -276,6 +313,9 @@ impl BlockDevice for SpdkDevice {
         }
         // SAFETY: see `in_flight`.
         let pool = unsafe { &mut *self.pool.as_ptr() };
+        if pool.waiting {
+            return Err(Busy(op, tag));
+        }
         let Some(idx) = pool.free.pop() else {
             return Err(Busy(op, tag));
         };
@@ -325,6 +365,7 @@ impl BlockDevice for SpdkDevice {
         slot.buf = None;
         pool.free.push(idx);
         if rc == -libc::ENOMEM {
+            self.wait_for_bdev_io();
             return Err(Busy(op, tag));
         }
         self.complete_now(tag, Err(DeviceError(-rc)));
@@ -346,9 +387,12 @@ impl BlockDevice for SpdkDevice {
 
 impl Drop for SpdkDevice {
     fn drop(&mut self) {
-        if self.in_flight() > 0 {
-            // Completions would write into a freed pool: leak it instead (never expected:
-            // channels are torn down only when their executor is idle).
+        // SAFETY: see `in_flight`.
+        let waiting = unsafe { self.pool.as_ref() }.waiting;
+        if self.in_flight() > 0 || waiting {
+            // Completions (or SPDK's io_wait callback) would write into a freed pool: leak
+            // it instead (never expected: channels are torn down only when their executor
+            // is idle, and an idle executor has no refused submission left).
             tracing::error!("base device dropped with operations in flight; leaking its pool");
             return;
         }

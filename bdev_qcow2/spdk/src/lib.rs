@@ -27,6 +27,8 @@ pub mod module;
 #[cfg(spdk)]
 mod node;
 #[cfg(spdk)]
+mod owner;
+#[cfg(spdk)]
 mod registry;
 #[cfg(spdk)]
 pub mod rpc;

@@ -1,6 +1,10 @@
 //! A qcow2 bdev ("node"): creation (open and claim the base bdev, read and validate the
 //! image on the creating thread — the metadata owner — then register), the function table
 //! SPDK calls, and teardown in a fixed order.
+//!
+//! A writable bdev (`read_only: false`, the default) keeps the image it opened on the
+//! creating thread as its one writable instance ([`Owner`]); a read-only bdev drops it and
+//! lets every channel open its own replica.
 
 use crate::channel::{self, Channel};
 use crate::device::SpdkDevice;
@@ -8,10 +12,11 @@ use crate::ffi::bdev::{self, Desc};
 use crate::ffi::thread::{self, Poller, POLLER_BUSY, POLLER_IDLE};
 use crate::ffi::{io_channel, json, sys};
 use crate::module::module_ptr;
+use crate::owner::Owner;
 use crate::params::CreateParams;
 use crate::registry::{self, NodePtr};
 use qcow2_engine::io::{BlockDevice, SECTOR};
-use qcow2_engine::{Exec, OpenOptions, Qcow2};
+use qcow2_engine::{Chain, DevId, Exec, Layer, OpenOptions, Qcow2};
 use serde::Serialize;
 use serde_json::json;
 use std::cell::RefCell;
@@ -61,7 +66,7 @@ pub struct ImageInfo {
     pub base_bdev: String,
     /// The bdev holding the backing image, if any.
     pub backing_bdev: Option<String>,
-    /// Whether the bdev refuses writes (always, until the write path is wired).
+    /// Whether the bdev refuses writes (`read_only` of the create call).
     pub read_only: bool,
 }
 
@@ -87,7 +92,7 @@ impl ImageInfo {
             autoclear_features: h.header.autoclear_features,
             base_bdev: p.base_bdev.clone(),
             backing_bdev: p.backing_bdev.clone(),
-            read_only: true,
+            read_only: p.read_only,
         }
     }
 }
@@ -111,6 +116,9 @@ pub struct Node {
     pub backing: Option<Desc>,
     /// The metadata owner: the thread that created the bdev (and opened the descriptors).
     pub md_thread: *mut sys::spdk_thread,
+    /// Writable bdev: the image's one writable instance, on `md_thread` (null: read-only).
+    /// Set before registration, freed by teardown after the last channel.
+    pub owner: *mut Owner,
     /// Channel states not yet freed. SPDK may destroy a channel while its state still has
     /// base I/O in flight (a replica being opened); that state is freed later by its poller,
     /// and the descriptors must stay open until then.
@@ -122,13 +130,17 @@ pub type Outcome = Result<String, (i32, String)>;
 /// Who hears about it (an RPC response, or the examine that started a deferred creation).
 pub type Done = Box<dyn FnOnce(Outcome)>;
 
+type Opened = qcow2_engine::Result<(ImageInfo, Qcow2<SpdkDevice>)>;
+
 /// A creation in progress: the image is being read on the md thread.
 struct Job {
     params: CreateParams,
     base: Option<Desc>,
     backing: Option<Desc>,
     exec: Exec<SpdkDevice>,
-    result: Rc<RefCell<Option<qcow2_engine::Result<ImageInfo>>>>,
+    /// The backing bdev on `exec` (writable bdevs: the owner's chain reads through it).
+    backing_dev: Option<DevId>,
+    result: Rc<RefCell<Option<Opened>>>,
     poller: Option<Poller>,
     done: Option<Done>,
 }
@@ -146,16 +158,25 @@ fn strerror(e: i32) -> String {
     std::io::Error::from_raw_os_error(e).to_string()
 }
 
-/// Opens and claims `name` read-only for our module.
-fn open_claimed(name: &str, role: &str) -> Result<Desc, (i32, String)> {
-    let d = Desc::open(name, false, base_event).map_err(|e| {
+/// Opens and claims `name` for our module: shared read-only, or (`write`) as its only writer.
+fn open_claimed(name: &str, role: &str, write: bool) -> Result<Desc, (i32, String)> {
+    let d = Desc::open(name, write, base_event).map_err(|e| {
         (
             e,
-            format!("cannot open {role} bdev {name}: {}", strerror(e)),
+            format!(
+                "cannot open {role} bdev {name}{}: {}",
+                if write { " for writing" } else { "" },
+                strerror(e)
+            ),
         )
     })?;
+    let kind = if write {
+        sys::SPDK_BDEV_CLAIM_READ_MANY_WRITE_ONE
+    } else {
+        sys::SPDK_BDEV_CLAIM_READ_MANY_WRITE_NONE
+    };
     // SAFETY: our module is registered (at load time).
-    if let Err(e) = unsafe { d.claim(sys::SPDK_BDEV_CLAIM_READ_MANY_WRITE_NONE, module_ptr()) } {
+    if let Err(e) = unsafe { d.claim(kind, module_ptr()) } {
         d.close();
         return Err((
             e,
@@ -188,14 +209,14 @@ pub fn create(params: CreateParams, done: Done) {
         }
         reg.creating.push(name.clone());
     }
-    let base = match open_claimed(&params.base_bdev, "base") {
+    let base = match open_claimed(&params.base_bdev, "base", !params.read_only) {
         Ok(d) => d,
         Err((e, m)) => return fail(&name, [None, None], done, e, m),
     };
     let backing = match params
         .backing_bdev
         .as_deref()
-        .map(|b| open_claimed(b, "backing"))
+        .map(|b| open_claimed(b, "backing", false))
     {
         None => None,
         Some(Ok(d)) => Some(d),
@@ -207,14 +228,26 @@ pub fn create(params: CreateParams, done: Done) {
         return fail(&name, [Some(base), backing], done, libc::ENOMEM, m);
     };
     let dev = exec.add_device(dev);
+    let mut backing_dev = None;
+    if let (Some(b), false) = (&backing, params.read_only) {
+        let Some(bd) = SpdkDevice::new(b) else {
+            drop(exec);
+            let m = format!("no I/O channel for backing bdev {}", b.name());
+            return fail(&name, [Some(base), backing], done, libc::ENOMEM, m);
+        };
+        backing_dev = Some(exec.add_device(bd));
+    }
     let result = Rc::new(RefCell::new(None));
     {
         let (exec2, result2, p2) = (exec.clone(), result.clone(), params.clone());
-        let opts = params.open_options();
+        let opts = OpenOptions {
+            writable: !params.read_only,
+            ..params.open_options()
+        };
         exec.spawn(async move {
             let r = Qcow2::open(&exec2, dev, opts)
                 .await
-                .map(|q| ImageInfo::of(&q, &p2));
+                .map(|q| (ImageInfo::of(&q, &p2), q));
             *result2.borrow_mut() = Some(r);
         });
     }
@@ -223,6 +256,7 @@ pub fn create(params: CreateParams, done: Done) {
         base: Some(base),
         backing,
         exec,
+        backing_dev,
         result,
         poller: None,
         done: Some(done),
@@ -275,15 +309,19 @@ fn finish(mut job: Job) {
     let name = job.params.name.clone();
     let Some(done) = job.done.take() else { return };
     let descs = [job.base.take(), job.backing.take()];
-    // Releases the md thread's channel of the base before anything else happens.
-    drop(job.exec);
-    let info = match job.result.borrow_mut().take() {
+    let opened = job.result.borrow_mut().take();
+    let (info, image) = match opened {
         Some(Ok(i)) => i,
         Some(Err(e)) => {
+            // Releases the md thread's channel of the base before the descriptors close.
+            drop(job.exec);
             let m = format!("image on bdev {}: {e}", job.params.base_bdev);
             return fail(&name, descs, done, libc::EINVAL, m);
         }
-        None => return fail(&name, descs, done, libc::EIO, "image not read".into()),
+        None => {
+            drop(job.exec);
+            return fail(&name, descs, done, libc::EIO, "image not read".into());
+        }
     };
     match (&info.backing_file, &job.params.backing_bdev) {
         (Some(f), None) => {
@@ -303,8 +341,39 @@ fn finish(mut job: Job) {
         }
         _ => {}
     }
+    if job.params.read_only {
+        // Every channel opens its own replica: release this one and its base channel.
+        drop(image);
+        drop(job.exec);
+        let [base, backing] = descs;
+        return register(job.params, info, base, backing, None, done);
+    }
+    let mut layers = vec![Layer::Qcow2(Box::new(image))];
+    if let Some(d) = job.backing_dev {
+        layers.push(Layer::Raw {
+            dev: d,
+            size: job.exec.device_size(d),
+        });
+    }
+    let owner = match Chain::new(&job.exec, layers) {
+        Ok(chain) => Owner::start(job.exec, chain),
+        Err(e) => {
+            drop(job.exec);
+            let m = format!("image on bdev {}: {e}", job.params.base_bdev);
+            return fail(&name, descs, done, libc::EINVAL, m);
+        }
+    };
+    let Some(owner) = owner else {
+        return fail(
+            &name,
+            descs,
+            done,
+            libc::ENOMEM,
+            "cannot register a poller".into(),
+        );
+    };
     let [base, backing] = descs;
-    register(job.params, info, base, backing, done);
+    register(job.params, info, base, backing, Some(owner), done);
 }
 
 static FN_TABLE: sys::spdk_bdev_fn_table = sys::spdk_bdev_fn_table {
@@ -323,10 +392,15 @@ fn register(
     info: ImageInfo,
     base: Option<Desc>,
     backing: Option<Desc>,
+    owner: Option<*mut Owner>,
     done: Done,
 ) {
     let name = params.name.clone();
     let Ok(cname) = CString::new(name.clone()) else {
+        if let Some(o) = owner {
+            // SAFETY: just started on this thread; nothing was submitted to it.
+            unsafe { Owner::close(o, || {}) };
+        }
         return fail(
             &name,
             [base, backing],
@@ -353,6 +427,7 @@ fn register(
         base,
         backing,
         md_thread: thread::current(),
+        owner: owner.unwrap_or(std::ptr::null_mut()),
         live_channels: AtomicUsize::new(0),
     }));
     // SAFETY: `node` is live (leaked above) until `device_gone` frees it; SPDK copies the name.
@@ -369,7 +444,9 @@ fn register(
         n.bdev.product_name = c"QCOW2 disk".as_ptr().cast_mut();
         n.bdev.blocklen = BLOCK_SIZE;
         n.bdev.blockcnt = n.info.virtual_size / u64::from(BLOCK_SIZE);
-        n.bdev.write_cache = 0;
+        // Writes are acknowledged before their metadata is stable: only a FLUSH makes them
+        // durable (DESIGN.md §7), which is what a volatile write cache means to SPDK.
+        n.bdev.write_cache = i32::from(!n.owner.is_null());
         // The hot path hands the guest's buffers to the base: ask for what the base needs.
         n.bdev.required_alignment = if align > 1 { align.ilog2() as u8 } else { 0 };
         n.bdev.ctxt = node.cast();
@@ -448,8 +525,9 @@ unsafe extern "C" fn destruct(ctx: *mut c_void) -> c_int {
 }
 
 /// Teardown, step 2: on the md thread (where they were opened), once the last channel state
-/// is freed, close the backing then the base descriptor (releasing the claims), tell SPDK
-/// destruct is done, free the node.
+/// is freed (so every request has completed): a writable bdev's owner flushes the metadata
+/// (`Chain::close`) and is freed; then step 3 closes the backing then the base descriptor
+/// (releasing the claims), tells SPDK destruct is done, and frees the node.
 unsafe extern "C" fn device_gone(io_device: *mut c_void) {
     let node = io_device.cast::<Node>();
     // SAFETY: no channel is left; the node is only ours now.
@@ -471,7 +549,19 @@ fn close_when_unused(node: *mut Node) {
         let _ = unsafe { thread::send_msg(md, move || close_when_unused(node)) };
         return;
     }
-    // SAFETY: unregistered, no channel state left: the node is only ours; reclaimed once.
+    // SAFETY: no channel is left; only this thread uses the owner.
+    let owner = std::mem::replace(unsafe { &mut (*node).owner }, std::ptr::null_mut());
+    if !owner.is_null() {
+        // SAFETY: the owner was started on this thread and is closed once (nulled above).
+        unsafe { Owner::close(owner, move || close_descs(node)) };
+        return;
+    }
+    close_descs(node);
+}
+
+fn close_descs(node: *mut Node) {
+    // SAFETY: unregistered, no channel state or owner left: the node is only ours;
+    // reclaimed once.
     let mut n = unsafe { Box::from_raw(node) };
     if let Some(d) = n.backing.take() {
         d.close();
@@ -489,17 +579,33 @@ fn close_when_unused(node: *mut Node) {
 unsafe extern "C" fn free_unregistered(io_device: *mut c_void) {
     // SAFETY: the node never reached SPDK's bdev list; only ours.
     let mut n = unsafe { Box::from_raw(io_device.cast::<Node>()) };
-    for d in [n.backing.take(), n.base.take()].into_iter().flatten() {
-        d.close();
+    let descs = [n.backing.take(), n.base.take()];
+    let close = move || {
+        for d in descs.into_iter().flatten() {
+            d.close();
+        }
+    };
+    if n.owner.is_null() {
+        close();
+    } else {
+        // SAFETY: started on this thread, never used (the bdev never registered).
+        unsafe { Owner::close(n.owner, close) };
     }
 }
 
-unsafe extern "C" fn io_type_supported(_ctx: *mut c_void, ty: sys::spdk_bdev_io_type) -> bool {
-    // Claim only what works: reads, and resets (which wait for outstanding I/O).
-    matches!(
-        ty,
-        sys::SPDK_BDEV_IO_TYPE_READ | sys::SPDK_BDEV_IO_TYPE_RESET
-    )
+unsafe extern "C" fn io_type_supported(ctx: *mut c_void, ty: sys::spdk_bdev_io_type) -> bool {
+    // SAFETY: `ctx` is a registered node; `owner` is immutable after registration.
+    let writable = unsafe { !(*ctx.cast::<Node>()).owner.is_null() };
+    // Claim only what works: reads and resets (which wait for outstanding I/O) always; the
+    // rest through the owner of a writable bdev.
+    match ty {
+        sys::SPDK_BDEV_IO_TYPE_READ | sys::SPDK_BDEV_IO_TYPE_RESET => true,
+        sys::SPDK_BDEV_IO_TYPE_WRITE
+        | sys::SPDK_BDEV_IO_TYPE_FLUSH
+        | sys::SPDK_BDEV_IO_TYPE_UNMAP
+        | sys::SPDK_BDEV_IO_TYPE_WRITE_ZEROES => writable,
+        _ => false,
+    }
 }
 
 unsafe extern "C" fn get_io_channel(ctx: *mut c_void) -> *mut sys::spdk_io_channel {

@@ -4,12 +4,8 @@
 use qcow2_engine::OpenOptions;
 use serde::{Deserialize, Serialize};
 
-fn yes() -> bool {
-    true
-}
-
-fn is_true(b: &bool) -> bool {
-    *b
+fn is_false(b: &bool) -> bool {
+    !*b
 }
 
 /// `bdev_qcow2_create` parameters.
@@ -24,9 +20,11 @@ pub struct CreateParams {
     /// image names a backing file. Never a path: backing images are bdevs named by the operator.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub backing_bdev: Option<String>,
-    /// Serve read-only. Writes are not implemented yet, so the bdev is read-only either way;
-    /// `false` is kept (and written back by `save_config`) for when they are.
-    #[serde(default = "yes", skip_serializing_if = "is_true")]
+    /// Serve read-only: every channel reads its own replica, and the base bdev is claimed
+    /// shared read-only. Default `false`, as in QEMU: the image is opened writable (a dirty
+    /// image is repaired first, a corrupt one refused), the base bdev is claimed as its only
+    /// writer, and every request runs on the creating thread, the image's metadata owner.
+    #[serde(default, skip_serializing_if = "is_false")]
     pub read_only: bool,
     /// Bytes of L2 slice cache per channel (default: the whole image's L2, at most 32 MiB).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -47,6 +45,9 @@ impl CreateParams {
     pub fn validate(&self) -> Result<(), String> {
         if self.name.is_empty() || self.base_bdev.is_empty() {
             return Err("name and base_bdev must not be empty".into());
+        }
+        if self.name.contains('\0') {
+            return Err("name contains NUL".into());
         }
         if self.name == self.base_bdev || Some(&self.name) == self.backing_bdev.as_ref() {
             return Err("name must differ from base_bdev and backing_bdev".into());
@@ -71,7 +72,8 @@ impl CreateParams {
         Ok(())
     }
 
-    /// Engine options for each channel's replica of the image (always read-only for now).
+    /// Engine options for opening the image (read-only; the owner of a writable bdev sets
+    /// `writable`).
     pub fn open_options(&self) -> OpenOptions {
         let d = OpenOptions::default();
         OpenOptions {
@@ -107,13 +109,13 @@ mod tests {
     #[test]
     fn create_round_trips_with_defaults_left_out() {
         let p: CreateParams = serde_json::from_str(r#"{"name":"q0","base_bdev":"aio0"}"#).unwrap();
-        assert!(p.read_only);
+        assert!(!p.read_only);
         assert_eq!(
             serde_json::to_string(&p).unwrap(),
             r#"{"name":"q0","base_bdev":"aio0"}"#
         );
         let p: CreateParams = serde_json::from_str(
-            r#"{"name":"q0","base_bdev":"aio0","backing_bdev":"b","read_only":false,"l2_cache_size":65536,"l2_slice_size":512,"cache_ways":4,"prefetch":true}"#,
+            r#"{"name":"q0","base_bdev":"aio0","backing_bdev":"b","read_only":true,"l2_cache_size":65536,"l2_slice_size":512,"cache_ways":4,"prefetch":true}"#,
         )
         .unwrap();
         let back: CreateParams = serde_json::from_str(&serde_json::to_string(&p).unwrap()).unwrap();

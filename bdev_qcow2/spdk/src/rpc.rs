@@ -58,12 +58,6 @@ pub unsafe extern "C" fn bdev_qcow2_rpc_create(
     if let Err(m) = p.validate() {
         return req.error(INVALID_PARAMS, &format!("bdev_qcow2_create: {m}"));
     }
-    if !p.read_only {
-        tracing::warn!(
-            "bdev_qcow2_create {}: writes are not implemented yet; serving it read-only",
-            p.name
-        );
-    }
     if p.prefetch == Some(true) {
         tracing::warn!(
             "bdev_qcow2_create {}: prefetch is not implemented yet",

@@ -444,7 +444,10 @@ mod real {
             vec![
                 aio(&img, "aio0"),
                 aio(&img, "aio1"),
-                qcow2("q0", "aio0", None),
+                // Read-only: per-channel replicas (a writable bdev runs every request on its
+                // metadata owner's thread; that costs two thread hops per request).
+                json!({"method": "bdev_qcow2_create",
+                       "params": {"name": "q0", "base_bdev": "aio0", "read_only": true}}),
                 json!({"method": "bdev_passthru_create",
                        "params": {"name": "p0", "base_bdev_name": "aio1"}}),
             ],

@@ -76,6 +76,30 @@ impl BdevIo {
         unsafe { sys::spdk_bdev_io_get_buf(self.0.as_ptr(), cb, len) }
     }
 
+    /// The SPDK thread the bdev_io was submitted on (where it must be completed).
+    pub fn thread(self) -> *mut sys::spdk_thread {
+        // SAFETY: live bdev_io.
+        unsafe { sys::spdk_bdev_io_get_thread(self.0.as_ptr()) }
+    }
+
+    /// The channel of our bdev it was submitted on.
+    pub fn io_channel(self) -> *mut sys::spdk_io_channel {
+        // SAFETY: live bdev_io.
+        unsafe { sys::spdk_bdev_io_get_io_channel(self.0.as_ptr()) }
+    }
+
+    /// The `ctxt` of the bdev it was submitted to (our node).
+    pub fn bdev_ctxt(self) -> *mut std::ffi::c_void {
+        // SAFETY: live bdev_io of a registered bdev.
+        unsafe { (*(*self.0.as_ptr()).bdev).ctxt }
+    }
+
+    /// The module's per-I/O context area (`get_ctx_size` bytes, suitably aligned for `u64`).
+    pub fn driver_ctx(self) -> *mut u8 {
+        // SAFETY: live bdev_io; the area follows the struct.
+        unsafe { (*self.0.as_ptr()).driver_ctx.as_mut_ptr() }
+    }
+
     /// Completes the bdev_io with `status` (`SPDK_BDEV_IO_STATUS_*`). Consumes the handle.
     pub fn complete(self, status: sys::spdk_bdev_io_status) {
         // SAFETY: live bdev_io, completed exactly once (type contract).

@@ -92,3 +92,21 @@ impl Poller {
 pub const POLLER_BUSY: c_int = 1;
 /// Poller return value: nothing to do.
 pub const POLLER_IDLE: c_int = 0;
+
+/// Queues `f(ctx)` on `thread` without allocating (for the data path: the context is a
+/// bdev_io). Returns SPDK's errno if the message could not be queued (`f` then does not run).
+///
+/// # Safety
+/// `thread` must be a live SPDK thread and `ctx` valid for `f` when it runs there.
+pub unsafe fn send_raw(
+    thread: *mut sys::spdk_thread,
+    f: unsafe extern "C" fn(*mut c_void),
+    ctx: *mut c_void,
+) -> Result<(), i32> {
+    // SAFETY: per the contract.
+    let rc = unsafe { sys::spdk_thread_send_msg(thread, Some(f), ctx) };
+    if rc != 0 {
+        return Err(-rc);
+    }
+    Ok(())
+}

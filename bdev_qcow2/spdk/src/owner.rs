@@ -1,0 +1,239 @@
+//! The metadata owner of a writable bdev: the one writable instance of the image (allocator,
+//! dirty L2 slices and refcount blocks), its executor and base channels, all on the md thread
+//! (the thread that created the bdev), driven by the owner's poller.
+//!
+//! Only one writable instance may exist per image, and a per-thread replica would read stale
+//! metadata after a write on another thread, so every channel of a writable bdev forwards
+//! every request — reads too — to the owner: `spdk_thread_send_msg` with the bdev_io itself
+//! as the message (no allocation). The owner runs it on its chain with the bdev_io's own
+//! iovecs and sends the completion back to the submitting thread, which completes the
+//! bdev_io there (SPDK requires completion on the submitting thread). The status travels in
+//! the bdev_io's driver context ([`IoCtx`]).
+//!
+//! Requests submitted on the md thread itself skip both messages.
+
+use crate::channel;
+use crate::device::{IovView, SpdkBuf, SpdkDevice};
+use crate::ffi::bdev_io::BdevIo;
+use crate::ffi::sys;
+use crate::ffi::thread::{self, Poller, POLLER_BUSY, POLLER_IDLE};
+use crate::node::{Node, BLOCK_SIZE};
+use qcow2_engine::io::BufSlice;
+use qcow2_engine::{Chain, Exec};
+use std::cell::{Cell, RefCell};
+use std::collections::VecDeque;
+use std::ffi::{c_int, c_void};
+use std::rc::Rc;
+
+/// The module's per-I/O context (SPDK reserves `get_ctx_size` bytes in every bdev_io).
+#[repr(C)]
+pub struct IoCtx {
+    /// `SPDK_BDEV_IO_STATUS_*` of a forwarded request, on its way back.
+    pub status: sys::spdk_bdev_io_status,
+}
+
+/// What happens once the owner closed (metadata flushed), on the md thread.
+type Then = Box<dyn FnOnce()>;
+/// The close task's result: `None` while it runs, then whether the flush succeeded.
+type Closed = Rc<Cell<Option<bool>>>;
+
+/// The writable image and everything that drives it. Lives on the md thread only.
+pub struct Owner {
+    exec: Exec<SpdkDevice>,
+    chain: Rc<Chain<SpdkDevice>>,
+    poller: RefCell<Option<Poller>>,
+    /// Completions SPDK could not queue to their thread (message pool empty): sent again
+    /// on the next poll.
+    unsent: RefCell<VecDeque<BdevIo>>,
+    /// `Some` once closing: the close task's result (`None` while it runs) and what follows.
+    closing: RefCell<Option<(Closed, Then)>>,
+}
+
+impl Owner {
+    /// Starts the owner of `chain` (whose devices belong to `exec`) on the calling thread,
+    /// the md thread. Returns a pointer freed by [`Owner::close`], or `None` if SPDK refused
+    /// a poller.
+    pub fn start(exec: Exec<SpdkDevice>, chain: Rc<Chain<SpdkDevice>>) -> Option<*mut Owner> {
+        let o = Box::into_raw(Box::new(Owner {
+            exec,
+            chain,
+            poller: RefCell::new(None),
+            unsent: RefCell::new(VecDeque::new()),
+            closing: RefCell::new(None),
+        }));
+        // SAFETY: `o` stays alive until `owner_poll` frees it after unregistering.
+        match unsafe { Poller::register(owner_poll, o.cast(), 0, c"qcow2_owner") } {
+            Some(p) => {
+                // SAFETY: `o` is live and only ours.
+                unsafe { *(*o).poller.borrow_mut() = Some(p) };
+                Some(o)
+            }
+            None => {
+                // SAFETY: no poller refers to it.
+                drop(unsafe { Box::from_raw(o) });
+                None
+            }
+        }
+    }
+
+    /// Flushes the metadata (`Chain::close`: refcounts, dirty bit), then frees the owner and
+    /// calls `then`, on the md thread. Every forwarded request has completed (the node's
+    /// channels are gone).
+    ///
+    /// # Safety
+    /// `owner` comes from [`Owner::start`] and is closed once, on the md thread.
+    pub unsafe fn close(owner: *mut Owner, then: impl FnOnce() + 'static) {
+        // SAFETY: per the contract.
+        let o = unsafe { &*owner };
+        let result: Closed = Rc::new(Cell::new(None));
+        let (r2, chain) = (result.clone(), o.chain.clone());
+        o.exec.spawn(async move {
+            let r = chain.close().await;
+            if let Err(e) = &r {
+                tracing::error!("flushing the image's metadata failed: {e}");
+            }
+            r2.set(Some(r.is_ok()));
+        });
+        *o.closing.borrow_mut() = Some((result, Box::new(then)));
+    }
+
+    /// Runs `io` (submitted to a writable bdev) on the owner's chain. On the md thread.
+    fn submit(&self, io: BdevIo) {
+        let bs = u64::from(BLOCK_SIZE);
+        let (off, len) = (io.offset_blocks() * bs, io.num_blocks() * bs);
+        let c = &self.chain;
+        match io.io_type() {
+            sys::SPDK_BDEV_IO_TYPE_READ | sys::SPDK_BDEV_IO_TYPE_WRITE => {
+                let (iovs, cnt) = io.iovs();
+                // SAFETY: the bdev_io's iovecs hold `len` bytes and stay valid until it is
+                // completed, which happens only after the engine reported the request done.
+                let view = unsafe { IovView::new(iovs, cnt, len as usize) };
+                let buf = BufSlice::whole(SpdkBuf::Iov(view));
+                if io.io_type() == sys::SPDK_BDEV_IO_TYPE_READ {
+                    c.submit_read(io.tag(), off, buf);
+                } else {
+                    c.submit_write(io.tag(), off, buf);
+                }
+            }
+            sys::SPDK_BDEV_IO_TYPE_WRITE_ZEROES => c.submit_write_zeroes(io.tag(), off, len, false),
+            sys::SPDK_BDEV_IO_TYPE_UNMAP => c.submit_discard(io.tag(), off, len),
+            sys::SPDK_BDEV_IO_TYPE_FLUSH => c.submit_flush(io.tag()),
+            _ => done(io, sys::SPDK_BDEV_IO_STATUS_FAILED),
+        }
+    }
+}
+
+fn set_status(io: BdevIo, status: sys::spdk_bdev_io_status) {
+    // SAFETY: the driver context has room for an `IoCtx` (`module::get_ctx_size`) and is
+    // cache-line aligned; the bdev_io is ours until completed.
+    unsafe { (*io.driver_ctx().cast::<IoCtx>()).status = status };
+}
+
+/// The owner of the writable bdev behind `io`.
+fn owner_of(io: BdevIo) -> *mut Owner {
+    // SAFETY: bdev_ios reaching us belong to our registered bdevs, whose `ctxt` is the node;
+    // `owner` is immutable after registration.
+    unsafe { (*io.bdev_ctxt().cast::<Node>()).owner }
+}
+
+/// Hands `io` to the owner of its (writable) bdev: directly on the md thread, else as a
+/// message. The caller counted it as outstanding on its channel.
+pub fn forward(md_thread: *mut sys::spdk_thread, io: BdevIo) {
+    if thread::current() == md_thread {
+        // SAFETY: on the md thread; the owner lives while the bdev has channels.
+        return unsafe { (*owner_of(io)).submit(io) };
+    }
+    // SAFETY: the md thread lives as long as the bdev; `fwd_submit` gets the live bdev_io.
+    if unsafe { thread::send_raw(md_thread, fwd_submit, io.raw().cast()) }.is_err() {
+        // SPDK's message pool is empty: let the bdev layer retry the request later.
+        set_status(io, sys::SPDK_BDEV_IO_STATUS_NOMEM);
+        channel::complete_forwarded(io);
+    }
+}
+
+unsafe extern "C" fn fwd_submit(ctx: *mut c_void) {
+    // SAFETY: `forward` sent a live bdev_io of a writable bdev.
+    let Some(io) = (unsafe { BdevIo::from_raw(ctx.cast()) }) else {
+        return;
+    };
+    // SAFETY: on the md thread; the owner lives while the bdev has channels.
+    unsafe { (*owner_of(io)).submit(io) };
+}
+
+/// A request finished on the owner: back to its thread.
+fn done(io: BdevIo, status: sys::spdk_bdev_io_status) {
+    set_status(io, status);
+    let t = io.thread();
+    if t == thread::current() {
+        return channel::complete_forwarded(io);
+    }
+    // SAFETY: the submitting thread lives while its channel (holding this request) does.
+    if unsafe { thread::send_raw(t, fwd_done, io.raw().cast()) }.is_err() {
+        // SAFETY: only the md thread touches the owner.
+        unsafe { (*owner_of(io)).unsent.borrow_mut().push_back(io) };
+    }
+}
+
+unsafe extern "C" fn fwd_done(ctx: *mut c_void) {
+    // SAFETY: `done` sent a live bdev_io, on its own thread now.
+    if let Some(io) = unsafe { BdevIo::from_raw(ctx.cast()) } {
+        channel::complete_forwarded(io);
+    }
+}
+
+/// The status a forwarded request carries back.
+pub fn status_of(io: BdevIo) -> sys::spdk_bdev_io_status {
+    // SAFETY: as in `set_status`.
+    unsafe { (*io.driver_ctx().cast::<IoCtx>()).status }
+}
+
+unsafe extern "C" fn owner_poll(ctx: *mut c_void) -> c_int {
+    let op = ctx.cast::<Owner>();
+    // SAFETY: the poller's context is the live owner (freed only below, after unregistering).
+    let o = unsafe { &*op };
+    let mut n = 0;
+    let unsent = std::mem::take(&mut *o.unsent.borrow_mut());
+    for io in unsent {
+        n += 1;
+        done(io, status_of(io));
+    }
+    n += o.exec.poll(&mut |tag, r| {
+        // SAFETY: tags are bdev_ios we submitted to the engine and have not completed.
+        if let Some(io) = unsafe { BdevIo::from_tag(tag) } {
+            let status = match &r {
+                Ok(()) => sys::SPDK_BDEV_IO_STATUS_SUCCESS,
+                Err(e) => {
+                    tracing::debug!("request failed: {e}");
+                    sys::SPDK_BDEV_IO_STATUS_FAILED
+                }
+            };
+            done(io, status);
+        }
+    });
+    let closed = o
+        .closing
+        .borrow()
+        .as_ref()
+        .is_some_and(|(r, _)| r.get().is_some())
+        && !o.exec.busy()
+        && o.unsent.borrow().is_empty();
+    if closed {
+        if let Some(p) = o.poller.borrow_mut().as_mut() {
+            p.unregister();
+        }
+        // SAFETY: closed, idle and unregistered: the last use of the owner. Dropping it puts
+        // the md thread's base channels back before `then` closes the descriptors.
+        let o = unsafe { Box::from_raw(op) };
+        let then = o.closing.borrow_mut().take().map(|(_, t)| t);
+        drop(o);
+        if let Some(t) = then {
+            t();
+        }
+        return POLLER_BUSY;
+    }
+    if n > 0 {
+        POLLER_BUSY
+    } else {
+        POLLER_IDLE
+    }
+}
