@@ -42,5 +42,12 @@ pub const MAX_CLUSTER_BITS: u32 = 21;
 /// Extended L2 needs subclusters of at least 512 bytes: 32 subclusters of a 16 KiB cluster.
 pub const MIN_CLUSTER_BITS_EXTENDED_L2: u32 = 14;
 
+/// How far past the end of the device the cluster allocator looks for a free cluster, in
+/// bytes. Clusters past the end hold no data; non-zero refcounts there are leaks (a crash
+/// while appending leaves a few). Refcounts claiming everything further out are hostile or
+/// broken: without this bound one write could scan 2^35 clusters (hours) and grow the
+/// device by terabytes. Such a write fails with EIO; `qcow2 check -r leaks` repairs it.
+pub const MAX_ALLOC_PAST_END: u64 = 256 << 20;
+
 /// Largest slice cache we build for one image, in bytes (a misconfiguration guard).
 pub const MAX_CACHE_BYTES: u64 = 4 << 30;

@@ -550,7 +550,19 @@ impl<D: BlockDevice> Qcow2<D> {
     pub(crate) async fn alloc_clusters(&self, n: u64) -> Result<(u64, u64, bool)> {
         let m = self.meta()?;
         let mut c = m.st.borrow().alloc_hint.max(1);
+        let limit = self
+            .device_size
+            .get()
+            .saturating_add(crate::limits::MAX_ALLOC_PAST_END)
+            >> self.cluster_bits();
         let start = loop {
+            if c > limit {
+                return Err(corrupt(
+                    Field::RefcountBlockEntry,
+                    c,
+                    "no free cluster up to 256 MiB past the end of the device (leaked refcounts: run `qcow2 check -r leaks`)",
+                ));
+            }
             if self.cluster_is_free(c).await? {
                 break c;
             }

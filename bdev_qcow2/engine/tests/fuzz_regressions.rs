@@ -122,6 +122,51 @@ fn compressed_entry_on_a_device_near_u64_max_does_not_overflow() {
     assert!(L2Entry(entry).mapping(&ctx).is_ok());
 }
 
+/// image_ops (RSS jumps of over 1 GiB in its 10-minute run, below the RSS limit so without an
+/// artifact; the mechanism reproduced here by hand): refcount-table entries that all point
+/// at one refcount block saying every cluster is in use made the allocator scan cluster by
+/// cluster far past the end of the device (with 64 KiB clusters, 8192 table entries × 32768
+/// clusters: 11 s for one 512-byte write, hours with a bigger table) and grow the device to
+/// wherever it stopped. The scan now stops 256 MiB past the end of the device with EIO.
+#[test]
+fn write_when_refcounts_claim_every_cluster_fails_fast_without_growing_the_device() {
+    for cluster_bits in [9, 12, 16] {
+        let mut img = created(CreateOptions {
+            size: 4 << 20,
+            cluster_bits,
+            ..Default::default()
+        });
+        let cs = 1usize << cluster_bits;
+        let rt = get(&img, 48, 8) as usize;
+        let rb = get(&img, rt, 8);
+        for i in 0..cs / 8 {
+            put(&mut img, rt + 8 * i, 8, rb);
+        }
+        img[rb as usize..rb as usize + cs].fill(0xff);
+        let len = img.len() as u64;
+
+        let mem = MemDevice::new(img.clone());
+        let (exec, chain) = open_chain(&mem, true).unwrap();
+        let start = Instant::now();
+        let c = chain.clone();
+        let r = exec.block_on(async move { c.write(0, BufSlice::whole(HeapBuf::new(512))).await });
+        assert!(
+            matches!(r, Err(Error::Corrupt { .. })),
+            "cluster_bits {cluster_bits}: {r:?}"
+        );
+        assert!(start.elapsed() < VARIANT_TIME, "{:?}", start.elapsed());
+        assert!(mem.0.borrow().data.len() as u64 <= len + (256 << 20));
+
+        // The fuzz input that found it, minimized: the same image, one write.
+        let op = Op::Write {
+            at: 0,
+            len: 1,
+            pattern: 1,
+        };
+        image_ops(&image_ops_input(0, true, &[op], &img));
+    }
+}
+
 // ---------------------------------------------------------------------------------------
 // Hostile images, generated (issue 6's "hostile images" figure)
 // ---------------------------------------------------------------------------------------
