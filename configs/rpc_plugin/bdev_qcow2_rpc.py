@@ -22,6 +22,18 @@ def bdev_qcow2_create(client, name, base_bdev, backing_bdev=None, read_only=None
     return client.call('bdev_qcow2_create', params)
 
 
+def bdev_qcow2_format(client, base_bdev, size, cluster_size=None, extended_l2=None,
+                      refcount_bits=None, compat=None, lazy_refcounts=None,
+                      compression_type=None):
+    params = {'base_bdev': base_bdev, 'size': size}
+    for k, v in (('cluster_size', cluster_size), ('extended_l2', extended_l2),
+                 ('refcount_bits', refcount_bits), ('compat', compat),
+                 ('lazy_refcounts', lazy_refcounts), ('compression_type', compression_type)):
+        if v is not None:
+            params[k] = v
+    return client.call('bdev_qcow2_format', params)
+
+
 def bdev_qcow2_delete(client, name):
     return client.call('bdev_qcow2_delete', {'name': name})
 
@@ -58,6 +70,29 @@ def spdk_rpc_plugin_initialize(subparsers):
     p.add_argument('--prefetch', dest='prefetch', action='store_true', default=None,
                    help='sequential read-ahead (not implemented yet)')
     p.set_defaults(func=create)
+
+    def fmt(args):
+        print_json(bdev_qcow2_format(args.client, base_bdev=args.base_bdev, size=args.size,
+                                     cluster_size=args.cluster_size,
+                                     extended_l2=args.extended_l2,
+                                     refcount_bits=args.refcount_bits, compat=args.compat,
+                                     lazy_refcounts=args.lazy_refcounts,
+                                     compression_type=args.compression_type))
+
+    p = subparsers.add_parser('bdev_qcow2_format',
+                              help='Write a fresh, empty qcow2 image onto a bdev (erases it)')
+    p.add_argument('base_bdev', help='bdev to format')
+    p.add_argument('-s', '--size', type=int, required=True, help='virtual size in bytes')
+    p.add_argument('--cluster-size', type=int, help='cluster size in bytes (default 65536)')
+    p.add_argument('--extended-l2', action='store_true', default=None,
+                   help='extended L2 entries (subclusters)')
+    p.add_argument('--refcount-bits', type=int, help='refcount width (default 16)')
+    p.add_argument('--compat', choices=['1.1', '0.10'], help='qcow2 version (default 1.1)')
+    p.add_argument('--lazy-refcounts', action='store_true', default=None,
+                   help='lazy refcounts (compat 1.1)')
+    p.add_argument('--compression-type', choices=['zlib', 'zstd'],
+                   help='compression of compressed clusters (default zlib)')
+    p.set_defaults(func=fmt)
 
     def delete(args):
         print_json(bdev_qcow2_delete(args.client, name=args.name))

@@ -1,6 +1,8 @@
 //! RPC parameters, decoded once into structs that `write_config_json` writes back, so
 //! `save_config` round-trips.
 
+use qcow2_engine::create::CreateOptions;
+use qcow2_engine::format::header::CompressionType;
 use qcow2_engine::OpenOptions;
 use serde::{Deserialize, Serialize};
 
@@ -85,6 +87,80 @@ impl CreateParams {
     }
 }
 
+/// `bdev_qcow2_format` parameters (the `qemu-img create -f qcow2 -o …` options).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FormatParams {
+    /// The bdev to write the fresh image on (everything on it is lost).
+    pub base_bdev: String,
+    /// Virtual size in bytes (required, as with qemu-img; rounded up to 512).
+    pub size: u64,
+    /// Cluster size in bytes (power of two, 512 B – 2 MiB; default 65536).
+    #[serde(default)]
+    pub cluster_size: Option<u64>,
+    /// Extended L2 entries (subclusters; clusters of at least 16 KiB).
+    #[serde(default)]
+    pub extended_l2: Option<bool>,
+    /// Refcount width in bits (power of two, 1–64; default 16).
+    #[serde(default)]
+    pub refcount_bits: Option<u64>,
+    /// `"1.1"` (v3, default) or `"0.10"` (v2).
+    #[serde(default)]
+    pub compat: Option<String>,
+    /// Lazy refcounts (compat 1.1 only).
+    #[serde(default)]
+    pub lazy_refcounts: Option<bool>,
+    /// `"zlib"` (default) or `"zstd"`.
+    #[serde(default)]
+    pub compression_type: Option<String>,
+}
+
+impl FormatParams {
+    /// The engine's create options, or the reason the parameters are invalid (the engine
+    /// checks the combinations).
+    pub fn create_options(&self) -> Result<CreateOptions, String> {
+        let d = CreateOptions::default();
+        if self.base_bdev.is_empty() || self.base_bdev.contains('\0') {
+            return Err("base_bdev must be a bdev name".into());
+        }
+        if self.size == 0 {
+            return Err("size must be given (bytes) and non-zero".into());
+        }
+        let log2 = |what: &str, v: u64| {
+            if v.is_power_of_two() {
+                Ok(v.ilog2())
+            } else {
+                Err(format!("{what} {v}: must be a power of two"))
+            }
+        };
+        Ok(CreateOptions {
+            size: self.size,
+            cluster_bits: match self.cluster_size {
+                Some(c) => log2("cluster_size", c)?,
+                None => d.cluster_bits,
+            },
+            version: match self.compat.as_deref() {
+                None | Some("1.1") | Some("v3") => 3,
+                Some("0.10") | Some("v2") => 2,
+                Some(c) => return Err(format!("compat {c}: must be 1.1 or 0.10")),
+            },
+            refcount_order: match self.refcount_bits {
+                Some(b) => log2("refcount_bits", b)?,
+                None => d.refcount_order,
+            },
+            extended_l2: self.extended_l2.unwrap_or(false),
+            lazy_refcounts: self.lazy_refcounts.unwrap_or(false),
+            compression_type: match self.compression_type.as_deref() {
+                None | Some("zlib") => CompressionType::Zlib,
+                Some("zstd") => CompressionType::Zstd,
+                Some(c) => return Err(format!("compression_type {c}: must be zlib or zstd")),
+            },
+            backing_file: None,
+            backing_format: None,
+        })
+    }
+}
+
 /// `bdev_qcow2_delete` parameters.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -121,6 +197,21 @@ mod tests {
         let back: CreateParams = serde_json::from_str(&serde_json::to_string(&p).unwrap()).unwrap();
         assert_eq!(back, p);
         assert!(p.validate().is_ok());
+    }
+
+    #[test]
+    fn format_options() {
+        let p: FormatParams = serde_json::from_str(
+            r#"{"base_bdev":"m0","size":1048576,"cluster_size":4096,"refcount_bits":1,"compat":"0.10","compression_type":"zstd"}"#,
+        )
+        .unwrap();
+        let o = p.create_options().unwrap();
+        assert_eq!((o.cluster_bits, o.refcount_order, o.version), (12, 0, 2));
+        assert_eq!(o.compression_type, CompressionType::Zstd);
+        let p: FormatParams =
+            serde_json::from_str(r#"{"base_bdev":"m0","size":1,"cluster_size":3000}"#).unwrap();
+        assert!(p.create_options().is_err());
+        assert!(serde_json::from_str::<FormatParams>(r#"{"base_bdev":"m0"}"#).is_err());
     }
 
     #[test]

@@ -1,4 +1,5 @@
-//! The RPC methods `bdev_qcow2_create`, `bdev_qcow2_delete` and `bdev_qcow2_get_stats`
+//! The RPC methods `bdev_qcow2_create`, `bdev_qcow2_format`, `bdev_qcow2_delete` and
+//! `bdev_qcow2_get_stats`
 //! (registered by `register.c`). Parameters are decoded into the structs of `params.rs`.
 
 use crate::channel::{self, ChannelStats};
@@ -6,7 +7,7 @@ use crate::ffi::rpc::{Request, INVALID_PARAMS};
 use crate::ffi::{bdev, io_channel, json, sys};
 use crate::module::module_ptr;
 use crate::node;
-use crate::params::{CreateParams, DeleteParams, StatsParams};
+use crate::params::{CreateParams, DeleteParams, FormatParams, StatsParams};
 use crate::registry::{self, NodePtr};
 use serde::de::DeserializeOwned;
 use serde_json::{json, Value};
@@ -90,6 +91,34 @@ pub unsafe extern "C" fn bdev_qcow2_rpc_create(
         p,
         Box::new(move |r| match r {
             Ok(name) => req.result(&json!(name)),
+            Err((e, m)) => req.errno(e, &m),
+        }),
+    );
+}
+
+/// `bdev_qcow2_format`: answers `true` once the image is written and flushed.
+///
+/// # Safety
+/// Called by SPDK's RPC server with a live request and its params.
+#[no_mangle]
+pub unsafe extern "C" fn bdev_qcow2_rpc_format(
+    request: *mut sys::spdk_jsonrpc_request,
+    params: *const sys::spdk_json_val,
+) {
+    // SAFETY: SPDK's request, answered exactly once below.
+    let req = unsafe { Request::from_raw(request) };
+    // SAFETY: SPDK's params.
+    let Some((req, p)) = (unsafe { decode::<FormatParams>(req, params, "bdev_qcow2_format") })
+    else {
+        return;
+    };
+    if let Err(m) = p.create_options() {
+        return req.error(INVALID_PARAMS, &format!("bdev_qcow2_format: {m}"));
+    }
+    crate::format::format(
+        p,
+        Box::new(move |r| match r {
+            Ok(()) => req.result(&json!(true)),
             Err((e, m)) => req.errno(e, &m),
         }),
     );

@@ -1,0 +1,156 @@
+//! `bdev_qcow2_format`: writes a fresh, empty image onto a base bdev with the engine's
+//! `create`, asynchronously on the calling thread. The base is opened for writing and claimed as
+//! its only writer for the duration (released when the descriptor closes).
+
+use crate::device::SpdkDevice;
+use crate::ffi::bdev::Desc;
+use crate::ffi::sys;
+use crate::ffi::thread::{Poller, POLLER_BUSY, POLLER_IDLE};
+use crate::module::module_ptr;
+use crate::params::FormatParams;
+use qcow2_engine::create::{create, CreateOptions};
+use qcow2_engine::{Error, Exec};
+use std::cell::RefCell;
+use std::ffi::{c_int, c_void};
+use std::rc::Rc;
+
+/// How a format ends: `Ok`, or an errno and a message.
+pub type Done = Box<dyn FnOnce(Result<(), (i32, String)>)>;
+
+struct Job {
+    base: String,
+    base_size: u64,
+    desc: Option<Desc>,
+    exec: Option<Exec<SpdkDevice>>,
+    result: Rc<RefCell<Option<qcow2_engine::Result<()>>>>,
+    poller: Option<Poller>,
+    done: Option<Done>,
+}
+
+unsafe extern "C" fn ignore_event(
+    _ty: sys::spdk_bdev_event_type,
+    _bdev: *mut sys::spdk_bdev,
+    _ctx: *mut c_void,
+) {
+    // A base removed mid-format fails the format's writes; our descriptor closes when the
+    // format ends, which is what the removal waits for.
+}
+
+fn errno_msg(e: i32) -> String {
+    std::io::Error::from_raw_os_error(e).to_string()
+}
+
+/// Formats `p.base_bdev` (which must exist and be unclaimed); `done` hears the outcome,
+/// possibly before this returns.
+pub fn format(p: FormatParams, done: Done) {
+    let opts: CreateOptions = match p.create_options() {
+        Ok(o) => o,
+        Err(m) => return done(Err((libc::EINVAL, m))),
+    };
+    let base = p.base_bdev.clone();
+    let desc = match Desc::open(&base, true, ignore_event) {
+        Ok(d) => d,
+        Err(e) => {
+            let m = format!("cannot open bdev {base} for writing: {}", errno_msg(e));
+            return done(Err((e, m)));
+        }
+    };
+    // SAFETY: our module is registered (at load time).
+    if let Err(e) = unsafe { desc.claim(sys::SPDK_BDEV_CLAIM_READ_MANY_WRITE_ONE, module_ptr()) } {
+        desc.close();
+        let m = format!("cannot claim bdev {base} (in use?): {}", errno_msg(e));
+        return done(Err((e, m)));
+    }
+    if desc.block_size() != crate::node::BLOCK_SIZE {
+        let bs = desc.block_size();
+        desc.close();
+        let m = format!("bdev {base} has {bs}-byte blocks; only 512-byte blocks are supported");
+        return done(Err((libc::EINVAL, m)));
+    }
+    let base_size = desc.size();
+    let Some(dev) = SpdkDevice::new(&desc) else {
+        desc.close();
+        return done(Err((
+            libc::ENOMEM,
+            format!("no I/O channel for bdev {base}"),
+        )));
+    };
+    let exec: Exec<SpdkDevice> = Exec::new();
+    let dev = exec.add_device(dev);
+    let result = Rc::new(RefCell::new(None));
+    {
+        let (e2, r2) = (exec.clone(), result.clone());
+        exec.spawn(async move {
+            let r = create(&e2, dev, &opts).await;
+            *r2.borrow_mut() = Some(r);
+        });
+    }
+    let job = Box::into_raw(Box::new(Job {
+        base,
+        base_size,
+        desc: Some(desc),
+        exec: Some(exec),
+        result,
+        poller: None,
+        done: Some(done),
+    }));
+    // SAFETY: `job` lives until `job_poll` takes it back after unregistering.
+    match unsafe { Poller::register(job_poll, job.cast(), 0, c"qcow2_format") } {
+        // SAFETY: live, not shared yet.
+        Some(p) => unsafe { (*job).poller = Some(p) },
+        None => {
+            // SAFETY: no poller refers to it.
+            let mut j = unsafe { Box::from_raw(job) };
+            j.exec = None;
+            if let Some(d) = j.desc.take() {
+                d.close();
+            }
+            if let Some(done) = j.done.take() {
+                done(Err((libc::ENOMEM, "cannot register a poller".into())));
+            }
+        }
+    }
+}
+
+unsafe extern "C" fn job_poll(ctx: *mut c_void) -> c_int {
+    let jp = ctx.cast::<Job>();
+    // SAFETY: the live job of this poller; only this thread uses it.
+    let j = unsafe { &mut *jp };
+    let Some(exec) = j.exec.as_ref() else {
+        return POLLER_IDLE;
+    };
+    let n = exec.poll(&mut |_, _| {});
+    if j.result.borrow().is_none() || exec.busy() {
+        return if n > 0 { POLLER_BUSY } else { POLLER_IDLE };
+    }
+    // SAFETY: finished: unregister and take the job back (the poller never runs again).
+    let mut j = unsafe { Box::from_raw(jp) };
+    if let Some(p) = j.poller.as_mut() {
+        p.unregister();
+    }
+    // Put the base channel back before closing the descriptor (releasing the claim).
+    j.exec = None;
+    if let Some(d) = j.desc.take() {
+        d.close();
+    }
+    let r = j.result.borrow_mut().take();
+    let out = match r {
+        Some(Ok(())) => {
+            tracing::info!("formatted bdev {} as a qcow2 image", j.base);
+            Ok(())
+        }
+        Some(Err(Error::Io(e))) if e == libc::EINVAL || e == libc::ENOSPC => Err((
+            libc::ENOSPC,
+            format!(
+                "bdev {} ({} bytes) is too small for the image's metadata",
+                j.base, j.base_size
+            ),
+        )),
+        Some(Err(e)) => Err((e.errno(), format!("formatting bdev {}: {e}", j.base))),
+        None => Err((libc::EIO, "format did not finish".into())),
+    };
+    if let Some(done) = j.done.take() {
+        done(out);
+    }
+    POLLER_BUSY
+}
