@@ -2,7 +2,7 @@
 //! output and exit codes shaped like `qemu-img`.
 
 use clap::{Parser, Subcommand};
-use qcow2_tool::cmd::{check, convert, create, info, io, map};
+use qcow2_tool::cmd::{check, convert, create, info, io, map, perf};
 use std::io::Write;
 use std::process::ExitCode;
 
@@ -19,6 +19,9 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
+    /// Measure the engine against the raw file, bdevperf style (no image: a sample image
+    /// and a default set of workloads).
+    Perf(perf::PerfArgs),
     /// Show what the image header says (like `qemu-img info`).
     Info(info::InfoArgs),
     /// Show where each guest range is stored (like `qemu-img map`).
@@ -41,6 +44,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let r = match &cli.cmd {
         Cmd::Info(a) => info::run(a),
+        Cmd::Perf(a) => perf::run(a),
         Cmd::Map(a) => map::run(a),
         Cmd::Convert(a) => convert::run(a),
         Cmd::Create(a) => create::run(a),

@@ -6,6 +6,7 @@ pub mod create;
 pub mod info;
 pub mod io;
 pub mod map;
+pub mod perf;
 
 use crate::host::{Format, OpenSpec};
 use qcow2_engine::OpenOptions;

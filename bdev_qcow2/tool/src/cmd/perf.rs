@@ -1,0 +1,700 @@
+//! `qcow2 perf`: a bdevperf-shaped workload generator on the standalone host, reporting our
+//! engine side by side with the same workload on the same file read as a raw disk.
+//!
+//! With no image it creates a sample image (fully allocated, in a temporary directory) and
+//! runs a short default set. Writes run on one core (the metadata owner); read workloads can
+//! run on several cores, each with its own executor, io_uring and read-only image.
+
+use crate::host::{ToolError, ToolResult};
+use crate::uring::{AlignedBuf, UringDevice};
+use qcow2_engine::create::{create, CreateOptions};
+use qcow2_engine::io::{BlockDevice, BufSlice, Busy, DeviceError, DeviceOp, IoBuffer};
+use qcow2_engine::{Chain, DevId, Exec, Layer, OpenOptions, Qcow2};
+use std::collections::VecDeque;
+use std::path::{Path, PathBuf};
+use std::rc::Rc;
+use std::time::{Duration, Instant};
+
+/// Workload kinds (bdevperf's names).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Workload {
+    /// Sequential reads.
+    Read,
+    /// Sequential writes.
+    Write,
+    /// Random reads.
+    Randread,
+    /// Random writes.
+    Randwrite,
+    /// Sequential mix (-M % reads).
+    Rw,
+    /// Random mix (-M % reads).
+    Randrw,
+    /// Write, read back and compare.
+    Verify,
+}
+
+impl Workload {
+    fn writes(self) -> bool {
+        !matches!(self, Workload::Read | Workload::Randread)
+    }
+    fn random(self) -> bool {
+        matches!(
+            self,
+            Workload::Randread | Workload::Randwrite | Workload::Randrw | Workload::Verify
+        )
+    }
+}
+
+/// Arguments of `qcow2 perf`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct PerfArgs {
+    /// Queue depth per core.
+    #[arg(short = 'q', default_value_t = 32)]
+    pub depth: usize,
+    /// I/O size (e.g. 4k, 128k).
+    #[arg(short = 'o', value_parser = crate::parse_size, default_value = "4k")]
+    pub io_size: u64,
+    /// Workload. Without -w (and without an image), a default set runs.
+    #[arg(short = 'w', value_enum)]
+    pub workload: Option<Workload>,
+    /// Percentage of reads for rw/randrw.
+    #[arg(short = 'M', default_value_t = 50)]
+    pub rwmix: u32,
+    /// Seconds per run.
+    #[arg(short = 't', default_value_t = 3.0)]
+    pub seconds: f64,
+    /// Polling cores (read workloads; writes run on the metadata owner's core).
+    #[arg(long, default_value_t = 1)]
+    pub cores: usize,
+    /// L2 slice cache size per core.
+    #[arg(long, value_parser = crate::parse_size)]
+    pub l2_cache_size: Option<u64>,
+    /// L2 slice size.
+    #[arg(long, value_parser = crate::parse_size, default_value = "4096")]
+    pub l2_slice_size: u64,
+    /// Ways per set of the slice cache.
+    #[arg(long, default_value_t = 8)]
+    pub cache_ways: usize,
+    /// Added device latency in microseconds (like SPDK's delay bdev).
+    #[arg(long, default_value_t = 0)]
+    pub base_latency_us: u64,
+    /// Run only the raw baseline (the same workload on the same file as a raw disk).
+    #[arg(long)]
+    pub raw: bool,
+    /// Buffered I/O instead of O_DIRECT.
+    #[arg(long)]
+    pub buffered: bool,
+    /// One JSON object per run instead of the table.
+    #[arg(long)]
+    pub json: bool,
+    /// Size of the sample image when no image is given.
+    #[arg(long, value_parser = crate::parse_size, default_value = "1G")]
+    pub sample_size: u64,
+    /// The image (qcow2, no backing file; write workloads overwrite its data, like bdevperf).
+    /// Default: a sample image in a temporary directory.
+    pub image: Option<PathBuf>,
+}
+
+/// One run's result.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct RunResult {
+    /// "qcow2" or "raw".
+    pub target: &'static str,
+    /// Workload.
+    pub workload: Workload,
+    /// I/O size in bytes.
+    pub io_size: u64,
+    /// Queue depth per core.
+    pub depth: usize,
+    /// Cores.
+    pub cores: usize,
+    /// Operations per second.
+    pub iops: f64,
+    /// MiB per second.
+    pub mibps: f64,
+    /// Mean latency in microseconds.
+    pub lat_avg_us: f64,
+    /// 99th percentile latency in microseconds.
+    pub lat_p99_us: f64,
+    /// L2 slice cache hits (qcow2 runs).
+    pub cache_hits: u64,
+    /// L2 slice cache misses.
+    pub cache_misses: u64,
+    /// L2 slice cache evictions.
+    pub cache_evictions: u64,
+    /// Verify mismatches (must be 0).
+    pub verify_failures: u64,
+}
+
+/// A device that adds a fixed latency to every completion (test double for slow media).
+pub struct DelayDevice<D: BlockDevice> {
+    inner: D,
+    delay: Duration,
+    held: VecDeque<(Instant, u64, Result<(), DeviceError>)>,
+}
+
+impl<D: BlockDevice> BlockDevice for DelayDevice<D> {
+    type Buf = D::Buf;
+    fn size(&self) -> u64 {
+        self.inner.size()
+    }
+    fn alloc_buf(&mut self, len: usize) -> Self::Buf {
+        self.inner.alloc_buf(len)
+    }
+    fn submit(&mut self, op: DeviceOp<Self::Buf>, tag: u64) -> Result<(), Busy<Self::Buf>> {
+        self.inner.submit(op, tag)
+    }
+    fn ensure_size(&mut self, size: u64) -> Result<(), DeviceError> {
+        self.inner.ensure_size(size)
+    }
+    fn poll(&mut self, done: &mut dyn FnMut(u64, Result<(), DeviceError>)) -> usize {
+        let now = Instant::now();
+        let due = now + self.delay;
+        self.inner
+            .poll(&mut |tag, r| self.held.push_back((due, tag, r)));
+        let mut n = 0;
+        while let Some(&(t, tag, r)) = self.held.front() {
+            if t > now {
+                break;
+            }
+            self.held.pop_front();
+            done(tag, r);
+            n += 1;
+        }
+        n
+    }
+}
+
+type Dev = DelayDevice<UringDevice>;
+
+fn open_dev(path: &Path, writable: bool, a: &PerfArgs) -> ToolResult<Dev> {
+    let inner = UringDevice::open(path, writable, !a.buffered, (a.depth * 2).max(8) as u32)
+        .map_err(|source| ToolError::Io {
+            path: path.display().to_string(),
+            source,
+        })?;
+    Ok(DelayDevice {
+        inner,
+        delay: Duration::from_micros(a.base_latency_us),
+        held: VecDeque::new(),
+    })
+}
+
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+}
+
+/// What a run drives: the engine, or the raw file.
+enum Target {
+    Qcow2(Rc<Chain<Dev>>),
+    Raw(DevId, u64),
+}
+
+impl Target {
+    fn size(&self) -> u64 {
+        match self {
+            Target::Qcow2(c) => c.size(),
+            Target::Raw(_, s) => *s,
+        }
+    }
+    fn submit(
+        &self,
+        exec: &Exec<Dev>,
+        tag: u64,
+        write: bool,
+        off: u64,
+        buf: BufSlice<<Dev as BlockDevice>::Buf>,
+    ) {
+        match self {
+            Target::Qcow2(c) if write => c.submit_write(tag, off, buf),
+            Target::Qcow2(c) => c.submit_read(tag, off, buf),
+            Target::Raw(dev, _) => {
+                let req = exec.request_begin(tag);
+                let op = if write {
+                    DeviceOp::Write { offset: off, buf }
+                } else {
+                    DeviceOp::Read { offset: off, buf }
+                };
+                exec.request_op(req, *dev, op);
+                exec.request_arm(req);
+            }
+        }
+    }
+}
+
+/// Runs one workload on one core; returns (ops, latencies in µs, verify failures).
+fn drive(
+    exec: &Exec<Dev>,
+    target: &Target,
+    a: &PerfArgs,
+    w: Workload,
+    seed: u64,
+) -> ToolResult<(u64, Vec<u32>, u64)> {
+    let len = a.io_size as usize;
+    let blocks = target.size() / a.io_size;
+    if blocks == 0 {
+        return Err(ToolError::Usage("I/O size larger than the disk".into()));
+    }
+    let qd = a.depth.max(1);
+    let bufs: Vec<AlignedBuf> = (0..qd).map(|_| AlignedBuf::new(len)).collect();
+    let check: Vec<AlignedBuf> = (0..qd).map(|_| AlignedBuf::new(len)).collect();
+    let mut rng = Rng(seed | 1);
+    // Sequential streams of different cores start at different places.
+    let mut seq = (seed * 7919) % blocks;
+    // Per slot: (start time, offset, phase: 0 = read/write, 1 = verify read-back).
+    let mut slots: Vec<Option<(Instant, u64, bool, u8)>> = vec![None; qd];
+    let mut lat: Vec<u32> = Vec::with_capacity(1 << 20);
+    let (mut ops, mut failures) = (0u64, 0u64);
+    let end = Instant::now() + Duration::from_secs_f64(a.seconds);
+    let mut done: Vec<(u64, qcow2_engine::Result<()>)> = Vec::with_capacity(qd);
+    let mut stopping = false;
+    loop {
+        if !stopping {
+            for (i, slot) in slots.iter_mut().enumerate() {
+                if slot.is_some() {
+                    continue;
+                }
+                let block = if w.random() {
+                    // Verify: slot i owns blocks ≡ i (mod qd), so no two slots overlap.
+                    let b = rng.next() % blocks;
+                    if w == Workload::Verify {
+                        b - b % qd as u64 + i as u64
+                    } else {
+                        b
+                    }
+                } else {
+                    seq = (seq + 1) % blocks;
+                    seq
+                };
+                if block >= blocks {
+                    continue;
+                }
+                let write = match w {
+                    Workload::Rw | Workload::Randrw => (rng.next() % 100) as u32 >= a.rwmix,
+                    other => other.writes(),
+                };
+                if write {
+                    let tag = rng.next();
+                    bufs[i].fill(0, len, tag as u8);
+                    bufs[i].copy_in(0, &block.to_le_bytes());
+                }
+                let off = block * a.io_size;
+                *slot = Some((Instant::now(), off, write, 0));
+                target.submit(
+                    exec,
+                    i as u64,
+                    write,
+                    off,
+                    BufSlice {
+                        buf: bufs[i].clone(),
+                        off: 0,
+                        len,
+                    },
+                );
+            }
+        }
+        exec.poll(&mut |tag, r| done.push((tag, r)));
+        for (tag, r) in done.drain(..) {
+            let i = tag as usize;
+            let Some((t0, off, write, phase)) = slots[i] else {
+                continue;
+            };
+            r.map_err(|source| ToolError::Engine {
+                path: "perf".into(),
+                source,
+            })?;
+            if w == Workload::Verify && write && phase == 0 {
+                slots[i] = Some((t0, off, write, 1));
+                target.submit(
+                    exec,
+                    i as u64,
+                    false,
+                    off,
+                    BufSlice {
+                        buf: check[i].clone(),
+                        off: 0,
+                        len,
+                    },
+                );
+                continue;
+            }
+            if phase == 1 && bufs[i].to_vec(0, len) != check[i].to_vec(0, len) {
+                failures += 1;
+            }
+            lat.push(t0.elapsed().as_micros().min(u32::MAX as u128) as u32);
+            ops += 1;
+            slots[i] = None;
+        }
+        if Instant::now() >= end {
+            stopping = true;
+        }
+        if stopping && slots.iter().all(Option::is_none) {
+            break;
+        }
+    }
+    Ok((ops, lat, failures))
+}
+
+fn open_target(
+    path: &Path,
+    raw: bool,
+    writable: bool,
+    a: &PerfArgs,
+) -> ToolResult<(Exec<Dev>, Target)> {
+    let exec: Exec<Dev> = Exec::new();
+    let dev = exec.add_device(open_dev(path, writable, a)?);
+    if raw {
+        let size = exec.device_size(dev) / 512 * 512;
+        return Ok((exec, Target::Raw(dev, size)));
+    }
+    let opts = OpenOptions {
+        writable,
+        l2_cache_bytes: a.l2_cache_size,
+        l2_slice_bytes: a.l2_slice_size,
+        cache_ways: a.cache_ways,
+        ..OpenOptions::default()
+    };
+    let e2 = exec.clone();
+    let q = exec
+        .block_on(async move { Qcow2::open(&e2, dev, opts).await })
+        .map_err(|source| ToolError::Engine {
+            path: path.display().to_string(),
+            source,
+        })?;
+    if q.header().backing_file.is_some() {
+        return Err(ToolError::Usage(
+            "qcow2 perf runs on images without a backing file".into(),
+        ));
+    }
+    let chain =
+        Chain::new(&exec, vec![Layer::Qcow2(Box::new(q))]).map_err(|source| ToolError::Engine {
+            path: path.display().to_string(),
+            source,
+        })?;
+    Ok((exec, Target::Qcow2(chain)))
+}
+
+/// One run (qcow2 or raw) on `cores` cores.
+pub fn run_one(path: &Path, raw: bool, w: Workload, a: &PerfArgs) -> ToolResult<RunResult> {
+    let cores = if w.writes() { 1 } else { a.cores.max(1) };
+    let mut handles = Vec::new();
+    for core in 0..cores {
+        let (p, a2) = (path.to_path_buf(), a.clone());
+        handles.push(std::thread::spawn(move || -> ToolResult<_> {
+            let (exec, target) = open_target(&p, raw, w.writes(), &a2)?;
+            // Warm the metadata cache outside the timed run, like a long-running target.
+            if let Target::Qcow2(c) = &target {
+                let c2 = c.clone();
+                let size = c.size();
+                let step = match &c.layers()[0] {
+                    Layer::Qcow2(q) => q.geometry().slice_coverage(),
+                    Layer::Raw { .. } => size.max(1),
+                };
+                exec.block_on(async move {
+                    // One sector per L2 slice loads the slice.
+                    let b = AlignedBuf::new(512);
+                    let mut off = 0;
+                    while off < size {
+                        let _ = c2
+                            .read(
+                                off,
+                                BufSlice {
+                                    buf: b.clone(),
+                                    off: 0,
+                                    len: 512,
+                                },
+                            )
+                            .await;
+                        off += step;
+                    }
+                });
+            }
+            let (ops, lat, fails) = drive(&exec, &target, &a2, w, core as u64 * 7919 + 1)?;
+            let stats = match &target {
+                Target::Qcow2(c) => {
+                    if w.writes() {
+                        let c2 = c.clone();
+                        exec.block_on(async move { c2.close().await })
+                            .map_err(|source| ToolError::Engine {
+                                path: p.display().to_string(),
+                                source,
+                            })?;
+                    }
+                    match &c.layers()[0] {
+                        Layer::Qcow2(q) => q.l2_cache_stats(),
+                        Layer::Raw { .. } => Default::default(),
+                    }
+                }
+                Target::Raw(..) => Default::default(),
+            };
+            Ok((ops, lat, fails, stats))
+        }));
+    }
+    let mut ops = 0;
+    let mut lat = Vec::new();
+    let mut fails = 0;
+    let mut stats = qcow2_engine::cache::CacheStats::default();
+    for h in handles {
+        let (o, l, f, s) = h
+            .join()
+            .map_err(|_| ToolError::Usage("a perf thread panicked".into()))??;
+        ops += o;
+        lat.extend(l);
+        fails += f;
+        stats.hits += s.hits;
+        stats.misses += s.misses;
+        stats.evictions += s.evictions;
+    }
+    lat.sort_unstable();
+    let avg = lat.iter().map(|&x| x as f64).sum::<f64>() / lat.len().max(1) as f64;
+    let p99 = lat
+        .get(lat.len().saturating_sub(1) * 99 / 100)
+        .copied()
+        .unwrap_or(0) as f64;
+    let iops = ops as f64 / a.seconds;
+    Ok(RunResult {
+        target: if raw { "raw" } else { "qcow2" },
+        workload: w,
+        io_size: a.io_size,
+        depth: a.depth,
+        cores,
+        iops,
+        mibps: iops * a.io_size as f64 / (1 << 20) as f64,
+        lat_avg_us: avg,
+        lat_p99_us: p99,
+        cache_hits: stats.hits,
+        cache_misses: stats.misses,
+        cache_evictions: stats.evictions,
+        verify_failures: fails,
+    })
+}
+
+/// Creates a fully allocated sample image of `size` bytes at `path`.
+fn sample_image(path: &Path, size: u64, a: &PerfArgs) -> ToolResult<()> {
+    std::fs::File::create(path).map_err(|source| ToolError::Io {
+        path: path.display().to_string(),
+        source,
+    })?;
+    let exec: Exec<Dev> = Exec::new();
+    let dev = exec.add_device(open_dev(path, true, a)?);
+    let e2 = exec.clone();
+    let err = |source| ToolError::Engine {
+        path: path.display().to_string(),
+        source,
+    };
+    exec.block_on(async move {
+        create(
+            &e2,
+            dev,
+            &CreateOptions {
+                size,
+                ..Default::default()
+            },
+        )
+        .await
+    })
+    .map_err(err)?;
+    let e2 = exec.clone();
+    let q = exec
+        .block_on(async move {
+            Qcow2::open(
+                &e2,
+                dev,
+                OpenOptions {
+                    writable: true,
+                    ..Default::default()
+                },
+            )
+            .await
+        })
+        .map_err(err)?;
+    let chain = Chain::new(&exec, vec![Layer::Qcow2(Box::new(q))]).map_err(err)?;
+    exec.block_on(async move {
+        let b = AlignedBuf::new(1 << 20);
+        b.fill(0, 1 << 20, 0xa5);
+        let mut off = 0;
+        while off < size {
+            let n = (size - off).min(1 << 20) as usize;
+            chain
+                .write(
+                    off,
+                    BufSlice {
+                        buf: b.clone(),
+                        off: 0,
+                        len: n,
+                    },
+                )
+                .await?;
+            off += n as u64;
+        }
+        chain.close().await
+    })
+    .map_err(err)
+}
+
+fn table(rows: &[(RunResult, Option<RunResult>)]) -> String {
+    let mut s = format!(
+        "{:<10} {:>6} {:>3} {:>5} {:>11} {:>9} {:>9} {:>9} {:>11} {:>7}\n",
+        "workload", "size", "qd", "cores", "IOPS", "MiB/s", "avg us", "p99 us", "raw IOPS", "ratio"
+    );
+    for (q, r) in rows {
+        let (raw_iops, ratio) = match r {
+            Some(r) => (
+                format!("{:.0}", r.iops),
+                format!("{:.3}", q.iops / r.iops.max(1e-9)),
+            ),
+            None => ("-".into(), "-".into()),
+        };
+        s += &format!(
+            "{:<10} {:>6} {:>3} {:>5} {:>11.0} {:>9.1} {:>9.1} {:>9.0} {:>11} {:>7}\n",
+            format!("{:?}", q.workload).to_lowercase(),
+            crate::cmd::info::human_size(q.io_size).replace(' ', ""),
+            q.depth,
+            q.cores,
+            q.iops,
+            q.mibps,
+            q.lat_avg_us,
+            q.lat_p99_us,
+            raw_iops,
+            ratio
+        );
+        if q.verify_failures > 0 {
+            s += &format!("  VERIFY FAILURES: {}\n", q.verify_failures);
+        }
+    }
+    s
+}
+
+/// Runs `qcow2 perf`.
+pub fn run(a: &PerfArgs) -> ToolResult<String> {
+    let tmp;
+    let path = match &a.image {
+        Some(p) => p.clone(),
+        None => {
+            tmp = tempdir()?;
+            let p = tmp.0.join("sample.qcow2");
+            sample_image(&p, a.sample_size, a)?;
+            p
+        }
+    };
+    let set: Vec<(Workload, u64)> = match (a.workload, &a.image) {
+        (Some(w), _) => vec![(w, a.io_size)],
+        (None, _) => vec![
+            (Workload::Randread, 4096),
+            (Workload::Randread, 512),
+            (Workload::Read, 131072),
+            (Workload::Randwrite, 4096),
+            (Workload::Verify, 4096),
+        ],
+    };
+    // Raw baselines of write workloads must not write over the image: they use a raw file
+    // of the same size beside it, fully written first.
+    let mut scratch: Option<TempFile> = None;
+    let mut rows = Vec::new();
+    for (w, size) in set {
+        let a2 = PerfArgs {
+            io_size: size,
+            ..a.clone()
+        };
+        let raw_path = if w.writes() {
+            if scratch.is_none() {
+                scratch = Some(raw_scratch(&path)?);
+            }
+            scratch
+                .as_ref()
+                .map(|t| t.0.clone())
+                .unwrap_or_else(|| path.clone())
+        } else {
+            path.clone()
+        };
+        if a.raw {
+            rows.push((run_one(&raw_path, true, w, &a2)?, None));
+            continue;
+        }
+        // Side by side in one run: ours, then the raw baseline on the same device.
+        let q = run_one(&path, false, w, &a2)?;
+        let r = if w == Workload::Verify {
+            None
+        } else {
+            Some(run_one(&raw_path, true, w, &a2)?)
+        };
+        rows.push((q, r));
+    }
+    if a.json {
+        let mut s = String::new();
+        for (q, r) in &rows {
+            s += &serde_json::to_string(q).unwrap_or_default();
+            s.push('\n');
+            if let Some(r) = r {
+                s += &serde_json::to_string(r).unwrap_or_default();
+                s.push('\n');
+            }
+        }
+        return Ok(s);
+    }
+    let mut s = table(&rows);
+    s += &format!(
+        "ratio = qcow2 IOPS / raw IOPS on the same file and device ({}; base latency {} us)\n",
+        if a.buffered { "buffered" } else { "O_DIRECT" },
+        a.base_latency_us
+    );
+    Ok(s)
+}
+
+/// A temporary file removed on drop.
+struct TempFile(PathBuf);
+impl Drop for TempFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+/// A raw file as large as the image's file, beside it (same file system), fully written.
+fn raw_scratch(image: &Path) -> ToolResult<TempFile> {
+    use std::io::Write;
+    let io_err = |p: &Path| {
+        let p = p.display().to_string();
+        move |source| ToolError::Io { path: p, source }
+    };
+    let len = std::fs::metadata(image)
+        .map_err(io_err(image))?
+        .len()
+        .div_ceil(1 << 20)
+        << 20;
+    let p = image.with_extension(format!("perf-raw-{}", std::process::id()));
+    let t = TempFile(p.clone());
+    let mut f = std::fs::File::create(&p).map_err(io_err(&p))?;
+    let chunk = vec![0x5au8; 1 << 20];
+    for _ in 0..(len >> 20) {
+        f.write_all(&chunk).map_err(io_err(&p))?;
+    }
+    f.sync_all().map_err(io_err(&p))?;
+    Ok(t)
+}
+
+/// A temporary directory removed on drop.
+struct TempDir(PathBuf);
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+fn tempdir() -> ToolResult<TempDir> {
+    let base = std::env::var_os("TMPDIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("/var/tmp"));
+    let p = base.join(format!("qcow2-perf-{}", std::process::id()));
+    std::fs::create_dir_all(&p).map_err(|source| ToolError::Io {
+        path: p.display().to_string(),
+        source,
+    })?;
+    Ok(TempDir(p))
+}
