@@ -85,3 +85,73 @@ echo "base: $img (${SIZE}, fully allocated), one core, 0 failures"
 run randread 4096
 run randread 512
 run read 65536
+
+# --- Writable bdevs on a malloc base -------------------------------------------------------
+# A malloc bdev forgets everything when bdevperf exits, so each image is formatted
+# (bdev_qcow2_format), filled and measured inside one `bdevperf -z` process, driven by
+# bdevperf.py perform_tests. The passthru baseline runs in its own process on an identical
+# malloc bdev (raw: it needs no image), so these ratios are "alone", alternating processes.
+BDEVPERF_PY=${BDEVPERF_PY:-/opt/spdk-src/examples/bdev/bdevperf/bdevperf.py}
+if [ ! -f "$BDEVPERF_PY" ]; then
+  echo "SKIPPED (malloc figures): bdevperf.py not found (set BDEVPERF_PY)"
+  exit 0
+fi
+
+# zbench NAME CONFIG-CALLS: starts `bdevperf -z` on one core over the calls, job on bdev NAME.
+zbench_start() {
+  local name=$1 calls=$2
+  printf '{"subsystems":[{"subsystem":"bdev","config":[%s,{"method":"bdev_wait_for_examine"}]}]}' \
+    "$calls" >"$DIR/z.json"
+  rm -f "$DIR/z.sock"
+  timeout -k 5 600 env LD_PRELOAD="$SO" bdevperf -u --no-huge -s 3072 --json "$DIR/z.json" \
+    -r "$DIR/z.sock" -z -m 0x1 -T "$name" -q 32 -o 4096 -w randread -t "$TIME" >"$DIR/z.log" 2>&1 &
+  ZPID=$!
+  for _ in $(seq 100); do [ -S "$DIR/z.sock" ] && break; sleep 0.2; done
+}
+# zrun WORKLOAD IOSIZE SECS [QD]: one perform_tests; prints the job's IOPS (fails on errors).
+zrun() {
+  local out
+  out=$(timeout 120 /usr/bin/python3 "$BDEVPERF_PY" -s "$DIR/z.sock" -t 100 perform_tests \
+    -w "$1" -o "$2" -t "$3" -q "${4:-32}")
+  echo "$out" | /usr/bin/python3 -c '
+import json, sys
+r = json.load(sys.stdin)["results"][0]
+if r.get("io_failed", 0) or r.get("io_timeout", 0):
+    sys.exit("failed I/O: %s" % r)
+print("%.0f" % r["iops"])'
+}
+trap 'kill "${ZPID:-}" 2>/dev/null || true; rm -f "$DIR/full.qcow2"' EXIT
+zbench_stop() {
+  kill "$ZPID" 2>/dev/null || true
+  wait "$ZPID" 2>/dev/null || true
+}
+ratio() { awk -v a="$1" -v b="$2" 'BEGIN {printf "%.3f", a / b}'; }
+
+MALLOC=1280 # MiB
+# 1. First writes vs overwrites: 4 KiB clusters (so a 1 s run mostly writes clusters for the
+#    first time), 1 GiB image; fresh, then filled sequentially, then the same run again.
+zbench_start q0 "{\"method\":\"bdev_malloc_create\",\"params\":{\"name\":\"m0\",\"num_blocks\":$((MALLOC * 2048)),\"block_size\":512}},
+{\"method\":\"bdev_qcow2_format\",\"params\":{\"base_bdev\":\"m0\",\"size\":1073741824,\"cluster_size\":4096}},
+{\"method\":\"bdev_qcow2_create\",\"params\":{\"name\":\"q0\",\"base_bdev\":\"m0\"}}"
+fresh=$(zrun randwrite 4096 1)
+zrun write 1048576 4 8 >/dev/null
+full=$(zrun randwrite 4096 1)
+zbench_stop
+echo "malloc, qcow2 4K clusters, 1 GiB: randwrite 4096 B QD32 1 s: fresh image $fresh IOPS, fully allocated $full IOPS, ratio $(ratio "$fresh" "$full")"
+
+# 2. Writable qcow2 (64 KiB clusters, 512 MiB, filled) vs passthru on the same kind of base.
+zbench_start q0 "{\"method\":\"bdev_malloc_create\",\"params\":{\"name\":\"m0\",\"num_blocks\":$((640 * 2048)),\"block_size\":512}},
+{\"method\":\"bdev_qcow2_format\",\"params\":{\"base_bdev\":\"m0\",\"size\":536870912}},
+{\"method\":\"bdev_qcow2_create\",\"params\":{\"name\":\"q0\",\"base_bdev\":\"m0\"}}"
+zrun write 1048576 3 8 >/dev/null
+declare -A Q P
+for w in randread randwrite; do for o in 4096 512; do Q[$w$o]=$(zrun $w $o "$TIME"); done; done
+zbench_stop
+zbench_start p0 "{\"method\":\"bdev_malloc_create\",\"params\":{\"name\":\"m1\",\"num_blocks\":$((640 * 2048)),\"block_size\":512}},
+{\"method\":\"bdev_passthru_create\",\"params\":{\"name\":\"p0\",\"base_bdev_name\":\"m1\"}}"
+zrun write 1048576 3 8 >/dev/null # the same first touch of the malloc memory as q0 had
+for w in randread randwrite; do for o in 4096 512; do P[$w$o]=$(zrun $w $o "$TIME"); done; done
+zbench_stop
+for w in randread randwrite; do for o in 4096 512; do
+  echo "malloc, writable qcow2 (filled) vs passthru, one core QD32: $w $o B: qcow2 ${Q[$w$o]} passthru ${P[$w$o]} IOPS, ratio $(ratio "${Q[$w$o]}" "${P[$w$o]}")"
+done; done
