@@ -338,7 +338,7 @@ fn drive(
             slots[i] = None;
         }
         polls += 1;
-        if polls % 32 == 0 && Instant::now() >= end {
+        if polls.is_multiple_of(32) && Instant::now() >= end {
             stopping = true;
         }
         if stopping && slots.iter().all(Option::is_none) {
