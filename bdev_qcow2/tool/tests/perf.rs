@@ -16,7 +16,11 @@ fn perf(args: &[&str]) -> Vec<serde_json::Value> {
         .env("TMPDIR", dir.path())
         .output()
         .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     String::from_utf8_lossy(&out.stdout)
         .lines()
         .map(|l| serde_json::from_str(l).unwrap())
@@ -30,7 +34,15 @@ fn randread_reports_qcow2_and_raw_side_by_side() {
     assert_eq!(runs[0]["target"], "qcow2");
     assert_eq!(runs[1]["target"], "raw");
     for r in &runs {
-        for k in ["iops", "mibps", "lat_avg_us", "lat_p99_us", "cache_hits", "cache_misses", "cache_evictions"] {
+        for k in [
+            "iops",
+            "mibps",
+            "lat_avg_us",
+            "lat_p99_us",
+            "cache_hits",
+            "cache_misses",
+            "cache_evictions",
+        ] {
             assert!(r[k].is_number(), "missing {k}: {r}");
         }
         assert!(r["iops"].as_f64().unwrap() > 0.0);
