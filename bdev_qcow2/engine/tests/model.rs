@@ -8,22 +8,10 @@
 use qcow2_engine::create::{create, CreateOptions};
 use qcow2_engine::io::{BufSlice, HeapBuf, IoBuffer};
 use qcow2_engine::testing::MemDevice;
+use qcow2_engine::testing::Rng;
 use qcow2_engine::{Chain, Exec, Layer, OpenOptions, Qcow2};
 use std::process::Command;
 use std::rc::Rc;
-
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-}
 
 struct Setup {
     lazy: bool,

@@ -4,6 +4,7 @@
 pub mod cmd;
 pub mod host;
 pub mod logwrites;
+pub mod rng;
 pub mod uring;
 
 /// Parses a size with an optional qemu-img style suffix (k, M, G, T, P, E; powers of 1024;

@@ -5,6 +5,7 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // test helpers may panic
 
+use qcow2_tool::rng::Rng;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
@@ -52,20 +53,6 @@ fn qemu_io(img: &Path, cmds: &[String]) {
         !text.contains("error") && !text.contains("failed"),
         "qemu-io: {text}"
     );
-}
-
-/// Deterministic pseudo-random numbers (xorshift64*), so failures reproduce.
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
 }
 
 /// A random workload of writes (constant patterns, and random bytes so that data misplaced

@@ -4,6 +4,7 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // test helpers may panic
 
+use qcow2_tool::rng::Rng;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -106,23 +107,6 @@ fn reports(out: &Output) -> Vec<String> {
         .filter(|l| !l.contains(" ops; "))
         .map(str::to_string)
         .collect()
-}
-
-/// Deterministic pseudo-random numbers (xorshift64*), so failures reproduce.
-struct Rng(u64);
-impl Rng {
-    fn new(seed: u64) -> Rng {
-        Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
-    }
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
 }
 
 /// A random qemu-io workload: pattern writes and write-zeroes at any byte offset and

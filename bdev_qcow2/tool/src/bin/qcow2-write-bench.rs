@@ -11,6 +11,7 @@ use clap::Parser;
 use qcow2_engine::create::{create, CreateOptions};
 use qcow2_engine::io::BufSlice;
 use qcow2_engine::{Chain, Exec, Layer, OpenOptions, Qcow2};
+use qcow2_tool::rng::Rng;
 use qcow2_tool::uring::{AlignedBuf, UringDevice};
 use std::path::{Path, PathBuf};
 use std::rc::Rc;
@@ -170,16 +171,6 @@ fn run_raw(path: &Path, direct: bool, qd: usize, n: u64, len: usize) -> f64 {
         exec.poll(&mut |_, _| flushed = true);
     }
     t.elapsed().as_secs_f64()
-}
-
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    }
 }
 
 fn fill(img: &Img, size: u64, qd: usize) {

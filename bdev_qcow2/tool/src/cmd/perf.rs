@@ -6,6 +6,7 @@
 //! run on several cores, each with its own executor, io_uring and read-only image.
 
 use crate::host::{ToolError, ToolResult};
+use crate::rng::Rng;
 use crate::uring::{AlignedBuf, UringDevice};
 use qcow2_engine::create::{create, CreateOptions};
 use qcow2_engine::io::{BlockDevice, BufSlice, Busy, DeviceError, DeviceOp, IoBuffer};
@@ -183,16 +184,6 @@ fn open_dev(path: &Path, writable: bool, a: &PerfArgs) -> ToolResult<Dev> {
         delay: Duration::from_micros(a.base_latency_us),
         held: VecDeque::new(),
     })
-}
-
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    }
 }
 
 /// What a run drives: the engine, or the raw file.
