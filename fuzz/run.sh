@@ -8,7 +8,7 @@
 # Needs cargo-fuzz (`cargo install cargo-fuzz`) and qemu-utils. The toolchain is stable Rust:
 # RUSTC_BOOTSTRAP=1 lets it take the nightly flags cargo-fuzz passes (sanitizer coverage).
 # Runs at the lowest CPU priority, one job. Environment: FUZZ_SANITIZER (default none: the
-# engine is free of unsafe code; `address` for ASan), FUZZ_RSS_MB (default 4096: libFuzzer counts its in-memory corpus),
+# engine is free of unsafe code; `address` for ASan), FUZZ_RSS_MB (default 2048; it counts the in-memory corpus too),
 # FUZZ_TIMEOUT (seconds per input before it counts as a hang, default 10).
 #
 # Corpora are in fuzz/corpus/TARGET (not committed: regenerated from the seeds made here),
@@ -90,7 +90,7 @@ qemu-img bitmap --add --disable "$img/bitmaps.qcow2" bm2
 q -c 'write -P 0xaa 300k 4k' "$img/bitmaps.qcow2"
 mk lazy 1M -o cluster_size=4k,lazy_refcounts=on
 # `abort` leaves the dirty bit set: the engine must repair before writing.
-bash -c 'qemu-io -f qcow2 -c "write -P 0xbb 0 12k" -c abort "$1"' _ "$img/lazy.qcow2" >/dev/null 2>&1 || true
+bash -c 'qemu-io -f qcow2 -c "write -P 0xbb 0 12k" -c abort "$1"; true' _ "$img/lazy.qcow2" >/dev/null 2>&1
 mk prealloc 768k -o cluster_size=4k,preallocation=metadata
 for f in "$img"/*.qcow2; do
     [ "$(stat -c %s "$f")" -le $((1 << 20)) ] || rm -f "$f"
@@ -161,7 +161,7 @@ for t in "${targets[@]}"; do
     set +e
     nice -n 19 cargo fuzz run "${fuzz_flags[@]}" "$t" "fuzz/corpus/$t" -- \
         -max_len="${max_len[$t]:-1100000}" -max_total_time="$secs" \
-        -timeout="${FUZZ_TIMEOUT:-10}" -rss_limit_mb="${FUZZ_RSS_MB:-4096}" \
+        -timeout="${FUZZ_TIMEOUT:-10}" -rss_limit_mb="${FUZZ_RSS_MB:-2048}" \
         -print_final_stats=1 >"$log" 2>&1
     rc=$?
     set -e
