@@ -1102,4 +1102,354 @@ mod real {
         check_no_corruption(&img, "hot remove");
         say("hot remove of the base under bdevperf load: every request completed, q0 torn down, no corruption");
     }
+
+    /// Runs `cmd` (output to `log`) under a deadline: killed and the test failed when it
+    /// passes. Returns success and the output.
+    fn run_timed(cmd: &mut Command, log: &Path, secs: u64) -> (bool, String) {
+        let out = fs::File::create(log).unwrap();
+        let err = out.try_clone().unwrap();
+        let child = cmd
+            .stdin(Stdio::null())
+            .stdout(out)
+            .stderr(err)
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot start {cmd:?}: {e}"));
+        Proc {
+            child: Some(child),
+            what: format!("{cmd:?}"),
+            log: log.to_path_buf(),
+        }
+        .wait(secs)
+    }
+
+    /// A TCP port on 127.0.0.1 that nothing listens on right now.
+    fn free_port() -> u16 {
+        std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port()
+    }
+
+    /// The core mask for an initiator next to spdk_tgt (which polls core 0): core 1 when
+    /// there is one.
+    fn initiator_mask() -> &'static str {
+        if std::thread::available_parallelism().map_or(1, |n| n.get()) >= 2 {
+            "0x2"
+        } else {
+            "0x1"
+        }
+    }
+
+    /// Test 7: our bdev exported as a guest sees it — an NVMe-oF/TCP namespace on
+    /// 127.0.0.1 served by `spdk_tgt`, driven by SPDK's initiators (`spdk_nvme_identify`,
+    /// `spdk_nvme_perf`, and `bdevperf -w verify` / `spdk_dd` over `bdev_nvme_attach_controller
+    /// -t tcp` in a second process) and, where the machine allows, the kernel's nvme-tcp.
+    /// `spdk_nvme_perf` has no verify or pattern option, so the known content goes through
+    /// `spdk_dd` last; after a clean shutdown the image checks clean and equals that content.
+    #[test]
+    fn nvmf_tcp_export_written_and_read_by_initiators() {
+        require!(
+            "spdk_tgt",
+            "spdk_nvme_identify",
+            "spdk_nvme_perf",
+            "spdk_dd",
+            "bdevperf"
+        );
+        if rpc_py().is_none() {
+            say("SKIPPED: rpc.py not found (set SPDK_RPC or put spdk-rpc on PATH)");
+            return;
+        }
+        let _t = turn();
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        let raw = d.join("data.raw");
+        qemu_img(&["create", "-q", "-f", "raw", s(&raw), "64M"]);
+        run_ok(
+            Command::new("qemu-io")
+                .args(["-f", "raw"])
+                .args(
+                    PATTERNS
+                        .iter()
+                        .filter(|p| !p.starts_with("discard"))
+                        .flat_map(|p| ["-c", p]),
+                )
+                .arg(&raw),
+        );
+        // A fresh image with room to grow (and whole 512-byte blocks).
+        let img = d.join("nvmf.qcow2");
+        qemu_img(&["create", "-q", "-f", "qcow2", s(&img), "64M"]);
+        pad(&img);
+        sparse(&img, 80 * MIB);
+
+        let nqn = "nqn.2016-06.io.spdk:qcow2-test";
+        let port = free_port().to_string();
+        let t = Target::start(d, "nvmf", None);
+        t.rpc(&["bdev_aio_create", s(&img), "aio0", "512"]);
+        t.rpc(&["bdev_qcow2_create", "-b", "q0", "--base-bdev", "aio0"]);
+        t.rpc(&["nvmf_create_transport", "-t", "TCP"]);
+        t.rpc(&[
+            "nvmf_create_subsystem",
+            nqn,
+            "-a",
+            "-s",
+            "QCOW2TEST0001",
+            "-d",
+            "bdev_qcow2",
+        ]);
+        t.rpc(&["nvmf_subsystem_add_ns", nqn, "q0"]);
+        t.rpc(&[
+            "nvmf_subsystem_add_listener",
+            nqn,
+            "-t",
+            "tcp",
+            "-f",
+            "ipv4",
+            "-a",
+            "127.0.0.1",
+            "-s",
+            &port,
+        ]);
+        let trid = format!("trtype:TCP adrfam:IPv4 traddr:127.0.0.1 trsvcid:{port} subnqn:{nqn}");
+
+        // spdk_nvme_identify: one namespace of 64 MiB in 512-byte LBAs.
+        let (ok, text) = run_timed(
+            Command::new("spdk_nvme_identify")
+                .args(mem_args())
+                .args(["-r", &trid]),
+            &d.join("identify.log"),
+            60,
+        );
+        assert!(ok, "spdk_nvme_identify failed:\n{text}");
+        let ns = text
+            .split("Namespace ID:1\n")
+            .nth(1)
+            .unwrap_or_else(|| panic!("no namespace 1 in:\n{text}"));
+        let field = |k: &str| -> u64 {
+            ns.lines()
+                .find_map(|l| l.strip_prefix(k))
+                .and_then(|v| v.split_whitespace().next())
+                .and_then(|v| v.parse().ok())
+                .unwrap_or_else(|| panic!("no {k} in namespace 1:\n{ns}"))
+        };
+        let lbas = field("Size (in LBAs):");
+        let lba_size = field("LBA Format #00: Data Size:");
+        assert_eq!(lbas * lba_size, 64 * MIB, "namespace size:\n{ns}");
+        say(&format!(
+            "spdk_nvme_identify over TCP: namespace 1, {lbas} LBAs of {lba_size} B (64 MiB)"
+        ));
+
+        // spdk_nvme_perf: random writes into the fresh image, then mixed 64 KiB I/O.
+        for (w, o) in [("randwrite", "4096"), ("randrw", "65536")] {
+            let (ok, text) = run_timed(
+                Command::new("spdk_nvme_perf")
+                    .args(mem_args())
+                    .args(["-c", initiator_mask(), "-r", &trid, "-q", "32", "-o", o])
+                    .args(["-w", w, "-M", "50", "-t", "3"]),
+                &d.join(format!("perf-{w}.log")),
+                90,
+            );
+            assert!(ok, "spdk_nvme_perf -w {w} failed:\n{text}");
+            let iops = text
+                .lines()
+                .find(|l| l.starts_with("Total"))
+                .and_then(|l| l.split(':').nth(1))
+                .and_then(|v| v.split_whitespace().next())
+                .and_then(|v| v.parse::<f64>().ok())
+                .unwrap_or_else(|| panic!("no Total row in:\n{text}"));
+            assert!(iops > 0.0, "spdk_nvme_perf -w {w}: no I/O:\n{text}");
+            say(&format!(
+                "spdk_nvme_perf -w {w} -o {o} -q 32 over TCP: {iops:.0} IOPS"
+            ));
+        }
+
+        // A second SPDK process with an NVMe-oF initiator bdev: bdevperf verify, then
+        // spdk_dd writes the raw file through the fabric and reads it back.
+        let cfg = d.join("initiator.json");
+        let cfg_json = json!({"subsystems": [{"subsystem": "bdev", "config": [
+            {"method": "bdev_nvme_attach_controller",
+             "params": {"name": "nvme0", "trtype": "tcp", "adrfam": "ipv4",
+                        "traddr": "127.0.0.1", "trsvcid": port, "subnqn": nqn}},
+            {"method": "bdev_wait_for_examine"}]}]});
+        fs::write(&cfg, serde_json::to_vec_pretty(&cfg_json).unwrap()).unwrap();
+        let initiator = |app: &str, tag: &str, extra: &[&str], secs: u64| -> String {
+            let (ok, text) = run_timed(
+                Command::new(app)
+                    .arg("-u")
+                    .args(mem_args())
+                    .args(["--disable-cpumask-locks", "-m", initiator_mask()])
+                    .args(["--json", s(&cfg)])
+                    .args(extra),
+                &d.join(format!("{tag}.log")),
+                secs,
+            );
+            assert!(ok, "{app} ({tag}) failed:\n{text}\n{}", t.log_text());
+            text
+        };
+        for o in ["4096", "65536"] {
+            let text = initiator(
+                "bdevperf",
+                &format!("verify-{o}"),
+                &["-q", "32", "-o", o, "-w", "verify", "-t", "3"],
+                120,
+            );
+            let (iops, fails) = bdevperf_row(&text, "nvme0n1");
+            assert!(iops > 0.0 && fails == 0.0, "verify -o {o}:\n{text}");
+            say(&format!(
+                "bdevperf -w verify -o {o} -q 32 over NVMe-oF/TCP: {iops:.0} IOPS, 0 failures"
+            ));
+        }
+        initiator(
+            "spdk_dd",
+            "dd-write",
+            &["--if", s(&raw), "--ob", "nvme0n1", "--bs", "1048576"],
+            120,
+        );
+        let back = d.join("back.raw");
+        initiator(
+            "spdk_dd",
+            "dd-read",
+            &["--ib", "nvme0n1", "--of", s(&back), "--bs", "1048576"],
+            120,
+        );
+        assert!(
+            fs::read(&back).unwrap() == fs::read(&raw).unwrap(),
+            "spdk_dd over NVMe-oF read back something else than it wrote"
+        );
+        say("spdk_dd over NVMe-oF/TCP: 64 MiB written and read back equal");
+
+        match kernel_initiator(d, &port, nqn, &raw) {
+            Ok(()) => say("kernel nvme-tcp (nvme-cli): wrote and read back the namespace"),
+            Err(why) => say(&format!("SKIPPED (kernel nvme-tcp initiator): {why}")),
+        }
+
+        t.stop();
+        check_clean(&img, "nvmf");
+        run_ok(Command::new("qemu-img").args([
+            "compare",
+            "-f",
+            "qcow2",
+            "-F",
+            "raw",
+            s(&img),
+            s(&raw),
+        ]));
+        say("nvmf: after spdk_tgt shut down, qemu-img check clean and compare equal");
+    }
+
+    /// Disconnects the kernel from `nqn` when dropped.
+    struct Connected<'a>(&'a str);
+
+    impl Drop for Connected<'_> {
+        fn drop(&mut self) {
+            let _ = Command::new("nvme")
+                .args(["disconnect", "-n", self.0])
+                .output();
+        }
+    }
+
+    /// The kernel's nvme-tcp initiator: connects with nvme-cli, writes `raw` onto the
+    /// namespace (O_DIRECT), reads it back and compares. `Err(why)` when the machine does
+    /// not allow it (no nvme-cli, no nvme-tcp module or no permission); panics when it
+    /// connects but the data is wrong.
+    fn kernel_initiator(d: &Path, port: &str, nqn: &str, raw: &Path) -> Result<(), String> {
+        if on_path("nvme").is_none() {
+            return Err("nvme-cli not installed (apt-get install nvme-cli)".into());
+        }
+        if !Path::new("/dev/nvme-fabrics").exists() {
+            let release = fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
+            let why = match on_path("modprobe") {
+                None => "modprobe not installed".to_string(),
+                Some(_) => {
+                    let out = Command::new("modprobe").arg("nvme-tcp").output();
+                    match out {
+                        Ok(o) if o.status.success() => String::new(),
+                        Ok(o) => String::from_utf8_lossy(&o.stderr).trim().to_string(),
+                        Err(e) => e.to_string(),
+                    }
+                }
+            };
+            if !Path::new("/dev/nvme-fabrics").exists() {
+                return Err(format!(
+                    "no /dev/nvme-fabrics: nvme-tcp not loadable in kernel {} ({why})",
+                    release.trim()
+                ));
+            }
+        }
+        let (ok, text) = run_timed(
+            Command::new("nvme").args([
+                "connect",
+                "-t",
+                "tcp",
+                "-a",
+                "127.0.0.1",
+                "-s",
+                port,
+                "-n",
+                nqn,
+            ]),
+            &d.join("nvme-connect.log"),
+            60,
+        );
+        if !ok {
+            return Err(format!("nvme connect failed: {}", text.trim()));
+        }
+        let _guard = Connected(nqn);
+        // The namespace's block device: a /sys/block/nvme* whose controller or subsystem
+        // has our NQN (not a hidden per-path nvmeXcYnZ).
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let dev = loop {
+            let found = fs::read_dir("/sys/block")
+                .into_iter()
+                .flatten()
+                .flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .filter(|n| n.starts_with("nvme") && !n[4..].contains('c'))
+                .find(|n| {
+                    fs::read_to_string(format!("/sys/block/{n}/device/subsysnqn"))
+                        .is_ok_and(|q| q.trim() == nqn)
+                        && Path::new("/dev").join(n).exists()
+                });
+            if let Some(n) = found {
+                break Path::new("/dev").join(n);
+            }
+            if Instant::now() > deadline {
+                return Err("connected, but no block device with our NQN appeared".into());
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        };
+        let back = d.join("kernel-back.raw");
+        for (what, args) in [
+            (
+                "write",
+                vec![
+                    format!("if={}", s(raw)),
+                    format!("of={}", s(&dev)),
+                    "oflag=direct".into(),
+                ],
+            ),
+            (
+                "read",
+                vec![
+                    format!("if={}", s(&dev)),
+                    format!("of={}", s(&back)),
+                    "iflag=direct".into(),
+                ],
+            ),
+        ] {
+            let (ok, text) = run_timed(
+                Command::new("dd")
+                    .args(&args)
+                    .args(["bs=1M", "status=none"]),
+                &d.join(format!("kernel-{what}.log")),
+                120,
+            );
+            assert!(ok, "dd {what} on {}: {text}", dev.display());
+        }
+        assert!(
+            fs::read(&back).unwrap() == fs::read(raw).unwrap(),
+            "kernel nvme-tcp read back something else than it wrote"
+        );
+        Ok(())
+    }
 }
