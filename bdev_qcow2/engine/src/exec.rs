@@ -469,6 +469,17 @@ impl<D: BlockDevice> WaitQueue<D> {
         })
     }
 
+    /// Wakes the longest-waiting task, if any.
+    pub fn notify_one(&self) {
+        let t = {
+            let mut w = self.waiters.borrow_mut();
+            (!w.is_empty()).then(|| w.remove(0))
+        };
+        if let Some(t) = t {
+            self.exec.wake(t);
+        }
+    }
+
     /// Wakes every waiting task.
     pub fn notify_all(&self) {
         for t in self.waiters.borrow_mut().drain(..) {
@@ -515,6 +526,9 @@ impl<D: BlockDevice> AsyncLock<D> {
 impl<D: BlockDevice> Drop for LockGuard<'_, D> {
     fn drop(&mut self) {
         self.lock.locked.set(false);
-        self.lock.queue.notify_all();
+        // Hand over to one waiter (FIFO): waking them all would make every waiter poll and
+        // re-queue on each release. A waiter that finds the lock taken again waits again and
+        // is woken by that holder's release, so no wake-up is lost.
+        self.lock.queue.notify_one();
     }
 }
