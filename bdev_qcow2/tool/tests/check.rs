@@ -8,26 +8,12 @@
 
 use serde_json::Value;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Command;
+
+mod common;
+use common::{qemu_img, run};
 
 const QCOW2: &str = env!("CARGO_BIN_EXE_qcow2");
-
-fn run_ok(cmd: &mut Command) -> Output {
-    let out = cmd
-        .output()
-        .unwrap_or_else(|e| panic!("cannot run {cmd:?}: {e}"));
-    assert!(
-        out.status.success(),
-        "{cmd:?} failed: {}\n{}",
-        String::from_utf8_lossy(&out.stderr),
-        String::from_utf8_lossy(&out.stdout)
-    );
-    out
-}
-
-fn qemu_img(args: &[&str]) -> Output {
-    run_ok(Command::new("qemu-img").args(args))
-}
 
 fn qemu_io(img: &Path, cmds: &[&str]) {
     let mut c = Command::new("qemu-io");
@@ -36,7 +22,7 @@ fn qemu_io(img: &Path, cmds: &[&str]) {
         c.arg("-c").arg(x);
     }
     c.arg(img);
-    let out = run_ok(&mut c);
+    let out = run(&mut c);
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(
         !text.contains("error") && !text.contains("failed"),

@@ -7,26 +7,12 @@
 
 use qcow2_tool::rng::Rng;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Command;
+
+mod common;
+use common::{qemu_img, run};
 
 const QCOW2: &str = env!("CARGO_BIN_EXE_qcow2");
-
-fn run(cmd: &mut Command) -> Output {
-    let out = cmd
-        .output()
-        .unwrap_or_else(|e| panic!("cannot run {cmd:?}: {e}"));
-    assert!(
-        out.status.success(),
-        "{cmd:?} failed: {}\n{}",
-        String::from_utf8_lossy(&out.stderr),
-        String::from_utf8_lossy(&out.stdout)
-    );
-    out
-}
-
-fn qemu_img(args: &[&str]) -> Output {
-    run(Command::new("qemu-img").args(args))
-}
 
 /// Runs qemu-io commands (one process, many `-c`) on a qcow2 image. Commands may name
 /// `RAND`, replaced by a file of random bytes next to the image (for `write -s`).

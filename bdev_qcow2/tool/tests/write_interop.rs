@@ -9,30 +9,13 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
+mod common;
+use common::{output, qemu_img, run};
+
 const QCOW2: &str = env!("CARGO_BIN_EXE_qcow2");
-
-fn output(cmd: &mut Command) -> Output {
-    cmd.output()
-        .unwrap_or_else(|e| panic!("cannot run {cmd:?}: {e}"))
-}
-
-fn run(cmd: &mut Command) -> Output {
-    let out = output(cmd);
-    assert!(
-        out.status.success(),
-        "{cmd:?} failed: {}\n{}",
-        String::from_utf8_lossy(&out.stderr),
-        String::from_utf8_lossy(&out.stdout)
-    );
-    out
-}
 
 fn s(p: &Path) -> &str {
     p.to_str().expect("utf-8 path")
-}
-
-fn qemu_img(args: &[&str]) -> Output {
-    run(Command::new("qemu-img").args(args))
 }
 
 /// `qemu-img check`'s exit status (0 clean, 3 leaks only, 2 corrupt, 1 failed).

@@ -1,0 +1,28 @@
+//! Helpers shared by the tool's integration tests: running commands and the QEMU oracle.
+
+#![allow(dead_code)] // each test crate uses its own subset
+
+use std::process::{Command, Output};
+
+/// Runs `cmd` and returns its output (whatever the exit status).
+pub fn output(cmd: &mut Command) -> Output {
+    cmd.output()
+        .unwrap_or_else(|e| panic!("cannot run {cmd:?}: {e}"))
+}
+
+/// Runs `cmd`, which must succeed.
+pub fn run(cmd: &mut Command) -> Output {
+    let out = output(cmd);
+    assert!(
+        out.status.success(),
+        "{cmd:?} failed: {}\n{}",
+        String::from_utf8_lossy(&out.stderr),
+        String::from_utf8_lossy(&out.stdout)
+    );
+    out
+}
+
+/// `qemu-img ARGS`, which must succeed.
+pub fn qemu_img(args: &[&str]) -> Output {
+    run(Command::new("qemu-img").args(args))
+}
