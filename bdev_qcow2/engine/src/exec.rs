@@ -244,24 +244,7 @@ impl<D: BlockDevice> Exec<D> {
             events += devs[i].poll(&mut |tag, res| reaped.push((tag, res)));
         }
         for (tag, res) in reaped.drain(..) {
-            let w = {
-                let mut waiters = self.inner.waiters.borrow_mut();
-                match waiters.get_mut(tag as usize) {
-                    Some(Waiter::Task { task, result }) => {
-                        *result = Some(res);
-                        self.inner.ready.borrow_mut().push_back(*task);
-                        None
-                    }
-                    Some(Waiter::Request(_)) => match waiters.remove(tag as usize) {
-                        Waiter::Request(r) => Some(r),
-                        Waiter::Task { .. } => None,
-                    },
-                    None => None,
-                }
-            };
-            if let Some(req) = w {
-                self.request_put(req, res);
-            }
+            self.device_completed(tag, res);
         }
         *self.inner.reaped.borrow_mut() = reaped;
         // Run ready tasks.
@@ -290,13 +273,7 @@ impl<D: BlockDevice> Exec<D> {
             }
         }
         // Report finished guest requests.
-        loop {
-            let Some((tag, res)) = self.inner.done.borrow_mut().pop_front() else {
-                break;
-            };
-            events += 1;
-            done(tag, res);
-        }
+        events += self.take_completions(done);
         events
     }
 
@@ -318,6 +295,46 @@ impl<D: BlockDevice> Exec<D> {
     /// Flushes `dev` (every completed write becomes stable).
     pub fn flush(&self, dev: DevId) -> IoFuture<D> {
         self.io(dev, DeviceOp::Flush)
+    }
+
+    /// Delivers one device completion (`tag` as given to the device's `submit`). Hosts whose
+    /// device reports completions in a callback (SPDK) may call this from that callback,
+    /// outside [`Exec::poll`]: a fast-path request then finishes at once and
+    /// [`Exec::take_completions`] reports it without waiting for the next poll; a task is
+    /// made ready and runs at the next poll.
+    pub fn device_completed(&self, tag: u64, res: Result<(), DeviceError>) {
+        let req = {
+            let mut waiters = self.inner.waiters.borrow_mut();
+            match waiters.get_mut(tag as usize) {
+                Some(Waiter::Task { task, result }) => {
+                    *result = Some(res);
+                    self.inner.ready.borrow_mut().push_back(*task);
+                    None
+                }
+                Some(Waiter::Request(_)) => match waiters.remove(tag as usize) {
+                    Waiter::Request(r) => Some(r),
+                    Waiter::Task { .. } => None,
+                },
+                None => None,
+            }
+        };
+        if let Some(req) = req {
+            self.request_put(req, res);
+        }
+    }
+
+    /// Reports finished guest requests to `done` (without polling devices or running
+    /// tasks); returns how many.
+    pub fn take_completions(&self, done: &mut dyn FnMut(u64, Result<()>)) -> usize {
+        let mut n = 0;
+        loop {
+            let Some((tag, res)) = self.inner.done.borrow_mut().pop_front() else {
+                break;
+            };
+            n += 1;
+            done(tag, res);
+        }
+        n
     }
 
     /// Whether any task, device operation or unreported completion is outstanding.
