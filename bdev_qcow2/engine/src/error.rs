@@ -134,9 +134,12 @@ pub enum Error {
     /// A guest request is out of range or not aligned.
     #[error("invalid request: {0}")]
     InvalidRequest(&'static str),
-    /// The image is opened read-only (or must be, e.g. corrupt bit set).
+    /// The image is opened read-only.
     #[error("image is read-only")]
     ReadOnly,
+    /// The image has the corrupt bit set: it opens read-only only, until repaired.
+    #[error("image is marked corrupt (corrupt bit set): it can be opened read-only only; `qcow2 check -r all` repairs it")]
+    MarkedCorrupt,
     /// The device failed an I/O (errno).
     #[error("device I/O error: {}", errno_name(*.0))]
     Io(i32),
@@ -147,10 +150,10 @@ impl Error {
     pub fn errno(&self) -> i32 {
         match self {
             Error::Io(e) => *e,
-            Error::InvalidRequest(_) => 22,     // EINVAL
-            Error::ReadOnly => 30,              // EROFS
-            Error::UnsupportedFeature(_) => 95, // EOPNOTSUPP
-            _ => 5,                             // EIO
+            Error::InvalidRequest(_) => 22,               // EINVAL
+            Error::ReadOnly | Error::MarkedCorrupt => 30, // EROFS
+            Error::UnsupportedFeature(_) => 95,           // EOPNOTSUPP
+            _ => 5,                                       // EIO
         }
     }
 

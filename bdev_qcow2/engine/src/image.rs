@@ -141,7 +141,7 @@ impl<D: BlockDevice> Qcow2<D> {
         let (l2_cache, rc_cache) = Self::new_caches(&geo, l1.len(), refcount_table.len(), &opts)?;
         let meta = if opts.writable {
             if header.is_corrupt() {
-                return Err(Error::ReadOnly);
+                return Err(Error::MarkedCorrupt);
             }
             if header.is_dirty() && repaired {
                 return Err(Error::UnsupportedFeature(

@@ -632,5 +632,5 @@ fn l2_entry_into_metadata_is_refused_and_marks_corrupt() {
         )
         .await
     });
-    assert!(matches!(r, Err(qcow2_engine::Error::ReadOnly)));
+    assert!(matches!(r, Err(qcow2_engine::Error::MarkedCorrupt)));
 }

@@ -691,3 +691,30 @@ fn convert_from_qcow2_chain() {
         assert!(info_json(&dst).get("backing-filename").is_none());
     }
 }
+
+#[test]
+fn corrupt_images_are_reported_not_written() {
+    let d = Dir::new();
+    let img = d.path("c.qcow2");
+    run(Command::new(QCOW2).args(["create", "-q", s(&img), "1M"]));
+    // Set the corrupt bit (incompatible_features bit 1, byte 79).
+    let f = std::fs::OpenOptions::new().write(true).open(&img).unwrap();
+    f.write_all_at(&[2], 79).unwrap();
+    let before = std::fs::read(&img).unwrap();
+    let out = output(Command::new(QCOW2).args(["io", "-c", "write 0 4k", s(&img)]));
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("marked corrupt"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        std::fs::read(&img).unwrap(),
+        before,
+        "a corrupt image was written"
+    );
+    // Reading still works, and check -r all clears the bit.
+    run(Command::new(QCOW2).args(["io", "-c", "read 0 4k", s(&img)]));
+    output(Command::new(QCOW2).args(["check", "-r", "all", s(&img)]));
+    run(Command::new(QCOW2).args(["io", "-c", "write 0 4k", s(&img)]));
+}
