@@ -695,3 +695,70 @@ fn human_output_and_exit_codes() {
         .unwrap();
     assert_eq!(out.status.code(), Some(63));
 }
+
+/// Broken snapshot tables, as in qemu-iotests 080: `qcow2 check` gives qemu-img's exit code
+/// and, where qemu-img can check the image at all, the same counts.
+#[test]
+fn broken_snapshot_tables_like_iotests_080() {
+    let dir = tempfile::tempdir().unwrap();
+    let base = dir.path().join("sn.qcow2");
+    let b = base.to_str().unwrap();
+    qemu_img(&["create", "-q", "-f", "qcow2", b, "4M"]);
+    qemu_io(&base, &["write -P 1 0 64k"]);
+    qemu_img(&["snapshot", "-c", "s1", b]);
+    let img = std::fs::read(&base).unwrap();
+    let be64 = |o: usize| u64::from_be_bytes(img[o..o + 8].try_into().unwrap());
+    let snap = be64(64) as usize;
+    let snap_l1 = be64(snap);
+    let cases: [(&str, usize, Vec<u8>); 5] = [
+        (
+            "snapshots_offset unaligned",
+            64,
+            (snap as u64 + 8).to_be_bytes().to_vec(),
+        ),
+        ("nb_snapshots huge", 60, 100_000u32.to_be_bytes().to_vec()),
+        (
+            "snapshot L1 unaligned",
+            snap,
+            (snap_l1 + 512).to_be_bytes().to_vec(),
+        ),
+        (
+            "snapshot L1 too large",
+            snap + 8,
+            0x7fff_ffffu32.to_be_bytes().to_vec(),
+        ),
+        (
+            "extra_data_size huge",
+            snap + 36,
+            100_000u32.to_be_bytes().to_vec(),
+        ),
+    ];
+    for (name, off, bytes) in cases {
+        let mut m = img.clone();
+        m[off..off + bytes.len()].copy_from_slice(&bytes);
+        let p = dir.path().join("broken.qcow2");
+        std::fs::write(&p, &m).unwrap();
+        let theirs = Command::new("qemu-img")
+            .args(["check", "--output=json"])
+            .arg(&p)
+            .output()
+            .unwrap();
+        let ours = Command::new(QCOW2)
+            .args(["check", "--output=json"])
+            .arg(&p)
+            .output()
+            .unwrap();
+        assert_eq!(
+            ours.status.code(),
+            theirs.status.code(),
+            "{name}: exit codes differ"
+        );
+        if theirs.status.code() != Some(1) {
+            let t: Value = serde_json::from_slice(&theirs.stdout).unwrap();
+            let o: Value = serde_json::from_slice(&ours.stdout).unwrap();
+            for k in ["corruptions", "leaks", "check-errors"] {
+                assert_eq!(o[k], t[k], "{name}: {k}");
+            }
+        }
+    }
+}
