@@ -27,6 +27,7 @@ pub mod image;
 pub mod io;
 pub mod limits;
 pub mod meta;
+pub mod rng;
 #[cfg(any(test, feature = "testing"))]
 pub mod testing;
 pub mod types;
