@@ -7,6 +7,8 @@
 #   tests/spdk_bench.sh                       # image in a temporary directory
 #   BENCH_DIR=/dev/shm/qb tests/spdk_bench.sh # image in RAM (tmpfs): shows our CPU cost best
 #   SIZE=4G TIME=10 tests/spdk_bench.sh
+#   SKIP_AIO=1 tests/spdk_bench.sh            # only the malloc figures
+#   SKIP_LVOL=1 tests/spdk_bench.sh           # without the thin-lvol comparison
 #
 # Needs an installed SPDK (bdevperf on PATH, pkg-config spdk_bdev) and qemu-img; prints
 # SKIPPED and exits 0 without them. Builds the module in release mode.
@@ -81,10 +83,12 @@ run() {
       w, o, q, p, q / p, qa, pa, qa / pa }'
 }
 
-echo "base: $img (${SIZE}, fully allocated), one core, 0 failures"
-run randread 4096
-run randread 512
-run read 65536
+if [ -z "${SKIP_AIO:-}" ]; then
+  echo "base: $img (${SIZE}, fully allocated), one core, 0 failures"
+  run randread 4096
+  run randread 512
+  run read 65536
+fi
 
 # --- Writable bdevs on a malloc base -------------------------------------------------------
 # A malloc bdev forgets everything when bdevperf exits, so each image is formatted
@@ -103,7 +107,7 @@ zbench_start() {
   printf '{"subsystems":[{"subsystem":"bdev","config":[%s,{"method":"bdev_wait_for_examine"}]}]}' \
     "$calls" >"$DIR/z.json"
   rm -f "$DIR/z.sock"
-  timeout -k 5 600 env LD_PRELOAD="$SO" bdevperf -u --no-huge -s 3072 --json "$DIR/z.json" \
+  timeout -k 5 600 env LD_PRELOAD="$SO" bdevperf -u "${ZMEM[@]}" --json "$DIR/z.json" \
     -r "$DIR/z.sock" -z -m 0x1 -T "$name" -q 32 -o 4096 -w randread -t "$TIME" >"$DIR/z.log" 2>&1 &
   ZPID=$!
   for _ in $(seq 100); do [ -S "$DIR/z.sock" ] && break; sleep 0.2; done
@@ -120,6 +124,14 @@ if r.get("io_failed", 0) or r.get("io_timeout", 0):
     sys.exit("failed I/O: %s" % r)
 print("%.0f" % r["iops"])'
 }
+# zrpc ARGS: rpc.py (with our plugin) on the running `bdevperf -z`.
+zrpc() {
+  PYTHONPATH=$PWD/configs/rpc_plugin timeout 60 /usr/bin/python3 \
+    "${RPC_PY:-/opt/spdk-src/scripts/rpc.py}" -s "$DIR/z.sock" --plugin bdev_qcow2_rpc "$@" >/dev/null
+}
+# Hugepages when 2 GiB are free (the malloc bdevs below take up to 1.3 GiB), else 3 GiB of
+# ordinary memory.
+if [ "${free_mb%.*}" -ge 2048 ] && grep -q hugetlbfs /proc/mounts; then ZMEM=(); else ZMEM=(--no-huge -s 3072); fi
 trap 'kill "${ZPID:-}" 2>/dev/null || true; rm -f "$DIR/full.qcow2"' EXIT
 zbench_stop() {
   kill "$ZPID" 2>/dev/null || true
@@ -139,19 +151,54 @@ full=$(zrun randwrite 4096 1)
 zbench_stop
 echo "malloc, qcow2 4K clusters, 1 GiB: randwrite 4096 B QD32 1 s: fresh image $fresh IOPS, fully allocated $full IOPS, ratio $(ratio "$fresh" "$full")"
 
-# 2. Writable qcow2 (64 KiB clusters, 512 MiB, filled) vs passthru on the same kind of base.
+# 2. Writable qcow2 (64 KiB clusters, 512 MiB, filled) vs passthru on the same kind of base;
+#    then the same image reopened read-only (bdev_qcow2_delete + create --read-only in the
+#    same process: the malloc keeps the image) vs passthru.
 zbench_start q0 "{\"method\":\"bdev_malloc_create\",\"params\":{\"name\":\"m0\",\"num_blocks\":$((640 * 2048)),\"block_size\":512}},
 {\"method\":\"bdev_qcow2_format\",\"params\":{\"base_bdev\":\"m0\",\"size\":536870912}},
 {\"method\":\"bdev_qcow2_create\",\"params\":{\"name\":\"q0\",\"base_bdev\":\"m0\"}}"
 zrun write 1048576 3 8 >/dev/null
-declare -A Q P
+declare -A Q P R
 for w in randread randwrite; do for o in 4096 512; do Q[$w$o]=$(zrun $w $o "$TIME"); done; done
+zrpc bdev_qcow2_delete q0
+zrpc bdev_qcow2_create -b q0 --base-bdev m0 --read-only
+RO=("randread 4096" "randread 512" "read 65536")
+for wo in "${RO[@]}"; do R[$wo]=$(zrun $wo "$TIME"); done
 zbench_stop
 zbench_start p0 "{\"method\":\"bdev_malloc_create\",\"params\":{\"name\":\"m1\",\"num_blocks\":$((640 * 2048)),\"block_size\":512}},
 {\"method\":\"bdev_passthru_create\",\"params\":{\"name\":\"p0\",\"base_bdev_name\":\"m1\"}}"
 zrun write 1048576 3 8 >/dev/null # the same first touch of the malloc memory as q0 had
 for w in randread randwrite; do for o in 4096 512; do P[$w$o]=$(zrun $w $o "$TIME"); done; done
+P[read65536]=$(zrun read 65536 "$TIME")
 zbench_stop
 for w in randread randwrite; do for o in 4096 512; do
   echo "malloc, writable qcow2 (filled) vs passthru, one core QD32: $w $o B: qcow2 ${Q[$w$o]} passthru ${P[$w$o]} IOPS, ratio $(ratio "${Q[$w$o]}" "${P[$w$o]}")"
 done; done
+for wo in "${RO[@]}"; do
+  set -- $wo
+  echo "malloc, read-only qcow2 (filled) vs passthru, one core QD32: $1 $2 B: qcow2 ${R[$wo]} passthru ${P[$1$2]} IOPS, ratio $(ratio "${R[$wo]}" "${P[$1$2]}")"
+done
+
+# 3. First writes: a fresh thin-provisioned lvol vs a freshly formatted qcow2 image, both
+#    1 GiB on a 1.25 GiB malloc, 4 KiB randwrite QD32 for 1 s (mostly first writes to
+#    clusters); each in its own process. lvstore clusters: 64 KiB (LVS_CLUSTER) like qcow2's.
+[ -n "${SKIP_LVOL:-}" ] && exit 0
+LVS_CLUSTER=${LVS_CLUSTER:-65536}
+MALLOC_CALL="{\"method\":\"bdev_malloc_create\",\"params\":{\"name\":\"m0\",\"num_blocks\":$((MALLOC * 2048)),\"block_size\":512}}"
+zbench_start lvs0/l0 "$MALLOC_CALL,
+{\"method\":\"bdev_lvol_create_lvstore\",\"params\":{\"bdev_name\":\"m0\",\"lvs_name\":\"lvs0\",\"cluster_sz\":$LVS_CLUSTER}},
+{\"method\":\"bdev_lvol_create\",\"params\":{\"lvol_name\":\"l0\",\"size_in_mib\":1024,\"thin_provision\":true,\"lvs_name\":\"lvs0\"}}"
+lvol=$(zrun randwrite 4096 1)
+zbench_stop
+# qcow2_first NAME FORMAT-PARAMS: fresh-image 4 KiB randwrite IOPS.
+qcow2_first() {
+  zbench_start q0 "$MALLOC_CALL,
+{\"method\":\"bdev_qcow2_format\",\"params\":{\"base_bdev\":\"m0\",\"size\":1073741824$2}},
+{\"method\":\"bdev_qcow2_create\",\"params\":{\"name\":\"q0\",\"base_bdev\":\"m0\"}}"
+  local r
+  r=$(zrun randwrite 4096 1)
+  zbench_stop
+  echo "malloc, first writes, randwrite 4096 B QD32 1 s: qcow2 ($1) $r IOPS, thin lvol ($LVS_CLUSTER B clusters) $lvol IOPS, ratio qcow2/lvol $(ratio "$r" "$lvol")"
+}
+qcow2_first "64 KiB clusters" ""
+qcow2_first "64 KiB clusters, extended L2" ",\"cluster_size\":65536,\"extended_l2\":true"

@@ -2,8 +2,9 @@
 //! per-core caches of L2 slices and refcount blocks.
 
 use crate::cache::{CacheConfig, CacheStats, SetAssocCache};
+use crate::coherency::{Shared, SliceReply};
 use crate::error::{corrupt, invalid, Error, Field, Result};
-use crate::exec::{DevId, Exec};
+use crate::exec::{DevId, Exec, WaitQueue};
 use crate::format::header::{peek_cluster_bits, PEEK_LEN};
 use crate::format::refcount::{entries_per_block, get_refcount, refcount_block_offset};
 use crate::format::snapshot::{decode_snapshots, SnapshotDecode};
@@ -14,6 +15,7 @@ use crate::io::{BlockDevice, BufSlice, IoBuffer, SECTOR};
 use crate::limits::MAX_CACHE_BYTES;
 use crate::types::{Geometry, GuestOffset, SUBCLUSTERS};
 use std::cell::{Cell, Ref, RefCell};
+use std::sync::Arc;
 
 /// Options for opening an image.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -62,6 +64,41 @@ pub struct Qcow2<D: BlockDevice> {
     pub(crate) rc_cache: RefCell<SetAssocCache<u8>>,
     /// Owner-side state for writes (None when opened read-only).
     pub(crate) meta: Option<crate::meta::Meta<D>>,
+    /// State published to other cores (owner: after [`share`](Self::share); core replica:
+    /// always).
+    pub(crate) shared: Option<Arc<Shared>>,
+    /// Set on a core replica of a shared image.
+    pub(crate) core: Option<CoreSide<D>>,
+}
+
+/// How a core replica reaches the metadata owner. The host carries the messages (SPDK:
+/// `spdk_thread_send_msg`; the standalone host: a lock-free queue) and hands the owner's
+/// answer back on this core with [`Qcow2::deliver_slice`].
+pub trait OwnerLink {
+    /// Asks the owner for slice `key` ([`Qcow2::slice_for_core`] on the owner's core); the
+    /// answer must come back with the same `ticket`.
+    fn ask_slice(&self, key: u64, ticket: u64);
+}
+
+/// A core replica's side of the protocol.
+pub(crate) struct CoreSide<D: BlockDevice> {
+    link: Box<dyn OwnerLink>,
+    tickets: RefCell<slab::Slab<Option<SliceReply>>>,
+    wait: WaitQueue<D>,
+    /// In-place writes allowed (the owner's image is writable).
+    pub(crate) writable: bool,
+}
+
+/// What a core needs to build its replica of a shared image (`Send`: made on the owner's
+/// core, used on another).
+#[derive(Debug, Clone)]
+pub struct CoreSeed {
+    header: ImageHeader,
+    geo: Geometry,
+    ctx: L2Context,
+    snapshots: Vec<Snapshot>,
+    shared: Arc<Shared>,
+    writable: bool,
 }
 
 /// Reads `len` bytes at `off` (any alignment) through a sector-aligned bounce buffer.
@@ -177,6 +214,8 @@ impl<D: BlockDevice> Qcow2<D> {
             l2_cache: RefCell::new(l2_cache),
             rc_cache: RefCell::new(rc_cache),
             meta,
+            shared: None,
+            core: None,
         };
         q.index_metadata();
         Ok(q)
@@ -273,7 +312,213 @@ impl<D: BlockDevice> Qcow2<D> {
             l2_cache: RefCell::new(l2_cache),
             rc_cache: RefCell::new(rc_cache),
             meta: None,
+            shared: None,
+            core: None,
         })
+    }
+
+    /// Publishes this image's metadata to other cores (DESIGN.md §5) and returns the shared
+    /// state; later calls return the same. From now on every metadata change bumps the
+    /// epochs the core replicas validate against. Call on the owner's core.
+    pub fn share(&mut self) -> Arc<Shared> {
+        if let Some(s) = &self.shared {
+            return s.clone();
+        }
+        let cs = self.geo.cluster_size();
+        let l1: Vec<u64> = self.l1.borrow().iter().map(|e| e.0).collect();
+        let total_slices = (l1.len() as u64).max(1) * self.geo.slices_per_l2();
+        // Metadata can grow to about the disk size plus its tables; the margin keeps
+        // in-place writes local for every cluster a sane image will have.
+        let max_clusters = self
+            .device_size
+            .get()
+            .saturating_add(self.size())
+            .saturating_add(self.size() / 8)
+            .div_ceil(cs)
+            .saturating_add(1024);
+        let shared = Arc::new(Shared::new(
+            total_slices,
+            &l1,
+            self.device_size.get(),
+            max_clusters,
+        ));
+        // Static metadata: header cluster, L1, refcount table, snapshot table and L1s.
+        let bits = self.geo.cluster_bits;
+        let mark = |off: u64, len: u64| {
+            if len > 0 {
+                for c in (off >> bits)..=((off + len - 1) >> bits) {
+                    shared.set_meta_cluster(c);
+                }
+            }
+        };
+        {
+            let h = self.header.borrow();
+            let hh = &h.header;
+            mark(0, cs);
+            mark(hh.l1_table_offset, u64::from(hh.l1_size) * 8);
+            mark(
+                hh.refcount_table_offset,
+                u64::from(hh.refcount_table_clusters) << bits,
+            );
+            if hh.nb_snapshots > 0 {
+                mark(hh.snapshots_offset, cs);
+            }
+        }
+        for sn in &self.snapshots {
+            mark(sn.l1_table_offset, u64::from(sn.l1_size) * 8);
+        }
+        for e in self.refcount_table.borrow().iter() {
+            if *e != 0 && e % cs == 0 {
+                shared.set_meta_cluster(e >> bits);
+            }
+        }
+        for e in self.l1.borrow().iter() {
+            if let Ok(Some(t)) = e.l2_table(cs, u64::MAX) {
+                shared.set_meta_cluster(t.0 >> bits);
+            }
+        }
+        if let Some(m) = &self.meta {
+            let mut st = m.st.borrow_mut();
+            let st = &mut *st;
+            for &c in &st.meta_clusters {
+                shared.set_meta_cluster(c);
+            }
+            let keys: Vec<u64> = st.dirty_l2.keys().chain(st.writing_l2.keys()).copied().collect();
+            for k in keys {
+                st.epochs.dirtied(&shared, k);
+            }
+        }
+        self.shared = Some(shared.clone());
+        shared
+    }
+
+    /// What another core needs to build its replica ([`from_seed`](Self::from_seed)).
+    /// [`share`](Self::share) must have run.
+    pub fn core_seed(&self) -> Result<CoreSeed> {
+        let shared = self
+            .shared
+            .clone()
+            .ok_or(Error::InvalidRequest("image not shared: call share() first"))?;
+        Ok(CoreSeed {
+            header: self.header.borrow().clone(),
+            geo: self.geo,
+            ctx: self.ctx.get(),
+            snapshots: self.snapshots.clone(),
+            shared,
+            writable: self.meta.is_some(),
+        })
+    }
+
+    /// A core's replica of a shared image: its own slice cache sized by `opts`, I/O on `dev`
+    /// through `exec`, metadata validated against the owner's epochs, dirty slices fetched
+    /// through `link`. It serves reads (every kind) and in-place writes to COPIED clusters
+    /// on its own; every other write goes to the owner (see
+    /// [`Chain::try_submit_write`](crate::Chain::try_submit_write)).
+    pub fn from_seed(
+        seed: CoreSeed,
+        exec: &Exec<D>,
+        dev: DevId,
+        opts: OpenOptions,
+        link: Box<dyn OwnerLink>,
+    ) -> Result<Self> {
+        let l1_len = seed.shared.l1_len();
+        let (l2_cache, rc_cache) = Self::new_caches(&seed.geo, l1_len, 0, &opts)?;
+        Ok(Qcow2 {
+            exec: exec.clone(),
+            dev,
+            device_size: Cell::new(seed.shared.device_size()),
+            header: RefCell::new(seed.header),
+            geo: seed.geo,
+            ctx: Cell::new(seed.ctx),
+            l1: RefCell::new(Vec::new()),
+            refcount_table: RefCell::new(Vec::new()),
+            snapshots: seed.snapshots,
+            l2_cache: RefCell::new(l2_cache),
+            rc_cache: RefCell::new(rc_cache),
+            meta: None,
+            shared: Some(seed.shared),
+            core: Some(CoreSide {
+                link,
+                tickets: RefCell::new(slab::Slab::new()),
+                wait: WaitQueue::new(exec),
+                writable: seed.writable,
+            }),
+        })
+    }
+
+    /// The shared state, if [`share`](Self::share)d (owner) or a core replica.
+    pub fn shared(&self) -> Option<&Arc<Shared>> {
+        self.shared.as_ref()
+    }
+
+    /// Whether this is a core replica of a shared image.
+    pub fn is_core_replica(&self) -> bool {
+        self.core.is_some()
+    }
+
+    /// Owner: the answer to a core's [`OwnerLink::ask_slice`] (no I/O, no await).
+    pub fn slice_for_core(&self, key: u64) -> SliceReply {
+        let Some(shared) = &self.shared else {
+            return SliceReply::Retry;
+        };
+        if let Some(m) = &self.meta {
+            if let Some(words) = m.dirty_slice(key) {
+                return SliceReply::Copy {
+                    words,
+                    epoch: shared.epoch(key),
+                };
+            }
+        }
+        SliceReply::Clean {
+            epoch: shared.epoch(key),
+        }
+    }
+
+    /// Core replica: hands over the owner's answer to ticket `ticket` (on this core).
+    pub fn deliver_slice(&self, ticket: u64, reply: SliceReply) {
+        let Some(core) = &self.core else { return };
+        if let Some(slot) = core.tickets.borrow_mut().get_mut(ticket as usize) {
+            *slot = Some(reply);
+        }
+        core.wait.notify_all();
+    }
+
+    async fn ask_owner(&self, key: u64) -> SliceReply {
+        let Some(core) = &self.core else {
+            return SliceReply::Retry;
+        };
+        let t = core.tickets.borrow_mut().insert(None);
+        core.link.ask_slice(key, t as u64);
+        loop {
+            let got = core.tickets.borrow_mut().get_mut(t).and_then(Option::take);
+            if let Some(r) = got {
+                core.tickets.borrow_mut().remove(t);
+                return r;
+            }
+            core.wait.wait().await;
+        }
+    }
+
+    /// Core replica: takes the owner's latest device size (entries may point further).
+    fn sync_core(&self) {
+        if let (Some(_), Some(s)) = (&self.core, &self.shared) {
+            let ds = s.device_size();
+            if ds != self.device_size.get() {
+                self.device_size.set(ds);
+                let mut ctx = self.ctx.get();
+                ctx.device_size = ds;
+                self.ctx.set(ctx);
+            }
+        }
+    }
+
+    /// The epoch a cached copy of slice `key` must carry to be used now (0 on the owner:
+    /// its cache is kept in step with its own changes).
+    fn cur_epoch(&self, key: u64) -> u32 {
+        match (&self.core, &self.shared) {
+            (Some(_), Some(s)) => s.epoch(key),
+            _ => 0,
+        }
     }
 
     /// The decoded header (as currently in effect).
@@ -326,10 +571,12 @@ impl<D: BlockDevice> Qcow2<D> {
     /// The host offset of the L2 table covering `off`, or `None` if unallocated.
     pub(crate) fn l2_table(&self, off: GuestOffset) -> Result<Option<crate::types::HostOffset>> {
         let idx = self.geo.l1_index(off) as usize;
-        let e =
-            self.l1.borrow().get(idx).copied().ok_or_else(|| {
-                corrupt(Field::L1Entry, idx as u64, "L1 index beyond the L1 table")
-            })?;
+        let e = match (&self.core, &self.shared) {
+            (Some(_), Some(s)) if idx < s.l1_len() => Some(L1Entry(s.l1(idx))),
+            (Some(_), Some(_)) => None,
+            _ => self.l1.borrow().get(idx).copied(),
+        }
+        .ok_or_else(|| corrupt(Field::L1Entry, idx as u64, "L1 index beyond the L1 table"))?;
         e.l2_table(self.geo.cluster_size(), self.device_size.get())
     }
 
@@ -357,6 +604,7 @@ impl<D: BlockDevice> Qcow2<D> {
     /// Mapping of the (sub)cluster at `off` if its slice is cached (fast path; touches the
     /// LRU and counts a hit). `Ok(None)` on a cache miss. Returns the mapping and its end.
     pub fn resolve_cached(&self, off: GuestOffset) -> Result<Option<(ClusterMapping, u64)>> {
+        self.sync_core();
         let Some(_) = self.l2_table(off)? else {
             return Ok(Some((
                 ClusterMapping::Unallocated { host: None },
@@ -364,8 +612,9 @@ impl<D: BlockDevice> Qcow2<D> {
             )));
         };
         let key = self.geo.slice_id(off);
+        let epoch = self.cur_epoch(key);
         let mut cache = self.l2_cache.borrow_mut();
-        let Some(way) = cache.probe(key, 0) else {
+        let Some(way) = cache.probe(key, epoch) else {
             return Ok(None);
         };
         cache.touch(way);
@@ -377,25 +626,49 @@ impl<D: BlockDevice> Qcow2<D> {
         (off.0 / cov + 1).saturating_mul(cov)
     }
 
-    /// Loads the slice covering `off` into the cache if needed. Returns `false` when the
-    /// L2 table is unallocated (nothing to load).
-    pub(crate) async fn load_slice(&self, off: GuestOffset) -> Result<bool> {
+    /// Loads the slice covering `off` into the cache if needed and returns its way (valid
+    /// until the next await). `None` when the L2 table is unallocated (nothing to load).
+    pub(crate) async fn load_slice(&self, off: GuestOffset) -> Result<Option<usize>> {
+        if self.core.is_some() {
+            return self.load_slice_core(off).await;
+        }
         let Some(l2) = self.l2_table(off)? else {
-            return Ok(false);
+            return Ok(None);
         };
         let key = self.geo.slice_id(off);
-        if self.l2_cache.borrow_mut().lookup(key, 0).is_some() {
-            return Ok(true);
+        if let Some(w) = self.l2_cache.borrow_mut().lookup(key, 0) {
+            return Ok(Some(w));
         }
         // The owner's dirty copy is newer than the device.
         if let Some(m) = &self.meta {
             if let Some(words) = m.dirty_slice(key) {
-                self.l2_cache
+                let w = self
+                    .l2_cache
                     .borrow_mut()
                     .insert_with(key, 0, |b| b.copy_from_slice(&words));
-                return Ok(true);
+                return Ok(Some(w));
             }
         }
+        let raw = self.read_slice_raw(l2, off).await?;
+        // A write-back may have dirtied it meanwhile: the dirty copy wins.
+        if let Some(m) = &self.meta {
+            if let Some(words) = m.dirty_slice(key) {
+                let w = self
+                    .l2_cache
+                    .borrow_mut()
+                    .insert_with(key, 0, |b| b.copy_from_slice(&words));
+                return Ok(Some(w));
+            }
+        }
+        let w = self.l2_cache.borrow_mut().insert_with(key, 0, |block| {
+            for (dst, w) in block.iter_mut().zip(be_words(&raw)) {
+                *dst = w;
+            }
+        });
+        Ok(Some(w))
+    }
+
+    async fn read_slice_raw(&self, l2: crate::types::HostOffset, off: GuestOffset) -> Result<Vec<u8>> {
         let host = self.geo.slice_host_offset(l2, off);
         let slice_bytes = 1usize << self.geo.slice_bits;
         let buf = self.exec.alloc_buf(self.dev, slice_bytes);
@@ -404,12 +677,63 @@ impl<D: BlockDevice> Qcow2<D> {
             .await?;
         let mut raw = vec![0u8; slice_bytes];
         buf.copy_out(0, &mut raw);
-        self.l2_cache.borrow_mut().insert_with(key, 0, |block| {
-            for (dst, w) in block.iter_mut().zip(be_words(&raw)) {
-                *dst = w;
+        Ok(raw)
+    }
+
+    /// A core replica's miss (DESIGN.md §5): with an even epoch, read the slice from the
+    /// device and keep it only if the epoch did not move meanwhile (seqlock); with an odd
+    /// one, ask the owner for its copy.
+    async fn load_slice_core(&self, off: GuestOffset) -> Result<Option<usize>> {
+        let Some(shared) = self.shared.clone() else {
+            return Err(Error::InvalidRequest("core replica without shared state"));
+        };
+        let key = self.geo.slice_id(off);
+        let mut attempts = 0u32;
+        loop {
+            attempts += 1;
+            if attempts > 1000 {
+                // EAGAIN: the slice kept changing under 1000 reads (the owner rewrites it
+                // faster than this core can read it); the guest may retry.
+                return Err(Error::Io(11));
             }
-        });
-        Ok(true)
+            self.sync_core();
+            let mut epoch = shared.epoch(key);
+            if let Some(w) = self.l2_cache.borrow_mut().lookup(key, epoch) {
+                return Ok(Some(w));
+            }
+            if epoch & 1 == 1 {
+                match self.ask_owner(key).await {
+                    SliceReply::Copy { words, epoch } => {
+                        self.sync_core();
+                        let w = self
+                            .l2_cache
+                            .borrow_mut()
+                            .insert_with(key, epoch, |b| b.copy_from_slice(&words));
+                        // Taken after this request began: valid for it whatever the epoch
+                        // is now; the cache keeps it only while the epoch stays.
+                        return Ok(Some(w));
+                    }
+                    SliceReply::Clean { epoch: e } => epoch = e,
+                    SliceReply::Retry => continue,
+                }
+                self.sync_core();
+            }
+            // The L1 entry is read after the epoch: a new table's slices are odd before
+            // the owner publishes the entry that points at it.
+            let Some(l2) = self.l2_table(off)? else {
+                return Ok(None);
+            };
+            let raw = self.read_slice_raw(l2, off).await?;
+            if shared.epoch(key) != epoch {
+                continue;
+            }
+            let w = self.l2_cache.borrow_mut().insert_with(key, epoch, |block| {
+                for (dst, w) in block.iter_mut().zip(be_words(&raw)) {
+                    *dst = w;
+                }
+            });
+            return Ok(Some(w));
+        }
     }
 
     /// Describes guest bytes starting at `off` (< `end`): the mapping of the first
@@ -417,17 +741,13 @@ impl<D: BlockDevice> Qcow2<D> {
     /// host offsets), not crossing a slice boundary. Loads the slice on a miss.
     pub async fn extent(&self, off: u64, end: u64) -> Result<(ClusterMapping, u64)> {
         let go = GuestOffset(off);
-        if !self.load_slice(go).await? {
+        let Some(way) = self.load_slice(go).await? else {
             let e = self.l1_entry_end(go).min(end);
             return Ok((ClusterMapping::Unallocated { host: None }, e - off));
-        }
+        };
         let slice_end = (off / self.geo.slice_coverage() + 1) * self.geo.slice_coverage();
         let stop = end.min(slice_end);
         let cache = self.l2_cache.borrow();
-        let key = self.geo.slice_id(go);
-        let way = cache
-            .probe(key, 0)
-            .ok_or_else(|| corrupt(Field::L2Entry, key, "slice evicted while in use"))?;
         let block = cache.block(way);
         let (first, mut pos) = self.resolve(block, go)?;
         while pos < stop {

@@ -15,6 +15,7 @@
 pub mod cache;
 pub mod chain;
 pub mod check;
+pub mod coherency;
 pub mod compress;
 pub mod compressed_write;
 pub mod create;
@@ -36,4 +37,4 @@ pub mod write;
 pub use chain::{Chain, Layer};
 pub use error::{Error, Field, Result};
 pub use exec::{DevId, Exec};
-pub use image::{OpenOptions, Qcow2};
+pub use image::{CoreSeed, OpenOptions, OwnerLink, Qcow2};

@@ -31,6 +31,11 @@ const WRITEBACK_THRESHOLD_BYTES: u64 = 8 << 20;
 pub(crate) struct MetaState {
     /// Dirty L2 slices by slice id (authoritative; the cache holds replicas).
     pub dirty_l2: BTreeMap<u64, Vec<u64>>,
+    /// Slices taken by the write-back in progress, until their write completes (still
+    /// newer than the device).
+    pub writing_l2: BTreeMap<u64, Vec<u64>>,
+    /// Dirty-slice counts per epoch slot (when the image is shared with other cores).
+    pub epochs: crate::coherency::OwnerEpochs,
     /// Dirty refcount blocks by host offset (authoritative).
     pub dirty_rc: BTreeMap<u64, Vec<u8>>,
     /// L1 indices changed since the last write-back.
@@ -76,6 +81,8 @@ impl<D: BlockDevice> Meta<D> {
             inflight_wait: WaitQueue::new(exec),
             st: RefCell::new(MetaState {
                 dirty_l2: BTreeMap::new(),
+                writing_l2: BTreeMap::new(),
+                epochs: Default::default(),
                 dirty_rc: BTreeMap::new(),
                 dirty_l1: BTreeSet::new(),
                 dirty_rt: BTreeSet::new(),
@@ -92,9 +99,13 @@ impl<D: BlockDevice> Meta<D> {
         }
     }
 
-    /// A copy of a dirty L2 slice, if the owner holds one.
+    /// A copy of a dirty L2 slice (or one being written back), if the owner holds one.
     pub(crate) fn dirty_slice(&self, key: u64) -> Option<Vec<u64>> {
-        self.st.borrow().dirty_l2.get(&key).cloned()
+        let st = self.st.borrow();
+        st.dirty_l2
+            .get(&key)
+            .or_else(|| st.writing_l2.get(&key))
+            .cloned()
     }
     /// Whether refcount block `block` is dirty.
     pub(crate) fn has_dirty_rc(&self, block: u64) -> bool {
@@ -135,6 +146,9 @@ impl<D: BlockDevice> Qcow2<D> {
             let mut ctx = self.ctx.get();
             ctx.device_size = end;
             self.ctx.set(ctx);
+            if let Some(sh) = &self.shared {
+                sh.set_device_size(end);
+            }
         }
     }
 
@@ -234,32 +248,32 @@ impl<D: BlockDevice> Qcow2<D> {
         if m.st.borrow().dirty_l2.contains_key(&key) {
             return Ok(());
         }
-        if !self.load_slice(off).await? {
+        let Some(w) = self.load_slice(off).await? else {
             return Err(corrupt(
                 Field::L1Entry,
                 off.0,
                 "no L2 table for a dirty slice",
             ));
-        }
+        };
         if m.st.borrow().dirty_l2.contains_key(&key) {
             return Ok(());
         }
         let cache = self.l2_cache.borrow();
-        let w = cache
-            .probe(key, 0)
-            .ok_or_else(|| corrupt(Field::L2Entry, key, "slice evicted while in use"))?;
-        m.st.borrow_mut()
-            .dirty_l2
-            .insert(key, cache.block(w).to_vec());
+        let mut st = m.st.borrow_mut();
+        let st = &mut *st;
+        st.dirty_l2.insert(key, cache.block(w).to_vec());
+        if let Some(s) = &self.shared {
+            st.epochs.dirtied(s, key);
+        }
         Ok(())
     }
 
     /// Reads the raw L2 words of `off`'s entry (`(entry, bitmap)`; bitmap 0 without
     /// extended L2). The slice must be dirty or cached.
     pub(crate) async fn l2_words(&self, off: GuestOffset) -> Result<(u64, u64)> {
-        if !self.load_slice(off).await? {
+        let Some(way) = self.load_slice(off).await? else {
             return Ok((0, 0));
-        }
+        };
         let key = self.geo.slice_id(off);
         let i = self.geo.index_in_slice(off) as usize;
         let ext = self.geo.extended_l2;
@@ -276,10 +290,7 @@ impl<D: BlockDevice> Qcow2<D> {
             }
         }
         let cache = self.l2_cache.borrow();
-        let w = cache
-            .probe(key, 0)
-            .ok_or_else(|| corrupt(Field::L2Entry, key, "slice evicted while in use"))?;
-        Ok(pick(cache.block(w)))
+        Ok(pick(cache.block(way)))
     }
 
     /// Sets `off`'s L2 entry (and bitmap with extended L2) in the dirty slice and the
@@ -299,11 +310,15 @@ impl<D: BlockDevice> Qcow2<D> {
         };
         {
             let mut st = m.st.borrow_mut();
+            let st = &mut *st;
             let b = st
                 .dirty_l2
                 .get_mut(&key)
                 .ok_or_else(|| corrupt(Field::L2Entry, key, "L2 slice not dirty"))?;
             put(b);
+            if let Some(s) = &self.shared {
+                st.epochs.changed(s, key);
+            }
         }
         let mut cache = self.l2_cache.borrow_mut();
         if let Some(w) = cache.probe(key, 0) {
@@ -341,11 +356,22 @@ impl<D: BlockDevice> Qcow2<D> {
         let first_slice = idx * self.geo.slices_per_l2();
         {
             let mut st = m.st.borrow_mut();
+            let st = &mut *st;
             for (s, chunk) in content.chunks(slice_words).enumerate() {
-                st.dirty_l2.insert(first_slice + s as u64, chunk.to_vec());
+                let key = first_slice + s as u64;
+                if st.dirty_l2.insert(key, chunk.to_vec()).is_none() {
+                    if let Some(sh) = &self.shared {
+                        st.epochs.dirtied(sh, key);
+                    }
+                } else if let Some(sh) = &self.shared {
+                    st.epochs.changed(sh, key);
+                }
             }
             st.dirty_l1.insert(idx);
             st.meta_clusters.insert(start);
+            if let Some(sh) = &self.shared {
+                sh.set_meta_cluster(start);
+            }
         }
         {
             let mut cache = self.l2_cache.borrow_mut();
@@ -353,7 +379,12 @@ impl<D: BlockDevice> Qcow2<D> {
                 cache.invalidate(first_slice + s);
             }
         }
-        self.l1.borrow_mut()[idx as usize] = L1Entry::new(crate::types::HostOffset(new), true);
+        let entry = L1Entry::new(crate::types::HostOffset(new), true);
+        self.l1.borrow_mut()[idx as usize] = entry;
+        // Published after the new table's slices went odd (DESIGN.md §5).
+        if let Some(sh) = &self.shared {
+            sh.set_l1(idx as usize, entry.0);
+        }
         Ok(())
     }
 
@@ -431,6 +462,9 @@ impl<D: BlockDevice> Qcow2<D> {
             st.dirty_rc.insert(b << self.cluster_bits(), bytes);
             st.dirty_rt.insert(r);
             st.meta_clusters.insert(b);
+            if let Some(sh) = &self.shared {
+                sh.set_meta_cluster(b);
+            }
             if b >= st.fresh_from {
                 st.fresh_from = b + 1;
             }
@@ -503,6 +537,9 @@ impl<D: BlockDevice> Qcow2<D> {
                 .write(self.dev, at << bits, BufSlice::whole(buf))
                 .await?;
             m.st.borrow_mut().meta_clusters.insert(at);
+            if let Some(sh) = &self.shared {
+                sh.set_meta_cluster(at);
+            }
         }
         self.note_allocated(end);
         // Existing blocks covering part of the new area count it too.
@@ -523,6 +560,11 @@ impl<D: BlockDevice> Qcow2<D> {
             .write(self.dev, start << bits, BufSlice::whole(buf))
             .await?;
         self.exec.flush(self.dev).await?;
+        if let Some(sh) = &self.shared {
+            for c in start..start + table_clusters {
+                sh.set_meta_cluster(c);
+            }
+        }
         // Then the header.
         {
             let mut h = self.header.borrow_mut();
@@ -771,12 +813,19 @@ impl<D: BlockDevice> Qcow2<D> {
         }
         // Phase 2: L2 slices, then L1 entries of new tables.
         if has_l2 {
-            let slices: Vec<(u64, Vec<u64>)> = std::mem::take(&mut m.st.borrow_mut().dirty_l2)
-                .into_iter()
-                .collect();
+            // The slices move to `writing_l2` (still served from there) until their write
+            // completes; only then may a core read them from the device (epoch even).
+            let keys: Vec<u64> = {
+                let mut st = m.st.borrow_mut();
+                let taken = std::mem::take(&mut st.dirty_l2);
+                let keys = taken.keys().copied().collect();
+                st.writing_l2 = taken;
+                keys
+            };
             let slice_bytes = 1usize << self.geo.slice_bits;
-            for (i, (key, words)) in slices.iter().enumerate() {
-                let goff = GuestOffset(*key * self.geo.slice_coverage());
+            for (i, key) in keys.iter().enumerate() {
+                let key = *key;
+                let goff = GuestOffset(key * self.geo.slice_coverage());
                 let r = match self.l2_table(goff) {
                     Ok(Some(t)) => {
                         let host = self.geo.slice_host_offset(t, goff);
@@ -791,7 +840,9 @@ impl<D: BlockDevice> Qcow2<D> {
                         } else {
                             let buf = self.exec.alloc_buf(self.dev, slice_bytes);
                             let mut bytes = vec![0u8; slice_bytes];
-                            words_to_bytes(words, &mut bytes);
+                            if let Some(words) = m.st.borrow().writing_l2.get(&key) {
+                                words_to_bytes(words, &mut bytes);
+                            }
                             buf.copy_in(0, &bytes);
                             self.exec
                                 .write(self.dev, host.0, BufSlice::whole(buf))
@@ -800,17 +851,31 @@ impl<D: BlockDevice> Qcow2<D> {
                     }
                     Ok(None) => Err(corrupt(
                         Field::L1Entry,
-                        *key,
+                        key,
                         "dirty slice without an L2 table",
                     )),
                     Err(e) => Err(e),
                 };
+                let mut st = m.st.borrow_mut();
+                let st = &mut *st;
                 if let Err(e) = r {
-                    let mut st = m.st.borrow_mut();
-                    for (k, w) in slices.into_iter().skip(i) {
-                        st.dirty_l2.entry(k).or_insert(w);
+                    // Back to dirty; a newer dirty copy (changed meanwhile) wins.
+                    for k in keys.into_iter().skip(i) {
+                        if let Some(w) = st.writing_l2.remove(&k) {
+                            if st.dirty_l2.contains_key(&k) {
+                                if let Some(sh) = &self.shared {
+                                    st.epochs.cleaned(sh, k);
+                                }
+                            } else {
+                                st.dirty_l2.insert(k, w);
+                            }
+                        }
                     }
                     return Err(e);
+                }
+                st.writing_l2.remove(&key);
+                if let Some(sh) = &self.shared {
+                    st.epochs.cleaned(sh, key);
                 }
             }
             let l1_dirty = std::mem::take(&mut m.st.borrow_mut().dirty_l1);

@@ -110,24 +110,49 @@ impl<D: BlockDevice> Chain<D> {
         });
     }
 
+    /// On a core replica of a shared image ([`Qcow2::from_seed`]): starts the write here if
+    /// it is an in-place write (fast path) and returns true; returns false, having changed
+    /// nothing, when the write must go to the metadata owner (allocation, COW, anything
+    /// else), where the host submits it with [`submit_write`](Self::submit_write).
+    pub fn try_submit_write(self: &Rc<Self>, tag: u64, offset: u64, buf: &BufSlice<D::Buf>) -> bool {
+        if check_range(self, offset, buf.len as u64).is_err() {
+            return false;
+        }
+        self.try_fast_write(tag, offset, buf)
+    }
+
     /// In-place fast path: every cluster COPIED data (standard L2), slice cached, no
     /// allocation in flight. Returns false (changing nothing) otherwise.
     fn try_fast_write(&self, tag: u64, offset: u64, buf: &BufSlice<D::Buf>) -> bool {
-        let Ok(q) = top(self) else { return false };
+        let Layer::Qcow2(q) = &self.layers()[0] else {
+            return false;
+        };
         if q.geometry().extended_l2 {
             return false;
         }
-        let Ok(m) = q.meta() else { return false };
+        // The owner checks its in-flight allocations and exact metadata index; a core
+        // replica checks the owner's published metadata-cluster bitmap (an allocation in
+        // flight is not COPIED data in its view yet).
+        let m = q.meta.as_ref();
+        let core = match &q.core {
+            Some(c) if c.writable => q.shared.as_deref(),
+            Some(_) => return false,
+            None => None,
+        };
+        if m.is_none() && core.is_none() {
+            return false;
+        }
         let cs = q.geometry().cluster_size();
+        let bits = q.geometry().cluster_bits;
         let end = offset + buf.len as u64;
         // Plan first (no side effects), then submit.
         let mut runs: [(u64, usize, usize); 8] = [(0, 0, 0); 8];
         let mut n = 0;
         let mut pos = offset;
         {
-            let st = m.st.borrow();
+            let st = m.map(|m| m.st.borrow());
             while pos < end {
-                if st.inflight.contains(&(pos / cs)) {
+                if st.as_ref().is_some_and(|st| st.inflight.contains(&(pos / cs))) {
                     return false;
                 }
                 let Ok(Some((ClusterMapping::Data { host, copied: true }, c_end))) =
@@ -137,7 +162,13 @@ impl<D: BlockDevice> Chain<D> {
                 };
                 let len = (c_end.min(end) - pos) as usize;
                 let h = host.0 + (pos & (cs - 1));
-                if q.overlaps_metadata(h, len as u64) {
+                let overlaps = match core {
+                    Some(sh) => {
+                        (h >> bits..=(h + len as u64 - 1) >> bits).any(|c| sh.is_meta_cluster(c))
+                    }
+                    None => q.overlaps_metadata(h, len as u64),
+                };
+                if overlaps {
                     // The slow path refuses it and marks the image corrupt.
                     return false;
                 }

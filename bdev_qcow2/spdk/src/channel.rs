@@ -8,6 +8,13 @@
 //! The replica is opened asynchronously when the channel is created; requests arriving
 //! meanwhile wait in a queue. Every field is a `Cell`/`RefCell` used through `&Channel`,
 //! because completing a bdev_io can re-enter `submit_request` on the same channel.
+//!
+//! Base completions are delivered into the executor from SPDK's completion callback
+//! ([`deliver`]), and the fast-path requests they finish are completed right there, without
+//! waiting for the poller's next pass. When the callback runs while the channel is inside
+//! the engine (SPDK completing inline during a submission), it leaves the completion queued
+//! in the device for the poller instead. The poller still drives slow paths (tasks),
+//! resubmissions after `-ENOMEM`, and opening the replica.
 
 use crate::device::{IovView, SpdkBuf, SpdkDevice};
 use crate::ffi::bdev_io::BdevIo;
@@ -16,7 +23,7 @@ use crate::ffi::sys;
 use crate::ffi::thread::{self, Poller, POLLER_BUSY, POLLER_IDLE};
 use crate::node::{Node, BLOCK_SIZE};
 use crate::owner;
-use qcow2_engine::io::BufSlice;
+use qcow2_engine::io::{BufSlice, DeviceError};
 use qcow2_engine::{Chain, DevId, Exec, Layer, Qcow2};
 use serde::Serialize;
 use std::cell::{Cell, RefCell};
@@ -46,6 +53,9 @@ pub struct Channel {
     reset_waiters: RefCell<Vec<ChannelIter>>,
     poller: RefCell<Option<Poller>>,
     closing: Cell<bool>,
+    /// Set while the channel runs engine code (its executor or chain may be borrowed): a
+    /// base completion arriving then is left for the poller (see [`deliver`]).
+    in_engine: Cell<bool>,
     completed: Cell<u64>,
     errors: Cell<u64>,
     thread_name: String,
@@ -107,6 +117,7 @@ impl Channel {
             reset_waiters: RefCell::new(Vec::new()),
             poller: RefCell::new(None),
             closing: Cell::new(false),
+            in_engine: Cell::new(false),
             completed: Cell::new(0),
             errors: Cell::new(0),
             thread_name,
@@ -116,9 +127,17 @@ impl Channel {
             return Ok(ch);
         }
         let exec = &ch.exec;
-        let base_dev = exec.add_device(SpdkDevice::new(base).ok_or(libc::ENOMEM)?);
+        let ctx = (&*ch as *const Channel).cast_mut().cast::<c_void>();
+        let device = |desc| {
+            let mut d = SpdkDevice::new(desc).ok_or(libc::ENOMEM)?;
+            // SAFETY: the channel state is boxed (stable address) and owns the executor that
+            // owns the device; a device dropped with operations in flight clears its sink.
+            unsafe { d.set_sink(deliver, ctx) };
+            Ok::<_, i32>(exec.add_device(d))
+        };
+        let base_dev = device(base)?;
         let backing_dev = match &node.backing {
-            Some(d) => Some(exec.add_device(SpdkDevice::new(d).ok_or(libc::ENOMEM)?)),
+            Some(d) => Some(device(d)?),
             None => None,
         };
         {
@@ -165,15 +184,17 @@ impl Channel {
         let Some(r) = self.opened.borrow_mut().take() else {
             return;
         };
-        let chain = r.and_then(|q| {
-            let mut layers = vec![Layer::Qcow2(Box::new(q))];
-            if let Some(d) = self.backing_dev {
-                layers.push(Layer::Raw {
-                    dev: d,
-                    size: self.exec.device_size(d),
-                });
-            }
-            Chain::new(&self.exec, layers)
+        let chain = self.in_engine(|| {
+            r.and_then(|q| {
+                let mut layers = vec![Layer::Qcow2(Box::new(q))];
+                if let Some(d) = self.backing_dev {
+                    layers.push(Layer::Raw {
+                        dev: d,
+                        size: self.exec.device_size(d),
+                    });
+                }
+                Chain::new(&self.exec, layers)
+            })
         });
         match chain {
             Ok(c) => *self.chain.borrow_mut() = Some(c),
@@ -206,11 +227,32 @@ impl Channel {
         // SAFETY: the bdev_io's iovecs hold `len` bytes and stay valid until we complete
         // it, which happens only after the engine reported the request done.
         let view = unsafe { IovView::new(iovs, cnt, len as usize) };
-        chain.submit_read(
-            io.tag(),
-            io.offset_blocks() * u64::from(BLOCK_SIZE),
-            BufSlice::whole(SpdkBuf::Iov(view)),
-        );
+        self.in_engine(|| {
+            chain.submit_read(
+                io.tag(),
+                io.offset_blocks() * u64::from(BLOCK_SIZE),
+                BufSlice::whole(SpdkBuf::Iov(view)),
+            )
+        });
+    }
+
+    /// Runs `f` marked as inside the engine (nests: restores the previous mark).
+    fn in_engine<R>(&self, f: impl FnOnce() -> R) -> R {
+        let prev = self.in_engine.replace(true);
+        let r = f();
+        self.in_engine.set(prev);
+        r
+    }
+
+    /// Completes the guest request the engine reported done under `tag`.
+    fn complete_tag(&self, tag: u64, r: qcow2_engine::Result<()>) {
+        // SAFETY: tags are bdev_ios we submitted to the engine and have not completed.
+        if let Some(io) = unsafe { BdevIo::from_tag(tag) } {
+            if let Err(e) = &r {
+                tracing::debug!("read failed: {e}");
+            }
+            self.finish(io, r.is_ok());
+        }
     }
 
     /// Starts a request that carries its buffers: forwarded to the owner (writable bdev) or
@@ -338,15 +380,12 @@ unsafe extern "C" fn chan_poll(ctx: *mut c_void) -> c_int {
     // SAFETY: the poller's context is live channel state (freed only below, or by
     // `destroy_cb` after unregistering this poller).
     let ch = unsafe { &*chp };
-    let mut n = ch.exec.poll(&mut |tag, r| {
-        // SAFETY: tags are bdev_ios we submitted to the engine and have not completed.
-        if let Some(io) = unsafe { BdevIo::from_tag(tag) } {
-            if let Err(e) = &r {
-                tracing::debug!("read failed: {e}");
-            }
-            ch.finish(io, r.is_ok());
-        }
-    });
+    // Idle (or a writable bdev's forwarding channel): nothing for the executor to do.
+    let mut n = if ch.exec.busy() {
+        ch.in_engine(|| ch.exec.poll(&mut |tag, r| ch.complete_tag(tag, r)))
+    } else {
+        0
+    };
     if ch.forward_to.is_none() && ch.chain.borrow().is_none() && !ch.failed.get() {
         ch.try_ready();
         n += 1;
@@ -370,6 +409,26 @@ unsafe extern "C" fn chan_poll(ctx: *mut c_void) -> c_int {
     } else {
         POLLER_IDLE
     }
+}
+
+/// The base devices' [`CompletionSink`](crate::device::CompletionSink): delivers a base
+/// completion into the channel's executor from SPDK's callback and completes the guest
+/// requests it finished, unless the channel is inside the engine (then the poller does).
+///
+/// # Safety
+/// `ctx` is the live channel state owning the device (see `Channel::new`).
+unsafe fn deliver(ctx: *mut c_void, tag: u64, r: Result<(), DeviceError>) -> bool {
+    // SAFETY: per the contract.
+    let ch = unsafe { &*ctx.cast::<Channel>() };
+    if ch.in_engine.get() {
+        return false;
+    }
+    ch.in_engine(|| {
+        ch.exec.device_completed(tag, r);
+        ch.exec
+            .take_completions(&mut |tag, r| ch.complete_tag(tag, r));
+    });
+    true
 }
 
 unsafe extern "C" fn get_buf_done(

@@ -5,9 +5,12 @@
 //! bdev_ios on this thread is empty) → `Busy`, and the device queues itself with
 //! `spdk_bdev_queue_io_wait`: until SPDK calls back (a bdev_io was freed), every submission
 //! answers `Busy` without calling SPDK, and the executor resubmits in order on the poll after
-//! the callback. The completion callback only records `(tag, result)` in the device's
-//! queue, and [`BlockDevice::poll`] — run by the channel's poller through the executor —
-//! hands them to the engine. Per-operation state lives in a fixed pool of slots allocated
+//! the callback. The completion callback hands `(tag, result)` to the device's
+//! [`CompletionSink`] if the host installed one ([`SpdkDevice::set_sink`]: a channel delivers
+//! it into its executor at once, so a fast-path request completes right in the callback);
+//! otherwise, or when the sink declines (the host is inside the engine), it records it in the
+//! device's queue, and [`BlockDevice::poll`] — run by the poller through the executor —
+//! hands it to the engine. Per-operation state lives in a fixed pool of slots allocated
 //! when the channel is created, so a submission allocates nothing.
 
 use crate::ffi::bdev::Desc;
@@ -141,6 +144,16 @@ const SLOT_IOVS: usize = 8;
 /// Operations one device can have in flight; beyond that `submit` answers `Busy`.
 pub const SLOTS: usize = 1024;
 
+/// Takes a completion `(tag, result)` straight from SPDK's callback, with the context given
+/// to [`SpdkDevice::set_sink`]. Returns `false` to decline (the completion is then queued
+/// for [`BlockDevice::poll`]), e.g. when the callback runs inside the engine (SPDK completing
+/// inline during a submission).
+///
+/// # Safety
+/// Called only with the context it was installed with, on the device's thread, outside any
+/// method of the device.
+pub type CompletionSink = unsafe fn(*mut c_void, u64, Result<(), DeviceError>) -> bool;
+
 /// One operation in flight.
 struct Slot {
     owner: *mut Pool,
@@ -161,6 +174,8 @@ struct Pool {
     wait: sys::spdk_bdev_io_wait_entry,
     /// Queued with `spdk_bdev_queue_io_wait` and not called back yet.
     waiting: bool,
+    /// Where the callback delivers completions first (see [`CompletionSink`]).
+    sink: Option<(CompletionSink, *mut c_void)>,
 }
 
 /// A base bdev as seen from one SPDK thread.
@@ -189,6 +204,7 @@ impl SpdkDevice {
             // which all-zero is a valid unqueued state.
             wait: unsafe { std::mem::zeroed() },
             waiting: false,
+            sink: None,
         }));
         let slots: Box<[Slot]> = (0..SLOTS as u32)
             .map(|index| Slot {
@@ -210,6 +226,17 @@ impl SpdkDevice {
             // SAFETY: `Box::into_raw` never returns null.
             pool: unsafe { NonNull::new_unchecked(pool) },
         })
+    }
+
+    /// Makes SPDK's completion callback offer each completion to `sink` (with `ctx`) before
+    /// queueing it for `poll`.
+    ///
+    /// # Safety
+    /// `ctx` must stay valid for `sink` as long as the device may complete operations (the
+    /// device clears it if it is dropped with operations in flight).
+    pub unsafe fn set_sink(&mut self, sink: CompletionSink, ctx: *mut c_void) {
+        // SAFETY: see `in_flight`.
+        unsafe { (*self.pool.as_ptr()).sink = Some((sink, ctx)) };
     }
 
     /// Operations submitted and not yet reaped by `poll`.
@@ -255,21 +282,30 @@ unsafe extern "C" fn io_done(bdev_io: *mut sys::spdk_bdev_io, success: bool, cb_
     // SAFETY: `bdev_io` is the child I/O SPDK hands back to us; freed once, here.
     unsafe { sys::spdk_bdev_free_io(bdev_io) };
     let slot = cb_arg.cast::<Slot>();
+    let r = if success {
+        Ok(())
+    } else {
+        Err(DeviceError(libc::EIO))
+    };
     // SAFETY: `cb_arg` is a slot of a live pool (pools are freed only when no slot is in
     // flight); callbacks run on the device's thread, never inside one of its methods, so
-    // no other reference to the pool is live.
+    // no other reference to the pool is live. The pool reference ends before the sink runs
+    // (it may submit on this very device), and is taken afresh if the sink declines.
     unsafe {
         let owner = (*slot).owner;
         let tag = (*slot).tag;
         (*slot).buf = None;
-        let pool = &mut *owner;
-        pool.free.push((*slot).index);
-        let r = if success {
-            Ok(())
-        } else {
-            Err(DeviceError(libc::EIO))
+        let sink = {
+            let pool = &mut *owner;
+            pool.free.push((*slot).index);
+            pool.sink
         };
-        pool.done.push_back((tag, r));
+        if let Some((f, ctx)) = sink {
+            if f(ctx, tag, r) {
+                return;
+            }
+        }
+        (*owner).done.push_back((tag, r));
     }
 }
 
@@ -394,6 +430,8 @@ impl Drop for SpdkDevice {
             // it instead (never expected: channels are torn down only when their executor
             // is idle, and an idle executor has no refused submission left).
             tracing::error!("base device dropped with operations in flight; leaking its pool");
+            // SAFETY: see `in_flight`. The sink's context may die with the device's owner.
+            unsafe { (*self.pool.as_ptr()).sink = None };
             return;
         }
         // SAFETY: leaked from a Box in `new`; no operation refers to it any more.

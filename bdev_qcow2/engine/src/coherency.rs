@@ -1,0 +1,278 @@
+//! Cross-core coherency of metadata replicas (DESIGN.md §5): the state the metadata owner
+//! publishes to the cores, lock-free.
+//!
+//! - **Slice epochs**: one `AtomicU32` per L2 slice of the image (hashed into at most
+//!   [`MAX_EPOCH_SLOTS`] slots). The owner makes a slot odd before a slice in it changes
+//!   and keeps it odd while any slice of the slot is dirty or being written back; every
+//!   further change adds 2 (stays odd); when the last one is written back it becomes even
+//!   again. All of this happens **before** the owner acknowledges the operation that
+//!   changed the slice, so a request submitted after that acknowledgement sees a new epoch.
+//! - A core keeps a cached slice only while the slot's epoch equals the epoch it was read
+//!   under. On a miss with an even epoch it reads the slice from the device itself and
+//!   keeps it only if the epoch did not move during the read (a seqlock over the device);
+//!   with an odd epoch it asks the owner, who answers with a copy of its dirty slice
+//!   ([`SliceReply::Copy`]) or, when this slice is clean and only shares the slot with a
+//!   dirty one, with [`SliceReply::Clean`] and the epoch under which a device read is valid.
+//! - **L1 entries** and the **device size** are published as atomics: a core locates L2
+//!   tables through them (the owner changes an L1 entry only after making the slices of
+//!   the new table odd, so a core that sees the new entry also fails its seqlock check).
+//! - **Metadata clusters**: a bitmap of the host clusters that hold metadata (header,
+//!   tables, refcount blocks, L2 tables), for the cores' overlap check before an in-place
+//!   write. Bits are only ever set while the image is open (a stale bit only sends a write
+//!   to the owner, who checks with its exact index); clusters past the bitmap count as
+//!   metadata for the same reason.
+//!
+//! The atomics come from `loom` under `--cfg loom`, so `tests/loom_epochs.rs` model-checks
+//! this very code.
+
+#[cfg(loom)]
+use loom::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+#[cfg(not(loom))]
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+
+/// Upper bound on epoch slots (4 MiB of epochs): larger images hash several slices into
+/// one slot, which only costs false invalidations.
+pub const MAX_EPOCH_SLOTS: u64 = 1 << 20;
+
+/// Upper bound on the metadata-cluster bitmap (8 MiB: 64 Mi clusters). Clusters past it
+/// are treated as metadata by the cores (their writes go to the owner).
+pub const MAX_META_BITMAP_WORDS: u64 = 1 << 20;
+
+/// What the owner answers a core that asks for a slice whose epoch is odd.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SliceReply {
+    /// The owner's current (dirty) copy of the slice, valid while the epoch stays `epoch`.
+    Copy {
+        /// The slice's entries (host order words, as in the cache).
+        words: Vec<u64>,
+        /// Epoch of the slot when the copy was taken.
+        epoch: u32,
+    },
+    /// The slice is clean: the device holds it; a device read is valid if the slot's epoch
+    /// is still `epoch` after it.
+    Clean {
+        /// Epoch of the slot when the owner answered.
+        epoch: u32,
+    },
+    /// The L2 table is gone or the owner failed: retry through the normal path.
+    Retry,
+}
+
+/// State the owner publishes to every core (shared with `Arc`).
+pub struct Shared {
+    epochs: Box<[AtomicU32]>,
+    epoch_mask: u64,
+    l1: Box<[AtomicU64]>,
+    device_size: AtomicU64,
+    meta_bits: Box<[AtomicU64]>,
+}
+
+impl std::fmt::Debug for Shared {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Shared")
+            .field("epoch_slots", &self.epochs.len())
+            .field("l1_entries", &self.l1.len())
+            .field("meta_bitmap_words", &self.meta_bits.len())
+            .finish()
+    }
+}
+
+impl Shared {
+    /// Shared state for an image with `total_slices` L2 slices, L1 table `l1` (raw
+    /// entries), on a device of `device_size` bytes whose metadata may reach
+    /// `max_clusters` host clusters.
+    pub fn new(total_slices: u64, l1: &[u64], device_size: u64, max_clusters: u64) -> Self {
+        let slots = total_slices
+            .clamp(1, MAX_EPOCH_SLOTS)
+            .next_power_of_two()
+            .min(MAX_EPOCH_SLOTS);
+        let words = max_clusters.div_ceil(64).clamp(1, MAX_META_BITMAP_WORDS);
+        Shared {
+            epochs: (0..slots).map(|_| AtomicU32::new(0)).collect(),
+            epoch_mask: slots - 1,
+            l1: l1.iter().map(|&e| AtomicU64::new(e)).collect(),
+            device_size: AtomicU64::new(device_size),
+            meta_bits: (0..words).map(|_| AtomicU64::new(0)).collect(),
+        }
+    }
+
+    /// The epoch slot of slice `key`.
+    pub fn slot(&self, key: u64) -> usize {
+        // Fibonacci hashing spreads strided keys; identity when every slice has a slot.
+        if self.epochs.len() as u64 > key {
+            key as usize
+        } else {
+            (key.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 20 & self.epoch_mask) as usize
+        }
+    }
+
+    /// Number of epoch slots.
+    pub fn slots(&self) -> usize {
+        self.epochs.len()
+    }
+
+    /// Current epoch of slice `key` (acquire: a core then reads L1 and the device).
+    pub fn epoch(&self, key: u64) -> u32 {
+        self.epochs[self.slot(key)].load(Ordering::Acquire)
+    }
+
+    /// Current epoch of slot `slot`.
+    pub fn slot_epoch(&self, slot: usize) -> u32 {
+        self.epochs[slot].load(Ordering::Acquire)
+    }
+
+    /// Raw L1 entry `idx` (0 past the table).
+    pub fn l1(&self, idx: usize) -> u64 {
+        self.l1.get(idx).map_or(0, |e| e.load(Ordering::Acquire))
+    }
+
+    /// Number of L1 entries.
+    pub fn l1_len(&self) -> usize {
+        self.l1.len()
+    }
+
+    /// Device size entries may point at.
+    pub fn device_size(&self) -> u64 {
+        self.device_size.load(Ordering::Acquire)
+    }
+
+    /// Whether host cluster `c` may hold metadata (true past the bitmap).
+    pub fn is_meta_cluster(&self, c: u64) -> bool {
+        match self.meta_bits.get((c / 64) as usize) {
+            Some(w) => w.load(Ordering::Acquire) & (1 << (c % 64)) != 0,
+            None => true,
+        }
+    }
+
+    // ----- owner side --------------------------------------------------------------
+
+    /// Owner: slot `slot` gets its first dirty slice (even → odd).
+    pub fn owner_open(&self, slot: usize) {
+        let e = &self.epochs[slot];
+        debug_assert!(e.load(Ordering::Relaxed) & 1 == 0);
+        e.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// Owner: a slice of odd slot `slot` changes (odd → next odd).
+    pub fn owner_changed(&self, slot: usize) {
+        let e = &self.epochs[slot];
+        debug_assert!(e.load(Ordering::Relaxed) & 1 == 1);
+        e.fetch_add(2, Ordering::AcqRel);
+    }
+
+    /// Owner: the last dirty slice of slot `slot` reached the device (odd → even).
+    pub fn owner_close(&self, slot: usize) {
+        let e = &self.epochs[slot];
+        debug_assert!(e.load(Ordering::Relaxed) & 1 == 1);
+        e.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// Owner: publishes L1 entry `idx`.
+    pub fn set_l1(&self, idx: usize, raw: u64) {
+        if let Some(e) = self.l1.get(idx) {
+            e.store(raw, Ordering::Release);
+        }
+    }
+
+    /// Owner: publishes a larger device size.
+    pub fn set_device_size(&self, size: u64) {
+        self.device_size.fetch_max(size, Ordering::AcqRel);
+    }
+
+    /// Owner: host cluster `c` holds metadata from now on.
+    pub fn set_meta_cluster(&self, c: u64) {
+        if let Some(w) = self.meta_bits.get((c / 64) as usize) {
+            w.fetch_or(1 << (c % 64), Ordering::AcqRel);
+        }
+    }
+}
+
+/// The owner's bookkeeping of dirty slices per slot (not shared: only the owner runs it).
+#[derive(Debug, Default)]
+pub struct OwnerEpochs {
+    counts: std::collections::HashMap<usize, u32>,
+}
+
+impl OwnerEpochs {
+    /// A slice of `key` became dirty (or another copy of it is being written back).
+    pub fn dirtied(&mut self, shared: &Shared, key: u64) {
+        let slot = shared.slot(key);
+        let n = self.counts.entry(slot).or_insert(0);
+        if *n == 0 {
+            shared.owner_open(slot);
+        } else {
+            shared.owner_changed(slot);
+        }
+        *n += 1;
+    }
+
+    /// A dirty slice of `key` changed.
+    pub fn changed(&mut self, shared: &Shared, key: u64) {
+        let slot = shared.slot(key);
+        debug_assert!(self.counts.get(&slot).copied().unwrap_or(0) > 0);
+        shared.owner_changed(slot);
+    }
+
+    /// One dirty instance of `key` is gone (written back, or merged away).
+    pub fn cleaned(&mut self, shared: &Shared, key: u64) {
+        let slot = shared.slot(key);
+        let Some(n) = self.counts.get_mut(&slot) else {
+            debug_assert!(false, "cleaned a slice that was not dirty");
+            return;
+        };
+        *n -= 1;
+        if *n == 0 {
+            self.counts.remove(&slot);
+            shared.owner_close(slot);
+        }
+    }
+
+    /// Number of slots currently odd.
+    pub fn open_slots(&self) -> usize {
+        self.counts.len()
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn epochs_follow_dirty_instances() {
+        let s = Shared::new(16, &[0; 2], 1 << 20, 64);
+        let mut o = OwnerEpochs::default();
+        assert_eq!(s.epoch(3), 0);
+        o.dirtied(&s, 3);
+        assert_eq!(s.epoch(3), 1);
+        o.changed(&s, 3);
+        assert_eq!(s.epoch(3), 3);
+        // Re-dirtied while the first copy is written back.
+        o.dirtied(&s, 3);
+        assert_eq!(s.epoch(3), 5);
+        o.cleaned(&s, 3);
+        assert_eq!(s.epoch(3) & 1, 1, "still dirty");
+        o.cleaned(&s, 3);
+        assert_eq!(s.epoch(3), 6);
+        assert_eq!(o.open_slots(), 0);
+    }
+
+    #[test]
+    fn hashed_slots_stay_in_range() {
+        let s = Shared::new(u64::MAX, &[], 0, u64::MAX);
+        assert_eq!(s.slots() as u64, MAX_EPOCH_SLOTS);
+        for k in [0, 1, MAX_EPOCH_SLOTS, u64::MAX, 1 << 40] {
+            assert!(s.slot(k) < s.slots());
+        }
+        assert!(s.is_meta_cluster(u64::MAX), "past the bitmap counts as metadata");
+    }
+
+    #[test]
+    fn meta_bitmap() {
+        let s = Shared::new(1, &[], 0, 1000);
+        assert!(!s.is_meta_cluster(700));
+        s.set_meta_cluster(700);
+        assert!(s.is_meta_cluster(700));
+        assert!(!s.is_meta_cluster(701));
+        assert!(s.is_meta_cluster(64 * 16 + 1), "beyond the bitmap");
+    }
+}
