@@ -263,7 +263,10 @@ mod tests {
         for k in [0, 1, MAX_EPOCH_SLOTS, u64::MAX, 1 << 40] {
             assert!(s.slot(k) < s.slots());
         }
-        assert!(s.is_meta_cluster(u64::MAX), "past the bitmap counts as metadata");
+        assert!(
+            s.is_meta_cluster(u64::MAX),
+            "past the bitmap counts as metadata"
+        );
     }
 
     #[test]

@@ -383,7 +383,12 @@ impl<D: BlockDevice> Qcow2<D> {
             for &c in &st.meta_clusters {
                 shared.set_meta_cluster(c);
             }
-            let keys: Vec<u64> = st.dirty_l2.keys().chain(st.writing_l2.keys()).copied().collect();
+            let keys: Vec<u64> = st
+                .dirty_l2
+                .keys()
+                .chain(st.writing_l2.keys())
+                .copied()
+                .collect();
             for k in keys {
                 st.epochs.dirtied(&shared, k);
             }
@@ -395,10 +400,9 @@ impl<D: BlockDevice> Qcow2<D> {
     /// What another core needs to build its replica ([`from_seed`](Self::from_seed)).
     /// [`share`](Self::share) must have run.
     pub fn core_seed(&self) -> Result<CoreSeed> {
-        let shared = self
-            .shared
-            .clone()
-            .ok_or(Error::InvalidRequest("image not shared: call share() first"))?;
+        let shared = self.shared.clone().ok_or(Error::InvalidRequest(
+            "image not shared: call share() first",
+        ))?;
         Ok(CoreSeed {
             header: self.header.borrow().clone(),
             geo: self.geo,
@@ -668,7 +672,11 @@ impl<D: BlockDevice> Qcow2<D> {
         Ok(Some(w))
     }
 
-    async fn read_slice_raw(&self, l2: crate::types::HostOffset, off: GuestOffset) -> Result<Vec<u8>> {
+    async fn read_slice_raw(
+        &self,
+        l2: crate::types::HostOffset,
+        off: GuestOffset,
+    ) -> Result<Vec<u8>> {
         let host = self.geo.slice_host_offset(l2, off);
         let slice_bytes = 1usize << self.geo.slice_bits;
         let buf = self.exec.alloc_buf(self.dev, slice_bytes);

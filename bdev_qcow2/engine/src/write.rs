@@ -114,7 +114,12 @@ impl<D: BlockDevice> Chain<D> {
     /// it is an in-place write (fast path) and returns true; returns false, having changed
     /// nothing, when the write must go to the metadata owner (allocation, COW, anything
     /// else), where the host submits it with [`submit_write`](Self::submit_write).
-    pub fn try_submit_write(self: &Rc<Self>, tag: u64, offset: u64, buf: &BufSlice<D::Buf>) -> bool {
+    pub fn try_submit_write(
+        self: &Rc<Self>,
+        tag: u64,
+        offset: u64,
+        buf: &BufSlice<D::Buf>,
+    ) -> bool {
         if check_range(self, offset, buf.len as u64).is_err() {
             return false;
         }
@@ -152,7 +157,10 @@ impl<D: BlockDevice> Chain<D> {
         {
             let st = m.map(|m| m.st.borrow());
             while pos < end {
-                if st.as_ref().is_some_and(|st| st.inflight.contains(&(pos / cs))) {
+                if st
+                    .as_ref()
+                    .is_some_and(|st| st.inflight.contains(&(pos / cs)))
+                {
                     return false;
                 }
                 let Ok(Some((ClusterMapping::Data { host, copied: true }, c_end))) =

@@ -4,6 +4,7 @@
 pub mod cmd;
 pub mod host;
 pub mod logwrites;
+pub mod reactor;
 pub mod rng;
 pub mod uring;
 

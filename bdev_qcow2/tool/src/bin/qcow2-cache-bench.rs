@@ -292,7 +292,6 @@ fn bench_size(a: &Args, slices: usize) -> Row {
         / ((s1.misses - s0.misses) + (s1.hits - s0.hits)).max(1) as f64;
     drop(c);
 
-
     // QEMU-style: the steady state of a random workload (keys at random positions, random
     // LRU order), resident keys drawn by picking a random entry.
     let mut q = QemuCache::new(slices);
@@ -306,7 +305,10 @@ fn bench_size(a: &Args, slices: usize) -> Row {
         e.lru_counter = order[i] + 1;
     }
     q.lru_counter = slices as u64;
-    q.tables.iter_mut().enumerate().for_each(|(i, w)| *w = i as u64);
+    q.tables
+        .iter_mut()
+        .enumerate()
+        .for_each(|(i, w)| *w = i as u64);
     row.qemu_hit = measure(a, |r| {
         let x = r.next();
         let key = q.entries[(x & mask) as usize].offset - 1;
@@ -338,9 +340,13 @@ fn main() {
     let secs = t0.elapsed().as_secs_f64();
     type Get = fn(&Row) -> f64;
     let lines: [(&str, &str, Get); 13] = [
-        ("loop", "rng + loop overhead (in every figure)", |r| r.loop_only),
+        ("loop", "rng + loop overhead (in every figure)", |r| {
+            r.loop_only
+        }),
         ("set_of", "set_of (hash) alone", |r| r.set_of),
-        ("hit_meta", "hit: probe+touch (metadata only)", |r| r.hit_meta),
+        ("hit_meta", "hit: probe+touch (metadata only)", |r| {
+            r.hit_meta
+        }),
         ("hit", "hit: probe+touch+word (resolve_cached)", |r| r.hit),
         ("floor", "floor: random slice word, no lookup", |r| r.floor),
         ("hit_latency", "hit, dependent chain (latency)", |r| {
@@ -359,7 +365,9 @@ fn main() {
         ("miss_fraction", "  (fraction of those that missed)", |r| {
             r.miss_fraction
         }),
-        ("qemu_hit", "QEMU-style full scan: hit + word", |r| r.qemu_hit),
+        ("qemu_hit", "QEMU-style full scan: hit + word", |r| {
+            r.qemu_hit
+        }),
         ("qemu_miss", "QEMU-style full scan: miss + 4 KiB", |r| {
             r.qemu_miss
         }),
@@ -367,11 +375,7 @@ fn main() {
     let col = |g: Get| rows.iter().map(g).collect::<Vec<f64>>();
     let hit = col(|r| r.hit);
     let hit_lat = col(|r| r.hit_lat);
-    let per_size = |num: Get, den: Get| {
-        rows.iter()
-            .map(|r| num(r) / den(r))
-            .collect::<Vec<f64>>()
-    };
+    let per_size = |num: Get, den: Get| rows.iter().map(|r| num(r) / den(r)).collect::<Vec<f64>>();
     let summary: Vec<(&str, &str, Vec<f64>)> = vec![
         (
             "hit_max_over_min",
@@ -414,7 +418,10 @@ fn main() {
         m.insert("slices".into(), serde_json::json!(SIZES));
         m.insert("ways".into(), serde_json::json!(WAYS));
         m.insert("slice_bytes".into(), serde_json::json!(SLICE_WORDS * 8));
-        m.insert("unit".into(), serde_json::json!("ns per operation (median)"));
+        m.insert(
+            "unit".into(),
+            serde_json::json!("ns per operation (median)"),
+        );
         for (k, _, g) in &lines {
             m.insert((*k).into(), serde_json::json!(col(*g)));
         }

@@ -2,10 +2,12 @@
 //! engine side by side with the same workload on the same file read as a raw disk.
 //!
 //! With no image it creates a sample image (fully allocated, in a temporary directory) and
-//! runs a short default set. Writes run on one core (the metadata owner); read workloads can
-//! run on several cores, each with its own executor, io_uring and read-only image.
+//! runs a short default set. `--cores N` runs N reactors on the one image (see
+//! [`crate::reactor`]): each with its own executor, io_uring and slice-cache replica; core 0
+//! owns the metadata.
 
 use crate::host::{ToolError, ToolResult};
+use crate::reactor::{run_reactors, Reactor};
 use crate::rng::Rng;
 use crate::uring::{AlignedBuf, UringDevice};
 use qcow2_engine::create::{create, CreateOptions};
@@ -13,7 +15,6 @@ use qcow2_engine::io::{BlockDevice, BufSlice, Busy, DeviceError, DeviceOp, IoBuf
 use qcow2_engine::{Chain, DevId, Exec, Layer, OpenOptions, Qcow2};
 use std::collections::VecDeque;
 use std::path::{Path, PathBuf};
-use std::rc::Rc;
 use std::time::{Duration, Instant};
 
 /// Workload kinds (bdevperf's names).
@@ -66,7 +67,8 @@ pub struct PerfArgs {
     /// Seconds per run.
     #[arg(short = 't', default_value_t = 3.0)]
     pub seconds: f64,
-    /// Polling cores (read workloads; writes run on the metadata owner's core).
+    /// Polling cores (reactors) on one image: core 0 owns the metadata; the others serve
+    /// cache hits and in-place writes themselves and send the rest to core 0.
     #[arg(long, default_value_t = 1)]
     pub cores: usize,
     /// L2 slice cache size per core.
@@ -186,58 +188,78 @@ fn open_dev(path: &Path, writable: bool, a: &PerfArgs) -> ToolResult<Dev> {
     })
 }
 
-/// What a run drives: the engine, or the raw file.
-enum Target {
-    Qcow2(Rc<Chain<Dev>>),
-    Raw(DevId, u64),
+/// What a run drives: the engine (a reactor over the shared image), or the raw file.
+trait PerfTarget {
+    fn size(&self) -> u64;
+    fn submit(&mut self, tag: u64, write: bool, off: u64, buf: BufSlice<AlignedBuf>);
+    fn poll(&mut self, done: &mut dyn FnMut(u64, qcow2_engine::Result<()>));
 }
 
-impl Target {
+impl PerfTarget for Reactor<Dev> {
     fn size(&self) -> u64 {
-        match self {
-            Target::Qcow2(c) => c.size(),
-            Target::Raw(_, s) => *s,
+        self.chain.size()
+    }
+    fn submit(&mut self, tag: u64, write: bool, off: u64, buf: BufSlice<AlignedBuf>) {
+        if write {
+            self.submit_write(tag, off, buf)
+        } else {
+            self.submit_read(tag, off, buf)
         }
     }
-    fn submit(
-        &self,
-        exec: &Exec<Dev>,
-        tag: u64,
-        write: bool,
-        off: u64,
-        buf: BufSlice<<Dev as BlockDevice>::Buf>,
-    ) {
-        match self {
-            Target::Qcow2(c) if write => c.submit_write(tag, off, buf),
-            Target::Qcow2(c) => c.submit_read(tag, off, buf),
-            Target::Raw(dev, _) => {
-                let req = exec.request_begin(tag);
-                let op = if write {
-                    DeviceOp::Write { offset: off, buf }
-                } else {
-                    DeviceOp::Read { offset: off, buf }
-                };
-                exec.request_op(req, *dev, op);
-                exec.request_arm(req);
-            }
-        }
+    fn poll(&mut self, done: &mut dyn FnMut(u64, qcow2_engine::Result<()>)) {
+        Reactor::poll(self, done);
     }
+}
+
+/// The raw file on one core.
+struct RawTarget {
+    exec: Exec<Dev>,
+    dev: DevId,
+    size: u64,
+}
+
+impl PerfTarget for RawTarget {
+    fn size(&self) -> u64 {
+        self.size
+    }
+    fn submit(&mut self, tag: u64, write: bool, off: u64, buf: BufSlice<AlignedBuf>) {
+        let req = self.exec.request_begin(tag);
+        let op = if write {
+            DeviceOp::Write { offset: off, buf }
+        } else {
+            DeviceOp::Read { offset: off, buf }
+        };
+        self.exec.request_op(req, self.dev, op);
+        self.exec.request_arm(req);
+    }
+    fn poll(&mut self, done: &mut dyn FnMut(u64, qcow2_engine::Result<()>)) {
+        self.exec.poll(done);
+    }
+}
+
+/// Where one core's requests go: `lane` of `lanes` (verify: each slot of each core owns
+/// its own blocks, so no two requests in flight overlap).
+#[derive(Clone, Copy)]
+struct Lanes {
+    core: usize,
+    cores: usize,
 }
 
 /// Runs one workload on one core; returns (ops, latencies in µs, verify failures).
 fn drive(
-    exec: &Exec<Dev>,
-    target: &Target,
+    target: &mut dyn PerfTarget,
     a: &PerfArgs,
     w: Workload,
-    seed: u64,
+    lanes: Lanes,
 ) -> ToolResult<(u64, Vec<u32>, u64)> {
+    let seed = lanes.core as u64 * 7919 + 1;
     let len = a.io_size as usize;
     let blocks = target.size() / a.io_size;
     if blocks == 0 {
         return Err(ToolError::Usage("I/O size larger than the disk".into()));
     }
     let qd = a.depth.max(1);
+    let stride = (qd * lanes.cores) as u64;
     let bufs: Vec<AlignedBuf> = (0..qd).map(|_| AlignedBuf::new(len)).collect();
     let check: Vec<AlignedBuf> = (0..qd).map(|_| AlignedBuf::new(len)).collect();
     let mut rng = Rng(seed | 1);
@@ -258,10 +280,9 @@ fn drive(
                     continue;
                 }
                 let block = if w.random() {
-                    // Verify: slot i owns blocks ≡ i (mod qd), so no two slots overlap.
                     let b = rng.next() % blocks;
                     if w == Workload::Verify {
-                        b - b % qd as u64 + i as u64
+                        b - b % stride + (lanes.core * qd + i) as u64
                     } else {
                         b
                     }
@@ -284,7 +305,6 @@ fn drive(
                 let off = block * a.io_size;
                 *slot = Some((Instant::now(), off, write, 0));
                 target.submit(
-                    exec,
                     i as u64,
                     write,
                     off,
@@ -296,7 +316,7 @@ fn drive(
                 );
             }
         }
-        exec.poll(&mut |tag, r| done.push((tag, r)));
+        target.poll(&mut |tag, r| done.push((tag, r)));
         for (tag, r) in done.drain(..) {
             let i = tag as usize;
             let Some((t0, off, write, phase)) = slots[i] else {
@@ -309,7 +329,6 @@ fn drive(
             if w == Workload::Verify && write && phase == 0 {
                 slots[i] = Some((t0, off, write, 1));
                 target.submit(
-                    exec,
                     i as u64,
                     false,
                     off,
@@ -339,109 +358,90 @@ fn drive(
     Ok((ops, lat, failures))
 }
 
-fn open_target(
-    path: &Path,
-    raw: bool,
-    writable: bool,
-    a: &PerfArgs,
-) -> ToolResult<(Exec<Dev>, Target)> {
-    let exec: Exec<Dev> = Exec::new();
-    let dev = exec.add_device(open_dev(path, writable, a)?);
-    if raw {
-        let size = exec.device_size(dev) / 512 * 512;
-        return Ok((exec, Target::Raw(dev, size)));
-    }
-    let opts = OpenOptions {
-        writable,
-        l2_cache_bytes: a.l2_cache_size,
-        l2_slice_bytes: a.l2_slice_size,
-        cache_ways: a.cache_ways,
-        ..OpenOptions::default()
+/// Loads every L2 slice into this reactor's cache outside the timed run, like a
+/// long-running target: one sector per slice.
+fn warm(r: &mut Reactor<Dev>) -> ToolResult<()> {
+    let size = r.chain.size();
+    let step = match &r.chain.layers()[0] {
+        Layer::Qcow2(q) => q.geometry().slice_coverage(),
+        Layer::Raw { .. } => size.max(1),
     };
-    let e2 = exec.clone();
-    let q = exec
-        .block_on(async move { Qcow2::open(&e2, dev, opts).await })
+    let b = AlignedBuf::new(512);
+    let mut off = 0;
+    while off < size {
+        r.read_now(
+            off,
+            BufSlice {
+                buf: b.clone(),
+                off: 0,
+                len: 512,
+            },
+        )
         .map_err(|source| ToolError::Engine {
-            path: path.display().to_string(),
+            path: "perf warm-up".into(),
             source,
         })?;
-    if q.header().backing_file.is_some() {
-        return Err(ToolError::Usage(
-            "qcow2 perf runs on images without a backing file".into(),
-        ));
+        off += step;
     }
-    let chain =
-        Chain::new(&exec, vec![Layer::Qcow2(Box::new(q))]).map_err(|source| ToolError::Engine {
-            path: path.display().to_string(),
-            source,
-        })?;
-    Ok((exec, Target::Qcow2(chain)))
+    Ok(())
 }
 
-/// One run (qcow2 or raw) on `cores` cores.
+/// Per-core outcome: ops, latencies, verify failures, cache counters.
+type CoreRun = (u64, Vec<u32>, u64, qcow2_engine::cache::CacheStats);
+
+/// One run (qcow2 or raw) on `a.cores` cores.
 pub fn run_one(path: &Path, raw: bool, w: Workload, a: &PerfArgs) -> ToolResult<RunResult> {
-    let cores = if w.writes() { 1 } else { a.cores.max(1) };
-    let mut handles = Vec::new();
-    for core in 0..cores {
-        let (p, a2) = (path.to_path_buf(), a.clone());
-        handles.push(std::thread::spawn(move || -> ToolResult<_> {
-            let (exec, target) = open_target(&p, raw, w.writes(), &a2)?;
-            // Warm the metadata cache outside the timed run, like a long-running target.
-            if let Target::Qcow2(c) = &target {
-                let c2 = c.clone();
-                let size = c.size();
-                let step = match &c.layers()[0] {
-                    Layer::Qcow2(q) => q.geometry().slice_coverage(),
-                    Layer::Raw { .. } => size.max(1),
-                };
-                exec.block_on(async move {
-                    // One sector per L2 slice loads the slice.
-                    let b = AlignedBuf::new(512);
-                    let mut off = 0;
-                    while off < size {
-                        let _ = c2
-                            .read(
-                                off,
-                                BufSlice {
-                                    buf: b.clone(),
-                                    off: 0,
-                                    len: 512,
-                                },
-                            )
-                            .await;
-                        off += step;
-                    }
-                });
-            }
-            let (ops, lat, fails) = drive(&exec, &target, &a2, w, core as u64 * 7919 + 1)?;
-            let stats = match &target {
-                Target::Qcow2(c) => {
-                    if w.writes() {
-                        let c2 = c.clone();
-                        exec.block_on(async move { c2.close().await })
-                            .map_err(|source| ToolError::Engine {
-                                path: p.display().to_string(),
-                                source,
-                            })?;
-                    }
-                    match &c.layers()[0] {
-                        Layer::Qcow2(q) => q.l2_cache_stats(),
-                        Layer::Raw { .. } => Default::default(),
-                    }
-                }
-                Target::Raw(..) => Default::default(),
+    let cores = a.cores.max(1);
+    let runs: Vec<CoreRun> = if raw {
+        let mut handles = Vec::new();
+        for core in 0..cores {
+            let (p, a2) = (path.to_path_buf(), a.clone());
+            handles.push(std::thread::spawn(move || -> ToolResult<CoreRun> {
+                let exec: Exec<Dev> = Exec::new();
+                let dev = exec.add_device(open_dev(&p, w.writes(), &a2)?);
+                let size = exec.device_size(dev) / 512 * 512;
+                let mut t = RawTarget { exec, dev, size };
+                let (o, l, f) = drive(&mut t, &a2, w, Lanes { core, cores })?;
+                Ok((o, l, f, Default::default()))
+            }));
+        }
+        let mut v = Vec::new();
+        for h in handles {
+            v.push(
+                h.join()
+                    .map_err(|_| ToolError::Usage("a perf thread panicked".into()))??,
+            );
+        }
+        v
+    } else {
+        let opts = OpenOptions {
+            l2_cache_bytes: a.l2_cache_size,
+            l2_slice_bytes: a.l2_slice_size,
+            cache_ways: a.cache_ways,
+            ..OpenOptions::default()
+        };
+        let open = |_id: usize, writable: bool| open_dev(path, writable, a);
+        let out = run_reactors(cores, &open, opts, w.writes(), |r| {
+            warm(r)?;
+            let before = r.cache_stats();
+            let core = r.id;
+            let (o, l, f) = drive(r, a, w, Lanes { core, cores })?;
+            let after = r.cache_stats();
+            let stats = qcow2_engine::cache::CacheStats {
+                hits: after.hits - before.hits,
+                misses: after.misses - before.misses,
+                evictions: after.evictions - before.evictions,
+                ..after
             };
-            Ok((ops, lat, fails, stats))
-        }));
-    }
+            Ok((o, l, f, stats))
+        })?;
+        out.into_iter().map(|(r, _)| r).collect()
+    };
     let mut ops = 0;
     let mut lat = Vec::new();
     let mut fails = 0;
     let mut stats = qcow2_engine::cache::CacheStats::default();
-    for h in handles {
-        let (o, l, f, s) = h
-            .join()
-            .map_err(|_| ToolError::Usage("a perf thread panicked".into()))??;
+    for (o, l, f, s) in runs {
         ops += o;
         lat.extend(l);
         fails += f;

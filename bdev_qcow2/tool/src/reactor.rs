@@ -1,0 +1,483 @@
+//! N polling reactors on one image (DESIGN.md §3), the same shape as the SPDK module:
+//! reactor 0 is the metadata owner (it opens the image writable and shares it), every other
+//! reactor is a core with its own executor, device channel (its own io_uring) and slice
+//! cache replica. Cores serve cache-hit reads and in-place writes themselves; they send
+//! everything else (allocating writes, discard, write-zeroes, flush) and their requests for
+//! dirty slices to the owner over lock-free queues (crossbeam `SegQueue`) that every
+//! reactor polls. Nothing blocks and nothing sleeps on a reactor.
+
+use crate::host::{ToolError, ToolResult};
+use crossbeam_queue::SegQueue;
+use qcow2_engine::coherency::SliceReply;
+use qcow2_engine::io::{BlockDevice, BufSlice, IoBuffer};
+use qcow2_engine::{Chain, CoreSeed, DevId, Exec, Layer, OpenOptions, OwnerLink, Qcow2};
+use std::rc::Rc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{mpsc, Arc};
+
+/// Tag bit the owner uses for requests it runs on behalf of a core.
+const FORWARDED: u64 = 1 << 63;
+
+/// Messages to the owner.
+enum ToOwner {
+    Ask {
+        core: usize,
+        key: u64,
+        ticket: u64,
+    },
+    Write {
+        core: usize,
+        tag: u64,
+        offset: u64,
+        data: Vec<u8>,
+    },
+    WriteZeroes {
+        core: usize,
+        tag: u64,
+        offset: u64,
+        len: u64,
+        unmap: bool,
+    },
+    Discard {
+        core: usize,
+        tag: u64,
+        offset: u64,
+        len: u64,
+    },
+    Flush {
+        core: usize,
+        tag: u64,
+    },
+}
+
+/// Messages to a core.
+enum ToCore {
+    Slice {
+        ticket: u64,
+        reply: SliceReply,
+    },
+    Done {
+        tag: u64,
+        result: qcow2_engine::Result<()>,
+    },
+}
+
+/// The queues between reactors.
+struct Mesh {
+    owner: SegQueue<ToOwner>,
+    cores: Vec<SegQueue<ToCore>>,
+    /// Cores still running (the owner serves until it is 0).
+    running: AtomicUsize,
+}
+
+struct QueueLink {
+    core: usize,
+    mesh: Arc<Mesh>,
+}
+
+impl OwnerLink for QueueLink {
+    fn ask_slice(&self, key: u64, ticket: u64) {
+        self.mesh.owner.push(ToOwner::Ask {
+            core: self.core,
+            key,
+            ticket,
+        });
+    }
+}
+
+/// Counters of one reactor.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ReactorStats {
+    /// Writes served on this core (in place).
+    pub local_writes: u64,
+    /// Requests sent to the owner.
+    pub forwarded: u64,
+    /// Slices asked from the owner.
+    pub slice_asks: u64,
+    /// Requests served for other cores (owner).
+    pub served: u64,
+}
+
+/// One reactor: its executor, its chain (the owner's image or a core replica) and its ends
+/// of the queues. Lives on its own thread.
+pub struct Reactor<D: BlockDevice> {
+    /// This reactor's index (0: the owner).
+    pub id: usize,
+    /// Its executor.
+    pub exec: Exec<D>,
+    /// Its chain.
+    pub chain: Rc<Chain<D>>,
+    dev: DevId,
+    mesh: Arc<Mesh>,
+    /// Owner: (core, tag) of forwarded requests in flight.
+    forwarded: slab::Slab<(usize, u64)>,
+    /// Core: requests sent to the owner and not yet answered.
+    pending: usize,
+    stats: ReactorStats,
+}
+
+impl<D: BlockDevice> Reactor<D> {
+    /// Whether this is the metadata owner.
+    pub fn is_owner(&self) -> bool {
+        self.id == 0
+    }
+
+    /// Counters so far.
+    pub fn stats(&self) -> ReactorStats {
+        self.stats
+    }
+
+    fn image(&self) -> Option<&Qcow2<D>> {
+        match &self.chain.layers()[0] {
+            Layer::Qcow2(q) => Some(q),
+            Layer::Raw { .. } => None,
+        }
+    }
+
+    /// L2 slice cache counters of this reactor.
+    pub fn cache_stats(&self) -> qcow2_engine::cache::CacheStats {
+        self.image().map(|q| q.l2_cache_stats()).unwrap_or_default()
+    }
+
+    /// Starts a read (tags below 2^63).
+    pub fn submit_read(&mut self, tag: u64, offset: u64, buf: BufSlice<D::Buf>) {
+        self.chain.submit_read(tag, offset, buf);
+    }
+
+    /// Starts a write: in place on this core when possible, else on the owner.
+    pub fn submit_write(&mut self, tag: u64, offset: u64, buf: BufSlice<D::Buf>) {
+        if self.is_owner() {
+            return self.chain.submit_write(tag, offset, buf);
+        }
+        if self.chain.try_submit_write(tag, offset, &buf) {
+            self.stats.local_writes += 1;
+            return;
+        }
+        let mut data = vec![0u8; buf.len];
+        buf.copy_out(0, &mut data);
+        self.forward(ToOwner::Write {
+            core: self.id,
+            tag,
+            offset,
+            data,
+        });
+    }
+
+    /// Starts a write-zeroes.
+    pub fn submit_write_zeroes(&mut self, tag: u64, offset: u64, len: u64, unmap: bool) {
+        if self.is_owner() {
+            return self.chain.submit_write_zeroes(tag, offset, len, unmap);
+        }
+        self.forward(ToOwner::WriteZeroes {
+            core: self.id,
+            tag,
+            offset,
+            len,
+            unmap,
+        });
+    }
+
+    /// Starts a discard.
+    pub fn submit_discard(&mut self, tag: u64, offset: u64, len: u64) {
+        if self.is_owner() {
+            return self.chain.submit_discard(tag, offset, len);
+        }
+        self.forward(ToOwner::Discard {
+            core: self.id,
+            tag,
+            offset,
+            len,
+        });
+    }
+
+    /// Starts a flush (every write completed before it, on any core, is durable after it:
+    /// the owner flushes the file all reactors write to).
+    pub fn submit_flush(&mut self, tag: u64) {
+        if self.is_owner() {
+            return self.chain.submit_flush(tag);
+        }
+        self.forward(ToOwner::Flush { core: self.id, tag });
+    }
+
+    fn forward(&mut self, m: ToOwner) {
+        self.pending += 1;
+        self.stats.forwarded += 1;
+        self.mesh.owner.push(m);
+    }
+
+    /// Polls the queues and the executor; reports finished requests to `done`.
+    pub fn poll(&mut self, done: &mut dyn FnMut(u64, qcow2_engine::Result<()>)) -> usize {
+        let mut n = 0;
+        if self.is_owner() {
+            while let Some(m) = self.mesh.owner.pop() {
+                n += 1;
+                self.serve(m);
+            }
+            let mesh = &self.mesh;
+            let fwd = &mut self.forwarded;
+            n += self.exec.poll(&mut |tag, r| {
+                if tag & FORWARDED != 0 {
+                    if let Some((core, t)) = fwd.try_remove((tag & !FORWARDED) as usize) {
+                        mesh.cores[core - 1].push(ToCore::Done { tag: t, result: r });
+                    }
+                } else {
+                    done(tag, r)
+                }
+            });
+        } else {
+            while let Some(m) = self.mesh.cores[self.id - 1].pop() {
+                n += 1;
+                match m {
+                    ToCore::Slice { ticket, reply } => {
+                        if let Some(q) = self.image() {
+                            q.deliver_slice(ticket, reply);
+                        }
+                    }
+                    ToCore::Done { tag, result } => {
+                        self.pending -= 1;
+                        done(tag, result);
+                    }
+                }
+            }
+            n += self.exec.poll(done);
+        }
+        n
+    }
+
+    fn serve(&mut self, m: ToOwner) {
+        let tag_for = |fwd: &mut slab::Slab<(usize, u64)>, core: usize, tag: u64| {
+            FORWARDED | fwd.insert((core, tag)) as u64
+        };
+        match m {
+            ToOwner::Ask { core, key, ticket } => {
+                let reply = match self.image() {
+                    Some(q) => q.slice_for_core(key),
+                    None => SliceReply::Retry,
+                };
+                self.mesh.cores[core - 1].push(ToCore::Slice { ticket, reply });
+            }
+            ToOwner::Write {
+                core,
+                tag,
+                offset,
+                data,
+            } => {
+                self.stats.served += 1;
+                let t = tag_for(&mut self.forwarded, core, tag);
+                let buf = self.exec.alloc_buf(self.dev, data.len());
+                buf.copy_in(0, &data);
+                let len = data.len();
+                self.chain
+                    .submit_write(t, offset, BufSlice { buf, off: 0, len });
+            }
+            ToOwner::WriteZeroes {
+                core,
+                tag,
+                offset,
+                len,
+                unmap,
+            } => {
+                self.stats.served += 1;
+                let t = tag_for(&mut self.forwarded, core, tag);
+                self.chain.submit_write_zeroes(t, offset, len, unmap);
+            }
+            ToOwner::Discard {
+                core,
+                tag,
+                offset,
+                len,
+            } => {
+                self.stats.served += 1;
+                let t = tag_for(&mut self.forwarded, core, tag);
+                self.chain.submit_discard(t, offset, len);
+            }
+            ToOwner::Flush { core, tag } => {
+                self.stats.served += 1;
+                let t = tag_for(&mut self.forwarded, core, tag);
+                self.chain.submit_flush(t);
+            }
+        }
+    }
+
+    /// Reads `buf` at `offset`, polling until done (set-up and checks, not the hot path).
+    pub fn read_now(&mut self, offset: u64, buf: BufSlice<D::Buf>) -> qcow2_engine::Result<()> {
+        const TAG: u64 = FORWARDED - 1;
+        self.submit_read(TAG, offset, buf);
+        let mut res = None;
+        while res.is_none() {
+            self.poll(&mut |t, r| {
+                if t == TAG {
+                    res = Some(r);
+                }
+            });
+        }
+        res.unwrap_or(Ok(()))
+    }
+
+    /// Finishes this reactor: a core waits for its forwarded requests and signs off; the
+    /// owner serves the cores until every one signed off, then writes all metadata back
+    /// and closes the image.
+    fn finish(mut self) -> ToolResult<ReactorStats> {
+        if self.is_owner() {
+            while self.mesh.running.load(Ordering::Acquire) > 0 || !self.forwarded.is_empty() {
+                self.poll(&mut |_, _| {});
+            }
+            // Drain anything the executor still runs (e.g. requests the body left).
+            while self.exec.busy() {
+                self.poll(&mut |_, _| {});
+            }
+            if self.image().is_some_and(|q| q.is_writable()) {
+                let c = self.chain.clone();
+                self.exec
+                    .block_on(async move { c.close().await })
+                    .map_err(|source| ToolError::Engine {
+                        path: "owner".into(),
+                        source,
+                    })?;
+            }
+        } else {
+            while self.pending > 0 || self.exec.busy() {
+                self.poll(&mut |_, _| {});
+            }
+            self.mesh.running.fetch_sub(1, Ordering::AcqRel);
+        }
+        Ok(self.stats)
+    }
+}
+
+/// How [`run_reactors`] opens the image's device on each reactor (its own channel: its own
+/// io_uring on the same file).
+pub trait OpenDevice<D>: Sync {
+    /// Opens the device for reactor `id` (writable on the owner).
+    fn open(&self, id: usize, writable: bool) -> ToolResult<D>;
+}
+
+impl<D, F: Fn(usize, bool) -> ToolResult<D> + Sync> OpenDevice<D> for F {
+    fn open(&self, id: usize, writable: bool) -> ToolResult<D> {
+        self(id, writable)
+    }
+}
+
+/// Runs `body` on `n` reactors (threads) over one image: reactor 0 opens it (writable if
+/// `writable`) and owns its metadata; the others get replicas. Returns each reactor's
+/// result and counters, reactor 0 first. The image is closed cleanly when this returns.
+pub fn run_reactors<D, R, B>(
+    n: usize,
+    open: &dyn OpenDevice<D>,
+    opts: OpenOptions,
+    writable: bool,
+    body: B,
+) -> ToolResult<Vec<(R, ReactorStats)>>
+where
+    D: BlockDevice,
+    R: Send,
+    B: Fn(&mut Reactor<D>) -> ToolResult<R> + Sync,
+{
+    let n = n.max(1);
+    let mesh = Arc::new(Mesh {
+        owner: SegQueue::new(),
+        cores: (1..n).map(|_| SegQueue::new()).collect(),
+        running: AtomicUsize::new(n - 1),
+    });
+    let engine = |source| ToolError::Engine {
+        path: "image".into(),
+        source,
+    };
+    std::thread::scope(|s| {
+        let mut seed_tx = Vec::new();
+        let mut handles = Vec::new();
+        for id in 1..n {
+            let (tx, rx) = mpsc::channel::<Option<CoreSeed>>();
+            seed_tx.push(tx);
+            let (mesh, body) = (mesh.clone(), &body);
+            handles.push(s.spawn(move || -> ToolResult<(R, ReactorStats)> {
+                let signoff = |mesh: &Mesh| {
+                    mesh.running.fetch_sub(1, Ordering::AcqRel);
+                };
+                let Ok(Some(seed)) = rx.recv() else {
+                    signoff(&mesh);
+                    return Err(ToolError::Usage(
+                        "the owner failed to open the image".into(),
+                    ));
+                };
+                let exec: Exec<D> = Exec::new();
+                let dev = match open.open(id, writable) {
+                    Ok(d) => exec.add_device(d),
+                    Err(e) => {
+                        signoff(&mesh);
+                        return Err(e);
+                    }
+                };
+                let link = Box::new(QueueLink {
+                    core: id,
+                    mesh: mesh.clone(),
+                });
+                let chain = Qcow2::from_seed(seed, &exec, dev, opts, link)
+                    .and_then(|q| Chain::new(&exec, vec![Layer::Qcow2(Box::new(q))]));
+                let chain = match chain {
+                    Ok(c) => c,
+                    Err(e) => {
+                        signoff(&mesh);
+                        return Err(engine(e));
+                    }
+                };
+                let mut r = Reactor {
+                    id,
+                    exec,
+                    chain,
+                    dev,
+                    mesh,
+                    forwarded: slab::Slab::new(),
+                    pending: 0,
+                    stats: ReactorStats::default(),
+                };
+                let out = body(&mut r);
+                let stats = r.finish()?;
+                Ok((out?, stats))
+            }));
+        }
+        let owner = (|| -> ToolResult<(R, ReactorStats)> {
+            let exec: Exec<D> = Exec::new();
+            let dev = exec.add_device(open.open(0, writable)?);
+            let e2 = exec.clone();
+            let o = OpenOptions { writable, ..opts };
+            let mut q = exec
+                .block_on(async move { Qcow2::open(&e2, dev, o).await })
+                .map_err(engine)?;
+            if q.header().backing_file.is_some() {
+                return Err(ToolError::Usage(
+                    "multi-core reactors run images without a backing file".into(),
+                ));
+            }
+            q.share();
+            let seed = q.core_seed().map_err(engine)?;
+            for tx in seed_tx.drain(..) {
+                let _ = tx.send(Some(seed.clone()));
+            }
+            let chain = Chain::new(&exec, vec![Layer::Qcow2(Box::new(q))]).map_err(engine)?;
+            let mut r = Reactor {
+                id: 0,
+                exec,
+                chain,
+                dev,
+                mesh: mesh.clone(),
+                forwarded: slab::Slab::new(),
+                pending: 0,
+                stats: ReactorStats::default(),
+            };
+            let out = body(&mut r);
+            let stats = r.finish()?;
+            Ok((out?, stats))
+        })();
+        // A failed owner releases the cores waiting for their seed.
+        drop(seed_tx);
+        let mut results = vec![owner];
+        for h in handles {
+            results.push(
+                h.join()
+                    .unwrap_or_else(|_| Err(ToolError::Usage("a reactor panicked".into()))),
+            );
+        }
+        results.into_iter().collect()
+    })
+}
