@@ -862,12 +862,15 @@ impl<D: BlockDevice> Qcow2<D> {
                     // Back to dirty; a newer dirty copy (changed meanwhile) wins.
                     for k in keys.into_iter().skip(i) {
                         if let Some(w) = st.writing_l2.remove(&k) {
-                            if st.dirty_l2.contains_key(&k) {
-                                if let Some(sh) = &self.shared {
-                                    st.epochs.cleaned(sh, k);
+                            match st.dirty_l2.entry(k) {
+                                std::collections::btree_map::Entry::Occupied(_) => {
+                                    if let Some(sh) = &self.shared {
+                                        st.epochs.cleaned(sh, k);
+                                    }
                                 }
-                            } else {
-                                st.dirty_l2.insert(k, w);
+                                std::collections::btree_map::Entry::Vacant(v) => {
+                                    v.insert(w);
+                                }
                             }
                         }
                     }
