@@ -356,7 +356,12 @@ fn finish(mut job: Job) {
         });
     }
     let owner = match Chain::new(&job.exec, layers) {
-        Ok(chain) => Owner::start(job.exec, chain),
+        // The base device was added first (`create`), so it is `DevId(0)`.
+        Ok(chain) => Owner::start(
+            job.exec,
+            chain,
+            [Some(DevId(0)), job.backing_dev].into_iter().flatten(),
+        ),
         Err(e) => {
             drop(job.exec);
             let m = format!("image on bdev {}: {e}", job.params.base_bdev);

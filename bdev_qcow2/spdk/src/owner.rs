@@ -11,6 +11,11 @@
 //! the bdev_io's driver context ([`IoCtx`]).
 //!
 //! Requests submitted on the md thread itself skip both messages.
+//!
+//! As on a read-only channel, base completions are delivered into the owner's executor from
+//! SPDK's callback ([`deliver`]), so a fast-path request (an overwrite of an allocated
+//! cluster, a cached read) completes without waiting for the owner's poller; the poller
+//! drives the slow paths.
 
 use crate::channel;
 use crate::device::{IovView, SpdkBuf, SpdkDevice};
@@ -18,8 +23,8 @@ use crate::ffi::bdev_io::BdevIo;
 use crate::ffi::sys;
 use crate::ffi::thread::{self, Poller, POLLER_BUSY, POLLER_IDLE};
 use crate::node::{Node, BLOCK_SIZE};
-use qcow2_engine::io::BufSlice;
-use qcow2_engine::{Chain, Exec};
+use qcow2_engine::io::{BufSlice, DeviceError};
+use qcow2_engine::{Chain, DevId, Exec};
 use std::cell::{Cell, RefCell};
 use std::collections::VecDeque;
 use std::ffi::{c_int, c_void};
@@ -47,20 +52,33 @@ pub struct Owner {
     unsent: RefCell<VecDeque<BdevIo>>,
     /// `Some` once closing: the close task's result (`None` while it runs) and what follows.
     closing: RefCell<Option<(Closed, Then)>>,
+    /// Set while the owner runs engine code: a base completion arriving then is left for
+    /// the poller (see [`deliver`]).
+    in_engine: Cell<bool>,
 }
 
 impl Owner {
-    /// Starts the owner of `chain` (whose devices belong to `exec`) on the calling thread,
-    /// the md thread. Returns a pointer freed by [`Owner::close`], or `None` if SPDK refused
-    /// a poller.
-    pub fn start(exec: Exec<SpdkDevice>, chain: Rc<Chain<SpdkDevice>>) -> Option<*mut Owner> {
+    /// Starts the owner of `chain` (whose devices `devs` belong to `exec`) on the calling
+    /// thread, the md thread. Returns a pointer freed by [`Owner::close`], or `None` if SPDK
+    /// refused a poller.
+    pub fn start(
+        exec: Exec<SpdkDevice>,
+        chain: Rc<Chain<SpdkDevice>>,
+        devs: impl IntoIterator<Item = DevId>,
+    ) -> Option<*mut Owner> {
         let o = Box::into_raw(Box::new(Owner {
             exec,
             chain,
             poller: RefCell::new(None),
             unsent: RefCell::new(VecDeque::new()),
             closing: RefCell::new(None),
+            in_engine: Cell::new(false),
         }));
+        for d in devs {
+            // SAFETY: `o` is boxed (stable address) and owns the executor that owns the
+            // device; a device dropped with operations in flight clears its sink.
+            unsafe { (*o).exec.with_device(d, |d| d.set_sink(deliver, o.cast())) };
+        }
         // SAFETY: `o` stays alive until `owner_poll` frees it after unregistering.
         match unsafe { Poller::register(owner_poll, o.cast(), 0, c"qcow2_owner") } {
             Some(p) => {
@@ -97,8 +115,20 @@ impl Owner {
         *o.closing.borrow_mut() = Some((result, Box::new(then)));
     }
 
+    /// Runs `f` marked as inside the engine (nests: restores the previous mark).
+    fn in_engine<R>(&self, f: impl FnOnce() -> R) -> R {
+        let prev = self.in_engine.replace(true);
+        let r = f();
+        self.in_engine.set(prev);
+        r
+    }
+
     /// Runs `io` (submitted to a writable bdev) on the owner's chain. On the md thread.
     fn submit(&self, io: BdevIo) {
+        self.in_engine(|| self.submit_inner(io));
+    }
+
+    fn submit_inner(&self, io: BdevIo) {
         let bs = u64::from(BLOCK_SIZE);
         let (off, len) = (io.offset_blocks() * bs, io.num_blocks() * bs);
         let c = &self.chain;
@@ -187,6 +217,40 @@ pub fn status_of(io: BdevIo) -> sys::spdk_bdev_io_status {
     unsafe { (*io.driver_ctx().cast::<IoCtx>()).status }
 }
 
+/// Sends back the request the engine reported done under `tag`.
+fn complete_tag(tag: u64, r: qcow2_engine::Result<()>) {
+    // SAFETY: tags are bdev_ios we submitted to the engine and have not completed.
+    if let Some(io) = unsafe { BdevIo::from_tag(tag) } {
+        let status = match &r {
+            Ok(()) => sys::SPDK_BDEV_IO_STATUS_SUCCESS,
+            Err(e) => {
+                tracing::debug!("request failed: {e}");
+                sys::SPDK_BDEV_IO_STATUS_FAILED
+            }
+        };
+        done(io, status);
+    }
+}
+
+/// The owner's devices' [`CompletionSink`](crate::device::CompletionSink): delivers a base
+/// completion into the executor from SPDK's callback and sends back the requests it
+/// finished, unless the owner is inside the engine (then the poller does).
+///
+/// # Safety
+/// `ctx` is the live owner whose executor holds the device (see [`Owner::start`]).
+unsafe fn deliver(ctx: *mut c_void, tag: u64, r: Result<(), DeviceError>) -> bool {
+    // SAFETY: per the contract.
+    let o = unsafe { &*ctx.cast::<Owner>() };
+    if o.in_engine.get() {
+        return false;
+    }
+    o.in_engine(|| {
+        o.exec.device_completed(tag, r);
+        o.exec.take_completions(&mut complete_tag);
+    });
+    true
+}
+
 unsafe extern "C" fn owner_poll(ctx: *mut c_void) -> c_int {
     let op = ctx.cast::<Owner>();
     // SAFETY: the poller's context is the live owner (freed only below, after unregistering).
@@ -197,19 +261,9 @@ unsafe extern "C" fn owner_poll(ctx: *mut c_void) -> c_int {
         n += 1;
         done(io, status_of(io));
     }
-    n += o.exec.poll(&mut |tag, r| {
-        // SAFETY: tags are bdev_ios we submitted to the engine and have not completed.
-        if let Some(io) = unsafe { BdevIo::from_tag(tag) } {
-            let status = match &r {
-                Ok(()) => sys::SPDK_BDEV_IO_STATUS_SUCCESS,
-                Err(e) => {
-                    tracing::debug!("request failed: {e}");
-                    sys::SPDK_BDEV_IO_STATUS_FAILED
-                }
-            };
-            done(io, status);
-        }
-    });
+    if o.exec.busy() {
+        n += o.in_engine(|| o.exec.poll(&mut complete_tag));
+    }
     let closed = o
         .closing
         .borrow()
