@@ -1,0 +1,819 @@
+//! Cross-core coherency of the real engine (DESIGN.md §5), deterministic and
+//! single-threaded: one metadata owner and two core replicas, each on its own [`Exec`] with
+//! its own channel to one shared in-memory disk, driven by a seeded random interleaving of
+//! guest requests, executor polls and owner↔core messages.
+//!
+//! Every read is checked per sector: it must return the data of the newest write completed
+//! before the read was submitted, or of a write that overlapped the read in time. Writes
+//! never overlap other writes in flight (so "newest" is well defined). The test device
+//! completes operations out of order after a random latency, and applies reads and writes
+//! at submission, at completion, or (writes) half at each, so a slice being written back
+//! is torn on the device for a while.
+//!
+//! At the end the owner closes the image; `qemu-img check` must pass and `qemu-img compare`
+//! must find it equal to the reference.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
+
+use qcow2_engine::coherency::SliceReply;
+use qcow2_engine::create::{create, CreateOptions};
+use qcow2_engine::io::{BlockDevice, BufSlice, Busy, DeviceError, DeviceOp, HeapBuf, IoBuffer};
+use qcow2_engine::rng::Rng;
+use qcow2_engine::{Chain, Exec, Layer, OpenOptions, OwnerLink, Qcow2};
+use std::cell::RefCell;
+use std::collections::{HashMap, VecDeque};
+use std::process::Command;
+use std::rc::Rc;
+
+const SECTOR: u64 = 512;
+
+/// Device completions one channel reports per poll. More than one lets two completions of
+/// one task's concurrent operations (a `join_all`) wake it twice in one `Exec::poll`; the
+/// second, spurious poll re-registers the task in the metadata lock's wait queue, and
+/// `AsyncLock`'s release (`notify_one`) later wakes that stale entry instead of the real
+/// waiter: a lost wake-up, the owner's writers hang (exec.rs; seen with 2 here). Raise this
+/// once the lock tolerates spurious wake-ups.
+const COMPLETIONS_PER_POLL: usize = 1;
+
+// ----- a disk shared by per-core channels ------------------------------------------------
+
+/// What an operation still has to do to the disk when it completes.
+enum Deferred {
+    None,
+    Read { offset: u64, buf: BufSlice<HeapBuf> },
+    Write { offset: u64, bytes: Vec<u8> },
+}
+
+/// One core's channel to the shared disk: its own queue of operations in flight.
+struct Channel {
+    disk: Rc<RefCell<Vec<u8>>>,
+    rng: Rc<RefCell<Rng>>,
+    max_latency: u64,
+    polls: u64,
+    inflight: Vec<(u64, u64, Deferred)>,
+}
+
+fn disk_read(disk: &[u8], offset: u64, buf: &BufSlice<HeapBuf>) {
+    let mut tmp = vec![0u8; buf.len];
+    let size = disk.len() as u64;
+    if offset < size {
+        let n = (size - offset).min(buf.len as u64) as usize;
+        tmp[..n].copy_from_slice(&disk[offset as usize..offset as usize + n]);
+    }
+    buf.copy_in(0, &tmp);
+}
+
+fn disk_write(disk: &mut Vec<u8>, offset: u64, bytes: &[u8]) {
+    let end = offset as usize + bytes.len();
+    if disk.len() < end {
+        disk.resize(end, 0);
+    }
+    disk[offset as usize..end].copy_from_slice(bytes);
+}
+
+impl BlockDevice for Channel {
+    type Buf = HeapBuf;
+    fn size(&self) -> u64 {
+        self.disk.borrow().len() as u64
+    }
+    fn alloc_buf(&mut self, len: usize) -> HeapBuf {
+        HeapBuf::new(len)
+    }
+    fn submit(&mut self, op: DeviceOp<HeapBuf>, tag: u64) -> Result<(), Busy<HeapBuf>> {
+        let mut rng = self.rng.borrow_mut();
+        let mut disk = self.disk.borrow_mut();
+        let deferred = match op {
+            DeviceOp::Read { offset, buf } => {
+                if rng.below(2) == 0 {
+                    disk_read(&disk, offset, &buf);
+                    Deferred::None
+                } else {
+                    Deferred::Read { offset, buf }
+                }
+            }
+            DeviceOp::Write { offset, buf } => {
+                let mut bytes = vec![0u8; buf.len];
+                buf.copy_out(0, &mut bytes);
+                match rng.below(3) {
+                    0 => {
+                        disk_write(&mut disk, offset, &bytes);
+                        Deferred::None
+                    }
+                    1 => Deferred::Write { offset, bytes },
+                    _ => {
+                        // Torn while in flight: the first sectors now, the rest at completion.
+                        let sectors = bytes.len() as u64 / SECTOR;
+                        let cut = (rng.below(sectors + 1) * SECTOR) as usize;
+                        disk_write(&mut disk, offset, &bytes[..cut]);
+                        Deferred::Write {
+                            offset: offset + cut as u64,
+                            bytes: bytes[cut..].to_vec(),
+                        }
+                    }
+                }
+            }
+            DeviceOp::Flush => Deferred::None,
+        };
+        let due = self.polls + 1 + rng.below(self.max_latency + 1);
+        self.inflight.push((due, tag, deferred));
+        Ok(())
+    }
+    fn ensure_size(&mut self, size: u64) -> Result<(), DeviceError> {
+        let mut d = self.disk.borrow_mut();
+        if (d.len() as u64) < size {
+            d.resize(size as usize, 0);
+        }
+        Ok(())
+    }
+    fn poll(&mut self, done: &mut dyn FnMut(u64, Result<(), DeviceError>)) -> usize {
+        self.polls += 1;
+        let now = self.polls;
+        let mut n = 0;
+        let mut i = 0;
+        while i < self.inflight.len() {
+            if self.inflight[i].0 > now {
+                i += 1;
+                continue;
+            }
+            let (_, tag, d) = self.inflight.remove(i);
+            match d {
+                Deferred::None => {}
+                Deferred::Read { offset, buf } => disk_read(&self.disk.borrow(), offset, &buf),
+                Deferred::Write { offset, bytes } => {
+                    disk_write(&mut self.disk.borrow_mut(), offset, &bytes)
+                }
+            }
+            n += 1;
+            done(tag, Ok(()));
+            if n == COMPLETIONS_PER_POLL {
+                break;
+            }
+        }
+        n
+    }
+}
+
+// ----- owner + cores ------------------------------------------------------------------
+
+type Asks = Rc<RefCell<VecDeque<(u64, u64, usize)>>>;
+
+/// A core's link to the owner: requests queue up until the test loop delivers them.
+struct Link {
+    core: usize,
+    asks: Asks,
+}
+
+impl OwnerLink for Link {
+    fn ask_slice(&self, key: u64, ticket: u64) {
+        self.asks.borrow_mut().push_back((key, ticket, self.core));
+    }
+}
+
+struct Rig {
+    disk: Rc<RefCell<Vec<u8>>>,
+    /// Executor 0 is the owner's, 1.. the cores'.
+    execs: Vec<Exec<Channel>>,
+    chains: Vec<Rc<Chain<Channel>>>,
+    asks: Asks,
+    /// Owner answers on their way to each core (index = executor index).
+    inbox: Vec<VecDeque<(u64, SliceReply)>>,
+    /// Guest completions reported by the polls: (tag, ok).
+    done: Vec<(u64, Result<(), String>)>,
+    size: u64,
+}
+
+fn image(q: &Chain<Channel>) -> &Qcow2<Channel> {
+    match &q.layers()[0] {
+        Layer::Qcow2(q) => q,
+        Layer::Raw { .. } => unreachable!(),
+    }
+}
+
+impl Rig {
+    fn new(seed: u64, cores: usize, lazy: bool, max_latency: u64) -> Rig {
+        let disk = Rc::new(RefCell::new(Vec::new()));
+        let dev_rng = Rc::new(RefCell::new(Rng::new(seed ^ 0x5eed)));
+        let channel = |lat: u64| Channel {
+            disk: disk.clone(),
+            rng: dev_rng.clone(),
+            max_latency: lat,
+            polls: 0,
+            inflight: Vec::new(),
+        };
+        let size = 4 << 20;
+        let owner_exec: Exec<Channel> = Exec::new();
+        let id = owner_exec.add_device(channel(0));
+        let e2 = owner_exec.clone();
+        let copts = CreateOptions {
+            size,
+            cluster_bits: 12,
+            lazy_refcounts: lazy,
+            ..Default::default()
+        };
+        owner_exec
+            .block_on(async move { create(&e2, id, &copts).await })
+            .unwrap();
+        // Latency from now on (the owner's channel was idle-free during create).
+        owner_exec.with_device(id, |d| d.max_latency = max_latency);
+        let e2 = owner_exec.clone();
+        let oopts = OpenOptions {
+            writable: true,
+            l2_slice_bytes: 512,
+            l2_cache_bytes: Some(4 << 10),
+            ..Default::default()
+        };
+        let mut owner = owner_exec
+            .block_on(async move { Qcow2::open(&e2, id, oopts).await })
+            .unwrap();
+        owner.share();
+        let asks: Asks = Rc::new(RefCell::new(VecDeque::new()));
+        let mut execs = vec![owner_exec.clone()];
+        let mut chains = Vec::new();
+        for c in 1..=cores {
+            let exec: Exec<Channel> = Exec::new();
+            let dev = exec.add_device(channel(max_latency));
+            let copts = OpenOptions {
+                l2_slice_bytes: 512,
+                // Four slices of sixteen: replicas get evicted and reloaded.
+                l2_cache_bytes: Some(2 << 10),
+                cache_ways: 2,
+                ..Default::default()
+            };
+            let link = Link {
+                core: c,
+                asks: asks.clone(),
+            };
+            let q = Qcow2::from_seed(
+                owner.core_seed().unwrap(),
+                &exec,
+                dev,
+                copts,
+                Box::new(link),
+            )
+            .unwrap();
+            assert!(q.is_core_replica());
+            chains.push(Chain::new(&exec, vec![Layer::Qcow2(Box::new(q))]).unwrap());
+            execs.push(exec);
+        }
+        chains.insert(
+            0,
+            Chain::new(&owner_exec, vec![Layer::Qcow2(Box::new(owner))]).unwrap(),
+        );
+        Rig {
+            disk,
+            inbox: vec![VecDeque::new(); cores + 1],
+            execs,
+            chains,
+            asks,
+            done: Vec::new(),
+            size,
+        }
+    }
+
+    fn owner(&self) -> &Qcow2<Channel> {
+        image(&self.chains[0])
+    }
+
+    fn poll(&mut self, e: usize) {
+        let mut got = Vec::new();
+        self.execs[e].poll(&mut |tag, r| got.push((tag, r.map_err(|e| e.to_string()))));
+        self.done.extend(got);
+    }
+
+    /// The owner handles one pending request (the oldest, or a random one).
+    fn answer(&mut self, pick: Option<usize>) -> bool {
+        let req = {
+            let mut a = self.asks.borrow_mut();
+            match pick {
+                Some(i) if !a.is_empty() => {
+                    let i = i % a.len();
+                    a.remove(i)
+                }
+                _ => a.pop_front(),
+            }
+        };
+        let Some((key, ticket, core)) = req else {
+            return false;
+        };
+        let reply = self.owner().slice_for_core(key);
+        self.inbox[core].push_back((ticket, reply));
+        true
+    }
+
+    /// Core `c` receives the owner's next answer.
+    fn deliver(&mut self, c: usize) -> bool {
+        let Some((ticket, reply)) = self.inbox[c].pop_front() else {
+            return false;
+        };
+        image(&self.chains[c]).deliver_slice(ticket, reply);
+        true
+    }
+
+    /// Runs everything (polls, messages) until `tag` completes; returns its result.
+    fn run(&mut self, tag: u64) -> Result<(), String> {
+        for _ in 0..100_000 {
+            if let Some(i) = self.done.iter().position(|d| d.0 == tag) {
+                return self.done.remove(i).1;
+            }
+            for e in 0..self.execs.len() {
+                self.poll(e);
+            }
+            while self.answer(None) {}
+            for c in 1..self.execs.len() {
+                while self.deliver(c) {}
+            }
+        }
+        panic!("request {tag} never completed");
+    }
+
+    /// Runs only core `c` (and the owner's answers, which need no owner poll) until `tag`.
+    fn run_core(&mut self, c: usize, tag: u64) -> Result<(), String> {
+        for _ in 0..100_000 {
+            if let Some(i) = self.done.iter().position(|d| d.0 == tag) {
+                return self.done.remove(i).1;
+            }
+            self.poll(c);
+            while self.answer(None) {}
+            while self.deliver(c) {}
+        }
+        panic!("core request {tag} never completed");
+    }
+
+    fn close(&mut self) {
+        let c = self.chains[0].clone();
+        self.execs[0]
+            .block_on(async move { image(&c).close().await })
+            .unwrap();
+    }
+}
+
+// ----- data patterns and the reference -------------------------------------------------
+
+/// Sector `s` as written by write `id` (id 0: zeros).
+fn pattern(id: u64, s: u64) -> Vec<u8> {
+    let mut v = vec![0u8; SECTOR as usize];
+    if id != 0 {
+        v[..8].copy_from_slice(&id.to_le_bytes());
+        v[8..16].copy_from_slice(&s.to_le_bytes());
+        let fill = (id.wrapping_mul(31) ^ s.wrapping_mul(7)) as u8 | 1;
+        v[16..].fill(fill);
+    }
+    v
+}
+
+/// Which write's data a read sector holds (`Err` if it is no write's data at all).
+fn decode(s: u64, bytes: &[u8]) -> Result<u64, String> {
+    let id = u64::from_le_bytes(bytes[..8].try_into().unwrap());
+    if bytes == pattern(id, s).as_slice() {
+        Ok(id)
+    } else {
+        Err(format!(
+            "sector {s} holds no write's data ({:02x?}..)",
+            &bytes[..24]
+        ))
+    }
+}
+
+/// One write to a sector: data id (0: zeros), submission and completion times.
+#[derive(Clone, Copy)]
+struct Rec {
+    id: u64,
+    submit: u64,
+    complete: Option<u64>,
+}
+
+#[derive(Default)]
+struct Model {
+    /// Per sector, its writes in order (writes to a sector never overlap in time).
+    hist: Vec<Vec<Rec>>,
+    /// Sectors with a write in flight.
+    busy: Vec<bool>,
+    clock: u64,
+}
+
+impl Model {
+    fn new(sectors: u64) -> Self {
+        Model {
+            hist: vec![Vec::new(); sectors as usize],
+            busy: vec![false; sectors as usize],
+            clock: 0,
+        }
+    }
+    fn tick(&mut self) -> u64 {
+        self.clock += 1;
+        self.clock
+    }
+    fn free(&self, first: u64, n: u64) -> bool {
+        (first..first + n).all(|s| !self.busy[s as usize])
+    }
+    fn begin_write(&mut self, sectors: &[(u64, u64)], now: u64) {
+        for &(s, id) in sectors {
+            self.busy[s as usize] = true;
+            self.hist[s as usize].push(Rec {
+                id,
+                submit: now,
+                complete: None,
+            });
+        }
+    }
+    fn end_write(&mut self, sectors: &[(u64, u64)], now: u64) {
+        for &(s, _) in sectors {
+            self.busy[s as usize] = false;
+            let r = self.hist[s as usize].last_mut().unwrap();
+            r.complete = Some(now);
+        }
+    }
+    /// Checks sector `s` of a read submitted at `sub` and completed at `done`.
+    fn check(&self, s: u64, got: u64, sub: u64, done: u64) -> Result<(), String> {
+        let h = &self.hist[s as usize];
+        let base = h
+            .iter()
+            .rev()
+            .find(|r| r.complete.is_some_and(|c| c < sub))
+            .map_or(0, |r| r.id);
+        if got == base {
+            return Ok(());
+        }
+        let overlapping = |r: &&Rec| r.submit < done && r.complete.is_none_or(|c| c > sub);
+        if h.iter().filter(overlapping).any(|r| r.id == got) {
+            return Ok(());
+        }
+        Err(format!(
+            "sector {s}: read [{sub}, {done}] returned write {got}, expected {base} or an overlapping write; history {:?}",
+            h.iter().map(|r| (r.id, r.submit, r.complete)).collect::<Vec<_>>()
+        ))
+    }
+    fn final_id(&self, s: u64) -> u64 {
+        self.hist[s as usize].last().map_or(0, |r| r.id)
+    }
+}
+
+enum Op {
+    Read {
+        off: u64,
+        buf: HeapBuf,
+        submit: u64,
+        exec: usize,
+    },
+    Write {
+        sectors: Vec<(u64, u64)>,
+    },
+    Flush,
+}
+
+fn fill(id_base: u64, off: u64, len: u64) -> (HeapBuf, Vec<(u64, u64)>) {
+    let buf = HeapBuf::new(len as usize);
+    let mut sectors = Vec::new();
+    for i in 0..len / SECTOR {
+        let s = off / SECTOR + i;
+        buf.copy_in((i * SECTOR) as usize, &pattern(id_base, s));
+        sectors.push((s, id_base));
+    }
+    (buf, sectors)
+}
+
+fn qemu_img(args: &[&str]) -> std::process::Output {
+    Command::new("qemu-img")
+        .args(args)
+        .output()
+        .expect("qemu-img")
+}
+
+fn random_run(seed: u64, steps: usize) {
+    let lazy = seed.is_multiple_of(3);
+    let mut rig = Rig::new(seed, 2, lazy, 1 + seed % 4);
+    let mut rng = Rng::new(seed);
+    let size = rig.size;
+    let sectors = size / SECTOR;
+    let mut model = Model::new(sectors);
+    let mut ops: HashMap<u64, Op> = HashMap::new();
+    let mut next_tag = 1u64;
+    let mut next_id = 1u64;
+    let (mut core_fast, mut core_fallback, mut reads) = (0u64, 0u64, 0u64);
+    // Hot region: most requests land in the first 512 KiB (two slices per core cache set).
+    let pick = |rng: &mut Rng| -> (u64, u64) {
+        let n = 1 + rng.below(24);
+        let span = if rng.below(4) == 0 { sectors } else { 1024 };
+        let first = rng.below(span - n + 1);
+        (first * SECTOR, n * SECTOR)
+    };
+    let handle = |rig: &mut Rig, model: &mut Model, ops: &mut HashMap<u64, Op>| {
+        let done = std::mem::take(&mut rig.done);
+        for (tag, r) in done {
+            if let Err(e) = &r {
+                panic!("seed {seed}: request {tag} failed: {e}");
+            }
+            let now = model.tick();
+            match ops.remove(&tag).expect("unknown tag") {
+                Op::Read {
+                    off,
+                    buf,
+                    submit,
+                    exec,
+                } => {
+                    let bytes = buf.to_vec();
+                    for (i, chunk) in bytes.chunks(SECTOR as usize).enumerate() {
+                        let s = off / SECTOR + i as u64;
+                        let got = decode(s, chunk)
+                            .unwrap_or_else(|e| panic!("seed {seed}: exec {exec}: {e}"));
+                        if let Err(e) = model.check(s, got, submit, now) {
+                            panic!("seed {seed}: read on exec {exec}: {e}");
+                        }
+                    }
+                }
+                Op::Write { sectors } => model.end_write(&sectors, now),
+                Op::Flush => {}
+            }
+        }
+    };
+    for _ in 0..steps {
+        match rng.below(16) {
+            // Submit a request.
+            0..=5 if ops.len() < 12 => {
+                let tag = next_tag;
+                next_tag += 1;
+                let (off, len) = pick(&mut rng);
+                let now = model.tick();
+                match rng.below(16) {
+                    0..=6 => {
+                        let exec = rng.below(3) as usize;
+                        let buf = HeapBuf::new(len as usize);
+                        rig.chains[exec].submit_read(tag, off, BufSlice::whole(buf.clone()));
+                        ops.insert(
+                            tag,
+                            Op::Read {
+                                off,
+                                buf,
+                                submit: now,
+                                exec,
+                            },
+                        );
+                        reads += 1;
+                    }
+                    7..=12 if model.free(off / SECTOR, len / SECTOR) => {
+                        let id = next_id;
+                        next_id += 1;
+                        let (buf, secs) = fill(id, off, len);
+                        model.begin_write(&secs, now);
+                        ops.insert(tag, Op::Write { sectors: secs });
+                        let c = 1 + rng.below(3) as usize;
+                        if c < 3
+                            && rig.chains[c].try_submit_write(
+                                tag,
+                                off,
+                                &BufSlice::whole(buf.clone()),
+                            )
+                        {
+                            core_fast += 1;
+                        } else {
+                            if c < 3 {
+                                core_fallback += 1;
+                            }
+                            // The owner's copy of the data.
+                            let obuf = HeapBuf::new(len as usize);
+                            obuf.copy_in(0, &buf.to_vec());
+                            rig.chains[0].submit_write(tag, off, BufSlice::whole(obuf));
+                        }
+                    }
+                    13 if model.free(off / SECTOR, len / SECTOR) => {
+                        let secs: Vec<(u64, u64)> = (off / SECTOR..(off + len) / SECTOR)
+                            .map(|s| (s, 0))
+                            .collect();
+                        model.begin_write(&secs, now);
+                        ops.insert(tag, Op::Write { sectors: secs });
+                        rig.chains[0].submit_write_zeroes(tag, off, len, rng.below(2) == 0);
+                    }
+                    14 if model.free(off / SECTOR, len / SECTOR) => {
+                        // Whole clusters read as zeros after a discard; partial ones keep
+                        // their data (no write for them).
+                        let cs = 4096;
+                        let (a, b) = (off.div_ceil(cs) * cs, (off + len) / cs * cs);
+                        let secs: Vec<(u64, u64)> = if a < b {
+                            (a / SECTOR..b / SECTOR).map(|s| (s, 0)).collect()
+                        } else {
+                            Vec::new()
+                        };
+                        model.begin_write(&secs, now);
+                        ops.insert(tag, Op::Write { sectors: secs });
+                        rig.chains[0].submit_discard(tag, off, len);
+                    }
+                    _ => {
+                        ops.insert(tag, Op::Flush);
+                        rig.chains[0].submit_flush(tag);
+                    }
+                }
+            }
+            // Poll an executor.
+            0..=10 => {
+                let e = rng.below(3) as usize;
+                rig.poll(e);
+                handle(&mut rig, &mut model, &mut ops);
+            }
+            // The owner handles a core's request.
+            11..=12 => {
+                let pick = rng.below(4) as usize;
+                rig.answer(Some(pick));
+            }
+            // A core receives the answer.
+            _ => {
+                let c = 1 + rng.below(2) as usize;
+                rig.deliver(c);
+            }
+        }
+    }
+    // Drain.
+    let mut spins = 0;
+    while !ops.is_empty() {
+        spins += 1;
+        if spins == 100_000 {
+            let left: Vec<String> = ops
+                .iter()
+                .map(|(t, o)| match o {
+                    Op::Read { off, exec, .. } => format!("{t}: read {off:#x} on {exec}"),
+                    Op::Write { sectors } => format!(
+                        "{t}: write/zero {:?}",
+                        sectors.first().map(|s| s.0 * SECTOR)
+                    ),
+                    Op::Flush => format!("{t}: flush"),
+                })
+                .collect();
+            let busy: Vec<bool> = rig.execs.iter().map(|e| e.busy()).collect();
+            panic!("seed {seed}: requests never completed: {left:?}; executors busy {busy:?}");
+        }
+        for e in 0..3 {
+            rig.poll(e);
+            handle(&mut rig, &mut model, &mut ops);
+        }
+        while rig.answer(None) {}
+        for c in 1..3 {
+            while rig.deliver(c) {}
+        }
+    }
+    assert!(core_fast > 0, "seed {seed}: no in-place write on a core");
+    assert!(reads > 0);
+    eprintln!(
+        "seed {seed}: {reads} reads, {core_fast} in-place core writes, {core_fallback} sent to the owner"
+    );
+    rig.close();
+
+    let dir = tempfile::tempdir().unwrap();
+    let img = dir.path().join("img.qcow2");
+    let reference = dir.path().join("ref.raw");
+    std::fs::write(&img, rig.disk.borrow().as_slice()).unwrap();
+    let mut raw = Vec::with_capacity(size as usize);
+    for s in 0..sectors {
+        raw.extend_from_slice(&pattern(model.final_id(s), s));
+    }
+    std::fs::write(&reference, raw).unwrap();
+    let img_s = img.to_str().unwrap();
+    let out = qemu_img(&["check", "-f", "qcow2", img_s]);
+    assert!(
+        out.status.success(),
+        "seed {seed}: qemu-img check: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = qemu_img(&[
+        "compare",
+        "-f",
+        "qcow2",
+        "-F",
+        "raw",
+        img_s,
+        reference.to_str().unwrap(),
+    ]);
+    assert!(
+        out.status.success(),
+        "seed {seed}: qemu-img compare: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[test]
+fn random_interleavings_owner_and_two_cores() {
+    for seed in 1..=16u64 {
+        random_run(seed * 0x9E37_79B9, 20_000);
+    }
+}
+
+// ----- targeted ------------------------------------------------------------------------
+
+fn write_sync(rig: &mut Rig, tag: u64, off: u64, id: u64, len: u64) {
+    let (buf, _) = fill(id, off, len);
+    rig.chains[0].submit_write(tag, off, BufSlice::whole(buf));
+    rig.run(tag).unwrap();
+}
+
+fn flush_sync(rig: &mut Rig, tag: u64) {
+    rig.chains[0].submit_flush(tag);
+    rig.run(tag).unwrap();
+}
+
+/// Reads `[off, off+len)` on core `c`, running only that core: returns the write ids.
+fn core_read(rig: &mut Rig, c: usize, tag: u64, off: u64, len: u64) -> Vec<u64> {
+    let buf = HeapBuf::new(len as usize);
+    rig.chains[c].submit_read(tag, off, BufSlice::whole(buf.clone()));
+    rig.run_core(c, tag).unwrap();
+    buf.to_vec()
+        .chunks(SECTOR as usize)
+        .enumerate()
+        .map(|(i, b)| decode(off / SECTOR + i as u64, b).unwrap())
+        .collect()
+}
+
+#[test]
+fn core_sees_owner_allocation_in_cached_slice() {
+    let mut rig = Rig::new(7, 1, false, 2);
+    let cs = 4096;
+    // Cluster 0 allocated and written back: the slice is clean, its epoch even.
+    write_sync(&mut rig, 1, 0, 11, cs);
+    flush_sync(&mut rig, 2);
+    // The core caches the slice (cluster 1 unallocated: zeros).
+    assert_eq!(core_read(&mut rig, 1, 3, cs, cs), vec![0; 8]);
+    assert_eq!(core_read(&mut rig, 1, 4, 0, cs), vec![11; 8]);
+    let hits = image(&rig.chains[1]).l2_cache_stats();
+    // The owner allocates cluster 1 (same slice): the core's next read must see it.
+    write_sync(&mut rig, 5, cs, 12, cs);
+    assert_eq!(core_read(&mut rig, 1, 6, cs, cs), vec![12; 8]);
+    assert!(
+        image(&rig.chains[1]).l2_cache_stats() != hits,
+        "the core went through its cache"
+    );
+    // And after the write-back, from the device (epoch even again).
+    flush_sync(&mut rig, 7);
+    assert_eq!(
+        core_read(&mut rig, 1, 8, 0, 2 * cs),
+        [vec![11; 8], vec![12; 8]].concat()
+    );
+    // An in-place write on the core to an allocated cluster, then the owner reads it.
+    let (buf, _) = fill(13, 0, cs);
+    assert!(rig.chains[1].try_submit_write(9, 0, &BufSlice::whole(buf)));
+    rig.run(9).unwrap();
+    let obuf = HeapBuf::new(cs as usize);
+    rig.chains[0].submit_read(10, 0, BufSlice::whole(obuf.clone()));
+    rig.run(10).unwrap();
+    assert_eq!(decode(0, &obuf.to_vec()[..512]).unwrap(), 13);
+    rig.close();
+}
+
+#[test]
+fn core_reads_during_owner_writeback() {
+    for seed in 1..=6u64 {
+        let mut rig = Rig::new(seed, 1, seed.is_multiple_of(2), 3);
+        let cs = 4096u64;
+        let mut tag = 100;
+        // Dirty several slices (and a new L2 table: cluster 600 is past the first table).
+        let targets = [0u64, 1, 70, 130, 600];
+        let mut expect: HashMap<u64, u64> = HashMap::new();
+        for (i, c) in targets.iter().enumerate() {
+            write_sync(&mut rig, tag, c * cs, 20 + i as u64, cs);
+            expect.insert(*c, 20 + i as u64);
+            tag += 1;
+        }
+        // Warm the core's cache.
+        for c in targets {
+            assert_eq!(core_read(&mut rig, 1, tag, c * cs, cs), vec![expect[&c]; 8]);
+            tag += 1;
+        }
+        // A write-back in progress: after every single poll of the owner, the core reads
+        // every target (running only itself; the owner answers without polling).
+        rig.chains[0].submit_flush(tag);
+        let flush_tag = tag;
+        tag += 1;
+        let mut steps = 0;
+        // A write submitted meanwhile waits for the write-back (metadata lock); while in
+        // flight its cluster may read either way.
+        let (buf, _) = fill(99, 3 * cs, cs);
+        rig.chains[0].submit_write(tag, 3 * cs, BufSlice::whole(buf));
+        let mut pending = Some(tag);
+        tag += 1;
+        loop {
+            if let Some(i) = rig.done.iter().position(|d| d.0 == flush_tag) {
+                rig.done.remove(i).1.unwrap();
+                break;
+            }
+            if let Some(i) = rig.done.iter().position(|d| Some(d.0) == pending) {
+                rig.done.remove(i).1.unwrap();
+                pending = None;
+                expect.insert(3, 99);
+            }
+            steps += 1;
+            assert!(steps < 10_000, "flush never completed");
+            rig.poll(0);
+            for (&c, &id) in expect.clone().iter() {
+                assert_eq!(
+                    core_read(&mut rig, 1, tag, c * cs, cs),
+                    vec![id; 8],
+                    "seed {seed}: cluster {c} after {steps} owner polls"
+                );
+                tag += 1;
+            }
+        }
+        if let Some(t) = pending {
+            rig.run(t).unwrap();
+        }
+        assert_eq!(core_read(&mut rig, 1, tag, 3 * cs, cs), vec![99; 8]);
+        rig.close();
+    }
+}

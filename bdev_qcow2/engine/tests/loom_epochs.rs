@@ -1,0 +1,568 @@
+//! Model check of the cross-core coherency protocol (DESIGN.md §5) with `loom`, on the real
+//! [`Shared`] / [`OwnerEpochs`] of the engine (their atomics are loom's under `--cfg loom`).
+//!
+//! Run with:
+//! `RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=/tmp/loom-target cargo test -p qcow2_engine --test loom_epochs --release`
+//!
+//! The model: the owner thread runs a script of metadata operations exactly in the order
+//! `meta.rs` does them (dirty → change in memory → epoch bump → acknowledgement; write-back:
+//! take the dirty set, write the device, mark the slice clean), and between every step
+//! answers pending core requests like `Qcow2::slice_for_core`. A slice's content is a
+//! version number; the "device" holds it in two words written one after the other (a
+//! non-atomic slice write, torn while in progress). Core threads run the miss path of
+//! `Qcow2::load_slice_core` (cached replica valid for the current epoch; odd epoch → ask
+//! the owner; even or `Clean` → read L1 and the device, then re-check the epoch) with a
+//! per-core replica cache.
+//!
+//! Invariant: a core request that starts after observing the acknowledgement of version `v`
+//! of a slice never uses a version older than `v`, never a torn slice, and never the
+//! garbage a freshly allocated L2 table holds on the device before its first write-back.
+//!
+//! Broken variants of the owner or the core (acknowledging before the epoch bump, skipping
+//! the re-check, publishing an L1 entry before the new table's slices are odd) must be
+//! caught: they run under `#[should_panic]`.
+
+#![cfg(loom)]
+#![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
+
+use loom::sync::atomic::{AtomicU64, Ordering};
+use loom::sync::{Arc, Condvar, Mutex};
+use loom::thread;
+use qcow2_engine::coherency::{OwnerEpochs, Shared, SliceReply};
+
+/// What a freshly allocated cluster holds before anything is written to it.
+const GARBAGE: u64 = 0xdead;
+/// A slice read while its two words disagreed.
+const TORN: u64 = 0x7042;
+/// Miss-path attempts before a core gives up (EAGAIN in the engine, no violation).
+const MAX_ATTEMPTS: usize = 3;
+
+/// Deliberate protocol violations, to prove the model finds them.
+#[derive(Clone, Copy, Default)]
+struct Faults {
+    /// The owner acknowledges a change before bumping the epoch.
+    ack_before_bump: bool,
+    /// The core keeps a device read without re-checking the epoch.
+    skip_recheck: bool,
+    /// The owner publishes a new L1 entry before the new table's slices go odd.
+    l1_before_dirty: bool,
+}
+
+struct World {
+    shared: Shared,
+    /// On-disk slices by location (L1 value): two words, written one after the other.
+    dev: Vec<[AtomicU64; 2]>,
+    /// Per key: the last acknowledged version.
+    acked: Vec<AtomicU64>,
+    /// The message queues between the cores and the owner (blocking, no spinning).
+    mail: Mutex<Mailbox>,
+    mail_cv: Condvar,
+    faults: Faults,
+}
+
+#[derive(Default)]
+struct Mailbox {
+    /// Core → owner: (core, key).
+    requests: Vec<(usize, u64)>,
+    /// Owner → core: the answer to that core's request.
+    replies: Vec<Option<SliceReply>>,
+    /// Cores that finished their script.
+    done: usize,
+}
+
+/// Initial state: `total_slices` sizes the epoch array (1 makes every key share a slot);
+/// `l1[key]` is the location of key's table (0: unallocated); `dev[loc]` the version
+/// stored at location `loc`.
+fn world(total_slices: u64, l1: &[u64], dev: &[u64], cores: usize, faults: Faults) -> Arc<World> {
+    Arc::new(World {
+        shared: Shared::new(total_slices, l1, 1 << 30, 64),
+        dev: dev
+            .iter()
+            .map(|&v| [AtomicU64::new(v), AtomicU64::new(v)])
+            .collect(),
+        acked: l1.iter().map(|_| AtomicU64::new(0)).collect(),
+        mail: Mutex::new(Mailbox {
+            replies: vec![None; cores],
+            ..Default::default()
+        }),
+        mail_cv: Condvar::new(),
+        faults,
+    })
+}
+
+/// The metadata owner (single-threaded, like the owner's core).
+struct Owner {
+    w: Arc<World>,
+    ep: OwnerEpochs,
+    /// Current version of each slice (what a read must see once acknowledged).
+    version: Vec<u64>,
+    /// `dirty_l2` / `writing_l2` of meta.rs: the version each holds.
+    dirty: Vec<Option<u64>>,
+    writing: Vec<Option<u64>>,
+    /// Table location of each key (the owner's own L1).
+    loc: Vec<u64>,
+}
+
+#[derive(Clone, Copy, Debug)]
+enum Step {
+    /// `dirty_slice_for` + `set_l2_words` + acknowledgement of the guest write.
+    Modify(u64),
+    /// `ensure_l2`: a new table at location `loc` (zeroed in memory: version 1), its slice
+    /// dirty, then the L1 entry published.
+    AllocTable(u64, u64),
+    /// Write-back phase 2 begins: every dirty slice moves to `writing`.
+    WbStart,
+    /// One word of the slice's device write.
+    WbWord(u64, usize),
+    /// The slice's device write completed.
+    WbDone(u64),
+}
+
+impl Owner {
+    fn new(w: &Arc<World>, versions: &[u64], l1: &[u64]) -> Self {
+        Owner {
+            w: w.clone(),
+            ep: OwnerEpochs::default(),
+            version: versions.to_vec(),
+            dirty: vec![None; versions.len()],
+            writing: vec![None; versions.len()],
+            loc: l1.to_vec(),
+        }
+    }
+
+    /// `Qcow2::slice_for_core`.
+    fn slice_for_core(&self, key: u64) -> SliceReply {
+        let k = key as usize;
+        let epoch = self.w.shared.epoch(key);
+        match self.dirty[k].or(self.writing[k]) {
+            Some(v) => SliceReply::Copy {
+                words: vec![v],
+                epoch,
+            },
+            None => SliceReply::Clean { epoch },
+        }
+    }
+
+    /// Answers the pending requests.
+    fn serve(&mut self) {
+        let w = self.w.clone();
+        let mut mail = w.mail.lock().unwrap();
+        let reqs = std::mem::take(&mut mail.requests);
+        let any = !reqs.is_empty();
+        for (core, key) in reqs {
+            mail.replies[core] = Some(self.slice_for_core(key));
+        }
+        if any {
+            w.mail_cv.notify_all();
+        }
+    }
+
+    fn step(&mut self, s: Step) {
+        let sh = &self.w.shared;
+        let f = self.w.faults;
+        match s {
+            Step::Modify(key) => {
+                let k = key as usize;
+                let v = self.version[k] + 1;
+                if f.ack_before_bump {
+                    self.version[k] = v;
+                    self.w.acked[k].store(v, Ordering::Release);
+                }
+                // dirty_slice_for: the slice becomes dirty (content unchanged) ...
+                if self.dirty[k].is_none() {
+                    self.dirty[k] = Some(self.writing[k].unwrap_or(self.version[k]));
+                    self.ep.dirtied(sh, key);
+                }
+                // ... set_l2_words: changed in memory, then the epoch moves ...
+                self.version[k] = v;
+                self.dirty[k] = Some(v);
+                self.ep.changed(sh, key);
+                // ... and only then the guest write is acknowledged.
+                self.w.acked[k].store(v, Ordering::Release);
+            }
+            Step::AllocTable(key, loc) => {
+                let k = key as usize;
+                self.loc[k] = loc;
+                if f.l1_before_dirty {
+                    sh.set_l1(k, loc);
+                }
+                self.version[k] = 1;
+                if self.dirty[k].replace(1).is_none() {
+                    self.ep.dirtied(sh, key);
+                } else {
+                    self.ep.changed(sh, key);
+                }
+                if !f.l1_before_dirty {
+                    sh.set_l1(k, loc);
+                }
+            }
+            Step::WbStart => {
+                for k in 0..self.dirty.len() {
+                    assert!(self.writing[k].is_none(), "model: one write-back at a time");
+                    self.writing[k] = self.dirty[k].take();
+                }
+            }
+            Step::WbWord(key, word) => {
+                let k = key as usize;
+                let v = self.writing[k].expect("model: write-back of a clean slice");
+                self.w.dev[self.loc[k] as usize][word].store(v, Ordering::Release);
+            }
+            Step::WbDone(key) => {
+                let k = key as usize;
+                assert!(self.writing[k].take().is_some());
+                self.ep.cleaned(sh, key);
+            }
+        }
+    }
+
+    /// Runs `script`, answering core requests between steps, then until every core is done.
+    fn run(mut self, script: &[Step], cores: usize) {
+        for &s in script {
+            self.step(s);
+            self.serve();
+        }
+        let w = self.w.clone();
+        let mut mail = w.mail.lock().unwrap();
+        loop {
+            let reqs = std::mem::take(&mut mail.requests);
+            if !reqs.is_empty() {
+                for (core, key) in reqs {
+                    mail.replies[core] = Some(self.slice_for_core(key));
+                }
+                w.mail_cv.notify_all();
+            }
+            if mail.done == cores {
+                return;
+            }
+            mail = w.mail_cv.wait(mail).unwrap();
+        }
+    }
+}
+
+/// A core replica: its cache of (epoch, version) per key.
+struct Core {
+    w: Arc<World>,
+    id: usize,
+    cache: Vec<Option<(u32, u64)>>,
+}
+
+impl Core {
+    fn ask(&self, key: u64) -> SliceReply {
+        let mut mail = self.w.mail.lock().unwrap();
+        mail.requests.push((self.id, key));
+        self.w.mail_cv.notify_all();
+        loop {
+            if let Some(r) = mail.replies[self.id].take() {
+                return r;
+            }
+            mail = self.w.mail_cv.wait(mail).unwrap();
+        }
+    }
+
+    /// `Qcow2::load_slice_core`: the version of `key` this request uses (`None`: gave up).
+    fn load(&mut self, key: u64) -> Option<u64> {
+        let sh = &self.w.shared;
+        let k = key as usize;
+        for _ in 0..MAX_ATTEMPTS {
+            let mut epoch = sh.epoch(key);
+            if let Some((e, v)) = self.cache[k] {
+                if e == epoch {
+                    return Some(v);
+                }
+            }
+            if epoch & 1 == 1 {
+                match self.ask(key) {
+                    SliceReply::Copy { words, epoch } => {
+                        self.cache[k] = Some((epoch, words[0]));
+                        return Some(words[0]);
+                    }
+                    SliceReply::Clean { epoch: e } => epoch = e,
+                    SliceReply::Retry => continue,
+                }
+            }
+            // L1 after the epoch; an unallocated table is used without a re-check.
+            let loc = sh.l1(k) as usize;
+            if loc == 0 {
+                return Some(0);
+            }
+            let a = self.w.dev[loc][0].load(Ordering::Acquire);
+            let b = self.w.dev[loc][1].load(Ordering::Acquire);
+            let v = if a == b { a } else { TORN };
+            if !self.w.faults.skip_recheck && sh.epoch(key) != epoch {
+                continue;
+            }
+            self.cache[k] = Some((epoch, v));
+            return Some(v);
+        }
+        None
+    }
+
+    /// A guest read of `key` submitted now: it must see at least the acknowledged version.
+    fn request(&mut self, key: u64) {
+        let min = self.w.acked[key as usize].load(Ordering::Acquire);
+        if let Some(v) = self.load(key) {
+            assert!(
+                v != GARBAGE && v != TORN && v >= min,
+                "coherency violation: core {} used version {v:#x} of slice {key} after the ack of {min}",
+                self.id
+            );
+        }
+    }
+}
+
+/// Runs one model: the owner on the main thread, one core thread per script in `cores`.
+struct Scenario {
+    total_slices: u64,
+    l1: Vec<u64>,
+    dev: Vec<u64>,
+    /// Initial slice versions (must match the device for allocated keys).
+    versions: Vec<u64>,
+    owner: Vec<Step>,
+    cores: Vec<Vec<u64>>,
+    faults: Faults,
+}
+
+fn check(s: Scenario, preemptions: usize) {
+    let mut b = loom::model::Builder::new();
+    b.preemption_bound = Some(preemptions);
+    let s = std::sync::Arc::new(s);
+    b.check(move || {
+        let n = s.cores.len();
+        let w = world(s.total_slices, &s.l1, &s.dev, n, s.faults);
+        let handles: Vec<_> = s
+            .cores
+            .iter()
+            .enumerate()
+            .map(|(id, script)| {
+                let w = w.clone();
+                let script = script.clone();
+                thread::spawn(move || {
+                    let mut c = Core {
+                        cache: vec![None; w.acked.len()],
+                        w,
+                        id,
+                    };
+                    for key in script {
+                        c.request(key);
+                    }
+                    c.w.mail.lock().unwrap().done += 1;
+                    c.w.mail_cv.notify_all();
+                })
+            })
+            .collect();
+        Owner::new(&w, &s.versions, &s.l1).run(&s.owner, n);
+        for h in handles {
+            h.join().unwrap();
+        }
+    });
+}
+
+use Step::*;
+
+/// A change, then its write-back in two device words; the core misses during the write.
+fn writeback_scenario(faults: Faults) -> Scenario {
+    Scenario {
+        total_slices: 1,
+        l1: vec![1],
+        dev: vec![GARBAGE, 1],
+        versions: vec![1],
+        owner: vec![Modify(0), WbStart, WbWord(0, 0), WbWord(0, 1), WbDone(0)],
+        cores: vec![vec![0, 0]],
+        faults,
+    }
+}
+
+#[test]
+fn miss_during_writeback() {
+    check(writeback_scenario(Faults::default()), 3);
+}
+
+#[test]
+fn redirty_during_writeback() {
+    check(
+        Scenario {
+            total_slices: 1,
+            l1: vec![1],
+            dev: vec![GARBAGE, 1],
+            versions: vec![1],
+            owner: vec![
+                Modify(0),
+                WbStart,
+                WbWord(0, 0),
+                Modify(0),
+                WbWord(0, 1),
+                WbDone(0),
+            ],
+            cores: vec![vec![0, 0]],
+            faults: Faults::default(),
+        },
+        3,
+    );
+}
+
+/// Keys 0 and 1 share the only epoch slot (`Shared::new(1, ..)`): a clean slice in an odd
+/// slot is answered `Clean` and read from the device under the owner's epoch.
+#[test]
+fn two_slices_one_slot() {
+    check(
+        Scenario {
+            total_slices: 1,
+            l1: vec![1, 2],
+            dev: vec![GARBAGE, 1, 1],
+            versions: vec![1, 1],
+            owner: vec![
+                Modify(1),
+                Modify(0),
+                WbStart,
+                WbWord(0, 0),
+                WbWord(0, 1),
+                WbDone(0),
+                WbWord(1, 0),
+                WbWord(1, 1),
+                WbDone(1),
+            ],
+            cores: vec![vec![0, 1]],
+            faults: Faults::default(),
+        },
+        2,
+    );
+}
+
+/// Same slot: the neighbour changes while the first slice is being written back (the slot
+/// stays odd across that write-back's completion, whose epoch does not move).
+#[test]
+fn slot_stays_odd_across_neighbour_writeback() {
+    check(
+        Scenario {
+            total_slices: 1,
+            l1: vec![1, 2],
+            dev: vec![GARBAGE, 1, 1],
+            versions: vec![1, 1],
+            owner: vec![
+                Modify(1),
+                WbStart,
+                Modify(0),
+                WbWord(1, 0),
+                WbWord(1, 1),
+                WbDone(1),
+            ],
+            cores: vec![vec![1, 0, 1]],
+            faults: Faults::default(),
+        },
+        2,
+    );
+}
+
+fn new_table_scenario(faults: Faults) -> Scenario {
+    Scenario {
+        total_slices: 2,
+        l1: vec![0, 0],
+        dev: vec![GARBAGE, GARBAGE],
+        versions: vec![0, 0],
+        owner: vec![
+            AllocTable(0, 1),
+            Modify(0),
+            WbStart,
+            WbWord(0, 0),
+            WbWord(0, 1),
+            WbDone(0),
+        ],
+        cores: vec![vec![0, 0]],
+        faults,
+    }
+}
+
+/// A new L2 table: its slices go odd before `set_l1` publishes it, so a core that sees the
+/// entry never keeps the garbage the new cluster holds on the device.
+#[test]
+fn new_table_published_after_odd() {
+    check(new_table_scenario(Faults::default()), 3);
+}
+
+/// A core caches a replica, the owner changes the slice twice (the second time while the
+/// first is written back); the core's later requests must see the changes they follow.
+#[test]
+fn cached_replica_across_changes() {
+    check(
+        Scenario {
+            total_slices: 2,
+            l1: vec![1, 2],
+            dev: vec![GARBAGE, 1, 1],
+            versions: vec![1, 1],
+            owner: vec![
+                Modify(0),
+                WbStart,
+                Modify(0),
+                WbWord(0, 0),
+                WbWord(0, 1),
+                WbDone(0),
+            ],
+            cores: vec![vec![0, 0, 0]],
+            faults: Faults::default(),
+        },
+        2,
+    );
+}
+
+/// Two cores with their own replicas of one slice across a change and its write-back.
+#[test]
+fn two_cores_one_slice() {
+    check(
+        Scenario {
+            total_slices: 1,
+            l1: vec![1],
+            dev: vec![GARBAGE, 1],
+            versions: vec![1],
+            owner: vec![Modify(0), WbStart, WbWord(0, 0), WbWord(0, 1), WbDone(0)],
+            cores: vec![vec![0], vec![0]],
+            faults: Faults::default(),
+        },
+        1,
+    );
+}
+
+// ----- the model has teeth -------------------------------------------------------------
+
+#[test]
+#[should_panic(expected = "coherency violation")]
+fn broken_ack_before_bump_is_caught() {
+    check(
+        Scenario {
+            total_slices: 1,
+            l1: vec![1],
+            dev: vec![GARBAGE, 1],
+            versions: vec![1],
+            owner: vec![Modify(0)],
+            cores: vec![vec![0, 0]],
+            faults: Faults {
+                ack_before_bump: true,
+                ..Default::default()
+            },
+        },
+        2,
+    );
+}
+
+#[test]
+#[should_panic(expected = "coherency violation")]
+fn broken_no_recheck_is_caught() {
+    check(
+        writeback_scenario(Faults {
+            skip_recheck: true,
+            ..Default::default()
+        }),
+        2,
+    );
+}
+
+#[test]
+#[should_panic(expected = "coherency violation")]
+fn broken_l1_before_dirty_is_caught() {
+    check(
+        new_table_scenario(Faults {
+            l1_before_dirty: true,
+            ..Default::default()
+        }),
+        2,
+    );
+}
