@@ -102,7 +102,7 @@ impl Shared {
         if self.epochs.len() as u64 > key {
             key as usize
         } else {
-            (key.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 20 & self.epoch_mask) as usize
+            ((key.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 20) & self.epoch_mask) as usize
         }
     }
 

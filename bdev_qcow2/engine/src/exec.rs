@@ -479,7 +479,12 @@ impl<D: BlockDevice> WaitQueue<D> {
                 return Poll::Ready(());
             }
             if let Some(t) = self.exec.current_task() {
-                self.waiters.borrow_mut().push(t);
+                // A task polled again for another reason (two device completions in one
+                // poll) must not leave a second, stale entry behind.
+                let mut w = self.waiters.borrow_mut();
+                if !w.contains(&t) {
+                    w.push(t);
+                }
             }
             registered = true;
             Poll::Pending
@@ -543,9 +548,10 @@ impl<D: BlockDevice> AsyncLock<D> {
 impl<D: BlockDevice> Drop for LockGuard<'_, D> {
     fn drop(&mut self) {
         self.lock.locked.set(false);
-        // Hand over to one waiter (FIFO): waking them all would make every waiter poll and
-        // re-queue on each release. A waiter that finds the lock taken again waits again and
-        // is woken by that holder's release, so no wake-up is lost.
-        self.lock.queue.notify_one();
+        // Wake every waiter: they re-check and all but one wait again. Handing over to one
+        // waiter (notify_one) lost wake-ups: a waiter woken spuriously (polled for another
+        // reason) consumed its registration without taking the lock, and the release woke
+        // no one who still wanted it (found by tests/coherency.rs; writers hung).
+        self.lock.queue.notify_all();
     }
 }

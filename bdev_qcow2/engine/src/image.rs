@@ -576,7 +576,12 @@ impl<D: BlockDevice> Qcow2<D> {
     pub(crate) fn l2_table(&self, off: GuestOffset) -> Result<Option<crate::types::HostOffset>> {
         let idx = self.geo.l1_index(off) as usize;
         let e = match (&self.core, &self.shared) {
-            (Some(_), Some(s)) if idx < s.l1_len() => Some(L1Entry(s.l1(idx))),
+            (Some(_), Some(s)) if idx < s.l1_len() => {
+                let raw = s.l1(idx);
+                // The owner grows the device before it publishes an entry pointing there.
+                self.sync_core();
+                Some(L1Entry(raw))
+            }
             (Some(_), Some(_)) => None,
             _ => self.l1.borrow().get(idx).copied(),
         }
@@ -704,8 +709,10 @@ impl<D: BlockDevice> Qcow2<D> {
                 // faster than this core can read it); the guest may retry.
                 return Err(Error::Io(11));
             }
-            self.sync_core();
             let mut epoch = shared.epoch(key);
+            // After the epoch: whatever the owner published before it (device growth
+            // included) is visible now.
+            self.sync_core();
             if let Some(w) = self.l2_cache.borrow_mut().lookup(key, epoch) {
                 return Ok(Some(w));
             }
@@ -735,6 +742,9 @@ impl<D: BlockDevice> Qcow2<D> {
             if shared.epoch(key) != epoch {
                 continue;
             }
+            // Entries of the slice may point where the owner grew the device before it
+            // wrote them.
+            self.sync_core();
             let w = self.l2_cache.borrow_mut().insert_with(key, epoch, |block| {
                 for (dst, w) in block.iter_mut().zip(be_words(&raw)) {
                     *dst = w;

@@ -28,12 +28,10 @@ use std::rc::Rc;
 const SECTOR: u64 = 512;
 
 /// Device completions one channel reports per poll. More than one lets two completions of
-/// one task's concurrent operations (a `join_all`) wake it twice in one `Exec::poll`; the
-/// second, spurious poll re-registers the task in the metadata lock's wait queue, and
-/// `AsyncLock`'s release (`notify_one`) later wakes that stale entry instead of the real
-/// waiter: a lost wake-up, the owner's writers hang (exec.rs; seen with 2 here). Raise this
-/// once the lock tolerates spurious wake-ups.
-const COMPLETIONS_PER_POLL: usize = 1;
+/// one task's concurrent operations (a `join_all`) wake it twice in one `Exec::poll`: the
+/// spurious wake-up that once made `AsyncLock` lose a wake-up (fixed in exec.rs; this test
+/// hung with 2 before the fix).
+const COMPLETIONS_PER_POLL: usize = 4;
 
 // ----- a disk shared by per-core channels ------------------------------------------------
 

@@ -229,6 +229,7 @@ impl<D: BlockDevice> Reactor<D> {
                 n += 1;
                 match m {
                     ToCore::Slice { ticket, reply } => {
+                        self.stats.slice_asks += 1;
                         if let Some(q) = self.image() {
                             q.deliver_slice(ticket, reply);
                         }
@@ -348,7 +349,8 @@ impl<D: BlockDevice> Reactor<D> {
 /// How [`run_reactors`] opens the image's device on each reactor (its own channel: its own
 /// io_uring on the same file).
 pub trait OpenDevice<D>: Sync {
-    /// Opens the device for reactor `id` (writable on the owner).
+    /// Opens the device for reactor `id`. Only reactor 0 (the owner) may change the
+    /// device's length (see [`UringDevice::into_channel`](crate::uring::UringDevice::into_channel)).
     fn open(&self, id: usize, writable: bool) -> ToolResult<D>;
 }
 

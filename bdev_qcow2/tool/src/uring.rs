@@ -127,6 +127,9 @@ pub struct UringDevice {
     /// `grow_ahead`) and trimmed back to `size` on drop. 0 for block devices.
     file_len: u64,
     regular_file: bool,
+    /// Whether this device grows and trims the file (false for the extra channels of a
+    /// multi-core host: only the metadata owner's channel changes the file's length).
+    owns_len: bool,
     depth: usize,
     inflight: Slab<InFlight>,
     unsubmitted: usize,
@@ -151,7 +154,7 @@ pub struct DeviceStats {
 impl Drop for UringDevice {
     fn drop(&mut self) {
         // Give back the space grown ahead of appending writes (what was never written).
-        if self.regular_file && self.file_len > self.size {
+        if self.regular_file && self.owns_len && self.file_len > self.size {
             let _ = self.file.set_len(self.size);
         }
     }
@@ -217,6 +220,7 @@ impl UringDevice {
             size,
             file_len: size,
             regular_file,
+            owns_len: true,
             depth: depth as usize,
             inflight: Slab::with_capacity(depth as usize),
             unsubmitted: 0,
@@ -232,13 +236,22 @@ impl UringDevice {
     /// never written is trimmed off when the device is dropped; after a crash the tail
     /// stays as a hole, which qcow2 ignores.
     fn grow_ahead(&mut self, end: u64) {
-        if !self.regular_file {
+        if !self.regular_file || !self.owns_len {
             return;
         }
         let target = end.max(self.file_len + (1 << 30)).next_multiple_of(1 << 20);
         if self.file.set_len(target).is_ok() {
             self.file_len = target;
         }
+    }
+
+    /// Makes this device another channel to a file whose length someone else (the metadata
+    /// owner's channel) manages: it never grows nor trims the file. Without this, a core's
+    /// channel, which knows the file length at its open only, would cut off what the owner
+    /// appended since when it grows ahead or trims on drop.
+    pub fn into_channel(mut self) -> Self {
+        self.owns_len = false;
+        self
     }
 
     /// Operation counters.
@@ -360,7 +373,7 @@ impl BlockDevice for UringDevice {
         if !self.regular_file {
             return Err(DeviceError(libc::ENOSPC));
         }
-        if size > self.file_len {
+        if size > self.file_len && self.owns_len {
             self.file
                 .set_len(size)
                 .map_err(|e| DeviceError(e.raw_os_error().unwrap_or(libc::EIO)))?;

@@ -420,7 +420,13 @@ pub fn run_one(path: &Path, raw: bool, w: Workload, a: &PerfArgs) -> ToolResult<
             cache_ways: a.cache_ways,
             ..OpenOptions::default()
         };
-        let open = |_id: usize, writable: bool| open_dev(path, writable, a);
+        let open = |id: usize, writable: bool| {
+            let mut d = open_dev(path, writable, a)?;
+            if id > 0 {
+                d.inner = d.inner.into_channel();
+            }
+            Ok(d)
+        };
         let out = run_reactors(cores, &open, opts, w.writes(), |r| {
             warm(r)?;
             let before = r.cache_stats();

@@ -1,0 +1,439 @@
+//! Multi-core stress (issue #5): several reactors issue mixed random reads, in-place and
+//! allocating writes, discards, write-zeroes and flushes against one image at once. A
+//! checker asserts, sector by sector, that every read returned data at least as new as
+//! every write that completed before the read was submitted (real-time order recorded with
+//! one global clock across cores); then `qemu-img check` must pass and the image must hold,
+//! sector by sector, a value the history allows — read both by QEMU and by our engine.
+
+#![allow(clippy::expect_used, clippy::unwrap_used)]
+
+mod common;
+
+use common::qemu_img;
+use qcow2_engine::io::{BufSlice, IoBuffer};
+use qcow2_engine::rng::Rng;
+use qcow2_engine::OpenOptions;
+use qcow2_tool::reactor::{run_reactors, Reactor};
+use qcow2_tool::uring::{AlignedBuf, UringDevice};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+const SECTOR: u64 = 512;
+/// Stamp of the content qemu-io wrote before the run.
+const INITIAL: u64 = u64::MAX;
+/// Stamp of zeros (never written, discarded or zeroed).
+const ZERO: u64 = 0;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Kind {
+    Read,
+    Write,
+    /// write-zeroes: reads zeros afterwards.
+    Zero,
+    /// discard: reads zeros or the old data afterwards (QEMU leaves partial clusters).
+    Discard,
+    Flush,
+}
+
+/// One operation of the history: what, where, and when (global clock) it was submitted and
+/// completed. `id` stamps a write's sectors.
+#[derive(Debug, Clone)]
+struct Op {
+    kind: Kind,
+    core: usize,
+    id: u64,
+    off: u64,
+    len: u64,
+    submit: u64,
+    complete: u64,
+    /// Reads: the stamp found in each sector.
+    seen: Vec<u64>,
+}
+
+/// Stamps `buf` with write `id`: every sector starts with (id, absolute sector).
+fn stamp(buf: &AlignedBuf, id: u64, off: u64, len: u64) {
+    for s in 0..len / SECTOR {
+        let mut head = [0u8; 16];
+        head[..8].copy_from_slice(&id.to_le_bytes());
+        head[8..].copy_from_slice(&(off / SECTOR + s).to_le_bytes());
+        buf.fill((s * SECTOR) as usize, SECTOR as usize, (id % 251) as u8 + 1);
+        buf.copy_in((s * SECTOR) as usize, &head);
+    }
+}
+
+/// The stamp a sector carries (checking the sector is whole and in its place).
+fn stamp_of(bytes: &[u8], sector: u64) -> Result<u64, String> {
+    if bytes.iter().all(|&b| b == 0) {
+        return Ok(ZERO);
+    }
+    if bytes.iter().all(|&b| b == 0xab) {
+        return Ok(INITIAL);
+    }
+    let id = u64::from_le_bytes(bytes[..8].try_into().unwrap_or_default());
+    let at = u64::from_le_bytes(bytes[8..16].try_into().unwrap_or_default());
+    let fill = (id % 251) as u8 + 1;
+    if at != sector || bytes[16..].iter().any(|&b| b != fill) {
+        return Err(format!(
+            "sector {sector}: torn or misplaced data (stamp id {id} for sector {at})"
+        ));
+    }
+    Ok(id)
+}
+
+struct Config {
+    cluster: &'static str,
+    extended_l2: bool,
+    l2_slice: u64,
+    l2_cache: u64,
+    cores: usize,
+    ops_per_core: usize,
+}
+
+/// Runs one core's share of the workload on reactor `r`; returns its history.
+fn workload(r: &mut Reactor<UringDevice>, clock: &AtomicU64, size: u64, ops: usize) -> Vec<Op> {
+    // STRESS_QD overrides the queue depth per core (default 16).
+    let qd_env = std::env::var("STRESS_QD").ok().and_then(|v| v.parse().ok());
+    let qd: usize = qd_env.unwrap_or(16);
+    let mut rng = Rng(0x9e37_79b9 ^ ((r.id as u64 + 1) * 0x1000_0001));
+    let bufs: Vec<AlignedBuf> = (0..qd).map(|_| AlignedBuf::new(64 << 10)).collect();
+    let mut slots: Vec<Option<Op>> = vec![None; qd];
+    let mut history = Vec::new();
+    let mut issued = 0;
+    let mut next_id = (r.id as u64 + 1) << 40;
+    let mut done = Vec::new();
+    let mut last_progress = std::time::Instant::now();
+    loop {
+        if last_progress.elapsed() > std::time::Duration::from_secs(20) {
+            let pending: Vec<_> = slots
+                .iter()
+                .flatten()
+                .map(|o| (o.kind, o.off, o.len))
+                .collect();
+            panic!(
+                "reactor {} stalled: pending {pending:?}, stats {:?}, exec {:?}",
+                r.id,
+                r.stats(),
+                r.exec.stats()
+            );
+        }
+        for (i, slot) in slots.iter_mut().enumerate() {
+            if slot.is_some() || issued >= ops {
+                continue;
+            }
+            issued += 1;
+            let blocks = size / 4096;
+            let nblk = 1 + rng.next() % 16;
+            let start = rng.next() % (blocks - nblk);
+            let (off, len) = (start * 4096, nblk * 4096);
+            let dice = rng.next() % 100;
+            let tag = i as u64;
+            let mut op = Op {
+                kind: Kind::Read,
+                core: r.id,
+                id: 0,
+                off,
+                len,
+                submit: 0,
+                complete: 0,
+                seen: Vec::new(),
+            };
+            let buf = BufSlice {
+                buf: bufs[i].clone(),
+                off: 0,
+                len: len as usize,
+            };
+            op.submit = clock.fetch_add(1, Ordering::SeqCst);
+            match dice {
+                0..=49 => r.submit_read(tag, off, buf),
+                50..=79 => {
+                    next_id += 1;
+                    op.kind = Kind::Write;
+                    op.id = next_id;
+                    stamp(&bufs[i], next_id, off, len);
+                    // Stamp before taking the time: the write starts at submission.
+                    op.submit = clock.fetch_add(1, Ordering::SeqCst);
+                    r.submit_write(tag, off, buf);
+                }
+                80..=87 => {
+                    op.kind = Kind::Discard;
+                    r.submit_discard(tag, off, len);
+                }
+                88..=95 => {
+                    op.kind = Kind::Zero;
+                    r.submit_write_zeroes(tag, off, len, dice.is_multiple_of(2));
+                }
+                _ => {
+                    op.kind = Kind::Flush;
+                    r.submit_flush(tag);
+                }
+            }
+            *slot = Some(op);
+        }
+        r.poll(&mut |tag, res| done.push((tag, res)));
+        for (tag, res) in done.drain(..) {
+            last_progress = std::time::Instant::now();
+            let t = clock.fetch_add(1, Ordering::SeqCst);
+            let i = tag as usize;
+            let Some(mut op) = slots[i].take() else {
+                panic!("completion for an idle slot {i}");
+            };
+            if let Err(e) = res {
+                panic!("reactor {}: {:?} failed: {e}", r.id, op.kind);
+            }
+            op.complete = t;
+            if op.kind == Kind::Read {
+                let mut bytes = vec![0u8; op.len as usize];
+                bufs[i].copy_out(0, &mut bytes);
+                for (s, chunk) in bytes.chunks(SECTOR as usize).enumerate() {
+                    let sector = op.off / SECTOR + s as u64;
+                    match stamp_of(chunk, sector) {
+                        Ok(id) => op.seen.push(id),
+                        Err(e) => panic!("reactor {}: read at {:#x}: {e}", r.id, op.off),
+                    }
+                }
+            }
+            history.push(op);
+        }
+        if issued >= ops && slots.iter().all(Option::is_none) {
+            return history;
+        }
+    }
+}
+
+/// Whether stamp `seen` is allowed for `sector` by a reader that started at `start` and
+/// ended at `end` (u64::MAX for the final image).
+fn allowed(
+    by_sector: &[&Op],
+    seen: u64,
+    start: u64,
+    end: u64,
+    initial: bool,
+) -> Result<(), String> {
+    let stamp_of = |o: &Op| match o.kind {
+        Kind::Zero | Kind::Discard => ZERO,
+        _ => o.id,
+    };
+    // Ops that define the content (a discard may leave the old data: it replaces nothing).
+    let completed: Vec<&&Op> = by_sector
+        .iter()
+        .filter(|o| o.complete < start && o.kind != Kind::Discard)
+        .collect();
+    // x is superseded if a defining op started after x completed and completed before the
+    // read started.
+    let superseded = |x: &Op| completed.iter().any(|y| y.submit > x.complete);
+    let ok = by_sector
+        .iter()
+        .filter(|x| x.submit < end && !superseded(x))
+        .any(|x| stamp_of(x) == seen)
+        || (completed.is_empty() && seen == if initial { INITIAL } else { ZERO });
+    if ok {
+        Ok(())
+    } else {
+        let newest = completed.iter().max_by_key(|o| o.complete);
+        Err(format!(
+            "saw stamp {seen:#x}; newest write completed before the read: {:?}",
+            newest.map(|o| (o.kind, o.id, o.submit, o.complete))
+        ))
+    }
+}
+
+fn run_stress(cfg: &Config) {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let img = dir.path().join("stress.qcow2");
+    let img_s = img.to_str().expect("utf-8 path");
+    let size: u64 = 16 << 20;
+    let opts = format!(
+        "cluster_size={},extended_l2={}",
+        cfg.cluster,
+        if cfg.extended_l2 { "on" } else { "off" }
+    );
+    qemu_img(&["create", "-q", "-f", "qcow2", "-o", &opts, img_s, "16M"]);
+    // The first half starts allocated (in-place writes), the second half empty (allocations).
+    common::run(std::process::Command::new("qemu-io").args([
+        "-f",
+        "qcow2",
+        "-c",
+        "write -P 0xab 0 8M",
+        img_s,
+    ]));
+    let initial = |sector: u64| sector * SECTOR < (8 << 20);
+
+    let clock = AtomicU64::new(1);
+    let open = |id: usize, writable: bool| {
+        let d = UringDevice::open(&img, writable, false, 64).map_err(|source| {
+            qcow2_tool::host::ToolError::Io {
+                path: img.display().to_string(),
+                source,
+            }
+        })?;
+        Ok(if id > 0 { d.into_channel() } else { d })
+    };
+    let eopts = OpenOptions {
+        l2_slice_bytes: cfg.l2_slice,
+        l2_cache_bytes: Some(cfg.l2_cache),
+        ..OpenOptions::default()
+    };
+    let out = run_reactors(cfg.cores, &open, eopts, true, |r| {
+        Ok(workload(r, &clock, size, cfg.ops_per_core))
+    })
+    .expect("reactors");
+    let stats: Vec<_> = out.iter().map(|(_, s)| *s).collect();
+    let all: Vec<Op> = out.into_iter().flat_map(|(h, _)| h).collect();
+    eprintln!(
+        "stress {}{}: {} ops on {} cores; per reactor {:?}",
+        cfg.cluster,
+        if cfg.extended_l2 { " extended_l2" } else { "" },
+        all.len(),
+        cfg.cores,
+        stats
+    );
+    // Every core sent something to the owner and served something itself.
+    assert!(stats[1..].iter().all(|s| s.forwarded > 0), "{stats:?}");
+
+    // Index writes by sector once.
+    let mut by_sector: HashMap<u64, Vec<&Op>> = HashMap::new();
+    for o in all
+        .iter()
+        .filter(|o| matches!(o.kind, Kind::Write | Kind::Zero | Kind::Discard))
+    {
+        for s in o.off / SECTOR..(o.off + o.len) / SECTOR {
+            by_sector.entry(s).or_default().push(o);
+        }
+    }
+    let none: Vec<&Op> = Vec::new();
+    let mut checked = 0u64;
+    for r in all.iter().filter(|o| o.kind == Kind::Read) {
+        for (k, &seen) in r.seen.iter().enumerate() {
+            let sector = r.off / SECTOR + k as u64;
+            let ws = by_sector.get(&sector).unwrap_or(&none);
+            if let Err(e) = allowed(ws, seen, r.submit, r.complete, initial(sector)) {
+                let mut touching: Vec<_> = all
+                    .iter()
+                    .filter(|o| o.off / SECTOR <= sector && sector < (o.off + o.len) / SECTOR)
+                    .map(|o| (o.submit, o.complete, o.core, o.kind, o.id, o.off, o.len))
+                    .collect();
+                touching.sort();
+                panic!(
+                    "read [{}, {}] of sector {sector} on reactor {}: {e}\nops on it: {touching:#?}",
+                    r.submit, r.complete, r.core
+                );
+            }
+            checked += 1;
+        }
+    }
+    assert!(checked > 10_000, "only {checked} sectors checked");
+
+    // The image QEMU sees: consistent, and every sector holds an allowed final value.
+    qemu_img(&["check", "-q", img_s]);
+    let raw = dir.path().join("final.raw");
+    qemu_img(&["convert", "-O", "raw", img_s, raw.to_str().expect("utf-8")]);
+    let bytes = std::fs::read(&raw).expect("read raw");
+    for (i, chunk) in bytes.chunks(SECTOR as usize).enumerate() {
+        let sector = i as u64;
+        let seen = stamp_of(chunk, sector).unwrap_or_else(|e| panic!("final image: {e}"));
+        let ws = by_sector.get(&sector).unwrap_or(&none);
+        if let Err(e) = allowed(ws, seen, u64::MAX, u64::MAX, initial(sector)) {
+            let mut touching: Vec<_> = all
+                .iter()
+                .filter(|o| o.off / SECTOR <= sector && sector < (o.off + o.len) / SECTOR)
+                .map(|o| (o.submit, o.complete, o.core, o.kind, o.id, o.off, o.len))
+                .collect();
+            touching.sort();
+            panic!("final image, sector {sector}: {e}\nops on it: {touching:#?}");
+        }
+    }
+    // Our engine reads the same bytes as QEMU.
+    let ours = dir.path().join("ours.raw");
+    common::run(
+        std::process::Command::new(env!("CARGO_BIN_EXE_qcow2"))
+            .args(["convert", "-f", "qcow2", "-O", "raw", img_s])
+            .arg(&ours),
+    );
+    assert!(
+        std::fs::read(&ours).expect("read ours") == bytes,
+        "engine and QEMU differ"
+    );
+}
+
+#[test]
+fn stress_three_cores_64k_clusters() {
+    // 512-byte slices and a 2-slice cache: slices miss, get evicted and change under cores.
+    run_stress(&Config {
+        cluster: "64k",
+        extended_l2: false,
+        l2_slice: 512,
+        l2_cache: 1024,
+        cores: 3,
+        ops_per_core: 3000,
+    });
+}
+
+#[test]
+fn stress_two_cores_4k_clusters() {
+    // 4 KiB clusters: many L2 tables allocated while cores read them.
+    run_stress(&Config {
+        cluster: "4k",
+        extended_l2: false,
+        l2_slice: 512,
+        l2_cache: 8192,
+        cores: 2,
+        ops_per_core: 4000,
+    });
+}
+
+#[test]
+fn stress_three_cores_extended_l2() {
+    run_stress(&Config {
+        cluster: "64k",
+        extended_l2: true,
+        l2_slice: 1024,
+        l2_cache: 4096,
+        cores: 3,
+        ops_per_core: 2000,
+    });
+}
+
+#[test]
+fn checker_catches_stale_reads() {
+    // The checker itself: a read that returns the value a completed write replaced fails.
+    let w1 = Op {
+        kind: Kind::Write,
+        core: 0,
+        id: 1,
+        off: 0,
+        len: 512,
+        submit: 1,
+        complete: 2,
+        seen: vec![],
+    };
+    let w2 = Op {
+        id: 2,
+        submit: 3,
+        complete: 4,
+        ..w1.clone()
+    };
+    let ws = vec![&w1, &w2];
+    assert!(allowed(&ws, 2, 5, 6, false).is_ok());
+    assert!(
+        allowed(&ws, 1, 5, 6, false).is_err(),
+        "stale value accepted"
+    );
+    assert!(allowed(&ws, 1, 3, 6, false).is_ok(), "overlapping: either");
+    assert!(
+        allowed(&ws, ZERO, 5, 6, false).is_err(),
+        "lost write accepted"
+    );
+    assert!(allowed(&[], INITIAL, 5, 6, true).is_ok());
+}
+
+#[test]
+fn stress_one_core_4k_clusters() {
+    run_stress(&Config {
+        cluster: "4k",
+        extended_l2: false,
+        l2_slice: 512,
+        l2_cache: 8192,
+        cores: 1,
+        ops_per_core: 8000,
+    });
+}
