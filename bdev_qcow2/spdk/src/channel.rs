@@ -1,13 +1,19 @@
-//! Per-thread state of a qcow2 bdev. For a read-only bdev, each SPDK thread that opens a
-//! channel gets its own engine executor, its own read-only replica of the image (slice cache
-//! included), its own channels of the base and backing bdevs, and a poller that drives them.
-//! A writable bdev's channel holds none of that: it forwards every request to the metadata
-//! owner (`owner.rs`) and completes it when it comes back; it only counts what is in flight
-//! (for resets and teardown).
+//! Per-thread state of a qcow2 bdev. Each SPDK thread that opens a channel gets its own
+//! engine executor, its own replica of the image (slice cache included), its own channels of
+//! the base and backing bdevs, and a poller that drives them.
 //!
-//! The replica is opened asynchronously when the channel is created; requests arriving
-//! meanwhile wait in a queue. Every field is a `Cell`/`RefCell` used through `&Channel`,
-//! because completing a bdev_io can re-enter `submit_request` on the same channel.
+//! - Read-only bdev: the replica is a read-only copy opened asynchronously when the channel
+//!   is created; requests arriving meanwhile wait in a queue.
+//! - Writable bdev, on a thread other than the metadata owner's: the replica is built at once
+//!   from the owner's [`CoreSeed`](qcow2_engine::CoreSeed) and validated against the owner's
+//!   epochs (DESIGN.md §5). Reads of every kind and in-place writes to COPIED clusters run
+//!   here; allocating writes, write-zeroes, unmap and flush go to the owner (`owner.rs`) as
+//!   messages carrying the bdev_io, and so do the replica's requests for slices the owner
+//!   holds dirty ([`SpdkLink`]).
+//! - Writable bdev, on the owner's thread: everything goes straight to the owner.
+//!
+//! Every field is a `Cell`/`RefCell` used through `&Channel`, because completing a bdev_io
+//! can re-enter `submit_request` on the same channel.
 //!
 //! Base completions are delivered into the executor from SPDK's completion callback
 //! ([`deliver`]), and the fast-path requests they finish are completed right there, without
@@ -23,8 +29,9 @@ use crate::ffi::sys;
 use crate::ffi::thread::{self, Poller, POLLER_BUSY, POLLER_IDLE};
 use crate::node::{Node, BLOCK_SIZE};
 use crate::owner;
+use qcow2_engine::coherency::SliceReply;
 use qcow2_engine::io::{BufSlice, DeviceError};
-use qcow2_engine::{Chain, DevId, Exec, Layer, Qcow2};
+use qcow2_engine::{Chain, DevId, Exec, Layer, OwnerLink, Qcow2};
 use serde::Serialize;
 use std::cell::{Cell, RefCell};
 use std::collections::VecDeque;
@@ -39,8 +46,14 @@ pub struct Channel {
     /// The node's count of live channel states (decremented on drop).
     live: *const AtomicUsize,
     exec: Exec<SpdkDevice>,
-    /// Writable bdev: the md thread every request is forwarded to.
+    /// Writable bdev: the md thread slow paths (all requests, on the md thread itself) are
+    /// forwarded to.
     forward_to: Option<*mut sys::spdk_thread>,
+    /// Writable bdev: slice requests that SPDK's message pool could not take yet.
+    unsent_asks: RefCell<Vec<*mut Ask>>,
+    /// Writes served in place here / sent to the owner.
+    local_writes: Cell<u64>,
+    forwarded: Cell<u64>,
     backing_dev: Option<DevId>,
     opened: Opened,
     chain: RefCell<Option<Rc<Chain<SpdkDevice>>>>,
@@ -82,6 +95,10 @@ pub struct ChannelStats {
     pub errors: u64,
     /// Base submissions refused as busy (-ENOMEM) and retried.
     pub busy_retries: u64,
+    /// Writes served in place on this thread (writable bdevs).
+    pub local_writes: u64,
+    /// Requests sent to the metadata owner (writable bdevs).
+    pub forwarded: u64,
 }
 
 impl ChannelStats {
@@ -95,6 +112,8 @@ impl ChannelStats {
         self.completed += o.completed;
         self.errors += o.errors;
         self.busy_retries += o.busy_retries;
+        self.local_writes += o.local_writes;
+        self.forwarded += o.forwarded;
     }
 }
 
@@ -108,6 +127,9 @@ impl Channel {
             live: &node.live_channels,
             exec,
             forward_to: None,
+            unsent_asks: RefCell::new(Vec::new()),
+            local_writes: Cell::new(0),
+            forwarded: Cell::new(0),
             backing_dev: None,
             opened: Rc::new(RefCell::new(None)),
             chain: RefCell::new(None),
@@ -124,7 +146,9 @@ impl Channel {
         });
         if !node.owner.is_null() {
             ch.forward_to = Some(node.md_thread);
-            return Ok(ch);
+            if thread::current() == node.md_thread || node.seed.is_none() {
+                return Ok(ch);
+            }
         }
         let exec = &ch.exec;
         let ctx = (&*ch as *const Channel).cast_mut().cast::<c_void>();
@@ -140,14 +164,27 @@ impl Channel {
             Some(d) => Some(device(d)?),
             None => None,
         };
-        {
-            let (e2, o2, opts) = (exec.clone(), ch.opened.clone(), node.opts);
-            exec.spawn(async move {
-                let r = Qcow2::open(&e2, base_dev, opts).await;
-                *o2.borrow_mut() = Some(r);
-            });
+        match (&node.seed, ch.forward_to) {
+            (Some(seed), Some(md)) => {
+                // A replica of the owner's image, usable at once.
+                let link = Box::new(SpdkLink {
+                    md,
+                    owner: node.owner,
+                    chan: ctx.cast::<Channel>(),
+                });
+                let r = Qcow2::from_seed(seed.clone(), exec, base_dev, node.opts, link);
+                *ch.opened.borrow_mut() = Some(r);
+            }
+            _ => {
+                let (e2, o2, opts) = (exec.clone(), ch.opened.clone(), node.opts);
+                exec.spawn(async move {
+                    let r = Qcow2::open(&e2, base_dev, opts).await;
+                    *o2.borrow_mut() = Some(r);
+                });
+            }
         }
         ch.backing_dev = backing_dev;
+        ch.try_ready();
         ch.queued.borrow_mut().reserve(256);
         Ok(ch)
     }
@@ -156,6 +193,8 @@ impl Channel {
     pub fn stats(&self) -> ChannelStats {
         let mut s = ChannelStats {
             thread: self.thread_name.clone(),
+            local_writes: self.local_writes.get(),
+            forwarded: self.forwarded.get(),
             completed: self.completed.get(),
             errors: self.errors.get(),
             busy_retries: self.exec.stats().busy_retries,
@@ -259,9 +298,39 @@ impl Channel {
     /// read from this channel's replica.
     fn start(&self, io: BdevIo) {
         match self.forward_to {
-            Some(md) => owner::forward(md, io),
-            None => self.read(io),
+            Some(md) if !self.has_replica() => owner::forward(md, io),
+            _ => self.read(io),
         }
+    }
+
+    /// Whether this channel serves requests on its own replica (read-only bdevs, and
+    /// writable bdevs away from the md thread).
+    fn has_replica(&self) -> bool {
+        self.chain.borrow().is_some() || self.opened.borrow().is_some() || self.failed.get()
+    }
+
+    /// A guest write on a writable bdev: in place on this thread's replica when the clusters
+    /// are allocated and COPIED (fast path), else on the owner.
+    fn write(&self, io: BdevIo, md: *mut sys::spdk_thread) {
+        let chain = self.chain.borrow();
+        if let Some(chain) = chain.as_ref() {
+            let bs = u64::from(BLOCK_SIZE);
+            let len = io.num_blocks() * bs;
+            let (iovs, cnt) = io.iovs();
+            // SAFETY: the bdev_io's iovecs hold `len` bytes and stay valid until we complete
+            // it, which happens only after the engine reported the request done.
+            let view = unsafe { IovView::new(iovs, cnt, len as usize) };
+            let buf = BufSlice::whole(SpdkBuf::Iov(view));
+            let local =
+                self.in_engine(|| chain.try_submit_write(io.tag(), io.offset_blocks() * bs, &buf));
+            if local {
+                self.local_writes.set(self.local_writes.get() + 1);
+                return;
+            }
+        }
+        drop(chain);
+        self.forwarded.set(self.forwarded.get() + 1);
+        owner::forward(md, io);
     }
 
     fn finish(&self, io: BdevIo, ok: bool) {
@@ -386,9 +455,17 @@ unsafe extern "C" fn chan_poll(ctx: *mut c_void) -> c_int {
     } else {
         0
     };
-    if ch.forward_to.is_none() && ch.chain.borrow().is_none() && !ch.failed.get() {
+    let opening = ch.forward_to.is_none() || ch.opened.borrow().is_some();
+    if opening && ch.chain.borrow().is_none() && !ch.failed.get() {
         ch.try_ready();
         n += 1;
+    }
+    if !ch.unsent_asks.borrow().is_empty() {
+        let asks = std::mem::take(&mut *ch.unsent_asks.borrow_mut());
+        for a in asks {
+            n += 1;
+            send_ask(a);
+        }
     }
     if ch.outstanding.get() == 0 && !ch.reset_waiters.borrow().is_empty() {
         let waiters = std::mem::take(&mut *ch.reset_waiters.borrow_mut());
@@ -463,8 +540,14 @@ pub unsafe extern "C" fn submit_request(
                 io.get_buf(Some(get_buf_done), io.num_blocks() * u64::from(BLOCK_SIZE));
             }
         }
-        sys::SPDK_BDEV_IO_TYPE_WRITE
-        | sys::SPDK_BDEV_IO_TYPE_WRITE_ZEROES
+        sys::SPDK_BDEV_IO_TYPE_WRITE => match c.forward_to {
+            Some(md) => {
+                c.outstanding.set(c.outstanding.get() + 1);
+                c.write(io, md);
+            }
+            None => io.complete(sys::SPDK_BDEV_IO_STATUS_FAILED),
+        },
+        sys::SPDK_BDEV_IO_TYPE_WRITE_ZEROES
         | sys::SPDK_BDEV_IO_TYPE_UNMAP
         | sys::SPDK_BDEV_IO_TYPE_FLUSH => match c.forward_to {
             Some(md) => {
@@ -509,4 +592,97 @@ pub fn stats_step(it: ChannelIter, acc: &mut Vec<ChannelStats>) {
     let c = unsafe { from_ctx(it.ctx()) };
     acc.push(c.stats());
     it.next(0);
+}
+
+/// How a writable bdev's replica reaches the owner for a slice it holds dirty: a message to
+/// the md thread ([`ask_on_md`]) and one back ([`ask_reply`]), carrying a boxed [`Ask`]
+/// (slow path only).
+struct SpdkLink {
+    md: *mut sys::spdk_thread,
+    owner: *mut owner::Owner,
+    chan: *const Channel,
+}
+
+/// One slice request on its way to the owner and back.
+struct Ask {
+    owner: *mut owner::Owner,
+    chan: *const Channel,
+    md: *mut sys::spdk_thread,
+    back: *mut sys::spdk_thread,
+    key: u64,
+    ticket: u64,
+    reply: Option<SliceReply>,
+}
+
+impl OwnerLink for SpdkLink {
+    fn ask_slice(&self, key: u64, ticket: u64) {
+        let a = Box::into_raw(Box::new(Ask {
+            owner: self.owner,
+            chan: self.chan,
+            md: self.md,
+            back: thread::current(),
+            key,
+            ticket,
+            reply: None,
+        }));
+        send_ask(a);
+    }
+}
+
+/// Sends `a` to the md thread (or back to its channel once answered); if SPDK's message pool
+/// is empty, the channel's poller sends it again.
+fn send_ask(a: *mut Ask) {
+    if a.is_null() {
+        return;
+    }
+    // SAFETY: `a` is a live boxed Ask owned by whoever holds the pointer; the channel lives
+    // while its replica waits for the answer (a waiting task keeps it busy), the owner while
+    // the bdev has channels.
+    unsafe {
+        let (to, f): (_, unsafe extern "C" fn(*mut c_void)) = if (*a).reply.is_none() {
+            ((*a).md, ask_on_md)
+        } else {
+            ((*a).back, ask_reply)
+        };
+        if thread::send_raw(to, f, a.cast()).is_err() {
+            if (*a).reply.is_none() {
+                // On the channel's thread: its poller sends it again.
+                (*(*a).chan).unsent_asks.borrow_mut().push(a);
+            } else {
+                // On the md thread: the owner's poller sends the answer again.
+                (*(*a).owner).defer_ask(a.cast());
+            }
+        }
+    }
+}
+
+unsafe extern "C" fn ask_on_md(ctx: *mut c_void) {
+    let a = ctx.cast::<Ask>();
+    // SAFETY: `send_ask` sent a live Ask; on the md thread, where the owner lives.
+    unsafe {
+        (*a).reply = Some((*(*a).owner).slice_for_core((*a).key));
+    }
+    send_ask(a);
+}
+
+unsafe extern "C" fn ask_reply(ctx: *mut c_void) {
+    // SAFETY: the Ask comes back to the thread of the channel that sent it; that channel is
+    // live (its waiting task keeps it busy); the box is ours again.
+    let a = unsafe { Box::from_raw(ctx.cast::<Ask>()) };
+    // SAFETY: as just said.
+    let ch = unsafe { &*a.chan };
+    let reply = a.reply.unwrap_or(SliceReply::Retry);
+    ch.in_engine(|| {
+        if let Some(Layer::Qcow2(q)) = ch.chain.borrow().as_ref().and_then(|c| c.layers().first()) {
+            q.deliver_slice(a.ticket, reply);
+        }
+    });
+}
+
+/// Sends again an answer the md thread could not send (see [`send_ask`]).
+///
+/// # Safety
+/// `a` is an answered `Ask` handed to `Owner::defer_ask` by [`send_ask`].
+pub unsafe fn resend_ask(a: *mut c_void) {
+    send_ask(a.cast());
 }

@@ -16,7 +16,7 @@ use crate::owner::Owner;
 use crate::params::CreateParams;
 use crate::registry::{self, NodePtr};
 use qcow2_engine::io::{BlockDevice, SECTOR};
-use qcow2_engine::{Chain, DevId, Exec, Layer, OpenOptions, Qcow2};
+use qcow2_engine::{Chain, CoreSeed, DevId, Exec, Layer, OpenOptions, Qcow2};
 use serde::Serialize;
 use serde_json::json;
 use std::cell::RefCell;
@@ -119,6 +119,9 @@ pub struct Node {
     /// Writable bdev: the image's one writable instance, on `md_thread` (null: read-only).
     /// Set before registration, freed by teardown after the last channel.
     pub owner: *mut Owner,
+    /// Writable bdev: what other threads' channels build their replica from (the owner's
+    /// shared epochs, L1 and geometry).
+    pub seed: Option<CoreSeed>,
     /// Channel states not yet freed. SPDK may destroy a channel while its state still has
     /// base I/O in flight (a replica being opened); that state is freed later by its poller,
     /// and the descriptors must stay open until then.
@@ -348,6 +351,11 @@ fn finish(mut job: Job) {
         let [base, backing] = descs;
         return register(job.params, info, base, backing, None, done);
     }
+    // Publish the metadata to the other threads' channels (DESIGN.md §5): they serve cache
+    // hits and in-place writes on their own replica and send the rest here.
+    let mut image = image;
+    image.share();
+    let seed = image.core_seed().ok();
     let mut layers = vec![Layer::Qcow2(Box::new(image))];
     if let Some(d) = job.backing_dev {
         layers.push(Layer::Raw {
@@ -378,7 +386,7 @@ fn finish(mut job: Job) {
         );
     };
     let [base, backing] = descs;
-    register(job.params, info, base, backing, Some(owner), done);
+    register(job.params, info, base, backing, Some((owner, seed)), done);
 }
 
 static FN_TABLE: sys::spdk_bdev_fn_table = sys::spdk_bdev_fn_table {
@@ -397,10 +405,14 @@ fn register(
     info: ImageInfo,
     base: Option<Desc>,
     backing: Option<Desc>,
-    owner: Option<*mut Owner>,
+    owner: Option<(*mut Owner, Option<CoreSeed>)>,
     done: Done,
 ) {
     let name = params.name.clone();
+    let (owner, seed) = match owner {
+        Some((o, s)) => (Some(o), s),
+        None => (None, None),
+    };
     let Ok(cname) = CString::new(name.clone()) else {
         if let Some(o) = owner {
             // SAFETY: just started on this thread; nothing was submitted to it.
@@ -433,6 +445,7 @@ fn register(
         backing,
         md_thread: thread::current(),
         owner: owner.unwrap_or(std::ptr::null_mut()),
+        seed,
         live_channels: AtomicUsize::new(0),
     }));
     // SAFETY: `node` is live (leaked above) until `device_gone` frees it; SPDK copies the name.

@@ -50,6 +50,8 @@ pub struct Owner {
     /// Completions SPDK could not queue to their thread (message pool empty): sent again
     /// on the next poll.
     unsent: RefCell<VecDeque<BdevIo>>,
+    /// Answers to channels' slice requests SPDK could not queue yet (see `channel.rs`).
+    unsent_asks: RefCell<Vec<*mut c_void>>,
     /// `Some` once closing: the close task's result (`None` while it runs) and what follows.
     closing: RefCell<Option<(Closed, Then)>>,
     /// Set while the owner runs engine code: a base completion arriving then is left for
@@ -71,6 +73,7 @@ impl Owner {
             chain,
             poller: RefCell::new(None),
             unsent: RefCell::new(VecDeque::new()),
+            unsent_asks: RefCell::new(Vec::new()),
             closing: RefCell::new(None),
             in_engine: Cell::new(false),
         }));
@@ -113,6 +116,19 @@ impl Owner {
             r2.set(Some(r.is_ok()));
         });
         *o.closing.borrow_mut() = Some((result, Box::new(then)));
+    }
+
+    /// Keeps an answered slice request to send again on the next poll (message pool empty).
+    pub fn defer_ask(&self, a: *mut c_void) {
+        self.unsent_asks.borrow_mut().push(a);
+    }
+
+    /// Answers a channel's replica asking for slice `key` (DESIGN.md §5). On the md thread.
+    pub fn slice_for_core(&self, key: u64) -> qcow2_engine::coherency::SliceReply {
+        match self.chain.layers().first() {
+            Some(qcow2_engine::Layer::Qcow2(q)) => q.slice_for_core(key),
+            _ => qcow2_engine::coherency::SliceReply::Retry,
+        }
     }
 
     /// Runs `f` marked as inside the engine (nests: restores the previous mark).
@@ -261,6 +277,12 @@ unsafe extern "C" fn owner_poll(ctx: *mut c_void) -> c_int {
         n += 1;
         done(io, status_of(io));
     }
+    let asks = std::mem::take(&mut *o.unsent_asks.borrow_mut());
+    for a in asks {
+        n += 1;
+        // SAFETY: deferred by `channel::send_ask` with its answer.
+        unsafe { channel::resend_ask(a) };
+    }
     if o.exec.busy() {
         n += o.in_engine(|| o.exec.poll(&mut complete_tag));
     }
@@ -270,7 +292,8 @@ unsafe extern "C" fn owner_poll(ctx: *mut c_void) -> c_int {
         .as_ref()
         .is_some_and(|(r, _)| r.get().is_some())
         && !o.exec.busy()
-        && o.unsent.borrow().is_empty();
+        && o.unsent.borrow().is_empty()
+        && o.unsent_asks.borrow().is_empty();
     if closed {
         if let Some(p) = o.poller.borrow_mut().as_mut() {
             p.unregister();
