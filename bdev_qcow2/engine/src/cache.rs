@@ -156,22 +156,24 @@ impl<T: Copy + Default> SetAssocCache<T> {
     }
 
     /// The way `insert` would fill for `key`: the way already holding `key`, else an invalid
-    /// way, else the least recently used way of the set.
+    /// way, else the least recently used way of the set. One pass without data-dependent
+    /// branches on the stamps: invalid ways carry stamp 0 (valid ones at least 1), so the
+    /// oldest stamp is an invalid way when there is one (victim 2.5-3x a hit before, ~1x
+    /// now: `qcow2-cache-bench`).
     pub fn victim(&self, key: u64) -> usize {
         let base = self.set_of(key) * self.ways;
-        if let Some(w) = self.find(key) {
-            return w;
-        }
-        let mut best = base;
-        for w in base..base + self.ways {
-            if self.keys[w] == INVALID {
-                return w;
+        let keys = &self.keys[base..base + self.ways];
+        let stamps = &self.stamps[base..base + self.ways];
+        let (mut best, mut best_stamp) = (0, u64::MAX);
+        for (i, (&k, &s)) in keys.iter().zip(stamps).enumerate() {
+            if k == key {
+                return base + i;
             }
-            if self.stamps[w] < self.stamps[best] {
-                best = w;
-            }
+            let older = s < best_stamp;
+            best = if older { i } else { best };
+            best_stamp = if older { s } else { best_stamp };
         }
-        best
+        base + best
     }
 
     /// Stores `block` under `key` read at `epoch`, evicting per [`victim`](Self::victim).
@@ -193,12 +195,14 @@ impl<T: Copy + Default> SetAssocCache<T> {
     pub fn invalidate(&mut self, key: u64) {
         if let Some(w) = self.find(key) {
             self.keys[w] = INVALID;
+            self.stamps[w] = 0;
         }
     }
 
     /// Drops everything.
     pub fn clear(&mut self) {
         self.keys.fill(INVALID);
+        self.stamps.fill(0);
     }
 }
 
