@@ -9,6 +9,7 @@
 #   SIZE=4G TIME=10 tests/spdk_bench.sh
 #   SKIP_AIO=1 tests/spdk_bench.sh            # only the malloc figures
 #   SKIP_LVOL=1 tests/spdk_bench.sh           # without the thin-lvol comparison
+#   SKIP_2CORE=1 tests/spdk_bench.sh          # without the two-core (-m 0x3 -C) figures
 #
 # Needs an installed SPDK (bdevperf on PATH, pkg-config spdk_bdev) and qemu-img; prints
 # SKIPPED and exits 0 without them. Builds the module in release mode.
@@ -108,21 +109,23 @@ zbench_start() {
     "$calls" >"$DIR/z.json"
   rm -f "$DIR/z.sock"
   timeout -k 5 600 env LD_PRELOAD="$SO" bdevperf -u "${ZMEM[@]}" --json "$DIR/z.json" \
-    -r "$DIR/z.sock" -z -m 0x1 -T "$name" -q 32 -o 4096 -w randread -t "$TIME" >"$DIR/z.log" 2>&1 &
+    -r "$DIR/z.sock" -z -m "${ZMASK:-0x1}" ${ZMULTI:-} -T "$name" -q 32 -o 4096 -w randread -t "$TIME" >"$DIR/z.log" 2>&1 &
   ZPID=$!
   for _ in $(seq 100); do [ -S "$DIR/z.sock" ] && break; sleep 0.2; done
 }
-# zrun WORKLOAD IOSIZE SECS [QD]: one perform_tests; prints the job's IOPS (fails on errors).
+# zrun WORKLOAD IOSIZE SECS [QD]: one perform_tests; prints the IOPS of all its jobs (one
+# per core with -C; fails on errors).
 zrun() {
   local out
   out=$(timeout 120 /usr/bin/python3 "$BDEVPERF_PY" -s "$DIR/z.sock" -t 100 perform_tests \
     -w "$1" -o "$2" -t "$3" -q "${4:-32}")
   echo "$out" | /usr/bin/python3 -c '
 import json, sys
-r = json.load(sys.stdin)["results"][0]
-if r.get("io_failed", 0) or r.get("io_timeout", 0):
-    sys.exit("failed I/O: %s" % r)
-print("%.0f" % r["iops"])'
+rs = [r for r in json.load(sys.stdin)["results"] if "iops" in r]
+for r in rs:
+    if r.get("io_failed", 0) or r.get("io_timeout", 0):
+        sys.exit("failed I/O: %s" % r)
+print("%.0f" % sum(r["iops"] for r in rs))'
 }
 # zrpc ARGS: rpc.py (with our plugin) on the running `bdevperf -z`.
 zrpc() {
@@ -153,31 +156,40 @@ echo "malloc, qcow2 4K clusters, 1 GiB: randwrite 4096 B QD32 1 s: fresh image $
 
 # 2. Writable qcow2 (64 KiB clusters, 512 MiB, filled) vs passthru on the same kind of base;
 #    then the same image reopened read-only (bdev_qcow2_delete + create --read-only in the
-#    same process: the malloc keeps the image) vs passthru.
-zbench_start q0 "{\"method\":\"bdev_malloc_create\",\"params\":{\"name\":\"m0\",\"num_blocks\":$((640 * 2048)),\"block_size\":512}},
+#    same process: the malloc keeps the image) vs passthru. On one core, then on two cores
+#    with one job per core on the bdev (-m 0x3 -C): the second core's channel serves reads
+#    and overwrites on its own replica.
+writable_vs_passthru() {
+  local label=$1
+  zbench_start q0 "{\"method\":\"bdev_malloc_create\",\"params\":{\"name\":\"m0\",\"num_blocks\":$((640 * 2048)),\"block_size\":512}},
 {\"method\":\"bdev_qcow2_format\",\"params\":{\"base_bdev\":\"m0\",\"size\":536870912}},
 {\"method\":\"bdev_qcow2_create\",\"params\":{\"name\":\"q0\",\"base_bdev\":\"m0\"}}"
-zrun write 1048576 3 8 >/dev/null
-declare -A Q P R
-for w in randread randwrite; do for o in 4096 512; do Q[$w$o]=$(zrun $w $o "$TIME"); done; done
-zrpc bdev_qcow2_delete q0
-zrpc bdev_qcow2_create -b q0 --base-bdev m0 --read-only
-RO=("randread 4096" "randread 512" "read 65536")
-for wo in "${RO[@]}"; do R[$wo]=$(zrun $wo "$TIME"); done
-zbench_stop
-zbench_start p0 "{\"method\":\"bdev_malloc_create\",\"params\":{\"name\":\"m1\",\"num_blocks\":$((640 * 2048)),\"block_size\":512}},
+  zrun write 1048576 3 8 >/dev/null
+  declare -A Q P R
+  for w in randread randwrite; do for o in 4096 512; do Q[$w$o]=$(zrun $w $o "$TIME"); done; done
+  zrpc bdev_qcow2_delete q0
+  zrpc bdev_qcow2_create -b q0 --base-bdev m0 --read-only
+  RO=("randread 4096" "randread 512" "read 65536")
+  for wo in "${RO[@]}"; do R[$wo]=$(zrun $wo "$TIME"); done
+  zbench_stop
+  zbench_start p0 "{\"method\":\"bdev_malloc_create\",\"params\":{\"name\":\"m1\",\"num_blocks\":$((640 * 2048)),\"block_size\":512}},
 {\"method\":\"bdev_passthru_create\",\"params\":{\"name\":\"p0\",\"base_bdev_name\":\"m1\"}}"
-zrun write 1048576 3 8 >/dev/null # the same first touch of the malloc memory as q0 had
-for w in randread randwrite; do for o in 4096 512; do P[$w$o]=$(zrun $w $o "$TIME"); done; done
-P[read65536]=$(zrun read 65536 "$TIME")
-zbench_stop
-for w in randread randwrite; do for o in 4096 512; do
-  echo "malloc, writable qcow2 (filled) vs passthru, one core QD32: $w $o B: qcow2 ${Q[$w$o]} passthru ${P[$w$o]} IOPS, ratio $(ratio "${Q[$w$o]}" "${P[$w$o]}")"
-done; done
-for wo in "${RO[@]}"; do
-  set -- $wo
-  echo "malloc, read-only qcow2 (filled) vs passthru, one core QD32: $1 $2 B: qcow2 ${R[$wo]} passthru ${P[$1$2]} IOPS, ratio $(ratio "${R[$wo]}" "${P[$1$2]}")"
-done
+  zrun write 1048576 3 8 >/dev/null # the same first touch of the malloc memory as q0 had
+  for w in randread randwrite; do for o in 4096 512; do P[$w$o]=$(zrun $w $o "$TIME"); done; done
+  P[read65536]=$(zrun read 65536 "$TIME")
+  zbench_stop
+  for w in randread randwrite; do for o in 4096 512; do
+    echo "malloc, writable qcow2 (filled) vs passthru, $label QD32: $w $o B: qcow2 ${Q[$w$o]} passthru ${P[$w$o]} IOPS, ratio $(ratio "${Q[$w$o]}" "${P[$w$o]}")"
+  done; done
+  for wo in "${RO[@]}"; do
+    set -- $wo
+    echo "malloc, read-only qcow2 (filled) vs passthru, $label QD32: $1 $2 B: qcow2 ${R[$wo]} passthru ${P[$1$2]} IOPS, ratio $(ratio "${R[$wo]}" "${P[$1$2]}")"
+  done
+}
+writable_vs_passthru "one core"
+if [ -z "${SKIP_2CORE:-}" ] && [ "$(nproc)" -ge 2 ]; then
+  ZMASK=0x3 ZMULTI=-C writable_vs_passthru "two cores (-C)"
+fi
 
 # 3. First writes: a fresh thin-provisioned lvol vs a freshly formatted qcow2 image, both
 #    1 GiB on a 1.25 GiB malloc, 4 KiB randwrite QD32 for 1 s (mostly first writes to

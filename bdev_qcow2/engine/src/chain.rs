@@ -130,7 +130,10 @@ impl<D: BlockDevice> Chain<D> {
                 Err(Error::InvalidRequest("read past the end of the disk")),
             );
         }
-        if self.try_fast_read(tag, offset, &buf) {
+        // Before resolving anything: a cluster freed meanwhile is not reused until this
+        // request is over (shared images; see `coherency::Grace`).
+        let parity = self.exec.guest_enter();
+        if self.try_fast_read(tag, offset, &buf, parity) {
             self.stats.borrow_mut().fast_reads += 1;
             return;
         }
@@ -138,18 +141,18 @@ impl<D: BlockDevice> Chain<D> {
         let chain = self.clone();
         self.exec.spawn(async move {
             let r = read_layer(chain.clone(), 0, offset, buf).await;
-            chain.exec.complete(tag, r);
+            chain.exec.complete_entered(tag, r, parity);
         });
     }
 
     /// The fast path: plans the request from cached slices only; returns false (having
     /// changed nothing but LRU/hit counters) when a slow path is needed.
-    fn try_fast_read(&self, tag: u64, offset: u64, buf: &BufSlice<D::Buf>) -> bool {
+    fn try_fast_read(&self, tag: u64, offset: u64, buf: &BufSlice<D::Buf>, parity: u8) -> bool {
         let Layer::Qcow2(q) = &self.layers[0] else {
             let Layer::Raw { dev, .. } = &self.layers[0] else {
                 return false;
             };
-            let req = self.exec.request_begin(tag);
+            let req = self.exec.request_begin_entered(tag, parity);
             self.exec.request_op(
                 req,
                 *dev,
@@ -200,7 +203,7 @@ impl<D: BlockDevice> Chain<D> {
         for &(o, n) in zeros.iter() {
             buf.sub(o, n).zero();
         }
-        let req = self.exec.request_begin(tag);
+        let req = self.exec.request_begin_entered(tag, parity);
         for r in runs.iter() {
             self.exec.request_op(
                 req,

@@ -65,6 +65,8 @@ pub struct Shared {
     l1: Box<[AtomicU64]>,
     device_size: AtomicU64,
     meta_bits: Box<[AtomicU64]>,
+    /// Grace periods before freed clusters are reused.
+    pub grace: Grace,
 }
 
 impl std::fmt::Debug for Shared {
@@ -93,6 +95,7 @@ impl Shared {
             l1: l1.iter().map(|&e| AtomicU64::new(e)).collect(),
             device_size: AtomicU64::new(device_size),
             meta_bits: (0..words).map(|_| AtomicU64::new(0)).collect(),
+            grace: Grace::default(),
         }
     }
 
@@ -187,6 +190,113 @@ impl Shared {
     }
 }
 
+/// Most cores (executors) that can take part in one image's grace periods.
+pub const MAX_GRACE_MEMBERS: usize = 64;
+
+/// Grace periods for reusing freed clusters (epoch-based reclamation, two parities).
+///
+/// A guest request resolves a mapping and then uses the host offset (a device read or an
+/// in-place write) some time later. If the owner removed that mapping meanwhile (discard,
+/// write-zeroes with unmap, COW) and freed and reallocated the cluster, the late request
+/// would read or overwrite another offset's data. So every guest request *enters* before
+/// it resolves anything (counted in its core's counter of the current parity) and *exits*
+/// when it completes; a cluster freed when the global generation was `g` is reused only
+/// once the generation reached `g + 2`, and the owner advances from `g` to `g + 1` only
+/// when no request of parity `g - 1` is left: every request that may have seen the old
+/// mapping has completed by then.
+pub struct Grace {
+    global: AtomicU64,
+    used: AtomicU64,
+    counts: Box<[[AtomicU64; 2]]>,
+}
+
+impl std::fmt::Debug for Grace {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Grace")
+            .field("generation", &self.now())
+            .finish()
+    }
+}
+
+impl Default for Grace {
+    fn default() -> Self {
+        Grace {
+            global: AtomicU64::new(0),
+            used: AtomicU64::new(0),
+            counts: (0..MAX_GRACE_MEMBERS)
+                .map(|_| [AtomicU64::new(0), AtomicU64::new(0)])
+                .collect(),
+        }
+    }
+}
+
+impl Grace {
+    /// Takes a member slot for one core (`None` when all are taken: that core's requests
+    /// then cannot be tracked and it must send them to the owner).
+    pub fn register(&self) -> Option<usize> {
+        let mut cur = self.used.load(Ordering::Acquire);
+        loop {
+            let free = (!cur).trailing_zeros() as usize;
+            if free >= MAX_GRACE_MEMBERS {
+                return None;
+            }
+            match self.used.compare_exchange(
+                cur,
+                cur | (1 << free),
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            ) {
+                Ok(_) => return Some(free),
+                Err(now) => cur = now,
+            }
+        }
+    }
+
+    /// Gives a slot back (its core has no request in flight).
+    pub fn unregister(&self, slot: usize) {
+        for c in &self.counts[slot] {
+            c.store(0, Ordering::Release);
+        }
+        self.used.fetch_and(!(1 << slot), Ordering::AcqRel);
+    }
+
+    /// A guest request of core `slot` starts; returns its parity for [`exit`](Self::exit).
+    pub fn enter(&self, slot: usize) -> u8 {
+        let g = self.global.load(Ordering::SeqCst);
+        self.counts[slot][(g & 1) as usize].fetch_add(1, Ordering::SeqCst);
+        // Whatever the request reads next (slice epochs, L1) is ordered after its entry.
+        std::sync::atomic::fence(Ordering::SeqCst);
+        (g & 1) as u8
+    }
+
+    /// The guest request that entered with `parity` completed.
+    pub fn exit(&self, slot: usize, parity: u8) {
+        self.counts[slot][parity as usize & 1].fetch_sub(1, Ordering::Release);
+    }
+
+    /// The current generation.
+    pub fn now(&self) -> u64 {
+        self.global.load(Ordering::SeqCst)
+    }
+
+    /// Owner: advances the generation if no request of the previous parity is left;
+    /// returns the generation now.
+    pub fn try_advance(&self) -> u64 {
+        std::sync::atomic::fence(Ordering::SeqCst);
+        let g = self.global.load(Ordering::SeqCst);
+        let old = ((g + 1) & 1) as usize;
+        if self
+            .counts
+            .iter()
+            .all(|c| c[old].load(Ordering::Acquire) == 0)
+        {
+            self.global.store(g + 1, Ordering::SeqCst);
+            return g + 1;
+        }
+        g
+    }
+}
+
 /// The owner's bookkeeping of dirty slices per slot (not shared: only the owner runs it).
 #[derive(Debug, Default)]
 pub struct OwnerEpochs {
@@ -267,6 +377,25 @@ mod tests {
             s.is_meta_cluster(u64::MAX),
             "past the bitmap counts as metadata"
         );
+    }
+
+    #[test]
+    fn grace_waits_for_the_previous_parity() {
+        let g = Grace::default();
+        let a = g.register().unwrap_or(0);
+        let b = g.register().unwrap_or(1);
+        assert_ne!(a, b);
+        let p = g.enter(a); // a request at generation 0
+        assert_eq!(g.try_advance(), 1, "parity of -1 is empty");
+        assert_eq!(g.try_advance(), 1, "the request of generation 0 holds it");
+        let q = g.enter(b); // generation 1
+        g.exit(a, p);
+        assert_eq!(g.try_advance(), 2);
+        assert_eq!(g.try_advance(), 2, "the request of generation 1 holds it");
+        g.exit(b, q);
+        assert_eq!(g.try_advance(), 3);
+        g.unregister(a);
+        assert_eq!(g.register(), Some(a));
     }
 
     #[test]

@@ -143,6 +143,10 @@ pub enum Error {
     /// The device failed an I/O (errno).
     #[error("device I/O error: {}", errno_name(*.0))]
     Io(i32),
+    /// A core replica cannot serve this request itself: the host sends it to the metadata
+    /// owner (see [`Chain::submit_write_local`](crate::Chain::submit_write_local)).
+    #[error("request must run on the metadata owner")]
+    NotLocal,
 }
 
 impl Error {

@@ -40,7 +40,12 @@ struct Request {
     tag: u64,
     remaining: u32,
     error: Option<Error>,
+    /// Grace parity the guest request entered with ([`Exec::guest_enter`]).
+    parity: u8,
 }
+
+/// Parity of a request that did not enter a grace period (no shared image).
+pub const NO_GRACE: u8 = 2;
 
 /// Per-operation counters.
 #[derive(Debug, Default, Clone, Copy)]
@@ -68,6 +73,16 @@ struct Inner<D: BlockDevice> {
     /// Reused scratch for reaped completions (no allocation per poll).
     reaped: RefCell<Vec<(u64, Result<(), DeviceError>)>>,
     stats: Cell<ExecStats>,
+    /// This core's membership in a shared image's grace periods.
+    grace: RefCell<Option<(std::sync::Arc<crate::coherency::Shared>, usize)>>,
+}
+
+impl<D: BlockDevice> Drop for Inner<D> {
+    fn drop(&mut self) {
+        if let Some((sh, slot)) = self.grace.borrow_mut().take() {
+            sh.grace.unregister(slot);
+        }
+    }
 }
 
 /// A per-core executor (cheap to clone: a shared handle).
@@ -104,8 +119,50 @@ impl<D: BlockDevice> Exec<D> {
                 done: RefCell::new(VecDeque::with_capacity(256)),
                 reaped: RefCell::new(Vec::with_capacity(256)),
                 stats: Cell::new(ExecStats::default()),
+                grace: RefCell::new(None),
             }),
         }
+    }
+
+    /// Makes this core a member of `shared`'s grace periods (see
+    /// [`Grace`](crate::coherency::Grace)); false when every member slot is taken. Once a
+    /// member, every guest request must enter ([`guest_enter`](Self::guest_enter)) before it
+    /// resolves a mapping and exit when it completes.
+    pub fn join_grace(&self, shared: std::sync::Arc<crate::coherency::Shared>) -> bool {
+        if self.inner.grace.borrow().is_some() {
+            return true;
+        }
+        match shared.grace.register() {
+            Some(slot) => {
+                *self.inner.grace.borrow_mut() = Some((shared, slot));
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// A guest request starts (before it resolves any mapping): returns its parity.
+    pub fn guest_enter(&self) -> u8 {
+        match &*self.inner.grace.borrow() {
+            Some((sh, slot)) => sh.grace.enter(*slot),
+            None => NO_GRACE,
+        }
+    }
+
+    /// The guest request that entered with `parity` is over.
+    pub fn guest_exit(&self, parity: u8) {
+        if parity == NO_GRACE {
+            return;
+        }
+        if let Some((sh, slot)) = &*self.inner.grace.borrow() {
+            sh.grace.exit(*slot, parity);
+        }
+    }
+
+    /// Completes a guest request that entered with `parity` (from a task or at once).
+    pub fn complete_entered(&self, tag: u64, result: Result<()>, parity: u8) {
+        self.guest_exit(parity);
+        self.complete(tag, result);
     }
 
     /// Registers a device; its completions are reaped by [`Exec::poll`].
@@ -178,12 +235,19 @@ impl<D: BlockDevice> Exec<D> {
     /// Starts a fast-path guest request: returns its id for [`Exec::request_read`] calls,
     /// then [`Exec::request_arm`] once every device operation is submitted.
     pub fn request_begin(&self, tag: u64) -> usize {
+        self.request_begin_entered(tag, NO_GRACE)
+    }
+
+    /// [`request_begin`](Self::request_begin) for a guest request that entered with
+    /// `parity` ([`guest_enter`](Self::guest_enter)): it exits when it completes.
+    pub fn request_begin_entered(&self, tag: u64, parity: u8) -> usize {
         self.inner.requests.borrow_mut().insert(Request {
             tag,
             // One extra reference held until `request_arm`, so early completions cannot
             // finish the request while it is still being built.
             remaining: 1,
             error: None,
+            parity,
         })
     }
 
@@ -210,6 +274,8 @@ impl<D: BlockDevice> Exec<D> {
         r.remaining -= 1;
         if r.remaining == 0 {
             let r = reqs.remove(req);
+            drop(reqs);
+            self.guest_exit(r.parity);
             self.inner
                 .done
                 .borrow_mut()

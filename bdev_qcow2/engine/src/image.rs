@@ -393,6 +393,9 @@ impl<D: BlockDevice> Qcow2<D> {
                 st.epochs.dirtied(&shared, k);
             }
         }
+        // The owner's own requests take part in grace periods too (its fast paths race
+        // with its own discards like a core's do).
+        self.exec.join_grace(shared.clone());
         self.shared = Some(shared.clone());
         shared
     }
@@ -425,6 +428,11 @@ impl<D: BlockDevice> Qcow2<D> {
         opts: OpenOptions,
         link: Box<dyn OwnerLink>,
     ) -> Result<Self> {
+        if !exec.join_grace(seed.shared.clone()) {
+            return Err(Error::InvalidRequest(
+                "too many cores share this image (64 at most)",
+            ));
+        }
         let l1_len = seed.shared.l1_len();
         let (l2_cache, rc_cache) = Self::new_caches(&seed.geo, l1_len, 0, &opts)?;
         Ok(Qcow2 {

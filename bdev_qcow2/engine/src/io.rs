@@ -130,7 +130,7 @@ pub trait BlockDevice: 'static {
     fn poll(&mut self, done: &mut dyn FnMut(u64, Result<(), DeviceError>)) -> usize;
     /// Makes the device at least `size` bytes long, reading zeros in the new part (a file
     /// grows sparsely). Fixed-size devices (bdevs, block devices) only check the size.
-    /// Called rarely (image preallocation), never on an I/O path; may block.
+    /// Called when clusters are allocated past the end (rarely blocks: files grow ahead).
     fn ensure_size(&mut self, size: u64) -> Result<(), DeviceError> {
         if size <= self.size() {
             Ok(())

@@ -46,6 +46,11 @@ pub(crate) struct MetaState {
     pub pending_frees: Vec<(u64, u64)>,
     /// Clusters whose refcount dropped to 0 but is not yet stable: not reusable.
     pub unstable_frees: HashSet<u64>,
+    /// Freed clusters (stable) waiting for a grace period before reuse, by the generation
+    /// they were freed in (shared images: a core may still use the old mapping).
+    pub graced: std::collections::VecDeque<(u64, Vec<u64>)>,
+    /// The same clusters, for the allocator.
+    pub graced_set: HashSet<u64>,
     /// Where the next free-cluster search starts.
     pub alloc_hint: u64,
     /// Clusters at or past this index were never written since open (they read as zeros).
@@ -88,6 +93,8 @@ impl<D: BlockDevice> Meta<D> {
                 dirty_rt: BTreeSet::new(),
                 pending_frees: Vec::new(),
                 unstable_frees: HashSet::new(),
+                graced: Default::default(),
+                graced_set: HashSet::new(),
                 alloc_hint: 0,
                 fresh_from: end,
                 inflight: BTreeSet::new(),
@@ -138,10 +145,16 @@ impl<D: BlockDevice> Qcow2<D> {
         entries_per_block(h.header.cluster_bits, h.header.refcount_order)
     }
 
-    /// Grows the device size entries may point at (clusters we allocated).
-    fn note_allocated(&self, end_cluster: u64) {
+    /// Grows the device size entries may point at (clusters we allocated), and the device
+    /// itself so that it covers them whole: another core may write the part of a new
+    /// cluster this one did not (a file must not end inside it, or the owner's channel
+    /// would trim that write away). Fixed-size devices refuse with ENOSPC.
+    fn note_allocated(&self, end_cluster: u64) -> Result<()> {
         let end = end_cluster << self.cluster_bits();
         if end > self.device_size.get() {
+            self.exec
+                .with_device(self.dev, |d| d.ensure_size(end))
+                .map_err(|e| Error::Io(e.0))?;
             self.device_size.set(end);
             let mut ctx = self.ctx.get();
             ctx.device_size = end;
@@ -150,6 +163,7 @@ impl<D: BlockDevice> Qcow2<D> {
                 sh.set_device_size(end);
             }
         }
+        Ok(())
     }
 
     /// Whether host bytes `[off, off+len)` overlap the image's own metadata (header, L1,
@@ -470,7 +484,7 @@ impl<D: BlockDevice> Qcow2<D> {
             }
         }
         self.refcount_table.borrow_mut()[r as usize] = b << self.cluster_bits();
-        self.note_allocated(b + 1);
+        self.note_allocated(b + 1)?;
         Ok((b << self.cluster_bits(), cluster % per_block))
     }
 
@@ -541,7 +555,7 @@ impl<D: BlockDevice> Qcow2<D> {
                 sh.set_meta_cluster(at);
             }
         }
-        self.note_allocated(end);
+        self.note_allocated(end)?;
         // Existing blocks covering part of the new area count it too.
         *self.refcount_table.borrow_mut() = table.clone();
         for c in start..end {
@@ -591,6 +605,7 @@ impl<D: BlockDevice> Qcow2<D> {
     /// never written since open and read as zeros.
     pub(crate) async fn alloc_clusters(&self, n: u64) -> Result<(u64, u64, bool)> {
         let m = self.meta()?;
+        self.reclaim_graced();
         let mut c = m.st.borrow().alloc_hint.max(1);
         let limit = self
             .device_size
@@ -635,7 +650,7 @@ impl<D: BlockDevice> Qcow2<D> {
             }
             fresh
         };
-        self.note_allocated(start + count);
+        self.note_allocated(start + count)?;
         Ok((start, count, fresh))
     }
 
@@ -643,8 +658,11 @@ impl<D: BlockDevice> Qcow2<D> {
     /// metadata.
     async fn cluster_is_free(&self, c: u64) -> Result<bool> {
         let m = self.meta()?;
-        if m.st.borrow().unstable_frees.contains(&c) {
-            return Ok(false);
+        {
+            let st = m.st.borrow();
+            if st.unstable_frees.contains(&c) || st.graced_set.contains(&c) {
+                return Ok(false);
+            }
         }
         if self.overlaps_metadata(c << self.cluster_bits(), self.geo.cluster_size()) {
             return Ok(false);
@@ -660,6 +678,50 @@ impl<D: BlockDevice> Qcow2<D> {
     pub(crate) fn free_later(&self, off: u64, len: u64) -> Result<()> {
         self.meta()?.st.borrow_mut().pending_frees.push((off, len));
         Ok(())
+    }
+
+    /// The decrements of `unstable_frees` are stable: the clusters may be reused — at once
+    /// on an image of one core; after a grace period when cores share it (a request that
+    /// resolved the old mapping may still be in flight on another core).
+    fn release_unstable(&self) {
+        let Ok(m) = self.meta() else { return };
+        {
+            let mut guard = m.st.borrow_mut();
+            let st = &mut *guard;
+            match &self.shared {
+                None => st.unstable_frees.clear(),
+                Some(sh) => {
+                    let batch: Vec<u64> = st.unstable_frees.drain().collect();
+                    if !batch.is_empty() {
+                        st.graced_set.extend(batch.iter().copied());
+                        st.graced.push_back((sh.grace.now(), batch));
+                    }
+                }
+            }
+        }
+        self.reclaim_graced();
+    }
+
+    /// Releases the graced clusters whose grace period is over (advancing it if it can).
+    pub(crate) fn reclaim_graced(&self) {
+        let (Ok(m), Some(sh)) = (self.meta(), &self.shared) else {
+            return;
+        };
+        if m.st.borrow().graced.is_empty() {
+            return;
+        }
+        let g = sh.grace.try_advance();
+        let mut st = m.st.borrow_mut();
+        while st.graced.front().is_some_and(|(tag, _)| tag + 2 <= g) {
+            if let Some((_, batch)) = st.graced.pop_front() {
+                for c in batch {
+                    st.graced_set.remove(&c);
+                    if c < st.alloc_hint {
+                        st.alloc_hint = c;
+                    }
+                }
+            }
+        }
     }
 
     /// Frees clusters that were allocated but never referenced (an aborted allocation).
@@ -925,7 +987,7 @@ impl<D: BlockDevice> Qcow2<D> {
             }
             self.write_dirty_rc().await?;
             self.exec.flush(self.dev).await?;
-            m.st.borrow_mut().unstable_frees.clear();
+            self.release_unstable();
         }
         if full && m.st.borrow().dirty_bit_on_disk {
             // Every refcount is stable now: the dirty bit can go.

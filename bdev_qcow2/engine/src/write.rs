@@ -73,13 +73,14 @@ impl<D: BlockDevice> Chain<D> {
         if let Err(e) = top(self).and_then(|_| check_range(self, offset, buf.len as u64)) {
             return self.exec().complete(tag, Err(e));
         }
-        if self.try_fast_write(tag, offset, &buf) {
+        let parity = self.exec().guest_enter();
+        if self.try_fast_write(tag, offset, &buf, parity) {
             return;
         }
         let chain = self.clone();
         self.exec().spawn(async move {
             let r = chain.write(offset, buf).await;
-            chain.exec().complete(tag, r);
+            chain.exec().complete_entered(tag, r, parity);
         });
     }
 
@@ -110,6 +111,43 @@ impl<D: BlockDevice> Chain<D> {
         });
     }
 
+    /// On a core replica of a shared image ([`Qcow2::from_seed`]): runs the write here when
+    /// it is an in-place write (the fast path, or after loading the slices it needs into
+    /// this core's cache). Otherwise the request completes with [`Error::NotLocal`] and
+    /// changed nothing: the host then sends it to the metadata owner.
+    pub fn submit_write_local(self: &Rc<Self>, tag: u64, offset: u64, buf: BufSlice<D::Buf>) {
+        if let Err(e) = check_range(self, offset, buf.len as u64) {
+            return self.exec().complete(tag, Err(e));
+        }
+        let parity = self.exec().guest_enter();
+        if self.try_fast_write(tag, offset, &buf, parity) {
+            return;
+        }
+        let chain = self.clone();
+        self.exec().spawn(async move {
+            let exec = chain.exec();
+            if let Layer::Qcow2(q) = &chain.layers()[0] {
+                let cov = q.geometry().slice_coverage();
+                let end = offset + buf.len as u64;
+                let mut pos = offset;
+                while pos < end {
+                    match q.load_slice(GuestOffset(pos)).await {
+                        Ok(Some(_)) => {}
+                        // No L2 table: an allocation, for the owner.
+                        Ok(None) => {
+                            return exec.complete_entered(tag, Err(Error::NotLocal), parity)
+                        }
+                        Err(e) => return exec.complete_entered(tag, Err(e), parity),
+                    }
+                    pos = (pos / cov + 1) * cov;
+                }
+            }
+            if !chain.try_fast_write(tag, offset, &buf, parity) {
+                exec.complete_entered(tag, Err(Error::NotLocal), parity);
+            }
+        });
+    }
+
     /// On a core replica of a shared image ([`Qcow2::from_seed`]): starts the write here if
     /// it is an in-place write (fast path) and returns true; returns false, having changed
     /// nothing, when the write must go to the metadata owner (allocation, COW, anything
@@ -123,12 +161,17 @@ impl<D: BlockDevice> Chain<D> {
         if check_range(self, offset, buf.len as u64).is_err() {
             return false;
         }
-        self.try_fast_write(tag, offset, buf)
+        let parity = self.exec().guest_enter();
+        if self.try_fast_write(tag, offset, buf, parity) {
+            return true;
+        }
+        self.exec().guest_exit(parity);
+        false
     }
 
     /// In-place fast path: every cluster COPIED data (standard L2), slice cached, no
     /// allocation in flight. Returns false (changing nothing) otherwise.
-    fn try_fast_write(&self, tag: u64, offset: u64, buf: &BufSlice<D::Buf>) -> bool {
+    fn try_fast_write(&self, tag: u64, offset: u64, buf: &BufSlice<D::Buf>, parity: u8) -> bool {
         let Layer::Qcow2(q) = &self.layers()[0] else {
             return false;
         };
@@ -192,7 +235,7 @@ impl<D: BlockDevice> Chain<D> {
                 pos += len as u64;
             }
         }
-        let req = self.exec().request_begin(tag);
+        let req = self.exec().request_begin_entered(tag, parity);
         for &(h, boff, len) in &runs[..n] {
             self.exec().request_op(
                 req,

@@ -287,8 +287,17 @@ impl Channel {
     fn complete_tag(&self, tag: u64, r: qcow2_engine::Result<()>) {
         // SAFETY: tags are bdev_ios we submitted to the engine and have not completed.
         if let Some(io) = unsafe { BdevIo::from_tag(tag) } {
-            if let Err(e) = &r {
-                tracing::debug!("read failed: {e}");
+            match (&r, self.forward_to) {
+                // Not an in-place write after all: the owner runs it.
+                (Err(qcow2_engine::Error::NotLocal), Some(md)) => {
+                    self.forwarded.set(self.forwarded.get() + 1);
+                    return owner::forward(md, io);
+                }
+                (Err(e), _) => tracing::debug!("request failed: {e}"),
+                (Ok(()), _) if io.io_type() == sys::SPDK_BDEV_IO_TYPE_WRITE => {
+                    self.local_writes.set(self.local_writes.get() + 1)
+                }
+                _ => {}
             }
             self.finish(io, r.is_ok());
         }
@@ -321,12 +330,9 @@ impl Channel {
             // it, which happens only after the engine reported the request done.
             let view = unsafe { IovView::new(iovs, cnt, len as usize) };
             let buf = BufSlice::whole(SpdkBuf::Iov(view));
-            let local =
-                self.in_engine(|| chain.try_submit_write(io.tag(), io.offset_blocks() * bs, &buf));
-            if local {
-                self.local_writes.set(self.local_writes.get() + 1);
-                return;
-            }
+            // Completes here, or with `NotLocal` (see `complete_tag`): then to the owner.
+            self.in_engine(|| chain.submit_write_local(io.tag(), io.offset_blocks() * bs, buf));
+            return;
         }
         drop(chain);
         self.forwarded.set(self.forwarded.get() + 1);

@@ -17,6 +17,8 @@ use std::sync::{mpsc, Arc};
 
 /// Tag bit the owner uses for requests it runs on behalf of a core.
 const FORWARDED: u64 = 1 << 63;
+/// Tag bit a core uses for writes it tries itself (they may come back `NotLocal`).
+const LOCAL_WRITE: u64 = 1 << 62;
 
 /// Messages to the owner.
 enum ToOwner {
@@ -68,6 +70,25 @@ struct Mesh {
     cores: Vec<SegQueue<ToCore>>,
     /// Cores still running (the owner serves until it is 0).
     running: AtomicUsize,
+    /// Set when the owner stopped (cores waiting for it give up instead of spinning).
+    owner_gone: std::sync::atomic::AtomicBool,
+}
+
+/// Signs a core off when its thread ends, even by a panic (the owner must not serve it
+/// forever).
+struct SignOff<'a>(&'a Mesh);
+impl Drop for SignOff<'_> {
+    fn drop(&mut self) {
+        self.0.running.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// Marks the owner gone when its thread ends (cores stop waiting for it).
+struct OwnerGone<'a>(&'a Mesh);
+impl Drop for OwnerGone<'_> {
+    fn drop(&mut self) {
+        self.0.owner_gone.store(true, Ordering::Release);
+    }
 }
 
 struct QueueLink {
@@ -113,6 +134,9 @@ pub struct Reactor<D: BlockDevice> {
     forwarded: slab::Slab<(usize, u64)>,
     /// Core: requests sent to the owner and not yet answered.
     pending: usize,
+    /// Core: writes tried here, by slot: (tag, offset, buffer) to send to the owner if they
+    /// turn out not to be in-place writes.
+    local: slab::Slab<(u64, u64, BufSlice<D::Buf>)>,
     stats: ReactorStats,
 }
 
@@ -139,7 +163,7 @@ impl<D: BlockDevice> Reactor<D> {
         self.image().map(|q| q.l2_cache_stats()).unwrap_or_default()
     }
 
-    /// Starts a read (tags below 2^63).
+    /// Starts a read (tags below 2^62 - 1: the reactor uses the bits above).
     pub fn submit_read(&mut self, tag: u64, offset: u64, buf: BufSlice<D::Buf>) {
         self.chain.submit_read(tag, offset, buf);
     }
@@ -153,6 +177,13 @@ impl<D: BlockDevice> Reactor<D> {
             self.stats.local_writes += 1;
             return;
         }
+        // Not in the cache, or not in place: load the slices here and retry, else the owner.
+        let slot = self.local.insert((tag, offset, buf.clone()));
+        self.chain
+            .submit_write_local(LOCAL_WRITE | slot as u64, offset, buf);
+    }
+
+    fn forward_write(&mut self, tag: u64, offset: u64, buf: &BufSlice<D::Buf>) {
         let mut data = vec![0u8; buf.len];
         buf.copy_out(0, &mut data);
         self.forward(ToOwner::Write {
@@ -240,7 +271,28 @@ impl<D: BlockDevice> Reactor<D> {
                     }
                 }
             }
-            n += self.exec.poll(done);
+            let local = &mut self.local;
+            let mut again = Vec::new();
+            let mut served_here = 0;
+            n += self.exec.poll(&mut |tag, r| {
+                if tag & LOCAL_WRITE == 0 {
+                    return done(tag, r);
+                }
+                let Some((t, off, buf)) = local.try_remove((tag & !LOCAL_WRITE) as usize) else {
+                    return;
+                };
+                match r {
+                    Err(qcow2_engine::Error::NotLocal) => again.push((t, off, buf)),
+                    r => {
+                        served_here += 1;
+                        done(t, r)
+                    }
+                }
+            });
+            self.stats.local_writes += served_here;
+            for (t, off, buf) in again {
+                self.forward_write(t, off, &buf);
+            }
         }
         n
     }
@@ -302,7 +354,7 @@ impl<D: BlockDevice> Reactor<D> {
 
     /// Reads `buf` at `offset`, polling until done (set-up and checks, not the hot path).
     pub fn read_now(&mut self, offset: u64, buf: BufSlice<D::Buf>) -> qcow2_engine::Result<()> {
-        const TAG: u64 = FORWARDED - 1;
+        const TAG: u64 = LOCAL_WRITE - 1;
         self.submit_read(TAG, offset, buf);
         let mut res = None;
         while res.is_none() {
@@ -337,10 +389,12 @@ impl<D: BlockDevice> Reactor<D> {
                     })?;
             }
         } else {
-            while self.pending > 0 || self.exec.busy() {
+            while self.pending > 0 || self.exec.busy() || !self.local.is_empty() {
+                if self.mesh.owner_gone.load(Ordering::Acquire) {
+                    return Err(ToolError::Usage("the owner reactor stopped".into()));
+                }
                 self.poll(&mut |_, _| {});
             }
-            self.mesh.running.fetch_sub(1, Ordering::AcqRel);
         }
         Ok(self.stats)
     }
@@ -380,6 +434,7 @@ where
         owner: SegQueue::new(),
         cores: (1..n).map(|_| SegQueue::new()).collect(),
         running: AtomicUsize::new(n - 1),
+        owner_gone: std::sync::atomic::AtomicBool::new(false),
     });
     let engine = |source| ToolError::Engine {
         path: "image".into(),
@@ -393,36 +448,22 @@ where
             seed_tx.push(tx);
             let (mesh, body) = (mesh.clone(), &body);
             handles.push(s.spawn(move || -> ToolResult<(R, ReactorStats)> {
-                let signoff = |mesh: &Mesh| {
-                    mesh.running.fetch_sub(1, Ordering::AcqRel);
-                };
+                let mesh2 = mesh.clone();
+                let _signoff = SignOff(&mesh2);
                 let Ok(Some(seed)) = rx.recv() else {
-                    signoff(&mesh);
                     return Err(ToolError::Usage(
                         "the owner failed to open the image".into(),
                     ));
                 };
                 let exec: Exec<D> = Exec::new();
-                let dev = match open.open(id, writable) {
-                    Ok(d) => exec.add_device(d),
-                    Err(e) => {
-                        signoff(&mesh);
-                        return Err(e);
-                    }
-                };
+                let dev = exec.add_device(open.open(id, writable)?);
                 let link = Box::new(QueueLink {
                     core: id,
                     mesh: mesh.clone(),
                 });
                 let chain = Qcow2::from_seed(seed, &exec, dev, opts, link)
                     .and_then(|q| Chain::new(&exec, vec![Layer::Qcow2(Box::new(q))]));
-                let chain = match chain {
-                    Ok(c) => c,
-                    Err(e) => {
-                        signoff(&mesh);
-                        return Err(engine(e));
-                    }
-                };
+                let chain = chain.map_err(engine)?;
                 let mut r = Reactor {
                     id,
                     exec,
@@ -431,6 +472,7 @@ where
                     mesh,
                     forwarded: slab::Slab::new(),
                     pending: 0,
+                    local: slab::Slab::with_capacity(256),
                     stats: ReactorStats::default(),
                 };
                 let out = body(&mut r);
@@ -439,6 +481,7 @@ where
             }));
         }
         let owner = (|| -> ToolResult<(R, ReactorStats)> {
+            let _gone = OwnerGone(&mesh);
             let exec: Exec<D> = Exec::new();
             let dev = exec.add_device(open.open(0, writable)?);
             let e2 = exec.clone();
@@ -465,6 +508,7 @@ where
                 mesh: mesh.clone(),
                 forwarded: slab::Slab::new(),
                 pending: 0,
+                local: slab::Slab::new(),
                 stats: ReactorStats::default(),
             };
             let out = body(&mut r);

@@ -374,10 +374,14 @@ impl BlockDevice for UringDevice {
             return Err(DeviceError(libc::ENOSPC));
         }
         if size > self.file_len && self.owns_len {
-            self.file
-                .set_len(size)
-                .map_err(|e| DeviceError(e.raw_os_error().unwrap_or(libc::EIO)))?;
-            self.file_len = size;
+            // Sparse, and ahead like appending writes (allocations call this one by one).
+            self.grow_ahead(size);
+            if size > self.file_len {
+                self.file
+                    .set_len(size)
+                    .map_err(|e| DeviceError(e.raw_os_error().unwrap_or(libc::EIO)))?;
+                self.file_len = size;
+            }
         }
         self.size = size;
         Ok(())
