@@ -116,7 +116,8 @@ impl Shared {
 
     /// Current epoch of slice `key` (acquire: a core then reads L1 and the device).
     pub fn epoch(&self, key: u64) -> u32 {
-        self.epochs[self.slot(key)].load(Ordering::Acquire)
+        // SeqCst (a plain load on x86) to order after a grace-period entry.
+        self.epochs[self.slot(key)].load(Ordering::SeqCst)
     }
 
     /// Current epoch of slot `slot`.
@@ -126,7 +127,7 @@ impl Shared {
 
     /// Raw L1 entry `idx` (0 past the table).
     pub fn l1(&self, idx: usize) -> u64 {
-        self.l1.get(idx).map_or(0, |e| e.load(Ordering::Acquire))
+        self.l1.get(idx).map_or(0, |e| e.load(Ordering::SeqCst))
     }
 
     /// Number of L1 entries.
@@ -153,27 +154,27 @@ impl Shared {
     pub fn owner_open(&self, slot: usize) {
         let e = &self.epochs[slot];
         debug_assert!(e.load(Ordering::Relaxed) & 1 == 0);
-        e.fetch_add(1, Ordering::AcqRel);
+        e.fetch_add(1, Ordering::SeqCst);
     }
 
     /// Owner: a slice of odd slot `slot` changes (odd → next odd).
     pub fn owner_changed(&self, slot: usize) {
         let e = &self.epochs[slot];
         debug_assert!(e.load(Ordering::Relaxed) & 1 == 1);
-        e.fetch_add(2, Ordering::AcqRel);
+        e.fetch_add(2, Ordering::SeqCst);
     }
 
     /// Owner: the last dirty slice of slot `slot` reached the device (odd → even).
     pub fn owner_close(&self, slot: usize) {
         let e = &self.epochs[slot];
         debug_assert!(e.load(Ordering::Relaxed) & 1 == 1);
-        e.fetch_add(1, Ordering::AcqRel);
+        e.fetch_add(1, Ordering::SeqCst);
     }
 
     /// Owner: publishes L1 entry `idx`.
     pub fn set_l1(&self, idx: usize, raw: u64) {
         if let Some(e) = self.l1.get(idx) {
-            e.store(raw, Ordering::Release);
+            e.store(raw, Ordering::SeqCst);
         }
     }
 
@@ -207,8 +208,13 @@ pub const MAX_GRACE_MEMBERS: usize = 64;
 pub struct Grace {
     global: AtomicU64,
     used: AtomicU64,
-    counts: Box<[[AtomicU64; 2]]>,
+    counts: Box<[Counters]>,
 }
+
+/// One member's in-flight counts per parity, alone on its cache lines (cores write their
+/// own on every request: sharing a line would bounce it between cores).
+#[repr(align(128))]
+struct Counters([AtomicU64; 2]);
 
 impl std::fmt::Debug for Grace {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -224,7 +230,7 @@ impl Default for Grace {
             global: AtomicU64::new(0),
             used: AtomicU64::new(0),
             counts: (0..MAX_GRACE_MEMBERS)
-                .map(|_| [AtomicU64::new(0), AtomicU64::new(0)])
+                .map(|_| Counters([AtomicU64::new(0), AtomicU64::new(0)]))
                 .collect(),
         }
     }
@@ -254,7 +260,7 @@ impl Grace {
 
     /// Gives a slot back (its core has no request in flight).
     pub fn unregister(&self, slot: usize) {
-        for c in &self.counts[slot] {
+        for c in &self.counts[slot].0 {
             c.store(0, Ordering::Release);
         }
         self.used.fetch_and(!(1 << slot), Ordering::AcqRel);
@@ -263,15 +269,15 @@ impl Grace {
     /// A guest request of core `slot` starts; returns its parity for [`exit`](Self::exit).
     pub fn enter(&self, slot: usize) -> u8 {
         let g = self.global.load(Ordering::SeqCst);
-        self.counts[slot][(g & 1) as usize].fetch_add(1, Ordering::SeqCst);
-        // Whatever the request reads next (slice epochs, L1) is ordered after its entry.
-        std::sync::atomic::fence(Ordering::SeqCst);
+        // SeqCst, like the epoch and L1 loads that follow and the owner's changes: the
+        // request's entry is ordered before whatever it reads next.
+        self.counts[slot].0[(g & 1) as usize].fetch_add(1, Ordering::SeqCst);
         (g & 1) as u8
     }
 
     /// The guest request that entered with `parity` completed.
     pub fn exit(&self, slot: usize, parity: u8) {
-        self.counts[slot][parity as usize & 1].fetch_sub(1, Ordering::Release);
+        self.counts[slot].0[parity as usize & 1].fetch_sub(1, Ordering::Release);
     }
 
     /// The current generation.
@@ -282,13 +288,12 @@ impl Grace {
     /// Owner: advances the generation if no request of the previous parity is left;
     /// returns the generation now.
     pub fn try_advance(&self) -> u64 {
-        std::sync::atomic::fence(Ordering::SeqCst);
         let g = self.global.load(Ordering::SeqCst);
         let old = ((g + 1) & 1) as usize;
         if self
             .counts
             .iter()
-            .all(|c| c[old].load(Ordering::Acquire) == 0)
+            .all(|c| c.0[old].load(Ordering::SeqCst) == 0)
         {
             self.global.store(g + 1, Ordering::SeqCst);
             return g + 1;

@@ -494,10 +494,13 @@ where
                     "multi-core reactors run images without a backing file".into(),
                 ));
             }
-            q.share();
-            let seed = q.core_seed().map_err(engine)?;
-            for tx in seed_tx.drain(..) {
-                let _ = tx.send(Some(seed.clone()));
+            // One reactor alone needs no replicas, epochs nor grace periods.
+            if n > 1 {
+                q.share();
+                let seed = q.core_seed().map_err(engine)?;
+                for tx in seed_tx.drain(..) {
+                    let _ = tx.send(Some(seed.clone()));
+                }
             }
             let chain = Chain::new(&exec, vec![Layer::Qcow2(Box::new(q))]).map_err(engine)?;
             let mut r = Reactor {
