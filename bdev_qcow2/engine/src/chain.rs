@@ -152,16 +152,15 @@ impl<D: BlockDevice> Chain<D> {
             let Layer::Raw { dev, .. } = &self.layers[0] else {
                 return false;
             };
-            let req = self.exec.request_begin_entered(tag, parity);
-            self.exec.request_op(
-                req,
+            self.exec.request_single(
+                tag,
+                parity,
                 *dev,
                 DeviceOp::Read {
                     offset,
                     buf: buf.clone(),
                 },
             );
-            self.exec.request_arm(req);
             return true;
         };
         let has_backing = self.layers.len() > 1;
@@ -202,6 +201,18 @@ impl<D: BlockDevice> Chain<D> {
         }
         for &(o, n) in zeros.iter() {
             buf.sub(o, n).zero();
+        }
+        if let [r] = runs.as_slice() {
+            self.exec.request_single(
+                tag,
+                parity,
+                q.dev(),
+                DeviceOp::Read {
+                    offset: r.host,
+                    buf: buf.sub(r.buf_off, r.len),
+                },
+            );
+            return true;
         }
         let req = self.exec.request_begin_entered(tag, parity);
         for r in runs.iter() {

@@ -33,6 +33,8 @@ enum Waiter {
     },
     /// A guest request on the fast path.
     Request(usize),
+    /// A fast-path guest request of exactly one device operation: (tag, grace parity).
+    Single(u64, u8),
 }
 
 /// A guest request split into several device operations on the fast path.
@@ -260,6 +262,18 @@ impl<D: BlockDevice> Exec<D> {
         self.submit_raw(dev, op, w as u64);
     }
 
+    /// A fast-path guest request of one device operation (the common case): no request
+    /// record, the operation's completion is the request's. `parity` as for
+    /// [`request_begin_entered`](Self::request_begin_entered).
+    pub fn request_single(&self, tag: u64, parity: u8, dev: DevId, op: DeviceOp<D::Buf>) {
+        let w = self
+            .inner
+            .waiters
+            .borrow_mut()
+            .insert(Waiter::Single(tag, parity));
+        self.submit_raw(dev, op, w as u64);
+    }
+
     /// Drops the builder's reference; the request completes when its last op does.
     pub fn request_arm(&self, req: usize) {
         self.request_put(req, Ok(()));
@@ -379,8 +393,19 @@ impl<D: BlockDevice> Exec<D> {
                 }
                 Some(Waiter::Request(_)) => match waiters.remove(tag as usize) {
                     Waiter::Request(r) => Some(r),
-                    Waiter::Task { .. } => None,
+                    _ => None,
                 },
+                Some(Waiter::Single(..)) => {
+                    if let Waiter::Single(t, parity) = waiters.remove(tag as usize) {
+                        drop(waiters);
+                        self.guest_exit(parity);
+                        self.inner
+                            .done
+                            .borrow_mut()
+                            .push_back((t, res.map_err(|e| Error::Io(e.0))));
+                    }
+                    return;
+                }
                 None => None,
             }
         };

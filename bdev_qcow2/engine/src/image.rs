@@ -635,7 +635,22 @@ impl<D: BlockDevice> Qcow2<D> {
             return Ok(None);
         };
         cache.touch(way);
-        self.resolve(cache.block(way), off).map(Some)
+        let block = cache.block(way);
+        if !self.geo.extended_l2 {
+            let ctx = self.ctx.get();
+            let e = L2Entry(block[self.geo.index_in_slice(off) as usize]);
+            if let Some((host, copied)) = e.plain_data(ctx.cluster_bits, ctx.device_size) {
+                let cs = self.geo.cluster_size();
+                return Ok(Some((
+                    ClusterMapping::Data {
+                        host: crate::types::HostOffset(host),
+                        copied,
+                    },
+                    (off.0 & !(cs - 1)) + cs,
+                )));
+            }
+        }
+        self.resolve(block, off).map(Some)
     }
 
     fn l1_entry_end(&self, off: GuestOffset) -> u64 {

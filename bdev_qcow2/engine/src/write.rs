@@ -235,6 +235,19 @@ impl<D: BlockDevice> Chain<D> {
                 pos += len as u64;
             }
         }
+        if n == 1 {
+            let (h, boff, len) = runs[0];
+            self.exec().request_single(
+                tag,
+                parity,
+                q.dev(),
+                DeviceOp::Write {
+                    offset: h,
+                    buf: buf.sub(boff, len),
+                },
+            );
+            return true;
+        }
         let req = self.exec().request_begin_entered(tag, parity);
         for &(h, boff, len) in &runs[..n] {
             self.exec().request_op(

@@ -218,7 +218,27 @@ impl L2Entry {
         })
     }
 
-    /// Interprets a standard L2 entry for the whole cluster (no extended L2).
+    /// The common case of [`mapping`](Self::mapping) without building an error: a valid
+    /// standard data entry (allocated, not compressed, no zero flag, no reserved bits,
+    /// aligned, inside the device) gives `Some((host, copied))`; anything else `None`, and
+    /// the caller falls back to `mapping`, which validates and explains.
+    #[inline]
+    pub fn plain_data(&self, cluster_bits: u32, device_size: u64) -> Option<(u64, bool)> {
+        let v = self.0;
+        let off = v & OFFSET_MASK;
+        let cs = 1u64 << cluster_bits;
+        if v & (COMPRESSED | ZERO | L2_RESERVED) != 0
+            || off == 0
+            || off & (cs - 1) != 0
+            || off.checked_add(cs).is_none_or(|e| e > device_size)
+        {
+            return None;
+        }
+        Some((off, v & COPIED != 0))
+    }
+
+    /// Interprets a standard L2 entry for the whole cluster (no extended L2), validated (see
+    /// [`plain_data`](Self::plain_data) for the hot path).
     pub fn mapping(&self, ctx: &L2Context) -> Result<ClusterMapping> {
         let v = self.0;
         if self.is_compressed() {

@@ -567,3 +567,51 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn plain_data_agrees_with_mapping() {
+    use crate::format::{ClusterMapping, L2Context, L2Entry};
+    let ctx = L2Context {
+        cluster_bits: 16,
+        v3: true,
+        extended_l2: false,
+        device_size: 1 << 30,
+    };
+    let mut rng = crate::rng::Rng(0x1234_5678);
+    let specials = [
+        0u64,
+        1,
+        1 << 63,
+        (1 << 63) | 0x10000,
+        0x10000,
+        0x10001,
+        0x10200,
+        (1 << 62) | 0x10000,
+        (1 << 63) | (1 << 30),
+        (1 << 63) | ((1 << 30) - 0x10000),
+        0x0100_0000_0000_0000 | 0x10000,
+    ];
+    for i in 0..100_000u64 {
+        let v = match specials.get(i as usize) {
+            Some(&s) => s,
+            None => {
+                // Mostly plausible entries, some with random flag and reserved bits.
+                let r = rng.next();
+                let off = (r % (1 << 31)) & !0xffff;
+                let flags =
+                    rng.next() & 0xff00_0000_0000_01ff & (if i % 4 == 0 { !0 } else { 1 << 63 });
+                off | flags
+            }
+        };
+        let e = L2Entry(v);
+        let fast = e.plain_data(ctx.cluster_bits, ctx.device_size);
+        match (fast, e.mapping(&ctx)) {
+            (Some((h, c)), Ok(ClusterMapping::Data { host, copied })) => {
+                assert_eq!((h, c), (host.0, copied), "{v:#x}")
+            }
+            (Some(_), other) => panic!("{v:#x}: fast path accepted, mapping says {other:?}"),
+            (None, Ok(ClusterMapping::Data { .. })) => panic!("{v:#x}: valid data refused"),
+            (None, _) => {}
+        }
+    }
+}
