@@ -271,13 +271,16 @@ impl Grace {
         let g = self.global.load(Ordering::SeqCst);
         // SeqCst, like the epoch and L1 loads that follow and the owner's changes: the
         // request's entry is ordered before whatever it reads next.
-        self.counts[slot].0[(g & 1) as usize].fetch_add(1, Ordering::SeqCst);
+        let c = &self.counts[slot].0[(g & 1) as usize];
+        c.fetch_add(1, Ordering::SeqCst);
         (g & 1) as u8
     }
 
-    /// The guest request that entered with `parity` completed.
+    /// The guest request that entered with `parity` completed (on the core that entered).
     pub fn exit(&self, slot: usize, parity: u8) {
-        self.counts[slot].0[parity as usize & 1].fetch_sub(1, Ordering::Release);
+        // Only this member's core writes its counters: no read-modify-write needed.
+        let c = &self.counts[slot].0[parity as usize & 1];
+        c.store(c.load(Ordering::Relaxed).wrapping_sub(1), Ordering::Release);
     }
 
     /// The current generation.
