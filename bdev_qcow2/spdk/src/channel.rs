@@ -49,6 +49,8 @@ pub struct Channel {
     /// Writable bdev: the md thread slow paths (all requests, on the md thread itself) are
     /// forwarded to.
     forward_to: Option<*mut sys::spdk_thread>,
+    /// Writable bdev without a replica (it could not be built): everything goes to the owner.
+    forward_only: Cell<bool>,
     /// Writable bdev: slice requests that SPDK's message pool could not take yet.
     unsent_asks: RefCell<Vec<*mut Ask>>,
     /// Writes served in place here / sent to the owner.
@@ -127,6 +129,7 @@ impl Channel {
             live: &node.live_channels,
             exec,
             forward_to: None,
+            forward_only: Cell::new(false),
             unsent_asks: RefCell::new(Vec::new()),
             local_writes: Cell::new(0),
             forwarded: Cell::new(0),
@@ -237,6 +240,15 @@ impl Channel {
         });
         match chain {
             Ok(c) => *self.chain.borrow_mut() = Some(c),
+            Err(e) if self.forward_to.is_some() => {
+                // A writable bdev's replica could not be built (e.g. more threads than
+                // grace-period slots): this channel sends everything to the owner instead.
+                tracing::warn!(
+                    "channel on {}: no replica ({e}); its requests go to the metadata owner",
+                    self.thread_name
+                );
+                self.forward_only.set(true);
+            }
             Err(e) => {
                 tracing::error!(
                     "channel on {}: opening the image failed: {e}",
@@ -315,14 +327,17 @@ impl Channel {
     /// Whether this channel serves requests on its own replica (read-only bdevs, and
     /// writable bdevs away from the md thread).
     fn has_replica(&self) -> bool {
-        self.chain.borrow().is_some() || self.opened.borrow().is_some() || self.failed.get()
+        !self.forward_only.get()
+            && (self.chain.borrow().is_some()
+                || self.opened.borrow().is_some()
+                || self.failed.get())
     }
 
     /// A guest write on a writable bdev: in place on this thread's replica when the clusters
     /// are allocated and COPIED (fast path), else on the owner.
     fn write(&self, io: BdevIo, md: *mut sys::spdk_thread) {
         let chain = self.chain.borrow();
-        if let Some(chain) = chain.as_ref() {
+        if let (Some(chain), false) = (chain.as_ref(), self.forward_only.get()) {
             let bs = u64::from(BLOCK_SIZE);
             let len = io.num_blocks() * bs;
             let (iovs, cnt) = io.iovs();
