@@ -566,3 +566,292 @@ fn broken_l1_before_dirty_is_caught() {
         2,
     );
 }
+
+// ----- grace periods before freed clusters are reused -------------------------------------
+//
+// The real `Grace` of `Shared`: a core thread runs guest requests the way `Chain::submit_read`
+// does (`enter` before resolving anything, then the slice epoch, then the mapping: a cached
+// replica valid for that epoch, or the published one read under a seqlock check), "uses"
+// the host cluster, and exits. The owner removes the mapping (COW: guest cluster 0 moves
+// from host cluster 1 to host cluster 2) the way `meta.rs` does (slice dirtied → changed in
+// memory → epoch bump; write-back → cleaned), tags the freed cluster with `grace.now()` when
+// the free is stable (`release_unstable`), and reuses it once `try_advance()` reached
+// tag + 2 (`reclaim_graced`).
+//
+// Invariant: no request uses a host cluster after the owner reused it. Both sides check it
+// with read-modify-writes (which always see the latest value, also in loom): a request
+// marks the cluster in use and then checks that it was not reused; the owner marks it
+// reused and then checks that no request is using it.
+//
+// Loom treats SeqCst loads and stores as AcqRel (see its README), so it would let the
+// owner's counter check and the core's epoch load both read stale values: the
+// store-buffering outcome that C++20/Rust SeqCst forbids here (the core's SeqCst
+// `fetch_add` in `enter` is sequenced before its SeqCst epoch load; the owner's SeqCst epoch
+// bump before its SeqCst counter loads, so one of them sees the other). The model states
+// that guarantee with `fence(SeqCst)` at exactly those two places (the variant without the
+// fences is refuted by loom: the ordering is load-bearing). Everything else, including stale
+// reads of the global generation (the ABA case), is explored as loom does.
+
+/// Host clusters: 1 is mapped at first and freed by the owner, 2 replaces it.
+const OLD: usize = 1;
+const NEW: usize = 2;
+
+#[derive(Clone, Copy, Default)]
+struct GraceFaults {
+    /// The owner reuses at tag + 1 instead of tag + 2.
+    reuse_at_tag_plus_one: bool,
+    /// The request enters after it resolved the mapping.
+    enter_after_resolve: bool,
+    /// Without the fences that stand for the SeqCst ordering loom does not model.
+    no_seqcst_fences: bool,
+}
+
+struct GraceWorld {
+    shared: Shared,
+    /// The published mapping of guest cluster 0 (what a core reads on a replica miss).
+    mapping: AtomicU64,
+    /// Per host cluster: the owner reused it.
+    reused: [AtomicU64; 3],
+    /// Per host cluster: requests in the middle of their device operation on it.
+    using: [AtomicU64; 3],
+    faults: GraceFaults,
+}
+
+impl GraceWorld {
+    /// Where the real code's SeqCst accesses order a store before a later load.
+    fn seqcst_point(&self) {
+        if !self.faults.no_seqcst_fences {
+            loom::sync::atomic::fence(Ordering::SeqCst);
+        }
+    }
+}
+
+struct GraceScenario {
+    /// Generations the owner advances before it removes the mapping.
+    pre_advances: usize,
+    /// `try_advance` calls the owner makes after tagging (yielding after one that is blocked).
+    rounds: usize,
+    /// Guest requests the core runs.
+    requests: usize,
+    faults: GraceFaults,
+}
+
+/// One guest request of the core (slot `slot`) with its replica cache `(epoch, host)`.
+fn grace_request(w: &GraceWorld, slot: usize, cache: &mut Option<(u32, u64)>) {
+    let sh = &w.shared;
+    let mut parity = None;
+    if !w.faults.enter_after_resolve {
+        parity = Some(sh.grace.enter(slot));
+        w.seqcst_point();
+    }
+    // resolve_cached / load_slice_core: the epoch, then the replica or a checked read.
+    let epoch = sh.epoch(0);
+    let host = match *cache {
+        Some((e, h)) if e == epoch => Some(h),
+        _ => {
+            let h = w.mapping.load(Ordering::SeqCst);
+            if sh.epoch(0) != epoch {
+                None // moved during the read: EAGAIN, nothing used
+            } else {
+                if epoch & 1 == 0 {
+                    *cache = Some((epoch, h));
+                }
+                Some(h)
+            }
+        }
+    };
+    let parity = match parity {
+        Some(p) => p,
+        None => {
+            let p = sh.grace.enter(slot);
+            w.seqcst_point();
+            p
+        }
+    };
+    if let Some(h) = host {
+        let h = h as usize;
+        // The device operation on host cluster `h`.
+        w.using[h].fetch_add(1, Ordering::SeqCst);
+        assert_eq!(
+            w.reused[h].fetch_add(0, Ordering::SeqCst),
+            0,
+            "grace violation: a request used host cluster {h} after the owner reused it"
+        );
+        w.using[h].fetch_sub(1, Ordering::SeqCst);
+    }
+    sh.grace.exit(slot, parity);
+}
+
+/// The owner (a member, without requests of its own here): removes the mapping, then
+/// reclaims the freed cluster.
+fn grace_owner(w: &GraceWorld, mut ep: OwnerEpochs, s: &GraceScenario) {
+    let sh = &w.shared;
+    for _ in 0..s.pre_advances {
+        sh.grace.try_advance();
+    }
+    // COW of guest cluster 0: dirty slice, changed in memory, epoch bump (before the ack).
+    ep.dirtied(sh, 0);
+    w.mapping.store(NEW as u64, Ordering::SeqCst);
+    ep.changed(sh, 0);
+    // Write-back and flush: the slice is clean, the free of OLD is stable.
+    ep.cleaned(sh, 0);
+    // release_unstable: tag the batch.
+    w.seqcst_point();
+    let tag = sh.grace.now();
+    let need = if w.faults.reuse_at_tag_plus_one { 1 } else { 2 };
+    let mut g = tag;
+    for _ in 0..s.rounds {
+        // reclaim_graced
+        w.seqcst_point();
+        let now = sh.grace.try_advance();
+        if now >= tag + need {
+            w.reused[OLD].fetch_add(1, Ordering::SeqCst);
+            assert_eq!(
+                w.using[OLD].fetch_add(0, Ordering::SeqCst),
+                0,
+                "grace violation: the owner reused host cluster {OLD} while a request used it"
+            );
+            return;
+        }
+        // Blocked by a request: let the core run (yielding after a successful advance
+        // too would hide the schedules where the owner advances twice in a row).
+        if now == g {
+            thread::yield_now();
+        }
+        g = now;
+    }
+}
+
+fn check_grace(s: GraceScenario, preemptions: usize) {
+    let mut b = loom::model::Builder::new();
+    b.preemption_bound = Some(preemptions);
+    let s = std::sync::Arc::new(s);
+    b.check(move || {
+        let w = Arc::new(GraceWorld {
+            shared: Shared::new(1, &[1], 1 << 30, 64),
+            mapping: AtomicU64::new(0),
+            reused: Default::default(),
+            using: Default::default(),
+            faults: s.faults,
+        });
+        // Setup (before the threads): both members, a slice that was written back once
+        // (epoch 2), the published mapping, and the core's replica of it under epoch 2. The
+        // setup stores are SeqCst so that loom's SeqCst loads do not read the initial values.
+        let owner_slot = w.shared.grace.register().unwrap();
+        let core_slot = w.shared.grace.register().unwrap();
+        assert_ne!(owner_slot, core_slot);
+        let mut ep = OwnerEpochs::default();
+        ep.dirtied(&w.shared, 0);
+        ep.cleaned(&w.shared, 0);
+        w.mapping.store(OLD as u64, Ordering::SeqCst);
+        let epoch = w.shared.epoch(0);
+        assert_eq!(epoch, 2);
+
+        let core = {
+            let w = w.clone();
+            let requests = s.requests;
+            thread::spawn(move || {
+                let mut cache = Some((epoch, OLD as u64));
+                for _ in 0..requests {
+                    grace_request(&w, core_slot, &mut cache);
+                }
+            })
+        };
+        grace_owner(&w, ep, &s);
+        core.join().unwrap();
+    });
+}
+
+fn grace_scenario(pre_advances: usize, requests: usize, faults: GraceFaults) -> GraceScenario {
+    GraceScenario {
+        pre_advances,
+        rounds: 3,
+        requests,
+        faults,
+    }
+}
+
+/// One request with a cached replica against the removal and two advances.
+#[test]
+fn grace_one_request() {
+    check_grace(grace_scenario(0, 1, GraceFaults::default()), 3);
+}
+
+/// Two requests of one core (the second one misses its replica or re-reads the mapping).
+#[test]
+fn grace_two_requests() {
+    check_grace(grace_scenario(0, 2, GraceFaults::default()), 3);
+}
+
+/// The ABA case: the core's `enter` loads the generation, is preempted (or reads a stale
+/// one), and the owner advances twice before the core's counter goes up; the free is tagged
+/// at an odd generation (the stale parity is the previous one) ...
+#[test]
+fn grace_enter_races_two_advances_odd_tag() {
+    check_grace(grace_scenario(1, 1, GraceFaults::default()), 3);
+}
+
+/// ... and at generation 2 (the stale parity equals the tag's: the counter lands in the
+/// parity the owner checks second).
+#[test]
+fn grace_enter_races_two_advances_even_tag() {
+    check_grace(
+        GraceScenario {
+            pre_advances: 2,
+            rounds: 3,
+            requests: 2,
+            faults: GraceFaults::default(),
+        },
+        3,
+    );
+}
+
+#[test]
+#[should_panic(expected = "grace violation")]
+fn broken_grace_reuse_at_tag_plus_one_is_caught() {
+    check_grace(
+        grace_scenario(
+            0,
+            1,
+            GraceFaults {
+                reuse_at_tag_plus_one: true,
+                ..Default::default()
+            },
+        ),
+        2,
+    );
+}
+
+#[test]
+#[should_panic(expected = "grace violation")]
+fn broken_grace_enter_after_resolve_is_caught() {
+    check_grace(
+        grace_scenario(
+            0,
+            1,
+            GraceFaults {
+                enter_after_resolve: true,
+                ..Default::default()
+            },
+        ),
+        2,
+    );
+}
+
+/// With only acquire/release between the counter and the epoch (what loom gives SeqCst
+/// accesses), the owner may miss the core's counter while the core misses the new epoch.
+#[test]
+#[should_panic(expected = "grace violation")]
+fn broken_grace_without_seqcst_is_caught() {
+    check_grace(
+        grace_scenario(
+            0,
+            1,
+            GraceFaults {
+                no_seqcst_fences: true,
+                ..Default::default()
+            },
+        ),
+        2,
+    );
+}
