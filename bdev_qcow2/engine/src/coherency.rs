@@ -192,7 +192,7 @@ impl Shared {
 }
 
 /// Most cores (executors) that can take part in one image's grace periods.
-pub const MAX_GRACE_MEMBERS: usize = 64;
+pub const MAX_GRACE_MEMBERS: usize = 256;
 
 /// Grace periods for reusing freed clusters (epoch-based reclamation, two parities).
 ///
@@ -207,7 +207,8 @@ pub const MAX_GRACE_MEMBERS: usize = 64;
 /// mapping has completed by then.
 pub struct Grace {
     global: AtomicU64,
-    used: AtomicU64,
+    /// Bitmap of member slots in use.
+    used: Box<[AtomicU64]>,
     counts: Box<[Counters]>,
 }
 
@@ -228,7 +229,9 @@ impl Default for Grace {
     fn default() -> Self {
         Grace {
             global: AtomicU64::new(0),
-            used: AtomicU64::new(0),
+            used: (0..MAX_GRACE_MEMBERS / 64)
+                .map(|_| AtomicU64::new(0))
+                .collect(),
             counts: (0..MAX_GRACE_MEMBERS)
                 .map(|_| Counters([AtomicU64::new(0), AtomicU64::new(0)]))
                 .collect(),
@@ -240,22 +243,25 @@ impl Grace {
     /// Takes a member slot for one core (`None` when all are taken: that core's requests
     /// then cannot be tracked and it must send them to the owner).
     pub fn register(&self) -> Option<usize> {
-        let mut cur = self.used.load(Ordering::Acquire);
-        loop {
-            let free = (!cur).trailing_zeros() as usize;
-            if free >= MAX_GRACE_MEMBERS {
-                return None;
-            }
-            match self.used.compare_exchange(
-                cur,
-                cur | (1 << free),
-                Ordering::AcqRel,
-                Ordering::Acquire,
-            ) {
-                Ok(_) => return Some(free),
-                Err(now) => cur = now,
+        for (i, word) in self.used.iter().enumerate() {
+            let mut cur = word.load(Ordering::Acquire);
+            loop {
+                let free = (!cur).trailing_zeros() as usize;
+                if free >= 64 {
+                    break;
+                }
+                match word.compare_exchange(
+                    cur,
+                    cur | (1 << free),
+                    Ordering::AcqRel,
+                    Ordering::Acquire,
+                ) {
+                    Ok(_) => return Some(i * 64 + free),
+                    Err(now) => cur = now,
+                }
             }
         }
+        None
     }
 
     /// Gives a slot back (its core has no request in flight).
@@ -263,7 +269,7 @@ impl Grace {
         for c in &self.counts[slot].0 {
             c.store(0, Ordering::Release);
         }
-        self.used.fetch_and(!(1 << slot), Ordering::AcqRel);
+        self.used[slot / 64].fetch_and(!(1 << (slot % 64)), Ordering::AcqRel);
     }
 
     /// A guest request of core `slot` starts; returns its parity for [`exit`](Self::exit).
@@ -293,11 +299,19 @@ impl Grace {
     pub fn try_advance(&self) -> u64 {
         let g = self.global.load(Ordering::SeqCst);
         let old = ((g + 1) & 1) as usize;
-        if self
-            .counts
-            .iter()
-            .all(|c| c.0[old].load(Ordering::SeqCst) == 0)
-        {
+        // Only slots in use can hold requests (unregistered ones are zeroed).
+        let drained = self.used.iter().enumerate().all(|(i, word)| {
+            let mut bits = word.load(Ordering::SeqCst);
+            while bits != 0 {
+                let slot = i * 64 + bits.trailing_zeros() as usize;
+                if self.counts[slot].0[old].load(Ordering::SeqCst) != 0 {
+                    return false;
+                }
+                bits &= bits - 1;
+            }
+            true
+        });
+        if drained {
             self.global.store(g + 1, Ordering::SeqCst);
             return g + 1;
         }
@@ -404,6 +418,24 @@ mod tests {
         assert_eq!(g.try_advance(), 3);
         g.unregister(a);
         assert_eq!(g.register(), Some(a));
+    }
+
+    #[test]
+    fn grace_has_room_for_many_cores() {
+        let g = Grace::default();
+        let slots: Vec<usize> = (0..MAX_GRACE_MEMBERS)
+            .filter_map(|_| g.register())
+            .collect();
+        assert_eq!(slots.len(), MAX_GRACE_MEMBERS);
+        assert_eq!(g.register(), None, "all taken");
+        let last = MAX_GRACE_MEMBERS - 1;
+        let p = g.enter(last);
+        assert_eq!(g.try_advance(), 1);
+        assert_eq!(g.try_advance(), 1, "the member in the last word holds it");
+        g.exit(last, p);
+        assert_eq!(g.try_advance(), 2);
+        g.unregister(200);
+        assert_eq!(g.register(), Some(200));
     }
 
     #[test]

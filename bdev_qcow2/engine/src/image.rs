@@ -430,7 +430,7 @@ impl<D: BlockDevice> Qcow2<D> {
     ) -> Result<Self> {
         if !exec.join_grace(seed.shared.clone()) {
             return Err(Error::InvalidRequest(
-                "too many cores share this image (64 at most)",
+                "too many cores share this image (256 at most)",
             ));
         }
         let l1_len = seed.shared.l1_len();
