@@ -68,6 +68,8 @@ pub struct Chain<D: BlockDevice> {
     /// Reused plan storage of the fast path (no allocation per request).
     scratch: RefCell<FastPlan>,
     stats: RefCell<ReadStats>,
+    /// Virtual size of the top image (fixed while open).
+    size: u64,
 }
 
 impl<D: BlockDevice> Chain<D> {
@@ -84,8 +86,10 @@ impl<D: BlockDevice> Chain<D> {
                 "backing chain deeper than {MAX_BACKING_DEPTH} images"
             )));
         }
+        let size = layers[0].size();
         Ok(Rc::new(Chain {
             exec: exec.clone(),
+            size,
             layers,
             scratch: RefCell::new((Vec::with_capacity(64), Vec::with_capacity(64))),
             stats: RefCell::new(ReadStats::default()),
@@ -98,7 +102,7 @@ impl<D: BlockDevice> Chain<D> {
     }
     /// Virtual size of the top image.
     pub fn size(&self) -> u64 {
-        self.layers[0].size()
+        self.size
     }
     /// The executor.
     pub fn exec(&self) -> &Exec<D> {
