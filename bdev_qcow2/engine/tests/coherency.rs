@@ -815,3 +815,42 @@ fn core_reads_during_owner_writeback() {
         rig.close();
     }
 }
+
+#[test]
+fn core_refuses_in_place_write_into_metadata() {
+    // DESIGN.md §7 rule 6 / §8 on a core: a (hostile) L2 entry that points at the image's
+    // own L1 table must not be written through by a core's in-place fast path.
+    let mut rig = Rig::new(3, 1, false, 1);
+    let cs = 4096u64;
+    write_sync(&mut rig, 1, 0, 21, cs);
+    flush_sync(&mut rig, 2);
+    let l1_off = rig.owner().header().header.l1_table_offset;
+    let be =
+        |d: &[u8], at: u64| u64::from_be_bytes(d[at as usize..at as usize + 8].try_into().unwrap());
+    {
+        let mut disk = rig.disk.borrow_mut();
+        let l2_off = be(&disk, l1_off) & 0x00ff_ffff_ffff_fe00;
+        let hostile = (l1_off | (1 << 63)).to_be_bytes();
+        disk[l2_off as usize..l2_off as usize + 8].copy_from_slice(&hostile);
+    }
+    let l1_before = rig.disk.borrow()[l1_off as usize..(l1_off + cs) as usize].to_vec();
+    // The core loads the (clean) slice from the device and sees guest cluster 0 → L1.
+    let _ = core_read(&mut rig, 1, 3, cs, cs);
+    let (buf, _) = fill(22, 0, cs);
+    let buf = BufSlice::whole(buf);
+    assert!(
+        !rig.chains[1].try_submit_write(4, 0, &buf),
+        "a core wrote in place through an entry into metadata"
+    );
+    rig.chains[1].submit_write_local(5, 0, buf);
+    let r = rig.run(5);
+    assert!(
+        r.as_ref().is_err_and(|e| e.contains("owner")),
+        "expected NotLocal, got {r:?}"
+    );
+    assert_eq!(
+        rig.disk.borrow()[l1_off as usize..(l1_off + cs) as usize],
+        l1_before[..],
+        "the L1 table was overwritten"
+    );
+}
