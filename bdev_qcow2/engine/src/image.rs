@@ -621,7 +621,8 @@ impl<D: BlockDevice> Qcow2<D> {
     /// Mapping of the (sub)cluster at `off` if its slice is cached (fast path; touches the
     /// LRU and counts a hit). `Ok(None)` on a cache miss. Returns the mapping and its end.
     pub fn resolve_cached(&self, off: GuestOffset) -> Result<Option<(ClusterMapping, u64)>> {
-        self.sync_core();
+        // A core's device size is synced where it matters: after loading an L1 entry
+        // (`l2_table`) and before caching a slice, so every cached entry fits in it.
         let Some(_) = self.l2_table(off)? else {
             return Ok(Some((
                 ClusterMapping::Unallocated { host: None },
@@ -733,9 +734,6 @@ impl<D: BlockDevice> Qcow2<D> {
                 return Err(Error::Io(11));
             }
             let mut epoch = shared.epoch(key);
-            // After the epoch: whatever the owner published before it (device growth
-            // included) is visible now.
-            self.sync_core();
             if let Some(w) = self.l2_cache.borrow_mut().lookup(key, epoch) {
                 return Ok(Some(w));
             }
@@ -754,7 +752,6 @@ impl<D: BlockDevice> Qcow2<D> {
                     SliceReply::Clean { epoch: e } => epoch = e,
                     SliceReply::Retry => continue,
                 }
-                self.sync_core();
             }
             // The L1 entry is read after the epoch: a new table's slices are odd before
             // the owner publishes the entry that points at it.
