@@ -342,40 +342,19 @@ impl<D: BlockDevice> Qcow2<D> {
             self.device_size.get(),
             max_clusters,
         ));
-        // Static metadata: header cluster, L1, refcount table, snapshot table and L1s.
+        // Every metadata cluster: header, tables, snapshot tables (as the owner's overlap
+        // check knows them), refcount blocks and L2 tables.
         let bits = self.geo.cluster_bits;
-        let mark = |off: u64, len: u64| {
+        self.any_static_metadata(|off, len| {
             if len > 0 {
                 for c in (off >> bits)..=((off + len - 1) >> bits) {
                     shared.set_meta_cluster(c);
                 }
             }
-        };
-        {
-            let h = self.header.borrow();
-            let hh = &h.header;
-            mark(0, cs);
-            mark(hh.l1_table_offset, u64::from(hh.l1_size) * 8);
-            mark(
-                hh.refcount_table_offset,
-                u64::from(hh.refcount_table_clusters) << bits,
-            );
-            if hh.nb_snapshots > 0 {
-                mark(hh.snapshots_offset, cs);
-            }
-        }
-        for sn in &self.snapshots {
-            mark(sn.l1_table_offset, u64::from(sn.l1_size) * 8);
-        }
-        for e in self.refcount_table.borrow().iter() {
-            if *e != 0 && e % cs == 0 {
-                shared.set_meta_cluster(e >> bits);
-            }
-        }
-        for e in self.l1.borrow().iter() {
-            if let Ok(Some(t)) = e.l2_table(cs, u64::MAX) {
-                shared.set_meta_cluster(t.0 >> bits);
-            }
+            false
+        });
+        for c in self.table_clusters() {
+            shared.set_meta_cluster(c);
         }
         if let Some(m) = &self.meta {
             let mut st = m.st.borrow_mut();

@@ -166,32 +166,50 @@ impl<D: BlockDevice> Qcow2<D> {
         Ok(())
     }
 
-    /// Whether host bytes `[off, off+len)` overlap the image's own metadata (header, L1,
-    /// refcount table and blocks, active L2 tables, snapshot table and snapshot L1s).
-    pub(crate) fn overlaps_metadata(&self, off: u64, len: u64) -> bool {
+    /// Calls `f(offset, bytes)` for each metadata range the header and snapshot table
+    /// name (header cluster, L1, refcount table, snapshot table, snapshot L1s) until it
+    /// returns true; returns whether it did.
+    pub(crate) fn any_static_metadata(&self, mut f: impl FnMut(u64, u64) -> bool) -> bool {
         let cs = self.geo.cluster_size();
         let h = self.header.borrow();
         let hh = &h.header;
-        let hit = |start: u64, bytes: u64| {
-            bytes > 0 && off < start.saturating_add(bytes) && start < off.saturating_add(len)
-        };
-        if hit(0, cs)
-            || hit(hh.l1_table_offset, u64::from(hh.l1_size) * 8)
-            || hit(
+        f(0, cs)
+            || f(hh.l1_table_offset, u64::from(hh.l1_size) * 8)
+            || f(
                 hh.refcount_table_offset,
                 u64::from(hh.refcount_table_clusters) << self.cluster_bits(),
             )
-        {
-            return true;
+            || (hh.nb_snapshots > 0 && f(hh.snapshots_offset, cs))
+            || self
+                .snapshots
+                .iter()
+                .any(|s| f(s.l1_table_offset, u64::from(s.l1_size) * 8))
+    }
+
+    /// Clusters of refcount blocks and active L2 tables, from the refcount table and L1.
+    pub(crate) fn table_clusters(&self) -> HashSet<u64> {
+        let cs = self.geo.cluster_size();
+        let mut set = HashSet::new();
+        for e in self.refcount_table.borrow().iter() {
+            if *e != 0 && e % cs == 0 {
+                set.insert(e >> self.cluster_bits());
+            }
         }
-        if hh.nb_snapshots > 0 && hit(hh.snapshots_offset, cs) {
-            return true;
+        for e in self.l1.borrow().iter() {
+            if let Ok(Some(t)) = e.l2_table(cs, u64::MAX) {
+                set.insert(t.0 >> self.cluster_bits());
+            }
         }
-        if self
-            .snapshots
-            .iter()
-            .any(|s| hit(s.l1_table_offset, u64::from(s.l1_size) * 8))
-        {
+        set
+    }
+
+    /// Whether host bytes `[off, off+len)` overlap the image's own metadata (header, L1,
+    /// refcount table and blocks, active L2 tables, snapshot table and snapshot L1s).
+    pub(crate) fn overlaps_metadata(&self, off: u64, len: u64) -> bool {
+        let hit = |start: u64, bytes: u64| {
+            bytes > 0 && off < start.saturating_add(bytes) && start < off.saturating_add(len)
+        };
+        if self.any_static_metadata(hit) {
             return true;
         }
         if let Some(m) = &self.meta {
@@ -208,19 +226,7 @@ impl<D: BlockDevice> Qcow2<D> {
     /// Records the clusters of refcount blocks and L2 tables for the overlap check.
     pub(crate) fn index_metadata(&self) {
         let Some(m) = &self.meta else { return };
-        let cs = self.geo.cluster_size();
-        let mut set = HashSet::new();
-        for e in self.refcount_table.borrow().iter() {
-            if *e != 0 && e % cs == 0 {
-                set.insert(e >> self.cluster_bits());
-            }
-        }
-        for e in self.l1.borrow().iter() {
-            if let Ok(Some(t)) = e.l2_table(cs, u64::MAX) {
-                set.insert(t.0 >> self.cluster_bits());
-            }
-        }
-        m.st.borrow_mut().meta_clusters = set;
+        m.st.borrow_mut().meta_clusters = self.table_clusters();
     }
 
     /// Sets the corrupt bit on disk (best effort) after an inconsistency was detected, and
