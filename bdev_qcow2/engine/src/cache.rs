@@ -137,6 +137,12 @@ impl<T: Copy + Default> SetAssocCache<T> {
         self.find(key).filter(|&w| self.epochs[w] == epoch)
     }
 
+    /// The way holding `key` under any epoch (no counters, no LRU update): for prefetch
+    /// hints only, never for using the contents.
+    pub fn peek(&self, key: u64) -> Option<usize> {
+        self.find(key)
+    }
+
     /// Marks a way most recently used and counts a hit (to commit a [`probe`](Self::probe)).
     pub fn touch(&mut self, way: usize) {
         self.clock += 1;

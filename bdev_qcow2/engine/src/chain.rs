@@ -53,6 +53,18 @@ type FastPlan = (Vec<Run>, Vec<(usize, usize)>);
 
 type BoxFut = Pin<Box<dyn Future<Output = Result<()>>>>;
 
+/// A request mapped to one device extent for the host to submit itself
+/// ([`Chain::map_direct`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Direct {
+    /// The device holding the extent.
+    pub dev: DevId,
+    /// Byte offset of the extent on the device.
+    pub host: u64,
+    /// The request's grace-period entry, for [`Exec::guest_exit`] once the operation is over.
+    pub parity: u8,
+}
+
 /// A data run planned by the fast path: host offset, offset in the guest buffer, length.
 #[derive(Clone, Copy)]
 struct Run {
@@ -147,6 +159,89 @@ impl<D: BlockDevice> Chain<D> {
             let r = read_layer(chain.clone(), 0, offset, buf).await;
             chain.exec.complete_entered(tag, r, parity);
         });
+    }
+
+    /// For hosts that submit device I/O themselves, handing the guest request's own buffers
+    /// to the device (SPDK passes a bdev_io's iovecs straight to the base bdev, as its
+    /// passthru does): when `len` bytes at `offset` map, from cached metadata alone, to one
+    /// contiguous extent of the top layer's device — plain data for a read; COPIED data
+    /// outside the image's metadata with no allocation in flight for a write, exactly the
+    /// requests [`submit_read`](Self::submit_read) and
+    /// [`submit_write_local`](Self::submit_write_local) would serve with a single device
+    /// operation — returns it, with the request entered into the grace period: the host
+    /// submits the operation and, once it completed (with whatever result), calls
+    /// [`Exec::guest_exit`] with the returned parity.
+    /// `None` (nothing changed but LRU/hit counters) sends the request down the normal path,
+    /// which also reports invalid requests.
+    pub fn map_direct(&self, offset: u64, len: u64, write: bool) -> Option<Direct> {
+        if len == 0
+            || !offset.is_multiple_of(SECTOR)
+            || !len.is_multiple_of(SECTOR)
+            || offset.checked_add(len).is_none_or(|e| e > self.size)
+        {
+            return None;
+        }
+        let parity = self.exec.guest_enter();
+        let found = if write {
+            let mut runs = [(0, 0, 0); 8];
+            match self.plan_fast_write(offset, len, &mut runs) {
+                Some((dev, 1)) => Some((dev, runs[0].0)),
+                _ => None,
+            }
+        } else {
+            self.plan_direct_read(offset, len)
+        };
+        match found {
+            Some((dev, host)) => {
+                if !write {
+                    self.stats.borrow_mut().fast_reads += 1;
+                }
+                Some(Direct { dev, host, parity })
+            }
+            None => {
+                self.exec.guest_exit(parity);
+                None
+            }
+        }
+    }
+
+    /// Where the top image's cached L2 entry for `offset` lies in memory (see
+    /// [`Qcow2::entry_hint`]): for the host to prefetch before [`map_direct`](Self::map_direct).
+    pub fn entry_hint(&self, offset: u64) -> Option<*const u64> {
+        match &self.layers[0] {
+            Layer::Qcow2(q) => q.entry_hint(GuestOffset(offset)),
+            Layer::Raw { .. } => None,
+        }
+    }
+
+    /// One contiguous data extent for a read, from cached slices only.
+    fn plan_direct_read(&self, offset: u64, len: u64) -> Option<(DevId, u64)> {
+        let q = match &self.layers[0] {
+            Layer::Raw { dev, .. } => return Some((*dev, offset)),
+            Layer::Qcow2(q) => q,
+        };
+        let end = offset + len;
+        let mut pos = offset;
+        let mut start = None;
+        let mut next_host = 0;
+        while pos < end {
+            let Ok(Some((ClusterMapping::Data { host, .. }, m_end))) =
+                q.resolve_cached(GuestOffset(pos))
+            else {
+                return None;
+            };
+            // `host` is the start of the (sub)cluster holding `pos`.
+            let h = host.0 + (pos & (q.geometry().subcluster_size() - 1));
+            match start {
+                None => start = Some(h),
+                Some(_) if h == next_host => {}
+                Some(_) => return None,
+            }
+            let n = m_end.min(end) - pos;
+            next_host = h + n;
+            pos += n;
+        }
+        start.map(|h| (q.dev(), h))
     }
 
     /// The fast path: plans the request from cached slices only; returns false (having

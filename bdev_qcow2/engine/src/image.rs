@@ -633,6 +633,17 @@ impl<D: BlockDevice> Qcow2<D> {
         self.resolve(block, off).map(Some)
     }
 
+    /// Where this replica's cached L2 entry for `off` lies in memory, if its slice is cached
+    /// (under any epoch): a host may prefetch it before starting the request, so the load
+    /// in [`resolve_cached`](Self::resolve_cached) does not stall. A hint only: nothing
+    /// is validated, and the pointer must not be dereferenced.
+    pub fn entry_hint(&self, off: GuestOffset) -> Option<*const u64> {
+        let cache = self.l2_cache.try_borrow().ok()?;
+        let way = cache.peek(self.geo.slice_id(off))?;
+        let i = self.geo.index_in_slice(off) as usize * if self.geo.extended_l2 { 2 } else { 1 };
+        cache.block(way).get(i).map(|e| e as *const u64)
+    }
+
     fn l1_entry_end(&self, off: GuestOffset) -> u64 {
         let cov = self.geo.l1_entry_coverage();
         (off.0 / cov + 1).saturating_mul(cov)

@@ -34,7 +34,7 @@ pub mod testing;
 pub mod types;
 pub mod write;
 
-pub use chain::{Chain, Layer};
+pub use chain::{Chain, Direct, Layer};
 pub use error::{Error, Field, Result};
 pub use exec::{DevId, Exec};
 pub use image::{CoreSeed, OpenOptions, OwnerLink, Qcow2};

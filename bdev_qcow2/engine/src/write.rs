@@ -10,6 +10,7 @@
 
 use crate::chain::{read_layer, Chain, Layer};
 use crate::error::{corrupt, Error, Field, Result};
+use crate::exec::DevId;
 use crate::format::entries::{COPIED, ZERO};
 use crate::format::{ClusterMapping, L2Entry, SubclusterBitmap};
 use crate::image::Qcow2;
@@ -169,14 +170,22 @@ impl<D: BlockDevice> Chain<D> {
         false
     }
 
-    /// In-place fast path: every cluster COPIED data (standard L2), slice cached, no
-    /// allocation in flight. Returns false (changing nothing) otherwise.
-    fn try_fast_write(&self, tag: u64, offset: u64, buf: &BufSlice<D::Buf>, parity: u8) -> bool {
+    /// Plans an in-place write of `len` bytes at `offset` from cached metadata alone (no side
+    /// effects but LRU/hit counters): `Some((device, n))` with `runs[..n]` = (host offset,
+    /// offset in the buffer, length) when every cluster is COPIED data of the top image
+    /// (standard L2), outside the image's metadata, with no allocation in flight and at most
+    /// `runs.len()` discontiguous pieces; `None` when the write needs the slow path.
+    pub(crate) fn plan_fast_write(
+        &self,
+        offset: u64,
+        len: u64,
+        runs: &mut [(u64, usize, usize); 8],
+    ) -> Option<(DevId, usize)> {
         let Layer::Qcow2(q) = &self.layers()[0] else {
-            return false;
+            return None;
         };
         if q.geometry().extended_l2 {
-            return false;
+            return None;
         }
         // The owner checks its in-flight allocations and exact metadata index; a core
         // replica checks the owner's published metadata-cluster bitmap (an allocation in
@@ -184,63 +193,69 @@ impl<D: BlockDevice> Chain<D> {
         let m = q.meta.as_ref();
         let core = match &q.core {
             Some(c) if c.writable => q.shared.as_deref(),
-            Some(_) => return false,
+            Some(_) => return None,
             None => None,
         };
         if m.is_none() && core.is_none() {
-            return false;
+            return None;
         }
         let cs = q.geometry().cluster_size();
         let bits = q.geometry().cluster_bits;
-        let end = offset + buf.len as u64;
-        // Plan first (no side effects), then submit.
-        let mut runs: [(u64, usize, usize); 8] = [(0, 0, 0); 8];
+        let end = offset + len;
         let mut n = 0;
         let mut pos = offset;
-        {
-            let st = m.map(|m| m.st.borrow());
-            while pos < end {
-                if st
-                    .as_ref()
-                    .is_some_and(|st| st.inflight.contains(&(pos / cs)))
-                {
-                    return false;
-                }
-                let Ok(Some((ClusterMapping::Data { host, copied: true }, c_end))) =
-                    q.resolve_cached(GuestOffset(pos))
-                else {
-                    return false;
-                };
-                let len = (c_end.min(end) - pos) as usize;
-                let h = host.0 + (pos & (cs - 1));
-                let overlaps = match core {
-                    Some(sh) => {
-                        (h >> bits..=(h + len as u64 - 1) >> bits).any(|c| sh.is_meta_cluster(c))
-                    }
-                    None => q.overlaps_metadata(h, len as u64),
-                };
-                if overlaps {
-                    // The slow path refuses it and marks the image corrupt.
-                    return false;
-                }
-                let boff = (pos - offset) as usize;
-                if n > 0 && runs[n - 1].0 + runs[n - 1].2 as u64 == h {
-                    runs[n - 1].2 += len;
-                } else if n < runs.len() {
-                    runs[n] = (h, boff, len);
-                    n += 1;
-                } else {
-                    return false;
-                }
-                pos += len as u64;
+        let st = m.map(|m| m.st.borrow());
+        while pos < end {
+            if st
+                .as_ref()
+                .is_some_and(|st| st.inflight.contains(&(pos / cs)))
+            {
+                return None;
             }
+            let Ok(Some((ClusterMapping::Data { host, copied: true }, c_end))) =
+                q.resolve_cached(GuestOffset(pos))
+            else {
+                return None;
+            };
+            let len = (c_end.min(end) - pos) as usize;
+            let h = host.0 + (pos & (cs - 1));
+            let overlaps = match core {
+                Some(sh) => {
+                    (h >> bits..=(h + len as u64 - 1) >> bits).any(|c| sh.is_meta_cluster(c))
+                }
+                None => q.overlaps_metadata(h, len as u64),
+            };
+            if overlaps {
+                // The slow path refuses it and marks the image corrupt.
+                return None;
+            }
+            let boff = (pos - offset) as usize;
+            if n > 0 && runs[n - 1].0 + runs[n - 1].2 as u64 == h {
+                runs[n - 1].2 += len;
+            } else if n < runs.len() {
+                runs[n] = (h, boff, len);
+                n += 1;
+            } else {
+                return None;
+            }
+            pos += len as u64;
         }
+        Some((q.dev(), n))
+    }
+
+    /// In-place fast path: every cluster COPIED data (standard L2), slice cached, no
+    /// allocation in flight. Returns false (changing nothing) otherwise.
+    fn try_fast_write(&self, tag: u64, offset: u64, buf: &BufSlice<D::Buf>, parity: u8) -> bool {
+        let mut runs: [(u64, usize, usize); 8] = [(0, 0, 0); 8];
+        let Some((dev, n)) = self.plan_fast_write(offset, buf.len as u64, &mut runs) else {
+            return false;
+        };
         if n == 1 {
             let (h, boff, len) = runs[0];
             self.exec().request_single(
                 tag,
                 parity,
-                q.dev(),
+                dev,
                 DeviceOp::Write {
                     offset: h,
                     buf: buf.sub(boff, len),
@@ -252,7 +267,7 @@ impl<D: BlockDevice> Chain<D> {
         for &(h, boff, len) in &runs[..n] {
             self.exec().request_op(
                 req,
-                q.dev(),
+                dev,
                 DeviceOp::Write {
                     offset: h,
                     buf: buf.sub(boff, len),

@@ -340,3 +340,116 @@ fn completions_delivered_from_a_device_callback_finish_fast_path_reads_at_once()
     assert_eq!(got, Some((9, Ok(()))));
     assert_eq!(buf.to_vec(), raw[..65536]);
 }
+
+/// `qemu-img map --output=json`: (start, length, data, offset) per extent.
+fn qemu_map(img: &Path) -> Vec<(u64, u64, bool, Option<u64>)> {
+    let out = Command::new("qemu-img")
+        .args(["map", "--output=json"])
+        .arg(img)
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|e| {
+            (
+                e["start"].as_u64().unwrap(),
+                e["length"].as_u64().unwrap(),
+                e["data"].as_bool().unwrap(),
+                e["offset"].as_u64(),
+            )
+        })
+        .collect()
+}
+
+/// The direct path (`Chain::map_direct`, what the SPDK module hands straight to the base
+/// bdev): one extent exactly where qemu-img maps the data, and `None` for everything the
+/// engine must run itself — uncached slices, zeros, compressed and unallocated clusters,
+/// requests spanning them, bad ranges, writes on a read-only image.
+#[test]
+fn direct_path_maps_where_qemu_img_maps() {
+    let dir = tempfile::tempdir().unwrap();
+    let (img, raw) = make_image(
+        dir.path(),
+        "cluster_size=65536",
+        "16M",
+        &[
+            "write -P 0x11 0 1M",
+            "write -z 1M 64k",
+            "write -c -P 0x22 2M 64k",
+            "write -P 0x33 4M 64k",
+        ],
+    );
+    let map = qemu_map(&dir.path().join("img.qcow2"));
+    let host_of = |off: u64| {
+        map.iter()
+            .find(|e| e.0 <= off && off < e.0 + e.1)
+            .and_then(|e| e.3.filter(|_| e.2).map(|h| h + off - e.0))
+    };
+    let extent_end = |off: u64| {
+        map.iter()
+            .find(|e| e.0 <= off && off < e.0 + e.1)
+            .map(|e| e.0 + e.1)
+    };
+    for writable in [false, true] {
+        let (exec, dev, chain) = open(
+            img.clone(),
+            OpenOptions {
+                writable,
+                ..OpenOptions::default()
+            },
+        );
+        let chain = chain.unwrap();
+        // Nothing cached yet: the engine must load the slice.
+        assert_eq!(chain.map_direct(0, 4096, false), None);
+        submit_and_wait(&exec, &chain, 0, 4096).unwrap();
+        for (off, len) in [
+            (0u64, 4096u64),
+            (65536 - 512, 1024),
+            (512, 65536),
+            (4 << 20, 65536),
+        ] {
+            let d = chain
+                .map_direct(off, len, false)
+                .expect("cached data maps directly");
+            assert_eq!(Some(d.host), host_of(off), "read at {off}");
+            // The extent holds the guest's bytes.
+            let mem = &dev.0.borrow().data;
+            assert_eq!(
+                mem[d.host as usize..(d.host + len) as usize],
+                raw[off as usize..(off + len) as usize]
+            );
+            exec.guest_exit(d.parity);
+            // In-place writes: only on the writable image (qemu-io's clusters are COPIED).
+            let w = chain.map_direct(off, len, true);
+            assert_eq!(
+                w.map(|d| d.host),
+                host_of(off).filter(|_| writable),
+                "write at {off}"
+            );
+            if let Some(d) = w {
+                exec.guest_exit(d.parity);
+            }
+        }
+        // A run over the whole first MiB is one extent only if qemu-img says so.
+        let whole = chain.map_direct(0, 1 << 20, false);
+        assert_eq!(whole.is_some(), extent_end(0) >= Some(1 << 20));
+        if let Some(d) = whole {
+            exec.guest_exit(d.parity);
+        }
+        for (off, len, why) in [
+            (1 << 20, 4096, "zero cluster"),
+            ((1 << 20) - 4096, 8192, "data then zeros"),
+            (2 << 20, 4096, "compressed cluster"),
+            (3 << 20, 4096, "unallocated cluster"),
+            (100, 4096, "unaligned"),
+            (0, 0, "empty"),
+            ((16 << 20) - 512, 1024, "past the end"),
+        ] {
+            assert_eq!(chain.map_direct(off, len, false), None, "{why}");
+            assert_eq!(chain.map_direct(off, len, true), None, "{why} (write)");
+        }
+    }
+}

@@ -266,6 +266,62 @@ impl SpdkDevice {
         }
     }
 
+    /// The direct path (see `Chain::map_direct`): submits a read or a write of `len` bytes
+    /// at byte `offset` from the caller's own iovecs straight to the base bdev, as SPDK's
+    /// passthru does — no slot, no executor; SPDK calls `cb(child, success, cb_arg)` and
+    /// `cb` frees the child bdev_io. On `Err` nothing was submitted: `EINVAL` when the
+    /// extent is not whole blocks inside the device, `ENOMEM` while this device waits for
+    /// SPDK's bdev_io pool (queued engine operations go first), else SPDK's error.
+    ///
+    /// # Safety
+    /// The iovecs must describe at least `len` bytes that stay valid until `cb` runs, and
+    /// `cb_arg` must be valid for `cb`.
+    pub unsafe fn submit_direct(
+        &self,
+        write: bool,
+        (iovs, iovcnt): (*mut sys::iovec, usize),
+        offset: u64,
+        len: u64,
+        cb: sys::spdk_bdev_io_completion_cb,
+        cb_arg: *mut c_void,
+    ) -> Result<(), i32> {
+        let bs = self.block_size;
+        if !offset.is_multiple_of(bs)
+            || !len.is_multiple_of(bs)
+            || offset.checked_add(len).is_none_or(|e| e > self.size())
+        {
+            return Err(libc::EINVAL);
+        }
+        // SAFETY: see `in_flight`.
+        if unsafe { self.pool.as_ref() }.waiting {
+            return Err(libc::ENOMEM);
+        }
+        let f = if write {
+            sys::spdk_bdev_writev_blocks
+        } else {
+            sys::spdk_bdev_readv_blocks
+        };
+        // SAFETY: `desc` is open and `ch` is this thread's channel of it; the caller
+        // guarantees the iovecs and the callback argument.
+        let rc = unsafe {
+            f(
+                self.desc,
+                self.ch.raw(),
+                iovs,
+                iovcnt as i32,
+                offset / bs,
+                len / bs,
+                cb,
+                cb_arg,
+            )
+        };
+        if rc == 0 {
+            Ok(())
+        } else {
+            Err(-rc)
+        }
+    }
+
     fn complete_now(&mut self, tag: u64, r: Result<(), DeviceError>) {
         // SAFETY: see `in_flight`.
         unsafe { (*self.pool.as_ptr()).done.push_back((tag, r)) };

@@ -35,6 +35,8 @@ use std::rc::Rc;
 pub struct IoCtx {
     /// `SPDK_BDEV_IO_STATUS_*` of a forwarded request, on its way back.
     pub status: sys::spdk_bdev_io_status,
+    /// Grace-period entry of a request on the direct path (`channel::submit_direct`).
+    pub parity: u8,
 }
 
 /// What happens once the owner closed (metadata flushed), on the md thread.
@@ -150,6 +152,9 @@ impl Owner {
         let c = &self.chain;
         match io.io_type() {
             sys::SPDK_BDEV_IO_TYPE_READ | sys::SPDK_BDEV_IO_TYPE_WRITE => {
+                if channel::submit_direct(c, &self.exec, io, owner_direct_done) {
+                    return;
+                }
                 let (iovs, cnt) = io.iovs();
                 // SAFETY: the bdev_io's iovecs hold `len` bytes and stay valid until it is
                 // completed, which happens only after the engine reported the request done.
@@ -204,6 +209,34 @@ unsafe extern "C" fn fwd_submit(ctx: *mut c_void) {
     };
     // SAFETY: on the md thread; the owner lives while the bdev has channels.
     unsafe { (*owner_of(io)).submit(io) };
+}
+
+/// Completion of a request the owner sent down the direct path.
+unsafe extern "C" fn owner_direct_done(
+    child: *mut sys::spdk_bdev_io,
+    success: bool,
+    arg: *mut c_void,
+) {
+    // SAFETY: SPDK hands back the child bdev_io of `channel::submit_direct`; freed once.
+    unsafe { sys::spdk_bdev_free_io(child) };
+    // SAFETY: `arg` is the guest bdev_io, outstanding until we complete it below.
+    let Some(io) = (unsafe { BdevIo::from_raw(arg.cast()) }) else {
+        return;
+    };
+    // SAFETY: on the md thread; the owner lives while the bdev has I/O; the driver context
+    // holds the parity `submit_direct` stored.
+    unsafe {
+        let parity = (*io.driver_ctx().cast::<IoCtx>()).parity;
+        (*owner_of(io)).exec.guest_exit(parity);
+    }
+    done(
+        io,
+        if success {
+            sys::SPDK_BDEV_IO_STATUS_SUCCESS
+        } else {
+            sys::SPDK_BDEV_IO_STATUS_FAILED
+        },
+    );
 }
 
 /// A request finished on the owner: back to its thread.
