@@ -143,6 +143,11 @@ impl<T: Copy + Default> SetAssocCache<T> {
         self.find(key)
     }
 
+    /// The epoch `key` is cached under, if cached (no counters, no LRU update).
+    pub fn peek_epoch(&self, key: u64) -> Option<u32> {
+        self.find(key).map(|w| self.epochs[w])
+    }
+
     /// Marks a way most recently used and counts a hit (to commit a [`probe`](Self::probe)).
     pub fn touch(&mut self, way: usize) {
         self.clock += 1;

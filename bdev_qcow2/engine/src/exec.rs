@@ -76,12 +76,13 @@ struct Inner<D: BlockDevice> {
     reaped: RefCell<Vec<(u64, Result<(), DeviceError>)>>,
     stats: Cell<ExecStats>,
     /// This core's membership in a shared image's grace periods.
-    grace: RefCell<Option<(std::sync::Arc<crate::coherency::Shared>, usize)>>,
+    /// (shared state, member slot, whether this executor is the owner's).
+    grace: RefCell<Option<(std::sync::Arc<crate::coherency::Shared>, usize, bool)>>,
 }
 
 impl<D: BlockDevice> Drop for Inner<D> {
     fn drop(&mut self) {
-        if let Some((sh, slot)) = self.grace.borrow_mut().take() {
+        if let Some((sh, slot, _)) = self.grace.borrow_mut().take() {
             sh.grace.unregister(slot);
         }
     }
@@ -129,14 +130,20 @@ impl<D: BlockDevice> Exec<D> {
     /// Makes this core a member of `shared`'s grace periods (see
     /// [`Grace`](crate::coherency::Grace)); false when every member slot is taken. Once a
     /// member, every guest request must enter ([`guest_enter`](Self::guest_enter)) before it
-    /// resolves a mapping and exit when it completes.
-    pub fn join_grace(&self, shared: std::sync::Arc<crate::coherency::Shared>) -> bool {
+    /// resolves a mapping and exit when it completes. `owner`: this is the metadata owner's
+    /// executor, on the thread that advances the grace periods (its entries need no fence:
+    /// see [`Grace::enter_owner`](crate::coherency::Grace::enter_owner)).
+    pub fn join_grace(
+        &self,
+        shared: std::sync::Arc<crate::coherency::Shared>,
+        owner: bool,
+    ) -> bool {
         if self.inner.grace.borrow().is_some() {
             return true;
         }
         match shared.grace.register() {
             Some(slot) => {
-                *self.inner.grace.borrow_mut() = Some((shared, slot));
+                *self.inner.grace.borrow_mut() = Some((shared, slot, owner));
                 true
             }
             None => false,
@@ -146,7 +153,8 @@ impl<D: BlockDevice> Exec<D> {
     /// A guest request starts (before it resolves any mapping): returns its parity.
     pub fn guest_enter(&self) -> u8 {
         match &*self.inner.grace.borrow() {
-            Some((sh, slot)) => sh.grace.enter(*slot),
+            Some((sh, slot, false)) => sh.grace.enter(*slot),
+            Some((sh, slot, true)) => sh.grace.enter_owner(*slot),
             None => NO_GRACE,
         }
     }
@@ -156,7 +164,7 @@ impl<D: BlockDevice> Exec<D> {
         if parity == NO_GRACE {
             return;
         }
-        if let Some((sh, slot)) = &*self.inner.grace.borrow() {
+        if let Some((sh, slot, _)) = &*self.inner.grace.borrow() {
             sh.grace.exit(*slot, parity);
         }
     }

@@ -89,6 +89,19 @@ pub(crate) struct CoreSide<D: BlockDevice> {
     pub(crate) writable: bool,
 }
 
+/// A core replica's copy of one slice, as seen by a write
+/// ([`Qcow2::core_slice_state`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CoreSlice {
+    /// Cached under the current epoch.
+    Valid,
+    /// Cached under an older epoch, and the owner holds the slice dirty now (it is
+    /// changing it).
+    StaleDirty,
+    /// Not cached, or stale and clean on the device (the core reads it itself).
+    Missing,
+}
+
 /// What a core needs to build its replica of a shared image (`Send`: made on the owner's
 /// core, used on another).
 #[derive(Debug, Clone)]
@@ -374,7 +387,7 @@ impl<D: BlockDevice> Qcow2<D> {
         }
         // The owner's own requests take part in grace periods too (its fast paths race
         // with its own discards like a core's do).
-        self.exec.join_grace(shared.clone());
+        self.exec.join_grace(shared.clone(), true);
         self.shared = Some(shared.clone());
         shared
     }
@@ -407,7 +420,7 @@ impl<D: BlockDevice> Qcow2<D> {
         opts: OpenOptions,
         link: Box<dyn OwnerLink>,
     ) -> Result<Self> {
-        if !exec.join_grace(seed.shared.clone()) {
+        if !exec.join_grace(seed.shared.clone(), false) {
             return Err(Error::InvalidRequest(
                 "too many cores share this image (256 at most)",
             ));
@@ -642,6 +655,25 @@ impl<D: BlockDevice> Qcow2<D> {
         let way = cache.peek(self.geo.slice_id(off))?;
         let i = self.geo.index_in_slice(off) as usize * if self.geo.extended_l2 { 2 } else { 1 };
         cache.block(way).get(i).map(|e| e as *const u64)
+    }
+
+    /// On a writable core replica: the state of this core's copy of the slice covering
+    /// `off` (see [`Chain::write_needs_owner`](crate::Chain::write_needs_owner)); `None`
+    /// on the owner and on read-only replicas.
+    pub fn core_slice_state(&self, off: GuestOffset) -> Option<CoreSlice> {
+        let (Some(core), Some(sh)) = (&self.core, &self.shared) else {
+            return None;
+        };
+        if !core.writable {
+            return None;
+        }
+        let key = self.geo.slice_id(off);
+        let now = sh.epoch(key);
+        Some(match self.l2_cache.borrow().peek_epoch(key) {
+            Some(e) if e == now => CoreSlice::Valid,
+            Some(_) if now & 1 == 1 => CoreSlice::StaleDirty,
+            _ => CoreSlice::Missing,
+        })
     }
 
     fn l1_entry_end(&self, off: GuestOffset) -> u64 {

@@ -37,4 +37,4 @@ pub mod write;
 pub use chain::{Chain, Direct, Layer};
 pub use error::{Error, Field, Result};
 pub use exec::{DevId, Exec};
-pub use image::{CoreSeed, OpenOptions, OwnerLink, Qcow2};
+pub use image::{CoreSeed, CoreSlice, OpenOptions, OwnerLink, Qcow2};

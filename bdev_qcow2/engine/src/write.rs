@@ -149,6 +149,42 @@ impl<D: BlockDevice> Chain<D> {
         });
     }
 
+    /// On a writable core replica, asked before [`map_direct`](Self::map_direct) (outside
+    /// the grace period, whose entry costs a fence on a core; a hint from cached metadata
+    /// only): whether to send a write to the metadata owner at once rather than try it
+    /// here, in place or through
+    /// [`submit_write_local`](Self::submit_write_local), which loads the missing slices
+    /// first. True when the core's copy of every slice involved is current and the write
+    /// is still not in place (allocation, COW, zero clusters: the owner's work), or when a
+    /// slice changed since this core cached it and the owner still holds it dirty — it is
+    /// allocating there, and fetching its copy would cost a message pair and a slice copy
+    /// only to find, most of the time, a cluster that is not in place yet. False when a
+    /// slice is simply not cached (a clean one comes from the device, a dirty one once from
+    /// the owner; later overwrites then stay on the core), and on the owner itself.
+    pub fn write_needs_owner(&self, offset: u64, len: u64) -> bool {
+        let Layer::Qcow2(q) = &self.layers()[0] else {
+            return false;
+        };
+        let mut runs = [(0, 0, 0); 8];
+        if len == 0 || self.plan_fast_write(offset, len, &mut runs).is_some() {
+            return false;
+        }
+        let cov = q.geometry().slice_coverage();
+        let end = offset.saturating_add(len).min(self.size());
+        let mut pos = offset;
+        let mut all_valid = true;
+        while pos < end {
+            match q.core_slice_state(GuestOffset(pos)) {
+                None => return false,
+                Some(crate::image::CoreSlice::StaleDirty) => return true,
+                Some(crate::image::CoreSlice::Missing) => all_valid = false,
+                Some(crate::image::CoreSlice::Valid) => {}
+            }
+            pos = (pos / cov + 1) * cov;
+        }
+        all_valid
+    }
+
     /// On a core replica of a shared image ([`Qcow2::from_seed`]): starts the write here if
     /// it is an in-place write (fast path) and returns true; returns false, having changed
     /// nothing, when the write must go to the metadata owner (allocation, COW, anything

@@ -356,10 +356,15 @@ impl Channel {
     fn write(&self, io: BdevIo, md: *mut sys::spdk_thread) {
         let chain = self.chain.borrow();
         if let (Some(chain), false) = (chain.as_ref(), self.forward_only.get()) {
+            let bs = u64::from(BLOCK_SIZE);
+            // First writes and COW go to the owner without a detour through this replica.
+            if chain.write_needs_owner(io.offset_blocks() * bs, io.num_blocks() * bs) {
+                self.forwarded.set(self.forwarded.get() + 1);
+                return owner::forward(md, io);
+            }
             if submit_direct(chain, &self.exec, io, chan_direct_done) {
                 return;
             }
-            let bs = u64::from(BLOCK_SIZE);
             let len = io.num_blocks() * bs;
             let (iovs, cnt) = io.iovs();
             // SAFETY: the bdev_io's iovecs hold `len` bytes and stay valid until we complete
