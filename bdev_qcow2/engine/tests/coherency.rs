@@ -854,3 +854,58 @@ fn core_refuses_in_place_write_into_metadata() {
         "the L1 table was overwritten"
     );
 }
+
+#[test]
+fn core_routes_writes_by_its_cached_slice() {
+    // `Chain::write_needs_owner` on a core: an uncached slice is loaded here first (false);
+    // a current slice sends first writes to the owner and keeps overwrites here; a slice
+    // the owner changed and holds dirty sends the write to the owner without a fetch.
+    let mut rig = Rig::new(5, 1, false, 1);
+    let cs = 4096u64;
+    write_sync(&mut rig, 1, 0, 31, cs);
+    flush_sync(&mut rig, 2);
+    let core = rig.chains[1].clone();
+    assert!(
+        !core.write_needs_owner(0, cs),
+        "uncached: load it on the core"
+    );
+    assert_eq!(core.map_direct(0, cs, true), None, "nothing cached yet");
+    // The core caches the (clean) slice.
+    assert_eq!(core_read(&mut rig, 1, 3, 0, cs), vec![31; 8]);
+    assert!(
+        !core.write_needs_owner(0, cs),
+        "overwrite of an allocated cluster"
+    );
+    let d = core.map_direct(0, cs, true).expect("in place on the core");
+    core.exec().guest_exit(d.parity);
+    assert!(
+        core.write_needs_owner(cs, cs),
+        "first write: the owner allocates"
+    );
+    assert!(core.write_needs_owner(0, 2 * cs), "partly a first write");
+    // The owner allocates cluster 1 in the same slice and keeps it dirty: the core's copy
+    // is outdated, and even the overwrite of cluster 0 goes to the owner rather than
+    // fetching the owner's copy.
+    write_sync(&mut rig, 4, cs, 32, cs);
+    assert!(
+        core.write_needs_owner(0, cs),
+        "slice dirty on the owner since"
+    );
+    // Once written back (clean, even epoch) the core reloads it itself.
+    flush_sync(&mut rig, 5);
+    assert!(
+        !core.write_needs_owner(0, cs),
+        "clean again: the core reads it"
+    );
+    assert_eq!(
+        core_read(&mut rig, 1, 6, 0, 2 * cs),
+        [vec![31; 8], vec![32; 8]].concat()
+    );
+    assert!(
+        !core.write_needs_owner(cs, cs),
+        "now allocated and current on the core"
+    );
+    // The owner never defers to itself.
+    assert!(!rig.chains[0].write_needs_owner(2 * cs, cs));
+    rig.close();
+}
