@@ -10,6 +10,8 @@
 #   SKIP_AIO=1 tests/spdk_bench.sh            # only the malloc figures
 #   SKIP_LVOL=1 tests/spdk_bench.sh           # without the thin-lvol comparison
 #   SKIP_2CORE=1 tests/spdk_bench.sh          # without the two-core (-m 0x3 -C) figures
+#   SKIP_WRITABLE=1 tests/spdk_bench.sh       # without the writable-vs-passthru figures
+#   FIRST_LAT="20 80" tests/spdk_bench.sh     # delay-bdev latencies (µs) for first writes
 #
 # Needs an installed SPDK (bdevperf on PATH, pkg-config spdk_bdev) and qemu-img; prints
 # SKIPPED and exits 0 without them. Builds the module in release mode.
@@ -102,14 +104,15 @@ if [ ! -f "$BDEVPERF_PY" ]; then
   exit 0
 fi
 
-# zbench NAME CONFIG-CALLS: starts `bdevperf -z` on one core over the calls, job on bdev NAME.
+# zbench NAME CONFIG-CALLS: starts `bdevperf -z` on one core over the calls, job on bdev NAME
+# (NAME empty: on every bdev nothing else claimed, at each perform_tests).
 zbench_start() {
   local name=$1 calls=$2
   printf '{"subsystems":[{"subsystem":"bdev","config":[%s,{"method":"bdev_wait_for_examine"}]}]}' \
     "$calls" >"$DIR/z.json"
   rm -f "$DIR/z.sock"
   timeout -k 5 600 env LD_PRELOAD="$SO" bdevperf -u "${ZMEM[@]}" --json "$DIR/z.json" \
-    -r "$DIR/z.sock" -z -m "${ZMASK:-0x1}" ${ZMULTI:-} -T "$name" -q 32 -o 4096 -w randread -t "$TIME" >"$DIR/z.log" 2>&1 &
+    -r "$DIR/z.sock" -z -m "${ZMASK:-0x1}" ${ZMULTI:-} ${name:+-T "$name"} -q 32 -o 4096 -w randread -t "$TIME" >"$DIR/z.log" 2>&1 &
   ZPID=$!
   for _ in $(seq 100); do [ -S "$DIR/z.sock" ] && break; sleep 0.2; done
 }
@@ -143,6 +146,7 @@ zbench_stop() {
 ratio() { awk -v a="$1" -v b="$2" 'BEGIN {printf "%.3f", a / b}'; }
 
 MALLOC=1280 # MiB
+if [ -z "${SKIP_WRITABLE:-}" ]; then
 # 1. First writes vs overwrites: 4 KiB clusters (so a 1 s run mostly writes clusters for the
 #    first time), 1 GiB image; fresh, then filled sequentially, then the same run again.
 zbench_start q0 "{\"method\":\"bdev_malloc_create\",\"params\":{\"name\":\"m0\",\"num_blocks\":$((MALLOC * 2048)),\"block_size\":512}},
@@ -153,6 +157,7 @@ zrun write 1048576 4 8 >/dev/null
 full=$(zrun randwrite 4096 1)
 zbench_stop
 echo "malloc, qcow2 4K clusters, 1 GiB: randwrite 4096 B QD32 1 s: fresh image $fresh IOPS, fully allocated $full IOPS, ratio $(ratio "$fresh" "$full")"
+fi
 
 # 2. Writable qcow2 (64 KiB clusters, 512 MiB, filled) vs passthru on the same kind of base;
 #    then the same image reopened read-only (bdev_qcow2_delete + create --read-only in the
@@ -186,31 +191,60 @@ writable_vs_passthru() {
     echo "malloc, read-only qcow2 (filled) vs passthru, $label QD32: $1 $2 B: qcow2 ${R[$wo]} passthru ${P[$1$2]} IOPS, ratio $(ratio "${R[$wo]}" "${P[$1$2]}")"
   done
 }
-writable_vs_passthru "one core"
-if [ -z "${SKIP_2CORE:-}" ] && [ "$(nproc)" -ge 2 ]; then
-  ZMASK=0x3 ZMULTI=-C writable_vs_passthru "two cores (-C)"
+if [ -z "${SKIP_WRITABLE:-}" ]; then
+  writable_vs_passthru "one core"
+  if [ -z "${SKIP_2CORE:-}" ] && [ "$(nproc)" -ge 2 ]; then
+    ZMASK=0x3 ZMULTI=-C writable_vs_passthru "two cores (-C)"
+  fi
 fi
 
 # 3. First writes: a fresh thin-provisioned lvol vs a freshly formatted qcow2 image, both
-#    1 GiB on a 1.25 GiB malloc, 4 KiB randwrite QD32 for 1 s (mostly first writes to
-#    clusters); each in its own process. lvstore clusters: 64 KiB (LVS_CLUSTER) like qcow2's.
+#    with 64 KiB clusters (LVS_CLUSTER), each in its own process, QD32 for 1 s:
+#    - sequential 64 KiB writes on 8 GiB volumes (FIRST_GIB) over a malloc of 9 GiB of
+#      ordinary memory: a 1 s run stays below the end of the volume, so every write
+#      allocates one new cluster (pure first writes); on the bare malloc and over a delay
+#      bdev with NVMe-like write latency (FIRST_LAT, µs; default "20 80"), where the
+#      allocation's metadata writes cost what they cost on a device;
+#    - 4 KiB random writes on 1 GiB volumes on the bare malloc: the first write to each
+#      cluster allocates it, the rest (most of a 1 s run: ~16 k clusters, ~0.5 M writes)
+#      overwrite.
 [ -n "${SKIP_LVOL:-}" ] && exit 0
 LVS_CLUSTER=${LVS_CLUSTER:-65536}
-MALLOC_CALL="{\"method\":\"bdev_malloc_create\",\"params\":{\"name\":\"m0\",\"num_blocks\":$((MALLOC * 2048)),\"block_size\":512}}"
-zbench_start lvs0/l0 "$MALLOC_CALL,
-{\"method\":\"bdev_lvol_create_lvstore\",\"params\":{\"bdev_name\":\"m0\",\"lvs_name\":\"lvs0\",\"cluster_sz\":$LVS_CLUSTER}},
-{\"method\":\"bdev_lvol_create\",\"params\":{\"lvol_name\":\"l0\",\"size_in_mib\":1024,\"thin_provision\":true,\"lvs_name\":\"lvs0\"}}"
-lvol=$(zrun randwrite 4096 1)
-zbench_stop
-# qcow2_first NAME FORMAT-PARAMS: fresh-image 4 KiB randwrite IOPS.
-qcow2_first() {
-  zbench_start q0 "$MALLOC_CALL,
-{\"method\":\"bdev_qcow2_format\",\"params\":{\"base_bdev\":\"m0\",\"size\":1073741824$2}},
-{\"method\":\"bdev_qcow2_create\",\"params\":{\"name\":\"q0\",\"base_bdev\":\"m0\"}}"
-  local r
-  r=$(zrun randwrite 4096 1)
+# first_writes KIND LAT_US WORKLOAD IOSIZE [QCOW2-PARAMS]: IOPS of one fresh lvol (KIND=lvol)
+# or qcow2 image of VOL_MIB on a malloc of VOL_MIB + 256 MiB. The malloc is written once
+# first, so neither side pays the first touch of the memory (page faults); the lvstore is
+# created without clearing (the malloc is zeroed already).
+VOL_MIB=1024
+first_writes() {
+  zbench_start "" "{\"method\":\"bdev_malloc_create\",\"params\":{\"name\":\"m0\",\"num_blocks\":$(((VOL_MIB + 256) * 2048)),\"block_size\":512}}"
+  zrun write 1048576 $((VOL_MIB / 2048 + 2)) 8 >/dev/null
+  local base=m0
+  if [ "$2" != 0 ]; then
+    zrpc bdev_delay_create -b m0 -d d0 -r "$2" -t "$2" -w "$2" -n "$2"
+    base=d0
+  fi
+  if [ "$1" = lvol ]; then
+    zrpc bdev_lvol_create_lvstore "$base" lvs0 -c "$LVS_CLUSTER" --clear-method none
+    zrpc bdev_lvol_create -l lvs0 -t l0 "$VOL_MIB"
+  else
+    zrpc bdev_qcow2_format "$base" -s $((VOL_MIB << 20)) --cluster-size "$LVS_CLUSTER" ${5:-}
+    zrpc bdev_qcow2_create -b q0 --base-bdev "$base"
+  fi
+  zrun "$3" "$4" 1
   zbench_stop
-  echo "malloc, first writes, randwrite 4096 B QD32 1 s: qcow2 ($1) $r IOPS, thin lvol ($LVS_CLUSTER B clusters) $lvol IOPS, ratio qcow2/lvol $(ratio "$r" "$lvol")"
 }
-qcow2_first "64 KiB clusters" ""
-qcow2_first "64 KiB clusters, extended L2" ",\"cluster_size\":65536,\"extended_l2\":true"
+SAVED_ZMEM=("${ZMEM[@]}")
+ZMEM=(--no-huge -s $((${FIRST_GIB:-8} * 1024 + 2048)))
+VOL_MIB=$((${FIRST_GIB:-8} * 1024))
+for lat in 0 ${FIRST_LAT:-20 80}; do
+  l=$(first_writes lvol "$lat" write "$LVS_CLUSTER")
+  q=$(first_writes qcow2 "$lat" write "$LVS_CLUSTER")
+  echo "first writes, sequential $LVS_CLUSTER B (one new cluster each), $VOL_MIB MiB volumes, QD32 1 s, malloc + ${lat} µs latency: qcow2 $q IOPS, thin lvol $l IOPS, ratio qcow2/lvol $(ratio "$q" "$l")"
+done
+ZMEM=("${SAVED_ZMEM[@]}")
+VOL_MIB=1024
+lvol=$(first_writes lvol 0 randwrite 4096)
+for v in "64 KiB clusters|" "64 KiB clusters, extended L2|--extended-l2"; do
+  q=$(first_writes qcow2 0 randwrite 4096 "${v#*|}")
+  echo "fresh volumes, randwrite 4096 B QD32 1 s (first writes, then overwrites), malloc: qcow2 (${v%%|*}) $q IOPS, thin lvol ($LVS_CLUSTER B clusters) $lvol IOPS, ratio qcow2/lvol $(ratio "$q" "$lvol")"
+done
