@@ -214,6 +214,15 @@ impl<D: BlockDevice> Chain<D> {
         }
     }
 
+    /// On the metadata owner: where its dirty copy of the L2 entry for `offset` lies, if
+    /// the slice is dirty (see [`Qcow2::dirty_entry_hint`]); the slow write path reads it.
+    pub fn dirty_entry_hint(&self, offset: u64) -> Option<*const u64> {
+        match &self.layers[0] {
+            Layer::Qcow2(q) => q.dirty_entry_hint(GuestOffset(offset)),
+            Layer::Raw { .. } => None,
+        }
+    }
+
     /// One contiguous data extent for a read, from cached slices only.
     fn plan_direct_read(&self, offset: u64, len: u64) -> Option<(DevId, u64)> {
         let q = match &self.layers[0] {

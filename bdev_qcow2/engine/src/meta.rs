@@ -288,6 +288,16 @@ impl<D: BlockDevice> Qcow2<D> {
         Ok(())
     }
 
+    /// Where the owner's dirty copy of `off`'s L2 entry lies in memory, if the slice is
+    /// dirty: a prefetch hint like [`entry_hint`](Self::entry_hint), never dereferenced.
+    pub fn dirty_entry_hint(&self, off: GuestOffset) -> Option<*const u64> {
+        let m = self.meta.as_ref()?;
+        let st = m.st.try_borrow().ok()?;
+        let b = st.dirty_l2.get(&self.geo.slice_id(off))?;
+        let i = self.geo.index_in_slice(off) as usize * if self.geo.extended_l2 { 2 } else { 1 };
+        b.get(i).map(|e| e as *const u64)
+    }
+
     /// Reads the raw L2 words of `off`'s entry (`(entry, bitmap)`; bitmap 0 without
     /// extended L2). The slice must be dirty or cached.
     pub(crate) async fn l2_words(&self, off: GuestOffset) -> Result<(u64, u64)> {
