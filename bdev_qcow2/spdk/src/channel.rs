@@ -465,24 +465,38 @@ pub fn submit_direct(
     true
 }
 
+/// The common start of a direct-path completion: frees the child bdev_io and returns the
+/// guest bdev_io with the grace-period parity `submit_direct` stored in its driver context.
+///
+/// # Safety
+/// `child` and `arg` are what SPDK passes to the completion callback of `submit_direct`
+/// (called once per child).
+pub unsafe fn direct_completed(
+    child: *mut sys::spdk_bdev_io,
+    arg: *mut c_void,
+) -> Option<(BdevIo, u8)> {
+    // SAFETY: SPDK hands back the child bdev_io of `submit_direct`; freed once, here.
+    unsafe { sys::spdk_bdev_free_io(child) };
+    // SAFETY: `arg` is the guest bdev_io, outstanding until the caller completes it.
+    let io = unsafe { BdevIo::from_raw(arg.cast()) }?;
+    // SAFETY: the driver context holds an `IoCtx` (`module::get_ctx_size`).
+    let parity = unsafe { (*io.driver_ctx().cast::<owner::IoCtx>()).parity };
+    Some((io, parity))
+}
+
 /// Completion of a channel's direct-path request, on its thread.
 unsafe extern "C" fn chan_direct_done(
     child: *mut sys::spdk_bdev_io,
     success: bool,
     arg: *mut c_void,
 ) {
-    // SAFETY: SPDK hands back the child bdev_io of `submit_direct`; freed once, here.
-    unsafe { sys::spdk_bdev_free_io(child) };
-    // SAFETY: `arg` is the guest bdev_io, outstanding (so its channel is live) until we
-    // complete it below.
-    let Some(io) = (unsafe { BdevIo::from_raw(arg.cast()) }) else {
+    // SAFETY: per SPDK's completion contract.
+    let Some((io, parity)) = (unsafe { direct_completed(child, arg) }) else {
         return;
     };
-    // SAFETY: as just said.
+    // SAFETY: the bdev_io is outstanding on its channel, which is therefore live.
     let c = unsafe { from_ctx(io_channel::ctx_of(io.io_channel())) };
-    // SAFETY: `submit_direct` stored the parity in the driver context.
-    c.exec
-        .guest_exit(unsafe { (*io.driver_ctx().cast::<owner::IoCtx>()).parity });
+    c.exec.guest_exit(parity);
     if success && io.io_type() == sys::SPDK_BDEV_IO_TYPE_WRITE {
         c.local_writes.set(c.local_writes.get() + 1);
     }

@@ -238,18 +238,12 @@ unsafe extern "C" fn owner_direct_done(
     success: bool,
     arg: *mut c_void,
 ) {
-    // SAFETY: SPDK hands back the child bdev_io of `channel::submit_direct`; freed once.
-    unsafe { sys::spdk_bdev_free_io(child) };
-    // SAFETY: `arg` is the guest bdev_io, outstanding until we complete it below.
-    let Some(io) = (unsafe { BdevIo::from_raw(arg.cast()) }) else {
+    // SAFETY: per SPDK's completion contract.
+    let Some((io, parity)) = (unsafe { channel::direct_completed(child, arg) }) else {
         return;
     };
-    // SAFETY: on the md thread; the owner lives while the bdev has I/O; the driver context
-    // holds the parity `submit_direct` stored.
-    unsafe {
-        let parity = (*io.driver_ctx().cast::<IoCtx>()).parity;
-        (*owner_of(io)).exec.guest_exit(parity);
-    }
+    // SAFETY: on the md thread; the owner lives while the bdev has I/O.
+    unsafe { (*owner_of(io)).exec.guest_exit(parity) };
     done(
         io,
         if success {
