@@ -22,18 +22,25 @@ use crate::image::{read_bytes, Qcow2};
 use crate::io::{BlockDevice, BufSlice, IoBuffer, SECTOR};
 use crate::types::GuestOffset;
 use std::cell::{Ref, RefCell};
-use std::collections::{BTreeMap, BTreeSet, HashSet};
+use std::collections::{BTreeMap, BTreeSet};
+
+/// Hash maps and sets of the owner's state: looked up on every allocating write, so with a
+/// fast hasher (foldhash: seeded per process, far cheaper than SipHash on u64 keys).
+type HashMap<K, V> = std::collections::HashMap<K, V, foldhash::fast::RandomState>;
+type HashSet<K> = std::collections::HashSet<K, foldhash::fast::RandomState>;
 
 /// Dirty metadata beyond which a commit writes back on its own (bounded memory).
 const WRITEBACK_THRESHOLD_BYTES: u64 = 8 << 20;
 
 /// Owner-side mutable state.
 pub(crate) struct MetaState {
-    /// Dirty L2 slices by slice id (authoritative; the cache holds replicas).
-    pub dirty_l2: BTreeMap<u64, Vec<u64>>,
+    /// Dirty L2 slices by slice id (authoritative; the cache holds replicas). A hash map:
+    /// every allocating write looks its slice up (a B-tree walk was a chain of cache
+    /// misses); the write-back sorts the ids.
+    pub dirty_l2: HashMap<u64, Vec<u64>>,
     /// Slices taken by the write-back in progress, until their write completes (still
     /// newer than the device).
-    pub writing_l2: BTreeMap<u64, Vec<u64>>,
+    pub writing_l2: HashMap<u64, Vec<u64>>,
     /// Dirty-slice counts per epoch slot (when the image is shared with other cores).
     pub epochs: crate::coherency::OwnerEpochs,
     /// Dirty refcount blocks by host offset (authoritative).
@@ -85,23 +92,23 @@ impl<D: BlockDevice> Meta<D> {
             lock: AsyncLock::new(exec),
             inflight_wait: WaitQueue::new(exec),
             st: RefCell::new(MetaState {
-                dirty_l2: BTreeMap::new(),
-                writing_l2: BTreeMap::new(),
+                dirty_l2: HashMap::default(),
+                writing_l2: HashMap::default(),
                 epochs: Default::default(),
                 dirty_rc: BTreeMap::new(),
                 dirty_l1: BTreeSet::new(),
                 dirty_rt: BTreeSet::new(),
                 pending_frees: Vec::new(),
-                unstable_frees: HashSet::new(),
+                unstable_frees: HashSet::default(),
                 graced: Default::default(),
-                graced_set: HashSet::new(),
+                graced_set: HashSet::default(),
                 alloc_hint: 0,
                 fresh_from: end,
                 inflight: BTreeSet::new(),
                 sector0,
                 header_dirty: false,
                 dirty_bit_on_disk: false,
-                meta_clusters: HashSet::new(),
+                meta_clusters: HashSet::default(),
             }),
         }
     }
@@ -189,7 +196,7 @@ impl<D: BlockDevice> Qcow2<D> {
     /// Clusters of refcount blocks and active L2 tables, from the refcount table and L1.
     pub(crate) fn table_clusters(&self) -> HashSet<u64> {
         let cs = self.geo.cluster_size();
-        let mut set = HashSet::new();
+        let mut set = HashSet::default();
         for e in self.refcount_table.borrow().iter() {
             if *e != 0 && e % cs == 0 {
                 set.insert(e >> self.cluster_bits());
@@ -896,7 +903,9 @@ impl<D: BlockDevice> Qcow2<D> {
             let keys: Vec<u64> = {
                 let mut st = m.st.borrow_mut();
                 let taken = std::mem::take(&mut st.dirty_l2);
-                let keys = taken.keys().copied().collect();
+                let mut keys: Vec<u64> = taken.keys().copied().collect();
+                // In device order (slices of one table next to each other).
+                keys.sort_unstable();
                 st.writing_l2 = taken;
                 keys
             };
@@ -941,12 +950,12 @@ impl<D: BlockDevice> Qcow2<D> {
                     for k in keys.into_iter().skip(i) {
                         if let Some(w) = st.writing_l2.remove(&k) {
                             match st.dirty_l2.entry(k) {
-                                std::collections::btree_map::Entry::Occupied(_) => {
+                                std::collections::hash_map::Entry::Occupied(_) => {
                                     if let Some(sh) = &self.shared {
                                         st.epochs.cleaned(sh, k);
                                     }
                                 }
-                                std::collections::btree_map::Entry::Vacant(v) => {
+                                std::collections::hash_map::Entry::Vacant(v) => {
                                     v.insert(w);
                                 }
                             }
