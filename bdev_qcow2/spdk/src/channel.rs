@@ -22,7 +22,7 @@
 //! in the device for the poller instead. The poller still drives slow paths (tasks),
 //! resubmissions after `-ENOMEM`, and opening the replica.
 
-use crate::device::{IovView, SpdkBuf, SpdkDevice};
+use crate::device::{DirectTarget, IovView, SpdkBuf, SpdkDevice};
 use crate::ffi::bdev_io::BdevIo;
 use crate::ffi::io_channel::{self, ChannelIter};
 use crate::ffi::sys;
@@ -46,6 +46,8 @@ pub struct Channel {
     /// The node's count of live channel states (decremented on drop).
     live: *const AtomicUsize,
     exec: Exec<SpdkDevice>,
+    /// The base device for the direct path (a replica's channels).
+    direct: Option<DirectTarget>,
     /// Writable bdev: the md thread slow paths (all requests, on the md thread itself) are
     /// forwarded to.
     forward_to: Option<*mut sys::spdk_thread>,
@@ -128,6 +130,7 @@ impl Channel {
         let mut ch = Box::new(Channel {
             live: &node.live_channels,
             exec,
+            direct: None,
             forward_to: None,
             forward_only: Cell::new(false),
             unsent_asks: RefCell::new(Vec::new()),
@@ -187,6 +190,7 @@ impl Channel {
             }
         }
         ch.backing_dev = backing_dev;
+        ch.direct = Some(ch.exec.with_device(base_dev, |d| d.direct_target(base_dev)));
         ch.try_ready();
         ch.queued.borrow_mut().reserve(256);
         Ok(ch)
@@ -273,7 +277,7 @@ impl Channel {
             self.queued.borrow_mut().push_back(io);
             return;
         };
-        if submit_direct(chain, &self.exec, io, chan_direct_done) {
+        if submit_direct(chain, &self.exec, self.direct, io, chan_direct_done) {
             return;
         }
         let len = io.num_blocks() * u64::from(BLOCK_SIZE);
@@ -362,7 +366,7 @@ impl Channel {
                 self.forwarded.set(self.forwarded.get() + 1);
                 return owner::forward(md, io);
             }
-            if submit_direct(chain, &self.exec, io, chan_direct_done) {
+            if submit_direct(chain, &self.exec, self.direct, io, chan_direct_done) {
                 return;
             }
             let len = io.num_blocks() * bs;
@@ -440,24 +444,30 @@ fn current_thread_name() -> String {
 pub fn submit_direct(
     chain: &Chain<SpdkDevice>,
     exec: &Exec<SpdkDevice>,
+    target: Option<DirectTarget>,
     io: BdevIo,
     done: unsafe extern "C" fn(*mut sys::spdk_bdev_io, bool, *mut c_void),
 ) -> bool {
+    let Some(t) = target else {
+        return false;
+    };
     let bs = u64::from(BLOCK_SIZE);
     let len = io.num_blocks() * bs;
     let write = io.io_type() == sys::SPDK_BDEV_IO_TYPE_WRITE;
     let Some(d) = chain.map_direct(io.offset_blocks() * bs, len, write) else {
         return false;
     };
+    if d.dev != t.dev {
+        exec.guest_exit(d.parity);
+        return false;
+    }
     // SAFETY: the driver context has room for an `IoCtx` (`module::get_ctx_size`); the
     // bdev_io is ours until completed.
     unsafe { (*io.driver_ctx().cast::<owner::IoCtx>()).parity = d.parity };
-    let (iovs, cnt) = io.iovs();
-    // SAFETY: the bdev_io's iovecs hold `len` bytes and stay valid until it is completed,
-    // which `done` does after the child completed; `done` gets the bdev_io back.
-    let r = exec.with_device(d.dev, |dev| unsafe {
-        dev.submit_direct(write, (iovs, cnt), d.host, len, Some(done), io.raw().cast())
-    });
+    // SAFETY: the target's device lives in `exec`, alive with the caller; the bdev_io's
+    // iovecs hold `len` bytes and stay valid until it is completed, which `done` does
+    // after the child completed; `done` gets the bdev_io back.
+    let r = unsafe { t.submit(write, io.iovs(), d.host, len, Some(done), io.raw().cast()) };
     if r.is_err() {
         exec.guest_exit(d.parity);
         return false;

@@ -18,6 +18,7 @@ use crate::ffi::dma::DmaMem;
 use crate::ffi::io_channel::ChannelRef;
 use crate::ffi::sys;
 use qcow2_engine::io::{BlockDevice, Busy, DeviceError, DeviceOp, IoBuffer};
+use qcow2_engine::DevId;
 use std::collections::VecDeque;
 use std::ffi::c_void;
 use std::ptr::NonNull;
@@ -266,17 +267,51 @@ impl SpdkDevice {
         }
     }
 
-    /// The direct path (see `Chain::map_direct`): submits a read or a write of `len` bytes
-    /// at byte `offset` from the caller's own iovecs straight to the base bdev, as SPDK's
-    /// passthru does — no slot, no executor; SPDK calls `cb(child, success, cb_arg)` and
-    /// `cb` frees the child bdev_io. On `Err` nothing was submitted: `EINVAL` when the
-    /// extent is not whole blocks inside the device, `ENOMEM` while this device waits for
-    /// SPDK's bdev_io pool (queued engine operations go first), else SPDK's error.
+    /// What the direct path needs to submit to this device without the executor
+    /// ([`DirectTarget`]), for the device registered as `dev`.
+    pub fn direct_target(&self, dev: DevId) -> DirectTarget {
+        DirectTarget {
+            dev,
+            desc: self.desc,
+            ch: self.ch.raw(),
+            block_size: self.block_size,
+            num_blocks: self.num_blocks,
+        }
+    }
+
+    fn complete_now(&mut self, tag: u64, r: Result<(), DeviceError>) {
+        // SAFETY: see `in_flight`.
+        unsafe { (*self.pool.as_ptr()).done.push_back((tag, r)) };
+    }
+}
+
+/// A base device as the direct path (see `Chain::map_direct`) sees it: its descriptor and
+/// this thread's channel, copied out of the [`SpdkDevice`] so a request reaches the base
+/// without borrowing the executor. Valid while that device lives (the channel or owner
+/// holding the target also owns the executor that owns the device).
+#[derive(Clone, Copy, Debug)]
+pub struct DirectTarget {
+    /// The device's id in its executor (the extent's `Direct::dev` must match).
+    pub dev: DevId,
+    desc: *mut sys::spdk_bdev_desc,
+    ch: *mut sys::spdk_io_channel,
+    block_size: u64,
+    num_blocks: u64,
+}
+
+impl DirectTarget {
+    /// Submits a read or a write of `len` bytes at byte `offset` from the caller's own
+    /// iovecs straight to the base bdev, as SPDK's passthru does — no slot, no executor;
+    /// SPDK calls `cb(child, success, cb_arg)` and `cb` frees the child bdev_io. On `Err`
+    /// nothing was submitted: `EINVAL` when the extent is not whole blocks inside the
+    /// device, else SPDK's error (`ENOMEM`: its bdev_io pool is empty; the engine path
+    /// queues for it).
     ///
     /// # Safety
-    /// The iovecs must describe at least `len` bytes that stay valid until `cb` runs, and
-    /// `cb_arg` must be valid for `cb`.
-    pub unsafe fn submit_direct(
+    /// The device this target was taken from must be alive; the iovecs must describe at
+    /// least `len` bytes that stay valid until `cb` runs, and `cb_arg` must be valid for
+    /// `cb`.
+    pub unsafe fn submit(
         &self,
         write: bool,
         (iovs, iovcnt): (*mut sys::iovec, usize),
@@ -288,25 +323,23 @@ impl SpdkDevice {
         let bs = self.block_size;
         if !offset.is_multiple_of(bs)
             || !len.is_multiple_of(bs)
-            || offset.checked_add(len).is_none_or(|e| e > self.size())
+            || offset
+                .checked_add(len)
+                .is_none_or(|e| e > self.num_blocks * bs)
         {
             return Err(libc::EINVAL);
-        }
-        // SAFETY: see `in_flight`.
-        if unsafe { self.pool.as_ref() }.waiting {
-            return Err(libc::ENOMEM);
         }
         let f = if write {
             sys::spdk_bdev_writev_blocks
         } else {
             sys::spdk_bdev_readv_blocks
         };
-        // SAFETY: `desc` is open and `ch` is this thread's channel of it; the caller
-        // guarantees the iovecs and the callback argument.
+        // SAFETY: `desc` is open and `ch` is this thread's channel of it (the device is
+        // alive); the caller guarantees the iovecs and the callback argument.
         let rc = unsafe {
             f(
                 self.desc,
-                self.ch.raw(),
+                self.ch,
                 iovs,
                 iovcnt as i32,
                 offset / bs,
@@ -320,11 +353,6 @@ impl SpdkDevice {
         } else {
             Err(-rc)
         }
-    }
-
-    fn complete_now(&mut self, tag: u64, r: Result<(), DeviceError>) {
-        // SAFETY: see `in_flight`.
-        unsafe { (*self.pool.as_ptr()).done.push_back((tag, r)) };
     }
 }
 

@@ -47,6 +47,8 @@ type Closed = Rc<Cell<Option<bool>>>;
 /// The writable image and everything that drives it. Lives on the md thread only.
 pub struct Owner {
     exec: Exec<SpdkDevice>,
+    /// The base device for the direct path.
+    direct: Option<crate::device::DirectTarget>,
     chain: Rc<Chain<SpdkDevice>>,
     poller: RefCell<Option<Poller>>,
     /// Completions SPDK could not queue to their thread (message pool empty): sent again
@@ -74,8 +76,14 @@ impl Owner {
         chain: Rc<Chain<SpdkDevice>>,
         devs: impl IntoIterator<Item = DevId>,
     ) -> Option<*mut Owner> {
+        let devs: Vec<DevId> = devs.into_iter().collect();
+        // The top image's device (the base) comes first.
+        let direct = devs
+            .first()
+            .map(|&d| exec.with_device(d, |dev| dev.direct_target(d)));
         let o = Box::into_raw(Box::new(Owner {
             exec,
+            direct,
             chain,
             poller: RefCell::new(None),
             unsent: RefCell::new(VecDeque::new()),
@@ -157,7 +165,7 @@ impl Owner {
         let c = &self.chain;
         match io.io_type() {
             sys::SPDK_BDEV_IO_TYPE_READ | sys::SPDK_BDEV_IO_TYPE_WRITE => {
-                if channel::submit_direct(c, &self.exec, io, owner_direct_done) {
+                if channel::submit_direct(c, &self.exec, self.direct, io, owner_direct_done) {
                     return;
                 }
                 let (iovs, cnt) = io.iovs();
