@@ -107,7 +107,13 @@ impl<T: Copy + Default> SetAssocCache<T> {
 
     fn find(&self, key: u64) -> Option<usize> {
         let base = self.set_of(key) * self.ways;
-        (base..base + self.ways).find(|&w| self.keys[w] == key)
+        // Branchless: a mask of the matching ways (a key is in at most one), so where the
+        // key sits in its set is never a mispredicted early exit (ways <= 64).
+        let mut mask = 0u64;
+        for (i, &k) in self.keys[base..base + self.ways].iter().enumerate() {
+            mask |= u64::from(k == key) << i;
+        }
+        (mask != 0).then(|| base + mask.trailing_zeros() as usize)
     }
 
     /// Looks `key` up under `epoch`: `Some(way)` on a hit (and the way becomes most recently
