@@ -562,6 +562,10 @@ impl<D: BlockDevice> Qcow2<D> {
     pub fn l2_cache_stats(&self) -> CacheStats {
         self.l2_cache.borrow().stats()
     }
+    /// The metadata owner's counters (`None` unless opened writable).
+    pub fn owner_stats(&self) -> Option<crate::meta::OwnerStats> {
+        self.meta.as_ref().map(|m| m.st.borrow().stats)
+    }
     /// Refcount block cache counters.
     pub fn refcount_cache_stats(&self) -> CacheStats {
         self.rc_cache.borrow().stats()

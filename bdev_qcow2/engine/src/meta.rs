@@ -72,6 +72,20 @@ pub(crate) struct MetaState {
     pub dirty_bit_on_disk: bool,
     /// Cluster indices of refcount blocks and active L2 tables (overlap check).
     pub meta_clusters: HashSet<u64>,
+    /// Counters ([`Qcow2::owner_stats`]).
+    pub stats: OwnerStats,
+}
+
+/// Counters of the metadata owner (writable image).
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct OwnerStats {
+    /// Host clusters allocated (data, L2 tables, refcount blocks).
+    pub clusters_allocated: u64,
+    /// L2 slices written back to the device.
+    pub l2_slices_written: u64,
+    /// Metadata write-back passes (refcounts, flush, L2 slices, L1; on FLUSH, on close
+    /// and when the dirty metadata passes its threshold).
+    pub writebacks: u64,
 }
 
 /// The owner: lock, in-flight waiters and state.
@@ -109,6 +123,7 @@ impl<D: BlockDevice> Meta<D> {
                 header_dirty: false,
                 dirty_bit_on_disk: false,
                 meta_clusters: HashSet::default(),
+                stats: OwnerStats::default(),
             }),
         }
     }
@@ -667,6 +682,7 @@ impl<D: BlockDevice> Qcow2<D> {
         let fresh = {
             let mut st = m.st.borrow_mut();
             st.alloc_hint = start + count;
+            st.stats.clusters_allocated += count;
             let fresh = start >= st.fresh_from;
             if start + count > st.fresh_from {
                 st.fresh_from = start + count;
@@ -866,6 +882,7 @@ impl<D: BlockDevice> Qcow2<D> {
     /// the dirty bit, set and stable first, tells a later open to rebuild them (rule 7).
     async fn writeback_mode(&self, full: bool) -> Result<()> {
         let m = self.meta()?;
+        m.st.borrow_mut().stats.writebacks += 1;
         let lazy = !full && self.header.borrow().lazy_refcounts();
         let (has_l2, rt_dirty) = {
             let st = m.st.borrow();
@@ -964,6 +981,7 @@ impl<D: BlockDevice> Qcow2<D> {
                     return Err(e);
                 }
                 st.writing_l2.remove(&key);
+                st.stats.l2_slices_written += 1;
                 if let Some(sh) = &self.shared {
                     st.epochs.cleaned(sh, key);
                 }

@@ -133,6 +133,26 @@ impl Owner {
         *o.closing.borrow_mut() = Some((result, Box::new(then)));
     }
 
+    /// The owner's counters for `bdev_qcow2_get_stats`: clusters allocated, write-backs,
+    /// and its own slice cache (the md thread serves the allocating writes).
+    pub fn stats_json(&self) -> serde_json::Value {
+        match self.chain.layers().first() {
+            Some(qcow2_engine::Layer::Qcow2(q)) => {
+                let s = q.owner_stats().unwrap_or_default();
+                let c = q.l2_cache_stats();
+                serde_json::json!({
+                    "clusters_allocated": s.clusters_allocated,
+                    "l2_slices_written": s.l2_slices_written,
+                    "writebacks": s.writebacks,
+                    "l2_cache_hits": c.hits,
+                    "l2_cache_misses": c.misses,
+                    "l2_cache_evictions": c.evictions,
+                })
+            }
+            _ => serde_json::Value::Null,
+        }
+    }
+
     /// Keeps an answered slice request to send again on the next poll (message pool empty).
     pub fn defer_ask(&self, a: *mut c_void) {
         self.unsent_asks.borrow_mut().push(a);

@@ -219,8 +219,27 @@ fn collect_done(mut c: Collect, _status: c_int) {
     }
     total.thread = String::new();
     let name = c.nodes[c.next].0.clone();
+    let ptr = c.nodes[c.next].1 .0;
+    // The owner's counters, read only while the node is still registered (a delete
+    // removes it first; the node and its owner are freed later, on the md thread) and only
+    // on the md thread, the owner's own (the thread that ran the create: normally the app
+    // thread, where RPCs run); otherwise `null`.
+    let owner = {
+        let reg = registry::lock();
+        let registered = reg.nodes.iter().any(|(_, p)| p.0 == ptr);
+        // SAFETY: registered, hence not freed (see above).
+        let node = registered.then(|| unsafe { &*ptr });
+        match node {
+            Some(n) if !n.owner.is_null() && crate::ffi::thread::current() == n.md_thread => {
+                // SAFETY: on the md thread, which alone frees the owner, while the node is
+                // registered.
+                unsafe { (*n.owner).stats_json() }
+            }
+            _ => Value::Null,
+        }
+    };
     c.out
-        .push(json!({ "name": name, "channels": channels, "total": total }));
+        .push(json!({ "name": name, "channels": channels, "total": total, "owner": owner }));
     c.next += 1;
     collect_next(c);
 }

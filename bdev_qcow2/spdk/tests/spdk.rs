@@ -668,6 +668,18 @@ mod real {
         assert_eq!(q1["num_blocks"], json!(8 * 2048));
         let stats = t.rpc(&["bdev_qcow2_get_stats"]);
         assert_eq!(stats.as_array().map(Vec::len), Some(2), "{stats}");
+        // Writable bdevs made by RPC: the owner (on the app thread) reports its counters.
+        for b in stats.as_array().unwrap() {
+            let o = &b["owner"];
+            for k in [
+                "clusters_allocated",
+                "l2_slices_written",
+                "writebacks",
+                "l2_cache_hits",
+            ] {
+                assert!(o[k].is_u64(), "owner counter {k} missing: {b}");
+            }
+        }
 
         let saved = t.rpc(&["save_config"]);
         t.stop();
