@@ -45,6 +45,8 @@ type Opened = Rc<RefCell<Option<qcow2_engine::Result<Qcow2<SpdkDevice>>>>>;
 pub struct Channel {
     /// The node's count of live channel states (decremented on drop).
     live: *const AtomicUsize,
+    /// Where this channel's counters go when it is freed.
+    retired: *const std::sync::Mutex<ChannelStats>,
     exec: Exec<SpdkDevice>,
     /// The base device for the direct path (a replica's channels).
     direct: Option<DirectTarget>,
@@ -129,6 +131,7 @@ impl Channel {
         node.live_channels.fetch_add(1, Ordering::AcqRel);
         let mut ch = Box::new(Channel {
             live: &node.live_channels,
+            retired: &node.retired,
             exec,
             direct: None,
             forward_to: None,
@@ -413,6 +416,11 @@ impl Channel {
 
 impl Drop for Channel {
     fn drop(&mut self) {
+        let s = self.stats();
+        // SAFETY: the node outlives its channel states (it waits for `live` to reach 0).
+        if let Ok(mut r) = unsafe { &*self.retired }.lock() {
+            r.add(&s);
+        }
         // Release the base channels (and any other engine state) before the node may
         // close the descriptors they belong to.
         self.chain.borrow_mut().take();

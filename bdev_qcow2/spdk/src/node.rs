@@ -126,6 +126,9 @@ pub struct Node {
     /// base I/O in flight (a replica being opened); that state is freed later by its poller,
     /// and the descriptors must stay open until then.
     pub live_channels: AtomicUsize,
+    /// Counters of the channels already gone (added when each is freed), so
+    /// `bdev_qcow2_get_stats` totals cover the bdev's whole life, not only live channels.
+    pub retired: std::sync::Mutex<crate::channel::ChannelStats>,
 }
 
 /// How a creation ends: the bdev name, or an errno and a message.
@@ -447,6 +450,7 @@ fn register(
         owner: owner.unwrap_or(std::ptr::null_mut()),
         seed,
         live_channels: AtomicUsize::new(0),
+        retired: std::sync::Mutex::new(Default::default()),
     }));
     // SAFETY: `node` is live (leaked above) until `device_gone` frees it; SPDK copies the name.
     unsafe {

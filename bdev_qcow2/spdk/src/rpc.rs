@@ -220,6 +220,15 @@ fn collect_done(mut c: Collect, _status: c_int) {
     total.thread = String::new();
     let name = c.nodes[c.next].0.clone();
     let ptr = c.nodes[c.next].1 .0;
+    // Channels already gone count in the total too (read while registered, as below).
+    let mut retired = Value::Null;
+    if registry::lock().nodes.iter().any(|(_, p)| p.0 == ptr) {
+        // SAFETY: registered, hence not freed.
+        if let Ok(r) = unsafe { &*ptr }.retired.lock() {
+            total.add(&r);
+            retired = serde_json::to_value(&*r).unwrap_or(Value::Null);
+        }
+    }
     // The owner's counters, read only while the node is still registered (a delete
     // removes it first; the node and its owner are freed later, on the md thread) and only
     // on the md thread, the owner's own (the thread that ran the create: normally the app
@@ -238,8 +247,13 @@ fn collect_done(mut c: Collect, _status: c_int) {
             _ => Value::Null,
         }
     };
-    c.out
-        .push(json!({ "name": name, "channels": channels, "total": total, "owner": owner }));
+    c.out.push(json!({
+        "name": name,
+        "channels": channels,
+        "retired_channels": retired,
+        "total": total,
+        "owner": owner,
+    }));
     c.next += 1;
     collect_next(c);
 }

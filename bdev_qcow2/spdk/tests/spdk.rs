@@ -1335,6 +1335,18 @@ mod real {
             Err(why) => say(&format!("SKIPPED (kernel nvme-tcp initiator): {why}")),
         }
 
+        // The counters cover the whole run (the initiators' connections, and so their
+        // channels, came and went) and the owner's allocations (64 MiB into a fresh image).
+        let stats = t.rpc(&["bdev_qcow2_get_stats", "-b", "q0"]);
+        let q0 = &stats[0];
+        let completed = q0["total"]["completed"].as_u64().unwrap_or(0);
+        assert!(completed >= 1024, "{stats}");
+        let clusters = q0["owner"]["clusters_allocated"].as_u64().unwrap_or(0);
+        assert!(clusters >= 1024, "64 MiB in 64 KiB clusters: {stats}");
+        say(&format!(
+            "get_stats over the run: {completed} requests, {clusters} clusters allocated"
+        ));
+
         t.stop();
         check_clean(&img, "nvmf");
         run_ok(Command::new("qemu-img").args([
