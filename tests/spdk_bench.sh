@@ -12,6 +12,7 @@
 #   SKIP_2CORE=1 tests/spdk_bench.sh          # without the two-core (-m 0x3 -C) figures
 #   SKIP_WRITABLE=1 tests/spdk_bench.sh       # without the writable-vs-passthru figures
 #   FIRST_LAT="20 80" tests/spdk_bench.sh     # delay-bdev latencies (µs) for first writes
+#   ROUNDS=3 tests/spdk_bench.sh              # qcow2/passthru process pairs to average (2)
 #
 # Needs an installed SPDK (bdevperf on PATH, pkg-config spdk_bdev) and qemu-img; prints
 # SKIPPED and exits 0 without them. Builds the module in release mode.
@@ -148,14 +149,19 @@ ratio() { awk -v a="$1" -v b="$2" 'BEGIN {printf "%.3f", a / b}'; }
 MALLOC=1280 # MiB
 if [ -z "${SKIP_WRITABLE:-}" ]; then
 # 1. First writes vs overwrites: 4 KiB clusters (so a 1 s run mostly writes clusters for the
-#    first time), 1 GiB image; fresh, then filled sequentially, then the same run again.
-zbench_start q0 "{\"method\":\"bdev_malloc_create\",\"params\":{\"name\":\"m0\",\"num_blocks\":$((MALLOC * 2048)),\"block_size\":512}},
+#    first time), 1 GiB image; fresh, then filled sequentially, then the same run again;
+#    ROUNDS processes, means.
+fresh=0 full=0
+for _ in $(seq "${ROUNDS:-2}"); do
+  zbench_start q0 "{\"method\":\"bdev_malloc_create\",\"params\":{\"name\":\"m0\",\"num_blocks\":$((MALLOC * 2048)),\"block_size\":512}},
 {\"method\":\"bdev_qcow2_format\",\"params\":{\"base_bdev\":\"m0\",\"size\":1073741824,\"cluster_size\":4096}},
 {\"method\":\"bdev_qcow2_create\",\"params\":{\"name\":\"q0\",\"base_bdev\":\"m0\"}}"
-fresh=$(zrun randwrite 4096 1)
-zrun write 1048576 4 8 >/dev/null
-full=$(zrun randwrite 4096 1)
-zbench_stop
+  fresh=$((fresh + $(zrun randwrite 4096 1)))
+  zrun write 1048576 4 8 >/dev/null
+  full=$((full + $(zrun randwrite 4096 1)))
+  zbench_stop
+done
+fresh=$((fresh / ${ROUNDS:-2})) full=$((full / ${ROUNDS:-2}))
 echo "malloc, qcow2 4K clusters, 1 GiB: randwrite 4096 B QD32 1 s: fresh image $fresh IOPS, fully allocated $full IOPS, ratio $(ratio "$fresh" "$full")"
 fi
 
@@ -164,31 +170,42 @@ fi
 #    same process: the malloc keeps the image) vs passthru. On one core, then on two cores
 #    with one job per core on the bdev (-m 0x3 -C): the second core's channel serves reads
 #    and overwrites on its own replica.
-writable_vs_passthru() {
-  local label=$1
+# One round: a qcow2 process, then a passthru process; adds each figure into Q/R/P.
+writable_round() {
+  local v
   zbench_start q0 "{\"method\":\"bdev_malloc_create\",\"params\":{\"name\":\"m0\",\"num_blocks\":$((640 * 2048)),\"block_size\":512}},
 {\"method\":\"bdev_qcow2_format\",\"params\":{\"base_bdev\":\"m0\",\"size\":536870912}},
 {\"method\":\"bdev_qcow2_create\",\"params\":{\"name\":\"q0\",\"base_bdev\":\"m0\"}}"
   zrun write 1048576 3 8 >/dev/null
-  declare -A Q P R
-  for w in randread randwrite; do for o in 4096 512; do Q[$w$o]=$(zrun $w $o "$TIME"); done; done
+  for w in randread randwrite; do for o in 4096 512; do
+    v=$(zrun $w $o "$TIME"); Q[$w$o]=$((${Q[$w$o]:-0} + v))
+  done; done
   zrpc bdev_qcow2_delete q0
   zrpc bdev_qcow2_create -b q0 --base-bdev m0 --read-only
-  RO=("randread 4096" "randread 512" "read 65536")
-  for wo in "${RO[@]}"; do R[$wo]=$(zrun $wo "$TIME"); done
+  for wo in "${RO[@]}"; do v=$(zrun $wo "$TIME"); R[$wo]=$((${R[$wo]:-0} + v)); done
   zbench_stop
   zbench_start p0 "{\"method\":\"bdev_malloc_create\",\"params\":{\"name\":\"m1\",\"num_blocks\":$((640 * 2048)),\"block_size\":512}},
 {\"method\":\"bdev_passthru_create\",\"params\":{\"name\":\"p0\",\"base_bdev_name\":\"m1\"}}"
   zrun write 1048576 3 8 >/dev/null # the same first touch of the malloc memory as q0 had
-  for w in randread randwrite; do for o in 4096 512; do P[$w$o]=$(zrun $w $o "$TIME"); done; done
-  P[read65536]=$(zrun read 65536 "$TIME")
-  zbench_stop
   for w in randread randwrite; do for o in 4096 512; do
-    echo "malloc, writable qcow2 (filled) vs passthru, $label QD32: $w $o B: qcow2 ${Q[$w$o]} passthru ${P[$w$o]} IOPS, ratio $(ratio "${Q[$w$o]}" "${P[$w$o]}")"
+    v=$(zrun $w $o "$TIME"); P[$w$o]=$((${P[$w$o]:-0} + v))
+  done; done
+  v=$(zrun read 65536 "$TIME"); P[read65536]=$((${P[read65536]:-0} + v))
+  zbench_stop
+}
+# ROUNDS (default 2) rounds alternate qcow2 and passthru processes (q p q p), so a drift of
+# the shared machine weighs on both sides alike; figures are the means.
+writable_vs_passthru() {
+  local label=$1 n=${ROUNDS:-2}
+  declare -gA Q=() P=() R=()
+  RO=("randread 4096" "randread 512" "read 65536")
+  for _ in $(seq "$n"); do writable_round; done
+  for w in randread randwrite; do for o in 4096 512; do
+    echo "malloc, writable qcow2 (filled) vs passthru, $label QD32: $w $o B: qcow2 $((Q[$w$o] / n)) passthru $((P[$w$o] / n)) IOPS, ratio $(ratio "${Q[$w$o]}" "${P[$w$o]}")"
   done; done
   for wo in "${RO[@]}"; do
     set -- $wo
-    echo "malloc, read-only qcow2 (filled) vs passthru, $label QD32: $1 $2 B: qcow2 ${R[$wo]} passthru ${P[$1$2]} IOPS, ratio $(ratio "${R[$wo]}" "${P[$1$2]}")"
+    echo "malloc, read-only qcow2 (filled) vs passthru, $label QD32: $1 $2 B: qcow2 $((R[$wo] / n)) passthru $((P[$1$2] / n)) IOPS, ratio $(ratio "${R[$wo]}" "${P[$1$2]}")"
   done
 }
 if [ -z "${SKIP_WRITABLE:-}" ]; then
