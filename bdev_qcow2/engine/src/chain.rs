@@ -192,17 +192,18 @@ impl<D: BlockDevice> Chain<D> {
             self.plan_direct_read(offset, len)
         };
         match found {
-            Some((dev, host)) => {
-                if !write {
-                    self.stats.borrow_mut().fast_reads += 1;
-                }
-                Some(Direct { dev, host, parity })
-            }
+            Some((dev, host)) => Some(Direct { dev, host, parity }),
             None => {
                 self.exec.guest_exit(parity);
                 None
             }
         }
+    }
+
+    /// Counts a read the host served on the direct path (after its submission succeeded:
+    /// a refused one falls back to [`submit_read`](Self::submit_read), which counts it).
+    pub fn count_direct_read(&self) {
+        self.stats.borrow_mut().fast_reads += 1;
     }
 
     /// Where the top image's cached L2 entry for `offset` lies in memory (see

@@ -177,6 +177,12 @@ impl<D: BlockDevice> Chain<D> {
             match q.core_slice_state(GuestOffset(pos)) {
                 None => return false,
                 Some(crate::image::CoreSlice::StaleDirty) => return true,
+                // No L2 table yet: only the owner can allocate one.
+                Some(crate::image::CoreSlice::Missing)
+                    if matches!(q.l2_table(GuestOffset(pos)), Ok(None)) =>
+                {
+                    return true
+                }
                 Some(crate::image::CoreSlice::Missing) => all_valid = false,
                 Some(crate::image::CoreSlice::Valid) => {}
             }

@@ -869,6 +869,11 @@ fn core_routes_writes_by_its_cached_slice() {
         !core.write_needs_owner(0, cs),
         "uncached: load it on the core"
     );
+    // 4 KiB clusters: one L2 table covers 2 MiB; the second has no L2 table yet.
+    assert!(
+        core.write_needs_owner(2 << 20, cs),
+        "no L2 table: only the owner can allocate one"
+    );
     assert_eq!(core.map_direct(0, cs, true), None, "nothing cached yet");
     // The core caches the (clean) slice.
     assert_eq!(core_read(&mut rig, 1, 3, 0, cs), vec![31; 8]);

@@ -480,6 +480,9 @@ pub fn submit_direct(
         exec.guest_exit(d.parity);
         return false;
     }
+    if !write {
+        chain.count_direct_read();
+    }
     true
 }
 

@@ -222,11 +222,16 @@ fn collect_done(mut c: Collect, _status: c_int) {
     let ptr = c.nodes[c.next].1 .0;
     // Channels already gone count in the total too (read while registered, as below).
     let mut retired = Value::Null;
-    if registry::lock().nodes.iter().any(|(_, p)| p.0 == ptr) {
-        // SAFETY: registered, hence not freed.
-        if let Ok(r) = unsafe { &*ptr }.retired.lock() {
-            total.add(&r);
-            retired = serde_json::to_value(&*r).unwrap_or(Value::Null);
+    {
+        // The registry lock is held while the node is used: a delete removes the node from
+        // the registry before anything frees it.
+        let reg = registry::lock();
+        if reg.nodes.iter().any(|(_, p)| p.0 == ptr) {
+            // SAFETY: registered (under the lock), hence not freed.
+            if let Ok(r) = unsafe { &*ptr }.retired.lock() {
+                total.add(&r);
+                retired = serde_json::to_value(&*r).unwrap_or(Value::Null);
+            }
         }
     }
     // The owner's counters, read only while the node is still registered (a delete
