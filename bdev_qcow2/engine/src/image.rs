@@ -617,6 +617,16 @@ impl<D: BlockDevice> Qcow2<D> {
     /// Mapping of the (sub)cluster at `off` if its slice is cached (fast path; touches the
     /// LRU and counts a hit). `Ok(None)` on a cache miss. Returns the mapping and its end.
     pub fn resolve_cached(&self, off: GuestOffset) -> Result<Option<(ClusterMapping, u64)>> {
+        self.resolve_cached_as(off, true)
+    }
+
+    /// [`resolve_cached`](Self::resolve_cached); with `touch` false a look-up that only
+    /// informs a decision (routing a write) leaves the LRU order and the counters alone.
+    pub(crate) fn resolve_cached_as(
+        &self,
+        off: GuestOffset,
+        touch: bool,
+    ) -> Result<Option<(ClusterMapping, u64)>> {
         // A core's device size is synced where it matters: after loading an L1 entry
         // (`l2_table`) and before caching a slice, so every cached entry fits in it.
         let Some(_) = self.l2_table(off)? else {
@@ -631,7 +641,9 @@ impl<D: BlockDevice> Qcow2<D> {
         let Some(way) = cache.probe(key, epoch) else {
             return Ok(None);
         };
-        cache.touch(way);
+        if touch {
+            cache.touch(way);
+        }
         let block = cache.block(way);
         if !self.geo.extended_l2 {
             let ctx = self.ctx.get();

@@ -166,7 +166,11 @@ impl<D: BlockDevice> Chain<D> {
             return false;
         };
         let mut runs = [(0, 0, 0); 8];
-        if len == 0 || self.plan_fast_write(offset, len, &mut runs).is_some() {
+        if len == 0
+            || self
+                .plan_fast_write_as(offset, len, &mut runs, false)
+                .is_some()
+        {
             return false;
         }
         let cov = q.geometry().slice_coverage();
@@ -223,6 +227,18 @@ impl<D: BlockDevice> Chain<D> {
         len: u64,
         runs: &mut [(u64, usize, usize); 8],
     ) -> Option<(DevId, usize)> {
+        self.plan_fast_write_as(offset, len, runs, true)
+    }
+
+    /// [`plan_fast_write`](Self::plan_fast_write); `touch` false for a plan that only
+    /// informs routing (no LRU update, no hit counted).
+    fn plan_fast_write_as(
+        &self,
+        offset: u64,
+        len: u64,
+        runs: &mut [(u64, usize, usize); 8],
+        touch: bool,
+    ) -> Option<(DevId, usize)> {
         let Layer::Qcow2(q) = &self.layers()[0] else {
             return None;
         };
@@ -255,7 +271,7 @@ impl<D: BlockDevice> Chain<D> {
                 return None;
             }
             let Ok(Some((ClusterMapping::Data { host, copied: true }, c_end))) =
-                q.resolve_cached(GuestOffset(pos))
+                q.resolve_cached_as(GuestOffset(pos), touch)
             else {
                 return None;
             };

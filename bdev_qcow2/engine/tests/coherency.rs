@@ -883,9 +883,15 @@ fn core_routes_writes_by_its_cached_slice() {
     );
     let d = core.map_direct(0, cs, true).expect("in place on the core");
     core.exec().guest_exit(d.parity);
+    let before = image(&core).l2_cache_stats();
     assert!(
         core.write_needs_owner(cs, cs),
         "first write: the owner allocates"
+    );
+    assert_eq!(
+        image(&core).l2_cache_stats(),
+        before,
+        "routing looks the slice up without counting a hit"
     );
     assert!(core.write_needs_owner(0, 2 * cs), "partly a first write");
     // The owner allocates cluster 1 in the same slice and keeps it dirty: the core's copy
