@@ -433,6 +433,34 @@ mod tests {
     }
 
     #[test]
+    fn owner_entries_hold_advances_like_cores() {
+        // The owner's fence-free entry counts exactly like a core's: a request it entered
+        // holds the generation two advances away until it exits.
+        let g = Grace::default();
+        let (owner, core) = (g.register().unwrap(), g.register().unwrap());
+        let p = g.enter_owner(owner); // generation 0
+        assert_eq!(g.try_advance(), 1);
+        assert_eq!(
+            g.try_advance(),
+            1,
+            "the owner's request of generation 0 holds it"
+        );
+        let q = g.enter(core); // generation 1
+        g.exit(owner, p);
+        assert_eq!(g.try_advance(), 2);
+        let r = g.enter_owner(owner); // generation 2
+        g.exit(core, q);
+        assert_eq!(g.try_advance(), 3);
+        assert_eq!(
+            g.try_advance(),
+            3,
+            "the owner's request of generation 2 holds it"
+        );
+        g.exit(owner, r);
+        assert_eq!(g.try_advance(), 4);
+    }
+
+    #[test]
     fn grace_has_room_for_many_cores() {
         let g = Grace::default();
         let slots: Vec<usize> = (0..MAX_GRACE_MEMBERS)
