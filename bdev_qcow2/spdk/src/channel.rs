@@ -297,21 +297,6 @@ impl Channel {
         });
     }
 
-    /// Starts loading the request's cached L2 entry into the CPU cache, so the mapping
-    /// lookup further down does not stall on it (with a base as fast as memory, that stall
-    /// was a third of our per-request cost).
-    fn prefetch(&self, io: BdevIo) {
-        let Ok(chain) = self.chain.try_borrow() else {
-            return;
-        };
-        if let Some(p) = chain
-            .as_ref()
-            .and_then(|c| c.entry_hint(io.offset_blocks() * u64::from(BLOCK_SIZE)))
-        {
-            prefetch_line(p.cast());
-        }
-    }
-
     /// Runs `f` marked as inside the engine (nests: restores the previous mark).
     fn in_engine<R>(&self, f: impl FnOnce() -> R) -> R {
         let prev = self.in_engine.replace(true);
@@ -684,9 +669,6 @@ pub unsafe extern "C" fn submit_request(
     let (c, io) = unsafe { (from_ctx(io_channel::ctx_of(ch)), BdevIo::from_raw(bdev_io)) };
     let Some(io) = io else { return };
     let ty = io.io_type();
-    if ty == sys::SPDK_BDEV_IO_TYPE_READ || ty == sys::SPDK_BDEV_IO_TYPE_WRITE {
-        c.prefetch(io);
-    }
     match ty {
         sys::SPDK_BDEV_IO_TYPE_READ => {
             c.outstanding.set(c.outstanding.get() + 1);
