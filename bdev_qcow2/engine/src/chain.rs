@@ -65,6 +65,17 @@ pub struct Direct {
     pub parity: u8,
 }
 
+/// Where a host sends a guest write ([`Chain::route_write`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WriteRoute {
+    /// An overwrite of one extent: the host submits it itself, then leaves the grace period.
+    Direct(Direct),
+    /// This replica's engine path.
+    Local,
+    /// The metadata owner (an allocation, or a slice the owner holds dirty).
+    Owner,
+}
+
 /// A data run planned by the fast path: host offset, offset in the guest buffer, length.
 #[derive(Clone, Copy)]
 struct Run {

@@ -89,6 +89,17 @@ pub(crate) struct CoreSide<D: BlockDevice> {
     pub(crate) writable: bool,
 }
 
+/// Whether a cached look-up marks its slice most recently used and counts a hit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Touch {
+    /// Never: the look-up only informs a decision.
+    No,
+    /// Always (a guest read uses whatever it finds).
+    Yes,
+    /// Only when the entry is COPIED data (an in-place write can use only that).
+    IfCopied,
+}
+
 /// A core replica's copy of one slice, as seen by a write
 /// ([`Qcow2::core_slice_state`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -617,15 +628,16 @@ impl<D: BlockDevice> Qcow2<D> {
     /// Mapping of the (sub)cluster at `off` if its slice is cached (fast path; touches the
     /// LRU and counts a hit). `Ok(None)` on a cache miss. Returns the mapping and its end.
     pub fn resolve_cached(&self, off: GuestOffset) -> Result<Option<(ClusterMapping, u64)>> {
-        self.resolve_cached_as(off, true)
+        self.resolve_cached_as(off, Touch::Yes)
     }
 
-    /// [`resolve_cached`](Self::resolve_cached); with `touch` false a look-up that only
-    /// informs a decision (routing a write) leaves the LRU order and the counters alone.
+    /// [`resolve_cached`](Self::resolve_cached), touching the LRU and counting a hit as
+    /// `touch` says: a look-up that only informs a decision (routing a write) leaves them
+    /// alone, and one that plans an in-place write counts only a slice it can use.
     pub(crate) fn resolve_cached_as(
         &self,
         off: GuestOffset,
-        touch: bool,
+        touch: Touch,
     ) -> Result<Option<(ClusterMapping, u64)>> {
         // A core's device size is synced where it matters: after loading an L1 entry
         // (`l2_table`) and before caching a slice, so every cached entry fits in it.
@@ -641,14 +653,14 @@ impl<D: BlockDevice> Qcow2<D> {
         let Some(way) = cache.probe(key, epoch) else {
             return Ok(None);
         };
-        if touch {
-            cache.touch(way);
-        }
-        let block = cache.block(way);
         if !self.geo.extended_l2 {
             let ctx = self.ctx.get();
-            let e = L2Entry(block[self.geo.index_in_slice(off) as usize]);
-            if let Some((host, copied)) = e.plain_data(ctx.cluster_bits, ctx.device_size) {
+            let e = L2Entry(cache.block(way)[self.geo.index_in_slice(off) as usize]);
+            let data = e.plain_data(ctx.cluster_bits, ctx.device_size);
+            if touch == Touch::Yes || (touch == Touch::IfCopied && data.is_some_and(|d| d.1)) {
+                cache.touch(way);
+            }
+            if let Some((host, copied)) = data {
                 let cs = self.geo.cluster_size();
                 return Ok(Some((
                     ClusterMapping::Data {
@@ -658,8 +670,10 @@ impl<D: BlockDevice> Qcow2<D> {
                     (off.0 & !(cs - 1)) + cs,
                 )));
             }
+        } else if touch == Touch::Yes {
+            cache.touch(way);
         }
-        self.resolve(block, off).map(Some)
+        self.resolve(cache.block(way), off).map(Some)
     }
 
     /// Where this replica's cached L2 entry for `off` lies in memory, if its slice is cached

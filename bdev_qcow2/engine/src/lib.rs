@@ -34,7 +34,7 @@ pub mod testing;
 pub mod types;
 pub mod write;
 
-pub use chain::{Chain, Direct, Layer};
+pub use chain::{Chain, Direct, Layer, WriteRoute};
 pub use error::{Error, Field, Result};
 pub use exec::{DevId, Exec};
 pub use image::{CoreSeed, CoreSlice, OpenOptions, OwnerLink, Qcow2};

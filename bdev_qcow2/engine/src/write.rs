@@ -8,12 +8,12 @@
 //! guest cluster with an allocation in flight wait for it to commit, so overlapping
 //! allocations are ordered.
 
-use crate::chain::{read_layer, Chain, Layer};
+use crate::chain::{read_layer, Chain, Direct, Layer, WriteRoute};
 use crate::error::{corrupt, Error, Field, Result};
 use crate::exec::DevId;
 use crate::format::entries::{COPIED, ZERO};
 use crate::format::{ClusterMapping, L2Entry, SubclusterBitmap};
-use crate::image::Qcow2;
+use crate::image::{Qcow2, Touch};
 use crate::io::{BlockDevice, BufSlice, DeviceOp, IoBuffer, SECTOR};
 use crate::types::GuestOffset;
 use std::rc::Rc;
@@ -162,17 +162,54 @@ impl<D: BlockDevice> Chain<D> {
     /// slice is simply not cached (a clean one comes from the device, a dirty one once from
     /// the owner; later overwrites then stay on the core), and on the owner itself.
     pub fn write_needs_owner(&self, offset: u64, len: u64) -> bool {
+        let mut runs = [(0, 0, 0); 8];
+        len != 0
+            && self
+                .plan_fast_write_as(offset, len, &mut runs, false)
+                .is_none()
+            && self.slices_need_owner(offset, len)
+    }
+
+    /// How a host routes a guest write, from one look-up of this replica's cached slices:
+    /// [`WriteRoute::Direct`] when it overwrites COPIED clusters in one extent of the device
+    /// (the host submits it itself, as [`map_direct`](Self::map_direct) describes),
+    /// [`WriteRoute::Owner`] when [`write_needs_owner`](Self::write_needs_owner) says so,
+    /// else [`WriteRoute::Local`] (the engine path of this replica:
+    /// [`submit_write_local`](Self::submit_write_local)). The same decisions as
+    /// `write_needs_owner` then `map_direct`, without planning the write twice.
+    pub fn route_write(&self, offset: u64, len: u64) -> WriteRoute {
+        if len == 0
+            || !offset.is_multiple_of(SECTOR)
+            || !len.is_multiple_of(SECTOR)
+            || offset.checked_add(len).is_none_or(|e| e > self.size())
+        {
+            // The engine path reports what is wrong with it.
+            return WriteRoute::Local;
+        }
+        let parity = self.exec().guest_enter();
+        let mut runs = [(0, 0, 0); 8];
+        let planned = self.plan_fast_write(offset, len, &mut runs);
+        if let Some((dev, 1)) = planned {
+            return WriteRoute::Direct(Direct {
+                dev,
+                host: runs[0].0,
+                parity,
+            });
+        }
+        self.exec().guest_exit(parity);
+        if planned.is_none() && self.slices_need_owner(offset, len) {
+            WriteRoute::Owner
+        } else {
+            WriteRoute::Local
+        }
+    }
+
+    /// The slice half of [`write_needs_owner`](Self::write_needs_owner), for a write the
+    /// fast path could not plan.
+    fn slices_need_owner(&self, offset: u64, len: u64) -> bool {
         let Layer::Qcow2(q) = &self.layers()[0] else {
             return false;
         };
-        let mut runs = [(0, 0, 0); 8];
-        if len == 0
-            || self
-                .plan_fast_write_as(offset, len, &mut runs, false)
-                .is_some()
-        {
-            return false;
-        }
         let cov = q.geometry().slice_coverage();
         let end = offset.saturating_add(len).min(self.size());
         let mut pos = offset;
@@ -270,8 +307,11 @@ impl<D: BlockDevice> Chain<D> {
             {
                 return None;
             }
-            let Ok(Some((ClusterMapping::Data { host, copied: true }, c_end))) =
-                q.resolve_cached_as(GuestOffset(pos), touch)
+            let Ok(Some((ClusterMapping::Data { host, copied: true }, c_end))) = q
+                .resolve_cached_as(
+                    GuestOffset(pos),
+                    if touch { Touch::IfCopied } else { Touch::No },
+                )
             else {
                 return None;
             };

@@ -19,7 +19,7 @@ use qcow2_engine::coherency::SliceReply;
 use qcow2_engine::create::{create, CreateOptions};
 use qcow2_engine::io::{BlockDevice, BufSlice, Busy, DeviceError, DeviceOp, HeapBuf, IoBuffer};
 use qcow2_engine::rng::Rng;
-use qcow2_engine::{Chain, Exec, Layer, OpenOptions, OwnerLink, Qcow2};
+use qcow2_engine::{Chain, Exec, Layer, OpenOptions, OwnerLink, Qcow2, WriteRoute};
 use std::cell::RefCell;
 use std::collections::{HashMap, VecDeque};
 use std::process::Command;
@@ -855,6 +855,18 @@ fn core_refuses_in_place_write_into_metadata() {
     );
 }
 
+/// `Chain::route_write` as a word; a direct route's grace entry is left at once.
+fn route(chain: &Chain<Channel>, off: u64, len: u64) -> &'static str {
+    match chain.route_write(off, len) {
+        WriteRoute::Direct(d) => {
+            chain.exec().guest_exit(d.parity);
+            "direct"
+        }
+        WriteRoute::Local => "local",
+        WriteRoute::Owner => "owner",
+    }
+}
+
 #[test]
 fn core_routes_writes_by_its_cached_slice() {
     // `Chain::write_needs_owner` on a core: an uncached slice is loaded here first (false);
@@ -869,11 +881,13 @@ fn core_routes_writes_by_its_cached_slice() {
         !core.write_needs_owner(0, cs),
         "uncached: load it on the core"
     );
+    assert_eq!(route(&core, 0, cs), "local");
     // 4 KiB clusters: one L2 table covers 2 MiB; the second has no L2 table yet.
     assert!(
         core.write_needs_owner(2 << 20, cs),
         "no L2 table: only the owner can allocate one"
     );
+    assert_eq!(route(&core, 2 << 20, cs), "owner");
     assert_eq!(core.map_direct(0, cs, true), None, "nothing cached yet");
     // The core caches the (clean) slice.
     assert_eq!(core_read(&mut rig, 1, 3, 0, cs), vec![31; 8]);
@@ -883,17 +897,30 @@ fn core_routes_writes_by_its_cached_slice() {
     );
     let d = core.map_direct(0, cs, true).expect("in place on the core");
     core.exec().guest_exit(d.parity);
+    match core.route_write(0, cs) {
+        WriteRoute::Direct(r) => {
+            assert_eq!(
+                (r.dev, r.host),
+                (d.dev, d.host),
+                "routed where map_direct maps"
+            );
+            core.exec().guest_exit(r.parity);
+        }
+        other => panic!("an overwrite of a cached cluster is direct, not {other:?}"),
+    }
     let before = image(&core).l2_cache_stats();
     assert!(
         core.write_needs_owner(cs, cs),
         "first write: the owner allocates"
     );
+    assert_eq!(route(&core, cs, cs), "owner");
     assert_eq!(
         image(&core).l2_cache_stats(),
         before,
         "routing looks the slice up without counting a hit"
     );
     assert!(core.write_needs_owner(0, 2 * cs), "partly a first write");
+    assert_eq!(route(&core, 0, 2 * cs), "owner");
     // The owner allocates cluster 1 in the same slice and keeps it dirty: the core's copy
     // is outdated, and even the overwrite of cluster 0 goes to the owner rather than
     // fetching the owner's copy.
@@ -902,12 +929,14 @@ fn core_routes_writes_by_its_cached_slice() {
         core.write_needs_owner(0, cs),
         "slice dirty on the owner since"
     );
+    assert_eq!(route(&core, 0, cs), "owner");
     // Once written back (clean, even epoch) the core reloads it itself.
     flush_sync(&mut rig, 5);
     assert!(
         !core.write_needs_owner(0, cs),
         "clean again: the core reads it"
     );
+    assert_eq!(route(&core, 0, cs), "local");
     assert_eq!(
         core_read(&mut rig, 1, 6, 0, 2 * cs),
         [vec![31; 8], vec![32; 8]].concat()
@@ -916,7 +945,16 @@ fn core_routes_writes_by_its_cached_slice() {
         !core.write_needs_owner(cs, cs),
         "now allocated and current on the core"
     );
+    assert_eq!(route(&core, cs, cs), "direct");
+    assert_eq!(
+        route(&core, 1, cs),
+        "local",
+        "unaligned: the engine path says why"
+    );
     // The owner never defers to itself.
     assert!(!rig.chains[0].write_needs_owner(2 * cs, cs));
+    assert_eq!(route(&rig.chains[0], 2 * cs, cs), "local");
+    // Every route left the grace period it entered: the owner's write-back can advance.
+    assert_eq!(core_read(&mut rig, 1, 7, cs, cs), vec![32; 8]);
     rig.close();
 }

@@ -31,7 +31,7 @@ use crate::node::{Node, BLOCK_SIZE};
 use crate::owner;
 use qcow2_engine::coherency::SliceReply;
 use qcow2_engine::io::{BufSlice, DeviceError};
-use qcow2_engine::{Chain, DevId, Exec, Layer, OwnerLink, Qcow2};
+use qcow2_engine::{Chain, DevId, Direct, Exec, Layer, OwnerLink, Qcow2, WriteRoute};
 use serde::Serialize;
 use std::cell::{Cell, RefCell};
 use std::collections::VecDeque;
@@ -349,13 +349,18 @@ impl Channel {
         let chain = self.chain.borrow();
         if let (Some(chain), false) = (chain.as_ref(), self.forward_only.get()) {
             let bs = u64::from(BLOCK_SIZE);
-            // First writes and COW go to the owner without a detour through this replica.
-            if chain.write_needs_owner(io.offset_blocks() * bs, io.num_blocks() * bs) {
-                self.forwarded.set(self.forwarded.get() + 1);
-                return owner::forward(md, io);
-            }
-            if submit_direct(chain, &self.exec, self.direct, io, chan_direct_done) {
-                return;
+            match chain.route_write(io.offset_blocks() * bs, io.num_blocks() * bs) {
+                // First writes and COW go to the owner without a detour through this replica.
+                WriteRoute::Owner => {
+                    self.forwarded.set(self.forwarded.get() + 1);
+                    return owner::forward(md, io);
+                }
+                WriteRoute::Direct(d) => {
+                    if submit_mapped(&self.exec, self.direct, io, d, chan_direct_done) {
+                        return;
+                    }
+                }
+                WriteRoute::Local => {}
             }
             let len = io.num_blocks() * bs;
             let (iovs, cnt) = io.iovs();
@@ -441,19 +446,37 @@ pub fn submit_direct(
     io: BdevIo,
     done: unsafe extern "C" fn(*mut sys::spdk_bdev_io, bool, *mut c_void),
 ) -> bool {
-    let Some(t) = target else {
-        return false;
-    };
-    let bs = u64::from(BLOCK_SIZE);
-    let len = io.num_blocks() * bs;
-    let write = io.io_type() == sys::SPDK_BDEV_IO_TYPE_WRITE;
-    let Some(d) = chain.map_direct(io.offset_blocks() * bs, len, write) else {
-        return false;
-    };
-    if d.dev != t.dev {
-        exec.guest_exit(d.parity);
+    if target.is_none() {
         return false;
     }
+    let bs = u64::from(BLOCK_SIZE);
+    let write = io.io_type() == sys::SPDK_BDEV_IO_TYPE_WRITE;
+    let Some(d) = chain.map_direct(io.offset_blocks() * bs, io.num_blocks() * bs, write) else {
+        return false;
+    };
+    let ok = submit_mapped(exec, target, io, d, done);
+    if ok && !write {
+        chain.count_direct_read();
+    }
+    ok
+}
+
+/// Submits a request mapped to one extent (`Chain::map_direct`, `Chain::route_write`) to
+/// the base with the bdev_io's own iovecs; on refusal (another device, no target, base busy)
+/// leaves the grace period and returns false, having submitted nothing.
+pub fn submit_mapped(
+    exec: &Exec<SpdkDevice>,
+    target: Option<DirectTarget>,
+    io: BdevIo,
+    d: Direct,
+    done: unsafe extern "C" fn(*mut sys::spdk_bdev_io, bool, *mut c_void),
+) -> bool {
+    let Some(t) = target.filter(|t| t.dev == d.dev) else {
+        exec.guest_exit(d.parity);
+        return false;
+    };
+    let len = io.num_blocks() * u64::from(BLOCK_SIZE);
+    let write = io.io_type() == sys::SPDK_BDEV_IO_TYPE_WRITE;
     // SAFETY: the driver context has room for an `IoCtx` (`module::get_ctx_size`); the
     // bdev_io is ours until completed.
     unsafe { (*io.driver_ctx().cast::<owner::IoCtx>()).parity = d.parity };
@@ -464,9 +487,6 @@ pub fn submit_direct(
     if r.is_err() {
         exec.guest_exit(d.parity);
         return false;
-    }
-    if !write {
-        chain.count_direct_read();
     }
     true
 }
