@@ -227,8 +227,9 @@ fi
 #      overwrite.
 [ -n "${SKIP_LVOL:-}" ] && exit 0
 LVS_CLUSTER=${LVS_CLUSTER:-65536}
-# first_writes KIND LAT_US WORKLOAD IOSIZE [QCOW2-PARAMS]: IOPS of one fresh lvol (KIND=lvol)
-# or qcow2 image of VOL_MIB on a malloc of VOL_MIB + 256 MiB. The malloc is written once
+# first_writes KIND LAT_US WORKLOAD IOSIZE [QCOW2-PARAMS]: IOPS of one fresh lvol (KIND=lvol),
+# qcow2 image (KIND=qcow2) of VOL_MIB, or of the base itself (KIND=raw: the bound, nothing
+# allocated), on a malloc of VOL_MIB + 256 MiB. The malloc is written once
 # first, so neither side pays the first touch of the memory (page faults); the lvstore is
 # created without clearing (the malloc is zeroed already).
 VOL_MIB=1024
@@ -240,7 +241,9 @@ first_writes() {
     zrpc bdev_delay_create -b m0 -d d0 -r "$2" -t "$2" -w "$2" -n "$2"
     base=d0
   fi
-  if [ "$1" = lvol ]; then
+  if [ "$1" = raw ]; then
+    : # the base itself: the same writes with no allocation at all (the bound)
+  elif [ "$1" = lvol ]; then
     zrpc bdev_lvol_create_lvstore "$base" lvs0 -c "$LVS_CLUSTER" --clear-method none
     zrpc bdev_lvol_create -l lvs0 -t l0 "$VOL_MIB"
   else
@@ -256,7 +259,8 @@ VOL_MIB=$((${FIRST_GIB:-8} * 1024))
 for lat in 0 ${FIRST_LAT:-20 80}; do
   l=$(first_writes lvol "$lat" write "$LVS_CLUSTER")
   q=$(first_writes qcow2 "$lat" write "$LVS_CLUSTER")
-  echo "first writes, sequential $LVS_CLUSTER B (one new cluster each), $VOL_MIB MiB volumes, QD32 1 s, malloc + ${lat} µs latency: qcow2 $q IOPS, thin lvol $l IOPS, ratio qcow2/lvol $(ratio "$q" "$l")"
+  r=$(first_writes raw "$lat" write "$LVS_CLUSTER")
+  echo "first writes, sequential $LVS_CLUSTER B (one new cluster each), $VOL_MIB MiB volumes, QD32 1 s, malloc + ${lat} µs latency: qcow2 $q IOPS, thin lvol $l IOPS, ratio qcow2/lvol $(ratio "$q" "$l"); the base itself (no allocation) $r IOPS: qcow2/base $(ratio "$q" "$r"), lvol/base $(ratio "$l" "$r")"
 done
 ZMEM=("${SAVED_ZMEM[@]}")
 VOL_MIB=1024
