@@ -68,7 +68,9 @@ def spdk_rpc_plugin_initialize(subparsers):
     p.add_argument('--l2-slice-size', type=int, help='L2 slice size in bytes (default 4096)')
     p.add_argument('--cache-ways', type=int, help='ways per set of the slice cache (default 8)')
     p.add_argument('--prefetch', dest='prefetch', action='store_true', default=None,
-                   help='sequential read-ahead (not implemented yet)')
+                   help='read-ahead of L2 slices on sequential streams (the default)')
+    p.add_argument('--no-prefetch', dest='prefetch', action='store_false',
+                   help='no read-ahead of L2 slices')
     p.set_defaults(func=create)
 
     def fmt(args):

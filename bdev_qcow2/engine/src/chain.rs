@@ -85,14 +85,21 @@ struct Run {
 }
 
 /// An image and its backing chain, served on one core.
+///
+/// `repr(C)`: the fields every request reads come first, in one cache line.
+#[repr(C)]
 pub struct Chain<D: BlockDevice> {
     exec: Exec<D>,
     layers: Vec<Layer<D>>,
+    /// Virtual size of the top image (fixed while open).
+    size: u64,
+    /// Read-ahead's per-request state ([`Chain::read_ahead`]).
+    pub(crate) pf_hot: crate::prefetch::Hot,
     /// Reused plan storage of the fast path (no allocation per request).
     scratch: RefCell<FastPlan>,
     stats: RefCell<ReadStats>,
-    /// Virtual size of the top image (fixed while open).
-    size: u64,
+    /// The rest of read-ahead's state (sequential requests only).
+    pub(crate) prefetch: RefCell<crate::prefetch::Prefetch>,
 }
 
 impl<D: BlockDevice> Chain<D> {
@@ -110,12 +117,15 @@ impl<D: BlockDevice> Chain<D> {
             )));
         }
         let size = layers[0].size();
+        let (pf_hot, prefetch) = crate::prefetch::new_state();
         Ok(Rc::new(Chain {
+            pf_hot,
             exec: exec.clone(),
             size,
             layers,
             scratch: RefCell::new((Vec::with_capacity(64), Vec::with_capacity(64))),
             stats: RefCell::new(ReadStats::default()),
+            prefetch,
         }))
     }
 

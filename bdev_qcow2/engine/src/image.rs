@@ -687,6 +687,16 @@ impl<D: BlockDevice> Qcow2<D> {
         cache.block(way).get(i).map(|e| e as *const u64)
     }
 
+    /// Whether this replica holds the slice covering `off` under its current epoch (no
+    /// counters, no LRU update): read-ahead skips such a slice.
+    pub fn slice_is_current(&self, off: GuestOffset) -> bool {
+        let key = self.geo.slice_id(off);
+        let epoch = self.cur_epoch(key);
+        self.l2_cache
+            .try_borrow()
+            .is_ok_and(|c| c.peek_epoch(key) == Some(epoch))
+    }
+
     /// On a writable core replica: the state of this core's copy of the slice covering
     /// `off` (see [`Chain::write_needs_owner`](crate::Chain::write_needs_owner)); `None`
     /// on the owner and on read-only replicas.

@@ -28,6 +28,7 @@ pub mod image;
 pub mod io;
 pub mod limits;
 pub mod meta;
+pub mod prefetch;
 pub mod rng;
 #[cfg(any(test, feature = "testing"))]
 pub mod testing;

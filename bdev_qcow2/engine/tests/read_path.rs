@@ -453,3 +453,69 @@ fn direct_path_maps_where_qemu_img_maps() {
         }
     }
 }
+
+#[test]
+fn read_ahead_loads_the_next_slice_of_a_sequential_stream() {
+    // 4 KiB clusters and 512-byte slices: a slice covers 256 KiB, so 32 KiB reads cross
+    // into a new slice every 8 requests.
+    const LEN: usize = 32 << 10;
+    let dir = tempfile::tempdir().unwrap();
+    let (img, raw) = make_image(
+        dir.path(),
+        "cluster_size=4096",
+        "8M",
+        &["write -P 0x5a 0 3M", "write -P 0xa5 5M 3M"],
+    );
+    let cov = 256 << 10;
+    let run = |prefetch: bool, offsets: &[u64]| {
+        let (exec, _dev, chain) = open(
+            img.clone(),
+            OpenOptions {
+                l2_slice_bytes: 512,
+                ..OpenOptions::default()
+            },
+        );
+        let chain = chain.unwrap();
+        chain.set_prefetch(prefetch);
+        assert_eq!(chain.prefetch_enabled(), prefetch);
+        for &off in offsets {
+            chain.read_ahead(off, LEN as u64);
+            let got = submit_and_wait(&exec, &chain, off, LEN).unwrap();
+            assert_eq!(got[..], raw[off as usize..off as usize + LEN], "at {off}");
+        }
+        (chain.stats(), chain.prefetch_stats())
+    };
+    let seq: Vec<u64> = (0..256).map(|i| i * LEN as u64).collect();
+    let slices = (8 << 20) / cov;
+    let (plain, p) = run(false, &seq);
+    assert_eq!(
+        plain.slow_reads, slices,
+        "without read-ahead every slice is a miss"
+    );
+    assert_eq!(p, Default::default());
+    let (ahead, p) = run(true, &seq);
+    // Only the first slice is loaded by a guest read; every other one was there in time.
+    assert_eq!(ahead.slow_reads, 1);
+    assert_eq!(ahead.fast_reads, 255);
+    assert_eq!(p.streams, 1);
+    assert_eq!(
+        p.issued,
+        slices - 1,
+        "each next slice once, nothing past the end"
+    );
+    assert_eq!(p.loaded, p.issued);
+    assert_eq!(
+        p.hits, p.loaded,
+        "the stream reached every slice loaded for it"
+    );
+    // Random reads start no stream and load nothing ahead.
+    let mut x = 7u64;
+    let random: Vec<u64> = (0..200)
+        .map(|_| {
+            x = x.wrapping_mul(6364136223846793005).wrapping_add(1);
+            (x >> 33) % 256 * LEN as u64
+        })
+        .collect();
+    let (_, p) = run(true, &random);
+    assert_eq!(p.issued, 0, "{p:?}");
+}

@@ -55,6 +55,8 @@ pub struct Channel {
     forward_to: Option<*mut sys::spdk_thread>,
     /// Writable bdev without a replica (it could not be built): everything goes to the owner.
     forward_only: Cell<bool>,
+    /// Read-ahead on sequential streams (`prefetch` of the create call).
+    prefetch: bool,
     /// Writable bdev: slice requests that SPDK's message pool could not take yet.
     unsent_asks: RefCell<Vec<*mut Ask>>,
     /// Writes served in place here / sent to the owner.
@@ -105,6 +107,14 @@ pub struct ChannelStats {
     pub local_writes: u64,
     /// Requests sent to the metadata owner (writable bdevs).
     pub forwarded: u64,
+    /// Read-ahead: sequential streams detected.
+    pub prefetch_streams: u64,
+    /// Read-ahead: slice loads started ahead of a stream.
+    pub prefetch_issued: u64,
+    /// Read-ahead: ... that put a slice into the cache.
+    pub prefetch_loaded: u64,
+    /// Read-ahead: slices loaded ahead that their stream then reached.
+    pub prefetch_hits: u64,
 }
 
 impl ChannelStats {
@@ -120,6 +130,10 @@ impl ChannelStats {
         self.busy_retries += o.busy_retries;
         self.local_writes += o.local_writes;
         self.forwarded += o.forwarded;
+        self.prefetch_streams += o.prefetch_streams;
+        self.prefetch_issued += o.prefetch_issued;
+        self.prefetch_loaded += o.prefetch_loaded;
+        self.prefetch_hits += o.prefetch_hits;
     }
 }
 
@@ -136,6 +150,7 @@ impl Channel {
             direct: None,
             forward_to: None,
             forward_only: Cell::new(false),
+            prefetch: node.params.prefetch_on(),
             unsent_asks: RefCell::new(Vec::new()),
             local_writes: Cell::new(0),
             forwarded: Cell::new(0),
@@ -214,6 +229,11 @@ impl Channel {
             let r = chain.stats();
             s.fast_reads = r.fast_reads;
             s.slow_reads = r.slow_reads;
+            let p = chain.prefetch_stats();
+            s.prefetch_streams = p.streams;
+            s.prefetch_issued = p.issued;
+            s.prefetch_loaded = p.loaded;
+            s.prefetch_hits = p.hits;
             if let Some(Layer::Qcow2(q)) = chain.layers().first() {
                 let c = q.l2_cache_stats();
                 s.l2_cache_hits = c.hits;
@@ -246,7 +266,10 @@ impl Channel {
             })
         });
         match chain {
-            Ok(c) => *self.chain.borrow_mut() = Some(c),
+            Ok(c) => {
+                c.set_prefetch(self.prefetch);
+                *self.chain.borrow_mut() = Some(c)
+            }
             Err(e) if self.forward_to.is_some() => {
                 // A writable bdev's replica could not be built (e.g. more threads than
                 // grace-period slots): this channel sends everything to the owner instead.
@@ -280,10 +303,11 @@ impl Channel {
             self.queued.borrow_mut().push_back(io);
             return;
         };
+        let len = io.num_blocks() * u64::from(BLOCK_SIZE);
+        chain.read_ahead(io.offset_blocks() * u64::from(BLOCK_SIZE), len);
         if submit_direct(chain, &self.exec, self.direct, io, chan_direct_done) {
             return;
         }
-        let len = io.num_blocks() * u64::from(BLOCK_SIZE);
         let (iovs, cnt) = io.iovs();
         // SAFETY: the bdev_io's iovecs hold `len` bytes and stay valid until we complete
         // it, which happens only after the engine reported the request done.
@@ -349,6 +373,7 @@ impl Channel {
         let chain = self.chain.borrow();
         if let (Some(chain), false) = (chain.as_ref(), self.forward_only.get()) {
             let bs = u64::from(BLOCK_SIZE);
+            chain.read_ahead(io.offset_blocks() * bs, io.num_blocks() * bs);
             match chain.route_write(io.offset_blocks() * bs, io.num_blocks() * bs) {
                 // First writes and COW go to the owner without a detour through this replica.
                 WriteRoute::Owner => {

@@ -370,7 +370,10 @@ fn finish(mut job: Job) {
         // The base device was added first (`create`), so it is `DevId(0)`.
         Ok(chain) => Owner::start(
             job.exec,
-            chain,
+            {
+                chain.set_prefetch(job.params.prefetch_on());
+                chain
+            },
             [Some(DevId(0)), job.backing_dev].into_iter().flatten(),
         ),
         Err(e) => {
@@ -571,7 +574,10 @@ fn close_when_unused(node: *mut Node) {
         let _ = unsafe { thread::send_msg(md, move || close_when_unused(node)) };
         return;
     }
-    // SAFETY: no channel is left; only this thread uses the owner.
+    // SAFETY: no channel is left (every one retired its counters); only this thread uses
+    // the owner.
+    unsafe { log_summary(&*node) };
+    // SAFETY: as just said.
     let owner = std::mem::replace(unsafe { &mut (*node).owner }, std::ptr::null_mut());
     if !owner.is_null() {
         // SAFETY: the owner was started on this thread and is closed once (nulled above).
@@ -579,6 +585,37 @@ fn close_when_unused(node: *mut Node) {
         return;
     }
     close_descs(node);
+}
+
+/// Logs what the bdev's read-ahead and slice caches did over its life (at delete or
+/// shutdown), from the retired channels' counters and the owner's.
+///
+/// # Safety
+/// On the md thread, once no channel is left and before the owner is closed.
+unsafe fn log_summary(n: &Node) {
+    let mut t = n.retired.lock().map(|r| r.clone()).unwrap_or_default();
+    if !n.owner.is_null() {
+        // SAFETY: the caller is on the md thread, which alone frees the owner, later.
+        let (p, c) = unsafe { (*n.owner).cache_stats() };
+        t.l2_cache_hits += c.hits;
+        t.l2_cache_misses += c.misses;
+        t.prefetch_streams += p.streams;
+        t.prefetch_issued += p.issued;
+        t.prefetch_loaded += p.loaded;
+        t.prefetch_hits += p.hits;
+    }
+    tracing::info!(
+        "qcow2 bdev {}: {} requests; slice caches {} hits, {} misses; read-ahead {} \
+         sequential streams, {} slices loaded ahead of {} started, {} reached by their stream",
+        n.params.name,
+        t.completed,
+        t.l2_cache_hits,
+        t.l2_cache_misses,
+        t.prefetch_streams,
+        t.prefetch_loaded,
+        t.prefetch_issued,
+        t.prefetch_hits
+    );
 }
 
 fn close_descs(node: *mut Node) {

@@ -140,6 +140,7 @@ impl Owner {
             Some(qcow2_engine::Layer::Qcow2(q)) => {
                 let s = q.owner_stats().unwrap_or_default();
                 let c = q.l2_cache_stats();
+                let p = self.chain.prefetch_stats();
                 serde_json::json!({
                     "clusters_allocated": s.clusters_allocated,
                     "l2_slices_written": s.l2_slices_written,
@@ -147,10 +148,28 @@ impl Owner {
                     "l2_cache_hits": c.hits,
                     "l2_cache_misses": c.misses,
                     "l2_cache_evictions": c.evictions,
+                    "prefetch_streams": p.streams,
+                    "prefetch_issued": p.issued,
+                    "prefetch_loaded": p.loaded,
+                    "prefetch_hits": p.hits,
                 })
             }
             _ => serde_json::Value::Null,
         }
+    }
+
+    /// The owner's read-ahead and slice-cache counters.
+    pub fn cache_stats(
+        &self,
+    ) -> (
+        qcow2_engine::prefetch::PrefetchStats,
+        qcow2_engine::cache::CacheStats,
+    ) {
+        let c = match self.chain.layers().first() {
+            Some(qcow2_engine::Layer::Qcow2(q)) => q.l2_cache_stats(),
+            _ => Default::default(),
+        };
+        (self.chain.prefetch_stats(), c)
     }
 
     /// Keeps an answered slice request to send again on the next poll (message pool empty).
@@ -185,6 +204,7 @@ impl Owner {
         let c = &self.chain;
         match io.io_type() {
             sys::SPDK_BDEV_IO_TYPE_READ | sys::SPDK_BDEV_IO_TYPE_WRITE => {
+                c.read_ahead(off, len);
                 if channel::submit_direct(c, &self.exec, self.direct, io, owner_direct_done) {
                     return;
                 }

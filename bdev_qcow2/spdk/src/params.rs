@@ -37,7 +37,9 @@ pub struct CreateParams {
     /// Ways per set of the slice cache (1..=64, default 8).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cache_ways: Option<usize>,
-    /// Sequential read-ahead (not implemented yet; accepted and kept).
+    /// Read-ahead of L2 slices on sequential streams, per channel (default `true`): once a
+    /// stream has run 4 requests in a row, the slice after the one it is in is loaded into
+    /// that channel's cache before the stream gets there.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub prefetch: Option<bool>,
 }
@@ -72,6 +74,11 @@ impl CreateParams {
             }
         }
         Ok(())
+    }
+
+    /// Whether read-ahead is on (`prefetch`, default true).
+    pub fn prefetch_on(&self) -> bool {
+        self.prefetch.unwrap_or(true)
     }
 
     /// Engine options for opening the image (read-only; the owner of a writable bdev sets

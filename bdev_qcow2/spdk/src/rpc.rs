@@ -59,12 +59,6 @@ pub unsafe extern "C" fn bdev_qcow2_rpc_create(
     if let Err(m) = p.validate() {
         return req.error(INVALID_PARAMS, &format!("bdev_qcow2_create: {m}"));
     }
-    if p.prefetch == Some(true) {
-        tracing::warn!(
-            "bdev_qcow2_create {}: prefetch is not implemented yet",
-            p.name
-        );
-    }
     let missing: Vec<&str> = std::iter::once(p.base_bdev.as_str())
         .chain(p.backing_bdev.as_deref())
         .filter(|b| !bdev::exists(b))

@@ -282,8 +282,9 @@ mod real {
         fs::write(path, serde_json::to_vec_pretty(&cfg).unwrap()).unwrap();
     }
 
-    /// Copies bdev `bdev` out with spdk_dd and compares it with `qemu-img convert -O raw`.
-    fn dd_and_compare(dir: &Path, cfg: &Path, bdev: &str, img: &Path, tag: &str) {
+    /// Copies bdev `bdev` out with spdk_dd and compares it with `qemu-img convert -O raw`;
+    /// returns spdk_dd's output.
+    fn dd_and_compare(dir: &Path, cfg: &Path, bdev: &str, img: &Path, tag: &str) -> String {
         let out = dir.join(format!("{tag}.spdk.raw"));
         let want = dir.join(format!("{tag}.qemu.raw"));
         let log = dir.join(format!("{tag}.dd.log"));
@@ -311,6 +312,26 @@ mod real {
         say(&format!(
             "{tag}: spdk_dd copy of {bdev} is byte-identical to qemu-img convert"
         ));
+        text
+    }
+
+    /// The read-ahead figures of `bdev` from the summary it logs when deleted: (streams,
+    /// slices loaded ahead, started, reached by their stream).
+    fn read_ahead_summary(log: &str, bdev: &str) -> (u64, u64, u64, u64) {
+        let line = log
+            .lines()
+            .find_map(|l| l.split_once(&format!("qcow2 bdev {bdev}: ")).map(|x| x.1))
+            .filter(|l| l.contains("read-ahead"))
+            .unwrap_or_else(|| panic!("no summary of {bdev} in:\n{log}"));
+        let n: Vec<u64> = line
+            .split_once("read-ahead")
+            .unwrap()
+            .1
+            .split(|c: char| !c.is_ascii_digit())
+            .filter_map(|w| w.parse().ok())
+            .collect();
+        assert_eq!(n.len(), 4, "{line}");
+        (n[0], n[1], n[2], n[3])
     }
 
     #[test]
@@ -336,7 +357,20 @@ mod real {
             qemu_io(&img, PATTERNS);
             let cfg = d.join(format!("{tag}.json"));
             write_config(&cfg, vec![aio(&img, "aio0"), qcow2("q0", "aio0", None)]);
-            dd_and_compare(d, &cfg, "q0", &img, tag);
+            let log = dd_and_compare(d, &cfg, "q0", &img, tag);
+            // spdk_dd reads the bdev front to back: one sequential stream, whose next
+            // slice is loaded ahead each time it enters one. With 4 KiB clusters a 4 KiB
+            // slice is a whole L2 table (2 MiB); PATTERNS allocate 5 of them, and the 4
+            // after the first are each loaded ahead once (64 KiB clusters: 2 slices).
+            let (streams, loaded, started, reached) = read_ahead_summary(&log, "q0");
+            say(&format!(
+                "{tag}: read-ahead: {streams} streams, {loaded} of {started} slices loaded ahead, {reached} in time"
+            ));
+            assert!(streams >= 1, "{log}");
+            assert_eq!(loaded, started, "{log}");
+            if cs == "4096" {
+                assert!(started == 4 && reached <= loaded, "{log}");
+            }
         }
 
         // Compressed clusters (zlib), listed before its base bdev: deferred creation.

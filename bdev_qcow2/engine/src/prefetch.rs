@@ -1,0 +1,298 @@
+//! L2 slice read-ahead on sequential streams, one per core replica ([`Chain::read_ahead`]).
+//!
+//! A host tells its chain where each guest request goes. A small ring of stream slots
+//! remembers where the last few streams will continue; a request that starts exactly there
+//! extends its stream, anything else takes over the oldest slot (random I/O costs a compare
+//! per slot and never loads anything). Once a stream has run [`SEQ_MIN`] requests in a row,
+//! the slice *after* the one it is in is loaded into this core's cache in the background,
+//! so the stream never waits for a slice read when it crosses into it. Each slice is asked
+//! for once per stream; one already cached (current epoch) costs nothing.
+//!
+//! Single-threaded like the rest of a replica: nothing here is shared, nothing locks.
+
+use crate::chain::{Chain, Layer};
+use crate::io::BlockDevice;
+use crate::types::GuestOffset;
+use std::cell::{Cell, RefCell};
+use std::rc::Rc;
+
+/// Requests in a row that make a stream sequential.
+pub const SEQ_MIN: u32 = 4;
+/// Streams followed at once per core.
+const STREAMS: usize = 2;
+/// Slices loaded ahead and not yet reached, remembered to count the useful ones.
+const LOADED: usize = 8;
+
+/// Read-ahead counters of one replica.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct PrefetchStats {
+    /// Slice loads started ahead of a sequential stream.
+    pub issued: u64,
+    /// ... that put a slice into the cache.
+    pub loaded: u64,
+    /// Slices loaded ahead that their stream then reached.
+    pub hits: u64,
+    /// Sequential streams detected (a stream counts once, when it reaches [`SEQ_MIN`]).
+    pub streams: u64,
+}
+
+/// What every request looks at: whether read-ahead is on and where the followed streams
+/// continue. Kept in the [`Chain`] next to the fields every request reads, so a random
+/// request costs no cache line of its own.
+pub(crate) struct Hot {
+    on: Cell<bool>,
+    /// Slot the next new stream takes (round robin).
+    victim: Cell<u8>,
+    /// Where each stream's next request starts (`u64::MAX`: none).
+    next: [Cell<u64>; STREAMS],
+}
+
+impl Default for Hot {
+    fn default() -> Self {
+        Hot {
+            on: Cell::new(false),
+            victim: Cell::new(0),
+            next: std::array::from_fn(|_| Cell::new(u64::MAX)),
+        }
+    }
+}
+
+impl Hot {
+    /// The stream a request at `offset` continues, if any; a request that continues none
+    /// starts one in the oldest slot (its run is reset by [`Prefetch::advance`]'s caller).
+    #[inline]
+    fn find_or_start(&self, offset: u64, len: u64) -> Result<usize, usize> {
+        let next = offset.saturating_add(len);
+        if let Some(i) = self.next.iter().position(|n| n.get() == offset) {
+            self.next[i].set(next);
+            return Ok(i);
+        }
+        let v = self.victim.get() as usize;
+        self.victim.set(((v + 1) % STREAMS) as u8);
+        self.next[v].set(next);
+        Err(v)
+    }
+}
+
+/// The rest of a replica's read-ahead state (touched only by sequential requests).
+#[derive(Default)]
+pub(crate) struct Prefetch {
+    /// Per stream: requests in a row, and the last slice asked for (`u64::MAX`: none).
+    run: [(u32, u64); STREAMS],
+    /// Slices loaded ahead, not yet reached (`u64::MAX`: empty).
+    loaded: [u64; LOADED],
+    loaded_pos: usize,
+    stats: PrefetchStats,
+}
+
+impl Prefetch {
+    fn new() -> Self {
+        Prefetch {
+            run: [(0, u64::MAX); STREAMS],
+            loaded: [u64::MAX; LOADED],
+            ..Default::default()
+        }
+    }
+
+    /// Stream `i` starts afresh.
+    fn restart(&mut self, i: usize) {
+        self.run[i] = (1, u64::MAX);
+    }
+
+    /// Request `offset` continues stream `i` (in slices of `coverage` bytes, on a disk of
+    /// `size`): returns the guest offset of a slice to load ahead, if any.
+    fn advance(&mut self, i: usize, offset: u64, coverage: u64, size: u64) -> Option<u64> {
+        let key = offset / coverage;
+        let (run, asked) = &mut self.run[i];
+        *run = run.saturating_add(1);
+        let (r, a) = (*run, *asked);
+        if let Some(slot) = self.loaded.iter_mut().find(|k| **k == key) {
+            *slot = u64::MAX;
+            self.stats.hits += 1;
+        }
+        if r == SEQ_MIN {
+            self.stats.streams += 1;
+        }
+        let ahead = key + 1;
+        if r < SEQ_MIN || a == ahead {
+            return None;
+        }
+        let target = ahead.checked_mul(coverage).filter(|&t| t < size)?;
+        self.run[i].1 = ahead;
+        Some(target)
+    }
+
+    fn remember_loaded(&mut self, key: u64) {
+        self.loaded[self.loaded_pos] = key;
+        self.loaded_pos = (self.loaded_pos + 1) % LOADED;
+    }
+}
+
+/// A hot and a cold half, as the chain holds them.
+pub(crate) fn new_state() -> (Hot, RefCell<Prefetch>) {
+    (Hot::default(), RefCell::new(Prefetch::new()))
+}
+
+impl<D: BlockDevice> Chain<D> {
+    /// Turns read-ahead of L2 slices on sequential streams on or off for this replica
+    /// (off by default; hosts turn it on per their configuration).
+    pub fn set_prefetch(&self, on: bool) {
+        self.pf_hot.on.set(on);
+    }
+
+    /// Whether read-ahead is on.
+    pub fn prefetch_enabled(&self) -> bool {
+        self.pf_hot.on.get()
+    }
+
+    /// Read-ahead counters.
+    pub fn prefetch_stats(&self) -> PrefetchStats {
+        self.prefetch.borrow().stats
+    }
+
+    /// Tells read-ahead about a guest request (read or write) of `len` bytes at `offset`
+    /// that this replica is about to serve or route; when it continues a sequential stream
+    /// and the stream's next slice is not cached here, starts loading that slice in the
+    /// background (a task on this executor; a failure is left to the request that needs
+    /// the slice, which reports it). Costs a few compares when off or on random I/O.
+    #[inline]
+    pub fn read_ahead(self: &Rc<Self>, offset: u64, len: u64) {
+        if !self.pf_hot.on.get() || len == 0 {
+            return;
+        }
+        match self.pf_hot.find_or_start(offset, len) {
+            Ok(i) => self.continue_stream(i, offset),
+            Err(i) => {
+                if let Ok(mut p) = self.prefetch.try_borrow_mut() {
+                    p.restart(i);
+                }
+            }
+        }
+    }
+
+    /// [`read_ahead`](Self::read_ahead) for a request that continues stream `i`.
+    #[inline(never)]
+    fn continue_stream(self: &Rc<Self>, i: usize, offset: u64) {
+        let Layer::Qcow2(q) = &self.layers()[0] else {
+            return;
+        };
+        let coverage = q.geometry().slice_coverage();
+        let Some(target) = self
+            .prefetch
+            .try_borrow_mut()
+            .ok()
+            .and_then(|mut p| p.advance(i, offset, coverage, self.size()))
+        else {
+            return;
+        };
+        // Cached already, or no L2 table there (nothing to load: it reads as zeros).
+        if q.slice_is_current(GuestOffset(target))
+            || !matches!(q.l2_table(GuestOffset(target)), Ok(Some(_)))
+        {
+            return;
+        }
+        self.prefetch.borrow_mut().stats.issued += 1;
+        let chain = self.clone();
+        self.exec().spawn(async move {
+            let Layer::Qcow2(q) = &chain.layers()[0] else {
+                return;
+            };
+            if let Ok(Some(_)) = q.load_slice(GuestOffset(target)).await {
+                let mut p = chain.prefetch.borrow_mut();
+                p.stats.loaded += 1;
+                p.remember_loaded(target / coverage);
+            }
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Both halves, driven as `read_ahead` drives them.
+    struct Both(Hot, Prefetch);
+
+    impl Both {
+        fn new() -> Self {
+            Both(Hot::default(), Prefetch::new())
+        }
+        fn note(&mut self, offset: u64, len: u64, cov: u64, size: u64) -> Option<u64> {
+            match self.0.find_or_start(offset, len) {
+                Ok(i) => self.1.advance(i, offset, cov, size),
+                Err(i) => {
+                    self.1.restart(i);
+                    None
+                }
+            }
+        }
+    }
+
+    const COV: u64 = 1 << 20;
+
+    #[test]
+    fn random_requests_never_prefetch() {
+        let mut p = Both::new();
+        let mut x = 12345u64;
+        for _ in 0..10_000 {
+            x = x
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            let off = ((x >> 20) % (1 << 30)) & !4095;
+            assert_eq!(p.note(off, 4096, COV, 1 << 30), None);
+        }
+        assert_eq!(p.1.stats.streams, 0);
+    }
+
+    #[test]
+    fn a_stream_asks_for_its_next_slice_once() {
+        let mut p = Both::new();
+        let mut asked = Vec::new();
+        for i in 0..1024u64 {
+            if let Some(t) = p.note(i * 65536, 65536, COV, 1 << 30) {
+                asked.push(t);
+            }
+        }
+        // 16 requests per slice: from the 4th request on, each slice's successor, once.
+        assert_eq!(asked, (1..=64).map(|k| k * COV).collect::<Vec<_>>());
+        assert_eq!(p.1.stats.streams, 1);
+        // Nothing past the end of the disk.
+        let mut p = Both::new();
+        let size = 2 * COV;
+        let got: Vec<_> = (0..32u64)
+            .filter_map(|i| p.note(i * 65536, 65536, COV, size))
+            .collect();
+        assert_eq!(got, vec![COV]);
+    }
+
+    #[test]
+    fn interleaved_streams_are_followed_apart() {
+        let mut p = Both::new();
+        let mut asked = Vec::new();
+        for i in 0..8u64 {
+            for base in [0u64, 100 * COV] {
+                if let Some(t) = p.note(base + i * 4096, 4096, COV, 1 << 40) {
+                    asked.push(t);
+                }
+            }
+        }
+        assert_eq!(asked, vec![COV, 101 * COV]);
+        assert_eq!(p.1.stats.streams, 2);
+    }
+
+    #[test]
+    fn reaching_a_loaded_slice_counts_a_hit() {
+        let mut p = Both::new();
+        for i in 0..4u64 {
+            p.note(i * 4096, 4096, COV, 1 << 30);
+        }
+        p.1.remember_loaded(1);
+        // The stream enters slice 1.
+        let mut off = 4 * 4096;
+        while off < COV + 4096 {
+            p.note(off, 4096, COV, 1 << 30);
+            off += 4096;
+        }
+        assert_eq!(p.1.stats.hits, 1);
+    }
+}
