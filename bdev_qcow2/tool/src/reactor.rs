@@ -163,13 +163,17 @@ impl<D: BlockDevice> Reactor<D> {
         self.image().map(|q| q.l2_cache_stats()).unwrap_or_default()
     }
 
-    /// Starts a read (tags below 2^62 - 1: the reactor uses the bits above).
+    /// Starts a read (tags below 2^62 - 1: the reactor uses the bits above). Reads and
+    /// writes feed this core's read-ahead of L2 slices (on unless the host turned it off
+    /// with `chain.set_prefetch(false)`).
     pub fn submit_read(&mut self, tag: u64, offset: u64, buf: BufSlice<D::Buf>) {
+        self.chain.read_ahead(offset, buf.len as u64);
         self.chain.submit_read(tag, offset, buf);
     }
 
     /// Starts a write: in place on this core when possible, else on the owner.
     pub fn submit_write(&mut self, tag: u64, offset: u64, buf: BufSlice<D::Buf>) {
+        self.chain.read_ahead(offset, buf.len as u64);
         if self.is_owner() {
             return self.chain.submit_write(tag, offset, buf);
         }
@@ -464,6 +468,7 @@ where
                 let chain = Qcow2::from_seed(seed, &exec, dev, opts, link)
                     .and_then(|q| Chain::new(&exec, vec![Layer::Qcow2(Box::new(q))]));
                 let chain = chain.map_err(engine)?;
+                chain.set_prefetch(true);
                 let mut r = Reactor {
                     id,
                     exec,
@@ -503,6 +508,7 @@ where
                 }
             }
             let chain = Chain::new(&exec, vec![Layer::Qcow2(Box::new(q))]).map_err(engine)?;
+            chain.set_prefetch(true);
             let mut r = Reactor {
                 id: 0,
                 exec,

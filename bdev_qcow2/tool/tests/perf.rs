@@ -67,3 +67,35 @@ fn two_cores_read_and_mixed_workloads_run() {
     let runs = perf(&["-w", "randrw", "-M", "70", "--base-latency-us", "50"]);
     assert!(runs[0]["iops"].as_f64().unwrap() > 0.0);
 }
+
+#[test]
+fn cold_sequential_reads_load_slices_ahead() {
+    // No warm-up, 512-byte slices (64 KiB clusters: 4 MiB per slice), 64 KiB sequential
+    // reads: read-ahead loads each next slice before the stream reaches it, on one core
+    // and on each core of two.
+    for cores in ["1", "2"] {
+        let args = [
+            "-w",
+            "read",
+            "-o",
+            "64k",
+            "-q",
+            "1",
+            "--cold",
+            "--l2-slice-size",
+            "512",
+            "--cores",
+            cores,
+        ];
+        let runs = perf(&args);
+        let q = &runs[0];
+        assert_eq!(q["target"], "qcow2");
+        let loaded = q["prefetch_loaded"].as_u64().unwrap();
+        let hits = q["prefetch_hits"].as_u64().unwrap();
+        assert!(loaded > 0 && hits > 0 && hits <= loaded, "{q}");
+        // Off: nothing is loaded ahead, every slice is a miss of the stream itself.
+        let runs = perf(&[&args[..], &["--no-prefetch"]].concat());
+        assert_eq!(runs[0]["prefetch_loaded"], 0, "{}", runs[0]);
+        assert!(runs[0]["cache_misses"].as_u64().unwrap() > 0);
+    }
+}

@@ -83,6 +83,13 @@ pub struct PerfArgs {
     /// Added device latency in microseconds (like SPDK's delay bdev).
     #[arg(long, default_value_t = 0)]
     pub base_latency_us: u64,
+    /// Cold metadata: no warm-up, every L2 slice is read when first needed (read-ahead
+    /// shows here).
+    #[arg(long)]
+    pub cold: bool,
+    /// No read-ahead of L2 slices on sequential streams.
+    #[arg(long)]
+    pub no_prefetch: bool,
     /// Run only the raw baseline (the same workload on the same file as a raw disk).
     #[arg(long)]
     pub raw: bool,
@@ -127,6 +134,10 @@ pub struct RunResult {
     pub cache_misses: u64,
     /// L2 slice cache evictions.
     pub cache_evictions: u64,
+    /// L2 slices read ahead of a sequential stream.
+    pub prefetch_loaded: u64,
+    /// ... that the stream reached after they were loaded.
+    pub prefetch_hits: u64,
     /// Verify mismatches (must be 0).
     pub verify_failures: u64,
 }
@@ -402,8 +413,14 @@ fn warm(r: &mut Reactor<Dev>) -> ToolResult<()> {
     Ok(())
 }
 
-/// Per-core outcome: ops, latencies, verify failures, cache counters.
-type CoreRun = (u64, Vec<u32>, u64, qcow2_engine::cache::CacheStats);
+/// Per-core outcome: ops, latencies, verify failures, (cache counters, slices read ahead,
+/// of which reached in time).
+type CoreRun = (
+    u64,
+    Vec<u32>,
+    u64,
+    (qcow2_engine::cache::CacheStats, u64, u64),
+);
 
 /// One run (qcow2 or raw) on `a.cores` cores.
 pub fn run_one(path: &Path, raw: bool, w: Workload, a: &PerfArgs) -> ToolResult<RunResult> {
@@ -444,8 +461,12 @@ pub fn run_one(path: &Path, raw: bool, w: Workload, a: &PerfArgs) -> ToolResult<
             Ok(d)
         };
         let out = run_reactors(cores, &open, opts, w.writes(), |r| {
-            warm(r)?;
+            r.chain.set_prefetch(!a.no_prefetch);
+            if !a.cold {
+                warm(r)?;
+            }
             let before = r.cache_stats();
+            let pf_before = r.chain.prefetch_stats();
             let core = r.id;
             let (o, l, f) = drive(r, a, w, Lanes { core, cores })?;
             let after = r.cache_stats();
@@ -455,7 +476,17 @@ pub fn run_one(path: &Path, raw: bool, w: Workload, a: &PerfArgs) -> ToolResult<
                 evictions: after.evictions - before.evictions,
                 ..after
             };
-            Ok((o, l, f, stats))
+            let pf = r.chain.prefetch_stats();
+            Ok((
+                o,
+                l,
+                f,
+                (
+                    stats,
+                    pf.loaded - pf_before.loaded,
+                    pf.hits - pf_before.hits,
+                ),
+            ))
         })?;
         out.into_iter().map(|(r, _)| r).collect()
     };
@@ -463,13 +494,16 @@ pub fn run_one(path: &Path, raw: bool, w: Workload, a: &PerfArgs) -> ToolResult<
     let mut lat = Vec::new();
     let mut fails = 0;
     let mut stats = qcow2_engine::cache::CacheStats::default();
-    for (o, l, f, s) in runs {
+    let (mut pf_loaded, mut pf_hits) = (0, 0);
+    for (o, l, f, (s, loaded, hits)) in runs {
         ops += o;
         lat.extend(l);
         fails += f;
         stats.hits += s.hits;
         stats.misses += s.misses;
         stats.evictions += s.evictions;
+        pf_loaded += loaded;
+        pf_hits += hits;
     }
     lat.sort_unstable();
     let avg = lat.iter().map(|&x| x as f64).sum::<f64>() / lat.len().max(1) as f64;
@@ -491,6 +525,8 @@ pub fn run_one(path: &Path, raw: bool, w: Workload, a: &PerfArgs) -> ToolResult<
         cache_hits: stats.hits,
         cache_misses: stats.misses,
         cache_evictions: stats.evictions,
+        prefetch_loaded: pf_loaded,
+        prefetch_hits: pf_hits,
         verify_failures: fails,
     })
 }
@@ -602,6 +638,8 @@ fn merge(a: RunResult, b: RunResult) -> RunResult {
         cache_hits: a.cache_hits + b.cache_hits,
         cache_misses: a.cache_misses + b.cache_misses,
         cache_evictions: a.cache_evictions + b.cache_evictions,
+        prefetch_loaded: a.prefetch_loaded + b.prefetch_loaded,
+        prefetch_hits: a.prefetch_hits + b.prefetch_hits,
         verify_failures: a.verify_failures + b.verify_failures,
         ..a
     }
