@@ -86,7 +86,7 @@ struct Run {
 
 /// An image and its backing chain, served on one core.
 ///
-/// `repr(C)`: the fields every request reads come first, in one cache line.
+/// `repr(C)`: the fields every request reads come first, together.
 #[repr(C)]
 pub struct Chain<D: BlockDevice> {
     exec: Exec<D>,

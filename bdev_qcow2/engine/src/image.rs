@@ -697,6 +697,12 @@ impl<D: BlockDevice> Qcow2<D> {
             .is_ok_and(|c| c.peek_epoch(key) == Some(epoch))
     }
 
+    /// On a core replica: whether the owner holds the slice covering `off` dirty (odd
+    /// epoch), so a copy would come from the owner by message. False on the owner.
+    pub fn slice_dirty_elsewhere(&self, off: GuestOffset) -> bool {
+        self.core.is_some() && self.cur_epoch(self.geo.slice_id(off)) & 1 == 1
+    }
+
     /// On a writable core replica: the state of this core's copy of the slice covering
     /// `off` (see [`Chain::write_needs_owner`](crate::Chain::write_needs_owner)); `None`
     /// on the owner and on read-only replicas.

@@ -1,12 +1,15 @@
 //! L2 slice read-ahead on sequential streams, one per core replica ([`Chain::read_ahead`]).
 //!
-//! A host tells its chain where each guest request goes. A small ring of stream slots
-//! remembers where the last few streams will continue; a request that starts exactly there
-//! extends its stream, anything else takes over the oldest slot (random I/O costs a compare
-//! per slot and never loads anything). Once a stream has run [`SEQ_MIN`] requests in a row,
-//! the slice *after* the one it is in is loaded into this core's cache in the background,
-//! so the stream never waits for a slice read when it crosses into it. Each slice is asked
-//! for once per stream; one already cached (current epoch) costs nothing.
+//! A host tells its chain where each guest request goes. Four stream slots remember where
+//! recent streams will continue; a request that starts exactly there extends its stream,
+//! anything else takes the least recently continued slot that holds no sequential stream
+//! (random I/O costs a compare per slot and never loads anything; up to three random
+//! requests between a stream's requests do not push it out). Once a stream has run
+//! [`SEQ_MIN`] requests in a row, the slice *after* the last one its request covers is
+//! loaded into this core's cache in the background, so the stream does not wait for a
+//! slice read when it crosses into it. Each slice is asked for once per stream; one cached
+//! already (current epoch), one without an L2 table, and on a core one the owner holds
+//! dirty are not loaded.
 //!
 //! Single-threaded like the rest of a replica: nothing here is shared, nothing locks.
 
@@ -19,7 +22,7 @@ use std::rc::Rc;
 /// Requests in a row that make a stream sequential.
 pub const SEQ_MIN: u32 = 4;
 /// Streams followed at once per core.
-const STREAMS: usize = 2;
+const STREAMS: usize = 4;
 /// Slices loaded ahead and not yet reached, remembered to count the useful ones.
 const LOADED: usize = 8;
 
@@ -30,7 +33,7 @@ pub struct PrefetchStats {
     pub issued: u64,
     /// ... that put a slice into the cache.
     pub loaded: u64,
-    /// Slices loaded ahead that their stream then reached.
+    /// Slices loaded ahead that their stream reached after the load completed.
     pub hits: u64,
     /// Sequential streams detected (a stream counts once, when it reaches [`SEQ_MIN`]).
     pub streams: u64,
@@ -41,8 +44,11 @@ pub struct PrefetchStats {
 /// request costs no cache line of its own.
 pub(crate) struct Hot {
     on: Cell<bool>,
-    /// Slot the next new stream takes (round robin).
+    /// Where the search for a slot for the next new stream starts (round robin).
     victim: Cell<u8>,
+    /// Slots holding a sequential stream (bit per slot): a new stream takes another slot
+    /// first, so random requests between a stream's requests do not push it out.
+    seq: Cell<u8>,
     /// Where each stream's next request starts (`u64::MAX`: none).
     next: [Cell<u64>; STREAMS],
 }
@@ -52,6 +58,7 @@ impl Default for Hot {
         Hot {
             on: Cell::new(false),
             victim: Cell::new(0),
+            seq: Cell::new(0),
             next: std::array::from_fn(|_| Cell::new(u64::MAX)),
         }
     }
@@ -59,18 +66,33 @@ impl Default for Hot {
 
 impl Hot {
     /// The stream a request at `offset` continues, if any; a request that continues none
-    /// starts one in the oldest slot (its run is reset by [`Prefetch::advance`]'s caller).
+    /// starts one in a slot without a sequential stream, else in the next slot in turn
+    /// (whose stream then counts as new). The caller resets the started slot's run.
     #[inline]
     fn find_or_start(&self, offset: u64, len: u64) -> Result<usize, usize> {
         let next = offset.saturating_add(len);
         if let Some(i) = self.next.iter().position(|n| n.get() == offset) {
             self.next[i].set(next);
+            // The slot just continued is the last a new stream would take.
+            self.victim.set(((i + 1) % STREAMS) as u8);
             return Ok(i);
         }
-        let v = self.victim.get() as usize;
+        // In turn from `victim`, skipping sequential streams unless every slot holds one.
+        let seq = self.seq.get();
+        let start = self.victim.get() as usize;
+        let v = (0..STREAMS)
+            .map(|k| (start + k) % STREAMS)
+            .find(|&i| seq & (1 << i) == 0)
+            .unwrap_or(start);
         self.victim.set(((v + 1) % STREAMS) as u8);
+        self.seq.set(seq & !(1 << v));
         self.next[v].set(next);
         Err(v)
+    }
+
+    /// Slot `i` holds a sequential stream.
+    fn mark_sequential(&self, i: usize) {
+        self.seq.set(self.seq.get() | 1 << i);
     }
 }
 
@@ -99,21 +121,32 @@ impl Prefetch {
         self.run[i] = (1, u64::MAX);
     }
 
-    /// Request `offset` continues stream `i` (in slices of `coverage` bytes, on a disk of
-    /// `size`): returns the guest offset of a slice to load ahead, if any.
-    fn advance(&mut self, i: usize, offset: u64, coverage: u64, size: u64) -> Option<u64> {
-        let key = offset / coverage;
+    /// Request `offset`/`len` continues stream `i` (in slices of `coverage` bytes, on a
+    /// disk of `size`): returns the guest offset of a slice to load ahead, if any — the
+    /// slice after the last one the request covers.
+    fn advance(
+        &mut self,
+        i: usize,
+        offset: u64,
+        len: u64,
+        coverage: u64,
+        size: u64,
+    ) -> Option<u64> {
+        let first = offset / coverage;
+        let last = offset.saturating_add(len.max(1) - 1) / coverage;
         let (run, asked) = &mut self.run[i];
         *run = run.saturating_add(1);
         let (r, a) = (*run, *asked);
-        if let Some(slot) = self.loaded.iter_mut().find(|k| **k == key) {
-            *slot = u64::MAX;
-            self.stats.hits += 1;
+        for slot in self.loaded.iter_mut() {
+            if (first..=last).contains(slot) {
+                *slot = u64::MAX;
+                self.stats.hits += 1;
+            }
         }
         if r == SEQ_MIN {
             self.stats.streams += 1;
         }
-        let ahead = key + 1;
+        let ahead = last + 1;
         if r < SEQ_MIN || a == ahead {
             return None;
         }
@@ -161,7 +194,7 @@ impl<D: BlockDevice> Chain<D> {
             return;
         }
         match self.pf_hot.find_or_start(offset, len) {
-            Ok(i) => self.continue_stream(i, offset),
+            Ok(i) => self.continue_stream(i, offset, len),
             Err(i) => {
                 if let Ok(mut p) = self.prefetch.try_borrow_mut() {
                     p.restart(i);
@@ -172,21 +205,27 @@ impl<D: BlockDevice> Chain<D> {
 
     /// [`read_ahead`](Self::read_ahead) for a request that continues stream `i`.
     #[inline(never)]
-    fn continue_stream(self: &Rc<Self>, i: usize, offset: u64) {
+    fn continue_stream(self: &Rc<Self>, i: usize, offset: u64, len: u64) {
         let Layer::Qcow2(q) = &self.layers()[0] else {
             return;
         };
         let coverage = q.geometry().slice_coverage();
-        let Some(target) = self
-            .prefetch
-            .try_borrow_mut()
-            .ok()
-            .and_then(|mut p| p.advance(i, offset, coverage, self.size()))
-        else {
+        let Ok(mut p) = self.prefetch.try_borrow_mut() else {
             return;
         };
-        // Cached already, or no L2 table there (nothing to load: it reads as zeros).
+        let target = p.advance(i, offset, len, coverage, self.size());
+        if p.run[i].0 >= SEQ_MIN {
+            self.pf_hot.mark_sequential(i);
+        }
+        drop(p);
+        let Some(target) = target else {
+            return;
+        };
+        // Cached already; no L2 table there (nothing to load: it reads as zeros); or, on a
+        // core replica, held dirty by the owner (a stream of first writes: the copy would
+        // cost a message pair and be stale at the owner's next change).
         if q.slice_is_current(GuestOffset(target))
+            || q.slice_dirty_elsewhere(GuestOffset(target))
             || !matches!(q.l2_table(GuestOffset(target)), Ok(Some(_)))
         {
             return;
@@ -198,9 +237,16 @@ impl<D: BlockDevice> Chain<D> {
                 return;
             };
             if let Ok(Some(_)) = q.load_slice(GuestOffset(target)).await {
+                let key = target / coverage;
+                // A stream already in the slice was not helped: not remembered as a hit.
+                let late = chain.pf_hot.next.iter().any(|n| {
+                    n.get() != u64::MAX && n.get() > target && (n.get() - 1) / coverage == key
+                });
                 let mut p = chain.prefetch.borrow_mut();
                 p.stats.loaded += 1;
-                p.remember_loaded(target / coverage);
+                if !late {
+                    p.remember_loaded(key);
+                }
             }
         });
     }
@@ -219,7 +265,13 @@ mod tests {
         }
         fn note(&mut self, offset: u64, len: u64, cov: u64, size: u64) -> Option<u64> {
             match self.0.find_or_start(offset, len) {
-                Ok(i) => self.1.advance(i, offset, cov, size),
+                Ok(i) => {
+                    let t = self.1.advance(i, offset, len, cov, size);
+                    if self.1.run[i].0 >= SEQ_MIN {
+                        self.0.mark_sequential(i);
+                    }
+                    t
+                }
                 Err(i) => {
                     self.1.restart(i);
                     None
@@ -270,14 +322,14 @@ mod tests {
         let mut p = Both::new();
         let mut asked = Vec::new();
         for i in 0..8u64 {
-            for base in [0u64, 100 * COV] {
+            for base in [0u64, 100 * COV, 200 * COV] {
                 if let Some(t) = p.note(base + i * 4096, 4096, COV, 1 << 40) {
                     asked.push(t);
                 }
             }
         }
-        assert_eq!(asked, vec![COV, 101 * COV]);
-        assert_eq!(p.1.stats.streams, 2);
+        assert_eq!(asked, vec![COV, 101 * COV, 201 * COV]);
+        assert_eq!(p.1.stats.streams, 3);
     }
 
     #[test]
@@ -293,6 +345,43 @@ mod tests {
             p.note(off, 4096, COV, 1 << 30);
             off += 4096;
         }
+        assert_eq!(p.1.stats.hits, 1);
+    }
+
+    #[test]
+    fn random_requests_between_a_streams_requests_do_not_break_it() {
+        let mut p = Both::new();
+        let mut asked = Vec::new();
+        let mut x = 99u64;
+        for i in 0..64u64 {
+            if let Some(t) = p.note(i * 65536, 65536, COV, 1 << 40) {
+                asked.push(t);
+            }
+            for _ in 0..3 {
+                x = x
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                assert_eq!(
+                    p.note(((x >> 24) % (1 << 30)) & !4095, 4096, COV, 1 << 40),
+                    None
+                );
+            }
+        }
+        assert_eq!(asked, (1..=4).map(|k| k * COV).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn a_request_longer_than_a_slice_asks_for_the_slice_after_it() {
+        let mut p = Both::new();
+        let len = 3 * COV / 2;
+        let got: Vec<_> = (0..8u64)
+            .filter_map(|i| p.note(i * len, len, COV, 1 << 40))
+            .collect();
+        // The 4th request covers [4.5, 6) MiB-slices: the slice after it is 6.
+        assert_eq!(got, vec![6 * COV, 8 * COV, 9 * COV, 11 * COV, 12 * COV]);
+        // Reaching any slice of a request counts a loaded one.
+        p.1.remember_loaded(13);
+        p.note(8 * len, len, COV, 1 << 40);
         assert_eq!(p.1.stats.hits, 1);
     }
 }

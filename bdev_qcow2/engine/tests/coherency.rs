@@ -954,7 +954,16 @@ fn core_routes_writes_by_its_cached_slice() {
     // The owner never defers to itself.
     assert!(!rig.chains[0].write_needs_owner(2 * cs, cs));
     assert_eq!(route(&rig.chains[0], 2 * cs, cs), "local");
-    // Every route left the grace period it entered: the owner's write-back can advance.
     assert_eq!(core_read(&mut rig, 1, 7, cs, cs), vec![32; 8]);
+    // Every route left the grace period it entered: with nothing in flight, the generation
+    // advances twice (a request still counted in either parity would hold it).
+    let grace = &image(&rig.chains[0]).shared().expect("shared image").grace;
+    let g = grace.now();
+    assert_eq!(grace.try_advance(), g + 1);
+    assert_eq!(
+        grace.try_advance(),
+        g + 2,
+        "a route left a grace entry behind"
+    );
     rig.close();
 }

@@ -364,7 +364,7 @@ mod real {
             // after the first are each loaded ahead once (64 KiB clusters: 2 slices).
             let (streams, loaded, started, reached) = read_ahead_summary(&log, "q0");
             say(&format!(
-                "{tag}: read-ahead: {streams} streams, {loaded} of {started} slices loaded ahead, {reached} in time"
+                "{tag}: read-ahead: {streams} streams, {loaded} of {started} slices loaded ahead, {reached} reached after loading"
             ));
             assert!(streams >= 1, "{log}");
             assert_eq!(loaded, started, "{log}");
