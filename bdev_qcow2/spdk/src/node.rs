@@ -422,7 +422,7 @@ fn register(
     let Ok(cname) = CString::new(name.clone()) else {
         if let Some(o) = owner {
             // SAFETY: just started on this thread; nothing was submitted to it.
-            unsafe { Owner::close(o, || {}) };
+            unsafe { Owner::close(o, |_| {}) };
         }
         return fail(
             &name,
@@ -574,29 +574,32 @@ fn close_when_unused(node: *mut Node) {
         let _ = unsafe { thread::send_msg(md, move || close_when_unused(node)) };
         return;
     }
-    // SAFETY: no channel is left (every one retired its counters); only this thread uses
-    // the owner.
-    unsafe { log_summary(&*node) };
-    // SAFETY: as just said.
+    // SAFETY: no channel is left; only this thread uses the owner.
     let owner = std::mem::replace(unsafe { &mut (*node).owner }, std::ptr::null_mut());
     if !owner.is_null() {
+        let then = move |counters| {
+            // SAFETY: the node lives until `close_descs`; every channel retired its
+            // counters, and the owner's are final (its tasks are done).
+            unsafe { log_summary(&*node, Some(counters)) };
+            close_descs(node)
+        };
         // SAFETY: the owner was started on this thread and is closed once (nulled above).
-        unsafe { Owner::close(owner, move || close_descs(node)) };
+        unsafe { Owner::close(owner, then) };
         return;
     }
+    // SAFETY: no channel is left: every one retired its counters.
+    unsafe { log_summary(&*node, None) };
     close_descs(node);
 }
 
 /// Logs what the bdev's read-ahead and slice caches did over its life (at delete or
-/// shutdown), from the retired channels' counters and the owner's.
+/// shutdown), from the retired channels' counters and the closed owner's.
 ///
 /// # Safety
-/// On the md thread, once no channel is left and before the owner is closed.
-unsafe fn log_summary(n: &Node) {
+/// Once no channel is left (their counters are all in `retired`).
+unsafe fn log_summary(n: &Node, owner: Option<crate::owner::OwnerCounters>) {
     let mut t = n.retired.lock().map(|r| r.clone()).unwrap_or_default();
-    if !n.owner.is_null() {
-        // SAFETY: the caller is on the md thread, which alone frees the owner, later.
-        let (p, c) = unsafe { (*n.owner).cache_stats() };
+    if let Some((p, c)) = owner {
         t.l2_cache_hits += c.hits;
         t.l2_cache_misses += c.misses;
         t.prefetch_streams += p.streams;
@@ -648,7 +651,7 @@ unsafe extern "C" fn free_unregistered(io_device: *mut c_void) {
         close();
     } else {
         // SAFETY: started on this thread, never used (the bdev never registered).
-        unsafe { Owner::close(n.owner, close) };
+        unsafe { Owner::close(n.owner, move |_| close()) };
     }
 }
 

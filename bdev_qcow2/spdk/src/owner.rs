@@ -40,7 +40,14 @@ pub struct IoCtx {
 }
 
 /// What happens once the owner closed (metadata flushed), on the md thread.
-type Then = Box<dyn FnOnce()>;
+/// What follows a close: gets the owner's final read-ahead and slice-cache counters.
+type Then = Box<dyn FnOnce(OwnerCounters)>;
+
+/// The owner's read-ahead and slice-cache counters.
+pub type OwnerCounters = (
+    qcow2_engine::prefetch::PrefetchStats,
+    qcow2_engine::cache::CacheStats,
+);
 /// The close task's result: `None` while it runs, then whether the flush succeeded.
 type Closed = Rc<Cell<Option<bool>>>;
 
@@ -118,7 +125,7 @@ impl Owner {
     ///
     /// # Safety
     /// `owner` comes from [`Owner::start`] and is closed once, on the md thread.
-    pub unsafe fn close(owner: *mut Owner, then: impl FnOnce() + 'static) {
+    pub unsafe fn close(owner: *mut Owner, then: impl FnOnce(OwnerCounters) + 'static) {
         // SAFETY: per the contract.
         let o = unsafe { &*owner };
         let result: Closed = Rc::new(Cell::new(None));
@@ -159,12 +166,7 @@ impl Owner {
     }
 
     /// The owner's read-ahead and slice-cache counters.
-    pub fn cache_stats(
-        &self,
-    ) -> (
-        qcow2_engine::prefetch::PrefetchStats,
-        qcow2_engine::cache::CacheStats,
-    ) {
+    pub fn cache_stats(&self) -> OwnerCounters {
         let c = match self.chain.layers().first() {
             Some(qcow2_engine::Layer::Qcow2(q)) => q.l2_cache_stats(),
             _ => Default::default(),
@@ -412,9 +414,10 @@ unsafe extern "C" fn owner_poll(ctx: *mut c_void) -> c_int {
         // the md thread's base channels back before `then` closes the descriptors.
         let o = unsafe { Box::from_raw(op) };
         let then = o.closing.borrow_mut().take().map(|(_, t)| t);
+        let counters = o.cache_stats();
         drop(o);
         if let Some(t) = then {
-            t();
+            t(counters);
         }
         return POLLER_BUSY;
     }
