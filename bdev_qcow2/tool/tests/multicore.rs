@@ -109,6 +109,10 @@ fn workload(r: &mut Reactor<UringDevice>, clock: &AtomicU64, size: u64, ops: usi
     let mut next_id = (r.id as u64 + 1) << 40;
     let mut done = Vec::new();
     let mut last_progress = std::time::Instant::now();
+    // Every other band of 200 requests runs sequentially (each request starts where the
+    // previous one of this core ended, whatever its kind), so read-ahead loads slices into
+    // this core's cache while the owner changes them.
+    let mut cursor = (r.id as u64 * 5 << 20) % size;
     loop {
         if last_progress.elapsed() > std::time::Duration::from_secs(20) {
             let pending: Vec<_> = slots
@@ -130,7 +134,16 @@ fn workload(r: &mut Reactor<UringDevice>, clock: &AtomicU64, size: u64, ops: usi
             issued += 1;
             let blocks = size / 4096;
             let nblk = 1 + rng.next() % 16;
-            let start = rng.next() % (blocks - nblk);
+            let random = rng.next() % (blocks - nblk);
+            let start = if (issued / 200) % 2 == 1 {
+                if cursor / 4096 + nblk > blocks {
+                    cursor = 0;
+                }
+                cursor / 4096
+            } else {
+                random
+            };
+            cursor = (start + nblk) * 4096;
             let (off, len) = (start * 4096, nblk * 4096);
             let dice = rng.next() % 100;
             let tag = i as u64;
@@ -292,11 +305,13 @@ fn run_stress(cfg: &Config) {
         ..OpenOptions::default()
     };
     let out = run_reactors(cfg.cores, &open, eopts, true, |r| {
-        Ok(workload(r, &clock, size, cfg.ops_per_core))
+        let history = workload(r, &clock, size, cfg.ops_per_core);
+        Ok((history, r.chain.prefetch_stats()))
     })
     .expect("reactors");
     let stats: Vec<_> = out.iter().map(|(_, s)| *s).collect();
-    let all: Vec<Op> = out.into_iter().flat_map(|(h, _)| h).collect();
+    let read_ahead: Vec<_> = out.iter().map(|((_, p), _)| *p).collect();
+    let all: Vec<Op> = out.into_iter().flat_map(|((h, _), _)| h).collect();
     eprintln!(
         "stress {}{}: {} ops on {} cores; per reactor {:?}",
         cfg.cluster,
@@ -307,6 +322,14 @@ fn run_stress(cfg: &Config) {
     );
     // Every core sent something to the owner and served something itself.
     assert!(stats[1..].iter().all(|s| s.forwarded > 0), "{stats:?}");
+    // The sequential bands made every core (not only the owner) load slices ahead into its
+    // replica; what those requests read is checked below like the rest.
+    eprintln!("read-ahead per reactor: {read_ahead:?}");
+    assert!(read_ahead.iter().all(|p| p.streams > 0), "{read_ahead:?}");
+    assert!(
+        read_ahead[1..].iter().all(|p| p.loaded > 0),
+        "{read_ahead:?}"
+    );
 
     // Index writes by sector once.
     let mut by_sector: HashMap<u64, Vec<&Op>> = HashMap::new();
