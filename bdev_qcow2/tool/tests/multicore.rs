@@ -112,7 +112,7 @@ fn workload(r: &mut Reactor<UringDevice>, clock: &AtomicU64, size: u64, ops: usi
     // Every other band of 200 requests runs sequentially (each request starts where the
     // previous one of this core ended, whatever its kind), so read-ahead loads slices into
     // this core's cache while the owner changes them.
-    let mut cursor = (r.id as u64 * 5 << 20) % size;
+    let mut cursor = ((r.id as u64 * 5) << 20) % size;
     loop {
         if last_progress.elapsed() > std::time::Duration::from_secs(20) {
             let pending: Vec<_> = slots
