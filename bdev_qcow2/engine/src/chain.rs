@@ -195,11 +195,7 @@ impl<D: BlockDevice> Chain<D> {
     /// `None` (nothing changed but LRU/hit counters) sends the request down the normal path,
     /// which also reports invalid requests.
     pub fn map_direct(&self, offset: u64, len: u64, write: bool) -> Option<Direct> {
-        if len == 0
-            || !offset.is_multiple_of(SECTOR)
-            || !len.is_multiple_of(SECTOR)
-            || offset.checked_add(len).is_none_or(|e| e > self.size)
-        {
+        if len == 0 || crate::write::check_range(self, offset, len).is_err() {
             return None;
         }
         let parity = self.exec.guest_enter();

@@ -92,8 +92,6 @@ pub(crate) struct CoreSide<D: BlockDevice> {
 /// Whether a cached look-up marks its slice most recently used and counts a hit.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Touch {
-    /// Never: the look-up only informs a decision.
-    No,
     /// Always (a guest read uses whatever it finds).
     Yes,
     /// Only when the entry is COPIED data (an in-place write can use only that).
@@ -632,8 +630,7 @@ impl<D: BlockDevice> Qcow2<D> {
     }
 
     /// [`resolve_cached`](Self::resolve_cached), touching the LRU and counting a hit as
-    /// `touch` says: a look-up that only informs a decision (routing a write) leaves them
-    /// alone, and one that plans an in-place write counts only a slice it can use.
+    /// `touch` says: a look-up that plans an in-place write counts only an entry it can use.
     pub(crate) fn resolve_cached_as(
         &self,
         off: GuestOffset,
@@ -704,7 +701,7 @@ impl<D: BlockDevice> Qcow2<D> {
     }
 
     /// On a writable core replica: the state of this core's copy of the slice covering
-    /// `off` (see [`Chain::write_needs_owner`](crate::Chain::write_needs_owner)); `None`
+    /// `off` (see [`Chain::route_write`](crate::Chain::route_write)); `None`
     /// on the owner and on read-only replicas.
     pub fn core_slice_state(&self, off: GuestOffset) -> Option<CoreSlice> {
         let (Some(core), Some(sh)) = (&self.core, &self.shared) else {

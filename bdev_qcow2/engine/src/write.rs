@@ -56,7 +56,7 @@ fn top<D: BlockDevice>(chain: &Chain<D>) -> Result<&Qcow2<D>> {
     }
 }
 
-fn check_range<D: BlockDevice>(chain: &Chain<D>, offset: u64, len: u64) -> Result<()> {
+pub(crate) fn check_range<D: BlockDevice>(chain: &Chain<D>, offset: u64, len: u64) -> Result<()> {
     if !offset.is_multiple_of(SECTOR) || !len.is_multiple_of(SECTOR) {
         return Err(Error::InvalidRequest("request not aligned to 512 bytes"));
     }
@@ -149,40 +149,20 @@ impl<D: BlockDevice> Chain<D> {
         });
     }
 
-    /// On a writable core replica, asked before [`map_direct`](Self::map_direct) (outside
-    /// the grace period, whose entry costs a fence on a core; a hint from cached metadata
-    /// only): whether to send a write to the metadata owner at once rather than try it
-    /// here, in place or through
-    /// [`submit_write_local`](Self::submit_write_local), which loads the missing slices
-    /// first. True when the core's copy of every slice involved is current and the write
-    /// is still not in place (allocation, COW, zero clusters: the owner's work), or when a
-    /// slice changed since this core cached it and the owner still holds it dirty — it is
-    /// allocating there, and fetching its copy would cost a message pair and a slice copy
-    /// only to find, most of the time, a cluster that is not in place yet. False when a
-    /// slice is simply not cached (a clean one comes from the device, a dirty one once from
-    /// the owner; later overwrites then stay on the core), and on the owner itself.
-    pub fn write_needs_owner(&self, offset: u64, len: u64) -> bool {
-        let mut runs = [(0, 0, 0); 8];
-        len != 0
-            && self
-                .plan_fast_write_as(offset, len, &mut runs, false)
-                .is_none()
-            && self.slices_need_owner(offset, len)
-    }
-
     /// How a host routes a guest write, from one look-up of this replica's cached slices:
-    /// [`WriteRoute::Direct`] when it overwrites COPIED clusters in one extent of the device
-    /// (the host submits it itself, as [`map_direct`](Self::map_direct) describes),
-    /// [`WriteRoute::Owner`] when [`write_needs_owner`](Self::write_needs_owner) says so,
-    /// else [`WriteRoute::Local`] (the engine path of this replica:
-    /// [`submit_write_local`](Self::submit_write_local)). The same decisions as
-    /// `write_needs_owner` then `map_direct`, without planning the write twice.
+    /// - [`WriteRoute::Direct`] when it overwrites COPIED clusters in one extent of the
+    ///   device (the host submits it itself, as [`map_direct`](Self::map_direct) describes);
+    /// - [`WriteRoute::Owner`], on a writable core replica, when the write is not in place
+    ///   and either every slice involved is current here (allocation, COW, zero clusters:
+    ///   the owner's work), or one has no L2 table yet, or one changed since this core
+    ///   cached it and the owner still holds it dirty (it is allocating there: fetching its
+    ///   copy would cost a message pair and a slice copy only to find, most of the time, a
+    ///   cluster not in place yet);
+    /// - else [`WriteRoute::Local`]: this replica's engine path
+    ///   ([`submit_write_local`](Self::submit_write_local)), which loads an uncached slice
+    ///   (so later overwrites stay on the core) and reports invalid requests.
     pub fn route_write(&self, offset: u64, len: u64) -> WriteRoute {
-        if len == 0
-            || !offset.is_multiple_of(SECTOR)
-            || !len.is_multiple_of(SECTOR)
-            || offset.checked_add(len).is_none_or(|e| e > self.size())
-        {
+        if len == 0 || check_range(self, offset, len).is_err() {
             // The engine path reports what is wrong with it.
             return WriteRoute::Local;
         }
@@ -204,7 +184,7 @@ impl<D: BlockDevice> Chain<D> {
         }
     }
 
-    /// The slice half of [`write_needs_owner`](Self::write_needs_owner), for a write the
+    /// The slice half of [`route_write`](Self::route_write)'s owner test, for a write the
     /// fast path could not plan.
     fn slices_need_owner(&self, offset: u64, len: u64) -> bool {
         let Layer::Qcow2(q) = &self.layers()[0] else {
@@ -264,18 +244,6 @@ impl<D: BlockDevice> Chain<D> {
         len: u64,
         runs: &mut [(u64, usize, usize); 8],
     ) -> Option<(DevId, usize)> {
-        self.plan_fast_write_as(offset, len, runs, true)
-    }
-
-    /// [`plan_fast_write`](Self::plan_fast_write); `touch` false for a plan that only
-    /// informs routing (no LRU update, no hit counted).
-    fn plan_fast_write_as(
-        &self,
-        offset: u64,
-        len: u64,
-        runs: &mut [(u64, usize, usize); 8],
-        touch: bool,
-    ) -> Option<(DevId, usize)> {
         let Layer::Qcow2(q) = &self.layers()[0] else {
             return None;
         };
@@ -307,11 +275,9 @@ impl<D: BlockDevice> Chain<D> {
             {
                 return None;
             }
-            let Ok(Some((ClusterMapping::Data { host, copied: true }, c_end))) = q
-                .resolve_cached_as(
-                    GuestOffset(pos),
-                    if touch { Touch::IfCopied } else { Touch::No },
-                )
+            // A hit is counted (and the slice touched) only for an entry the write can use.
+            let Ok(Some((ClusterMapping::Data { host, copied: true }, c_end))) =
+                q.resolve_cached_as(GuestOffset(pos), Touch::IfCopied)
             else {
                 return None;
             };

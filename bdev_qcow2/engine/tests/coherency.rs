@@ -869,32 +869,28 @@ fn route(chain: &Chain<Channel>, off: u64, len: u64) -> &'static str {
 
 #[test]
 fn core_routes_writes_by_its_cached_slice() {
-    // `Chain::write_needs_owner` on a core: an uncached slice is loaded here first (false);
-    // a current slice sends first writes to the owner and keeps overwrites here; a slice
-    // the owner changed and holds dirty sends the write to the owner without a fetch.
+    // `Chain::route_write` on a core: an uncached slice is loaded here first (local); a
+    // current slice sends first writes to the owner and keeps overwrites here (direct); a
+    // slice the owner changed and holds dirty sends the write to the owner without a fetch.
     let mut rig = Rig::new(5, 1, false, 1);
     let cs = 4096u64;
     write_sync(&mut rig, 1, 0, 31, cs);
     flush_sync(&mut rig, 2);
     let core = rig.chains[1].clone();
-    assert!(
-        !core.write_needs_owner(0, cs),
+    assert_eq!(
+        route(&core, 0, cs),
+        "local",
         "uncached: load it on the core"
     );
-    assert_eq!(route(&core, 0, cs), "local");
     // 4 KiB clusters: one L2 table covers 2 MiB; the second has no L2 table yet.
-    assert!(
-        core.write_needs_owner(2 << 20, cs),
+    assert_eq!(
+        route(&core, 2 << 20, cs),
+        "owner",
         "no L2 table: only the owner can allocate one"
     );
-    assert_eq!(route(&core, 2 << 20, cs), "owner");
     assert_eq!(core.map_direct(0, cs, true), None, "nothing cached yet");
     // The core caches the (clean) slice.
     assert_eq!(core_read(&mut rig, 1, 3, 0, cs), vec![31; 8]);
-    assert!(
-        !core.write_needs_owner(0, cs),
-        "overwrite of an allocated cluster"
-    );
     let d = core.map_direct(0, cs, true).expect("in place on the core");
     core.exec().guest_exit(d.parity);
     match core.route_write(0, cs) {
@@ -906,53 +902,51 @@ fn core_routes_writes_by_its_cached_slice() {
             );
             core.exec().guest_exit(r.parity);
         }
-        other => panic!("an overwrite of a cached cluster is direct, not {other:?}"),
+        other => panic!("an overwrite of an allocated, cached cluster is direct, not {other:?}"),
     }
     let before = image(&core).l2_cache_stats();
-    assert!(
-        core.write_needs_owner(cs, cs),
+    assert_eq!(
+        route(&core, cs, cs),
+        "owner",
         "first write: the owner allocates"
     );
-    assert_eq!(route(&core, cs, cs), "owner");
     assert_eq!(
         image(&core).l2_cache_stats(),
         before,
         "routing looks the slice up without counting a hit"
     );
-    assert!(core.write_needs_owner(0, 2 * cs), "partly a first write");
-    assert_eq!(route(&core, 0, 2 * cs), "owner");
+    assert_eq!(route(&core, 0, 2 * cs), "owner", "partly a first write");
     // The owner allocates cluster 1 in the same slice and keeps it dirty: the core's copy
     // is outdated, and even the overwrite of cluster 0 goes to the owner rather than
     // fetching the owner's copy.
     write_sync(&mut rig, 4, cs, 32, cs);
-    assert!(
-        core.write_needs_owner(0, cs),
+    assert_eq!(
+        route(&core, 0, cs),
+        "owner",
         "slice dirty on the owner since"
     );
-    assert_eq!(route(&core, 0, cs), "owner");
     // Once written back (clean, even epoch) the core reloads it itself.
     flush_sync(&mut rig, 5);
-    assert!(
-        !core.write_needs_owner(0, cs),
+    assert_eq!(
+        route(&core, 0, cs),
+        "local",
         "clean again: the core reads it"
     );
-    assert_eq!(route(&core, 0, cs), "local");
     assert_eq!(
         core_read(&mut rig, 1, 6, 0, 2 * cs),
         [vec![31; 8], vec![32; 8]].concat()
     );
-    assert!(
-        !core.write_needs_owner(cs, cs),
+    assert_eq!(
+        route(&core, cs, cs),
+        "direct",
         "now allocated and current on the core"
     );
-    assert_eq!(route(&core, cs, cs), "direct");
     assert_eq!(
         route(&core, 1, cs),
         "local",
         "unaligned: the engine path says why"
     );
     // The owner never defers to itself.
-    assert!(!rig.chains[0].write_needs_owner(2 * cs, cs));
     assert_eq!(route(&rig.chains[0], 2 * cs, cs), "local");
     assert_eq!(core_read(&mut rig, 1, 7, cs, cs), vec![32; 8]);
     // Every route left the grace period it entered: with nothing in flight, the generation
