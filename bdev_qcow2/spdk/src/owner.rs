@@ -146,8 +146,7 @@ impl Owner {
         match self.chain.layers().first() {
             Some(qcow2_engine::Layer::Qcow2(q)) => {
                 let s = q.owner_stats().unwrap_or_default();
-                let c = q.l2_cache_stats();
-                let p = self.chain.prefetch_stats();
+                let (p, c) = self.cache_stats();
                 serde_json::json!({
                     "clusters_allocated": s.clusters_allocated,
                     "l2_slices_written": s.l2_slices_written,
