@@ -31,8 +31,10 @@ pub struct CacheConfig {
     pub ways: usize,
 }
 
-/// A set-associative cache of blocks of `T` (u64 words for L2 slices, bytes for refcounts).
-pub struct SetAssocCache<T> {
+/// A set-associative cache of blocks of `T` (u64 words for L2 slices, bytes for refcounts),
+/// each way with a summary `A` of its block that the cache's user derives and keeps in step
+/// (reset to `A::default()` by every insert).
+pub struct SetAssocCache<T, A = ()> {
     ways: usize,
     set_bits: u32,
     block_len: usize,
@@ -40,11 +42,12 @@ pub struct SetAssocCache<T> {
     epochs: Vec<u32>,
     stamps: Vec<u64>,
     data: Vec<T>,
+    aux: Vec<A>,
     clock: u64,
     stats: CacheStats,
 }
 
-impl<T: Copy + Default> SetAssocCache<T> {
+impl<T: Copy + Default, A: Copy + Default> SetAssocCache<T, A> {
     /// A cache of `sets * ways` blocks of `block_len` items, where `sets` is the largest
     /// power of two with `sets * ways * block_bytes <= size_bytes` (at least 1), and never
     /// more entries than `max_blocks` (no point caching more blocks than the image has).
@@ -63,6 +66,7 @@ impl<T: Copy + Default> SetAssocCache<T> {
             epochs: vec![0; n],
             stamps: vec![0; n],
             data: vec![T::default(); n * block_len],
+            aux: vec![A::default(); n],
             clock: 0,
             stats: CacheStats::default(),
         }
@@ -167,9 +171,19 @@ impl<T: Copy + Default> SetAssocCache<T> {
     }
 
     /// The block stored in `way`, for in-place updates that keep the replica in step with
-    /// the owner's dirty copy.
+    /// the owner's dirty copy (the caller keeps the way's summary in step too).
     pub fn block_mut(&mut self, way: usize) -> &mut [T] {
         &mut self.data[way * self.block_len..(way + 1) * self.block_len]
+    }
+
+    /// The summary of the block in `way` (`A::default()` until its user sets one).
+    pub fn aux(&self, way: usize) -> A {
+        self.aux[way]
+    }
+
+    /// Sets the summary of the block in `way`.
+    pub fn set_aux(&mut self, way: usize, a: A) {
+        self.aux[way] = a;
     }
 
     /// The way `insert` would fill for `key`: the way already holding `key`, else an invalid
@@ -204,6 +218,7 @@ impl<T: Copy + Default> SetAssocCache<T> {
         self.epochs[w] = epoch;
         self.clock += 1;
         self.stamps[w] = self.clock;
+        self.aux[w] = A::default();
         fill(&mut self.data[w * self.block_len..(w + 1) * self.block_len]);
         w
     }

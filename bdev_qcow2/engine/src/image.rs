@@ -9,7 +9,8 @@ use crate::format::header::{peek_cluster_bits, PEEK_LEN};
 use crate::format::refcount::{entries_per_block, get_refcount, refcount_block_offset};
 use crate::format::snapshot::{decode_snapshots, SnapshotDecode};
 use crate::format::{
-    ClusterMapping, ImageHeader, L1Entry, L2Context, L2Entry, Snapshot, SubclusterBitmap,
+    ClusterMapping, ImageHeader, L1Entry, L2Context, L2Entry, LinearSlice, Snapshot,
+    SubclusterBitmap,
 };
 use crate::io::{BlockDevice, BufSlice, IoBuffer, SECTOR};
 use crate::limits::MAX_CACHE_BYTES;
@@ -60,7 +61,7 @@ pub struct Qcow2<D: BlockDevice> {
     pub(crate) l1: RefCell<Vec<L1Entry>>,
     pub(crate) refcount_table: RefCell<Vec<u64>>,
     pub(crate) snapshots: Vec<Snapshot>,
-    pub(crate) l2_cache: RefCell<SetAssocCache<u64>>,
+    pub(crate) l2_cache: RefCell<SetAssocCache<u64, LinearSlice>>,
     pub(crate) rc_cache: RefCell<SetAssocCache<u8>>,
     /// Owner-side state for writes (None when opened read-only).
     pub(crate) meta: Option<crate::meta::Meta<D>>,
@@ -281,7 +282,7 @@ impl<D: BlockDevice> Qcow2<D> {
         l1_entries: usize,
         rt_entries: usize,
         opts: &OpenOptions,
-    ) -> Result<(SetAssocCache<u64>, SetAssocCache<u8>)> {
+    ) -> Result<(SetAssocCache<u64, LinearSlice>, SetAssocCache<u8>)> {
         // By default, enough slices for the whole image, capped.
         let total_slices = (l1_entries as u64).max(1) * geo.slices_per_l2();
         let slice_bytes = 1u64 << geo.slice_bits;
@@ -652,8 +653,13 @@ impl<D: BlockDevice> Qcow2<D> {
         };
         if !self.geo.extended_l2 {
             let ctx = self.ctx.get();
-            let e = L2Entry(cache.block(way)[self.geo.index_in_slice(off) as usize]);
-            let data = e.plain_data(ctx.cluster_bits, ctx.device_size);
+            let i = self.geo.index_in_slice(off);
+            // A linear slice gives the mapping without loading the entry.
+            let data = match cache.aux(way).host(i, ctx.cluster_bits) {
+                Some(h) if h + (1 << ctx.cluster_bits) <= ctx.device_size => Some((h, true)),
+                _ => L2Entry(cache.block(way)[i as usize])
+                    .plain_data(ctx.cluster_bits, ctx.device_size),
+            };
             if touch == Touch::Yes || (touch == Touch::IfCopied && data.is_some_and(|d| d.1)) {
                 cache.touch(way);
             }
@@ -740,30 +746,38 @@ impl<D: BlockDevice> Qcow2<D> {
         // The owner's dirty copy is newer than the device.
         if let Some(m) = &self.meta {
             if let Some(words) = m.dirty_slice(key) {
-                let w = self
-                    .l2_cache
-                    .borrow_mut()
-                    .insert_with(key, 0, |b| b.copy_from_slice(&words));
-                return Ok(Some(w));
+                return Ok(Some(
+                    self.cache_slice(key, 0, |b| b.copy_from_slice(&words)),
+                ));
             }
         }
         let raw = self.read_slice_raw(l2, off).await?;
         // A write-back may have dirtied it meanwhile: the dirty copy wins.
         if let Some(m) = &self.meta {
             if let Some(words) = m.dirty_slice(key) {
-                let w = self
-                    .l2_cache
-                    .borrow_mut()
-                    .insert_with(key, 0, |b| b.copy_from_slice(&words));
-                return Ok(Some(w));
+                return Ok(Some(
+                    self.cache_slice(key, 0, |b| b.copy_from_slice(&words)),
+                ));
             }
         }
-        let w = self.l2_cache.borrow_mut().insert_with(key, 0, |block| {
+        let w = self.cache_slice(key, 0, |block| {
             for (dst, w) in block.iter_mut().zip(be_words(&raw)) {
                 *dst = w;
             }
         });
         Ok(Some(w))
+    }
+
+    /// Caches slice `key` read under `epoch` (`fill` writes its words) with its summary
+    /// ([`LinearSlice`]); returns the way. Every L2 slice enters the cache here.
+    fn cache_slice(&self, key: u64, epoch: u32, fill: impl FnOnce(&mut [u64])) -> usize {
+        let mut cache = self.l2_cache.borrow_mut();
+        let w = cache.insert_with(key, epoch, fill);
+        if !self.geo.extended_l2 {
+            let lin = LinearSlice::of(cache.block(w), self.ctx.get().cluster_bits);
+            cache.set_aux(w, lin);
+        }
+        w
     }
 
     async fn read_slice_raw(
@@ -806,10 +820,7 @@ impl<D: BlockDevice> Qcow2<D> {
                 match self.ask_owner(key).await {
                     SliceReply::Copy { words, epoch } => {
                         self.sync_core();
-                        let w = self
-                            .l2_cache
-                            .borrow_mut()
-                            .insert_with(key, epoch, |b| b.copy_from_slice(&words));
+                        let w = self.cache_slice(key, epoch, |b| b.copy_from_slice(&words));
                         // Taken after this request began: valid for it whatever the epoch
                         // is now; the cache keeps it only while the epoch stays.
                         return Ok(Some(w));
@@ -830,7 +841,7 @@ impl<D: BlockDevice> Qcow2<D> {
             // Entries of the slice may point where the owner grew the device before it
             // wrote them.
             self.sync_core();
-            let w = self.l2_cache.borrow_mut().insert_with(key, epoch, |block| {
+            let w = self.cache_slice(key, epoch, |block| {
                 for (dst, w) in block.iter_mut().zip(be_words(&raw)) {
                     *dst = w;
                 }

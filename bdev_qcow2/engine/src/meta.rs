@@ -374,7 +374,13 @@ impl<D: BlockDevice> Qcow2<D> {
         }
         let mut cache = self.l2_cache.borrow_mut();
         if let Some(w) = cache.probe(key, 0) {
+            let old = cache.block(w)[if ext { 2 * i } else { i }];
             put(cache.block_mut(w));
+            if !ext {
+                let mut lin = cache.aux(w);
+                lin.changed(i, old, entry, cache.block(w), self.cluster_bits());
+                cache.set_aux(w, lin);
+            }
         }
         Ok(())
     }

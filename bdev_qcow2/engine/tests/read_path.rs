@@ -4,7 +4,7 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // test helpers may panic
 
-use qcow2_engine::io::{BufSlice, HeapBuf};
+use qcow2_engine::io::{BufSlice, HeapBuf, IoBuffer};
 use qcow2_engine::testing::MemDevice;
 use qcow2_engine::{Chain, Error, Exec, Layer, OpenOptions, Qcow2};
 use std::cell::RefCell;
@@ -518,4 +518,88 @@ fn read_ahead_loads_the_next_slice_of_a_sequential_stream() {
         .collect();
     let (_, p) = run(true, &random);
     assert_eq!(p.issued, 0, "{p:?}");
+}
+
+/// Submits one request with `submit(tag)` and polls until it completes.
+fn wait_for(exec: &Exec<MemDevice>, submit: impl FnOnce(u64)) -> Result<(), Error> {
+    submit(11);
+    let result: RefCell<Option<Result<(), Error>>> = RefCell::new(None);
+    while result.borrow().is_none() {
+        exec.poll(&mut |tag, r| {
+            assert_eq!(tag, 11);
+            *result.borrow_mut() = Some(r);
+        });
+    }
+    result.into_inner().unwrap()
+}
+
+/// A slice written front to back maps without loading its entries (`LinearSlice`); the
+/// owner's changes to one entry (discard, reallocation elsewhere) are seen at once by the
+/// look-ups that follow, on the direct path and through the engine, and the image stays
+/// what qemu-img expects.
+#[test]
+fn linear_slices_follow_the_owners_changes() {
+    let dir = tempfile::tempdir().unwrap();
+    let (img, mut raw) = make_image(
+        dir.path(),
+        "cluster_size=65536",
+        "64M",
+        &["write -P 0x11 0 32M"],
+    );
+    let map = qemu_map(&dir.path().join("img.qcow2"));
+    assert_eq!(map[0].1, 32 << 20, "qemu-io allocated the first 32 MiB in one run");
+    let h0 = map[0].3.unwrap();
+    let cs = 65536u64;
+    let (exec, dev, chain) = open(
+        img,
+        OpenOptions {
+            writable: true,
+            ..OpenOptions::default()
+        },
+    );
+    let chain = chain.unwrap();
+    submit_and_wait(&exec, &chain, 0, 4096).unwrap();
+    let host = |off: u64| {
+        chain.map_direct(off, 4096, false).map(|d| {
+            exec.guest_exit(d.parity);
+            d.host
+        })
+    };
+    for c in [0, 1, 5, 511] {
+        assert_eq!(host(c * cs), Some(h0 + c * cs), "cluster {c}");
+    }
+    // Discard cluster 5: it reads as zeros, its neighbours stay where they were.
+    wait_for(&exec, |t| chain.submit_discard(t, 5 * cs, cs)).unwrap();
+    raw[5 * cs as usize..6 * cs as usize].fill(0);
+    assert_eq!(host(5 * cs), None);
+    assert_eq!(host(4 * cs), Some(h0 + 4 * cs));
+    assert_eq!(host(6 * cs), Some(h0 + 6 * cs));
+    assert_eq!(
+        submit_and_wait(&exec, &chain, 5 * cs, 4096).unwrap(),
+        vec![0; 4096]
+    );
+    // Write it again: wherever the allocator puts it, reads follow the new entry.
+    let buf = HeapBuf::new(cs as usize);
+    buf.copy_in(0, &vec![0x22; cs as usize]);
+    wait_for(&exec, |t| chain.submit_write(t, 5 * cs, BufSlice::whole(buf)))
+        .unwrap();
+    raw[5 * cs as usize..6 * cs as usize].fill(0x22);
+    let h5 = host(5 * cs).expect("cluster 5 allocated");
+    assert_eq!(dev.0.borrow().data[h5 as usize], 0x22);
+    for c in [4, 5, 6] {
+        assert_eq!(
+            submit_and_wait(&exec, &chain, c * cs, 4096).unwrap(),
+            raw[(c * cs) as usize..(c * cs + 4096) as usize],
+            "cluster {c}"
+        );
+    }
+    wait_for(&exec, |t| chain.submit_flush(t)).unwrap();
+    let out = dir.path().join("after.qcow2");
+    std::fs::write(&out, dev.contents()).unwrap();
+    sh(Command::new("qemu-img").args(["check", "-q"]).arg(&out));
+    std::fs::write(dir.path().join("after.raw"), &raw).unwrap();
+    sh(Command::new("qemu-img")
+        .args(["compare", "-q", "-f", "qcow2", "-F", "raw"])
+        .arg(&out)
+        .arg(dir.path().join("after.raw")));
 }

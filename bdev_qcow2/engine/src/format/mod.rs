@@ -7,7 +7,8 @@ pub mod refcount;
 pub mod snapshot;
 
 pub use entries::{
-    ClusterMapping, CompressedDescriptor, L1Entry, L2Context, L2Entry, SubclusterBitmap,
+    ClusterMapping, CompressedDescriptor, L1Entry, L2Context, L2Entry, LinearSlice,
+    SubclusterBitmap,
 };
 pub use header::{CompressionType, Extensions, Header, ImageHeader};
 pub use snapshot::Snapshot;

@@ -6,7 +6,7 @@
 //! at a cluster-aligned offset well inside [`DEVICE_SIZE`].
 
 use super::entries::{compressed_entry, ClusterMapping, L1Entry, L2Context, L2Entry};
-use super::entries::{SubclusterBitmap, COMPRESSED, COPIED};
+use super::entries::{LinearSlice, SubclusterBitmap, COMPRESSED, COPIED};
 use super::header::{autoclear, ext_type, incompat, BitmapsExt, FeatureName};
 use super::header::{CompressionType, Extensions, Header, ImageHeader};
 use super::refcount::{entries_per_block, get_refcount, max_refcount, set_refcount};
@@ -612,6 +612,96 @@ fn plain_data_agrees_with_mapping() {
             (Some(_), other) => panic!("{v:#x}: fast path accepted, mapping says {other:?}"),
             (None, Ok(ClusterMapping::Data { .. })) => panic!("{v:#x}: valid data refused"),
             (None, _) => {}
+        }
+    }
+}
+
+/// Whether every entry of `entries` is a plain COPIED data entry at `host(0) + i * cs`,
+/// checked entry by entry (the definition [`LinearSlice`] summarises).
+fn linear_by_definition(entries: &[u64], cluster_bits: u32) -> bool {
+    let Some((h0, true)) = L2Entry(entries[0]).plain_data(cluster_bits, u64::MAX) else {
+        return false;
+    };
+    entries.iter().enumerate().all(|(i, &e)| {
+        e & !0x00ff_ffff_ffff_fe00 == entries[0] & !0x00ff_ffff_ffff_fe00
+            && L2Entry(e).plain_data(cluster_bits, u64::MAX)
+                == Some((h0 + ((i as u64) << cluster_bits), true))
+    })
+}
+
+/// Asserts what the fast path relies on: a mapping from the summary is the entry's own.
+fn assert_summary_agrees(lin: LinearSlice, entries: &[u64], cluster_bits: u32) {
+    let linear = linear_by_definition(entries, cluster_bits);
+    for (i, &e) in entries.iter().enumerate() {
+        match lin.host(i as u64, cluster_bits) {
+            Some(h) => assert_eq!(
+                L2Entry(e).plain_data(cluster_bits, u64::MAX),
+                Some((h, true)),
+                "entry {i} = {e:#x}"
+            ),
+            None => assert!(!linear, "a linear slice not recognised"),
+        }
+    }
+}
+
+#[test]
+fn linear_slice_recognises_consecutive_copied_clusters_only() {
+    let cb = 16;
+    let cs = 1u64 << cb;
+    let linear: Vec<u64> = (0..512).map(|i| COPIED | (0x50_0000 + i * cs)).collect();
+    let lin = LinearSlice::of(&linear, cb);
+    assert_eq!(lin.host(0, cb), Some(0x50_0000));
+    assert_eq!(lin.host(511, cb), Some(0x50_0000 + 511 * cs));
+    assert_summary_agrees(lin, &linear, cb);
+    let spoil: [(usize, u64); 7] = [
+        (0, 0x50_0000),                               // not COPIED
+        (0, 0),                                       // unallocated
+        (7, 0),                                       // a hole
+        (7, COPIED | (0x50_0000 + 8 * cs)),           // out of order
+        (511, (COPIED | (0x50_0000 + 511 * cs)) | 1), // zero flag
+        (3, COMPRESSED | (0x50_0000 + 3 * cs)),       // compressed
+        (9, 0x50_0000 + 9 * cs),                      // shared with a snapshot
+    ];
+    for (i, v) in spoil {
+        let mut e = linear.clone();
+        e[i] = v;
+        let lin = LinearSlice::of(&e, cb);
+        assert_eq!(lin.host(1, cb), None, "entry {i} = {v:#x}");
+        assert_summary_agrees(lin, &e, cb);
+    }
+    // A run that would leave the 56-bit offset field is never linear (the sum would carry
+    // into the flag bits).
+    let top = 0x00ff_ffff_ffff_0000u64 - 3 * cs;
+    let e: Vec<u64> = (0..8).map(|i| COPIED | (top + i * cs)).collect();
+    assert_eq!(LinearSlice::of(&e, cb).host(0, cb), None);
+}
+
+proptest! {
+    /// Kept in step entry by entry (as the owner updates its cached slices), the summary
+    /// equals one computed afresh, and every mapping it gives is the entry's own.
+    #[test]
+    fn linear_slice_kept_in_step_equals_recomputed(
+        cb in 9u32..=21,
+        base in 1u64..1 << 20,
+        updates in proptest::collection::vec((0usize..64, 0u8..6), 0..200),
+    ) {
+        let n = 64;
+        let at = |i: usize| COPIED | ((base + i as u64) << cb);
+        let mut e: Vec<u64> = (0..n).map(at).collect();
+        let mut lin = LinearSlice::of(&e, cb);
+        for (i, kind) in updates {
+            let new = match kind {
+                0 | 1 => at(i),               // back in place
+                2 => 0,                       // discarded
+                3 => at(i) & !COPIED,         // shared
+                4 => at((i + 1) % n),         // elsewhere
+                _ => at(i) | 1,               // zero flag
+            };
+            let old = e[i];
+            e[i] = new;
+            lin.changed(i, old, new, &e, cb);
+            prop_assert_eq!(lin, LinearSlice::of(&e, cb));
+            assert_summary_agrees(lin, &e, cb);
         }
     }
 }
