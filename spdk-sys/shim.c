@@ -22,3 +22,10 @@ spdk_sys_thread_exec_msg(const struct spdk_thread *thread, spdk_msg_fn fn, void 
 {
 	return spdk_thread_exec_msg(thread, fn, ctx);
 }
+
+/* A bitfield of struct spdk_bdev: its layout is the compiler's, not bindgen's to guess. */
+void
+spdk_sys_bdev_set_split_on_optimal_io_boundary(struct spdk_bdev *bdev, bool split)
+{
+	bdev->split_on_optimal_io_boundary = split;
+}

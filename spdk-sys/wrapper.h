@@ -13,5 +13,6 @@
 
 /* The shim: static inlines of the headers above, given a linkable symbol (shim.c). */
 void *spdk_sys_io_channel_get_ctx(struct spdk_io_channel *ch);
+void spdk_sys_bdev_set_split_on_optimal_io_boundary(struct spdk_bdev *bdev, bool split);
 struct spdk_bdev_io *spdk_sys_bdev_io_from_ctx(void *ctx);
 int spdk_sys_thread_exec_msg(const struct spdk_thread *thread, spdk_msg_fn fn, void *ctx);

@@ -547,7 +547,11 @@ fn linear_slices_follow_the_owners_changes() {
         &["write -P 0x11 0 32M"],
     );
     let map = qemu_map(&dir.path().join("img.qcow2"));
-    assert_eq!(map[0].1, 32 << 20, "qemu-io allocated the first 32 MiB in one run");
+    assert_eq!(
+        map[0].1,
+        32 << 20,
+        "qemu-io allocated the first 32 MiB in one run"
+    );
     let h0 = map[0].3.unwrap();
     let cs = 65536u64;
     let (exec, dev, chain) = open(
@@ -581,8 +585,10 @@ fn linear_slices_follow_the_owners_changes() {
     // Write it again: wherever the allocator puts it, reads follow the new entry.
     let buf = HeapBuf::new(cs as usize);
     buf.copy_in(0, &vec![0x22; cs as usize]);
-    wait_for(&exec, |t| chain.submit_write(t, 5 * cs, BufSlice::whole(buf)))
-        .unwrap();
+    wait_for(&exec, |t| {
+        chain.submit_write(t, 5 * cs, BufSlice::whole(buf))
+    })
+    .unwrap();
     raw[5 * cs as usize..6 * cs as usize].fill(0x22);
     let h5 = host(5 * cs).expect("cluster 5 allocated");
     assert_eq!(dev.0.borrow().data[h5 as usize], 0x22);

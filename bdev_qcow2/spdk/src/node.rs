@@ -488,6 +488,8 @@ fn register(
         tracing::error!("bdev_qcow2_create {name}: {m}");
         return done(Err((-rc, m)));
     }
+    // SAFETY: registered just above on this thread; no request reaches it before we return.
+    unsafe { split_at_clusters(&mut (*node).bdev, (*node).info.cluster_size) };
     {
         let mut reg = registry::lock();
         reg.creating.retain(|n| n != &name);
@@ -673,6 +675,34 @@ unsafe extern "C" fn io_type_supported(ctx: *mut c_void, ty: sys::spdk_bdev_io_t
 unsafe extern "C" fn get_io_channel(ctx: *mut c_void) -> *mut sys::spdk_io_channel {
     // SAFETY: `ctx` is our registered io_device (the node).
     unsafe { sys::spdk_get_io_channel(ctx) }
+}
+
+/// Where SPDK cuts requests longer than a bdev takes. A bdev that asks for aligned buffers
+/// (ours asks for the base's alignment) gets `max_rw_size` set at registration to one large
+/// iobuf (263 blocks with the default 132 KiB buffers, so SPDK can bounce any request), and
+/// longer requests are split into children of that many blocks: children that begin and
+/// end inside clusters. Each then allocates a partial cluster (filling the rest with
+/// zeros), waits for its neighbours' clusters, and a sequential stream lays the image out
+/// out of order (3 + 1 clusters per 256 KiB seen with 1 MiB writes). Cut at cluster
+/// boundaries instead — at a multiple of the cluster not above that size, or at a power of
+/// two inside the cluster when one cluster is larger — and say so as the optimal I/O
+/// boundary (an NVMe-oF namespace reports it to the guest as NOIOB).
+fn split_at_clusters(bdev: &mut sys::spdk_bdev, cluster_size: u64) {
+    let max = u64::from(bdev.max_rw_size);
+    if max == 0 {
+        return;
+    }
+    let cluster = (cluster_size / u64::from(BLOCK_SIZE)).max(1);
+    let cut = if max >= cluster {
+        max - max % cluster
+    } else {
+        1 << max.ilog2()
+    };
+    let cut = u32::try_from(cut).unwrap_or(bdev.max_rw_size);
+    bdev.max_rw_size = cut;
+    bdev.optimal_io_boundary = cut;
+    // SAFETY: a plain store into the bdev the caller owns.
+    unsafe { sys::spdk_sys_bdev_set_split_on_optimal_io_boundary(bdev, true) };
 }
 
 unsafe extern "C" fn dump_info_json(ctx: *mut c_void, w: *mut sys::spdk_json_write_ctx) -> c_int {

@@ -784,6 +784,35 @@ mod real {
     }
 
     /// `qemu-img check` on `img`: exits 0 (no corruption, no leak).
+    /// Asserts that a sequential writer laid the image out front to back: in guest order,
+    /// every data extent `qemu-img map` reports lies past the one before it. SPDK splits
+    /// long requests; split anywhere but at cluster boundaries, the children allocate out
+    /// of order (`node::split_at_clusters`).
+    fn assert_front_to_back(img: &Path, what: &str) {
+        let out = run_ok(Command::new("qemu-img").args(["map", "--output=json", s(img)]));
+        let map: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        let mut last_end = 0;
+        let mut extents = 0;
+        for e in map.as_array().unwrap() {
+            let (Some(off), Some(len), true) = (
+                e["offset"].as_u64(),
+                e["length"].as_u64(),
+                e["data"].as_bool() == Some(true),
+            ) else {
+                continue;
+            };
+            assert!(
+                off >= last_end,
+                "{what}: guest {} lies at host {off:#x}, before the previous extent's end \
+                 {last_end:#x}: allocated out of order",
+                e["start"]
+            );
+            last_end = off + len;
+            extents += 1;
+        }
+        assert!(extents > 0, "{what}: no data in the image");
+    }
+
     fn check_clean(img: &Path, what: &str) {
         let out = Command::new("qemu-img")
             .args(["check", s(img)])
@@ -876,6 +905,7 @@ mod real {
             let (ok, text) = spawn_spdk("spdk_dd", &args, &log).wait(120);
             assert!(ok, "spdk_dd failed:\n{text}");
             check_clean(&img, how);
+            assert_front_to_back(&img, how);
             run_ok(Command::new("qemu-img").args([
                 "compare",
                 "-f",
@@ -886,7 +916,7 @@ mod real {
                 s(&raw),
             ]));
             say(&format!(
-                "{how}: spdk_dd wrote 64 MiB into q0; qemu-img check clean, compare equal"
+                "{how}: spdk_dd wrote 64 MiB into q0; qemu-img check clean, compare equal, laid out front to back"
             ));
         }
     }
