@@ -321,11 +321,23 @@ impl DirectTarget {
         cb_arg: *mut c_void,
     ) -> Result<(), i32> {
         let bs = self.block_size;
-        if !offset.is_multiple_of(bs)
-            || !len.is_multiple_of(bs)
-            || offset
-                .checked_add(len)
-                .is_none_or(|e| e > self.num_blocks * bs)
+        // Shifts for the usual power-of-two block sizes: this runs on every direct request,
+        // where four 64-bit divisions showed in profiles.
+        let (offset_blocks, len_blocks) = if bs.is_power_of_two() {
+            let shift = bs.trailing_zeros();
+            if (offset | len) & (bs - 1) != 0 {
+                return Err(libc::EINVAL);
+            }
+            (offset >> shift, len >> shift)
+        } else {
+            if !offset.is_multiple_of(bs) || !len.is_multiple_of(bs) {
+                return Err(libc::EINVAL);
+            }
+            (offset / bs, len / bs)
+        };
+        if offset_blocks
+            .checked_add(len_blocks)
+            .is_none_or(|e| e > self.num_blocks)
         {
             return Err(libc::EINVAL);
         }
@@ -342,8 +354,8 @@ impl DirectTarget {
                 self.ch,
                 iovs,
                 iovcnt as i32,
-                offset / bs,
-                len / bs,
+                offset_blocks,
+                len_blocks,
                 cb,
                 cb_arg,
             )
