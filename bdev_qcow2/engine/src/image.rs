@@ -680,12 +680,16 @@ impl<D: BlockDevice> Qcow2<D> {
     }
 
     /// Where this replica's cached L2 entry for `off` lies in memory, if its slice is cached
-    /// (under any epoch): a host may prefetch it before starting the request, so the load
+    /// (under any epoch) and not linear (a linear one resolves without the entry): a host may prefetch it before starting the request, so the load
     /// in [`resolve_cached`](Self::resolve_cached) does not stall. A hint only: nothing
     /// is validated, and the pointer must not be dereferenced.
     pub fn entry_hint(&self, off: GuestOffset) -> Option<*const u64> {
         let cache = self.l2_cache.try_borrow().ok()?;
         let way = cache.peek(self.geo.slice_id(off))?;
+        // A linear slice is resolved without loading the entry: nothing to prefetch.
+        if cache.aux(way).host(0, self.geo.cluster_bits).is_some() {
+            return None;
+        }
         let i = self.geo.index_in_slice(off) as usize * if self.geo.extended_l2 { 2 } else { 1 };
         cache.block(way).get(i).map(|e| e as *const u64)
     }
