@@ -680,9 +680,10 @@ impl<D: BlockDevice> Qcow2<D> {
     }
 
     /// Where this replica's cached L2 entry for `off` lies in memory, if its slice is cached
-    /// (under any epoch) and not linear (a linear one resolves without the entry): a host may prefetch it before starting the request, so the load
-    /// in [`resolve_cached`](Self::resolve_cached) does not stall. A hint only: nothing
-    /// is validated, and the pointer must not be dereferenced.
+    /// (under any epoch) and not linear (a linear one resolves without the entry): a host
+    /// may prefetch it before starting the request, so the load in
+    /// [`resolve_cached`](Self::resolve_cached) does not stall. A hint only: nothing is
+    /// validated, and the pointer must not be dereferenced.
     pub fn entry_hint(&self, off: GuestOffset) -> Option<*const u64> {
         let cache = self.l2_cache.try_borrow().ok()?;
         let way = cache.peek(self.geo.slice_id(off))?;
