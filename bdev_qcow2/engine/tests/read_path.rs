@@ -67,15 +67,10 @@ fn submit_and_wait(
     len: usize,
 ) -> Result<Vec<u8>, Error> {
     let buf = HeapBuf::new(len);
-    chain.submit_read(7, off, BufSlice::whole(buf.clone()));
-    let result: RefCell<Option<Result<(), Error>>> = RefCell::new(None);
-    while result.borrow().is_none() {
-        exec.poll(&mut |tag, r| {
-            assert_eq!(tag, 7);
-            *result.borrow_mut() = Some(r);
-        });
-    }
-    result.into_inner().unwrap().map(|_| buf.to_vec())
+    wait_for(exec, |t| {
+        chain.submit_read(t, off, BufSlice::whole(buf.clone()))
+    })
+    .map(|_| buf.to_vec())
 }
 
 #[test]
