@@ -102,6 +102,7 @@ const VARS: &[&str] = &[
     "SPDK_RPC_RUNTIME",
     "SPDK_RPC_STARTUP",
     "SPDK_JSONRPC_ERROR_.*",
+    "SPDK_IO_CHANNEL_STRUCT_SIZE",
 ];
 
 struct Found {
@@ -186,6 +187,7 @@ fn from_pkg_config() -> Option<Found> {
 
 fn main() {
     println!("cargo::rustc-check-cfg=cfg(spdk)");
+    println!("cargo::rustc-check-cfg=cfg(spdk_channel_size)");
     println!("cargo:rerun-if-env-changed=SPDK_DIR");
     println!("cargo:rerun-if-env-changed=SPDK_SYS_DISABLE");
     println!("cargo:rerun-if-env-changed=PKG_CONFIG_PATH");
@@ -252,6 +254,13 @@ fn main() {
     // them with `-Wl,--no-as-needed` (link arguments do not propagate, hence the metadata).
     println!("cargo:extra_libs={}", found.extra_libs.join(","));
     println!("cargo:rustc-cfg=spdk");
+    // Where the header states the channel struct's size, a channel's context is found in
+    // Rust (as its static inline `spdk_io_channel_get_ctx` does) instead of a shim call on
+    // every request.
+    let thread_h = std::fs::read_to_string(found.include.join("spdk/thread.h")).unwrap_or_default();
+    if thread_h.contains("#define SPDK_IO_CHANNEL_STRUCT_SIZE") {
+        println!("cargo:rustc-cfg=spdk_channel_size");
+    }
     println!("cargo:found=1");
     println!("cargo:include={}", found.include.display());
     println!("cargo:libdir={}", found.libdir.display());

@@ -28,3 +28,26 @@ pub use bindings::*;
 
 /// Whether this build found SPDK (and so exports bindings).
 pub const FOUND: bool = cfg!(spdk);
+
+/// `spdk_io_channel_get_ctx`: a static inline in SPDK's header, so computed here from the
+/// channel struct's size the header states (`SPDK_IO_CHANNEL_STRUCT_SIZE`), or through the
+/// shim where an older header does not state it.
+///
+/// # Safety
+/// `ch` must be a live I/O channel.
+#[cfg(spdk)]
+#[inline]
+pub unsafe fn io_channel_get_ctx(ch: *mut spdk_io_channel) -> *mut std::ffi::c_void {
+    #[cfg(spdk_channel_size)]
+    // SAFETY: the context area follows the channel struct (per the contract, `ch` is live).
+    return unsafe {
+        ch.cast::<u8>()
+            .add(SPDK_IO_CHANNEL_STRUCT_SIZE as usize)
+            .cast()
+    };
+    #[cfg(not(spdk_channel_size))]
+    // SAFETY: per the contract.
+    unsafe {
+        spdk_sys_io_channel_get_ctx(ch)
+    }
+}

@@ -43,6 +43,10 @@ pub struct SetAssocCache<T, A = ()> {
     stamps: Vec<u64>,
     data: Vec<T>,
     aux: Vec<A>,
+    /// A direct-mapped hint in front of the sets: `front[key & mask]` is the way that last
+    /// held a key with those low bits (checked against `keys` before use, so it needs no
+    /// invalidation). A hit costs one compare instead of hashing and scanning the set.
+    front: Vec<u32>,
     clock: u64,
     stats: CacheStats,
 }
@@ -67,6 +71,7 @@ impl<T: Copy + Default, A: Copy + Default> SetAssocCache<T, A> {
             stamps: vec![0; n],
             data: vec![T::default(); n * block_len],
             aux: vec![A::default(); n],
+            front: vec![0; n.next_power_of_two()],
             clock: 0,
             stats: CacheStats::default(),
         }
@@ -110,6 +115,20 @@ impl<T: Copy + Default, A: Copy + Default> SetAssocCache<T, A> {
     }
 
     fn find(&self, key: u64) -> Option<usize> {
+        let hint = self.front[key as usize & (self.front.len() - 1)] as usize;
+        if self.keys[hint] == key {
+            return Some(hint);
+        }
+        self.find_in_set(key)
+    }
+
+    /// Records `way` (holding `key`) as the front hint for `key`.
+    fn remember(&mut self, key: u64, way: usize) {
+        let n = self.front.len();
+        self.front[key as usize & (n - 1)] = way as u32;
+    }
+
+    fn find_in_set(&self, key: u64) -> Option<usize> {
         let base = self.set_of(key) * self.ways;
         // Branchless: a mask of the matching ways (a key is in at most one), so where the
         // key sits in its set is never a mispredicted early exit (ways <= 64).
@@ -125,9 +144,7 @@ impl<T: Copy + Default, A: Copy + Default> SetAssocCache<T, A> {
     pub fn lookup(&mut self, key: u64, epoch: u32) -> Option<usize> {
         match self.find(key) {
             Some(w) if self.epochs[w] == epoch => {
-                self.clock += 1;
-                self.stamps[w] = self.clock;
-                self.stats.hits += 1;
+                self.touch(w);
                 Some(w)
             }
             Some(_) => {
@@ -163,6 +180,7 @@ impl<T: Copy + Default, A: Copy + Default> SetAssocCache<T, A> {
         self.clock += 1;
         self.stamps[way] = self.clock;
         self.stats.hits += 1;
+        self.remember(self.keys[way], way);
     }
 
     /// The block stored in `way`.
@@ -219,6 +237,7 @@ impl<T: Copy + Default, A: Copy + Default> SetAssocCache<T, A> {
         self.clock += 1;
         self.stamps[w] = self.clock;
         self.aux[w] = A::default();
+        self.remember(key, w);
         fill(&mut self.data[w * self.block_len..(w + 1) * self.block_len]);
         w
     }

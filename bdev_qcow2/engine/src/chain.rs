@@ -247,6 +247,9 @@ impl<D: BlockDevice> Chain<D> {
             Layer::Raw { dev, .. } => return Some((*dev, offset)),
             Layer::Qcow2(q) => q,
         };
+        if let Some(h) = q.linear_extent(offset, len) {
+            return Some((q.dev(), h));
+        }
         let end = offset + len;
         let mut pos = offset;
         let mut start = None;

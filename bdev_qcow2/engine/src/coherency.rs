@@ -227,6 +227,7 @@ impl std::fmt::Debug for Grace {
 
 impl Default for Grace {
     fn default() -> Self {
+        fences::init();
         Grace {
             global: AtomicU64::new(0),
             used: (0..MAX_GRACE_MEMBERS / 64)
@@ -274,19 +275,23 @@ impl Grace {
 
     /// A guest request of core `slot` starts; returns its parity for [`exit`](Self::exit).
     pub fn enter(&self, slot: usize) -> u8 {
-        let g = self.global.load(Ordering::SeqCst);
-        // SeqCst, like the epoch and L1 loads that follow and the owner's changes: the
-        // request's entry is ordered before whatever it reads next.
+        let g = self.global.load(Ordering::Acquire);
+        // Only this member's core writes its counters: a plain increment, then the light
+        // half of an asymmetric fence pair orders it before whatever the request reads next
+        // (epochs, L1 entries, slices); `try_advance` runs the heavy half before it reads
+        // the counters (see `fences`).
         let c = &self.counts[slot].0[(g & 1) as usize];
-        c.fetch_add(1, Ordering::SeqCst);
+        c.store(c.load(Ordering::Relaxed).wrapping_add(1), Ordering::Relaxed);
+        fences::light();
         (g & 1) as u8
     }
 
     /// [`enter`](Self::enter) for the owner's own requests, on the thread that runs
     /// [`try_advance`](Self::try_advance) and is the only writer of the generation: program
     /// order already puts this entry before the owner's later advances and the loads that
-    /// follow it, so no fence is needed. (`enter`'s locked read-modify-write waits for the
-    /// store buffer to drain: 12 % of the owner's time in a first-write-heavy run.)
+    /// follow it, so no fence is needed. (Without the asymmetric pair, `enter`'s full fence
+    /// waits for the store buffer to drain: 12 % of the owner's time in a first-write-heavy
+    /// run.)
     pub fn enter_owner(&self, slot: usize) -> u8 {
         let g = self.global.load(Ordering::Relaxed);
         let c = &self.counts[slot].0[(g & 1) as usize];
@@ -309,6 +314,9 @@ impl Grace {
     /// Owner: advances the generation if no request of the previous parity is left;
     /// returns the generation now.
     pub fn try_advance(&self) -> u64 {
+        // Pairs with the light fence of every `enter`: a request whose entry this scan
+        // misses reads the owner's changes made before this point.
+        fences::heavy();
         let g = self.global.load(Ordering::SeqCst);
         let old = ((g + 1) & 1) as usize;
         // Only slots in use can hold requests (unregistered ones are zeroed).
@@ -328,6 +336,109 @@ impl Grace {
             return g + 1;
         }
         g
+    }
+}
+
+/// The asymmetric fence pair of [`Grace`]: a core's entry is a plain store followed by
+/// [`light`] (a compiler fence: nothing on the CPU), and the owner's
+/// [`try_advance`](Grace::try_advance) starts with [`heavy`], which makes every thread of
+/// the process run a full memory barrier before it returns (Linux's
+/// `membarrier(MEMBARRIER_CMD_PRIVATE_EXPEDITED)`, which the host supplies through
+/// [`install`]: this crate makes no system calls). Together they order like a
+/// `fence(SeqCst)` on both sides: either the owner's scan sees a request's entry, or that
+/// request's later loads see what the owner stored before the scan (the store-buffering
+/// case). A core thus pays no locked instruction per request, and the owner pays a system
+/// call per advance attempt, which happens only while freed clusters wait for their grace
+/// period (rate-limited by `reclaim_graced`). Without an installed barrier (or where it
+/// fails its first call) both halves are `fence(SeqCst)`.
+///
+/// The mode is fixed when the first [`Grace`] is made, before any core can enter, and never
+/// changes: a core and the owner must agree on it.
+///
+/// Under `--cfg loom` both halves are no-ops: the model places `fence(SeqCst)` at these two
+/// points itself (and refutes the protocol without them), since loom cannot model a
+/// process-wide barrier.
+pub mod fences {
+    #[cfg(not(loom))]
+    use std::sync::atomic::{AtomicU8, Ordering};
+    #[cfg(not(loom))]
+    use std::sync::OnceLock;
+
+    #[cfg(not(loom))]
+    static HEAVY: OnceLock<fn() -> bool> = OnceLock::new();
+    /// Not yet decided / asymmetric / symmetric.
+    #[cfg(not(loom))]
+    static MODE: AtomicU8 = AtomicU8::new(UNDECIDED);
+    #[cfg(not(loom))]
+    const UNDECIDED: u8 = 0;
+    #[cfg(not(loom))]
+    const ASYMMETRIC: u8 = 1;
+    #[cfg(not(loom))]
+    const SYMMETRIC: u8 = 2;
+
+    /// Hosts: offers a process-wide memory barrier (true when it ran) for the owner's half.
+    /// Takes effect only if called before the first image is shared between cores; returns
+    /// whether it will be used.
+    pub fn install(heavy: fn() -> bool) -> bool {
+        #[cfg(not(loom))]
+        {
+            let _ = HEAVY.set(heavy);
+            init();
+            asymmetric()
+        }
+        #[cfg(loom)]
+        {
+            let _ = heavy;
+            false
+        }
+    }
+
+    /// Fixes the mode (idempotent): called when a [`Grace`](super::Grace) is made.
+    pub(super) fn init() {
+        #[cfg(not(loom))]
+        if MODE.load(Ordering::Acquire) == UNDECIDED {
+            // The barrier must work once before the cores rely on it.
+            let m = match HEAVY.get() {
+                Some(f) if f() => ASYMMETRIC,
+                _ => SYMMETRIC,
+            };
+            // Racing initialisers: the first decision stands.
+            let _ = MODE.compare_exchange(UNDECIDED, m, Ordering::AcqRel, Ordering::Acquire);
+        }
+    }
+
+    /// Whether the asymmetric pair is in use (false: both halves are full fences).
+    pub fn asymmetric() -> bool {
+        #[cfg(not(loom))]
+        return MODE.load(Ordering::Relaxed) == ASYMMETRIC;
+        #[cfg(loom)]
+        false
+    }
+
+    /// The core's half: orders its preceding store before its following loads.
+    #[inline]
+    pub fn light() {
+        #[cfg(not(loom))]
+        if asymmetric() {
+            std::sync::atomic::compiler_fence(Ordering::SeqCst);
+        } else {
+            std::sync::atomic::fence(Ordering::SeqCst);
+        }
+    }
+
+    /// The owner's half: a full barrier on every thread of the process.
+    pub fn heavy() {
+        #[cfg(not(loom))]
+        match HEAVY.get() {
+            Some(f) if asymmetric() => {
+                if !f() {
+                    // It worked when the mode was fixed; the kernel does not take it back.
+                    // Going on would silently weaken every core's ordering.
+                    std::process::abort();
+                }
+            }
+            _ => std::sync::atomic::fence(Ordering::SeqCst),
+        }
     }
 }
 

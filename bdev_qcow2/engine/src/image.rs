@@ -679,6 +679,41 @@ impl<D: BlockDevice> Qcow2<D> {
         self.resolve(cache.block(way), off).map(Some)
     }
 
+    /// The host offset of `[off, off + len)` (non-empty) when the range lies in one cached
+    /// slice that is valid now and linear (every entry plain COPIED data in consecutive
+    /// host clusters: `LinearSlice`), and its clusters lie inside the device: the whole
+    /// range is then one device extent, found without decoding any entry. Touches the LRU
+    /// and counts a hit. `None` sends the caller to the general look-up, which also handles
+    /// everything this skips: unallocated L2 tables, a device size this core has not synced
+    /// yet. (No L1 check is needed: a slice is cached only from an allocated table, and
+    /// the owner makes a table's slices odd, or drops them from its own cache, before it
+    /// changes the L1 entry; see `coherency`.)
+    #[inline]
+    pub(crate) fn linear_extent(&self, off: u64, len: u64) -> Option<u64> {
+        if self.geo.extended_l2 || len == 0 {
+            return None;
+        }
+        let key = self.geo.slice_id(GuestOffset(off));
+        let coverage = self.geo.slice_coverage();
+        let within = off & (coverage - 1);
+        if within + len > coverage {
+            return None;
+        }
+        let epoch = self.cur_epoch(key);
+        let mut cache = self.l2_cache.try_borrow_mut().ok()?;
+        let way = cache.probe(key, epoch)?;
+        let ctx = self.ctx.get();
+        let host = cache.aux(way).host(0, ctx.cluster_bits)? + within;
+        // Every cluster the range touches ends inside the device (the general path checks
+        // each cluster the same way).
+        let cs = 1u64 << ctx.cluster_bits;
+        if (host + len).next_multiple_of(cs) > ctx.device_size {
+            return None;
+        }
+        cache.touch(way);
+        Some(host)
+    }
+
     /// Where this replica's cached L2 entry for `off` lies in memory, if its slice is cached
     /// (under any epoch) and not linear (a linear one resolves without the entry): a host
     /// may prefetch it before starting the request, so the load in

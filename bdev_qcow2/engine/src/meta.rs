@@ -24,6 +24,8 @@ use crate::types::GuestOffset;
 use std::cell::{Ref, RefCell};
 use std::collections::{BTreeMap, BTreeSet};
 
+/// Least time between two attempts to advance the grace period (`reclaim_graced`).
+const ADVANCE_INTERVAL: std::time::Duration = std::time::Duration::from_micros(100);
 /// Hash maps and sets of the owner's state: looked up on every allocating write, so with a
 /// fast hasher (foldhash: seeded per process, far cheaper than SipHash on u64 keys).
 type HashMap<K, V> = std::collections::HashMap<K, V, foldhash::fast::RandomState>;
@@ -58,6 +60,8 @@ pub(crate) struct MetaState {
     pub graced: std::collections::VecDeque<(u64, Vec<u64>)>,
     /// The same clusters, for the allocator.
     pub graced_set: HashSet<u64>,
+    /// When the owner last tried to advance the grace period (see `reclaim_graced`).
+    pub last_advance: Option<std::time::Instant>,
     /// Where the next free-cluster search starts.
     pub alloc_hint: u64,
     /// Clusters at or past this index were never written since open (they read as zeros).
@@ -116,6 +120,7 @@ impl<D: BlockDevice> Meta<D> {
                 unstable_frees: HashSet::default(),
                 graced: Default::default(),
                 graced_set: HashSet::default(),
+                last_advance: None,
                 alloc_hint: 0,
                 fresh_from: end,
                 inflight: BTreeSet::new(),
@@ -755,7 +760,21 @@ impl<D: BlockDevice> Qcow2<D> {
         if m.st.borrow().graced.is_empty() {
             return;
         }
-        let g = sh.grace.try_advance();
+        // An attempt costs a process-wide barrier with the asymmetric fences (system call
+        // and interrupts on the cores' CPUs): at most one per ADVANCE_INTERVAL, however
+        // many allocations ask meanwhile; freed clusters wait that much longer.
+        let now = std::time::Instant::now();
+        let attempt = !crate::coherency::fences::asymmetric()
+            || m.st
+                .borrow()
+                .last_advance
+                .is_none_or(|t| now.duration_since(t) >= ADVANCE_INTERVAL);
+        let g = if attempt {
+            m.st.borrow_mut().last_advance = Some(now);
+            sh.grace.try_advance()
+        } else {
+            sh.grace.now()
+        };
         let mut st = m.st.borrow_mut();
         while st.graced.front().is_some_and(|(tag, _)| tag + 2 <= g) {
             if let Some((_, batch)) = st.graced.pop_front() {

@@ -268,6 +268,21 @@ impl<D: BlockDevice> Chain<D> {
         let mut n = 0;
         let mut pos = offset;
         let st = m.map(|m| m.st.borrow());
+        let overlaps_meta = |h: u64, len: u64| match core {
+            Some(sh) => (h >> bits..=(h + len - 1) >> bits).any(|c| sh.is_meta_cluster(c)),
+            None => q.overlaps_metadata(h, len),
+        };
+        // One linear slice: the range is one extent of COPIED clusters.
+        if let Some(h) = q.linear_extent(offset, len) {
+            let inflight = st
+                .as_ref()
+                .is_some_and(|st| (offset / cs..=(end - 1) / cs).any(|c| st.inflight.contains(&c)));
+            if inflight || overlaps_meta(h, len) {
+                return None;
+            }
+            runs[0] = (h, 0, len as usize);
+            return Some((q.dev(), 1));
+        }
         while pos < end {
             if st
                 .as_ref()
@@ -283,13 +298,7 @@ impl<D: BlockDevice> Chain<D> {
             };
             let len = (c_end.min(end) - pos) as usize;
             let h = host.0 + (pos & (cs - 1));
-            let overlaps = match core {
-                Some(sh) => {
-                    (h >> bits..=(h + len as u64 - 1) >> bits).any(|c| sh.is_meta_cluster(c))
-                }
-                None => q.overlaps_metadata(h, len as u64),
-            };
-            if overlaps {
+            if overlaps_meta(h, len as u64) {
                 // The slow path refuses it and marks the image corrupt.
                 return None;
             }

@@ -583,14 +583,15 @@ fn broken_l1_before_dirty_is_caught() {
 // marks the cluster in use and then checks that it was not reused; the owner marks it
 // reused and then checks that no request is using it.
 //
-// Loom treats SeqCst loads and stores as AcqRel (see its README), so it would let the
-// owner's counter check and the core's epoch load both read stale values: the
-// store-buffering outcome that C++20/Rust SeqCst forbids here (the core's SeqCst
-// `fetch_add` in `enter` is sequenced before its SeqCst epoch load; the owner's SeqCst epoch
-// bump before its SeqCst counter loads, so one of them sees the other). The model states
-// that guarantee with `fence(SeqCst)` at exactly those two places (the variant without the
-// fences is refuted by loom: the ordering is load-bearing). Everything else, including stale
-// reads of the global generation (the ABA case), is explored as loom does.
+// The real code orders a request's entry before its later loads, and the owner's changes
+// before its counter scan, with an asymmetric fence pair (`coherency::fences`): a compiler
+// fence after the core's counter store, a process-wide barrier (membarrier) before the
+// owner's scan; without membarrier, `fence(SeqCst)` on both sides. Together they act as a
+// `fence(SeqCst)` at each of the two places, and loom can model neither membarrier nor
+// SeqCst loads and stores (it treats those as AcqRel, see its README); so under loom the
+// pair is a no-op and the model places `fence(SeqCst)` at exactly those two places (the
+// variant without them is refuted by loom: the ordering is load-bearing). Everything else,
+// including stale reads of the global generation (the ABA case), is explored as loom does.
 
 /// Host clusters: 1 is mapped at first and freed by the owner, 2 replaces it.
 const OLD: usize = 1;
@@ -602,7 +603,7 @@ struct GraceFaults {
     reuse_at_tag_plus_one: bool,
     /// The request enters after it resolved the mapping.
     enter_after_resolve: bool,
-    /// Without the fences that stand for the SeqCst ordering loom does not model.
+    /// Without the fences that stand for the asymmetric pair (`coherency::fences`).
     no_seqcst_fences: bool,
 }
 
@@ -618,7 +619,7 @@ struct GraceWorld {
 }
 
 impl GraceWorld {
-    /// Where the real code's SeqCst accesses order a store before a later load.
+    /// Where the real code's asymmetric fence pair orders a store before a later load.
     fn seqcst_point(&self) {
         if !self.faults.no_seqcst_fences {
             loom::sync::atomic::fence(Ordering::SeqCst);
@@ -695,13 +696,13 @@ fn grace_owner(w: &GraceWorld, mut ep: OwnerEpochs, s: &GraceScenario) {
     ep.changed(sh, 0);
     // Write-back and flush: the slice is clean, the free of OLD is stable.
     ep.cleaned(sh, 0);
-    // release_unstable: tag the batch.
-    w.seqcst_point();
+    // release_unstable: tag the batch (no fence: the owner is the generation's only
+    // writer, so it reads its own latest value).
     let tag = sh.grace.now();
     let need = if w.faults.reuse_at_tag_plus_one { 1 } else { 2 };
     let mut g = tag;
     for _ in 0..s.rounds {
-        // reclaim_graced
+        // reclaim_graced: try_advance starts with the heavy half of the pair.
         w.seqcst_point();
         let now = sh.grace.try_advance();
         if now >= tag + need {

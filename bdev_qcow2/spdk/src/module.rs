@@ -37,7 +37,13 @@ pub fn module_ptr() -> *mut sys::spdk_bdev_module {
 
 unsafe extern "C" fn module_init() -> c_int {
     logging::init();
-    tracing::info!("bdev module qcow2 loaded");
+    // Before any image is shared between threads (the mode is fixed then).
+    let fences = if qcow2_engine::coherency::fences::install(crate::ffi::thread::membarrier) {
+        "asymmetric (membarrier)"
+    } else {
+        "full fences (membarrier unavailable)"
+    };
+    tracing::info!("bdev module qcow2 loaded; grace-period fences: {fences}");
     0
 }
 

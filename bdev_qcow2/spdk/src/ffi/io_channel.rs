@@ -34,7 +34,7 @@ impl Drop for ChannelRef {
 /// `ch` must be a live channel of one of our io_devices.
 pub unsafe fn ctx_of(ch: *mut sys::spdk_io_channel) -> *mut c_void {
     // SAFETY: per the contract.
-    unsafe { sys::spdk_sys_io_channel_get_ctx(ch) }
+    unsafe { sys::io_channel_get_ctx(ch) }
 }
 
 /// Channel constructor/destructor signature of `spdk_io_device_register`.
