@@ -373,4 +373,74 @@ mod tests {
         assert_eq!(c.lookup(1, 2), Some(w));
         assert_eq!(c.block(w)[0], 2);
     }
+
+    /// What a cache operation does in [`the_front_hint_never_misleads`].
+    #[derive(Debug, Clone)]
+    enum Op {
+        Insert(u64, u32),
+        Lookup(u64, u32),
+        ProbeTouch(u64, u32),
+        Invalidate(u64),
+        Clear,
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        // Keys in a small range (many share a set and a front slot) and far apart ones
+        // with the same low bits (same front slot, other sets).
+        let key = prop_oneof![0u64..48, (0u64..4).prop_map(|k| k << 20 | 5)];
+        prop_oneof![
+            (key.clone(), 0u32..3).prop_map(|(k, e)| Op::Insert(k, e)),
+            (key.clone(), 0u32..3).prop_map(|(k, e)| Op::Lookup(k, e)),
+            (key.clone(), 0u32..3).prop_map(|(k, e)| Op::ProbeTouch(k, e)),
+            key.prop_map(Op::Invalidate),
+            Just(Op::Clear),
+        ]
+    }
+
+    use proptest::prelude::*;
+
+    proptest! {
+        /// With the direct-mapped front hint, every look-up answers exactly what the cache
+        /// holds: a model map of the keys still cached (an insert may evict: the model
+        /// follows the cache's own report) agrees on presence, epoch and block contents.
+        #[test]
+        fn the_front_hint_never_misleads(ops in proptest::collection::vec(op(), 1..200)) {
+            let mut c = cache(4, 4);
+            let mut model = std::collections::HashMap::<u64, (u32, u64)>::new();
+            for o in ops {
+                match o {
+                    Op::Insert(k, e) => {
+                        let w = c.insert_with(k, e, |b| b.fill(k * 10 + u64::from(e)));
+                        // Whatever the way held before is gone.
+                        model.retain(|_, v| v.1 != w as u64);
+                        model.insert(k, (e, w as u64));
+                    }
+                    Op::Lookup(k, e) => {
+                        let got = c.lookup(k, e);
+                        let want = model.get(&k).filter(|v| v.0 == e).map(|v| v.1 as usize);
+                        prop_assert_eq!(got, want);
+                        if let Some(w) = got {
+                            prop_assert_eq!(c.block(w)[0], k * 10 + u64::from(e));
+                        }
+                    }
+                    Op::ProbeTouch(k, e) => {
+                        let got = c.probe(k, e);
+                        prop_assert_eq!(got, model.get(&k).filter(|v| v.0 == e).map(|v| v.1 as usize));
+                        prop_assert_eq!(c.peek_epoch(k), model.get(&k).map(|v| v.0));
+                        if let Some(w) = got {
+                            c.touch(w);
+                        }
+                    }
+                    Op::Invalidate(k) => {
+                        c.invalidate(k);
+                        model.remove(&k);
+                    }
+                    Op::Clear => {
+                        c.clear();
+                        model.clear();
+                    }
+                }
+            }
+        }
+    }
 }
