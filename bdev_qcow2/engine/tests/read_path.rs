@@ -604,3 +604,55 @@ fn linear_slices_follow_the_owners_changes() {
         .arg(&out)
         .arg(dir.path().join("after.raw")));
 }
+
+/// A linear slice maps a range inside it to one extent (however many clusters it spans);
+/// a range leaving the slice, or clusters past the end of the device (a truncated image),
+/// go the general way: the truncated part is refused, never read past the device.
+#[test]
+fn linear_extents_stop_at_slices_and_at_the_device_end() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut img, raw) = make_image(
+        dir.path(),
+        "cluster_size=65536",
+        "96M",
+        &["write -P 0x11 0 32M", "write -P 0x33 32M 32M"],
+    );
+    let map = qemu_map(&dir.path().join("img.qcow2"));
+    assert_eq!(map[0].1, 64 << 20, "qemu-io allocated 64 MiB in one run");
+    let h0 = map[0].3.unwrap();
+    // Cut the file 8 MiB into the second slice's data (32 MiB of guest space per slice).
+    let cut = h0 + (40 << 20);
+    img.truncate(cut as usize);
+    let (exec, _dev, chain) = open(img, OpenOptions::default());
+    let chain = chain.unwrap();
+    submit_and_wait(&exec, &chain, 0, 4096).unwrap();
+    submit_and_wait(&exec, &chain, 32 << 20, 4096).unwrap();
+    let host = |off: u64, len: u64| {
+        chain.map_direct(off, len, false).map(|d| {
+            exec.guest_exit(d.parity);
+            d.host
+        })
+    };
+    // 1 MiB (16 clusters) inside slice 0: one extent.
+    assert_eq!(host(3 << 20, 1 << 20), Some(h0 + (3 << 20)));
+    // Crossing into slice 1: still one extent (the general path joins contiguous
+    // clusters), and the same bytes as qemu's.
+    let across = (32 << 20) - 65536;
+    assert_eq!(host(across, 131072), Some(h0 + across));
+    assert_eq!(
+        submit_and_wait(&exec, &chain, across, 131072).unwrap(),
+        raw[across as usize..across as usize + 131072]
+    );
+    // Slice 1's clusters before the cut are served; those past it are not.
+    assert_eq!(host(36 << 20, 65536), Some(h0 + (36 << 20)));
+    assert_eq!(host(48 << 20, 4096), None);
+    assert_eq!(
+        host((40 << 20) - 65536, 131072),
+        None,
+        "its second cluster is cut"
+    );
+    assert!(
+        submit_and_wait(&exec, &chain, 48 << 20, 4096).is_err(),
+        "a cluster past the device's end is an error, not a read past it"
+    );
+}
