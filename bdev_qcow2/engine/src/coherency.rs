@@ -100,6 +100,7 @@ impl Shared {
     }
 
     /// The epoch slot of slice `key`.
+    #[inline]
     pub fn slot(&self, key: u64) -> usize {
         // Fibonacci hashing spreads strided keys; identity when every slice has a slot.
         if self.epochs.len() as u64 > key {
@@ -115,6 +116,7 @@ impl Shared {
     }
 
     /// Current epoch of slice `key` (acquire: a core then reads L1 and the device).
+    #[inline]
     pub fn epoch(&self, key: u64) -> u32 {
         // SeqCst (a plain load on x86) to order after a grace-period entry.
         self.epochs[self.slot(key)].load(Ordering::SeqCst)
@@ -126,21 +128,25 @@ impl Shared {
     }
 
     /// Raw L1 entry `idx` (0 past the table).
+    #[inline]
     pub fn l1(&self, idx: usize) -> u64 {
         self.l1.get(idx).map_or(0, |e| e.load(Ordering::SeqCst))
     }
 
     /// Number of L1 entries.
+    #[inline]
     pub fn l1_len(&self) -> usize {
         self.l1.len()
     }
 
     /// Device size entries may point at.
+    #[inline]
     pub fn device_size(&self) -> u64 {
         self.device_size.load(Ordering::Acquire)
     }
 
     /// Whether host cluster `c` may hold metadata (true past the bitmap).
+    #[inline]
     pub fn is_meta_cluster(&self, c: u64) -> bool {
         match self.meta_bits.get((c / 64) as usize) {
             Some(w) => w.load(Ordering::Acquire) & (1 << (c % 64)) != 0,
@@ -274,6 +280,7 @@ impl Grace {
     }
 
     /// A guest request of core `slot` starts; returns its parity for [`exit`](Self::exit).
+    #[inline]
     pub fn enter(&self, slot: usize) -> u8 {
         let g = self.global.load(Ordering::Acquire);
         // Only this member's core writes its counters: a plain increment, then the light
@@ -292,6 +299,7 @@ impl Grace {
     /// follow it, so no fence is needed. (Without the asymmetric pair, `enter`'s full fence
     /// waits for the store buffer to drain: 12 % of the owner's time in a first-write-heavy
     /// run.)
+    #[inline]
     pub fn enter_owner(&self, slot: usize) -> u8 {
         let g = self.global.load(Ordering::Relaxed);
         let c = &self.counts[slot].0[(g & 1) as usize];
@@ -300,6 +308,7 @@ impl Grace {
     }
 
     /// The guest request that entered with `parity` completed (on the core that entered).
+    #[inline]
     pub fn exit(&self, slot: usize, parity: u8) {
         // Only this member's core writes its counters: no read-modify-write needed.
         let c = &self.counts[slot].0[parity as usize & 1];

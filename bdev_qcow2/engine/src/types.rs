@@ -39,10 +39,12 @@ pub const SUBCLUSTERS: u64 = 32;
 
 impl Geometry {
     /// Cluster size in bytes.
+    #[inline]
     pub fn cluster_size(&self) -> u64 {
         1 << self.cluster_bits
     }
     /// Bytes per L2 entry (8, or 16 with extended L2).
+    #[inline]
     pub fn l2_entry_bytes(&self) -> u64 {
         if self.extended_l2 {
             16
@@ -51,26 +53,32 @@ impl Geometry {
         }
     }
     /// log2 of the number of L2 entries in one L2 table (one cluster).
+    #[inline]
     pub fn l2_bits(&self) -> u32 {
         self.cluster_bits - if self.extended_l2 { 4 } else { 3 }
     }
     /// Entries per L2 table.
+    #[inline]
     pub fn l2_entries(&self) -> u64 {
         1 << self.l2_bits()
     }
     /// Guest bytes covered by one L1 entry (one whole L2 table).
+    #[inline]
     pub fn l1_entry_coverage(&self) -> u64 {
         1 << (self.cluster_bits + self.l2_bits())
     }
     /// L2 entries per slice.
+    #[inline]
     pub fn slice_entries(&self) -> u64 {
         (1 << self.slice_bits) / self.l2_entry_bytes()
     }
     /// Slices per L2 table.
+    #[inline]
     pub fn slices_per_l2(&self) -> u64 {
         1 << (self.cluster_bits - self.slice_bits)
     }
     /// Subcluster size in bytes (the cluster size without extended L2).
+    #[inline]
     pub fn subcluster_size(&self) -> u64 {
         if self.extended_l2 {
             self.cluster_size() / SUBCLUSTERS
@@ -79,42 +87,52 @@ impl Geometry {
         }
     }
     /// Guest cluster index of a guest offset.
+    #[inline]
     pub fn guest_cluster(&self, off: GuestOffset) -> u64 {
         off.0 >> self.cluster_bits
     }
     /// Offset within its cluster.
+    #[inline]
     pub fn offset_in_cluster(&self, off: u64) -> u64 {
         off & (self.cluster_size() - 1)
     }
     /// L1 index covering a guest offset.
+    #[inline]
     pub fn l1_index(&self, off: GuestOffset) -> u64 {
         off.0 >> (self.cluster_bits + self.l2_bits())
     }
     /// L2 index (within its table) of a guest offset.
+    #[inline]
     pub fn l2_index(&self, off: GuestOffset) -> u64 {
         self.guest_cluster(off) & (self.l2_entries() - 1)
     }
     /// Global slice id of a guest offset: dense over the image, used as the cache key.
+    #[inline]
     pub fn slice_id(&self, off: GuestOffset) -> u64 {
         self.guest_cluster(off) / self.slice_entries()
     }
     /// Index within its slice of the L2 entry for a guest offset.
+    #[inline]
     pub fn index_in_slice(&self, off: GuestOffset) -> u64 {
         self.guest_cluster(off) & (self.slice_entries() - 1)
     }
     /// Which slice of its L2 table holds a guest offset's entry.
+    #[inline]
     pub fn slice_in_l2(&self, off: GuestOffset) -> u64 {
         self.l2_index(off) / self.slice_entries()
     }
     /// Host offset of the slice holding `off`'s entry, given its L2 table's offset.
+    #[inline]
     pub fn slice_host_offset(&self, l2_table: HostOffset, off: GuestOffset) -> HostOffset {
         HostOffset(l2_table.0 + (self.slice_in_l2(off) << self.slice_bits))
     }
     /// Guest bytes covered by one slice.
+    #[inline]
     pub fn slice_coverage(&self) -> u64 {
         self.slice_entries() << self.cluster_bits
     }
     /// Number of L1 entries needed to address `size` guest bytes.
+    #[inline]
     pub fn l1_entries_for(&self, size: u64) -> u64 {
         size.div_ceil(self.l1_entry_coverage())
     }

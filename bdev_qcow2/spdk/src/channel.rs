@@ -305,6 +305,7 @@ impl Channel {
         };
         let len = io.num_blocks() * u64::from(BLOCK_SIZE);
         chain.read_ahead(io.offset_blocks() * u64::from(BLOCK_SIZE), len);
+        self.own(io);
         if submit_direct(chain, &self.exec, self.direct, io, chan_direct_done) {
             return;
         }
@@ -381,6 +382,7 @@ impl Channel {
                     return owner::forward(md, io);
                 }
                 WriteRoute::Direct(d) => {
+                    self.own(io);
                     if submit_mapped(&self.exec, self.direct, io, d, chan_direct_done) {
                         return;
                     }
@@ -400,6 +402,13 @@ impl Channel {
         drop(chain);
         self.forwarded.set(self.forwarded.get() + 1);
         owner::forward(md, io);
+    }
+
+    /// Records this channel in the bdev_io's context for `chan_direct_done`.
+    fn own(&self, io: BdevIo) {
+        // SAFETY: the driver context has room for an `IoCtx` (`module::get_ctx_size`); the
+        // bdev_io is ours until completed, and this channel state outlives it.
+        unsafe { (*io.driver_ctx().cast::<owner::IoCtx>()).chan = (self as *const Channel).cast() };
     }
 
     fn finish(&self, io: BdevIo, ok: bool) {
@@ -545,8 +554,13 @@ unsafe extern "C" fn chan_direct_done(
     let Some((io, parity)) = (unsafe { direct_completed(child, arg) }) else {
         return;
     };
-    // SAFETY: the bdev_io is outstanding on its channel, which is therefore live.
-    let c = unsafe { from_ctx(io_channel::ctx_of(io.io_channel())) };
+    // SAFETY: `Channel::own` stored the channel state it was submitted from, live while
+    // the bdev_io is outstanding on it.
+    let c = unsafe {
+        &*(*io.driver_ctx().cast::<owner::IoCtx>())
+            .chan
+            .cast::<Channel>()
+    };
     c.exec.guest_exit(parity);
     if success && io.io_type() == sys::SPDK_BDEV_IO_TYPE_WRITE {
         c.local_writes.set(c.local_writes.get() + 1);

@@ -37,6 +37,9 @@ pub struct IoCtx {
     pub status: sys::spdk_bdev_io_status,
     /// Grace-period entry of a request on the direct path (`channel::submit_direct`).
     pub parity: u8,
+    /// The channel state a channel's direct-path request belongs to, so its completion
+    /// (`channel::chan_direct_done`) finds it without asking SPDK.
+    pub chan: *const std::ffi::c_void,
 }
 
 /// What happens once the owner closed (metadata flushed), on the md thread.
