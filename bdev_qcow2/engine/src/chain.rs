@@ -247,7 +247,7 @@ impl<D: BlockDevice> Chain<D> {
             Layer::Raw { dev, .. } => return Some((*dev, offset)),
             Layer::Qcow2(q) => q,
         };
-        if let Some(h) = q.linear_extent(offset, len) {
+        if let Some(h) = q.cached_extent(offset, len, false) {
             return Some((q.dev(), h));
         }
         let end = offset + len;

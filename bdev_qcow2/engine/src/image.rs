@@ -679,17 +679,20 @@ impl<D: BlockDevice> Qcow2<D> {
         self.resolve(cache.block(way), off).map(Some)
     }
 
-    /// The host offset of `[off, off + len)` (non-empty) when the range lies in one cached
-    /// slice that is valid now and linear (every entry plain COPIED data in consecutive
-    /// host clusters: `LinearSlice`), and its clusters lie inside the device: the whole
-    /// range is then one device extent, found without decoding any entry. Touches the LRU
-    /// and counts a hit. `None` sends the caller to the general look-up, which also handles
-    /// everything this skips: unallocated L2 tables, a device size this core has not synced
-    /// yet. (No L1 check is needed: a slice is cached only from an allocated table, and
-    /// the owner makes a table's slices odd, or drops them from its own cache, before it
-    /// changes the L1 entry; see `coherency`.)
+    /// The host offset of `[off, off + len)` (non-empty) when its mapping is one device
+    /// extent that the cache alone gives, without the general look-up's decoding: the range
+    /// lies in one cached slice that is valid now, and either the slice is linear (every
+    /// entry plain COPIED data in consecutive host clusters, `LinearSlice`: any range
+    /// inside it) or the range lies in one cluster whose entry is plain data (COPIED when
+    /// `copied`, as an in-place write needs). The clusters lie inside the device. Touches
+    /// the LRU and counts a hit only then. `None` sends the caller to the general look-up,
+    /// which also handles everything this skips: unallocated L2 tables, zero, compressed
+    /// and extended entries, a device size this core has not synced yet. (No L1 check is
+    /// needed: a slice is cached only from an allocated table, and the owner makes a
+    /// table's slices odd, or drops them from its own cache, before it changes the L1
+    /// entry; see `coherency`.)
     #[inline]
-    pub(crate) fn linear_extent(&self, off: u64, len: u64) -> Option<u64> {
+    pub(crate) fn cached_extent(&self, off: u64, len: u64, copied: bool) -> Option<u64> {
         if self.geo.extended_l2 || len == 0 {
             return None;
         }
@@ -703,13 +706,30 @@ impl<D: BlockDevice> Qcow2<D> {
         let mut cache = self.l2_cache.try_borrow_mut().ok()?;
         let way = cache.probe(key, epoch)?;
         let ctx = self.ctx.get();
-        let host = cache.aux(way).host(0, ctx.cluster_bits)? + within;
-        // Every cluster the range touches ends inside the device (the general path checks
-        // each cluster the same way).
         let cs = 1u64 << ctx.cluster_bits;
-        if (host + len).next_multiple_of(cs) > ctx.device_size {
-            return None;
-        }
+        let host = match cache.aux(way).host(0, ctx.cluster_bits) {
+            Some(first) => {
+                let host = first + within;
+                // Every cluster the range touches ends inside the device (the general path
+                // checks each cluster the same way).
+                if (host + len).next_multiple_of(cs) > ctx.device_size {
+                    return None;
+                }
+                host
+            }
+            None => {
+                let in_cluster = off & (cs - 1);
+                if in_cluster + len > cs {
+                    return None;
+                }
+                let i = self.geo.index_in_slice(GuestOffset(off)) as usize;
+                let entry = L2Entry(*cache.block(way).get(i)?);
+                match entry.plain_data(ctx.cluster_bits, ctx.device_size)? {
+                    (h, c) if c || !copied => h + in_cluster,
+                    _ => return None,
+                }
+            }
+        };
         cache.touch(way);
         Some(host)
     }

@@ -272,8 +272,9 @@ impl<D: BlockDevice> Chain<D> {
             Some(sh) => (h >> bits..=(h + len - 1) >> bits).any(|c| sh.is_meta_cluster(c)),
             None => q.overlaps_metadata(h, len),
         };
-        // One linear slice: the range is one extent of COPIED clusters.
-        if let Some(h) = q.linear_extent(offset, len) {
+        // One extent of COPIED clusters straight from the cache (one linear slice, or one
+        // cluster).
+        if let Some(h) = q.cached_extent(offset, len, true) {
             let inflight = st
                 .as_ref()
                 .is_some_and(|st| (offset / cs..=(end - 1) / cs).any(|c| st.inflight.contains(&c)));

@@ -656,3 +656,59 @@ fn linear_extents_stop_at_slices_and_at_the_device_end() {
         "a cluster past the device's end is an error, not a read past it"
     );
 }
+
+/// Outside linear slices the cache still maps a range inside one cluster straight from its
+/// entry: any plain data cluster for a read, only a COPIED one for an in-place write; a
+/// range over two clusters that are not adjacent on the device is not one extent.
+#[test]
+fn single_cluster_extents_from_non_linear_slices() {
+    let dir = tempfile::tempdir().unwrap();
+    // Cluster 1 is allocated before cluster 0: the slice is not linear.
+    let (img, raw) = make_image(
+        dir.path(),
+        "cluster_size=65536",
+        "8M",
+        &["write -P 0x11 64k 64k", "write -P 0x22 0 64k"],
+    );
+    let map = qemu_map(&dir.path().join("img.qcow2"));
+    let host_of = |g: u64| {
+        map.iter()
+            .find(|e| e.0 <= g && g < e.0 + e.1)
+            .and_then(|e| e.3.map(|h| h + g - e.0))
+    };
+    let (h0, h1) = (host_of(0).unwrap(), host_of(65536).unwrap());
+    assert_eq!(h0, h1 + 65536, "qemu placed cluster 0 after cluster 1");
+    let check = |img: Vec<u8>, writes_in_place: bool| {
+        let (exec, _dev, chain) = open(
+            img,
+            OpenOptions {
+                writable: true,
+                ..OpenOptions::default()
+            },
+        );
+        let chain = chain.unwrap();
+        submit_and_wait(&exec, &chain, 0, 4096).unwrap();
+        let host = |off: u64, len: u64, write: bool| {
+            chain.map_direct(off, len, write).map(|d| {
+                exec.guest_exit(d.parity);
+                d.host
+            })
+        };
+        assert_eq!(host(4096, 4096, false), Some(h0 + 4096));
+        assert_eq!(host(65536 + 512, 512, false), Some(h1 + 512));
+        assert_eq!(host(61440, 8192, false), None, "two clusters, not adjacent");
+        let w = writes_in_place.then_some(h0 + 4096);
+        assert_eq!(host(4096, 4096, true), w);
+        assert_eq!(
+            submit_and_wait(&exec, &chain, 61440, 8192).unwrap(),
+            raw[61440..61440 + 8192]
+        );
+    };
+    check(img, true);
+    // An internal snapshot shares the clusters: no longer COPIED, so no in-place write,
+    // while reads still map.
+    sh(Command::new("qemu-img")
+        .args(["snapshot", "-c", "s1"])
+        .arg(dir.path().join("img.qcow2")));
+    check(std::fs::read(dir.path().join("img.qcow2")).unwrap(), false);
+}
