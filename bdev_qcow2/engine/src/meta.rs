@@ -26,6 +26,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 /// Least time between two attempts to advance the grace period (`reclaim_graced`).
 const ADVANCE_INTERVAL: std::time::Duration = std::time::Duration::from_micros(100);
+
 /// Hash maps and sets of the owner's state: looked up on every allocating write, so with a
 /// fast hasher (foldhash: seeded per process, far cheaper than SipHash on u64 keys).
 type HashMap<K, V> = std::collections::HashMap<K, V, foldhash::fast::RandomState>;
