@@ -374,6 +374,8 @@ mod tests {
         assert_eq!(c.block(w)[0], 2);
     }
 
+    use proptest::prelude::*;
+
     /// What a cache operation does in [`the_front_hint_never_misleads`].
     #[derive(Debug, Clone)]
     enum Op {
@@ -396,8 +398,6 @@ mod tests {
             Just(Op::Clear),
         ]
     }
-
-    use proptest::prelude::*;
 
     proptest! {
         /// With the direct-mapped front hint, every look-up answers exactly what the cache

@@ -352,8 +352,9 @@ impl Grace {
 /// [`light`] (a compiler fence: nothing on the CPU), and the owner's
 /// [`try_advance`](Grace::try_advance) starts with [`heavy`], which makes every thread of
 /// the process run a full memory barrier before it returns (Linux's
-/// `membarrier(MEMBARRIER_CMD_PRIVATE_EXPEDITED)`, which the host supplies through
-/// [`install`]: this crate makes no system calls). Together they order like a
+/// `membarrier(MEMBARRIER_CMD_PRIVATE_EXPEDITED)`, through rustix's safe wrapper), once the
+/// host asked for it with [`install_membarrier`] (or supplied another barrier through
+/// [`install`]). Together they order like a
 /// `fence(SeqCst)` on both sides: either the owner's scan sees a request's entry, or that
 /// request's later loads see what the owner stored before the scan (the store-buffering
 /// case). A core thus pays no locked instruction per request, and the owner pays a system
@@ -400,6 +401,24 @@ pub mod fences {
             let _ = heavy;
             false
         }
+    }
+
+    /// Hosts: [`install`]s Linux's `membarrier(MEMBARRIER_CMD_PRIVATE_EXPEDITED)` (the
+    /// process registers for it on first use); false where the kernel refuses it, on other
+    /// systems, or once the mode is fixed without it.
+    pub fn install_membarrier() -> bool {
+        #[cfg(all(target_os = "linux", not(loom)))]
+        return install(membarrier);
+        #[cfg(not(all(target_os = "linux", not(loom))))]
+        false
+    }
+
+    #[cfg(all(target_os = "linux", not(loom)))]
+    fn membarrier() -> bool {
+        use rustix::thread::{membarrier, MembarrierCommand};
+        static REGISTERED: OnceLock<bool> = OnceLock::new();
+        *REGISTERED.get_or_init(|| membarrier(MembarrierCommand::RegisterPrivateExpedited).is_ok())
+            && membarrier(MembarrierCommand::PrivateExpedited).is_ok()
     }
 
     /// Fixes the mode (idempotent): called when a [`Grace`](super::Grace) is made.

@@ -528,6 +528,20 @@ fn wait_for(exec: &Exec<MemDevice>, submit: impl FnOnce(u64)) -> Result<(), Erro
     result.into_inner().unwrap()
 }
 
+/// Where `map_direct` maps `[off, off + len)` (leaving the grace period it entered).
+fn direct_host(
+    exec: &Exec<MemDevice>,
+    chain: &Chain<MemDevice>,
+    off: u64,
+    len: u64,
+    write: bool,
+) -> Option<u64> {
+    chain.map_direct(off, len, write).map(|d| {
+        exec.guest_exit(d.parity);
+        d.host
+    })
+}
+
 /// A slice written front to back maps without loading its entries (`LinearSlice`); the
 /// owner's changes to one entry (discard, reallocation elsewhere) are seen at once by the
 /// look-ups that follow, on the direct path and through the engine, and the image stays
@@ -558,12 +572,7 @@ fn linear_slices_follow_the_owners_changes() {
     );
     let chain = chain.unwrap();
     submit_and_wait(&exec, &chain, 0, 4096).unwrap();
-    let host = |off: u64| {
-        chain.map_direct(off, 4096, false).map(|d| {
-            exec.guest_exit(d.parity);
-            d.host
-        })
-    };
+    let host = |off: u64| direct_host(&exec, &chain, off, 4096, false);
     for c in [0, 1, 5, 511] {
         assert_eq!(host(c * cs), Some(h0 + c * cs), "cluster {c}");
     }
@@ -627,12 +636,7 @@ fn linear_extents_stop_at_slices_and_at_the_device_end() {
     let chain = chain.unwrap();
     submit_and_wait(&exec, &chain, 0, 4096).unwrap();
     submit_and_wait(&exec, &chain, 32 << 20, 4096).unwrap();
-    let host = |off: u64, len: u64| {
-        chain.map_direct(off, len, false).map(|d| {
-            exec.guest_exit(d.parity);
-            d.host
-        })
-    };
+    let host = |off: u64, len: u64| direct_host(&exec, &chain, off, len, false);
     // 1 MiB (16 clusters) inside slice 0: one extent.
     assert_eq!(host(3 << 20, 1 << 20), Some(h0 + (3 << 20)));
     // Crossing into slice 1: still one extent (the general path joins contiguous
@@ -688,12 +692,7 @@ fn single_cluster_extents_from_non_linear_slices() {
         );
         let chain = chain.unwrap();
         submit_and_wait(&exec, &chain, 0, 4096).unwrap();
-        let host = |off: u64, len: u64, write: bool| {
-            chain.map_direct(off, len, write).map(|d| {
-                exec.guest_exit(d.parity);
-                d.host
-            })
-        };
+        let host = |off: u64, len: u64, write: bool| direct_host(&exec, &chain, off, len, write);
         assert_eq!(host(4096, 4096, false), Some(h0 + 4096));
         assert_eq!(host(65536 + 512, 512, false), Some(h1 + 512));
         assert_eq!(host(61440, 8192, false), None, "two clusters, not adjacent");

@@ -38,7 +38,7 @@ pub fn module_ptr() -> *mut sys::spdk_bdev_module {
 unsafe extern "C" fn module_init() -> c_int {
     logging::init();
     // Before any image is shared between threads (the mode is fixed then).
-    let fences = if qcow2_engine::coherency::fences::install(crate::ffi::thread::membarrier) {
+    let fences = if qcow2_engine::coherency::fences::install_membarrier() {
         "asymmetric (membarrier)"
     } else {
         "full fences (membarrier unavailable)"

@@ -502,7 +502,7 @@ where
             // One reactor alone needs no replicas, epochs nor grace periods.
             if n > 1 {
                 // Before the first image is shared (the fence mode is fixed then).
-                qcow2_engine::coherency::fences::install(membarrier);
+                qcow2_engine::coherency::fences::install_membarrier();
                 q.share();
                 let seed = q.core_seed().map_err(engine)?;
                 for tx in seed_tx.drain(..) {
@@ -537,27 +537,4 @@ where
         }
         results.into_iter().collect()
     })
-}
-
-/// Linux's process-wide memory barrier (`membarrier(MEMBARRIER_CMD_PRIVATE_EXPEDITED)`),
-/// registered on first use: the owner's half of the engine's asymmetric grace-period
-/// fences (`qcow2_engine::coherency::fences`). False where the kernel refuses it.
-pub fn membarrier() -> bool {
-    use std::sync::OnceLock;
-    const PRIVATE_EXPEDITED: libc::c_long = 1 << 3;
-    const REGISTER_PRIVATE_EXPEDITED: libc::c_long = 1 << 4;
-    let call = |cmd: libc::c_long| {
-        // SAFETY: membarrier takes integer arguments only and touches no memory of ours.
-        unsafe {
-            libc::syscall(
-                libc::SYS_membarrier,
-                cmd,
-                0 as libc::c_long,
-                0 as libc::c_long,
-            )
-        }
-    };
-    static REGISTERED: OnceLock<bool> = OnceLock::new();
-    *REGISTERED.get_or_init(|| call(REGISTER_PRIVATE_EXPEDITED) == 0)
-        && call(PRIVATE_EXPEDITED) == 0
 }
