@@ -192,6 +192,9 @@ struct Row {
     hit_lat: f64,
     floor: f64,
     floor_lat: f64,
+    miss_keys: f64,
+    miss_lookup: f64,
+    victim: f64,
     miss_victim: f64,
     miss_nofill: f64,
     miss: f64,
@@ -272,6 +275,12 @@ fn bench_size(a: &Args, slices: usize) -> Row {
         fresh += 1;
         scatter(fresh) | 1 << KEY_BITS
     };
+    row.miss_keys = measure(a, |_| next_fresh());
+    row.miss_lookup = measure(a, |_| {
+        let key = next_fresh();
+        c.lookup(key, 0).map_or(key, |w| w as u64)
+    });
+    row.victim = measure(a, |_| c.victim(next_fresh()) as u64);
     row.miss_victim = measure(a, |_| {
         let key = next_fresh();
         match c.lookup(key, 0) {
@@ -348,7 +357,7 @@ fn main() {
     let secs = t0.elapsed().as_secs_f64();
     let stat = if a.min { "fastest round" } else { "median" };
     type Get = fn(&Row) -> f64;
-    let lines: [(&str, &str, Get); 13] = [
+    let lines: [(&str, &str, Get); 16] = [
         ("loop", "rng + loop overhead (in every figure)", |r| {
             r.loop_only
         }),
@@ -364,6 +373,11 @@ fn main() {
         ("floor_latency", "floor, dependent chain (latency)", |r| {
             r.floor_lat
         }),
+        ("miss_keys", "miss keys alone (in every miss figure)", |r| {
+            r.miss_keys
+        }),
+        ("miss_lookup", "miss: lookup alone", |r| r.miss_lookup),
+        ("victim", "miss: victim choice alone", |r| r.victim),
         ("miss_victim", "miss: lookup + victim (no insert)", |r| {
             r.miss_victim
         }),
@@ -382,6 +396,7 @@ fn main() {
         }),
     ];
     let col = |g: Get| rows.iter().map(g).collect::<Vec<f64>>();
+    let hit_meta = col(|r| r.hit_meta);
     let hit = col(|r| r.hit);
     let hit_lat = col(|r| r.hit_lat);
     let per_size = |num: Get, den: Get| rows.iter().map(|r| num(r) / den(r)).collect::<Vec<f64>>();
@@ -389,7 +404,7 @@ fn main() {
         (
             "hit_max_over_min",
             "hit ns, largest / smallest size (goal <= 1.5)",
-            vec![ratio(&hit), ratio(&hit_lat)],
+            vec![ratio(&hit_meta), ratio(&hit), ratio(&hit_lat)],
         ),
         (
             "hit_minus_floor",
@@ -398,8 +413,13 @@ fn main() {
         ),
         (
             "victim_over_hit",
-            "miss (lookup + victim) / hit (goal <= 2)",
-            per_size(|r| r.miss_victim, |r| r.hit),
+            "victim choice / hit, metadata (goal <= 2)",
+            per_size(|r| r.victim, |r| r.hit_meta),
+        ),
+        (
+            "miss_victim_over_hit",
+            "miss (lookup + victim) / hit, metadata",
+            per_size(|r| r.miss_victim, |r| r.hit_meta),
         ),
         (
             "nofill_over_hit",
@@ -465,9 +485,10 @@ fn main() {
         print!("{name:<42}");
         if *k == "hit_max_over_min" {
             println!(
-                " {:>12} {:>12}",
-                format!("{:.2} (tput)", v[0]),
-                format!("{:.2} (lat)", v[1])
+                " {:>12} {:>12} {:>12}",
+                format!("{:.2} (meta)", v[0]),
+                format!("{:.2} (+word)", v[1]),
+                format!("{:.2} (lat)", v[2])
             );
             continue;
         }
