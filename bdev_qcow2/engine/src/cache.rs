@@ -5,6 +5,13 @@
 //! the least recently used way of the set. Each way remembers the epoch its contents were
 //! read under; a lookup hits only when the caller's current epoch matches, which is how a
 //! per-core replica is validated against the metadata owner (DESIGN.md §5).
+//!
+//! In front of the sets, a direct-mapped table indexed by the key's low bits names the way
+//! and epoch of the keys in use, exactly (every change to a way updates it), so a hit is one
+//! load and an LRU stamp store however large the cache; the set is scanned only when the
+//! key's slot names another key.
+
+use std::cell::Cell;
 
 /// Key value marking an invalid way.
 const INVALID: u64 = u64::MAX;
@@ -13,6 +20,24 @@ const INVALID: u64 = u64::MAX;
 ///
 /// [`set_of`]: SetAssocCache::set_of
 const MIX: [u64; 2] = [0x9E37_79B9_7F4A_7C15, 0xC2B2_AE3D_27D4_EB4F];
+
+/// A slot of the direct-mapped front table: `key` is held in `way` under `epoch`, exactly
+/// (every change to a way updates or clears the slot that names it), or `key == INVALID`.
+#[derive(Clone, Copy)]
+struct Front {
+    key: u64,
+    way: u32,
+    epoch: u32,
+}
+
+const NO_FRONT: Front = Front {
+    key: INVALID,
+    way: 0,
+    epoch: 0,
+};
+
+/// `SetAssocCache::probed` when no probe result may be reused.
+const NO_PROBE: (u64, usize) = (INVALID, usize::MAX);
 
 /// Hit/miss/eviction counters.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
@@ -45,14 +70,20 @@ pub struct SetAssocCache<T, A = ()> {
     block_len: usize,
     keys: Vec<u64>,
     epochs: Vec<u32>,
-    stamps: Vec<u64>,
+    /// LRU stamps (32 bits: see [`tick`](Self::tick)); 0 marks an invalid way.
+    stamps: Vec<u32>,
     data: Vec<T>,
     aux: Vec<A>,
-    /// A direct-mapped hint in front of the sets: `front[key & mask]` is the way that last
-    /// held a key with those low bits (checked against `keys` before use, so it needs no
-    /// invalidation). A hit costs one compare instead of hashing and scanning the set.
-    front: Vec<u32>,
-    clock: u64,
+    /// A direct-mapped table in front of the sets: `front[key & mask]` names the way and
+    /// epoch of the last key with those low bits that was used, for as long as it stays
+    /// cached. A hit there costs one load and two compares: no hash, no set scan, and no
+    /// second load that depends on the first, so its cost barely grows with the cache.
+    front: Vec<Front>,
+    /// The key and way of the last successful [`probe`](Self::probe) that the front table
+    /// did not name, for the [`touch`](Self::touch) committing it to point the front table
+    /// there; reset by every change to a way (so it never names a way that lost its key).
+    probed: Cell<(u64, usize)>,
+    clock: u32,
     stats: CacheStats,
 }
 
@@ -76,7 +107,8 @@ impl<T: Copy + Default, A: Copy + Default> SetAssocCache<T, A> {
             stamps: vec![0; n],
             data: vec![T::default(); n * block_len],
             aux: vec![A::default(); n],
-            front: vec![0; n.next_power_of_two()],
+            front: vec![NO_FRONT; n.next_power_of_two()],
+            probed: Cell::new(NO_PROBE),
             clock: 0,
             stats: CacheStats::default(),
         }
@@ -118,18 +150,41 @@ impl<T: Copy + Default, A: Copy + Default> SetAssocCache<T, A> {
         ((high.wrapping_shr(64 - self.set_bits) ^ key) & ((1 << self.set_bits) - 1)) as usize
     }
 
-    fn find(&self, key: u64) -> Option<usize> {
-        let hint = self.front[key as usize & (self.front.len() - 1)] as usize;
-        if self.keys[hint] == key {
-            return Some(hint);
-        }
-        self.find_in_set(key)
+    #[inline]
+    fn front_slot(&self, key: u64) -> usize {
+        key as usize & (self.front.len() - 1)
     }
 
-    /// Records `way` (holding `key`) as the front hint for `key`.
-    fn remember(&mut self, key: u64, way: usize) {
-        let n = self.front.len();
-        self.front[key as usize & (n - 1)] = way as u32;
+    /// The way holding `key` and its epoch, if cached, and whether the front table named it
+    /// (else the set scan found it).
+    #[inline]
+    fn find(&self, key: u64) -> Option<(usize, u32, bool)> {
+        let f = self.front[self.front_slot(key)];
+        if f.key == key {
+            return Some((f.way as usize, f.epoch, true));
+        }
+        self.find_in_set(key).map(|w| (w, self.epochs[w], false))
+    }
+
+    /// Points `key`'s front slot at `way`, which holds `key` under `epoch`.
+    #[inline]
+    fn remember(&mut self, key: u64, way: usize, epoch: u32) {
+        let s = self.front_slot(key);
+        self.front[s] = Front {
+            key,
+            way: way as u32,
+            epoch,
+        };
+    }
+
+    /// Before `key` leaves its way: clears its front slot if the slot names it, and drops
+    /// the saved probe.
+    fn forget(&mut self, key: u64) {
+        let s = self.front_slot(key);
+        if self.front[s].key == key {
+            self.front[s] = NO_FRONT;
+        }
+        self.probed.set(NO_PROBE);
     }
 
     fn find_in_set(&self, key: u64) -> Option<usize> {
@@ -143,11 +198,35 @@ impl<T: Copy + Default, A: Copy + Default> SetAssocCache<T, A> {
         (mask != 0).then(|| base + mask.trailing_zeros() as usize)
     }
 
+    /// A new LRU stamp. Stamps are 32 bits (less memory on every hit); when the clock runs
+    /// out, every valid way restarts at stamp 1: LRU order is forgotten once per 2^32
+    /// look-ups, which costs a few extra misses, never a wrong answer. Invalid ways keep 0.
+    #[inline]
+    fn tick(&mut self) -> u32 {
+        if self.clock == u32::MAX {
+            self.restart_clock();
+        }
+        self.clock += 1;
+        self.clock
+    }
+
+    #[cold]
+    fn restart_clock(&mut self) {
+        for (s, &k) in self.stamps.iter_mut().zip(&self.keys) {
+            *s = u32::from(k != INVALID);
+        }
+        self.clock = 1;
+    }
+
     /// Looks `key` up under `epoch`: `Some(way)` on a hit (and the way becomes most recently
     /// used), `None` on a miss. Counts the result.
+    #[inline]
     pub fn lookup(&mut self, key: u64, epoch: u32) -> Option<usize> {
         match self.find(key) {
-            Some(w) if self.epochs[w] == epoch => {
+            Some((w, e, in_front)) if e == epoch => {
+                if !in_front {
+                    self.remember(key, w, e);
+                }
                 self.touch(w);
                 Some(w)
             }
@@ -164,27 +243,41 @@ impl<T: Copy + Default, A: Copy + Default> SetAssocCache<T, A> {
     }
 
     /// Like [`lookup`](Self::lookup) but changes nothing (no counters, no LRU update).
+    #[inline]
     pub fn probe(&self, key: u64, epoch: u32) -> Option<usize> {
-        self.find(key).filter(|&w| self.epochs[w] == epoch)
+        let (w, e, in_front) = self.find(key)?;
+        if e != epoch {
+            return None;
+        }
+        if !in_front {
+            self.probed.set((key, w));
+        }
+        Some(w)
     }
 
     /// The way holding `key` under any epoch (no counters, no LRU update): for prefetch
     /// hints only, never for using the contents.
     pub fn peek(&self, key: u64) -> Option<usize> {
-        self.find(key)
+        self.find(key).map(|(w, ..)| w)
     }
 
     /// The epoch `key` is cached under, if cached (no counters, no LRU update).
     pub fn peek_epoch(&self, key: u64) -> Option<u32> {
-        self.find(key).map(|w| self.epochs[w])
+        self.find(key).map(|(_, e, _)| e)
     }
 
-    /// Marks a way most recently used and counts a hit (to commit a [`probe`](Self::probe)).
+    /// Marks a way most recently used and counts a hit (to commit a [`probe`](Self::probe)),
+    /// and points the front table at it.
+    #[inline]
     pub fn touch(&mut self, way: usize) {
-        self.clock += 1;
-        self.stamps[way] = self.clock;
+        let stamp = self.tick();
+        self.stamps[way] = stamp;
         self.stats.hits += 1;
-        self.remember(self.keys[way], way);
+        let (key, w) = self.probed.get();
+        if w == way {
+            self.probed.set(NO_PROBE);
+            self.remember(key, way, self.epochs[way]);
+        }
     }
 
     /// The block stored in `way`.
@@ -212,14 +305,17 @@ impl<T: Copy + Default, A: Copy + Default> SetAssocCache<T, A> {
     /// way, else the least recently used way of the set. Without branches on the stamps:
     /// each way gets a rank (0 for the key's own way, else its stamp + 1, invalid ways
     /// carrying stamp 0 and valid ones at least 1) with its index in the low 6 bits, and the
-    /// smallest rank wins, as a tree of minimums for 8 ways. (Stamps count look-ups; they
-    /// reach 2^58 after centuries.)
+    /// smallest rank wins, as a tree of minimums for 8 ways.
     pub fn victim(&self, key: u64) -> usize {
         let base = self.set_of(key) * self.ways;
         let keys = &self.keys[base..base + self.ways];
         let stamps = &self.stamps[base..base + self.ways];
         let rank = |i: usize| {
-            let r = if keys[i] == key { 0 } else { stamps[i] + 1 };
+            let r = if keys[i] == key {
+                0
+            } else {
+                u64::from(stamps[i]) + 1
+            };
             r << 6 | i as u64
         };
         let best = if self.ways == 8 {
@@ -241,23 +337,26 @@ impl<T: Copy + Default, A: Copy + Default> SetAssocCache<T, A> {
     /// Returns the way. `fill` writes the block contents in place (no temporary copy).
     pub fn insert_with(&mut self, key: u64, epoch: u32, fill: impl FnOnce(&mut [T])) -> usize {
         let w = self.victim(key);
-        if self.keys[w] != INVALID && self.keys[w] != key {
+        let old = self.keys[w];
+        if old != INVALID && old != key {
             self.stats.evictions += 1;
         }
+        self.forget(old);
         self.keys[w] = key;
         self.epochs[w] = epoch;
-        self.clock += 1;
-        self.stamps[w] = self.clock;
+        self.stamps[w] = self.tick();
         self.aux[w] = A::default();
-        self.remember(key, w);
+        self.remember(key, w, epoch);
         fill(&mut self.data[w * self.block_len..(w + 1) * self.block_len]);
         w
     }
 
     /// Drops `key` if cached.
     pub fn invalidate(&mut self, key: u64) {
-        if let Some(w) = self.find(key) {
+        if let Some((w, ..)) = self.find(key) {
+            self.forget(key);
             self.keys[w] = INVALID;
+            self.epochs[w] = 0;
             self.stamps[w] = 0;
         }
     }
@@ -265,7 +364,10 @@ impl<T: Copy + Default, A: Copy + Default> SetAssocCache<T, A> {
     /// Drops everything.
     pub fn clear(&mut self) {
         self.keys.fill(INVALID);
+        self.epochs.fill(0);
         self.stamps.fill(0);
+        self.front.fill(NO_FRONT);
+        self.probed.set(NO_PROBE);
     }
 }
 
@@ -341,6 +443,29 @@ mod tests {
     }
 
     #[test]
+    fn the_lru_clock_restarts_without_losing_entries() {
+        let mut c = cache(1, 4);
+        let keys = same_set(&c, 0, 5);
+        c.clock = u32::MAX - 2;
+        for &k in &keys[..4] {
+            c.insert_with(k, 3, |b| b.fill(k));
+        }
+        // The clock ran out during those inserts: every entry is still there, same epoch.
+        assert!(c.clock < 4, "{}", c.clock);
+        for &k in &keys[..4] {
+            let w = c.probe(k, 3).unwrap();
+            assert_eq!(c.block(w)[0], k);
+        }
+        // And LRU works again from the restart: touch all but keys[2], which goes next.
+        for &k in [keys[0], keys[1], keys[3]].iter() {
+            assert!(c.lookup(k, 3).is_some());
+        }
+        let w2 = c.probe(keys[2], 3).unwrap();
+        assert_eq!(c.insert_with(keys[4], 3, |_| {}), w2);
+        assert_eq!(c.peek_epoch(keys[4]), Some(3));
+    }
+
+    #[test]
     fn hit_miss_and_counters() {
         let mut c = cache(4, 2);
         assert_eq!(c.lookup(7, 0), None);
@@ -384,6 +509,26 @@ mod tests {
     }
 
     #[test]
+    fn a_stale_probe_never_reaches_the_front_table() {
+        // One set of 2 ways, front slots by the key's lowest bit: 0, 2 and 4 share slot 0.
+        let mut c = cache(1, 2);
+        let (a, b, k) = (0, 2, 4);
+        let wa = c.insert_with(a, 0, |x| x.fill(a));
+        c.insert_with(b, 0, |x| x.fill(b));
+        // The front slot names b, so this probe finds a through the set and is saved for
+        // a touch that never comes.
+        assert_eq!(c.probe(a, 0), Some(wa));
+        // a is the least recently used: k replaces it.
+        assert_eq!(c.insert_with(k, 0, |x| x.fill(k)), wa);
+        // A probe of k (through the front slot) and its touch must not bring back a.
+        assert_eq!(c.probe(k, 0), Some(wa));
+        c.touch(wa);
+        assert_eq!(c.lookup(a, 0), None);
+        assert_eq!(c.peek(a), None);
+        assert_eq!(c.block(c.probe(k, 0).unwrap())[0], k);
+    }
+
+    #[test]
     fn reinsert_same_key_does_not_evict() {
         let mut c = cache(1, 2);
         let w = c.insert_with(1, 0, |b| b.fill(1));
@@ -401,6 +546,10 @@ mod tests {
         Insert(u64, u32),
         Lookup(u64, u32),
         ProbeTouch(u64, u32),
+        /// A probe whose touch comes later (after other operations), if at all.
+        Probe(u64, u32),
+        /// Touches the way the last `Probe` found, if any.
+        TouchLast,
         Invalidate(u64),
         Clear,
     }
@@ -413,6 +562,8 @@ mod tests {
             (key.clone(), 0u32..3).prop_map(|(k, e)| Op::Insert(k, e)),
             (key.clone(), 0u32..3).prop_map(|(k, e)| Op::Lookup(k, e)),
             (key.clone(), 0u32..3).prop_map(|(k, e)| Op::ProbeTouch(k, e)),
+            (key.clone(), 0u32..3).prop_map(|(k, e)| Op::Probe(k, e)),
+            Just(Op::TouchLast),
             key.prop_map(Op::Invalidate),
             Just(Op::Clear),
         ]
@@ -426,6 +577,7 @@ mod tests {
         fn the_front_hint_never_misleads(ops in proptest::collection::vec(op(), 1..200)) {
             let mut c = cache(4, 4);
             let mut model = std::collections::HashMap::<u64, (u32, u64)>::new();
+            let mut last = None;
             for o in ops {
                 match o {
                     Op::Insert(k, e) => {
@@ -447,6 +599,15 @@ mod tests {
                         prop_assert_eq!(got, model.get(&k).filter(|v| v.0 == e).map(|v| v.1 as usize));
                         prop_assert_eq!(c.peek_epoch(k), model.get(&k).map(|v| v.0));
                         if let Some(w) = got {
+                            c.touch(w);
+                        }
+                    }
+                    Op::Probe(k, e) => {
+                        last = c.probe(k, e);
+                        prop_assert_eq!(last, model.get(&k).filter(|v| v.0 == e).map(|v| v.1 as usize));
+                    }
+                    Op::TouchLast => {
+                        if let Some(w) = last.take() {
                             c.touch(w);
                         }
                     }

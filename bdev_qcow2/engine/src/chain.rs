@@ -11,7 +11,7 @@ use crate::image::Qcow2;
 use crate::io::{BlockDevice, BufSlice, DeviceOp, SECTOR};
 use crate::limits::MAX_BACKING_DEPTH;
 use crate::types::GuestOffset;
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::future::Future;
 use std::pin::Pin;
 use std::rc::Rc;
@@ -100,6 +100,11 @@ pub struct Chain<D: BlockDevice> {
     stats: RefCell<ReadStats>,
     /// The rest of read-ahead's state (sequential requests only).
     pub(crate) prefetch: RefCell<crate::prefetch::Prefetch>,
+    /// The write range (offset, length) that [`map_direct`](Self::map_direct) last found no
+    /// in-place plan for: the host's next call, `submit_write` of that same request, skips
+    /// planning it again (nothing runs in between on this thread). A stale entry only sends
+    /// a later request of the same range down the slow path, which handles every write.
+    pub(crate) no_write_plan: Cell<Option<(u64, u64)>>,
 }
 
 impl<D: BlockDevice> Chain<D> {
@@ -126,6 +131,7 @@ impl<D: BlockDevice> Chain<D> {
             scratch: RefCell::new((Vec::with_capacity(64), Vec::with_capacity(64))),
             stats: RefCell::new(ReadStats::default()),
             prefetch,
+            no_write_plan: Cell::new(None),
         }))
     }
 
@@ -203,7 +209,11 @@ impl<D: BlockDevice> Chain<D> {
             let mut runs = [(0, 0, 0); 8];
             match self.plan_fast_write(offset, len, &mut runs) {
                 Some((dev, 1)) => Some((dev, runs[0].0)),
-                _ => None,
+                Some(_) => None,
+                None => {
+                    self.no_write_plan.set(Some((offset, len)));
+                    None
+                }
             }
         } else {
             self.plan_direct_read(offset, len)

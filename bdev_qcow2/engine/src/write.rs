@@ -320,6 +320,9 @@ impl<D: BlockDevice> Chain<D> {
     /// In-place fast path: every cluster COPIED data (standard L2), slice cached, no
     /// allocation in flight. Returns false (changing nothing) otherwise.
     fn try_fast_write(&self, tag: u64, offset: u64, buf: &BufSlice<D::Buf>, parity: u8) -> bool {
+        if self.no_write_plan.take() == Some((offset, buf.len as u64)) {
+            return false;
+        }
         let mut runs: [(u64, usize, usize); 8] = [(0, 0, 0); 8];
         let Some((dev, n)) = self.plan_fast_write(offset, buf.len as u64, &mut runs) else {
             return false;
