@@ -8,9 +8,10 @@
 //!   keys drawn at random from the resident set; also the metadata alone and, as the floor,
 //!   one random word of a plain array as large as the cached slices. Each both with
 //!   independent lookups (throughput) and with each key depending on the word read before
-//!   (latency: no overlap of memory misses).
+//!   (latency: no overlap of memory misses). And hits the front table does not answer
+//!   (keys sharing one front slot), which scan the set: the set-associative look-up itself.
 //! - Miss: `lookup` (miss) + `insert_with` of a 4 KiB slice, as `load_slice` does; also
-//!   without the copy, and `lookup` + `victim` alone.
+//!   without the copy, `lookup` + `victim`, and each of them alone.
 //! - QEMU-style reference: `qcow2_cache_do_get` (block/qcow2-cache.c) modelled: a circular
 //!   scan of all entries from a hint, looking for the key and for the least recently used
 //!   unreferenced entry; then `qcow2_cache_put` bumps the LRU counter.
@@ -188,6 +189,7 @@ struct Row {
     loop_only: f64,
     set_of: f64,
     hit_meta: f64,
+    hit_set: f64,
     hit: f64,
     hit_lat: f64,
     floor: f64,
@@ -268,6 +270,35 @@ fn bench_size(a: &Args, slices: usize) -> Row {
         last
     });
     let hits_before = c.stats().hits;
+
+    // Hits through the set scan: a second cache holding keys that all share one slot of the
+    // front table (multiples of its length), so each probe finds the slot naming another key
+    // (the previous touch claimed it) and scans the set. Some of those keys collide in their
+    // sets too; the resident ones are drawn.
+    let mut c2 = SetAssocCache::<u64>::new(
+        CacheConfig {
+            size_bytes: (slices * SLICE_WORDS * 8) as u64,
+            ways: WAYS,
+        },
+        SLICE_WORDS,
+        u64::MAX,
+    );
+    let stride = slices.next_power_of_two() as u64;
+    for i in 0..slices as u64 {
+        c2.insert_with(i * stride, 0, |_| {});
+    }
+    let shared_slot: Vec<u64> = (0..slices as u64)
+        .map(|i| i * stride)
+        .filter(|&k| c2.probe(k, 0).is_some())
+        .collect();
+    let m2 = (shared_slot.len().next_power_of_two() as u64 / 2).max(1) - 1;
+    row.hit_set = measure(a, |r| {
+        let key = shared_slot[(r.next() & m2) as usize];
+        let w = c2.probe(key, 0).unwrap();
+        c2.touch(w);
+        w as u64
+    });
+    drop(c2);
 
     // Misses: keys never resident (scattered 21-bit ids above the resident ones).
     let mut fresh = slices as u64;
@@ -357,13 +388,16 @@ fn main() {
     let secs = t0.elapsed().as_secs_f64();
     let stat = if a.min { "fastest round" } else { "median" };
     type Get = fn(&Row) -> f64;
-    let lines: [(&str, &str, Get); 16] = [
+    let lines: [(&str, &str, Get); 17] = [
         ("loop", "rng + loop overhead (in every figure)", |r| {
             r.loop_only
         }),
         ("set_of", "set_of (hash) alone", |r| r.set_of),
         ("hit_meta", "hit: probe+touch (metadata only)", |r| {
             r.hit_meta
+        }),
+        ("hit_set", "hit through the set scan (no front slot)", |r| {
+            r.hit_set
         }),
         ("hit", "hit: probe+touch+word (resolve_cached)", |r| r.hit),
         ("floor", "floor: random slice word, no lookup", |r| r.floor),
@@ -415,6 +449,11 @@ fn main() {
             "victim_over_hit",
             "victim choice / hit, metadata (goal <= 2)",
             per_size(|r| r.victim, |r| r.hit_meta),
+        ),
+        (
+            "victim_over_set_hit",
+            "victim choice / hit through the set",
+            per_size(|r| r.victim, |r| r.hit_set),
         ),
         (
             "miss_victim_over_hit",
