@@ -16,6 +16,7 @@ use crate::format::{ClusterMapping, L2Entry, SubclusterBitmap};
 use crate::image::{Qcow2, Touch};
 use crate::io::{BlockDevice, BufSlice, DeviceOp, IoBuffer, SECTOR};
 use crate::types::GuestOffset;
+use smallvec::SmallVec;
 use std::rc::Rc;
 
 /// What a write does to one guest cluster.
@@ -39,6 +40,11 @@ struct Part {
     b: u64,
     action: Action,
 }
+
+/// The parts of a plan, and its allocated runs (first host cluster, count, fresh): inline
+/// for requests of up to two clusters, so the common write allocates nothing for them.
+type Parts = SmallVec<[Part; 2]>;
+type Allocs = SmallVec<[(u64, u64, bool); 2]>;
 
 /// Kinds of zeroing requests.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -451,16 +457,11 @@ impl<D: BlockDevice> Chain<D> {
     /// Decides the action for each guest cluster of `[start, end)` and allocates what is
     /// needed (refcounts and L2 tables, in the dirty metadata). Returns the parts and, per
     /// allocated run, (first host cluster, count, fresh). Caller holds the lock.
-    async fn plan(
-        &self,
-        q: &Qcow2<D>,
-        start: u64,
-        end: u64,
-    ) -> Result<(Vec<Part>, Vec<(u64, u64, bool)>)> {
+    async fn plan(&self, q: &Qcow2<D>, start: u64, end: u64) -> Result<(Parts, Allocs)> {
         let geo = q.geometry();
         let cs = geo.cluster_size();
         let ctx = q.ctx.get();
-        let mut parts = Vec::new();
+        let mut parts = Parts::new();
         let mut pos = start;
         while pos < end {
             let cluster = pos & !(cs - 1);
@@ -531,7 +532,7 @@ impl<D: BlockDevice> Chain<D> {
             .iter()
             .filter(|p| matches!(p.action, Action::Alloc { .. }))
             .count() as u64;
-        let mut allocs = Vec::new();
+        let mut allocs = Allocs::new();
         if need > 0
             || parts.iter().any(|p| {
                 matches!(
@@ -694,6 +695,19 @@ impl<D: BlockDevice> Chain<D> {
                 host_off,
                 BufSlice::whole(bounce),
             )));
+        }
+        if futs.is_empty() {
+            // One device write (the common case): awaited in place, nothing boxed.
+            return match run {
+                Some((h, g, len)) => {
+                    let buf = match guest(g, len) {
+                        Some(b) => b,
+                        None => BufSlice::whole(exec.alloc_buf(dev, len as usize)),
+                    };
+                    exec.write(dev, h, buf).await
+                }
+                None => Ok(()),
+            };
         }
         flush_run(&mut run, &mut futs);
         crate::exec::join_all(futs).await
