@@ -606,13 +606,13 @@ impl<D: BlockDevice> Chain<D> {
             data.as_ref()
                 .map(|d| d.sub((a - start) as usize, len as usize))
         };
+        // A direct run's data: the guest's bytes, or zeros.
+        let run_buf = |g: u64, len: u64| {
+            guest(g, len).unwrap_or_else(|| BufSlice::whole(exec.alloc_buf(dev, len as usize)))
+        };
         let flush_run = |run: &mut Option<(u64, u64, u64)>, futs: &mut Vec<_>| {
             if let Some((h, g, len)) = run.take() {
-                let buf = match guest(g, len) {
-                    Some(b) => b,
-                    None => BufSlice::whole(exec.alloc_buf(dev, len as usize)),
-                };
-                futs.push(Box::pin(exec.write(dev, h, buf)));
+                futs.push(Box::pin(exec.write(dev, h, run_buf(g, len))));
             }
         };
         for p in parts {
@@ -699,13 +699,7 @@ impl<D: BlockDevice> Chain<D> {
         if futs.is_empty() {
             // One device write (the common case): awaited in place, nothing boxed.
             return match run {
-                Some((h, g, len)) => {
-                    let buf = match guest(g, len) {
-                        Some(b) => b,
-                        None => BufSlice::whole(exec.alloc_buf(dev, len as usize)),
-                    };
-                    exec.write(dev, h, buf).await
-                }
+                Some((h, g, len)) => exec.write(dev, h, run_buf(g, len)).await,
                 None => Ok(()),
             };
         }
