@@ -259,12 +259,19 @@ impl<D: BlockDevice> Qcow2<D> {
 
     /// Sets the corrupt bit on disk (best effort) after an inconsistency was detected, and
     /// returns the error to fail the request with.
-    pub(crate) async fn mark_corrupt(
+    ///
+    /// Boxed: callers await it only on corruption, and their own futures (the write path's
+    /// included, allocated per request) stay small.
+    pub(crate) fn mark_corrupt(
         &self,
         field: Field,
         value: u64,
         reason: &'static str,
-    ) -> Error {
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Error> + '_>> {
+        Box::pin(self.mark_corrupt_inner(field, value, reason))
+    }
+
+    async fn mark_corrupt_inner(&self, field: Field, value: u64, reason: &'static str) -> Error {
         tracing::error!("qcow2: marking image corrupt: {field}: {reason} ({value:#x})");
         if let Some(m) = &self.meta {
             let sector = {
@@ -394,7 +401,7 @@ impl<D: BlockDevice> Qcow2<D> {
     /// Makes sure the L2 table covering `off` exists and is writable (COPIED): allocates a
     /// new one, or copies a table shared with a snapshot.
     pub(crate) async fn ensure_l2(&self, off: GuestOffset) -> Result<()> {
-        let m = self.meta()?;
+        self.meta()?;
         let idx = self.geo.l1_index(off);
         let e = self.l1.borrow()[idx as usize];
         let cs = self.geo.cluster_size();
@@ -402,6 +409,15 @@ impl<D: BlockDevice> Qcow2<D> {
         if old.is_some() && e.is_copied() {
             return Ok(());
         }
+        // Boxed: a new table is rare, and the write path's per-request future stays small.
+        Box::pin(self.new_l2_table(idx, old)).await
+    }
+
+    /// Allocates a new L2 table for L1 index `idx` (a copy of `old`, or zeros), dirty in
+    /// memory, and points the L1 entry at it. Caller holds the lock.
+    async fn new_l2_table(&self, idx: u64, old: Option<crate::types::HostOffset>) -> Result<()> {
+        let m = self.meta()?;
+        let cs = self.geo.cluster_size();
         let (start, _, _) = self.alloc_clusters(1).await?;
         let new = start << self.cluster_bits();
         let words_per_table = (cs / 8) as usize;
@@ -1085,7 +1101,8 @@ impl<D: BlockDevice> Qcow2<D> {
                 + st.dirty_rc.len() as u64 * self.geo.cluster_size()
         };
         if dirty > WRITEBACK_THRESHOLD_BYTES {
-            self.writeback_locked().await?;
+            // Boxed: rare, and the write path's per-request future stays small.
+            Box::pin(self.writeback_locked()).await?;
         }
         Ok(())
     }
