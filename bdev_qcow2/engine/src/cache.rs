@@ -266,8 +266,8 @@ impl<T: Copy + Default, A: Copy + Default> SetAssocCache<T, A> {
         self.find(key).map(|(_, e, _)| e)
     }
 
-    /// Marks a way most recently used and counts a hit (to commit a [`probe`](Self::probe)),
-    /// and points the front table at it.
+    /// Marks a way most recently used and counts a hit (to commit a [`probe`](Self::probe));
+    /// when that probe found the way through the set scan, points the front table at it.
     #[inline]
     pub fn touch(&mut self, way: usize) {
         let stamp = self.tick();
