@@ -99,3 +99,37 @@ fn cold_sequential_reads_load_slices_ahead() {
         assert!(runs[0]["cache_misses"].as_u64().unwrap() > 0);
     }
 }
+
+#[test]
+fn thrash_reports_miss_rate_and_the_one_read_per_miss_bound() {
+    // 64 MiB, 64 KiB clusters, 512 B slices (4 MiB each): 16 slices; 2 ways so that a
+    // quarter of them (4) is two sets.
+    let runs = perf(&[
+        "--thrash",
+        "25,50",
+        "--l2-slice-size",
+        "512",
+        "--cache-ways",
+        "2",
+        "-q",
+        "8",
+    ]);
+    assert_eq!(runs.len(), 2);
+    for (r, pct) in runs.iter().zip([25u64, 50]) {
+        assert_eq!(r["percent"].as_u64().unwrap(), pct);
+        assert_eq!(r["image_slices"].as_u64().unwrap(), 16);
+        assert_eq!(r["l2_cache_size"].as_u64().unwrap(), 16 * 512 * pct / 100);
+        // Uniform random reads over the disk: a cache of a fraction f misses 1 - f of them.
+        let miss = r["miss_rate"].as_f64().unwrap();
+        let want = 1.0 - pct as f64 / 100.0;
+        assert!((miss - want).abs() < 0.1, "{pct}%: miss rate {miss}");
+        // The whole-cache run never misses; the bound follows from the two runs.
+        assert_eq!(r["run_hit"]["cache_misses"].as_u64().unwrap(), 0);
+        let (iops, hit) = (r["iops"].as_f64().unwrap(), r["iops_hit"].as_f64().unwrap());
+        assert!(iops > 0.0 && hit > 0.0);
+        let bound = hit / (1.0 + miss);
+        assert!((r["bound"].as_f64().unwrap() - bound).abs() < 1e-6 * bound);
+        assert!((r["ratio"].as_f64().unwrap() - iops / bound).abs() < 1e-6);
+        assert_eq!(r["run"]["target"], "qcow2");
+    }
+}

@@ -99,6 +99,12 @@ pub struct PerfArgs {
     /// One JSON object per run instead of the table.
     #[arg(long)]
     pub json: bool,
+    /// Thrash runs: random reads (-w randread unless -w says otherwise) with the slice cache
+    /// covering these percentages of the image's L2 slices (e.g. 25,50), each side by side
+    /// with the same workload on a cache covering all of them, reporting the miss rate and
+    /// IOPS against the bound IOPS(whole cache) / (1 + miss rate): one slice read per miss.
+    #[arg(long, value_delimiter = ',', value_parser = clap::value_parser!(u32).range(1..=100))]
+    pub thrash: Vec<u32>,
     /// Size of the sample image when no image is given.
     #[arg(long, value_parser = crate::parse_size, default_value = "1G")]
     pub sample_size: u64,
@@ -645,6 +651,110 @@ fn merge(a: RunResult, b: RunResult) -> RunResult {
     }
 }
 
+/// One thrash figure: the workload with the cache covering `percent` of the image's L2
+/// slices, against the same workload with all of them cached.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct ThrashResult {
+    /// Requested share of the image's L2 slices, in percent.
+    pub percent: u32,
+    /// The slice cache's size in bytes (the cache rounds it down to a power-of-two number
+    /// of sets).
+    pub l2_cache_size: u64,
+    /// The image's L2 slices.
+    pub image_slices: u64,
+    /// Look-ups that missed / all look-ups, in the small-cache run.
+    pub miss_rate: f64,
+    /// IOPS with the small cache.
+    pub iops: f64,
+    /// IOPS with every slice cached, side by side.
+    pub iops_hit: f64,
+    /// `iops_hit / (1 + miss_rate)`: each miss costs one slice read, no more.
+    pub bound: f64,
+    /// `iops / bound` (the goal is at least 0.9).
+    pub ratio: f64,
+    /// The small-cache run.
+    pub run: RunResult,
+    /// The whole-cache run.
+    pub run_hit: RunResult,
+}
+
+/// The image's L2 slices (of `a.l2_slice_size` bytes) and their bytes.
+fn image_slices(path: &Path, a: &PerfArgs) -> ToolResult<(u64, u64)> {
+    let exec: Exec<Dev> = Exec::new();
+    let dev = exec.add_device(open_dev(path, false, a)?);
+    let e2 = exec.clone();
+    let opts = OpenOptions {
+        l2_slice_bytes: a.l2_slice_size,
+        ..OpenOptions::default()
+    };
+    let q = exec
+        .block_on(async move { Qcow2::open(&e2, dev, opts).await })
+        .map_err(|source| ToolError::Engine {
+            path: path.display().to_string(),
+            source,
+        })?;
+    let geo = q.geometry();
+    let slices = q.size().div_ceil(geo.slice_coverage()).max(1);
+    Ok((slices, slices << geo.slice_bits))
+}
+
+/// `--thrash`: for each percentage, the small-cache and whole-cache runs side by side in
+/// the order whole, small, small, whole (half the time each).
+fn thrash(path: &Path, a: &PerfArgs) -> ToolResult<Vec<ThrashResult>> {
+    let w = a.workload.unwrap_or(Workload::Randread);
+    let (slices, bytes) = image_slices(path, a)?;
+    let half = |cache: Option<u64>| PerfArgs {
+        seconds: a.seconds / 2.0,
+        l2_cache_size: cache,
+        ..a.clone()
+    };
+    let mut out = Vec::new();
+    for &pct in &a.thrash {
+        let size = (bytes * u64::from(pct) / 100).max(a.l2_slice_size);
+        let (whole, small) = (half(None), half(Some(size)));
+        let h1 = run_one(path, false, w, &whole)?;
+        let s1 = run_one(path, false, w, &small)?;
+        let s2 = run_one(path, false, w, &small)?;
+        let h2 = run_one(path, false, w, &whole)?;
+        let (run, run_hit) = (merge(s1, s2), merge(h1, h2));
+        let lookups = (run.cache_hits + run.cache_misses).max(1);
+        let miss_rate = run.cache_misses as f64 / lookups as f64;
+        let bound = run_hit.iops / (1.0 + miss_rate);
+        out.push(ThrashResult {
+            percent: pct,
+            l2_cache_size: size,
+            image_slices: slices,
+            miss_rate,
+            iops: run.iops,
+            iops_hit: run_hit.iops,
+            bound,
+            ratio: run.iops / bound.max(1e-9),
+            run,
+            run_hit,
+        });
+    }
+    Ok(out)
+}
+
+fn thrash_table(rows: &[ThrashResult]) -> String {
+    let mut s = format!(
+        "{:>6} {:>10} {:>9} {:>11} {:>11} {:>11} {:>7}\n",
+        "cache", "cache B", "miss rate", "IOPS", "IOPS hit", "bound", "ratio"
+    );
+    for t in rows {
+        s += &format!(
+            "{:>5}% {:>10} {:>9.3} {:>11.0} {:>11.0} {:>11.0} {:>7.3}\n",
+            t.percent, t.l2_cache_size, t.miss_rate, t.iops, t.iops_hit, t.bound, t.ratio
+        );
+    }
+    s += &format!(
+        "cache = share of the image's {} L2 slices; bound = IOPS hit / (1 + miss rate), one \
+         slice read per miss; ratio = IOPS / bound\n",
+        rows.first().map_or(0, |t| t.image_slices)
+    );
+    s
+}
+
 /// Runs `qcow2 perf`.
 pub fn run(a: &PerfArgs) -> ToolResult<String> {
     let tmp;
@@ -657,6 +767,16 @@ pub fn run(a: &PerfArgs) -> ToolResult<String> {
             p
         }
     };
+    if !a.thrash.is_empty() {
+        let rows = thrash(&path, a)?;
+        if a.json {
+            return Ok(rows
+                .iter()
+                .map(|t| serde_json::to_string(t).unwrap_or_default() + "\n")
+                .collect());
+        }
+        return Ok(thrash_table(&rows));
+    }
     let set: Vec<(Workload, u64)> = match (a.workload, &a.image) {
         (Some(w), _) => vec![(w, a.io_size)],
         (None, _) => vec![
