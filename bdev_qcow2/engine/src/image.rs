@@ -547,6 +547,11 @@ impl<D: BlockDevice> Qcow2<D> {
     pub fn geometry(&self) -> Geometry {
         self.geo
     }
+    /// How many L2 slices this image's slice cache holds (its size rounded down to a
+    /// power-of-two number of sets, at least one set, at most the image's slices).
+    pub fn l2_cache_slices(&self) -> usize {
+        self.l2_cache.borrow().capacity()
+    }
     /// Virtual disk size: the header's size rounded down to whole 512-byte sectors, as
     /// QEMU sees it.
     pub fn size(&self) -> u64 {

@@ -119,6 +119,7 @@ fn thrash_reports_miss_rate_and_the_one_read_per_miss_bound() {
         assert_eq!(r["percent"].as_u64().unwrap(), pct);
         assert_eq!(r["image_slices"].as_u64().unwrap(), 16);
         assert_eq!(r["l2_cache_size"].as_u64().unwrap(), 16 * 512 * pct / 100);
+        assert_eq!(r["cache_slices"].as_u64().unwrap(), 16 * pct / 100);
         // Uniform random reads over the disk: a cache of a fraction f misses 1 - f of them.
         let miss = r["miss_rate"].as_f64().unwrap();
         let want = 1.0 - pct as f64 / 100.0;

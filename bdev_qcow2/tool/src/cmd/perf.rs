@@ -657,9 +657,11 @@ fn merge(a: RunResult, b: RunResult) -> RunResult {
 pub struct ThrashResult {
     /// Requested share of the image's L2 slices, in percent.
     pub percent: u32,
-    /// The slice cache's size in bytes (the cache rounds it down to a power-of-two number
-    /// of sets).
+    /// The slice cache size asked for, in bytes.
     pub l2_cache_size: u64,
+    /// The slices that cache holds (rounded down to a power-of-two number of sets, at
+    /// least one set).
+    pub cache_slices: u64,
     /// The image's L2 slices.
     pub image_slices: u64,
     /// Look-ups that missed / all look-ups, in the small-cache run.
@@ -678,13 +680,16 @@ pub struct ThrashResult {
     pub run_hit: RunResult,
 }
 
-/// The image's L2 slices (of `a.l2_slice_size` bytes) and their bytes.
-fn image_slices(path: &Path, a: &PerfArgs) -> ToolResult<(u64, u64)> {
+/// The image's L2 slices (of `a.l2_slice_size` bytes), their bytes, and how many of them
+/// a slice cache of `cache` bytes holds.
+fn cache_shape(path: &Path, a: &PerfArgs, cache: Option<u64>) -> ToolResult<(u64, u64, u64)> {
     let exec: Exec<Dev> = Exec::new();
     let dev = exec.add_device(open_dev(path, false, a)?);
     let e2 = exec.clone();
     let opts = OpenOptions {
         l2_slice_bytes: a.l2_slice_size,
+        l2_cache_bytes: cache,
+        cache_ways: a.cache_ways,
         ..OpenOptions::default()
     };
     let q = exec
@@ -695,14 +700,14 @@ fn image_slices(path: &Path, a: &PerfArgs) -> ToolResult<(u64, u64)> {
         })?;
     let geo = q.geometry();
     let slices = q.size().div_ceil(geo.slice_coverage()).max(1);
-    Ok((slices, slices << geo.slice_bits))
+    Ok((slices, slices << geo.slice_bits, q.l2_cache_slices() as u64))
 }
 
 /// `--thrash`: for each percentage, the small-cache and whole-cache runs side by side in
 /// the order whole, small, small, whole (half the time each).
 fn thrash(path: &Path, a: &PerfArgs) -> ToolResult<Vec<ThrashResult>> {
     let w = a.workload.unwrap_or(Workload::Randread);
-    let (slices, bytes) = image_slices(path, a)?;
+    let (slices, bytes, _) = cache_shape(path, a, None)?;
     let half = |cache: Option<u64>| PerfArgs {
         seconds: a.seconds / 2.0,
         l2_cache_size: cache,
@@ -711,6 +716,7 @@ fn thrash(path: &Path, a: &PerfArgs) -> ToolResult<Vec<ThrashResult>> {
     let mut out = Vec::new();
     for &pct in &a.thrash {
         let size = (bytes * u64::from(pct) / 100).max(a.l2_slice_size);
+        let (_, _, cache_slices) = cache_shape(path, a, Some(size))?;
         let (whole, small) = (half(None), half(Some(size)));
         let h1 = run_one(path, false, w, &whole)?;
         let s1 = run_one(path, false, w, &small)?;
@@ -723,6 +729,7 @@ fn thrash(path: &Path, a: &PerfArgs) -> ToolResult<Vec<ThrashResult>> {
         out.push(ThrashResult {
             percent: pct,
             l2_cache_size: size,
+            cache_slices,
             image_slices: slices,
             miss_rate,
             iops: run.iops,
@@ -738,18 +745,18 @@ fn thrash(path: &Path, a: &PerfArgs) -> ToolResult<Vec<ThrashResult>> {
 
 fn thrash_table(rows: &[ThrashResult]) -> String {
     let mut s = format!(
-        "{:>6} {:>10} {:>9} {:>11} {:>11} {:>11} {:>7}\n",
-        "cache", "cache B", "miss rate", "IOPS", "IOPS hit", "bound", "ratio"
+        "{:>6} {:>7} {:>9} {:>11} {:>11} {:>11} {:>7}\n",
+        "cache", "slices", "miss rate", "IOPS", "IOPS hit", "bound", "ratio"
     );
     for t in rows {
         s += &format!(
-            "{:>5}% {:>10} {:>9.3} {:>11.0} {:>11.0} {:>11.0} {:>7.3}\n",
-            t.percent, t.l2_cache_size, t.miss_rate, t.iops, t.iops_hit, t.bound, t.ratio
+            "{:>5}% {:>7} {:>9.3} {:>11.0} {:>11.0} {:>11.0} {:>7.3}\n",
+            t.percent, t.cache_slices, t.miss_rate, t.iops, t.iops_hit, t.bound, t.ratio
         );
     }
     s += &format!(
-        "cache = share of the image's {} L2 slices; bound = IOPS hit / (1 + miss rate), one \
-         slice read per miss; ratio = IOPS / bound\n",
+        "cache = share of the image's {} L2 slices asked for (slices: what the cache holds); \
+         bound = IOPS hit / (1 + miss rate), one slice read per miss; ratio = IOPS / bound\n",
         rows.first().map_or(0, |t| t.image_slices)
     );
     s
