@@ -711,3 +711,72 @@ fn single_cluster_extents_from_non_linear_slices() {
         .arg(dir.path().join("img.qcow2")));
     check(std::fs::read(dir.path().join("img.qcow2")).unwrap(), false);
 }
+
+/// A write the direct path found no in-place plan for (`map_direct` remembers its range)
+/// goes down the slow path without being planned again, allocates, and reads back; the
+/// next look-up of that range maps it directly. A remembered range that the host never
+/// submits does not keep a different in-place write off the fast path.
+#[test]
+fn a_write_the_direct_path_refused_is_written_once_by_the_slow_path() {
+    let dir = tempfile::tempdir().unwrap();
+    let (img, mut raw) = make_image(
+        dir.path(),
+        "cluster_size=65536",
+        "16M",
+        &["write -P 0x11 0 64k", "write -P 0x11 128k 64k"],
+    );
+    let cs = 65536u64;
+    let (exec, dev, chain) = open(
+        img,
+        OpenOptions {
+            writable: true,
+            ..OpenOptions::default()
+        },
+    );
+    let chain = chain.unwrap();
+    submit_and_wait(&exec, &chain, 0, 4096).unwrap();
+    // Cluster 1 is unallocated: no direct extent for a write there.
+    assert_eq!(direct_host(&exec, &chain, cs, 4096, true), None);
+    let buf = HeapBuf::new(4096);
+    buf.copy_in(0, &[0x5a; 4096]);
+    let tasks = exec.stats().tasks_spawned;
+    wait_for(&exec, |t| {
+        chain.submit_write(t, cs, BufSlice::whole(buf.clone()))
+    })
+    .unwrap();
+    assert_eq!(
+        exec.stats().tasks_spawned,
+        tasks + 1,
+        "the slow path ran it"
+    );
+    raw[cs as usize..(cs + 4096) as usize].fill(0x5a);
+    assert_eq!(
+        submit_and_wait(&exec, &chain, cs, 4096).unwrap(),
+        raw[cs as usize..(cs + 4096) as usize]
+    );
+    let h1 = direct_host(&exec, &chain, cs, 4096, true).expect("allocated now, in place");
+    assert_eq!(dev.0.borrow().data[h1 as usize], 0x5a);
+    // A refused range the host drops (cluster 3), then an in-place write elsewhere: that
+    // one still takes the fast path (no task).
+    assert_eq!(direct_host(&exec, &chain, 3 * cs, 4096, true), None);
+    let tasks = exec.stats().tasks_spawned;
+    wait_for(&exec, |t| {
+        chain.submit_write(t, 2 * cs, BufSlice::whole(buf.clone()))
+    })
+    .unwrap();
+    assert_eq!(
+        exec.stats().tasks_spawned,
+        tasks,
+        "in place, on the fast path"
+    );
+    raw[2 * cs as usize..(2 * cs + 4096) as usize].fill(0x5a);
+    wait_for(&exec, |t| chain.submit_flush(t)).unwrap();
+    let out = dir.path().join("after.qcow2");
+    std::fs::write(&out, dev.contents()).unwrap();
+    sh(Command::new("qemu-img").args(["check", "-q"]).arg(&out));
+    std::fs::write(dir.path().join("after.raw"), &raw).unwrap();
+    sh(Command::new("qemu-img")
+        .args(["compare", "-q", "-f", "qcow2", "-F", "raw"])
+        .arg(&out)
+        .arg(dir.path().join("after.raw")));
+}
