@@ -528,6 +528,31 @@ fn wait_for(exec: &Exec<MemDevice>, submit: impl FnOnce(u64)) -> Result<(), Erro
     result.into_inner().unwrap()
 }
 
+/// Opens `img` for writing (the image must open).
+fn open_writable(img: Vec<u8>) -> (Exec<MemDevice>, MemDevice, Rc<Chain<MemDevice>>) {
+    let (exec, dev, chain) = open(
+        img,
+        OpenOptions {
+            writable: true,
+            ..OpenOptions::default()
+        },
+    );
+    (exec, dev, chain.unwrap())
+}
+
+/// The device's image (flushed by the caller) passes `qemu-img check` and compares equal
+/// to `raw`.
+fn check_and_compare(dir: &Path, dev: &MemDevice, raw: &[u8]) {
+    let out = dir.join("after.qcow2");
+    std::fs::write(&out, dev.contents()).unwrap();
+    sh(Command::new("qemu-img").args(["check", "-q"]).arg(&out));
+    std::fs::write(dir.join("after.raw"), raw).unwrap();
+    sh(Command::new("qemu-img")
+        .args(["compare", "-q", "-f", "qcow2", "-F", "raw"])
+        .arg(&out)
+        .arg(dir.join("after.raw")));
+}
+
 /// Where `map_direct` maps `[off, off + len)` (leaving the grace period it entered).
 fn direct_host(
     exec: &Exec<MemDevice>,
@@ -563,14 +588,7 @@ fn linear_slices_follow_the_owners_changes() {
     );
     let h0 = map[0].3.unwrap();
     let cs = 65536u64;
-    let (exec, dev, chain) = open(
-        img,
-        OpenOptions {
-            writable: true,
-            ..OpenOptions::default()
-        },
-    );
-    let chain = chain.unwrap();
+    let (exec, dev, chain) = open_writable(img);
     submit_and_wait(&exec, &chain, 0, 4096).unwrap();
     let host = |off: u64| direct_host(&exec, &chain, off, 4096, false);
     for c in [0, 1, 5, 511] {
@@ -604,14 +622,7 @@ fn linear_slices_follow_the_owners_changes() {
         );
     }
     wait_for(&exec, |t| chain.submit_flush(t)).unwrap();
-    let out = dir.path().join("after.qcow2");
-    std::fs::write(&out, dev.contents()).unwrap();
-    sh(Command::new("qemu-img").args(["check", "-q"]).arg(&out));
-    std::fs::write(dir.path().join("after.raw"), &raw).unwrap();
-    sh(Command::new("qemu-img")
-        .args(["compare", "-q", "-f", "qcow2", "-F", "raw"])
-        .arg(&out)
-        .arg(dir.path().join("after.raw")));
+    check_and_compare(dir.path(), &dev, &raw);
 }
 
 /// A linear slice maps a range inside it to one extent (however many clusters it spans);
@@ -726,14 +737,7 @@ fn a_write_the_direct_path_refused_is_written_once_by_the_slow_path() {
         &["write -P 0x11 0 64k", "write -P 0x11 128k 64k"],
     );
     let cs = 65536u64;
-    let (exec, dev, chain) = open(
-        img,
-        OpenOptions {
-            writable: true,
-            ..OpenOptions::default()
-        },
-    );
-    let chain = chain.unwrap();
+    let (exec, dev, chain) = open_writable(img);
     submit_and_wait(&exec, &chain, 0, 4096).unwrap();
     // Cluster 1 is unallocated: no direct extent for a write there.
     assert_eq!(direct_host(&exec, &chain, cs, 4096, true), None);
@@ -771,12 +775,5 @@ fn a_write_the_direct_path_refused_is_written_once_by_the_slow_path() {
     );
     raw[2 * cs as usize..(2 * cs + 4096) as usize].fill(0x5a);
     wait_for(&exec, |t| chain.submit_flush(t)).unwrap();
-    let out = dir.path().join("after.qcow2");
-    std::fs::write(&out, dev.contents()).unwrap();
-    sh(Command::new("qemu-img").args(["check", "-q"]).arg(&out));
-    std::fs::write(dir.path().join("after.raw"), &raw).unwrap();
-    sh(Command::new("qemu-img")
-        .args(["compare", "-q", "-f", "qcow2", "-F", "raw"])
-        .arg(&out)
-        .arg(dir.path().join("after.raw")));
+    check_and_compare(dir.path(), &dev, &raw);
 }
