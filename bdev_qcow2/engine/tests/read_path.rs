@@ -694,14 +694,7 @@ fn single_cluster_extents_from_non_linear_slices() {
     let (h0, h1) = (host_of(0).unwrap(), host_of(65536).unwrap());
     assert_eq!(h0, h1 + 65536, "qemu placed cluster 0 after cluster 1");
     let check = |img: Vec<u8>, writes_in_place: bool| {
-        let (exec, _dev, chain) = open(
-            img,
-            OpenOptions {
-                writable: true,
-                ..OpenOptions::default()
-            },
-        );
-        let chain = chain.unwrap();
+        let (exec, _dev, chain) = open_writable(img);
         submit_and_wait(&exec, &chain, 0, 4096).unwrap();
         let host = |off: u64, len: u64, write: bool| direct_host(&exec, &chain, off, len, write);
         assert_eq!(host(4096, 4096, false), Some(h0 + 4096));

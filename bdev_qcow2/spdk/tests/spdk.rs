@@ -783,7 +783,6 @@ mod real {
         json!({"method": "bdev_qcow2_format", "params": {"base_bdev": base, "size": size}})
     }
 
-    /// `qemu-img check` on `img`: exits 0 (no corruption, no leak).
     /// Asserts that a sequential writer laid the image out front to back: in guest order,
     /// every data extent `qemu-img map` reports lies past the one before it. SPDK splits
     /// long requests; split anywhere but at cluster boundaries, the children allocate out
@@ -813,6 +812,7 @@ mod real {
         assert!(extents > 0, "{what}: no data in the image");
     }
 
+    /// `qemu-img check` on `img`: exits 0 (no corruption, no leak).
     fn check_clean(img: &Path, what: &str) {
         let out = Command::new("qemu-img")
             .args(["check", s(img)])
