@@ -36,6 +36,12 @@ const NO_FRONT: Front = Front {
     epoch: 0,
 };
 
+/// The LRU clock restarts before it reaches this value, so that a stamp shifted left by 3
+/// with a way's index in the low bits is still a positive `i32` (see [`victim`]).
+///
+/// [`victim`]: SetAssocCache::victim
+const CLOCK_END: u32 = 1 << 28;
+
 /// `SetAssocCache::probed` when no probe result may be reused.
 const NO_PROBE: (u64, usize) = (INVALID, usize::MAX);
 
@@ -70,7 +76,7 @@ pub struct SetAssocCache<T, A = ()> {
     block_len: usize,
     keys: Vec<u64>,
     epochs: Vec<u32>,
-    /// LRU stamps (32 bits: see [`tick`](Self::tick)); 0 marks an invalid way.
+    /// LRU stamps (below [`CLOCK_END`]: see [`tick`](Self::tick)); 0 marks an invalid way.
     stamps: Vec<u32>,
     data: Vec<T>,
     aux: Vec<A>,
@@ -198,12 +204,13 @@ impl<T: Copy + Default, A: Copy + Default> SetAssocCache<T, A> {
         (mask != 0).then(|| base + mask.trailing_zeros() as usize)
     }
 
-    /// A new LRU stamp. Stamps are 32 bits (less memory on every hit); when the clock runs
-    /// out, every valid way restarts at stamp 1: LRU order is forgotten once per 2^32
-    /// look-ups, which costs a few extra misses, never a wrong answer. Invalid ways keep 0.
+    /// A new LRU stamp. Stamps are below [`CLOCK_END`] (less memory on every hit, and
+    /// room for a way index beside them in [`victim`](Self::victim)); when the clock runs
+    /// out, once per 2^28 look-ups, every set's valid ways are renumbered 1, 2, … in their
+    /// LRU order, so nothing is forgotten. Invalid ways keep 0.
     #[inline]
     fn tick(&mut self) -> u32 {
-        if self.clock == u32::MAX {
+        if self.clock == CLOCK_END - 1 {
             self.restart_clock();
         }
         self.clock += 1;
@@ -212,10 +219,21 @@ impl<T: Copy + Default, A: Copy + Default> SetAssocCache<T, A> {
 
     #[cold]
     fn restart_clock(&mut self) {
-        for (s, &k) in self.stamps.iter_mut().zip(&self.keys) {
-            *s = u32::from(k != INVALID);
+        // On the stack (ways <= 64): a look-up allocates nothing, even this one.
+        let mut buf = [(0u32, 0usize); 64];
+        let by_age = &mut buf[..self.ways];
+        for base in (0..self.stamps.len()).step_by(self.ways) {
+            for (i, slot) in by_age.iter_mut().enumerate() {
+                *slot = (self.stamps[base + i], base + i);
+            }
+            by_age.sort_unstable();
+            for (rank, &(stamp, w)) in (1..).zip(by_age.iter()) {
+                if stamp != 0 {
+                    self.stamps[w] = rank;
+                }
+            }
         }
-        self.clock = 1;
+        self.clock = self.ways as u32;
     }
 
     /// Looks `key` up under `epoch`: `Some(way)` on a hit (and the way becomes most recently
@@ -301,42 +319,34 @@ impl<T: Copy + Default, A: Copy + Default> SetAssocCache<T, A> {
         self.aux[way] = a;
     }
 
-    /// The way `insert` would fill for `key`: the way already holding `key`, else an invalid
-    /// way, else the least recently used way of the set. Without branches on the stamps:
-    /// each way gets a rank (0 for the key's own way, else its stamp + 1, invalid ways
-    /// carrying stamp 0 and valid ones at least 1) with its index in the low 6 bits, and the
-    /// smallest rank wins, as a tree of minimums for 8 ways.
+    /// The way `insert` fills for a key not cached: an invalid way if the set has one,
+    /// else its least recently used way, i.e. the smallest stamp (invalid ways have 0, valid
+    /// ones distinct stamps). No key is compared. For 8 ways (the default) without branches
+    /// on the stamps: each way's rank is its stamp shifted left by 3 with its index in the
+    /// low bits, and the smallest rank wins, as a tree of minimums.
+    #[inline]
     pub fn victim(&self, key: u64) -> usize {
         let base = self.set_of(key) * self.ways;
-        let keys = &self.keys[base..base + self.ways];
         let stamps = &self.stamps[base..base + self.ways];
-        let rank = |i: usize| {
-            let r = if keys[i] == key {
-                0
-            } else {
-                u64::from(stamps[i]) + 1
-            };
-            r << 6 | i as u64
-        };
-        let best = if self.ways == 8 {
-            let r: [u64; 8] = std::array::from_fn(rank);
-            let m = [
-                r[0].min(r[4]),
-                r[1].min(r[5]),
-                r[2].min(r[6]),
-                r[3].min(r[7]),
-            ];
-            m[0].min(m[2]).min(m[1].min(m[3]))
+        let best = if let Ok(st) = <&[u32; 8]>::try_from(stamps) {
+            // Signed: ranks stay below 2^31, and SSE2 compares signed words only.
+            let r: [i32; 8] = std::array::from_fn(|i| (st[i] << 3 | i as u32) as i32);
+            let m: [i32; 4] = std::array::from_fn(|i| r[i].min(r[i + 4]));
+            (m[0].min(m[2]).min(m[1].min(m[3])) & 7) as usize
         } else {
-            (0..self.ways).map(rank).min().unwrap_or(0)
+            (0..self.ways).min_by_key(|&i| stamps[i]).unwrap_or(0)
         };
-        base + (best & 63) as usize
+        base + best
     }
 
-    /// Stores `block` under `key` read at `epoch`, evicting per [`victim`](Self::victim).
-    /// Returns the way. `fill` writes the block contents in place (no temporary copy).
+    /// Stores `block` under `key` read at `epoch`: in the way already holding `key`, else
+    /// in the [`victim`](Self::victim). Returns the way. `fill` writes the block contents in
+    /// place (no temporary copy).
     pub fn insert_with(&mut self, key: u64, epoch: u32, fill: impl FnOnce(&mut [T])) -> usize {
-        let w = self.victim(key);
+        let w = match self.find(key) {
+            Some((w, ..)) => w,
+            None => self.victim(key),
+        };
         let old = self.keys[w];
         if old != INVALID && old != key {
             self.stats.evictions += 1;
@@ -443,29 +453,6 @@ mod tests {
     }
 
     #[test]
-    fn the_lru_clock_restarts_without_losing_entries() {
-        let mut c = cache(1, 4);
-        let keys = same_set(&c, 0, 5);
-        c.clock = u32::MAX - 2;
-        for &k in &keys[..4] {
-            c.insert_with(k, 3, |b| b.fill(k));
-        }
-        // The clock ran out during those inserts: every entry is still there, same epoch.
-        assert!(c.clock < 4, "{}", c.clock);
-        for &k in &keys[..4] {
-            let w = c.probe(k, 3).unwrap();
-            assert_eq!(c.block(w)[0], k);
-        }
-        // And LRU works again from the restart: touch all but keys[2], which goes next.
-        for &k in [keys[0], keys[1], keys[3]].iter() {
-            assert!(c.lookup(k, 3).is_some());
-        }
-        let w2 = c.probe(keys[2], 3).unwrap();
-        assert_eq!(c.insert_with(keys[4], 3, |_| {}), w2);
-        assert_eq!(c.peek_epoch(keys[4]), Some(3));
-    }
-
-    #[test]
     fn hit_miss_and_counters() {
         let mut c = cache(4, 2);
         assert_eq!(c.lookup(7, 0), None);
@@ -569,7 +556,90 @@ mod tests {
         ]
     }
 
+    /// What an operation on one set does in [`exact_lru_in_every_set_shape`].
+    #[derive(Debug, Clone)]
+    enum SetOp {
+        /// Inserts the key with this index in the set's key list.
+        Insert(usize),
+        /// Looks up (and on a hit touches) the key with this index.
+        Lookup(usize),
+        Invalidate(usize),
+        Clear,
+    }
+
+    fn set_op() -> impl Strategy<Value = SetOp> {
+        prop_oneof![
+            4 => (0usize..32).prop_map(SetOp::Insert),
+            4 => (0usize..32).prop_map(SetOp::Lookup),
+            1 => (0usize..32).prop_map(SetOp::Invalidate),
+            1 => Just(SetOp::Clear),
+        ]
+    }
+
     proptest! {
+        /// Every set shape (1 to 24 ways, one or several sets) replaces exactly as
+        /// an LRU list does: an insert of a key not cached evicts an invalid way if the set
+        /// has one, else the least recently used (inserted or hit) key; the model tracks the
+        /// keys of one set, most recent first.
+        #[test]
+        fn exact_lru_in_every_set_shape(
+            ways in 1usize..=24,
+            sets in prop_oneof![Just(1u64), Just(4)],
+            ops in proptest::collection::vec(set_op(), 1..300),
+            clock in prop_oneof![Just(0u32), Just(CLOCK_END - 40)],
+        ) {
+            let mut c = cache(sets, ways);
+            // Half the runs start near the clock's end: LRU order survives its restart.
+            c.clock = clock;
+            prop_assert_eq!(c.ways(), ways);
+            let keys = same_set(&c, 3, 32);
+            let mut lru: Vec<u64> = Vec::new();
+            for o in ops {
+                match o {
+                    SetOp::Insert(i) => {
+                        let k = keys[i];
+                        let before = c.stats().evictions;
+                        let victim = if lru.contains(&k) || lru.len() < ways {
+                            None
+                        } else {
+                            lru.last().copied()
+                        };
+                        let w = c.insert_with(k, 0, |b| b.fill(k));
+                        if let Some(v) = victim {
+                            prop_assert_eq!(c.peek(v), None, "{} should be evicted", v);
+                            prop_assert_eq!(c.stats().evictions, before + 1);
+                            lru.pop();
+                        } else {
+                            prop_assert_eq!(c.stats().evictions, before);
+                        }
+                        lru.retain(|&x| x != k);
+                        lru.insert(0, k);
+                        prop_assert_eq!(c.block(w)[0], k);
+                    }
+                    SetOp::Lookup(i) => {
+                        let k = keys[i];
+                        let got = c.lookup(k, 0);
+                        prop_assert_eq!(got.is_some(), lru.contains(&k));
+                        if got.is_some() {
+                            lru.retain(|&x| x != k);
+                            lru.insert(0, k);
+                        }
+                    }
+                    SetOp::Invalidate(i) => {
+                        c.invalidate(keys[i]);
+                        lru.retain(|&x| x != keys[i]);
+                    }
+                    SetOp::Clear => {
+                        c.clear();
+                        lru.clear();
+                    }
+                }
+                for &k in &lru {
+                    prop_assert!(c.peek(k).is_some(), "{} lost", k);
+                }
+            }
+        }
+
         /// With the direct-mapped front hint, every look-up answers exactly what the cache
         /// holds: a model map of the keys still cached (an insert may evict: the model
         /// follows the cache's own report) agrees on presence, epoch and block contents.
