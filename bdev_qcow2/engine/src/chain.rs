@@ -73,7 +73,15 @@ pub enum WriteRoute {
     /// This replica's engine path.
     Local,
     /// The metadata owner (an allocation, or a slice the owner holds dirty).
-    Owner,
+    Owner {
+        /// This replica's metadata for the write is current, and it is not in place there
+        /// (an allocation, COW, zero clusters, no L2 table): the owner holds the same
+        /// metadata, so it can start its slow path at once ([`Chain::submit_write_slow`])
+        /// instead of planning a direct write first. Without it (a slice the owner holds
+        /// dirty) the owner may find the write in place. Either way the owner's slow path
+        /// handles any write.
+        slow: bool,
+    },
 }
 
 /// A data run planned by the fast path: host offset, offset in the guest buffer, length.

@@ -77,11 +77,22 @@ impl<D: BlockDevice> Chain<D> {
     /// A write into allocated clusters whose refcount is 1, with their L2 slice cached, is
     /// submitted directly (no task, no metadata); anything else runs as a slow-path task.
     pub fn submit_write(self: &Rc<Self>, tag: u64, offset: u64, buf: BufSlice<D::Buf>) {
+        self.start_write(tag, offset, buf, true);
+    }
+
+    /// [`submit_write`](Self::submit_write) for a write a core replica routed here as
+    /// [`WriteRoute::Owner`] `{ slow: true }`: runs the slow path without planning a
+    /// fast-path write first (it would not find one; the slow path handles it if it could).
+    pub fn submit_write_slow(self: &Rc<Self>, tag: u64, offset: u64, buf: BufSlice<D::Buf>) {
+        self.start_write(tag, offset, buf, false);
+    }
+
+    fn start_write(self: &Rc<Self>, tag: u64, offset: u64, buf: BufSlice<D::Buf>, fast: bool) {
         if let Err(e) = top(self).and_then(|_| check_range(self, offset, buf.len as u64)) {
             return self.exec().complete(tag, Err(e));
         }
         let parity = self.exec().guest_enter();
-        if self.try_fast_write(tag, offset, &buf, parity) {
+        if fast && self.try_fast_write(tag, offset, &buf, parity) {
             return;
         }
         let chain = self.clone();
@@ -183,18 +194,20 @@ impl<D: BlockDevice> Chain<D> {
             });
         }
         self.exec().guest_exit(parity);
-        if planned.is_none() && self.slices_need_owner(offset, len) {
-            WriteRoute::Owner
-        } else {
-            WriteRoute::Local
+        match planned {
+            None => self
+                .slices_need_owner(offset, len)
+                .map_or(WriteRoute::Local, |slow| WriteRoute::Owner { slow }),
+            Some(_) => WriteRoute::Local,
         }
     }
 
     /// The slice half of [`route_write`](Self::route_write)'s owner test, for a write the
-    /// fast path could not plan.
-    fn slices_need_owner(&self, offset: u64, len: u64) -> bool {
+    /// fast path could not plan: `Some(slow)` for the owner (`slow` as in
+    /// [`WriteRoute::Owner`]), `None` for this replica's engine path.
+    fn slices_need_owner(&self, offset: u64, len: u64) -> Option<bool> {
         let Layer::Qcow2(q) = &self.layers()[0] else {
-            return false;
+            return None;
         };
         let cov = q.geometry().slice_coverage();
         let end = offset.saturating_add(len).min(self.size());
@@ -202,20 +215,20 @@ impl<D: BlockDevice> Chain<D> {
         let mut all_valid = true;
         while pos < end {
             match q.core_slice_state(GuestOffset(pos)) {
-                None => return false,
-                Some(crate::image::CoreSlice::StaleDirty) => return true,
+                None => return None,
+                Some(crate::image::CoreSlice::StaleDirty) => return Some(false),
                 // No L2 table yet: only the owner can allocate one.
                 Some(crate::image::CoreSlice::Missing)
                     if matches!(q.l2_table(GuestOffset(pos)), Ok(None)) =>
                 {
-                    return true
+                    return Some(true)
                 }
                 Some(crate::image::CoreSlice::Missing) => all_valid = false,
                 Some(crate::image::CoreSlice::Valid) => {}
             }
             pos = (pos / cov + 1) * cov;
         }
-        all_valid
+        all_valid.then_some(true)
     }
 
     /// On a core replica of a shared image ([`Qcow2::from_seed`]): starts the write here if

@@ -863,7 +863,8 @@ fn route(chain: &Chain<Channel>, off: u64, len: u64) -> &'static str {
             "direct"
         }
         WriteRoute::Local => "local",
-        WriteRoute::Owner => "owner",
+        WriteRoute::Owner { slow: true } => "owner",
+        WriteRoute::Owner { slow: false } => "owner, may be in place",
     }
 }
 
@@ -922,7 +923,7 @@ fn core_routes_writes_by_its_cached_slice() {
     write_sync(&mut rig, 4, cs, 32, cs);
     assert_eq!(
         route(&core, 0, cs),
-        "owner",
+        "owner, may be in place",
         "slice dirty on the owner since"
     );
     // Once written back (clean, even epoch) the core reloads it itself.
@@ -949,6 +950,26 @@ fn core_routes_writes_by_its_cached_slice() {
     // The owner never defers to itself.
     assert_eq!(route(&rig.chains[0], 2 * cs, cs), "local");
     assert_eq!(core_read(&mut rig, 1, 7, cs, cs), vec![32; 8]);
+    // The owner runs a write routed `slow` on its slow path: a first write (cluster 2, in
+    // the cached slice) and, as when the owner allocated a cluster after the core routed a
+    // write to it, one already in place (cluster 0).
+    assert_eq!(route(&core, 2 * cs, cs), "owner");
+    let slow_tasks = rig.chains[0].exec().stats().tasks_spawned;
+    for (tag, off, id) in [(20, 2 * cs, 33), (21, 0, 34)] {
+        let (buf, _) = fill(id, off, cs);
+        rig.chains[0].submit_write_slow(tag, off, BufSlice::whole(buf));
+        rig.run(tag).unwrap();
+    }
+    assert_eq!(
+        rig.chains[0].exec().stats().tasks_spawned,
+        slow_tasks + 2,
+        "both ran as slow-path tasks"
+    );
+    flush_sync(&mut rig, 22);
+    assert_eq!(
+        core_read(&mut rig, 1, 23, 0, 3 * cs),
+        [vec![34; 8], vec![32; 8], vec![33; 8]].concat()
+    );
     // Every route left the grace period it entered: with nothing in flight, the generation
     // advances twice (a request still counted in either parity would hold it).
     let grace = &image(&rig.chains[0]).shared().expect("shared image").grace;

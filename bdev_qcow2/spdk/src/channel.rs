@@ -338,7 +338,7 @@ impl Channel {
                 // Not an in-place write after all: the owner runs it.
                 (Err(qcow2_engine::Error::NotLocal), Some(md)) => {
                     self.forwarded.set(self.forwarded.get() + 1);
-                    return owner::forward(md, io);
+                    return owner::forward(md, io, false);
                 }
                 (Err(e), _) => tracing::debug!("request failed: {e}"),
                 (Ok(()), _) if io.io_type() == sys::SPDK_BDEV_IO_TYPE_WRITE => {
@@ -354,7 +354,7 @@ impl Channel {
     /// read from this channel's replica.
     fn start(&self, io: BdevIo) {
         match self.forward_to {
-            Some(md) if !self.has_replica() => owner::forward(md, io),
+            Some(md) if !self.has_replica() => owner::forward(md, io, false),
             _ => self.read(io),
         }
     }
@@ -377,9 +377,9 @@ impl Channel {
             chain.read_ahead(io.offset_blocks() * bs, io.num_blocks() * bs);
             match chain.route_write(io.offset_blocks() * bs, io.num_blocks() * bs) {
                 // First writes and COW go to the owner without a detour through this replica.
-                WriteRoute::Owner => {
+                WriteRoute::Owner { slow } => {
                     self.forwarded.set(self.forwarded.get() + 1);
-                    return owner::forward(md, io);
+                    return owner::forward(md, io, slow);
                 }
                 WriteRoute::Direct(d) => {
                     self.own(io);
@@ -401,7 +401,7 @@ impl Channel {
         }
         drop(chain);
         self.forwarded.set(self.forwarded.get() + 1);
-        owner::forward(md, io);
+        owner::forward(md, io, false);
     }
 
     /// Records this channel in the bdev_io's context for `chan_direct_done`.
@@ -749,7 +749,7 @@ pub unsafe extern "C" fn submit_request(
         | sys::SPDK_BDEV_IO_TYPE_FLUSH => match c.forward_to {
             Some(md) => {
                 c.outstanding.set(c.outstanding.get() + 1);
-                owner::forward(md, io);
+                owner::forward(md, io, false);
             }
             None => io.complete(sys::SPDK_BDEV_IO_STATUS_FAILED),
         },

@@ -40,6 +40,9 @@ pub struct IoCtx {
     /// The channel state a channel's direct-path request belongs to, so its completion
     /// (`channel::chan_direct_done`) finds it without asking SPDK.
     pub chan: *const std::ffi::c_void,
+    /// A forwarded write the channel's replica routed as `WriteRoute::Owner { slow: true }`:
+    /// the owner skips its direct path (set by every `forward`).
+    pub slow: bool,
 }
 
 /// What happens once the owner closed (metadata flushed), on the md thread.
@@ -209,7 +212,11 @@ impl Owner {
         match io.io_type() {
             sys::SPDK_BDEV_IO_TYPE_READ | sys::SPDK_BDEV_IO_TYPE_WRITE => {
                 c.read_ahead(off, len);
-                if channel::submit_direct(c, &self.exec, self.direct, io, owner_direct_done) {
+                // SAFETY: as in `set_status`; `forward` set the flag.
+                let slow = unsafe { (*io.driver_ctx().cast::<IoCtx>()).slow };
+                if !slow
+                    && channel::submit_direct(c, &self.exec, self.direct, io, owner_direct_done)
+                {
                     return;
                 }
                 let (iovs, cnt) = io.iovs();
@@ -219,6 +226,8 @@ impl Owner {
                 let buf = BufSlice::whole(SpdkBuf::Iov(view));
                 if io.io_type() == sys::SPDK_BDEV_IO_TYPE_READ {
                     c.submit_read(io.tag(), off, buf);
+                } else if slow {
+                    c.submit_write_slow(io.tag(), off, buf);
                 } else {
                     c.submit_write(io.tag(), off, buf);
                 }
@@ -245,8 +254,12 @@ fn owner_of(io: BdevIo) -> *mut Owner {
 }
 
 /// Hands `io` to the owner of its (writable) bdev: directly on the md thread, else as a
-/// message. The caller counted it as outstanding on its channel.
-pub fn forward(md_thread: *mut sys::spdk_thread, io: BdevIo) {
+/// message. The caller counted it as outstanding on its channel. `slow`: a write its
+/// channel routed as `WriteRoute::Owner { slow: true }` (the owner skips its direct path).
+pub fn forward(md_thread: *mut sys::spdk_thread, io: BdevIo, slow: bool) {
+    let slow = slow && io.io_type() == sys::SPDK_BDEV_IO_TYPE_WRITE;
+    // SAFETY: as in `set_status`.
+    unsafe { (*io.driver_ctx().cast::<IoCtx>()).slow = slow };
     if thread::current() == md_thread {
         // SAFETY: on the md thread; the owner lives while the bdev has channels.
         return unsafe { (*owner_of(io)).submit(io) };
