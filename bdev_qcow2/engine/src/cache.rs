@@ -286,7 +286,7 @@ impl<T: Copy + Default, A: Copy + Default> SetAssocCache<T, A> {
 
     /// Marks a way most recently used and counts a hit (to commit a [`probe`](Self::probe));
     /// when that probe found the way through the set scan, points the front table at it.
-    #[inline]
+    #[inline(always)]
     pub fn touch(&mut self, way: usize) {
         let stamp = self.tick();
         self.stamps[way] = stamp;
@@ -299,6 +299,7 @@ impl<T: Copy + Default, A: Copy + Default> SetAssocCache<T, A> {
     }
 
     /// The block stored in `way`.
+    #[inline]
     pub fn block(&self, way: usize) -> &[T] {
         &self.data[way * self.block_len..(way + 1) * self.block_len]
     }
@@ -310,6 +311,7 @@ impl<T: Copy + Default, A: Copy + Default> SetAssocCache<T, A> {
     }
 
     /// The summary of the block in `way` (`A::default()` until its user sets one).
+    #[inline]
     pub fn aux(&self, way: usize) -> A {
         self.aux[way]
     }
