@@ -678,10 +678,16 @@ impl<D: BlockDevice> Qcow2<D> {
                     (off.0 & !(cs - 1)) + cs,
                 )));
             }
-        } else if touch == Touch::Yes {
+            return self.resolve(cache.block(way), off).map(Some);
+        }
+        let r = self.resolve(cache.block(way), off)?;
+        if touch == Touch::Yes
+            || (touch == Touch::IfCopied
+                && matches!(r.0, ClusterMapping::Data { copied: true, .. }))
+        {
             cache.touch(way);
         }
-        self.resolve(cache.block(way), off).map(Some)
+        Ok(Some(r))
     }
 
     /// The host offset of `[off, off + len)` (non-empty) when its mapping is one device
@@ -689,16 +695,17 @@ impl<D: BlockDevice> Qcow2<D> {
     /// lies in one cached slice that is valid now, and either the slice is linear (every
     /// entry plain COPIED data in consecutive host clusters, `LinearSlice`: any range
     /// inside it) or the range lies in one cluster whose entry is plain data (COPIED when
-    /// `copied`, as an in-place write needs). The clusters lie inside the device. Touches
-    /// the LRU and counts a hit only then. `None` sends the caller to the general look-up,
-    /// which also handles everything this skips: unallocated L2 tables, zero, compressed
-    /// and extended entries, a device size this core has not synced yet. (No L1 check is
+    /// `copied`, as an in-place write needs; with extended L2, every subcluster the range
+    /// touches allocated data). The clusters lie inside the device. Touches the LRU and
+    /// counts a hit only then. `None` sends the caller to the general look-up, which also
+    /// handles everything this skips: unallocated L2 tables, zero, compressed entries,
+    /// unallocated or zero subclusters, a device size this core has not synced yet. (No L1 check is
     /// needed: a slice is cached only from an allocated table, and the owner makes a
     /// table's slices odd, or drops them from its own cache, before it changes the L1
     /// entry; see `coherency`.)
     #[inline]
     pub(crate) fn cached_extent(&self, off: u64, len: u64, copied: bool) -> Option<u64> {
-        if self.geo.extended_l2 || len == 0 {
+        if len == 0 {
             return None;
         }
         let key = self.geo.slice_id(GuestOffset(off));
@@ -713,7 +720,8 @@ impl<D: BlockDevice> Qcow2<D> {
         let ctx = self.ctx.get();
         let cs = 1u64 << ctx.cluster_bits;
         let host = match cache.aux(way).host(0, ctx.cluster_bits) {
-            Some(first) => {
+            // (Summaries are of standard slices only.)
+            Some(first) if !self.geo.extended_l2 => {
                 let host = first + within;
                 // Every cluster the range touches ends inside the device (the general path
                 // checks each cluster the same way).
@@ -722,13 +730,25 @@ impl<D: BlockDevice> Qcow2<D> {
                 }
                 host
             }
-            None => {
+            _ => {
                 let in_cluster = off & (cs - 1);
                 if in_cluster + len > cs {
                     return None;
                 }
                 let i = self.geo.index_in_slice(GuestOffset(off)) as usize;
-                let entry = L2Entry(*cache.block(way).get(i)?);
+                let block = cache.block(way);
+                let entry = if self.geo.extended_l2 {
+                    // The entry's host offset holds the whole cluster; the subclusters the
+                    // range touches must all be allocated data.
+                    let sc = self.geo.subcluster_size();
+                    let bitmap = SubclusterBitmap(*block.get(2 * i + 1)?);
+                    if !bitmap.all_data(in_cluster / sc, (in_cluster + len - 1) / sc) {
+                        return None;
+                    }
+                    L2Entry(*block.get(2 * i)?)
+                } else {
+                    L2Entry(*block.get(i)?)
+                };
                 match entry.plain_data(ctx.cluster_bits, ctx.device_size)? {
                     (h, c) if c || !copied => h + in_cluster,
                     _ => return None,

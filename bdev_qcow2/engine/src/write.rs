@@ -255,8 +255,10 @@ impl<D: BlockDevice> Chain<D> {
     /// Plans an in-place write of `len` bytes at `offset` from cached metadata alone (no side
     /// effects but LRU/hit counters): `Some((device, n))` with `runs[..n]` = (host offset,
     /// offset in the buffer, length) when every cluster is COPIED data of the top image
-    /// (standard L2), outside the image's metadata, with no allocation in flight and at most
-    /// `runs.len()` discontiguous pieces; `None` when the write needs the slow path.
+    /// (with extended L2: every subcluster written is allocated data, not zero, so its
+    /// bitmap stays as it is), outside the image's metadata, with no allocation in flight
+    /// and at most `runs.len()` discontiguous pieces; `None` when the write needs the slow
+    /// path.
     pub(crate) fn plan_fast_write(
         &self,
         offset: u64,
@@ -266,9 +268,6 @@ impl<D: BlockDevice> Chain<D> {
         let Layer::Qcow2(q) = &self.layers()[0] else {
             return None;
         };
-        if q.geometry().extended_l2 {
-            return None;
-        }
         // The owner checks its in-flight allocations and exact metadata index; a core
         // replica checks the owner's published metadata-cluster bitmap (an allocation in
         // flight is not COPIED data in its view yet).
@@ -282,6 +281,8 @@ impl<D: BlockDevice> Chain<D> {
             return None;
         }
         let cs = q.geometry().cluster_size();
+        // The mapping's host offset is where its (sub)cluster starts.
+        let unit = q.geometry().subcluster_size();
         let bits = q.geometry().cluster_bits;
         let end = offset + len;
         let mut n = 0;
@@ -317,7 +318,7 @@ impl<D: BlockDevice> Chain<D> {
                 return None;
             };
             let len = (c_end.min(end) - pos) as usize;
-            let h = host.0 + (pos & (cs - 1));
+            let h = host.0 + (pos & (unit - 1));
             if overlaps_meta(h, len as u64) {
                 // The slow path refuses it and marks the image corrupt.
                 return None;

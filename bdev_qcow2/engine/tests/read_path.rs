@@ -770,3 +770,89 @@ fn a_write_the_direct_path_refused_is_written_once_by_the_slow_path() {
     wait_for(&exec, |t| chain.submit_flush(t)).unwrap();
     check_and_compare(dir.path(), &dev, &raw);
 }
+
+/// Device operations other than reads submitted so far (writes, and flushes if any).
+fn device_writes(dev: &MemDevice) -> u64 {
+    let s = dev.0.borrow();
+    s.ops - s.reads
+}
+
+/// With extended L2, an overwrite of allocated subclusters of a COPIED cluster changes no
+/// metadata: it is planned from the cache and written in place (one device write, no
+/// task), like a standard cluster; a write that touches an unallocated or zero subcluster
+/// takes the slow path, which updates the bitmap. The image stays what qemu-img expects.
+#[test]
+fn extended_l2_overwrites_of_allocated_subclusters_take_the_fast_path() {
+    let dir = tempfile::tempdir().unwrap();
+    // 64 KiB clusters of 32 subclusters of 2 KiB: cluster 0 allocated whole, cluster 1 in
+    // its first two subclusters only, cluster 2 zero.
+    let (img, mut raw) = make_image(
+        dir.path(),
+        "cluster_size=65536,extended_l2=on",
+        "16M",
+        &[
+            "write -P 0x11 0 64k",
+            "write -P 0x22 64k 4k",
+            "write -z 128k 64k",
+        ],
+    );
+    let k = 1024u64;
+    let (exec, dev, chain) = open_writable(img);
+    assert_eq!(
+        submit_and_wait(&exec, &chain, 0, 256 << 10).unwrap(),
+        raw[..256 << 10]
+    );
+    let h0 = direct_host(&exec, &chain, 0, 4096, false).expect("cluster 0 reads directly");
+    let h1 = direct_host(&exec, &chain, 64 * k, 4096, false).expect("cluster 1, allocated part");
+    // (offset, length, in place on the fast path)
+    let cases = [
+        (8 * k, 4 * k, true),
+        (64 * k, 4 * k, true),
+        // Across two allocated subclusters of cluster 1 (2 KiB each), at an odd offset.
+        (65 * k, 2 * k, true),
+        // Into cluster 1's unallocated subclusters, and across the boundary.
+        (72 * k, 4 * k, false),
+        (66 * k, 4 * k, false),
+        // Zero subclusters.
+        (130 * k, 4 * k, false),
+    ];
+    for (i, &(off, len, fast)) in cases.iter().enumerate() {
+        let planned = direct_host(&exec, &chain, off, len, true);
+        if fast {
+            let want = if off < 64 * k {
+                h0 + off
+            } else {
+                h1 + off - 64 * k
+            };
+            assert_eq!(planned, Some(want), "case {i}: in place");
+        } else {
+            assert_eq!(planned, None, "case {i}: needs the slow path");
+        }
+        let fill = 0x40 + i as u8;
+        let buf = HeapBuf::new(len as usize);
+        buf.copy_in(0, &vec![fill; len as usize]);
+        let (tasks, writes) = (exec.stats().tasks_spawned, device_writes(&dev));
+        wait_for(&exec, |t| {
+            chain.submit_write(t, off, BufSlice::whole(buf.clone()))
+        })
+        .unwrap();
+        if fast {
+            assert_eq!(exec.stats().tasks_spawned, tasks, "case {i}: no task");
+            assert_eq!(
+                device_writes(&dev) - writes,
+                1,
+                "case {i}: one device write"
+            );
+        } else {
+            assert_eq!(exec.stats().tasks_spawned, tasks + 1, "case {i}: slow path");
+        }
+        raw[off as usize..(off + len) as usize].fill(fill);
+        assert_eq!(
+            submit_and_wait(&exec, &chain, 0, 256 << 10).unwrap(),
+            raw[..256 << 10],
+            "case {i}"
+        );
+    }
+    wait_for(&exec, |t| chain.submit_flush(t)).unwrap();
+    check_and_compare(dir.path(), &dev, &raw);
+}

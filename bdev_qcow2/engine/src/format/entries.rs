@@ -85,6 +85,14 @@ impl SubclusterBitmap {
     pub fn zero(&self, i: u64) -> bool {
         (self.0 >> (32 + i)) & 1 != 0
     }
+    /// Whether subclusters `first..=last` (`first <= last < 32`) are all allocated data:
+    /// allocation bits set, reads-as-zero bits clear.
+    #[inline]
+    pub fn all_data(&self, first: u64, last: u64) -> bool {
+        let m = (u32::MAX >> (31 - last)) & (u32::MAX << first);
+        let (alloc, zero) = (self.0 as u32, (self.0 >> 32) as u32);
+        alloc & m == m && zero & m == 0
+    }
     /// Bitmap with the given allocation and zero masks.
     pub fn new(alloc: u32, zero: u32) -> SubclusterBitmap {
         SubclusterBitmap(u64::from(alloc) | (u64::from(zero) << 32))
@@ -452,6 +460,19 @@ mod tests {
             extended_l2: false,
             device_size: 1 << 30,
         }
+    }
+
+    #[test]
+    fn all_data_checks_exactly_the_subclusters_asked() {
+        let b = SubclusterBitmap::new(0b0111_1110, 1 << 7);
+        assert!(b.all_data(1, 6));
+        assert!(b.all_data(3, 3));
+        assert!(!b.all_data(0, 1), "subcluster 0 unallocated");
+        assert!(!b.all_data(6, 7), "subcluster 7 unallocated, reads as zero");
+        let full = SubclusterBitmap::new(u32::MAX, 0);
+        assert!(full.all_data(0, 31));
+        assert!(!SubclusterBitmap::new(u32::MAX, 1 << 31).all_data(0, 31));
+        assert!(!SubclusterBitmap::new(u32::MAX >> 1, 0).all_data(31, 31));
     }
 
     #[test]
