@@ -720,8 +720,7 @@ impl<D: BlockDevice> Qcow2<D> {
         let ctx = self.ctx.get();
         let cs = 1u64 << ctx.cluster_bits;
         let host = match cache.aux(way).host(0, ctx.cluster_bits) {
-            // (Summaries are of standard slices only.)
-            Some(first) if !self.geo.extended_l2 => {
+            Some(first) => {
                 let host = first + within;
                 // Every cluster the range touches ends inside the device (the general path
                 // checks each cluster the same way).
@@ -858,10 +857,12 @@ impl<D: BlockDevice> Qcow2<D> {
     fn cache_slice(&self, key: u64, epoch: u32, fill: impl FnOnce(&mut [u64])) -> usize {
         let mut cache = self.l2_cache.borrow_mut();
         let w = cache.insert_with(key, epoch, fill);
-        if !self.geo.extended_l2 {
-            let lin = LinearSlice::of(cache.block(w), self.ctx.get().cluster_bits);
-            cache.set_aux(w, lin);
-        }
+        let lin = LinearSlice::of(
+            cache.block(w),
+            self.ctx.get().cluster_bits,
+            self.geo.extended_l2,
+        );
+        cache.set_aux(w, lin);
         w
     }
 

@@ -387,13 +387,16 @@ impl<D: BlockDevice> Qcow2<D> {
         }
         let mut cache = self.l2_cache.borrow_mut();
         if let Some(w) = cache.probe(key, 0) {
-            let old = cache.block(w)[if ext { 2 * i } else { i }];
+            let old = if ext {
+                (cache.block(w)[2 * i], cache.block(w)[2 * i + 1])
+            } else {
+                (cache.block(w)[i], 0)
+            };
             put(cache.block_mut(w));
-            if !ext {
-                let mut lin = cache.aux(w);
-                lin.changed(i, old, entry, cache.block(w), self.cluster_bits());
-                cache.set_aux(w, lin);
-            }
+            let new = (entry, if ext { bitmap } else { 0 });
+            let mut lin = cache.aux(w);
+            lin.changed(i, old, new, cache.block(w), self.cluster_bits(), ext);
+            cache.set_aux(w, lin);
         }
         Ok(())
     }

@@ -856,3 +856,66 @@ fn extended_l2_overwrites_of_allocated_subclusters_take_the_fast_path() {
     wait_for(&exec, |t| chain.submit_flush(t)).unwrap();
     check_and_compare(dir.path(), &dev, &raw);
 }
+
+/// With extended L2, a slice of whole clusters (every subcluster allocated data) at
+/// consecutive host offsets is linear too: look-ups compute the mapping from its summary
+/// (no entry to prefetch) and a range across clusters is one extent. A subcluster that
+/// comes to read as zeros spoils it, and writing data there again makes it linear again.
+#[test]
+fn extended_l2_slices_of_whole_clusters_are_linear() {
+    let dir = tempfile::tempdir().unwrap();
+    // 64 KiB clusters: a 4 KiB slice holds 256 extended entries, 16 MiB.
+    let (img, mut raw) = make_image(
+        dir.path(),
+        "cluster_size=65536,extended_l2=on",
+        "32M",
+        &["write -P 0x11 0 16M"],
+    );
+    let map = qemu_map(&dir.path().join("img.qcow2"));
+    assert_eq!(map[0].1, 16 << 20, "qemu-io allocated 16 MiB in one run");
+    let h0 = map[0].3.unwrap();
+    let k = 1024u64;
+    let (exec, dev, chain) = open_writable(img);
+    submit_and_wait(&exec, &chain, 0, 4096).unwrap();
+    assert_eq!(chain.entry_hint(0), None, "linear: no entry to load");
+    assert_eq!(
+        direct_host(&exec, &chain, 60 * k, 512 * k, false),
+        Some(h0 + 60 * k)
+    );
+    // Subcluster 4 of cluster 1 reads as zeros now.
+    wait_for(&exec, |t| {
+        chain.submit_write_zeroes(t, 72 * k, 2 * k, false)
+    })
+    .unwrap();
+    raw[72 * k as usize..74 * k as usize].fill(0);
+    assert!(chain.entry_hint(0).is_some(), "no longer linear");
+    assert_eq!(direct_host(&exec, &chain, 64 * k, 64 * k, false), None);
+    assert_eq!(
+        direct_host(&exec, &chain, 0, 64 * k, true),
+        Some(h0),
+        "cluster 0 still in place"
+    );
+    assert_eq!(
+        submit_and_wait(&exec, &chain, 0, 256 << 10).unwrap(),
+        raw[..256 << 10]
+    );
+    // Data there again: the cluster is whole, in place, and the slice linear again.
+    let buf = HeapBuf::new(2048);
+    buf.copy_in(0, &[0x5a; 2048]);
+    wait_for(&exec, |t| {
+        chain.submit_write(t, 72 * k, BufSlice::whole(buf.clone()))
+    })
+    .unwrap();
+    raw[72 * k as usize..74 * k as usize].fill(0x5a);
+    assert_eq!(chain.entry_hint(0), None, "linear again");
+    assert_eq!(
+        direct_host(&exec, &chain, 72 * k, 2 * k, false),
+        Some(h0 + 72 * k)
+    );
+    assert_eq!(
+        submit_and_wait(&exec, &chain, 0, 256 << 10).unwrap(),
+        raw[..256 << 10]
+    );
+    wait_for(&exec, |t| chain.submit_flush(t)).unwrap();
+    check_and_compare(dir.path(), &dev, &raw);
+}

@@ -345,13 +345,14 @@ impl L2Entry {
     }
 }
 
-/// A cached L2 slice (standard entries) summarised: whether entry `i` is `first + i *
-/// cluster_size` for every `i` — plain data clusters, COPIED, at consecutive host offsets,
-/// as in images written front to back (`qemu-img convert`, preallocation, a sequential
-/// fill). Then a look-up computes the mapping from the summary instead of loading the
-/// entry, whose cache line random I/O over a large image finds cold (the dominant cost of a
-/// cache-hit look-up on a busy core). Kept in step entry by entry: `mismatches` counts the
-/// entries other than the first that break the pattern.
+/// A cached L2 slice summarised: whether entry `i` is `first + i * cluster_size` for every
+/// `i` — plain data clusters, COPIED, at consecutive host offsets, as in images written
+/// front to back (`qemu-img convert`, preallocation, a sequential fill) — and, with
+/// extended L2, every subcluster allocated data (bitmap [`FULL_BITMAP`]). Then a look-up
+/// computes the mapping from the summary instead of loading the entry, whose cache line
+/// random I/O over a large image finds cold (the dominant cost of a cache-hit look-up on a
+/// busy core). Kept in step entry by entry: `mismatches` counts the entries other than the
+/// first, and the bitmaps, that break the pattern.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct LinearSlice {
     /// Entry 0 when it is a plain COPIED data entry whose run of `len` clusters stays
@@ -361,16 +362,26 @@ pub struct LinearSlice {
     mismatches: u32,
 }
 
+/// The subcluster bitmap of a cluster allocated whole: every subcluster data, none zero.
+pub const FULL_BITMAP: u64 = u32::MAX as u64;
+
 impl LinearSlice {
-    /// Summarises a slice of standard L2 entries.
-    pub fn of(entries: &[u64], cluster_bits: u32) -> Self {
-        let Some(&e0) = entries.first() else {
+    /// Summarises a slice's words: entries, or with `extended` (entry, bitmap) pairs.
+    pub fn of(words: &[u64], cluster_bits: u32, extended: bool) -> Self {
+        let step = if extended { 2 } else { 1 };
+        let Some(&e0) = words.first() else {
             return Self::default();
         };
-        let first = Self::head(e0, entries.len(), cluster_bits);
+        let n = words.len() / step;
+        let first = Self::head(e0, n, cluster_bits);
         let mut mismatches = 0u32;
-        for (i, &e) in entries.iter().enumerate().skip(1) {
-            mismatches += u32::from(e != Self::predict(first, i, cluster_bits));
+        for (i, w) in words.chunks_exact(step).enumerate() {
+            if i > 0 {
+                mismatches += u32::from(w[0] != Self::predict(first, i, cluster_bits));
+            }
+            if extended {
+                mismatches += u32::from(w[1] != FULL_BITMAP);
+            }
         }
         LinearSlice { first, mismatches }
     }
@@ -397,15 +408,28 @@ impl LinearSlice {
         first.wrapping_add((i as u64) << cluster_bits)
     }
 
-    /// Entry `i` of the slice changed from `old` to `new`; `entries` is the slice after
-    /// the change (read again only when entry 0 changed).
-    pub fn changed(&mut self, i: usize, old: u64, new: u64, entries: &[u64], cluster_bits: u32) {
+    /// Entry `i` of the slice (and its bitmap, with `extended`) changed from `old` to `new`
+    /// (entry, bitmap; bitmaps 0 without extended L2); `words` is the slice after the
+    /// change (read again only when entry 0 changed).
+    pub fn changed(
+        &mut self,
+        i: usize,
+        old: (u64, u64),
+        new: (u64, u64),
+        words: &[u64],
+        cluster_bits: u32,
+        extended: bool,
+    ) {
         if i == 0 {
-            *self = Self::of(entries, cluster_bits);
+            *self = Self::of(words, cluster_bits, extended);
             return;
         }
         let p = Self::predict(self.first, i, cluster_bits);
-        self.mismatches = (self.mismatches + u32::from(new != p)).wrapping_sub(u32::from(old != p));
+        let mut m = (self.mismatches + u32::from(new.0 != p)).wrapping_sub(u32::from(old.0 != p));
+        if extended {
+            m = (m + u32::from(new.1 != FULL_BITMAP)).wrapping_sub(u32::from(old.1 != FULL_BITMAP));
+        }
+        self.mismatches = m;
     }
 
     /// The host offset of entry `i` and that it is COPIED, when the slice is linear; the

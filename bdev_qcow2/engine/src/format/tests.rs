@@ -6,7 +6,7 @@
 //! at a cluster-aligned offset well inside [`DEVICE_SIZE`].
 
 use super::entries::{compressed_entry, ClusterMapping, L1Entry, L2Context, L2Entry};
-use super::entries::{LinearSlice, SubclusterBitmap, COMPRESSED, COPIED};
+use super::entries::{LinearSlice, SubclusterBitmap, COMPRESSED, COPIED, FULL_BITMAP};
 use super::header::{autoclear, ext_type, incompat, BitmapsExt, FeatureName};
 use super::header::{CompressionType, Extensions, Header, ImageHeader};
 use super::refcount::{entries_per_block, get_refcount, max_refcount, set_refcount};
@@ -649,7 +649,7 @@ fn linear_slice_recognises_consecutive_copied_clusters_only() {
     let cb = 16;
     let cs = 1u64 << cb;
     let linear: Vec<u64> = (0..512).map(|i| COPIED | (0x50_0000 + i * cs)).collect();
-    let lin = LinearSlice::of(&linear, cb);
+    let lin = LinearSlice::of(&linear, cb, false);
     assert_eq!(lin.host(0, cb), Some(0x50_0000));
     assert_eq!(lin.host(511, cb), Some(0x50_0000 + 511 * cs));
     assert_summary_agrees(lin, &linear, cb);
@@ -665,7 +665,7 @@ fn linear_slice_recognises_consecutive_copied_clusters_only() {
     for (i, v) in spoil {
         let mut e = linear.clone();
         e[i] = v;
-        let lin = LinearSlice::of(&e, cb);
+        let lin = LinearSlice::of(&e, cb, false);
         assert_eq!(lin.host(1, cb), None, "entry {i} = {v:#x}");
         assert_summary_agrees(lin, &e, cb);
     }
@@ -673,7 +673,7 @@ fn linear_slice_recognises_consecutive_copied_clusters_only() {
     // into the flag bits).
     let top = 0x00ff_ffff_ffff_0000u64 - 3 * cs;
     let e: Vec<u64> = (0..8).map(|i| COPIED | (top + i * cs)).collect();
-    assert_eq!(LinearSlice::of(&e, cb).host(0, cb), None);
+    assert_eq!(LinearSlice::of(&e, cb, false).host(0, cb), None);
 }
 
 proptest! {
@@ -688,7 +688,7 @@ proptest! {
         let n = 64;
         let at = |i: usize| COPIED | ((base + i as u64) << cb);
         let mut e: Vec<u64> = (0..n).map(at).collect();
-        let mut lin = LinearSlice::of(&e, cb);
+        let mut lin = LinearSlice::of(&e, cb, false);
         for (i, kind) in updates {
             let new = match kind {
                 0 | 1 => at(i),               // back in place
@@ -699,9 +699,58 @@ proptest! {
             };
             let old = e[i];
             e[i] = new;
-            lin.changed(i, old, new, &e, cb);
-            prop_assert_eq!(lin, LinearSlice::of(&e, cb));
+            lin.changed(i, (old, 0), (new, 0), &e, cb, false);
+            prop_assert_eq!(lin, LinearSlice::of(&e, cb, false));
             assert_summary_agrees(lin, &e, cb);
+        }
+    }
+}
+
+/// Extended L2 words (entry, bitmap pairs) split into entries and bitmaps.
+fn split_words(words: &[u64]) -> (Vec<u64>, Vec<u64>) {
+    words.chunks_exact(2).map(|w| (w[0], w[1])).unzip()
+}
+
+proptest! {
+    /// With extended L2 a slice is linear when its entries are, and every bitmap is
+    /// [`FULL_BITMAP`] (every subcluster allocated data): kept in step entry by entry and
+    /// bitmap by bitmap, the summary equals one computed afresh, and every mapping it gives
+    /// is the entry's own, in a cluster allocated whole.
+    #[test]
+    fn extended_linear_slice_kept_in_step_equals_recomputed(
+        cb in 14u32..=21,
+        base in 1u64..1 << 20,
+        updates in proptest::collection::vec((0usize..32, 0u8..7), 0..200),
+    ) {
+        let n = 32;
+        let at = |i: usize| COPIED | ((base + i as u64) << cb);
+        let mut w: Vec<u64> = (0..n).flat_map(|i| [at(i), FULL_BITMAP]).collect();
+        let mut lin = LinearSlice::of(&w, cb, true);
+        prop_assert!(lin.host(0, cb).is_some());
+        for (i, kind) in updates {
+            let (e, b) = (w[2 * i], w[2 * i + 1]);
+            let new = match kind {
+                0 | 1 => (at(i), FULL_BITMAP),                  // back in place, whole
+                2 => (0, 0),                                    // discarded
+                3 => (e, FULL_BITMAP & !(1 << (i % 32))),       // a subcluster unallocated
+                4 => (e, (FULL_BITMAP >> 1) | (1u64 << 63)),    // the last one reads as zero
+                5 => (at((i + 1) % n), b),                      // elsewhere
+                _ => (at(i) & !COPIED, FULL_BITMAP),            // shared
+            };
+            w[2 * i] = new.0;
+            w[2 * i + 1] = new.1;
+            lin.changed(i, (e, b), new, &w, cb, true);
+            prop_assert_eq!(lin, LinearSlice::of(&w, cb, true));
+            let (entries, bitmaps) = split_words(&w);
+            let whole = bitmaps.iter().all(|&b| b == FULL_BITMAP);
+            for i in 0..n {
+                if let Some(h) = lin.host(i as u64, cb) {
+                    prop_assert_eq!(L2Entry(entries[i]).plain_data(cb, u64::MAX), Some((h, true)));
+                    prop_assert_eq!(bitmaps[i], FULL_BITMAP);
+                } else {
+                    prop_assert!(!(whole && linear_by_definition(&entries, cb)), "not recognised");
+                }
+            }
         }
     }
 }
