@@ -128,6 +128,12 @@ pub trait BlockDevice: 'static {
     fn submit(&mut self, op: DeviceOp<Self::Buf>, tag: u64) -> Result<(), Busy<Self::Buf>>;
     /// Reaps completed operations, calling `done(tag, result)` for each; returns how many.
     fn poll(&mut self, done: &mut dyn FnMut(u64, Result<(), DeviceError>)) -> usize;
+    /// Whether [`ensure_size`](Self::ensure_size) can make the device longer (a regular
+    /// file, a memory device); a fixed-size device (a bdev, a block device) cannot. The
+    /// allocator reserves data regions past the end only on a device that grows.
+    fn can_grow(&self) -> bool {
+        false
+    }
     /// Makes the device at least `size` bytes long, reading zeros in the new part (a file
     /// grows sparsely). Fixed-size devices (bdevs, block devices) only check the size.
     /// Called when clusters are allocated past the end (rarely blocks: files grow ahead).

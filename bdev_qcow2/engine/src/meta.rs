@@ -35,6 +35,23 @@ type HashSet<K> = std::collections::HashSet<K, foldhash::fast::RandomState>;
 /// Dirty metadata beyond which a commit writes back on its own (bounded memory).
 const WRITEBACK_THRESHOLD_BYTES: u64 = 8 << 20;
 
+/// Largest data region reserved at once for a run of guest clusters (see
+/// [`Qcow2::alloc_data`]): a whole L2 slice up to this size, a part of one beyond.
+const MAX_REGION_BYTES: u64 = 64 << 20;
+
+/// Host clusters reserved for the data clusters of one run of guest clusters (a slice, or
+/// a part of one: [`MAX_REGION_BYTES`]): guest cluster `first + i` goes to host cluster
+/// `start + i`, whatever order the guest writes them in. Kept in memory while the image
+/// is open (the layout it made stays; a reopen reserves anew for slices it touches). On
+/// devices that cannot grow only (see [`Qcow2::alloc_data`]), where no cluster is fresh.
+#[derive(Clone, Copy)]
+pub(crate) struct Region {
+    /// First host cluster; 0 when no region could be reserved (the data goes anywhere).
+    pub start: u64,
+    /// Clusters reserved.
+    pub len: u64,
+}
+
 /// Owner-side mutable state.
 pub(crate) struct MetaState {
     /// Dirty L2 slices by slice id (authoritative; the cache holds replicas). A hash map:
@@ -65,6 +82,13 @@ pub(crate) struct MetaState {
     pub last_advance: Option<std::time::Instant>,
     /// Where the next free-cluster search starts.
     pub alloc_hint: u64,
+    /// Data regions by region index (guest cluster / region length): see [`Region`].
+    pub regions: HashMap<u64, Region>,
+    /// First host cluster → end of every reserved region, for the allocator to keep
+    /// other clusters out of them.
+    pub region_ends: BTreeMap<u64, u64>,
+    /// Where the search for the next region starts.
+    pub region_top: u64,
     /// Clusters at or past this index were never written since open (they read as zeros).
     pub fresh_from: u64,
     /// Guest clusters with an allocation in flight (writers of the same cluster wait).
@@ -123,6 +147,9 @@ impl<D: BlockDevice> Meta<D> {
                 graced_set: HashSet::default(),
                 last_advance: None,
                 alloc_hint: 0,
+                regions: HashMap::default(),
+                region_ends: BTreeMap::new(),
+                region_top: 0,
                 fresh_from: end,
                 inflight: BTreeSet::new(),
                 sector0,
@@ -672,22 +699,39 @@ impl<D: BlockDevice> Qcow2<D> {
     /// Allocates up to `n` contiguous free host clusters (at least one): refcounts become
     /// 1 (dirty). Returns (first cluster, count, fresh) where `fresh` means the clusters were
     /// never written since open and read as zeros.
+    ///
+    /// Data regions ([`Region`], on a device that cannot grow) are kept clear: only when
+    /// nothing else in the device is free does a second pass take clusters inside them
+    /// (and then, as without regions, past the end).
     pub(crate) async fn alloc_clusters(&self, n: u64) -> Result<(u64, u64, bool)> {
         let m = self.meta()?;
         self.reclaim_graced();
-        let mut c = m.st.borrow().alloc_hint.max(1);
-        let limit = self
-            .device_size
-            .get()
-            .saturating_add(crate::limits::MAX_ALLOC_PAST_END)
-            >> self.cluster_bits();
+        let hint = m.st.borrow().alloc_hint.max(1);
+        let mut c = hint;
+        let limit = self.alloc_limit();
+        let mut keep_out = !m.st.borrow().region_ends.is_empty();
+        // Regions exist only on devices that cannot grow: the first pass stays inside.
+        let inside = (self.device_size.get() >> self.cluster_bits()).min(limit);
         let start = loop {
-            if c > limit {
+            if (keep_out && c >= inside) || c > limit {
+                if keep_out {
+                    // Below the hint everything but the regions' free slots is in use.
+                    keep_out = false;
+                    let first_region = m.st.borrow().region_ends.keys().next().copied();
+                    c = first_region.map_or(hint, |r| r.min(hint));
+                    continue;
+                }
                 return Err(corrupt(
                     Field::RefcountBlockEntry,
                     c,
                     "no free cluster up to 256 MiB past the end of the device (leaked refcounts: run `qcow2 check -r leaks`)",
                 ));
+            }
+            if keep_out {
+                if let Some(end) = self.region_end_at(c) {
+                    c = end;
+                    continue;
+                }
             }
             if self.cluster_is_free(c).await? {
                 break c;
@@ -695,9 +739,14 @@ impl<D: BlockDevice> Qcow2<D> {
             c += 1;
         };
         let mut count = 1;
-        while count < n && self.cluster_is_free(start + count).await? {
+        while count < n
+            && !(keep_out
+                && (start + count >= inside || self.region_end_at(start + count).is_some()))
+            && self.cluster_is_free(start + count).await?
+        {
             count += 1;
         }
+
         for i in 0..count {
             let rc = self.update_refcount(start + i, 1).await?;
             if rc != 1 {
@@ -722,6 +771,152 @@ impl<D: BlockDevice> Qcow2<D> {
         };
         self.note_allocated(start + count)?;
         Ok((start, count, fresh))
+    }
+
+    /// The last cluster index (exclusive bound) the allocator may hand out.
+    fn alloc_limit(&self) -> u64 {
+        self.device_size
+            .get()
+            .saturating_add(crate::limits::MAX_ALLOC_PAST_END)
+            >> self.cluster_bits()
+    }
+
+    /// The end of the reserved region holding host cluster `c`, if any.
+    fn region_end_at(&self, c: u64) -> Option<u64> {
+        let m = self.meta().ok()?;
+        let st = m.st.borrow();
+        let (_, &end) = st.region_ends.range(..=c).next_back()?;
+        (c < end).then_some(end)
+    }
+
+    /// Guest clusters per data region.
+    fn region_len(&self) -> u64 {
+        self.geo
+            .slice_entries()
+            .min((MAX_REGION_BYTES >> self.cluster_bits()).max(1))
+    }
+
+    /// Allocates host clusters for the data of guest clusters `g..g + n` (consecutive, in
+    /// one L2 slice, each needing a new cluster): where their region puts them, so that
+    /// guest clusters written in any order, by any number of streams, lie in guest order
+    /// on the host (a slice filled so is linear: `LinearSlice`; sequential reads are
+    /// sequential on the device), else wherever [`alloc_clusters`](Self::alloc_clusters)
+    /// finds room. Returns (first host cluster, count, fresh) like `alloc_clusters`; the
+    /// count may be less than `n`.
+    ///
+    /// Only on a device that cannot grow (a bdev, a block device), whose whole size is
+    /// the image's to use: on a file, a region would make it jump ahead by up to a region
+    /// for one write (sparsely, but visibly), and appending already lays out a single
+    /// stream in order.
+    pub(crate) async fn alloc_data(&self, g: u64, n: u64) -> Result<(u64, u64, bool)> {
+        if self.exec.with_device(self.dev, |d| d.can_grow()) {
+            return self.alloc_clusters(n).await;
+        }
+        match self.alloc_in_region(g, n).await? {
+            Some(r) => Ok(r),
+            None => self.alloc_clusters(n).await,
+        }
+    }
+
+    async fn alloc_in_region(&self, g: u64, n: u64) -> Result<Option<(u64, u64, bool)>> {
+        let m = self.meta()?;
+        self.reclaim_graced();
+        let per = self.region_len();
+        let idx = g / per;
+        let known = m.st.borrow().regions.get(&idx).map(|r| (r.start, r.len));
+        let (start, len) = match known {
+            Some(r) => r,
+            // Boxed: a reservation is rare, and the write path's future stays small.
+            None => Box::pin(self.reserve_region(idx)).await?,
+        };
+        let slot = g % per;
+        if slot >= len {
+            return Ok(None);
+        }
+        let goal = start + slot;
+        let n = n.min(len - slot);
+        let mut count = 0;
+        while count < n && self.cluster_is_free(goal + count).await? {
+            count += 1;
+        }
+        if count == 0 {
+            return Ok(None);
+        }
+        for i in 0..count {
+            let rc = self.update_refcount(goal + i, 1).await?;
+            if rc != 1 {
+                return Err(self
+                    .mark_corrupt(
+                        Field::RefcountBlockEntry,
+                        goal + i,
+                        "allocated cluster already in use",
+                    )
+                    .await);
+            }
+        }
+        m.st.borrow_mut().stats.clusters_allocated += count;
+        // Inside the device (the region is): nothing to grow, nothing fresh.
+        self.note_allocated(goal + count)?;
+        Ok(Some((goal, count, false)))
+    }
+
+    /// Reserves the host clusters of region `idx` (see [`Region`]): the first run of
+    /// clusters free for all of it at or after the last region and the allocation hint,
+    /// searched for a bounded distance, inside what the device may grow to. Records and
+    /// returns (start, length); length 0 when there is no such run (the region's data
+    /// then goes wherever the allocator finds room).
+    async fn reserve_region(&self, idx: u64) -> Result<(u64, u64)> {
+        let m = self.meta()?;
+        let per = self.region_len();
+        let total = self.size().div_ceil(self.geo.cluster_size());
+        let len = per.min(total.saturating_sub(idx * per));
+        // Inside the device, which cannot grow (see `alloc_data`): looking further would
+        // only make refcount blocks for clusters it cannot use.
+        let end = self.device_size.get() >> self.cluster_bits();
+        let found = 'search: {
+            if len == 0 {
+                break 'search None;
+            }
+            let mut c = {
+                let st = m.st.borrow();
+                st.alloc_hint.max(st.region_top).max(1)
+            };
+            // Bounded: a fragmented image gets no region rather than a long scan.
+            let mut budget = 4 * len + 64;
+            'candidate: loop {
+                if c.saturating_add(len) > end || budget == 0 {
+                    break 'search None;
+                }
+                if let Some(end) = self.region_end_at(c) {
+                    c = end;
+                    continue;
+                }
+                if let Some((&next, _)) = m.st.borrow().region_ends.range(c..c + len).next() {
+                    // Another region starts inside the candidate run: skip past it.
+                    c = next;
+                    continue;
+                }
+                for j in 0..len {
+                    budget = budget.saturating_sub(1);
+                    if !self.cluster_is_free(c + j).await? {
+                        c += j + 1;
+                        continue 'candidate;
+                    }
+                }
+                break 'search Some(c);
+            }
+        };
+        let mut st = m.st.borrow_mut();
+        let region = match found {
+            Some(c) => {
+                st.region_top = c + len;
+                st.region_ends.insert(c, c + len);
+                Region { start: c, len }
+            }
+            None => Region { start: 0, len: 0 },
+        };
+        st.regions.insert(idx, region);
+        Ok((region.start, region.len))
     }
 
     /// Whether host cluster `c` may be allocated: refcount 0, not freed-but-unstable, not

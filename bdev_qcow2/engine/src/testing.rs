@@ -35,6 +35,8 @@ pub struct MemState {
     pub record: bool,
     /// Recorded writes and flushes.
     pub log: Vec<LoggedOp>,
+    /// A fixed-size device (like a bdev): it never grows ([`MemDevice::fixed`]).
+    pub fixed: bool,
     inflight: VecDeque<(u64, u64, Result<(), DeviceError>)>,
     polls: u64,
 }
@@ -48,6 +50,16 @@ impl MemDevice {
     pub fn new(data: Vec<u8>) -> Self {
         MemDevice(Rc::new(RefCell::new(MemState {
             data,
+            ..Default::default()
+        })))
+    }
+    /// A fixed-size device of `size` bytes (like a bdev) starting with `data`: it never
+    /// grows, so the allocator keeps inside it (and lays out data regions).
+    pub fn fixed(mut data: Vec<u8>, size: usize) -> Self {
+        data.resize(size.max(data.len()), 0);
+        MemDevice(Rc::new(RefCell::new(MemState {
+            data,
+            fixed: true,
             ..Default::default()
         })))
     }
@@ -117,9 +129,15 @@ impl BlockDevice for MemDevice {
         s.inflight.push_back((due, tag, result));
         Ok(())
     }
+    fn can_grow(&self) -> bool {
+        !self.0.borrow().fixed
+    }
     fn ensure_size(&mut self, size: u64) -> Result<(), DeviceError> {
         let mut s = self.0.borrow_mut();
         if (s.data.len() as u64) < size {
+            if s.fixed {
+                return Err(DeviceError(28)); // ENOSPC
+            }
             s.data.resize(size as usize, 0);
         }
         Ok(())

@@ -557,20 +557,36 @@ impl<D: BlockDevice> Chain<D> {
         {
             q.ensure_l2(GuestOffset(start)).await?;
         }
+        // The allocating parts' guest clusters, in order; each run of consecutive ones gets
+        // host clusters where the allocator places that run (`alloc_data`).
+        let mut guest = parts
+            .iter()
+            .filter(|p| matches!(p.action, Action::Alloc { .. }))
+            .map(|p| p.cluster >> geo.cluster_bits)
+            .peekable();
         let mut left = need;
-        while left > 0 {
-            let (c0, n, fresh) = match q.alloc_clusters(left).await {
-                Ok(x) => x,
-                Err(e) => {
-                    for &(c, k, _) in &allocs {
-                        let _ = q.free_unreferenced(c, k).await;
+        while let Some(g) = guest.next() {
+            let mut run = 1;
+            while guest.next_if_eq(&(g + run)).is_some() {
+                run += 1;
+            }
+            let mut done = 0;
+            while done < run {
+                let (c0, n, fresh) = match q.alloc_data(g + done, run - done).await {
+                    Ok(x) => x,
+                    Err(e) => {
+                        for &(c, k, _) in &allocs {
+                            let _ = q.free_unreferenced(c, k).await;
+                        }
+                        return Err(e);
                     }
-                    return Err(e);
-                }
-            };
-            allocs.push((c0, n, fresh));
-            left -= n;
+                };
+                allocs.push((c0, n, fresh));
+                done += n;
+            }
+            left -= run;
         }
+        debug_assert_eq!(left, 0);
         Ok((parts, allocs))
     }
 

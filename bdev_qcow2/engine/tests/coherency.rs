@@ -116,6 +116,9 @@ impl BlockDevice for Channel {
         self.inflight.push((due, tag, deferred));
         Ok(())
     }
+    fn can_grow(&self) -> bool {
+        true
+    }
     fn ensure_size(&mut self, size: u64) -> Result<(), DeviceError> {
         let mut d = self.disk.borrow_mut();
         if (d.len() as u64) < size {

@@ -919,3 +919,107 @@ fn extended_l2_slices_of_whole_clusters_are_linear() {
     wait_for(&exec, |t| chain.submit_flush(t)).unwrap();
     check_and_compare(dir.path(), &dev, &raw);
 }
+
+/// Opens `img` writable on a fixed-size device of `size` bytes (like a bdev).
+fn open_fixed(img: Vec<u8>, size: usize) -> (Exec<MemDevice>, MemDevice, Rc<Chain<MemDevice>>) {
+    let exec = Exec::new();
+    let dev = MemDevice::fixed(img, size);
+    let id = exec.add_device(dev.clone());
+    let e2 = exec.clone();
+    let opts = OpenOptions {
+        writable: true,
+        ..OpenOptions::default()
+    };
+    let q = exec.block_on(async move { Qcow2::open(&e2, id, opts).await });
+    let chain = Chain::new(&exec, vec![Layer::Qcow2(Box::new(q.unwrap()))]).unwrap();
+    (exec, dev, chain)
+}
+
+/// Writes cluster `c` (64 KiB) with a pattern of its own; returns the pattern byte.
+fn write_cluster(exec: &Exec<MemDevice>, chain: &Rc<Chain<MemDevice>>, c: u64) -> u8 {
+    let cs = 65536usize;
+    let fill = (c % 251) as u8 + 1;
+    let buf = HeapBuf::new(cs);
+    buf.copy_in(0, &vec![fill; cs]);
+    wait_for(exec, |t| {
+        chain.submit_write(t, c * cs as u64, BufSlice::whole(buf.clone()))
+    })
+    .unwrap();
+    fill
+}
+
+/// Guest clusters `0..n` in a scrambled order (a fixed permutation).
+fn scrambled(n: u64) -> Vec<u64> {
+    let mut v: Vec<u64> = (0..n).collect();
+    let mut x = 0x9e37_79b9_u64;
+    for i in (1..v.len()).rev() {
+        x = x
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        v.swap(i, (x >> 33) as usize % (i + 1));
+    }
+    v
+}
+
+/// On a device that cannot grow (a bdev), the allocator reserves a host region per L2
+/// slice: clusters written in any order land in guest order, so each slice is one
+/// extent (linear) and sequential reads are sequential on the device. qemu-img agrees
+/// with the layout, the refcounts and the content.
+#[test]
+fn on_a_fixed_device_slices_written_in_any_order_are_laid_out_in_order() {
+    let dir = tempfile::tempdir().unwrap();
+    let (img, _) = make_image(dir.path(), "cluster_size=65536", "64M", &[]);
+    let cs = 65536u64;
+    let (exec, dev, chain) = open_fixed(img, 80 << 20);
+    let mut raw = vec![0u8; 64 << 20];
+    // Two slices of 512 clusters (4 KiB slices), written in one scrambled order that
+    // interleaves them.
+    for c in scrambled(1024) {
+        let fill = write_cluster(&exec, &chain, c);
+        raw[(c * cs) as usize..((c + 1) * cs) as usize].fill(fill);
+    }
+    wait_for(&exec, |t| chain.submit_flush(t)).unwrap();
+    check_and_compare(dir.path(), &dev, &raw);
+    let map = qemu_map(&dir.path().join("after.qcow2"));
+    for slice in 0..2u64 {
+        let (lo, hi) = (slice * 512 * cs, (slice + 1) * 512 * cs);
+        let extents: Vec<_> = map
+            .iter()
+            .filter(|e| e.2 && e.0 < hi && e.0 + e.1 > lo)
+            .collect();
+        assert_eq!(extents.len(), 1, "slice {slice}: {extents:?}");
+        assert!(extents[0].0 <= lo && extents[0].0 + extents[0].1 >= hi);
+    }
+    // And the slices are linear in the cache: no entry to load.
+    submit_and_wait(&exec, &chain, 0, 4096).unwrap();
+    assert_eq!(chain.entry_hint(0), None);
+}
+
+/// A fixed device with room for the data and metadata but hardly more: with 4 KiB
+/// clusters every slice is a whole L2 table, allocated beside the regions; half of each
+/// slice is written, so the first region leaves no room for the second, and once the
+/// space outside the first region is used up, allocations (data and L2 tables) take the
+/// first region's free slots. Every write succeeds; the image checks clean and reads back.
+#[test]
+fn a_full_fixed_device_still_takes_every_cluster() {
+    let dir = tempfile::tempdir().unwrap();
+    let (img, _) = make_image(dir.path(), "cluster_size=4096", "8M", &[]);
+    let cs = 4096u64;
+    let written: Vec<u64> = scrambled(2048).into_iter().take(1000).collect();
+    // What the image has, the data, four L2 tables, 2 spare.
+    let clusters = img.len() as u64 / cs + written.len() as u64 + 4 + 2;
+    let (exec, dev, chain) = open_fixed(img, (clusters * cs) as usize);
+    let mut raw = vec![0u8; (2048 * cs) as usize];
+    for &c in &written {
+        let fill = (c % 251) as u8 + 1;
+        let buf = HeapBuf::new(cs as usize);
+        buf.copy_in(0, &vec![fill; cs as usize]);
+        wait_for(&exec, |t| {
+            chain.submit_write(t, c * cs, BufSlice::whole(buf.clone()))
+        })
+        .unwrap_or_else(|e| panic!("cluster {c}: {e}"));
+        raw[(c * cs) as usize..((c + 1) * cs) as usize].fill(fill);
+    }
+    wait_for(&exec, |t| chain.submit_flush(t)).unwrap();
+    check_and_compare(dir.path(), &dev, &raw);
+}

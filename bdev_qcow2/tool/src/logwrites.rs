@@ -223,6 +223,10 @@ impl<D: BlockDevice> BlockDevice for LogWrites<D> {
         r
     }
 
+    fn can_grow(&self) -> bool {
+        self.inner.can_grow()
+    }
+
     fn ensure_size(&mut self, size: u64) -> Result<(), DeviceError> {
         self.inner.ensure_size(size)
     }

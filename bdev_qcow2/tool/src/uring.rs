@@ -371,6 +371,10 @@ impl BlockDevice for UringDevice {
         Ok(())
     }
 
+    fn can_grow(&self) -> bool {
+        self.regular_file && self.owns_len
+    }
+
     fn ensure_size(&mut self, size: u64) -> Result<(), DeviceError> {
         if size <= self.size {
             return Ok(());

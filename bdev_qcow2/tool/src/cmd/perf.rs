@@ -166,6 +166,9 @@ impl<D: BlockDevice> BlockDevice for DelayDevice<D> {
     fn submit(&mut self, op: DeviceOp<Self::Buf>, tag: u64) -> Result<(), Busy<Self::Buf>> {
         self.inner.submit(op, tag)
     }
+    fn can_grow(&self) -> bool {
+        self.inner.can_grow()
+    }
     fn ensure_size(&mut self, size: u64) -> Result<(), DeviceError> {
         self.inner.ensure_size(size)
     }
