@@ -135,11 +135,26 @@ fn read_all(bytes: Vec<u8>, size: u64) -> Vec<u8> {
 }
 
 fn crash_test(opts: CreateOptions, seed: u64, ops: usize, subsets: usize) -> usize {
+    crash_test_on(opts, seed, ops, subsets, None)
+}
+
+/// [`crash_test`] on a device of a fixed size (`Some(bytes)`, like a bdev: the allocator
+/// lays data out in regions there) or one that grows (`None`, like a file).
+fn crash_test_on(
+    opts: CreateOptions,
+    seed: u64,
+    ops: usize,
+    subsets: usize,
+    fixed: Option<usize>,
+) -> usize {
     let size = opts.size;
     let cs = 1u64 << opts.cluster_bits;
     let initial = new_image(&opts);
     let exec = Exec::new();
-    let dev = MemDevice::new(initial.clone());
+    let dev = match fixed {
+        Some(bytes) => MemDevice::fixed(initial.clone(), bytes),
+        None => MemDevice::new(initial.clone()),
+    };
     let chain = open(&exec, &dev, true).unwrap();
     dev.0.borrow_mut().record = true;
     let work = workload(seed, size, cs, ops);
@@ -263,6 +278,25 @@ fn crash_states_64k() {
         3,
     );
     eprintln!("crash states tried (64 KiB clusters): {n}");
+    assert!(n > 50);
+}
+
+#[test]
+fn crash_states_fixed_device() {
+    // A bdev-like device: data clusters go to per-slice regions (4 KiB clusters: a slice
+    // is a whole L2 table), reserved in the order the workload touches them.
+    let n = crash_test_on(
+        CreateOptions {
+            size: 8 << 20,
+            cluster_bits: 12,
+            ..Default::default()
+        },
+        15,
+        120,
+        3,
+        Some(10 << 20),
+    );
+    eprintln!("crash states tried (fixed-size device, 4 KiB clusters): {n}");
     assert!(n > 50);
 }
 
