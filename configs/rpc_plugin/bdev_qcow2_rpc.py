@@ -5,7 +5,8 @@
 
 
 def bdev_qcow2_create(client, name, base_bdev, backing_bdev=None, read_only=None,
-                      l2_cache_size=None, l2_slice_size=None, cache_ways=None, prefetch=None):
+                      l2_cache_size=None, l2_slice_size=None, cache_ways=None, prefetch=None,
+                      ordered_layout=None):
     params = {'name': name, 'base_bdev': base_bdev}
     if backing_bdev is not None:
         params['backing_bdev'] = backing_bdev
@@ -19,6 +20,8 @@ def bdev_qcow2_create(client, name, base_bdev, backing_bdev=None, read_only=None
         params['cache_ways'] = cache_ways
     if prefetch is not None:
         params['prefetch'] = prefetch
+    if ordered_layout:
+        params['ordered_layout'] = True
     return client.call('bdev_qcow2_create', params)
 
 
@@ -53,7 +56,8 @@ def spdk_rpc_plugin_initialize(subparsers):
                                      l2_cache_size=args.l2_cache_size,
                                      l2_slice_size=args.l2_slice_size,
                                      cache_ways=args.cache_ways,
-                                     prefetch=args.prefetch))
+                                     prefetch=args.prefetch,
+                                     ordered_layout=args.ordered_layout))
 
     p = subparsers.add_parser('bdev_qcow2_create',
                               help='Serve a qcow2 image stored on a bdev as a new bdev')
@@ -71,6 +75,8 @@ def spdk_rpc_plugin_initialize(subparsers):
                    help='read-ahead of L2 slices on sequential streams (the default)')
     p.add_argument('--no-prefetch', dest='prefetch', action='store_false',
                    help='no read-ahead of L2 slices')
+    p.add_argument('--ordered-layout', action='store_true', default=None,
+                   help="lay each L2 slice's data out on the base in guest order")
     p.set_defaults(func=create)
 
     def fmt(args):

@@ -228,8 +228,9 @@ fn range(size: u64, at: u16, len: u16) -> (u64, u64) {
 /// Input: a configuration byte (bits 0–1 the L2 cache size: default, 4 KiB, 64 KiB,
 /// 1 MiB; bits 2–3 the L2 slice size: 512 B, 4 KiB, 64 KiB, 2 MiB; bits 4–5 the cache ways:
 /// 1, 2, 4, 8; bit 6 a small refcount cache; bit 7 a backing layer when the image names
-/// one), a byte whose low four bits count the operations (at most [`MAX_OPS`]) and whose top
-/// bit opens writable, the operations ([`OP_BYTES`] each, see [`Op::decode`]), then the
+/// one), a byte whose low four bits count the operations (at most [`MAX_OPS`]), whose bit 6
+/// puts the image on a fixed-size device (4 MiB of room past it, like a bdev) with the
+/// ordered layout (`OpenOptions::ordered_layout`), and whose top bit opens writable, the operations ([`OP_BYTES`] each, see [`Op::decode`]), then the
 /// image (at most [`MAX_IMAGE_BYTES`]). The image is opened first; operations that need an
 /// open image are skipped while none is.
 pub fn image_ops(data: &[u8]) {
@@ -249,9 +250,14 @@ pub fn image_ops(data: &[u8]) {
         cache_ways: 1 << ((config >> 4) & 3),
         refcount_cache_bytes: if config & 0x40 != 0 { 512 } else { 256 << 10 },
         writable: count & 0x80 != 0,
+        ordered_layout: count & 0x40 != 0,
     };
     let backing = config & 0x80 != 0;
-    let mem = MemDevice::new(image.to_vec());
+    let mem = if opts.ordered_layout {
+        MemDevice::fixed(image.to_vec(), image.len() + (4 << 20))
+    } else {
+        MemDevice::new(image.to_vec())
+    };
     let mut cur = open(&mem, image, opts, backing);
     for chunk in script.chunks_exact(OP_BYTES) {
         let mut b = [0u8; OP_BYTES];

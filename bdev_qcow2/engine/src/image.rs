@@ -32,6 +32,11 @@ pub struct OpenOptions {
     pub refcount_cache_bytes: u64,
     /// Open for writing (the image must not be marked corrupt).
     pub writable: bool,
+    /// On a device that cannot grow (a bdev, a block device): lay each L2 slice's data
+    /// clusters out in guest order in a host region reserved for the slice, whatever order
+    /// they are written in (see `Qcow2::alloc_data`). Off: clusters are appended in the
+    /// order they are first written, as QEMU does (fastest for random first writes).
+    pub ordered_layout: bool,
 }
 
 impl Default for OpenOptions {
@@ -42,6 +47,7 @@ impl Default for OpenOptions {
             cache_ways: 8,
             refcount_cache_bytes: 256 * 1024,
             writable: false,
+            ordered_layout: false,
         }
     }
 }
@@ -220,7 +226,13 @@ impl<D: BlockDevice> Qcow2<D> {
                 }
                 return Box::pin(Self::open_inner(exec, dev, opts, true)).await;
             }
-            Some(crate::meta::Meta::new(exec, &header, &c0, device_size))
+            Some(crate::meta::Meta::new(
+                exec,
+                &header,
+                &c0,
+                device_size,
+                opts.ordered_layout,
+            ))
         } else {
             None
         };

@@ -65,6 +65,8 @@ fn open(
     let opts = OpenOptions {
         writable,
         l2_cache_bytes: Some(8 << 10),
+        // On a fixed-size device: data in per-slice regions.
+        ordered_layout: dev.0.borrow().fixed,
         ..Default::default()
     };
     let q = exec.block_on(async move { Qcow2::open(&e2, id, opts).await })?;
@@ -138,8 +140,8 @@ fn crash_test(opts: CreateOptions, seed: u64, ops: usize, subsets: usize) -> usi
     crash_test_on(opts, seed, ops, subsets, None)
 }
 
-/// [`crash_test`] on a device of a fixed size (`Some(bytes)`, like a bdev: the allocator
-/// lays data out in regions there) or one that grows (`None`, like a file).
+/// [`crash_test`] on a device of a fixed size (`Some(bytes)`, like a bdev, opened with the
+/// ordered layout: data in per-slice regions) or one that grows (`None`, like a file).
 fn crash_test_on(
     opts: CreateOptions,
     seed: u64,

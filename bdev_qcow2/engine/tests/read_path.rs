@@ -920,14 +920,20 @@ fn extended_l2_slices_of_whole_clusters_are_linear() {
     check_and_compare(dir.path(), &dev, &raw);
 }
 
-/// Opens `img` writable on a fixed-size device of `size` bytes (like a bdev).
-fn open_fixed(img: Vec<u8>, size: usize) -> (Exec<MemDevice>, MemDevice, Rc<Chain<MemDevice>>) {
+/// Opens `img` writable on a fixed-size device of `size` bytes (like a bdev), with the
+/// ordered layout or not.
+fn open_fixed(
+    img: Vec<u8>,
+    size: usize,
+    ordered_layout: bool,
+) -> (Exec<MemDevice>, MemDevice, Rc<Chain<MemDevice>>) {
     let exec = Exec::new();
     let dev = MemDevice::fixed(img, size);
     let id = exec.add_device(dev.clone());
     let e2 = exec.clone();
     let opts = OpenOptions {
         writable: true,
+        ordered_layout,
         ..OpenOptions::default()
     };
     let q = exec.block_on(async move { Qcow2::open(&e2, id, opts).await });
@@ -961,16 +967,28 @@ fn scrambled(n: u64) -> Vec<u64> {
     v
 }
 
-/// On a device that cannot grow (a bdev), the allocator reserves a host region per L2
-/// slice: clusters written in any order land in guest order, so each slice is one
-/// extent (linear) and sequential reads are sequential on the device. qemu-img agrees
-/// with the layout, the refcounts and the content.
+/// With the ordered layout, on a device that cannot grow (a bdev), the allocator reserves
+/// a host region per L2 slice: clusters written in any order land in guest order, so each
+/// slice is one extent (linear) and sequential reads are sequential on the device.
+/// qemu-img agrees with the layout, the refcounts and the content. Without it (the
+/// default) the same writes are appended in the order they come.
 #[test]
 fn on_a_fixed_device_slices_written_in_any_order_are_laid_out_in_order() {
     let dir = tempfile::tempdir().unwrap();
     let (img, _) = make_image(dir.path(), "cluster_size=65536", "64M", &[]);
     let cs = 65536u64;
-    let (exec, dev, chain) = open_fixed(img, 80 << 20);
+    {
+        let (exec, _, chain) = open_fixed(img.clone(), 80 << 20, false);
+        for c in scrambled(1024) {
+            write_cluster(&exec, &chain, c);
+        }
+        submit_and_wait(&exec, &chain, 0, 4096).unwrap();
+        assert!(
+            chain.entry_hint(0).is_some(),
+            "appended: full but not linear"
+        );
+    }
+    let (exec, dev, chain) = open_fixed(img, 80 << 20, true);
     let mut raw = vec![0u8; 64 << 20];
     // Two slices of 512 clusters (4 KiB slices), written in one scrambled order that
     // interleaves them.
@@ -1008,7 +1026,7 @@ fn a_full_fixed_device_still_takes_every_cluster() {
     let written: Vec<u64> = scrambled(2048).into_iter().take(1000).collect();
     // What the image has, the data, four L2 tables, 2 spare.
     let clusters = img.len() as u64 / cs + written.len() as u64 + 4 + 2;
-    let (exec, dev, chain) = open_fixed(img, (clusters * cs) as usize);
+    let (exec, dev, chain) = open_fixed(img, (clusters * cs) as usize, true);
     let mut raw = vec![0u8; (2048 * cs) as usize];
     for &c in &written {
         let fill = (c % 251) as u8 + 1;

@@ -42,6 +42,13 @@ pub struct CreateParams {
     /// that channel's cache before the stream gets there.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub prefetch: Option<bool>,
+    /// Lay each L2 slice's data clusters out on the base in guest order, in a region of
+    /// the base reserved for the slice (default `false`: clusters are appended in the order
+    /// they are first written, as QEMU does). A slice then filled in any order or by
+    /// several cores is linear (one extent: fewer base I/Os, no entry loads); random
+    /// first writes get slower (scattered over the base instead of appended).
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub ordered_layout: bool,
 }
 
 impl CreateParams {
@@ -89,6 +96,7 @@ impl CreateParams {
             l2_cache_bytes: self.l2_cache_size,
             l2_slice_bytes: self.l2_slice_size.unwrap_or(d.l2_slice_bytes),
             cache_ways: self.cache_ways.unwrap_or(d.cache_ways),
+            ordered_layout: self.ordered_layout,
             ..d
         }
     }
@@ -198,12 +206,13 @@ mod tests {
             r#"{"name":"q0","base_bdev":"aio0"}"#
         );
         let p: CreateParams = serde_json::from_str(
-            r#"{"name":"q0","base_bdev":"aio0","backing_bdev":"b","read_only":true,"l2_cache_size":65536,"l2_slice_size":512,"cache_ways":4,"prefetch":true}"#,
+            r#"{"name":"q0","base_bdev":"aio0","backing_bdev":"b","read_only":true,"l2_cache_size":65536,"l2_slice_size":512,"cache_ways":4,"prefetch":true,"ordered_layout":true}"#,
         )
         .unwrap();
         let back: CreateParams = serde_json::from_str(&serde_json::to_string(&p).unwrap()).unwrap();
         assert_eq!(back, p);
         assert!(p.validate().is_ok());
+        assert!(p.open_options().ordered_layout);
     }
 
     #[test]

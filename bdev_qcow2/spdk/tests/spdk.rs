@@ -936,7 +936,9 @@ mod real {
         let dir = tempfile::tempdir().unwrap();
         let d = dir.path();
         let img = d.join("fmt.qcow2");
-        for base in ["aio", "malloc"] {
+        // AIO twice: the second time with the ordered layout (data in per-slice regions of
+        // the base), which `qemu-img check` then looks at too.
+        for (base, ordered) in [("aio", false), ("aio", true), ("malloc", false)] {
             for io in ["4096", "65536"] {
                 let mut calls = Vec::new();
                 if base == "aio" {
@@ -948,10 +950,15 @@ mod real {
                         "params": {"name": "b0", "num_blocks": 160 * 2048, "block_size": 512}}));
                 }
                 calls.push(format_call("b0", 128 * MIB));
-                calls.push(qcow2("q0", "b0", None));
-                let cfg = d.join(format!("{base}{io}.json"));
+                let mut create = qcow2("q0", "b0", None);
+                if ordered {
+                    create["params"]["ordered_layout"] = json!(true);
+                }
+                calls.push(create);
+                let layout = if ordered { "-ordered" } else { "" };
+                let cfg = d.join(format!("{base}{layout}{io}.json"));
                 write_config(&cfg, calls);
-                let tag = format!("verify-{base}-{io}");
+                let tag = format!("verify-{base}{layout}-{io}");
                 let (ok, out) = bdevperf(
                     d,
                     &cfg,

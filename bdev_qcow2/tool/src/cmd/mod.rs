@@ -34,6 +34,12 @@ pub struct ImageArgs {
     /// cache (O_DIRECT, where the file system allows it), `writeback` uses it.
     #[arg(short = 'T', long = "cache", value_enum, default_value = "none")]
     pub cache: CacheMode,
+    /// On a block device (it cannot grow): lay each L2 slice's data clusters out in guest
+    /// order, in a region reserved for the slice, whatever order they are written in.
+    /// Without it clusters are appended as first written (as QEMU does). No effect on a
+    /// file, which grows as clusters are appended.
+    #[arg(long)]
+    pub ordered_layout: bool,
     /// The image.
     pub image: PathBuf,
 }
@@ -70,6 +76,7 @@ impl ImageArgs {
                 l2_cache_bytes: self.l2_cache_size,
                 l2_slice_bytes: self.l2_slice_size,
                 cache_ways: self.cache_ways,
+                ordered_layout: self.ordered_layout,
                 ..OpenOptions::default()
             },
             queue_depth: 64,
