@@ -42,8 +42,9 @@ const MAX_REGION_BYTES: u64 = 64 << 20;
 /// Host clusters reserved for the data clusters of one run of guest clusters (a slice, or
 /// a part of one: [`MAX_REGION_BYTES`]): guest cluster `first + i` goes to host cluster
 /// `start + i`, whatever order the guest writes them in. Kept in memory while the image
-/// is open (the layout it made stays; a reopen reserves anew for slices it touches). On
-/// devices that cannot grow only (see [`Qcow2::alloc_data`]), where no cluster is fresh.
+/// is open (the layout it made stays; a reopen reserves anew for slices it touches). With
+/// `OpenOptions::ordered_layout` on devices that cannot grow only (see
+/// [`Qcow2::alloc_data`]), where no cluster is fresh.
 #[derive(Clone, Copy)]
 pub(crate) struct Region {
     /// First host cluster; 0 when no region could be reserved (the data goes anywhere).
@@ -755,19 +756,7 @@ impl<D: BlockDevice> Qcow2<D> {
         {
             count += 1;
         }
-
-        for i in 0..count {
-            let rc = self.update_refcount(start + i, 1).await?;
-            if rc != 1 {
-                return Err(self
-                    .mark_corrupt(
-                        Field::RefcountBlockEntry,
-                        start + i,
-                        "allocated cluster already in use",
-                    )
-                    .await);
-            }
-        }
+        self.take_clusters(start, count).await?;
         let fresh = {
             let mut st = m.st.borrow_mut();
             st.alloc_hint = start + count;
@@ -780,6 +769,24 @@ impl<D: BlockDevice> Qcow2<D> {
         };
         self.note_allocated(start + count)?;
         Ok((start, count, fresh))
+    }
+
+    /// Sets the refcounts of free clusters `start..start + count` to 1 (dirty); one that
+    /// was not 0 is corruption.
+    async fn take_clusters(&self, start: u64, count: u64) -> Result<()> {
+        for i in 0..count {
+            let rc = self.update_refcount(start + i, 1).await?;
+            if rc != 1 {
+                return Err(self
+                    .mark_corrupt(
+                        Field::RefcountBlockEntry,
+                        start + i,
+                        "allocated cluster already in use",
+                    )
+                    .await);
+            }
+        }
+        Ok(())
     }
 
     /// The last cluster index (exclusive bound) the allocator may hand out.
@@ -854,18 +861,7 @@ impl<D: BlockDevice> Qcow2<D> {
         if count == 0 {
             return Ok(None);
         }
-        for i in 0..count {
-            let rc = self.update_refcount(goal + i, 1).await?;
-            if rc != 1 {
-                return Err(self
-                    .mark_corrupt(
-                        Field::RefcountBlockEntry,
-                        goal + i,
-                        "allocated cluster already in use",
-                    )
-                    .await);
-            }
-        }
+        self.take_clusters(goal, count).await?;
         m.st.borrow_mut().stats.clusters_allocated += count;
         // Inside the device (the region is): nothing to grow, nothing fresh.
         self.note_allocated(goal + count)?;
@@ -874,9 +870,9 @@ impl<D: BlockDevice> Qcow2<D> {
 
     /// Reserves the host clusters of region `idx` (see [`Region`]): the first run of
     /// clusters free for all of it at or after the last region and the allocation hint,
-    /// searched for a bounded distance, inside what the device may grow to. Records and
-    /// returns (start, length); length 0 when there is no such run (the region's data
-    /// then goes wherever the allocator finds room).
+    /// searched for a bounded distance, inside the device. Records and returns (start,
+    /// length); length 0 when there is no such run (the region's data then goes wherever
+    /// the allocator finds room, for as long as the image stays open).
     async fn reserve_region(&self, idx: u64) -> Result<(u64, u64)> {
         let m = self.meta()?;
         let per = self.region_len();
@@ -899,8 +895,8 @@ impl<D: BlockDevice> Qcow2<D> {
                 if c.saturating_add(len) > end || budget == 0 {
                     break 'search None;
                 }
-                if let Some(end) = self.region_end_at(c) {
-                    c = end;
+                if let Some(past) = self.region_end_at(c) {
+                    c = past;
                     continue;
                 }
                 if let Some((&next, _)) = m.st.borrow().region_ends.range(c..c + len).next() {
