@@ -230,9 +230,10 @@ fn range(size: u64, at: u16, len: u16) -> (u64, u64) {
 /// 1, 2, 4, 8; bit 6 a small refcount cache; bit 7 a backing layer when the image names
 /// one), a byte whose low four bits count the operations (at most [`MAX_OPS`]), whose bit 6
 /// puts the image on a fixed-size device (4 MiB of room past it, like a bdev) with the
-/// ordered layout (`OpenOptions::ordered_layout`), and whose top bit opens writable, the operations ([`OP_BYTES`] each, see [`Op::decode`]), then the
-/// image (at most [`MAX_IMAGE_BYTES`]). The image is opened first; operations that need an
-/// open image are skipped while none is.
+/// ordered layout (`OpenOptions::ordered_layout`), and whose top bit opens writable, the
+/// operations ([`OP_BYTES`] each, see [`Op::decode`]), then the image (at most
+/// [`MAX_IMAGE_BYTES`]). The image is opened first; operations that need an open image are
+/// skipped while none is.
 pub fn image_ops(data: &[u8]) {
     let [config, count, rest @ ..] = data else {
         return;
