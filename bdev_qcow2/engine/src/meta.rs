@@ -16,6 +16,7 @@
 
 use crate::error::{corrupt, Error, Field, Result};
 use crate::exec::{AsyncLock, Exec, WaitQueue};
+use crate::format::entries::COMPRESSED;
 use crate::format::refcount::{entries_per_block, get_refcount, set_refcount};
 use crate::format::{ImageHeader, L1Entry};
 use crate::image::{read_bytes, Qcow2};
@@ -42,7 +43,8 @@ const MAX_REGION_BYTES: u64 = 64 << 20;
 /// Host clusters reserved for the data clusters of one run of guest clusters (a slice, or
 /// a part of one: [`MAX_REGION_BYTES`]): guest cluster `first + i` goes to host cluster
 /// `start + i`, whatever order the guest writes them in. Kept in memory while the image
-/// is open (the layout it made stays; a reopen reserves anew for slices it touches). With
+/// is open; after a reopen, a slice with data gets its region back from where that data
+/// lies (`region_of_data`). With
 /// `OpenOptions::ordered_layout` on devices that cannot grow only (see
 /// [`Qcow2::alloc_data`]), where no cluster is fresh.
 #[derive(Clone, Copy)]
@@ -868,9 +870,9 @@ impl<D: BlockDevice> Qcow2<D> {
         Ok(Some((goal, count, false)))
     }
 
-    /// Reserves the host clusters of region `idx` (see [`Region`]): the first run of
-    /// clusters free for all of it at or after the last region and the allocation hint,
-    /// searched for a bounded distance, inside the device. Records and returns (start,
+    /// Reserves the host clusters of region `idx` (see [`Region`]): where its data already
+    /// lies, else the first run of clusters free for all of it at or after the last region
+    /// and the allocation hint, searched for a bounded distance, inside the device. Records and returns (start,
     /// length); length 0 when there is no such run (the region's data then goes wherever
     /// the allocator finds room, for as long as the image stays open).
     async fn reserve_region(&self, idx: u64) -> Result<(u64, u64)> {
@@ -884,6 +886,11 @@ impl<D: BlockDevice> Qcow2<D> {
         let found = 'search: {
             if len == 0 {
                 break 'search None;
+            }
+            // Data the slice already has (written before a reopen) says where its region
+            // was: keep it there.
+            if let Some(c) = self.region_of_data(idx * per, len).await? {
+                break 'search Some(c);
             }
             let mut c = {
                 let st = m.st.borrow();
@@ -922,6 +929,48 @@ impl<D: BlockDevice> Qcow2<D> {
         };
         st.regions.insert(idx, region);
         Ok((region.start, region.len))
+    }
+
+    /// Where the region of guest clusters `g0..g0 + len` (inside one slice) starts when its
+    /// first data cluster (an uncompressed entry naming a host cluster) is taken to be in
+    /// its slot, as the ordered layout put it before the image was reopened: `None` when the
+    /// clusters have no data yet, or that region would leave the device or overlap another.
+    async fn region_of_data(&self, g0: u64, len: u64) -> Result<Option<u64>> {
+        let bits = self.cluster_bits();
+        let off = GuestOffset(g0 << bits);
+        let Some(way) = self.load_slice(off).await? else {
+            return Ok(None);
+        };
+        let (key, i0) = (
+            self.geo.slice_id(off),
+            self.geo.index_in_slice(off) as usize,
+        );
+        let step = if self.geo.extended_l2 { 2 } else { 1 };
+        let cs = self.geo.cluster_size();
+        let first = |words: &[u64]| {
+            (0..len as usize).find_map(|k| {
+                let e = *words.get((i0 + k) * step)?;
+                let host = e & 0x00ff_ffff_ffff_fe00;
+                let data = e & COMPRESSED == 0 && host != 0 && host % cs == 0;
+                data.then(|| (host >> bits).checked_sub(k as u64))
+            })
+        };
+        let m = self.meta()?;
+        let found = match m.st.borrow().dirty_l2.get(&key) {
+            Some(words) => first(words),
+            None => first(self.l2_cache.borrow().block(way)),
+        };
+        let Some(Some(start)) = found else {
+            return Ok(None);
+        };
+        let end = self.device_size.get() >> bits;
+        let st = m.st.borrow();
+        let clash = st
+            .region_ends
+            .range(..start + len)
+            .next_back()
+            .is_some_and(|(_, &e)| e > start);
+        Ok((start > 0 && start + len <= end && !clash).then_some(start))
     }
 
     /// The first of host clusters `c..c + len` that [`cluster_is_free`] would refuse, if
