@@ -16,9 +16,8 @@
 
 use crate::error::{corrupt, Error, Field, Result};
 use crate::exec::{AsyncLock, Exec, WaitQueue};
-use crate::format::entries::COMPRESSED;
 use crate::format::refcount::{entries_per_block, get_refcount, set_refcount};
-use crate::format::{ImageHeader, L1Entry};
+use crate::format::{ImageHeader, L1Entry, L2Entry};
 use crate::image::{read_bytes, Qcow2};
 use crate::io::{BlockDevice, BufSlice, IoBuffer, SECTOR};
 use crate::types::GuestOffset;
@@ -932,7 +931,7 @@ impl<D: BlockDevice> Qcow2<D> {
     }
 
     /// Where the region of guest clusters `g0..g0 + len` (inside one slice) starts when its
-    /// first data cluster (an uncompressed entry naming a host cluster) is taken to be in
+    /// first data cluster (a plain data entry, `L2Entry::plain_data`) is taken to be in
     /// its slot, as the ordered layout put it before the image was reopened: `None` when the
     /// clusters have no data yet, or that region would leave the device or overlap another.
     async fn region_of_data(&self, g0: u64, len: u64) -> Result<Option<u64>> {
@@ -946,13 +945,11 @@ impl<D: BlockDevice> Qcow2<D> {
             self.geo.index_in_slice(off) as usize,
         );
         let step = if self.geo.extended_l2 { 2 } else { 1 };
-        let cs = self.geo.cluster_size();
         let first = |words: &[u64]| {
             (0..len as usize).find_map(|k| {
-                let e = *words.get((i0 + k) * step)?;
-                let host = e & 0x00ff_ffff_ffff_fe00;
-                let data = e & COMPRESSED == 0 && host != 0 && host % cs == 0;
-                data.then(|| (host >> bits).checked_sub(k as u64))
+                let e = L2Entry(*words.get((i0 + k) * step)?);
+                let (host, _) = e.plain_data(bits, u64::MAX)?;
+                Some((host >> bits).checked_sub(k as u64))
             })
         };
         let m = self.meta()?;
