@@ -91,6 +91,9 @@ pub(crate) struct MetaState {
     pub region_ends: BTreeMap<u64, u64>,
     /// Where the search for the next region starts.
     pub region_top: u64,
+    /// How many times the refcount table grew since open: an allocation that scanned for
+    /// free clusters while it grew starts over (the new table may lie on its candidates).
+    pub rt_grows: u64,
     /// Clusters at or past this index were never written since open (they read as zeros).
     pub fresh_from: u64,
     /// Guest clusters with an allocation in flight (writers of the same cluster wait).
@@ -161,6 +164,7 @@ impl<D: BlockDevice> Meta<D> {
                 regions: HashMap::default(),
                 region_ends: BTreeMap::new(),
                 region_top: 0,
+                rt_grows: 0,
                 fresh_from: end,
                 inflight: BTreeSet::new(),
                 sector0,
@@ -614,34 +618,55 @@ impl<D: BlockDevice> Qcow2<D> {
         };
         // First make every pending refcount change stable in the old layout.
         self.writeback_mode(true).await?;
-        let start = {
-            let st = m.st.borrow();
-            st.fresh_from.max(self.device_size.get().div_ceil(cs))
+        m.st.borrow_mut().rt_grows += 1;
+        // Past every allocated cluster on a device that grows; on one that cannot (a bdev),
+        // the first free run inside it that holds the table and its new blocks.
+        let dev_end = self.device_size.get() / cs;
+        let can_grow = self.exec.with_device(self.dev, |d| d.can_grow());
+        let mut start = if can_grow {
+            m.st.borrow()
+                .fresh_from
+                .max(self.device_size.get().div_ceil(cs))
+        } else {
+            m.st.borrow().alloc_hint.max(1)
         };
-        let mut entries = min_entries.max(old.len() as u64 * 2).max(cs / 8);
-        let mut extra = 0u64;
-        let (table_clusters, missing) = loop {
-            let table_clusters = (entries * 8).div_ceil(cs);
-            let end = start + table_clusters + extra;
-            let (lo, hi) = (start / per_block, (end - 1) / per_block);
-            if hi >= entries {
-                entries = hi + 1;
-                continue;
+        let (start, entries, table_clusters, missing) = loop {
+            let mut entries = min_entries.max(old.len() as u64 * 2).max(cs / 8);
+            let mut extra = 0u64;
+            let (table_clusters, missing) = loop {
+                let table_clusters = (entries * 8).div_ceil(cs);
+                let end = start + table_clusters + extra;
+                let (lo, hi) = (start / per_block, (end - 1) / per_block);
+                if hi >= entries {
+                    entries = hi + 1;
+                    continue;
+                }
+                let missing: Vec<u64> = (lo..=hi)
+                    .filter(|r| old.get(*r as usize).is_none_or(|e| *e == 0))
+                    .collect();
+                if missing.len() as u64 == extra {
+                    break (table_clusters, missing);
+                }
+                extra = missing.len() as u64;
+            };
+            if can_grow {
+                break (start, entries, table_clusters, missing);
             }
-            let missing: Vec<u64> = (lo..=hi)
-                .filter(|r| old.get(*r as usize).is_none_or(|e| *e == 0))
-                .collect();
-            if missing.len() as u64 == extra {
-                break (table_clusters, missing);
+            let len = table_clusters + missing.len() as u64;
+            if start + len > dev_end {
+                return Err(Error::Io(28)); // ENOSPC
             }
-            extra = missing.len() as u64;
+            match self.first_in_use(start, len).await? {
+                None => break (start, entries, table_clusters, missing),
+                Some(c) => start = c + 1,
+            }
         };
         if table_clusters << bits > crate::limits::MAX_REFCOUNT_TABLE_BYTES {
             return Err(Error::UnsupportedFeature(
                 "refcount table would exceed 8 MiB".into(),
             ));
         }
-        let end = start + table_clusters + extra;
+        let end = start + table_clusters + missing.len() as u64;
         let mut table = old.clone();
         table.resize(entries as usize, 0);
         // New blocks, right after the new table; each counts the new clusters in its range.
@@ -717,6 +742,34 @@ impl<D: BlockDevice> Qcow2<D> {
     pub(crate) async fn alloc_clusters(&self, n: u64) -> Result<(u64, u64, bool)> {
         let m = self.meta()?;
         self.reclaim_graced();
+        let (start, count) = loop {
+            let grows = m.st.borrow().rt_grows;
+            let (start, count) = self.find_free_run(n).await?;
+            // Checking a cluster past the refcount table's reach grows the table, and the
+            // new table goes where it finds room: perhaps on the run found before.
+            if m.st.borrow().rt_grows == grows {
+                break (start, count);
+            }
+        };
+        self.take_clusters(start, count).await?;
+        let fresh = {
+            let mut st = m.st.borrow_mut();
+            st.alloc_hint = start + count;
+            st.stats.clusters_allocated += count;
+            let fresh = start >= st.fresh_from;
+            if start + count > st.fresh_from {
+                st.fresh_from = start + count;
+            }
+            fresh
+        };
+        self.note_allocated(start + count)?;
+        Ok((start, count, fresh))
+    }
+
+    /// The first run of up to `n` free host clusters from the allocation hint (see
+    /// [`alloc_clusters`](Self::alloc_clusters)), not taken yet: (first cluster, count).
+    async fn find_free_run(&self, n: u64) -> Result<(u64, u64)> {
+        let m = self.meta()?;
         let hint = m.st.borrow().alloc_hint.max(1);
         let mut c = hint;
         let limit = self.alloc_limit();
@@ -757,19 +810,7 @@ impl<D: BlockDevice> Qcow2<D> {
         {
             count += 1;
         }
-        self.take_clusters(start, count).await?;
-        let fresh = {
-            let mut st = m.st.borrow_mut();
-            st.alloc_hint = start + count;
-            st.stats.clusters_allocated += count;
-            let fresh = start >= st.fresh_from;
-            if start + count > st.fresh_from {
-                st.fresh_from = start + count;
-            }
-            fresh
-        };
-        self.note_allocated(start + count)?;
-        Ok((start, count, fresh))
+        Ok((start, count))
     }
 
     /// Sets the refcounts of free clusters `start..start + count` to 1 (dirty); one that
@@ -855,10 +896,17 @@ impl<D: BlockDevice> Qcow2<D> {
         }
         let goal = start + slot;
         let n = n.min(len - slot);
-        let mut count = 0;
-        while count < n && self.cluster_is_free(goal + count).await? {
-            count += 1;
-        }
+        let count = loop {
+            let grows = m.st.borrow().rt_grows;
+            let mut count = 0;
+            while count < n && self.cluster_is_free(goal + count).await? {
+                count += 1;
+            }
+            // As in `alloc_clusters`: a table that grew meanwhile may lie on the run.
+            if m.st.borrow().rt_grows == grows {
+                break count;
+            }
+        };
         if count == 0 {
             return Ok(None);
         }
@@ -1006,6 +1054,34 @@ impl<D: BlockDevice> Qcow2<D> {
                 }
             }
             x += n;
+        }
+        Ok(None)
+    }
+
+    /// The first of host clusters `c..c + len` in use (refcount not 0, freed but not
+    /// stable yet, or metadata), if any, without creating refcount blocks: a cluster no
+    /// block covers is free. For placing a grown refcount table (whose new blocks then
+    /// cover such clusters) inside a device that cannot grow.
+    async fn first_in_use(&self, c: u64, len: u64) -> Result<Option<u64>> {
+        let m = self.meta()?;
+        let order = self.header.borrow().header.refcount_order;
+        let cs = self.geo.cluster_size();
+        for x in c..c + len {
+            {
+                let st = m.st.borrow();
+                if st.unstable_frees.contains(&x) || st.graced_set.contains(&x) {
+                    return Ok(Some(x));
+                }
+            }
+            if self.overlaps_metadata(x << self.cluster_bits(), cs) {
+                return Ok(Some(x));
+            }
+            if let Some((block, idx)) = self.rc_locate(x)? {
+                self.load_rc_block(block).await?;
+                if self.with_rc_block(block, |b| get_refcount(b, order, idx)) != 0 {
+                    return Ok(Some(x));
+                }
+            }
         }
         Ok(None)
     }

@@ -109,14 +109,19 @@ impl BlockDevice for MemDevice {
                 let mut tmp = vec![0u8; buf.len];
                 buf.copy_out(0, &mut tmp);
                 let end = offset as usize + tmp.len();
-                if s.data.len() < end {
-                    s.data.resize(end, 0);
+                if s.fixed && s.data.len() < end {
+                    // Like a bdev: nothing is written past its end.
+                    Err(DeviceError(5)) // EIO
+                } else {
+                    if s.data.len() < end {
+                        s.data.resize(end, 0);
+                    }
+                    s.data[offset as usize..end].copy_from_slice(&tmp);
+                    if s.record {
+                        s.log.push(LoggedOp::Write(offset, tmp));
+                    }
+                    Ok(())
                 }
-                s.data[offset as usize..end].copy_from_slice(&tmp);
-                if s.record {
-                    s.log.push(LoggedOp::Write(offset, tmp));
-                }
-                Ok(())
             }
             (None, DeviceOp::Flush) => {
                 if s.record {

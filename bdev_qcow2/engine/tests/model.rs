@@ -374,6 +374,89 @@ fn refcount_table_growth() {
     });
 }
 
+/// The refcount table grows in the middle of long writes (512-byte clusters: one table
+/// cluster covers 8 MiB of host space), on a device that grows (a file) and on one that
+/// cannot (a bdev). An allocation's run of free clusters used to be found first and taken
+/// after: the table that grew meanwhile (while checking the run's clusters) lay on it, and
+/// the image was marked corrupt; on a fixed device the new table went past its end
+/// (ENOSPC after 8 MiB).
+#[test]
+fn refcount_table_grows_under_long_writes() {
+    for fixed in [false, true] {
+        let size: u64 = 30 << 20;
+        let dev_len = 40 << 20;
+        let exec: Exec<MemDevice> = Exec::new();
+        let dev = if fixed {
+            MemDevice::fixed(Vec::new(), dev_len)
+        } else {
+            MemDevice::new(Vec::new())
+        };
+        let id = exec.add_device(dev.clone());
+        let e2 = exec.clone();
+        let opts = CreateOptions {
+            size,
+            cluster_bits: 9,
+            ..Default::default()
+        };
+        exec.block_on(async move { create(&e2, id, &opts).await })
+            .unwrap();
+        let rt_before = dev.contents()[48..56].to_vec();
+        let chain = Chain::new(&exec, vec![open_layer(&exec, &dev, true)]).unwrap();
+        let mut rng = Rng(99);
+        let mut reference = vec![0u8; size as usize];
+        let mut write = |off: u64, len: u64| {
+            let data: Vec<u8> = (0..len).map(|_| rng.next() as u8).collect();
+            reference[off as usize..(off + len) as usize].copy_from_slice(&data);
+            let buf = HeapBuf::new(len as usize);
+            buf.copy_in(0, &data);
+            let c = chain.clone();
+            exec.block_on(async move { c.write(off, BufSlice::whole(buf)).await })
+                .unwrap_or_else(|e| panic!("fixed {fixed}: write at {off}: {e}"));
+        };
+        // Sequential 1 MiB writes over most of the disk, then one long write at the end.
+        for i in 0..24u64 {
+            write(i << 20, 1 << 20);
+        }
+        write(24 << 20, 6 << 20);
+        let c = chain.clone();
+        exec.block_on(async move { c.close().await }).unwrap();
+        let img = dev.contents();
+        assert_ne!(
+            img[48..56],
+            rt_before[..],
+            "fixed {fixed}: the table did not grow"
+        );
+        if fixed {
+            assert_eq!(img.len(), dev_len, "a fixed device must not grow");
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let (path, raw) = (dir.path().join("img.qcow2"), dir.path().join("ref.raw"));
+        std::fs::write(&path, &img).unwrap();
+        std::fs::write(&raw, &reference).unwrap();
+        let check = Command::new("qemu-img")
+            .arg("check")
+            .arg(&path)
+            .output()
+            .unwrap();
+        assert!(
+            check.status.success(),
+            "fixed {fixed}: {}",
+            String::from_utf8_lossy(&check.stdout)
+        );
+        let cmp = Command::new("qemu-img")
+            .args(["compare", "-f", "qcow2", "-F", "raw"])
+            .arg(&path)
+            .arg(&raw)
+            .output()
+            .unwrap();
+        assert!(
+            cmp.status.success(),
+            "fixed {fixed}: {}",
+            String::from_utf8_lossy(&cmp.stdout)
+        );
+    }
+}
+
 #[test]
 fn lazy_refcounts_64k() {
     run(Setup {
