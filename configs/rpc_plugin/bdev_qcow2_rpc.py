@@ -27,11 +27,12 @@ def bdev_qcow2_create(client, name, base_bdev, backing_bdev=None, read_only=None
 
 def bdev_qcow2_format(client, base_bdev, size, cluster_size=None, extended_l2=None,
                       refcount_bits=None, compat=None, lazy_refcounts=None,
-                      compression_type=None):
+                      compression_type=None, preallocation=None):
     params = {'base_bdev': base_bdev, 'size': size}
     for k, v in (('cluster_size', cluster_size), ('extended_l2', extended_l2),
                  ('refcount_bits', refcount_bits), ('compat', compat),
-                 ('lazy_refcounts', lazy_refcounts), ('compression_type', compression_type)):
+                 ('lazy_refcounts', lazy_refcounts), ('compression_type', compression_type),
+                 ('preallocation', preallocation)):
         if v is not None:
             params[k] = v
     return client.call('bdev_qcow2_format', params)
@@ -85,7 +86,8 @@ def spdk_rpc_plugin_initialize(subparsers):
                                      extended_l2=args.extended_l2,
                                      refcount_bits=args.refcount_bits, compat=args.compat,
                                      lazy_refcounts=args.lazy_refcounts,
-                                     compression_type=args.compression_type))
+                                     compression_type=args.compression_type,
+                                     preallocation=args.preallocation))
 
     p = subparsers.add_parser('bdev_qcow2_format',
                               help='Write a fresh, empty qcow2 image onto a bdev (erases it)')
@@ -100,6 +102,9 @@ def spdk_rpc_plugin_initialize(subparsers):
                    help='lazy refcounts (compat 1.1)')
     p.add_argument('--compression-type', choices=['zlib', 'zstd'],
                    help='compression of compressed clusters (default zlib)')
+    p.add_argument('--preallocation', choices=['off', 'metadata', 'full'],
+                   help='allocate every cluster: metadata (as preallocated zero clusters) '
+                        'or full (written with zeros); default off')
     p.set_defaults(func=fmt)
 
     def delete(args):

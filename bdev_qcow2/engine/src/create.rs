@@ -230,48 +230,138 @@ pub async fn create<D: BlockDevice>(
     exec.flush(dev).await
 }
 
-/// `preallocation=metadata`: allocates every cluster of the (fresh, writable) top image of
-/// `chain` and points its L2 entries at them, contiguously, as QEMU does. The clusters are
-/// never written (they read as zeros from the sparse file); the device is extended to cover
-/// them. Closes (flushes) the image.
-pub async fn preallocate_metadata<D: BlockDevice>(
+/// How [`preallocate`] fills a fresh image (`preallocation=` of `qemu-img create`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Preallocation {
+    /// Every cluster is allocated and mapped, its contents never written.
+    ///
+    /// `device_reads_zeros`: the device reads zeros where the clusters go (a fresh sparse
+    /// file). The entries are then plain data entries, as QEMU writes them. Otherwise (a bdev
+    /// or a block device, which may hold anything) the entries are preallocated zero
+    /// clusters (the v3 zero flag, so old contents never show; a v2 image cannot say that
+    /// and is refused). With extended L2 the subclusters stay unallocated either way (they
+    /// read as zeros, or from a backing file), as QEMU leaves them.
+    Metadata {
+        /// The device reads zeros past the image's metadata.
+        device_reads_zeros: bool,
+    },
+    /// Every cluster is allocated, written with zeros and mapped as plain data: the image
+    /// is fully allocated (with extended L2, see [`preallocate`]).
+    Full,
+}
+
+/// Bytes of zeros one write of [`Preallocation::Full`] covers.
+const ZERO_CHUNK: u64 = 1 << 20;
+/// Zero writes of [`Preallocation::Full`] in flight at once.
+const ZERO_DEPTH: usize = 8;
+
+/// Preallocates every cluster of the fresh, writable top image of `chain`, contiguously, as
+/// QEMU does, in the way `mode` says; the device is extended to cover them (a sparse file
+/// grows; a fixed device must be large enough: `ENOSPC` otherwise). Closes (flushes) the
+/// image. Refused (as by `qemu-img`) when the image has a backing file and no extended L2.
+pub async fn preallocate<D: BlockDevice>(
     chain: &std::rc::Rc<crate::Chain<D>>,
+    mode: Preallocation,
 ) -> Result<()> {
-    use crate::format::entries::COPIED;
+    use crate::format::entries::{COPIED, FULL_BITMAP, ZERO};
     use crate::types::GuestOffset;
     let crate::Layer::Qcow2(q) = &chain.layers()[0] else {
         return Err(Error::ReadOnly);
     };
     let m = q.meta()?;
     let geo = q.geometry();
+    let (backed, version) = {
+        let h = q.header();
+        (h.backing_file.is_some(), h.header.version)
+    };
+    if backed && !geo.extended_l2 {
+        // A zero or data entry would hide the backing file's data.
+        return Err(Error::UnsupportedFeature(
+            "preallocation with a backing file needs extended_l2".into(),
+        ));
+    }
+    // The entry flags and bitmap every preallocated cluster gets. With extended L2 the
+    // subclusters stay unallocated (as QEMU leaves them: they read as zeros or from the
+    // backing file), except that a full preallocation of an image without backing file
+    // marks them allocated: they hold zeros, and the image is then fully allocated.
+    let (flags, bitmap) = match mode {
+        Preallocation::Full if geo.extended_l2 && !backed => (COPIED, FULL_BITMAP),
+        _ if geo.extended_l2 => (COPIED, 0),
+        Preallocation::Full
+        | Preallocation::Metadata {
+            device_reads_zeros: true,
+        } => (COPIED, 0),
+        Preallocation::Metadata {
+            device_reads_zeros: false,
+        } => {
+            if version < 3 {
+                return Err(Error::UnsupportedFeature(
+                    "preallocation=metadata on a device that may hold old data needs \
+                     compat=1.1 (zero flag); use preallocation=full"
+                        .into(),
+                ));
+            }
+            (COPIED | ZERO, 0)
+        }
+    };
     let cs = geo.cluster_size();
     let n_clusters = q.size().div_ceil(cs);
     let per_table = geo.l2_entries();
-    // With extended L2 the subclusters stay unallocated (they read as zeros), like QEMU.
-    let bitmap = 0;
+    let exec = q.exec();
+    let dev = q.dev();
+    // Plain data entries whose clusters must read as zeros: all of them with `Full`; with
+    // `Metadata` on a device that reads zeros, those of clusters written before (a freed
+    // metadata cluster reused, such as the refcount table a growth replaced).
+    let plain = flags == COPIED && !(geo.extended_l2 && bitmap == 0);
+    let mut zeros: Option<BufSlice<D::Buf>> = None;
     let mut end = 0;
     {
         let _g = m.lock.lock().await;
+        // Every L2 table first, so that the data clusters follow them in one run (as QEMU
+        // lays a preallocated image out).
+        for t in 0..n_clusters.div_ceil(per_table) {
+            q.ensure_l2(GuestOffset(t * per_table * cs)).await?;
+            q.maybe_writeback_locked().await?;
+        }
         let mut g = 0;
         while g < n_clusters {
-            q.ensure_l2(GuestOffset(g * cs)).await?;
             let table_end = n_clusters.min((g / per_table + 1) * per_table);
             while g < table_end {
-                let (c0, n, _) = q.alloc_clusters(table_end - g).await?;
+                let (c0, n, fresh) = q.alloc_clusters(table_end - g).await?;
+                let (start, stop) = (c0 << geo.cluster_bits, (c0 + n) << geo.cluster_bits);
+                exec.with_device(dev, |d| d.ensure_size(stop))
+                    .map_err(|e| Error::Io(e.0))?;
+                if plain && (mode == Preallocation::Full || !fresh) {
+                    let z = zeros.get_or_insert_with(|| {
+                        let len = ZERO_CHUNK.min(n_clusters * cs) as usize;
+                        BufSlice::whole(exec.alloc_buf(dev, len))
+                    });
+                    // The zeros are on the device before any entry names the clusters (the
+                    // write-back flushes data before the L2 slices that point at it).
+                    let mut off = start;
+                    while off < stop {
+                        let mut futs = Vec::with_capacity(ZERO_DEPTH);
+                        while off < stop && futs.len() < ZERO_DEPTH {
+                            let len = (stop - off).min(z.len as u64);
+                            futs.push(exec.write(dev, off, z.sub(0, len as usize)));
+                            off += len;
+                        }
+                        crate::exec::join_all(futs).await?;
+                    }
+                }
                 for i in 0..n {
                     let off = GuestOffset((g + i) * cs);
                     q.dirty_slice_for(off).await?;
-                    q.set_l2_words(off, ((c0 + i) << geo.cluster_bits) | COPIED, bitmap)?;
+                    q.set_l2_words(off, ((c0 + i) << geo.cluster_bits) | flags, bitmap)?;
                 }
-                end = end.max((c0 + n) << geo.cluster_bits);
+                end = end.max(stop);
                 g += n;
             }
             q.maybe_writeback_locked().await?;
         }
     }
     // Make the device cover the clusters (a sparse file grows), then write back.
-    q.exec()
-        .with_device(q.dev(), |d| d.ensure_size(end))
+    exec.with_device(dev, |d| d.ensure_size(end))
         .map_err(|e| Error::Io(e.0))?;
     chain.close().await
 }

@@ -424,13 +424,17 @@ impl<D: BlockDevice> Exec<D> {
 
     /// Reports finished guest requests to `done` (without polling devices or running
     /// tasks); returns how many.
+    ///
+    /// Only those finished when it starts: `done` may submit a new request at once (SPDK
+    /// completes a bdev_io, bdevperf submits the next), and one that finishes without
+    /// device I/O (a read of zeros) is queued again at once. Draining until empty would
+    /// then never return and starve the host's thread (its messages, timers, pollers).
     pub fn take_completions(&self, done: &mut dyn FnMut(u64, Result<()>)) -> usize {
-        let mut n = 0;
-        loop {
+        let n = self.inner.done.borrow().len();
+        for _ in 0..n {
             let Some((tag, res)) = self.inner.done.borrow_mut().pop_front() else {
-                break;
+                return n;
             };
-            n += 1;
             done(tag, res);
         }
         n

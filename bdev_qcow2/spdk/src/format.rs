@@ -1,5 +1,5 @@
 //! `bdev_qcow2_format`: writes a fresh, empty image onto a base bdev with the engine's
-//! `create`, asynchronously on the calling thread. The base is opened for writing and claimed as
+//! `create` (then preallocates it if asked), asynchronously on the calling thread. The base is opened for writing and claimed as
 //! its only writer for the duration (released when the descriptor closes).
 
 use crate::device::SpdkDevice;
@@ -8,8 +8,8 @@ use crate::ffi::sys;
 use crate::ffi::thread::{Poller, POLLER_BUSY, POLLER_IDLE};
 use crate::module::module_ptr;
 use crate::params::FormatParams;
-use qcow2_engine::create::{create, CreateOptions};
-use qcow2_engine::{Error, Exec};
+use qcow2_engine::create::{create, preallocate, CreateOptions, Preallocation};
+use qcow2_engine::{Chain, DevId, Error, Exec, Layer, OpenOptions, Qcow2};
 use std::cell::RefCell;
 use std::ffi::{c_int, c_void};
 use std::rc::Rc;
@@ -19,6 +19,8 @@ pub type Done = Box<dyn FnOnce(Result<(), (i32, String)>)>;
 
 struct Job {
     base: String,
+    /// Preallocation was asked for (for the error message).
+    preallocated: bool,
     base_size: u64,
     desc: Option<Desc>,
     exec: Option<Exec<SpdkDevice>>,
@@ -45,6 +47,18 @@ fn errno_msg(e: i32) -> String {
 pub fn format(p: FormatParams, done: Done) {
     let opts: CreateOptions = match p.create_options() {
         Ok(o) => o,
+        Err(m) => return done(Err((libc::EINVAL, m))),
+    };
+    let prealloc = match p.preallocation() {
+        Ok(Some(Preallocation::Metadata { .. })) if opts.version < 3 => {
+            return done(Err((
+                libc::EINVAL,
+                "preallocation metadata needs compat 1.1 (the zero flag hides the bdev's old \
+                 contents); use preallocation full"
+                    .into(),
+            )))
+        }
+        Ok(m) => m,
         Err(m) => return done(Err((libc::EINVAL, m))),
     };
     let base = p.base_bdev.clone();
@@ -81,12 +95,16 @@ pub fn format(p: FormatParams, done: Done) {
     {
         let (e2, r2) = (exec.clone(), result.clone());
         exec.spawn(async move {
-            let r = create(&e2, dev, &opts).await;
+            let mut r = create(&e2, dev, &opts).await;
+            if let (Ok(()), Some(mode)) = (&r, prealloc) {
+                r = preallocate_on(&e2, dev, mode).await;
+            }
             *r2.borrow_mut() = Some(r);
         });
     }
     let job = Box::into_raw(Box::new(Job {
         base,
+        preallocated: prealloc.is_some(),
         base_size,
         desc: Some(desc),
         exec: Some(exec),
@@ -110,6 +128,21 @@ pub fn format(p: FormatParams, done: Done) {
             }
         }
     }
+}
+
+/// Opens the image just formatted on `dev` and preallocates it (closing it when done).
+async fn preallocate_on(
+    exec: &Exec<SpdkDevice>,
+    dev: DevId,
+    mode: Preallocation,
+) -> qcow2_engine::Result<()> {
+    let opts = OpenOptions {
+        writable: true,
+        ..Default::default()
+    };
+    let q = Qcow2::open(exec, dev, opts).await?;
+    let chain = Chain::new(exec, vec![Layer::Qcow2(Box::new(q))])?;
+    preallocate(&chain, mode).await
 }
 
 unsafe extern "C" fn job_poll(ctx: *mut c_void) -> c_int {
@@ -142,8 +175,14 @@ unsafe extern "C" fn job_poll(ctx: *mut c_void) -> c_int {
         Some(Err(Error::Io(e))) if e == libc::EINVAL || e == libc::ENOSPC => Err((
             libc::ENOSPC,
             format!(
-                "bdev {} ({} bytes) is too small for the image's metadata",
-                j.base, j.base_size
+                "bdev {} ({} bytes) is too small for the image's {}",
+                j.base,
+                j.base_size,
+                if j.preallocated {
+                    "preallocated clusters"
+                } else {
+                    "metadata"
+                }
             ),
         )),
         Some(Err(e)) => Err((e.errno(), format!("formatting bdev {}: {e}", j.base))),

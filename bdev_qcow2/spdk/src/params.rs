@@ -1,7 +1,7 @@
 //! RPC parameters, decoded once into structs that `write_config_json` writes back, so
 //! `save_config` round-trips.
 
-use qcow2_engine::create::CreateOptions;
+use qcow2_engine::create::{CreateOptions, Preallocation};
 use qcow2_engine::format::header::CompressionType;
 use qcow2_engine::OpenOptions;
 use serde::{Deserialize, Serialize};
@@ -128,6 +128,11 @@ pub struct FormatParams {
     /// `"zlib"` (default) or `"zstd"`.
     #[serde(default)]
     pub compression_type: Option<String>,
+    /// `"off"` (default), `"metadata"` (every cluster allocated and mapped as a preallocated
+    /// zero cluster: nothing of the base's old contents shows) or `"full"` (every cluster
+    /// allocated and written with zeros: a fully allocated image).
+    #[serde(default)]
+    pub preallocation: Option<String>,
 }
 
 impl FormatParams {
@@ -173,6 +178,19 @@ impl FormatParams {
             backing_file: None,
             backing_format: None,
         })
+    }
+
+    /// The preallocation to run after formatting (`None`: off), or why the value is invalid.
+    pub fn preallocation(&self) -> Result<Option<Preallocation>, String> {
+        match self.preallocation.as_deref() {
+            None | Some("off") => Ok(None),
+            // A bdev may hold anything: the clusters must not show it.
+            Some("metadata") => Ok(Some(Preallocation::Metadata {
+                device_reads_zeros: false,
+            })),
+            Some("full") => Ok(Some(Preallocation::Full)),
+            Some(p) => Err(format!("preallocation {p}: must be off, metadata or full")),
+        }
     }
 }
 

@@ -1025,6 +1025,150 @@ mod real {
         }
     }
 
+    /// `bdev_qcow2_format` with `preallocation`: over a base full of old data (0xab), the
+    /// preallocated image reads as zeros (old contents never show), passes `qemu-img
+    /// check`, maps as qemu-img says (metadata: allocated zero clusters; full: data, front
+    /// to back), and serves a verify run. Also: random reads of a fresh, never written image
+    /// (every read answered with zeros, no device I/O) finish: they used to keep the
+    /// reactor in our completion loop for ever, as bdevperf resubmits at once.
+    #[test]
+    fn format_preallocates_and_reads_of_zeros_finish() {
+        require!("bdevperf", "spdk_dd");
+        let _t = turn();
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        let img = d.join("pre.qcow2");
+        let old_data = |img: &Path| {
+            fs::write(img, vec![0xab; (96 * MIB) as usize]).unwrap();
+        };
+        let format = |extra: Value| {
+            let mut f = format_call("b0", 64 * MIB);
+            for (k, v) in extra.as_object().unwrap() {
+                f["params"][k] = v.clone();
+            }
+            f
+        };
+
+        // Fresh, not preallocated: random reads of zeros.
+        old_data(&img);
+        let cfg = d.join("fresh.json");
+        write_config(
+            &cfg,
+            vec![aio(&img, "b0"), format(json!({})), qcow2("q0", "b0", None)],
+        );
+        for w in ["randread", "read"] {
+            let (ok, out) = bdevperf(
+                d,
+                &cfg,
+                &format!("fresh-{w}"),
+                &["-q", "32", "-o", "4096", "-w", w, "-t", "2"],
+                60,
+            );
+            let rows = bdevperf_rows(&out, "q0");
+            assert!(
+                ok && rows.len() == 1 && rows[0].0 > 0.0 && rows[0].1 == 0.0,
+                "{w} of a fresh image:\n{out}"
+            );
+            say(&format!(
+                "fresh image, bdevperf -w {w} (all zeros): finished, {:.0} IOPS",
+                rows[0].0
+            ));
+        }
+
+        for (mode, ext) in [
+            ("metadata", false),
+            ("full", false),
+            ("metadata", true),
+            ("full", true),
+        ] {
+            let tag = format!("{mode}{}", if ext { "-extended" } else { "" });
+            old_data(&img);
+            let cfg = d.join(format!("{tag}.json"));
+            write_config(
+                &cfg,
+                vec![
+                    aio(&img, "b0"),
+                    format(json!({"preallocation": mode, "extended_l2": ext})),
+                    qcow2("q0", "b0", None),
+                ],
+            );
+            // Reads zeros, exactly as qemu-img reads it.
+            dd_and_compare(d, &cfg, "q0", &img, &tag);
+            let raw = fs::read(d.join(format!("{tag}.spdk.raw"))).unwrap();
+            assert!(
+                raw.iter().all(|&b| b == 0),
+                "{tag}: old contents show through"
+            );
+            check_clean(&img, &tag);
+            let out = run_ok(Command::new("qemu-img").args(["map", "--output=json", s(&img)]));
+            let map: Value = serde_json::from_slice(&out.stdout).unwrap();
+            let map = map.as_array().unwrap();
+            let covered: u64 = map.iter().map(|e| e["length"].as_u64().unwrap()).sum();
+            assert_eq!(covered, 64 * MIB, "{tag}: {map:?}");
+            for e in map {
+                let (zero, data) = (e["zero"] == json!(true), e["data"] == json!(true));
+                match (mode, ext) {
+                    // Preallocated zero clusters / unallocated subclusters of allocated
+                    // clusters: zeros, not data.
+                    ("metadata", _) => assert!(zero && !data, "{tag}: {e}"),
+                    _ => assert!(data && !zero, "{tag}: {e}"),
+                }
+            }
+            if mode == "full" {
+                assert_front_to_back(&img, &tag);
+            }
+            let (ok, out) = bdevperf(
+                d,
+                &cfg2_of(d, &img, &tag),
+                &format!("verify-{tag}"),
+                &[
+                    "-q", "32", "-o", "4096", "-w", "verify", "-t", "2", "-C", "-m", "0x3",
+                ],
+                90,
+            );
+            let rows = bdevperf_rows(&out, "q0");
+            assert!(
+                ok && rows.len() == 2 && rows.iter().all(|r| r.0 > 0.0 && r.1 == 0.0),
+                "{tag}: verify failed:\n{out}"
+            );
+            check_clean(&img, &tag);
+            say(&format!(
+                "preallocation {tag}: reads zeros over old data (= qemu-img), check clean, map as expected, verify 0 failures"
+            ));
+        }
+
+        // A v2 image cannot mark clusters as zeros: metadata preallocation is refused.
+        old_data(&img);
+        let cfg = d.join("v2.json");
+        write_config(
+            &cfg,
+            vec![
+                aio(&img, "b0"),
+                format(json!({"preallocation": "metadata", "compat": "0.10"})),
+                qcow2("q0", "b0", None),
+            ],
+        );
+        let (ok, out) = bdevperf(
+            d,
+            &cfg,
+            "v2",
+            &["-q", "1", "-o", "4096", "-w", "read", "-t", "1"],
+            60,
+        );
+        assert!(
+            !ok && out.contains("needs compat 1.1"),
+            "v2 metadata preallocation:\n{out}"
+        );
+        say("preallocation metadata with compat 0.10: refused (needs compat 1.1)");
+    }
+
+    /// A config that opens the image already on `img` (no format).
+    fn cfg2_of(d: &Path, img: &Path, tag: &str) -> PathBuf {
+        let cfg = d.join(format!("{tag}-open.json"));
+        write_config(&cfg, vec![aio(img, "b0"), qcow2("q0", "b0", None)]);
+        cfg
+    }
+
     #[test]
     fn injected_errors_reach_bdevperf_and_leave_no_corruption() {
         require!("bdevperf");

@@ -43,8 +43,10 @@ pub struct CreateArgs {
 pub enum Preallocation {
     /// No preallocation (the default).
     Off,
-    /// Allocate every L2 table and cluster in metadata (not supported yet).
+    /// Allocate every L2 table and cluster in metadata; the data stays sparse.
     Metadata,
+    /// Allocate every cluster and write zeros into it (a fully allocated image).
+    Full,
 }
 
 /// Parsed `-o` options: the engine's create options plus what the "Formatting" line echoes.
@@ -206,9 +208,8 @@ impl FormatOptions {
                     self.preallocation = match v {
                         "off" => Preallocation::Off,
                         "metadata" => Preallocation::Metadata,
-                        "falloc" | "full" => {
-                            return usage(format!("preallocation={v} is not supported"))
-                        }
+                        "full" => Preallocation::Full,
+                        "falloc" => return usage(format!("preallocation={v} is not supported")),
                         _ => return usage(format!("Invalid preallocation mode: '{v}'")),
                     };
                     self.prealloc_text = Some(v.to_string());
@@ -246,7 +247,7 @@ impl FormatOptions {
         if c.backing_format.is_some() && c.backing_file.is_none() {
             return usage("Backing format cannot be used without backing file");
         }
-        if self.preallocation == Preallocation::Metadata && c.backing_file.is_some() {
+        if self.preallocation != Preallocation::Off && c.backing_file.is_some() && !c.extended_l2 {
             return usage("Backing file and preallocation can only be used at the same time if extended_l2 is on");
         }
         Ok(())
@@ -392,14 +393,22 @@ pub fn run(args: &CreateArgs) -> ToolResult<String> {
         );
     }
     format_image(&args.image, &fo.create)?;
-    if fo.preallocation == Preallocation::Metadata {
-        preallocate(&args.image)?;
+    let mode = match fo.preallocation {
+        Preallocation::Off => None,
+        // The file was just created: it reads zeros wherever nothing was written.
+        Preallocation::Metadata => Some(qcow2_engine::create::Preallocation::Metadata {
+            device_reads_zeros: true,
+        }),
+        Preallocation::Full => Some(qcow2_engine::create::Preallocation::Full),
+    };
+    if let Some(mode) = mode {
+        preallocate(&args.image, mode)?;
     }
     Ok(out)
 }
 
-/// `preallocation=metadata` on a freshly formatted image.
-fn preallocate(path: &Path) -> ToolResult<()> {
+/// `preallocation=metadata|full` on a freshly formatted image.
+fn preallocate(path: &Path, mode: qcow2_engine::create::Preallocation) -> ToolResult<()> {
     let spec = crate::host::OpenSpec {
         path: path.to_path_buf(),
         format: Format::Qcow2,
@@ -415,7 +424,7 @@ fn preallocate(path: &Path) -> ToolResult<()> {
     let o = crate::host::open_chain(&spec)?;
     let chain = o.chain.clone();
     o.exec
-        .block_on(async move { qcow2_engine::create::preallocate_metadata(&chain).await })
+        .block_on(async move { qcow2_engine::create::preallocate(&chain, mode).await })
         .map_err(|source| ToolError::Engine {
             path: path.display().to_string(),
             source,
