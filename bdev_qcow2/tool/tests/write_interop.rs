@@ -286,6 +286,58 @@ fn create_preallocation_metadata_like_qemu() {
     }
 }
 
+#[test]
+fn create_preallocation_full_and_small_clusters_like_qemu() {
+    let d = Dir::new();
+    // 512-byte clusters: the refcount table grows during the preallocation (and its old
+    // cluster is reused for data, which must then read as zeros too).
+    for o in [
+        "preallocation=full",
+        "preallocation=full,compat=0.10",
+        "preallocation=full,cluster_size=4k",
+        "preallocation=full,extended_l2=on",
+        "preallocation=full,cluster_size=512",
+        "preallocation=metadata,cluster_size=512",
+        "preallocation=metadata,cluster_size=512,compat=0.10",
+    ] {
+        let ours = d.path("ours.qcow2");
+        let theirs = d.path("theirs.qcow2");
+        let _ = std::fs::remove_file(&ours);
+        let out = output(Command::new(QCOW2).args(["create", "-q", "-o", o, s(&ours), "24M"]));
+        assert!(
+            out.status.success(),
+            "{o}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        qemu_img(&["create", "-q", "-f", "qcow2", "-o", o, s(&theirs), "24M"]);
+        let check = output(Command::new("qemu-img").args(["check", s(&ours)]));
+        assert!(
+            check.status.success(),
+            "{o}: {}",
+            String::from_utf8_lossy(&check.stdout)
+        );
+        let cmp = output(Command::new("qemu-img").args(["compare", s(&ours), s(&theirs)]));
+        assert!(cmp.status.success(), "{o}: contents differ from qemu-img's");
+        // Every cluster allocated; with `full`, as data (qemu-img leaves the subclusters of
+        // extended L2 unallocated; ours are allocated zeros).
+        let map = output(Command::new("qemu-img").args(["map", "--output=json", s(&ours)]));
+        let map: serde_json::Value = serde_json::from_slice(&map.stdout).unwrap();
+        for e in map.as_array().unwrap() {
+            assert!(e["offset"].is_u64(), "{o}: not allocated: {e}");
+            if o.contains("full") {
+                assert_eq!(e["data"], true, "{o}: {e}");
+            }
+        }
+        if !o.contains("cluster_size") && !o.contains("extended") {
+            assert_eq!(
+                output(Command::new("qemu-img").args(["map", "--output=json", s(&ours)])).stdout,
+                output(Command::new("qemu-img").args(["map", "--output=json", s(&theirs)])).stdout,
+                "{o}: map differs from qemu-img's"
+            );
+        }
+    }
+}
+
 // ----- io ---------------------------------------------------------------------------
 
 /// Runs a workload with `qcow2 io` on a fresh image made by `qcow2 create -o opts` and with
