@@ -165,16 +165,22 @@ fresh=$((fresh / ${ROUNDS:-2})) full=$((full / ${ROUNDS:-2}))
 echo "malloc, qcow2 4K clusters, 1 GiB: randwrite 4096 B QD32 1 s: fresh image $fresh IOPS, fully allocated $full IOPS, ratio $(ratio "$fresh" "$full")"
 fi
 
-# 2. Writable qcow2 (64 KiB clusters, 512 MiB, filled) vs passthru on the same kind of base;
-#    then the same image reopened read-only (bdev_qcow2_delete + create --read-only in the
-#    same process: the malloc keeps the image) vs passthru. On one core, then on two cores
-#    with one job per core on the bdev (-m 0x3 -C): the second core's channel serves reads
-#    and overwrites on its own replica.
+# 2. Writable qcow2 (64 KiB clusters, 512 MiB, fully allocated) vs passthru on the same
+#    kind of base; then the same image reopened read-only (bdev_qcow2_delete + create
+#    --read-only in the same process: the malloc keeps the image) vs passthru. On one core,
+#    then on two cores with one job per core on the bdev (-m 0x3 -C): the second core's
+#    channel serves reads and overwrites on its own replica.
+#    Fully allocated two ways (ZPRE): formatted with preallocation "full" (the clusters in
+#    guest order, as an operator preallocates), then written once like the passthru's base;
+#    or ("off") allocated by that write, 1 MiB sequential writes at QD8 — from one job on
+#    one core (guest order again), but from two jobs racing over the same range with -C,
+#    which interleaves their allocations: a fragmented layout (hundreds of extents), whose
+#    look-ups load the L2 entry where a linear slice needs none.
 # One round: a qcow2 process, then a passthru process; adds each figure into Q/R/P.
 writable_round() {
   local v
   zbench_start q0 "{\"method\":\"bdev_malloc_create\",\"params\":{\"name\":\"m0\",\"num_blocks\":$((640 * 2048)),\"block_size\":512}},
-{\"method\":\"bdev_qcow2_format\",\"params\":{\"base_bdev\":\"m0\",\"size\":536870912}},
+{\"method\":\"bdev_qcow2_format\",\"params\":{\"base_bdev\":\"m0\",\"size\":536870912,\"preallocation\":\"${ZPRE:-full}\"}},
 {\"method\":\"bdev_qcow2_create\",\"params\":{\"name\":\"q0\",\"base_bdev\":\"m0\"}}"
   zrun write 1048576 3 8 >/dev/null
   for w in randread randwrite; do for o in 4096 512; do
@@ -209,9 +215,10 @@ writable_vs_passthru() {
   done
 }
 if [ -z "${SKIP_WRITABLE:-}" ]; then
-  writable_vs_passthru "one core"
+  writable_vs_passthru "one core, preallocated"
   if [ -z "${SKIP_2CORE:-}" ] && [ "$(nproc)" -ge 2 ]; then
-    ZMASK=0x3 ZMULTI=-C writable_vs_passthru "two cores (-C)"
+    ZMASK=0x3 ZMULTI=-C writable_vs_passthru "two cores (-C), preallocated"
+    ZPRE=off ZMASK=0x3 ZMULTI=-C writable_vs_passthru "two cores (-C), filled by two writers"
   fi
 fi
 
