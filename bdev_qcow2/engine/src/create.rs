@@ -329,8 +329,6 @@ pub async fn preallocate<D: BlockDevice>(
             while g < table_end {
                 let (c0, n, fresh) = q.alloc_clusters(table_end - g).await?;
                 let (start, stop) = (c0 << geo.cluster_bits, (c0 + n) << geo.cluster_bits);
-                exec.with_device(dev, |d| d.ensure_size(stop))
-                    .map_err(|e| Error::Io(e.0))?;
                 if plain && (mode == Preallocation::Full || !fresh) {
                     let z = zeros.get_or_insert_with(|| {
                         let len = ZERO_CHUNK.min(n_clusters * cs) as usize;

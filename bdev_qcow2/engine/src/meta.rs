@@ -630,6 +630,7 @@ impl<D: BlockDevice> Qcow2<D> {
         } else {
             m.st.borrow().alloc_hint.max(1)
         };
+        let mut wrapped = false;
         let (start, entries, table_clusters, missing) = loop {
             let mut entries = min_entries.max(old.len() as u64 * 2).max(cs / 8);
             let mut extra = 0u64;
@@ -654,6 +655,12 @@ impl<D: BlockDevice> Qcow2<D> {
             }
             let len = table_clusters + missing.len() as u64;
             if start + len > dev_end {
+                if !wrapped {
+                    // Nothing past the hint: look below it once.
+                    wrapped = true;
+                    start = 1;
+                    continue;
+                }
                 return Err(Error::Io(28)); // ENOSPC
             }
             match self.first_in_use(start, len).await? {
