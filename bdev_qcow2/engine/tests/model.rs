@@ -457,6 +457,128 @@ fn refcount_table_grows_under_long_writes() {
     }
 }
 
+/// Preallocation on a device that holds old data (a bdev): `Metadata` maps the clusters as
+/// preallocated zero clusters and `Full` writes zeros, so the old bytes never show; a v2
+/// image cannot mark zeros and is refused `Metadata`. Writes into a preallocated image read
+/// back, and `qemu-img check` and `compare` agree.
+#[test]
+fn preallocation_on_a_device_with_old_data() {
+    use qcow2_engine::create::{preallocate, Preallocation};
+    let size: u64 = 8 << 20;
+    let dev_len = 12 << 20;
+    for (mode, version) in [
+        (
+            Preallocation::Metadata {
+                device_reads_zeros: false,
+            },
+            3,
+        ),
+        (Preallocation::Full, 3),
+        (Preallocation::Full, 2),
+        (
+            Preallocation::Metadata {
+                device_reads_zeros: false,
+            },
+            2,
+        ),
+    ] {
+        let what = format!("{mode:?} v{version}");
+        let exec: Exec<MemDevice> = Exec::new();
+        let dev = MemDevice::fixed(vec![0xab; dev_len], dev_len);
+        let id = exec.add_device(dev.clone());
+        let e2 = exec.clone();
+        let opts = CreateOptions {
+            size,
+            cluster_bits: 12,
+            version,
+            ..Default::default()
+        };
+        exec.block_on(async move { create(&e2, id, &opts).await })
+            .unwrap();
+        let chain = Chain::new(&exec, vec![open_layer(&exec, &dev, true)]).unwrap();
+        let c = chain.clone();
+        let r = exec.block_on(async move { preallocate(&c, mode).await });
+        if version == 2 && matches!(mode, Preallocation::Metadata { .. }) {
+            assert!(r.is_err(), "{what}: must be refused");
+            continue;
+        }
+        r.unwrap_or_else(|e| panic!("{what}: {e}"));
+        // Metadata: preallocated zero clusters (nothing written); full: data.
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("img.qcow2");
+        std::fs::write(&path, dev.contents()).unwrap();
+        let out = Command::new("qemu-img")
+            .args(["map", "--output=json"])
+            .arg(&path)
+            .output()
+            .unwrap();
+        let map = String::from_utf8_lossy(&out.stdout);
+        let want = match mode {
+            Preallocation::Metadata { .. } => r#""zero": true, "data": false"#,
+            Preallocation::Full => r#""zero": false, "data": true"#,
+        };
+        assert!(
+            out.status.success() && map.lines().all(|l| l.contains(want)),
+            "{what}: {map}"
+        );
+        // Reopen, read everything (zeros), write a little, close.
+        let chain = Chain::new(&exec, vec![open_layer(&exec, &dev, true)]).unwrap();
+        let buf = HeapBuf::new(size as usize);
+        let (c, b) = (chain.clone(), buf.clone());
+        exec.block_on(async move { c.read(0, BufSlice::whole(b)).await })
+            .unwrap();
+        assert!(
+            buf.to_vec().iter().all(|&x| x == 0),
+            "{what}: old data shows"
+        );
+        let mut reference = vec![0u8; size as usize];
+        for (off, len, byte) in [
+            (4096u64, 4096u64, 1u8),
+            (100_352, 5120, 2),
+            (7 << 20, 65536, 3),
+        ] {
+            reference[off as usize..(off + len) as usize].fill(byte);
+            let b = HeapBuf::new(len as usize);
+            b.copy_in(0, &vec![byte; len as usize]);
+            let c = chain.clone();
+            exec.block_on(async move { c.write(off, BufSlice::whole(b)).await })
+                .unwrap();
+        }
+        let c = chain.clone();
+        exec.block_on(async move { c.close().await }).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let (path, raw) = (dir.path().join("img.qcow2"), dir.path().join("ref.raw"));
+        std::fs::write(&path, dev.contents()).unwrap();
+        std::fs::write(&raw, &reference).unwrap();
+        let check = Command::new("qemu-img")
+            .arg("check")
+            .arg(&path)
+            .output()
+            .unwrap();
+        assert!(
+            check.status.success(),
+            "{what}: {}",
+            String::from_utf8_lossy(&check.stdout)
+        );
+        assert!(
+            String::from_utf8_lossy(&check.stdout).contains("100.00% allocated"),
+            "{what}: not fully allocated: {}",
+            String::from_utf8_lossy(&check.stdout)
+        );
+        let cmp = Command::new("qemu-img")
+            .args(["compare", "-f", "qcow2", "-F", "raw"])
+            .arg(&path)
+            .arg(&raw)
+            .output()
+            .unwrap();
+        assert!(
+            cmp.status.success(),
+            "{what}: {}",
+            String::from_utf8_lossy(&cmp.stdout)
+        );
+    }
+}
+
 #[test]
 fn lazy_refcounts_64k() {
     run(Setup {
