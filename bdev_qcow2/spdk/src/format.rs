@@ -1,6 +1,7 @@
 //! `bdev_qcow2_format`: writes a fresh, empty image onto a base bdev with the engine's
-//! `create` (then preallocates it if asked), asynchronously on the calling thread. The base is opened for writing and claimed as
-//! its only writer for the duration (released when the descriptor closes).
+//! `create` (then preallocates it if asked), asynchronously on the calling thread. The base
+//! is opened for writing and claimed as its only writer for the duration (released when the
+//! descriptor closes).
 
 use crate::device::SpdkDevice;
 use crate::ffi::bdev::Desc;

@@ -245,6 +245,22 @@ mod tests {
         let p: FormatParams =
             serde_json::from_str(r#"{"base_bdev":"m0","size":1,"cluster_size":3000}"#).unwrap();
         assert!(p.create_options().is_err());
+        let pre = |v: &str| {
+            serde_json::from_str::<FormatParams>(&format!(
+                r#"{{"base_bdev":"m0","size":1,"preallocation":"{v}"}}"#
+            ))
+            .unwrap()
+            .preallocation()
+        };
+        assert_eq!(pre("off"), Ok(None));
+        assert_eq!(pre("full"), Ok(Some(Preallocation::Full)));
+        assert_eq!(
+            pre("metadata"),
+            Ok(Some(Preallocation::Metadata {
+                device_reads_zeros: false
+            }))
+        );
+        assert!(pre("falloc").is_err());
         assert!(serde_json::from_str::<FormatParams>(r#"{"base_bdev":"m0"}"#).is_err());
     }
 

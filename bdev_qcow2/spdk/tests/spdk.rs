@@ -1160,6 +1160,31 @@ mod real {
             "v2 metadata preallocation:\n{out}"
         );
         say("preallocation metadata with compat 0.10: refused (needs compat 1.1)");
+
+        // A base too small for the preallocated clusters: a clear error.
+        let _ = fs::remove_file(&img);
+        sparse(&img, 32 * MIB);
+        let cfg = d.join("small.json");
+        write_config(
+            &cfg,
+            vec![
+                aio(&img, "b0"),
+                format(json!({"preallocation": "full"})),
+                qcow2("q0", "b0", None),
+            ],
+        );
+        let (ok, out) = bdevperf(
+            d,
+            &cfg,
+            "small",
+            &["-q", "1", "-o", "4096", "-w", "read", "-t", "1"],
+            60,
+        );
+        assert!(
+            !ok && out.contains("too small for the image's preallocated clusters"),
+            "full preallocation on a small base:\n{out}"
+        );
+        say("preallocation full on a base too small: refused (too small for the preallocated clusters)");
     }
 
     /// A config that opens the image already on `img` (no format).
