@@ -162,19 +162,26 @@ fn run(s: Setup) {
     }
     let c = chain.clone();
     exec.block_on(async move { c.close().await }).unwrap();
-    let img = dir.path().join("img.qcow2");
-    let raw = dir.path().join("ref.raw");
-    std::fs::write(&img, dev.contents()).unwrap();
-    std::fs::write(&raw, &reference).unwrap();
+    check_and_compare(dir.path(), &dev.contents(), &reference, "model");
+}
+
+/// Writes `image` and `reference` to files in `dir` (where a backing file would be):
+/// `qemu-img check` must exit 0 (returns its output) and `qemu-img compare` must find them
+/// equal.
+fn check_and_compare(dir: &std::path::Path, image: &[u8], reference: &[u8], what: &str) -> String {
+    let img = dir.join("img.qcow2");
+    let raw = dir.join("ref.raw");
+    std::fs::write(&img, image).unwrap();
+    std::fs::write(&raw, reference).unwrap();
     let out = Command::new("qemu-img")
         .args(["check", "-f", "qcow2"])
         .arg(&img)
         .output()
         .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
     assert!(
         out.status.success(),
-        "qemu-img check: {}{}",
-        String::from_utf8_lossy(&out.stdout),
+        "{what}: qemu-img check: {text}{}",
         String::from_utf8_lossy(&out.stderr)
     );
     let out = Command::new("qemu-img")
@@ -185,9 +192,10 @@ fn run(s: Setup) {
         .unwrap();
     assert!(
         out.status.success(),
-        "qemu-img compare: {}",
+        "{what}: qemu-img compare: {}",
         String::from_utf8_lossy(&out.stdout)
     );
+    text
 }
 
 macro_rules! model {
@@ -430,30 +438,7 @@ fn refcount_table_grows_under_long_writes() {
             assert_eq!(img.len(), dev_len, "a fixed device must not grow");
         }
         let dir = tempfile::tempdir().unwrap();
-        let (path, raw) = (dir.path().join("img.qcow2"), dir.path().join("ref.raw"));
-        std::fs::write(&path, &img).unwrap();
-        std::fs::write(&raw, &reference).unwrap();
-        let check = Command::new("qemu-img")
-            .arg("check")
-            .arg(&path)
-            .output()
-            .unwrap();
-        assert!(
-            check.status.success(),
-            "fixed {fixed}: {}",
-            String::from_utf8_lossy(&check.stdout)
-        );
-        let cmp = Command::new("qemu-img")
-            .args(["compare", "-f", "qcow2", "-F", "raw"])
-            .arg(&path)
-            .arg(&raw)
-            .output()
-            .unwrap();
-        assert!(
-            cmp.status.success(),
-            "fixed {fixed}: {}",
-            String::from_utf8_lossy(&cmp.stdout)
-        );
+        check_and_compare(dir.path(), &img, &reference, &format!("fixed {fixed}"));
     }
 }
 
@@ -546,35 +531,10 @@ fn preallocation_on_a_device_with_old_data() {
         }
         let c = chain.clone();
         exec.block_on(async move { c.close().await }).unwrap();
-        let dir = tempfile::tempdir().unwrap();
-        let (path, raw) = (dir.path().join("img.qcow2"), dir.path().join("ref.raw"));
-        std::fs::write(&path, dev.contents()).unwrap();
-        std::fs::write(&raw, &reference).unwrap();
-        let check = Command::new("qemu-img")
-            .arg("check")
-            .arg(&path)
-            .output()
-            .unwrap();
+        let check = check_and_compare(dir.path(), &dev.contents(), &reference, &what);
         assert!(
-            check.status.success(),
-            "{what}: {}",
-            String::from_utf8_lossy(&check.stdout)
-        );
-        assert!(
-            String::from_utf8_lossy(&check.stdout).contains("100.00% allocated"),
-            "{what}: not fully allocated: {}",
-            String::from_utf8_lossy(&check.stdout)
-        );
-        let cmp = Command::new("qemu-img")
-            .args(["compare", "-f", "qcow2", "-F", "raw"])
-            .arg(&path)
-            .arg(&raw)
-            .output()
-            .unwrap();
-        assert!(
-            cmp.status.success(),
-            "{what}: {}",
-            String::from_utf8_lossy(&cmp.stdout)
+            check.contains("100.00% allocated"),
+            "{what}: not fully allocated: {check}"
         );
     }
 }
