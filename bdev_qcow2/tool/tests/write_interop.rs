@@ -230,7 +230,7 @@ fn create_refusals() {
             s(&img),
             "1M",
         ],
-        vec!["-o", "preallocation=falloc", s(&img), "1M"],
+        vec!["-o", "preallocation=fast", s(&img), "1M"],
         vec!["-o", "compat=0.10,refcount_bits=8", s(&img), "1M"],
         vec!["-o", "cluster_size=8k,extended_l2=on", s(&img), "1M"],
         vec!["-o", "cluster_size=1000", s(&img), "1M"],
@@ -299,6 +299,8 @@ fn create_preallocation_full_and_small_clusters_like_qemu() {
         "preallocation=full,cluster_size=512",
         "preallocation=metadata,cluster_size=512",
         "preallocation=metadata,cluster_size=512,compat=0.10",
+        "preallocation=falloc",
+        "preallocation=falloc,cluster_size=4k",
     ] {
         let ours = d.path("ours.qcow2");
         let theirs = d.path("theirs.qcow2");
@@ -327,6 +329,18 @@ fn create_preallocation_full_and_small_clusters_like_qemu() {
             if o.contains("full") {
                 assert_eq!(e["data"], true, "{o}: {e}");
             }
+        }
+        if o.contains("falloc") {
+            // The file's blocks are allocated, as qemu-img's are.
+            let blocks = |p: &std::path::Path| {
+                use std::os::unix::fs::MetadataExt;
+                std::fs::metadata(p).unwrap().blocks()
+            };
+            assert!(
+                blocks(&ours) * 512 >= 24 << 20,
+                "{o}: {} bytes allocated",
+                blocks(&ours) * 512
+            );
         }
         if !o.contains("cluster_size") && !o.contains("extended") {
             assert_eq!(

@@ -18,7 +18,7 @@ pub struct CreateArgs {
     pub format: String,
     /// Format options, comma-separated (`cluster_size=…,compat=…,refcount_bits=…,
     /// extended_l2=on|off,lazy_refcounts=on|off,compression_type=zlib|zstd,
-    /// preallocation=off|metadata,backing_file=…,backing_fmt=…`); may be repeated.
+    /// preallocation=off|metadata|falloc|full,backing_file=…,backing_fmt=…`); may be repeated.
     #[arg(short = 'o')]
     pub options: Vec<String>,
     /// Backing file recorded in the new image (opened only to read its size when SIZE is
@@ -45,6 +45,8 @@ pub enum Preallocation {
     Off,
     /// Allocate every L2 table and cluster in metadata; the data stays sparse.
     Metadata,
+    /// As `Metadata`, and the file's blocks are reserved (`posix_fallocate`).
+    Falloc,
     /// Allocate every cluster and write zeros into it (a fully allocated image).
     Full,
 }
@@ -208,8 +210,8 @@ impl FormatOptions {
                     self.preallocation = match v {
                         "off" => Preallocation::Off,
                         "metadata" => Preallocation::Metadata,
+                        "falloc" => Preallocation::Falloc,
                         "full" => Preallocation::Full,
-                        "falloc" => return usage(format!("preallocation={v} is not supported")),
                         _ => return usage(format!("Invalid preallocation mode: '{v}'")),
                     };
                     self.prealloc_text = Some(v.to_string());
@@ -396,15 +398,44 @@ pub fn run(args: &CreateArgs) -> ToolResult<String> {
     let mode = match fo.preallocation {
         Preallocation::Off => None,
         // The file was just created: it reads zeros wherever nothing was written.
-        Preallocation::Metadata => Some(qcow2_engine::create::Preallocation::Metadata {
-            device_reads_zeros: true,
-        }),
+        Preallocation::Metadata | Preallocation::Falloc => {
+            Some(qcow2_engine::create::Preallocation::Metadata {
+                device_reads_zeros: true,
+            })
+        }
         Preallocation::Full => Some(qcow2_engine::create::Preallocation::Full),
     };
     if let Some(mode) = mode {
         preallocate(&args.image, mode)?;
     }
+    if fo.preallocation == Preallocation::Falloc {
+        reserve_blocks(&args.image)?;
+    }
     Ok(out)
+}
+
+/// `preallocation=falloc`: reserves the blocks of the whole (preallocated) file, so that
+/// later writes find the space; everything reads as before (zeros where nothing was
+/// written).
+fn reserve_blocks(path: &Path) -> ToolResult<()> {
+    use std::os::fd::AsRawFd;
+    let io = |source| ToolError::Io {
+        path: path.display().to_string(),
+        source,
+    };
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(path)
+        .map_err(io)?;
+    let len = f.metadata().map_err(io)?.len();
+    let len =
+        libc::off_t::try_from(len).map_err(|_| io(std::io::ErrorKind::InvalidInput.into()))?;
+    // SAFETY: `f` is an open descriptor for the call's duration; posix_fallocate only
+    // allocates blocks for the range and returns an errno.
+    match unsafe { libc::posix_fallocate(f.as_raw_fd(), 0, len) } {
+        0 => Ok(()),
+        e => Err(io(std::io::Error::from_raw_os_error(e))),
+    }
 }
 
 /// `preallocation=metadata|full` on a freshly formatted image.
