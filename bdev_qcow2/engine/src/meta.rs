@@ -663,7 +663,7 @@ impl<D: BlockDevice> Qcow2<D> {
                 }
                 return Err(Error::Io(28)); // ENOSPC
             }
-            match self.first_in_use(start, len).await? {
+            match self.first_busy(start, len).await? {
                 None => break (start, entries, table_clusters, missing),
                 Some(c) => start = c + 1,
             }
@@ -1026,9 +1026,10 @@ impl<D: BlockDevice> Qcow2<D> {
     }
 
     /// The first of host clusters `c..c + len` that [`cluster_is_free`] would refuse, if
-    /// any: as many checks, made a refcount block at a time (a region's reservation checks
-    /// a whole slice of clusters), and a missing refcount block means free clusters
-    /// without creating it.
+    /// any: as many checks, made a refcount block at a time where it can (a region's
+    /// reservation checks a whole slice of clusters), and a missing refcount block means
+    /// free clusters without creating it (a grown refcount table is placed with this: its
+    /// new blocks then cover such clusters).
     ///
     /// [`cluster_is_free`]: Self::cluster_is_free
     async fn first_busy(&self, c: u64, len: u64) -> Result<Option<u64>> {
@@ -1038,15 +1039,26 @@ impl<D: BlockDevice> Qcow2<D> {
             st.unstable_frees.is_empty() && st.graced_set.is_empty()
         };
         let bits = self.cluster_bits();
+        let order = self.header.borrow().header.refcount_order;
         if !sets_empty || self.overlaps_metadata(c << bits, len << bits) {
-            for j in 0..len {
-                if !self.cluster_is_free(c + j).await? {
-                    return Ok(Some(c + j));
+            let cs = self.geo.cluster_size();
+            for x in c..c + len {
+                let unstable = {
+                    let st = m.st.borrow();
+                    st.unstable_frees.contains(&x) || st.graced_set.contains(&x)
+                };
+                if unstable || self.overlaps_metadata(x << bits, cs) {
+                    return Ok(Some(x));
+                }
+                if let Some((block, idx)) = self.rc_locate(x)? {
+                    self.load_rc_block(block).await?;
+                    if self.with_rc_block(block, |b| get_refcount(b, order, idx)) != 0 {
+                        return Ok(Some(x));
+                    }
                 }
             }
             return Ok(None);
         }
-        let order = self.header.borrow().header.refcount_order;
         let per_block = self.per_block();
         let mut x = c;
         while x < c + len {
@@ -1061,34 +1073,6 @@ impl<D: BlockDevice> Qcow2<D> {
                 }
             }
             x += n;
-        }
-        Ok(None)
-    }
-
-    /// The first of host clusters `c..c + len` in use (refcount not 0, freed but not
-    /// stable yet, or metadata), if any, without creating refcount blocks: a cluster no
-    /// block covers is free. For placing a grown refcount table (whose new blocks then
-    /// cover such clusters) inside a device that cannot grow.
-    async fn first_in_use(&self, c: u64, len: u64) -> Result<Option<u64>> {
-        let m = self.meta()?;
-        let order = self.header.borrow().header.refcount_order;
-        let cs = self.geo.cluster_size();
-        for x in c..c + len {
-            {
-                let st = m.st.borrow();
-                if st.unstable_frees.contains(&x) || st.graced_set.contains(&x) {
-                    return Ok(Some(x));
-                }
-            }
-            if self.overlaps_metadata(x << self.cluster_bits(), cs) {
-                return Ok(Some(x));
-            }
-            if let Some((block, idx)) = self.rc_locate(x)? {
-                self.load_rc_block(block).await?;
-                if self.with_rc_block(block, |b| get_refcount(b, order, idx)) != 0 {
-                    return Ok(Some(x));
-                }
-            }
         }
         Ok(None)
     }

@@ -38,6 +38,24 @@ fn open_layer(exec: &Exec<MemDevice>, dev: &MemDevice, writable: bool) -> Layer<
     Layer::Qcow2(Box::new(q))
 }
 
+/// Writes `len` random bytes at `off` through `chain` and into `reference`.
+fn write_random(
+    exec: &Exec<MemDevice>,
+    chain: &Rc<Chain<MemDevice>>,
+    rng: &mut Rng,
+    reference: &mut [u8],
+    off: u64,
+    len: u64,
+) -> qcow2_engine::Result<()> {
+    let data: Vec<u8> = (0..len).map(|_| rng.next() as u8).collect();
+    let buf = HeapBuf::new(len as usize);
+    buf.copy_in(0, &data);
+    let c = chain.clone();
+    exec.block_on(async move { c.write(off, BufSlice::whole(buf)).await })?;
+    reference[off as usize..(off + len) as usize].copy_from_slice(&data);
+    Ok(())
+}
+
 fn run(s: Setup) {
     let mut rng = Rng(s.seed | 1);
     let exec: Exec<MemDevice> = Exec::new();
@@ -59,13 +77,7 @@ fn run(s: Setup) {
         for _ in 0..20 {
             let len = (1 + rng.below(64)) * 4096;
             let off = rng.below((s.size - len) / 4096) * 4096;
-            let data: Vec<u8> = (0..len).map(|_| rng.next() as u8).collect();
-            reference[off as usize..(off + len) as usize].copy_from_slice(&data);
-            let buf = HeapBuf::new(len as usize);
-            buf.copy_in(0, &data);
-            let c = chain.clone();
-            exec.block_on(async move { c.write(off, BufSlice::whole(buf)).await })
-                .unwrap();
+            write_random(&exec, &chain, &mut rng, &mut reference, off, len).unwrap();
         }
         let c = chain.clone();
         exec.block_on(async move { c.flush().await }).unwrap();
@@ -131,12 +143,7 @@ fn run(s: Setup) {
                 exec.block_on(async move { c.flush().await }).unwrap();
             }
             _ => {
-                let data: Vec<u8> = (0..len).map(|_| rng.next() as u8).collect();
-                let buf = HeapBuf::new(len as usize);
-                buf.copy_in(0, &data);
-                exec.block_on(async move { c.write(off, BufSlice::whole(buf)).await })
-                    .unwrap();
-                reference[off as usize..(off + len) as usize].copy_from_slice(&data);
+                write_random(&exec, &chain, &mut rng, &mut reference, off, len).unwrap();
             }
         }
         // Read back a random window and, every so often, the whole disk.
@@ -320,12 +327,7 @@ fn continue_qemu_image(compressed: bool, extended_l2: bool, seed: u64) {
                 exec.block_on(async move { c.flush().await }).unwrap();
             }
             _ => {
-                let data: Vec<u8> = (0..len).map(|_| rng.next() as u8).collect();
-                let buf = HeapBuf::new(len as usize);
-                buf.copy_in(0, &data);
-                exec.block_on(async move { c.write(off, BufSlice::whole(buf)).await })
-                    .unwrap();
-                reference[off as usize..(off + len) as usize].copy_from_slice(&data);
+                write_random(&exec, &chain, &mut rng, &mut reference, off, len).unwrap();
             }
         }
     }
@@ -413,12 +415,7 @@ fn refcount_table_grows_under_long_writes() {
         let mut rng = Rng(99);
         let mut reference = vec![0u8; size as usize];
         let mut write = |off: u64, len: u64| {
-            let data: Vec<u8> = (0..len).map(|_| rng.next() as u8).collect();
-            reference[off as usize..(off + len) as usize].copy_from_slice(&data);
-            let buf = HeapBuf::new(len as usize);
-            buf.copy_in(0, &data);
-            let c = chain.clone();
-            exec.block_on(async move { c.write(off, BufSlice::whole(buf)).await })
+            write_random(&exec, &chain, &mut rng, &mut reference, off, len)
                 .unwrap_or_else(|e| panic!("fixed {fixed}: write at {off}: {e}"));
         };
         // Sequential 1 MiB writes over most of the disk, then one long write at the end.

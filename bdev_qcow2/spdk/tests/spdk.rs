@@ -1137,54 +1137,39 @@ mod real {
             ));
         }
 
-        // A v2 image cannot mark clusters as zeros: metadata preallocation is refused.
-        old_data(&img);
-        let cfg = d.join("v2.json");
-        write_config(
-            &cfg,
-            vec![
-                aio(&img, "b0"),
-                format(json!({"preallocation": "metadata", "compat": "0.10"})),
-                qcow2("q0", "b0", None),
-            ],
-        );
-        let (ok, out) = bdevperf(
-            d,
-            &cfg,
-            "v2",
-            &["-q", "1", "-o", "4096", "-w", "read", "-t", "1"],
-            60,
-        );
-        assert!(
-            !ok && out.contains("needs compat 1.1"),
-            "v2 metadata preallocation:\n{out}"
-        );
-        say("preallocation metadata with compat 0.10: refused (needs compat 1.1)");
-
-        // A base too small for the preallocated clusters: a clear error.
-        let _ = fs::remove_file(&img);
-        sparse(&img, 32 * MIB);
-        let cfg = d.join("small.json");
-        write_config(
-            &cfg,
-            vec![
-                aio(&img, "b0"),
-                format(json!({"preallocation": "full"})),
-                qcow2("q0", "b0", None),
-            ],
-        );
-        let (ok, out) = bdevperf(
-            d,
-            &cfg,
-            "small",
-            &["-q", "1", "-o", "4096", "-w", "read", "-t", "1"],
-            60,
-        );
-        assert!(
-            !ok && out.contains("too small for the image's preallocated clusters"),
-            "full preallocation on a small base:\n{out}"
-        );
-        say("preallocation full on a base too small: refused (too small for the preallocated clusters)");
+        // Refused with a clear message: a v2 image (it cannot mark clusters as zeros) with
+        // metadata preallocation; a base too small for the preallocated clusters.
+        for (tag, params, base_len, why) in [
+            (
+                "v2",
+                json!({"preallocation": "metadata", "compat": "0.10"}),
+                96 * MIB,
+                "needs compat 1.1",
+            ),
+            (
+                "small",
+                json!({"preallocation": "full"}),
+                32 * MIB,
+                "too small for the image's preallocated clusters",
+            ),
+        ] {
+            let _ = fs::remove_file(&img);
+            sparse(&img, base_len);
+            let cfg = d.join(format!("{tag}.json"));
+            write_config(
+                &cfg,
+                vec![aio(&img, "b0"), format(params), qcow2("q0", "b0", None)],
+            );
+            let (ok, out) = bdevperf(
+                d,
+                &cfg,
+                tag,
+                &["-q", "1", "-o", "4096", "-w", "read", "-t", "1"],
+                60,
+            );
+            assert!(!ok && out.contains(why), "{tag}:\n{out}");
+            say(&format!("preallocation refused ({tag}): {why}"));
+        }
     }
 
     /// A config that opens the image already on `img` (no format).
