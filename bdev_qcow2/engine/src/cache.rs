@@ -42,6 +42,16 @@ const NO_FRONT: Front = Front {
 /// [`victim`]: SetAssocCache::victim
 const CLOCK_END: u32 = 1 << 28;
 
+/// The rank of `way` with LRU stamp `stamp` (0: invalid): the stamp shifted left by 3 with
+/// the way's index modulo 8 in the low bits. Stored as is, so that choosing a victim
+/// compares ranks and nothing else: stamps are distinct, so ranks order like stamps; and
+/// in a set of 8 ways (which starts at a multiple of 8) the low bits of the smallest rank
+/// name its way, even among invalid ways, which all have stamp 0.
+#[inline(always)]
+fn rank(stamp: u32, way: usize) -> u32 {
+    stamp << 3 | (way & 7) as u32
+}
+
 /// `SetAssocCache::probed` when no probe result may be reused.
 const NO_PROBE: (u64, usize) = (INVALID, usize::MAX);
 
@@ -72,12 +82,15 @@ pub struct CacheConfig {
 /// (reset to `A::default()` by every insert).
 pub struct SetAssocCache<T, A = ()> {
     ways: usize,
-    set_bits: u32,
+    /// Number of sets minus 1 (sets are a power of two).
+    set_mask: u64,
     block_len: usize,
     keys: Vec<u64>,
     epochs: Vec<u32>,
-    /// LRU stamps (below [`CLOCK_END`]: see [`tick`](Self::tick)); 0 marks an invalid way.
-    stamps: Vec<u32>,
+    /// Each way's LRU rank: its stamp (below [`CLOCK_END`]: see [`tick`](Self::tick); 0 for
+    /// an invalid way) shifted left by 3, with the way's index modulo 8 in the low bits (see
+    /// [`rank`] and [`victim`](Self::victim)).
+    ranks: Vec<u32>,
     data: Vec<T>,
     aux: Vec<A>,
     /// A direct-mapped table in front of the sets: `front[key & mask]` names the way and
@@ -106,11 +119,11 @@ impl<T: Copy + Default, A: Copy + Default> SetAssocCache<T, A> {
         let n = (1usize << set_bits) * ways;
         SetAssocCache {
             ways,
-            set_bits,
+            set_mask: (1 << set_bits) - 1,
             block_len,
             keys: vec![INVALID; n],
             epochs: vec![0; n],
-            stamps: vec![0; n],
+            ranks: (0..n).map(|w| rank(0, w)).collect(),
             data: vec![T::default(); n * block_len],
             aux: vec![A::default(); n],
             front: vec![NO_FRONT; n.next_power_of_two()],
@@ -122,7 +135,7 @@ impl<T: Copy + Default, A: Copy + Default> SetAssocCache<T, A> {
 
     /// Number of sets.
     pub fn sets(&self) -> usize {
-        1 << self.set_bits
+        self.set_mask as usize + 1
     }
     /// Ways per set.
     pub fn ways(&self) -> usize {
@@ -148,12 +161,17 @@ impl<T: Copy + Default, A: Copy + Default> SetAssocCache<T, A> {
     /// hash, with no stride that lands on one set (a plain XOR fold of the key's chunks puts
     /// every multiple of `sets + 1` below `sets²` in set 0; one multiply leaves some strides
     /// on a tenth of the sets, two mix like a random function). Branch-free, a few cycles.
+    ///
+    /// No shift by a variable amount (three micro-ops each on many x86 cores): the rest is
+    /// the key with its low bits cleared, and the top `set_bits` bits of the hash are the
+    /// high half of its product with the number of sets.
     #[inline]
     pub fn set_of(&self, key: u64) -> usize {
-        let h = (key >> self.set_bits).wrapping_mul(MIX[0]);
+        let mask = self.set_mask;
+        let h = (key & !mask).wrapping_mul(MIX[0]);
         let high = (h ^ h >> 32).wrapping_mul(MIX[1]);
-        // `wrapping_shr(64)` is a shift by 0 when there is one set; the mask is 0 then.
-        ((high.wrapping_shr(64 - self.set_bits) ^ key) & ((1 << self.set_bits) - 1)) as usize
+        let top = (u128::from(high) * u128::from(mask + 1)) >> 64;
+        ((top as u64 ^ key) & mask) as usize
     }
 
     #[inline]
@@ -222,14 +240,14 @@ impl<T: Copy + Default, A: Copy + Default> SetAssocCache<T, A> {
         // On the stack (ways <= 64): a look-up allocates nothing, even this one.
         let mut buf = [(0u32, 0usize); 64];
         let by_age = &mut buf[..self.ways];
-        for base in (0..self.stamps.len()).step_by(self.ways) {
+        for base in (0..self.ranks.len()).step_by(self.ways) {
             for (i, slot) in by_age.iter_mut().enumerate() {
-                *slot = (self.stamps[base + i], base + i);
+                *slot = (self.ranks[base + i], base + i);
             }
             by_age.sort_unstable();
-            for (rank, &(stamp, w)) in (1..).zip(by_age.iter()) {
-                if stamp != 0 {
-                    self.stamps[w] = rank;
+            for (stamp, &(old, w)) in (1..).zip(by_age.iter()) {
+                if old >> 3 != 0 {
+                    self.ranks[w] = rank(stamp, w);
                 }
             }
         }
@@ -289,7 +307,7 @@ impl<T: Copy + Default, A: Copy + Default> SetAssocCache<T, A> {
     #[inline(always)]
     pub fn touch(&mut self, way: usize) {
         let stamp = self.tick();
-        self.stamps[way] = stamp;
+        self.ranks[way] = rank(stamp, way);
         self.stats.hits += 1;
         let (key, w) = self.probed.get();
         if w == way {
@@ -322,21 +340,21 @@ impl<T: Copy + Default, A: Copy + Default> SetAssocCache<T, A> {
     }
 
     /// The way `insert` fills for a key not cached: an invalid way if the set has one,
-    /// else its least recently used way, i.e. the smallest stamp (invalid ways have 0, valid
-    /// ones distinct stamps). No key is compared. For 8 ways (the default) without branches
-    /// on the stamps: each way's rank is its stamp shifted left by 3 with its index in the
-    /// low bits, and the smallest rank wins, as a tree of minimums.
-    #[inline]
+    /// else its least recently used way, i.e. the smallest rank (invalid ways have stamp 0,
+    /// valid ones distinct stamps). No key is compared. For 8 ways (the default) without
+    /// branches: the smallest rank wins, as a tree of minimums, and its low bits name the
+    /// way (see [`rank`]).
+    #[inline(always)]
     pub fn victim(&self, key: u64) -> usize {
         let base = self.set_of(key) * self.ways;
-        let stamps = &self.stamps[base..base + self.ways];
-        let best = if let Ok(st) = <&[u32; 8]>::try_from(stamps) {
+        let ranks = &self.ranks[base..base + self.ways];
+        let best = if let Ok(r) = <&[u32; 8]>::try_from(ranks) {
             // Signed: ranks stay below 2^31, and SSE2 compares signed words only.
-            let r: [i32; 8] = std::array::from_fn(|i| (st[i] << 3 | i as u32) as i32);
+            let r = r.map(|x| x as i32);
             let m: [i32; 4] = std::array::from_fn(|i| r[i].min(r[i + 4]));
             (m[0].min(m[2]).min(m[1].min(m[3])) & 7) as usize
         } else {
-            (0..self.ways).min_by_key(|&i| stamps[i]).unwrap_or(0)
+            (0..self.ways).min_by_key(|&i| ranks[i]).unwrap_or(0)
         };
         base + best
     }
@@ -356,7 +374,8 @@ impl<T: Copy + Default, A: Copy + Default> SetAssocCache<T, A> {
         self.forget(old);
         self.keys[w] = key;
         self.epochs[w] = epoch;
-        self.stamps[w] = self.tick();
+        let stamp = self.tick();
+        self.ranks[w] = rank(stamp, w);
         self.aux[w] = A::default();
         self.remember(key, w, epoch);
         fill(&mut self.data[w * self.block_len..(w + 1) * self.block_len]);
@@ -369,7 +388,7 @@ impl<T: Copy + Default, A: Copy + Default> SetAssocCache<T, A> {
             self.forget(key);
             self.keys[w] = INVALID;
             self.epochs[w] = 0;
-            self.stamps[w] = 0;
+            self.ranks[w] = rank(0, w);
         }
     }
 
@@ -377,7 +396,9 @@ impl<T: Copy + Default, A: Copy + Default> SetAssocCache<T, A> {
     pub fn clear(&mut self) {
         self.keys.fill(INVALID);
         self.epochs.fill(0);
-        self.stamps.fill(0);
+        for (w, r) in self.ranks.iter_mut().enumerate() {
+            *r = rank(0, w);
+        }
         self.front.fill(NO_FRONT);
         self.probed.set(NO_PROBE);
     }
