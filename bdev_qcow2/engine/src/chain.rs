@@ -208,6 +208,7 @@ impl<D: BlockDevice> Chain<D> {
     /// [`Exec::guest_exit`] with the returned parity.
     /// `None` (nothing changed but LRU/hit counters) sends the request down the normal path,
     /// which also reports invalid requests.
+    #[inline]
     pub fn map_direct(&self, offset: u64, len: u64, write: bool) -> Option<Direct> {
         if len == 0 || crate::write::check_range(self, offset, len).is_err() {
             return None;
@@ -260,6 +261,7 @@ impl<D: BlockDevice> Chain<D> {
     }
 
     /// One contiguous data extent for a read, from cached slices only.
+    #[inline(always)]
     fn plan_direct_read(&self, offset: u64, len: u64) -> Option<(DevId, u64)> {
         let q = match &self.layers[0] {
             Layer::Raw { dev, .. } => return Some((*dev, offset)),
@@ -268,6 +270,13 @@ impl<D: BlockDevice> Chain<D> {
         if let Some(h) = q.cached_extent(offset, len, false) {
             return Some((q.dev(), h));
         }
+        Self::walk_direct_read(q, offset, len)
+    }
+
+    /// [`plan_direct_read`](Self::plan_direct_read) for a range `cached_extent` does not
+    /// answer: cluster by cluster, while the (sub)clusters follow each other on the device.
+    #[inline(never)]
+    fn walk_direct_read(q: &Qcow2<D>, offset: u64, len: u64) -> Option<(DevId, u64)> {
         let end = offset + len;
         let mut pos = offset;
         let mut start = None;

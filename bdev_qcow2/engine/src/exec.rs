@@ -151,6 +151,7 @@ impl<D: BlockDevice> Exec<D> {
     }
 
     /// A guest request starts (before it resolves any mapping): returns its parity.
+    #[inline]
     pub fn guest_enter(&self) -> u8 {
         match &*self.inner.grace.borrow() {
             Some((sh, slot, false)) => sh.grace.enter(*slot),
@@ -160,6 +161,7 @@ impl<D: BlockDevice> Exec<D> {
     }
 
     /// The guest request that entered with `parity` is over.
+    #[inline]
     pub fn guest_exit(&self, parity: u8) {
         if parity == NO_GRACE {
             return;

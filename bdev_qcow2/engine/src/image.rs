@@ -715,7 +715,7 @@ impl<D: BlockDevice> Qcow2<D> {
     /// needed: a slice is cached only from an allocated table, and the owner makes a
     /// table's slices odd, or drops them from its own cache, before it changes the L1
     /// entry; see `coherency`.)
-    #[inline]
+    #[inline(always)]
     pub(crate) fn cached_extent(&self, off: u64, len: u64, copied: bool) -> Option<u64> {
         if len == 0 {
             return None;

@@ -109,7 +109,7 @@ impl Geometry {
     /// Global slice id of a guest offset: dense over the image, used as the cache key.
     #[inline]
     pub fn slice_id(&self, off: GuestOffset) -> u64 {
-        self.guest_cluster(off) / self.slice_entries()
+        off.0 >> self.slice_coverage_bits()
     }
     /// Index within its slice of the L2 entry for a guest offset.
     #[inline]
@@ -129,7 +129,13 @@ impl Geometry {
     /// Guest bytes covered by one slice.
     #[inline]
     pub fn slice_coverage(&self) -> u64 {
-        self.slice_entries() << self.cluster_bits
+        1 << self.slice_coverage_bits()
+    }
+    /// log2 of [`slice_coverage`](Self::slice_coverage): a slice holds
+    /// 2^(slice_bits - log2(entry bytes)) entries of one cluster each.
+    #[inline]
+    pub fn slice_coverage_bits(&self) -> u32 {
+        self.cluster_bits + self.slice_bits - if self.extended_l2 { 4 } else { 3 }
     }
     /// Number of L1 entries needed to address `size` guest bytes.
     #[inline]
@@ -174,5 +180,25 @@ mod tests {
         assert_eq!(g.l2_entries(), 4096);
         assert_eq!(g.slice_entries(), 256);
         assert_eq!(g.subcluster_size(), 2048);
+    }
+
+    #[test]
+    fn slice_coverage_bits_match_the_entry_arithmetic() {
+        for cluster_bits in 9..=21 {
+            for slice_bits in 9..=cluster_bits {
+                for extended_l2 in [false, true] {
+                    let g = Geometry {
+                        cluster_bits,
+                        extended_l2,
+                        slice_bits,
+                    };
+                    assert_eq!(g.slice_coverage(), g.slice_entries() << cluster_bits);
+                    for off in [0, 1, (1 << 40) + 12345, u64::MAX >> 3] {
+                        let off = GuestOffset(off);
+                        assert_eq!(g.slice_id(off), g.guest_cluster(off) / g.slice_entries());
+                    }
+                }
+            }
+        }
     }
 }
