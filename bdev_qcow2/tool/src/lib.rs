@@ -8,6 +8,33 @@ pub mod reactor;
 pub mod rng;
 pub mod uring;
 
+/// A scratch directory under `$TMPDIR` (default `/var/tmp`, on disk rather than in RAM),
+/// named after `prefix` and the process, removed with everything in it on drop.
+pub struct TempDir(std::path::PathBuf);
+
+impl TempDir {
+    /// Creates it; on failure returns the path it tried and the error.
+    pub fn new(prefix: &str) -> Result<Self, (std::path::PathBuf, std::io::Error)> {
+        let base = std::env::var_os("TMPDIR")
+            .map(std::path::PathBuf::from)
+            .unwrap_or_else(|| std::path::PathBuf::from("/var/tmp"));
+        let p = base.join(format!("{prefix}-{}", std::process::id()));
+        std::fs::create_dir_all(&p).map_err(|e| (p.clone(), e))?;
+        Ok(TempDir(p))
+    }
+
+    /// The directory.
+    pub fn path(&self) -> &std::path::Path {
+        &self.0
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
 /// Parses a size with an optional qemu-img style suffix (k, M, G, T, P, E; powers of 1024;
 /// a trailing `B`/`iB` is accepted).
 pub fn parse_size(s: &str) -> Result<u64, String> {

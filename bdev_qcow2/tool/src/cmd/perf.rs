@@ -772,7 +772,7 @@ pub fn run(a: &PerfArgs) -> ToolResult<String> {
         Some(p) => p.clone(),
         None => {
             tmp = tempdir()?;
-            let p = tmp.0.join("sample.qcow2");
+            let p = tmp.path().join("sample.qcow2");
             sample_image(&p, a.sample_size, a)?;
             p
         }
@@ -913,21 +913,9 @@ fn raw_scratch(image: &Path) -> ToolResult<TempFile> {
     Ok(t)
 }
 
-/// A temporary directory removed on drop.
-struct TempDir(PathBuf);
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-fn tempdir() -> ToolResult<TempDir> {
-    let base = std::env::var_os("TMPDIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from("/var/tmp"));
-    let p = base.join(format!("qcow2-perf-{}", std::process::id()));
-    std::fs::create_dir_all(&p).map_err(|source| ToolError::Io {
-        path: p.display().to_string(),
+fn tempdir() -> ToolResult<crate::TempDir> {
+    crate::TempDir::new("qcow2-perf").map_err(|(path, source)| ToolError::Io {
+        path: path.display().to_string(),
         source,
-    })?;
-    Ok(TempDir(p))
+    })
 }
