@@ -11,6 +11,7 @@ use crate::image::Qcow2;
 use crate::io::{BlockDevice, BufSlice, DeviceOp, SECTOR};
 use crate::limits::MAX_BACKING_DEPTH;
 use crate::types::GuestOffset;
+use crate::write::WriteExtent;
 use std::cell::{Cell, RefCell};
 use std::future::Future;
 use std::pin::Pin;
@@ -215,15 +216,7 @@ impl<D: BlockDevice> Chain<D> {
         }
         let parity = self.exec.guest_enter();
         let found = if write {
-            let mut runs = [(0, 0, 0); 8];
-            match self.plan_fast_write(offset, len, &mut runs) {
-                Some((dev, 1)) => Some((dev, runs[0].0)),
-                Some(_) => None,
-                None => {
-                    self.no_write_plan.set(Some((offset, len)));
-                    None
-                }
-            }
+            self.plan_direct_write(offset, len)
         } else {
             self.plan_direct_read(offset, len)
         };
@@ -257,6 +250,25 @@ impl<D: BlockDevice> Chain<D> {
         match &self.layers[0] {
             Layer::Qcow2(q) => q.dirty_entry_hint(GuestOffset(offset)),
             Layer::Raw { .. } => None,
+        }
+    }
+
+    /// One contiguous extent for an in-place write, from cached slices only (out of line:
+    /// the read path stays small). Remembers a write it found no in-place plan for.
+    #[inline(never)]
+    fn plan_direct_write(&self, offset: u64, len: u64) -> Option<(DevId, u64)> {
+        let planned = match self.plan_write_extent(offset, len) {
+            WriteExtent::One(dev, host) => Some((dev, Some(host))),
+            WriteExtent::Refused => None,
+            WriteExtent::Walk => self.walk_single_write(offset, len),
+        };
+        match planned {
+            Some((dev, Some(host))) => Some((dev, host)),
+            Some((_, None)) => None,
+            None => {
+                self.no_write_plan.set(Some((offset, len)));
+                None
+            }
         }
     }
 

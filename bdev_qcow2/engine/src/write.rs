@@ -9,6 +9,7 @@
 //! allocations are ordered.
 
 use crate::chain::{read_layer, Chain, Direct, Layer, WriteRoute};
+use crate::coherency::Shared;
 use crate::error::{corrupt, Error, Field, Result};
 use crate::exec::DevId;
 use crate::format::entries::{COPIED, ZERO};
@@ -59,6 +60,30 @@ fn top<D: BlockDevice>(chain: &Chain<D>) -> Result<&Qcow2<D>> {
     match &chain.layers()[0] {
         Layer::Qcow2(q) if q.is_writable() => Ok(q),
         _ => Err(Error::ReadOnly),
+    }
+}
+
+/// What the one-extent check of an in-place write found
+/// ([`Chain::plan_write_extent`]).
+pub(crate) enum WriteExtent {
+    /// One extent of COPIED clusters on this device, at this host offset.
+    One(DevId, u64),
+    /// Not in place (the slow path runs it).
+    Refused,
+    /// Not one cached extent: plan it cluster by cluster.
+    Walk,
+}
+
+/// Whether host range `[h, h + len)` (non-empty) touches the image's metadata: on a core
+/// replica (`core`) by the owner's published metadata-cluster bitmap, on the owner by its
+/// exact index.
+fn overlaps_meta<D: BlockDevice>(q: &Qcow2<D>, core: Option<&Shared>, h: u64, len: u64) -> bool {
+    match core {
+        Some(sh) => {
+            let bits = q.geometry().cluster_bits;
+            (h >> bits..=(h + len - 1) >> bits).any(|c| sh.is_meta_cluster(c))
+        }
+        None => q.overlaps_metadata(h, len),
     }
 }
 
@@ -184,14 +209,13 @@ impl<D: BlockDevice> Chain<D> {
             return WriteRoute::Local;
         }
         let parity = self.exec().guest_enter();
-        let mut runs = [(0, 0, 0); 8];
-        let planned = self.plan_fast_write(offset, len, &mut runs);
-        if let Some((dev, 1)) = planned {
-            return WriteRoute::Direct(Direct {
-                dev,
-                host: runs[0].0,
-                parity,
-            });
+        let planned = match self.plan_write_extent(offset, len) {
+            WriteExtent::One(dev, host) => return WriteRoute::Direct(Direct { dev, host, parity }),
+            WriteExtent::Refused => None,
+            WriteExtent::Walk => self.walk_single_write(offset, len),
+        };
+        if let Some((dev, Some(host))) = planned {
+            return WriteRoute::Direct(Direct { dev, host, parity });
         }
         self.exec().guest_exit(parity);
         match planned {
@@ -259,7 +283,78 @@ impl<D: BlockDevice> Chain<D> {
     /// bitmap stays as it is), outside the image's metadata, with no allocation in flight
     /// and at most `runs.len()` discontiguous pieces; `None` when the write needs the slow
     /// path.
+    #[inline(always)]
     pub(crate) fn plan_fast_write(
+        &self,
+        offset: u64,
+        len: u64,
+        runs: &mut [(u64, usize, usize); 8],
+    ) -> Option<(DevId, usize)> {
+        match self.plan_write_extent(offset, len) {
+            WriteExtent::One(dev, h) => {
+                runs[0] = (h, 0, len as usize);
+                Some((dev, 1))
+            }
+            WriteExtent::Refused => None,
+            WriteExtent::Walk => self.walk_fast_write(offset, len, runs),
+        }
+    }
+
+    /// The first half of [`plan_fast_write`](Self::plan_fast_write), for the usual case
+    /// without its run array: the write as one extent of COPIED clusters straight from the
+    /// cache (one linear slice, or one cluster), refused, or to be planned cluster by
+    /// cluster.
+    #[inline(always)]
+    pub(crate) fn plan_write_extent(&self, offset: u64, len: u64) -> WriteExtent {
+        let Layer::Qcow2(q) = &self.layers()[0] else {
+            return WriteExtent::Refused;
+        };
+        let Some(core) = self.fast_write_side(q) else {
+            return WriteExtent::Refused;
+        };
+        let Some(h) = q.cached_extent(offset, len, true) else {
+            return WriteExtent::Walk;
+        };
+        let cs = q.geometry().cluster_size();
+        let inflight = q.meta.as_ref().is_some_and(|m| {
+            let st = m.st.borrow();
+            (offset / cs..=(offset + len - 1) / cs).any(|c| st.inflight.contains(&c))
+        });
+        if inflight || overlaps_meta(q, core, h, len) {
+            return WriteExtent::Refused;
+        }
+        WriteExtent::One(q.dev(), h)
+    }
+
+    /// Who checks an in-place write's clusters: the owner (`Some(None)`: its in-flight
+    /// allocations and exact metadata index) or a writable core replica (`Some(Some(_))`:
+    /// the owner's published metadata-cluster bitmap; an allocation in flight is not
+    /// COPIED data in its view yet); `None` when this image takes no in-place writes.
+    #[inline(always)]
+    fn fast_write_side<'a>(&self, q: &'a Qcow2<D>) -> Option<Option<&'a Shared>> {
+        let core = match &q.core {
+            Some(c) if c.writable => q.shared.as_deref(),
+            Some(_) => return None,
+            None => None,
+        };
+        (q.meta.is_some() || core.is_some()).then_some(core)
+    }
+
+    /// [`walk_fast_write`](Self::walk_fast_write) for a caller that can use one extent
+    /// only: `Some((device, Some(host)))` when the clusters follow each other on the
+    /// device, `Some((device, None))` when they do not (in place all the same), `None`
+    /// when the write is not in place.
+    #[inline(never)]
+    pub(crate) fn walk_single_write(&self, offset: u64, len: u64) -> Option<(DevId, Option<u64>)> {
+        let mut runs = [(0, 0, 0); 8];
+        let (dev, n) = self.walk_fast_write(offset, len, &mut runs)?;
+        Some((dev, (n == 1).then_some(runs[0].0)))
+    }
+
+    /// [`plan_fast_write`](Self::plan_fast_write) cluster by cluster, for a write that is
+    /// not one cached extent.
+    #[inline(never)]
+    fn walk_fast_write(
         &self,
         offset: u64,
         len: u64,
@@ -268,42 +363,15 @@ impl<D: BlockDevice> Chain<D> {
         let Layer::Qcow2(q) = &self.layers()[0] else {
             return None;
         };
-        // The owner checks its in-flight allocations and exact metadata index; a core
-        // replica checks the owner's published metadata-cluster bitmap (an allocation in
-        // flight is not COPIED data in its view yet).
+        let core = self.fast_write_side(q)?;
         let m = q.meta.as_ref();
-        let core = match &q.core {
-            Some(c) if c.writable => q.shared.as_deref(),
-            Some(_) => return None,
-            None => None,
-        };
-        if m.is_none() && core.is_none() {
-            return None;
-        }
         let cs = q.geometry().cluster_size();
         // The mapping's host offset is where its (sub)cluster starts.
         let unit = q.geometry().subcluster_size();
-        let bits = q.geometry().cluster_bits;
         let end = offset + len;
         let mut n = 0;
         let mut pos = offset;
         let st = m.map(|m| m.st.borrow());
-        let overlaps_meta = |h: u64, len: u64| match core {
-            Some(sh) => (h >> bits..=(h + len - 1) >> bits).any(|c| sh.is_meta_cluster(c)),
-            None => q.overlaps_metadata(h, len),
-        };
-        // One extent of COPIED clusters straight from the cache (one linear slice, or one
-        // cluster).
-        if let Some(h) = q.cached_extent(offset, len, true) {
-            let inflight = st
-                .as_ref()
-                .is_some_and(|st| (offset / cs..=(end - 1) / cs).any(|c| st.inflight.contains(&c)));
-            if inflight || overlaps_meta(h, len) {
-                return None;
-            }
-            runs[0] = (h, 0, len as usize);
-            return Some((q.dev(), 1));
-        }
         while pos < end {
             if st
                 .as_ref()
@@ -319,7 +387,7 @@ impl<D: BlockDevice> Chain<D> {
             };
             let len = (c_end.min(end) - pos) as usize;
             let h = host.0 + (pos & (unit - 1));
-            if overlaps_meta(h, len as u64) {
+            if overlaps_meta(q, core, h, len as u64) {
                 // The slow path refuses it and marks the image corrupt.
                 return None;
             }
