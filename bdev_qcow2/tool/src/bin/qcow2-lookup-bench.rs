@@ -13,7 +13,8 @@
 
 use clap::Parser;
 use qcow2_engine::io::BufSlice;
-use qcow2_engine::{Chain, Exec, Layer, OpenOptions, Qcow2};
+use qcow2_engine::{Chain, Exec, Layer, OpenOptions};
+use qcow2_tool::host::{open_chain, Format, OpenSpec, Opened};
 use qcow2_tool::rng::Rng;
 use qcow2_tool::uring::{AlignedBuf, UringDevice};
 use std::hint::black_box;
@@ -49,24 +50,20 @@ fn qemu(args: &[&str]) {
 
 /// Opens `path` writable (like the SPDK module's bdevs) and loads every slice.
 fn open(path: &Path, size: u64) -> (Exec<UringDevice>, Rc<Chain<UringDevice>>) {
-    let exec = Exec::new();
-    let dev = exec.add_device(UringDevice::open(path, true, false, 32).expect("open"));
-    let e2 = exec.clone();
-    let q = exec
-        .block_on(async move {
-            Qcow2::open(
-                &e2,
-                dev,
-                OpenOptions {
-                    writable: true,
-                    ..Default::default()
-                },
-            )
-            .await
-        })
-        .expect("open image");
+    let Opened { exec, chain, .. } = open_chain(&OpenSpec {
+        path: path.to_path_buf(),
+        format: Format::Qcow2,
+        allow_backing: false,
+        writable: true,
+        opts: OpenOptions::default(),
+        queue_depth: 32,
+        direct: false,
+    })
+    .expect("open image");
+    let Layer::Qcow2(q) = &chain.layers()[0] else {
+        unreachable!("a qcow2 image")
+    };
     let cov = q.geometry().slice_coverage();
-    let chain = Chain::new(&exec, vec![Layer::Qcow2(Box::new(q))]).expect("chain");
     let buf = AlignedBuf::new(512);
     for s in 0..size.div_ceil(cov) {
         // The second cluster of each slice: allocated in both images.
