@@ -11,8 +11,6 @@
 //! load and an LRU stamp store however large the cache; the set is scanned only when the
 //! key's slot names another key.
 
-use std::cell::Cell;
-
 /// Key value marking an invalid way.
 const INVALID: u64 = u64::MAX;
 
@@ -52,8 +50,17 @@ fn rank(stamp: u32, way: usize) -> u32 {
     stamp << 3 | (way & 7) as u32
 }
 
-/// `SetAssocCache::probed` when no probe result may be reused.
-const NO_PROBE: (u64, usize) = (INVALID, usize::MAX);
+/// A successful [`probe`](SetAssocCache::probe): the way holding the key, to read and to
+/// commit with [`touch`](SetAssocCache::touch).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Hit {
+    /// The way holding the key.
+    pub way: usize,
+    key: u64,
+    /// Whether the front table named the way (else the set scan found it, and the touch
+    /// points the front table at it).
+    in_front: bool,
+}
 
 /// Hit/miss/eviction counters.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
@@ -98,10 +105,6 @@ pub struct SetAssocCache<T, A = ()> {
     /// cached. A hit there costs one load and two compares: no hash, no set scan, and no
     /// second load that depends on the first, so its cost barely grows with the cache.
     front: Vec<Front>,
-    /// The key and way of the last successful [`probe`](Self::probe) that the front table
-    /// did not name, for the [`touch`](Self::touch) committing it to point the front table
-    /// there; reset by every change to a way (so it never names a way that lost its key).
-    probed: Cell<(u64, usize)>,
     clock: u32,
     stats: CacheStats,
 }
@@ -127,7 +130,6 @@ impl<T: Copy + Default, A: Copy + Default> SetAssocCache<T, A> {
             data: vec![T::default(); n * block_len],
             aux: vec![A::default(); n],
             front: vec![NO_FRONT; n.next_power_of_two()],
-            probed: Cell::new(NO_PROBE),
             clock: 0,
             stats: CacheStats::default(),
         }
@@ -201,14 +203,12 @@ impl<T: Copy + Default, A: Copy + Default> SetAssocCache<T, A> {
         };
     }
 
-    /// Before `key` leaves its way: clears its front slot if the slot names it, and drops
-    /// the saved probe.
+    /// Before `key` leaves its way: clears its front slot if the slot names it.
     fn forget(&mut self, key: u64) {
         let s = self.front_slot(key);
         if self.front[s].key == key {
             self.front[s] = NO_FRONT;
         }
-        self.probed.set(NO_PROBE);
     }
 
     fn find_in_set(&self, key: u64) -> Option<usize> {
@@ -259,12 +259,9 @@ impl<T: Copy + Default, A: Copy + Default> SetAssocCache<T, A> {
     #[inline]
     pub fn lookup(&mut self, key: u64, epoch: u32) -> Option<usize> {
         match self.find(key) {
-            Some((w, e, in_front)) if e == epoch => {
-                if !in_front {
-                    self.remember(key, w, e);
-                }
-                self.touch(w);
-                Some(w)
+            Some((way, e, in_front)) if e == epoch => {
+                self.touch(Hit { way, key, in_front });
+                Some(way)
             }
             Some(_) => {
                 self.stats.stale += 1;
@@ -278,17 +275,12 @@ impl<T: Copy + Default, A: Copy + Default> SetAssocCache<T, A> {
         }
     }
 
-    /// Like [`lookup`](Self::lookup) but changes nothing (no counters, no LRU update).
+    /// Like [`lookup`](Self::lookup) but changes nothing (no counters, no LRU update): the
+    /// hit, for the caller to [`touch`](Self::touch) once it used the block.
     #[inline]
-    pub fn probe(&self, key: u64, epoch: u32) -> Option<usize> {
-        let (w, e, in_front) = self.find(key)?;
-        if e != epoch {
-            return None;
-        }
-        if !in_front {
-            self.probed.set((key, w));
-        }
-        Some(w)
+    pub fn probe(&self, key: u64, epoch: u32) -> Option<Hit> {
+        let (way, e, in_front) = self.find(key)?;
+        (e == epoch).then_some(Hit { way, key, in_front })
     }
 
     /// The way holding `key` under any epoch (no counters, no LRU update): for prefetch
@@ -302,17 +294,24 @@ impl<T: Copy + Default, A: Copy + Default> SetAssocCache<T, A> {
         self.find(key).map(|(_, e, _)| e)
     }
 
-    /// Marks a way most recently used and counts a hit (to commit a [`probe`](Self::probe));
-    /// when that probe found the way through the set scan, points the front table at it.
+    /// Commits a [`probe`](Self::probe): marks its way most recently used and counts a hit;
+    /// when the probe found the way through the set scan, points the front table at it —
+    /// only if the way still holds the key (a hit kept across changes to the cache never
+    /// makes the front table name a way that lost its key).
     #[inline(always)]
-    pub fn touch(&mut self, way: usize) {
+    pub fn touch(&mut self, hit: Hit) {
         let stamp = self.tick();
-        self.ranks[way] = rank(stamp, way);
+        self.ranks[hit.way] = rank(stamp, hit.way);
         self.stats.hits += 1;
-        let (key, w) = self.probed.get();
-        if w == way {
-            self.probed.set(NO_PROBE);
-            self.remember(key, way, self.epochs[way]);
+        if !hit.in_front {
+            self.remember_found(hit);
+        }
+    }
+
+    #[cold]
+    fn remember_found(&mut self, hit: Hit) {
+        if self.keys[hit.way] == hit.key {
+            self.remember(hit.key, hit.way, self.epochs[hit.way]);
         }
     }
 
@@ -400,7 +399,6 @@ impl<T: Copy + Default, A: Copy + Default> SetAssocCache<T, A> {
             *r = rank(0, w);
         }
         self.front.fill(NO_FRONT);
-        self.probed.set(NO_PROBE);
     }
 }
 
@@ -504,13 +502,13 @@ mod tests {
         }
         assert_eq!(c.stats().evictions, 0);
         // Invalidate one: the next insert must reuse that way, evicting nothing.
-        let w1 = c.probe(keys[1], 0).unwrap();
+        let w1 = c.probe(keys[1], 0).unwrap().way;
         c.invalidate(keys[1]);
         assert_eq!(c.insert_with(keys[4], 0, |_| {}), w1);
         assert_eq!(c.stats().evictions, 0);
         // Touch keys[0]; LRU is now keys[2].
         assert!(c.lookup(keys[0], 0).is_some());
-        let w2 = c.probe(keys[2], 0).unwrap();
+        let w2 = c.probe(keys[2], 0).unwrap().way;
         assert_eq!(c.insert_with(keys[5], 0, |_| {}), w2);
         assert_eq!(c.stats().evictions, 1);
         assert!(c.probe(keys[2], 0).is_none());
@@ -527,15 +525,19 @@ mod tests {
         c.insert_with(b, 0, |x| x.fill(b));
         // The front slot names b, so this probe finds a through the set and is saved for
         // a touch that never comes.
-        assert_eq!(c.probe(a, 0), Some(wa));
+        assert_eq!(c.probe(a, 0).map(|h| h.way), Some(wa));
+        let stale = c.probe(a, 0);
         // a is the least recently used: k replaces it.
         assert_eq!(c.insert_with(k, 0, |x| x.fill(k)), wa);
-        // A probe of k (through the front slot) and its touch must not bring back a.
-        assert_eq!(c.probe(k, 0), Some(wa));
-        c.touch(wa);
+        // Neither a probe of k (through the front slot) and its touch nor, after them, a
+        // touch of that stale hit may bring back a.
+        let hk = c.probe(k, 0).unwrap();
+        assert_eq!(hk.way, wa);
+        c.touch(hk);
+        c.touch(stale.unwrap());
         assert_eq!(c.lookup(a, 0), None);
         assert_eq!(c.peek(a), None);
-        assert_eq!(c.block(c.probe(k, 0).unwrap())[0], k);
+        assert_eq!(c.block(c.probe(k, 0).unwrap().way)[0], k);
     }
 
     #[test]
@@ -689,19 +691,19 @@ mod tests {
                     }
                     Op::ProbeTouch(k, e) => {
                         let got = c.probe(k, e);
-                        prop_assert_eq!(got, model.get(&k).filter(|v| v.0 == e).map(|v| v.1 as usize));
+                        prop_assert_eq!(got.map(|h| h.way), model.get(&k).filter(|v| v.0 == e).map(|v| v.1 as usize));
                         prop_assert_eq!(c.peek_epoch(k), model.get(&k).map(|v| v.0));
-                        if let Some(w) = got {
-                            c.touch(w);
+                        if let Some(h) = got {
+                            c.touch(h);
                         }
                     }
                     Op::Probe(k, e) => {
                         last = c.probe(k, e);
-                        prop_assert_eq!(last, model.get(&k).filter(|v| v.0 == e).map(|v| v.1 as usize));
+                        prop_assert_eq!(last.map(|h| h.way), model.get(&k).filter(|v| v.0 == e).map(|v| v.1 as usize));
                     }
                     Op::TouchLast => {
-                        if let Some(w) = last.take() {
-                            c.touch(w);
+                        if let Some(h) = last.take() {
+                            c.touch(h);
                         }
                     }
                     Op::Invalidate(k) => {

@@ -106,7 +106,9 @@ pub struct Chain<D: BlockDevice> {
     pub(crate) pf_hot: crate::prefetch::Hot,
     /// Reused plan storage of the fast path (no allocation per request).
     scratch: RefCell<FastPlan>,
-    stats: RefCell<ReadStats>,
+    /// Read-path counters ([`ReadStats`]): plain cells, bumped on every request.
+    fast_reads: Cell<u64>,
+    slow_reads: Cell<u64>,
     /// The rest of read-ahead's state (sequential requests only).
     pub(crate) prefetch: RefCell<crate::prefetch::Prefetch>,
     /// The write range (offset, length) that [`map_direct`](Self::map_direct) last found no
@@ -138,7 +140,8 @@ impl<D: BlockDevice> Chain<D> {
             size,
             layers,
             scratch: RefCell::new((Vec::with_capacity(64), Vec::with_capacity(64))),
-            stats: RefCell::new(ReadStats::default()),
+            fast_reads: Cell::new(0),
+            slow_reads: Cell::new(0),
             prefetch,
             no_write_plan: Cell::new(None),
         }))
@@ -158,7 +161,10 @@ impl<D: BlockDevice> Chain<D> {
     }
     /// Read-path counters.
     pub fn stats(&self) -> ReadStats {
-        *self.stats.borrow()
+        ReadStats {
+            fast_reads: self.fast_reads.get(),
+            slow_reads: self.slow_reads.get(),
+        }
     }
 
     /// Starts a guest read of `buf.len` bytes at `offset`; its completion is reported with
@@ -186,10 +192,10 @@ impl<D: BlockDevice> Chain<D> {
         // request is over (shared images; see `coherency::Grace`).
         let parity = self.exec.guest_enter();
         if self.try_fast_read(tag, offset, &buf, parity) {
-            self.stats.borrow_mut().fast_reads += 1;
+            self.fast_reads.set(self.fast_reads.get() + 1);
             return;
         }
-        self.stats.borrow_mut().slow_reads += 1;
+        self.slow_reads.set(self.slow_reads.get() + 1);
         let chain = self.clone();
         self.exec.spawn(async move {
             let r = read_layer(chain.clone(), 0, offset, buf).await;
@@ -232,7 +238,7 @@ impl<D: BlockDevice> Chain<D> {
     /// Counts a read the host served on the direct path (after its submission succeeded:
     /// a refused one falls back to [`submit_read`](Self::submit_read), which counts it).
     pub fn count_direct_read(&self) {
-        self.stats.borrow_mut().fast_reads += 1;
+        self.fast_reads.set(self.fast_reads.get() + 1);
     }
 
     /// Where the top image's cached L2 entry for `offset` lies in memory (see

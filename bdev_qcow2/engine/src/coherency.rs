@@ -116,7 +116,7 @@ impl Shared {
     }
 
     /// Current epoch of slice `key` (acquire: a core then reads L1 and the device).
-    #[inline]
+    #[inline(always)]
     pub fn epoch(&self, key: u64) -> u32 {
         // SeqCst (a plain load on x86) to order after a grace-period entry.
         self.epochs[self.slot(key)].load(Ordering::SeqCst)
@@ -436,6 +436,7 @@ pub mod fences {
     }
 
     /// Whether the asymmetric pair is in use (false: both halves are full fences).
+    #[inline]
     pub fn asymmetric() -> bool {
         #[cfg(not(loom))]
         return MODE.load(Ordering::Relaxed) == ASYMMETRIC;

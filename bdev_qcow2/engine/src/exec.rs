@@ -11,7 +11,7 @@
 use crate::error::{Error, Result};
 use crate::io::{BlockDevice, BufSlice, Busy, DeviceError, DeviceOp};
 use slab::Slab;
-use std::cell::{Cell, RefCell};
+use std::cell::{Cell, OnceCell, RefCell};
 use std::collections::VecDeque;
 use std::future::Future;
 use std::pin::Pin;
@@ -76,13 +76,14 @@ struct Inner<D: BlockDevice> {
     reaped: RefCell<Vec<(u64, Result<(), DeviceError>)>>,
     stats: Cell<ExecStats>,
     /// This core's membership in a shared image's grace periods.
-    /// (shared state, member slot, whether this executor is the owner's).
-    grace: RefCell<Option<(std::sync::Arc<crate::coherency::Shared>, usize, bool)>>,
+    /// (shared state, member slot, whether this executor is the owner's). Set once: every
+    /// guest request reads it, without a borrow flag.
+    grace: OnceCell<(std::sync::Arc<crate::coherency::Shared>, usize, bool)>,
 }
 
 impl<D: BlockDevice> Drop for Inner<D> {
     fn drop(&mut self) {
-        if let Some((sh, slot, _)) = self.grace.borrow_mut().take() {
+        if let Some((sh, slot, _)) = self.grace.take() {
             sh.grace.unregister(slot);
         }
     }
@@ -122,7 +123,7 @@ impl<D: BlockDevice> Exec<D> {
                 done: RefCell::new(VecDeque::with_capacity(256)),
                 reaped: RefCell::new(Vec::with_capacity(256)),
                 stats: Cell::new(ExecStats::default()),
-                grace: RefCell::new(None),
+                grace: OnceCell::new(),
             }),
         }
     }
@@ -138,12 +139,13 @@ impl<D: BlockDevice> Exec<D> {
         shared: std::sync::Arc<crate::coherency::Shared>,
         owner: bool,
     ) -> bool {
-        if self.inner.grace.borrow().is_some() {
+        if self.inner.grace.get().is_some() {
             return true;
         }
         match shared.grace.register() {
             Some(slot) => {
-                *self.inner.grace.borrow_mut() = Some((shared, slot, owner));
+                // Not set before (checked above; one thread): `set` succeeds.
+                let _ = self.inner.grace.set((shared, slot, owner));
                 true
             }
             None => false,
@@ -153,7 +155,7 @@ impl<D: BlockDevice> Exec<D> {
     /// A guest request starts (before it resolves any mapping): returns its parity.
     #[inline]
     pub fn guest_enter(&self) -> u8 {
-        match &*self.inner.grace.borrow() {
+        match self.inner.grace.get() {
             Some((sh, slot, false)) => sh.grace.enter(*slot),
             Some((sh, slot, true)) => sh.grace.enter_owner(*slot),
             None => NO_GRACE,
@@ -166,7 +168,7 @@ impl<D: BlockDevice> Exec<D> {
         if parity == NO_GRACE {
             return;
         }
-        if let Some((sh, slot, _)) = &*self.inner.grace.borrow() {
+        if let Some((sh, slot, _)) = self.inner.grace.get() {
             sh.grace.exit(*slot, parity);
         }
     }

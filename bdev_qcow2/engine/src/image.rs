@@ -665,9 +665,10 @@ impl<D: BlockDevice> Qcow2<D> {
         let key = self.geo.slice_id(off);
         let epoch = self.cur_epoch(key);
         let mut cache = self.l2_cache.borrow_mut();
-        let Some(way) = cache.probe(key, epoch) else {
+        let Some(hit) = cache.probe(key, epoch) else {
             return Ok(None);
         };
+        let way = hit.way;
         if !self.geo.extended_l2 {
             let ctx = self.ctx.get();
             let i = self.geo.index_in_slice(off);
@@ -678,7 +679,7 @@ impl<D: BlockDevice> Qcow2<D> {
                     .plain_data(ctx.cluster_bits, ctx.device_size),
             };
             if touch == Touch::Yes || (touch == Touch::IfCopied && data.is_some_and(|d| d.1)) {
-                cache.touch(way);
+                cache.touch(hit);
             }
             if let Some((host, copied)) = data {
                 let cs = self.geo.cluster_size();
@@ -697,7 +698,7 @@ impl<D: BlockDevice> Qcow2<D> {
             || (touch == Touch::IfCopied
                 && matches!(r.0, ClusterMapping::Data { copied: true, .. }))
         {
-            cache.touch(way);
+            cache.touch(hit);
         }
         Ok(Some(r))
     }
@@ -728,7 +729,8 @@ impl<D: BlockDevice> Qcow2<D> {
         }
         let epoch = self.cur_epoch(key);
         let mut cache = self.l2_cache.try_borrow_mut().ok()?;
-        let way = cache.probe(key, epoch)?;
+        let hit = cache.probe(key, epoch)?;
+        let way = hit.way;
         let ctx = self.ctx.get();
         let cs = 1u64 << ctx.cluster_bits;
         let host = match cache.aux(way).host(0, ctx.cluster_bits) {
@@ -766,7 +768,7 @@ impl<D: BlockDevice> Qcow2<D> {
                 }
             }
         };
-        cache.touch(way);
+        cache.touch(hit);
         Some(host)
     }
 
@@ -1043,7 +1045,7 @@ impl<D: BlockDevice> Qcow2<D> {
         }
         let cache = self.rc_cache.borrow();
         match cache.probe(block, 0) {
-            Some(w) => f(cache.block(w)),
+            Some(h) => f(cache.block(h.way)),
             None => f(&vec![0u8; self.geo.cluster_size() as usize]),
         }
     }

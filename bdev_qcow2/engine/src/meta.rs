@@ -428,7 +428,7 @@ impl<D: BlockDevice> Qcow2<D> {
             }
         }
         let mut cache = self.l2_cache.borrow_mut();
-        if let Some(w) = cache.probe(key, 0) {
+        if let Some(w) = cache.probe(key, 0).map(|h| h.way) {
             let old = if ext {
                 (cache.block(w)[2 * i], cache.block(w)[2 * i + 1])
             } else {
@@ -528,7 +528,7 @@ impl<D: BlockDevice> Qcow2<D> {
             std::collections::btree_map::Entry::Vacant(v) => {
                 let bytes = {
                     let cache = self.rc_cache.borrow();
-                    let w = cache.probe(block, 0).ok_or_else(|| {
+                    let w = cache.probe(block, 0).map(|h| h.way).ok_or_else(|| {
                         corrupt(
                             Field::RefcountBlockEntry,
                             block,

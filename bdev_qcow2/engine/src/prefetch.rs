@@ -51,6 +51,9 @@ pub(crate) struct Hot {
     seq: Cell<u8>,
     /// Where each stream's next request starts (`u64::MAX`: none).
     next: [Cell<u64>; STREAMS],
+    /// Per stream: requests in a row, and the last slice asked for (`u64::MAX`: none).
+    /// Here rather than in [`Prefetch`]: a random request restarts a stream.
+    run: [Cell<(u32, u64)>; STREAMS],
 }
 
 impl Default for Hot {
@@ -60,14 +63,15 @@ impl Default for Hot {
             victim: Cell::new(0),
             seq: Cell::new(0),
             next: std::array::from_fn(|_| Cell::new(u64::MAX)),
+            run: std::array::from_fn(|_| Cell::new((0, u64::MAX))),
         }
     }
 }
 
 impl Hot {
     /// The stream a request at `offset` continues, if any; a request that continues none
-    /// starts one in a slot without a sequential stream, else in the next slot in turn
-    /// (whose stream then counts as new). The caller resets the started slot's run.
+    /// starts one (a run of 1) in a slot without a sequential stream, else in the next slot
+    /// in turn (whose stream then counts as new).
     #[inline]
     fn find_or_start(&self, offset: u64, len: u64) -> Result<usize, usize> {
         let next = offset.saturating_add(len);
@@ -79,14 +83,19 @@ impl Hot {
         }
         // In turn from `victim`, skipping sequential streams unless every slot holds one.
         let seq = self.seq.get();
-        let start = self.victim.get() as usize;
-        let v = (0..STREAMS)
-            .map(|k| (start + k) % STREAMS)
-            .find(|&i| seq & (1 << i) == 0)
-            .unwrap_or(start);
+        let start = self.victim.get() as usize % STREAMS;
+        let v = if seq == 0 {
+            start
+        } else {
+            (0..STREAMS)
+                .map(|k| (start + k) % STREAMS)
+                .find(|&i| seq & (1 << i) == 0)
+                .unwrap_or(start)
+        };
         self.victim.set(((v + 1) % STREAMS) as u8);
         self.seq.set(seq & !(1 << v));
         self.next[v].set(next);
+        self.run[v].set((1, u64::MAX));
         Err(v)
     }
 
@@ -94,13 +103,16 @@ impl Hot {
     fn mark_sequential(&self, i: usize) {
         self.seq.set(self.seq.get() | 1 << i);
     }
+
+    /// Whether stream `i` has run long enough to be sequential.
+    fn is_sequential_run(&self, i: usize) -> bool {
+        self.run[i].get().0 >= SEQ_MIN
+    }
 }
 
 /// The rest of a replica's read-ahead state (touched only by sequential requests).
 #[derive(Default)]
 pub(crate) struct Prefetch {
-    /// Per stream: requests in a row, and the last slice asked for (`u64::MAX`: none).
-    run: [(u32, u64); STREAMS],
     /// Slices loaded ahead, not yet reached (`u64::MAX`: empty).
     loaded: [u64; LOADED],
     loaded_pos: usize,
@@ -110,15 +122,9 @@ pub(crate) struct Prefetch {
 impl Prefetch {
     fn new() -> Self {
         Prefetch {
-            run: [(0, u64::MAX); STREAMS],
             loaded: [u64::MAX; LOADED],
             ..Default::default()
         }
-    }
-
-    /// Stream `i` starts afresh.
-    fn restart(&mut self, i: usize) {
-        self.run[i] = (1, u64::MAX);
     }
 
     /// Request `offset`/`len` continues stream `i` (in slices of `coverage` bytes, on a
@@ -126,6 +132,7 @@ impl Prefetch {
     /// slice after the last one the request covers.
     fn advance(
         &mut self,
+        hot: &Hot,
         i: usize,
         offset: u64,
         len: u64,
@@ -134,9 +141,9 @@ impl Prefetch {
     ) -> Option<u64> {
         let first = offset / coverage;
         let last = offset.saturating_add(len.max(1) - 1) / coverage;
-        let (run, asked) = &mut self.run[i];
-        *run = run.saturating_add(1);
-        let (r, a) = (*run, *asked);
+        let (run, a) = hot.run[i].get();
+        let r = run.saturating_add(1);
+        hot.run[i].set((r, a));
         for slot in self.loaded.iter_mut() {
             if (first..=last).contains(slot) {
                 *slot = u64::MAX;
@@ -151,7 +158,7 @@ impl Prefetch {
             return None;
         }
         let target = ahead.checked_mul(coverage).filter(|&t| t < size)?;
-        self.run[i].1 = ahead;
+        hot.run[i].set((r, ahead));
         Some(target)
     }
 
@@ -193,13 +200,8 @@ impl<D: BlockDevice> Chain<D> {
         if !self.pf_hot.on.get() || len == 0 {
             return;
         }
-        match self.pf_hot.find_or_start(offset, len) {
-            Ok(i) => self.continue_stream(i, offset, len),
-            Err(i) => {
-                if let Ok(mut p) = self.prefetch.try_borrow_mut() {
-                    p.restart(i);
-                }
-            }
+        if let Ok(i) = self.pf_hot.find_or_start(offset, len) {
+            self.continue_stream(i, offset, len);
         }
     }
 
@@ -213,8 +215,8 @@ impl<D: BlockDevice> Chain<D> {
         let Ok(mut p) = self.prefetch.try_borrow_mut() else {
             return;
         };
-        let target = p.advance(i, offset, len, coverage, self.size());
-        if p.run[i].0 >= SEQ_MIN {
+        let target = p.advance(&self.pf_hot, i, offset, len, coverage, self.size());
+        if self.pf_hot.is_sequential_run(i) {
             self.pf_hot.mark_sequential(i);
         }
         drop(p);
@@ -264,19 +266,12 @@ mod tests {
             Both(Hot::default(), Prefetch::new())
         }
         fn note(&mut self, offset: u64, len: u64, cov: u64, size: u64) -> Option<u64> {
-            match self.0.find_or_start(offset, len) {
-                Ok(i) => {
-                    let t = self.1.advance(i, offset, len, cov, size);
-                    if self.1.run[i].0 >= SEQ_MIN {
-                        self.0.mark_sequential(i);
-                    }
-                    t
-                }
-                Err(i) => {
-                    self.1.restart(i);
-                    None
-                }
+            let i = self.0.find_or_start(offset, len).ok()?;
+            let t = self.1.advance(&self.0, i, offset, len, cov, size);
+            if self.0.is_sequential_run(i) {
+                self.0.mark_sequential(i);
             }
+            t
         }
     }
 

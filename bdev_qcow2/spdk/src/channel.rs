@@ -306,7 +306,13 @@ impl Channel {
         let len = io.num_blocks() * u64::from(BLOCK_SIZE);
         chain.read_ahead(io.offset_blocks() * u64::from(BLOCK_SIZE), len);
         self.own(io);
-        if submit_direct(chain, &self.exec, self.direct, io, chan_direct_done) {
+        if submit_direct(
+            chain,
+            &self.exec,
+            self.direct.as_ref(),
+            io,
+            chan_direct_done,
+        ) {
             return;
         }
         let (iovs, cnt) = io.iovs();
@@ -383,7 +389,7 @@ impl Channel {
                 }
                 WriteRoute::Direct(d) => {
                     self.own(io);
-                    if submit_mapped(&self.exec, self.direct, io, d, chan_direct_done) {
+                    if submit_mapped(&self.exec, self.direct.as_ref(), io, d, chan_direct_done) {
                         return;
                     }
                 }
@@ -473,10 +479,11 @@ fn current_thread_name() -> String {
 /// leave the grace period with the parity stored in the driver context). Returns false,
 /// having submitted nothing, when the engine must run it (slice miss, allocation, several
 /// extents, zeros, backing, base busy: the engine queues for SPDK's bdev_io pool).
+#[inline(always)]
 pub fn submit_direct(
     chain: &Chain<SpdkDevice>,
     exec: &Exec<SpdkDevice>,
-    target: Option<DirectTarget>,
+    target: Option<&DirectTarget>,
     io: BdevIo,
     done: unsafe extern "C" fn(*mut sys::spdk_bdev_io, bool, *mut c_void),
 ) -> bool {
@@ -498,9 +505,10 @@ pub fn submit_direct(
 /// Submits a request mapped to one extent (`Chain::map_direct`, `Chain::route_write`) to
 /// the base with the bdev_io's own iovecs; on refusal (another device, no target, base busy)
 /// leaves the grace period and returns false, having submitted nothing.
+#[inline]
 pub fn submit_mapped(
     exec: &Exec<SpdkDevice>,
-    target: Option<DirectTarget>,
+    target: Option<&DirectTarget>,
     io: BdevIo,
     d: Direct,
     done: unsafe extern "C" fn(*mut sys::spdk_bdev_io, bool, *mut c_void),

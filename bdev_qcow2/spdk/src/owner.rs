@@ -215,7 +215,13 @@ impl Owner {
                 // SAFETY: as in `set_status`; `forward` set the flag.
                 let slow = unsafe { (*io.driver_ctx().cast::<IoCtx>()).slow };
                 if !slow
-                    && channel::submit_direct(c, &self.exec, self.direct, io, owner_direct_done)
+                    && channel::submit_direct(
+                        c,
+                        &self.exec,
+                        self.direct.as_ref(),
+                        io,
+                        owner_direct_done,
+                    )
                 {
                     return;
                 }

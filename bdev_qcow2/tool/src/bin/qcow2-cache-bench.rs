@@ -245,23 +245,23 @@ fn bench_size(a: &Args, slices: usize) -> Row {
     row.set_of = measure(a, |r| c.set_of(black_box(r.next() & mask)) as u64);
     row.hit_meta = measure(a, |r| {
         let key = r.next() & mask;
-        let w = c.probe(key, 0).unwrap();
-        c.touch(w);
-        w as u64
+        let h = c.probe(key, 0).unwrap();
+        c.touch(h);
+        h.way as u64
     });
     row.hit = measure(a, |r| {
         let x = r.next();
-        let w = c.probe(x & mask, 0).unwrap();
-        c.touch(w);
-        c.block(w)[word_of(x)]
+        let h = c.probe(x & mask, 0).unwrap();
+        c.touch(h);
+        c.block(h.way)[word_of(x)]
     });
     let zero = black_box(0u64);
     let mut last = 0u64;
     row.hit_lat = measure(a, |r| {
         let x = r.next() ^ (last & zero);
-        let w = c.probe(x & mask, 0).unwrap();
-        c.touch(w);
-        last = c.block(w)[word_of(x)];
+        let h = c.probe(x & mask, 0).unwrap();
+        c.touch(h);
+        last = c.block(h.way)[word_of(x)];
         last
     });
     // The floor: one random word of the same cached slices, the way given (no lookup).
@@ -300,9 +300,9 @@ fn bench_size(a: &Args, slices: usize) -> Row {
     let m2 = (shared_slot.len().next_power_of_two() as u64 / 2).max(1) - 1;
     row.hit_set = measure(a, |r| {
         let key = shared_slot[(r.next() & m2) as usize];
-        let w = c2.probe(key, 0).unwrap();
-        c2.touch(w);
-        w as u64
+        let h = c2.probe(key, 0).unwrap();
+        c2.touch(h);
+        h.way as u64
     });
     drop(c2);
 
