@@ -183,7 +183,7 @@ impl<T: Copy + Default, A: Copy + Default> SetAssocCache<T, A> {
 
     /// The way holding `key` and its epoch, if cached, and whether the front table named it
     /// (else the set scan found it).
-    #[inline]
+    #[inline(always)]
     fn find(&self, key: u64) -> Option<(usize, u32, bool)> {
         let f = self.front[self.front_slot(key)];
         if f.key == key {

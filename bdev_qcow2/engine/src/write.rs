@@ -77,6 +77,7 @@ pub(crate) enum WriteExtent {
 /// Whether host range `[h, h + len)` (non-empty) touches the image's metadata: on a core
 /// replica (`core`) by the owner's published metadata-cluster bitmap, on the owner by its
 /// exact index.
+#[inline]
 fn overlaps_meta<D: BlockDevice>(q: &Qcow2<D>, core: Option<&Shared>, h: u64, len: u64) -> bool {
     match core {
         Some(sh) => {
