@@ -204,13 +204,24 @@ impl<D: BlockDevice> Chain<D> {
     /// - else [`WriteRoute::Local`]: this replica's engine path
     ///   ([`submit_write_local`](Self::submit_write_local)), which loads an uncached slice
     ///   (so later overwrites stay on the core) and reports invalid requests.
+    #[inline]
     pub fn route_write(&self, offset: u64, len: u64) -> WriteRoute {
         if len == 0 || check_range(self, offset, len).is_err() {
             // The engine path reports what is wrong with it.
             return WriteRoute::Local;
         }
         let parity = self.exec().guest_enter();
-        let planned = match self.plan_write_extent(offset, len) {
+        match self.plan_write_extent(offset, len) {
+            WriteExtent::One(dev, host) => WriteRoute::Direct(Direct { dev, host, parity }),
+            other => self.route_unplanned(offset, len, parity, other),
+        }
+    }
+
+    /// [`route_write`](Self::route_write) for a write that is not one cached extent
+    /// (out of line: the in-place case stays small).
+    #[inline(never)]
+    fn route_unplanned(&self, offset: u64, len: u64, parity: u8, e: WriteExtent) -> WriteRoute {
+        let planned = match e {
             WriteExtent::One(dev, host) => return WriteRoute::Direct(Direct { dev, host, parity }),
             WriteExtent::Refused => None,
             WriteExtent::Walk => self.walk_single_write(offset, len),
