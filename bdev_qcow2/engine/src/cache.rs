@@ -308,6 +308,7 @@ impl<T: Copy + Default, A: Copy + Default> SetAssocCache<T, A> {
         }
     }
 
+    /// [`touch`](Self::touch)'s front-table update for a hit the set scan found.
     #[cold]
     fn remember_found(&mut self, hit: Hit) {
         if self.keys[hit.way] == hit.key {
@@ -523,10 +524,10 @@ mod tests {
         let (a, b, k) = (0, 2, 4);
         let wa = c.insert_with(a, 0, |x| x.fill(a));
         c.insert_with(b, 0, |x| x.fill(b));
-        // The front slot names b, so this probe finds a through the set and is saved for
-        // a touch that never comes.
-        assert_eq!(c.probe(a, 0).map(|h| h.way), Some(wa));
+        // The front slot names b, so a probe of a finds it through the set: a hit whose
+        // touch would point the front slot at a. It is kept, not touched yet.
         let stale = c.probe(a, 0);
+        assert_eq!(stale.map(|h| h.way), Some(wa));
         // a is the least recently used: k replaces it.
         assert_eq!(c.insert_with(k, 0, |x| x.fill(k)), wa);
         // Neither a probe of k (through the front slot) and its touch nor, after them, a
