@@ -11,7 +11,6 @@ use crate::image::Qcow2;
 use crate::io::{BlockDevice, BufSlice, DeviceOp, SECTOR};
 use crate::limits::MAX_BACKING_DEPTH;
 use crate::types::GuestOffset;
-use crate::write::WriteExtent;
 use std::cell::{Cell, RefCell};
 use std::future::Future;
 use std::pin::Pin;
@@ -263,12 +262,7 @@ impl<D: BlockDevice> Chain<D> {
     /// the read path stays small). Remembers a write it found no in-place plan for.
     #[inline(never)]
     fn plan_direct_write(&self, offset: u64, len: u64) -> Option<(DevId, u64)> {
-        let planned = match self.plan_write_extent(offset, len) {
-            WriteExtent::One(dev, host) => Some((dev, Some(host))),
-            WriteExtent::Refused => None,
-            WriteExtent::Walk => self.walk_single_write(offset, len),
-        };
-        match planned {
+        match self.single_write_extent(offset, len, self.plan_write_extent(offset, len)) {
             Some((dev, Some(host))) => Some((dev, host)),
             Some((_, None)) => None,
             None => {

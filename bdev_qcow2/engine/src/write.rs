@@ -221,11 +221,7 @@ impl<D: BlockDevice> Chain<D> {
     /// (out of line: the in-place case stays small).
     #[inline(never)]
     fn route_unplanned(&self, offset: u64, len: u64, parity: u8, e: WriteExtent) -> WriteRoute {
-        let planned = match e {
-            WriteExtent::One(dev, host) => return WriteRoute::Direct(Direct { dev, host, parity }),
-            WriteExtent::Refused => None,
-            WriteExtent::Walk => self.walk_single_write(offset, len),
-        };
+        let planned = self.single_write_extent(offset, len, e);
         if let Some((dev, Some(host))) = planned {
             return WriteRoute::Direct(Direct { dev, host, parity });
         }
@@ -350,6 +346,22 @@ impl<D: BlockDevice> Chain<D> {
             None => None,
         };
         (q.meta.is_some() || core.is_some()).then_some(core)
+    }
+
+    /// What [`plan_write_extent`](Self::plan_write_extent) found, `e`, for a caller that can
+    /// use one extent only, walking the clusters when it says so: as
+    /// [`walk_single_write`](Self::walk_single_write) answers.
+    pub(crate) fn single_write_extent(
+        &self,
+        offset: u64,
+        len: u64,
+        e: WriteExtent,
+    ) -> Option<(DevId, Option<u64>)> {
+        match e {
+            WriteExtent::One(dev, host) => Some((dev, Some(host))),
+            WriteExtent::Refused => None,
+            WriteExtent::Walk => self.walk_single_write(offset, len),
+        }
     }
 
     /// [`walk_fast_write`](Self::walk_fast_write) for a caller that can use one extent
