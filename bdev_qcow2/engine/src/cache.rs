@@ -6,10 +6,13 @@
 //! read under; a lookup hits only when the caller's current epoch matches, which is how a
 //! per-core replica is validated against the metadata owner (DESIGN.md §5).
 //!
-//! In front of the sets, a direct-mapped table indexed by the key's low bits names the way
-//! and epoch of the keys in use, exactly (every change to a way updates it), so a hit is one
-//! load and an LRU stamp store however large the cache; the set is scanned only when the
-//! key's slot names another key.
+//! Everything a hit reads and writes about a way (its key, epoch and LRU rank) lies in one
+//! 16-byte [`Slot`], so a hit touches one cache line of metadata however large the cache.
+//! Each key has a **home** way in its set, chosen by the key bits just above the set bits
+//! (for consecutive keys, which fill every set evenly, the keys of a set all have distinct
+//! homes). An insert puts the key in its home and moves the home's occupant, with its LRU
+//! stamp, its summary and its block, to the victim way; so a hit checks the home slot
+//! first, and scans the set only for a key whose home another key took.
 
 /// Key value marking an invalid way.
 const INVALID: u64 = u64::MAX;
@@ -19,20 +22,29 @@ const INVALID: u64 = u64::MAX;
 /// [`set_of`]: SetAssocCache::set_of
 const MIX: [u64; 2] = [0x9E37_79B9_7F4A_7C15, 0xC2B2_AE3D_27D4_EB4F];
 
-/// A slot of the direct-mapped front table: `key` is held in `way` under `epoch`, exactly
-/// (every change to a way updates or clears the slot that names it), or `key == INVALID`.
-#[derive(Clone, Copy)]
-struct Front {
+/// One way's metadata: everything a hit reads (key, epoch) and writes (rank), in 16 bytes
+/// aligned to 16, so it never straddles a cache line.
+#[derive(Clone, Copy, Debug)]
+#[repr(C, align(16))]
+struct Slot {
     key: u64,
-    way: u32,
     epoch: u32,
+    /// The LRU rank: the way's stamp (below [`CLOCK_END`]: see [`tick`](SetAssocCache::tick);
+    /// 0 for an invalid way) shifted left by 3, with the way's index modulo 8 in the low
+    /// bits (see [`rank`] and [`victim`](SetAssocCache::victim)).
+    rank: u32,
 }
 
-const NO_FRONT: Front = Front {
-    key: INVALID,
-    way: 0,
-    epoch: 0,
-};
+impl Slot {
+    /// The invalid way `way`.
+    fn empty(way: usize) -> Slot {
+        Slot {
+            key: INVALID,
+            epoch: 0,
+            rank: rank(0, way),
+        }
+    }
+}
 
 /// The LRU clock restarts before it reaches this value, so that a stamp shifted left by 3
 /// with a way's index in the low bits is still a positive `i32` (see [`victim`]).
@@ -57,9 +69,6 @@ pub struct Hit {
     /// The way holding the key.
     pub way: usize,
     key: u64,
-    /// Whether the front table named the way (else the set scan found it, and the touch
-    /// points the front table at it).
-    in_front: bool,
 }
 
 /// Hit/miss/eviction counters.
@@ -91,20 +100,15 @@ pub struct SetAssocCache<T, A = ()> {
     ways: usize,
     /// Number of sets minus 1 (sets are a power of two).
     set_mask: u64,
+    /// log2 of the number of sets.
+    set_bits: u32,
+    /// log2 of the homes per set: the largest power of two not above `ways` (the homes are
+    /// the first ways of a set; all of them for a power of two).
+    home_bits: u32,
     block_len: usize,
-    keys: Vec<u64>,
-    epochs: Vec<u32>,
-    /// Each way's LRU rank: its stamp (below [`CLOCK_END`]: see [`tick`](Self::tick); 0 for
-    /// an invalid way) shifted left by 3, with the way's index modulo 8 in the low bits (see
-    /// [`rank`] and [`victim`](Self::victim)).
-    ranks: Vec<u32>,
+    slots: Vec<Slot>,
     data: Vec<T>,
     aux: Vec<A>,
-    /// A direct-mapped table in front of the sets: `front[key & mask]` names the way and
-    /// epoch of the last key with those low bits that was used, for as long as it stays
-    /// cached. A hit there costs one load and two compares: no hash, no set scan, and no
-    /// second load that depends on the first, so its cost barely grows with the cache.
-    front: Vec<Front>,
     clock: u32,
     stats: CacheStats,
 }
@@ -123,13 +127,12 @@ impl<T: Copy + Default, A: Copy + Default> SetAssocCache<T, A> {
         SetAssocCache {
             ways,
             set_mask: (1 << set_bits) - 1,
+            set_bits,
+            home_bits: usize::BITS - 1 - ways.leading_zeros(),
             block_len,
-            keys: vec![INVALID; n],
-            epochs: vec![0; n],
-            ranks: (0..n).map(|w| rank(0, w)).collect(),
+            slots: (0..n).map(Slot::empty).collect(),
             data: vec![T::default(); n * block_len],
             aux: vec![A::default(); n],
-            front: vec![NO_FRONT; n.next_power_of_two()],
             clock: 0,
             stats: CacheStats::default(),
         }
@@ -145,7 +148,7 @@ impl<T: Copy + Default, A: Copy + Default> SetAssocCache<T, A> {
     }
     /// Total number of blocks the cache holds.
     pub fn capacity(&self) -> usize {
-        self.keys.len()
+        self.slots.len()
     }
     /// Items per block.
     pub fn block_len(&self) -> usize {
@@ -156,76 +159,66 @@ impl<T: Copy + Default, A: Copy + Default> SetAssocCache<T, A> {
         self.stats
     }
 
-    /// The set a key maps to: its low `set_bits` bits XORed with a multiplicative hash of
-    /// the rest. For a fixed rest the low bits run through every set once, so consecutive
-    /// keys (sequential slices) fill every set evenly and a cache as large as the image
-    /// holds all of it; any other pattern (strides, keys far apart) spreads like a random
-    /// hash, with no stride that lands on one set (a plain XOR fold of the key's chunks puts
-    /// every multiple of `sets + 1` below `sets²` in set 0; one multiply leaves some strides
-    /// on a tenth of the sets, two mix like a random function). Branch-free, a few cycles.
-    ///
-    /// No shift by a variable amount (three micro-ops each on many x86 cores): the rest is
-    /// the key with its low bits cleared, and the top `set_bits` bits of the hash are the
-    /// high half of its product with the number of sets.
+    /// The set a key maps to (see [`mix`](Self::mix)).
     #[inline]
     pub fn set_of(&self, key: u64) -> usize {
-        let mask = self.set_mask;
+        Self::mix(key, self.set_bits)
+    }
+
+    /// The low `bits` bits of `key` XORed with a multiplicative hash of the rest. For a
+    /// fixed rest the low bits run through every value once, so consecutive keys
+    /// (sequential slices) spread evenly; any other pattern (strides, keys far apart)
+    /// spreads like a random hash, with no stride that lands on a few values (a plain XOR
+    /// fold of the key's chunks puts every multiple of `2^bits + 1` below `2^(2 bits)` on 0;
+    /// one multiply leaves some strides on a tenth of the values, two mix like a random
+    /// function). Branch-free, a few cycles; the top `bits` bits of the hash are taken by
+    /// one shift (which wraps to none for `bits == 0`, where the mask leaves 0).
+    #[inline(always)]
+    fn mix(key: u64, bits: u32) -> usize {
+        let mask = (1u64 << bits) - 1;
         let h = (key & !mask).wrapping_mul(MIX[0]);
         let high = (h ^ h >> 32).wrapping_mul(MIX[1]);
-        let top = (u128::from(high) * u128::from(mask + 1)) >> 64;
-        ((top as u64 ^ key) & mask) as usize
+        ((high.wrapping_shr(64 - bits) ^ key) & mask) as usize
     }
 
-    #[inline]
-    fn front_slot(&self, key: u64) -> usize {
-        key as usize & (self.front.len() - 1)
-    }
-
-    /// The way holding `key` and its epoch, if cached, and whether the front table named it
-    /// (else the set scan found it).
+    /// `key`'s set ([`mix`](Self::mix) over the set bits: consecutive keys fill every set
+    /// evenly) and its home way: the set's way numbered by the key bits just above the set
+    /// bits, among its first `2^home_bits` ways. Consecutive keys that share a set differ
+    /// there, so in a cache covering them (with a power-of-two number of ways) each key has
+    /// its own home, and a hit reads one slot.
     #[inline(always)]
-    fn find(&self, key: u64) -> Option<(usize, u32, bool)> {
-        let f = self.front[self.front_slot(key)];
-        if f.key == key {
-            return Some((f.way as usize, f.epoch, true));
+    fn locate(&self, key: u64) -> (usize, usize) {
+        let set = Self::mix(key, self.set_bits);
+        let home = (key >> self.set_bits) as usize & ((1 << self.home_bits) - 1);
+        (set, set * self.ways + home)
+    }
+
+    /// The way holding `key` and its epoch, if cached: its home slot, else a scan of its set.
+    #[inline(always)]
+    fn find(&self, key: u64) -> Option<(usize, u32)> {
+        let (set, home) = self.locate(key);
+        let s = self.slots[home];
+        if s.key == key {
+            return Some((home, s.epoch));
         }
-        self.find_in_set(key).map(|w| (w, self.epochs[w], false))
+        self.find_in_set(key, set * self.ways)
+            .map(|w| (w, self.slots[w].epoch))
     }
 
-    /// Points `key`'s front slot at `way`, which holds `key` under `epoch`.
-    #[inline]
-    fn remember(&mut self, key: u64, way: usize, epoch: u32) {
-        let s = self.front_slot(key);
-        self.front[s] = Front {
-            key,
-            way: way as u32,
-            epoch,
-        };
-    }
-
-    /// Before `key` leaves its way: clears its front slot if the slot names it.
-    fn forget(&mut self, key: u64) {
-        let s = self.front_slot(key);
-        if self.front[s].key == key {
-            self.front[s] = NO_FRONT;
-        }
-    }
-
-    fn find_in_set(&self, key: u64) -> Option<usize> {
-        let base = self.set_of(key) * self.ways;
+    fn find_in_set(&self, key: u64, base: usize) -> Option<usize> {
         // Branchless: a mask of the matching ways (a key is in at most one), so where the
         // key sits in its set is never a mispredicted early exit (ways <= 64).
         let mut mask = 0u64;
-        for (i, &k) in self.keys[base..base + self.ways].iter().enumerate() {
-            mask |= u64::from(k == key) << i;
+        for (i, s) in self.slots[base..base + self.ways].iter().enumerate() {
+            mask |= u64::from(s.key == key) << i;
         }
         (mask != 0).then(|| base + mask.trailing_zeros() as usize)
     }
 
-    /// A new LRU stamp. Stamps are below [`CLOCK_END`] (less memory on every hit, and
-    /// room for a way index beside them in [`victim`](Self::victim)); when the clock runs
-    /// out, once per 2^28 look-ups, every set's valid ways are renumbered 1, 2, … in their
-    /// LRU order, so nothing is forgotten. Invalid ways keep 0.
+    /// A new LRU stamp. Stamps are below [`CLOCK_END`] (room for a way index beside them in
+    /// [`victim`](Self::victim)); when the clock runs out, once per 2^28 look-ups, every
+    /// set's valid ways are renumbered 1, 2, … in their LRU order, so nothing is forgotten.
+    /// Invalid ways keep 0.
     #[inline]
     fn tick(&mut self) -> u32 {
         if self.clock == CLOCK_END - 1 {
@@ -240,14 +233,14 @@ impl<T: Copy + Default, A: Copy + Default> SetAssocCache<T, A> {
         // On the stack (ways <= 64): a look-up allocates nothing, even this one.
         let mut buf = [(0u32, 0usize); 64];
         let by_age = &mut buf[..self.ways];
-        for base in (0..self.ranks.len()).step_by(self.ways) {
+        for base in (0..self.slots.len()).step_by(self.ways) {
             for (i, slot) in by_age.iter_mut().enumerate() {
-                *slot = (self.ranks[base + i], base + i);
+                *slot = (self.slots[base + i].rank, base + i);
             }
             by_age.sort_unstable();
             for (stamp, &(old, w)) in (1..).zip(by_age.iter()) {
                 if old >> 3 != 0 {
-                    self.ranks[w] = rank(stamp, w);
+                    self.slots[w].rank = rank(stamp, w);
                 }
             }
         }
@@ -259,8 +252,8 @@ impl<T: Copy + Default, A: Copy + Default> SetAssocCache<T, A> {
     #[inline]
     pub fn lookup(&mut self, key: u64, epoch: u32) -> Option<usize> {
         match self.find(key) {
-            Some((way, e, in_front)) if e == epoch => {
-                self.touch(Hit { way, key, in_front });
+            Some((way, e)) if e == epoch => {
+                self.touch(Hit { way, key });
                 Some(way)
             }
             Some(_) => {
@@ -279,41 +272,32 @@ impl<T: Copy + Default, A: Copy + Default> SetAssocCache<T, A> {
     /// hit, for the caller to [`touch`](Self::touch) once it used the block.
     #[inline]
     pub fn probe(&self, key: u64, epoch: u32) -> Option<Hit> {
-        let (way, e, in_front) = self.find(key)?;
-        (e == epoch).then_some(Hit { way, key, in_front })
+        let (way, e) = self.find(key)?;
+        (e == epoch).then_some(Hit { way, key })
     }
 
     /// The way holding `key` under any epoch (no counters, no LRU update): for prefetch
     /// hints only, never for using the contents.
     pub fn peek(&self, key: u64) -> Option<usize> {
-        self.find(key).map(|(w, ..)| w)
+        self.find(key).map(|(w, _)| w)
     }
 
     /// The epoch `key` is cached under, if cached (no counters, no LRU update).
     pub fn peek_epoch(&self, key: u64) -> Option<u32> {
-        self.find(key).map(|(_, e, _)| e)
+        self.find(key).map(|(_, e)| e)
     }
 
-    /// Commits a [`probe`](Self::probe): marks its way most recently used and counts a hit;
-    /// when the probe found the way through the set scan, points the front table at it —
-    /// only if the way still holds the key (a hit kept across changes to the cache never
-    /// makes the front table name a way that lost its key).
+    /// Commits a [`probe`](Self::probe): marks its way most recently used and counts a hit.
+    /// A hit kept across changes to the cache ranks its way only if the way still holds the
+    /// key (an invalid way keeps stamp 0, so it stays the first victim of its set).
     #[inline(always)]
     pub fn touch(&mut self, hit: Hit) {
         let stamp = self.tick();
-        self.ranks[hit.way] = rank(stamp, hit.way);
+        let s = &mut self.slots[hit.way];
+        if s.key == hit.key {
+            s.rank = rank(stamp, hit.way);
+        }
         self.stats.hits += 1;
-        if !hit.in_front {
-            self.remember_found(hit);
-        }
-    }
-
-    /// [`touch`](Self::touch)'s front-table update for a hit the set scan found.
-    #[cold]
-    fn remember_found(&mut self, hit: Hit) {
-        if self.keys[hit.way] == hit.key {
-            self.remember(hit.key, hit.way, self.epochs[hit.way]);
-        }
     }
 
     /// The block stored in `way`.
@@ -339,67 +323,80 @@ impl<T: Copy + Default, A: Copy + Default> SetAssocCache<T, A> {
         self.aux[way] = a;
     }
 
-    /// The way `insert` fills for a key not cached: an invalid way if the set has one,
-    /// else its least recently used way, i.e. the smallest rank (invalid ways have stamp 0,
-    /// valid ones distinct stamps). No key is compared. For 8 ways (the default) without
-    /// branches: the smallest rank wins, as a tree of minimums, and its low bits name the
-    /// way (see [`rank`]).
+    /// The way whose contents an insert of a key not cached replaces: an invalid way if the
+    /// set has one, else its least recently used way, i.e. the smallest rank (invalid ways
+    /// have stamp 0, valid ones distinct stamps). No key is compared. For 8 ways (the
+    /// default) without branches: the smallest rank wins, as a tree of minimums, and its
+    /// low bits name the way (see [`rank`]).
     #[inline(always)]
     pub fn victim(&self, key: u64) -> usize {
-        let base = self.set_of(key) * self.ways;
-        let ranks = &self.ranks[base..base + self.ways];
-        let best = if let Ok(r) = <&[u32; 8]>::try_from(ranks) {
+        self.victim_in(self.set_of(key) * self.ways)
+    }
+
+    #[inline(always)]
+    fn victim_in(&self, base: usize) -> usize {
+        let set = &self.slots[base..base + self.ways];
+        let best = if let Ok(s) = <&[Slot; 8]>::try_from(set) {
             // Signed: ranks stay below 2^31, and SSE2 compares signed words only.
-            let r = r.map(|x| x as i32);
+            let r = s.map(|x| x.rank as i32);
             let m: [i32; 4] = std::array::from_fn(|i| r[i].min(r[i + 4]));
             (m[0].min(m[2]).min(m[1].min(m[3])) & 7) as usize
         } else {
-            (0..self.ways).min_by_key(|&i| ranks[i]).unwrap_or(0)
+            (0..self.ways).min_by_key(|&i| set[i].rank).unwrap_or(0)
         };
         base + best
     }
 
-    /// Stores `block` under `key` read at `epoch`: in the way already holding `key`, else
-    /// in the [`victim`](Self::victim). Returns the way. `fill` writes the block contents in
-    /// place (no temporary copy).
+    /// Stores `block` under `key` read at `epoch` and returns its way: the way already
+    /// holding `key`, else `key`'s home. The [`victim`](Self::victim)'s contents leave; when
+    /// the victim is not the home and the home holds a key, that key moves to the victim's
+    /// way with its epoch, LRU stamp, summary and block. `fill` writes the block contents in
+    /// place (no temporary copy). Ways returned earlier may name other keys afterwards.
     pub fn insert_with(&mut self, key: u64, epoch: u32, fill: impl FnOnce(&mut [T])) -> usize {
         let w = match self.find(key) {
-            Some((w, ..)) => w,
-            None => self.victim(key),
+            Some((w, _)) => w,
+            None => {
+                let (set, home) = self.locate(key);
+                let v = self.victim_in(set * self.ways);
+                if self.slots[v].key != INVALID {
+                    self.stats.evictions += 1;
+                }
+                if v != home && self.slots[home].key != INVALID {
+                    // The home's occupant moves to the victim's way, keeping its place in
+                    // the LRU order.
+                    let mut moved = self.slots[home];
+                    moved.rank = rank(moved.rank >> 3, v);
+                    self.slots[v] = moved;
+                    self.aux[v] = self.aux[home];
+                    let bl = self.block_len;
+                    self.data.copy_within(home * bl..(home + 1) * bl, v * bl);
+                }
+                home
+            }
         };
-        let old = self.keys[w];
-        if old != INVALID && old != key {
-            self.stats.evictions += 1;
-        }
-        self.forget(old);
-        self.keys[w] = key;
-        self.epochs[w] = epoch;
         let stamp = self.tick();
-        self.ranks[w] = rank(stamp, w);
+        self.slots[w] = Slot {
+            key,
+            epoch,
+            rank: rank(stamp, w),
+        };
         self.aux[w] = A::default();
-        self.remember(key, w, epoch);
         fill(&mut self.data[w * self.block_len..(w + 1) * self.block_len]);
         w
     }
 
     /// Drops `key` if cached.
     pub fn invalidate(&mut self, key: u64) {
-        if let Some((w, ..)) = self.find(key) {
-            self.forget(key);
-            self.keys[w] = INVALID;
-            self.epochs[w] = 0;
-            self.ranks[w] = rank(0, w);
+        if let Some((w, _)) = self.find(key) {
+            self.slots[w] = Slot::empty(w);
         }
     }
 
     /// Drops everything.
     pub fn clear(&mut self) {
-        self.keys.fill(INVALID);
-        self.epochs.fill(0);
-        for (w, r) in self.ranks.iter_mut().enumerate() {
-            *r = rank(0, w);
+        for (w, s) in self.slots.iter_mut().enumerate() {
+            *s = Slot::empty(w);
         }
-        self.front.fill(NO_FRONT);
     }
 }
 
@@ -502,43 +499,81 @@ mod tests {
             c.insert_with(k, 0, |_| {});
         }
         assert_eq!(c.stats().evictions, 0);
-        // Invalidate one: the next insert must reuse that way, evicting nothing.
-        let w1 = c.probe(keys[1], 0).unwrap().way;
+        // Invalidate one: the next insert must take that way (moving another key to it if
+        // the new key's home is elsewhere), evicting nothing.
         c.invalidate(keys[1]);
-        assert_eq!(c.insert_with(keys[4], 0, |_| {}), w1);
+        c.insert_with(keys[4], 0, |_| {});
         assert_eq!(c.stats().evictions, 0);
+        for k in [keys[0], keys[2], keys[3], keys[4]] {
+            assert!(c.probe(k, 0).is_some(), "{k}");
+        }
         // Touch keys[0]; LRU is now keys[2].
         assert!(c.lookup(keys[0], 0).is_some());
-        let w2 = c.probe(keys[2], 0).unwrap().way;
-        assert_eq!(c.insert_with(keys[5], 0, |_| {}), w2);
+        c.insert_with(keys[5], 0, |_| {});
         assert_eq!(c.stats().evictions, 1);
         assert!(c.probe(keys[2], 0).is_none());
-        assert!(c.probe(keys[0], 0).is_some());
-        assert!(c.probe(keys[3], 0).is_some());
+        for k in [keys[0], keys[3], keys[4], keys[5]] {
+            assert!(c.probe(k, 0).is_some(), "{k}");
+        }
     }
 
     #[test]
-    fn a_stale_probe_never_reaches_the_front_table() {
-        // One set of 2 ways, front slots by the key's lowest bit: 0, 2 and 4 share slot 0.
+    fn a_stale_hit_never_ranks_another_way() {
+        // One set of 2 ways: keys a and b with homes 0 and 1, and k another with home 1.
         let mut c = cache(1, 2);
-        let (a, b, k) = (0, 2, 4);
-        let wa = c.insert_with(a, 0, |x| x.fill(a));
-        c.insert_with(b, 0, |x| x.fill(b));
-        // The front slot names b, so a probe of a finds it through the set: a hit whose
-        // touch would point the front slot at a. It is kept, not touched yet.
-        let stale = c.probe(a, 0);
-        assert_eq!(stale.map(|h| h.way), Some(wa));
-        // a is the least recently used: k replaces it.
-        assert_eq!(c.insert_with(k, 0, |x| x.fill(k)), wa);
-        // Neither a probe of k (through the front slot) and its touch nor, after them, a
-        // touch of that stale hit may bring back a.
-        let hk = c.probe(k, 0).unwrap();
-        assert_eq!(hk.way, wa);
-        c.touch(hk);
-        c.touch(stale.unwrap());
-        assert_eq!(c.lookup(a, 0), None);
+        let home = |c: &SetAssocCache<u64>, h: usize| (0..).find(move |&k| c.locate(k).1 == h);
+        let (a, b) = (home(&c, 0).unwrap(), home(&c, 1).unwrap());
+        let k = (b + 1..).find(|&k| c.locate(k).1 == 1).unwrap();
+        assert_eq!(c.insert_with(a, 0, |x| x.fill(a)), 0);
+        assert_eq!(c.insert_with(b, 0, |x| x.fill(b)), 1);
+        // A hit on a, kept (not touched yet) while a leaves: k replaces a, the least
+        // recently used, and b moves from k's home to a's way.
+        let stale = c.probe(a, 0).unwrap();
+        assert_eq!(c.insert_with(k, 0, |x| x.fill(k)), 1);
+        assert_eq!(c.peek(b), Some(stale.way));
+        assert_eq!(c.block(stale.way)[0], b);
+        // Touching the stale hit must not make b the most recently used: b stays the
+        // victim, and k stays.
+        c.touch(stale);
+        let m = (k + 1..).find(|&m| m != a).unwrap();
+        c.insert_with(m, 0, |x| x.fill(m));
+        assert_eq!(c.peek(b), None);
         assert_eq!(c.peek(a), None);
         assert_eq!(c.block(c.probe(k, 0).unwrap().way)[0], k);
+
+        // A hit kept while its key is invalidated: touching it leaves the way invalid with
+        // stamp 0, so the next insert takes it and evicts nothing.
+        let mut c = cache(1, 2);
+        c.insert_with(a, 0, |x| x.fill(a));
+        c.insert_with(b, 0, |x| x.fill(b));
+        let stale = c.probe(a, 0).unwrap();
+        c.invalidate(a);
+        c.touch(stale);
+        c.insert_with(2, 0, |x| x.fill(2));
+        assert_eq!(c.stats().evictions, 0);
+        assert!(c.probe(b, 0).is_some() && c.probe(2, 0).is_some());
+    }
+
+    #[test]
+    fn consecutive_keys_sit_in_their_homes() {
+        // A cache as large as the keys holds them all; with a power-of-two number of ways
+        // every key is found in its home slot, none by a scan of its set (so a hit reads
+        // one slot).
+        for ways in [1, 2, 4, 6, 8, 16] {
+            let mut c = cache(64, ways);
+            let n = c.capacity() as u64;
+            for k in 0..n {
+                c.insert_with(k, 0, |x| x.fill(k));
+            }
+            assert_eq!(c.stats().evictions, 0, "{ways} ways");
+            for k in 0..n {
+                let w = c.peek(k).unwrap();
+                assert_eq!(c.block(w)[0], k);
+                if ways.is_power_of_two() {
+                    assert_eq!(w, c.locate(k).1, "{ways} ways, key {k}");
+                }
+            }
+        }
     }
 
     #[test]
@@ -553,7 +588,7 @@ mod tests {
 
     use proptest::prelude::*;
 
-    /// What a cache operation does in [`the_front_hint_never_misleads`].
+    /// What a cache operation does in [`lookups_answer_what_the_cache_holds`].
     #[derive(Debug, Clone)]
     enum Op {
         Insert(u64, u32),
@@ -568,8 +603,8 @@ mod tests {
     }
 
     fn op() -> impl Strategy<Value = Op> {
-        // Keys in a small range (many share a set and a front slot) and far apart ones
-        // with the same low bits (same front slot, other sets).
+        // Keys in a small range (many share a set and a home) and far apart ones with the
+        // same low bits (other sets, often the same home).
         let key = prop_oneof![0u64..48, (0u64..4).prop_map(|k| k << 20 | 5)];
         prop_oneof![
             (key.clone(), 0u32..3).prop_map(|(k, e)| Op::Insert(k, e)),
@@ -666,41 +701,50 @@ mod tests {
             }
         }
 
-        /// With the direct-mapped front hint, every look-up answers exactly what the cache
-        /// holds: a model map of the keys still cached (an insert may evict: the model
-        /// follows the cache's own report) agrees on presence, epoch and block contents.
+        /// Every look-up answers exactly what the cache holds, while inserts move keys from
+        /// their homes: a model map of the keys still cached (an insert evicts at most one,
+        /// and the model follows the cache's own report of which) agrees on presence, epoch
+        /// and block contents.
         #[test]
-        fn the_front_hint_never_misleads(ops in proptest::collection::vec(op(), 1..200)) {
+        fn lookups_answer_what_the_cache_holds(ops in proptest::collection::vec(op(), 1..200)) {
             let mut c = cache(4, 4);
-            let mut model = std::collections::HashMap::<u64, (u32, u64)>::new();
+            let mut model = std::collections::HashMap::<u64, u32>::new();
+            let fill = |k: u64, e: u32| k * 10 + u64::from(e);
             let mut last = None;
             for o in ops {
                 match o {
                     Op::Insert(k, e) => {
-                        let w = c.insert_with(k, e, |b| b.fill(k * 10 + u64::from(e)));
-                        // Whatever the way held before is gone.
-                        model.retain(|_, v| v.1 != w as u64);
-                        model.insert(k, (e, w as u64));
+                        let before = c.stats().evictions;
+                        let w = c.insert_with(k, e, |b| b.fill(fill(k, e)));
+                        prop_assert_eq!(c.block(w)[0], fill(k, e));
+                        model.insert(k, e);
+                        let gone: Vec<u64> =
+                            model.keys().copied().filter(|&x| c.peek(x).is_none()).collect();
+                        prop_assert!(gone.len() <= 1, "{:?} evicted at once", gone);
+                        prop_assert_eq!(c.stats().evictions - before, gone.len() as u64);
+                        for x in gone {
+                            model.remove(&x);
+                        }
                     }
                     Op::Lookup(k, e) => {
                         let got = c.lookup(k, e);
-                        let want = model.get(&k).filter(|v| v.0 == e).map(|v| v.1 as usize);
-                        prop_assert_eq!(got, want);
+                        prop_assert_eq!(got.is_some(), model.get(&k) == Some(&e));
                         if let Some(w) = got {
-                            prop_assert_eq!(c.block(w)[0], k * 10 + u64::from(e));
+                            prop_assert_eq!(c.block(w)[0], fill(k, e));
                         }
                     }
                     Op::ProbeTouch(k, e) => {
                         let got = c.probe(k, e);
-                        prop_assert_eq!(got.map(|h| h.way), model.get(&k).filter(|v| v.0 == e).map(|v| v.1 as usize));
-                        prop_assert_eq!(c.peek_epoch(k), model.get(&k).map(|v| v.0));
+                        prop_assert_eq!(got.is_some(), model.get(&k) == Some(&e));
+                        prop_assert_eq!(c.peek_epoch(k), model.get(&k).copied());
                         if let Some(h) = got {
+                            prop_assert_eq!(c.block(h.way)[0], fill(k, e));
                             c.touch(h);
                         }
                     }
                     Op::Probe(k, e) => {
                         last = c.probe(k, e);
-                        prop_assert_eq!(last.map(|h| h.way), model.get(&k).filter(|v| v.0 == e).map(|v| v.1 as usize));
+                        prop_assert_eq!(last.is_some(), model.get(&k) == Some(&e));
                     }
                     Op::TouchLast => {
                         if let Some(h) = last.take() {
@@ -715,6 +759,12 @@ mod tests {
                         c.clear();
                         model.clear();
                     }
+                }
+                // Every key the model holds is where a look-up finds it, with its block.
+                for (&k, &e) in &model {
+                    let w = c.peek(k);
+                    prop_assert!(w.is_some(), "{} lost", k);
+                    prop_assert_eq!(c.block(w.unwrap_or(0))[0], fill(k, e));
                 }
             }
         }

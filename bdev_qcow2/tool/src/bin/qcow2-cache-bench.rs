@@ -8,8 +8,8 @@
 //!   keys drawn at random from the resident set; also the metadata alone and, as the floor,
 //!   one random word of a plain array as large as the cached slices. Each both with
 //!   independent lookups (throughput) and with each key depending on the word read before
-//!   (latency: no overlap of memory misses). And hits the front table does not answer
-//!   (keys sharing one front slot), which scan the set: the set-associative look-up itself.
+//!   (latency: no overlap of memory misses). And hits on keys that are not in their home
+//!   way (keys sharing one home), which scan the set: the set-associative look-up itself.
 //! - Miss: `lookup` (miss) + `insert_with` of a 4 KiB slice, as `load_slice` does; also
 //!   without the copy, `lookup` + `victim`, and each of them alone.
 //! - QEMU-style reference: `qcow2_cache_do_get` (block/qcow2-cache.c) modelled: a circular
@@ -277,10 +277,10 @@ fn bench_size(a: &Args, slices: usize) -> Row {
     });
     let hits_before = c.stats().hits;
 
-    // Hits through the set scan: a second cache holding keys that all share one slot of the
-    // front table (multiples of its length), so each probe finds the slot naming another key
-    // (the previous touch claimed it) and scans the set. Some of those keys collide in their
-    // sets too; the resident ones are drawn.
+    // Hits through the set scan: a second cache holding keys that all have the same home way
+    // in their sets (multiples of the cache's size: the bits above the set bits are 0), so
+    // of the keys sharing a set one is in its home and the others are found by scanning the
+    // set. Some of those keys collide in their sets too; the resident ones are drawn.
     let mut c2 = SetAssocCache::<u64>::new(
         CacheConfig {
             size_bytes: (slices * SLICE_WORDS * 8) as u64,
@@ -398,7 +398,7 @@ fn main() {
         ("hit_meta", "hit: probe+touch (metadata only)", |r| {
             r.hit_meta
         }),
-        ("hit_set", "hit through the set scan (no front slot)", |r| {
+        ("hit_set", "hit through the set scan (not at home)", |r| {
             r.hit_set
         }),
         ("hit", "hit: probe+touch+word (resolve_cached)", |r| r.hit),
