@@ -102,9 +102,12 @@ pub struct SetAssocCache<T, A = ()> {
     set_mask: u64,
     /// log2 of the number of sets.
     set_bits: u32,
-    /// log2 of the homes per set: the largest power of two not above `ways` (the homes are
-    /// the first ways of a set; all of them for a power of two).
-    home_bits: u32,
+    /// `64 - set_bits`: the shift that leaves the top `set_bits` bits of a hash (see
+    /// [`set_of`](Self::set_of)).
+    top_shift: u32,
+    /// The homes per set minus 1: the largest power of two not above `ways`, minus 1 (the
+    /// homes are the first ways of a set; all of them for a power of two).
+    home_mask: u64,
     block_len: usize,
     slots: Vec<Slot>,
     data: Vec<T>,
@@ -128,7 +131,8 @@ impl<T: Copy + Default, A: Copy + Default> SetAssocCache<T, A> {
             ways,
             set_mask: (1 << set_bits) - 1,
             set_bits,
-            home_bits: usize::BITS - 1 - ways.leading_zeros(),
+            top_shift: 64 - set_bits,
+            home_mask: (1 << (usize::BITS - 1 - ways.leading_zeros())) - 1,
             block_len,
             slots: (0..n).map(Slot::empty).collect(),
             data: vec![T::default(); n * block_len],
@@ -159,37 +163,31 @@ impl<T: Copy + Default, A: Copy + Default> SetAssocCache<T, A> {
         self.stats
     }
 
-    /// The set a key maps to (see [`mix`](Self::mix)).
-    #[inline]
-    pub fn set_of(&self, key: u64) -> usize {
-        Self::mix(key, self.set_bits)
-    }
-
-    /// The low `bits` bits of `key` XORed with a multiplicative hash of the rest. For a
-    /// fixed rest the low bits run through every value once, so consecutive keys
-    /// (sequential slices) spread evenly; any other pattern (strides, keys far apart)
-    /// spreads like a random hash, with no stride that lands on a few values (a plain XOR
-    /// fold of the key's chunks puts every multiple of `2^bits + 1` below `2^(2 bits)` on 0;
-    /// one multiply leaves some strides on a tenth of the values, two mix like a random
-    /// function). Branch-free, a few cycles; the top `bits` bits of the hash are taken by
-    /// one shift (which wraps to none for `bits == 0`, where the mask leaves 0).
+    /// The set a key maps to: its low `set_bits` bits XORed with a multiplicative hash of
+    /// the rest. For a fixed rest the low bits run through every set once, so consecutive
+    /// keys (sequential slices) fill every set evenly and a cache as large as the image
+    /// holds all of it; any other pattern (strides, keys far apart) spreads like a random
+    /// hash, with no stride that lands on one set (a plain XOR fold of the key's chunks puts
+    /// every multiple of `sets + 1` below `sets²` in set 0; one multiply leaves some strides
+    /// on a tenth of the sets, two mix like a random function). Branch-free, a few cycles;
+    /// the top `set_bits` bits of the hash are taken by one shift (which wraps to none for
+    /// one set, where the mask leaves 0).
     #[inline(always)]
-    fn mix(key: u64, bits: u32) -> usize {
-        let mask = (1u64 << bits) - 1;
+    pub fn set_of(&self, key: u64) -> usize {
+        let mask = self.set_mask;
         let h = (key & !mask).wrapping_mul(MIX[0]);
         let high = (h ^ h >> 32).wrapping_mul(MIX[1]);
-        ((high.wrapping_shr(64 - bits) ^ key) & mask) as usize
+        ((high.wrapping_shr(self.top_shift) ^ key) & mask) as usize
     }
 
-    /// `key`'s set ([`mix`](Self::mix) over the set bits: consecutive keys fill every set
-    /// evenly) and its home way: the set's way numbered by the key bits just above the set
-    /// bits, among its first `2^home_bits` ways. Consecutive keys that share a set differ
-    /// there, so in a cache covering them (with a power-of-two number of ways) each key has
-    /// its own home, and a hit reads one slot.
+    /// `key`'s set and its home way: the set's way numbered by the key bits just above the
+    /// set bits, among its first `home_mask + 1` ways. Consecutive keys that share a set
+    /// differ there, so in a cache covering them (with a power-of-two number of ways) each
+    /// key has its own home, and a hit reads one slot.
     #[inline(always)]
     fn locate(&self, key: u64) -> (usize, usize) {
-        let set = Self::mix(key, self.set_bits);
-        let home = (key >> self.set_bits) as usize & ((1 << self.home_bits) - 1);
+        let set = self.set_of(key);
+        let home = (key >> self.set_bits & self.home_mask) as usize;
         (set, set * self.ways + home)
     }
 
