@@ -298,6 +298,17 @@ impl<T: Copy + Default, A: Copy + Default> SetAssocCache<T, A> {
         self.stats.hits += 1;
     }
 
+    /// [`touch`](Self::touch) for a hit taken in the same borrow of the cache, with no
+    /// change to it since (the way still holds the key: no check).
+    #[inline(always)]
+    pub fn touch_fresh(&mut self, hit: Hit) {
+        let stamp = self.tick();
+        if let Some(s) = self.slots.get_mut(hit.way) {
+            s.rank = rank(stamp, hit.way);
+        }
+        self.stats.hits += 1;
+    }
+
     /// The block stored in `way`.
     #[inline]
     pub fn block(&self, way: usize) -> &[T] {

@@ -214,7 +214,7 @@ impl<D: BlockDevice> Chain<D> {
     /// [`Exec::guest_exit`] with the returned parity.
     /// `None` (nothing changed but LRU/hit counters) sends the request down the normal path,
     /// which also reports invalid requests.
-    #[inline]
+    #[inline(always)]
     pub fn map_direct(&self, offset: u64, len: u64, write: bool) -> Option<Direct> {
         if len == 0 || crate::write::check_range(self, offset, len).is_err() {
             return None;

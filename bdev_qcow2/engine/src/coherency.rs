@@ -118,8 +118,12 @@ impl Shared {
     /// Current epoch of slice `key` (acquire: a core then reads L1 and the device).
     #[inline(always)]
     pub fn epoch(&self, key: u64) -> u32 {
-        // SeqCst (a plain load on x86) to order after a grace-period entry.
-        self.epochs[self.slot(key)].load(Ordering::SeqCst)
+        // SeqCst (a plain load on x86) to order after a grace-period entry. A key below the
+        // slot count is its own slot (see `slot`): one bounds check on the hit path.
+        match usize::try_from(key).ok().and_then(|k| self.epochs.get(k)) {
+            Some(e) => e.load(Ordering::SeqCst),
+            None => self.epochs[self.slot(key)].load(Ordering::SeqCst),
+        }
     }
 
     /// Current epoch of slot `slot`.
@@ -280,7 +284,7 @@ impl Grace {
     }
 
     /// A guest request of core `slot` starts; returns its parity for [`exit`](Self::exit).
-    #[inline]
+    #[inline(always)]
     pub fn enter(&self, slot: usize) -> u8 {
         let g = self.global.load(Ordering::Acquire);
         // Only this member's core writes its counters: a plain increment, then the light
@@ -299,7 +303,7 @@ impl Grace {
     /// follow it, so no fence is needed. (Without the asymmetric pair, `enter`'s full fence
     /// waits for the store buffer to drain: 12 % of the owner's time in a first-write-heavy
     /// run.)
-    #[inline]
+    #[inline(always)]
     pub fn enter_owner(&self, slot: usize) -> u8 {
         let g = self.global.load(Ordering::Relaxed);
         let c = &self.counts[slot].0[(g & 1) as usize];
@@ -308,7 +312,7 @@ impl Grace {
     }
 
     /// The guest request that entered with `parity` completed (on the core that entered).
-    #[inline]
+    #[inline(always)]
     pub fn exit(&self, slot: usize, parity: u8) {
         // Only this member's core writes its counters: no read-modify-write needed.
         let c = &self.counts[slot].0[parity as usize & 1];

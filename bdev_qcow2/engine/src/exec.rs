@@ -153,7 +153,7 @@ impl<D: BlockDevice> Exec<D> {
     }
 
     /// A guest request starts (before it resolves any mapping): returns its parity.
-    #[inline]
+    #[inline(always)]
     pub fn guest_enter(&self) -> u8 {
         match self.inner.grace.get() {
             Some((sh, slot, false)) => sh.grace.enter(*slot),

@@ -768,7 +768,7 @@ impl<D: BlockDevice> Qcow2<D> {
                 }
             }
         };
-        cache.touch(hit);
+        cache.touch_fresh(hit);
         Some(host)
     }
 

@@ -72,7 +72,7 @@ impl Hot {
     /// The stream a request at `offset` continues, if any; a request that continues none
     /// starts one (a run of 1) in a slot without a sequential stream, else in the next slot
     /// in turn (whose stream then counts as new).
-    #[inline]
+    #[inline(always)]
     fn find_or_start(&self, offset: u64, len: u64) -> Result<usize, usize> {
         let next = offset.saturating_add(len);
         if let Some(i) = self.next.iter().position(|n| n.get() == offset) {

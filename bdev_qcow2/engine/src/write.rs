@@ -77,12 +77,17 @@ pub(crate) enum WriteExtent {
 /// Whether host range `[h, h + len)` (non-empty) touches the image's metadata: on a core
 /// replica (`core`) by the owner's published metadata-cluster bitmap, on the owner by its
 /// exact index.
-#[inline]
+#[inline(always)]
 fn overlaps_meta<D: BlockDevice>(q: &Qcow2<D>, core: Option<&Shared>, h: u64, len: u64) -> bool {
     match core {
         Some(sh) => {
             let bits = q.geometry().cluster_bits;
-            (h >> bits..=(h + len - 1) >> bits).any(|c| sh.is_meta_cluster(c))
+            let (first, last) = (h >> bits, (h + len - 1) >> bits);
+            // Most writes lie in one cluster: one bitmap test, no range iterator.
+            if first == last {
+                return sh.is_meta_cluster(first);
+            }
+            (first..=last).any(|c| sh.is_meta_cluster(c))
         }
         None => q.overlaps_metadata(h, len),
     }
@@ -204,7 +209,7 @@ impl<D: BlockDevice> Chain<D> {
     /// - else [`WriteRoute::Local`]: this replica's engine path
     ///   ([`submit_write_local`](Self::submit_write_local)), which loads an uncached slice
     ///   (so later overwrites stay on the core) and reports invalid requests.
-    #[inline]
+    #[inline(always)]
     pub fn route_write(&self, offset: u64, len: u64) -> WriteRoute {
         if len == 0 || check_range(self, offset, len).is_err() {
             // The engine path reports what is wrong with it.

@@ -65,6 +65,10 @@ pub struct Channel {
     backing_dev: Option<DevId>,
     opened: Opened,
     chain: RefCell<Option<Rc<Chain<SpdkDevice>>>>,
+    /// The chain in `chain` while this channel serves requests on its replica with a
+    /// direct target (set by `try_ready`, cleared first thing on drop; null otherwise):
+    /// the request path reads it without the `RefCell` and the checks `start` makes.
+    fast: Cell<*const Rc<Chain<SpdkDevice>>>,
     failed: Cell<bool>,
     /// Reads that arrived before the replica was open.
     queued: RefCell<VecDeque<BdevIo>>,
@@ -157,6 +161,7 @@ impl Channel {
             backing_dev: None,
             opened: Rc::new(RefCell::new(None)),
             chain: RefCell::new(None),
+            fast: Cell::new(std::ptr::null()),
             failed: Cell::new(false),
             queued: RefCell::new(VecDeque::new()),
             outstanding: Cell::new(0),
@@ -268,7 +273,13 @@ impl Channel {
         match chain {
             Ok(c) => {
                 c.set_prefetch(self.prefetch);
-                *self.chain.borrow_mut() = Some(c)
+                *self.chain.borrow_mut() = Some(c);
+                if self.direct.is_some() {
+                    // SAFETY: no borrow of `chain` is live here; the pointer names the `Rc`
+                    // inside it, which stays in place until `drop` clears `fast` first.
+                    let c = unsafe { (*self.chain.as_ptr()).as_ref() };
+                    self.fast.set(c.map_or(std::ptr::null(), |c| c as *const _));
+                }
             }
             Err(e) if self.forward_to.is_some() => {
                 // A writable bdev's replica could not be built (e.g. more threads than
@@ -303,8 +314,16 @@ impl Channel {
             self.queued.borrow_mut().push_back(io);
             return;
         };
-        let len = io.num_blocks() * u64::from(BLOCK_SIZE);
-        chain.read_ahead(io.offset_blocks() * u64::from(BLOCK_SIZE), len);
+        self.read_on(chain, io);
+    }
+
+    /// A guest read on this channel's replica: straight to the base when cached metadata
+    /// maps it to one extent (`submit_direct`), else through the engine.
+    #[inline(always)]
+    fn read_on(&self, chain: &Rc<Chain<SpdkDevice>>, io: BdevIo) {
+        let bs = u64::from(BLOCK_SIZE);
+        let (off, len) = (io.offset_blocks() * bs, io.num_blocks() * bs);
+        chain.read_ahead(off, len);
         self.own(io);
         if submit_direct(
             chain,
@@ -315,6 +334,15 @@ impl Channel {
         ) {
             return;
         }
+        self.read_engine(chain, io);
+    }
+
+    /// [`read_on`](Self::read_on) through the engine (out of line: the direct path stays
+    /// small).
+    #[inline(never)]
+    fn read_engine(&self, chain: &Rc<Chain<SpdkDevice>>, io: BdevIo) {
+        let bs = u64::from(BLOCK_SIZE);
+        let len = io.num_blocks() * bs;
         let (iovs, cnt) = io.iovs();
         // SAFETY: the bdev_io's iovecs hold `len` bytes and stay valid until we complete
         // it, which happens only after the engine reported the request done.
@@ -322,7 +350,7 @@ impl Channel {
         self.in_engine(|| {
             chain.submit_read(
                 io.tag(),
-                io.offset_blocks() * u64::from(BLOCK_SIZE),
+                io.offset_blocks() * bs,
                 BufSlice::whole(SpdkBuf::Iov(view)),
             )
         });
@@ -379,35 +407,50 @@ impl Channel {
     fn write(&self, io: BdevIo, md: *mut sys::spdk_thread) {
         let chain = self.chain.borrow();
         if let (Some(chain), false) = (chain.as_ref(), self.forward_only.get()) {
-            let bs = u64::from(BLOCK_SIZE);
-            chain.read_ahead(io.offset_blocks() * bs, io.num_blocks() * bs);
-            match chain.route_write(io.offset_blocks() * bs, io.num_blocks() * bs) {
-                // First writes and COW go to the owner without a detour through this replica.
-                WriteRoute::Owner { slow } => {
-                    self.forwarded.set(self.forwarded.get() + 1);
-                    return owner::forward(md, io, slow);
-                }
-                WriteRoute::Direct(d) => {
-                    self.own(io);
-                    if submit_mapped(&self.exec, self.direct.as_ref(), io, d, chan_direct_done) {
-                        return;
-                    }
-                }
-                WriteRoute::Local => {}
-            }
-            let len = io.num_blocks() * bs;
-            let (iovs, cnt) = io.iovs();
-            // SAFETY: the bdev_io's iovecs hold `len` bytes and stay valid until we complete
-            // it, which happens only after the engine reported the request done.
-            let view = unsafe { IovView::new(iovs, cnt, len as usize) };
-            let buf = BufSlice::whole(SpdkBuf::Iov(view));
-            // Completes here, or with `NotLocal` (see `complete_tag`): then to the owner.
-            self.in_engine(|| chain.submit_write_local(io.tag(), io.offset_blocks() * bs, buf));
-            return;
+            return self.write_on(chain, io, md);
         }
         drop(chain);
         self.forwarded.set(self.forwarded.get() + 1);
         owner::forward(md, io, false);
+    }
+
+    /// A guest write on this channel's replica: straight to the base when it overwrites
+    /// COPIED clusters whose slices are cached, to the owner when it allocates, else in
+    /// place through the engine.
+    #[inline(always)]
+    fn write_on(&self, chain: &Rc<Chain<SpdkDevice>>, io: BdevIo, md: *mut sys::spdk_thread) {
+        let bs = u64::from(BLOCK_SIZE);
+        let (off, len) = (io.offset_blocks() * bs, io.num_blocks() * bs);
+        chain.read_ahead(off, len);
+        match chain.route_write(off, len) {
+            // First writes and COW go to the owner without a detour through this replica.
+            WriteRoute::Owner { slow } => {
+                self.forwarded.set(self.forwarded.get() + 1);
+                return owner::forward(md, io, slow);
+            }
+            WriteRoute::Direct(d) => {
+                self.own(io);
+                if submit_mapped(&self.exec, self.direct.as_ref(), io, d, chan_direct_done) {
+                    return;
+                }
+            }
+            WriteRoute::Local => {}
+        }
+        self.write_engine(chain, io);
+    }
+
+    /// [`write_on`](Self::write_on) in place through the engine (out of line).
+    #[inline(never)]
+    fn write_engine(&self, chain: &Rc<Chain<SpdkDevice>>, io: BdevIo) {
+        let bs = u64::from(BLOCK_SIZE);
+        let len = io.num_blocks() * bs;
+        let (iovs, cnt) = io.iovs();
+        // SAFETY: the bdev_io's iovecs hold `len` bytes and stay valid until we complete
+        // it, which happens only after the engine reported the request done.
+        let view = unsafe { IovView::new(iovs, cnt, len as usize) };
+        let buf = BufSlice::whole(SpdkBuf::Iov(view));
+        // Completes here, or with `NotLocal` (see `complete_tag`): then to the owner.
+        self.in_engine(|| chain.submit_write_local(io.tag(), io.offset_blocks() * bs, buf));
     }
 
     /// Records this channel in the bdev_io's context for `chan_direct_done`.
@@ -453,6 +496,7 @@ impl Drop for Channel {
         }
         // Release the base channels (and any other engine state) before the node may
         // close the descriptors they belong to.
+        self.fast.set(std::ptr::null());
         self.chain.borrow_mut().take();
         self.opened.borrow_mut().take();
         self.exec = Exec::new();
@@ -505,7 +549,7 @@ pub fn submit_direct(
 /// Submits a request mapped to one extent (`Chain::map_direct`, `Chain::route_write`) to
 /// the base with the bdev_io's own iovecs; on refusal (another device, no target, base busy)
 /// leaves the grace period and returns false, having submitted nothing.
-#[inline]
+#[inline(always)]
 pub fn submit_mapped(
     exec: &Exec<SpdkDevice>,
     target: Option<&DirectTarget>,
@@ -739,16 +783,26 @@ pub unsafe extern "C" fn submit_request(
     match ty {
         sys::SPDK_BDEV_IO_TYPE_READ => {
             c.outstanding.set(c.outstanding.get() + 1);
-            if io.has_buf() {
-                c.start(io);
-            } else {
+            if !io.has_buf() {
                 io.get_buf(Some(get_buf_done), io.num_blocks() * u64::from(BLOCK_SIZE));
+                return;
             }
+            let fast = c.fast.get();
+            if fast.is_null() {
+                return c.start(io);
+            }
+            // SAFETY: `fast` names the chain's `Rc` in the channel, live while it is.
+            c.read_on(unsafe { &*fast }, io);
         }
         sys::SPDK_BDEV_IO_TYPE_WRITE => match c.forward_to {
             Some(md) => {
                 c.outstanding.set(c.outstanding.get() + 1);
-                c.write(io, md);
+                let fast = c.fast.get();
+                if fast.is_null() {
+                    return c.write(io, md);
+                }
+                // SAFETY: as for reads.
+                c.write_on(unsafe { &*fast }, io, md);
             }
             None => io.complete(sys::SPDK_BDEV_IO_STATUS_FAILED),
         },

@@ -275,6 +275,11 @@ impl SpdkDevice {
             desc: self.desc,
             ch: self.ch.raw(),
             block_size: self.block_size,
+            block_shift: if self.block_size.is_power_of_two() {
+                self.block_size.trailing_zeros()
+            } else {
+                u32::MAX
+            },
             num_blocks: self.num_blocks,
         }
     }
@@ -296,6 +301,8 @@ pub struct DirectTarget {
     desc: *mut sys::spdk_bdev_desc,
     ch: *mut sys::spdk_io_channel,
     block_size: u64,
+    /// log2 of `block_size` when a power of two, else `u32::MAX`.
+    block_shift: u32,
     num_blocks: u64,
 }
 
@@ -311,6 +318,7 @@ impl DirectTarget {
     /// The device this target was taken from must be alive; the iovecs must describe at
     /// least `len` bytes that stay valid until `cb` runs, and `cb_arg` must be valid for
     /// `cb`.
+    #[inline(always)]
     pub unsafe fn submit(
         &self,
         write: bool,
@@ -323,12 +331,11 @@ impl DirectTarget {
         let bs = self.block_size;
         // Shifts for the usual power-of-two block sizes: this runs on every direct request,
         // where four 64-bit divisions showed in profiles.
-        let (offset_blocks, len_blocks) = if bs.is_power_of_two() {
-            let shift = bs.trailing_zeros();
+        let (offset_blocks, len_blocks) = if self.block_shift != u32::MAX {
             if (offset | len) & (bs - 1) != 0 {
                 return Err(libc::EINVAL);
             }
-            (offset >> shift, len >> shift)
+            (offset >> self.block_shift, len >> self.block_shift)
         } else {
             if !offset.is_multiple_of(bs) || !len.is_multiple_of(bs) {
                 return Err(libc::EINVAL);
