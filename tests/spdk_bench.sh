@@ -12,7 +12,8 @@
 #   SKIP_2CORE=1 tests/spdk_bench.sh          # without the two-core (-m 0x3 -C) figures
 #   SKIP_WRITABLE=1 tests/spdk_bench.sh       # without the writable-vs-passthru figures
 #   FIRST_LAT="20 80" tests/spdk_bench.sh     # delay-bdev latencies (µs) for first writes
-#   ROUNDS=3 tests/spdk_bench.sh              # qcow2/passthru process pairs to average (2)
+#   ROUNDS=3 tests/spdk_bench.sh              # processes to average, fresh vs full (2)
+#   PAIRS=20 PAIR_SECS=2 tests/spdk_bench.sh  # interleaved qcow2/passthru runs per figure
 #
 # Needs an installed SPDK (bdevperf on PATH, pkg-config spdk_bdev) and qemu-img; prints
 # SKIPPED and exits 0 without them. Builds the module in release mode.
@@ -166,59 +167,92 @@ echo "malloc, qcow2 4K clusters, 1 GiB: randwrite 4096 B QD32 1 s: fresh image $
 fi
 
 # 2. Writable qcow2 (64 KiB clusters, 512 MiB, fully allocated) vs passthru on the same
-#    kind of base; then the same image reopened read-only (bdev_qcow2_delete + create
-#    --read-only in the same process: the malloc keeps the image) vs passthru. On one core,
-#    then on two cores with one job per core on the bdev (-m 0x3 -C): the second core's
-#    channel serves reads and overwrites on its own replica.
+#    kind of base, then the same image reopened read-only vs passthru. On one core, then on
+#    two cores with one job per core on the bdev (-m 0x3 -C): the second core's channel
+#    serves reads and overwrites on its own replica.
+#    Interleaved in one `bdevperf -z` process: it holds the image on malloc m0 and an
+#    identical raw malloc m1, and the job's bdev X is either our bdev on m0 or SPDK's
+#    passthru on m1, swapped by RPC between runs of PAIR_SECS (1) s, in the order q p p q
+#    q p ... for PAIRS (10) pairs per workload. Both sides thus share the process, its
+#    memory and the same minutes of a shared machine, whose speed drifts by tens of per
+#    cent over seconds; the figure is the median of the pairs' ratios, with the quartiles
+#    (IOPS are the medians of each side).
 #    Fully allocated two ways (ZPRE): formatted with preallocation "full" (the clusters in
 #    guest order, as an operator preallocates), then written once like the passthru's base;
 #    or ("off") allocated by that write, 1 MiB sequential writes at QD8 — from one job on
 #    one core (guest order again), but from two jobs racing over the same range with -C,
 #    which interleaves their allocations: a fragmented layout (hundreds of extents), whose
 #    look-ups load the L2 entry where a linear slice needs none.
-# One round: a qcow2 process, then a passthru process; adds each figure into Q/R/P.
-writable_round() {
-  local v
-  zbench_start q0 "{\"method\":\"bdev_malloc_create\",\"params\":{\"name\":\"m0\",\"num_blocks\":$((640 * 2048)),\"block_size\":512}},
-{\"method\":\"bdev_qcow2_format\",\"params\":{\"base_bdev\":\"m0\",\"size\":536870912,\"preallocation\":\"${ZPRE:-full}\"}},
-{\"method\":\"bdev_qcow2_create\",\"params\":{\"name\":\"q0\",\"base_bdev\":\"m0\"}}"
-  zrun write 1048576 3 8 >/dev/null
-  for w in randread randwrite; do for o in 4096 512; do
-    v=$(zrun $w $o "$TIME"); Q[$w$o]=$((${Q[$w$o]:-0} + v))
-  done; done
-  zrpc bdev_qcow2_delete q0
-  zrpc bdev_qcow2_create -b q0 --base-bdev m0 --read-only
-  for wo in "${RO[@]}"; do v=$(zrun $wo "$TIME"); R[$wo]=$((${R[$wo]:-0} + v)); done
-  zbench_stop
-  zbench_start p0 "{\"method\":\"bdev_malloc_create\",\"params\":{\"name\":\"m1\",\"num_blocks\":$((640 * 2048)),\"block_size\":512}},
-{\"method\":\"bdev_passthru_create\",\"params\":{\"name\":\"p0\",\"base_bdev_name\":\"m1\"}}"
-  zrun write 1048576 3 8 >/dev/null # the same first touch of the malloc memory as q0 had
-  for w in randread randwrite; do for o in 4096 512; do
-    v=$(zrun $w $o "$TIME"); P[$w$o]=$((${P[$w$o]:-0} + v))
-  done; done
-  v=$(zrun read 65536 "$TIME"); P[read65536]=$((${P[read65536]:-0} + v))
-  zbench_stop
+# use_q [--read-only] / use_p: X becomes our bdev on m0 / passthru on m1 (XNOW says which
+# it is: "q", "q --read-only" or "p").
+drop_x() {
+  case "$XNOW" in
+    q*) zrpc bdev_qcow2_delete X ;;
+    p) zrpc bdev_passthru_delete X ;;
+  esac
+  XNOW=
 }
-# ROUNDS (default 2) rounds alternate qcow2 and passthru processes (q p q p), so a drift of
-# the shared machine weighs on both sides alike; figures are the means.
-writable_vs_passthru() {
-  local label=$1 n=${ROUNDS:-2}
-  declare -gA Q=() P=() R=()
-  RO=("randread 4096" "randread 512" "read 65536")
-  for _ in $(seq "$n"); do writable_round; done
-  for w in randread randwrite; do for o in 4096 512; do
-    echo "malloc, writable qcow2 (filled) vs passthru, $label QD32: $w $o B: qcow2 $((Q[$w$o] / n)) passthru $((P[$w$o] / n)) IOPS, ratio $(ratio "${Q[$w$o]}" "${P[$w$o]}")"
-  done; done
-  for wo in "${RO[@]}"; do
-    set -- $wo
-    echo "malloc, read-only qcow2 (filled) vs passthru, $label QD32: $1 $2 B: qcow2 $((R[$wo] / n)) passthru $((P[$1$2] / n)) IOPS, ratio $(ratio "${R[$wo]}" "${P[$1$2]}")"
+use_q() {
+  [ "$XNOW" = "q${1:+ $1}" ] && return
+  drop_x
+  zrpc bdev_qcow2_create -b X --base-bdev m0 "$@"
+  XNOW="q${1:+ $1}"
+}
+use_p() {
+  [ "$XNOW" = p ] && return
+  drop_x
+  zrpc bdev_passthru_create -b m1 -p X
+  XNOW=p
+}
+# pairs W O [--read-only]: PAIRS interleaved pairs; prints "q_median p_median ratio_median q1 q3".
+pairs() {
+  local w=$1 o=$2 i q p
+  shift 2
+  : >"$DIR/pairs.txt"
+  for i in $(seq "${PAIRS:-10}"); do
+    if [ $((i % 2)) = 1 ]; then
+      use_q "$@"; q=$(zrun "$w" "$o" "${PAIR_SECS:-1}")
+      use_p; p=$(zrun "$w" "$o" "${PAIR_SECS:-1}")
+    else
+      use_p; p=$(zrun "$w" "$o" "${PAIR_SECS:-1}")
+      use_q "$@"; q=$(zrun "$w" "$o" "${PAIR_SECS:-1}")
+    fi
+    echo "$q $p" >>"$DIR/pairs.txt"
   done
+  /usr/bin/python3 - "$DIR/pairs.txt" <<'PY'
+import statistics, sys
+rows = [tuple(map(float, l.split())) for l in open(sys.argv[1]) if l.strip()]
+r = sorted(q / p for q, p in rows)
+qs = statistics.quantiles(r, n=4) if len(r) > 1 else [r[0]] * 3
+print("%.0f %.0f %.3f %.3f %.3f" % (statistics.median(q for q, _ in rows),
+      statistics.median(p for _, p in rows), statistics.median(r), qs[0], qs[2]))
+PY
+}
+interleaved_vs_passthru() {
+  local label=$1 w o wo
+  zbench_start X "{\"method\":\"bdev_malloc_create\",\"params\":{\"name\":\"m0\",\"num_blocks\":$((640 * 2048)),\"block_size\":512}},
+{\"method\":\"bdev_malloc_create\",\"params\":{\"name\":\"m1\",\"num_blocks\":$((512 * 2048)),\"block_size\":512}},
+{\"method\":\"bdev_qcow2_format\",\"params\":{\"base_bdev\":\"m0\",\"size\":536870912,\"preallocation\":\"${ZPRE:-full}\"}},
+{\"method\":\"bdev_qcow2_create\",\"params\":{\"name\":\"X\",\"base_bdev\":\"m0\"}}"
+  XNOW=q
+  zrun write 1048576 3 8 >/dev/null
+  use_p
+  zrun write 1048576 3 8 >/dev/null # the same first touch of the malloc memory as m0 had
+  for w in randread randwrite; do for o in 4096 512; do
+    set -- $(pairs $w $o)
+    echo "malloc, writable qcow2 (filled) vs passthru, $label QD32: $w $o B: qcow2 $1 passthru $2 IOPS, ratio $3 (median of ${PAIRS:-10} interleaved pairs; quartiles $4-$5)"
+  done; done
+  for wo in "randread 4096" "randread 512" "read 65536"; do
+    set -- $(pairs $wo --read-only) $wo
+    echo "malloc, read-only qcow2 (filled) vs passthru, $label QD32: $6 $7 B: qcow2 $1 passthru $2 IOPS, ratio $3 (median of ${PAIRS:-10} interleaved pairs; quartiles $4-$5)"
+  done
+  zbench_stop
 }
 if [ -z "${SKIP_WRITABLE:-}" ]; then
-  writable_vs_passthru "one core, preallocated"
+  interleaved_vs_passthru "one core, preallocated"
   if [ -z "${SKIP_2CORE:-}" ] && [ "$(nproc)" -ge 2 ]; then
-    ZMASK=0x3 ZMULTI=-C writable_vs_passthru "two cores (-C), preallocated"
-    ZPRE=off ZMASK=0x3 ZMULTI=-C writable_vs_passthru "two cores (-C), filled by two writers"
+    ZMASK=0x3 ZMULTI=-C interleaved_vs_passthru "two cores (-C), preallocated"
+    ZPRE=off ZMASK=0x3 ZMULTI=-C interleaved_vs_passthru "two cores (-C), filled by two writers"
   fi
 fi
 
