@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# Instructions per request, our qcow2 bdev vs SPDK's passthru, counted by valgrind's
+# callgrind in bdevperf on one core (QD32, malloc base, image fully allocated). Unlike IOPS,
+# a count does not move with the other tenants of a shared machine, so it shows what a
+# change to the request path costs or saves even where `tests/spdk_bench.sh`'s ratios
+# drift by several per cent between runs.
+#
+#   tests/spdk_instr.sh                          # randread/randwrite, 4096 and 512 B
+#   WORKLOADS="randread:512" SECS=3 tests/spdk_instr.sh
+#
+# Per request it prints the instructions of the whole I/O cycle (bdevperf's completion
+# callback, our bdev or the passthru, the malloc bdev and the accel copy: everything the
+# accel poller runs, plus our bdev's own pollers) and the ratio qcow2/passthru. Needs an
+# installed SPDK (bdevperf, pkg-config spdk_bdev) and valgrind; prints SKIPPED without them.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if ! pkg-config --exists spdk_bdev 2>/dev/null; then
+  echo "SKIPPED: SPDK not installed (pkg-config spdk_bdev not found)"
+  exit 0
+fi
+for b in bdevperf valgrind callgrind_annotate; do
+  command -v "$b" >/dev/null || { echo "SKIPPED: $b not found"; exit 0; }
+done
+
+cargo build --release -q -p bdev_qcow2
+SO=$PWD/target/release/libbdev_qcow2.so
+DIR=$(mktemp -d)
+trap 'rm -rf "$DIR"' EXIT
+MB=${MB:-64}
+
+# count KIND WORKLOAD IOSIZE: instructions per request of one bdevperf run under callgrind.
+count() {
+  local kind=$1 w=$2 o=$3 calls
+  if [ "$kind" = q ]; then
+    calls="{\"method\":\"bdev_malloc_create\",\"params\":{\"name\":\"m0\",\"num_blocks\":$((MB * 2048 + 8192)),\"block_size\":512}},
+{\"method\":\"bdev_qcow2_format\",\"params\":{\"base_bdev\":\"m0\",\"size\":$((MB << 20)),\"preallocation\":\"full\"}},
+{\"method\":\"bdev_qcow2_create\",\"params\":{\"name\":\"X\",\"base_bdev\":\"m0\"}}"
+  else
+    calls="{\"method\":\"bdev_malloc_create\",\"params\":{\"name\":\"m1\",\"num_blocks\":$((MB * 2048)),\"block_size\":512}},
+{\"method\":\"bdev_passthru_create\",\"params\":{\"name\":\"X\",\"base_bdev_name\":\"m1\"}}"
+  fi
+  printf '{"subsystems":[{"subsystem":"bdev","config":[%s,{"method":"bdev_wait_for_examine"}]}]}' \
+    "$calls" >"$DIR/$kind.json"
+  timeout 600 env LD_PRELOAD="$SO" valgrind --tool=callgrind --callgrind-out-file="$DIR/$kind.out" \
+    bdevperf -u --no-huge -s 1024 --json "$DIR/$kind.json" -m 0x1 -T X -q 32 -o "$o" -w "$w" \
+    -t "${SECS:-5}" >"$DIR/$kind.log" 2>&1
+  local n cycle
+  n=$(awk '$1 == "X" && $2 == ":" {print $3 * $4; exit}' "$DIR/$kind.log")
+  if awk -v f="$(awk '$1 == "X" && $2 == ":" {print $6; exit}' "$DIR/$kind.log")" 'BEGIN {exit !(f != "0.00")}'; then
+    cat "$DIR/$kind.log"
+    echo "failed I/O" >&2
+    exit 1
+  fi
+  cycle=$(callgrind_annotate --auto=no --inclusive=yes --threshold=100 "$DIR/$kind.out" 2>/dev/null |
+    grep -E "(accel_sw\.c:accel_comp_poll|channel::chan_poll|owner::owner_poll) " |
+    awk '{gsub(",", "", $1); s += $1} END {print s}')
+  awk -v c="$cycle" -v n="$n" 'BEGIN {printf "%.0f", c / n}'
+}
+
+for wo in ${WORKLOADS:-randread:4096 randread:512 randwrite:4096 randwrite:512}; do
+  w=${wo%%:*} o=${wo#*:}
+  q=$(count q "$w" "$o")
+  p=$(count p "$w" "$o")
+  awk -v w="$w" -v o="$o" -v q="$q" -v p="$p" 'BEGIN {
+    printf "%-9s %5s B QD32, one core, malloc: instructions per request: qcow2 %d passthru %d ratio %.3f\n",
+      w, o, q, p, q / p }'
+done
