@@ -22,7 +22,7 @@
 //! in the device for the poller instead. The poller still drives slow paths (tasks),
 //! resubmissions after `-ENOMEM`, and opening the replica.
 
-use crate::device::{DirectTarget, IovView, SpdkBuf, SpdkDevice};
+use crate::device::{DirectTarget, IovView, SpdkDevice};
 use crate::ffi::bdev_io::BdevIo;
 use crate::ffi::io_channel::{self, ChannelIter};
 use crate::ffi::sys;
@@ -30,7 +30,7 @@ use crate::ffi::thread::{self, Poller, POLLER_BUSY, POLLER_IDLE};
 use crate::node::{Node, BLOCK_SIZE};
 use crate::owner;
 use qcow2_engine::coherency::SliceReply;
-use qcow2_engine::io::{BufSlice, DeviceError};
+use qcow2_engine::io::DeviceError;
 use qcow2_engine::{Chain, DevId, Direct, Exec, Layer, OwnerLink, Qcow2, WriteRoute};
 use serde::Serialize;
 use std::cell::{Cell, RefCell};
@@ -341,19 +341,10 @@ impl Channel {
     /// small).
     #[inline(never)]
     fn read_engine(&self, chain: &Rc<Chain<SpdkDevice>>, io: BdevIo) {
-        let bs = u64::from(BLOCK_SIZE);
-        let len = io.num_blocks() * bs;
-        let (iovs, cnt) = io.iovs();
-        // SAFETY: the bdev_io's iovecs hold `len` bytes and stay valid until we complete
-        // it, which happens only after the engine reported the request done.
-        let view = unsafe { IovView::new(iovs, cnt, len as usize) };
-        self.in_engine(|| {
-            chain.submit_read(
-                io.tag(),
-                io.offset_blocks() * bs,
-                BufSlice::whole(SpdkBuf::Iov(view)),
-            )
-        });
+        // SAFETY: we complete the bdev_io only after the engine reported the request done.
+        let buf = unsafe { IovView::guest_buf(io) };
+        let off = io.offset_blocks() * u64::from(BLOCK_SIZE);
+        self.in_engine(|| chain.submit_read(io.tag(), off, buf));
     }
 
     /// Runs `f` marked as inside the engine (nests: restores the previous mark).
@@ -442,15 +433,11 @@ impl Channel {
     /// [`write_on`](Self::write_on) in place through the engine (out of line).
     #[inline(never)]
     fn write_engine(&self, chain: &Rc<Chain<SpdkDevice>>, io: BdevIo) {
-        let bs = u64::from(BLOCK_SIZE);
-        let len = io.num_blocks() * bs;
-        let (iovs, cnt) = io.iovs();
-        // SAFETY: the bdev_io's iovecs hold `len` bytes and stay valid until we complete
-        // it, which happens only after the engine reported the request done.
-        let view = unsafe { IovView::new(iovs, cnt, len as usize) };
-        let buf = BufSlice::whole(SpdkBuf::Iov(view));
+        // SAFETY: as in `read_engine`.
+        let buf = unsafe { IovView::guest_buf(io) };
+        let off = io.offset_blocks() * u64::from(BLOCK_SIZE);
         // Completes here, or with `NotLocal` (see `complete_tag`): then to the owner.
-        self.in_engine(|| chain.submit_write_local(io.tag(), io.offset_blocks() * bs, buf));
+        self.in_engine(|| chain.submit_write_local(io.tag(), off, buf));
     }
 
     /// Records this channel in the bdev_io's context for `chan_direct_done`.

@@ -14,10 +14,11 @@
 //! when the channel is created, so a submission allocates nothing.
 
 use crate::ffi::bdev::Desc;
+use crate::ffi::bdev_io::BdevIo;
 use crate::ffi::dma::DmaMem;
 use crate::ffi::io_channel::ChannelRef;
 use crate::ffi::sys;
-use qcow2_engine::io::{BlockDevice, Busy, DeviceError, DeviceOp, IoBuffer};
+use qcow2_engine::io::{BlockDevice, BufSlice, Busy, DeviceError, DeviceOp, IoBuffer};
 use qcow2_engine::DevId;
 use std::collections::VecDeque;
 use std::ffi::c_void;
@@ -41,6 +42,21 @@ impl IovView {
     /// valid and unaliased by Rust references while any copy of the view is used.
     pub unsafe fn new(iovs: *const sys::iovec, cnt: usize, len: usize) -> IovView {
         IovView { iovs, cnt, len }
+    }
+
+    /// The data of guest request `io` (its iovecs, `num_blocks` blocks) as an engine
+    /// buffer.
+    ///
+    /// # Safety
+    /// `io` must stay uncompleted until the engine reported the request that uses the
+    /// buffer done (its iovecs then hold the blocks and stay valid).
+    pub unsafe fn guest_buf(io: BdevIo) -> BufSlice<SpdkBuf> {
+        let len = io.num_blocks() * u64::from(crate::node::BLOCK_SIZE);
+        let (iovs, cnt) = io.iovs();
+        // SAFETY: per the contract.
+        BufSlice::whole(SpdkBuf::Iov(unsafe {
+            IovView::new(iovs, cnt, len as usize)
+        }))
     }
 
     fn iov(&self, i: usize) -> (*mut u8, usize) {

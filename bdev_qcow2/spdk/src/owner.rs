@@ -18,12 +18,12 @@
 //! drives the slow paths.
 
 use crate::channel;
-use crate::device::{IovView, SpdkBuf, SpdkDevice};
+use crate::device::{IovView, SpdkDevice};
 use crate::ffi::bdev_io::BdevIo;
 use crate::ffi::sys;
 use crate::ffi::thread::{self, Poller, POLLER_BUSY, POLLER_IDLE};
 use crate::node::{Node, BLOCK_SIZE};
-use qcow2_engine::io::{BufSlice, DeviceError};
+use qcow2_engine::io::DeviceError;
 use qcow2_engine::{Chain, DevId, Exec};
 use std::cell::{Cell, RefCell};
 use std::collections::VecDeque;
@@ -225,11 +225,9 @@ impl Owner {
                 {
                     return;
                 }
-                let (iovs, cnt) = io.iovs();
-                // SAFETY: the bdev_io's iovecs hold `len` bytes and stay valid until it is
-                // completed, which happens only after the engine reported the request done.
-                let view = unsafe { IovView::new(iovs, cnt, len as usize) };
-                let buf = BufSlice::whole(SpdkBuf::Iov(view));
+                // SAFETY: the bdev_io is completed only after the engine reported the
+                // request done.
+                let buf = unsafe { IovView::guest_buf(io) };
                 if io.io_type() == sys::SPDK_BDEV_IO_TYPE_READ {
                     c.submit_read(io.tag(), off, buf);
                 } else if slow {
