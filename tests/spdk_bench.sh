@@ -176,7 +176,9 @@ fi
 #    q p ... for PAIRS (10) pairs per workload. Both sides thus share the process, its
 #    memory and the same minutes of a shared machine, whose speed drifts by tens of per
 #    cent over seconds; the figure is the median of the pairs' ratios, with the quartiles
-#    (IOPS are the medians of each side).
+#    (IOPS are the medians of each side). Our bdev is created afresh for each of its runs,
+#    so each starts with a cold slice cache: 16 slice loads for this image, a few dozen
+#    of the millions of requests in a run.
 #    Fully allocated two ways (ZPRE): formatted with preallocation "full" (the clusters in
 #    guest order, as an operator preallocates), then written once like the passthru's base;
 #    or ("off") allocated by that write, 1 MiB sequential writes at QD8 — from one job on
