@@ -564,6 +564,26 @@ mod tests {
     }
 
     #[test]
+    fn a_fresh_touch_ranks_its_way_and_counts_a_hit() {
+        // One set of 2 ways holding a and b, a the least recently used: a fresh touch of a
+        // makes b the victim, as `touch` does.
+        let mut c = cache(1, 2);
+        let home = |c: &SetAssocCache<u64>, h: usize| (0..).find(move |&k| c.locate(k).1 == h);
+        let (a, b) = (home(&c, 0).unwrap(), home(&c, 1).unwrap());
+        c.insert_with(a, 0, |x| x.fill(a));
+        c.insert_with(b, 0, |x| x.fill(b));
+        let hits = c.stats().hits;
+        let hit = c.probe(a, 0).unwrap();
+        c.touch_fresh(hit);
+        assert_eq!(c.stats().hits, hits + 1);
+        assert_eq!(c.victim(b + 1), c.peek(b).unwrap());
+        let m = (b + 1..).find(|&m| m != a).unwrap();
+        c.insert_with(m, 0, |x| x.fill(m));
+        assert_eq!(c.peek(b), None);
+        assert_eq!(c.block(c.probe(a, 0).unwrap().way)[0], a);
+    }
+
+    #[test]
     fn consecutive_keys_sit_in_their_homes() {
         // A cache as large as the keys holds them all; with a power-of-two number of ways
         // every key is found in its home slot, none by a scan of its set (so a hit reads
