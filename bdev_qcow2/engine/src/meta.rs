@@ -34,6 +34,10 @@ type HashSet<K> = std::collections::HashSet<K, foldhash::fast::RandomState>;
 
 /// Dirty metadata beyond which a commit writes back on its own (bounded memory).
 const WRITEBACK_THRESHOLD_BYTES: u64 = 8 << 20;
+/// How long dirty metadata must stay unchanged, waiting for a flush, before the owner
+/// writes it back on its own ([`Qcow2::background_writeback_due`]): while the owner holds a
+/// slice dirty, every core sends it the writes into that slice's clusters, even overwrites.
+pub const BACKGROUND_WRITEBACK_INTERVAL: std::time::Duration = std::time::Duration::from_millis(10);
 
 /// Largest data region reserved at once for a run of guest clusters (see
 /// [`Qcow2::alloc_data`]): a whole L2 slice up to this size, a part of one beyond.
@@ -82,6 +86,11 @@ pub(crate) struct MetaState {
     pub graced_set: HashSet<u64>,
     /// When the owner last tried to advance the grace period (see `reclaim_graced`).
     pub last_advance: Option<std::time::Instant>,
+    /// Since when the dirty metadata has not changed, and its signature then (clusters
+    /// allocated, dirty L2 slices, dirty refcount blocks): [`Qcow2::background_writeback_due`].
+    pub quiet: Option<(std::time::Instant, (u64, usize, usize))>,
+    /// A background write-back task is running.
+    pub background_running: bool,
     /// Where the next free-cluster search starts.
     pub alloc_hint: u64,
     /// Data regions by region index (guest cluster / region length): see [`Region`].
@@ -160,6 +169,8 @@ impl<D: BlockDevice> Meta<D> {
                 graced: Default::default(),
                 graced_set: HashSet::default(),
                 last_advance: None,
+                quiet: None,
+                background_running: false,
                 alloc_hint: 0,
                 regions: HashMap::default(),
                 region_ends: BTreeMap::new(),
@@ -1446,6 +1457,56 @@ impl<D: BlockDevice> Qcow2<D> {
             self.exec.flush(self.dev).await?;
         }
         Ok(())
+    }
+
+    /// Whether the owner should write its dirty metadata back now without a guest flush:
+    /// something is dirty, no background write-back is running, and nothing was allocated
+    /// or newly dirtied for [`BACKGROUND_WRITEBACK_INTERVAL`] (a write-back holds the
+    /// metadata lock, so it waits for allocations to pause rather than stall them). Cheap
+    /// when nothing is dirty (no clock read). A host's owner loop asks this and then runs
+    /// [`background_writeback`](Self::background_writeback).
+    pub fn background_writeback_due(&self) -> bool {
+        let Ok(m) = self.meta() else {
+            return false;
+        };
+        let mut st = m.st.borrow_mut();
+        if st.background_running || (st.dirty_l2.is_empty() && st.dirty_l1.is_empty()) {
+            st.quiet = None;
+            return false;
+        }
+        let sig = (
+            st.stats.clusters_allocated,
+            st.dirty_l2.len(),
+            st.dirty_rc.len(),
+        );
+        let now = std::time::Instant::now();
+        match st.quiet {
+            Some((since, s)) if s == sig => {
+                now.duration_since(since) >= BACKGROUND_WRITEBACK_INTERVAL
+            }
+            _ => {
+                st.quiet = Some((now, sig));
+                false
+            }
+        }
+    }
+
+    /// Writes the dirty metadata back in dependency order, as a flush does but without
+    /// flushing the device (no guest write becomes stable through it): the owner's dirty
+    /// slices become clean, so the cores serve overwrites into them on their own again.
+    pub async fn background_writeback(&self) -> Result<()> {
+        let m = self.meta()?;
+        {
+            let mut st = m.st.borrow_mut();
+            st.background_running = true;
+            st.quiet = None;
+        }
+        let r = {
+            let _g = m.lock.lock().await;
+            self.writeback_locked().await
+        };
+        m.st.borrow_mut().background_running = false;
+        r
     }
 
     /// Writes back when the dirty set has grown past the threshold (memory bound).

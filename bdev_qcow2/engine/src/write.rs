@@ -1067,6 +1067,28 @@ impl<D: BlockDevice> Chain<D> {
         top(self)?.flush().await
     }
 
+    /// On the metadata owner, called from its poll loop: when dirty metadata has waited
+    /// [`BACKGROUND_WRITEBACK_INTERVAL`](crate::meta::BACKGROUND_WRITEBACK_INTERVAL) without
+    /// a flush, starts writing it back (a task; no device flush). Returns whether it
+    /// started one. A failure leaves the metadata dirty for the next flush, which reports it.
+    pub fn tick_background_writeback(self: &Rc<Self>) -> bool {
+        let Ok(q) = top(self) else {
+            return false;
+        };
+        if !q.background_writeback_due() {
+            return false;
+        }
+        let chain = self.clone();
+        self.exec().spawn(async move {
+            if let Ok(q) = top(&chain) {
+                if let Err(e) = q.background_writeback().await {
+                    tracing::warn!("background metadata write-back failed: {e}");
+                }
+            }
+        });
+        true
+    }
+
     /// Flushes everything, refcounts included, and clears the dirty bit (lazy refcounts):
     /// call before dropping a writable chain.
     pub async fn close(self: &Rc<Self>) -> Result<()> {

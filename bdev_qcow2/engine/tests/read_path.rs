@@ -1071,3 +1071,51 @@ fn the_ordered_layout_continues_a_slice_after_a_reopen() {
     assert_eq!(chain.entry_hint(0), None, "linear: the region was kept");
     check_and_compare(dir.path(), &dev, &raw);
 }
+
+/// The owner's metadata counters (writable image).
+fn owner_stats(chain: &Chain<MemDevice>) -> qcow2_engine::meta::OwnerStats {
+    match &chain.layers()[0] {
+        Layer::Qcow2(q) => q.owner_stats().unwrap(),
+        Layer::Raw { .. } => panic!("not a qcow2 layer"),
+    }
+}
+
+/// Dirty metadata that stays unchanged for the background interval is written back without
+/// a guest flush, in dependency order: the device then holds an image qemu-img checks clean
+/// with the data written; a new allocation restarts the interval.
+#[test]
+fn quiet_dirty_metadata_is_written_back_without_a_flush() {
+    let dir = tempfile::tempdir().unwrap();
+    let (img, mut raw) = make_image(dir.path(), "cluster_size=65536", "16M", &[]);
+    let (exec, dev, chain) = open_writable(img);
+    let write = |off: u64, byte: u8| {
+        let buf = HeapBuf::new(4096);
+        buf.copy_in(0, &[byte; 4096]);
+        wait_for(&exec, |t| chain.submit_write(t, off, BufSlice::whole(buf))).unwrap();
+    };
+    write(3 << 16, 0x33);
+    raw[3 << 16..(3 << 16) + 4096].fill(0x33);
+    assert_eq!(owner_stats(&chain).l2_slices_written, 0, "no flush yet");
+    // The first look starts the quiet interval; a new allocation restarts it.
+    assert!(!chain.tick_background_writeback());
+    std::thread::sleep(qcow2_engine::meta::BACKGROUND_WRITEBACK_INTERVAL * 2);
+    write(7 << 16, 0x77);
+    raw[7 << 16..(7 << 16) + 4096].fill(0x77);
+    assert!(
+        !chain.tick_background_writeback(),
+        "an allocation restarts the interval"
+    );
+    assert_eq!(owner_stats(&chain).l2_slices_written, 0);
+    std::thread::sleep(qcow2_engine::meta::BACKGROUND_WRITEBACK_INTERVAL * 2);
+    assert!(chain.tick_background_writeback());
+    while exec.busy() {
+        exec.poll(&mut |_, _| panic!("no guest request is in flight"));
+    }
+    let st = owner_stats(&chain);
+    assert!(st.l2_slices_written >= 1 && st.writebacks >= 1, "{st:?}");
+    assert!(
+        !chain.tick_background_writeback(),
+        "nothing is dirty any more"
+    );
+    check_and_compare(dir.path(), &dev, &raw);
+}

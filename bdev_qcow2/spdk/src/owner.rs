@@ -413,6 +413,11 @@ unsafe extern "C" fn owner_poll(ctx: *mut c_void) -> c_int {
         // SAFETY: deferred by `channel::send_ask` with its answer.
         unsafe { channel::resend_ask(a) };
     }
+    // Dirty metadata that waited long enough for a flush goes back on its own, so the
+    // cores take overwrites into its slices again (see `tick_background_writeback`).
+    if o.in_engine(|| o.chain.tick_background_writeback()) {
+        n += 1;
+    }
     if o.exec.busy() {
         n += o.in_engine(|| o.exec.poll(&mut complete_tag));
     }

@@ -248,6 +248,11 @@ impl<D: BlockDevice> Reactor<D> {
                 n += 1;
                 self.serve(m);
             }
+            // Dirty metadata that waited long enough for a flush goes back on its own, so
+            // the cores take overwrites into its slices again.
+            if self.chain.tick_background_writeback() {
+                n += 1;
+            }
             let mesh = &self.mesh;
             let fwd = &mut self.forwarded;
             n += self.exec.poll(&mut |tag, r| {
