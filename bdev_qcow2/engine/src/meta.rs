@@ -38,6 +38,8 @@ const WRITEBACK_THRESHOLD_BYTES: u64 = 8 << 20;
 /// writes it back on its own ([`Qcow2::background_writeback_due`]): while the owner holds a
 /// slice dirty, every core sends it the writes into that slice's clusters, even overwrites.
 pub const BACKGROUND_WRITEBACK_INTERVAL: std::time::Duration = std::time::Duration::from_millis(10);
+/// How long a failed background write-back waits before the next attempt.
+const BACKGROUND_RETRY_DELAY: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// Largest data region reserved at once for a run of guest clusters (see
 /// [`Qcow2::alloc_data`]): a whole L2 slice up to this size, a part of one beyond.
@@ -117,6 +119,18 @@ pub(crate) struct MetaState {
     pub meta_clusters: HashSet<u64>,
     /// Counters ([`Qcow2::owner_stats`]).
     pub stats: OwnerStats,
+}
+
+impl MetaState {
+    /// What changes whenever metadata is allocated or newly dirtied (the quiet write-back's
+    /// test that nothing happened).
+    fn change_signature(&self) -> (u64, usize, usize) {
+        (
+            self.stats.clusters_allocated,
+            self.dirty_l2.len(),
+            self.dirty_rc.len(),
+        )
+    }
 }
 
 /// Counters of the metadata owner (writable image).
@@ -1474,11 +1488,7 @@ impl<D: BlockDevice> Qcow2<D> {
             st.quiet = None;
             return false;
         }
-        let sig = (
-            st.stats.clusters_allocated,
-            st.dirty_l2.len(),
-            st.dirty_rc.len(),
-        );
+        let sig = st.change_signature();
         let now = std::time::Instant::now();
         match st.quiet {
             Some((since, s)) if s == sig => {
@@ -1505,7 +1515,15 @@ impl<D: BlockDevice> Qcow2<D> {
             let _g = m.lock.lock().await;
             self.writeback_locked().await
         };
-        m.st.borrow_mut().background_running = false;
+        let mut st = m.st.borrow_mut();
+        st.background_running = false;
+        if r.is_err() {
+            // What failed stays dirty for the next flush, which reports it; the next
+            // background attempt waits a second rather than the interval (a failing device
+            // must not be retried, and logged, a hundred times a second).
+            let sig = st.change_signature();
+            st.quiet = Some((std::time::Instant::now() + BACKGROUND_RETRY_DELAY, sig));
+        }
         r
     }
 

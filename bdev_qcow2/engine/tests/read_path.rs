@@ -1119,3 +1119,40 @@ fn quiet_dirty_metadata_is_written_back_without_a_flush() {
     );
     check_and_compare(dir.path(), &dev, &raw);
 }
+
+/// A background write-back that fails leaves the metadata dirty, is not retried at once
+/// (a failing device is not hammered), and the next guest flush writes everything.
+#[test]
+fn a_failed_background_writeback_waits_and_leaves_the_metadata_for_the_flush() {
+    let dir = tempfile::tempdir().unwrap();
+    let (img, mut raw) = make_image(dir.path(), "cluster_size=65536", "16M", &[]);
+    let (exec, dev, chain) = open_writable(img);
+    let buf = HeapBuf::new(4096);
+    buf.copy_in(0, &[0x55; 4096]);
+    wait_for(&exec, |t| {
+        chain.submit_write(t, 5 << 16, BufSlice::whole(buf))
+    })
+    .unwrap();
+    raw[5 << 16..(5 << 16) + 4096].fill(0x55);
+    assert!(!chain.tick_background_writeback());
+    std::thread::sleep(qcow2_engine::meta::BACKGROUND_WRITEBACK_INTERVAL * 2);
+    // The write-back's first device operation fails.
+    let next = dev.0.borrow().ops;
+    dev.0.borrow_mut().fail_op = Some((next, 5));
+    assert!(chain.tick_background_writeback());
+    while exec.busy() {
+        exec.poll(&mut |_, _| panic!("no guest request is in flight"));
+    }
+    dev.0.borrow_mut().fail_op = None;
+    assert_eq!(owner_stats(&chain).l2_slices_written, 0);
+    for _ in 0..2 {
+        std::thread::sleep(qcow2_engine::meta::BACKGROUND_WRITEBACK_INTERVAL * 2);
+        assert!(
+            !chain.tick_background_writeback(),
+            "a failed write-back is retried after a second, not after the interval"
+        );
+    }
+    wait_for(&exec, |t| chain.submit_flush(t)).unwrap();
+    assert!(owner_stats(&chain).l2_slices_written >= 1);
+    check_and_compare(dir.path(), &dev, &raw);
+}
