@@ -290,12 +290,11 @@ impl<T: Copy + Default, A: Copy + Default> SetAssocCache<T, A> {
     /// key (an invalid way keeps stamp 0, so it stays the first victim of its set).
     #[inline(always)]
     pub fn touch(&mut self, hit: Hit) {
-        let stamp = self.tick();
-        let s = &mut self.slots[hit.way];
-        if s.key == hit.key {
-            s.rank = rank(stamp, hit.way);
+        if self.slots.get(hit.way).is_some_and(|s| s.key == hit.key) {
+            self.touch_fresh(hit);
+        } else {
+            self.stats.hits += 1;
         }
-        self.stats.hits += 1;
     }
 
     /// [`touch`](Self::touch) for a hit taken in the same borrow of the cache, with no
