@@ -868,7 +868,7 @@ impl<D: BlockDevice> Qcow2<D> {
 
     /// Caches slice `key` read under `epoch` (`fill` writes its words) with its summary
     /// ([`LinearSlice`]); returns the way. Every L2 slice enters the cache here.
-    fn cache_slice(&self, key: u64, epoch: u32, fill: impl FnOnce(&mut [u64])) -> usize {
+    pub(crate) fn cache_slice(&self, key: u64, epoch: u32, fill: impl FnOnce(&mut [u64])) -> usize {
         let mut cache = self.l2_cache.borrow_mut();
         let w = cache.insert_with(key, epoch, fill);
         let lin = LinearSlice::of(

@@ -41,6 +41,10 @@ pub const BACKGROUND_WRITEBACK_INTERVAL: std::time::Duration = std::time::Durati
 /// How long a failed background write-back waits before the next attempt.
 const BACKGROUND_RETRY_DELAY: std::time::Duration = std::time::Duration::from_secs(1);
 
+/// How many used clusters past the allocation hint an allocation planned on the spot
+/// ([`Qcow2::alloc_clusters_now`]) skips before it leaves the search to the slow path.
+const NOW_SCAN: u64 = 64;
+
 /// Largest data region reserved at once for a run of guest clusters (see
 /// [`Qcow2::alloc_data`]): a whole L2 slice up to this size, a part of one beyond.
 const MAX_REGION_BYTES: u64 = 64 << 20;
@@ -138,6 +142,9 @@ impl MetaState {
 pub struct OwnerStats {
     /// Host clusters allocated (data, L2 tables, refcount blocks).
     pub clusters_allocated: u64,
+    /// Allocating writes planned on the spot, without a planning task (their metadata was
+    /// in memory and the metadata lock free).
+    pub writes_planned_now: u64,
     /// L2 slices written back to the device.
     pub l2_slices_written: u64,
     /// Metadata write-back passes (refcounts, flush, L2 slices, L1; on FLUSH, on close
@@ -425,6 +432,31 @@ impl<D: BlockDevice> Qcow2<D> {
         Ok(pick(cache.block(way)))
     }
 
+    /// [`l2_words`](Self::l2_words) from memory, on the owner: `None` when the slice is
+    /// neither dirty nor cached, or is being written back.
+    pub(crate) fn l2_words_now(&self, off: GuestOffset) -> Option<(u64, u64)> {
+        let key = self.geo.slice_id(off);
+        let i = self.geo.index_in_slice(off) as usize;
+        let ext = self.geo.extended_l2;
+        let pick = |b: &[u64]| {
+            if ext {
+                (b[2 * i], b[2 * i + 1])
+            } else {
+                (b[i], 0)
+            }
+        };
+        let st = self.meta.as_ref()?.st.borrow();
+        if let Some(b) = st.dirty_l2.get(&key) {
+            return Some(pick(b));
+        }
+        if st.writing_l2.contains_key(&key) {
+            return None;
+        }
+        let mut cache = self.l2_cache.borrow_mut();
+        let w = cache.lookup(key, 0)?;
+        Some(pick(cache.block(w)))
+    }
+
     /// Sets `off`'s L2 entry (and bitmap with extended L2) in the dirty slice and the
     /// cache replica. [`dirty_slice_for`](Self::dirty_slice_for) must have run.
     pub(crate) fn set_l2_words(&self, off: GuestOffset, entry: u64, bitmap: u64) -> Result<()> {
@@ -471,16 +503,30 @@ impl<D: BlockDevice> Qcow2<D> {
     /// Makes sure the L2 table covering `off` exists and is writable (COPIED): allocates a
     /// new one, or copies a table shared with a snapshot.
     pub(crate) async fn ensure_l2(&self, off: GuestOffset) -> Result<()> {
+        let (idx, old) = match self.writable_l2(off)? {
+            Ok(()) => return Ok(()),
+            Err(x) => x,
+        };
+        // Boxed: a new table is rare, and the write path's per-request future stays small.
+        Box::pin(self.new_l2_table(idx, old)).await
+    }
+
+    /// `Ok(())` when the L2 table covering `off` exists and is COPIED (writable in place),
+    /// else `Err((L1 index, its current table))` for [`ensure_l2`](Self::ensure_l2).
+    #[allow(clippy::type_complexity)]
+    pub(crate) fn writable_l2(
+        &self,
+        off: GuestOffset,
+    ) -> Result<std::result::Result<(), (u64, Option<crate::types::HostOffset>)>> {
         self.meta()?;
         let idx = self.geo.l1_index(off);
         let e = self.l1.borrow()[idx as usize];
-        let cs = self.geo.cluster_size();
-        let old = e.l2_table(cs, self.device_size.get())?;
-        if old.is_some() && e.is_copied() {
-            return Ok(());
-        }
-        // Boxed: a new table is rare, and the write path's per-request future stays small.
-        Box::pin(self.new_l2_table(idx, old)).await
+        let old = e.l2_table(self.geo.cluster_size(), self.device_size.get())?;
+        Ok(if old.is_some() && e.is_copied() {
+            Ok(())
+        } else {
+            Err((idx, old))
+        })
     }
 
     /// Allocates a new L2 table for L1 index `idx` (a copy of `old`, or zeros), dirty in
@@ -543,9 +589,21 @@ impl<D: BlockDevice> Qcow2<D> {
     /// Adds `delta` to the refcount of host cluster `cluster` (in the dirty copy). Never
     /// wraps: a refcount that would leave its range is corruption.
     pub(crate) async fn update_refcount(&self, cluster: u64, delta: i64) -> Result<u64> {
-        let m = self.meta()?;
         let (block, idx) = self.ensure_rc_block(cluster).await?;
         self.load_rc_block(block).await?;
+        self.update_loaded_refcount(block, idx, cluster, delta)
+    }
+
+    /// [`update_refcount`](Self::update_refcount) of host cluster `cluster` at index `idx`
+    /// of refcount block `block`, which is dirty or cached (no await since it was loaded).
+    fn update_loaded_refcount(
+        &self,
+        block: u64,
+        idx: u64,
+        cluster: u64,
+        delta: i64,
+    ) -> Result<u64> {
+        let m = self.meta()?;
         let order = self.header.borrow().header.refcount_order;
         let mut st = m.st.borrow_mut();
         let b = match st.dirty_rc.entry(block) {
@@ -772,6 +830,9 @@ impl<D: BlockDevice> Qcow2<D> {
     /// nothing else in the device is free does a second pass take clusters inside them
     /// (and then, as without regions, past the end).
     pub(crate) async fn alloc_clusters(&self, n: u64) -> Result<(u64, u64, bool)> {
+        if let Some(r) = self.alloc_clusters_now(n)? {
+            return Ok(r);
+        }
         let m = self.meta()?;
         self.reclaim_graced();
         let (start, count) = loop {
@@ -784,6 +845,62 @@ impl<D: BlockDevice> Qcow2<D> {
             }
         };
         self.take_clusters(start, count).await?;
+        self.allocated(start, count)
+    }
+
+    /// [`alloc_clusters`](Self::alloc_clusters) of exactly `n` clusters without I/O, for a
+    /// write planned on the spot: `None`, having changed nothing, when the first free run
+    /// from the allocation hint is shorter than `n`, is not found among the next
+    /// [`NOW_SCAN`] clusters, or needs a refcount block loaded or created, or when data
+    /// regions are kept clear. The caller holds the metadata lock or knows it is free.
+    pub(crate) fn alloc_clusters_now(&self, n: u64) -> Result<Option<(u64, u64, bool)>> {
+        let m = self.meta()?;
+        if !m.st.borrow().region_ends.is_empty() {
+            return Ok(None);
+        }
+        self.reclaim_graced();
+        let limit = self.alloc_limit();
+        let hint = m.st.borrow().alloc_hint.max(1);
+        let mut start = hint;
+        loop {
+            if start >= hint + NOW_SCAN || start + n > limit {
+                return Ok(None);
+            }
+            match self.cluster_is_free_now(start)? {
+                Some(true) => break,
+                Some(false) => start += 1,
+                None => return Ok(None),
+            }
+        }
+        for c in start + 1..start + n {
+            if self.cluster_is_free_now(c)? != Some(true) {
+                return Ok(None);
+            }
+        }
+        for c in start..start + n {
+            // Checked free and loaded above, nothing ran since.
+            let Some((block, idx)) = self.rc_locate(c)? else {
+                return Err(corrupt(
+                    Field::RefcountBlockEntry,
+                    c,
+                    "refcount block vanished",
+                ));
+            };
+            if self.update_loaded_refcount(block, idx, c, 1)? != 1 {
+                return Err(corrupt(
+                    Field::RefcountBlockEntry,
+                    c,
+                    "allocated cluster already in use",
+                ));
+            }
+        }
+        self.allocated(start, n).map(Some)
+    }
+
+    /// The bookkeeping of clusters `start..start + count` just taken: allocation hint,
+    /// counters, freshness, device size. Returns what the allocators return.
+    fn allocated(&self, start: u64, count: u64) -> Result<(u64, u64, bool)> {
+        let m = self.meta()?;
         let fresh = {
             let mut st = m.st.borrow_mut();
             st.alloc_hint = start + count;
@@ -901,14 +1018,19 @@ impl<D: BlockDevice> Qcow2<D> {
     /// writes scattered over regions are slower than appended ones (4 KiB clusters on a
     /// malloc bdev: 0.85×), while a slice filled by several streams is linear with it.
     pub(crate) async fn alloc_data(&self, g: u64, n: u64) -> Result<(u64, u64, bool)> {
-        let m = self.meta()?;
-        if !m.ordered_layout || self.exec.with_device(self.dev, |d| d.can_grow()) {
+        if !self.allocates_by_region()? {
             return self.alloc_clusters(n).await;
         }
         match self.alloc_in_region(g, n).await? {
             Some(r) => Ok(r),
             None => self.alloc_clusters(n).await,
         }
+    }
+
+    /// Whether [`alloc_data`](Self::alloc_data) places data by regions (ordered layout on
+    /// a device that cannot grow) rather than where `alloc_clusters` finds room.
+    pub(crate) fn allocates_by_region(&self) -> Result<bool> {
+        Ok(self.meta()?.ordered_layout && !self.exec.with_device(self.dev, |d| d.can_grow()))
     }
 
     async fn alloc_in_region(&self, g: u64, n: u64) -> Result<Option<(u64, u64, bool)>> {
@@ -1105,20 +1227,41 @@ impl<D: BlockDevice> Qcow2<D> {
     /// Whether host cluster `c` may be allocated: refcount 0, not freed-but-unstable, not
     /// metadata.
     async fn cluster_is_free(&self, c: u64) -> Result<bool> {
-        let m = self.meta()?;
-        {
-            let st = m.st.borrow();
-            if st.unstable_frees.contains(&c) || st.graced_set.contains(&c) {
-                return Ok(false);
-            }
-        }
-        if self.overlaps_metadata(c << self.cluster_bits(), self.geo.cluster_size()) {
-            return Ok(false);
+        if let Some(free) = self.cluster_is_free_now(c)? {
+            return Ok(free);
         }
         let order = self.header.borrow().header.refcount_order;
         let (block, idx) = self.ensure_rc_block(c).await?;
         self.load_rc_block(block).await?;
         Ok(self.with_rc_block(block, |b| get_refcount(b, order, idx)) == 0)
+    }
+
+    /// [`cluster_is_free`](Self::cluster_is_free) from memory: `None` when the answer
+    /// needs its refcount block loaded or created.
+    fn cluster_is_free_now(&self, c: u64) -> Result<Option<bool>> {
+        let m = self.meta()?;
+        {
+            let st = m.st.borrow();
+            let held = |set: &HashSet<u64>| !set.is_empty() && set.contains(&c);
+            if held(&st.unstable_frees) || held(&st.graced_set) {
+                return Ok(Some(false));
+            }
+        }
+        if self.overlaps_metadata(c << self.cluster_bits(), self.geo.cluster_size()) {
+            return Ok(Some(false));
+        }
+        let Some((block, idx)) = self.rc_locate(c)? else {
+            return Ok(None);
+        };
+        let order = self.header.borrow().header.refcount_order;
+        // The dirty copy wins over the cache (as in `with_rc_block`).
+        if let Some(b) = m.st.borrow().dirty_rc.get(&block) {
+            return Ok(Some(get_refcount(b, order, idx) == 0));
+        }
+        let mut cache = self.rc_cache.borrow_mut();
+        Ok(cache
+            .lookup(block, 0)
+            .map(|w| get_refcount(cache.block(w), order, idx) == 0))
     }
 
     /// Drops the references of host bytes `[off, off+len)` once the metadata that removed
@@ -1403,10 +1546,19 @@ impl<D: BlockDevice> Qcow2<D> {
                     }
                     return Err(e);
                 }
-                st.writing_l2.remove(&key);
+                let written = st.writing_l2.remove(&key);
                 st.stats.l2_slices_written += 1;
                 if let Some(sh) = &self.shared {
                     st.epochs.cleaned(sh, key);
+                }
+                // A slice only the dirty set held (a new table's) stays in memory, in the
+                // cache, unless a newer dirty copy exists (then that one is written later).
+                if let Some(words) = written {
+                    if !st.dirty_l2.contains_key(&key)
+                        && self.l2_cache.borrow().probe(key, 0).is_none()
+                    {
+                        self.cache_slice(key, 0, |b| b.copy_from_slice(&words));
+                    }
                 }
             }
             let l1_dirty = std::mem::take(&mut m.st.borrow_mut().dirty_l1);

@@ -56,11 +56,72 @@ enum ZeroKind {
     Discard,
 }
 
+/// What a write does to a guest cluster whose L2 words are `(entry, bitmap)` (see
+/// [`Action`]); an invalid entry is corruption.
+fn action_for<D: BlockDevice>(q: &Qcow2<D>, entry: u64, bitmap: u64) -> Result<Action> {
+    let geo = q.geometry();
+    let ctx = q.ctx.get();
+    let e = L2Entry(entry);
+    Ok(if geo.extended_l2 {
+        if e.is_compressed() {
+            return Err(corrupt(
+                Field::L2Entry,
+                entry,
+                "compressed cluster in an image with extended L2",
+            ));
+        }
+        // Validate (reserved bits, bitmap consistency) through the mapping decoder.
+        e.subcluster_mapping(SubclusterBitmap(bitmap), 0, &ctx)?;
+        let host = entry & 0x00ff_ffff_ffff_fe00;
+        if host != 0 && e.is_copied() {
+            Action::SubclusterInPlace {
+                host,
+                entry,
+                bitmap,
+            }
+        } else {
+            let old = if host != 0 {
+                ClusterMapping::Data {
+                    host: crate::types::HostOffset(host),
+                    copied: false,
+                }
+            } else {
+                ClusterMapping::Unallocated { host: None }
+            };
+            Action::Alloc { bitmap, old }
+        }
+    } else {
+        match e.mapping(&ctx)? {
+            ClusterMapping::Data { host, copied: true } => Action::InPlace { host: host.0 },
+            ClusterMapping::Zero { host: Some(h) } if e.is_copied() => {
+                Action::Rewrite { host: h.0, entry }
+            }
+            old => Action::Alloc { bitmap, old },
+        }
+    })
+}
+
 fn top<D: BlockDevice>(chain: &Chain<D>) -> Result<&Qcow2<D>> {
     match &chain.layers()[0] {
         Layer::Qcow2(q) if q.is_writable() => Ok(q),
         _ => Err(Error::ReadOnly),
     }
+}
+
+/// Where the slices of a write that is not one cached extent send it
+/// ([`Chain::route_unplanned`]).
+enum SliceRoute {
+    /// Not a writable core replica (the owner, or an image of one core): walk the clusters.
+    NotCore,
+    /// Every slice current in this core's cache: walk the clusters; what is not in place
+    /// is the owner's work.
+    Current,
+    /// To the owner, as [`WriteRoute::Owner`] `{ slow }`: a slice has no L2 table yet
+    /// (`slow: true`), or changed since this core cached it and the owner holds it dirty
+    /// (`slow: false`: it may well be in place by now).
+    Owner { slow: bool },
+    /// A slice is not cached here: this replica's engine path loads it.
+    Load,
 }
 
 /// What the one-extent check of an in-place write found
@@ -127,6 +188,15 @@ impl<D: BlockDevice> Chain<D> {
             return;
         }
         let chain = self.clone();
+        if let Ok(q) = top(self) {
+            if let Some((parts, allocs)) = self.plan_now(q, offset, offset + buf.len as u64) {
+                self.exec().spawn(async move {
+                    let r = chain.write_planned(offset, parts, allocs, buf).await;
+                    chain.exec().complete_entered(tag, r, parity);
+                });
+                return;
+            }
+        }
         self.exec().spawn(async move {
             let r = chain.write(offset, buf).await;
             chain.exec().complete_entered(tag, r, parity);
@@ -223,28 +293,41 @@ impl<D: BlockDevice> Chain<D> {
     }
 
     /// [`route_write`](Self::route_write) for a write that is not one cached extent
-    /// (out of line: the in-place case stays small).
+    /// (out of line: the in-place case stays small). On a core replica the state of the
+    /// write's slices comes first: the cluster-by-cluster walk can only find an in-place
+    /// plan where every slice is current here, and a write into a slice the owner is
+    /// filling (the common case while an image fills) goes there without one.
     #[inline(never)]
     fn route_unplanned(&self, offset: u64, len: u64, parity: u8, e: WriteExtent) -> WriteRoute {
+        let slices = self.slices_need_owner(offset, len);
+        let current = match slices {
+            SliceRoute::Owner { slow } => {
+                self.exec().guest_exit(parity);
+                return WriteRoute::Owner { slow };
+            }
+            SliceRoute::Load => {
+                self.exec().guest_exit(parity);
+                return WriteRoute::Local;
+            }
+            SliceRoute::Current => true,
+            SliceRoute::NotCore => false,
+        };
         let planned = self.single_write_extent(offset, len, e);
         if let Some((dev, Some(host))) = planned {
             return WriteRoute::Direct(Direct { dev, host, parity });
         }
         self.exec().guest_exit(parity);
         match planned {
-            None => self
-                .slices_need_owner(offset, len)
-                .map_or(WriteRoute::Local, |slow| WriteRoute::Owner { slow }),
-            Some(_) => WriteRoute::Local,
+            // Allocation, COW, zero clusters: the owner's work.
+            None if current => WriteRoute::Owner { slow: true },
+            _ => WriteRoute::Local,
         }
     }
 
-    /// The slice half of [`route_write`](Self::route_write)'s owner test, for a write the
-    /// fast path could not plan: `Some(slow)` for the owner (`slow` as in
-    /// [`WriteRoute::Owner`]), `None` for this replica's engine path.
-    fn slices_need_owner(&self, offset: u64, len: u64) -> Option<bool> {
+    /// The slice half of [`route_write`](Self::route_write)'s owner test.
+    fn slices_need_owner(&self, offset: u64, len: u64) -> SliceRoute {
         let Layer::Qcow2(q) = &self.layers()[0] else {
-            return None;
+            return SliceRoute::NotCore;
         };
         let cov = q.geometry().slice_coverage();
         let end = offset.saturating_add(len).min(self.size());
@@ -252,20 +335,26 @@ impl<D: BlockDevice> Chain<D> {
         let mut all_valid = true;
         while pos < end {
             match q.core_slice_state(GuestOffset(pos)) {
-                None => return None,
-                Some(crate::image::CoreSlice::StaleDirty) => return Some(false),
+                None => return SliceRoute::NotCore,
+                Some(crate::image::CoreSlice::StaleDirty) => {
+                    return SliceRoute::Owner { slow: false }
+                }
                 // No L2 table yet: only the owner can allocate one.
                 Some(crate::image::CoreSlice::Missing)
                     if matches!(q.l2_table(GuestOffset(pos)), Ok(None)) =>
                 {
-                    return Some(true)
+                    return SliceRoute::Owner { slow: true }
                 }
                 Some(crate::image::CoreSlice::Missing) => all_valid = false,
                 Some(crate::image::CoreSlice::Valid) => {}
             }
             pos = (pos / cov + 1) * cov;
         }
-        all_valid.then_some(true)
+        if all_valid {
+            SliceRoute::Current
+        } else {
+            SliceRoute::Load
+        }
     }
 
     /// On a core replica of a shared image ([`Qcow2::from_seed`]): starts the write here if
@@ -544,13 +633,30 @@ impl<D: BlockDevice> Chain<D> {
         drop(guard);
         // Data phase, without the lock.
         let res = self.write_data(q, start, &parts, &allocs, data).await;
-        // Commit or abort.
+        self.finish_chunk(q, &parts, &allocs, res).await
+    }
+
+    /// The end of an allocating write's chunk after its data phase (`res`): under the
+    /// metadata lock, commits the plan (or frees its new clusters), writes metadata back
+    /// if enough is dirty, then lets waiting writers of its clusters go.
+    async fn finish_chunk(
+        &self,
+        q: &Qcow2<D>,
+        parts: &[Part],
+        allocs: &[(u64, u64, bool)],
+        res: Result<()>,
+    ) -> Result<()> {
+        let cs = q.geometry().cluster_size();
+        let (first, last) = match (parts.first(), parts.last()) {
+            (Some(a), Some(b)) => (a.cluster / cs, b.cluster / cs),
+            _ => return res,
+        };
         let m = q.meta()?;
         let guard = m.lock.lock().await;
         let r = match res {
-            Ok(()) => self.commit(q, &parts, &allocs).await,
+            Ok(()) => self.commit(q, parts, allocs).await,
             Err(e) => {
-                for &(c0, n, _) in &allocs {
+                for &(c0, n, _) in allocs {
                     let _ = q.free_unreferenced(c0, n).await;
                 }
                 Err(e)
@@ -565,57 +671,104 @@ impl<D: BlockDevice> Chain<D> {
         r
     }
 
+    /// [`plan`](Self::plan) on the spot, for an allocating write of guest bytes
+    /// `[start, end)` inside one L2 slice, when everything it needs is in memory: the
+    /// metadata lock free (no plan, commit or write-back under way), no allocation in
+    /// flight on its clusters, its L2 table writable, its slice dirty or cached, every
+    /// cluster to be allocated (one run of host clusters, found without I/O). Then, as
+    /// [`lock_clusters`](Self::lock_clusters) and `plan` would, marks the clusters in
+    /// flight, takes the new clusters and returns the plan; else `None`, having changed
+    /// nothing (the task runs the write as usual, and reports any corruption).
+    ///
+    /// Nothing awaits between the checks and the changes, so holding the lock would change
+    /// nothing; skipping the task's lock, planning futures and slice look-ups is the point:
+    /// a first write into a fresh image then costs little more than an overwrite.
+    fn plan_now(&self, q: &Qcow2<D>, start: u64, end: u64) -> Option<(Parts, Allocs)> {
+        let m = q.meta.as_ref()?;
+        let geo = q.geometry();
+        let cs = geo.cluster_size();
+        let (first, last) = (start / cs, (end - 1) / cs);
+        if m.lock.is_locked()
+            || geo.slice_id(GuestOffset(start)) != geo.slice_id(GuestOffset(end - 1))
+            || m.st.borrow().inflight.range(first..=last).next().is_some()
+            || !matches!(q.writable_l2(GuestOffset(start)), Ok(Ok(())))
+            || q.allocates_by_region().unwrap_or(true)
+        {
+            return None;
+        }
+        let mut parts = Parts::new();
+        let mut pos = start;
+        while pos < end {
+            let cluster = pos & !(cs - 1);
+            let b = end.min(cluster + cs);
+            let (entry, bitmap) = q.l2_words_now(GuestOffset(cluster))?;
+            let action = action_for(q, entry, bitmap).ok()?;
+            if !matches!(action, Action::Alloc { .. }) {
+                return None;
+            }
+            parts.push(Part {
+                cluster,
+                a: pos,
+                b,
+                action,
+            });
+            pos = b;
+        }
+        let run = q.alloc_clusters_now(last - first + 1).ok()??;
+        {
+            let mut st = m.st.borrow_mut();
+            st.inflight.extend(first..=last);
+            st.stats.writes_planned_now += 1;
+        }
+        let mut allocs = Allocs::new();
+        allocs.push(run);
+        Some((parts, allocs))
+    }
+
+    /// The rest of a write [`plan_now`](Self::plan_now) planned: its data, then
+    /// [`finish_chunk`](Self::finish_chunk). Data that is the guest's alone, on consecutive
+    /// host bytes (whole new clusters, or part of one that reads as zeros), is one device
+    /// write awaited in place; anything else (COW data) goes through
+    /// [`write_data`](Self::write_data), boxed so that this task's future stays small.
+    async fn write_planned(
+        self: &Rc<Self>,
+        start: u64,
+        parts: Parts,
+        allocs: Allocs,
+        data: BufSlice<D::Buf>,
+    ) -> Result<()> {
+        let q = top(self)?;
+        let mut alloc_i = 0;
+        let mut one_run = true;
+        let mut host_start = None;
+        let mut next = None;
+        for p in &parts {
+            let (h, a, b) = self.part_range(q, p, &allocs, &mut alloc_i);
+            let host_off = h + (a - p.cluster);
+            one_run &= a == p.a && b == p.b && next.is_none_or(|n| n == host_off);
+            host_start.get_or_insert(host_off);
+            next = Some(host_off + (b - a));
+        }
+        let res = match host_start {
+            Some(h) if one_run => self.exec().write(q.dev(), h, data).await,
+            _ => Box::pin(self.write_data(q, start, &parts, &allocs, Some(data))).await,
+        };
+        self.finish_chunk(q, &parts, &allocs, res).await
+    }
+
     /// Decides the action for each guest cluster of `[start, end)` and allocates what is
     /// needed (refcounts and L2 tables, in the dirty metadata). Returns the parts and, per
     /// allocated run, (first host cluster, count, fresh). Caller holds the lock.
     async fn plan(&self, q: &Qcow2<D>, start: u64, end: u64) -> Result<(Parts, Allocs)> {
         let geo = q.geometry();
         let cs = geo.cluster_size();
-        let ctx = q.ctx.get();
         let mut parts = Parts::new();
         let mut pos = start;
         while pos < end {
             let cluster = pos & !(cs - 1);
             let b = end.min(cluster + cs);
             let (entry, bitmap) = q.l2_words(GuestOffset(cluster)).await?;
-            let e = L2Entry(entry);
-            let action = if geo.extended_l2 {
-                if e.is_compressed() {
-                    return Err(corrupt(
-                        Field::L2Entry,
-                        entry,
-                        "compressed cluster in an image with extended L2",
-                    ));
-                }
-                // Validate (reserved bits, bitmap consistency) through the mapping decoder.
-                e.subcluster_mapping(SubclusterBitmap(bitmap), 0, &ctx)?;
-                let host = entry & 0x00ff_ffff_ffff_fe00;
-                if host != 0 && e.is_copied() {
-                    Action::SubclusterInPlace {
-                        host,
-                        entry,
-                        bitmap,
-                    }
-                } else {
-                    let old = if host != 0 {
-                        ClusterMapping::Data {
-                            host: crate::types::HostOffset(host),
-                            copied: false,
-                        }
-                    } else {
-                        ClusterMapping::Unallocated { host: None }
-                    };
-                    Action::Alloc { bitmap, old }
-                }
-            } else {
-                match e.mapping(&ctx)? {
-                    ClusterMapping::Data { host, copied: true } => Action::InPlace { host: host.0 },
-                    ClusterMapping::Zero { host: Some(h) } if e.is_copied() => {
-                        Action::Rewrite { host: h.0, entry }
-                    }
-                    old => Action::Alloc { bitmap, old },
-                }
-            };
+            let action = action_for(q, entry, bitmap)?;
             parts.push(Part {
                 cluster,
                 a: pos,
@@ -706,6 +859,42 @@ impl<D: BlockDevice> Chain<D> {
         }
     }
 
+    /// Where part `p` of a plan writes: (host offset of its cluster, guest range written,
+    /// which is `[p.a, p.b)` or more when it needs COW data around the guest's). `alloc_i`
+    /// counts the allocating parts seen so far (their host clusters are in `allocs`).
+    fn part_range(
+        &self,
+        q: &Qcow2<D>,
+        p: &Part,
+        allocs: &[(u64, u64, bool)],
+        alloc_i: &mut u64,
+    ) -> (u64, u64, u64) {
+        let geo = q.geometry();
+        let cs = geo.cluster_size();
+        let sc = geo.subcluster_size();
+        match p.action {
+            Action::InPlace { host } => (host, p.a, p.b),
+            Action::Rewrite { host, .. } => (host, p.cluster, p.cluster + cs),
+            Action::SubclusterInPlace { host, .. } => (host, p.a / sc * sc, p.b.div_ceil(sc) * sc),
+            Action::Alloc { old, .. } => {
+                let (h, fresh) = Self::alloc_host(q, allocs, *alloc_i);
+                *alloc_i += 1;
+                if geo.extended_l2 {
+                    if matches!(old, ClusterMapping::Data { .. }) {
+                        // A shared cluster: copy all of it.
+                        (h, p.cluster, p.cluster + cs)
+                    } else {
+                        (h, p.a / sc * sc, p.b.div_ceil(sc) * sc)
+                    }
+                } else if fresh && self.reads_zero(&old, p.cluster) {
+                    (h, p.a, p.b)
+                } else {
+                    (h, p.cluster, p.cluster + cs)
+                }
+            }
+        }
+    }
+
     /// Issues the data writes of a plan: one device write per part (head and tail COW
     /// merged in), and one per run of consecutive new clusters written straight from the
     /// guest buffer when no COW data is needed.
@@ -717,9 +906,6 @@ impl<D: BlockDevice> Chain<D> {
         allocs: &[(u64, u64, bool)],
         data: Option<BufSlice<D::Buf>>,
     ) -> Result<()> {
-        let geo = q.geometry();
-        let cs = geo.cluster_size();
-        let sc = geo.subcluster_size();
         let mut futs = Vec::new();
         // Pending direct run: (host start, guest start, len).
         let mut run: Option<(u64, u64, u64)> = None;
@@ -740,31 +926,7 @@ impl<D: BlockDevice> Chain<D> {
             }
         };
         for p in parts {
-            // Host byte range to write and whether it needs a bounce buffer with COW data.
-            let (host, fresh, w_start, w_end) = match p.action {
-                Action::InPlace { host } => (host, false, p.a, p.b),
-                Action::Rewrite { host, .. } => (host, false, p.cluster, p.cluster + cs),
-                Action::SubclusterInPlace { host, .. } => {
-                    (host, false, p.a / sc * sc, p.b.div_ceil(sc) * sc)
-                }
-                Action::Alloc { old, .. } => {
-                    let (h, fresh) = Self::alloc_host(q, allocs, alloc_i);
-                    alloc_i += 1;
-                    if geo.extended_l2 {
-                        if matches!(old, ClusterMapping::Data { .. }) {
-                            // A shared cluster: copy all of it.
-                            (h, fresh, p.cluster, p.cluster + cs)
-                        } else {
-                            (h, fresh, p.a / sc * sc, p.b.div_ceil(sc) * sc)
-                        }
-                    } else if fresh && self.reads_zero(&old, p.cluster) {
-                        (h, fresh, p.a, p.b)
-                    } else {
-                        (h, fresh, p.cluster, p.cluster + cs)
-                    }
-                }
-            };
-            let _ = fresh;
+            let (host, w_start, w_end) = self.part_range(q, p, allocs, &mut alloc_i);
             let host_off = host + (w_start - p.cluster);
             let len = w_end - w_start;
             if w_start == p.a && w_end == p.b {

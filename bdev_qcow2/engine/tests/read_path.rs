@@ -1156,3 +1156,112 @@ fn a_failed_background_writeback_waits_and_leaves_the_metadata_for_the_flush() {
     assert!(owner_stats(&chain).l2_slices_written >= 1);
     check_and_compare(dir.path(), &dev, &raw);
 }
+
+/// First writes are planned on the spot, without a planning task, when their metadata is
+/// in memory (`writes_planned_now`): whole new clusters, two-cluster writes (one run of
+/// host clusters), and sector writes into clusters that read as zeros (a backing file
+/// shows through elsewhere: the COW data comes from it). Many are in flight at once, some
+/// on the same clusters (they wait for the allocation in flight, then overwrite in place);
+/// the image qemu-img checks clean holds exactly what was written.
+#[test]
+fn first_writes_planned_on_the_spot_land_where_qemu_reads_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let (img, mut raw) = make_image(dir.path(), "cluster_size=4096", "8M", &[]);
+    let (exec, dev, chain) = open_writable(img);
+    let inflight = RefCell::new(std::collections::HashMap::new());
+    let tag = std::cell::Cell::new(0u64);
+    let submit = |off: u64, len: usize, byte: u8, raw: &mut Vec<u8>| {
+        let buf = HeapBuf::new(len);
+        buf.copy_in(0, &vec![byte; len]);
+        raw[off as usize..off as usize + len].fill(byte);
+        tag.set(tag.get() + 1);
+        inflight.borrow_mut().insert(tag.get(), (off, len));
+        chain.submit_write(tag.get(), off, BufSlice::whole(buf));
+    };
+    let drain = || {
+        while !inflight.borrow().is_empty() {
+            exec.poll(&mut |tag, r| {
+                let w = inflight
+                    .borrow_mut()
+                    .remove(&tag)
+                    .expect("a request in flight");
+                r.unwrap_or_else(|e| panic!("write {w:?}: {e}"));
+            });
+        }
+    };
+    // The L2 table and the refcount block come first, through the task path.
+    submit(0, 4096, 1, &mut raw);
+    drain();
+    let before = owner_stats(&chain).writes_planned_now;
+    // 33 requests in flight per batch, over the clusters of the first half in a scrambled
+    // order.
+    let order = scrambled(1023);
+    for (i, chunk) in order.chunks(32).enumerate() {
+        for (j, &c) in chunk.iter().enumerate() {
+            let c = c + 1;
+            let byte = ((i * 32 + j) % 250) as u8 + 2;
+            match j % 4 {
+                0 | 1 => submit(c << 12, 4096, byte, &mut raw),
+                // Two clusters, the second perhaps written already (then not planned here).
+                2 if c + 1 < 1024 => submit(c << 12, 8192, byte, &mut raw),
+                // A sector in the middle: the rest of the new cluster reads as zeros.
+                _ => submit((c << 12) + 1024, 512, byte, &mut raw),
+            }
+        }
+        // The same cluster twice in one batch: the second waits for the first's commit.
+        submit((chunk[0] + 1) << 12, 4096, 0xee, &mut raw);
+        drain();
+    }
+    let planned = owner_stats(&chain).writes_planned_now - before;
+    assert!(
+        planned >= 512,
+        "most first writes are planned on the spot: {planned}"
+    );
+    wait_for(&exec, |t| chain.submit_flush(t)).unwrap();
+    check_and_compare(dir.path(), &dev, &raw);
+}
+
+/// A first write that comes while a flush writes metadata back (holding the metadata lock,
+/// on a slow device) is not planned on the spot, although its slice and refcount block are
+/// in memory (lazy refcounts keep the blocks there): it waits for the lock in a task, and
+/// lands where qemu-img reads it.
+#[test]
+fn a_first_write_during_a_writeback_waits_for_the_metadata_lock() {
+    let dir = tempfile::tempdir().unwrap();
+    let (img, mut raw) = make_image(dir.path(), "cluster_size=4096,lazy_refcounts=on", "8M", &[]);
+    let (exec, dev, chain) = open_writable(img);
+    let write = |c: u64, byte: u8, raw: &mut Vec<u8>| {
+        let buf = HeapBuf::new(4096);
+        buf.copy_in(0, &[byte; 4096]);
+        raw[(c << 12) as usize..((c + 1) << 12) as usize].fill(byte);
+        chain.submit_write(c, c << 12, BufSlice::whole(buf));
+    };
+    let drain = |n: usize| {
+        let mut left = n;
+        while left > 0 {
+            exec.poll(&mut |c, r| {
+                r.unwrap_or_else(|e| panic!("request {c}: {e}"));
+                left -= 1;
+            });
+        }
+    };
+    // Two L2 tables, clean; then a change in the first for the flush to write back.
+    write(0, 0x10, &mut raw);
+    write(600, 0x11, &mut raw);
+    drain(2);
+    wait_for(&exec, |t| chain.submit_flush(t)).unwrap();
+    write(1, 0x12, &mut raw);
+    drain(1);
+    let before = owner_stats(&chain).writes_planned_now;
+    assert!(before >= 1, "the last write was planned on the spot");
+    dev.0.borrow_mut().latency_polls = 4;
+    chain.submit_flush(9999);
+    exec.poll(&mut |_, _| panic!("the flush is still writing"));
+    // A new cluster of the other table (cached, clean).
+    write(601, 0x13, &mut raw);
+    assert_eq!(owner_stats(&chain).writes_planned_now, before);
+    drain(2);
+    let c2 = chain.clone();
+    exec.block_on(async move { c2.close().await }).unwrap();
+    check_and_compare(dir.path(), &dev, &raw);
+}

@@ -155,6 +155,7 @@ impl Owner {
                 let (p, c) = self.cache_stats();
                 serde_json::json!({
                     "clusters_allocated": s.clusters_allocated,
+                    "writes_planned_now": s.writes_planned_now,
                     "l2_slices_written": s.l2_slices_written,
                     "writebacks": s.writebacks,
                     "l2_cache_hits": c.hits,

@@ -707,6 +707,7 @@ mod real {
             let o = &b["owner"];
             for k in [
                 "clusters_allocated",
+                "writes_planned_now",
                 "l2_slices_written",
                 "writebacks",
                 "l2_cache_hits",
