@@ -377,7 +377,9 @@ impl<D: BlockDevice> Qcow2<D> {
         if m.st.borrow().dirty_l2.contains_key(&key) {
             return Ok(());
         }
-        let Some(w) = self.load_slice(off).await? else {
+        // Boxed: a slice becomes dirty once per write-back, and the write path's
+        // per-request future stays small.
+        let Some(w) = Box::pin(self.load_slice(off)).await? else {
             return Err(corrupt(
                 Field::L1Entry,
                 off.0,

@@ -415,7 +415,14 @@ impl<D: BlockDevice> Chain<D> {
             return WriteExtent::Refused;
         };
         let Some(h) = q.cached_extent(offset, len, true) else {
-            return WriteExtent::Walk;
+            // Inside one cluster the walk would find what the cached look-up found: the
+            // slice not current here, or the cluster not in place.
+            let cs = q.geometry().cluster_size();
+            return if (offset & (cs - 1)) + len <= cs {
+                WriteExtent::Refused
+            } else {
+                WriteExtent::Walk
+            };
         };
         let cs = q.geometry().cluster_size();
         let inflight = q.meta.as_ref().is_some_and(|m| {
@@ -657,7 +664,8 @@ impl<D: BlockDevice> Chain<D> {
             Ok(()) => self.commit(q, parts, allocs).await,
             Err(e) => {
                 for &(c0, n, _) in allocs {
-                    let _ = q.free_unreferenced(c0, n).await;
+                    // Boxed: rare, and the write path's per-request future stays small.
+                    let _ = Box::pin(q.free_unreferenced(c0, n)).await;
                 }
                 Err(e)
             }
