@@ -76,15 +76,15 @@ impl<D: BlockDevice> Chain<D> {
         let c = offset / cs;
         let guard = loop {
             let g = m.lock.lock().await;
-            if !m.st.borrow().inflight.contains(&c) {
-                m.st.borrow_mut().inflight.insert(c);
+            if !m.st.borrow().inflight.contains(c) {
+                m.st.borrow_mut().inflight.mark(c, c);
                 break g;
             }
             drop(g);
             m.inflight_wait.wait().await;
         };
         let unmark = || {
-            m.st.borrow_mut().inflight.remove(&c);
+            m.st.borrow_mut().inflight.unmark(c, c);
             m.inflight_wait.notify_all();
         };
         let planned = async {

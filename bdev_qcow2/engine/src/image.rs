@@ -718,18 +718,31 @@ impl<D: BlockDevice> Qcow2<D> {
     /// entry; see `coherency`.)
     #[inline(always)]
     pub(crate) fn cached_extent(&self, off: u64, len: u64, copied: bool) -> Option<u64> {
+        self.cached_extent_or(off, len, copied).ok()
+    }
+
+    /// [`cached_extent`](Self::cached_extent), saying why not: `Err(true)` when the range
+    /// lies in one cluster of a current slice whose standard entry has no host cluster
+    /// (unallocated, or zero) or, with `copied`, is not COPIED: no in-place plan exists
+    /// there, and the general look-up would find the same; `Err(false)` otherwise.
+    #[inline(always)]
+    pub(crate) fn cached_extent_or(&self, off: u64, len: u64, copied: bool) -> Result<u64, bool> {
         if len == 0 {
-            return None;
+            return Err(false);
         }
         let key = self.geo.slice_id(GuestOffset(off));
         let coverage = self.geo.slice_coverage();
         let within = off & (coverage - 1);
         if within + len > coverage {
-            return None;
+            return Err(false);
         }
         let epoch = self.cur_epoch(key);
-        let mut cache = self.l2_cache.try_borrow_mut().ok()?;
-        let hit = cache.probe(key, epoch)?;
+        let Ok(mut cache) = self.l2_cache.try_borrow_mut() else {
+            return Err(false);
+        };
+        let Some(hit) = cache.probe(key, epoch) else {
+            return Err(false);
+        };
         let way = hit.way;
         let ctx = self.ctx.get();
         let cs = 1u64 << ctx.cluster_bits;
@@ -739,14 +752,14 @@ impl<D: BlockDevice> Qcow2<D> {
                 // Every cluster the range touches ends inside the device (the general path
                 // checks each cluster the same way).
                 if (host + len).next_multiple_of(cs) > ctx.device_size {
-                    return None;
+                    return Err(false);
                 }
                 host
             }
             _ => {
                 let in_cluster = off & (cs - 1);
                 if in_cluster + len > cs {
-                    return None;
+                    return Err(false);
                 }
                 let i = self.geo.index_in_slice(GuestOffset(off)) as usize;
                 let block = cache.block(way);
@@ -754,22 +767,32 @@ impl<D: BlockDevice> Qcow2<D> {
                     // The entry's host offset holds the whole cluster; the subclusters the
                     // range touches must all be allocated data.
                     let sc = self.geo.subcluster_size();
-                    let bitmap = SubclusterBitmap(*block.get(2 * i + 1)?);
-                    if !bitmap.all_data(in_cluster / sc, (in_cluster + len - 1) / sc) {
-                        return None;
+                    let (Some(&e), Some(&bitmap)) = (block.get(2 * i), block.get(2 * i + 1)) else {
+                        return Err(false);
+                    };
+                    if !SubclusterBitmap(bitmap)
+                        .all_data(in_cluster / sc, (in_cluster + len - 1) / sc)
+                    {
+                        return Err(false);
                     }
-                    L2Entry(*block.get(2 * i)?)
+                    L2Entry(e)
                 } else {
-                    L2Entry(*block.get(i)?)
+                    let Some(&e) = block.get(i) else {
+                        return Err(false);
+                    };
+                    L2Entry(e)
                 };
-                match entry.plain_data(ctx.cluster_bits, ctx.device_size)? {
-                    (h, c) if c || !copied => h + in_cluster,
-                    _ => return None,
+                match entry.plain_data(ctx.cluster_bits, ctx.device_size) {
+                    Some((h, c)) if c || !copied => h + in_cluster,
+                    // Not COPIED: the general look-up agrees.
+                    Some(_) => return Err(true),
+                    // No host cluster (standard L2): unallocated or zero, for everyone.
+                    None => return Err(!self.geo.extended_l2 && entry.host_bits() == 0),
                 }
             }
         };
         cache.touch_fresh(hit);
-        Some(host)
+        Ok(host)
     }
 
     /// Where this replica's cached L2 entry for `off` lies in memory, if its slice is cached

@@ -112,7 +112,7 @@ pub(crate) struct MetaState {
     /// Clusters at or past this index were never written since open (they read as zeros).
     pub fresh_from: u64,
     /// Guest clusters with an allocation in flight (writers of the same cluster wait).
-    pub inflight: BTreeSet<u64>,
+    pub inflight: Inflight,
     /// The first sector of the image as on disk; header updates patch it.
     pub sector0: Vec<u8>,
     /// Whether `sector0` must be written.
@@ -150,6 +150,33 @@ pub struct OwnerStats {
     /// Metadata write-back passes (refcounts, flush, L2 slices, L1; on FLUSH, on close
     /// and when the dirty metadata passes its threshold).
     pub writebacks: u64,
+}
+
+/// Guest clusters with an allocation in flight: a handful at a time, looked up by every
+/// write the owner plans (hashed; an empty set answers without hashing).
+#[derive(Debug, Default)]
+pub struct Inflight(HashSet<u64>);
+
+impl Inflight {
+    /// Whether guest cluster `c` has an allocation in flight.
+    #[inline]
+    pub fn contains(&self, c: u64) -> bool {
+        !self.0.is_empty() && self.0.contains(&c)
+    }
+    /// Whether any of guest clusters `first..=last` has one.
+    pub fn any(&self, first: u64, last: u64) -> bool {
+        !self.0.is_empty() && (first..=last).any(|c| self.0.contains(&c))
+    }
+    /// Marks guest clusters `first..=last`.
+    pub fn mark(&mut self, first: u64, last: u64) {
+        self.0.extend(first..=last);
+    }
+    /// Unmarks guest clusters `first..=last`.
+    pub fn unmark(&mut self, first: u64, last: u64) {
+        for c in first..=last {
+            self.0.remove(&c);
+        }
+    }
 }
 
 /// The owner: lock, in-flight waiters and state.
@@ -198,7 +225,7 @@ impl<D: BlockDevice> Meta<D> {
                 region_top: 0,
                 rt_grows: 0,
                 fresh_from: end,
-                inflight: BTreeSet::new(),
+                inflight: Inflight::default(),
                 sector0,
                 header_dirty: false,
                 dirty_bit_on_disk: false,

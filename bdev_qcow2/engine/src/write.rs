@@ -189,11 +189,9 @@ impl<D: BlockDevice> Chain<D> {
         }
         let chain = self.clone();
         if let Ok(q) = top(self) {
-            if let Some((parts, allocs)) = self.plan_now(q, offset, offset + buf.len as u64) {
-                self.exec().spawn(async move {
-                    let r = chain.write_planned(offset, parts, allocs, buf).await;
-                    chain.exec().complete_entered(tag, r, parity);
-                });
+            if let Some(planned) = self.plan_now(q, offset, offset + buf.len as u64) {
+                let fut = chain.planned_task(tag, parity, offset, planned, buf);
+                self.exec().spawn(fut);
                 return;
             }
         }
@@ -414,20 +412,16 @@ impl<D: BlockDevice> Chain<D> {
         let Some(core) = self.fast_write_side(q) else {
             return WriteExtent::Refused;
         };
-        let Some(h) = q.cached_extent(offset, len, true) else {
-            // Inside one cluster the walk would find what the cached look-up found: the
-            // slice not current here, or the cluster not in place.
-            let cs = q.geometry().cluster_size();
-            return if (offset & (cs - 1)) + len <= cs {
-                WriteExtent::Refused
-            } else {
-                WriteExtent::Walk
-            };
+        let h = match q.cached_extent_or(offset, len, true) {
+            Ok(h) => h,
+            // One cluster with no host cluster, or not COPIED: the walk would find the same.
+            Err(true) => return WriteExtent::Refused,
+            Err(false) => return WriteExtent::Walk,
         };
         let cs = q.geometry().cluster_size();
         let inflight = q.meta.as_ref().is_some_and(|m| {
             let st = m.st.borrow();
-            (offset / cs..=(offset + len - 1) / cs).any(|c| st.inflight.contains(&c))
+            st.inflight.any(offset / cs, (offset + len - 1) / cs)
         });
         if inflight || overlaps_meta(q, core, h, len) {
             return WriteExtent::Refused;
@@ -498,10 +492,7 @@ impl<D: BlockDevice> Chain<D> {
         let mut pos = offset;
         let st = m.map(|m| m.st.borrow());
         while pos < end {
-            if st
-                .as_ref()
-                .is_some_and(|st| st.inflight.contains(&(pos / cs)))
-            {
+            if st.as_ref().is_some_and(|st| st.inflight.contains(pos / cs)) {
                 return None;
             }
             // A hit is counted (and the slice touched) only for an entry the write can use.
@@ -596,9 +587,9 @@ impl<D: BlockDevice> Chain<D> {
         let m = q.meta()?;
         loop {
             let g = m.lock.lock().await;
-            let busy = m.st.borrow().inflight.range(first..=last).next().is_some();
+            let busy = m.st.borrow().inflight.any(first, last);
             if !busy {
-                m.st.borrow_mut().inflight.extend(first..=last);
+                m.st.borrow_mut().inflight.mark(first, last);
                 return Ok(g);
             }
             drop(g);
@@ -608,11 +599,7 @@ impl<D: BlockDevice> Chain<D> {
 
     fn unmark_clusters(&self, q: &Qcow2<D>, first: u64, last: u64) {
         if let Ok(m) = q.meta() {
-            let mut st = m.st.borrow_mut();
-            for c in first..=last {
-                st.inflight.remove(&c);
-            }
-            drop(st);
+            m.st.borrow_mut().inflight.unmark(first, last);
             m.inflight_wait.notify_all();
         }
     }
@@ -698,7 +685,7 @@ impl<D: BlockDevice> Chain<D> {
         let (first, last) = (start / cs, (end - 1) / cs);
         if m.lock.is_locked()
             || geo.slice_id(GuestOffset(start)) != geo.slice_id(GuestOffset(end - 1))
-            || m.st.borrow().inflight.range(first..=last).next().is_some()
+            || m.st.borrow().inflight.any(first, last)
             || !matches!(q.writable_l2(GuestOffset(start)), Ok(Ok(())))
             || q.allocates_by_region().unwrap_or(true)
         {
@@ -725,7 +712,7 @@ impl<D: BlockDevice> Chain<D> {
         let run = q.alloc_clusters_now(last - first + 1).ok()??;
         {
             let mut st = m.st.borrow_mut();
-            st.inflight.extend(first..=last);
+            st.inflight.mark(first, last);
             st.stats.writes_planned_now += 1;
         }
         let mut allocs = Allocs::new();
@@ -733,35 +720,43 @@ impl<D: BlockDevice> Chain<D> {
         Some((parts, allocs))
     }
 
-    /// The rest of a write [`plan_now`](Self::plan_now) planned: its data, then
-    /// [`finish_chunk`](Self::finish_chunk). Data that is the guest's alone, on consecutive
-    /// host bytes (whole new clusters, or part of one that reads as zeros), is one device
-    /// write awaited in place; anything else (COW data) goes through
-    /// [`write_data`](Self::write_data), boxed so that this task's future stays small.
-    async fn write_planned(
-        self: &Rc<Self>,
+    /// The task of a guest write [`plan_now`](Self::plan_now) planned (`tag`, entered with
+    /// `parity`): its data, then [`finish_chunk`](Self::finish_chunk), then completion.
+    /// Data that is the guest's alone, on consecutive host bytes (whole new clusters, or
+    /// part of one that reads as zeros), is one device write awaited in place; anything
+    /// else (COW data) goes through [`write_data`](Self::write_data), boxed. One async fn
+    /// with nothing nested but the I/O and the commit, so that the task's future stays
+    /// small (within the allocator's per-thread cache: ~1 KiB).
+    async fn planned_task(
+        self: Rc<Self>,
+        tag: u64,
+        parity: u8,
         start: u64,
-        parts: Parts,
-        allocs: Allocs,
+        (parts, allocs): (Parts, Allocs),
         data: BufSlice<D::Buf>,
-    ) -> Result<()> {
-        let q = top(self)?;
-        let mut alloc_i = 0;
-        let mut one_run = true;
-        let mut host_start = None;
-        let mut next = None;
-        for p in &parts {
-            let (h, a, b) = self.part_range(q, p, &allocs, &mut alloc_i);
-            let host_off = h + (a - p.cluster);
-            one_run &= a == p.a && b == p.b && next.is_none_or(|n| n == host_off);
-            host_start.get_or_insert(host_off);
-            next = Some(host_off + (b - a));
-        }
-        let res = match host_start {
-            Some(h) if one_run => self.exec().write(q.dev(), h, data).await,
-            _ => Box::pin(self.write_data(q, start, &parts, &allocs, Some(data))).await,
+    ) {
+        let r = match top(&self) {
+            Ok(q) => {
+                let mut alloc_i = 0;
+                let mut one_run = true;
+                let mut host_start = None;
+                let mut next = None;
+                for p in &parts {
+                    let (h, a, b) = self.part_range(q, p, &allocs, &mut alloc_i);
+                    let host_off = h + (a - p.cluster);
+                    one_run &= a == p.a && b == p.b && next.is_none_or(|n| n == host_off);
+                    host_start.get_or_insert(host_off);
+                    next = Some(host_off + (b - a));
+                }
+                let res = match host_start {
+                    Some(h) if one_run => self.exec().write(q.dev(), h, data).await,
+                    _ => Box::pin(self.write_data(q, start, &parts, &allocs, Some(data))).await,
+                };
+                self.finish_chunk(q, &parts, &allocs, res).await
+            }
+            Err(e) => Err(e),
         };
-        self.finish_chunk(q, &parts, &allocs, res).await
+        self.exec().complete_entered(tag, r, parity);
     }
 
     /// Decides the action for each guest cluster of `[start, end)` and allocates what is
@@ -1001,67 +996,85 @@ impl<D: BlockDevice> Chain<D> {
         crate::exec::join_all(futs).await
     }
 
-    /// Records a finished plan in the dirty metadata. Caller holds the lock.
+    /// Records a finished plan in the dirty metadata. Caller holds the lock. The parts
+    /// lie in one L2 slice (a chunk): it is made dirty once, if anything changes.
     async fn commit(
         &self,
         q: &Qcow2<D>,
         parts: &[Part],
         allocs: &[(u64, u64, bool)],
     ) -> Result<()> {
-        let geo = q.geometry();
-        let cs = geo.cluster_size();
-        let sc = geo.subcluster_size();
+        let mut alloc_i = 0;
+        let changes = parts
+            .iter()
+            .any(|p| Self::new_words(q, p, allocs, &mut alloc_i).is_some());
+        if let (true, Some(p)) = (changes, parts.first()) {
+            q.dirty_slice_for(GuestOffset(p.cluster)).await?;
+        }
         let mut alloc_i = 0;
         for p in parts {
-            let touched = || -> u32 {
-                let s0 = (p.a - p.cluster) / sc;
-                let s1 = (p.b - p.cluster).div_ceil(sc);
-                (s0..s1).fold(0u32, |m, s| m | (1 << s))
+            let Some((entry, bitmap)) = Self::new_words(q, p, allocs, &mut alloc_i) else {
+                continue;
             };
-            match p.action {
-                Action::InPlace { .. } => {}
-                Action::Rewrite { host, entry } => {
-                    q.dirty_slice_for(GuestOffset(p.cluster)).await?;
-                    q.set_l2_words(GuestOffset(p.cluster), (entry & !ZERO) | COPIED | host, 0)?;
-                }
-                Action::SubclusterInPlace { entry, bitmap, .. } => {
-                    let t = touched();
-                    let nb = SubclusterBitmap::new(bitmap as u32 | t, (bitmap >> 32) as u32 & !t).0;
-                    if nb != bitmap {
-                        q.dirty_slice_for(GuestOffset(p.cluster)).await?;
-                        q.set_l2_words(GuestOffset(p.cluster), entry, nb)?;
+            q.set_l2_words(GuestOffset(p.cluster), entry, bitmap)?;
+            if let Action::Alloc { old, .. } = p.action {
+                let cs = q.geometry().cluster_size();
+                match old {
+                    ClusterMapping::Data { host, .. } => q.free_later(host.0, cs)?,
+                    ClusterMapping::Zero { host: Some(h) } => q.free_later(h.0, cs)?,
+                    ClusterMapping::Compressed(d) => {
+                        let start = d.offset.0 & !511;
+                        q.free_later(start, (d.offset.0 + d.len).div_ceil(512) * 512 - start)?;
                     }
-                }
-                Action::Alloc { bitmap, old, .. } => {
-                    let (h, _) = Self::alloc_host(q, allocs, alloc_i);
-                    alloc_i += 1;
-                    q.dirty_slice_for(GuestOffset(p.cluster)).await?;
-                    let nb = if geo.extended_l2 {
-                        // A copied shared cluster keeps its allocated subclusters.
-                        let old_alloc = if matches!(old, ClusterMapping::Data { .. }) {
-                            bitmap as u32
-                        } else {
-                            0
-                        };
-                        let t = touched();
-                        SubclusterBitmap::new(old_alloc | t, (bitmap >> 32) as u32 & !t).0
-                    } else {
-                        0
-                    };
-                    q.set_l2_words(GuestOffset(p.cluster), h | COPIED, nb)?;
-                    match old {
-                        ClusterMapping::Data { host, .. } => q.free_later(host.0, cs)?,
-                        ClusterMapping::Zero { host: Some(h) } => q.free_later(h.0, cs)?,
-                        ClusterMapping::Compressed(d) => {
-                            let start = d.offset.0 & !511;
-                            q.free_later(start, (d.offset.0 + d.len).div_ceil(512) * 512 - start)?;
-                        }
-                        _ => {}
-                    }
+                    _ => {}
                 }
             }
         }
         Ok(())
+    }
+
+    /// The L2 words (entry, bitmap) part `p` of a finished plan leaves, `None` when they
+    /// stay as they are. `alloc_i` counts the allocating parts seen so far (their host
+    /// clusters are in `allocs`).
+    fn new_words(
+        q: &Qcow2<D>,
+        p: &Part,
+        allocs: &[(u64, u64, bool)],
+        alloc_i: &mut u64,
+    ) -> Option<(u64, u64)> {
+        let geo = q.geometry();
+        let sc = geo.subcluster_size();
+        let touched = || -> u32 {
+            let s0 = (p.a - p.cluster) / sc;
+            let s1 = (p.b - p.cluster).div_ceil(sc);
+            (s0..s1).fold(0u32, |m, s| m | (1 << s))
+        };
+        match p.action {
+            Action::InPlace { .. } => None,
+            Action::Rewrite { host, entry } => Some(((entry & !ZERO) | COPIED | host, 0)),
+            Action::SubclusterInPlace { entry, bitmap, .. } => {
+                let t = touched();
+                let nb = SubclusterBitmap::new(bitmap as u32 | t, (bitmap >> 32) as u32 & !t).0;
+                (nb != bitmap).then_some((entry, nb))
+            }
+            Action::Alloc { bitmap, old } => {
+                let (h, _) = Self::alloc_host(q, allocs, *alloc_i);
+                *alloc_i += 1;
+                let nb = if geo.extended_l2 {
+                    // A copied shared cluster keeps its allocated subclusters.
+                    let old_alloc = if matches!(old, ClusterMapping::Data { .. }) {
+                        bitmap as u32
+                    } else {
+                        0
+                    };
+                    let t = touched();
+                    SubclusterBitmap::new(old_alloc | t, (bitmap >> 32) as u32 & !t).0
+                } else {
+                    0
+                };
+                Some((h | COPIED, nb))
+            }
+        }
     }
 
     /// Writes zeros over `[offset, offset+len)`: whole clusters (or subclusters) through

@@ -180,6 +180,10 @@ impl ClusterMapping {
 }
 
 impl L2Entry {
+    /// The host offset bits of a standard entry, unvalidated (0: no host cluster).
+    pub fn host_bits(&self) -> u64 {
+        self.0 & OFFSET_MASK
+    }
     /// Whether this is a compressed descriptor.
     pub fn is_compressed(&self) -> bool {
         self.0 & COMPRESSED != 0
