@@ -890,6 +890,17 @@ impl<D: BlockDevice> Qcow2<D> {
         self.reclaim_graced();
         let limit = self.alloc_limit();
         let hint = m.st.borrow().alloc_hint.max(1);
+        if n == 1 {
+            // One cluster (the common first write): check and take in one look-up.
+            for c in hint..(hint + NOW_SCAN).min(limit) {
+                match self.take_if_free_now(c)? {
+                    Some(true) => return self.allocated(c, 1).map(Some),
+                    Some(false) => {}
+                    None => return Ok(None),
+                }
+            }
+            return Ok(None);
+        }
         let mut start = hint;
         loop {
             if start >= hint + NOW_SCAN || start + n > limit {
@@ -1265,18 +1276,59 @@ impl<D: BlockDevice> Qcow2<D> {
         Ok(self.with_rc_block(block, |b| get_refcount(b, order, idx)) == 0)
     }
 
+    /// Takes host cluster `c` (refcount 0 → 1) if it is free, from memory: `Some(true)`
+    /// taken, `Some(false)` not free, `None` (nothing changed) when the answer needs its
+    /// refcount block loaded or created. As [`cluster_is_free_now`](Self::cluster_is_free_now)
+    /// then [`update_loaded_refcount`](Self::update_loaded_refcount), with one look-up of a
+    /// dirty block.
+    fn take_if_free_now(&self, c: u64) -> Result<Option<bool>> {
+        let m = self.meta()?;
+        if self.excluded_from_alloc(c) {
+            return Ok(Some(false));
+        }
+        let Some((block, idx)) = self.rc_locate(c)? else {
+            return Ok(None);
+        };
+        let order = self.header.borrow().header.refcount_order;
+        if let Some(b) = m.st.borrow_mut().dirty_rc.get_mut(&block) {
+            if get_refcount(b, order, idx) != 0 {
+                return Ok(Some(false));
+            }
+            set_refcount(b, order, idx, 1)?;
+            return Ok(Some(true));
+        }
+        let free = {
+            let mut cache = self.rc_cache.borrow_mut();
+            let Some(w) = cache.lookup(block, 0) else {
+                return Ok(None);
+            };
+            get_refcount(cache.block(w), order, idx) == 0
+        };
+        if !free {
+            return Ok(Some(false));
+        }
+        self.update_loaded_refcount(block, idx, c, 1)?;
+        Ok(Some(true))
+    }
+
+    /// Whether host cluster `c` is out of the allocator's reach whatever its refcount says:
+    /// freed but not stable yet, in a grace period, or metadata.
+    fn excluded_from_alloc(&self, c: u64) -> bool {
+        if let Ok(m) = self.meta() {
+            let st = m.st.borrow();
+            let held = |set: &HashSet<u64>| !set.is_empty() && set.contains(&c);
+            if held(&st.unstable_frees) || held(&st.graced_set) {
+                return true;
+            }
+        }
+        self.overlaps_metadata(c << self.cluster_bits(), self.geo.cluster_size())
+    }
+
     /// [`cluster_is_free`](Self::cluster_is_free) from memory: `None` when the answer
     /// needs its refcount block loaded or created.
     fn cluster_is_free_now(&self, c: u64) -> Result<Option<bool>> {
         let m = self.meta()?;
-        {
-            let st = m.st.borrow();
-            let held = |set: &HashSet<u64>| !set.is_empty() && set.contains(&c);
-            if held(&st.unstable_frees) || held(&st.graced_set) {
-                return Ok(Some(false));
-            }
-        }
-        if self.overlaps_metadata(c << self.cluster_bits(), self.geo.cluster_size()) {
+        if self.excluded_from_alloc(c) {
             return Ok(Some(false));
         }
         let Some((block, idx)) = self.rc_locate(c)? else {
