@@ -598,11 +598,10 @@ impl<D: BlockDevice> Qcow2<D> {
                 sh.set_meta_cluster(start);
             }
         }
-        {
-            let mut cache = self.l2_cache.borrow_mut();
-            for s in 0..self.geo.slices_per_l2() {
-                cache.invalidate(first_slice + s);
-            }
+        // The owner's cache holds the new table's slices too (what it held of the old one
+        // is replaced): its look-ups (the direct path's among them) find them at once.
+        for (s, chunk) in content.chunks(slice_words).enumerate() {
+            self.cache_slice(first_slice + s as u64, 0, |b| b.copy_from_slice(chunk));
         }
         let entry = L1Entry::new(crate::types::HostOffset(new), true);
         self.l1.borrow_mut()[idx as usize] = entry;

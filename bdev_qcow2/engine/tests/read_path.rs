@@ -1189,9 +1189,11 @@ fn first_writes_planned_on_the_spot_land_where_qemu_reads_them() {
             });
         }
     };
-    // The L2 table and the refcount block come first, through the task path.
+    // The L2 table and the refcount block come first, through the task path; the new
+    // table's slice is then in the owner's cache: an overwrite maps directly.
     submit(0, 4096, 1, &mut raw);
     drain();
+    assert!(direct_host(&exec, &chain, 0, 4096, true).is_some());
     let before = owner_stats(&chain).writes_planned_now;
     // 33 requests in flight per batch, over the clusters of the first half in a scrambled
     // order.
