@@ -12,7 +12,7 @@
 #   SKIP_2CORE=1 tests/spdk_bench.sh          # without the two-core (-m 0x3 -C) figures
 #   SKIP_WRITABLE=1 tests/spdk_bench.sh       # without the writable-vs-passthru figures
 #   FIRST_LAT="20 80" tests/spdk_bench.sh     # delay-bdev latencies (µs) for first writes
-#   ROUNDS=3 tests/spdk_bench.sh              # processes to average, fresh vs full (2)
+#   ROUNDS=5 tests/spdk_bench.sh              # processes to average, fresh vs full (3)
 #   PAIRS=20 PAIR_SECS=2 tests/spdk_bench.sh  # interleaved qcow2/passthru runs per figure
 #
 # Needs an installed SPDK (bdevperf on PATH, pkg-config spdk_bdev) and qemu-img; prints
@@ -149,21 +149,24 @@ ratio() { awk -v a="$1" -v b="$2" 'BEGIN {printf "%.3f", a / b}'; }
 
 MALLOC=1280 # MiB
 if [ -z "${SKIP_WRITABLE:-}" ]; then
-# 1. First writes vs overwrites: 4 KiB clusters (so a 1 s run mostly writes clusters for the
-#    first time), 1 GiB image; fresh, then filled sequentially, then the same run again;
-#    ROUNDS processes, means.
-fresh=0 full=0
-for _ in $(seq "${ROUNDS:-2}"); do
-  zbench_start q0 "{\"method\":\"bdev_malloc_create\",\"params\":{\"name\":\"m0\",\"num_blocks\":$((MALLOC * 2048)),\"block_size\":512}},
-{\"method\":\"bdev_qcow2_format\",\"params\":{\"base_bdev\":\"m0\",\"size\":1073741824,\"cluster_size\":4096}},
+# 1. First writes vs overwrites, 1 GiB image: fresh, then filled sequentially, then the same
+#    run again; ROUNDS (3) processes, means. With 4 KiB clusters every write of a 1 s run
+#    that lands on a new cluster allocates one (about half of them); with 64 KiB clusters
+#    (the default) the first ~16 k writes allocate and zero the rest of their cluster.
+for cs in 4096 65536; do
+  fresh=0 full=0
+  for _ in $(seq "${ROUNDS:-3}"); do
+    zbench_start q0 "{\"method\":\"bdev_malloc_create\",\"params\":{\"name\":\"m0\",\"num_blocks\":$((MALLOC * 2048)),\"block_size\":512}},
+{\"method\":\"bdev_qcow2_format\",\"params\":{\"base_bdev\":\"m0\",\"size\":1073741824,\"cluster_size\":$cs}},
 {\"method\":\"bdev_qcow2_create\",\"params\":{\"name\":\"q0\",\"base_bdev\":\"m0\"}}"
-  fresh=$((fresh + $(zrun randwrite 4096 1)))
-  zrun write 1048576 4 8 >/dev/null
-  full=$((full + $(zrun randwrite 4096 1)))
-  zbench_stop
+    fresh=$((fresh + $(zrun randwrite 4096 1)))
+    zrun write 1048576 4 8 >/dev/null
+    full=$((full + $(zrun randwrite 4096 1)))
+    zbench_stop
+  done
+  fresh=$((fresh / ${ROUNDS:-3})) full=$((full / ${ROUNDS:-3}))
+  echo "malloc, qcow2 $((cs / 1024))K clusters, 1 GiB: randwrite 4096 B QD32 1 s: fresh image $fresh IOPS, fully allocated $full IOPS, ratio $(ratio "$fresh" "$full")"
 done
-fresh=$((fresh / ${ROUNDS:-2})) full=$((full / ${ROUNDS:-2}))
-echo "malloc, qcow2 4K clusters, 1 GiB: randwrite 4096 B QD32 1 s: fresh image $fresh IOPS, fully allocated $full IOPS, ratio $(ratio "$fresh" "$full")"
 fi
 
 # 2. Writable qcow2 (64 KiB clusters, 512 MiB, fully allocated) vs passthru on the same
