@@ -936,10 +936,21 @@ impl<D: BlockDevice> Qcow2<D> {
         self.allocated(start, n).map(Some)
     }
 
-    /// The bookkeeping of clusters `start..start + count` just taken: allocation hint,
-    /// counters, freshness, device size. Returns what the allocators return.
+    /// The bookkeeping of clusters `start..start + count` just taken: device size first
+    /// (a device that cannot hold them fails the allocation, and their refcounts go back
+    /// to 0: nothing is taken), then allocation hint, counters, freshness. Returns what
+    /// the allocators return.
     fn allocated(&self, start: u64, count: u64) -> Result<(u64, u64, bool)> {
         let m = self.meta()?;
+        if let Err(e) = self.note_allocated(start + count) {
+            for c in start..start + count {
+                // Their blocks are dirty (just taken from them).
+                if let Ok(Some((block, idx))) = self.rc_locate(c) {
+                    self.update_loaded_refcount(block, idx, c, -1)?;
+                }
+            }
+            return Err(e);
+        }
         let fresh = {
             let mut st = m.st.borrow_mut();
             st.alloc_hint = start + count;
@@ -950,7 +961,6 @@ impl<D: BlockDevice> Qcow2<D> {
             }
             fresh
         };
-        self.note_allocated(start + count)?;
         Ok((start, count, fresh))
     }
 

@@ -189,10 +189,13 @@ impl<D: BlockDevice> Chain<D> {
         }
         let chain = self.clone();
         if let Ok(q) = top(self) {
-            if let Some(planned) = self.plan_now(q, offset, offset + buf.len as u64) {
-                let fut = chain.planned_task(tag, parity, offset, planned, buf);
-                self.exec().spawn(fut);
-                return;
+            match self.plan_now(q, offset, offset + buf.len as u64) {
+                Ok(Some(planned)) => {
+                    let fut = chain.planned_task(tag, parity, offset, planned, buf);
+                    return self.exec().spawn(fut);
+                }
+                Ok(None) => {}
+                Err(e) => return self.exec().complete_entered(tag, Err(e), parity),
             }
         }
         self.exec().spawn(async move {
@@ -672,14 +675,18 @@ impl<D: BlockDevice> Chain<D> {
     /// flight on its clusters, its L2 table writable, its slice dirty or cached, every
     /// cluster to be allocated (one run of host clusters, found without I/O). Then, as
     /// [`lock_clusters`](Self::lock_clusters) and `plan` would, marks the clusters in
-    /// flight, takes the new clusters and returns the plan; else `None`, having changed
-    /// nothing (the task runs the write as usual, and reports any corruption).
+    /// flight, takes the new clusters and returns the plan; else `Ok(None)`, having changed
+    /// nothing (the task runs the write as usual, and reports any corruption). An error is
+    /// the allocation's (the device cannot hold the new cluster): the write fails with it,
+    /// as it would in the task.
     ///
     /// Nothing awaits between the checks and the changes, so holding the lock would change
     /// nothing; skipping the task's lock, planning futures and slice look-ups is the point:
     /// a first write into a fresh image then costs little more than an overwrite.
-    fn plan_now(&self, q: &Qcow2<D>, start: u64, end: u64) -> Option<(Parts, Allocs)> {
-        let m = q.meta.as_ref()?;
+    fn plan_now(&self, q: &Qcow2<D>, start: u64, end: u64) -> Result<Option<(Parts, Allocs)>> {
+        let Some(m) = q.meta.as_ref() else {
+            return Ok(None);
+        };
         let geo = q.geometry();
         let cs = geo.cluster_size();
         let (first, last) = (start / cs, (end - 1) / cs);
@@ -689,18 +696,19 @@ impl<D: BlockDevice> Chain<D> {
             || !matches!(q.writable_l2(GuestOffset(start)), Ok(Ok(())))
             || q.allocates_by_region().unwrap_or(true)
         {
-            return None;
+            return Ok(None);
         }
         let mut parts = Parts::new();
         let mut pos = start;
         while pos < end {
             let cluster = pos & !(cs - 1);
             let b = end.min(cluster + cs);
-            let (entry, bitmap) = q.l2_words_now(GuestOffset(cluster))?;
-            let action = action_for(q, entry, bitmap).ok()?;
-            if !matches!(action, Action::Alloc { .. }) {
-                return None;
-            }
+            let Some((entry, bitmap)) = q.l2_words_now(GuestOffset(cluster)) else {
+                return Ok(None);
+            };
+            let Ok(action @ Action::Alloc { .. }) = action_for(q, entry, bitmap) else {
+                return Ok(None);
+            };
             parts.push(Part {
                 cluster,
                 a: pos,
@@ -709,7 +717,9 @@ impl<D: BlockDevice> Chain<D> {
             });
             pos = b;
         }
-        let run = q.alloc_clusters_now(last - first + 1).ok()??;
+        let Some(run) = q.alloc_clusters_now(last - first + 1)? else {
+            return Ok(None);
+        };
         {
             let mut st = m.st.borrow_mut();
             st.inflight.mark(first, last);
@@ -717,7 +727,7 @@ impl<D: BlockDevice> Chain<D> {
         }
         let mut allocs = Allocs::new();
         allocs.push(run);
-        Some((parts, allocs))
+        Ok(Some((parts, allocs)))
     }
 
     /// The task of a guest write [`plan_now`](Self::plan_now) planned (`tag`, entered with

@@ -1267,3 +1267,58 @@ fn a_first_write_during_a_writeback_waits_for_the_metadata_lock() {
     exec.block_on(async move { c2.close().await }).unwrap();
     check_and_compare(dir.path(), &dev, &raw);
 }
+
+/// A fixed device (a bdev) that fills up: the first write that finds no room fails with
+/// ENOSPC, on the spot or in the task, and leaves nothing behind (no cluster taken for
+/// it); every write before it is there, and the image checks clean.
+#[test]
+fn a_full_device_fails_the_write_that_finds_no_room_and_leaks_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let (img, mut raw) = make_image(dir.path(), "cluster_size=4096", "8M", &[]);
+    // Room for the metadata and a few hundred data clusters.
+    let size = img.len().next_multiple_of(4096) + (300 << 12);
+    let (exec, dev, chain) = open_fixed(img, size, false);
+    let mut failed = None;
+    for c in 0..1000u64 {
+        let buf = HeapBuf::new(4096);
+        let byte = (c % 250) as u8 + 1;
+        buf.copy_in(0, &[byte; 4096]);
+        match wait_for(&exec, |t| {
+            chain.submit_write(t, c << 12, BufSlice::whole(buf))
+        }) {
+            Ok(()) => raw[(c << 12) as usize..((c + 1) << 12) as usize].fill(byte),
+            Err(e) => {
+                failed = Some((c, e));
+                break;
+            }
+        }
+    }
+    let (c, e) = failed.expect("the device fills up");
+    assert!(c > 200, "{c} clusters written");
+    assert!(matches!(e, Error::Io(28)), "ENOSPC: {e}");
+    let st = owner_stats(&chain);
+    assert!(st.writes_planned_now > 100, "{st:?}");
+    // Once more: the same answer, and still nothing taken.
+    let buf = HeapBuf::new(4096);
+    assert!(wait_for(&exec, |t| chain.submit_write(
+        t,
+        c << 12,
+        BufSlice::whole(buf)
+    ))
+    .is_err());
+    assert_eq!(
+        owner_stats(&chain).clusters_allocated,
+        st.clusters_allocated
+    );
+    let c2 = chain.clone();
+    exec.block_on(async move { c2.close().await }).unwrap();
+    let img = dev.contents();
+    assert_eq!(img.len(), size, "a fixed device does not grow");
+    // No refcount past the end of the device (qemu-img check does not look there): the
+    // first refcount block covers 2048 clusters of 4 KiB, 16-bit entries.
+    let be = |o: usize| u64::from_be_bytes(img[o..o + 8].try_into().unwrap()) as usize;
+    let block = be(be(48)) & !0x1ff;
+    let past_end = size / 4096;
+    assert_eq!(img[block + 2 * past_end..block + 2 * past_end + 2], [0, 0]);
+    check_and_compare(dir.path(), &dev, &raw);
+}
