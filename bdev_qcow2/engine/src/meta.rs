@@ -443,47 +443,39 @@ impl<D: BlockDevice> Qcow2<D> {
             return Ok((0, 0));
         };
         let key = self.geo.slice_id(off);
-        let i = self.geo.index_in_slice(off) as usize;
-        let ext = self.geo.extended_l2;
-        let pick = |b: &[u64]| {
-            if ext {
-                (b[2 * i], b[2 * i + 1])
-            } else {
-                (b[i], 0)
-            }
-        };
         if let Some(m) = &self.meta {
             if let Some(b) = m.st.borrow().dirty_l2.get(&key) {
-                return Ok(pick(b));
+                return Ok(self.words_in(b, off));
             }
         }
         let cache = self.l2_cache.borrow();
-        Ok(pick(cache.block(way)))
+        Ok(self.words_in(cache.block(way), off))
+    }
+
+    /// `off`'s L2 words (entry, and bitmap with extended L2, else 0) in slice words `b`.
+    fn words_in(&self, b: &[u64], off: GuestOffset) -> (u64, u64) {
+        let i = self.geo.index_in_slice(off) as usize;
+        if self.geo.extended_l2 {
+            (b[2 * i], b[2 * i + 1])
+        } else {
+            (b[i], 0)
+        }
     }
 
     /// [`l2_words`](Self::l2_words) from memory, on the owner: `None` when the slice is
     /// neither dirty nor cached, or is being written back.
     pub(crate) fn l2_words_now(&self, off: GuestOffset) -> Option<(u64, u64)> {
         let key = self.geo.slice_id(off);
-        let i = self.geo.index_in_slice(off) as usize;
-        let ext = self.geo.extended_l2;
-        let pick = |b: &[u64]| {
-            if ext {
-                (b[2 * i], b[2 * i + 1])
-            } else {
-                (b[i], 0)
-            }
-        };
         let st = self.meta.as_ref()?.st.borrow();
         if let Some(b) = st.dirty_l2.get(&key) {
-            return Some(pick(b));
+            return Some(self.words_in(b, off));
         }
         if st.writing_l2.contains_key(&key) {
             return None;
         }
         let mut cache = self.l2_cache.borrow_mut();
         let w = cache.lookup(key, 0)?;
-        Some(pick(cache.block(w)))
+        Some(self.words_in(cache.block(w), off))
     }
 
     /// Sets `off`'s L2 entry (and bitmap with extended L2) in the dirty slice and the

@@ -956,7 +956,14 @@ impl<D: BlockDevice> Chain<D> {
             flush_run(&mut run, &mut futs);
             // Bounce: COW data around the guest data.
             let bounce = q.exec().alloc_buf(dev, len as usize);
-            let zero_cow = matches!(p.action, Action::Rewrite { .. });
+            // The buffer is zeroed: COW data that reads as zeros needs no read (a first
+            // write into a new cluster on a device that may hold old data: the cluster is
+            // written whole, its zeros from here).
+            let zero_cow = match p.action {
+                Action::Rewrite { .. } => true,
+                Action::Alloc { old, .. } => self.reads_zero(&old, p.cluster),
+                _ => false,
+            };
             if !zero_cow {
                 if w_start < p.a {
                     let b = BufSlice {
