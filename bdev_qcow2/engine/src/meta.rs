@@ -142,8 +142,9 @@ impl MetaState {
 pub struct OwnerStats {
     /// Host clusters allocated (data, L2 tables, refcount blocks).
     pub clusters_allocated: u64,
-    /// Allocating writes planned on the spot, without a planning task (their metadata was
-    /// in memory and the metadata lock free).
+    /// Writes that change metadata (allocating ones, extended-L2 bitmaps, zero flags)
+    /// planned on the spot, without a planning task (their metadata was in memory and the
+    /// metadata lock free).
     pub writes_planned_now: u64,
     /// L2 slices written back to the device.
     pub l2_slices_written: u64,

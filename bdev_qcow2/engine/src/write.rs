@@ -669,11 +669,12 @@ impl<D: BlockDevice> Chain<D> {
         r
     }
 
-    /// [`plan`](Self::plan) on the spot, for an allocating write of guest bytes
-    /// `[start, end)` inside one L2 slice, when everything it needs is in memory: the
-    /// metadata lock free (no plan, commit or write-back under way), no allocation in
-    /// flight on its clusters, its L2 table writable, its slice dirty or cached, every
-    /// cluster to be allocated (one run of host clusters, found without I/O). Then, as
+    /// [`plan`](Self::plan) on the spot, for a write of guest bytes `[start, end)` inside
+    /// one L2 slice that changes metadata (allocation, an extended-L2 bitmap, a zero flag),
+    /// when everything it needs is in memory: the metadata lock free (no plan, commit or
+    /// write-back under way), no allocation in flight on its clusters, its L2 table
+    /// writable, its slice dirty or cached, no cluster in place already, the clusters to
+    /// allocate consecutive (one run of host clusters, found without I/O). Then, as
     /// [`lock_clusters`](Self::lock_clusters) and `plan` would, marks the clusters in
     /// flight, takes the new clusters and returns the plan; else `Ok(None)`, having changed
     /// nothing (the task runs the write as usual, and reports any corruption). An error is
@@ -699,6 +700,8 @@ impl<D: BlockDevice> Chain<D> {
             return Ok(None);
         }
         let mut parts = Parts::new();
+        // The allocating parts' guest clusters: one run (first, count), as one allocation.
+        let mut allocating: Option<(u64, u64)> = None;
         let mut pos = start;
         while pos < end {
             let cluster = pos & !(cs - 1);
@@ -706,9 +709,25 @@ impl<D: BlockDevice> Chain<D> {
             let Some((entry, bitmap)) = q.l2_words_now(GuestOffset(cluster)) else {
                 return Ok(None);
             };
-            let Ok(action @ Action::Alloc { .. }) = action_for(q, entry, bitmap) else {
+            let Ok(action) = action_for(q, entry, bitmap) else {
                 return Ok(None);
             };
+            match action {
+                // In place: the direct path's (which refused it) or the task's.
+                Action::InPlace { .. } => return Ok(None),
+                Action::Alloc { .. } => match &mut allocating {
+                    None => allocating = Some((cluster / cs, 1)),
+                    Some((g, n)) if *g + *n == cluster / cs => *n += 1,
+                    Some(_) => return Ok(None),
+                },
+                // A bitmap or zero-flag change in place. Rule 6 as in `plan` (the task
+                // marks the image corrupt).
+                Action::SubclusterInPlace { host, .. } | Action::Rewrite { host, .. } => {
+                    if q.overlaps_metadata(host & !(cs - 1), cs) {
+                        return Ok(None);
+                    }
+                }
+            }
             parts.push(Part {
                 cluster,
                 a: pos,
@@ -717,16 +736,16 @@ impl<D: BlockDevice> Chain<D> {
             });
             pos = b;
         }
-        let Some(run) = q.alloc_clusters_now(last - first + 1)? else {
-            return Ok(None);
-        };
-        {
-            let mut st = m.st.borrow_mut();
-            st.inflight.mark(first, last);
-            st.stats.writes_planned_now += 1;
-        }
         let mut allocs = Allocs::new();
-        allocs.push(run);
+        if let Some((_, n)) = allocating {
+            let Some(run) = q.alloc_clusters_now(n)? else {
+                return Ok(None);
+            };
+            allocs.push(run);
+        }
+        let mut st = m.st.borrow_mut();
+        st.inflight.mark(first, last);
+        st.stats.writes_planned_now += 1;
         Ok(Some((parts, allocs)))
     }
 
