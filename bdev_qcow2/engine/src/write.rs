@@ -633,9 +633,9 @@ impl<D: BlockDevice> Chain<D> {
         self.finish_chunk(q, &parts, &allocs, res).await
     }
 
-    /// The end of an allocating write's chunk after its data phase (`res`): under the
-    /// metadata lock, commits the plan (or frees its new clusters), writes metadata back
-    /// if enough is dirty, then lets waiting writers of its clusters go.
+    /// The end of a planned chunk after its data phase (`res`): under the metadata lock,
+    /// commits the plan (or frees its new clusters), writes metadata back if enough is
+    /// dirty, then lets waiting writers of its clusters go.
     async fn finish_chunk(
         &self,
         q: &Qcow2<D>,
