@@ -336,6 +336,15 @@ impl<D: BlockDevice> Qcow2<D> {
     /// Whether host bytes `[off, off+len)` overlap the image's own metadata (header, L1,
     /// refcount table and blocks, active L2 tables, snapshot table and snapshot L1s).
     pub(crate) fn overlaps_metadata(&self, off: u64, len: u64) -> bool {
+        // The cores' bitmap marks every metadata cluster (and some that were, never
+        // cleared): a range it marks nowhere is not metadata, in a bit test per cluster.
+        if let Some(sh) = &self.shared {
+            let bits = self.cluster_bits();
+            let (first, last) = (off >> bits, (off + len.max(1) - 1) >> bits);
+            if (first..=last).all(|c| !sh.is_meta_cluster(c)) {
+                return false;
+            }
+        }
         let hit = |start: u64, bytes: u64| {
             bytes > 0 && off < start.saturating_add(bytes) && start < off.saturating_add(len)
         };

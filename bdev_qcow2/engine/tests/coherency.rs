@@ -985,3 +985,41 @@ fn core_routes_writes_by_its_cached_slice() {
     );
     rig.close();
 }
+
+#[test]
+fn owner_of_a_shared_image_refuses_a_write_through_an_entry_into_metadata() {
+    // DESIGN.md §7 rule 6 on the owner of a shared image: a (hostile) L2 entry that points
+    // at the image's own L1 table, in a slice the owner loads from the device, is not
+    // written through: the write fails and the L1 table stays as it was.
+    let mut rig = Rig::new(5, 1, false, 1);
+    let cs = 4096u64;
+    write_sync(&mut rig, 1, 0, 21, cs);
+    // Nine more slices (64 clusters each) through the owner's cache of eight: slice 0
+    // leaves it, and everything reaches the device.
+    for i in 1..=9u64 {
+        write_sync(&mut rig, 1 + i, i * 64 * cs, 30 + i, cs);
+    }
+    flush_sync(&mut rig, 20);
+    let l1_off = rig.owner().header().header.l1_table_offset;
+    let be =
+        |d: &[u8], at: u64| u64::from_be_bytes(d[at as usize..at as usize + 8].try_into().unwrap());
+    {
+        let mut disk = rig.disk.borrow_mut();
+        let l2_off = be(&disk, l1_off) & 0x00ff_ffff_ffff_fe00;
+        let hostile = (l1_off | (1 << 63)).to_be_bytes();
+        disk[l2_off as usize..l2_off as usize + 8].copy_from_slice(&hostile);
+    }
+    let l1_before = rig.disk.borrow()[l1_off as usize..(l1_off + cs) as usize].to_vec();
+    let (buf, _) = fill(22, 0, cs);
+    rig.chains[0].submit_write(21, 0, BufSlice::whole(buf));
+    let r = rig.run(21);
+    assert!(
+        r.is_err(),
+        "a write through an entry into the L1 table succeeded"
+    );
+    assert_eq!(
+        rig.disk.borrow()[l1_off as usize..(l1_off + cs) as usize],
+        l1_before[..],
+        "the L1 table was overwritten"
+    );
+}
