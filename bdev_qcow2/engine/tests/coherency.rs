@@ -819,6 +819,23 @@ fn core_reads_during_owner_writeback() {
     }
 }
 
+/// Makes guest cluster 0's L2 entry on the device (hostile) point at the image's own L1
+/// table, COPIED; returns the L1 table's offset and its cluster's bytes as they are.
+fn point_cluster_0_at_the_l1_table(rig: &Rig) -> (u64, Vec<u8>) {
+    let cs = 4096u64;
+    let l1_off = rig.owner().header().header.l1_table_offset;
+    let be =
+        |d: &[u8], at: u64| u64::from_be_bytes(d[at as usize..at as usize + 8].try_into().unwrap());
+    let mut disk = rig.disk.borrow_mut();
+    let l2_off = be(&disk, l1_off) & 0x00ff_ffff_ffff_fe00;
+    let hostile = (l1_off | (1 << 63)).to_be_bytes();
+    disk[l2_off as usize..l2_off as usize + 8].copy_from_slice(&hostile);
+    (
+        l1_off,
+        disk[l1_off as usize..(l1_off + cs) as usize].to_vec(),
+    )
+}
+
 #[test]
 fn core_refuses_in_place_write_into_metadata() {
     // DESIGN.md §7 rule 6 / §8 on a core: a (hostile) L2 entry that points at the image's
@@ -827,16 +844,7 @@ fn core_refuses_in_place_write_into_metadata() {
     let cs = 4096u64;
     write_sync(&mut rig, 1, 0, 21, cs);
     flush_sync(&mut rig, 2);
-    let l1_off = rig.owner().header().header.l1_table_offset;
-    let be =
-        |d: &[u8], at: u64| u64::from_be_bytes(d[at as usize..at as usize + 8].try_into().unwrap());
-    {
-        let mut disk = rig.disk.borrow_mut();
-        let l2_off = be(&disk, l1_off) & 0x00ff_ffff_ffff_fe00;
-        let hostile = (l1_off | (1 << 63)).to_be_bytes();
-        disk[l2_off as usize..l2_off as usize + 8].copy_from_slice(&hostile);
-    }
-    let l1_before = rig.disk.borrow()[l1_off as usize..(l1_off + cs) as usize].to_vec();
+    let (l1_off, l1_before) = point_cluster_0_at_the_l1_table(&rig);
     // The core loads the (clean) slice from the device and sees guest cluster 0 → L1.
     let _ = core_read(&mut rig, 1, 3, cs, cs);
     let (buf, _) = fill(22, 0, cs);
@@ -1000,16 +1008,7 @@ fn owner_of_a_shared_image_refuses_a_write_through_an_entry_into_metadata() {
         write_sync(&mut rig, 1 + i, i * 64 * cs, 30 + i, cs);
     }
     flush_sync(&mut rig, 20);
-    let l1_off = rig.owner().header().header.l1_table_offset;
-    let be =
-        |d: &[u8], at: u64| u64::from_be_bytes(d[at as usize..at as usize + 8].try_into().unwrap());
-    {
-        let mut disk = rig.disk.borrow_mut();
-        let l2_off = be(&disk, l1_off) & 0x00ff_ffff_ffff_fe00;
-        let hostile = (l1_off | (1 << 63)).to_be_bytes();
-        disk[l2_off as usize..l2_off as usize + 8].copy_from_slice(&hostile);
-    }
-    let l1_before = rig.disk.borrow()[l1_off as usize..(l1_off + cs) as usize].to_vec();
+    let (l1_off, l1_before) = point_cluster_0_at_the_l1_table(&rig);
     let (buf, _) = fill(22, 0, cs);
     rig.chains[0].submit_write(21, 0, BufSlice::whole(buf));
     let r = rig.run(21);
