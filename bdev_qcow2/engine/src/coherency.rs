@@ -220,6 +220,10 @@ pub struct Grace {
     /// Bitmap of member slots in use.
     used: Box<[AtomicU64]>,
     counts: Box<[Counters]>,
+    /// [`fences::asymmetric`], read once: the mode is fixed before the first `Grace` exists
+    /// and never changes, and a field next to the generation is one load closer on every
+    /// request than the static behind the library's global offset table.
+    asymmetric: bool,
 }
 
 /// One member's in-flight counts per parity, alone on its cache lines (cores write their
@@ -246,6 +250,7 @@ impl Default for Grace {
             counts: (0..MAX_GRACE_MEMBERS)
                 .map(|_| Counters([AtomicU64::new(0), AtomicU64::new(0)]))
                 .collect(),
+            asymmetric: fences::asymmetric(),
         }
     }
 }
@@ -293,7 +298,7 @@ impl Grace {
         // the counters (see `fences`).
         let c = &self.counts[slot].0[(g & 1) as usize];
         c.store(c.load(Ordering::Relaxed).wrapping_add(1), Ordering::Relaxed);
-        fences::light();
+        fences::light(self.asymmetric);
         (g & 1) as u8
     }
 
@@ -448,15 +453,18 @@ pub mod fences {
         false
     }
 
-    /// The core's half: orders its preceding store before its following loads.
-    #[inline]
-    pub fn light() {
+    /// The core's half: orders its preceding store before its following loads, in the mode
+    /// [`asymmetric`] returned (read once by the caller: the mode never changes).
+    #[inline(always)]
+    pub fn light(asymmetric: bool) {
         #[cfg(not(loom))]
-        if asymmetric() {
+        if asymmetric {
             std::sync::atomic::compiler_fence(Ordering::SeqCst);
         } else {
             std::sync::atomic::fence(Ordering::SeqCst);
         }
+        #[cfg(loom)]
+        let _ = asymmetric;
     }
 
     /// The owner's half: a full barrier on every thread of the process.

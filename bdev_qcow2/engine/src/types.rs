@@ -32,12 +32,25 @@ pub struct Geometry {
     pub extended_l2: bool,
     /// log2 of the L2 slice size in bytes (9..=cluster_bits).
     pub slice_bits: u32,
+    /// [`slice_coverage_bits`](Self::slice_coverage_bits), computed once by
+    /// [`new`](Self::new): every request's slice look-up shifts by it.
+    coverage_bits: u32,
 }
 
 /// Number of subclusters per cluster with extended L2 entries.
 pub const SUBCLUSTERS: u64 = 32;
 
 impl Geometry {
+    /// The geometry of clusters of 2^`cluster_bits` bytes, with extended L2 entries or not,
+    /// cached in slices of 2^`slice_bits` bytes.
+    pub fn new(cluster_bits: u32, extended_l2: bool, slice_bits: u32) -> Self {
+        Geometry {
+            cluster_bits,
+            extended_l2,
+            slice_bits,
+            coverage_bits: cluster_bits + slice_bits - if extended_l2 { 4 } else { 3 },
+        }
+    }
     /// Cluster size in bytes.
     #[inline]
     pub fn cluster_size(&self) -> u64 {
@@ -135,7 +148,7 @@ impl Geometry {
     /// 2^(slice_bits - log2(entry bytes)) entries of one cluster each.
     #[inline]
     pub fn slice_coverage_bits(&self) -> u32 {
-        self.cluster_bits + self.slice_bits - if self.extended_l2 { 4 } else { 3 }
+        self.coverage_bits
     }
     /// Number of L1 entries needed to address `size` guest bytes.
     #[inline]
@@ -150,11 +163,7 @@ mod tests {
 
     #[test]
     fn geometry_64k() {
-        let g = Geometry {
-            cluster_bits: 16,
-            extended_l2: false,
-            slice_bits: 12,
-        };
+        let g = Geometry::new(16, false, 12);
         assert_eq!(g.l2_entries(), 8192);
         assert_eq!(g.slice_entries(), 512);
         assert_eq!(g.slices_per_l2(), 16);
@@ -172,11 +181,7 @@ mod tests {
 
     #[test]
     fn geometry_extended() {
-        let g = Geometry {
-            cluster_bits: 16,
-            extended_l2: true,
-            slice_bits: 12,
-        };
+        let g = Geometry::new(16, true, 12);
         assert_eq!(g.l2_entries(), 4096);
         assert_eq!(g.slice_entries(), 256);
         assert_eq!(g.subcluster_size(), 2048);
@@ -187,11 +192,7 @@ mod tests {
         for cluster_bits in 9..=21 {
             for slice_bits in 9..=cluster_bits {
                 for extended_l2 in [false, true] {
-                    let g = Geometry {
-                        cluster_bits,
-                        extended_l2,
-                        slice_bits,
-                    };
+                    let g = Geometry::new(cluster_bits, extended_l2, slice_bits);
                     assert_eq!(g.slice_coverage(), g.slice_entries() << cluster_bits);
                     for off in [0, 1, (1 << 40) + 12345, u64::MAX >> 3] {
                         let off = GuestOffset(off);

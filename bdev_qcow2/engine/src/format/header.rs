@@ -519,11 +519,11 @@ impl ImageHeader {
 
     /// Geometry of this image with the given slice size (clamped to the cluster size).
     pub fn geometry(&self, slice_bits: u32) -> crate::types::Geometry {
-        crate::types::Geometry {
-            cluster_bits: self.header.cluster_bits,
-            extended_l2: self.extended_l2(),
-            slice_bits: slice_bits.clamp(9, self.header.cluster_bits),
-        }
+        crate::types::Geometry::new(
+            self.header.cluster_bits,
+            self.extended_l2(),
+            slice_bits.clamp(9, self.header.cluster_bits),
+        )
     }
 
     /// Cluster size in bytes.
