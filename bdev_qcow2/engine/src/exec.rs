@@ -384,6 +384,11 @@ impl<D: BlockDevice> Exec<D> {
         self.io(dev, DeviceOp::Write { offset, buf })
     }
 
+    /// Makes `len` bytes of `dev` at `offset` read as zeros ([`DeviceOp::WriteZeroes`]).
+    pub fn write_zeroes(&self, dev: DevId, offset: u64, len: u64) -> IoFuture<D> {
+        self.io(dev, DeviceOp::WriteZeroes { offset, len })
+    }
+
     /// Flushes `dev` (every completed write becomes stable).
     pub fn flush(&self, dev: DevId) -> IoFuture<D> {
         self.io(dev, DeviceOp::Flush)

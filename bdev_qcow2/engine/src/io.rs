@@ -92,6 +92,14 @@ pub enum DeviceOp<B> {
         /// Source.
         buf: BufSlice<B>,
     },
+    /// Make `len` bytes at `offset` read as zeros, with no data transfer where the device
+    /// can ([`BlockDevice::zeroes_cheaply`]; elsewhere it writes zeros).
+    WriteZeroes {
+        /// Byte offset on the device.
+        offset: u64,
+        /// Bytes to zero.
+        len: u64,
+    },
     /// Make every completed write stable.
     Flush,
 }
@@ -102,6 +110,7 @@ impl<B> DeviceOp<B> {
         match self {
             DeviceOp::Read { .. } => "read",
             DeviceOp::Write { .. } => "write",
+            DeviceOp::WriteZeroes { .. } => "write_zeroes",
             DeviceOp::Flush => "flush",
         }
     }
@@ -132,6 +141,14 @@ pub trait BlockDevice: 'static {
     /// file, a memory device); a fixed-size device (a bdev, a block device) cannot. The
     /// allocator reserves data regions past the end only on a device that grows.
     fn can_grow(&self) -> bool {
+        false
+    }
+    /// Whether [`DeviceOp::WriteZeroes`] costs less than writing zeros: the device zeroes
+    /// without a data transfer (an NVMe namespace, a thin volume, a malloc bdev). Only then
+    /// does the engine zero the rest of a newly allocated cluster with it rather than write
+    /// the cluster whole from a zeroed buffer (as QEMU does). Every device takes the
+    /// operation either way.
+    fn zeroes_cheaply(&self) -> bool {
         false
     }
     /// Makes the device at least `size` bytes long, reading zeros in the new part (a file

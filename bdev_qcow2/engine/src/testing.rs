@@ -37,6 +37,11 @@ pub struct MemState {
     pub log: Vec<LoggedOp>,
     /// A fixed-size device (like a bdev): it never grows ([`MemDevice::fixed`]).
     pub fixed: bool,
+    /// Claims [`BlockDevice::zeroes_cheaply`] (like an NVMe namespace or a malloc bdev), so
+    /// the engine zeroes with [`DeviceOp::WriteZeroes`].
+    pub cheap_zeroes: bool,
+    /// `WriteZeroes` operations submitted so far.
+    pub zero_writes: u64,
     inflight: VecDeque<(u64, u64, Result<(), DeviceError>)>,
     polls: u64,
 }
@@ -66,6 +71,25 @@ impl MemDevice {
     /// The device contents.
     pub fn contents(&self) -> Vec<u8> {
         self.0.borrow().data.clone()
+    }
+}
+
+impl MemState {
+    /// Writes `bytes` at `offset` (and logs it, if recording).
+    fn write(&mut self, offset: u64, bytes: Vec<u8>) -> Result<(), DeviceError> {
+        let end = offset as usize + bytes.len();
+        if self.fixed && self.data.len() < end {
+            // Like a bdev: nothing is written past its end.
+            return Err(DeviceError(5)); // EIO
+        }
+        if self.data.len() < end {
+            self.data.resize(end, 0);
+        }
+        self.data[offset as usize..end].copy_from_slice(&bytes);
+        if self.record {
+            self.log.push(LoggedOp::Write(offset, bytes));
+        }
+        Ok(())
     }
 }
 
@@ -108,20 +132,11 @@ impl BlockDevice for MemDevice {
             (None, DeviceOp::Write { offset, buf }) => {
                 let mut tmp = vec![0u8; buf.len];
                 buf.copy_out(0, &mut tmp);
-                let end = offset as usize + tmp.len();
-                if s.fixed && s.data.len() < end {
-                    // Like a bdev: nothing is written past its end.
-                    Err(DeviceError(5)) // EIO
-                } else {
-                    if s.data.len() < end {
-                        s.data.resize(end, 0);
-                    }
-                    s.data[offset as usize..end].copy_from_slice(&tmp);
-                    if s.record {
-                        s.log.push(LoggedOp::Write(offset, tmp));
-                    }
-                    Ok(())
-                }
+                s.write(offset, tmp)
+            }
+            (None, DeviceOp::WriteZeroes { offset, len }) => {
+                s.zero_writes += 1;
+                s.write(offset, vec![0u8; len as usize])
             }
             (None, DeviceOp::Flush) => {
                 if s.record {
@@ -136,6 +151,9 @@ impl BlockDevice for MemDevice {
     }
     fn can_grow(&self) -> bool {
         !self.0.borrow().fixed
+    }
+    fn zeroes_cheaply(&self) -> bool {
+        self.0.borrow().cheap_zeroes
     }
     fn ensure_size(&mut self, size: u64) -> Result<(), DeviceError> {
         let mut s = self.0.borrow_mut();

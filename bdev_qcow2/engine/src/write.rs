@@ -973,16 +973,47 @@ impl<D: BlockDevice> Chain<D> {
                 continue;
             }
             flush_run(&mut run, &mut futs);
-            // Bounce: COW data around the guest data.
-            let bounce = q.exec().alloc_buf(dev, len as usize);
-            // The buffer is zeroed: COW data that reads as zeros needs no read (a first
-            // write into a new cluster on a device that may hold old data: the cluster is
-            // written whole, its zeros from here).
+            if q.overlaps_metadata(host_off, len) {
+                return Err(q
+                    .mark_corrupt(
+                        Field::L2Entry,
+                        host_off,
+                        "data write would overlap metadata",
+                    )
+                    .await);
+            }
+            // COW data that reads as zeros needs no read (a first write into a new cluster
+            // on a device that may hold old data: the cluster is written whole).
             let zero_cow = match p.action {
                 Action::Rewrite { .. } => true,
                 Action::Alloc { old, .. } => self.reads_zero(&old, p.cluster),
                 _ => false,
             };
+            if zero_cow && exec.with_device(dev, |d| d.zeroes_cheaply()) {
+                // The device zeroes around the guest data itself (as QEMU does where zeroing
+                // is cheap): the guest's bytes go from its own buffer, nothing bounces.
+                let (head, tail) = (p.a - w_start, w_end - p.b);
+                match guest(p.a, p.b - p.a) {
+                    Some(g) => {
+                        if head > 0 {
+                            futs.push(Box::pin(exec.write_zeroes(dev, host_off, head)));
+                        }
+                        futs.push(Box::pin(exec.write(dev, host_off + head, g)));
+                        if tail > 0 {
+                            futs.push(Box::pin(exec.write_zeroes(
+                                dev,
+                                host_off + len - tail,
+                                tail,
+                            )));
+                        }
+                    }
+                    // The guest writes zeros too.
+                    None => futs.push(Box::pin(exec.write_zeroes(dev, host_off, len))),
+                }
+                continue;
+            }
+            // Bounce: COW data around the guest data (zeroed: zeros need no read).
+            let bounce = q.exec().alloc_buf(dev, len as usize);
             if !zero_cow {
                 if w_start < p.a {
                     let b = BufSlice {
@@ -1005,15 +1036,6 @@ impl<D: BlockDevice> Chain<D> {
                 let mut tmp = vec![0u8; g.len];
                 g.copy_out(0, &mut tmp);
                 bounce.copy_in((p.a - w_start) as usize, &tmp);
-            }
-            if q.overlaps_metadata(host_off, len) {
-                return Err(q
-                    .mark_corrupt(
-                        Field::L2Entry,
-                        host_off,
-                        "data write would overlap metadata",
-                    )
-                    .await);
             }
             futs.push(Box::pin(q.exec().write(
                 dev,

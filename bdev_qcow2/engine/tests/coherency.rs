@@ -110,6 +110,10 @@ impl BlockDevice for Channel {
                     }
                 }
             }
+            DeviceOp::WriteZeroes { offset, len } => Deferred::Write {
+                offset,
+                bytes: vec![0u8; len as usize],
+            },
             DeviceOp::Flush => Deferred::None,
         };
         let due = self.polls + 1 + rng.below(self.max_latency + 1);

@@ -137,17 +137,19 @@ fn read_all(bytes: Vec<u8>, size: u64) -> Vec<u8> {
 }
 
 fn crash_test(opts: CreateOptions, seed: u64, ops: usize, subsets: usize) -> usize {
-    crash_test_on(opts, seed, ops, subsets, None)
+    crash_test_on(opts, seed, ops, subsets, None, false)
 }
 
 /// [`crash_test`] on a device of a fixed size (`Some(bytes)`, like a bdev, opened with the
-/// ordered layout: data in per-slice regions) or one that grows (`None`, like a file).
+/// ordered layout: data in per-slice regions) or one that grows (`None`, like a file);
+/// with `cheap_zeroes`, the device zeroes itself (`WriteZeroes`, logged as writes of zeros).
 fn crash_test_on(
     opts: CreateOptions,
     seed: u64,
     ops: usize,
     subsets: usize,
     fixed: Option<usize>,
+    cheap_zeroes: bool,
 ) -> usize {
     let size = opts.size;
     let cs = 1u64 << opts.cluster_bits;
@@ -159,6 +161,7 @@ fn crash_test_on(
     };
     let chain = open(&exec, &dev, true).unwrap();
     dev.0.borrow_mut().record = true;
+    dev.0.borrow_mut().cheap_zeroes = cheap_zeroes;
     let work = workload(seed, size, cs, ops);
     let mut reference = vec![0u8; size as usize];
     // Per completed guest flush: (device log length at completion, reference snapshot,
@@ -179,6 +182,12 @@ fn crash_test_on(
         }
     }
     let log = dev.0.borrow().log.clone();
+    if cheap_zeroes {
+        assert!(
+            dev.0.borrow().zero_writes > 0,
+            "the workload leaves zeroing to the device"
+        );
+    }
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("crash.qcow2");
     let mut rng = Rng(seed ^ 0xdead_beef);
@@ -297,8 +306,29 @@ fn crash_states_fixed_device() {
         120,
         3,
         Some(10 << 20),
+        false,
     );
     eprintln!("crash states tried (fixed-size device, 4 KiB clusters): {n}");
+    assert!(n > 50);
+}
+
+#[test]
+fn crash_states_device_that_zeroes() {
+    // A malloc bdev or an NVMe namespace: partial first writes into 64 KiB clusters leave
+    // the rest of the cluster to the device's WriteZeroes, which must be as ordered as the
+    // data write before the L2 entry that maps the cluster.
+    let n = crash_test_on(
+        CreateOptions {
+            size: 8 << 20,
+            ..Default::default()
+        },
+        17,
+        120,
+        3,
+        Some(12 << 20),
+        true,
+    );
+    eprintln!("crash states tried (device that zeroes, 64 KiB clusters): {n}");
     assert!(n > 50);
 }
 

@@ -1330,3 +1330,51 @@ fn a_full_device_fails_the_write_that_finds_no_room_and_leaks_nothing() {
     assert_eq!(img[block + 2 * past_end..block + 2 * past_end + 2], [0, 0]);
     check_and_compare(dir.path(), &dev, &raw);
 }
+
+/// On a device that zeroes cheaply (like an NVMe namespace or a malloc bdev), a first write
+/// that covers part of a new cluster (or subcluster) leaves the rest of it to
+/// `DeviceOp::WriteZeroes` instead of writing it whole from a zeroed buffer; the device
+/// held other data there before, and qemu-img reads zeros around the guest's bytes.
+#[test]
+fn partial_first_writes_leave_the_zeros_to_a_device_that_zeroes_cheaply() {
+    partial_first_writes_on_a_cheaply_zeroing_device("cluster_size=65536", 8);
+    // 2 KiB subclusters: only the writes of 512 bytes leave parts of theirs.
+    partial_first_writes_on_a_cheaply_zeroing_device("cluster_size=65536,extended_l2=on", 4);
+}
+
+/// `zeroings`: how many ranges the writes below leave to the device.
+fn partial_first_writes_on_a_cheaply_zeroing_device(opts: &str, zeroings: u64) {
+    let dir = tempfile::tempdir().unwrap();
+    let (img, mut raw) = make_image(dir.path(), opts, "8M", &[]);
+    let (exec, dev, chain) = open_fixed(img.clone(), 16 << 20, false);
+    {
+        // Old data wherever clusters will be allocated.
+        let mut s = dev.0.borrow_mut();
+        s.data[img.len()..].fill(0xa5);
+        s.cheap_zeroes = true;
+    }
+    let mut write = |off: u64, len: usize, byte: u8| {
+        let buf = HeapBuf::new(len);
+        buf.copy_in(0, &vec![byte; len]);
+        raw[off as usize..off as usize + len].fill(byte);
+        wait_for(&exec, |t| chain.submit_write(t, off, BufSlice::whole(buf)))
+            .unwrap_or_else(|e| panic!("{opts}: write at {off}: {e}"));
+    };
+    let cs = 65536;
+    // Zeros before and after the guest's bytes; only after; only before; 512 bytes inside
+    // a subcluster; across two new clusters (the tail of one, the head of the next).
+    write(cs + 4096, 4096, 1);
+    write(2 * cs, 512, 2);
+    write(4 * cs - 512, 512, 3);
+    write(5 * cs + 3072, 512, 4);
+    write(7 * cs - 8192, 16384, 5);
+    // An overwrite next to a first write: nothing to zero.
+    write(cs + 8192, 4096, 6);
+    wait_for(&exec, |t| chain.submit_flush(t)).unwrap();
+    check_and_compare(dir.path(), &dev, &raw);
+    assert_eq!(
+        dev.0.borrow().zero_writes,
+        zeroings,
+        "{opts}: the device zeroes around the guest's bytes"
+    );
+}

@@ -202,6 +202,8 @@ pub struct SpdkDevice {
     block_size: u64,
     num_blocks: u64,
     buf_align: usize,
+    /// The bdev zeroes blocks itself (WRITE_ZEROES supported natively, not emulated).
+    cheap_zeroes: bool,
     pool: NonNull<Pool>,
 }
 
@@ -240,6 +242,7 @@ impl SpdkDevice {
             block_size: u64::from(desc.block_size()),
             num_blocks: desc.num_blocks(),
             buf_align: desc.buf_align().max(4096),
+            cheap_zeroes: desc.supports(sys::SPDK_BDEV_IO_TYPE_WRITE_ZEROES),
             // SAFETY: `Box::into_raw` never returns null.
             pool: unsafe { NonNull::new_unchecked(pool) },
         })
@@ -439,6 +442,10 @@ impl BlockDevice for SpdkDevice {
         SpdkBuf::Dma(Rc::new(DmaMem::new(len, self.buf_align)))
     }
 
+    fn zeroes_cheaply(&self) -> bool {
+        self.cheap_zeroes
+    }
+
     fn submit(&mut self, op: DeviceOp<SpdkBuf>, tag: u64) -> Result<(), Busy<SpdkBuf>> {
         let bs = self.block_size;
         let size = self.size();
@@ -446,6 +453,7 @@ impl BlockDevice for SpdkDevice {
         // contract); the part inside goes to the bdev.
         let (offset, buf, is_read) = match &op {
             DeviceOp::Flush => (0, None, false),
+            DeviceOp::WriteZeroes { offset, .. } => (*offset, None, false),
             DeviceOp::Read { offset, buf } => {
                 let len = buf.len as u64;
                 let inside = size.saturating_sub(*offset).min(len);
@@ -460,11 +468,14 @@ impl BlockDevice for SpdkDevice {
             }
             DeviceOp::Write { offset, buf } => (*offset, Some(buf.clone()), false),
         };
-        if let Some(b) = &buf {
-            if !offset.is_multiple_of(bs) || !(b.len as u64).is_multiple_of(bs) {
-                self.complete_now(tag, Err(DeviceError(libc::EINVAL)));
-                return Ok(());
-            }
+        let len = match (&buf, &op) {
+            (Some(b), _) => b.len as u64,
+            (None, DeviceOp::WriteZeroes { len, .. }) => *len,
+            (None, _) => 0,
+        };
+        if !offset.is_multiple_of(bs) || !len.is_multiple_of(bs) {
+            self.complete_now(tag, Err(DeviceError(libc::EINVAL)));
+            return Ok(());
         }
         // SAFETY: see `in_flight`.
         let pool = unsafe { &mut *self.pool.as_ptr() };
@@ -483,8 +494,16 @@ impl BlockDevice for SpdkDevice {
         // memory is held in `slot.buf`; a bdev_io's buffers live until the guest request
         // completes, which is after this operation does); `io_done` gets the slot back.
         let rc = unsafe {
-            match &buf {
-                None => sys::spdk_bdev_flush_blocks(
+            match (&buf, &op) {
+                (None, DeviceOp::WriteZeroes { .. }) => sys::spdk_bdev_write_zeroes_blocks(
+                    self.desc,
+                    self.ch.raw(),
+                    offset / bs,
+                    len / bs,
+                    Some(io_done),
+                    slot_ptr,
+                ),
+                (None, _) => sys::spdk_bdev_flush_blocks(
                     self.desc,
                     self.ch.raw(),
                     0,
@@ -492,7 +511,7 @@ impl BlockDevice for SpdkDevice {
                     Some(io_done),
                     slot_ptr,
                 ),
-                Some(b) => {
+                (Some(b), _) => {
                     b.buf.append_iovs(b.off, b.len, &mut slot.iovs);
                     slot.buf = matches!(b.buf, SpdkBuf::Dma(_)).then(|| b.buf.clone());
                     let iovcnt = slot.iovs.len() as i32;

@@ -920,6 +920,56 @@ mod real {
                 "{how}: spdk_dd wrote 64 MiB into q0; qemu-img check clean, compare equal, laid out front to back"
             ));
         }
+
+        // A base that zeroes itself (AIO with fallocate: WRITE_ZEROES supported) over old
+        // data: 4 KiB writes into fresh 64 KiB clusters leave the rest of each cluster to
+        // the base's WRITE_ZEROES. The last cluster is written up to 4 KiB short of its
+        // end, which must read as zeros, not as the old data.
+        let img = d.join("zeroing.qcow2");
+        fs::write(&img, vec![0xa5u8; (80 * MIB) as usize]).unwrap();
+        let short = d.join("short.raw");
+        let mut data = fs::read(&raw).unwrap();
+        data.truncate((64 * MIB - 4096) as usize);
+        fs::write(&short, &data).unwrap();
+        data.resize((64 * MIB) as usize, 0);
+        let want = d.join("want.raw");
+        fs::write(&want, &data).unwrap();
+        let cfg = d.join("zeroing.json");
+        let mut base = aio(&img, "aio0");
+        base["params"]["fallocate"] = json!(true);
+        write_config(
+            &cfg,
+            vec![
+                base,
+                format_call("aio0", 64 * MIB),
+                qcow2("q0", "aio0", None),
+            ],
+        );
+        let args: Vec<String> = [
+            "--json",
+            s(&cfg),
+            "--if",
+            s(&short),
+            "--ob",
+            "q0",
+            "--bs",
+            "4096",
+        ]
+        .map(String::from)
+        .to_vec();
+        let (ok, text) = spawn_spdk("spdk_dd", &args, &d.join("zeroing.dd.log")).wait(120);
+        assert!(ok, "spdk_dd failed:\n{text}");
+        check_clean(&img, "zeroing base");
+        run_ok(Command::new("qemu-img").args([
+            "compare",
+            "-f",
+            "qcow2",
+            "-F",
+            "raw",
+            s(&img),
+            s(&want),
+        ]));
+        say("base that zeroes: spdk_dd wrote 64 MiB - 4 KiB in 4 KiB blocks over old data; qemu-img check clean, zeros where nothing was written");
     }
 
     /// Runs bdevperf with `args` on config `cfg`; returns its output (asserting it exited 0).

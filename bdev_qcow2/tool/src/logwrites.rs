@@ -163,6 +163,7 @@ impl WriteLog {
 /// What a logged operation in flight will record when it completes.
 enum Pending<B> {
     Write { offset: u64, buf: BufSlice<B> },
+    Zeroes { offset: u64, len: u64 },
     Flush,
 }
 
@@ -210,6 +211,15 @@ impl<D: BlockDevice> BlockDevice for LogWrites<D> {
                         },
                     );
                 }
+                DeviceOp::WriteZeroes { offset, len } => {
+                    self.pending.insert(
+                        tag,
+                        Pending::Zeroes {
+                            offset: *offset,
+                            len: *len,
+                        },
+                    );
+                }
                 DeviceOp::Flush => {
                     self.pending.insert(tag, Pending::Flush);
                 }
@@ -225,6 +235,10 @@ impl<D: BlockDevice> BlockDevice for LogWrites<D> {
 
     fn can_grow(&self) -> bool {
         self.inner.can_grow()
+    }
+
+    fn zeroes_cheaply(&self) -> bool {
+        self.inner.zeroes_cheaply()
     }
 
     fn ensure_size(&mut self, size: u64) -> Result<(), DeviceError> {
@@ -245,6 +259,9 @@ impl<D: BlockDevice> BlockDevice for LogWrites<D> {
                             let mut data = vec![0u8; buf.len];
                             buf.copy_out(0, &mut data);
                             log.borrow_mut().log_write(offset, &data);
+                        }
+                        Pending::Zeroes { offset, len } => {
+                            log.borrow_mut().log_write(offset, &vec![0u8; len as usize]);
                         }
                         Pending::Flush => log.borrow_mut().log_flush(),
                     }

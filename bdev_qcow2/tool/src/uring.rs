@@ -7,7 +7,7 @@
 //! are resubmitted for the remainder.
 
 use io_uring::{opcode, types, IoUring};
-use qcow2_engine::io::{BlockDevice, Busy, DeviceError, DeviceOp, IoBuffer};
+use qcow2_engine::io::{BlockDevice, BufSlice, Busy, DeviceError, DeviceOp, IoBuffer};
 use slab::Slab;
 use std::alloc::{alloc_zeroed, dealloc, Layout};
 use std::fs::{File, OpenOptions};
@@ -287,6 +287,7 @@ impl UringDevice {
             DeviceOp::Flush => opcode::Fsync::new(fd)
                 .flags(types::FsyncFlags::DATASYNC)
                 .build(),
+            DeviceOp::WriteZeroes { .. } => unreachable!("`submit` writes zeroes from a buffer"),
         }
         .user_data(idx as u64);
         // SAFETY: the buffer behind `ptr` is kept alive by the `InFlight` entry (which holds
@@ -310,7 +311,7 @@ impl UringDevice {
         let (total, is_read, buf) = match &f.op {
             DeviceOp::Read { buf, .. } => (buf.len, true, Some(buf.clone())),
             DeviceOp::Write { buf, .. } => (buf.len, false, None),
-            DeviceOp::Flush => (0, false, None),
+            DeviceOp::WriteZeroes { .. } | DeviceOp::Flush => (0, false, None),
         };
         f.done += n;
         if f.done >= total {
@@ -350,6 +351,15 @@ impl BlockDevice for UringDevice {
         if self.inflight.len() >= self.depth {
             return Err(Busy(op, tag));
         }
+        // Zeroes are written from a zeroed buffer: this device does not claim
+        // `zeroes_cheaply`, so the engine asks for them only where it has no choice.
+        let op = match op {
+            DeviceOp::WriteZeroes { offset, len } => DeviceOp::Write {
+                offset,
+                buf: BufSlice::whole(AlignedBuf::new(len as usize)),
+            },
+            op => op,
+        };
         match &op {
             DeviceOp::Write { offset, buf } => {
                 let end = offset + buf.len as u64;
@@ -362,6 +372,7 @@ impl BlockDevice for UringDevice {
             }
             DeviceOp::Read { .. } => self.stats.reads += 1,
             DeviceOp::Flush => self.stats.flushes += 1,
+            DeviceOp::WriteZeroes { .. } => unreachable!("turned into a write above"),
         }
         let idx = self.inflight.insert(InFlight { tag, op, done: 0 });
         if !self.push_sqe(idx) {

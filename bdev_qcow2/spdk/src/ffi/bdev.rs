@@ -114,6 +114,13 @@ impl Desc {
         unsafe { sys::spdk_bdev_get_buf_align(self.bdev()) }
     }
 
+    /// Whether the bdev handles I/O type `ty` itself (SPDK emulates some others, such as
+    /// WRITE_ZEROES with writes of a zeroed buffer).
+    pub fn supports(&self, ty: sys::spdk_bdev_io_type) -> bool {
+        // SAFETY: as above.
+        unsafe { sys::spdk_bdev_io_type_supported(self.bdev(), ty) }
+    }
+
     /// Closes the descriptor (releasing its claim). Must run on `self.thread`.
     pub fn close(self) {
         // SAFETY: `self.desc` is open and closed exactly once (`self` is consumed).

@@ -169,6 +169,9 @@ impl<D: BlockDevice> BlockDevice for DelayDevice<D> {
     fn can_grow(&self) -> bool {
         self.inner.can_grow()
     }
+    fn zeroes_cheaply(&self) -> bool {
+        self.inner.zeroes_cheaply()
+    }
     fn ensure_size(&mut self, size: u64) -> Result<(), DeviceError> {
         self.inner.ensure_size(size)
     }
