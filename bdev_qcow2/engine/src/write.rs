@@ -154,6 +154,12 @@ fn overlaps_meta<D: BlockDevice>(q: &Qcow2<D>, core: Option<&Shared>, h: u64, le
     }
 }
 
+/// The fewest bytes of zeros around a partial first write that a device which zeroes
+/// cheaply is asked to zero itself (up to two `WriteZeroes` beside the data write); below
+/// this, one write of the (sub)cluster from a zeroed buffer costs less than the extra
+/// operations (on a malloc bdev, an operation costs about as much as copying 8 KiB).
+const ZEROES_OFFLOAD_MIN: u64 = 16 << 10;
+
 pub(crate) fn check_range<D: BlockDevice>(chain: &Chain<D>, offset: u64, len: u64) -> Result<()> {
     if !offset.is_multiple_of(SECTOR) || !len.is_multiple_of(SECTOR) {
         return Err(Error::InvalidRequest("request not aligned to 512 bytes"));
@@ -987,9 +993,25 @@ impl<D: BlockDevice> Chain<D> {
             let zero_cow = match p.action {
                 Action::Rewrite { .. } => true,
                 Action::Alloc { old, .. } => self.reads_zero(&old, p.cluster),
-                _ => false,
+                Action::SubclusterInPlace { bitmap, .. } => {
+                    // The COW data lies in the first and the last subcluster written: zeros
+                    // where they are not allocated and read as zeros or no backing data.
+                    let b = SubclusterBitmap(bitmap);
+                    let sc = q.geometry().subcluster_size();
+                    let no_backing =
+                        self.reads_zero(&ClusterMapping::Unallocated { host: None }, p.cluster);
+                    let zero = |off: u64| {
+                        let i = (off - p.cluster) / sc;
+                        !b.allocated(i) && (b.zero(i) || no_backing)
+                    };
+                    (w_start == p.a || zero(p.a)) && (w_end == p.b || zero(p.b - 1))
+                }
+                Action::InPlace { .. } => false,
             };
-            if zero_cow && exec.with_device(dev, |d| d.zeroes_cheaply()) {
+            if zero_cow
+                && len - (p.b - p.a) >= ZEROES_OFFLOAD_MIN
+                && exec.with_device(dev, |d| d.zeroes_cheaply())
+            {
                 // The device zeroes around the guest data itself (as QEMU does where zeroing
                 // is cheap): the guest's bytes go from its own buffer, nothing bounces.
                 let (head, tail) = (p.a - w_start, w_end - p.b);

@@ -1337,13 +1337,21 @@ fn a_full_device_fails_the_write_that_finds_no_room_and_leaks_nothing() {
 /// held other data there before, and qemu-img reads zeros around the guest's bytes.
 #[test]
 fn partial_first_writes_leave_the_zeros_to_a_device_that_zeroes_cheaply() {
-    partial_first_writes_on_a_cheaply_zeroing_device("cluster_size=65536", 8);
-    // 2 KiB subclusters: only the writes of 512 bytes leave parts of theirs.
-    partial_first_writes_on_a_cheaply_zeroing_device("cluster_size=65536,extended_l2=on", 4);
+    partial_first_writes_on_a_cheaply_zeroing_device("cluster_size=65536", 65536, 8);
+    // 64 KiB subclusters of 2 MiB clusters.
+    partial_first_writes_on_a_cheaply_zeroing_device(
+        "cluster_size=2097152,extended_l2=on",
+        65536,
+        8,
+    );
+    // 4 KiB clusters: a few KiB of zeros go along with the data in one write.
+    partial_first_writes_on_a_cheaply_zeroing_device("cluster_size=4096", 4096, 0);
 }
 
-/// `zeroings`: how many ranges the writes below leave to the device.
-fn partial_first_writes_on_a_cheaply_zeroing_device(opts: &str, zeroings: u64) {
+/// First writes at the start, in the middle, at the end and across two of the image's
+/// allocation units (clusters, or subclusters with extended L2) of `unit` bytes;
+/// `zeroings`: how many ranges they leave to the device.
+fn partial_first_writes_on_a_cheaply_zeroing_device(opts: &str, unit: u64, zeroings: u64) {
     let dir = tempfile::tempdir().unwrap();
     let (img, mut raw) = make_image(dir.path(), opts, "8M", &[]);
     let (exec, dev, chain) = open_fixed(img.clone(), 16 << 20, false);
@@ -1360,16 +1368,16 @@ fn partial_first_writes_on_a_cheaply_zeroing_device(opts: &str, zeroings: u64) {
         wait_for(&exec, |t| chain.submit_write(t, off, BufSlice::whole(buf)))
             .unwrap_or_else(|e| panic!("{opts}: write at {off}: {e}"));
     };
-    let cs = 65536;
-    // Zeros before and after the guest's bytes; only after; only before; 512 bytes inside
-    // a subcluster; across two new clusters (the tail of one, the head of the next).
-    write(cs + 4096, 4096, 1);
-    write(2 * cs, 512, 2);
-    write(4 * cs - 512, 512, 3);
-    write(5 * cs + 3072, 512, 4);
-    write(7 * cs - 8192, 16384, 5);
+    let u = unit;
+    // Zeros before and after the guest's bytes; only after; only before; across two new
+    // units (the tail of one, the head of the next).
+    write(u + u / 4, 1024, 1);
+    write(2 * u, 512, 2);
+    write(4 * u - 512, 512, 3);
+    write(5 * u + u / 2, 512, 4);
+    write(7 * u - 1024, 2048, 5);
     // An overwrite next to a first write: nothing to zero.
-    write(cs + 8192, 4096, 6);
+    write(u + u / 2, 512, 6);
     wait_for(&exec, |t| chain.submit_flush(t)).unwrap();
     check_and_compare(dir.path(), &dev, &raw);
     assert_eq!(
