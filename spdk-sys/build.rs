@@ -41,6 +41,7 @@ const FUNCTIONS: &[&str] = &[
     "spdk_bdev_free_io",
     "spdk_bdev_get_by_name",
     "spdk_bdev_get_name",
+    "spdk_bdev_get_module_name",
     "spdk_bdev_get_block_size",
     "spdk_bdev_get_num_blocks",
     "spdk_bdev_get_buf_align",

@@ -202,7 +202,7 @@ pub struct SpdkDevice {
     block_size: u64,
     num_blocks: u64,
     buf_align: usize,
-    /// The bdev zeroes blocks itself (WRITE_ZEROES supported natively, not emulated).
+    /// The bdev zeroes blocks itself without a data transfer ([`zeroes_cheaply`]).
     cheap_zeroes: bool,
     pool: NonNull<Pool>,
 }
@@ -242,7 +242,7 @@ impl SpdkDevice {
             block_size: u64::from(desc.block_size()),
             num_blocks: desc.num_blocks(),
             buf_align: desc.buf_align().max(4096),
-            cheap_zeroes: desc.supports(sys::SPDK_BDEV_IO_TYPE_WRITE_ZEROES),
+            cheap_zeroes: zeroes_cheaply(desc),
             // SAFETY: `Box::into_raw` never returns null.
             pool: unsafe { NonNull::new_unchecked(pool) },
         })
@@ -429,6 +429,16 @@ unsafe extern "C" fn io_done(bdev_io: *mut sys::spdk_bdev_io, success: bool, cb_
         }
         (*owner).done.push_back((tag, r));
     }
+}
+
+/// Whether the bdev behind `desc` zeroes blocks cheaply: its module handles WRITE_ZEROES
+/// itself (an NVMe Write Zeroes command, a thin lvol that leaves the clusters unallocated,
+/// malloc's fill), not SPDK's emulation with writes of a zeroed buffer; and it is not an
+/// AIO bdev, which zeroes with an `fallocate` call that blocks the reactor (4 KiB first
+/// writes into fresh 64 KiB clusters ran at a quarter of the rate of one write from a
+/// zeroed buffer).
+fn zeroes_cheaply(desc: &Desc) -> bool {
+    desc.supports_natively(sys::SPDK_BDEV_IO_TYPE_WRITE_ZEROES) && desc.module_name() != "aio"
 }
 
 impl BlockDevice for SpdkDevice {

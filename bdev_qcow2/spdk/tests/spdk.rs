@@ -921,10 +921,12 @@ mod real {
             ));
         }
 
-        // A base that zeroes itself (AIO with fallocate: WRITE_ZEROES supported) over old
-        // data: 4 KiB writes into fresh 64 KiB clusters leave the rest of each cluster to
-        // the base's WRITE_ZEROES. The last cluster is written up to 4 KiB short of its
-        // end, which must read as zeros, not as the old data.
+        // A base that zeroes itself over old data: 4 KiB writes into fresh 64 KiB clusters
+        // leave the rest of each cluster to the base's WRITE_ZEROES. The last cluster is
+        // written up to 4 KiB short of its end, which must read as zeros, not as the old
+        // data. (The base is SPDK's passthru over AIO with fallocate: the module does not
+        // offload zeroing to an AIO bdev itself, whose fallocate blocks the reactor, but
+        // the file lets qemu-img see what was written.)
         let img = d.join("zeroing.qcow2");
         fs::write(&img, vec![0xa5u8; (80 * MIB) as usize]).unwrap();
         let short = d.join("short.raw");
@@ -941,8 +943,10 @@ mod real {
             &cfg,
             vec![
                 base,
-                format_call("aio0", 64 * MIB),
-                qcow2("q0", "aio0", None),
+                json!({"method": "bdev_passthru_create",
+                       "params": {"base_bdev_name": "aio0", "name": "pt0"}}),
+                format_call("pt0", 64 * MIB),
+                qcow2("q0", "pt0", None),
             ],
         );
         let args: Vec<String> = [

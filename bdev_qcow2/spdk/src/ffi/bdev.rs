@@ -114,11 +114,32 @@ impl Desc {
         unsafe { sys::spdk_bdev_get_buf_align(self.bdev()) }
     }
 
-    /// Whether the bdev handles I/O type `ty` itself (SPDK emulates some others, such as
-    /// WRITE_ZEROES with writes of a zeroed buffer).
-    pub fn supports(&self, ty: sys::spdk_bdev_io_type) -> bool {
-        // SAFETY: as above.
-        unsafe { sys::spdk_bdev_io_type_supported(self.bdev(), ty) }
+    /// Whether the bdev's module handles I/O type `ty` itself. (`spdk_bdev_io_type_supported`
+    /// also says yes to WRITE_ZEROES where SPDK emulates it with writes of a zeroed buffer.)
+    pub fn supports_natively(&self, ty: sys::spdk_bdev_io_type) -> bool {
+        let bdev = self.bdev();
+        // SAFETY: a registered bdev's function table and context stay valid while it is
+        // open; `io_type_supported` may be called from any thread.
+        unsafe {
+            let table = (*bdev).fn_table;
+            !table.is_null()
+                && (*table)
+                    .io_type_supported
+                    .is_some_and(|f| f((*bdev).ctxt, ty))
+        }
+    }
+
+    /// The name of the bdev's module (`malloc`, `nvme`, `lvol`, `aio`, ...).
+    pub fn module_name(&self) -> String {
+        // SAFETY: as above; SPDK returns a static NUL-terminated name (or null).
+        unsafe {
+            let p = sys::spdk_bdev_get_module_name(self.bdev());
+            if p.is_null() {
+                String::new()
+            } else {
+                std::ffi::CStr::from_ptr(p).to_string_lossy().into_owned()
+            }
+        }
     }
 
     /// Closes the descriptor (releasing its claim). Must run on `self.thread`.
