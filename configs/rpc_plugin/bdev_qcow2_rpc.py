@@ -6,7 +6,7 @@
 
 def bdev_qcow2_create(client, name, base_bdev, backing_bdev=None, read_only=None,
                       l2_cache_size=None, l2_slice_size=None, cache_ways=None, prefetch=None,
-                      ordered_layout=None):
+                      ordered_layout=None, zero_offload=None):
     params = {'name': name, 'base_bdev': base_bdev}
     if backing_bdev is not None:
         params['backing_bdev'] = backing_bdev
@@ -22,6 +22,8 @@ def bdev_qcow2_create(client, name, base_bdev, backing_bdev=None, read_only=None
         params['prefetch'] = prefetch
     if ordered_layout:
         params['ordered_layout'] = True
+    if zero_offload is not None:
+        params['zero_offload'] = zero_offload
     return client.call('bdev_qcow2_create', params)
 
 
@@ -58,7 +60,8 @@ def spdk_rpc_plugin_initialize(subparsers):
                                      l2_slice_size=args.l2_slice_size,
                                      cache_ways=args.cache_ways,
                                      prefetch=args.prefetch,
-                                     ordered_layout=args.ordered_layout))
+                                     ordered_layout=args.ordered_layout,
+                                     zero_offload=args.zero_offload))
 
     p = subparsers.add_parser('bdev_qcow2_create',
                               help='Serve a qcow2 image stored on a bdev as a new bdev')
@@ -78,6 +81,11 @@ def spdk_rpc_plugin_initialize(subparsers):
                    help='no read-ahead of L2 slices')
     p.add_argument('--ordered-layout', action='store_true', default=None,
                    help="lay each L2 slice's data out on the base in guest order")
+    p.add_argument('--zero-offload', dest='zero_offload', action='store_true', default=None,
+                   help='zero the rest of a partly written new cluster with the base\'s '
+                   'WRITE_ZEROES on any base that zeroes natively (default: NVMe bdevs only)')
+    p.add_argument('--no-zero-offload', dest='zero_offload', action='store_false',
+                   help='write partly written new clusters whole from a zeroed buffer')
     p.set_defaults(func=create)
 
     def fmt(args):

@@ -242,10 +242,15 @@ impl SpdkDevice {
             block_size: u64::from(desc.block_size()),
             num_blocks: desc.num_blocks(),
             buf_align: desc.buf_align().max(4096),
-            cheap_zeroes: zeroes_cheaply(desc),
+            cheap_zeroes: zero_offload(desc, None),
             // SAFETY: `Box::into_raw` never returns null.
             pool: unsafe { NonNull::new_unchecked(pool) },
         })
+    }
+
+    /// Sets whether the engine leaves zeroing to this device (see [`zero_offload`]).
+    pub fn set_zero_offload(&mut self, on: bool) {
+        self.cheap_zeroes = on;
     }
 
     /// Makes SPDK's completion callback offer each completion to `sink` (with `ctx`) before
@@ -431,14 +436,20 @@ unsafe extern "C" fn io_done(bdev_io: *mut sys::spdk_bdev_io, success: bool, cb_
     }
 }
 
-/// Whether the bdev behind `desc` zeroes blocks cheaply: its module handles WRITE_ZEROES
-/// itself (an NVMe Write Zeroes command, a thin lvol that leaves the clusters unallocated,
-/// malloc's fill), not SPDK's emulation with writes of a zeroed buffer; and it is not an
-/// AIO bdev, which zeroes with an `fallocate` call that blocks the reactor (4 KiB first
-/// writes into fresh 64 KiB clusters ran at a quarter of the rate of one write from a
-/// zeroed buffer).
-fn zeroes_cheaply(desc: &Desc) -> bool {
-    desc.supports_natively(sys::SPDK_BDEV_IO_TYPE_WRITE_ZEROES) && desc.module_name() != "aio"
+/// Whether the engine leaves zeroing to the bdev behind `desc` ([`BlockDevice::zeroes_cheaply`]):
+/// with `force` unset, where it is an NVMe bdev (a Write Zeroes command moves no data);
+/// with `Some(true)`, wherever its module zeroes itself; never with `Some(false)`. SPDK's
+/// own emulation (writes of a zeroed buffer) never counts. Elsewhere zeroing costs as much
+/// or more than the write it replaces: malloc fills as fast as it copies; a thin lvol
+/// allocates the cluster for a write of zeros like for data; AIO zeroes with an
+/// `fallocate` that blocks the reactor (4 KiB first writes into fresh 64 KiB clusters ran
+/// at 0.15-0.5x of one write from a zeroed buffer).
+pub fn zero_offload(desc: &Desc, force: Option<bool>) -> bool {
+    let native = desc.supports_natively(sys::SPDK_BDEV_IO_TYPE_WRITE_ZEROES);
+    match force {
+        Some(on) => on && native,
+        None => native && desc.module_name() == "nvme",
+    }
 }
 
 impl BlockDevice for SpdkDevice {

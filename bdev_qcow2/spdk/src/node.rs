@@ -229,10 +229,11 @@ pub fn create(params: CreateParams, done: Done) {
         Some(Err((e, m))) => return fail(&name, [Some(base), None], done, e, m),
     };
     let exec: Exec<SpdkDevice> = Exec::new();
-    let Some(dev) = SpdkDevice::new(&base) else {
+    let Some(mut dev) = SpdkDevice::new(&base) else {
         let m = format!("no I/O channel for base bdev {}", params.base_bdev);
         return fail(&name, [Some(base), backing], done, libc::ENOMEM, m);
     };
+    dev.set_zero_offload(crate::device::zero_offload(&base, params.zero_offload));
     let dev = exec.add_device(dev);
     let mut backing_dev = None;
     if let (Some(b), false) = (&backing, params.read_only) {

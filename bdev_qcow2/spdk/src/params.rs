@@ -49,6 +49,13 @@ pub struct CreateParams {
     /// first writes get slower (scattered over the base instead of appended).
     #[serde(default, skip_serializing_if = "is_false")]
     pub ordered_layout: bool,
+    /// Leave the rest of a new cluster that a first write covers only partly (16 KiB or
+    /// more of it) to the base's WRITE_ZEROES, as QEMU does, rather than write the whole
+    /// cluster from a zeroed buffer. Default: on where the base is an NVMe bdev, whose
+    /// Write Zeroes command moves no data; `true`: on any base whose module zeroes itself
+    /// (never SPDK's emulation with zero-buffer writes); `false`: off.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub zero_offload: Option<bool>,
 }
 
 impl CreateParams {
@@ -224,7 +231,7 @@ mod tests {
             r#"{"name":"q0","base_bdev":"aio0"}"#
         );
         let p: CreateParams = serde_json::from_str(
-            r#"{"name":"q0","base_bdev":"aio0","backing_bdev":"b","read_only":true,"l2_cache_size":65536,"l2_slice_size":512,"cache_ways":4,"prefetch":true,"ordered_layout":true}"#,
+            r#"{"name":"q0","base_bdev":"aio0","backing_bdev":"b","read_only":true,"l2_cache_size":65536,"l2_slice_size":512,"cache_ways":4,"prefetch":true,"ordered_layout":true,"zero_offload":false}"#,
         )
         .unwrap();
         let back: CreateParams = serde_json::from_str(&serde_json::to_string(&p).unwrap()).unwrap();

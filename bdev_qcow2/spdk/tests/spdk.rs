@@ -924,9 +924,8 @@ mod real {
         // A base that zeroes itself over old data: 4 KiB writes into fresh 64 KiB clusters
         // leave the rest of each cluster to the base's WRITE_ZEROES. The last cluster is
         // written up to 4 KiB short of its end, which must read as zeros, not as the old
-        // data. (The base is SPDK's passthru over AIO with fallocate: the module does not
-        // offload zeroing to an AIO bdev itself, whose fallocate blocks the reactor, but
-        // the file lets qemu-img see what was written.)
+        // data. (AIO with fallocate zeroes natively, but with a call that blocks the
+        // reactor: the bdev offloads zeroing to it only when asked to, `zero_offload`.)
         let img = d.join("zeroing.qcow2");
         fs::write(&img, vec![0xa5u8; (80 * MIB) as usize]).unwrap();
         let short = d.join("short.raw");
@@ -941,13 +940,11 @@ mod real {
         base["params"]["fallocate"] = json!(true);
         write_config(
             &cfg,
-            vec![
-                base,
-                json!({"method": "bdev_passthru_create",
-                       "params": {"base_bdev_name": "aio0", "name": "pt0"}}),
-                format_call("pt0", 64 * MIB),
-                qcow2("q0", "pt0", None),
-            ],
+            vec![base, format_call("aio0", 64 * MIB), {
+                let mut q = qcow2("q0", "aio0", None);
+                q["params"]["zero_offload"] = json!(true);
+                q
+            }],
         );
         let args: Vec<String> = [
             "--json",
