@@ -314,6 +314,7 @@ pub async fn preallocate<D: BlockDevice>(
     // metadata cluster reused, such as the refcount table a growth replaced).
     let plain = flags == COPIED && !(geo.extended_l2 && bitmap == 0);
     let mut zeros: Option<BufSlice<D::Buf>> = None;
+    let cheap_zeroes = exec.with_device(dev, |d| d.zeroes_cheaply());
     let mut end = 0;
     {
         let _g = m.lock.lock().await;
@@ -330,9 +331,15 @@ pub async fn preallocate<D: BlockDevice>(
                 let (c0, n, fresh) = q.alloc_clusters(table_end - g).await?;
                 let (start, stop) = (c0 << geo.cluster_bits, (c0 + n) << geo.cluster_bits);
                 if plain && (mode == Preallocation::Full || !fresh) {
-                    let z = zeros.get_or_insert_with(|| {
-                        let len = ZERO_CHUNK.min(n_clusters * cs) as usize;
-                        BufSlice::whole(exec.alloc_buf(dev, len))
+                    // A device that zeroes cheaply does it itself; else zeros are written
+                    // from one buffer.
+                    let z = (!cheap_zeroes).then(|| {
+                        zeros
+                            .get_or_insert_with(|| {
+                                let len = ZERO_CHUNK.min(n_clusters * cs) as usize;
+                                BufSlice::whole(exec.alloc_buf(dev, len))
+                            })
+                            .clone()
                     });
                     // The zeros are on the device before any entry names the clusters (the
                     // write-back flushes data before the L2 slices that point at it).
@@ -340,8 +347,11 @@ pub async fn preallocate<D: BlockDevice>(
                     while off < stop {
                         let mut futs = Vec::with_capacity(ZERO_DEPTH);
                         while off < stop && futs.len() < ZERO_DEPTH {
-                            let len = (stop - off).min(z.len as u64);
-                            futs.push(exec.write(dev, off, z.sub(0, len as usize)));
+                            let len = (stop - off).min(ZERO_CHUNK);
+                            futs.push(match &z {
+                                Some(z) => exec.write(dev, off, z.sub(0, len as usize)),
+                                None => exec.write_zeroes(dev, off, len),
+                            });
                             off += len;
                         }
                         crate::exec::join_all(futs).await?;

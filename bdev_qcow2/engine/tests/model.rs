@@ -448,25 +448,30 @@ fn preallocation_on_a_device_with_old_data() {
     use qcow2_engine::create::{preallocate, Preallocation};
     let size: u64 = 8 << 20;
     let dev_len = 12 << 20;
-    for (mode, version) in [
+    // (mode, version, the device zeroes cheaply: `Full` zeroes with WriteZeroes)
+    for (mode, version, cheap_zeroes) in [
         (
             Preallocation::Metadata {
                 device_reads_zeros: false,
             },
             3,
+            false,
         ),
-        (Preallocation::Full, 3),
-        (Preallocation::Full, 2),
+        (Preallocation::Full, 3, false),
+        (Preallocation::Full, 3, true),
+        (Preallocation::Full, 2, false),
         (
             Preallocation::Metadata {
                 device_reads_zeros: false,
             },
             2,
+            false,
         ),
     ] {
-        let what = format!("{mode:?} v{version}");
+        let what = format!("{mode:?} v{version} cheap zeroes {cheap_zeroes}");
         let exec: Exec<MemDevice> = Exec::new();
         let dev = MemDevice::fixed(vec![0xab; dev_len], dev_len);
+        dev.0.borrow_mut().cheap_zeroes = cheap_zeroes;
         let id = exec.add_device(dev.clone());
         let e2 = exec.clone();
         let opts = CreateOptions {
@@ -485,6 +490,11 @@ fn preallocation_on_a_device_with_old_data() {
             continue;
         }
         r.unwrap_or_else(|e| panic!("{what}: {e}"));
+        assert_eq!(
+            dev.0.borrow().zero_writes > 0,
+            cheap_zeroes,
+            "{what}: zeroed by the device exactly when it zeroes cheaply"
+        );
         // Metadata: preallocated zero clusters (nothing written); full: data.
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("img.qcow2");
