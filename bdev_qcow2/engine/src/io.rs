@@ -144,10 +144,10 @@ pub trait BlockDevice: 'static {
         false
     }
     /// Whether [`DeviceOp::WriteZeroes`] costs less than writing zeros: the device zeroes
-    /// without a data transfer (an NVMe namespace, a thin volume, a malloc bdev). Only then
-    /// does the engine zero the rest of a newly allocated cluster with it rather than write
-    /// the cluster whole from a zeroed buffer (as QEMU does). Every device takes the
-    /// operation either way.
+    /// without a data transfer (an NVMe namespace). Only then does the engine zero what a
+    /// first write leaves of a new cluster with it (as QEMU does), and a full preallocation
+    /// with it, rather than write zeros from a buffer. Every device takes the operation
+    /// either way.
     fn zeroes_cheaply(&self) -> bool {
         false
     }

@@ -202,7 +202,7 @@ pub struct SpdkDevice {
     block_size: u64,
     num_blocks: u64,
     buf_align: usize,
-    /// The bdev zeroes blocks itself without a data transfer ([`zeroes_cheaply`]).
+    /// The engine leaves zeroing to the bdev ([`zero_offload`]).
     cheap_zeroes: bool,
     pool: NonNull<Pool>,
 }
@@ -436,8 +436,8 @@ unsafe extern "C" fn io_done(bdev_io: *mut sys::spdk_bdev_io, success: bool, cb_
     }
 }
 
-/// Whether the engine leaves zeroing to the bdev behind `desc` ([`BlockDevice::zeroes_cheaply`]):
-/// with `force` unset, where it is an NVMe bdev (a Write Zeroes command moves no data);
+/// Whether the engine leaves zeroing to the bdev behind `desc`
+/// ([`BlockDevice::zeroes_cheaply`]): with `force` unset, where it is an NVMe bdev (a Write Zeroes command moves no data);
 /// with `Some(true)`, wherever its module zeroes itself; never with `Some(false)`. SPDK's
 /// own emulation (writes of a zeroed buffer) never counts. Elsewhere zeroing costs as much
 /// or more than the write it replaces: malloc fills as fast as it copies; a thin lvol
