@@ -440,10 +440,10 @@ unsafe extern "C" fn io_done(bdev_io: *mut sys::spdk_bdev_io, success: bool, cb_
 /// ([`BlockDevice::zeroes_cheaply`]): with `force` unset, where it is an NVMe bdev (a Write
 /// Zeroes command moves no data); with `Some(true)`, wherever its module zeroes itself;
 /// never with `Some(false)`. SPDK's own emulation (writes of a zeroed buffer) never
-/// counts. Elsewhere zeroing costs as much or more than the write it replaces: malloc fills as fast as it copies; a thin lvol
-/// allocates the cluster for a write of zeros like for data; AIO zeroes with an
-/// `fallocate` that blocks the reactor (4 KiB first writes into fresh 64 KiB clusters ran
-/// at 0.15-0.5x of one write from a zeroed buffer).
+/// counts. Elsewhere zeroing costs as much or more than the write it replaces: malloc
+/// fills as fast as it copies; a thin lvol allocates the cluster for a write of zeros like
+/// for data; AIO zeroes with an `fallocate` that blocks the reactor (4 KiB first writes
+/// into fresh 64 KiB clusters ran at 0.15-0.5x of one write from a zeroed buffer).
 pub fn zero_offload(desc: &Desc, force: Option<bool>) -> bool {
     let native = desc.supports_natively(sys::SPDK_BDEV_IO_TYPE_WRITE_ZEROES);
     match force {
