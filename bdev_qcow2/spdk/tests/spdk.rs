@@ -828,6 +828,19 @@ mod real {
         );
     }
 
+    /// `qemu-img compare` of the qcow2 image `img` with the raw file `raw`: equal.
+    fn compare_with_raw(img: &Path, raw: &Path) {
+        run_ok(Command::new("qemu-img").args([
+            "compare",
+            "-f",
+            "qcow2",
+            "-F",
+            "raw",
+            s(img),
+            s(raw),
+        ]));
+    }
+
     /// `qemu-img check` on `img`: no corruption (leaks allowed: exit 0 or 3).
     fn check_no_corruption(img: &Path, what: &str) {
         let out = Command::new("qemu-img")
@@ -907,15 +920,7 @@ mod real {
             assert!(ok, "spdk_dd failed:\n{text}");
             check_clean(&img, how);
             assert_front_to_back(&img, how);
-            run_ok(Command::new("qemu-img").args([
-                "compare",
-                "-f",
-                "qcow2",
-                "-F",
-                "raw",
-                s(&img),
-                s(&raw),
-            ]));
+            compare_with_raw(&img, &raw);
             say(&format!(
                 "{how}: spdk_dd wrote 64 MiB into q0; qemu-img check clean, compare equal, laid out front to back"
             ));
@@ -961,15 +966,7 @@ mod real {
         let (ok, text) = spawn_spdk("spdk_dd", &args, &d.join("zeroing.dd.log")).wait(120);
         assert!(ok, "spdk_dd failed:\n{text}");
         check_clean(&img, "zeroing base");
-        run_ok(Command::new("qemu-img").args([
-            "compare",
-            "-f",
-            "qcow2",
-            "-F",
-            "raw",
-            s(&img),
-            s(&want),
-        ]));
+        compare_with_raw(&img, &want);
         say("base that zeroes: spdk_dd wrote 64 MiB - 4 KiB in 4 KiB blocks over old data; qemu-img check clean, zeros where nothing was written");
     }
 
@@ -1626,15 +1623,7 @@ mod real {
 
         t.stop();
         check_clean(&img, "nvmf");
-        run_ok(Command::new("qemu-img").args([
-            "compare",
-            "-f",
-            "qcow2",
-            "-F",
-            "raw",
-            s(&img),
-            s(&raw),
-        ]));
+        compare_with_raw(&img, &raw);
         say("nvmf: after spdk_tgt shut down, qemu-img check clean and compare equal");
     }
 
