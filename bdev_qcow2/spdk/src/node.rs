@@ -68,10 +68,13 @@ pub struct ImageInfo {
     pub backing_bdev: Option<String>,
     /// Whether the bdev refuses writes (`read_only` of the create call).
     pub read_only: bool,
+    /// Whether partial first writes leave their zeros to the base's WRITE_ZEROES (the
+    /// `zero_offload` of the create call, or its default for this base).
+    pub zero_offload: bool,
 }
 
 impl ImageInfo {
-    fn of<D: BlockDevice>(q: &Qcow2<D>, p: &CreateParams) -> ImageInfo {
+    fn of<D: BlockDevice>(q: &Qcow2<D>, p: &CreateParams, zero_offload: bool) -> ImageInfo {
         let h = q.header();
         ImageInfo {
             virtual_size: q.size(),
@@ -93,6 +96,7 @@ impl ImageInfo {
             base_bdev: p.base_bdev.clone(),
             backing_bdev: p.backing_bdev.clone(),
             read_only: p.read_only,
+            zero_offload: zero_offload && !p.read_only,
         }
     }
 }
@@ -233,7 +237,8 @@ pub fn create(params: CreateParams, done: Done) {
         let m = format!("no I/O channel for base bdev {}", params.base_bdev);
         return fail(&name, [Some(base), backing], done, libc::ENOMEM, m);
     };
-    dev.set_zero_offload(crate::device::zero_offload(&base, params.zero_offload));
+    let zero_offload = crate::device::zero_offload(&base, params.zero_offload);
+    dev.set_zero_offload(zero_offload);
     let dev = exec.add_device(dev);
     let mut backing_dev = None;
     if let (Some(b), false) = (&backing, params.read_only) {
@@ -254,7 +259,7 @@ pub fn create(params: CreateParams, done: Done) {
         exec.spawn(async move {
             let r = Qcow2::open(&exec2, dev, opts)
                 .await
-                .map(|q| (ImageInfo::of(&q, &p2), q));
+                .map(|q| (ImageInfo::of(&q, &p2, zero_offload), q));
             *result2.borrow_mut() = Some(r);
         });
     }

@@ -675,6 +675,24 @@ mod real {
         assert_eq!(q0["num_blocks"], json!(96 * 2048));
         assert_eq!(q0["driver_specific"]["qcow2"]["cluster_size"], json!(65536));
         assert_eq!(t.bdev("aio0").unwrap()["claimed"], json!(true));
+        // Zero offload: off by default on an AIO base (its fallocate blocks the reactor)
+        // and on malloc; on when asked for where the base zeroes natively.
+        assert_eq!(q0["driver_specific"]["qcow2"]["zero_offload"], json!(false));
+        t.rpc(&["bdev_malloc_create", "-b", "mz", "16", "512"]);
+        t.rpc(&["bdev_qcow2_format", "mz", "-s", "8388608"]);
+        for (flag, on) in [(None, false), (Some("--zero-offload"), true)] {
+            let mut args = vec!["bdev_qcow2_create", "-b", "qz", "--base-bdev", "mz"];
+            args.extend(flag);
+            t.rpc(&args);
+            let qz = t.bdev("qz").expect("qz registered");
+            assert_eq!(
+                qz["driver_specific"]["qcow2"]["zero_offload"],
+                json!(on),
+                "malloc base, {flag:?}"
+            );
+            t.rpc(&["bdev_qcow2_delete", "qz"]);
+        }
+        t.rpc(&["bdev_malloc_delete", "mz"]);
         // A second bdev on the same base is refused? No: read-only claims are shared; but
         // the same name is refused.
         let (ok, text) = t.try_rpc(&["bdev_qcow2_create", "-b", "q0", "--base-bdev", "aio0"]);
