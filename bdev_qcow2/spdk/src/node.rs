@@ -504,7 +504,7 @@ fn register(
     // SAFETY: registered node, immutable info.
     let i = unsafe { &(*node).info };
     tracing::info!(
-        "created qcow2 bdev {name} on {} ({} bytes, cluster {}, v{}{})",
+        "created qcow2 bdev {name} on {} ({} bytes, cluster {}, v{}{}{})",
         i.base_bdev,
         i.virtual_size,
         i.cluster_size,
@@ -512,7 +512,8 @@ fn register(
         i.backing_bdev
             .as_ref()
             .map(|b| format!(", backing {b}"))
-            .unwrap_or_default()
+            .unwrap_or_default(),
+        if i.zero_offload { ", zero offload" } else { "" }
     );
     done(Ok(name));
 }

@@ -1576,19 +1576,23 @@ mod real {
                         "traddr": "127.0.0.1", "trsvcid": port, "subnqn": nqn}},
             {"method": "bdev_wait_for_examine"}]}]});
         fs::write(&cfg, serde_json::to_vec_pretty(&cfg_json).unwrap()).unwrap();
-        let initiator = |app: &str, tag: &str, extra: &[&str], secs: u64| -> String {
+        let initiator_with = |cfg: &Path, app: &str, tag: &str, extra: &[&str], secs: u64| {
             let (ok, text) = run_timed(
                 Command::new(app)
+                    .env("LD_PRELOAD", module_so())
                     .arg("-u")
                     .args(mem_args())
                     .args(["--disable-cpumask-locks", "-m", initiator_mask()])
-                    .args(["--json", s(&cfg)])
+                    .args(["--json", s(cfg)])
                     .args(extra),
                 &d.join(format!("{tag}.log")),
                 secs,
             );
             assert!(ok, "{app} ({tag}) failed:\n{text}\n{}", t.log_text());
             text
+        };
+        let initiator = |app: &str, tag: &str, extra: &[&str], secs: u64| -> String {
+            initiator_with(&cfg, app, tag, extra, secs)
         };
         for o in ["4096", "65536"] {
             let text = initiator(
@@ -1621,6 +1625,64 @@ mod real {
             "spdk_dd over NVMe-oF read back something else than it wrote"
         );
         say("spdk_dd over NVMe-oF/TCP: 64 MiB written and read back equal");
+
+        // A qcow2 image on the initiator's nvme bdev: zero offload is on by default there,
+        // and 4 KiB first writes into fresh 64 KiB clusters leave the rest of each cluster
+        // to Write Zeroes commands over the fabric. The namespace holds old data first; the
+        // last cluster is written up to 4 KiB short of its end, which must read as zeros.
+        let old = d.join("old.raw");
+        fs::write(&old, vec![0xa5u8; (64 * MIB) as usize]).unwrap();
+        initiator(
+            "spdk_dd",
+            "dd-old",
+            &["--if", s(&old), "--ob", "nvme0n1", "--bs", "1048576"],
+            120,
+        );
+        let inner_size = 48 * MIB;
+        let mut data = fs::read(&raw).unwrap();
+        data.truncate((inner_size - 4096) as usize);
+        let short = d.join("inner-short.raw");
+        fs::write(&short, &data).unwrap();
+        data.resize(inner_size as usize, 0);
+        let want = d.join("inner-want.raw");
+        fs::write(&want, &data).unwrap();
+        let cfg2 = d.join("inner.json");
+        let mut calls = cfg_json["subsystems"][0]["config"]
+            .as_array()
+            .unwrap()
+            .clone();
+        calls.pop(); // bdev_wait_for_examine, appended again by write_config
+        calls.push(format_call("nvme0n1", inner_size));
+        calls.push(qcow2("qi", "nvme0n1", None));
+        write_config(&cfg2, calls);
+        let text = initiator_with(
+            &cfg2,
+            "spdk_dd",
+            "dd-inner",
+            &["--if", s(&short), "--ob", "qi", "--bs", "4096"],
+            120,
+        );
+        assert!(
+            text.contains("created qcow2 bdev qi on nvme0n1") && text.contains("zero offload"),
+            "zero offload on by default on an nvme bdev:\n{text}"
+        );
+        let inner = d.join("inner.qcow2");
+        initiator(
+            "spdk_dd",
+            "dd-inner-out",
+            &["--ib", "nvme0n1", "--of", s(&inner), "--bs", "1048576"],
+            120,
+        );
+        check_clean(&inner, "qcow2 on the nvme bdev");
+        compare_with_raw(&inner, &want);
+        say("qcow2 on an nvme bdev (NVMe-oF/TCP): zero offload on by default; 48 MiB - 4 KiB written in 4 KiB blocks over old data, qemu-img check clean, zeros where nothing was written");
+        // The namespace holds `raw` again for what follows.
+        initiator(
+            "spdk_dd",
+            "dd-write-again",
+            &["--if", s(&raw), "--ob", "nvme0n1", "--bs", "1048576"],
+            120,
+        );
 
         match kernel_initiator(d, &port, nqn, &raw) {
             Ok(()) => say("kernel nvme-tcp (nvme-cli): wrote and read back the namespace"),
