@@ -11,6 +11,7 @@
 #   SKIP_LVOL=1 tests/spdk_bench.sh           # without the thin-lvol comparison
 #   SKIP_2CORE=1 tests/spdk_bench.sh          # without the two-core (-m 0x3 -C) figures
 #   SKIP_WRITABLE=1 tests/spdk_bench.sh       # without the writable-vs-passthru figures
+#   SKIP_NVMF=1 tests/spdk_bench.sh           # without the zero-offload figure (NVMe-oF)
 #   FIRST_LAT="20 80" tests/spdk_bench.sh     # delay-bdev latencies (µs) for first writes
 #   ROUNDS=5 tests/spdk_bench.sh              # processes to average, fresh vs full (3)
 #   PAIRS=20 PAIR_SECS=2 tests/spdk_bench.sh  # interleaved qcow2/passthru runs per figure
@@ -261,7 +262,59 @@ if [ -z "${SKIP_WRITABLE:-}" ]; then
   fi
 fi
 
-# 3. First writes: a fresh thin-provisioned lvol vs a freshly formatted qcow2 image, both
+# 3. Zero offload on an nvme bdev: spdk_tgt on core 0 exports a malloc namespace over
+#    NVMe-oF/TCP on 127.0.0.1; bdevperf on core 1 attaches it (bdev_nvme_attach_controller),
+#    formats a fresh 1 GiB image with 64 KiB clusters on it and runs 4 KiB random writes
+#    (QD32, 2 s: first writes, then overwrites) with `zero_offload` on and off, in
+#    alternating processes (ZO_PAIRS pairs, default 6, after one pair not counted). On, a
+#    partial first write leaves the rest of its cluster to Write Zeroes commands; off, it
+#    writes the cluster whole.
+if [ -z "${SKIP_NVMF:-}" ] && command -v spdk_tgt >/dev/null && [ "$(nproc)" -ge 2 ]; then
+  port=$(/usr/bin/python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+  nqn=nqn.2016-06.io.spdk:qcow2-bench
+  rm -f "$DIR/tgt.sock"
+  timeout -k 5 1200 spdk_tgt --no-huge -s 4096 -m 0x1 --disable-cpumask-locks -r "$DIR/tgt.sock" >"$DIR/tgt.log" 2>&1 &
+  TPID=$!
+  for _ in $(seq 100); do [ -S "$DIR/tgt.sock" ] && break; sleep 0.2; done
+  trpc() { timeout 60 /usr/bin/python3 "${RPC_PY:-/opt/spdk-src/scripts/rpc.py}" -s "$DIR/tgt.sock" "$@" >/dev/null; }
+  trpc bdev_malloc_create -b m0 1100 512
+  trpc nvmf_create_transport -t TCP
+  trpc nvmf_create_subsystem "$nqn" -a -s QCOW2BENCH01
+  trpc nvmf_subsystem_add_ns "$nqn" m0
+  trpc nvmf_subsystem_add_listener "$nqn" -t tcp -f ipv4 -a 127.0.0.1 -s "$port"
+  : >"$DIR/zo.txt"
+  # A first run, not counted, touches the target's malloc (page faults) where the images go.
+  for i in $(seq 0 "${ZO_PAIRS:-6}"); do
+    line=""
+    for zo in true false; do
+      printf '{"subsystems":[{"subsystem":"bdev","config":[
+{"method":"bdev_nvme_attach_controller","params":{"name":"nvme0","trtype":"tcp","adrfam":"ipv4","traddr":"127.0.0.1","trsvcid":"%s","subnqn":"%s"}},
+{"method":"bdev_qcow2_format","params":{"base_bdev":"nvme0n1","size":1073741824,"cluster_size":65536}},
+{"method":"bdev_qcow2_create","params":{"name":"X","base_bdev":"nvme0n1","zero_offload":%s}},
+{"method":"bdev_wait_for_examine"}]}]}' "$port" "$nqn" "$zo" >"$DIR/zo.json"
+      timeout -k 5 120 env LD_PRELOAD="$SO" bdevperf -u --no-huge -s 1024 --disable-cpumask-locks \
+        --json "$DIR/zo.json" -m 0x2 -T X -q 32 -o 4096 -w randwrite -t 2 >"$DIR/zo.out" 2>&1 ||
+        { cat "$DIR/zo.out"; echo "bdevperf failed" >&2; exit 1; }
+      line="$line $(iops "$DIR/zo.out" X)"
+    done
+    [ "$i" = 0 ] || echo "$line" >>"$DIR/zo.txt"
+  done
+  kill "$TPID" 2>/dev/null || true
+  wait "$TPID" 2>/dev/null || true
+  /usr/bin/python3 - "$DIR/zo.txt" <<'PY'
+import statistics, sys
+rows = [tuple(map(float, l.split())) for l in open(sys.argv[1]) if l.strip()]
+r = sorted(a / b for a, b in rows)
+qs = statistics.quantiles(r, n=4) if len(r) > 1 else [r[0]] * 3
+print("zero offload, qcow2 (64 KiB clusters, 1 GiB, fresh) on an nvme bdev (NVMe-oF/TCP "
+      "loopback to a malloc namespace), randwrite 4096 B QD32 2 s: on %.0f off %.0f IOPS "
+      "(means), ratio on/off %.3f (median of %d alternating pairs; quartiles %.3f-%.3f)"
+      % (statistics.mean(a for a, _ in rows), statistics.mean(b for _, b in rows),
+         statistics.median(r), len(r), qs[0], qs[2]))
+PY
+fi
+
+# 4. First writes: a fresh thin-provisioned lvol vs a freshly formatted qcow2 image, both
 #    with 64 KiB clusters (LVS_CLUSTER), each in its own process, QD32 for 1 s:
 #    - sequential 64 KiB writes on 8 GiB volumes (FIRST_GIB) over a malloc of 9 GiB of
 #      ordinary memory: a 1 s run stays below the end of the volume, so every write
