@@ -1594,6 +1594,15 @@ mod real {
         let initiator = |app: &str, tag: &str, extra: &[&str], secs: u64| -> String {
             initiator_with(&cfg, app, tag, extra, secs)
         };
+        // spdk_dd of a whole file onto the namespace, or of the namespace into a file.
+        let dd_to_ns = |tag: &str, file: &Path| {
+            let args = ["--if", s(file), "--ob", "nvme0n1", "--bs", "1048576"];
+            initiator("spdk_dd", tag, &args, 120);
+        };
+        let dd_from_ns = |tag: &str, file: &Path| {
+            let args = ["--ib", "nvme0n1", "--of", s(file), "--bs", "1048576"];
+            initiator("spdk_dd", tag, &args, 120);
+        };
         for o in ["4096", "65536"] {
             let text = initiator(
                 "bdevperf",
@@ -1607,19 +1616,9 @@ mod real {
                 "bdevperf -w verify -o {o} -q 32 over NVMe-oF/TCP: {iops:.0} IOPS, 0 failures"
             ));
         }
-        initiator(
-            "spdk_dd",
-            "dd-write",
-            &["--if", s(&raw), "--ob", "nvme0n1", "--bs", "1048576"],
-            120,
-        );
+        dd_to_ns("dd-write", &raw);
         let back = d.join("back.raw");
-        initiator(
-            "spdk_dd",
-            "dd-read",
-            &["--ib", "nvme0n1", "--of", s(&back), "--bs", "1048576"],
-            120,
-        );
+        dd_from_ns("dd-read", &back);
         assert!(
             fs::read(&back).unwrap() == fs::read(&raw).unwrap(),
             "spdk_dd over NVMe-oF read back something else than it wrote"
@@ -1632,12 +1631,7 @@ mod real {
         // last cluster is written up to 4 KiB short of its end, which must read as zeros.
         let old = d.join("old.raw");
         fs::write(&old, vec![0xa5u8; (64 * MIB) as usize]).unwrap();
-        initiator(
-            "spdk_dd",
-            "dd-old",
-            &["--if", s(&old), "--ob", "nvme0n1", "--bs", "1048576"],
-            120,
-        );
+        dd_to_ns("dd-old", &old);
         let inner_size = 48 * MIB;
         let mut data = fs::read(&raw).unwrap();
         data.truncate((inner_size - 4096) as usize);
@@ -1667,22 +1661,12 @@ mod real {
             "zero offload on by default on an nvme bdev:\n{text}"
         );
         let inner = d.join("inner.qcow2");
-        initiator(
-            "spdk_dd",
-            "dd-inner-out",
-            &["--ib", "nvme0n1", "--of", s(&inner), "--bs", "1048576"],
-            120,
-        );
+        dd_from_ns("dd-inner-out", &inner);
         check_clean(&inner, "qcow2 on the nvme bdev");
         compare_with_raw(&inner, &want);
         say("qcow2 on an nvme bdev (NVMe-oF/TCP): zero offload on by default; 48 MiB - 4 KiB written in 4 KiB blocks over old data, qemu-img check clean, zeros where nothing was written");
         // The namespace holds `raw` again for what follows.
-        initiator(
-            "spdk_dd",
-            "dd-write-again",
-            &["--if", s(&raw), "--ob", "nvme0n1", "--bs", "1048576"],
-            120,
-        );
+        dd_to_ns("dd-write-again", &raw);
 
         match kernel_initiator(d, &port, nqn, &raw) {
             Ok(()) => say("kernel nvme-tcp (nvme-cli): wrote and read back the namespace"),
