@@ -408,6 +408,84 @@ impl<T: Copy + Default, A: Copy + Default> SetAssocCache<T, A> {
     }
 }
 
+/// Slots of a [`LinearMemo`] (a power of two).
+pub const MEMO_SLOTS: usize = 64;
+
+/// A tiny direct-mapped memo in front of the L2 slice cache, for the direct path: for a few
+/// **linear** slices (see [`LinearSlice`](crate::format::entries::LinearSlice)), where the
+/// slice's clusters start on the device, under which epoch that was read, and nothing else.
+/// A hit is one load and two compares, where the set-associative look-up hashes the key,
+/// reads the slot, the summary and the LRU clock and writes the rank back.
+///
+/// Its entries are copies, valid on their own: on a core replica the epoch check is the same
+/// one the slice cache makes (DESIGN.md §5), and the owner (whose epochs do not move) forgets
+/// a slice whenever it changes or re-caches it (`Qcow2::set_l2_words`, `Qcow2::cache_slice`).
+/// So an entry may outlive its slice's place in the cache: the mapping it records is still
+/// the slice's under that epoch.
+pub struct LinearMemo {
+    slots: [std::cell::Cell<MemoSlot>; MEMO_SLOTS],
+    hits: std::cell::Cell<u64>,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct MemoSlot {
+    key: u64,
+    host: u64,
+    epoch: u32,
+}
+
+impl Default for LinearMemo {
+    fn default() -> Self {
+        LinearMemo {
+            slots: std::array::from_fn(|_| {
+                std::cell::Cell::new(MemoSlot {
+                    key: INVALID,
+                    host: 0,
+                    epoch: 0,
+                })
+            }),
+            hits: std::cell::Cell::new(0),
+        }
+    }
+}
+
+impl LinearMemo {
+    /// Where linear slice `key`, read under `epoch`, starts on the device, if remembered
+    /// (counted as a hit).
+    #[inline(always)]
+    pub fn get(&self, key: u64, epoch: u32) -> Option<u64> {
+        let s = self.slots[key as usize & (MEMO_SLOTS - 1)].get();
+        if s.key != key || s.epoch != epoch {
+            return None;
+        }
+        self.hits.set(self.hits.get() + 1);
+        Some(s.host)
+    }
+
+    /// Remembers that linear slice `key`, read under `epoch`, starts at `host`.
+    pub fn remember(&self, key: u64, host: u64, epoch: u32) {
+        self.slots[key as usize & (MEMO_SLOTS - 1)].set(MemoSlot { key, host, epoch });
+    }
+
+    /// Forgets slice `key` (it changed, or its cached copy is being replaced).
+    #[inline]
+    pub fn forget(&self, key: u64) {
+        let slot = &self.slots[key as usize & (MEMO_SLOTS - 1)];
+        if slot.get().key == key {
+            slot.set(MemoSlot {
+                key: INVALID,
+                host: 0,
+                epoch: 0,
+            });
+        }
+    }
+
+    /// Look-ups it answered.
+    pub fn hits(&self) -> u64 {
+        self.hits.get()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

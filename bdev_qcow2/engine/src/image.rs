@@ -1,7 +1,7 @@
 //! An open qcow2 image: validated header, L1 table, refcount table, snapshot table and the
 //! per-core caches of L2 slices and refcount blocks.
 
-use crate::cache::{CacheConfig, CacheStats, SetAssocCache};
+use crate::cache::{CacheConfig, CacheStats, LinearMemo, SetAssocCache};
 use crate::coherency::{Shared, SliceReply};
 use crate::error::{corrupt, invalid, Error, Field, Result};
 use crate::exec::{DevId, Exec, WaitQueue};
@@ -68,6 +68,8 @@ pub struct Qcow2<D: BlockDevice> {
     pub(crate) refcount_table: RefCell<Vec<u64>>,
     pub(crate) snapshots: Vec<Snapshot>,
     pub(crate) l2_cache: RefCell<SetAssocCache<u64, LinearSlice>>,
+    /// The direct path's memo of linear slices, in front of `l2_cache`.
+    pub(crate) memo: LinearMemo,
     pub(crate) rc_cache: RefCell<SetAssocCache<u8>>,
     /// Owner-side state for writes (None when opened read-only).
     pub(crate) meta: Option<crate::meta::Meta<D>>,
@@ -247,6 +249,7 @@ impl<D: BlockDevice> Qcow2<D> {
             refcount_table: RefCell::new(refcount_table),
             snapshots,
             l2_cache: RefCell::new(l2_cache),
+            memo: LinearMemo::default(),
             rc_cache: RefCell::new(rc_cache),
             meta,
             shared: None,
@@ -345,6 +348,7 @@ impl<D: BlockDevice> Qcow2<D> {
             refcount_table: RefCell::new(refcount_table),
             snapshots: self.snapshots.clone(),
             l2_cache: RefCell::new(l2_cache),
+            memo: LinearMemo::default(),
             rc_cache: RefCell::new(rc_cache),
             meta: None,
             shared: None,
@@ -460,6 +464,7 @@ impl<D: BlockDevice> Qcow2<D> {
             refcount_table: RefCell::new(Vec::new()),
             snapshots: seed.snapshots,
             l2_cache: RefCell::new(l2_cache),
+            memo: LinearMemo::default(),
             rc_cache: RefCell::new(rc_cache),
             meta: None,
             shared: Some(seed.shared),
@@ -587,7 +592,9 @@ impl<D: BlockDevice> Qcow2<D> {
     }
     /// L2 slice cache counters.
     pub fn l2_cache_stats(&self) -> CacheStats {
-        self.l2_cache.borrow().stats()
+        let mut s = self.l2_cache.borrow().stats();
+        s.hits += self.memo.hits();
+        s
     }
     /// The metadata owner's counters (`None` unless opened writable).
     pub fn owner_stats(&self) -> Option<crate::meta::OwnerStats> {
@@ -727,16 +734,34 @@ impl<D: BlockDevice> Qcow2<D> {
     /// there, and the general look-up would find the same; `Err(false)` otherwise.
     #[inline(always)]
     pub(crate) fn cached_extent_or(&self, off: u64, len: u64, copied: bool) -> Result<u64, bool> {
-        if len == 0 {
-            return Err(false);
-        }
         let key = self.geo.slice_id(GuestOffset(off));
         let coverage = self.geo.slice_coverage();
         let within = off & (coverage - 1);
-        if within + len > coverage {
+        if len == 0 || within + len > coverage {
             return Err(false);
         }
         let epoch = self.cur_epoch(key);
+        // A linear slice remembered under the current epoch: its clusters are COPIED data
+        // inside the device (checked when remembered).
+        if let Some(first) = self.memo.get(key, epoch) {
+            return Ok(first + within);
+        }
+        self.cached_extent_in_cache(off, len, copied, key, epoch)
+    }
+
+    /// [`cached_extent_or`](Self::cached_extent_or) past the memo: the slice cache (out of
+    /// line, so that the memo's hit stays small).
+    #[inline(never)]
+    fn cached_extent_in_cache(
+        &self,
+        off: u64,
+        len: u64,
+        copied: bool,
+        key: u64,
+        epoch: u32,
+    ) -> Result<u64, bool> {
+        let coverage = self.geo.slice_coverage();
+        let within = off & (coverage - 1);
         let Ok(mut cache) = self.l2_cache.try_borrow_mut() else {
             return Err(false);
         };
@@ -753,6 +778,14 @@ impl<D: BlockDevice> Qcow2<D> {
                 // checks each cluster the same way).
                 if (host + len).next_multiple_of(cs) > ctx.device_size {
                     return Err(false);
+                }
+                // The whole slice inside the device: every request within it passes the
+                // check above.
+                if first
+                    .checked_add(coverage)
+                    .is_some_and(|e| e <= ctx.device_size)
+                {
+                    self.memo.remember(key, first, epoch);
                 }
                 host
             }
@@ -892,6 +925,7 @@ impl<D: BlockDevice> Qcow2<D> {
     /// Caches slice `key` read under `epoch` (`fill` writes its words) with its summary
     /// ([`LinearSlice`]); returns the way. Every L2 slice enters the cache here.
     pub(crate) fn cache_slice(&self, key: u64, epoch: u32, fill: impl FnOnce(&mut [u64])) -> usize {
+        self.memo.forget(key);
         let mut cache = self.l2_cache.borrow_mut();
         let w = cache.insert_with(key, epoch, fill);
         let lin = LinearSlice::of(

@@ -494,6 +494,8 @@ impl<D: BlockDevice> Qcow2<D> {
         let m = self.meta()?;
         let key = self.geo.slice_id(off);
         let i = self.geo.index_in_slice(off) as usize;
+        // The direct path must not use what it remembered of the slice before the change.
+        self.memo.forget(key);
         let ext = self.geo.extended_l2;
         let put = |b: &mut [u64]| {
             if ext {

@@ -883,6 +883,47 @@ fn route(chain: &Chain<Channel>, off: u64, len: u64) -> &'static str {
     }
 }
 
+/// The direct path's memo of linear slices (`LinearMemo`) answers only under the epoch it
+/// remembered: once the owner discards a cluster of a linear slice the core mapped, the
+/// core's direct path no longer maps that cluster (it reads zeros), and still maps the
+/// others where they are.
+#[test]
+fn core_direct_path_drops_a_remembered_linear_slice_the_owner_changed() {
+    let mut rig = Rig::new(9, 1, false, 1);
+    let cs = 4096u64;
+    // 512-byte slices: 64 entries, 256 KiB. One write allocates them in order.
+    let cov = 64 * cs;
+    write_sync(&mut rig, 1, 0, 41, cov);
+    flush_sync(&mut rig, 2);
+    let core = rig.chains[1].clone();
+    assert_eq!(core_read(&mut rig, 1, 3, 0, cs), vec![41; 8]);
+    let map = |off: u64| {
+        core.map_direct(off, cs, false).map(|d| {
+            core.exec().guest_exit(d.parity);
+            d.host
+        })
+    };
+    let whole = core
+        .map_direct(0, cov, false)
+        .expect("a linear slice maps whole");
+    core.exec().guest_exit(whole.parity);
+    let h0 = whole.host;
+    // Remembered: these hit the memo.
+    let hits = image(&core).l2_cache_stats().hits;
+    assert_eq!(map(0), Some(h0));
+    assert_eq!(map(7 * cs), Some(h0 + 7 * cs));
+    assert_eq!(image(&core).l2_cache_stats().hits, hits + 2);
+    // The owner discards cluster 0 (the slice's epoch moves).
+    rig.chains[0].submit_discard(4, 0, cs);
+    rig.run(4).unwrap();
+    assert_eq!(map(0), None, "a discarded cluster is not mapped");
+    assert_eq!(core_read(&mut rig, 1, 5, 0, cs), vec![0; 8]);
+    assert_eq!(map(0), None, "nor after the core fetched the changed slice");
+    assert_eq!(map(7 * cs), Some(h0 + 7 * cs));
+    assert_eq!(core_read(&mut rig, 1, 6, 7 * cs, cs), vec![41; 8]);
+    rig.close();
+}
+
 #[test]
 fn core_routes_writes_by_its_cached_slice() {
     // `Chain::route_write` on a core: an uncached slice is loaded here first (local); a

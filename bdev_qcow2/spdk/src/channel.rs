@@ -325,11 +325,13 @@ impl Channel {
         let (off, len) = (io.offset_blocks() * bs, io.num_blocks() * bs);
         chain.read_ahead(off, len);
         self.own(io);
+        let target = self.direct.as_ref();
         if submit_direct(
             chain,
             &self.exec,
-            self.direct.as_ref(),
+            target,
             io,
+            (off, len, false),
             chan_direct_done,
         ) {
             return;
@@ -421,7 +423,9 @@ impl Channel {
             }
             WriteRoute::Direct(d) => {
                 self.own(io);
-                if submit_mapped(&self.exec, self.direct.as_ref(), io, d, chan_direct_done) {
+                let target = self.direct.as_ref();
+                if submit_mapped(&self.exec, target, io, d, (len, true), chan_direct_done) {
+                    self.local_writes.set(self.local_writes.get() + 1);
                     return;
                 }
             }
@@ -504,59 +508,68 @@ fn current_thread_name() -> String {
     }
 }
 
-/// The direct path for a guest read or write (`Chain::map_direct`): when the request maps,
-/// from cached metadata alone, to one extent of the base, its own iovecs go straight to the
-/// base bdev — one child bdev_io, like SPDK's passthru — and `done` completes it (it must
-/// leave the grace period with the parity stored in the driver context). Returns false,
-/// having submitted nothing, when the engine must run it (slice miss, allocation, several
-/// extents, zeros, backing, base busy: the engine queues for SPDK's bdev_io pool).
+/// The direct path for a guest read or write (`Chain::map_direct`) of `len` bytes at guest
+/// byte `off` (`(off, len, write)`, taken from `io`): when the request maps, from cached
+/// metadata alone, to one extent of the base, its own iovecs go straight to the base bdev —
+/// one child bdev_io, like SPDK's passthru — and `done` completes it (it must leave the
+/// grace period with the parity stored in the driver context). Returns false, having
+/// submitted nothing, when the engine must run it (slice miss, allocation, several extents,
+/// zeros, backing, base busy: the engine queues for SPDK's bdev_io pool).
 #[inline(always)]
 pub fn submit_direct(
     chain: &Chain<SpdkDevice>,
     exec: &Exec<SpdkDevice>,
     target: Option<&DirectTarget>,
     io: BdevIo,
+    (off, len, write): (u64, u64, bool),
     done: unsafe extern "C" fn(*mut sys::spdk_bdev_io, bool, *mut c_void),
 ) -> bool {
     if target.is_none() {
         return false;
     }
-    let bs = u64::from(BLOCK_SIZE);
-    let write = io.io_type() == sys::SPDK_BDEV_IO_TYPE_WRITE;
-    let Some(d) = chain.map_direct(io.offset_blocks() * bs, io.num_blocks() * bs, write) else {
+    let Some(d) = chain.map_direct(off, len, write) else {
         return false;
     };
-    let ok = submit_mapped(exec, target, io, d, done);
+    let ok = submit_mapped(exec, target, io, d, (len, write), done);
     if ok && !write {
         chain.count_direct_read();
     }
     ok
 }
 
-/// Submits a request mapped to one extent (`Chain::map_direct`, `Chain::route_write`) to
-/// the base with the bdev_io's own iovecs; on refusal (another device, no target, base busy)
-/// leaves the grace period and returns false, having submitted nothing.
+/// Submits a request of `len` bytes mapped to one extent (`Chain::map_direct`,
+/// `Chain::route_write`) to the base with the bdev_io's own iovecs; on refusal (another
+/// device, no target, base busy) leaves the grace period and returns false, having
+/// submitted nothing.
 #[inline(always)]
 pub fn submit_mapped(
     exec: &Exec<SpdkDevice>,
     target: Option<&DirectTarget>,
     io: BdevIo,
     d: Direct,
+    (len, write): (u64, bool),
     done: unsafe extern "C" fn(*mut sys::spdk_bdev_io, bool, *mut c_void),
 ) -> bool {
     let Some(t) = target.filter(|t| t.dev == d.dev) else {
         exec.guest_exit(d.parity);
         return false;
     };
-    let len = io.num_blocks() * u64::from(BLOCK_SIZE);
-    let write = io.io_type() == sys::SPDK_BDEV_IO_TYPE_WRITE;
     // SAFETY: the driver context has room for an `IoCtx` (`module::get_ctx_size`); the
     // bdev_io is ours until completed.
     unsafe { (*io.driver_ctx().cast::<owner::IoCtx>()).parity = d.parity };
     // SAFETY: the target's device lives in `exec`, alive with the caller; the bdev_io's
     // iovecs hold `len` bytes and stay valid until it is completed, which `done` does
     // after the child completed; `done` gets the bdev_io back.
-    let r = unsafe { t.submit(write, io.iovs(), d.host, len, Some(done), io.raw().cast()) };
+    let r = unsafe {
+        t.submit(
+            write,
+            io.raw_iovs(),
+            d.host,
+            len,
+            Some(done),
+            io.raw().cast(),
+        )
+    };
     if r.is_err() {
         exec.guest_exit(d.parity);
         return false;
@@ -601,9 +614,6 @@ unsafe extern "C" fn chan_direct_done(
             .cast::<Channel>()
     };
     c.exec.guest_exit(parity);
-    if success && io.io_type() == sys::SPDK_BDEV_IO_TYPE_WRITE {
-        c.local_writes.set(c.local_writes.get() + 1);
-    }
     c.finish(io, success);
 }
 

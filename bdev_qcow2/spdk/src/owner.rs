@@ -215,14 +215,11 @@ impl Owner {
                 c.read_ahead(off, len);
                 // SAFETY: as in `set_status`; `forward` set the flag.
                 let slow = unsafe { (*io.driver_ctx().cast::<IoCtx>()).slow };
+                let write = io.io_type() == sys::SPDK_BDEV_IO_TYPE_WRITE;
+                let target = self.direct.as_ref();
+                let what = (off, len, write);
                 if !slow
-                    && channel::submit_direct(
-                        c,
-                        &self.exec,
-                        self.direct.as_ref(),
-                        io,
-                        owner_direct_done,
-                    )
+                    && channel::submit_direct(c, &self.exec, target, io, what, owner_direct_done)
                 {
                     return;
                 }

@@ -53,6 +53,16 @@ impl BdevIo {
         unsafe { (*self.0.as_ptr()).u.bdev.num_blocks }
     }
 
+    /// The data iovecs as SPDK holds them (pointer, count), for passing straight on.
+    #[inline(always)]
+    pub fn raw_iovs(self) -> (*mut sys::iovec, std::ffi::c_int) {
+        // SAFETY: as in `offset_blocks`.
+        unsafe {
+            let b = &(*self.0.as_ptr()).u.bdev;
+            (b.iovs, b.iovcnt)
+        }
+    }
+
     /// The data iovecs: pointer and count.
     pub fn iovs(self) -> (*mut sys::iovec, usize) {
         // SAFETY: as in `offset_blocks`.
