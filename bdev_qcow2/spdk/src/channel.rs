@@ -409,12 +409,11 @@ impl Channel {
 
     /// A guest write on this channel's replica: straight to the base when it overwrites
     /// COPIED clusters whose slices are cached, to the owner when it allocates, else in
-    /// place through the engine.
+    /// place through the engine (with read-ahead).
     #[inline(always)]
     fn write_on(&self, chain: &Rc<Chain<SpdkDevice>>, io: BdevIo, md: *mut sys::spdk_thread) {
         let bs = u64::from(BLOCK_SIZE);
         let (off, len) = (io.offset_blocks() * bs, io.num_blocks() * bs);
-        chain.read_ahead(off, len);
         match chain.route_write(off, len) {
             // First writes and COW go to the owner without a detour through this replica.
             WriteRoute::Owner { slow } => {
@@ -431,6 +430,10 @@ impl Channel {
             }
             WriteRoute::Local => {}
         }
+        // Read-ahead watches the writes that need the engine here (a slice to load, most
+        // often): a stream of direct overwrites needs no slice loaded ahead, and the owner
+        // runs its own read-ahead on what it is sent.
+        chain.read_ahead(off, len);
         self.write_engine(chain, io);
     }
 
