@@ -408,14 +408,16 @@ impl<T: Copy + Default, A: Copy + Default> SetAssocCache<T, A> {
     }
 }
 
-/// Slots of a [`LinearMemo`] (a power of two).
-pub const MEMO_SLOTS: usize = 64;
+/// The most slots a [`LinearMemo`] has (a power of two): 4,096 linear slices map 128 GiB
+/// with 64 KiB clusters and 4 KiB slices.
+pub const MEMO_MAX_SLOTS: usize = 4096;
 
-/// A tiny direct-mapped memo in front of the L2 slice cache, for the direct path: for a few
-/// **linear** slices (see [`LinearSlice`](crate::format::entries::LinearSlice)), where the
-/// slice's clusters start on the device, under which epoch that was read, and nothing else.
-/// A hit is one load and two compares, where the set-associative look-up hashes the key,
-/// reads the slot, the summary and the LRU clock and writes the rank back.
+/// A direct-mapped memo in front of the L2 slice cache, for the direct path: for **linear**
+/// slices (see [`LinearSlice`](crate::format::entries::LinearSlice)), where the slice's
+/// clusters start on the device, under which epoch that was read, and nothing else. A hit
+/// is one load and two compares, where the set-associative look-up hashes the key, reads
+/// the slot, the summary and the LRU clock and writes the rank back. As many slots as the
+/// slice cache has ways (a power of two, at most [`MEMO_MAX_SLOTS`]).
 ///
 /// Its entries are copies, valid on their own: on a core replica the epoch check is the same
 /// one the slice cache makes (DESIGN.md §5), and the owner (whose epochs do not move) forgets
@@ -423,7 +425,9 @@ pub const MEMO_SLOTS: usize = 64;
 /// So an entry may outlive its slice's place in the cache: the mapping it records is still
 /// the slice's under that epoch.
 pub struct LinearMemo {
-    slots: [std::cell::Cell<MemoSlot>; MEMO_SLOTS],
+    slots: Box<[std::cell::Cell<MemoSlot>]>,
+    /// `slots.len() - 1`.
+    mask: usize,
     hits: std::cell::Cell<u64>,
 }
 
@@ -432,29 +436,51 @@ struct MemoSlot {
     key: u64,
     host: u64,
     epoch: u32,
+    /// On a writable core replica: the metadata bitmap's generation under which no host
+    /// cluster of the slice was metadata (`Shared::meta_range_clear`); `u64::MAX` otherwise.
+    meta_gen: u64,
 }
 
-impl Default for LinearMemo {
-    fn default() -> Self {
+/// [`MemoSlot::meta_gen`] of a slice not known clear of metadata.
+pub const MEMO_NO_META_GEN: u64 = u64::MAX;
+
+const MEMO_EMPTY: MemoSlot = MemoSlot {
+    key: INVALID,
+    host: 0,
+    epoch: 0,
+    meta_gen: MEMO_NO_META_GEN,
+};
+
+impl LinearMemo {
+    /// A memo of `slots` rounded up to a power of two, between 1 and [`MEMO_MAX_SLOTS`].
+    pub fn new(slots: usize) -> Self {
+        let n = slots.clamp(1, MEMO_MAX_SLOTS).next_power_of_two();
         LinearMemo {
-            slots: std::array::from_fn(|_| {
-                std::cell::Cell::new(MemoSlot {
-                    key: INVALID,
-                    host: 0,
-                    epoch: 0,
-                })
-            }),
+            slots: (0..n).map(|_| std::cell::Cell::new(MEMO_EMPTY)).collect(),
+            mask: n - 1,
             hits: std::cell::Cell::new(0),
         }
     }
-}
 
-impl LinearMemo {
+    /// Number of slots.
+    pub fn slots(&self) -> usize {
+        self.slots.len()
+    }
+
+    #[inline(always)]
+    fn slot(&self, key: u64) -> &std::cell::Cell<MemoSlot> {
+        // `mask` is below the length: no bounds check survives the `get`, and no panic path.
+        match self.slots.get(key as usize & self.mask) {
+            Some(s) => s,
+            None => &self.slots[0],
+        }
+    }
+
     /// Where linear slice `key`, read under `epoch`, starts on the device, if remembered
     /// (counted as a hit).
     #[inline(always)]
     pub fn get(&self, key: u64, epoch: u32) -> Option<u64> {
-        let s = self.slots[key as usize & (MEMO_SLOTS - 1)].get();
+        let s = self.slot(key).get();
         if s.key != key || s.epoch != epoch {
             return None;
         }
@@ -462,21 +488,36 @@ impl LinearMemo {
         Some(s.host)
     }
 
-    /// Remembers that linear slice `key`, read under `epoch`, starts at `host`.
-    pub fn remember(&self, key: u64, host: u64, epoch: u32) {
-        self.slots[key as usize & (MEMO_SLOTS - 1)].set(MemoSlot { key, host, epoch });
+    /// For an in-place write on a core replica: [`get`](Self::get), when also no cluster of
+    /// the slice was metadata under metadata generation `meta_gen` (the current one).
+    #[inline(always)]
+    pub fn get_overwrite(&self, key: u64, epoch: u32, meta_gen: u64) -> Option<u64> {
+        let s = self.slot(key).get();
+        if s.key != key || s.epoch != epoch || s.meta_gen != meta_gen {
+            return None;
+        }
+        self.hits.set(self.hits.get() + 1);
+        Some(s.host)
+    }
+
+    /// Remembers that linear slice `key`, read under `epoch`, starts at `host`; `meta_gen`:
+    /// the metadata generation under which none of its clusters was metadata (a writable
+    /// core replica), else [`MEMO_NO_META_GEN`].
+    pub fn remember(&self, key: u64, host: u64, epoch: u32, meta_gen: u64) {
+        self.slot(key).set(MemoSlot {
+            key,
+            host,
+            epoch,
+            meta_gen,
+        });
     }
 
     /// Forgets slice `key` (it changed, or its cached copy is being replaced).
     #[inline]
     pub fn forget(&self, key: u64) {
-        let slot = &self.slots[key as usize & (MEMO_SLOTS - 1)];
+        let slot = self.slot(key);
         if slot.get().key == key {
-            slot.set(MemoSlot {
-                key: INVALID,
-                host: 0,
-                epoch: 0,
-            });
+            slot.set(MEMO_EMPTY);
         }
     }
 
@@ -874,5 +915,33 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn linear_memo_sizes_epochs_and_metadata_generations() {
+        assert_eq!(LinearMemo::new(0).slots(), 1);
+        assert_eq!(LinearMemo::new(5).slots(), 8);
+        assert_eq!(LinearMemo::new(usize::MAX).slots(), MEMO_MAX_SLOTS);
+        let m = LinearMemo::new(16);
+        assert_eq!(m.get(3, 0), None);
+        m.remember(3, 1 << 20, 4, 9);
+        assert_eq!(m.get(3, 4), Some(1 << 20));
+        assert_eq!(m.get(3, 5), None, "another epoch");
+        assert_eq!(m.get(19, 4), None, "another key in the same slot");
+        assert_eq!(m.get_overwrite(3, 4, 9), Some(1 << 20));
+        assert_eq!(m.get_overwrite(3, 4, 10), None, "metadata marked since");
+        assert_eq!(m.hits(), 2);
+        // A slot holds one key: the later one wins; forgetting another key leaves it.
+        m.remember(19, 2 << 20, 4, MEMO_NO_META_GEN);
+        assert_eq!(m.get(3, 4), None);
+        m.forget(3);
+        assert_eq!(m.get(19, 4), Some(2 << 20));
+        assert_eq!(
+            m.get_overwrite(19, 4, 9),
+            None,
+            "not known clear of metadata"
+        );
+        m.forget(19);
+        assert_eq!(m.get(19, 4), None);
     }
 }

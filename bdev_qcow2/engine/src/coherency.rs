@@ -65,6 +65,9 @@ pub struct Shared {
     l1: Box<[AtomicU64]>,
     device_size: AtomicU64,
     meta_bits: Box<[AtomicU64]>,
+    /// Bumped after every bit set in `meta_bits`: a core that found a range of clusters
+    /// clear under one value knows it is still clear while the value holds.
+    meta_gen: AtomicU64,
     /// Grace periods before freed clusters are reused.
     pub grace: Grace,
 }
@@ -95,6 +98,7 @@ impl Shared {
             l1: l1.iter().map(|&e| AtomicU64::new(e)).collect(),
             device_size: AtomicU64::new(device_size),
             meta_bits: (0..words).map(|_| AtomicU64::new(0)).collect(),
+            meta_gen: AtomicU64::new(0),
             grace: Grace::default(),
         }
     }
@@ -149,6 +153,35 @@ impl Shared {
         self.device_size.load(Ordering::Acquire)
     }
 
+    /// The metadata bitmap's generation (see [`meta_range_clear`](Self::meta_range_clear)).
+    #[inline(always)]
+    pub fn meta_gen(&self) -> u64 {
+        self.meta_gen.load(Ordering::Acquire)
+    }
+
+    /// Whether none of host clusters `first..first + n` is metadata (a cluster past the
+    /// bitmap counts as metadata). Read [`meta_gen`](Self::meta_gen) first: while it is
+    /// unchanged, the answer holds.
+    pub fn meta_range_clear(&self, first: u64, n: u64) -> bool {
+        let Some(end) = first.checked_add(n) else {
+            return false;
+        };
+        let mut c = first;
+        while c < end {
+            let Some(w) = self.meta_bits.get((c / 64) as usize) else {
+                return false;
+            };
+            let lo = c % 64;
+            let hi = (end - (c - lo)).min(64);
+            let mask = (u64::MAX >> (64 - (hi - lo))) << lo;
+            if w.load(Ordering::Acquire) & mask != 0 {
+                return false;
+            }
+            c += hi - lo;
+        }
+        true
+    }
+
     /// Whether host cluster `c` may hold metadata (true past the bitmap).
     #[inline]
     pub fn is_meta_cluster(&self, c: u64) -> bool {
@@ -198,6 +231,7 @@ impl Shared {
         if let Some(w) = self.meta_bits.get((c / 64) as usize) {
             w.fetch_or(1 << (c % 64), Ordering::AcqRel);
         }
+        self.meta_gen.fetch_add(1, Ordering::AcqRel);
     }
 }
 
@@ -219,7 +253,8 @@ pub struct Grace {
     global: AtomicU64,
     /// Bitmap of member slots in use.
     used: Box<[AtomicU64]>,
-    counts: Box<[Counters]>,
+    /// Per member slot (a fixed length: the request path indexes it without a bounds check).
+    counts: Box<[Counters; MAX_GRACE_MEMBERS]>,
     /// [`fences::asymmetric`], read once: the mode is fixed before the first `Grace` exists
     /// and never changes, and a field next to the generation is one load closer on every
     /// request than the static behind the library's global offset table.
@@ -249,7 +284,9 @@ impl Default for Grace {
                 .collect(),
             counts: (0..MAX_GRACE_MEMBERS)
                 .map(|_| Counters([AtomicU64::new(0), AtomicU64::new(0)]))
-                .collect(),
+                .collect::<Box<[Counters]>>()
+                .try_into()
+                .unwrap_or_else(|_| unreachable!("MAX_GRACE_MEMBERS counters")),
             asymmetric: fences::asymmetric(),
         }
     }
@@ -296,7 +333,7 @@ impl Grace {
         // half of an asymmetric fence pair orders it before whatever the request reads next
         // (epochs, L1 entries, slices); `try_advance` runs the heavy half before it reads
         // the counters (see `fences`).
-        let c = &self.counts[slot].0[(g & 1) as usize];
+        let c = &self.counts[slot % MAX_GRACE_MEMBERS].0[(g & 1) as usize];
         c.store(c.load(Ordering::Relaxed).wrapping_add(1), Ordering::Relaxed);
         fences::light(self.asymmetric);
         (g & 1) as u8
@@ -311,7 +348,7 @@ impl Grace {
     #[inline(always)]
     pub fn enter_owner(&self, slot: usize) -> u8 {
         let g = self.global.load(Ordering::Relaxed);
-        let c = &self.counts[slot].0[(g & 1) as usize];
+        let c = &self.counts[slot % MAX_GRACE_MEMBERS].0[(g & 1) as usize];
         c.store(c.load(Ordering::Relaxed).wrapping_add(1), Ordering::Relaxed);
         (g & 1) as u8
     }
@@ -320,7 +357,7 @@ impl Grace {
     #[inline(always)]
     pub fn exit(&self, slot: usize, parity: u8) {
         // Only this member's core writes its counters: no read-modify-write needed.
-        let c = &self.counts[slot].0[parity as usize & 1];
+        let c = &self.counts[slot % MAX_GRACE_MEMBERS].0[parity as usize & 1];
         c.store(c.load(Ordering::Relaxed).wrapping_sub(1), Ordering::Release);
     }
 
@@ -550,6 +587,28 @@ mod tests {
         o.cleaned(&s, 3);
         assert_eq!(s.epoch(3), 6);
         assert_eq!(o.open_slots(), 0);
+    }
+
+    #[test]
+    fn metadata_ranges_and_their_generation() {
+        // 200 clusters of bitmap (4 words).
+        let s = Shared::new(1, &[], 0, 200);
+        assert!(s.meta_range_clear(0, 256), "nothing marked yet");
+        let g0 = s.meta_gen();
+        s.set_meta_cluster(70);
+        assert_ne!(s.meta_gen(), g0, "a mark moves the generation");
+        // Ranges around cluster 70, inside one word and across words.
+        assert!(s.meta_range_clear(0, 70));
+        assert!(!s.meta_range_clear(0, 71));
+        assert!(!s.meta_range_clear(70, 1));
+        assert!(s.meta_range_clear(71, 100));
+        assert!(!s.meta_range_clear(60, 11));
+        assert!(!s.meta_range_clear(64, 64));
+        assert!(s.meta_range_clear(128, 64));
+        assert!(s.meta_range_clear(5, 0), "an empty range");
+        // Past the bitmap counts as metadata, as for one cluster.
+        assert!(!s.meta_range_clear(250, 10));
+        assert!(!s.meta_range_clear(u64::MAX - 1, 5));
     }
 
     #[test]

@@ -1,7 +1,7 @@
 //! An open qcow2 image: validated header, L1 table, refcount table, snapshot table and the
 //! per-core caches of L2 slices and refcount blocks.
 
-use crate::cache::{CacheConfig, CacheStats, LinearMemo, SetAssocCache};
+use crate::cache::{CacheConfig, CacheStats, LinearMemo, SetAssocCache, MEMO_NO_META_GEN};
 use crate::coherency::{Shared, SliceReply};
 use crate::error::{corrupt, invalid, Error, Field, Result};
 use crate::exec::{DevId, Exec, WaitQueue};
@@ -248,8 +248,8 @@ impl<D: BlockDevice> Qcow2<D> {
             l1: RefCell::new(l1),
             refcount_table: RefCell::new(refcount_table),
             snapshots,
+            memo: LinearMemo::new(l2_cache.capacity()),
             l2_cache: RefCell::new(l2_cache),
-            memo: LinearMemo::default(),
             rc_cache: RefCell::new(rc_cache),
             meta,
             shared: None,
@@ -347,8 +347,8 @@ impl<D: BlockDevice> Qcow2<D> {
             l1: RefCell::new(l1),
             refcount_table: RefCell::new(refcount_table),
             snapshots: self.snapshots.clone(),
+            memo: LinearMemo::new(l2_cache.capacity()),
             l2_cache: RefCell::new(l2_cache),
-            memo: LinearMemo::default(),
             rc_cache: RefCell::new(rc_cache),
             meta: None,
             shared: None,
@@ -463,8 +463,8 @@ impl<D: BlockDevice> Qcow2<D> {
             l1: RefCell::new(Vec::new()),
             refcount_table: RefCell::new(Vec::new()),
             snapshots: seed.snapshots,
+            memo: LinearMemo::new(l2_cache.capacity()),
             l2_cache: RefCell::new(l2_cache),
-            memo: LinearMemo::default(),
             rc_cache: RefCell::new(rc_cache),
             meta: None,
             shared: Some(seed.shared),
@@ -749,6 +749,43 @@ impl<D: BlockDevice> Qcow2<D> {
         self.cached_extent_in_cache(off, len, copied, key, epoch)
     }
 
+    /// On a writable core replica, for the memo: the metadata generation under which none
+    /// of the `len` bytes of host clusters at `first` was metadata (read before the bitmap,
+    /// so a cluster marked meanwhile moves it), else [`MEMO_NO_META_GEN`].
+    fn slice_clear_of_metadata(&self, first: u64, len: u64) -> u64 {
+        match (&self.core, &self.shared) {
+            (Some(c), Some(sh)) if c.writable => {
+                let g = sh.meta_gen();
+                let bits = self.ctx.get().cluster_bits;
+                if sh.meta_range_clear(first >> bits, len >> bits) {
+                    g
+                } else {
+                    MEMO_NO_META_GEN
+                }
+            }
+            _ => MEMO_NO_META_GEN,
+        }
+    }
+
+    /// On a writable core replica: where an in-place write of `[off, off + len)` goes, when
+    /// the memo knows its linear slice under the current epoch and no cluster of that slice
+    /// has been metadata since it looked (DESIGN.md §8: the plan `plan_write_extent` makes
+    /// through the cache, with its metadata check, in a few compares).
+    #[inline(always)]
+    pub(crate) fn memo_overwrite(&self, off: u64, len: u64) -> Option<u64> {
+        let (Some(core), Some(sh)) = (&self.core, &self.shared) else {
+            return None;
+        };
+        let key = self.geo.slice_id(GuestOffset(off));
+        let coverage = self.geo.slice_coverage();
+        let within = off & (coverage - 1);
+        if !core.writable || len == 0 || within + len > coverage {
+            return None;
+        }
+        let first = self.memo.get_overwrite(key, sh.epoch(key), sh.meta_gen())?;
+        Some(first + within)
+    }
+
     /// [`cached_extent_or`](Self::cached_extent_or) past the memo: the slice cache (out of
     /// line, so that the memo's hit stays small).
     #[inline(never)]
@@ -785,7 +822,8 @@ impl<D: BlockDevice> Qcow2<D> {
                     .checked_add(coverage)
                     .is_some_and(|e| e <= ctx.device_size)
                 {
-                    self.memo.remember(key, first, epoch);
+                    let meta_gen = self.slice_clear_of_metadata(first, coverage);
+                    self.memo.remember(key, first, epoch, meta_gen);
                 }
                 host
             }

@@ -418,6 +418,9 @@ impl<D: BlockDevice> Chain<D> {
         let Layer::Qcow2(q) = &self.layers()[0] else {
             return WriteExtent::Refused;
         };
+        if let Some(h) = q.memo_overwrite(offset, len) {
+            return WriteExtent::One(q.dev(), h);
+        }
         let Some(core) = self.fast_write_side(q) else {
             return WriteExtent::Refused;
         };
@@ -427,8 +430,8 @@ impl<D: BlockDevice> Chain<D> {
             Err(true) => return WriteExtent::Refused,
             Err(false) => return WriteExtent::Walk,
         };
-        let cs = q.geometry().cluster_size();
         let inflight = q.meta.as_ref().is_some_and(|m| {
+            let cs = q.geometry().cluster_size();
             let st = m.st.borrow();
             st.inflight.any(offset / cs, (offset + len - 1) / cs)
         });

@@ -924,6 +924,52 @@ fn core_direct_path_drops_a_remembered_linear_slice_the_owner_changed() {
     rig.close();
 }
 
+/// A core's in-place writes planned from its memo of linear slices stop at metadata
+/// (DESIGN.md §8): a host cluster of the slice that is metadata when the core remembers the
+/// slice, or that becomes metadata later (as a hostile refcount lets the allocator do), is
+/// never planned in place; the slice's other clusters still are.
+#[test]
+fn core_memo_overwrites_stop_at_metadata() {
+    let mut rig = Rig::new(11, 1, false, 1);
+    let cs = 4096u64;
+    // 512-byte slices: 64 entries, 256 KiB. One write allocates two slices in order.
+    let cov = 64 * cs;
+    write_sync(&mut rig, 1, 0, 51, 2 * cov);
+    flush_sync(&mut rig, 2);
+    let owner = rig.chains[0].clone();
+    let linear_at = |off: u64| {
+        let d = owner.map_direct(off, cov, false).expect("a linear slice");
+        owner.exec().guest_exit(d.parity);
+        d.host
+    };
+    let (h0, h1) = (linear_at(0), linear_at(cov));
+    let sh = rig.owner().shared().expect("shared").clone();
+    // Slice 0's fourth cluster is metadata before the core looks.
+    sh.set_meta_cluster(h0 / cs + 3);
+    let core = rig.chains[1].clone();
+    assert_eq!(core_read(&mut rig, 1, 3, 0, cs), vec![51; 8]);
+    assert_eq!(core_read(&mut rig, 1, 4, cov, cs), vec![51; 8]);
+    let in_place = |off: u64| {
+        core.map_direct(off, cs, true).map(|d| {
+            core.exec().guest_exit(d.parity);
+            d.host
+        })
+    };
+    assert_eq!(in_place(5 * cs), Some(h0 + 5 * cs));
+    assert_eq!(in_place(3 * cs), None, "an overwrite of metadata");
+    assert_eq!(in_place(3 * cs), None, "nor once the slice is remembered");
+    // Slice 1 is clear: remembered, its overwrites come from the memo.
+    assert_eq!(in_place(cov + 2 * cs), Some(h1 + 2 * cs));
+    let hits = image(&core).l2_cache_stats().hits;
+    assert_eq!(in_place(cov + 7 * cs), Some(h1 + 7 * cs));
+    assert_eq!(image(&core).l2_cache_stats().hits, hits + 1);
+    // Then one of its clusters becomes metadata.
+    sh.set_meta_cluster(h1 / cs + 7);
+    assert_eq!(in_place(cov + 7 * cs), None, "an overwrite of new metadata");
+    assert_eq!(in_place(cov + 2 * cs), Some(h1 + 2 * cs));
+    rig.close();
+}
+
 #[test]
 fn core_routes_writes_by_its_cached_slice() {
     // `Chain::route_write` on a core: an uncached slice is loaded here first (local); a
