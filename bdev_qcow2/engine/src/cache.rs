@@ -417,7 +417,7 @@ pub const MEMO_MAX_SLOTS: usize = 4096;
 /// clusters start on the device, under which epoch that was read, and nothing else. A hit
 /// is one load and two compares, where the set-associative look-up hashes the key, reads
 /// the slot, the summary and the LRU clock and writes the rank back. As many slots as the
-/// slice cache has ways (a power of two, at most [`MEMO_MAX_SLOTS`]).
+/// slice cache holds slices (a power of two, at most [`MEMO_MAX_SLOTS`]).
 ///
 /// Its entries are copies, valid on their own: on a core replica the epoch check is the same
 /// one the slice cache makes (DESIGN.md §5), and the owner (whose epochs do not move) forgets
