@@ -734,36 +734,51 @@ impl<D: BlockDevice> Qcow2<D> {
     /// there, and the general look-up would find the same; `Err(false)` otherwise.
     #[inline(always)]
     pub(crate) fn cached_extent_or(&self, off: u64, len: u64, copied: bool) -> Result<u64, bool> {
-        let key = self.geo.slice_id(GuestOffset(off));
-        let coverage = self.geo.slice_coverage();
-        let within = off & (coverage - 1);
-        if len == 0 || within + len > coverage {
+        let Some((key, within)) = self.in_one_slice(off, len) else {
             return Err(false);
-        }
+        };
         let epoch = self.cur_epoch(key);
         // A linear slice remembered under the current epoch: its clusters are COPIED data
         // inside the device (checked when remembered).
         if let Some(first) = self.memo.get(key, epoch) {
             return Ok(first + within);
         }
-        self.cached_extent_in_cache(off, len, copied, key, epoch)
+        self.cached_extent_in_cache(off, len, copied, (key, within), epoch)
+    }
+
+    /// The slice of a non-empty range `[off, off + len)` that lies inside one slice, and
+    /// the range's offset within it.
+    #[inline(always)]
+    fn in_one_slice(&self, off: u64, len: u64) -> Option<(u64, u64)> {
+        let coverage = self.geo.slice_coverage();
+        let within = off & (coverage - 1);
+        (len != 0 && within + len <= coverage)
+            .then(|| (self.geo.slice_id(GuestOffset(off)), within))
+    }
+
+    /// The shared state of a writable core replica (`None` on the owner and on read-only
+    /// images): what its in-place writes are checked against.
+    #[inline(always)]
+    fn writable_core_shared(&self) -> Option<&Shared> {
+        match (&self.core, &self.shared) {
+            (Some(c), Some(sh)) if c.writable => Some(sh),
+            _ => None,
+        }
     }
 
     /// On a writable core replica, for the memo: the metadata generation under which none
     /// of the `len` bytes of host clusters at `first` was metadata (read before the bitmap,
     /// so a cluster marked meanwhile moves it), else [`MEMO_NO_META_GEN`].
     fn slice_clear_of_metadata(&self, first: u64, len: u64) -> u64 {
-        match (&self.core, &self.shared) {
-            (Some(c), Some(sh)) if c.writable => {
-                let g = sh.meta_gen();
-                let bits = self.ctx.get().cluster_bits;
-                if sh.meta_range_clear(first >> bits, len >> bits) {
-                    g
-                } else {
-                    MEMO_NO_META_GEN
-                }
-            }
-            _ => MEMO_NO_META_GEN,
+        let Some(sh) = self.writable_core_shared() else {
+            return MEMO_NO_META_GEN;
+        };
+        let g = sh.meta_gen();
+        let bits = self.ctx.get().cluster_bits;
+        if sh.meta_range_clear(first >> bits, len >> bits) {
+            g
+        } else {
+            MEMO_NO_META_GEN
         }
     }
 
@@ -773,32 +788,25 @@ impl<D: BlockDevice> Qcow2<D> {
     /// through the cache, with its metadata check, in a few compares).
     #[inline(always)]
     pub(crate) fn memo_overwrite(&self, off: u64, len: u64) -> Option<u64> {
-        let (Some(core), Some(sh)) = (&self.core, &self.shared) else {
-            return None;
-        };
-        let key = self.geo.slice_id(GuestOffset(off));
-        let coverage = self.geo.slice_coverage();
-        let within = off & (coverage - 1);
-        if !core.writable || len == 0 || within + len > coverage {
-            return None;
-        }
+        let sh = self.writable_core_shared()?;
+        let (key, within) = self.in_one_slice(off, len)?;
         let first = self.memo.get_overwrite(key, sh.epoch(key), sh.meta_gen())?;
         Some(first + within)
     }
 
-    /// [`cached_extent_or`](Self::cached_extent_or) past the memo: the slice cache (out of
-    /// line, so that the memo's hit stays small).
+    /// [`cached_extent_or`](Self::cached_extent_or) past the memo, for the range at
+    /// `within` in slice `key`: the slice cache (out of line, so that the memo's hit stays
+    /// small).
     #[inline(never)]
     fn cached_extent_in_cache(
         &self,
         off: u64,
         len: u64,
         copied: bool,
-        key: u64,
+        (key, within): (u64, u64),
         epoch: u32,
     ) -> Result<u64, bool> {
         let coverage = self.geo.slice_coverage();
-        let within = off & (coverage - 1);
         let Ok(mut cache) = self.l2_cache.try_borrow_mut() else {
             return Err(false);
         };
