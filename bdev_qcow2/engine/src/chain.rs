@@ -132,7 +132,11 @@ impl<D: BlockDevice> Chain<D> {
             )));
         }
         let size = layers[0].size();
-        let (pf_hot, prefetch) = crate::prefetch::new_state();
+        let coverage = match &layers[0] {
+            Layer::Qcow2(q) => Some(q.geometry().slice_coverage()),
+            Layer::Raw { .. } => None,
+        };
+        let (pf_hot, prefetch) = crate::prefetch::new_state(coverage);
         Ok(Rc::new(Chain {
             pf_hot,
             exec: exec.clone(),
@@ -227,6 +231,36 @@ impl<D: BlockDevice> Chain<D> {
         };
         match found {
             Some((dev, host)) => Some(Direct { dev, host, parity }),
+            None => {
+                self.exec.guest_exit(parity);
+                None
+            }
+        }
+    }
+
+    /// [`map_direct`](Self::map_direct)'s first look, for hosts to try before it: the
+    /// request maps to one extent of the top image's device by its memo of linear slices
+    /// alone (see `LinearMemo`). The same contract as `map_direct` (entered into the grace
+    /// period when `Some`), with a few compares instead of its layered look-ups; `None`
+    /// says only that the memo does not know, and `map_direct` (or `route_write`) decides.
+    #[inline(always)]
+    pub fn memo_direct(&self, offset: u64, len: u64, write: bool) -> Option<Direct> {
+        let Some(Layer::Qcow2(q)) = self.layers.first() else {
+            return None;
+        };
+        if (offset | len) & (SECTOR - 1) != 0
+            || offset.checked_add(len).is_none_or(|e| e > self.size)
+        {
+            return None;
+        }
+        // Entered before the memo's epochs are read, as `map_direct` does.
+        let parity = self.exec.guest_enter();
+        match q.memo_extent(offset, len, write) {
+            Some(host) => Some(Direct {
+                dev: q.dev(),
+                host,
+                parity,
+            }),
             None => {
                 self.exec.guest_exit(parity);
                 None

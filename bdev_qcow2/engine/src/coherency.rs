@@ -328,15 +328,30 @@ impl Grace {
     /// A guest request of core `slot` starts; returns its parity for [`exit`](Self::exit).
     #[inline(always)]
     pub fn enter(&self, slot: usize) -> u8 {
+        self.enter_as(slot, self.asymmetric)
+    }
+
+    /// [`enter`](Self::enter) (`light`: [`light_entries`](Self::light_entries)) or
+    /// [`enter_owner`](Self::enter_owner) (`light`: true), for a member that decided
+    /// which once: one path for both, with the fence chosen by a flag it holds.
+    #[inline(always)]
+    pub fn enter_as(&self, slot: usize, light: bool) -> u8 {
         let g = self.global.load(Ordering::Acquire);
         // Only this member's core writes its counters: a plain increment, then the light
         // half of an asymmetric fence pair orders it before whatever the request reads next
         // (epochs, L1 entries, slices); `try_advance` runs the heavy half before it reads
-        // the counters (see `fences`).
+        // the counters (see `fences`). The owner needs no fence (see `enter_owner`): the
+        // light half costs it no instruction.
         let c = &self.counts[slot % MAX_GRACE_MEMBERS].0[(g & 1) as usize];
         c.store(c.load(Ordering::Relaxed).wrapping_add(1), Ordering::Relaxed);
-        fences::light(self.asymmetric);
+        fences::light(light);
         (g & 1) as u8
+    }
+
+    /// Whether a core's entries take the light half of the asymmetric pair (else a full
+    /// fence): what [`enter_as`](Self::enter_as) is told for a core.
+    pub fn light_entries(&self) -> bool {
+        self.asymmetric
     }
 
     /// [`enter`](Self::enter) for the owner's own requests, on the thread that runs
@@ -347,10 +362,7 @@ impl Grace {
     /// run.)
     #[inline(always)]
     pub fn enter_owner(&self, slot: usize) -> u8 {
-        let g = self.global.load(Ordering::Relaxed);
-        let c = &self.counts[slot % MAX_GRACE_MEMBERS].0[(g & 1) as usize];
-        c.store(c.load(Ordering::Relaxed).wrapping_add(1), Ordering::Relaxed);
-        (g & 1) as u8
+        self.enter_as(slot, true)
     }
 
     /// The guest request that entered with `parity` completed (on the core that entered).

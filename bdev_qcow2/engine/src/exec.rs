@@ -76,8 +76,9 @@ struct Inner<D: BlockDevice> {
     reaped: RefCell<Vec<(u64, Result<(), DeviceError>)>>,
     stats: Cell<ExecStats>,
     /// This core's membership in a shared image's grace periods.
-    /// (shared state, member slot, whether this executor is the owner's). Set once: every
-    /// guest request reads it, without a borrow flag.
+    /// (shared state, member slot, whether its entries need no full fence: the owner's, or
+    /// a core's with the asymmetric pair; see `Grace::enter_as`). Set once: every guest
+    /// request reads it, without a borrow flag.
     grace: OnceCell<(std::sync::Arc<crate::coherency::Shared>, usize, bool)>,
 }
 
@@ -145,7 +146,8 @@ impl<D: BlockDevice> Exec<D> {
         match shared.grace.register() {
             Some(slot) => {
                 // Not set before (checked above; one thread): `set` succeeds.
-                let _ = self.inner.grace.set((shared, slot, owner));
+                let light = owner || shared.grace.light_entries();
+                let _ = self.inner.grace.set((shared, slot, light));
                 true
             }
             None => false,
@@ -156,8 +158,7 @@ impl<D: BlockDevice> Exec<D> {
     #[inline(always)]
     pub fn guest_enter(&self) -> u8 {
         match self.inner.grace.get() {
-            Some((sh, slot, false)) => sh.grace.enter(*slot),
-            Some((sh, slot, true)) => sh.grace.enter_owner(*slot),
+            Some((sh, slot, light)) => sh.grace.enter_as(*slot, *light),
             None => NO_GRACE,
         }
     }

@@ -91,6 +91,9 @@ pub trait OwnerLink {
 
 /// A core replica's side of the protocol.
 pub(crate) struct CoreSide<D: BlockDevice> {
+    /// The owner's published state (the image's `shared` too): here, so that a core's
+    /// look-ups reach it with one check.
+    pub(crate) shared: Arc<Shared>,
     link: Box<dyn OwnerLink>,
     tickets: RefCell<slab::Slab<Option<SliceReply>>>,
     wait: WaitQueue<D>,
@@ -467,8 +470,9 @@ impl<D: BlockDevice> Qcow2<D> {
             l2_cache: RefCell::new(l2_cache),
             rc_cache: RefCell::new(rc_cache),
             meta: None,
-            shared: Some(seed.shared),
+            shared: Some(seed.shared.clone()),
             core: Some(CoreSide {
+                shared: seed.shared,
                 link,
                 tickets: RefCell::new(slab::Slab::new()),
                 wait: WaitQueue::new(exec),
@@ -532,7 +536,7 @@ impl<D: BlockDevice> Qcow2<D> {
 
     /// Core replica: takes the owner's latest device size (entries may point further).
     fn sync_core(&self) {
-        if let (Some(_), Some(s)) = (&self.core, &self.shared) {
+        if let Some(s) = self.core_shared() {
             let ds = s.device_size();
             if ds != self.device_size.get() {
                 self.device_size.set(ds);
@@ -546,10 +550,16 @@ impl<D: BlockDevice> Qcow2<D> {
     /// The epoch a cached copy of slice `key` must carry to be used now (0 on the owner:
     /// its cache is kept in step with its own changes).
     fn cur_epoch(&self, key: u64) -> u32 {
-        match (&self.core, &self.shared) {
-            (Some(_), Some(s)) => s.epoch(key),
-            _ => 0,
+        match self.core_shared() {
+            Some(s) => s.epoch(key),
+            None => 0,
         }
+    }
+
+    /// The shared state of a core replica (`None` on the owner).
+    #[inline(always)]
+    fn core_shared(&self) -> Option<&Shared> {
+        self.core.as_ref().map(|c| &*c.shared)
     }
 
     /// The decoded header (as currently in effect).
@@ -613,15 +623,15 @@ impl<D: BlockDevice> Qcow2<D> {
     /// The host offset of the L2 table covering `off`, or `None` if unallocated.
     pub(crate) fn l2_table(&self, off: GuestOffset) -> Result<Option<crate::types::HostOffset>> {
         let idx = self.geo.l1_index(off) as usize;
-        let e = match (&self.core, &self.shared) {
-            (Some(_), Some(s)) if idx < s.l1_len() => {
+        let e = match self.core_shared() {
+            Some(s) if idx < s.l1_len() => {
                 let raw = s.l1(idx);
                 // The owner grows the device before it publishes an entry pointing there.
                 self.sync_core();
                 Some(L1Entry(raw))
             }
-            (Some(_), Some(_)) => None,
-            _ => self.l1.borrow().get(idx).copied(),
+            Some(_) => None,
+            None => self.l1.borrow().get(idx).copied(),
         }
         .ok_or_else(|| corrupt(Field::L1Entry, idx as u64, "L1 index beyond the L1 table"))?;
         e.l2_table(self.geo.cluster_size(), self.device_size.get())
@@ -750,9 +760,8 @@ impl<D: BlockDevice> Qcow2<D> {
     /// the range's offset within it.
     #[inline(always)]
     fn in_one_slice(&self, off: u64, len: u64) -> Option<(u64, u64)> {
-        let coverage = self.geo.slice_coverage();
-        let within = off & (coverage - 1);
-        (len != 0 && within + len <= coverage)
+        let within = self.geo.within_slice(GuestOffset(off));
+        (len != 0 && within + len <= self.geo.slice_coverage())
             .then(|| (self.geo.slice_id(GuestOffset(off)), within))
     }
 
@@ -760,8 +769,8 @@ impl<D: BlockDevice> Qcow2<D> {
     /// images): what its in-place writes are checked against.
     #[inline(always)]
     fn writable_core_shared(&self) -> Option<&Shared> {
-        match (&self.core, &self.shared) {
-            (Some(c), Some(sh)) if c.writable => Some(sh),
+        match &self.core {
+            Some(c) if c.writable => Some(&c.shared),
             _ => None,
         }
     }
@@ -791,6 +800,21 @@ impl<D: BlockDevice> Qcow2<D> {
         let sh = self.writable_core_shared()?;
         let (key, within) = self.in_one_slice(off, len)?;
         let first = self.memo.get_overwrite(key, sh.epoch(key), sh.meta_gen())?;
+        Some(first + within)
+    }
+
+    /// The host offset of `[off, off + len)` from the memo of linear slices alone: a read
+    /// (the slice's current epoch, as [`cached_extent_or`](Self::cached_extent_or) checks
+    /// it) or, with `write`, an in-place write on a writable core replica
+    /// ([`memo_overwrite`](Self::memo_overwrite)). `None` says nothing about the range: the
+    /// caller asks the slice cache.
+    #[inline(always)]
+    pub(crate) fn memo_extent(&self, off: u64, len: u64, write: bool) -> Option<u64> {
+        if write {
+            return self.memo_overwrite(off, len);
+        }
+        let (key, within) = self.in_one_slice(off, len)?;
+        let first = self.memo.get(key, self.cur_epoch(key))?;
         Some(first + within)
     }
 
@@ -910,12 +934,7 @@ impl<D: BlockDevice> Qcow2<D> {
     /// `off` (see [`Chain::route_write`](crate::Chain::route_write)); `None`
     /// on the owner and on read-only replicas.
     pub fn core_slice_state(&self, off: GuestOffset) -> Option<CoreSlice> {
-        let (Some(core), Some(sh)) = (&self.core, &self.shared) else {
-            return None;
-        };
-        if !core.writable {
-            return None;
-        }
+        let sh = self.writable_core_shared()?;
         let key = self.geo.slice_id(off);
         let now = sh.epoch(key);
         Some(match self.l2_cache.borrow().peek_epoch(key) {

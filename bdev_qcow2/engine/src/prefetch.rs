@@ -25,6 +25,9 @@ pub const SEQ_MIN: u32 = 4;
 const STREAMS: usize = 4;
 /// Slices loaded ahead and not yet reached, remembered to count the useful ones.
 const LOADED: usize = 8;
+/// The least tail of a slice in which [`Chain::read_ahead_memo`] watches requests: 256
+/// requests of 4 KiB, time enough for a stream to be seen and its next slice to load.
+pub const TAIL_MIN: u64 = 1 << 20;
 
 /// Read-ahead counters of one replica.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
@@ -54,11 +57,24 @@ pub(crate) struct Hot {
     /// Per stream: requests in a row, and the last slice asked for (`u64::MAX`: none).
     /// Here rather than in [`Prefetch`]: a random request restarts a stream.
     run: [Cell<(u32, u64)>; STREAMS],
+    /// [`Chain::read_ahead_memo`]'s tail of a slice: a request whose offset within its
+    /// slice (`offset & tail_mask`) plus its length passes `tail_from` ends in the tail.
+    tail_mask: u64,
+    tail_from: u64,
 }
 
-impl Default for Hot {
-    fn default() -> Self {
+impl Hot {
+    /// The state of a chain whose top image has slices of `coverage` bytes (`None`: a raw
+    /// top layer, whose requests are all watched).
+    fn new(coverage: Option<u64>) -> Self {
+        let (tail_mask, tail_from) = match coverage {
+            // The last quarter, at least TAIL_MIN (or the whole slice).
+            Some(c) => (c - 1, c.saturating_sub((c / 4).max(TAIL_MIN))),
+            None => (0, 0),
+        };
         Hot {
+            tail_mask,
+            tail_from,
             on: Cell::new(false),
             victim: Cell::new(0),
             seq: Cell::new(0),
@@ -168,9 +184,9 @@ impl Prefetch {
     }
 }
 
-/// A hot and a cold half, as the chain holds them.
-pub(crate) fn new_state() -> (Hot, RefCell<Prefetch>) {
-    (Hot::default(), RefCell::new(Prefetch::new()))
+/// A hot and a cold half, as the chain holds them (`coverage`: see [`Hot::new`]).
+pub(crate) fn new_state(coverage: Option<u64>) -> (Hot, RefCell<Prefetch>) {
+    (Hot::new(coverage), RefCell::new(Prefetch::new()))
 }
 
 impl<D: BlockDevice> Chain<D> {
@@ -202,6 +218,20 @@ impl<D: BlockDevice> Chain<D> {
         }
         if let Ok(i) = self.pf_hot.find_or_start(offset, len) {
             self.continue_stream(i, offset, len);
+        }
+    }
+
+    /// [`read_ahead`](Self::read_ahead) for a request that the memo of linear slices
+    /// mapped ([`memo_direct`](Self::memo_direct)): its slice is cached, and what
+    /// read-ahead would load is the next one, so only a request that ends in the slice's
+    /// tail (its last quarter, at least [`TAIL_MIN`]) is watched. A sequential stream is
+    /// seen there and its next slice loads before the stream reaches it; a random request
+    /// elsewhere in the slice costs one compare instead of the stream look-up. (A stream is
+    /// counted again in each slice's tail.)
+    #[inline(always)]
+    pub fn read_ahead_memo(self: &Rc<Self>, offset: u64, len: u64) {
+        if (offset & self.pf_hot.tail_mask) + len > self.pf_hot.tail_from {
+            self.read_ahead(offset, len);
         }
     }
 
@@ -258,12 +288,27 @@ impl<D: BlockDevice> Chain<D> {
 mod tests {
     use super::*;
 
+    #[test]
+    fn the_tail_is_a_quarter_of_a_slice_at_least_tail_min() {
+        let tail = |c: Option<u64>| {
+            let h = Hot::new(c);
+            (h.tail_mask, h.tail_from)
+        };
+        // 64 KiB clusters, 4 KiB slices: the last 8 of 32 MiB.
+        assert_eq!(tail(Some(32 << 20)), ((32 << 20) - 1, 24 << 20));
+        // 4 KiB clusters: 2 MiB slices, of which the last TAIL_MIN.
+        assert_eq!(tail(Some(2 << 20)), ((2 << 20) - 1, 1 << 20));
+        // Slices of TAIL_MIN or less, and raw layers: every request.
+        assert_eq!(tail(Some(256 << 10)), ((256 << 10) - 1, 0));
+        assert_eq!(tail(None), (0, 0));
+    }
+
     /// Both halves, driven as `read_ahead` drives them.
     struct Both(Hot, Prefetch);
 
     impl Both {
         fn new() -> Self {
-            Both(Hot::default(), Prefetch::new())
+            Both(Hot::new(None), Prefetch::new())
         }
         fn note(&mut self, offset: u64, len: u64, cov: u64, size: u64) -> Option<u64> {
             let i = self.0.find_or_start(offset, len).ok()?;

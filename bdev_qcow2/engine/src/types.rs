@@ -35,6 +35,9 @@ pub struct Geometry {
     /// [`slice_coverage_bits`](Self::slice_coverage_bits), computed once by
     /// [`new`](Self::new): every request's slice look-up shifts by it.
     coverage_bits: u32,
+    /// [`slice_coverage`](Self::slice_coverage) minus 1, computed once too: the offset of a
+    /// guest byte within its slice is one mask.
+    coverage_mask: u64,
 }
 
 /// Number of subclusters per cluster with extended L2 entries.
@@ -44,11 +47,13 @@ impl Geometry {
     /// The geometry of clusters of 2^`cluster_bits` bytes, with extended L2 entries or not,
     /// cached in slices of 2^`slice_bits` bytes.
     pub fn new(cluster_bits: u32, extended_l2: bool, slice_bits: u32) -> Self {
+        let coverage_bits = cluster_bits + slice_bits - if extended_l2 { 4 } else { 3 };
         Geometry {
             cluster_bits,
             extended_l2,
             slice_bits,
-            coverage_bits: cluster_bits + slice_bits - if extended_l2 { 4 } else { 3 },
+            coverage_bits,
+            coverage_mask: (1 << coverage_bits) - 1,
         }
     }
     /// Cluster size in bytes.
@@ -142,7 +147,12 @@ impl Geometry {
     /// Guest bytes covered by one slice.
     #[inline]
     pub fn slice_coverage(&self) -> u64 {
-        1 << self.slice_coverage_bits()
+        self.coverage_mask + 1
+    }
+    /// Offset of a guest byte within its slice.
+    #[inline]
+    pub fn within_slice(&self, off: GuestOffset) -> u64 {
+        off.0 & self.coverage_mask
     }
     /// log2 of [`slice_coverage`](Self::slice_coverage): a slice holds
     /// 2^(slice_bits - log2(entry bytes)) entries of one cluster each.
@@ -197,6 +207,7 @@ mod tests {
                     for off in [0, 1, (1 << 40) + 12345, u64::MAX >> 3] {
                         let off = GuestOffset(off);
                         assert_eq!(g.slice_id(off), g.guest_cluster(off) / g.slice_entries());
+                        assert_eq!(g.within_slice(off), off.0 % g.slice_coverage());
                     }
                 }
             }

@@ -448,7 +448,7 @@ impl<D: BlockDevice> Chain<D> {
     #[inline(always)]
     fn fast_write_side<'a>(&self, q: &'a Qcow2<D>) -> Option<Option<&'a Shared>> {
         let core = match &q.core {
-            Some(c) if c.writable => q.shared.as_deref(),
+            Some(c) if c.writable => Some(&*c.shared),
             Some(_) => return None,
             None => None,
         };

@@ -515,6 +515,51 @@ fn read_ahead_loads_the_next_slice_of_a_sequential_stream() {
     assert_eq!(p.issued, 0, "{p:?}");
 }
 
+#[test]
+fn read_ahead_on_memo_hits_watches_the_tail_of_each_slice() {
+    // 64 KiB clusters and 4 KiB slices: a slice covers 32 MiB, whose last quarter (8 MiB)
+    // is its tail. Both slices of the first L2 table have data, so both can be loaded.
+    const MIB: u64 = 1 << 20;
+    let dir = tempfile::tempdir().unwrap();
+    let (img, _raw) = make_image(
+        dir.path(),
+        "cluster_size=65536",
+        "64M",
+        &["write -P 0x5a 0 1M", "write -P 0xa5 40M 1M"],
+    );
+    let fresh = || {
+        let (exec, dev, chain) = open(
+            img.clone(),
+            OpenOptions {
+                l2_slice_bytes: 4096,
+                ..OpenOptions::default()
+            },
+        );
+        let chain = chain.unwrap();
+        chain.set_prefetch(true);
+        (exec, dev, chain)
+    };
+    let (_exec, _dev, chain) = fresh();
+    // A sequential stream through the slice's first 24 MiB is not watched.
+    for i in 0..24 {
+        chain.read_ahead_memo(i * MIB, MIB);
+    }
+    assert_eq!(chain.prefetch_stats(), Default::default());
+    // Once it reaches the tail it is: seen there, and the next slice is asked for.
+    for i in 24..32 {
+        chain.read_ahead_memo(i * MIB, MIB);
+    }
+    let p = chain.prefetch_stats();
+    assert_eq!((p.streams, p.issued), (1, 1), "{p:?}");
+    // `read_ahead` watches every request: the head of the slice is enough.
+    let (_exec, _dev, chain) = fresh();
+    for i in 0..24 {
+        chain.read_ahead(i * MIB, MIB);
+    }
+    let p = chain.prefetch_stats();
+    assert_eq!((p.streams, p.issued), (1, 1), "{p:?}");
+}
+
 /// Submits one request with `submit(tag)` and polls until it completes.
 fn wait_for(exec: &Exec<MemDevice>, submit: impl FnOnce(u64)) -> Result<(), Error> {
     submit(11);

@@ -72,9 +72,10 @@ pub struct Channel {
     failed: Cell<bool>,
     /// Reads that arrived before the replica was open.
     queued: RefCell<VecDeque<BdevIo>>,
-    /// Guest requests accepted and not completed.
-    outstanding: Cell<u64>,
-    /// Reset iterations waiting for `outstanding` to reach zero.
+    /// Guest requests accepted (those not completed yet are outstanding: see
+    /// [`outstanding`](Self::outstanding)).
+    accepted: Cell<u64>,
+    /// Reset iterations waiting for no request to be outstanding.
     reset_waiters: RefCell<Vec<ChannelIter>>,
     poller: RefCell<Option<Poller>>,
     closing: Cell<bool>,
@@ -164,7 +165,7 @@ impl Channel {
             fast: Cell::new(std::ptr::null()),
             failed: Cell::new(false),
             queued: RefCell::new(VecDeque::new()),
-            outstanding: Cell::new(0),
+            accepted: Cell::new(0),
             reset_waiters: RefCell::new(Vec::new()),
             poller: RefCell::new(None),
             closing: Cell::new(false),
@@ -323,8 +324,26 @@ impl Channel {
     fn read_on(&self, chain: &Rc<Chain<SpdkDevice>>, io: BdevIo) {
         let bs = u64::from(BLOCK_SIZE);
         let (off, len) = (io.offset_blocks() * bs, io.num_blocks() * bs);
-        chain.read_ahead(off, len);
         self.own(io);
+        let target = self.direct.as_ref();
+        // The memo of linear slices first: a hit is a few compares, and read-ahead watches
+        // it only in its slice's tail.
+        if let Some(d) = chain.memo_direct(off, len, false) {
+            chain.read_ahead_memo(off, len);
+            if submit_mapped(&self.exec, target, io, d, (len, false), chan_direct_done) {
+                chain.count_direct_read();
+                return;
+            }
+            return self.read_engine(chain, io);
+        }
+        self.read_mapped(chain, io, (off, len));
+    }
+
+    /// [`read_on`](Self::read_on) past the memo: the direct path with the slice cache's
+    /// look-up, else the engine (out of line: the memo's path stays small).
+    #[inline(never)]
+    fn read_mapped(&self, chain: &Rc<Chain<SpdkDevice>>, io: BdevIo, (off, len): (u64, u64)) {
+        chain.read_ahead(off, len);
         let target = self.direct.as_ref();
         if submit_direct(
             chain,
@@ -414,6 +433,30 @@ impl Channel {
     fn write_on(&self, chain: &Rc<Chain<SpdkDevice>>, io: BdevIo, md: *mut sys::spdk_thread) {
         let bs = u64::from(BLOCK_SIZE);
         let (off, len) = (io.offset_blocks() * bs, io.num_blocks() * bs);
+        // The memo of linear slices first: an overwrite it knows is a few compares.
+        if let Some(d) = chain.memo_direct(off, len, true) {
+            self.own(io);
+            let target = self.direct.as_ref();
+            if submit_mapped(&self.exec, target, io, d, (len, true), chan_direct_done) {
+                self.local_writes.set(self.local_writes.get() + 1);
+                return;
+            }
+            chain.read_ahead(off, len);
+            return self.write_engine(chain, io);
+        }
+        self.write_routed(chain, io, md, (off, len));
+    }
+
+    /// [`write_on`](Self::write_on) past the memo: routed by the slice cache's look-up
+    /// (out of line: the memo's path stays small).
+    #[inline(never)]
+    fn write_routed(
+        &self,
+        chain: &Rc<Chain<SpdkDevice>>,
+        io: BdevIo,
+        md: *mut sys::spdk_thread,
+        (off, len): (u64, u64),
+    ) {
         match chain.route_write(off, len) {
             // First writes and COW go to the owner without a detour through this replica.
             WriteRoute::Owner { slow } => {
@@ -466,8 +509,6 @@ impl Channel {
     }
 
     fn finish_status(&self, io: BdevIo, status: sys::spdk_bdev_io_status) {
-        self.outstanding
-            .set(self.outstanding.get().saturating_sub(1));
         self.completed.set(self.completed.get() + 1);
         if status != sys::SPDK_BDEV_IO_STATUS_SUCCESS {
             self.errors.set(self.errors.get() + 1);
@@ -475,9 +516,21 @@ impl Channel {
         io.complete(status);
     }
 
+    /// Guest requests accepted and not completed (every request completed was accepted
+    /// first: two counts, so that each end of a request bumps one).
+    fn outstanding(&self) -> u64 {
+        self.accepted.get().wrapping_sub(self.completed.get())
+    }
+
+    /// Counts a guest request accepted.
+    #[inline(always)]
+    fn accept(&self) {
+        self.accepted.set(self.accepted.get() + 1);
+    }
+
     /// Whether nothing is in flight (the channel may be freed).
     fn idle(&self) -> bool {
-        !self.exec.busy() && self.outstanding.get() == 0
+        !self.exec.busy() && self.outstanding() == 0
     }
 }
 
@@ -715,7 +768,7 @@ unsafe extern "C" fn chan_poll(ctx: *mut c_void) -> c_int {
             send_ask(a);
         }
     }
-    if ch.outstanding.get() == 0 && !ch.reset_waiters.borrow().is_empty() {
+    if ch.outstanding() == 0 && !ch.reset_waiters.borrow().is_empty() {
         let waiters = std::mem::take(&mut *ch.reset_waiters.borrow_mut());
         for it in waiters {
             it.next(0);
@@ -782,7 +835,7 @@ pub unsafe extern "C" fn submit_request(
     let ty = io.io_type();
     match ty {
         sys::SPDK_BDEV_IO_TYPE_READ => {
-            c.outstanding.set(c.outstanding.get() + 1);
+            c.accept();
             if !io.has_buf() {
                 io.get_buf(Some(get_buf_done), io.num_blocks() * u64::from(BLOCK_SIZE));
                 return;
@@ -796,7 +849,7 @@ pub unsafe extern "C" fn submit_request(
         }
         sys::SPDK_BDEV_IO_TYPE_WRITE => match c.forward_to {
             Some(md) => {
-                c.outstanding.set(c.outstanding.get() + 1);
+                c.accept();
                 let fast = c.fast.get();
                 if fast.is_null() {
                     return c.write(io, md);
@@ -810,7 +863,7 @@ pub unsafe extern "C" fn submit_request(
         | sys::SPDK_BDEV_IO_TYPE_UNMAP
         | sys::SPDK_BDEV_IO_TYPE_FLUSH => match c.forward_to {
             Some(md) => {
-                c.outstanding.set(c.outstanding.get() + 1);
+                c.accept();
                 owner::forward(md, io, false);
             }
             None => io.complete(sys::SPDK_BDEV_IO_STATUS_FAILED),
@@ -830,7 +883,7 @@ pub unsafe extern "C" fn submit_request(
 fn reset_step(it: ChannelIter, _io: &mut BdevIo) {
     // SAFETY: the iteration visits channels of our node.
     let c = unsafe { from_ctx(it.ctx()) };
-    if c.outstanding.get() == 0 {
+    if c.outstanding() == 0 {
         it.next(0);
     } else {
         c.reset_waiters.borrow_mut().push(it);

@@ -302,7 +302,6 @@ impl SpdkDevice {
             block_shift: self.block_size.trailing_zeros(),
             // Any other block size: every extent is refused (the engine path serves it).
             align_mask: if pow2 { self.block_size - 1 } else { u64::MAX },
-            num_blocks: self.num_blocks,
         }
     }
 
@@ -326,7 +325,6 @@ pub struct DirectTarget {
     block_shift: u32,
     /// The block size minus 1; all ones when the block size is not a power of two.
     align_mask: u64,
-    num_blocks: u64,
 }
 
 impl DirectTarget {
@@ -334,8 +332,8 @@ impl DirectTarget {
     /// iovecs straight to the base bdev, as SPDK's passthru does — no slot, no executor;
     /// SPDK calls `cb(child, success, cb_arg)` and `cb` frees the child bdev_io. On `Err`
     /// nothing was submitted: `EINVAL` when the extent is not whole blocks inside the
-    /// device, else SPDK's error (`ENOMEM`: its bdev_io pool is empty; the engine path
-    /// queues for it).
+    /// device (SPDK's bdev layer checks the bounds, as it does for every request), else
+    /// SPDK's error (`ENOMEM`: its bdev_io pool is empty; the engine path queues for it).
     ///
     /// # Safety
     /// The device this target was taken from must be alive; the iovecs must describe at
@@ -357,12 +355,6 @@ impl DirectTarget {
             return Err(libc::EINVAL);
         }
         let (offset_blocks, len_blocks) = (offset >> self.block_shift, len >> self.block_shift);
-        if offset_blocks
-            .checked_add(len_blocks)
-            .is_none_or(|e| e > self.num_blocks)
-        {
-            return Err(libc::EINVAL);
-        }
         let f = if write {
             sys::spdk_bdev_writev_blocks
         } else {
