@@ -68,8 +68,8 @@ impl Hot {
     /// top layer, whose requests are all watched).
     fn new(coverage: Option<u64>) -> Self {
         let (tail_mask, tail_from) = match coverage {
-            // The last quarter, at least TAIL_MIN (or the whole slice).
-            Some(c) => (c - 1, c.saturating_sub((c / 4).max(TAIL_MIN))),
+            // The last eighth, at least TAIL_MIN (or the whole slice).
+            Some(c) => (c - 1, c.saturating_sub((c / 8).max(TAIL_MIN))),
             None => (0, 0),
         };
         Hot {
@@ -224,7 +224,7 @@ impl<D: BlockDevice> Chain<D> {
     /// [`read_ahead`](Self::read_ahead) for a request that the memo of linear slices
     /// mapped ([`memo_direct`](Self::memo_direct)): its slice is cached, and what
     /// read-ahead would load is the next one, so only a request that ends in the slice's
-    /// tail (its last quarter, at least [`TAIL_MIN`]) is watched. A sequential stream is
+    /// tail (its last eighth, at least [`TAIL_MIN`]) is watched. A sequential stream is
     /// seen there and its next slice loads before the stream reaches it; a random request
     /// elsewhere in the slice costs one compare instead of the stream look-up. (A stream is
     /// counted again in each slice's tail.)
@@ -289,13 +289,13 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_tail_is_a_quarter_of_a_slice_at_least_tail_min() {
+    fn the_tail_is_an_eighth_of_a_slice_at_least_tail_min() {
         let tail = |c: Option<u64>| {
             let h = Hot::new(c);
             (h.tail_mask, h.tail_from)
         };
-        // 64 KiB clusters, 4 KiB slices: the last 8 of 32 MiB.
-        assert_eq!(tail(Some(32 << 20)), ((32 << 20) - 1, 24 << 20));
+        // 64 KiB clusters, 4 KiB slices: the last 4 of 32 MiB.
+        assert_eq!(tail(Some(32 << 20)), ((32 << 20) - 1, 28 << 20));
         // 4 KiB clusters: 2 MiB slices, of which the last TAIL_MIN.
         assert_eq!(tail(Some(2 << 20)), ((2 << 20) - 1, 1 << 20));
         // Slices of TAIL_MIN or less, and raw layers: every request.

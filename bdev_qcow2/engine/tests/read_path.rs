@@ -517,8 +517,8 @@ fn read_ahead_loads_the_next_slice_of_a_sequential_stream() {
 
 #[test]
 fn read_ahead_on_memo_hits_watches_the_tail_of_each_slice() {
-    // 64 KiB clusters and 4 KiB slices: a slice covers 32 MiB, whose last quarter (8 MiB)
-    // is its tail. Both slices of the first L2 table have data, so both can be loaded.
+    // 64 KiB clusters and 4 KiB slices: a slice covers 32 MiB, whose last eighth (4 MiB) is
+    // its tail. Both slices of the first L2 table have data, so both can be loaded.
     const MIB: u64 = 1 << 20;
     let dir = tempfile::tempdir().unwrap();
     let (img, _raw) = make_image(
@@ -540,13 +540,13 @@ fn read_ahead_on_memo_hits_watches_the_tail_of_each_slice() {
         (exec, dev, chain)
     };
     let (_exec, _dev, chain) = fresh();
-    // A sequential stream through the slice's first 24 MiB is not watched.
-    for i in 0..24 {
+    // A sequential stream through the slice's first 28 MiB is not watched.
+    for i in 0..28 {
         chain.read_ahead_memo(i * MIB, MIB);
     }
     assert_eq!(chain.prefetch_stats(), Default::default());
     // Once it reaches the tail it is: seen there, and the next slice is asked for.
-    for i in 24..32 {
+    for i in 28..32 {
         chain.read_ahead_memo(i * MIB, MIB);
     }
     let p = chain.prefetch_stats();
