@@ -177,7 +177,7 @@ fi
 #    Interleaved in one `bdevperf -z` process: it holds the image on malloc m0 and an
 #    identical raw malloc m1, and the job's bdev X is either our bdev on m0 or SPDK's
 #    passthru on m1, swapped by RPC between runs of PAIR_SECS (1) s, in the order q p p q
-#    q p ... for PAIRS (10) pairs per workload. Both sides thus share the process, its
+#    q p ... for PAIRS (30) pairs per workload. Both sides thus share the process, its
 #    memory and the same minutes of a shared machine, whose speed drifts by tens of per
 #    cent over seconds; the figure is the median of the pairs' ratios, with the quartiles
 #    (IOPS are the medians of each side). Our bdev is created afresh for each of its runs,
@@ -215,7 +215,7 @@ pairs() {
   local w=$1 o=$2 i q p
   shift 2
   : >"$DIR/pairs.txt"
-  for i in $(seq "${PAIRS:-10}"); do
+  for i in $(seq "${PAIRS:-30}"); do
     if [ $((i % 2)) = 1 ]; then
       use_q "$@"; q=$(zrun "$w" "$o" "${PAIR_SECS:-1}")
       use_p; p=$(zrun "$w" "$o" "${PAIR_SECS:-1}")
@@ -246,11 +246,11 @@ interleaved_vs_passthru() {
   zrun write 1048576 3 8 >/dev/null # the same first touch of the malloc memory as m0 had
   for w in randread randwrite; do for o in 4096 512; do
     set -- $(pairs $w $o)
-    echo "malloc, writable qcow2 (filled) vs passthru, $label QD32: $w $o B: qcow2 $1 passthru $2 IOPS, ratio $3 (median of ${PAIRS:-10} interleaved pairs; quartiles $4-$5)"
+    echo "malloc, writable qcow2 (filled) vs passthru, $label QD32: $w $o B: qcow2 $1 passthru $2 IOPS, ratio $3 (median of ${PAIRS:-30} interleaved pairs; quartiles $4-$5)"
   done; done
   for wo in "randread 4096" "randread 512" "read 65536"; do
     set -- $(pairs $wo --read-only) $wo
-    echo "malloc, read-only qcow2 (filled) vs passthru, $label QD32: $6 $7 B: qcow2 $1 passthru $2 IOPS, ratio $3 (median of ${PAIRS:-10} interleaved pairs; quartiles $4-$5)"
+    echo "malloc, read-only qcow2 (filled) vs passthru, $label QD32: $6 $7 B: qcow2 $1 passthru $2 IOPS, ratio $3 (median of ${PAIRS:-30} interleaved pairs; quartiles $4-$5)"
   done
   zbench_stop
 }
@@ -321,6 +321,11 @@ fi
 #      allocates one new cluster (pure first writes); on the bare malloc and over a delay
 #      bdev with NVMe-like write latency (FIRST_LAT, µs; default "20 80"), where the
 #      allocation's metadata writes cost what they cost on a device;
+#    - 4 KiB random writes on the same 8 GiB volumes, bare and with the same latencies:
+#      most of a 1 s run's writes are first writes to their cluster (131072 of them). A
+#      qcow2 first write writes its whole cluster (the rest zeros, from one buffer, unless
+#      the base zeroes cheaply: NVMe); a thin lvol on an lvstore made with
+#      --clear-method none writes the 4 KiB alone, trusting the malloc to read as zeros;
 #    - 4 KiB random writes on 1 GiB volumes on the bare malloc: the first write to each
 #      cluster allocates it, the rest (most of a 1 s run: ~16 k clusters, ~0.5 M writes)
 #      overwrite.
@@ -360,6 +365,11 @@ for lat in 0 ${FIRST_LAT:-20 80}; do
   q=$(first_writes qcow2 "$lat" write "$LVS_CLUSTER")
   r=$(first_writes raw "$lat" write "$LVS_CLUSTER")
   echo "first writes, sequential $LVS_CLUSTER B (one new cluster each), $VOL_MIB MiB volumes, QD32 1 s, malloc + ${lat} µs latency: qcow2 $q IOPS, thin lvol $l IOPS, ratio qcow2/lvol $(ratio "$q" "$l"); the base itself (no allocation) $r IOPS: qcow2/base $(ratio "$q" "$r"), lvol/base $(ratio "$l" "$r")"
+  # 4 KiB random writes over the same fresh volumes: most of a 1 s run's writes land in a
+  # cluster not written before (131072 clusters), as a guest's first random writes do.
+  l=$(first_writes lvol "$lat" randwrite 4096)
+  q=$(first_writes qcow2 "$lat" randwrite 4096)
+  echo "first writes, random 4096 B, $VOL_MIB MiB volumes, QD32 1 s, malloc + ${lat} µs latency: qcow2 $q IOPS, thin lvol $l IOPS, ratio qcow2/lvol $(ratio "$q" "$l")"
 done
 ZMEM=("${SAVED_ZMEM[@]}")
 VOL_MIB=1024
