@@ -114,7 +114,9 @@ zbench_start() {
   printf '{"subsystems":[{"subsystem":"bdev","config":[%s,{"method":"bdev_wait_for_examine"}]}]}' \
     "$calls" >"$DIR/z.json"
   rm -f "$DIR/z.sock"
-  timeout -k 5 600 env LD_PRELOAD="$SO" bdevperf -u "${ZMEM[@]}" --json "$DIR/z.json" \
+  # Long enough for section 2's seven rows of PAIRS pairs of runs (and their RPCs) in one
+  # process.
+  timeout -k 5 $((600 + ${PAIRS:-30} * 7 * (2 * ${PAIR_SECS:-1} + 2))) env LD_PRELOAD="$SO" bdevperf -u "${ZMEM[@]}" --json "$DIR/z.json" \
     -r "$DIR/z.sock" -z -m "${ZMASK:-0x1}" ${ZMULTI:-} ${name:+-T "$name"} -q 32 -o 4096 -w randread -t "$TIME" >"$DIR/z.log" 2>&1 &
   ZPID=$!
   for _ in $(seq 100); do [ -S "$DIR/z.sock" ] && break; sleep 0.2; done
