@@ -463,15 +463,7 @@ fn read_ahead_loads_the_next_slice_of_a_sequential_stream() {
     );
     let cov = 256 << 10;
     let run = |prefetch: bool, offsets: &[u64]| {
-        let (exec, _dev, chain) = open(
-            img.clone(),
-            OpenOptions {
-                l2_slice_bytes: 512,
-                ..OpenOptions::default()
-            },
-        );
-        let chain = chain.unwrap();
-        chain.set_prefetch(prefetch);
+        let (exec, _dev, chain) = open_sliced(img.clone(), 512, prefetch);
         assert_eq!(chain.prefetch_enabled(), prefetch);
         for &off in offsets {
             chain.read_ahead(off, LEN as u64);
@@ -527,18 +519,7 @@ fn read_ahead_on_memo_hits_watches_the_tail_of_each_slice() {
         "64M",
         &["write -P 0x5a 0 1M", "write -P 0xa5 40M 1M"],
     );
-    let fresh = || {
-        let (exec, dev, chain) = open(
-            img.clone(),
-            OpenOptions {
-                l2_slice_bytes: 4096,
-                ..OpenOptions::default()
-            },
-        );
-        let chain = chain.unwrap();
-        chain.set_prefetch(true);
-        (exec, dev, chain)
-    };
+    let fresh = || open_sliced(img.clone(), 4096, true);
     let (_exec, _dev, chain) = fresh();
     // A sequential stream through the slice's first 28 MiB is not watched.
     for i in 0..28 {
@@ -558,6 +539,24 @@ fn read_ahead_on_memo_hits_watches_the_tail_of_each_slice() {
     }
     let p = chain.prefetch_stats();
     assert_eq!((p.streams, p.issued), (1, 1), "{p:?}");
+}
+
+/// Opens `img` read-only with L2 slices of `slice_bytes`, read-ahead on or off.
+fn open_sliced(
+    img: Vec<u8>,
+    slice_bytes: u64,
+    prefetch: bool,
+) -> (Exec<MemDevice>, MemDevice, Rc<Chain<MemDevice>>) {
+    let (exec, dev, chain) = open(
+        img,
+        OpenOptions {
+            l2_slice_bytes: slice_bytes,
+            ..OpenOptions::default()
+        },
+    );
+    let chain = chain.unwrap();
+    chain.set_prefetch(prefetch);
+    (exec, dev, chain)
 }
 
 /// Submits one request with `submit(tag)` and polls until it completes.
