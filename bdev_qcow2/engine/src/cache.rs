@@ -469,7 +469,8 @@ impl LinearMemo {
 
     #[inline(always)]
     fn slot(&self, key: u64) -> &std::cell::Cell<MemoSlot> {
-        // `mask` is below the length: no bounds check survives the `get`, and no panic path.
+        // `mask` is below the length, so the `get` always finds a slot (the fallback only
+        // keeps a panic path out of the request path).
         match self.slots.get(key as usize & self.mask) {
             Some(s) => s,
             None => &self.slots[0],
@@ -480,20 +481,21 @@ impl LinearMemo {
     /// (counted as a hit).
     #[inline(always)]
     pub fn get(&self, key: u64, epoch: u32) -> Option<u64> {
-        let s = self.slot(key).get();
-        if s.key != key || s.epoch != epoch {
-            return None;
-        }
-        self.hits.set(self.hits.get() + 1);
-        Some(s.host)
+        self.lookup(key, epoch, None)
     }
 
     /// For an in-place write on a core replica: [`get`](Self::get), when also no cluster of
     /// the slice was metadata under metadata generation `meta_gen` (the current one).
     #[inline(always)]
     pub fn get_overwrite(&self, key: u64, epoch: u32, meta_gen: u64) -> Option<u64> {
+        self.lookup(key, epoch, Some(meta_gen))
+    }
+
+    /// [`get`](Self::get), and with `meta_gen` [`get_overwrite`](Self::get_overwrite).
+    #[inline(always)]
+    fn lookup(&self, key: u64, epoch: u32, meta_gen: Option<u64>) -> Option<u64> {
         let s = self.slot(key).get();
-        if s.key != key || s.epoch != epoch || s.meta_gen != meta_gen {
+        if s.key != key || s.epoch != epoch || meta_gen.is_some_and(|g| g != s.meta_gen) {
             return None;
         }
         self.hits.set(self.hits.get() + 1);

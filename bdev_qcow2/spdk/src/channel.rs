@@ -330,8 +330,7 @@ impl Channel {
         // it only in its slice's tail.
         if let Some(d) = chain.memo_direct(off, len, false) {
             chain.read_ahead_memo(off, len);
-            if submit_mapped(&self.exec, target, io, d, (len, false), chan_direct_done) {
-                chain.count_direct_read();
+            if submit_read_mapped(chain, &self.exec, target, io, d, len, chan_direct_done) {
                 return;
             }
             return self.read_engine(chain, io);
@@ -435,16 +434,28 @@ impl Channel {
         let (off, len) = (io.offset_blocks() * bs, io.num_blocks() * bs);
         // The memo of linear slices first: an overwrite it knows is a few compares.
         if let Some(d) = chain.memo_direct(off, len, true) {
-            self.own(io);
-            let target = self.direct.as_ref();
-            if submit_mapped(&self.exec, target, io, d, (len, true), chan_direct_done) {
-                self.local_writes.set(self.local_writes.get() + 1);
-                return;
-            }
-            chain.read_ahead(off, len);
-            return self.write_engine(chain, io);
+            return self.write_mapped(chain, io, d, (off, len));
         }
         self.write_routed(chain, io, md, (off, len));
+    }
+
+    /// An overwrite mapped to one extent `d`: straight to the base, else (base busy) in
+    /// place through the engine.
+    #[inline(always)]
+    fn write_mapped(
+        &self,
+        chain: &Rc<Chain<SpdkDevice>>,
+        io: BdevIo,
+        d: Direct,
+        (off, len): (u64, u64),
+    ) {
+        self.own(io);
+        let target = self.direct.as_ref();
+        if submit_mapped(&self.exec, target, io, d, (len, true), chan_direct_done) {
+            self.local_writes.set(self.local_writes.get() + 1);
+            return;
+        }
+        self.write_local(chain, io, (off, len));
     }
 
     /// [`write_on`](Self::write_on) past the memo: routed by the slice cache's look-up
@@ -461,18 +472,15 @@ impl Channel {
             // First writes and COW go to the owner without a detour through this replica.
             WriteRoute::Owner { slow } => {
                 self.forwarded.set(self.forwarded.get() + 1);
-                return owner::forward(md, io, slow);
+                owner::forward(md, io, slow);
             }
-            WriteRoute::Direct(d) => {
-                self.own(io);
-                let target = self.direct.as_ref();
-                if submit_mapped(&self.exec, target, io, d, (len, true), chan_direct_done) {
-                    self.local_writes.set(self.local_writes.get() + 1);
-                    return;
-                }
-            }
-            WriteRoute::Local => {}
+            WriteRoute::Direct(d) => self.write_mapped(chain, io, d, (off, len)),
+            WriteRoute::Local => self.write_local(chain, io, (off, len)),
         }
+    }
+
+    /// A write in place through this replica's engine, with read-ahead.
+    fn write_local(&self, chain: &Rc<Chain<SpdkDevice>>, io: BdevIo, (off, len): (u64, u64)) {
         // Read-ahead watches the writes that need the engine here (a slice to load, most
         // often): a stream of direct overwrites needs no slice loaded ahead, and the owner
         // runs its own read-ahead on what it is sent.
@@ -586,8 +594,25 @@ pub fn submit_direct(
     let Some(d) = chain.map_direct(off, len, write) else {
         return false;
     };
-    let ok = submit_mapped(exec, target, io, d, (len, write), done);
-    if ok && !write {
+    if write {
+        return submit_mapped(exec, target, io, d, (len, true), done);
+    }
+    submit_read_mapped(chain, exec, target, io, d, len, done)
+}
+
+/// [`submit_mapped`] for a read, counted as served on the direct path once submitted.
+#[inline(always)]
+fn submit_read_mapped(
+    chain: &Chain<SpdkDevice>,
+    exec: &Exec<SpdkDevice>,
+    target: Option<&DirectTarget>,
+    io: BdevIo,
+    d: Direct,
+    len: u64,
+    done: unsafe extern "C" fn(*mut sys::spdk_bdev_io, bool, *mut c_void),
+) -> bool {
+    let ok = submit_mapped(exec, target, io, d, (len, false), done);
+    if ok {
         chain.count_direct_read();
     }
     ok
