@@ -324,10 +324,11 @@ fi
 #      bdev with NVMe-like write latency (FIRST_LAT, µs; default "20 80"), where the
 #      allocation's metadata writes cost what they cost on a device;
 #    - 4 KiB random writes on the same 8 GiB volumes, bare and with the same latencies:
-#      most of a 1 s run's writes are first writes to their cluster (131072 of them). A
-#      qcow2 first write writes its whole cluster (the rest zeros, from one buffer, unless
-#      the base zeroes cheaply: NVMe); a thin lvol on an lvstore made with
-#      --clear-method none writes the 4 KiB alone, trusting the malloc to read as zeros;
+#      most of a 1 s run's writes are first writes to their cluster (131072 of them). Both
+#      write the 4 KiB alone: a thin lvol on an lvstore made with --clear-method none
+#      trusts the malloc to read as zeros (it does not: the malloc was written first, see
+#      below); the qcow2 format zeroes its base first (--zero-base, also through the delay
+#      bdev) and records it, so its first writes into clusters never written need no zeros;
 #    - 4 KiB random writes on 1 GiB volumes on the bare malloc: the first write to each
 #      cluster allocates it, the rest (most of a 1 s run: ~16 k clusters, ~0.5 M writes)
 #      overwrite.
@@ -353,7 +354,7 @@ first_writes() {
     zrpc bdev_lvol_create_lvstore "$base" lvs0 -c "$LVS_CLUSTER" --clear-method none
     zrpc bdev_lvol_create -l lvs0 -t l0 "$VOL_MIB"
   else
-    zrpc bdev_qcow2_format "$base" -s $((VOL_MIB << 20)) --cluster-size "$LVS_CLUSTER" ${5:-}
+    zrpc bdev_qcow2_format "$base" -s $((VOL_MIB << 20)) --cluster-size "$LVS_CLUSTER" --zero-base ${5:-}
     zrpc bdev_qcow2_create -b q0 --base-bdev "$base"
   fi
   zrun "$3" "$4" 1

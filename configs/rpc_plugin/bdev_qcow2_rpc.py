@@ -29,12 +29,12 @@ def bdev_qcow2_create(client, name, base_bdev, backing_bdev=None, read_only=None
 
 def bdev_qcow2_format(client, base_bdev, size, cluster_size=None, extended_l2=None,
                       refcount_bits=None, compat=None, lazy_refcounts=None,
-                      compression_type=None, preallocation=None):
+                      compression_type=None, preallocation=None, zero_base=None):
     params = {'base_bdev': base_bdev, 'size': size}
     for k, v in (('cluster_size', cluster_size), ('extended_l2', extended_l2),
                  ('refcount_bits', refcount_bits), ('compat', compat),
                  ('lazy_refcounts', lazy_refcounts), ('compression_type', compression_type),
-                 ('preallocation', preallocation)):
+                 ('preallocation', preallocation), ('zero_base', zero_base)):
         if v is not None:
             params[k] = v
     return client.call('bdev_qcow2_format', params)
@@ -95,7 +95,8 @@ def spdk_rpc_plugin_initialize(subparsers):
                                      refcount_bits=args.refcount_bits, compat=args.compat,
                                      lazy_refcounts=args.lazy_refcounts,
                                      compression_type=args.compression_type,
-                                     preallocation=args.preallocation))
+                                     preallocation=args.preallocation,
+                                     zero_base=args.zero_base))
 
     p = subparsers.add_parser('bdev_qcow2_format',
                               help='Write a fresh, empty qcow2 image onto a bdev (erases it)')
@@ -113,6 +114,11 @@ def spdk_rpc_plugin_initialize(subparsers):
     p.add_argument('--preallocation', choices=['off', 'metadata', 'full'],
                    help='allocate every cluster: metadata (as preallocated zero clusters) '
                         'or full (written with zeros); default off')
+    p.add_argument('--zero-base', dest='zero_base', action='store_true', default=None,
+                   help='zero the base first and record it, so first writes write the '
+                        'guest\'s bytes alone (default: on malloc and NVMe bases)')
+    p.add_argument('--no-zero-base', dest='zero_base', action='store_false',
+                   help='leave the base as it is (first writes write whole clusters)')
     p.set_defaults(func=fmt)
 
     def delete(args):

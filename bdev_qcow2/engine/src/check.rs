@@ -32,7 +32,7 @@
 use crate::error::{invalid, Error, Field, Result};
 use crate::exec::{DevId, Exec};
 use crate::format::be::{get_u16, get_u32, get_u64, put_u32, put_u64};
-use crate::format::header::{incompat, peek_cluster_bits, PEEK_LEN};
+use crate::format::header::{autoclear, incompat, peek_cluster_bits, PEEK_LEN};
 use crate::format::refcount::{entries_per_block, get_refcount, max_refcount, set_refcount};
 use crate::format::ImageHeader;
 use crate::image::read_bytes;
@@ -939,6 +939,8 @@ impl<D: BlockDevice> Checker<'_, D> {
     /// existing blocks in place. Crash-safe order: blocks, flush, table (new table, flush,
     /// header), flush, then the old table is freed.
     async fn fix_all(&mut self) -> Step {
+        // New structures go past the image's end, perhaps into a zeroed tail.
+        self.void_zeroed_tail().await?;
         let cs = self.cs;
         let per = self.per_block;
         // Blocks that were counted but will be dropped by the table: one reference less.
@@ -1224,6 +1226,23 @@ impl<D: BlockDevice> Checker<'_, D> {
         self.patch(72, &b).await?;
         self.flush().await?;
         self.header.header.incompatible_features = v;
+        Ok(())
+    }
+
+    /// Clears the zeroed tail's autoclear bit (written and flushed) before a repair
+    /// writes where the tail may lie: the repair does not keep it, so it voids it.
+    async fn void_zeroed_tail(&mut self) -> Step {
+        let h = &self.header.header;
+        if h.version < 3 || h.autoclear_features & autoclear::ZEROED_TAIL == 0 {
+            return Ok(());
+        }
+        let v = h.autoclear_features & !autoclear::ZEROED_TAIL;
+        let mut b = [0u8; 8];
+        put_u64(&mut b, 0, v);
+        self.patch(88, &b).await?;
+        self.flush().await?;
+        self.header.header.autoclear_features = v;
+        self.header.extensions.zeroed_tail = None;
         Ok(())
     }
 

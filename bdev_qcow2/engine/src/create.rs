@@ -7,7 +7,7 @@
 use crate::error::{invalid, Error, Field, Result};
 use crate::exec::{DevId, Exec};
 use crate::format::header::{
-    self, default_feature_names, incompat, CompressionType, Extensions, Header,
+    self, default_feature_names, incompat, CompressionType, Extensions, Header, ZeroedTail,
 };
 use crate::format::refcount::{entries_per_block, set_refcount};
 use crate::format::ImageHeader;
@@ -38,6 +38,11 @@ pub struct CreateOptions {
     pub backing_file: Option<String>,
     /// Backing file format recorded in the image.
     pub backing_format: Option<String>,
+    /// The device reads zeros past where the image's metadata ends (its caller zeroed it):
+    /// record it ([`ZeroedTail`]), so that a writer knows new clusters there read as zeros
+    /// and writes only the guest's bytes into them. For a device that cannot grow; on one
+    /// that can (a file), what lies past its end reads as zeros anyway. Compat 1.1 only.
+    pub zeroed_tail: bool,
 }
 
 impl Default for CreateOptions {
@@ -52,6 +57,7 @@ impl Default for CreateOptions {
             compression_type: CompressionType::Zlib,
             backing_file: None,
             backing_format: None,
+            zeroed_tail: false,
         }
     }
 }
@@ -85,12 +91,13 @@ impl CreateOptions {
             }
             if self.extended_l2
                 || self.lazy_refcounts
+                || self.zeroed_tail
                 || self.compression_type != CompressionType::Zlib
             {
                 return Err(invalid(
                     Field::Version,
                     2,
-                    "extended_l2, lazy_refcounts and zstd need compat=1.1",
+                    "extended_l2, lazy_refcounts, zstd and a zeroed tail need compat=1.1",
                 ));
             }
         }
@@ -183,7 +190,11 @@ pub async fn create<D: BlockDevice>(
             } else {
                 0
             },
-            autoclear_features: 0,
+            autoclear_features: if opts.zeroed_tail {
+                header::autoclear::ZEROED_TAIL
+            } else {
+                0
+            },
             refcount_order: opts.refcount_order,
             header_length: if opts.version == 3 {
                 header::V3_HEADER_LEN
@@ -194,11 +205,24 @@ pub async fn create<D: BlockDevice>(
             unknown_tail: Vec::new(),
         },
         extensions: Extensions {
+            zeroed_tail: opts.zeroed_tail.then_some(ZeroedTail {
+                from: total * cs,
+                // The first extension, right after the header.
+                at: u64::from(header::V3_HEADER_LEN) + 8,
+            }),
             backing_format: opts.backing_format.clone(),
-            feature_names: if opts.version == 3 {
-                default_feature_names()
-            } else {
-                Vec::new()
+            feature_names: match opts.version {
+                3 if opts.zeroed_tail => {
+                    let mut f = default_feature_names();
+                    f.push(header::FeatureName {
+                        kind: 2,
+                        bit: 63,
+                        name: "zeroed tail".into(),
+                    });
+                    f
+                }
+                3 => default_feature_names(),
+                _ => Vec::new(),
             },
             ..Default::default()
         },

@@ -16,6 +16,7 @@
 
 use crate::error::{corrupt, Error, Field, Result};
 use crate::exec::{AsyncLock, Exec, WaitQueue};
+use crate::format::header::ZeroedTail;
 use crate::format::refcount::{entries_per_block, get_refcount, set_refcount};
 use crate::format::{ImageHeader, L1Entry, L2Entry};
 use crate::image::{read_bytes, Qcow2};
@@ -48,6 +49,9 @@ const NOW_SCAN: u64 = 64;
 /// Largest data region reserved at once for a run of guest clusters (see
 /// [`Qcow2::alloc_data`]): a whole L2 slice up to this size, a part of one beyond.
 const MAX_REGION_BYTES: u64 = 64 << 20;
+
+/// The least step by which the zeroed tail is raised (see `raise_zeroed_tail`).
+const ZEROED_TAIL_STEP_MIN: u64 = 1 << 20;
 
 /// Host clusters reserved for the data clusters of one run of guest clusters (a slice, or
 /// a part of one: [`MAX_REGION_BYTES`]): guest cluster `first + i` goes to host cluster
@@ -117,6 +121,12 @@ pub(crate) struct MetaState {
     pub sector0: Vec<u8>,
     /// Whether `sector0` must be written.
     pub header_dirty: bool,
+    /// `sector0` as last written: the zeroed tail is raised by writing it with nothing
+    /// else changed.
+    pub sector0_disk: Vec<u8>,
+    /// The zeroed tail as on disk ([`ZeroedTail`]), when the image has one and this writer
+    /// keeps it: nothing is written at or past `from` before `from` is raised past it.
+    pub zeroed_tail: Option<ZeroedTail>,
     /// Whether we set the dirty bit on disk (lazy refcounts) and must clear it.
     pub dirty_bit_on_disk: bool,
     /// Cluster indices of refcount blocks and active L2 tables (overlap check).
@@ -151,6 +161,8 @@ pub struct OwnerStats {
     /// Metadata write-back passes (refcounts, flush, L2 slices, L1; on FLUSH, on close
     /// and when the dirty metadata passes its threshold).
     pub writebacks: u64,
+    /// Times the zeroed tail was raised on disk ([`ZeroedTail`]).
+    pub zeroed_tail_raises: u64,
 }
 
 /// Guest clusters with an allocation in flight: a handful at a time, looked up by every
@@ -202,6 +214,10 @@ impl<D: BlockDevice> Meta<D> {
         let n = c0.len().min(sector0.len());
         sector0[..n].copy_from_slice(&c0[..n]);
         let end = device_size.div_ceil(cs);
+        // Past a zeroed tail (in the first sector, where we keep it), clusters read as zeros
+        // from the start.
+        let zeroed_tail = header.extensions.zeroed_tail.filter(|z| z.at + 8 <= SECTOR);
+        let fresh_from = zeroed_tail.map_or(end, |z| z.from.div_ceil(cs).min(end));
         Meta {
             lock: AsyncLock::new(exec),
             inflight_wait: WaitQueue::new(exec),
@@ -225,10 +241,12 @@ impl<D: BlockDevice> Meta<D> {
                 region_ends: BTreeMap::new(),
                 region_top: 0,
                 rt_grows: 0,
-                fresh_from: end,
+                fresh_from,
                 inflight: Inflight::default(),
+                sector0_disk: sector0.clone(),
                 sector0,
                 header_dirty: false,
+                zeroed_tail,
                 dirty_bit_on_disk: false,
                 meta_clusters: HashSet::default(),
                 stats: OwnerStats::default(),
@@ -392,6 +410,7 @@ impl<D: BlockDevice> Qcow2<D> {
                 if crate::format::be::get_u32(&st.sector0, 4) == 3 {
                     crate::format::be::put_u64(&mut st.sector0, 72, v);
                 }
+                st.sector0_disk = st.sector0.clone();
                 st.sector0.clone()
             };
             let buf = self.exec.alloc_buf(self.dev, sector.len());
@@ -694,6 +713,9 @@ impl<D: BlockDevice> Qcow2<D> {
                 )
                 .await);
         }
+        // No zeroed tail to raise here: the block lies at the start of the range it covers,
+        // at or before the cluster whose allocation asked for it, and that allocation raises
+        // the tail past itself before anything is written (the block waits for a write-back).
         let order = self.header.borrow().header.refcount_order;
         let mut bytes = vec![0u8; cs as usize];
         set_refcount(&mut bytes, order, 0, 1)?;
@@ -789,6 +811,7 @@ impl<D: BlockDevice> Qcow2<D> {
             ));
         }
         let end = start + table_clusters + missing.len() as u64;
+        self.raise_zeroed_tail(end).await?;
         let mut table = old.clone();
         table.resize(entries as usize, 0);
         // New blocks, right after the new table; each counts the new clusters in its range.
@@ -876,6 +899,7 @@ impl<D: BlockDevice> Qcow2<D> {
                 break (start, count);
             }
         };
+        self.raise_zeroed_tail(start + count).await?;
         self.take_clusters(start, count).await?;
         self.allocated(start, count)
     }
@@ -891,7 +915,11 @@ impl<D: BlockDevice> Qcow2<D> {
             return Ok(None);
         }
         self.reclaim_graced();
-        let limit = self.alloc_limit();
+        // Clusters past the zeroed tail wait for the tail to be raised (I/O).
+        let limit = match m.st.borrow().zeroed_tail {
+            Some(z) => self.alloc_limit().min(z.from >> self.cluster_bits()),
+            None => self.alloc_limit(),
+        };
         let hint = m.st.borrow().alloc_hint.max(1);
         if n == 1 {
             // One cluster (the common first write): check and take in one look-up.
@@ -1117,11 +1145,17 @@ impl<D: BlockDevice> Qcow2<D> {
         if count == 0 {
             return Ok(None);
         }
+        self.raise_zeroed_tail(goal + count).await?;
         self.take_clusters(goal, count).await?;
-        m.st.borrow_mut().stats.clusters_allocated += count;
-        // Inside the device (the region is): nothing to grow, nothing fresh.
+        // Inside the device (the region is): nothing to grow.
         self.note_allocated(goal + count)?;
-        Ok(Some((goal, count, false)))
+        let mut st = m.st.borrow_mut();
+        st.stats.clusters_allocated += count;
+        // Fresh when never written: past every cluster allocated (regions fill out of
+        // order: a cluster below the last one allocated counts as written).
+        let fresh = goal >= st.fresh_from;
+        st.fresh_from = st.fresh_from.max(goal + count);
+        Ok(Some((goal, count, fresh)))
     }
 
     /// Reserves the host clusters of region `idx` (see [`Region`]): where its data already
@@ -1507,11 +1541,85 @@ impl<D: BlockDevice> Qcow2<D> {
         let sector = {
             let mut st = m.st.borrow_mut();
             st.header_dirty = false;
+            st.sector0_disk = st.sector0.clone();
             st.sector0.clone()
         };
         let buf = self.exec.alloc_buf(self.dev, sector.len());
         buf.copy_in(0, &sector);
         self.exec.write(self.dev, 0, BufSlice::whole(buf)).await
+    }
+
+    /// Whether clusters below `end_cluster` may be written as things stand: they lie below
+    /// the zeroed tail (always, without one).
+    pub(crate) fn below_zeroed_tail(&self, end_cluster: u64) -> Result<bool> {
+        let m = self.meta()?;
+        let end = end_cluster << self.cluster_bits();
+        Ok(m.st.borrow().zeroed_tail.is_none_or(|z| end <= z.from))
+    }
+
+    /// Raises the zeroed tail on disk to at least cluster `end_cluster` (the first sector
+    /// written alone, then flushed) unless it lies there already: called before clusters
+    /// below `end_cluster` are taken, so that nothing is ever written at or past the tail
+    /// on disk, whatever a crash keeps. It moves in steps of a 64th of the device (1 MiB
+    /// at least): 64 rewrites while the image fills the device. Caller holds the metadata
+    /// lock.
+    async fn raise_zeroed_tail(&self, end_cluster: u64) -> Result<()> {
+        if self.below_zeroed_tail(end_cluster)? {
+            return Ok(());
+        }
+        let m = self.meta()?;
+        let cs = self.geo.cluster_size();
+        let dev_end = self.device_size.get().div_ceil(cs) * cs;
+        let step = (dev_end / 64).max(ZEROED_TAIL_STEP_MIN);
+        let from = ((end_cluster << self.cluster_bits()) + step).div_ceil(cs) * cs;
+        let from = from.min(dev_end.max(end_cluster << self.cluster_bits()));
+        let sector = {
+            let mut st = m.st.borrow_mut();
+            let Some(z) = st.zeroed_tail else {
+                return Ok(());
+            };
+            crate::format::be::put_u64(&mut st.sector0, z.at as usize, from);
+            crate::format::be::put_u64(&mut st.sector0_disk, z.at as usize, from);
+            st.sector0_disk.clone()
+        };
+        let buf = self.exec.alloc_buf(self.dev, sector.len());
+        buf.copy_in(0, &sector);
+        self.exec.write(self.dev, 0, BufSlice::whole(buf)).await?;
+        self.exec.flush(self.dev).await?;
+        let mut st = m.st.borrow_mut();
+        if let Some(z) = st.zeroed_tail.as_mut() {
+            z.from = from;
+        }
+        st.stats.zeroed_tail_raises += 1;
+        Ok(())
+    }
+
+    /// At a clean close: the zeroed tail goes back to where the clusters ever allocated end
+    /// (nothing was written past them), so that the next open finds every cluster past
+    /// them fresh. Caller holds the metadata lock, every write has completed.
+    async fn lower_zeroed_tail(&self) -> Result<()> {
+        let m = self.meta()?;
+        let cs = self.geo.cluster_size();
+        let lowered = {
+            let mut st = m.st.borrow_mut();
+            let end = st.fresh_from * cs;
+            match st.zeroed_tail {
+                Some(z) if end < z.from => {
+                    crate::format::be::put_u64(&mut st.sector0, z.at as usize, end);
+                    st.header_dirty = true;
+                    Some(end)
+                }
+                _ => None,
+            }
+        };
+        if let Some(end) = lowered {
+            self.write_header().await?;
+            self.exec.flush(self.dev).await?;
+            if let Some(z) = m.st.borrow_mut().zeroed_tail.as_mut() {
+                z.from = end;
+            }
+        }
+        Ok(())
     }
 
     /// Writes all dirty metadata in dependency order (see the module doc). The caller holds
@@ -1794,7 +1902,8 @@ impl<D: BlockDevice> Qcow2<D> {
         let m = self.meta()?;
         let _g = m.lock.lock().await;
         self.writeback_mode(true).await?;
-        self.exec.flush(self.dev).await
+        self.exec.flush(self.dev).await?;
+        self.lower_zeroed_tail().await
     }
 
     /// Guest flush: every write completed before it is stable when this returns.

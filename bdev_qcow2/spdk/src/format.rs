@@ -83,6 +83,22 @@ pub fn format(p: FormatParams, done: Done) {
         return done(Err((libc::EINVAL, m)));
     }
     let base_size = desc.size();
+    let mut opts = opts;
+    // By default where zeroing the whole base is cheap and allocates nothing: a malloc
+    // (a fill) or an NVMe namespace (Write Zeroes). Not AIO (an `fallocate` that would
+    // allocate the whole sparse file), not a thin lvol (it would allocate every cluster).
+    let zero = p.zero_base.unwrap_or_else(|| {
+        opts.version >= 3
+            && desc.supports_natively(sys::SPDK_BDEV_IO_TYPE_WRITE_ZEROES)
+            && matches!(desc.module_name().as_str(), "malloc" | "nvme")
+    });
+    opts.zeroed_tail = zero;
+    let prealloc = match prealloc {
+        Some(Preallocation::Metadata { .. }) => Some(Preallocation::Metadata {
+            device_reads_zeros: zero,
+        }),
+        m => m,
+    };
     let Some(dev) = SpdkDevice::new(&desc) else {
         desc.close();
         return done(Err((
@@ -96,7 +112,14 @@ pub fn format(p: FormatParams, done: Done) {
     {
         let (e2, r2) = (exec.clone(), result.clone());
         exec.spawn(async move {
-            let mut r = create(&e2, dev, &opts).await;
+            let mut r = if zero {
+                zero_base(&e2, dev, base_size).await
+            } else {
+                Ok(())
+            };
+            if r.is_ok() {
+                r = create(&e2, dev, &opts).await;
+            }
             if let (Ok(()), Some(mode)) = (&r, prealloc) {
                 r = preallocate_on(&e2, dev, mode).await;
             }
@@ -129,6 +152,20 @@ pub fn format(p: FormatParams, done: Done) {
             }
         }
     }
+}
+
+/// Bytes one Write Zeroes of [`zero_base`] covers.
+const ZERO_BASE_CHUNK: u64 = 1 << 30;
+
+/// Zeroes the whole base (before `create` writes the image's metadata on it) and flushes.
+async fn zero_base(exec: &Exec<SpdkDevice>, dev: DevId, size: u64) -> qcow2_engine::Result<()> {
+    let mut off = 0;
+    while off < size {
+        let len = (size - off).min(ZERO_BASE_CHUNK);
+        exec.write_zeroes(dev, off, len).await?;
+        off += len;
+    }
+    exec.flush(dev).await
 }
 
 /// Opens the image just formatted on `dev` and preallocates it (closing it when done).

@@ -140,6 +140,14 @@ pub struct FormatParams {
     /// allocated and written with zeros: a fully allocated image).
     #[serde(default)]
     pub preallocation: Option<String>,
+    /// Zero the base first and record in the image that it reads as zeros past the
+    /// metadata (bdev_qcow2's zeroed tail, an autoclear feature QEMU voids when it writes):
+    /// first writes into new clusters then write the guest's bytes alone, not whole
+    /// clusters. Default: on a malloc or NVMe base (zeroing them is cheap and allocates
+    /// nothing) when the image is compat 1.1. With `true` on any base (SPDK emulates Write
+    /// Zeroes where the base lacks it).
+    #[serde(default)]
+    pub zero_base: Option<bool>,
 }
 
 impl FormatParams {
@@ -184,6 +192,8 @@ impl FormatParams {
             },
             backing_file: None,
             backing_format: None,
+            // `format` decides the default (it looks at the base).
+            zeroed_tail: self.zero_base.unwrap_or(false),
         })
     }
 
@@ -191,7 +201,8 @@ impl FormatParams {
     pub fn preallocation(&self) -> Result<Option<Preallocation>, String> {
         match self.preallocation.as_deref() {
             None | Some("off") => Ok(None),
-            // A bdev may hold anything: the clusters must not show it.
+            // A bdev may hold anything: the clusters must not show it (`format` says
+            // otherwise once it zeroed the base).
             Some("metadata") => Ok(Some(Preallocation::Metadata {
                 device_reads_zeros: false,
             })),

@@ -986,6 +986,47 @@ mod real {
         check_clean(&img, "zeroing base");
         compare_with_raw(&img, &want);
         say("base that zeroes: spdk_dd wrote 64 MiB - 4 KiB in 4 KiB blocks over old data; qemu-img check clean, zeros where nothing was written");
+
+        // A base the format zeroes (`zero_base`): the image records a zeroed tail, and 4 KiB
+        // first writes into fresh clusters write the guest's bytes alone. Old data must not
+        // show through either.
+        let img = d.join("zeroed.qcow2");
+        fs::write(&img, vec![0xa5u8; (80 * MIB) as usize]).unwrap();
+        let cfg = d.join("zeroed.json");
+        let mut base = aio(&img, "aio0");
+        base["params"]["fallocate"] = json!(true);
+        let mut fmt = format_call("aio0", 64 * MIB);
+        fmt["params"]["zero_base"] = json!(true);
+        write_config(&cfg, vec![base, fmt, qcow2("q0", "aio0", None)]);
+        let args: Vec<String> = [
+            "--json",
+            s(&cfg),
+            "--if",
+            s(&short),
+            "--ob",
+            "q0",
+            "--bs",
+            "4096",
+        ]
+        .map(String::from)
+        .to_vec();
+        let (ok, text) = spawn_spdk("spdk_dd", &args, &d.join("zeroed.dd.log")).wait(120);
+        assert!(ok, "spdk_dd failed:\n{text}");
+        check_clean(&img, "zeroed base");
+        compare_with_raw(&img, &want);
+        let bytes = fs::read(&img).unwrap();
+        let be64 = |o: usize| u64::from_be_bytes(bytes[o..o + 8].try_into().unwrap());
+        assert_ne!(be64(88) & (1 << 63), 0, "zeroed-tail autoclear bit");
+        assert_eq!(&bytes[112..120], &[0x7a, 0x65, 0x72, 0x6f, 0, 0, 0, 8]);
+        let tail = be64(120) as usize;
+        assert!(
+            tail > 64 * MIB as usize && tail < bytes.len(),
+            "tail {tail:#x}"
+        );
+        assert!(bytes[tail..].iter().all(|b| *b == 0), "zeros past the tail");
+        say(&format!(
+            "zeroed base: format zeroed 80 MiB of old data; spdk_dd wrote 64 MiB - 4 KiB in 4 KiB blocks; qemu-img check clean, compare equal; zeroed tail at {tail:#x} after close"
+        ));
     }
 
     /// Runs bdevperf with `args` on config `cfg`; returns its output (asserting it exited 0).

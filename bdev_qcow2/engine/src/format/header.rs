@@ -44,6 +44,11 @@ pub mod autoclear {
     pub const BITMAPS: u64 = 1 << 0;
     /// The external data file is a valid raw image.
     pub const RAW_EXTERNAL: u64 = 1 << 1;
+    /// bdev_qcow2's zeroed tail ([`ZeroedTail`](super::ZeroedTail)): the device reads
+    /// zeros past the offset its extension records. Not one of QEMU's bits: the top bit,
+    /// far from those the specification assigns in order. Any writer that does not know it
+    /// clears it before writing (the autoclear rule), which makes the claim void.
+    pub const ZEROED_TAIL: u64 = 1 << 63;
 }
 
 /// Header extension type codes.
@@ -60,6 +65,9 @@ pub mod ext_type {
     pub const ENCRYPTION: u32 = 0x0537_be77;
     /// External data file name.
     pub const EXTERNAL_DATA_FILE: u32 = 0x4441_5441;
+    /// bdev_qcow2's zeroed tail (8 bytes: the offset it starts at), valid only with
+    /// [`autoclear::ZEROED_TAIL`](super::autoclear::ZEROED_TAIL). "zero" in ASCII.
+    pub const ZEROED_TAIL: u32 = 0x7a65_726f;
 }
 
 /// Compression algorithms (the `compression_type` field).
@@ -147,9 +155,26 @@ pub struct BitmapsExt {
     pub directory_offset: u64,
 }
 
+/// bdev_qcow2's zeroed-tail extension: every byte of the device at or past `from` reads
+/// as zeros, so a first write into a cluster there needs no zeros written around it. Made
+/// by a format that zeroed the device; its writer raises `from` (written and flushed)
+/// before it writes at or past it, and sets it back to its last allocated cluster when it
+/// closes. Valid only while [`autoclear::ZEROED_TAIL`] is set: QEMU, and any other writer
+/// that does not know the bit, clears it when it opens the image for writing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ZeroedTail {
+    /// Device offset where the zeros start.
+    pub from: u64,
+    /// Where `from` lies in cluster 0 (the writer patches it in place); encoding puts the
+    /// extension first, right after the header.
+    pub at: u64,
+}
+
 /// Header extensions, in the order they matter to us; unknown ones are kept verbatim.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct Extensions {
+    /// The zeroed tail, if present and valid (its autoclear bit set).
+    pub zeroed_tail: Option<ZeroedTail>,
     /// Backing file format name ("qcow2", "raw").
     pub backing_format: Option<String>,
     /// Feature name table entries.
@@ -766,6 +791,16 @@ fn decode_extensions(c0: &[u8], start: u64, end: u64, h: &Header) -> Result<Exte
                     ext.unknown.push((typ, data.to_vec()));
                 }
             }
+            ext_type::ZEROED_TAIL
+                if len == 8 && h.autoclear_features & autoclear::ZEROED_TAIL != 0 =>
+            {
+                // Without the bit (or with a length we never write) the claim is void; the
+                // extension is kept verbatim like any unknown one.
+                ext.zeroed_tail = Some(ZeroedTail {
+                    from: get_u64(data, 0),
+                    at: data_start,
+                });
+            }
             ext_type::EXTERNAL_DATA_FILE => {
                 let s = std::str::from_utf8(data).map_err(|_| {
                     invalid(Field::ExternalDataFileExtension, len, "not valid UTF-8")
@@ -793,6 +828,10 @@ fn push_ext(out: &mut Vec<u8>, typ: u32, data: &[u8]) {
 }
 
 fn encode_extensions(ext: &Extensions, out: &mut Vec<u8>) {
+    // First, so that it lies in the header's first sector (which header updates rewrite).
+    if let Some(z) = ext.zeroed_tail {
+        push_ext(out, ext_type::ZEROED_TAIL, &z.from.to_be_bytes());
+    }
     if let Some(f) = &ext.backing_format {
         push_ext(out, ext_type::BACKING_FORMAT, f.as_bytes());
     }

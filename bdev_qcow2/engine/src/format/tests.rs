@@ -8,7 +8,7 @@
 use super::entries::{compressed_entry, ClusterMapping, L1Entry, L2Context, L2Entry};
 use super::entries::{LinearSlice, SubclusterBitmap, COMPRESSED, COPIED, FULL_BITMAP};
 use super::header::{autoclear, ext_type, incompat, BitmapsExt, FeatureName};
-use super::header::{CompressionType, Extensions, Header, ImageHeader};
+use super::header::{CompressionType, Extensions, Header, ImageHeader, ZeroedTail};
 use super::refcount::{entries_per_block, get_refcount, max_refcount, set_refcount};
 use super::snapshot::{decode_snapshots, encode_snapshots, Snapshot, SnapshotDecode};
 use crate::error::{Error, Field};
@@ -219,7 +219,14 @@ fn make_header(s: &HeaderSeed) -> ImageHeader {
         },
         unknown_tail,
     };
+    // The zeroed tail, like the bitmaps, decodes only with its autoclear bit; encoded
+    // first, right after the header.
+    let zeroed_tail = (autoclear & autoclear::ZEROED_TAIL != 0).then(|| ZeroedTail {
+        from: rt_cluster * cs,
+        at: u64::from(header.header_length) + 8,
+    });
     let extensions = Extensions {
+        zeroed_tail,
         backing_format: s.backing_format.clone(),
         feature_names: s
             .feature_names
