@@ -300,10 +300,7 @@ fn qemu_writing_the_image_voids_the_zeroed_tail() {
     let h = ImageHeader::decode(&img[..CS as usize], img.len() as u64).unwrap();
     assert_eq!(h.header.autoclear_features & autoclear::ZEROED_TAIL, 0);
     assert_eq!(h.extensions.zeroed_tail, None);
-    assert!(
-        img.contains(&0xaa),
-        "QEMU's data stays on the device"
-    );
+    assert!(img.contains(&0xaa), "QEMU's data stays on the device");
     // Our first write takes that free cluster: the rest of it must read as zeros.
     let exec = Exec::new();
     let dev = MemDevice::fixed(img, dev_size);

@@ -57,6 +57,9 @@ pub struct Channel {
     forward_only: Cell<bool>,
     /// Read-ahead on sequential streams (`prefetch` of the create call).
     prefetch: bool,
+    /// Writable bdev: requests forwarded to the owner since the poller's last pass (it
+    /// sends them as one message: [`owner::send_forwarded`]).
+    outbox: Cell<owner::Batch>,
     /// Writable bdev: slice requests that SPDK's message pool could not take yet.
     unsent_asks: RefCell<Vec<*mut Ask>>,
     /// Writes served in place here / sent to the owner.
@@ -156,6 +159,7 @@ impl Channel {
             forward_to: None,
             forward_only: Cell::new(false),
             prefetch: node.params.prefetch_on(),
+            outbox: Cell::new(owner::Batch::EMPTY),
             unsent_asks: RefCell::new(Vec::new()),
             local_writes: Cell::new(0),
             forwarded: Cell::new(0),
@@ -383,7 +387,7 @@ impl Channel {
                 // Not an in-place write after all: the owner runs it.
                 (Err(qcow2_engine::Error::NotLocal), Some(md)) => {
                     self.forwarded.set(self.forwarded.get() + 1);
-                    return owner::forward(md, io, false);
+                    return owner::forward(md, io, false, &self.outbox);
                 }
                 (Err(e), _) => tracing::debug!("request failed: {e}"),
                 (Ok(()), _) if io.io_type() == sys::SPDK_BDEV_IO_TYPE_WRITE => {
@@ -399,7 +403,7 @@ impl Channel {
     /// read from this channel's replica.
     fn start(&self, io: BdevIo) {
         match self.forward_to {
-            Some(md) if !self.has_replica() => owner::forward(md, io, false),
+            Some(md) if !self.has_replica() => owner::forward(md, io, false, &self.outbox),
             _ => self.read(io),
         }
     }
@@ -422,7 +426,7 @@ impl Channel {
         }
         drop(chain);
         self.forwarded.set(self.forwarded.get() + 1);
-        owner::forward(md, io, false);
+        owner::forward(md, io, false, &self.outbox);
     }
 
     /// A guest write on this channel's replica: straight to the base when it overwrites
@@ -472,7 +476,7 @@ impl Channel {
             // First writes and COW go to the owner without a detour through this replica.
             WriteRoute::Owner { slow } => {
                 self.forwarded.set(self.forwarded.get() + 1);
-                owner::forward(md, io, slow);
+                owner::forward(md, io, slow, &self.outbox);
             }
             WriteRoute::Direct(d) => self.write_mapped(chain, io, d, (off, len)),
             WriteRoute::Local => self.write_local(chain, io, (off, len)),
@@ -793,6 +797,11 @@ unsafe extern "C" fn chan_poll(ctx: *mut c_void) -> c_int {
             send_ask(a);
         }
     }
+    if let Some(md) = ch.forward_to {
+        if owner::send_forwarded(md, &ch.outbox) {
+            n += 1;
+        }
+    }
     if ch.outstanding() == 0 && !ch.reset_waiters.borrow().is_empty() {
         let waiters = std::mem::take(&mut *ch.reset_waiters.borrow_mut());
         for it in waiters {
@@ -889,7 +898,7 @@ pub unsafe extern "C" fn submit_request(
         | sys::SPDK_BDEV_IO_TYPE_FLUSH => match c.forward_to {
             Some(md) => {
                 c.accept();
-                owner::forward(md, io, false);
+                owner::forward(md, io, false, &c.outbox);
             }
             None => io.complete(sys::SPDK_BDEV_IO_STATUS_FAILED),
         },

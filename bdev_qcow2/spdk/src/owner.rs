@@ -4,11 +4,18 @@
 //!
 //! Only one writable instance may exist per image, and a per-thread replica would read stale
 //! metadata after a write on another thread, so every channel of a writable bdev forwards
-//! every request — reads too — to the owner: `spdk_thread_send_msg` with the bdev_io itself
-//! as the message (no allocation). The owner runs it on its chain with the bdev_io's own
-//! iovecs and sends the completion back to the submitting thread, which completes the
-//! bdev_io there (SPDK requires completion on the submitting thread). The status travels in
-//! the bdev_io's driver context ([`IoCtx`]).
+//! every request it cannot serve itself to the owner. The owner runs it on its chain with
+//! the bdev_io's own iovecs and sends the completion back to the submitting thread, which
+//! completes the bdev_io there (SPDK requires completion on the submitting thread). The
+//! status travels in the bdev_io's driver context ([`IoCtx`]).
+//!
+//! Both ways, requests travel in [`Batch`]es: bdev_ios linked through their driver context
+//! (no allocation), one `spdk_thread_send_msg` per batch. A channel's poller sends what its
+//! thread forwarded since its last pass, the owner's poller what it completed for each
+//! thread. A thread runs at most eight messages per poll (SPDK's batch), so one message per
+//! request would move at most eight requests per poll each way, however many are in flight;
+//! a batch moves all of them (4 KiB random writes into a fresh image with 4 KiB clusters,
+//! where every write goes to the owner and back: see `tests/spdk_bench.sh` section 1).
 //!
 //! Requests submitted on the md thread itself skip both messages.
 //!
@@ -26,7 +33,6 @@ use crate::node::{Node, BLOCK_SIZE};
 use qcow2_engine::io::DeviceError;
 use qcow2_engine::{Chain, DevId, Exec};
 use std::cell::{Cell, RefCell};
-use std::collections::VecDeque;
 use std::ffi::{c_int, c_void};
 use std::rc::Rc;
 
@@ -43,6 +49,78 @@ pub struct IoCtx {
     /// A forwarded write the channel's replica routed as `WriteRoute::Owner { slow: true }`:
     /// the owner skips its direct path (set by every `forward`).
     pub slow: bool,
+    /// The next request of the [`Batch`] this one travels in.
+    pub next: *mut sys::spdk_bdev_io,
+}
+
+/// Requests on their way to one thread, linked through [`IoCtx::next`]; sent as one
+/// message. Empty: both ends null.
+#[derive(Clone, Copy)]
+pub struct Batch {
+    head: *mut sys::spdk_bdev_io,
+    tail: *mut sys::spdk_bdev_io,
+}
+
+impl Batch {
+    /// No requests.
+    pub const EMPTY: Batch = Batch {
+        head: std::ptr::null_mut(),
+        tail: std::ptr::null_mut(),
+    };
+
+    /// Whether it holds no request.
+    pub fn is_empty(&self) -> bool {
+        self.head.is_null()
+    }
+
+    /// Appends `io` (ours until it is completed, and in no other batch).
+    pub fn push(&mut self, io: BdevIo) {
+        let ctx = |p: *mut sys::spdk_bdev_io| {
+            // SAFETY: as in `set_status`, for a bdev_io of ours not yet completed.
+            unsafe { BdevIo::from_raw(p) }.map(|io| io.driver_ctx().cast::<IoCtx>())
+        };
+        // SAFETY: as in `set_status`.
+        unsafe { (*io.driver_ctx().cast::<IoCtx>()).next = std::ptr::null_mut() };
+        match ctx(self.tail) {
+            // SAFETY: the tail is a live request of this batch.
+            Some(t) => unsafe { (*t).next = io.raw() },
+            None => self.head = io.raw(),
+        }
+        self.tail = io.raw();
+    }
+
+    /// Sends the batch to `thread`, where `f` gets its first request; empties it unless
+    /// SPDK's message pool is empty (then it stays, to be sent again). Whether it went.
+    ///
+    /// # Safety
+    /// `thread` is live, and `f` takes the batch's requests over (see [`Batch::take`]).
+    pub unsafe fn send(
+        &mut self,
+        thread: *mut sys::spdk_thread,
+        f: unsafe extern "C" fn(*mut c_void),
+    ) -> bool {
+        // SAFETY: per the contract; the requests stay ours until `f` runs.
+        if unsafe { thread::send_raw(thread, f, self.head.cast()) }.is_err() {
+            return false;
+        }
+        *self = Batch::EMPTY;
+        true
+    }
+
+    /// Calls `f` on each request of the batch that starts at `head` (a message's context),
+    /// in order. `f` may complete the request: its successor is read first.
+    ///
+    /// # Safety
+    /// `head` comes from a [`Batch::send`] and is taken once.
+    pub unsafe fn take(head: *mut c_void, mut f: impl FnMut(BdevIo)) {
+        let mut p = head.cast::<sys::spdk_bdev_io>();
+        // SAFETY: per the contract, every request of the batch is live and ours.
+        while let Some(io) = unsafe { BdevIo::from_raw(p) } {
+            // SAFETY: as in `set_status`.
+            p = unsafe { (*io.driver_ctx().cast::<IoCtx>()).next };
+            f(io);
+        }
+    }
 }
 
 /// What happens once the owner closed (metadata flushed), on the md thread.
@@ -64,9 +142,9 @@ pub struct Owner {
     direct: Option<crate::device::DirectTarget>,
     chain: Rc<Chain<SpdkDevice>>,
     poller: RefCell<Option<Poller>>,
-    /// Completions SPDK could not queue to their thread (message pool empty): sent again
-    /// on the next poll.
-    unsent: RefCell<VecDeque<BdevIo>>,
+    /// Completed requests on their way back, one batch per thread (sent by the poller;
+    /// kept for the next poll when SPDK's message pool is empty).
+    outboxes: RefCell<Vec<(*mut sys::spdk_thread, Batch)>>,
     /// Requests forwarded by other threads in this poll's batch of messages, run by the
     /// poller right after the batch: each message only prefetches its L2 entry, so the
     /// batch's cache misses overlap instead of stalling one request after another.
@@ -108,7 +186,7 @@ impl Owner {
             direct,
             chain,
             poller: RefCell::new(None),
-            unsent: RefCell::new(VecDeque::new()),
+            outboxes: RefCell::new(Vec::new()),
             arrived: RefCell::new(Vec::with_capacity(64)),
             unsent_asks: RefCell::new(Vec::new()),
             closing: RefCell::new(None),
@@ -265,10 +343,11 @@ fn owner_of(io: BdevIo) -> *mut Owner {
     unsafe { (*io.bdev_ctxt().cast::<Node>()).owner }
 }
 
-/// Hands `io` to the owner of its (writable) bdev: directly on the md thread, else as a
-/// message. The caller counted it as outstanding on its channel. `slow`: a write its
-/// channel routed as `WriteRoute::Owner { slow: true }` (the owner skips its direct path).
-pub fn forward(md_thread: *mut sys::spdk_thread, io: BdevIo, slow: bool) {
+/// Hands `io` to the owner of its (writable) bdev: directly on the md thread, else into
+/// `outbox`, the batch its channel's poller sends ([`send_forwarded`]). The caller counted
+/// it as outstanding on its channel. `slow`: a write its channel routed as
+/// `WriteRoute::Owner { slow: true }` (the owner skips its direct path).
+pub fn forward(md_thread: *mut sys::spdk_thread, io: BdevIo, slow: bool, outbox: &Cell<Batch>) {
     let slow = slow && io.io_type() == sys::SPDK_BDEV_IO_TYPE_WRITE;
     // SAFETY: as in `set_status`.
     unsafe { (*io.driver_ctx().cast::<IoCtx>()).slow = slow };
@@ -276,19 +355,32 @@ pub fn forward(md_thread: *mut sys::spdk_thread, io: BdevIo, slow: bool) {
         // SAFETY: on the md thread; the owner lives while the bdev has channels.
         return unsafe { (*owner_of(io)).submit(io) };
     }
-    // SAFETY: the md thread lives as long as the bdev; `fwd_submit` gets the live bdev_io.
-    if unsafe { thread::send_raw(md_thread, fwd_submit, io.raw().cast()) }.is_err() {
-        // SPDK's message pool is empty: let the bdev layer retry the request later.
-        set_status(io, sys::SPDK_BDEV_IO_STATUS_NOMEM);
-        channel::complete_forwarded(io);
+    let mut b = outbox.get();
+    b.push(io);
+    outbox.set(b);
+}
+
+/// Sends a channel's forwarded requests to the md thread as one message; they stay for
+/// the next poll when SPDK's message pool is empty. Whether it sent any.
+pub fn send_forwarded(md_thread: *mut sys::spdk_thread, outbox: &Cell<Batch>) -> bool {
+    let mut b = outbox.get();
+    if b.is_empty() {
+        return false;
     }
+    // SAFETY: the md thread lives as long as the bdev; `fwd_submit` takes the batch.
+    let sent = unsafe { b.send(md_thread, fwd_submit) };
+    outbox.set(b);
+    sent
 }
 
 unsafe extern "C" fn fwd_submit(ctx: *mut c_void) {
-    // SAFETY: `forward` sent a live bdev_io of a writable bdev.
-    let Some(io) = (unsafe { BdevIo::from_raw(ctx.cast()) }) else {
-        return;
-    };
+    // SAFETY: `send_forwarded` sent a batch of live bdev_ios of a writable bdev.
+    unsafe { Batch::take(ctx, arrive) };
+}
+
+/// A forwarded request arriving on the md thread: its L2 entry is prefetched, and the
+/// owner's poller runs it with the others of this poll.
+fn arrive(io: BdevIo) {
     // SAFETY: on the md thread; the owner lives while the bdev has channels (and its
     // poller runs `arrived` before the owner can close: closing waits for the channels).
     let o = unsafe { &*owner_of(io) };
@@ -331,24 +423,43 @@ unsafe extern "C" fn owner_direct_done(
     );
 }
 
-/// A request finished on the owner: back to its thread.
+/// A request finished on the owner: back to its thread, in that thread's batch (the
+/// owner's poller sends it).
 fn done(io: BdevIo, status: sys::spdk_bdev_io_status) {
     set_status(io, status);
     let t = io.thread();
     if t == thread::current() {
         return channel::complete_forwarded(io);
     }
-    // SAFETY: the submitting thread lives while its channel (holding this request) does.
-    if unsafe { thread::send_raw(t, fwd_done, io.raw().cast()) }.is_err() {
-        // SAFETY: only the md thread touches the owner.
-        unsafe { (*owner_of(io)).unsent.borrow_mut().push_back(io) };
+    // SAFETY: only the md thread touches the owner, live while the bdev has I/O.
+    let mut boxes = unsafe { (*owner_of(io)).outboxes.borrow_mut() };
+    match boxes.iter_mut().find(|(to, _)| *to == t) {
+        Some((_, b)) => b.push(io),
+        None => {
+            let mut b = Batch::EMPTY;
+            b.push(io);
+            boxes.push((t, b));
+        }
     }
 }
 
 unsafe extern "C" fn fwd_done(ctx: *mut c_void) {
-    // SAFETY: `done` sent a live bdev_io, on its own thread now.
-    if let Some(io) = unsafe { BdevIo::from_raw(ctx.cast()) } {
-        channel::complete_forwarded(io);
+    // SAFETY: `Owner::send_done` sent a batch of live bdev_ios, on their own thread now.
+    unsafe { Batch::take(ctx, channel::complete_forwarded) };
+}
+
+impl Owner {
+    /// Sends each thread its batch of completed requests. Returns how many batches went.
+    fn send_done(&self) -> usize {
+        let mut n = 0;
+        for (t, b) in self.outboxes.borrow_mut().iter_mut() {
+            // SAFETY: the submitting thread lives while its channel (holding these
+            // requests) does; `fwd_done` takes the batch.
+            if !b.is_empty() && unsafe { b.send(*t, fwd_done) } {
+                n += 1;
+            }
+        }
+        n
     }
 }
 
@@ -410,11 +521,6 @@ unsafe extern "C" fn owner_poll(ctx: *mut c_void) -> c_int {
             *o.arrived.borrow_mut() = a;
         }
     }
-    let unsent = std::mem::take(&mut *o.unsent.borrow_mut());
-    for io in unsent {
-        n += 1;
-        done(io, status_of(io));
-    }
     let asks = std::mem::take(&mut *o.unsent_asks.borrow_mut());
     for a in asks {
         n += 1;
@@ -433,6 +539,8 @@ unsafe extern "C" fn owner_poll(ctx: *mut c_void) -> c_int {
     if o.exec.busy() {
         n += o.in_engine(|| o.exec.poll(&mut complete_tag));
     }
+    // Last: what this poll and the base completions since the last one finished.
+    n += o.send_done();
     let closed = o
         .closing
         .borrow()
@@ -440,7 +548,7 @@ unsafe extern "C" fn owner_poll(ctx: *mut c_void) -> c_int {
         .is_some_and(|(r, _)| r.get().is_some())
         && !o.exec.busy()
         && o.arrived.borrow().is_empty()
-        && o.unsent.borrow().is_empty()
+        && o.outboxes.borrow().iter().all(|(_, b)| b.is_empty())
         && o.unsent_asks.borrow().is_empty();
     if closed {
         if let Some(p) = o.poller.borrow_mut().as_mut() {
