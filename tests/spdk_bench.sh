@@ -155,7 +155,8 @@ if [ -z "${SKIP_WRITABLE:-}" ]; then
 # 1. First writes vs overwrites, 1 GiB image: fresh, then filled sequentially, then the same
 #    run again; ROUNDS (3) processes, means. With 4 KiB clusters every write of a 1 s run
 #    that lands on a new cluster allocates one (about half of them); with 64 KiB clusters
-#    (the default) the first ~16 k writes allocate and zero the rest of their cluster.
+#    (the default) the first ~16 k writes allocate one and write their 4 KiB alone (the
+#    format zeroed the malloc: a zeroed tail).
 for cs in 4096 65536; do
   fresh=0 full=0
   for _ in $(seq "${ROUNDS:-3}"); do

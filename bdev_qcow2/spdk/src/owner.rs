@@ -246,6 +246,7 @@ impl Owner {
                     "writes_planned_now": s.writes_planned_now,
                     "l2_slices_written": s.l2_slices_written,
                     "writebacks": s.writebacks,
+                    "zeroed_tail_raises": s.zeroed_tail_raises,
                     "l2_cache_hits": c.hits,
                     "l2_cache_misses": c.misses,
                     "l2_cache_evictions": c.evictions,
