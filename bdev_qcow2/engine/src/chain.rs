@@ -220,14 +220,27 @@ impl<D: BlockDevice> Chain<D> {
     /// which also reports invalid requests.
     #[inline(always)]
     pub fn map_direct(&self, offset: u64, len: u64, write: bool) -> Option<Direct> {
+        self.map_direct_with(offset, len, write, true)
+    }
+
+    /// [`map_direct`](Self::map_direct) for a host that has just asked
+    /// [`memo_direct`](Self::memo_direct), which did not know the request: the same answer
+    /// without asking the memo again.
+    #[inline(always)]
+    pub fn map_direct_past_memo(&self, offset: u64, len: u64, write: bool) -> Option<Direct> {
+        self.map_direct_with(offset, len, write, false)
+    }
+
+    #[inline(always)]
+    fn map_direct_with(&self, offset: u64, len: u64, write: bool, memo: bool) -> Option<Direct> {
         if len == 0 || crate::write::check_range(self, offset, len).is_err() {
             return None;
         }
         let parity = self.exec.guest_enter();
         let found = if write {
-            self.plan_direct_write(offset, len)
+            self.plan_direct_write(offset, len, memo)
         } else {
-            self.plan_direct_read(offset, len)
+            self.plan_direct_read(offset, len, memo)
         };
         match found {
             Some((dev, host)) => Some(Direct { dev, host, parity }),
@@ -295,8 +308,9 @@ impl<D: BlockDevice> Chain<D> {
     /// One contiguous extent for an in-place write, from cached slices only (out of line:
     /// the read path stays small). Remembers a write it found no in-place plan for.
     #[inline(never)]
-    fn plan_direct_write(&self, offset: u64, len: u64) -> Option<(DevId, u64)> {
-        match self.single_write_extent(offset, len, self.plan_write_extent(offset, len)) {
+    fn plan_direct_write(&self, offset: u64, len: u64, memo: bool) -> Option<(DevId, u64)> {
+        let e = self.plan_write_extent_with(offset, len, memo);
+        match self.single_write_extent(offset, len, e) {
             Some((dev, Some(host))) => Some((dev, host)),
             Some((_, None)) => None,
             None => {
@@ -308,18 +322,18 @@ impl<D: BlockDevice> Chain<D> {
 
     /// One contiguous data extent for a read, from cached slices only.
     #[inline(always)]
-    fn plan_direct_read(&self, offset: u64, len: u64) -> Option<(DevId, u64)> {
+    fn plan_direct_read(&self, offset: u64, len: u64, memo: bool) -> Option<(DevId, u64)> {
         let q = match &self.layers[0] {
             Layer::Raw { dev, .. } => return Some((*dev, offset)),
             Layer::Qcow2(q) => q,
         };
-        if let Some(h) = q.cached_extent(offset, len, false) {
+        if let Ok(h) = q.cached_extent_with(offset, len, false, memo) {
             return Some((q.dev(), h));
         }
         Self::walk_direct_read(q, offset, len)
     }
 
-    /// [`plan_direct_read`](Self::plan_direct_read) for a range `cached_extent` does not
+    /// [`plan_direct_read`](Self::plan_direct_read) for a range `cached_extent_with` does not
     /// answer: cluster by cluster, while the (sub)clusters follow each other on the device.
     #[inline(never)]
     fn walk_direct_read(q: &Qcow2<D>, offset: u64, len: u64) -> Option<(DevId, u64)> {

@@ -724,33 +724,36 @@ impl<D: BlockDevice> Qcow2<D> {
     /// extent that the cache alone gives, without the general look-up's decoding: the range
     /// lies in one cached slice that is valid now, and either the slice is linear (every
     /// entry plain COPIED data in consecutive host clusters, `LinearSlice`: any range
-    /// inside it) or the range lies in one cluster whose entry is plain data (COPIED when
-    /// `copied`, as an in-place write needs; with extended L2, every subcluster the range
-    /// touches allocated data). The clusters lie inside the device. Touches the LRU and
-    /// counts a hit only then. `None` sends the caller to the general look-up, which also
-    /// handles everything this skips: unallocated L2 tables, zero, compressed entries,
-    /// unallocated or zero subclusters, a device size this core has not synced yet. (No L1 check is
-    /// needed: a slice is cached only from an allocated table, and the owner makes a
-    /// table's slices odd, or drops them from its own cache, before it changes the L1
-    /// entry; see `coherency`.)
+    /// inside it; with `memo`, asked of the memo of linear slices first) or the range lies
+    /// in one cluster whose entry is plain data (COPIED when `copied`, as an in-place write
+    /// needs; with extended L2, every subcluster the range touches allocated data). The
+    /// clusters lie inside the device. Touches the LRU and counts a hit only then.
+    ///
+    /// `Err(true)` when the range lies in one cluster of a current slice whose standard
+    /// entry has no host cluster (unallocated, or zero) or, with `copied`, is not COPIED:
+    /// no in-place plan exists there, and the general look-up would find the same.
+    /// `Err(false)` sends the caller to the general look-up, which also handles everything
+    /// this skips: unallocated L2 tables, zero, compressed entries, unallocated or zero
+    /// subclusters, a device size this core has not synced yet. (No L1 check is needed: a
+    /// slice is cached only from an allocated table, and the owner makes a table's slices
+    /// odd, or drops them from its own cache, before it changes the L1 entry; see
+    /// `coherency`.) Without `memo`: for a caller that has just asked the memo
+    /// ([`memo_extent`](Self::memo_extent)).
     #[inline(always)]
-    pub(crate) fn cached_extent(&self, off: u64, len: u64, copied: bool) -> Option<u64> {
-        self.cached_extent_or(off, len, copied).ok()
-    }
-
-    /// [`cached_extent`](Self::cached_extent), saying why not: `Err(true)` when the range
-    /// lies in one cluster of a current slice whose standard entry has no host cluster
-    /// (unallocated, or zero) or, with `copied`, is not COPIED: no in-place plan exists
-    /// there, and the general look-up would find the same; `Err(false)` otherwise.
-    #[inline(always)]
-    pub(crate) fn cached_extent_or(&self, off: u64, len: u64, copied: bool) -> Result<u64, bool> {
+    pub(crate) fn cached_extent_with(
+        &self,
+        off: u64,
+        len: u64,
+        copied: bool,
+        memo: bool,
+    ) -> Result<u64, bool> {
         let Some((key, within)) = self.in_one_slice(off, len) else {
             return Err(false);
         };
         let epoch = self.cur_epoch(key);
         // A linear slice remembered under the current epoch: its clusters are COPIED data
         // inside the device (checked when remembered).
-        if let Some(first) = self.memo.get(key, epoch) {
+        if let Some(first) = memo.then(|| self.memo.get(key, epoch)).flatten() {
             return Ok(first + within);
         }
         self.cached_extent_in_cache(off, len, copied, (key, within), epoch)
@@ -804,7 +807,7 @@ impl<D: BlockDevice> Qcow2<D> {
     }
 
     /// The host offset of `[off, off + len)` from the memo of linear slices alone: a read
-    /// (the slice's current epoch, as [`cached_extent_or`](Self::cached_extent_or) checks
+    /// (the slice's current epoch, as [`cached_extent_with`](Self::cached_extent_with) checks
     /// it) or, with `write`, an in-place write on a writable core replica
     /// ([`memo_overwrite`](Self::memo_overwrite)). `None` says nothing about the range: the
     /// caller asks the slice cache.
@@ -818,7 +821,7 @@ impl<D: BlockDevice> Qcow2<D> {
         Some(first + within)
     }
 
-    /// [`cached_extent_or`](Self::cached_extent_or) past the memo, for the range at
+    /// [`cached_extent_with`](Self::cached_extent_with) past the memo, for the range at
     /// `within` in slice `key`: the slice cache (out of line, so that the memo's hit stays
     /// small).
     #[inline(never)]

@@ -288,12 +288,24 @@ impl<D: BlockDevice> Chain<D> {
     ///   (so later overwrites stay on the core) and reports invalid requests.
     #[inline(always)]
     pub fn route_write(&self, offset: u64, len: u64) -> WriteRoute {
+        self.route_write_with(offset, len, true)
+    }
+
+    /// [`route_write`](Self::route_write) for a host that has just asked
+    /// [`memo_direct`](Self::memo_direct), which did not know the write: the same answer
+    /// without asking the memo again.
+    pub fn route_write_past_memo(&self, offset: u64, len: u64) -> WriteRoute {
+        self.route_write_with(offset, len, false)
+    }
+
+    #[inline(always)]
+    fn route_write_with(&self, offset: u64, len: u64, memo: bool) -> WriteRoute {
         if len == 0 || check_range(self, offset, len).is_err() {
             // The engine path reports what is wrong with it.
             return WriteRoute::Local;
         }
         let parity = self.exec().guest_enter();
-        match self.plan_write_extent(offset, len) {
+        match self.plan_write_extent_with(offset, len, memo) {
             WriteExtent::One(dev, host) => WriteRoute::Direct(Direct { dev, host, parity }),
             other => self.route_unplanned(offset, len, parity, other),
         }
@@ -415,16 +427,23 @@ impl<D: BlockDevice> Chain<D> {
     /// cluster.
     #[inline(always)]
     pub(crate) fn plan_write_extent(&self, offset: u64, len: u64) -> WriteExtent {
+        self.plan_write_extent_with(offset, len, true)
+    }
+
+    /// [`plan_write_extent`](Self::plan_write_extent); without `memo`, for a caller that
+    /// has just asked the memo, straight to the slice cache.
+    #[inline(always)]
+    pub(crate) fn plan_write_extent_with(&self, offset: u64, len: u64, memo: bool) -> WriteExtent {
         let Layer::Qcow2(q) = &self.layers()[0] else {
             return WriteExtent::Refused;
         };
-        if let Some(h) = q.memo_overwrite(offset, len) {
+        if let Some(h) = memo.then(|| q.memo_overwrite(offset, len)).flatten() {
             return WriteExtent::One(q.dev(), h);
         }
         let Some(core) = self.fast_write_side(q) else {
             return WriteExtent::Refused;
         };
-        let h = match q.cached_extent_or(offset, len, true) {
+        let h = match q.cached_extent_with(offset, len, true, memo) {
             Ok(h) => h,
             // One cluster with no host cluster, or not COPIED: the walk would find the same.
             Err(true) => return WriteExtent::Refused,

@@ -870,9 +870,11 @@ fn core_refuses_in_place_write_into_metadata() {
     );
 }
 
-/// `Chain::route_write` as a word; a direct route's grace entry is left at once.
+/// `Chain::route_write` as a word; a direct route's grace entry is left at once. Where the
+/// memo does not know the write, `Chain::route_write_past_memo` (the module's way) must say
+/// the same.
 fn route(chain: &Chain<Channel>, off: u64, len: u64) -> &'static str {
-    match chain.route_write(off, len) {
+    let word = |r: WriteRoute| match r {
         WriteRoute::Direct(d) => {
             chain.exec().guest_exit(d.parity);
             "direct"
@@ -880,12 +882,22 @@ fn route(chain: &Chain<Channel>, off: u64, len: u64) -> &'static str {
         WriteRoute::Local => "local",
         WriteRoute::Owner { slow: true } => "owner",
         WriteRoute::Owner { slow: false } => "owner, may be in place",
+    };
+    let general = word(chain.route_write(off, len));
+    match chain.memo_direct(off, len, true) {
+        Some(d) => chain.exec().guest_exit(d.parity),
+        None => assert_eq!(
+            word(chain.route_write_past_memo(off, len)),
+            general,
+            "the route past the memo differs"
+        ),
     }
+    general
 }
 
 /// Where the direct path maps `[off, off + len)`, asked as the SPDK module asks: the memo of
-/// linear slices first (`Chain::memo_direct`), then `Chain::map_direct`; a grace entry is
-/// left at once. Also says whether the memo answered (its answer must be the general one).
+/// linear slices first (`Chain::memo_direct`), then `Chain::map_direct_past_memo` (checked
+/// against `Chain::map_direct`); a grace entry is left at once. Also says whether the memo answered (its answer must be the general one).
 fn direct(chain: &Chain<Channel>, off: u64, len: u64, write: bool) -> (Option<u64>, bool) {
     let leave = |d: qcow2_engine::Direct| {
         chain.exec().guest_exit(d.parity);
@@ -897,7 +909,12 @@ fn direct(chain: &Chain<Channel>, off: u64, len: u64, write: bool) -> (Option<u6
             assert_eq!(general, Some(h), "the memo and the general look-up differ");
             (Some(h), true)
         }
-        None => (chain.map_direct(off, len, write).map(leave), false),
+        None => {
+            let past = chain.map_direct_past_memo(off, len, write).map(leave);
+            let general = chain.map_direct(off, len, write).map(leave);
+            assert_eq!(past, general, "the look-up past the memo differs");
+            (past, false)
+        }
     }
 }
 

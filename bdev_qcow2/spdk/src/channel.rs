@@ -348,12 +348,13 @@ impl Channel {
     fn read_mapped(&self, chain: &Rc<Chain<SpdkDevice>>, io: BdevIo, (off, len): (u64, u64)) {
         chain.read_ahead(off, len);
         let target = self.direct.as_ref();
+        // Past the memo: `read_on` asked it.
         if submit_direct(
             chain,
             &self.exec,
             target,
             io,
-            (off, len, false),
+            (off, len, false, false),
             chan_direct_done,
         ) {
             return;
@@ -472,7 +473,7 @@ impl Channel {
         md: *mut sys::spdk_thread,
         (off, len): (u64, u64),
     ) {
-        match chain.route_write(off, len) {
+        match chain.route_write_past_memo(off, len) {
             // First writes and COW go to the owner without a detour through this replica.
             WriteRoute::Owner { slow } => {
                 self.forwarded.set(self.forwarded.get() + 1);
@@ -577,7 +578,8 @@ fn current_thread_name() -> String {
 }
 
 /// The direct path for a guest read or write (`Chain::map_direct`) of `len` bytes at guest
-/// byte `off` (`(off, len, write)`, taken from `io`): when the request maps, from cached
+/// byte `off` (`(off, len, write, memo)`, taken from `io`; without `memo`, for a caller
+/// that asked `Chain::memo_direct` already, `Chain::map_direct_past_memo`): when the request maps, from cached
 /// metadata alone, to one extent of the base, its own iovecs go straight to the base bdev —
 /// one child bdev_io, like SPDK's passthru — and `done` completes it (it must leave the
 /// grace period with the parity stored in the driver context). Returns false, having
@@ -589,13 +591,18 @@ pub fn submit_direct(
     exec: &Exec<SpdkDevice>,
     target: Option<&DirectTarget>,
     io: BdevIo,
-    (off, len, write): (u64, u64, bool),
+    (off, len, write, memo): (u64, u64, bool, bool),
     done: unsafe extern "C" fn(*mut sys::spdk_bdev_io, bool, *mut c_void),
 ) -> bool {
     if target.is_none() {
         return false;
     }
-    let Some(d) = chain.map_direct(off, len, write) else {
+    let found = if memo {
+        chain.map_direct(off, len, write)
+    } else {
+        chain.map_direct_past_memo(off, len, write)
+    };
+    let Some(d) = found else {
         return false;
     };
     if write {

@@ -306,7 +306,7 @@ impl Owner {
                 let slow = unsafe { (*io.driver_ctx().cast::<IoCtx>()).slow };
                 let write = io.io_type() == sys::SPDK_BDEV_IO_TYPE_WRITE;
                 let target = self.direct.as_ref();
-                let what = (off, len, write);
+                let what = (off, len, write, true);
                 if !slow
                     && channel::submit_direct(c, &self.exec, target, io, what, owner_direct_done)
                 {
