@@ -969,20 +969,25 @@ mod real {
                 q
             }],
         );
-        let args: Vec<String> = [
-            "--json",
-            s(&cfg),
-            "--if",
-            s(&short),
-            "--ob",
-            "q0",
-            "--bs",
-            "4096",
-        ]
-        .map(String::from)
-        .to_vec();
-        let (ok, text) = spawn_spdk("spdk_dd", &args, &d.join("zeroing.dd.log")).wait(120);
-        assert!(ok, "spdk_dd failed:\n{text}");
+        // spdk_dd copies `short` into q0 in 4 KiB blocks, with the bdevs of `cfg`.
+        let dd_4k = |cfg: &Path, tag: &str| {
+            let args: Vec<String> = [
+                "--json",
+                s(cfg),
+                "--if",
+                s(&short),
+                "--ob",
+                "q0",
+                "--bs",
+                "4096",
+            ]
+            .map(String::from)
+            .to_vec();
+            let log = d.join(format!("{tag}.dd.log"));
+            let (ok, text) = spawn_spdk("spdk_dd", &args, &log).wait(120);
+            assert!(ok, "spdk_dd failed:\n{text}");
+        };
+        dd_4k(&cfg, "zeroing");
         check_clean(&img, "zeroing base");
         compare_with_raw(&img, &want);
         say("base that zeroes: spdk_dd wrote 64 MiB - 4 KiB in 4 KiB blocks over old data; qemu-img check clean, zeros where nothing was written");
@@ -998,20 +1003,7 @@ mod real {
         let mut fmt = format_call("aio0", 64 * MIB);
         fmt["params"]["zero_base"] = json!(true);
         write_config(&cfg, vec![base, fmt, qcow2("q0", "aio0", None)]);
-        let args: Vec<String> = [
-            "--json",
-            s(&cfg),
-            "--if",
-            s(&short),
-            "--ob",
-            "q0",
-            "--bs",
-            "4096",
-        ]
-        .map(String::from)
-        .to_vec();
-        let (ok, text) = spawn_spdk("spdk_dd", &args, &d.join("zeroed.dd.log")).wait(120);
-        assert!(ok, "spdk_dd failed:\n{text}");
+        dd_4k(&cfg, "zeroed");
         check_clean(&img, "zeroed base");
         compare_with_raw(&img, &want);
         let bytes = fs::read(&img).unwrap();
