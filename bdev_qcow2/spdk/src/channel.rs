@@ -579,10 +579,11 @@ fn current_thread_name() -> String {
 
 /// The direct path for a guest read or write (`Chain::map_direct`) of `len` bytes at guest
 /// byte `off` (`(off, len, write, memo)`, taken from `io`; without `memo`, for a caller
-/// that asked `Chain::memo_direct` already, `Chain::map_direct_past_memo`): when the request maps, from cached
-/// metadata alone, to one extent of the base, its own iovecs go straight to the base bdev —
-/// one child bdev_io, like SPDK's passthru — and `done` completes it (it must leave the
-/// grace period with the parity stored in the driver context). Returns false, having
+/// that asked `Chain::memo_direct` already, `Chain::map_direct_past_memo`): when the
+/// request maps, from cached metadata alone, to one extent of the base, its own iovecs go
+/// straight to the base bdev — one child bdev_io, like SPDK's passthru — and `done`
+/// completes it (it must leave the grace period with the parity stored in the driver
+/// context). Returns false, having
 /// submitted nothing, when the engine must run it (slice miss, allocation, several extents,
 /// zeros, backing, base busy: the engine queues for SPDK's bdev_io pool).
 #[inline(always)]
