@@ -136,6 +136,20 @@ pub(crate) struct MetaState {
 }
 
 impl MetaState {
+    /// Notes clusters `start..start + count` taken: whether they are fresh (never written:
+    /// at or past every cluster taken before), and they are not fresh any more.
+    fn take_fresh(&mut self, start: u64, count: u64) -> bool {
+        let fresh = start >= self.fresh_from;
+        self.fresh_from = self.fresh_from.max(start + count);
+        fresh
+    }
+
+    /// The first cluster of the zeroed tail (`None`: no tail is kept): clusters below it may
+    /// be written.
+    fn zeroed_tail_cluster(&self, cluster_bits: u32) -> Option<u64> {
+        self.zeroed_tail.map(|z| z.from >> cluster_bits)
+    }
+
     /// What changes whenever metadata is allocated or newly dirtied (the quiet write-back's
     /// test that nothing happened).
     fn change_signature(&self) -> (u64, usize, usize) {
@@ -727,9 +741,7 @@ impl<D: BlockDevice> Qcow2<D> {
             if let Some(sh) = &self.shared {
                 sh.set_meta_cluster(b);
             }
-            if b >= st.fresh_from {
-                st.fresh_from = b + 1;
-            }
+            st.take_fresh(b, 1);
         }
         self.refcount_table.borrow_mut()[r as usize] = b << self.cluster_bits();
         self.note_allocated(b + 1)?;
@@ -916,10 +928,8 @@ impl<D: BlockDevice> Qcow2<D> {
         }
         self.reclaim_graced();
         // Clusters past the zeroed tail wait for the tail to be raised (I/O).
-        let limit = match m.st.borrow().zeroed_tail {
-            Some(z) => self.alloc_limit().min(z.from >> self.cluster_bits()),
-            None => self.alloc_limit(),
-        };
+        let tail = m.st.borrow().zeroed_tail_cluster(self.cluster_bits());
+        let limit = self.alloc_limit().min(tail.unwrap_or(u64::MAX));
         let hint = m.st.borrow().alloc_hint.max(1);
         if n == 1 {
             // One cluster (the common first write): check and take in one look-up.
@@ -987,11 +997,7 @@ impl<D: BlockDevice> Qcow2<D> {
             let mut st = m.st.borrow_mut();
             st.alloc_hint = start + count;
             st.stats.clusters_allocated += count;
-            let fresh = start >= st.fresh_from;
-            if start + count > st.fresh_from {
-                st.fresh_from = start + count;
-            }
-            fresh
+            st.take_fresh(start, count)
         };
         Ok((start, count, fresh))
     }
@@ -1151,11 +1157,8 @@ impl<D: BlockDevice> Qcow2<D> {
         self.note_allocated(goal + count)?;
         let mut st = m.st.borrow_mut();
         st.stats.clusters_allocated += count;
-        // Fresh when never written: past every cluster allocated (regions fill out of
-        // order: a cluster below the last one allocated counts as written).
-        let fresh = goal >= st.fresh_from;
-        st.fresh_from = st.fresh_from.max(goal + count);
-        Ok(Some((goal, count, fresh)))
+        // Regions fill out of order: a cluster below the last one taken counts as written.
+        Ok(Some((goal, count, st.take_fresh(goal, count))))
     }
 
     /// Reserves the host clusters of region `idx` (see [`Region`]): where its data already
@@ -1553,8 +1556,8 @@ impl<D: BlockDevice> Qcow2<D> {
     /// the zeroed tail (always, without one).
     pub(crate) fn below_zeroed_tail(&self, end_cluster: u64) -> Result<bool> {
         let m = self.meta()?;
-        let end = end_cluster << self.cluster_bits();
-        Ok(m.st.borrow().zeroed_tail.is_none_or(|z| end <= z.from))
+        let tail = m.st.borrow().zeroed_tail_cluster(self.cluster_bits());
+        Ok(tail.is_none_or(|t| end_cluster <= t))
     }
 
     /// Raises the zeroed tail on disk to at least cluster `end_cluster` (the first sector

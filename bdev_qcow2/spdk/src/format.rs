@@ -46,7 +46,7 @@ fn errno_msg(e: i32) -> String {
 /// Formats `p.base_bdev` (which must exist and be unclaimed); `done` hears the outcome,
 /// possibly before this returns.
 pub fn format(p: FormatParams, done: Done) {
-    let opts: CreateOptions = match p.create_options() {
+    let mut opts: CreateOptions = match p.create_options() {
         Ok(o) => o,
         Err(m) => return done(Err((libc::EINVAL, m))),
     };
@@ -83,7 +83,6 @@ pub fn format(p: FormatParams, done: Done) {
         return done(Err((libc::EINVAL, m)));
     }
     let base_size = desc.size();
-    let mut opts = opts;
     // By default where zeroing the whole base is cheap and allocates nothing: a malloc
     // (a fill) or an NVMe namespace (Write Zeroes). Not AIO (an `fallocate` that would
     // allocate the whole sparse file), not a thin lvol (it would allocate every cluster).

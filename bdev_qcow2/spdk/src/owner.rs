@@ -76,15 +76,12 @@ impl Batch {
 
     /// Appends `io` (ours until it is completed, and in no other batch).
     pub fn push(&mut self, io: BdevIo) {
-        let ctx = |p: *mut sys::spdk_bdev_io| {
-            // SAFETY: as in `set_status`, for a bdev_io of ours not yet completed.
-            unsafe { BdevIo::from_raw(p) }.map(|io| io.driver_ctx().cast::<IoCtx>())
-        };
         // SAFETY: as in `set_status`.
-        unsafe { (*io.driver_ctx().cast::<IoCtx>()).next = std::ptr::null_mut() };
-        match ctx(self.tail) {
-            // SAFETY: the tail is a live request of this batch.
-            Some(t) => unsafe { (*t).next = io.raw() },
+        unsafe { (*ctx(io)).next = std::ptr::null_mut() };
+        // SAFETY: the tail, if any, is a live request of this batch.
+        match unsafe { BdevIo::from_raw(self.tail) } {
+            // SAFETY: as in `set_status`.
+            Some(t) => unsafe { (*ctx(t)).next = io.raw() },
             None => self.head = io.raw(),
         }
         self.tail = io.raw();
@@ -118,7 +115,7 @@ impl Batch {
         // SAFETY: per the contract, every request of the batch is live and ours.
         while let Some(io) = unsafe { BdevIo::from_raw(p) } {
             // SAFETY: as in `set_status`.
-            p = unsafe { (*io.driver_ctx().cast::<IoCtx>()).next };
+            p = unsafe { (*ctx(io)).next };
             f(io);
         }
     }
@@ -304,7 +301,7 @@ impl Owner {
             sys::SPDK_BDEV_IO_TYPE_READ | sys::SPDK_BDEV_IO_TYPE_WRITE => {
                 c.read_ahead(off, len);
                 // SAFETY: as in `set_status`; `forward` set the flag.
-                let slow = unsafe { (*io.driver_ctx().cast::<IoCtx>()).slow };
+                let slow = unsafe { (*ctx(io)).slow };
                 let write = io.io_type() == sys::SPDK_BDEV_IO_TYPE_WRITE;
                 let target = self.direct.as_ref();
                 let what = (off, len, write, true);
@@ -332,10 +329,15 @@ impl Owner {
     }
 }
 
+/// The module's context in `io`'s driver context area.
+fn ctx(io: BdevIo) -> *mut IoCtx {
+    io.driver_ctx().cast()
+}
+
 fn set_status(io: BdevIo, status: sys::spdk_bdev_io_status) {
     // SAFETY: the driver context has room for an `IoCtx` (`module::get_ctx_size`) and is
     // cache-line aligned; the bdev_io is ours until completed.
-    unsafe { (*io.driver_ctx().cast::<IoCtx>()).status = status };
+    unsafe { (*ctx(io)).status = status };
 }
 
 /// The owner of the writable bdev behind `io`.
@@ -352,7 +354,7 @@ fn owner_of(io: BdevIo) -> *mut Owner {
 pub fn forward(md_thread: *mut sys::spdk_thread, io: BdevIo, slow: bool, outbox: &Cell<Batch>) {
     let slow = slow && io.io_type() == sys::SPDK_BDEV_IO_TYPE_WRITE;
     // SAFETY: as in `set_status`.
-    unsafe { (*io.driver_ctx().cast::<IoCtx>()).slow = slow };
+    unsafe { (*ctx(io)).slow = slow };
     if thread::current() == md_thread {
         // SAFETY: on the md thread; the owner lives while the bdev has channels.
         return unsafe { (*owner_of(io)).submit(io) };
@@ -468,7 +470,7 @@ impl Owner {
 /// The status a forwarded request carries back.
 pub fn status_of(io: BdevIo) -> sys::spdk_bdev_io_status {
     // SAFETY: as in `set_status`.
-    unsafe { (*io.driver_ctx().cast::<IoCtx>()).status }
+    unsafe { (*ctx(io)).status }
 }
 
 /// Sends back the request the engine reported done under `tag`.

@@ -192,8 +192,8 @@ impl FormatParams {
             },
             backing_file: None,
             backing_format: None,
-            // `format` decides the default (it looks at the base).
-            zeroed_tail: self.zero_base.unwrap_or(false),
+            // `format` decides, from `zero_base` and the base.
+            zeroed_tail: false,
         })
     }
 
