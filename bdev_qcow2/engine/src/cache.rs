@@ -4,7 +4,7 @@
 //! victim choice cost O(ways) whatever the cache size. Victim: an invalid way first, else
 //! the least recently used way of the set. Each way remembers the epoch its contents were
 //! read under; a lookup hits only when the caller's current epoch matches, which is how a
-//! per-core replica is validated against the metadata owner (DESIGN.md §5).
+//! per-core replica is validated against the metadata owner (ARCHITECTURE.md §6).
 //!
 //! Everything a hit reads and writes about a way (its key, epoch and LRU rank) lies in one
 //! 16-byte [`Slot`], so a hit touches one cache line of metadata however large the cache.
@@ -420,7 +420,7 @@ pub const MEMO_MAX_SLOTS: usize = 4096;
 /// slice cache holds slices (a power of two, at most [`MEMO_MAX_SLOTS`]).
 ///
 /// Its entries are copies, valid on their own: on a core replica the epoch check is the same
-/// one the slice cache makes (DESIGN.md §5), and the owner (whose epochs do not move) forgets
+/// one the slice cache makes (ARCHITECTURE.md §6), and the owner (whose epochs are fixed) forgets
 /// a slice whenever it changes or re-caches it (`Qcow2::set_l2_words`, `Qcow2::cache_slice`).
 /// So an entry may outlive its slice's place in the cache: the mapping it records is still
 /// the slice's under that epoch.

@@ -1,4 +1,4 @@
-//! Cross-core coherency of metadata replicas (DESIGN.md §5): the state the metadata owner
+//! Cross-core coherency of metadata replicas (ARCHITECTURE.md §6): the state the metadata owner
 //! publishes to the cores, lock-free.
 //!
 //! - **Slice epochs**: one `AtomicU32` per L2 slice of the image (hashed into at most

@@ -2,7 +2,7 @@
 //!
 //! One whole guest cluster is compressed and stored in newly allocated host clusters, then
 //! its L2 entry becomes a compressed descriptor. It follows the same plan → data → commit
-//! order as allocating writes (DESIGN.md §7): under the metadata lock the L2 table is made
+//! order as allocating writes (ARCHITECTURE.md §7): under the metadata lock the L2 table is made
 //! writable and the host space allocated (refcounts dirty); the compressed bytes are written
 //! without the lock; the L2 entry is set under the lock again, so the ordered write-back
 //! makes the refcount stable before the entry and the data stable before the entry.

@@ -2,7 +2,7 @@
 //! tests that replay what they found (`tests/fuzz_regressions.rs`).
 //!
 //! Each harness takes arbitrary bytes and must return normally: every engine call ends in
-//! `Ok` or `Err`, never a panic, a hang or an unbounded allocation (DESIGN.md §8). Sizes are
+//! `Ok` or `Err`, never a panic, a hang or an unbounded allocation (ARCHITECTURE.md §9). Sizes are
 //! bounded here so the fuzzer explores the engine, not the allocator.
 
 use crate::check::{check, Repair};

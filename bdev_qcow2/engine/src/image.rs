@@ -221,7 +221,7 @@ impl<D: BlockDevice> Qcow2<D> {
             }
             if header.is_dirty() {
                 // Refcounts may be stale (lazy refcounts, or a crash while dirty): rebuild
-                // them before accepting writes (DESIGN.md §7 rule 7), then open afresh.
+                // them before accepting writes (ARCHITECTURE.md §7 rule 7), then open afresh.
                 tracing::info!("qcow2: image is dirty; repairing refcounts before writing");
                 let report = crate::check::check(exec, dev, crate::check::Repair::All).await?;
                 if report.corruptions > report.corruptions_fixed || report.check_errors > 0 {
@@ -359,7 +359,7 @@ impl<D: BlockDevice> Qcow2<D> {
         })
     }
 
-    /// Publishes this image's metadata to other cores (DESIGN.md §5) and returns the shared
+    /// Publishes this image's metadata to other cores (ARCHITECTURE.md §6) and returns the shared
     /// state; later calls return the same. From now on every metadata change bumps the
     /// epochs the core replicas validate against. Call on the owner's core.
     pub fn share(&mut self) -> Arc<Shared> {
@@ -796,7 +796,7 @@ impl<D: BlockDevice> Qcow2<D> {
 
     /// On a writable core replica: where an in-place write of `[off, off + len)` goes, when
     /// the memo knows its linear slice under the current epoch and no cluster of that slice
-    /// has been metadata since it looked (DESIGN.md §8: the plan `plan_write_extent` makes
+    /// has been metadata since it looked (ARCHITECTURE.md §9: the plan `plan_write_extent` makes
     /// through the cache, with its metadata check, in a few compares).
     #[inline(always)]
     pub(crate) fn memo_overwrite(&self, off: u64, len: u64) -> Option<u64> {
@@ -1021,7 +1021,7 @@ impl<D: BlockDevice> Qcow2<D> {
         Ok(raw)
     }
 
-    /// A core replica's miss (DESIGN.md §5): with an even epoch, read the slice from the
+    /// A core replica's miss (ARCHITECTURE.md §6): with an even epoch, read the slice from the
     /// device and keep it only if the epoch did not move meanwhile (seqlock); with an odd
     /// one, ask the owner for its copy.
     async fn load_slice_core(&self, off: GuestOffset) -> Result<Option<usize>> {

@@ -2,7 +2,7 @@
 //!
 //! Pure Rust, no `unsafe`, no SPDK and no OS I/O: the host (the SPDK module or the
 //! standalone io_uring host) supplies a polled [`io::BlockDevice`] and drives an
-//! [`exec::Exec`] per core. See `DESIGN.md` for the architecture.
+//! [`exec::Exec`] per core. See `docs/ARCHITECTURE.md` for the architecture.
 //!
 //! - [`format`]: on-disk structures (decode, encode, validate);
 //! - [`types`]: offsets and cluster geometry;

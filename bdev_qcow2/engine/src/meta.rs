@@ -1,6 +1,6 @@
 //! The metadata owner's state for writes: dirty L2 slices and refcount blocks, the cluster
 //! allocator, deferred frees, and the ordered write-back that keeps every crash state
-//! consistent (DESIGN.md §7).
+//! consistent (ARCHITECTURE.md §7).
 //!
 //! Ordering is expressed as phases of one write-back, each a dependency of the next:
 //! 1. refcount blocks (increments; new blocks are self-describing) — then a flush, then the
@@ -642,7 +642,7 @@ impl<D: BlockDevice> Qcow2<D> {
         }
         let entry = L1Entry::new(crate::types::HostOffset(new), true);
         self.l1.borrow_mut()[idx as usize] = entry;
-        // Published after the new table's slices went odd (DESIGN.md §5).
+        // Published after the new table's slices went odd (ARCHITECTURE.md §6).
         if let Some(sh) = &self.shared {
             sh.set_l1(idx as usize, entry.0);
         }

@@ -1,4 +1,4 @@
-//! Cross-core coherency of the real engine (DESIGN.md §5), deterministic and
+//! Cross-core coherency of the real engine (ARCHITECTURE.md §6), deterministic and
 //! single-threaded: one metadata owner and two core replicas, each on its own [`Exec`] with
 //! its own channel to one shared in-memory disk, driven by a seeded random interleaving of
 //! guest requests, executor polls and owner↔core messages.
@@ -842,7 +842,7 @@ fn point_cluster_0_at_the_l1_table(rig: &Rig) -> (u64, Vec<u8>) {
 
 #[test]
 fn core_refuses_in_place_write_into_metadata() {
-    // DESIGN.md §7 rule 6 / §8 on a core: a (hostile) L2 entry that points at the image's
+    // ARCHITECTURE.md §7 rule 6 / §9 on a core: a (hostile) L2 entry that points at the image's
     // own L1 table must not be written through by a core's in-place fast path.
     let mut rig = Rig::new(3, 1, false, 1);
     let cs = 4096u64;
@@ -960,7 +960,7 @@ fn core_direct_path_drops_a_remembered_linear_slice_the_owner_changed() {
 }
 
 /// A core's in-place writes planned from its memo of linear slices stop at metadata
-/// (DESIGN.md §8): a host cluster of the slice that is metadata when the core remembers the
+/// (ARCHITECTURE.md §9): a host cluster of the slice that is metadata when the core remembers the
 /// slice, or that becomes metadata later (as a hostile refcount lets the allocator do), is
 /// never planned in place; the slice's other clusters still are.
 #[test]
@@ -1125,7 +1125,7 @@ fn core_routes_writes_by_its_cached_slice() {
 
 #[test]
 fn owner_of_a_shared_image_refuses_a_write_through_an_entry_into_metadata() {
-    // DESIGN.md §7 rule 6 on the owner of a shared image: a (hostile) L2 entry that points
+    // ARCHITECTURE.md §7 rule 6 on the owner of a shared image: a (hostile) L2 entry that points
     // at the image's own L1 table, in a slice the owner loads from the device, is not
     // written through: the write fails and the L1 table stays as it was.
     let mut rig = Rig::new(5, 1, false, 1);

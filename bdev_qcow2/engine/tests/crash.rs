@@ -1,4 +1,4 @@
-//! Crash and fault tests of the write path (DESIGN.md §7).
+//! Crash and fault tests of the write path (ARCHITECTURE.md §7).
 //!
 //! Crash: the in-memory device records every write and flush of a workload. For every
 //! device-flush boundary, and for random subsets of the writes issued after it, the crashed

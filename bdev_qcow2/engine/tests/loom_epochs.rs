@@ -1,4 +1,4 @@
-//! Model check of the cross-core coherency protocol (DESIGN.md §5) with `loom`, on the real
+//! Model check of the cross-core coherency protocol (ARCHITECTURE.md §6) with `loom`, on the real
 //! [`Shared`] / [`OwnerEpochs`] of the engine (their atomics are loom's under `--cfg loom`).
 //!
 //! Run with:

@@ -1,4 +1,4 @@
-//! Malformed images (`MALFORMED.md`): one test per row, and per distinct bad value of a row.
+//! Malformed images (ARCHITECTURE.md §9): one test per field, and per distinct bad value of it.
 //!
 //! Every test starts from [`fixture`], a small valid qcow2 v3 image written byte by byte
 //! (each header field commented with its offset, independent of the engine's encoder),

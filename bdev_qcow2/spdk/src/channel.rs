@@ -6,7 +6,7 @@
 //!   is created; requests arriving meanwhile wait in a queue.
 //! - Writable bdev, on a thread other than the metadata owner's: the replica is built at once
 //!   from the owner's [`CoreSeed`](qcow2_engine::CoreSeed) and validated against the owner's
-//!   epochs (DESIGN.md §5). Reads of every kind and in-place writes to COPIED clusters run
+//!   epochs (ARCHITECTURE.md §6). Reads of every kind and in-place writes to COPIED clusters run
 //!   here; allocating writes, write-zeroes, unmap and flush go to the owner (`owner.rs`) as
 //!   messages carrying the bdev_io, and so do the replica's requests for slices the owner
 //!   holds dirty ([`SpdkLink`]).

@@ -2,7 +2,7 @@
 //!
 //! Load it into an unmodified SPDK application with `LD_PRELOAD`; it registers the bdev
 //! module `qcow2` and the RPCs `bdev_qcow2_create`, `bdev_qcow2_format`, `bdev_qcow2_delete`
-//! and `bdev_qcow2_get_stats`. Threading follows `DESIGN.md`: the thread that creates a bdev
+//! and `bdev_qcow2_get_stats`. Threading follows `ARCHITECTURE.md`: the thread that creates a bdev
 //! reads and validates its image (the metadata owner); every SPDK thread that opens a
 //! channel gets its own engine executor, replica of the image and base channels, driven by
 //! a per-channel poller; the data path takes no lock and allocates nothing on a cache hit.

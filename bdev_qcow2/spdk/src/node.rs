@@ -360,7 +360,7 @@ fn finish(mut job: Job) {
         let [base, backing] = descs;
         return register(job.params, info, base, backing, None, done);
     }
-    // Publish the metadata to the other threads' channels (DESIGN.md §5): they serve cache
+    // Publish the metadata to the other threads' channels (ARCHITECTURE.md §6): they serve cache
     // hits and in-place writes on their own replica and send the rest here.
     let mut image = image;
     image.share();
@@ -476,7 +476,7 @@ fn register(
         n.bdev.blocklen = BLOCK_SIZE;
         n.bdev.blockcnt = n.info.virtual_size / u64::from(BLOCK_SIZE);
         // Writes are acknowledged before their metadata is stable: only a FLUSH makes them
-        // durable (DESIGN.md §7), which is what a volatile write cache means to SPDK.
+        // durable (ARCHITECTURE.md §7), which is what a volatile write cache means to SPDK.
         n.bdev.write_cache = i32::from(!n.owner.is_null());
         // The hot path hands the guest's buffers to the base: ask for what the base needs.
         n.bdev.required_alignment = if align > 1 { align.ilog2() as u8 } else { 0 };

@@ -272,7 +272,7 @@ impl Owner {
         self.unsent_asks.borrow_mut().push(a);
     }
 
-    /// Answers a channel's replica asking for slice `key` (DESIGN.md §5). On the md thread.
+    /// Answers a channel's replica asking for slice `key` (ARCHITECTURE.md §6). On the md thread.
     pub fn slice_for_core(&self, key: u64) -> qcow2_engine::coherency::SliceReply {
         match self.chain.layers().first() {
             Some(qcow2_engine::Layer::Qcow2(q)) => q.slice_for_core(key),

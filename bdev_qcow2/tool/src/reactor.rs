@@ -1,4 +1,4 @@
-//! N polling reactors on one image (DESIGN.md §3), the same shape as the SPDK module:
+//! N polling reactors on one image (ARCHITECTURE.md §3), the same shape as the SPDK module:
 //! reactor 0 is the metadata owner (it opens the image writable and shares it), every other
 //! reactor is a core with its own executor, device channel (its own io_uring) and slice
 //! cache replica. Cores serve cache-hit reads and in-place writes themselves; they send

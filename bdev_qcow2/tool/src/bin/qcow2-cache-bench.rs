@@ -1,7 +1,7 @@
 #![allow(clippy::expect_used, clippy::unwrap_used)] // a benchmark: abort on setup failure
 
 //! L2 slice cache benchmark (issue 5's figures): the per-core set-associative cache
-//! (`qcow2_engine::cache::SetAssocCache`, DESIGN.md §4) at 256, 4096 and 65536 cached 4 KiB
+//! (`qcow2_engine::cache::SetAssocCache`, ARCHITECTURE.md §4) at 256, 4096 and 65536 cached 4 KiB
 //! slices (8 ways), against a QEMU-style cache that scans every entry.
 //!
 //! - Hit: `probe` + `touch` + one word of the slice, as `Qcow2::resolve_cached` does, with
