@@ -32,6 +32,7 @@ pub mod io;
 pub mod limits;
 pub mod meta;
 pub mod prefetch;
+mod readahead;
 pub mod rng;
 pub mod route;
 #[cfg(any(test, feature = "testing"))]
