@@ -10,6 +10,7 @@ use crate::format::ClusterMapping;
 use crate::image::Qcow2;
 use crate::io::{BlockDevice, BufSlice, DeviceOp, SECTOR};
 use crate::limits::MAX_BACKING_DEPTH;
+use crate::route::GuestRange;
 use crate::types::GuestOffset;
 use std::cell::{Cell, RefCell};
 use std::future::Future;
@@ -53,37 +54,6 @@ type FastPlan = (Vec<Run>, Vec<(usize, usize)>);
 
 type BoxFut = Pin<Box<dyn Future<Output = Result<()>>>>;
 
-/// A request mapped to one device extent for the host to submit itself
-/// ([`Chain::map_direct`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Direct {
-    /// The device holding the extent.
-    pub dev: DevId,
-    /// Byte offset of the extent on the device.
-    pub host: u64,
-    /// The request's grace-period entry, for [`Exec::guest_exit`] once the operation is over.
-    pub parity: u8,
-}
-
-/// Where a host sends a guest write ([`Chain::route_write`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum WriteRoute {
-    /// An overwrite of one extent: the host submits it itself, then leaves the grace period.
-    Direct(Direct),
-    /// This replica's engine path.
-    Local,
-    /// The metadata owner (an allocation, or a slice the owner holds dirty).
-    Owner {
-        /// This replica's metadata for the write is current, and it is not in place there
-        /// (an allocation, COW, zero clusters, no L2 table): the owner holds the same
-        /// metadata, so it can start its slow path at once ([`Chain::submit_write_slow`])
-        /// instead of planning a direct write first. Without it (a slice the owner holds
-        /// dirty) the owner may find the write in place. Either way the owner's slow path
-        /// handles any write.
-        slow: bool,
-    },
-}
-
 /// A data run planned by the fast path: host offset, offset in the guest buffer, length.
 #[derive(Clone, Copy)]
 struct Run {
@@ -110,8 +80,8 @@ pub struct Chain<D: BlockDevice> {
     slow_reads: Cell<u64>,
     /// The rest of read-ahead's state (sequential requests only).
     pub(crate) prefetch: RefCell<crate::prefetch::Prefetch>,
-    /// The write range (offset, length) that [`map_direct`](Self::map_direct) last found no
-    /// in-place plan for: the host's next call, `submit_write` of that same request, skips
+    /// The write range (offset, length) that the direct path (`route_write`,
+    /// `map_direct`) last found no in-place plan for: the host's next call, `submit_write` of that same request, skips
     /// planning it again (nothing runs in between on this thread). A stale entry only sends
     /// a later request of the same range down the slow path, which handles every write.
     pub(crate) no_write_plan: Cell<Option<(u64, u64)>>,
@@ -162,6 +132,14 @@ impl<D: BlockDevice> Chain<D> {
     pub fn exec(&self) -> &Exec<D> {
         &self.exec
     }
+    /// The one check of a guest request's range: `len` bytes at `offset` are 512-byte
+    /// aligned and inside the disk ([`Error::InvalidRequest`] otherwise). Every entry that
+    /// takes a guest range asks it.
+    #[inline(always)]
+    pub fn check_range(&self, offset: u64, len: u64) -> Result<GuestRange> {
+        GuestRange::new(offset, len, self.size)
+    }
+
     /// Read-path counters.
     pub fn stats(&self) -> ReadStats {
         ReadStats {
@@ -178,18 +156,8 @@ impl<D: BlockDevice> Chain<D> {
     /// zeros, the device reads are submitted directly (no task, no allocation); otherwise a
     /// slow-path task does the work.
     pub fn submit_read(self: &Rc<Self>, tag: u64, offset: u64, buf: BufSlice<D::Buf>) {
-        let len = buf.len as u64;
-        if !offset.is_multiple_of(SECTOR) || !len.is_multiple_of(SECTOR) {
-            return self.exec.complete(
-                tag,
-                Err(Error::InvalidRequest("read not aligned to 512 bytes")),
-            );
-        }
-        if offset.checked_add(len).is_none_or(|e| e > self.size()) {
-            return self.exec.complete(
-                tag,
-                Err(Error::InvalidRequest("read past the end of the disk")),
-            );
+        if let Err(e) = self.check_range(offset, buf.len as u64) {
+            return self.exec.complete(tag, Err(e));
         }
         // Before resolving anything: a cluster freed meanwhile is not reused until this
         // request is over (shared images; see `coherency::Grace`).
@@ -206,89 +174,16 @@ impl<D: BlockDevice> Chain<D> {
         });
     }
 
-    /// For hosts that submit device I/O themselves, handing the guest request's own buffers
-    /// to the device (SPDK passes a bdev_io's iovecs straight to the base bdev, as its
-    /// passthru does): when `len` bytes at `offset` map, from cached metadata alone, to one
-    /// contiguous extent of the top layer's device — plain data for a read; COPIED data
-    /// outside the image's metadata with no allocation in flight for a write, exactly the
-    /// requests [`submit_read`](Self::submit_read) and
-    /// [`submit_write_local`](Self::submit_write_local) would serve with a single device
-    /// operation — returns it, with the request entered into the grace period: the host
-    /// submits the operation and, once it completed (with whatever result), calls
-    /// [`Exec::guest_exit`] with the returned parity.
-    /// `None` (nothing changed but LRU/hit counters) sends the request down the normal path,
-    /// which also reports invalid requests.
-    #[inline(always)]
-    pub fn map_direct(&self, offset: u64, len: u64, write: bool) -> Option<Direct> {
-        self.map_direct_with(offset, len, write, true)
-    }
-
-    /// [`map_direct`](Self::map_direct) for a host that has just asked
-    /// [`memo_direct`](Self::memo_direct), which did not know the request: the same answer
-    /// without asking the memo again.
-    #[inline(always)]
-    pub fn map_direct_past_memo(&self, offset: u64, len: u64, write: bool) -> Option<Direct> {
-        self.map_direct_with(offset, len, write, false)
-    }
-
-    #[inline(always)]
-    fn map_direct_with(&self, offset: u64, len: u64, write: bool, memo: bool) -> Option<Direct> {
-        if len == 0 || crate::write::check_range(self, offset, len).is_err() {
-            return None;
-        }
-        let parity = self.exec.guest_enter();
-        let found = if write {
-            self.plan_direct_write(offset, len, memo)
-        } else {
-            self.plan_direct_read(offset, len, memo)
-        };
-        match found {
-            Some((dev, host)) => Some(Direct { dev, host, parity }),
-            None => {
-                self.exec.guest_exit(parity);
-                None
-            }
-        }
-    }
-
-    /// [`map_direct`](Self::map_direct)'s first look, for hosts to try before it: the
-    /// request maps to one extent of the top image's device by its memo of linear slices
-    /// alone (see `LinearMemo`). The same contract as `map_direct` (entered into the grace
-    /// period when `Some`), with a few compares instead of its layered look-ups; `None`
-    /// says only that the memo does not know, and `map_direct` (or `route_write`) decides.
-    #[inline(always)]
-    pub fn memo_direct(&self, offset: u64, len: u64, write: bool) -> Option<Direct> {
-        let Some(Layer::Qcow2(q)) = self.layers.first() else {
-            return None;
-        };
-        if (offset | len) & (SECTOR - 1) != 0
-            || offset.checked_add(len).is_none_or(|e| e > self.size)
-        {
-            return None;
-        }
-        // Entered before the memo's epochs are read, as `map_direct` does.
-        let parity = self.exec.guest_enter();
-        match q.memo_extent(offset, len, write) {
-            Some(host) => Some(Direct {
-                dev: q.dev(),
-                host,
-                parity,
-            }),
-            None => {
-                self.exec.guest_exit(parity);
-                None
-            }
-        }
-    }
-
     /// Counts a read the host served on the direct path (after its submission succeeded:
     /// a refused one falls back to [`submit_read`](Self::submit_read), which counts it).
+    /// [`submit_granted_read`](Self::submit_granted_read) counts its own.
     pub fn count_direct_read(&self) {
         self.fast_reads.set(self.fast_reads.get() + 1);
     }
 
     /// Where the top image's cached L2 entry for `offset` lies in memory (see
-    /// [`Qcow2::entry_hint`]): for the host to prefetch before [`map_direct`](Self::map_direct).
+    /// [`Qcow2::entry_hint`]): for the host to prefetch before
+    /// [`route_read`](Self::route_read) or [`route_write`](Self::route_write).
     pub fn entry_hint(&self, offset: u64) -> Option<*const u64> {
         match &self.layers[0] {
             Layer::Qcow2(q) => q.entry_hint(GuestOffset(offset)),
@@ -303,62 +198,6 @@ impl<D: BlockDevice> Chain<D> {
             Layer::Qcow2(q) => q.dirty_entry_hint(GuestOffset(offset)),
             Layer::Raw { .. } => None,
         }
-    }
-
-    /// One contiguous extent for an in-place write, from cached slices only (out of line:
-    /// the read path stays small). Remembers a write it found no in-place plan for.
-    #[inline(never)]
-    fn plan_direct_write(&self, offset: u64, len: u64, memo: bool) -> Option<(DevId, u64)> {
-        let e = self.plan_write_extent_with(offset, len, memo);
-        match self.single_write_extent(offset, len, e) {
-            Some((dev, Some(host))) => Some((dev, host)),
-            Some((_, None)) => None,
-            None => {
-                self.no_write_plan.set(Some((offset, len)));
-                None
-            }
-        }
-    }
-
-    /// One contiguous data extent for a read, from cached slices only.
-    #[inline(always)]
-    fn plan_direct_read(&self, offset: u64, len: u64, memo: bool) -> Option<(DevId, u64)> {
-        let q = match &self.layers[0] {
-            Layer::Raw { dev, .. } => return Some((*dev, offset)),
-            Layer::Qcow2(q) => q,
-        };
-        if let Ok(h) = q.cached_extent_with(offset, len, false, memo) {
-            return Some((q.dev(), h));
-        }
-        Self::walk_direct_read(q, offset, len)
-    }
-
-    /// [`plan_direct_read`](Self::plan_direct_read) for a range `cached_extent_with` does not
-    /// answer: cluster by cluster, while the (sub)clusters follow each other on the device.
-    #[inline(never)]
-    fn walk_direct_read(q: &Qcow2<D>, offset: u64, len: u64) -> Option<(DevId, u64)> {
-        let end = offset + len;
-        let mut pos = offset;
-        let mut start = None;
-        let mut next_host = 0;
-        while pos < end {
-            let Ok(Some((ClusterMapping::Data { host, .. }, m_end))) =
-                q.resolve_cached(GuestOffset(pos))
-            else {
-                return None;
-            };
-            // `host` is the start of the (sub)cluster holding `pos`.
-            let h = host.0 + (pos & (q.geometry().subcluster_size() - 1));
-            match start {
-                None => start = Some(h),
-                Some(_) if h == next_host => {}
-                Some(_) => return None,
-            }
-            let n = m_end.min(end) - pos;
-            next_host = h + n;
-            pos += n;
-        }
-        start.map(|h| (q.dev(), h))
     }
 
     /// The fast path: plans the request from cached slices only; returns false (having
@@ -447,15 +286,7 @@ impl<D: BlockDevice> Chain<D> {
 
     /// Reads `buf.len` bytes at `offset` and waits for them (for tasks and tools).
     pub async fn read(self: &Rc<Self>, offset: u64, buf: BufSlice<D::Buf>) -> Result<()> {
-        if !offset.is_multiple_of(SECTOR) || !(buf.len as u64).is_multiple_of(SECTOR) {
-            return Err(Error::InvalidRequest("read not aligned to 512 bytes"));
-        }
-        if offset
-            .checked_add(buf.len as u64)
-            .is_none_or(|e| e > self.size())
-        {
-            return Err(Error::InvalidRequest("read past the end of the disk"));
-        }
+        self.check_range(offset, buf.len as u64)?;
         read_layer(self.clone(), 0, offset, buf).await
     }
 

@@ -49,6 +49,29 @@ struct Request {
 /// Parity of a request that did not enter a grace period (no shared image).
 pub const NO_GRACE: u8 = 2;
 
+/// How a guest request the engine ran ended ([`Exec::poll_outcomes`]).
+#[derive(Debug)]
+pub enum Outcome {
+    /// It completed, with this result.
+    Done(Result<()>),
+    /// A core replica found the request is not its to run (a write that is not in place
+    /// there) and changed nothing: the host sends it to the metadata owner.
+    ToOwner,
+}
+
+impl Outcome {
+    /// The outcome as a result, a request for the owner as the hidden [`Error::NotLocal`].
+    #[doc(hidden)]
+    // Used by the SPDK module until it moves to route_read/route_write.
+    #[inline(always)]
+    pub fn into_result(self) -> Result<()> {
+        match self {
+            Outcome::Done(r) => r,
+            Outcome::ToOwner => Err(Error::NotLocal),
+        }
+    }
+}
+
 /// Per-operation counters.
 #[derive(Debug, Default, Clone, Copy)]
 pub struct ExecStats {
@@ -71,7 +94,7 @@ struct Inner<D: BlockDevice> {
     tasks: RefCell<Slab<Option<Task>>>,
     ready: RefCell<VecDeque<usize>>,
     current: Cell<Option<usize>>,
-    done: RefCell<VecDeque<(u64, Result<()>)>>,
+    done: RefCell<VecDeque<(u64, Outcome)>>,
     /// Reused scratch for reaped completions (no allocation per poll).
     reaped: RefCell<Vec<(u64, Result<(), DeviceError>)>>,
     stats: Cell<ExecStats>,
@@ -178,6 +201,16 @@ impl<D: BlockDevice> Exec<D> {
     pub fn complete_entered(&self, tag: u64, result: Result<()>, parity: u8) {
         self.guest_exit(parity);
         self.complete(tag, result);
+    }
+
+    /// Hands a guest request that entered with `parity`, and changed nothing, to the
+    /// metadata owner: reported as [`Outcome::ToOwner`].
+    pub fn hand_to_owner(&self, tag: u64, parity: u8) {
+        self.guest_exit(parity);
+        self.inner
+            .done
+            .borrow_mut()
+            .push_back((tag, Outcome::ToOwner));
     }
 
     /// Registers a device; its completions are reaped by [`Exec::poll`].
@@ -306,18 +339,28 @@ impl<D: BlockDevice> Exec<D> {
             self.inner
                 .done
                 .borrow_mut()
-                .push_back((r.tag, r.error.map_or(Ok(()), Err)));
+                .push_back((r.tag, Outcome::Done(r.error.map_or(Ok(()), Err))));
         }
     }
 
     /// Completes a guest request (from a task): reported by the next [`Exec::poll`].
     pub fn complete(&self, tag: u64, result: Result<()>) {
-        self.inner.done.borrow_mut().push_back((tag, result));
+        self.inner
+            .done
+            .borrow_mut()
+            .push_back((tag, Outcome::Done(result)));
     }
 
-    /// Polls devices, runs woken tasks, and reports completed guest requests to `done`.
-    /// Returns the number of events processed (0 when idle). Never blocks.
+    /// [`poll_outcomes`](Self::poll_outcomes) for a host that submits no request a core
+    /// replica may hand to the owner (a request handed over would be reported as the
+    /// hidden `Error::NotLocal`, the form the SPDK module still uses).
     pub fn poll(&self, done: &mut dyn FnMut(u64, Result<()>)) -> usize {
+        self.poll_outcomes(&mut |tag, o| done(tag, o.into_result()))
+    }
+
+    /// Polls devices, runs woken tasks, and reports how guest requests ended to `done`.
+    /// Returns the number of events processed (0 when idle). Never blocks.
+    pub fn poll_outcomes(&self, done: &mut dyn FnMut(u64, Outcome)) -> usize {
         let mut events = 0;
         // Retry submissions the devices refused earlier, in order.
         loop {
@@ -366,7 +409,7 @@ impl<D: BlockDevice> Exec<D> {
             }
         }
         // Report finished guest requests.
-        events += self.take_completions(done);
+        events += self.take_outcomes(done);
         events
     }
 
@@ -420,7 +463,7 @@ impl<D: BlockDevice> Exec<D> {
                         self.inner
                             .done
                             .borrow_mut()
-                            .push_back((t, res.map_err(|e| Error::Io(e.0))));
+                            .push_back((t, Outcome::Done(res.map_err(|e| Error::Io(e.0)))));
                     }
                     return;
                 }
@@ -440,6 +483,11 @@ impl<D: BlockDevice> Exec<D> {
     /// device I/O (a read of zeros) is queued again at once. Draining until empty would
     /// then never return and starve the host's thread (its messages, timers, pollers).
     pub fn take_completions(&self, done: &mut dyn FnMut(u64, Result<()>)) -> usize {
+        self.take_outcomes(&mut |tag, o| done(tag, o.into_result()))
+    }
+
+    /// [`take_completions`](Self::take_completions) with each request's [`Outcome`].
+    pub fn take_outcomes(&self, done: &mut dyn FnMut(u64, Outcome)) -> usize {
         let n = self.inner.done.borrow().len();
         for _ in 0..n {
             let Some((tag, res)) = self.inner.done.borrow_mut().pop_front() else {

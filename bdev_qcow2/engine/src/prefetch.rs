@@ -1,4 +1,5 @@
-//! L2 slice read-ahead on sequential streams, one per core replica ([`Chain::read_ahead`]).
+//! L2 slice read-ahead on sequential streams, one per core replica: the detector and its
+//! state (`readahead` drives it for a chain: [`Chain::read_ahead`](crate::Chain::read_ahead)).
 //!
 //! A host tells its chain where each guest request goes. Four stream slots remember where
 //! recent streams will continue; a request that starts exactly there extends its stream,
@@ -13,11 +14,7 @@
 //!
 //! Single-threaded like the rest of a replica: nothing here is shared, nothing locks.
 
-use crate::chain::{Chain, Layer};
-use crate::io::BlockDevice;
-use crate::types::GuestOffset;
 use std::cell::{Cell, RefCell};
-use std::rc::Rc;
 
 /// Requests in a row that make a stream sequential.
 pub const SEQ_MIN: u32 = 4;
@@ -25,7 +22,8 @@ pub const SEQ_MIN: u32 = 4;
 const STREAMS: usize = 4;
 /// Slices loaded ahead and not yet reached, remembered to count the useful ones.
 const LOADED: usize = 8;
-/// The least tail of a slice in which [`Chain::read_ahead_memo`] watches requests: 256
+/// The least tail of a slice in which
+/// [`Chain::read_ahead_memo`](crate::Chain::read_ahead_memo) watches requests: 256
 /// requests of 4 KiB, time enough for a stream to be seen and its next slice to load.
 pub const TAIL_MIN: u64 = 1 << 20;
 
@@ -43,24 +41,24 @@ pub struct PrefetchStats {
 }
 
 /// What every request looks at: whether read-ahead is on and where the followed streams
-/// continue. Kept in the [`Chain`] next to the fields every request reads, so a random
+/// continue. Kept in the [`Chain`](crate::Chain) next to the fields every request reads, so a random
 /// request costs no cache line of its own.
 pub(crate) struct Hot {
-    on: Cell<bool>,
+    pub(crate) on: Cell<bool>,
     /// Where the search for a slot for the next new stream starts (round robin).
     victim: Cell<u8>,
     /// Slots holding a sequential stream (bit per slot): a new stream takes another slot
     /// first, so random requests between a stream's requests do not push it out.
     seq: Cell<u8>,
     /// Where each stream's next request starts (`u64::MAX`: none).
-    next: [Cell<u64>; STREAMS],
+    pub(crate) next: [Cell<u64>; STREAMS],
     /// Per stream: requests in a row, and the last slice asked for (`u64::MAX`: none).
     /// Here rather than in [`Prefetch`]: a random request restarts a stream.
     run: [Cell<(u32, u64)>; STREAMS],
-    /// [`Chain::read_ahead_memo`]'s tail of a slice: a request whose offset within its
+    /// [`Chain::read_ahead_memo`](crate::Chain::read_ahead_memo)'s tail of a slice: a request whose offset within its
     /// slice (`offset & tail_mask`) plus its length passes `tail_from` ends in the tail.
-    tail_mask: u64,
-    tail_from: u64,
+    pub(crate) tail_mask: u64,
+    pub(crate) tail_from: u64,
 }
 
 impl Hot {
@@ -89,7 +87,7 @@ impl Hot {
     /// starts one (a run of 1) in a slot without a sequential stream, else in the next slot
     /// in turn (whose stream then counts as new).
     #[inline(always)]
-    fn find_or_start(&self, offset: u64, len: u64) -> Result<usize, usize> {
+    pub(crate) fn find_or_start(&self, offset: u64, len: u64) -> Result<usize, usize> {
         let next = offset.saturating_add(len);
         if let Some(i) = self.next.iter().position(|n| n.get() == offset) {
             self.next[i].set(next);
@@ -116,12 +114,12 @@ impl Hot {
     }
 
     /// Slot `i` holds a sequential stream.
-    fn mark_sequential(&self, i: usize) {
+    pub(crate) fn mark_sequential(&self, i: usize) {
         self.seq.set(self.seq.get() | 1 << i);
     }
 
     /// Whether stream `i` has run long enough to be sequential.
-    fn is_sequential_run(&self, i: usize) -> bool {
+    pub(crate) fn is_sequential_run(&self, i: usize) -> bool {
         self.run[i].get().0 >= SEQ_MIN
     }
 }
@@ -132,7 +130,7 @@ pub(crate) struct Prefetch {
     /// Slices loaded ahead, not yet reached (`u64::MAX`: empty).
     loaded: [u64; LOADED],
     loaded_pos: usize,
-    stats: PrefetchStats,
+    pub(crate) stats: PrefetchStats,
 }
 
 impl Prefetch {
@@ -146,7 +144,7 @@ impl Prefetch {
     /// Request `offset`/`len` continues stream `i` (in slices of `coverage` bytes, on a
     /// disk of `size`): returns the guest offset of a slice to load ahead, if any — the
     /// slice after the last one the request covers.
-    fn advance(
+    pub(crate) fn advance(
         &mut self,
         hot: &Hot,
         i: usize,
@@ -178,7 +176,7 @@ impl Prefetch {
         Some(target)
     }
 
-    fn remember_loaded(&mut self, key: u64) {
+    pub(crate) fn remember_loaded(&mut self, key: u64) {
         self.loaded[self.loaded_pos] = key;
         self.loaded_pos = (self.loaded_pos + 1) % LOADED;
     }
@@ -187,101 +185,6 @@ impl Prefetch {
 /// A hot and a cold half, as the chain holds them (`coverage`: see [`Hot::new`]).
 pub(crate) fn new_state(coverage: Option<u64>) -> (Hot, RefCell<Prefetch>) {
     (Hot::new(coverage), RefCell::new(Prefetch::new()))
-}
-
-impl<D: BlockDevice> Chain<D> {
-    /// Turns read-ahead of L2 slices on sequential streams on or off for this replica
-    /// (off by default; hosts turn it on per their configuration).
-    pub fn set_prefetch(&self, on: bool) {
-        self.pf_hot.on.set(on);
-    }
-
-    /// Whether read-ahead is on.
-    pub fn prefetch_enabled(&self) -> bool {
-        self.pf_hot.on.get()
-    }
-
-    /// Read-ahead counters.
-    pub fn prefetch_stats(&self) -> PrefetchStats {
-        self.prefetch.borrow().stats
-    }
-
-    /// Tells read-ahead about a guest request (read or write) of `len` bytes at `offset`
-    /// that this replica is about to serve or route; when it continues a sequential stream
-    /// and the stream's next slice is not cached here, starts loading that slice in the
-    /// background (a task on this executor; a failure is left to the request that needs
-    /// the slice, which reports it). Costs a few compares when off or on random I/O.
-    #[inline]
-    pub fn read_ahead(self: &Rc<Self>, offset: u64, len: u64) {
-        if !self.pf_hot.on.get() || len == 0 {
-            return;
-        }
-        if let Ok(i) = self.pf_hot.find_or_start(offset, len) {
-            self.continue_stream(i, offset, len);
-        }
-    }
-
-    /// [`read_ahead`](Self::read_ahead) for a request that the memo of linear slices
-    /// mapped ([`memo_direct`](Self::memo_direct)): its slice is cached, and what
-    /// read-ahead would load is the next one, so only a request that ends in the slice's
-    /// tail (its last eighth, at least [`TAIL_MIN`]) is watched. A sequential stream is
-    /// seen there and its next slice loads before the stream reaches it; a random request
-    /// elsewhere in the slice costs one compare instead of the stream look-up. (A stream is
-    /// counted again in each slice's tail.)
-    #[inline(always)]
-    pub fn read_ahead_memo(self: &Rc<Self>, offset: u64, len: u64) {
-        if (offset & self.pf_hot.tail_mask) + len > self.pf_hot.tail_from {
-            self.read_ahead(offset, len);
-        }
-    }
-
-    /// [`read_ahead`](Self::read_ahead) for a request that continues stream `i`.
-    #[inline(never)]
-    fn continue_stream(self: &Rc<Self>, i: usize, offset: u64, len: u64) {
-        let Layer::Qcow2(q) = &self.layers()[0] else {
-            return;
-        };
-        let coverage = q.geometry().slice_coverage();
-        let Ok(mut p) = self.prefetch.try_borrow_mut() else {
-            return;
-        };
-        let target = p.advance(&self.pf_hot, i, offset, len, coverage, self.size());
-        if self.pf_hot.is_sequential_run(i) {
-            self.pf_hot.mark_sequential(i);
-        }
-        drop(p);
-        let Some(target) = target else {
-            return;
-        };
-        // Cached already; no L2 table there (nothing to load: it reads as zeros); or, on a
-        // core replica, held dirty by the owner (a stream of first writes: the copy would
-        // cost a message pair and be stale at the owner's next change).
-        if q.slice_is_current(GuestOffset(target))
-            || q.slice_dirty_elsewhere(GuestOffset(target))
-            || !matches!(q.l2_table(GuestOffset(target)), Ok(Some(_)))
-        {
-            return;
-        }
-        self.prefetch.borrow_mut().stats.issued += 1;
-        let chain = self.clone();
-        self.exec().spawn(async move {
-            let Layer::Qcow2(q) = &chain.layers()[0] else {
-                return;
-            };
-            if let Ok(Some(_)) = q.load_slice(GuestOffset(target)).await {
-                let key = target / coverage;
-                // A stream already in the slice was not helped: not remembered as a hit.
-                let late = chain.pf_hot.next.iter().any(|n| {
-                    n.get() != u64::MAX && n.get() > target && (n.get() - 1) / coverage == key
-                });
-                let mut p = chain.prefetch.borrow_mut();
-                p.stats.loaded += 1;
-                if !late {
-                    p.remember_loaded(key);
-                }
-            }
-        });
-    }
 }
 
 #[cfg(test)]

@@ -8,14 +8,14 @@
 //! guest cluster with an allocation in flight wait for it to commit, so overlapping
 //! allocations are ordered.
 
-use crate::chain::{read_layer, Chain, Direct, Layer, WriteRoute};
+use crate::chain::{read_layer, Chain, Layer};
 use crate::coherency::Shared;
 use crate::error::{corrupt, Error, Field, Result};
 use crate::exec::DevId;
 use crate::format::entries::{COPIED, ZERO};
 use crate::format::{ClusterMapping, L2Entry, SubclusterBitmap};
 use crate::image::{Qcow2, Touch};
-use crate::io::{BlockDevice, BufSlice, DeviceOp, IoBuffer, SECTOR};
+use crate::io::{BlockDevice, BufSlice, DeviceOp, IoBuffer};
 use crate::types::GuestOffset;
 use smallvec::SmallVec;
 use std::rc::Rc;
@@ -108,22 +108,6 @@ fn top<D: BlockDevice>(chain: &Chain<D>) -> Result<&Qcow2<D>> {
     }
 }
 
-/// Where the slices of a write that is not one cached extent send it
-/// ([`Chain::route_unplanned`]).
-enum SliceRoute {
-    /// Not a writable core replica (the owner, or an image of one core): walk the clusters.
-    NotCore,
-    /// Every slice current in this core's cache: walk the clusters; what is not in place
-    /// is the owner's work.
-    Current,
-    /// To the owner, as [`WriteRoute::Owner`] `{ slow }`: a slice has no L2 table yet
-    /// (`slow: true`), or changed since this core cached it and the owner holds it dirty
-    /// (`slow: false`: it may well be in place by now).
-    Owner { slow: bool },
-    /// A slice is not cached here: this replica's engine path loads it.
-    Load,
-}
-
 /// What the one-extent check of an in-place write found
 /// ([`Chain::plan_write_extent`]).
 pub(crate) enum WriteExtent {
@@ -160,16 +144,6 @@ fn overlaps_meta<D: BlockDevice>(q: &Qcow2<D>, core: Option<&Shared>, h: u64, le
 /// operations (on a malloc bdev, an operation costs about as much as copying 8 KiB).
 const ZEROES_OFFLOAD_MIN: u64 = 16 << 10;
 
-pub(crate) fn check_range<D: BlockDevice>(chain: &Chain<D>, offset: u64, len: u64) -> Result<()> {
-    if !offset.is_multiple_of(SECTOR) || !len.is_multiple_of(SECTOR) {
-        return Err(Error::InvalidRequest("request not aligned to 512 bytes"));
-    }
-    if offset.checked_add(len).is_none_or(|e| e > chain.size()) {
-        return Err(Error::InvalidRequest("request past the end of the disk"));
-    }
-    Ok(())
-}
-
 impl<D: BlockDevice> Chain<D> {
     /// Starts a guest write; completion is reported with `tag` by [`crate::Exec::poll`].
     /// A write into allocated clusters whose refcount is 1, with their L2 slice cached, is
@@ -179,14 +153,15 @@ impl<D: BlockDevice> Chain<D> {
     }
 
     /// [`submit_write`](Self::submit_write) for a write a core replica routed here as
-    /// [`WriteRoute::Owner`] `{ slow: true }`: runs the slow path without planning a
-    /// fast-path write first (it would not find one; the slow path handles it if it could).
+    /// [`WriteRoute::Owner`](crate::route::WriteRoute::Owner) `{ slow: true }`: runs the
+    /// slow path without planning a fast-path write first (it would not find one; the slow
+    /// path handles it if it could).
     pub fn submit_write_slow(self: &Rc<Self>, tag: u64, offset: u64, buf: BufSlice<D::Buf>) {
         self.start_write(tag, offset, buf, false);
     }
 
     fn start_write(self: &Rc<Self>, tag: u64, offset: u64, buf: BufSlice<D::Buf>, fast: bool) {
-        if let Err(e) = top(self).and_then(|_| check_range(self, offset, buf.len as u64)) {
+        if let Err(e) = top(self).and_then(|_| self.check_range(offset, buf.len as u64)) {
             return self.exec().complete(tag, Err(e));
         }
         let parity = self.exec().guest_enter();
@@ -239,10 +214,11 @@ impl<D: BlockDevice> Chain<D> {
 
     /// On a core replica of a shared image ([`Qcow2::from_seed`]): runs the write here when
     /// it is an in-place write (the fast path, or after loading the slices it needs into
-    /// this core's cache). Otherwise the request completes with [`Error::NotLocal`] and
-    /// changed nothing: the host then sends it to the metadata owner.
+    /// this core's cache). Otherwise the request ends as
+    /// [`Outcome::ToOwner`](crate::exec::Outcome::ToOwner), having changed nothing: the
+    /// host then sends it to the metadata owner.
     pub fn submit_write_local(self: &Rc<Self>, tag: u64, offset: u64, buf: BufSlice<D::Buf>) {
-        if let Err(e) = check_range(self, offset, buf.len as u64) {
+        if let Err(e) = self.check_range(offset, buf.len as u64) {
             return self.exec().complete(tag, Err(e));
         }
         let parity = self.exec().guest_enter();
@@ -260,120 +236,16 @@ impl<D: BlockDevice> Chain<D> {
                     match q.load_slice(GuestOffset(pos)).await {
                         Ok(Some(_)) => {}
                         // No L2 table: an allocation, for the owner.
-                        Ok(None) => {
-                            return exec.complete_entered(tag, Err(Error::NotLocal), parity)
-                        }
+                        Ok(None) => return exec.hand_to_owner(tag, parity),
                         Err(e) => return exec.complete_entered(tag, Err(e), parity),
                     }
                     pos = (pos / cov + 1) * cov;
                 }
             }
             if !chain.try_fast_write(tag, offset, &buf, parity) {
-                exec.complete_entered(tag, Err(Error::NotLocal), parity);
+                exec.hand_to_owner(tag, parity);
             }
         });
-    }
-
-    /// How a host routes a guest write, from one look-up of this replica's cached slices:
-    /// - [`WriteRoute::Direct`] when it overwrites COPIED clusters in one extent of the
-    ///   device (the host submits it itself, as [`map_direct`](Self::map_direct) describes);
-    /// - [`WriteRoute::Owner`], on a writable core replica, when the write is not in place
-    ///   and either every slice involved is current here (allocation, COW, zero clusters:
-    ///   the owner's work), or one has no L2 table yet, or one changed since this core
-    ///   cached it and the owner still holds it dirty (it is allocating there: fetching its
-    ///   copy would cost a message pair and a slice copy only to find, most of the time, a
-    ///   cluster not in place yet);
-    /// - else [`WriteRoute::Local`]: this replica's engine path
-    ///   ([`submit_write_local`](Self::submit_write_local)), which loads an uncached slice
-    ///   (so later overwrites stay on the core) and reports invalid requests.
-    #[inline(always)]
-    pub fn route_write(&self, offset: u64, len: u64) -> WriteRoute {
-        self.route_write_with(offset, len, true)
-    }
-
-    /// [`route_write`](Self::route_write) for a host that has just asked
-    /// [`memo_direct`](Self::memo_direct), which did not know the write: the same answer
-    /// without asking the memo again.
-    pub fn route_write_past_memo(&self, offset: u64, len: u64) -> WriteRoute {
-        self.route_write_with(offset, len, false)
-    }
-
-    #[inline(always)]
-    fn route_write_with(&self, offset: u64, len: u64, memo: bool) -> WriteRoute {
-        if len == 0 || check_range(self, offset, len).is_err() {
-            // The engine path reports what is wrong with it.
-            return WriteRoute::Local;
-        }
-        let parity = self.exec().guest_enter();
-        match self.plan_write_extent_with(offset, len, memo) {
-            WriteExtent::One(dev, host) => WriteRoute::Direct(Direct { dev, host, parity }),
-            other => self.route_unplanned(offset, len, parity, other),
-        }
-    }
-
-    /// [`route_write`](Self::route_write) for a write that is not one cached extent
-    /// (out of line: the in-place case stays small). On a core replica the state of the
-    /// write's slices comes first: the cluster-by-cluster walk can only find an in-place
-    /// plan where every slice is current here, and a write into a slice the owner is
-    /// filling (the common case while an image fills) goes there without one.
-    #[inline(never)]
-    fn route_unplanned(&self, offset: u64, len: u64, parity: u8, e: WriteExtent) -> WriteRoute {
-        let slices = self.slices_need_owner(offset, len);
-        let current = match slices {
-            SliceRoute::Owner { slow } => {
-                self.exec().guest_exit(parity);
-                return WriteRoute::Owner { slow };
-            }
-            SliceRoute::Load => {
-                self.exec().guest_exit(parity);
-                return WriteRoute::Local;
-            }
-            SliceRoute::Current => true,
-            SliceRoute::NotCore => false,
-        };
-        let planned = self.single_write_extent(offset, len, e);
-        if let Some((dev, Some(host))) = planned {
-            return WriteRoute::Direct(Direct { dev, host, parity });
-        }
-        self.exec().guest_exit(parity);
-        match planned {
-            // Allocation, COW, zero clusters: the owner's work.
-            None if current => WriteRoute::Owner { slow: true },
-            _ => WriteRoute::Local,
-        }
-    }
-
-    /// The slice half of [`route_write`](Self::route_write)'s owner test.
-    fn slices_need_owner(&self, offset: u64, len: u64) -> SliceRoute {
-        let Layer::Qcow2(q) = &self.layers()[0] else {
-            return SliceRoute::NotCore;
-        };
-        let cov = q.geometry().slice_coverage();
-        let end = offset.saturating_add(len).min(self.size());
-        let mut pos = offset;
-        let mut all_valid = true;
-        while pos < end {
-            match q.core_slice_state(GuestOffset(pos)) {
-                None => return SliceRoute::NotCore,
-                Some(crate::image::CoreSlice::StaleDirty) => {
-                    return SliceRoute::Owner { slow: false }
-                }
-                // No L2 table yet: only the owner can allocate one.
-                Some(crate::image::CoreSlice::Missing)
-                    if matches!(q.l2_table(GuestOffset(pos)), Ok(None)) =>
-                {
-                    return SliceRoute::Owner { slow: true }
-                }
-                Some(crate::image::CoreSlice::Missing) => all_valid = false,
-                Some(crate::image::CoreSlice::Valid) => {}
-            }
-            pos = (pos / cov + 1) * cov;
-        }
-        if all_valid {
-            SliceRoute::Current
-        } else {
-            SliceRoute::Load
-        }
     }
 
     /// On a core replica of a shared image ([`Qcow2::from_seed`]): starts the write here if
@@ -386,7 +258,7 @@ impl<D: BlockDevice> Chain<D> {
         offset: u64,
         buf: &BufSlice<D::Buf>,
     ) -> bool {
-        if check_range(self, offset, buf.len as u64).is_err() {
+        if self.check_range(offset, buf.len as u64).is_err() {
             return false;
         }
         let parity = self.exec().guest_enter();
@@ -594,7 +466,7 @@ impl<D: BlockDevice> Chain<D> {
     /// [`flush`](Self::flush)).
     pub async fn write(self: &Rc<Self>, offset: u64, buf: BufSlice<D::Buf>) -> Result<()> {
         let q = top(self)?;
-        check_range(self, offset, buf.len as u64)?;
+        self.check_range(offset, buf.len as u64)?;
         let end = offset + buf.len as u64;
         let cov = q.geometry().slice_coverage();
         let mut pos = offset;
@@ -1194,7 +1066,7 @@ impl<D: BlockDevice> Chain<D> {
 
     async fn zero_range(self: &Rc<Self>, offset: u64, len: u64, kind: ZeroKind) -> Result<()> {
         let q = top(self)?;
-        check_range(self, offset, len)?;
+        self.check_range(offset, len)?;
         let geo = q.geometry();
         let cs = geo.cluster_size();
         let gran = geo.subcluster_size();

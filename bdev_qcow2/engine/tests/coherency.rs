@@ -17,9 +17,11 @@
 
 use qcow2_engine::coherency::SliceReply;
 use qcow2_engine::create::{create, CreateOptions};
+use qcow2_engine::exec::Outcome;
 use qcow2_engine::io::{BlockDevice, BufSlice, Busy, DeviceError, DeviceOp, HeapBuf, IoBuffer};
 use qcow2_engine::rng::Rng;
-use qcow2_engine::{Chain, Exec, Layer, OpenOptions, OwnerLink, Qcow2, WriteRoute};
+use qcow2_engine::route::WriteRoute;
+use qcow2_engine::{Chain, Exec, Layer, OpenOptions, OwnerLink, Qcow2, ReadRoute};
 use std::cell::RefCell;
 use std::collections::{HashMap, VecDeque};
 use std::process::Command;
@@ -281,7 +283,15 @@ impl Rig {
 
     fn poll(&mut self, e: usize) {
         let mut got = Vec::new();
-        self.execs[e].poll(&mut |tag, r| got.push((tag, r.map_err(|e| e.to_string()))));
+        self.execs[e].poll_outcomes(&mut |tag, o| {
+            got.push((
+                tag,
+                match o {
+                    Outcome::Done(r) => r.map_err(|e| e.to_string()),
+                    Outcome::ToOwner => Err("handed to the owner".to_string()),
+                },
+            ))
+        });
         self.done.extend(got);
     }
 
@@ -543,7 +553,13 @@ fn random_run(seed: u64, steps: usize) {
                     0..=6 => {
                         let exec = rng.below(3) as usize;
                         let buf = HeapBuf::new(len as usize);
-                        rig.chains[exec].submit_read(tag, off, BufSlice::whole(buf.clone()));
+                        // Routed as the hosts route a read: direct when one extent.
+                        let chain = &rig.chains[exec];
+                        let guest = BufSlice::whole(buf.clone());
+                        match chain.route_read(off, len) {
+                            ReadRoute::Direct(g) => chain.submit_granted_read(tag, g, guest),
+                            ReadRoute::Engine => chain.submit_read(tag, off, guest),
+                        }
                         ops.insert(
                             tag,
                             Op::Read {
@@ -562,13 +578,17 @@ fn random_run(seed: u64, steps: usize) {
                         model.begin_write(&secs, now);
                         ops.insert(tag, Op::Write { sectors: secs });
                         let c = 1 + rng.below(3) as usize;
-                        if c < 3
-                            && rig.chains[c].try_submit_write(
-                                tag,
-                                off,
-                                &BufSlice::whole(buf.clone()),
-                            )
-                        {
+                        // On a core: routed as the hosts route a write (direct when one
+                        // extent), else the core's in-place path, else the owner.
+                        let guest = BufSlice::whole(buf.clone());
+                        let granted = match (c < 3).then(|| rig.chains[c].route_write(off, len)) {
+                            Some(WriteRoute::Direct(g)) => {
+                                rig.chains[c].submit_granted_write(tag, g, guest.clone());
+                                true
+                            }
+                            _ => false,
+                        };
+                        if granted || (c < 3 && rig.chains[c].try_submit_write(tag, off, &guest)) {
                             core_fast += 1;
                         } else {
                             if c < 3 {
@@ -861,7 +881,7 @@ fn core_refuses_in_place_write_into_metadata() {
     let r = rig.run(5);
     assert!(
         r.as_ref().is_err_and(|e| e.contains("owner")),
-        "expected NotLocal, got {r:?}"
+        "expected the write handed to the owner, got {r:?}"
     );
     assert_eq!(
         rig.disk.borrow()[l1_off as usize..(l1_off + cs) as usize],
@@ -870,50 +890,77 @@ fn core_refuses_in_place_write_into_metadata() {
     );
 }
 
-/// `Chain::route_write` as a word; a direct route's grace entry is left at once. Where the
-/// memo does not know the write, `Chain::route_write_past_memo` (the module's way) must say
-/// the same.
+/// `Chain::route_write` as a word; a direct grant is finished at once. The old two-step
+/// form the SPDK module still uses (`Chain::memo_direct`, then, where the memo does not
+/// know the write, `Chain::route_write_past_memo`) must say the same.
 fn route(chain: &Chain<Channel>, off: u64, len: u64) -> &'static str {
-    let word = |r: WriteRoute| match r {
-        WriteRoute::Direct(d) => {
-            chain.exec().guest_exit(d.parity);
+    let general = match chain.route_write(off, len) {
+        WriteRoute::Direct(g) => {
+            g.finish(chain.exec());
             "direct"
         }
-        WriteRoute::Local => "local",
+        WriteRoute::Engine => "local",
         WriteRoute::Owner { slow: true } => "owner",
         WriteRoute::Owner { slow: false } => "owner, may be in place",
     };
-    let general = word(chain.route_write(off, len));
-    match chain.memo_direct(off, len, true) {
-        Some(d) => chain.exec().guest_exit(d.parity),
-        None => assert_eq!(
-            word(chain.route_write_past_memo(off, len)),
-            general,
-            "the route past the memo differs"
-        ),
-    }
+    let legacy = match chain.memo_direct(off, len, true) {
+        Some(d) => {
+            chain.exec().guest_exit(d.parity);
+            "direct"
+        }
+        None => match chain.route_write_past_memo(off, len) {
+            qcow2_engine::WriteRoute::Direct(d) => {
+                chain.exec().guest_exit(d.parity);
+                "direct"
+            }
+            qcow2_engine::WriteRoute::Local => "local",
+            qcow2_engine::WriteRoute::Owner { slow: true } => "owner",
+            qcow2_engine::WriteRoute::Owner { slow: false } => "owner, may be in place",
+        },
+    };
+    assert_eq!(legacy, general, "the route past the memo differs");
     general
 }
 
-/// Where the direct path maps `[off, off + len)`, asked as the SPDK module asks: the memo of
-/// linear slices first (`Chain::memo_direct`), then `Chain::map_direct_past_memo` (checked
-/// against `Chain::map_direct`); a grace entry is left at once. Also says whether the memo answered (its answer must be the general one).
+/// Where the direct path maps `[off, off + len)`, asked as the SPDK module asks: one
+/// `Chain::route_read` / `Chain::route_write` (the memo of linear slices first, then the
+/// slice cache), checked against the general look-up `Chain::map_direct` and, where the
+/// memo did not answer, against the old look-up past the memo
+/// (`Chain::map_direct_past_memo`); a grant is finished at once. Also says whether the
+/// memo answered (its answer must be the general one).
 fn direct(chain: &Chain<Channel>, off: u64, len: u64, write: bool) -> (Option<u64>, bool) {
     let leave = |d: qcow2_engine::Direct| {
         chain.exec().guest_exit(d.parity);
         d.host
     };
-    match chain.memo_direct(off, len, write).map(leave) {
-        Some(h) => {
+    let grant = match write {
+        true => match chain.route_write(off, len) {
+            WriteRoute::Direct(g) => Some(g),
+            _ => None,
+        },
+        false => match chain.route_read(off, len) {
+            ReadRoute::Direct(g) => Some(g),
+            ReadRoute::Engine => None,
+        },
+    };
+    let routed = grant.map(|g| {
+        let r = (g.host().0, g.from_memo());
+        g.finish(chain.exec());
+        r
+    });
+    match routed {
+        Some((h, true)) => {
             let general = chain.map_direct(off, len, write).map(leave);
             assert_eq!(general, Some(h), "the memo and the general look-up differ");
             (Some(h), true)
         }
-        None => {
+        _ => {
+            let routed = routed.map(|(h, _)| h);
             let past = chain.map_direct_past_memo(off, len, write).map(leave);
             let general = chain.map_direct(off, len, write).map(leave);
             assert_eq!(past, general, "the look-up past the memo differs");
-            (past, false)
+            assert_eq!(routed, general, "the route and the general look-up differ");
+            (routed, false)
         }
     }
 }
@@ -1035,13 +1082,13 @@ fn core_routes_writes_by_its_cached_slice() {
     let d = core.map_direct(0, cs, true).expect("in place on the core");
     core.exec().guest_exit(d.parity);
     match core.route_write(0, cs) {
-        WriteRoute::Direct(r) => {
+        WriteRoute::Direct(g) => {
             assert_eq!(
-                (r.dev, r.host),
+                (g.dev(), g.host().0),
                 (d.dev, d.host),
                 "routed where map_direct maps"
             );
-            core.exec().guest_exit(r.parity);
+            g.finish(core.exec());
         }
         other => panic!("an overwrite of an allocated, cached cluster is direct, not {other:?}"),
     }

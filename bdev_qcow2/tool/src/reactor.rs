@@ -5,20 +5,39 @@
 //! everything else (allocating writes, discard, write-zeroes, flush) and their requests for
 //! dirty slices to the owner over lock-free queues (crossbeam `SegQueue`) that every
 //! reactor polls. Nothing blocks and nothing sleeps on a reactor.
+//!
+//! Reads and writes are routed by the engine calls the SPDK module uses
+//! ([`Chain::route_read`], [`Chain::route_write`]): a direct grant goes to this reactor's
+//! device at once, the engine path runs on this reactor, and a write for the owner is
+//! forwarded.
 
 use crate::host::{ToolError, ToolResult};
 use crossbeam_queue::SegQueue;
 use qcow2_engine::coherency::SliceReply;
+use qcow2_engine::exec::Outcome;
 use qcow2_engine::io::{BlockDevice, BufSlice, IoBuffer};
-use qcow2_engine::{Chain, CoreSeed, DevId, Exec, Layer, OpenOptions, OwnerLink, Qcow2};
+use qcow2_engine::route::WriteRoute;
+use qcow2_engine::{Chain, CoreSeed, DevId, Exec, Layer, OpenOptions, OwnerLink, Qcow2, ReadRoute};
 use std::rc::Rc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc};
 
 /// Tag bit the owner uses for requests it runs on behalf of a core.
 const FORWARDED: u64 = 1 << 63;
-/// Tag bit a core uses for writes it tries itself (they may come back `NotLocal`).
+/// Tag bit a core uses for writes it runs on its engine path (they may end as
+/// [`Outcome::ToOwner`]).
 const LOCAL_WRITE: u64 = 1 << 62;
+
+/// The result of a request no engine path hands to the owner (every request but a core's
+/// local write).
+fn done_result(o: Outcome) -> qcow2_engine::Result<()> {
+    match o {
+        Outcome::Done(r) => r,
+        Outcome::ToOwner => Err(qcow2_engine::Error::InvalidRequest(
+            "a request was handed to the owner outside a core's write path",
+        )),
+    }
+}
 
 /// Messages to the owner.
 enum ToOwner {
@@ -32,6 +51,8 @@ enum ToOwner {
         tag: u64,
         offset: u64,
         data: Vec<u8>,
+        /// Routed [`WriteRoute::Owner`] `{ slow: true }`: the owner's slow path at once.
+        slow: bool,
     },
     WriteZeroes {
         core: usize,
@@ -163,31 +184,50 @@ impl<D: BlockDevice> Reactor<D> {
         self.image().map(|q| q.l2_cache_stats()).unwrap_or_default()
     }
 
-    /// Starts a read (tags below 2^62 - 1: the reactor uses the bits above). Reads and
-    /// writes feed this core's read-ahead of L2 slices (on unless the host turned it off
-    /// with `chain.set_prefetch(false)`).
+    /// Starts a read (tags below 2^62 - 1: the reactor uses the bits above). On a core:
+    /// straight to the device when cached metadata maps it to one extent, else through the
+    /// engine. The owner reads through the engine's read path, on its slice cache alone
+    /// (the memo of linear slices would outlive the cache: `qcow2 perf --thrash` measures
+    /// that cache). Reads and writes feed this reactor's read-ahead of L2 slices (on unless
+    /// the host turned it off with `chain.set_prefetch(false)`), every one of them: a
+    /// stream that mixes reads and writes stays one stream.
     pub fn submit_read(&mut self, tag: u64, offset: u64, buf: BufSlice<D::Buf>) {
-        self.chain.read_ahead(offset, buf.len as u64);
-        self.chain.submit_read(tag, offset, buf);
-    }
-
-    /// Starts a write: in place on this core when possible, else on the owner.
-    pub fn submit_write(&mut self, tag: u64, offset: u64, buf: BufSlice<D::Buf>) {
-        self.chain.read_ahead(offset, buf.len as u64);
+        let len = buf.len as u64;
+        self.chain.read_ahead(offset, len);
         if self.is_owner() {
-            return self.chain.submit_write(tag, offset, buf);
+            return self.chain.submit_read(tag, offset, buf);
         }
-        if self.chain.try_submit_write(tag, offset, &buf) {
-            self.stats.local_writes += 1;
-            return;
+        match self.chain.route_read(offset, len) {
+            ReadRoute::Direct(grant) => self.chain.submit_granted_read(tag, grant, buf),
+            ReadRoute::Engine => self.chain.submit_read(tag, offset, buf),
         }
-        // Not in the cache, or not in place: load the slices here and retry, else the owner.
-        let slot = self.local.insert((tag, offset, buf.clone()));
-        self.chain
-            .submit_write_local(LOCAL_WRITE | slot as u64, offset, buf);
     }
 
-    fn forward_write(&mut self, tag: u64, offset: u64, buf: &BufSlice<D::Buf>) {
+    /// Starts a write: straight to the device when it overwrites one extent, else on this
+    /// reactor's engine path (in place on a core, or the owner's write path), else (an
+    /// allocation, a slice the owner holds dirty) on the owner.
+    pub fn submit_write(&mut self, tag: u64, offset: u64, buf: BufSlice<D::Buf>) {
+        let len = buf.len as u64;
+        self.chain.read_ahead(offset, len);
+        match self.chain.route_write(offset, len) {
+            WriteRoute::Direct(grant) => {
+                if !self.is_owner() {
+                    self.stats.local_writes += 1;
+                }
+                self.chain.submit_granted_write(tag, grant, buf);
+            }
+            WriteRoute::Engine if self.is_owner() => self.chain.submit_write(tag, offset, buf),
+            WriteRoute::Engine => {
+                // Loads the slices here and writes in place, or hands the write back.
+                let slot = self.local.insert((tag, offset, buf.clone()));
+                self.chain
+                    .submit_write_local(LOCAL_WRITE | slot as u64, offset, buf);
+            }
+            WriteRoute::Owner { slow } => self.forward_write(tag, offset, &buf, slow),
+        }
+    }
+
+    fn forward_write(&mut self, tag: u64, offset: u64, buf: &BufSlice<D::Buf>, slow: bool) {
         let mut data = vec![0u8; buf.len];
         buf.copy_out(0, &mut data);
         self.forward(ToOwner::Write {
@@ -195,6 +235,7 @@ impl<D: BlockDevice> Reactor<D> {
             tag,
             offset,
             data,
+            slow,
         });
     }
 
@@ -255,7 +296,9 @@ impl<D: BlockDevice> Reactor<D> {
             }
             let mesh = &self.mesh;
             let fwd = &mut self.forwarded;
-            n += self.exec.poll(&mut |tag, r| {
+            // The owner's requests always complete (it hands nothing to itself).
+            n += self.exec.poll_outcomes(&mut |tag, o| {
+                let r = done_result(o);
                 if tag & FORWARDED != 0 {
                     if let Some((core, t)) = fwd.try_remove((tag & !FORWARDED) as usize) {
                         mesh.cores[core - 1].push(ToCore::Done { tag: t, result: r });
@@ -283,16 +326,16 @@ impl<D: BlockDevice> Reactor<D> {
             let local = &mut self.local;
             let mut again = Vec::new();
             let mut served_here = 0;
-            n += self.exec.poll(&mut |tag, r| {
+            n += self.exec.poll_outcomes(&mut |tag, o| {
                 if tag & LOCAL_WRITE == 0 {
-                    return done(tag, r);
+                    return done(tag, done_result(o));
                 }
                 let Some((t, off, buf)) = local.try_remove((tag & !LOCAL_WRITE) as usize) else {
                     return;
                 };
-                match r {
-                    Err(qcow2_engine::Error::NotLocal) => again.push((t, off, buf)),
-                    r => {
+                match o {
+                    Outcome::ToOwner => again.push((t, off, buf)),
+                    Outcome::Done(r) => {
                         served_here += 1;
                         done(t, r)
                     }
@@ -300,7 +343,8 @@ impl<D: BlockDevice> Reactor<D> {
             });
             self.stats.local_writes += served_here;
             for (t, off, buf) in again {
-                self.forward_write(t, off, &buf);
+                // Not in place after all: the owner runs it (it may allocate).
+                self.forward_write(t, off, &buf, false);
             }
         }
         n
@@ -323,14 +367,19 @@ impl<D: BlockDevice> Reactor<D> {
                 tag,
                 offset,
                 data,
+                slow,
             } => {
                 self.stats.served += 1;
                 let t = tag_for(&mut self.forwarded, core, tag);
                 let buf = self.exec.alloc_buf(self.dev, data.len());
                 buf.copy_in(0, &data);
                 let len = data.len();
-                self.chain
-                    .submit_write(t, offset, BufSlice { buf, off: 0, len });
+                let buf = BufSlice { buf, off: 0, len };
+                if slow {
+                    self.chain.submit_write_slow(t, offset, buf);
+                } else {
+                    self.chain.submit_write(t, offset, buf);
+                }
             }
             ToOwner::WriteZeroes {
                 core,

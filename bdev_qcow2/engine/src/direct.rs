@@ -1,0 +1,369 @@
+//! The direct path: where a guest request goes, decided from this replica's cached
+//! metadata by one call per direction ([`Chain::route_read`], [`Chain::route_write`]), and
+//! the submission of a granted request through the executor.
+//!
+//! A route asks the memo of linear slices first (a few compares), then, past it, the
+//! slice cache. The request enters its grace period once, before anything is resolved;
+//! a [`Grant`] carries the entry to the host, every other answer has left it.
+
+use crate::chain::{Chain, Layer};
+use crate::exec::DevId;
+use crate::format::ClusterMapping;
+use crate::image::{CoreSlice, Qcow2};
+use crate::io::{BlockDevice, BufSlice, DeviceOp};
+use crate::route::{Direct, Grant, GuestRange, LegacyWriteRoute, ReadRoute, WriteRoute};
+use crate::types::{GuestOffset, HostOffset};
+use crate::write::WriteExtent;
+
+/// Where the slices of a write that is not one cached extent send it
+/// ([`Chain::route_unplanned`]).
+enum SliceRoute {
+    /// Not a writable core replica (the owner, or an image of one core): walk the clusters.
+    NotCore,
+    /// Every slice current in this core's cache: walk the clusters; what is not in place
+    /// is the owner's work.
+    Current,
+    /// To the owner, as [`WriteRoute::Owner`] `{ slow }`: a slice has no L2 table yet
+    /// (`slow: true`), or changed since this core cached it and the owner holds it dirty
+    /// (`slow: false`: it may well be in place by now).
+    Owner { slow: bool },
+    /// A slice is not cached here: this replica's engine path loads it.
+    Load,
+}
+
+impl<D: BlockDevice> Chain<D> {
+    /// Where a guest read of `len` bytes at `offset` goes, from cached metadata alone:
+    /// - [`ReadRoute::Direct`] when the bytes are plain data in one contiguous extent of a
+    ///   device — exactly the reads [`submit_read`](Self::submit_read) would serve with a
+    ///   single device operation. The host reads the extent itself with the guest's
+    ///   buffers (SPDK hands a bdev_io's iovecs to the base bdev, as its passthru does;
+    ///   others call [`submit_granted_read`](Self::submit_granted_read)); the [`Grant`]
+    ///   says how its grace-period entry ends.
+    /// - [`ReadRoute::Engine`] otherwise (a slice not cached, zeros, several extents,
+    ///   compressed or backing data, an empty or invalid request, which the engine
+    ///   reports): nothing changed but LRU/hit counters; the host calls `submit_read`.
+    #[inline(always)]
+    pub fn route_read(&self, offset: u64, len: u64) -> ReadRoute {
+        let Ok(range) = self.check_range(offset, len) else {
+            return ReadRoute::Engine;
+        };
+        // Before resolving anything: a cluster freed meanwhile is not reused until the
+        // request is over (shared images; see `coherency::Grace`).
+        let parity = self.exec().guest_enter();
+        if let Some(Layer::Qcow2(q)) = self.layers().first() {
+            if let Some(host) = q.memo_extent(offset, len, false) {
+                let host = HostOffset(host);
+                return ReadRoute::Direct(Grant::new(q.dev(), host, range, parity, true));
+            }
+        }
+        self.route_read_past_memo(range, parity)
+    }
+
+    /// [`route_read`](Self::route_read) past the memo, for a request entered with
+    /// `parity`: the slice cache (out of line: the memo's path stays small).
+    #[inline(never)]
+    fn route_read_past_memo(&self, range: GuestRange, parity: u8) -> ReadRoute {
+        let found = match range.is_empty() {
+            true => None,
+            false => self.plan_direct_read(range.offset().0, range.len(), false),
+        };
+        match found {
+            Some((dev, host)) => {
+                ReadRoute::Direct(Grant::new(dev, HostOffset(host), range, parity, false))
+            }
+            None => {
+                self.exec().guest_exit(parity);
+                ReadRoute::Engine
+            }
+        }
+    }
+
+    /// Where a guest write of `len` bytes at `offset` goes, from one look-up of this
+    /// replica's cached metadata:
+    /// - [`WriteRoute::Direct`] when it overwrites COPIED clusters outside the image's
+    ///   metadata, with no allocation in flight, in one extent of the device (the host
+    ///   writes it itself, as [`route_read`](Self::route_read) describes for reads; or
+    ///   [`submit_granted_write`](Self::submit_granted_write));
+    /// - [`WriteRoute::Owner`], on a writable core replica, when the write is not in place
+    ///   and either every slice involved is current here (allocation, COW, zero clusters:
+    ///   the owner's work), or one has no L2 table yet, or one changed since this core
+    ///   cached it and the owner still holds it dirty (it is allocating there: fetching its
+    ///   copy would cost a message pair and a slice copy only to find, most of the time, a
+    ///   cluster not in place yet);
+    /// - else [`WriteRoute::Engine`]: this replica's engine path, which loads an uncached
+    ///   slice on a core (so later overwrites stay there) and reports invalid requests.
+    #[inline(always)]
+    pub fn route_write(&self, offset: u64, len: u64) -> WriteRoute {
+        let Ok(range) = self.check_range(offset, len) else {
+            return WriteRoute::Engine;
+        };
+        let parity = self.exec().guest_enter();
+        if let Some(Layer::Qcow2(q)) = self.layers().first() {
+            if let Some(host) = q.memo_overwrite(offset, len) {
+                let host = HostOffset(host);
+                return WriteRoute::Direct(Grant::new(q.dev(), host, range, parity, true));
+            }
+        }
+        self.route_write_past_memo_entered(range, parity, false)
+    }
+
+    /// [`route_write`](Self::route_write) past the memo of overwrites, for a request
+    /// entered with `parity` (out of line: the memo's path stays small). `legacy`: the
+    /// caller asked the memo itself (`memo_direct`), and the slice cache decides alone.
+    #[inline(never)]
+    fn route_write_past_memo_entered(
+        &self,
+        range: GuestRange,
+        parity: u8,
+        legacy: bool,
+    ) -> WriteRoute {
+        if range.is_empty() {
+            // The engine path completes it.
+            self.exec().guest_exit(parity);
+            return WriteRoute::Engine;
+        }
+        // The memo of overwrites answers only on a writable core replica, which asked it;
+        // elsewhere (the owner) the memo of linear slices still stands for the cache.
+        let memo = !legacy
+            && match self.layers().first() {
+                Some(Layer::Qcow2(q)) => !matches!(&q.core, Some(c) if c.writable),
+                _ => true,
+            };
+        let (offset, len) = (range.offset().0, range.len());
+        match self.plan_write_extent_with(offset, len, memo) {
+            WriteExtent::One(dev, host) => {
+                WriteRoute::Direct(Grant::new(dev, HostOffset(host), range, parity, false))
+            }
+            other => self.route_unplanned(range, parity, other),
+        }
+    }
+
+    /// [`route_write`](Self::route_write) for a write that is not one cached extent
+    /// (out of line: the in-place case stays small). On a core replica the state of the
+    /// write's slices comes first: the cluster-by-cluster walk can only find an in-place
+    /// plan where every slice is current here, and a write into a slice the owner is
+    /// filling (the common case while an image fills) goes there without one.
+    #[inline(never)]
+    fn route_unplanned(&self, range: GuestRange, parity: u8, e: WriteExtent) -> WriteRoute {
+        let (offset, len) = (range.offset().0, range.len());
+        let current = match self.slices_need_owner(offset, len) {
+            SliceRoute::Owner { slow } => {
+                self.exec().guest_exit(parity);
+                return WriteRoute::Owner { slow };
+            }
+            SliceRoute::Load => {
+                self.exec().guest_exit(parity);
+                return WriteRoute::Engine;
+            }
+            SliceRoute::Current => true,
+            SliceRoute::NotCore => false,
+        };
+        let planned = self.single_write_extent(offset, len, e);
+        if let Some((dev, Some(host))) = planned {
+            let host = HostOffset(host);
+            return WriteRoute::Direct(Grant::new(dev, host, range, parity, false));
+        }
+        self.exec().guest_exit(parity);
+        match planned {
+            // Allocation, COW, zero clusters: the owner's work.
+            None if current => WriteRoute::Owner { slow: true },
+            None => {
+                // The engine's `submit_write` of this request, next, need not plan it again.
+                self.no_write_plan.set(Some((offset, len)));
+                WriteRoute::Engine
+            }
+            Some(_) => WriteRoute::Engine,
+        }
+    }
+
+    /// The slice half of [`route_write`](Self::route_write)'s owner test.
+    fn slices_need_owner(&self, offset: u64, len: u64) -> SliceRoute {
+        let Layer::Qcow2(q) = &self.layers()[0] else {
+            return SliceRoute::NotCore;
+        };
+        let cov = q.geometry().slice_coverage();
+        let end = offset.saturating_add(len).min(self.size());
+        let mut pos = offset;
+        let mut all_valid = true;
+        while pos < end {
+            match q.core_slice_state(GuestOffset(pos)) {
+                None => return SliceRoute::NotCore,
+                Some(CoreSlice::StaleDirty) => return SliceRoute::Owner { slow: false },
+                // No L2 table yet: only the owner can allocate one.
+                Some(CoreSlice::Missing) if matches!(q.l2_table(GuestOffset(pos)), Ok(None)) => {
+                    return SliceRoute::Owner { slow: true }
+                }
+                Some(CoreSlice::Missing) => all_valid = false,
+                Some(CoreSlice::Valid) => {}
+            }
+            pos = (pos / cov + 1) * cov;
+        }
+        if all_valid {
+            SliceRoute::Current
+        } else {
+            SliceRoute::Load
+        }
+    }
+
+    /// Reads a request [`route_read`](Self::route_read) granted into `buf` (the guest's
+    /// buffer, of the grant's length): one device operation, whose completion is the
+    /// request's, reported with `tag` by [`Exec::poll`](crate::Exec::poll); the grant's
+    /// grace-period entry ends with it.
+    #[inline(always)]
+    pub fn submit_granted_read(&self, tag: u64, grant: Grant, buf: BufSlice<D::Buf>) {
+        debug_assert_eq!(buf.len as u64, grant.range().len());
+        let (dev, offset) = (grant.dev(), grant.host().0);
+        self.count_direct_read();
+        let op = DeviceOp::Read { offset, buf };
+        self.exec().request_single(tag, grant.submitted(), dev, op);
+    }
+
+    /// Writes a request [`route_write`](Self::route_write) granted from `buf`, as
+    /// [`submit_granted_read`](Self::submit_granted_read) reads.
+    #[inline(always)]
+    pub fn submit_granted_write(&self, tag: u64, grant: Grant, buf: BufSlice<D::Buf>) {
+        debug_assert_eq!(buf.len as u64, grant.range().len());
+        let (dev, offset) = (grant.dev(), grant.host().0);
+        let op = DeviceOp::Write { offset, buf };
+        self.exec().request_single(tag, grant.submitted(), dev, op);
+    }
+
+    /// One contiguous extent for an in-place write, from cached slices only (out of line:
+    /// the read path stays small). Remembers a write it found no in-place plan for.
+    #[inline(never)]
+    fn plan_direct_write(&self, offset: u64, len: u64, memo: bool) -> Option<(DevId, u64)> {
+        let e = self.plan_write_extent_with(offset, len, memo);
+        match self.single_write_extent(offset, len, e) {
+            Some((dev, Some(host))) => Some((dev, host)),
+            Some((_, None)) => None,
+            None => {
+                self.no_write_plan.set(Some((offset, len)));
+                None
+            }
+        }
+    }
+
+    /// One contiguous data extent for a read, from cached slices only (`memo`: the memo
+    /// of linear slices first).
+    #[inline(always)]
+    fn plan_direct_read(&self, offset: u64, len: u64, memo: bool) -> Option<(DevId, u64)> {
+        let q = match &self.layers()[0] {
+            Layer::Raw { dev, .. } => return Some((*dev, offset)),
+            Layer::Qcow2(q) => q,
+        };
+        if let Ok(h) = q.cached_extent_with(offset, len, false, memo) {
+            return Some((q.dev(), h));
+        }
+        Self::walk_direct_read(q, offset, len)
+    }
+
+    /// [`plan_direct_read`](Self::plan_direct_read) for a range `cached_extent_with` does not
+    /// answer: cluster by cluster, while the (sub)clusters follow each other on the device.
+    #[inline(never)]
+    fn walk_direct_read(q: &Qcow2<D>, offset: u64, len: u64) -> Option<(DevId, u64)> {
+        let end = offset + len;
+        let mut pos = offset;
+        let mut start = None;
+        let mut next_host = 0;
+        while pos < end {
+            let Ok(Some((ClusterMapping::Data { host, .. }, m_end))) =
+                q.resolve_cached(GuestOffset(pos))
+            else {
+                return None;
+            };
+            // `host` is the start of the (sub)cluster holding `pos`.
+            let h = host.0 + (pos & (q.geometry().subcluster_size() - 1));
+            match start {
+                None => start = Some(h),
+                Some(_) if h == next_host => {}
+                Some(_) => return None,
+            }
+            let n = m_end.min(end) - pos;
+            next_host = h + n;
+            pos += n;
+        }
+        start.map(|h| (q.dev(), h))
+    }
+
+    // ----- the old entries, which the SPDK module uses -----------------------------------
+
+    /// The old direct look-up: `len` bytes at `offset` as one extent (read, or in-place
+    /// write), entered into the grace period when `Some` (the caller exits with
+    /// [`Exec::guest_exit`](crate::Exec::guest_exit)); `None` changed nothing but LRU/hit
+    /// counters. A write it finds no in-place plan for is remembered, so that the
+    /// engine's `submit_write` of it does not plan it again.
+    #[doc(hidden)]
+    // Used by the SPDK module until it moves to route_read/route_write.
+    #[inline(always)]
+    pub fn map_direct(&self, offset: u64, len: u64, write: bool) -> Option<Direct> {
+        self.map_direct_with(offset, len, write, true)
+    }
+
+    /// [`map_direct`](Self::map_direct) for a caller that has just asked
+    /// [`memo_direct`](Self::memo_direct), which did not know the request.
+    #[doc(hidden)]
+    // Used by the SPDK module until it moves to route_read/route_write.
+    #[inline(always)]
+    pub fn map_direct_past_memo(&self, offset: u64, len: u64, write: bool) -> Option<Direct> {
+        self.map_direct_with(offset, len, write, false)
+    }
+
+    #[inline(always)]
+    fn map_direct_with(&self, offset: u64, len: u64, write: bool, memo: bool) -> Option<Direct> {
+        if len == 0 || self.check_range(offset, len).is_err() {
+            return None;
+        }
+        let parity = self.exec().guest_enter();
+        let found = if write {
+            self.plan_direct_write(offset, len, memo)
+        } else {
+            self.plan_direct_read(offset, len, memo)
+        };
+        match found {
+            Some((dev, host)) => Some(Direct { dev, host, parity }),
+            None => {
+                self.exec().guest_exit(parity);
+                None
+            }
+        }
+    }
+
+    /// [`map_direct`](Self::map_direct)'s first look: the memo of linear slices alone.
+    /// `None` says only that the memo does not know.
+    #[doc(hidden)]
+    // Used by the SPDK module until it moves to route_read/route_write.
+    #[inline(always)]
+    pub fn memo_direct(&self, offset: u64, len: u64, write: bool) -> Option<Direct> {
+        let Some(Layer::Qcow2(q)) = self.layers().first() else {
+            return None;
+        };
+        let range = self.check_range(offset, len).ok()?;
+        let parity = self.exec().guest_enter();
+        let host = match write {
+            true => q.memo_overwrite(offset, len),
+            false => q.memo_extent(offset, len, false),
+        };
+        match host {
+            Some(host) => {
+                Some(Grant::new(q.dev(), HostOffset(host), range, parity, true).into_direct())
+            }
+            None => {
+                self.exec().guest_exit(parity);
+                None
+            }
+        }
+    }
+
+    /// [`route_write`](Self::route_write) in the old form, for a caller that has just asked
+    /// [`memo_direct`](Self::memo_direct), which did not know the write.
+    #[doc(hidden)]
+    // Used by the SPDK module until it moves to route_read/route_write.
+    pub fn route_write_past_memo(&self, offset: u64, len: u64) -> LegacyWriteRoute {
+        let Ok(range) = self.check_range(offset, len) else {
+            return LegacyWriteRoute::Local;
+        };
+        let parity = self.exec().guest_enter();
+        self.route_write_past_memo_entered(range, parity, true)
+            .into()
+    }
+}
