@@ -307,7 +307,7 @@ fn main() {
     };
     let Some(found) = found else {
         println!(
-            "cargo:warning=SPDK not installed (pkg-config spdk_bdev not found): using the committed bindings, linking nothing"
+            "cargo:warning=SPDK not found (SPDK_DIR, pkg-config spdk_bdev): using the committed bindings, linking nothing"
         );
         use_committed();
         return;
