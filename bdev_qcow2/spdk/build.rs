@@ -2,7 +2,10 @@
 //!
 //! The shim (`src/ffi/register.c`) holds only SPDK's constructor-based registration macros
 //! (bdev module, RPC methods, log flag), which Rust cannot express; everything they register
-//! is defined in Rust.
+//! is defined in Rust. It needs SPDK's headers, so without SPDK it is left out: the Rust code
+//! still compiles in full (against `spdk-sys`'s committed bindings), but the library then
+//! registers nothing and nothing of SPDK is linked. `cfg(spdk)` tells the tests whether SPDK
+//! applications can be run.
 
 use std::env;
 
