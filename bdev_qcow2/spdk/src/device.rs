@@ -13,57 +13,24 @@
 //! hands it to the engine. Per-operation state lives in a fixed pool of slots allocated
 //! when the channel is created, so a submission allocates nothing.
 
+use crate::direct::Target;
 use crate::ffi::bdev::Desc;
-use crate::ffi::bdev_io::BdevIo;
+use crate::ffi::bdev_io::{DirectTarget, IovView};
 use crate::ffi::dma::DmaMem;
 use crate::ffi::io_channel::ChannelRef;
 use crate::ffi::sys;
 use qcow2_engine::io::{BlockDevice, BufSlice, Busy, DeviceError, DeviceOp, IoBuffer};
 use qcow2_engine::DevId;
 use std::collections::VecDeque;
-use std::ffi::{c_int, c_void};
+use std::ffi::c_void;
 use std::ptr::NonNull;
 use std::rc::Rc;
 
-/// The iovecs of a bdev_io (or any iovec array): a view that is valid while its owner —
-/// the outstanding bdev_io — is, which is longer than the engine holds the view.
-#[derive(Clone, Copy, Debug)]
-pub struct IovView {
-    iovs: *const sys::iovec,
-    cnt: usize,
-    len: usize,
-}
-
-impl IovView {
-    /// A view of the first `len` bytes of `cnt` iovecs at `iovs`.
-    ///
-    /// # Safety
-    /// The iovecs and the memory they describe (at least `len` bytes in total) must stay
-    /// valid and unaliased by Rust references while any copy of the view is used.
-    pub unsafe fn new(iovs: *const sys::iovec, cnt: usize, len: usize) -> IovView {
-        IovView { iovs, cnt, len }
-    }
-
-    /// The data of guest request `io` (its iovecs, `num_blocks` blocks) as an engine
-    /// buffer.
-    ///
-    /// # Safety
-    /// `io` must stay uncompleted until the engine reported the request that uses the
-    /// buffer done (its iovecs then hold the blocks and stay valid).
-    pub unsafe fn guest_buf(io: BdevIo) -> BufSlice<SpdkBuf> {
-        let len = io.num_blocks() * u64::from(crate::node::BLOCK_SIZE);
-        let (iovs, cnt) = io.iovs();
-        // SAFETY: per the contract.
-        BufSlice::whole(SpdkBuf::Iov(unsafe {
-            IovView::new(iovs, cnt, len as usize)
-        }))
-    }
-
-    fn iov(&self, i: usize) -> (*mut u8, usize) {
-        // SAFETY: `i < cnt` (callers iterate below `cnt`); the array is valid (constructor).
-        let v = unsafe { &*self.iovs.add(i) };
-        (v.iov_base.cast::<u8>(), v.iov_len)
-    }
+/// The data of a guest request (its iovecs, handed over by
+/// [`BdevIo::into_engine`](crate::ffi::bdev_io::BdevIo::into_engine)) as an engine buffer.
+#[inline(always)]
+pub fn guest_buf(view: IovView) -> BufSlice<SpdkBuf> {
+    BufSlice::whole(SpdkBuf::Iov(view))
 }
 
 /// A buffer the engine can read into: DMA memory (metadata, bounce buffers) or the
@@ -93,26 +60,7 @@ impl SpdkBuf {
                 // SAFETY: in bounds (asserted above).
                 f(unsafe { m.as_ptr().add(off) }, len, 0)
             }
-            SpdkBuf::Iov(v) => {
-                let mut skip = off;
-                let mut pos = 0;
-                for i in 0..v.cnt {
-                    let (base, ilen) = v.iov(i);
-                    if skip >= ilen {
-                        skip -= ilen;
-                        continue;
-                    }
-                    let n = (ilen - skip).min(len - pos);
-                    // SAFETY: `skip < ilen`, so the pointer stays inside this iovec.
-                    f(unsafe { base.add(skip) }, n, pos);
-                    pos += n;
-                    skip = 0;
-                    if pos == len {
-                        return;
-                    }
-                }
-                panic!("iovecs shorter than the request");
-            }
+            SpdkBuf::Iov(v) => v.segments(off, len, f),
         }
     }
 
@@ -132,7 +80,7 @@ impl IoBuffer for SpdkBuf {
     fn len(&self) -> usize {
         match self {
             SpdkBuf::Dma(m) => m.len(),
-            SpdkBuf::Iov(v) => v.len,
+            SpdkBuf::Iov(v) => v.len(),
         }
     }
     fn copy_out(&self, off: usize, dst: &mut [u8]) {
@@ -292,93 +240,17 @@ impl SpdkDevice {
     }
 
     /// What the direct path needs to submit to this device without the executor
-    /// ([`DirectTarget`]), for the device registered as `dev`.
-    pub fn direct_target(&self, dev: DevId) -> DirectTarget {
-        let pow2 = self.block_size.is_power_of_two();
-        DirectTarget {
-            dev,
-            desc: self.desc,
-            ch: self.ch.raw(),
-            block_shift: self.block_size.trailing_zeros(),
-            // Any other block size: every extent is refused (the engine path serves it).
-            align_mask: if pow2 { self.block_size - 1 } else { u64::MAX },
-        }
+    /// ([`Target`]), for the device registered as `dev`.
+    pub fn direct_target(&self, dev: DevId) -> Target {
+        // SAFETY: `desc` is open and `ch` is this thread's channel of it while the device
+        // lives, which the target's holder guarantees (it owns the device's executor).
+        let base = unsafe { DirectTarget::new(self.desc, self.ch.raw(), self.block_size) };
+        Target { dev, base }
     }
 
     fn complete_now(&mut self, tag: u64, r: Result<(), DeviceError>) {
         // SAFETY: see `in_flight`.
         unsafe { (*self.pool.as_ptr()).done.push_back((tag, r)) };
-    }
-}
-
-/// A base device as the direct path (see `Chain::map_direct`) sees it: its descriptor and
-/// this thread's channel, copied out of the [`SpdkDevice`] so a request reaches the base
-/// without borrowing the executor. Valid while that device lives (the channel or owner
-/// holding the target also owns the executor that owns the device).
-#[derive(Clone, Copy, Debug)]
-pub struct DirectTarget {
-    /// The device's id in its executor (the extent's `Direct::dev` must match).
-    pub dev: DevId,
-    desc: *mut sys::spdk_bdev_desc,
-    ch: *mut sys::spdk_io_channel,
-    /// log2 of the block size.
-    block_shift: u32,
-    /// The block size minus 1; all ones when the block size is not a power of two.
-    align_mask: u64,
-}
-
-impl DirectTarget {
-    /// Submits a read or a write of `len` bytes at byte `offset` from the caller's own
-    /// iovecs straight to the base bdev, as SPDK's passthru does — no slot, no executor;
-    /// SPDK calls `cb(child, success, cb_arg)` and `cb` frees the child bdev_io. On `Err`
-    /// nothing was submitted: `EINVAL` when the extent is not whole blocks inside the
-    /// device (SPDK's bdev layer checks the bounds, as it does for every request), else
-    /// SPDK's error (`ENOMEM`: its bdev_io pool is empty; the engine path queues for it).
-    ///
-    /// # Safety
-    /// The device this target was taken from must be alive; the iovecs must describe at
-    /// least `len` bytes that stay valid until `cb` runs, and `cb_arg` must be valid for
-    /// `cb`.
-    #[inline(always)]
-    pub unsafe fn submit(
-        &self,
-        write: bool,
-        (iovs, iovcnt): (*mut sys::iovec, c_int),
-        offset: u64,
-        len: u64,
-        cb: sys::spdk_bdev_io_completion_cb,
-        cb_arg: *mut c_void,
-    ) -> Result<(), i32> {
-        // Shifts and one mask, as this runs on every direct request (four 64-bit divisions
-        // showed in profiles); a block size not a power of two fails the mask.
-        if (offset | len) & self.align_mask != 0 {
-            return Err(libc::EINVAL);
-        }
-        let (offset_blocks, len_blocks) = (offset >> self.block_shift, len >> self.block_shift);
-        let f = if write {
-            sys::spdk_bdev_writev_blocks
-        } else {
-            sys::spdk_bdev_readv_blocks
-        };
-        // SAFETY: `desc` is open and `ch` is this thread's channel of it (the device is
-        // alive); the caller guarantees the iovecs and the callback argument.
-        let rc = unsafe {
-            f(
-                self.desc,
-                self.ch,
-                iovs,
-                iovcnt,
-                offset_blocks,
-                len_blocks,
-                cb,
-                cb_arg,
-            )
-        };
-        if rc == 0 {
-            Ok(())
-        } else {
-            Err(-rc)
-        }
     }
 }
 

@@ -19,9 +19,15 @@ mod channel;
 #[cfg(spdk)]
 pub mod device;
 #[cfg(spdk)]
+mod direct;
+#[cfg(spdk)]
+mod engine_host;
+#[cfg(spdk)]
 pub mod ffi;
 #[cfg(spdk)]
 mod format;
+#[cfg(spdk)]
+mod io_ctx;
 #[cfg(spdk)]
 mod logging;
 #[cfg(spdk)]

@@ -52,8 +52,8 @@ unsafe extern "C" fn module_fini() {
 }
 
 unsafe extern "C" fn get_ctx_size() -> c_int {
-    // The status a request forwarded to a writable bdev's owner carries back.
-    std::mem::size_of::<crate::owner::IoCtx>() as c_int
+    // Each bdev_io's module area: its queue link and the per-I/O context (`io_ctx.rs`).
+    crate::ffi::bdev_io::DRIVER_CTX_SIZE as c_int
 }
 
 /// A bdev appeared: start every pending creation whose base (and backing) bdevs now all

@@ -25,7 +25,8 @@ use std::rc::Rc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// Block size of our bdevs (the engine's sector).
-pub const BLOCK_SIZE: u32 = SECTOR as u32;
+pub const BLOCK_SIZE: u32 = crate::ffi::bdev_io::BLOCK_SIZE;
+const _: () = assert!(BLOCK_SIZE as u64 == SECTOR);
 
 /// What `dump_info_json` says about the image (read when the bdev was created).
 #[derive(Debug, Clone, Serialize)]
