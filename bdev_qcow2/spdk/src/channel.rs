@@ -28,8 +28,8 @@ use crate::ffi::bdev::Desc;
 use crate::ffi::bdev_io::{BdevIo, BufDone, ChildDone, IoQueue};
 use crate::ffi::io_channel::{self, ChannelIter};
 use crate::ffi::sys;
-use crate::ffi::thread::{self, Poller, POLLER_BUSY, POLLER_IDLE};
-use crate::io_ctx::{IoCtx, OwnerOp};
+use crate::ffi::thread::{self, Poll, Polled, PollerSlot};
+use crate::io_ctx::OwnerOp;
 use crate::node::Node;
 use crate::owner;
 use qcow2_engine::coherency::SliceReply;
@@ -143,7 +143,8 @@ impl ChannelStats {
 }
 
 impl Channel {
-    fn new(node: &Node) -> Result<Box<Channel>, i32> {
+    /// This thread's channel state of `node` (SPDK's `create_cb`; see `ffi/io_channel.rs`).
+    pub fn create(node: &Node) -> Result<Box<Channel>, i32> {
         let base = node.base.as_ref().ok_or(libc::ENODEV)?;
         let thread_name = current_thread_name();
         node.live_channels.fetch_add(1, Ordering::AcqRel);
@@ -565,12 +566,13 @@ impl ChildDone for Channel {
 /// A read's buffer arrived (`BdevIo::get_buf`).
 impl BufDone for Channel {
     fn buf_done(io: BdevIo, success: bool) {
-        let c = channel_of(&io);
-        if success {
-            c.start(io);
-        } else {
-            c.finish(io, false);
-        }
+        io.with_channel(|c, io| {
+            if success {
+                c.start(io);
+            } else {
+                c.finish(io, false);
+            }
+        });
     }
 }
 
@@ -619,125 +621,70 @@ pub fn prefetch_line(p: *const u8) {
 /// the status it carries back.
 pub fn complete_forwarded(io: BdevIo) {
     let status = io.ctx().status();
-    channel_of(&io).finish_status(io, status);
+    io.with_channel(|c, io| c.finish_status(io, status));
 }
 
-/// The channel a request was submitted on (on its thread; live while the request is
-/// outstanding there, whatever becomes of the handle).
-fn channel_of<'a>(io: &BdevIo) -> &'a Channel {
-    // SAFETY: `io` was submitted on a channel of our bdev and is outstanding there, so the
-    // channel state is live.
-    unsafe { from_ctx(io.channel_ctx()) }
-}
-
-/// The channel behind a channel context area.
-///
-/// # Safety
-/// `ctx` must be the context area of a live channel of one of our nodes.
-unsafe fn from_ctx<'a>(ctx: *mut c_void) -> &'a Channel {
-    // SAFETY: `create_cb` stored a live `Box<Channel>` pointer in the area.
-    unsafe { &**ctx.cast::<*mut Channel>() }
-}
-
-/// `spdk_io_device_register` constructor: builds this thread's channel state.
-pub unsafe extern "C" fn create_cb(io_device: *mut c_void, ctx: *mut c_void) -> c_int {
-    // SAFETY: our io_devices are nodes, live while channels exist.
-    let node = unsafe { &*io_device.cast::<Node>() };
-    let ch = match Channel::new(node) {
-        Ok(c) => Box::into_raw(c),
-        Err(e) => return -e,
-    };
-    // SAFETY: `ch` stays alive until `chan_poll` or `destroy_cb` frees it, after which the
-    // poller never runs again.
-    match unsafe { Poller::register(chan_poll, ch.cast(), 0, c"qcow2_channel") } {
-        // SAFETY: `ch` is live and only ours.
-        Some(p) => unsafe { (*ch).driver.set_poller(p) },
-        None => {
-            // SAFETY: no poller refers to it; nothing is in flight except the open task,
-            // which the executor drops with it.
-            drop(unsafe { Box::from_raw(ch) });
-            return -libc::ENOMEM;
-        }
-    }
-    // SAFETY: the context area has room for one pointer (size given at registration).
-    unsafe { *ctx.cast::<*mut Channel>() = ch };
-    0
-}
-
-/// Destructor: frees the state now if idle, else lets the poller free it once idle (a
-/// channel can go away while its replica is still being opened).
-pub unsafe extern "C" fn destroy_cb(_io_device: *mut c_void, ctx: *mut c_void) {
-    // SAFETY: the area holds the pointer `create_cb` stored.
-    let ch = unsafe { *ctx.cast::<*mut Channel>() };
-    // SAFETY: live channel state.
-    let c = unsafe { &*ch };
-    c.closing.set(true);
-    if c.idle() {
-        c.driver.stop_poller();
-        // SAFETY: idle and unregistered: nothing refers to the state any more.
-        drop(unsafe { Box::from_raw(ch) });
+impl Channel {
+    /// SPDK put the channel (`destroy_cb`): whether the state can go now; else its poll
+    /// finishes it once idle (a channel can go away while its replica is still being
+    /// opened).
+    pub fn release(&self) -> bool {
+        self.closing.set(true);
+        self.idle()
     }
 }
 
-unsafe extern "C" fn chan_poll(ctx: *mut c_void) -> c_int {
-    let chp = ctx.cast::<Channel>();
-    // SAFETY: the poller's context is live channel state (freed only below, or by
-    // `destroy_cb` after unregistering this poller).
-    let ch = unsafe { &*chp };
-    // Idle (or a writable bdev's forwarding channel): nothing for the executor to do.
-    let mut n = ch.driver.poll(ch);
-    let opening = ch.forward_to.is_none() || ch.opened.borrow().is_some();
-    if opening && ch.chain.get().is_none() && !ch.failed.get() {
-        ch.try_ready();
-        n += 1;
+impl Polled for Channel {
+    fn slot(&self) -> &PollerSlot {
+        self.driver.slot()
     }
-    if !ch.unsent_asks.borrow().is_empty() {
-        let asks = std::mem::take(&mut *ch.unsent_asks.borrow_mut());
-        for a in asks {
-            n += 1;
-            send_ask(a);
-        }
-    }
-    if let Some(md) = ch.forward_to {
-        if owner::send_forwarded(md, &ch.outbox) {
+
+    /// The channel's poller: the executor, opening the replica, resending, forwarded
+    /// requests, resets, and freeing the state once SPDK put the channel and it is idle.
+    #[inline(never)]
+    fn poll(&self) -> Poll {
+        // Idle (or a writable bdev's forwarding channel): nothing for the executor to do.
+        let mut n = self.driver.poll(self);
+        let opening = self.forward_to.is_none() || self.opened.borrow().is_some();
+        if opening && self.chain.get().is_none() && !self.failed.get() {
+            self.try_ready();
             n += 1;
         }
-    }
-    if ch.outstanding() == 0 && !ch.reset_waiters.borrow().is_empty() {
-        let waiters = std::mem::take(&mut *ch.reset_waiters.borrow_mut());
-        for it in waiters {
-            it.next(0);
+        if !self.unsent_asks.borrow().is_empty() {
+            let asks = std::mem::take(&mut *self.unsent_asks.borrow_mut());
+            for a in asks {
+                n += 1;
+                send_ask(a);
+            }
         }
-    }
-    if ch.closing.get() && ch.idle() {
-        ch.driver.stop_poller();
-        // SAFETY: closing (SPDK dropped the channel), idle and unregistered: last use.
-        drop(unsafe { Box::from_raw(chp) });
-        return POLLER_BUSY;
-    }
-    if n > 0 {
-        POLLER_BUSY
-    } else {
-        POLLER_IDLE
+        if let Some(md) = self.forward_to {
+            if owner::send_forwarded(md, &self.outbox) {
+                n += 1;
+            }
+        }
+        if self.outstanding() == 0 && !self.reset_waiters.borrow().is_empty() {
+            let waiters = std::mem::take(&mut *self.reset_waiters.borrow_mut());
+            for it in waiters {
+                it.next(0);
+            }
+        }
+        if self.closing.get() && self.idle() {
+            // SPDK put the channel and nothing is in flight: the last poll.
+            return Poll::Done;
+        }
+        if n > 0 {
+            Poll::Busy
+        } else {
+            Poll::Idle
+        }
     }
 }
 
-/// `fn_table.submit_request`: the one switch on the I/O type. Reads and writes run on this
-/// channel (its replica, the direct path, the engine) or go to the owner; what only the
-/// owner can run goes there; anything else fails.
-pub unsafe extern "C" fn submit_request(
-    ch: *mut sys::spdk_io_channel,
-    bdev_io: *mut sys::spdk_bdev_io,
-) {
-    // SAFETY: SPDK passes a channel of our bdev and a live bdev_io submitted to it, seen
-    // here first.
-    let (c, io) = unsafe {
-        (
-            from_ctx(io_channel::ctx_of(ch)),
-            BdevIo::submitted(bdev_io, IoCtx::NEW),
-        )
-    };
-    let Some(io) = io else { return };
+/// `fn_table.submit_request` (through `ffi::bdev_io`): the one switch on the I/O type.
+/// Reads and writes run on this channel (its replica, the direct path, the engine) or go to
+/// the owner; what only the owner can run goes there; anything else fails.
+#[inline(always)]
+pub fn submit_request(c: &Channel, io: BdevIo) {
     match io.io_type() {
         sys::SPDK_BDEV_IO_TYPE_READ => c.read(io),
         sys::SPDK_BDEV_IO_TYPE_WRITE => c.write(io),
@@ -756,13 +703,13 @@ pub unsafe extern "C" fn submit_request(
 
 /// A reset visits every channel and moves on once that channel has no request in flight.
 fn reset_step(it: ChannelIter, _io: &mut BdevIo) {
-    // SAFETY: the iteration visits channels of our node.
-    let c = unsafe { from_ctx(it.ctx()) };
-    if c.outstanding() == 0 {
-        it.next(0);
-    } else {
-        c.reset_waiters.borrow_mut().push(it);
-    }
+    it.with_channel(|c, it| {
+        if c.outstanding() == 0 {
+            it.next(0);
+        } else {
+            c.reset_waiters.borrow_mut().push(it);
+        }
+    });
 }
 
 fn reset_done(io: BdevIo, status: c_int) {
@@ -775,10 +722,10 @@ fn reset_done(io: BdevIo, status: c_int) {
 
 /// Collects a channel's counters during a `for_each_channel` (see `rpc.rs`).
 pub fn stats_step(it: ChannelIter, acc: &mut Vec<ChannelStats>) {
-    // SAFETY: the iteration visits channels of our node.
-    let c = unsafe { from_ctx(it.ctx()) };
-    acc.push(c.stats());
-    it.next(0);
+    it.with_channel(|c, it| {
+        acc.push(c.stats());
+        it.next(0);
+    });
 }
 
 /// How a writable bdev's replica reaches the owner for a slice it holds dirty: a message to

@@ -10,10 +10,10 @@
 
 use crate::device::{guest_buf, SpdkBuf, SpdkDevice};
 use crate::ffi::bdev_io::BdevIo;
-use crate::ffi::thread::Poller;
+use crate::ffi::thread::PollerSlot;
 use qcow2_engine::io::{BufSlice, DeviceError};
 use qcow2_engine::{DevId, Exec};
-use std::cell::{Cell, RefCell};
+use std::cell::Cell;
 use std::ffi::c_void;
 
 /// A channel or the owner: whoever drives a [`Driver`] and completes its requests.
@@ -29,7 +29,8 @@ pub struct Driver {
     exec: Exec<SpdkDevice>,
     /// Set while the host runs engine code (its executor or chain may be borrowed).
     in_engine: Cell<bool>,
-    poller: RefCell<Option<Poller>>,
+    /// The host's poller (the host is [`Polled`](crate::ffi::thread::Polled)).
+    slot: PollerSlot,
 }
 
 impl Driver {
@@ -38,7 +39,7 @@ impl Driver {
         Driver {
             exec,
             in_engine: Cell::new(false),
-            poller: RefCell::new(None),
+            slot: PollerSlot::default(),
         }
     }
 
@@ -96,16 +97,9 @@ impl Driver {
             .with_device(dev, |d| unsafe { d.set_sink(deliver::<H>, ctx) });
     }
 
-    /// Keeps the host's poller (unregistered by [`stop_poller`](Self::stop_poller)).
-    pub fn set_poller(&self, p: Poller) {
-        *self.poller.borrow_mut() = Some(p);
-    }
-
-    /// Unregisters the host's poller (from inside it, too).
-    pub fn stop_poller(&self) {
-        if let Some(p) = self.poller.borrow_mut().as_mut() {
-            p.unregister();
-        }
+    /// Where the host's poller is kept.
+    pub fn slot(&self) -> &PollerSlot {
+        &self.slot
     }
 
     /// Drops the executor and with it the base channels (before the node may close the

@@ -6,12 +6,10 @@
 //! creating thread as its one writable instance ([`Owner`]); a read-only bdev drops it and
 //! lets every channel open its own replica.
 
-use crate::channel::{self, Channel};
 use crate::device::SpdkDevice;
 use crate::ffi::bdev::{self, Desc};
-use crate::ffi::thread::{self, Poller, POLLER_BUSY, POLLER_IDLE};
+use crate::ffi::thread::{self, Poll, Polled, PollerSlot};
 use crate::ffi::{io_channel, json, sys};
-use crate::module::module_ptr;
 use crate::owner::Owner;
 use crate::params::CreateParams;
 use crate::registry::{self, NodePtr};
@@ -152,7 +150,7 @@ struct Job {
     /// The backing bdev on `exec` (writable bdevs: the owner's chain reads through it).
     backing_dev: Option<DevId>,
     result: Rc<RefCell<Option<Opened>>>,
-    poller: Option<Poller>,
+    poller: PollerSlot,
     done: Option<Done>,
 }
 
@@ -186,8 +184,7 @@ fn open_claimed(name: &str, role: &str, write: bool) -> Result<Desc, (i32, Strin
     } else {
         sys::SPDK_BDEV_CLAIM_READ_MANY_WRITE_NONE
     };
-    // SAFETY: our module is registered (at load time).
-    if let Err(e) = unsafe { d.claim(kind, module_ptr()) } {
+    if let Err(e) = d.claim(kind) {
         d.close();
         return Err((
             e,
@@ -264,58 +261,52 @@ pub fn create(params: CreateParams, done: Done) {
             *result2.borrow_mut() = Some(r);
         });
     }
-    let job = Box::into_raw(Box::new(Job {
+    let job = Box::new(Job {
         params,
         base: Some(base),
         backing,
         exec,
         backing_dev,
         result,
-        poller: None,
+        poller: PollerSlot::default(),
         done: Some(done),
-    }));
-    // SAFETY: `job` stays alive until `job_poll` takes it back, after unregistering.
-    match unsafe { Poller::register(job_poll, job.cast(), 0, c"qcow2_create") } {
-        // SAFETY: `job` is live and not referenced elsewhere yet.
-        Some(p) => unsafe { (*job).poller = Some(p) },
-        None => {
-            // SAFETY: the poller was not registered: `job` is still only ours.
-            let mut job = unsafe { Box::from_raw(job) };
-            let done = job.done.take();
-            let descs = [job.base.take(), job.backing.take()];
-            let name = job.params.name.clone();
-            drop(job);
-            if let Some(done) = done {
-                fail(
-                    &name,
-                    descs,
-                    done,
-                    libc::ENOMEM,
-                    "cannot register a poller".into(),
-                );
-            }
+    });
+    if let Err(mut job) = thread::start_task(job, c"qcow2_create") {
+        let done = job.done.take();
+        let descs = [job.base.take(), job.backing.take()];
+        let name = job.params.name.clone();
+        drop(job);
+        if let Some(done) = done {
+            fail(
+                &name,
+                descs,
+                done,
+                libc::ENOMEM,
+                "cannot register a poller".into(),
+            );
         }
     }
 }
 
-unsafe extern "C" fn job_poll(ctx: *mut c_void) -> c_int {
-    let job = ctx.cast::<Job>();
-    // SAFETY: `ctx` is the live job registered with this poller; only this thread uses it.
-    let (n, finished) = unsafe {
-        let n = (*job).exec.poll(&mut |_, _| {});
-        (n, (*job).result.borrow().is_some() && !(*job).exec.busy())
-    };
-    if !finished {
-        return if n > 0 { POLLER_BUSY } else { POLLER_IDLE };
+impl Polled for Job {
+    fn slot(&self) -> &PollerSlot {
+        &self.poller
     }
-    // SAFETY: finished: take the job back; the poller is unregistered right away and never
-    // runs again, so nothing else refers to it.
-    let mut job = unsafe { Box::from_raw(job) };
-    if let Some(p) = job.poller.as_mut() {
-        p.unregister();
+
+    fn poll(&self) -> Poll {
+        let n = self.exec.poll(&mut |_, _| {});
+        if self.result.borrow().is_some() && !self.exec.busy() {
+            Poll::Done
+        } else if n > 0 {
+            Poll::Busy
+        } else {
+            Poll::Idle
+        }
     }
-    finish(*job);
-    POLLER_BUSY
+
+    fn finish(self: Box<Self>) {
+        finish(*self);
+    }
 }
 
 fn finish(mut job: Job) {
@@ -404,7 +395,7 @@ fn finish(mut job: Job) {
 
 static FN_TABLE: sys::spdk_bdev_fn_table = sys::spdk_bdev_fn_table {
     destruct: Some(destruct),
-    submit_request: Some(channel::submit_request),
+    submit_request: Some(crate::ffi::bdev_io::submit_request),
     io_type_supported: Some(io_type_supported),
     get_io_channel: Some(get_io_channel),
     dump_info_json: Some(dump_info_json),
@@ -465,13 +456,7 @@ fn register(
     // SAFETY: `node` is live (leaked above) until `device_gone` frees it; SPDK copies the name.
     unsafe {
         let n = &mut *node;
-        io_channel::register_device(
-            node.cast(),
-            channel::create_cb,
-            channel::destroy_cb,
-            std::mem::size_of::<*mut Channel>() as u32,
-            &n.name,
-        );
+        io_channel::register_device(node, &n.name);
         n.bdev.name = n.name.as_ptr().cast_mut();
         n.bdev.product_name = c"QCOW2 disk".as_ptr().cast_mut();
         n.bdev.blocklen = BLOCK_SIZE;
@@ -483,7 +468,7 @@ fn register(
         n.bdev.required_alignment = if align > 1 { align.ilog2() as u8 } else { 0 };
         n.bdev.ctxt = node.cast();
         n.bdev.fn_table = &FN_TABLE;
-        n.bdev.module = module_ptr();
+        n.bdev.module = crate::ffi::module::module_ptr();
     }
     // SAFETY: the bdev struct is filled in and lives in the leaked node.
     let rc = unsafe { sys::spdk_bdev_register(&mut (*node).bdev) };

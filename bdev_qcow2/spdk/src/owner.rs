@@ -29,12 +29,12 @@ use crate::direct::{self, DirectReq, Target};
 use crate::engine_host::{Driver, Host};
 use crate::ffi::bdev_io::{Arrived, BdevIo, ChildDone, IoQueue, QueueReceiver};
 use crate::ffi::sys;
-use crate::ffi::thread::{self, Poller, POLLER_BUSY, POLLER_IDLE};
+use crate::ffi::thread::{self, Poll, Polled, PollerSlot};
 use crate::io_ctx::OwnerOp;
 use crate::node::Node;
 use qcow2_engine::{Chain, DevId, Exec};
 use std::cell::{Cell, RefCell};
-use std::ffi::{c_int, c_void};
+use std::ffi::c_void;
 use std::rc::Rc;
 
 /// What happens once the owner closed (metadata flushed), on the md thread.
@@ -82,8 +82,8 @@ const WRITEBACK_TEST_EVERY: u32 = 16;
 
 impl Owner {
     /// Starts the owner of `chain` (whose devices `devs` belong to `exec`) on the calling
-    /// thread, the md thread. Returns a pointer freed by [`Owner::close`], or `None` if SPDK
-    /// refused a poller.
+    /// thread, the md thread. Returns a pointer freed after [`Owner::close`], or `None` if
+    /// SPDK refused a poller.
     pub fn start(
         exec: Exec<SpdkDevice>,
         chain: Rc<Chain<SpdkDevice>>,
@@ -94,7 +94,7 @@ impl Owner {
         let direct = devs
             .first()
             .map(|&d| exec.with_device(d, |dev| dev.direct_target(d)));
-        let o = Box::into_raw(Box::new(Owner {
+        let o = Box::new(Owner {
             driver: Driver::new(exec),
             md_thread: thread::current(),
             direct,
@@ -104,25 +104,15 @@ impl Owner {
             unsent_asks: RefCell::new(Vec::new()),
             closing: RefCell::new(None),
             polls: Cell::new(0),
-        }));
+        });
+        let at: *const Owner = &*o;
         for d in devs {
-            // SAFETY: `o` is boxed (stable address) and owns the driver that owns the
-            // device; a device dropped with operations in flight forgets it.
-            unsafe { (*o).driver.attach(d, o) };
+            // SAFETY: the owner is boxed (its address stays when its poller takes it over)
+            // and owns the driver that owns the device; a device dropped with operations in
+            // flight forgets it.
+            unsafe { o.driver.attach(d, at) };
         }
-        // SAFETY: `o` stays alive until `owner_poll` frees it after unregistering.
-        match unsafe { Poller::register(owner_poll, o.cast(), 0, c"qcow2_owner") } {
-            Some(p) => {
-                // SAFETY: `o` is live and only ours.
-                unsafe { (*o).driver.set_poller(p) };
-                Some(o)
-            }
-            None => {
-                // SAFETY: no poller refers to it.
-                drop(unsafe { Box::from_raw(o) });
-                None
-            }
-        }
+        thread::start(o, c"qcow2_owner").ok().map(|o| o.cast_mut())
     }
 
     /// Asserts (in debug builds) that the caller runs on the md thread, where alone the
@@ -402,66 +392,73 @@ fn done(mut io: BdevIo, status: sys::spdk_bdev_io_status) {
     }
 }
 
-unsafe extern "C" fn owner_poll(ctx: *mut c_void) -> c_int {
-    let op = ctx.cast::<Owner>();
-    // SAFETY: the poller's context is the live owner (freed only below, after unregistering).
-    let o = unsafe { &*op };
-    o.assert_md_thread();
-    let mut n = 0;
-    if !o.arrived.borrow().is_empty() {
-        let mut arrived = std::mem::take(&mut *o.arrived.borrow_mut());
-        for io in arrived.drain(..) {
+impl Polled for Owner {
+    fn slot(&self) -> &PollerSlot {
+        self.driver.slot()
+    }
+
+    /// The owner's poller: the requests that arrived, answers to resend, the background
+    /// write-back, the executor, the completed requests' way back, and the end of a close.
+    #[inline(never)]
+    fn poll(&self) -> Poll {
+        self.assert_md_thread();
+        let mut n = 0;
+        if !self.arrived.borrow().is_empty() {
+            let mut arrived = std::mem::take(&mut *self.arrived.borrow_mut());
+            for io in arrived.drain(..) {
+                n += 1;
+                self.submit(io);
+            }
+            // Keep the vector's capacity (no allocation per batch).
+            if self.arrived.borrow().is_empty() {
+                *self.arrived.borrow_mut() = arrived;
+            }
+        }
+        let asks = std::mem::take(&mut *self.unsent_asks.borrow_mut());
+        for a in asks {
             n += 1;
-            o.submit(io);
+            // SAFETY: deferred by `channel::send_ask` with its answer.
+            unsafe { channel::resend_ask(a) };
         }
-        // Keep the vector's capacity (no allocation per batch).
-        if o.arrived.borrow().is_empty() {
-            *o.arrived.borrow_mut() = arrived;
+        // Dirty metadata that waited long enough for a flush goes back on its own, so the
+        // cores take overwrites into its slices again (see `tick_background_writeback`).
+        let polls = self.polls.get().wrapping_add(1);
+        self.polls.set(polls);
+        if polls.is_multiple_of(WRITEBACK_TEST_EVERY)
+            && self.driver.run(|| self.chain.tick_background_writeback())
+        {
+            n += 1;
+        }
+        n += self.driver.poll(self);
+        // Last: what this poll and the base completions since the last one finished.
+        n += self.send_done();
+        let closed = self
+            .closing
+            .borrow()
+            .as_ref()
+            .is_some_and(|(r, _)| r.get().is_some())
+            && !self.exec().busy()
+            && self.arrived.borrow().is_empty()
+            && self.outboxes.borrow().iter().all(|(_, q)| q.is_empty())
+            && self.unsent_asks.borrow().is_empty();
+        if closed {
+            return Poll::Done;
+        }
+        if n > 0 {
+            Poll::Busy
+        } else {
+            Poll::Idle
         }
     }
-    let asks = std::mem::take(&mut *o.unsent_asks.borrow_mut());
-    for a in asks {
-        n += 1;
-        // SAFETY: deferred by `channel::send_ask` with its answer.
-        unsafe { channel::resend_ask(a) };
-    }
-    // Dirty metadata that waited long enough for a flush goes back on its own, so the
-    // cores take overwrites into its slices again (see `tick_background_writeback`).
-    let polls = o.polls.get().wrapping_add(1);
-    o.polls.set(polls);
-    if polls.is_multiple_of(WRITEBACK_TEST_EVERY)
-        && o.driver.run(|| o.chain.tick_background_writeback())
-    {
-        n += 1;
-    }
-    n += o.driver.poll(o);
-    // Last: what this poll and the base completions since the last one finished.
-    n += o.send_done();
-    let closed = o
-        .closing
-        .borrow()
-        .as_ref()
-        .is_some_and(|(r, _)| r.get().is_some())
-        && !o.exec().busy()
-        && o.arrived.borrow().is_empty()
-        && o.outboxes.borrow().iter().all(|(_, q)| q.is_empty())
-        && o.unsent_asks.borrow().is_empty();
-    if closed {
-        o.driver.stop_poller();
-        // SAFETY: closed, idle and unregistered: the last use of the owner. Dropping it puts
-        // the md thread's base channels back before `then` closes the descriptors.
-        let o = unsafe { Box::from_raw(op) };
-        let then = o.closing.borrow_mut().take().map(|(_, t)| t);
-        let counters = o.cache_stats();
-        drop(o);
+
+    /// Closed and idle: dropping the owner puts the md thread's base channels back before
+    /// what follows the close closes the descriptors.
+    fn finish(self: Box<Self>) {
+        let then = self.closing.borrow_mut().take().map(|(_, t)| t);
+        let counters = self.cache_stats();
+        drop(self);
         if let Some(t) = then {
             t(counters);
         }
-        return POLLER_BUSY;
-    }
-    if n > 0 {
-        POLLER_BUSY
-    } else {
-        POLLER_IDLE
     }
 }

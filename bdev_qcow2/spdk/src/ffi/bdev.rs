@@ -1,7 +1,7 @@
 //! Base bdevs: open descriptors, claims, geometry.
 
 use super::sys;
-use std::ffi::{c_void, CStr, CString};
+use std::ffi::{c_int, c_void, CStr, CString};
 
 /// The handler SPDK calls for events on an open bdev (hot remove, resize, media).
 pub type EventCb =
@@ -54,19 +54,17 @@ impl Desc {
         })
     }
 
-    /// Claims the bdev for `module` with claim type `kind` (released when closed).
-    ///
-    /// # Safety
-    /// `module` must be a registered bdev module.
-    pub unsafe fn claim(
-        &self,
-        kind: sys::spdk_bdev_claim_type,
-        module: *mut sys::spdk_bdev_module,
-    ) -> Result<(), i32> {
-        // SAFETY: `self.desc` is open; a null options pointer means defaults; `module` is
-        // registered (contract).
+    /// Claims the bdev for our module with claim type `kind` (released when closed).
+    pub fn claim(&self, kind: sys::spdk_bdev_claim_type) -> Result<(), i32> {
+        // SAFETY: `self.desc` is open; a null options pointer means defaults; our module is
+        // registered (at load time).
         let rc = unsafe {
-            sys::spdk_bdev_module_claim_bdev_desc(self.desc, kind, std::ptr::null_mut(), module)
+            sys::spdk_bdev_module_claim_bdev_desc(
+                self.desc,
+                kind,
+                std::ptr::null_mut(),
+                super::module::module_ptr(),
+            )
         };
         if rc != 0 {
             return Err(-rc);
@@ -147,4 +145,33 @@ impl Desc {
         // SAFETY: `self.desc` is open and closed exactly once (`self` is consumed).
         unsafe { sys::spdk_bdev_close(self.desc) }
     }
+}
+
+unsafe extern "C" fn unregistered(ctx: *mut c_void, bdeverrno: c_int) {
+    // SAFETY: `ctx` is the callback boxed by `unregister_by_name`, delivered once.
+    let done = unsafe { Box::from_raw(ctx.cast::<Box<dyn FnOnce(i32)>>()) };
+    done(bdeverrno);
+}
+
+/// Unregisters our bdev `name`; `done(bdeverrno)` runs once it is gone. On `Err` (SPDK's
+/// errno: no such bdev of ours) nothing happens and `done` is dropped.
+pub fn unregister_by_name(name: &str, done: impl FnOnce(i32) + 'static) -> Result<(), i32> {
+    let name = CString::new(name).map_err(|_| libc::EINVAL)?;
+    let ctx = Box::into_raw(Box::new(Box::new(done) as Box<dyn FnOnce(i32)>));
+    // SAFETY: `name` is a valid C string; our module is registered; `unregistered` takes
+    // `ctx` back exactly once when the call succeeds.
+    let rc = unsafe {
+        sys::spdk_bdev_unregister_by_name(
+            name.as_ptr(),
+            super::module::module_ptr(),
+            Some(unregistered),
+            ctx.cast(),
+        )
+    };
+    if rc != 0 {
+        // SAFETY: SPDK refused, so `unregistered` will not run: `ctx` is still ours.
+        drop(unsafe { Box::from_raw(ctx) });
+        return Err(-rc);
+    }
+    Ok(())
 }

@@ -1,7 +1,8 @@
 //! The bdev_io SPDK hands to our `submit_request`: an owned handle completed once, the
 //! module's area in it, queues of them, and submitting one straight to a base bdev.
 
-use super::sys;
+use super::{io_channel, sys};
+use crate::channel::{self, Channel};
 use crate::io_ctx::IoCtx;
 use std::ffi::{c_int, c_void};
 use std::ptr::NonNull;
@@ -177,10 +178,18 @@ impl BdevIo {
         unsafe { sys::spdk_bdev_io_get_thread(self.0.as_ptr()) }
     }
 
-    /// The context area of the channel of our bdev it was submitted on.
-    pub fn channel_ctx(&self) -> *mut c_void {
-        // SAFETY: live bdev_io; its channel is one of our bdev's, live while it is.
-        unsafe { super::io_channel::ctx_of(sys::spdk_bdev_io_get_io_channel(self.0.as_ptr())) }
+    /// Calls `f` with the state of the channel the request was submitted on (on its
+    /// thread) and the request.
+    pub fn with_channel<R>(self, f: impl FnOnce(&Channel, BdevIo) -> R) -> R {
+        // SAFETY: live bdev_io; its channel is one of our bdev's, whose state lives while the
+        // request is outstanding and, once `f` completes it, until SPDK's deferred release
+        // of the channel, after `f` returned.
+        let c = unsafe {
+            io_channel::state_of(io_channel::ctx_of(sys::spdk_bdev_io_get_io_channel(
+                self.0.as_ptr(),
+            )))
+        };
+        f(c, self)
     }
 
     /// The `ctxt` of the bdev it was submitted to (our node).
@@ -194,6 +203,25 @@ impl BdevIo {
     pub fn complete(self, status: sys::spdk_bdev_io_status) {
         // SAFETY: live bdev_io, completed exactly once (the handle is consumed).
         unsafe { sys::spdk_bdev_io_complete(self.0.as_ptr(), status) }
+    }
+}
+
+/// `fn_table.submit_request`: hands a new request and its channel to
+/// [`channel::submit_request`].
+pub(crate) unsafe extern "C" fn submit_request(
+    ch: *mut sys::spdk_io_channel,
+    bdev_io: *mut sys::spdk_bdev_io,
+) {
+    // SAFETY: SPDK passes a channel of our bdev (its state lives while the channel does) and
+    // a live bdev_io submitted to it, seen here first.
+    let (c, io) = unsafe {
+        (
+            io_channel::state_of(io_channel::ctx_of(ch)),
+            BdevIo::submitted(bdev_io, IoCtx::NEW),
+        )
+    };
+    if let Some(io) = io {
+        channel::submit_request(c, io);
     }
 }
 

@@ -7,6 +7,7 @@ pub mod dma;
 pub mod io_channel;
 pub mod json;
 pub mod log;
+pub mod module;
 pub mod rpc;
 pub mod thread;
 

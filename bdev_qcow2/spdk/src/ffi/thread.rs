@@ -1,6 +1,7 @@
 //! SPDK threads, messages and pollers.
 
 use super::sys;
+use std::cell::Cell;
 use std::ffi::{c_int, c_void, CStr};
 
 /// The SPDK thread the caller runs on (null outside SPDK threads).
@@ -56,42 +57,116 @@ pub unsafe fn send_msg(
     Ok(())
 }
 
-/// A registered poller; unregistered by [`Poller::unregister`] (never implicitly, because a
-/// poller may unregister itself from inside its own callback).
-pub struct Poller(*mut sys::spdk_poller);
+/// What one run of a poller did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Poll {
+    /// Some work.
+    Busy,
+    /// Nothing to do.
+    Idle,
+    /// The state is done: the poller stops and [`Polled::finish`] consumes it.
+    Done,
+}
 
-impl Poller {
-    /// Registers `f(ctx)` to run on the calling thread every `period_us` (0: every
-    /// iteration). Returns `None` if SPDK refused.
-    ///
-    /// # Safety
-    /// `ctx` must stay valid for `f` until the poller is unregistered.
-    pub unsafe fn register(
-        f: unsafe extern "C" fn(*mut c_void) -> c_int,
-        ctx: *mut c_void,
-        period_us: u64,
-        name: &CStr,
-    ) -> Option<Poller> {
-        // SAFETY: `f` and `ctx` are valid per this function's contract; SPDK copies `name`.
-        let p = unsafe { sys::spdk_poller_register_named(Some(f), ctx, period_us, name.as_ptr()) };
-        (!p.is_null()).then_some(Poller(p))
-    }
+/// Where a polled state keeps its poller (set by [`start`]).
+#[derive(Debug, Default)]
+pub struct PollerSlot(Cell<*mut sys::spdk_poller>);
 
-    /// Unregisters the poller (on the thread that registered it). Safe to call from inside
-    /// the poller's own callback: SPDK stops calling it after the current run.
-    pub fn unregister(&mut self) {
-        if !self.0.is_null() {
-            // SAFETY: `self.0` is a poller registered on this thread and not yet unregistered
-            // (unregistering nulls it).
-            unsafe { sys::spdk_poller_unregister(&mut self.0) };
+/// State that a poller of its own drives on the thread that started it, and owns: it lives
+/// at a fixed address from [`start`] until it finishes (its poll said [`Poll::Done`], or
+/// [`stop`] was called).
+pub trait Polled: Sized + 'static {
+    /// Its poller's slot.
+    fn slot(&self) -> &PollerSlot;
+    /// One run.
+    fn poll(&self) -> Poll;
+    /// The poller has stopped: the last use of the state.
+    fn finish(self: Box<Self>) {}
+}
+
+/// Runs one poll of `ctx`, the state of a data-path poller (a channel, the owner).
+unsafe extern "C" fn run_poller<T: Polled>(ctx: *mut c_void) -> c_int {
+    // SAFETY: per `poll_once`.
+    unsafe { poll_once::<T>(ctx) }
+}
+
+/// Runs one poll of `ctx`, the state of a control-path poller (a creation, a format). Kept
+/// apart from [`run_poller`] so that profiles (`tests/spdk_instr.sh`) can count the data
+/// path's pollers by name.
+unsafe extern "C" fn run_task_poller<T: Polled>(ctx: *mut c_void) -> c_int {
+    // SAFETY: per `poll_once`.
+    unsafe { poll_once::<T>(ctx) }
+}
+
+/// # Safety
+/// `ctx` is the live state `start` leaked for its poller, freed only by [`stop`], which
+/// unregisters the poller first.
+#[inline(always)]
+unsafe fn poll_once<T: Polled>(ctx: *mut c_void) -> c_int {
+    // SAFETY: per the contract.
+    let state = unsafe { &*ctx.cast::<T>() };
+    match state.poll() {
+        Poll::Busy => POLLER_BUSY,
+        Poll::Idle => POLLER_IDLE,
+        Poll::Done => {
+            // SAFETY: the state said it is done; this is its poller's last run.
+            unsafe { stop(ctx.cast::<T>()) };
+            POLLER_BUSY
         }
     }
 }
 
+/// Starts a poller on the calling thread (every iteration) that drives and owns `state`, a
+/// channel or the owner. Returns the state's address (valid until it finishes), or the
+/// state back if SPDK refused a poller.
+pub fn start<T: Polled>(state: Box<T>, name: &CStr) -> Result<*const T, Box<T>> {
+    register(state, name, run_poller::<T>)
+}
+
+/// [`start`] for a control-path task (a creation, a format).
+pub fn start_task<T: Polled>(state: Box<T>, name: &CStr) -> Result<*const T, Box<T>> {
+    register(state, name, run_task_poller::<T>)
+}
+
+fn register<T: Polled>(
+    state: Box<T>,
+    name: &CStr,
+    run: unsafe extern "C" fn(*mut c_void) -> c_int,
+) -> Result<*const T, Box<T>> {
+    let ctx = Box::into_raw(state);
+    // SAFETY: `run` is `run_poller::<T>` or `run_task_poller::<T>`, which get the leaked
+    // state, live until `stop`; SPDK copies `name`.
+    let p = unsafe { sys::spdk_poller_register_named(Some(run), ctx.cast(), 0, name.as_ptr()) };
+    if p.is_null() {
+        // SAFETY: no poller refers to it: still only ours.
+        return Err(unsafe { Box::from_raw(ctx) });
+    }
+    // SAFETY: live (just leaked).
+    unsafe { (*ctx).slot().0.set(p) };
+    Ok(ctx)
+}
+
+/// Stops the poller of `state` and finishes the state (on its thread; also from inside its
+/// own poll).
+///
+/// # Safety
+/// `state` comes from [`start`] and is not finished yet; nothing uses it afterwards.
+pub unsafe fn stop<T: Polled>(state: *const T) {
+    // SAFETY: per the contract, live; its poller was registered on this thread and is
+    // unregistered once (the slot is nulled).
+    let st = unsafe { Box::from_raw(state.cast_mut()) };
+    let mut p = st.slot().0.replace(std::ptr::null_mut());
+    if !p.is_null() {
+        // SAFETY: as just said; SPDK stops calling it after the current run.
+        unsafe { sys::spdk_poller_unregister(&mut p) };
+    }
+    st.finish();
+}
+
 /// Poller return value: work was done.
-pub const POLLER_BUSY: c_int = 1;
+const POLLER_BUSY: c_int = 1;
 /// Poller return value: nothing to do.
-pub const POLLER_IDLE: c_int = 0;
+const POLLER_IDLE: c_int = 0;
 
 /// Queues `f(ctx)` on `thread` without allocating (for the data path: the context is a
 /// bdev_io). Returns SPDK's errno if the message could not be queued (`f` then does not run).
