@@ -9,7 +9,7 @@
 use crate::device::SpdkDevice;
 use crate::ffi::bdev::{self, Desc};
 use crate::ffi::thread::{self, Poll, Polled, PollerSlot};
-use crate::ffi::{io_channel, json, sys};
+use crate::ffi::{io_channel, sys};
 use crate::owner::Owner;
 use crate::params::CreateParams;
 use crate::registry::{self, NodePtr};
@@ -18,7 +18,7 @@ use qcow2_engine::{Chain, CoreSeed, DevId, Exec, Layer, OpenOptions, Qcow2};
 use serde::Serialize;
 use serde_json::json;
 use std::cell::RefCell;
-use std::ffi::{c_int, c_void, CString};
+use std::ffi::{c_void, CString};
 use std::rc::Rc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -393,17 +393,6 @@ fn finish(mut job: Job) {
     register(job.params, info, base, backing, Some((owner, seed)), done);
 }
 
-static FN_TABLE: sys::spdk_bdev_fn_table = sys::spdk_bdev_fn_table {
-    destruct: Some(destruct),
-    submit_request: Some(crate::ffi::bdev_io::submit_request),
-    io_type_supported: Some(io_type_supported),
-    get_io_channel: Some(get_io_channel),
-    dump_info_json: Some(dump_info_json),
-    write_config_json: Some(write_config_json),
-    // SAFETY: every other member is an optional function pointer, for which zero is `None`.
-    ..unsafe { std::mem::zeroed() }
-};
-
 fn register(
     params: CreateParams,
     info: ImageInfo,
@@ -438,9 +427,7 @@ fn register(
         .unwrap_or(1)
         .max(1);
     let node = Box::into_raw(Box::new(Node {
-        // SAFETY: `spdk_bdev` is a C struct for which all-zero is the documented initial
-        // state before the module fills in its fields.
-        bdev: unsafe { std::mem::zeroed() },
+        bdev: bdev::blank(),
         name: cname,
         opts: params.open_options(),
         params,
@@ -454,31 +441,27 @@ fn register(
         retired: std::sync::Mutex::new(Default::default()),
     }));
     // SAFETY: `node` is live (leaked above) until `device_gone` frees it; SPDK copies the name.
-    unsafe {
-        let n = &mut *node;
-        io_channel::register_device(node, &n.name);
-        n.bdev.name = n.name.as_ptr().cast_mut();
-        n.bdev.product_name = c"QCOW2 disk".as_ptr().cast_mut();
-        n.bdev.blocklen = BLOCK_SIZE;
-        n.bdev.blockcnt = n.info.virtual_size / u64::from(BLOCK_SIZE);
+    unsafe { io_channel::register_device(node, &(*node).name) };
+    // SAFETY: as just said; the name lives in the node.
+    let (n, info) = unsafe { (&*node, &(*node).info) };
+    let props = bdev::Props {
+        name: &n.name,
+        blockcnt: info.virtual_size / u64::from(BLOCK_SIZE),
         // Writes are acknowledged before their metadata is stable: only a FLUSH makes them
         // durable (DESIGN.md §7), which is what a volatile write cache means to SPDK.
-        n.bdev.write_cache = i32::from(!n.owner.is_null());
+        write_cache: !n.owner.is_null(),
         // The hot path hands the guest's buffers to the base: ask for what the base needs.
-        n.bdev.required_alignment = if align > 1 { align.ilog2() as u8 } else { 0 };
-        n.bdev.ctxt = node.cast();
-        n.bdev.fn_table = &FN_TABLE;
-        n.bdev.module = crate::ffi::module::module_ptr();
-    }
-    // SAFETY: the bdev struct is filled in and lives in the leaked node.
-    let rc = unsafe { sys::spdk_bdev_register(&mut (*node).bdev) };
-    if rc != 0 {
-        // SAFETY: registered just above; `device_gone` frees the node (no bdev to finish).
+        required_alignment: if align > 1 { align.ilog2() as u8 } else { 0 },
+    };
+    // SAFETY: the node lives until `device_gone` frees it (or `free_unregistered` below).
+    if let Err(e) = unsafe { bdev::register(node, &props) } {
+        // SAFETY: registered just above; `free_unregistered` frees the node (no bdev to
+        // finish).
         unsafe { io_channel::unregister_device(node.cast(), free_unregistered) };
         registry::lock().creating.retain(|n| n != &name);
-        let m = format!("spdk_bdev_register failed: {}", strerror(-rc));
+        let m = format!("spdk_bdev_register failed: {}", strerror(e));
         tracing::error!("bdev_qcow2_create {name}: {m}");
-        return done(Err((-rc, m)));
+        return done(Err((e, m)));
     }
     // SAFETY: registered just above on this thread; no request reaches it before we return.
     unsafe { split_at_clusters(&mut (*node).bdev, (*node).info.cluster_size) };
@@ -534,14 +517,15 @@ unsafe extern "C" fn base_event(
     }
 }
 
-/// Teardown, step 1 (SPDK calls it once the bdev is unregistered and unused): forget the
-/// node, then unregister the io_device; step 2 runs when every channel is gone.
-unsafe extern "C" fn destruct(ctx: *mut c_void) -> c_int {
-    let node = ctx.cast::<Node>();
+/// Teardown, step 1 (SPDK's `destruct`, once the bdev is unregistered and unused): forget
+/// the node, then unregister the io_device; step 2 runs when every channel is gone.
+///
+/// # Safety
+/// `node` is a registered node SPDK destructs, live until step 3.
+pub unsafe fn destruct(node: *mut Node) {
     registry::lock().nodes.retain(|(_, p)| p.0 != node);
     // SAFETY: `node` is our registered io_device; freed only in `device_gone`.
-    unsafe { io_channel::unregister_device(ctx, device_gone) };
-    1 // asynchronous: `spdk_bdev_destruct_done` follows
+    unsafe { io_channel::unregister_device(node.cast(), device_gone) };
 }
 
 /// Teardown, step 2: on the md thread (where they were opened), once the last channel state
@@ -650,9 +634,9 @@ unsafe extern "C" fn free_unregistered(io_device: *mut c_void) {
     }
 }
 
-unsafe extern "C" fn io_type_supported(ctx: *mut c_void, ty: sys::spdk_bdev_io_type) -> bool {
-    // SAFETY: `ctx` is a registered node; `owner` is immutable after registration.
-    let writable = unsafe { !(*ctx.cast::<Node>()).owner.is_null() };
+/// The I/O types `node` serves (SPDK's `io_type_supported`).
+pub fn io_type_supported(node: &Node, ty: sys::spdk_bdev_io_type) -> bool {
+    let writable = !node.owner.is_null();
     // Claim only what works: reads and resets (which wait for outstanding I/O) always; the
     // rest through the owner of a writable bdev.
     match ty {
@@ -663,11 +647,6 @@ unsafe extern "C" fn io_type_supported(ctx: *mut c_void, ty: sys::spdk_bdev_io_t
         | sys::SPDK_BDEV_IO_TYPE_WRITE_ZEROES => writable,
         _ => false,
     }
-}
-
-unsafe extern "C" fn get_io_channel(ctx: *mut c_void) -> *mut sys::spdk_io_channel {
-    // SAFETY: `ctx` is our registered io_device (the node).
-    unsafe { sys::spdk_get_io_channel(ctx) }
 }
 
 /// Where SPDK cuts requests longer than a bdev takes. A bdev that asks for aligned buffers
@@ -694,26 +673,15 @@ fn split_at_clusters(bdev: &mut sys::spdk_bdev, cluster_size: u64) {
     let cut = u32::try_from(cut).unwrap_or(bdev.max_rw_size);
     bdev.max_rw_size = cut;
     bdev.optimal_io_boundary = cut;
-    // SAFETY: a plain store into the bdev the caller owns.
-    unsafe { sys::spdk_sys_bdev_set_split_on_optimal_io_boundary(bdev, true) };
+    bdev::set_split_on_optimal_io_boundary(bdev);
 }
 
-unsafe extern "C" fn dump_info_json(ctx: *mut c_void, w: *mut sys::spdk_json_write_ctx) -> c_int {
-    // SAFETY: `ctx` is a registered node; `info` is immutable.
-    let info = unsafe { &(*ctx.cast::<Node>()).info };
-    let v = serde_json::to_value(info).unwrap_or_default();
-    // SAFETY: SPDK hands us a write context inside the bdev's `driver_specific` object.
-    unsafe { json::write_named(w, "qcow2", &v) };
-    0
+/// What `dump_info_json` says about `node` (under `"qcow2"`).
+pub fn info_json(node: &Node) -> serde_json::Value {
+    serde_json::to_value(&node.info).unwrap_or_default()
 }
 
-unsafe extern "C" fn write_config_json(
-    bdev: *mut sys::spdk_bdev,
-    w: *mut sys::spdk_json_write_ctx,
-) {
-    // SAFETY: `bdev` is ours, so its `ctxt` is the node; `params` is immutable.
-    let params = unsafe { &(*(*bdev).ctxt.cast::<Node>()).params };
-    let v = json!({ "method": "bdev_qcow2_create", "params": params });
-    // SAFETY: SPDK hands us a write context inside the config array.
-    unsafe { json::write_value(w, &v) };
+/// The create call that `write_config_json` saves for `node`.
+pub fn config_json(node: &Node) -> serde_json::Value {
+    json!({ "method": "bdev_qcow2_create", "params": node.params })
 }
