@@ -118,7 +118,7 @@ fn complete_tag<H: Host>(host: &H, tag: u64, r: qcow2_engine::Result<()>) {
     }
 }
 
-/// The devices' [`CompletionSink`](crate::device::CompletionSink): delivers a base completion
+/// The devices' [`CompletionSink`](crate::ffi::base::CompletionSink): delivers a base completion
 /// into the executor and completes what it finished, unless the host is inside the engine
 /// (then its poller does).
 ///

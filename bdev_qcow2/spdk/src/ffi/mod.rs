@@ -1,6 +1,7 @@
 //! Safe(r) wrappers over SPDK, one file per concept. Every other module of the crate goes
 //! through these; raw `spdk_sys` calls stay here.
 
+pub mod base;
 pub mod bdev;
 pub mod bdev_io;
 pub mod dma;
