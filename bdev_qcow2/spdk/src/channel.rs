@@ -62,7 +62,7 @@ pub struct Channel {
     prefetch: bool,
     /// Writable bdev: requests forwarded to the owner since the poller's last pass (it
     /// sends them as one message: [`owner::send_forwarded`]).
-    outbox: Cell<IoQueue>,
+    outbox: IoQueue,
     /// Writable bdev: slice requests that SPDK's message pool could not take yet.
     unsent_asks: RefCell<Vec<*mut Ask>>,
     /// Writes served in place here / sent to the owner.
@@ -156,7 +156,7 @@ impl Channel {
             forward_to: None,
             forward_only: Cell::new(false),
             prefetch: node.params.prefetch_on(),
-            outbox: Cell::new(IoQueue::new()),
+            outbox: IoQueue::new(),
             unsent_asks: RefCell::new(Vec::new()),
             local_writes: Cell::new(0),
             forwarded: Cell::new(0),
@@ -641,7 +641,6 @@ impl Polled for Channel {
 
     /// The channel's poller: the executor, opening the replica, resending, forwarded
     /// requests, resets, and freeing the state once SPDK put the channel and it is idle.
-    #[inline(never)]
     fn poll(&self) -> Poll {
         // Idle (or a writable bdev's forwarding channel): nothing for the executor to do.
         let mut n = self.driver.poll(self);

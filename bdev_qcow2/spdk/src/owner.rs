@@ -248,7 +248,7 @@ impl Owner {
     /// Sends each thread its queue of completed requests. Returns how many queues went.
     fn send_done(&self) -> usize {
         let mut n = 0;
-        for (t, q) in self.outboxes.borrow_mut().iter_mut() {
+        for (t, q) in self.outboxes.borrow().iter() {
             // SAFETY: the submitting thread lives while its channel (holding these
             // requests) does.
             if unsafe { q.send::<Back>(*t) } {
@@ -300,30 +300,21 @@ fn owner_of(io: &BdevIo) -> *mut Owner {
 /// Hands `io` to the owner of its (writable) bdev, to run `op`: directly on the md thread,
 /// else into `outbox`, the queue its channel's poller sends ([`send_forwarded`]). The caller
 /// counted it as outstanding on its channel.
-pub fn forward(
-    md_thread: *mut sys::spdk_thread,
-    mut io: BdevIo,
-    op: OwnerOp,
-    outbox: &Cell<IoQueue>,
-) {
+pub fn forward(md_thread: *mut sys::spdk_thread, mut io: BdevIo, op: OwnerOp, outbox: &IoQueue) {
     io.ctx_mut().set_op(op);
     if thread::current() == md_thread {
         // SAFETY: on the md thread; the owner lives while the bdev has channels.
         return unsafe { &*owner_of(&io) }.submit(io);
     }
-    let mut q = outbox.take();
-    q.push(io);
-    outbox.set(q);
+    outbox.push(io);
 }
 
 /// Sends a channel's forwarded requests to the md thread as one message; they stay for
 /// the next poll when SPDK's message pool is empty. Whether it sent any.
-pub fn send_forwarded(md_thread: *mut sys::spdk_thread, outbox: &Cell<IoQueue>) -> bool {
-    let mut q = outbox.take();
+#[inline(always)]
+pub fn send_forwarded(md_thread: *mut sys::spdk_thread, outbox: &IoQueue) -> bool {
     // SAFETY: the md thread lives as long as the bdev.
-    let sent = unsafe { q.send::<Arrive>(md_thread) };
-    outbox.set(q);
-    sent
+    unsafe { outbox.send::<Arrive>(md_thread) }
 }
 
 /// Forwarded requests arriving on the md thread.
@@ -385,7 +376,7 @@ fn done(mut io: BdevIo, status: sys::spdk_bdev_io_status) {
     match boxes.iter_mut().find(|(to, _)| *to == t) {
         Some((_, q)) => q.push(io),
         None => {
-            let mut q = IoQueue::new();
+            let q = IoQueue::new();
             q.push(io);
             boxes.push((t, q));
         }
@@ -399,7 +390,6 @@ impl Polled for Owner {
 
     /// The owner's poller: the requests that arrived, answers to resend, the background
     /// write-back, the executor, the completed requests' way back, and the end of a close.
-    #[inline(never)]
     fn poll(&self) -> Poll {
         self.assert_md_thread();
         let mut n = 0;

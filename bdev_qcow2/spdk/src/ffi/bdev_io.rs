@@ -4,6 +4,7 @@
 use super::{io_channel, sys};
 use crate::channel::{self, Channel};
 use crate::io_ctx::IoCtx;
+use std::cell::Cell;
 use std::ffi::{c_int, c_void};
 use std::ptr::NonNull;
 
@@ -295,11 +296,12 @@ impl IovView {
 }
 
 /// bdev_ios linked through their driver areas, first in first out, without allocating.
-/// Holds its requests as handles do: each is taken out exactly once.
+/// Holds its requests as handles do: each is taken out exactly once. Changed through `&self`
+/// (a channel or the owner keeps it in place), like a `Cell`.
 #[derive(Debug)]
 pub struct IoQueue {
-    head: *mut sys::spdk_bdev_io,
-    tail: *mut sys::spdk_bdev_io,
+    head: Cell<*mut sys::spdk_bdev_io>,
+    tail: Cell<*mut sys::spdk_bdev_io>,
 }
 
 impl Default for IoQueue {
@@ -312,40 +314,30 @@ impl IoQueue {
     /// An empty queue.
     pub const fn new() -> IoQueue {
         IoQueue {
-            head: std::ptr::null_mut(),
-            tail: std::ptr::null_mut(),
+            head: Cell::new(std::ptr::null_mut()),
+            tail: Cell::new(std::ptr::null_mut()),
         }
     }
 
     /// Whether it holds no request.
+    #[inline(always)]
     pub fn is_empty(&self) -> bool {
-        self.head.is_null()
+        self.head.get().is_null()
     }
 
     /// Appends `io`.
-    pub fn push(&mut self, io: BdevIo) {
+    pub fn push(&self, io: BdevIo) {
         // SAFETY: the area of a live bdev_io we hold.
         unsafe { (*io.area()).next = std::ptr::null_mut() };
         let p = io.into_raw();
-        if self.tail.is_null() {
-            self.head = p;
+        let tail = self.tail.get();
+        if tail.is_null() {
+            self.head.set(p);
         } else {
             // SAFETY: the tail is a live bdev_io of this queue.
-            unsafe { (*BdevIo(NonNull::new_unchecked(self.tail)).area()).next = p };
+            unsafe { (*BdevIo(NonNull::new_unchecked(tail)).area()).next = p };
         }
-        self.tail = p;
-    }
-
-    /// Takes the first request out.
-    pub fn pop(&mut self) -> Option<BdevIo> {
-        // SAFETY: the head, if any, is a live bdev_io this queue holds; taken out once.
-        let io = unsafe { BdevIo::from_raw(self.head) }?;
-        // SAFETY: as in `push`.
-        self.head = unsafe { (*io.area()).next };
-        if self.head.is_null() {
-            self.tail = std::ptr::null_mut();
-        }
-        Some(io)
+        self.tail.set(p);
     }
 
     /// Sends the whole queue to `thread` as one message, where `R::receive` gets it; empties
@@ -354,16 +346,26 @@ impl IoQueue {
     ///
     /// # Safety
     /// `thread` is a live SPDK thread.
-    pub unsafe fn send<R: QueueReceiver>(&mut self, thread: *mut sys::spdk_thread) -> bool {
+    #[inline(always)]
+    pub unsafe fn send<R: QueueReceiver>(&self, thread: *mut sys::spdk_thread) -> bool {
         if self.is_empty() {
             return false;
         }
+        // SAFETY: per the contract.
+        unsafe { self.send_now::<R>(thread) }
+    }
+
+    /// # Safety
+    /// As [`send`](Self::send), and the queue is not empty.
+    unsafe fn send_now<R: QueueReceiver>(&self, thread: *mut sys::spdk_thread) -> bool {
+        let head = self.head.get();
         // SAFETY: `thread` is live (contract); `receive` takes the queue over.
-        let rc = unsafe { sys::spdk_thread_send_msg(thread, Some(receive::<R>), self.head.cast()) };
+        let rc = unsafe { sys::spdk_thread_send_msg(thread, Some(receive::<R>), head.cast()) };
         if rc != 0 {
             return false;
         }
-        *self = IoQueue::new();
+        self.head.set(std::ptr::null_mut());
+        self.tail.set(std::ptr::null_mut());
         true
     }
 }
