@@ -26,7 +26,7 @@ use crate::direct::{self, DirectReq, Target};
 use crate::engine_host::{Driver, Host};
 use crate::ffi::bdev::Desc;
 use crate::ffi::bdev_io::{BdevIo, BufDone, ChildDone, IoQueue};
-use crate::ffi::io_channel::{self, ChannelIter};
+use crate::ffi::io_channel::ChannelIter;
 use crate::ffi::sys;
 use crate::ffi::thread::{self, Poll, Polled, PollerSlot};
 use crate::io_ctx::OwnerOp;
@@ -37,18 +37,19 @@ use qcow2_engine::{Chain, DevId, Direct, Exec, Layer, OwnerLink, Qcow2, WriteRou
 use serde::Serialize;
 use std::cell::{Cell, OnceCell, RefCell};
 use std::collections::VecDeque;
-use std::ffi::{c_int, c_void, CStr};
+use std::ffi::{c_int, c_void};
 use std::rc::Rc;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 
 type Opened = Rc<RefCell<Option<qcow2_engine::Result<Qcow2<SpdkDevice>>>>>;
 
 /// One thread's channel of a qcow2 bdev.
 pub struct Channel {
     /// The node's count of live channel states (decremented on drop).
-    live: *const AtomicUsize,
+    live: Arc<AtomicUsize>,
     /// Where this channel's counters go when it is freed.
-    retired: *const std::sync::Mutex<ChannelStats>,
+    retired: Arc<Mutex<ChannelStats>>,
     /// The executor, the in-engine mark and the poller.
     driver: Driver,
     /// The base device for the direct path (a replica's channels).
@@ -146,11 +147,11 @@ impl Channel {
     /// This thread's channel state of `node` (SPDK's `create_cb`; see `ffi/io_channel.rs`).
     pub fn create(node: &Node) -> Result<Box<Channel>, i32> {
         let base = node.base.as_ref().ok_or(libc::ENODEV)?;
-        let thread_name = current_thread_name();
+        let thread_name = thread::current_name();
         node.live_channels.fetch_add(1, Ordering::AcqRel);
         let mut ch = Box::new(Channel {
-            live: &node.live_channels,
-            retired: &node.retired,
+            live: node.live_channels.clone(),
+            retired: node.retired.clone(),
             driver: Driver::new(Exec::new()),
             direct: None,
             forward_to: None,
@@ -579,8 +580,7 @@ impl BufDone for Channel {
 impl Drop for Channel {
     fn drop(&mut self) {
         let s = self.stats();
-        // SAFETY: the node outlives its channel states (it waits for `live` to reach 0).
-        if let Ok(mut r) = unsafe { &*self.retired }.lock() {
+        if let Ok(mut r) = self.retired.lock() {
             r.add(&s);
         }
         // Release the base channels (and any other engine state) before the node may
@@ -588,33 +588,8 @@ impl Drop for Channel {
         self.chain.take();
         self.opened.borrow_mut().take();
         self.driver.release();
-        // SAFETY: the node outlives its channel states (it waits for this count to reach 0).
-        unsafe { (*self.live).fetch_sub(1, Ordering::AcqRel) };
+        self.live.fetch_sub(1, Ordering::AcqRel);
     }
-}
-
-fn current_thread_name() -> String {
-    // SAFETY: called on an SPDK thread; the name is a valid C string or null.
-    unsafe {
-        let n = sys::spdk_thread_get_name(thread::current());
-        if n.is_null() {
-            String::new()
-        } else {
-            CStr::from_ptr(n).to_string_lossy().into_owned()
-        }
-    }
-}
-
-/// A hint to the CPU to load the cache line at `p` (no effect on other architectures).
-#[inline]
-pub fn prefetch_line(p: *const u8) {
-    #[cfg(target_arch = "x86_64")]
-    // SAFETY: a prefetch never faults, whatever the address; SSE is part of x86_64.
-    unsafe {
-        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(p.cast())
-    };
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = p;
 }
 
 /// Completes a request the owner ran, on the thread (and channel) it was submitted on, with
@@ -690,12 +665,7 @@ pub fn submit_request(c: &Channel, io: BdevIo) {
         sys::SPDK_BDEV_IO_TYPE_WRITE_ZEROES => c.to_owner(io, OwnerOp::WriteZeroes),
         sys::SPDK_BDEV_IO_TYPE_UNMAP => c.to_owner(io, OwnerOp::Unmap),
         sys::SPDK_BDEV_IO_TYPE_FLUSH => c.to_owner(io, OwnerOp::Flush),
-        sys::SPDK_BDEV_IO_TYPE_RESET => {
-            let node = io.bdev_ctxt();
-            // SAFETY: `bdev.ctxt` is our node, which is the io_device, registered while the
-            // bdev has I/O.
-            unsafe { io_channel::for_each_channel(node, io, reset_step, reset_done) };
-        }
+        sys::SPDK_BDEV_IO_TYPE_RESET => io.for_each_channel(reset_step, reset_done),
         _ => io.complete(sys::SPDK_BDEV_IO_STATUS_FAILED),
     }
 }

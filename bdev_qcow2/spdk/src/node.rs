@@ -21,6 +21,7 @@ use std::cell::RefCell;
 use std::ffi::{c_void, CString};
 use std::rc::Rc;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 
 /// Block size of our bdevs (the engine's sector).
 pub const BLOCK_SIZE: u32 = crate::ffi::bdev_io::BLOCK_SIZE;
@@ -128,10 +129,10 @@ pub struct Node {
     /// Channel states not yet freed. SPDK may destroy a channel while its state still has
     /// base I/O in flight (a replica being opened); that state is freed later by its poller,
     /// and the descriptors must stay open until then.
-    pub live_channels: AtomicUsize,
+    pub live_channels: Arc<AtomicUsize>,
     /// Counters of the channels already gone (added when each is freed), so
     /// `bdev_qcow2_get_stats` totals cover the bdev's whole life, not only live channels.
-    pub retired: std::sync::Mutex<crate::channel::ChannelStats>,
+    pub retired: Arc<Mutex<crate::channel::ChannelStats>>,
 }
 
 /// How a creation ends: the bdev name, or an errno and a message.
@@ -437,8 +438,8 @@ fn register(
         md_thread: thread::current(),
         owner: owner.unwrap_or(std::ptr::null_mut()),
         seed,
-        live_channels: AtomicUsize::new(0),
-        retired: std::sync::Mutex::new(Default::default()),
+        live_channels: Arc::new(AtomicUsize::new(0)),
+        retired: Arc::new(Mutex::new(Default::default())),
     }));
     // SAFETY: `node` is live (leaked above) until `device_gone` frees it; SPDK copies the name.
     unsafe { io_channel::register_device(node, &(*node).name) };

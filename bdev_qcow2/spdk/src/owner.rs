@@ -279,22 +279,26 @@ impl Host for Owner {
 /// Completion of a request the owner sent down the direct path.
 impl ChildDone for Owner {
     fn child_done(io: BdevIo, success: bool) {
-        // SAFETY: on the md thread; the owner lives while the bdev has I/O.
-        direct::leave(unsafe { &*owner_of(&io) }.exec(), &io);
         let status = if success {
             sys::SPDK_BDEV_IO_STATUS_SUCCESS
         } else {
             sys::SPDK_BDEV_IO_STATUS_FAILED
         };
-        done(io, status);
+        with_owner(io, |o, io| {
+            direct::leave(o.exec(), &io);
+            done(io, status);
+        });
     }
 }
 
-/// The owner of the writable bdev behind `io`.
-fn owner_of(io: &BdevIo) -> *mut Owner {
+/// Calls `f` with the owner of the writable bdev behind `io` (on the md thread) and `io`.
+#[inline(always)]
+fn with_owner<R>(io: BdevIo, f: impl FnOnce(&Owner, BdevIo) -> R) -> R {
     // SAFETY: bdev_ios reaching us belong to our registered bdevs, whose `ctxt` is the node;
-    // `owner` is immutable after registration.
-    unsafe { (*io.bdev_ctxt().cast::<Node>()).owner }
+    // a writable bdev's `owner` is set before registration, immutable after it, and lives
+    // while the bdev has I/O (this request) and channels.
+    let o = unsafe { &*(*io.bdev_ctxt().cast::<Node>()).owner };
+    f(o, io)
 }
 
 /// Hands `io` to the owner of its (writable) bdev, to run `op`: directly on the md thread,
@@ -303,8 +307,7 @@ fn owner_of(io: &BdevIo) -> *mut Owner {
 pub fn forward(md_thread: *mut sys::spdk_thread, mut io: BdevIo, op: OwnerOp, outbox: &IoQueue) {
     io.ctx_mut().set_op(op);
     if thread::current() == md_thread {
-        // SAFETY: on the md thread; the owner lives while the bdev has channels.
-        return unsafe { &*owner_of(&io) }.submit(io);
+        return with_owner(io, |o, io| o.submit(io));
     }
     outbox.push(io);
 }
@@ -330,20 +333,22 @@ impl QueueReceiver for Arrive {
     }
 }
 
+/// Its poller runs `arrived` before the owner can close (closing waits for the channels).
 fn arrive(io: BdevIo) {
-    // SAFETY: on the md thread; the owner lives while the bdev has channels (and its
-    // poller runs `arrived` before the owner can close: closing waits for the channels).
-    let o = unsafe { &*owner_of(&io) };
+    with_owner(io, arrive_at);
+}
+
+fn arrive_at(o: &Owner, io: BdevIo) {
     o.assert_md_thread();
     let op = io.ctx().op();
     if matches!(op, OwnerOp::Read | OwnerOp::Write | OwnerOp::WriteSlow) {
         let off = io.offset_bytes();
         if let Some(p) = o.chain.entry_hint(off) {
-            channel::prefetch_line(p.cast());
+            thread::prefetch_line(p.cast());
         }
         if op != OwnerOp::Read {
             if let Some(p) = o.chain.dirty_entry_hint(off) {
-                channel::prefetch_line(p.cast());
+                thread::prefetch_line(p.cast());
             }
         }
     }
@@ -369,18 +374,18 @@ fn done(mut io: BdevIo, status: sys::spdk_bdev_io_status) {
     if t == thread::current() {
         return channel::complete_forwarded(io);
     }
-    // SAFETY: only the md thread touches the owner, live while the bdev has I/O.
-    let o = unsafe { &*owner_of(&io) };
-    o.assert_md_thread();
-    let mut boxes = o.outboxes.borrow_mut();
-    match boxes.iter_mut().find(|(to, _)| *to == t) {
-        Some((_, q)) => q.push(io),
-        None => {
-            let q = IoQueue::new();
-            q.push(io);
-            boxes.push((t, q));
+    with_owner(io, |o, io| {
+        o.assert_md_thread();
+        let mut boxes = o.outboxes.borrow_mut();
+        match boxes.iter_mut().find(|(to, _)| *to == t) {
+            Some((_, q)) => q.push(io),
+            None => {
+                let q = IoQueue::new();
+                q.push(io);
+                boxes.push((t, q));
+            }
         }
-    }
+    });
 }
 
 impl Polled for Owner {

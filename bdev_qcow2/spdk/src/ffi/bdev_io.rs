@@ -1,7 +1,8 @@
 //! The bdev_io SPDK hands to our `submit_request`: an owned handle completed once, the
 //! module's area in it, queues of them, and submitting one straight to a base bdev.
 
-use super::{io_channel, sys};
+use super::io_channel::{self, ChannelIter};
+use super::sys;
 use crate::channel::{self, Channel};
 use crate::io_ctx::IoCtx;
 use std::cell::Cell;
@@ -197,6 +198,15 @@ impl BdevIo {
     pub fn bdev_ctxt(&self) -> *mut c_void {
         // SAFETY: live bdev_io of a registered bdev.
         unsafe { (*(*self.0.as_ptr()).bdev).ctxt }
+    }
+
+    /// Visits every channel of the request's bdev on its own thread with `each`, then calls
+    /// `done` with the request and the status on this thread (a reset).
+    pub fn for_each_channel(self, each: fn(ChannelIter, &mut BdevIo), done: fn(BdevIo, c_int)) {
+        let node = self.bdev_ctxt();
+        // SAFETY: `bdev.ctxt` is our node, which is the io_device, registered while the bdev
+        // has I/O (this one).
+        unsafe { io_channel::for_each_channel(node, self, each, done) };
     }
 
     /// Completes the bdev_io with `status` (`SPDK_BDEV_IO_STATUS_*`). Consumes the handle.

@@ -10,6 +10,36 @@ pub fn current() -> *mut sys::spdk_thread {
     unsafe { sys::spdk_get_thread() }
 }
 
+/// The calling SPDK thread's name (empty outside SPDK threads).
+pub fn current_name() -> String {
+    // SAFETY: `current()` is the calling thread or null; a thread's name is a valid C string
+    // or null.
+    unsafe {
+        let t = current();
+        if t.is_null() {
+            return String::new();
+        }
+        let n = sys::spdk_thread_get_name(t);
+        if n.is_null() {
+            String::new()
+        } else {
+            CStr::from_ptr(n).to_string_lossy().into_owned()
+        }
+    }
+}
+
+/// A hint to the CPU to load the cache line at `p` (no effect on other architectures).
+#[inline]
+pub fn prefetch_line(p: *const u8) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: a prefetch never faults, whatever the address; SSE is part of x86_64.
+    unsafe {
+        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(p.cast())
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = p;
+}
+
 type Msg = Box<dyn FnOnce()>;
 
 unsafe extern "C" fn run_msg(ctx: *mut c_void) {
