@@ -37,7 +37,7 @@ use qcow2_engine::{Chain, DevId, Direct, Exec, Layer, OwnerLink, Qcow2, WriteRou
 use serde::Serialize;
 use std::cell::{Cell, OnceCell, RefCell};
 use std::collections::VecDeque;
-use std::ffi::{c_int, c_void};
+use std::ffi::c_int;
 use std::rc::Rc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -65,7 +65,8 @@ pub struct Channel {
     /// sends them as one message: [`owner::send_forwarded`]).
     outbox: IoQueue,
     /// Writable bdev: slice requests that SPDK's message pool could not take yet.
-    unsent_asks: RefCell<Vec<*mut Ask>>,
+    #[allow(clippy::vec_box)] // boxed: each goes out again as the message it was
+    unsent_asks: RefCell<Vec<Box<Ask>>>,
     /// Writes served in place here / sent to the owner.
     local_writes: Cell<u64>,
     forwarded: Cell<u64>,
@@ -697,9 +698,8 @@ pub fn stats_step(it: ChannelIter, acc: &mut Vec<ChannelStats>) {
     });
 }
 
-/// How a writable bdev's replica reaches the owner for a slice it holds dirty: a message to
-/// the md thread ([`ask_on_md`]) and one back ([`ask_reply`]), carrying a boxed [`Ask`]
-/// (slow path only).
+/// How a writable bdev's replica reaches the owner for a slice it holds dirty: a boxed
+/// [`Ask`] sent to the md thread and back (slow path only).
 struct SpdkLink {
     md: *mut sys::spdk_thread,
     owner: *mut owner::Owner,
@@ -707,7 +707,7 @@ struct SpdkLink {
 }
 
 /// One slice request on its way to the owner and back.
-struct Ask {
+pub struct Ask {
     owner: *mut owner::Owner,
     chan: *const Channel,
     md: *mut sys::spdk_thread,
@@ -719,7 +719,7 @@ struct Ask {
 
 impl OwnerLink for SpdkLink {
     fn ask_slice(&self, key: u64, ticket: u64) {
-        let a = Box::into_raw(Box::new(Ask {
+        send_ask(Box::new(Ask {
             owner: self.owner,
             chan: self.chan,
             md: self.md,
@@ -728,64 +728,45 @@ impl OwnerLink for SpdkLink {
             ticket,
             reply: None,
         }));
-        send_ask(a);
     }
 }
 
 /// Sends `a` to the md thread (or back to its channel once answered); if SPDK's message pool
-/// is empty, the channel's poller sends it again.
-fn send_ask(a: *mut Ask) {
-    if a.is_null() {
+/// is empty, the sending side's poller sends it again ([`Channel::poll`],
+/// [`Owner::defer_ask`](owner::Owner::defer_ask)).
+pub fn send_ask(a: Box<Ask>) {
+    let to = if a.reply.is_none() { a.md } else { a.back };
+    // SAFETY: the md thread lives as long as the bdev; the channel's thread while the
+    // channel waits for the answer (a waiting task keeps it busy).
+    let Err(a) = (unsafe { thread::send_boxed(to, a) }) else {
         return;
+    };
+    if a.reply.is_none() {
+        // On the channel's thread: its poller sends it again.
+        // SAFETY: the channel lives while its replica waits for the answer.
+        unsafe { &*a.chan }.unsent_asks.borrow_mut().push(a);
+    } else {
+        // On the md thread: the owner's poller sends the answer again.
+        // SAFETY: the owner lives while the bdev has channels.
+        unsafe { &*a.owner }.defer_ask(a);
     }
-    // SAFETY: `a` is a live boxed Ask owned by whoever holds the pointer; the channel lives
-    // while its replica waits for the answer (a waiting task keeps it busy), the owner while
-    // the bdev has channels.
-    unsafe {
-        let (to, f): (_, unsafe extern "C" fn(*mut c_void)) = if (*a).reply.is_none() {
-            ((*a).md, ask_on_md)
-        } else {
-            ((*a).back, ask_reply)
+}
+
+impl thread::Message for Ask {
+    /// On the md thread: the owner answers and the answer goes back; on the channel's thread:
+    /// the replica gets it.
+    fn arrive(mut self: Box<Ask>) {
+        let Some(reply) = self.reply else {
+            // SAFETY: on the md thread, where the owner lives while the bdev has channels.
+            self.reply = Some(unsafe { &*self.owner }.slice_for_core(self.key));
+            return send_ask(self);
         };
-        if thread::send_raw(to, f, a.cast()).is_err() {
-            if (*a).reply.is_none() {
-                // On the channel's thread: its poller sends it again.
-                (*(*a).chan).unsent_asks.borrow_mut().push(a);
-            } else {
-                // On the md thread: the owner's poller sends the answer again.
-                (*(*a).owner).defer_ask(a.cast());
+        // SAFETY: back on the thread of the channel that sent it, live while it waits.
+        let ch = unsafe { &*self.chan };
+        ch.driver.run(|| {
+            if let Some(Layer::Qcow2(q)) = ch.chain.get().and_then(|c| c.layers().first()) {
+                q.deliver_slice(self.ticket, reply);
             }
-        }
+        });
     }
-}
-
-unsafe extern "C" fn ask_on_md(ctx: *mut c_void) {
-    let a = ctx.cast::<Ask>();
-    // SAFETY: `send_ask` sent a live Ask; on the md thread, where the owner lives.
-    unsafe {
-        (*a).reply = Some((*(*a).owner).slice_for_core((*a).key));
-    }
-    send_ask(a);
-}
-
-unsafe extern "C" fn ask_reply(ctx: *mut c_void) {
-    // SAFETY: the Ask comes back to the thread of the channel that sent it; that channel is
-    // live (its waiting task keeps it busy); the box is ours again.
-    let a = unsafe { Box::from_raw(ctx.cast::<Ask>()) };
-    // SAFETY: as just said.
-    let ch = unsafe { &*a.chan };
-    let reply = a.reply.unwrap_or(SliceReply::Retry);
-    ch.driver.run(|| {
-        if let Some(Layer::Qcow2(q)) = ch.chain.get().and_then(|c| c.layers().first()) {
-            q.deliver_slice(a.ticket, reply);
-        }
-    });
-}
-
-/// Sends again an answer the md thread could not send (see [`send_ask`]).
-///
-/// # Safety
-/// `a` is an answered `Ask` handed to `Owner::defer_ask` by [`send_ask`].
-pub unsafe fn resend_ask(a: *mut c_void) {
-    send_ask(a.cast());
 }

@@ -34,7 +34,6 @@ use crate::io_ctx::OwnerOp;
 use crate::node::Node;
 use qcow2_engine::{Chain, DevId, Exec};
 use std::cell::{Cell, RefCell};
-use std::ffi::c_void;
 use std::rc::Rc;
 
 /// What happens once the owner closed (metadata flushed), on the md thread.
@@ -66,7 +65,8 @@ pub struct Owner {
     /// batch's cache misses overlap instead of stalling one request after another.
     arrived: RefCell<Vec<BdevIo>>,
     /// Answers to channels' slice requests SPDK could not queue yet (see `channel.rs`).
-    unsent_asks: RefCell<Vec<*mut c_void>>,
+    #[allow(clippy::vec_box)] // boxed: each goes out again as the message it was
+    unsent_asks: RefCell<Vec<Box<channel::Ask>>>,
     /// `Some` once closing: the close task's result (`None` while it runs) and what follows.
     closing: RefCell<Option<(Closed, Then)>>,
     /// Polls so far: the quiet write-back's test runs on one poll in
@@ -190,7 +190,7 @@ impl Owner {
     }
 
     /// Keeps an answered slice request to send again on the next poll (message pool empty).
-    pub fn defer_ask(&self, a: *mut c_void) {
+    pub fn defer_ask(&self, a: Box<channel::Ask>) {
         self.assert_md_thread();
         self.unsent_asks.borrow_mut().push(a);
     }
@@ -412,8 +412,7 @@ impl Polled for Owner {
         let asks = std::mem::take(&mut *self.unsent_asks.borrow_mut());
         for a in asks {
             n += 1;
-            // SAFETY: deferred by `channel::send_ask` with its answer.
-            unsafe { channel::resend_ask(a) };
+            channel::send_ask(a);
         }
         // Dirty metadata that waited long enough for a flush goes back on its own, so the
         // cores take overwrites into its slices again (see `tick_background_writeback`).

@@ -198,20 +198,32 @@ const POLLER_BUSY: c_int = 1;
 /// Poller return value: nothing to do.
 const POLLER_IDLE: c_int = 0;
 
-/// Queues `f(ctx)` on `thread` without allocating (for the data path: the context is a
-/// bdev_io). Returns SPDK's errno if the message could not be queued (`f` then does not run).
+/// A boxed message between threads ([`send_boxed`]).
+pub trait Message: Sized + 'static {
+    /// Runs on the thread it was sent to.
+    fn arrive(self: Box<Self>);
+}
+
+unsafe extern "C" fn arrive<M: Message>(ctx: *mut c_void) {
+    // SAFETY: `ctx` is the box `send_boxed` gave up, delivered once.
+    M::arrive(unsafe { Box::from_raw(ctx.cast::<M>()) });
+}
+
+/// Queues `m` to arrive on `thread` ([`Message::arrive`]); gives it back if SPDK's message
+/// pool is empty.
 ///
 /// # Safety
-/// `thread` must be a live SPDK thread and `ctx` valid for `f` when it runs there.
-pub unsafe fn send_raw(
+/// `thread` must be a live SPDK thread.
+pub unsafe fn send_boxed<M: Message>(
     thread: *mut sys::spdk_thread,
-    f: unsafe extern "C" fn(*mut c_void),
-    ctx: *mut c_void,
-) -> Result<(), i32> {
-    // SAFETY: per the contract.
-    let rc = unsafe { sys::spdk_thread_send_msg(thread, Some(f), ctx) };
+    m: Box<M>,
+) -> Result<(), Box<M>> {
+    let ctx = Box::into_raw(m);
+    // SAFETY: `thread` is live (contract); `arrive::<M>` takes the box back.
+    let rc = unsafe { sys::spdk_thread_send_msg(thread, Some(arrive::<M>), ctx.cast()) };
     if rc != 0 {
-        return Err(-rc);
+        // SAFETY: not queued: still ours.
+        return Err(unsafe { Box::from_raw(ctx) });
     }
     Ok(())
 }
