@@ -617,6 +617,7 @@ impl Polled for Channel {
 
     /// The channel's poller: the executor, opening the replica, resending, forwarded
     /// requests, resets, and freeing the state once SPDK put the channel and it is idle.
+    #[inline(always)]
     fn poll(&self) -> Poll {
         // Idle (or a writable bdev's forwarding channel): nothing for the executor to do.
         let mut n = self.driver.poll(self);

@@ -395,6 +395,7 @@ impl Polled for Owner {
 
     /// The owner's poller: the requests that arrived, answers to resend, the background
     /// write-back, the executor, the completed requests' way back, and the end of a close.
+    #[inline(always)]
     fn poll(&self) -> Poll {
         self.assert_md_thread();
         let mut n = 0;
