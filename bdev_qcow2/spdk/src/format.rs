@@ -11,7 +11,6 @@ use crate::params::FormatParams;
 use qcow2_engine::create::{create, preallocate, CreateOptions, Preallocation};
 use qcow2_engine::{Chain, DevId, Error, Exec, Layer, OpenOptions, Qcow2};
 use std::cell::RefCell;
-use std::ffi::c_void;
 use std::rc::Rc;
 
 /// How a format ends: `Ok`, or an errno and a message.
@@ -29,13 +28,12 @@ struct Job {
     done: Option<Done>,
 }
 
-unsafe extern "C" fn ignore_event(
-    _ty: sys::spdk_bdev_event_type,
-    _bdev: *mut sys::spdk_bdev,
-    _ctx: *mut c_void,
-) {
-    // A base removed mid-format fails the format's writes; our descriptor closes when the
-    // format ends, which is what the removal waits for.
+/// A base removed mid-format fails the format's writes; our descriptor closes when the
+/// format ends, which is what the removal waits for.
+struct IgnoreEvents;
+
+impl crate::ffi::bdev::BdevEvents for IgnoreEvents {
+    fn event(_ty: sys::spdk_bdev_event_type, _bdev_name: &str) {}
 }
 
 fn errno_msg(e: i32) -> String {
@@ -62,7 +60,7 @@ pub fn format(p: FormatParams, done: Done) {
         Err(m) => return done(Err((libc::EINVAL, m))),
     };
     let base = p.base_bdev.clone();
-    let desc = match Desc::open(&base, true, ignore_event) {
+    let desc = match Desc::open::<IgnoreEvents>(&base, true) {
         Ok(d) => d,
         Err(e) => {
             let m = format!("cannot open bdev {base} for writing: {}", errno_msg(e));

@@ -170,7 +170,7 @@ fn strerror(e: i32) -> String {
 
 /// Opens and claims `name` for our module: shared read-only, or (`write`) as its only writer.
 fn open_claimed(name: &str, role: &str, write: bool) -> Result<Desc, (i32, String)> {
-    let d = Desc::open(name, write, base_event).map_err(|e| {
+    let d = Desc::open::<BaseEvents>(name, write).map_err(|e| {
         (
             e,
             format!(
@@ -488,33 +488,33 @@ fn register(
     done(Ok(name));
 }
 
-/// Hot remove of a base or backing bdev: unregister every node using it (its I/O completes,
-/// then destruct closes the descriptors, which lets the base go).
-unsafe extern "C" fn base_event(
-    ty: sys::spdk_bdev_event_type,
-    bdev: *mut sys::spdk_bdev,
-    _ctx: *mut c_void,
-) {
-    // SAFETY: SPDK passes the bdev the event is about, still registered during the callback.
-    let name = unsafe { bdev::name_of(bdev) };
-    if ty != sys::SPDK_BDEV_EVENT_REMOVE {
-        tracing::info!("bdev {name}: event {ty} ignored");
-        return;
-    }
-    let victims: Vec<NodePtr> = registry::lock()
-        .nodes
-        .iter()
-        .filter(|(_, p)| {
-            // SAFETY: registered nodes are live; params are immutable.
-            let params = unsafe { &(*p.0).params };
-            params.base_bdev == name || params.backing_bdev.as_deref() == Some(name.as_str())
-        })
-        .map(|(_, p)| *p)
-        .collect();
-    for v in victims {
-        tracing::warn!("bdev {name} is going away: unregistering the qcow2 bdev on it");
-        // SAFETY: the node is registered; unregistering twice is refused by SPDK, not UB.
-        unsafe { sys::spdk_bdev_unregister(&mut (*v.0).bdev, None, std::ptr::null_mut()) };
+/// Events of base and backing bdevs.
+struct BaseEvents;
+
+impl bdev::BdevEvents for BaseEvents {
+    /// Hot remove of a base or backing bdev: unregister every node using it (its I/O
+    /// completes, then destruct closes the descriptors, which lets the base go).
+    fn event(ty: sys::spdk_bdev_event_type, name: &str) {
+        if ty != sys::SPDK_BDEV_EVENT_REMOVE {
+            tracing::info!("bdev {name}: event {ty} ignored");
+            return;
+        }
+        let victims: Vec<NodePtr> = registry::lock()
+            .nodes
+            .iter()
+            .filter(|(_, p)| {
+                // SAFETY: registered nodes are live; params are immutable.
+                let params = unsafe { &(*p.0).params };
+                params.base_bdev == name || params.backing_bdev.as_deref() == Some(name)
+            })
+            .map(|(_, p)| *p)
+            .collect();
+        for v in victims {
+            tracing::warn!("bdev {name} is going away: unregistering the qcow2 bdev on it");
+            // SAFETY: the node was registered just now; a second unregistration is refused
+            // by SPDK, not undefined.
+            unsafe { bdev::unregister(v.0) };
+        }
     }
 }
 

@@ -4,9 +4,21 @@ use super::sys;
 use crate::node::{self, Node};
 use std::ffi::{c_int, c_void, CStr, CString};
 
-/// The handler SPDK calls for events on an open bdev (hot remove, resize, media).
-pub type EventCb =
-    unsafe extern "C" fn(sys::spdk_bdev_event_type, *mut sys::spdk_bdev, *mut c_void);
+/// What happens on events of a bdev we opened (hot remove, resize, media).
+pub trait BdevEvents {
+    /// Event `ty` (`SPDK_BDEV_EVENT_*`) on the bdev called `bdev_name`.
+    fn event(ty: sys::spdk_bdev_event_type, bdev_name: &str);
+}
+
+unsafe extern "C" fn on_event<E: BdevEvents>(
+    ty: sys::spdk_bdev_event_type,
+    bdev: *mut sys::spdk_bdev,
+    _ctx: *mut c_void,
+) {
+    // SAFETY: SPDK passes the bdev the event is about, still registered during the callback.
+    let name = unsafe { name_of(bdev) };
+    E::event(ty, &name);
+}
 
 /// Whether a bdev named `name` is registered.
 pub fn exists(name: &str) -> bool {
@@ -36,16 +48,17 @@ pub struct Desc {
 }
 
 impl Desc {
-    /// Opens bdev `name` (read-only unless `write`), with `event_cb` for its events (called
-    /// with a null context). Returns SPDK's errno on failure (`ENODEV`: no such bdev).
-    pub fn open(name: &str, write: bool, event_cb: EventCb) -> Result<Desc, i32> {
+    /// Opens bdev `name` (read-only unless `write`); `E` hears of its events. Returns
+    /// SPDK's errno on failure (`ENODEV`: no such bdev).
+    pub fn open<E: BdevEvents>(name: &str, write: bool) -> Result<Desc, i32> {
         let ctx = std::ptr::null_mut();
         let c = CString::new(name).map_err(|_| libc::EINVAL)?;
         let mut desc = std::ptr::null_mut();
-        // SAFETY: `c` outlives the call; `desc` receives the descriptor; `event_cb` is a
+        // SAFETY: `c` outlives the call; `desc` receives the descriptor; `on_event::<E>` is a
         // valid function for the descriptor's lifetime (a plain fn).
-        let rc =
-            unsafe { sys::spdk_bdev_open_ext(c.as_ptr(), write, Some(event_cb), ctx, &mut desc) };
+        let rc = unsafe {
+            sys::spdk_bdev_open_ext(c.as_ptr(), write, Some(on_event::<E>), ctx, &mut desc)
+        };
         if rc != 0 {
             return Err(-rc);
         }
@@ -273,4 +286,14 @@ unsafe extern "C" fn write_config_json(
     let v = node::config_json(unsafe { &*(*bdev).ctxt.cast::<Node>() });
     // SAFETY: SPDK hands us a write context inside the config array.
     unsafe { super::json::write_value(w, &v) };
+}
+
+/// Unregisters our `node`'s bdev (a hot remove of what it stands on); SPDK refuses a second
+/// unregistration by itself.
+///
+/// # Safety
+/// `node` is a registered node.
+pub unsafe fn unregister(node: *mut Node) {
+    // SAFETY: per the contract.
+    unsafe { sys::spdk_bdev_unregister(&mut (*node).bdev, None, std::ptr::null_mut()) };
 }
