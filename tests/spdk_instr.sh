@@ -10,7 +10,8 @@
 #
 # Per request it prints the instructions of the whole I/O cycle (bdevperf's completion
 # callback, our bdev or the passthru, the malloc bdev and the accel copy: everything the
-# accel poller runs, plus our bdev's own pollers) and the ratio qcow2/passthru. Needs an
+# accel poller runs, plus our bdev's own pollers: every channel's and the metadata owner's
+# poller runs through `ffi::thread::run_poller`) and the ratio qcow2/passthru. Needs an
 # installed SPDK (bdevperf, pkg-config spdk_bdev) and valgrind; prints SKIPPED without them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -53,7 +54,7 @@ count() {
     exit 1
   fi
   cycle=$(callgrind_annotate --auto=no --inclusive=yes --threshold=100 "$DIR/$kind.out" 2>/dev/null |
-    grep -E "(accel_sw\.c:accel_comp_poll|channel::chan_poll|owner::owner_poll) " |
+    grep -E "(accel_sw\.c:accel_comp_poll|bdev_qcow2::ffi::thread::run_poller) " |
     awk '{gsub(",", "", $1); s += $1} END {print s}')
   awk -v c="$cycle" -v n="$n" 'BEGIN {printf "%.0f", c / n}'
 }

@@ -12,44 +12,48 @@
 //!   holds dirty ([`SpdkLink`]).
 //! - Writable bdev, on the owner's thread: everything goes straight to the owner.
 //!
-//! Every field is a `Cell`/`RefCell` used through `&Channel`, because completing a bdev_io
-//! can re-enter `submit_request` on the same channel.
+//! Every field is a `Cell`/`RefCell`/`OnceCell` used through `&Channel`, because completing
+//! a bdev_io can re-enter `submit_request` on the same channel.
 //!
-//! Base completions are delivered into the executor from SPDK's completion callback
-//! ([`deliver`]), and the fast-path requests they finish are completed right there, without
-//! waiting for the poller's next pass. When the callback runs while the channel is inside
-//! the engine (SPDK completing inline during a submission), it leaves the completion queued
-//! in the device for the poller instead. The poller still drives slow paths (tasks),
-//! resubmissions after `-ENOMEM`, and opening the replica.
+//! A request's path: [`submit_request`] (the one switch on the I/O type) → `read`/`write`
+//! on the replica → the direct path (`direct.rs`) when cached metadata maps it to one
+//! extent, else the engine through the channel's [`Driver`] (`engine_host.rs`), else the
+//! owner (`owner::forward`). The poller drives slow paths (tasks), resubmissions after
+//! `-ENOMEM`, opening the replica, and sending forwarded requests.
 
-use crate::device::{DirectTarget, IovView, SpdkDevice};
-use crate::ffi::bdev_io::BdevIo;
-use crate::ffi::io_channel::{self, ChannelIter};
+use crate::device::SpdkDevice;
+use crate::direct::{self, DirectReq, Target};
+use crate::engine_host::{Driver, Host};
+use crate::ffi::bdev::Desc;
+use crate::ffi::bdev_io::{BdevIo, BufDone, ChildDone, IoQueue};
+use crate::ffi::io_channel::ChannelIter;
 use crate::ffi::sys;
-use crate::ffi::thread::{self, Poller, POLLER_BUSY, POLLER_IDLE};
-use crate::node::{Node, BLOCK_SIZE};
+use crate::ffi::thread::{self, Poll, Polled, PollerSlot};
+use crate::io_ctx::OwnerOp;
+use crate::node::Node;
 use crate::owner;
 use qcow2_engine::coherency::SliceReply;
-use qcow2_engine::io::DeviceError;
 use qcow2_engine::{Chain, DevId, Direct, Exec, Layer, OwnerLink, Qcow2, WriteRoute};
 use serde::Serialize;
-use std::cell::{Cell, RefCell};
+use std::cell::{Cell, OnceCell, RefCell};
 use std::collections::VecDeque;
-use std::ffi::{c_int, c_void, CStr};
+use std::ffi::c_int;
 use std::rc::Rc;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 
 type Opened = Rc<RefCell<Option<qcow2_engine::Result<Qcow2<SpdkDevice>>>>>;
 
 /// One thread's channel of a qcow2 bdev.
 pub struct Channel {
     /// The node's count of live channel states (decremented on drop).
-    live: *const AtomicUsize,
+    live: Arc<AtomicUsize>,
     /// Where this channel's counters go when it is freed.
-    retired: *const std::sync::Mutex<ChannelStats>,
-    exec: Exec<SpdkDevice>,
+    retired: Arc<Mutex<ChannelStats>>,
+    /// The executor, the in-engine mark and the poller.
+    driver: Driver,
     /// The base device for the direct path (a replica's channels).
-    direct: Option<DirectTarget>,
+    direct: Option<Target>,
     /// Writable bdev: the md thread slow paths (all requests, on the md thread itself) are
     /// forwarded to.
     forward_to: Option<*mut sys::spdk_thread>,
@@ -59,19 +63,18 @@ pub struct Channel {
     prefetch: bool,
     /// Writable bdev: requests forwarded to the owner since the poller's last pass (it
     /// sends them as one message: [`owner::send_forwarded`]).
-    outbox: Cell<owner::Batch>,
+    outbox: IoQueue,
     /// Writable bdev: slice requests that SPDK's message pool could not take yet.
-    unsent_asks: RefCell<Vec<*mut Ask>>,
+    #[allow(clippy::vec_box)] // boxed: each goes out again as the message it was
+    unsent_asks: RefCell<Vec<Box<Ask>>>,
     /// Writes served in place here / sent to the owner.
     local_writes: Cell<u64>,
     forwarded: Cell<u64>,
     backing_dev: Option<DevId>,
     opened: Opened,
-    chain: RefCell<Option<Rc<Chain<SpdkDevice>>>>,
-    /// The chain in `chain` while this channel serves requests on its replica with a
-    /// direct target (set by `try_ready`, cleared first thing on drop; null otherwise):
-    /// the request path reads it without the `RefCell` and the checks `start` makes.
-    fast: Cell<*const Rc<Chain<SpdkDevice>>>,
+    /// The replica's chain, set once when it is ready (`try_ready`): the request path
+    /// serves on it when set.
+    chain: OnceCell<Rc<Chain<SpdkDevice>>>,
     failed: Cell<bool>,
     /// Reads that arrived before the replica was open.
     queued: RefCell<VecDeque<BdevIo>>,
@@ -80,11 +83,7 @@ pub struct Channel {
     accepted: Cell<u64>,
     /// Reset iterations waiting for no request to be outstanding.
     reset_waiters: RefCell<Vec<ChannelIter>>,
-    poller: RefCell<Option<Poller>>,
     closing: Cell<bool>,
-    /// Set while the channel runs engine code (its executor or chain may be borrowed): a
-    /// base completion arriving then is left for the poller (see [`deliver`]).
-    in_engine: Cell<bool>,
     completed: Cell<u64>,
     errors: Cell<u64>,
     thread_name: String,
@@ -146,34 +145,31 @@ impl ChannelStats {
 }
 
 impl Channel {
-    fn new(node: &Node) -> Result<Box<Channel>, i32> {
+    /// This thread's channel state of `node` (SPDK's `create_cb`; see `ffi/io_channel.rs`).
+    pub fn create(node: &Node) -> Result<Box<Channel>, i32> {
         let base = node.base.as_ref().ok_or(libc::ENODEV)?;
-        let exec: Exec<SpdkDevice> = Exec::new();
-        let thread_name = current_thread_name();
+        let thread_name = thread::current_name();
         node.live_channels.fetch_add(1, Ordering::AcqRel);
         let mut ch = Box::new(Channel {
-            live: &node.live_channels,
-            retired: &node.retired,
-            exec,
+            live: node.live_channels.clone(),
+            retired: node.retired.clone(),
+            driver: Driver::new(Exec::new()),
             direct: None,
             forward_to: None,
             forward_only: Cell::new(false),
             prefetch: node.params.prefetch_on(),
-            outbox: Cell::new(owner::Batch::EMPTY),
+            outbox: IoQueue::new(),
             unsent_asks: RefCell::new(Vec::new()),
             local_writes: Cell::new(0),
             forwarded: Cell::new(0),
             backing_dev: None,
             opened: Rc::new(RefCell::new(None)),
-            chain: RefCell::new(None),
-            fast: Cell::new(std::ptr::null()),
+            chain: OnceCell::new(),
             failed: Cell::new(false),
             queued: RefCell::new(VecDeque::new()),
             accepted: Cell::new(0),
             reset_waiters: RefCell::new(Vec::new()),
-            poller: RefCell::new(None),
             closing: Cell::new(false),
-            in_engine: Cell::new(false),
             completed: Cell::new(0),
             errors: Cell::new(0),
             thread_name,
@@ -184,27 +180,28 @@ impl Channel {
                 return Ok(ch);
             }
         }
-        let exec = &ch.exec;
-        let ctx = (&*ch as *const Channel).cast_mut().cast::<c_void>();
-        let device = |desc| {
-            let mut d = SpdkDevice::new(desc).ok_or(libc::ENOMEM)?;
-            // SAFETY: the channel state is boxed (stable address) and owns the executor that
-            // owns the device; a device dropped with operations in flight clears its sink.
-            unsafe { d.set_sink(deliver, ctx) };
-            Ok::<_, i32>(exec.add_device(d))
+        let chp: *const Channel = &*ch;
+        let add = |desc: &Desc| {
+            let d = SpdkDevice::new(desc).ok_or(libc::ENOMEM)?;
+            let id = ch.exec().add_device(d);
+            // SAFETY: the channel state is boxed (stable address) and owns the driver that
+            // owns the device; a device dropped with operations in flight forgets it.
+            unsafe { ch.driver.attach(id, chp) };
+            Ok::<_, i32>(id)
         };
-        let base_dev = device(base)?;
+        let base_dev = add(base)?;
         let backing_dev = match &node.backing {
-            Some(d) => Some(device(d)?),
+            Some(d) => Some(add(d)?),
             None => None,
         };
+        let exec = ch.exec();
         match (&node.seed, ch.forward_to) {
             (Some(seed), Some(md)) => {
                 // A replica of the owner's image, usable at once.
                 let link = Box::new(SpdkLink {
                     md,
                     owner: node.owner,
-                    chan: ctx.cast::<Channel>(),
+                    chan: chp,
                 });
                 let r = Qcow2::from_seed(seed.clone(), exec, base_dev, node.opts, link);
                 *ch.opened.borrow_mut() = Some(r);
@@ -218,10 +215,19 @@ impl Channel {
             }
         }
         ch.backing_dev = backing_dev;
-        ch.direct = Some(ch.exec.with_device(base_dev, |d| d.direct_target(base_dev)));
+        ch.direct = Some(
+            ch.exec()
+                .with_device(base_dev, |d| d.direct_target(base_dev)),
+        );
         ch.try_ready();
         ch.queued.borrow_mut().reserve(256);
         Ok(ch)
+    }
+
+    /// The executor.
+    #[inline(always)]
+    fn exec(&self) -> &Exec<SpdkDevice> {
+        self.driver.exec()
     }
 
     /// Counters of this channel.
@@ -232,10 +238,10 @@ impl Channel {
             forwarded: self.forwarded.get(),
             completed: self.completed.get(),
             errors: self.errors.get(),
-            busy_retries: self.exec.stats().busy_retries,
+            busy_retries: self.exec().stats().busy_retries,
             ..ChannelStats::default()
         };
-        if let Some(chain) = self.chain.borrow().as_ref() {
+        if let Some(chain) = self.chain.get() {
             let r = chain.stats();
             s.fast_reads = r.fast_reads;
             s.slow_reads = r.slow_reads;
@@ -257,34 +263,28 @@ impl Channel {
     /// Once the replica is open: builds the chain (the backing bdev, if any, is a raw layer:
     /// a qcow2 backing image is another of our bdevs) and submits the queued reads.
     fn try_ready(&self) {
-        if self.chain.borrow().is_some() || self.failed.get() {
+        if self.chain.get().is_some() || self.failed.get() {
             return;
         }
         let Some(r) = self.opened.borrow_mut().take() else {
             return;
         };
-        let chain = self.in_engine(|| {
+        let chain = self.driver.run(|| {
             r.and_then(|q| {
                 let mut layers = vec![Layer::Qcow2(Box::new(q))];
                 if let Some(d) = self.backing_dev {
                     layers.push(Layer::Raw {
                         dev: d,
-                        size: self.exec.device_size(d),
+                        size: self.exec().device_size(d),
                     });
                 }
-                Chain::new(&self.exec, layers)
+                Chain::new(self.exec(), layers)
             })
         });
         match chain {
             Ok(c) => {
                 c.set_prefetch(self.prefetch);
-                *self.chain.borrow_mut() = Some(c);
-                if self.direct.is_some() {
-                    // SAFETY: no borrow of `chain` is live here; the pointer names the `Rc`
-                    // inside it, which stays in place until `drop` clears `fast` first.
-                    let c = unsafe { (*self.chain.as_ptr()).as_ref() };
-                    self.fast.set(c.map_or(std::ptr::null(), |c| c as *const _));
-                }
+                let _ = self.chain.set(c);
             }
             Err(e) if self.forward_to.is_some() => {
                 // A writable bdev's replica could not be built (e.g. more threads than
@@ -305,107 +305,29 @@ impl Channel {
         }
         let queued = std::mem::take(&mut *self.queued.borrow_mut());
         for io in queued {
-            self.read(io);
+            self.read_replica(io);
         }
     }
 
-    /// Starts a guest read (its buffers are attached).
-    fn read(&self, io: BdevIo) {
-        if self.failed.get() {
-            return self.finish(io, false);
-        }
-        let chain = self.chain.borrow();
-        let Some(chain) = chain.as_ref() else {
-            self.queued.borrow_mut().push_back(io);
-            return;
-        };
-        self.read_on(chain, io);
-    }
-
-    /// A guest read on this channel's replica: straight to the base when cached metadata
-    /// maps it to one extent (`submit_direct`), else through the engine.
+    /// A guest read (`submit_request`).
     #[inline(always)]
-    fn read_on(&self, chain: &Rc<Chain<SpdkDevice>>, io: BdevIo) {
-        let bs = u64::from(BLOCK_SIZE);
-        let (off, len) = (io.offset_blocks() * bs, io.num_blocks() * bs);
-        self.own(io);
-        let target = self.direct.as_ref();
-        // The memo of linear slices first: a hit is a few compares, and read-ahead watches
-        // it only in its slice's tail.
-        if let Some(d) = chain.memo_direct(off, len, false) {
-            chain.read_ahead_memo(off, len);
-            if submit_read_mapped(chain, &self.exec, target, io, d, len, chan_direct_done) {
-                return;
-            }
-            return self.read_engine(chain, io);
+    fn read(&self, io: BdevIo) {
+        self.accept();
+        if !io.has_buf() {
+            return io.get_buf::<Channel>();
         }
-        self.read_mapped(chain, io, (off, len));
-    }
-
-    /// [`read_on`](Self::read_on) past the memo: the direct path with the slice cache's
-    /// look-up, else the engine (out of line: the memo's path stays small).
-    #[inline(never)]
-    fn read_mapped(&self, chain: &Rc<Chain<SpdkDevice>>, io: BdevIo, (off, len): (u64, u64)) {
-        chain.read_ahead(off, len);
-        let target = self.direct.as_ref();
-        // Past the memo: `read_on` asked it.
-        if submit_direct(
-            chain,
-            &self.exec,
-            target,
-            io,
-            (off, len, false, false),
-            chan_direct_done,
-        ) {
-            return;
-        }
-        self.read_engine(chain, io);
-    }
-
-    /// [`read_on`](Self::read_on) through the engine (out of line: the direct path stays
-    /// small).
-    #[inline(never)]
-    fn read_engine(&self, chain: &Rc<Chain<SpdkDevice>>, io: BdevIo) {
-        // SAFETY: we complete the bdev_io only after the engine reported the request done.
-        let buf = unsafe { IovView::guest_buf(io) };
-        let off = io.offset_blocks() * u64::from(BLOCK_SIZE);
-        self.in_engine(|| chain.submit_read(io.tag(), off, buf));
-    }
-
-    /// Runs `f` marked as inside the engine (nests: restores the previous mark).
-    fn in_engine<R>(&self, f: impl FnOnce() -> R) -> R {
-        let prev = self.in_engine.replace(true);
-        let r = f();
-        self.in_engine.set(prev);
-        r
-    }
-
-    /// Completes the guest request the engine reported done under `tag`.
-    fn complete_tag(&self, tag: u64, r: qcow2_engine::Result<()>) {
-        // SAFETY: tags are bdev_ios we submitted to the engine and have not completed.
-        if let Some(io) = unsafe { BdevIo::from_tag(tag) } {
-            match (&r, self.forward_to) {
-                // Not an in-place write after all: the owner runs it.
-                (Err(qcow2_engine::Error::NotLocal), Some(md)) => {
-                    self.forwarded.set(self.forwarded.get() + 1);
-                    return owner::forward(md, io, false, &self.outbox);
-                }
-                (Err(e), _) => tracing::debug!("request failed: {e}"),
-                (Ok(()), _) if io.io_type() == sys::SPDK_BDEV_IO_TYPE_WRITE => {
-                    self.local_writes.set(self.local_writes.get() + 1)
-                }
-                _ => {}
-            }
-            self.finish(io, r.is_ok());
+        match self.chain.get() {
+            Some(chain) => self.read_on(chain, io),
+            None => self.start(io),
         }
     }
 
-    /// Starts a request that carries its buffers: forwarded to the owner (writable bdev) or
-    /// read from this channel's replica.
+    /// A guest read whose buffers are attached, before the replica is ready (or without
+    /// one): forwarded to the owner (writable bdev) or read from this channel's replica.
     fn start(&self, io: BdevIo) {
         match self.forward_to {
-            Some(md) if !self.has_replica() => owner::forward(md, io, false, &self.outbox),
-            _ => self.read(io),
+            Some(md) if !self.has_replica() => owner::forward(md, io, OwnerOp::Read, &self.outbox),
+            _ => self.read_replica(io),
         }
     }
 
@@ -413,21 +335,75 @@ impl Channel {
     /// writable bdevs away from the md thread).
     fn has_replica(&self) -> bool {
         !self.forward_only.get()
-            && (self.chain.borrow().is_some()
-                || self.opened.borrow().is_some()
-                || self.failed.get())
+            && (self.chain.get().is_some() || self.opened.borrow().is_some() || self.failed.get())
     }
 
-    /// A guest write on a writable bdev: in place on this thread's replica when the clusters
-    /// are allocated and COPIED (fast path), else on the owner.
-    fn write(&self, io: BdevIo, md: *mut sys::spdk_thread) {
-        let chain = self.chain.borrow();
-        if let (Some(chain), false) = (chain.as_ref(), self.forward_only.get()) {
-            return self.write_on(chain, io, md);
+    /// A guest read on this channel's replica, queued until it is open.
+    fn read_replica(&self, io: BdevIo) {
+        if self.failed.get() {
+            return self.finish(io, false);
         }
-        drop(chain);
-        self.forwarded.set(self.forwarded.get() + 1);
-        owner::forward(md, io, false, &self.outbox);
+        match self.chain.get() {
+            Some(chain) => self.read_on(chain, io),
+            None => self.queued.borrow_mut().push_back(io),
+        }
+    }
+
+    /// A guest read on this channel's replica: straight to the base when cached metadata
+    /// maps it to one extent (`direct.rs`), else through the engine.
+    #[inline(always)]
+    fn read_on(&self, chain: &Rc<Chain<SpdkDevice>>, mut io: BdevIo) {
+        let req = DirectReq::of(&io, false, false);
+        self.own(&mut io);
+        // The memo of linear slices first: a hit is a few compares, and read-ahead watches
+        // it only in its slice's tail.
+        if let Some(d) = chain.memo_direct(req.off, req.len, false) {
+            chain.read_ahead_memo(req.off, req.len);
+            let target = self.direct.as_ref();
+            if let Err(io) =
+                direct::submit_read_mapped::<Channel>(chain, self.exec(), target, io, d)
+            {
+                self.read_engine(chain, io);
+            }
+            return;
+        }
+        self.read_mapped(chain, io, req);
+    }
+
+    /// [`read_on`](Self::read_on) past the memo: the direct path with the slice cache's
+    /// look-up, else the engine (out of line: the memo's path stays small).
+    #[inline(never)]
+    fn read_mapped(&self, chain: &Rc<Chain<SpdkDevice>>, io: BdevIo, req: DirectReq) {
+        chain.read_ahead(req.off, req.len);
+        let target = self.direct.as_ref();
+        if let Err(io) = direct::submit_direct::<Channel>(chain, self.exec(), target, io, req) {
+            self.read_engine(chain, io);
+        }
+    }
+
+    /// [`read_on`](Self::read_on) through the engine (out of line: the direct path stays
+    /// small).
+    #[inline(never)]
+    fn read_engine(&self, chain: &Rc<Chain<SpdkDevice>>, io: BdevIo) {
+        self.driver
+            .submit(io, |tag, off, buf| chain.submit_read(tag, off, buf));
+    }
+
+    /// A guest write (`submit_request`): in place on this thread's replica when the
+    /// clusters are allocated and COPIED (fast path), else on the owner.
+    #[inline(always)]
+    fn write(&self, io: BdevIo) {
+        let Some(md) = self.forward_to else {
+            return io.complete(sys::SPDK_BDEV_IO_STATUS_FAILED);
+        };
+        self.accept();
+        match self.chain.get() {
+            Some(chain) => self.write_on(chain, io, md),
+            None => {
+                self.forwarded.set(self.forwarded.get() + 1);
+                owner::forward(md, io, OwnerOp::Write, &self.outbox);
+            }
+        }
     }
 
     /// A guest write on this channel's replica: straight to the base when it overwrites
@@ -435,13 +411,12 @@ impl Channel {
     /// place through the engine (with read-ahead).
     #[inline(always)]
     fn write_on(&self, chain: &Rc<Chain<SpdkDevice>>, io: BdevIo, md: *mut sys::spdk_thread) {
-        let bs = u64::from(BLOCK_SIZE);
-        let (off, len) = (io.offset_blocks() * bs, io.num_blocks() * bs);
+        let req = DirectReq::of(&io, true, false);
         // The memo of linear slices first: an overwrite it knows is a few compares.
-        if let Some(d) = chain.memo_direct(off, len, true) {
-            return self.write_mapped(chain, io, d, (off, len));
+        if let Some(d) = chain.memo_direct(req.off, req.len, true) {
+            return self.write_mapped(chain, io, d, req);
         }
-        self.write_routed(chain, io, md, (off, len));
+        self.write_routed(chain, io, md, req);
     }
 
     /// An overwrite mapped to one extent `d`: straight to the base, else (base busy) in
@@ -450,17 +425,16 @@ impl Channel {
     fn write_mapped(
         &self,
         chain: &Rc<Chain<SpdkDevice>>,
-        io: BdevIo,
+        mut io: BdevIo,
         d: Direct,
-        (off, len): (u64, u64),
+        req: DirectReq,
     ) {
-        self.own(io);
+        self.own(&mut io);
         let target = self.direct.as_ref();
-        if submit_mapped(&self.exec, target, io, d, (len, true), chan_direct_done) {
-            self.local_writes.set(self.local_writes.get() + 1);
-            return;
+        match direct::submit_mapped::<Channel>(self.exec(), target, io, d, true) {
+            Ok(()) => self.local_writes.set(self.local_writes.get() + 1),
+            Err(io) => self.write_local(chain, io, req),
         }
-        self.write_local(chain, io, (off, len));
     }
 
     /// [`write_on`](Self::write_on) past the memo: routed by the slice cache's look-up
@@ -471,43 +445,54 @@ impl Channel {
         chain: &Rc<Chain<SpdkDevice>>,
         io: BdevIo,
         md: *mut sys::spdk_thread,
-        (off, len): (u64, u64),
+        req: DirectReq,
     ) {
-        match chain.route_write_past_memo(off, len) {
+        match chain.route_write_past_memo(req.off, req.len) {
             // First writes and COW go to the owner without a detour through this replica.
             WriteRoute::Owner { slow } => {
                 self.forwarded.set(self.forwarded.get() + 1);
-                owner::forward(md, io, slow, &self.outbox);
+                let op = if slow {
+                    OwnerOp::WriteSlow
+                } else {
+                    OwnerOp::Write
+                };
+                owner::forward(md, io, op, &self.outbox);
             }
-            WriteRoute::Direct(d) => self.write_mapped(chain, io, d, (off, len)),
-            WriteRoute::Local => self.write_local(chain, io, (off, len)),
+            WriteRoute::Direct(d) => self.write_mapped(chain, io, d, req),
+            WriteRoute::Local => self.write_local(chain, io, req),
         }
     }
 
     /// A write in place through this replica's engine, with read-ahead.
-    fn write_local(&self, chain: &Rc<Chain<SpdkDevice>>, io: BdevIo, (off, len): (u64, u64)) {
+    fn write_local(&self, chain: &Rc<Chain<SpdkDevice>>, io: BdevIo, req: DirectReq) {
         // Read-ahead watches the writes that need the engine here (a slice to load, most
         // often): a stream of direct overwrites needs no slice loaded ahead, and the owner
         // runs its own read-ahead on what it is sent.
-        chain.read_ahead(off, len);
+        chain.read_ahead(req.off, req.len);
         self.write_engine(chain, io);
     }
 
     /// [`write_on`](Self::write_on) in place through the engine (out of line).
     #[inline(never)]
     fn write_engine(&self, chain: &Rc<Chain<SpdkDevice>>, io: BdevIo) {
-        // SAFETY: as in `read_engine`.
-        let buf = unsafe { IovView::guest_buf(io) };
-        let off = io.offset_blocks() * u64::from(BLOCK_SIZE);
-        // Completes here, or with `NotLocal` (see `complete_tag`): then to the owner.
-        self.in_engine(|| chain.submit_write_local(io.tag(), off, buf));
+        // Completes here, or with `NotLocal` (see `request_done`): then to the owner.
+        self.driver
+            .submit(io, |tag, off, buf| chain.submit_write_local(tag, off, buf));
     }
 
-    /// Records this channel in the bdev_io's context for `chan_direct_done`.
-    fn own(&self, io: BdevIo) {
-        // SAFETY: the driver context has room for an `IoCtx` (`module::get_ctx_size`); the
-        // bdev_io is ours until completed, and this channel state outlives it.
-        unsafe { (*io.driver_ctx().cast::<owner::IoCtx>()).chan = (self as *const Channel).cast() };
+    /// Write zeroes, unmap and flush (`submit_request`): the owner runs them.
+    fn to_owner(&self, io: BdevIo, op: OwnerOp) {
+        let Some(md) = self.forward_to else {
+            return io.complete(sys::SPDK_BDEV_IO_STATUS_FAILED);
+        };
+        self.accept();
+        owner::forward(md, io, op, &self.outbox);
+    }
+
+    /// Records this channel in the request's context for its direct-path completion.
+    #[inline(always)]
+    fn own(&self, io: &mut BdevIo) {
+        io.ctx_mut().set_chan(self);
     }
 
     fn finish(&self, io: BdevIo, ok: bool) {
@@ -543,393 +528,159 @@ impl Channel {
 
     /// Whether nothing is in flight (the channel may be freed).
     fn idle(&self) -> bool {
-        !self.exec.busy() && self.outstanding() == 0
+        !self.exec().busy() && self.outstanding() == 0
+    }
+}
+
+impl Host for Channel {
+    fn driver(&self) -> &Driver {
+        &self.driver
+    }
+
+    fn request_done(&self, io: BdevIo, r: qcow2_engine::Result<()>) {
+        let write = io.io_type() == sys::SPDK_BDEV_IO_TYPE_WRITE;
+        match (&r, self.forward_to) {
+            // Not an in-place write after all: the owner runs it.
+            (Err(qcow2_engine::Error::NotLocal), Some(md)) => {
+                self.forwarded.set(self.forwarded.get() + 1);
+                let op = if write { OwnerOp::Write } else { OwnerOp::Read };
+                return owner::forward(md, io, op, &self.outbox);
+            }
+            (Err(e), _) => tracing::debug!("request failed: {e}"),
+            (Ok(()), _) if write => self.local_writes.set(self.local_writes.get() + 1),
+            _ => {}
+        }
+        self.finish(io, r.is_ok());
+    }
+}
+
+/// Completion of a channel's direct-path request, on its thread.
+impl ChildDone for Channel {
+    fn child_done(io: BdevIo, success: bool) {
+        // SAFETY: `own` recorded the channel state the request was submitted from, live
+        // while the request is outstanding on it.
+        let c = unsafe { &*io.ctx().chan() };
+        direct::leave(c.exec(), &io);
+        c.finish(io, success);
+    }
+}
+
+/// A read's buffer arrived (`BdevIo::get_buf`).
+impl BufDone for Channel {
+    fn buf_done(io: BdevIo, success: bool) {
+        io.with_channel(|c, io| {
+            if success {
+                c.start(io);
+            } else {
+                c.finish(io, false);
+            }
+        });
     }
 }
 
 impl Drop for Channel {
     fn drop(&mut self) {
         let s = self.stats();
-        // SAFETY: the node outlives its channel states (it waits for `live` to reach 0).
-        if let Ok(mut r) = unsafe { &*self.retired }.lock() {
+        if let Ok(mut r) = self.retired.lock() {
             r.add(&s);
         }
         // Release the base channels (and any other engine state) before the node may
         // close the descriptors they belong to.
-        self.fast.set(std::ptr::null());
-        self.chain.borrow_mut().take();
+        self.chain.take();
         self.opened.borrow_mut().take();
-        self.exec = Exec::new();
-        // SAFETY: the node outlives its channel states (it waits for this count to reach 0).
-        unsafe { (*self.live).fetch_sub(1, Ordering::AcqRel) };
+        self.driver.release();
+        self.live.fetch_sub(1, Ordering::AcqRel);
     }
-}
-
-fn current_thread_name() -> String {
-    // SAFETY: called on an SPDK thread; the name is a valid C string or null.
-    unsafe {
-        let n = sys::spdk_thread_get_name(thread::current());
-        if n.is_null() {
-            String::new()
-        } else {
-            CStr::from_ptr(n).to_string_lossy().into_owned()
-        }
-    }
-}
-
-/// The direct path for a guest read or write (`Chain::map_direct`) of `len` bytes at guest
-/// byte `off` (`(off, len, write, memo)`, taken from `io`; without `memo`, for a caller
-/// that asked `Chain::memo_direct` already, `Chain::map_direct_past_memo`): when the
-/// request maps, from cached metadata alone, to one extent of the base, its own iovecs go
-/// straight to the base bdev — one child bdev_io, like SPDK's passthru — and `done`
-/// completes it (it must leave the grace period with the parity stored in the driver
-/// context). Returns false, having
-/// submitted nothing, when the engine must run it (slice miss, allocation, several extents,
-/// zeros, backing, base busy: the engine queues for SPDK's bdev_io pool).
-#[inline(always)]
-pub fn submit_direct(
-    chain: &Chain<SpdkDevice>,
-    exec: &Exec<SpdkDevice>,
-    target: Option<&DirectTarget>,
-    io: BdevIo,
-    (off, len, write, memo): (u64, u64, bool, bool),
-    done: unsafe extern "C" fn(*mut sys::spdk_bdev_io, bool, *mut c_void),
-) -> bool {
-    if target.is_none() {
-        return false;
-    }
-    let found = if memo {
-        chain.map_direct(off, len, write)
-    } else {
-        chain.map_direct_past_memo(off, len, write)
-    };
-    let Some(d) = found else {
-        return false;
-    };
-    if write {
-        return submit_mapped(exec, target, io, d, (len, true), done);
-    }
-    submit_read_mapped(chain, exec, target, io, d, len, done)
-}
-
-/// [`submit_mapped`] for a read, counted as served on the direct path once submitted.
-#[inline(always)]
-fn submit_read_mapped(
-    chain: &Chain<SpdkDevice>,
-    exec: &Exec<SpdkDevice>,
-    target: Option<&DirectTarget>,
-    io: BdevIo,
-    d: Direct,
-    len: u64,
-    done: unsafe extern "C" fn(*mut sys::spdk_bdev_io, bool, *mut c_void),
-) -> bool {
-    let ok = submit_mapped(exec, target, io, d, (len, false), done);
-    if ok {
-        chain.count_direct_read();
-    }
-    ok
-}
-
-/// Submits a request of `len` bytes mapped to one extent (`Chain::map_direct`,
-/// `Chain::route_write`) to the base with the bdev_io's own iovecs; on refusal (another
-/// device, no target, base busy) leaves the grace period and returns false, having
-/// submitted nothing.
-#[inline(always)]
-pub fn submit_mapped(
-    exec: &Exec<SpdkDevice>,
-    target: Option<&DirectTarget>,
-    io: BdevIo,
-    d: Direct,
-    (len, write): (u64, bool),
-    done: unsafe extern "C" fn(*mut sys::spdk_bdev_io, bool, *mut c_void),
-) -> bool {
-    let Some(t) = target.filter(|t| t.dev == d.dev) else {
-        exec.guest_exit(d.parity);
-        return false;
-    };
-    // SAFETY: the driver context has room for an `IoCtx` (`module::get_ctx_size`); the
-    // bdev_io is ours until completed.
-    unsafe { (*io.driver_ctx().cast::<owner::IoCtx>()).parity = d.parity };
-    // SAFETY: the target's device lives in `exec`, alive with the caller; the bdev_io's
-    // iovecs hold `len` bytes and stay valid until it is completed, which `done` does
-    // after the child completed; `done` gets the bdev_io back.
-    let r = unsafe {
-        t.submit(
-            write,
-            io.raw_iovs(),
-            d.host,
-            len,
-            Some(done),
-            io.raw().cast(),
-        )
-    };
-    if r.is_err() {
-        exec.guest_exit(d.parity);
-        return false;
-    }
-    true
-}
-
-/// The common start of a direct-path completion: frees the child bdev_io and returns the
-/// guest bdev_io with the grace-period parity `submit_direct` stored in its driver context.
-///
-/// # Safety
-/// `child` and `arg` are what SPDK passes to the completion callback of `submit_direct`
-/// (called once per child).
-pub unsafe fn direct_completed(
-    child: *mut sys::spdk_bdev_io,
-    arg: *mut c_void,
-) -> Option<(BdevIo, u8)> {
-    // SAFETY: SPDK hands back the child bdev_io of `submit_direct`; freed once, here.
-    unsafe { sys::spdk_bdev_free_io(child) };
-    // SAFETY: `arg` is the guest bdev_io, outstanding until the caller completes it.
-    let io = unsafe { BdevIo::from_raw(arg.cast()) }?;
-    // SAFETY: the driver context holds an `IoCtx` (`module::get_ctx_size`).
-    let parity = unsafe { (*io.driver_ctx().cast::<owner::IoCtx>()).parity };
-    Some((io, parity))
-}
-
-/// Completion of a channel's direct-path request, on its thread.
-unsafe extern "C" fn chan_direct_done(
-    child: *mut sys::spdk_bdev_io,
-    success: bool,
-    arg: *mut c_void,
-) {
-    // SAFETY: per SPDK's completion contract.
-    let Some((io, parity)) = (unsafe { direct_completed(child, arg) }) else {
-        return;
-    };
-    // SAFETY: `Channel::own` stored the channel state it was submitted from, live while
-    // the bdev_io is outstanding on it.
-    let c = unsafe {
-        &*(*io.driver_ctx().cast::<owner::IoCtx>())
-            .chan
-            .cast::<Channel>()
-    };
-    c.exec.guest_exit(parity);
-    c.finish(io, success);
-}
-
-/// A hint to the CPU to load the cache line at `p` (no effect on other architectures).
-#[inline]
-pub fn prefetch_line(p: *const u8) {
-    #[cfg(target_arch = "x86_64")]
-    // SAFETY: a prefetch never faults, whatever the address; SSE is part of x86_64.
-    unsafe {
-        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(p.cast())
-    };
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = p;
 }
 
 /// Completes a request the owner ran, on the thread (and channel) it was submitted on, with
 /// the status it carries back.
 pub fn complete_forwarded(io: BdevIo) {
-    // SAFETY: `io` was submitted on a channel of our bdev on this thread and is counted as
-    // outstanding there, so the channel state is live.
-    let c = unsafe { from_ctx(io_channel::ctx_of(io.io_channel())) };
-    c.finish_status(io, owner::status_of(io));
+    let status = io.ctx().status();
+    io.with_channel(|c, io| c.finish_status(io, status));
 }
 
-/// The channel behind a channel context area.
-///
-/// # Safety
-/// `ctx` must be the context area of a live channel of one of our nodes.
-unsafe fn from_ctx<'a>(ctx: *mut c_void) -> &'a Channel {
-    // SAFETY: `create_cb` stored a live `Box<Channel>` pointer in the area.
-    unsafe { &**ctx.cast::<*mut Channel>() }
-}
-
-/// `spdk_io_device_register` constructor: builds this thread's channel state.
-pub unsafe extern "C" fn create_cb(io_device: *mut c_void, ctx: *mut c_void) -> c_int {
-    // SAFETY: our io_devices are nodes, live while channels exist.
-    let node = unsafe { &*io_device.cast::<Node>() };
-    let ch = match Channel::new(node) {
-        Ok(c) => Box::into_raw(c),
-        Err(e) => return -e,
-    };
-    // SAFETY: `ch` stays alive until `chan_poll` or `destroy_cb` frees it, after which the
-    // poller never runs again.
-    match unsafe { Poller::register(chan_poll, ch.cast(), 0, c"qcow2_channel") } {
-        // SAFETY: `ch` is live and only ours.
-        Some(p) => unsafe { *(*ch).poller.borrow_mut() = Some(p) },
-        None => {
-            // SAFETY: no poller refers to it; nothing is in flight except the open task,
-            // which the executor drops with it.
-            drop(unsafe { Box::from_raw(ch) });
-            return -libc::ENOMEM;
-        }
-    }
-    // SAFETY: the context area has room for one pointer (size given at registration).
-    unsafe { *ctx.cast::<*mut Channel>() = ch };
-    0
-}
-
-/// Destructor: frees the state now if idle, else lets the poller free it once idle (a
-/// channel can go away while its replica is still being opened).
-pub unsafe extern "C" fn destroy_cb(_io_device: *mut c_void, ctx: *mut c_void) {
-    // SAFETY: the area holds the pointer `create_cb` stored.
-    let ch = unsafe { *ctx.cast::<*mut Channel>() };
-    // SAFETY: live channel state.
-    let c = unsafe { &*ch };
-    c.closing.set(true);
-    if c.idle() {
-        if let Some(p) = c.poller.borrow_mut().as_mut() {
-            p.unregister();
-        }
-        // SAFETY: idle and unregistered: nothing refers to the state any more.
-        drop(unsafe { Box::from_raw(ch) });
+impl Channel {
+    /// SPDK put the channel (`destroy_cb`): whether the state can go now; else its poll
+    /// finishes it once idle (a channel can go away while its replica is still being
+    /// opened).
+    pub fn release(&self) -> bool {
+        self.closing.set(true);
+        self.idle()
     }
 }
 
-unsafe extern "C" fn chan_poll(ctx: *mut c_void) -> c_int {
-    let chp = ctx.cast::<Channel>();
-    // SAFETY: the poller's context is live channel state (freed only below, or by
-    // `destroy_cb` after unregistering this poller).
-    let ch = unsafe { &*chp };
-    // Idle (or a writable bdev's forwarding channel): nothing for the executor to do.
-    let mut n = if ch.exec.busy() {
-        ch.in_engine(|| ch.exec.poll(&mut |tag, r| ch.complete_tag(tag, r)))
-    } else {
-        0
-    };
-    let opening = ch.forward_to.is_none() || ch.opened.borrow().is_some();
-    if opening && ch.chain.borrow().is_none() && !ch.failed.get() {
-        ch.try_ready();
-        n += 1;
+impl Polled for Channel {
+    fn slot(&self) -> &PollerSlot {
+        self.driver.slot()
     }
-    if !ch.unsent_asks.borrow().is_empty() {
-        let asks = std::mem::take(&mut *ch.unsent_asks.borrow_mut());
-        for a in asks {
-            n += 1;
-            send_ask(a);
-        }
-    }
-    if let Some(md) = ch.forward_to {
-        if owner::send_forwarded(md, &ch.outbox) {
+
+    /// The channel's poller: the executor, opening the replica, resending, forwarded
+    /// requests, resets, and freeing the state once SPDK put the channel and it is idle.
+    #[inline(always)]
+    fn poll(&self) -> Poll {
+        // Idle (or a writable bdev's forwarding channel): nothing for the executor to do.
+        let mut n = self.driver.poll(self);
+        let opening = self.forward_to.is_none() || self.opened.borrow().is_some();
+        if opening && self.chain.get().is_none() && !self.failed.get() {
+            self.try_ready();
             n += 1;
         }
-    }
-    if ch.outstanding() == 0 && !ch.reset_waiters.borrow().is_empty() {
-        let waiters = std::mem::take(&mut *ch.reset_waiters.borrow_mut());
-        for it in waiters {
-            it.next(0);
+        if !self.unsent_asks.borrow().is_empty() {
+            let asks = std::mem::take(&mut *self.unsent_asks.borrow_mut());
+            for a in asks {
+                n += 1;
+                send_ask(a);
+            }
         }
-    }
-    if ch.closing.get() && ch.idle() {
-        if let Some(p) = ch.poller.borrow_mut().as_mut() {
-            p.unregister();
+        if let Some(md) = self.forward_to {
+            if owner::send_forwarded(md, &self.outbox) {
+                n += 1;
+            }
         }
-        // SAFETY: closing (SPDK dropped the channel), idle and unregistered: last use.
-        drop(unsafe { Box::from_raw(chp) });
-        return POLLER_BUSY;
-    }
-    if n > 0 {
-        POLLER_BUSY
-    } else {
-        POLLER_IDLE
+        if self.outstanding() == 0 && !self.reset_waiters.borrow().is_empty() {
+            let waiters = std::mem::take(&mut *self.reset_waiters.borrow_mut());
+            for it in waiters {
+                it.next(0);
+            }
+        }
+        if self.closing.get() && self.idle() {
+            // SPDK put the channel and nothing is in flight: the last poll.
+            return Poll::Done;
+        }
+        if n > 0 {
+            Poll::Busy
+        } else {
+            Poll::Idle
+        }
     }
 }
 
-/// The base devices' [`CompletionSink`](crate::device::CompletionSink): delivers a base
-/// completion into the channel's executor from SPDK's callback and completes the guest
-/// requests it finished, unless the channel is inside the engine (then the poller does).
-///
-/// # Safety
-/// `ctx` is the live channel state owning the device (see `Channel::new`).
-unsafe fn deliver(ctx: *mut c_void, tag: u64, r: Result<(), DeviceError>) -> bool {
-    // SAFETY: per the contract.
-    let ch = unsafe { &*ctx.cast::<Channel>() };
-    if ch.in_engine.get() {
-        return false;
-    }
-    ch.in_engine(|| {
-        ch.exec.device_completed(tag, r);
-        ch.exec
-            .take_completions(&mut |tag, r| ch.complete_tag(tag, r));
-    });
-    true
-}
-
-unsafe extern "C" fn get_buf_done(
-    ch: *mut sys::spdk_io_channel,
-    bdev_io: *mut sys::spdk_bdev_io,
-    success: bool,
-) {
-    // SAFETY: SPDK hands back our channel and the bdev_io we asked a buffer for.
-    let (c, io) = unsafe { (from_ctx(io_channel::ctx_of(ch)), BdevIo::from_raw(bdev_io)) };
-    let Some(io) = io else { return };
-    if success {
-        c.start(io);
-    } else {
-        c.finish(io, false);
-    }
-}
-
-/// `fn_table.submit_request`: one switch, one error tail.
-pub unsafe extern "C" fn submit_request(
-    ch: *mut sys::spdk_io_channel,
-    bdev_io: *mut sys::spdk_bdev_io,
-) {
-    // SAFETY: SPDK passes a channel of our bdev and a live bdev_io submitted to it.
-    let (c, io) = unsafe { (from_ctx(io_channel::ctx_of(ch)), BdevIo::from_raw(bdev_io)) };
-    let Some(io) = io else { return };
-    let ty = io.io_type();
-    match ty {
-        sys::SPDK_BDEV_IO_TYPE_READ => {
-            c.accept();
-            if !io.has_buf() {
-                io.get_buf(Some(get_buf_done), io.num_blocks() * u64::from(BLOCK_SIZE));
-                return;
-            }
-            let fast = c.fast.get();
-            if fast.is_null() {
-                return c.start(io);
-            }
-            // SAFETY: `fast` names the chain's `Rc` in the channel, live while it is.
-            c.read_on(unsafe { &*fast }, io);
-        }
-        sys::SPDK_BDEV_IO_TYPE_WRITE => match c.forward_to {
-            Some(md) => {
-                c.accept();
-                let fast = c.fast.get();
-                if fast.is_null() {
-                    return c.write(io, md);
-                }
-                // SAFETY: as for reads.
-                c.write_on(unsafe { &*fast }, io, md);
-            }
-            None => io.complete(sys::SPDK_BDEV_IO_STATUS_FAILED),
-        },
-        sys::SPDK_BDEV_IO_TYPE_WRITE_ZEROES
-        | sys::SPDK_BDEV_IO_TYPE_UNMAP
-        | sys::SPDK_BDEV_IO_TYPE_FLUSH => match c.forward_to {
-            Some(md) => {
-                c.accept();
-                owner::forward(md, io, false, &c.outbox);
-            }
-            None => io.complete(sys::SPDK_BDEV_IO_STATUS_FAILED),
-        },
-        sys::SPDK_BDEV_IO_TYPE_RESET => {
-            // SAFETY: `bdev.ctxt` is our node, which is the io_device, registered while the
-            // bdev has I/O.
-            let node = unsafe { (*(*bdev_io).bdev).ctxt };
-            // SAFETY: as just said.
-            unsafe { io_channel::for_each_channel(node, io, reset_step, reset_done) };
-        }
+/// `fn_table.submit_request` (through `ffi::bdev_io`): the one switch on the I/O type.
+/// Reads and writes run on this channel (its replica, the direct path, the engine) or go to
+/// the owner; what only the owner can run goes there; anything else fails.
+#[inline(always)]
+pub fn submit_request(c: &Channel, io: BdevIo) {
+    match io.io_type() {
+        sys::SPDK_BDEV_IO_TYPE_READ => c.read(io),
+        sys::SPDK_BDEV_IO_TYPE_WRITE => c.write(io),
+        sys::SPDK_BDEV_IO_TYPE_WRITE_ZEROES => c.to_owner(io, OwnerOp::WriteZeroes),
+        sys::SPDK_BDEV_IO_TYPE_UNMAP => c.to_owner(io, OwnerOp::Unmap),
+        sys::SPDK_BDEV_IO_TYPE_FLUSH => c.to_owner(io, OwnerOp::Flush),
+        sys::SPDK_BDEV_IO_TYPE_RESET => io.for_each_channel(reset_step, reset_done),
         _ => io.complete(sys::SPDK_BDEV_IO_STATUS_FAILED),
     }
 }
 
 /// A reset visits every channel and moves on once that channel has no request in flight.
 fn reset_step(it: ChannelIter, _io: &mut BdevIo) {
-    // SAFETY: the iteration visits channels of our node.
-    let c = unsafe { from_ctx(it.ctx()) };
-    if c.outstanding() == 0 {
-        it.next(0);
-    } else {
-        c.reset_waiters.borrow_mut().push(it);
-    }
+    it.with_channel(|c, it| {
+        if c.outstanding() == 0 {
+            it.next(0);
+        } else {
+            c.reset_waiters.borrow_mut().push(it);
+        }
+    });
 }
 
 fn reset_done(io: BdevIo, status: c_int) {
@@ -942,15 +693,14 @@ fn reset_done(io: BdevIo, status: c_int) {
 
 /// Collects a channel's counters during a `for_each_channel` (see `rpc.rs`).
 pub fn stats_step(it: ChannelIter, acc: &mut Vec<ChannelStats>) {
-    // SAFETY: the iteration visits channels of our node.
-    let c = unsafe { from_ctx(it.ctx()) };
-    acc.push(c.stats());
-    it.next(0);
+    it.with_channel(|c, it| {
+        acc.push(c.stats());
+        it.next(0);
+    });
 }
 
-/// How a writable bdev's replica reaches the owner for a slice it holds dirty: a message to
-/// the md thread ([`ask_on_md`]) and one back ([`ask_reply`]), carrying a boxed [`Ask`]
-/// (slow path only).
+/// How a writable bdev's replica reaches the owner for a slice it holds dirty: a boxed
+/// [`Ask`] sent to the md thread and back (slow path only).
 struct SpdkLink {
     md: *mut sys::spdk_thread,
     owner: *mut owner::Owner,
@@ -958,7 +708,7 @@ struct SpdkLink {
 }
 
 /// One slice request on its way to the owner and back.
-struct Ask {
+pub struct Ask {
     owner: *mut owner::Owner,
     chan: *const Channel,
     md: *mut sys::spdk_thread,
@@ -970,7 +720,7 @@ struct Ask {
 
 impl OwnerLink for SpdkLink {
     fn ask_slice(&self, key: u64, ticket: u64) {
-        let a = Box::into_raw(Box::new(Ask {
+        send_ask(Box::new(Ask {
             owner: self.owner,
             chan: self.chan,
             md: self.md,
@@ -979,64 +729,45 @@ impl OwnerLink for SpdkLink {
             ticket,
             reply: None,
         }));
-        send_ask(a);
     }
 }
 
 /// Sends `a` to the md thread (or back to its channel once answered); if SPDK's message pool
-/// is empty, the channel's poller sends it again.
-fn send_ask(a: *mut Ask) {
-    if a.is_null() {
+/// is empty, the sending side's poller sends it again ([`Channel::poll`],
+/// [`Owner::defer_ask`](owner::Owner::defer_ask)).
+pub fn send_ask(a: Box<Ask>) {
+    let to = if a.reply.is_none() { a.md } else { a.back };
+    // SAFETY: the md thread lives as long as the bdev; the channel's thread while the
+    // channel waits for the answer (a waiting task keeps it busy).
+    let Err(a) = (unsafe { thread::send_boxed(to, a) }) else {
         return;
+    };
+    if a.reply.is_none() {
+        // On the channel's thread: its poller sends it again.
+        // SAFETY: the channel lives while its replica waits for the answer.
+        unsafe { &*a.chan }.unsent_asks.borrow_mut().push(a);
+    } else {
+        // On the md thread: the owner's poller sends the answer again.
+        // SAFETY: the owner lives while the bdev has channels.
+        unsafe { &*a.owner }.defer_ask(a);
     }
-    // SAFETY: `a` is a live boxed Ask owned by whoever holds the pointer; the channel lives
-    // while its replica waits for the answer (a waiting task keeps it busy), the owner while
-    // the bdev has channels.
-    unsafe {
-        let (to, f): (_, unsafe extern "C" fn(*mut c_void)) = if (*a).reply.is_none() {
-            ((*a).md, ask_on_md)
-        } else {
-            ((*a).back, ask_reply)
+}
+
+impl thread::Message for Ask {
+    /// On the md thread: the owner answers and the answer goes back; on the channel's thread:
+    /// the replica gets it.
+    fn arrive(mut self: Box<Ask>) {
+        let Some(reply) = self.reply else {
+            // SAFETY: on the md thread, where the owner lives while the bdev has channels.
+            self.reply = Some(unsafe { &*self.owner }.slice_for_core(self.key));
+            return send_ask(self);
         };
-        if thread::send_raw(to, f, a.cast()).is_err() {
-            if (*a).reply.is_none() {
-                // On the channel's thread: its poller sends it again.
-                (*(*a).chan).unsent_asks.borrow_mut().push(a);
-            } else {
-                // On the md thread: the owner's poller sends the answer again.
-                (*(*a).owner).defer_ask(a.cast());
+        // SAFETY: back on the thread of the channel that sent it, live while it waits.
+        let ch = unsafe { &*self.chan };
+        ch.driver.run(|| {
+            if let Some(Layer::Qcow2(q)) = ch.chain.get().and_then(|c| c.layers().first()) {
+                q.deliver_slice(self.ticket, reply);
             }
-        }
+        });
     }
-}
-
-unsafe extern "C" fn ask_on_md(ctx: *mut c_void) {
-    let a = ctx.cast::<Ask>();
-    // SAFETY: `send_ask` sent a live Ask; on the md thread, where the owner lives.
-    unsafe {
-        (*a).reply = Some((*(*a).owner).slice_for_core((*a).key));
-    }
-    send_ask(a);
-}
-
-unsafe extern "C" fn ask_reply(ctx: *mut c_void) {
-    // SAFETY: the Ask comes back to the thread of the channel that sent it; that channel is
-    // live (its waiting task keeps it busy); the box is ours again.
-    let a = unsafe { Box::from_raw(ctx.cast::<Ask>()) };
-    // SAFETY: as just said.
-    let ch = unsafe { &*a.chan };
-    let reply = a.reply.unwrap_or(SliceReply::Retry);
-    ch.in_engine(|| {
-        if let Some(Layer::Qcow2(q)) = ch.chain.borrow().as_ref().and_then(|c| c.layers().first()) {
-            q.deliver_slice(a.ticket, reply);
-        }
-    });
-}
-
-/// Sends again an answer the md thread could not send (see [`send_ask`]).
-///
-/// # Safety
-/// `a` is an answered `Ask` handed to `Owner::defer_ask` by [`send_ask`].
-pub unsafe fn resend_ask(a: *mut c_void) {
-    send_ask(a.cast());
 }

@@ -6,13 +6,11 @@
 use crate::device::SpdkDevice;
 use crate::ffi::bdev::Desc;
 use crate::ffi::sys;
-use crate::ffi::thread::{Poller, POLLER_BUSY, POLLER_IDLE};
-use crate::module::module_ptr;
+use crate::ffi::thread::{self, Poll, Polled, PollerSlot};
 use crate::params::FormatParams;
 use qcow2_engine::create::{create, preallocate, CreateOptions, Preallocation};
 use qcow2_engine::{Chain, DevId, Error, Exec, Layer, OpenOptions, Qcow2};
 use std::cell::RefCell;
-use std::ffi::{c_int, c_void};
 use std::rc::Rc;
 
 /// How a format ends: `Ok`, or an errno and a message.
@@ -26,17 +24,16 @@ struct Job {
     desc: Option<Desc>,
     exec: Option<Exec<SpdkDevice>>,
     result: Rc<RefCell<Option<qcow2_engine::Result<()>>>>,
-    poller: Option<Poller>,
+    poller: PollerSlot,
     done: Option<Done>,
 }
 
-unsafe extern "C" fn ignore_event(
-    _ty: sys::spdk_bdev_event_type,
-    _bdev: *mut sys::spdk_bdev,
-    _ctx: *mut c_void,
-) {
-    // A base removed mid-format fails the format's writes; our descriptor closes when the
-    // format ends, which is what the removal waits for.
+/// A base removed mid-format fails the format's writes; our descriptor closes when the
+/// format ends, which is what the removal waits for.
+struct IgnoreEvents;
+
+impl crate::ffi::bdev::BdevEvents for IgnoreEvents {
+    fn event(_ty: sys::spdk_bdev_event_type, _bdev_name: &str) {}
 }
 
 fn errno_msg(e: i32) -> String {
@@ -63,15 +60,14 @@ pub fn format(p: FormatParams, done: Done) {
         Err(m) => return done(Err((libc::EINVAL, m))),
     };
     let base = p.base_bdev.clone();
-    let desc = match Desc::open(&base, true, ignore_event) {
+    let desc = match Desc::open::<IgnoreEvents>(&base, true) {
         Ok(d) => d,
         Err(e) => {
             let m = format!("cannot open bdev {base} for writing: {}", errno_msg(e));
             return done(Err((e, m)));
         }
     };
-    // SAFETY: our module is registered (at load time).
-    if let Err(e) = unsafe { desc.claim(sys::SPDK_BDEV_CLAIM_READ_MANY_WRITE_ONE, module_ptr()) } {
+    if let Err(e) = desc.claim(sys::SPDK_BDEV_CLAIM_READ_MANY_WRITE_ONE) {
         desc.close();
         let m = format!("cannot claim bdev {base} (in use?): {}", errno_msg(e));
         return done(Err((e, m)));
@@ -125,30 +121,23 @@ pub fn format(p: FormatParams, done: Done) {
             *r2.borrow_mut() = Some(r);
         });
     }
-    let job = Box::into_raw(Box::new(Job {
+    let job = Box::new(Job {
         base,
         preallocated: prealloc.is_some(),
         base_size,
         desc: Some(desc),
         exec: Some(exec),
         result,
-        poller: None,
+        poller: PollerSlot::default(),
         done: Some(done),
-    }));
-    // SAFETY: `job` lives until `job_poll` takes it back after unregistering.
-    match unsafe { Poller::register(job_poll, job.cast(), 0, c"qcow2_format") } {
-        // SAFETY: live, not shared yet.
-        Some(p) => unsafe { (*job).poller = Some(p) },
-        None => {
-            // SAFETY: no poller refers to it.
-            let mut j = unsafe { Box::from_raw(job) };
-            j.exec = None;
-            if let Some(d) = j.desc.take() {
-                d.close();
-            }
-            if let Some(done) = j.done.take() {
-                done(Err((libc::ENOMEM, "cannot register a poller".into())));
-            }
+    });
+    if let Err(mut j) = thread::start_task(job, c"qcow2_format") {
+        j.exec = None;
+        if let Some(d) = j.desc.take() {
+            d.close();
+        }
+        if let Some(done) = j.done.take() {
+            done(Err((libc::ENOMEM, "cannot register a poller".into())));
         }
     }
 }
@@ -182,51 +171,56 @@ async fn preallocate_on(
     preallocate(&chain, mode).await
 }
 
-unsafe extern "C" fn job_poll(ctx: *mut c_void) -> c_int {
-    let jp = ctx.cast::<Job>();
-    // SAFETY: the live job of this poller; only this thread uses it.
-    let j = unsafe { &mut *jp };
-    let Some(exec) = j.exec.as_ref() else {
-        return POLLER_IDLE;
-    };
-    let n = exec.poll(&mut |_, _| {});
-    if j.result.borrow().is_none() || exec.busy() {
-        return if n > 0 { POLLER_BUSY } else { POLLER_IDLE };
+impl Polled for Job {
+    fn slot(&self) -> &PollerSlot {
+        &self.poller
     }
-    // SAFETY: finished: unregister and take the job back (the poller never runs again).
-    let mut j = unsafe { Box::from_raw(jp) };
-    if let Some(p) = j.poller.as_mut() {
-        p.unregister();
-    }
-    // Put the base channel back before closing the descriptor (releasing the claim).
-    j.exec = None;
-    if let Some(d) = j.desc.take() {
-        d.close();
-    }
-    let r = j.result.borrow_mut().take();
-    let out = match r {
-        Some(Ok(())) => {
-            tracing::info!("formatted bdev {} as a qcow2 image", j.base);
-            Ok(())
+
+    fn poll(&self) -> Poll {
+        let Some(exec) = self.exec.as_ref() else {
+            return Poll::Idle;
+        };
+        let n = exec.poll(&mut |_, _| {});
+        if self.result.borrow().is_some() && !exec.busy() {
+            Poll::Done
+        } else if n > 0 {
+            Poll::Busy
+        } else {
+            Poll::Idle
         }
-        Some(Err(Error::Io(e))) if e == libc::EINVAL || e == libc::ENOSPC => Err((
-            libc::ENOSPC,
-            format!(
-                "bdev {} ({} bytes) is too small for the image's {}",
-                j.base,
-                j.base_size,
-                if j.preallocated {
-                    "preallocated clusters"
-                } else {
-                    "metadata"
-                }
-            ),
-        )),
-        Some(Err(e)) => Err((e.errno(), format!("formatting bdev {}: {e}", j.base))),
-        None => Err((libc::EIO, "format did not finish".into())),
-    };
-    if let Some(done) = j.done.take() {
-        done(out);
     }
-    POLLER_BUSY
+
+    fn finish(self: Box<Self>) {
+        let mut j = *self;
+        // Put the base channel back before closing the descriptor (releasing the claim).
+        j.exec = None;
+        if let Some(d) = j.desc.take() {
+            d.close();
+        }
+        let r = j.result.borrow_mut().take();
+        let out = match r {
+            Some(Ok(())) => {
+                tracing::info!("formatted bdev {} as a qcow2 image", j.base);
+                Ok(())
+            }
+            Some(Err(Error::Io(e))) if e == libc::EINVAL || e == libc::ENOSPC => Err((
+                libc::ENOSPC,
+                format!(
+                    "bdev {} ({} bytes) is too small for the image's {}",
+                    j.base,
+                    j.base_size,
+                    if j.preallocated {
+                        "preallocated clusters"
+                    } else {
+                        "metadata"
+                    }
+                ),
+            )),
+            Some(Err(e)) => Err((e.errno(), format!("formatting bdev {}: {e}", j.base))),
+            None => Err((libc::EIO, "format did not finish".into())),
+        };
+        if let Some(done) = j.done.take() {
+            done(out);
+        }
+    }
 }

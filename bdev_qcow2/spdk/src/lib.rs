@@ -17,8 +17,11 @@ pub mod params;
 
 mod channel;
 pub mod device;
+mod direct;
+mod engine_host;
 pub mod ffi;
 mod format;
+mod io_ctx;
 mod logging;
 pub mod module;
 mod node;

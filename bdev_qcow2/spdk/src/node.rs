@@ -6,12 +6,10 @@
 //! creating thread as its one writable instance ([`Owner`]); a read-only bdev drops it and
 //! lets every channel open its own replica.
 
-use crate::channel::{self, Channel};
 use crate::device::SpdkDevice;
 use crate::ffi::bdev::{self, Desc};
-use crate::ffi::thread::{self, Poller, POLLER_BUSY, POLLER_IDLE};
-use crate::ffi::{io_channel, json, sys};
-use crate::module::module_ptr;
+use crate::ffi::thread::{self, Poll, Polled, PollerSlot};
+use crate::ffi::{io_channel, sys};
 use crate::owner::Owner;
 use crate::params::CreateParams;
 use crate::registry::{self, NodePtr};
@@ -20,12 +18,14 @@ use qcow2_engine::{Chain, CoreSeed, DevId, Exec, Layer, OpenOptions, Qcow2};
 use serde::Serialize;
 use serde_json::json;
 use std::cell::RefCell;
-use std::ffi::{c_int, c_void, CString};
+use std::ffi::{c_void, CString};
 use std::rc::Rc;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 
 /// Block size of our bdevs (the engine's sector).
-pub const BLOCK_SIZE: u32 = SECTOR as u32;
+pub const BLOCK_SIZE: u32 = crate::ffi::bdev_io::BLOCK_SIZE;
+const _: () = assert!(BLOCK_SIZE as u64 == SECTOR);
 
 /// What `dump_info_json` says about the image (read when the bdev was created).
 #[derive(Debug, Clone, Serialize)]
@@ -129,10 +129,10 @@ pub struct Node {
     /// Channel states not yet freed. SPDK may destroy a channel while its state still has
     /// base I/O in flight (a replica being opened); that state is freed later by its poller,
     /// and the descriptors must stay open until then.
-    pub live_channels: AtomicUsize,
+    pub live_channels: Arc<AtomicUsize>,
     /// Counters of the channels already gone (added when each is freed), so
     /// `bdev_qcow2_get_stats` totals cover the bdev's whole life, not only live channels.
-    pub retired: std::sync::Mutex<crate::channel::ChannelStats>,
+    pub retired: Arc<Mutex<crate::channel::ChannelStats>>,
 }
 
 /// How a creation ends: the bdev name, or an errno and a message.
@@ -151,7 +151,7 @@ struct Job {
     /// The backing bdev on `exec` (writable bdevs: the owner's chain reads through it).
     backing_dev: Option<DevId>,
     result: Rc<RefCell<Option<Opened>>>,
-    poller: Option<Poller>,
+    poller: PollerSlot,
     done: Option<Done>,
 }
 
@@ -170,7 +170,7 @@ fn strerror(e: i32) -> String {
 
 /// Opens and claims `name` for our module: shared read-only, or (`write`) as its only writer.
 fn open_claimed(name: &str, role: &str, write: bool) -> Result<Desc, (i32, String)> {
-    let d = Desc::open(name, write, base_event).map_err(|e| {
+    let d = Desc::open::<BaseEvents>(name, write).map_err(|e| {
         (
             e,
             format!(
@@ -185,8 +185,7 @@ fn open_claimed(name: &str, role: &str, write: bool) -> Result<Desc, (i32, Strin
     } else {
         sys::SPDK_BDEV_CLAIM_READ_MANY_WRITE_NONE
     };
-    // SAFETY: our module is registered (at load time).
-    if let Err(e) = unsafe { d.claim(kind, module_ptr()) } {
+    if let Err(e) = d.claim(kind) {
         d.close();
         return Err((
             e,
@@ -263,58 +262,52 @@ pub fn create(params: CreateParams, done: Done) {
             *result2.borrow_mut() = Some(r);
         });
     }
-    let job = Box::into_raw(Box::new(Job {
+    let job = Box::new(Job {
         params,
         base: Some(base),
         backing,
         exec,
         backing_dev,
         result,
-        poller: None,
+        poller: PollerSlot::default(),
         done: Some(done),
-    }));
-    // SAFETY: `job` stays alive until `job_poll` takes it back, after unregistering.
-    match unsafe { Poller::register(job_poll, job.cast(), 0, c"qcow2_create") } {
-        // SAFETY: `job` is live and not referenced elsewhere yet.
-        Some(p) => unsafe { (*job).poller = Some(p) },
-        None => {
-            // SAFETY: the poller was not registered: `job` is still only ours.
-            let mut job = unsafe { Box::from_raw(job) };
-            let done = job.done.take();
-            let descs = [job.base.take(), job.backing.take()];
-            let name = job.params.name.clone();
-            drop(job);
-            if let Some(done) = done {
-                fail(
-                    &name,
-                    descs,
-                    done,
-                    libc::ENOMEM,
-                    "cannot register a poller".into(),
-                );
-            }
+    });
+    if let Err(mut job) = thread::start_task(job, c"qcow2_create") {
+        let done = job.done.take();
+        let descs = [job.base.take(), job.backing.take()];
+        let name = job.params.name.clone();
+        drop(job);
+        if let Some(done) = done {
+            fail(
+                &name,
+                descs,
+                done,
+                libc::ENOMEM,
+                "cannot register a poller".into(),
+            );
         }
     }
 }
 
-unsafe extern "C" fn job_poll(ctx: *mut c_void) -> c_int {
-    let job = ctx.cast::<Job>();
-    // SAFETY: `ctx` is the live job registered with this poller; only this thread uses it.
-    let (n, finished) = unsafe {
-        let n = (*job).exec.poll(&mut |_, _| {});
-        (n, (*job).result.borrow().is_some() && !(*job).exec.busy())
-    };
-    if !finished {
-        return if n > 0 { POLLER_BUSY } else { POLLER_IDLE };
+impl Polled for Job {
+    fn slot(&self) -> &PollerSlot {
+        &self.poller
     }
-    // SAFETY: finished: take the job back; the poller is unregistered right away and never
-    // runs again, so nothing else refers to it.
-    let mut job = unsafe { Box::from_raw(job) };
-    if let Some(p) = job.poller.as_mut() {
-        p.unregister();
+
+    fn poll(&self) -> Poll {
+        let n = self.exec.poll(&mut |_, _| {});
+        if self.result.borrow().is_some() && !self.exec.busy() {
+            Poll::Done
+        } else if n > 0 {
+            Poll::Busy
+        } else {
+            Poll::Idle
+        }
     }
-    finish(*job);
-    POLLER_BUSY
+
+    fn finish(self: Box<Self>) {
+        finish(*self);
+    }
 }
 
 fn finish(mut job: Job) {
@@ -401,17 +394,6 @@ fn finish(mut job: Job) {
     register(job.params, info, base, backing, Some((owner, seed)), done);
 }
 
-static FN_TABLE: sys::spdk_bdev_fn_table = sys::spdk_bdev_fn_table {
-    destruct: Some(destruct),
-    submit_request: Some(channel::submit_request),
-    io_type_supported: Some(io_type_supported),
-    get_io_channel: Some(get_io_channel),
-    dump_info_json: Some(dump_info_json),
-    write_config_json: Some(write_config_json),
-    // SAFETY: every other member is an optional function pointer, for which zero is `None`.
-    ..unsafe { std::mem::zeroed() }
-};
-
 fn register(
     params: CreateParams,
     info: ImageInfo,
@@ -446,9 +428,7 @@ fn register(
         .unwrap_or(1)
         .max(1);
     let node = Box::into_raw(Box::new(Node {
-        // SAFETY: `spdk_bdev` is a C struct for which all-zero is the documented initial
-        // state before the module fills in its fields.
-        bdev: unsafe { std::mem::zeroed() },
+        bdev: bdev::blank(),
         name: cname,
         opts: params.open_options(),
         params,
@@ -458,41 +438,31 @@ fn register(
         md_thread: thread::current(),
         owner: owner.unwrap_or(std::ptr::null_mut()),
         seed,
-        live_channels: AtomicUsize::new(0),
-        retired: std::sync::Mutex::new(Default::default()),
+        live_channels: Arc::new(AtomicUsize::new(0)),
+        retired: Arc::new(Mutex::new(Default::default())),
     }));
     // SAFETY: `node` is live (leaked above) until `device_gone` frees it; SPDK copies the name.
-    unsafe {
-        let n = &mut *node;
-        io_channel::register_device(
-            node.cast(),
-            channel::create_cb,
-            channel::destroy_cb,
-            std::mem::size_of::<*mut Channel>() as u32,
-            &n.name,
-        );
-        n.bdev.name = n.name.as_ptr().cast_mut();
-        n.bdev.product_name = c"QCOW2 disk".as_ptr().cast_mut();
-        n.bdev.blocklen = BLOCK_SIZE;
-        n.bdev.blockcnt = n.info.virtual_size / u64::from(BLOCK_SIZE);
+    unsafe { io_channel::register_device(node, &(*node).name) };
+    // SAFETY: as just said; the name lives in the node.
+    let (n, info) = unsafe { (&*node, &(*node).info) };
+    let props = bdev::Props {
+        name: &n.name,
+        blockcnt: info.virtual_size / u64::from(BLOCK_SIZE),
         // Writes are acknowledged before their metadata is stable: only a FLUSH makes them
         // durable (ARCHITECTURE.md §7), which is what a volatile write cache means to SPDK.
-        n.bdev.write_cache = i32::from(!n.owner.is_null());
+        write_cache: !n.owner.is_null(),
         // The hot path hands the guest's buffers to the base: ask for what the base needs.
-        n.bdev.required_alignment = if align > 1 { align.ilog2() as u8 } else { 0 };
-        n.bdev.ctxt = node.cast();
-        n.bdev.fn_table = &FN_TABLE;
-        n.bdev.module = module_ptr();
-    }
-    // SAFETY: the bdev struct is filled in and lives in the leaked node.
-    let rc = unsafe { sys::spdk_bdev_register(&mut (*node).bdev) };
-    if rc != 0 {
-        // SAFETY: registered just above; `device_gone` frees the node (no bdev to finish).
+        required_alignment: if align > 1 { align.ilog2() as u8 } else { 0 },
+    };
+    // SAFETY: the node lives until `device_gone` frees it (or `free_unregistered` below).
+    if let Err(e) = unsafe { bdev::register(node, &props) } {
+        // SAFETY: registered just above; `free_unregistered` frees the node (no bdev to
+        // finish).
         unsafe { io_channel::unregister_device(node.cast(), free_unregistered) };
         registry::lock().creating.retain(|n| n != &name);
-        let m = format!("spdk_bdev_register failed: {}", strerror(-rc));
+        let m = format!("spdk_bdev_register failed: {}", strerror(e));
         tracing::error!("bdev_qcow2_create {name}: {m}");
-        return done(Err((-rc, m)));
+        return done(Err((e, m)));
     }
     // SAFETY: registered just above on this thread; no request reaches it before we return.
     unsafe { split_at_clusters(&mut (*node).bdev, (*node).info.cluster_size) };
@@ -518,44 +488,45 @@ fn register(
     done(Ok(name));
 }
 
-/// Hot remove of a base or backing bdev: unregister every node using it (its I/O completes,
-/// then destruct closes the descriptors, which lets the base go).
-unsafe extern "C" fn base_event(
-    ty: sys::spdk_bdev_event_type,
-    bdev: *mut sys::spdk_bdev,
-    _ctx: *mut c_void,
-) {
-    // SAFETY: SPDK passes the bdev the event is about, still registered during the callback.
-    let name = unsafe { bdev::name_of(bdev) };
-    if ty != sys::SPDK_BDEV_EVENT_REMOVE {
-        tracing::info!("bdev {name}: event {ty} ignored");
-        return;
-    }
-    let victims: Vec<NodePtr> = registry::lock()
-        .nodes
-        .iter()
-        .filter(|(_, p)| {
-            // SAFETY: registered nodes are live; params are immutable.
-            let params = unsafe { &(*p.0).params };
-            params.base_bdev == name || params.backing_bdev.as_deref() == Some(name.as_str())
-        })
-        .map(|(_, p)| *p)
-        .collect();
-    for v in victims {
-        tracing::warn!("bdev {name} is going away: unregistering the qcow2 bdev on it");
-        // SAFETY: the node is registered; unregistering twice is refused by SPDK, not UB.
-        unsafe { sys::spdk_bdev_unregister(&mut (*v.0).bdev, None, std::ptr::null_mut()) };
+/// Events of base and backing bdevs.
+struct BaseEvents;
+
+impl bdev::BdevEvents for BaseEvents {
+    /// Hot remove of a base or backing bdev: unregister every node using it (its I/O
+    /// completes, then destruct closes the descriptors, which lets the base go).
+    fn event(ty: sys::spdk_bdev_event_type, name: &str) {
+        if ty != sys::SPDK_BDEV_EVENT_REMOVE {
+            tracing::info!("bdev {name}: event {ty} ignored");
+            return;
+        }
+        let victims: Vec<NodePtr> = registry::lock()
+            .nodes
+            .iter()
+            .filter(|(_, p)| {
+                // SAFETY: registered nodes are live; params are immutable.
+                let params = unsafe { &(*p.0).params };
+                params.base_bdev == name || params.backing_bdev.as_deref() == Some(name)
+            })
+            .map(|(_, p)| *p)
+            .collect();
+        for v in victims {
+            tracing::warn!("bdev {name} is going away: unregistering the qcow2 bdev on it");
+            // SAFETY: the node was registered just now; a second unregistration is refused
+            // by SPDK, not undefined.
+            unsafe { bdev::unregister(v.0) };
+        }
     }
 }
 
-/// Teardown, step 1 (SPDK calls it once the bdev is unregistered and unused): forget the
-/// node, then unregister the io_device; step 2 runs when every channel is gone.
-unsafe extern "C" fn destruct(ctx: *mut c_void) -> c_int {
-    let node = ctx.cast::<Node>();
+/// Teardown, step 1 (SPDK's `destruct`, once the bdev is unregistered and unused): forget
+/// the node, then unregister the io_device; step 2 runs when every channel is gone.
+///
+/// # Safety
+/// `node` is a registered node SPDK destructs, live until step 3.
+pub unsafe fn destruct(node: *mut Node) {
     registry::lock().nodes.retain(|(_, p)| p.0 != node);
     // SAFETY: `node` is our registered io_device; freed only in `device_gone`.
-    unsafe { io_channel::unregister_device(ctx, device_gone) };
-    1 // asynchronous: `spdk_bdev_destruct_done` follows
+    unsafe { io_channel::unregister_device(node.cast(), device_gone) };
 }
 
 /// Teardown, step 2: on the md thread (where they were opened), once the last channel state
@@ -664,9 +635,9 @@ unsafe extern "C" fn free_unregistered(io_device: *mut c_void) {
     }
 }
 
-unsafe extern "C" fn io_type_supported(ctx: *mut c_void, ty: sys::spdk_bdev_io_type) -> bool {
-    // SAFETY: `ctx` is a registered node; `owner` is immutable after registration.
-    let writable = unsafe { !(*ctx.cast::<Node>()).owner.is_null() };
+/// The I/O types `node` serves (SPDK's `io_type_supported`).
+pub fn io_type_supported(node: &Node, ty: sys::spdk_bdev_io_type) -> bool {
+    let writable = !node.owner.is_null();
     // Claim only what works: reads and resets (which wait for outstanding I/O) always; the
     // rest through the owner of a writable bdev.
     match ty {
@@ -677,11 +648,6 @@ unsafe extern "C" fn io_type_supported(ctx: *mut c_void, ty: sys::spdk_bdev_io_t
         | sys::SPDK_BDEV_IO_TYPE_WRITE_ZEROES => writable,
         _ => false,
     }
-}
-
-unsafe extern "C" fn get_io_channel(ctx: *mut c_void) -> *mut sys::spdk_io_channel {
-    // SAFETY: `ctx` is our registered io_device (the node).
-    unsafe { sys::spdk_get_io_channel(ctx) }
 }
 
 /// Where SPDK cuts requests longer than a bdev takes. A bdev that asks for aligned buffers
@@ -708,26 +674,15 @@ fn split_at_clusters(bdev: &mut sys::spdk_bdev, cluster_size: u64) {
     let cut = u32::try_from(cut).unwrap_or(bdev.max_rw_size);
     bdev.max_rw_size = cut;
     bdev.optimal_io_boundary = cut;
-    // SAFETY: a plain store into the bdev the caller owns.
-    unsafe { sys::spdk_sys_bdev_set_split_on_optimal_io_boundary(bdev, true) };
+    bdev::set_split_on_optimal_io_boundary(bdev);
 }
 
-unsafe extern "C" fn dump_info_json(ctx: *mut c_void, w: *mut sys::spdk_json_write_ctx) -> c_int {
-    // SAFETY: `ctx` is a registered node; `info` is immutable.
-    let info = unsafe { &(*ctx.cast::<Node>()).info };
-    let v = serde_json::to_value(info).unwrap_or_default();
-    // SAFETY: SPDK hands us a write context inside the bdev's `driver_specific` object.
-    unsafe { json::write_named(w, "qcow2", &v) };
-    0
+/// What `dump_info_json` says about `node` (under `"qcow2"`).
+pub fn info_json(node: &Node) -> serde_json::Value {
+    serde_json::to_value(&node.info).unwrap_or_default()
 }
 
-unsafe extern "C" fn write_config_json(
-    bdev: *mut sys::spdk_bdev,
-    w: *mut sys::spdk_json_write_ctx,
-) {
-    // SAFETY: `bdev` is ours, so its `ctxt` is the node; `params` is immutable.
-    let params = unsafe { &(*(*bdev).ctxt.cast::<Node>()).params };
-    let v = json!({ "method": "bdev_qcow2_create", "params": params });
-    // SAFETY: SPDK hands us a write context inside the config array.
-    unsafe { json::write_value(w, &v) };
+/// The create call that `write_config_json` saves for `node`.
+pub fn config_json(node: &Node) -> serde_json::Value {
+    json!({ "method": "bdev_qcow2_create", "params": node.params })
 }

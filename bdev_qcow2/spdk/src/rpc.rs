@@ -1,29 +1,21 @@
 //! The RPC methods `bdev_qcow2_create`, `bdev_qcow2_format`, `bdev_qcow2_delete` and
 //! `bdev_qcow2_get_stats`
-//! (registered by `register.c`). Parameters are decoded into the structs of `params.rs`.
+//! (registered by `register.c`; entry points in `ffi/rpc.rs`). Parameters are decoded into
+//! the structs of `params.rs`.
 
 use crate::channel::{self, ChannelStats};
-use crate::ffi::rpc::{Request, INVALID_PARAMS};
-use crate::ffi::{bdev, io_channel, json, sys};
-use crate::module::module_ptr;
+use crate::ffi::rpc::{Params, Request, INVALID_PARAMS};
+use crate::ffi::{bdev, io_channel};
 use crate::node;
 use crate::params::{CreateParams, DeleteParams, FormatParams, StatsParams};
 use crate::registry::{self, NodePtr};
 use serde::de::DeserializeOwned;
 use serde_json::{json, Value};
-use std::ffi::{c_int, c_void, CString};
+use std::ffi::c_int;
 
 /// Decodes `params` into `T`, or answers the request with the reason and returns `None`.
-///
-/// # Safety
-/// `params` is what SPDK passed to the RPC method.
-unsafe fn decode<T: DeserializeOwned>(
-    req: Request,
-    params: *const sys::spdk_json_val,
-    method: &str,
-) -> Option<(Request, T)> {
-    // SAFETY: per the contract.
-    let v = match unsafe { json::decode(params) } {
+fn decode<T: DeserializeOwned>(req: Request, params: Params, method: &str) -> Option<(Request, T)> {
+    let v = match params {
         Ok(Value::Null) => json!({}),
         Ok(v) => v,
         Err(e) => {
@@ -41,19 +33,8 @@ unsafe fn decode<T: DeserializeOwned>(
 }
 
 /// `bdev_qcow2_create`.
-///
-/// # Safety
-/// Called by SPDK's RPC server with a live request and its params.
-#[no_mangle]
-pub unsafe extern "C" fn bdev_qcow2_rpc_create(
-    request: *mut sys::spdk_jsonrpc_request,
-    params: *const sys::spdk_json_val,
-) {
-    // SAFETY: SPDK's request, answered exactly once below.
-    let req = unsafe { Request::from_raw(request) };
-    // SAFETY: SPDK's params.
-    let Some((req, p)) = (unsafe { decode::<CreateParams>(req, params, "bdev_qcow2_create") })
-    else {
+pub fn create(req: Request, params: Params) {
+    let Some((req, p)) = decode::<CreateParams>(req, params, "bdev_qcow2_create") else {
         return;
     };
     if let Err(m) = p.validate() {
@@ -91,19 +72,8 @@ pub unsafe extern "C" fn bdev_qcow2_rpc_create(
 }
 
 /// `bdev_qcow2_format`: answers `true` once the image is written and flushed.
-///
-/// # Safety
-/// Called by SPDK's RPC server with a live request and its params.
-#[no_mangle]
-pub unsafe extern "C" fn bdev_qcow2_rpc_format(
-    request: *mut sys::spdk_jsonrpc_request,
-    params: *const sys::spdk_json_val,
-) {
-    // SAFETY: SPDK's request, answered exactly once below.
-    let req = unsafe { Request::from_raw(request) };
-    // SAFETY: SPDK's params.
-    let Some((req, p)) = (unsafe { decode::<FormatParams>(req, params, "bdev_qcow2_format") })
-    else {
+pub fn format(req: Request, params: Params) {
+    let Some((req, p)) = decode::<FormatParams>(req, params, "bdev_qcow2_format") else {
         return;
     };
     if let Err(m) = p.create_options() {
@@ -118,33 +88,9 @@ pub unsafe extern "C" fn bdev_qcow2_rpc_format(
     );
 }
 
-unsafe extern "C" fn delete_done(ctx: *mut c_void, bdeverrno: c_int) {
-    // SAFETY: `ctx` is the request boxed by `bdev_qcow2_rpc_delete`, delivered once.
-    let req = unsafe { Box::from_raw(ctx.cast::<Request>()) };
-    if bdeverrno == 0 {
-        req.result(&json!(true));
-    } else {
-        req.errno(
-            -bdeverrno,
-            &std::io::Error::from_raw_os_error(-bdeverrno).to_string(),
-        );
-    }
-}
-
 /// `bdev_qcow2_delete`.
-///
-/// # Safety
-/// Called by SPDK's RPC server with a live request and its params.
-#[no_mangle]
-pub unsafe extern "C" fn bdev_qcow2_rpc_delete(
-    request: *mut sys::spdk_jsonrpc_request,
-    params: *const sys::spdk_json_val,
-) {
-    // SAFETY: SPDK's request, answered exactly once below.
-    let req = unsafe { Request::from_raw(request) };
-    // SAFETY: SPDK's params.
-    let Some((req, p)) = (unsafe { decode::<DeleteParams>(req, params, "bdev_qcow2_delete") })
-    else {
+pub fn delete(req: Request, params: Params) {
+    let Some((req, p)) = decode::<DeleteParams>(req, params, "bdev_qcow2_delete") else {
         return;
     };
     {
@@ -164,31 +110,30 @@ pub unsafe extern "C" fn bdev_qcow2_rpc_delete(
             return req.errno(libc::ENODEV, &format!("no qcow2 bdev named {}", p.name));
         }
     }
-    let Ok(name) = CString::new(p.name.clone()) else {
-        return req.error(INVALID_PARAMS, "name contains NUL");
+    let name = p.name.clone();
+    let slot = std::rc::Rc::new(std::cell::Cell::new(Some(req)));
+    let answer = slot.clone();
+    let done = move |bdeverrno: c_int| {
+        let Some(req) = answer.take() else { return };
+        if bdeverrno == 0 {
+            req.result(&json!(true));
+        } else {
+            req.errno(
+                -bdeverrno,
+                &std::io::Error::from_raw_os_error(-bdeverrno).to_string(),
+            );
+        }
     };
-    let ctx = Box::into_raw(Box::new(req));
-    // SAFETY: `name` is a valid C string; `delete_done` takes `ctx` back exactly once
-    // when the call succeeds.
-    let rc = unsafe {
-        sys::spdk_bdev_unregister_by_name(
-            name.as_ptr(),
-            module_ptr(),
-            Some(delete_done),
-            ctx.cast(),
-        )
-    };
-    if rc != 0 {
-        // SAFETY: SPDK refused, so `delete_done` will not run: `ctx` is still ours.
-        let req = unsafe { Box::from_raw(ctx) };
-        req.errno(
-            -rc,
-            &format!(
-                "cannot delete {}: {}",
-                p.name,
-                std::io::Error::from_raw_os_error(-rc)
-            ),
-        );
+    if let Err(e) = bdev::unregister_by_name(&name, done) {
+        if let Some(req) = slot.take() {
+            req.errno(
+                e,
+                &format!(
+                    "cannot delete {name}: {}",
+                    std::io::Error::from_raw_os_error(e)
+                ),
+            );
+        }
     }
 }
 
@@ -275,19 +220,8 @@ fn collect_next(mut c: Collect) {
 }
 
 /// `bdev_qcow2_get_stats`.
-///
-/// # Safety
-/// Called by SPDK's RPC server with a live request and its params.
-#[no_mangle]
-pub unsafe extern "C" fn bdev_qcow2_rpc_get_stats(
-    request: *mut sys::spdk_jsonrpc_request,
-    params: *const sys::spdk_json_val,
-) {
-    // SAFETY: SPDK's request, answered exactly once (by `collect_next`).
-    let req = unsafe { Request::from_raw(request) };
-    // SAFETY: SPDK's params.
-    let Some((req, p)) = (unsafe { decode::<StatsParams>(req, params, "bdev_qcow2_get_stats") })
-    else {
+pub fn get_stats(req: Request, params: Params) {
+    let Some((req, p)) = decode::<StatsParams>(req, params, "bdev_qcow2_get_stats") else {
         return;
     };
     let nodes: Vec<(String, NodePtr)> = {

@@ -1,11 +1,24 @@
 //! Base bdevs: open descriptors, claims, geometry.
 
 use super::sys;
-use std::ffi::{c_void, CStr, CString};
+use crate::node::{self, Node};
+use std::ffi::{c_int, c_void, CStr, CString};
 
-/// The handler SPDK calls for events on an open bdev (hot remove, resize, media).
-pub type EventCb =
-    unsafe extern "C" fn(sys::spdk_bdev_event_type, *mut sys::spdk_bdev, *mut c_void);
+/// What happens on events of a bdev we opened (hot remove, resize, media).
+pub trait BdevEvents {
+    /// Event `ty` (`SPDK_BDEV_EVENT_*`) on the bdev called `bdev_name`.
+    fn event(ty: sys::spdk_bdev_event_type, bdev_name: &str);
+}
+
+unsafe extern "C" fn on_event<E: BdevEvents>(
+    ty: sys::spdk_bdev_event_type,
+    bdev: *mut sys::spdk_bdev,
+    _ctx: *mut c_void,
+) {
+    // SAFETY: SPDK passes the bdev the event is about, still registered during the callback.
+    let name = unsafe { name_of(bdev) };
+    E::event(ty, &name);
+}
 
 /// Whether a bdev named `name` is registered.
 pub fn exists(name: &str) -> bool {
@@ -35,16 +48,17 @@ pub struct Desc {
 }
 
 impl Desc {
-    /// Opens bdev `name` (read-only unless `write`), with `event_cb` for its events (called
-    /// with a null context). Returns SPDK's errno on failure (`ENODEV`: no such bdev).
-    pub fn open(name: &str, write: bool, event_cb: EventCb) -> Result<Desc, i32> {
+    /// Opens bdev `name` (read-only unless `write`); `E` hears of its events. Returns
+    /// SPDK's errno on failure (`ENODEV`: no such bdev).
+    pub fn open<E: BdevEvents>(name: &str, write: bool) -> Result<Desc, i32> {
         let ctx = std::ptr::null_mut();
         let c = CString::new(name).map_err(|_| libc::EINVAL)?;
         let mut desc = std::ptr::null_mut();
-        // SAFETY: `c` outlives the call; `desc` receives the descriptor; `event_cb` is a
+        // SAFETY: `c` outlives the call; `desc` receives the descriptor; `on_event::<E>` is a
         // valid function for the descriptor's lifetime (a plain fn).
-        let rc =
-            unsafe { sys::spdk_bdev_open_ext(c.as_ptr(), write, Some(event_cb), ctx, &mut desc) };
+        let rc = unsafe {
+            sys::spdk_bdev_open_ext(c.as_ptr(), write, Some(on_event::<E>), ctx, &mut desc)
+        };
         if rc != 0 {
             return Err(-rc);
         }
@@ -54,19 +68,17 @@ impl Desc {
         })
     }
 
-    /// Claims the bdev for `module` with claim type `kind` (released when closed).
-    ///
-    /// # Safety
-    /// `module` must be a registered bdev module.
-    pub unsafe fn claim(
-        &self,
-        kind: sys::spdk_bdev_claim_type,
-        module: *mut sys::spdk_bdev_module,
-    ) -> Result<(), i32> {
-        // SAFETY: `self.desc` is open; a null options pointer means defaults; `module` is
-        // registered (contract).
+    /// Claims the bdev for our module with claim type `kind` (released when closed).
+    pub fn claim(&self, kind: sys::spdk_bdev_claim_type) -> Result<(), i32> {
+        // SAFETY: `self.desc` is open; a null options pointer means defaults; our module is
+        // registered (at load time).
         let rc = unsafe {
-            sys::spdk_bdev_module_claim_bdev_desc(self.desc, kind, std::ptr::null_mut(), module)
+            sys::spdk_bdev_module_claim_bdev_desc(
+                self.desc,
+                kind,
+                std::ptr::null_mut(),
+                super::module::module_ptr(),
+            )
         };
         if rc != 0 {
             return Err(-rc);
@@ -147,4 +159,141 @@ impl Desc {
         // SAFETY: `self.desc` is open and closed exactly once (`self` is consumed).
         unsafe { sys::spdk_bdev_close(self.desc) }
     }
+}
+
+unsafe extern "C" fn unregistered(ctx: *mut c_void, bdeverrno: c_int) {
+    // SAFETY: `ctx` is the callback boxed by `unregister_by_name`, delivered once.
+    let done = unsafe { Box::from_raw(ctx.cast::<Box<dyn FnOnce(i32)>>()) };
+    done(bdeverrno);
+}
+
+/// Unregisters our bdev `name`; `done(bdeverrno)` runs once it is gone. On `Err` (SPDK's
+/// errno: no such bdev of ours) nothing happens and `done` is dropped.
+pub fn unregister_by_name(name: &str, done: impl FnOnce(i32) + 'static) -> Result<(), i32> {
+    let name = CString::new(name).map_err(|_| libc::EINVAL)?;
+    let ctx = Box::into_raw(Box::new(Box::new(done) as Box<dyn FnOnce(i32)>));
+    // SAFETY: `name` is a valid C string; our module is registered; `unregistered` takes
+    // `ctx` back exactly once when the call succeeds.
+    let rc = unsafe {
+        sys::spdk_bdev_unregister_by_name(
+            name.as_ptr(),
+            super::module::module_ptr(),
+            Some(unregistered),
+            ctx.cast(),
+        )
+    };
+    if rc != 0 {
+        // SAFETY: SPDK refused, so `unregistered` will not run: `ctx` is still ours.
+        drop(unsafe { Box::from_raw(ctx) });
+        return Err(-rc);
+    }
+    Ok(())
+}
+
+/// A blank bdev struct for one of our nodes, filled in by [`register`].
+pub fn blank() -> sys::spdk_bdev {
+    // SAFETY: `spdk_bdev` is a C struct for which all-zero is the documented initial state
+    // before the module fills in its fields.
+    unsafe { std::mem::zeroed() }
+}
+
+/// What SPDK is told about one of our bdevs.
+pub struct Props<'a> {
+    /// Its name (SPDK keeps the pointer: it lives in the node).
+    pub name: &'a CStr,
+    /// Number of blocks of [`BLOCK_SIZE`](super::bdev_io::BLOCK_SIZE) bytes.
+    pub blockcnt: u64,
+    /// Writes are acknowledged before they are durable; a FLUSH makes them so.
+    pub write_cache: bool,
+    /// log2 of the buffer alignment requests must come with.
+    pub required_alignment: u8,
+}
+
+/// Fills in `node`'s bdev from `props` and registers it with SPDK, with our function table
+/// and module, the node as its `ctxt`. Returns SPDK's errno on failure.
+///
+/// # Safety
+/// `node` is live and stays at its address until SPDK's destruct of the bdev completes (or,
+/// on failure, until the caller frees it); `props.name` lives as long.
+pub unsafe fn register(node: *mut Node, props: &Props) -> Result<(), i32> {
+    // SAFETY: per the contract; nothing else uses the node yet.
+    let b = unsafe { &mut (*node).bdev };
+    b.name = props.name.as_ptr().cast_mut();
+    b.product_name = c"QCOW2 disk".as_ptr().cast_mut();
+    b.blocklen = super::bdev_io::BLOCK_SIZE;
+    b.blockcnt = props.blockcnt;
+    b.write_cache = i32::from(props.write_cache);
+    b.required_alignment = props.required_alignment;
+    b.ctxt = node.cast();
+    b.fn_table = &FN_TABLE;
+    b.module = super::module::module_ptr();
+    // SAFETY: the bdev struct is filled in and lives in the node (contract).
+    let rc = unsafe { sys::spdk_bdev_register(b) };
+    if rc != 0 {
+        return Err(-rc);
+    }
+    Ok(())
+}
+
+/// Makes SPDK split requests at `bdev.optimal_io_boundary`.
+pub fn set_split_on_optimal_io_boundary(bdev: &mut sys::spdk_bdev) {
+    // SAFETY: a plain store into a bdev struct the caller holds exclusively.
+    unsafe { sys::spdk_sys_bdev_set_split_on_optimal_io_boundary(bdev, true) };
+}
+
+/// The function table of our bdevs: SPDK's calls go to `crate::node`, requests to
+/// `crate::channel` (through `bdev_io::submit_request`).
+static FN_TABLE: sys::spdk_bdev_fn_table = sys::spdk_bdev_fn_table {
+    destruct: Some(destruct),
+    submit_request: Some(super::bdev_io::submit_request),
+    io_type_supported: Some(io_type_supported),
+    get_io_channel: Some(get_io_channel),
+    dump_info_json: Some(dump_info_json),
+    write_config_json: Some(write_config_json),
+    // SAFETY: every other member is an optional function pointer, for which zero is `None`.
+    ..unsafe { std::mem::zeroed() }
+};
+
+unsafe extern "C" fn destruct(ctx: *mut c_void) -> c_int {
+    // SAFETY: `ctx` is the node of a bdev SPDK unregistered and no longer uses.
+    unsafe { node::destruct(ctx.cast()) };
+    1 // asynchronous: `spdk_bdev_destruct_done` follows
+}
+
+unsafe extern "C" fn io_type_supported(ctx: *mut c_void, ty: sys::spdk_bdev_io_type) -> bool {
+    // SAFETY: `ctx` is a registered node.
+    node::io_type_supported(unsafe { &*ctx.cast::<Node>() }, ty)
+}
+
+unsafe extern "C" fn get_io_channel(ctx: *mut c_void) -> *mut sys::spdk_io_channel {
+    // SAFETY: `ctx` is our registered io_device (the node).
+    unsafe { sys::spdk_get_io_channel(ctx) }
+}
+
+unsafe extern "C" fn dump_info_json(ctx: *mut c_void, w: *mut sys::spdk_json_write_ctx) -> c_int {
+    // SAFETY: `ctx` is a registered node.
+    let v = node::info_json(unsafe { &*ctx.cast::<Node>() });
+    // SAFETY: SPDK hands us a write context inside the bdev's `driver_specific` object.
+    unsafe { super::json::write_named(w, "qcow2", &v) };
+    0
+}
+
+unsafe extern "C" fn write_config_json(
+    bdev: *mut sys::spdk_bdev,
+    w: *mut sys::spdk_json_write_ctx,
+) {
+    // SAFETY: `bdev` is ours, so its `ctxt` is the node.
+    let v = node::config_json(unsafe { &*(*bdev).ctxt.cast::<Node>() });
+    // SAFETY: SPDK hands us a write context inside the config array.
+    unsafe { super::json::write_value(w, &v) };
+}
+
+/// Unregisters our `node`'s bdev (a hot remove of what it stands on); SPDK refuses a second
+/// unregistration by itself.
+///
+/// # Safety
+/// `node` is a registered node.
+pub unsafe fn unregister(node: *mut Node) {
+    // SAFETY: per the contract.
+    unsafe { sys::spdk_bdev_unregister(&mut (*node).bdev, None, std::ptr::null_mut()) };
 }

@@ -1,61 +1,151 @@
-//! The bdev_io SPDK hands to our `submit_request`.
+//! The bdev_io SPDK hands to our `submit_request`: an owned handle completed once, the
+//! module's area in it, queues of them, and submitting one straight to a base bdev.
 
+use super::io_channel::{self, ChannelIter};
 use super::sys;
+use crate::channel::{self, Channel};
+use crate::io_ctx::IoCtx;
+use std::cell::Cell;
+use std::ffi::{c_int, c_void};
 use std::ptr::NonNull;
 
-/// A bdev_io submitted to our bdev. A plain handle: ownership is a protocol — it is
-/// completed exactly once, by [`BdevIo::complete`], after which no copy may be used.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// Block size of every bdev this module registers (`node.rs` registers with it).
+pub const BLOCK_SIZE: u32 = 512;
+
+/// The area SPDK reserves in each of our bdev_ios (`get_ctx_size`): the link of the
+/// [`IoQueue`] it may travel in, then the module's [`IoCtx`].
+#[repr(C)]
+struct DriverArea {
+    next: *mut sys::spdk_bdev_io,
+    ctx: IoCtx,
+}
+
+/// Bytes of the driver area, for `get_ctx_size`.
+pub const DRIVER_CTX_SIZE: usize = std::mem::size_of::<DriverArea>();
+
+/// A bdev_io submitted to one of our bdevs and not completed yet. There is one handle per
+/// such bdev_io: it is neither `Copy` nor `Clone`, and [`BdevIo::complete`] consumes it, so
+/// a bdev_io cannot be completed twice. While SPDK or the engine holds the bdev_io for us
+/// (a child I/O, a buffer wait, an engine request, a message), it travels as a raw pointer
+/// or tag ([`BdevIo::into_raw`], [`BdevIo::into_tag`]) and comes back as a handle.
+#[derive(Debug)]
 pub struct BdevIo(NonNull<sys::spdk_bdev_io>);
 
 impl BdevIo {
-    /// Wraps a bdev_io from SPDK.
+    /// Takes a bdev_io SPDK just submitted to one of our bdevs and initializes the module's
+    /// area in it to `ctx` (SPDK leaves it as the last user did).
     ///
     /// # Safety
-    /// `p` must be a bdev_io submitted to our bdev and not yet completed.
+    /// `p` is null or a bdev_io submitted to a bdev of this module (driver area of
+    /// [`DRIVER_CTX_SIZE`] bytes, blocks of [`BLOCK_SIZE`]) that is not completed and has no
+    /// other handle.
+    #[inline(always)]
+    pub unsafe fn submitted(p: *mut sys::spdk_bdev_io, ctx: IoCtx) -> Option<BdevIo> {
+        let io = BdevIo(NonNull::new(p)?);
+        // SAFETY: the driver area follows the struct and is at least `DRIVER_CTX_SIZE`
+        // bytes, aligned for pointers (per the contract); nothing reads it before this.
+        unsafe {
+            io.area().write(DriverArea {
+                next: std::ptr::null_mut(),
+                ctx,
+            })
+        };
+        Some(io)
+    }
+
+    /// Back from a pointer made by [`BdevIo::into_raw`].
+    ///
+    /// # Safety
+    /// `p` is null or comes from `into_raw` of a handle, and is turned back once.
+    #[inline(always)]
     pub unsafe fn from_raw(p: *mut sys::spdk_bdev_io) -> Option<BdevIo> {
         NonNull::new(p).map(BdevIo)
     }
 
-    /// The handle as an engine request tag.
-    pub fn tag(self) -> u64 {
-        self.0.as_ptr() as u64
+    /// Gives up the handle for a raw pointer (to cross a C callback).
+    #[inline(always)]
+    pub fn into_raw(self) -> *mut sys::spdk_bdev_io {
+        self.0.as_ptr()
     }
 
-    /// Back from a tag made by [`BdevIo::tag`].
+    /// Gives up the handle for an engine request tag, with a view of its data iovecs
+    /// (`num_blocks` blocks) for the engine to use until it reports the request done.
+    #[inline(always)]
+    pub fn into_engine(self) -> (u64, IovView) {
+        let (iovs, cnt) = self.iovs();
+        let view = IovView {
+            iovs,
+            cnt,
+            len: self.len_bytes() as usize,
+        };
+        (self.into_raw() as u64, view)
+    }
+
+    /// Back from a tag made by [`BdevIo::into_engine`].
     ///
     /// # Safety
-    /// `tag` must come from `tag()` of a bdev_io that is not yet completed.
+    /// The engine reported the request of `tag` done (it no longer uses the view), and the
+    /// tag is turned back once.
+    #[inline(always)]
     pub unsafe fn from_tag(tag: u64) -> Option<BdevIo> {
         NonNull::new(tag as *mut sys::spdk_bdev_io).map(BdevIo)
     }
 
-    /// The raw pointer.
-    pub fn raw(self) -> *mut sys::spdk_bdev_io {
-        self.0.as_ptr()
+    #[inline(always)]
+    fn area(&self) -> *mut DriverArea {
+        // SAFETY: live bdev_io (type contract); the area follows the struct.
+        unsafe { (*self.0.as_ptr()).driver_ctx.as_mut_ptr().cast() }
+    }
+
+    /// The module's per-I/O context.
+    #[inline(always)]
+    pub fn ctx(&self) -> &IoCtx {
+        // SAFETY: initialized by `submitted`; only this handle reaches it.
+        unsafe { &(*self.area()).ctx }
+    }
+
+    /// The module's per-I/O context, to change.
+    #[inline(always)]
+    pub fn ctx_mut(&mut self) -> &mut IoCtx {
+        // SAFETY: as in `ctx`; `&mut self` makes this the only reference.
+        unsafe { &mut (*self.area()).ctx }
     }
 
     /// `SPDK_BDEV_IO_TYPE_*`.
-    pub fn io_type(self) -> sys::spdk_bdev_io_type {
+    #[inline(always)]
+    pub fn io_type(&self) -> sys::spdk_bdev_io_type {
         // SAFETY: the bdev_io is live (type contract).
         sys::spdk_bdev_io_type::from(unsafe { (*self.0.as_ptr()).type_ })
     }
 
     /// First block.
-    pub fn offset_blocks(self) -> u64 {
+    #[inline(always)]
+    pub fn offset_blocks(&self) -> u64 {
         // SAFETY: live bdev_io; for block I/O types `u.bdev` is the active union member.
         unsafe { (*self.0.as_ptr()).u.bdev.offset_blocks }
     }
 
     /// Number of blocks.
-    pub fn num_blocks(self) -> u64 {
+    #[inline(always)]
+    pub fn num_blocks(&self) -> u64 {
         // SAFETY: as in `offset_blocks`.
         unsafe { (*self.0.as_ptr()).u.bdev.num_blocks }
     }
 
-    /// The data iovecs as SPDK holds them (pointer, count), for passing straight on.
+    /// First byte.
     #[inline(always)]
-    pub fn raw_iovs(self) -> (*mut sys::iovec, std::ffi::c_int) {
+    pub fn offset_bytes(&self) -> u64 {
+        self.offset_blocks() * u64::from(BLOCK_SIZE)
+    }
+
+    /// Length in bytes.
+    #[inline(always)]
+    pub fn len_bytes(&self) -> u64 {
+        self.num_blocks() * u64::from(BLOCK_SIZE)
+    }
+
+    #[inline(always)]
+    fn raw_iovs(&self) -> (*mut sys::iovec, c_int) {
         // SAFETY: as in `offset_blocks`.
         unsafe {
             let b = &(*self.0.as_ptr()).u.bdev;
@@ -63,56 +153,360 @@ impl BdevIo {
         }
     }
 
-    /// The data iovecs: pointer and count.
-    pub fn iovs(self) -> (*mut sys::iovec, usize) {
-        // SAFETY: as in `offset_blocks`.
-        let (iovs, cnt) = unsafe {
-            let b = &(*self.0.as_ptr()).u.bdev;
-            (b.iovs, b.iovcnt)
-        };
+    fn iovs(&self) -> (*mut sys::iovec, usize) {
+        let (iovs, cnt) = self.raw_iovs();
         (iovs, usize::try_from(cnt).unwrap_or(0))
     }
 
     /// Whether the bdev_io carries data buffers (reads may arrive without; see `get_buf`).
-    pub fn has_buf(self) -> bool {
+    #[inline(always)]
+    pub fn has_buf(&self) -> bool {
         let (iovs, cnt) = self.iovs();
         // SAFETY: `iovs` points at `cnt` iovecs when `cnt > 0`.
         cnt > 0 && !iovs.is_null() && !unsafe { (*iovs).iov_base }.is_null()
     }
 
-    /// Asks SPDK to attach a data buffer of `len` bytes, then calls `cb`.
-    pub fn get_buf(self, cb: sys::spdk_bdev_io_get_buf_cb, len: u64) {
-        // SAFETY: live bdev_io of a block I/O type.
-        unsafe { sys::spdk_bdev_io_get_buf(self.0.as_ptr(), cb, len) }
+    /// Asks SPDK to attach a data buffer for the whole request, then calls
+    /// `D::buf_done(io, success)` on this thread.
+    pub fn get_buf<D: BufDone>(self) {
+        let len = self.len_bytes();
+        // SAFETY: live bdev_io of a block I/O type; `buf_done` turns the pointer back.
+        unsafe { sys::spdk_bdev_io_get_buf(self.into_raw(), Some(buf_done::<D>), len) }
     }
 
     /// The SPDK thread the bdev_io was submitted on (where it must be completed).
-    pub fn thread(self) -> *mut sys::spdk_thread {
+    pub fn thread(&self) -> *mut sys::spdk_thread {
         // SAFETY: live bdev_io.
         unsafe { sys::spdk_bdev_io_get_thread(self.0.as_ptr()) }
     }
 
-    /// The channel of our bdev it was submitted on.
-    pub fn io_channel(self) -> *mut sys::spdk_io_channel {
-        // SAFETY: live bdev_io.
-        unsafe { sys::spdk_bdev_io_get_io_channel(self.0.as_ptr()) }
+    /// Calls `f` with the state of the channel the request was submitted on (on its
+    /// thread) and the request.
+    pub fn with_channel<R>(self, f: impl FnOnce(&Channel, BdevIo) -> R) -> R {
+        // SAFETY: live bdev_io; its channel is one of our bdev's, whose state lives while the
+        // request is outstanding and, once `f` completes it, until SPDK's deferred release
+        // of the channel, after `f` returned.
+        let c = unsafe {
+            io_channel::state_of(io_channel::ctx_of(sys::spdk_bdev_io_get_io_channel(
+                self.0.as_ptr(),
+            )))
+        };
+        f(c, self)
     }
 
     /// The `ctxt` of the bdev it was submitted to (our node).
-    pub fn bdev_ctxt(self) -> *mut std::ffi::c_void {
+    pub fn bdev_ctxt(&self) -> *mut c_void {
         // SAFETY: live bdev_io of a registered bdev.
         unsafe { (*(*self.0.as_ptr()).bdev).ctxt }
     }
 
-    /// The module's per-I/O context area (`get_ctx_size` bytes, suitably aligned for `u64`).
-    pub fn driver_ctx(self) -> *mut u8 {
-        // SAFETY: live bdev_io; the area follows the struct.
-        unsafe { (*self.0.as_ptr()).driver_ctx.as_mut_ptr() }
+    /// Visits every channel of the request's bdev on its own thread with `each`, then calls
+    /// `done` with the request and the status on this thread (a reset).
+    pub fn for_each_channel(self, each: fn(ChannelIter, &mut BdevIo), done: fn(BdevIo, c_int)) {
+        let node = self.bdev_ctxt();
+        // SAFETY: `bdev.ctxt` is our node, which is the io_device, registered while the bdev
+        // has I/O (this one).
+        unsafe { io_channel::for_each_channel(node, self, each, done) };
     }
 
     /// Completes the bdev_io with `status` (`SPDK_BDEV_IO_STATUS_*`). Consumes the handle.
+    #[inline(always)]
     pub fn complete(self, status: sys::spdk_bdev_io_status) {
-        // SAFETY: live bdev_io, completed exactly once (type contract).
+        // SAFETY: live bdev_io, completed exactly once (the handle is consumed).
         unsafe { sys::spdk_bdev_io_complete(self.0.as_ptr(), status) }
+    }
+}
+
+/// `fn_table.submit_request`: hands a new request and its channel to
+/// [`channel::submit_request`].
+pub(crate) unsafe extern "C" fn submit_request(
+    ch: *mut sys::spdk_io_channel,
+    bdev_io: *mut sys::spdk_bdev_io,
+) {
+    // SAFETY: SPDK passes a channel of our bdev (its state lives while the channel does) and
+    // a live bdev_io submitted to it, seen here first.
+    let (c, io) = unsafe {
+        (
+            io_channel::state_of(io_channel::ctx_of(ch)),
+            BdevIo::submitted(bdev_io, IoCtx::NEW),
+        )
+    };
+    if let Some(io) = io {
+        channel::submit_request(c, io);
+    }
+}
+
+/// Where [`BdevIo::get_buf`] continues.
+pub trait BufDone {
+    /// The buffer is attached (`success`), or SPDK could not attach one.
+    fn buf_done(io: BdevIo, success: bool);
+}
+
+unsafe extern "C" fn buf_done<D: BufDone>(
+    _ch: *mut sys::spdk_io_channel,
+    bdev_io: *mut sys::spdk_bdev_io,
+    success: bool,
+) {
+    // SAFETY: SPDK hands back the bdev_io `get_buf` gave up.
+    if let Some(io) = unsafe { BdevIo::from_raw(bdev_io) } {
+        D::buf_done(io, success);
+    }
+}
+
+/// The data iovecs of an outstanding bdev_io (or any iovec array), as the engine uses them:
+/// valid while that bdev_io is outstanding, which is longer than the engine holds the view
+/// (see [`BdevIo::into_engine`]).
+#[derive(Clone, Copy, Debug)]
+pub struct IovView {
+    iovs: *const sys::iovec,
+    cnt: usize,
+    len: usize,
+}
+
+impl IovView {
+    /// Bytes covered.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether it covers nothing.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Calls `f(ptr, len, pos)` for each contiguous piece of `len` bytes at `off`, where
+    /// `pos` is the piece's offset from `off`. Panics if the range is out of bounds or the
+    /// iovecs are shorter than they say (never, for a bdev_io SPDK checked).
+    pub fn segments(&self, off: usize, len: usize, mut f: impl FnMut(*mut u8, usize, usize)) {
+        assert!(
+            off.checked_add(len).is_some_and(|e| e <= self.len),
+            "buffer range out of bounds"
+        );
+        let mut skip = off;
+        let mut pos = 0;
+        for i in 0..self.cnt {
+            if pos == len {
+                return;
+            }
+            // SAFETY: `i < cnt`; the array is valid while the bdev_io is outstanding.
+            let v = unsafe { &*self.iovs.add(i) };
+            let (base, ilen) = (v.iov_base.cast::<u8>(), v.iov_len);
+            if skip >= ilen {
+                skip -= ilen;
+                continue;
+            }
+            let n = (ilen - skip).min(len - pos);
+            // SAFETY: `skip < ilen`, so the pointer stays inside this iovec.
+            f(unsafe { base.add(skip) }, n, pos);
+            pos += n;
+            skip = 0;
+        }
+        assert!(pos == len, "iovecs shorter than the request");
+    }
+}
+
+/// bdev_ios linked through their driver areas, first in first out, without allocating.
+/// Holds its requests as handles do: each is taken out exactly once. Changed through `&self`
+/// (a channel or the owner keeps it in place), like a `Cell`.
+#[derive(Debug)]
+pub struct IoQueue {
+    head: Cell<*mut sys::spdk_bdev_io>,
+    tail: Cell<*mut sys::spdk_bdev_io>,
+}
+
+impl Default for IoQueue {
+    fn default() -> IoQueue {
+        IoQueue::new()
+    }
+}
+
+impl IoQueue {
+    /// An empty queue.
+    pub const fn new() -> IoQueue {
+        IoQueue {
+            head: Cell::new(std::ptr::null_mut()),
+            tail: Cell::new(std::ptr::null_mut()),
+        }
+    }
+
+    /// Whether it holds no request.
+    #[inline(always)]
+    pub fn is_empty(&self) -> bool {
+        self.head.get().is_null()
+    }
+
+    /// Appends `io`.
+    pub fn push(&self, io: BdevIo) {
+        // SAFETY: the area of a live bdev_io we hold.
+        unsafe { (*io.area()).next = std::ptr::null_mut() };
+        let p = io.into_raw();
+        let tail = self.tail.get();
+        if tail.is_null() {
+            self.head.set(p);
+        } else {
+            // SAFETY: the tail is a live bdev_io of this queue.
+            unsafe { (*BdevIo(NonNull::new_unchecked(tail)).area()).next = p };
+        }
+        self.tail.set(p);
+    }
+
+    /// Sends the whole queue to `thread` as one message, where `R::receive` gets it; empties
+    /// `self` unless SPDK's message pool is empty (then it stays, to be sent again). Whether
+    /// it went.
+    ///
+    /// # Safety
+    /// `thread` is a live SPDK thread.
+    #[inline(always)]
+    pub unsafe fn send<R: QueueReceiver>(&self, thread: *mut sys::spdk_thread) -> bool {
+        if self.is_empty() {
+            return false;
+        }
+        // SAFETY: per the contract.
+        unsafe { self.send_now::<R>(thread) }
+    }
+
+    /// # Safety
+    /// As [`send`](Self::send), and the queue is not empty.
+    unsafe fn send_now<R: QueueReceiver>(&self, thread: *mut sys::spdk_thread) -> bool {
+        let head = self.head.get();
+        // SAFETY: `thread` is live (contract); `receive` takes the queue over.
+        let rc = unsafe { sys::spdk_thread_send_msg(thread, Some(receive::<R>), head.cast()) };
+        if rc != 0 {
+            return false;
+        }
+        self.head.set(std::ptr::null_mut());
+        self.tail.set(std::ptr::null_mut());
+        true
+    }
+}
+
+/// The end of an [`IoQueue::send`].
+pub trait QueueReceiver {
+    /// Takes the queue's requests over, on the thread they were sent to.
+    fn receive(q: Arrived);
+}
+
+/// The requests of a queue that arrived with a message, in order.
+pub struct Arrived(*mut sys::spdk_bdev_io);
+
+impl Iterator for Arrived {
+    type Item = BdevIo;
+
+    /// The next request (its successor is read first, so it may be completed at once).
+    fn next(&mut self) -> Option<BdevIo> {
+        // SAFETY: the head, if any, is a live bdev_io of the queue `send` gave up; each is
+        // taken out once.
+        let io = unsafe { BdevIo::from_raw(self.0) }?;
+        // SAFETY: as in `IoQueue::push`.
+        self.0 = unsafe { (*io.area()).next };
+        Some(io)
+    }
+}
+
+unsafe extern "C" fn receive<R: QueueReceiver>(head: *mut c_void) {
+    R::receive(Arrived(head.cast()));
+}
+
+/// A base bdev as the direct path sees it: its descriptor and this thread's channel of it,
+/// copied out of the device that owns them so a request reaches the base without borrowing
+/// the executor. Valid while that device lives (the channel or owner holding the target
+/// also owns the executor that owns the device).
+#[derive(Clone, Copy, Debug)]
+pub struct DirectTarget {
+    desc: *mut sys::spdk_bdev_desc,
+    ch: *mut sys::spdk_io_channel,
+    /// log2 of the block size.
+    block_shift: u32,
+    /// The block size minus 1; all ones when the block size is not a power of two.
+    align_mask: u64,
+}
+
+impl DirectTarget {
+    /// The target of `desc` through channel `ch` (blocks of `block_size` bytes).
+    ///
+    /// # Safety
+    /// `desc` is open and `ch` is this thread's channel of it, both for as long as the target
+    /// is used.
+    pub unsafe fn new(
+        desc: *mut sys::spdk_bdev_desc,
+        ch: *mut sys::spdk_io_channel,
+        block_size: u64,
+    ) -> DirectTarget {
+        let pow2 = block_size.is_power_of_two();
+        DirectTarget {
+            desc,
+            ch,
+            block_shift: block_size.trailing_zeros(),
+            // Any other block size: every extent is refused (the engine path serves it).
+            align_mask: if pow2 { block_size - 1 } else { u64::MAX },
+        }
+    }
+
+    /// Submits guest request `io` (a read, or a write if `write`) to the base at byte
+    /// `host` with its own iovecs, as SPDK's passthru does: one child bdev_io, freed when it
+    /// completes, after which `D::child_done(io, success)` runs on this thread. On `Err` nothing
+    /// was submitted and the handle comes back: the extent is not whole blocks (`EINVAL`;
+    /// SPDK's bdev layer checks the device's bounds, as for every request), or SPDK refused
+    /// (`ENOMEM`: its bdev_io pool is empty).
+    #[inline(always)]
+    pub fn submit<D: ChildDone>(
+        &self,
+        io: BdevIo,
+        write: bool,
+        host: u64,
+    ) -> Result<(), (BdevIo, i32)> {
+        let len = io.len_bytes();
+        // Shifts and one mask (this runs on every direct request); a block size not a power
+        // of two fails the mask.
+        if (host | len) & self.align_mask != 0 {
+            return Err((io, libc::EINVAL));
+        }
+        let (offset_blocks, len_blocks) = (host >> self.block_shift, len >> self.block_shift);
+        let f = if write {
+            sys::spdk_bdev_writev_blocks
+        } else {
+            sys::spdk_bdev_readv_blocks
+        };
+        let (iovs, iovcnt) = io.raw_iovs();
+        // SAFETY: `desc` is open and `ch` is this thread's channel of it (constructor); the
+        // iovecs hold the `len` bytes of the guest request and stay valid until it is
+        // completed, which only `child_done` can do, after the child completed.
+        let rc = unsafe {
+            f(
+                self.desc,
+                self.ch,
+                iovs,
+                iovcnt,
+                offset_blocks,
+                len_blocks,
+                Some(child_done::<D>),
+                io.0.as_ptr().cast(),
+            )
+        };
+        if rc == 0 {
+            let _ = io.into_raw();
+            Ok(())
+        } else {
+            Err((io, -rc))
+        }
+    }
+}
+
+/// Where a [`DirectTarget::submit`] continues.
+pub trait ChildDone {
+    /// The child I/O completed (`success`); `io` is the guest request.
+    fn child_done(io: BdevIo, success: bool);
+}
+
+unsafe extern "C" fn child_done<D: ChildDone>(
+    child: *mut sys::spdk_bdev_io,
+    success: bool,
+    arg: *mut c_void,
+) {
+    // SAFETY: SPDK hands back the child bdev_io of `submit`; freed once, here.
+    unsafe { sys::spdk_bdev_free_io(child) };
+    // SAFETY: `arg` is the guest bdev_io `submit` gave up.
+    if let Some(io) = unsafe { BdevIo::from_raw(arg.cast()) } {
+        D::child_done(io, success);
     }
 }

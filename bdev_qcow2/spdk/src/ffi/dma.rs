@@ -1,9 +1,13 @@
-//! DMA-able memory for metadata and bounce buffers.
+//! DMA-able memory for metadata and bounce buffers, and the buffers the engine does I/O
+//! with ([`SpdkBuf`]).
 
+use super::bdev_io::IovView;
 use super::sys;
+use qcow2_engine::io::IoBuffer;
 use std::alloc::{alloc_zeroed, dealloc, Layout};
 use std::ffi::c_void;
 use std::ptr::NonNull;
+use std::rc::Rc;
 
 /// A zeroed, aligned region from `spdk_dma_zmalloc` (pinned, translatable for every bdev),
 /// or — only when SPDK's allocator is exhausted — from the heap, so that a failed
@@ -67,5 +71,76 @@ impl Drop for DmaMem {
             // SAFETY: allocated by `spdk_dma_zmalloc` in `new`, freed once.
             None => unsafe { sys::spdk_dma_free(self.ptr.as_ptr().cast::<c_void>()) },
         }
+    }
+}
+
+/// A buffer the engine can read into: DMA memory (metadata, bounce buffers) or the
+/// iovecs of a guest bdev_io (the hot path reads straight into them).
+#[derive(Clone)]
+pub enum SpdkBuf {
+    /// Memory from `spdk_dma_zmalloc`, shared by handle.
+    Dma(Rc<DmaMem>),
+    /// A guest request's own iovecs.
+    Iov(IovView),
+}
+
+impl SpdkBuf {
+    /// Calls `f(ptr, len, pos)` for each contiguous piece of `len` bytes at `off`, where `pos`
+    /// is the piece's offset from `off`. Panics if the range is out of bounds (the engine
+    /// never asks for that).
+    fn segments(&self, off: usize, len: usize, mut f: impl FnMut(*mut u8, usize, usize)) {
+        assert!(
+            off.checked_add(len).is_some_and(|e| e <= self.len()),
+            "buffer range out of bounds"
+        );
+        if len == 0 {
+            return;
+        }
+        match self {
+            SpdkBuf::Dma(m) => {
+                // SAFETY: in bounds (asserted above).
+                f(unsafe { m.as_ptr().add(off) }, len, 0)
+            }
+            SpdkBuf::Iov(v) => v.segments(off, len, f),
+        }
+    }
+
+    /// Appends iovecs describing `len` bytes at `off` to `out` (no allocation while `out`
+    /// has capacity).
+    pub fn append_iovs(&self, off: usize, len: usize, out: &mut Vec<sys::iovec>) {
+        self.segments(off, len, |p, n, _| {
+            out.push(sys::iovec {
+                iov_base: p.cast::<c_void>(),
+                iov_len: n,
+            })
+        });
+    }
+}
+
+impl IoBuffer for SpdkBuf {
+    fn len(&self) -> usize {
+        match self {
+            SpdkBuf::Dma(m) => m.len(),
+            SpdkBuf::Iov(v) => v.len(),
+        }
+    }
+    fn copy_out(&self, off: usize, dst: &mut [u8]) {
+        self.segments(off, dst.len(), |p, n, pos| {
+            // SAFETY: `p..p+n` is inside the buffer (segments); `dst[pos..pos+n]` is in
+            // bounds; a Rust slice never overlaps device memory; no I/O is in flight on it.
+            unsafe { std::ptr::copy_nonoverlapping(p, dst.as_mut_ptr().add(pos), n) }
+        });
+    }
+    fn copy_in(&self, off: usize, src: &[u8]) {
+        self.segments(off, src.len(), |p, n, pos| {
+            // SAFETY: as in `copy_out`, with the roles swapped.
+            unsafe { std::ptr::copy_nonoverlapping(src.as_ptr().add(pos), p, n) }
+        });
+    }
+    fn fill(&self, off: usize, len: usize, byte: u8) {
+        self.segments(off, len, |p, n, _| {
+            // SAFETY: `p..p+n` is inside the buffer (segments).
+            unsafe { std::ptr::write_bytes(p, byte, n) }
+        });
     }
 }

@@ -1,6 +1,9 @@
 //! I/O devices, their per-thread channels, and iteration over every channel.
 
 use super::sys;
+use super::thread;
+use crate::channel::Channel;
+use crate::node::Node;
 use std::ffi::{c_int, c_void, CStr};
 
 /// A reference to a channel of some io_device (a base bdev's channel), put back on drop.
@@ -28,39 +31,65 @@ impl Drop for ChannelRef {
     }
 }
 
-/// The context area of one of our channels (what `create_cb` filled in).
+/// The channel state behind a context area of one of our channels (what `create_cb` stored).
+///
+/// # Safety
+/// `ctx` is the context area of a live channel of one of our nodes; the state outlives the
+/// returned reference (it lives while the channel has requests or is open).
+pub(crate) unsafe fn state_of<'a>(ctx: *mut c_void) -> &'a Channel {
+    // SAFETY: per the contract; `create_cb` stored a live state pointer there.
+    unsafe { &**ctx.cast::<*const Channel>() }
+}
+
+/// The context area of a live channel.
 ///
 /// # Safety
 /// `ch` must be a live channel of one of our io_devices.
-pub unsafe fn ctx_of(ch: *mut sys::spdk_io_channel) -> *mut c_void {
+pub(crate) unsafe fn ctx_of(ch: *mut sys::spdk_io_channel) -> *mut c_void {
     // SAFETY: per the contract.
     unsafe { sys::io_channel_get_ctx(ch) }
 }
 
-/// Channel constructor/destructor signature of `spdk_io_device_register`.
-pub type ChannelCb = unsafe extern "C" fn(*mut c_void, *mut c_void) -> c_int;
-/// Destructor signature.
-pub type ChannelDtor = unsafe extern "C" fn(*mut c_void, *mut c_void);
+unsafe extern "C" fn create_cb(io_device: *mut c_void, ctx: *mut c_void) -> c_int {
+    // SAFETY: our io_devices are nodes, live while channels exist.
+    let node = unsafe { &*io_device.cast::<Node>() };
+    let state = match Channel::create(node) {
+        Ok(c) => c,
+        Err(e) => return -e,
+    };
+    let Ok(state) = thread::start(state, c"qcow2_channel") else {
+        // Dropped: nothing is in flight except the open task, which its executor drops.
+        return -libc::ENOMEM;
+    };
+    // SAFETY: the context area has room for one pointer (size given at registration).
+    unsafe { *ctx.cast::<*const Channel>() = state };
+    0
+}
 
-/// Registers `io_device` (any unique address) whose channels have `ctx_size` bytes of
-/// context built by `create` and torn down by `destroy`.
+unsafe extern "C" fn destroy_cb(_io_device: *mut c_void, ctx: *mut c_void) {
+    // SAFETY: the area holds the state `create_cb` stored, live until finished.
+    let state = unsafe { *ctx.cast::<*const Channel>() };
+    // SAFETY: as just said.
+    if unsafe { &*state }.release() {
+        // SAFETY: idle: nothing refers to the state any more; finished once (its poll
+        // finishes only states that were released, and this one is gone now).
+        unsafe { thread::stop(state) };
+    }
+}
+
+/// Registers `node` as an io_device whose channels each get a [`Channel`] state, named
+/// `name`.
 ///
 /// # Safety
-/// `io_device` must stay valid until the unregister callback of [`unregister_device`].
-pub unsafe fn register_device(
-    io_device: *mut c_void,
-    create: ChannelCb,
-    destroy: ChannelDtor,
-    ctx_size: u32,
-    name: &CStr,
-) {
+/// `node` must stay valid until the unregister callback of [`unregister_device`].
+pub unsafe fn register_device(node: *const Node, name: &CStr) {
     // SAFETY: per the contract; SPDK copies `name`.
     unsafe {
         sys::spdk_io_device_register(
-            io_device,
-            Some(create),
-            Some(destroy),
-            ctx_size,
+            node.cast_mut().cast(),
+            Some(create_cb),
+            Some(destroy_cb),
+            std::mem::size_of::<*const Channel>() as u32,
             name.as_ptr(),
         )
     }
@@ -80,10 +109,13 @@ pub unsafe fn unregister_device(io_device: *mut c_void, done: unsafe extern "C" 
 pub struct ChannelIter(*mut sys::spdk_io_channel_iter);
 
 impl ChannelIter {
-    /// The visited channel's context area.
-    pub fn ctx(&self) -> *mut c_void {
-        // SAFETY: the iterator is live until continued; the channel it names is ours.
-        unsafe { ctx_of(sys::spdk_io_channel_iter_get_channel(self.0)) }
+    /// Calls `f` with the visited channel's state and the iterator (which `f` continues,
+    /// or keeps in the state to continue later).
+    pub fn with_channel<R>(self, f: impl FnOnce(&Channel, ChannelIter) -> R) -> R {
+        // SAFETY: the iterator is live until continued; the channel it names is one of our
+        // node's, whose state lives at least until the iteration moves past it.
+        let c = unsafe { state_of(ctx_of(sys::spdk_io_channel_iter_get_channel(self.0))) };
+        f(c, self)
     }
 
     /// Moves to the next channel (or to the completion), with `status` (non-zero stops).

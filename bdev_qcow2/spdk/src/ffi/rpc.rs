@@ -4,6 +4,10 @@ use super::sys;
 use serde_json::Value;
 use std::ffi::CString;
 
+/// An RPC method's parameters, as JSON (`Value::Null` when there are none), or why they
+/// could not be read.
+pub type Params = Result<Value, String>;
+
 /// JSON-RPC error code: invalid parameters.
 pub const INVALID_PARAMS: i32 = sys::SPDK_JSONRPC_ERROR_INVALID_PARAMS;
 
@@ -46,3 +50,30 @@ impl Request {
         self.error(-errno, msg)
     }
 }
+
+/// Declares the `#[no_mangle]` entry point `register.c` registers for an RPC method, which
+/// hands the request and its decoded parameters to the safe handler.
+macro_rules! rpc_entry {
+    ($name:ident => $handler:path) => {
+        /// An RPC entry point (registered by `register.c`).
+        ///
+        /// # Safety
+        /// Called by SPDK's RPC server with a live request and its params.
+        #[no_mangle]
+        pub unsafe extern "C" fn $name(
+            request: *mut sys::spdk_jsonrpc_request,
+            params: *const sys::spdk_json_val,
+        ) {
+            // SAFETY: SPDK's request, answered exactly once by the handler.
+            let req = unsafe { Request::from_raw(request) };
+            // SAFETY: SPDK's params, valid for the call.
+            let params = unsafe { super::json::decode(params) };
+            $handler(req, params);
+        }
+    };
+}
+
+rpc_entry!(bdev_qcow2_rpc_create => crate::rpc::create);
+rpc_entry!(bdev_qcow2_rpc_format => crate::rpc::format);
+rpc_entry!(bdev_qcow2_rpc_delete => crate::rpc::delete);
+rpc_entry!(bdev_qcow2_rpc_get_stats => crate::rpc::get_stats);

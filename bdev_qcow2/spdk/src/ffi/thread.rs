@@ -1,12 +1,43 @@
 //! SPDK threads, messages and pollers.
 
 use super::sys;
+use std::cell::Cell;
 use std::ffi::{c_int, c_void, CStr};
 
 /// The SPDK thread the caller runs on (null outside SPDK threads).
 pub fn current() -> *mut sys::spdk_thread {
     // SAFETY: no arguments; returns the calling thread's SPDK thread or null.
     unsafe { sys::spdk_get_thread() }
+}
+
+/// The calling SPDK thread's name (empty outside SPDK threads).
+pub fn current_name() -> String {
+    // SAFETY: `current()` is the calling thread or null; a thread's name is a valid C string
+    // or null.
+    unsafe {
+        let t = current();
+        if t.is_null() {
+            return String::new();
+        }
+        let n = sys::spdk_thread_get_name(t);
+        if n.is_null() {
+            String::new()
+        } else {
+            CStr::from_ptr(n).to_string_lossy().into_owned()
+        }
+    }
+}
+
+/// A hint to the CPU to load the cache line at `p` (no effect on other architectures).
+#[inline]
+pub fn prefetch_line(p: *const u8) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: a prefetch never faults, whatever the address; SSE is part of x86_64.
+    unsafe {
+        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(p.cast())
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = p;
 }
 
 type Msg = Box<dyn FnOnce()>;
@@ -56,57 +87,143 @@ pub unsafe fn send_msg(
     Ok(())
 }
 
-/// A registered poller; unregistered by [`Poller::unregister`] (never implicitly, because a
-/// poller may unregister itself from inside its own callback).
-pub struct Poller(*mut sys::spdk_poller);
+/// What one run of a poller did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Poll {
+    /// Some work.
+    Busy,
+    /// Nothing to do.
+    Idle,
+    /// The state is done: the poller stops and [`Polled::finish`] consumes it.
+    Done,
+}
 
-impl Poller {
-    /// Registers `f(ctx)` to run on the calling thread every `period_us` (0: every
-    /// iteration). Returns `None` if SPDK refused.
-    ///
-    /// # Safety
-    /// `ctx` must stay valid for `f` until the poller is unregistered.
-    pub unsafe fn register(
-        f: unsafe extern "C" fn(*mut c_void) -> c_int,
-        ctx: *mut c_void,
-        period_us: u64,
-        name: &CStr,
-    ) -> Option<Poller> {
-        // SAFETY: `f` and `ctx` are valid per this function's contract; SPDK copies `name`.
-        let p = unsafe { sys::spdk_poller_register_named(Some(f), ctx, period_us, name.as_ptr()) };
-        (!p.is_null()).then_some(Poller(p))
-    }
+/// Where a polled state keeps its poller (set by [`start`]).
+#[derive(Debug, Default)]
+pub struct PollerSlot(Cell<*mut sys::spdk_poller>);
 
-    /// Unregisters the poller (on the thread that registered it). Safe to call from inside
-    /// the poller's own callback: SPDK stops calling it after the current run.
-    pub fn unregister(&mut self) {
-        if !self.0.is_null() {
-            // SAFETY: `self.0` is a poller registered on this thread and not yet unregistered
-            // (unregistering nulls it).
-            unsafe { sys::spdk_poller_unregister(&mut self.0) };
+/// State that a poller of its own drives on the thread that started it, and owns: it lives
+/// at a fixed address from [`start`] until it finishes (its poll said [`Poll::Done`], or
+/// [`stop`] was called).
+pub trait Polled: Sized + 'static {
+    /// Its poller's slot.
+    fn slot(&self) -> &PollerSlot;
+    /// One run.
+    fn poll(&self) -> Poll;
+    /// The poller has stopped: the last use of the state.
+    fn finish(self: Box<Self>) {}
+}
+
+/// Runs one poll of `ctx`, the state of a data-path poller (a channel, the owner).
+unsafe extern "C" fn run_poller<T: Polled>(ctx: *mut c_void) -> c_int {
+    // SAFETY: per `poll_once`.
+    unsafe { poll_once::<T>(ctx) }
+}
+
+/// Runs one poll of `ctx`, the state of a control-path poller (a creation, a format). Kept
+/// apart from [`run_poller`] so that profiles (`tests/spdk_instr.sh`) can count the data
+/// path's pollers by name.
+unsafe extern "C" fn run_task_poller<T: Polled>(ctx: *mut c_void) -> c_int {
+    // SAFETY: per `poll_once`.
+    unsafe { poll_once::<T>(ctx) }
+}
+
+/// # Safety
+/// `ctx` is the live state `start` leaked for its poller, freed only by [`stop`], which
+/// unregisters the poller first.
+#[inline(always)]
+unsafe fn poll_once<T: Polled>(ctx: *mut c_void) -> c_int {
+    // SAFETY: per the contract.
+    let state = unsafe { &*ctx.cast::<T>() };
+    match state.poll() {
+        Poll::Busy => POLLER_BUSY,
+        Poll::Idle => POLLER_IDLE,
+        Poll::Done => {
+            // SAFETY: the state said it is done; this is its poller's last run.
+            unsafe { stop(ctx.cast::<T>()) };
+            POLLER_BUSY
         }
     }
 }
 
-/// Poller return value: work was done.
-pub const POLLER_BUSY: c_int = 1;
-/// Poller return value: nothing to do.
-pub const POLLER_IDLE: c_int = 0;
+/// Starts a poller on the calling thread (every iteration) that drives and owns `state`, a
+/// channel or the owner. Returns the state's address (valid until it finishes), or the
+/// state back if SPDK refused a poller.
+pub fn start<T: Polled>(state: Box<T>, name: &CStr) -> Result<*const T, Box<T>> {
+    register(state, name, run_poller::<T>)
+}
 
-/// Queues `f(ctx)` on `thread` without allocating (for the data path: the context is a
-/// bdev_io). Returns SPDK's errno if the message could not be queued (`f` then does not run).
+/// [`start`] for a control-path task (a creation, a format).
+pub fn start_task<T: Polled>(state: Box<T>, name: &CStr) -> Result<*const T, Box<T>> {
+    register(state, name, run_task_poller::<T>)
+}
+
+fn register<T: Polled>(
+    state: Box<T>,
+    name: &CStr,
+    run: unsafe extern "C" fn(*mut c_void) -> c_int,
+) -> Result<*const T, Box<T>> {
+    let ctx = Box::into_raw(state);
+    // SAFETY: `run` is `run_poller::<T>` or `run_task_poller::<T>`, which get the leaked
+    // state, live until `stop`; SPDK copies `name`.
+    let p = unsafe { sys::spdk_poller_register_named(Some(run), ctx.cast(), 0, name.as_ptr()) };
+    if p.is_null() {
+        // SAFETY: no poller refers to it: still only ours.
+        return Err(unsafe { Box::from_raw(ctx) });
+    }
+    // SAFETY: live (just leaked).
+    unsafe { (*ctx).slot().0.set(p) };
+    Ok(ctx)
+}
+
+/// Stops the poller of `state` and finishes the state (on its thread; also from inside its
+/// own poll).
 ///
 /// # Safety
-/// `thread` must be a live SPDK thread and `ctx` valid for `f` when it runs there.
-pub unsafe fn send_raw(
+/// `state` comes from [`start`] and is not finished yet; nothing uses it afterwards.
+pub unsafe fn stop<T: Polled>(state: *const T) {
+    // SAFETY: per the contract, live; its poller was registered on this thread and is
+    // unregistered once (the slot is nulled).
+    let st = unsafe { Box::from_raw(state.cast_mut()) };
+    let mut p = st.slot().0.replace(std::ptr::null_mut());
+    if !p.is_null() {
+        // SAFETY: as just said; SPDK stops calling it after the current run.
+        unsafe { sys::spdk_poller_unregister(&mut p) };
+    }
+    st.finish();
+}
+
+/// Poller return value: work was done.
+const POLLER_BUSY: c_int = 1;
+/// Poller return value: nothing to do.
+const POLLER_IDLE: c_int = 0;
+
+/// A boxed message between threads ([`send_boxed`]).
+pub trait Message: Sized + 'static {
+    /// Runs on the thread it was sent to.
+    fn arrive(self: Box<Self>);
+}
+
+unsafe extern "C" fn arrive<M: Message>(ctx: *mut c_void) {
+    // SAFETY: `ctx` is the box `send_boxed` gave up, delivered once.
+    M::arrive(unsafe { Box::from_raw(ctx.cast::<M>()) });
+}
+
+/// Queues `m` to arrive on `thread` ([`Message::arrive`]); gives it back if SPDK's message
+/// pool is empty.
+///
+/// # Safety
+/// `thread` must be a live SPDK thread.
+pub unsafe fn send_boxed<M: Message>(
     thread: *mut sys::spdk_thread,
-    f: unsafe extern "C" fn(*mut c_void),
-    ctx: *mut c_void,
-) -> Result<(), i32> {
-    // SAFETY: per the contract.
-    let rc = unsafe { sys::spdk_thread_send_msg(thread, Some(f), ctx) };
+    m: Box<M>,
+) -> Result<(), Box<M>> {
+    let ctx = Box::into_raw(m);
+    // SAFETY: `thread` is live (contract); `arrive::<M>` takes the box back.
+    let rc = unsafe { sys::spdk_thread_send_msg(thread, Some(arrive::<M>), ctx.cast()) };
     if rc != 0 {
-        return Err(-rc);
+        // SAFETY: not queued: still ours.
+        return Err(unsafe { Box::from_raw(ctx) });
     }
     Ok(())
 }

@@ -1,0 +1,140 @@
+//! What a channel and the metadata owner both are to the engine: a [`Driver`] that owns an
+//! executor, knows whether its host is inside the engine, hands it guest requests, delivers
+//! base completions from SPDK's callback, and completes the requests they finished through
+//! the host ([`Host::request_done`]).
+//!
+//! Base completions are delivered into the executor right in SPDK's completion callback, so
+//! a request the engine finishes there completes without waiting for the host's poller.
+//! When the callback runs while the host is inside the engine (SPDK completing inline during
+//! a submission), the completion stays queued in the device and the poller delivers it.
+
+use crate::device::{guest_buf, SpdkBuf, SpdkDevice};
+use crate::ffi::bdev_io::BdevIo;
+use crate::ffi::thread::PollerSlot;
+use qcow2_engine::io::{BufSlice, DeviceError};
+use qcow2_engine::{DevId, Exec};
+use std::cell::Cell;
+use std::ffi::c_void;
+
+/// A channel or the owner: whoever drives a [`Driver`] and completes its requests.
+pub trait Host {
+    /// Its driver.
+    fn driver(&self) -> &Driver;
+    /// The engine reported the guest request `io` done with `r`.
+    fn request_done(&self, io: BdevIo, r: qcow2_engine::Result<()>);
+}
+
+/// An executor and its host's engine state.
+pub struct Driver {
+    exec: Exec<SpdkDevice>,
+    /// Set while the host runs engine code (its executor or chain may be borrowed).
+    in_engine: Cell<bool>,
+    /// The host's poller (the host is [`Polled`](crate::ffi::thread::Polled)).
+    slot: PollerSlot,
+}
+
+impl Driver {
+    /// A driver of `exec`.
+    pub fn new(exec: Exec<SpdkDevice>) -> Driver {
+        Driver {
+            exec,
+            in_engine: Cell::new(false),
+            slot: PollerSlot::default(),
+        }
+    }
+
+    /// The executor.
+    #[inline(always)]
+    pub fn exec(&self) -> &Exec<SpdkDevice> {
+        &self.exec
+    }
+
+    /// Runs `f` marked as inside the engine (nests: restores the previous mark).
+    #[inline(always)]
+    pub fn run<R>(&self, f: impl FnOnce() -> R) -> R {
+        let prev = self.in_engine.replace(true);
+        let r = f();
+        self.in_engine.set(prev);
+        r
+    }
+
+    /// Hands guest request `io` to the engine with `submit(tag, offset, buffer)` (one of
+    /// `Chain`'s `submit_*` calls); the host hears of it again in
+    /// [`Host::request_done`].
+    #[inline(always)]
+    pub fn submit(&self, io: BdevIo, submit: impl FnOnce(u64, u64, BufSlice<SpdkBuf>)) {
+        let off = io.offset_bytes();
+        let (tag, view) = io.into_engine();
+        self.run(|| submit(tag, off, guest_buf(view)));
+    }
+
+    /// Hands request `io` without data (write zeroes, unmap, flush) to the engine with
+    /// `submit(tag, offset, len)`.
+    pub fn submit_no_data(&self, io: BdevIo, submit: impl FnOnce(u64, u64, u64)) {
+        let (off, len) = (io.offset_bytes(), io.len_bytes());
+        let (tag, _) = io.into_engine();
+        self.run(|| submit(tag, off, len));
+    }
+
+    /// One pass of the executor (if it has anything to do), completing what finished.
+    /// Returns how much it did.
+    pub fn poll<H: Host>(&self, host: &H) -> usize {
+        if !self.exec.busy() {
+            return 0;
+        }
+        self.run(|| self.exec.poll(&mut |tag, r| complete_tag(host, tag, r)))
+    }
+
+    /// Makes base device `dev` deliver its completions to `host` from SPDK's callback.
+    ///
+    /// # Safety
+    /// `host` owns this driver and stays at its address while the device may complete
+    /// operations (a device dropped with operations in flight forgets it).
+    pub unsafe fn attach<H: Host>(&self, dev: DevId, host: *const H) {
+        let ctx = host.cast_mut().cast::<c_void>();
+        // SAFETY: per the contract.
+        self.exec
+            .with_device(dev, |d| unsafe { d.set_sink(deliver::<H>, ctx) });
+    }
+
+    /// Where the host's poller is kept.
+    pub fn slot(&self) -> &PollerSlot {
+        &self.slot
+    }
+
+    /// Drops the executor and with it the base channels (before the node may close the
+    /// descriptors they belong to).
+    pub fn release(&mut self) {
+        self.exec = Exec::new();
+    }
+}
+
+/// Completes the guest request the engine reported done under `tag`.
+fn complete_tag<H: Host>(host: &H, tag: u64, r: qcow2_engine::Result<()>) {
+    // SAFETY: tags are bdev_ios handed to the engine by `Driver::submit*`, reported done
+    // once each.
+    if let Some(io) = unsafe { BdevIo::from_tag(tag) } {
+        host.request_done(io, r);
+    }
+}
+
+/// The devices' [`CompletionSink`](crate::ffi::base::CompletionSink): delivers a base completion
+/// into the executor and completes what it finished, unless the host is inside the engine
+/// (then its poller does).
+///
+/// # Safety
+/// `ctx` is the live host given to [`Driver::attach`].
+unsafe fn deliver<H: Host>(ctx: *mut c_void, tag: u64, r: Result<(), DeviceError>) -> bool {
+    // SAFETY: per the contract.
+    let host = unsafe { &*ctx.cast::<H>() };
+    let d = host.driver();
+    if d.in_engine.get() {
+        return false;
+    }
+    d.run(|| {
+        d.exec.device_completed(tag, r);
+        d.exec
+            .take_completions(&mut |tag, r| complete_tag(host, tag, r));
+    });
+    true
+}

@@ -1,0 +1,336 @@
+//! A base bdev's I/O from one SPDK thread ([`BaseIo`]): submissions with `spdk_bdev_*_blocks`
+//! from a fixed pool of slots (so a submission allocates nothing), completions handed to a
+//! [`CompletionSink`] right in SPDK's callback or queued for the poller, and the wait for a
+//! free bdev_io after `-ENOMEM`.
+
+use super::bdev::Desc;
+use super::bdev_io::DirectTarget;
+use super::dma::SpdkBuf;
+use super::io_channel::ChannelRef;
+use super::sys;
+use qcow2_engine::io::{BufSlice, DeviceError};
+use std::collections::VecDeque;
+use std::ffi::c_void;
+use std::ptr::NonNull;
+
+/// Iovecs preallocated per slot; requests with more segments grow that slot's vector once.
+const SLOT_IOVS: usize = 8;
+/// Operations one device can have in flight; beyond that `submit` answers `Busy`.
+pub const SLOTS: usize = 1024;
+
+/// Takes a completion `(tag, result)` straight from SPDK's callback, with the context given
+/// to [`BaseIo::set_sink`]. Returns `false` to decline (the completion is then queued
+/// for [`BaseIo::pop_done`]), e.g. when the callback runs inside the engine (SPDK completing
+/// inline during a submission).
+///
+/// # Safety
+/// Called only with the context it was installed with, on the device's thread, outside any
+/// method of the device.
+pub type CompletionSink = unsafe fn(*mut c_void, u64, Result<(), DeviceError>) -> bool;
+
+/// One operation in flight.
+struct Slot {
+    owner: *mut Pool,
+    index: u32,
+    tag: u64,
+    /// Keeps DMA memory alive until the operation completes.
+    buf: Option<SpdkBuf>,
+    iovs: Vec<sys::iovec>,
+}
+
+/// Slots and completions of one device, at a stable address (the callbacks' `cb_arg`s
+/// point into it).
+struct Pool {
+    slots: Box<[Slot]>,
+    free: Vec<u32>,
+    done: VecDeque<(u64, Result<(), DeviceError>)>,
+    /// The io_wait entry queued with SPDK while `waiting`.
+    wait: sys::spdk_bdev_io_wait_entry,
+    /// Queued with `spdk_bdev_queue_io_wait` and not called back yet.
+    waiting: bool,
+    /// Where the callback delivers completions first (see [`CompletionSink`]).
+    sink: Option<(CompletionSink, *mut c_void)>,
+}
+
+/// A base bdev's I/O as seen from one SPDK thread.
+pub struct BaseIo {
+    desc: *mut sys::spdk_bdev_desc,
+    ch: ChannelRef,
+    block_size: u64,
+    num_blocks: u64,
+    pool: NonNull<Pool>,
+}
+
+/// An operation for [`BaseIo::submit`].
+pub enum BaseOp<'a> {
+    /// Flush the whole device.
+    Flush,
+    /// Write zeroes to `len` bytes at `offset`.
+    WriteZeroes {
+        /// First byte.
+        offset: u64,
+        /// Bytes.
+        len: u64,
+    },
+    /// Read into `buf` from `offset`.
+    Read {
+        /// First byte.
+        offset: u64,
+        /// Where to (its length is the read's).
+        buf: &'a BufSlice<SpdkBuf>,
+    },
+    /// Write `buf` at `offset`.
+    Write {
+        /// First byte.
+        offset: u64,
+        /// What (its length is the write's).
+        buf: &'a BufSlice<SpdkBuf>,
+    },
+}
+
+/// How a [`BaseIo::submit`] went.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Submitted {
+    /// In flight: its completion will come.
+    Yes,
+    /// Not now (no slot, or SPDK's bdev_io pool is empty): submit it again later.
+    Busy,
+    /// Refused with this errno.
+    Failed(i32),
+}
+
+impl BaseIo {
+    /// The I/O of `desc` on the calling thread (gets the thread's channel of the bdev).
+    /// `None` if SPDK has no channel for it.
+    ///
+    /// The descriptor must stay open as long as this exists (the node that owns it
+    /// outlives every channel).
+    pub fn new(desc: &Desc) -> Option<BaseIo> {
+        let ch = ChannelRef::of_bdev(desc)?;
+        let pool = Box::into_raw(Box::new(Pool {
+            slots: Box::new([]),
+            free: (0..SLOTS as u32).rev().collect(),
+            done: VecDeque::with_capacity(SLOTS),
+            // SAFETY: a plain C struct (pointers, an optional callback, list links) for
+            // which all-zero is a valid unqueued state.
+            wait: unsafe { std::mem::zeroed() },
+            waiting: false,
+            sink: None,
+        }));
+        let slots: Box<[Slot]> = (0..SLOTS as u32)
+            .map(|index| Slot {
+                owner: pool,
+                index,
+                tag: 0,
+                buf: None,
+                iovs: Vec::with_capacity(SLOT_IOVS),
+            })
+            .collect();
+        // SAFETY: `pool` was just leaked from a Box and is not shared yet.
+        unsafe { (*pool).slots = slots };
+        Some(BaseIo {
+            desc: desc.raw(),
+            ch,
+            block_size: u64::from(desc.block_size()),
+            num_blocks: desc.num_blocks(),
+            // SAFETY: `Box::into_raw` never returns null.
+            pool: unsafe { NonNull::new_unchecked(pool) },
+        })
+    }
+
+    /// Block size in bytes.
+    pub fn block_size(&self) -> u64 {
+        self.block_size
+    }
+
+    /// Number of blocks.
+    pub fn num_blocks(&self) -> u64 {
+        self.num_blocks
+    }
+
+    /// Makes SPDK's completion callback offer each completion to `sink` (with `ctx`) before
+    /// queueing it for `poll`.
+    ///
+    /// # Safety
+    /// `ctx` must stay valid for `sink` as long as the device may complete operations (the
+    /// device clears it if it is dropped with operations in flight).
+    pub unsafe fn set_sink(&mut self, sink: CompletionSink, ctx: *mut c_void) {
+        // SAFETY: see `in_flight`.
+        unsafe { (*self.pool.as_ptr()).sink = Some((sink, ctx)) };
+    }
+
+    /// Operations submitted and not yet reaped by `poll`.
+    pub fn in_flight(&self) -> usize {
+        // SAFETY: the pool is ours; no callback runs concurrently (same thread).
+        let p = unsafe { self.pool.as_ref() };
+        SLOTS - p.free.len() + p.done.len()
+    }
+
+    /// After `-ENOMEM`: asks SPDK to call back when a bdev_io is free again. If SPDK refuses
+    /// (its cache is not actually empty), the executor simply retries on its next poll.
+    fn wait_for_bdev_io(&mut self) {
+        let pool = self.pool.as_ptr();
+        // SAFETY: see `in_flight`; the entry lives in the pool, which is not freed while
+        // `waiting` (see `Drop`); `desc` and `ch` are open on this thread.
+        unsafe {
+            if (*pool).waiting {
+                return;
+            }
+            let bdev = sys::spdk_bdev_desc_get_bdev(self.desc);
+            (*pool).wait.bdev = bdev;
+            (*pool).wait.cb_fn = Some(io_wait_done);
+            (*pool).wait.cb_arg = pool.cast();
+            if sys::spdk_bdev_queue_io_wait(bdev, self.ch.raw(), &mut (*pool).wait) == 0 {
+                (*pool).waiting = true;
+            }
+        }
+    }
+
+    /// What the direct path needs to submit here without the executor. Valid while this
+    /// lives (the target's holder owns the executor that owns the device).
+    pub fn direct_target(&self) -> DirectTarget {
+        // SAFETY: `desc` is open and `ch` is this thread's channel of it while this lives.
+        unsafe { DirectTarget::new(self.desc, self.ch.raw(), self.block_size) }
+    }
+
+    /// Queues a completion for [`pop_done`](Self::pop_done) (an operation finished without
+    /// reaching SPDK).
+    pub fn complete_now(&mut self, tag: u64, r: Result<(), DeviceError>) {
+        // SAFETY: see `in_flight`.
+        unsafe { (*self.pool.as_ptr()).done.push_back((tag, r)) };
+    }
+
+    /// The oldest completion not delivered to the sink.
+    pub fn pop_done(&mut self) -> Option<(u64, Result<(), DeviceError>)> {
+        // SAFETY: see `in_flight`; the borrow ends here.
+        unsafe { (*self.pool.as_ptr()).done.pop_front() }
+    }
+
+    /// Submits `op` (whole blocks, inside the device) under `tag`; its completion goes to the
+    /// sink or [`pop_done`](Self::pop_done).
+    pub fn submit(&mut self, op: BaseOp, tag: u64) -> Submitted {
+        let bs = self.block_size;
+        // SAFETY: see `in_flight`.
+        let pool = unsafe { &mut *self.pool.as_ptr() };
+        if pool.waiting {
+            return Submitted::Busy;
+        }
+        let Some(idx) = pool.free.pop() else {
+            return Submitted::Busy;
+        };
+        let slot = &mut pool.slots[idx as usize];
+        slot.tag = tag;
+        slot.iovs.clear();
+        let slot_ptr = (slot as *mut Slot).cast::<c_void>();
+        // SAFETY: (all three calls) `desc` is open and `ch` is this thread's channel of it;
+        // the iovecs live in the slot and describe memory kept valid until completion (DMA
+        // memory is held in `slot.buf`; a bdev_io's buffers live until the guest request
+        // completes, which is after this operation does); `io_done` gets the slot back.
+        let rc = unsafe {
+            match op {
+                BaseOp::WriteZeroes { offset, len } => sys::spdk_bdev_write_zeroes_blocks(
+                    self.desc,
+                    self.ch.raw(),
+                    offset / bs,
+                    len / bs,
+                    Some(io_done),
+                    slot_ptr,
+                ),
+                BaseOp::Flush => sys::spdk_bdev_flush_blocks(
+                    self.desc,
+                    self.ch.raw(),
+                    0,
+                    self.num_blocks,
+                    Some(io_done),
+                    slot_ptr,
+                ),
+                BaseOp::Read { offset, buf } | BaseOp::Write { offset, buf } => {
+                    let is_read = matches!(op, BaseOp::Read { .. });
+                    buf.buf.append_iovs(buf.off, buf.len, &mut slot.iovs);
+                    slot.buf = matches!(buf.buf, SpdkBuf::Dma(_)).then(|| buf.buf.clone());
+                    let iovcnt = slot.iovs.len() as i32;
+                    let f = if is_read {
+                        sys::spdk_bdev_readv_blocks
+                    } else {
+                        sys::spdk_bdev_writev_blocks
+                    };
+                    f(
+                        self.desc,
+                        self.ch.raw(),
+                        slot.iovs.as_mut_ptr(),
+                        iovcnt,
+                        offset / bs,
+                        buf.len as u64 / bs,
+                        Some(io_done),
+                        slot_ptr,
+                    )
+                }
+            }
+        };
+        if rc == 0 {
+            return Submitted::Yes;
+        }
+        slot.buf = None;
+        pool.free.push(idx);
+        if rc == -libc::ENOMEM {
+            self.wait_for_bdev_io();
+            return Submitted::Busy;
+        }
+        Submitted::Failed(-rc)
+    }
+}
+
+unsafe extern "C" fn io_wait_done(cb_arg: *mut c_void) {
+    // SAFETY: `cb_arg` is the pool that queued the entry, kept alive while `waiting`; the
+    // callback runs on the device's thread, outside its methods.
+    unsafe { (*cb_arg.cast::<Pool>()).waiting = false };
+}
+
+unsafe extern "C" fn io_done(bdev_io: *mut sys::spdk_bdev_io, success: bool, cb_arg: *mut c_void) {
+    // SAFETY: `bdev_io` is the child I/O SPDK hands back to us; freed once, here.
+    unsafe { sys::spdk_bdev_free_io(bdev_io) };
+    let slot = cb_arg.cast::<Slot>();
+    let r = if success {
+        Ok(())
+    } else {
+        Err(DeviceError(libc::EIO))
+    };
+    // SAFETY: `cb_arg` is a slot of a live pool (pools are freed only when no slot is in
+    // flight); callbacks run on the device's thread, never inside one of its methods, so
+    // no other reference to the pool is live. The pool reference ends before the sink runs
+    // (it may submit on this very device), and is taken afresh if the sink declines.
+    unsafe {
+        let owner = (*slot).owner;
+        let tag = (*slot).tag;
+        (*slot).buf = None;
+        let sink = {
+            let pool = &mut *owner;
+            pool.free.push((*slot).index);
+            pool.sink
+        };
+        if let Some((f, ctx)) = sink {
+            if f(ctx, tag, r) {
+                return;
+            }
+        }
+        (*owner).done.push_back((tag, r));
+    }
+}
+
+impl Drop for BaseIo {
+    fn drop(&mut self) {
+        // SAFETY: see `in_flight`.
+        let waiting = unsafe { self.pool.as_ref() }.waiting;
+        if self.in_flight() > 0 || waiting {
+            // Completions (or SPDK's io_wait callback) would write into a freed pool: leak
+            // it instead (never expected: channels are torn down only when their executor
+            // is idle, and an idle executor has no refused submission left).
+            tracing::error!("base device dropped with operations in flight; leaking its pool");
+            // SAFETY: see `in_flight`. The sink's context may die with the device's owner.
+            unsafe { (*self.pool.as_ptr()).sink = None };
+            return;
+        }
+        // SAFETY: leaked from a Box in `new`; no operation refers to it any more.
+        drop(unsafe { Box::from_raw(self.pool.as_ptr()) });
+    }
+}

@@ -1,0 +1,97 @@
+//! The module's per-I/O context: what a request carries in its bdev_io's driver area (SPDK
+//! reserves it in every bdev_io: `get_ctx_size`). `submit_request` initializes it; the handle
+//! reaches it with [`BdevIo::ctx`](crate::ffi::bdev_io::BdevIo::ctx).
+
+use crate::channel::Channel;
+use crate::ffi::sys;
+
+/// What the metadata owner runs for a request a channel forwarded (the channel's switch on
+/// the I/O type chose it).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub enum OwnerOp {
+    /// A read.
+    Read,
+    /// A write, on the owner's direct path when it maps to one extent.
+    Write,
+    /// A write the channel's replica knows is not in place (an allocation, COW): the owner
+    /// skips its direct path.
+    WriteSlow,
+    /// Write zeroes.
+    WriteZeroes,
+    /// Unmap (discard).
+    Unmap,
+    /// Flush.
+    Flush,
+}
+
+/// The per-I/O context.
+#[repr(C)]
+#[derive(Debug)]
+pub struct IoCtx {
+    /// The channel a channel's direct-path request belongs to, so its completion finds it
+    /// without asking SPDK.
+    chan: *const Channel,
+    /// `SPDK_BDEV_IO_STATUS_*` of a forwarded request, on its way back.
+    status: sys::spdk_bdev_io_status,
+    /// Grace-period entry of a request on the direct path.
+    parity: u8,
+    /// What the owner runs for a forwarded request.
+    op: OwnerOp,
+}
+
+impl IoCtx {
+    /// A fresh context (nothing recorded yet).
+    pub const NEW: IoCtx = IoCtx {
+        chan: std::ptr::null(),
+        status: sys::SPDK_BDEV_IO_STATUS_SUCCESS,
+        parity: 0,
+        op: OwnerOp::Read,
+    };
+
+    /// The channel recorded by [`set_chan`](Self::set_chan) (null before).
+    #[inline(always)]
+    pub fn chan(&self) -> *const Channel {
+        self.chan
+    }
+
+    /// Records the channel a direct-path request belongs to.
+    #[inline(always)]
+    pub fn set_chan(&mut self, c: &Channel) {
+        self.chan = c;
+    }
+
+    /// The status a forwarded request carries back.
+    pub fn status(&self) -> sys::spdk_bdev_io_status {
+        self.status
+    }
+
+    /// Sets the status a forwarded request carries back.
+    pub fn set_status(&mut self, s: sys::spdk_bdev_io_status) {
+        self.status = s;
+    }
+
+    /// The grace-period entry of a direct-path request.
+    #[inline(always)]
+    pub fn parity(&self) -> u8 {
+        self.parity
+    }
+
+    /// Records the grace-period entry of a direct-path request.
+    #[inline(always)]
+    pub fn set_parity(&mut self, p: u8) {
+        self.parity = p;
+    }
+
+    /// What the owner runs for this forwarded request.
+    #[inline(always)]
+    pub fn op(&self) -> OwnerOp {
+        self.op
+    }
+
+    /// Sets what the owner runs for this request.
+    #[inline(always)]
+    pub fn set_op(&mut self, op: OwnerOp) {
+        self.op = op;
+    }
+}
