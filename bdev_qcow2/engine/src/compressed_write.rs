@@ -72,21 +72,20 @@ impl<D: BlockDevice> Chain<D> {
         comp.resize(comp.len().div_ceil(SECTOR as usize) * SECTOR as usize, 0);
 
         // Plan, under the lock, once no allocation of this guest cluster is in flight.
-        let m = q.meta()?;
+        let o = q.owner()?;
+        let q = &o;
+        let m = o.meta();
         let c = offset / cs;
         let guard = loop {
-            let g = m.lock.lock().await;
-            if !m.st.borrow().inflight.contains(c) {
-                m.st.borrow_mut().inflight.mark(c, c);
+            let g = m.lock().lock().await;
+            if !m.st().alloc.inflight().contains(c) {
+                m.st_mut().alloc.inflight_mut().mark(c, c);
                 break g;
             }
             drop(g);
-            m.inflight_wait.wait().await;
+            m.wait_inflight().await;
         };
-        let unmark = || {
-            m.st.borrow_mut().inflight.unmark(c, c);
-            m.inflight_wait.notify_all();
-        };
+        let unmark = || m.end_inflight(c, c);
         let planned = async {
             let (entry, _) = q.l2_words(GuestOffset(offset)).await?;
             if entry != 0 {
@@ -135,7 +134,7 @@ impl<D: BlockDevice> Chain<D> {
         };
 
         // Commit (or give the clusters back), under the lock.
-        let guard = m.lock.lock().await;
+        let guard = m.lock().lock().await;
         let r = match res {
             Ok(()) => {
                 async {

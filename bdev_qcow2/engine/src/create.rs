@@ -292,7 +292,8 @@ pub async fn preallocate<D: BlockDevice>(
     let crate::Layer::Qcow2(q) = &chain.layers()[0] else {
         return Err(Error::ReadOnly);
     };
-    let m = q.meta()?;
+    let o = q.owner()?;
+    let q = &o;
     let geo = q.geometry();
     let (backed, version) = {
         let h = q.header();
@@ -341,7 +342,7 @@ pub async fn preallocate<D: BlockDevice>(
     let cheap_zeroes = exec.with_device(dev, |d| d.zeroes_cheaply());
     let mut end = 0;
     {
-        let _g = m.lock.lock().await;
+        let _g = q.meta().lock().lock().await;
         // Every L2 table first, so that the data clusters follow them in one run (as QEMU
         // lays a preallocated image out).
         for t in 0..n_clusters.div_ceil(per_table) {

@@ -71,8 +71,9 @@ pub struct Qcow2<D: BlockDevice> {
     /// The direct path's memo of linear slices, in front of `l2_cache`.
     pub(crate) memo: LinearMemo,
     pub(crate) rc_cache: RefCell<SetAssocCache<u8>>,
-    /// Owner-side state for writes (None when opened read-only).
-    pub(crate) meta: Option<crate::meta::Meta<D>>,
+    /// The metadata owner's state (`None` when opened read-only, and on a core replica):
+    /// reached by the owner's operations through [`owner`](Self::owner).
+    meta: Option<crate::meta::Meta<D>>,
     /// State published to other cores (owner: after [`share`](Self::share); core replica:
     /// always).
     pub(crate) shared: Option<Arc<Shared>>,
@@ -399,20 +400,11 @@ impl<D: BlockDevice> Qcow2<D> {
             shared.set_meta_cluster(c);
         }
         if let Some(m) = &self.meta {
-            let mut st = m.st.borrow_mut();
-            let st = &mut *st;
-            for &c in &st.meta_clusters {
+            let mut st = m.st_mut();
+            for c in st.index.iter() {
                 shared.set_meta_cluster(c);
             }
-            let keys: Vec<u64> = st
-                .dirty_l2
-                .keys()
-                .chain(st.writing_l2.keys())
-                .copied()
-                .collect();
-            for k in keys {
-                st.epochs.dirtied(&shared, k);
-            }
+            st.dirty.publish_to(&shared);
         }
         // The owner's own requests take part in grace periods too (its fast paths race
         // with its own discards like a core's do).
@@ -570,6 +562,12 @@ impl<D: BlockDevice> Qcow2<D> {
     pub fn is_writable(&self) -> bool {
         self.meta.is_some()
     }
+    /// The metadata owner's state, when this image is the owner (see
+    /// [`owner`](Self::owner) for its operations).
+    #[inline(always)]
+    pub(crate) fn meta_state(&self) -> Option<&crate::meta::Meta<D>> {
+        self.meta.as_ref()
+    }
     /// Cluster/L2 geometry.
     pub fn geometry(&self) -> Geometry {
         self.geo
@@ -608,7 +606,7 @@ impl<D: BlockDevice> Qcow2<D> {
     }
     /// The metadata owner's counters (`None` unless opened writable).
     pub fn owner_stats(&self) -> Option<crate::meta::OwnerStats> {
-        self.meta.as_ref().map(|m| m.st.borrow().stats)
+        self.meta.as_ref().map(|m| m.stats())
     }
     /// Refcount block cache counters.
     pub fn refcount_cache_stats(&self) -> CacheStats {
@@ -618,6 +616,78 @@ impl<D: BlockDevice> Qcow2<D> {
     pub fn l2_cache_shape(&self) -> (usize, usize) {
         let c = self.l2_cache.borrow();
         (c.sets(), c.ways())
+    }
+
+    /// Calls `f(offset, bytes)` for each metadata range the header and snapshot table
+    /// name (header cluster, L1, refcount table, snapshot table, snapshot L1s) until it
+    /// returns true; returns whether it did.
+    pub(crate) fn any_static_metadata(&self, mut f: impl FnMut(u64, u64) -> bool) -> bool {
+        let cs = self.geo.cluster_size();
+        let h = self.header.borrow();
+        let hh = &h.header;
+        f(0, cs)
+            || f(hh.l1_table_offset, u64::from(hh.l1_size) * 8)
+            || f(
+                hh.refcount_table_offset,
+                u64::from(hh.refcount_table_clusters) << self.geo.cluster_bits,
+            )
+            || (hh.nb_snapshots > 0 && f(hh.snapshots_offset, cs))
+            || self
+                .snapshots
+                .iter()
+                .any(|s| f(s.l1_table_offset, u64::from(s.l1_size) * 8))
+    }
+
+    /// Clusters of refcount blocks and active L2 tables, from the refcount table and L1.
+    pub(crate) fn table_clusters(&self) -> crate::meta::HashSet<u64> {
+        let cs = self.geo.cluster_size();
+        let mut set = crate::meta::HashSet::default();
+        for e in self.refcount_table.borrow().iter() {
+            if *e != 0 && e % cs == 0 {
+                set.insert(e >> self.geo.cluster_bits);
+            }
+        }
+        for e in self.l1.borrow().iter() {
+            if let Ok(Some(t)) = e.l2_table(cs, u64::MAX) {
+                set.insert(t.0 >> self.geo.cluster_bits);
+            }
+        }
+        set
+    }
+
+    /// Whether host bytes `[off, off+len)` overlap the image's own metadata (header, L1,
+    /// refcount table and blocks, active L2 tables, snapshot table and snapshot L1s).
+    pub(crate) fn overlaps_metadata(&self, off: u64, len: u64) -> bool {
+        // The cores' bitmap marks every metadata cluster (and some that were, never
+        // cleared): a range it marks nowhere is not metadata, in a bit test per cluster.
+        if let Some(sh) = &self.shared {
+            let bits = self.geo.cluster_bits;
+            let (first, last) = (off >> bits, (off + len.max(1) - 1) >> bits);
+            if (first..=last).all(|c| !sh.is_meta_cluster(c)) {
+                return false;
+            }
+        }
+        let hit = |start: u64, bytes: u64| {
+            bytes > 0 && off < start.saturating_add(bytes) && start < off.saturating_add(len)
+        };
+        if self.any_static_metadata(hit) {
+            return true;
+        }
+        if let Some(m) = &self.meta {
+            let st = m.st();
+            let first = off >> self.geo.cluster_bits;
+            let last = (off + len.max(1) - 1) >> self.geo.cluster_bits;
+            if (first..=last).any(|c| st.index.contains(c)) {
+                return true;
+            }
+        }
+        false
+    }
+
+    /// Records the clusters of refcount blocks and L2 tables for the overlap check.
+    pub(crate) fn index_metadata(&self) {
+        let Some(m) = &self.meta else { return };
+        m.st_mut().index.reset(self.table_clusters());
     }
 
     /// The host offset of the L2 table covering `off`, or `None` if unallocated.
