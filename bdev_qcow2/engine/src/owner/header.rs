@@ -7,6 +7,7 @@
 
 use super::Owner;
 use crate::error::{corrupt, Error, Field, Result};
+use crate::format::header::ZeroedTail;
 use crate::io::{BlockDevice, BufSlice, IoBuffer};
 
 /// The least step by which the zeroed tail is raised (see `raise_zeroed_tail`).
@@ -89,7 +90,7 @@ impl<D: BlockDevice> Owner<'_, D> {
             let Some(z) = st.tail.get() else {
                 return Ok(());
             };
-            st.header.raise_zeroed_tail(z.at, from)
+            st.header.raise_zeroed_tail(ZeroedTail { from, at: z.at })
         };
         let buf = self.exec.alloc_buf(self.dev, sector.len());
         buf.copy_in(0, &sector);
@@ -112,7 +113,10 @@ impl<D: BlockDevice> Owner<'_, D> {
             let end = st.alloc.fresh_from() * cs;
             match st.tail.get() {
                 Some(z) if end < z.from => {
-                    st.header.lower_zeroed_tail(z.at, end);
+                    st.header.lower_zeroed_tail(ZeroedTail {
+                        from: end,
+                        at: z.at,
+                    });
                     Some(end)
                 }
                 _ => None,
