@@ -30,12 +30,12 @@
 //! [`MAX_CHECK_CLUSTERS`]), one L1 table and one L2 table at a time, a few refcount blocks.
 
 use crate::error::{invalid, Error, Field, Result};
+use crate::exec::read_bytes;
 use crate::exec::{DevId, Exec};
 use crate::format::be::{get_u16, get_u32, get_u64, put_u64};
 use crate::format::header::{autoclear, incompat, peek_cluster_bits, PEEK_LEN};
 use crate::format::refcount::{entries_per_block, get_refcount, max_refcount, set_refcount};
 use crate::format::{HeaderPatch, ImageHeader};
-use crate::image::read_bytes;
 use crate::io::{BlockDevice, BufSlice, DeviceOp, IoBuffer, SECTOR};
 use crate::limits::{MAX_L1_ENTRIES, MAX_SNAPSHOT_EXTRA_DATA, MAX_SNAPSHOT_TABLE_BYTES};
 use std::collections::{BTreeSet, HashMap};

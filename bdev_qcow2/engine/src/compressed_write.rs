@@ -93,19 +93,19 @@ impl<D: BlockDevice> Chain<D> {
             }
             q.ensure_l2(GuestOffset(offset)).await?;
             let n = (comp.len() as u64).div_ceil(cs);
-            let (start, count, _) = q.alloc_clusters(n).await?;
-            if count < n {
-                q.free_unreferenced(start, count).await?;
+            let a = q.alloc_clusters(n).await?;
+            if a.count < n {
+                q.free_unreferenced(a).await?;
                 return Err(Error::InvalidRequest(
                     "no contiguous host space for a compressed cluster",
                 ));
             }
-            Ok(Some(start))
+            Ok(Some(a))
         }
         .await;
         drop(guard);
-        let start = match planned {
-            Ok(Some(s)) => s,
+        let alloc = match planned {
+            Ok(Some(a)) => a,
             Ok(None) => {
                 unmark();
                 return plain(self.clone()).await;
@@ -115,8 +115,7 @@ impl<D: BlockDevice> Chain<D> {
                 return Err(e);
             }
         };
-        let n = (comp.len() as u64).div_ceil(cs);
-        let host = start << geo.cluster_bits;
+        let host = geo.host_cluster_offset(alloc.first).0;
 
         // Data, without the lock.
         let res = if q.overlaps_metadata(host, comp.len() as u64) {
@@ -146,7 +145,7 @@ impl<D: BlockDevice> Chain<D> {
                 .await
             }
             Err(e) => {
-                let _ = q.free_unreferenced(start, n).await;
+                let _ = q.free_unreferenced(alloc).await;
                 Err(e)
             }
         };

@@ -353,9 +353,13 @@ pub async fn preallocate<D: BlockDevice>(
         while g < n_clusters {
             let table_end = n_clusters.min((g / per_table + 1) * per_table);
             while g < table_end {
-                let (c0, n, fresh) = q.alloc_clusters(table_end - g).await?;
-                let (start, stop) = (c0 << geo.cluster_bits, (c0 + n) << geo.cluster_bits);
-                if plain && (mode == Preallocation::Full || !fresh) {
+                let a = q.alloc_clusters(table_end - g).await?;
+                let n = a.count;
+                let (start, stop) = (
+                    geo.host_cluster_offset(a.first).0,
+                    geo.host_cluster_offset(a.end()).0,
+                );
+                if plain && (mode == Preallocation::Full || !a.fresh) {
                     // A device that zeroes cheaply does it itself; else zeros are written
                     // from one buffer.
                     let z = (!cheap_zeroes).then(|| {
@@ -385,7 +389,8 @@ pub async fn preallocate<D: BlockDevice>(
                 for i in 0..n {
                     let off = GuestOffset((g + i) * cs);
                     q.dirty_slice_for(off).await?;
-                    q.set_l2_words(off, ((c0 + i) << geo.cluster_bits) | flags, bitmap)?;
+                    let host = geo.host_cluster_offset(a.nth(i)).0;
+                    q.set_l2_words(off, host | flags, bitmap)?;
                 }
                 end = end.max(stop);
                 g += n;

@@ -1,5 +1,10 @@
 //! An open qcow2 image: validated header, L1 table, refcount table, snapshot table and the
 //! per-core caches of L2 slices and refcount blocks.
+//!
+//! Layering: the image builds on the metadata owner's state ([`crate::meta`], which it holds
+//! when writable and consults for dirty copies) and on the checker ([`crate::check`], which
+//! repairs a dirty image before it opens for writing); neither of them knows the image. The
+//! owner's operations (`crate::owner`) and the request paths build on the image.
 
 use crate::cache::{CacheConfig, CacheStats, LinearMemo, SetAssocCache, MEMO_NO_META_GEN};
 use crate::coherency::{Shared, SliceReply};
@@ -136,25 +141,7 @@ pub struct CoreSeed {
     writable: bool,
 }
 
-/// Reads `len` bytes at `off` (any alignment) through a sector-aligned bounce buffer.
-pub async fn read_bytes<D: BlockDevice>(
-    exec: &Exec<D>,
-    dev: DevId,
-    off: u64,
-    len: u64,
-) -> Result<Vec<u8>> {
-    let start = off / SECTOR * SECTOR;
-    let end = off
-        .checked_add(len)
-        .and_then(|e| e.div_ceil(SECTOR).checked_mul(SECTOR))
-        .ok_or(Error::InvalidRequest("read range overflows"))?;
-    let n = (end - start) as usize;
-    let buf = exec.alloc_buf(dev, n);
-    exec.read(dev, start, BufSlice::whole(buf.clone())).await?;
-    let mut out = vec![0u8; len as usize];
-    buf.copy_out((off - start) as usize, &mut out);
-    Ok(out)
-}
+pub use crate::exec::read_bytes;
 
 fn be_words(bytes: &[u8]) -> impl Iterator<Item = u64> + '_ {
     bytes.chunks_exact(8).map(|c| {

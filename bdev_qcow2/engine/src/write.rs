@@ -16,6 +16,7 @@ use crate::format::entries::{COPIED, ZERO};
 use crate::format::{ClusterMapping, L2Entry, SubclusterBitmap};
 use crate::image::{Qcow2, Touch};
 use crate::io::{BlockDevice, BufSlice, DeviceOp, IoBuffer, SECTOR};
+use crate::owner::alloc::Allocation;
 use crate::owner::Owner;
 use crate::types::GuestOffset;
 use smallvec::SmallVec;
@@ -43,10 +44,10 @@ struct Part {
     action: Action,
 }
 
-/// The parts of a plan, and its allocated runs (first host cluster, count, fresh): inline
-/// for requests of up to two clusters, so the common write allocates nothing for them.
+/// The parts of a plan, and its allocated runs of host clusters: inline for requests of up
+/// to two clusters, so the common write allocates nothing for them.
 type Parts = SmallVec<[Part; 2]>;
-type Allocs = SmallVec<[(u64, u64, bool); 2]>;
+type Allocs = SmallVec<[Allocation; 2]>;
 
 /// Kinds of zeroing requests.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -669,7 +670,7 @@ impl<D: BlockDevice> Chain<D> {
         &self,
         q: &Owner<'_, D>,
         parts: &[Part],
-        allocs: &[(u64, u64, bool)],
+        allocs: &[Allocation],
         res: Result<()>,
     ) -> Result<()> {
         let cs = q.geometry().cluster_size();
@@ -681,9 +682,9 @@ impl<D: BlockDevice> Chain<D> {
         let r = match res {
             Ok(()) => self.commit(q, parts, allocs).await,
             Err(e) => {
-                for &(c0, n, _) in allocs {
+                for &a in allocs {
                     // Boxed: rare, and the write path's per-request future stays small.
-                    let _ = Box::pin(q.free_unreferenced(c0, n)).await;
+                    let _ = Box::pin(q.free_unreferenced(a)).await;
                 }
                 Err(e)
             }
@@ -820,7 +821,7 @@ impl<D: BlockDevice> Chain<D> {
 
     /// Decides the action for each guest cluster of `[start, end)` and allocates what is
     /// needed (refcounts and L2 tables, in the dirty metadata). Returns the parts and, per
-    /// allocated run, (first host cluster, count, fresh). Caller holds the lock.
+    /// allocated run, its [`Allocation`]. Caller holds the lock.
     async fn plan(&self, q: &Owner<'_, D>, start: u64, end: u64) -> Result<(Parts, Allocs)> {
         let geo = q.geometry();
         let cs = geo.cluster_size();
@@ -883,29 +884,29 @@ impl<D: BlockDevice> Chain<D> {
             }
             let mut done = 0;
             while done < run {
-                let (c0, n, fresh) = match q.alloc_data(g + done, run - done).await {
-                    Ok(x) => x,
+                let a = match q.alloc_data(g + done, run - done).await {
+                    Ok(a) => a,
                     Err(e) => {
-                        for &(c, k, _) in &allocs {
-                            let _ = q.free_unreferenced(c, k).await;
+                        for &a in &allocs {
+                            let _ = q.free_unreferenced(a).await;
                         }
                         return Err(e);
                     }
                 };
-                allocs.push((c0, n, fresh));
-                done += n;
+                allocs.push(a);
+                done += a.count;
             }
         }
         Ok((parts, allocs))
     }
 
     /// Host cluster (byte offset) and freshness assigned to the `i`-th allocating part.
-    fn alloc_host(q: &Qcow2<D>, allocs: &[(u64, u64, bool)], mut i: u64) -> (u64, bool) {
-        for &(c0, n, fresh) in allocs {
-            if i < n {
-                return ((c0 + i) << q.geometry().cluster_bits, fresh);
+    fn alloc_host(q: &Qcow2<D>, allocs: &[Allocation], mut i: u64) -> (u64, bool) {
+        for a in allocs {
+            if i < a.count {
+                return (q.geometry().host_cluster_offset(a.nth(i)).0, a.fresh);
             }
-            i -= n;
+            i -= a.count;
         }
         (0, false)
     }
@@ -928,7 +929,7 @@ impl<D: BlockDevice> Chain<D> {
         &self,
         q: &Qcow2<D>,
         p: &Part,
-        allocs: &[(u64, u64, bool)],
+        allocs: &[Allocation],
         alloc_i: &mut u64,
     ) -> (u64, u64, u64) {
         let geo = q.geometry();
@@ -965,7 +966,7 @@ impl<D: BlockDevice> Chain<D> {
         q: &Owner<'_, D>,
         start: u64,
         parts: &[Part],
-        allocs: &[(u64, u64, bool)],
+        allocs: &[Allocation],
         data: Option<BufSlice<D::Buf>>,
     ) -> Result<()> {
         let mut futs = Vec::new();
@@ -1102,12 +1103,7 @@ impl<D: BlockDevice> Chain<D> {
 
     /// Records a finished plan in the dirty metadata. Caller holds the lock. The parts
     /// lie in one L2 slice (a chunk): it is made dirty once, if anything changes.
-    async fn commit(
-        &self,
-        q: &Owner<'_, D>,
-        parts: &[Part],
-        allocs: &[(u64, u64, bool)],
-    ) -> Result<()> {
+    async fn commit(&self, q: &Owner<'_, D>, parts: &[Part], allocs: &[Allocation]) -> Result<()> {
         let mut alloc_i = 0;
         let changes = parts
             .iter()
@@ -1143,7 +1139,7 @@ impl<D: BlockDevice> Chain<D> {
     fn new_words(
         q: &Qcow2<D>,
         p: &Part,
-        allocs: &[(u64, u64, bool)],
+        allocs: &[Allocation],
         alloc_i: &mut u64,
     ) -> Option<(u64, u64)> {
         let geo = q.geometry();

@@ -12,7 +12,7 @@ use crate::error::{corrupt, Error, Field, Result};
 use crate::format::refcount::{get_refcount, set_refcount};
 use crate::format::L2Entry;
 use crate::io::BlockDevice;
-use crate::types::GuestOffset;
+use crate::types::{GuestOffset, HostCluster};
 
 /// How many used clusters past the allocation hint an allocation planned on the spot
 /// ([`Owner::alloc_clusters_now`]) skips before it leaves the search to the slow path.
@@ -21,6 +21,30 @@ const NOW_SCAN: u64 = 64;
 /// Largest data region reserved at once for a run of guest clusters (see
 /// [`Owner::alloc_data`]): a whole L2 slice up to this size, a part of one beyond.
 const MAX_REGION_BYTES: u64 = 64 << 20;
+
+/// Host clusters an allocator took: `count` consecutive clusters from `first` (at least
+/// one), their refcounts 1 in the dirty metadata.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Allocation {
+    /// The first cluster taken.
+    pub first: HostCluster,
+    /// How many.
+    pub count: u64,
+    /// Never written since open: they read as zeros.
+    pub fresh: bool,
+}
+
+impl Allocation {
+    /// The `i`-th cluster taken (`i < count`).
+    #[inline]
+    pub(crate) fn nth(&self, i: u64) -> HostCluster {
+        self.first.plus(i)
+    }
+    /// The cluster past the last one taken.
+    pub(crate) fn end(&self) -> HostCluster {
+        self.first.plus(self.count)
+    }
+}
 
 impl<D: BlockDevice> Owner<'_, D> {
     /// Grows the device size entries may point at (clusters we allocated), and the device
@@ -45,13 +69,13 @@ impl<D: BlockDevice> Owner<'_, D> {
     }
 
     /// Allocates up to `n` contiguous free host clusters (at least one): refcounts become
-    /// 1 (dirty). Returns (first cluster, count, fresh) where `fresh` means the clusters were
-    /// never written since open and read as zeros.
+    /// 1 (dirty). Returns them, `fresh` when they were never written since open and read as
+    /// zeros.
     ///
     /// Data regions (on a device that cannot grow) are kept clear: only when nothing else
     /// in the device is free does a second pass take clusters inside them (and then, as
     /// without regions, past the end).
-    pub(crate) async fn alloc_clusters(&self, n: u64) -> Result<(u64, u64, bool)> {
+    pub(crate) async fn alloc_clusters(&self, n: u64) -> Result<Allocation> {
         if let Some(r) = self.alloc_clusters_now(n)? {
             return Ok(r);
         }
@@ -76,7 +100,7 @@ impl<D: BlockDevice> Owner<'_, D> {
     /// from the allocation hint is shorter than `n`, is not found among the next
     /// [`NOW_SCAN`] clusters, or needs a refcount block loaded or created, or when data
     /// regions are kept clear. The caller holds the metadata lock or knows it is free.
-    pub(crate) fn alloc_clusters_now(&self, n: u64) -> Result<Option<(u64, u64, bool)>> {
+    pub(crate) fn alloc_clusters_now(&self, n: u64) -> Result<Option<Allocation>> {
         let m = self.meta();
         if m.st().alloc.has_regions() {
             return Ok(None);
@@ -137,7 +161,7 @@ impl<D: BlockDevice> Owner<'_, D> {
     /// (a device that cannot hold them fails the allocation, and their refcounts go back
     /// to 0: nothing is taken), then allocation hint, counters, freshness. Returns what
     /// the allocators return.
-    fn allocated(&self, start: u64, count: u64) -> Result<(u64, u64, bool)> {
+    fn allocated(&self, start: u64, count: u64) -> Result<Allocation> {
         if let Err(e) = self.note_allocated(start + count) {
             for c in start..start + count {
                 // Their blocks are dirty (just taken from them).
@@ -153,7 +177,11 @@ impl<D: BlockDevice> Owner<'_, D> {
             st.stats.clusters_allocated += count;
             st.alloc.take_fresh(start, count)
         };
-        Ok((start, count, fresh))
+        Ok(Allocation {
+            first: HostCluster(start),
+            count,
+            fresh,
+        })
     }
 
     /// The first run of up to `n` free host clusters from the allocation hint (see
@@ -246,8 +274,7 @@ impl<D: BlockDevice> Owner<'_, D> {
     /// guest clusters written in any order, by any number of streams, lie in guest order
     /// on the host (a slice filled so is linear: `LinearSlice`; sequential reads are
     /// sequential on the device), else wherever [`alloc_clusters`](Self::alloc_clusters)
-    /// finds room. Returns (first host cluster, count, fresh) like `alloc_clusters`; the
-    /// count may be less than `n`.
+    /// finds room. Returns them like `alloc_clusters`; the count may be less than `n`.
     ///
     /// Only with `OpenOptions::ordered_layout`, and on a device that cannot grow (a bdev,
     /// a block device), whose whole size is the image's to use: on a file, a region would
@@ -255,7 +282,7 @@ impl<D: BlockDevice> Owner<'_, D> {
     /// appending already lays out a single stream in order. Off by default: random first
     /// writes scattered over regions are slower than appended ones, while a slice filled
     /// by several streams is linear with it.
-    pub(crate) async fn alloc_data(&self, g: u64, n: u64) -> Result<(u64, u64, bool)> {
+    pub(crate) async fn alloc_data(&self, g: u64, n: u64) -> Result<Allocation> {
         if !self.allocates_by_region() {
             return self.alloc_clusters(n).await;
         }
@@ -271,7 +298,7 @@ impl<D: BlockDevice> Owner<'_, D> {
         self.meta().ordered_layout() && !self.exec.with_device(self.dev, |d| d.can_grow())
     }
 
-    async fn alloc_in_region(&self, g: u64, n: u64) -> Result<Option<(u64, u64, bool)>> {
+    async fn alloc_in_region(&self, g: u64, n: u64) -> Result<Option<Allocation>> {
         let m = self.meta();
         self.reclaim_graced();
         let per = self.region_len();
@@ -309,7 +336,11 @@ impl<D: BlockDevice> Owner<'_, D> {
         let mut st = m.st_mut();
         st.stats.clusters_allocated += count;
         // Regions fill out of order: a cluster below the last one taken counts as written.
-        Ok(Some((goal, count, st.alloc.take_fresh(goal, count))))
+        Ok(Some(Allocation {
+            first: HostCluster(goal),
+            count,
+            fresh: st.alloc.take_fresh(goal, count),
+        }))
     }
 
     /// Reserves the host clusters of region `idx`: where its data already lies, else the

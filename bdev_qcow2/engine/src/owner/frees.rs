@@ -3,6 +3,7 @@
 //! before reuse (a request that resolved the old mapping may still be in flight on another
 //! core).
 
+use super::alloc::Allocation;
 use super::Owner;
 use crate::error::Result;
 use crate::io::BlockDevice;
@@ -49,8 +50,8 @@ impl<D: BlockDevice> Owner<'_, D> {
     }
 
     /// Frees clusters that were allocated but never referenced (an aborted allocation).
-    pub(crate) async fn free_unreferenced(&self, start: u64, count: u64) -> Result<()> {
-        for c in start..start + count {
+    pub(crate) async fn free_unreferenced(&self, a: Allocation) -> Result<()> {
+        for c in a.first.0..a.end().0 {
             self.update_refcount(c, -1).await?;
             self.meta().st_mut().frees.unstable(c);
         }

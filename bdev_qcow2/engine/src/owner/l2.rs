@@ -7,8 +7,9 @@
 
 use super::Owner;
 use crate::error::{corrupt, Field, Result};
+use crate::exec::read_bytes;
 use crate::format::L1Entry;
-use crate::image::{read_bytes, Qcow2};
+use crate::image::Qcow2;
 use crate::io::BlockDevice;
 use crate::types::{GuestOffset, HostOffset};
 
@@ -165,8 +166,8 @@ impl<D: BlockDevice> Owner<'_, D> {
     async fn new_l2_table(&self, idx: u64, old: Option<HostOffset>) -> Result<()> {
         let m = self.meta();
         let cs = self.geo.cluster_size();
-        let (start, _, _) = self.alloc_clusters(1).await?;
-        let new = start << self.geo.cluster_bits;
+        let start = self.alloc_clusters(1).await?.first;
+        let new = self.geo.host_cluster_offset(start);
         let words_per_table = (cs / 8) as usize;
         let content: Vec<u64> = match old {
             Some(t) => {
@@ -191,9 +192,9 @@ impl<D: BlockDevice> Owner<'_, D> {
                 );
             }
             st.dirty.dirty_l1(idx);
-            st.index.insert(start);
+            st.index.insert(start.0);
             if let Some(sh) = &self.shared {
-                sh.set_meta_cluster(start);
+                sh.set_meta_cluster(start.0);
             }
         }
         // The owner's cache holds the new table's slices too (what it held of the old one
@@ -201,7 +202,7 @@ impl<D: BlockDevice> Owner<'_, D> {
         for (s, chunk) in content.chunks(slice_words).enumerate() {
             self.cache_slice(first_slice + s as u64, 0, |b| b.copy_from_slice(chunk));
         }
-        let entry = L1Entry::new(HostOffset(new), true);
+        let entry = L1Entry::new(new, true);
         self.l1.borrow_mut()[idx as usize] = entry;
         // Published after the new table's slices went odd (DESIGN.md §5).
         if let Some(sh) = &self.shared {
