@@ -82,8 +82,9 @@ pub struct Qcow2<D: BlockDevice> {
     /// State published to other cores (owner: after [`share`](Self::share); core replica:
     /// always).
     pub(crate) shared: Option<Arc<Shared>>,
-    /// Set on a core replica of a shared image.
-    pub(crate) core: Option<CoreSide<D>>,
+    /// Set on a core replica of a shared image: reached through
+    /// [`replica_side`](Self::replica_side) by what only a replica does.
+    core: Option<CoreSide<D>>,
 }
 
 /// How a core replica reaches the metadata owner. The host carries the messages (SPDK:
@@ -99,13 +100,31 @@ pub trait OwnerLink {
 pub(crate) struct CoreSide<D: BlockDevice> {
     /// The owner's published state (the image's `shared` too): here, so that a core's
     /// look-ups reach it with one check.
-    pub(crate) shared: Arc<Shared>,
+    shared: Arc<Shared>,
+    /// How requests for the owner's dirty slices leave this core.
     link: Box<dyn OwnerLink>,
+    /// The owner's answers, by ticket, until the asking task takes them.
     tickets: RefCell<slab::Slab<Option<SliceReply>>>,
+    /// Tasks waiting for an answer.
     wait: WaitQueue<D>,
     /// In-place writes allowed (the owner's image is writable).
-    pub(crate) writable: bool,
+    writable: bool,
 }
+
+/// An image in its role of core replica: the image and its side of the protocol, obtained
+/// by [`Qcow2::replica_side`]. What only a replica does (load a slice under the epoch
+/// protocol, ask the owner for a dirty one) is a method of it, so it cannot run elsewhere.
+pub(crate) struct Replica<'a, D: BlockDevice> {
+    q: &'a Qcow2<D>,
+    side: &'a CoreSide<D>,
+}
+
+impl<D: BlockDevice> Clone for Replica<'_, D> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<D: BlockDevice> Copy for Replica<'_, D> {}
 
 /// Whether a cached look-up marks its slice most recently used and counts a hit.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -489,28 +508,17 @@ impl<D: BlockDevice> Qcow2<D> {
     }
 
     /// Core replica: hands over the owner's answer to ticket `ticket` (on this core).
+    /// Nothing on any other image.
     pub fn deliver_slice(&self, ticket: u64, reply: SliceReply) {
-        let Some(core) = &self.core else { return };
-        if let Some(slot) = core.tickets.borrow_mut().get_mut(ticket as usize) {
-            *slot = Some(reply);
+        if let Some(r) = self.replica_side() {
+            r.deliver(ticket, reply);
         }
-        core.wait.notify_all();
     }
 
-    async fn ask_owner(&self, key: u64) -> SliceReply {
-        let Some(core) = &self.core else {
-            return SliceReply::Retry;
-        };
-        let t = core.tickets.borrow_mut().insert(None);
-        core.link.ask_slice(key, t as u64);
-        loop {
-            let got = core.tickets.borrow_mut().get_mut(t).and_then(Option::take);
-            if let Some(r) = got {
-                core.tickets.borrow_mut().remove(t);
-                return r;
-            }
-            core.wait.wait().await;
-        }
+    /// This image as a core replica (`None` on the owner and on a read-only image).
+    #[inline]
+    pub(crate) fn replica_side(&self) -> Option<Replica<'_, D>> {
+        self.core.as_ref().map(|side| Replica { q: self, side })
     }
 
     /// Core replica: takes the owner's latest device size (entries may point further).
@@ -828,7 +836,7 @@ impl<D: BlockDevice> Qcow2<D> {
     /// The shared state of a writable core replica (`None` on the owner and on read-only
     /// images): what its in-place writes are checked against.
     #[inline(always)]
-    fn writable_core_shared(&self) -> Option<&Shared> {
+    pub(crate) fn writable_core_shared(&self) -> Option<&Shared> {
         match &self.core {
             Some(c) if c.writable => Some(&c.shared),
             _ => None,
@@ -1012,8 +1020,8 @@ impl<D: BlockDevice> Qcow2<D> {
     /// Loads the slice covering `off` into the cache if needed and returns its way (valid
     /// until the next await). `None` when the L2 table is unallocated (nothing to load).
     pub(crate) async fn load_slice(&self, off: GuestOffset) -> Result<Option<usize>> {
-        if self.core.is_some() {
-            return self.load_slice_core(off).await;
+        if let Some(r) = self.replica_side() {
+            return r.load_slice(off).await;
         }
         let Some(l2) = self.l2_table(off)? else {
             return Ok(None);
@@ -1076,60 +1084,6 @@ impl<D: BlockDevice> Qcow2<D> {
         let mut raw = vec![0u8; slice_bytes];
         buf.copy_out(0, &mut raw);
         Ok(raw)
-    }
-
-    /// A core replica's miss (DESIGN.md §5): with an even epoch, read the slice from the
-    /// device and keep it only if the epoch did not move meanwhile (seqlock); with an odd
-    /// one, ask the owner for its copy.
-    async fn load_slice_core(&self, off: GuestOffset) -> Result<Option<usize>> {
-        let Some(shared) = self.shared.clone() else {
-            return Err(Error::InvalidRequest("core replica without shared state"));
-        };
-        let key = self.geo.slice_id(off);
-        let mut attempts = 0u32;
-        loop {
-            attempts += 1;
-            if attempts > 1000 {
-                // EAGAIN: the slice kept changing under 1000 reads (the owner rewrites it
-                // faster than this core can read it); the guest may retry.
-                return Err(Error::Io(11));
-            }
-            let mut epoch = shared.epoch(key);
-            if let Some(w) = self.l2_cache.borrow_mut().lookup(key, epoch) {
-                return Ok(Some(w));
-            }
-            if epoch & 1 == 1 {
-                match self.ask_owner(key).await {
-                    SliceReply::Copy { words, epoch } => {
-                        self.sync_core();
-                        let w = self.cache_slice(key, epoch, |b| b.copy_from_slice(&words));
-                        // Taken after this request began: valid for it whatever the epoch
-                        // is now; the cache keeps it only while the epoch stays.
-                        return Ok(Some(w));
-                    }
-                    SliceReply::Clean { epoch: e } => epoch = e,
-                    SliceReply::Retry => continue,
-                }
-            }
-            // The L1 entry is read after the epoch: a new table's slices are odd before
-            // the owner publishes the entry that points at it.
-            let Some(l2) = self.l2_table(off)? else {
-                return Ok(None);
-            };
-            let raw = self.read_slice_raw(l2, off).await?;
-            if shared.epoch(key) != epoch {
-                continue;
-            }
-            // Entries of the slice may point where the owner grew the device before it
-            // wrote them.
-            self.sync_core();
-            let w = self.cache_slice(key, epoch, |block| {
-                for (dst, w) in block.iter_mut().zip(be_words(&raw)) {
-                    *dst = w;
-                }
-            });
-            return Ok(Some(w));
-        }
     }
 
     /// Describes guest bytes starting at `off` (< `end`): the mapping of the first
@@ -1229,6 +1183,83 @@ impl<D: BlockDevice> Qcow2<D> {
         match cache.probe(block, 0) {
             Some(h) => f(cache.block(h.way)),
             None => f(&vec![0u8; self.geo.cluster_size() as usize]),
+        }
+    }
+}
+
+impl<D: BlockDevice> Replica<'_, D> {
+    /// Hands over the owner's answer to ticket `ticket` and wakes the waiting tasks.
+    fn deliver(&self, ticket: u64, reply: SliceReply) {
+        if let Some(slot) = self.side.tickets.borrow_mut().get_mut(ticket as usize) {
+            *slot = Some(reply);
+        }
+        self.side.wait.notify_all();
+    }
+
+    /// Asks the owner for slice `key` and waits for its answer.
+    async fn ask_owner(&self, key: u64) -> SliceReply {
+        let side = self.side;
+        let t = side.tickets.borrow_mut().insert(None);
+        side.link.ask_slice(key, t as u64);
+        loop {
+            let got = side.tickets.borrow_mut().get_mut(t).and_then(Option::take);
+            if let Some(r) = got {
+                side.tickets.borrow_mut().remove(t);
+                return r;
+            }
+            side.wait.wait().await;
+        }
+    }
+
+    /// A core replica's miss (DESIGN.md §5): with an even epoch, read the slice from the
+    /// device and keep it only if the epoch did not move meanwhile (seqlock); with an odd
+    /// one, ask the owner for its copy.
+    async fn load_slice(&self, off: GuestOffset) -> Result<Option<usize>> {
+        let (q, shared) = (self.q, &*self.side.shared);
+        let key = q.geo.slice_id(off);
+        let mut attempts = 0u32;
+        loop {
+            attempts += 1;
+            if attempts > 1000 {
+                // EAGAIN: the slice kept changing under 1000 reads (the owner rewrites it
+                // faster than this core can read it); the guest may retry.
+                return Err(Error::Io(11));
+            }
+            let mut epoch = shared.epoch(key);
+            if let Some(w) = q.l2_cache.borrow_mut().lookup(key, epoch) {
+                return Ok(Some(w));
+            }
+            if epoch & 1 == 1 {
+                match self.ask_owner(key).await {
+                    SliceReply::Copy { words, epoch } => {
+                        q.sync_core();
+                        let w = q.cache_slice(key, epoch, |b| b.copy_from_slice(&words));
+                        // Taken after this request began: valid for it whatever the epoch
+                        // is now; the cache keeps it only while the epoch stays.
+                        return Ok(Some(w));
+                    }
+                    SliceReply::Clean { epoch: e } => epoch = e,
+                    SliceReply::Retry => continue,
+                }
+            }
+            // The L1 entry is read after the epoch: a new table's slices are odd before
+            // the owner publishes the entry that points at it.
+            let Some(l2) = q.l2_table(off)? else {
+                return Ok(None);
+            };
+            let raw = q.read_slice_raw(l2, off).await?;
+            if shared.epoch(key) != epoch {
+                continue;
+            }
+            // Entries of the slice may point where the owner grew the device before it
+            // wrote them.
+            q.sync_core();
+            let w = q.cache_slice(key, epoch, |block| {
+                for (dst, w) in block.iter_mut().zip(be_words(&raw)) {
+                    *dst = w;
+                }
+            });
+            return Ok(Some(w));
         }
     }
 }

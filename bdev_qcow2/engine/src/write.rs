@@ -467,12 +467,11 @@ impl<D: BlockDevice> Chain<D> {
     /// COPIED data in its view yet); `None` when this image takes no in-place writes.
     #[inline(always)]
     fn fast_write_side<'a>(&self, q: &'a Qcow2<D>) -> Option<Option<&'a Shared>> {
-        let core = match &q.core {
-            Some(c) if c.writable => Some(&*c.shared),
-            Some(_) => return None,
-            None => None,
-        };
-        (q.meta_state().is_some() || core.is_some()).then_some(core)
+        match q.writable_core_shared() {
+            Some(sh) => Some(Some(sh)),
+            // A read-only replica has no owner state either.
+            None => q.meta_state().is_some().then_some(None),
+        }
     }
 
     /// What [`plan_write_extent`](Self::plan_write_extent) found, `e`, for a caller that can
