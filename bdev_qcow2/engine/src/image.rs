@@ -4,7 +4,8 @@
 //! Layering: the image builds on the metadata owner's state ([`crate::meta`], which it holds
 //! when writable and consults for dirty copies) and on the checker ([`crate::check`], which
 //! repairs a dirty image before it opens for writing); neither of them knows the image. The
-//! owner's operations (`crate::owner`) and the request paths build on the image.
+//! owner's operations ([`owner`], a child module: they reach the image's private fields) and
+//! the request paths build on the image.
 
 use crate::cache::{CacheConfig, CacheStats, LinearMemo, SetAssocCache, MEMO_NO_META_GEN};
 use crate::coherency::{Shared, SliceReply};
@@ -22,6 +23,8 @@ use crate::limits::MAX_CACHE_BYTES;
 use crate::types::{Geometry, GuestOffset, SUBCLUSTERS};
 use std::cell::{Cell, Ref, RefCell};
 use std::sync::Arc;
+
+pub(crate) mod owner;
 
 /// Options for opening an image.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -62,26 +65,26 @@ pub const DEFAULT_L2_CACHE_MAX: u64 = 32 << 20;
 
 /// An open qcow2 image on one device.
 pub struct Qcow2<D: BlockDevice> {
-    pub(crate) exec: Exec<D>,
-    pub(crate) dev: DevId,
+    exec: Exec<D>,
+    dev: DevId,
     /// Size of the device as far as entries may point (grows as clusters are allocated).
-    pub(crate) device_size: Cell<u64>,
-    pub(crate) header: RefCell<ImageHeader>,
-    pub(crate) geo: Geometry,
-    pub(crate) ctx: Cell<L2Context>,
-    pub(crate) l1: RefCell<Vec<L1Entry>>,
-    pub(crate) refcount_table: RefCell<Vec<u64>>,
-    pub(crate) snapshots: Vec<Snapshot>,
-    pub(crate) l2_cache: RefCell<SetAssocCache<u64, LinearSlice>>,
+    device_size: Cell<u64>,
+    header: RefCell<ImageHeader>,
+    geo: Geometry,
+    ctx: Cell<L2Context>,
+    l1: RefCell<Vec<L1Entry>>,
+    refcount_table: RefCell<Vec<u64>>,
+    snapshots: Vec<Snapshot>,
+    l2_cache: RefCell<SetAssocCache<u64, LinearSlice>>,
     /// The direct path's memo of linear slices, in front of `l2_cache`.
-    pub(crate) memo: LinearMemo,
-    pub(crate) rc_cache: RefCell<SetAssocCache<u8>>,
+    memo: LinearMemo,
+    rc_cache: RefCell<SetAssocCache<u8>>,
     /// The metadata owner's state (`None` when opened read-only, and on a core replica):
     /// reached by the owner's operations through [`owner`](Self::owner).
     meta: Option<crate::meta::Meta<D>>,
     /// State published to other cores (owner: after [`share`](Self::share); core replica:
     /// always).
-    pub(crate) shared: Option<Arc<Shared>>,
+    shared: Option<Arc<Shared>>,
     /// Set on a core replica of a shared image: reached through
     /// [`replica_side`](Self::replica_side) by what only a replica does.
     core: Option<CoreSide<D>>,
@@ -556,6 +559,17 @@ impl<D: BlockDevice> Qcow2<D> {
     /// Whether the image is open for writing.
     pub fn is_writable(&self) -> bool {
         self.meta.is_some()
+    }
+    /// The L2 entry context (cluster size, version, extended L2, device size) entries are
+    /// decoded in.
+    #[inline]
+    pub(crate) fn l2_context(&self) -> L2Context {
+        self.ctx.get()
+    }
+    /// Whether the L1 entry covering `off` has COPIED set.
+    pub(crate) fn l1_copied(&self, off: GuestOffset) -> bool {
+        let idx = self.geo.l1_index(off) as usize;
+        self.l1.borrow().get(idx).is_some_and(|e| e.is_copied())
     }
     /// The metadata owner's state, when this image is the owner (see
     /// [`owner`](Self::owner) for its operations).

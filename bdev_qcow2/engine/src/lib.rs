@@ -8,8 +8,8 @@
 //! - [`types`]: offsets and cluster geometry;
 //! - [`cache`]: the set-associative slice cache;
 //! - [`image`]: an open image (header, tables, caches);
-//! - [`meta`]: the metadata owner's state; `owner`: its operations (allocation, ordered
-//!   write-back), built on the image;
+//! - [`meta`]: the metadata owner's state; `image::owner`: its operations (allocation,
+//!   ordered write-back), built on the image;
 //! - [`chain`]: backing chains and the guest read path;
 //! - [`exec`], [`io`]: the executor and device seams.
 #![forbid(unsafe_code)]
@@ -30,7 +30,6 @@ pub mod image;
 pub mod io;
 pub mod limits;
 pub mod meta;
-pub(crate) mod owner;
 pub mod prefetch;
 pub mod rng;
 #[cfg(any(test, feature = "testing"))]

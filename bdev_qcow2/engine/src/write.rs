@@ -14,10 +14,10 @@ use crate::error::{corrupt, Error, Field, Result};
 use crate::exec::DevId;
 use crate::format::entries::{COPIED, ZERO};
 use crate::format::{ClusterMapping, L2Entry, SubclusterBitmap};
+use crate::image::owner::alloc::Allocation;
+use crate::image::owner::Owner;
 use crate::image::{Qcow2, Touch};
 use crate::io::{BlockDevice, BufSlice, DeviceOp, IoBuffer, SECTOR};
-use crate::owner::alloc::Allocation;
-use crate::owner::Owner;
 use crate::types::GuestOffset;
 use smallvec::SmallVec;
 use std::rc::Rc;
@@ -62,7 +62,7 @@ enum ZeroKind {
 /// [`Action`]); an invalid entry is corruption.
 fn action_for<D: BlockDevice>(q: &Qcow2<D>, entry: u64, bitmap: u64) -> Result<Action> {
     let geo = q.geometry();
-    let ctx = q.ctx.get();
+    let ctx = q.l2_context();
     let e = L2Entry(entry);
     Ok(if geo.extended_l2 {
         if e.is_compressed() {
@@ -1195,7 +1195,7 @@ impl<D: BlockDevice> Chain<D> {
         let geo = q.geometry();
         let cs = geo.cluster_size();
         let gran = geo.subcluster_size();
-        let v3 = q.ctx.get().v3;
+        let v3 = q.l2_context().v3;
         let end = offset + len;
         let mut pos = offset;
         while pos < end {
@@ -1255,7 +1255,7 @@ impl<D: BlockDevice> Chain<D> {
             let has_backing = self.layers().get(1).is_some_and(|l| cluster < l.size());
             let (entry, bitmap) = q.l2_words(GuestOffset(cluster)).await?;
             let e = L2Entry(entry);
-            let ctx = q.ctx.get();
+            let ctx = q.l2_context();
             let old = if geo.extended_l2 {
                 e.subcluster_mapping(SubclusterBitmap(bitmap), 0, &ctx)?;
                 None
@@ -1375,13 +1375,5 @@ impl<D: BlockDevice> Chain<D> {
     /// call before dropping a writable chain.
     pub async fn close(self: &Rc<Self>) -> Result<()> {
         top(self)?.close().await
-    }
-}
-
-impl<D: BlockDevice> Qcow2<D> {
-    /// Whether the L1 entry covering `off` has COPIED set.
-    pub(crate) fn l1_copied(&self, off: GuestOffset) -> bool {
-        let idx = self.geometry().l1_index(off) as usize;
-        self.l1.borrow().get(idx).is_some_and(|e| e.is_copied())
     }
 }

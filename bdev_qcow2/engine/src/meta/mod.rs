@@ -11,8 +11,9 @@
 //! - [`stats`]: the counters.
 //!
 //! This layer does no I/O and knows nothing of the image: the image holds a [`Meta`] when
-//! it is writable, and the owner's operations (`crate::owner`), built on the image, change
-//! it through these types' methods. So the dependencies go one way: state ← image ← owner.
+//! it is writable, and the owner's operations (`crate::image::owner`), built on the image,
+//! change it through these types' methods. So the dependencies go one way: state ← image ←
+//! owner.
 
 pub(crate) mod alloc;
 pub(crate) mod background;

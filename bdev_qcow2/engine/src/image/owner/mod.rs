@@ -6,7 +6,8 @@
 //! fails with `ReadOnly` on a read-only image or a core replica), so that an operation that
 //! needs the owner cannot be called without one. The state itself lives in
 //! [`crate::meta`], below the image; these operations build on the image (`Owner`
-//! dereferences to it), and nothing below calls them.
+//! dereferences to it; a child module of the image, they reach its private fields), and
+//! nothing below calls them.
 //!
 //! - [`alloc`]: host clusters for data and metadata, data regions;
 //! - [`refcount`]: refcount changes, new refcount blocks, a larger refcount table;
