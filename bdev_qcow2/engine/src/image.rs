@@ -42,7 +42,7 @@ pub struct OpenOptions {
     pub writable: bool,
     /// On a device that cannot grow (a bdev, a block device): lay each L2 slice's data
     /// clusters out in guest order in a host region reserved for the slice, whatever order
-    /// they are written in (see `Qcow2::alloc_data`). Off: clusters are appended in the
+    /// they are written in (see the owner's `alloc_data`). Off: clusters are appended in the
     /// order they are first written, as QEMU does (fastest for random first writes).
     pub ordered_layout: bool,
 }
