@@ -30,12 +30,12 @@
 //! [`MAX_CHECK_CLUSTERS`]), one L1 table and one L2 table at a time, a few refcount blocks.
 
 use crate::error::{invalid, Error, Field, Result};
+use crate::exec::read_bytes;
 use crate::exec::{DevId, Exec};
-use crate::format::be::{get_u16, get_u32, get_u64, put_u32, put_u64};
+use crate::format::be::{get_u16, get_u32, get_u64, put_u64};
 use crate::format::header::{autoclear, incompat, peek_cluster_bits, PEEK_LEN};
 use crate::format::refcount::{entries_per_block, get_refcount, max_refcount, set_refcount};
-use crate::format::ImageHeader;
-use crate::image::read_bytes;
+use crate::format::{HeaderPatch, ImageHeader};
 use crate::io::{BlockDevice, BufSlice, DeviceOp, IoBuffer, SECTOR};
 use crate::limits::{MAX_L1_ENTRIES, MAX_SNAPSHOT_EXTRA_DATA, MAX_SNAPSHOT_TABLE_BYTES};
 use std::collections::{BTreeSet, HashMap};
@@ -1056,10 +1056,8 @@ impl<D: BlockDevice> Checker<'_, D> {
         }
         self.write(table_start * cs, &table).await?;
         self.flush().await?;
-        let mut hdr = [0u8; 12];
-        put_u64(&mut hdr, 0, table_start * cs);
-        put_u32(&mut hdr, 8, t as u32);
-        self.patch(48, &hdr).await?;
+        let hdr = HeaderPatch::refcount_table(table_start * cs, t as u32);
+        self.patch(hdr.offset(), hdr.bytes()).await?;
         self.flush().await?;
         self.rt = new_rt;
         self.block_cache.clear();
@@ -1220,10 +1218,9 @@ impl<D: BlockDevice> Checker<'_, D> {
             return Ok(());
         }
         let v = h.incompatible_features & !bits;
-        let mut b = [0u8; 8];
-        put_u64(&mut b, 0, v);
+        let b = HeaderPatch::incompatible_features(v);
         self.flush().await?;
-        self.patch(72, &b).await?;
+        self.patch(b.offset(), b.bytes()).await?;
         self.flush().await?;
         self.header.header.incompatible_features = v;
         Ok(())
@@ -1237,9 +1234,8 @@ impl<D: BlockDevice> Checker<'_, D> {
             return Ok(());
         }
         let v = h.autoclear_features & !autoclear::ZEROED_TAIL;
-        let mut b = [0u8; 8];
-        put_u64(&mut b, 0, v);
-        self.patch(88, &b).await?;
+        let b = HeaderPatch::autoclear_features(v);
+        self.patch(b.offset(), b.bytes()).await?;
         self.flush().await?;
         self.header.header.autoclear_features = v;
         self.header.extensions.zeroed_tail = None;

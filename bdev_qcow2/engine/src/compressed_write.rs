@@ -72,21 +72,20 @@ impl<D: BlockDevice> Chain<D> {
         comp.resize(comp.len().div_ceil(SECTOR as usize) * SECTOR as usize, 0);
 
         // Plan, under the lock, once no allocation of this guest cluster is in flight.
-        let m = q.meta()?;
+        let o = q.owner()?;
+        let q = &o;
+        let m = o.meta();
         let c = offset / cs;
         let guard = loop {
-            let g = m.lock.lock().await;
-            if !m.st.borrow().inflight.contains(c) {
-                m.st.borrow_mut().inflight.mark(c, c);
+            let g = m.lock().lock().await;
+            if !m.st().alloc.inflight().contains(c) {
+                m.st_mut().alloc.inflight_mut().mark(c, c);
                 break g;
             }
             drop(g);
-            m.inflight_wait.wait().await;
+            m.wait_inflight().await;
         };
-        let unmark = || {
-            m.st.borrow_mut().inflight.unmark(c, c);
-            m.inflight_wait.notify_all();
-        };
+        let unmark = || m.end_inflight(c, c);
         let planned = async {
             let (entry, _) = q.l2_words(GuestOffset(offset)).await?;
             if entry != 0 {
@@ -94,19 +93,19 @@ impl<D: BlockDevice> Chain<D> {
             }
             q.ensure_l2(GuestOffset(offset)).await?;
             let n = (comp.len() as u64).div_ceil(cs);
-            let (start, count, _) = q.alloc_clusters(n).await?;
-            if count < n {
-                q.free_unreferenced(start, count).await?;
+            let a = q.alloc_clusters(n).await?;
+            if a.count < n {
+                q.free_unreferenced(a).await?;
                 return Err(Error::InvalidRequest(
                     "no contiguous host space for a compressed cluster",
                 ));
             }
-            Ok(Some(start))
+            Ok(Some(a))
         }
         .await;
         drop(guard);
-        let start = match planned {
-            Ok(Some(s)) => s,
+        let alloc = match planned {
+            Ok(Some(a)) => a,
             Ok(None) => {
                 unmark();
                 return plain(self.clone()).await;
@@ -116,8 +115,7 @@ impl<D: BlockDevice> Chain<D> {
                 return Err(e);
             }
         };
-        let n = (comp.len() as u64).div_ceil(cs);
-        let host = start << geo.cluster_bits;
+        let host = geo.host_cluster_offset(alloc.first).0;
 
         // Data, without the lock.
         let res = if q.overlaps_metadata(host, comp.len() as u64) {
@@ -135,7 +133,7 @@ impl<D: BlockDevice> Chain<D> {
         };
 
         // Commit (or give the clusters back), under the lock.
-        let guard = m.lock.lock().await;
+        let guard = m.lock().lock().await;
         let r = match res {
             Ok(()) => {
                 async {
@@ -147,7 +145,7 @@ impl<D: BlockDevice> Chain<D> {
                 .await
             }
             Err(e) => {
-                let _ = q.free_unreferenced(start, n).await;
+                let _ = q.free_unreferenced(alloc).await;
                 Err(e)
             }
         };

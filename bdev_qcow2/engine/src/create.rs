@@ -292,7 +292,8 @@ pub async fn preallocate<D: BlockDevice>(
     let crate::Layer::Qcow2(q) = &chain.layers()[0] else {
         return Err(Error::ReadOnly);
     };
-    let m = q.meta()?;
+    let o = q.owner()?;
+    let q = &o;
     let geo = q.geometry();
     let (backed, version) = {
         let h = q.header();
@@ -341,7 +342,7 @@ pub async fn preallocate<D: BlockDevice>(
     let cheap_zeroes = exec.with_device(dev, |d| d.zeroes_cheaply());
     let mut end = 0;
     {
-        let _g = m.lock.lock().await;
+        let _g = q.meta().lock().lock().await;
         // Every L2 table first, so that the data clusters follow them in one run (as QEMU
         // lays a preallocated image out).
         for t in 0..n_clusters.div_ceil(per_table) {
@@ -352,9 +353,13 @@ pub async fn preallocate<D: BlockDevice>(
         while g < n_clusters {
             let table_end = n_clusters.min((g / per_table + 1) * per_table);
             while g < table_end {
-                let (c0, n, fresh) = q.alloc_clusters(table_end - g).await?;
-                let (start, stop) = (c0 << geo.cluster_bits, (c0 + n) << geo.cluster_bits);
-                if plain && (mode == Preallocation::Full || !fresh) {
+                let a = q.alloc_clusters(table_end - g).await?;
+                let n = a.count;
+                let (start, stop) = (
+                    geo.host_cluster_offset(a.first).0,
+                    geo.host_cluster_offset(a.end()).0,
+                );
+                if plain && (mode == Preallocation::Full || !a.fresh) {
                     // A device that zeroes cheaply does it itself; else zeros are written
                     // from one buffer.
                     let z = (!cheap_zeroes).then(|| {
@@ -384,7 +389,8 @@ pub async fn preallocate<D: BlockDevice>(
                 for i in 0..n {
                     let off = GuestOffset((g + i) * cs);
                     q.dirty_slice_for(off).await?;
-                    q.set_l2_words(off, ((c0 + i) << geo.cluster_bits) | flags, bitmap)?;
+                    let host = geo.host_cluster_offset(a.nth(i)).0;
+                    q.set_l2_words(off, host | flags, bitmap)?;
                 }
                 end = end.max(stop);
                 g += n;

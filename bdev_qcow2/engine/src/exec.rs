@@ -9,7 +9,7 @@
 //! callback, so hot paths (cache-hit reads) submit device I/O directly without a task.
 
 use crate::error::{Error, Result};
-use crate::io::{BlockDevice, BufSlice, Busy, DeviceError, DeviceOp};
+use crate::io::{BlockDevice, BufSlice, Busy, DeviceError, DeviceOp, IoBuffer, SECTOR};
 use slab::Slab;
 use std::cell::{Cell, OnceCell, RefCell};
 use std::collections::VecDeque;
@@ -715,4 +715,24 @@ impl<D: BlockDevice> Drop for LockGuard<'_, D> {
         // no one who still wanted it (found by tests/coherency.rs; writers hung).
         self.lock.queue.notify_all();
     }
+}
+
+/// Reads `len` bytes at `off` (any alignment) through a sector-aligned bounce buffer.
+pub async fn read_bytes<D: BlockDevice>(
+    exec: &Exec<D>,
+    dev: DevId,
+    off: u64,
+    len: u64,
+) -> Result<Vec<u8>> {
+    let start = off / SECTOR * SECTOR;
+    let end = off
+        .checked_add(len)
+        .and_then(|e| e.div_ceil(SECTOR).checked_mul(SECTOR))
+        .ok_or(Error::InvalidRequest("read range overflows"))?;
+    let n = (end - start) as usize;
+    let buf = exec.alloc_buf(dev, n);
+    exec.read(dev, start, BufSlice::whole(buf.clone())).await?;
+    let mut out = vec![0u8; len as usize];
+    buf.copy_out((off - start) as usize, &mut out);
+    Ok(out)
 }

@@ -1,5 +1,11 @@
 //! An open qcow2 image: validated header, L1 table, refcount table, snapshot table and the
 //! per-core caches of L2 slices and refcount blocks.
+//!
+//! Layering: the image builds on the metadata owner's state ([`crate::meta`], which it holds
+//! when writable and consults for dirty copies) and on the checker ([`crate::check`], which
+//! repairs a dirty image before it opens for writing); neither of them knows the image. The
+//! owner's operations ([`owner`], a child module: they reach the image's private fields) and
+//! the request paths build on the image.
 
 use crate::cache::{CacheConfig, CacheStats, LinearMemo, SetAssocCache, MEMO_NO_META_GEN};
 use crate::coherency::{Shared, SliceReply};
@@ -18,6 +24,8 @@ use crate::types::{Geometry, GuestOffset, SUBCLUSTERS};
 use std::cell::{Cell, Ref, RefCell};
 use std::sync::Arc;
 
+pub(crate) mod owner;
+
 /// Options for opening an image.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct OpenOptions {
@@ -34,7 +42,7 @@ pub struct OpenOptions {
     pub writable: bool,
     /// On a device that cannot grow (a bdev, a block device): lay each L2 slice's data
     /// clusters out in guest order in a host region reserved for the slice, whatever order
-    /// they are written in (see `Qcow2::alloc_data`). Off: clusters are appended in the
+    /// they are written in (see the owner's `alloc_data`). Off: clusters are appended in the
     /// order they are first written, as QEMU does (fastest for random first writes).
     pub ordered_layout: bool,
 }
@@ -57,27 +65,29 @@ pub const DEFAULT_L2_CACHE_MAX: u64 = 32 << 20;
 
 /// An open qcow2 image on one device.
 pub struct Qcow2<D: BlockDevice> {
-    pub(crate) exec: Exec<D>,
-    pub(crate) dev: DevId,
+    exec: Exec<D>,
+    dev: DevId,
     /// Size of the device as far as entries may point (grows as clusters are allocated).
-    pub(crate) device_size: Cell<u64>,
-    pub(crate) header: RefCell<ImageHeader>,
-    pub(crate) geo: Geometry,
-    pub(crate) ctx: Cell<L2Context>,
-    pub(crate) l1: RefCell<Vec<L1Entry>>,
-    pub(crate) refcount_table: RefCell<Vec<u64>>,
-    pub(crate) snapshots: Vec<Snapshot>,
-    pub(crate) l2_cache: RefCell<SetAssocCache<u64, LinearSlice>>,
+    device_size: Cell<u64>,
+    header: RefCell<ImageHeader>,
+    geo: Geometry,
+    ctx: Cell<L2Context>,
+    l1: RefCell<Vec<L1Entry>>,
+    refcount_table: RefCell<Vec<u64>>,
+    snapshots: Vec<Snapshot>,
+    l2_cache: RefCell<SetAssocCache<u64, LinearSlice>>,
     /// The direct path's memo of linear slices, in front of `l2_cache`.
-    pub(crate) memo: LinearMemo,
-    pub(crate) rc_cache: RefCell<SetAssocCache<u8>>,
-    /// Owner-side state for writes (None when opened read-only).
-    pub(crate) meta: Option<crate::meta::Meta<D>>,
+    memo: LinearMemo,
+    rc_cache: RefCell<SetAssocCache<u8>>,
+    /// The metadata owner's state (`None` when opened read-only, and on a core replica):
+    /// reached by the owner's operations through [`owner`](Self::owner).
+    meta: Option<crate::meta::Meta<D>>,
     /// State published to other cores (owner: after [`share`](Self::share); core replica:
     /// always).
-    pub(crate) shared: Option<Arc<Shared>>,
-    /// Set on a core replica of a shared image.
-    pub(crate) core: Option<CoreSide<D>>,
+    shared: Option<Arc<Shared>>,
+    /// Set on a core replica of a shared image: reached through
+    /// [`replica_side`](Self::replica_side) by what only a replica does.
+    core: Option<CoreSide<D>>,
 }
 
 /// How a core replica reaches the metadata owner. The host carries the messages (SPDK:
@@ -93,13 +103,31 @@ pub trait OwnerLink {
 pub(crate) struct CoreSide<D: BlockDevice> {
     /// The owner's published state (the image's `shared` too): here, so that a core's
     /// look-ups reach it with one check.
-    pub(crate) shared: Arc<Shared>,
+    shared: Arc<Shared>,
+    /// How requests for the owner's dirty slices leave this core.
     link: Box<dyn OwnerLink>,
+    /// The owner's answers, by ticket, until the asking task takes them.
     tickets: RefCell<slab::Slab<Option<SliceReply>>>,
+    /// Tasks waiting for an answer.
     wait: WaitQueue<D>,
     /// In-place writes allowed (the owner's image is writable).
-    pub(crate) writable: bool,
+    writable: bool,
 }
+
+/// An image in its role of core replica: the image and its side of the protocol, obtained
+/// by [`Qcow2::replica_side`]. What only a replica does (load a slice under the epoch
+/// protocol, ask the owner for a dirty one) is a method of it, so it cannot run elsewhere.
+pub(crate) struct Replica<'a, D: BlockDevice> {
+    q: &'a Qcow2<D>,
+    side: &'a CoreSide<D>,
+}
+
+impl<D: BlockDevice> Clone for Replica<'_, D> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<D: BlockDevice> Copy for Replica<'_, D> {}
 
 /// Whether a cached look-up marks its slice most recently used and counts a hit.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -135,25 +163,7 @@ pub struct CoreSeed {
     writable: bool,
 }
 
-/// Reads `len` bytes at `off` (any alignment) through a sector-aligned bounce buffer.
-pub async fn read_bytes<D: BlockDevice>(
-    exec: &Exec<D>,
-    dev: DevId,
-    off: u64,
-    len: u64,
-) -> Result<Vec<u8>> {
-    let start = off / SECTOR * SECTOR;
-    let end = off
-        .checked_add(len)
-        .and_then(|e| e.div_ceil(SECTOR).checked_mul(SECTOR))
-        .ok_or(Error::InvalidRequest("read range overflows"))?;
-    let n = (end - start) as usize;
-    let buf = exec.alloc_buf(dev, n);
-    exec.read(dev, start, BufSlice::whole(buf.clone())).await?;
-    let mut out = vec![0u8; len as usize];
-    buf.copy_out((off - start) as usize, &mut out);
-    Ok(out)
-}
+pub use crate::exec::read_bytes;
 
 fn be_words(bytes: &[u8]) -> impl Iterator<Item = u64> + '_ {
     bytes.chunks_exact(8).map(|c| {
@@ -399,20 +409,11 @@ impl<D: BlockDevice> Qcow2<D> {
             shared.set_meta_cluster(c);
         }
         if let Some(m) = &self.meta {
-            let mut st = m.st.borrow_mut();
-            let st = &mut *st;
-            for &c in &st.meta_clusters {
+            let mut st = m.st_mut();
+            for c in st.index.iter() {
                 shared.set_meta_cluster(c);
             }
-            let keys: Vec<u64> = st
-                .dirty_l2
-                .keys()
-                .chain(st.writing_l2.keys())
-                .copied()
-                .collect();
-            for k in keys {
-                st.epochs.dirtied(&shared, k);
-            }
+            st.dirty.publish_to(&shared);
         }
         // The owner's own requests take part in grace periods too (its fast paths race
         // with its own discards like a core's do).
@@ -510,28 +511,17 @@ impl<D: BlockDevice> Qcow2<D> {
     }
 
     /// Core replica: hands over the owner's answer to ticket `ticket` (on this core).
+    /// Nothing on any other image.
     pub fn deliver_slice(&self, ticket: u64, reply: SliceReply) {
-        let Some(core) = &self.core else { return };
-        if let Some(slot) = core.tickets.borrow_mut().get_mut(ticket as usize) {
-            *slot = Some(reply);
+        if let Some(r) = self.replica_side() {
+            r.deliver(ticket, reply);
         }
-        core.wait.notify_all();
     }
 
-    async fn ask_owner(&self, key: u64) -> SliceReply {
-        let Some(core) = &self.core else {
-            return SliceReply::Retry;
-        };
-        let t = core.tickets.borrow_mut().insert(None);
-        core.link.ask_slice(key, t as u64);
-        loop {
-            let got = core.tickets.borrow_mut().get_mut(t).and_then(Option::take);
-            if let Some(r) = got {
-                core.tickets.borrow_mut().remove(t);
-                return r;
-            }
-            core.wait.wait().await;
-        }
+    /// This image as a core replica (`None` on the owner and on a read-only image).
+    #[inline]
+    pub(crate) fn replica_side(&self) -> Option<Replica<'_, D>> {
+        self.core.as_ref().map(|side| Replica { q: self, side })
     }
 
     /// Core replica: takes the owner's latest device size (entries may point further).
@@ -569,6 +559,23 @@ impl<D: BlockDevice> Qcow2<D> {
     /// Whether the image is open for writing.
     pub fn is_writable(&self) -> bool {
         self.meta.is_some()
+    }
+    /// The L2 entry context (cluster size, version, extended L2, device size) entries are
+    /// decoded in.
+    #[inline]
+    pub(crate) fn l2_context(&self) -> L2Context {
+        self.ctx.get()
+    }
+    /// Whether the L1 entry covering `off` has COPIED set.
+    pub(crate) fn l1_copied(&self, off: GuestOffset) -> bool {
+        let idx = self.geo.l1_index(off) as usize;
+        self.l1.borrow().get(idx).is_some_and(|e| e.is_copied())
+    }
+    /// The metadata owner's state, when this image is the owner (see
+    /// [`owner`](Self::owner) for its operations).
+    #[inline(always)]
+    pub(crate) fn meta_state(&self) -> Option<&crate::meta::Meta<D>> {
+        self.meta.as_ref()
     }
     /// Cluster/L2 geometry.
     pub fn geometry(&self) -> Geometry {
@@ -608,7 +615,7 @@ impl<D: BlockDevice> Qcow2<D> {
     }
     /// The metadata owner's counters (`None` unless opened writable).
     pub fn owner_stats(&self) -> Option<crate::meta::OwnerStats> {
-        self.meta.as_ref().map(|m| m.st.borrow().stats)
+        self.meta.as_ref().map(|m| m.stats())
     }
     /// Refcount block cache counters.
     pub fn refcount_cache_stats(&self) -> CacheStats {
@@ -618,6 +625,78 @@ impl<D: BlockDevice> Qcow2<D> {
     pub fn l2_cache_shape(&self) -> (usize, usize) {
         let c = self.l2_cache.borrow();
         (c.sets(), c.ways())
+    }
+
+    /// Calls `f(offset, bytes)` for each metadata range the header and snapshot table
+    /// name (header cluster, L1, refcount table, snapshot table, snapshot L1s) until it
+    /// returns true; returns whether it did.
+    pub(crate) fn any_static_metadata(&self, mut f: impl FnMut(u64, u64) -> bool) -> bool {
+        let cs = self.geo.cluster_size();
+        let h = self.header.borrow();
+        let hh = &h.header;
+        f(0, cs)
+            || f(hh.l1_table_offset, u64::from(hh.l1_size) * 8)
+            || f(
+                hh.refcount_table_offset,
+                u64::from(hh.refcount_table_clusters) << self.geo.cluster_bits,
+            )
+            || (hh.nb_snapshots > 0 && f(hh.snapshots_offset, cs))
+            || self
+                .snapshots
+                .iter()
+                .any(|s| f(s.l1_table_offset, u64::from(s.l1_size) * 8))
+    }
+
+    /// Clusters of refcount blocks and active L2 tables, from the refcount table and L1.
+    pub(crate) fn table_clusters(&self) -> crate::meta::HashSet<u64> {
+        let cs = self.geo.cluster_size();
+        let mut set = crate::meta::HashSet::default();
+        for e in self.refcount_table.borrow().iter() {
+            if *e != 0 && e % cs == 0 {
+                set.insert(e >> self.geo.cluster_bits);
+            }
+        }
+        for e in self.l1.borrow().iter() {
+            if let Ok(Some(t)) = e.l2_table(cs, u64::MAX) {
+                set.insert(t.0 >> self.geo.cluster_bits);
+            }
+        }
+        set
+    }
+
+    /// Whether host bytes `[off, off+len)` overlap the image's own metadata (header, L1,
+    /// refcount table and blocks, active L2 tables, snapshot table and snapshot L1s).
+    pub(crate) fn overlaps_metadata(&self, off: u64, len: u64) -> bool {
+        // The cores' bitmap marks every metadata cluster (and some that were, never
+        // cleared): a range it marks nowhere is not metadata, in a bit test per cluster.
+        if let Some(sh) = &self.shared {
+            let bits = self.geo.cluster_bits;
+            let (first, last) = (off >> bits, (off + len.max(1) - 1) >> bits);
+            if (first..=last).all(|c| !sh.is_meta_cluster(c)) {
+                return false;
+            }
+        }
+        let hit = |start: u64, bytes: u64| {
+            bytes > 0 && off < start.saturating_add(bytes) && start < off.saturating_add(len)
+        };
+        if self.any_static_metadata(hit) {
+            return true;
+        }
+        if let Some(m) = &self.meta {
+            let st = m.st();
+            let first = off >> self.geo.cluster_bits;
+            let last = (off + len.max(1) - 1) >> self.geo.cluster_bits;
+            if (first..=last).any(|c| st.index.contains(c)) {
+                return true;
+            }
+        }
+        false
+    }
+
+    /// Records the clusters of refcount blocks and L2 tables for the overlap check.
+    pub(crate) fn index_metadata(&self) {
+        let Some(m) = &self.meta else { return };
+        m.st_mut().index.reset(self.table_clusters());
     }
 
     /// The host offset of the L2 table covering `off`, or `None` if unallocated.
@@ -771,7 +850,7 @@ impl<D: BlockDevice> Qcow2<D> {
     /// The shared state of a writable core replica (`None` on the owner and on read-only
     /// images): what its in-place writes are checked against.
     #[inline(always)]
-    fn writable_core_shared(&self) -> Option<&Shared> {
+    pub(crate) fn writable_core_shared(&self) -> Option<&Shared> {
         match &self.core {
             Some(c) if c.writable => Some(&c.shared),
             _ => None,
@@ -955,8 +1034,8 @@ impl<D: BlockDevice> Qcow2<D> {
     /// Loads the slice covering `off` into the cache if needed and returns its way (valid
     /// until the next await). `None` when the L2 table is unallocated (nothing to load).
     pub(crate) async fn load_slice(&self, off: GuestOffset) -> Result<Option<usize>> {
-        if self.core.is_some() {
-            return self.load_slice_core(off).await;
+        if let Some(r) = self.replica_side() {
+            return r.load_slice(off).await;
         }
         let Some(l2) = self.l2_table(off)? else {
             return Ok(None);
@@ -1019,60 +1098,6 @@ impl<D: BlockDevice> Qcow2<D> {
         let mut raw = vec![0u8; slice_bytes];
         buf.copy_out(0, &mut raw);
         Ok(raw)
-    }
-
-    /// A core replica's miss (ARCHITECTURE.md §6): with an even epoch, read the slice from the
-    /// device and keep it only if the epoch did not move meanwhile (seqlock); with an odd
-    /// one, ask the owner for its copy.
-    async fn load_slice_core(&self, off: GuestOffset) -> Result<Option<usize>> {
-        let Some(shared) = self.shared.clone() else {
-            return Err(Error::InvalidRequest("core replica without shared state"));
-        };
-        let key = self.geo.slice_id(off);
-        let mut attempts = 0u32;
-        loop {
-            attempts += 1;
-            if attempts > 1000 {
-                // EAGAIN: the slice kept changing under 1000 reads (the owner rewrites it
-                // faster than this core can read it); the guest may retry.
-                return Err(Error::Io(11));
-            }
-            let mut epoch = shared.epoch(key);
-            if let Some(w) = self.l2_cache.borrow_mut().lookup(key, epoch) {
-                return Ok(Some(w));
-            }
-            if epoch & 1 == 1 {
-                match self.ask_owner(key).await {
-                    SliceReply::Copy { words, epoch } => {
-                        self.sync_core();
-                        let w = self.cache_slice(key, epoch, |b| b.copy_from_slice(&words));
-                        // Taken after this request began: valid for it whatever the epoch
-                        // is now; the cache keeps it only while the epoch stays.
-                        return Ok(Some(w));
-                    }
-                    SliceReply::Clean { epoch: e } => epoch = e,
-                    SliceReply::Retry => continue,
-                }
-            }
-            // The L1 entry is read after the epoch: a new table's slices are odd before
-            // the owner publishes the entry that points at it.
-            let Some(l2) = self.l2_table(off)? else {
-                return Ok(None);
-            };
-            let raw = self.read_slice_raw(l2, off).await?;
-            if shared.epoch(key) != epoch {
-                continue;
-            }
-            // Entries of the slice may point where the owner grew the device before it
-            // wrote them.
-            self.sync_core();
-            let w = self.cache_slice(key, epoch, |block| {
-                for (dst, w) in block.iter_mut().zip(be_words(&raw)) {
-                    *dst = w;
-                }
-            });
-            return Ok(Some(w));
-        }
     }
 
     /// Describes guest bytes starting at `off` (< `end`): the mapping of the first
@@ -1172,6 +1197,83 @@ impl<D: BlockDevice> Qcow2<D> {
         match cache.probe(block, 0) {
             Some(h) => f(cache.block(h.way)),
             None => f(&vec![0u8; self.geo.cluster_size() as usize]),
+        }
+    }
+}
+
+impl<D: BlockDevice> Replica<'_, D> {
+    /// Hands over the owner's answer to ticket `ticket` and wakes the waiting tasks.
+    fn deliver(&self, ticket: u64, reply: SliceReply) {
+        if let Some(slot) = self.side.tickets.borrow_mut().get_mut(ticket as usize) {
+            *slot = Some(reply);
+        }
+        self.side.wait.notify_all();
+    }
+
+    /// Asks the owner for slice `key` and waits for its answer.
+    async fn ask_owner(&self, key: u64) -> SliceReply {
+        let side = self.side;
+        let t = side.tickets.borrow_mut().insert(None);
+        side.link.ask_slice(key, t as u64);
+        loop {
+            let got = side.tickets.borrow_mut().get_mut(t).and_then(Option::take);
+            if let Some(r) = got {
+                side.tickets.borrow_mut().remove(t);
+                return r;
+            }
+            side.wait.wait().await;
+        }
+    }
+
+    /// A core replica's miss (ARCHITECTURE.md §6): with an even epoch, read the slice from the
+    /// device and keep it only if the epoch did not move meanwhile (seqlock); with an odd
+    /// one, ask the owner for its copy.
+    async fn load_slice(&self, off: GuestOffset) -> Result<Option<usize>> {
+        let (q, shared) = (self.q, &*self.side.shared);
+        let key = q.geo.slice_id(off);
+        let mut attempts = 0u32;
+        loop {
+            attempts += 1;
+            if attempts > 1000 {
+                // EAGAIN: the slice kept changing under 1000 reads (the owner rewrites it
+                // faster than this core can read it); the guest may retry.
+                return Err(Error::Io(11));
+            }
+            let mut epoch = shared.epoch(key);
+            if let Some(w) = q.l2_cache.borrow_mut().lookup(key, epoch) {
+                return Ok(Some(w));
+            }
+            if epoch & 1 == 1 {
+                match self.ask_owner(key).await {
+                    SliceReply::Copy { words, epoch } => {
+                        q.sync_core();
+                        let w = q.cache_slice(key, epoch, |b| b.copy_from_slice(&words));
+                        // Taken after this request began: valid for it whatever the epoch
+                        // is now; the cache keeps it only while the epoch stays.
+                        return Ok(Some(w));
+                    }
+                    SliceReply::Clean { epoch: e } => epoch = e,
+                    SliceReply::Retry => continue,
+                }
+            }
+            // The L1 entry is read after the epoch: a new table's slices are odd before
+            // the owner publishes the entry that points at it.
+            let Some(l2) = q.l2_table(off)? else {
+                return Ok(None);
+            };
+            let raw = q.read_slice_raw(l2, off).await?;
+            if shared.epoch(key) != epoch {
+                continue;
+            }
+            // Entries of the slice may point where the owner grew the device before it
+            // wrote them.
+            q.sync_core();
+            let w = q.cache_slice(key, epoch, |block| {
+                for (dst, w) in block.iter_mut().zip(be_words(&raw)) {
+                    *dst = w;
+                }
+            });
+            return Ok(Some(w));
         }
     }
 }

@@ -11,6 +11,24 @@ pub struct GuestOffset(pub u64);
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
 pub struct HostOffset(pub u64);
 
+/// A host cluster: its index on the base device (host offset / cluster size).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
+pub struct HostCluster(pub u64);
+
+impl HostCluster {
+    /// The host cluster `n` clusters past this one.
+    #[inline]
+    pub fn plus(self, n: u64) -> HostCluster {
+        HostCluster(self.0 + n)
+    }
+}
+
+impl fmt::Display for HostCluster {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "host cluster {:#x}", self.0)
+    }
+}
+
 impl fmt::Display for GuestOffset {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "guest {:#x}", self.0)
@@ -160,6 +178,16 @@ impl Geometry {
     pub fn slice_coverage_bits(&self) -> u32 {
         self.coverage_bits
     }
+    /// The host offset where host cluster `c` starts.
+    #[inline]
+    pub fn host_cluster_offset(&self, c: HostCluster) -> HostOffset {
+        HostOffset(c.0 << self.cluster_bits)
+    }
+    /// The host cluster holding host offset `off`.
+    #[inline]
+    pub fn host_cluster(&self, off: HostOffset) -> HostCluster {
+        HostCluster(off.0 >> self.cluster_bits)
+    }
     /// Number of L1 entries needed to address `size` guest bytes.
     #[inline]
     pub fn l1_entries_for(&self, size: u64) -> u64 {
@@ -187,6 +215,14 @@ mod tests {
             g.slice_host_offset(HostOffset(1 << 20), off),
             HostOffset((1 << 20) + 3 * 4096)
         );
+    }
+
+    #[test]
+    fn host_clusters_and_offsets() {
+        let g = Geometry::new(16, false, 12);
+        assert_eq!(g.host_cluster_offset(HostCluster(3)), HostOffset(3 << 16));
+        assert_eq!(g.host_cluster(HostOffset((3 << 16) + 5)), HostCluster(3));
+        assert_eq!(HostCluster(3).plus(2), HostCluster(5));
     }
 
     #[test]

@@ -14,6 +14,8 @@ use crate::error::{corrupt, Error, Field, Result};
 use crate::exec::DevId;
 use crate::format::entries::{COPIED, ZERO};
 use crate::format::{ClusterMapping, L2Entry, SubclusterBitmap};
+use crate::image::owner::alloc::Allocation;
+use crate::image::owner::Owner;
 use crate::image::{Qcow2, Touch};
 use crate::io::{BlockDevice, BufSlice, DeviceOp, IoBuffer};
 use crate::types::GuestOffset;
@@ -42,10 +44,10 @@ struct Part {
     action: Action,
 }
 
-/// The parts of a plan, and its allocated runs (first host cluster, count, fresh): inline
-/// for requests of up to two clusters, so the common write allocates nothing for them.
+/// The parts of a plan, and its allocated runs of host clusters: inline for requests of up
+/// to two clusters, so the common write allocates nothing for them.
 type Parts = SmallVec<[Part; 2]>;
-type Allocs = SmallVec<[(u64, u64, bool); 2]>;
+type Allocs = SmallVec<[Allocation; 2]>;
 
 /// Kinds of zeroing requests.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -60,7 +62,7 @@ enum ZeroKind {
 /// [`Action`]); an invalid entry is corruption.
 fn action_for<D: BlockDevice>(q: &Qcow2<D>, entry: u64, bitmap: u64) -> Result<Action> {
     let geo = q.geometry();
-    let ctx = q.ctx.get();
+    let ctx = q.l2_context();
     let e = L2Entry(entry);
     Ok(if geo.extended_l2 {
         if e.is_compressed() {
@@ -321,10 +323,9 @@ impl<D: BlockDevice> Chain<D> {
             Err(true) => return WriteExtent::Refused,
             Err(false) => return WriteExtent::Walk,
         };
-        let inflight = q.meta.as_ref().is_some_and(|m| {
+        let inflight = q.meta_state().is_some_and(|m| {
             let cs = q.geometry().cluster_size();
-            let st = m.st.borrow();
-            st.inflight.any(offset / cs, (offset + len - 1) / cs)
+            m.inflight_any(offset / cs, (offset + len - 1) / cs)
         });
         if inflight || overlaps_meta(q, core, h, len) {
             return WriteExtent::Refused;
@@ -338,12 +339,11 @@ impl<D: BlockDevice> Chain<D> {
     /// COPIED data in its view yet); `None` when this image takes no in-place writes.
     #[inline(always)]
     fn fast_write_side<'a>(&self, q: &'a Qcow2<D>) -> Option<Option<&'a Shared>> {
-        let core = match &q.core {
-            Some(c) if c.writable => Some(&*c.shared),
-            Some(_) => return None,
-            None => None,
-        };
-        (q.meta.is_some() || core.is_some()).then_some(core)
+        match q.writable_core_shared() {
+            Some(sh) => Some(Some(sh)),
+            // A read-only replica has no owner state either.
+            None => q.meta_state().is_some().then_some(None),
+        }
     }
 
     /// What [`plan_write_extent`](Self::plan_write_extent) found, `e`, for a caller that can
@@ -386,16 +386,19 @@ impl<D: BlockDevice> Chain<D> {
             return None;
         };
         let core = self.fast_write_side(q)?;
-        let m = q.meta.as_ref();
+        let m = q.meta_state();
         let cs = q.geometry().cluster_size();
         // The mapping's host offset is where its (sub)cluster starts.
         let unit = q.geometry().subcluster_size();
         let end = offset + len;
         let mut n = 0;
         let mut pos = offset;
-        let st = m.map(|m| m.st.borrow());
+        let st = m.map(|m| m.st());
         while pos < end {
-            if st.as_ref().is_some_and(|st| st.inflight.contains(pos / cs)) {
+            if st
+                .as_ref()
+                .is_some_and(|st| st.alloc.inflight().contains(pos / cs))
+            {
                 return None;
             }
             // A hit is counted (and the slice touched) only for an entry the write can use.
@@ -483,28 +486,25 @@ impl<D: BlockDevice> Chain<D> {
     /// flight, and marks them in flight.
     async fn lock_clusters<'q>(
         &self,
-        q: &'q Qcow2<D>,
+        q: &Owner<'q, D>,
         first: u64,
         last: u64,
-    ) -> Result<crate::exec::LockGuard<'q, D>> {
-        let m = q.meta()?;
+    ) -> crate::exec::LockGuard<'q, D> {
+        let m = q.meta();
         loop {
-            let g = m.lock.lock().await;
-            let busy = m.st.borrow().inflight.any(first, last);
+            let g = m.lock().lock().await;
+            let busy = m.inflight_any(first, last);
             if !busy {
-                m.st.borrow_mut().inflight.mark(first, last);
-                return Ok(g);
+                m.st_mut().alloc.inflight_mut().mark(first, last);
+                return g;
             }
             drop(g);
-            m.inflight_wait.wait().await;
+            m.wait_inflight().await;
         }
     }
 
-    fn unmark_clusters(&self, q: &Qcow2<D>, first: u64, last: u64) {
-        if let Ok(m) = q.meta() {
-            m.st.borrow_mut().inflight.unmark(first, last);
-            m.inflight_wait.notify_all();
-        }
+    fn unmark_clusters(&self, q: &Owner<'_, D>, first: u64, last: u64) {
+        q.meta().end_inflight(first, last);
     }
 
     /// Writes guest bytes `[start, end)` (inside one L2 slice); `data` is `None` for zeros.
@@ -515,22 +515,23 @@ impl<D: BlockDevice> Chain<D> {
         end: u64,
         data: Option<BufSlice<D::Buf>>,
     ) -> Result<()> {
+        let o = q.owner()?;
         let cs = q.geometry().cluster_size();
         let (first, last) = (start / cs, (end - 1) / cs);
-        let guard = self.lock_clusters(q, first, last).await?;
-        let planned = self.plan(q, start, end).await;
+        let guard = self.lock_clusters(&o, first, last).await;
+        let planned = self.plan(&o, start, end).await;
         let (parts, allocs) = match planned {
             Ok(p) => p,
             Err(e) => {
                 drop(guard);
-                self.unmark_clusters(q, first, last);
+                self.unmark_clusters(&o, first, last);
                 return Err(e);
             }
         };
         drop(guard);
         // Data phase, without the lock.
-        let res = self.write_data(q, start, &parts, &allocs, data).await;
-        self.finish_chunk(q, &parts, &allocs, res).await
+        let res = self.write_data(&o, start, &parts, &allocs, data).await;
+        self.finish_chunk(&o, &parts, &allocs, res).await
     }
 
     /// The end of a planned chunk after its data phase (`res`): under the metadata lock,
@@ -538,9 +539,9 @@ impl<D: BlockDevice> Chain<D> {
     /// dirty, then lets waiting writers of its clusters go.
     async fn finish_chunk(
         &self,
-        q: &Qcow2<D>,
+        q: &Owner<'_, D>,
         parts: &[Part],
-        allocs: &[(u64, u64, bool)],
+        allocs: &[Allocation],
         res: Result<()>,
     ) -> Result<()> {
         let cs = q.geometry().cluster_size();
@@ -548,14 +549,13 @@ impl<D: BlockDevice> Chain<D> {
             (Some(a), Some(b)) => (a.cluster / cs, b.cluster / cs),
             _ => return res,
         };
-        let m = q.meta()?;
-        let guard = m.lock.lock().await;
+        let guard = q.meta().lock().lock().await;
         let r = match res {
             Ok(()) => self.commit(q, parts, allocs).await,
             Err(e) => {
-                for &(c0, n, _) in allocs {
+                for &a in allocs {
                     // Boxed: rare, and the write path's per-request future stays small.
-                    let _ = Box::pin(q.free_unreferenced(c0, n)).await;
+                    let _ = Box::pin(q.free_unreferenced(a)).await;
                 }
                 Err(e)
             }
@@ -585,17 +585,18 @@ impl<D: BlockDevice> Chain<D> {
     /// nothing; skipping the task's lock, planning futures and slice look-ups is the point:
     /// a first write into a fresh image then costs little more than an overwrite.
     fn plan_now(&self, q: &Qcow2<D>, start: u64, end: u64) -> Result<Option<(Parts, Allocs)>> {
-        let Some(m) = q.meta.as_ref() else {
+        let Ok(o) = q.owner() else {
             return Ok(None);
         };
+        let (q, m) = (&o, o.meta());
         let geo = q.geometry();
         let cs = geo.cluster_size();
         let (first, last) = (start / cs, (end - 1) / cs);
-        if m.lock.is_locked()
+        if m.lock().is_locked()
             || geo.slice_id(GuestOffset(start)) != geo.slice_id(GuestOffset(end - 1))
-            || m.st.borrow().inflight.any(first, last)
+            || m.inflight_any(first, last)
             || !matches!(q.writable_l2(GuestOffset(start)), Ok(Ok(())))
-            || q.allocates_by_region().unwrap_or(true)
+            || q.allocates_by_region()
         {
             return Ok(None);
         }
@@ -643,8 +644,8 @@ impl<D: BlockDevice> Chain<D> {
             };
             allocs.push(run);
         }
-        let mut st = m.st.borrow_mut();
-        st.inflight.mark(first, last);
+        let mut st = m.st_mut();
+        st.alloc.inflight_mut().mark(first, last);
         st.stats.writes_planned_now += 1;
         Ok(Some((parts, allocs)))
     }
@@ -664,8 +665,9 @@ impl<D: BlockDevice> Chain<D> {
         (parts, allocs): (Parts, Allocs),
         data: BufSlice<D::Buf>,
     ) {
-        let r = match top(&self) {
-            Ok(q) => {
+        let r = match top(&self).and_then(|q| q.owner()) {
+            Ok(o) => {
+                let q = &o;
                 let mut alloc_i = 0;
                 let mut one_run = true;
                 let mut host_start = None;
@@ -690,8 +692,8 @@ impl<D: BlockDevice> Chain<D> {
 
     /// Decides the action for each guest cluster of `[start, end)` and allocates what is
     /// needed (refcounts and L2 tables, in the dirty metadata). Returns the parts and, per
-    /// allocated run, (first host cluster, count, fresh). Caller holds the lock.
-    async fn plan(&self, q: &Qcow2<D>, start: u64, end: u64) -> Result<(Parts, Allocs)> {
+    /// allocated run, its [`Allocation`]. Caller holds the lock.
+    async fn plan(&self, q: &Owner<'_, D>, start: u64, end: u64) -> Result<(Parts, Allocs)> {
         let geo = q.geometry();
         let cs = geo.cluster_size();
         let mut parts = Parts::new();
@@ -753,29 +755,29 @@ impl<D: BlockDevice> Chain<D> {
             }
             let mut done = 0;
             while done < run {
-                let (c0, n, fresh) = match q.alloc_data(g + done, run - done).await {
-                    Ok(x) => x,
+                let a = match q.alloc_data(g + done, run - done).await {
+                    Ok(a) => a,
                     Err(e) => {
-                        for &(c, k, _) in &allocs {
-                            let _ = q.free_unreferenced(c, k).await;
+                        for &a in &allocs {
+                            let _ = q.free_unreferenced(a).await;
                         }
                         return Err(e);
                     }
                 };
-                allocs.push((c0, n, fresh));
-                done += n;
+                allocs.push(a);
+                done += a.count;
             }
         }
         Ok((parts, allocs))
     }
 
     /// Host cluster (byte offset) and freshness assigned to the `i`-th allocating part.
-    fn alloc_host(q: &Qcow2<D>, allocs: &[(u64, u64, bool)], mut i: u64) -> (u64, bool) {
-        for &(c0, n, fresh) in allocs {
-            if i < n {
-                return ((c0 + i) << q.geometry().cluster_bits, fresh);
+    fn alloc_host(q: &Qcow2<D>, allocs: &[Allocation], mut i: u64) -> (u64, bool) {
+        for a in allocs {
+            if i < a.count {
+                return (q.geometry().host_cluster_offset(a.nth(i)).0, a.fresh);
             }
-            i -= n;
+            i -= a.count;
         }
         (0, false)
     }
@@ -798,7 +800,7 @@ impl<D: BlockDevice> Chain<D> {
         &self,
         q: &Qcow2<D>,
         p: &Part,
-        allocs: &[(u64, u64, bool)],
+        allocs: &[Allocation],
         alloc_i: &mut u64,
     ) -> (u64, u64, u64) {
         let geo = q.geometry();
@@ -832,10 +834,10 @@ impl<D: BlockDevice> Chain<D> {
     /// guest buffer when no COW data is needed.
     async fn write_data(
         self: &Rc<Self>,
-        q: &Qcow2<D>,
+        q: &Owner<'_, D>,
         start: u64,
         parts: &[Part],
-        allocs: &[(u64, u64, bool)],
+        allocs: &[Allocation],
         data: Option<BufSlice<D::Buf>>,
     ) -> Result<()> {
         let mut futs = Vec::new();
@@ -972,12 +974,7 @@ impl<D: BlockDevice> Chain<D> {
 
     /// Records a finished plan in the dirty metadata. Caller holds the lock. The parts
     /// lie in one L2 slice (a chunk): it is made dirty once, if anything changes.
-    async fn commit(
-        &self,
-        q: &Qcow2<D>,
-        parts: &[Part],
-        allocs: &[(u64, u64, bool)],
-    ) -> Result<()> {
+    async fn commit(&self, q: &Owner<'_, D>, parts: &[Part], allocs: &[Allocation]) -> Result<()> {
         let mut alloc_i = 0;
         let changes = parts
             .iter()
@@ -994,11 +991,11 @@ impl<D: BlockDevice> Chain<D> {
             if let Action::Alloc { old, .. } = p.action {
                 let cs = q.geometry().cluster_size();
                 match old {
-                    ClusterMapping::Data { host, .. } => q.free_later(host.0, cs)?,
-                    ClusterMapping::Zero { host: Some(h) } => q.free_later(h.0, cs)?,
+                    ClusterMapping::Data { host, .. } => q.free_later(host.0, cs),
+                    ClusterMapping::Zero { host: Some(h) } => q.free_later(h.0, cs),
                     ClusterMapping::Compressed(d) => {
                         let start = d.offset.0 & !511;
-                        q.free_later(start, (d.offset.0 + d.len).div_ceil(512) * 512 - start)?;
+                        q.free_later(start, (d.offset.0 + d.len).div_ceil(512) * 512 - start);
                     }
                     _ => {}
                 }
@@ -1013,7 +1010,7 @@ impl<D: BlockDevice> Chain<D> {
     fn new_words(
         q: &Qcow2<D>,
         p: &Part,
-        allocs: &[(u64, u64, bool)],
+        allocs: &[Allocation],
         alloc_i: &mut u64,
     ) -> Option<(u64, u64)> {
         let geo = q.geometry();
@@ -1070,7 +1067,7 @@ impl<D: BlockDevice> Chain<D> {
         let geo = q.geometry();
         let cs = geo.cluster_size();
         let gran = geo.subcluster_size();
-        let v3 = q.ctx.get().v3;
+        let v3 = q.l2_context().v3;
         let end = offset + len;
         let mut pos = offset;
         while pos < end {
@@ -1123,13 +1120,14 @@ impl<D: BlockDevice> Chain<D> {
         let geo = q.geometry();
         let cs = geo.cluster_size();
         let c = cluster / cs;
-        let m = q.meta()?;
-        let guard = self.lock_clusters(q, c, c).await?;
+        let o = q.owner()?;
+        let q = &o;
+        let guard = self.lock_clusters(q, c, c).await;
         let r = async {
             let has_backing = self.layers().get(1).is_some_and(|l| cluster < l.size());
             let (entry, bitmap) = q.l2_words(GuestOffset(cluster)).await?;
             let e = L2Entry(entry);
-            let ctx = q.ctx.get();
+            let ctx = q.l2_context();
             let old = if geo.extended_l2 {
                 e.subcluster_mapping(SubclusterBitmap(bitmap), 0, &ctx)?;
                 None
@@ -1208,13 +1206,12 @@ impl<D: BlockDevice> Chain<D> {
             q.dirty_slice_for(GuestOffset(cluster)).await?;
             q.set_l2_words(GuestOffset(cluster), new_entry, new_bitmap)?;
             if let Some((h, l)) = free {
-                q.free_later(h, l)?;
+                q.free_later(h, l);
             }
             q.maybe_writeback_locked().await
         }
         .await;
         drop(guard);
-        let _ = m;
         self.unmark_clusters(q, c, c);
         r
     }
@@ -1250,13 +1247,5 @@ impl<D: BlockDevice> Chain<D> {
     /// call before dropping a writable chain.
     pub async fn close(self: &Rc<Self>) -> Result<()> {
         top(self)?.close().await
-    }
-}
-
-impl<D: BlockDevice> Qcow2<D> {
-    /// Whether the L1 entry covering `off` has COPIED set.
-    pub(crate) fn l1_copied(&self, off: GuestOffset) -> bool {
-        let idx = self.geometry().l1_index(off) as usize;
-        self.l1.borrow().get(idx).is_some_and(|e| e.is_copied())
     }
 }

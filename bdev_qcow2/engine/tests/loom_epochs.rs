@@ -5,9 +5,10 @@
 //! `RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=/tmp/loom-target cargo test -p qcow2_engine --test loom_epochs --release`
 //!
 //! The model: the owner thread runs a script of metadata operations exactly in the order
-//! `meta.rs` does them (dirty → change in memory → epoch bump → acknowledgement; write-back:
-//! take the dirty set, write the device, mark the slice clean), and between every step
-//! answers pending core requests like `Qcow2::slice_for_core`. A slice's content is a
+//! the owner does them (`meta/dirty.rs`, `image/owner/`: dirty → change in memory → epoch
+//! bump → acknowledgement; write-back: take the dirty set, write the device, mark the slice
+//! clean), and between every step answers pending core requests like
+//! `Qcow2::slice_for_core`. A slice's content is a
 //! version number; the "device" holds it in two words written one after the other (a
 //! non-atomic slice write, torn while in progress). Core threads run the miss path of
 //! `Qcow2::load_slice_core` (cached replica valid for the current epoch; odd epoch → ask
@@ -96,7 +97,7 @@ struct Owner {
     ep: OwnerEpochs,
     /// Current version of each slice (what a read must see once acknowledged).
     version: Vec<u64>,
-    /// `dirty_l2` / `writing_l2` of meta.rs: the version each holds.
+    /// The owner's dirty and writing slices (`meta/dirty.rs`): the version each holds.
     dirty: Vec<Option<u64>>,
     writing: Vec<Option<u64>>,
     /// Table location of each key (the owner's own L1).
@@ -573,7 +574,7 @@ fn broken_l1_before_dirty_is_caught() {
 // does (`enter` before resolving anything, then the slice epoch, then the mapping: a cached
 // replica valid for that epoch, or the published one read under a seqlock check), "uses"
 // the host cluster, and exits. The owner removes the mapping (COW: guest cluster 0 moves
-// from host cluster 1 to host cluster 2) the way `meta.rs` does (slice dirtied → changed in
+// from host cluster 1 to host cluster 2) the way the owner does (slice dirtied → changed in
 // memory → epoch bump; write-back → cleaned), tags the freed cluster with `grace.now()` when
 // the free is stable (`release_unstable`), and reuses it once `try_advance()` reached
 // tag + 2 (`reclaim_graced`).

@@ -3,6 +3,7 @@
 pub mod be;
 pub mod entries;
 pub mod header;
+pub mod header_sector;
 pub mod refcount;
 pub mod snapshot;
 
@@ -11,6 +12,7 @@ pub use entries::{
     SubclusterBitmap,
 };
 pub use header::{CompressionType, Extensions, Header, ImageHeader};
+pub use header_sector::{HeaderPatch, HeaderSector};
 pub use snapshot::Snapshot;
 
 #[cfg(test)]

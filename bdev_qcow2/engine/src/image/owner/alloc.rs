@@ -1,0 +1,554 @@
+//! Host clusters for the owner: free-cluster searches (through the refcounts, kept clear
+//! of deferred frees, metadata and reserved data regions), allocations planned on the spot
+//! without I/O, and data regions for the ordered layout.
+//!
+//! Invariants: a cluster is taken only with refcount 0, not held by a deferred free, not
+//! metadata; the zeroed tail is raised past a cluster before it is taken; the device grows
+//! to cover a taken cluster before anything may point at it, and an allocation the device
+//! cannot hold takes nothing.
+
+use super::Owner;
+use crate::error::{corrupt, Error, Field, Result};
+use crate::format::refcount::{get_refcount, set_refcount};
+use crate::format::L2Entry;
+use crate::io::BlockDevice;
+use crate::types::{GuestOffset, HostCluster};
+
+/// How many used clusters past the allocation hint an allocation planned on the spot
+/// ([`Owner::alloc_clusters_now`]) skips before it leaves the search to the slow path.
+const NOW_SCAN: u64 = 64;
+
+/// Largest data region reserved at once for a run of guest clusters (see
+/// [`Owner::alloc_data`]): a whole L2 slice up to this size, a part of one beyond.
+const MAX_REGION_BYTES: u64 = 64 << 20;
+
+/// Host clusters an allocator took: `count` consecutive clusters from `first` (at least
+/// one), their refcounts 1 in the dirty metadata.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Allocation {
+    /// The first cluster taken.
+    pub first: HostCluster,
+    /// How many.
+    pub count: u64,
+    /// Never written since open: they read as zeros.
+    pub fresh: bool,
+}
+
+impl Allocation {
+    /// The `i`-th cluster taken (`i < count`).
+    #[inline]
+    pub(crate) fn nth(&self, i: u64) -> HostCluster {
+        self.first.plus(i)
+    }
+    /// The cluster past the last one taken.
+    pub(crate) fn end(&self) -> HostCluster {
+        self.first.plus(self.count)
+    }
+}
+
+impl<D: BlockDevice> Owner<'_, D> {
+    /// Grows the device size entries may point at (clusters we allocated), and the device
+    /// itself so that it covers them whole: another core may write the part of a new
+    /// cluster this one did not (a file must not end inside it, or the owner's channel
+    /// would trim that write away). Fixed-size devices refuse with ENOSPC.
+    pub(crate) fn note_allocated(&self, end_cluster: u64) -> Result<()> {
+        let end = end_cluster << self.geo.cluster_bits;
+        if end > self.device_size.get() {
+            self.exec
+                .with_device(self.dev, |d| d.ensure_size(end))
+                .map_err(|e| Error::Io(e.0))?;
+            self.device_size.set(end);
+            let mut ctx = self.ctx.get();
+            ctx.device_size = end;
+            self.ctx.set(ctx);
+            if let Some(sh) = &self.shared {
+                sh.set_device_size(end);
+            }
+        }
+        Ok(())
+    }
+
+    /// Allocates up to `n` contiguous free host clusters (at least one): refcounts become
+    /// 1 (dirty). Returns them, `fresh` when they were never written since open and read as
+    /// zeros.
+    ///
+    /// Data regions (on a device that cannot grow) are kept clear: only when nothing else
+    /// in the device is free does a second pass take clusters inside them (and then, as
+    /// without regions, past the end).
+    pub(crate) async fn alloc_clusters(&self, n: u64) -> Result<Allocation> {
+        if let Some(r) = self.alloc_clusters_now(n)? {
+            return Ok(r);
+        }
+        let m = self.meta();
+        self.reclaim_graced();
+        let (start, count) = loop {
+            let grows = m.st().alloc.rt_grows();
+            let (start, count) = self.find_free_run(n).await?;
+            // Checking a cluster past the refcount table's reach grows the table, and the
+            // new table goes where it finds room: perhaps on the run found before.
+            if m.st().alloc.rt_grows() == grows {
+                break (start, count);
+            }
+        };
+        self.raise_zeroed_tail(start + count).await?;
+        self.take_clusters(start, count).await?;
+        self.allocated(start, count)
+    }
+
+    /// [`alloc_clusters`](Self::alloc_clusters) of exactly `n` clusters without I/O, for a
+    /// write planned on the spot: `None`, having changed nothing, when the first free run
+    /// from the allocation hint is shorter than `n`, is not found among the next
+    /// [`NOW_SCAN`] clusters, or needs a refcount block loaded or created, or when data
+    /// regions are kept clear. The caller holds the metadata lock or knows it is free.
+    pub(crate) fn alloc_clusters_now(&self, n: u64) -> Result<Option<Allocation>> {
+        let m = self.meta();
+        if m.st().alloc.has_regions() {
+            return Ok(None);
+        }
+        self.reclaim_graced();
+        // Clusters past the zeroed tail wait for the tail to be raised (I/O).
+        let tail = m.st().tail.first_cluster(self.geo.cluster_bits);
+        let limit = self.alloc_limit().min(tail.unwrap_or(u64::MAX));
+        let hint = m.st().alloc.hint().max(1);
+        if n == 1 {
+            // One cluster (the common first write): check and take in one look-up.
+            for c in hint..(hint + NOW_SCAN).min(limit) {
+                match self.take_if_free_now(c)? {
+                    Some(true) => return self.allocated(c, 1).map(Some),
+                    Some(false) => {}
+                    None => return Ok(None),
+                }
+            }
+            return Ok(None);
+        }
+        let mut start = hint;
+        loop {
+            if start >= hint + NOW_SCAN || start + n > limit {
+                return Ok(None);
+            }
+            match self.cluster_is_free_now(start)? {
+                Some(true) => break,
+                Some(false) => start += 1,
+                None => return Ok(None),
+            }
+        }
+        for c in start + 1..start + n {
+            if self.cluster_is_free_now(c)? != Some(true) {
+                return Ok(None);
+            }
+        }
+        for c in start..start + n {
+            // Checked free and loaded above, nothing ran since.
+            let Some((block, idx)) = self.rc_locate(c)? else {
+                return Err(corrupt(
+                    Field::RefcountBlockEntry,
+                    c,
+                    "refcount block vanished",
+                ));
+            };
+            if self.update_loaded_refcount(block, idx, c, 1)? != 1 {
+                return Err(corrupt(
+                    Field::RefcountBlockEntry,
+                    c,
+                    "allocated cluster already in use",
+                ));
+            }
+        }
+        self.allocated(start, n).map(Some)
+    }
+
+    /// The bookkeeping of clusters `start..start + count` just taken: device size first
+    /// (a device that cannot hold them fails the allocation, and their refcounts go back
+    /// to 0: nothing is taken), then allocation hint, counters, freshness. Returns what
+    /// the allocators return.
+    fn allocated(&self, start: u64, count: u64) -> Result<Allocation> {
+        if let Err(e) = self.note_allocated(start + count) {
+            for c in start..start + count {
+                // Their blocks are dirty (just taken from them).
+                if let Ok(Some((block, idx))) = self.rc_locate(c) {
+                    self.update_loaded_refcount(block, idx, c, -1)?;
+                }
+            }
+            return Err(e);
+        }
+        let fresh = {
+            let mut st = self.meta().st_mut();
+            st.alloc.taken_up_to(start + count);
+            st.stats.clusters_allocated += count;
+            st.alloc.take_fresh(start, count)
+        };
+        Ok(Allocation {
+            first: HostCluster(start),
+            count,
+            fresh,
+        })
+    }
+
+    /// The first run of up to `n` free host clusters from the allocation hint (see
+    /// [`alloc_clusters`](Self::alloc_clusters)), not taken yet: (first cluster, count).
+    async fn find_free_run(&self, n: u64) -> Result<(u64, u64)> {
+        let m = self.meta();
+        let hint = m.st().alloc.hint().max(1);
+        let mut c = hint;
+        let limit = self.alloc_limit();
+        let mut keep_out = m.st().alloc.has_regions();
+        // Regions exist only on devices that cannot grow: the first pass stays inside.
+        let inside = (self.device_size.get() >> self.geo.cluster_bits).min(limit);
+        let start = loop {
+            if (keep_out && c >= inside) || c > limit {
+                if keep_out {
+                    // Below the hint everything but the regions' free slots is in use.
+                    keep_out = false;
+                    let first_region = m.st().alloc.first_region_start();
+                    c = first_region.map_or(hint, |r| r.min(hint));
+                    continue;
+                }
+                return Err(corrupt(
+                    Field::RefcountBlockEntry,
+                    c,
+                    "no free cluster up to 256 MiB past the end of the device (leaked refcounts: run `qcow2 check -r leaks`)",
+                ));
+            }
+            if keep_out {
+                if let Some(end) = self.region_end_at(c) {
+                    c = end;
+                    continue;
+                }
+            }
+            if self.cluster_is_free(c).await? {
+                break c;
+            }
+            c += 1;
+        };
+        let mut count = 1;
+        while count < n
+            && !(keep_out
+                && (start + count >= inside || self.region_end_at(start + count).is_some()))
+            && self.cluster_is_free(start + count).await?
+        {
+            count += 1;
+        }
+        Ok((start, count))
+    }
+
+    /// Sets the refcounts of free clusters `start..start + count` to 1 (dirty); one that
+    /// was not 0 is corruption.
+    async fn take_clusters(&self, start: u64, count: u64) -> Result<()> {
+        for i in 0..count {
+            let rc = self.update_refcount(start + i, 1).await?;
+            if rc != 1 {
+                return Err(self
+                    .mark_corrupt(
+                        Field::RefcountBlockEntry,
+                        start + i,
+                        "allocated cluster already in use",
+                    )
+                    .await);
+            }
+        }
+        Ok(())
+    }
+
+    /// The last cluster index (exclusive bound) the allocator may hand out.
+    fn alloc_limit(&self) -> u64 {
+        self.device_size
+            .get()
+            .saturating_add(crate::limits::MAX_ALLOC_PAST_END)
+            >> self.geo.cluster_bits
+    }
+
+    /// The end of the reserved region holding host cluster `c`, if any.
+    fn region_end_at(&self, c: u64) -> Option<u64> {
+        self.meta().st().alloc.region_end_at(c)
+    }
+
+    /// Guest clusters per data region.
+    fn region_len(&self) -> u64 {
+        self.geo
+            .slice_entries()
+            .min((MAX_REGION_BYTES >> self.geo.cluster_bits).max(1))
+    }
+
+    /// Allocates host clusters for the data of guest clusters `g..g + n` (consecutive, in
+    /// one L2 slice, each needing a new cluster): where their region puts them, so that
+    /// guest clusters written in any order, by any number of streams, lie in guest order
+    /// on the host (a slice filled so is linear: `LinearSlice`; sequential reads are
+    /// sequential on the device), else wherever [`alloc_clusters`](Self::alloc_clusters)
+    /// finds room. Returns them like `alloc_clusters`; the count may be less than `n`.
+    ///
+    /// Only with `OpenOptions::ordered_layout`, and on a device that cannot grow (a bdev,
+    /// a block device), whose whole size is the image's to use: on a file, a region would
+    /// make it jump ahead by up to a region for one write (sparsely, but visibly), and
+    /// appending already lays out a single stream in order. Off by default: random first
+    /// writes scattered over regions are slower than appended ones, while a slice filled
+    /// by several streams is linear with it.
+    pub(crate) async fn alloc_data(&self, g: u64, n: u64) -> Result<Allocation> {
+        if !self.allocates_by_region() {
+            return self.alloc_clusters(n).await;
+        }
+        match self.alloc_in_region(g, n).await? {
+            Some(r) => Ok(r),
+            None => self.alloc_clusters(n).await,
+        }
+    }
+
+    /// Whether [`alloc_data`](Self::alloc_data) places data by regions (ordered layout on
+    /// a device that cannot grow) rather than where `alloc_clusters` finds room.
+    pub(crate) fn allocates_by_region(&self) -> bool {
+        self.meta().ordered_layout() && !self.exec.with_device(self.dev, |d| d.can_grow())
+    }
+
+    async fn alloc_in_region(&self, g: u64, n: u64) -> Result<Option<Allocation>> {
+        let m = self.meta();
+        self.reclaim_graced();
+        let per = self.region_len();
+        let idx = g / per;
+        let known = m.st().alloc.region(idx).map(|r| (r.start, r.len));
+        let (start, len) = match known {
+            Some(r) => r,
+            // Boxed: a reservation is rare, and the write path's future stays small.
+            None => Box::pin(self.reserve_region(idx)).await?,
+        };
+        let slot = g % per;
+        if slot >= len {
+            return Ok(None);
+        }
+        let goal = start + slot;
+        let n = n.min(len - slot);
+        let count = loop {
+            let grows = m.st().alloc.rt_grows();
+            let mut count = 0;
+            while count < n && self.cluster_is_free(goal + count).await? {
+                count += 1;
+            }
+            // As in `alloc_clusters`: a table that grew meanwhile may lie on the run.
+            if m.st().alloc.rt_grows() == grows {
+                break count;
+            }
+        };
+        if count == 0 {
+            return Ok(None);
+        }
+        self.raise_zeroed_tail(goal + count).await?;
+        self.take_clusters(goal, count).await?;
+        // Inside the device (the region is): nothing to grow.
+        self.note_allocated(goal + count)?;
+        let mut st = m.st_mut();
+        st.stats.clusters_allocated += count;
+        // Regions fill out of order: a cluster below the last one taken counts as written.
+        Ok(Some(Allocation {
+            first: HostCluster(goal),
+            count,
+            fresh: st.alloc.take_fresh(goal, count),
+        }))
+    }
+
+    /// Reserves the host clusters of region `idx`: where its data already lies, else the
+    /// first run of clusters free for all of it at or after the last region and the
+    /// allocation hint, searched for a bounded distance, inside the device. Records and
+    /// returns (start, length); length 0 when there is no such run (the region's data then
+    /// goes wherever the allocator finds room, for as long as the image stays open).
+    async fn reserve_region(&self, idx: u64) -> Result<(u64, u64)> {
+        let m = self.meta();
+        let per = self.region_len();
+        let total = self.size().div_ceil(self.geo.cluster_size());
+        let len = per.min(total.saturating_sub(idx * per));
+        // Inside the device, which cannot grow (see `alloc_data`): looking further would
+        // only make refcount blocks for clusters it cannot use.
+        let end = self.device_size.get() >> self.geo.cluster_bits;
+        let found = 'search: {
+            if len == 0 {
+                break 'search None;
+            }
+            // Data the slice already has (written before a reopen) says where its region
+            // was: keep it there.
+            if let Some(c) = self.region_of_data(idx * per, len).await? {
+                break 'search Some(c);
+            }
+            let mut c = {
+                let st = m.st();
+                st.alloc.hint().max(st.alloc.region_top()).max(1)
+            };
+            // Bounded: a fragmented image gets no region rather than a long scan.
+            let mut budget = 4 * len + 64;
+            loop {
+                if c.saturating_add(len) > end || budget == 0 {
+                    break 'search None;
+                }
+                if let Some(past) = self.region_end_at(c) {
+                    c = past;
+                    continue;
+                }
+                let next = m.st().alloc.region_starting_in(c, len);
+                if let Some(next) = next {
+                    // Another region starts inside the candidate run: skip past it.
+                    c = next;
+                    continue;
+                }
+                budget = budget.saturating_sub(len);
+                match self.first_busy(c, len).await? {
+                    Some(busy) => c = busy + 1,
+                    None => break 'search Some(c),
+                }
+            }
+        };
+        let region = m.st_mut().alloc.reserve_region(idx, found, len);
+        Ok((region.start, region.len))
+    }
+
+    /// Where the region of guest clusters `g0..g0 + len` (inside one slice) starts when its
+    /// first data cluster (a plain data entry, `L2Entry::plain_data`) is taken to be in
+    /// its slot, as the ordered layout put it before the image was reopened: `None` when the
+    /// clusters have no data yet, or that region would leave the device or overlap another.
+    async fn region_of_data(&self, g0: u64, len: u64) -> Result<Option<u64>> {
+        let bits = self.geo.cluster_bits;
+        let off = GuestOffset(g0 << bits);
+        let Some(way) = self.load_slice(off).await? else {
+            return Ok(None);
+        };
+        let (key, i0) = (
+            self.geo.slice_id(off),
+            self.geo.index_in_slice(off) as usize,
+        );
+        let step = if self.geo.extended_l2 { 2 } else { 1 };
+        let first = |words: &[u64]| {
+            (0..len as usize).find_map(|k| {
+                let e = L2Entry(*words.get((i0 + k) * step)?);
+                let (host, _) = e.plain_data(bits, u64::MAX)?;
+                Some((host >> bits).checked_sub(k as u64))
+            })
+        };
+        let m = self.meta();
+        let found = match m.st().dirty.slice(key) {
+            Some(words) => first(words),
+            None => first(self.l2_cache.borrow().block(way)),
+        };
+        let Some(Some(start)) = found else {
+            return Ok(None);
+        };
+        let end = self.device_size.get() >> bits;
+        let clash = m.st().alloc.clashes_with_region(start, len);
+        Ok((start > 0 && start + len <= end && !clash).then_some(start))
+    }
+
+    /// The first of host clusters `c..c + len` that [`cluster_is_free`] would refuse, if
+    /// any: as many checks, made a refcount block at a time where it can (a region's
+    /// reservation checks a whole slice of clusters), and a missing refcount block means
+    /// free clusters without creating it (a grown refcount table is placed with this: its
+    /// new blocks then cover such clusters).
+    ///
+    /// [`cluster_is_free`]: Self::cluster_is_free
+    pub(crate) async fn first_busy(&self, c: u64, len: u64) -> Result<Option<u64>> {
+        let m = self.meta();
+        let sets_empty = m.st().frees.holds_none();
+        let bits = self.geo.cluster_bits;
+        let order = self.header.borrow().header.refcount_order;
+        if !sets_empty || self.overlaps_metadata(c << bits, len << bits) {
+            let cs = self.geo.cluster_size();
+            for x in c..c + len {
+                let unstable = m.st().frees.holds(x);
+                if unstable || self.overlaps_metadata(x << bits, cs) {
+                    return Ok(Some(x));
+                }
+                if let Some((block, idx)) = self.rc_locate(x)? {
+                    self.load_rc_block(block).await?;
+                    if self.with_rc_block(block, |b| get_refcount(b, order, idx)) != 0 {
+                        return Ok(Some(x));
+                    }
+                }
+            }
+            return Ok(None);
+        }
+        let per_block = self.per_block();
+        let mut x = c;
+        while x < c + len {
+            let n = (per_block - x % per_block).min(c + len - x);
+            if let Some((block, idx)) = self.rc_locate(x)? {
+                self.load_rc_block(block).await?;
+                let busy = self.with_rc_block(block, |b| {
+                    (0..n).find(|&k| get_refcount(b, order, idx + k) != 0)
+                });
+                if let Some(k) = busy {
+                    return Ok(Some(x + k));
+                }
+            }
+            x += n;
+        }
+        Ok(None)
+    }
+
+    /// Whether host cluster `c` may be allocated: refcount 0, not freed-but-unstable, not
+    /// metadata.
+    async fn cluster_is_free(&self, c: u64) -> Result<bool> {
+        if let Some(free) = self.cluster_is_free_now(c)? {
+            return Ok(free);
+        }
+        let order = self.header.borrow().header.refcount_order;
+        let (block, idx) = self.ensure_rc_block(c).await?;
+        self.load_rc_block(block).await?;
+        Ok(self.with_rc_block(block, |b| get_refcount(b, order, idx)) == 0)
+    }
+
+    /// Takes host cluster `c` (refcount 0 → 1) if it is free, from memory: `Some(true)`
+    /// taken, `Some(false)` not free, `None` (nothing changed) when the answer needs its
+    /// refcount block loaded or created. As [`cluster_is_free_now`](Self::cluster_is_free_now)
+    /// then [`update_loaded_refcount`](Self::update_loaded_refcount), with one look-up of a
+    /// dirty block.
+    fn take_if_free_now(&self, c: u64) -> Result<Option<bool>> {
+        if self.excluded_from_alloc(c) {
+            return Ok(Some(false));
+        }
+        let Some((block, idx)) = self.rc_locate(c)? else {
+            return Ok(None);
+        };
+        let order = self.header.borrow().header.refcount_order;
+        if let Some(b) = self.meta().st_mut().dirty.rc_mut(block) {
+            if get_refcount(b, order, idx) != 0 {
+                return Ok(Some(false));
+            }
+            set_refcount(b, order, idx, 1)?;
+            return Ok(Some(true));
+        }
+        let free = {
+            let mut cache = self.rc_cache.borrow_mut();
+            let Some(w) = cache.lookup(block, 0) else {
+                return Ok(None);
+            };
+            get_refcount(cache.block(w), order, idx) == 0
+        };
+        if !free {
+            return Ok(Some(false));
+        }
+        self.update_loaded_refcount(block, idx, c, 1)?;
+        Ok(Some(true))
+    }
+
+    /// Whether host cluster `c` is out of the allocator's reach whatever its refcount says:
+    /// freed but not stable yet, in a grace period, or metadata.
+    fn excluded_from_alloc(&self, c: u64) -> bool {
+        if self.meta().st().frees.holds(c) {
+            return true;
+        }
+        self.overlaps_metadata(c << self.geo.cluster_bits, self.geo.cluster_size())
+    }
+
+    /// [`cluster_is_free`](Self::cluster_is_free) from memory: `None` when the answer
+    /// needs its refcount block loaded or created.
+    fn cluster_is_free_now(&self, c: u64) -> Result<Option<bool>> {
+        if self.excluded_from_alloc(c) {
+            return Ok(Some(false));
+        }
+        let Some((block, idx)) = self.rc_locate(c)? else {
+            return Ok(None);
+        };
+        let order = self.header.borrow().header.refcount_order;
+        // The dirty copy wins over the cache (as in `with_rc_block`).
+        if let Some(b) = self.meta().st().dirty.rc(block) {
+            return Ok(Some(get_refcount(b, order, idx) == 0));
+        }
+        let mut cache = self.rc_cache.borrow_mut();
+        Ok(cache
+            .lookup(block, 0)
+            .map(|w| get_refcount(cache.block(w), order, idx) == 0))
+    }
+}

@@ -1,0 +1,213 @@
+//! L2 tables on the owner: making a slice dirty, changing its entries (the dirty copy and
+//! the cache replica together), and new or copied (COPIED) tables.
+//!
+//! Invariant: an entry changes only in a dirty slice, and the owner's cache replica of that
+//! slice (with its linear summary) changes in the same call; a new table's slices are dirty
+//! (odd) before the L1 entry pointing at it is published (ARCHITECTURE.md §6).
+
+use super::Owner;
+use crate::error::{corrupt, Field, Result};
+use crate::exec::read_bytes;
+use crate::format::L1Entry;
+use crate::image::Qcow2;
+use crate::io::BlockDevice;
+use crate::types::{GuestOffset, HostOffset};
+
+impl<D: BlockDevice> Qcow2<D> {
+    /// Where the owner's dirty copy of `off`'s L2 entry lies in memory, if the slice is
+    /// dirty: a prefetch hint like [`entry_hint`](Self::entry_hint), never dereferenced.
+    /// `None` on any image but the owner.
+    pub fn dirty_entry_hint(&self, off: GuestOffset) -> Option<*const u64> {
+        let st = self.meta_state()?.try_st()?;
+        let b = st.dirty.slice(self.geo.slice_id(off))?;
+        let i = self.geo.index_in_slice(off) as usize * if self.geo.extended_l2 { 2 } else { 1 };
+        b.get(i).map(|e| e as *const u64)
+    }
+
+    /// `off`'s L2 words (entry, and bitmap with extended L2, else 0) in slice words `b`.
+    fn words_in(&self, b: &[u64], off: GuestOffset) -> (u64, u64) {
+        let i = self.geo.index_in_slice(off) as usize;
+        if self.geo.extended_l2 {
+            (b[2 * i], b[2 * i + 1])
+        } else {
+            (b[i], 0)
+        }
+    }
+}
+
+impl<D: BlockDevice> Owner<'_, D> {
+    /// Makes the slice holding `off`'s L2 entry dirty (loading it if needed). The L2 table
+    /// must exist (see [`ensure_l2`](Self::ensure_l2)).
+    pub(crate) async fn dirty_slice_for(&self, off: GuestOffset) -> Result<()> {
+        let m = self.meta();
+        let key = self.geo.slice_id(off);
+        if m.st().dirty.has_slice(key) {
+            return Ok(());
+        }
+        // Boxed: a slice becomes dirty once per write-back, and the write path's
+        // per-request future stays small.
+        let Some(w) = Box::pin(self.load_slice(off)).await? else {
+            return Err(corrupt(
+                Field::L1Entry,
+                off.0,
+                "no L2 table for a dirty slice",
+            ));
+        };
+        if m.st().dirty.has_slice(key) {
+            return Ok(());
+        }
+        let cache = self.l2_cache.borrow();
+        m.st_mut()
+            .dirty
+            .put_slice(key, cache.block(w).to_vec(), self.shared.as_deref());
+        Ok(())
+    }
+
+    /// Reads the raw L2 words of `off`'s entry (`(entry, bitmap)`; bitmap 0 without
+    /// extended L2). The slice must be dirty or cached.
+    pub(crate) async fn l2_words(&self, off: GuestOffset) -> Result<(u64, u64)> {
+        let Some(way) = self.load_slice(off).await? else {
+            return Ok((0, 0));
+        };
+        let key = self.geo.slice_id(off);
+        if let Some(b) = self.meta().st().dirty.slice(key) {
+            return Ok(self.words_in(b, off));
+        }
+        let cache = self.l2_cache.borrow();
+        Ok(self.words_in(cache.block(way), off))
+    }
+
+    /// [`l2_words`](Self::l2_words) from memory: `None` when the slice is neither dirty nor
+    /// cached, or is being written back.
+    pub(crate) fn l2_words_now(&self, off: GuestOffset) -> Option<(u64, u64)> {
+        let key = self.geo.slice_id(off);
+        let st = self.meta().st();
+        if let Some(b) = st.dirty.slice(key) {
+            return Some(self.words_in(b, off));
+        }
+        if st.dirty.is_writing(key) {
+            return None;
+        }
+        let mut cache = self.l2_cache.borrow_mut();
+        let w = cache.lookup(key, 0)?;
+        Some(self.words_in(cache.block(w), off))
+    }
+
+    /// Sets `off`'s L2 entry (and bitmap with extended L2) in the dirty slice and the
+    /// cache replica. [`dirty_slice_for`](Self::dirty_slice_for) must have run.
+    pub(crate) fn set_l2_words(&self, off: GuestOffset, entry: u64, bitmap: u64) -> Result<()> {
+        let key = self.geo.slice_id(off);
+        let i = self.geo.index_in_slice(off) as usize;
+        // The direct path must not use what it remembered of the slice before the change.
+        self.memo.forget(key);
+        let ext = self.geo.extended_l2;
+        let put = |b: &mut [u64]| {
+            if ext {
+                b[2 * i] = entry;
+                b[2 * i + 1] = bitmap;
+            } else {
+                b[i] = entry;
+            }
+        };
+        if !self
+            .meta()
+            .st_mut()
+            .dirty
+            .change_slice(key, self.shared.as_deref(), put)
+        {
+            return Err(corrupt(Field::L2Entry, key, "L2 slice not dirty"));
+        }
+        let mut cache = self.l2_cache.borrow_mut();
+        if let Some(w) = cache.probe(key, 0).map(|h| h.way) {
+            let old = if ext {
+                (cache.block(w)[2 * i], cache.block(w)[2 * i + 1])
+            } else {
+                (cache.block(w)[i], 0)
+            };
+            put(cache.block_mut(w));
+            let new = (entry, if ext { bitmap } else { 0 });
+            let mut lin = cache.aux(w);
+            lin.changed(i, old, new, cache.block(w), self.geo.cluster_bits, ext);
+            cache.set_aux(w, lin);
+        }
+        Ok(())
+    }
+
+    /// Makes sure the L2 table covering `off` exists and is writable (COPIED): allocates a
+    /// new one, or copies a table shared with a snapshot.
+    pub(crate) async fn ensure_l2(&self, off: GuestOffset) -> Result<()> {
+        let (idx, old) = match self.writable_l2(off)? {
+            Ok(()) => return Ok(()),
+            Err(x) => x,
+        };
+        // Boxed: a new table is rare, and the write path's per-request future stays small.
+        Box::pin(self.new_l2_table(idx, old)).await
+    }
+
+    /// `Ok(())` when the L2 table covering `off` exists and is COPIED (writable in place),
+    /// else `Err((L1 index, its current table))` for [`ensure_l2`](Self::ensure_l2).
+    #[allow(clippy::type_complexity)]
+    pub(crate) fn writable_l2(
+        &self,
+        off: GuestOffset,
+    ) -> Result<std::result::Result<(), (u64, Option<HostOffset>)>> {
+        let idx = self.geo.l1_index(off);
+        let e = self.l1.borrow()[idx as usize];
+        let old = e.l2_table(self.geo.cluster_size(), self.device_size.get())?;
+        Ok(if old.is_some() && e.is_copied() {
+            Ok(())
+        } else {
+            Err((idx, old))
+        })
+    }
+
+    /// Allocates a new L2 table for L1 index `idx` (a copy of `old`, or zeros), dirty in
+    /// memory, and points the L1 entry at it. Caller holds the lock.
+    async fn new_l2_table(&self, idx: u64, old: Option<HostOffset>) -> Result<()> {
+        let m = self.meta();
+        let cs = self.geo.cluster_size();
+        let start = self.alloc_clusters(1).await?.first;
+        let new = self.geo.host_cluster_offset(start);
+        let words_per_table = (cs / 8) as usize;
+        let content: Vec<u64> = match old {
+            Some(t) => {
+                let raw = read_bytes(&self.exec, self.dev, t.0, cs).await?;
+                // The active L1 no longer references the old table once L1 is stable.
+                m.st_mut().frees.free_later(t.0, cs);
+                raw.chunks_exact(8)
+                    .map(|c| u64::from_be_bytes(c.try_into().unwrap_or([0; 8])))
+                    .collect()
+            }
+            None => vec![0; words_per_table],
+        };
+        let slice_words = ((1u64 << self.geo.slice_bits) / 8) as usize;
+        let first_slice = idx * self.geo.slices_per_l2();
+        {
+            let mut st = m.st_mut();
+            for (s, chunk) in content.chunks(slice_words).enumerate() {
+                st.dirty.put_slice(
+                    first_slice + s as u64,
+                    chunk.to_vec(),
+                    self.shared.as_deref(),
+                );
+            }
+            st.dirty.dirty_l1(idx);
+            st.index.insert(start.0);
+            if let Some(sh) = &self.shared {
+                sh.set_meta_cluster(start.0);
+            }
+        }
+        // The owner's cache holds the new table's slices too (what it held of the old one
+        // is replaced): its look-ups (the direct path's among them) find them at once.
+        for (s, chunk) in content.chunks(slice_words).enumerate() {
+            self.cache_slice(first_slice + s as u64, 0, |b| b.copy_from_slice(chunk));
+        }
+        let entry = L1Entry::new(new, true);
+        self.l1.borrow_mut()[idx as usize] = entry;
+        // Published after the new table's slices went odd (ARCHITECTURE.md §6).
+        if let Some(sh) = &self.shared {
+            sh.set_l1(idx as usize, entry.0);
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,306 @@
+//! The ordered write-back of the owner's dirty metadata, which keeps every crash state
+//! consistent (ARCHITECTURE.md §7), and the flush and close built on it.
+//!
+//! Ordering is expressed as phases of one write-back, each a dependency of the next:
+//! 1. refcount blocks (increments; new blocks are self-describing) — then a flush, then the
+//!    refcount-table entries of new blocks — then a flush. That flush also makes every data
+//!    write completed so far stable, so (rule 3) no L2 entry can reach the device before the
+//!    data it points at.
+//! 2. L2 slices (new tables whole) — then a flush — then L1 entries of new tables — flush.
+//! 3. Frees: references removed by phase 2 are now stable, so the refcount decrements are
+//!    applied and written — flush — and only then may the allocator reuse those clusters.
+//! 4. The header, when a table moved or the dirty bit goes.
+//!
+//! With lazy refcounts (rule 7) phase 1 writes no refcount block: the dirty bit, set and
+//! stable first, tells a later open to rebuild them. Every metadata mutation runs under the
+//! metadata lock, so a write-back sees a consistent set. On error, whatever was not written
+//! stays dirty.
+
+use super::{words_to_bytes, Owner};
+use crate::error::{corrupt, Field, Result};
+use crate::io::{BlockDevice, BufSlice, IoBuffer, SECTOR};
+use crate::types::GuestOffset;
+use std::collections::BTreeSet;
+
+/// Dirty metadata beyond which a commit writes back on its own (bounded memory).
+const WRITEBACK_THRESHOLD_BYTES: u64 = 8 << 20;
+
+impl<D: BlockDevice> Owner<'_, D> {
+    /// Writes all dirty metadata in dependency order (see the module doc). The caller holds
+    /// the metadata lock. On error, whatever was not written stays dirty.
+    pub(crate) async fn writeback_locked(&self) -> Result<()> {
+        self.writeback_mode(false).await
+    }
+
+    /// Write-back; with lazy refcounts (and not `full`), refcount blocks stay in memory and
+    /// the dirty bit, set and stable first, tells a later open to rebuild them (rule 7).
+    pub(crate) async fn writeback_mode(&self, full: bool) -> Result<()> {
+        let m = self.meta();
+        m.st_mut().stats.writebacks += 1;
+        let lazy = !full && self.header.borrow().lazy_refcounts();
+        let (has_l2, rt_dirty) = {
+            let st = m.st();
+            (st.dirty.has_l2_or_l1(), st.dirty.has_rt())
+        };
+        // Phase 1: refcounts (and the data written so far) before any L2/L1 reference.
+        let wrote_rc = if lazy && !rt_dirty {
+            if has_l2 && !m.st().dirty.rc_is_empty() {
+                self.set_dirty_bit().await?;
+            }
+            false
+        } else {
+            self.write_dirty_rc().await?
+        };
+        if rt_dirty {
+            self.exec.flush(self.dev).await?;
+            let rt_dirty = m.st_mut().dirty.take_rt();
+            let table = self.refcount_table.borrow().clone();
+            let off = self.header.borrow().header.refcount_table_offset;
+            if let Err(e) = self.write_table_sectors(off, &table, &rt_dirty).await {
+                m.st_mut().dirty.rt_not_written(rt_dirty);
+                return Err(e);
+            }
+        }
+        if wrote_rc || has_l2 || rt_dirty {
+            self.exec.flush(self.dev).await?;
+        }
+        // Phase 2: L2 slices, then L1 entries of new tables.
+        if has_l2 {
+            self.write_dirty_slices().await?;
+            let l1_dirty = m.st_mut().dirty.take_l1();
+            if !l1_dirty.is_empty() {
+                self.exec.flush(self.dev).await?;
+                let words: Vec<u64> = self.l1.borrow().iter().map(|e| e.0).collect();
+                let off = self.header.borrow().header.l1_table_offset;
+                if let Err(e) = self.write_table_sectors(off, &words, &l1_dirty).await {
+                    m.st_mut().dirty.l1_not_written(l1_dirty);
+                    return Err(e);
+                }
+            }
+            self.exec.flush(self.dev).await?;
+        }
+        // Phase 3: frees whose removal is now stable.
+        let frees = m.st_mut().frees.take_pending();
+        let bits = self.geo.cluster_bits;
+        if lazy && !frees.is_empty() {
+            // Decrements stay in memory with the other lazy refcounts; the clusters are not
+            // reused until a full write-back made them stable.
+            for (off, len) in &frees {
+                for c in (off >> bits)..((off + len).div_ceil(1 << bits)) {
+                    if self.update_refcount(c, -1).await? == 0 {
+                        let mut st = m.st_mut();
+                        st.frees.unstable(c);
+                        st.index.remove(c);
+                    }
+                }
+            }
+        } else if !frees.is_empty() || (!lazy && !m.st().frees.none_unstable()) {
+            for (off, len) in &frees {
+                for c in (off >> bits)..((off + len).div_ceil(1 << bits)) {
+                    let new = self.update_refcount(c, -1).await?;
+                    if new == 0 {
+                        let mut st = m.st_mut();
+                        st.frees.unstable(c);
+                        st.index.remove(c);
+                        st.alloc.freed(c);
+                    }
+                }
+            }
+            self.write_dirty_rc().await?;
+            self.exec.flush(self.dev).await?;
+            self.release_unstable();
+        }
+        // Phase 4: the header.
+        if full && m.st().header.dirty_bit_on_disk() {
+            // Every refcount is stable now: the dirty bit can go.
+            m.st_mut().header.clear_dirty_bit();
+        }
+        if m.st().header.is_dirty() {
+            self.write_header().await?;
+            self.exec.flush(self.dev).await?;
+        }
+        Ok(())
+    }
+
+    /// Phase 2's slices: each dirty slice written where its L2 table lies, in device order.
+    /// The slices move to the writing set (still served from there) until their write
+    /// completes; only then may a core read them from the device (epoch even).
+    async fn write_dirty_slices(&self) -> Result<()> {
+        let m = self.meta();
+        let keys = m.st_mut().dirty.begin_slice_writeback();
+        let slice_bytes = 1usize << self.geo.slice_bits;
+        for (i, &key) in keys.iter().enumerate() {
+            let goff = GuestOffset(key * self.geo.slice_coverage());
+            let r = match self.l2_table(goff) {
+                Ok(Some(t)) => {
+                    let host = self.geo.slice_host_offset(t, goff);
+                    if !self.is_metadata_cluster(host.0) {
+                        Err(self
+                            .mark_corrupt(
+                                Field::L1Entry,
+                                host.0,
+                                "L2 write outside known L2 tables",
+                            )
+                            .await)
+                    } else {
+                        let buf = self.exec.alloc_buf(self.dev, slice_bytes);
+                        let mut bytes = vec![0u8; slice_bytes];
+                        if let Some(words) = m.st().dirty.writing(key) {
+                            words_to_bytes(words, &mut bytes);
+                        }
+                        buf.copy_in(0, &bytes);
+                        self.exec
+                            .write(self.dev, host.0, BufSlice::whole(buf))
+                            .await
+                    }
+                }
+                Ok(None) => Err(corrupt(
+                    Field::L1Entry,
+                    key,
+                    "dirty slice without an L2 table",
+                )),
+                Err(e) => Err(e),
+            };
+            let mut st = m.st_mut();
+            if let Err(e) = r {
+                // Back to dirty; a newer dirty copy (changed meanwhile) wins.
+                st.dirty
+                    .slices_not_written(keys[i..].iter().copied(), self.shared.as_deref());
+                return Err(e);
+            }
+            let written = st.dirty.slice_written(key, self.shared.as_deref());
+            st.stats.l2_slices_written += 1;
+            // A slice only the dirty set held (a new table's) stays in memory, in the
+            // cache, unless a newer dirty copy exists (then that one is written later).
+            if let Some(words) = written {
+                if !st.dirty.has_slice(key) && self.l2_cache.borrow().probe(key, 0).is_none() {
+                    self.cache_slice(key, 0, |b| b.copy_from_slice(&words));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Phase 1's refcount blocks (and those a growing refcount table changed): returns
+    /// whether any was written.
+    pub(crate) async fn write_dirty_rc(&self) -> Result<bool> {
+        let m = self.meta();
+        let blocks = m.st_mut().dirty.take_rc();
+        if blocks.is_empty() {
+            return Ok(false);
+        }
+        for (off, bytes) in &blocks {
+            if !self.is_metadata_cluster(*off) {
+                return Err(self
+                    .mark_corrupt(
+                        Field::RefcountTableEntry,
+                        *off,
+                        "refcount block write outside known blocks",
+                    )
+                    .await);
+            }
+            let buf = self.exec.alloc_buf(self.dev, bytes.len());
+            buf.copy_in(0, bytes);
+            if let Err(e) = self.exec.write(self.dev, *off, BufSlice::whole(buf)).await {
+                // Keep everything dirty so nothing is lost; the caller fails the request.
+                m.st_mut().dirty.rc_not_written(blocks);
+                return Err(e);
+            }
+        }
+        let mut cache = self.rc_cache.borrow_mut();
+        for (off, bytes) in blocks {
+            cache.insert_with(off, 0, |b| b.copy_from_slice(&bytes));
+        }
+        Ok(true)
+    }
+
+    /// Whether host byte `off` lies in a cluster of the owner's metadata index.
+    fn is_metadata_cluster(&self, off: u64) -> bool {
+        self.meta()
+            .is_metadata_cluster(off >> self.geo.cluster_bits)
+    }
+
+    /// Writes the sectors of a table (`words` at host `table_off`) holding `indices`.
+    async fn write_table_sectors(
+        &self,
+        table_off: u64,
+        words: &[u64],
+        indices: &BTreeSet<u64>,
+    ) -> Result<()> {
+        let per_sector = SECTOR / 8;
+        let sectors: BTreeSet<u64> = indices.iter().map(|i| i / per_sector).collect();
+        for s in sectors {
+            let first = (s * per_sector) as usize;
+            let mut bytes = vec![0u8; SECTOR as usize];
+            let end = (first + per_sector as usize).min(words.len());
+            words_to_bytes(&words[first..end], &mut bytes);
+            let buf = self.exec.alloc_buf(self.dev, bytes.len());
+            buf.copy_in(0, &bytes);
+            self.exec
+                .write(self.dev, table_off + s * SECTOR, BufSlice::whole(buf))
+                .await?;
+        }
+        Ok(())
+    }
+
+    /// Whether the owner should write its dirty metadata back now without a guest flush:
+    /// something is dirty, no background write-back is running, and nothing was allocated
+    /// or newly dirtied for [`BACKGROUND_WRITEBACK_INTERVAL`] (a write-back holds the
+    /// metadata lock, so it waits for allocations to pause rather than stall them). Cheap
+    /// when nothing is dirty (no clock read). A host's owner loop asks this and then runs
+    /// [`background_writeback`](Self::background_writeback).
+    ///
+    /// [`BACKGROUND_WRITEBACK_INTERVAL`]: crate::meta::BACKGROUND_WRITEBACK_INTERVAL
+    pub(crate) fn background_writeback_due(&self) -> bool {
+        let mut st = self.meta().st_mut();
+        let (dirty, sig) = (st.dirty.has_l2_or_l1(), st.change_signature());
+        st.timer.due(dirty, sig)
+    }
+
+    /// Writes the dirty metadata back in dependency order, as a flush does but without
+    /// flushing the device (no guest write becomes stable through it): the owner's dirty
+    /// slices become clean, so the cores serve overwrites into them on their own again.
+    pub(crate) async fn background_writeback(&self) -> Result<()> {
+        let m = self.meta();
+        m.st_mut().timer.start();
+        let r = {
+            let _g = m.lock().lock().await;
+            self.writeback_locked().await
+        };
+        let mut st = m.st_mut();
+        // What failed stays dirty for the next flush, which reports it.
+        let failed = r.is_err().then(|| st.change_signature());
+        st.timer.finish(failed);
+        r
+    }
+
+    /// Writes back when the dirty set has grown past the threshold (memory bound).
+    pub(crate) async fn maybe_writeback_locked(&self) -> Result<()> {
+        let dirty = {
+            let st = self.meta().st();
+            st.dirty.slices() as u64 * (1u64 << self.geo.slice_bits)
+                + st.dirty.rc_blocks() as u64 * self.geo.cluster_size()
+        };
+        if dirty > WRITEBACK_THRESHOLD_BYTES {
+            // Boxed: rare, and the write path's per-request future stays small.
+            Box::pin(self.writeback_locked()).await?;
+        }
+        Ok(())
+    }
+
+    /// Writes everything back (refcounts included, even with lazy refcounts), clears the
+    /// dirty bit and flushes: the image is clean on disk when this returns.
+    pub(crate) async fn close(&self) -> Result<()> {
+        let _g = self.meta().lock().lock().await;
+        self.writeback_mode(true).await?;
+        self.exec.flush(self.dev).await?;
+        self.lower_zeroed_tail().await
+    }
+
+    /// Guest flush: every write completed before it is stable when this returns.
+    pub(crate) async fn flush(&self) -> Result<()> {
+        let _g = self.meta().lock().lock().await;
+        self.writeback_locked().await?;
+        self.exec.flush(self.dev).await
+    }
+}

@@ -1,0 +1,238 @@
+//! The owner's dirty metadata: L2 slices, refcount blocks, L1 and refcount-table entries
+//! changed in memory and not yet written back.
+//!
+//! Invariant: a dirty copy is authoritative (newer than the device and than any cache
+//! replica) until its write completes; a slice taken by a write-back stays readable here
+//! (`writing`) until then, and every slice that becomes dirty or clean on a shared image
+//! moves its epoch ([`OwnerEpochs`]) in the same call.
+
+use super::{HashMap, Shared};
+use crate::coherency::OwnerEpochs;
+use std::collections::{BTreeMap, BTreeSet};
+
+/// Dirty metadata of the owner (see the module doc).
+#[derive(Default)]
+pub(crate) struct DirtyMetadata {
+    /// Dirty L2 slices by slice id. A hash map: every allocating write looks its slice up;
+    /// the write-back sorts the ids.
+    l2: HashMap<u64, Vec<u64>>,
+    /// Slices taken by the write-back in progress, until their write completes.
+    writing_l2: HashMap<u64, Vec<u64>>,
+    /// Dirty-slice counts per epoch slot (when the image is shared with other cores).
+    epochs: OwnerEpochs,
+    /// Dirty refcount blocks by host offset.
+    rc: BTreeMap<u64, Vec<u8>>,
+    /// L1 indices changed since the last write-back.
+    l1: BTreeSet<u64>,
+    /// Refcount-table indices changed since the last write-back.
+    rt: BTreeSet<u64>,
+}
+
+impl DirtyMetadata {
+    // ----- L2 slices ----------------------------------------------------------------
+
+    /// The dirty copy of slice `key` (not one being written back).
+    #[inline]
+    pub(crate) fn slice(&self, key: u64) -> Option<&Vec<u64>> {
+        self.l2.get(&key)
+    }
+    /// Whether slice `key` is dirty.
+    #[inline]
+    pub(crate) fn has_slice(&self, key: u64) -> bool {
+        self.l2.contains_key(&key)
+    }
+    /// Whether slice `key` is being written back.
+    pub(crate) fn is_writing(&self, key: u64) -> bool {
+        self.writing_l2.contains_key(&key)
+    }
+    /// A copy of slice `key`, dirty or being written back.
+    pub(crate) fn slice_copy(&self, key: u64) -> Option<Vec<u64>> {
+        self.l2
+            .get(&key)
+            .or_else(|| self.writing_l2.get(&key))
+            .cloned()
+    }
+    /// Makes slice `key` dirty with `words` (replacing a dirty copy): its epoch goes odd
+    /// when it was clean, moves on when it was dirty already.
+    pub(crate) fn put_slice(&mut self, key: u64, words: Vec<u64>, shared: Option<&Shared>) {
+        let was_clean = self.l2.insert(key, words).is_none();
+        if let Some(sh) = shared {
+            if was_clean {
+                self.epochs.dirtied(sh, key);
+            } else {
+                self.epochs.changed(sh, key);
+            }
+        }
+    }
+    /// Changes the dirty slice `key` with `f` (its epoch moves on); false when it is not
+    /// dirty (nothing changed).
+    pub(crate) fn change_slice(
+        &mut self,
+        key: u64,
+        shared: Option<&Shared>,
+        f: impl FnOnce(&mut [u64]),
+    ) -> bool {
+        let Some(b) = self.l2.get_mut(&key) else {
+            return false;
+        };
+        f(b);
+        if let Some(sh) = shared {
+            self.epochs.changed(sh, key);
+        }
+        true
+    }
+    /// Dirty L2 slices.
+    pub(crate) fn slices(&self) -> usize {
+        self.l2.len()
+    }
+    /// Whether any L2 slice or L1 entry is dirty.
+    pub(crate) fn has_l2_or_l1(&self) -> bool {
+        !self.l2.is_empty() || !self.l1.is_empty()
+    }
+    /// On [`share`](crate::Qcow2::share): every slice held here (dirty or being written)
+    /// goes odd in the new shared state.
+    pub(crate) fn publish_to(&mut self, shared: &Shared) {
+        let keys: Vec<u64> = self
+            .l2
+            .keys()
+            .chain(self.writing_l2.keys())
+            .copied()
+            .collect();
+        for k in keys {
+            self.epochs.dirtied(shared, k);
+        }
+    }
+
+    /// Write-back, phase 2 begins: the dirty slices move to the writing set (still served
+    /// from there). Returns their ids in device order.
+    pub(crate) fn begin_slice_writeback(&mut self) -> Vec<u64> {
+        let taken = std::mem::take(&mut self.l2);
+        let mut keys: Vec<u64> = taken.keys().copied().collect();
+        // Slices of one table next to each other.
+        keys.sort_unstable();
+        self.writing_l2 = taken;
+        keys
+    }
+    /// The words of slice `key` being written back.
+    pub(crate) fn writing(&self, key: u64) -> Option<&Vec<u64>> {
+        self.writing_l2.get(&key)
+    }
+    /// Slice `key`'s write completed: it is clean (epoch even) unless dirtied again
+    /// meanwhile. Returns the words written.
+    pub(crate) fn slice_written(&mut self, key: u64, shared: Option<&Shared>) -> Option<Vec<u64>> {
+        let written = self.writing_l2.remove(&key);
+        if let Some(sh) = shared {
+            self.epochs.cleaned(sh, key);
+        }
+        written
+    }
+    /// A write-back failed: slices `keys` not written go back to dirty; a newer dirty copy
+    /// (changed meanwhile) wins.
+    pub(crate) fn slices_not_written(
+        &mut self,
+        keys: impl Iterator<Item = u64>,
+        shared: Option<&Shared>,
+    ) {
+        for k in keys {
+            if let Some(w) = self.writing_l2.remove(&k) {
+                match self.l2.entry(k) {
+                    std::collections::hash_map::Entry::Occupied(_) => {
+                        if let Some(sh) = shared {
+                            self.epochs.cleaned(sh, k);
+                        }
+                    }
+                    std::collections::hash_map::Entry::Vacant(v) => {
+                        v.insert(w);
+                    }
+                }
+            }
+        }
+    }
+
+    // ----- refcount blocks ----------------------------------------------------------
+
+    /// Whether refcount block `block` is dirty.
+    #[inline]
+    pub(crate) fn has_rc(&self, block: u64) -> bool {
+        self.rc.contains_key(&block)
+    }
+    /// The dirty copy of refcount block `block`.
+    #[inline]
+    pub(crate) fn rc(&self, block: u64) -> Option<&Vec<u8>> {
+        self.rc.get(&block)
+    }
+    /// The dirty copy of refcount block `block`, to change.
+    #[inline]
+    pub(crate) fn rc_mut(&mut self, block: u64) -> Option<&mut Vec<u8>> {
+        self.rc.get_mut(&block)
+    }
+    /// The dirty copy of refcount block `block`, made dirty from `load` (its clean bytes)
+    /// when it is not.
+    pub(crate) fn rc_or_load<E>(
+        &mut self,
+        block: u64,
+        load: impl FnOnce() -> Result<Vec<u8>, E>,
+    ) -> Result<&mut Vec<u8>, E> {
+        Ok(match self.rc.entry(block) {
+            std::collections::btree_map::Entry::Occupied(e) => e.into_mut(),
+            std::collections::btree_map::Entry::Vacant(v) => v.insert(load()?),
+        })
+    }
+    /// Makes refcount block `block` dirty with `bytes` (a new block).
+    pub(crate) fn put_rc(&mut self, block: u64, bytes: Vec<u8>) {
+        self.rc.insert(block, bytes);
+    }
+    /// Dirty refcount blocks.
+    pub(crate) fn rc_blocks(&self) -> usize {
+        self.rc.len()
+    }
+    /// Whether no refcount block is dirty.
+    pub(crate) fn rc_is_empty(&self) -> bool {
+        self.rc.is_empty()
+    }
+    /// Takes every dirty refcount block (by offset) for a write-back.
+    pub(crate) fn take_rc(&mut self) -> Vec<(u64, Vec<u8>)> {
+        std::mem::take(&mut self.rc).into_iter().collect()
+    }
+    /// Their write failed: the blocks are dirty again (a newer dirty copy wins).
+    pub(crate) fn rc_not_written(&mut self, blocks: Vec<(u64, Vec<u8>)>) {
+        for (o, b) in blocks {
+            self.rc.entry(o).or_insert(b);
+        }
+    }
+
+    // ----- L1 and refcount-table entries --------------------------------------------
+
+    /// L1 entry `idx` changed.
+    pub(crate) fn dirty_l1(&mut self, idx: u64) {
+        self.l1.insert(idx);
+    }
+    /// Takes the changed L1 indices for a write-back.
+    pub(crate) fn take_l1(&mut self) -> BTreeSet<u64> {
+        std::mem::take(&mut self.l1)
+    }
+    /// Their write failed: dirty again.
+    pub(crate) fn l1_not_written(&mut self, l1: BTreeSet<u64>) {
+        self.l1.extend(l1);
+    }
+    /// Refcount-table entry `idx` changed.
+    pub(crate) fn dirty_rt(&mut self, idx: u64) {
+        self.rt.insert(idx);
+    }
+    /// Whether a refcount-table entry is dirty.
+    pub(crate) fn has_rt(&self) -> bool {
+        !self.rt.is_empty()
+    }
+    /// Takes the changed refcount-table indices for a write-back.
+    pub(crate) fn take_rt(&mut self) -> BTreeSet<u64> {
+        std::mem::take(&mut self.rt)
+    }
+    /// Their write failed: dirty again.
+    pub(crate) fn rt_not_written(&mut self, rt: BTreeSet<u64>) {
+        self.rt.extend(rt);
+    }
+    /// A new refcount table was written whole: no entry of the old one is dirty.
+    pub(crate) fn clear_rt(&mut self) {
+        self.rt.clear();
+    }
+}

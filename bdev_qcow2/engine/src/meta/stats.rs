@@ -1,0 +1,21 @@
+//! The owner's counters, reported by [`Qcow2::owner_stats`](crate::Qcow2::owner_stats).
+//! They only count: nothing reads them to decide anything but the background write-back's
+//! change signature (clusters allocated).
+
+/// Counters of the metadata owner (writable image).
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct OwnerStats {
+    /// Host clusters allocated (data, L2 tables, refcount blocks).
+    pub clusters_allocated: u64,
+    /// Writes that change metadata (allocating ones, extended-L2 bitmaps, zero flags)
+    /// planned on the spot, without a planning task (their metadata was in memory and the
+    /// metadata lock free).
+    pub writes_planned_now: u64,
+    /// L2 slices written back to the device.
+    pub l2_slices_written: u64,
+    /// Metadata write-back passes (refcounts, flush, L2 slices, L1; on FLUSH, on close
+    /// and when the dirty metadata passes its threshold).
+    pub writebacks: u64,
+    /// Times the zeroed tail was raised on disk ([`ZeroedTail`](crate::format::header::ZeroedTail)).
+    pub zeroed_tail_raises: u64,
+}
