@@ -338,6 +338,15 @@ fn main() {
     // Nothing references these directly, so `--as-needed` would drop them: dependents link
     // them with `-Wl,--no-as-needed` (link arguments do not propagate, hence the metadata).
     println!("cargo:extra_libs={}", found.extra_libs.join(","));
+    // This crate's own executables (`cargo build --all-targets` links a lib test even with
+    // `test = false`, and `tests/bindings.rs`) need them too.
+    if !found.extra_libs.is_empty() {
+        println!("cargo:rustc-link-arg=-Wl,--no-as-needed");
+        for l in &found.extra_libs {
+            println!("cargo:rustc-link-arg=-l{l}");
+        }
+        println!("cargo:rustc-link-arg=-Wl,--as-needed");
+    }
     println!("cargo:rustc-cfg=spdk");
     println!("cargo:found=1");
     println!("cargo:include={}", found.include.display());

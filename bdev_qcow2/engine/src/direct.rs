@@ -126,7 +126,7 @@ impl<D: BlockDevice> Chain<D> {
         // elsewhere (the owner) the memo of linear slices still stands for the cache.
         let memo = !legacy
             && match self.layers().first() {
-                Some(Layer::Qcow2(q)) => !matches!(&q.core, Some(c) if c.writable),
+                Some(Layer::Qcow2(q)) => q.writable_core_shared().is_none(),
                 _ => true,
             };
         let (offset, len) = (range.offset().0, range.len());
