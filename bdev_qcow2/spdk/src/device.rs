@@ -15,7 +15,7 @@
 //! when the channel is created, so a submission allocates nothing.
 
 use crate::direct::Target;
-use crate::ffi::base::{BaseIo, BaseOp, CompletionSink, Submitted};
+use crate::ffi::base::{BaseIo, BaseOp, Submitted};
 use crate::ffi::bdev::Desc;
 use crate::ffi::bdev_io::IovView;
 use crate::ffi::dma::DmaMem;
@@ -23,7 +23,6 @@ pub use crate::ffi::dma::SpdkBuf;
 use crate::ffi::sys;
 use qcow2_engine::io::{BlockDevice, BufSlice, Busy, DeviceError, DeviceOp};
 use qcow2_engine::DevId;
-use std::ffi::c_void;
 use std::rc::Rc;
 
 /// The data of a guest request (its iovecs, handed over by
@@ -60,14 +59,9 @@ impl SpdkDevice {
         self.cheap_zeroes = on;
     }
 
-    /// Makes SPDK's completion callback offer each completion to `sink` (with `ctx`) before
-    /// queueing it for `poll`.
-    ///
-    /// # Safety
-    /// As [`BaseIo::set_sink`].
-    pub unsafe fn set_sink(&mut self, sink: CompletionSink, ctx: *mut c_void) {
-        // SAFETY: per the contract.
-        unsafe { self.io.set_sink(sink, ctx) }
+    /// The SPDK side of the device (`ffi/base.rs` adds [`SpdkDevice::set_sink`] with it).
+    pub(crate) fn base_io(&mut self) -> &mut BaseIo {
+        &mut self.io
     }
 
     /// What the direct path needs to submit to this device without the executor

@@ -8,17 +8,18 @@
 
 use crate::device::SpdkDevice;
 use crate::ffi::bdev::{self, Desc};
+use crate::ffi::node::{self as handle, MdNode, NodeKey, OwnerBox, Unregistered};
+use crate::ffi::sys;
 use crate::ffi::thread::{self, Poll, Polled, PollerSlot};
-use crate::ffi::{io_channel, sys};
 use crate::owner::Owner;
 use crate::params::CreateParams;
-use crate::registry::{self, NodePtr};
+use crate::registry;
 use qcow2_engine::io::{BlockDevice, SECTOR};
 use qcow2_engine::{Chain, CoreSeed, DevId, Exec, Layer, OpenOptions, Qcow2};
 use serde::Serialize;
 use serde_json::json;
 use std::cell::RefCell;
-use std::ffi::{c_void, CString};
+use std::ffi::{CStr, CString};
 use std::rc::Rc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -101,8 +102,8 @@ impl ImageInfo {
     }
 }
 
-/// One qcow2 bdev. Boxed and leaked while registered: its address is the io_device and the
-/// bdev's `ctxt`. Everything but `bdev` (SPDK's) is immutable after registration, except the
+/// One qcow2 bdev. Boxed and leaked while registered (`ffi/node.rs`): its address is the
+/// io_device and the bdev's `ctxt`. Everything but `bdev` (SPDK's) is immutable after registration, except the
 /// descriptors, which teardown takes on the md thread after every channel is gone.
 pub struct Node {
     /// The bdev SPDK knows.
@@ -133,6 +134,13 @@ pub struct Node {
     /// Counters of the channels already gone (added when each is freed), so
     /// `bdev_qcow2_get_stats` totals cover the bdev's whole life, not only live channels.
     pub retired: Arc<Mutex<crate::channel::ChannelStats>>,
+}
+
+impl Node {
+    /// The bdev's name, as SPDK keeps it.
+    pub fn c_name(&self) -> &CStr {
+        &self.name
+    }
 }
 
 /// How a creation ends: the bdev name, or an errno and a message.
@@ -367,7 +375,7 @@ fn finish(mut job: Job) {
     }
     let owner = match Chain::new(&job.exec, layers) {
         // The base device was added first (`create`), so it is `DevId(0)`.
-        Ok(chain) => Owner::start(
+        Ok(chain) => OwnerBox::start(
             job.exec,
             {
                 chain.set_prefetch(job.params.prefetch_on());
@@ -399,7 +407,7 @@ fn register(
     info: ImageInfo,
     base: Option<Desc>,
     backing: Option<Desc>,
-    owner: Option<(*mut Owner, Option<CoreSeed>)>,
+    owner: Option<(OwnerBox, Option<CoreSeed>)>,
     done: Done,
 ) {
     let name = params.name.clone();
@@ -409,8 +417,8 @@ fn register(
     };
     let Ok(cname) = CString::new(name.clone()) else {
         if let Some(o) = owner {
-            // SAFETY: just started on this thread; nothing was submitted to it.
-            unsafe { Owner::close(o, |_| {}) };
+            // Just started on this thread; nothing was submitted to it.
+            o.close(|_| {});
         }
         return fail(
             &name,
@@ -427,7 +435,16 @@ fn register(
         .max()
         .unwrap_or(1)
         .max(1);
-    let node = Box::into_raw(Box::new(Node {
+    let props = bdev::Props {
+        blockcnt: info.virtual_size / u64::from(BLOCK_SIZE),
+        // Writes are acknowledged before their metadata is stable: only a FLUSH makes them
+        // durable (ARCHITECTURE.md §7), which is what a volatile write cache means to SPDK.
+        write_cache: owner.is_some(),
+        // The hot path hands the guest's buffers to the base: ask for what the base needs.
+        required_alignment: if align > 1 { align.ilog2() as u8 } else { 0 },
+    };
+    let cluster_size = info.cluster_size;
+    let node = Box::new(Node {
         bdev: bdev::blank(),
         name: cname,
         opts: params.open_options(),
@@ -436,44 +453,23 @@ fn register(
         base,
         backing,
         md_thread: thread::current(),
-        owner: owner.unwrap_or(std::ptr::null_mut()),
+        owner: owner.map_or(std::ptr::null_mut(), OwnerBox::into_node),
         seed,
         live_channels: Arc::new(AtomicUsize::new(0)),
         retired: Arc::new(Mutex::new(Default::default())),
-    }));
-    // SAFETY: `node` is live (leaked above) until `device_gone` frees it; SPDK copies the name.
-    unsafe { io_channel::register_device(node, &(*node).name) };
-    // SAFETY: as just said; the name lives in the node.
-    let (n, info) = unsafe { (&*node, &(*node).info) };
-    let props = bdev::Props {
-        name: &n.name,
-        blockcnt: info.virtual_size / u64::from(BLOCK_SIZE),
-        // Writes are acknowledged before their metadata is stable: only a FLUSH makes them
-        // durable (ARCHITECTURE.md §7), which is what a volatile write cache means to SPDK.
-        write_cache: !n.owner.is_null(),
-        // The hot path hands the guest's buffers to the base: ask for what the base needs.
-        required_alignment: if align > 1 { align.ilog2() as u8 } else { 0 },
+    });
+    let node = match handle::register(node, &props, |max| cluster_cut(max, cluster_size)) {
+        Ok(r) => r,
+        Err(e) => {
+            // The node comes back to `never_registered` once its io_device is gone.
+            registry::lock().creating.retain(|n| n != &name);
+            let m = format!("spdk_bdev_register failed: {}", strerror(e));
+            tracing::error!("bdev_qcow2_create {name}: {m}");
+            return done(Err((e, m)));
+        }
     };
-    // SAFETY: the node lives until `device_gone` frees it (or `free_unregistered` below).
-    if let Err(e) = unsafe { bdev::register(node, &props) } {
-        // SAFETY: registered just above; `free_unregistered` frees the node (no bdev to
-        // finish).
-        unsafe { io_channel::unregister_device(node.cast(), free_unregistered) };
-        registry::lock().creating.retain(|n| n != &name);
-        let m = format!("spdk_bdev_register failed: {}", strerror(e));
-        tracing::error!("bdev_qcow2_create {name}: {m}");
-        return done(Err((e, m)));
-    }
-    // SAFETY: registered just above on this thread; no request reaches it before we return.
-    unsafe { split_at_clusters(&mut (*node).bdev, (*node).info.cluster_size) };
-    {
-        let mut reg = registry::lock();
-        reg.creating.retain(|n| n != &name);
-        reg.nodes.push((name.clone(), NodePtr(node)));
-    }
-    // SAFETY: registered node, immutable info.
-    let i = unsafe { &(*node).info };
-    tracing::info!(
+    let i = &node.node().info;
+    let created = format!(
         "created qcow2 bdev {name} on {} ({} bytes, cluster {}, v{}{}{})",
         i.base_bdev,
         i.virtual_size,
@@ -485,6 +481,12 @@ fn register(
             .unwrap_or_default(),
         if i.zero_offload { ", zero offload" } else { "" }
     );
+    {
+        let mut reg = registry::lock();
+        reg.creating.retain(|n| n != &name);
+        reg.nodes.push((name.clone(), node));
+    }
+    tracing::info!("{created}");
     done(Ok(name));
 }
 
@@ -499,85 +501,68 @@ impl bdev::BdevEvents for BaseEvents {
             tracing::info!("bdev {name}: event {ty} ignored");
             return;
         }
-        let victims: Vec<NodePtr> = registry::lock()
+        let victims: Vec<String> = registry::lock()
             .nodes
             .iter()
-            .filter(|(_, p)| {
-                // SAFETY: registered nodes are live; params are immutable.
-                let params = unsafe { &(*p.0).params };
+            .filter(|(_, r)| {
+                let params = &r.node().params;
                 params.base_bdev == name || params.backing_bdev.as_deref() == Some(name)
             })
-            .map(|(_, p)| *p)
+            .map(|(n, _)| n.clone())
             .collect();
         for v in victims {
             tracing::warn!("bdev {name} is going away: unregistering the qcow2 bdev on it");
-            // SAFETY: the node was registered just now; a second unregistration is refused
-            // by SPDK, not undefined.
-            unsafe { bdev::unregister(v.0) };
+            // A second unregistration (a delete already under way) is refused by SPDK.
+            let _ = bdev::unregister_by_name(&v, |_| {});
         }
     }
 }
 
-/// Teardown, step 1 (SPDK's `destruct`, once the bdev is unregistered and unused): forget
-/// the node, then unregister the io_device; step 2 runs when every channel is gone.
-///
-/// # Safety
-/// `node` is a registered node SPDK destructs, live until step 3.
-pub unsafe fn destruct(node: *mut Node) {
-    registry::lock().nodes.retain(|(_, p)| p.0 != node);
-    // SAFETY: `node` is our registered io_device; freed only in `device_gone`.
-    unsafe { io_channel::unregister_device(node.cast(), device_gone) };
+// Teardown, in this order (as SPDK's passthru does it):
+// 1. SPDK's destruct (the bdev is unregistered and unused): the node leaves the registry,
+//    then its io_device is unregistered.
+// 2. Once the last channel is destroyed, on the md thread (where the owner lives and the
+//    descriptors were opened), after every channel state is freed (so every request has
+//    completed): a writable bdev's owner flushes the metadata (`Chain::close`) and is freed.
+// 3. The backing then the base descriptor close (releasing the claims), SPDK hears that
+//    destruct is done, and the node is freed.
+
+/// Teardown, step 1 (SPDK's `destruct`).
+pub fn destruct(key: NodeKey) {
+    let node = registry::lock().take(key);
+    match node {
+        Some(node) => node.unregister_device(),
+        None => tracing::error!("destruct of a qcow2 bdev that is not registered"),
+    }
 }
 
-/// Teardown, step 2: on the md thread (where they were opened), once the last channel state
-/// is freed (so every request has completed): a writable bdev's owner flushes the metadata
-/// (`Chain::close`) and is freed; then step 3 closes the backing then the base descriptor
-/// (releasing the claims), tells SPDK destruct is done, and frees the node.
-unsafe extern "C" fn device_gone(io_device: *mut c_void) {
-    let node = io_device.cast::<Node>();
-    // SAFETY: no channel is left; the node is only ours now.
-    let md = unsafe { (*node).md_thread };
-    // SAFETY: the md thread created the bdev and lives until the app stops, after every
-    // bdev is gone.
-    if let Err(e) = unsafe { thread::exec_msg(md, move || close_when_unused(node)) } {
+/// Teardown, between steps 1 and 2: the node's last channel is gone; go to the md thread.
+pub fn channels_gone(node: Unregistered) {
+    if let Err(e) = node.on_md_thread(close_when_unused) {
         tracing::error!("cannot reach the md thread ({e}): leaking the descriptors");
     }
 }
 
-fn close_when_unused(node: *mut Node) {
-    // SAFETY: the node stays allocated until freed below; the counter is atomic.
-    if unsafe { (*node).live_channels.load(Ordering::Acquire) } > 0 {
+/// Teardown, step 2, once no channel state is left (a channel destroyed while its state
+/// still had base I/O in flight is freed later, by its poller).
+fn close_when_unused(n: MdNode) {
+    if n.node().live_channels.load(Ordering::Acquire) > 0 {
         // A channel state still drains its I/O on some thread: look again shortly.
-        // SAFETY: as in `device_gone`.
-        let md = unsafe { (*node).md_thread };
-        // SAFETY: as in `device_gone`.
-        let _ = unsafe { thread::send_msg(md, move || close_when_unused(node)) };
+        let _ = n.again(close_when_unused);
         return;
     }
-    // SAFETY: no channel is left; only this thread uses the owner.
-    let owner = std::mem::replace(unsafe { &mut (*node).owner }, std::ptr::null_mut());
-    if !owner.is_null() {
-        let then = move |counters| {
-            // SAFETY: the node lives until `close_descs`; every channel retired its
-            // counters, and the owner's are final (its tasks are done).
-            unsafe { log_summary(&*node, Some(counters)) };
-            close_descs(node)
-        };
-        // SAFETY: the owner was started on this thread and is closed once (nulled above).
-        unsafe { Owner::close(owner, then) };
-        return;
-    }
-    // SAFETY: no channel is left: every one retired its counters.
-    unsafe { log_summary(&*node, None) };
-    close_descs(node);
+    n.close_owner(|n, counters| {
+        // Every channel retired its counters, and the owner's are final (its tasks are
+        // done).
+        log_summary(n.node(), counters);
+        close_descs(n)
+    });
 }
 
 /// Logs what the bdev's read-ahead and slice caches did over its life (at delete or
-/// shutdown), from the retired channels' counters and the closed owner's.
-///
-/// # Safety
-/// Once no channel is left (their counters are all in `retired`).
-unsafe fn log_summary(n: &Node, owner: Option<crate::owner::OwnerCounters>) {
+/// shutdown), from the retired channels' counters and the closed owner's. Only once no
+/// channel is left (their counters are all in `retired`).
+fn log_summary(n: &Node, owner: Option<crate::owner::OwnerCounters>) {
     let mut t = n.retired.lock().map(|r| r.clone()).unwrap_or_default();
     if let Some((p, c)) = owner {
         t.l2_cache_hits += c.hits;
@@ -601,37 +586,31 @@ unsafe fn log_summary(n: &Node, owner: Option<crate::owner::OwnerCounters>) {
     );
 }
 
-fn close_descs(node: *mut Node) {
-    // SAFETY: unregistered, no channel state or owner left: the node is only ours;
-    // reclaimed once.
-    let mut n = unsafe { Box::from_raw(node) };
-    if let Some(d) = n.backing.take() {
+/// Teardown, step 3.
+fn close_descs(mut n: MdNode) {
+    if let Some(d) = n.take_backing() {
         d.close();
     }
-    if let Some(d) = n.base.take() {
+    if let Some(d) = n.take_base() {
         d.close();
     }
-    // SAFETY: our bdev, being destructed.
-    unsafe { sys::spdk_bdev_destruct_done(&mut n.bdev, 0) };
+    let n = n.destruct_done();
     tracing::info!("qcow2 bdev {} deleted", n.params.name);
 }
 
-/// Frees a node whose bdev never registered (its descriptors are closed here, on the md
-/// thread, which is the one that registered it).
-unsafe extern "C" fn free_unregistered(io_device: *mut c_void) {
-    // SAFETY: the node never reached SPDK's bdev list; only ours.
-    let mut n = unsafe { Box::from_raw(io_device.cast::<Node>()) };
+/// A node whose bdev never registered, back once its io_device is gone (on the md thread,
+/// the one that registered it): its owner closes, then its descriptors.
+pub fn never_registered(mut n: Box<Node>, owner: Option<OwnerBox>) {
     let descs = [n.backing.take(), n.base.take()];
     let close = move || {
         for d in descs.into_iter().flatten() {
             d.close();
         }
     };
-    if n.owner.is_null() {
-        close();
-    } else {
-        // SAFETY: started on this thread, never used (the bdev never registered).
-        unsafe { Owner::close(n.owner, move |_| close()) };
+    match owner {
+        None => close(),
+        // Never used (the bdev never registered).
+        Some(o) => o.close(move |_| close()),
     }
 }
 
@@ -659,11 +638,12 @@ pub fn io_type_supported(node: &Node, ty: sys::spdk_bdev_io_type) -> bool {
 /// out of order (3 + 1 clusters per 256 KiB seen with 1 MiB writes). Cut at cluster
 /// boundaries instead — at a multiple of the cluster not above that size, or at a power of
 /// two inside the cluster when one cluster is larger — and say so as the optimal I/O
-/// boundary (an NVMe-oF namespace reports it to the guest as NOIOB).
-fn split_at_clusters(bdev: &mut sys::spdk_bdev, cluster_size: u64) {
-    let max = u64::from(bdev.max_rw_size);
+/// boundary (an NVMe-oF namespace reports it to the guest as NOIOB). Returns the cut for
+/// SPDK's `max_rw_size` (`None`: SPDK set no limit).
+fn cluster_cut(max_rw_size: u32, cluster_size: u64) -> Option<u32> {
+    let max = u64::from(max_rw_size);
     if max == 0 {
-        return;
+        return None;
     }
     let cluster = (cluster_size / u64::from(BLOCK_SIZE)).max(1);
     let cut = if max >= cluster {
@@ -671,10 +651,7 @@ fn split_at_clusters(bdev: &mut sys::spdk_bdev, cluster_size: u64) {
     } else {
         1 << max.ilog2()
     };
-    let cut = u32::try_from(cut).unwrap_or(bdev.max_rw_size);
-    bdev.max_rw_size = cut;
-    bdev.optimal_io_boundary = cut;
-    bdev::set_split_on_optimal_io_boundary(bdev);
+    Some(u32::try_from(cut).unwrap_or(max_rw_size))
 }
 
 /// What `dump_info_json` says about `node` (under `"qcow2"`).

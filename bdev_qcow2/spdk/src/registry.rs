@@ -2,17 +2,9 @@
 //! in progress, and registered nodes. Control path only (RPCs, examine, destruct): a mutex is
 //! fine here; the data path never touches it.
 
-use crate::node::Node;
+use crate::ffi::node::{NodeKey, Registered};
 use crate::params::CreateParams;
 use std::sync::{Mutex, MutexGuard};
-
-/// A registered node (owned by SPDK between `spdk_bdev_register` and destruct).
-#[derive(Clone, Copy, PartialEq, Eq)]
-pub struct NodePtr(pub *mut Node);
-
-// SAFETY: the pointer is only dereferenced on SPDK threads while the node is registered;
-// the node's shared state is immutable after registration.
-unsafe impl Send for NodePtr {}
 
 /// The module's bookkeeping.
 #[derive(Default)]
@@ -21,8 +13,8 @@ pub struct Registry {
     pub pending: Vec<CreateParams>,
     /// Names whose creation is in progress (image being read).
     pub creating: Vec<String>,
-    /// Registered bdevs.
-    pub nodes: Vec<(String, NodePtr)>,
+    /// Registered bdevs (teardown takes each out before it frees the node).
+    pub nodes: Vec<(String, Registered)>,
 }
 
 impl Registry {
@@ -34,8 +26,22 @@ impl Registry {
     }
 
     /// The registered node called `name`.
-    pub fn node(&self, name: &str) -> Option<NodePtr> {
-        self.nodes.iter().find(|(n, _)| n == name).map(|(_, p)| *p)
+    pub fn node(&self, name: &str) -> Option<&Registered> {
+        self.nodes.iter().find(|(n, _)| n == name).map(|(_, r)| r)
+    }
+
+    /// The registered node `key`.
+    pub fn by_key(&self, key: NodeKey) -> Option<&Registered> {
+        self.nodes
+            .iter()
+            .find(|(_, r)| r.key() == key)
+            .map(|(_, r)| r)
+    }
+
+    /// Takes node `key` out of the registry (the first step of its teardown).
+    pub fn take(&mut self, key: NodeKey) -> Option<Registered> {
+        let i = self.nodes.iter().position(|(_, r)| r.key() == key)?;
+        Some(self.nodes.remove(i).1)
     }
 }
 

@@ -4,11 +4,12 @@
 //! the structs of `params.rs`.
 
 use crate::channel::{self, ChannelStats};
+use crate::ffi::node::NodeKey;
 use crate::ffi::rpc::{Params, Request, INVALID_PARAMS};
 use crate::ffi::{bdev, io_channel};
 use crate::node;
 use crate::params::{CreateParams, DeleteParams, FormatParams, StatsParams};
-use crate::registry::{self, NodePtr};
+use crate::registry;
 use serde::de::DeserializeOwned;
 use serde_json::{json, Value};
 use std::ffi::c_int;
@@ -140,7 +141,7 @@ pub fn delete(req: Request, params: Params) {
 /// Statistics collection over several nodes, one `for_each_channel` after the other.
 struct Collect {
     req: Option<Request>,
-    nodes: Vec<(String, NodePtr)>,
+    nodes: Vec<(String, NodeKey)>,
     next: usize,
     channels: Vec<ChannelStats>,
     out: Vec<Value>,
@@ -157,40 +158,24 @@ fn collect_done(mut c: Collect, _status: c_int) {
         total.add(s);
     }
     total.thread = String::new();
-    let name = c.nodes[c.next].0.clone();
-    let ptr = c.nodes[c.next].1 .0;
-    // Channels already gone count in the total too (read while registered, as below).
+    let (name, key) = c.nodes[c.next].clone();
+    // Channels already gone count in the total too. The registry lock is held while the
+    // node is used: a delete removes the node from the registry before anything frees it.
     let mut retired = Value::Null;
-    {
-        // The registry lock is held while the node is used: a delete removes the node from
-        // the registry before anything frees it.
-        let reg = registry::lock();
-        if reg.nodes.iter().any(|(_, p)| p.0 == ptr) {
-            // SAFETY: registered (under the lock), hence not freed.
-            if let Ok(r) = unsafe { &*ptr }.retired.lock() {
-                total.add(&r);
-                retired = serde_json::to_value(&*r).unwrap_or(Value::Null);
-            }
+    if let Some(n) = registry::lock().by_key(key) {
+        if let Ok(r) = n.node().retired.lock() {
+            total.add(&r);
+            retired = serde_json::to_value(&*r).unwrap_or(Value::Null);
         }
     }
     // The owner's counters, read only while the node is still registered (a delete
     // removes it first; the node and its owner are freed later, on the md thread) and only
     // on the md thread, the owner's own (the thread that ran the create: normally the app
     // thread, where RPCs run); otherwise `null`.
-    let owner = {
-        let reg = registry::lock();
-        let registered = reg.nodes.iter().any(|(_, p)| p.0 == ptr);
-        // SAFETY: registered, hence not freed (see above).
-        let node = registered.then(|| unsafe { &*ptr });
-        match node {
-            Some(n) if !n.owner.is_null() && crate::ffi::thread::current() == n.md_thread => {
-                // SAFETY: on the md thread, which alone frees the owner, while the node is
-                // registered.
-                unsafe { (*n.owner).stats_json() }
-            }
-            _ => Value::Null,
-        }
-    };
+    let owner = registry::lock()
+        .by_key(key)
+        .and_then(|n| n.owner_here().map(|o| o.stats_json()))
+        .unwrap_or(Value::Null);
     c.out.push(json!({
         "name": name,
         "channels": channels,
@@ -209,14 +194,16 @@ fn collect_next(mut c: Collect) {
         }
         return;
     }
-    let node = c.nodes[c.next].1;
+    let key = c.nodes[c.next].1;
+    let reg = registry::lock();
     // Still registered? (A delete may have raced the previous step.)
-    if !registry::lock().nodes.iter().any(|(_, p)| *p == node) {
+    let Some(node) = reg.by_key(key) else {
+        drop(reg);
         c.next += 1;
         return collect_next(c);
-    }
-    // SAFETY: the node is registered, so it is a registered io_device.
-    unsafe { io_channel::for_each_channel(node.0.cast(), c, collect_step, collect_done) };
+    };
+    // SPDK runs the steps and `collect_done` as messages, after the lock is released.
+    node.for_each_channel(c, collect_step, collect_done);
 }
 
 /// `bdev_qcow2_get_stats`.
@@ -224,17 +211,21 @@ pub fn get_stats(req: Request, params: Params) {
     let Some((req, p)) = decode::<StatsParams>(req, params, "bdev_qcow2_get_stats") else {
         return;
     };
-    let nodes: Vec<(String, NodePtr)> = {
+    let nodes: Vec<(String, NodeKey)> = {
         let reg = registry::lock();
         match &p.name {
             Some(n) => match reg.node(n) {
-                Some(ptr) => vec![(n.clone(), ptr)],
+                Some(r) => vec![(n.clone(), r.key())],
                 None => {
                     drop(reg);
                     return req.errno(libc::ENODEV, &format!("no qcow2 bdev named {n}"));
                 }
             },
-            None => reg.nodes.clone(),
+            None => reg
+                .nodes
+                .iter()
+                .map(|(n, r)| (n.clone(), r.key()))
+                .collect(),
         }
     };
     collect_next(Collect {

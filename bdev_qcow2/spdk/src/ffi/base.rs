@@ -334,3 +334,15 @@ impl Drop for BaseIo {
         drop(unsafe { Box::from_raw(self.pool.as_ptr()) });
     }
 }
+
+impl crate::device::SpdkDevice {
+    /// Makes SPDK's completion callback offer each completion to `sink` (with `ctx`) before
+    /// queueing it for `poll`.
+    ///
+    /// # Safety
+    /// As [`BaseIo::set_sink`].
+    pub unsafe fn set_sink(&mut self, sink: CompletionSink, ctx: *mut c_void) {
+        // SAFETY: per the contract.
+        unsafe { self.base_io().set_sink(sink, ctx) }
+    }
+}

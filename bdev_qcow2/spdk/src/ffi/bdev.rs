@@ -197,10 +197,8 @@ pub fn blank() -> sys::spdk_bdev {
     unsafe { std::mem::zeroed() }
 }
 
-/// What SPDK is told about one of our bdevs.
-pub struct Props<'a> {
-    /// Its name (SPDK keeps the pointer: it lives in the node).
-    pub name: &'a CStr,
+/// What SPDK is told about one of our bdevs (besides its name, which lives in the node).
+pub struct Props {
     /// Number of blocks of [`BLOCK_SIZE`](super::bdev_io::BLOCK_SIZE) bytes.
     pub blockcnt: u64,
     /// Writes are acknowledged before they are durable; a FLUSH makes them so.
@@ -210,15 +208,17 @@ pub struct Props<'a> {
 }
 
 /// Fills in `node`'s bdev from `props` and registers it with SPDK, with our function table
-/// and module, the node as its `ctxt`. Returns SPDK's errno on failure.
+/// and module, the node as its `ctxt` and the node's name. Returns SPDK's errno on failure.
 ///
 /// # Safety
 /// `node` is live and stays at its address until SPDK's destruct of the bdev completes (or,
-/// on failure, until the caller frees it); `props.name` lives as long.
-pub unsafe fn register(node: *mut Node, props: &Props) -> Result<(), i32> {
+/// on failure, until the caller frees it).
+pub(super) unsafe fn register(node: *mut Node, props: &Props) -> Result<(), i32> {
+    // SAFETY: per the contract; the name lives in the node.
+    let name = unsafe { (*node).c_name() }.as_ptr().cast_mut();
     // SAFETY: per the contract; nothing else uses the node yet.
     let b = unsafe { &mut (*node).bdev };
-    b.name = props.name.as_ptr().cast_mut();
+    b.name = name;
     b.product_name = c"QCOW2 disk".as_ptr().cast_mut();
     b.blocklen = super::bdev_io::BLOCK_SIZE;
     b.blockcnt = props.blockcnt;
@@ -255,8 +255,8 @@ static FN_TABLE: sys::spdk_bdev_fn_table = sys::spdk_bdev_fn_table {
 };
 
 unsafe extern "C" fn destruct(ctx: *mut c_void) -> c_int {
-    // SAFETY: `ctx` is the node of a bdev SPDK unregistered and no longer uses.
-    unsafe { node::destruct(ctx.cast()) };
+    // `ctx` is the node of a bdev SPDK unregistered and no longer uses.
+    node::destruct(super::node::NodeKey::of(ctx));
     1 // asynchronous: `spdk_bdev_destruct_done` follows
 }
 
@@ -286,14 +286,4 @@ unsafe extern "C" fn write_config_json(
     let v = node::config_json(unsafe { &*(*bdev).ctxt.cast::<Node>() });
     // SAFETY: SPDK hands us a write context inside the config array.
     unsafe { super::json::write_value(w, &v) };
-}
-
-/// Unregisters our `node`'s bdev (a hot remove of what it stands on); SPDK refuses a second
-/// unregistration by itself.
-///
-/// # Safety
-/// `node` is a registered node.
-pub unsafe fn unregister(node: *mut Node) {
-    // SAFETY: per the contract.
-    unsafe { sys::spdk_bdev_unregister(&mut (*node).bdev, None, std::ptr::null_mut()) };
 }

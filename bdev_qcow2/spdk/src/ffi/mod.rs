@@ -9,6 +9,7 @@ pub mod io_channel;
 pub mod json;
 pub mod log;
 pub mod module;
+pub mod node;
 pub mod rpc;
 pub mod thread;
 

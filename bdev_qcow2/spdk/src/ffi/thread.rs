@@ -3,6 +3,7 @@
 use super::sys;
 use std::cell::Cell;
 use std::ffi::{c_int, c_void, CStr};
+use std::ptr::NonNull;
 
 /// The SPDK thread the caller runs on (null outside SPDK threads).
 pub fn current() -> *mut sys::spdk_thread {
@@ -40,51 +41,94 @@ pub fn prefetch_line(p: *const u8) {
     let _ = p;
 }
 
-type Msg = Box<dyn FnOnce()>;
+/// An SPDK thread, as a handle that any thread may hold and send messages to.
+///
+/// Invariant: the thread is live. Handles are taken from running SPDK threads
+/// ([`Thread::current`]) and kept in the state of a bdev (its md thread) or a channel; SPDK
+/// frees its threads only when the application stops, after the bdev layer (and so every
+/// bdev of ours and its channels) is gone.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Thread(NonNull<sys::spdk_thread>);
+
+// SAFETY: the handle only names the thread; SPDK's message calls may be made from any thread
+// to any live thread (its message ring is multi-producer).
+unsafe impl Send for Thread {}
+// SAFETY: as for `Send`: every method takes the handle by value and calls thread-safe SPDK
+// functions.
+unsafe impl Sync for Thread {}
+
+/// A closure sent to a thread, boxed once more to pass through SPDK's `void *`.
+type Msg = Box<dyn FnOnce() + Send>;
 
 unsafe extern "C" fn run_msg(ctx: *mut c_void) {
-    // SAFETY: `ctx` is the `Box<Msg>` leaked by `send_msg`/`exec_msg`, delivered exactly once.
+    // SAFETY: `ctx` is the `Box<Msg>` leaked by `Thread::queue`, delivered exactly once.
     let f = unsafe { Box::from_raw(ctx.cast::<Msg>()) };
     f();
 }
 
-/// Runs `f` on `thread`: now if that is the calling thread, else as a message. Returns the
-/// errno SPDK reported if the message could not be queued (then `f` is dropped, not run).
-///
-/// # Safety
-/// `thread` must be a live SPDK thread.
-pub unsafe fn exec_msg(
-    thread: *mut sys::spdk_thread,
-    f: impl FnOnce() + 'static,
-) -> Result<(), i32> {
-    let ctx = Box::into_raw(Box::new(Box::new(f) as Msg)).cast::<c_void>();
-    // SAFETY: `thread` is live (contract); `run_msg` takes back ownership of `ctx`.
-    let rc = unsafe { sys::spdk_sys_thread_exec_msg(thread, Some(run_msg), ctx) };
-    if rc != 0 {
-        // SAFETY: the message was not queued, so `ctx` is still ours.
-        drop(unsafe { Box::from_raw(ctx.cast::<Msg>()) });
-        return Err(-rc);
+impl Thread {
+    /// The SPDK thread the caller runs on (`None` outside SPDK threads).
+    pub fn current() -> Option<Thread> {
+        NonNull::new(current()).map(Thread)
     }
-    Ok(())
-}
 
-/// Queues `f` to run on `thread` as a message (even if it is the calling thread).
-///
-/// # Safety
-/// `thread` must be a live SPDK thread.
-pub unsafe fn send_msg(
-    thread: *mut sys::spdk_thread,
-    f: impl FnOnce() + 'static,
-) -> Result<(), i32> {
-    let ctx = Box::into_raw(Box::new(Box::new(f) as Msg)).cast::<c_void>();
-    // SAFETY: `thread` is live (contract); `run_msg` takes back ownership of `ctx`.
-    let rc = unsafe { sys::spdk_thread_send_msg(thread, Some(run_msg), ctx) };
-    if rc != 0 {
-        // SAFETY: the message was not queued, so `ctx` is still ours.
-        drop(unsafe { Box::from_raw(ctx.cast::<Msg>()) });
-        return Err(-rc);
+    /// The thread behind a pointer kept by code outside `ffi` (the md thread of a node).
+    ///
+    /// # Safety
+    /// `raw` is null or a live SPDK thread that stays so as the type's invariant says.
+    pub(super) unsafe fn from_raw(raw: *mut sys::spdk_thread) -> Option<Thread> {
+        NonNull::new(raw).map(Thread)
     }
-    Ok(())
+
+    /// The raw thread (for code that still keeps raw pointers and compares them).
+    pub fn raw(self) -> *mut sys::spdk_thread {
+        self.0.as_ptr()
+    }
+
+    /// Whether the caller runs on this thread.
+    pub fn is_current(self) -> bool {
+        current() == self.raw()
+    }
+
+    /// Runs `f` on this thread: now if it is the calling thread, else as a message. Returns
+    /// the errno SPDK reported if the message could not be queued (then `f` is dropped, not
+    /// run).
+    pub fn exec(self, f: impl FnOnce() + Send + 'static) -> Result<(), i32> {
+        self.queue(f, true)
+    }
+
+    /// Queues `f` to run on this thread as a message (even if it is the calling thread).
+    /// Returns the errno SPDK reported if the message could not be queued (then `f` is
+    /// dropped, not run).
+    pub fn send(self, f: impl FnOnce() + Send + 'static) -> Result<(), i32> {
+        self.queue(f, false)
+    }
+
+    fn queue(self, f: impl FnOnce() + Send + 'static, now_if_here: bool) -> Result<(), i32> {
+        let ctx = Box::into_raw(Box::new(Box::new(f) as Msg)).cast::<c_void>();
+        // SAFETY: the thread is live (the type's invariant); `run_msg` takes back ownership
+        // of `ctx`, which holds a `Send` closure (it may run on another thread).
+        let rc = unsafe {
+            if now_if_here {
+                sys::spdk_sys_thread_exec_msg(self.raw(), Some(run_msg), ctx)
+            } else {
+                sys::spdk_thread_send_msg(self.raw(), Some(run_msg), ctx)
+            }
+        };
+        if rc != 0 {
+            // SAFETY: the message was not queued, so `ctx` is still ours.
+            drop(unsafe { Box::from_raw(ctx.cast::<Msg>()) });
+            return Err(-rc);
+        }
+        Ok(())
+    }
+
+    /// Queues `m` to arrive on this thread ([`Message::arrive`]); gives it back if SPDK's
+    /// message pool is empty.
+    pub fn send_boxed<M: Message + Send>(self, m: Box<M>) -> Result<(), Box<M>> {
+        // SAFETY: the thread is live (the type's invariant); `M` may move between threads.
+        unsafe { send_boxed(self.raw(), m) }
+    }
 }
 
 /// What one run of a poller did.
@@ -198,7 +242,7 @@ const POLLER_BUSY: c_int = 1;
 /// Poller return value: nothing to do.
 const POLLER_IDLE: c_int = 0;
 
-/// A boxed message between threads ([`send_boxed`]).
+/// A boxed message between threads ([`Thread::send_boxed`], [`send_boxed`]).
 pub trait Message: Sized + 'static {
     /// Runs on the thread it was sent to.
     fn arrive(self: Box<Self>);
@@ -210,10 +254,11 @@ unsafe extern "C" fn arrive<M: Message>(ctx: *mut c_void) {
 }
 
 /// Queues `m` to arrive on `thread` ([`Message::arrive`]); gives it back if SPDK's message
-/// pool is empty.
+/// pool is empty. ([`Thread::send_boxed`] is the safe form, for messages that are `Send`.)
 ///
 /// # Safety
-/// `thread` must be a live SPDK thread.
+/// `thread` must be a live SPDK thread, and `m` must be safe to use on it (it only touches
+/// there what belongs to that thread).
 pub unsafe fn send_boxed<M: Message>(
     thread: *mut sys::spdk_thread,
     m: Box<M>,
