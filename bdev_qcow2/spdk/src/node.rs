@@ -103,8 +103,9 @@ impl ImageInfo {
 }
 
 /// One qcow2 bdev. Boxed and leaked while registered (`ffi/node.rs`): its address is the
-/// io_device and the bdev's `ctxt`. Everything but `bdev` (SPDK's) is immutable after registration, except the
-/// descriptors, which teardown takes on the md thread after every channel is gone.
+/// io_device and the bdev's `ctxt`. Everything but `bdev` (SPDK's) is immutable after
+/// registration, except the descriptors and the owner, which teardown takes on the md thread
+/// after every channel is gone.
 pub struct Node {
     /// The bdev SPDK knows.
     pub bdev: sys::spdk_bdev,

@@ -82,7 +82,7 @@ unsafe extern "C" fn destroy_cb(_io_device: *mut c_void, ctx: *mut c_void) {
 ///
 /// # Safety
 /// `node` must stay valid until the unregister callback of [`unregister_device`].
-pub unsafe fn register_device(node: *const Node, name: &CStr) {
+pub(super) unsafe fn register_device(node: *const Node, name: &CStr) {
     // SAFETY: per the contract; SPDK copies `name`.
     unsafe {
         sys::spdk_io_device_register(
@@ -99,7 +99,10 @@ pub unsafe fn register_device(node: *const Node, name: &CStr) {
 ///
 /// # Safety
 /// `io_device` must be registered.
-pub unsafe fn unregister_device(io_device: *mut c_void, done: unsafe extern "C" fn(*mut c_void)) {
+pub(super) unsafe fn unregister_device(
+    io_device: *mut c_void,
+    done: unsafe extern "C" fn(*mut c_void),
+) {
     // SAFETY: per the contract.
     unsafe { sys::spdk_io_device_unregister(io_device, Some(done)) }
 }
@@ -149,7 +152,7 @@ unsafe extern "C" fn iter_done<C>(i: *mut sys::spdk_io_channel_iter, status: c_i
 ///
 /// # Safety
 /// `io_device` must be registered and stay so until `done` runs.
-pub unsafe fn for_each_channel<C: 'static>(
+pub(super) unsafe fn for_each_channel<C: 'static>(
     io_device: *mut c_void,
     ctx: C,
     each: fn(ChannelIter, &mut C),

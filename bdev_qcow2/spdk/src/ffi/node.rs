@@ -75,7 +75,7 @@ impl Registered {
     }
 
     /// Visits every channel of the node on its own thread with `each`, then calls `done` on
-    /// the calling thread (see [`io_channel::for_each_channel`]).
+    /// the calling thread (each step continues the iteration once, as `ChannelIter` says).
     pub fn for_each_channel<C: 'static>(
         &self,
         ctx: C,
