@@ -119,7 +119,7 @@ impl<D: BlockDevice> Chain<D> {
         let host = geo.host_cluster_offset(alloc.first);
 
         // Data, without the lock.
-        let res = if q.overlaps_metadata(host.0, comp.len() as u64) {
+        let res = if q.overlaps_metadata(host, comp.len() as u64) {
             Err(q
                 .mark_corrupt(
                     Field::L2Entry,

@@ -147,22 +147,47 @@ fn top<D: BlockDevice>(chain: &Chain<D>) -> Result<&Qcow2<D>> {
 /// ([`Chain::plan_write_extent`]).
 pub(crate) enum WriteExtent {
     /// One extent of COPIED clusters on this device, at this host offset.
-    One(DevId, u64),
+    One(DevId, HostOffset),
     /// Not in place (the slow path runs it).
     Refused,
     /// Not one cached extent: plan it cluster by cluster.
     Walk,
 }
 
+/// One piece of an in-place write: `len` bytes from offset `buf_off` of the guest's
+/// buffer to host offset `host`.
+#[derive(Debug, Clone, Copy)]
+struct WriteRun {
+    host: HostOffset,
+    buf_off: usize,
+    len: usize,
+}
+
+impl WriteRun {
+    const EMPTY: WriteRun = WriteRun {
+        host: HostOffset(0),
+        buf_off: 0,
+        len: 0,
+    };
+}
+
+/// The pieces of an in-place write the fast path takes at most.
+type WriteRuns = [WriteRun; 8];
+
 /// Whether host range `[h, h + len)` (non-empty) touches the image's metadata: on a core
 /// replica (`core`) by the owner's published metadata-cluster bitmap, on the owner by its
 /// exact index.
 #[inline(always)]
-fn overlaps_meta<D: BlockDevice>(q: &Qcow2<D>, core: Option<&Shared>, h: u64, len: u64) -> bool {
+fn overlaps_meta<D: BlockDevice>(
+    q: &Qcow2<D>,
+    core: Option<&Shared>,
+    h: HostOffset,
+    len: u64,
+) -> bool {
     match core {
         Some(sh) => {
             let bits = q.geometry().cluster_bits;
-            let (first, last) = (h >> bits, (h + len - 1) >> bits);
+            let (first, last) = (h.0 >> bits, (h.0 + len - 1) >> bits);
             // Most writes lie in one cluster: one bitmap test, no range iterator.
             if first == last {
                 return sh.is_meta_cluster(first);
@@ -305,22 +330,26 @@ impl<D: BlockDevice> Chain<D> {
     }
 
     /// Plans an in-place write of `len` bytes at `offset` from cached metadata alone (no side
-    /// effects but LRU/hit counters): `Some((device, n))` with `runs[..n]` = (host offset,
-    /// offset in the buffer, length) when every cluster is COPIED data of the top image
+    /// effects but LRU/hit counters): `Some((device, n))` with `runs[..n]` the pieces of
+    /// the write when every cluster is COPIED data of the top image
     /// (with extended L2: every subcluster written is allocated data, not zero, so its
     /// bitmap stays as it is), outside the image's metadata, with no allocation in flight
     /// and at most `runs.len()` discontiguous pieces; `None` when the write needs the slow
     /// path.
     #[inline(always)]
-    pub(crate) fn plan_fast_write(
+    fn plan_fast_write(
         &self,
         offset: u64,
         len: u64,
-        runs: &mut [(u64, usize, usize); 8],
+        runs: &mut WriteRuns,
     ) -> Option<(DevId, usize)> {
         match self.plan_write_extent(offset, len) {
-            WriteExtent::One(dev, h) => {
-                runs[0] = (h, 0, len as usize);
+            WriteExtent::One(dev, host) => {
+                runs[0] = WriteRun {
+                    host,
+                    buf_off: 0,
+                    len: len as usize,
+                };
                 Some((dev, 1))
             }
             WriteExtent::Refused => None,
@@ -345,13 +374,13 @@ impl<D: BlockDevice> Chain<D> {
             return WriteExtent::Refused;
         };
         if let Some(h) = memo.then(|| q.memo_overwrite(offset, len)).flatten() {
-            return WriteExtent::One(q.dev(), h);
+            return WriteExtent::One(q.dev(), HostOffset(h));
         }
         let Some(core) = self.fast_write_side(q) else {
             return WriteExtent::Refused;
         };
         let h = match q.cached_extent_with(offset, len, true, memo) {
-            Ok(h) => h,
+            Ok(h) => HostOffset(h),
             // One cluster with no host cluster, or not COPIED: the walk would find the same.
             Err(true) => return WriteExtent::Refused,
             Err(false) => return WriteExtent::Walk,
@@ -387,7 +416,7 @@ impl<D: BlockDevice> Chain<D> {
         offset: u64,
         len: u64,
         e: WriteExtent,
-    ) -> Option<(DevId, Option<u64>)> {
+    ) -> Option<(DevId, Option<HostOffset>)> {
         match e {
             WriteExtent::One(dev, host) => Some((dev, Some(host))),
             WriteExtent::Refused => None,
@@ -400,10 +429,14 @@ impl<D: BlockDevice> Chain<D> {
     /// device, `Some((device, None))` when they do not (in place all the same), `None`
     /// when the write is not in place.
     #[inline(never)]
-    pub(crate) fn walk_single_write(&self, offset: u64, len: u64) -> Option<(DevId, Option<u64>)> {
-        let mut runs = [(0, 0, 0); 8];
+    pub(crate) fn walk_single_write(
+        &self,
+        offset: u64,
+        len: u64,
+    ) -> Option<(DevId, Option<HostOffset>)> {
+        let mut runs = [WriteRun::EMPTY; 8];
         let (dev, n) = self.walk_fast_write(offset, len, &mut runs)?;
-        Some((dev, (n == 1).then_some(runs[0].0)))
+        Some((dev, (n == 1).then_some(runs[0].host)))
     }
 
     /// [`plan_fast_write`](Self::plan_fast_write) cluster by cluster, for a write that is
@@ -413,7 +446,7 @@ impl<D: BlockDevice> Chain<D> {
         &self,
         offset: u64,
         len: u64,
-        runs: &mut [(u64, usize, usize); 8],
+        runs: &mut WriteRuns,
     ) -> Option<(DevId, usize)> {
         let Layer::Qcow2(q) = &self.layers()[0] else {
             return None;
@@ -441,16 +474,20 @@ impl<D: BlockDevice> Chain<D> {
                 return None;
             };
             let len = (c_end.min(end) - pos) as usize;
-            let h = host.0 + (pos & (unit - 1));
+            let h = host.plus(pos & (unit - 1));
             if overlaps_meta(q, core, h, len as u64) {
                 // The slow path refuses it and marks the image corrupt.
                 return None;
             }
             let boff = (pos - offset) as usize;
-            if n > 0 && runs[n - 1].0 + runs[n - 1].2 as u64 == h {
-                runs[n - 1].2 += len;
+            if n > 0 && runs[n - 1].host.plus(runs[n - 1].len as u64) == h {
+                runs[n - 1].len += len;
             } else if n < runs.len() {
-                runs[n] = (h, boff, len);
+                runs[n] = WriteRun {
+                    host: h,
+                    buf_off: boff,
+                    len,
+                };
                 n += 1;
             } else {
                 return None;
@@ -466,31 +503,31 @@ impl<D: BlockDevice> Chain<D> {
         if self.no_write_plan.take() == Some((offset, buf.len as u64)) {
             return false;
         }
-        let mut runs: [(u64, usize, usize); 8] = [(0, 0, 0); 8];
+        let mut runs = [WriteRun::EMPTY; 8];
         let Some((dev, n)) = self.plan_fast_write(offset, buf.len as u64, &mut runs) else {
             return false;
         };
         if n == 1 {
-            let (h, boff, len) = runs[0];
+            let r = runs[0];
             self.exec().request_single(
                 tag,
                 parity,
                 dev,
                 DeviceOp::Write {
-                    offset: h,
-                    buf: buf.sub(boff, len),
+                    offset: r.host.0,
+                    buf: buf.sub(r.buf_off, r.len),
                 },
             );
             return true;
         }
         let req = self.exec().request_begin_entered(tag, parity);
-        for &(h, boff, len) in &runs[..n] {
+        for r in &runs[..n] {
             self.exec().request_op(
                 req,
                 dev,
                 DeviceOp::Write {
-                    offset: h,
-                    buf: buf.sub(boff, len),
+                    offset: r.host.0,
+                    buf: buf.sub(r.buf_off, r.len),
                 },
             );
         }
@@ -659,7 +696,7 @@ impl<D: BlockDevice> Chain<D> {
                 // A bitmap or zero-flag change in place. Rule 6 as in `plan` (the task
                 // marks the image corrupt).
                 Action::SubclusterInPlace { host, .. } | Action::Rewrite { host, .. } => {
-                    if q.overlaps_metadata(host.0 & !(cs - 1), cs) {
+                    if q.overlaps_metadata(geo.host_cluster_offset(geo.host_cluster(host)), cs) {
                         return Ok(None);
                     }
                 }
@@ -745,7 +782,7 @@ impl<D: BlockDevice> Chain<D> {
                 | Action::SubclusterInPlace { host, .. } => host,
                 Action::Alloc { .. } => continue,
             };
-            if q.overlaps_metadata(host.0 & !(cs - 1), cs) {
+            if q.overlaps_metadata(geo.host_cluster_offset(geo.host_cluster(host)), cs) {
                 return Err(q
                     .mark_corrupt(Field::L2Entry, host.0, "L2 entry points into metadata")
                     .await);
@@ -909,7 +946,7 @@ impl<D: BlockDevice> Chain<D> {
                 continue;
             }
             flush_run(&mut run, &mut futs);
-            if q.overlaps_metadata(host_off.0, len) {
+            if q.overlaps_metadata(host_off, len) {
                 return Err(q
                     .mark_corrupt(
                         Field::L2Entry,
