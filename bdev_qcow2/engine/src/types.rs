@@ -44,6 +44,42 @@ impl HostOffset {
     }
 }
 
+/// A byte range on the base device: `len` bytes from `start`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HostRange {
+    start: HostOffset,
+    len: u64,
+}
+
+impl HostRange {
+    /// `len` bytes from host offset `start`.
+    #[inline]
+    pub fn new(start: HostOffset, len: u64) -> HostRange {
+        HostRange { start, len }
+    }
+    /// The first byte.
+    #[inline]
+    pub fn start(&self) -> HostOffset {
+        self.start
+    }
+    /// Length in bytes.
+    #[inline]
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+    /// Whether the range holds no byte.
+    #[inline]
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    /// The indices of the host clusters of 2^`cluster_bits` bytes the range touches,
+    /// partly or whole.
+    #[inline]
+    pub fn clusters(&self, cluster_bits: u32) -> std::ops::Range<u64> {
+        (self.start.0 >> cluster_bits)..(self.start.0 + self.len).div_ceil(1 << cluster_bits)
+    }
+}
+
 /// A byte range within one cluster, as offsets from the cluster's first byte:
 /// `start <= end <= cluster size`. Where the cluster lies, in the guest or on the host, is
 /// its owner's business; [`GuestOffset::plus`] and [`HostOffset::plus`] place it.
@@ -330,6 +366,9 @@ mod tests {
         );
         assert_eq!(GuestOffset(5).plus(3).since(GuestOffset(2)), 6);
         assert_eq!(HostOffset(5).plus(3), HostOffset(8));
+        let r = HostRange::new(HostOffset(0x1fe00), 0x10400);
+        assert_eq!((r.start(), r.len()), (HostOffset(0x1fe00), 0x10400));
+        assert_eq!(r.clusters(16), 1..4);
     }
 
     #[test]

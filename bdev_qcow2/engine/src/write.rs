@@ -17,7 +17,7 @@ use crate::image::owner::alloc::Allocation;
 use crate::image::owner::Owner;
 use crate::image::{Qcow2, Touch};
 use crate::io::{BlockDevice, BufSlice, DeviceOp, IoBuffer};
-use crate::types::{ClusterSpan, GuestOffset, HostOffset};
+use crate::types::{ClusterSpan, GuestOffset, HostOffset, HostRange};
 use smallvec::SmallVec;
 use std::rc::Rc;
 
@@ -1063,12 +1063,9 @@ impl<D: BlockDevice> Chain<D> {
             if let Action::Alloc { old, .. } = p.action {
                 let cs = q.geometry().cluster_size();
                 match old {
-                    ClusterMapping::Data { host, .. } => q.free_later(host, cs),
-                    ClusterMapping::Zero { host: Some(h) } => q.free_later(h, cs),
-                    ClusterMapping::Compressed(d) => {
-                        let (start, len) = d.sectors();
-                        q.free_later(start, len);
-                    }
+                    ClusterMapping::Data { host, .. } => q.free_later(HostRange::new(host, cs)),
+                    ClusterMapping::Zero { host: Some(h) } => q.free_later(HostRange::new(h, cs)),
+                    ClusterMapping::Compressed(d) => q.free_later(d.sectors()),
                     _ => {}
                 }
             }
@@ -1206,9 +1203,7 @@ impl<D: BlockDevice> Chain<D> {
                 Some(e.mapping(&ctx)?)
             };
             // The new words, and the host bytes to free once they are stable.
-            let (new_entry, new_bitmap, free): (_, _, Option<(HostOffset, u64)>) = if geo
-                .extended_l2
-            {
+            let (new_entry, new_bitmap, free): (_, _, Option<HostRange>) = if geo.extended_l2 {
                 let sc = geo.subcluster_size();
                 let t = span.whole_unit_mask(sc);
                 let host = e.host_bits();
@@ -1226,7 +1221,7 @@ impl<D: BlockDevice> Chain<D> {
                     (
                         L2Entry::UNALLOCATED,
                         SubclusterBitmap::new(0, zero),
-                        Some((HostOffset(host), cs)),
+                        Some(HostRange::new(HostOffset(host), cs)),
                     )
                 } else if kind == ZeroKind::Discard && !has_backing {
                     (
@@ -1248,9 +1243,11 @@ impl<D: BlockDevice> Chain<D> {
                     ZeroKind::Discard | ZeroKind::WriteZeroes { unmap: true }
                 );
                 let free = match old {
-                    ClusterMapping::Data { host, copied } if unmap || !copied => Some((host, cs)),
+                    ClusterMapping::Data { host, copied } if unmap || !copied => {
+                        Some(HostRange::new(host, cs))
+                    }
                     ClusterMapping::Zero { host: Some(h) } if unmap || !e.is_copied() => {
-                        Some((h, cs))
+                        Some(HostRange::new(h, cs))
                     }
                     ClusterMapping::Compressed(d) => Some(d.sectors()),
                     _ => None,
@@ -1280,8 +1277,8 @@ impl<D: BlockDevice> Chain<D> {
             }
             q.dirty_slice_for(cluster).await?;
             q.set_l2_words(cluster, new_entry, new_bitmap)?;
-            if let Some((h, l)) = free {
-                q.free_later(h, l);
+            if let Some(r) = free {
+                q.free_later(r);
             }
             q.maybe_writeback_locked().await
         }

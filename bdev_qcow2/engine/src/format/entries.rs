@@ -2,7 +2,7 @@
 //! descriptors. Raw words live behind accessors; callers match on [`ClusterMapping`].
 
 use crate::error::{corrupt, Field, Result};
-use crate::types::{HostOffset, SUBCLUSTERS};
+use crate::types::{HostOffset, HostRange, SUBCLUSTERS};
 
 /// Bits 9..=55: the cluster-aligned host offset of an L1/L2 entry.
 const OFFSET_MASK: u64 = 0x00ff_ffff_ffff_fe00;
@@ -123,11 +123,11 @@ pub struct CompressedDescriptor {
 }
 
 impl CompressedDescriptor {
-    /// The 512-byte sectors the compressed stream occupies: their first byte and length
-    /// (what freeing the cluster gives back).
-    pub fn sectors(&self) -> (HostOffset, u64) {
+    /// The 512-byte sectors the compressed stream occupies (what freeing the cluster gives
+    /// back).
+    pub fn sectors(&self) -> HostRange {
         let start = self.offset.0 & !511;
-        (
+        HostRange::new(
             HostOffset(start),
             (self.offset.0 + self.len).div_ceil(512) * 512 - start,
         )

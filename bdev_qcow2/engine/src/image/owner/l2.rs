@@ -11,7 +11,7 @@ use crate::exec::read_bytes;
 use crate::format::{L1Entry, L2Entry, SubclusterBitmap};
 use crate::image::Qcow2;
 use crate::io::BlockDevice;
-use crate::types::{GuestOffset, HostOffset};
+use crate::types::{GuestOffset, HostOffset, HostRange};
 
 impl<D: BlockDevice> Qcow2<D> {
     /// Where the owner's dirty copy of `off`'s L2 entry lies in memory, if the slice is
@@ -179,7 +179,7 @@ impl<D: BlockDevice> Owner<'_, D> {
             Some(t) => {
                 let raw = read_bytes(&self.exec, self.dev, t.0, cs).await?;
                 // The active L1 no longer references the old table once L1 is stable.
-                m.st_mut().frees.free_later(t.0, cs);
+                m.st_mut().frees.free_later(HostRange::new(t, cs));
                 raw.chunks_exact(8)
                     .map(|c| u64::from_be_bytes(c.try_into().unwrap_or([0; 8])))
                     .collect()
