@@ -96,9 +96,8 @@ fn action_for<D: BlockDevice>(
 ) -> Result<Action> {
     let geo = q.geometry();
     let ctx = q.l2_context();
-    let e = entry;
     Ok(if geo.extended_l2 {
-        if e.is_compressed() {
+        if entry.is_compressed() {
             return Err(corrupt(
                 Field::L2Entry,
                 entry.0,
@@ -106,9 +105,9 @@ fn action_for<D: BlockDevice>(
             ));
         }
         // Validate (reserved bits, bitmap consistency) through the mapping decoder.
-        e.subcluster_mapping(bitmap, 0, &ctx)?;
-        let host = e.host_bits();
-        if host != 0 && e.is_copied() {
+        entry.subcluster_mapping(bitmap, 0, &ctx)?;
+        let host = entry.host_bits();
+        if host != 0 && entry.is_copied() {
             Action::SubclusterInPlace {
                 host: HostOffset(host),
                 entry,
@@ -126,9 +125,9 @@ fn action_for<D: BlockDevice>(
             Action::Alloc { bitmap, old }
         }
     } else {
-        match e.mapping(&ctx)? {
+        match entry.mapping(&ctx)? {
             ClusterMapping::Data { host, copied: true } => Action::InPlace { host },
-            ClusterMapping::Zero { host: Some(h) } if e.is_copied() => {
+            ClusterMapping::Zero { host: Some(h) } if entry.is_copied() => {
                 Action::Rewrite { host: h, entry }
             }
             old => Action::Alloc { bitmap, old },
@@ -1194,19 +1193,18 @@ impl<D: BlockDevice> Chain<D> {
         let r = async {
             let has_backing = self.layers().get(1).is_some_and(|l| cluster.0 < l.size());
             let (entry, bitmap) = q.l2_words(cluster).await?;
-            let e = entry;
             let ctx = q.l2_context();
             let old = if geo.extended_l2 {
-                e.subcluster_mapping(bitmap, 0, &ctx)?;
+                entry.subcluster_mapping(bitmap, 0, &ctx)?;
                 None
             } else {
-                Some(e.mapping(&ctx)?)
+                Some(entry.mapping(&ctx)?)
             };
             // The new words, and the host bytes to free once they are stable.
             let (new_entry, new_bitmap, free): (_, _, Option<HostRange>) = if geo.extended_l2 {
                 let sc = geo.subcluster_size();
                 let t = span.whole_unit_mask(sc);
-                let host = e.host_bits();
+                let host = entry.host_bits();
                 let all = t == u32::MAX;
                 let unmap = matches!(
                     kind,
@@ -1246,7 +1244,7 @@ impl<D: BlockDevice> Chain<D> {
                     ClusterMapping::Data { host, copied } if unmap || !copied => {
                         Some(HostRange::new(host, cs))
                     }
-                    ClusterMapping::Zero { host: Some(h) } if unmap || !e.is_copied() => {
+                    ClusterMapping::Zero { host: Some(h) } if unmap || !entry.is_copied() => {
                         Some(HostRange::new(h, cs))
                     }
                     ClusterMapping::Compressed(d) => Some(d.sectors()),
