@@ -14,6 +14,7 @@
 use crate::chain::{Chain, Layer};
 use crate::error::{Error, Field, Result};
 use crate::format::entries::compressed_entry;
+use crate::format::{L2Entry, SubclusterBitmap};
 use crate::image::Qcow2;
 use crate::io::{BlockDevice, BufSlice, IoBuffer, SECTOR};
 use crate::types::GuestOffset;
@@ -88,7 +89,7 @@ impl<D: BlockDevice> Chain<D> {
         let unmark = || m.end_inflight(c, c);
         let planned = async {
             let (entry, _) = q.l2_words(GuestOffset(offset)).await?;
-            if entry != 0 {
+            if entry != L2Entry::UNALLOCATED {
                 return Ok(None);
             }
             q.ensure_l2(GuestOffset(offset)).await?;
@@ -115,21 +116,23 @@ impl<D: BlockDevice> Chain<D> {
                 return Err(e);
             }
         };
-        let host = geo.host_cluster_offset(alloc.first).0;
+        let host = geo.host_cluster_offset(alloc.first);
 
         // Data, without the lock.
         let res = if q.overlaps_metadata(host, comp.len() as u64) {
             Err(q
                 .mark_corrupt(
                     Field::L2Entry,
-                    host,
+                    host.0,
                     "compressed data would overlap metadata",
                 )
                 .await)
         } else {
             let buf = self.exec().alloc_buf(q.dev(), comp.len());
             buf.copy_in(0, &comp);
-            self.exec().write(q.dev(), host, BufSlice::whole(buf)).await
+            self.exec()
+                .write(q.dev(), host.0, BufSlice::whole(buf))
+                .await
         };
 
         // Commit (or give the clusters back), under the lock.
@@ -138,8 +141,8 @@ impl<D: BlockDevice> Chain<D> {
             Ok(()) => {
                 async {
                     q.dirty_slice_for(GuestOffset(offset)).await?;
-                    let e = compressed_entry(geo.cluster_bits, host, comp_len);
-                    q.set_l2_words(GuestOffset(offset), e.0, 0)?;
+                    let e = compressed_entry(geo.cluster_bits, host.0, comp_len);
+                    q.set_l2_words(GuestOffset(offset), e, SubclusterBitmap::NONE)?;
                     q.maybe_writeback_locked().await
                 }
                 .await

@@ -10,7 +10,7 @@ use crate::format::header::{
     self, default_feature_names, incompat, CompressionType, Extensions, Header, ZeroedTail,
 };
 use crate::format::refcount::{entries_per_block, set_refcount};
-use crate::format::ImageHeader;
+use crate::format::{ImageHeader, L2Entry, SubclusterBitmap};
 use crate::io::{BlockDevice, BufSlice, IoBuffer};
 use crate::limits::{
     MAX_CLUSTER_BITS, MAX_L1_ENTRIES, MAX_VIRTUAL_SIZE, MIN_CLUSTER_BITS,
@@ -390,7 +390,7 @@ pub async fn preallocate<D: BlockDevice>(
                     let off = GuestOffset((g + i) * cs);
                     q.dirty_slice_for(off).await?;
                     let host = geo.host_cluster_offset(a.nth(i)).0;
-                    q.set_l2_words(off, host | flags, bitmap)?;
+                    q.set_l2_words(off, L2Entry(host | flags), SubclusterBitmap(bitmap))?;
                 }
                 end = end.max(stop);
                 g += n;

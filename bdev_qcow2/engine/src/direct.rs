@@ -132,7 +132,7 @@ impl<D: BlockDevice> Chain<D> {
         let (offset, len) = (range.offset().0, range.len());
         match self.plan_write_extent_with(offset, len, memo) {
             WriteExtent::One(dev, host) => {
-                WriteRoute::Direct(Grant::new(dev, HostOffset(host), range, parity, false))
+                WriteRoute::Direct(Grant::new(dev, host, range, parity, false))
             }
             other => self.route_unplanned(range, parity, other),
         }
@@ -160,7 +160,6 @@ impl<D: BlockDevice> Chain<D> {
         };
         let planned = self.single_write_extent(offset, len, e);
         if let Some((dev, Some(host))) = planned {
-            let host = HostOffset(host);
             return WriteRoute::Direct(Grant::new(dev, host, range, parity, false));
         }
         self.exec().guest_exit(parity);
@@ -234,7 +233,7 @@ impl<D: BlockDevice> Chain<D> {
     fn plan_direct_write(&self, offset: u64, len: u64, memo: bool) -> Option<(DevId, u64)> {
         let e = self.plan_write_extent_with(offset, len, memo);
         match self.single_write_extent(offset, len, e) {
-            Some((dev, Some(host))) => Some((dev, host)),
+            Some((dev, Some(host))) => Some((dev, host.0)),
             Some((_, None)) => None,
             None => {
                 self.no_write_plan.set(Some((offset, len)));

@@ -20,7 +20,7 @@ use crate::format::{
 };
 use crate::io::{BlockDevice, BufSlice, IoBuffer, SECTOR};
 use crate::limits::MAX_CACHE_BYTES;
-use crate::types::{Geometry, GuestOffset, SUBCLUSTERS};
+use crate::types::{Geometry, GuestOffset, HostOffset, SUBCLUSTERS};
 use std::cell::{Cell, Ref, RefCell};
 use std::sync::Arc;
 
@@ -666,7 +666,8 @@ impl<D: BlockDevice> Qcow2<D> {
 
     /// Whether host bytes `[off, off+len)` overlap the image's own metadata (header, L1,
     /// refcount table and blocks, active L2 tables, snapshot table and snapshot L1s).
-    pub(crate) fn overlaps_metadata(&self, off: u64, len: u64) -> bool {
+    pub(crate) fn overlaps_metadata(&self, off: HostOffset, len: u64) -> bool {
+        let off = off.0;
         // The cores' bitmap marks every metadata cluster (and some that were, never
         // cleared): a range it marks nowhere is not metadata, in a bit test per cluster.
         if let Some(sh) = &self.shared {

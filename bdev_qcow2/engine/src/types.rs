@@ -23,6 +23,130 @@ impl HostCluster {
     }
 }
 
+impl GuestOffset {
+    /// The guest offset `n` bytes past this one.
+    #[inline(always)]
+    pub fn plus(self, n: u64) -> GuestOffset {
+        GuestOffset(self.0 + n)
+    }
+    /// Bytes from `base` to this offset (`base` is not past it).
+    #[inline(always)]
+    pub fn since(self, base: GuestOffset) -> u64 {
+        self.0 - base.0
+    }
+}
+
+impl HostOffset {
+    /// The host offset `n` bytes past this one.
+    #[inline(always)]
+    pub fn plus(self, n: u64) -> HostOffset {
+        HostOffset(self.0 + n)
+    }
+}
+
+/// A byte range on the base device: `len` bytes from `start`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HostRange {
+    start: HostOffset,
+    len: u64,
+}
+
+impl HostRange {
+    /// `len` bytes from host offset `start`.
+    #[inline]
+    pub fn new(start: HostOffset, len: u64) -> HostRange {
+        HostRange { start, len }
+    }
+    /// The first byte.
+    #[inline]
+    pub fn start(&self) -> HostOffset {
+        self.start
+    }
+    /// Length in bytes.
+    #[inline]
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+    /// Whether the range holds no byte.
+    #[inline]
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    /// The indices of the host clusters of 2^`cluster_bits` bytes the range touches,
+    /// partly or whole.
+    #[inline]
+    pub fn clusters(&self, cluster_bits: u32) -> std::ops::Range<u64> {
+        (self.start.0 >> cluster_bits)..(self.start.0 + self.len).div_ceil(1 << cluster_bits)
+    }
+}
+
+/// A byte range within one cluster, as offsets from the cluster's first byte:
+/// `start <= end <= cluster size`. Where the cluster lies, in the guest or on the host, is
+/// its owner's business; [`GuestOffset::plus`] and [`HostOffset::plus`] place it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ClusterSpan {
+    start: u64,
+    end: u64,
+}
+
+impl ClusterSpan {
+    /// Bytes `start..end` of a cluster (`start <= end`).
+    #[inline(always)]
+    pub fn new(start: u64, end: u64) -> ClusterSpan {
+        debug_assert!(start <= end);
+        ClusterSpan { start, end }
+    }
+    /// The whole cluster of `cluster_size` bytes.
+    #[inline(always)]
+    pub fn whole(cluster_size: u64) -> ClusterSpan {
+        ClusterSpan::new(0, cluster_size)
+    }
+    /// The guest bytes `[a, b)` of the cluster starting at guest offset `cluster`
+    /// (`cluster <= a <= b <= cluster + cluster size`).
+    #[inline(always)]
+    pub fn of_guest(cluster: GuestOffset, a: GuestOffset, b: GuestOffset) -> ClusterSpan {
+        ClusterSpan::new(a.since(cluster), b.since(cluster))
+    }
+    /// First byte, from the cluster's start.
+    #[inline(always)]
+    pub fn start(&self) -> u64 {
+        self.start
+    }
+    /// End (exclusive), from the cluster's start.
+    #[inline(always)]
+    pub fn end(&self) -> u64 {
+        self.end
+    }
+    /// Length in bytes.
+    #[inline(always)]
+    pub fn len(&self) -> u64 {
+        self.end - self.start
+    }
+    /// Whether the span holds no byte.
+    #[inline(always)]
+    pub fn is_empty(&self) -> bool {
+        self.start == self.end
+    }
+    /// The span widened to whole units of `unit` bytes (a power of two dividing the
+    /// cluster size: subclusters).
+    #[inline(always)]
+    pub fn round_out(&self, unit: u64) -> ClusterSpan {
+        ClusterSpan::new(self.start / unit * unit, self.end.div_ceil(unit) * unit)
+    }
+    /// The units of `unit` bytes (subclusters) the span touches, as a mask: bit `i` for
+    /// unit `i` (at most 32 units per cluster).
+    #[inline(always)]
+    pub fn unit_mask(&self, unit: u64) -> u32 {
+        (self.start / unit..self.end.div_ceil(unit)).fold(0u32, |m, s| m | (1 << s))
+    }
+    /// The units of `unit` bytes the span covers whole, as a mask (see
+    /// [`unit_mask`](Self::unit_mask); for a span already on unit boundaries).
+    #[inline(always)]
+    pub fn whole_unit_mask(&self, unit: u64) -> u32 {
+        (self.start / unit..self.end / unit).fold(0u32, |m, s| m | (1 << s))
+    }
+}
+
 impl fmt::Display for HostCluster {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "host cluster {:#x}", self.0)
@@ -223,6 +347,28 @@ mod tests {
         assert_eq!(g.host_cluster_offset(HostCluster(3)), HostOffset(3 << 16));
         assert_eq!(g.host_cluster(HostOffset((3 << 16) + 5)), HostCluster(3));
         assert_eq!(HostCluster(3).plus(2), HostCluster(5));
+    }
+
+    #[test]
+    fn cluster_spans() {
+        let s = ClusterSpan::of_guest(
+            GuestOffset(0x10000),
+            GuestOffset(0x10a00),
+            GuestOffset(0x11200),
+        );
+        assert_eq!((s.start(), s.end(), s.len()), (0xa00, 0x1200, 0x800));
+        assert_eq!(s.round_out(0x800), ClusterSpan::new(0x800, 0x1800));
+        assert_eq!(s.unit_mask(0x800), 0b110);
+        assert_eq!(ClusterSpan::new(0x800, 0x1400).whole_unit_mask(0x800), 0b10);
+        assert_eq!(
+            ClusterSpan::whole(1 << 16).whole_unit_mask(1 << 11),
+            u32::MAX
+        );
+        assert_eq!(GuestOffset(5).plus(3).since(GuestOffset(2)), 6);
+        assert_eq!(HostOffset(5).plus(3), HostOffset(8));
+        let r = HostRange::new(HostOffset(0x1fe00), 0x10400);
+        assert_eq!((r.start(), r.len()), (HostOffset(0x1fe00), 0x10400));
+        assert_eq!(r.clusters(16), 1..4);
     }
 
     #[test]

@@ -12,36 +12,65 @@ use crate::chain::{read_layer, Chain, Layer};
 use crate::coherency::Shared;
 use crate::error::{corrupt, Error, Field, Result};
 use crate::exec::DevId;
-use crate::format::entries::{COPIED, ZERO};
 use crate::format::{ClusterMapping, L2Entry, SubclusterBitmap};
 use crate::image::owner::alloc::Allocation;
 use crate::image::owner::Owner;
 use crate::image::{Qcow2, Touch};
 use crate::io::{BlockDevice, BufSlice, DeviceOp, IoBuffer};
-use crate::types::GuestOffset;
+use crate::types::{ClusterSpan, GuestOffset, HostOffset, HostRange};
 use smallvec::SmallVec;
 use std::rc::Rc;
 
-/// What a write does to one guest cluster.
+/// What a write does to one guest cluster. `host` is always where the cluster starts on
+/// the device; `entry` and `bitmap` are its L2 words as the plan found them.
 #[derive(Debug, Clone, Copy)]
 enum Action {
-    /// Data goes to `host` (the cluster's host offset), no metadata change.
-    InPlace { host: u64 },
+    /// Data goes to `host`, no metadata change.
+    InPlace { host: HostOffset },
     /// Extended L2, cluster allocated and COPIED: data to `host`, then the bitmap changes.
-    SubclusterInPlace { host: u64, entry: u64, bitmap: u64 },
+    SubclusterInPlace {
+        host: HostOffset,
+        entry: L2Entry,
+        bitmap: SubclusterBitmap,
+    },
     /// A preallocated zero cluster (COPIED): rewrite the whole cluster, clear the zero flag.
-    Rewrite { host: u64, entry: u64 },
+    Rewrite { host: HostOffset, entry: L2Entry },
     /// Needs a new cluster; `old` is what it replaces (freed after commit when shared).
-    Alloc { bitmap: u64, old: ClusterMapping },
+    Alloc {
+        bitmap: SubclusterBitmap,
+        old: ClusterMapping,
+    },
 }
 
-/// One guest cluster of a write: its guest start, the written range within it, the action.
+/// One guest cluster of a write.
 #[derive(Debug, Clone, Copy)]
 struct Part {
-    cluster: u64,
-    a: u64,
-    b: u64,
+    /// The guest offset where the cluster starts.
+    cluster: GuestOffset,
+    /// The guest's bytes within the cluster; what the plan writes around them is COW data
+    /// ([`Chain::part_range`]).
+    written: ClusterSpan,
+    /// What the write does to the cluster.
     action: Action,
+}
+
+impl Part {
+    /// The part of guest bytes `[pos, end)`, which lie in the cluster starting at `cluster`.
+    #[inline(always)]
+    fn new(cluster: u64, pos: u64, end: u64, action: Action) -> Part {
+        let cluster = GuestOffset(cluster);
+        Part {
+            cluster,
+            written: ClusterSpan::of_guest(cluster, GuestOffset(pos), GuestOffset(end)),
+            action,
+        }
+    }
+
+    /// The guest offset of byte `at` of the cluster.
+    #[inline(always)]
+    fn guest(&self, at: u64) -> GuestOffset {
+        self.cluster.plus(at)
+    }
 }
 
 /// The parts of a plan, and its allocated runs of host clusters: inline for requests of up
@@ -60,31 +89,34 @@ enum ZeroKind {
 
 /// What a write does to a guest cluster whose L2 words are `(entry, bitmap)` (see
 /// [`Action`]); an invalid entry is corruption.
-fn action_for<D: BlockDevice>(q: &Qcow2<D>, entry: u64, bitmap: u64) -> Result<Action> {
+fn action_for<D: BlockDevice>(
+    q: &Qcow2<D>,
+    entry: L2Entry,
+    bitmap: SubclusterBitmap,
+) -> Result<Action> {
     let geo = q.geometry();
     let ctx = q.l2_context();
-    let e = L2Entry(entry);
     Ok(if geo.extended_l2 {
-        if e.is_compressed() {
+        if entry.is_compressed() {
             return Err(corrupt(
                 Field::L2Entry,
-                entry,
+                entry.0,
                 "compressed cluster in an image with extended L2",
             ));
         }
         // Validate (reserved bits, bitmap consistency) through the mapping decoder.
-        e.subcluster_mapping(SubclusterBitmap(bitmap), 0, &ctx)?;
-        let host = entry & 0x00ff_ffff_ffff_fe00;
-        if host != 0 && e.is_copied() {
+        entry.subcluster_mapping(bitmap, 0, &ctx)?;
+        let host = entry.host_bits();
+        if host != 0 && entry.is_copied() {
             Action::SubclusterInPlace {
-                host,
+                host: HostOffset(host),
                 entry,
                 bitmap,
             }
         } else {
             let old = if host != 0 {
                 ClusterMapping::Data {
-                    host: crate::types::HostOffset(host),
+                    host: HostOffset(host),
                     copied: false,
                 }
             } else {
@@ -93,10 +125,10 @@ fn action_for<D: BlockDevice>(q: &Qcow2<D>, entry: u64, bitmap: u64) -> Result<A
             Action::Alloc { bitmap, old }
         }
     } else {
-        match e.mapping(&ctx)? {
-            ClusterMapping::Data { host, copied: true } => Action::InPlace { host: host.0 },
-            ClusterMapping::Zero { host: Some(h) } if e.is_copied() => {
-                Action::Rewrite { host: h.0, entry }
+        match entry.mapping(&ctx)? {
+            ClusterMapping::Data { host, copied: true } => Action::InPlace { host },
+            ClusterMapping::Zero { host: Some(h) } if entry.is_copied() => {
+                Action::Rewrite { host: h, entry }
             }
             old => Action::Alloc { bitmap, old },
         }
@@ -114,22 +146,47 @@ fn top<D: BlockDevice>(chain: &Chain<D>) -> Result<&Qcow2<D>> {
 /// ([`Chain::plan_write_extent`]).
 pub(crate) enum WriteExtent {
     /// One extent of COPIED clusters on this device, at this host offset.
-    One(DevId, u64),
+    One(DevId, HostOffset),
     /// Not in place (the slow path runs it).
     Refused,
     /// Not one cached extent: plan it cluster by cluster.
     Walk,
 }
 
+/// One piece of an in-place write: `len` bytes from offset `buf_off` of the guest's
+/// buffer to host offset `host`.
+#[derive(Debug, Clone, Copy)]
+struct WriteRun {
+    host: HostOffset,
+    buf_off: usize,
+    len: usize,
+}
+
+impl WriteRun {
+    const EMPTY: WriteRun = WriteRun {
+        host: HostOffset(0),
+        buf_off: 0,
+        len: 0,
+    };
+}
+
+/// The pieces of an in-place write the fast path takes at most.
+type WriteRuns = [WriteRun; 8];
+
 /// Whether host range `[h, h + len)` (non-empty) touches the image's metadata: on a core
 /// replica (`core`) by the owner's published metadata-cluster bitmap, on the owner by its
 /// exact index.
 #[inline(always)]
-fn overlaps_meta<D: BlockDevice>(q: &Qcow2<D>, core: Option<&Shared>, h: u64, len: u64) -> bool {
+fn overlaps_meta<D: BlockDevice>(
+    q: &Qcow2<D>,
+    core: Option<&Shared>,
+    h: HostOffset,
+    len: u64,
+) -> bool {
     match core {
         Some(sh) => {
             let bits = q.geometry().cluster_bits;
-            let (first, last) = (h >> bits, (h + len - 1) >> bits);
+            let (first, last) = (h.0 >> bits, (h.0 + len - 1) >> bits);
             // Most writes lie in one cluster: one bitmap test, no range iterator.
             if first == last {
                 return sh.is_meta_cluster(first);
@@ -174,7 +231,7 @@ impl<D: BlockDevice> Chain<D> {
         if let Ok(q) = top(self) {
             match self.plan_now(q, offset, offset + buf.len as u64) {
                 Ok(Some(planned)) => {
-                    let fut = chain.planned_task(tag, parity, offset, planned, buf);
+                    let fut = chain.planned_task(tag, parity, GuestOffset(offset), planned, buf);
                     return self.exec().spawn(fut);
                 }
                 Ok(None) => {}
@@ -272,22 +329,26 @@ impl<D: BlockDevice> Chain<D> {
     }
 
     /// Plans an in-place write of `len` bytes at `offset` from cached metadata alone (no side
-    /// effects but LRU/hit counters): `Some((device, n))` with `runs[..n]` = (host offset,
-    /// offset in the buffer, length) when every cluster is COPIED data of the top image
+    /// effects but LRU/hit counters): `Some((device, n))` with `runs[..n]` the pieces of
+    /// the write when every cluster is COPIED data of the top image
     /// (with extended L2: every subcluster written is allocated data, not zero, so its
     /// bitmap stays as it is), outside the image's metadata, with no allocation in flight
     /// and at most `runs.len()` discontiguous pieces; `None` when the write needs the slow
     /// path.
     #[inline(always)]
-    pub(crate) fn plan_fast_write(
+    fn plan_fast_write(
         &self,
         offset: u64,
         len: u64,
-        runs: &mut [(u64, usize, usize); 8],
+        runs: &mut WriteRuns,
     ) -> Option<(DevId, usize)> {
         match self.plan_write_extent(offset, len) {
-            WriteExtent::One(dev, h) => {
-                runs[0] = (h, 0, len as usize);
+            WriteExtent::One(dev, host) => {
+                runs[0] = WriteRun {
+                    host,
+                    buf_off: 0,
+                    len: len as usize,
+                };
                 Some((dev, 1))
             }
             WriteExtent::Refused => None,
@@ -312,13 +373,13 @@ impl<D: BlockDevice> Chain<D> {
             return WriteExtent::Refused;
         };
         if let Some(h) = memo.then(|| q.memo_overwrite(offset, len)).flatten() {
-            return WriteExtent::One(q.dev(), h);
+            return WriteExtent::One(q.dev(), HostOffset(h));
         }
         let Some(core) = self.fast_write_side(q) else {
             return WriteExtent::Refused;
         };
         let h = match q.cached_extent_with(offset, len, true, memo) {
-            Ok(h) => h,
+            Ok(h) => HostOffset(h),
             // One cluster with no host cluster, or not COPIED: the walk would find the same.
             Err(true) => return WriteExtent::Refused,
             Err(false) => return WriteExtent::Walk,
@@ -354,7 +415,7 @@ impl<D: BlockDevice> Chain<D> {
         offset: u64,
         len: u64,
         e: WriteExtent,
-    ) -> Option<(DevId, Option<u64>)> {
+    ) -> Option<(DevId, Option<HostOffset>)> {
         match e {
             WriteExtent::One(dev, host) => Some((dev, Some(host))),
             WriteExtent::Refused => None,
@@ -367,10 +428,14 @@ impl<D: BlockDevice> Chain<D> {
     /// device, `Some((device, None))` when they do not (in place all the same), `None`
     /// when the write is not in place.
     #[inline(never)]
-    pub(crate) fn walk_single_write(&self, offset: u64, len: u64) -> Option<(DevId, Option<u64>)> {
-        let mut runs = [(0, 0, 0); 8];
+    pub(crate) fn walk_single_write(
+        &self,
+        offset: u64,
+        len: u64,
+    ) -> Option<(DevId, Option<HostOffset>)> {
+        let mut runs = [WriteRun::EMPTY; 8];
         let (dev, n) = self.walk_fast_write(offset, len, &mut runs)?;
-        Some((dev, (n == 1).then_some(runs[0].0)))
+        Some((dev, (n == 1).then_some(runs[0].host)))
     }
 
     /// [`plan_fast_write`](Self::plan_fast_write) cluster by cluster, for a write that is
@@ -380,7 +445,7 @@ impl<D: BlockDevice> Chain<D> {
         &self,
         offset: u64,
         len: u64,
-        runs: &mut [(u64, usize, usize); 8],
+        runs: &mut WriteRuns,
     ) -> Option<(DevId, usize)> {
         let Layer::Qcow2(q) = &self.layers()[0] else {
             return None;
@@ -408,16 +473,20 @@ impl<D: BlockDevice> Chain<D> {
                 return None;
             };
             let len = (c_end.min(end) - pos) as usize;
-            let h = host.0 + (pos & (unit - 1));
+            let h = host.plus(pos & (unit - 1));
             if overlaps_meta(q, core, h, len as u64) {
                 // The slow path refuses it and marks the image corrupt.
                 return None;
             }
             let boff = (pos - offset) as usize;
-            if n > 0 && runs[n - 1].0 + runs[n - 1].2 as u64 == h {
-                runs[n - 1].2 += len;
+            if n > 0 && runs[n - 1].host.plus(runs[n - 1].len as u64) == h {
+                runs[n - 1].len += len;
             } else if n < runs.len() {
-                runs[n] = (h, boff, len);
+                runs[n] = WriteRun {
+                    host: h,
+                    buf_off: boff,
+                    len,
+                };
                 n += 1;
             } else {
                 return None;
@@ -433,31 +502,31 @@ impl<D: BlockDevice> Chain<D> {
         if self.no_write_plan.take() == Some((offset, buf.len as u64)) {
             return false;
         }
-        let mut runs: [(u64, usize, usize); 8] = [(0, 0, 0); 8];
+        let mut runs = [WriteRun::EMPTY; 8];
         let Some((dev, n)) = self.plan_fast_write(offset, buf.len as u64, &mut runs) else {
             return false;
         };
         if n == 1 {
-            let (h, boff, len) = runs[0];
+            let r = runs[0];
             self.exec().request_single(
                 tag,
                 parity,
                 dev,
                 DeviceOp::Write {
-                    offset: h,
-                    buf: buf.sub(boff, len),
+                    offset: r.host.0,
+                    buf: buf.sub(r.buf_off, r.len),
                 },
             );
             return true;
         }
         let req = self.exec().request_begin_entered(tag, parity);
-        for &(h, boff, len) in &runs[..n] {
+        for r in &runs[..n] {
             self.exec().request_op(
                 req,
                 dev,
                 DeviceOp::Write {
-                    offset: h,
-                    buf: buf.sub(boff, len),
+                    offset: r.host.0,
+                    buf: buf.sub(r.buf_off, r.len),
                 },
             );
         }
@@ -530,7 +599,9 @@ impl<D: BlockDevice> Chain<D> {
         };
         drop(guard);
         // Data phase, without the lock.
-        let res = self.write_data(&o, start, &parts, &allocs, data).await;
+        let res = self
+            .write_data(&o, GuestOffset(start), &parts, &allocs, data)
+            .await;
         self.finish_chunk(&o, &parts, &allocs, res).await
     }
 
@@ -544,9 +615,9 @@ impl<D: BlockDevice> Chain<D> {
         allocs: &[Allocation],
         res: Result<()>,
     ) -> Result<()> {
-        let cs = q.geometry().cluster_size();
+        let geo = q.geometry();
         let (first, last) = match (parts.first(), parts.last()) {
-            (Some(a), Some(b)) => (a.cluster / cs, b.cluster / cs),
+            (Some(a), Some(b)) => (geo.guest_cluster(a.cluster), geo.guest_cluster(b.cluster)),
             _ => return res,
         };
         let guard = q.meta().lock().lock().await;
@@ -624,17 +695,12 @@ impl<D: BlockDevice> Chain<D> {
                 // A bitmap or zero-flag change in place. Rule 6 as in `plan` (the task
                 // marks the image corrupt).
                 Action::SubclusterInPlace { host, .. } | Action::Rewrite { host, .. } => {
-                    if q.overlaps_metadata(host & !(cs - 1), cs) {
+                    if q.overlaps_metadata(geo.host_cluster_offset(geo.host_cluster(host)), cs) {
                         return Ok(None);
                     }
                 }
             }
-            parts.push(Part {
-                cluster,
-                a: pos,
-                b,
-                action,
-            });
+            parts.push(Part::new(cluster, pos, b, action));
             pos = b;
         }
         let mut allocs = Allocs::new();
@@ -661,7 +727,7 @@ impl<D: BlockDevice> Chain<D> {
         self: Rc<Self>,
         tag: u64,
         parity: u8,
-        start: u64,
+        start: GuestOffset,
         (parts, allocs): (Parts, Allocs),
         data: BufSlice<D::Buf>,
     ) {
@@ -673,14 +739,14 @@ impl<D: BlockDevice> Chain<D> {
                 let mut host_start = None;
                 let mut next = None;
                 for p in &parts {
-                    let (h, a, b) = self.part_range(q, p, &allocs, &mut alloc_i);
-                    let host_off = h + (a - p.cluster);
-                    one_run &= a == p.a && b == p.b && next.is_none_or(|n| n == host_off);
+                    let (h, span) = self.part_range(q, p, &allocs, &mut alloc_i);
+                    let host_off = h.plus(span.start());
+                    one_run &= span == p.written && next.is_none_or(|n| n == host_off);
                     host_start.get_or_insert(host_off);
-                    next = Some(host_off + (b - a));
+                    next = Some(host_off.plus(span.len()));
                 }
                 let res = match host_start {
-                    Some(h) if one_run => self.exec().write(q.dev(), h, data).await,
+                    Some(h) if one_run => self.exec().write(q.dev(), h.0, data).await,
                     _ => Box::pin(self.write_data(q, start, &parts, &allocs, Some(data))).await,
                 };
                 self.finish_chunk(q, &parts, &allocs, res).await
@@ -703,12 +769,7 @@ impl<D: BlockDevice> Chain<D> {
             let b = end.min(cluster + cs);
             let (entry, bitmap) = q.l2_words(GuestOffset(cluster)).await?;
             let action = action_for(q, entry, bitmap)?;
-            parts.push(Part {
-                cluster,
-                a: pos,
-                b,
-                action,
-            });
+            parts.push(Part::new(cluster, pos, b, action));
             pos = b;
         }
         // Rule 6: an entry pointing into the image's own metadata is corruption; never
@@ -720,9 +781,9 @@ impl<D: BlockDevice> Chain<D> {
                 | Action::SubclusterInPlace { host, .. } => host,
                 Action::Alloc { .. } => continue,
             };
-            if q.overlaps_metadata(host & !(cs - 1), cs) {
+            if q.overlaps_metadata(geo.host_cluster_offset(geo.host_cluster(host)), cs) {
                 return Err(q
-                    .mark_corrupt(Field::L2Entry, host, "L2 entry points into metadata")
+                    .mark_corrupt(Field::L2Entry, host.0, "L2 entry points into metadata")
                     .await);
             }
         }
@@ -746,7 +807,7 @@ impl<D: BlockDevice> Chain<D> {
         let mut guest = parts
             .iter()
             .filter(|p| matches!(p.action, Action::Alloc { .. }))
-            .map(|p| p.cluster >> geo.cluster_bits)
+            .map(|p| geo.guest_cluster(p.cluster))
             .peekable();
         while let Some(g) = guest.next() {
             let mut run = 1;
@@ -771,59 +832,62 @@ impl<D: BlockDevice> Chain<D> {
         Ok((parts, allocs))
     }
 
-    /// Host cluster (byte offset) and freshness assigned to the `i`-th allocating part.
-    fn alloc_host(q: &Qcow2<D>, allocs: &[Allocation], mut i: u64) -> (u64, bool) {
+    /// Where the host cluster assigned to the `i`-th allocating part starts, and whether
+    /// it is fresh.
+    fn alloc_host(q: &Qcow2<D>, allocs: &[Allocation], mut i: u64) -> (HostOffset, bool) {
         for a in allocs {
             if i < a.count {
-                return (q.geometry().host_cluster_offset(a.nth(i)).0, a.fresh);
+                return (q.geometry().host_cluster_offset(a.nth(i)), a.fresh);
             }
             i -= a.count;
         }
-        (0, false)
+        (HostOffset(0), false)
     }
 
-    /// Whether guest bytes of `old` in this layer read as zeros without looking at data.
-    fn reads_zero(&self, old: &ClusterMapping, cluster: u64) -> bool {
+    /// Whether guest bytes of `old` (the mapping of the guest cluster starting at
+    /// `cluster`) in this layer read as zeros without looking at data.
+    fn reads_zero(&self, old: &ClusterMapping, cluster: GuestOffset) -> bool {
         match old {
             ClusterMapping::Zero { .. } => true,
             ClusterMapping::Unallocated { .. } => {
-                self.layers().get(1).is_none_or(|b| cluster >= b.size())
+                self.layers().get(1).is_none_or(|b| cluster.0 >= b.size())
             }
             _ => false,
         }
     }
 
-    /// Where part `p` of a plan writes: (host offset of its cluster, guest range written,
-    /// which is `[p.a, p.b)` or more when it needs COW data around the guest's). `alloc_i`
-    /// counts the allocating parts seen so far (their host clusters are in `allocs`).
+    /// Where part `p` of a plan writes: (host offset of its cluster, the span of the
+    /// cluster written, which is `p.written` or more when it needs COW data around the
+    /// guest's). `alloc_i` counts the allocating parts seen so far (their host clusters are
+    /// in `allocs`).
     fn part_range(
         &self,
         q: &Qcow2<D>,
         p: &Part,
         allocs: &[Allocation],
         alloc_i: &mut u64,
-    ) -> (u64, u64, u64) {
+    ) -> (HostOffset, ClusterSpan) {
         let geo = q.geometry();
-        let cs = geo.cluster_size();
+        let whole = ClusterSpan::whole(geo.cluster_size());
         let sc = geo.subcluster_size();
         match p.action {
-            Action::InPlace { host } => (host, p.a, p.b),
-            Action::Rewrite { host, .. } => (host, p.cluster, p.cluster + cs),
-            Action::SubclusterInPlace { host, .. } => (host, p.a / sc * sc, p.b.div_ceil(sc) * sc),
+            Action::InPlace { host } => (host, p.written),
+            Action::Rewrite { host, .. } => (host, whole),
+            Action::SubclusterInPlace { host, .. } => (host, p.written.round_out(sc)),
             Action::Alloc { old, .. } => {
                 let (h, fresh) = Self::alloc_host(q, allocs, *alloc_i);
                 *alloc_i += 1;
                 if geo.extended_l2 {
                     if matches!(old, ClusterMapping::Data { .. }) {
                         // A shared cluster: copy all of it.
-                        (h, p.cluster, p.cluster + cs)
+                        (h, whole)
                     } else {
-                        (h, p.a / sc * sc, p.b.div_ceil(sc) * sc)
+                        (h, p.written.round_out(sc))
                     }
                 } else if fresh && self.reads_zero(&old, p.cluster) {
-                    (h, p.a, p.b)
+                    (h, p.written)
                 } else {
-                    (h, p.cluster, p.cluster + cs)
+                    (h, whole)
                 }
             }
         }
@@ -831,45 +895,51 @@ impl<D: BlockDevice> Chain<D> {
 
     /// Issues the data writes of a plan: one device write per part (head and tail COW
     /// merged in), and one per run of consecutive new clusters written straight from the
-    /// guest buffer when no COW data is needed.
+    /// guest buffer when no COW data is needed. `data` holds the guest bytes from `start`
+    /// (`None`: zeros).
     async fn write_data(
         self: &Rc<Self>,
         q: &Owner<'_, D>,
-        start: u64,
+        start: GuestOffset,
         parts: &[Part],
         allocs: &[Allocation],
         data: Option<BufSlice<D::Buf>>,
     ) -> Result<()> {
         let mut futs = Vec::new();
         // Pending direct run: (host start, guest start, len).
-        let mut run: Option<(u64, u64, u64)> = None;
+        let mut run: Option<(HostOffset, GuestOffset, u64)> = None;
         let mut alloc_i = 0;
         let exec = self.exec().clone();
         let dev = q.dev();
-        let guest = |a: u64, len: u64| {
+        let guest = |at: GuestOffset, len: u64| {
             data.as_ref()
-                .map(|d| d.sub((a - start) as usize, len as usize))
+                .map(|d| d.sub(at.since(start) as usize, len as usize))
         };
         // A direct run's data: the guest's bytes, or zeros.
-        let run_buf = |g: u64, len: u64| {
+        let run_buf = |g: GuestOffset, len: u64| {
             guest(g, len).unwrap_or_else(|| BufSlice::whole(exec.alloc_buf(dev, len as usize)))
         };
-        let flush_run = |run: &mut Option<(u64, u64, u64)>, futs: &mut Vec<_>| {
+        let flush_run = |run: &mut Option<(HostOffset, GuestOffset, u64)>, futs: &mut Vec<_>| {
             if let Some((h, g, len)) = run.take() {
-                futs.push(Box::pin(exec.write(dev, h, run_buf(g, len))));
+                futs.push(Box::pin(exec.write(dev, h.0, run_buf(g, len))));
             }
         };
         for p in parts {
-            let (host, w_start, w_end) = self.part_range(q, p, allocs, &mut alloc_i);
-            let host_off = host + (w_start - p.cluster);
-            let len = w_end - w_start;
-            if w_start == p.a && w_end == p.b {
+            // `span` is what this part writes of its cluster, `w` the guest's part of it.
+            let (host, span) = self.part_range(q, p, allocs, &mut alloc_i);
+            let w = p.written;
+            let host_off = host.plus(span.start());
+            let len = span.len();
+            let guest_at = p.guest(w.start());
+            if span == w {
                 // Guest data only: extend or start a direct run.
                 match &mut run {
-                    Some((h, g, l)) if *h + *l == host_off && *g + *l == p.a => *l += len,
+                    Some((h, g, l)) if h.plus(*l) == host_off && g.plus(*l) == guest_at => {
+                        *l += len
+                    }
                     _ => {
                         flush_run(&mut run, &mut futs);
-                        run = Some((host_off, p.a, len));
+                        run = Some((host_off, guest_at, len));
                     }
                 }
                 continue;
@@ -879,7 +949,7 @@ impl<D: BlockDevice> Chain<D> {
                 return Err(q
                     .mark_corrupt(
                         Field::L2Entry,
-                        host_off,
+                        host_off.0,
                         "data write would overlap metadata",
                     )
                     .await);
@@ -889,82 +959,83 @@ impl<D: BlockDevice> Chain<D> {
             let zero_cow = match p.action {
                 Action::Rewrite { .. } => true,
                 Action::Alloc { old, .. } => self.reads_zero(&old, p.cluster),
-                Action::SubclusterInPlace { bitmap, .. } => {
+                Action::SubclusterInPlace { bitmap: b, .. } => {
                     // The COW data lies in the first and the last subcluster written: zeros
                     // where they are not allocated and read as zeros or no backing data.
-                    let b = SubclusterBitmap(bitmap);
                     let sc = q.geometry().subcluster_size();
                     let no_backing =
                         self.reads_zero(&ClusterMapping::Unallocated { host: None }, p.cluster);
-                    let zero = |off: u64| {
-                        let i = (off - p.cluster) / sc;
+                    // Whether the subcluster holding byte `at` of the cluster reads as zeros.
+                    let zero = |at: u64| {
+                        let i = at / sc;
                         !b.allocated(i) && (b.zero(i) || no_backing)
                     };
-                    (w_start == p.a || zero(p.a)) && (w_end == p.b || zero(p.b - 1))
+                    (span.start() == w.start() || zero(w.start()))
+                        && (span.end() == w.end() || zero(w.end() - 1))
                 }
                 Action::InPlace { .. } => false,
             };
             if zero_cow
-                && len - (p.b - p.a) >= ZEROES_OFFLOAD_MIN
+                && len - w.len() >= ZEROES_OFFLOAD_MIN
                 && exec.with_device(dev, |d| d.zeroes_cheaply())
             {
                 // The device zeroes around the guest data itself (as QEMU does where zeroing
                 // is cheap): the guest's bytes go from its own buffer, nothing bounces.
-                let (head, tail) = (p.a - w_start, w_end - p.b);
-                match guest(p.a, p.b - p.a) {
+                let (head, tail) = (w.start() - span.start(), span.end() - w.end());
+                match guest(guest_at, w.len()) {
                     Some(g) => {
                         if head > 0 {
-                            futs.push(Box::pin(exec.write_zeroes(dev, host_off, head)));
+                            futs.push(Box::pin(exec.write_zeroes(dev, host_off.0, head)));
                         }
-                        futs.push(Box::pin(exec.write(dev, host_off + head, g)));
+                        futs.push(Box::pin(exec.write(dev, host_off.plus(head).0, g)));
                         if tail > 0 {
                             futs.push(Box::pin(exec.write_zeroes(
                                 dev,
-                                host_off + len - tail,
+                                host_off.plus(len - tail).0,
                                 tail,
                             )));
                         }
                     }
                     // The guest writes zeros too.
-                    None => futs.push(Box::pin(exec.write_zeroes(dev, host_off, len))),
+                    None => futs.push(Box::pin(exec.write_zeroes(dev, host_off.0, len))),
                 }
                 continue;
             }
             // Bounce: COW data around the guest data (zeroed: zeros need no read).
             let bounce = q.exec().alloc_buf(dev, len as usize);
             if !zero_cow {
-                if w_start < p.a {
+                if span.start() < w.start() {
                     let b = BufSlice {
                         buf: bounce.clone(),
                         off: 0,
-                        len: (p.a - w_start) as usize,
+                        len: (w.start() - span.start()) as usize,
                     };
-                    read_layer(self.clone(), 0, w_start, b).await?;
+                    read_layer(self.clone(), 0, p.guest(span.start()).0, b).await?;
                 }
-                if p.b < w_end {
+                if w.end() < span.end() {
                     let b = BufSlice {
                         buf: bounce.clone(),
-                        off: (p.b - w_start) as usize,
-                        len: (w_end - p.b) as usize,
+                        off: (w.end() - span.start()) as usize,
+                        len: (span.end() - w.end()) as usize,
                     };
-                    read_layer(self.clone(), 0, p.b, b).await?;
+                    read_layer(self.clone(), 0, p.guest(w.end()).0, b).await?;
                 }
             }
-            if let Some(g) = guest(p.a, p.b - p.a) {
+            if let Some(g) = guest(guest_at, w.len()) {
                 let mut tmp = vec![0u8; g.len];
                 g.copy_out(0, &mut tmp);
-                bounce.copy_in((p.a - w_start) as usize, &tmp);
+                bounce.copy_in((w.start() - span.start()) as usize, &tmp);
             }
             futs.push(Box::pin(q.exec().write(
                 dev,
-                host_off,
+                host_off.0,
                 BufSlice::whole(bounce),
             )));
         }
         if futs.is_empty() {
             // One device write (the common case): awaited in place, nothing boxed.
             return match run {
-                Some((h, g, len)) => exec.write(dev, h, run_buf(g, len)).await,
+                Some((h, g, len)) => exec.write(dev, h.0, run_buf(g, len)).await,
                 None => Ok(()),
             };
         }
@@ -980,23 +1051,20 @@ impl<D: BlockDevice> Chain<D> {
             .iter()
             .any(|p| Self::new_words(q, p, allocs, &mut alloc_i).is_some());
         if let (true, Some(p)) = (changes, parts.first()) {
-            q.dirty_slice_for(GuestOffset(p.cluster)).await?;
+            q.dirty_slice_for(p.cluster).await?;
         }
         let mut alloc_i = 0;
         for p in parts {
             let Some((entry, bitmap)) = Self::new_words(q, p, allocs, &mut alloc_i) else {
                 continue;
             };
-            q.set_l2_words(GuestOffset(p.cluster), entry, bitmap)?;
+            q.set_l2_words(p.cluster, entry, bitmap)?;
             if let Action::Alloc { old, .. } = p.action {
                 let cs = q.geometry().cluster_size();
                 match old {
-                    ClusterMapping::Data { host, .. } => q.free_later(host.0, cs),
-                    ClusterMapping::Zero { host: Some(h) } => q.free_later(h.0, cs),
-                    ClusterMapping::Compressed(d) => {
-                        let start = d.offset.0 & !511;
-                        q.free_later(start, (d.offset.0 + d.len).div_ceil(512) * 512 - start);
-                    }
+                    ClusterMapping::Data { host, .. } => q.free_later(HostRange::new(host, cs)),
+                    ClusterMapping::Zero { host: Some(h) } => q.free_later(HostRange::new(h, cs)),
+                    ClusterMapping::Compressed(d) => q.free_later(d.sectors()),
                     _ => {}
                 }
             }
@@ -1012,20 +1080,18 @@ impl<D: BlockDevice> Chain<D> {
         p: &Part,
         allocs: &[Allocation],
         alloc_i: &mut u64,
-    ) -> Option<(u64, u64)> {
+    ) -> Option<(L2Entry, SubclusterBitmap)> {
         let geo = q.geometry();
         let sc = geo.subcluster_size();
-        let touched = || -> u32 {
-            let s0 = (p.a - p.cluster) / sc;
-            let s1 = (p.b - p.cluster).div_ceil(sc);
-            (s0..s1).fold(0u32, |m, s| m | (1 << s))
-        };
+        let touched = || p.written.unit_mask(sc);
         match p.action {
             Action::InPlace { .. } => None,
-            Action::Rewrite { host, entry } => Some(((entry & !ZERO) | COPIED | host, 0)),
+            Action::Rewrite { host, entry } => {
+                Some((entry.written_at(host), SubclusterBitmap::NONE))
+            }
             Action::SubclusterInPlace { entry, bitmap, .. } => {
                 let t = touched();
-                let nb = SubclusterBitmap::new(bitmap as u32 | t, (bitmap >> 32) as u32 & !t).0;
+                let nb = SubclusterBitmap::new(bitmap.alloc_mask() | t, bitmap.zero_mask() & !t);
                 (nb != bitmap).then_some((entry, nb))
             }
             Action::Alloc { bitmap, old } => {
@@ -1034,16 +1100,16 @@ impl<D: BlockDevice> Chain<D> {
                 let nb = if geo.extended_l2 {
                     // A copied shared cluster keeps its allocated subclusters.
                     let old_alloc = if matches!(old, ClusterMapping::Data { .. }) {
-                        bitmap as u32
+                        bitmap.alloc_mask()
                     } else {
                         0
                     };
                     let t = touched();
-                    SubclusterBitmap::new(old_alloc | t, (bitmap >> 32) as u32 & !t).0
+                    SubclusterBitmap::new(old_alloc | t, bitmap.zero_mask() & !t)
                 } else {
-                    0
+                    SubclusterBitmap::NONE
                 };
-                Some((h | COPIED, nb))
+                Some((L2Entry::copied_data(h), nb))
             }
         }
     }
@@ -1101,43 +1167,44 @@ impl<D: BlockDevice> Chain<D> {
                     self.write_chunk(q, whole_units.1, b, None).await?;
                 }
             }
-            self.zero_cluster_metadata(q, cluster, whole_units.0, whole_units.1, kind)
+            let span = ClusterSpan::new(whole_units.0 - cluster, whole_units.1 - cluster);
+            self.zero_cluster_metadata(q, GuestOffset(cluster), span, kind)
                 .await?;
             pos = b;
         }
         Ok(())
     }
 
-    /// Zeroes/discards `[a, b)` of one cluster through its L2 entry.
+    /// Zeroes/discards `span` (whole subclusters, or the whole cluster) of the guest
+    /// cluster starting at `cluster` through its L2 entry.
     async fn zero_cluster_metadata(
         &self,
         q: &Qcow2<D>,
-        cluster: u64,
-        a: u64,
-        b: u64,
+        cluster: GuestOffset,
+        span: ClusterSpan,
         kind: ZeroKind,
     ) -> Result<()> {
         let geo = q.geometry();
         let cs = geo.cluster_size();
-        let c = cluster / cs;
+        let c = geo.guest_cluster(cluster);
         let o = q.owner()?;
         let q = &o;
         let guard = self.lock_clusters(q, c, c).await;
         let r = async {
-            let has_backing = self.layers().get(1).is_some_and(|l| cluster < l.size());
-            let (entry, bitmap) = q.l2_words(GuestOffset(cluster)).await?;
-            let e = L2Entry(entry);
+            let has_backing = self.layers().get(1).is_some_and(|l| cluster.0 < l.size());
+            let (entry, bitmap) = q.l2_words(cluster).await?;
             let ctx = q.l2_context();
             let old = if geo.extended_l2 {
-                e.subcluster_mapping(SubclusterBitmap(bitmap), 0, &ctx)?;
+                entry.subcluster_mapping(bitmap, 0, &ctx)?;
                 None
             } else {
-                Some(e.mapping(&ctx)?)
+                Some(entry.mapping(&ctx)?)
             };
-            let (new_entry, new_bitmap, free): (u64, u64, Option<(u64, u64)>) = if geo.extended_l2 {
+            // The new words, and the host bytes to free once they are stable.
+            let (new_entry, new_bitmap, free): (_, _, Option<HostRange>) = if geo.extended_l2 {
                 let sc = geo.subcluster_size();
-                let t = ((a - cluster) / sc..(b - cluster) / sc).fold(0u32, |m, s| m | (1 << s));
-                let host = entry & 0x00ff_ffff_ffff_fe00;
+                let t = span.whole_unit_mask(sc);
+                let host = entry.host_bits();
                 let all = t == u32::MAX;
                 let unmap = matches!(
                     kind,
@@ -1149,17 +1216,21 @@ impl<D: BlockDevice> Chain<D> {
                     } else {
                         0
                     };
-                    (0, SubclusterBitmap::new(0, zero).0, Some((host, cs)))
+                    (
+                        L2Entry::UNALLOCATED,
+                        SubclusterBitmap::new(0, zero),
+                        Some(HostRange::new(HostOffset(host), cs)),
+                    )
                 } else if kind == ZeroKind::Discard && !has_backing {
                     (
                         entry,
-                        SubclusterBitmap::new(bitmap as u32 & !t, (bitmap >> 32) as u32 & !t).0,
+                        SubclusterBitmap::new(bitmap.alloc_mask() & !t, bitmap.zero_mask() & !t),
                         None,
                     )
                 } else {
                     (
                         entry,
-                        SubclusterBitmap::new(bitmap as u32 & !t, (bitmap >> 32) as u32 | t).0,
+                        SubclusterBitmap::new(bitmap.alloc_mask() & !t, bitmap.zero_mask() | t),
                         None,
                     )
                 }
@@ -1170,43 +1241,42 @@ impl<D: BlockDevice> Chain<D> {
                     ZeroKind::Discard | ZeroKind::WriteZeroes { unmap: true }
                 );
                 let free = match old {
-                    ClusterMapping::Data { host, copied } if unmap || !copied => Some((host.0, cs)),
-                    ClusterMapping::Zero { host: Some(h) } if unmap || !e.is_copied() => {
-                        Some((h.0, cs))
+                    ClusterMapping::Data { host, copied } if unmap || !copied => {
+                        Some(HostRange::new(host, cs))
                     }
-                    ClusterMapping::Compressed(d) => {
-                        let s = d.offset.0 & !511;
-                        Some((s, (d.offset.0 + d.len).div_ceil(512) * 512 - s))
+                    ClusterMapping::Zero { host: Some(h) } if unmap || !entry.is_copied() => {
+                        Some(HostRange::new(h, cs))
                     }
+                    ClusterMapping::Compressed(d) => Some(d.sectors()),
                     _ => None,
                 };
                 let keep_host = match (free, old) {
-                    (None, ClusterMapping::Data { host, .. }) => Some(host.0),
-                    (None, ClusterMapping::Zero { host: Some(h) }) => Some(h.0),
+                    (None, ClusterMapping::Data { host, .. }) => Some(host),
+                    (None, ClusterMapping::Zero { host: Some(h) }) => Some(h),
                     _ => None,
                 };
                 let ne = match (kind, keep_host) {
-                    (_, Some(h)) => h | COPIED | ZERO,
-                    (ZeroKind::Discard, None) if !has_backing => 0,
-                    _ => ZERO,
+                    (_, Some(h)) => L2Entry::copied_zero(h),
+                    (ZeroKind::Discard, None) if !has_backing => L2Entry::UNALLOCATED,
+                    _ => L2Entry::ZERO,
                 };
-                (ne, 0, free)
+                (ne, SubclusterBitmap::NONE, free)
             };
             if new_entry == entry && new_bitmap == bitmap {
                 return Ok(());
             }
-            if q.l2_table(GuestOffset(cluster))?.is_none() {
-                if new_entry == 0 && new_bitmap == 0 {
+            if q.l2_table(cluster)?.is_none() {
+                if new_entry == L2Entry::UNALLOCATED && new_bitmap == SubclusterBitmap::NONE {
                     return Ok(());
                 }
-                q.ensure_l2(GuestOffset(cluster)).await?;
-            } else if !q.l1_copied(GuestOffset(cluster)) {
-                q.ensure_l2(GuestOffset(cluster)).await?;
+                q.ensure_l2(cluster).await?;
+            } else if !q.l1_copied(cluster) {
+                q.ensure_l2(cluster).await?;
             }
-            q.dirty_slice_for(GuestOffset(cluster)).await?;
-            q.set_l2_words(GuestOffset(cluster), new_entry, new_bitmap)?;
-            if let Some((h, l)) = free {
-                q.free_later(h, l);
+            q.dirty_slice_for(cluster).await?;
+            q.set_l2_words(cluster, new_entry, new_bitmap)?;
+            if let Some(r) = free {
+                q.free_later(r);
             }
             q.maybe_writeback_locked().await
         }

@@ -2,7 +2,7 @@
 //! descriptors. Raw words live behind accessors; callers match on [`ClusterMapping`].
 
 use crate::error::{corrupt, Field, Result};
-use crate::types::{HostOffset, SUBCLUSTERS};
+use crate::types::{HostOffset, HostRange, SUBCLUSTERS};
 
 /// Bits 9..=55: the cluster-aligned host offset of an L1/L2 entry.
 const OFFSET_MASK: u64 = 0x00ff_ffff_ffff_fe00;
@@ -77,6 +77,10 @@ pub struct L2Entry(pub u64);
 pub struct SubclusterBitmap(pub u64);
 
 impl SubclusterBitmap {
+    /// No subcluster allocated or zero; also the bitmap word of a standard (not extended)
+    /// entry, which has none.
+    pub const NONE: SubclusterBitmap = SubclusterBitmap(0);
+
     /// Allocation bit of subcluster `i`.
     pub fn allocated(&self, i: u64) -> bool {
         (self.0 >> i) & 1 != 0
@@ -97,6 +101,16 @@ impl SubclusterBitmap {
     pub fn new(alloc: u32, zero: u32) -> SubclusterBitmap {
         SubclusterBitmap(u64::from(alloc) | (u64::from(zero) << 32))
     }
+    /// The allocation mask: bit `i` set when subcluster `i` is allocated.
+    #[inline]
+    pub fn alloc_mask(&self) -> u32 {
+        self.0 as u32
+    }
+    /// The reads-as-zero mask: bit `i` set when subcluster `i` reads as zeros.
+    #[inline]
+    pub fn zero_mask(&self) -> u32 {
+        (self.0 >> 32) as u32
+    }
 }
 
 /// A compressed cluster's location.
@@ -106,6 +120,18 @@ pub struct CompressedDescriptor {
     pub offset: HostOffset,
     /// Bytes from `offset` to the end of the last 512-byte sector used.
     pub len: u64,
+}
+
+impl CompressedDescriptor {
+    /// The 512-byte sectors the compressed stream occupies (what freeing the cluster gives
+    /// back).
+    pub fn sectors(&self) -> HostRange {
+        let start = self.offset.0 & !511;
+        HostRange::new(
+            HostOffset(start),
+            (self.offset.0 + self.len).div_ceil(512) * 512 - start,
+        )
+    }
 }
 
 /// What an L2 entry says about one cluster (or, with extended L2, one subcluster).
@@ -180,6 +206,28 @@ impl ClusterMapping {
 }
 
 impl L2Entry {
+    /// The entry of an unallocated cluster (reads from the backing image, or zeros).
+    pub const UNALLOCATED: L2Entry = L2Entry(0);
+    /// The entry of a cluster that reads as zeros without host space (version 3).
+    pub const ZERO: L2Entry = L2Entry(ZERO);
+
+    /// A data cluster at `host` with COPIED set (refcount 1: writable in place).
+    #[inline]
+    pub fn copied_data(host: HostOffset) -> L2Entry {
+        L2Entry(host.0 | COPIED)
+    }
+    /// A preallocated zero cluster at `host` with COPIED set: reads as zeros, keeps its
+    /// host cluster.
+    #[inline]
+    pub fn copied_zero(host: HostOffset) -> L2Entry {
+        L2Entry(host.0 | COPIED | ZERO)
+    }
+    /// This entry with its zero flag cleared and COPIED and the host offset `host` set:
+    /// a preallocated zero cluster at `host` once its data is written.
+    #[inline]
+    pub fn written_at(self, host: HostOffset) -> L2Entry {
+        L2Entry((self.0 & !ZERO) | COPIED | host.0)
+    }
     /// The host offset bits of a standard entry, unvalidated (0: no host cluster).
     pub fn host_bits(&self) -> u64 {
         self.0 & OFFSET_MASK

@@ -7,6 +7,7 @@
 //! hold its old mapping — until [`Frees::reclaim`] gives it back.
 
 use super::HashSet;
+use crate::types::HostRange;
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
@@ -17,7 +18,7 @@ const ADVANCE_INTERVAL: Duration = Duration::from_micros(100);
 #[derive(Default)]
 pub(crate) struct Frees {
     /// Host byte ranges whose reference was removed in not-yet-stable metadata.
-    pending: Vec<(u64, u64)>,
+    pending: Vec<HostRange>,
     /// Clusters whose refcount dropped to 0 but is not yet stable.
     unstable: HashSet<u64>,
     /// Freed clusters (stable) waiting for a grace period before reuse, by the generation
@@ -30,12 +31,12 @@ pub(crate) struct Frees {
 }
 
 impl Frees {
-    /// The reference to host bytes `[off, off + len)` was removed in dirty metadata.
-    pub(crate) fn free_later(&mut self, off: u64, len: u64) {
-        self.pending.push((off, len));
+    /// The reference to host bytes `range` was removed in dirty metadata.
+    pub(crate) fn free_later(&mut self, range: HostRange) {
+        self.pending.push(range);
     }
     /// Takes the pending frees: the metadata that removed them is stable now.
-    pub(crate) fn take_pending(&mut self) -> Vec<(u64, u64)> {
+    pub(crate) fn take_pending(&mut self) -> Vec<HostRange> {
         std::mem::take(&mut self.pending)
     }
     /// Host cluster `c`'s refcount dropped to 0 in metadata not yet stable.

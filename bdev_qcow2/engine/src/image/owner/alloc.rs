@@ -12,7 +12,7 @@ use crate::error::{corrupt, Error, Field, Result};
 use crate::format::refcount::{get_refcount, set_refcount};
 use crate::format::L2Entry;
 use crate::io::BlockDevice;
-use crate::types::{GuestOffset, HostCluster};
+use crate::types::{GuestOffset, HostCluster, HostOffset};
 
 /// How many used clusters past the allocation hint an allocation planned on the spot
 /// ([`Owner::alloc_clusters_now`]) skips before it leaves the search to the slow path.
@@ -443,11 +443,11 @@ impl<D: BlockDevice> Owner<'_, D> {
         let sets_empty = m.st().frees.holds_none();
         let bits = self.geo.cluster_bits;
         let order = self.header.borrow().header.refcount_order;
-        if !sets_empty || self.overlaps_metadata(c << bits, len << bits) {
+        if !sets_empty || self.overlaps_metadata(HostOffset(c << bits), len << bits) {
             let cs = self.geo.cluster_size();
             for x in c..c + len {
                 let unstable = m.st().frees.holds(x);
-                if unstable || self.overlaps_metadata(x << bits, cs) {
+                if unstable || self.overlaps_metadata(HostOffset(x << bits), cs) {
                     return Ok(Some(x));
                 }
                 if let Some((block, idx)) = self.rc_locate(x)? {
@@ -529,7 +529,10 @@ impl<D: BlockDevice> Owner<'_, D> {
         if self.meta().st().frees.holds(c) {
             return true;
         }
-        self.overlaps_metadata(c << self.geo.cluster_bits, self.geo.cluster_size())
+        self.overlaps_metadata(
+            self.geo.host_cluster_offset(HostCluster(c)),
+            self.geo.cluster_size(),
+        )
     }
 
     /// [`cluster_is_free`](Self::cluster_is_free) from memory: `None` when the answer

@@ -7,12 +7,13 @@ use super::alloc::Allocation;
 use super::Owner;
 use crate::error::Result;
 use crate::io::BlockDevice;
+use crate::types::HostRange;
 
 impl<D: BlockDevice> Owner<'_, D> {
-    /// Drops the references of host bytes `[off, off+len)` once the metadata that removed
-    /// them is stable.
-    pub(crate) fn free_later(&self, off: u64, len: u64) {
-        self.meta().st_mut().frees.free_later(off, len);
+    /// Drops the references of host bytes `range` once the metadata that removed them is
+    /// stable.
+    pub(crate) fn free_later(&self, range: HostRange) {
+        self.meta().st_mut().frees.free_later(range);
     }
 
     /// The refcount drops waiting to become stable are stable: the clusters may be reused —

@@ -8,10 +8,10 @@
 use super::Owner;
 use crate::error::{corrupt, Field, Result};
 use crate::exec::read_bytes;
-use crate::format::L1Entry;
+use crate::format::{L1Entry, L2Entry, SubclusterBitmap};
 use crate::image::Qcow2;
 use crate::io::BlockDevice;
-use crate::types::{GuestOffset, HostOffset};
+use crate::types::{GuestOffset, HostOffset, HostRange};
 
 impl<D: BlockDevice> Qcow2<D> {
     /// Where the owner's dirty copy of `off`'s L2 entry lies in memory, if the slice is
@@ -24,13 +24,13 @@ impl<D: BlockDevice> Qcow2<D> {
         b.get(i).map(|e| e as *const u64)
     }
 
-    /// `off`'s L2 words (entry, and bitmap with extended L2, else 0) in slice words `b`.
-    fn words_in(&self, b: &[u64], off: GuestOffset) -> (u64, u64) {
+    /// `off`'s L2 words (entry, and bitmap with extended L2, else empty) in slice words `b`.
+    fn words_in(&self, b: &[u64], off: GuestOffset) -> (L2Entry, SubclusterBitmap) {
         let i = self.geo.index_in_slice(off) as usize;
         if self.geo.extended_l2 {
-            (b[2 * i], b[2 * i + 1])
+            (L2Entry(b[2 * i]), SubclusterBitmap(b[2 * i + 1]))
         } else {
-            (b[i], 0)
+            (L2Entry(b[i]), SubclusterBitmap(0))
         }
     }
 }
@@ -63,11 +63,11 @@ impl<D: BlockDevice> Owner<'_, D> {
         Ok(())
     }
 
-    /// Reads the raw L2 words of `off`'s entry (`(entry, bitmap)`; bitmap 0 without
+    /// Reads the L2 words of `off`'s entry, undecoded (`(entry, bitmap)`; bitmap 0 without
     /// extended L2). The slice must be dirty or cached.
-    pub(crate) async fn l2_words(&self, off: GuestOffset) -> Result<(u64, u64)> {
+    pub(crate) async fn l2_words(&self, off: GuestOffset) -> Result<(L2Entry, SubclusterBitmap)> {
         let Some(way) = self.load_slice(off).await? else {
-            return Ok((0, 0));
+            return Ok((L2Entry::UNALLOCATED, SubclusterBitmap(0)));
         };
         let key = self.geo.slice_id(off);
         if let Some(b) = self.meta().st().dirty.slice(key) {
@@ -79,7 +79,7 @@ impl<D: BlockDevice> Owner<'_, D> {
 
     /// [`l2_words`](Self::l2_words) from memory: `None` when the slice is neither dirty nor
     /// cached, or is being written back.
-    pub(crate) fn l2_words_now(&self, off: GuestOffset) -> Option<(u64, u64)> {
+    pub(crate) fn l2_words_now(&self, off: GuestOffset) -> Option<(L2Entry, SubclusterBitmap)> {
         let key = self.geo.slice_id(off);
         let st = self.meta().st();
         if let Some(b) = st.dirty.slice(key) {
@@ -95,7 +95,13 @@ impl<D: BlockDevice> Owner<'_, D> {
 
     /// Sets `off`'s L2 entry (and bitmap with extended L2) in the dirty slice and the
     /// cache replica. [`dirty_slice_for`](Self::dirty_slice_for) must have run.
-    pub(crate) fn set_l2_words(&self, off: GuestOffset, entry: u64, bitmap: u64) -> Result<()> {
+    pub(crate) fn set_l2_words(
+        &self,
+        off: GuestOffset,
+        entry: L2Entry,
+        bitmap: SubclusterBitmap,
+    ) -> Result<()> {
+        let (entry, bitmap) = (entry.0, bitmap.0);
         let key = self.geo.slice_id(off);
         let i = self.geo.index_in_slice(off) as usize;
         // The direct path must not use what it remembered of the slice before the change.
@@ -173,7 +179,7 @@ impl<D: BlockDevice> Owner<'_, D> {
             Some(t) => {
                 let raw = read_bytes(&self.exec, self.dev, t.0, cs).await?;
                 // The active L1 no longer references the old table once L1 is stable.
-                m.st_mut().frees.free_later(t.0, cs);
+                m.st_mut().frees.free_later(HostRange::new(t, cs));
                 raw.chunks_exact(8)
                     .map(|c| u64::from_be_bytes(c.try_into().unwrap_or([0; 8])))
                     .collect()

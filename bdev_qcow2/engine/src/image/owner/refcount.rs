@@ -10,6 +10,7 @@ use super::{words_to_bytes, Owner};
 use crate::error::{corrupt, Error, Field, Result};
 use crate::format::refcount::{entries_per_block, get_refcount, set_refcount};
 use crate::io::{BlockDevice, BufSlice, IoBuffer};
+use crate::types::{HostOffset, HostRange};
 
 impl<D: BlockDevice> Owner<'_, D> {
     /// Refcount entries per refcount block.
@@ -81,7 +82,7 @@ impl<D: BlockDevice> Owner<'_, D> {
         }
         let b = r * per_block;
         let cs = self.geo.cluster_size();
-        if self.overlaps_metadata(b << bits, cs) {
+        if self.overlaps_metadata(HostOffset(b << bits), cs) {
             return Err(self
                 .mark_corrupt(
                     Field::RefcountTableEntry,
@@ -246,7 +247,8 @@ impl<D: BlockDevice> Owner<'_, D> {
         self.write_header().await?;
         self.exec.flush(self.dev).await?;
         // Finally the old table's clusters are free.
-        m.st_mut().frees.free_later(old_off, old_clusters << bits);
+        let old = HostRange::new(HostOffset(old_off), old_clusters << bits);
+        m.st_mut().frees.free_later(old);
         Ok(())
     }
 }

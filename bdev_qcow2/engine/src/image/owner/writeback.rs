@@ -85,8 +85,8 @@ impl<D: BlockDevice> Owner<'_, D> {
         if lazy && !frees.is_empty() {
             // Decrements stay in memory with the other lazy refcounts; the clusters are not
             // reused until a full write-back made them stable.
-            for (off, len) in &frees {
-                for c in (off >> bits)..((off + len).div_ceil(1 << bits)) {
+            for r in &frees {
+                for c in r.clusters(bits) {
                     if self.update_refcount(c, -1).await? == 0 {
                         let mut st = m.st_mut();
                         st.frees.unstable(c);
@@ -95,8 +95,8 @@ impl<D: BlockDevice> Owner<'_, D> {
                 }
             }
         } else if !frees.is_empty() || (!lazy && !m.st().frees.none_unstable()) {
-            for (off, len) in &frees {
-                for c in (off >> bits)..((off + len).div_ceil(1 << bits)) {
+            for r in &frees {
+                for c in r.clusters(bits) {
                     let new = self.update_refcount(c, -1).await?;
                     if new == 0 {
                         let mut st = m.st_mut();
