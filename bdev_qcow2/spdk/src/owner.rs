@@ -33,8 +33,7 @@ use crate::ffi::thread::{self, Poll, Polled, PollerSlot};
 use crate::io_ctx::OwnerOp;
 use crate::node::Node;
 use qcow2_engine::exec::Outcome;
-use qcow2_engine::route::WriteRoute;
-use qcow2_engine::{Chain, DevId, Exec, ReadRoute};
+use qcow2_engine::{Chain, DevId, Exec, ReadRoute, WriteRoute};
 use std::cell::{Cell, RefCell};
 use std::rc::Rc;
 
