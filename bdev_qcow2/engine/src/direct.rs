@@ -15,6 +15,18 @@ use crate::route::{Grant, GuestRange, ReadRoute, WriteRoute};
 use crate::types::{GuestOffset, HostOffset};
 use crate::write::WriteExtent;
 
+/// What a route found past the memo; `route_read` / `route_write` make it their route.
+/// Apart from the public routes so that a memo hit's grant, built inline, keeps to
+/// registers instead of sharing the out-of-line call's return slot.
+enum PastMemo {
+    /// One extent of a device (the request stays entered: its grant is made from this).
+    Direct(DevId, HostOffset),
+    /// The engine path (the request left the grace period).
+    Engine,
+    /// The metadata owner, as [`WriteRoute::Owner`] (the request left the grace period).
+    Owner { slow: bool },
+}
+
 /// Where the slices of a write that is not one cached extent send it
 /// ([`Chain::route_unplanned`]).
 enum SliceRoute {
@@ -56,24 +68,27 @@ impl<D: BlockDevice> Chain<D> {
                 return ReadRoute::Direct(Grant::new(q.dev(), host, range, parity, true));
             }
         }
-        self.route_read_past_memo(range, parity)
+        match self.route_read_past_memo(range, parity) {
+            PastMemo::Direct(dev, host) => {
+                ReadRoute::Direct(Grant::new(dev, host, range, parity, false))
+            }
+            PastMemo::Engine | PastMemo::Owner { .. } => ReadRoute::Engine,
+        }
     }
 
     /// [`route_read`](Self::route_read) past the memo, for a request entered with
     /// `parity`: the slice cache (out of line: the memo's path stays small).
     #[inline(never)]
-    fn route_read_past_memo(&self, range: GuestRange, parity: u8) -> ReadRoute {
+    fn route_read_past_memo(&self, range: GuestRange, parity: u8) -> PastMemo {
         let found = match range.is_empty() {
             true => None,
             false => self.plan_direct_read(range.offset().0, range.len()),
         };
         match found {
-            Some((dev, host)) => {
-                ReadRoute::Direct(Grant::new(dev, HostOffset(host), range, parity, false))
-            }
+            Some((dev, host)) => PastMemo::Direct(dev, HostOffset(host)),
             None => {
                 self.exec().guest_exit(parity);
-                ReadRoute::Engine
+                PastMemo::Engine
             }
         }
     }
@@ -104,17 +119,23 @@ impl<D: BlockDevice> Chain<D> {
                 return WriteRoute::Direct(Grant::new(q.dev(), host, range, parity, true));
             }
         }
-        self.route_write_past_memo(range, parity)
+        match self.route_write_past_memo(range, parity) {
+            PastMemo::Direct(dev, host) => {
+                WriteRoute::Direct(Grant::new(dev, host, range, parity, false))
+            }
+            PastMemo::Engine => WriteRoute::Engine,
+            PastMemo::Owner { slow } => WriteRoute::Owner { slow },
+        }
     }
 
     /// [`route_write`](Self::route_write) past the memo of overwrites, for a request
     /// entered with `parity` (out of line: the memo's path stays small).
     #[inline(never)]
-    fn route_write_past_memo(&self, range: GuestRange, parity: u8) -> WriteRoute {
+    fn route_write_past_memo(&self, range: GuestRange, parity: u8) -> PastMemo {
         if range.is_empty() {
             // The engine path completes it.
             self.exec().guest_exit(parity);
-            return WriteRoute::Engine;
+            return PastMemo::Engine;
         }
         // The memo of overwrites answers only on a writable core replica, which asked it;
         // elsewhere (the owner) the memo of linear slices still stands for the cache.
@@ -124,9 +145,7 @@ impl<D: BlockDevice> Chain<D> {
         };
         let (offset, len) = (range.offset().0, range.len());
         match self.plan_write_extent_with(offset, len, memo) {
-            WriteExtent::One(dev, host) => {
-                WriteRoute::Direct(Grant::new(dev, HostOffset(host), range, parity, false))
-            }
+            WriteExtent::One(dev, host) => PastMemo::Direct(dev, HostOffset(host)),
             other => self.route_unplanned(range, parity, other),
         }
     }
@@ -137,35 +156,34 @@ impl<D: BlockDevice> Chain<D> {
     /// plan where every slice is current here, and a write into a slice the owner is
     /// filling (the common case while an image fills) goes there without one.
     #[inline(never)]
-    fn route_unplanned(&self, range: GuestRange, parity: u8, e: WriteExtent) -> WriteRoute {
+    fn route_unplanned(&self, range: GuestRange, parity: u8, e: WriteExtent) -> PastMemo {
         let (offset, len) = (range.offset().0, range.len());
         let current = match self.slices_need_owner(offset, len) {
             SliceRoute::Owner { slow } => {
                 self.exec().guest_exit(parity);
-                return WriteRoute::Owner { slow };
+                return PastMemo::Owner { slow };
             }
             SliceRoute::Load => {
                 self.exec().guest_exit(parity);
-                return WriteRoute::Engine;
+                return PastMemo::Engine;
             }
             SliceRoute::Current => true,
             SliceRoute::NotCore => false,
         };
         let planned = self.single_write_extent(offset, len, e);
         if let Some((dev, Some(host))) = planned {
-            let host = HostOffset(host);
-            return WriteRoute::Direct(Grant::new(dev, host, range, parity, false));
+            return PastMemo::Direct(dev, HostOffset(host));
         }
         self.exec().guest_exit(parity);
         match planned {
             // Allocation, COW, zero clusters: the owner's work.
-            None if current => WriteRoute::Owner { slow: true },
+            None if current => PastMemo::Owner { slow: true },
             None => {
                 // The engine's `submit_write` of this request, next, need not plan it again.
                 self.no_write_plan.set(Some((offset, len)));
-                WriteRoute::Engine
+                PastMemo::Engine
             }
-            Some(_) => WriteRoute::Engine,
+            Some(_) => PastMemo::Engine,
         }
     }
 

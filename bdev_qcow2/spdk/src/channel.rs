@@ -363,25 +363,21 @@ impl Channel {
                 chain.read_ahead_memo(off, len);
                 self.read_granted(chain, io, grant);
             }
-            route => self.read_routed(chain, io, route, (off, len)),
+            ReadRoute::Direct(grant) => self.read_granted_past_memo(chain, io, grant),
+            ReadRoute::Engine => {
+                chain.read_ahead(off, len);
+                self.read_engine(chain, io);
+            }
         }
     }
 
-    /// [`read_on`](Self::read_on) past the memo: read-ahead watches the request, then the
-    /// direct path or the engine (out of line: the memo's path stays small).
+    /// [`read_on`](Self::read_on) for a grant the slice cache found: read-ahead watches
+    /// the request (out of line: the memo's path stays small).
     #[inline(never)]
-    fn read_routed(
-        &self,
-        chain: &Rc<Chain<SpdkDevice>>,
-        io: BdevIo,
-        route: ReadRoute,
-        (off, len): (u64, u64),
-    ) {
-        chain.read_ahead(off, len);
-        match route {
-            ReadRoute::Direct(grant) => self.read_granted(chain, io, grant),
-            ReadRoute::Engine => self.read_engine(chain, io),
-        }
+    fn read_granted_past_memo(&self, chain: &Rc<Chain<SpdkDevice>>, io: BdevIo, grant: Grant) {
+        let range = grant.range();
+        chain.read_ahead(range.offset().0, range.len());
+        self.read_granted(chain, io, grant);
     }
 
     /// A read granted one extent: straight to the base, else (base busy) through the
@@ -427,7 +423,8 @@ impl Channel {
         let (off, len) = (io.offset_bytes(), io.len_bytes());
         match chain.route_write(off, len) {
             WriteRoute::Direct(grant) => self.write_granted(chain, io, grant),
-            route => self.write_routed(chain, io, md, route),
+            WriteRoute::Engine => self.write_local(chain, io),
+            WriteRoute::Owner { slow } => self.write_to_owner(io, md, slow),
         }
     }
 
@@ -443,33 +440,23 @@ impl Channel {
         }
     }
 
-    /// [`write_on`](Self::write_on) for a write not granted the direct path (out of line:
-    /// the direct path stays small).
+    /// [`write_on`](Self::write_on) for a write the owner runs (`slow`: on its slow path at
+    /// once). First writes and COW go there without a detour through this replica (out of
+    /// line: the direct path stays small).
     #[inline(never)]
-    fn write_routed(
-        &self,
-        chain: &Rc<Chain<SpdkDevice>>,
-        io: BdevIo,
-        md: *mut sys::spdk_thread,
-        route: WriteRoute,
-    ) {
-        match route {
-            // First writes and COW go to the owner without a detour through this replica.
-            WriteRoute::Owner { slow } => {
-                self.forwarded.set(self.forwarded.get() + 1);
-                let op = if slow {
-                    OwnerOp::WriteSlow
-                } else {
-                    OwnerOp::Write
-                };
-                owner::forward(md, io, op, &self.outbox);
-            }
-            WriteRoute::Direct(grant) => self.write_granted(chain, io, grant),
-            WriteRoute::Engine => self.write_local(chain, io),
-        }
+    fn write_to_owner(&self, io: BdevIo, md: *mut sys::spdk_thread, slow: bool) {
+        self.forwarded.set(self.forwarded.get() + 1);
+        let op = if slow {
+            OwnerOp::WriteSlow
+        } else {
+            OwnerOp::Write
+        };
+        owner::forward(md, io, op, &self.outbox);
     }
 
-    /// A write in place through this replica's engine, with read-ahead.
+    /// A write in place through this replica's engine, with read-ahead (out of line: the
+    /// direct path stays small).
+    #[inline(never)]
     fn write_local(&self, chain: &Rc<Chain<SpdkDevice>>, io: BdevIo) {
         // Read-ahead watches the writes that need the engine here (a slice to load, most
         // often): a stream of direct overwrites needs no slice loaded ahead, and the owner
