@@ -18,8 +18,9 @@
 //! A request's path: [`submit_request`] (the one switch on the I/O type) → `read`/`write`
 //! on the replica, routed by the engine (`Chain::route_read` / `Chain::route_write`) → the
 //! direct path (`direct.rs`) when it grants one extent, else the engine through the
-//! channel's [`Driver`] (`engine_host.rs`), else the owner (`owner::forward`). The poller drives slow paths (tasks), resubmissions after
-//! `-ENOMEM`, opening the replica, and sending forwarded requests.
+//! channel's [`Driver`] (`engine_host.rs`), else the owner (`owner::forward`). The poller
+//! drives slow paths (tasks), resubmissions after `-ENOMEM`, opening the replica, and
+//! sending forwarded requests.
 
 use crate::device::SpdkDevice;
 use crate::direct::{self, Target};
