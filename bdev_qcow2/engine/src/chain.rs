@@ -80,10 +80,10 @@ pub struct Chain<D: BlockDevice> {
     slow_reads: Cell<u64>,
     /// The rest of read-ahead's state (sequential requests only).
     pub(crate) prefetch: RefCell<crate::prefetch::Prefetch>,
-    /// The write range (offset, length) that the direct path (`route_write`,
-    /// `map_direct`) last found no in-place plan for: the host's next call, `submit_write` of that same request, skips
-    /// planning it again (nothing runs in between on this thread). A stale entry only sends
-    /// a later request of the same range down the slow path, which handles every write.
+    /// The write range (offset, length) that `route_write` last found no in-place plan
+    /// for: the host's next call, `submit_write` of that same request, skips planning it
+    /// again (nothing runs in between on this thread). A stale entry only sends a later
+    /// request of the same range down the slow path, which handles every write.
     pub(crate) no_write_plan: Cell<Option<(u64, u64)>>,
 }
 

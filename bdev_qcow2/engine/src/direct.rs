@@ -11,9 +11,21 @@ use crate::exec::DevId;
 use crate::format::ClusterMapping;
 use crate::image::{CoreSlice, Qcow2};
 use crate::io::{BlockDevice, BufSlice, DeviceOp};
-use crate::route::{Direct, Grant, GuestRange, LegacyWriteRoute, ReadRoute, WriteRoute};
+use crate::route::{Grant, GuestRange, ReadRoute, WriteRoute};
 use crate::types::{GuestOffset, HostOffset};
 use crate::write::WriteExtent;
+
+/// What a route found past the memo; `route_read` / `route_write` make it their route.
+/// Apart from the public routes so that a memo hit's grant, built inline, keeps to
+/// registers instead of sharing the out-of-line call's return slot.
+enum PastMemo {
+    /// One extent of a device (the request stays entered: its grant is made from this).
+    Direct(DevId, HostOffset),
+    /// The engine path (the request left the grace period).
+    Engine,
+    /// The metadata owner, as [`WriteRoute::Owner`] (the request left the grace period).
+    Owner { slow: bool },
+}
 
 /// Where the slices of a write that is not one cached extent send it
 /// ([`Chain::route_unplanned`]).
@@ -56,24 +68,27 @@ impl<D: BlockDevice> Chain<D> {
                 return ReadRoute::Direct(Grant::new(q.dev(), host, range, parity, true));
             }
         }
-        self.route_read_past_memo(range, parity)
+        match self.route_read_past_memo(range, parity) {
+            PastMemo::Direct(dev, host) => {
+                ReadRoute::Direct(Grant::new(dev, host, range, parity, false))
+            }
+            PastMemo::Engine | PastMemo::Owner { .. } => ReadRoute::Engine,
+        }
     }
 
     /// [`route_read`](Self::route_read) past the memo, for a request entered with
     /// `parity`: the slice cache (out of line: the memo's path stays small).
     #[inline(never)]
-    fn route_read_past_memo(&self, range: GuestRange, parity: u8) -> ReadRoute {
+    fn route_read_past_memo(&self, range: GuestRange, parity: u8) -> PastMemo {
         let found = match range.is_empty() {
             true => None,
-            false => self.plan_direct_read(range.offset().0, range.len(), false),
+            false => self.plan_direct_read(range.offset().0, range.len()),
         };
         match found {
-            Some((dev, host)) => {
-                ReadRoute::Direct(Grant::new(dev, HostOffset(host), range, parity, false))
-            }
+            Some((dev, host)) => PastMemo::Direct(dev, HostOffset(host)),
             None => {
                 self.exec().guest_exit(parity);
-                ReadRoute::Engine
+                PastMemo::Engine
             }
         }
     }
@@ -104,36 +119,33 @@ impl<D: BlockDevice> Chain<D> {
                 return WriteRoute::Direct(Grant::new(q.dev(), host, range, parity, true));
             }
         }
-        self.route_write_past_memo_entered(range, parity, false)
+        match self.route_write_past_memo(range, parity) {
+            PastMemo::Direct(dev, host) => {
+                WriteRoute::Direct(Grant::new(dev, host, range, parity, false))
+            }
+            PastMemo::Engine => WriteRoute::Engine,
+            PastMemo::Owner { slow } => WriteRoute::Owner { slow },
+        }
     }
 
     /// [`route_write`](Self::route_write) past the memo of overwrites, for a request
-    /// entered with `parity` (out of line: the memo's path stays small). `legacy`: the
-    /// caller asked the memo itself (`memo_direct`), and the slice cache decides alone.
+    /// entered with `parity` (out of line: the memo's path stays small).
     #[inline(never)]
-    fn route_write_past_memo_entered(
-        &self,
-        range: GuestRange,
-        parity: u8,
-        legacy: bool,
-    ) -> WriteRoute {
+    fn route_write_past_memo(&self, range: GuestRange, parity: u8) -> PastMemo {
         if range.is_empty() {
             // The engine path completes it.
             self.exec().guest_exit(parity);
-            return WriteRoute::Engine;
+            return PastMemo::Engine;
         }
         // The memo of overwrites answers only on a writable core replica, which asked it;
         // elsewhere (the owner) the memo of linear slices still stands for the cache.
-        let memo = !legacy
-            && match self.layers().first() {
-                Some(Layer::Qcow2(q)) => q.writable_core_shared().is_none(),
-                _ => true,
-            };
+        let memo = match self.layers().first() {
+            Some(Layer::Qcow2(q)) => q.writable_core_shared().is_none(),
+            _ => true,
+        };
         let (offset, len) = (range.offset().0, range.len());
         match self.plan_write_extent_with(offset, len, memo) {
-            WriteExtent::One(dev, host) => {
-                WriteRoute::Direct(Grant::new(dev, host, range, parity, false))
-            }
+            WriteExtent::One(dev, host) => PastMemo::Direct(dev, host),
             other => self.route_unplanned(range, parity, other),
         }
     }
@@ -144,34 +156,34 @@ impl<D: BlockDevice> Chain<D> {
     /// plan where every slice is current here, and a write into a slice the owner is
     /// filling (the common case while an image fills) goes there without one.
     #[inline(never)]
-    fn route_unplanned(&self, range: GuestRange, parity: u8, e: WriteExtent) -> WriteRoute {
+    fn route_unplanned(&self, range: GuestRange, parity: u8, e: WriteExtent) -> PastMemo {
         let (offset, len) = (range.offset().0, range.len());
         let current = match self.slices_need_owner(offset, len) {
             SliceRoute::Owner { slow } => {
                 self.exec().guest_exit(parity);
-                return WriteRoute::Owner { slow };
+                return PastMemo::Owner { slow };
             }
             SliceRoute::Load => {
                 self.exec().guest_exit(parity);
-                return WriteRoute::Engine;
+                return PastMemo::Engine;
             }
             SliceRoute::Current => true,
             SliceRoute::NotCore => false,
         };
         let planned = self.single_write_extent(offset, len, e);
         if let Some((dev, Some(host))) = planned {
-            return WriteRoute::Direct(Grant::new(dev, host, range, parity, false));
+            return PastMemo::Direct(dev, host);
         }
         self.exec().guest_exit(parity);
         match planned {
             // Allocation, COW, zero clusters: the owner's work.
-            None if current => WriteRoute::Owner { slow: true },
+            None if current => PastMemo::Owner { slow: true },
             None => {
                 // The engine's `submit_write` of this request, next, need not plan it again.
                 self.no_write_plan.set(Some((offset, len)));
-                WriteRoute::Engine
+                PastMemo::Engine
             }
-            Some(_) => WriteRoute::Engine,
+            Some(_) => PastMemo::Engine,
         }
     }
 
@@ -227,30 +239,15 @@ impl<D: BlockDevice> Chain<D> {
         self.exec().request_single(tag, grant.submitted(), dev, op);
     }
 
-    /// One contiguous extent for an in-place write, from cached slices only (out of line:
-    /// the read path stays small). Remembers a write it found no in-place plan for.
-    #[inline(never)]
-    fn plan_direct_write(&self, offset: u64, len: u64, memo: bool) -> Option<(DevId, u64)> {
-        let e = self.plan_write_extent_with(offset, len, memo);
-        match self.single_write_extent(offset, len, e) {
-            Some((dev, Some(host))) => Some((dev, host.0)),
-            Some((_, None)) => None,
-            None => {
-                self.no_write_plan.set(Some((offset, len)));
-                None
-            }
-        }
-    }
-
-    /// One contiguous data extent for a read, from cached slices only (`memo`: the memo
-    /// of linear slices first).
+    /// One contiguous data extent for a read, from cached slices only (the caller asked
+    /// the memo of linear slices already).
     #[inline(always)]
-    fn plan_direct_read(&self, offset: u64, len: u64, memo: bool) -> Option<(DevId, u64)> {
+    fn plan_direct_read(&self, offset: u64, len: u64) -> Option<(DevId, u64)> {
         let q = match &self.layers()[0] {
             Layer::Raw { dev, .. } => return Some((*dev, offset)),
             Layer::Qcow2(q) => q,
         };
-        if let Ok(h) = q.cached_extent_with(offset, len, false, memo) {
+        if let Ok(h) = q.cached_extent_with(offset, len, false, false) {
             return Some((q.dev(), h));
         }
         Self::walk_direct_read(q, offset, len)
@@ -282,87 +279,5 @@ impl<D: BlockDevice> Chain<D> {
             pos += n;
         }
         start.map(|h| (q.dev(), h))
-    }
-
-    // ----- the old entries, which the SPDK module uses -----------------------------------
-
-    /// The old direct look-up: `len` bytes at `offset` as one extent (read, or in-place
-    /// write), entered into the grace period when `Some` (the caller exits with
-    /// [`Exec::guest_exit`](crate::Exec::guest_exit)); `None` changed nothing but LRU/hit
-    /// counters. A write it finds no in-place plan for is remembered, so that the
-    /// engine's `submit_write` of it does not plan it again.
-    #[doc(hidden)]
-    // Used by the SPDK module until it moves to route_read/route_write.
-    #[inline(always)]
-    pub fn map_direct(&self, offset: u64, len: u64, write: bool) -> Option<Direct> {
-        self.map_direct_with(offset, len, write, true)
-    }
-
-    /// [`map_direct`](Self::map_direct) for a caller that has just asked
-    /// [`memo_direct`](Self::memo_direct), which did not know the request.
-    #[doc(hidden)]
-    // Used by the SPDK module until it moves to route_read/route_write.
-    #[inline(always)]
-    pub fn map_direct_past_memo(&self, offset: u64, len: u64, write: bool) -> Option<Direct> {
-        self.map_direct_with(offset, len, write, false)
-    }
-
-    #[inline(always)]
-    fn map_direct_with(&self, offset: u64, len: u64, write: bool, memo: bool) -> Option<Direct> {
-        if len == 0 || self.check_range(offset, len).is_err() {
-            return None;
-        }
-        let parity = self.exec().guest_enter();
-        let found = if write {
-            self.plan_direct_write(offset, len, memo)
-        } else {
-            self.plan_direct_read(offset, len, memo)
-        };
-        match found {
-            Some((dev, host)) => Some(Direct { dev, host, parity }),
-            None => {
-                self.exec().guest_exit(parity);
-                None
-            }
-        }
-    }
-
-    /// [`map_direct`](Self::map_direct)'s first look: the memo of linear slices alone.
-    /// `None` says only that the memo does not know.
-    #[doc(hidden)]
-    // Used by the SPDK module until it moves to route_read/route_write.
-    #[inline(always)]
-    pub fn memo_direct(&self, offset: u64, len: u64, write: bool) -> Option<Direct> {
-        let Some(Layer::Qcow2(q)) = self.layers().first() else {
-            return None;
-        };
-        let range = self.check_range(offset, len).ok()?;
-        let parity = self.exec().guest_enter();
-        let host = match write {
-            true => q.memo_overwrite(offset, len),
-            false => q.memo_extent(offset, len, false),
-        };
-        match host {
-            Some(host) => {
-                Some(Grant::new(q.dev(), HostOffset(host), range, parity, true).into_direct())
-            }
-            None => {
-                self.exec().guest_exit(parity);
-                None
-            }
-        }
-    }
-
-    /// [`route_write`](Self::route_write) in the old form, for a caller that has just asked
-    /// [`memo_direct`](Self::memo_direct), which did not know the write.
-    #[doc(hidden)]
-    // Used by the SPDK module until it moves to route_read/route_write.
-    pub fn route_write_past_memo(&self, offset: u64, len: u64) -> LegacyWriteRoute {
-        let Ok(range) = self.check_range(offset, len) else {
-            return LegacyWriteRoute::Local;
-        };
-        let parity = self.exec().guest_enter();
-        self.route_write_past_memo_entered(range, parity, true)
-            .into()
     }
 }

@@ -143,13 +143,6 @@ pub enum Error {
     /// The device failed an I/O (errno).
     #[error("device I/O error: {}", errno_name(*.0))]
     Io(i32),
-    /// A core replica handed the request to the metadata owner: the old form of
-    /// [`Outcome::ToOwner`](crate::exec::Outcome::ToOwner), made only by
-    /// [`Outcome::into_result`](crate::exec::Outcome::into_result).
-    #[doc(hidden)]
-    // Used by the SPDK module until it moves to route_read/route_write.
-    #[error("request must run on the metadata owner")]
-    NotLocal,
 }
 
 impl Error {

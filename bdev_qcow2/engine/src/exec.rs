@@ -60,14 +60,16 @@ pub enum Outcome {
 }
 
 impl Outcome {
-    /// The outcome as a result, a request for the owner as the hidden [`Error::NotLocal`].
-    #[doc(hidden)]
-    // Used by the SPDK module until it moves to route_read/route_write.
+    /// The outcome of a request no core replica's write path ran (the only path that
+    /// hands requests to the owner): its result, a hand-over being the host's bug
+    /// ([`Error::InvalidRequest`]).
     #[inline(always)]
     pub fn into_result(self) -> Result<()> {
         match self {
             Outcome::Done(r) => r,
-            Outcome::ToOwner => Err(Error::NotLocal),
+            Outcome::ToOwner => Err(Error::InvalidRequest(
+                "a request was handed to the owner outside a core's write path",
+            )),
         }
     }
 }
@@ -352,8 +354,7 @@ impl<D: BlockDevice> Exec<D> {
     }
 
     /// [`poll_outcomes`](Self::poll_outcomes) for a host that submits no request a core
-    /// replica may hand to the owner (a request handed over would be reported as the
-    /// hidden `Error::NotLocal`, the form the SPDK module still uses).
+    /// replica may hand to the owner (see [`Outcome::into_result`]).
     pub fn poll(&self, done: &mut dyn FnMut(u64, Result<()>)) -> usize {
         self.poll_outcomes(&mut |tag, o| done(tag, o.into_result()))
     }

@@ -43,11 +43,7 @@ pub mod types;
 pub mod write;
 
 pub use chain::{Chain, Layer};
-pub use route::{Grant, GuestRange, ReadRoute};
-// The old forms, used by the SPDK module until it moves to route_read/route_write (the
-// new write route is `route::WriteRoute`).
 pub use error::{Error, Field, Result};
 pub use exec::{DevId, Exec};
 pub use image::{CoreSeed, CoreSlice, OpenOptions, OwnerLink, Qcow2};
-#[doc(hidden)]
-pub use route::{Direct, LegacyWriteRoute as WriteRoute};
+pub use route::{Grant, GuestRange, ReadRoute, WriteRoute};

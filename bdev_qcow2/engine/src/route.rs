@@ -151,16 +151,6 @@ impl Grant {
     pub fn finish<D: BlockDevice>(self, exec: &Exec<D>) {
         exec.guest_exit(self.submitted());
     }
-
-    /// The grant as the old [`Direct`] value, whose user exits by hand.
-    #[inline(always)]
-    pub(crate) fn into_direct(self) -> Direct {
-        Direct {
-            dev: self.dev,
-            host: self.host.0,
-            parity: self.submitted(),
-        }
-    }
 }
 
 impl Drop for Grant {
@@ -209,50 +199,6 @@ pub enum WriteRoute {
         /// write.
         slow: bool,
     },
-}
-
-// ----- the form the SPDK module uses until it moves to route_read/route_write -----------
-
-/// A request mapped to one device extent, with its grace-period parity in the open (the
-/// old form of [`Grant`], which the user exits by hand with [`Exec::guest_exit`]).
-#[doc(hidden)]
-// Used by the SPDK module until it moves to route_read/route_write.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Direct {
-    /// The device holding the extent.
-    pub dev: DevId,
-    /// Byte offset of the extent on the device.
-    pub host: u64,
-    /// The request's grace-period entry, for [`Exec::guest_exit`] once the operation is over.
-    pub parity: u8,
-}
-
-/// The old form of [`WriteRoute`] ([`Chain::route_write_past_memo`](crate::Chain::route_write_past_memo)):
-/// `Local` is [`WriteRoute::Engine`].
-#[doc(hidden)]
-// Used by the SPDK module until it moves to route_read/route_write.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum LegacyWriteRoute {
-    /// See [`WriteRoute::Direct`].
-    Direct(Direct),
-    /// See [`WriteRoute::Engine`].
-    Local,
-    /// See [`WriteRoute::Owner`].
-    Owner {
-        /// See [`WriteRoute::Owner`].
-        slow: bool,
-    },
-}
-
-impl From<WriteRoute> for LegacyWriteRoute {
-    #[inline(always)]
-    fn from(r: WriteRoute) -> Self {
-        match r {
-            WriteRoute::Direct(g) => LegacyWriteRoute::Direct(g.into_direct()),
-            WriteRoute::Engine => LegacyWriteRoute::Local,
-            WriteRoute::Owner { slow } => LegacyWriteRoute::Owner { slow },
-        }
-    }
 }
 
 #[cfg(test)]

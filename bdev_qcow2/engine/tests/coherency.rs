@@ -18,10 +18,11 @@
 use qcow2_engine::coherency::SliceReply;
 use qcow2_engine::create::{create, CreateOptions};
 use qcow2_engine::exec::Outcome;
+use qcow2_engine::format::ClusterMapping;
 use qcow2_engine::io::{BlockDevice, BufSlice, Busy, DeviceError, DeviceOp, HeapBuf, IoBuffer};
 use qcow2_engine::rng::Rng;
-use qcow2_engine::route::WriteRoute;
-use qcow2_engine::{Chain, Exec, Layer, OpenOptions, OwnerLink, Qcow2, ReadRoute};
+use qcow2_engine::types::GuestOffset;
+use qcow2_engine::{Chain, Exec, Layer, OpenOptions, OwnerLink, Qcow2, ReadRoute, WriteRoute};
 use std::cell::RefCell;
 use std::collections::{HashMap, VecDeque};
 use std::process::Command;
@@ -890,49 +891,31 @@ fn core_refuses_in_place_write_into_metadata() {
     );
 }
 
-/// `Chain::route_write` as a word; a direct grant is finished at once. The old two-step
-/// form the SPDK module still uses (`Chain::memo_direct`, then, where the memo does not
-/// know the write, `Chain::route_write_past_memo`) must say the same.
+/// `Chain::route_write` as a word; a direct grant is finished at once, where the general
+/// look-up ([`general`]) maps the write in place too.
 fn route(chain: &Chain<Channel>, off: u64, len: u64) -> &'static str {
-    let general = match chain.route_write(off, len) {
+    match chain.route_write(off, len) {
         WriteRoute::Direct(g) => {
+            let host = g.host().0;
             g.finish(chain.exec());
+            assert_eq!(
+                general(chain, off, len, true),
+                Some(host),
+                "the route and the general look-up differ"
+            );
             "direct"
         }
         WriteRoute::Engine => "local",
         WriteRoute::Owner { slow: true } => "owner",
         WriteRoute::Owner { slow: false } => "owner, may be in place",
-    };
-    let legacy = match chain.memo_direct(off, len, true) {
-        Some(d) => {
-            chain.exec().guest_exit(d.parity);
-            "direct"
-        }
-        None => match chain.route_write_past_memo(off, len) {
-            qcow2_engine::WriteRoute::Direct(d) => {
-                chain.exec().guest_exit(d.parity);
-                "direct"
-            }
-            qcow2_engine::WriteRoute::Local => "local",
-            qcow2_engine::WriteRoute::Owner { slow: true } => "owner",
-            qcow2_engine::WriteRoute::Owner { slow: false } => "owner, may be in place",
-        },
-    };
-    assert_eq!(legacy, general, "the route past the memo differs");
-    general
+    }
 }
 
 /// Where the direct path maps `[off, off + len)`, asked as the SPDK module asks: one
 /// `Chain::route_read` / `Chain::route_write` (the memo of linear slices first, then the
-/// slice cache), checked against the general look-up `Chain::map_direct` and, where the
-/// memo did not answer, against the old look-up past the memo
-/// (`Chain::map_direct_past_memo`); a grant is finished at once. Also says whether the
-/// memo answered (its answer must be the general one).
+/// slice cache), checked against the general look-up ([`general`]); a grant is finished at
+/// once. Also says whether the memo answered (its answer must be the general one).
 fn direct(chain: &Chain<Channel>, off: u64, len: u64, write: bool) -> (Option<u64>, bool) {
-    let leave = |d: qcow2_engine::Direct| {
-        chain.exec().guest_exit(d.parity);
-        d.host
-    };
     let grant = match write {
         true => match chain.route_write(off, len) {
             WriteRoute::Direct(g) => Some(g),
@@ -948,21 +931,56 @@ fn direct(chain: &Chain<Channel>, off: u64, len: u64, write: bool) -> (Option<u6
         g.finish(chain.exec());
         r
     });
+    let general = general(chain, off, len, write);
     match routed {
         Some((h, true)) => {
-            let general = chain.map_direct(off, len, write).map(leave);
             assert_eq!(general, Some(h), "the memo and the general look-up differ");
             (Some(h), true)
         }
         _ => {
             let routed = routed.map(|(h, _)| h);
-            let past = chain.map_direct_past_memo(off, len, write).map(leave);
-            let general = chain.map_direct(off, len, write).map(leave);
-            assert_eq!(past, general, "the look-up past the memo differs");
             assert_eq!(routed, general, "the route and the general look-up differ");
             (routed, false)
         }
     }
+}
+
+/// The general look-up of `[off, off + len)` on `chain`'s top image: cluster by cluster
+/// from its cached slices (`Qcow2::resolve_cached`: no memo, current slices only), the
+/// host offset when every (sub)cluster is data — for a `write`, COPIED and none of the
+/// image's metadata — and they follow each other on the device.
+fn general(chain: &Chain<Channel>, off: u64, len: u64, write: bool) -> Option<u64> {
+    if len == 0 || chain.check_range(off, len).is_err() {
+        return None;
+    }
+    let q = image(chain);
+    let geo = q.geometry();
+    let meta = |h: u64| {
+        q.shared()
+            .is_some_and(|sh| sh.is_meta_cluster(h / geo.cluster_size()))
+    };
+    let (end, mut pos) = (off + len, off);
+    let (mut start, mut next) = (None, 0);
+    while pos < end {
+        let Ok(Some((ClusterMapping::Data { host, copied }, m_end))) =
+            q.resolve_cached(GuestOffset(pos))
+        else {
+            return None;
+        };
+        let h = host.0 + (pos & (geo.subcluster_size() - 1));
+        if write && (!copied || meta(h)) {
+            return None;
+        }
+        match start {
+            None => start = Some(h),
+            Some(_) if h == next => {}
+            Some(_) => return None,
+        }
+        let n = m_end.min(end) - pos;
+        next = h + n;
+        pos += n;
+    }
+    start
 }
 
 /// The direct path's memo of linear slices (`LinearMemo`) answers only under the epoch it
@@ -980,16 +998,14 @@ fn core_direct_path_drops_a_remembered_linear_slice_the_owner_changed() {
     let core = rig.chains[1].clone();
     assert_eq!(core_read(&mut rig, 1, 3, 0, cs), vec![41; 8]);
     let map = |off: u64| direct(&core, off, cs, false);
-    let whole = core
-        .map_direct(0, cov, false)
+    let h0 = direct(&core, 0, cov, false)
+        .0
         .expect("a linear slice maps whole");
-    core.exec().guest_exit(whole.parity);
-    let h0 = whole.host;
     // Remembered: these hit the memo.
     let hits = image(&core).l2_cache_stats().hits;
     assert_eq!(map(0), (Some(h0), true));
     assert_eq!(map(7 * cs), (Some(h0 + 7 * cs), true));
-    // Each asked twice (the memo, then the general look-up's memo).
+    // Each asked twice (the memo, then the general look-up's slice cache).
     assert_eq!(image(&core).l2_cache_stats().hits, hits + 4);
     // The owner discards cluster 0 (the slice's epoch moves).
     rig.chains[0].submit_discard(4, 0, cs);
@@ -1019,11 +1035,7 @@ fn core_memo_overwrites_stop_at_metadata() {
     write_sync(&mut rig, 1, 0, 51, 2 * cov);
     flush_sync(&mut rig, 2);
     let owner = rig.chains[0].clone();
-    let linear_at = |off: u64| {
-        let d = owner.map_direct(off, cov, false).expect("a linear slice");
-        owner.exec().guest_exit(d.parity);
-        d.host
-    };
+    let linear_at = |off: u64| direct(&owner, off, cov, false).0.expect("a linear slice");
     let (h0, h1) = (linear_at(0), linear_at(cov));
     let sh = rig.owner().shared().expect("shared").clone();
     // Slice 0's fourth cluster is metadata before the core looks.
@@ -1076,17 +1088,16 @@ fn core_routes_writes_by_its_cached_slice() {
         "owner",
         "no L2 table: only the owner can allocate one"
     );
-    assert_eq!(core.map_direct(0, cs, true), None, "nothing cached yet");
+    assert_eq!(direct(&core, 0, cs, true).0, None, "nothing cached yet");
     // The core caches the (clean) slice.
     assert_eq!(core_read(&mut rig, 1, 3, 0, cs), vec![31; 8]);
-    let d = core.map_direct(0, cs, true).expect("in place on the core");
-    core.exec().guest_exit(d.parity);
+    let h = general(&core, 0, cs, true).expect("in place on the core");
     match core.route_write(0, cs) {
         WriteRoute::Direct(g) => {
             assert_eq!(
                 (g.dev(), g.host().0),
-                (d.dev, d.host),
-                "routed where map_direct maps"
+                (image(&core).dev(), h),
+                "routed where the general look-up maps"
             );
             g.finish(core.exec());
         }

@@ -6,7 +6,7 @@
 
 use qcow2_engine::io::{BufSlice, HeapBuf, IoBuffer};
 use qcow2_engine::testing::MemDevice;
-use qcow2_engine::{Chain, Error, Exec, Layer, OpenOptions, Qcow2};
+use qcow2_engine::{Chain, Error, Exec, Layer, OpenOptions, Qcow2, ReadRoute, WriteRoute};
 use std::cell::RefCell;
 use std::path::Path;
 use std::process::Command;
@@ -359,8 +359,9 @@ fn qemu_map(img: &Path) -> Vec<(u64, u64, bool, Option<u64>)> {
         .collect()
 }
 
-/// The direct path (`Chain::map_direct`, what the SPDK module hands straight to the base
-/// bdev): one extent exactly where qemu-img maps the data, and `None` for everything the
+/// The direct path (`Chain::route_read` / `route_write`'s grant, what the SPDK module hands
+/// straight to the base bdev): one extent exactly where qemu-img maps the data, and none
+/// for everything the
 /// engine must run itself — uncached slices, zeros, compressed and unallocated clusters,
 /// requests spanning them, bad ranges, writes on a read-only image.
 #[test]
@@ -398,7 +399,7 @@ fn direct_path_maps_where_qemu_img_maps() {
         );
         let chain = chain.unwrap();
         // Nothing cached yet: the engine must load the slice.
-        assert_eq!(chain.map_direct(0, 4096, false), None);
+        assert_eq!(direct_host(&exec, &chain, 0, 4096, false), None);
         submit_and_wait(&exec, &chain, 0, 4096).unwrap();
         for (off, len) in [
             (0u64, 4096u64),
@@ -406,34 +407,22 @@ fn direct_path_maps_where_qemu_img_maps() {
             (512, 65536),
             (4 << 20, 65536),
         ] {
-            let d = chain
-                .map_direct(off, len, false)
-                .expect("cached data maps directly");
-            assert_eq!(Some(d.host), host_of(off), "read at {off}");
+            let host =
+                direct_host(&exec, &chain, off, len, false).expect("cached data maps directly");
+            assert_eq!(Some(host), host_of(off), "read at {off}");
             // The extent holds the guest's bytes.
             let mem = &dev.0.borrow().data;
             assert_eq!(
-                mem[d.host as usize..(d.host + len) as usize],
+                mem[host as usize..(host + len) as usize],
                 raw[off as usize..(off + len) as usize]
             );
-            exec.guest_exit(d.parity);
             // In-place writes: only on the writable image (qemu-io's clusters are COPIED).
-            let w = chain.map_direct(off, len, true);
-            assert_eq!(
-                w.map(|d| d.host),
-                host_of(off).filter(|_| writable),
-                "write at {off}"
-            );
-            if let Some(d) = w {
-                exec.guest_exit(d.parity);
-            }
+            let w = direct_host(&exec, &chain, off, len, true);
+            assert_eq!(w, host_of(off).filter(|_| writable), "write at {off}");
         }
         // A run over the whole first MiB is one extent only if qemu-img says so.
-        let whole = chain.map_direct(0, 1 << 20, false);
+        let whole = direct_host(&exec, &chain, 0, 1 << 20, false);
         assert_eq!(whole.is_some(), extent_end(0) >= Some(1 << 20));
-        if let Some(d) = whole {
-            exec.guest_exit(d.parity);
-        }
         for (off, len, why) in [
             (1 << 20, 4096, "zero cluster"),
             ((1 << 20) - 4096, 8192, "data then zeros"),
@@ -443,8 +432,12 @@ fn direct_path_maps_where_qemu_img_maps() {
             (0, 0, "empty"),
             ((16 << 20) - 512, 1024, "past the end"),
         ] {
-            assert_eq!(chain.map_direct(off, len, false), None, "{why}");
-            assert_eq!(chain.map_direct(off, len, true), None, "{why} (write)");
+            assert_eq!(direct_host(&exec, &chain, off, len, false), None, "{why}");
+            assert_eq!(
+                direct_host(&exec, &chain, off, len, true),
+                None,
+                "{why} (write)"
+            );
         }
     }
 }
@@ -597,7 +590,8 @@ fn check_and_compare(dir: &Path, dev: &MemDevice, raw: &[u8]) {
         .arg(dir.join("after.raw")));
 }
 
-/// Where `map_direct` maps `[off, off + len)` (leaving the grace period it entered).
+/// Where the direct path maps `[off, off + len)`: the extent `Chain::route_read` (with
+/// `write`, `Chain::route_write`) grants, the grant finished at once.
 fn direct_host(
     exec: &Exec<MemDevice>,
     chain: &Chain<MemDevice>,
@@ -605,9 +599,20 @@ fn direct_host(
     len: u64,
     write: bool,
 ) -> Option<u64> {
-    chain.map_direct(off, len, write).map(|d| {
-        exec.guest_exit(d.parity);
-        d.host
+    let grant = match write {
+        true => match chain.route_write(off, len) {
+            WriteRoute::Direct(g) => Some(g),
+            WriteRoute::Engine | WriteRoute::Owner { .. } => None,
+        },
+        false => match chain.route_read(off, len) {
+            ReadRoute::Direct(g) => Some(g),
+            ReadRoute::Engine => None,
+        },
+    };
+    grant.map(|g| {
+        let host = g.host().0;
+        g.finish(exec);
+        host
     })
 }
 
@@ -760,7 +765,7 @@ fn single_cluster_extents_from_non_linear_slices() {
     check(std::fs::read(dir.path().join("img.qcow2")).unwrap(), false);
 }
 
-/// A write the direct path found no in-place plan for (`map_direct` remembers its range)
+/// A write the direct path found no in-place plan for (`route_write` remembers its range)
 /// goes down the slow path without being planned again, allocates, and reads back; the
 /// next look-up of that range maps it directly. A remembered range that the host never
 /// submits does not keep a different in-place write off the fast path.

@@ -16,13 +16,14 @@
 //! a bdev_io can re-enter `submit_request` on the same channel.
 //!
 //! A request's path: [`submit_request`] (the one switch on the I/O type) → `read`/`write`
-//! on the replica → the direct path (`direct.rs`) when cached metadata maps it to one
-//! extent, else the engine through the channel's [`Driver`] (`engine_host.rs`), else the
-//! owner (`owner::forward`). The poller drives slow paths (tasks), resubmissions after
-//! `-ENOMEM`, opening the replica, and sending forwarded requests.
+//! on the replica, routed by the engine (`Chain::route_read` / `Chain::route_write`) → the
+//! direct path (`direct.rs`) when it grants one extent, else the engine through the
+//! channel's [`Driver`] (`engine_host.rs`), else the owner (`owner::forward`). The poller
+//! drives slow paths (tasks), resubmissions after `-ENOMEM`, opening the replica, and
+//! sending forwarded requests.
 
 use crate::device::SpdkDevice;
-use crate::direct::{self, DirectReq, Target};
+use crate::direct::{self, Target};
 use crate::engine_host::{Driver, Host};
 use crate::ffi::bdev::Desc;
 use crate::ffi::bdev_io::{BdevIo, BufDone, ChildDone, IoQueue};
@@ -33,7 +34,8 @@ use crate::io_ctx::OwnerOp;
 use crate::node::Node;
 use crate::owner;
 use qcow2_engine::coherency::SliceReply;
-use qcow2_engine::{Chain, DevId, Direct, Exec, Layer, OwnerLink, Qcow2, WriteRoute};
+use qcow2_engine::exec::Outcome;
+use qcow2_engine::{Chain, DevId, Exec, Grant, Layer, OwnerLink, Qcow2, ReadRoute, WriteRoute};
 use serde::Serialize;
 use std::cell::{Cell, OnceCell, RefCell};
 use std::collections::VecDeque;
@@ -349,34 +351,42 @@ impl Channel {
         }
     }
 
-    /// A guest read on this channel's replica: straight to the base when cached metadata
-    /// maps it to one extent (`direct.rs`), else through the engine.
+    /// A guest read on this channel's replica: straight to the base when the engine grants
+    /// it one extent (`direct.rs`), else through the engine.
     #[inline(always)]
     fn read_on(&self, chain: &Rc<Chain<SpdkDevice>>, mut io: BdevIo) {
-        let req = DirectReq::of(&io, false, false);
+        let (off, len) = (io.offset_bytes(), io.len_bytes());
         self.own(&mut io);
-        // The memo of linear slices first: a hit is a few compares, and read-ahead watches
-        // it only in its slice's tail.
-        if let Some(d) = chain.memo_direct(req.off, req.len, false) {
-            chain.read_ahead_memo(req.off, req.len);
-            let target = self.direct.as_ref();
-            if let Err(io) =
-                direct::submit_read_mapped::<Channel>(chain, self.exec(), target, io, d)
-            {
+        match chain.route_read(off, len) {
+            // The memo of linear slices found it: its slice is cached, and read-ahead
+            // watches it only in the slice's tail.
+            ReadRoute::Direct(grant) if grant.from_memo() => {
+                chain.read_ahead_memo(off, len);
+                self.read_granted(chain, io, grant);
+            }
+            ReadRoute::Direct(grant) => self.read_granted_past_memo(chain, io, grant),
+            ReadRoute::Engine => {
+                chain.read_ahead(off, len);
                 self.read_engine(chain, io);
             }
-            return;
         }
-        self.read_mapped(chain, io, req);
     }
 
-    /// [`read_on`](Self::read_on) past the memo: the direct path with the slice cache's
-    /// look-up, else the engine (out of line: the memo's path stays small).
+    /// [`read_on`](Self::read_on) for a grant the slice cache found: read-ahead watches
+    /// the request (out of line: the memo's path stays small).
     #[inline(never)]
-    fn read_mapped(&self, chain: &Rc<Chain<SpdkDevice>>, io: BdevIo, req: DirectReq) {
-        chain.read_ahead(req.off, req.len);
+    fn read_granted_past_memo(&self, chain: &Rc<Chain<SpdkDevice>>, io: BdevIo, grant: Grant) {
+        let range = grant.range();
+        chain.read_ahead(range.offset().0, range.len());
+        self.read_granted(chain, io, grant);
+    }
+
+    /// A read granted one extent: straight to the base, else (base busy) through the
+    /// engine.
+    #[inline(always)]
+    fn read_granted(&self, chain: &Rc<Chain<SpdkDevice>>, io: BdevIo, grant: Grant) {
         let target = self.direct.as_ref();
-        if let Err(io) = direct::submit_direct::<Channel>(chain, self.exec(), target, io, req) {
+        if let Err(io) = direct::submit_read::<Channel>(chain, target, io, grant) {
             self.read_engine(chain, io);
         }
     }
@@ -406,76 +416,61 @@ impl Channel {
         }
     }
 
-    /// A guest write on this channel's replica: straight to the base when it overwrites
-    /// COPIED clusters whose slices are cached, to the owner when it allocates, else in
-    /// place through the engine (with read-ahead).
+    /// A guest write on this channel's replica, as the engine routes it: straight to the
+    /// base when it overwrites one extent, in place through the engine (with read-ahead),
+    /// or to the owner (an allocation, COW, a slice the owner holds dirty).
     #[inline(always)]
     fn write_on(&self, chain: &Rc<Chain<SpdkDevice>>, io: BdevIo, md: *mut sys::spdk_thread) {
-        let req = DirectReq::of(&io, true, false);
-        // The memo of linear slices first: an overwrite it knows is a few compares.
-        if let Some(d) = chain.memo_direct(req.off, req.len, true) {
-            return self.write_mapped(chain, io, d, req);
+        let (off, len) = (io.offset_bytes(), io.len_bytes());
+        match chain.route_write(off, len) {
+            WriteRoute::Direct(grant) => self.write_granted(chain, io, grant),
+            WriteRoute::Engine => self.write_local(chain, io),
+            WriteRoute::Owner { slow } => self.write_to_owner(io, md, slow),
         }
-        self.write_routed(chain, io, md, req);
     }
 
-    /// An overwrite mapped to one extent `d`: straight to the base, else (base busy) in
-    /// place through the engine.
+    /// An overwrite granted one extent: straight to the base, else (base busy) in place
+    /// through the engine.
     #[inline(always)]
-    fn write_mapped(
-        &self,
-        chain: &Rc<Chain<SpdkDevice>>,
-        mut io: BdevIo,
-        d: Direct,
-        req: DirectReq,
-    ) {
+    fn write_granted(&self, chain: &Rc<Chain<SpdkDevice>>, mut io: BdevIo, grant: Grant) {
         self.own(&mut io);
         let target = self.direct.as_ref();
-        match direct::submit_mapped::<Channel>(self.exec(), target, io, d, true) {
+        match direct::submit::<Channel>(self.exec(), target, io, grant, true) {
             Ok(()) => self.local_writes.set(self.local_writes.get() + 1),
-            Err(io) => self.write_local(chain, io, req),
+            Err(io) => self.write_local(chain, io),
         }
     }
 
-    /// [`write_on`](Self::write_on) past the memo: routed by the slice cache's look-up
-    /// (out of line: the memo's path stays small).
+    /// [`write_on`](Self::write_on) for a write the owner runs (`slow`: on its slow path at
+    /// once). First writes and COW go there without a detour through this replica (out of
+    /// line: the direct path stays small).
     #[inline(never)]
-    fn write_routed(
-        &self,
-        chain: &Rc<Chain<SpdkDevice>>,
-        io: BdevIo,
-        md: *mut sys::spdk_thread,
-        req: DirectReq,
-    ) {
-        match chain.route_write_past_memo(req.off, req.len) {
-            // First writes and COW go to the owner without a detour through this replica.
-            WriteRoute::Owner { slow } => {
-                self.forwarded.set(self.forwarded.get() + 1);
-                let op = if slow {
-                    OwnerOp::WriteSlow
-                } else {
-                    OwnerOp::Write
-                };
-                owner::forward(md, io, op, &self.outbox);
-            }
-            WriteRoute::Direct(d) => self.write_mapped(chain, io, d, req),
-            WriteRoute::Local => self.write_local(chain, io, req),
-        }
+    fn write_to_owner(&self, io: BdevIo, md: *mut sys::spdk_thread, slow: bool) {
+        self.forwarded.set(self.forwarded.get() + 1);
+        let op = if slow {
+            OwnerOp::WriteSlow
+        } else {
+            OwnerOp::Write
+        };
+        owner::forward(md, io, op, &self.outbox);
     }
 
-    /// A write in place through this replica's engine, with read-ahead.
-    fn write_local(&self, chain: &Rc<Chain<SpdkDevice>>, io: BdevIo, req: DirectReq) {
+    /// A write in place through this replica's engine, with read-ahead (out of line: the
+    /// direct path stays small).
+    #[inline(never)]
+    fn write_local(&self, chain: &Rc<Chain<SpdkDevice>>, io: BdevIo) {
         // Read-ahead watches the writes that need the engine here (a slice to load, most
         // often): a stream of direct overwrites needs no slice loaded ahead, and the owner
         // runs its own read-ahead on what it is sent.
-        chain.read_ahead(req.off, req.len);
+        chain.read_ahead(io.offset_bytes(), io.len_bytes());
         self.write_engine(chain, io);
     }
 
     /// [`write_on`](Self::write_on) in place through the engine (out of line).
     #[inline(never)]
     fn write_engine(&self, chain: &Rc<Chain<SpdkDevice>>, io: BdevIo) {
-        // Completes here, or with `NotLocal` (see `request_done`): then to the owner.
+        // Completes here, or ends as `Outcome::ToOwner` (see `request_done`): then to the
+        // owner.
         self.driver
             .submit(io, |tag, off, buf| chain.submit_write_local(tag, off, buf));
     }
@@ -537,18 +532,25 @@ impl Host for Channel {
         &self.driver
     }
 
-    fn request_done(&self, io: BdevIo, r: qcow2_engine::Result<()>) {
+    fn request_done(&self, io: BdevIo, outcome: Outcome) {
         let write = io.io_type() == sys::SPDK_BDEV_IO_TYPE_WRITE;
-        match (&r, self.forward_to) {
+        let r = match (outcome, self.forward_to) {
+            (Outcome::Done(r), _) => r,
             // Not an in-place write after all: the owner runs it.
-            (Err(qcow2_engine::Error::NotLocal), Some(md)) => {
+            (Outcome::ToOwner, Some(md)) => {
                 self.forwarded.set(self.forwarded.get() + 1);
                 let op = if write { OwnerOp::Write } else { OwnerOp::Read };
                 return owner::forward(md, io, op, &self.outbox);
             }
-            (Err(e), _) => tracing::debug!("request failed: {e}"),
-            (Ok(()), _) if write => self.local_writes.set(self.local_writes.get() + 1),
-            _ => {}
+            (Outcome::ToOwner, None) => {
+                tracing::debug!("request failed: handed to a metadata owner this bdev lacks");
+                return self.finish(io, false);
+            }
+        };
+        match &r {
+            Err(e) => tracing::debug!("request failed: {e}"),
+            Ok(()) if write => self.local_writes.set(self.local_writes.get() + 1),
+            Ok(()) => {}
         }
         self.finish(io, r.is_ok());
     }

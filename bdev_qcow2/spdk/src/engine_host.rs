@@ -1,7 +1,7 @@
 //! What a channel and the metadata owner both are to the engine: a [`Driver`] that owns an
 //! executor, knows whether its host is inside the engine, hands it guest requests, delivers
 //! base completions from SPDK's callback, and completes the requests they finished through
-//! the host ([`Host::request_done`]).
+//! the host ([`Host::request_done`], with the engine's [`Outcome`]).
 //!
 //! Base completions are delivered into the executor right in SPDK's completion callback, so
 //! a request the engine finishes there completes without waiting for the host's poller.
@@ -11,6 +11,7 @@
 use crate::device::{guest_buf, SpdkBuf, SpdkDevice};
 use crate::ffi::bdev_io::BdevIo;
 use crate::ffi::thread::PollerSlot;
+use qcow2_engine::exec::Outcome;
 use qcow2_engine::io::{BufSlice, DeviceError};
 use qcow2_engine::{DevId, Exec};
 use std::cell::Cell;
@@ -20,8 +21,9 @@ use std::ffi::c_void;
 pub trait Host {
     /// Its driver.
     fn driver(&self) -> &Driver;
-    /// The engine reported the guest request `io` done with `r`.
-    fn request_done(&self, io: BdevIo, r: qcow2_engine::Result<()>);
+    /// The engine reported how the guest request `io` ended: done with a result, or (a
+    /// core replica's write that is not in place there) for the metadata owner.
+    fn request_done(&self, io: BdevIo, outcome: Outcome);
 }
 
 /// An executor and its host's engine state.
@@ -82,7 +84,10 @@ impl Driver {
         if !self.exec.busy() {
             return 0;
         }
-        self.run(|| self.exec.poll(&mut |tag, r| complete_tag(host, tag, r)))
+        self.run(|| {
+            self.exec
+                .poll_outcomes(&mut |tag, o| complete_tag(host, tag, o))
+        })
     }
 
     /// Makes base device `dev` deliver its completions to `host` from SPDK's callback.
@@ -109,12 +114,12 @@ impl Driver {
     }
 }
 
-/// Completes the guest request the engine reported done under `tag`.
-fn complete_tag<H: Host>(host: &H, tag: u64, r: qcow2_engine::Result<()>) {
+/// Hands the host the guest request the engine reported ended under `tag`.
+fn complete_tag<H: Host>(host: &H, tag: u64, outcome: Outcome) {
     // SAFETY: tags are bdev_ios handed to the engine by `Driver::submit*`, reported done
     // once each.
     if let Some(io) = unsafe { BdevIo::from_tag(tag) } {
-        host.request_done(io, r);
+        host.request_done(io, outcome);
     }
 }
 
@@ -134,7 +139,7 @@ unsafe fn deliver<H: Host>(ctx: *mut c_void, tag: u64, r: Result<(), DeviceError
     d.run(|| {
         d.exec.device_completed(tag, r);
         d.exec
-            .take_completions(&mut |tag, r| complete_tag(host, tag, r));
+            .take_outcomes(&mut |tag, o| complete_tag(host, tag, o));
     });
     true
 }

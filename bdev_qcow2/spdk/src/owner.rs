@@ -25,14 +25,15 @@
 
 use crate::channel;
 use crate::device::SpdkDevice;
-use crate::direct::{self, DirectReq, Target};
+use crate::direct::{self, Target};
 use crate::engine_host::{Driver, Host};
 use crate::ffi::bdev_io::{Arrived, BdevIo, ChildDone, IoQueue, QueueReceiver};
 use crate::ffi::sys;
 use crate::ffi::thread::{self, Poll, Polled, PollerSlot};
 use crate::io_ctx::OwnerOp;
 use crate::node::Node;
-use qcow2_engine::{Chain, DevId, Exec};
+use qcow2_engine::exec::Outcome;
+use qcow2_engine::{Chain, DevId, Exec, ReadRoute, WriteRoute};
 use std::cell::{Cell, RefCell};
 use std::rc::Rc;
 
@@ -205,8 +206,8 @@ impl Owner {
     }
 
     /// Runs `io` (submitted to a writable bdev, forwarded to run `io.ctx().op()`) on the
-    /// owner's chain: reads and writes on the direct path when cached metadata maps them to
-    /// one extent, else (and everything else) through the engine.
+    /// owner's chain: reads and writes on the direct path when the engine grants them one
+    /// extent, else (and everything else) through the engine.
     fn submit(&self, io: BdevIo) {
         self.assert_md_thread();
         self.driver.run(|| self.run_op(io));
@@ -215,33 +216,48 @@ impl Owner {
     fn run_op(&self, io: BdevIo) {
         let c = &self.chain;
         let d = &self.driver;
-        let write = match io.ctx().op() {
-            OwnerOp::Read => false,
-            OwnerOp::Write => true,
+        let target = self.direct.as_ref();
+        match io.ctx().op() {
+            OwnerOp::Read => {
+                let (off, len) = (io.offset_bytes(), io.len_bytes());
+                c.read_ahead(off, len);
+                let io = match c.route_read(off, len) {
+                    ReadRoute::Direct(grant) => {
+                        let Err(io) = direct::submit_read::<Owner>(c, target, io, grant) else {
+                            return;
+                        };
+                        io
+                    }
+                    ReadRoute::Engine => io,
+                };
+                d.submit(io, |tag, off, buf| c.submit_read(tag, off, buf));
+            }
+            OwnerOp::Write => {
+                let (off, len) = (io.offset_bytes(), io.len_bytes());
+                c.read_ahead(off, len);
+                let io = match c.route_write(off, len) {
+                    WriteRoute::Direct(grant) => {
+                        let Err(io) = direct::submit::<Owner>(self.exec(), target, io, grant, true)
+                        else {
+                            return;
+                        };
+                        io
+                    }
+                    // The owner is no core replica: every other write is its write path's.
+                    WriteRoute::Engine | WriteRoute::Owner { .. } => io,
+                };
+                d.submit(io, |tag, off, buf| c.submit_write(tag, off, buf));
+            }
+            // A core replica found it not in place: the slow path at once.
             OwnerOp::WriteSlow => {
                 c.read_ahead(io.offset_bytes(), io.len_bytes());
-                return d.submit(io, |tag, off, buf| c.submit_write_slow(tag, off, buf));
+                d.submit(io, |tag, off, buf| c.submit_write_slow(tag, off, buf));
             }
-            OwnerOp::WriteZeroes => {
-                return d.submit_no_data(io, |tag, off, len| {
-                    c.submit_write_zeroes(tag, off, len, false)
-                })
-            }
-            OwnerOp::Unmap => {
-                return d.submit_no_data(io, |tag, off, len| c.submit_discard(tag, off, len))
-            }
-            OwnerOp::Flush => return d.submit_no_data(io, |tag, _, _| c.submit_flush(tag)),
-        };
-        let req = DirectReq::of(&io, write, true);
-        c.read_ahead(req.off, req.len);
-        let Err(io) = direct::submit_direct::<Owner>(c, self.exec(), self.direct.as_ref(), io, req)
-        else {
-            return;
-        };
-        if write {
-            d.submit(io, |tag, off, buf| c.submit_write(tag, off, buf));
-        } else {
-            d.submit(io, |tag, off, buf| c.submit_read(tag, off, buf));
+            OwnerOp::WriteZeroes => d.submit_no_data(io, |tag, off, len| {
+                c.submit_write_zeroes(tag, off, len, false)
+            }),
+            OwnerOp::Unmap => d.submit_no_data(io, |tag, off, len| c.submit_discard(tag, off, len)),
+            OwnerOp::Flush => d.submit_no_data(io, |tag, _, _| c.submit_flush(tag)),
         }
     }
 
@@ -264,11 +280,16 @@ impl Host for Owner {
         &self.driver
     }
 
-    fn request_done(&self, io: BdevIo, r: qcow2_engine::Result<()>) {
-        let status = match &r {
-            Ok(()) => sys::SPDK_BDEV_IO_STATUS_SUCCESS,
-            Err(e) => {
+    fn request_done(&self, io: BdevIo, outcome: Outcome) {
+        let status = match outcome {
+            Outcome::Done(Ok(())) => sys::SPDK_BDEV_IO_STATUS_SUCCESS,
+            Outcome::Done(Err(e)) => {
                 tracing::debug!("request failed: {e}");
+                sys::SPDK_BDEV_IO_STATUS_FAILED
+            }
+            // Only a core replica hands requests to the owner.
+            Outcome::ToOwner => {
+                tracing::debug!("request failed: handed to the owner by the owner");
                 sys::SPDK_BDEV_IO_STATUS_FAILED
             }
         };

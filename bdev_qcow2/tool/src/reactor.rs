@@ -16,8 +16,9 @@ use crossbeam_queue::SegQueue;
 use qcow2_engine::coherency::SliceReply;
 use qcow2_engine::exec::Outcome;
 use qcow2_engine::io::{BlockDevice, BufSlice, IoBuffer};
-use qcow2_engine::route::WriteRoute;
-use qcow2_engine::{Chain, CoreSeed, DevId, Exec, Layer, OpenOptions, OwnerLink, Qcow2, ReadRoute};
+use qcow2_engine::{
+    Chain, CoreSeed, DevId, Exec, Layer, OpenOptions, OwnerLink, Qcow2, ReadRoute, WriteRoute,
+};
 use std::rc::Rc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc};
@@ -27,17 +28,6 @@ const FORWARDED: u64 = 1 << 63;
 /// Tag bit a core uses for writes it runs on its engine path (they may end as
 /// [`Outcome::ToOwner`]).
 const LOCAL_WRITE: u64 = 1 << 62;
-
-/// The result of a request no engine path hands to the owner (every request but a core's
-/// local write).
-fn done_result(o: Outcome) -> qcow2_engine::Result<()> {
-    match o {
-        Outcome::Done(r) => r,
-        Outcome::ToOwner => Err(qcow2_engine::Error::InvalidRequest(
-            "a request was handed to the owner outside a core's write path",
-        )),
-    }
-}
 
 /// Messages to the owner.
 enum ToOwner {
@@ -298,7 +288,7 @@ impl<D: BlockDevice> Reactor<D> {
             let fwd = &mut self.forwarded;
             // The owner's requests always complete (it hands nothing to itself).
             n += self.exec.poll_outcomes(&mut |tag, o| {
-                let r = done_result(o);
+                let r = o.into_result();
                 if tag & FORWARDED != 0 {
                     if let Some((core, t)) = fwd.try_remove((tag & !FORWARDED) as usize) {
                         mesh.cores[core - 1].push(ToCore::Done { tag: t, result: r });
@@ -328,7 +318,7 @@ impl<D: BlockDevice> Reactor<D> {
             let mut served_here = 0;
             n += self.exec.poll_outcomes(&mut |tag, o| {
                 if tag & LOCAL_WRITE == 0 {
-                    return done(tag, done_result(o));
+                    return done(tag, o.into_result());
                 }
                 let Some((t, off, buf)) = local.try_remove((tag & !LOCAL_WRITE) as usize) else {
                     return;

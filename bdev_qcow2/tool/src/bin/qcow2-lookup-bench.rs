@@ -1,6 +1,6 @@
 #![allow(clippy::expect_used, clippy::unwrap_used)] // a benchmark: abort on setup failure
 
-//! Direct-path look-up benchmark: the CPU cost of `Chain::map_direct` (what the SPDK module
+//! Direct-path look-up benchmark: the CPU cost of `Chain::route_read` (what the SPDK module
 //! runs before it hands a guest read straight to the base bdev), per request, with every
 //! slice cached, against the loop alone. No I/O is timed: the figure is the module's own
 //! per-request look-up, which decides how close to the base a 512 B random read gets.
@@ -13,7 +13,7 @@
 
 use clap::Parser;
 use qcow2_engine::io::BufSlice;
-use qcow2_engine::{Chain, Exec, Layer, OpenOptions};
+use qcow2_engine::{Chain, Exec, Layer, OpenOptions, ReadRoute};
 use qcow2_tool::host::{open_chain, Format, OpenSpec, Opened};
 use qcow2_tool::rng::Rng;
 use qcow2_tool::uring::{AlignedBuf, UringDevice};
@@ -24,7 +24,7 @@ use std::rc::Rc;
 use std::time::Instant;
 
 #[derive(Parser)]
-#[command(about = "qcow2 direct-path look-up benchmark (ns per map_direct, slices cached)")]
+#[command(about = "qcow2 direct-path look-up benchmark (ns per route_read, slices cached)")]
 struct Args {
     /// Virtual size of the images.
     #[arg(long, value_parser = qcow2_tool::parse_size, default_value = "1G")]
@@ -154,9 +154,14 @@ fn main() {
                     c += 1;
                 }
                 let off = offset(c, x, len);
-                let d = chain.map_direct(off, len, false).expect("cached data maps");
-                exec.guest_exit(d.parity);
-                d.host
+                let grant = match chain.route_read(off, len) {
+                    ReadRoute::Direct(g) => Some(g),
+                    ReadRoute::Engine => None,
+                }
+                .expect("cached data maps");
+                let host = grant.host();
+                grant.finish(&exec);
+                host.0
             });
             rows.push((name, len, ns, loop_only));
         }
@@ -182,7 +187,7 @@ fn main() {
         );
     }
     println!(
-        "(map_direct + guest_exit per random read, every slice cached; fastest of {} rounds of {} look-ups)",
+        "(route_read + the grant's exit per random read, every slice cached; fastest of {} rounds of {} look-ups)",
         a.rounds, a.ops
     );
 }
