@@ -580,7 +580,8 @@ impl ImageHeader {
     ///
     /// The backing file name is placed after the extensions and `backing_file_offset` /
     /// `backing_file_size` are set accordingly; `header_length` is kept (at least 112 for v3).
-    /// Returns an error if it does not fit in one cluster.
+    /// The feature name table is optional: when the whole does not fit in one cluster it is
+    /// left out (so it does not round trip). Returns an error if the rest does not fit.
     pub fn encode(&self) -> Result<Vec<u8>> {
         let h = &self.header;
         let cs = 1usize << h.cluster_bits;
@@ -595,7 +596,8 @@ impl ImageHeader {
         encode_extensions(&self.extensions, &mut exts);
         let name = self.backing_file.as_deref().unwrap_or("");
         if hl + exts.len() + name.len() > cs && !self.extensions.feature_names.is_empty() {
-            // Like QEMU, leave out the (optional) feature name table when it does not fit.
+            // The feature name table only names bits for messages; the backing file name and
+            // the other extensions matter more. QEMU leaves it out of small clusters too.
             let mut ext = self.extensions.clone();
             ext.feature_names.clear();
             exts.clear();
