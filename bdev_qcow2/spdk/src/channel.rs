@@ -29,7 +29,7 @@ use crate::ffi::bdev::Desc;
 use crate::ffi::bdev_io::{BdevIo, BufDone, ChildDone, IoQueue};
 use crate::ffi::io_channel::ChannelIter;
 use crate::ffi::sys;
-use crate::ffi::thread::{self, Poll, Polled, PollerSlot};
+use crate::ffi::thread::{self, Poll, Polled, PollerSlot, Thread};
 use crate::io_ctx::OwnerOp;
 use crate::node::Node;
 use crate::owner;
@@ -58,7 +58,7 @@ pub struct Channel {
     direct: Option<Target>,
     /// Writable bdev: the md thread slow paths (all requests, on the md thread itself) are
     /// forwarded to.
-    forward_to: Option<*mut sys::spdk_thread>,
+    forward_to: Option<Thread>,
     /// Writable bdev without a replica (it could not be built): everything goes to the owner.
     forward_only: Cell<bool>,
     /// Read-ahead on sequential streams (`prefetch` of the create call).
@@ -177,8 +177,8 @@ impl Channel {
             thread_name,
         });
         if !node.owner.is_null() {
-            ch.forward_to = Some(node.md_thread);
-            if thread::current() == node.md_thread || node.seed.is_none() {
+            ch.forward_to = node.md_thread;
+            if node.md_thread.is_some_and(Thread::is_current) || node.seed.is_none() {
                 return Ok(ch);
             }
         }
@@ -420,7 +420,7 @@ impl Channel {
     /// base when it overwrites one extent, in place through the engine (with read-ahead),
     /// or to the owner (an allocation, COW, a slice the owner holds dirty).
     #[inline(always)]
-    fn write_on(&self, chain: &Rc<Chain<SpdkDevice>>, io: BdevIo, md: *mut sys::spdk_thread) {
+    fn write_on(&self, chain: &Rc<Chain<SpdkDevice>>, io: BdevIo, md: Thread) {
         let (off, len) = (io.offset_bytes(), io.len_bytes());
         match chain.route_write(off, len) {
             WriteRoute::Direct(grant) => self.write_granted(chain, io, grant),
@@ -445,7 +445,7 @@ impl Channel {
     /// once). First writes and COW go there without a detour through this replica (out of
     /// line: the direct path stays small).
     #[inline(never)]
-    fn write_to_owner(&self, io: BdevIo, md: *mut sys::spdk_thread, slow: bool) {
+    fn write_to_owner(&self, io: BdevIo, md: Thread, slow: bool) {
         self.forwarded.set(self.forwarded.get() + 1);
         let op = if slow {
             OwnerOp::WriteSlow
@@ -704,7 +704,7 @@ pub fn stats_step(it: ChannelIter, acc: &mut Vec<ChannelStats>) {
 /// How a writable bdev's replica reaches the owner for a slice it holds dirty: a boxed
 /// [`Ask`] sent to the md thread and back (slow path only).
 struct SpdkLink {
-    md: *mut sys::spdk_thread,
+    md: Thread,
     owner: *mut owner::Owner,
     chan: *const Channel,
 }
@@ -713,7 +713,7 @@ struct SpdkLink {
 pub struct Ask {
     owner: *mut owner::Owner,
     chan: *const Channel,
-    md: *mut sys::spdk_thread,
+    md: Thread,
     back: *mut sys::spdk_thread,
     key: u64,
     ticket: u64,
@@ -738,7 +738,11 @@ impl OwnerLink for SpdkLink {
 /// is empty, the sending side's poller sends it again ([`Channel::poll`],
 /// [`Owner::defer_ask`](owner::Owner::defer_ask)).
 pub fn send_ask(a: Box<Ask>) {
-    let to = if a.reply.is_none() { a.md } else { a.back };
+    let to = if a.reply.is_none() {
+        a.md.raw()
+    } else {
+        a.back
+    };
     // SAFETY: the md thread lives as long as the bdev; the channel's thread while the
     // channel waits for the answer (a waiting task keeps it busy).
     let Err(a) = (unsafe { thread::send_boxed(to, a) }) else {

@@ -10,7 +10,7 @@ use crate::device::SpdkDevice;
 use crate::ffi::bdev::{self, Desc};
 use crate::ffi::node::{self as handle, MdNode, NodeKey, OwnerBox, Unregistered};
 use crate::ffi::sys;
-use crate::ffi::thread::{self, Poll, Polled, PollerSlot};
+use crate::ffi::thread::{self, Poll, Polled, PollerSlot, Thread};
 use crate::owner::Owner;
 use crate::params::CreateParams;
 use crate::registry;
@@ -121,7 +121,7 @@ pub struct Node {
     /// The backing bdev.
     pub backing: Option<Desc>,
     /// The metadata owner: the thread that created the bdev (and opened the descriptors).
-    pub md_thread: *mut sys::spdk_thread,
+    pub md_thread: Option<Thread>,
     /// Writable bdev: the image's one writable instance, on `md_thread` (null: read-only).
     /// Set before registration, freed by teardown after the last channel.
     pub owner: *mut Owner,
@@ -453,7 +453,7 @@ fn register(
         info,
         base,
         backing,
-        md_thread: thread::current(),
+        md_thread: Thread::current(),
         owner: owner.map_or(std::ptr::null_mut(), OwnerBox::into_node),
         seed,
         live_channels: Arc::new(AtomicUsize::new(0)),

@@ -29,7 +29,7 @@ use crate::direct::{self, Target};
 use crate::engine_host::{Driver, Host};
 use crate::ffi::bdev_io::{Arrived, BdevIo, ChildDone, IoQueue, QueueReceiver};
 use crate::ffi::sys;
-use crate::ffi::thread::{self, Poll, Polled, PollerSlot};
+use crate::ffi::thread::{self, Poll, Polled, PollerSlot, Thread};
 use crate::io_ctx::OwnerOp;
 use crate::node::Node;
 use qcow2_engine::exec::Outcome;
@@ -54,13 +54,13 @@ pub struct Owner {
     /// The executor, the in-engine mark and the poller.
     driver: Driver,
     /// The thread it lives on (the md thread).
-    md_thread: *mut sys::spdk_thread,
+    md_thread: Option<Thread>,
     /// The base device for the direct path.
     direct: Option<Target>,
     chain: Rc<Chain<SpdkDevice>>,
     /// Completed requests on their way back, one queue per thread (sent by the poller;
     /// kept for the next poll when SPDK's message pool is empty).
-    outboxes: RefCell<Vec<(*mut sys::spdk_thread, IoQueue)>>,
+    outboxes: RefCell<Vec<(Thread, IoQueue)>>,
     /// Requests forwarded by other threads in this poll's batch of messages, run by the
     /// poller right after the batch: each message only prefetches its L2 entry, so the
     /// batch's cache misses overlap instead of stalling one request after another.
@@ -97,7 +97,7 @@ impl Owner {
             .map(|&d| exec.with_device(d, |dev| dev.direct_target(d)));
         let o = Box::new(Owner {
             driver: Driver::new(exec),
-            md_thread: thread::current(),
+            md_thread: Thread::current(),
             direct,
             chain,
             outboxes: RefCell::new(Vec::new()),
@@ -122,7 +122,7 @@ impl Owner {
     #[track_caller]
     pub fn assert_md_thread(&self) {
         debug_assert!(
-            thread::current() == self.md_thread,
+            self.md_thread.is_some_and(Thread::is_current),
             "the metadata owner used off its md thread"
         );
     }
@@ -265,9 +265,7 @@ impl Owner {
     fn send_done(&self) -> usize {
         let mut n = 0;
         for (t, q) in self.outboxes.borrow().iter() {
-            // SAFETY: the submitting thread lives while its channel (holding these
-            // requests) does.
-            if unsafe { q.send::<Back>(*t) } {
+            if q.send::<Back>(*t) {
                 n += 1;
             }
         }
@@ -325,9 +323,9 @@ fn with_owner<R>(io: BdevIo, f: impl FnOnce(&Owner, BdevIo) -> R) -> R {
 /// Hands `io` to the owner of its (writable) bdev, to run `op`: directly on the md thread,
 /// else into `outbox`, the queue its channel's poller sends ([`send_forwarded`]). The caller
 /// counted it as outstanding on its channel.
-pub fn forward(md_thread: *mut sys::spdk_thread, mut io: BdevIo, op: OwnerOp, outbox: &IoQueue) {
+pub fn forward(md_thread: Thread, mut io: BdevIo, op: OwnerOp, outbox: &IoQueue) {
     io.ctx_mut().set_op(op);
-    if thread::current() == md_thread {
+    if md_thread.is_current() {
         return with_owner(io, |o, io| o.submit(io));
     }
     outbox.push(io);
@@ -336,9 +334,8 @@ pub fn forward(md_thread: *mut sys::spdk_thread, mut io: BdevIo, op: OwnerOp, ou
 /// Sends a channel's forwarded requests to the md thread as one message; they stay for
 /// the next poll when SPDK's message pool is empty. Whether it sent any.
 #[inline(always)]
-pub fn send_forwarded(md_thread: *mut sys::spdk_thread, outbox: &IoQueue) -> bool {
-    // SAFETY: the md thread lives as long as the bdev.
-    unsafe { outbox.send::<Arrive>(md_thread) }
+pub fn send_forwarded(md_thread: Thread, outbox: &IoQueue) -> bool {
+    outbox.send::<Arrive>(md_thread)
 }
 
 /// Forwarded requests arriving on the md thread.
@@ -392,7 +389,7 @@ impl QueueReceiver for Back {
 fn done(mut io: BdevIo, status: sys::spdk_bdev_io_status) {
     io.ctx_mut().set_status(status);
     let t = io.thread();
-    if t == thread::current() {
+    if t.is_current() {
         return channel::complete_forwarded(io);
     }
     with_owner(io, |o, io| {

@@ -3,6 +3,7 @@
 
 use super::io_channel::{self, ChannelIter};
 use super::sys;
+use super::thread::Thread;
 use crate::channel::{self, Channel};
 use crate::io_ctx::IoCtx;
 use std::cell::Cell;
@@ -175,9 +176,13 @@ impl BdevIo {
     }
 
     /// The SPDK thread the bdev_io was submitted on (where it must be completed).
-    pub fn thread(&self) -> *mut sys::spdk_thread {
+    pub fn thread(&self) -> Thread {
         // SAFETY: live bdev_io.
-        unsafe { sys::spdk_bdev_io_get_thread(self.0.as_ptr()) }
+        let t = unsafe { sys::spdk_bdev_io_get_thread(self.0.as_ptr()) };
+        // SAFETY: a bdev_io is submitted on a live SPDK thread, never null; that thread holds
+        // the channel the request is outstanding on, so it lives at least as long (and, as
+        // every SPDK thread, until the application stops).
+        unsafe { Thread::from_raw_unchecked(t) }
     }
 
     /// Calls `f` with the state of the channel the request was submitted on (on its
@@ -354,23 +359,21 @@ impl IoQueue {
     /// `self` unless SPDK's message pool is empty (then it stays, to be sent again). Whether
     /// it went.
     ///
-    /// # Safety
-    /// `thread` is a live SPDK thread.
     #[inline(always)]
-    pub unsafe fn send<R: QueueReceiver>(&self, thread: *mut sys::spdk_thread) -> bool {
+    pub fn send<R: QueueReceiver>(&self, thread: Thread) -> bool {
         if self.is_empty() {
             return false;
         }
-        // SAFETY: per the contract.
-        unsafe { self.send_now::<R>(thread) }
+        self.send_now::<R>(thread)
     }
 
-    /// # Safety
-    /// As [`send`](Self::send), and the queue is not empty.
-    unsafe fn send_now<R: QueueReceiver>(&self, thread: *mut sys::spdk_thread) -> bool {
+    /// As [`send`](Self::send), for a queue that is not empty.
+    fn send_now<R: QueueReceiver>(&self, thread: Thread) -> bool {
         let head = self.head.get();
-        // SAFETY: `thread` is live (contract); `receive` takes the queue over.
-        let rc = unsafe { sys::spdk_thread_send_msg(thread, Some(receive::<R>), head.cast()) };
+        // SAFETY: `thread` is live (the invariant of `Thread`); `receive` takes the queue
+        // over, and the bdev_ios in it may move threads (SPDK completes them on theirs).
+        let rc =
+            unsafe { sys::spdk_thread_send_msg(thread.raw(), Some(receive::<R>), head.cast()) };
         if rc != 0 {
             return false;
         }

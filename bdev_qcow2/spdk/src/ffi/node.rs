@@ -65,7 +65,7 @@ impl Registered {
     /// that may use it); `None` otherwise, or for a read-only node.
     pub fn owner_here(&self) -> Option<&Owner> {
         let n = self.node();
-        if n.owner.is_null() || super::thread::current() != n.md_thread {
+        if n.owner.is_null() || !n.md_thread.is_some_and(Thread::is_current) {
             return None;
         }
         // SAFETY: the owner is set before registration and freed by teardown after this
@@ -183,10 +183,7 @@ impl Unregistered {
     fn md_thread(&self) -> Result<Thread, i32> {
         // SAFETY: no channel is left, and nothing writes the node's fields but teardown on
         // the md thread, which this handle is on its way to.
-        let md = unsafe { self.0.as_ref() }.md_thread;
-        // SAFETY: the md thread created the bdev and lives until the application stops,
-        // after every bdev is gone.
-        unsafe { Thread::from_raw(md) }.ok_or(libc::ESRCH)
+        unsafe { self.0.as_ref() }.md_thread.ok_or(libc::ESRCH)
     }
 }
 

@@ -72,12 +72,14 @@ impl Thread {
         NonNull::new(current()).map(Thread)
     }
 
-    /// The thread behind a pointer kept by code outside `ffi` (the md thread of a node).
+    /// The thread behind a pointer that is known not to be null.
     ///
     /// # Safety
-    /// `raw` is null or a live SPDK thread that stays so as the type's invariant says.
-    pub(super) unsafe fn from_raw(raw: *mut sys::spdk_thread) -> Option<Thread> {
-        NonNull::new(raw).map(Thread)
+    /// `raw` is a live SPDK thread that stays so as the type's invariant says.
+    #[inline(always)]
+    pub(super) unsafe fn from_raw_unchecked(raw: *mut sys::spdk_thread) -> Thread {
+        // SAFETY: not null, per the contract.
+        Thread(unsafe { NonNull::new_unchecked(raw) })
     }
 
     /// The raw thread (for code that still keeps raw pointers and compares them).
