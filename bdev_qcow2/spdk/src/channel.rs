@@ -183,12 +183,11 @@ impl Channel {
             }
         }
         let chp: *const Channel = &*ch;
+        let host: &Channel = &ch;
         let add = |desc: &Desc| {
             let d = SpdkDevice::new(desc).ok_or(libc::ENOMEM)?;
             let id = ch.exec().add_device(d);
-            // SAFETY: the channel state is boxed (stable address) and owns the driver that
-            // owns the device; a device dropped with operations in flight forgets it.
-            unsafe { ch.driver.attach(id, chp) };
+            ch.driver.attach(id, host);
             Ok::<_, i32>(id)
         };
         let base_dev = add(base)?;

@@ -7,7 +7,7 @@
 //! `spdk_bdev_queue_io_wait`: until SPDK calls back (a bdev_io was freed), every submission
 //! answers `Busy` without calling SPDK, and the executor resubmits in order on the poll after
 //! the callback. The completion callback hands `(tag, result)` to the device's
-//! [`CompletionSink`] if the host installed one ([`SpdkDevice::set_sink`]: a channel delivers
+//! [`CompletionSink`] if the host installed one ([`SpdkDevice::deliver_to`]: a channel delivers
 //! it into its executor at once, so a fast-path request completes right in the callback);
 //! otherwise, or when the sink declines (the host is inside the engine), it records it in the
 //! device's queue, and [`BlockDevice::poll`] — run by the poller through the executor —
@@ -59,7 +59,7 @@ impl SpdkDevice {
         self.cheap_zeroes = on;
     }
 
-    /// The SPDK side of the device (`ffi/base.rs` adds [`SpdkDevice::set_sink`] with it).
+    /// The SPDK side of the device (`ffi/base.rs` adds [`SpdkDevice::deliver_to`] with it).
     pub(crate) fn base_io(&mut self) -> &mut BaseIo {
         &mut self.io
     }

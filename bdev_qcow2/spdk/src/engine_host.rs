@@ -9,13 +9,13 @@
 //! a submission), the completion stays queued in the device and the poller delivers it.
 
 use crate::device::{guest_buf, SpdkBuf, SpdkDevice};
+use crate::ffi::base::SinkHost;
 use crate::ffi::bdev_io::BdevIo;
 use crate::ffi::thread::PollerSlot;
 use qcow2_engine::exec::Outcome;
 use qcow2_engine::io::{BufSlice, DeviceError};
 use qcow2_engine::{DevId, Exec};
 use std::cell::Cell;
-use std::ffi::c_void;
 
 /// A channel or the owner: whoever drives a [`Driver`] and completes its requests.
 pub trait Host {
@@ -90,16 +90,10 @@ impl Driver {
         })
     }
 
-    /// Makes base device `dev` deliver its completions to `host` from SPDK's callback.
-    ///
-    /// # Safety
-    /// `host` owns this driver and stays at its address while the device may complete
-    /// operations (a device dropped with operations in flight forgets it).
-    pub unsafe fn attach<H: Host>(&self, dev: DevId, host: *const H) {
-        let ctx = host.cast_mut().cast::<c_void>();
-        // SAFETY: per the contract.
-        self.exec
-            .with_device(dev, |d| unsafe { d.set_sink(deliver::<H>, ctx) });
+    /// Makes base device `dev` deliver its completions to `host` from SPDK's callback;
+    /// `host` is boxed and owns this driver (see [`SinkHost`]).
+    pub fn attach<H: Host>(&self, dev: DevId, host: &H) {
+        self.exec.with_device(dev, |d| d.deliver_to(host));
     }
 
     /// Where the host's poller is kept.
@@ -116,22 +110,23 @@ impl Driver {
 
 /// Hands the host the guest request the engine reported ended under `tag`.
 fn complete_tag<H: Host>(host: &H, tag: u64, outcome: Outcome) {
-    // SAFETY: tags are bdev_ios handed to the engine by `Driver::submit*`, reported done
-    // once each.
-    if let Some(io) = unsafe { BdevIo::from_tag(tag) } {
+    if let Some(io) = BdevIo::from_tag(tag) {
         host.request_done(io, outcome);
     }
 }
 
-/// The devices' [`CompletionSink`](crate::ffi::base::CompletionSink): delivers a base completion
-/// into the executor and completes what it finished, unless the host is inside the engine
-/// (then its poller does).
-///
-/// # Safety
-/// `ctx` is the live host given to [`Driver::attach`].
-unsafe fn deliver<H: Host>(ctx: *mut c_void, tag: u64, r: Result<(), DeviceError>) -> bool {
-    // SAFETY: per the contract.
-    let host = unsafe { &*ctx.cast::<H>() };
+/// A host takes its devices' completions: it delivers a base completion into the executor
+/// and completes what it finished, unless it is inside the engine (then its poller does).
+impl<H: Host> SinkHost for H {
+    #[inline(always)]
+    fn offer(&self, tag: u64, r: Result<(), DeviceError>) -> bool {
+        deliver(self, tag, r)
+    }
+}
+
+/// See [`SinkHost::offer`].
+#[inline(always)]
+fn deliver<H: Host>(host: &H, tag: u64, r: Result<(), DeviceError>) -> bool {
     let d = host.driver();
     if d.in_engine.get() {
         return false;

@@ -106,12 +106,8 @@ impl Owner {
             closing: RefCell::new(None),
             polls: Cell::new(0),
         });
-        let at: *const Owner = &*o;
         for d in devs {
-            // SAFETY: the owner is boxed (its address stays when its poller takes it over)
-            // and owns the driver that owns the device; a device dropped with operations in
-            // flight forgets it.
-            unsafe { o.driver.attach(d, at) };
+            o.driver.attach(d, &*o);
         }
         thread::start(o, c"qcow2_owner").ok().map(|o| o.cast_mut())
     }

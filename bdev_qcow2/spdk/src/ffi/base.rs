@@ -335,14 +335,35 @@ impl Drop for BaseIo {
     }
 }
 
+/// Whoever drives the executor that owns a device — a channel or the metadata owner — as
+/// the device's callback sees it: it takes each completion first.
+///
+/// Invariant (the one [`SpdkDevice::deliver_to`] rests on): a host is boxed, so it stays at
+/// its address, and it outlives every device attached to it — it owns the executor that owns
+/// them and drops that first (a device dropped with operations in flight forgets its host).
+pub trait SinkHost {
+    /// Takes the completion `(tag, r)` in SPDK's callback, on the device's thread; `false`
+    /// declines it (it is queued for the poller).
+    fn offer(&self, tag: u64, r: Result<(), DeviceError>) -> bool;
+}
+
+/// The [`CompletionSink`] of a [`SinkHost`] `H`.
+///
+/// # Safety
+/// `ctx` is the `H` given to [`SpdkDevice::deliver_to`].
+#[inline(always)]
+unsafe fn offer<H: SinkHost>(ctx: *mut c_void, tag: u64, r: Result<(), DeviceError>) -> bool {
+    // SAFETY: per the contract; the host is live and unmoved (the invariant of `SinkHost`).
+    H::offer(unsafe { &*ctx.cast::<H>() }, tag, r)
+}
+
 impl crate::device::SpdkDevice {
-    /// Makes SPDK's completion callback offer each completion to `sink` (with `ctx`) before
-    /// queueing it for `poll`.
-    ///
-    /// # Safety
-    /// As [`BaseIo::set_sink`].
-    pub unsafe fn set_sink(&mut self, sink: CompletionSink, ctx: *mut c_void) {
-        // SAFETY: per the contract.
-        unsafe { self.base_io().set_sink(sink, ctx) }
+    /// Makes SPDK's completion callback offer each completion to `host` before queueing it
+    /// for `poll`. `host` drives the executor that owns this device (see [`SinkHost`]).
+    pub fn deliver_to<H: SinkHost>(&mut self, host: &H) {
+        let ctx = std::ptr::from_ref(host).cast_mut().cast::<c_void>();
+        // SAFETY: `offer::<H>` is called only with this `ctx`, which stays valid while the
+        // device may complete operations (the invariant of `SinkHost`).
+        unsafe { self.base_io().set_sink(offer::<H>, ctx) }
     }
 }

