@@ -558,11 +558,10 @@ impl Host for Channel {
 /// Completion of a channel's direct-path request, on its thread.
 impl ChildDone for Channel {
     fn child_done(io: BdevIo, success: bool) {
-        // SAFETY: `own` recorded the channel state the request was submitted from, live
-        // while the request is outstanding on it.
-        let c = unsafe { &*io.ctx().chan() };
-        direct::leave(c.exec(), &io);
-        c.finish(io, success);
+        io.with_recorded_channel(|c, io| {
+            direct::leave(c.exec(), &io);
+            c.finish(io, success);
+        });
     }
 }
 

@@ -31,7 +31,6 @@ use crate::ffi::bdev_io::{Arrived, BdevIo, ChildDone, IoQueue, QueueReceiver};
 use crate::ffi::sys;
 use crate::ffi::thread::{self, Poll, Polled, PollerSlot, Thread};
 use crate::io_ctx::OwnerOp;
-use crate::node::Node;
 use qcow2_engine::exec::Outcome;
 use qcow2_engine::{Chain, DevId, Exec, ReadRoute, WriteRoute};
 use std::cell::{Cell, RefCell};
@@ -299,21 +298,11 @@ impl ChildDone for Owner {
         } else {
             sys::SPDK_BDEV_IO_STATUS_FAILED
         };
-        with_owner(io, |o, io| {
+        io.with_owner(|o, io| {
             direct::leave(o.exec(), &io);
             done(io, status);
         });
     }
-}
-
-/// Calls `f` with the owner of the writable bdev behind `io` (on the md thread) and `io`.
-#[inline(always)]
-fn with_owner<R>(io: BdevIo, f: impl FnOnce(&Owner, BdevIo) -> R) -> R {
-    // SAFETY: bdev_ios reaching us belong to our registered bdevs, whose `ctxt` is the node;
-    // a writable bdev's `owner` is set before registration, immutable after it, and lives
-    // while the bdev has I/O (this request) and channels.
-    let o = unsafe { &*(*io.bdev_ctxt().cast::<Node>()).owner };
-    f(o, io)
 }
 
 /// Hands `io` to the owner of its (writable) bdev, to run `op`: directly on the md thread,
@@ -322,7 +311,7 @@ fn with_owner<R>(io: BdevIo, f: impl FnOnce(&Owner, BdevIo) -> R) -> R {
 pub fn forward(md_thread: Thread, mut io: BdevIo, op: OwnerOp, outbox: &IoQueue) {
     io.ctx_mut().set_op(op);
     if md_thread.is_current() {
-        return with_owner(io, |o, io| o.submit(io));
+        return io.with_owner(|o, io| o.submit(io));
     }
     outbox.push(io);
 }
@@ -349,7 +338,7 @@ impl QueueReceiver for Arrive {
 
 /// Its poller runs `arrived` before the owner can close (closing waits for the channels).
 fn arrive(io: BdevIo) {
-    with_owner(io, arrive_at);
+    io.with_owner(arrive_at);
 }
 
 fn arrive_at(o: &Owner, io: BdevIo) {
@@ -388,7 +377,7 @@ fn done(mut io: BdevIo, status: sys::spdk_bdev_io_status) {
     if t.is_current() {
         return channel::complete_forwarded(io);
     }
-    with_owner(io, |o, io| {
+    io.with_owner(|o, io| {
         o.assert_md_thread();
         let mut boxes = o.outboxes.borrow_mut();
         match boxes.iter_mut().find(|(to, _)| *to == t) {

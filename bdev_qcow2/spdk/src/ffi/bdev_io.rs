@@ -6,6 +6,8 @@ use super::sys;
 use super::thread::Thread;
 use crate::channel::{self, Channel};
 use crate::io_ctx::IoCtx;
+use crate::node::Node;
+use crate::owner::Owner;
 use std::cell::Cell;
 use std::ffi::{c_int, c_void};
 use std::ptr::NonNull;
@@ -182,6 +184,37 @@ impl BdevIo {
         // the channel the request is outstanding on, so it lives at least as long (and, as
         // every SPDK thread, until the application stops).
         unsafe { Thread::from_raw_unchecked(t) }
+    }
+
+    /// Calls `f` with the metadata owner of the request's (writable) bdev and the request,
+    /// on the md thread.
+    #[inline(always)]
+    pub fn with_owner<R>(self, f: impl FnOnce(&Owner, BdevIo) -> R) -> R {
+        // SAFETY: bdev_ios reaching us belong to our registered bdevs, whose `ctxt` is the
+        // node; a writable bdev's `owner` is set before registration, immutable after it,
+        // and lives while the bdev has I/O (this request) and channels.
+        let o = unsafe { (*self.bdev_ctxt().cast::<Node>()).owner };
+        debug_assert!(
+            !o.is_null(),
+            "a request of a read-only bdev reached the owner"
+        );
+        // SAFETY: as above.
+        f(unsafe { &*o }, self)
+    }
+
+    /// As [`with_channel`](Self::with_channel), for a channel's direct-path request: the
+    /// channel is the one its context recorded ([`IoCtx::set_chan`]), found without asking
+    /// SPDK.
+    #[inline(always)]
+    pub fn with_recorded_channel<R>(self, f: impl FnOnce(&Channel, BdevIo) -> R) -> R {
+        let c = self.ctx().chan();
+        debug_assert!(
+            !c.is_null(),
+            "no channel recorded for a direct-path request"
+        );
+        // SAFETY: a channel records itself before sending a request down its direct path,
+        // and its state lives while the request is outstanding on it (as in `with_channel`).
+        f(unsafe { &*c }, self)
     }
 
     /// Calls `f` with the state of the channel the request was submitted on (on its
