@@ -28,6 +28,7 @@ use crate::device::SpdkDevice;
 use crate::direct::{self, Target};
 use crate::engine_host::{Driver, Host};
 use crate::ffi::bdev_io::{Arrived, BdevIo, ChildDone, IoQueue, QueueReceiver};
+use crate::ffi::node::Closing;
 use crate::ffi::sys;
 use crate::ffi::thread::{self, Poll, Polled, PollerSlot, Thread};
 use crate::io_ctx::OwnerOp;
@@ -129,13 +130,10 @@ impl Owner {
 
     /// Flushes the metadata (`Chain::close`: refcounts, dirty bit), then frees the owner and
     /// calls `then`, on the md thread. Every forwarded request has completed (the node's
-    /// channels are gone).
-    ///
-    /// # Safety
-    /// `owner` comes from [`Owner::start`] and is closed once, on the md thread.
-    pub unsafe fn close(owner: *mut Owner, then: impl FnOnce(OwnerCounters) + 'static) {
-        // SAFETY: per the contract.
-        let o = unsafe { &*owner };
+    /// channels are gone). Only the owner's [`OwnerBox`](crate::ffi::node::OwnerBox) can
+    /// call it (it alone makes the [`Closing`] token), once, on the md thread.
+    pub fn close(&self, _: Closing, then: impl FnOnce(OwnerCounters) + 'static) {
+        let o = self;
         o.assert_md_thread();
         let result: Closed = Rc::new(Cell::new(None));
         let (r2, chain) = (result.clone(), o.chain.clone());

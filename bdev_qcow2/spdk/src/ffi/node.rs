@@ -246,6 +246,11 @@ impl MdNode {
     }
 }
 
+/// Permission to close an owner ([`Owner::close`]): made only by [`OwnerBox::close`],
+/// which consumes the owner's one box on its md thread, so an owner is closed once and no
+/// node still points at it.
+pub struct Closing(());
+
 /// A writable bdev's metadata owner, as [`OwnerBox::start`] started it on this thread (its
 /// md thread): closed once, there, by [`OwnerBox::close`], unless a node takes it
 /// ([`OwnerBox::into_node`]) and gives it back at teardown.
@@ -273,9 +278,10 @@ impl OwnerBox {
     /// Flushes the metadata, frees the owner and then calls `then` with its final counters,
     /// on this thread (see [`Owner::close`]). Every request through it must have completed.
     pub fn close(self, then: impl FnOnce(OwnerCounters) + 'static) {
-        // SAFETY: from `Owner::start` on this thread (the box is not `Send`), closed once
-        // (consumed).
-        unsafe { Owner::close(self.0.as_ptr(), then) }
+        // SAFETY: from `Owner::start` on this thread (the box is not `Send`) and not freed
+        // before its close; the poller frees it only after this call returned.
+        let o = unsafe { self.0.as_ref() };
+        o.close(Closing(()), then);
     }
 
     /// The pointer a node keeps (its `owner`) until teardown takes it back
