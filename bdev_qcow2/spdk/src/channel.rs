@@ -29,7 +29,7 @@ use crate::ffi::bdev::Desc;
 use crate::ffi::bdev_io::{BdevIo, BufDone, ChildDone, IoQueue};
 use crate::ffi::io_channel::ChannelIter;
 use crate::ffi::sys;
-use crate::ffi::thread::{self, Poll, Polled, PollerSlot, Thread};
+use crate::ffi::thread::{self, Homed, Poll, Polled, PollerSlot, Thread};
 use crate::io_ctx::OwnerOp;
 use crate::node::Node;
 use crate::owner;
@@ -182,7 +182,6 @@ impl Channel {
                 return Ok(ch);
             }
         }
-        let chp: *const Channel = &*ch;
         let host: &Channel = &ch;
         let add = |desc: &Desc| {
             let d = SpdkDevice::new(desc).ok_or(libc::ENOMEM)?;
@@ -196,14 +195,10 @@ impl Channel {
             None => None,
         };
         let exec = ch.exec();
-        match (&node.seed, ch.forward_to) {
-            (Some(seed), Some(md)) => {
+        match (&node.seed, Homed::owner(node), Homed::channel(host)) {
+            (Some(seed), Some(owner), Some(chan)) => {
                 // A replica of the owner's image, usable at once.
-                let link = Box::new(SpdkLink {
-                    md,
-                    owner: node.owner,
-                    chan: chp,
-                });
+                let link = Box::new(SpdkLink { owner, chan });
                 let r = Qcow2::from_seed(seed.clone(), exec, base_dev, node.opts, link);
                 *ch.opened.borrow_mut() = Some(r);
             }
@@ -702,17 +697,14 @@ pub fn stats_step(it: ChannelIter, acc: &mut Vec<ChannelStats>) {
 /// How a writable bdev's replica reaches the owner for a slice it holds dirty: a boxed
 /// [`Ask`] sent to the md thread and back (slow path only).
 struct SpdkLink {
-    md: Thread,
-    owner: *mut owner::Owner,
-    chan: *const Channel,
+    owner: Homed<owner::Owner>,
+    chan: Homed<Channel>,
 }
 
-/// One slice request on its way to the owner and back.
+/// One slice request on its way to the owner (on its md thread) and back to the channel.
 pub struct Ask {
-    owner: *mut owner::Owner,
-    chan: *const Channel,
-    md: Thread,
-    back: *mut sys::spdk_thread,
+    owner: Homed<owner::Owner>,
+    chan: Homed<Channel>,
     key: u64,
     ticket: u64,
     reply: Option<SliceReply>,
@@ -723,8 +715,6 @@ impl OwnerLink for SpdkLink {
         send_ask(Box::new(Ask {
             owner: self.owner,
             chan: self.chan,
-            md: self.md,
-            back: thread::current(),
             key,
             ticket,
             reply: None,
@@ -736,24 +726,21 @@ impl OwnerLink for SpdkLink {
 /// is empty, the sending side's poller sends it again ([`Channel::poll`],
 /// [`Owner::defer_ask`](owner::Owner::defer_ask)).
 pub fn send_ask(a: Box<Ask>) {
+    let (owner, chan) = (a.owner, a.chan);
     let to = if a.reply.is_none() {
-        a.md.raw()
+        owner.home()
     } else {
-        a.back
+        chan.home()
     };
-    // SAFETY: the md thread lives as long as the bdev; the channel's thread while the
-    // channel waits for the answer (a waiting task keeps it busy).
-    let Err(a) = (unsafe { thread::send_boxed(to, a) }) else {
+    let Err(a) = to.send_boxed(a) else {
         return;
     };
     if a.reply.is_none() {
         // On the channel's thread: its poller sends it again.
-        // SAFETY: the channel lives while its replica waits for the answer.
-        unsafe { &*a.chan }.unsent_asks.borrow_mut().push(a);
+        chan.get().unsent_asks.borrow_mut().push(a);
     } else {
         // On the md thread: the owner's poller sends the answer again.
-        // SAFETY: the owner lives while the bdev has channels.
-        unsafe { &*a.owner }.defer_ask(a);
+        owner.get().defer_ask(a);
     }
 }
 
@@ -762,12 +749,10 @@ impl thread::Message for Ask {
     /// the replica gets it.
     fn arrive(mut self: Box<Ask>) {
         let Some(reply) = self.reply else {
-            // SAFETY: on the md thread, where the owner lives while the bdev has channels.
-            self.reply = Some(unsafe { &*self.owner }.slice_for_core(self.key));
+            self.reply = Some(self.owner.get().slice_for_core(self.key));
             return send_ask(self);
         };
-        // SAFETY: back on the thread of the channel that sent it, live while it waits.
-        let ch = unsafe { &*self.chan };
+        let ch = self.chan.get();
         ch.driver.run(|| {
             if let Some(Layer::Qcow2(q)) = ch.chain.get().and_then(|c| c.layers().first()) {
                 q.deliver_slice(self.ticket, reply);

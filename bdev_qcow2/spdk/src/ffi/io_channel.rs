@@ -1,7 +1,7 @@
 //! I/O devices, their per-thread channels, and iteration over every channel.
 
 use super::sys;
-use super::thread;
+use super::thread::{self, Homed, Thread};
 use crate::channel::Channel;
 use crate::node::Node;
 use std::ffi::{c_int, c_void, CStr};
@@ -48,6 +48,19 @@ pub(crate) unsafe fn state_of<'a>(ctx: *mut c_void) -> &'a Channel {
 pub(crate) unsafe fn ctx_of(ch: *mut sys::spdk_io_channel) -> *mut c_void {
     // SAFETY: per the contract.
     unsafe { sys::io_channel_get_ctx(ch) }
+}
+
+impl Homed<Channel> {
+    /// A handle to the channel state `state` (from [`Channel::create`], on the calling
+    /// thread), for a request that leaves the thread and comes back while the channel waits
+    /// for it (`None` outside SPDK threads).
+    pub fn channel(state: &Channel) -> Option<Homed<Channel>> {
+        let home = Thread::current()?;
+        // SAFETY: channel states are boxed by `Channel::create` on their thread and freed
+        // only once released and idle (`destroy_cb`, or their poll); a request carrying the
+        // handle keeps the channel busy (its replica waits for it) until it returns.
+        Some(unsafe { Homed::new(state, home) })
+    }
 }
 
 unsafe extern "C" fn create_cb(io_device: *mut c_void, ctx: *mut c_void) -> c_int {

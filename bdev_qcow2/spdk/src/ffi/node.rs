@@ -18,7 +18,7 @@
 use super::bdev::{self, Desc, Props};
 use super::io_channel::{self, ChannelIter};
 use super::sys;
-use super::thread::Thread;
+use super::thread::{Homed, Thread};
 use crate::device::SpdkDevice;
 use crate::node::Node;
 use crate::owner::{Owner, OwnerCounters};
@@ -243,6 +243,17 @@ impl MdNode {
         // SAFETY: unregistered, no channel or owner left, SPDK is done with the bdev: the
         // node is only ours; reclaimed once (this handle is consumed).
         unsafe { Box::from_raw(self.0.as_ptr()) }
+    }
+}
+
+impl Homed<Owner> {
+    /// A handle to the metadata owner of `node`, on its md thread (`None`: a read-only node).
+    pub fn owner(node: &Node) -> Option<Homed<Owner>> {
+        let md = node.md_thread?;
+        // SAFETY: a writable node's owner is set before registration, immutable after it,
+        // and freed by teardown only after the node's last channel — the holders of this
+        // handle — is gone; it lives on the md thread.
+        NonNull::new(node.owner).map(|o| unsafe { Homed::new(o.as_ref(), md) })
     }
 }
 

@@ -133,6 +133,55 @@ impl Thread {
     }
 }
 
+/// State of type `T` living on one SPDK thread, as a handle that may travel to other threads
+/// (in a message) and back, and is dereferenced only on that thread ([`Homed::get`]).
+///
+/// Invariant: the state outlives every handle to it. Handles are made in `ffi` only, for
+/// states whose lifetime `ffi` manages: a channel's state ([`Homed::channel`]), kept busy by
+/// the requests that carry its handle until they return, and a writable node's owner
+/// ([`Homed::owner`]), which outlives the node's channels, the only holders of its handle.
+#[derive(Debug)]
+pub struct Homed<T> {
+    state: NonNull<T>,
+    home: Thread,
+}
+
+impl<T> Clone for Homed<T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<T> Copy for Homed<T> {}
+
+// SAFETY: other threads only carry the handle; it is dereferenced on its home thread alone
+// (`get`), where the state lives, so `T` itself never crosses threads.
+unsafe impl<T> Send for Homed<T> {}
+
+impl<T> Homed<T> {
+    /// # Safety
+    /// `state` lives on `home` and outlives every copy of the handle (the type's invariant).
+    pub(super) unsafe fn new(state: &T, home: Thread) -> Homed<T> {
+        Homed {
+            state: NonNull::from(state),
+            home,
+        }
+    }
+
+    /// The thread the state lives on.
+    pub fn home(&self) -> Thread {
+        self.home
+    }
+
+    /// The state, on its home thread (debug builds assert the caller runs there).
+    #[track_caller]
+    pub fn get(&self) -> &T {
+        debug_assert!(self.home.is_current(), "a homed state used off its thread");
+        // SAFETY: live (the type's invariant), and used on its own thread only.
+        unsafe { self.state.as_ref() }
+    }
+}
+
 /// What one run of a poller did.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Poll {
@@ -244,7 +293,7 @@ const POLLER_BUSY: c_int = 1;
 /// Poller return value: nothing to do.
 const POLLER_IDLE: c_int = 0;
 
-/// A boxed message between threads ([`Thread::send_boxed`], [`send_boxed`]).
+/// A boxed message between threads ([`Thread::send_boxed`]).
 pub trait Message: Sized + 'static {
     /// Runs on the thread it was sent to.
     fn arrive(self: Box<Self>);
@@ -256,15 +305,12 @@ unsafe extern "C" fn arrive<M: Message>(ctx: *mut c_void) {
 }
 
 /// Queues `m` to arrive on `thread` ([`Message::arrive`]); gives it back if SPDK's message
-/// pool is empty. ([`Thread::send_boxed`] is the safe form, for messages that are `Send`.)
+/// pool is empty (the body of [`Thread::send_boxed`]).
 ///
 /// # Safety
 /// `thread` must be a live SPDK thread, and `m` must be safe to use on it (it only touches
 /// there what belongs to that thread).
-pub unsafe fn send_boxed<M: Message>(
-    thread: *mut sys::spdk_thread,
-    m: Box<M>,
-) -> Result<(), Box<M>> {
+unsafe fn send_boxed<M: Message>(thread: *mut sys::spdk_thread, m: Box<M>) -> Result<(), Box<M>> {
     let ctx = Box::into_raw(m);
     // SAFETY: `thread` is live (contract); `arrive::<M>` takes the box back.
     let rc = unsafe { sys::spdk_thread_send_msg(thread, Some(arrive::<M>), ctx.cast()) };
