@@ -186,7 +186,8 @@ impl Channel {
         let add = |desc: &Desc| {
             let d = SpdkDevice::new(desc).ok_or(libc::ENOMEM)?;
             let id = ch.exec().add_device(d);
-            ch.driver.attach(id, host);
+            // SAFETY: the channel state is boxed and owns the executor that owns the device.
+            unsafe { ch.driver.attach(id, host) };
             Ok::<_, i32>(id)
         };
         let base_dev = add(base)?;
@@ -195,7 +196,9 @@ impl Channel {
             None => None,
         };
         let exec = ch.exec();
-        match (&node.seed, Homed::owner(node), Homed::channel(host)) {
+        // SAFETY: `host` is this boxed channel state, which stays until its asks are back.
+        let chan = unsafe { Homed::channel(host) };
+        match (&node.seed, Homed::owner(node), chan) {
             (Some(seed), Some(owner), Some(chan)) => {
                 // A replica of the owner's image, usable at once.
                 let link = Box::new(SpdkLink { owner, chan });

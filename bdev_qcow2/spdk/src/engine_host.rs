@@ -92,8 +92,14 @@ impl Driver {
 
     /// Makes base device `dev` deliver its completions to `host` from SPDK's callback;
     /// `host` is boxed and owns this driver (see [`SinkHost`]).
-    pub fn attach<H: Host>(&self, dev: DevId, host: &H) {
-        self.exec.with_device(dev, |d| d.deliver_to(host));
+    ///
+    /// # Safety
+    /// `host` keeps its address and outlives `dev` (it owns this driver, whose executor owns
+    /// the device).
+    pub unsafe fn attach<H: Host>(&self, dev: DevId, host: &H) {
+        // SAFETY: per the contract.
+        self.exec
+            .with_device(dev, |d| unsafe { d.deliver_to(host) });
     }
 
     /// Where the host's poller is kept.
@@ -110,7 +116,9 @@ impl Driver {
 
 /// Hands the host the guest request the engine reported ended under `tag`.
 fn complete_tag<H: Host>(host: &H, tag: u64, outcome: Outcome) {
-    if let Some(io) = BdevIo::from_tag(tag) {
+    // SAFETY: the engine reports each tag `Driver::submit` handed it (from `into_engine`)
+    // once, when it is done with the request.
+    if let Some(io) = unsafe { BdevIo::from_tag(tag) } {
         host.request_done(io, outcome);
     }
 }

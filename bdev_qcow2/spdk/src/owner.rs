@@ -107,7 +107,8 @@ impl Owner {
             polls: Cell::new(0),
         });
         for d in devs {
-            o.driver.attach(d, &*o);
+            // SAFETY: the owner is boxed and owns the executor that owns the device.
+            unsafe { o.driver.attach(d, &*o) };
         }
         thread::start(o, c"qcow2_owner").ok().map(|o| o.cast_mut())
     }

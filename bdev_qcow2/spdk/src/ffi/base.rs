@@ -359,8 +359,11 @@ unsafe fn offer<H: SinkHost>(ctx: *mut c_void, tag: u64, r: Result<(), DeviceErr
 
 impl crate::device::SpdkDevice {
     /// Makes SPDK's completion callback offer each completion to `host` before queueing it
-    /// for `poll`. `host` drives the executor that owns this device (see [`SinkHost`]).
-    pub fn deliver_to<H: SinkHost>(&mut self, host: &H) {
+    /// for `poll`.
+    ///
+    /// # Safety
+    /// `host` keeps its address and outlives this device (the invariant of [`SinkHost`]).
+    pub unsafe fn deliver_to<H: SinkHost>(&mut self, host: &H) {
         let ctx = std::ptr::from_ref(host).cast_mut().cast::<c_void>();
         // SAFETY: `offer::<H>` is called only with this `ctx`, which stays valid while the
         // device may complete operations (the invariant of `SinkHost`).

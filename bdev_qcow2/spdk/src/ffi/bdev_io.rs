@@ -84,11 +84,13 @@ impl BdevIo {
         (self.into_raw() as u64, view)
     }
 
-    /// Back from a tag the engine reported done: tags reach the engine only through
-    /// [`BdevIo::into_engine`], and an executor reports each request it was handed once,
-    /// after it stopped using its view.
+    /// Back from a tag the engine reported done.
+    ///
+    /// # Safety
+    /// `tag` came from [`BdevIo::into_engine`] and is reported done once, after the engine
+    /// stopped using its view (what an executor does with the requests it was handed).
     #[inline(always)]
-    pub fn from_tag(tag: u64) -> Option<BdevIo> {
+    pub unsafe fn from_tag(tag: u64) -> Option<BdevIo> {
         // The handle is as unique as the tag was: the executor reported it done once.
         NonNull::new(tag as *mut sys::spdk_bdev_io).map(BdevIo)
     }
@@ -208,12 +210,12 @@ impl BdevIo {
     #[inline(always)]
     pub fn with_recorded_channel<R>(self, f: impl FnOnce(&Channel, BdevIo) -> R) -> R {
         let c = self.ctx().chan();
-        debug_assert!(
-            !c.is_null(),
-            "no channel recorded for a direct-path request"
-        );
-        // SAFETY: a channel records itself before sending a request down its direct path,
-        // and its state lives while the request is outstanding on it (as in `with_channel`).
+        if c.is_null() {
+            // Nothing recorded (not a direct-path request): ask SPDK.
+            return self.with_channel(f);
+        }
+        // SAFETY: `set_chan` records a live channel state (from a reference), and that state
+        // lives while the request is outstanding on it (as in `with_channel`).
         f(unsafe { &*c }, self)
     }
 

@@ -54,11 +54,14 @@ impl Homed<Channel> {
     /// A handle to the channel state `state` (from [`Channel::create`], on the calling
     /// thread), for a request that leaves the thread and comes back while the channel waits
     /// for it (`None` outside SPDK threads).
-    pub fn channel(state: &Channel) -> Option<Homed<Channel>> {
+    ///
+    /// # Safety
+    /// `state` is boxed and outlives every request carrying the handle: channel states are
+    /// freed only once released and idle (`destroy_cb`, or their poll), and a request
+    /// carrying the handle keeps the channel busy (its replica waits for it) until it returns.
+    pub unsafe fn channel(state: &Channel) -> Option<Homed<Channel>> {
         let home = Thread::current()?;
-        // SAFETY: channel states are boxed by `Channel::create` on their thread and freed
-        // only once released and idle (`destroy_cb`, or their poll); a request carrying the
-        // handle keeps the channel busy (its replica waits for it) until it returns.
+        // SAFETY: per the contract.
         Some(unsafe { Homed::new(state, home) })
     }
 }
