@@ -556,10 +556,14 @@ impl Host for Channel {
 /// Completion of a channel's direct-path request, on its thread.
 impl ChildDone for Channel {
     fn child_done(io: BdevIo, success: bool) {
-        io.with_recorded_channel(|c, io| {
-            direct::leave(c.exec(), &io);
-            c.finish(io, success);
-        });
+        // SAFETY: only a channel's direct path completes here, and it recorded itself
+        // (`Channel::own`) before submitting.
+        unsafe {
+            io.with_recorded_channel(|c, io| {
+                direct::leave(c.exec(), &io);
+                c.finish(io, success);
+            })
+        }
     }
 }
 

@@ -207,15 +207,18 @@ impl BdevIo {
     /// As [`with_channel`](Self::with_channel), for a channel's direct-path request: the
     /// channel is the one its context recorded ([`IoCtx::set_chan`]), found without asking
     /// SPDK.
+    ///
+    /// # Safety
+    /// The request's channel recorded itself with [`IoCtx::set_chan`] when it sent the
+    /// request down its direct path (its state lives while the request is outstanding).
     #[inline(always)]
-    pub fn with_recorded_channel<R>(self, f: impl FnOnce(&Channel, BdevIo) -> R) -> R {
+    pub unsafe fn with_recorded_channel<R>(self, f: impl FnOnce(&Channel, BdevIo) -> R) -> R {
         let c = self.ctx().chan();
-        if c.is_null() {
-            // Nothing recorded (not a direct-path request): ask SPDK.
-            return self.with_channel(f);
-        }
-        // SAFETY: `set_chan` records a live channel state (from a reference), and that state
-        // lives while the request is outstanding on it (as in `with_channel`).
+        debug_assert!(
+            !c.is_null(),
+            "no channel recorded for a direct-path request"
+        );
+        // SAFETY: per the contract.
         f(unsafe { &*c }, self)
     }
 
