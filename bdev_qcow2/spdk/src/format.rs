@@ -181,13 +181,7 @@ impl Polled for Job {
             return Poll::Idle;
         };
         let n = exec.poll(&mut |_, _| {});
-        if self.result.borrow().is_some() && !exec.busy() {
-            Poll::Done
-        } else if n > 0 {
-            Poll::Busy
-        } else {
-            Poll::Idle
-        }
+        Poll::of_task(n, self.result.borrow().is_some(), exec.busy())
     }
 
     fn finish(self: Box<Self>) {

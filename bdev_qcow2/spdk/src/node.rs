@@ -305,13 +305,7 @@ impl Polled for Job {
 
     fn poll(&self) -> Poll {
         let n = self.exec.poll(&mut |_, _| {});
-        if self.result.borrow().is_some() && !self.exec.busy() {
-            Poll::Done
-        } else if n > 0 {
-            Poll::Busy
-        } else {
-            Poll::Idle
-        }
+        Poll::of_task(n, self.result.borrow().is_some(), self.exec.busy())
     }
 
     fn finish(self: Box<Self>) {

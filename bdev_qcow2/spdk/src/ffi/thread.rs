@@ -193,6 +193,20 @@ pub enum Poll {
     Done,
 }
 
+impl Poll {
+    /// One run of a one-shot engine task (a create or format job): done once its result is
+    /// in and its executor has nothing in flight, else busy when the run polled something.
+    pub fn of_task(polled: usize, result_in: bool, busy: bool) -> Poll {
+        if result_in && !busy {
+            Poll::Done
+        } else if polled > 0 {
+            Poll::Busy
+        } else {
+            Poll::Idle
+        }
+    }
+}
+
 /// Where a polled state keeps its poller (set by [`start`]).
 #[derive(Debug, Default)]
 pub struct PollerSlot(Cell<*mut sys::spdk_poller>);
