@@ -361,6 +361,18 @@ impl<T: Copy + Default, A: Copy + Default> SetAssocCache<T, A> {
     /// way with its epoch, LRU stamp, summary and block. `fill` writes the block contents in
     /// place (no temporary copy). Ways returned earlier may name other keys afterwards.
     pub fn insert_with(&mut self, key: u64, epoch: u32, fill: impl FnOnce(&mut [T])) -> usize {
+        self.insert_evicting(key, epoch, fill).0
+    }
+
+    /// [`insert_with`](Self::insert_with), also naming the key that left the cache to make
+    /// room (`None` when an invalid way or `key`'s own way was taken).
+    pub fn insert_evicting(
+        &mut self,
+        key: u64,
+        epoch: u32,
+        fill: impl FnOnce(&mut [T]),
+    ) -> (usize, Option<u64>) {
+        let mut evicted = None;
         let w = match self.find(key) {
             Some((w, _)) => w,
             None => {
@@ -368,6 +380,7 @@ impl<T: Copy + Default, A: Copy + Default> SetAssocCache<T, A> {
                 let v = self.victim_in(set * self.ways);
                 if self.slots[v].key != INVALID {
                     self.stats.evictions += 1;
+                    evicted = Some(self.slots[v].key);
                 }
                 if v != home && self.slots[home].key != INVALID {
                     // The home's occupant moves to the victim's way, keeping its place in
@@ -390,7 +403,7 @@ impl<T: Copy + Default, A: Copy + Default> SetAssocCache<T, A> {
         };
         self.aux[w] = A::default();
         fill(&mut self.data[w * self.block_len..(w + 1) * self.block_len]);
-        w
+        (w, evicted)
     }
 
     /// Drops `key` if cached.
@@ -422,8 +435,9 @@ pub const MEMO_MAX_SLOTS: usize = 4096;
 /// Its entries are copies, valid on their own: on a core replica the epoch check is the same
 /// one the slice cache makes (ARCHITECTURE.md §6), and the owner (whose epochs are fixed) forgets
 /// a slice whenever it changes or re-caches it (`Qcow2::set_l2_words`, `Qcow2::cache_slice`).
-/// So an entry may outlive its slice's place in the cache: the mapping it records is still
-/// the slice's under that epoch.
+/// An entry also leaves when its slice leaves the cache (`Qcow2::cache_slice`), so the memo
+/// is a faster look-up of what the cache holds, never more: the cache size the user sets is
+/// what the image keeps mapped, on every path.
 pub struct LinearMemo {
     slots: Box<[std::cell::Cell<MemoSlot>]>,
     /// `slots.len() - 1`.
@@ -631,15 +645,17 @@ mod tests {
         // Invalidate one: the next insert must take that way (moving another key to it if
         // the new key's home is elsewhere), evicting nothing.
         c.invalidate(keys[1]);
-        c.insert_with(keys[4], 0, |_| {});
+        assert_eq!(c.insert_evicting(keys[4], 0, |_| {}).1, None);
         assert_eq!(c.stats().evictions, 0);
         for k in [keys[0], keys[2], keys[3], keys[4]] {
             assert!(c.probe(k, 0).is_some(), "{k}");
         }
         // Touch keys[0]; LRU is now keys[2].
         assert!(c.lookup(keys[0], 0).is_some());
-        c.insert_with(keys[5], 0, |_| {});
+        assert_eq!(c.insert_evicting(keys[5], 0, |_| {}).1, Some(keys[2]));
         assert_eq!(c.stats().evictions, 1);
+        // Re-inserting a cached key evicts nothing.
+        assert_eq!(c.insert_evicting(keys[5], 0, |_| {}).1, None);
         assert!(c.probe(keys[2], 0).is_none());
         for k in [keys[0], keys[3], keys[4], keys[5]] {
             assert!(c.probe(k, 0).is_some(), "{k}");

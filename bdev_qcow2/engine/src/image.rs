@@ -1075,7 +1075,10 @@ impl<D: BlockDevice> Qcow2<D> {
     pub(crate) fn cache_slice(&self, key: u64, epoch: u32, fill: impl FnOnce(&mut [u64])) -> usize {
         self.memo.forget(key);
         let mut cache = self.l2_cache.borrow_mut();
-        let w = cache.insert_with(key, epoch, fill);
+        let (w, evicted) = cache.insert_evicting(key, epoch, fill);
+        if let Some(old) = evicted {
+            self.memo.forget(old);
+        }
         let lin = LinearSlice::of(
             cache.block(w),
             self.ctx.get().cluster_bits,

@@ -174,19 +174,15 @@ impl<D: BlockDevice> Reactor<D> {
         self.image().map(|q| q.l2_cache_stats()).unwrap_or_default()
     }
 
-    /// Starts a read (tags below 2^62 - 1: the reactor uses the bits above). On a core:
-    /// straight to the device when cached metadata maps it to one extent, else through the
-    /// engine. The owner reads through the engine's read path, on its slice cache alone
-    /// (the memo of linear slices would outlive the cache: `qcow2 perf --thrash` measures
-    /// that cache). Reads and writes feed this reactor's read-ahead of L2 slices (on unless
-    /// the host turned it off with `chain.set_prefetch(false)`), every one of them: a
-    /// stream that mixes reads and writes stays one stream.
+    /// Starts a read (tags below 2^62 - 1: the reactor uses the bits above): straight to
+    /// the device when cached metadata maps it to one extent, else through the engine, on
+    /// every reactor (the owner included), as the SPDK module routes it. Reads and writes
+    /// feed this reactor's read-ahead of L2 slices (on unless the host turned it off with
+    /// `chain.set_prefetch(false)`), every one of them: a stream that mixes reads and writes
+    /// stays one stream.
     pub fn submit_read(&mut self, tag: u64, offset: u64, buf: BufSlice<D::Buf>) {
         let len = buf.len as u64;
         self.chain.read_ahead(offset, len);
-        if self.is_owner() {
-            return self.chain.submit_read(tag, offset, buf);
-        }
         match self.chain.route_read(offset, len) {
             ReadRoute::Direct(grant) => self.chain.submit_granted_read(tag, grant, buf),
             ReadRoute::Engine => self.chain.submit_read(tag, offset, buf),
