@@ -15,6 +15,8 @@
 #   FIRST_LAT="20 80" tests/spdk_bench.sh     # delay-bdev latencies (µs) for first writes
 #   ROUNDS=5 tests/spdk_bench.sh              # processes to average, fresh vs full (3)
 #   PAIRS=20 PAIR_SECS=2 tests/spdk_bench.sh  # interleaved qcow2/passthru runs per figure
+#   AGED=1 tests/spdk_bench.sh                # also images filled by random 4 KiB writes
+#   SKIP_FRESH=1 SKIP_PREALLOC=1 tests/spdk_bench.sh  # only the aged malloc figures
 #
 # Needs an installed SPDK (bdevperf on PATH, pkg-config spdk_bdev) and qemu-img; prints
 # SKIPPED and exits 0 without them. Builds the module in release mode.
@@ -30,7 +32,7 @@ for b in bdevperf qemu-img; do
 done
 
 cargo build --release -q -p bdev_qcow2
-SO=$PWD/target/release/libbdev_qcow2.so
+SO=${BDEV_QCOW2_SO:-$PWD/target/release/libbdev_qcow2.so}
 SIZE=${SIZE:-1G}
 TIME=${TIME:-5}
 DIR=${BENCH_DIR:-$(mktemp -d)}
@@ -151,7 +153,7 @@ zbench_stop() {
 ratio() { awk -v a="$1" -v b="$2" 'BEGIN {printf "%.3f", a / b}'; }
 
 MALLOC=1280 # MiB
-if [ -z "${SKIP_WRITABLE:-}" ]; then
+if [ -z "${SKIP_WRITABLE:-}" ] && [ -z "${SKIP_FRESH:-}" ]; then
 # 1. First writes vs overwrites, 1 GiB image: fresh, then filled sequentially, then the same
 #    run again; ROUNDS (3) processes, means. With 4 KiB clusters every write of a 1 s run
 #    that lands on a new cluster allocates one (about half of them); with 64 KiB clusters
@@ -244,6 +246,9 @@ interleaved_vs_passthru() {
 {\"method\":\"bdev_qcow2_format\",\"params\":{\"base_bdev\":\"m0\",\"size\":536870912,\"preallocation\":\"${ZPRE:-full}\"}},
 {\"method\":\"bdev_qcow2_create\",\"params\":{\"name\":\"X\",\"base_bdev\":\"m0\"}}"
   XNOW=q
+  # ZFILL (e.g. "randwrite 4096 3"): a first fill in the guest's own order (QD32), before
+  # the sequential pass allocates whatever it left.
+  [ -n "${ZFILL:-}" ] && zrun $ZFILL >/dev/null
   zrun write 1048576 3 8 >/dev/null
   use_p
   zrun write 1048576 3 8 >/dev/null # the same first touch of the malloc memory as m0 had
@@ -258,10 +263,22 @@ interleaved_vs_passthru() {
   zbench_stop
 }
 if [ -z "${SKIP_WRITABLE:-}" ]; then
-  interleaved_vs_passthru "one core, preallocated"
+  if [ -z "${SKIP_PREALLOC:-}" ]; then
+    interleaved_vs_passthru "one core, preallocated"
+    if [ -z "${SKIP_2CORE:-}" ] && [ "$(nproc)" -ge 2 ]; then
+      ZMASK=0x3 ZMULTI=-C interleaved_vs_passthru "two cores (-C), preallocated"
+    fi
+  fi
+  # Aged layouts made in place: two racing sequential writers, and random 4 KiB first
+  # writes (then the sequential pass fills the rest); tests/aged_bench.sh has QEMU's.
   if [ -z "${SKIP_2CORE:-}" ] && [ "$(nproc)" -ge 2 ]; then
-    ZMASK=0x3 ZMULTI=-C interleaved_vs_passthru "two cores (-C), preallocated"
     ZPRE=off ZMASK=0x3 ZMULTI=-C interleaved_vs_passthru "two cores (-C), filled by two writers"
+  fi
+  if [ -n "${AGED:-}" ]; then
+    ZPRE=off ZFILL="randwrite 4096 3" interleaved_vs_passthru "one core, filled by random 4 KiB writes"
+    if [ -z "${SKIP_2CORE:-}" ] && [ "$(nproc)" -ge 2 ]; then
+      ZPRE=off ZFILL="randwrite 4096 3" ZMASK=0x3 ZMULTI=-C interleaved_vs_passthru "two cores (-C), filled by random 4 KiB writes"
+    fi
   fi
 fi
 

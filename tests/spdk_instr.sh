@@ -7,6 +7,12 @@
 #
 #   tests/spdk_instr.sh                          # randread/randwrite, 4096 and 512 B
 #   WORKLOADS="randread:512" SECS=3 tests/spdk_instr.sh
+#   FILL="randwrite 4096 3" tests/spdk_instr.sh  # an aged image: see below
+#
+# With FILL ("WORKLOAD IOSIZE SECONDS"), our image is not preallocated but filled in the
+# guest's own order first (e.g. random 4 KiB writes, QD32), then front to back for what
+# that left, in the same bdevperf process (`-z`, driven by bdevperf.py); the counters are
+# zeroed (callgrind_control) before the measured run, so the fill is not counted.
 #
 # Per request it prints the instructions of the whole I/O cycle (bdevperf's completion
 # callback, our bdev or the passthru, the malloc bdev and the accel copy: everything the
@@ -25,17 +31,19 @@ for b in bdevperf valgrind callgrind_annotate; do
 done
 
 cargo build --release -q -p bdev_qcow2
-SO=$PWD/target/release/libbdev_qcow2.so
+SO=${BDEV_QCOW2_SO:-$PWD/target/release/libbdev_qcow2.so}
 DIR=$(mktemp -d)
-trap 'rm -rf "$DIR"' EXIT
+# (and a filled run's bdevperf, if the script stops while it runs)
+trap 'kill "${ZPID:-}" 2>/dev/null || true; rm -rf "$DIR"' EXIT
 MB=${MB:-64}
 
 # count KIND WORKLOAD IOSIZE: instructions per request of one bdevperf run under callgrind.
 count() {
-  local kind=$1 w=$2 o=$3 calls
+  local kind=$1 w=$2 o=$3 calls pre=full
+  [ -n "${FILL:-}" ] && pre=off
   if [ "$kind" = q ]; then
     calls="{\"method\":\"bdev_malloc_create\",\"params\":{\"name\":\"m0\",\"num_blocks\":$((MB * 2048 + 8192)),\"block_size\":512}},
-{\"method\":\"bdev_qcow2_format\",\"params\":{\"base_bdev\":\"m0\",\"size\":$((MB << 20)),\"preallocation\":\"full\"}},
+{\"method\":\"bdev_qcow2_format\",\"params\":{\"base_bdev\":\"m0\",\"size\":$((MB << 20)),\"preallocation\":\"$pre\"}},
 {\"method\":\"bdev_qcow2_create\",\"params\":{\"name\":\"X\",\"base_bdev\":\"m0\"}}"
   else
     calls="{\"method\":\"bdev_malloc_create\",\"params\":{\"name\":\"m1\",\"num_blocks\":$((MB * 2048)),\"block_size\":512}},
@@ -43,12 +51,18 @@ count() {
   fi
   printf '{"subsystems":[{"subsystem":"bdev","config":[%s,{"method":"bdev_wait_for_examine"}]}]}' \
     "$calls" >"$DIR/$kind.json"
-  timeout 600 env LD_PRELOAD="$SO" valgrind --tool=callgrind --callgrind-out-file="$DIR/$kind.out" \
-    bdevperf -u --no-huge -s 1024 --json "$DIR/$kind.json" -m 0x1 -T X -q 32 -o "$o" -w "$w" \
-    -t "${SECS:-5}" >"$DIR/$kind.log" 2>&1
   local n cycle
-  n=$(awk '$1 == "X" && $2 == ":" {print $3 * $4; exit}' "$DIR/$kind.log")
-  if awk -v f="$(awk '$1 == "X" && $2 == ":" {print $6; exit}' "$DIR/$kind.log")" 'BEGIN {exit !(f != "0.00")}'; then
+  if [ "$kind" = q ] && [ -n "${FILL:-}" ]; then
+    n=$(filled_run "$w" "$o")
+  else
+    timeout 600 env LD_PRELOAD="$SO" valgrind --tool=callgrind --callgrind-out-file="$DIR/$kind.out" \
+      bdevperf -u --no-huge -s 1024 --json "$DIR/$kind.json" -m 0x1 -T X -q 32 -o "$o" -w "$w" \
+      -t "${SECS:-5}" >"$DIR/$kind.log" 2>&1
+    n=$(awk '$1 == "X" && $2 == ":" {print $3 * $4; exit}' "$DIR/$kind.log")
+  fi
+  # (filled_run checks its own results.)
+  if { [ "$kind" = p ] || [ -z "${FILL:-}" ]; } &&
+    awk -v f="$(awk '$1 == "X" && $2 == ":" {print $6; exit}' "$DIR/$kind.log")" 'BEGIN {exit !(f != "0.00")}'; then
     cat "$DIR/$kind.log"
     echo "failed I/O" >&2
     exit 1
@@ -57,6 +71,35 @@ count() {
     grep -E "(accel_sw\.c:accel_comp_poll|bdev_qcow2::ffi::thread::run_poller) " |
     awk '{gsub(",", "", $1); s += $1} END {print s}')
   awk -v c="$cycle" -v n="$n" 'BEGIN {printf "%.0f", c / n}'
+}
+
+# filled_run WORKLOAD IOSIZE: our image filled by FILL, then the measured run, counted
+# alone into $DIR/q.out; prints the requests it completed.
+filled_run() {
+  local py=${BDEVPERF_PY:-/opt/spdk-src/examples/bdev/bdevperf/bdevperf.py}
+  rm -f "$DIR/z.sock"
+  # Started without a wrapper, so that $! is valgrind's own process (callgrind_control's).
+  LD_PRELOAD="$SO" valgrind --tool=callgrind --callgrind-out-file="$DIR/all.out" \
+    bdevperf -u --no-huge -s 1024 --json "$DIR/q.json" -r "$DIR/z.sock" -z -m 0x1 -T X \
+    -q 32 -o 4096 -w randread -t 1 >"$DIR/q.log" 2>&1 &
+  ZPID=$!
+  for _ in $(seq 300); do [ -S "$DIR/z.sock" ] && break; sleep 0.2; done
+  perform() { timeout 300 /usr/bin/python3 "$py" -s "$DIR/z.sock" -t 290 perform_tests "$@"; }
+  set -- "$1" "$2" $FILL
+  perform -w "$3" -o "$4" -t "$5" -q 32 >/dev/null
+  perform -w write -o 1048576 -t 4 -q 8 >/dev/null
+  callgrind_control -z "$ZPID" >/dev/null
+  perform -w "$1" -o "$2" -t "${SECS:-5}" -q 32 >"$DIR/q.res"
+  callgrind_control -d "$ZPID" >/dev/null
+  kill "$ZPID" 2>/dev/null || true
+  wait "$ZPID" 2>/dev/null || true
+  mv "$(ls -t "$DIR"/all.out?* | head -1)" "$DIR/q.out"
+  /usr/bin/python3 -c '
+import json, sys
+rs = [r for r in json.load(open(sys.argv[1]))["results"] if "iops" in r]
+if any(r.get("io_failed", 0) for r in rs):
+    sys.exit("failed I/O")
+print("%.0f" % sum(r["iops"] * r["runtime"] for r in rs))' "$DIR/q.res"
 }
 
 for wo in ${WORKLOADS:-randread:4096 randread:512 randwrite:4096 randwrite:512}; do

@@ -21,7 +21,9 @@
 //! Repair ([`Repair::Leaks`], [`Repair::All`]) rewrites stored refcounts to the expected
 //! values. Where a needed refcount block is missing or unusable, a new one is placed past the
 //! end of the image (describing itself when it must), and the refcount table is grown into
-//! a new table when it is too small. Writes go in the crash-safe order: refcount blocks,
+//! a new table when it is too small. A fixed-size device (a bdev, a block device) cannot
+//! grow: there the new structures take clusters no reference uses below its end, and the
+//! repair fails with a check error, writing nothing, when there are not enough of them. Writes go in the crash-safe order: refcount blocks,
 //! flush, table entries (or new table, flush, header), flush, and only then the old table is
 //! freed. QEMU rebuilds the whole refcount structure in the cases where we relocate single
 //! blocks; both leave an image that checks clean.
@@ -39,6 +41,8 @@ use crate::format::{HeaderPatch, ImageHeader};
 use crate::io::{BlockDevice, BufSlice, DeviceOp, IoBuffer, SECTOR};
 use crate::limits::{MAX_L1_ENTRIES, MAX_SNAPSHOT_EXTRA_DATA, MAX_SNAPSHOT_TABLE_BYTES};
 use std::collections::{BTreeSet, HashMap};
+
+mod placement;
 
 /// Most host clusters (file size / cluster size) an image may have for `check`: the
 /// in-memory refcount array takes two bytes per cluster (512 MiB at this limit).
@@ -933,14 +937,39 @@ impl<D: BlockDevice> Checker<'_, D> {
         Ok(())
     }
 
+    /// Whether the repair keeps the block that refcount-table index `i` names: one is
+    /// named, and it is usable.
+    fn keeps_block(&self, i: u64) -> bool {
+        self.rt
+            .get(i as usize)
+            .is_some_and(|e| e & REFT_OFFSET_MASK != 0 && !self.bad_blocks.contains(&i))
+    }
+
+    /// Where the new refcount structures for the blocks of `need` go: past the end of the
+    /// image on a device that grows; on a fixed-size device (a bdev, a block device), in
+    /// whole clusters below its end that no reference uses. `None` when a fixed-size device
+    /// has no room for them.
+    fn place(&self, need: &BTreeSet<u64>) -> Option<placement::Layout> {
+        let present = |i: u64| self.keeps_block(i);
+        let g = placement::Geometry {
+            cluster_size: self.cs,
+            per_block: self.per_block,
+            table_len: self.rt.len() as u64,
+            present: &present,
+        };
+        if self.exec.with_device(self.dev, |d| d.can_grow()) {
+            return Some(placement::past_the_end(self.imrt.len() as u64, need, &g));
+        }
+        let free = |c: u64| self.imrt.get(c as usize).is_some_and(|v| *v == 0);
+        placement::in_holes(self.file_len / self.cs, &free, need, &g)
+    }
+
     /// Makes every stored refcount (for clusters up to the end of the image) equal its
-    /// reference count: relocates unusable refcount blocks, creates missing ones past the
-    /// end of the image, grows the refcount table into a new one if needed, and rewrites
+    /// reference count: relocates unusable refcount blocks, creates missing ones (past the
+    /// end of the image, or in unused clusters of a fixed-size device), grows the refcount table into a new one if needed, and rewrites
     /// existing blocks in place. Crash-safe order: blocks, flush, table (new table, flush,
     /// header), flush, then the old table is freed.
     async fn fix_all(&mut self) -> Step {
-        // New structures go past the image's end, perhaps into a zeroed tail.
-        self.void_zeroed_tail().await?;
         let cs = self.cs;
         let per = self.per_block;
         // Blocks that were counted but will be dropped by the table: one reference less.
@@ -951,14 +980,11 @@ impl<D: BlockDevice> Checker<'_, D> {
             }
         }
         let rt_len = self.rt.len() as u64;
-        let present = |rt: &[u64], bad: &BTreeSet<u64>, i: u64| {
-            i < rt_len && rt[i as usize] & REFT_OFFSET_MASK != 0 && !bad.contains(&i)
-        };
         // Blocks needed for the clusters in use today.
         let n0 = self.imrt.len() as u64;
         let mut need: BTreeSet<u64> = BTreeSet::new();
         for b in 0..n0.div_ceil(per) {
-            if present(&self.rt, &self.bad_blocks, b) {
+            if self.keeps_block(b) {
                 continue;
             }
             let lo = (b * per) as usize;
@@ -981,57 +1007,52 @@ impl<D: BlockDevice> Checker<'_, D> {
             self.flush().await?;
             return Ok(());
         }
-        // New clusters go past the end: first a new refcount table (if the current one is
-        // too small), then the new blocks. Iterate until the blocks also cover themselves.
-        let (mut k, mut t) = (0u64, 0u64);
-        let mut all_need;
-        loop {
-            all_need = need.clone();
-            let end = n0 + t + k;
-            for b in n0 / per..end.div_ceil(per) {
-                if !present(&self.rt, &self.bad_blocks, b) {
-                    all_need.insert(b);
-                }
-            }
-            let max_index = all_need.iter().next_back().copied().unwrap_or(0);
-            let k2 = all_need.len() as u64;
-            let t2 = if max_index >= rt_len {
-                ((max_index + 1) * 8).div_ceil(cs)
-            } else {
-                0
-            };
-            if (k2, t2) == (k, t) {
-                break;
-            }
-            (k, t) = (k2, t2);
-        }
-        let new_end = n0 + t + k;
-        if new_end > MAX_CHECK_CLUSTERS {
+        let Some(layout) = self.place(&need) else {
             self.report.check_errors += 1;
-            self.msg("ERROR allocating refcount blocks: image too large".into());
+            self.msg(format!(
+                "ERROR allocating refcount blocks: no room on the fixed-size device for {} \
+                 refcount block(s) and the refcount table; free clusters inside the image \
+                 or make the device larger",
+                need.len()
+            ));
             return Err(Stop::Abort);
+        };
+        let (table_start, t) = layout.table;
+        if let Some(end) = layout.clusters().max() {
+            if end >= MAX_CHECK_CLUSTERS {
+                self.report.check_errors += 1;
+                self.msg("ERROR allocating refcount blocks: image too large".into());
+                return Err(Stop::Abort);
+            }
+            if end >= self.imrt.len() as u64 {
+                self.imrt.resize(end as usize + 1, 0);
+            }
         }
-        self.imrt.resize(new_end as usize, 1);
-        let table_start = n0;
+        for c in layout.clusters() {
+            self.imrt[c as usize] = 1;
+        }
+        // New structures may lie in a zeroed tail, which the repair does not keep.
+        self.void_zeroed_tail().await?;
         let mut new_rt = self.rt.clone();
         if t > 0 {
             new_rt.resize((t * cs / 8) as usize, 0);
         }
-        for (j, b) in all_need.iter().enumerate() {
-            new_rt[*b as usize] = (n0 + t + j as u64) * cs;
+        for &(b, c) in &layout.blocks {
+            new_rt[b as usize] = c * cs;
         }
+        let placed: BTreeSet<u64> = layout.blocks.iter().map(|&(b, _)| b).collect();
         for &b in &self.bad_blocks {
-            if !all_need.contains(&b) {
+            if !placed.contains(&b) {
                 // A bad entry whose range needs no refcounts: drop it.
                 new_rt[b as usize] = 0;
             }
         }
         // 1. New blocks, and corrections of the existing ones.
-        for (j, b) in all_need.iter().enumerate() {
-            let block = self.encode_block(*b);
-            self.write((n0 + t + j as u64) * cs, &block).await?;
+        for &(b, c) in &layout.blocks {
+            let block = self.encode_block(b);
+            self.write(c * cs, &block).await?;
         }
-        // A stale cached copy could sit at a new block's offset (a bad entry past the end).
+        // A stale cached copy could sit at a new block's offset (a bad entry, a hole).
         self.block_cache.clear();
         self.rewrite_blocks().await?;
         self.flush().await?;

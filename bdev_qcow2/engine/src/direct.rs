@@ -2,7 +2,7 @@
 //! metadata by one call per direction ([`Chain::route_read`], [`Chain::route_write`]), and
 //! the submission of a granted request through the executor.
 //!
-//! A route asks the memo of linear slices first (a few compares), then, past it, the
+//! A route asks the memo of slices first (a few compares), then, past it, the
 //! slice cache. The request enters its grace period once, before anything is resolved;
 //! a [`Grant`] carries the entry to the host, every other answer has left it.
 
@@ -138,7 +138,7 @@ impl<D: BlockDevice> Chain<D> {
             return PastMemo::Engine;
         }
         // The memo of overwrites answers only on a writable core replica, which asked it;
-        // elsewhere (the owner) the memo of linear slices still stands for the cache.
+        // elsewhere (the owner) the memo of slices still stands for the cache.
         let memo = match self.layers().first() {
             Some(Layer::Qcow2(q)) => q.writable_core_shared().is_none(),
             _ => true,
@@ -240,7 +240,7 @@ impl<D: BlockDevice> Chain<D> {
     }
 
     /// One contiguous data extent for a read, from cached slices only (the caller asked
-    /// the memo of linear slices already).
+    /// the memo of slices already).
     #[inline(always)]
     fn plan_direct_read(&self, offset: u64, len: u64) -> Option<(DevId, u64)> {
         let q = match &self.layers()[0] {

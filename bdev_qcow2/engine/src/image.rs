@@ -7,7 +7,7 @@
 //! owner's operations ([`owner`], a child module: they reach the image's private fields) and
 //! the request paths build on the image.
 
-use crate::cache::{CacheConfig, CacheStats, LinearMemo, SetAssocCache, MEMO_NO_META_GEN};
+use crate::cache::{CacheConfig, CacheStats, SetAssocCache};
 use crate::coherency::{Shared, SliceReply};
 use crate::error::{corrupt, invalid, Error, Field, Result};
 use crate::exec::{DevId, Exec, WaitQueue};
@@ -20,6 +20,7 @@ use crate::format::{
 };
 use crate::io::{BlockDevice, BufSlice, IoBuffer, SECTOR};
 use crate::limits::MAX_CACHE_BYTES;
+use crate::memo::{SliceMemo, MEMO_NO_META_GEN};
 use crate::types::{Geometry, GuestOffset, HostOffset, SUBCLUSTERS};
 use std::cell::{Cell, Ref, RefCell};
 use std::sync::Arc;
@@ -76,8 +77,8 @@ pub struct Qcow2<D: BlockDevice> {
     refcount_table: RefCell<Vec<u64>>,
     snapshots: Vec<Snapshot>,
     l2_cache: RefCell<SetAssocCache<u64, LinearSlice>>,
-    /// The direct path's memo of linear slices, in front of `l2_cache`.
-    memo: LinearMemo,
+    /// The direct path's memo of slices, in front of `l2_cache`.
+    memo: SliceMemo,
     rc_cache: RefCell<SetAssocCache<u8>>,
     /// The metadata owner's state (`None` when opened read-only, and on a core replica):
     /// reached by the owner's operations through [`owner`](Self::owner).
@@ -261,7 +262,11 @@ impl<D: BlockDevice> Qcow2<D> {
             l1: RefCell::new(l1),
             refcount_table: RefCell::new(refcount_table),
             snapshots,
-            memo: LinearMemo::new(l2_cache.capacity()),
+            memo: SliceMemo::new(
+                l2_cache.capacity(),
+                geo.slice_entries() as usize,
+                geo.cluster_bits,
+            ),
             l2_cache: RefCell::new(l2_cache),
             rc_cache: RefCell::new(rc_cache),
             meta,
@@ -360,7 +365,11 @@ impl<D: BlockDevice> Qcow2<D> {
             l1: RefCell::new(l1),
             refcount_table: RefCell::new(refcount_table),
             snapshots: self.snapshots.clone(),
-            memo: LinearMemo::new(l2_cache.capacity()),
+            memo: SliceMemo::new(
+                l2_cache.capacity(),
+                self.geo.slice_entries() as usize,
+                self.geo.cluster_bits,
+            ),
             l2_cache: RefCell::new(l2_cache),
             rc_cache: RefCell::new(rc_cache),
             meta: None,
@@ -467,7 +476,11 @@ impl<D: BlockDevice> Qcow2<D> {
             l1: RefCell::new(Vec::new()),
             refcount_table: RefCell::new(Vec::new()),
             snapshots: seed.snapshots,
-            memo: LinearMemo::new(l2_cache.capacity()),
+            memo: SliceMemo::new(
+                l2_cache.capacity(),
+                seed.geo.slice_entries() as usize,
+                seed.geo.cluster_bits,
+            ),
             l2_cache: RefCell::new(l2_cache),
             rc_cache: RefCell::new(rc_cache),
             meta: None,
@@ -804,7 +817,7 @@ impl<D: BlockDevice> Qcow2<D> {
     /// extent that the cache alone gives, without the general look-up's decoding: the range
     /// lies in one cached slice that is valid now, and either the slice is linear (every
     /// entry plain COPIED data in consecutive host clusters, `LinearSlice`: any range
-    /// inside it; with `memo`, asked of the memo of linear slices first) or the range lies
+    /// inside it; with `memo`, asked of the memo of slices first) or the range lies
     /// in one cluster whose entry is plain data (COPIED when `copied`, as an in-place write
     /// needs; with extended L2, every subcluster the range touches allocated data). The
     /// clusters lie inside the device. Touches the LRU and counts a hit only then.
@@ -831,10 +844,13 @@ impl<D: BlockDevice> Qcow2<D> {
             return Err(false);
         };
         let epoch = self.cur_epoch(key);
-        // A linear slice remembered under the current epoch: its clusters are COPIED data
-        // inside the device (checked when remembered).
-        if let Some(first) = memo.then(|| self.memo.get(key, epoch)).flatten() {
-            return Ok(first + within);
+        // A slice remembered under the current epoch: the clusters it answers for are
+        // COPIED data inside the device (checked when remembered).
+        if let Some(host) = memo
+            .then(|| self.memo.extent(key, epoch, within, len))
+            .flatten()
+        {
+            return Ok(host);
         }
         self.cached_extent_in_cache(off, len, copied, (key, within), epoch)
     }
@@ -882,11 +898,11 @@ impl<D: BlockDevice> Qcow2<D> {
     pub(crate) fn memo_overwrite(&self, off: u64, len: u64) -> Option<u64> {
         let sh = self.writable_core_shared()?;
         let (key, within) = self.in_one_slice(off, len)?;
-        let first = self.memo.get_overwrite(key, sh.epoch(key), sh.meta_gen())?;
-        Some(first + within)
+        self.memo
+            .extent_overwrite(key, sh.epoch(key), sh.meta_gen(), within, len)
     }
 
-    /// The host offset of `[off, off + len)` from the memo of linear slices alone: a read
+    /// The host offset of `[off, off + len)` from the memo of slices alone: a read
     /// (the slice's current epoch, as [`cached_extent_with`](Self::cached_extent_with) checks
     /// it) or, with `write`, an in-place write on a writable core replica
     /// ([`memo_overwrite`](Self::memo_overwrite)). `None` says nothing about the range: the
@@ -897,8 +913,7 @@ impl<D: BlockDevice> Qcow2<D> {
             return self.memo_overwrite(off, len);
         }
         let (key, within) = self.in_one_slice(off, len)?;
-        let first = self.memo.get(key, self.cur_epoch(key))?;
-        Some(first + within)
+        self.memo.extent(key, self.cur_epoch(key), within, len)
     }
 
     /// [`cached_extent_with`](Self::cached_extent_with) past the memo, for the range at
@@ -943,6 +958,14 @@ impl<D: BlockDevice> Qcow2<D> {
                 host
             }
             _ => {
+                if !self.geo.extended_l2 {
+                    let meta_gen = self
+                        .writable_core_shared()
+                        .map_or(MEMO_NO_META_GEN, |sh| sh.meta_gen());
+                    if self.memo.takes_mapped(key, epoch, meta_gen) {
+                        self.remember_mapped(key, epoch, meta_gen, cache.block(way));
+                    }
+                }
                 let in_cluster = off & (cs - 1);
                 if in_cluster + len > cs {
                     return Err(false);
@@ -979,6 +1002,29 @@ impl<D: BlockDevice> Qcow2<D> {
         };
         cache.touch_fresh(hit);
         Ok(host)
+    }
+
+    /// Remembers slice `key`, a standard (not extended) slice that is not linear, cached
+    /// under `epoch` with entries `block`, in the memo as mapped: the host cluster of each
+    /// entry that is plain COPIED data inside the device and, on a writable core replica,
+    /// not metadata under `meta_gen`, the bitmap's generation read before (as for a linear
+    /// slice).
+    #[inline(never)]
+    fn remember_mapped(&self, key: u64, epoch: u32, meta_gen: u64, block: &[u64]) {
+        let ctx = self.ctx.get();
+        let bits = ctx.cluster_bits;
+        let core = self.writable_core_shared();
+        let hosts = block.iter().map(|&e| {
+            let cluster = match L2Entry(e).plain_data(bits, ctx.device_size) {
+                Some((h, true)) => h >> bits,
+                _ => return 0,
+            };
+            match u32::try_from(cluster) {
+                Ok(c) if core.is_none_or(|sh| sh.meta_range_clear(cluster, 1)) => c,
+                _ => 0,
+            }
+        });
+        self.memo.remember_mapped(key, epoch, meta_gen, hosts);
     }
 
     /// Where this replica's cached L2 entry for `off` lies in memory, if its slice is cached

@@ -32,6 +32,7 @@ pub mod fuzzing;
 pub mod image;
 pub mod io;
 pub mod limits;
+pub mod memo;
 pub mod meta;
 pub mod prefetch;
 mod readahead;

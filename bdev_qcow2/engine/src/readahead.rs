@@ -42,7 +42,7 @@ impl<D: BlockDevice> Chain<D> {
         }
     }
 
-    /// [`read_ahead`](Self::read_ahead) for a request that the memo of linear slices
+    /// [`read_ahead`](Self::read_ahead) for a request that the memo of slices
     /// mapped (a [`Grant`](crate::Grant) `from_memo`): its slice is cached, and what
     /// read-ahead would load is the next one, so only a request that ends in the slice's
     /// tail (its last eighth, at least [`TAIL_MIN`](crate::prefetch::TAIL_MIN)) is

@@ -90,7 +90,7 @@ pub struct Grant {
 
 impl Grant {
     /// A grant of `range` at `host` on `dev`, entered into the grace period with `parity`;
-    /// `memo`: found by the memo of linear slices.
+    /// `memo`: found by the memo of slices.
     #[inline(always)]
     pub(crate) fn new(
         dev: DevId,
@@ -126,8 +126,8 @@ impl Grant {
         self.range
     }
 
-    /// Whether the memo of linear slices found it: the request's slice is cached and
-    /// linear, so read-ahead need only watch it in the slice's tail
+    /// Whether the memo of slices found it: the request's slice was cached under the
+    /// current epoch, so read-ahead need only watch it in the slice's tail
     /// ([`Chain::read_ahead_memo`](crate::Chain::read_ahead_memo)).
     #[inline(always)]
     pub fn from_memo(&self) -> bool {

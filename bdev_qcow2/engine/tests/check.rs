@@ -144,3 +144,103 @@ fn device_failure_at_every_operation() {
         }
     }
 }
+
+fn run_fixed(bytes: Vec<u8>, size: usize, repair: Repair) -> (Result<CheckReport, Error>, Vec<u8>) {
+    let exec = Exec::new();
+    let dev = MemDevice::fixed(bytes, size);
+    let id = exec.add_device(dev.clone());
+    let e2 = exec.clone();
+    let r = exec.block_on(async move { check(&e2, id, repair).await });
+    (r, dev.contents())
+}
+
+fn put_be64(b: &mut [u8], off: u64, v: u64) {
+    b[off as usize..off as usize + 8].copy_from_slice(&v.to_be_bytes());
+}
+
+#[test]
+fn repair_on_a_fixed_device_rebuilds_a_lost_block_inside_it() {
+    // Like a bdev larger than the image: the lost block's replacement must not go past
+    // the device end (where a write fails with EIO) but into a cluster nothing uses.
+    for (cb, ro) in [(9, 0), (12, 4), (16, 4), (16, 6)] {
+        let img = fresh(cb, ro);
+        let size = img.len() + (1 << 20);
+        let rt = be64(&img, 48);
+        let mut bad = img.clone();
+        bad[rt as usize..rt as usize + 8].fill(0);
+        let (r, fixed) = run_fixed(bad, size, Repair::All);
+        let r = r.unwrap();
+        assert_eq!(counts(&r), (0, 0, 0), "cluster_bits {cb} order {ro}: {r:?}");
+        assert!(r.corruptions_fixed > 0, "{r:?}");
+        assert_eq!(fixed.len(), size);
+        let block = be64(&fixed, be64(&fixed, 48));
+        assert!(
+            block != 0 && block + (1 << cb) <= img.len() as u64,
+            "{block:#x}"
+        );
+        let (r, _) = run_fixed(fixed, size, Repair::None);
+        assert_eq!(counts(&r.unwrap()), (0, 0, 0));
+    }
+}
+
+#[test]
+fn repair_on_a_fixed_device_grows_the_refcount_table_into_holes() {
+    // 512-byte clusters, 64-bit refcounts: one table cluster holds 64 blocks of 64
+    // clusters (2 MiB). A new L2 table maps a cluster past those 2 MiB, whose block the
+    // one-cluster table cannot name: the table grows, on a device that cannot.
+    let img = fresh(9, 6);
+    let covered = (512 / 8) * 64 * 512u64;
+    let size = covered as usize + (64 << 10);
+    assert!((img.len() as u64) < covered);
+    let mut bad = img.clone();
+    bad.resize(size, 0);
+    let l2 = img.len() as u64;
+    let l1 = be64(&img, 40);
+    put_be64(&mut bad, l1, (1 << 63) | l2);
+    put_be64(&mut bad, l2, (1 << 63) | (covered + 8 * 512));
+    let (r, _) = run_fixed(bad.clone(), size, Repair::None);
+    assert!(r.unwrap().corruptions > 0);
+    let (r, fixed) = run_fixed(bad, size, Repair::All);
+    let r = r.unwrap();
+    assert_eq!(counts(&r), (0, 0, 0), "{r:?}");
+    let rt = be64(&fixed, 48);
+    assert_ne!(rt, be64(&img, 48), "table not moved");
+    assert_eq!(u32::from_be_bytes(fixed[56..60].try_into().unwrap()), 2);
+    assert!(rt + 2 * 512 <= size as u64);
+    let (r, _) = run_fixed(fixed, size, Repair::None);
+    assert_eq!(counts(&r.unwrap()), (0, 0, 0));
+}
+
+#[test]
+fn repair_on_a_full_fixed_device_fails_clearly_and_writes_nothing() {
+    // The lost block's cluster becomes an (empty) L2 table: every cluster of the device
+    // is in use, so there is no room for the block the repair must create.
+    let img = fresh(16, 4);
+    let rt = be64(&img, 48);
+    let block = be64(&img, rt);
+    let l1 = be64(&img, 40);
+    let mut bad = img.clone();
+    bad[rt as usize..rt as usize + 8].fill(0);
+    bad[block as usize..block as usize + 65536].fill(0);
+    put_be64(&mut bad, l1, (1 << 63) | block);
+    let (r, after) = run_fixed(bad.clone(), bad.len(), Repair::All);
+    let r = r.unwrap();
+    assert_eq!(r.check_errors, 1, "{r:?}");
+    assert!(
+        r.messages
+            .iter()
+            .any(|m| m.contains("no room on the fixed-size device")),
+        "{:?}",
+        r.messages
+    );
+    assert!(
+        after == bad,
+        "a repair that found no room wrote to the device"
+    );
+    // On a device that grows, the same image is repaired past its end.
+    let (r, fixed) = run(bad.clone(), Repair::All);
+    assert_eq!(r.unwrap().corruptions, 0);
+    assert!(fixed.len() > bad.len());
+    let (r, _) = run(fixed, Repair::None);
+    assert_eq!(counts(&r.unwrap()), (0, 0, 0));
+}

@@ -912,7 +912,7 @@ fn route(chain: &Chain<Channel>, off: u64, len: u64) -> &'static str {
 }
 
 /// Where the direct path maps `[off, off + len)`, asked as the SPDK module asks: one
-/// `Chain::route_read` / `Chain::route_write` (the memo of linear slices first, then the
+/// `Chain::route_read` / `Chain::route_write` (the memo of slices first, then the
 /// slice cache), checked against the general look-up ([`general`]); a grant is finished at
 /// once. Also says whether the memo answered (its answer must be the general one).
 fn direct(chain: &Chain<Channel>, off: u64, len: u64, write: bool) -> (Option<u64>, bool) {
@@ -983,7 +983,7 @@ fn general(chain: &Chain<Channel>, off: u64, len: u64, write: bool) -> Option<u6
     start
 }
 
-/// The direct path's memo of linear slices (`LinearMemo`) answers only under the epoch it
+/// The direct path's memo of slices (`SliceMemo`) answers only under the epoch it
 /// remembered: once the owner discards a cluster of a linear slice the core mapped, the
 /// core's direct path no longer maps that cluster (it reads zeros), and still maps the
 /// others where they are.
@@ -1022,7 +1022,70 @@ fn core_direct_path_drops_a_remembered_linear_slice_the_owner_changed() {
     rig.close();
 }
 
-/// A core's in-place writes planned from its memo of linear slices stop at metadata
+/// The memo answers for a slice that is not linear (mapped: one host cluster per entry)
+/// as it does for a linear one: only under the epoch it remembered and, for a core's
+/// in-place write, only while none of the clusters it answers for is metadata; a request
+/// across two clusters, or into one without a host cluster, is the slice cache's.
+#[test]
+fn core_direct_path_maps_non_linear_slices_from_the_memo_until_they_change() {
+    let mut rig = Rig::new(12, 1, false, 1);
+    let cs = 4096u64;
+    // 512-byte slices: 64 entries. Written last to first: every cluster of slice 0 lies
+    // before the one it follows in the guest, so the slice is not linear.
+    for c in (0..64u64).rev() {
+        write_sync(&mut rig, 1000 + c, c * cs, 60 + c, cs);
+    }
+    flush_sync(&mut rig, 2);
+    let core = rig.chains[1].clone();
+    assert_eq!(core_read(&mut rig, 1, 3, 0, cs), vec![60; 8]);
+    let read = |off: u64, len: u64| direct(&core, off, len, false);
+    let h = |c: u64| read(c * cs, cs).0.expect("allocated data");
+    let h5 = h(5);
+    assert_ne!(h(6), h5 + cs, "the slice is not linear");
+    // Remembered by the first look-ups: a range inside one cluster comes from the memo.
+    assert_eq!(read(5 * cs + 512, 1024), (Some(h5 + 512), true));
+    assert_eq!(read(9 * cs, cs), (Some(h(9)), true));
+    assert_eq!(
+        read(5 * cs + 512, cs).0,
+        None,
+        "two clusters apart on the device"
+    );
+    // The owner discards cluster 5 (the slice's epoch moves).
+    rig.chains[0].submit_discard(4, 5 * cs, cs);
+    rig.run(4).unwrap();
+    assert_eq!(
+        read(5 * cs, cs),
+        (None, false),
+        "a discarded cluster is not mapped"
+    );
+    assert_eq!(core_read(&mut rig, 1, 5, 5 * cs, cs), vec![0; 8]);
+    assert_eq!(
+        read(5 * cs, 512),
+        (None, false),
+        "nor after the core fetched the slice"
+    );
+    let h9 = h(9);
+    assert_eq!(read(9 * cs, 512), (Some(h9), true), "the others are, again");
+    // In-place writes on the core, from the memo, until a cluster becomes metadata.
+    let in_place = |off: u64| direct(&core, off, 512, true);
+    assert_eq!(in_place(9 * cs).0, Some(h9));
+    assert_eq!(in_place(9 * cs), (Some(h9), true));
+    let sh = rig.owner().shared().expect("shared").clone();
+    let h7 = h(7);
+    sh.set_meta_cluster(h7 / cs);
+    assert_eq!(
+        in_place(7 * cs),
+        (None, false),
+        "an overwrite of new metadata"
+    );
+    assert_eq!(in_place(7 * cs), (None, false), "nor once remembered again");
+    assert_eq!(in_place(9 * cs).0, Some(h9));
+    assert_eq!(in_place(9 * cs), (Some(h9), true), "the others still");
+    assert_eq!(read(7 * cs, 512).0, Some(h7), "a read is no overwrite");
+    rig.close();
+}
+
+/// A core's in-place writes planned from its memo of slices stop at metadata
 /// (ARCHITECTURE.md §9): a host cluster of the slice that is metadata when the core remembers the
 /// slice, or that becomes metadata later (as a hostile refcount lets the allocator do), is
 /// never planned in place; the slice's other clusters still are.

@@ -1,0 +1,332 @@
+//! The direct path's memo of L2 slices ([`SliceMemo`]): a direct-mapped table in front of
+//! the set-associative slice cache that maps a request inside one slice in a few compares.
+
+use std::cell::{Cell, OnceCell};
+
+/// The most slots a [`SliceMemo`] has (a power of two): 4,096 slices map 128 GiB with
+/// 64 KiB clusters and 4 KiB slices.
+pub const MEMO_MAX_SLOTS: usize = 4096;
+
+/// [`MemoSlot::meta_gen`] of a slice not known clear of metadata.
+pub const MEMO_NO_META_GEN: u64 = u64::MAX;
+
+/// Key of an empty slot.
+const EMPTY_KEY: u64 = u64::MAX;
+
+/// [`MemoSlot::host`] of a mapped slice: its clusters are in the slot's row of the map.
+const MAPPED: u64 = u64::MAX;
+
+/// A mapped slice replaces a slot held by another slice only at every this-many-th
+/// attempt: building a map decodes a whole slice, which slices that share slots would
+/// otherwise repeat on every request.
+const MAPPED_EVICT_EVERY: u32 = 64;
+
+/// A direct-mapped memo in front of the L2 slice cache, for the direct path. A slot holds
+/// one slice, the epoch it was read under, and either
+/// - for a **linear** slice (see [`LinearSlice`](crate::format::entries::LinearSlice)):
+///   where its clusters start on the device — a hit is one load and two compares;
+/// - for any other slice (**mapped**): a row of the memo's map, one `u32` per entry: the
+///   host cluster of each entry that is plain COPIED data inside the device (and, on a
+///   writable core replica, not metadata), 0 for the rest — a hit loads that word too.
+///
+/// Both answer a request that lies inside one slice (a mapped slice: inside one cluster
+/// whose word is not 0) where the set-associative look-up hashes the key, reads the slot,
+/// the summary, the LRU clock and the entry, decodes it and writes the rank back. As many
+/// slots as the slice cache holds slices (a power of two, at most [`MEMO_MAX_SLOTS`]); the
+/// map is allocated the first time a mapped slice is remembered (4 bytes per entry of every
+/// slot: half what the slice cache takes for as many slices).
+///
+/// Its entries are copies, valid on their own: on a core replica the epoch check is the same
+/// one the slice cache makes (ARCHITECTURE.md §6), and the owner (whose epochs are fixed)
+/// forgets a slice whenever it changes or re-caches it (`Qcow2::set_l2_words`,
+/// `Qcow2::cache_slice`), and an entry leaves when its slice leaves the cache
+/// (`Qcow2::cache_slice`): the memo is a faster look-up of what the cache holds, never more.
+pub struct SliceMemo {
+    slots: Box<[Cell<MemoSlot>]>,
+    /// `slots.len() - 1`.
+    mask: usize,
+    /// Entries per slice: the length of a row of `map`.
+    entries: usize,
+    /// log2 of the cluster size.
+    cluster_bits: u32,
+    /// One row of host cluster numbers per slot, for mapped slices.
+    map: OnceCell<Box<[Cell<u32>]>>,
+    /// Attempts to remember a mapped slice in a slot another slice holds.
+    conflicts: Cell<u32>,
+    hits: Cell<u64>,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct MemoSlot {
+    key: u64,
+    /// A linear slice's first host offset, or [`MAPPED`].
+    host: u64,
+    epoch: u32,
+    /// On a writable core replica: the metadata bitmap's generation under which no host
+    /// cluster the slot answers for was metadata (`Shared::meta_range_clear`);
+    /// [`MEMO_NO_META_GEN`] otherwise.
+    meta_gen: u64,
+}
+
+const MEMO_EMPTY: MemoSlot = MemoSlot {
+    key: EMPTY_KEY,
+    host: 0,
+    epoch: 0,
+    meta_gen: MEMO_NO_META_GEN,
+};
+
+impl SliceMemo {
+    /// A memo of `slots` rounded up to a power of two, between 1 and [`MEMO_MAX_SLOTS`], for
+    /// slices of `entries` entries of clusters of `1 << cluster_bits` bytes.
+    pub fn new(slots: usize, entries: usize, cluster_bits: u32) -> Self {
+        let n = slots.clamp(1, MEMO_MAX_SLOTS).next_power_of_two();
+        SliceMemo {
+            slots: (0..n).map(|_| Cell::new(MEMO_EMPTY)).collect(),
+            mask: n - 1,
+            entries,
+            cluster_bits,
+            map: OnceCell::new(),
+            conflicts: Cell::new(0),
+            hits: Cell::new(0),
+        }
+    }
+
+    /// Number of slots.
+    pub fn slots(&self) -> usize {
+        self.slots.len()
+    }
+
+    #[inline(always)]
+    fn index(&self, key: u64) -> usize {
+        key as usize & self.mask
+    }
+
+    #[inline(always)]
+    fn slot(&self, key: u64) -> &Cell<MemoSlot> {
+        // `mask` is below the length, so the `get` always finds a slot (the fallback only
+        // keeps a panic path out of the request path).
+        match self.slots.get(self.index(key)) {
+            Some(s) => s,
+            None => &self.slots[0],
+        }
+    }
+
+    /// Where the `len` bytes at `within` (bytes from the start of slice `key`, inside the
+    /// slice) lie on the device, if the memo knows the slice under `epoch` and can answer
+    /// for that range (counted as a hit).
+    #[inline(always)]
+    pub fn extent(&self, key: u64, epoch: u32, within: u64, len: u64) -> Option<u64> {
+        self.lookup(key, epoch, None, within, len)
+    }
+
+    /// For an in-place write on a core replica: [`extent`](Self::extent), when also no
+    /// cluster the slot answers for was metadata under metadata generation `meta_gen` (the
+    /// current one).
+    #[inline(always)]
+    pub fn extent_overwrite(
+        &self,
+        key: u64,
+        epoch: u32,
+        meta_gen: u64,
+        within: u64,
+        len: u64,
+    ) -> Option<u64> {
+        self.lookup(key, epoch, Some(meta_gen), within, len)
+    }
+
+    #[inline(always)]
+    fn lookup(
+        &self,
+        key: u64,
+        epoch: u32,
+        meta_gen: Option<u64>,
+        within: u64,
+        len: u64,
+    ) -> Option<u64> {
+        let s = self.slot(key).get();
+        if s.key != key || s.epoch != epoch || meta_gen.is_some_and(|g| g != s.meta_gen) {
+            return None;
+        }
+        let host = if s.host != MAPPED {
+            s.host + within
+        } else {
+            self.mapped(self.index(key), within, len)?
+        };
+        self.hits.set(self.hits.get() + 1);
+        Some(host)
+    }
+
+    /// A mapped slice's answer for the range at `within`: inside one cluster whose word
+    /// in row `row` is not 0.
+    #[inline(always)]
+    fn mapped(&self, row: usize, within: u64, len: u64) -> Option<u64> {
+        let bits = self.cluster_bits;
+        let in_cluster = within & ((1 << bits) - 1);
+        if in_cluster + len > 1 << bits {
+            return None;
+        }
+        let i = row * self.entries + (within >> bits) as usize;
+        let h = self.map.get()?.get(i)?.get();
+        (h != 0).then(|| (u64::from(h) << bits) + in_cluster)
+    }
+
+    /// Remembers that linear slice `key`, read under `epoch`, starts at `host`; `meta_gen`:
+    /// the metadata generation under which none of its clusters was metadata (a writable
+    /// core replica), else [`MEMO_NO_META_GEN`].
+    pub fn remember(&self, key: u64, host: u64, epoch: u32, meta_gen: u64) {
+        self.slot(key).set(MemoSlot {
+            key,
+            host,
+            epoch,
+            meta_gen,
+        });
+    }
+
+    /// Whether to [`remember_mapped`](Self::remember_mapped) slice `key`, cached under
+    /// `epoch`, now that the metadata generation is `meta_gen`: not when the slot holds it
+    /// already under both (a request the memo could not answer would rebuild the same
+    /// row); yes when the slot is empty or holds `key` under older ones, or when another
+    /// slice has held it against enough attempts (which are counted).
+    pub fn takes_mapped(&self, key: u64, epoch: u32, meta_gen: u64) -> bool {
+        let held = self.slot(key).get();
+        if held.key == key {
+            return held.epoch != epoch || held.meta_gen != meta_gen;
+        }
+        if held.key == EMPTY_KEY {
+            return true;
+        }
+        let n = self.conflicts.get().wrapping_add(1);
+        self.conflicts.set(n);
+        n.is_multiple_of(MAPPED_EVICT_EVERY)
+    }
+
+    /// Remembers slice `key`, read under `epoch`, as mapped: `hosts` gives the host cluster
+    /// of each entry in order (0: the memo does not answer for it; at most as many as a
+    /// slice has entries, the rest 0); `meta_gen` as for [`remember`](Self::remember).
+    pub fn remember_mapped(
+        &self,
+        key: u64,
+        epoch: u32,
+        meta_gen: u64,
+        hosts: impl Iterator<Item = u32>,
+    ) {
+        let map = self.map.get_or_init(|| {
+            (0..self.slots.len() * self.entries)
+                .map(|_| Cell::new(0))
+                .collect()
+        });
+        let start = self.index(key) * self.entries;
+        let Some(row) = map.get(start..start + self.entries) else {
+            return;
+        };
+        let mut hosts = hosts.fuse();
+        for w in row {
+            w.set(hosts.next().unwrap_or(0));
+        }
+        self.slot(key).set(MemoSlot {
+            key,
+            host: MAPPED,
+            epoch,
+            meta_gen,
+        });
+    }
+
+    /// Forgets slice `key` (it changed, or its cached copy is being replaced).
+    #[inline]
+    pub fn forget(&self, key: u64) {
+        let slot = self.slot(key);
+        if slot.get().key == key {
+            slot.set(MEMO_EMPTY);
+        }
+    }
+
+    /// Look-ups it answered.
+    pub fn hits(&self) -> u64 {
+        self.hits.get()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn linear_slices_sizes_epochs_and_metadata_generations() {
+        assert_eq!(SliceMemo::new(0, 8, 16).slots(), 1);
+        assert_eq!(SliceMemo::new(5, 8, 16).slots(), 8);
+        assert_eq!(SliceMemo::new(usize::MAX, 8, 16).slots(), MEMO_MAX_SLOTS);
+        let m = SliceMemo::new(16, 8, 16);
+        assert_eq!(m.extent(3, 0, 0, 512), None);
+        m.remember(3, 1 << 20, 4, 9);
+        assert_eq!(m.extent(3, 4, 0, 512), Some(1 << 20));
+        assert_eq!(m.extent(3, 4, 70_000, 512), Some((1 << 20) + 70_000));
+        assert_eq!(m.extent(3, 5, 0, 512), None, "another epoch");
+        assert_eq!(
+            m.extent(19, 4, 0, 512),
+            None,
+            "another key in the same slot"
+        );
+        assert_eq!(m.extent_overwrite(3, 4, 9, 0, 512), Some(1 << 20));
+        assert_eq!(
+            m.extent_overwrite(3, 4, 10, 0, 512),
+            None,
+            "metadata marked since"
+        );
+        assert_eq!(m.hits(), 3);
+        // A slot holds one key: the later one wins; forgetting another key leaves it.
+        m.remember(19, 2 << 20, 4, MEMO_NO_META_GEN);
+        assert_eq!(m.extent(3, 4, 0, 512), None);
+        m.forget(3);
+        assert_eq!(m.extent(19, 4, 0, 512), Some(2 << 20));
+        assert_eq!(
+            m.extent_overwrite(19, 4, 9, 0, 512),
+            None,
+            "not known clear of metadata"
+        );
+        m.forget(19);
+        assert_eq!(m.extent(19, 4, 0, 512), None);
+    }
+
+    #[test]
+    fn mapped_slices_answer_inside_one_cluster_with_a_host() {
+        // 8 entries of 64 KiB clusters; entry 2 has no host cluster the memo answers for.
+        let m = SliceMemo::new(4, 8, 16);
+        let hosts = [7u32, 3, 0, 12, 5, 6, 9, 8];
+        m.remember_mapped(1, 6, 11, hosts.into_iter());
+        let c = 1u64 << 16;
+        assert_eq!(m.extent(1, 6, 0, 4096), Some(7 * c));
+        assert_eq!(m.extent(1, 6, c + 512, 512), Some(3 * c + 512));
+        assert_eq!(m.extent(1, 6, 3 * c + c - 512, 512), Some(12 * c + c - 512));
+        assert_eq!(m.extent(1, 6, 2 * c, 512), None, "no host cluster");
+        assert_eq!(m.extent(1, 6, c - 512, 1024), None, "across two clusters");
+        assert_eq!(m.extent(1, 8, 0, 512), None, "another epoch");
+        assert_eq!(m.extent_overwrite(1, 6, 11, 4 * c, 4096), Some(5 * c));
+        assert_eq!(m.extent_overwrite(1, 6, 12, 4 * c, 4096), None);
+        // A linear slice in the same slot replaces it, and a mapped one the linear one.
+        m.remember(5, 1 << 30, 6, MEMO_NO_META_GEN);
+        assert_eq!(m.extent(1, 6, 0, 512), None);
+        assert_eq!(m.extent(5, 6, c, 512), Some((1 << 30) + c));
+        m.remember_mapped(5, 6, MEMO_NO_META_GEN, [1u32, 2].into_iter());
+        assert_eq!(m.extent(5, 6, c, 512), Some(2 * c));
+        assert_eq!(m.extent(5, 6, 2 * c, 512), None, "rows are padded with 0");
+        m.forget(5);
+        assert_eq!(m.extent(5, 6, c, 512), None);
+    }
+
+    #[test]
+    fn a_held_slot_gives_way_to_mapped_slices_rarely() {
+        let m = SliceMemo::new(1, 4, 16);
+        assert!(m.takes_mapped(1, 0, 5), "empty");
+        m.remember_mapped(1, 0, 5, [1u32].into_iter());
+        assert!(!m.takes_mapped(1, 0, 5), "held already");
+        assert!(m.takes_mapped(1, 2, 5), "held under an older epoch");
+        assert!(
+            m.takes_mapped(1, 0, 6),
+            "held under an older metadata generation"
+        );
+        let taken = (0..MAPPED_EVICT_EVERY * 4)
+            .filter(|_| m.takes_mapped(2, 0, 5))
+            .count();
+        assert_eq!(taken, 4);
+    }
+}
