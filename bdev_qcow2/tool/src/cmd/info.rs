@@ -158,6 +158,10 @@ pub fn run(args: &InfoArgs) -> ToolResult<String> {
                 );
                 m.insert("compatible-features".into(), json!(h.compatible_features));
                 m.insert("autoclear-features".into(), json!(h.autoclear_features));
+                // Ours too: where the device reads zeros from (ARCHITECTURE.md §8).
+                if let Some(z) = ih.extensions.zeroed_tail {
+                    m.insert("zeroed-tail".into(), json!(z.from));
+                }
             }
             let mut v = json!({
                 "children": [],
@@ -284,12 +288,20 @@ fn human(v: &Value) -> String {
             &[
                 (autoclear::BITMAPS, "bitmaps"),
                 (autoclear::RAW_EXTERNAL, "raw external data"),
+                (autoclear::ZEROED_TAIL, "zeroed tail"),
             ],
         );
         let _ = writeln!(s, "    format version: {}", b("version"));
         let _ = writeln!(s, "    incompatible features: [{}]", inc.join(", "));
         let _ = writeln!(s, "    compatible features: [{}]", com.join(", "));
         let _ = writeln!(s, "    autoclear features: [{}]", auto.join(", "));
+        if let Some(from) = d.get("zeroed-tail").and_then(Value::as_u64) {
+            let _ = writeln!(
+                s,
+                "    zeroed tail: the device reads zeros from offset {from} ({})",
+                human_size(from)
+            );
+        }
     }
     s
 }
