@@ -418,6 +418,7 @@ impl<D: BlockDevice> Qcow2<D> {
         // The owner's own requests take part in grace periods too (its fast paths race
         // with its own discards like a core's do).
         self.exec.join_grace(shared.clone(), true);
+        shared.set_virtual_size(self.size());
         self.shared = Some(shared.clone());
         shared
     }
@@ -590,6 +591,13 @@ impl<D: BlockDevice> Qcow2<D> {
     /// QEMU sees it.
     pub fn size(&self) -> u64 {
         self.header.borrow().header.size / SECTOR * SECTOR
+    }
+    /// Core replica: takes `size`, the virtual size the owner published after a resize.
+    /// Nothing on the owner (its resize changed its own header) or a read-only image.
+    pub(crate) fn adopt_size(&self, size: u64) {
+        if self.core.is_some() {
+            self.header.borrow_mut().header.size = size;
+        }
     }
     /// The device this image lives on.
     pub fn dev(&self) -> DevId {

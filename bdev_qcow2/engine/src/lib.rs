@@ -31,6 +31,7 @@ pub mod format;
 pub mod fuzzing;
 pub mod image;
 pub mod io;
+mod lifecycle;
 pub mod limits;
 pub mod meta;
 pub mod prefetch;

@@ -7,6 +7,7 @@ pub mod info;
 pub mod io;
 pub mod map;
 pub mod perf;
+pub mod resize;
 
 use crate::host::{Format, OpenSpec};
 use qcow2_engine::OpenOptions;

@@ -14,6 +14,7 @@
 //! - [`l2`]: dirty L2 slices, new or copied L2 tables;
 //! - [`frees`]: frees after the metadata that removed a reference is stable;
 //! - [`header`]: the corrupt and dirty bits, the zeroed tail;
+//! - [`resize`]: growing and shrinking the virtual disk;
 //! - [`writeback`]: the ordered write-back, flush and close.
 
 pub(crate) mod alloc;
@@ -21,6 +22,7 @@ pub(crate) mod frees;
 pub(crate) mod header;
 pub(crate) mod l2;
 pub(crate) mod refcount;
+pub(crate) mod resize;
 pub(crate) mod writeback;
 
 use crate::error::{Error, Result};
@@ -86,6 +88,14 @@ impl<D: BlockDevice> Qcow2<D> {
     /// unless this is the owner.
     pub async fn close(&self) -> Result<()> {
         self.owner()?.close().await
+    }
+
+    /// Resizes the virtual disk to `new_size` bytes (see [`Owner::resize`]; shrinking
+    /// needs `shrink` and an empty cut-off range) and returns the old size. Prefer
+    /// [`Chain::resize`](crate::Chain::resize), which also keeps the chain's size and a
+    /// backing image's data out of the new range. `ReadOnly` unless this is the owner.
+    pub async fn resize(&self, new_size: u64, shrink: bool) -> Result<u64> {
+        self.owner()?.resize(new_size, shrink).await
     }
 
     /// Guest flush: every write completed before it is stable when this returns.
