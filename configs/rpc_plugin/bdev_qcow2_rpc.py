@@ -51,6 +51,10 @@ def bdev_qcow2_get_stats(client, name=None):
     return client.call('bdev_qcow2_get_stats', params)
 
 
+def bdev_qcow2_resize(client, name, size):
+    return client.call('bdev_qcow2_resize', {'name': name, 'size': size})
+
+
 def spdk_rpc_plugin_initialize(subparsers):
     def create(args):
         print_json(bdev_qcow2_create(args.client, name=args.name, base_bdev=args.base_bdev,
@@ -135,6 +139,16 @@ def spdk_rpc_plugin_initialize(subparsers):
                               help='Per-channel and total counters of qcow2 bdevs')
     p.add_argument('-b', '--name', help='one qcow2 bdev (default: all)')
     p.set_defaults(func=get_stats)
+
+    def resize(args):
+        print_json(bdev_qcow2_resize(args.client, name=args.name, size=args.size))
+
+    p = subparsers.add_parser('bdev_qcow2_resize',
+                              help='Grow a qcow2 bdev while it serves I/O (or shrink an '
+                                   'unopened one whose cut-off range holds no data)')
+    p.add_argument('-b', '--name', required=True, help='qcow2 bdev name')
+    p.add_argument('-s', '--size', type=int, required=True, help='new size in bytes')
+    p.set_defaults(func=resize)
 
 
 def print_json(obj):

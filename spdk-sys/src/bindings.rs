@@ -12721,6 +12721,12 @@ unsafe extern "C" {
         bdev_io: *mut spdk_bdev_io,
     ) -> *mut spdk_io_channel;
 }
+unsafe extern "C" {
+    pub fn spdk_bdev_notify_blockcnt_change(
+        bdev: *mut spdk_bdev,
+        size: u64,
+    ) -> ::std::os::raw::c_int;
+}
 #[repr(C)]
 #[derive(Debug, Copy, Clone)]
 pub struct spdk_jsonrpc_request {

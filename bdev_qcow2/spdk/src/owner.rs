@@ -148,6 +148,28 @@ impl Owner {
         *o.closing.borrow_mut() = Some((result, Box::new(then)));
     }
 
+    /// The virtual size of the image as the owner has it now.
+    pub fn size(&self) -> u64 {
+        self.assert_md_thread();
+        self.chain.size()
+    }
+
+    /// Resizes the image to `size` bytes (`Chain::resize`: a shrink needs `shrink` and an
+    /// empty range cut off) while requests keep flowing, then calls `done` on the md thread
+    /// with the old size or the engine's error.
+    pub fn resize(
+        &self,
+        size: u64,
+        shrink: bool,
+        done: impl FnOnce(Result<u64, qcow2_engine::Error>) + 'static,
+    ) {
+        self.assert_md_thread();
+        let chain = self.chain.clone();
+        self.exec().spawn(async move {
+            done(chain.resize(size, shrink).await);
+        });
+    }
+
     /// The owner's counters for `bdev_qcow2_get_stats`: clusters allocated, write-backs,
     /// and its own slice cache (the md thread serves the allocating writes).
     pub fn stats_json(&self) -> serde_json::Value {

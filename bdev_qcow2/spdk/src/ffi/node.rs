@@ -74,6 +74,25 @@ impl Registered {
         Some(unsafe { &*n.owner })
     }
 
+    /// Tells SPDK the bdev now has `blocks` blocks (`spdk_bdev_notify_blockcnt_change`):
+    /// descriptors hear of it. SPDK refuses to shrink a bdev someone has open (`EBUSY`);
+    /// `Err` carries its errno.
+    pub fn notify_blockcnt_change(&self, blocks: u64) -> Result<(), i32> {
+        // SAFETY: the node (and the bdev in it) is live while this handle exists; SPDK
+        // changes the block count under its own lock.
+        let rc = unsafe {
+            sys::spdk_bdev_notify_blockcnt_change(
+                std::ptr::addr_of_mut!((*self.0.as_ptr()).bdev),
+                blocks,
+            )
+        };
+        if rc == 0 {
+            Ok(())
+        } else {
+            Err(-rc)
+        }
+    }
+
     /// Visits every channel of the node on its own thread with `each`, then calls `done` on
     /// the calling thread (each step continues the iteration once, as `ChannelIter` says).
     pub fn for_each_channel<C: 'static>(

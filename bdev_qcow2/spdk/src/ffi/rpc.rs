@@ -77,3 +77,4 @@ rpc_entry!(bdev_qcow2_rpc_create => crate::rpc::create);
 rpc_entry!(bdev_qcow2_rpc_format => crate::rpc::format);
 rpc_entry!(bdev_qcow2_rpc_delete => crate::rpc::delete);
 rpc_entry!(bdev_qcow2_rpc_get_stats => crate::rpc::get_stats);
+rpc_entry!(bdev_qcow2_rpc_resize => crate::lifecycle_rpc::resize);
