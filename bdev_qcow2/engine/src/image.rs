@@ -25,6 +25,7 @@ use std::cell::{Cell, Ref, RefCell};
 use std::sync::Arc;
 
 pub(crate) mod owner;
+pub use owner::snapshot::SnapshotTime;
 
 /// Options for opening an image.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -74,7 +75,8 @@ pub struct Qcow2<D: BlockDevice> {
     ctx: Cell<L2Context>,
     l1: RefCell<Vec<L1Entry>>,
     refcount_table: RefCell<Vec<u64>>,
-    snapshots: Vec<Snapshot>,
+    /// The snapshot table (changed by the owner's snapshot operations).
+    snapshots: RefCell<Vec<Snapshot>>,
     l2_cache: RefCell<SetAssocCache<u64, LinearSlice>>,
     /// The direct path's memo of linear slices, in front of `l2_cache`.
     memo: LinearMemo,
@@ -260,7 +262,7 @@ impl<D: BlockDevice> Qcow2<D> {
             ctx: Cell::new(ctx),
             l1: RefCell::new(l1),
             refcount_table: RefCell::new(refcount_table),
-            snapshots,
+            snapshots: RefCell::new(snapshots),
             memo: LinearMemo::new(l2_cache.capacity()),
             l2_cache: RefCell::new(l2_cache),
             rc_cache: RefCell::new(rc_cache),
@@ -359,7 +361,7 @@ impl<D: BlockDevice> Qcow2<D> {
             ctx: Cell::new(self.ctx.get()),
             l1: RefCell::new(l1),
             refcount_table: RefCell::new(refcount_table),
-            snapshots: self.snapshots.clone(),
+            snapshots: RefCell::new(self.snapshots.borrow().clone()),
             memo: LinearMemo::new(l2_cache.capacity()),
             l2_cache: RefCell::new(l2_cache),
             rc_cache: RefCell::new(rc_cache),
@@ -433,7 +435,7 @@ impl<D: BlockDevice> Qcow2<D> {
             header: self.header.borrow().clone(),
             geo: self.geo,
             ctx: self.ctx.get(),
-            snapshots: self.snapshots.clone(),
+            snapshots: self.snapshots.borrow().clone(),
             shared,
             writable: self.meta.is_some(),
         })
@@ -467,7 +469,7 @@ impl<D: BlockDevice> Qcow2<D> {
             ctx: Cell::new(seed.ctx),
             l1: RefCell::new(Vec::new()),
             refcount_table: RefCell::new(Vec::new()),
-            snapshots: seed.snapshots,
+            snapshots: RefCell::new(seed.snapshots),
             memo: LinearMemo::new(l2_cache.capacity()),
             l2_cache: RefCell::new(l2_cache),
             rc_cache: RefCell::new(rc_cache),
@@ -607,9 +609,9 @@ impl<D: BlockDevice> Qcow2<D> {
     pub fn device_size(&self) -> u64 {
         self.device_size.get()
     }
-    /// Internal snapshots.
-    pub fn snapshots(&self) -> &[Snapshot] {
-        &self.snapshots
+    /// Internal snapshots (a copy of the table as the image has it now).
+    pub fn snapshots(&self) -> Vec<Snapshot> {
+        self.snapshots.borrow().clone()
     }
     /// The executor the image does I/O on.
     pub fn exec(&self) -> &Exec<D> {
@@ -651,6 +653,7 @@ impl<D: BlockDevice> Qcow2<D> {
             || (hh.nb_snapshots > 0 && f(hh.snapshots_offset, cs))
             || self
                 .snapshots
+                .borrow()
                 .iter()
                 .any(|s| f(s.l1_table_offset, u64::from(s.l1_size) * 8))
     }

@@ -46,5 +46,5 @@ pub mod write;
 pub use chain::{Chain, Layer};
 pub use error::{Error, Field, Result};
 pub use exec::{DevId, Exec};
-pub use image::{CoreSeed, CoreSlice, OpenOptions, OwnerLink, Qcow2};
+pub use image::{CoreSeed, CoreSlice, OpenOptions, OwnerLink, Qcow2, SnapshotTime};
 pub use route::{Grant, GuestRange, ReadRoute, WriteRoute};

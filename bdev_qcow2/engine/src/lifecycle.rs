@@ -1,5 +1,5 @@
-//! The disk's life-cycle operations on a chain: resize (and, in their own files, the
-//! operations built like it). They run on the metadata owner's core; the image's own
+//! The disk's life-cycle operations on a chain: resize, snapshot apply (both change the
+//! disk's size). They run on the metadata owner's core; the image's own
 //! part is an owner operation (`image::owner`), the chain's part keeps what the chain
 //! knows (its size, its backing layers) in step.
 
@@ -32,5 +32,16 @@ impl<D: BlockDevice> Chain<D> {
             }
         }
         Ok(old)
+    }
+
+    /// Makes internal snapshot `which` (id or name) the active disk and takes its size.
+    /// Offline only: refused on an image shared with other cores.
+    pub async fn snapshot_apply(self: &Rc<Self>, which: &str) -> Result<()> {
+        let Some(Layer::Qcow2(q)) = self.layers().first() else {
+            return Err(Error::ReadOnly);
+        };
+        q.snapshot_apply(which).await?;
+        self.set_size(q.size());
+        Ok(())
     }
 }

@@ -161,3 +161,124 @@ fn resize_over_a_longer_backing_image_zeroes_the_new_range() {
     same_disk(&ours, &theirs);
     let _ = base;
 }
+
+/// `qemu-img convert -O raw` of `img` (of snapshot `snap` with `-l`) into `out`.
+fn raw_of(img: &Path, snap: Option<&str>, out: &Path) {
+    let mut args = vec!["convert", "-O", "raw"];
+    if let Some(sn) = snap {
+        args.extend(["-l", sn]);
+    }
+    args.extend([s(img), s(out)]);
+    qemu_img(&args);
+}
+
+fn same_bytes(a: &Path, b: &Path) {
+    assert!(
+        std::fs::read(a).unwrap() == std::fs::read(b).unwrap(),
+        "{} and {} differ",
+        a.display(),
+        b.display()
+    );
+}
+
+fn ours(args: &[&str], img: &Path) {
+    run(Command::new(QCOW2).arg("snapshot").args(args).arg(img));
+}
+
+#[test]
+fn snapshots_made_here_are_read_and_applied_by_qemu_img() {
+    for opts in [
+        "cluster_size=65536",
+        "cluster_size=4096",
+        "extended_l2=on,cluster_size=16384",
+        "compat=0.10,cluster_size=4096",
+    ] {
+        let d = Dir::new();
+        let img = d.image(
+            "img.qcow2",
+            opts,
+            "32M",
+            &[
+                "write -P 1 0 3M",
+                "write -c -P 3 8M 64k",
+                "write -z 12M 64k",
+            ],
+        );
+        ours(&["-c", "first"], &img);
+        clean(&img);
+        let first = d.path("first.raw");
+        raw_of(&img, None, &first);
+        qemu_io(
+            &img,
+            &["write -P 2 1M 1M", "write -P 4 20M 64k", "discard 8M 64k"],
+        );
+        clean(&img);
+        ours(&["-c", "second"], &img);
+        qemu_io(&img, &["write -P 5 0 64k"]);
+        clean(&img);
+        // QEMU lists them as we do, and reads each.
+        let theirs = qemu_img(&["snapshot", "-l", s(&img)]);
+        let list = run(Command::new(QCOW2).args(["snapshot", "-l"]).arg(&img));
+        assert_eq!(
+            String::from_utf8_lossy(&list.stdout),
+            String::from_utf8_lossy(&theirs.stdout),
+            "{opts}"
+        );
+        let from_qemu = d.path("first-qemu.raw");
+        raw_of(&img, Some("first"), &from_qemu);
+        same_bytes(&first, &from_qemu);
+        // QEMU applies ours.
+        qemu_img(&["snapshot", "-a", "first", s(&img)]);
+        clean(&img);
+        let now = d.path("now.raw");
+        raw_of(&img, None, &now);
+        same_bytes(&first, &now);
+        // And deletes ours.
+        qemu_img(&["snapshot", "-d", "second", s(&img)]);
+        clean(&img);
+    }
+}
+
+#[test]
+fn snapshots_made_by_qemu_img_are_deleted_and_applied_here() {
+    for opts in ["cluster_size=65536", "cluster_size=4096,refcount_bits=8"] {
+        let d = Dir::new();
+        let img = d.image(
+            "img.qcow2",
+            opts,
+            "32M",
+            &["write -P 1 0 3M", "write -c -P 3 8M 64k"],
+        );
+        qemu_img(&["snapshot", "-c", "a", s(&img)]);
+        let a = d.path("a.raw");
+        raw_of(&img, None, &a);
+        qemu_io(&img, &["write -P 2 1M 1M"]);
+        qemu_img(&["snapshot", "-c", "b", s(&img)]);
+        let b = d.path("b.raw");
+        raw_of(&img, None, &b);
+        qemu_io(&img, &["write -P 6 2M 1M", "discard 0 64k"]);
+        ours(&["-d", "a"], &img);
+        clean(&img);
+        let out = qemu_img(&["snapshot", "-l", s(&img)]);
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(!text.contains(" a ") && text.contains(" b "), "{text}");
+        let got = d.path("b-got.raw");
+        raw_of(&img, Some("b"), &got);
+        same_bytes(&b, &got);
+        ours(&["-a", "b"], &img);
+        clean(&img);
+        let now = d.path("now.raw");
+        raw_of(&img, None, &now);
+        same_bytes(&b, &now);
+        // Writes after the apply copy on write: the snapshot keeps its data.
+        qemu_io(&img, &["write -P 7 0 2M"]);
+        ours(&["-d", "b"], &img);
+        clean(&img);
+        let out = output(Command::new(QCOW2).args(["snapshot", "-d", "b"]).arg(&img));
+        assert_eq!(
+            out.status.code(),
+            Some(1),
+            "deleting a missing snapshot fails"
+        );
+    }
+}

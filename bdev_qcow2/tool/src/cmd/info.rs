@@ -48,7 +48,7 @@ pub fn human_size(n: u64) -> String {
 }
 
 /// `YYYY-MM-DD HH:MM:SS` (UTC) for a Unix time.
-fn utc_date(secs: u64) -> String {
+pub fn utc_date(secs: u64) -> String {
     let days = (secs / 86400) as i64;
     let rem = secs % 86400;
     // Civil-from-days (Howard Hinnant's algorithm).

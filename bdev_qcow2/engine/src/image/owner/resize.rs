@@ -181,7 +181,7 @@ impl<D: BlockDevice> Owner<'_, D> {
     /// cluster of the range it covers, so a run longer than a block's range exists only
     /// where the blocks were placed elsewhere: after [`MAX_SHORT_RUNS`] short runs the
     /// search gives up ([`Error::Refused`]) rather than walk the device.
-    async fn alloc_run(&self, n: u64) -> Result<Allocation> {
+    pub(crate) async fn alloc_run(&self, n: u64) -> Result<Allocation> {
         let mut short: Vec<Allocation> = Vec::new();
         let found = loop {
             if short.len() >= MAX_SHORT_RUNS {
