@@ -354,3 +354,199 @@ fn shrink_is_refused_without_the_flag_and_over_data() {
     let r = exec.block_on(async move { c.resize(1000, true).await });
     assert!(matches!(r, Err(Error::Refused(_))), "{r:?}");
 }
+
+/// `qemu-img check` of a crash state of a snapshot operation: no corruption, or only
+/// COPIED flags that disagree with refcounts raised for a snapshot the header does not
+/// name yet (or lowered for one it no longer names) — `qemu-img check -r all` sets them
+/// right, and nothing else is wrong. Returns the snapshot names `qemu-img snapshot -l`
+/// shows.
+fn snapshot_state_accepted(label: &str, img: &[u8]) -> Vec<String> {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("crash.qcow2");
+    std::fs::write(&path, img).unwrap();
+    let out = Command::new("qemu-img")
+        .args(["check", "-f", "qcow2"])
+        .arg(&path)
+        .output()
+        .unwrap();
+    let code = out.status.code().unwrap_or(-1);
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    if code == 2 {
+        let errors: Vec<&str> = err.lines().filter(|l| l.starts_with("ERROR")).collect();
+        assert!(
+            !errors.is_empty() && errors.iter().all(|l| l.starts_with("ERROR OFLAG_COPIED")),
+            "crash state {label}: qemu-img check found more than COPIED flags:\n{err}"
+        );
+        let fixed = Command::new("qemu-img")
+            .args(["check", "-r", "all", "-f", "qcow2"])
+            .arg(&path)
+            .output()
+            .unwrap();
+        assert!(
+            matches!(fixed.status.code(), Some(0) | Some(3)),
+            "crash state {label}: qemu-img check -r all did not repair it:\n{}",
+            String::from_utf8_lossy(&fixed.stderr)
+        );
+    } else {
+        assert!(
+            code == 0 || code == 3,
+            "crash state {label}: qemu-img check {code}\n{err}"
+        );
+    }
+    let list = Command::new("qemu-img")
+        .args(["snapshot", "-l", "-f", "qcow2"])
+        .arg(&path)
+        .output()
+        .unwrap();
+    String::from_utf8_lossy(&list.stdout)
+        .lines()
+        .skip(2)
+        .filter_map(|l| l.split_whitespace().nth(1).map(String::from))
+        .collect()
+}
+
+/// Guest bytes `[0, len)` of snapshot `name` of the image in `img`, read by QEMU.
+fn snapshot_bytes(img: &[u8], name: &str, len: usize) -> Vec<u8> {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("s.qcow2");
+    let raw = dir.path().join("s.raw");
+    std::fs::write(&path, img).unwrap();
+    let out = Command::new("qemu-img")
+        .args(["convert", "-f", "qcow2", "-O", "raw", "-l", name])
+        .arg(&path)
+        .arg(&raw)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let mut b = std::fs::read(&raw).unwrap();
+    b.truncate(len);
+    b
+}
+
+/// Runs `op` on an image holding `data` (4 KiB clusters, and a snapshot `base` of `data`
+/// when `with_base`) under the recorder; checks every crash state with `verify(label,
+/// image, snapshot names)`. Returns the number of states.
+fn snapshot_crash_test(
+    data: &[u8],
+    with_base: bool,
+    op: impl FnOnce(&Exec<MemDevice>, &Rc<Chain<MemDevice>>),
+    mut verify: impl FnMut(&str, &[u8], &[String]),
+) -> usize {
+    let opts = CreateOptions {
+        size: 16 << 20,
+        cluster_bits: 12,
+        ..Default::default()
+    };
+    let mut initial = written_image(&opts, data, None);
+    if with_base {
+        let exec = Exec::new();
+        let dev = MemDevice::new(initial);
+        let chain = open(&exec, &dev, true).unwrap();
+        let c = chain.clone();
+        exec.block_on(async move {
+            let Some(Layer::Qcow2(q)) = c.layers().first() else {
+                unreachable!()
+            };
+            q.snapshot_create("base", Default::default()).await?;
+            c.close().await
+        })
+        .unwrap();
+        initial = dev.contents();
+    }
+    let exec = Exec::new();
+    let dev = MemDevice::new(initial.clone());
+    let chain = open(&exec, &dev, true).unwrap();
+    dev.0.borrow_mut().record = true;
+    op(&exec, &chain);
+    let log = dev.0.borrow().log.clone();
+    for_each_crash_state(&initial, &log, 2, 0xabc, |label, img| {
+        let names = snapshot_state_accepted(label, &img);
+        verify(label, &img, &names);
+    })
+}
+
+#[test]
+fn snapshot_create_is_all_or_nothing() {
+    let mut r = Rng(7);
+    let data: Vec<u8> = (0..(3 << 20)).map(|_| r.next() as u8).collect();
+    let mut seen = false;
+    let n = snapshot_crash_test(
+        &data,
+        false,
+        |exec, chain| {
+            let c = chain.clone();
+            exec.block_on(async move {
+                let Some(Layer::Qcow2(q)) = c.layers().first() else {
+                    unreachable!()
+                };
+                q.snapshot_create("s1", Default::default()).await?;
+                c.close().await
+            })
+            .unwrap();
+        },
+        |label, img, names| {
+            let (_, head) = read_range(img.to_vec(), 0, data.len() as u64);
+            assert!(head == data, "crash state {label}: the active disk changed");
+            match names {
+                [] => {}
+                [s] if s == "s1" => {
+                    seen = true;
+                    assert!(
+                        snapshot_bytes(img, "s1", data.len()) == data,
+                        "crash state {label}: the snapshot does not hold the disk"
+                    );
+                }
+                other => panic!("crash state {label}: snapshots {other:?}"),
+            }
+        },
+    );
+    assert!(seen, "no crash state has the snapshot");
+    eprintln!("crash states tried (snapshot create): {n}");
+}
+
+#[test]
+fn snapshot_delete_is_all_or_nothing() {
+    let mut r = Rng(8);
+    let data: Vec<u8> = (0..(2 << 20)).map(|_| r.next() as u8).collect();
+    let new: Vec<u8> = (0..(1 << 20)).map(|_| r.next() as u8).collect();
+    let mut gone = false;
+    let n = snapshot_crash_test(
+        &data,
+        true,
+        |exec, chain| {
+            // The active disk moves on (copy on write), then the snapshot goes.
+            write(exec, chain, 0, &new);
+            let c = chain.clone();
+            exec.block_on(async move {
+                c.flush().await?;
+                let Some(Layer::Qcow2(q)) = c.layers().first() else {
+                    unreachable!()
+                };
+                q.snapshot_delete("base").await?;
+                c.close().await
+            })
+            .unwrap();
+        },
+        |label, img, names| {
+            match names {
+                [] => gone = true,
+                [s] if s == "base" => assert!(
+                    snapshot_bytes(img, "base", data.len()) == data,
+                    "crash state {label}: the snapshot lost its data"
+                ),
+                other => panic!("crash state {label}: snapshots {other:?}"),
+            }
+            let (_, head) = read_range(img.to_vec(), 0, data.len() as u64);
+            assert!(
+                head[new.len()..] == data[new.len()..],
+                "crash state {label}: the active disk past the new write changed"
+            );
+        },
+    );
+    assert!(gone, "no crash state lost the snapshot");
+    eprintln!("crash states tried (snapshot delete): {n}");
+}
