@@ -61,6 +61,8 @@ const FUNCTIONS: &[&str] = &[
     "spdk_bdev_unregister",
     "spdk_bdev_unregister_by_name",
     "spdk_bdev_notify_blockcnt_change",
+    "spdk_bdev_quiesce",
+    "spdk_bdev_unquiesce",
     "spdk_bdev_destruct_done",
     "spdk_bdev_io_complete",
     "spdk_bdev_io_get_buf",

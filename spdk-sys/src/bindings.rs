@@ -12727,6 +12727,25 @@ unsafe extern "C" {
         size: u64,
     ) -> ::std::os::raw::c_int;
 }
+pub type spdk_bdev_quiesce_cb = ::std::option::Option<
+    unsafe extern "C" fn(ctx: *mut ::std::os::raw::c_void, status: ::std::os::raw::c_int),
+>;
+unsafe extern "C" {
+    pub fn spdk_bdev_quiesce(
+        bdev: *mut spdk_bdev,
+        module: *mut spdk_bdev_module,
+        cb_fn: spdk_bdev_quiesce_cb,
+        cb_arg: *mut ::std::os::raw::c_void,
+    ) -> ::std::os::raw::c_int;
+}
+unsafe extern "C" {
+    pub fn spdk_bdev_unquiesce(
+        bdev: *mut spdk_bdev,
+        module: *mut spdk_bdev_module,
+        cb_fn: spdk_bdev_quiesce_cb,
+        cb_arg: *mut ::std::os::raw::c_void,
+    ) -> ::std::os::raw::c_int;
+}
 #[repr(C)]
 #[derive(Debug, Copy, Clone)]
 pub struct spdk_jsonrpc_request {

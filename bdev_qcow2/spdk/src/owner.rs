@@ -154,20 +154,24 @@ impl Owner {
         self.chain.size()
     }
 
-    /// Resizes the image to `size` bytes (`Chain::resize`: a shrink needs `shrink` and an
-    /// empty range cut off) while requests keep flowing, then calls `done` on the md thread
-    /// with the old size or the engine's error.
-    pub fn resize(
-        &self,
-        size: u64,
-        shrink: bool,
-        done: impl FnOnce(Result<u64, qcow2_engine::Error>) + 'static,
-    ) {
+    /// Runs `job` on the owner's chain as a task of its executor (driven by the owner's
+    /// poller, so requests keep flowing): the life-cycle operations (resize, snapshots)
+    /// start here and report from the task's end, on the md thread.
+    pub fn run_job<F>(&self, job: impl FnOnce(Rc<Chain<SpdkDevice>>) -> F)
+    where
+        F: std::future::Future<Output = ()> + 'static,
+    {
         self.assert_md_thread();
-        let chain = self.chain.clone();
-        self.exec().spawn(async move {
-            done(chain.resize(size, shrink).await);
-        });
+        self.exec().spawn(job(self.chain.clone()));
+    }
+
+    /// The internal snapshots of the image.
+    pub fn snapshots(&self) -> Vec<qcow2_engine::format::Snapshot> {
+        self.assert_md_thread();
+        match self.chain.layers().first() {
+            Some(qcow2_engine::Layer::Qcow2(q)) => q.snapshots(),
+            _ => Vec::new(),
+        }
     }
 
     /// The owner's counters for `bdev_qcow2_get_stats`: clusters allocated, write-backs,

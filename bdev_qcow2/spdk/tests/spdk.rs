@@ -1987,4 +1987,70 @@ mod real {
         dd_and_compare(d, &cfg2, "q0", &img, "resized");
         say("bdev_qcow2_resize under bdevperf verify on 2 cores: no failure, the image checks clean and reads as QEMU reads it");
     }
+
+    #[test]
+    fn snapshots_under_verify_load() {
+        require!("bdevperf");
+        if rpc_py().is_none() {
+            say("SKIPPED: rpc.py not found (set SPDK_RPC or put spdk-rpc on PATH)");
+            return;
+        }
+        let _t = turn();
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        let img = d.join("sn.qcow2");
+        qemu_img(&[
+            "create",
+            "-q",
+            "-f",
+            "qcow2",
+            "-o",
+            "cluster_size=65536",
+            s(&img),
+            "64M",
+        ]);
+        qemu_io(&img, &["write -P 0x5a 0 64M"]);
+        pad(&img);
+        let f = fs::OpenOptions::new().write(true).open(&img).unwrap();
+        f.set_len(512 * MIB).unwrap();
+        drop(f);
+        let cfg = d.join("sn.json");
+        write_config(&cfg, vec![aio(&img, "aio0"), qcow2("q0", "aio0", None)]);
+        let mut answers = Vec::new();
+        let (ok, text) = verify_load_with_rpc(d, &cfg, "sn", 8, |sock| {
+            let rpc = |args: &[&str]| plugin_rpc(sock, args);
+            answers.push(rpc(&["bdev_qcow2_snapshot_create", "-b", "q0", "-n", "s1"]));
+            std::thread::sleep(Duration::from_millis(1000));
+            answers.push(rpc(&["bdev_qcow2_snapshot_create", "-b", "q0", "-n", "s2"]));
+            answers.push(rpc(&["bdev_qcow2_snapshot_create", "-b", "q0", "-n", "s2"]));
+            std::thread::sleep(Duration::from_millis(1000));
+            answers.push(rpc(&["bdev_qcow2_snapshot_delete", "-b", "q0", "-n", "s1"]));
+            answers.push(rpc(&["bdev_qcow2_snapshot_list", "-b", "q0"]));
+        });
+        assert!(
+            ok,
+            "bdevperf verify failed while snapshots were taken:\n{text}"
+        );
+        for (i, want_ok) in [(0, true), (1, true), (2, false), (3, true), (4, true)] {
+            assert_eq!(answers[i].0, want_ok, "answer {i}: {}", answers[i].1);
+        }
+        let pause: Value = serde_json::from_str(answers[0].1.trim()).unwrap();
+        let list: Value = serde_json::from_str(answers[4].1.trim()).unwrap();
+        assert_eq!(list.as_array().map(Vec::len), Some(1), "{list}");
+        assert_eq!(list[0]["name"], "s2");
+        check_clean(&img, "after online snapshots");
+        let out = run_ok(Command::new("qemu-img").args(["snapshot", "-l", s(&img)]));
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert!(text.contains(" s2 ") && !text.contains(" s1 "), "{text}");
+        // QEMU reads the snapshot, and applies it.
+        let raw = d.join("s2.raw");
+        qemu_img(&["convert", "-O", "raw", "-l", "s2", s(&img), s(&raw)]);
+        qemu_img(&["snapshot", "-a", "s2", s(&img)]);
+        check_clean(&img, "after qemu-img applied the snapshot");
+        compare_with_raw(&img, &raw);
+        say(&format!(
+            "bdev_qcow2_snapshot_create/_delete/_list under bdevperf verify on 2 cores: no failure; I/O paused {} us for the first snapshot",
+            pause["pause_us"]
+        ));
+    }
 }
