@@ -36,7 +36,8 @@ trap 'kill $PID 2>/dev/null || true; [ -n "${KEEP:-}" ] || rm -rf "$DIR"' EXIT
 img=$DIR/full.qcow2
 qemu-img create -q -f qcow2 -o preallocation=falloc "$img" "$SIZE"
 truncate -s %512 "$img"
-# Room for the copies the snapshots' copy-on-write would make (none: reads only).
+# Room on the (fixed-size) AIO bdev for each snapshot's L1 copy and table.
+truncate -s +64M "$img"
 cat >"$DIR/cfg.json" <<JSON
 {"subsystems": [{"subsystem": "bdev", "config": [
   {"method": "bdev_aio_create", "params": {"filename": "$img", "name": "aio0", "block_size": 512}},

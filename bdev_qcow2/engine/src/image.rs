@@ -458,7 +458,8 @@ impl<D: BlockDevice> Qcow2<D> {
                 "too many cores share this image (256 at most)",
             ));
         }
-        let l1_len = seed.shared.l1_len();
+        // Sized by the table, not by the room the owner keeps for it to grow online.
+        let l1_len = seed.header.header.l1_size as usize;
         let (l2_cache, rc_cache) = Self::new_caches(&seed.geo, l1_len, 0, &opts)?;
         Ok(Qcow2 {
             exec: exec.clone(),
