@@ -51,6 +51,22 @@ def bdev_qcow2_get_stats(client, name=None):
     return client.call('bdev_qcow2_get_stats', params)
 
 
+def bdev_qcow2_resize(client, name, size):
+    return client.call('bdev_qcow2_resize', {'name': name, 'size': size})
+
+
+def bdev_qcow2_snapshot_create(client, name, snapshot):
+    return client.call('bdev_qcow2_snapshot_create', {'name': name, 'snapshot': snapshot})
+
+
+def bdev_qcow2_snapshot_delete(client, name, snapshot):
+    return client.call('bdev_qcow2_snapshot_delete', {'name': name, 'snapshot': snapshot})
+
+
+def bdev_qcow2_snapshot_list(client, name):
+    return client.call('bdev_qcow2_snapshot_list', {'name': name})
+
+
 def spdk_rpc_plugin_initialize(subparsers):
     def create(args):
         print_json(bdev_qcow2_create(args.client, name=args.name, base_bdev=args.base_bdev,
@@ -135,6 +151,45 @@ def spdk_rpc_plugin_initialize(subparsers):
                               help='Per-channel and total counters of qcow2 bdevs')
     p.add_argument('-b', '--name', help='one qcow2 bdev (default: all)')
     p.set_defaults(func=get_stats)
+
+    def resize(args):
+        print_json(bdev_qcow2_resize(args.client, name=args.name, size=args.size))
+
+    p = subparsers.add_parser('bdev_qcow2_resize',
+                              help='Grow a qcow2 bdev while it serves I/O (or shrink an '
+                                   'unopened one whose cut-off range holds no data)')
+    p.add_argument('-b', '--name', required=True, help='qcow2 bdev name')
+    p.add_argument('-s', '--size', type=int, required=True, help='new size in bytes')
+    p.set_defaults(func=resize)
+
+    def snapshot_create(args):
+        print_json(bdev_qcow2_snapshot_create(args.client, name=args.name,
+                                              snapshot=args.snapshot))
+
+    p = subparsers.add_parser('bdev_qcow2_snapshot_create',
+                              help='Take an internal snapshot of a qcow2 bdev while it '
+                                   'serves I/O')
+    p.add_argument('-b', '--name', required=True, help='qcow2 bdev name')
+    p.add_argument('-n', '--snapshot', required=True, help='snapshot name')
+    p.set_defaults(func=snapshot_create)
+
+    def snapshot_delete(args):
+        print_json(bdev_qcow2_snapshot_delete(args.client, name=args.name,
+                                              snapshot=args.snapshot))
+
+    p = subparsers.add_parser('bdev_qcow2_snapshot_delete',
+                              help='Delete an internal snapshot of a qcow2 bdev')
+    p.add_argument('-b', '--name', required=True, help='qcow2 bdev name')
+    p.add_argument('-n', '--snapshot', required=True, help='snapshot id or name')
+    p.set_defaults(func=snapshot_delete)
+
+    def snapshot_list(args):
+        print_json(bdev_qcow2_snapshot_list(args.client, name=args.name))
+
+    p = subparsers.add_parser('bdev_qcow2_snapshot_list',
+                              help='List the internal snapshots of a qcow2 bdev')
+    p.add_argument('-b', '--name', required=True, help='qcow2 bdev name')
+    p.set_defaults(func=snapshot_list)
 
 
 def print_json(obj):

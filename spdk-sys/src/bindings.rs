@@ -12721,6 +12721,31 @@ unsafe extern "C" {
         bdev_io: *mut spdk_bdev_io,
     ) -> *mut spdk_io_channel;
 }
+unsafe extern "C" {
+    pub fn spdk_bdev_notify_blockcnt_change(
+        bdev: *mut spdk_bdev,
+        size: u64,
+    ) -> ::std::os::raw::c_int;
+}
+pub type spdk_bdev_quiesce_cb = ::std::option::Option<
+    unsafe extern "C" fn(ctx: *mut ::std::os::raw::c_void, status: ::std::os::raw::c_int),
+>;
+unsafe extern "C" {
+    pub fn spdk_bdev_quiesce(
+        bdev: *mut spdk_bdev,
+        module: *mut spdk_bdev_module,
+        cb_fn: spdk_bdev_quiesce_cb,
+        cb_arg: *mut ::std::os::raw::c_void,
+    ) -> ::std::os::raw::c_int;
+}
+unsafe extern "C" {
+    pub fn spdk_bdev_unquiesce(
+        bdev: *mut spdk_bdev,
+        module: *mut spdk_bdev_module,
+        cb_fn: spdk_bdev_quiesce_cb,
+        cb_arg: *mut ::std::os::raw::c_void,
+    ) -> ::std::os::raw::c_int;
+}
 #[repr(C)]
 #[derive(Debug, Copy, Clone)]
 pub struct spdk_jsonrpc_request {

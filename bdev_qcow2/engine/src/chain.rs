@@ -69,8 +69,10 @@ struct Run {
 pub struct Chain<D: BlockDevice> {
     exec: Exec<D>,
     layers: Vec<Layer<D>>,
-    /// Virtual size of the top image (fixed while open).
-    size: u64,
+    /// Virtual size of the top image: changes only by a resize (on the owner's chain, by
+    /// [`Chain::resize`]; on a core's, when a request past it finds a larger size
+    /// published).
+    size: Cell<u64>,
     /// Read-ahead's per-request state ([`Chain::read_ahead`]).
     pub(crate) pf_hot: crate::prefetch::Hot,
     /// Reused plan storage of the fast path (no allocation per request).
@@ -110,7 +112,7 @@ impl<D: BlockDevice> Chain<D> {
         Ok(Rc::new(Chain {
             pf_hot,
             exec: exec.clone(),
-            size,
+            size: Cell::new(size),
             layers,
             scratch: RefCell::new((Vec::with_capacity(64), Vec::with_capacity(64))),
             fast_reads: Cell::new(0),
@@ -126,7 +128,11 @@ impl<D: BlockDevice> Chain<D> {
     }
     /// Virtual size of the top image.
     pub fn size(&self) -> u64 {
-        self.size
+        self.size.get()
+    }
+    /// Takes `size` as the top image's virtual size (after a resize).
+    pub(crate) fn set_size(&self, size: u64) {
+        self.size.set(size);
     }
     /// The executor.
     pub fn exec(&self) -> &Exec<D> {
@@ -137,7 +143,27 @@ impl<D: BlockDevice> Chain<D> {
     /// takes a guest range asks it.
     #[inline(always)]
     pub fn check_range(&self, offset: u64, len: u64) -> Result<GuestRange> {
-        GuestRange::new(offset, len, self.size)
+        match GuestRange::new(offset, len, self.size.get()) {
+            Ok(r) => Ok(r),
+            Err(e) => self.check_range_resized(offset, len, e),
+        }
+    }
+
+    /// [`check_range`](Self::check_range) of a request that failed it: on a core of a
+    /// shared image the owner may have grown the disk since, so the size it published is
+    /// taken and the range checked again; otherwise `err`.
+    #[cold]
+    fn check_range_resized(&self, offset: u64, len: u64, err: Error) -> Result<GuestRange> {
+        let Some(Layer::Qcow2(q)) = self.layers.first() else {
+            return Err(err);
+        };
+        let published = q.shared().map_or(0, |s| s.virtual_size());
+        if published == 0 || published == self.size.get() {
+            return Err(err);
+        }
+        q.adopt_size(published);
+        self.size.set(q.size());
+        GuestRange::new(offset, len, self.size.get())
     }
 
     /// Read-path counters.

@@ -58,12 +58,25 @@ pub enum SliceReply {
     Retry,
 }
 
+/// L1 entries published beyond a table of `len` entries, so that the image can grow
+/// online without the cores' L1 moving: three times the table, at least 1,024 entries
+/// (8 KiB; 512 GiB more disk with 64 KiB clusters), at most 65,536 (512 KiB), and never
+/// past the largest L1 table an image may have.
+fn l1_headroom(len: usize) -> usize {
+    let extra = (len.saturating_mul(3)).clamp(1024, 65536);
+    extra.min((crate::limits::MAX_L1_ENTRIES as usize).saturating_sub(len))
+}
+
 /// State the owner publishes to every core (shared with `Arc`).
 pub struct Shared {
     epochs: Box<[AtomicU32]>,
     epoch_mask: u64,
+    /// The L1 table, with room to grow online (entries past the table read 0).
     l1: Box<[AtomicU64]>,
     device_size: AtomicU64,
+    /// The virtual disk size as the owner last changed it (0: not published). Cores read it
+    /// only when a request falls outside the size they know.
+    virtual_size: AtomicU64,
     meta_bits: Box<[AtomicU64]>,
     /// Bumped after every bit set in `meta_bits`: a core that found a range of clusters
     /// clear under one value knows it is still clear while the value holds.
@@ -95,8 +108,13 @@ impl Shared {
         Shared {
             epochs: (0..slots).map(|_| AtomicU32::new(0)).collect(),
             epoch_mask: slots - 1,
-            l1: l1.iter().map(|&e| AtomicU64::new(e)).collect(),
+            l1: l1
+                .iter()
+                .map(|&e| AtomicU64::new(e))
+                .chain((0..l1_headroom(l1.len())).map(|_| AtomicU64::new(0)))
+                .collect(),
             device_size: AtomicU64::new(device_size),
+            virtual_size: AtomicU64::new(0),
             meta_bits: (0..words).map(|_| AtomicU64::new(0)).collect(),
             meta_gen: AtomicU64::new(0),
             grace: Grace::default(),
@@ -141,10 +159,21 @@ impl Shared {
         self.l1.get(idx).map_or(0, |e| e.load(Ordering::SeqCst))
     }
 
-    /// Number of L1 entries.
+    /// Number of L1 entries cores can see: the table's, and room for it to grow online
+    /// (those read 0 until the owner publishes them).
     #[inline]
     pub fn l1_len(&self) -> usize {
         self.l1.len()
+    }
+
+    /// The virtual disk size the owner published last (0: none yet).
+    pub fn virtual_size(&self) -> u64 {
+        self.virtual_size.load(Ordering::Acquire)
+    }
+
+    /// Owner: publishes the virtual disk size, once the metadata behind it is in place.
+    pub fn set_virtual_size(&self, size: u64) {
+        self.virtual_size.store(size, Ordering::Release);
     }
 
     /// Device size entries may point at.

@@ -134,6 +134,10 @@ pub enum Error {
     /// A guest request is out of range or not aligned.
     #[error("invalid request: {0}")]
     InvalidRequest(&'static str),
+    /// An operation on the image (resize, snapshot) is refused as asked; the message says
+    /// why and what would be accepted.
+    #[error("{0}")]
+    Refused(String),
     /// The image is opened read-only.
     #[error("image is read-only")]
     ReadOnly,
@@ -150,10 +154,10 @@ impl Error {
     pub fn errno(&self) -> i32 {
         match self {
             Error::Io(e) => *e,
-            Error::InvalidRequest(_) => 22,               // EINVAL
-            Error::ReadOnly | Error::MarkedCorrupt => 30, // EROFS
-            Error::UnsupportedFeature(_) => 95,           // EOPNOTSUPP
-            _ => 5,                                       // EIO
+            Error::InvalidRequest(_) | Error::Refused(_) => 22, // EINVAL
+            Error::ReadOnly | Error::MarkedCorrupt => 30,       // EROFS
+            Error::UnsupportedFeature(_) => 95,                 // EOPNOTSUPP
+            _ => 5,                                             // EIO
         }
     }
 

@@ -26,6 +26,7 @@ use std::cell::{Cell, Ref, RefCell};
 use std::sync::Arc;
 
 pub(crate) mod owner;
+pub use owner::snapshot::SnapshotTime;
 
 /// Options for opening an image.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -75,7 +76,8 @@ pub struct Qcow2<D: BlockDevice> {
     ctx: Cell<L2Context>,
     l1: RefCell<Vec<L1Entry>>,
     refcount_table: RefCell<Vec<u64>>,
-    snapshots: Vec<Snapshot>,
+    /// The snapshot table (changed by the owner's snapshot operations).
+    snapshots: RefCell<Vec<Snapshot>>,
     l2_cache: RefCell<SetAssocCache<u64, LinearSlice>>,
     /// The direct path's memo of slices, in front of `l2_cache`.
     memo: SliceMemo,
@@ -261,7 +263,7 @@ impl<D: BlockDevice> Qcow2<D> {
             ctx: Cell::new(ctx),
             l1: RefCell::new(l1),
             refcount_table: RefCell::new(refcount_table),
-            snapshots,
+            snapshots: RefCell::new(snapshots),
             memo: SliceMemo::new(
                 l2_cache.capacity(),
                 geo.slice_entries() as usize,
@@ -364,7 +366,7 @@ impl<D: BlockDevice> Qcow2<D> {
             ctx: Cell::new(self.ctx.get()),
             l1: RefCell::new(l1),
             refcount_table: RefCell::new(refcount_table),
-            snapshots: self.snapshots.clone(),
+            snapshots: RefCell::new(self.snapshots.borrow().clone()),
             memo: SliceMemo::new(
                 l2_cache.capacity(),
                 self.geo.slice_entries() as usize,
@@ -427,6 +429,7 @@ impl<D: BlockDevice> Qcow2<D> {
         // The owner's own requests take part in grace periods too (its fast paths race
         // with its own discards like a core's do).
         self.exec.join_grace(shared.clone(), true);
+        shared.set_virtual_size(self.size());
         self.shared = Some(shared.clone());
         shared
     }
@@ -441,7 +444,7 @@ impl<D: BlockDevice> Qcow2<D> {
             header: self.header.borrow().clone(),
             geo: self.geo,
             ctx: self.ctx.get(),
-            snapshots: self.snapshots.clone(),
+            snapshots: self.snapshots.borrow().clone(),
             shared,
             writable: self.meta.is_some(),
         })
@@ -464,7 +467,8 @@ impl<D: BlockDevice> Qcow2<D> {
                 "too many cores share this image (256 at most)",
             ));
         }
-        let l1_len = seed.shared.l1_len();
+        // Sized by the table, not by the room the owner keeps for it to grow online.
+        let l1_len = seed.header.header.l1_size as usize;
         let (l2_cache, rc_cache) = Self::new_caches(&seed.geo, l1_len, 0, &opts)?;
         Ok(Qcow2 {
             exec: exec.clone(),
@@ -475,7 +479,7 @@ impl<D: BlockDevice> Qcow2<D> {
             ctx: Cell::new(seed.ctx),
             l1: RefCell::new(Vec::new()),
             refcount_table: RefCell::new(Vec::new()),
-            snapshots: seed.snapshots,
+            snapshots: RefCell::new(seed.snapshots),
             memo: SliceMemo::new(
                 l2_cache.capacity(),
                 seed.geo.slice_entries() as usize,
@@ -604,6 +608,13 @@ impl<D: BlockDevice> Qcow2<D> {
     pub fn size(&self) -> u64 {
         self.header.borrow().header.size / SECTOR * SECTOR
     }
+    /// Core replica: takes `size`, the virtual size the owner published after a resize.
+    /// Nothing on the owner (its resize changed its own header) or a read-only image.
+    pub(crate) fn adopt_size(&self, size: u64) {
+        if self.core.is_some() {
+            self.header.borrow_mut().header.size = size;
+        }
+    }
     /// The device this image lives on.
     pub fn dev(&self) -> DevId {
         self.dev
@@ -612,9 +623,9 @@ impl<D: BlockDevice> Qcow2<D> {
     pub fn device_size(&self) -> u64 {
         self.device_size.get()
     }
-    /// Internal snapshots.
-    pub fn snapshots(&self) -> &[Snapshot] {
-        &self.snapshots
+    /// Internal snapshots (a copy of the table as the image has it now).
+    pub fn snapshots(&self) -> Vec<Snapshot> {
+        self.snapshots.borrow().clone()
     }
     /// The executor the image does I/O on.
     pub fn exec(&self) -> &Exec<D> {
@@ -656,6 +667,7 @@ impl<D: BlockDevice> Qcow2<D> {
             || (hh.nb_snapshots > 0 && f(hh.snapshots_offset, cs))
             || self
                 .snapshots
+                .borrow()
                 .iter()
                 .any(|s| f(s.l1_table_offset, u64::from(s.l1_size) * 8))
     }

@@ -231,6 +231,13 @@ impl SliceMemo {
         });
     }
 
+    /// Forgets every slice (the L1 table was replaced).
+    pub fn forget_all(&self) {
+        for slot in self.slots.iter() {
+            slot.set(MEMO_EMPTY);
+        }
+    }
+
     /// Forgets slice `key` (it changed, or its cached copy is being replaced).
     #[inline]
     pub fn forget(&self, key: u64) {

@@ -1272,3 +1272,30 @@ fn owner_of_a_shared_image_refuses_a_write_through_an_entry_into_metadata() {
         "the L1 table was overwritten"
     );
 }
+
+#[test]
+fn a_core_takes_the_size_the_owner_grew_the_disk_to() {
+    let mut rig = Rig::new(9, 1, false, 2);
+    let cs = 4096u64;
+    let old = rig.size;
+    write_sync(&mut rig, 1, 0, 21, cs);
+    // Past the end: refused on the core.
+    let buf = HeapBuf::new(cs as usize);
+    rig.chains[1].submit_read(2, old, BufSlice::whole(buf));
+    assert!(rig.run(2).is_err(), "a read past the end was accepted");
+    // The owner grows the disk sixteen times (4 KiB clusters: its L1 table moves).
+    let c = rig.chains[0].clone();
+    let new = old * 16;
+    rig.execs[0]
+        .block_on(async move { c.resize(new, false).await })
+        .unwrap();
+    assert_eq!(rig.chains[0].size(), new);
+    // The core takes the new size with its first request past the old end, and sees the
+    // owner's writes there and before.
+    write_sync(&mut rig, 3, new - cs, 22, cs);
+    assert_eq!(core_read(&mut rig, 1, 4, new - cs, cs), vec![22; 8]);
+    assert_eq!(rig.chains[1].size(), new);
+    assert_eq!(core_read(&mut rig, 1, 5, 0, cs), vec![21; 8]);
+    assert_eq!(core_read(&mut rig, 1, 6, old, cs), vec![0; 8]);
+    rig.close();
+}

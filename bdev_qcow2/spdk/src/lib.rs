@@ -22,6 +22,7 @@ mod engine_host;
 pub mod ffi;
 mod format;
 mod io_ctx;
+mod lifecycle_rpc;
 mod logging;
 pub mod module;
 mod node;

@@ -148,6 +148,32 @@ impl Owner {
         *o.closing.borrow_mut() = Some((result, Box::new(then)));
     }
 
+    /// The virtual size of the image as the owner has it now.
+    pub fn size(&self) -> u64 {
+        self.assert_md_thread();
+        self.chain.size()
+    }
+
+    /// Runs `job` on the owner's chain as a task of its executor (driven by the owner's
+    /// poller, so requests keep flowing): the life-cycle operations (resize, snapshots)
+    /// start here and report from the task's end, on the md thread.
+    pub fn run_job<F>(&self, job: impl FnOnce(Rc<Chain<SpdkDevice>>) -> F)
+    where
+        F: std::future::Future<Output = ()> + 'static,
+    {
+        self.assert_md_thread();
+        self.exec().spawn(job(self.chain.clone()));
+    }
+
+    /// The internal snapshots of the image.
+    pub fn snapshots(&self) -> Vec<qcow2_engine::format::Snapshot> {
+        self.assert_md_thread();
+        match self.chain.layers().first() {
+            Some(qcow2_engine::Layer::Qcow2(q)) => q.snapshots(),
+            _ => Vec::new(),
+        }
+    }
+
     /// The owner's counters for `bdev_qcow2_get_stats`: clusters allocated, write-backs,
     /// and its own slice cache (the md thread serves the allocating writes).
     pub fn stats_json(&self) -> serde_json::Value {

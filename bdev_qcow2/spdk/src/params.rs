@@ -220,6 +220,34 @@ pub struct DeleteParams {
     pub name: String,
 }
 
+/// `bdev_qcow2_resize` parameters.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ResizeParams {
+    /// The qcow2 bdev.
+    pub name: String,
+    /// The new virtual size in bytes (a multiple of 512).
+    pub size: u64,
+}
+
+/// `bdev_qcow2_snapshot_create` and `bdev_qcow2_snapshot_delete` parameters.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SnapshotParams {
+    /// The qcow2 bdev.
+    pub name: String,
+    /// The snapshot's name (create), or its id or name (delete).
+    pub snapshot: String,
+}
+
+/// `bdev_qcow2_snapshot_list` parameters.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SnapshotListParams {
+    /// The qcow2 bdev.
+    pub name: String,
+}
+
 /// `bdev_qcow2_get_stats` parameters.
 #[derive(Debug, Clone, Default, Deserialize)]
 #[serde(deny_unknown_fields)]

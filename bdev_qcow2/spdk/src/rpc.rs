@@ -1,5 +1,5 @@
 //! The RPC methods `bdev_qcow2_create`, `bdev_qcow2_format`, `bdev_qcow2_delete` and
-//! `bdev_qcow2_get_stats`
+//! `bdev_qcow2_get_stats` (the life-cycle ones are in `lifecycle_rpc.rs`)
 //! (registered by `register.c`; entry points in `ffi/rpc.rs`). Parameters are decoded into
 //! the structs of `params.rs`.
 
@@ -15,7 +15,11 @@ use serde_json::{json, Value};
 use std::ffi::c_int;
 
 /// Decodes `params` into `T`, or answers the request with the reason and returns `None`.
-fn decode<T: DeserializeOwned>(req: Request, params: Params, method: &str) -> Option<(Request, T)> {
+pub(crate) fn decode<T: DeserializeOwned>(
+    req: Request,
+    params: Params,
+    method: &str,
+) -> Option<(Request, T)> {
     let v = match params {
         Ok(Value::Null) => json!({}),
         Ok(v) => v,

@@ -1888,4 +1888,216 @@ mod real {
         );
         Ok(())
     }
+
+    /// Runs rpc.py with our plugin against the application listening on `sock`; returns
+    /// success and stdout+stderr.
+    fn plugin_rpc(sock: &Path, args: &[&str]) -> (bool, String) {
+        let plugin_dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../configs/rpc_plugin");
+        let out = Command::new(rpc_py().unwrap())
+            .env("PYTHONPATH", plugin_dir)
+            .args(["-s", s(sock), "-t", "60", "--plugin", "bdev_qcow2_rpc"])
+            .args(args)
+            .output()
+            .unwrap();
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        (out.status.success(), text)
+    }
+
+    /// bdevperf with an RPC socket, a `verify` workload (queue depth 32, 4 KiB) on every
+    /// bdev of `cfg` from two cores for `secs` seconds; `during(sock)` runs while it does.
+    /// Returns whether bdevperf saw no failure and no miscompare, and its output.
+    fn verify_load_with_rpc(
+        d: &Path,
+        cfg: &Path,
+        tag: &str,
+        secs: u64,
+        during: impl FnOnce(&Path),
+    ) -> (bool, String) {
+        let bdevperf_py = ["/opt/spdk-src/examples/bdev/bdevperf/bdevperf.py"]
+            .into_iter()
+            .map(PathBuf::from)
+            .chain(std::env::var_os("BDEVPERF_PY").map(PathBuf::from))
+            .find(|p| p.is_file())
+            .expect("bdevperf.py");
+        let sock = d.join(format!("{tag}.sock"));
+        let log = d.join(format!("{tag}.log"));
+        let t = secs.to_string();
+        let args: Vec<String> = [
+            "--json",
+            s(cfg),
+            "-r",
+            s(&sock),
+            "-z",
+            "-q",
+            "32",
+            "-o",
+            "4096",
+            "-w",
+            "verify",
+            "-t",
+            &t,
+            "-m",
+            "0x3",
+            "-C",
+        ]
+        .map(String::from)
+        .to_vec();
+        let proc = spawn_spdk("bdevperf", &args, &log);
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !sock.exists() {
+            assert!(Instant::now() < deadline, "bdevperf did not start");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        std::thread::sleep(Duration::from_millis(500));
+        let perform = Command::new("/usr/bin/python3")
+            .arg(&bdevperf_py)
+            .args(["-s", s(&sock), "-t", "120", "perform_tests"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        std::thread::sleep(Duration::from_millis(1500));
+        during(&sock);
+        let out = perform.wait_with_output().unwrap();
+        let _ = plugin_rpc(&sock, &["spdk_kill_instance", "SIGTERM"]);
+        let (ok, text) = proc.wait(60);
+        (
+            ok && out.status.success(),
+            format!("{text}\n{}", String::from_utf8_lossy(&out.stdout)),
+        )
+    }
+
+    #[test]
+    fn resize_under_verify_load_grows_the_bdev() {
+        require!("bdevperf", "spdk_dd");
+        if rpc_py().is_none() {
+            say("SKIPPED: rpc.py not found (set SPDK_RPC or put spdk-rpc on PATH)");
+            return;
+        }
+        let _t = turn();
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        // 4 KiB clusters: the L1 table (one entry per 2 MiB) moves to a larger place.
+        let img = d.join("rs.qcow2");
+        qemu_img(&[
+            "create",
+            "-q",
+            "-f",
+            "qcow2",
+            "-o",
+            "cluster_size=4096",
+            s(&img),
+            "64M",
+        ]);
+        qemu_io(&img, &["write -P 0x5a 0 8M"]);
+        pad(&img);
+        let f = fs::OpenOptions::new().write(true).open(&img).unwrap();
+        f.set_len(512 * MIB).unwrap();
+        drop(f);
+        let cfg = d.join("rs.json");
+        write_config(&cfg, vec![aio(&img, "aio0"), qcow2("q0", "aio0", None)]);
+        let mut answers = Vec::new();
+        let (ok, text) = verify_load_with_rpc(d, &cfg, "rs", 6, |sock| {
+            let big = (256 * MIB).to_string();
+            answers.push(plugin_rpc(
+                sock,
+                &["bdev_qcow2_resize", "-b", "q0", "-s", &big],
+            ));
+            answers.push(plugin_rpc(sock, &["bdev_get_bdevs", "-b", "q0"]));
+            // Shrinking an open bdev: SPDK refuses.
+            answers.push(plugin_rpc(
+                sock,
+                &["bdev_qcow2_resize", "-b", "q0", "-s", "67108864"],
+            ));
+        });
+        assert!(ok, "bdevperf verify failed during the resize:\n{text}");
+        assert!(answers[0].0, "bdev_qcow2_resize: {}", answers[0].1);
+        let v: Value = serde_json::from_str(answers[1].1.trim()).unwrap();
+        assert_eq!(v[0]["num_blocks"].as_u64(), Some(256 * MIB / 512), "{v}");
+        assert!(
+            !answers[2].0,
+            "shrinking an open bdev was accepted: {}",
+            answers[2].1
+        );
+        check_clean(&img, "after an online resize");
+        let out = run_ok(Command::new("qemu-img").args(["info", "--output=json", s(&img)]));
+        let info: Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(info["virtual-size"].as_u64(), Some(256 * MIB));
+        // QEMU reads the grown range as zeros, and SPDK reads the image as QEMU does.
+        qemu_io(&img, &["read -P 0 64M 64M", "read -P 0 255M 1M"]);
+        let cfg2 = d.join("rs-open.json");
+        write_config(&cfg2, vec![aio(&img, "b0"), qcow2("q0", "b0", None)]);
+        dd_and_compare(d, &cfg2, "q0", &img, "resized");
+        say("bdev_qcow2_resize under bdevperf verify on 2 cores: no failure, the image checks clean and reads as QEMU reads it");
+    }
+
+    #[test]
+    fn snapshots_under_verify_load() {
+        require!("bdevperf");
+        if rpc_py().is_none() {
+            say("SKIPPED: rpc.py not found (set SPDK_RPC or put spdk-rpc on PATH)");
+            return;
+        }
+        let _t = turn();
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        let img = d.join("sn.qcow2");
+        qemu_img(&[
+            "create",
+            "-q",
+            "-f",
+            "qcow2",
+            "-o",
+            "cluster_size=65536",
+            s(&img),
+            "64M",
+        ]);
+        qemu_io(&img, &["write -P 0x5a 0 64M"]);
+        pad(&img);
+        let f = fs::OpenOptions::new().write(true).open(&img).unwrap();
+        f.set_len(512 * MIB).unwrap();
+        drop(f);
+        let cfg = d.join("sn.json");
+        write_config(&cfg, vec![aio(&img, "aio0"), qcow2("q0", "aio0", None)]);
+        let mut answers = Vec::new();
+        let (ok, text) = verify_load_with_rpc(d, &cfg, "sn", 8, |sock| {
+            let rpc = |args: &[&str]| plugin_rpc(sock, args);
+            answers.push(rpc(&["bdev_qcow2_snapshot_create", "-b", "q0", "-n", "s1"]));
+            std::thread::sleep(Duration::from_millis(1000));
+            answers.push(rpc(&["bdev_qcow2_snapshot_create", "-b", "q0", "-n", "s2"]));
+            answers.push(rpc(&["bdev_qcow2_snapshot_create", "-b", "q0", "-n", "s2"]));
+            std::thread::sleep(Duration::from_millis(1000));
+            answers.push(rpc(&["bdev_qcow2_snapshot_delete", "-b", "q0", "-n", "s1"]));
+            answers.push(rpc(&["bdev_qcow2_snapshot_list", "-b", "q0"]));
+        });
+        assert!(
+            ok,
+            "bdevperf verify failed while snapshots were taken:\n{text}"
+        );
+        for (i, want_ok) in [(0, true), (1, true), (2, false), (3, true), (4, true)] {
+            assert_eq!(answers[i].0, want_ok, "answer {i}: {}", answers[i].1);
+        }
+        let pause: Value = serde_json::from_str(answers[0].1.trim()).unwrap();
+        let list: Value = serde_json::from_str(answers[4].1.trim()).unwrap();
+        assert_eq!(list.as_array().map(Vec::len), Some(1), "{list}");
+        assert_eq!(list[0]["name"], "s2");
+        check_clean(&img, "after online snapshots");
+        let out = run_ok(Command::new("qemu-img").args(["snapshot", "-l", s(&img)]));
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert!(text.contains(" s2 ") && !text.contains(" s1 "), "{text}");
+        // QEMU reads the snapshot, and applies it.
+        let raw = d.join("s2.raw");
+        qemu_img(&["convert", "-O", "raw", "-l", "s2", s(&img), s(&raw)]);
+        qemu_img(&["snapshot", "-a", "s2", s(&img)]);
+        check_clean(&img, "after qemu-img applied the snapshot");
+        compare_with_raw(&img, &raw);
+        say(&format!(
+            "bdev_qcow2_snapshot_create/_delete/_list under bdevperf verify on 2 cores: no failure; I/O paused {} us for the first snapshot",
+            pause["pause_us"]
+        ));
+    }
 }

@@ -101,6 +101,19 @@ fn engine_err(path: &Path) -> impl FnOnce(qcow2_engine::Error) -> ToolError + '_
     }
 }
 
+/// [`engine_err`] for the image the operator named with the qcow2 format: a file without
+/// the qcow2 magic is most likely a raw image, and since the format is never probed the
+/// operator has to say so.
+fn top_image_err(path: &Path) -> impl FnOnce(qcow2_engine::Error) -> ToolError + '_ {
+    move |source| match source {
+        qcow2_engine::Error::NotQcow2(_) => ToolError::Usage(format!(
+            "{}: {source}; if it is a raw image, add -f raw (the format is never probed)",
+            path.display()
+        )),
+        source => engine_err(path)(source),
+    }
+}
+
 /// Opens one image file as an io_uring device (read-only unless `writable`).
 pub fn uring_device(path: &Path, writable: bool, spec: &OpenSpec) -> ToolResult<UringDevice> {
     UringDevice::open(path, writable, spec.direct, spec.queue_depth).map_err(|source| {
@@ -129,7 +142,7 @@ pub fn open_single(spec: &OpenSpec) -> ToolResult<(Exec<UringDevice>, Rc<Qcow2<U
     let opts = spec.opts;
     let q = exec
         .block_on(async move { Qcow2::open(&e2, dev, opts).await })
-        .map_err(engine_err(&spec.path))?;
+        .map_err(top_image_err(&spec.path))?;
     Ok((exec, Rc::new(q)))
 }
 
@@ -193,9 +206,12 @@ pub fn open_chain_with<D: BlockDevice>(
                     writable,
                     ..spec.opts
                 };
-                let q = exec
-                    .block_on(async move { Qcow2::open(&e2, dev, opts).await })
-                    .map_err(engine_err(&path))?;
+                let opened = exec.block_on(async move { Qcow2::open(&e2, dev, opts).await });
+                let q = if top {
+                    opened.map_err(top_image_err(&path))?
+                } else {
+                    opened.map_err(engine_err(&path))?
+                };
                 let backing = q.header().backing_file.clone();
                 let backing_fmt = q.header().extensions.backing_format.clone();
                 layers.push(Layer::Qcow2(Box::new(q)));

@@ -2,7 +2,7 @@
 //! output and exit codes shaped like `qemu-img`.
 
 use clap::{Parser, Subcommand};
-use qcow2_tool::cmd::{check, convert, create, info, io, map, perf};
+use qcow2_tool::cmd::{check, convert, create, info, io, map, perf, resize, snapshot};
 use std::io::Write;
 use std::process::ExitCode;
 
@@ -34,6 +34,12 @@ enum Cmd {
     Io(io::IoArgs),
     /// Check the image's consistency and repair it (like `qemu-img check [-r leaks|all]`).
     Check(check::CheckArgs),
+    /// Change the virtual size (like `qemu-img resize [--shrink]`; a shrink is refused
+    /// while the range cut off holds data).
+    Resize(resize::ResizeArgs),
+    /// List, create, delete or apply internal snapshots (like `qemu-img snapshot
+    /// -l|-c|-d|-a`).
+    Snapshot(snapshot::SnapshotArgs),
 }
 
 fn main() -> ExitCode {
@@ -48,6 +54,8 @@ fn main() -> ExitCode {
         Cmd::Map(a) => map::run(a),
         Cmd::Convert(a) => convert::run(a),
         Cmd::Create(a) => create::run(a),
+        Cmd::Resize(a) => resize::run(a),
+        Cmd::Snapshot(a) => snapshot::run(a),
         // Exit status 1 when a command fails or a pattern does not match, like qemu-io.
         Cmd::Io(a) => return io::main(a),
         // Its own exit codes (0 clean, 1 failed, 2 corruptions, 3 leaks), like qemu-img.

@@ -549,3 +549,100 @@ fn errors_are_one_line_and_nonzero() {
         .expect("run");
     assert_eq!(out.status.code(), Some(1));
 }
+
+/// Punches a hole of `len` bytes at `off` into `path` (the file system deallocates it).
+fn punch_hole(path: &Path, off: u64, len: u64) {
+    run(Command::new("fallocate")
+        .args(["-p", "-o", &off.to_string(), "-l", &len.to_string()])
+        .arg(path));
+}
+
+#[test]
+fn map_of_data_clusters_over_file_holes_agrees_with_qemu_img() {
+    let c = Case::new();
+    // Much data, one hole: not taken for metadata preallocation, so a data cluster is data
+    // whatever its file bytes are.
+    let img = c.create("many.qcow2", "", "16M");
+    qemu_io(&img, &["write -P 1 0 8M".to_string()]);
+    punch_hole(&img, 0x50000, 0x10000);
+    c.check(&img, &[]);
+    // Little data, a large hole: refcounts claim far more than the file holds, so QEMU
+    // looks through to the file and the hole reads as zeros.
+    let img = c.create("few.qcow2", "", "16M");
+    qemu_io(
+        &img,
+        &[
+            "write -P 1 0 1M".to_string(),
+            "write -P 2 4M 256k".to_string(),
+        ],
+    );
+    punch_hole(&img, 0x50000, 0x20000);
+    c.check(&img, &[]);
+    // Metadata preallocation: the clusters are all holes.
+    let img = c.create("prealloc.qcow2", "preallocation=metadata", "16M");
+    qemu_io(&img, &["write -P 3 64k 64k".to_string()]);
+    c.check(&img, &[]);
+}
+
+#[test]
+fn info_shows_the_zeroed_tail() {
+    let c = Case::new();
+    let img = c.path("tail.qcow2");
+    let opts = qcow2_engine::create::CreateOptions {
+        size: 64 << 20,
+        zeroed_tail: true,
+        ..Default::default()
+    };
+    qcow2_tool::cmd::create::format_image(&img, &opts).expect("format");
+    let json = run(Command::new(QCOW2)
+        .args(["info", "--output=json"])
+        .arg(&img));
+    let v: serde_json::Value = serde_json::from_slice(&json.stdout).expect("json");
+    let from = v["format-specific"]["data"]["zeroed-tail"]
+        .as_u64()
+        .expect("zeroed-tail in the JSON");
+    let size = std::fs::metadata(&img).expect("stat").len();
+    assert!(from > 0 && from <= size.max(from), "{v}");
+    let human = run(Command::new(QCOW2).arg("info").arg(&img));
+    let text = String::from_utf8_lossy(&human.stdout);
+    assert!(
+        text.contains(&format!(
+            "zeroed tail: the device reads zeros from offset {from} "
+        )),
+        "{text}"
+    );
+    assert!(text.contains("autoclear features: [zeroed tail]"), "{text}");
+    // QEMU writing the image voids the claim: info no longer shows it.
+    qemu_io(&img, &["write -P 1 0 64k".to_string()]);
+    let json = run(Command::new(QCOW2)
+        .args(["info", "--output=json"])
+        .arg(&img));
+    let v: serde_json::Value = serde_json::from_slice(&json.stdout).expect("json");
+    assert!(
+        v["format-specific"]["data"].get("zeroed-tail").is_none(),
+        "{v}"
+    );
+}
+
+#[test]
+fn convert_of_a_raw_source_without_f_raw_says_to_add_it() {
+    let c = Case::new();
+    let src = c.path("disk.raw");
+    std::fs::write(&src, vec![0u8; 1 << 20]).expect("write");
+    let out = Command::new(QCOW2)
+        .args(["convert", "-O", "raw"])
+        .arg(&src)
+        .arg(c.path("o.raw"))
+        .output()
+        .expect("run");
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("not a qcow2 image"), "{err}");
+    assert!(err.contains("add -f raw"), "{err}");
+    assert_eq!(err.lines().count(), 1, "{err}");
+    // With -f raw it converts.
+    run(Command::new(QCOW2)
+        .args(["convert", "-f", "raw", "-O", "raw"])
+        .arg(&src)
+        .arg(c.path("o.raw")));
+}

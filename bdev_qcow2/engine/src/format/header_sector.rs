@@ -1,5 +1,6 @@
 //! Changing header bytes in place: the fields a writer changes after creation (feature
-//! bits, the refcount table's and the L1 table's place, the zeroed tail's offset), each
+//! bits, the virtual size, the refcount table's and the L1 table's place, the snapshot
+//! table's place and count, the zeroed tail's offset), each
 //! encoded at the offset the qcow2 specification gives it, and nowhere else.
 //!
 //! [`HeaderPatch`] is one such change (bytes and where they go), for a writer that patches
@@ -14,6 +15,8 @@ use crate::io::SECTOR;
 pub mod offset {
     /// `version` (u32).
     pub const VERSION: usize = 4;
+    /// `size` (u64): the virtual disk size.
+    pub const SIZE: usize = 24;
     /// `l1_size` (u32), followed by `l1_table_offset` (u64).
     pub const L1_SIZE: usize = 36;
     /// `l1_table_offset` (u64).
@@ -22,6 +25,8 @@ pub mod offset {
     pub const REFCOUNT_TABLE_OFFSET: usize = 48;
     /// `refcount_table_clusters` (u32).
     pub const REFCOUNT_TABLE_CLUSTERS: usize = 56;
+    /// `nb_snapshots` (u32), followed by `snapshots_offset` (u64).
+    pub const NB_SNAPSHOTS: usize = 60;
     /// `incompatible_features` (u64; version 3).
     pub const INCOMPATIBLE_FEATURES: usize = 72;
     /// `autoclear_features` (u64; version 3).
@@ -64,6 +69,21 @@ impl HeaderPatch {
         put_u64(&mut buf, 4, table_offset);
         HeaderPatch {
             at: offset::L1_SIZE,
+            buf,
+            len: 12,
+        }
+    }
+    /// `size` = `bytes` (the virtual disk size).
+    pub fn size(bytes: u64) -> Self {
+        Self::u64_at(offset::SIZE, bytes)
+    }
+    /// `nb_snapshots` = `count`, `snapshots_offset` = `table_offset`: one patch.
+    pub fn snapshot_table(table_offset: u64, count: u32) -> Self {
+        let mut buf = [0u8; 12];
+        put_u32(&mut buf, 0, count);
+        put_u64(&mut buf, 4, table_offset);
+        HeaderPatch {
+            at: offset::NB_SNAPSHOTS,
             buf,
             len: 12,
         }
@@ -148,6 +168,14 @@ impl HeaderSector {
     /// Points the header at an L1 table of `size` entries at `table_offset`.
     pub fn set_l1_table(&mut self, table_offset: u64, size: u32) {
         self.apply(HeaderPatch::l1_table(table_offset, size));
+    }
+    /// Sets the virtual disk size to `bytes`.
+    pub fn set_size(&mut self, bytes: u64) {
+        self.apply(HeaderPatch::size(bytes));
+    }
+    /// Points the header at a snapshot table of `count` snapshots at `table_offset`.
+    pub fn set_snapshot_table(&mut self, table_offset: u64, count: u32) {
+        self.apply(HeaderPatch::snapshot_table(table_offset, count));
     }
     /// Records the zeroed tail's offset `tail.from` where its extension keeps it; returns
     /// false, changing nothing, when that lies outside this sector.
@@ -266,6 +294,34 @@ mod tests {
         assert_eq!(
             (h.header.l1_table_offset, h.header.l1_size),
             (0x5678_0000, 9)
+        );
+    }
+
+    #[test]
+    fn size_and_snapshot_table_land_at_24_and_60() {
+        let before = v3();
+        let mut s = before.clone();
+        s.set_size(0x1_2345_6000);
+        assert_eq!(be64(s.bytes(), 24), 0x1_2345_6000);
+        only_changed(&before, &s, 24..32);
+        let mut s = before.clone();
+        s.set_snapshot_table(0x9_0000, 3);
+        assert_eq!(be32(s.bytes(), 60), 3);
+        assert_eq!(be64(s.bytes(), 64), 0x9_0000);
+        only_changed(&before, &s, 60..72);
+        // Decoded back (no snapshot table to validate), the header says the same.
+        let mut s2 = before.clone();
+        s2.set_size(1 << 20);
+        let mut c0 = s2.bytes().to_vec();
+        c0.resize(1 << 16, 0);
+        let h = ImageHeader::decode(&c0, 1 << 40).expect("decode");
+        assert_eq!(
+            (
+                h.header.size,
+                h.header.nb_snapshots,
+                h.header.snapshots_offset
+            ),
+            (1 << 20, 0, 0)
         );
     }
 

@@ -173,6 +173,10 @@ impl Inflight {
     pub fn any(&self, first: u64, last: u64) -> bool {
         !self.0.is_empty() && (first..=last).any(|c| self.0.contains(&c))
     }
+    /// Whether any guest cluster at or past `first` has one (the set is small).
+    pub fn any_from(&self, first: u64) -> bool {
+        self.0.iter().any(|&c| c >= first)
+    }
     /// Marks guest clusters `first..=last`.
     pub fn mark(&mut self, first: u64, last: u64) {
         self.0.extend(first..=last);

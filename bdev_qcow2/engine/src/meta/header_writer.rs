@@ -78,6 +78,25 @@ impl HeaderCopies {
         self.dirty = true;
     }
 
+    /// The L1 table moved to `offset`, `size` entries long (the header is dirty).
+    pub(crate) fn set_l1_table(&mut self, offset: u64, size: u32) {
+        self.sector0.set_l1_table(offset, size);
+        self.dirty = true;
+    }
+
+    /// The virtual disk size is `bytes` (the header is dirty).
+    pub(crate) fn set_size(&mut self, bytes: u64) {
+        self.sector0.set_size(bytes);
+        self.dirty = true;
+    }
+
+    /// The snapshot table moved to `offset` and holds `count` snapshots (the header is
+    /// dirty).
+    pub(crate) fn set_snapshot_table(&mut self, offset: u64, count: u32) {
+        self.sector0.set_snapshot_table(offset, count);
+        self.dirty = true;
+    }
+
     /// The zeroed tail raised to `tail`: in the copy and in the one on disk, which is
     /// returned to be written alone.
     pub(crate) fn raise_zeroed_tail(&mut self, tail: ZeroedTail) -> Vec<u8> {

@@ -74,6 +74,60 @@ impl Registered {
         Some(unsafe { &*n.owner })
     }
 
+    /// Tells SPDK the bdev now has `blocks` blocks (`spdk_bdev_notify_blockcnt_change`):
+    /// descriptors hear of it. SPDK refuses to shrink a bdev someone has open (`EBUSY`);
+    /// `Err` carries its errno.
+    pub fn notify_blockcnt_change(&self, blocks: u64) -> Result<(), i32> {
+        // SAFETY: the node (and the bdev in it) is live while this handle exists; SPDK
+        // changes the block count under its own lock.
+        let rc = unsafe {
+            sys::spdk_bdev_notify_blockcnt_change(
+                std::ptr::addr_of_mut!((*self.0.as_ptr()).bdev),
+                blocks,
+            )
+        };
+        if rc == 0 {
+            Ok(())
+        } else {
+            Err(-rc)
+        }
+    }
+
+    /// Quiesces the bdev (`spdk_bdev_quiesce`): once every request in flight has completed,
+    /// with new ones held back by SPDK, `done(0)` runs on this thread; `done(-errno)` when
+    /// SPDK refuses. [`unquiesce`](Self::unquiesce) lets the held requests go.
+    pub fn quiesce(&self, done: impl FnOnce(c_int) + 'static) {
+        self.quiesce_call(true, Box::new(done));
+    }
+
+    /// Ends a [`quiesce`](Self::quiesce); `done` gets SPDK's status.
+    pub fn unquiesce(&self, done: impl FnOnce(c_int) + 'static) {
+        self.quiesce_call(false, Box::new(done));
+    }
+
+    fn quiesce_call(&self, quiesce: bool, done: Box<dyn FnOnce(c_int)>) {
+        let ctx = Box::into_raw(Box::new(done)).cast::<c_void>();
+        let bdev = std::ptr::addr_of_mut!(
+            // SAFETY: the node is live while this handle exists.
+            unsafe { &mut *self.0.as_ptr() }.bdev
+        );
+        let module = super::module::module_ptr();
+        // SAFETY: a registered bdev of our module; `ctx` is reclaimed exactly once, by
+        // `quiesce_done` (SPDK calls it once) or below when SPDK refuses at once.
+        let rc = unsafe {
+            if quiesce {
+                sys::spdk_bdev_quiesce(bdev, module, Some(quiesce_done), ctx)
+            } else {
+                sys::spdk_bdev_unquiesce(bdev, module, Some(quiesce_done), ctx)
+            }
+        };
+        if rc != 0 {
+            // SAFETY: SPDK refused, so it will not call back: the box is still ours.
+            let done = unsafe { Box::from_raw(ctx.cast::<Box<dyn FnOnce(c_int)>>()) };
+            done(rc);
+        }
+    }
+
     /// Visits every channel of the node on its own thread with `each`, then calls `done` on
     /// the calling thread (each step continues the iteration once, as `ChannelIter` says).
     pub fn for_each_channel<C: 'static>(
@@ -96,6 +150,13 @@ impl Registered {
         // after `device_gone`.
         unsafe { io_channel::unregister_device(self.0.as_ptr().cast(), device_gone) }
     }
+}
+
+/// SPDK finished a quiesce or unquiesce: hands the status to the boxed callback.
+unsafe extern "C" fn quiesce_done(ctx: *mut c_void, status: c_int) {
+    // SAFETY: `ctx` is the box `quiesce_call` leaked, reclaimed here once.
+    let done = unsafe { Box::from_raw(ctx.cast::<Box<dyn FnOnce(c_int)>>()) };
+    done(status);
 }
 
 /// Leaks `node` and registers it: as an io_device (each channel gets a

@@ -77,3 +77,7 @@ rpc_entry!(bdev_qcow2_rpc_create => crate::rpc::create);
 rpc_entry!(bdev_qcow2_rpc_format => crate::rpc::format);
 rpc_entry!(bdev_qcow2_rpc_delete => crate::rpc::delete);
 rpc_entry!(bdev_qcow2_rpc_get_stats => crate::rpc::get_stats);
+rpc_entry!(bdev_qcow2_rpc_resize => crate::lifecycle_rpc::resize);
+rpc_entry!(bdev_qcow2_rpc_snapshot_create => crate::lifecycle_rpc::snapshot_create);
+rpc_entry!(bdev_qcow2_rpc_snapshot_delete => crate::lifecycle_rpc::snapshot_delete);
+rpc_entry!(bdev_qcow2_rpc_snapshot_list => crate::lifecycle_rpc::snapshot_list);

@@ -48,7 +48,7 @@ pub fn human_size(n: u64) -> String {
 }
 
 /// `YYYY-MM-DD HH:MM:SS` (UTC) for a Unix time.
-fn utc_date(secs: u64) -> String {
+pub fn utc_date(secs: u64) -> String {
     let days = (secs / 86400) as i64;
     let rem = secs % 86400;
     // Civil-from-days (Howard Hinnant's algorithm).
@@ -158,6 +158,10 @@ pub fn run(args: &InfoArgs) -> ToolResult<String> {
                 );
                 m.insert("compatible-features".into(), json!(h.compatible_features));
                 m.insert("autoclear-features".into(), json!(h.autoclear_features));
+                // Ours too: where the device reads zeros from (ARCHITECTURE.md §8).
+                if let Some(z) = ih.extensions.zeroed_tail {
+                    m.insert("zeroed-tail".into(), json!(z.from));
+                }
             }
             let mut v = json!({
                 "children": [],
@@ -284,12 +288,20 @@ fn human(v: &Value) -> String {
             &[
                 (autoclear::BITMAPS, "bitmaps"),
                 (autoclear::RAW_EXTERNAL, "raw external data"),
+                (autoclear::ZEROED_TAIL, "zeroed tail"),
             ],
         );
         let _ = writeln!(s, "    format version: {}", b("version"));
         let _ = writeln!(s, "    incompatible features: [{}]", inc.join(", "));
         let _ = writeln!(s, "    compatible features: [{}]", com.join(", "));
         let _ = writeln!(s, "    autoclear features: [{}]", auto.join(", "));
+        if let Some(from) = d.get("zeroed-tail").and_then(Value::as_u64) {
+            let _ = writeln!(
+                s,
+                "    zeroed tail: the device reads zeros from offset {from} ({})",
+                human_size(from)
+            );
+        }
     }
     s
 }

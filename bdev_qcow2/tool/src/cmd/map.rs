@@ -57,11 +57,47 @@ impl MapEntry {
     }
 }
 
-/// Status of guest bytes at `pos` (up to `end`) through the chain. `files` holds each
-/// layer's file and whether it is raw.
+/// How `map` reads one layer's file.
+struct LayerFile {
+    file: File,
+    /// A raw layer: its file is the disk.
+    raw: bool,
+    /// Data clusters are looked through to the file (a hole there reads as zeros). QEMU
+    /// does this only for an image it takes for metadata-preallocated (see
+    /// [`metadata_preallocated`]); otherwise a data cluster is data, hole or not.
+    look_through: bool,
+}
+
+/// Whether `q` looks metadata-preallocated the way QEMU decides it: clusters with a
+/// nonzero refcount, counted up to the file's end, reach a tenth more than the clusters
+/// the file system actually holds (at least two more).
+async fn metadata_preallocated(
+    q: &qcow2_engine::Qcow2<crate::uring::UringDevice>,
+    file: &File,
+) -> qcow2_engine::Result<bool> {
+    use std::os::unix::fs::MetadataExt;
+    let Ok(md) = file.metadata() else {
+        return Ok(false);
+    };
+    let cs = q.geometry().cluster_size();
+    let real_clusters = md.blocks() * 512 / cs;
+    let threshold = (real_clusters * 10 / 9).max(real_clusters + 2);
+    let end_cluster = md.len().div_ceil(cs);
+    let mut count = 0;
+    let mut c = 0;
+    while c < end_cluster && count < threshold {
+        if q.refcount(c * cs).await? != 0 {
+            count += 1;
+        }
+        c += 1;
+    }
+    Ok(count >= threshold)
+}
+
+/// Status of guest bytes at `pos` (up to `end`) through the chain, with each layer's file.
 async fn chain_status(
     o: &Opened,
-    files: &[(File, bool)],
+    files: &[LayerFile],
     pos: u64,
     end: u64,
 ) -> qcow2_engine::Result<MapEntry> {
@@ -69,8 +105,8 @@ async fn chain_status(
     let mut idx = 0;
     let mut end = end;
     loop {
-        if let (f, true) = &files[idx] {
-            let (is_data, run_end) = data_or_hole(f, pos, end);
+        if files[idx].raw {
+            let (is_data, run_end) = data_or_hole(&files[idx].file, pos, end);
             return Ok(MapEntry {
                 start: pos,
                 length: run_end - pos,
@@ -101,12 +137,14 @@ async fn chain_status(
         match m {
             ClusterMapping::Data { host, .. } => {
                 e.data = true;
-                // Like QEMU, look through to the image file: data whose host bytes are a
-                // hole (or past the end of the file) reads as zeros.
-                let h = off_in(host);
-                let (is_data, run_end) = data_or_hole(&files[idx].0, h, h + n);
-                e.zero = !is_data;
-                e.length = run_end - h;
+                if files[idx].look_through {
+                    // Data whose host bytes are a hole (or past the end of the file)
+                    // reads as zeros.
+                    let h = off_in(host);
+                    let (is_data, run_end) = data_or_hole(&files[idx].file, h, h + n);
+                    e.zero = !is_data;
+                    e.length = run_end - h;
+                }
             }
             ClusterMapping::Compressed(_) => {
                 e.data = true;
@@ -132,7 +170,7 @@ async fn chain_status(
 
 /// Computes the merged map of the whole disk.
 pub fn compute(o: &Opened) -> ToolResult<Vec<MapEntry>> {
-    let raw_files: Vec<(File, bool)> = o
+    let files: Vec<(File, bool)> = o
         .files
         .iter()
         .map(|(p, f)| {
@@ -153,10 +191,22 @@ pub fn compute(o: &Opened) -> ToolResult<Vec<MapEntry>> {
         files: o.files.clone(),
     };
     let res = exec.block_on(async move {
+        let mut layer_files = Vec::with_capacity(files.len());
+        for ((file, raw), layer) in files.into_iter().zip(o2.chain.layers()) {
+            let look_through = match layer {
+                qcow2_engine::Layer::Qcow2(q) => metadata_preallocated(q, &file).await?,
+                qcow2_engine::Layer::Raw { .. } => false,
+            };
+            layer_files.push(LayerFile {
+                file,
+                raw,
+                look_through,
+            });
+        }
         let mut out: Vec<MapEntry> = Vec::new();
         let mut pos = 0;
         while pos < size {
-            let e = chain_status(&o2, &raw_files, pos, size).await?;
+            let e = chain_status(&o2, &layer_files, pos, size).await?;
             pos += e.length;
             match out.last_mut() {
                 Some(last) if last.merges_with(&e) => last.length += e.length,

@@ -7,6 +7,8 @@ pub mod info;
 pub mod io;
 pub mod map;
 pub mod perf;
+pub mod resize;
+pub mod snapshot;
 
 use crate::host::{Format, OpenSpec};
 use qcow2_engine::OpenOptions;

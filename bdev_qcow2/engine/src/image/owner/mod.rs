@@ -14,6 +14,8 @@
 //! - [`l2`]: dirty L2 slices, new or copied L2 tables;
 //! - [`frees`]: frees after the metadata that removed a reference is stable;
 //! - [`header`]: the corrupt and dirty bits, the zeroed tail;
+//! - [`resize`]: growing and shrinking the virtual disk;
+//! - [`snapshot`]: internal snapshots (create, delete, apply);
 //! - [`writeback`]: the ordered write-back, flush and close.
 
 pub(crate) mod alloc;
@@ -21,6 +23,8 @@ pub(crate) mod frees;
 pub(crate) mod header;
 pub(crate) mod l2;
 pub(crate) mod refcount;
+pub(crate) mod resize;
+pub(crate) mod snapshot;
 pub(crate) mod writeback;
 
 use crate::error::{Error, Result};
@@ -86,6 +90,37 @@ impl<D: BlockDevice> Qcow2<D> {
     /// unless this is the owner.
     pub async fn close(&self) -> Result<()> {
         self.owner()?.close().await
+    }
+
+    /// Resizes the virtual disk to `new_size` bytes (see [`Owner::resize`]; shrinking
+    /// needs `shrink` and an empty cut-off range) and returns the old size. Prefer
+    /// [`Chain::resize`](crate::Chain::resize), which also keeps the chain's size and a
+    /// backing image's data out of the new range. `ReadOnly` unless this is the owner.
+    pub async fn resize(&self, new_size: u64, shrink: bool) -> Result<u64> {
+        self.owner()?.resize(new_size, shrink).await
+    }
+
+    /// Creates internal snapshot `name` (see [`Owner::snapshot_create`]); returns its
+    /// table entry. `ReadOnly` unless this is the owner.
+    pub async fn snapshot_create(
+        &self,
+        name: &str,
+        when: snapshot::SnapshotTime,
+    ) -> Result<crate::format::Snapshot> {
+        self.owner()?.snapshot_create(name, when).await
+    }
+
+    /// Deletes the internal snapshot with id or name `which`; returns its table entry.
+    /// `ReadOnly` unless this is the owner.
+    pub async fn snapshot_delete(&self, which: &str) -> Result<crate::format::Snapshot> {
+        self.owner()?.snapshot_delete(which).await
+    }
+
+    /// Makes the internal snapshot with id or name `which` the active disk (offline only).
+    /// Prefer [`Chain::snapshot_apply`](crate::Chain::snapshot_apply), which keeps the
+    /// chain's size. `ReadOnly` unless this is the owner.
+    pub async fn snapshot_apply(&self, which: &str) -> Result<()> {
+        self.owner()?.snapshot_apply(which).await
     }
 
     /// Guest flush: every write completed before it is stable when this returns.

@@ -1,0 +1,552 @@
+//! Crash tests of the disk's life-cycle operations (resize; ARCHITECTURE.md §7, §13).
+//!
+//! An image is written and flushed, then the device records every write and flush of one
+//! operation. For every device-flush boundary, and for random subsets of the writes issued
+//! after it, the crashed image is rebuilt: `qemu-img check` must find no corruption (leaks
+//! are allowed) and the image must read as the disk before the operation or the disk after
+//! it, whole.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test helpers may panic
+
+use qcow2_engine::create::{create, CreateOptions};
+use qcow2_engine::format::header::Header;
+use qcow2_engine::io::{BufSlice, HeapBuf, IoBuffer};
+use qcow2_engine::testing::{LoggedOp, MemDevice, Rng};
+use qcow2_engine::{Chain, Error, Exec, Layer, OpenOptions, Qcow2};
+use std::process::Command;
+use std::rc::Rc;
+
+fn new_image(opts: &CreateOptions) -> Vec<u8> {
+    let exec = Exec::new();
+    let dev = MemDevice::new(Vec::new());
+    let id = exec.add_device(dev.clone());
+    let e2 = exec.clone();
+    let o = opts.clone();
+    exec.block_on(async move { create(&e2, id, &o).await })
+        .unwrap();
+    dev.contents()
+}
+
+fn open(
+    exec: &Exec<MemDevice>,
+    dev: &MemDevice,
+    writable: bool,
+) -> Result<Rc<Chain<MemDevice>>, Error> {
+    let id = exec.add_device(dev.clone());
+    let e2 = exec.clone();
+    let opts = OpenOptions {
+        writable,
+        l2_cache_bytes: Some(8 << 10),
+        ordered_layout: dev.0.borrow().fixed,
+        ..Default::default()
+    };
+    let q = exec.block_on(async move { Qcow2::open(&e2, id, opts).await })?;
+    Chain::new(exec, vec![Layer::Qcow2(Box::new(q))])
+}
+
+/// Guest bytes `[off, off+len)` of the image in `bytes`, and its virtual size.
+fn read_range(bytes: Vec<u8>, off: u64, len: u64) -> (u64, Vec<u8>) {
+    let exec = Exec::new();
+    let dev = MemDevice::new(bytes);
+    let chain = open(&exec, &dev, false).unwrap();
+    let size = chain.size();
+    let len = len.min(size.saturating_sub(off));
+    let buf = HeapBuf::new(len as usize);
+    let b2 = buf.clone();
+    let c = chain.clone();
+    exec.block_on(async move { c.read(off, BufSlice::whole(b2)).await })
+        .unwrap();
+    (size, buf.to_vec())
+}
+
+fn write(exec: &Exec<MemDevice>, chain: &Rc<Chain<MemDevice>>, off: u64, data: &[u8]) {
+    let buf = HeapBuf::new(data.len());
+    buf.copy_in(0, data);
+    let c = chain.clone();
+    exec.block_on(async move { c.write(off, BufSlice::whole(buf)).await })
+        .unwrap();
+}
+
+/// Every crash state of the writes `log` made on top of `initial`: at each flush boundary,
+/// and random subsets of the writes up to the next flush. Calls `verify(label, image)`.
+fn for_each_crash_state(
+    initial: &[u8],
+    log: &[LoggedOp],
+    subsets: usize,
+    seed: u64,
+    mut verify: impl FnMut(&str, Vec<u8>),
+) -> usize {
+    let mut rng = Rng(seed | 1);
+    let mut boundaries = vec![0];
+    boundaries.extend(
+        log.iter()
+            .enumerate()
+            .filter(|(_, e)| matches!(e, LoggedOp::Flush))
+            .map(|(i, _)| i + 1),
+    );
+    let mut states = 0;
+    for &p in &boundaries {
+        let next = log[p..]
+            .iter()
+            .position(|e| matches!(e, LoggedOp::Flush))
+            .map_or(log.len(), |q| p + q);
+        for subset in 0..=subsets {
+            if subset > 0 && next == p {
+                break;
+            }
+            let mut img = initial.to_vec();
+            let mut replay = |e: &LoggedOp| {
+                if let LoggedOp::Write(off, data) = e {
+                    let end = *off as usize + data.len();
+                    if img.len() < end {
+                        img.resize(end, 0);
+                    }
+                    img[*off as usize..end].copy_from_slice(data);
+                }
+            };
+            log[..p].iter().for_each(&mut replay);
+            if subset > 0 {
+                for e in &log[p..next] {
+                    if rng.below(2) == 0 {
+                        replay(e);
+                    }
+                }
+            }
+            states += 1;
+            verify(&format!("log {p} subset {subset}"), img);
+        }
+    }
+    states
+}
+
+/// `qemu-img check` accepts the image (no corruption; leaks allowed).
+fn qemu_accepts(label: &str, img: &[u8]) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("crash.qcow2");
+    std::fs::write(&path, img).unwrap();
+    let out = Command::new("qemu-img")
+        .args(["check", "-f", "qcow2"])
+        .arg(&path)
+        .output()
+        .unwrap();
+    let code = out.status.code().unwrap_or(-1);
+    assert!(
+        code == 0 || code == 3,
+        "crash state {label}: qemu-img check {code}\n{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+}
+
+/// An image of `opts` holding `data` at offset 0, flushed and closed; its bytes.
+fn written_image(opts: &CreateOptions, data: &[u8], fixed: Option<usize>) -> Vec<u8> {
+    let initial = new_image(opts);
+    let exec = Exec::new();
+    let dev = match fixed {
+        Some(n) => MemDevice::fixed(initial, n),
+        None => MemDevice::new(initial),
+    };
+    let chain = open(&exec, &dev, true).unwrap();
+    write(&exec, &chain, 0, data);
+    let c = chain.clone();
+    exec.block_on(async move { c.close().await }).unwrap();
+    dev.contents()
+}
+
+/// Resizes an image holding `data` from `opts.size` to `new_size` under the recorder, then
+/// checks every crash state: accepted by qemu-img, and either the old disk (old size, the
+/// data) or the new one (new size, the data, zeros after it to the new end).
+/// Returns the number of states tried and the headers before and after.
+fn resize_crash_test(
+    opts: CreateOptions,
+    data_len: usize,
+    new_size: u64,
+    fixed: Option<usize>,
+) -> (usize, Header, Header) {
+    let old_size = opts.size;
+    let mut r = Rng(0x5eed);
+    let data: Vec<u8> = (0..data_len).map(|_| r.next() as u8).collect();
+    let initial = written_image(&opts, &data, fixed);
+    let exec = Exec::new();
+    let dev = match fixed {
+        Some(n) => MemDevice::fixed(initial.clone(), n),
+        None => MemDevice::new(initial.clone()),
+    };
+    let chain = open(&exec, &dev, true).unwrap();
+    dev.0.borrow_mut().record = true;
+    let c = chain.clone();
+    let old = exec
+        .block_on(async move {
+            let old = c.resize(new_size, true).await?;
+            c.close().await?;
+            Ok::<_, Error>(old)
+        })
+        .unwrap();
+    assert_eq!(old, old_size);
+    assert_eq!(chain.size(), new_size);
+    let log = dev.0.borrow().log.clone();
+    assert!(log.iter().any(|e| matches!(e, LoggedOp::Flush)));
+    // The finished image is the new disk.
+    let tail = 1u64 << 20;
+    let mut seen_new = false;
+    let n = for_each_crash_state(&initial, &log, 3, 0xc0ffee, |label, img| {
+        qemu_accepts(label, &img);
+        let (size, head) = read_range(img.clone(), 0, data_len as u64);
+        assert!(
+            size == old_size || size == new_size,
+            "crash state {label}: size {size}, neither {old_size} nor {new_size}"
+        );
+        assert!(head == data, "crash state {label}: the data changed");
+        if size == new_size {
+            seen_new = true;
+            // The disk past the old data reads zeros, up to the new end.
+            let from = new_size.saturating_sub(tail).max(data_len as u64);
+            let (_, end) = read_range(img, from, new_size - from);
+            assert!(
+                end.iter().all(|b| *b == 0),
+                "crash state {label}: the new range is not zeros"
+            );
+        }
+    });
+    assert!(seen_new, "no crash state reached the new size");
+    // And the last state (the whole log) is the new disk, with no leak.
+    let before = header_of(&initial);
+    let mut fin = initial;
+    for e in &log {
+        if let LoggedOp::Write(off, d) = e {
+            let end = *off as usize + d.len();
+            if fin.len() < end {
+                fin.resize(end, 0);
+            }
+            fin[*off as usize..end].copy_from_slice(d);
+        }
+    }
+    let after = header_of(&fin);
+    assert_eq!(read_range(fin, 0, 0).0, new_size);
+    (n, before, after)
+}
+
+fn header_of(img: &[u8]) -> Header {
+    qcow2_engine::format::ImageHeader::decode(img, img.len() as u64)
+        .unwrap()
+        .header
+}
+
+#[test]
+fn resize_grows_the_l1_table_over_two_clusters() {
+    // 4 KiB clusters: 512 L1 entries per cluster, each covering 2 MiB; 3 GiB needs 1,536.
+    let (n, before, after) = resize_crash_test(
+        CreateOptions {
+            size: 8 << 20,
+            cluster_bits: 12,
+            ..Default::default()
+        },
+        3 << 20,
+        3 << 30,
+        None,
+    );
+    eprintln!("crash states tried (grow 8 MiB to 3 GiB, 4 KiB clusters): {n}");
+    assert!(n > 5);
+    assert_eq!((before.l1_size, after.l1_size), (4, 1536));
+    assert_ne!(before.l1_table_offset, after.l1_table_offset);
+}
+
+#[test]
+fn resize_grows_refcount_structures_too() {
+    // 512-byte clusters with 64-bit refcounts: a refcount block covers 64 clusters and the
+    // first refcount table 2 MiB of host; the new 60-cluster L1 table takes the image past
+    // it, so refcount blocks and the table grow during the resize.
+    let (n, before, after) = resize_crash_test(
+        CreateOptions {
+            size: 4 << 20,
+            cluster_bits: 9,
+            refcount_order: 6,
+            ..Default::default()
+        },
+        1980 << 10,
+        120 << 20,
+        None,
+    );
+    eprintln!("crash states tried (grow with refcount growth, 512 B clusters): {n}");
+    assert!(n > 5);
+    assert_ne!(before.refcount_table_offset, after.refcount_table_offset);
+    assert!(after.refcount_table_clusters > before.refcount_table_clusters);
+}
+
+#[test]
+fn resize_on_a_fixed_size_device() {
+    let (n, _, after) = resize_crash_test(
+        CreateOptions {
+            size: 8 << 20,
+            cluster_bits: 12,
+            ..Default::default()
+        },
+        2 << 20,
+        2 << 30,
+        Some(16 << 20),
+    );
+    assert_eq!(after.l1_size, 1024);
+    eprintln!("crash states tried (grow on a fixed-size device): {n}");
+    assert!(n > 5);
+}
+
+#[test]
+fn resize_within_the_l1_table_and_shrink() {
+    // 64 KiB clusters: one L1 entry covers 512 MiB; 8 MiB to 300 MiB changes only the size.
+    let (n, before, after) = resize_crash_test(
+        CreateOptions {
+            size: 8 << 20,
+            ..Default::default()
+        },
+        1 << 20,
+        300 << 20,
+        None,
+    );
+    assert!(n >= 2);
+    assert_eq!(before.l1_table_offset, after.l1_table_offset);
+    // Shrinking to a size that cuts no data.
+    let (n, _, after) = resize_crash_test(
+        CreateOptions {
+            size: 64 << 20,
+            ..Default::default()
+        },
+        1 << 20,
+        2 << 20,
+        None,
+    );
+    assert!(n >= 2);
+    assert_eq!(after.size, 2 << 20);
+}
+
+#[test]
+fn shrink_is_refused_without_the_flag_and_over_data() {
+    let opts = CreateOptions {
+        size: 64 << 20,
+        cluster_bits: 12,
+        ..Default::default()
+    };
+    let img = written_image(&opts, &[7u8; 8192], None);
+    let exec = Exec::new();
+    let dev = MemDevice::new(img);
+    let chain = open(&exec, &dev, true).unwrap();
+    write(&exec, &chain, 40 << 20, &[9u8; 4096]);
+    let c = chain.clone();
+    let r = exec.block_on(async move { c.resize(32 << 20, false).await });
+    assert!(
+        matches!(r, Err(Error::Refused(ref m)) if m.contains("--shrink")),
+        "{r:?}"
+    );
+    let c = chain.clone();
+    let r = exec.block_on(async move { c.resize(32 << 20, true).await });
+    assert!(
+        matches!(r, Err(Error::Refused(ref m)) if m.contains("holds data")),
+        "{r:?}"
+    );
+    // A cut through the middle of a cluster keeps that cluster: refused for its data too.
+    let c = chain.clone();
+    let r = exec.block_on(async move { c.resize((40 << 20) + 512, true).await });
+    assert!(r.is_ok(), "{r:?}");
+    assert_eq!(chain.size(), (40 << 20) + 512);
+    let c = chain.clone();
+    let r = exec.block_on(async move { c.discard(40 << 20, 4096).await });
+    assert!(r.is_err(), "a discard past the end is refused");
+    // Unaligned sizes are refused.
+    let c = chain.clone();
+    let r = exec.block_on(async move { c.resize(1000, true).await });
+    assert!(matches!(r, Err(Error::Refused(_))), "{r:?}");
+}
+
+/// `qemu-img check` of a crash state of a snapshot operation: no corruption, or only
+/// COPIED flags that disagree with refcounts raised for a snapshot the header does not
+/// name yet (or lowered for one it no longer names) — `qemu-img check -r all` sets them
+/// right, and nothing else is wrong. Returns the snapshot names `qemu-img snapshot -l`
+/// shows.
+fn snapshot_state_accepted(label: &str, img: &[u8]) -> Vec<String> {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("crash.qcow2");
+    std::fs::write(&path, img).unwrap();
+    let out = Command::new("qemu-img")
+        .args(["check", "-f", "qcow2"])
+        .arg(&path)
+        .output()
+        .unwrap();
+    let code = out.status.code().unwrap_or(-1);
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    if code == 2 {
+        let errors: Vec<&str> = err.lines().filter(|l| l.starts_with("ERROR")).collect();
+        assert!(
+            !errors.is_empty() && errors.iter().all(|l| l.starts_with("ERROR OFLAG_COPIED")),
+            "crash state {label}: qemu-img check found more than COPIED flags:\n{err}"
+        );
+        let fixed = Command::new("qemu-img")
+            .args(["check", "-r", "all", "-f", "qcow2"])
+            .arg(&path)
+            .output()
+            .unwrap();
+        assert!(
+            matches!(fixed.status.code(), Some(0) | Some(3)),
+            "crash state {label}: qemu-img check -r all did not repair it:\n{}",
+            String::from_utf8_lossy(&fixed.stderr)
+        );
+    } else {
+        assert!(
+            code == 0 || code == 3,
+            "crash state {label}: qemu-img check {code}\n{err}"
+        );
+    }
+    let list = Command::new("qemu-img")
+        .args(["snapshot", "-l", "-f", "qcow2"])
+        .arg(&path)
+        .output()
+        .unwrap();
+    String::from_utf8_lossy(&list.stdout)
+        .lines()
+        .skip(2)
+        .filter_map(|l| l.split_whitespace().nth(1).map(String::from))
+        .collect()
+}
+
+/// Guest bytes `[0, len)` of snapshot `name` of the image in `img`, read by QEMU.
+fn snapshot_bytes(img: &[u8], name: &str, len: usize) -> Vec<u8> {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("s.qcow2");
+    let raw = dir.path().join("s.raw");
+    std::fs::write(&path, img).unwrap();
+    let out = Command::new("qemu-img")
+        .args(["convert", "-f", "qcow2", "-O", "raw", "-l", name])
+        .arg(&path)
+        .arg(&raw)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let mut b = std::fs::read(&raw).unwrap();
+    b.truncate(len);
+    b
+}
+
+/// Runs `op` on an image holding `data` (4 KiB clusters, and a snapshot `base` of `data`
+/// when `with_base`) under the recorder; checks every crash state with `verify(label,
+/// image, snapshot names)`. Returns the number of states.
+fn snapshot_crash_test(
+    data: &[u8],
+    with_base: bool,
+    op: impl FnOnce(&Exec<MemDevice>, &Rc<Chain<MemDevice>>),
+    mut verify: impl FnMut(&str, &[u8], &[String]),
+) -> usize {
+    let opts = CreateOptions {
+        size: 16 << 20,
+        cluster_bits: 12,
+        ..Default::default()
+    };
+    let mut initial = written_image(&opts, data, None);
+    if with_base {
+        let exec = Exec::new();
+        let dev = MemDevice::new(initial);
+        let chain = open(&exec, &dev, true).unwrap();
+        let c = chain.clone();
+        exec.block_on(async move {
+            let Some(Layer::Qcow2(q)) = c.layers().first() else {
+                unreachable!()
+            };
+            q.snapshot_create("base", Default::default()).await?;
+            c.close().await
+        })
+        .unwrap();
+        initial = dev.contents();
+    }
+    let exec = Exec::new();
+    let dev = MemDevice::new(initial.clone());
+    let chain = open(&exec, &dev, true).unwrap();
+    dev.0.borrow_mut().record = true;
+    op(&exec, &chain);
+    let log = dev.0.borrow().log.clone();
+    for_each_crash_state(&initial, &log, 2, 0xabc, |label, img| {
+        let names = snapshot_state_accepted(label, &img);
+        verify(label, &img, &names);
+    })
+}
+
+#[test]
+fn snapshot_create_is_all_or_nothing() {
+    let mut r = Rng(7);
+    let data: Vec<u8> = (0..(3 << 20)).map(|_| r.next() as u8).collect();
+    let mut seen = false;
+    let n = snapshot_crash_test(
+        &data,
+        false,
+        |exec, chain| {
+            let c = chain.clone();
+            exec.block_on(async move {
+                let Some(Layer::Qcow2(q)) = c.layers().first() else {
+                    unreachable!()
+                };
+                q.snapshot_create("s1", Default::default()).await?;
+                c.close().await
+            })
+            .unwrap();
+        },
+        |label, img, names| {
+            let (_, head) = read_range(img.to_vec(), 0, data.len() as u64);
+            assert!(head == data, "crash state {label}: the active disk changed");
+            match names {
+                [] => {}
+                [s] if s == "s1" => {
+                    seen = true;
+                    assert!(
+                        snapshot_bytes(img, "s1", data.len()) == data,
+                        "crash state {label}: the snapshot does not hold the disk"
+                    );
+                }
+                other => panic!("crash state {label}: snapshots {other:?}"),
+            }
+        },
+    );
+    assert!(seen, "no crash state has the snapshot");
+    eprintln!("crash states tried (snapshot create): {n}");
+}
+
+#[test]
+fn snapshot_delete_is_all_or_nothing() {
+    let mut r = Rng(8);
+    let data: Vec<u8> = (0..(2 << 20)).map(|_| r.next() as u8).collect();
+    let new: Vec<u8> = (0..(1 << 20)).map(|_| r.next() as u8).collect();
+    let mut gone = false;
+    let n = snapshot_crash_test(
+        &data,
+        true,
+        |exec, chain| {
+            // The active disk moves on (copy on write), then the snapshot goes.
+            write(exec, chain, 0, &new);
+            let c = chain.clone();
+            exec.block_on(async move {
+                c.flush().await?;
+                let Some(Layer::Qcow2(q)) = c.layers().first() else {
+                    unreachable!()
+                };
+                q.snapshot_delete("base").await?;
+                c.close().await
+            })
+            .unwrap();
+        },
+        |label, img, names| {
+            match names {
+                [] => gone = true,
+                [s] if s == "base" => assert!(
+                    snapshot_bytes(img, "base", data.len()) == data,
+                    "crash state {label}: the snapshot lost its data"
+                ),
+                other => panic!("crash state {label}: snapshots {other:?}"),
+            }
+            let (_, head) = read_range(img.to_vec(), 0, data.len() as u64);
+            assert!(
+                head[new.len()..] == data[new.len()..],
+                "crash state {label}: the active disk past the new write changed"
+            );
+        },
+    );
+    assert!(gone, "no crash state lost the snapshot");
+    eprintln!("crash states tried (snapshot delete): {n}");
+}
