@@ -35,6 +35,7 @@ pub mod limits;
 pub mod meta;
 pub mod prefetch;
 mod readahead;
+pub mod ring;
 pub mod rng;
 pub mod route;
 #[cfg(any(test, feature = "testing"))]
