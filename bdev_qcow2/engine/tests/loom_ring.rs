@@ -103,7 +103,10 @@ fn run(remap: bool, faults: Faults) {
         if Some(w.gens.current(OFF)) == gen {
             assert_ne!(data, 0xdead, "garbage of a new cluster served");
             if after_ack {
-                assert_eq!(data, NEW, "a read after the write's acknowledgement got old data");
+                assert_eq!(
+                    data, NEW,
+                    "a read after the write's acknowledgement got old data"
+                );
             }
         }
         writer.join().unwrap();

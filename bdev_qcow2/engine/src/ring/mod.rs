@@ -100,6 +100,19 @@ pub struct RingStats {
 }
 
 impl RingStats {
+    /// What was counted since `before` (an earlier reading of the same counters).
+    pub fn since(&self, before: &RingStats) -> RingStats {
+        RingStats {
+            streams: self.streams - before.streams,
+            readahead_ios: self.readahead_ios - before.readahead_ios,
+            bytes_read_ahead: self.bytes_read_ahead - before.bytes_read_ahead,
+            bytes_served: self.bytes_served - before.bytes_served,
+            reads_served: self.reads_served - before.reads_served,
+            bytes_evicted_unread: self.bytes_evicted_unread - before.bytes_evicted_unread,
+            invalidated: self.invalidated - before.invalidated,
+        }
+    }
+
     /// The counters of two cores together.
     pub fn add(&mut self, o: &RingStats) {
         self.streams += o.streams;
