@@ -191,10 +191,10 @@ impl<D: BlockDevice> Reactor<D> {
     /// stream that mixes reads and writes stays one stream.
     pub fn submit_read(&mut self, tag: u64, offset: u64, buf: BufSlice<D::Buf>) {
         let len = buf.len as u64;
+        self.chain.read_ahead(offset, len);
         if self.chain.ring_read(offset, &buf) {
             return self.exec.complete(tag, Ok(()));
         }
-        self.chain.read_ahead(offset, len);
         if self.is_owner() {
             return self.chain.submit_read(tag, offset, buf);
         }
