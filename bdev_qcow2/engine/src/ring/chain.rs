@@ -11,6 +11,10 @@ use crate::io::{BlockDevice, BufSlice, IoBuffer};
 use std::rc::Rc;
 use std::sync::Arc;
 
+/// Where a ring hit's bytes go: called with (ring buffer, offset in it, offset in the
+/// read, length) for each piece, in order.
+pub type RingCopy<'a, B> = dyn FnMut(&B, usize, usize, usize) + 'a;
+
 /// A core's ring with its buffer and the image's write generations.
 pub(crate) struct RingHost<B> {
     ring: Ring,
@@ -96,7 +100,7 @@ impl<D: BlockDevice> Chain<D> {
         self: &Rc<Self>,
         offset: u64,
         len: u64,
-        copy: &mut dyn FnMut(&D::Buf, usize, usize, usize),
+        copy: &mut RingCopy<'_, D::Buf>,
     ) -> bool {
         if !self.ring_on.get() {
             return false;
@@ -109,7 +113,7 @@ impl<D: BlockDevice> Chain<D> {
         self: &Rc<Self>,
         offset: u64,
         len: u64,
-        copy: &mut dyn FnMut(&D::Buf, usize, usize, usize),
+        copy: &mut RingCopy<'_, D::Buf>,
     ) -> bool {
         if self.check_range(offset, len).is_err() {
             return false;

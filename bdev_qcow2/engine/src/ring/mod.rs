@@ -16,6 +16,7 @@
 pub(crate) mod chain;
 pub mod gens;
 
+pub use chain::RingCopy;
 pub use gens::WriteGens;
 
 use gens::REGION;
@@ -56,13 +57,13 @@ impl Default for RingConfig {
 impl RingConfig {
     /// Checks the sizes; returns why they are refused.
     pub fn validate(&self) -> Result<(), &'static str> {
-        if self.ring_bytes < CHUNK || self.ring_bytes % CHUNK != 0 {
+        if self.ring_bytes < CHUNK || !self.ring_bytes.is_multiple_of(CHUNK) {
             return Err("ring size must be a positive multiple of 128 KiB");
         }
         if self.ring_bytes / CHUNK > u16::MAX as u64 {
             return Err("ring size above 8 GiB");
         }
-        if self.max_window < CHUNK || self.max_window % CHUNK != 0 {
+        if self.max_window < CHUNK || !self.max_window.is_multiple_of(CHUNK) {
             return Err("maximum window must be a positive multiple of 128 KiB");
         }
         if self.max_window / CHUNK > MAX_WINDOW_CHUNKS as u64 {
