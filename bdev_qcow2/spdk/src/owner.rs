@@ -24,7 +24,7 @@
 //! runs on the md thread, which debug builds assert ([`Owner::assert_md_thread`]).
 
 use crate::channel;
-use crate::device::SpdkDevice;
+use crate::device::{guest_buf, SpdkDevice};
 use crate::direct::{self, Target};
 use crate::engine_host::{Driver, Host};
 use crate::ffi::bdev_io::{Arrived, BdevIo, ChildDone, IoQueue, QueueReceiver};
@@ -156,6 +156,7 @@ impl Owner {
             Some(qcow2_engine::Layer::Qcow2(q)) => {
                 let s = q.owner_stats().unwrap_or_default();
                 let (p, c) = self.cache_stats();
+                let r = self.chain.ring_stats().unwrap_or_default();
                 serde_json::json!({
                     "clusters_allocated": s.clusters_allocated,
                     "writes_planned_now": s.writes_planned_now,
@@ -169,6 +170,13 @@ impl Owner {
                     "prefetch_issued": p.issued,
                     "prefetch_loaded": p.loaded,
                     "prefetch_hits": p.hits,
+                    "ring_streams": r.streams,
+                    "ring_readahead_ios": r.readahead_ios,
+                    "ring_bytes_read_ahead": r.bytes_read_ahead,
+                    "ring_bytes_served": r.bytes_served,
+                    "ring_reads_served": r.reads_served,
+                    "ring_bytes_evicted_unread": r.bytes_evicted_unread,
+                    "ring_invalidated": r.invalidated,
                 })
             }
             _ => serde_json::Value::Null,
@@ -215,6 +223,10 @@ impl Owner {
             OwnerOp::Read => {
                 let (off, len) = (io.offset_bytes(), io.len_bytes());
                 c.read_ahead(off, len);
+                if c.ring_read(off, &guest_buf(io.data_view())) {
+                    // Copied from the owner's prefetch ring: no base I/O.
+                    return done(io, sys::SPDK_BDEV_IO_STATUS_SUCCESS);
+                }
                 let io = match c.route_read(off, len) {
                     ReadRoute::Direct(grant) => {
                         let Err(io) = direct::submit_read::<Owner>(c, target, io, grant) else {
@@ -255,6 +267,19 @@ impl Owner {
         }
     }
 
+    /// A request the owner ran is about to complete: when it wrote (write, write-zeroes,
+    /// unmap: its data and its metadata in place by now), no thread's prefetch ring may
+    /// serve the bytes it replaced any more (a no-op while the ring is off).
+    #[inline(always)]
+    fn written(&self, io: &BdevIo) {
+        if matches!(
+            io.ctx().op(),
+            OwnerOp::Write | OwnerOp::WriteSlow | OwnerOp::WriteZeroes | OwnerOp::Unmap
+        ) {
+            self.chain.ring_written(io.offset_bytes(), io.len_bytes());
+        }
+    }
+
     /// Sends each thread its queue of completed requests. Returns how many queues went.
     fn send_done(&self) -> usize {
         let mut n = 0;
@@ -273,6 +298,7 @@ impl Host for Owner {
     }
 
     fn request_done(&self, io: BdevIo, outcome: Outcome) {
+        self.written(&io);
         let status = match outcome {
             Outcome::Done(Ok(())) => sys::SPDK_BDEV_IO_STATUS_SUCCESS,
             Outcome::Done(Err(e)) => {
@@ -299,6 +325,7 @@ impl ChildDone for Owner {
         };
         io.with_owner(|o, io| {
             direct::leave(o.exec(), &io);
+            o.written(&io);
             done(io, status);
         });
     }
