@@ -583,7 +583,8 @@ fn close_when_unused(n: MdNode) {
 /// channel is left (their counters are all in `retired`).
 fn log_summary(n: &Node, owner: Option<crate::owner::OwnerCounters>) {
     let mut t = n.retired.lock().map(|r| r.clone()).unwrap_or_default();
-    if let Some((p, c)) = owner {
+    if let Some((p, c, r)) = owner {
+        t.add_ring(&r);
         t.l2_cache_hits += c.hits;
         t.l2_cache_misses += c.misses;
         t.prefetch_streams += p.streams;
@@ -593,7 +594,9 @@ fn log_summary(n: &Node, owner: Option<crate::owner::OwnerCounters>) {
     }
     tracing::info!(
         "qcow2 bdev {}: {} requests; slice caches {} hits, {} misses; read-ahead {} \
-         sequential streams, {} slices loaded ahead of {} started, {} reached by their stream",
+         sequential streams, {} slices loaded ahead of {} started, {} reached by their stream; \
+         prefetch ring {} streams, {} read-ahead I/Os, {} bytes read ahead, {} bytes served \
+         in {} reads, {} bytes evicted unread, {} chunks invalidated by writes",
         n.params.name,
         t.completed,
         t.l2_cache_hits,
@@ -601,7 +604,14 @@ fn log_summary(n: &Node, owner: Option<crate::owner::OwnerCounters>) {
         t.prefetch_streams,
         t.prefetch_loaded,
         t.prefetch_issued,
-        t.prefetch_hits
+        t.prefetch_hits,
+        t.ring_streams,
+        t.ring_readahead_ios,
+        t.ring_bytes_read_ahead,
+        t.ring_bytes_served,
+        t.ring_reads_served,
+        t.ring_bytes_evicted_unread,
+        t.ring_invalidated
     );
 }
 

@@ -41,10 +41,11 @@ use std::rc::Rc;
 /// What follows a close: gets the owner's final read-ahead and slice-cache counters.
 type Then = Box<dyn FnOnce(OwnerCounters)>;
 
-/// The owner's read-ahead and slice-cache counters.
+/// The owner's read-ahead, slice-cache and prefetch ring counters.
 pub type OwnerCounters = (
     qcow2_engine::prefetch::PrefetchStats,
     qcow2_engine::cache::CacheStats,
+    qcow2_engine::ring::RingStats,
 );
 /// The close task's result: `None` while it runs, then whether the flush succeeded.
 type Closed = Rc<Cell<Option<bool>>>;
@@ -155,8 +156,7 @@ impl Owner {
         match self.chain.layers().first() {
             Some(qcow2_engine::Layer::Qcow2(q)) => {
                 let s = q.owner_stats().unwrap_or_default();
-                let (p, c) = self.cache_stats();
-                let r = self.chain.ring_stats().unwrap_or_default();
+                let (p, c, r) = self.cache_stats();
                 serde_json::json!({
                     "clusters_allocated": s.clusters_allocated,
                     "writes_planned_now": s.writes_planned_now,
@@ -183,13 +183,17 @@ impl Owner {
         }
     }
 
-    /// The owner's read-ahead and slice-cache counters.
+    /// The owner's read-ahead, slice-cache and prefetch ring counters.
     pub fn cache_stats(&self) -> OwnerCounters {
         let c = match self.chain.layers().first() {
             Some(qcow2_engine::Layer::Qcow2(q)) => q.l2_cache_stats(),
             _ => Default::default(),
         };
-        (self.chain.prefetch_stats(), c)
+        (
+            self.chain.prefetch_stats(),
+            c,
+            self.chain.ring_stats().unwrap_or_default(),
+        )
     }
 
     /// Keeps an answered slice request to send again on the next poll (message pool empty).

@@ -172,6 +172,9 @@ struct Stream {
     window: u32,
     /// Turned off for good: its read-ahead went unused.
     off: bool,
+    /// Chunks its last read spanned: the window is at least two reads long, so that a
+    /// read larger than the starting window finds all of its chunks.
+    span: u32,
     first: u64,
     count: u32,
     head: u32,
@@ -184,6 +187,7 @@ impl Stream {
         run: 0,
         window: 0,
         off: false,
+        span: 1,
         first: 0,
         count: 0,
         head: 0,
@@ -296,6 +300,7 @@ impl Ring {
             let s = &mut self.streams[i];
             s.next = end;
             s.run = s.run.saturating_add(1);
+            s.span = len.div_ceil(CHUNK).clamp(1, MAX_WINDOW_CHUNKS as u64) as u32;
         }
         // Chunks wholly before this read are behind the stream for good.
         while let Some(c) = self.front(i) {
@@ -377,6 +382,7 @@ impl Ring {
             self.stats.streams += 1;
         }
         let s = &mut self.streams[i];
+        let window = s.window.max(2 * s.span).min(max) as u64;
         // The chunk the stream is in, then `window` chunks after it.
         let here = s.next / CHUNK;
         let ahead = if s.count == 0 {
@@ -387,7 +393,7 @@ impl Ring {
         if s.count == 0 {
             s.first = ahead;
         }
-        if ahead > here + s.window as u64 || s.count >= MAX_WINDOW_CHUNKS {
+        if ahead > here + window || s.count >= MAX_WINDOW_CHUNKS {
             return None;
         }
         let offset = ahead.checked_mul(CHUNK)?;
@@ -439,7 +445,9 @@ impl Ring {
     }
 
     /// Releases stream `i`'s first chunk: its window grows when the chunk served reads,
-    /// shrinks (down to off) when it held data no read used.
+    /// shrinks (down to off) when a write made it unusable or its read-ahead failed, and
+    /// stays when it came too late (still filling, or ready while another chunk of the
+    /// same read was not).
     fn pop_front(&mut self, i: usize) {
         let max = self.cfg.max_window_chunks();
         let s = &mut self.streams[i];
@@ -450,8 +458,8 @@ impl Ring {
         let slot = self.slots[k as usize];
         match (slot.state, slot.used) {
             (_, true) => s.window = (s.window * 2).clamp(1, max),
-            // Still filling when the stream passed it: late, not useless.
-            (State::Filling, false) => {}
+            // Late, not useless.
+            (State::Filling | State::Ready, false) => {}
             (_, false) => {
                 s.window /= 2;
                 if s.window == 0 {

@@ -267,3 +267,17 @@ fn configurations_are_checked() {
         assert!(c.validate().is_err(), "{c:?}");
     }
 }
+
+#[test]
+fn reads_larger_than_the_starting_window_are_served() {
+    // 1 MiB reads: eight chunks each, the whole default maximum window.
+    let mut s = Sim::new(RingConfig::default(), DISK);
+    let len = 1 << 20;
+    let mut hits = 0;
+    for k in 0..64u64 {
+        hits += s.read(k * len, len) as u64;
+        s.complete();
+    }
+    assert!(hits > 55, "{hits}");
+    assert!(!s.ring.streams.iter().any(|t| t.off));
+}
