@@ -698,6 +698,10 @@ mod real {
             "aio0",
             "--cache-ways",
             "4",
+            "--prefetch-ring-size",
+            "2097152",
+            "--prefetch-max-window",
+            "524288",
         ]);
         assert_eq!(r, json!("q0"));
         let q0 = t.bdev("q0").expect("q0 registered");
@@ -726,6 +730,17 @@ mod real {
         // the same name is refused.
         let (ok, text) = t.try_rpc(&["bdev_qcow2_create", "-b", "q0", "--base-bdev", "aio0"]);
         assert!(!ok && text.contains("already exists"), "{text}");
+        // A prefetch ring that is not a whole number of 128 KiB chunks is refused.
+        let (ok, text) = t.try_rpc(&[
+            "bdev_qcow2_create",
+            "-b",
+            "qr",
+            "--base-bdev",
+            "aio0",
+            "--prefetch-ring-size",
+            "100000",
+        ]);
+        assert!(!ok && text.contains("prefetch_ring_size"), "{text}");
         // An image naming a backing file needs backing_bdev: refused with the reason.
         pad(&top);
         t.rpc(&["bdev_aio_create", s(&top), "aio_top", "512"]);
@@ -758,6 +773,8 @@ mod real {
                 "l2_slices_written",
                 "writebacks",
                 "l2_cache_hits",
+                "ring_bytes_served",
+                "ring_bytes_evicted_unread",
             ] {
                 assert!(o[k].is_u64(), "owner counter {k} missing: {b}");
             }
@@ -765,6 +782,13 @@ mod real {
 
         let saved = t.rpc(&["save_config"]);
         t.stop();
+        // The ring's sizes are kept.
+        let text = saved.to_string();
+        assert!(
+            text.contains(r#""prefetch_ring_size":2097152"#)
+                && text.contains(r#""prefetch_max_window":524288"#),
+            "{text}"
+        );
         let cfg = d.join("saved.json");
         fs::write(&cfg, serde_json::to_vec_pretty(&saved).unwrap()).unwrap();
 

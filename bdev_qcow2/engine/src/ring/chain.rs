@@ -124,15 +124,16 @@ impl<D: BlockDevice> Chain<D> {
         let Some(RingHost { ring, buf, gens }) = guard.as_mut() else {
             return false;
         };
-        let (stream, found) = ring.lookup(offset, len, |o| gens.current(o));
-        let hit = match found {
+        let (stream, hit) = match ring.lookup(offset, len, |o| gens.current(o)) {
+            // A new stream has nothing read ahead and reads nothing ahead yet.
+            Lookup::Started => return false,
+            Lookup::Miss { stream } => (stream, false),
             Lookup::Hit { stream } => {
                 ring.pieces(stream, offset, len, |src_off, off, n| {
                     copy(buf, src_off, off, n)
                 });
-                true
+                (stream, true)
             }
-            Lookup::Miss => false,
         };
         while let Some(f) = ring.next_fill(stream) {
             // Recorded before the read-ahead resolves anything (see `gens`).

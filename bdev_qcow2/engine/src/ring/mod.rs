@@ -26,6 +26,8 @@ use gens::REGION;
 pub const CHUNK: u64 = REGION;
 /// Sequential requests in a row after which a stream reads ahead.
 pub const SEQ_MIN: u32 = 3;
+// A stream just started reads nothing ahead: `Lookup::Started` skips the fills.
+const _: () = assert!(SEQ_MIN > 1);
 /// Streams followed at once per core.
 pub const STREAMS: usize = 4;
 /// The window of a stream that just turned sequential, in chunks.
@@ -162,11 +164,11 @@ impl Slot {
     };
 }
 
-/// One followed stream: where it continues, how long it ran, its window, and the chunks
-/// it holds — consecutive chunks `first..first + count`, in slots `held[(head + k) % MAX]`.
+/// One followed stream: how long it ran, its window, and the chunks it holds — consecutive
+/// chunks `first..first + count`, in slots `held[(head + k) % MAX]` (where it continues is
+/// in [`Ring::next`]).
 #[derive(Debug, Clone, Copy)]
 struct Stream {
-    next: u64,
     run: u32,
     /// Chunks to keep read ahead of `next` (0: not reading ahead).
     window: u32,
@@ -183,7 +185,6 @@ struct Stream {
 
 impl Stream {
     const IDLE: Stream = Stream {
-        next: u64::MAX,
         run: 0,
         window: 0,
         off: false,
@@ -216,9 +217,15 @@ pub struct Fill {
 /// How a read request met the ring ([`Ring::lookup`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Lookup {
-    /// Not a stream's continuation, or its bytes are not all ready here.
-    Miss,
-    /// Every byte is in the ring: copy from these slots, chunk after chunk.
+    /// It continues no stream: it started one, which has nothing read ahead yet.
+    Started,
+    /// It continues `stream`, whose ring does not hold all of its bytes.
+    Miss {
+        /// The stream.
+        stream: u8,
+    },
+    /// It continues `stream` and every byte is in the ring: copy them
+    /// ([`Ring::pieces`]).
     Hit {
         /// The stream.
         stream: u8,
@@ -232,6 +239,12 @@ pub struct Ring {
     disk_size: u64,
     slots: Box<[Slot]>,
     free: Vec<u16>,
+    /// Where each stream's next read starts (`u64::MAX`: none): apart from the rest of
+    /// the streams, so that a read that continues none looks at one cache line.
+    next: [u64; STREAMS],
+    /// Streams reading ahead (a bit each; their window is not 0): a new stream takes
+    /// another slot first.
+    ahead: u8,
     streams: [Stream; STREAMS],
     /// Where the search for a slot for a new stream starts (round robin).
     victim: usize,
@@ -248,6 +261,8 @@ impl Ring {
             slots: vec![Slot::EMPTY; n].into_boxed_slice(),
             // Popped from the end: slot 0 first.
             free: (0..n as u16).rev().collect(),
+            next: [u64::MAX; STREAMS],
+            ahead: 0,
             streams: [Stream::IDLE; STREAMS],
             victim: 0,
             stats: RingStats::default(),
@@ -269,39 +284,27 @@ impl Ring {
         (slot as usize * CHUNK as usize, CHUNK as usize)
     }
 
-    /// A read of `len` bytes at `offset` arrives: finds the stream it continues (or starts
-    /// one in the least recently continued slot that is not sequential) and moves it on.
-    /// Returns the stream and whether every byte of the read is ready in the ring under
-    /// the generations `gen_of(offset)` reports now. Chunks the stream has left behind are
-    /// released (counting, when unused, as evicted unread).
-    pub fn lookup(
-        &mut self,
-        offset: u64,
-        len: u64,
-        gen_of: impl Fn(u64) -> u32,
-    ) -> (usize, Lookup) {
+    /// A read of `len` bytes at `offset` arrives: finds the stream it continues and moves
+    /// it on, or starts one in the least recently continued slot that is not reading ahead
+    /// ([`Lookup::Started`]). For a continued stream, releases the chunks it has left behind
+    /// (counting, when unused, as evicted unread) and says whether every byte of the read
+    /// is ready in the ring under the generations `gen_of(offset)` reports now.
+    #[inline]
+    pub fn lookup(&mut self, offset: u64, len: u64, gen_of: impl Fn(u64) -> u32) -> Lookup {
         let end = offset.saturating_add(len);
-        let i = match self.streams.iter().position(|s| s.next == offset) {
-            Some(i) => {
-                // The slot just continued is the last a new stream would take.
-                self.victim = (i + 1) % STREAMS;
-                i
-            }
-            None => {
-                let i = self.take_stream();
-                let s = &mut self.streams[i];
-                s.run = 0;
-                s.window = 0;
-                s.off = false;
-                i
-            }
+        let Some(i) = self.next.iter().position(|&n| n == offset) else {
+            self.start_stream(end, len);
+            return Lookup::Started;
         };
+        // The slot just continued is the last a new stream would take.
+        self.victim = (i + 1) % STREAMS;
+        self.next[i] = end;
         {
             let s = &mut self.streams[i];
-            s.next = end;
             s.run = s.run.saturating_add(1);
-            s.span = len.div_ceil(CHUNK).clamp(1, MAX_WINDOW_CHUNKS as u64) as u32;
+            s.span = Self::span(len);
         }
+        let stream = i as u8;
         // Chunks wholly before this read are behind the stream for good.
         while let Some(c) = self.front(i) {
             if (c + 1) * CHUNK > offset {
@@ -310,28 +313,33 @@ impl Ring {
             self.pop_front(i);
         }
         if len == 0 || self.streams[i].count == 0 {
-            return (i, Lookup::Miss);
+            return Lookup::Miss { stream };
         }
         let (c0, c1) = (offset / CHUNK, (end - 1) / CHUNK);
         for c in c0..=c1 {
             let Some(k) = self.streams[i].slot_of(c) else {
-                return (i, Lookup::Miss);
+                return Lookup::Miss { stream };
             };
             let slot = &mut self.slots[k as usize];
             if slot.state != State::Ready {
-                return (i, Lookup::Miss);
+                return Lookup::Miss { stream };
             }
             if gen_of(c * CHUNK) != slot.gen {
                 // Written since it was read ahead: no read may see it again.
                 slot.state = State::Dead;
                 self.stats.invalidated += 1;
-                return (i, Lookup::Miss);
+                return Lookup::Miss { stream };
             }
             if c * CHUNK + (slot.len as u64) < end.min((c + 1) * CHUNK) {
-                return (i, Lookup::Miss);
+                return Lookup::Miss { stream };
             }
         }
-        (i, Lookup::Hit { stream: i as u8 })
+        Lookup::Hit { stream }
+    }
+
+    /// Chunks a read of `len` bytes spans (at least 1, at most [`MAX_WINDOW_CHUNKS`]).
+    fn span(len: u64) -> u32 {
+        len.div_ceil(CHUNK).clamp(1, MAX_WINDOW_CHUNKS as u64) as u32
     }
 
     /// The pieces of a hit read of `len` bytes at `offset` ([`Lookup::Hit`] of `stream`),
@@ -371,7 +379,8 @@ impl Ring {
     /// now — not sequential yet, window full, turned off, at the end of the disk, or no
     /// free slot). The caller records the chunk's generation with
     /// [`filling`](Self::filling) before it issues the read.
-    pub fn next_fill(&mut self, i: usize) -> Option<Fill> {
+    pub fn next_fill(&mut self, stream: u8) -> Option<Fill> {
+        let i = stream as usize;
         let max = self.cfg.max_window_chunks();
         let s = &mut self.streams[i];
         if s.off || s.run < SEQ_MIN {
@@ -379,14 +388,16 @@ impl Ring {
         }
         if s.window == 0 {
             s.window = WINDOW_START.min(max);
+            self.ahead |= 1 << i;
             self.stats.streams += 1;
         }
         let s = &mut self.streams[i];
         let window = s.window.max(2 * s.span).min(max) as u64;
         // The chunk the stream is in, then `window` chunks after it.
-        let here = s.next / CHUNK;
+        let next = self.next[i];
+        let here = next / CHUNK;
         let ahead = if s.count == 0 {
-            s.next.div_ceil(CHUNK)
+            next.div_ceil(CHUNK)
         } else {
             s.first + s.count as u64
         };
@@ -464,6 +475,7 @@ impl Ring {
                 s.window /= 2;
                 if s.window == 0 {
                     s.off = true;
+                    self.ahead &= !(1 << i);
                 }
             }
         }
@@ -486,15 +498,32 @@ impl Ring {
         }
     }
 
-    /// A stream slot for a new stream, its old stream's chunks released: the next slot
-    /// in turn that is not reading ahead, else the next in turn.
-    fn take_stream(&mut self) -> usize {
+    /// Starts a stream at a read of `len` bytes ending at `end`, in the next slot in turn
+    /// that is not reading ahead (else the next in turn, whose chunks are released).
+    #[inline]
+    fn start_stream(&mut self, end: u64, len: u64) {
         let start = self.victim;
+        let ahead = self.ahead;
         let i = (0..STREAMS)
             .map(|k| (start + k) % STREAMS)
-            .find(|&i| self.streams[i].window == 0)
+            .find(|&i| ahead & (1 << i) == 0)
             .unwrap_or(start);
         self.victim = (i + 1) % STREAMS;
+        self.ahead &= !(1 << i);
+        if self.streams[i].count > 0 {
+            self.drop_chunks(i);
+        }
+        self.next[i] = end;
+        let s = &mut self.streams[i];
+        s.run = 1;
+        s.window = 0;
+        s.off = false;
+        s.span = Self::span(len);
+    }
+
+    /// Releases every chunk stream `i` holds (it is being replaced).
+    #[inline(never)]
+    fn drop_chunks(&mut self, i: usize) {
         while self.streams[i].count > 0 {
             let s = &mut self.streams[i];
             let k = s.held[s.head as usize];
@@ -503,8 +532,6 @@ impl Ring {
             s.first += 1;
             self.release(k);
         }
-        self.streams[i] = Stream::IDLE;
-        i
     }
 }
 

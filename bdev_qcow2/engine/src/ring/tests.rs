@@ -30,8 +30,9 @@ impl Sim {
     fn read(&mut self, off: u64, len: u64) -> bool {
         let gens = self.gens.clone();
         let g = |o: u64| gens.get(&(o / CHUNK)).copied().unwrap_or(0);
-        let (i, found) = self.ring.lookup(off, len, g);
-        let hit = match found {
+        let (i, hit) = match self.ring.lookup(off, len, g) {
+            Lookup::Started => return false,
+            Lookup::Miss { stream } => (stream, false),
             Lookup::Hit { stream } => {
                 let mut covered = 0;
                 self.ring.pieces(stream, off, len, |_, at, n| {
@@ -39,9 +40,8 @@ impl Sim {
                     covered += n as u64;
                 });
                 assert_eq!(covered, len);
-                true
+                (stream, true)
             }
-            Lookup::Miss => false,
         };
         while let Some(f) = self.ring.next_fill(i) {
             let gen = self.gen(f.offset);
