@@ -489,7 +489,7 @@ impl Channel {
     fn write_granted(&self, chain: &Rc<Chain<SpdkDevice>>, mut io: BdevIo, grant: Grant) {
         self.own(&mut io);
         let target = self.direct.as_ref();
-        match direct::submit::<Channel>(self.exec(), target, io, grant, true) {
+        match direct::submit::<DirectWrite>(self.exec(), target, io, grant, true) {
             Ok(()) => self.local_writes.set(self.local_writes.get() + 1),
             Err(io) => self.write_local(chain, io),
         }
@@ -632,9 +632,24 @@ impl ChildDone for Channel {
         unsafe {
             io.with_recorded_channel(|c, io| {
                 direct::leave(c.exec(), &io);
-                if io.io_type() == sys::SPDK_BDEV_IO_TYPE_WRITE {
-                    c.written(&io);
-                }
+                c.finish(io, success);
+            })
+        }
+    }
+}
+
+/// Completion of a channel's direct-path write: as [`Channel`]'s, once the write moved
+/// the write generations of its range (a completion type of its own, so that direct
+/// reads pay nothing for it).
+pub struct DirectWrite;
+
+impl ChildDone for DirectWrite {
+    fn child_done(io: BdevIo, success: bool) {
+        // SAFETY: as for `Channel`: a channel's direct write recorded itself first.
+        unsafe {
+            io.with_recorded_channel(|c, io| {
+                direct::leave(c.exec(), &io);
+                c.written(&io);
                 c.finish(io, success);
             })
         }

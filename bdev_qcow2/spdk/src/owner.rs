@@ -247,8 +247,13 @@ impl Owner {
                 c.read_ahead(off, len);
                 let io = match c.route_write(off, len) {
                     WriteRoute::Direct(grant) => {
-                        let Err(io) = direct::submit::<Owner>(self.exec(), target, io, grant, true)
-                        else {
+                        let Err(io) = direct::submit::<OwnerDirectWrite>(
+                            self.exec(),
+                            target,
+                            io,
+                            grant,
+                            true,
+                        ) else {
                             return;
                         };
                         io
@@ -321,6 +326,25 @@ impl Host for Owner {
 
 /// Completion of a request the owner sent down the direct path.
 impl ChildDone for Owner {
+    fn child_done(io: BdevIo, success: bool) {
+        let status = if success {
+            sys::SPDK_BDEV_IO_STATUS_SUCCESS
+        } else {
+            sys::SPDK_BDEV_IO_STATUS_FAILED
+        };
+        io.with_owner(|o, io| {
+            direct::leave(o.exec(), &io);
+            done(io, status);
+        });
+    }
+}
+
+/// Completion of a write the owner sent down the direct path: as [`Owner`]'s, once the
+/// write moved the write generations of its range (a type of its own, so that direct
+/// reads pay nothing for it).
+struct OwnerDirectWrite;
+
+impl ChildDone for OwnerDirectWrite {
     fn child_done(io: BdevIo, success: bool) {
         let status = if success {
             sys::SPDK_BDEV_IO_STATUS_SUCCESS
