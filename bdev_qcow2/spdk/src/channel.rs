@@ -406,7 +406,7 @@ impl Channel {
     #[inline(always)]
     fn read_on(&self, chain: &Rc<Chain<SpdkDevice>>, mut io: BdevIo) {
         let (off, len) = (io.offset_bytes(), io.len_bytes());
-        if chain.ring_read(off, &guest_buf(io.data_view())) {
+        if chain.ring_is_on() && chain.ring_read(off, &guest_buf(io.data_view())) {
             // Copied from this channel's prefetch ring: no base I/O.
             return self.finish(io, true);
         }

@@ -227,7 +227,7 @@ impl Owner {
             OwnerOp::Read => {
                 let (off, len) = (io.offset_bytes(), io.len_bytes());
                 c.read_ahead(off, len);
-                if c.ring_read(off, &guest_buf(io.data_view())) {
+                if c.ring_is_on() && c.ring_read(off, &guest_buf(io.data_view())) {
                     // Copied from the owner's prefetch ring: no base I/O.
                     return done(io, sys::SPDK_BDEV_IO_STATUS_SUCCESS);
                 }

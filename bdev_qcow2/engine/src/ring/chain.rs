@@ -49,6 +49,13 @@ impl<D: BlockDevice> Chain<D> {
         Ok(())
     }
 
+    /// Whether the prefetch ring is on: a host may test it before it builds what
+    /// [`ring_read`](Self::ring_read) takes.
+    #[inline(always)]
+    pub fn ring_is_on(&self) -> bool {
+        self.ring_on.get()
+    }
+
     /// The image's write generations, when the ring is on.
     pub fn write_gens(&self) -> Option<&Arc<WriteGens>> {
         self.ring_gens.get()
