@@ -122,7 +122,8 @@ bstreams() {
     done
   } >"$DIR/jobs.conf"
   run_bdevperf --json "$(config "$lat" "$pf")" -m 0x1 -t "$TIME" -j "$DIR/jobs.conf"
-  awk -v n="$n" '$1 == "Total" && $2 == ":" {printf "%.2f\n", $3 / n; exit}' "$DIR/last.log"
+  # (bdevperf starts its Total row with a carriage return.)
+  awk -v n="$n" '{sub(/\r/, "")} $1 == "Total" && $2 == ":" {printf "%.2f\n", $3 / n; exit}' "$DIR/last.log"
 }
 
 # ring_line: the closing summary's prefetch ring figures of q0 in the last run.
