@@ -17,6 +17,7 @@
 #   tests/prefetch_bench.sh
 #   LATS="50" ROUNDS=3 TIME=3 tests/prefetch_bench.sh
 #   SKIP_SPDK=1 / SKIP_GOLDEN=1 / SKIP_PERF=1 tests/prefetch_bench.sh
+#   ROWS="streams" tests/prefetch_bench.sh     # section 1 rows: seq streams rand (all)
 #
 # Runs SPDK applications: wrap it in `flock /tmp/spdk-app.lock` on a shared machine. Needs
 # an installed SPDK (bdevperf, spdk_tgt, pkg-config spdk_bdev) and qemu-img for sections 1
@@ -134,15 +135,22 @@ if [ -n "$have_spdk" ] && [ -z "${SKIP_SPDK:-}" ]; then
   SO=$PWD/target/release/libbdev_qcow2.so
   echo "== bdevperf, one core, qcow2 (64 KiB clusters, ${MB} MiB, fully allocated) over bdev_delay on malloc"
   echo "   ring on vs off, $ROUNDS alternating pairs of ${TIME} s runs, median ratio"
+  rows=${ROWS:-seq streams rand}
   for lat in $LATS; do
-    pairs "delay ${lat}us: 4 KiB seq read QD1" bperf "$lat" read 4096 1
-    pairs "delay ${lat}us: 128 KiB seq read QD1" bperf "$lat" read 131072 1
-    for n in 1 2 4; do
-      pairs "delay ${lat}us: $n stream(s) 4 KiB QD1, per stream" bstreams "$lat" "$n"
-    done
-    pairs "delay ${lat}us: 4 KiB random read QD32" bperf "$lat" randread 4096 32
-    iops=$(bperf "$lat" randread 4096 32 on)
-    echo "   random read QD32, ring on: $(awk -v i="$iops" -v t="$TIME" 'BEGIN {printf "%.0f", i * t * 4096}') bytes read; $(ring_line)"
+    if [[ " $rows " == *" seq "* ]]; then
+      pairs "delay ${lat}us: 4 KiB seq read QD1" bperf "$lat" read 4096 1
+      pairs "delay ${lat}us: 128 KiB seq read QD1" bperf "$lat" read 131072 1
+    fi
+    if [[ " $rows " == *" streams "* ]]; then
+      for n in 1 2 4; do
+        pairs "delay ${lat}us: $n stream(s) 4 KiB QD1, per stream" bstreams "$lat" "$n"
+      done
+    fi
+    if [[ " $rows " == *" rand "* ]]; then
+      pairs "delay ${lat}us: 4 KiB random read QD32" bperf "$lat" randread 4096 32
+      iops=$(bperf "$lat" randread 4096 32 on)
+      echo "   random read QD32, ring on: $(awk -v i="$iops" -v t="$TIME" 'BEGIN {printf "%.0f", i * t * 4096}') bytes read; $(ring_line)"
+    fi
   done
 fi
 
