@@ -17,7 +17,7 @@
 #   tests/prefetch_bench.sh
 #   LATS="50" ROUNDS=3 TIME=3 tests/prefetch_bench.sh
 #   SKIP_SPDK=1 / SKIP_GOLDEN=1 / SKIP_PERF=1 tests/prefetch_bench.sh
-#   ROWS="streams" tests/prefetch_bench.sh     # section 1 rows: seq streams rand (all)
+#   ROWS="streams" tests/prefetch_bench.sh     # section 1 rows: seq streams streams128 rand
 #
 # Runs SPDK applications: wrap it in `flock /tmp/spdk-app.lock` on a shared machine. Needs
 # an installed SPDK (bdevperf, spdk_tgt, pkg-config spdk_bdev) and qemu-img for sections 1
@@ -112,12 +112,12 @@ bperf() {
   awk '$1 == "q0" && $2 == ":" {print $4; exit}' "$DIR/last.log"
 }
 
-# bstreams LAT N PREFETCH: N interleaved sequential streams on q0 (one bdevperf job each,
-# reading its own region, 4 KiB, QD1, one core): the mean IOPS per stream.
+# bstreams LAT N IOSIZE PREFETCH: N interleaved sequential streams on q0 (one bdevperf job
+# each, reading its own region, QD1, one core): the mean IOPS per stream.
 bstreams() {
-  local lat=$1 n=$2 pf=$3 len=$((MB * 2048 / $2)) j
+  local lat=$1 n=$2 o=$3 pf=$4 len=$((MB * 2048 / $2)) j
   {
-    printf '[global]\nfilename=q0\nbs=4096\niodepth=1\nrw=read\ncpumask=0x1\n'
+    printf '[global]\nfilename=q0\nbs=%s\niodepth=1\nrw=read\ncpumask=0x1\n' "$o"
     for j in $(seq 0 $((n - 1))); do
       printf '[job%s]\noffset=%s\nlength=%s\n' "$j" $((j * len)) "$len"
     done
@@ -135,7 +135,7 @@ if [ -n "$have_spdk" ] && [ -z "${SKIP_SPDK:-}" ]; then
   SO=$PWD/target/release/libbdev_qcow2.so
   echo "== bdevperf, one core, qcow2 (64 KiB clusters, ${MB} MiB, fully allocated) over bdev_delay on malloc"
   echo "   ring on vs off, $ROUNDS alternating pairs of ${TIME} s runs, median ratio"
-  rows=${ROWS:-seq streams rand}
+  rows=${ROWS:-seq streams streams128 rand}
   for lat in $LATS; do
     if [[ " $rows " == *" seq "* ]]; then
       pairs "delay ${lat}us: 4 KiB seq read QD1" bperf "$lat" read 4096 1
@@ -143,7 +143,13 @@ if [ -n "$have_spdk" ] && [ -z "${SKIP_SPDK:-}" ]; then
     fi
     if [[ " $rows " == *" streams "* ]]; then
       for n in 1 2 4; do
-        pairs "delay ${lat}us: $n stream(s) 4 KiB QD1, per stream" bstreams "$lat" "$n"
+        pairs "delay ${lat}us: $n stream(s) 4 KiB QD1, per stream" bstreams "$lat" "$n" 4096
+      done
+    fi
+    # The same with 128 KiB reads, where one stream does not take the whole core.
+    if [[ " $rows " == *" streams128 "* ]]; then
+      for n in 1 2 4; do
+        pairs "delay ${lat}us: $n stream(s) 128 KiB QD1, per stream" bstreams "$lat" "$n" 131072
       done
     fi
     if [[ " $rows " == *" rand "* ]]; then
