@@ -7,6 +7,7 @@
 #
 #   tests/spdk_instr.sh                          # randread/randwrite, 4096 and 512 B
 #   WORKLOADS="randread:512" SECS=3 tests/spdk_instr.sh
+#   CREATE_EXTRA=',"prefetch":false' tests/spdk_instr.sh   # more bdev_qcow2_create params
 #   FILL="randwrite 4096 3" tests/spdk_instr.sh  # an aged image: see below
 #
 # With FILL ("WORKLOAD IOSIZE SECONDS"), our image is not preallocated but filled in the
@@ -44,7 +45,7 @@ count() {
   if [ "$kind" = q ]; then
     calls="{\"method\":\"bdev_malloc_create\",\"params\":{\"name\":\"m0\",\"num_blocks\":$((MB * 2048 + 8192)),\"block_size\":512}},
 {\"method\":\"bdev_qcow2_format\",\"params\":{\"base_bdev\":\"m0\",\"size\":$((MB << 20)),\"preallocation\":\"$pre\"}},
-{\"method\":\"bdev_qcow2_create\",\"params\":{\"name\":\"X\",\"base_bdev\":\"m0\"}}"
+{\"method\":\"bdev_qcow2_create\",\"params\":{\"name\":\"X\",\"base_bdev\":\"m0\"${CREATE_EXTRA:-}}}"
   else
     calls="{\"method\":\"bdev_malloc_create\",\"params\":{\"name\":\"m1\",\"num_blocks\":$((MB * 2048)),\"block_size\":512}},
 {\"method\":\"bdev_passthru_create\",\"params\":{\"name\":\"X\",\"base_bdev_name\":\"m1\"}}"

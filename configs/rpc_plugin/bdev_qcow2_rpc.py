@@ -6,7 +6,8 @@
 
 def bdev_qcow2_create(client, name, base_bdev, backing_bdev=None, read_only=None,
                       l2_cache_size=None, l2_slice_size=None, cache_ways=None, prefetch=None,
-                      ordered_layout=None, zero_offload=None):
+                      ordered_layout=None, zero_offload=None, prefetch_ring_size=None,
+                      prefetch_max_window=None):
     params = {'name': name, 'base_bdev': base_bdev}
     if backing_bdev is not None:
         params['backing_bdev'] = backing_bdev
@@ -20,6 +21,10 @@ def bdev_qcow2_create(client, name, base_bdev, backing_bdev=None, read_only=None
         params['cache_ways'] = cache_ways
     if prefetch is not None:
         params['prefetch'] = prefetch
+    if prefetch_ring_size is not None:
+        params['prefetch_ring_size'] = prefetch_ring_size
+    if prefetch_max_window is not None:
+        params['prefetch_max_window'] = prefetch_max_window
     if ordered_layout:
         params['ordered_layout'] = True
     if zero_offload is not None:
@@ -76,6 +81,8 @@ def spdk_rpc_plugin_initialize(subparsers):
                                      l2_slice_size=args.l2_slice_size,
                                      cache_ways=args.cache_ways,
                                      prefetch=args.prefetch,
+                                     prefetch_ring_size=args.prefetch_ring_size,
+                                     prefetch_max_window=args.prefetch_max_window,
                                      ordered_layout=args.ordered_layout,
                                      zero_offload=args.zero_offload))
 
@@ -92,9 +99,14 @@ def spdk_rpc_plugin_initialize(subparsers):
     p.add_argument('--l2-slice-size', type=int, help='L2 slice size in bytes (default 4096)')
     p.add_argument('--cache-ways', type=int, help='ways per set of the slice cache (default 8)')
     p.add_argument('--prefetch', dest='prefetch', action='store_true', default=None,
-                   help='read-ahead of L2 slices on sequential streams (the default)')
+                   help='read-ahead on sequential streams, of data into each channel\'s '
+                   'prefetch ring and of L2 slices (the default)')
     p.add_argument('--no-prefetch', dest='prefetch', action='store_false',
-                   help='no read-ahead of L2 slices')
+                   help='no read-ahead')
+    p.add_argument('--prefetch-ring-size', type=int,
+                   help='bytes of prefetch ring per channel (multiple of 128 KiB, default 4 MiB)')
+    p.add_argument('--prefetch-max-window', type=int,
+                   help='most bytes a stream reads ahead (multiple of 128 KiB, default 1 MiB)')
     p.add_argument('--ordered-layout', action='store_true', default=None,
                    help="lay each L2 slice's data out on the base in guest order")
     p.add_argument('--zero-offload', dest='zero_offload', action='store_true', default=None,

@@ -73,6 +73,8 @@ pub struct Chain<D: BlockDevice> {
     /// [`Chain::resize`]; on a core's, when a request past it finds a larger size
     /// published).
     size: Cell<u64>,
+    /// Whether the prefetch ring is on ([`Chain::ring_read`]): every read looks at it.
+    pub(crate) ring_on: Cell<bool>,
     /// Read-ahead's per-request state ([`Chain::read_ahead`]).
     pub(crate) pf_hot: crate::prefetch::Hot,
     /// Reused plan storage of the fast path (no allocation per request).
@@ -87,6 +89,10 @@ pub struct Chain<D: BlockDevice> {
     /// again (nothing runs in between on this thread). A stale entry only sends a later
     /// request of the same range down the slow path, which handles every write.
     pub(crate) no_write_plan: Cell<Option<(u64, u64)>>,
+    /// The prefetch ring, once the host turned it on ([`Chain::enable_ring`]).
+    pub(crate) ring: RefCell<Option<crate::ring::chain::RingHost<D::Buf>>>,
+    /// The image's write generations, while the ring is on ([`Chain::ring_written`]).
+    pub(crate) ring_gens: std::cell::OnceCell<std::sync::Arc<crate::ring::WriteGens>>,
 }
 
 impl<D: BlockDevice> Chain<D> {
@@ -119,6 +125,9 @@ impl<D: BlockDevice> Chain<D> {
             slow_reads: Cell::new(0),
             prefetch,
             no_write_plan: Cell::new(None),
+            ring_on: Cell::new(false),
+            ring: RefCell::new(None),
+            ring_gens: std::cell::OnceCell::new(),
         }))
     }
 

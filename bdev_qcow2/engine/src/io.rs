@@ -26,6 +26,19 @@ pub trait IoBuffer: Clone + 'static {
     fn copy_in(&self, off: usize, src: &[u8]);
     /// Sets `len` bytes at `off` to `byte`.
     fn fill(&self, off: usize, len: usize, byte: u8);
+    /// Copies `len` bytes at `off` into `dst` at `dst_off` (another buffer). This default
+    /// goes through a small stack buffer; hosts whose memory they can address directly
+    /// copy at once.
+    fn copy_to(&self, off: usize, dst: &Self, dst_off: usize, len: usize) {
+        let mut bounce = [0u8; 4096];
+        let mut done = 0;
+        while done < len {
+            let n = (len - done).min(bounce.len());
+            self.copy_out(off + done, &mut bounce[..n]);
+            dst.copy_in(dst_off + done, &bounce[..n]);
+            done += n;
+        }
+    }
 }
 
 /// A byte range of an [`IoBuffer`].

@@ -37,6 +37,7 @@ pub mod memo;
 pub mod meta;
 pub mod prefetch;
 mod readahead;
+pub mod ring;
 pub mod rng;
 pub mod route;
 #[cfg(any(test, feature = "testing"))]

@@ -22,7 +22,7 @@
 //! drives slow paths (tasks), resubmissions after `-ENOMEM`, opening the replica, and
 //! sending forwarded requests.
 
-use crate::device::SpdkDevice;
+use crate::device::{guest_buf, SpdkDevice};
 use crate::direct::{self, Target};
 use crate::engine_host::{Driver, Host};
 use crate::ffi::bdev::Desc;
@@ -35,6 +35,7 @@ use crate::node::Node;
 use crate::owner;
 use qcow2_engine::coherency::SliceReply;
 use qcow2_engine::exec::Outcome;
+use qcow2_engine::ring::{RingConfig, RingStats, WriteGens};
 use qcow2_engine::{Chain, DevId, Exec, Grant, Layer, OwnerLink, Qcow2, ReadRoute, WriteRoute};
 use serde::Serialize;
 use std::cell::{Cell, OnceCell, RefCell};
@@ -63,6 +64,9 @@ pub struct Channel {
     forward_only: Cell<bool>,
     /// Read-ahead on sequential streams (`prefetch` of the create call).
     prefetch: bool,
+    /// The prefetch ring the replica's chain allocates once it is built, and the image's
+    /// write generations (`None`: `prefetch` is off).
+    ring: Option<(RingConfig, Arc<WriteGens>)>,
     /// Writable bdev: requests forwarded to the owner since the poller's last pass (it
     /// sends them as one message: [`owner::send_forwarded`]).
     outbox: IoQueue,
@@ -124,6 +128,20 @@ pub struct ChannelStats {
     pub prefetch_loaded: u64,
     /// Read-ahead: slices loaded ahead that their stream then reached.
     pub prefetch_hits: u64,
+    /// Prefetch ring: sequential streams that read ahead.
+    pub ring_streams: u64,
+    /// Prefetch ring: read-ahead I/Os issued (one per 128 KiB chunk).
+    pub ring_readahead_ios: u64,
+    /// Prefetch ring: bytes read ahead.
+    pub ring_bytes_read_ahead: u64,
+    /// Prefetch ring: bytes of reads served from the ring.
+    pub ring_bytes_served: u64,
+    /// Prefetch ring: reads served from the ring.
+    pub ring_reads_served: u64,
+    /// Prefetch ring: bytes read ahead and dropped unread.
+    pub ring_bytes_evicted_unread: u64,
+    /// Prefetch ring: chunks a write (on any thread) made unusable.
+    pub ring_invalidated: u64,
 }
 
 impl ChannelStats {
@@ -143,6 +161,31 @@ impl ChannelStats {
         self.prefetch_issued += o.prefetch_issued;
         self.prefetch_loaded += o.prefetch_loaded;
         self.prefetch_hits += o.prefetch_hits;
+        self.add_ring(&o.ring_stats());
+    }
+
+    /// The prefetch ring counters as the engine counts them.
+    pub fn ring_stats(&self) -> RingStats {
+        RingStats {
+            streams: self.ring_streams,
+            readahead_ios: self.ring_readahead_ios,
+            bytes_read_ahead: self.ring_bytes_read_ahead,
+            bytes_served: self.ring_bytes_served,
+            reads_served: self.ring_reads_served,
+            bytes_evicted_unread: self.ring_bytes_evicted_unread,
+            invalidated: self.ring_invalidated,
+        }
+    }
+
+    /// Adds an engine's prefetch ring counters.
+    pub fn add_ring(&mut self, r: &RingStats) {
+        self.ring_streams += r.streams;
+        self.ring_readahead_ios += r.readahead_ios;
+        self.ring_bytes_read_ahead += r.bytes_read_ahead;
+        self.ring_bytes_served += r.bytes_served;
+        self.ring_reads_served += r.reads_served;
+        self.ring_bytes_evicted_unread += r.bytes_evicted_unread;
+        self.ring_invalidated += r.invalidated;
     }
 }
 
@@ -160,6 +203,7 @@ impl Channel {
             forward_to: None,
             forward_only: Cell::new(false),
             prefetch: node.params.prefetch_on(),
+            ring: node.ring.clone(),
             outbox: IoQueue::new(),
             unsent_asks: RefCell::new(Vec::new()),
             local_writes: Cell::new(0),
@@ -249,6 +293,9 @@ impl Channel {
             s.prefetch_issued = p.issued;
             s.prefetch_loaded = p.loaded;
             s.prefetch_hits = p.hits;
+            if let Some(r) = chain.ring_stats() {
+                s.add_ring(&r);
+            }
             if let Some(Layer::Qcow2(q)) = chain.layers().first() {
                 let c = q.l2_cache_stats();
                 s.l2_cache_hits = c.hits;
@@ -283,6 +330,12 @@ impl Channel {
         match chain {
             Ok(c) => {
                 c.set_prefetch(self.prefetch);
+                if let Some((cfg, gens)) = &self.ring {
+                    // Its buffer is DMA memory of the base, allocated once, here.
+                    if let Err(e) = c.enable_ring(*cfg, gens.clone()) {
+                        tracing::warn!("channel on {}: no prefetch ring ({e})", self.thread_name);
+                    }
+                }
                 let _ = self.chain.set(c);
             }
             Err(e) if self.forward_to.is_some() => {
@@ -353,6 +406,10 @@ impl Channel {
     #[inline(always)]
     fn read_on(&self, chain: &Rc<Chain<SpdkDevice>>, mut io: BdevIo) {
         let (off, len) = (io.offset_bytes(), io.len_bytes());
+        if chain.ring_is_on() && chain.ring_read(off, &guest_buf(io.data_view())) {
+            // Copied from this channel's prefetch ring: no base I/O.
+            return self.finish(io, true);
+        }
         self.own(&mut io);
         match chain.route_read(off, len) {
             // The memo of linear slices found it: its slice is cached, and read-ahead
@@ -432,7 +489,7 @@ impl Channel {
     fn write_granted(&self, chain: &Rc<Chain<SpdkDevice>>, mut io: BdevIo, grant: Grant) {
         self.own(&mut io);
         let target = self.direct.as_ref();
-        match direct::submit::<Channel>(self.exec(), target, io, grant, true) {
+        match direct::submit::<DirectWrite>(self.exec(), target, io, grant, true) {
             Ok(()) => self.local_writes.set(self.local_writes.get() + 1),
             Err(io) => self.write_local(chain, io),
         }
@@ -479,6 +536,15 @@ impl Channel {
         };
         self.accept();
         owner::forward(md, io, op, &self.outbox);
+    }
+
+    /// A write this channel ran in place is about to complete: no thread's prefetch ring
+    /// may serve the bytes it replaced any more (a no-op while the ring is off).
+    #[inline(always)]
+    fn written(&self, io: &BdevIo) {
+        if let Some(chain) = self.chain.get() {
+            chain.ring_written(io.offset_bytes(), io.len_bytes());
+        }
     }
 
     /// Records this channel in the request's context for its direct-path completion.
@@ -532,7 +598,12 @@ impl Host for Channel {
     fn request_done(&self, io: BdevIo, outcome: Outcome) {
         let write = io.io_type() == sys::SPDK_BDEV_IO_TYPE_WRITE;
         let r = match (outcome, self.forward_to) {
-            (Outcome::Done(r), _) => r,
+            (Outcome::Done(r), _) => {
+                if write {
+                    self.written(&io);
+                }
+                r
+            }
             // Not an in-place write after all: the owner runs it.
             (Outcome::ToOwner, Some(md)) => {
                 self.forwarded.set(self.forwarded.get() + 1);
@@ -561,6 +632,24 @@ impl ChildDone for Channel {
         unsafe {
             io.with_recorded_channel(|c, io| {
                 direct::leave(c.exec(), &io);
+                c.finish(io, success);
+            })
+        }
+    }
+}
+
+/// Completion of a channel's direct-path write: as [`Channel`]'s, once the write moved
+/// the write generations of its range (a completion type of its own, so that direct
+/// reads pay nothing for it).
+pub struct DirectWrite;
+
+impl ChildDone for DirectWrite {
+    fn child_done(io: BdevIo, success: bool) {
+        // SAFETY: as for `Channel`: a channel's direct write recorded itself first.
+        unsafe {
+            io.with_recorded_channel(|c, io| {
+                direct::leave(c.exec(), &io);
+                c.written(&io);
                 c.finish(io, success);
             })
         }

@@ -15,6 +15,7 @@ use crate::owner::Owner;
 use crate::params::CreateParams;
 use crate::registry;
 use qcow2_engine::io::{BlockDevice, SECTOR};
+use qcow2_engine::ring::{RingConfig, WriteGens};
 use qcow2_engine::{Chain, CoreSeed, DevId, Exec, Layer, OpenOptions, Qcow2};
 use serde::Serialize;
 use serde_json::json;
@@ -128,6 +129,9 @@ pub struct Node {
     /// Writable bdev: what other threads' channels build their replica from (the owner's
     /// shared epochs, L1 and geometry).
     pub seed: Option<CoreSeed>,
+    /// The prefetch ring each channel allocates, and the image's write generations all
+    /// rings check (`None`: `prefetch` is off).
+    pub ring: Option<(RingConfig, Arc<WriteGens>)>,
     /// Channel states not yet freed. SPDK may destroy a channel while its state still has
     /// base I/O in flight (a replica being opened); that state is freed later by its poller,
     /// and the descriptors must stay open until then.
@@ -349,12 +353,17 @@ fn finish(mut job: Job) {
         }
         _ => {}
     }
+    // Every channel's prefetch ring (and the owner's) checks the same write generations.
+    let ring = job
+        .params
+        .ring_config()
+        .map(|c| (c, Arc::new(WriteGens::new(info.virtual_size))));
     if job.params.read_only {
         // Every channel opens its own replica: release this one and its base channel.
         drop(image);
         drop(job.exec);
         let [base, backing] = descs;
-        return register(job.params, info, base, backing, None, done);
+        return register(job.params, info, base, backing, None, ring, done);
     }
     // Publish the metadata to the other threads' channels (ARCHITECTURE.md §6): they serve cache
     // hits and in-place writes on their own replica and send the rest here.
@@ -374,6 +383,11 @@ fn finish(mut job: Job) {
             job.exec,
             {
                 chain.set_prefetch(job.params.prefetch_on());
+                if let Some((cfg, gens)) = &ring {
+                    if let Err(e) = chain.enable_ring(*cfg, gens.clone()) {
+                        tracing::warn!("owner of {name}: no prefetch ring ({e})");
+                    }
+                }
                 chain
             },
             [Some(DevId(0)), job.backing_dev].into_iter().flatten(),
@@ -394,7 +408,15 @@ fn finish(mut job: Job) {
         );
     };
     let [base, backing] = descs;
-    register(job.params, info, base, backing, Some((owner, seed)), done);
+    register(
+        job.params,
+        info,
+        base,
+        backing,
+        Some((owner, seed)),
+        ring,
+        done,
+    );
 }
 
 fn register(
@@ -403,6 +425,7 @@ fn register(
     base: Option<Desc>,
     backing: Option<Desc>,
     owner: Option<(OwnerBox, Option<CoreSeed>)>,
+    ring: Option<(RingConfig, Arc<WriteGens>)>,
     done: Done,
 ) {
     let name = params.name.clone();
@@ -450,6 +473,7 @@ fn register(
         md_thread: Thread::current(),
         owner: owner.map_or(std::ptr::null_mut(), OwnerBox::into_node),
         seed,
+        ring,
         live_channels: Arc::new(AtomicUsize::new(0)),
         retired: Arc::new(Mutex::new(Default::default())),
     });
@@ -559,7 +583,8 @@ fn close_when_unused(n: MdNode) {
 /// channel is left (their counters are all in `retired`).
 fn log_summary(n: &Node, owner: Option<crate::owner::OwnerCounters>) {
     let mut t = n.retired.lock().map(|r| r.clone()).unwrap_or_default();
-    if let Some((p, c)) = owner {
+    if let Some((p, c, r)) = owner {
+        t.add_ring(&r);
         t.l2_cache_hits += c.hits;
         t.l2_cache_misses += c.misses;
         t.prefetch_streams += p.streams;
@@ -569,7 +594,9 @@ fn log_summary(n: &Node, owner: Option<crate::owner::OwnerCounters>) {
     }
     tracing::info!(
         "qcow2 bdev {}: {} requests; slice caches {} hits, {} misses; read-ahead {} \
-         sequential streams, {} slices loaded ahead of {} started, {} reached by their stream",
+         sequential streams, {} slices loaded ahead of {} started, {} reached by their stream; \
+         prefetch ring {} streams, {} read-ahead I/Os, {} bytes read ahead, {} bytes served \
+         in {} reads, {} bytes evicted unread, {} chunks invalidated by writes",
         n.params.name,
         t.completed,
         t.l2_cache_hits,
@@ -577,7 +604,14 @@ fn log_summary(n: &Node, owner: Option<crate::owner::OwnerCounters>) {
         t.prefetch_streams,
         t.prefetch_loaded,
         t.prefetch_issued,
-        t.prefetch_hits
+        t.prefetch_hits,
+        t.ring_streams,
+        t.ring_readahead_ios,
+        t.ring_bytes_read_ahead,
+        t.ring_bytes_served,
+        t.ring_reads_served,
+        t.ring_bytes_evicted_unread,
+        t.ring_invalidated
     );
 }
 

@@ -24,7 +24,7 @@
 //! runs on the md thread, which debug builds assert ([`Owner::assert_md_thread`]).
 
 use crate::channel;
-use crate::device::SpdkDevice;
+use crate::device::{guest_buf, SpdkDevice};
 use crate::direct::{self, Target};
 use crate::engine_host::{Driver, Host};
 use crate::ffi::bdev_io::{Arrived, BdevIo, ChildDone, IoQueue, QueueReceiver};
@@ -41,10 +41,11 @@ use std::rc::Rc;
 /// What follows a close: gets the owner's final read-ahead and slice-cache counters.
 type Then = Box<dyn FnOnce(OwnerCounters)>;
 
-/// The owner's read-ahead and slice-cache counters.
+/// The owner's read-ahead, slice-cache and prefetch ring counters.
 pub type OwnerCounters = (
     qcow2_engine::prefetch::PrefetchStats,
     qcow2_engine::cache::CacheStats,
+    qcow2_engine::ring::RingStats,
 );
 /// The close task's result: `None` while it runs, then whether the flush succeeded.
 type Closed = Rc<Cell<Option<bool>>>;
@@ -181,7 +182,7 @@ impl Owner {
         match self.chain.layers().first() {
             Some(qcow2_engine::Layer::Qcow2(q)) => {
                 let s = q.owner_stats().unwrap_or_default();
-                let (p, c) = self.cache_stats();
+                let (p, c, r) = self.cache_stats();
                 serde_json::json!({
                     "clusters_allocated": s.clusters_allocated,
                     "writes_planned_now": s.writes_planned_now,
@@ -195,19 +196,30 @@ impl Owner {
                     "prefetch_issued": p.issued,
                     "prefetch_loaded": p.loaded,
                     "prefetch_hits": p.hits,
+                    "ring_streams": r.streams,
+                    "ring_readahead_ios": r.readahead_ios,
+                    "ring_bytes_read_ahead": r.bytes_read_ahead,
+                    "ring_bytes_served": r.bytes_served,
+                    "ring_reads_served": r.reads_served,
+                    "ring_bytes_evicted_unread": r.bytes_evicted_unread,
+                    "ring_invalidated": r.invalidated,
                 })
             }
             _ => serde_json::Value::Null,
         }
     }
 
-    /// The owner's read-ahead and slice-cache counters.
+    /// The owner's read-ahead, slice-cache and prefetch ring counters.
     pub fn cache_stats(&self) -> OwnerCounters {
         let c = match self.chain.layers().first() {
             Some(qcow2_engine::Layer::Qcow2(q)) => q.l2_cache_stats(),
             _ => Default::default(),
         };
-        (self.chain.prefetch_stats(), c)
+        (
+            self.chain.prefetch_stats(),
+            c,
+            self.chain.ring_stats().unwrap_or_default(),
+        )
     }
 
     /// Keeps an answered slice request to send again on the next poll (message pool empty).
@@ -241,6 +253,10 @@ impl Owner {
             OwnerOp::Read => {
                 let (off, len) = (io.offset_bytes(), io.len_bytes());
                 c.read_ahead(off, len);
+                if c.ring_is_on() && c.ring_read(off, &guest_buf(io.data_view())) {
+                    // Copied from the owner's prefetch ring: no base I/O.
+                    return done(io, sys::SPDK_BDEV_IO_STATUS_SUCCESS);
+                }
                 let io = match c.route_read(off, len) {
                     ReadRoute::Direct(grant) => {
                         let Err(io) = direct::submit_read::<Owner>(c, target, io, grant) else {
@@ -257,8 +273,13 @@ impl Owner {
                 c.read_ahead(off, len);
                 let io = match c.route_write(off, len) {
                     WriteRoute::Direct(grant) => {
-                        let Err(io) = direct::submit::<Owner>(self.exec(), target, io, grant, true)
-                        else {
+                        let Err(io) = direct::submit::<OwnerDirectWrite>(
+                            self.exec(),
+                            target,
+                            io,
+                            grant,
+                            true,
+                        ) else {
                             return;
                         };
                         io
@@ -281,6 +302,19 @@ impl Owner {
         }
     }
 
+    /// A request the owner ran is about to complete: when it wrote (write, write-zeroes,
+    /// unmap: its data and its metadata in place by now), no thread's prefetch ring may
+    /// serve the bytes it replaced any more (a no-op while the ring is off).
+    #[inline(always)]
+    fn written(&self, io: &BdevIo) {
+        if matches!(
+            io.ctx().op(),
+            OwnerOp::Write | OwnerOp::WriteSlow | OwnerOp::WriteZeroes | OwnerOp::Unmap
+        ) {
+            self.chain.ring_written(io.offset_bytes(), io.len_bytes());
+        }
+    }
+
     /// Sends each thread its queue of completed requests. Returns how many queues went.
     fn send_done(&self) -> usize {
         let mut n = 0;
@@ -299,6 +333,7 @@ impl Host for Owner {
     }
 
     fn request_done(&self, io: BdevIo, outcome: Outcome) {
+        self.written(&io);
         let status = match outcome {
             Outcome::Done(Ok(())) => sys::SPDK_BDEV_IO_STATUS_SUCCESS,
             Outcome::Done(Err(e)) => {
@@ -325,6 +360,26 @@ impl ChildDone for Owner {
         };
         io.with_owner(|o, io| {
             direct::leave(o.exec(), &io);
+            done(io, status);
+        });
+    }
+}
+
+/// Completion of a write the owner sent down the direct path: as [`Owner`]'s, once the
+/// write moved the write generations of its range (a type of its own, so that direct
+/// reads pay nothing for it).
+struct OwnerDirectWrite;
+
+impl ChildDone for OwnerDirectWrite {
+    fn child_done(io: BdevIo, success: bool) {
+        let status = if success {
+            sys::SPDK_BDEV_IO_STATUS_SUCCESS
+        } else {
+            sys::SPDK_BDEV_IO_STATUS_FAILED
+        };
+        io.with_owner(|o, io| {
+            direct::leave(o.exec(), &io);
+            o.written(&io);
             done(io, status);
         });
     }

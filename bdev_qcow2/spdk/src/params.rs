@@ -3,6 +3,7 @@
 
 use qcow2_engine::create::{CreateOptions, Preallocation};
 use qcow2_engine::format::header::CompressionType;
+use qcow2_engine::ring::RingConfig;
 use qcow2_engine::OpenOptions;
 use serde::{Deserialize, Serialize};
 
@@ -37,11 +38,19 @@ pub struct CreateParams {
     /// Ways per set of the slice cache (1..=64, default 8).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cache_ways: Option<usize>,
-    /// Read-ahead of L2 slices on sequential streams, per channel (default `true`): once a
-    /// stream has run 4 requests in a row, the slice after the one it is in is loaded into
-    /// that channel's cache before the stream gets there.
+    /// Read-ahead on sequential streams, per channel (default `true`): guest data into the
+    /// channel's prefetch ring (read ahead of each stream, served by a copy), and the next L2
+    /// slice of a stream into its cache before the stream gets there.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub prefetch: Option<bool>,
+    /// Bytes of prefetch ring per channel, DMA memory allocated when the channel is created
+    /// (a multiple of 128 KiB; default 4 MiB).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prefetch_ring_size: Option<u64>,
+    /// Most bytes one stream reads ahead (a multiple of 128 KiB, at most 8 MiB; default
+    /// 1 MiB).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prefetch_max_window: Option<u64>,
     /// Lay each L2 slice's data clusters out on the base in guest order, in a region of
     /// the base reserved for the slice (default `false`: clusters are appended in the order
     /// they are first written, as QEMU does). A slice then filled in any order or by
@@ -87,7 +96,28 @@ impl CreateParams {
                 return Err(format!("l2_cache_size {c}: at most 4 GiB"));
             }
         }
-        Ok(())
+        if let Some(r) = self.prefetch_ring_size {
+            if r > 1 << 30 {
+                return Err(format!("prefetch_ring_size {r}: at most 1 GiB"));
+            }
+        }
+        self.ring_sizes()
+            .validate()
+            .map_err(|e| format!("prefetch_ring_size / prefetch_max_window: {e}"))
+    }
+
+    /// The prefetch ring's sizes asked for (defaults where not given).
+    fn ring_sizes(&self) -> RingConfig {
+        let d = RingConfig::default();
+        RingConfig {
+            ring_bytes: self.prefetch_ring_size.unwrap_or(d.ring_bytes),
+            max_window: self.prefetch_max_window.unwrap_or(d.max_window),
+        }
+    }
+
+    /// Each channel's prefetch ring (`None`: `prefetch` is off).
+    pub fn ring_config(&self) -> Option<RingConfig> {
+        self.prefetch_on().then(|| self.ring_sizes())
     }
 
     /// Whether read-ahead is on (`prefetch`, default true).
@@ -270,13 +300,23 @@ mod tests {
             r#"{"name":"q0","base_bdev":"aio0"}"#
         );
         let p: CreateParams = serde_json::from_str(
-            r#"{"name":"q0","base_bdev":"aio0","backing_bdev":"b","read_only":true,"l2_cache_size":65536,"l2_slice_size":512,"cache_ways":4,"prefetch":true,"ordered_layout":true,"zero_offload":false}"#,
+            r#"{"name":"q0","base_bdev":"aio0","backing_bdev":"b","read_only":true,"l2_cache_size":65536,"l2_slice_size":512,"cache_ways":4,"prefetch":true,"prefetch_ring_size":8388608,"prefetch_max_window":2097152,"ordered_layout":true,"zero_offload":false}"#,
         )
         .unwrap();
         let back: CreateParams = serde_json::from_str(&serde_json::to_string(&p).unwrap()).unwrap();
         assert_eq!(back, p);
         assert!(p.validate().is_ok());
         assert!(p.open_options().ordered_layout);
+        assert_eq!(
+            p.ring_config(),
+            Some(RingConfig {
+                ring_bytes: 8 << 20,
+                max_window: 2 << 20
+            })
+        );
+        let off: CreateParams =
+            serde_json::from_str(r#"{"name":"q0","base_bdev":"aio0","prefetch":false}"#).unwrap();
+        assert_eq!(off.ring_config(), None);
     }
 
     #[test]
@@ -322,5 +362,15 @@ mod tests {
         assert!(p.validate().is_err());
         let p: CreateParams = serde_json::from_str(r#"{"name":"a","base_bdev":"a"}"#).unwrap();
         assert!(p.validate().is_err());
+        for bad in [
+            r#""prefetch_ring_size":100000"#,
+            r#""prefetch_ring_size":0"#,
+            r#""prefetch_max_window":16777216"#,
+            r#""prefetch_ring_size":2147483648"#,
+        ] {
+            let p: CreateParams =
+                serde_json::from_str(&format!(r#"{{"name":"q0","base_bdev":"a",{bad}}}"#)).unwrap();
+            assert!(p.validate().is_err(), "{bad}");
+        }
     }
 }

@@ -329,11 +329,31 @@ mod real {
             .split_once("read-ahead")
             .unwrap()
             .1
+            .split("; prefetch ring")
+            .next()
+            .unwrap_or_default()
             .split(|c: char| !c.is_ascii_digit())
             .filter_map(|w| w.parse().ok())
             .collect();
         assert_eq!(n.len(), 4, "{line}");
         (n[0], n[1], n[2], n[3])
+    }
+
+    /// The prefetch ring figures of `bdev` from the summary it logs when deleted: (bytes
+    /// read ahead, bytes served, reads served).
+    fn ring_summary(log: &str, bdev: &str) -> (u64, u64, u64) {
+        let line = log
+            .lines()
+            .find_map(|l| l.split_once(&format!("qcow2 bdev {bdev}: ")).map(|x| x.1))
+            .and_then(|l| l.split_once("prefetch ring"))
+            .map(|x| x.1)
+            .unwrap_or_else(|| panic!("no ring summary of {bdev} in:\n{log}"));
+        let n: Vec<u64> = line
+            .split(|c: char| !c.is_ascii_digit())
+            .filter_map(|w| w.parse().ok())
+            .collect();
+        assert_eq!(n.len(), 7, "{line}");
+        (n[2], n[3], n[4])
     }
 
     #[test]
@@ -370,6 +390,13 @@ mod real {
             ));
             assert!(streams >= 1, "{log}");
             assert_eq!(loaded, started, "{log}");
+            // The copy above compared equal with qemu-img's although the prefetch ring
+            // served part of it.
+            let (ahead, served, reads) = ring_summary(&log, "q0");
+            say(&format!(
+                "{tag}: prefetch ring: {ahead} bytes read ahead, {served} bytes served in {reads} reads"
+            ));
+            assert!(served > 0 && served <= ahead, "{log}");
             if cs == "4096" {
                 assert!(started == 4 && reached <= loaded, "{log}");
             }
@@ -718,6 +745,10 @@ mod real {
             "aio0",
             "--cache-ways",
             "4",
+            "--prefetch-ring-size",
+            "2097152",
+            "--prefetch-max-window",
+            "524288",
         ]);
         assert_eq!(r, json!("q0"));
         let q0 = t.bdev("q0").expect("q0 registered");
@@ -746,6 +777,17 @@ mod real {
         // the same name is refused.
         let (ok, text) = t.try_rpc(&["bdev_qcow2_create", "-b", "q0", "--base-bdev", "aio0"]);
         assert!(!ok && text.contains("already exists"), "{text}");
+        // A prefetch ring that is not a whole number of 128 KiB chunks is refused.
+        let (ok, text) = t.try_rpc(&[
+            "bdev_qcow2_create",
+            "-b",
+            "qr",
+            "--base-bdev",
+            "aio0",
+            "--prefetch-ring-size",
+            "100000",
+        ]);
+        assert!(!ok && text.contains("prefetch_ring_size"), "{text}");
         // An image naming a backing file needs backing_bdev: refused with the reason.
         pad(&top);
         t.rpc(&["bdev_aio_create", s(&top), "aio_top", "512"]);
@@ -778,6 +820,8 @@ mod real {
                 "l2_slices_written",
                 "writebacks",
                 "l2_cache_hits",
+                "ring_bytes_served",
+                "ring_bytes_evicted_unread",
             ] {
                 assert!(o[k].is_u64(), "owner counter {k} missing: {b}");
             }
@@ -785,6 +829,13 @@ mod real {
 
         let saved = t.rpc(&["save_config"]);
         t.stop();
+        // The ring's sizes are kept.
+        let text = saved.to_string();
+        assert!(
+            text.contains(r#""prefetch_ring_size":2097152"#)
+                && text.contains(r#""prefetch_max_window":524288"#),
+            "{text}"
+        );
         let cfg = d.join("saved.json");
         fs::write(&cfg, serde_json::to_vec_pretty(&saved).unwrap()).unwrap();
 

@@ -16,6 +16,7 @@ use crossbeam_queue::SegQueue;
 use qcow2_engine::coherency::SliceReply;
 use qcow2_engine::exec::Outcome;
 use qcow2_engine::io::{BlockDevice, BufSlice, IoBuffer};
+use qcow2_engine::ring::{RingConfig, WriteGens};
 use qcow2_engine::{
     Chain, CoreSeed, DevId, Exec, Layer, OpenOptions, OwnerLink, Qcow2, ReadRoute, WriteRoute,
 };
@@ -28,6 +29,9 @@ const FORWARDED: u64 = 1 << 63;
 /// Tag bit a core uses for writes it runs on its engine path (they may end as
 /// [`Outcome::ToOwner`]).
 const LOCAL_WRITE: u64 = 1 << 62;
+/// Tag bit of a write whose completion moves the image's write generations first (the
+/// prefetch ring is on): the rest of the tag is its slot in `Reactor::ring_writes`.
+const RING_WRITE: u64 = 1 << 61;
 
 /// Messages to the owner.
 enum ToOwner {
@@ -148,6 +152,9 @@ pub struct Reactor<D: BlockDevice> {
     /// Core: writes tried here, by slot: (tag, offset, buffer) to send to the owner if they
     /// turn out not to be in-place writes.
     local: slab::Slab<(u64, u64, BufSlice<D::Buf>)>,
+    /// With the prefetch ring on: writes in flight, by slot: (tag, offset, length), whose
+    /// range the completion invalidates in every core's ring before it is reported.
+    ring_writes: slab::Slab<(u64, u64, u64)>,
     stats: ReactorStats,
 }
 
@@ -174,15 +181,19 @@ impl<D: BlockDevice> Reactor<D> {
         self.image().map(|q| q.l2_cache_stats()).unwrap_or_default()
     }
 
-    /// Starts a read (tags below 2^62 - 1: the reactor uses the bits above): straight to
-    /// the device when cached metadata maps it to one extent, else through the engine, on
-    /// every reactor (the owner included), as the SPDK module routes it. Reads and writes
-    /// feed this reactor's read-ahead of L2 slices (on unless the host turned it off with
-    /// `chain.set_prefetch(false)`), every one of them: a stream that mixes reads and writes
-    /// stays one stream.
+    /// Starts a read (tags below 2^61 - 1: the reactor uses the bits above). A read the
+    /// prefetch ring holds (when on) is copied from it and completes at the next poll. Else
+    /// straight to the device when cached metadata maps it to one extent, else through the
+    /// engine, on every reactor (the owner included), as the SPDK module routes it. Reads
+    /// and writes feed this reactor's read-ahead of L2 slices (on unless the host turned it
+    /// off with `chain.set_prefetch(false)`), every one of them: a stream that mixes reads
+    /// and writes stays one stream.
     pub fn submit_read(&mut self, tag: u64, offset: u64, buf: BufSlice<D::Buf>) {
         let len = buf.len as u64;
         self.chain.read_ahead(offset, len);
+        if self.chain.ring_read(offset, &buf) {
+            return self.exec.complete(tag, Ok(()));
+        }
         match self.chain.route_read(offset, len) {
             ReadRoute::Direct(grant) => self.chain.submit_granted_read(tag, grant, buf),
             ReadRoute::Engine => self.chain.submit_read(tag, offset, buf),
@@ -194,6 +205,7 @@ impl<D: BlockDevice> Reactor<D> {
     /// allocation, a slice the owner holds dirty) on the owner.
     pub fn submit_write(&mut self, tag: u64, offset: u64, buf: BufSlice<D::Buf>) {
         let len = buf.len as u64;
+        let tag = self.ring_tag(tag, offset, len);
         self.chain.read_ahead(offset, len);
         match self.chain.route_write(offset, len) {
             WriteRoute::Direct(grant) => {
@@ -227,6 +239,7 @@ impl<D: BlockDevice> Reactor<D> {
 
     /// Starts a write-zeroes.
     pub fn submit_write_zeroes(&mut self, tag: u64, offset: u64, len: u64, unmap: bool) {
+        let tag = self.ring_tag(tag, offset, len);
         if self.is_owner() {
             return self.chain.submit_write_zeroes(tag, offset, len, unmap);
         }
@@ -241,6 +254,7 @@ impl<D: BlockDevice> Reactor<D> {
 
     /// Starts a discard.
     pub fn submit_discard(&mut self, tag: u64, offset: u64, len: u64) {
+        let tag = self.ring_tag(tag, offset, len);
         if self.is_owner() {
             return self.chain.submit_discard(tag, offset, len);
         }
@@ -261,14 +275,44 @@ impl<D: BlockDevice> Reactor<D> {
         self.forward(ToOwner::Flush { core: self.id, tag });
     }
 
+    /// The tag a write of `len` bytes at `offset` runs under: with the ring on, one that
+    /// makes its completion invalidate the range first ([`poll`](Self::poll)).
+    fn ring_tag(&mut self, tag: u64, offset: u64, len: u64) -> u64 {
+        if self.chain.write_gens().is_none() {
+            return tag;
+        }
+        RING_WRITE | self.ring_writes.insert((tag, offset, len)) as u64
+    }
+
     fn forward(&mut self, m: ToOwner) {
         self.pending += 1;
         self.stats.forwarded += 1;
         self.mesh.owner.push(m);
     }
 
-    /// Polls the queues and the executor; reports finished requests to `done`.
+    /// Polls the queues and the executor; reports finished requests to `done`. A write's
+    /// completion (with the prefetch ring on) first moves the write generations of its
+    /// range, so no core's ring serves the old bytes to a read submitted after it.
     pub fn poll(&mut self, done: &mut dyn FnMut(u64, qcow2_engine::Result<()>)) -> usize {
+        if self.ring_writes.is_empty() {
+            return self.poll_queues(done);
+        }
+        let mut writes = std::mem::take(&mut self.ring_writes);
+        let chain = self.chain.clone();
+        let n = self.poll_queues(&mut |tag, r| {
+            if tag & RING_WRITE == 0 {
+                return done(tag, r);
+            }
+            if let Some((t, off, len)) = writes.try_remove((tag & !RING_WRITE) as usize) {
+                chain.ring_written(off, len);
+                done(t, r)
+            }
+        });
+        self.ring_writes = writes;
+        n
+    }
+
+    fn poll_queues(&mut self, done: &mut dyn FnMut(u64, qcow2_engine::Result<()>)) -> usize {
         let mut n = 0;
         if self.is_owner() {
             while let Some(m) = self.mesh.owner.pop() {
@@ -398,7 +442,7 @@ impl<D: BlockDevice> Reactor<D> {
 
     /// Reads `buf` at `offset`, polling until done (set-up and checks, not the hot path).
     pub fn read_now(&mut self, offset: u64, buf: BufSlice<D::Buf>) -> qcow2_engine::Result<()> {
-        const TAG: u64 = LOCAL_WRITE - 1;
+        const TAG: u64 = RING_WRITE - 1;
         self.submit_read(TAG, offset, buf);
         let mut res = None;
         while res.is_none() {
@@ -461,11 +505,31 @@ impl<D, F: Fn(usize, bool) -> ToolResult<D> + Sync> OpenDevice<D> for F {
 /// Runs `body` on `n` reactors (threads) over one image: reactor 0 opens it (writable if
 /// `writable`) and owns its metadata; the others get replicas. Returns each reactor's
 /// result and counters, reactor 0 first. The image is closed cleanly when this returns.
+/// The prefetch ring is off ([`run_reactors_with_ring`]).
 pub fn run_reactors<D, R, B>(
     n: usize,
     open: &dyn OpenDevice<D>,
     opts: OpenOptions,
     writable: bool,
+    body: B,
+) -> ToolResult<Vec<(R, ReactorStats)>>
+where
+    D: BlockDevice,
+    R: Send,
+    B: Fn(&mut Reactor<D>) -> ToolResult<R> + Sync,
+{
+    run_reactors_with_ring(n, open, opts, writable, None, body)
+}
+
+/// [`run_reactors`] with the prefetch ring of `ring` on every reactor (`None`: off): each
+/// allocates its ring buffer from its own device when it starts, and all share the
+/// image's write generations.
+pub fn run_reactors_with_ring<D, R, B>(
+    n: usize,
+    open: &dyn OpenDevice<D>,
+    opts: OpenOptions,
+    writable: bool,
+    ring: Option<RingConfig>,
     body: B,
 ) -> ToolResult<Vec<(R, ReactorStats)>>
 where
@@ -488,13 +552,13 @@ where
         let mut seed_tx = Vec::new();
         let mut handles = Vec::new();
         for id in 1..n {
-            let (tx, rx) = mpsc::channel::<Option<CoreSeed>>();
+            let (tx, rx) = mpsc::channel::<Option<(CoreSeed, Option<Arc<WriteGens>>)>>();
             seed_tx.push(tx);
             let (mesh, body) = (mesh.clone(), &body);
             handles.push(s.spawn(move || -> ToolResult<(R, ReactorStats)> {
                 let mesh2 = mesh.clone();
                 let _signoff = SignOff(&mesh2);
-                let Ok(Some(seed)) = rx.recv() else {
+                let Ok(Some((seed, gens))) = rx.recv() else {
                     return Err(ToolError::Usage(
                         "the owner failed to open the image".into(),
                     ));
@@ -509,6 +573,9 @@ where
                     .and_then(|q| Chain::new(&exec, vec![Layer::Qcow2(Box::new(q))]));
                 let chain = chain.map_err(engine)?;
                 chain.set_prefetch(true);
+                if let (Some(cfg), Some(gens)) = (ring, gens) {
+                    chain.enable_ring(cfg, gens).map_err(engine)?;
+                }
                 let mut r = Reactor {
                     id,
                     exec,
@@ -518,6 +585,7 @@ where
                     forwarded: slab::Slab::new(),
                     pending: 0,
                     local: slab::Slab::with_capacity(256),
+                    ring_writes: slab::Slab::with_capacity(256),
                     stats: ReactorStats::default(),
                 };
                 let out = body(&mut r);
@@ -539,6 +607,7 @@ where
                     "multi-core reactors run images without a backing file".into(),
                 ));
             }
+            let gens = ring.map(|_| Arc::new(WriteGens::new(q.size())));
             // One reactor alone needs no replicas, epochs nor grace periods.
             if n > 1 {
                 // Before the first image is shared (the fence mode is fixed then).
@@ -546,11 +615,14 @@ where
                 q.share();
                 let seed = q.core_seed().map_err(engine)?;
                 for tx in seed_tx.drain(..) {
-                    let _ = tx.send(Some(seed.clone()));
+                    let _ = tx.send(Some((seed.clone(), gens.clone())));
                 }
             }
             let chain = Chain::new(&exec, vec![Layer::Qcow2(Box::new(q))]).map_err(engine)?;
             chain.set_prefetch(true);
+            if let (Some(cfg), Some(gens)) = (ring, gens) {
+                chain.enable_ring(cfg, gens).map_err(engine)?;
+            }
             let mut r = Reactor {
                 id: 0,
                 exec,
@@ -560,6 +632,7 @@ where
                 forwarded: slab::Slab::new(),
                 pending: 0,
                 local: slab::Slab::new(),
+                ring_writes: slab::Slab::with_capacity(256),
                 stats: ReactorStats::default(),
             };
             let out = body(&mut r);

@@ -104,6 +104,12 @@ impl IoBuffer for AlignedBuf {
         // SAFETY: as in `copy_out`, with the roles swapped.
         unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst, src.len()) }
     }
+    fn copy_to(&self, off: usize, dst: &Self, dst_off: usize, len: usize) {
+        let (src, to) = (self.ptr(off, len), dst.ptr(dst_off, len));
+        // SAFETY: both ranges are in bounds (checked by `ptr`); `copy` allows them to
+        // overlap (the same buffer); no device I/O is in flight on either range.
+        unsafe { std::ptr::copy(src, to, len) }
+    }
     fn fill(&self, off: usize, len: usize, byte: u8) {
         let dst = self.ptr(off, len);
         // SAFETY: the range is in bounds (checked by `ptr`).

@@ -94,7 +94,7 @@ fn cold_sequential_reads_load_slices_ahead() {
         let hits = q["prefetch_hits"].as_u64().unwrap();
         assert!(loaded > 0 && hits > 0 && hits <= loaded, "{q}");
         // Off: nothing is loaded ahead, every slice is a miss of the stream itself.
-        let runs = perf(&[&args[..], &["--no-prefetch"]].concat());
+        let runs = perf(&[&args[..], &["--prefetch", "off"]].concat());
         assert_eq!(runs[0]["prefetch_loaded"], 0, "{}", runs[0]);
         assert!(runs[0]["cache_misses"].as_u64().unwrap() > 0);
     }

@@ -84,6 +84,18 @@ impl BdevIo {
         (self.into_raw() as u64, view)
     }
 
+    /// A view of the request's data iovecs while this handle holds the request (a read
+    /// the prefetch ring serves is copied into it before the request completes).
+    #[inline(always)]
+    pub fn data_view(&self) -> IovView {
+        let (iovs, cnt) = self.iovs();
+        IovView {
+            iovs,
+            cnt,
+            len: self.len_bytes() as usize,
+        }
+    }
+
     /// Back from a tag the engine reported done.
     ///
     /// # Safety

@@ -137,6 +137,15 @@ impl IoBuffer for SpdkBuf {
             unsafe { std::ptr::copy_nonoverlapping(src.as_ptr().add(pos), p, n) }
         });
     }
+    fn copy_to(&self, off: usize, dst: &Self, dst_off: usize, len: usize) {
+        self.segments(off, len, |p, n, pos| {
+            dst.segments(dst_off + pos, n, |q, m, at| {
+                // SAFETY: both pieces are inside their buffers (segments); `copy` allows
+                // overlap; no I/O is in flight on either range.
+                unsafe { std::ptr::copy(p.add(at), q, m) }
+            })
+        });
+    }
     fn fill(&self, off: usize, len: usize, byte: u8) {
         self.segments(off, len, |p, n, _| {
             // SAFETY: `p..p+n` is inside the buffer (segments).

@@ -7,11 +7,12 @@
 //! owns the metadata.
 
 use crate::host::{ToolError, ToolResult};
-use crate::reactor::{run_reactors, Reactor};
+use crate::reactor::{run_reactors_with_ring, Reactor};
 use crate::rng::Rng;
 use crate::uring::{AlignedBuf, UringDevice};
 use qcow2_engine::create::{create, CreateOptions};
 use qcow2_engine::io::{BlockDevice, BufSlice, Busy, DeviceError, DeviceOp, IoBuffer};
+use qcow2_engine::ring::{RingConfig, RingStats};
 use qcow2_engine::{Chain, DevId, Exec, Layer, OpenOptions, Qcow2};
 use std::collections::VecDeque;
 use std::path::{Path, PathBuf};
@@ -87,9 +88,16 @@ pub struct PerfArgs {
     /// shows here).
     #[arg(long)]
     pub cold: bool,
-    /// No read-ahead of L2 slices on sequential streams.
-    #[arg(long)]
-    pub no_prefetch: bool,
+    /// Read-ahead on sequential streams: guest data into each core's prefetch ring, and
+    /// L2 slices into its cache.
+    #[arg(long, value_enum, default_value = "on")]
+    pub prefetch: Switch,
+    /// Bytes of prefetch ring per core (a multiple of 128 KiB).
+    #[arg(long, value_parser = crate::parse_size, default_value = "4M")]
+    pub ring_size: u64,
+    /// Most bytes one stream reads ahead (a multiple of 128 KiB, at most 8M).
+    #[arg(long, value_parser = crate::parse_size, default_value = "1M")]
+    pub max_window: u64,
     /// Run only the raw baseline (the same workload on the same file as a raw disk).
     #[arg(long)]
     pub raw: bool,
@@ -111,6 +119,31 @@ pub struct PerfArgs {
     /// The image (qcow2, no backing file; write workloads overwrite its data, like bdevperf).
     /// Default: a sample image in a temporary directory.
     pub image: Option<PathBuf>,
+}
+
+/// A feature turned on or off.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Switch {
+    /// On.
+    On,
+    /// Off.
+    Off,
+}
+
+impl PerfArgs {
+    /// The prefetch ring these arguments ask for (`None`: off).
+    fn ring(&self) -> ToolResult<Option<RingConfig>> {
+        if self.prefetch == Switch::Off {
+            return Ok(None);
+        }
+        let cfg = RingConfig {
+            ring_bytes: self.ring_size,
+            max_window: self.max_window,
+        };
+        cfg.validate().map_err(|e| ToolError::Usage(e.into()))?;
+        Ok(Some(cfg))
+    }
 }
 
 /// One run's result.
@@ -144,6 +177,20 @@ pub struct RunResult {
     pub prefetch_loaded: u64,
     /// ... that the stream reached after they were loaded.
     pub prefetch_hits: u64,
+    /// Whether the prefetch ring was on.
+    pub prefetch: Switch,
+    /// Prefetch ring: sequential streams detected.
+    pub ring_streams: u64,
+    /// Prefetch ring: read-ahead I/Os issued.
+    pub ring_readahead_ios: u64,
+    /// Prefetch ring: bytes read ahead.
+    pub ring_bytes_read_ahead: u64,
+    /// Prefetch ring: bytes of reads served from it.
+    pub ring_bytes_served: u64,
+    /// Prefetch ring: bytes read ahead and dropped unread.
+    pub ring_bytes_evicted_unread: u64,
+    /// Prefetch ring: chunks a write made unusable.
+    pub ring_invalidated: u64,
     /// Verify mismatches (must be 0).
     pub verify_failures: u64,
 }
@@ -426,12 +473,12 @@ fn warm(r: &mut Reactor<Dev>) -> ToolResult<()> {
 }
 
 /// Per-core outcome: ops, latencies, verify failures, (cache counters, slices read ahead,
-/// of which reached in time).
+/// of which reached in time, prefetch ring counters).
 type CoreRun = (
     u64,
     Vec<u32>,
     u64,
-    (qcow2_engine::cache::CacheStats, u64, u64),
+    (qcow2_engine::cache::CacheStats, u64, u64, RingStats),
 );
 
 /// One run (qcow2 or raw) on `a.cores` cores.
@@ -472,13 +519,15 @@ pub fn run_one(path: &Path, raw: bool, w: Workload, a: &PerfArgs) -> ToolResult<
             }
             Ok(d)
         };
-        let out = run_reactors(cores, &open, opts, w.writes(), |r| {
-            r.chain.set_prefetch(!a.no_prefetch);
+        let ring = a.ring()?;
+        let out = run_reactors_with_ring(cores, &open, opts, w.writes(), ring, |r| {
+            r.chain.set_prefetch(ring.is_some());
             if !a.cold {
                 warm(r)?;
             }
             let before = r.cache_stats();
             let pf_before = r.chain.prefetch_stats();
+            let ring_before = r.chain.ring_stats().unwrap_or_default();
             let core = r.id;
             let (o, l, f) = drive(r, a, w, Lanes { core, cores })?;
             let after = r.cache_stats();
@@ -489,6 +538,7 @@ pub fn run_one(path: &Path, raw: bool, w: Workload, a: &PerfArgs) -> ToolResult<
                 ..after
             };
             let pf = r.chain.prefetch_stats();
+            let ring_after = r.chain.ring_stats().unwrap_or_default();
             Ok((
                 o,
                 l,
@@ -497,6 +547,7 @@ pub fn run_one(path: &Path, raw: bool, w: Workload, a: &PerfArgs) -> ToolResult<
                     stats,
                     pf.loaded - pf_before.loaded,
                     pf.hits - pf_before.hits,
+                    ring_after.since(&ring_before),
                 ),
             ))
         })?;
@@ -507,7 +558,9 @@ pub fn run_one(path: &Path, raw: bool, w: Workload, a: &PerfArgs) -> ToolResult<
     let mut fails = 0;
     let mut stats = qcow2_engine::cache::CacheStats::default();
     let (mut pf_loaded, mut pf_hits) = (0, 0);
-    for (o, l, f, (s, loaded, hits)) in runs {
+    let mut ring = RingStats::default();
+    for (o, l, f, (s, loaded, hits, rs)) in runs {
+        ring.add(&rs);
         ops += o;
         lat.extend(l);
         fails += f;
@@ -539,6 +592,13 @@ pub fn run_one(path: &Path, raw: bool, w: Workload, a: &PerfArgs) -> ToolResult<
         cache_evictions: stats.evictions,
         prefetch_loaded: pf_loaded,
         prefetch_hits: pf_hits,
+        prefetch: if raw { Switch::Off } else { a.prefetch },
+        ring_streams: ring.streams,
+        ring_readahead_ios: ring.readahead_ios,
+        ring_bytes_read_ahead: ring.bytes_read_ahead,
+        ring_bytes_served: ring.bytes_served,
+        ring_bytes_evicted_unread: ring.bytes_evicted_unread,
+        ring_invalidated: ring.invalidated,
         verify_failures: fails,
     })
 }
@@ -652,6 +712,12 @@ fn merge(a: RunResult, b: RunResult) -> RunResult {
         cache_evictions: a.cache_evictions + b.cache_evictions,
         prefetch_loaded: a.prefetch_loaded + b.prefetch_loaded,
         prefetch_hits: a.prefetch_hits + b.prefetch_hits,
+        ring_streams: a.ring_streams + b.ring_streams,
+        ring_readahead_ios: a.ring_readahead_ios + b.ring_readahead_ios,
+        ring_bytes_read_ahead: a.ring_bytes_read_ahead + b.ring_bytes_read_ahead,
+        ring_bytes_served: a.ring_bytes_served + b.ring_bytes_served,
+        ring_bytes_evicted_unread: a.ring_bytes_evicted_unread + b.ring_bytes_evicted_unread,
+        ring_invalidated: a.ring_invalidated + b.ring_invalidated,
         verify_failures: a.verify_failures + b.verify_failures,
         ..a
     }

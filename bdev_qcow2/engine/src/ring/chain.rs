@@ -1,0 +1,168 @@
+//! The prefetch ring of a [`Chain`]: reads are looked up in it before they are routed,
+//! and read-ahead fills it through the chain's own read path, so it follows the mapping
+//! in every layer (allocated clusters from the image's device, unallocated ones from the
+//! backing layer, zeros from metadata without a read, compressed clusters decompressed
+//! once into the ring, nothing past the end of the disk).
+
+use super::{Lookup, Ring, RingConfig, RingStats, WriteGens};
+use crate::chain::{read_layer, Chain, Layer};
+use crate::error::{Error, Result};
+use crate::io::{BlockDevice, BufSlice, IoBuffer};
+use std::rc::Rc;
+use std::sync::Arc;
+
+/// Where a ring hit's bytes go: called with (ring buffer, offset in it, offset in the
+/// read, length) for each piece, in order.
+pub type RingCopy<'a, B> = dyn FnMut(&B, usize, usize, usize) + 'a;
+
+/// A core's ring with its buffer and the image's write generations.
+pub(crate) struct RingHost<B> {
+    ring: Ring,
+    buf: B,
+    gens: Arc<WriteGens>,
+}
+
+impl<D: BlockDevice> Chain<D> {
+    /// Turns the prefetch ring on for this core: allocates its buffer once, from the top
+    /// layer's device (DMA memory on SPDK), of `cfg.ring_bytes`. `gens` are the image's
+    /// write generations, shared by every core of the image: each core's writes must go
+    /// through [`ring_written`](Self::ring_written) from then on. Refuses a configuration
+    /// [`RingConfig::validate`] refuses, and a second call.
+    pub fn enable_ring(&self, cfg: RingConfig, gens: Arc<WriteGens>) -> Result<()> {
+        cfg.validate().map_err(Error::InvalidRequest)?;
+        let mut slot = self.ring.borrow_mut();
+        if slot.is_some() {
+            return Err(Error::InvalidRequest("prefetch ring already on"));
+        }
+        let dev = match &self.layers()[0] {
+            Layer::Qcow2(q) => q.dev(),
+            Layer::Raw { dev, .. } => *dev,
+        };
+        let buf = self.exec().alloc_buf(dev, cfg.ring_bytes as usize);
+        let _ = self.ring_gens.set(gens.clone());
+        *slot = Some(RingHost {
+            ring: Ring::new(cfg, self.size()),
+            buf,
+            gens,
+        });
+        self.ring_on.set(true);
+        Ok(())
+    }
+
+    /// Whether the prefetch ring is on: a host may test it before it builds what
+    /// [`ring_read`](Self::ring_read) takes.
+    #[inline(always)]
+    pub fn ring_is_on(&self) -> bool {
+        self.ring_on.get()
+    }
+
+    /// The image's write generations, when the ring is on.
+    pub fn write_gens(&self) -> Option<&Arc<WriteGens>> {
+        self.ring_gens.get()
+    }
+
+    /// A guest write, write-zeroes or discard of `len` bytes at `offset`, run on any path
+    /// of any core of this image, is about to complete (successfully or not): makes every
+    /// core's prefetched data of those bytes unusable. Hosts call it before they report
+    /// the completion; a no-op while the ring is off.
+    #[inline(always)]
+    pub fn ring_written(&self, offset: u64, len: u64) {
+        if let Some(g) = self.ring_gens.get() {
+            g.written(offset, len);
+        }
+    }
+
+    /// The ring's counters (`None` while it is off).
+    pub fn ring_stats(&self) -> Option<RingStats> {
+        self.ring.borrow().as_ref().map(|r| r.ring.stats())
+    }
+
+    /// The ring's configuration (`None` while it is off).
+    pub fn ring_config(&self) -> Option<RingConfig> {
+        self.ring.borrow().as_ref().map(|r| r.ring.config())
+    }
+
+    /// Looks a guest read of `buf.len` bytes at `offset` up in the ring, before the host
+    /// routes it; see [`ring_read_with`](Self::ring_read_with). On a hit the bytes are
+    /// copied into `buf` and the read is done: returns true.
+    #[inline(always)]
+    pub fn ring_read(self: &Rc<Self>, offset: u64, buf: &BufSlice<D::Buf>) -> bool {
+        if !self.ring_on.get() {
+            return false;
+        }
+        self.ring_read_on(offset, buf.len as u64, &mut |src, src_off, off, n| {
+            src.copy_to(src_off, &buf.buf, buf.off + off, n)
+        })
+    }
+
+    /// Looks a guest read of `len` bytes at `offset` up in the ring, before the host
+    /// routes it: tells the stream detector about it, and starts the read-ahead its stream
+    /// needs now (tasks on this executor). Returns true when every byte was in the ring,
+    /// valid under the current write generations: they were handed to `copy` as
+    /// (ring buffer, offset in it, offset in the read, length) and the read is done, with
+    /// no device I/O. Returns false (a miss, the ring off, an invalid request) when the
+    /// host must route the read as usual. Takes no lock and allocates nothing.
+    #[inline(always)]
+    pub fn ring_read_with(
+        self: &Rc<Self>,
+        offset: u64,
+        len: u64,
+        copy: &mut RingCopy<'_, D::Buf>,
+    ) -> bool {
+        if !self.ring_on.get() {
+            return false;
+        }
+        self.ring_read_on(offset, len, copy)
+    }
+
+    #[inline(never)]
+    fn ring_read_on(
+        self: &Rc<Self>,
+        offset: u64,
+        len: u64,
+        copy: &mut RingCopy<'_, D::Buf>,
+    ) -> bool {
+        if self.check_range(offset, len).is_err() {
+            return false;
+        }
+        let Ok(mut guard) = self.ring.try_borrow_mut() else {
+            return false;
+        };
+        let Some(RingHost { ring, buf, gens }) = guard.as_mut() else {
+            return false;
+        };
+        let (stream, hit) = match ring.lookup(offset, len, |o| gens.current(o)) {
+            // A new stream has nothing read ahead and reads nothing ahead yet.
+            Lookup::Started => return false,
+            Lookup::Miss { stream } => (stream, false),
+            Lookup::Hit { stream } => {
+                ring.pieces(stream, offset, len, |src_off, off, n| {
+                    copy(buf, src_off, off, n)
+                });
+                (stream, true)
+            }
+        };
+        while let Some(f) = ring.next_fill(stream) {
+            // Recorded before the read-ahead resolves anything (see `gens`).
+            ring.filling(f.slot, gens.current(f.offset));
+            let (base, _) = Ring::slot_range(f.slot);
+            let dst = BufSlice {
+                buf: buf.clone(),
+                off: base,
+                len: f.len as usize,
+            };
+            let chain = self.clone();
+            self.exec().spawn(async move {
+                // A read-ahead is a request like a guest's: a cluster it resolves is not
+                // reused before it is over.
+                let parity = chain.exec().guest_enter();
+                let r = read_layer(chain.clone(), 0, f.offset, dst).await;
+                chain.exec().guest_exit(parity);
+                if let Some(rh) = chain.ring.borrow_mut().as_mut() {
+                    rh.ring.filled(f.slot, r.is_ok());
+                }
+            });
+        }
+        hit
+    }
+}

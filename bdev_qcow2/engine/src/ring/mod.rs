@@ -1,0 +1,539 @@
+//! The prefetch ring (ARCHITECTURE.md §10): per core, a fixed ring of preallocated
+//! buffers that read-ahead fills ahead of detected sequential read streams, and that
+//! serves later reads of those bytes by a copy, with no base I/O.
+//!
+//! - [`Ring`] is the state machine alone: the stream table, each stream's window and
+//!   chunks, the slots and their free list. It does no I/O and is unit-tested here.
+//! - `chain` drives it for a [`Chain`](crate::Chain): it looks every read up
+//!   ([`Chain::ring_read`](crate::Chain::ring_read)) and fills chunks through the read path
+//!   of the chain, so read-ahead follows the mapping in every layer.
+//! - [`gens`] keeps prefetched data coherent with writes on any core.
+//!
+//! Read-ahead works in chunks of [`CHUNK`] bytes aligned in guest space, one slot each.
+//! Single-threaded like the rest of a core: nothing here is shared but the generations,
+//! nothing locks, and after [`Ring::new`] nothing allocates.
+
+pub(crate) mod chain;
+pub mod gens;
+
+pub use chain::RingCopy;
+pub use gens::WriteGens;
+
+use gens::REGION;
+
+/// Bytes of one ring slot and of one read-ahead I/O: one write-generation region, so a
+/// chunk checks a single generation.
+pub const CHUNK: u64 = REGION;
+/// Sequential requests in a row after which a stream reads ahead.
+pub const SEQ_MIN: u32 = 3;
+// A stream just started reads nothing ahead: `Lookup::Started` skips the fills.
+const _: () = assert!(SEQ_MIN > 1);
+/// Streams followed at once per core.
+pub const STREAMS: usize = 4;
+/// The window of a stream that just turned sequential, in chunks.
+const WINDOW_START: u32 = 2;
+/// Most chunks one stream may hold (bounds the per-stream bookkeeping).
+pub const MAX_WINDOW_CHUNKS: u32 = 64;
+
+/// The ring's size and how far a stream may read ahead.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RingConfig {
+    /// Bytes of buffers (a multiple of [`CHUNK`], at least one chunk): the memory the ring
+    /// takes per core.
+    pub ring_bytes: u64,
+    /// Most bytes one stream reads ahead of itself (a multiple of [`CHUNK`], at most
+    /// [`MAX_WINDOW_CHUNKS`] chunks).
+    pub max_window: u64,
+}
+
+impl Default for RingConfig {
+    /// 4 MiB of buffers, 1 MiB of window: four streams at their largest window fill it.
+    fn default() -> Self {
+        RingConfig {
+            ring_bytes: 4 << 20,
+            max_window: 1 << 20,
+        }
+    }
+}
+
+impl RingConfig {
+    /// Checks the sizes; returns why they are refused.
+    pub fn validate(&self) -> Result<(), &'static str> {
+        if self.ring_bytes < CHUNK || !self.ring_bytes.is_multiple_of(CHUNK) {
+            return Err("ring size must be a positive multiple of 128 KiB");
+        }
+        if self.ring_bytes / CHUNK > u16::MAX as u64 {
+            return Err("ring size above 8 GiB");
+        }
+        if self.max_window < CHUNK || !self.max_window.is_multiple_of(CHUNK) {
+            return Err("maximum window must be a positive multiple of 128 KiB");
+        }
+        if self.max_window / CHUNK > MAX_WINDOW_CHUNKS as u64 {
+            return Err("maximum window above 8 MiB");
+        }
+        Ok(())
+    }
+
+    fn slots(&self) -> usize {
+        (self.ring_bytes / CHUNK) as usize
+    }
+
+    fn max_window_chunks(&self) -> u32 {
+        (self.max_window / CHUNK) as u32
+    }
+}
+
+/// Counters of one core's ring.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct RingStats {
+    /// Sequential streams detected (a stream counts once, when it starts reading ahead).
+    pub streams: u64,
+    /// Read-ahead I/Os issued (one per chunk; a chunk's base reads follow its mapping).
+    pub readahead_ios: u64,
+    /// Bytes read ahead into the ring (chunks whose read-ahead completed).
+    pub bytes_read_ahead: u64,
+    /// Bytes of guest reads served from the ring.
+    pub bytes_served: u64,
+    /// Guest reads served from the ring.
+    pub reads_served: u64,
+    /// Bytes read ahead and dropped without serving any read.
+    pub bytes_evicted_unread: u64,
+    /// Chunks found written since they were read ahead (a write on any core).
+    pub invalidated: u64,
+}
+
+impl RingStats {
+    /// What was counted since `before` (an earlier reading of the same counters).
+    pub fn since(&self, before: &RingStats) -> RingStats {
+        RingStats {
+            streams: self.streams - before.streams,
+            readahead_ios: self.readahead_ios - before.readahead_ios,
+            bytes_read_ahead: self.bytes_read_ahead - before.bytes_read_ahead,
+            bytes_served: self.bytes_served - before.bytes_served,
+            reads_served: self.reads_served - before.reads_served,
+            bytes_evicted_unread: self.bytes_evicted_unread - before.bytes_evicted_unread,
+            invalidated: self.invalidated - before.invalidated,
+        }
+    }
+
+    /// The counters of two cores together.
+    pub fn add(&mut self, o: &RingStats) {
+        self.streams += o.streams;
+        self.readahead_ios += o.readahead_ios;
+        self.bytes_read_ahead += o.bytes_read_ahead;
+        self.bytes_served += o.bytes_served;
+        self.reads_served += o.reads_served;
+        self.bytes_evicted_unread += o.bytes_evicted_unread;
+        self.invalidated += o.invalidated;
+    }
+}
+
+/// What a slot holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum State {
+    /// Nothing; on the free list.
+    Free,
+    /// A read-ahead is in flight into it.
+    Filling,
+    /// Its chunk's bytes, valid while the generation recorded stays current.
+    Ready,
+    /// The read-ahead failed or found the chunk written since: never served.
+    Dead,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Slot {
+    state: State,
+    /// Valid bytes (less than a chunk only at the end of the disk).
+    len: u32,
+    /// Write generation of the chunk's region, recorded before its read-ahead was issued.
+    gen: u32,
+    /// Whether a read was served from it.
+    used: bool,
+    /// Released by its stream while filling: freed when the read-ahead completes.
+    orphan: bool,
+}
+
+impl Slot {
+    const EMPTY: Slot = Slot {
+        state: State::Free,
+        len: 0,
+        gen: 0,
+        used: false,
+        orphan: false,
+    };
+}
+
+/// One followed stream: how long it ran, its window, and the chunks it holds — consecutive
+/// chunks `first..first + count`, in slots `held[(head + k) % MAX]` (where it continues is
+/// in [`Ring::next`]).
+#[derive(Debug, Clone, Copy)]
+struct Stream {
+    run: u32,
+    /// Chunks to keep read ahead of `next` (0: not reading ahead).
+    window: u32,
+    /// Turned off for good: its read-ahead went unused.
+    off: bool,
+    /// Chunks its last read spanned: the window is at least two reads long, so that a
+    /// read larger than the starting window finds all of its chunks.
+    span: u32,
+    first: u64,
+    count: u32,
+    head: u32,
+    held: [u16; MAX_WINDOW_CHUNKS as usize],
+}
+
+impl Stream {
+    const IDLE: Stream = Stream {
+        run: 0,
+        window: 0,
+        off: false,
+        span: 1,
+        first: 0,
+        count: 0,
+        head: 0,
+        held: [0; MAX_WINDOW_CHUNKS as usize],
+    };
+
+    fn slot_of(&self, chunk: u64) -> Option<u16> {
+        let k = chunk.checked_sub(self.first)?;
+        (k < self.count as u64)
+            .then(|| self.held[((self.head as u64 + k) % MAX_WINDOW_CHUNKS as u64) as usize])
+    }
+}
+
+/// A read-ahead to issue: `len` bytes at guest `offset` into `slot` (its buffer range is
+/// [`Ring::slot_range`]); the generation to record comes from the caller.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Fill {
+    /// The slot.
+    pub slot: u16,
+    /// Guest offset of the chunk.
+    pub offset: u64,
+    /// Bytes to read.
+    pub len: u32,
+}
+
+/// How a read request met the ring ([`Ring::lookup`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Lookup {
+    /// It continues no stream: it started one, which has nothing read ahead yet.
+    Started,
+    /// It continues `stream`, whose ring does not hold all of its bytes.
+    Miss {
+        /// The stream.
+        stream: u8,
+    },
+    /// It continues `stream` and every byte is in the ring: copy them
+    /// ([`Ring::pieces`]).
+    Hit {
+        /// The stream.
+        stream: u8,
+    },
+}
+
+/// The ring's state (see the module documentation).
+#[derive(Debug)]
+pub struct Ring {
+    cfg: RingConfig,
+    disk_size: u64,
+    slots: Box<[Slot]>,
+    free: Vec<u16>,
+    /// Where each stream's next read starts (`u64::MAX`: none): apart from the rest of
+    /// the streams, so that a read that continues none looks at one cache line.
+    next: [u64; STREAMS],
+    /// Streams reading ahead (a bit each; their window is not 0): a new stream takes
+    /// another slot first.
+    ahead: u8,
+    streams: [Stream; STREAMS],
+    /// Where the search for a slot for a new stream starts (round robin).
+    victim: usize,
+    stats: RingStats,
+}
+
+impl Ring {
+    /// A ring of `cfg` for a disk of `disk_size` bytes (`cfg` validated by the caller).
+    pub fn new(cfg: RingConfig, disk_size: u64) -> Self {
+        let n = cfg.slots();
+        Ring {
+            cfg,
+            disk_size,
+            slots: vec![Slot::EMPTY; n].into_boxed_slice(),
+            // Popped from the end: slot 0 first.
+            free: (0..n as u16).rev().collect(),
+            next: [u64::MAX; STREAMS],
+            ahead: 0,
+            streams: [Stream::IDLE; STREAMS],
+            victim: 0,
+            stats: RingStats::default(),
+        }
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> RingConfig {
+        self.cfg
+    }
+
+    /// Counters so far.
+    pub fn stats(&self) -> RingStats {
+        self.stats
+    }
+
+    /// The byte range of `slot` in the ring's buffer.
+    pub fn slot_range(slot: u16) -> (usize, usize) {
+        (slot as usize * CHUNK as usize, CHUNK as usize)
+    }
+
+    /// A read of `len` bytes at `offset` arrives: finds the stream it continues and moves
+    /// it on, or starts one in the least recently continued slot that is not reading ahead
+    /// ([`Lookup::Started`]). For a continued stream, releases the chunks it has left behind
+    /// (counting, when unused, as evicted unread) and says whether every byte of the read
+    /// is ready in the ring under the generations `gen_of(offset)` reports now.
+    #[inline]
+    pub fn lookup(&mut self, offset: u64, len: u64, gen_of: impl Fn(u64) -> u32) -> Lookup {
+        let end = offset.saturating_add(len);
+        let Some(i) = self.next.iter().position(|&n| n == offset) else {
+            self.start_stream(end, len);
+            return Lookup::Started;
+        };
+        // The slot just continued is the last a new stream would take.
+        self.victim = (i + 1) % STREAMS;
+        self.next[i] = end;
+        {
+            let s = &mut self.streams[i];
+            s.run = s.run.saturating_add(1);
+            s.span = Self::span(len);
+        }
+        let stream = i as u8;
+        // Chunks wholly before this read are behind the stream for good.
+        while let Some(c) = self.front(i) {
+            if (c + 1) * CHUNK > offset {
+                break;
+            }
+            self.pop_front(i);
+        }
+        if len == 0 || self.streams[i].count == 0 {
+            return Lookup::Miss { stream };
+        }
+        let (c0, c1) = (offset / CHUNK, (end - 1) / CHUNK);
+        for c in c0..=c1 {
+            let Some(k) = self.streams[i].slot_of(c) else {
+                return Lookup::Miss { stream };
+            };
+            let slot = &mut self.slots[k as usize];
+            if slot.state != State::Ready {
+                return Lookup::Miss { stream };
+            }
+            if gen_of(c * CHUNK) != slot.gen {
+                // Written since it was read ahead: no read may see it again.
+                slot.state = State::Dead;
+                self.stats.invalidated += 1;
+                return Lookup::Miss { stream };
+            }
+            if c * CHUNK + (slot.len as u64) < end.min((c + 1) * CHUNK) {
+                return Lookup::Miss { stream };
+            }
+        }
+        Lookup::Hit { stream }
+    }
+
+    /// Chunks a read of `len` bytes spans (at least 1, at most [`MAX_WINDOW_CHUNKS`]).
+    fn span(len: u64) -> u32 {
+        len.div_ceil(CHUNK).clamp(1, MAX_WINDOW_CHUNKS as u64) as u32
+    }
+
+    /// The pieces of a hit read of `len` bytes at `offset` ([`Lookup::Hit`] of `stream`),
+    /// as (offset in the ring's buffer, offset in the read, length), in order; counts them
+    /// served.
+    pub fn pieces(
+        &mut self,
+        stream: u8,
+        offset: u64,
+        len: u64,
+        mut each: impl FnMut(usize, usize, usize),
+    ) {
+        let s = self.streams[stream as usize];
+        let end = offset + len;
+        let mut pos = offset;
+        while pos < end {
+            let c = pos / CHUNK;
+            let Some(k) = s.slot_of(c) else {
+                return;
+            };
+            let n = ((c + 1) * CHUNK).min(end) - pos;
+            let (base, _) = Self::slot_range(k);
+            each(
+                base + (pos - c * CHUNK) as usize,
+                (pos - offset) as usize,
+                n as usize,
+            );
+            self.slots[k as usize].used = true;
+            pos += n;
+        }
+        self.stats.bytes_served += len;
+        self.stats.reads_served += 1;
+    }
+
+    /// After [`lookup`](Self::lookup) of stream `i`: the read-ahead the stream should
+    /// issue now to keep its window ahead of it, one chunk per call (`None`: nothing more
+    /// now — not sequential yet, window full, turned off, at the end of the disk, or no
+    /// free slot). The caller records the chunk's generation with
+    /// [`filling`](Self::filling) before it issues the read.
+    pub fn next_fill(&mut self, stream: u8) -> Option<Fill> {
+        let i = stream as usize;
+        let max = self.cfg.max_window_chunks();
+        let s = &mut self.streams[i];
+        if s.off || s.run < SEQ_MIN {
+            return None;
+        }
+        if s.window == 0 {
+            s.window = WINDOW_START.min(max);
+            self.ahead |= 1 << i;
+            self.stats.streams += 1;
+        }
+        let s = &mut self.streams[i];
+        let window = s.window.max(2 * s.span).min(max) as u64;
+        // The chunk the stream is in, then `window` chunks after it.
+        let next = self.next[i];
+        let here = next / CHUNK;
+        let ahead = if s.count == 0 {
+            next.div_ceil(CHUNK)
+        } else {
+            s.first + s.count as u64
+        };
+        if s.count == 0 {
+            s.first = ahead;
+        }
+        if ahead > here + window || s.count >= MAX_WINDOW_CHUNKS {
+            return None;
+        }
+        let offset = ahead.checked_mul(CHUNK)?;
+        if offset >= self.disk_size {
+            return None;
+        }
+        let slot = self.free.pop()?;
+        let len = CHUNK.min(self.disk_size - offset) as u32;
+        let s = &mut self.streams[i];
+        s.held[((s.head + s.count) % MAX_WINDOW_CHUNKS) as usize] = slot;
+        s.count += 1;
+        self.slots[slot as usize] = Slot {
+            state: State::Filling,
+            len,
+            gen: 0,
+            used: false,
+            orphan: false,
+        };
+        self.stats.readahead_ios += 1;
+        Some(Fill { slot, offset, len })
+    }
+
+    /// The read-ahead into `slot` starts under write generation `gen` of its chunk.
+    pub fn filling(&mut self, slot: u16, gen: u32) {
+        self.slots[slot as usize].gen = gen;
+    }
+
+    /// The read-ahead into `slot` completed (`ok`: its bytes are in the buffer).
+    pub fn filled(&mut self, slot: u16, ok: bool) {
+        let s = &mut self.slots[slot as usize];
+        if ok {
+            self.stats.bytes_read_ahead += s.len as u64;
+        }
+        if s.orphan {
+            if ok {
+                self.stats.bytes_evicted_unread += s.len as u64;
+            }
+            *s = Slot::EMPTY;
+            self.free.push(slot);
+            return;
+        }
+        s.state = if ok { State::Ready } else { State::Dead };
+    }
+
+    /// The first chunk stream `i` holds.
+    fn front(&self, i: usize) -> Option<u64> {
+        let s = &self.streams[i];
+        (s.count > 0).then_some(s.first)
+    }
+
+    /// Releases stream `i`'s first chunk: its window grows when the chunk served reads,
+    /// shrinks (down to off) when a write made it unusable or its read-ahead failed, and
+    /// stays when it came too late (still filling, or ready while another chunk of the
+    /// same read was not).
+    fn pop_front(&mut self, i: usize) {
+        let max = self.cfg.max_window_chunks();
+        let s = &mut self.streams[i];
+        let k = s.held[s.head as usize];
+        s.head = (s.head + 1) % MAX_WINDOW_CHUNKS;
+        s.count -= 1;
+        s.first += 1;
+        let slot = self.slots[k as usize];
+        match (slot.state, slot.used) {
+            (_, true) => s.window = (s.window * 2).clamp(1, max),
+            // Late, not useless.
+            (State::Filling | State::Ready, false) => {}
+            (_, false) => {
+                s.window /= 2;
+                if s.window == 0 {
+                    s.off = true;
+                    self.ahead &= !(1 << i);
+                }
+            }
+        }
+        self.release(k);
+    }
+
+    /// Gives `k` back (at once, or when its read-ahead completes).
+    fn release(&mut self, k: u16) {
+        let slot = &mut self.slots[k as usize];
+        match slot.state {
+            State::Filling => slot.orphan = true,
+            State::Free => {}
+            state => {
+                if state == State::Ready && !slot.used {
+                    self.stats.bytes_evicted_unread += slot.len as u64;
+                }
+                *slot = Slot::EMPTY;
+                self.free.push(k);
+            }
+        }
+    }
+
+    /// Starts a stream at a read of `len` bytes ending at `end`, in the next slot in turn
+    /// that is not reading ahead (else the next in turn, whose chunks are released).
+    #[inline]
+    fn start_stream(&mut self, end: u64, len: u64) {
+        let start = self.victim;
+        let ahead = self.ahead;
+        let i = (0..STREAMS)
+            .map(|k| (start + k) % STREAMS)
+            .find(|&i| ahead & (1 << i) == 0)
+            .unwrap_or(start);
+        self.victim = (i + 1) % STREAMS;
+        self.ahead &= !(1 << i);
+        if self.streams[i].count > 0 {
+            self.drop_chunks(i);
+        }
+        self.next[i] = end;
+        let s = &mut self.streams[i];
+        s.run = 1;
+        s.window = 0;
+        s.off = false;
+        s.span = Self::span(len);
+    }
+
+    /// Releases every chunk stream `i` holds (it is being replaced).
+    #[inline(never)]
+    fn drop_chunks(&mut self, i: usize) {
+        while self.streams[i].count > 0 {
+            let s = &mut self.streams[i];
+            let k = s.held[s.head as usize];
+            s.head = (s.head + 1) % MAX_WINDOW_CHUNKS;
+            s.count -= 1;
+            s.first += 1;
+            self.release(k);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,283 @@
+//! The ring's state machine driven as `chain` drives it, with read-aheads completed by
+//! the test.
+
+use super::*;
+
+const B: u64 = 4096;
+const DISK: u64 = 1 << 40;
+
+/// A ring, its generations (one per chunk, by chunk index) and the read-aheads in flight.
+struct Sim {
+    ring: Ring,
+    gens: std::collections::HashMap<u64, u32>,
+    inflight: Vec<Fill>,
+}
+
+impl Sim {
+    fn new(cfg: RingConfig, disk: u64) -> Self {
+        Sim {
+            ring: Ring::new(cfg, disk),
+            gens: Default::default(),
+            inflight: Vec::new(),
+        }
+    }
+
+    fn gen(&self, off: u64) -> u32 {
+        self.gens.get(&(off / CHUNK)).copied().unwrap_or(0)
+    }
+
+    /// A read: whether it hit; the read-aheads it started stay in flight.
+    fn read(&mut self, off: u64, len: u64) -> bool {
+        let gens = self.gens.clone();
+        let g = |o: u64| gens.get(&(o / CHUNK)).copied().unwrap_or(0);
+        let (i, hit) = match self.ring.lookup(off, len, g) {
+            Lookup::Started => return false,
+            Lookup::Miss { stream } => (stream, false),
+            Lookup::Hit { stream } => {
+                let mut covered = 0;
+                self.ring.pieces(stream, off, len, |_, at, n| {
+                    assert_eq!(at as u64, covered);
+                    covered += n as u64;
+                });
+                assert_eq!(covered, len);
+                (stream, true)
+            }
+        };
+        while let Some(f) = self.ring.next_fill(i) {
+            let gen = self.gen(f.offset);
+            self.ring.filling(f.slot, gen);
+            self.inflight.push(f);
+        }
+        hit
+    }
+
+    /// Completes every read-ahead in flight; returns them.
+    fn complete(&mut self) -> Vec<Fill> {
+        let done: Vec<Fill> = self.inflight.drain(..).collect();
+        for f in &done {
+            self.ring.filled(f.slot, true);
+        }
+        done
+    }
+
+    fn write(&mut self, off: u64) {
+        *self.gens.entry(off / CHUNK).or_default() += 1;
+    }
+}
+
+#[test]
+fn a_stream_between_random_reads_is_one_stream() {
+    // 100, 1157, 27520, 4, 101, 312, 102 (in 4 KiB blocks): 100-101-102 is one stream.
+    let mut s = Sim::new(RingConfig::default(), DISK);
+    for blk in [100u64, 1157, 27520, 4, 101, 312, 102] {
+        s.read(blk * B, B);
+    }
+    assert_eq!(s.ring.stats().streams, 1);
+    let chunks: Vec<u64> = s.inflight.iter().map(|f| f.offset / CHUNK).collect();
+    // 103 is in chunk 3 (32 blocks per chunk): the chunks after it.
+    assert_eq!(chunks, vec![4, 5]);
+}
+
+#[test]
+fn interleaved_readers_are_followed_apart_and_served_from_the_ring() {
+    let mut s = Sim::new(RingConfig::default(), DISK);
+    let bases = [0u64, 1 << 30, 2 << 30];
+    let mut hits = 0;
+    for k in 0..512u64 {
+        for b in bases {
+            hits += s.read(b + k * B, B) as u64;
+        }
+        s.complete();
+    }
+    let st = s.ring.stats();
+    assert_eq!(st.streams, 3);
+    // Every read after the first chunk of each stream is served from the ring.
+    assert!(hits >= 3 * (512 - 32), "{hits}");
+    assert_eq!(st.bytes_served, hits * B);
+    assert_eq!(st.bytes_evicted_unread, 0);
+}
+
+#[test]
+fn random_reverse_and_strided_reads_never_read_ahead() {
+    let mut s = Sim::new(RingConfig::default(), DISK);
+    let mut x = 7u64;
+    for _ in 0..10_000 {
+        x = x
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        s.read(((x >> 20) % (1 << 30)) & !(B - 1), B);
+    }
+    for k in (0..1000u64).rev() {
+        s.read(k * B, B);
+    }
+    for k in 0..1000u64 {
+        s.read(k * 2 * B, B);
+    }
+    assert_eq!(s.ring.stats(), RingStats::default());
+}
+
+#[test]
+fn the_window_grows_while_used_up_to_its_maximum() {
+    let cfg = RingConfig::default();
+    let mut s = Sim::new(cfg, DISK);
+    let mut max_ahead = 0u64;
+    for k in 0..4096u64 {
+        s.read(k * B, B);
+        s.complete();
+        let i = s.ring.streams.iter().position(|t| t.window > 0);
+        if let Some(i) = i {
+            max_ahead = max_ahead.max(s.ring.streams[i].count as u64);
+        }
+    }
+    let w = s.ring.streams.iter().map(|t| t.window).max().unwrap_or(0);
+    assert_eq!(w as u64, cfg.max_window / CHUNK);
+    // The chunk the stream is in, the one it is about to enter, and its window.
+    assert!(max_ahead <= cfg.max_window / CHUNK + 2, "{max_ahead}");
+}
+
+#[test]
+fn written_chunks_are_not_served_and_the_window_shrinks_to_off() {
+    let mut s = Sim::new(RingConfig::default(), DISK);
+    // A read-modify-write stream: each chunk is written after it was read ahead.
+    let mut hits = 0;
+    for k in 0..2048u64 {
+        let off = k * B;
+        hits += s.read(off, B) as u64;
+        s.complete();
+        // Writes land a chunk ahead of the reader: everything read ahead goes stale.
+        s.write(off + CHUNK);
+        s.write(off + 2 * CHUNK);
+    }
+    let st = s.ring.stats();
+    assert_eq!(hits, 0);
+    assert!(st.invalidated > 0);
+    assert!(s.ring.streams.iter().any(|t| t.off));
+    // Off for good: a few read-aheads, not one per chunk.
+    assert!(st.readahead_ios < 8, "{st:?}");
+}
+
+#[test]
+fn a_hit_checks_the_generation_at_the_time_of_the_read() {
+    let mut s = Sim::new(RingConfig::default(), DISK);
+    for k in 0..8u64 {
+        s.read(k * B, B);
+        s.complete();
+    }
+    // Chunk 1 is ready; a write to it moves its generation.
+    s.write(CHUNK + 8 * B);
+    for k in 8..32u64 {
+        s.read(k * B, B);
+        s.complete();
+    }
+    assert!(!s.read(CHUNK, B), "stale chunk served");
+    assert_eq!(s.ring.stats().invalidated, 1);
+    // Later chunks, read ahead after nothing wrote them, still hit.
+    for k in 33..64u64 {
+        s.read(k * B, B);
+        s.complete();
+    }
+    assert!(s.read(2 * CHUNK, B));
+}
+
+#[test]
+fn reads_spanning_chunks_hit_only_when_all_are_ready() {
+    let mut s = Sim::new(RingConfig::default(), DISK);
+    let len = 96 << 10;
+    let mut hits = 0;
+    for k in 0..64u64 {
+        hits += s.read(k * len, len) as u64;
+        s.complete();
+    }
+    assert!(hits > 50, "{hits}");
+}
+
+#[test]
+fn nothing_past_the_end_of_the_disk() {
+    let disk = 5 * CHUNK + 8192;
+    let mut s = Sim::new(RingConfig::default(), disk);
+    let mut fills = Vec::new();
+    let mut k = 0;
+    while (k + 1) * B <= disk {
+        s.read(k * B, B);
+        fills.extend(s.complete());
+        k += 1;
+    }
+    assert!(fills.iter().all(|f| f.offset + f.len as u64 <= disk));
+    let last = fills.iter().max_by_key(|f| f.offset).copied();
+    assert_eq!(last.map(|f| (f.offset, f.len)), Some((5 * CHUNK, 8192)));
+}
+
+#[test]
+fn a_replaced_stream_frees_its_slots_even_while_they_fill() {
+    let cfg = RingConfig {
+        ring_bytes: 4 * CHUNK,
+        max_window: 2 * CHUNK,
+    };
+    let mut s = Sim::new(cfg, DISK);
+    for k in 0..4u64 {
+        s.read(k * B, B);
+    }
+    assert!(!s.inflight.is_empty());
+    assert_eq!(s.inflight.len(), 2);
+    // Three more streams turn sequential (the first takes the two slots left) ...
+    for r in 1..=3u64 {
+        for k in 0..3u64 {
+            s.read((r << 30) + k * B, B);
+        }
+    }
+    assert!(s.ring.free.is_empty());
+    // ... and a fifth pushes out the least recently continued, the first.
+    s.read(4 << 30, B);
+    s.complete();
+    assert_eq!(s.ring.free.len(), 2);
+    let st = s.ring.stats();
+    assert_eq!(st.bytes_evicted_unread, 2 * CHUNK);
+    assert_eq!(st.bytes_read_ahead, 4 * CHUNK);
+}
+
+#[test]
+fn a_full_ring_issues_nothing_more_and_recovers() {
+    let cfg = RingConfig {
+        ring_bytes: 2 * CHUNK,
+        max_window: 8 * CHUNK,
+    };
+    let mut s = Sim::new(cfg, DISK);
+    let mut hits = 0;
+    for k in 0..1024u64 {
+        hits += s.read(k * B, B) as u64;
+        s.complete();
+    }
+    assert!(hits > 900, "{hits}");
+}
+
+#[test]
+fn configurations_are_checked() {
+    assert!(RingConfig::default().validate().is_ok());
+    for (r, w) in [
+        (0, CHUNK),
+        (CHUNK + 1, CHUNK),
+        (CHUNK, 0),
+        (CHUNK, CHUNK + 512),
+        (CHUNK, (MAX_WINDOW_CHUNKS as u64 + 1) * CHUNK),
+    ] {
+        let c = RingConfig {
+            ring_bytes: r,
+            max_window: w,
+        };
+        assert!(c.validate().is_err(), "{c:?}");
+    }
+}
+
+#[test]
+fn reads_larger_than_the_starting_window_are_served() {
+    // 1 MiB reads: eight chunks each, the whole default maximum window.
+    let mut s = Sim::new(RingConfig::default(), DISK);
+    let len = 1 << 20;
+    let mut hits = 0;
+    for k in 0..64u64 {
+        hits += s.read(k * len, len) as u64;
+        s.complete();
+    }
+    assert!(hits > 55, "{hits}");
+    assert!(!s.ring.streams.iter().any(|t| t.off));
+}

@@ -1,0 +1,160 @@
+//! Model check of the prefetch ring's coherency with writes (ARCHITECTURE.md §6,
+//! prefetched data) with `loom`, on the real [`WriteGens`] (its atomics are loom's under
+//! `--cfg loom`).
+//!
+//! Run with:
+//! `RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=/tmp/loom-target cargo test -p qcow2_engine --test loom_ring --release`
+//!
+//! The model: one region of the guest disk. A writer core writes it, in place or through
+//! a new mapping (data to a new host location, then the mapping published, as the owner
+//! commits an allocation or a COW), bumps the region's generation and then acknowledges.
+//! A reader core reads the region ahead into its ring the way `Chain::ring_read` does
+//! (record the generation, resolve the mapping, read the device) and later serves a read
+//! from the ring only while the generation holds.
+//!
+//! Invariant: a read submitted after the writer's acknowledgement (it observed it) is
+//! never served the old data from the ring.
+//!
+//! Broken variants — bumping before the data reached the device, bumping before the new
+//! mapping is published, recording the generation after the read-ahead — must be caught:
+//! they run under `#[should_panic]`.
+
+#![cfg(loom)]
+#![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
+
+use loom::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use loom::sync::Arc;
+use loom::thread;
+use qcow2_engine::ring::WriteGens;
+
+/// The region's guest offset and a write's length.
+const OFF: u64 = 0;
+const LEN: u64 = 4096;
+/// Old and new contents.
+const OLD: u64 = 1;
+const NEW: u64 = 2;
+
+#[derive(Clone, Copy, Default)]
+struct Faults {
+    /// The writer bumps the generation before its data reaches the device.
+    bump_before_data: bool,
+    /// The writer bumps the generation before it publishes its new mapping.
+    bump_before_mapping: bool,
+    /// The read-ahead records the generation after its device read.
+    record_after_read: bool,
+}
+
+struct World {
+    gens: WriteGens,
+    /// Host locations 0 (the old cluster) and 1 (a new one, holding garbage at first).
+    dev: [AtomicU64; 2],
+    /// The region's mapping: which location holds its data.
+    map: AtomicU64,
+    /// The writer's acknowledgement, as the guest sees it.
+    acked: AtomicBool,
+    faults: Faults,
+}
+
+fn run(remap: bool, faults: Faults) {
+    loom::model(move || {
+        let w = Arc::new(World {
+            gens: WriteGens::new(1 << 20),
+            dev: [AtomicU64::new(OLD), AtomicU64::new(0xdead)],
+            map: AtomicU64::new(0),
+            acked: AtomicBool::new(false),
+            faults,
+        });
+        let writer = {
+            let w = w.clone();
+            thread::spawn(move || {
+                let f = w.faults;
+                if f.bump_before_data {
+                    w.gens.written(OFF, LEN);
+                }
+                let loc = if remap { 1 } else { 0 };
+                // The device write completed (its completion reached this core).
+                w.dev[loc].store(NEW, Ordering::Relaxed);
+                if f.bump_before_mapping {
+                    w.gens.written(OFF, LEN);
+                }
+                if remap {
+                    w.map.store(1, Ordering::Release);
+                }
+                if !f.bump_before_data && !f.bump_before_mapping {
+                    w.gens.written(OFF, LEN);
+                }
+                w.acked.store(true, Ordering::Release);
+            })
+        };
+        // The reader core: a read-ahead, then a guest read served from the ring.
+        let f = w.faults;
+        let mut gen = if f.record_after_read {
+            None
+        } else {
+            Some(w.gens.current(OFF))
+        };
+        let loc = w.map.load(Ordering::Acquire) as usize;
+        let data = w.dev[loc].load(Ordering::Relaxed);
+        if gen.is_none() {
+            gen = Some(w.gens.current(OFF));
+        }
+        // The guest read: submitted after it observed the acknowledgement, or not.
+        let after_ack = w.acked.load(Ordering::Acquire);
+        if Some(w.gens.current(OFF)) == gen {
+            assert_ne!(data, 0xdead, "garbage of a new cluster served");
+            if after_ack {
+                assert_eq!(
+                    data, NEW,
+                    "a read after the write's acknowledgement got old data"
+                );
+            }
+        }
+        writer.join().unwrap();
+    });
+}
+
+#[test]
+fn in_place_overwrite() {
+    run(false, Faults::default());
+}
+
+#[test]
+fn write_through_a_new_mapping() {
+    run(true, Faults::default());
+}
+
+#[test]
+#[should_panic(expected = "old data")]
+fn broken_bump_before_data_is_caught() {
+    run(
+        false,
+        Faults {
+            bump_before_data: true,
+            ..Default::default()
+        },
+    );
+}
+
+#[test]
+#[should_panic(expected = "old data")]
+fn broken_bump_before_mapping_is_caught() {
+    run(
+        true,
+        Faults {
+            bump_before_mapping: true,
+            ..Default::default()
+        },
+    );
+}
+
+#[test]
+#[should_panic(expected = "old data")]
+fn broken_record_after_read_is_caught() {
+    run(
+        false,
+        Faults {
+            record_after_read: true,
+            ..Default::default()
+        },
+    );
+}

@@ -1,0 +1,224 @@
+//! The prefetch ring on the in-memory device, against qemu-img as the oracle: sequential
+//! reads served from the ring read what QEMU reads in every kind of mapping (allocated,
+//! zero, unallocated over a backing image or not, compressed), zeros cost no data read,
+//! a compressed cluster is read and decompressed once, nothing past the end of the disk,
+//! and a write makes what the ring holds of it unusable.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test helpers may panic
+
+use qcow2_engine::io::{BufSlice, HeapBuf};
+use qcow2_engine::ring::{RingConfig, WriteGens};
+use qcow2_engine::testing::MemDevice;
+use qcow2_engine::{Chain, Exec, Layer, OpenOptions, Qcow2};
+use std::path::Path;
+use std::process::Command;
+use std::rc::Rc;
+use std::sync::Arc;
+
+fn sh(cmd: &mut Command) {
+    let out = cmd.output().expect("run");
+    assert!(
+        out.status.success(),
+        "{cmd:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+fn qemu_io(img: &Path, cmds: &[&str]) {
+    let mut q = Command::new("qemu-io");
+    q.args(["-f", "qcow2"]);
+    for c in cmds {
+        q.arg("-c").arg(c);
+    }
+    sh(q.arg(img));
+}
+
+fn raw_of(img: &Path) -> Vec<u8> {
+    let raw = img.with_extension("raw");
+    sh(Command::new("qemu-img")
+        .args(["convert", "-O", "raw"])
+        .arg(img)
+        .arg(&raw));
+    std::fs::read(&raw).unwrap()
+}
+
+/// A chain over the images (top first), each on its own memory device, with the ring on;
+/// returns the devices too.
+fn chain_of(
+    images: &[&Path],
+    opts: OpenOptions,
+) -> (Exec<MemDevice>, Rc<Chain<MemDevice>>, Vec<MemDevice>) {
+    let exec = Exec::new();
+    let mut layers = Vec::new();
+    let mut devs = Vec::new();
+    for p in images {
+        let dev = MemDevice::new(std::fs::read(p).unwrap());
+        let id = exec.add_device(dev.clone());
+        devs.push(dev);
+        let e2 = exec.clone();
+        let q = exec
+            .block_on(async move { Qcow2::open(&e2, id, opts).await })
+            .unwrap();
+        layers.push(Layer::Qcow2(Box::new(q)));
+    }
+    let chain = Chain::new(&exec, layers).unwrap();
+    let gens = Arc::new(WriteGens::new(chain.size()));
+    chain.enable_ring(RingConfig::default(), gens).unwrap();
+    (exec, chain, devs)
+}
+
+/// One guest read as a host serves it: from the ring, else through the engine.
+fn read(exec: &Exec<MemDevice>, chain: &Rc<Chain<MemDevice>>, off: u64, len: usize) -> Vec<u8> {
+    let buf = HeapBuf::new(len);
+    let slice = BufSlice::whole(buf.clone());
+    if !chain.ring_read(off, &slice) {
+        chain.submit_read(7, off, slice);
+        let mut done = None;
+        while done.is_none() {
+            exec.poll(&mut |t, r| {
+                assert_eq!(t, 7);
+                done = Some(r);
+            });
+        }
+        done.unwrap().unwrap();
+    }
+    // Read-aheads run as the host polls.
+    exec.poll(&mut |_, _| panic!("no request in flight"));
+    buf.to_vec()
+}
+
+/// Reads the whole disk front to back in `len`-byte requests.
+fn read_all(exec: &Exec<MemDevice>, chain: &Rc<Chain<MemDevice>>, len: usize) -> Vec<u8> {
+    let size = chain.size() as usize;
+    let mut out = Vec::with_capacity(size);
+    let mut off = 0;
+    while off < size {
+        let n = len.min(size - off);
+        out.extend(read(exec, chain, off as u64, n));
+        off += n;
+    }
+    out
+}
+
+#[test]
+fn sequential_reads_from_the_ring_read_what_qemu_reads_over_a_backing_image() {
+    let dir = tempfile::tempdir().unwrap();
+    let (base, top) = (dir.path().join("base.qcow2"), dir.path().join("top.qcow2"));
+    // A disk that does not end on a chunk: the last read-ahead is short.
+    sh(Command::new("qemu-img")
+        .args(["create", "-q", "-f", "qcow2"])
+        .arg(&base)
+        .arg("3000k"));
+    qemu_io(&base, &["write -P 0x41 0 2M", "write -P 0x44 2900k 100k"]);
+    sh(Command::new("qemu-img")
+        .args([
+            "create",
+            "-q",
+            "-f",
+            "qcow2",
+            "-F",
+            "qcow2",
+            "-b",
+            "base.qcow2",
+        ])
+        .arg(&top));
+    qemu_io(
+        &top,
+        &[
+            "write -P 0x42 1M 68k",
+            "write -z 1280k 128k",
+            "discard 1536k 64k",
+            "write -P 0x43 2100k 4k",
+        ],
+    );
+    let expect = raw_of(&top);
+    for len in [4096, 12 << 10, 128 << 10] {
+        let (exec, chain, _) = chain_of(&[&top, &base], OpenOptions::default());
+        let got = read_all(&exec, &chain, len);
+        assert!(got == expect, "{len}-byte reads differ from qemu-img");
+        let s = chain.ring_stats().unwrap();
+        assert!(s.bytes_served > expect.len() as u64 / 2, "{len}: {s:?}");
+        // Never past the end of the disk.
+        assert!(s.bytes_read_ahead <= expect.len() as u64, "{s:?}");
+    }
+}
+
+#[test]
+fn zeros_are_answered_from_metadata_and_compressed_clusters_read_once() {
+    let dir = tempfile::tempdir().unwrap();
+    // An empty image: every read-ahead is zeros from metadata, no data read.
+    let empty = dir.path().join("empty.qcow2");
+    sh(Command::new("qemu-img")
+        .args(["create", "-q", "-f", "qcow2"])
+        .arg(&empty)
+        .arg("64M"));
+    let (exec, chain, devs) = chain_of(&[&empty], OpenOptions::default());
+    let before = devs[0].0.borrow().reads;
+    assert!(read_all(&exec, &chain, 4096).iter().all(|&b| b == 0));
+    let s = chain.ring_stats().unwrap();
+    assert!(s.bytes_served > 60 << 20, "{s:?}");
+    assert_eq!(devs[0].0.borrow().reads - before, 0, "zeros were read");
+
+    // A compressed image of 64 KiB clusters: each cluster's compressed data once.
+    let plain = dir.path().join("plain.qcow2");
+    let comp = dir.path().join("comp.qcow2");
+    sh(Command::new("qemu-img")
+        .args(["create", "-q", "-f", "qcow2"])
+        .arg(&plain)
+        .arg("8M"));
+    qemu_io(&plain, &["write -P 0x5a 0 3M", "write -P 0x17 5M 2M"]);
+    sh(Command::new("qemu-img")
+        .args(["convert", "-c", "-O", "qcow2"])
+        .arg(&plain)
+        .arg(&comp));
+    let expect = raw_of(&comp);
+    let (exec, chain, devs) = chain_of(&[&comp], OpenOptions::default());
+    let before = devs[0].0.borrow().reads;
+    assert!(read_all(&exec, &chain, 4096) == expect);
+    let reads = devs[0].0.borrow().reads - before;
+    // 80 compressed clusters and a few L2 slices; 16 reads per cluster without the ring.
+    assert!(reads < 120, "{reads} device reads");
+}
+
+#[test]
+fn a_write_makes_what_the_ring_holds_of_it_unusable() {
+    let dir = tempfile::tempdir().unwrap();
+    let img = dir.path().join("img.qcow2");
+    sh(Command::new("qemu-img")
+        .args(["create", "-q", "-f", "qcow2"])
+        .arg(&img)
+        .arg("4M"));
+    qemu_io(&img, &["write -P 0x11 0 4M"]);
+    let opts = OpenOptions {
+        writable: true,
+        ..OpenOptions::default()
+    };
+    let (exec, chain, _) = chain_of(&[&img], opts);
+    // A stream reads ahead past 256 KiB.
+    for k in 0..16u64 {
+        read(&exec, &chain, k * 4096, 4096);
+    }
+    let before = chain.ring_stats().unwrap();
+    assert!(before.readahead_ios > 0, "{before:?}");
+    // An in-place overwrite ahead of the stream: no mapping changes, only its data.
+    let w = HeapBuf::new(4096);
+    w.0.borrow_mut().fill(0x99);
+    chain.submit_write(9, 200 << 10, BufSlice::whole(w));
+    let mut done = None;
+    while done.is_none() {
+        exec.poll(&mut |_, r| done = Some(r));
+    }
+    chain.ring_written(200 << 10, 4096);
+    done.unwrap().unwrap();
+    let mut seen = Vec::new();
+    for k in 16..64u64 {
+        seen.extend(read(&exec, &chain, k * 4096, 4096));
+    }
+    let at = (200 << 10) - 16 * 4096;
+    assert!(
+        seen[at..at + 4096].iter().all(|&b| b == 0x99),
+        "stale data served"
+    );
+    assert!(seen[..at].iter().all(|&b| b == 0x11));
+    assert_eq!(chain.ring_stats().unwrap().invalidated, 1);
+}

@@ -1,0 +1,221 @@
+#!/usr/bin/env bash
+# Prefetch ring figures, ring on vs off side by side: alternating runs (on, off, off, on,
+# ...), each pair's ratio on/off, the median of the ratios (and the median IOPS of each
+# side) reported.
+#
+# 1. SPDK bdevperf, one core, on a qcow2 bdev (64 KiB clusters, fully allocated) over a
+#    delay bdev (bdev_delay_create, LAT µs average read latency) on a malloc base, for each
+#    LAT in LATS: 4 KiB and 128 KiB sequential reads at QD1; two and four interleaved
+#    sequential streams (one bdevperf job per stream, each reading its own region, QD1,
+#    4 KiB), whose per-stream gain is compared with the single stream's; 4 KiB random
+#    reads at QD32 (no harm), with the bytes the ring evicted unread against the bytes read.
+# 2. Golden image: a raw backing image on a malloc bdev exported over NVMe-oF/TCP on
+#    loopback by a second spdk_tgt; an empty overlay (qcow2 on tmpfs, aio bdev) naming it
+#    as backing_bdev; 4 KiB sequential reads at QD1 of the overlay.
+# 3. `qcow2 perf --base-latency-us 50`: 4 KiB and 128 KiB sequential reads at QD1.
+#
+#   tests/prefetch_bench.sh
+#   LATS="50" ROUNDS=3 TIME=3 tests/prefetch_bench.sh
+#   SKIP_SPDK=1 / SKIP_GOLDEN=1 / SKIP_PERF=1 tests/prefetch_bench.sh
+#   ROWS="streams" tests/prefetch_bench.sh     # section 1 rows: seq streams streams128 rand
+#
+# Runs SPDK applications: wrap it in `flock /tmp/spdk-app.lock` on a shared machine. Needs
+# an installed SPDK (bdevperf, spdk_tgt, pkg-config spdk_bdev) and qemu-img for sections 1
+# and 2 (SKIPPED without them). Builds the module and the tool in release mode.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+ROUNDS=${ROUNDS:-5}
+TIME=${TIME:-3}
+LATS=${LATS:-50 200}
+MB=${MB:-512}
+DIR=$(mktemp -d)
+TGT_PID=
+cleanup() {
+  [ -n "$TGT_PID" ] && kill "$TGT_PID" 2>/dev/null && wait "$TGT_PID" 2>/dev/null
+  rm -rf "$DIR"
+}
+trap cleanup EXIT
+
+# median: the median of the numbers on stdin.
+median() { sort -g | awk '{a[NR] = $1} END {if (NR % 2) print a[(NR + 1) / 2]; else print (a[NR / 2] + a[NR / 2 + 1]) / 2}'; }
+
+# pairs NAME CMD...: runs `CMD on` and `CMD off` ROUNDS times alternating (on off, off on,
+# ...); each prints one number (IOPS); prints NAME, the medians and the median ratio.
+pairs() {
+  local name=$1
+  shift
+  local r on off ratios=() ons=() offs=()
+  for r in $(seq "$ROUNDS"); do
+    if [ $((r % 2)) = 1 ]; then
+      on=$("$@" on) off=$("$@" off)
+    else
+      off=$("$@" off) on=$("$@" on)
+    fi
+    ons+=("$on") offs+=("$off")
+    ratios+=("$(awk -v a="$on" -v b="$off" 'BEGIN {printf "%.4f", a / b}')")
+  done
+  printf '%-46s on %10.0f  off %10.0f  ratio %7.2f  (ratios: %s)\n' "$name" \
+    "$(printf '%s\n' "${ons[@]}" | median)" "$(printf '%s\n' "${offs[@]}" | median)" \
+    "$(printf '%s\n' "${ratios[@]}" | median)" "${ratios[*]}"
+}
+
+have_spdk=1
+if ! pkg-config --exists spdk_bdev 2>/dev/null; then
+  echo "SKIPPED (SPDK sections): SPDK not installed (pkg-config spdk_bdev not found)"
+  have_spdk=
+fi
+for b in bdevperf spdk_tgt qemu-img; do
+  if [ -n "$have_spdk" ] && ! command -v "$b" >/dev/null; then
+    echo "SKIPPED (SPDK sections): $b not found"
+    have_spdk=
+  fi
+done
+
+free_mb=$(awk '/HugePages_Free/ {f=$2} /Hugepagesize/ {s=$2} END {print f*s/1024}' /proc/meminfo)
+if [ "${free_mb%.*}" -ge 1536 ] && grep -q hugetlbfs /proc/mounts; then MEM=(); else MEM=(--no-huge -s 2048); fi
+
+# --- 1. bdevperf over a delay bdev ----------------------------------------------------------
+# config LAT PREFETCH: a bdevperf JSON config: malloc m0, formatted fully allocated, a delay
+# bdev d0 on it, our bdev q0 on d0.
+config() {
+  local lat=$1 pf=$2 f=$DIR/q-$1-$2.json
+  cat >"$f" <<EOF
+{"subsystems":[{"subsystem":"bdev","config":[
+{"method":"bdev_malloc_create","params":{"name":"m0","num_blocks":$(((MB + 16) * 2048)),"block_size":512}},
+{"method":"bdev_qcow2_format","params":{"base_bdev":"m0","size":$((MB << 20)),"cluster_size":65536,"preallocation":"full"}},
+{"method":"bdev_delay_create","params":{"name":"d0","base_bdev_name":"m0","avg_read_latency":$lat,"p99_read_latency":$lat,"avg_write_latency":$lat,"p99_write_latency":$lat}},
+{"method":"bdev_qcow2_create","params":{"name":"q0","base_bdev":"d0","prefetch":$([ "$pf" = on ] && echo true || echo false)}},
+{"method":"bdev_wait_for_examine"}]}]}
+EOF
+  echo "$f"
+}
+
+# run_bdevperf ARGS...: one bdevperf process (log in $DIR/last.log); failed I/O fails.
+run_bdevperf() {
+  if ! timeout -k 5 $((TIME + 120)) env LD_PRELOAD="$SO" bdevperf -u "${MEM[@]}" "$@" \
+      >"$DIR/last.log" 2>&1; then
+    cat "$DIR/last.log" >&2
+    echo "bdevperf failed" >&2
+    exit 1
+  fi
+  if awk '$2 == ":" && $1 != "Total" && NF >= 6 && $6 != "0.00" {bad = 1} END {exit !bad}' "$DIR/last.log"; then
+    cat "$DIR/last.log" >&2
+    echo "failed I/O" >&2
+    exit 1
+  fi
+}
+
+# bperf LAT WORKLOAD IOSIZE QD PREFETCH: IOPS of one job on q0.
+bperf() {
+  run_bdevperf --json "$(config "$1" "$5")" -m 0x1 -t "$TIME" -T q0 -q "$4" -o "$3" -w "$2"
+  awk '$1 == "q0" && $2 == ":" {print $4; exit}' "$DIR/last.log"
+}
+
+# bstreams LAT N IOSIZE PREFETCH: N interleaved sequential streams on q0 (one bdevperf job
+# each, reading its own region, QD1, one core): the mean IOPS per stream.
+bstreams() {
+  local lat=$1 n=$2 o=$3 pf=$4 len=$((MB * 2048 / $2)) j
+  {
+    printf '[global]\nfilename=q0\nbs=%s\niodepth=1\nrw=read\ncpumask=0x1\n' "$o"
+    for j in $(seq 0 $((n - 1))); do
+      printf '[job%s]\noffset=%s\nlength=%s\n' "$j" $((j * len)) "$len"
+    done
+  } >"$DIR/jobs.conf"
+  run_bdevperf --json "$(config "$lat" "$pf")" -m 0x1 -t "$TIME" -j "$DIR/jobs.conf"
+  # (bdevperf starts its Total row with a carriage return.)
+  awk -v n="$n" '{sub(/\r/, "")} $1 == "Total" && $2 == ":" {printf "%.2f\n", $3 / n; exit}' "$DIR/last.log"
+}
+
+# ring_line: the closing summary's prefetch ring figures of q0 in the last run.
+ring_line() { grep -o 'prefetch ring .*' "$DIR/last.log" | head -1; }
+
+if [ -n "$have_spdk" ] && [ -z "${SKIP_SPDK:-}" ]; then
+  cargo build --release -q -p bdev_qcow2
+  SO=$PWD/target/release/libbdev_qcow2.so
+  echo "== bdevperf, one core, qcow2 (64 KiB clusters, ${MB} MiB, fully allocated) over bdev_delay on malloc"
+  echo "   ring on vs off, $ROUNDS alternating pairs of ${TIME} s runs, median ratio"
+  rows=${ROWS:-seq streams streams128 rand}
+  for lat in $LATS; do
+    if [[ " $rows " == *" seq "* ]]; then
+      pairs "delay ${lat}us: 4 KiB seq read QD1" bperf "$lat" read 4096 1
+      pairs "delay ${lat}us: 128 KiB seq read QD1" bperf "$lat" read 131072 1
+    fi
+    if [[ " $rows " == *" streams "* ]]; then
+      for n in 1 2 4; do
+        pairs "delay ${lat}us: $n stream(s) 4 KiB QD1, per stream" bstreams "$lat" "$n" 4096
+      done
+    fi
+    # The same with 128 KiB reads, where one stream does not take the whole core.
+    if [[ " $rows " == *" streams128 "* ]]; then
+      for n in 1 2 4; do
+        pairs "delay ${lat}us: $n stream(s) 128 KiB QD1, per stream" bstreams "$lat" "$n" 131072
+      done
+    fi
+    if [[ " $rows " == *" rand "* ]]; then
+      pairs "delay ${lat}us: 4 KiB random read QD32" bperf "$lat" randread 4096 32
+      iops=$(bperf "$lat" randread 4096 32 on)
+      echo "   random read QD32, ring on: $(awk -v i="$iops" -v t="$TIME" 'BEGIN {printf "%.0f", i * t * 4096}') bytes read; $(ring_line)"
+    fi
+  done
+fi
+
+# --- 2. Golden image over NVMe-oF/TCP -------------------------------------------------------
+# golden PREFETCH: 4 KiB sequential reads at QD1 of an empty overlay whose backing bdev is
+# the golden image, exported by the running spdk_tgt.
+golden() {
+  rm -f "$DIR/overlay.qcow2"
+  qemu-img create -q -u -f qcow2 -b golden.raw -F raw "$DIR/overlay.qcow2" "${MB}M"
+  truncate -s %512 "$DIR/overlay.qcow2"
+  local pf=false
+  [ "$1" = on ] && pf=true
+  printf '%s\n' '{"subsystems":[{"subsystem":"bdev","config":[' \
+    "{\"method\":\"bdev_nvme_attach_controller\",\"params\":{\"name\":\"nvme0\",\"trtype\":\"tcp\",\"adrfam\":\"ipv4\",\"traddr\":\"127.0.0.1\",\"trsvcid\":\"$PORT\",\"subnqn\":\"$NQN\"}}," \
+    "{\"method\":\"bdev_aio_create\",\"params\":{\"name\":\"ov\",\"filename\":\"$DIR/overlay.qcow2\",\"block_size\":512}}," \
+    "{\"method\":\"bdev_qcow2_create\",\"params\":{\"name\":\"q0\",\"base_bdev\":\"ov\",\"backing_bdev\":\"nvme0n1\",\"prefetch\":$pf}}," \
+    '{"method":"bdev_wait_for_examine"}]}]}' >"$DIR/overlay.json"
+  run_bdevperf --json "$DIR/overlay.json" --disable-cpumask-locks -m 0x2 -t "$TIME" -T q0 -q 1 -o 4096 -w read
+  awk '$1 == "q0" && $2 == ":" {print $4; exit}' "$DIR/last.log"
+}
+
+if [ -n "$have_spdk" ] && [ -z "${SKIP_GOLDEN:-}" ]; then
+  [ -n "${SO:-}" ] || { cargo build --release -q -p bdev_qcow2; SO=$PWD/target/release/libbdev_qcow2.so; }
+  RPC_PY=${RPC_PY:-$(command -v spdk-rpc || command -v rpc.py || echo /opt/spdk-src/scripts/rpc.py)}
+  NQN=nqn.2016-06.io.spdk:golden
+  PORT=${PORT:-4431}
+  spdk_tgt "${MEM[@]}" --disable-cpumask-locks -m 0x1 -r "$DIR/tgt.sock" >"$DIR/tgt.log" 2>&1 &
+  TGT_PID=$!
+  for _ in $(seq 100); do [ -S "$DIR/tgt.sock" ] && break; sleep 0.2; done
+  rpc() { timeout 60 "$RPC_PY" -s "$DIR/tgt.sock" "$@" >/dev/null; }
+  rpc framework_wait_init
+  rpc bdev_malloc_create -b golden "$MB" 512
+  rpc nvmf_create_transport -t TCP
+  rpc nvmf_create_subsystem "$NQN" -a -s GOLDEN0001
+  rpc nvmf_subsystem_add_ns "$NQN" golden
+  rpc nvmf_subsystem_add_listener "$NQN" -t tcp -f ipv4 -a 127.0.0.1 -s "$PORT"
+  echo "== golden image: empty overlay (aio bdev) over a ${MB} MiB malloc exported by a second spdk_tgt over NVMe-oF/TCP on loopback"
+  pairs "golden: 4 KiB seq read QD1 of the overlay" golden
+  kill "$TGT_PID" 2>/dev/null || true
+  wait "$TGT_PID" 2>/dev/null || true
+  TGT_PID=
+fi
+
+# --- 3. qcow2 perf ---------------------------------------------------------------------------
+# qperf IOSIZE PREFETCH: qcow2 perf on our host, sequential reads at QD1, 50 µs added to
+# every device completion.
+qperf() {
+  ./target/release/qcow2 perf -w read -q 1 -o "$1" -t "$TIME" --base-latency-us 50 \
+    --sample-size "${MB}M" --prefetch "$2" --json |
+    /usr/bin/python3 -c 'import json, sys
+for l in sys.stdin:
+    r = json.loads(l)
+    if r.get("target") == "qcow2":
+        print(r["iops"])'
+}
+
+if [ -z "${SKIP_PERF:-}" ]; then
+  cargo build --release -q -p qcow2_tool
+  echo "== qcow2 perf --base-latency-us 50 (our io_uring host, one core)"
+  pairs "qcow2 perf: 4 KiB seq read QD1" qperf 4096
+  pairs "qcow2 perf: 128 KiB seq read QD1" qperf 131072
+fi
