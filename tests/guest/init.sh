@@ -103,6 +103,7 @@ fsync_loop() {
 case "$mode" in
 probe) ;;
 write)
+    say "QUEUES $(ls /sys/block/vda/mq | wc -l)"
     raw_ops
     digest_vda
     fill_ext4

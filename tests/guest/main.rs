@@ -264,6 +264,7 @@ fn scenario(v: &Variant) {
     let serial = vm.serial_reader();
     let lines = vm.run_to_end(600);
     let mut want: Vec<String> = (1..=ops.len()).map(|i| format!("OK {i}")).collect();
+    want.push(format!("QUEUES {}", v.queues));
     want.push(want_md5.clone());
     want.extend(files.iter().map(|f| format!("OK {}", f.name)));
     expect_lines(&format!("{}: boot 1", v.name), &lines, &want, &serial);

@@ -196,6 +196,13 @@ impl Target {
             ctrlr,
             bdev,
         ]);
+        let info: Value = serde_json::from_str(&self.rpc(&["vhost_get_controllers", "-n", ctrlr]))
+            .expect("vhost_get_controllers answers JSON");
+        assert_eq!(
+            info[0]["cpumask"].as_str(),
+            Some(cpumask),
+            "controller {ctrlr} polled where asked: {info}"
+        );
         self.vhost_dir.join(ctrlr)
     }
 
