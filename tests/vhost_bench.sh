@@ -44,9 +44,10 @@ ROWS=${ROWS:-randread-4k randread-512 seqread-128k overwrite-4k qd1 verify big-d
 SERVERS=(ours qsd pt)
 
 WORK=$(mktemp -d /tmp/vhost_bench.XXXXXX)
-PIDS=()
+SERVER_PID=
+RELAY_PID=
 cleanup() {
-  for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done
+  for p in $SERVER_PID $RELAY_PID; do kill "$p" 2>/dev/null || true; done
   wait 2>/dev/null || true
   rm -rf "$WORK" /dev/shm/vhost_bench /var/tmp/vhost_bench
 }
@@ -108,15 +109,17 @@ EOF
 stop_server() {
   kill -INT "$SERVER_PID" 2>/dev/null || true
   wait "$SERVER_PID" 2>/dev/null || true
+  SERVER_PID=
 }
 
-# client OUT ARGS...: bdevperf on core 1 through the relay; prints "IOPS LAT_US".
+# client OUT ARGS...: bdevperf on core 1 through the relay; sets IOPS and LAT_US.
 client() {
   local out=$1
   shift
   rm -f "$WORK/relay.sock"
   python3 tests/vhost_relay.py "$WORK/relay.sock" "$WORK/server.sock" &
-  local relay=$!
+  RELAY_PID=$!
+  local relay=$RELAY_PID
   for _ in $(seq 50); do [ -S "$WORK/relay.sock" ] && break; sleep 0.1; done
   cat >"$WORK/client.json" <<EOF
 {"subsystems": [{"subsystem": "bdev", "config": [
@@ -126,7 +129,7 @@ EOF
   if ! timeout -k 5 $((TIME + 60)) env LD_PRELOAD="$WORK/align.so" bdevperf -m 0x2 -s 1024 \
       --json "$WORK/client.json" -t "$TIME" "$@" >"$out" 2>&1; then
     kill "$relay" 2>/dev/null || true
-    cat "$out" "$WORK/server.log" | tail -40
+    grep -v VHOST_CONFIG "$WORK/server.log" | tail -15; tail -25 "$out"
     echo "bdevperf failed" >&2
     exit 1
   fi
@@ -137,7 +140,8 @@ EOF
     echo "failed I/O" >&2
     exit 1
   fi
-  awk '$1 == "Total" && $2 == ":" {print $3, $(NF-2)}' "$out"
+  read -r IOPS LAT_US < <(awk '$1 == "Total" && $2 == ":" {print $3, $(NF-2)}' "$out")
+  RELAY_PID=
 }
 
 # The bdevperf arguments of each row.
@@ -196,9 +200,9 @@ for case in $CASES; do
         [ "$s" = pt ] && [ "$row" = verify ] && f=$(image "$row" "$dir" P)
         server "$s" "$f"
         # shellcheck disable=SC2046
-        read -r iops lat < <(client "$WORK/out.txt" $(row_args "$row"))
+        client "$WORK/out.txt" $(row_args "$row")
         stop_server
-        if [ "$row" = qd1 ]; then got[$s]+="$lat "; else got[$s]+="$iops "; fi
+        if [ "$row" = qd1 ]; then got[$s]+="$LAT_US "; else got[$s]+="$IOPS "; fi
       done
     done
     m() { [ -n "${got[$1]:-}" ] && echo "${got[$1]}" | tr ' ' '\n' | grep . | median || echo -; }

@@ -83,11 +83,12 @@ pub fn raw_ops(rng: &mut Rng) -> Vec<Op> {
             direct,
         }
     }
-    let mut ops = Vec::new();
-    ops.push(w(rng, 0, 4 << 20, true));
-    ops.push(w(rng, (4 << 20) + CLUSTER + 1536, 2560, true));
-    ops.push(w(rng, (6 << 20) - 3584, 7680, true));
-    ops.push(w(rng, (8 << 20) + 12345, 70001, false));
+    let mut ops = vec![
+        w(rng, 0, 4 << 20, true),
+        w(rng, (4 << 20) + CLUSTER + 1536, 2560, true),
+        w(rng, (6 << 20) - 3584, 7680, true),
+        w(rng, (8 << 20) + 12345, 70001, false),
+    ];
     for _ in 0..16 {
         let len = rng.range(1, 33) * 4096;
         let dst = rng.range(10 << 20, RAW_DISK - (1 << 20)) & !511;

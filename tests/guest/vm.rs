@@ -7,7 +7,7 @@ use std::fs;
 use std::io::{BufRead, BufReader, Write as _};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::mpsc::{channel, Receiver, RecvTimeoutError};
+use std::sync::mpsc::{channel, Receiver};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
@@ -142,10 +142,7 @@ impl Vm {
     /// guest is gone.
     pub fn next_line(&self, deadline: Instant) -> Option<String> {
         let left = deadline.saturating_duration_since(Instant::now());
-        match self.lines.recv_timeout(left) {
-            Ok(l) => Some(l),
-            Err(RecvTimeoutError::Timeout | RecvTimeoutError::Disconnected) => None,
-        }
+        self.lines.recv_timeout(left).ok()
     }
 
     /// Every `@@` line up to `DONE`, then waits for the guest to power off; fails the test
