@@ -97,7 +97,7 @@ EOF
       --blockdev "driver=file,node-name=file0,filename=$file,cache.direct=on,aio=io_uring" \
       --blockdev "driver=qcow2,node-name=qcow0,file=file0" \
       --object iothread,id=io0 \
-      --export "type=vhost-user-blk,id=exp0,node-name=qcow0,addr.type=unix,addr.path=$sock,writable=on,iothread=io0" \
+      --export "type=vhost-user-blk,id=exp0,node-name=qcow0,addr.type=unix,addr.path=$sock,writable=on,iothread=io0,num-queues=2" \
       >"$log" 2>&1 &
     SERVER_PID=$!
     for _ in $(seq 100); do [ -S "$sock" ] && break; sleep 0.1; done
@@ -124,9 +124,9 @@ client() {
   cat >"$WORK/client.json" <<EOF
 {"subsystems": [{"subsystem": "bdev", "config": [
  {"method": "bdev_virtio_attach_controller", "params": {"name": "V", "trtype": "user",
-  "traddr": "$WORK/relay.sock", "dev_type": "blk", "vq_count": 1, "vq_size": 256}}]}]}
+  "traddr": "$WORK/relay.sock", "dev_type": "blk", "vq_count": 2, "vq_size": 256}}]}]}
 EOF
-  if ! timeout -k 5 $((TIME + 60)) env LD_PRELOAD="$WORK/align.so" bdevperf -m 0x2 -s 1024 \
+  if ! timeout -k 5 $((TIME + 60)) env LD_PRELOAD="$WORK/align.so" bdevperf -m 0x2 -g -s 1024 \
       --json "$WORK/client.json" -t "$TIME" "$@" >"$out" 2>&1; then
     kill "$relay" 2>/dev/null || true
     grep -v VHOST_CONFIG "$WORK/server.log" | tail -15; tail -25 "$out"
@@ -164,7 +164,13 @@ median() { sort -g | awk '{v[NR]=$1} END {if (NR % 2) print v[(NR+1)/2]; else pr
 image() {
   local row=$1 dir=$2 copy=$3 f=$2/$3.qcow2
   case $row in
-  alloc-write) rm -f "$f"; qemu-img create -q -f qcow2 "$f" "$SIZE" ;;
+  alloc-write)
+    # Room past the end: an AIO bdev does not grow (QEMU takes the zeros as free clusters).
+    rm -f "$f"
+    qemu-img create -q -f qcow2 "$f" "$SIZE"
+    truncate -s "$SIZE" "$f"
+    truncate -s +256M "$f"
+    ;;
   big-defaults)
     [ -f "$f.big" ] || qemu-img create -q -f qcow2 -o preallocation=metadata "$f.big" "$BIG"
     f=$f.big
