@@ -23,7 +23,8 @@
 #
 # Needs SPDK (spdk_tgt, bdevperf, rpc.py), qemu-storage-daemon, qemu-img, python3, cc; prints
 # SKIPPED and exits 0 without them. Run it alone (one SPDK application pair at a time).
-set -euo pipefail
+set -eEuo pipefail
+trap 'echo "vhost_bench.sh: line $LINENO failed: $BASH_COMMAND" >&2' ERR
 cd "$(dirname "$0")/.."
 
 for b in spdk_tgt bdevperf qemu-storage-daemon qemu-img python3 cc taskset; do
@@ -135,12 +136,14 @@ EOF
   fi
   kill "$relay" 2>/dev/null || true
   wait "$relay" 2>/dev/null || true
-  if awk '$1 == "Total" && $2 == ":" && $5 != "0.00" {bad=1} END {exit !bad}' "$out"; then
+  # bdevperf starts its summary lines with a carriage return.
+  tr -d '\r' <"$out" >"$out.txt"
+  if awk '$1 == "Total" && $2 == ":" && $5 != "0.00" {bad=1} END {exit !bad}' "$out.txt"; then
     cat "$out"
     echo "failed I/O" >&2
     exit 1
   fi
-  read -r IOPS LAT_US < <(awk '$1 == "Total" && $2 == ":" {print $3, $(NF-2)}' "$out")
+  read -r IOPS LAT_US < <(awk '$1 == "Total" && $2 == ":" {print $3, $(NF-2)}' "$out.txt")
   RELAY_PID=
 }
 
