@@ -161,7 +161,7 @@ row_args() {
   esac
 }
 
-median() { sort -g | awk '{v[NR]=$1} END {if (NR % 2) print v[(NR+1)/2]; else print (v[NR/2]+v[NR/2+1])/2}'; }
+median() { sort -g | awk '{v[NR]=$1} END {printf "%.1f\n", NR % 2 ? v[(NR+1)/2] : (v[NR/2]+v[NR/2+1])/2}'; }
 
 # image ROW DIR COPY: the image a row reads, fresh where the row needs it.
 image() {
@@ -179,6 +179,11 @@ image() {
     f=$f.big
     ;;
   verify) rm -f "$f"; qemu-img create -q -f qcow2 -o preallocation=falloc "$f" "$SIZE" ;;
+  overwrite-4k)
+    # Passthru writes its copy as raw data: it gets a new one each time.
+    [ "$copy" = P ] && rm -f "$f"
+    [ -f "$f" ] || cp "$dir/master.qcow2" "$f"
+    ;;
   *) [ -f "$f" ] || cp "$dir/master.qcow2" "$f" ;;
   esac
   truncate -s %512 "$f"
@@ -201,12 +206,13 @@ for case in $CASES; do
     for r in $(seq "$RUNS"); do
       if [ $((r % 2)) = 1 ]; then order=(ours qsd pt); else order=(pt qsd ours); fi
       for s in "${order[@]}"; do
-        # Copies A and B swap between runs; passthru reads ours's copy.
+        # Copies A and B swap between runs; passthru has a copy P of the same image (it
+        # would write raw data over a qcow2 copy the others read).
         if [ "$s" = qsd ]; then c=$([ $((r % 2)) = 1 ] && echo B || echo A); else
           c=$([ $((r % 2)) = 1 ] && echo A || echo B); fi
+        [ "$s" = pt ] && c=P
         [ "$s" = pt ] && [ "$row" = alloc-write ] && continue
         f=$(image "$row" "$dir" "$c")
-        [ "$s" = pt ] && [ "$row" = verify ] && f=$(image "$row" "$dir" P)
         server "$s" "$f"
         # shellcheck disable=SC2046
         client "$WORK/out.txt" $(row_args "$row")
