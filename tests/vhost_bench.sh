@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # vhost-user-blk side by side: the same qcow2 image served by spdk_tgt with our module, by
 # qemu-storage-daemon (QEMU's qcow2 driver, an iothread, io_uring), and by SPDK's passthru
-# bdev over the same file (no qcow2 at all: the limit of the vhost path). Every server
-# opens its file O_DIRECT and runs pinned to core 0; the client is bdevperf on core 1 with
-# SPDK's virtio-user initiator (bdev_virtio_attach_controller, trtype user, dev_type blk).
+# bdev over a copy of the same file read as raw data (no qcow2 at all: the limit of the vhost
+# path). Every server opens its file O_DIRECT and runs pinned to core 0; the client is
+# bdevperf on core 1 with SPDK's virtio-user initiator (bdev_virtio_attach_controller,
+# trtype user, dev_type blk).
 #
 # A fair client for QEMU's export needs three corrections, all applied to every server:
 # - tests/vhost_relay.py sits on the control socket: the initiator's 256-byte config request
