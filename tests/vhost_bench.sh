@@ -1,0 +1,237 @@
+#!/usr/bin/env bash
+# vhost-user-blk side by side: the same qcow2 image served by spdk_tgt with our module, by
+# qemu-storage-daemon (QEMU's qcow2 driver, an iothread, io_uring), and by SPDK's passthru
+# bdev over a copy of the same file read as raw data (no qcow2 at all: the limit of the vhost
+# path). Every server opens its file O_DIRECT and runs pinned to core 0; the client is
+# bdevperf on core 1 with SPDK's virtio-user initiator (bdev_virtio_attach_controller,
+# trtype user, dev_type blk).
+#
+# A fair client for QEMU's export needs three corrections, all applied to every server:
+# - tests/vhost_relay.py sits on the control socket: the initiator's 256-byte config request
+#   (which QEMU refuses: "get_config failed") is shortened, and a maximum segment size of 0
+#   (which makes the initiator cut requests into 512-byte segments) becomes 64 KiB, what
+#   SPDK's own target reports. Data never passes through the relay.
+# - bdevperf's buffers are made page-aligned, as a guest's are (LD_PRELOAD of a one-line
+#   spdk_bdev_get_buf_align; otherwise QEMU bounces every O_DIRECT request).
+# - On a disk, each server reads a copy of the image of its own, and the copies are swapped
+#   between runs, so that where a copy lies on the disk does not favour one server.
+# Each figure is the median of RUNS alternating runs (ours, qsd, passthru; then reversed).
+#
+#   tests/vhost_bench.sh                        # tmpfs (/dev/shm) and an ext4 file (/var/tmp)
+#   RUNS=4 TIME=5 SIZE=1G tests/vhost_bench.sh
+#   CASES=tmpfs tests/vhost_bench.sh            # or CASES=disk
+#   ROWS="randread-4k qd1" tests/vhost_bench.sh # some rows only (names as printed)
+#
+# Needs SPDK (spdk_tgt, bdevperf, rpc.py), qemu-storage-daemon, qemu-img, python3, cc; prints
+# SKIPPED and exits 0 without them. Run it alone (one SPDK application pair at a time).
+set -eEuo pipefail
+trap 'echo "vhost_bench.sh: line $LINENO failed: $BASH_COMMAND" >&2' ERR
+cd "$(dirname "$0")/.."
+
+for b in spdk_tgt bdevperf qemu-storage-daemon qemu-img python3 cc taskset; do
+  command -v "$b" >/dev/null || { echo "SKIPPED: $b not found"; exit 0; }
+done
+RPC=${SPDK_RPC:-$(command -v spdk-rpc || command -v rpc.py || true)}
+[ -n "$RPC" ] || { echo "SKIPPED: rpc.py not found (set SPDK_RPC)"; exit 0; }
+pkg-config --exists spdk_bdev 2>/dev/null || { echo "SKIPPED: SPDK not installed"; exit 0; }
+
+cargo build --release -q -p bdev_qcow2
+SO=${BDEV_QCOW2_SO:-$PWD/target/release/libbdev_qcow2.so}
+RUNS=${RUNS:-4}
+TIME=${TIME:-5}
+SIZE=${SIZE:-1G}
+BIG=${BIG:-64G}
+CASES=${CASES:-tmpfs disk}
+ROWS=${ROWS:-randread-4k randread-512 seqread-128k overwrite-4k qd1 verify big-defaults alloc-write}
+SERVERS=(ours qsd pt)
+
+WORK=$(mktemp -d /tmp/vhost_bench.XXXXXX)
+SERVER_PID=
+RELAY_PID=
+cleanup() {
+  for p in $SERVER_PID $RELAY_PID; do kill "$p" 2>/dev/null || true; done
+  wait 2>/dev/null || true
+  rm -rf "$WORK" /dev/shm/vhost_bench /var/tmp/vhost_bench
+}
+trap cleanup EXIT
+
+# Page-aligned client buffers.
+cat >"$WORK/align.c" <<'EOF'
+#include <stddef.h>
+struct spdk_bdev;
+size_t spdk_bdev_get_buf_align(const struct spdk_bdev *bdev) { (void)bdev; return 4096; }
+EOF
+cc -O2 -shared -fPIC -o "$WORK/align.so" "$WORK/align.c"
+
+# server NAME FILE: starts server NAME on FILE pinned to core 0, its vhost socket at
+# $WORK/server.sock; sets SERVER_PID.
+server() {
+  local name=$1 file=$2 sock=$WORK/server.sock log=$WORK/server.log
+  rm -f "$sock" "$WORK/spdk.sock"
+  case $name in
+  ours | pt)
+    local bdev
+    if [ "$name" = ours ]; then
+      bdev='{"method": "bdev_qcow2_create", "params": {"name": "d0", "base_bdev": "aio0"}}'
+    else
+      bdev='{"method": "bdev_passthru_create", "params": {"name": "d0", "base_bdev_name": "aio0"}}'
+    fi
+    cat >"$WORK/server.json" <<EOF
+{"subsystems": [{"subsystem": "bdev", "config": [
+ {"method": "bdev_aio_create", "params": {"filename": "$file", "name": "aio0", "block_size": 512}},
+ $bdev,
+ {"method": "bdev_wait_for_examine"}]}]}
+EOF
+    mkdir -p "$WORK/vhost"
+    rm -f "$WORK/vhost/d0"
+    env LD_PRELOAD="$SO" spdk_tgt -m 0x1 -s 1024 -S "$WORK/vhost" -r "$WORK/spdk.sock" \
+      --json "$WORK/server.json" >"$log" 2>&1 &
+    SERVER_PID=$!
+    for _ in $(seq 150); do
+      "$RPC" -s "$WORK/spdk.sock" -t 5 framework_wait_init >/dev/null 2>&1 && break
+      sleep 0.2
+    done
+    "$RPC" -s "$WORK/spdk.sock" vhost_create_blk_controller --cpumask 0x1 d0 d0 >/dev/null
+    ln -sf "$WORK/vhost/d0" "$sock"
+    ;;
+  qsd)
+    taskset -c 0 qemu-storage-daemon \
+      --blockdev "driver=file,node-name=file0,filename=$file,cache.direct=on,aio=io_uring" \
+      --blockdev "driver=qcow2,node-name=qcow0,file=file0" \
+      --object iothread,id=io0 \
+      --export "type=vhost-user-blk,id=exp0,node-name=qcow0,addr.type=unix,addr.path=$sock,writable=on,iothread=io0,num-queues=2" \
+      >"$log" 2>&1 &
+    SERVER_PID=$!
+    for _ in $(seq 100); do [ -S "$sock" ] && break; sleep 0.1; done
+    ;;
+  esac
+  [ -S "$sock" ] || { cat "$log"; echo "server $name did not start" >&2; exit 1; }
+}
+
+stop_server() {
+  kill -INT "$SERVER_PID" 2>/dev/null || true
+  wait "$SERVER_PID" 2>/dev/null || true
+  SERVER_PID=
+}
+
+# client OUT ARGS...: bdevperf on core 1 through the relay; sets IOPS and LAT_US.
+client() {
+  local out=$1
+  shift
+  rm -f "$WORK/relay.sock"
+  python3 tests/vhost_relay.py "$WORK/relay.sock" "$WORK/server.sock" &
+  RELAY_PID=$!
+  local relay=$RELAY_PID
+  for _ in $(seq 50); do [ -S "$WORK/relay.sock" ] && break; sleep 0.1; done
+  cat >"$WORK/client.json" <<EOF
+{"subsystems": [{"subsystem": "bdev", "config": [
+ {"method": "bdev_virtio_attach_controller", "params": {"name": "V", "trtype": "user",
+  "traddr": "$WORK/relay.sock", "dev_type": "blk", "vq_count": 2, "vq_size": 256}}]}]}
+EOF
+  if ! timeout -k 5 $((TIME + 60)) env LD_PRELOAD="$WORK/align.so" bdevperf -m 0x2 -g -s 1024 \
+      --json "$WORK/client.json" -t "$TIME" "$@" >"$out" 2>&1; then
+    kill "$relay" 2>/dev/null || true
+    grep -v VHOST_CONFIG "$WORK/server.log" | tail -15; tail -25 "$out"
+    echo "bdevperf failed" >&2
+    exit 1
+  fi
+  kill "$relay" 2>/dev/null || true
+  wait "$relay" 2>/dev/null || true
+  # bdevperf starts its summary lines with a carriage return.
+  tr -d '\r' <"$out" >"$out.txt"
+  if awk '$1 == "Total" && $2 == ":" && $5 != "0.00" {bad=1} END {exit !bad}' "$out.txt"; then
+    cat "$out"
+    echo "failed I/O" >&2
+    exit 1
+  fi
+  read -r IOPS LAT_US < <(awk '$1 == "Total" && $2 == ":" {print $3, $(NF-2)}' "$out.txt")
+  RELAY_PID=
+}
+
+# The bdevperf arguments of each row.
+row_args() {
+  case $1 in
+  randread-4k) echo "-q 32 -o 4096 -w randread" ;;
+  randread-512) echo "-q 32 -o 512 -w randread" ;;
+  seqread-128k) echo "-q 8 -o 131072 -w read" ;;
+  overwrite-4k) echo "-q 32 -o 4096 -w randwrite" ;;
+  qd1) echo "-q 1 -o 4096 -w randread" ;;
+  verify) echo "-q 32 -o 4096 -w verify" ;;
+  big-defaults) echo "-q 32 -o 4096 -w randread" ;;
+  alloc-write) echo "-q 32 -o 4096 -w randwrite" ;;
+  esac
+}
+
+median() { sort -g | awk '{v[NR]=$1} END {printf "%.1f\n", NR % 2 ? v[(NR+1)/2] : (v[NR/2]+v[NR/2+1])/2}'; }
+
+# image ROW DIR COPY: the image a row reads, fresh where the row needs it.
+image() {
+  local row=$1 dir=$2 copy=$3 f=$2/$3.qcow2
+  case $row in
+  alloc-write)
+    # Room past the end: an AIO bdev does not grow (QEMU takes the zeros as free clusters).
+    rm -f "$f"
+    qemu-img create -q -f qcow2 "$f" "$SIZE"
+    truncate -s "$SIZE" "$f"
+    truncate -s +256M "$f"
+    ;;
+  big-defaults)
+    [ -f "$f.big" ] || qemu-img create -q -f qcow2 -o preallocation=metadata "$f.big" "$BIG"
+    f=$f.big
+    ;;
+  verify) rm -f "$f"; qemu-img create -q -f qcow2 -o preallocation=falloc "$f" "$SIZE" ;;
+  overwrite-4k)
+    # Passthru writes its copy as raw data: it gets a new one each time.
+    [ "$copy" = P ] && rm -f "$f"
+    [ -f "$f" ] || cp "$dir/master.qcow2" "$f"
+    ;;
+  *) [ -f "$f" ] || cp "$dir/master.qcow2" "$f" ;;
+  esac
+  truncate -s %512 "$f"
+  echo "$f"
+}
+
+printf '%s\n' "vhost-user-blk, client bdevperf (virtio-user) on core 1, servers on core 0;" \
+  "relay: config request shortened, size_max 0 -> 65536; client buffers 4 KiB aligned;" \
+  "medians of $RUNS alternating runs of $TIME s; image $SIZE (big: $BIG, metadata preallocated)."
+for case in $CASES; do
+  if [ "$case" = tmpfs ]; then dir=/dev/shm/vhost_bench; else dir=/var/tmp/vhost_bench; fi
+  rm -rf "$dir"
+  mkdir -p "$dir"
+  qemu-img create -q -f qcow2 -o preallocation=falloc "$dir/master.qcow2" "$SIZE"
+  echo
+  echo "== $case ($(df -T "$dir" | awk 'NR == 2 {print $2}') at $dir); figures in IOPS (qd1: µs)"
+  printf '%-14s %10s %10s %10s %9s %9s\n' row ours qsd passthru ours/qsd ours/pt
+  for row in $ROWS; do
+    declare -A got=()
+    for r in $(seq "$RUNS"); do
+      if [ $((r % 2)) = 1 ]; then order=(ours qsd pt); else order=(pt qsd ours); fi
+      for s in "${order[@]}"; do
+        # Copies A and B swap between runs; passthru has a copy P of the same image (it
+        # would write raw data over a qcow2 copy the others read).
+        if [ "$s" = qsd ]; then c=$([ $((r % 2)) = 1 ] && echo B || echo A); else
+          c=$([ $((r % 2)) = 1 ] && echo A || echo B); fi
+        [ "$s" = pt ] && c=P
+        [ "$s" = pt ] && [ "$row" = alloc-write ] && continue
+        f=$(image "$row" "$dir" "$c")
+        server "$s" "$f"
+        # shellcheck disable=SC2046
+        client "$WORK/out.txt" $(row_args "$row")
+        stop_server
+        if [ "$row" = qd1 ]; then got[$s]+="$LAT_US "; else got[$s]+="$IOPS "; fi
+      done
+    done
+    m() { [ -n "${got[$1]:-}" ] && echo "${got[$1]}" | tr ' ' '\n' | grep . | median || echo -; }
+    o=$(m ours) q=$(m qsd) p=$(m pt)
+    if [ "$row" = qd1 ]; then
+      rq=$(awk -v a="$o" -v b="$q" 'BEGIN {printf "%.2fx", b / a}')
+      rp=$([ "$p" = - ] && echo - || awk -v a="$o" -v b="$p" 'BEGIN {printf "%.2fx", b / a}')
+    else
+      rq=$(awk -v a="$o" -v b="$q" 'BEGIN {printf "%.2fx", a / b}')
+      rp=$([ "$p" = - ] && echo - || awk -v a="$o" -v b="$p" 'BEGIN {printf "%.2fx", a / b}')
+    fi
+    printf '%-14s %10s %10s %10s %9s %9s\n' "$row" "$o" "$q" "$p" "$rq" "$rp"
+    unset got
+  done
+  rm -rf "$dir"
+done
