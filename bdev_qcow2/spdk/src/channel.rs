@@ -22,7 +22,7 @@
 //! drives slow paths (tasks), resubmissions after `-ENOMEM`, opening the replica, and
 //! sending forwarded requests.
 
-use crate::device::{guest_buf, SpdkDevice};
+use crate::device::{read_from_ring, SpdkDevice};
 use crate::direct::{self, Target};
 use crate::engine_host::{Driver, Host};
 use crate::ffi::bdev::Desc;
@@ -406,7 +406,7 @@ impl Channel {
     #[inline(always)]
     fn read_on(&self, chain: &Rc<Chain<SpdkDevice>>, mut io: BdevIo) {
         let (off, len) = (io.offset_bytes(), io.len_bytes());
-        if chain.ring_is_on() && chain.ring_read(off, &guest_buf(io.data_view())) {
+        if read_from_ring(chain, &io) {
             // Copied from this channel's prefetch ring: no base I/O.
             return self.finish(io, true);
         }

@@ -17,12 +17,12 @@
 use crate::direct::Target;
 use crate::ffi::base::{BaseIo, BaseOp, Submitted};
 use crate::ffi::bdev::Desc;
-use crate::ffi::bdev_io::IovView;
+use crate::ffi::bdev_io::{BdevIo, IovView};
 use crate::ffi::dma::DmaMem;
 pub use crate::ffi::dma::SpdkBuf;
 use crate::ffi::sys;
-use qcow2_engine::io::{BlockDevice, BufSlice, Busy, DeviceError, DeviceOp};
-use qcow2_engine::DevId;
+use qcow2_engine::io::{BlockDevice, BufSlice, Busy, DeviceError, DeviceOp, IoBuffer};
+use qcow2_engine::{Chain, DevId};
 use std::rc::Rc;
 
 /// The data of a guest request (its iovecs, handed over by
@@ -30,6 +30,21 @@ use std::rc::Rc;
 #[inline(always)]
 pub fn guest_buf(view: IovView) -> BufSlice<SpdkBuf> {
     BufSlice::whole(SpdkBuf::Iov(view))
+}
+
+/// Serves guest read `io` from `chain`'s prefetch ring when the ring holds every byte of
+/// it: copied into the request's iovecs (their view is built only then, so a miss costs
+/// the look-up alone). False: the host routes the read as usual.
+#[inline(always)]
+pub fn read_from_ring(chain: &Rc<Chain<SpdkDevice>>, io: &BdevIo) -> bool {
+    if !chain.ring_is_on() {
+        return false;
+    }
+    chain.ring_read_with(
+        io.offset_bytes(),
+        io.len_bytes(),
+        &mut |src, src_off, off, n| src.copy_to(src_off, &SpdkBuf::Iov(io.data_view()), off, n),
+    )
 }
 
 /// A base bdev as the engine sees it from one SPDK thread.

@@ -24,7 +24,7 @@
 //! runs on the md thread, which debug builds assert ([`Owner::assert_md_thread`]).
 
 use crate::channel;
-use crate::device::{guest_buf, SpdkDevice};
+use crate::device::{read_from_ring, SpdkDevice};
 use crate::direct::{self, Target};
 use crate::engine_host::{Driver, Host};
 use crate::ffi::bdev_io::{Arrived, BdevIo, ChildDone, IoQueue, QueueReceiver};
@@ -253,7 +253,7 @@ impl Owner {
             OwnerOp::Read => {
                 let (off, len) = (io.offset_bytes(), io.len_bytes());
                 c.read_ahead(off, len);
-                if c.ring_is_on() && c.ring_read(off, &guest_buf(io.data_view())) {
+                if read_from_ring(c, &io) {
                     // Copied from the owner's prefetch ring: no base I/O.
                     return done(io, sys::SPDK_BDEV_IO_STATUS_SUCCESS);
                 }

@@ -338,6 +338,7 @@ impl Ring {
     }
 
     /// Chunks a read of `len` bytes spans (at least 1, at most [`MAX_WINDOW_CHUNKS`]).
+    #[inline(always)]
     fn span(len: u64) -> u32 {
         len.div_ceil(CHUNK).clamp(1, MAX_WINDOW_CHUNKS as u64) as u32
     }
