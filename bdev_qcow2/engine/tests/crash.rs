@@ -11,11 +11,14 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // test helpers may panic
 
-use qcow2_engine::create::{create, CreateOptions};
+mod crash_common;
+use crash_common::{new_image, open};
+
+use qcow2_engine::create::CreateOptions;
 use qcow2_engine::io::{BufSlice, HeapBuf, IoBuffer};
 use qcow2_engine::testing::Rng;
 use qcow2_engine::testing::{LoggedOp, MemDevice};
-use qcow2_engine::{Chain, Error, Exec, Layer, OpenOptions, Qcow2};
+use qcow2_engine::{Chain, Error, Exec};
 use std::path::Path;
 use std::process::Command;
 use std::rc::Rc;
@@ -42,35 +45,6 @@ fn workload(seed: u64, size: u64, cs: u64, n: usize) -> Vec<Op> {
             }
         })
         .collect()
-}
-
-fn new_image(opts: &CreateOptions) -> Vec<u8> {
-    let exec = Exec::new();
-    let dev = MemDevice::new(Vec::new());
-    let id = exec.add_device(dev.clone());
-    let e2 = exec.clone();
-    let o = opts.clone();
-    exec.block_on(async move { create(&e2, id, &o).await })
-        .unwrap();
-    dev.contents()
-}
-
-fn open(
-    exec: &Exec<MemDevice>,
-    dev: &MemDevice,
-    writable: bool,
-) -> Result<Rc<Chain<MemDevice>>, Error> {
-    let id = exec.add_device(dev.clone());
-    let e2 = exec.clone();
-    let opts = OpenOptions {
-        writable,
-        l2_cache_bytes: Some(8 << 10),
-        // On a fixed-size device: data in per-slice regions.
-        ordered_layout: dev.0.borrow().fixed,
-        ..Default::default()
-    };
-    let q = exec.block_on(async move { Qcow2::open(&e2, id, opts).await })?;
-    Chain::new(exec, vec![Layer::Qcow2(Box::new(q))])
 }
 
 fn apply(exec: &Exec<MemDevice>, chain: &Rc<Chain<MemDevice>>, op: &Op) -> Result<(), Error> {

@@ -8,41 +8,16 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // test helpers may panic
 
-use qcow2_engine::create::{create, CreateOptions};
+mod crash_common;
+use crash_common::{new_image, open};
+
+use qcow2_engine::create::CreateOptions;
 use qcow2_engine::format::header::Header;
 use qcow2_engine::io::{BufSlice, HeapBuf, IoBuffer};
 use qcow2_engine::testing::{LoggedOp, MemDevice, Rng};
-use qcow2_engine::{Chain, Error, Exec, Layer, OpenOptions, Qcow2};
+use qcow2_engine::{Chain, Error, Exec, Layer};
 use std::process::Command;
 use std::rc::Rc;
-
-fn new_image(opts: &CreateOptions) -> Vec<u8> {
-    let exec = Exec::new();
-    let dev = MemDevice::new(Vec::new());
-    let id = exec.add_device(dev.clone());
-    let e2 = exec.clone();
-    let o = opts.clone();
-    exec.block_on(async move { create(&e2, id, &o).await })
-        .unwrap();
-    dev.contents()
-}
-
-fn open(
-    exec: &Exec<MemDevice>,
-    dev: &MemDevice,
-    writable: bool,
-) -> Result<Rc<Chain<MemDevice>>, Error> {
-    let id = exec.add_device(dev.clone());
-    let e2 = exec.clone();
-    let opts = OpenOptions {
-        writable,
-        l2_cache_bytes: Some(8 << 10),
-        ordered_layout: dev.0.borrow().fixed,
-        ..Default::default()
-    };
-    let q = exec.block_on(async move { Qcow2::open(&e2, id, opts).await })?;
-    Chain::new(exec, vec![Layer::Qcow2(Box::new(q))])
-}
 
 /// Guest bytes `[off, off+len)` of the image in `bytes`, and its virtual size.
 fn read_range(bytes: Vec<u8>, off: u64, len: u64) -> (u64, Vec<u8>) {
