@@ -440,7 +440,9 @@ fn drop_snapshot(name: &str) {
 /// and under every channel.
 fn switch(mut sw: Box<Switch>) {
     let snap = sw.snapshot.clone();
-    let backing = match node::open_claimed(&snap, "backing", false) {
+    // Claimed later (`claim_snapshot`): other modules examine the new bdev now, some
+    // with a descriptor open for writing, which a read-only claim cannot coexist with.
+    let backing = match node::open_unclaimed(&snap, "backing") {
         Ok(d) => d,
         Err((e, m)) => {
             drop_snapshot(&snap);
@@ -599,19 +601,83 @@ fn close_old_owner(mut sw: Box<Switch>) {
         for d in [old.backing.take(), old.base.take()].into_iter().flatten() {
             d.close();
         }
-        claim_snapshot_base(&sw.snapshot);
+        claim_snapshot(&sw.name, &sw.snapshot);
         answer(sw);
     });
 }
 
-/// Claims the old base for the read-only bdev now that no writer holds it.
-fn claim_snapshot_base(snap: &str) {
-    let reg = registry::lock();
-    let Some(n) = reg.node(snap) else { return };
-    if let Some(d) = &n.node().base {
-        if let Err(e) = d.claim(sys::SPDK_BDEV_CLAIM_READ_MANY_WRITE_NONE) {
-            tracing::warn!("{snap}: cannot claim its base bdev read-only (errno {e})");
+/// Claims the old base for the read-only bdev now that no writer holds it, and the
+/// read-only bdev for the overlay (as `bdev_qcow2_create` claims its backing bdev). Other
+/// modules examine the new bdev meanwhile, some with a descriptor open for writing, which a
+/// read-only claim cannot coexist with: each claim is tried again on every poll for a while.
+struct ClaimSnapshot {
+    /// The overlay's bdev and the read-only bdev.
+    name: String,
+    snap: String,
+    /// Which of the two claims (old base, read-only bdev) are still to take.
+    left: std::cell::Cell<[bool; 2]>,
+    /// The next try (SPDK logs each refusal) and the last.
+    next: std::cell::Cell<Instant>,
+    until: Instant,
+    poller: PollerSlot,
+}
+
+/// How long [`ClaimSnapshot`] keeps trying, and how often.
+const CLAIM_FOR: std::time::Duration = std::time::Duration::from_secs(5);
+const CLAIM_EVERY: std::time::Duration = std::time::Duration::from_millis(5);
+
+impl Polled for ClaimSnapshot {
+    fn slot(&self) -> &PollerSlot {
+        &self.poller
+    }
+
+    fn poll(&self) -> Poll {
+        let now = Instant::now();
+        if now < self.next.get() {
+            return Poll::Idle;
         }
+        self.next.set(now + CLAIM_EVERY);
+        let reg = registry::lock();
+        let descs = [
+            reg.node(&self.snap).and_then(|n| n.node().base.as_ref()),
+            reg.node(&self.name).and_then(|n| n.node().backing.as_ref()),
+        ];
+        let mut left = self.left.get();
+        let late = Instant::now() > self.until;
+        for (i, d) in descs.into_iter().enumerate() {
+            let Some(d) = d.filter(|_| left[i]) else {
+                left[i] = false;
+                continue;
+            };
+            match d.claim(sys::SPDK_BDEV_CLAIM_READ_MANY_WRITE_NONE) {
+                Ok(()) => left[i] = false,
+                Err(e) if late => {
+                    tracing::warn!("{METHOD}: cannot claim bdev {} read-only (errno {e})", d.name());
+                    left[i] = false;
+                }
+                Err(_) => {}
+            }
+        }
+        self.left.set(left);
+        if left == [false, false] {
+            Poll::Done
+        } else {
+            Poll::Idle
+        }
+    }
+}
+
+fn claim_snapshot(name: &str, snap: &str) {
+    let job = Box::new(ClaimSnapshot {
+        name: name.to_owned(),
+        snap: snap.to_owned(),
+        left: std::cell::Cell::new([true, true]),
+        next: std::cell::Cell::new(Instant::now()),
+        until: Instant::now() + CLAIM_FOR,
+        poller: PollerSlot::default(),
+    });
+    if thread::start_task(job, c"qcow2_claim").is_err() {
+        tracing::warn!("{METHOD}: no poller to claim {snap}: it stays unclaimed");
     }
 }
 

@@ -240,15 +240,15 @@ pub(crate) fn create_unclaimed(params: CreateParams, done: Done) {
     create_claiming(params, false, done);
 }
 
-/// Opens `name` read-only for our module without claiming it.
-fn open_unclaimed(name: &str) -> Result<Desc, (i32, String)> {
+/// Opens `name` (our `role` bdev) read-only without claiming it (the claim follows).
+pub(crate) fn open_unclaimed(name: &str, role: &str) -> Result<Desc, (i32, String)> {
     let d = Desc::open::<BaseEvents>(name, false)
-        .map_err(|e| (e, format!("cannot open base bdev {name}: {}", strerror(e))))?;
+        .map_err(|e| (e, format!("cannot open {role} bdev {name}: {}", strerror(e))))?;
     if d.block_size() != BLOCK_SIZE {
         d.close();
         return Err((
             libc::EINVAL,
-            format!("base bdev {name}: only {BLOCK_SIZE}-byte blocks are supported"),
+            format!("{role} bdev {name}: only {BLOCK_SIZE}-byte blocks are supported"),
         ));
     }
     Ok(d)
@@ -267,7 +267,7 @@ fn create_claiming(params: CreateParams, claim_base: bool, done: Done) {
     let base = if claim_base {
         open_claimed(&params.base_bdev, "base", !params.read_only)
     } else {
-        open_unclaimed(&params.base_bdev)
+        open_unclaimed(&params.base_bdev, "base")
     };
     let base = match base {
         Ok(d) => d,
