@@ -473,8 +473,7 @@ fn switch(mut sw: Box<Switch>) {
         return sw.fail(libc::ENODEV, "the bdev went away".into());
     };
     let ring = node.node().ring.clone();
-    let owner = match node::start_owner(exec, image, Some(backing_dev), &sw.params, ring.as_ref())
-    {
+    let owner = match node::start_owner(exec, image, Some(backing_dev), &sw.params, ring.as_ref()) {
         Ok(o) => o,
         Err((e, m)) => {
             drop(reg);
@@ -652,7 +651,10 @@ impl Polled for ClaimSnapshot {
             match d.claim(sys::SPDK_BDEV_CLAIM_READ_MANY_WRITE_NONE) {
                 Ok(()) => left[i] = false,
                 Err(e) if late => {
-                    tracing::warn!("{METHOD}: cannot claim bdev {} read-only (errno {e})", d.name());
+                    tracing::warn!(
+                        "{METHOD}: cannot claim bdev {} read-only (errno {e})",
+                        d.name()
+                    );
                     left[i] = false;
                 }
                 Err(_) => {}

@@ -242,8 +242,12 @@ pub(crate) fn create_unclaimed(params: CreateParams, done: Done) {
 
 /// Opens `name` (our `role` bdev) read-only without claiming it (the claim follows).
 pub(crate) fn open_unclaimed(name: &str, role: &str) -> Result<Desc, (i32, String)> {
-    let d = Desc::open::<BaseEvents>(name, false)
-        .map_err(|e| (e, format!("cannot open {role} bdev {name}: {}", strerror(e))))?;
+    let d = Desc::open::<BaseEvents>(name, false).map_err(|e| {
+        (
+            e,
+            format!("cannot open {role} bdev {name}: {}", strerror(e)),
+        )
+    })?;
     if d.block_size() != BLOCK_SIZE {
         d.close();
         return Err((
@@ -403,13 +407,7 @@ fn finish(mut job: Job) {
         let [base, backing] = descs;
         return register(job.params, info, base, backing, None, ring, done);
     }
-    let started = start_owner(
-        job.exec,
-        image,
-        job.backing_dev,
-        &job.params,
-        ring.as_ref(),
-    );
+    let started = start_owner(job.exec, image, job.backing_dev, &job.params, ring.as_ref());
     let owner = match started {
         Ok(o) => o,
         Err((e, m)) => return fail(&name, descs, done, e, m),
@@ -442,8 +440,12 @@ pub(crate) fn start_owner(
             size: exec.device_size(d),
         });
     }
-    let chain = Chain::new(&exec, layers)
-        .map_err(|e| (libc::EINVAL, format!("image on bdev {}: {e}", params.base_bdev)))?;
+    let chain = Chain::new(&exec, layers).map_err(|e| {
+        (
+            libc::EINVAL,
+            format!("image on bdev {}: {e}", params.base_bdev),
+        )
+    })?;
     chain.set_prefetch(params.prefetch_on());
     if let Some((cfg, gens)) = ring {
         if let Err(e) = chain.enable_ring(*cfg, gens.clone()) {
@@ -727,7 +729,60 @@ pub fn info_json(node: &Node) -> serde_json::Value {
     serde_json::to_value(&node.info).unwrap_or_default()
 }
 
-/// The create call that `write_config_json` saves for `node`.
-pub fn config_json(node: &Node) -> serde_json::Value {
-    json!({ "method": "bdev_qcow2_create", "params": node.params })
+/// The create calls that `write_config_json` saves for `node`. SPDK saves bdevs in the
+/// order they registered, each followed by its own settings (histogram, QoS). An external
+/// snapshot registers the old image's read-only bdev after the bdev that now reads through
+/// it, so each bdev here also saves, before its own create, those of the qcow2 bdevs its
+/// backing chain reaches that registered after it (deepest first), and such a bdev saves
+/// nothing at its own place: a reload then creates the backing bdev first.
+pub fn config_json(node: &Node) -> Vec<serde_json::Value> {
+    let reg = registry::lock();
+    let order: Vec<(&str, &CreateParams)> = reg
+        .nodes
+        .iter()
+        .map(|(n, r)| (n.as_str(), &r.node().params))
+        .collect();
+    let me = &node.params.name;
+    let own = json!({ "method": "bdev_qcow2_create", "params": node.params });
+    if carrier(&order, me).is_some() {
+        return Vec::new();
+    }
+    let mut calls = Vec::new();
+    let mut next = node.params.backing_bdev.as_deref();
+    // Bounded by the number of bdevs (a chain never loops, but a hostile config could).
+    for _ in 0..order.len() {
+        let Some(b) = next else { break };
+        let Some((_, p)) = order.iter().find(|(n, _)| *n == b) else {
+            break;
+        };
+        if carrier(&order, b) == Some(me.as_str()) {
+            calls.push(json!({ "method": "bdev_qcow2_create", "params": p }));
+        }
+        next = p.backing_bdev.as_deref();
+    }
+    calls.reverse();
+    calls.push(own);
+    calls
+}
+
+/// The bdev that saves the create of `name` with its own (see [`config_json`]): the topmost
+/// of the bdevs reading through it that registered before it, if any.
+fn carrier<'a>(order: &[(&'a str, &CreateParams)], name: &str) -> Option<&'a str> {
+    let pos = |n: &str| order.iter().position(|(x, _)| *x == n);
+    let mine = pos(name)?;
+    let mut found = None;
+    let mut cur = name.to_owned();
+    for _ in 0..order.len() {
+        let Some((user, _)) = order
+            .iter()
+            .find(|(_, p)| p.backing_bdev.as_deref() == Some(cur.as_str()))
+        else {
+            break;
+        };
+        if pos(user).is_some_and(|u| u < mine) {
+            found = Some(*user);
+        }
+        cur = (*user).to_owned();
+    }
+    found
 }

@@ -116,9 +116,10 @@ pub fn delete(req: Request, params: Params) {
         }
         // An overlay reads through it (an external snapshot's old image): deleting it
         // would take the overlay down with it.
-        let user = reg.nodes.iter().find(|(_, r)| {
-            r.node().params.backing_bdev.as_deref() == Some(p.name.as_str())
-        });
+        let user = reg
+            .nodes
+            .iter()
+            .find(|(_, r)| r.node().params.backing_bdev.as_deref() == Some(p.name.as_str()));
         if let Some((user, _)) = user {
             let m = format!(
                 "bdev {} is the backing bdev of qcow2 bdev {user}: delete {user} first",

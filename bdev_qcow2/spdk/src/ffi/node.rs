@@ -24,12 +24,12 @@ use crate::node::{ImageInfo, Node};
 use crate::owner::{Owner, OwnerCounters};
 use crate::params::CreateParams;
 use qcow2_engine::{Chain, CoreSeed, DevId, Exec};
-use std::sync::atomic::AtomicUsize;
-use std::sync::Arc;
 use std::ffi::{c_int, c_void};
 use std::marker::PhantomData;
 use std::ptr::NonNull;
 use std::rc::Rc;
+use std::sync::atomic::AtomicUsize;
+use std::sync::Arc;
 
 /// Names a node (by address) for look-ups in the registry, without giving access to it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
