@@ -97,7 +97,7 @@ struct Switch {
     /// How long I/O paused, once it goes on.
     pause_us: u64,
     /// The node's former image, until it is closed.
-    old: Option<Image>,
+    old: Option<Box<Image>>,
 }
 
 impl Switch {
@@ -482,7 +482,7 @@ fn switch(mut sw: Box<Switch>) {
             return sw.fail(e, m);
         }
     };
-    let new = Image {
+    let new = Box::new(Image {
         base: sw.new_base.take(),
         backing: Some(backing),
         owner: Some(owner.0),
@@ -490,7 +490,7 @@ fn switch(mut sw: Box<Switch>) {
         params: sw.params.clone(),
         info,
         live_channels: Arc::new(AtomicUsize::new(0)),
-    };
+    });
     match node.switch_image(new) {
         Ok(old) => sw.old = Some(old),
         Err(_) => {

@@ -103,7 +103,7 @@ impl Registered {
     /// writable node. The caller quiesced the bdev (no request in flight) and then moves
     /// every channel onto a state built from the new image ([`ChannelIter::renew_state`]);
     /// the former owner is closed once the former states are gone.
-    pub fn switch_image(&self, new: Image) -> Result<Image, Image> {
+    pub fn switch_image(&self, new: Box<Image>) -> Result<Box<Image>, Box<Image>> {
         let p = self.0.as_ptr();
         if self.owner_here().is_none() || new.owner.is_none() {
             return Err(new);
@@ -115,7 +115,7 @@ impl Registered {
             let _g = (*p).switching.lock().unwrap_or_else(|e| e.into_inner());
             let owner = new.owner.map_or(std::ptr::null_mut(), OwnerBox::into_node);
             let old_owner = std::mem::replace(&mut (*p).owner, owner);
-            Ok(Image {
+            Ok(Box::new(Image {
                 base: std::mem::replace(&mut (*p).base, new.base),
                 backing: std::mem::replace(&mut (*p).backing, new.backing),
                 // Started on this thread (the md thread) and given to no other box.
@@ -124,7 +124,7 @@ impl Registered {
                 params: std::mem::replace(&mut (*p).params, new.params),
                 info: std::mem::replace(&mut (*p).info, new.info),
                 live_channels: std::mem::replace(&mut (*p).live_channels, new.live_channels),
-            })
+            }))
         }
     }
 
