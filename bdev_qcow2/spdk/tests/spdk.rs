@@ -2175,6 +2175,10 @@ mod real {
         sparse(&ov, 96 * MIB);
         let small = d.join("small.raw");
         sparse(&small, 8 * MIB);
+        // And one whose writes fail: the overlay's format fails midway.
+        let bad = d.join("bad.raw");
+        sparse(&bad, 96 * MIB);
+        let mut failed = Vec::new();
         let cfg = d.join("ext.json");
         write_config(&cfg, vec![aio(&old, "aio0"), qcow2("q0", "aio0", None)]);
         let saved = d.join("saved.json");
@@ -2206,6 +2210,27 @@ mod real {
                 "--base-bdev",
                 "aio2",
             ]));
+            failed.push(rpc(&["bdev_aio_create", s(&bad), "aio3", "512"]));
+            failed.push(rpc(&["bdev_error_create", "aio3"]));
+            failed.push(rpc(&[
+                "bdev_error_inject_error",
+                "EE_aio3",
+                "write",
+                "failure",
+                "-n",
+                "100000",
+            ]));
+            failed.push(rpc(&[
+                "bdev_qcow2_snapshot_external",
+                "-b",
+                "q0",
+                "--base-bdev",
+                "EE_aio3",
+                "-n",
+                "q0_bad",
+            ]));
+            failed.push(rpc(&["bdev_get_bdevs", "-b", "EE_aio3"]));
+            failed.push(rpc(&["bdev_get_bdevs", "-b", "q0_bad"]));
             std::thread::sleep(Duration::from_millis(1000));
             answers.push(rpc(&[
                 "bdev_qcow2_snapshot_external",
@@ -2241,6 +2266,25 @@ mod real {
             assert_eq!(answers[i].0, want_ok, "answer {i}: {}", answers[i].1);
         }
         assert!(answers[2].1.contains("too small"), "{}", answers[2].1);
+        // A format that fails midway: refused, the new base released, no bdev made, and the
+        // bdev went on serving its image (bdevperf saw no failure).
+        for (i, want_ok) in [
+            (0, true),
+            (1, true),
+            (2, true),
+            (3, false),
+            (4, true),
+            (5, false),
+        ] {
+            assert_eq!(
+                failed[i].0, want_ok,
+                "failed-format answer {i}: {}",
+                failed[i].1
+            );
+        }
+        assert!(failed[3].1.contains("overlay"), "{}", failed[3].1);
+        let ee: Value = serde_json::from_str(failed[4].1.trim()).unwrap();
+        assert_eq!(ee[0]["claimed"], false, "{ee}");
         assert!(answers[6].1.contains("backing bdev of"), "{}", answers[6].1);
         let sw: Value = serde_json::from_str(answers[5].1.trim()).unwrap();
         assert_eq!(sw["snapshot"], "q0_snap0", "{sw}");
