@@ -4,6 +4,11 @@
 # same bdevperf process: one untouched ("before"), one during which internal snapshots are
 # taken and deleted back to back ("during"). Prints the IOPS of each run, the median ratio
 # during/before, and the I/O pause bdev_qcow2_snapshot_create reported (median, max µs).
+# Then one external snapshot (bdev_qcow2_snapshot_external onto a second AIO bdev) during a
+# run: the pause it reported, and the IOPS of ROUNDS runs on the overlay (every read goes
+# through to the old image, now the overlay's read-only backing bdev) against ROUNDS runs
+# just before the switch. The switch is one-way, so those runs cannot alternate: before all
+# come first, then after (the machine is shared and noisy; read the ratio with that in mind).
 #
 #   tests/lifecycle_bench.sh
 #   SIZE=4G TIME=5 ROUNDS=5 tests/lifecycle_bench.sh
@@ -47,7 +52,7 @@ JSON
 free_mb=$(awk '/HugePages_Free/ {f=$2} /Hugepagesize/ {s=$2} END {print f*s/1024}' /proc/meminfo)
 if [ "${free_mb%.*}" -ge 1024 ] && grep -q hugetlbfs /proc/mounts; then MEM=(); else MEM=(--no-huge -s 2048); fi
 
-LD_PRELOAD=$SO bdevperf -u "${MEM[@]}" --json "$DIR/cfg.json" -r "$SOCK" -z -m 0x3 -C \
+LD_PRELOAD=$SO bdevperf -u "${MEM[@]}" --json "$DIR/cfg.json" -r "$SOCK" -z -m 0x3 -C -T q0 \
   -q 32 -o 4096 -w randread -t "$TIME" >"$DIR/bdevperf.log" 2>&1 &
 PID=$!
 for _ in $(seq 100); do [ -S "$SOCK" ] && break; sleep 0.1; done
@@ -93,6 +98,31 @@ p = [int(x) for x in sys.argv[2].split()]
 print(f"median ratio during/before: {statistics.median(r):.3f}")
 if p:
     print(f"snapshot create pause: median {statistics.median(p):.0f} us, max {max(p)} us over {len(p)} snapshots")
+PY
+
+# External snapshot: the overlay's AIO bdev, with room for every cluster of the disk.
+ov=$DIR/overlay.qcow2
+truncate -s "$SIZE" "$ov"
+truncate -s +64M "$ov"
+rpc bdev_aio_create "$ov" aio1 512 >/dev/null
+before_ext=()
+for r in $(seq "$ROUNDS"); do before_ext+=("$(run)"); done
+( sleep 1; rpc bdev_qcow2_snapshot_external -b q0 --base-bdev aio1 >"$DIR/ext.json" 2>&1 ) &
+SW=$!
+during_ext=$(run)
+wait $SW || { cat "$DIR/ext.json" >&2; exit 1; }
+after_ext=()
+for r in $(seq "$ROUNDS"); do after_ext+=("$(run)"); done
+python3 - "$DIR/ext.json" "${before_ext[*]}" "$during_ext" "${after_ext[*]}" <<'PY'
+import json, statistics, sys
+ans = json.loads(open(sys.argv[1]).read())
+b = [float(x) for x in sys.argv[2].split()]
+d = float(sys.argv[3])
+a = [float(x) for x in sys.argv[4].split()]
+print(f"external snapshot: I/O paused {ans['pause_us']} us (old image now {ans['snapshot']})")
+print(f"  before {' '.join(f'{x:.0f}' for x in b)} IOPS; run with the switch {d:.0f}; "
+      f"after (overlay over the old image) {' '.join(f'{x:.0f}' for x in a)}")
+print(f"  median after/before: {statistics.median(a) / statistics.median(b):.3f}")
 PY
 rpc spdk_kill_instance SIGTERM >/dev/null 2>&1 || true
 wait $PID || true

@@ -72,6 +72,13 @@ def bdev_qcow2_snapshot_list(client, name):
     return client.call('bdev_qcow2_snapshot_list', {'name': name})
 
 
+def bdev_qcow2_snapshot_external(client, name, base_bdev, snapshot_name=None):
+    params = {'name': name, 'base_bdev': base_bdev}
+    if snapshot_name is not None:
+        params['snapshot_name'] = snapshot_name
+    return client.call('bdev_qcow2_snapshot_external', params)
+
+
 def spdk_rpc_plugin_initialize(subparsers):
     def create(args):
         print_json(bdev_qcow2_create(args.client, name=args.name, base_bdev=args.base_bdev,
@@ -194,6 +201,22 @@ def spdk_rpc_plugin_initialize(subparsers):
     p.add_argument('-b', '--name', required=True, help='qcow2 bdev name')
     p.add_argument('-n', '--snapshot', required=True, help='snapshot id or name')
     p.set_defaults(func=snapshot_delete)
+
+    def snapshot_external(args):
+        print_json(bdev_qcow2_snapshot_external(args.client, name=args.name,
+                                                base_bdev=args.base_bdev,
+                                                snapshot_name=args.snapshot_name))
+
+    p = subparsers.add_parser('bdev_qcow2_snapshot_external',
+                              help='Switch a qcow2 bdev to a new overlay formatted on another '
+                                   'bdev while it serves I/O; its old image becomes a '
+                                   'read-only qcow2 bdev, the overlay\'s backing')
+    p.add_argument('-b', '--name', required=True, help='qcow2 bdev name')
+    p.add_argument('--base-bdev', dest='base_bdev', required=True,
+                   help='bdev to format the overlay on (everything on it is lost)')
+    p.add_argument('-n', '--snapshot-name', dest='snapshot_name',
+                   help='name of the old image\'s read-only bdev (default <name>_snap<N>)')
+    p.set_defaults(func=snapshot_external)
 
     def snapshot_list(args):
         print_json(bdev_qcow2_snapshot_list(args.client, name=args.name))

@@ -63,7 +63,7 @@ impl Default for CreateOptions {
 }
 
 impl CreateOptions {
-    fn validate(&self) -> Result<()> {
+    pub(crate) fn validate(&self) -> Result<()> {
         if !(MIN_CLUSTER_BITS..=MAX_CLUSTER_BITS).contains(&self.cluster_bits) {
             return Err(invalid(
                 Field::ClusterBits,

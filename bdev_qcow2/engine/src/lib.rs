@@ -35,6 +35,7 @@ mod lifecycle;
 pub mod limits;
 pub mod memo;
 pub mod meta;
+pub mod overlay;
 pub mod prefetch;
 mod readahead;
 pub mod ring;

@@ -107,8 +107,9 @@ fn qemu_accepts(label: &str, img: &[u8]) {
     let code = out.status.code().unwrap_or(-1);
     assert!(
         code == 0 || code == 3,
-        "crash state {label}: qemu-img check {code}\n{}",
-        String::from_utf8_lossy(&out.stdout)
+        "crash state {label}: qemu-img check {code}\n{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
     );
 }
 
@@ -524,4 +525,183 @@ fn snapshot_delete_is_all_or_nothing() {
     );
     assert!(gone, "no crash state lost the snapshot");
     eprintln!("crash states tried (snapshot delete): {n}");
+}
+
+/// Replays every write of `log` on `initial`: the state once all of it reached the device.
+fn replayed(initial: &[u8], log: &[LoggedOp]) -> Vec<u8> {
+    let mut img = initial.to_vec();
+    for e in log {
+        if let LoggedOp::Write(off, d) = e {
+            let end = *off as usize + d.len();
+            if img.len() < end {
+                img.resize(end, 0);
+            }
+            img[*off as usize..end].copy_from_slice(d);
+        }
+    }
+    img
+}
+
+/// Opens the qcow2 image on `dev` (read-only) as one layer.
+fn layer_of(exec: &Exec<MemDevice>, dev: MemDevice) -> Result<Layer<MemDevice>, Error> {
+    let id = exec.add_device(dev);
+    let e2 = exec.clone();
+    let q = exec.block_on(async move {
+        qcow2_engine::Qcow2::open(&e2, id, qcow2_engine::OpenOptions::default()).await
+    })?;
+    Ok(Layer::Qcow2(Box::new(q)))
+}
+
+/// Guest bytes `[0, len)` of the overlay `overlay` over the backing image `backing` (both
+/// qcow2), or the overlay's open error (no valid image on the device).
+fn read_overlay(overlay: Vec<u8>, backing: Vec<u8>, len: usize) -> Result<Vec<u8>, Error> {
+    let exec = Exec::new();
+    let top = layer_of(&exec, MemDevice::new(overlay))?;
+    let under = layer_of(&exec, MemDevice::new(backing)).expect("the backing image opens");
+    let chain = Chain::new(&exec, vec![top, under])?;
+    let buf = HeapBuf::new(len);
+    let b2 = buf.clone();
+    exec.block_on(async move { chain.read(0, BufSlice::whole(b2)).await })?;
+    Ok(buf.to_vec())
+}
+
+/// `qemu-img check` of `overlay` with `backing` beside it as its backing file `old.qcow2`
+/// accepts it, and `qemu-img compare` finds it equal to `want` (raw).
+fn qemu_accepts_overlay(label: &str, overlay: &[u8], backing: &[u8], want: &[u8]) {
+    let dir = tempfile::tempdir().unwrap();
+    let (top, old, raw) = (
+        dir.path().join("top.qcow2"),
+        dir.path().join("old.qcow2"),
+        dir.path().join("want.raw"),
+    );
+    std::fs::write(&top, overlay).unwrap();
+    std::fs::write(&old, backing).unwrap();
+    std::fs::write(&raw, want).unwrap();
+    let out = Command::new("qemu-img")
+        .args(["check", "-f", "qcow2"])
+        .arg(&top)
+        .output()
+        .unwrap();
+    let code = out.status.code().unwrap_or(-1);
+    assert!(
+        code == 0 || code == 3,
+        "crash state {label}: qemu-img check of the overlay {code}\n{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    let out = Command::new("qemu-img")
+        .args(["compare", "-q", "-f", "qcow2", "-F", "raw"])
+        .arg(&top)
+        .arg(&raw)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "crash state {label}: the overlay over its backing differs from the disk\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// The external snapshot's two steps on the devices, each under the crash recorder: the old
+/// image's flush (`Chain::close`, with guest writes not yet flushed) and the overlay's format
+/// on a device that held another image. Every crash state of the old image is accepted by
+/// qemu-img and reads, cluster by cluster, as the disk before or after the unflushed writes
+/// (after all of them once the flush completed); every crash state of the new device is
+/// either no image at all (never the image it held before) or the complete overlay, which
+/// reads through its backing as the old disk, for us and for qemu-img.
+#[test]
+fn external_snapshot_switch_is_all_or_nothing() {
+    let cs = 65536usize;
+    let opts = CreateOptions {
+        size: 8 << 20,
+        ..Default::default()
+    };
+    let mut r = Rng(0x0e7e);
+    let first: Vec<u8> = (0..4 * cs).map(|_| r.next() as u8).collect();
+    let initial = written_image(&opts, &first, None);
+    // Guest writes the switch's first flush did not cover: an overwrite and two new clusters.
+    let later: Vec<u8> = (0..3 * cs).map(|_| r.next() as u8).collect();
+    let exec = Exec::new();
+    let dev = MemDevice::new(initial.clone());
+    let chain = open(&exec, &dev, true).unwrap();
+    write(&exec, &chain, 3 * cs as u64, &later);
+    // What reached the device before the flush began (the writes' data, in place or in new
+    // clusters; their metadata is still in the owner's cache).
+    let unflushed = dev.contents();
+    dev.0.borrow_mut().record = true;
+    let c = chain.clone();
+    exec.block_on(async move { c.close().await }).unwrap();
+    let old_log = dev.0.borrow().log.clone();
+    let mut before = first.clone();
+    before.resize(6 * cs, 0);
+    let mut after = first.clone();
+    after.truncate(3 * cs);
+    after.extend_from_slice(&later);
+    let n_old = for_each_crash_state(&unflushed, &old_log, 3, 0xf105, |label, img| {
+        qemu_accepts(label, &img);
+        let (_, got) = read_range(img, 0, 6 * cs as u64);
+        for (i, c) in got.chunks(cs).enumerate() {
+            assert!(
+                c == &before[i * cs..(i + 1) * cs] || c == &after[i * cs..(i + 1) * cs],
+                "crash state {label}: cluster {i} is neither the old nor the new data"
+            );
+        }
+    });
+    let old = replayed(&unflushed, &old_log);
+    assert_eq!(read_range(old.clone(), 0, 6 * cs as u64).1, after);
+
+    // The overlay, on a device that held another image (whose header must never show).
+    let stale_data = vec![0xc3u8; 2 * cs];
+    let stale = written_image(&opts, &stale_data, None);
+    let exec = Exec::new();
+    let top_q = match layer_of(&exec, MemDevice::new(old.clone())).unwrap() {
+        Layer::Qcow2(q) => q,
+        _ => unreachable!(),
+    };
+    let oopts = qcow2_engine::overlay::overlay_options(&top_q, "old.qcow2");
+    assert_eq!(oopts.size, opts.size);
+    assert_eq!(oopts.backing_format.as_deref(), Some("qcow2"));
+    let new_dev = MemDevice::new(stale.clone());
+    let id = exec.add_device(new_dev.clone());
+    new_dev.0.borrow_mut().record = true;
+    let e2 = exec.clone();
+    exec.block_on(async move { qcow2_engine::overlay::format_overlay(&e2, id, &oopts).await })
+        .unwrap();
+    let new_log = new_dev.0.borrow().log.clone();
+    let disk = read_range(old.clone(), 0, opts.size).1;
+    let (mut none, mut whole) = (0, 0);
+    let n_new = for_each_crash_state(&stale, &new_log, 3, 0x0e7, |label, img| {
+        if img == stale {
+            // Nothing of the format reached the device yet: the switch had not begun.
+            return;
+        }
+        match read_overlay(img.clone(), old.clone(), opts.size as usize) {
+            Err(e) => {
+                assert!(!matches!(e, Error::Io(_)), "crash state {label}: {e}");
+                none += 1;
+                let exec = Exec::new();
+                assert!(
+                    layer_of(&exec, MemDevice::new(img)).is_err(),
+                    "crash state {label}: an image opens"
+                );
+            }
+            Ok(got) => {
+                whole += 1;
+                assert!(
+                    got == disk,
+                    "crash state {label}: the overlay does not read as the old disk"
+                );
+                qemu_accepts_overlay(label, &img, &old, &disk);
+            }
+        }
+    });
+    assert!(
+        none > 0 && whole > 0,
+        "states: {none} without an image, {whole} whole"
+    );
+    say_states("external snapshot", n_old + n_new);
+}
+
+fn say_states(what: &str, n: usize) {
+    use std::io::Write as _;
+    let _ = writeln!(std::io::stderr(), "{what}: {n} crash states checked");
 }

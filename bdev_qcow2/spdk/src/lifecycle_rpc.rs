@@ -4,6 +4,7 @@
 
 use crate::ffi::node::NodeKey;
 use crate::ffi::rpc::{Params, Request, INVALID_PARAMS};
+use crate::lifecycle_busy::Busy;
 use crate::node::BLOCK_SIZE;
 use crate::owner::Owner;
 use crate::params::{ResizeParams, SnapshotListParams, SnapshotParams};
@@ -41,6 +42,10 @@ pub fn resize(req: Request, params: Params) {
             ),
         );
     };
+    let Some(busy) = Busy::begin(&p.name) else {
+        drop(reg);
+        return req.errno(libc::EBUSY, &busy_msg(&p.name));
+    };
     let old = owner.size();
     let key = node.key();
     if p.size < old {
@@ -59,6 +64,7 @@ pub fn resize(req: Request, params: Params) {
     }
     let (name, size) = (p.name, p.size);
     let done = move |r: Result<u64, qcow2_engine::Error>| {
+        let _busy = busy;
         let reg = registry::lock();
         let node = reg.by_key(key);
         match r {
@@ -90,6 +96,11 @@ pub fn resize(req: Request, params: Params) {
         }
     };
     owner.run_job(move |chain| async move { done(chain.resize(size, true).await) });
+}
+
+/// Why a life-cycle RPC is refused while another runs on bdev `name`.
+fn busy_msg(name: &str) -> String {
+    format!("{name}: another life-cycle operation is running on it")
 }
 
 /// Runs `f` with the owner of the writable bdev `name` (on the md thread, the registry
@@ -134,9 +145,13 @@ pub fn snapshot_create(req: Request, params: Params) {
         return;
     };
     let snapshot = p.snapshot.clone();
+    let Some(busy) = Busy::begin(&p.name) else {
+        return req.errno(libc::EBUSY, &busy_msg(&p.name));
+    };
     with_owner(req, &p.name, move |req, key, owner| {
         let fail = |req: Request, e: i32, m: String| req.errno(e, &format!("{METHOD}: {m}"));
         owner.run_job(move |chain| async move {
+            let _busy = busy;
             // Flushed outside the pause: the write-back inside it has little left to do.
             if let Err(e) = chain.flush().await {
                 return fail(req, e.errno(), e.to_string());
@@ -218,8 +233,12 @@ pub fn snapshot_delete(req: Request, params: Params) {
         return;
     };
     let snapshot = p.snapshot.clone();
+    let Some(busy) = Busy::begin(&p.name) else {
+        return req.errno(libc::EBUSY, &busy_msg(&p.name));
+    };
     with_owner(req, &p.name, move |req, _, owner| {
         owner.run_job(move |chain| async move {
+            let _busy = busy;
             let r = match chain.layers().first() {
                 Some(qcow2_engine::Layer::Qcow2(q)) => q.snapshot_delete(&snapshot).await,
                 _ => Err(qcow2_engine::Error::ReadOnly),

@@ -76,7 +76,11 @@ pub struct ImageInfo {
 }
 
 impl ImageInfo {
-    fn of<D: BlockDevice>(q: &Qcow2<D>, p: &CreateParams, zero_offload: bool) -> ImageInfo {
+    pub(crate) fn of<D: BlockDevice>(
+        q: &Qcow2<D>,
+        p: &CreateParams,
+        zero_offload: bool,
+    ) -> ImageInfo {
         let h = q.header();
         ImageInfo {
             virtual_size: q.size(),
@@ -139,6 +143,9 @@ pub struct Node {
     /// Counters of the channels already gone (added when each is freed), so
     /// `bdev_qcow2_get_stats` totals cover the bdev's whole life, not only live channels.
     pub retired: Arc<Mutex<crate::channel::ChannelStats>>,
+    /// Held while a channel state is built from the fields above, and while an external
+    /// snapshot puts a new image under the node (`ffi/node.rs`, `Registered::switch_image`).
+    pub switching: Mutex<()>,
 }
 
 impl Node {
@@ -182,7 +189,7 @@ fn strerror(e: i32) -> String {
 }
 
 /// Opens and claims `name` for our module: shared read-only, or (`write`) as its only writer.
-fn open_claimed(name: &str, role: &str, write: bool) -> Result<Desc, (i32, String)> {
+pub(crate) fn open_claimed(name: &str, role: &str, write: bool) -> Result<Desc, (i32, String)> {
     let d = Desc::open::<BaseEvents>(name, write).map_err(|e| {
         (
             e,
@@ -222,6 +229,36 @@ fn open_claimed(name: &str, role: &str, write: bool) -> Result<Desc, (i32, Strin
 /// Creates the bdev of `params` (whose base and backing bdevs exist) on the calling thread,
 /// which becomes its metadata owner. `done` hears the outcome, possibly before this returns.
 pub fn create(params: CreateParams, done: Done) {
+    create_claiming(params, true, done);
+}
+
+/// [`create`] for a read-only bdev whose base bdev is opened without a claim yet: an
+/// external snapshot's old image, whose base the bdev it leaves still claims as its writer
+/// until its last request is done; the claim follows (`external_snapshot.rs`).
+pub(crate) fn create_unclaimed(params: CreateParams, done: Done) {
+    debug_assert!(params.read_only);
+    create_claiming(params, false, done);
+}
+
+/// Opens `name` (our `role` bdev) read-only without claiming it (the claim follows).
+pub(crate) fn open_unclaimed(name: &str, role: &str) -> Result<Desc, (i32, String)> {
+    let d = Desc::open::<BaseEvents>(name, false).map_err(|e| {
+        (
+            e,
+            format!("cannot open {role} bdev {name}: {}", strerror(e)),
+        )
+    })?;
+    if d.block_size() != BLOCK_SIZE {
+        d.close();
+        return Err((
+            libc::EINVAL,
+            format!("{role} bdev {name}: only {BLOCK_SIZE}-byte blocks are supported"),
+        ));
+    }
+    Ok(d)
+}
+
+fn create_claiming(params: CreateParams, claim_base: bool, done: Done) {
     let name = params.name.clone();
     {
         let mut reg = registry::lock();
@@ -231,7 +268,12 @@ pub fn create(params: CreateParams, done: Done) {
         }
         reg.creating.push(name.clone());
     }
-    let base = match open_claimed(&params.base_bdev, "base", !params.read_only) {
+    let base = if claim_base {
+        open_claimed(&params.base_bdev, "base", !params.read_only)
+    } else {
+        open_unclaimed(&params.base_bdev, "base")
+    };
+    let base = match base {
         Ok(d) => d,
         Err((e, m)) => return fail(&name, [None, None], done, e, m),
     };
@@ -365,58 +407,56 @@ fn finish(mut job: Job) {
         let [base, backing] = descs;
         return register(job.params, info, base, backing, None, ring, done);
     }
+    let started = start_owner(job.exec, image, job.backing_dev, &job.params, ring.as_ref());
+    let owner = match started {
+        Ok(o) => o,
+        Err((e, m)) => return fail(&name, descs, done, e, m),
+    };
+    let [base, backing] = descs;
+    register(job.params, info, base, backing, Some(owner), ring, done);
+}
+
+/// Starts the metadata owner of the writable `image` on `exec` (on this thread, the md
+/// thread), read over the backing bdev `backing_dev` of `exec` if any, with the prefetch
+/// settings of `params`: the owner, and the seed the other threads' replicas are built
+/// from. The base device was added to `exec` first (`DevId(0)`). Fails with an errno and a
+/// message.
+pub(crate) fn start_owner(
+    exec: Exec<SpdkDevice>,
+    mut image: Qcow2<SpdkDevice>,
+    backing_dev: Option<DevId>,
+    params: &CreateParams,
+    ring: Option<&(RingConfig, Arc<WriteGens>)>,
+) -> Result<(OwnerBox, Option<CoreSeed>), (i32, String)> {
+    let name = &params.name;
     // Publish the metadata to the other threads' channels (ARCHITECTURE.md §6): they serve cache
     // hits and in-place writes on their own replica and send the rest here.
-    let mut image = image;
     image.share();
     let seed = image.core_seed().ok();
     let mut layers = vec![Layer::Qcow2(Box::new(image))];
-    if let Some(d) = job.backing_dev {
+    if let Some(d) = backing_dev {
         layers.push(Layer::Raw {
             dev: d,
-            size: job.exec.device_size(d),
+            size: exec.device_size(d),
         });
     }
-    let owner = match Chain::new(&job.exec, layers) {
-        // The base device was added first (`create`), so it is `DevId(0)`.
-        Ok(chain) => OwnerBox::start(
-            job.exec,
-            {
-                chain.set_prefetch(job.params.prefetch_on());
-                if let Some((cfg, gens)) = &ring {
-                    if let Err(e) = chain.enable_ring(*cfg, gens.clone()) {
-                        tracing::warn!("owner of {name}: no prefetch ring ({e})");
-                    }
-                }
-                chain
-            },
-            [Some(DevId(0)), job.backing_dev].into_iter().flatten(),
-        ),
-        Err(e) => {
-            drop(job.exec);
-            let m = format!("image on bdev {}: {e}", job.params.base_bdev);
-            return fail(&name, descs, done, libc::EINVAL, m);
+    let chain = Chain::new(&exec, layers).map_err(|e| {
+        (
+            libc::EINVAL,
+            format!("image on bdev {}: {e}", params.base_bdev),
+        )
+    })?;
+    chain.set_prefetch(params.prefetch_on());
+    if let Some((cfg, gens)) = ring {
+        if let Err(e) = chain.enable_ring(*cfg, gens.clone()) {
+            tracing::warn!("owner of {name}: no prefetch ring ({e})");
         }
-    };
-    let Some(owner) = owner else {
-        return fail(
-            &name,
-            descs,
-            done,
-            libc::ENOMEM,
-            "cannot register a poller".into(),
-        );
-    };
-    let [base, backing] = descs;
-    register(
-        job.params,
-        info,
-        base,
-        backing,
-        Some((owner, seed)),
-        ring,
-        done,
-    );
+    }
+    // The base device was added first (`create`), so it is `DevId(0)`.
+    let devs = [Some(DevId(0)), backing_dev].into_iter().flatten();
+    let owner = OwnerBox::start(exec, chain, devs)
+        .ok_or_else(|| (libc::ENOMEM, "cannot register a poller".to_string()))?;
+    Ok((owner, seed))
 }
 
 fn register(
@@ -476,6 +516,7 @@ fn register(
         ring,
         live_channels: Arc::new(AtomicUsize::new(0)),
         retired: Arc::new(Mutex::new(Default::default())),
+        switching: Mutex::new(()),
     });
     let node = match handle::register(node, &props, |max| cluster_cut(max, cluster_size)) {
         Ok(r) => r,
@@ -688,7 +729,60 @@ pub fn info_json(node: &Node) -> serde_json::Value {
     serde_json::to_value(&node.info).unwrap_or_default()
 }
 
-/// The create call that `write_config_json` saves for `node`.
-pub fn config_json(node: &Node) -> serde_json::Value {
-    json!({ "method": "bdev_qcow2_create", "params": node.params })
+/// The create calls that `write_config_json` saves for `node`. SPDK saves bdevs in the
+/// order they registered, each followed by its own settings (histogram, QoS). An external
+/// snapshot registers the old image's read-only bdev after the bdev that now reads through
+/// it, so each bdev here also saves, before its own create, those of the qcow2 bdevs its
+/// backing chain reaches that registered after it (deepest first), and such a bdev saves
+/// nothing at its own place: a reload then creates the backing bdev first.
+pub fn config_json(node: &Node) -> Vec<serde_json::Value> {
+    let reg = registry::lock();
+    let order: Vec<(&str, &CreateParams)> = reg
+        .nodes
+        .iter()
+        .map(|(n, r)| (n.as_str(), &r.node().params))
+        .collect();
+    let me = &node.params.name;
+    let own = json!({ "method": "bdev_qcow2_create", "params": node.params });
+    if carrier(&order, me).is_some() {
+        return Vec::new();
+    }
+    let mut calls = Vec::new();
+    let mut next = node.params.backing_bdev.as_deref();
+    // Bounded by the number of bdevs (a chain never loops, but a hostile config could).
+    for _ in 0..order.len() {
+        let Some(b) = next else { break };
+        let Some((_, p)) = order.iter().find(|(n, _)| *n == b) else {
+            break;
+        };
+        if carrier(&order, b) == Some(me.as_str()) {
+            calls.push(json!({ "method": "bdev_qcow2_create", "params": p }));
+        }
+        next = p.backing_bdev.as_deref();
+    }
+    calls.reverse();
+    calls.push(own);
+    calls
+}
+
+/// The bdev that saves the create of `name` with its own (see [`config_json`]): the topmost
+/// of the bdevs reading through it that registered before it, if any.
+fn carrier<'a>(order: &[(&'a str, &CreateParams)], name: &str) -> Option<&'a str> {
+    let pos = |n: &str| order.iter().position(|(x, _)| *x == n);
+    let mine = pos(name)?;
+    let mut found = None;
+    let mut cur = name.to_owned();
+    for _ in 0..order.len() {
+        let Some((user, _)) = order
+            .iter()
+            .find(|(_, p)| p.backing_bdev.as_deref() == Some(cur.as_str()))
+        else {
+            break;
+        };
+        if pos(user).is_some_and(|u| u < mine) {
+            found = Some(*user);
+        }
+        cur = (*user).to_owned();
+    }
+    found
 }

@@ -114,6 +114,20 @@ pub fn delete(req: Request, params: Params) {
             drop(reg);
             return req.errno(libc::ENODEV, &format!("no qcow2 bdev named {}", p.name));
         }
+        // An overlay reads through it (an external snapshot's old image): deleting it
+        // would take the overlay down with it.
+        let user = reg
+            .nodes
+            .iter()
+            .find(|(_, r)| r.node().params.backing_bdev.as_deref() == Some(p.name.as_str()));
+        if let Some((user, _)) = user {
+            let m = format!(
+                "bdev {} is the backing bdev of qcow2 bdev {user}: delete {user} first",
+                p.name
+            );
+            drop(reg);
+            return req.errno(libc::EBUSY, &m);
+        }
     }
     let name = p.name.clone();
     let slot = std::rc::Rc::new(std::cell::Cell::new(Some(req)));

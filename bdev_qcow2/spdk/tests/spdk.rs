@@ -2151,4 +2151,241 @@ mod real {
             pause["pause_us"]
         ));
     }
+
+    #[test]
+    fn external_snapshot_under_verify_load_then_reload() {
+        require!("bdevperf", "spdk_dd", "spdk_tgt");
+        if rpc_py().is_none() {
+            say("SKIPPED: rpc.py not found (set SPDK_RPC or put spdk-rpc on PATH)");
+            return;
+        }
+        let _t = turn();
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        let old = d.join("old.qcow2");
+        qemu_img(&["create", "-q", "-f", "qcow2", s(&old), "64M"]);
+        qemu_io(&old, &["write -P 0x5a 0 64M"]);
+        pad(&old);
+        let f = fs::OpenOptions::new().write(true).open(&old).unwrap();
+        f.set_len(128 * MIB).unwrap();
+        drop(f);
+        // The overlay's bdev (created once bdevperf's jobs run, so that none runs on it)
+        // and one too small for the overlay of a 64 MiB disk.
+        let ov = d.join("ov.qcow2");
+        sparse(&ov, 96 * MIB);
+        let small = d.join("small.raw");
+        sparse(&small, 8 * MIB);
+        // And one whose writes fail: the overlay's format fails midway.
+        let bad = d.join("bad.raw");
+        sparse(&bad, 96 * MIB);
+        let mut failed = Vec::new();
+        let cfg = d.join("ext.json");
+        write_config(&cfg, vec![aio(&old, "aio0"), qcow2("q0", "aio0", None)]);
+        let saved = d.join("saved.json");
+        let mut answers = Vec::new();
+        let mut old_after = Vec::new();
+        let (ok, text) = verify_load_with_rpc(d, &cfg, "ext", 8, |sock| {
+            let rpc = |args: &[&str]| plugin_rpc(sock, args);
+            answers.push(rpc(&["bdev_aio_create", s(&ov), "aio1", "512"]));
+            answers.push(rpc(&["bdev_aio_create", s(&small), "aio2", "512"]));
+            // Refused: too small; a bdev of the chain; a bdev that is not ours.
+            answers.push(rpc(&[
+                "bdev_qcow2_snapshot_external",
+                "-b",
+                "q0",
+                "--base-bdev",
+                "aio2",
+            ]));
+            answers.push(rpc(&[
+                "bdev_qcow2_snapshot_external",
+                "-b",
+                "q0",
+                "--base-bdev",
+                "aio0",
+            ]));
+            answers.push(rpc(&[
+                "bdev_qcow2_snapshot_external",
+                "-b",
+                "aio1",
+                "--base-bdev",
+                "aio2",
+            ]));
+            failed.push(rpc(&["bdev_aio_create", s(&bad), "aio3", "512"]));
+            failed.push(rpc(&["bdev_error_create", "aio3"]));
+            failed.push(rpc(&[
+                "bdev_error_inject_error",
+                "EE_aio3",
+                "write",
+                "failure",
+                "-n",
+                "100000",
+            ]));
+            failed.push(rpc(&[
+                "bdev_qcow2_snapshot_external",
+                "-b",
+                "q0",
+                "--base-bdev",
+                "EE_aio3",
+                "-n",
+                "q0_bad",
+            ]));
+            failed.push(rpc(&["bdev_get_bdevs", "-b", "EE_aio3"]));
+            failed.push(rpc(&["bdev_get_bdevs", "-b", "q0_bad"]));
+            std::thread::sleep(Duration::from_millis(1000));
+            answers.push(rpc(&[
+                "bdev_qcow2_snapshot_external",
+                "-b",
+                "q0",
+                "--base-bdev",
+                "aio1",
+            ]));
+            // The old image, as the switch left it.
+            old_after = fs::read(&old).unwrap();
+            std::thread::sleep(Duration::from_millis(1000));
+            // In use by the overlay: not deleted.
+            answers.push(rpc(&["bdev_qcow2_delete", "q0_snap0"]));
+            answers.push(rpc(&["bdev_get_bdevs", "-b", "q0_snap0"]));
+            answers.push(rpc(&["save_config"]));
+            std::thread::sleep(Duration::from_millis(1500));
+        });
+        assert!(
+            ok,
+            "bdevperf verify failed across the external snapshot:\n{text}"
+        );
+        for (i, want_ok) in [
+            (0, true),
+            (1, true),
+            (2, false),
+            (3, false),
+            (4, false),
+            (5, true),
+            (6, false),
+            (7, true),
+            (8, true),
+        ] {
+            assert_eq!(answers[i].0, want_ok, "answer {i}: {}", answers[i].1);
+        }
+        assert!(answers[2].1.contains("too small"), "{}", answers[2].1);
+        // A format that fails midway: refused, the new base released, no bdev made, and the
+        // bdev went on serving its image (bdevperf saw no failure).
+        for (i, want_ok) in [
+            (0, true),
+            (1, true),
+            (2, true),
+            (3, false),
+            (4, true),
+            (5, false),
+        ] {
+            assert_eq!(
+                failed[i].0, want_ok,
+                "failed-format answer {i}: {}",
+                failed[i].1
+            );
+        }
+        assert!(failed[3].1.contains("overlay"), "{}", failed[3].1);
+        let ee: Value = serde_json::from_str(failed[4].1.trim()).unwrap();
+        assert_eq!(ee[0]["claimed"], false, "{ee}");
+        assert!(answers[6].1.contains("backing bdev of"), "{}", answers[6].1);
+        let sw: Value = serde_json::from_str(answers[5].1.trim()).unwrap();
+        assert_eq!(sw["snapshot"], "q0_snap0", "{sw}");
+        let snap: Value = serde_json::from_str(answers[7].1.trim()).unwrap();
+        assert_eq!(
+            snap[0]["driver_specific"]["qcow2"]["read_only"], true,
+            "{snap}"
+        );
+        let mut config: Value = serde_json::from_str(answers[8].1.trim()).unwrap();
+        // bdevperf turned histograms on for its bdevs, and SPDK saves that right after the
+        // bdev's create: q0's create waits on a reload for aio1 (made after it), so the
+        // histogram call would find no q0. Not ours to save; left out.
+        for sub in config["subsystems"].as_array_mut().unwrap() {
+            if let Some(calls) = sub["config"].as_array_mut() {
+                calls.retain(|c| c["method"] != "bdev_enable_histogram");
+            }
+        }
+        fs::write(&saved, serde_json::to_vec_pretty(&config).unwrap()).unwrap();
+        // Nothing wrote to the old image after the switch, bdevperf's shutdown included.
+        assert!(
+            fs::read(&old).unwrap() == old_after,
+            "the old image changed after the switch"
+        );
+        check_clean(&old, "the old image after the switch");
+        // The overlay names its backing as our module reopens it: the read-only bdev. For
+        // qemu-img, a file of that name beside the overlay.
+        std::os::unix::fs::symlink(&old, d.join("q0_snap0")).unwrap();
+        let out = run_ok(Command::new("qemu-img").args(["info", "--output=json", s(&ov)]));
+        let info: Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(info["backing-filename"], "q0_snap0", "{info}");
+        assert_eq!(info["backing-filename-format"], "qcow2", "{info}");
+        assert_eq!(info["virtual-size"].as_u64(), Some(64 * MIB));
+        check_clean(&ov, "the overlay after the load");
+        // The saved config names the old image's bdev, read-only, and the overlay over it.
+        let bdev_cfg = config["subsystems"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|s| s["subsystem"] == "bdev")
+            .unwrap()["config"]
+            .as_array()
+            .unwrap()
+            .clone();
+        let creates: Vec<&Value> = bdev_cfg
+            .iter()
+            .filter(|c| c["method"] == "bdev_qcow2_create")
+            .collect();
+        assert_eq!(creates.len(), 2, "{bdev_cfg:?}");
+        // The old image's bdev first, then the overlay naming it.
+        assert_eq!(creates[0]["params"]["name"], "q0_snap0", "{bdev_cfg:?}");
+        let by_name = |n: &str| {
+            creates
+                .iter()
+                .find(|c| c["params"]["name"] == n)
+                .unwrap_or_else(|| panic!("no {n} in {creates:?}"))["params"]
+                .clone()
+        };
+        let (q0, sn) = (by_name("q0"), by_name("q0_snap0"));
+        assert_eq!(q0["base_bdev"], "aio1");
+        assert_eq!(q0["backing_bdev"], "q0_snap0");
+        assert_eq!(sn["base_bdev"], "aio0");
+        assert_eq!(sn["read_only"], true);
+        // Reloaded: the same chain, read by SPDK as QEMU reads the overlay over the old
+        // image; a write to the read-only bdev fails and changes nothing.
+        let t = Target::start(d, "ext-reload", Some(&saved));
+        let q = t.bdev("q0").expect("q0 reloaded");
+        assert_eq!(
+            q["driver_specific"]["qcow2"]["backing_bdev"], "q0_snap0",
+            "{q}"
+        );
+        let sn = t.bdev("q0_snap0").expect("q0_snap0 reloaded");
+        assert_eq!(sn["driver_specific"]["qcow2"]["read_only"], true, "{sn}");
+        assert!(!t.try_rpc(&["bdev_qcow2_delete", "q0_snap0"]).0);
+        t.stop();
+        dd_and_compare(d, &saved, "q0", &ov, "ext-overlay");
+        // The old image alone, as a read-only bdev nothing claims (q0 claims it in the chain,
+        // which spdk_dd's open of it would conflict with).
+        let cfg3 = d.join("ext-old.json");
+        let ro = json!({"method": "bdev_qcow2_create",
+                        "params": {"name": "q0_snap0", "base_bdev": "b0", "read_only": true}});
+        write_config(&cfg3, vec![aio(&old, "b0"), ro]);
+        dd_and_compare(d, &cfg3, "q0_snap0", &old, "ext-old");
+        // Writes to the read-only bdev fail (and change nothing).
+        let (wrote, out) = bdevperf(
+            d,
+            &cfg3,
+            "ext-ro",
+            &["-q", "1", "-o", "4096", "-w", "write", "-t", "1"],
+            60,
+        );
+        assert!(
+            !wrote && out.contains("with error"),
+            "writes to the read-only bdev did not fail:\n{out}"
+        );
+        assert!(
+            fs::read(&old).unwrap() == old_after,
+            "a write to the read-only bdev changed the old image"
+        );
+        say(&format!(
+            "bdev_qcow2_snapshot_external under bdevperf verify on 2 cores: no failure; I/O paused {} us; old image unchanged and clean, overlay clean, saved config reloads the chain",
+            sw["pause_us"]
+        ));
+    }
 }

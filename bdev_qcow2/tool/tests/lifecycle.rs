@@ -282,3 +282,59 @@ fn snapshots_made_by_qemu_img_are_deleted_and_applied_here() {
         );
     }
 }
+
+/// The offline external snapshot: `qcow2 create -b OLD -F qcow2 NEW` (no size: the backing
+/// image's) makes the overlay `qemu-img create` makes, reading as the old image.
+#[test]
+fn create_with_a_backing_file_is_an_external_snapshot() {
+    let d = Dir::new();
+    let old = d.image(
+        "old.qcow2",
+        "cluster_size=65536",
+        "24M",
+        &["write -P 7 0 3M", "write -P 8 20M 64k"],
+    );
+    let ours = d.path("ours.qcow2");
+    let theirs = d.path("theirs.qcow2");
+    run(Command::new(QCOW2)
+        .args([
+            "create",
+            "-q",
+            "-f",
+            "qcow2",
+            "-b",
+            "old.qcow2",
+            "-F",
+            "qcow2",
+        ])
+        .arg(&ours));
+    qemu_img(&[
+        "create",
+        "-q",
+        "-f",
+        "qcow2",
+        "-b",
+        "old.qcow2",
+        "-F",
+        "qcow2",
+        s(&theirs),
+    ]);
+    clean(&ours);
+    let info = |p: &Path| {
+        let out = Command::new("qemu-img")
+            .args(["info", "--output=json", s(p)])
+            .output()
+            .unwrap();
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        (
+            v["virtual-size"].clone(),
+            v["cluster-size"].clone(),
+            v["backing-filename"].clone(),
+            v["backing-filename-format"].clone(),
+        )
+    };
+    assert_eq!(info(&ours), info(&theirs));
+    assert_eq!(info(&ours).2, "old.qcow2");
+    same_disk(&ours, &old);
+    same_disk(&ours, &theirs);
+}

@@ -283,7 +283,9 @@ unsafe extern "C" fn write_config_json(
     w: *mut sys::spdk_json_write_ctx,
 ) {
     // SAFETY: `bdev` is ours, so its `ctxt` is the node.
-    let v = node::config_json(unsafe { &*(*bdev).ctxt.cast::<Node>() });
-    // SAFETY: SPDK hands us a write context inside the config array.
-    unsafe { super::json::write_value(w, &v) };
+    let calls = node::config_json(unsafe { &*(*bdev).ctxt.cast::<Node>() });
+    for v in &calls {
+        // SAFETY: SPDK hands us a write context inside the config array.
+        unsafe { super::json::write_value(w, v) };
+    }
 }

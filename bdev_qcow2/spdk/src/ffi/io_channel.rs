@@ -69,17 +69,24 @@ impl Homed<Channel> {
 unsafe extern "C" fn create_cb(io_device: *mut c_void, ctx: *mut c_void) -> c_int {
     // SAFETY: our io_devices are nodes, live while channels exist.
     let node = unsafe { &*io_device.cast::<Node>() };
-    let state = match Channel::create(node) {
-        Ok(c) => c,
+    let state = match new_state(node) {
+        Ok(s) => s,
         Err(e) => return -e,
-    };
-    let Ok(state) = thread::start(state, c"qcow2_channel") else {
-        // Dropped: nothing is in flight except the open task, which its executor drops.
-        return -libc::ENOMEM;
     };
     // SAFETY: the context area has room for one pointer (size given at registration).
     unsafe { *ctx.cast::<*const Channel>() = state };
     0
+}
+
+/// A channel state of `node` on this thread, built from the node's fields while no switch
+/// changes them (`Node::switching`), its poller started.
+fn new_state(node: &Node) -> Result<*const Channel, i32> {
+    let state = {
+        let _g = node.switching.lock().unwrap_or_else(|e| e.into_inner());
+        Channel::create(node)?
+    };
+    // Dropped on failure: nothing is in flight except the open task, which its executor drops.
+    thread::start(state, c"qcow2_channel").map_err(|_| libc::ENOMEM)
 }
 
 unsafe extern "C" fn destroy_cb(_io_device: *mut c_void, ctx: *mut c_void) {
@@ -135,6 +142,37 @@ impl ChannelIter {
         // node's, whose state lives at least until the iteration moves past it.
         let c = unsafe { state_of(ctx_of(sys::spdk_io_channel_iter_get_channel(self.0))) };
         f(c, self)
+    }
+
+    /// Puts a new state under the visited channel, built from its node as the node is now
+    /// (after an external snapshot switched the node's image), and releases the old state
+    /// (freed now if idle, else by its poll once idle); then continues. A channel whose new
+    /// state cannot be built keeps the old one and the iteration stops with the errno.
+    pub fn renew_state(self) {
+        // SAFETY: the iterator is live until continued; its io_device is one of our nodes,
+        // registered while the iteration runs, and its channel's context area holds a live
+        // state pointer (`create_cb`), which only this thread replaces.
+        let (node, ctx) = unsafe {
+            (
+                &*sys::spdk_io_channel_iter_get_io_device(self.0).cast::<Node>(),
+                ctx_of(sys::spdk_io_channel_iter_get_channel(self.0)).cast::<*const Channel>(),
+            )
+        };
+        let status = match new_state(node) {
+            Ok(new) => {
+                // SAFETY: as above; requests already carry the state they were submitted
+                // to (the old one stays until they completed), new ones find the new one.
+                let old = unsafe { std::ptr::replace(ctx, new) };
+                // SAFETY: live until finished, which only its poll or this does.
+                if unsafe { &*old }.release() {
+                    // SAFETY: idle and no longer reachable from the channel: finished once.
+                    unsafe { thread::stop(old) };
+                }
+                0
+            }
+            Err(e) => -e,
+        };
+        self.next(status);
     }
 
     /// Moves to the next channel (or to the completion), with `status` (non-zero stops).

@@ -20,13 +20,16 @@ use super::io_channel::{self, ChannelIter};
 use super::sys;
 use super::thread::{Homed, Thread};
 use crate::device::SpdkDevice;
-use crate::node::Node;
+use crate::node::{ImageInfo, Node};
 use crate::owner::{Owner, OwnerCounters};
-use qcow2_engine::{Chain, DevId, Exec};
+use crate::params::CreateParams;
+use qcow2_engine::{Chain, CoreSeed, DevId, Exec};
 use std::ffi::{c_int, c_void};
 use std::marker::PhantomData;
 use std::ptr::NonNull;
 use std::rc::Rc;
+use std::sync::atomic::AtomicUsize;
+use std::sync::Arc;
 
 /// Names a node (by address) for look-ups in the registry, without giving access to it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -93,6 +96,38 @@ impl Registered {
         }
     }
 
+    /// Puts `new` under the node in place of its image (an external snapshot: the bdev
+    /// goes on under the same name over another image): descriptors, owner, replica seed,
+    /// parameters, header information, and the count of channel states built from them.
+    /// Returns the former ones, or `new` back when the caller is not on the md thread of a
+    /// writable node. The caller quiesced the bdev (no request in flight) and then moves
+    /// every channel onto a state built from the new image ([`ChannelIter::renew_state`]);
+    /// the former owner is closed once the former states are gone.
+    pub fn switch_image(&self, new: Box<Image>) -> Result<Box<Image>, Box<Image>> {
+        let p = self.0.as_ptr();
+        if self.owner_here().is_none() || new.owner.is_none() {
+            return Err(new);
+        }
+        // SAFETY: the node is live while this handle exists. Its fields are read by channel
+        // creation on any thread, which holds `switching` (not written here), and by this
+        // (md) thread; the owner only on the md thread. No request is in flight (quiesced).
+        unsafe {
+            let _g = (*p).switching.lock().unwrap_or_else(|e| e.into_inner());
+            let owner = new.owner.map_or(std::ptr::null_mut(), OwnerBox::into_node);
+            let old_owner = std::mem::replace(&mut (*p).owner, owner);
+            Ok(Box::new(Image {
+                base: std::mem::replace(&mut (*p).base, new.base),
+                backing: std::mem::replace(&mut (*p).backing, new.backing),
+                // Started on this thread (the md thread) and given to no other box.
+                owner: OwnerBox::from_raw(old_owner),
+                seed: std::mem::replace(&mut (*p).seed, new.seed),
+                params: std::mem::replace(&mut (*p).params, new.params),
+                info: std::mem::replace(&mut (*p).info, new.info),
+                live_channels: std::mem::replace(&mut (*p).live_channels, new.live_channels),
+            }))
+        }
+    }
+
     /// Quiesces the bdev (`spdk_bdev_quiesce`): once every request in flight has completed,
     /// with new ones held back by SPDK, `done(0)` runs on this thread; `done(-errno)` when
     /// SPDK refuses. [`unquiesce`](Self::unquiesce) lets the held requests go.
@@ -150,6 +185,24 @@ impl Registered {
         // after `device_gone`.
         unsafe { io_channel::unregister_device(self.0.as_ptr().cast(), device_gone) }
     }
+}
+
+/// The image under a node, as [`Registered::switch_image`] swaps it.
+pub struct Image {
+    /// The base descriptor (holding the image).
+    pub base: Option<Desc>,
+    /// The backing descriptor.
+    pub backing: Option<Desc>,
+    /// The image's metadata owner.
+    pub owner: Option<OwnerBox>,
+    /// What other threads' replicas are built from.
+    pub seed: Option<CoreSeed>,
+    /// The create call `save_config` writes.
+    pub params: CreateParams,
+    /// What the header said.
+    pub info: ImageInfo,
+    /// Channel states built from this image that are not freed yet.
+    pub live_channels: Arc<AtomicUsize>,
 }
 
 /// SPDK finished a quiesce or unquiesce: hands the status to the boxed callback.

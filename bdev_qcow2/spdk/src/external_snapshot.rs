@@ -1,0 +1,726 @@
+//! `bdev_qcow2_snapshot_external {name, base_bdev, snapshot_name?}` (QEMU's
+//! `blockdev-snapshot-sync`): formats a new overlay on `base_bdev` whose backing is the
+//! bdev's current image, and switches the bdev to it while it serves I/O. The old image
+//! becomes a read-only qcow2 bdev of its own, `snapshot_name` (default `<name>_snap<N>`,
+//! the lowest N no bdev has), which the overlay names as its backing bdev and backing
+//! file, so that `save_config` writes the chain and reloads it.
+//!
+//! On the md thread, in this order (ARCHITECTURE.md §13):
+//! 1. claim `base_bdev` as its writer, flush the old image, format the overlay and open it
+//!    (the old image serves meanwhile; any failure leaves it as it was);
+//! 2. quiesce the bdev (requests in flight complete, new ones wait), close the old image
+//!    (everything written back: it is clean and final on its bdev);
+//! 3. register the old image's read-only bdev, open it as the overlay's backing, start the
+//!    overlay's owner, put the overlay under the bdev and a new state under every channel;
+//! 4. unquiesce; once the old channel states are gone, close the old owner and its
+//!    descriptors, and claim the old base for the read-only bdev.
+
+use crate::device::SpdkDevice;
+use crate::ffi::bdev::{self, Desc};
+use crate::ffi::io_channel::ChannelIter;
+use crate::ffi::node::{Image, NodeKey};
+use crate::ffi::rpc::{Params, Request, INVALID_PARAMS};
+use crate::ffi::sys;
+use crate::ffi::thread::{self, Poll, Polled, PollerSlot};
+use crate::lifecycle_busy::Busy;
+use crate::node::{self, ImageInfo};
+use crate::params::CreateParams;
+use crate::registry::{self, Registry};
+use crate::rpc::decode;
+use qcow2_engine::create::CreateOptions;
+use qcow2_engine::overlay::{format_overlay, overlay_options};
+use qcow2_engine::{Exec, OpenOptions, Qcow2};
+use serde::Deserialize;
+use serde_json::json;
+use std::cell::RefCell;
+use std::ffi::c_int;
+use std::rc::Rc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+const METHOD: &str = "bdev_qcow2_snapshot_external";
+
+/// `bdev_qcow2_snapshot_external` parameters.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ExternalSnapshotParams {
+    /// The (writable) qcow2 bdev.
+    pub name: String,
+    /// The bdev the new overlay is formatted on (unclaimed; everything on it is lost).
+    pub base_bdev: String,
+    /// The name of the read-only bdev the old image becomes (default `<name>_snap<N>`).
+    #[serde(default)]
+    pub snapshot_name: Option<String>,
+}
+
+/// `<name>_snap<N>` for the lowest N that names no bdev.
+fn default_snapshot_name(reg: &Registry, name: &str) -> String {
+    (0u32..)
+        .map(|n| format!("{name}_snap{n}"))
+        .find(|s| !reg.knows(s) && !bdev::exists(s))
+        .unwrap_or_default()
+}
+
+/// Bytes a fully allocated image of `size` bytes in clusters of `cluster` bytes takes
+/// (data, L2 and L1 tables, 16-bit refcounts, header): an overlay on a fixed-size bdev
+/// must have room for every cluster the guest may write.
+fn fully_allocated(size: u64, cluster: u64) -> u64 {
+    let clusters = |bytes: u64| bytes.div_ceil(cluster);
+    let data = clusters(size);
+    let l2 = clusters(data * 8);
+    let l1 = clusters(l2 * 8);
+    let meta = 1 + l2 + l1;
+    let refcounts = clusters((data + meta) * 2);
+    (data + meta + refcounts + clusters(refcounts * 8)) * cluster
+}
+
+/// A switch in progress: what every step hands the next.
+struct Switch {
+    req: Option<Request>,
+    _busy: Busy,
+    key: NodeKey,
+    name: String,
+    snapshot: String,
+    /// The new base, claimed as its writer (until the node takes it).
+    new_base: Option<Desc>,
+    /// The overlay's executor (its device 0 is `new_base`) and the open overlay.
+    exec: Option<Exec<SpdkDevice>>,
+    image: Option<Qcow2<SpdkDevice>>,
+    zero_offload: bool,
+    /// The bdev's parameters over the overlay, and the old image's bdev's.
+    params: CreateParams,
+    snap_params: CreateParams,
+    /// When the quiesce was asked for.
+    t0: Option<Instant>,
+    quiesced: bool,
+    /// How long I/O paused, once it goes on.
+    pause_us: u64,
+    /// The node's former image, until it is closed.
+    old: Option<Box<Image>>,
+}
+
+impl Switch {
+    /// Ends the switch with an error, the bdev serving as before: lets the requests go if
+    /// they were held, releases the new base, answers.
+    fn fail(mut self: Box<Self>, errno: i32, msg: String) {
+        tracing::error!("{METHOD} {}: {msg}", self.name);
+        self.image = None;
+        self.exec = None;
+        if let Some(d) = self.new_base.take() {
+            d.close();
+        }
+        let req = self.req.take();
+        let answer = move || {
+            if let Some(req) = req {
+                req.errno(errno, &format!("{METHOD}: {msg}"));
+            }
+        };
+        if self.quiesced {
+            let reg = registry::lock();
+            if let Some(n) = reg.by_key(self.key) {
+                n.unquiesce(move |_| answer());
+                return;
+            }
+        }
+        answer();
+    }
+}
+
+/// `bdev_qcow2_snapshot_external`: answers the bdev's name, the read-only bdev the old
+/// image became, and how long I/O paused (`pause_us`), once the old image is closed.
+pub fn snapshot_external(req: Request, params: Params) {
+    let Some((req, p)) = decode::<ExternalSnapshotParams>(req, params, METHOD) else {
+        return;
+    };
+    let names = [Some(&p.name), Some(&p.base_bdev), p.snapshot_name.as_ref()];
+    if names
+        .iter()
+        .flatten()
+        .any(|n| n.is_empty() || n.contains('\0'))
+    {
+        return req.error(INVALID_PARAMS, &format!("{METHOD}: empty name"));
+    }
+    let reg = registry::lock();
+    let Some(node) = reg.node(&p.name) else {
+        drop(reg);
+        return req.errno(libc::ENODEV, &format!("no qcow2 bdev named {}", p.name));
+    };
+    let Some(owner) = node.owner_here() else {
+        drop(reg);
+        return req.errno(
+            libc::EROFS,
+            &format!(
+                "{}: read-only, or this RPC does not run on its md thread",
+                p.name
+            ),
+        );
+    };
+    let n = node.node();
+    let snapshot = p
+        .snapshot_name
+        .clone()
+        .unwrap_or_else(|| default_snapshot_name(&reg, &p.name));
+    let in_chain = p.base_bdev == p.name
+        || p.base_bdev == n.params.base_bdev
+        || Some(&p.base_bdev) == n.params.backing_bdev.as_ref()
+        || p.base_bdev == snapshot;
+    if in_chain {
+        drop(reg);
+        return req.error(
+            INVALID_PARAMS,
+            &format!(
+                "{METHOD}: base_bdev {} is a bdev of the chain (or the snapshot's name)",
+                p.base_bdev
+            ),
+        );
+    }
+    if reg.knows(&snapshot) || bdev::exists(&snapshot) {
+        drop(reg);
+        return req.errno(libc::EEXIST, &format!("bdev {snapshot} already exists"));
+    }
+    let Some(busy) = Busy::begin(&p.name) else {
+        drop(reg);
+        return req.errno(
+            libc::EBUSY,
+            &format!("{}: another life-cycle operation is running on it", p.name),
+        );
+    };
+    // The bdev's alignment was fixed at registration from its base and backing: the
+    // overlay's base must not need more (its direct path hands it the guest's buffers).
+    let align = [&n.base, &n.backing]
+        .into_iter()
+        .flatten()
+        .map(|d| d.buf_align())
+        .max()
+        .unwrap_or(1);
+    let (size, cluster) = (owner.size(), n.info.cluster_size);
+    let old = n.params.clone();
+    let key = node.key();
+    drop(reg);
+    let new_base = match node::open_claimed(&p.base_bdev, "base", true) {
+        Ok(d) => d,
+        Err((e, m)) => return req.errno(e, &format!("{METHOD}: {m}")),
+    };
+    let refuse = |req: Request, d: Desc, e: i32, m: String| {
+        d.close();
+        req.errno(e, &format!("{METHOD}: {m}"));
+    };
+    if new_base.buf_align() > align {
+        let a = new_base.buf_align();
+        return refuse(
+            req,
+            new_base,
+            libc::EINVAL,
+            format!(
+                "base_bdev {} needs {a}-byte aligned buffers; the bdev was registered with {align}",
+                p.base_bdev
+            ),
+        );
+    }
+    let need = fully_allocated(size, cluster);
+    if new_base.size() < need {
+        let have = new_base.size();
+        return refuse(
+            req,
+            new_base,
+            libc::ENOSPC,
+            format!(
+                "base_bdev {} ({have} bytes) is too small for the overlay of a {size}-byte \
+                 disk ({need} bytes when every cluster is written)",
+                p.base_bdev
+            ),
+        );
+    }
+    let zero_offload = crate::device::zero_offload(&new_base, old.zero_offload);
+    let params = CreateParams {
+        base_bdev: p.base_bdev.clone(),
+        backing_bdev: Some(snapshot.clone()),
+        ..old.clone()
+    };
+    let snap_params = CreateParams {
+        name: snapshot.clone(),
+        read_only: true,
+        zero_offload: None,
+        ..old
+    };
+    let sw = Box::new(Switch {
+        req: Some(req),
+        _busy: busy,
+        key,
+        name: p.name.clone(),
+        snapshot,
+        new_base: Some(new_base),
+        exec: None,
+        image: None,
+        zero_offload,
+        params,
+        snap_params,
+        t0: None,
+        quiesced: false,
+        pause_us: 0,
+        old: None,
+    });
+    // Step 1: flush the old image (most of what the close in the pause would write), then
+    // format and open the overlay.
+    let slot = Rc::new(RefCell::new(Some(sw)));
+    let s2 = slot.clone();
+    let reg = registry::lock();
+    let Some(owner) = reg.by_key(key).and_then(|n| n.owner_here()) else {
+        drop(reg);
+        if let Some(sw) = slot.borrow_mut().take() {
+            sw.fail(libc::ENODEV, "the bdev went away".into());
+        }
+        return;
+    };
+    owner.run_job(move |chain| async move {
+        let Some(sw) = s2.borrow_mut().take() else {
+            return;
+        };
+        let opts = match chain.layers().first() {
+            Some(qcow2_engine::Layer::Qcow2(q)) => overlay_options(q, &sw.snapshot),
+            _ => return sw.fail(libc::EROFS, "no writable image".into()),
+        };
+        if let Err(e) = chain.flush().await {
+            return sw.fail(e.errno(), format!("flushing the image: {e}"));
+        }
+        prepare(sw, opts);
+    });
+}
+
+/// The overlay being formatted and opened on the new base, by its own poller.
+struct Prepare {
+    exec: Exec<SpdkDevice>,
+    result: Rc<RefCell<Option<qcow2_engine::Result<Qcow2<SpdkDevice>>>>>,
+    poller: PollerSlot,
+    sw: Option<Box<Switch>>,
+}
+
+impl Polled for Prepare {
+    fn slot(&self) -> &PollerSlot {
+        &self.poller
+    }
+
+    fn poll(&self) -> Poll {
+        let n = self.exec.poll(&mut |_, _| {});
+        Poll::of_task(n, self.result.borrow().is_some(), self.exec.busy())
+    }
+
+    fn finish(self: Box<Self>) {
+        let mut p = *self;
+        let Some(mut sw) = p.sw.take() else { return };
+        let r = p.result.borrow_mut().take();
+        match r {
+            Some(Ok(image)) => {
+                sw.exec = Some(p.exec);
+                sw.image = Some(image);
+                quiesce(sw);
+            }
+            Some(Err(e)) => {
+                drop(p.exec);
+                let base = sw.params.base_bdev.clone();
+                sw.fail(e.errno(), format!("formatting the overlay on {base}: {e}"));
+            }
+            None => {
+                drop(p.exec);
+                sw.fail(libc::EIO, "the overlay's format did not finish".into());
+            }
+        }
+    }
+}
+
+/// Step 1, second half: formats the overlay `opts` on the new base and opens it writable.
+fn prepare(sw: Box<Switch>, opts: CreateOptions) {
+    let Some(dev) = sw.new_base.as_ref().and_then(SpdkDevice::new) else {
+        return sw.fail(libc::ENOMEM, "no I/O channel for the new base".into());
+    };
+    let mut dev = dev;
+    dev.set_zero_offload(sw.zero_offload);
+    let exec: Exec<SpdkDevice> = Exec::new();
+    let id = exec.add_device(dev);
+    let result = Rc::new(RefCell::new(None));
+    let (e2, r2) = (exec.clone(), result.clone());
+    let open = OpenOptions {
+        writable: true,
+        ..sw.params.open_options()
+    };
+    exec.spawn(async move {
+        let r = match format_overlay(&e2, id, &opts).await {
+            Ok(()) => Qcow2::open(&e2, id, open).await,
+            Err(e) => Err(e),
+        };
+        *r2.borrow_mut() = Some(r);
+    });
+    let job = Box::new(Prepare {
+        exec,
+        result,
+        poller: PollerSlot::default(),
+        sw: Some(sw),
+    });
+    if let Err(mut j) = thread::start_task(job, c"qcow2_overlay") {
+        if let Some(sw) = j.sw.take() {
+            drop(j);
+            sw.fail(libc::ENOMEM, "cannot register a poller".into());
+        }
+    }
+}
+
+/// Step 2: quiesce, then close the old image.
+fn quiesce(mut sw: Box<Switch>) {
+    let key = sw.key;
+    sw.t0 = Some(Instant::now());
+    let slot = Rc::new(RefCell::new(Some(sw)));
+    let s2 = slot.clone();
+    let found = {
+        let reg = registry::lock();
+        reg.by_key(key).map(|n| {
+            n.quiesce(move |status| {
+                let Some(mut sw) = s2.borrow_mut().take() else {
+                    return;
+                };
+                if status != 0 {
+                    return sw.fail(-status, "SPDK could not quiesce the bdev".into());
+                }
+                sw.quiesced = true;
+                close_old(sw);
+            })
+        })
+    };
+    if found.is_none() {
+        let sw = slot.borrow_mut().take();
+        if let Some(sw) = sw {
+            sw.fail(libc::ENODEV, "the bdev went away".into());
+        }
+    }
+}
+
+/// Step 2, second half: the old image written back and closed (no request is in flight).
+fn close_old(sw: Box<Switch>) {
+    let reg = registry::lock();
+    let Some(owner) = reg.by_key(sw.key).and_then(|n| n.owner_here()) else {
+        drop(reg);
+        return sw.fail(libc::ENODEV, "the bdev went away".into());
+    };
+    owner.run_job(move |chain| async move {
+        if let Err(e) = chain.close().await {
+            return sw.fail(e.errno(), format!("closing the old image: {e}"));
+        }
+        register_snapshot(sw);
+    });
+}
+
+/// Step 3: the old image's read-only bdev, on a descriptor of the old base opened without a
+/// claim (the bdev still holds its writer's claim until its old states are gone).
+fn register_snapshot(sw: Box<Switch>) {
+    let p = sw.snap_params.clone();
+    let slot = Rc::new(RefCell::new(Some(sw)));
+    let s2 = slot.clone();
+    node::create_unclaimed(
+        p,
+        Box::new(move |r| {
+            let Some(sw) = s2.borrow_mut().take() else {
+                return;
+            };
+            match r {
+                Ok(_) => switch(sw),
+                Err((e, m)) => sw.fail(e, format!("the old image's bdev: {m}")),
+            }
+        }),
+    );
+}
+
+/// Undoes [`register_snapshot`] after a later failure (nothing uses the bdev yet).
+fn drop_snapshot(name: &str) {
+    if let Err(e) = bdev::unregister_by_name(name, |_| {}) {
+        tracing::error!("{METHOD}: cannot unregister {name} again: errno {e}");
+    }
+}
+
+/// Step 3, second half: the overlay's owner over the old image's bdev, put under the node
+/// and under every channel.
+fn switch(mut sw: Box<Switch>) {
+    let snap = sw.snapshot.clone();
+    // Claimed later (`claim_snapshot`): other modules examine the new bdev now, some
+    // with a descriptor open for writing, which a read-only claim cannot coexist with.
+    let backing = match node::open_unclaimed(&snap, "backing") {
+        Ok(d) => d,
+        Err((e, m)) => {
+            drop_snapshot(&snap);
+            return sw.fail(e, m);
+        }
+    };
+    let (Some(exec), Some(image)) = (sw.exec.take(), sw.image.take()) else {
+        backing.close();
+        drop_snapshot(&snap);
+        return sw.fail(libc::EIO, "the overlay is not open".into());
+    };
+    let Some(bdev) = SpdkDevice::new(&backing) else {
+        drop(image);
+        drop(exec);
+        backing.close();
+        drop_snapshot(&snap);
+        return sw.fail(libc::ENOMEM, format!("no I/O channel for {snap}"));
+    };
+    let backing_dev = exec.add_device(bdev);
+    let info = ImageInfo::of(&image, &sw.params, sw.zero_offload);
+    let reg = registry::lock();
+    let Some(node) = reg.by_key(sw.key) else {
+        drop(reg);
+        drop(image);
+        drop(exec);
+        backing.close();
+        drop_snapshot(&snap);
+        return sw.fail(libc::ENODEV, "the bdev went away".into());
+    };
+    let ring = node.node().ring.clone();
+    let owner = match node::start_owner(exec, image, Some(backing_dev), &sw.params, ring.as_ref()) {
+        Ok(o) => o,
+        Err((e, m)) => {
+            drop(reg);
+            backing.close();
+            drop_snapshot(&snap);
+            return sw.fail(e, m);
+        }
+    };
+    let new = Box::new(Image {
+        base: sw.new_base.take(),
+        backing: Some(backing),
+        owner: Some(owner.0),
+        seed: owner.1,
+        params: sw.params.clone(),
+        info,
+        live_channels: Arc::new(AtomicUsize::new(0)),
+    });
+    match node.switch_image(new) {
+        Ok(old) => sw.old = Some(old),
+        Err(_) => {
+            // Not reached: the node was found writable on this thread above.
+            drop(reg);
+            return sw.fail(libc::EIO, "the switch was refused".into());
+        }
+    }
+    tracing::info!(
+        "qcow2 bdev {} now serves the overlay on {} over {snap}",
+        sw.name,
+        sw.params.base_bdev
+    );
+    node.for_each_channel(sw, |it: ChannelIter, _| it.renew_state(), switched);
+}
+
+/// Step 4: every channel has its new state: the requests go on.
+fn switched(sw: Box<Switch>, status: c_int) {
+    if status != 0 {
+        tracing::error!(
+            "{METHOD} {}: a channel kept the old image (errno {}); its requests fail",
+            sw.name,
+            -status
+        );
+    }
+    let key = sw.key;
+    let slot = Rc::new(RefCell::new(Some(sw)));
+    let s2 = slot.clone();
+    let found = {
+        let reg = registry::lock();
+        reg.by_key(key).map(|n| {
+            n.unquiesce(move |_| {
+                let sw = s2.borrow_mut().take();
+                if let Some(sw) = sw {
+                    retire_old(sw);
+                }
+            })
+        })
+    };
+    if found.is_none() {
+        let sw = slot.borrow_mut().take();
+        if let Some(sw) = sw {
+            retire_old(sw);
+        }
+    }
+}
+
+/// Waits for the old channel states to be freed (an idle one at once, one finishing its
+/// read-ahead soon after), then [`close_old_owner`].
+struct WaitOld {
+    live: Arc<AtomicUsize>,
+    poller: PollerSlot,
+    sw: Option<Box<Switch>>,
+}
+
+impl Polled for WaitOld {
+    fn slot(&self) -> &PollerSlot {
+        &self.poller
+    }
+
+    fn poll(&self) -> Poll {
+        if self.live.load(Ordering::Acquire) == 0 {
+            Poll::Done
+        } else {
+            Poll::Idle
+        }
+    }
+
+    fn finish(mut self: Box<Self>) {
+        if let Some(sw) = self.sw.take() {
+            close_old_owner(sw);
+        }
+    }
+}
+
+fn retire_old(mut sw: Box<Switch>) {
+    sw.pause_us = sw.t0.map_or(0, |t| t.elapsed().as_micros() as u64);
+    sw.quiesced = false;
+    tracing::info!("{METHOD} {}: I/O paused {} us", sw.name, sw.pause_us);
+    let Some(live) = sw.old.as_ref().map(|o| o.live_channels.clone()) else {
+        return answer(sw);
+    };
+    let job = Box::new(WaitOld {
+        live,
+        poller: PollerSlot::default(),
+        sw: Some(sw),
+    });
+    if let Err(mut j) = thread::start_task(job, c"qcow2_switch_wait") {
+        tracing::error!("{METHOD}: no poller to retire the old image; it stays open");
+        if let Some(mut sw) = j.sw.take() {
+            sw.old = None;
+            answer(sw);
+        }
+    }
+}
+
+/// The old owner closes (nothing left to write), then its descriptors; the old base is
+/// claimed for the read-only bdev, and the RPC answers.
+fn close_old_owner(mut sw: Box<Switch>) {
+    let Some(mut old) = sw.old.take() else {
+        return answer(sw);
+    };
+    let Some(owner) = old.owner.take() else {
+        return answer(sw);
+    };
+    owner.close(move |_| {
+        for d in [old.backing.take(), old.base.take()].into_iter().flatten() {
+            d.close();
+        }
+        claim_snapshot(&sw.name, &sw.snapshot);
+        answer(sw);
+    });
+}
+
+/// Claims the old base for the read-only bdev now that no writer holds it, and the
+/// read-only bdev for the overlay (as `bdev_qcow2_create` claims its backing bdev). Other
+/// modules examine the new bdev meanwhile, some with a descriptor open for writing, which a
+/// read-only claim cannot coexist with: each claim is tried again on every poll for a while.
+struct ClaimSnapshot {
+    /// The overlay's bdev and the read-only bdev.
+    name: String,
+    snap: String,
+    /// Which of the two claims (old base, read-only bdev) are still to take.
+    left: std::cell::Cell<[bool; 2]>,
+    /// The next try (SPDK logs each refusal) and the last.
+    next: std::cell::Cell<Instant>,
+    until: Instant,
+    poller: PollerSlot,
+}
+
+/// How long [`ClaimSnapshot`] keeps trying, and how often.
+const CLAIM_FOR: std::time::Duration = std::time::Duration::from_secs(5);
+const CLAIM_EVERY: std::time::Duration = std::time::Duration::from_millis(5);
+
+impl Polled for ClaimSnapshot {
+    fn slot(&self) -> &PollerSlot {
+        &self.poller
+    }
+
+    fn poll(&self) -> Poll {
+        let now = Instant::now();
+        if now < self.next.get() {
+            return Poll::Idle;
+        }
+        self.next.set(now + CLAIM_EVERY);
+        let reg = registry::lock();
+        let descs = [
+            reg.node(&self.snap).and_then(|n| n.node().base.as_ref()),
+            reg.node(&self.name).and_then(|n| n.node().backing.as_ref()),
+        ];
+        let mut left = self.left.get();
+        let late = Instant::now() > self.until;
+        for (i, d) in descs.into_iter().enumerate() {
+            let Some(d) = d.filter(|_| left[i]) else {
+                left[i] = false;
+                continue;
+            };
+            match d.claim(sys::SPDK_BDEV_CLAIM_READ_MANY_WRITE_NONE) {
+                Ok(()) => left[i] = false,
+                Err(e) if late => {
+                    tracing::warn!(
+                        "{METHOD}: cannot claim bdev {} read-only (errno {e})",
+                        d.name()
+                    );
+                    left[i] = false;
+                }
+                Err(_) => {}
+            }
+        }
+        self.left.set(left);
+        if left == [false, false] {
+            Poll::Done
+        } else {
+            Poll::Idle
+        }
+    }
+}
+
+fn claim_snapshot(name: &str, snap: &str) {
+    let job = Box::new(ClaimSnapshot {
+        name: name.to_owned(),
+        snap: snap.to_owned(),
+        left: std::cell::Cell::new([true, true]),
+        next: std::cell::Cell::new(Instant::now()),
+        until: Instant::now() + CLAIM_FOR,
+        poller: PollerSlot::default(),
+    });
+    if thread::start_task(job, c"qcow2_claim").is_err() {
+        tracing::warn!("{METHOD}: no poller to claim {snap}: it stays unclaimed");
+    }
+}
+
+fn answer(mut sw: Box<Switch>) {
+    tracing::info!(
+        "{METHOD}: {} switched to the overlay on {}; the old image is read-only bdev {}",
+        sw.name,
+        sw.params.base_bdev,
+        sw.snapshot
+    );
+    if let Some(req) = sw.req.take() {
+        req.result(&json!({
+            "name": sw.name,
+            "snapshot": sw.snapshot,
+            "base_bdev": sw.params.base_bdev,
+            "pause_us": sw.pause_us,
+        }));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fully_allocated_covers_data_and_metadata() {
+        let gib = 1u64 << 30;
+        let need = fully_allocated(gib, 65536);
+        // 16384 data clusters, 2 L2 tables, 1 L1, header, refcounts.
+        assert!(need > gib && need < gib + (1 << 20), "{need}");
+        assert_eq!(fully_allocated(0, 65536) % 65536, 0);
+    }
+
+    #[test]
+    fn params_refuse_unknown_fields() {
+        let p: ExternalSnapshotParams =
+            serde_json::from_str(r#"{"name":"q0","base_bdev":"m1"}"#).unwrap();
+        assert_eq!(p.snapshot_name, None);
+        assert!(serde_json::from_str::<ExternalSnapshotParams>(
+            r#"{"name":"q0","base_bdev":"m1","size":1}"#
+        )
+        .is_err());
+    }
+}
