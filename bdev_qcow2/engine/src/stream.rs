@@ -327,18 +327,39 @@ impl<D: BlockDevice> Chain<D> {
         q.owner()?.drop_backing().await
     }
 
+    /// Drops the backing reference without looking at what the top image holds: what it
+    /// read from the backing chain reads as zeros from now on (`qemu-img rebase -u -b ''`).
+    /// The chain stops reading its backing layer at once (no other core may read it).
+    pub async fn forget_backing(self: &Rc<Self>) -> Result<bool> {
+        let (q, _) = self.stream_owner()?;
+        let gone = q.owner()?.drop_backing().await?;
+        self.detach_backing();
+        Ok(gone)
+    }
+
     /// A whole stream on a chain no other core reads (the tool, tests): every step at
     /// full speed, the drop, and the backing layer detached. Returns the bytes filled.
     pub async fn stream(self: &Rc<Self>) -> Result<u64> {
+        self.stream_with(|_| {}).await
+    }
+
+    /// [`stream`](Self::stream), telling `progress` after each step.
+    pub async fn stream_with(
+        self: &Rc<Self>,
+        mut progress: impl FnMut(&StreamProgress),
+    ) -> Result<u64> {
         let job = StreamJob::new(self, 0)?;
-        let mut filled = 0;
         while let Some((start, end)) = job.next_step() {
-            filled += self.stream_range(start, end).await?;
-            job.step_done(end, 0);
+            let n = self.stream_range(start, end).await?;
+            job.step_done(end, n);
+            progress(&job.progress());
         }
+        *job.0.state.borrow_mut() = StreamState::Dropping;
         self.finish_stream().await?;
         self.detach_backing();
-        Ok(filled)
+        *job.0.state.borrow_mut() = StreamState::Done;
+        progress(&job.progress());
+        Ok(job.progress().bytes_filled)
     }
 }
 
