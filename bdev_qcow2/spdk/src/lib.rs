@@ -29,3 +29,4 @@ mod node;
 mod owner;
 mod registry;
 pub mod rpc;
+mod stream_rpc;

@@ -22,7 +22,7 @@ use serde_json::json;
 use std::cell::RefCell;
 use std::ffi::{CStr, CString};
 use std::rc::Rc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 /// Block size of our bdevs (the engine's sector).
@@ -139,6 +139,10 @@ pub struct Node {
     /// Counters of the channels already gone (added when each is freed), so
     /// `bdev_qcow2_get_stats` totals cover the bdev's whole life, not only live channels.
     pub retired: Arc<Mutex<crate::channel::ChannelStats>>,
+    /// A stream dropped the backing reference (`bdev_qcow2_stream`): channels created from
+    /// now on read no backing layer, and `save_config` leaves `backing_bdev` out. The
+    /// descriptor stays open until the bdev goes (channels may hold its I/O channel).
+    pub backing_dropped: AtomicBool,
 }
 
 impl Node {
@@ -476,6 +480,7 @@ fn register(
         ring,
         live_channels: Arc::new(AtomicUsize::new(0)),
         retired: Arc::new(Mutex::new(Default::default())),
+        backing_dropped: AtomicBool::new(false),
     });
     let node = match handle::register(node, &props, |max| cluster_cut(max, cluster_size)) {
         Ok(r) => r,
@@ -690,5 +695,11 @@ pub fn info_json(node: &Node) -> serde_json::Value {
 
 /// The create call that `write_config_json` saves for `node`.
 pub fn config_json(node: &Node) -> serde_json::Value {
+    if node.backing_dropped.load(Ordering::Acquire) {
+        // The image no longer names a backing file: created again without one.
+        let mut params = node.params.clone();
+        params.backing_bdev = None;
+        return json!({ "method": "bdev_qcow2_create", "params": params });
+    }
     json!({ "method": "bdev_qcow2_create", "params": node.params })
 }

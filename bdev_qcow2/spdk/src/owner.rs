@@ -74,6 +74,9 @@ pub struct Owner {
     /// Polls so far: the quiet write-back's test runs on one poll in
     /// [`WRITEBACK_TEST_EVERY`].
     polls: Cell<u32>,
+    /// The stream job, once `bdev_qcow2_stream` started one (kept after it ends, for its
+    /// state in `bdev_qcow2_get_stats`).
+    stream: RefCell<Option<crate::stream_rpc::Stream>>,
 }
 
 /// How often (in polls) the owner asks whether dirty metadata waited long enough for a
@@ -106,6 +109,7 @@ impl Owner {
             unsent_asks: RefCell::new(Vec::new()),
             closing: RefCell::new(None),
             polls: Cell::new(0),
+            stream: RefCell::new(None),
         });
         for d in devs {
             // SAFETY: the owner is boxed and owns the executor that owns the device.
@@ -166,6 +170,22 @@ impl Owner {
         self.exec().spawn(job(self.chain.clone()));
     }
 
+    /// The stream job's slot (`stream_rpc.rs`).
+    pub fn stream(&self) -> &RefCell<Option<crate::stream_rpc::Stream>> {
+        self.assert_md_thread();
+        &self.stream
+    }
+
+    /// The owner's chain (for the stream job, which drives its steps on it).
+    pub fn chain(&self) -> &Rc<Chain<SpdkDevice>> {
+        &self.chain
+    }
+
+    /// Runs `f` as engine code (spawning tasks, polling the executor) on the md thread.
+    pub fn run<R>(&self, f: impl FnOnce() -> R) -> R {
+        self.driver.run(f)
+    }
+
     /// The internal snapshots of the image.
     pub fn snapshots(&self) -> Vec<qcow2_engine::format::Snapshot> {
         self.assert_md_thread();
@@ -203,6 +223,7 @@ impl Owner {
                     "ring_reads_served": r.reads_served,
                     "ring_bytes_evicted_unread": r.bytes_evicted_unread,
                     "ring_invalidated": r.invalidated,
+                    "stream": crate::stream_rpc::stats_json(self),
                 })
             }
             _ => serde_json::Value::Null,
@@ -506,6 +527,9 @@ impl Polled for Owner {
             && self.driver.run(|| self.chain.tick_background_writeback())
         {
             n += 1;
+        }
+        if self.closing.borrow().is_none() {
+            n += crate::stream_rpc::poll(self);
         }
         n += self.driver.poll(self);
         // Last: what this poll and the base completions since the last one finished.

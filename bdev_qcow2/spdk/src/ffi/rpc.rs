@@ -81,3 +81,4 @@ rpc_entry!(bdev_qcow2_rpc_resize => crate::lifecycle_rpc::resize);
 rpc_entry!(bdev_qcow2_rpc_snapshot_create => crate::lifecycle_rpc::snapshot_create);
 rpc_entry!(bdev_qcow2_rpc_snapshot_delete => crate::lifecycle_rpc::snapshot_delete);
 rpc_entry!(bdev_qcow2_rpc_snapshot_list => crate::lifecycle_rpc::snapshot_list);
+rpc_entry!(bdev_qcow2_rpc_stream => crate::stream_rpc::stream);
