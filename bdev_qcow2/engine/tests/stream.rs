@@ -87,7 +87,7 @@ fn guest_writes_win(opts: CreateOptions, seed: u64) {
         if state == StreamState::Copying && writes < 300 {
             let len = ((r.next() % 96) as usize + 1) * 512;
             // Half of them just ahead of the stream, where its next steps race them.
-            let off = if r.next() % 2 == 0 {
+            let off = if r.next().is_multiple_of(2) {
                 job.progress().bytes_done as usize + (r.next() as usize % 2048) * 512
             } else {
                 (r.next() as usize % (size / 512)) * 512
