@@ -77,6 +77,8 @@ pub struct Owner {
     /// The stream job, once `bdev_qcow2_stream` started one (kept after it ends, for its
     /// state in `bdev_qcow2_get_stats`).
     stream: RefCell<Option<crate::stream_rpc::Stream>>,
+    /// Life-cycle jobs ([`run_job`](Self::run_job): resize, snapshots) not finished yet.
+    jobs: Rc<Cell<u32>>,
 }
 
 /// How often (in polls) the owner asks whether dirty metadata waited long enough for a
@@ -110,6 +112,7 @@ impl Owner {
             closing: RefCell::new(None),
             polls: Cell::new(0),
             stream: RefCell::new(None),
+            jobs: Rc::new(Cell::new(0)),
         });
         for d in devs {
             // SAFETY: the owner is boxed and owns the executor that owns the device.
@@ -167,7 +170,18 @@ impl Owner {
         F: std::future::Future<Output = ()> + 'static,
     {
         self.assert_md_thread();
-        self.exec().spawn(job(self.chain.clone()));
+        let fut = job(self.chain.clone());
+        let jobs = self.jobs.clone();
+        jobs.set(jobs.get() + 1);
+        self.exec().spawn(async move {
+            fut.await;
+            jobs.set(jobs.get() - 1);
+        });
+    }
+
+    /// Whether a life-cycle job started by [`run_job`](Self::run_job) is still running.
+    pub fn job_running(&self) -> bool {
+        self.jobs.get() > 0
     }
 
     /// The stream job's slot (`stream_rpc.rs`).

@@ -31,7 +31,9 @@ pub struct Stream {
 
 /// `bdev_qcow2_stream`: starts the job and answers `true` at once (the job reports through
 /// `bdev_qcow2_get_stats`). Refused on a read-only bdev, one with no backing bdev (or one
-/// already dropped), and while a stream runs.
+/// already dropped), and while a stream, a resize or a snapshot runs. (A resize or a
+/// snapshot started during a stream is safe: a step commits only over the L2 words and
+/// the writable table it planned from, and plans again otherwise.)
 pub fn stream(req: Request, params: Params) {
     const METHOD: &str = "bdev_qcow2_stream";
     let Some((req, p)) = decode::<StreamParams>(req, params, METHOD) else {
@@ -58,6 +60,13 @@ pub fn stream(req: Request, params: Params) {
         return req.errno(
             libc::EINVAL,
             &format!("{METHOD}: {} has no backing bdev to stream from", p.name),
+        );
+    }
+    if owner.job_running() {
+        drop(reg);
+        return req.errno(
+            libc::EBUSY,
+            &format!("{METHOD}: a resize or snapshot of {} is under way", p.name),
         );
     }
     let slot = owner.stream();
