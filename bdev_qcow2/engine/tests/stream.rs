@@ -200,3 +200,41 @@ fn a_stream_without_backing_is_refused_and_a_rate_limit_holds() {
     // Now it has no backing: refused.
     assert!(StreamJob::new(&chain, 0).is_err());
 }
+
+#[test]
+fn the_drop_is_refused_while_anything_still_reads_from_the_backing() {
+    let exec = Exec::new();
+    let base = vec![9u8; 1 << 20];
+    let chain = overlay(
+        &exec,
+        &CreateOptions {
+            size: 1 << 20,
+            cluster_bits: 16,
+            backing_file: Some("b".into()),
+            backing_format: Some("raw".into()),
+            ..Default::default()
+        },
+        &base,
+    );
+    // One step of two: the second half still reads from the backing image.
+    let c = chain.clone();
+    let filled = exec
+        .block_on(async move { c.stream_range(0, 512 << 10).await })
+        .unwrap();
+    assert_eq!(filled, 512 << 10);
+    let c = chain.clone();
+    let r = exec.block_on(async move { c.finish_stream().await });
+    assert!(matches!(r, Err(qcow2_engine::Error::Refused(_))), "{r:?}");
+    let Some(Layer::Qcow2(q)) = chain.layers().first() else {
+        unreachable!()
+    };
+    assert!(q.header().backing_file.is_some());
+    // The rest, and the drop goes through.
+    let c = chain.clone();
+    exec.block_on(async move {
+        c.stream_range(512 << 10, 1 << 20).await?;
+        c.finish_stream().await
+    })
+    .unwrap();
+    assert!(read_all(&exec, &chain).iter().all(|&b| b == 9));
+}
