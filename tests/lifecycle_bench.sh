@@ -10,8 +10,14 @@
 # just before the switch. The switch is one-way, so those runs cannot alternate: before all
 # come first, then after (the machine is shared and noisy; read the ratio with that in mind).
 #
+# Then the stream: a fresh overlay over a golden raw image of random data (STREAM_SIZE) per
+# round, in a second bdevperf process: random reads of the overlay before the stream (they
+# read through to the golden image), then during `bdev_qcow2_stream` (STREAM_RATE bytes/s,
+# 0: unlimited); prints both, the median ratio, and how long each stream took (a stream
+# shorter than the run leaves the rest of the run on the streamed image: it says so).
+#
 #   tests/lifecycle_bench.sh
-#   SIZE=4G TIME=5 ROUNDS=5 tests/lifecycle_bench.sh
+#   SIZE=4G TIME=5 ROUNDS=5 STREAM_SIZE=2G STREAM_RATE=0 tests/lifecycle_bench.sh
 #
 # Needs an installed SPDK (bdevperf on PATH, bdevperf.py, rpc.py) and qemu-img; prints
 # SKIPPED and exits 0 without them. Builds the module in release mode. Run it under
@@ -124,5 +130,54 @@ print(f"  before {' '.join(f'{x:.0f}' for x in b)} IOPS; run with the switch {d:
       f"after (overlay over the old image) {' '.join(f'{x:.0f}' for x in a)}")
 print(f"  median after/before: {statistics.median(a) / statistics.median(b):.3f}")
 PY
+rpc spdk_kill_instance SIGTERM >/dev/null 2>&1 || true
+wait $PID || true
+
+# --- Stream: random reads during bdev_qcow2_stream against before it -------------------
+STREAM_SIZE=${STREAM_SIZE:-1G}
+STREAM_RATE=${STREAM_RATE:-0}
+golden=$DIR/golden.raw
+head -c "$(numfmt --from=iec "$STREAM_SIZE")" /dev/urandom >"$golden"
+SOCK=$DIR/s.sock
+cat >"$DIR/scfg.json" <<JSON
+{"subsystems": [{"subsystem": "bdev", "config": [
+  {"method": "bdev_aio_create", "params": {"filename": "$golden", "name": "gold", "block_size": 512}},
+  {"method": "bdev_wait_for_examine"}]}]}
+JSON
+LD_PRELOAD=$SO bdevperf -u "${MEM[@]}" --json "$DIR/scfg.json" -r "$SOCK" -z -m 0x3 -C \
+  -q 32 -o 4096 -w randread -t "$TIME" >"$DIR/bdevperf-stream.log" 2>&1 &
+PID=$!
+for _ in $(seq 100); do [ -S "$SOCK" ] && break; sleep 0.1; done
+sleep 0.5
+sratios=()
+for r in $(seq "$ROUNDS"); do
+  ov=$DIR/ov$r.qcow2
+  qemu-img create -q -f qcow2 -o backing_file="$golden",backing_fmt=raw "$ov" "$STREAM_SIZE"
+  truncate -s %512 "$ov"
+  truncate -s +"$STREAM_SIZE" "$ov"; truncate -s +64M "$ov"
+  rpc bdev_aio_create "$ov" ov$r 512 >/dev/null
+  rpc bdev_qcow2_create -b q$r --base-bdev ov$r --backing-bdev gold >/dev/null
+  # The first reads of the golden image warm whatever caches lie below it: not measured.
+  [ "$r" != 1 ] || run >/dev/null
+  before=$(run)
+  rpc bdev_qcow2_stream -b q$r -r "$STREAM_RATE" >/dev/null
+  t0=$(date +%s.%N)
+  ( while :; do
+      st=$(rpc bdev_qcow2_get_stats -b q$r | python3 -c 'import json,sys; print(json.load(sys.stdin)[0]["owner"]["stream"]["state"])')
+      case $st in copying|dropping_backing|detaching) sleep 0.1 ;; *) break ;; esac
+    done
+    python3 -c "import time; print(f'{time.time() - $t0:.2f}')" >"$DIR/stream_s" ) &
+  LOOP=$!
+  during=$(run)
+  wait $LOOP
+  secs=$(cat "$DIR/stream_s")
+  ratio=$(python3 -c "print(f'{$during / $before:.3f}')")
+  sratios+=("$ratio")
+  echo "stream round $r: before ${before%.*} IOPS, during the stream ${during%.*} IOPS (ratio $ratio; the stream of $STREAM_SIZE took ${secs} s of the ${TIME} s run)"
+  rpc bdev_qcow2_delete q$r >/dev/null
+  rpc bdev_aio_delete ov$r >/dev/null
+  rm -f "$ov"
+done
+python3 -c "import statistics, sys; r = [float(x) for x in sys.argv[1].split()]; print(f'stream: median ratio during/before: {statistics.median(r):.3f}')" "${sratios[*]}"
 rpc spdk_kill_instance SIGTERM >/dev/null 2>&1 || true
 wait $PID || true

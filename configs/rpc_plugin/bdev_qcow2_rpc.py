@@ -60,6 +60,13 @@ def bdev_qcow2_resize(client, name, size):
     return client.call('bdev_qcow2_resize', {'name': name, 'size': size})
 
 
+def bdev_qcow2_stream(client, name, rate_limit=None):
+    params = {'name': name}
+    if rate_limit is not None:
+        params['rate_limit'] = rate_limit
+    return client.call('bdev_qcow2_stream', params)
+
+
 def bdev_qcow2_snapshot_create(client, name, snapshot):
     return client.call('bdev_qcow2_snapshot_create', {'name': name, 'snapshot': snapshot})
 
@@ -180,6 +187,18 @@ def spdk_rpc_plugin_initialize(subparsers):
     p.add_argument('-b', '--name', required=True, help='qcow2 bdev name')
     p.add_argument('-s', '--size', type=int, required=True, help='new size in bytes')
     p.set_defaults(func=resize)
+
+    def stream(args):
+        print_json(bdev_qcow2_stream(args.client, name=args.name, rate_limit=args.rate_limit))
+
+    p = subparsers.add_parser('bdev_qcow2_stream',
+                              help='Copy what a qcow2 bdev reads from its backing bdev into '
+                                   'it in the background, then drop the backing reference '
+                                   '(progress in bdev_qcow2_get_stats)')
+    p.add_argument('-b', '--name', required=True, help='qcow2 bdev name')
+    p.add_argument('-r', '--rate-limit', type=int, default=None,
+                   help='bytes per second copied at most (0: no limit)')
+    p.set_defaults(func=stream)
 
     def snapshot_create(args):
         print_json(bdev_qcow2_snapshot_create(args.client, name=args.name,

@@ -69,6 +69,10 @@ struct Run {
 pub struct Chain<D: BlockDevice> {
     exec: Exec<D>,
     layers: Vec<Layer<D>>,
+    /// How many of `layers` the chain reads through: all of them, until a stream drops the
+    /// backing reference ([`Chain::detach_backing`]); then 1, and nothing below the top is
+    /// read again (the devices stay until the chain goes, for requests already past them).
+    depth: Cell<usize>,
     /// Virtual size of the top image: changes only by a resize (on the owner's chain, by
     /// [`Chain::resize`]; on a core's, when a request past it finds a larger size
     /// published).
@@ -119,6 +123,7 @@ impl<D: BlockDevice> Chain<D> {
             pf_hot,
             exec: exec.clone(),
             size: Cell::new(size),
+            depth: Cell::new(layers.len()),
             layers,
             scratch: RefCell::new((Vec::with_capacity(64), Vec::with_capacity(64))),
             fast_reads: Cell::new(0),
@@ -133,7 +138,15 @@ impl<D: BlockDevice> Chain<D> {
 
     /// The layers, top first.
     pub fn layers(&self) -> &[Layer<D>] {
-        &self.layers
+        &self.layers[..self.depth.get()]
+    }
+
+    /// Stops reading through the backing layers: the top image no longer names a backing
+    /// file (a stream dropped it, ARCHITECTURE.md §13), or every cluster a backing layer
+    /// could show is in the top image. Requests resolved from now on never reach a backing
+    /// device; the devices themselves stay with the chain.
+    pub fn detach_backing(&self) {
+        self.depth.set(1);
     }
     /// Virtual size of the top image.
     pub fn size(&self) -> u64 {
@@ -253,7 +266,7 @@ impl<D: BlockDevice> Chain<D> {
             );
             return true;
         };
-        let has_backing = self.layers.len() > 1;
+        let has_backing = self.depth.get() > 1;
         let mut scratch = self.scratch.borrow_mut();
         let (runs, zeros) = &mut *scratch;
         runs.clear();
@@ -334,7 +347,7 @@ impl<D: BlockDevice> Chain<D> {
         offset: u64,
         end: u64,
     ) -> Result<(ClusterMapping, u64)> {
-        match &self.layers[layer] {
+        match &self.layers()[layer] {
             Layer::Qcow2(q) => q.extent(offset, end).await,
             Layer::Raw { .. } => Ok((
                 ClusterMapping::Data {
@@ -417,7 +430,7 @@ async fn read_qcow2<D: BlockDevice>(
             ClusterMapping::Unallocated { .. } => {
                 flush(&mut run, &mut futs);
                 let sub = buf.sub((pos - offset) as usize, n as usize);
-                if idx + 1 < chain.layers.len() {
+                if idx + 1 < chain.depth.get() {
                     futs.push(read_layer(chain.clone(), idx + 1, pos, sub));
                 } else {
                     sub.zero();

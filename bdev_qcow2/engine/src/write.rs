@@ -553,7 +553,7 @@ impl<D: BlockDevice> Chain<D> {
 
     /// Takes the metadata lock once no cluster of `[first, last]` has an allocation in
     /// flight, and marks them in flight.
-    async fn lock_clusters<'q>(
+    pub(crate) async fn lock_clusters<'q>(
         &self,
         q: &Owner<'q, D>,
         first: u64,
@@ -572,7 +572,7 @@ impl<D: BlockDevice> Chain<D> {
         }
     }
 
-    fn unmark_clusters(&self, q: &Owner<'_, D>, first: u64, last: u64) {
+    pub(crate) fn unmark_clusters(&self, q: &Owner<'_, D>, first: u64, last: u64) {
         q.meta().end_inflight(first, last);
     }
 

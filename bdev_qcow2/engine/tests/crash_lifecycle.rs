@@ -705,3 +705,196 @@ fn say_states(what: &str, n: usize) {
     use std::io::Write as _;
     let _ = writeln!(std::io::stderr(), "{what}: {n} crash states checked");
 }
+
+/// A chain of the overlay in `top` over the raw backing image `base` (when the overlay
+/// still names it), opened with a small slice cache.
+fn overlay_chain(
+    exec: &Exec<MemDevice>,
+    top: &MemDevice,
+    base: &[u8],
+    writable: bool,
+) -> Rc<Chain<MemDevice>> {
+    let id = exec.add_device(top.clone());
+    let e2 = exec.clone();
+    let opts = qcow2_engine::OpenOptions {
+        writable,
+        l2_cache_bytes: Some(8 << 10),
+        ..Default::default()
+    };
+    let q = exec
+        .block_on(async move { qcow2_engine::Qcow2::open(&e2, id, opts).await })
+        .unwrap();
+    let mut layers = Vec::new();
+    let named = q.header().backing_file.is_some();
+    layers.push(Layer::Qcow2(Box::new(q)));
+    if named {
+        let b = exec.add_device(MemDevice::new(base.to_vec()));
+        layers.push(Layer::Raw {
+            dev: b,
+            size: base.len() as u64,
+        });
+    }
+    Chain::new(exec, layers).unwrap()
+}
+
+/// The backing image of the stream tests: random data with runs of zeros, `len` bytes.
+fn backing_data(len: usize, seed: u64) -> Vec<u8> {
+    let mut r = Rng(seed);
+    let mut b: Vec<u8> = (0..len).map(|_| r.next() as u8).collect();
+    // Zeros: whole clusters and a few subclusters, which a stream records as zero flags.
+    for z in [
+        (64 << 10, 128 << 10),
+        (1 << 20, 8 << 10),
+        (2 << 20, 2 << 10),
+    ] {
+        b[z.0..z.0 + z.1].fill(0);
+    }
+    b
+}
+
+/// Streams an overlay (options `opts`, written by `pre` over the backing image first)
+/// under the recorder, then checks every crash state: accepted by qemu-img (leaks allowed)
+/// and read as the same disk whether it still names the backing file or not; the last
+/// state names none. Returns the number of states.
+fn stream_crash_test(opts: CreateOptions, writes: &[(u64, usize)]) -> usize {
+    let size = opts.size as usize;
+    let base = backing_data(size - (256 << 10), 0x57ea);
+    let mut expect = base.clone();
+    expect.resize(size, 0);
+    let initial = {
+        let img = new_image(&CreateOptions {
+            backing_file: Some("base.raw".into()),
+            backing_format: Some("raw".into()),
+            ..opts
+        });
+        let exec = Exec::new();
+        let dev = MemDevice::new(img);
+        let chain = overlay_chain(&exec, &dev, &base, true);
+        let mut r = Rng(0x77);
+        for &(off, len) in writes {
+            let d: Vec<u8> = (0..len).map(|_| r.next() as u8).collect();
+            write(&exec, &chain, off, &d);
+            expect[off as usize..off as usize + len].copy_from_slice(&d);
+        }
+        let c = chain.clone();
+        exec.block_on(async move { c.close().await }).unwrap();
+        dev.contents()
+    };
+    let exec = Exec::new();
+    let dev = MemDevice::new(initial.clone());
+    let chain = overlay_chain(&exec, &dev, &base, true);
+    dev.0.borrow_mut().record = true;
+    let c = chain.clone();
+    let filled = exec
+        .block_on(async move {
+            let n = c.stream().await?;
+            c.close().await?;
+            Ok::<_, Error>(n)
+        })
+        .unwrap();
+    assert!(filled > 0, "the stream filled nothing");
+    assert_eq!(
+        chain.layers().len(),
+        1,
+        "the backing layer is still attached"
+    );
+    let log = dev.0.borrow().log.clone();
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("base.raw"), &base).unwrap();
+    let (mut named, mut alone) = (false, false);
+    let n = for_each_crash_state(&initial, &log, 2, 0x5173, |label, img| {
+        let path = dir.path().join("top.qcow2");
+        std::fs::write(&path, &img).unwrap();
+        let out = Command::new("qemu-img")
+            .args(["check", "-f", "qcow2"])
+            .arg(&path)
+            .output()
+            .unwrap();
+        let code = out.status.code().unwrap_or(-1);
+        assert!(
+            code == 0 || code == 3,
+            "crash state {label}: qemu-img check {code}\n{}",
+            String::from_utf8_lossy(&out.stdout)
+        );
+        let exec = Exec::new();
+        let d = MemDevice::new(img);
+        let chain = overlay_chain(&exec, &d, &base, false);
+        if chain.layers().len() > 1 {
+            named = true;
+        } else {
+            alone = true;
+        }
+        let buf = HeapBuf::new(size);
+        let (b2, c) = (buf.clone(), chain.clone());
+        exec.block_on(async move { c.read(0, BufSlice::whole(b2)).await })
+            .unwrap();
+        assert!(
+            buf.to_vec() == expect,
+            "crash state {label}: the disk changed (backing named: {})",
+            chain.layers().len() > 1
+        );
+    });
+    assert!(named && alone, "crash states: named {named}, alone {alone}");
+    // The finished image: no backing file, no backing format, and QEMU reads the disk.
+    let mut fin = initial;
+    for e in &log {
+        if let LoggedOp::Write(off, d) = e {
+            let end = *off as usize + d.len();
+            if fin.len() < end {
+                fin.resize(end, 0);
+            }
+            fin[*off as usize..end].copy_from_slice(d);
+        }
+    }
+    let h = qcow2_engine::format::ImageHeader::decode(&fin, fin.len() as u64).unwrap();
+    assert_eq!(h.backing_file, None);
+    assert_eq!(h.extensions.backing_format, None);
+    let path = dir.path().join("fin.qcow2");
+    std::fs::write(&path, &fin).unwrap();
+    let raw = dir.path().join("fin.raw");
+    let out = Command::new("qemu-img")
+        .args(["convert", "-f", "qcow2", "-O", "raw"])
+        .arg(&path)
+        .arg(&raw)
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    assert!(
+        std::fs::read(&raw).unwrap() == expect,
+        "QEMU reads another disk"
+    );
+    n
+}
+
+#[test]
+fn stream_then_drop_reads_the_same_disk_after_any_crash() {
+    let n = stream_crash_test(
+        CreateOptions {
+            size: 4 << 20,
+            cluster_bits: 12,
+            ..Default::default()
+        },
+        &[(0, 4096), (10 << 12, 3 << 12), (300 << 10, 1000 << 9)],
+    );
+    eprintln!("crash states tried (stream): {n}");
+}
+
+#[test]
+fn stream_of_extended_l2_fills_only_unallocated_subclusters() {
+    // 64 KiB clusters of 2 KiB subclusters; the writes allocate parts of clusters.
+    let n = stream_crash_test(
+        CreateOptions {
+            size: 4 << 20,
+            cluster_bits: 16,
+            extended_l2: true,
+            ..Default::default()
+        },
+        &[
+            (2048, 2048),
+            (70 << 10, 6 << 10),
+            (1 << 20, 64 << 10),
+            (3 << 20, 512),
+        ],
+    );
+    eprintln!("crash states tried (stream, extended L2): {n}");
+}

@@ -77,6 +77,9 @@ pub struct Channel {
     local_writes: Cell<u64>,
     forwarded: Cell<u64>,
     backing_dev: Option<DevId>,
+    /// A stream dropped the backing reference: the chain reads no backing layer (set by
+    /// [`detach_backing`](Self::detach_backing), which may come before the chain exists).
+    backing_detached: Cell<bool>,
     opened: Opened,
     /// The replica's chain, set once when it is ready (`try_ready`): the request path
     /// serves on it when set.
@@ -209,6 +212,7 @@ impl Channel {
             local_writes: Cell::new(0),
             forwarded: Cell::new(0),
             backing_dev: None,
+            backing_detached: Cell::new(false),
             opened: Rc::new(RefCell::new(None)),
             chain: OnceCell::new(),
             failed: Cell::new(false),
@@ -236,8 +240,9 @@ impl Channel {
         };
         let base_dev = add(base)?;
         let backing_dev = match &node.backing {
-            Some(d) => Some(add(d)?),
-            None => None,
+            // After a stream's drop a new channel never reads the backing bdev.
+            Some(d) if !node.backing_dropped.load(Ordering::Acquire) => Some(add(d)?),
+            _ => None,
         };
         let exec = ch.exec();
         // SAFETY: `host` is this boxed channel state, which stays until its asks are back.
@@ -306,6 +311,15 @@ impl Channel {
         s
     }
 
+    /// The image no longer names its backing file (a stream dropped it): this channel's
+    /// chain stops reading the backing bdev, now or when it is built.
+    pub fn detach_backing(&self) {
+        self.backing_detached.set(true);
+        if let Some(c) = self.chain.get() {
+            c.detach_backing();
+        }
+    }
+
     /// Once the replica is open: builds the chain (the backing bdev, if any, is a raw layer:
     /// a qcow2 backing image is another of our bdevs) and submits the queued reads.
     fn try_ready(&self) {
@@ -318,7 +332,7 @@ impl Channel {
         let chain = self.driver.run(|| {
             r.and_then(|q| {
                 let mut layers = vec![Layer::Qcow2(Box::new(q))];
-                if let Some(d) = self.backing_dev {
+                if let Some(d) = self.backing_dev.filter(|_| !self.backing_detached.get()) {
                     layers.push(Layer::Raw {
                         dev: d,
                         size: self.exec().device_size(d),

@@ -186,6 +186,11 @@ pub fn snapshot_external(req: Request, params: Params) {
             &format!("{}: another life-cycle operation is running on it", p.name),
         );
     };
+    // A stream's job lives on the owner this switch closes.
+    if crate::stream_rpc::running(owner) {
+        drop(reg);
+        return req.errno(libc::EBUSY, &format!("{}: a stream is under way", p.name));
+    }
     // The bdev's alignment was fixed at registration from its base and backing: the
     // overlay's base must not need more (its direct path hands it the guest's buffers).
     let align = [&n.base, &n.backing]

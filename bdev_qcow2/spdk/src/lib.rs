@@ -31,3 +31,4 @@ mod node;
 mod owner;
 mod registry;
 pub mod rpc;
+mod stream_rpc;

@@ -22,7 +22,7 @@ use serde_json::json;
 use std::cell::RefCell;
 use std::ffi::{CStr, CString};
 use std::rc::Rc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 /// Block size of our bdevs (the engine's sector).
@@ -146,6 +146,10 @@ pub struct Node {
     /// Held while a channel state is built from the fields above, and while an external
     /// snapshot puts a new image under the node (`ffi/node.rs`, `Registered::switch_image`).
     pub switching: Mutex<()>,
+    /// A stream dropped the backing reference (`bdev_qcow2_stream`): channels created from
+    /// now on read no backing layer, and `save_config` leaves `backing_bdev` out. The
+    /// descriptor stays open until the bdev goes (channels may hold its I/O channel).
+    pub backing_dropped: AtomicBool,
 }
 
 impl Node {
@@ -517,6 +521,7 @@ fn register(
         live_channels: Arc::new(AtomicUsize::new(0)),
         retired: Arc::new(Mutex::new(Default::default())),
         switching: Mutex::new(()),
+        backing_dropped: AtomicBool::new(false),
     });
     let node = match handle::register(node, &props, |max| cluster_cut(max, cluster_size)) {
         Ok(r) => r,
@@ -737,37 +742,48 @@ pub fn info_json(node: &Node) -> serde_json::Value {
 /// nothing at its own place: a reload then creates the backing bdev first.
 pub fn config_json(node: &Node) -> Vec<serde_json::Value> {
     let reg = registry::lock();
-    let order: Vec<(&str, &CreateParams)> = reg
+    // Each bdev's create as it would be saved: without `backing_bdev` once a stream dropped
+    // the backing reference (the image no longer names a backing file).
+    let order: Vec<(&str, CreateParams)> = reg
         .nodes
         .iter()
-        .map(|(n, r)| (n.as_str(), &r.node().params))
+        .map(|(n, r)| (n.as_str(), saved_params(r.node())))
         .collect();
     let me = &node.params.name;
-    let own = json!({ "method": "bdev_qcow2_create", "params": node.params });
+    let mine = saved_params(node);
     if carrier(&order, me).is_some() {
         return Vec::new();
     }
     let mut calls = Vec::new();
-    let mut next = node.params.backing_bdev.as_deref();
+    let mut next = mine.backing_bdev.clone();
     // Bounded by the number of bdevs (a chain never loops, but a hostile config could).
     for _ in 0..order.len() {
         let Some(b) = next else { break };
         let Some((_, p)) = order.iter().find(|(n, _)| *n == b) else {
             break;
         };
-        if carrier(&order, b) == Some(me.as_str()) {
+        if carrier(&order, &b) == Some(me.as_str()) {
             calls.push(json!({ "method": "bdev_qcow2_create", "params": p }));
         }
-        next = p.backing_bdev.as_deref();
+        next = p.backing_bdev.clone();
     }
     calls.reverse();
-    calls.push(own);
+    calls.push(json!({ "method": "bdev_qcow2_create", "params": mine }));
     calls
+}
+
+/// The create call's parameters `save_config` writes for `node`.
+fn saved_params(node: &Node) -> CreateParams {
+    let mut p = node.params.clone();
+    if node.backing_dropped.load(Ordering::Acquire) {
+        p.backing_bdev = None;
+    }
+    p
 }
 
 /// The bdev that saves the create of `name` with its own (see [`config_json`]): the topmost
 /// of the bdevs reading through it that registered before it, if any.
-fn carrier<'a>(order: &[(&'a str, &CreateParams)], name: &str) -> Option<&'a str> {
+fn carrier<'a>(order: &[(&'a str, CreateParams)], name: &str) -> Option<&'a str> {
     let pos = |n: &str| order.iter().position(|(x, _)| *x == n);
     let mine = pos(name)?;
     let mut found = None;

@@ -74,6 +74,11 @@ pub struct Owner {
     /// Polls so far: the quiet write-back's test runs on one poll in
     /// [`WRITEBACK_TEST_EVERY`].
     polls: Cell<u32>,
+    /// The stream job, once `bdev_qcow2_stream` started one (kept after it ends, for its
+    /// state in `bdev_qcow2_get_stats`).
+    stream: RefCell<Option<crate::stream_rpc::Stream>>,
+    /// Life-cycle jobs ([`run_job`](Self::run_job): resize, snapshots) not finished yet.
+    jobs: Rc<Cell<u32>>,
 }
 
 /// How often (in polls) the owner asks whether dirty metadata waited long enough for a
@@ -106,6 +111,8 @@ impl Owner {
             unsent_asks: RefCell::new(Vec::new()),
             closing: RefCell::new(None),
             polls: Cell::new(0),
+            stream: RefCell::new(None),
+            jobs: Rc::new(Cell::new(0)),
         });
         for d in devs {
             // SAFETY: the owner is boxed and owns the executor that owns the device.
@@ -163,7 +170,34 @@ impl Owner {
         F: std::future::Future<Output = ()> + 'static,
     {
         self.assert_md_thread();
-        self.exec().spawn(job(self.chain.clone()));
+        let fut = job(self.chain.clone());
+        let jobs = self.jobs.clone();
+        jobs.set(jobs.get() + 1);
+        self.exec().spawn(async move {
+            fut.await;
+            jobs.set(jobs.get() - 1);
+        });
+    }
+
+    /// Whether a life-cycle job started by [`run_job`](Self::run_job) is still running.
+    pub fn job_running(&self) -> bool {
+        self.jobs.get() > 0
+    }
+
+    /// The stream job's slot (`stream_rpc.rs`).
+    pub fn stream(&self) -> &RefCell<Option<crate::stream_rpc::Stream>> {
+        self.assert_md_thread();
+        &self.stream
+    }
+
+    /// The owner's chain (for the stream job, which drives its steps on it).
+    pub fn chain(&self) -> &Rc<Chain<SpdkDevice>> {
+        &self.chain
+    }
+
+    /// Runs `f` as engine code (spawning tasks, polling the executor) on the md thread.
+    pub fn run<R>(&self, f: impl FnOnce() -> R) -> R {
+        self.driver.run(f)
     }
 
     /// The internal snapshots of the image.
@@ -203,6 +237,7 @@ impl Owner {
                     "ring_reads_served": r.reads_served,
                     "ring_bytes_evicted_unread": r.bytes_evicted_unread,
                     "ring_invalidated": r.invalidated,
+                    "stream": crate::stream_rpc::stats_json(self),
                 })
             }
             _ => serde_json::Value::Null,
@@ -506,6 +541,9 @@ impl Polled for Owner {
             && self.driver.run(|| self.chain.tick_background_writeback())
         {
             n += 1;
+        }
+        if self.closing.borrow().is_none() {
+            n += crate::stream_rpc::poll(self);
         }
         n += self.driver.poll(self);
         // Last: what this poll and the base completions since the last one finished.

@@ -260,6 +260,17 @@ pub struct ResizeParams {
     pub size: u64,
 }
 
+/// `bdev_qcow2_stream` parameters.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StreamParams {
+    /// The qcow2 bdev.
+    pub name: String,
+    /// Bytes per second copied at most (0 or absent: no limit).
+    #[serde(default)]
+    pub rate_limit: u64,
+}
+
 /// `bdev_qcow2_snapshot_create` and `bdev_qcow2_snapshot_delete` parameters.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]

@@ -2388,4 +2388,267 @@ mod real {
             sw["pause_us"]
         ));
     }
+
+    /// `len` bytes of pseudo-random data (seeded), with a zeroed 1 MiB run every 8 MiB.
+    fn golden_bytes(len: usize, seed: u64) -> Vec<u8> {
+        let mut x = seed | 1;
+        let mut v: Vec<u8> = (0..len)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                x as u8
+            })
+            .collect();
+        for z in (0..len).step_by(8 << 20) {
+            let e = (z + (1 << 20)).min(len);
+            v[z..e].fill(0);
+        }
+        v
+    }
+
+    /// A raw golden image of 64 MiB and an overlay over it (64 KiB clusters) on a file with
+    /// room to grow (AIO bdevs do not); returns (golden, overlay, golden's bytes).
+    fn stream_images(d: &Path, tag: &str, writes: &[&str]) -> (PathBuf, PathBuf, Vec<u8>) {
+        let golden = d.join(format!("{tag}-golden.raw"));
+        let bytes = golden_bytes(64 << 20, 0x5eed);
+        fs::write(&golden, &bytes).unwrap();
+        let ov = d.join(format!("{tag}.qcow2"));
+        let opts = format!(
+            "cluster_size=65536,backing_file={},backing_fmt=raw",
+            s(&golden)
+        );
+        qemu_img(&["create", "-q", "-f", "qcow2", "-o", &opts, s(&ov), "64M"]);
+        if !writes.is_empty() {
+            qemu_io(&ov, writes);
+        }
+        pad(&ov);
+        let f = fs::OpenOptions::new().write(true).open(&ov).unwrap();
+        f.set_len(512 * MIB).unwrap();
+        drop(f);
+        (golden, ov, bytes)
+    }
+
+    /// `qemu-img info` names no backing file (nor its format).
+    fn no_backing(img: &Path) {
+        let out = run_ok(Command::new("qemu-img").args(["info", "--output=json", s(img)]));
+        let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert!(
+            v.get("backing-filename").is_none() && v.get("backing-filename-format").is_none(),
+            "the image still names a backing file: {v}"
+        );
+    }
+
+    /// The `stream` object of bdev `name` in `bdev_qcow2_get_stats` output `text`.
+    fn stream_stats(text: &str, name: &str) -> Value {
+        let v: Value = serde_json::from_str(text.trim()).unwrap_or(Value::Null);
+        v.as_array()
+            .and_then(|a| a.iter().find(|b| b["name"] == name))
+            .map(|b| b["owner"]["stream"].clone())
+            .unwrap_or(Value::Null)
+    }
+
+    /// The `bdev_qcow2_create` call of `name` in `save_config` output `text`.
+    fn saved_create(text: &str, name: &str) -> Value {
+        let v: Value = serde_json::from_str(text.trim()).unwrap();
+        v["subsystems"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|s| s["subsystem"] == "bdev")
+            .flat_map(|s| s["config"].as_array().cloned().unwrap_or_default())
+            .find(|c| c["method"] == "bdev_qcow2_create" && c["params"]["name"] == name)
+            .unwrap_or(Value::Null)
+    }
+
+    #[test]
+    fn stream_under_verify_load_drops_the_backing_bdev() {
+        require!("bdevperf", "spdk_dd");
+        if rpc_py().is_none() {
+            say("SKIPPED: rpc.py not found (set SPDK_RPC or put spdk-rpc on PATH)");
+            return;
+        }
+        let _t = turn();
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        let (golden, ov, _) = stream_images(
+            d,
+            "st",
+            &[
+                "write -P 0x11 0 1M",
+                "write -P 0x12 20M 100k",
+                "write -z 40M 1M",
+            ],
+        );
+        // The stream starts with the bdev (8 MiB/s), before bdevperf's first write, so that
+        // bdevperf's writes overtake it: they land on clusters it has not reached yet, and
+        // verify reads them back while it goes on.
+        let calls = vec![
+            aio(&golden, "gold"),
+            aio(&ov, "aio0"),
+            qcow2("q0", "aio0", Some("gold")),
+            json!({"method": "bdev_wait_for_examine"}),
+            json!({"method": "bdev_qcow2_stream", "params": {"name": "q0", "rate_limit": 8 << 20}}),
+        ];
+        let cfg = d.join("st.json");
+        let c = json!({"subsystems": [{"subsystem": "bdev", "config": calls}]});
+        fs::write(&cfg, serde_json::to_vec_pretty(&c).unwrap()).unwrap();
+        let mut answers = Vec::new();
+        let mut samples = Vec::new();
+        let mut saved = String::new();
+        let (ok, text) = verify_load_with_rpc(d, &cfg, "st", 12, |sock| {
+            let rpc = |args: &[&str]| plugin_rpc(sock, args);
+            // Under way, or done (then the backing is gone): refused either way.
+            answers.push(rpc(&["bdev_qcow2_stream", "-b", "q0"]));
+            let t0 = Instant::now();
+            loop {
+                let (ok, out) = rpc(&["bdev_qcow2_get_stats", "-b", "q0"]);
+                assert!(ok, "{out}");
+                let st = stream_stats(&out, "q0");
+                let state = st["state"].as_str().unwrap_or("").to_string();
+                samples.push(st);
+                if state != "copying" && state != "dropping_backing" && state != "detaching" {
+                    break;
+                }
+                assert!(
+                    t0.elapsed() < Duration::from_secs(30),
+                    "the stream does not end"
+                );
+                std::thread::sleep(Duration::from_millis(300));
+            }
+            saved = rpc(&["save_config"]).1;
+            answers.push(rpc(&["bdev_qcow2_stream", "-b", "q0"]));
+        });
+        assert!(ok, "bdevperf verify failed during the stream:\n{text}");
+        assert!(
+            !answers[0].0,
+            "a second stream was accepted: {}",
+            answers[0].1
+        );
+        assert!(
+            !answers[1].0,
+            "a stream without a backing bdev was accepted"
+        );
+        let last = samples.last().unwrap();
+        assert_eq!(last["state"], "done", "{samples:?}");
+        assert_eq!(last["bytes_done"], last["bytes_total"]);
+        assert_eq!(last["bytes_total"].as_u64(), Some(64 * MIB));
+        let create = saved_create(&saved, "q0");
+        assert!(create.is_object(), "q0 not saved: {saved}");
+        assert!(
+            create["params"].get("backing_bdev").is_none(),
+            "save_config still names the backing bdev: {create}"
+        );
+        check_clean(&ov, "after an online stream");
+        no_backing(&ov);
+        // The golden image is not needed any more: SPDK reads the image alone as QEMU does.
+        fs::remove_file(&golden).unwrap();
+        let cfg2 = d.join("st-alone.json");
+        write_config(&cfg2, vec![aio(&ov, "b0"), qcow2("q0", "b0", None)]);
+        dd_and_compare(d, &cfg2, "q0", &ov, "streamed");
+        say(&format!(
+            "bdev_qcow2_stream under bdevperf verify on 2 cores: no failure; first sample {}; the image checks clean without its backing file",
+            samples[0]
+        ));
+    }
+
+    #[test]
+    fn stream_guest_writes_to_unstreamed_clusters_win() {
+        require!("spdk_tgt", "spdk_dd");
+        if rpc_py().is_none() {
+            say("SKIPPED: rpc.py not found (set SPDK_RPC or put spdk-rpc on PATH)");
+            return;
+        }
+        let _t = turn();
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        let (golden, ov, mut want) = stream_images(d, "gw", &[]);
+        // The stream starts with the bdev, slowly (4 MiB/s from offset 0); spdk_dd writes
+        // 16 MiB at 32 MiB in 4 KiB pieces meanwhile, into clusters it has not reached.
+        let calls = vec![
+            aio(&golden, "gold"),
+            aio(&ov, "aio0"),
+            qcow2("q0", "aio0", Some("gold")),
+            json!({"method": "bdev_wait_for_examine"}),
+            json!({"method": "bdev_qcow2_stream", "params": {"name": "q0", "rate_limit": 4 << 20}}),
+        ];
+        let cfg = d.join("gw.json");
+        let c = json!({"subsystems": [{"subsystem": "bdev", "config": calls}]});
+        fs::write(&cfg, serde_json::to_vec_pretty(&c).unwrap()).unwrap();
+        let data = golden_bytes(16 << 20, 0xfeed);
+        let data = data.iter().map(|b| b ^ 0xa5).collect::<Vec<u8>>();
+        let input = d.join("gw.in");
+        fs::write(&input, &data).unwrap();
+        want[32 << 20..48 << 20].copy_from_slice(&data);
+        let args: Vec<String> = [
+            "--json",
+            s(&cfg),
+            "--if",
+            s(&input),
+            "--ob",
+            "q0",
+            "--bs",
+            "4096",
+            "--seek",
+            "8192",
+        ]
+        .map(String::from)
+        .to_vec();
+        let (ok, log) = spawn_spdk("spdk_dd", &args, &d.join("gw.dd.log")).wait(120);
+        assert!(ok, "spdk_dd failed:\n{log}");
+        check_clean(&ov, "after writes during a stream");
+        // Not streamed to the end yet: the image still needs its backing file.
+        let out = run_ok(Command::new("qemu-img").args(["info", "--output=json", s(&ov)]));
+        let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert!(v.get("backing-filename").is_some(), "{v}");
+        // Now to the end, on a target.
+        let cfg2 = d.join("gw2.json");
+        write_config(
+            &cfg2,
+            vec![
+                aio(&golden, "gold"),
+                aio(&ov, "aio0"),
+                qcow2("q0", "aio0", Some("gold")),
+            ],
+        );
+        let t = Target::start(d, "gw", Some(&cfg2));
+        // 16 MiB/s over the 48 MiB left: three seconds, seen on the way.
+        t.rpc(&["bdev_qcow2_stream", "-b", "q0", "-r", "16777216"]);
+        let t0 = Instant::now();
+        let mut midway = Value::Null;
+        loop {
+            let (ok, out) = t.try_rpc(&["bdev_qcow2_get_stats", "-b", "q0"]);
+            assert!(ok, "{out}");
+            let st = stream_stats(&out, "q0");
+            if st["state"] == "copying"
+                && st["bytes_done"].as_u64() > Some(0)
+                && st["bytes_done"].as_u64() < st["bytes_total"].as_u64()
+            {
+                assert_eq!(st["rate_limit"].as_u64(), Some(16 * MIB));
+                midway = st.clone();
+            }
+            if st["state"] == "done" {
+                assert_eq!(st["bytes_done"], st["bytes_total"]);
+                break;
+            }
+            assert!(
+                st["state"] != "failed" && t0.elapsed() < Duration::from_secs(60),
+                "stream: {st}"
+            );
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        assert!(midway.is_object(), "no progress seen on the way");
+        let saved = t.try_rpc(&["save_config"]).1;
+        assert!(saved_create(&saved, "q0")["params"]
+            .get("backing_bdev")
+            .is_none());
+        t.stop();
+        check_clean(&ov, "after the stream");
+        no_backing(&ov);
+        fs::remove_file(&golden).unwrap();
+        let raw = d.join("gw.want.raw");
+        fs::write(&raw, &want).unwrap();
+        compare_with_raw(&ov, &raw);
+        say("bdev_qcow2_stream: 16 MiB written ahead of the stream won; the image equals the golden image with them, alone");
+    }
 }

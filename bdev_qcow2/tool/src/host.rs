@@ -146,6 +146,28 @@ pub fn open_single(spec: &OpenSpec) -> ToolResult<(Exec<UringDevice>, Rc<Qcow2<U
     Ok((exec, Rc::new(q)))
 }
 
+/// Opens the top image alone as a chain of one layer (writable when `spec.writable`),
+/// whatever backing file it names: for changing that name without reading through it.
+pub fn open_top_only(spec: &OpenSpec) -> ToolResult<Opened> {
+    let exec = Exec::new();
+    let dev = open_device(&exec, &spec.path, spec.writable, spec)?;
+    let e2 = exec.clone();
+    let opts = OpenOptions {
+        writable: spec.writable,
+        ..spec.opts
+    };
+    let q = exec
+        .block_on(async move { Qcow2::open(&e2, dev, opts).await })
+        .map_err(top_image_err(&spec.path))?;
+    let chain =
+        Chain::new(&exec, vec![Layer::Qcow2(Box::new(q))]).map_err(engine_err(&spec.path))?;
+    Ok(Opened {
+        exec,
+        chain,
+        files: vec![(spec.path.clone(), spec.format)],
+    })
+}
+
 /// Opens the image and, if allowed, its backing chain. A backing file named inside an image
 /// is opened only with `allow_backing`; relative names resolve against the directory of the
 /// image naming them; the backing format must be recorded (no probing); loops and chains

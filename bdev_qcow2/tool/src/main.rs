@@ -2,7 +2,7 @@
 //! output and exit codes shaped like `qemu-img`.
 
 use clap::{Parser, Subcommand};
-use qcow2_tool::cmd::{check, convert, create, info, io, map, perf, resize, snapshot};
+use qcow2_tool::cmd::{check, convert, create, info, io, map, perf, rebase, resize, snapshot};
 use std::io::Write;
 use std::process::ExitCode;
 
@@ -37,6 +37,9 @@ enum Cmd {
     /// Change the virtual size (like `qemu-img resize [--shrink]`; a shrink is refused
     /// while the range cut off holds data).
     Resize(resize::ResizeArgs),
+    /// Copy everything the image reads from its backing chain into it and drop the backing
+    /// file (like `qemu-img rebase -b ''`; `-u`: drop the reference only).
+    Rebase(rebase::RebaseArgs),
     /// List, create, delete or apply internal snapshots (like `qemu-img snapshot
     /// -l|-c|-d|-a`).
     Snapshot(snapshot::SnapshotArgs),
@@ -55,6 +58,7 @@ fn main() -> ExitCode {
         Cmd::Convert(a) => convert::run(a),
         Cmd::Create(a) => create::run(a),
         Cmd::Resize(a) => resize::run(a),
+        Cmd::Rebase(a) => rebase::run(a),
         Cmd::Snapshot(a) => snapshot::run(a),
         // Exit status 1 when a command fails or a pattern does not match, like qemu-io.
         Cmd::Io(a) => return io::main(a),

@@ -338,3 +338,112 @@ fn create_with_a_backing_file_is_an_external_snapshot() {
     same_disk(&ours, &old);
     same_disk(&ours, &theirs);
 }
+
+/// A three-image chain made by qemu-img: a compressed base, a 4 KiB-cluster middle with
+/// data and zeros over it, and an extended-L2 top, larger than the base, with partial
+/// subclusters, zeros and data. Returns the top.
+fn stream_chain(d: &Dir) -> PathBuf {
+    let b0 = d.image(
+        "b0.qcow2",
+        "cluster_size=65536",
+        "8M",
+        &[
+            "write -P 0x11 0 2M",
+            "write -P 0x22 3M 1M",
+            "write -P 0x23 5M 64k",
+            "write -P 0x24 7M 1k",
+        ],
+    );
+    let base = d.path("base.qcow2");
+    qemu_img(&["convert", "-q", "-c", "-O", "qcow2", s(&b0), s(&base)]);
+    let mid = d.image(
+        "mid.qcow2",
+        "cluster_size=4096,backing_file=base.qcow2,backing_fmt=qcow2",
+        "8M",
+        &[
+            "write -P 0x33 1M 256k",
+            "write -z 3200k 64k",
+            "write -P 0x34 6M 4k",
+        ],
+    );
+    assert!(mid.exists());
+    d.image(
+        "top.qcow2",
+        "extended_l2=on,cluster_size=65536,backing_file=mid.qcow2,backing_fmt=qcow2",
+        "10M",
+        &[
+            "write -P 0x44 4k 2k",
+            "write -P 0x45 3172k 10k",
+            "write -z 5M 128k",
+            "write -P 0x46 9M 64k",
+            "write -P 0x47 7M 512",
+        ],
+    )
+}
+
+/// `qemu-img compare` (not strict: allocation may differ) finds the same bytes, and the
+/// sizes agree.
+fn same_content(a: &Path, b: &Path) {
+    assert_eq!(virtual_size(a), virtual_size(b));
+    let out = output(Command::new("qemu-img").args(["compare", s(a), s(b)]));
+    assert!(
+        out.status.success(),
+        "{} and {} differ: {}",
+        a.display(),
+        b.display(),
+        String::from_utf8_lossy(&out.stdout)
+    );
+}
+
+fn backing_of(img: &Path) -> Option<String> {
+    let out = qemu_img(&["info", "--output=json", s(img)]);
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    v.get("backing-filename")
+        .and_then(|b| b.as_str())
+        .map(String::from)
+}
+
+#[test]
+fn rebase_onto_nothing_equals_qemu_img_convert_of_the_chain() {
+    let d = Dir::new();
+    let top = stream_chain(&d);
+    let want = d.path("want.qcow2");
+    qemu_img(&["convert", "-q", "-O", "qcow2", s(&top), s(&want)]);
+    // The backing chain is opened only when allowed.
+    let out = output(Command::new(QCOW2).args(["rebase", "-b", "", s(&top)]));
+    assert!(
+        !out.status.success(),
+        "rebase read a backing file it was not allowed to"
+    );
+    // Another backing file is not supported.
+    let out =
+        output(Command::new(QCOW2).args(["rebase", "--allow-backing", "-b", "x.qcow2", s(&top)]));
+    assert!(!out.status.success());
+    assert_eq!(backing_of(&top).as_deref(), Some("mid.qcow2"));
+    run(Command::new(QCOW2).args(["rebase", "-p", "--allow-backing", "-b", "", s(&top)]));
+    clean(&top);
+    assert_eq!(backing_of(&top), None);
+    let out = qemu_img(&["info", "--output=json", s(&top)]);
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    assert!(v.get("backing-filename-format").is_none(), "{v}");
+    // Nothing of the chain is needed any more.
+    std::fs::remove_file(d.path("mid.qcow2")).unwrap();
+    std::fs::remove_file(d.path("base.qcow2")).unwrap();
+    same_content(&top, &want);
+    // A second rebase has nothing to do.
+    run(Command::new(QCOW2).args(["rebase", "-b", "", s(&top)]));
+    same_content(&top, &want);
+}
+
+#[test]
+fn unsafe_rebase_onto_nothing_drops_the_name_only_like_qemu_img() {
+    let d = Dir::new();
+    let top = stream_chain(&d);
+    let theirs = d.path("theirs.qcow2");
+    std::fs::copy(&top, &theirs).unwrap();
+    qemu_img(&["rebase", "-u", "-b", "", s(&theirs)]);
+    run(Command::new(QCOW2).args(["rebase", "-u", "-b", "", s(&top)]));
+    clean(&top);
+    assert_eq!(backing_of(&top), None);
+    same_disk(&top, &theirs);
+}

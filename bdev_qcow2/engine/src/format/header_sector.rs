@@ -8,7 +8,7 @@
 //! changed only through its setters, which apply those patches.
 
 use super::be::{get_u32, get_u64, put_u32, put_u64};
-use super::header::{incompat, ZeroedTail};
+use super::header::{ext_type, incompat, ZeroedTail};
 use crate::io::SECTOR;
 
 /// Offsets of the header fields changed in place (qcow2 specification, "Header").
@@ -186,6 +186,60 @@ impl HeaderSector {
         self.apply(HeaderPatch::zeroed_tail(tail));
         true
     }
+    /// Drops the backing file reference: `backing_file_offset` and `backing_file_size`
+    /// become 0, and the backing format extension leaves the extension list when the list
+    /// without it ends inside this sector (so that one sector write switches both).
+    /// `rest` is cluster 0 past this sector as on disk (the list may run into it). Returns
+    /// whether the extension is gone (or there was none); false leaves it in place, where
+    /// nothing reads it without a backing file: the list ran past the sector, it was
+    /// malformed, or a zeroed tail extension follows it (its recorded place would move).
+    pub fn clear_backing(&mut self, rest: &[u8]) -> bool {
+        self.0[8..20].fill(0);
+        let hl = if self.version() >= 3 {
+            get_u32(&self.0, 100) as usize
+        } else {
+            72
+        };
+        let mut all = self.0.clone();
+        all.extend_from_slice(rest);
+        let mut kept = Vec::new();
+        let mut found = false;
+        let mut off = hl;
+        loop {
+            if off + 8 > all.len() {
+                return false;
+            }
+            let typ = get_u32(&all, off);
+            let len = get_u32(&all, off + 4) as usize;
+            if typ == ext_type::END {
+                break;
+            }
+            let next = off + 8 + len.div_ceil(8) * 8;
+            if next > all.len() {
+                return false;
+            }
+            if typ == ext_type::BACKING_FORMAT {
+                found = true;
+            } else {
+                if found && typ == ext_type::ZEROED_TAIL {
+                    return false;
+                }
+                kept.extend_from_slice(&all[off..next]);
+            }
+            off = next;
+        }
+        if !found {
+            return true;
+        }
+        kept.extend_from_slice(&[0u8; 8]);
+        if hl + kept.len() > self.0.len() {
+            return false;
+        }
+        self.0[hl..hl + kept.len()].copy_from_slice(&kept);
+        // What followed the list in this sector (the backing file name) is unreferenced now.
+        self.0[hl + kept.len()..].fill(0);
+        true
+    }
     fn apply(&mut self, p: HeaderPatch) {
         self.0[p.at..p.at + p.len].copy_from_slice(p.bytes());
     }
@@ -359,6 +413,44 @@ mod tests {
         s.set_autoclear_features(0);
         assert_eq!(s, before);
         assert_eq!(s.incompatible_features(), 0);
+    }
+
+    #[test]
+    fn clearing_the_backing_drops_its_name_and_format_extension() {
+        use crate::format::header::{Extensions, ImageHeader};
+        let mut c0 = v3().bytes().to_vec();
+        c0.resize(1 << 16, 0);
+        let mut ih = ImageHeader::decode(&c0, 1 << 40).expect("decode");
+        ih.backing_file = Some("base.qcow2".into());
+        ih.extensions = Extensions {
+            backing_format: Some("qcow2".into()),
+            // QEMU's table would fill the sector together with our zeroed tail.
+            feature_names: Vec::new(),
+            ..ih.extensions
+        };
+        let c0 = ih.encode().expect("encode");
+        let before = HeaderSector::from_cluster0(&c0);
+        let mut s = before.clone();
+        assert!(s.clear_backing(&c0[SECTOR as usize..]));
+        let mut after = s.bytes().to_vec();
+        after.extend_from_slice(&c0[SECTOR as usize..]);
+        let h = ImageHeader::decode(&after, 1 << 40).expect("decode after");
+        assert_eq!(h.backing_file, None);
+        assert_eq!(h.extensions.backing_format, None);
+        assert_eq!(h.extensions.zeroed_tail, ih.extensions.zeroed_tail);
+        assert_eq!(h.extensions.feature_names, ih.extensions.feature_names);
+        assert_eq!(h.header.l1_table_offset, ih.header.l1_table_offset);
+        // A list that does not fit in the sector without the extension keeps it.
+        let mut long = ih.clone();
+        long.extensions.unknown = vec![(0x1234_5678, vec![7u8; 400])];
+        let c0 = long.encode().expect("encode long");
+        let mut s = HeaderSector::from_cluster0(&c0);
+        assert!(!s.clear_backing(&c0[SECTOR as usize..]));
+        let mut after = s.bytes().to_vec();
+        after.extend_from_slice(&c0[SECTOR as usize..]);
+        let h = ImageHeader::decode(&after, 1 << 40).expect("decode long");
+        assert_eq!(h.backing_file, None);
+        assert_eq!(h.extensions.unknown, long.extensions.unknown);
     }
 
     #[test]

@@ -97,6 +97,14 @@ impl HeaderCopies {
         self.dirty = true;
     }
 
+    /// The backing file reference dropped (see [`HeaderSector::clear_backing`]; `rest` is
+    /// cluster 0 past the first sector as on disk); returns whether the backing format
+    /// extension went too. The header is dirty.
+    pub(crate) fn clear_backing(&mut self, rest: &[u8]) -> bool {
+        self.dirty = true;
+        self.sector0.clear_backing(rest)
+    }
+
     /// The zeroed tail raised to `tail`: in the copy and in the one on disk, which is
     /// returned to be written alone.
     pub(crate) fn raise_zeroed_tail(&mut self, tail: ZeroedTail) -> Vec<u8> {

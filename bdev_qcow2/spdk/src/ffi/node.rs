@@ -115,6 +115,9 @@ impl Registered {
             let _g = (*p).switching.lock().unwrap_or_else(|e| e.into_inner());
             let owner = new.owner.map_or(std::ptr::null_mut(), OwnerBox::into_node);
             let old_owner = std::mem::replace(&mut (*p).owner, owner);
+            // The new image names its backing (the old one): nothing was dropped from it.
+            (*p).backing_dropped
+                .store(false, std::sync::atomic::Ordering::Release);
             Ok(Box::new(Image {
                 base: std::mem::replace(&mut (*p).base, new.base),
                 backing: std::mem::replace(&mut (*p).backing, new.backing),

@@ -22,6 +22,7 @@ void bdev_qcow2_rpc_snapshot_list(struct spdk_jsonrpc_request *request,
 				  const struct spdk_json_val *params);
 void bdev_qcow2_rpc_snapshot_external(struct spdk_jsonrpc_request *request,
 				      const struct spdk_json_val *params);
+void bdev_qcow2_rpc_stream(struct spdk_jsonrpc_request *request, const struct spdk_json_val *params);
 
 SPDK_BDEV_MODULE_REGISTER(qcow2, &BDEV_QCOW2_MODULE)
 SPDK_RPC_REGISTER("bdev_qcow2_create", bdev_qcow2_rpc_create, SPDK_RPC_RUNTIME)
@@ -34,4 +35,5 @@ SPDK_RPC_REGISTER("bdev_qcow2_snapshot_delete", bdev_qcow2_rpc_snapshot_delete, 
 SPDK_RPC_REGISTER("bdev_qcow2_snapshot_list", bdev_qcow2_rpc_snapshot_list, SPDK_RPC_RUNTIME)
 SPDK_RPC_REGISTER("bdev_qcow2_snapshot_external", bdev_qcow2_rpc_snapshot_external,
 		  SPDK_RPC_RUNTIME)
+SPDK_RPC_REGISTER("bdev_qcow2_stream", bdev_qcow2_rpc_stream, SPDK_RPC_RUNTIME)
 SPDK_LOG_REGISTER_COMPONENT(vbdev_qcow2)

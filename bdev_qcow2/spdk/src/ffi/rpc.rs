@@ -82,3 +82,4 @@ rpc_entry!(bdev_qcow2_rpc_snapshot_create => crate::lifecycle_rpc::snapshot_crea
 rpc_entry!(bdev_qcow2_rpc_snapshot_delete => crate::lifecycle_rpc::snapshot_delete);
 rpc_entry!(bdev_qcow2_rpc_snapshot_list => crate::lifecycle_rpc::snapshot_list);
 rpc_entry!(bdev_qcow2_rpc_snapshot_external => crate::external_snapshot::snapshot_external);
+rpc_entry!(bdev_qcow2_rpc_stream => crate::stream_rpc::stream);

@@ -7,6 +7,7 @@ pub mod info;
 pub mod io;
 pub mod map;
 pub mod perf;
+pub mod rebase;
 pub mod resize;
 pub mod snapshot;
 

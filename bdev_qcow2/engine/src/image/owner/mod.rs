@@ -16,6 +16,7 @@
 //! - [`header`]: the corrupt and dirty bits, the zeroed tail;
 //! - [`resize`]: growing and shrinking the virtual disk;
 //! - [`snapshot`]: internal snapshots (create, delete, apply);
+//! - [`stream`]: dropping the backing reference after a stream;
 //! - [`writeback`]: the ordered write-back, flush and close.
 
 pub(crate) mod alloc;
@@ -25,6 +26,7 @@ pub(crate) mod l2;
 pub(crate) mod refcount;
 pub(crate) mod resize;
 pub(crate) mod snapshot;
+pub(crate) mod stream;
 pub(crate) mod writeback;
 
 use crate::error::{Error, Result};
