@@ -15,6 +15,7 @@
 //! - [`frees`]: frees after the metadata that removed a reference is stable;
 //! - [`header`]: the corrupt and dirty bits, the zeroed tail;
 //! - [`resize`]: growing and shrinking the virtual disk;
+//! - [`shadow`]: changes of refcounts and active tables switched by one header write;
 //! - [`snapshot`]: internal snapshots (create, delete, apply);
 //! - [`writeback`]: the ordered write-back, flush and close.
 
@@ -24,6 +25,7 @@ pub(crate) mod header;
 pub(crate) mod l2;
 pub(crate) mod refcount;
 pub(crate) mod resize;
+pub(crate) mod shadow;
 pub(crate) mod snapshot;
 pub(crate) mod writeback;
 
