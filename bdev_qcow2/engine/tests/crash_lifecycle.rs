@@ -401,18 +401,20 @@ fn snapshot_bytes(img: &[u8], name: &str, len: usize) -> Vec<u8> {
     b
 }
 
-/// Runs `op` on an image holding `data` (4 KiB clusters, and a snapshot `base` of `data`
-/// when `with_base`) under the recorder; checks every crash state with `verify(label,
+/// Runs `op` on an image holding `data` (4 KiB clusters, refcounts of `refcount_order`,
+/// and a snapshot `base` of `data` when `with_base`) under the recorder; checks every crash state with `verify(label,
 /// image, snapshot names)`. Returns the number of states.
 fn snapshot_crash_test(
     data: &[u8],
     with_base: bool,
+    refcount_order: u32,
     op: impl FnOnce(&Exec<MemDevice>, &Rc<Chain<MemDevice>>),
     mut verify: impl FnMut(&str, &[u8], &[String]),
 ) -> usize {
     let opts = CreateOptions {
         size: 16 << 20,
         cluster_bits: 12,
+        refcount_order,
         ..Default::default()
     };
     let mut initial = written_image(&opts, data, None);
@@ -431,6 +433,7 @@ fn snapshot_crash_test(
         .unwrap();
         initial = dev.contents();
     }
+    qemu_clean("before the operation", &initial);
     let exec = Exec::new();
     let dev = MemDevice::new(initial.clone());
     let chain = open(&exec, &dev, true).unwrap();
@@ -452,6 +455,7 @@ fn snapshot_create_is_all_or_nothing() {
     let n = snapshot_crash_test(
         &data,
         false,
+        4,
         |exec, chain| {
             let c = chain.clone();
             exec.block_on(async move {
@@ -492,6 +496,7 @@ fn snapshot_delete_is_all_or_nothing() {
     let n = snapshot_crash_test(
         &data,
         true,
+        4,
         |exec, chain| {
             // The active disk moves on (copy on write), then the snapshot goes.
             write(exec, chain, 0, &new);
@@ -524,4 +529,124 @@ fn snapshot_delete_is_all_or_nothing() {
     );
     assert!(gone, "no crash state lost the snapshot");
     eprintln!("crash states tried (snapshot delete): {n}");
+}
+
+#[test]
+fn snapshot_create_over_an_older_snapshot_is_all_or_nothing() {
+    create_over_an_older_snapshot(4);
+}
+
+#[test]
+fn snapshot_create_with_64_bit_refcounts_touches_several_refcount_blocks() {
+    // 512 refcounts per block (2 MiB of clusters): the commit copies several blocks,
+    // among them those counting its own new clusters.
+    create_over_an_older_snapshot(6);
+}
+
+fn create_over_an_older_snapshot(refcount_order: u32) {
+    // 4 KiB clusters: an L2 table covers 2 MiB. After `base`, the first table is copied on
+    // write (its own data and data shared with `base`), the second stays shared: the new
+    // snapshot copies the first (COPIED entries) and shares the second.
+    let mut r = Rng(9);
+    let data: Vec<u8> = (0..(3 << 20)).map(|_| r.next() as u8).collect();
+    let new: Vec<u8> = (0..(512 << 10)).map(|_| r.next() as u8).collect();
+    let mut moved = data.clone();
+    moved[..new.len()].copy_from_slice(&new);
+    let mut seen = false;
+    let n = snapshot_crash_test(
+        &data,
+        true,
+        refcount_order,
+        |exec, chain| {
+            write(exec, chain, 0, &new);
+            let c = chain.clone();
+            exec.block_on(async move {
+                c.flush().await?;
+                let Some(Layer::Qcow2(q)) = c.layers().first() else {
+                    unreachable!()
+                };
+                q.snapshot_create("s1", Default::default()).await?;
+                c.close().await
+            })
+            .unwrap();
+        },
+        |label, img, names| {
+            let (_, head) = read_range(img.to_vec(), 0, data.len() as u64);
+            assert!(
+                head[new.len()..] == data[new.len()..],
+                "crash state {label}: the active disk past the new write changed"
+            );
+            assert!(
+                snapshot_bytes(img, "base", data.len()) == data,
+                "crash state {label}: the old snapshot lost its data"
+            );
+            match names {
+                [b] if b == "base" => {}
+                [b, s] if b == "base" && s == "s1" => {
+                    seen = true;
+                    assert!(
+                        head == moved,
+                        "crash state {label}: the active disk changed"
+                    );
+                    assert!(
+                        snapshot_bytes(img, "s1", data.len()) == moved,
+                        "crash state {label}: the new snapshot does not hold the disk"
+                    );
+                }
+                other => panic!("crash state {label}: snapshots {other:?}"),
+            }
+        },
+    );
+    assert!(seen, "no crash state has the new snapshot");
+    eprintln!("crash states tried (snapshot create over a snapshot): {n}");
+}
+
+#[test]
+fn snapshot_apply_is_all_or_nothing() {
+    let mut r = Rng(10);
+    let data: Vec<u8> = (0..(3 << 20)).map(|_| r.next() as u8).collect();
+    let new: Vec<u8> = (0..(1 << 20)).map(|_| r.next() as u8).collect();
+    let mut moved = data.clone();
+    moved[..new.len()].copy_from_slice(&new);
+    let (mut old_seen, mut new_seen) = (false, false);
+    let n = snapshot_crash_test(
+        &data,
+        true,
+        4,
+        |exec, chain| {
+            write(exec, chain, 0, &new);
+            let c = chain.clone();
+            exec.block_on(async move {
+                c.flush().await?;
+                let Some(Layer::Qcow2(q)) = c.layers().first() else {
+                    unreachable!()
+                };
+                q.snapshot_apply("base").await?;
+                c.close().await
+            })
+            .unwrap();
+        },
+        |label, img, names| {
+            assert!(
+                matches!(names, [b] if b == "base"),
+                "crash state {label}: snapshots {names:?}"
+            );
+            assert!(
+                snapshot_bytes(img, "base", data.len()) == data,
+                "crash state {label}: the snapshot lost its data"
+            );
+            let (_, head) = read_range(img.to_vec(), 0, data.len() as u64);
+            if head == data {
+                new_seen = true;
+            } else {
+                assert!(head == moved, "crash state {label}: neither disk");
+                old_seen = true;
+            }
+        },
+    );
+    assert!(
+        old_seen && new_seen,
+        "crash states miss the old or the new disk"
+    );
+    eprintln!("crash states tried (snapshot apply): {n}");
 }

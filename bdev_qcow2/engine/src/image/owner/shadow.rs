@@ -116,9 +116,10 @@ impl<D: BlockDevice> Owner<'_, D> {
         let mut pool: Vec<u64> = Vec::new();
         let mut rt_run: Option<(u64, u64)> = None;
         let mut surplus: Vec<u64> = Vec::new();
-        let (set, extra, rt_clusters) = loop {
+        let (set, mut extra, rt_clusters) = loop {
+            // The clusters taken so far count 1 on disk (a leak until the switch); the
+            // switch's flush below makes them stable before the header names them.
             self.writeback_mode(true).await?;
-            self.exec.flush(self.dev).await?;
             let (rt_off, rt_clusters) = {
                 let h = self.header.borrow();
                 (
@@ -147,19 +148,22 @@ impl<D: BlockDevice> Owner<'_, D> {
                     break;
                 }
             }
+            let mut took = false;
             if rt_run.is_none_or(|(_, n)| n != rt_clusters) {
                 if let Some((first, n)) = rt_run.take() {
                     surplus.extend(first..first + n);
                 }
                 let a = self.alloc_run(rt_clusters).await?;
                 rt_run = Some((a.first.0, rt_clusters));
-                continue;
+                took = true;
             }
             let need = set.len();
-            if pool.len() < need {
-                for _ in pool.len()..need {
-                    pool.push(self.alloc_clusters(1).await?.first.0);
-                }
+            while pool.len() < need {
+                pool.push(self.alloc_clusters(1).await?.first.0);
+                took = true;
+            }
+            if took {
+                // Taking them may have changed the old structure: look again.
                 continue;
             }
             if pool.len() > need {
@@ -168,6 +172,10 @@ impl<D: BlockDevice> Owner<'_, D> {
             }
             break (set, extra, rt_clusters);
         };
+        // Each replaced block is freed; the block counting it (perhaps another) is in `set`.
+        for &r in &set {
+            *extra.entry(self.block_cluster(r)?).or_default() -= 1;
+        }
         let Some((rt_first, _)) = rt_run else {
             return Err(corrupt(
                 Field::RefcountTableOffset,
@@ -186,8 +194,7 @@ impl<D: BlockDevice> Owner<'_, D> {
             let mut bytes = self.with_rc_block(old, |b| b.to_vec());
             for i in 0..per {
                 let c = r * per + i;
-                let d = deltas.get(c) + extra.get(&c).copied().unwrap_or(0)
-                    - i64::from(c == old >> bits);
+                let d = deltas.get(c) + extra.get(&c).copied().unwrap_or(0);
                 if d == 0 {
                     continue;
                 }
