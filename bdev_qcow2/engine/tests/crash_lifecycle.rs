@@ -505,6 +505,16 @@ fn snapshot_create_is_all_or_nothing() {
 
 #[test]
 fn snapshot_delete_is_all_or_nothing() {
+    delete_test(|_| {});
+}
+
+#[test]
+fn snapshot_delete_with_64_bit_refcounts_is_all_or_nothing() {
+    // What only the snapshot held is freed across several refcount blocks.
+    delete_test(|o| o.refcount_order = 6);
+}
+
+fn delete_test(tweak: impl Fn(&mut CreateOptions)) {
     let mut r = Rng(8);
     let data: Vec<u8> = (0..(2 << 20)).map(|_| r.next() as u8).collect();
     let new: Vec<u8> = (0..(1 << 20)).map(|_| r.next() as u8).collect();
@@ -512,7 +522,7 @@ fn snapshot_delete_is_all_or_nothing() {
     let n = snapshot_crash_test(
         &data,
         true,
-        |_| {},
+        tweak,
         |exec, chain| {
             // The active disk moves on (copy on write), then the snapshot goes.
             write(exec, chain, 0, &new);
@@ -550,6 +560,16 @@ fn snapshot_delete_is_all_or_nothing() {
 #[test]
 fn snapshot_create_over_an_older_snapshot_is_all_or_nothing() {
     create_over_an_older_snapshot(|_| {});
+}
+
+#[test]
+fn snapshot_create_with_extended_l2_is_all_or_nothing() {
+    // Two words per entry: COPIED is looked for (and changed) in the entry, never in the
+    // subcluster bitmap.
+    create_over_an_older_snapshot(|o| {
+        o.cluster_bits = 14;
+        o.extended_l2 = true;
+    });
 }
 
 #[test]
