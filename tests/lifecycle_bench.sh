@@ -18,6 +18,8 @@
 #
 #   tests/lifecycle_bench.sh
 #   SIZE=4G TIME=5 ROUNDS=5 STREAM_SIZE=2G STREAM_RATE=0 tests/lifecycle_bench.sh
+#   SIZE=4G TIME=5 ROUNDS=5 tests/lifecycle_bench.sh
+#   SO=/other/target/release/libbdev_qcow2.so tests/lifecycle_bench.sh   # another build
 #
 # Needs an installed SPDK (bdevperf on PATH, bdevperf.py, rpc.py) and qemu-img; prints
 # SKIPPED and exits 0 without them. Builds the module in release mode. Run it under
@@ -35,8 +37,11 @@ for b in bdevperf qemu-img; do
 done
 [ -f "$BDEVPERF_PY" ] && [ -n "$RPC" ] || { echo "SKIPPED: bdevperf.py or rpc.py not found"; exit 0; }
 
-cargo build --release -q -p bdev_qcow2
-SO=$PWD/target/release/libbdev_qcow2.so
+# SO=/path/to/libbdev_qcow2.so measures that build instead (a baseline, say).
+if [ -z "${SO:-}" ]; then
+  cargo build --release -q -p bdev_qcow2
+  SO=$PWD/target/release/libbdev_qcow2.so
+fi
 SIZE=${SIZE:-1G}
 TIME=${TIME:-4}
 ROUNDS=${ROUNDS:-3}

@@ -51,3 +51,9 @@ pub const MAX_ALLOC_PAST_END: u64 = 256 << 20;
 
 /// Largest slice cache we build for one image, in bytes (a misconfiguration guard).
 pub const MAX_CACHE_BYTES: u64 = 4 << 30;
+
+/// Most memory one shadow commit (snapshot create, delete, apply) may hold for its planned
+/// refcount changes, in bytes: 4 bytes per refcount entry of each refcount block a change
+/// touches (256 MiB: 2 TiB of referenced data with 64 KiB clusters and 16-bit refcounts).
+/// Larger operations are refused rather than let an image make us allocate without bound.
+pub const MAX_SHADOW_DELTA_BYTES: u64 = 256 << 20;

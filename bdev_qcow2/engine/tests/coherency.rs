@@ -1299,3 +1299,107 @@ fn a_core_takes_the_size_the_owner_grew_the_disk_to() {
     assert_eq!(core_read(&mut rig, 1, 6, old, cs), vec![0; 8]);
     rig.close();
 }
+
+/// Runs `op` on the owner's image (its executor only; the cores are idle, as under SPDK's
+/// quiesce).
+fn owner_op<T: 'static>(
+    rig: &mut Rig,
+    op: impl AsyncFnOnce(&Qcow2<Channel>) -> qcow2_engine::Result<T> + 'static,
+) -> T {
+    let c = rig.chains[0].clone();
+    rig.execs[0]
+        .block_on(async move { op(image(&c)).await })
+        .unwrap()
+}
+
+/// Sector ids of guest bytes `[0, len)` of snapshot `name` (or the active disk) of the
+/// rig's closed image, read by `qemu-img`.
+fn qemu_ids(rig: &Rig, name: Option<&str>, len: u64) -> Vec<u64> {
+    let dir = tempfile::tempdir().unwrap();
+    let img = dir.path().join("img.qcow2");
+    let raw = dir.path().join("out.raw");
+    std::fs::write(&img, rig.disk.borrow().as_slice()).unwrap();
+    let (img_s, raw_s) = (img.to_str().unwrap(), raw.to_str().unwrap());
+    let out = qemu_img(&["check", "-f", "qcow2", img_s]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    let mut args = vec!["convert", "-f", "qcow2", "-O", "raw"];
+    if let Some(n) = name {
+        args.extend(["-l", n]);
+    }
+    args.extend([img_s, raw_s]);
+    let out = qemu_img(&args);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let bytes = std::fs::read(&raw).unwrap();
+    bytes[..len as usize]
+        .chunks(SECTOR as usize)
+        .enumerate()
+        .map(|(i, b)| decode(i as u64, b).unwrap())
+        .collect()
+}
+
+#[test]
+fn core_stops_writing_in_place_after_a_snapshot_and_again_after_its_deletion() {
+    // A snapshot's shadow commit gives the active disk new L2 tables (COPIED cleared): a
+    // core that cached the old slice (COPIED set) must not write in place into the cluster
+    // the snapshot now shares; after the snapshot is deleted, the core must see COPIED set
+    // again (ARCHITECTURE.md §13, cores).
+    let mut rig = Rig::new(5, 1, false, 2);
+    let cs = 4096u64;
+    write_sync(&mut rig, 1, 0, 31, cs);
+    write_sync(&mut rig, 2, 2 * cs, 41, cs);
+    flush_sync(&mut rig, 3);
+    assert_eq!(core_read(&mut rig, 1, 4, 0, cs), vec![31; 8]);
+    assert_eq!(core_read(&mut rig, 1, 5, 2 * cs, cs), vec![41; 8]);
+    owner_op(&mut rig, async |q| {
+        q.snapshot_create("s", Default::default()).await
+    });
+    let (buf, _) = fill(32, 0, cs);
+    let buf = BufSlice::whole(buf);
+    assert!(
+        !rig.chains[1].try_submit_write(6, 0, &buf),
+        "the core wrote in place into a cluster the snapshot shares"
+    );
+    rig.chains[0].submit_write(6, 0, buf);
+    rig.run(6).unwrap();
+    flush_sync(&mut rig, 7);
+    // The core sees the copy the owner made. (Its write may still go to the owner: the
+    // copy may reuse a cluster the commit freed, which the cores' bitmap still marks as
+    // metadata.)
+    assert_eq!(core_read(&mut rig, 1, 8, 0, cs), vec![32; 8]);
+    let (buf, _) = fill(33, 0, cs);
+    let buf = BufSlice::whole(buf);
+    if !rig.chains[1].try_submit_write(9, 0, &buf) {
+        rig.chains[0].submit_write(9, 0, buf);
+    }
+    rig.run(9).unwrap();
+    flush_sync(&mut rig, 10);
+    let three = 3 * cs;
+    assert_eq!(
+        qemu_ids(&rig, Some("s"), three),
+        [vec![31; 8], vec![0; 8], vec![41; 8]].concat()
+    );
+    // Cluster 2 is shared with the snapshot: no in-place write until it is deleted.
+    let (buf, _) = fill(42, 2 * cs, cs);
+    assert!(!rig.chains[1].try_submit_write(11, 2 * cs, &BufSlice::whole(buf)));
+    owner_op(&mut rig, async |q| q.snapshot_delete("s").await);
+    assert_eq!(core_read(&mut rig, 1, 12, 2 * cs, cs), vec![41; 8]);
+    let (buf, _) = fill(42, 2 * cs, cs);
+    assert!(
+        rig.chains[1].try_submit_write(13, 2 * cs, &BufSlice::whole(buf)),
+        "the core did not see COPIED set again after the delete"
+    );
+    rig.run(13).unwrap();
+    rig.close();
+    assert_eq!(
+        qemu_ids(&rig, None, three),
+        [vec![33; 8], vec![0; 8], vec![42; 8]].concat()
+    );
+}

@@ -136,8 +136,8 @@ fn again(key: NodeKey, f: impl FnOnce(&crate::ffi::node::Registered, &Owner)) ->
 /// `bdev_qcow2_snapshot_create {name, snapshot}`: an internal snapshot of the disk while it
 /// serves I/O. The dirty metadata is flushed first; then SPDK holds new requests back
 /// until those in flight have completed (so no overwrite granted before the snapshot can
-/// land in a cluster it shares), the snapshot is taken (its COPIED flags cleared reach the
-/// cores through the slices' epochs), and the requests go on. Answers the snapshot's id,
+/// land in a cluster it shares), the snapshot is taken (one header switch; the new active
+/// L1 entries reach the cores with their slices' epochs moved), and the requests go on. Answers the snapshot's id,
 /// name and how long I/O paused (`pause_us`).
 pub fn snapshot_create(req: Request, params: Params) {
     const METHOD: &str = "bdev_qcow2_snapshot_create";

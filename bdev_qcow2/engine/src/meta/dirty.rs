@@ -149,6 +149,24 @@ impl DirtyMetadata {
         }
     }
 
+    /// A shadow commit is about to publish L1 entries naming other L2 tables for slices
+    /// `keys` (the same entries, COPIED flags changed): their epochs go odd (or move on),
+    /// as for a slice that becomes dirty, so that no core keeps a replica of the old table.
+    /// [`tables_moved`](Self::tables_moved) follows once the entries are published.
+    pub(crate) fn tables_moving(&mut self, keys: &[u64], shared: &Shared) {
+        for &k in keys {
+            self.epochs.dirtied(shared, k);
+        }
+    }
+    /// The new L1 entries of slices `keys` are published: their epochs become even again
+    /// unless other slices of a slot are dirty (two steps past the value before
+    /// [`tables_moving`](Self::tables_moving)).
+    pub(crate) fn tables_moved(&mut self, keys: &[u64], shared: &Shared) {
+        for &k in keys {
+            self.epochs.cleaned(shared, k);
+        }
+    }
+
     // ----- refcount blocks ----------------------------------------------------------
 
     /// Whether refcount block `block` is dirty.

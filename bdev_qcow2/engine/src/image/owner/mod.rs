@@ -15,6 +15,7 @@
 //! - [`frees`]: frees after the metadata that removed a reference is stable;
 //! - [`header`]: the corrupt and dirty bits, the zeroed tail;
 //! - [`resize`]: growing and shrinking the virtual disk;
+//! - [`shadow`]: changes of refcounts and active tables switched by one header write;
 //! - [`snapshot`]: internal snapshots (create, delete, apply);
 //! - [`stream`]: dropping the backing reference after a stream;
 //! - [`writeback`]: the ordered write-back, flush and close.
@@ -25,6 +26,7 @@ pub(crate) mod header;
 pub(crate) mod l2;
 pub(crate) mod refcount;
 pub(crate) mod resize;
+pub(crate) mod shadow;
 pub(crate) mod snapshot;
 pub(crate) mod stream;
 pub(crate) mod writeback;

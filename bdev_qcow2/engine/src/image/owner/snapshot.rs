@@ -4,18 +4,33 @@
 //! Reference counting follows the specification (and QEMU): every L1 table (the active one
 //! and each snapshot's) counts one reference to each L2 table it names, and one reference,
 //! through that table, to each host cluster the table's entries name. An entry (L1 or L2)
-//! of the active tables has COPIED set exactly when its cluster's refcount is 1.
+//! of the active tables has COPIED set exactly when its cluster's refcount is 1; in a
+//! snapshot's tables COPIED means nothing (the specification says so, and QEMU's check
+//! looks at the active tables only).
 //!
-//! Ordering (ARCHITECTURE.md §7): a snapshot becomes visible with one header sector write
-//! (snapshot count and table offset). Before it, the raised refcounts are stable, then the
-//! active tables with COPIED cleared, then the snapshot's L1 copy and the new snapshot
-//! table; so a crash before that write leaves the old image with leaked clusters (and, for
-//! the moment between the refcounts and the cleared flags, COPIED flags that disagree with
-//! the raised refcounts, which `qemu-img check -r all` corrects and which are safe: the
-//! extra references are leaks). Deleting removes the snapshot from the table first (one
-//! header write), then gives its references back through the ordered frees; the COPIED
-//! flags of clusters back to refcount 1 are set last.
+//! Crash safety: each operation is one shadow commit ([`super::shadow`]). The refcounts
+//! change in copies of the refcount blocks, and the active tables change in copies too:
+//! a new active L1 table, and a new L2 table for each one whose COPIED flags change. One
+//! header sector write then switches the active L1, the refcount table and the snapshot
+//! table together, so every crash state is the old image or the new one, with at most
+//! leaks, and no COPIED flag ever disagrees with the refcounts the header names.
+//! - Create: the snapshot takes over the active L1 table and its L2 tables as they are on
+//!   disk. The new active L1 names, for each L2 table with a COPIED data entry, a copy
+//!   with COPIED cleared (refcount 1, so its L1 entry has COPIED), and shares the other
+//!   tables (refcount + 1, no COPIED). Every cluster the disk references gets + 1.
+//! - Delete: the snapshot's references go (− 1 each, so what only it held is free at
+//!   once), its L1 table and the old snapshot table too; the active L2 tables whose data
+//!   clusters are back to refcount 1 are copied with COPIED set (the old ones freed), and
+//!   a new active L1 names them (only when an entry changes).
+//! - Apply: the snapshot's references + 1, the active disk's − 1, and a new active L1
+//!   built from the snapshot's as above.
+//!
+//! On a shared image, after the switch, the new L1 entries are published to the cores
+//! with the epochs of their slices moved (odd before, even after), so no core keeps using
+//! a replica of a table that stopped being active: a replaced table is freed only after
+//! a grace period, for requests that resolved through it before.
 
+use super::shadow::{Deltas, HeaderSwitch};
 use super::{words_to_bytes, Owner};
 use crate::error::{corrupt, Error, Field, Result};
 use crate::exec::read_bytes;
@@ -38,6 +53,31 @@ pub struct SnapshotTime {
     pub nsec: u32,
 }
 
+/// What becomes of the active L1 table the header names when a new one replaces it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum OldL1 {
+    /// A new snapshot keeps it (create): always replaced, never freed.
+    Kept,
+    /// Freed when replaced; replaced only when an entry changes (delete).
+    FreedIfChanged,
+    /// Always replaced and freed (apply).
+    Replaced,
+}
+
+/// A new state of the active disk and snapshot table, to commit in one header switch.
+struct Change {
+    /// The L1 entries the active disk will have (COPIED flags are recomputed).
+    l1: Vec<u64>,
+    /// Refcount changes of the references that come and go (not those of new tables).
+    deltas: Deltas,
+    /// The old active L1 table's fate.
+    old_l1: OldL1,
+    /// The new snapshot table.
+    snapshots: Vec<Snapshot>,
+    /// New virtual size, if it changes.
+    size: Option<u64>,
+}
+
 impl<D: BlockDevice> Owner<'_, D> {
     /// Creates internal snapshot `name` of the disk as it is when the metadata lock is
     /// taken (every write completed before is in it). Returns the new table entry.
@@ -56,30 +96,24 @@ impl<D: BlockDevice> Owner<'_, D> {
         if snaps.len() as u64 >= MAX_SNAPSHOTS {
             return Err(Error::Refused("the snapshot table is full".into()));
         }
-        // Everything dirty first: the tables walked below are the ones on disk.
-        self.writeback_locked().await?;
+        // Everything dirty first (refcounts too): the tables walked below are on disk.
+        self.writeback_mode(true).await?;
         let l1: Vec<u64> = self.l1.borrow().iter().map(|e| e.0).collect();
-        for r in self.references(&l1).await? {
-            for c in r.clusters(self.geo.cluster_bits) {
-                self.update_refcount(c, 1).await?;
-            }
-        }
-        self.clear_active_copied(&l1).await?;
-        // The snapshot's L1 table: the active one, without COPIED.
-        let snap_l1: Vec<u64> = l1.iter().map(|e| e & !COPIED).collect();
-        let l1_off = self.write_new_table(&snap_l1).await?;
-        // Refcounts (rule 1), then the active tables without COPIED, stable.
-        self.writeback_locked().await?;
-        self.exec.flush(self.dev).await?;
+        let mut deltas = Deltas::new(self.per_block());
+        self.add_references(&l1, 1, &mut deltas).await?;
+        let (l1_off, l1_size) = {
+            let h = self.header.borrow();
+            (h.header.l1_table_offset, h.header.l1_size)
+        };
         let size = self.size();
-        let id = next_id(&snaps);
         let mut extra = Vec::with_capacity(16);
         extra.extend_from_slice(&0u64.to_be_bytes()); // vm_state_size_large
         extra.extend_from_slice(&size.to_be_bytes()); // disk_size
+                                                      // The snapshot's L1 table is the active one as it is on disk.
         let snap = Snapshot {
             l1_table_offset: l1_off,
-            l1_size: snap_l1.len() as u32,
-            id,
+            l1_size,
+            id: next_id(&snaps),
             name: name.to_string(),
             date_sec: when.sec,
             date_nsec: when.nsec,
@@ -87,9 +121,16 @@ impl<D: BlockDevice> Owner<'_, D> {
             vm_state_size: 0,
             extra_data: extra,
         };
-        let mut table = snaps;
-        table.push(snap.clone());
-        self.commit_snapshot_table(table).await?;
+        let mut snapshots = snaps;
+        snapshots.push(snap.clone());
+        self.commit_change(Change {
+            l1,
+            deltas,
+            old_l1: OldL1::Kept,
+            snapshots,
+            size: None,
+        })
+        .await?;
         Ok(snap)
     }
 
@@ -98,38 +139,33 @@ impl<D: BlockDevice> Owner<'_, D> {
     pub(crate) async fn snapshot_delete(&self, which: &str) -> Result<Snapshot> {
         let m = self.meta();
         let _g = m.lock().lock().await;
-        let mut table = self.snapshots.borrow().clone();
-        let i = find(&table, which)?;
-        let snap = table.remove(i);
-        self.writeback_locked().await?;
-        let l1 = self.read_l1(&snap).await?;
-        let refs = self.references(&l1).await?;
-        // The snapshot disappears first (one header write); only then are its references
-        // given back (rule 2), through the ordered frees.
-        self.commit_snapshot_table(table).await?;
-        {
-            let mut st = m.st_mut();
-            for r in refs {
-                st.frees.free_later(r);
-            }
-            let cs = self.geo.cluster_size();
-            st.frees.free_later(HostRange::new(
-                HostOffset(snap.l1_table_offset),
-                (u64::from(snap.l1_size) * 8).div_ceil(cs) * cs,
-            ));
-        }
-        self.writeback_locked().await?;
-        self.exec.flush(self.dev).await?;
-        self.fix_active_copied().await?;
-        self.writeback_locked().await?;
-        self.exec.flush(self.dev).await?;
+        let mut snapshots = self.snapshots.borrow().clone();
+        let snap = snapshots.remove(find(&snapshots, which)?);
+        self.writeback_mode(true).await?;
+        let mut deltas = Deltas::new(self.per_block());
+        self.add_references(&self.read_l1(&snap).await?, -1, &mut deltas)
+            .await?;
+        deltas.add_range(
+            self.table_range(snap.l1_table_offset, snap.l1_size),
+            -1,
+            self.geo.cluster_bits,
+        )?;
+        let l1: Vec<u64> = self.l1.borrow().iter().map(|e| e.0).collect();
+        self.commit_change(Change {
+            l1,
+            deltas,
+            old_l1: OldL1::FreedIfChanged,
+            snapshots,
+            size: None,
+        })
+        .await?;
         Ok(snap)
     }
 
     /// Makes the snapshot whose id or name is `which` the active disk (its L1 table copied
     /// to a new place, its size taken), giving back what only the old active disk
-    /// referenced. For an image nobody else serves (offline): the cores' replicas would
-    /// not follow the new L1 table.
+    /// referenced. For an image nobody else serves (offline): the cores' virtual size and
+    /// the guests' view would change under them.
     pub(crate) async fn snapshot_apply(&self, which: &str) -> Result<()> {
         if self.shared.is_some() {
             return Err(Error::Refused(
@@ -138,185 +174,249 @@ impl<D: BlockDevice> Owner<'_, D> {
         }
         let m = self.meta();
         let _g = m.lock().lock().await;
-        let table = self.snapshots.borrow().clone();
-        let snap = table[find(&table, which)?].clone();
-        self.writeback_locked().await?;
+        let snapshots = self.snapshots.borrow().clone();
+        let snap = snapshots[find(&snapshots, which)?].clone();
+        self.writeback_mode(true).await?;
         let new_l1 = self.read_l1(&snap).await?;
         let old_l1: Vec<u64> = self.l1.borrow().iter().map(|e| e.0).collect();
-        // The new active tables' references first (stable before the header names them).
-        for r in self.references(&new_l1).await? {
-            for c in r.clusters(self.geo.cluster_bits) {
-                self.update_refcount(c, 1).await?;
-            }
-        }
-        let old_refs = self.references(&old_l1).await?;
-        let active: Vec<u64> = new_l1.iter().map(|e| e & !COPIED).collect();
-        let off = self.write_new_table(&active).await?;
-        self.writeback_locked().await?;
-        self.exec.flush(self.dev).await?;
+        let mut deltas = Deltas::new(self.per_block());
+        self.add_references(&new_l1, 1, &mut deltas).await?;
+        self.add_references(&old_l1, -1, &mut deltas).await?;
         let size = snap.disk_size().unwrap_or_else(|| self.size());
-        let (old_off, old_len) = {
-            let h = self.header.borrow();
-            (h.header.l1_table_offset, u64::from(h.header.l1_size))
-        };
-        {
-            let mut h = self.header.borrow_mut();
-            h.header.l1_table_offset = off;
-            h.header.l1_size = active.len() as u32;
-            h.header.size = size;
-            let mut st = m.st_mut();
-            st.header.set_l1_table(off, active.len() as u32);
-            st.header.set_size(size);
-        }
-        self.write_header().await?;
-        self.exec.flush(self.dev).await?;
-        *self.l1.borrow_mut() = active.iter().map(|&e| L1Entry(e)).collect();
-        self.l2_cache.borrow_mut().clear();
-        self.memo.forget_all();
-        self.index_metadata();
-        {
-            let cs = self.geo.cluster_size();
-            let mut st = m.st_mut();
-            for r in old_refs {
-                st.frees.free_later(r);
-            }
-            st.frees.free_later(HostRange::new(
-                HostOffset(old_off),
-                (old_len * 8).div_ceil(cs) * cs,
-            ));
-        }
-        self.writeback_locked().await?;
-        self.exec.flush(self.dev).await?;
-        self.fix_active_copied().await?;
-        self.writeback_locked().await?;
-        self.exec.flush(self.dev).await
+        self.commit_change(Change {
+            l1: new_l1.iter().map(|e| e & !COPIED).collect(),
+            deltas,
+            old_l1: OldL1::Replaced,
+            snapshots,
+            size: Some(size),
+        })
+        .await
     }
 
-    /// The host ranges L1 table `l1` references: each L2 table, and each cluster (or
-    /// compressed stream) each table's entries name, read from the device (the caller wrote
-    /// every dirty change back).
-    async fn references(&self, l1: &[u64]) -> Result<Vec<HostRange>> {
+    /// Host bytes of a table of `entries` 8-byte entries at `off`, whole clusters.
+    fn table_range(&self, off: u64, entries: u32) -> HostRange {
+        let cs = self.geo.cluster_size();
+        HostRange::new(HostOffset(off), (u64::from(entries) * 8).div_ceil(cs) * cs)
+    }
+
+    /// Adds `d` to the planned refcount of every host range L1 table `l1` references: each
+    /// L2 table, and each cluster (or compressed stream) each table's entries name, read
+    /// from the device (the caller wrote every dirty change back).
+    async fn add_references(&self, l1: &[u64], d: i64, deltas: &mut Deltas) -> Result<()> {
         let cs = self.geo.cluster_size();
         let ds = self.device_size.get();
         let bits = self.geo.cluster_bits;
-        let step = if self.geo.extended_l2 { 2 } else { 1 };
-        let mut out = Vec::new();
         for &e in l1 {
             let Some(t) = L1Entry(e).l2_table(cs, ds)? else {
                 continue;
             };
-            out.push(HostRange::new(t, cs));
+            deltas.add(t.0 >> bits, d)?;
             let raw = read_bytes(&self.exec, self.dev, t.0, cs).await?;
-            for w in raw.chunks_exact(8 * step) {
-                let mut b = [0u8; 8];
-                b.copy_from_slice(&w[..8]);
-                let entry = L2Entry(u64::from_be_bytes(b));
+            for (entry, _) in self.entries(&raw) {
                 if entry.is_compressed() {
-                    out.push(entry.compressed(bits, ds)?.sectors());
-                } else if entry.host_bits() != 0 {
-                    let h = entry.host_bits() & !(cs - 1);
-                    if h + cs > ds {
-                        return Err(corrupt(
-                            Field::L2Entry,
-                            entry.0,
-                            "cluster past the device end",
-                        ));
-                    }
-                    out.push(HostRange::new(HostOffset(h), cs));
+                    deltas.add_range(entry.compressed(bits, ds)?.sectors(), d, bits)?;
+                } else if let Some(c) = self.host_cluster(entry, ds)? {
+                    deltas.add(c, d)?;
                 }
-            }
-        }
-        Ok(out)
-    }
-
-    /// Clears COPIED in every entry of the active tables `l1` names (their clusters are
-    /// shared with a snapshot from now on), in the dirty metadata. On a shared image this
-    /// bumps the slices' epochs, so no core writes in place into them any longer.
-    async fn clear_active_copied(&self, l1: &[u64]) -> Result<()> {
-        let cs = self.geo.cluster_size();
-        let ds = self.device_size.get();
-        let cov = self.geo.l1_entry_coverage();
-        let per_slice = self.geo.slice_coverage();
-        let entries = (1u64 << self.geo.slice_bits) / if self.geo.extended_l2 { 16 } else { 8 };
-        for (idx, &e) in l1.iter().enumerate() {
-            if L1Entry(e).l2_table(cs, ds)?.is_none() {
-                continue;
-            }
-            let base = idx as u64 * cov;
-            let mut slice = base;
-            while slice < base + cov {
-                self.dirty_slice_for(GuestOffset(slice)).await?;
-                for i in 0..entries {
-                    let off = GuestOffset(slice + i * cs);
-                    let (entry, bitmap) = self.l2_words(off).await?;
-                    if entry.is_copied() {
-                        self.set_l2_words(off, L2Entry(entry.0 & !COPIED), bitmap)?;
-                    }
-                }
-                slice += per_slice;
-            }
-            let cleared = L1Entry(e & !COPIED);
-            self.l1.borrow_mut()[idx] = cleared;
-            self.meta().st_mut().dirty.dirty_l1(idx as u64);
-            if let Some(sh) = &self.shared {
-                sh.set_l1(idx, cleared.0);
             }
         }
         Ok(())
     }
 
-    /// Sets COPIED on every entry of the active tables whose cluster's refcount is 1 (and
-    /// clears it elsewhere), after references went away.
-    async fn fix_active_copied(&self) -> Result<()> {
+    /// The L2 entries of table bytes `raw` with their word index (bitmaps skipped).
+    fn entries<'b>(&self, raw: &'b [u8]) -> impl Iterator<Item = (L2Entry, usize)> + 'b {
+        let step = if self.geo.extended_l2 { 2 } else { 1 };
+        raw.chunks_exact(8 * step).enumerate().map(move |(i, w)| {
+            let mut b = [0u8; 8];
+            b.copy_from_slice(&w[..8]);
+            (L2Entry(u64::from_be_bytes(b)), i * step)
+        })
+    }
+
+    /// The host cluster a standard L2 entry names (data, or zero with a host cluster).
+    fn host_cluster(&self, entry: L2Entry, ds: u64) -> Result<Option<u64>> {
+        let h = entry.host_bits() & !(self.geo.cluster_size() - 1);
+        if entry.is_compressed() || h == 0 {
+            return Ok(None);
+        }
+        if h + self.geo.cluster_size() > ds {
+            return Err(corrupt(
+                Field::L2Entry,
+                entry.0,
+                "cluster past the device end",
+            ));
+        }
+        Ok(Some(h >> self.geo.cluster_bits))
+    }
+
+    /// The refcount host cluster `c`, which a table on disk references, will have: the one
+    /// on disk plus the planned change. A referenced cluster counted 0 (now or then) is
+    /// corruption: the allocator could hand it out.
+    async fn planned(&self, c: u64, deltas: &Deltas) -> Result<i64> {
+        let now = self.refcount(c << self.geo.cluster_bits).await?;
+        let n = now as i64 + deltas.get(c);
+        if now == 0 || n < 1 {
+            return Err(corrupt(
+                Field::RefcountBlockEntry,
+                c,
+                "a referenced cluster has no reference counted",
+            ));
+        }
+        Ok(n)
+    }
+
+    /// Commits `change` (see the module doc): new L2 tables where COPIED flags change, a
+    /// new active L1 table, a new snapshot table, the refcounts, one header switch; then
+    /// the new state in memory and on the cores. Caller holds the metadata lock and wrote
+    /// everything back.
+    async fn commit_change(&self, change: Change) -> Result<()> {
+        let Change {
+            l1: candidate,
+            mut deltas,
+            old_l1,
+            snapshots,
+            size,
+        } = change;
         let cs = self.geo.cluster_size();
         let ds = self.device_size.get();
-        let cov = self.geo.l1_entry_coverage();
-        let per_slice = self.geo.slice_coverage();
-        let entries = (1u64 << self.geo.slice_bits) / if self.geo.extended_l2 { 16 } else { 8 };
-        let l1: Vec<u64> = self.l1.borrow().iter().map(|e| e.0).collect();
-        for (idx, &e) in l1.iter().enumerate() {
+        let bits = self.geo.cluster_bits;
+        // The active tables as they will be: COPIED exactly where the planned refcount is 1.
+        let mut words = Vec::with_capacity(candidate.len());
+        let mut copies: Vec<(usize, Vec<u8>)> = Vec::new();
+        for (idx, &e) in candidate.iter().enumerate() {
             let Some(t) = L1Entry(e).l2_table(cs, ds)? else {
+                words.push(0);
                 continue;
             };
-            let sole = self.refcount(t.0).await? == 1;
-            if sole != L1Entry(e).is_copied() {
-                let fixed = L1Entry::new(t, sole);
-                self.l1.borrow_mut()[idx] = fixed;
-                self.meta().st_mut().dirty.dirty_l1(idx as u64);
-            }
-            if !sole {
-                // A table shared with a snapshot is not changed in place: its clusters are
-                // shared too, and its entries have no COPIED.
-                continue;
-            }
-            let base = idx as u64 * cov;
-            let mut slice = base;
-            while slice < base + cov {
-                for i in 0..entries {
-                    let off = GuestOffset(slice + i * cs);
-                    let (entry, bitmap) = self.l2_words(off).await?;
-                    if entry.is_compressed() || entry.host_bits() == 0 {
-                        continue;
-                    }
-                    let one = self.refcount(entry.host_bits() & !(cs - 1)).await? == 1;
-                    if one != entry.is_copied() {
-                        self.dirty_slice_for(off).await?;
-                        let w = if one {
-                            entry.0 | COPIED
-                        } else {
-                            entry.0 & !COPIED
-                        };
-                        self.set_l2_words(off, L2Entry(w), bitmap)?;
-                    }
+            let mut raw = read_bytes(&self.exec, self.dev, t.0, cs).await?;
+            let mut changed = false;
+            let found: Vec<(L2Entry, usize)> = self.entries(&raw).collect();
+            for (entry, w) in found {
+                let Some(c) = self.host_cluster(entry, ds)? else {
+                    continue;
+                };
+                let n = self.planned(c, &deltas).await?;
+                if (n == 1) != entry.is_copied() {
+                    let fixed = if n == 1 {
+                        entry.0 | COPIED
+                    } else {
+                        entry.0 & !COPIED
+                    };
+                    raw[w * 8..w * 8 + 8].copy_from_slice(&fixed.to_be_bytes());
+                    changed = true;
                 }
-                slice += per_slice;
+            }
+            if changed {
+                // The table stays with whoever else names it; the active disk gets a copy
+                // of its own (refcount 1: its L1 entry has COPIED).
+                deltas.add(t.0 >> bits, -1)?;
+                copies.push((idx, raw));
+                words.push(0);
+            } else {
+                let n = self.planned(t.0 >> bits, &deltas).await?;
+                words.push(L1Entry::new(t, n == 1).0);
             }
         }
+        for (idx, raw) in &copies {
+            let off = self.write_new_bytes(raw).await?;
+            words[*idx] = L1Entry::new(HostOffset(off), true).0;
+        }
+        let (old_off, old_size) = {
+            let h = self.header.borrow();
+            (h.header.l1_table_offset, h.header.l1_size)
+        };
+        let old_words: Vec<u64> = self.l1.borrow().iter().map(|e| e.0).collect();
+        let replace = match old_l1 {
+            OldL1::Kept | OldL1::Replaced => true,
+            OldL1::FreedIfChanged => words != old_words,
+        };
+        let mut switch = HeaderSwitch {
+            size,
+            ..HeaderSwitch::default()
+        };
+        if replace {
+            let off = self.write_new_table(&words).await?;
+            switch.l1 = Some((off, words.len() as u32));
+            if old_l1 != OldL1::Kept && old_size > 0 {
+                deltas.add_range(self.table_range(old_off, old_size), -1, bits)?;
+            }
+        }
+        // The snapshot table.
+        let bytes = encode_snapshots(&snapshots);
+        if bytes.len() as u64 > MAX_SNAPSHOT_TABLE_BYTES {
+            return Err(Error::Refused(
+                "the snapshot table would exceed 64 MiB".into(),
+            ));
+        }
+        let (old_st, old_count) = {
+            let h = self.header.borrow();
+            (h.header.snapshots_offset, h.header.nb_snapshots)
+        };
+        if old_count > 0 && old_st != 0 {
+            let old_len = encode_snapshots(&self.snapshots.borrow()).len() as u64;
+            let r = HostRange::new(HostOffset(old_st), old_len.max(1).div_ceil(cs) * cs);
+            deltas.add_range(r, -1, bits)?;
+        }
+        let st_off = if snapshots.is_empty() {
+            0
+        } else {
+            let mut padded = bytes;
+            padded.resize((padded.len() as u64).div_ceil(cs) as usize * cs as usize, 0);
+            self.write_new_bytes(&padded).await?
+        };
+        switch.snapshots = Some((st_off, snapshots.len() as u32));
+        let freed = self.commit_shadow(&deltas, switch).await?;
+        // The switch is stable: the rest of the new state, in memory, without an await.
+        *self.l1.borrow_mut() = words.iter().map(|&e| L1Entry(e)).collect();
+        *self.snapshots.borrow_mut() = snapshots;
+        self.l2_cache.borrow_mut().clear();
+        self.memo.forget_all();
+        self.index_metadata();
+        if let Some(sh) = &self.shared {
+            self.publish_l1(sh, &old_words, &words);
+        }
+        let m = self.meta();
+        {
+            let mut st = m.st_mut();
+            for c in freed {
+                st.frees.unstable(c);
+                st.alloc.freed(c);
+            }
+        }
+        // Stable already (the switch): free after the cores' grace period.
+        self.release_unstable();
         Ok(())
     }
 
-    /// Writes `words` as a new table in freshly taken clusters (flushed by the caller's
-    /// next write-back); returns its offset.
+    /// Publishes the L1 entries that differ between `old` and `new` to the cores, with
+    /// the epochs of their slices odd meanwhile and moved on after (ARCHITECTURE.md §6): a
+    /// core that read a slice through an old entry fails its epoch check, and a replica
+    /// it holds is dropped.
+    fn publish_l1(&self, sh: &crate::coherency::Shared, old: &[u64], new: &[u64]) {
+        let cov = self.geo.l1_entry_coverage();
+        let per = self.geo.slice_coverage();
+        let n = old.len().max(new.len());
+        let changed: Vec<usize> = (0..n)
+            .filter(|&i| old.get(i).copied().unwrap_or(0) != new.get(i).copied().unwrap_or(0))
+            .collect();
+        let mut keys = Vec::new();
+        for &i in &changed {
+            let base = i as u64 * cov;
+            let mut s = base;
+            while s < base + cov {
+                keys.push(self.geo.slice_id(GuestOffset(s)));
+                s += per;
+            }
+        }
+        let m = self.meta();
+        m.st_mut().dirty.tables_moving(&keys, sh);
+        for &i in &changed {
+            sh.set_l1(i, new.get(i).copied().unwrap_or(0));
+        }
+        m.st_mut().dirty.tables_moved(&keys, sh);
+    }
+
+    /// Writes `words` as a new table in freshly taken clusters; returns its offset.
     async fn write_new_table(&self, words: &[u64]) -> Result<u64> {
         let cs = self.geo.cluster_size();
         let bytes_len = (words.len() as u64 * 8).max(8).div_ceil(cs) * cs;
@@ -343,54 +443,6 @@ impl<D: BlockDevice> Owner<'_, D> {
             }
         }
         Ok(off)
-    }
-
-    /// Writes `table` as the new snapshot table and switches the header to it (count and
-    /// offset in one sector write), then frees the old table. Everything the new entries
-    /// name must be stable already.
-    async fn commit_snapshot_table(&self, table: Vec<Snapshot>) -> Result<()> {
-        let m = self.meta();
-        let cs = self.geo.cluster_size();
-        let bytes = encode_snapshots(&table);
-        if bytes.len() as u64 > MAX_SNAPSHOT_TABLE_BYTES {
-            return Err(Error::Refused(
-                "the snapshot table would exceed 64 MiB".into(),
-            ));
-        }
-        let (old_off, old_count) = {
-            let h = self.header.borrow();
-            (h.header.snapshots_offset, h.header.nb_snapshots)
-        };
-        let old_len = encode_snapshots(&self.snapshots.borrow()).len() as u64;
-        let off = if table.is_empty() {
-            0
-        } else {
-            let mut padded = bytes.clone();
-            padded.resize((bytes.len() as u64).div_ceil(cs) as usize * cs as usize, 0);
-            // Its refcounts stable before the header names it (rule 1).
-            let off = self.write_new_bytes(&padded).await?;
-            self.writeback_locked().await?;
-            self.exec.flush(self.dev).await?;
-            off
-        };
-        {
-            let mut h = self.header.borrow_mut();
-            h.header.snapshots_offset = off;
-            h.header.nb_snapshots = table.len() as u32;
-            m.st_mut()
-                .header
-                .set_snapshot_table(off, table.len() as u32);
-        }
-        self.write_header().await?;
-        self.exec.flush(self.dev).await?;
-        *self.snapshots.borrow_mut() = table;
-        if old_count > 0 && old_off != 0 {
-            m.st_mut().frees.free_later(HostRange::new(
-                HostOffset(old_off),
-                old_len.max(1).div_ceil(cs) * cs,
-            ));
-        }
-        Ok(())
     }
 
     /// The L1 table of `snap`, read from the device.
