@@ -928,6 +928,8 @@ fn stream_of_extended_l2_fills_only_unallocated_subclusters() {
         ],
     );
     eprintln!("crash states tried (stream, extended L2): {n}");
+}
+
 #[test]
 fn snapshot_create_over_an_older_snapshot_is_all_or_nothing() {
     create_over_an_older_snapshot(|_| {});
