@@ -9,7 +9,7 @@
 //! A stream restarted here is marked fresh; the ring resets the rest of its state (its
 //! run, window, off switch) when the stream is next continued.
 
-use super::STREAMS;
+use super::{STALE_READS, STREAMS};
 use std::cell::Cell;
 
 // The search rotates a mask of slots in a `u32`; the round robin's position is a `u8`
@@ -31,6 +31,10 @@ pub struct Hot {
     busy: [Cell<bool>; STREAMS],
     /// Per slot: restarted here, its state in the ring not reset yet.
     fresh: [Cell<bool>; STREAMS],
+    /// Reads looked at so far, and the read that last started or continued each stream:
+    /// a stream not continued in [`STALE_READS`] reads has left.
+    reads: Cell<u64>,
+    last: [Cell<u64>; STREAMS],
 }
 
 impl Default for Hot {
@@ -40,6 +44,8 @@ impl Default for Hot {
             victim: Cell::new(0),
             busy: Default::default(),
             fresh: Default::default(),
+            reads: Cell::new(0),
+            last: Default::default(),
         }
     }
 }
@@ -51,6 +57,7 @@ impl Hot {
     /// decides ([`Ring::lookup`](super::Ring::lookup)).
     #[inline(always)]
     pub fn start_here(&self, offset: u64, len: u64) -> bool {
+        self.reads.set(self.reads.get() + 1);
         if self.next.iter().any(|n| n.get() == offset) {
             return false;
         }
@@ -58,6 +65,9 @@ impl Hot {
         let v = self.victim();
         let i = if !self.busy[v].get() {
             v
+        } else if self.left(v) {
+            // Its chunks must go first: the ring takes it.
+            return false;
         } else {
             match self.idle() {
                 Some(i) => i,
@@ -76,9 +86,34 @@ impl Hot {
     }
 
     /// The first slot from the round robin's position on that a new stream may take here.
-    pub(super) fn idle(&self) -> Option<usize> {
+    fn idle(&self) -> Option<usize> {
         let idle = (0..STREAMS).filter(|&i| !self.busy[i].get());
         self.first_of(idle.fold(0, |m, i| m | 1 << i))
+    }
+
+    /// The slots (a bit each) that are idle or whose stream has left.
+    pub(super) fn idle_or_left(&self) -> u32 {
+        (0..STREAMS)
+            .filter(|&i| !self.busy[i].get() || self.left(i))
+            .fold(0, |m, i| m | 1 << i)
+    }
+
+    /// Whether stream `i` was not started or continued in the last [`STALE_READS`] reads.
+    pub(super) fn left(&self, i: usize) -> bool {
+        self.reads.get() - self.last[i].get() > STALE_READS
+    }
+
+    /// The read that last started or continued stream `i`.
+    pub(super) fn last(&self, i: usize) -> u64 {
+        self.last[i].get()
+    }
+
+    /// The stream least recently started or continued, other than `but`.
+    pub(super) fn least_recent(&self, but: usize) -> usize {
+        (0..STREAMS)
+            .filter(|&j| j != but)
+            .min_by_key(|&j| self.last[j].get())
+            .unwrap_or(0)
     }
 
     /// The first slot of `mask` (a bit per slot) from the round robin's position on.
@@ -90,7 +125,7 @@ impl Hot {
 
     /// The round robin's position.
     #[inline(always)]
-    pub(super) fn victim(&self) -> usize {
+    fn victim(&self) -> usize {
         self.victim.get() as usize % STREAMS
     }
 
@@ -101,6 +136,7 @@ impl Hot {
         self.next[i].set(end);
         self.victim.set(i as u8 + 1);
         self.fresh[i].set(true);
+        self.last[i].set(self.reads.get());
     }
 
     /// Stream `i` was continued by a read ending at `end`: the slot just continued is the
@@ -109,6 +145,7 @@ impl Hot {
     pub(super) fn continued(&self, i: usize, end: u64) {
         self.next[i].set(end);
         self.victim.set(i as u8 + 1);
+        self.last[i].set(self.reads.get());
     }
 
     /// Where stream `i` continues.

@@ -38,6 +38,12 @@ pub const STREAMS: usize = 4;
 const WINDOW_START: u32 = 2;
 /// Most chunks one stream may hold (bounds the per-stream bookkeeping).
 pub const MAX_WINDOW_CHUNKS: u32 = 64;
+/// Reads (on this core) after which a stream not continued in them counts as left: its
+/// slot and its chunks go to the next stream that needs them (a reader that jumped
+/// elsewhere, or finished, would otherwise keep its read-ahead, and its slot from new
+/// streams, until pushed out). Many times the interleaving of [`STREAMS`] streams, so that
+/// random reads between a stream's reads do not end it.
+pub const STALE_READS: u64 = 64 * STREAMS as u64;
 
 /// The ring's size and how far a stream may read ahead.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -51,10 +57,11 @@ pub struct RingConfig {
 }
 
 impl Default for RingConfig {
-    /// 4 MiB of buffers, 1 MiB of window: four streams at their largest window fill it.
+    /// 5 MiB of buffers, 1 MiB of window: room for four streams at their largest window,
+    /// each holding the chunk it reads, the window, and the chunk it is about to enter.
     fn default() -> Self {
         RingConfig {
-            ring_bytes: 4 << 20,
+            ring_bytes: 5 << 20,
             max_window: 1 << 20,
         }
     }
@@ -439,7 +446,13 @@ impl Ring {
         if offset >= self.disk_size {
             return None;
         }
-        let slot = self.free.pop()?;
+        let slot = match self.free.pop() {
+            Some(k) => k,
+            None => {
+                self.reclaim(hot, i)?;
+                self.free.pop()?
+            }
+        };
         let len = CHUNK.min(self.disk_size - offset) as u32;
         let s = &mut self.streams[i];
         s.held[((s.head + s.count) % MAX_WINDOW_CHUNKS) as usize] = slot;
@@ -528,19 +541,37 @@ impl Ring {
         }
     }
 
-    /// Starts a stream at a read ending at `end`, in the next slot in turn that is idle
-    /// (what [`Hot::start_here`] takes), else the next that is not reading ahead, else the
-    /// next in turn; the chunks it held are released.
+    /// Starts a stream at a read ending at `end`, in the next slot in turn that is idle or
+    /// left ([`STALE_READS`]), else the next that is not reading ahead, else the least
+    /// recently continued; the chunks it held are released.
     #[inline(never)]
     fn start_stream(&mut self, hot: &Hot, end: u64) {
         let i = hot
-            .idle()
+            .first_of(hot.idle_or_left())
             .or_else(|| hot.first_of(!self.ahead as u32 & ((1 << STREAMS) - 1)))
-            .unwrap_or(hot.victim());
+            .unwrap_or_else(|| hot.least_recent(STREAMS));
         self.ahead &= !(1 << i);
         self.drop_chunks(i);
         hot.set_busy(i, false);
         hot.start(i, end);
+    }
+
+    /// No slot is free for stream `i`: takes the chunks of the least recently continued
+    /// other stream holding any if it was not continued in the last [`STALE_READS`] reads (it
+    /// stops reading ahead; continued again, it starts over at the first window). `None`
+    /// when no stream is that stale: active streams keep what they hold.
+    fn reclaim(&mut self, hot: &Hot, i: usize) -> Option<()> {
+        let j = (0..STREAMS)
+            .filter(|&j| j != i && self.streams[j].count > 0)
+            .min_by_key(|&j| hot.last(j))?;
+        if !hot.left(j) {
+            return None;
+        }
+        self.drop_chunks(j);
+        self.streams[j].window = 0;
+        self.ahead &= !(1 << j);
+        hot.set_busy(j, false);
+        Some(())
     }
 
     /// Releases every chunk stream `i` holds (it is being replaced).

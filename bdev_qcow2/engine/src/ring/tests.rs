@@ -376,3 +376,33 @@ fn a_slot_restarted_on_the_hot_half_forgets_its_stream_turned_off() {
     }
     assert!(!s.ring.streams[off].off);
 }
+
+#[test]
+fn readers_that_jump_leave_no_read_ahead_stuck_and_push_out_no_live_stream() {
+    // Four readers in turn, 128 KiB reads, each wrapping to the start of its region of 512
+    // chunks (as bdevperf jobs do): each wrap leaves the old stream behind, its read-ahead
+    // past the region's end, in a slot that is reading ahead.
+    let mut s = Sim::new(RingConfig::default(), DISK);
+    let region = 512 * CHUNK;
+    let rounds = 3 * 512;
+    let mut hits = 0u64;
+    for k in 0..rounds {
+        for r in 0..4u64 {
+            hits += s.read(r * (1 << 30) + (k * CHUNK) % region, CHUNK) as u64;
+        }
+        s.complete();
+    }
+    let st = s.ring.stats();
+    // After a wrap the new streams share the one idle slot until the old ones have left
+    // (STALE_READS reads), then each takes its old stream's slot back and reads ahead.
+    let wraps = rounds / 512;
+    let lost = 3 * 4 + wraps * (STALE_READS + 4 * 8);
+    assert!(
+        hits >= 4 * rounds - lost,
+        "{hits} of {}: {st:?}",
+        4 * rounds
+    );
+    // What a wrap leaves behind: at most the window and the chunks about it, per stream.
+    let per_wrap = RingConfig::default().max_window + 2 * CHUNK;
+    assert!(st.bytes_evicted_unread <= 4 * wraps * per_wrap, "{st:?}");
+}
