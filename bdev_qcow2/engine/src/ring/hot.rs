@@ -7,7 +7,9 @@
 //! no borrow and no call. Everything else — a read that continues a stream, or one that
 //! must push out a stream holding chunks — goes to [`Ring::lookup`](super::Ring::lookup).
 //! A stream restarted here is marked fresh; the ring resets the rest of its state (its
-//! run, window, off switch) when the stream is next continued.
+//! run, window, off switch) when the stream is next continued. The hot half also counts
+//! reads and when each stream was last started or continued: a stream not continued in
+//! [`STALE_READS`] reads has left, and its slot goes to the ring to hand on.
 
 use super::{STALE_READS, STREAMS};
 use std::cell::Cell;
