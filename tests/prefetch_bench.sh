@@ -18,6 +18,7 @@
 #   LATS="50" ROUNDS=3 TIME=3 tests/prefetch_bench.sh
 #   SKIP_SPDK=1 / SKIP_GOLDEN=1 / SKIP_PERF=1 tests/prefetch_bench.sh
 #   ROWS="streams" tests/prefetch_bench.sh     # section 1 rows: seq streams streams128 rand
+#   CORES=2 ROWS="streams" tests/prefetch_bench.sh   # streams spread over two cores
 #
 # Runs SPDK applications: wrap it in `flock /tmp/spdk-app.lock` on a shared machine. Needs
 # an installed SPDK (bdevperf, spdk_tgt, pkg-config spdk_bdev) and qemu-img for sections 1
@@ -113,22 +114,48 @@ bperf() {
 }
 
 # bstreams LAT N IOSIZE PREFETCH: N interleaved sequential streams on q0 (one bdevperf job
-# each, reading its own region, QD1, one core): the mean IOPS per stream.
+# each, reading its own region, QD1), on CORES cores (default 1; job j on core j mod
+# CORES, each core with its own channel and ring): the mean IOPS per stream.
 bstreams() {
-  local lat=$1 n=$2 o=$3 pf=$4 len=$((MB * 2048 / $2)) j
+  local lat=$1 n=$2 o=$3 pf=$4 len=$((MB * 2048 / $2)) j cores=${CORES:-1}
   {
-    printf '[global]\nfilename=q0\nbs=%s\niodepth=1\nrw=read\ncpumask=0x1\n' "$o"
+    printf '[global]\nfilename=q0\nbs=%s\niodepth=1\nrw=read\n' "$o"
     for j in $(seq 0 $((n - 1))); do
-      printf '[job%s]\noffset=%s\nlength=%s\n' "$j" $((j * len)) "$len"
+      printf '[job%s]\ncpumask=0x%x\noffset=%s\nlength=%s\n' "$j" $((1 << (j % cores))) \
+        $((j * len)) "$len"
     done
   } >"$DIR/jobs.conf"
-  run_bdevperf --json "$(config "$lat" "$pf")" -m 0x1 -t "$TIME" -j "$DIR/jobs.conf"
+  run_bdevperf --json "$(config "$lat" "$pf")" -m "$(printf '0x%x' $(((1 << cores) - 1)))" \
+    -t "$TIME" -j "$DIR/jobs.conf"
   # (bdevperf starts its Total row with a carriage return.)
   awk -v n="$n" '{sub(/\r/, "")} $1 == "Total" && $2 == ":" {printf "%.2f\n", $3 / n; exit}' "$DIR/last.log"
 }
 
 # ring_line: the closing summary's prefetch ring figures of q0 in the last run.
 ring_line() { grep -o 'prefetch ring .*' "$DIR/last.log" | head -1; }
+
+# ring_use: of the last run, the share of q0's requests the ring served whole, the bytes
+# it read ahead and those it evicted unread (and their share of what it read ahead).
+ring_use() {
+  grep -o 'qcow2 bdev q0: .*' "$DIR/last.log" | head -1 | awk '{
+    for (i = 1; i <= NF; i++) {
+      if ($(i + 1) == "requests;") req = $i
+      if ($(i + 1) == "bytes" && $(i + 2) == "read" && $(i + 3) == "ahead,") ahead = $i
+      if ($i == "served" && $(i + 1) == "in") served = $(i + 2)
+      if ($(i + 1) == "bytes" && $(i + 2) == "evicted") evicted = $i
+    }
+    printf "ring hits %.1f%% of requests, %.0f bytes read ahead, %.0f evicted unread (%.2f%%)",
+      100 * served / (req ? req : 1), ahead, evicted, 100 * evicted / (ahead ? ahead : 1)
+  }'
+}
+
+# streams_detail LAT N IOSIZE: one more run of N streams with the ring on: the aggregate
+# IOPS (is the ring-on side bound by the core rather than by latency?) and how the ring did.
+streams_detail() {
+  local per
+  per=$(bstreams "$1" "$2" "$3" on)
+  echo "   $2 stream(s), ring on, ${CORES:-1} core(s): aggregate $(awk -v p="$per" -v n="$2" 'BEGIN {printf "%.0f", p * n}') IOPS; $(ring_use)"
+}
 
 if [ -n "$have_spdk" ] && [ -z "${SKIP_SPDK:-}" ]; then
   cargo build --release -q -p bdev_qcow2
@@ -144,12 +171,14 @@ if [ -n "$have_spdk" ] && [ -z "${SKIP_SPDK:-}" ]; then
     if [[ " $rows " == *" streams "* ]]; then
       for n in 1 2 4; do
         pairs "delay ${lat}us: $n stream(s) 4 KiB QD1, per stream" bstreams "$lat" "$n" 4096
+        streams_detail "$lat" "$n" 4096
       done
     fi
     # The same with 128 KiB reads, where one stream does not take the whole core.
     if [[ " $rows " == *" streams128 "* ]]; then
       for n in 1 2 4; do
         pairs "delay ${lat}us: $n stream(s) 128 KiB QD1, per stream" bstreams "$lat" "$n" 131072
+        streams_detail "$lat" "$n" 131072
       done
     fi
     if [[ " $rows " == *" rand "* ]]; then

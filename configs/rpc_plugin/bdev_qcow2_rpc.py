@@ -118,7 +118,7 @@ def spdk_rpc_plugin_initialize(subparsers):
     p.add_argument('--no-prefetch', dest='prefetch', action='store_false',
                    help='no read-ahead')
     p.add_argument('--prefetch-ring-size', type=int,
-                   help='bytes of prefetch ring per channel (multiple of 128 KiB, default 4 MiB)')
+                   help='bytes of prefetch ring per channel (multiple of 128 KiB, default 5 MiB)')
     p.add_argument('--prefetch-max-window', type=int,
                    help='most bytes a stream reads ahead (multiple of 128 KiB, default 1 MiB)')
     p.add_argument('--ordered-layout', action='store_true', default=None,

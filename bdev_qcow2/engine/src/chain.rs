@@ -79,6 +79,8 @@ pub struct Chain<D: BlockDevice> {
     size: Cell<u64>,
     /// Whether the prefetch ring is on ([`Chain::ring_read`]): every read looks at it.
     pub(crate) ring_on: Cell<bool>,
+    /// The ring's stream table as every read sees it (a random read goes no further).
+    pub(crate) ring_hot: crate::ring::Hot,
     /// Read-ahead's per-request state ([`Chain::read_ahead`]).
     pub(crate) pf_hot: crate::prefetch::Hot,
     /// Reused plan storage of the fast path (no allocation per request).
@@ -131,6 +133,7 @@ impl<D: BlockDevice> Chain<D> {
             prefetch,
             no_write_plan: Cell::new(None),
             ring_on: Cell::new(false),
+            ring_hot: crate::ring::Hot::default(),
             ring: RefCell::new(None),
             ring_gens: std::cell::OnceCell::new(),
         }))

@@ -7,7 +7,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)] // test helpers may panic
 
 use qcow2_engine::io::{BufSlice, HeapBuf};
-use qcow2_engine::ring::{RingConfig, WriteGens};
+use qcow2_engine::ring::{RingConfig, RingServed, WriteGens};
 use qcow2_engine::testing::MemDevice;
 use qcow2_engine::{Chain, Exec, Layer, OpenOptions, Qcow2};
 use std::path::Path;
@@ -67,11 +67,17 @@ fn chain_of(
     (exec, chain, devs)
 }
 
-/// One guest read as a host serves it: from the ring, else through the engine.
+/// One guest read as a host serves it: from the ring, else through the engine (the part
+/// the ring did not hold).
 fn read(exec: &Exec<MemDevice>, chain: &Rc<Chain<MemDevice>>, off: u64, len: usize) -> Vec<u8> {
     let buf = HeapBuf::new(len);
     let slice = BufSlice::whole(buf.clone());
-    if !chain.ring_read(off, &slice) {
+    let rest = match chain.ring_read(off, &slice) {
+        RingServed::All => None,
+        RingServed::Nothing => Some((off, slice)),
+        RingServed::Prefix(n) => Some((off + n, slice.sub(n as usize, len - n as usize))),
+    };
+    if let Some((off, slice)) = rest {
         chain.submit_read(7, off, slice);
         let mut done = None;
         while done.is_none() {
@@ -214,6 +220,7 @@ fn a_write_makes_what_the_ring_holds_of_it_unusable() {
     for k in 16..64u64 {
         seen.extend(read(&exec, &chain, k * 4096, 4096));
     }
+    // (The write moved chunk 1's generation; the read of its first 4 KiB found that.)
     let at = (200 << 10) - 16 * 4096;
     assert!(
         seen[at..at + 4096].iter().all(|&b| b == 0x99),
@@ -221,4 +228,55 @@ fn a_write_makes_what_the_ring_holds_of_it_unusable() {
     );
     assert!(seen[..at].iter().all(|&b| b == 0x11));
     assert_eq!(chain.ring_stats().unwrap().invalidated, 1);
+}
+
+/// Writes `len` bytes of `byte` at `off` as a host does, the ring told before completion.
+fn write(exec: &Exec<MemDevice>, chain: &Rc<Chain<MemDevice>>, off: u64, len: usize, byte: u8) {
+    let w = HeapBuf::new(len);
+    w.0.borrow_mut().fill(byte);
+    chain.submit_write(9, off, BufSlice::whole(w));
+    let mut done = None;
+    while done.is_none() {
+        exec.poll(&mut |_, r| done = Some(r));
+    }
+    chain.ring_written(off, len as u64);
+    done.unwrap().unwrap();
+}
+
+#[test]
+fn a_read_partly_in_the_ring_is_served_its_part_and_reads_only_the_rest() {
+    let dir = tempfile::tempdir().unwrap();
+    let img = dir.path().join("img.qcow2");
+    sh(Command::new("qemu-img")
+        .args(["create", "-q", "-f", "qcow2"])
+        .arg(&img)
+        .arg("4M"));
+    qemu_io(&img, &["write -P 0x11 0 4M"]);
+    let opts = OpenOptions {
+        writable: true,
+        ..OpenOptions::default()
+    };
+    let (exec, chain, devs) = chain_of(&[&img], opts);
+    // A stream of 4 KiB reads: chunks 1 and 2 (128-384 KiB) are read ahead.
+    for k in 0..16u64 {
+        read(&exec, &chain, k * 4096, 4096);
+    }
+    // A write into chunk 2 makes it unusable; chunk 1 stays good.
+    write(&exec, &chain, 260 << 10, 4096, 0x99);
+    for k in 16..56u64 {
+        read(&exec, &chain, k * 4096, 4096);
+    }
+    // 64 KiB at 224 KiB: its first 32 KiB in chunk 1 (in the ring), the rest in chunk 2.
+    let before = chain.ring_stats().unwrap();
+    let reads = devs[0].0.borrow().reads;
+    let got = read(&exec, &chain, 224 << 10, 64 << 10);
+    let s = chain.ring_stats().unwrap().since(&before);
+    assert_eq!(s.bytes_served, 32 << 10, "{s:?}");
+    assert_eq!(s.reads_served, 1);
+    assert_eq!(s.invalidated, 1);
+    let mut expect = vec![0x11u8; 64 << 10];
+    expect[36 << 10..40 << 10].fill(0x99);
+    assert!(got == expect, "partial hit read the wrong bytes");
+    // The rest is one device read of its own (the read-aheads it started come after).
+    assert!(devs[0].0.borrow().reads > reads);
 }

@@ -22,7 +22,7 @@
 //! drives slow paths (tasks), resubmissions after `-ENOMEM`, opening the replica, and
 //! sending forwarded requests.
 
-use crate::device::{read_from_ring, SpdkDevice};
+use crate::device::{read_from_ring, read_rest, SpdkDevice};
 use crate::direct::{self, Target};
 use crate::engine_host::{Driver, Host};
 use crate::ffi::bdev::Desc;
@@ -35,7 +35,7 @@ use crate::node::Node;
 use crate::owner;
 use qcow2_engine::coherency::SliceReply;
 use qcow2_engine::exec::Outcome;
-use qcow2_engine::ring::{RingConfig, RingStats, WriteGens};
+use qcow2_engine::ring::{RingConfig, RingServed, RingStats, WriteGens};
 use qcow2_engine::{Chain, DevId, Exec, Grant, Layer, OwnerLink, Qcow2, ReadRoute, WriteRoute};
 use serde::Serialize;
 use std::cell::{Cell, OnceCell, RefCell};
@@ -420,9 +420,15 @@ impl Channel {
     #[inline(always)]
     fn read_on(&self, chain: &Rc<Chain<SpdkDevice>>, mut io: BdevIo) {
         let (off, len) = (io.offset_bytes(), io.len_bytes());
-        if read_from_ring(chain, &io) {
+        match read_from_ring(chain, &io) {
+            RingServed::Nothing => {}
             // Copied from this channel's prefetch ring: no base I/O.
-            return self.finish(io, true);
+            RingServed::All => return self.finish(io, true),
+            RingServed::Prefix(n) => {
+                self.own(&mut io);
+                chain.read_ahead(off, len);
+                return read_rest(&self.driver, chain, io, n);
+            }
         }
         self.own(&mut io);
         match chain.route_read(off, len) {
@@ -658,6 +664,8 @@ impl ChildDone for Channel {
 pub struct DirectWrite;
 
 impl ChildDone for DirectWrite {
+    // Inline in SPDK's callback like `Channel`'s, the generation bump included.
+    #[inline(always)]
     fn child_done(io: BdevIo, success: bool) {
         // SAFETY: as for `Channel`: a channel's direct write recorded itself first.
         unsafe {

@@ -24,7 +24,7 @@
 //! runs on the md thread, which debug builds assert ([`Owner::assert_md_thread`]).
 
 use crate::channel;
-use crate::device::{read_from_ring, SpdkDevice};
+use crate::device::{read_from_ring, read_rest, SpdkDevice};
 use crate::direct::{self, Target};
 use crate::engine_host::{Driver, Host};
 use crate::ffi::bdev_io::{Arrived, BdevIo, ChildDone, IoQueue, QueueReceiver};
@@ -33,6 +33,7 @@ use crate::ffi::sys;
 use crate::ffi::thread::{self, Poll, Polled, PollerSlot, Thread};
 use crate::io_ctx::OwnerOp;
 use qcow2_engine::exec::Outcome;
+use qcow2_engine::ring::RingServed;
 use qcow2_engine::{Chain, DevId, Exec, ReadRoute, WriteRoute};
 use std::cell::{Cell, RefCell};
 use std::rc::Rc;
@@ -288,9 +289,11 @@ impl Owner {
             OwnerOp::Read => {
                 let (off, len) = (io.offset_bytes(), io.len_bytes());
                 c.read_ahead(off, len);
-                if read_from_ring(c, &io) {
+                match read_from_ring(c, &io) {
+                    RingServed::Nothing => {}
                     // Copied from the owner's prefetch ring: no base I/O.
-                    return done(io, sys::SPDK_BDEV_IO_STATUS_SUCCESS);
+                    RingServed::All => return done(io, sys::SPDK_BDEV_IO_STATUS_SUCCESS),
+                    RingServed::Prefix(n) => return read_rest(d, c, io, n),
                 }
                 let io = match c.route_read(off, len) {
                     ReadRoute::Direct(grant) => {

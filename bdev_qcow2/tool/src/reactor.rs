@@ -16,7 +16,7 @@ use crossbeam_queue::SegQueue;
 use qcow2_engine::coherency::SliceReply;
 use qcow2_engine::exec::Outcome;
 use qcow2_engine::io::{BlockDevice, BufSlice, IoBuffer};
-use qcow2_engine::ring::{RingConfig, WriteGens};
+use qcow2_engine::ring::{RingConfig, RingServed, WriteGens};
 use qcow2_engine::{
     Chain, CoreSeed, DevId, Exec, Layer, OpenOptions, OwnerLink, Qcow2, ReadRoute, WriteRoute,
 };
@@ -182,7 +182,8 @@ impl<D: BlockDevice> Reactor<D> {
     }
 
     /// Starts a read (tags below 2^61 - 1: the reactor uses the bits above). A read the
-    /// prefetch ring holds (when on) is copied from it and completes at the next poll. Else
+    /// prefetch ring holds (when on) is copied from it and completes at the next poll; of a
+    /// read whose first part it holds, that part is copied and the rest read. Else
     /// straight to the device when cached metadata maps it to one extent, else through the
     /// engine, on every reactor (the owner included), as the SPDK module routes it. Reads
     /// and writes feed this reactor's read-ahead of L2 slices (on unless the host turned it
@@ -191,9 +192,12 @@ impl<D: BlockDevice> Reactor<D> {
     pub fn submit_read(&mut self, tag: u64, offset: u64, buf: BufSlice<D::Buf>) {
         let len = buf.len as u64;
         self.chain.read_ahead(offset, len);
-        if self.chain.ring_read(offset, &buf) {
-            return self.exec.complete(tag, Ok(()));
-        }
+        let (offset, buf) = match self.chain.ring_read(offset, &buf) {
+            RingServed::Nothing => (offset, buf),
+            RingServed::All => return self.exec.complete(tag, Ok(())),
+            RingServed::Prefix(n) => (offset + n, buf.sub(n as usize, (len - n) as usize)),
+        };
+        let len = buf.len as u64;
         match self.chain.route_read(offset, len) {
             ReadRoute::Direct(grant) => self.chain.submit_granted_read(tag, grant, buf),
             ReadRoute::Engine => self.chain.submit_read(tag, offset, buf),

@@ -15,6 +15,19 @@ use std::sync::Arc;
 /// read, length) for each piece, in order.
 pub type RingCopy<'a, B> = dyn FnMut(&B, usize, usize, usize) + 'a;
 
+/// What the ring did with a guest read ([`Chain::ring_read`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[must_use]
+pub enum RingServed {
+    /// Nothing: the host routes the whole read as usual.
+    Nothing,
+    /// Every byte was copied: the read is done, with no device I/O.
+    All,
+    /// The first `n` bytes (not all, not none) were copied: the host routes the rest,
+    /// `len - n` bytes at `offset + n` into the read's buffer from `n` on.
+    Prefix(u64),
+}
+
 /// A core's ring with its buffer and the image's write generations.
 pub(crate) struct RingHost<B> {
     ring: Ring,
@@ -83,66 +96,85 @@ impl<D: BlockDevice> Chain<D> {
     }
 
     /// Looks a guest read of `buf.len` bytes at `offset` up in the ring, before the host
-    /// routes it; see [`ring_read_with`](Self::ring_read_with). On a hit the bytes are
-    /// copied into `buf` and the read is done: returns true.
+    /// routes it; see [`ring_read_with`](Self::ring_read_with). What the ring holds is
+    /// copied into `buf`.
     #[inline(always)]
-    pub fn ring_read(self: &Rc<Self>, offset: u64, buf: &BufSlice<D::Buf>) -> bool {
-        if !self.ring_on.get() {
-            return false;
-        }
-        self.ring_read_on(offset, buf.len as u64, &mut |src, src_off, off, n| {
+    pub fn ring_read(self: &Rc<Self>, offset: u64, buf: &BufSlice<D::Buf>) -> RingServed {
+        self.ring_read_with(offset, buf.len as u64, &mut |src, src_off, off, n| {
             src.copy_to(src_off, &buf.buf, buf.off + off, n)
         })
     }
 
     /// Looks a guest read of `len` bytes at `offset` up in the ring, before the host
     /// routes it: tells the stream detector about it, and starts the read-ahead its stream
-    /// needs now (tasks on this executor). Returns true when every byte was in the ring,
-    /// valid under the current write generations: they were handed to `copy` as
-    /// (ring buffer, offset in it, offset in the read, length) and the read is done, with
-    /// no device I/O. Returns false (a miss, the ring off, an invalid request) when the
-    /// host must route the read as usual. Takes no lock and allocates nothing.
+    /// needs now (tasks on this executor). The bytes from the start of the read that are
+    /// in the ring, valid under the current write generations, are handed to `copy` as
+    /// (ring buffer, offset in it, offset in the read, length): all of them
+    /// ([`RingServed::All`]: the read is done, with no device I/O) or a prefix
+    /// ([`RingServed::Prefix`]: the host reads the rest). [`RingServed::Nothing`] (a miss,
+    /// the ring off, an invalid request): the host routes the read as usual. Takes no lock
+    /// and allocates nothing; a random read costs a few compares on plain cells
+    /// ([`Hot::start_here`](crate::ring::Hot::start_here)).
     #[inline(always)]
     pub fn ring_read_with(
         self: &Rc<Self>,
         offset: u64,
         len: u64,
         copy: &mut RingCopy<'_, D::Buf>,
-    ) -> bool {
-        if !self.ring_on.get() {
-            return false;
+    ) -> RingServed {
+        if self.ring_passes(offset, len) {
+            return RingServed::Nothing;
         }
-        self.ring_read_on(offset, len, copy)
+        self.ring_read_past(offset, len, copy)
     }
 
+    /// The first half of [`ring_read_with`](Self::ring_read_with), for a host that builds
+    /// its `copy` only when it is needed: true when the ring has nothing to do with the
+    /// read (off, or a read that starts a stream on the hot half); false: call
+    /// [`ring_read_past`](Self::ring_read_past).
+    #[inline(always)]
+    pub fn ring_passes(&self, offset: u64, len: u64) -> bool {
+        !self.ring_on.get() || self.ring_hot.start_here(offset, len)
+    }
+
+    /// The second half of [`ring_read_with`](Self::ring_read_with), for a read
+    /// [`ring_passes`](Self::ring_passes) did not pass (calling it for one it passed would
+    /// look the read up twice).
     #[inline(never)]
-    fn ring_read_on(
+    pub fn ring_read_past(
         self: &Rc<Self>,
         offset: u64,
         len: u64,
         copy: &mut RingCopy<'_, D::Buf>,
-    ) -> bool {
+    ) -> RingServed {
         if self.check_range(offset, len).is_err() {
-            return false;
+            return RingServed::Nothing;
         }
         let Ok(mut guard) = self.ring.try_borrow_mut() else {
-            return false;
+            return RingServed::Nothing;
         };
         let Some(RingHost { ring, buf, gens }) = guard.as_mut() else {
-            return false;
+            return RingServed::Nothing;
         };
-        let (stream, hit) = match ring.lookup(offset, len, |o| gens.current(o)) {
+        let hot = &self.ring_hot;
+        let (stream, served) = match ring.lookup(hot, offset, len, |o| gens.current(o)) {
             // A new stream has nothing read ahead and reads nothing ahead yet.
-            Lookup::Started => return false,
-            Lookup::Miss { stream } => (stream, false),
+            Lookup::Started => return RingServed::Nothing,
+            Lookup::Miss { stream } => (stream, RingServed::Nothing),
             Lookup::Hit { stream } => {
                 ring.pieces(stream, offset, len, |src_off, off, n| {
                     copy(buf, src_off, off, n)
                 });
-                (stream, true)
+                (stream, RingServed::All)
+            }
+            Lookup::Partial { stream, covered } => {
+                ring.pieces(stream, offset, covered, |src_off, off, n| {
+                    copy(buf, src_off, off, n)
+                });
+                (stream, RingServed::Prefix(covered))
             }
         };
-        while let Some(f) = ring.next_fill(stream) {
+        while let Some(f) = ring.next_fill(hot, stream) {
             // Recorded before the read-ahead resolves anything (see `gens`).
             ring.filling(f.slot, gens.current(f.offset));
             let (base, _) = Ring::slot_range(f.slot);
@@ -163,6 +195,6 @@ impl<D: BlockDevice> Chain<D> {
                 }
             });
         }
-        hit
+        served
     }
 }

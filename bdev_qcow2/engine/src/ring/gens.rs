@@ -80,7 +80,20 @@ impl WriteGens {
     /// complete, everything it did on the device and in the metadata done: bumps the
     /// generation of each region it touched (each slot once when the range covers them
     /// all). Also after a failed write, which may have changed some of its bytes.
+    #[inline(always)]
     pub fn written(&self, offset: u64, len: u64) {
+        // A write inside one region (every small write but those that straddle a
+        // boundary): one bump, no loop.
+        if len != 0 && len <= REGION - offset % REGION {
+            self.slot(offset / REGION).fetch_add(1, Ordering::AcqRel);
+        } else {
+            self.written_range(offset, len);
+        }
+    }
+
+    /// [`written`](Self::written) of a range over several regions (or none).
+    #[inline(never)]
+    fn written_range(&self, offset: u64, len: u64) {
         if len == 0 {
             return;
         }

@@ -8,6 +8,8 @@
 //!   ([`Chain::ring_read`](crate::Chain::ring_read)) and fills chunks through the read path
 //!   of the chain, so read-ahead follows the mapping in every layer.
 //! - [`gens`] keeps prefetched data coherent with writes on any core.
+//! - [`Hot`] is the part of the stream table every read looks at, on plain cells: a
+//!   random read starts its stream there without borrowing the ring.
 //!
 //! Read-ahead works in chunks of [`CHUNK`] bytes aligned in guest space, one slot each.
 //! Single-threaded like the rest of a core: nothing here is shared but the generations,
@@ -15,9 +17,11 @@
 
 pub(crate) mod chain;
 pub mod gens;
+mod hot;
 
-pub use chain::RingCopy;
+pub use chain::{RingCopy, RingServed};
 pub use gens::WriteGens;
+pub use hot::Hot;
 
 use gens::REGION;
 
@@ -34,6 +38,12 @@ pub const STREAMS: usize = 4;
 const WINDOW_START: u32 = 2;
 /// Most chunks one stream may hold (bounds the per-stream bookkeeping).
 pub const MAX_WINDOW_CHUNKS: u32 = 64;
+/// Reads (on this core) after which a stream not continued in them counts as left: its
+/// slot and its chunks go to the next stream that needs them (a reader that jumped
+/// elsewhere, or finished, would otherwise keep its read-ahead, and its slot from new
+/// streams, until pushed out). Many times the interleaving of [`STREAMS`] streams, so that
+/// random reads between a stream's reads do not end it.
+pub const STALE_READS: u64 = 64 * STREAMS as u64;
 
 /// The ring's size and how far a stream may read ahead.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -47,10 +57,11 @@ pub struct RingConfig {
 }
 
 impl Default for RingConfig {
-    /// 4 MiB of buffers, 1 MiB of window: four streams at their largest window fill it.
+    /// 5 MiB of buffers, 1 MiB of window: room for four streams at their largest window,
+    /// each holding the chunk it reads, the window, and the chunk it is about to enter.
     fn default() -> Self {
         RingConfig {
-            ring_bytes: 4 << 20,
+            ring_bytes: 5 << 20,
             max_window: 1 << 20,
         }
     }
@@ -230,6 +241,14 @@ pub enum Lookup {
         /// The stream.
         stream: u8,
     },
+    /// It continues `stream` and its first `covered` bytes (not all, not none) are in the
+    /// ring: copy those ([`Ring::pieces`] of that prefix) and read the rest.
+    Partial {
+        /// The stream.
+        stream: u8,
+        /// Bytes from the start of the read that the ring holds.
+        covered: u64,
+    },
 }
 
 /// The ring's state (see the module documentation).
@@ -239,15 +258,10 @@ pub struct Ring {
     disk_size: u64,
     slots: Box<[Slot]>,
     free: Vec<u16>,
-    /// Where each stream's next read starts (`u64::MAX`: none): apart from the rest of
-    /// the streams, so that a read that continues none looks at one cache line.
-    next: [u64; STREAMS],
     /// Streams reading ahead (a bit each; their window is not 0): a new stream takes
-    /// another slot first.
+    /// another slot first. (Where streams continue is in [`Hot`].)
     ahead: u8,
     streams: [Stream; STREAMS],
-    /// Where the search for a slot for a new stream starts (round robin).
-    victim: usize,
     stats: RingStats,
 }
 
@@ -261,10 +275,8 @@ impl Ring {
             slots: vec![Slot::EMPTY; n].into_boxed_slice(),
             // Popped from the end: slot 0 first.
             free: (0..n as u16).rev().collect(),
-            next: [u64::MAX; STREAMS],
             ahead: 0,
             streams: [Stream::IDLE; STREAMS],
-            victim: 0,
             stats: RingStats::default(),
         }
     }
@@ -284,23 +296,35 @@ impl Ring {
         (slot as usize * CHUNK as usize, CHUNK as usize)
     }
 
-    /// A read of `len` bytes at `offset` arrives: finds the stream it continues and moves
-    /// it on, or starts one in the least recently continued slot that is not reading ahead
-    /// ([`Lookup::Started`]). For a continued stream, releases the chunks it has left behind
-    /// (counting, when unused, as evicted unread) and says whether every byte of the read
-    /// is ready in the ring under the generations `gen_of(offset)` reports now.
+    /// A read of `len` bytes at `offset` arrives (`hot`: the streams' hot half, which
+    /// [`Hot::start_here`] may have looked at first): finds the stream it continues and
+    /// moves it on, or starts one in the next slot in turn that is idle, else that does not
+    /// read ahead ([`Lookup::Started`]). For a continued stream, releases the chunks it has
+    /// left behind (counting, when unused, as evicted unread) and says how much of the read,
+    /// from its start, is ready in the ring under the generations `gen_of(offset)` reports
+    /// now: all of it, a prefix, or nothing.
     #[inline]
-    pub fn lookup(&mut self, offset: u64, len: u64, gen_of: impl Fn(u64) -> u32) -> Lookup {
+    pub fn lookup(
+        &mut self,
+        hot: &Hot,
+        offset: u64,
+        len: u64,
+        gen_of: impl Fn(u64) -> u32,
+    ) -> Lookup {
         let end = offset.saturating_add(len);
-        let Some(i) = self.next.iter().position(|&n| n == offset) else {
-            self.start_stream(end, len);
+        let Some(i) = hot.find(offset) else {
+            self.start_stream(hot, end);
             return Lookup::Started;
         };
-        // The slot just continued is the last a new stream would take.
-        self.victim = (i + 1) % STREAMS;
-        self.next[i] = end;
+        hot.continued(i, end);
         {
             let s = &mut self.streams[i];
+            if hot.take_fresh(i) {
+                // Restarted on the hot path: what `start_stream` resets.
+                s.run = 1;
+                s.window = 0;
+                s.off = false;
+            }
             s.run = s.run.saturating_add(1);
             s.span = Self::span(len);
         }
@@ -310,31 +334,40 @@ impl Ring {
             if (c + 1) * CHUNK > offset {
                 break;
             }
-            self.pop_front(i);
+            self.pop_front(hot, i);
         }
         if len == 0 || self.streams[i].count == 0 {
             return Lookup::Miss { stream };
         }
+        // The ready prefix: chunk by chunk until one is missing, not ready, written since
+        // it was read ahead, or short (the end of the disk).
         let (c0, c1) = (offset / CHUNK, (end - 1) / CHUNK);
+        let mut covered = offset;
         for c in c0..=c1 {
             let Some(k) = self.streams[i].slot_of(c) else {
-                return Lookup::Miss { stream };
+                break;
             };
             let slot = &mut self.slots[k as usize];
             if slot.state != State::Ready {
-                return Lookup::Miss { stream };
+                break;
             }
             if gen_of(c * CHUNK) != slot.gen {
                 // Written since it was read ahead: no read may see it again.
                 slot.state = State::Dead;
                 self.stats.invalidated += 1;
-                return Lookup::Miss { stream };
+                break;
             }
-            if c * CHUNK + (slot.len as u64) < end.min((c + 1) * CHUNK) {
-                return Lookup::Miss { stream };
+            let upto = end.min((c + 1) * CHUNK);
+            if c * CHUNK + (slot.len as u64) < upto {
+                break;
             }
+            covered = upto;
         }
-        Lookup::Hit { stream }
+        match covered - offset {
+            0 => Lookup::Miss { stream },
+            n if n == len => Lookup::Hit { stream },
+            n => Lookup::Partial { stream, covered: n },
+        }
     }
 
     /// Chunks a read of `len` bytes spans (at least 1, at most [`MAX_WINDOW_CHUNKS`]).
@@ -343,9 +376,9 @@ impl Ring {
         len.div_ceil(CHUNK).clamp(1, MAX_WINDOW_CHUNKS as u64) as u32
     }
 
-    /// The pieces of a hit read of `len` bytes at `offset` ([`Lookup::Hit`] of `stream`),
-    /// as (offset in the ring's buffer, offset in the read, length), in order; counts them
-    /// served.
+    /// The pieces of a hit read of `len` bytes at `offset` ([`Lookup::Hit`] of `stream`,
+    /// or the covered prefix of a [`Lookup::Partial`]), as (offset in the ring's buffer,
+    /// offset in the read, length), in order; counts them served.
     pub fn pieces(
         &mut self,
         stream: u8,
@@ -380,7 +413,7 @@ impl Ring {
     /// now — not sequential yet, window full, turned off, at the end of the disk, or no
     /// free slot). The caller records the chunk's generation with
     /// [`filling`](Self::filling) before it issues the read.
-    pub fn next_fill(&mut self, stream: u8) -> Option<Fill> {
+    pub fn next_fill(&mut self, hot: &Hot, stream: u8) -> Option<Fill> {
         let i = stream as usize;
         let max = self.cfg.max_window_chunks();
         let s = &mut self.streams[i];
@@ -390,12 +423,13 @@ impl Ring {
         if s.window == 0 {
             s.window = WINDOW_START.min(max);
             self.ahead |= 1 << i;
+            hot.set_busy(i, true);
             self.stats.streams += 1;
         }
         let s = &mut self.streams[i];
         let window = s.window.max(2 * s.span).min(max) as u64;
         // The chunk the stream is in, then `window` chunks after it.
-        let next = self.next[i];
+        let next = hot.next(i);
         let here = next / CHUNK;
         let ahead = if s.count == 0 {
             next.div_ceil(CHUNK)
@@ -412,11 +446,18 @@ impl Ring {
         if offset >= self.disk_size {
             return None;
         }
-        let slot = self.free.pop()?;
+        let slot = match self.free.pop() {
+            Some(k) => k,
+            None => {
+                self.reclaim(hot, i)?;
+                self.free.pop()?
+            }
+        };
         let len = CHUNK.min(self.disk_size - offset) as u32;
         let s = &mut self.streams[i];
         s.held[((s.head + s.count) % MAX_WINDOW_CHUNKS) as usize] = slot;
         s.count += 1;
+        hot.set_busy(i, true);
         self.slots[slot as usize] = Slot {
             state: State::Filling,
             len,
@@ -460,7 +501,7 @@ impl Ring {
     /// shrinks (down to off) when a write made it unusable or its read-ahead failed, and
     /// stays when it came too late (still filling, or ready while another chunk of the
     /// same read was not).
-    fn pop_front(&mut self, i: usize) {
+    fn pop_front(&mut self, hot: &Hot, i: usize) {
         let max = self.cfg.max_window_chunks();
         let s = &mut self.streams[i];
         let k = s.held[s.head as usize];
@@ -480,6 +521,7 @@ impl Ring {
                 }
             }
         }
+        hot.set_busy(i, self.streams[i].count > 0 || self.ahead & (1 << i) != 0);
         self.release(k);
     }
 
@@ -499,31 +541,40 @@ impl Ring {
         }
     }
 
-    /// Starts a stream at a read of `len` bytes ending at `end`, in the next slot in turn
-    /// that is not reading ahead (else the next in turn, whose chunks are released).
-    #[inline]
-    fn start_stream(&mut self, end: u64, len: u64) {
-        let start = self.victim;
-        let ahead = self.ahead;
-        let i = (0..STREAMS)
-            .map(|k| (start + k) % STREAMS)
-            .find(|&i| ahead & (1 << i) == 0)
-            .unwrap_or(start);
-        self.victim = (i + 1) % STREAMS;
+    /// Starts a stream at a read ending at `end`, in the next slot in turn that is idle or
+    /// left ([`STALE_READS`]), else the next that is not reading ahead, else the least
+    /// recently continued; the chunks it held are released.
+    #[inline(never)]
+    fn start_stream(&mut self, hot: &Hot, end: u64) {
+        let i = hot
+            .first_of(hot.idle_or_left())
+            .or_else(|| hot.first_of(!self.ahead as u32 & ((1 << STREAMS) - 1)))
+            .unwrap_or_else(|| hot.least_recent(STREAMS));
         self.ahead &= !(1 << i);
-        if self.streams[i].count > 0 {
-            self.drop_chunks(i);
+        self.drop_chunks(i);
+        hot.set_busy(i, false);
+        hot.start(i, end);
+    }
+
+    /// No slot is free for stream `i`: takes the chunks of the least recently continued
+    /// other stream holding any if it was not continued in the last [`STALE_READS`] reads (it
+    /// stops reading ahead; continued again, it starts over at the first window). `None`
+    /// when no stream is that stale: active streams keep what they hold.
+    fn reclaim(&mut self, hot: &Hot, i: usize) -> Option<()> {
+        let j = (0..STREAMS)
+            .filter(|&j| j != i && self.streams[j].count > 0)
+            .min_by_key(|&j| hot.last(j))?;
+        if !hot.left(j) {
+            return None;
         }
-        self.next[i] = end;
-        let s = &mut self.streams[i];
-        s.run = 1;
-        s.window = 0;
-        s.off = false;
-        s.span = Self::span(len);
+        self.drop_chunks(j);
+        self.streams[j].window = 0;
+        self.ahead &= !(1 << j);
+        hot.set_busy(j, false);
+        Some(())
     }
 
     /// Releases every chunk stream `i` holds (it is being replaced).
-    #[inline(never)]
     fn drop_chunks(&mut self, i: usize) {
         while self.streams[i].count > 0 {
             let s = &mut self.streams[i];

@@ -6,9 +6,11 @@ use super::*;
 const B: u64 = 4096;
 const DISK: u64 = 1 << 40;
 
-/// A ring, its generations (one per chunk, by chunk index) and the read-aheads in flight.
+/// A ring, its hot half, its generations (one per chunk, by chunk index) and the
+/// read-aheads in flight.
 struct Sim {
     ring: Ring,
+    hot: Hot,
     gens: std::collections::HashMap<u64, u32>,
     inflight: Vec<Fill>,
 }
@@ -17,6 +19,7 @@ impl Sim {
     fn new(cfg: RingConfig, disk: u64) -> Self {
         Sim {
             ring: Ring::new(cfg, disk),
+            hot: Hot::default(),
             gens: Default::default(),
             inflight: Vec::new(),
         }
@@ -26,29 +29,41 @@ impl Sim {
         self.gens.get(&(off / CHUNK)).copied().unwrap_or(0)
     }
 
-    /// A read: whether it hit; the read-aheads it started stay in flight.
+    /// A read: whether it hit (whole); the read-aheads it started stay in flight.
     fn read(&mut self, off: u64, len: u64) -> bool {
+        self.read_prefix(off, len) == len
+    }
+
+    /// A read as `chain` drives it, the hot half first: the bytes served from its start.
+    fn read_prefix(&mut self, off: u64, len: u64) -> u64 {
+        if self.hot.start_here(off, len) {
+            return 0;
+        }
         let gens = self.gens.clone();
         let g = |o: u64| gens.get(&(o / CHUNK)).copied().unwrap_or(0);
-        let (i, hit) = match self.ring.lookup(off, len, g) {
-            Lookup::Started => return false,
-            Lookup::Miss { stream } => (stream, false),
-            Lookup::Hit { stream } => {
-                let mut covered = 0;
-                self.ring.pieces(stream, off, len, |_, at, n| {
-                    assert_eq!(at as u64, covered);
-                    covered += n as u64;
-                });
-                assert_eq!(covered, len);
-                (stream, true)
+        let (i, want) = match self.ring.lookup(&self.hot, off, len, g) {
+            Lookup::Started => return 0,
+            Lookup::Miss { stream } => (stream, 0),
+            Lookup::Hit { stream } => (stream, len),
+            Lookup::Partial { stream, covered } => {
+                assert!(covered > 0 && covered < len);
+                (stream, covered)
             }
         };
-        while let Some(f) = self.ring.next_fill(i) {
+        if want > 0 {
+            let mut covered = 0;
+            self.ring.pieces(i, off, want, |_, at, n| {
+                assert_eq!(at as u64, covered);
+                covered += n as u64;
+            });
+            assert_eq!(covered, want);
+        }
+        while let Some(f) = self.ring.next_fill(&self.hot, i) {
             let gen = self.gen(f.offset);
             self.ring.filling(f.slot, gen);
             self.inflight.push(f);
         }
-        hit
+        want
     }
 
     /// Completes every read-ahead in flight; returns them.
@@ -280,4 +295,114 @@ fn reads_larger_than_the_starting_window_are_served() {
     }
     assert!(hits > 55, "{hits}");
     assert!(!s.ring.streams.iter().any(|t| t.off));
+}
+
+#[test]
+fn a_read_partly_in_the_ring_gets_its_ready_prefix() {
+    let mut s = Sim::new(RingConfig::default(), DISK);
+    // Chunks 1 and 2 read ahead; a write then makes chunk 2 unusable.
+    for k in 0..16u64 {
+        s.read(k * B, B);
+        s.complete();
+    }
+    s.write(2 * CHUNK);
+    for k in 16..56u64 {
+        s.read(k * B, B);
+        s.complete();
+    }
+    let served = s.ring.stats().bytes_served;
+    // 64 KiB at 224 KiB: 32 KiB in chunk 1, 32 KiB in the written chunk 2.
+    assert_eq!(s.read_prefix(56 * B, 16 * B), 8 * B);
+    assert_eq!(s.ring.stats().bytes_served - served, 8 * B);
+    // A read whose first chunk is not ready gets nothing, even if later ones are.
+    let mut t = Sim::new(RingConfig::default(), DISK);
+    for k in 0..16u64 {
+        t.read(k * B, B);
+        t.complete();
+    }
+    t.write(CHUNK);
+    for k in 16..24u64 {
+        t.read(k * B, B);
+        t.complete();
+    }
+    assert_eq!(t.read_prefix(24 * B, CHUNK), 0);
+}
+
+#[test]
+fn random_reads_start_streams_on_the_hot_half_alone() {
+    let mut s = Sim::new(RingConfig::default(), DISK);
+    // Idle slots: every random read starts its stream without the ring.
+    for k in 0..64u64 {
+        assert!(s.hot.start_here((k * 7919 % 1000) << 20, B));
+    }
+    // A stream that reads ahead keeps its slot busy: the hot half skips it, and its next
+    // read goes to the ring (which continues it and serves it).
+    let at = |k: u64| (5 << 30) + k * B;
+    for k in 0..40u64 {
+        s.read(at(k), B);
+        s.complete();
+    }
+    let busy = s.hot.find(at(40)).unwrap();
+    for k in 0..16u64 {
+        assert!(s.hot.start_here((k * 104729 % 1000) << 21, B));
+        assert_eq!(s.hot.find(at(40)), Some(busy), "the stream was pushed out");
+    }
+    assert!(!s.hot.start_here(at(40), B));
+    assert!(s.read(at(40), B));
+    assert_eq!(s.hot.find(at(41)), Some(busy));
+    assert_eq!(s.ring.stats().streams, 1);
+}
+
+#[test]
+fn a_slot_restarted_on_the_hot_half_forgets_its_stream_turned_off() {
+    let mut s = Sim::new(RingConfig::default(), DISK);
+    // A stream whose read-ahead is always written over turns itself off.
+    for k in 0..2048u64 {
+        s.read(k * B, B);
+        s.complete();
+        s.write(k * B + CHUNK);
+        s.write(k * B + 2 * CHUNK);
+    }
+    let off = s.ring.streams.iter().position(|t| t.off).unwrap();
+    // Four new streams, one after another: one of them takes the slot turned off, started
+    // on the hot half; each reads ahead and is served.
+    for r in 1..=4u64 {
+        let mut hits = 0;
+        for k in 0..256u64 {
+            hits += s.read((r << 32) + k * B, B) as u64;
+            s.complete();
+        }
+        assert!(hits > 200, "stream {r}: {hits} hits");
+    }
+    assert!(!s.ring.streams[off].off);
+}
+
+#[test]
+fn readers_that_jump_leave_no_read_ahead_stuck_and_push_out_no_live_stream() {
+    // Four readers in turn, 128 KiB reads, each wrapping to the start of its region of 512
+    // chunks (as bdevperf jobs do): each wrap leaves the old stream behind, its read-ahead
+    // past the region's end, in a slot that is reading ahead.
+    let mut s = Sim::new(RingConfig::default(), DISK);
+    let region = 512 * CHUNK;
+    let rounds = 3 * 512;
+    let mut hits = 0u64;
+    for k in 0..rounds {
+        for r in 0..4u64 {
+            hits += s.read(r * (1 << 30) + (k * CHUNK) % region, CHUNK) as u64;
+        }
+        s.complete();
+    }
+    let st = s.ring.stats();
+    // After a wrap the new streams share the one idle slot until the old ones have left
+    // (STALE_READS reads), then each takes its old stream's slot back and reads ahead.
+    let wraps = rounds / 512;
+    let lost = 3 * 4 + wraps * (STALE_READS + 4 * 8);
+    assert!(
+        hits >= 4 * rounds - lost,
+        "{hits} of {}: {st:?}",
+        4 * rounds
+    );
+    // What a wrap leaves behind: at most the window and the chunks about it, per stream.
+    let per_wrap = RingConfig::default().max_window + 2 * CHUNK;
+    assert!(st.bytes_evicted_unread <= 4 * wraps * per_wrap, "{st:?}");
 }

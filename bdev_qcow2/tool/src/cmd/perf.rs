@@ -93,7 +93,7 @@ pub struct PerfArgs {
     #[arg(long, value_enum, default_value = "on")]
     pub prefetch: Switch,
     /// Bytes of prefetch ring per core (a multiple of 128 KiB).
-    #[arg(long, value_parser = crate::parse_size, default_value = "4M")]
+    #[arg(long, value_parser = crate::parse_size, default_value = "5M")]
     pub ring_size: u64,
     /// Most bytes one stream reads ahead (a multiple of 128 KiB, at most 8M).
     #[arg(long, value_parser = crate::parse_size, default_value = "1M")]
