@@ -155,7 +155,7 @@ fn workload(
             }
             issued += 1;
             let blocks = size / 4096;
-            let nblk = match fresh && rng.next() % 4 != 0 {
+            let nblk = match fresh && !rng.next().is_multiple_of(4) {
                 true => 1,
                 false => 1 + rng.next() % 16,
             };
