@@ -945,9 +945,12 @@ fn core_keeps_overwrites_through_older_copies_until_a_removal() {
 
     // Many allocations behind: a write the copy shows unallocated is loaded on the core
     // (a new copy from the owner) instead of going to the owner, and written in place.
-    for (i, c) in (10..30u64).enumerate() {
-        write_sync(&mut rig, 100 + i as u64, c * cs, 46, cs);
+    // (Each allocation and write-back moves the epoch two changes; the last leaves it odd.)
+    for (i, c) in (10..45u64).enumerate() {
+        write_sync(&mut rig, 100 + 2 * i as u64, c * cs, 46, cs);
+        flush_sync(&mut rig, 101 + 2 * i as u64);
     }
+    write_sync(&mut rig, 200, 45 * cs, 46, cs);
     assert!(kept_host(&rig, 1, 3 * cs, cs).is_some());
     assert_eq!(
         route(&core, 10 * cs, cs),
