@@ -13,7 +13,8 @@
 #   SKIP_WRITABLE=1 tests/spdk_bench.sh       # without the writable-vs-passthru figures
 #   SKIP_NVMF=1 tests/spdk_bench.sh           # without the zero-offload figure (NVMe-oF)
 #   FIRST_LAT="20 80" tests/spdk_bench.sh     # delay-bdev latencies (µs) for first writes
-#   ROUNDS=5 tests/spdk_bench.sh              # processes to average, fresh vs full (3)
+#   ROUNDS=5 tests/spdk_bench.sh              # processes (rounds), fresh vs full (3)
+#   FRESH_CLUSTERS=4096 tests/spdk_bench.sh   # cluster sizes of fresh vs full (4096 65536)
 #   PAIRS=20 PAIR_SECS=2 tests/spdk_bench.sh  # interleaved qcow2/passthru runs per figure
 #   AGED=1 tests/spdk_bench.sh                # also images filled by random 4 KiB writes
 #   SKIP_FRESH=1 SKIP_PREALLOC=1 tests/spdk_bench.sh  # only the aged malloc figures
@@ -155,23 +156,36 @@ ratio() { awk -v a="$1" -v b="$2" 'BEGIN {printf "%.3f", a / b}'; }
 MALLOC=1280 # MiB
 if [ -z "${SKIP_WRITABLE:-}" ] && [ -z "${SKIP_FRESH:-}" ]; then
 # 1. First writes vs overwrites, 1 GiB image: fresh, then filled sequentially, then the same
-#    run again; ROUNDS (3) processes, means. With 4 KiB clusters every write of a 1 s run
+#    run again; ROUNDS (3) processes. With 4 KiB clusters every write of a 1 s run
 #    that lands on a new cluster allocates one (about half of them); with 64 KiB clusters
 #    (the default) the first ~16 k writes allocate one and write their 4 KiB alone (the
 #    format zeroed the malloc: a zeroed tail).
-for cs in 4096 65536; do
-  fresh=0 full=0
-  for _ in $(seq "${ROUNDS:-3}"); do
+#    Each round prints its own line (FRESH_ROUND); the summary gives the medians of both
+#    sides and of the rounds' ratios, with the ratios' quartiles. ZMASK=0x3 ZMULTI=-C runs
+#    one job per core on two cores.
+for cs in ${FRESH_CLUSTERS:-4096 65536}; do
+  : >"$DIR/fresh.txt"
+  for r in $(seq "${ROUNDS:-3}"); do
     zbench_start q0 "{\"method\":\"bdev_malloc_create\",\"params\":{\"name\":\"m0\",\"num_blocks\":$((MALLOC * 2048)),\"block_size\":512}},
 {\"method\":\"bdev_qcow2_format\",\"params\":{\"base_bdev\":\"m0\",\"size\":1073741824,\"cluster_size\":$cs}},
 {\"method\":\"bdev_qcow2_create\",\"params\":{\"name\":\"q0\",\"base_bdev\":\"m0\"}}"
-    fresh=$((fresh + $(zrun randwrite 4096 1)))
+    fresh=$(zrun randwrite 4096 1)
     zrun write 1048576 4 8 >/dev/null
-    full=$((full + $(zrun randwrite 4096 1)))
+    full=$(zrun randwrite 4096 1)
     zbench_stop
+    echo "$fresh $full" >>"$DIR/fresh.txt"
+    echo "FRESH_ROUND $((cs / 1024))K $r: fresh $fresh full $full ratio $(ratio "$fresh" "$full")"
   done
-  fresh=$((fresh / ${ROUNDS:-3})) full=$((full / ${ROUNDS:-3}))
-  echo "malloc, qcow2 $((cs / 1024))K clusters, 1 GiB: randwrite 4096 B QD32 1 s: fresh image $fresh IOPS, fully allocated $full IOPS, ratio $(ratio "$fresh" "$full")"
+  set -- $(/usr/bin/python3 - "$DIR/fresh.txt" <<'PY'
+import statistics, sys
+rows = [tuple(map(float, l.split())) for l in open(sys.argv[1]) if l.strip()]
+r = sorted(f / a for f, a in rows)
+qs = statistics.quantiles(r, n=4) if len(r) > 1 else [r[0]] * 3
+print("%.0f %.0f %.3f %.3f %.3f" % (statistics.median(f for f, _ in rows),
+      statistics.median(a for _, a in rows), statistics.median(r), qs[0], qs[2]))
+PY
+)
+  echo "malloc, qcow2 $((cs / 1024))K clusters, 1 GiB, ${ZMASK:-0x1}${ZMULTI:+ $ZMULTI}: randwrite 4096 B QD32 1 s: fresh image $1 IOPS, fully allocated $2 IOPS, ratio $3 (median of ${ROUNDS:-3} rounds; quartiles $4-$5)"
 done
 fi
 

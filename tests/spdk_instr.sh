@@ -9,6 +9,10 @@
 #   WORKLOADS="randread:512" SECS=3 tests/spdk_instr.sh
 #   CREATE_EXTRA=',"prefetch":false' tests/spdk_instr.sh   # more bdev_qcow2_create params
 #   FILL="randwrite 4096 3" tests/spdk_instr.sh  # an aged image: see below
+#   FRESH=1 CLUSTER=4096 MB=256 WORKLOADS="randwrite:4096" tests/spdk_instr.sh
+#                                                # a fresh image being filled (first writes,
+#                                                # and overwrites while the owner holds the
+#                                                # slices dirty); CLUSTER: its cluster size
 #
 # With FILL ("WORKLOAD IOSIZE SECONDS"), our image is not preallocated but filled in the
 # guest's own order first (e.g. random 4 KiB writes, QD32), then front to back for what
@@ -42,10 +46,10 @@ MB=${MB:-64}
 # count KIND WORKLOAD IOSIZE: instructions per request of one bdevperf run under callgrind.
 count() {
   local kind=$1 w=$2 o=$3 calls pre=full
-  [ -n "${FILL:-}" ] && pre=off
+  { [ -n "${FILL:-}" ] || [ -n "${FRESH:-}" ]; } && pre=off
   if [ "$kind" = q ]; then
     calls="{\"method\":\"bdev_malloc_create\",\"params\":{\"name\":\"m0\",\"num_blocks\":$((MB * 2048 + 8192)),\"block_size\":512}},
-{\"method\":\"bdev_qcow2_format\",\"params\":{\"base_bdev\":\"m0\",\"size\":$((MB << 20)),\"preallocation\":\"$pre\"}},
+{\"method\":\"bdev_qcow2_format\",\"params\":{\"base_bdev\":\"m0\",\"size\":$((MB << 20)),\"preallocation\":\"$pre\"${CLUSTER:+,\"cluster_size\":$CLUSTER}}},
 {\"method\":\"bdev_qcow2_create\",\"params\":{\"name\":\"X\",\"base_bdev\":\"m0\"${CREATE_EXTRA:-}}}"
   else
     calls="{\"method\":\"bdev_malloc_create\",\"params\":{\"name\":\"m1\",\"num_blocks\":$((MB * 2048)),\"block_size\":512}},

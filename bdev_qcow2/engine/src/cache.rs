@@ -274,6 +274,13 @@ impl<T: Copy + Default, A: Copy + Default> SetAssocCache<T, A> {
         (e == epoch).then_some(Hit { way, key })
     }
 
+    /// The hit for `key` under whatever epoch it is cached, with that epoch (no counters,
+    /// no LRU update): for a caller that validates an older copy by other means.
+    #[inline]
+    pub fn probe_any(&self, key: u64) -> Option<(Hit, u32)> {
+        self.find(key).map(|(way, e)| (Hit { way, key }, e))
+    }
+
     /// The way holding `key` under any epoch (no counters, no LRU update): for prefetch
     /// hints only, never for using the contents.
     pub fn peek(&self, key: u64) -> Option<usize> {

@@ -88,6 +88,9 @@ pub struct Chain<D: BlockDevice> {
     /// Read-path counters ([`ReadStats`]): plain cells, bumped on every request.
     fast_reads: Cell<u64>,
     slow_reads: Cell<u64>,
+    /// Overwrites a core replica routed in place through a copy of their slice older than
+    /// the slot's epoch ([`Chain::kept_overwrites`]).
+    pub(crate) kept_overwrites: Cell<u64>,
     /// The rest of read-ahead's state (sequential requests only).
     pub(crate) prefetch: RefCell<crate::prefetch::Prefetch>,
     /// The write range (offset, length) that `route_write` last found no in-place plan
@@ -130,6 +133,7 @@ impl<D: BlockDevice> Chain<D> {
             scratch: RefCell::new((Vec::with_capacity(64), Vec::with_capacity(64))),
             fast_reads: Cell::new(0),
             slow_reads: Cell::new(0),
+            kept_overwrites: Cell::new(0),
             prefetch,
             no_write_plan: Cell::new(None),
             ring_on: Cell::new(false),
@@ -223,6 +227,13 @@ impl<D: BlockDevice> Chain<D> {
             let r = read_layer(chain.clone(), 0, offset, buf).await;
             chain.exec.complete_entered(tag, r, parity);
         });
+    }
+
+    /// Overwrites this core replica routed in place through a copy of their slice taken
+    /// before the owner's latest changes to it, which only added mappings (ARCHITECTURE.md
+    /// §6): what a core keeps instead of sending to the owner while the slice is dirty.
+    pub fn kept_overwrites(&self) -> u64 {
+        self.kept_overwrites.get()
     }
 
     /// Counts a read the host served on the direct path (after its submission succeeded:

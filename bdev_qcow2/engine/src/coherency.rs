@@ -1,18 +1,24 @@
 //! Cross-core coherency of metadata replicas (ARCHITECTURE.md §6): the state the metadata owner
 //! publishes to the cores, lock-free.
 //!
-//! - **Slice epochs**: one `AtomicU32` per L2 slice of the image (hashed into at most
-//!   [`MAX_EPOCH_SLOTS`] slots). The owner makes a slot odd before a slice in it changes
-//!   and keeps it odd while any slice of the slot is dirty or being written back; every
-//!   further change adds 2 (stays odd); when the last one is written back it becomes even
-//!   again. All of this happens **before** the owner acknowledges the operation that
-//!   changed the slice, so a request submitted after that acknowledgement sees a new epoch.
-//! - A core keeps a cached slice only while the slot's epoch equals the epoch it was read
-//!   under. On a miss with an even epoch it reads the slice from the device itself and
-//!   keeps it only if the epoch did not move during the read (a seqlock over the device);
-//!   with an odd epoch it asks the owner, who answers with a copy of its dirty slice
-//!   ([`SliceReply::Copy`]) or, when this slice is clean and only shares the slot with a
-//!   dirty one, with [`SliceReply::Clean`] and the epoch under which a device read is valid.
+//! - **Slice epochs**: one atomic word per L2 slice of the image (hashed into at most
+//!   [`MAX_EPOCH_SLOTS`] slots) holding the slot's epoch and its count of removals
+//!   ([`SliceStamp`]). The owner makes a slot odd before a slice in it changes and keeps it
+//!   odd while any slice of the slot is dirty or being written back; every further change
+//!   adds 2 (stays odd); when the last one is written back it becomes even again. A change
+//!   that removes or moves a mapping (anything but [`SliceChange::Adds`]) also counts a
+//!   removal, in the same atomic add. All of this happens **before** the owner acknowledges
+//!   the operation that changed the slice, so a request submitted after that
+//!   acknowledgement sees a new epoch (and, after a removal, a new count).
+//! - A core uses a cached slice for anything while the slot's epoch equals the epoch it was
+//!   read under. For an in-place overwrite it may also use an older copy while the slot's
+//!   count of removals equals the copy's: the owner only added mappings since, so every
+//!   cluster the copy shows as COPIED data still is, at the same host offset. On a miss
+//!   with an even epoch it reads the slice from the device itself and keeps it only if the
+//!   epoch did not move during the read (a seqlock over the device); with an odd epoch it
+//!   asks the owner, who answers with a copy of its dirty slice ([`SliceReply::Copy`]) or,
+//!   when this slice is clean and only shares the slot with a dirty one, with
+//!   [`SliceReply::Clean`] and the stamp under which a device read is valid.
 //! - **L1 entries** and the **device size** are published as atomics: a core locates L2
 //!   tables through them (the owner changes an L1 entry only after making the slices of
 //!   the new table odd, so a core that sees the new entry also fails its seqlock check).
@@ -26,9 +32,9 @@
 //! this very code.
 
 #[cfg(loom)]
-use loom::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use loom::sync::atomic::{AtomicU64, Ordering};
 #[cfg(not(loom))]
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 /// Upper bound on epoch slots (4 MiB of epochs): larger images hash several slices into
 /// one slot, which only costs false invalidations.
@@ -38,21 +44,59 @@ pub const MAX_EPOCH_SLOTS: u64 = 1 << 20;
 /// are treated as metadata by the cores (their writes go to the owner).
 pub const MAX_META_BITMAP_WORDS: u64 = 1 << 20;
 
+/// An epoch slot's word as read at one instant: the slot's epoch (odd while a slice of the
+/// slot is dirty) and its count of removals (changes that removed or moved a mapping,
+/// cleared COPIED or set a zero flag). A copy of a slice is recorded with the stamp it was
+/// taken under.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct SliceStamp(u64);
+
+impl SliceStamp {
+    /// The stamp the owner's own cache records (its copies are kept in step with its
+    /// changes and never validated).
+    pub const OWNER: SliceStamp = SliceStamp(0);
+
+    /// The slot's epoch.
+    #[inline(always)]
+    pub fn epoch(self) -> u32 {
+        self.0 as u32
+    }
+
+    /// The slot's count of removals (wraps).
+    #[inline(always)]
+    pub fn removals(self) -> u32 {
+        (self.0 >> 32) as u32
+    }
+}
+
+/// How the owner changed a slice, for the slot's count of removals (ARCHITECTURE.md §6).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SliceChange {
+    /// Only additions: every cluster (subcluster) that an older copy of the slice shows as
+    /// COPIED data is still COPIED data at the same host offset (an allocation, a bitmap
+    /// gaining allocated subclusters, COPIED set again, a slice made dirty unchanged).
+    Adds,
+    /// Anything else: a mapping removed or moved (discard, write-zeroes, COW), COPIED
+    /// cleared, a zero flag set, a table copied or replaced.
+    Removes,
+}
+
 /// What the owner answers a core that asks for a slice whose epoch is odd.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum SliceReply {
-    /// The owner's current (dirty) copy of the slice, valid while the epoch stays `epoch`.
+    /// The owner's current (dirty) copy of the slice, valid while the epoch stays the
+    /// stamp's (and, for overwrites, while the count of removals stays the stamp's).
     Copy {
         /// The slice's entries (host order words, as in the cache).
         words: Vec<u64>,
-        /// Epoch of the slot when the copy was taken.
-        epoch: u32,
+        /// The slot's stamp when the copy was taken.
+        stamp: SliceStamp,
     },
     /// The slice is clean: the device holds it; a device read is valid if the slot's epoch
-    /// is still `epoch` after it.
+    /// is still the stamp's after it.
     Clean {
-        /// Epoch of the slot when the owner answered.
-        epoch: u32,
+        /// The slot's stamp when the owner answered.
+        stamp: SliceStamp,
     },
     /// The L2 table is gone or the owner failed: retry through the normal path.
     Retry,
@@ -69,7 +113,10 @@ fn l1_headroom(len: usize) -> usize {
 
 /// State the owner publishes to every core (shared with `Arc`).
 pub struct Shared {
-    epochs: Box<[AtomicU32]>,
+    /// Per slot: the epoch in the low half, the count of removals in the high half (one
+    /// word, so that a core reads both at one instant; an epoch's carry only counts a
+    /// removal more).
+    epochs: Box<[AtomicU64]>,
     epoch_mask: u64,
     /// The L1 table, with room to grow online (entries past the table read 0).
     l1: Box<[AtomicU64]>,
@@ -106,7 +153,7 @@ impl Shared {
             .min(MAX_EPOCH_SLOTS);
         let words = max_clusters.div_ceil(64).clamp(1, MAX_META_BITMAP_WORDS);
         Shared {
-            epochs: (0..slots).map(|_| AtomicU32::new(0)).collect(),
+            epochs: (0..slots).map(|_| AtomicU64::new(0)).collect(),
             epoch_mask: slots - 1,
             l1: l1
                 .iter()
@@ -140,17 +187,25 @@ impl Shared {
     /// Current epoch of slice `key` (acquire: a core then reads L1 and the device).
     #[inline(always)]
     pub fn epoch(&self, key: u64) -> u32 {
+        self.stamp(key).epoch()
+    }
+
+    /// Current stamp (epoch and count of removals) of slice `key`, in one load.
+    #[inline(always)]
+    pub fn stamp(&self, key: u64) -> SliceStamp {
         // SeqCst (a plain load on x86) to order after a grace-period entry. A key below the
         // slot count is its own slot (see `slot`): one bounds check on the hit path.
-        match usize::try_from(key).ok().and_then(|k| self.epochs.get(k)) {
-            Some(e) => e.load(Ordering::SeqCst),
-            None => self.epochs[self.slot(key)].load(Ordering::SeqCst),
-        }
+        SliceStamp(
+            match usize::try_from(key).ok().and_then(|k| self.epochs.get(k)) {
+                Some(e) => e.load(Ordering::SeqCst),
+                None => self.epochs[self.slot(key)].load(Ordering::SeqCst),
+            },
+        )
     }
 
     /// Current epoch of slot `slot`.
     pub fn slot_epoch(&self, slot: usize) -> u32 {
-        self.epochs[slot].load(Ordering::Acquire)
+        self.epochs[slot].load(Ordering::Acquire) as u32
     }
 
     /// Raw L1 entry `idx` (0 past the table).
@@ -222,18 +277,19 @@ impl Shared {
 
     // ----- owner side --------------------------------------------------------------
 
-    /// Owner: slot `slot` gets its first dirty slice (even → odd).
-    pub fn owner_open(&self, slot: usize) {
+    /// Owner: slot `slot` gets its first dirty slice (even → odd), changed as `change`
+    /// says (a removal also moves the slot's count of removals).
+    pub fn owner_open(&self, slot: usize, change: SliceChange) {
         let e = &self.epochs[slot];
         debug_assert!(e.load(Ordering::Relaxed) & 1 == 0);
-        e.fetch_add(1, Ordering::SeqCst);
+        e.fetch_add(1 + removal(change), Ordering::SeqCst);
     }
 
-    /// Owner: a slice of odd slot `slot` changes (odd → next odd).
-    pub fn owner_changed(&self, slot: usize) {
+    /// Owner: a slice of odd slot `slot` changes (odd → next odd), as `change` says.
+    pub fn owner_changed(&self, slot: usize, change: SliceChange) {
         let e = &self.epochs[slot];
         debug_assert!(e.load(Ordering::Relaxed) & 1 == 1);
-        e.fetch_add(2, Ordering::SeqCst);
+        e.fetch_add(2 + removal(change), Ordering::SeqCst);
     }
 
     /// Owner: the last dirty slice of slot `slot` reached the device (odd → even).
@@ -261,6 +317,15 @@ impl Shared {
             w.fetch_or(1 << (c % 64), Ordering::AcqRel);
         }
         self.meta_gen.fetch_add(1, Ordering::AcqRel);
+    }
+}
+
+/// What `change` adds to an epoch word besides the epoch's step: one removal (high half).
+#[inline(always)]
+fn removal(change: SliceChange) -> u64 {
+    match change {
+        SliceChange::Adds => 0,
+        SliceChange::Removes => 1 << 32,
     }
 }
 
@@ -568,23 +633,24 @@ pub struct OwnerEpochs {
 }
 
 impl OwnerEpochs {
-    /// A slice of `key` became dirty (or another copy of it is being written back).
-    pub fn dirtied(&mut self, shared: &Shared, key: u64) {
+    /// A slice of `key` became dirty (or another copy of it is being written back), its
+    /// content changed as `change` says ([`SliceChange::Adds`] when it did not change).
+    pub fn dirtied(&mut self, shared: &Shared, key: u64, change: SliceChange) {
         let slot = shared.slot(key);
         let n = self.counts.entry(slot).or_insert(0);
         if *n == 0 {
-            shared.owner_open(slot);
+            shared.owner_open(slot, change);
         } else {
-            shared.owner_changed(slot);
+            shared.owner_changed(slot, change);
         }
         *n += 1;
     }
 
-    /// A dirty slice of `key` changed.
-    pub fn changed(&mut self, shared: &Shared, key: u64) {
+    /// A dirty slice of `key` changed as `change` says.
+    pub fn changed(&mut self, shared: &Shared, key: u64, change: SliceChange) {
         let slot = shared.slot(key);
         debug_assert!(self.counts.get(&slot).copied().unwrap_or(0) > 0);
-        shared.owner_changed(slot);
+        shared.owner_changed(slot, change);
     }
 
     /// One dirty instance of `key` is gone (written back, or merged away).
@@ -616,18 +682,34 @@ mod tests {
         let s = Shared::new(16, &[0; 2], 1 << 20, 64);
         let mut o = OwnerEpochs::default();
         assert_eq!(s.epoch(3), 0);
-        o.dirtied(&s, 3);
+        o.dirtied(&s, 3, SliceChange::Adds);
         assert_eq!(s.epoch(3), 1);
-        o.changed(&s, 3);
+        o.changed(&s, 3, SliceChange::Adds);
         assert_eq!(s.epoch(3), 3);
         // Re-dirtied while the first copy is written back.
-        o.dirtied(&s, 3);
+        o.dirtied(&s, 3, SliceChange::Adds);
         assert_eq!(s.epoch(3), 5);
         o.cleaned(&s, 3);
         assert_eq!(s.epoch(3) & 1, 1, "still dirty");
         o.cleaned(&s, 3);
         assert_eq!(s.epoch(3), 6);
         assert_eq!(o.open_slots(), 0);
+        assert_eq!(s.stamp(3).removals(), 0, "additions count no removal");
+    }
+
+    #[test]
+    fn removals_are_counted_apart_from_additions() {
+        let s = Shared::new(16, &[0; 2], 1 << 20, 64);
+        let mut o = OwnerEpochs::default();
+        o.dirtied(&s, 5, SliceChange::Removes);
+        assert_eq!((s.stamp(5).epoch(), s.stamp(5).removals()), (1, 1));
+        o.changed(&s, 5, SliceChange::Adds);
+        assert_eq!((s.stamp(5).epoch(), s.stamp(5).removals()), (3, 1));
+        o.changed(&s, 5, SliceChange::Removes);
+        assert_eq!((s.stamp(5).epoch(), s.stamp(5).removals()), (5, 2));
+        o.cleaned(&s, 5);
+        assert_eq!((s.stamp(5).epoch(), s.stamp(5).removals()), (6, 2));
+        assert_eq!(s.stamp(4), SliceStamp::default(), "other slots untouched");
     }
 
     #[test]

@@ -8,7 +8,7 @@
 //! the request paths build on the image.
 
 use crate::cache::{CacheConfig, CacheStats, SetAssocCache};
-use crate::coherency::{Shared, SliceReply};
+use crate::coherency::{Shared, SliceReply, SliceStamp};
 use crate::error::{corrupt, invalid, Error, Field, Result};
 use crate::exec::{DevId, Exec, WaitQueue};
 use crate::format::header::{peek_cluster_bits, PEEK_LEN};
@@ -78,7 +78,7 @@ pub struct Qcow2<D: BlockDevice> {
     refcount_table: RefCell<Vec<u64>>,
     /// The snapshot table (changed by the owner's snapshot operations).
     snapshots: RefCell<Vec<Snapshot>>,
-    l2_cache: RefCell<SetAssocCache<u64, LinearSlice>>,
+    l2_cache: RefCell<SetAssocCache<u64, SliceSummary>>,
     /// The direct path's memo of slices, in front of `l2_cache`.
     memo: SliceMemo,
     rc_cache: RefCell<SetAssocCache<u8>>,
@@ -139,6 +139,33 @@ pub(crate) enum Touch {
     Yes,
     /// Only when the entry is COPIED data (an in-place write can use only that).
     IfCopied,
+}
+
+/// What a cached slice carries besides its entries: its linear summary, and the slot's
+/// count of removals it was read under (on a core replica: while the slot's count is still
+/// that, the copy's COPIED clusters may be overwritten in place even if the epoch moved on,
+/// ARCHITECTURE.md §6).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct SliceSummary {
+    linear: LinearSlice,
+    removals: u32,
+}
+
+/// What a writable core replica's copy of a slice older than the slot's epoch says of an
+/// overwrite ([`Qcow2::kept_overwrite`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum KeptCopy {
+    /// The range is COPIED data in the copy, under the slot's current count of removals,
+    /// inside the device and clear of metadata: it goes in place at this host offset.
+    Host(u64),
+    /// The copy holds under the current count of removals but does not show the range in
+    /// place; `changes`: how many times the slot changed since the copy was taken.
+    NotInPlace {
+        /// Epoch steps since the copy, halved (wrapping).
+        changes: u32,
+    },
+    /// No usable copy: none cached, a removal since, or not one slice.
+    Unusable,
 }
 
 /// A core replica's copy of one slice, as seen by a write
@@ -317,7 +344,7 @@ impl<D: BlockDevice> Qcow2<D> {
         l1_entries: usize,
         rt_entries: usize,
         opts: &OpenOptions,
-    ) -> Result<(SetAssocCache<u64, LinearSlice>, SetAssocCache<u8>)> {
+    ) -> Result<(SetAssocCache<u64, SliceSummary>, SetAssocCache<u8>)> {
         // By default, enough slices for the whole image, capped.
         let total_slices = (l1_entries as u64).max(1) * geo.slices_per_l2();
         let slice_bytes = 1u64 << geo.slice_bits;
@@ -518,12 +545,12 @@ impl<D: BlockDevice> Qcow2<D> {
             if let Some(words) = m.dirty_slice(key) {
                 return SliceReply::Copy {
                     words,
-                    epoch: shared.epoch(key),
+                    stamp: shared.stamp(key),
                 };
             }
         }
         SliceReply::Clean {
-            epoch: shared.epoch(key),
+            stamp: shared.stamp(key),
         }
     }
 
@@ -795,7 +822,7 @@ impl<D: BlockDevice> Qcow2<D> {
             let ctx = self.ctx.get();
             let i = self.geo.index_in_slice(off);
             // A linear slice gives the mapping without loading the entry.
-            let data = match cache.aux(way).host(i, ctx.cluster_bits) {
+            let data = match cache.aux(way).linear.host(i, ctx.cluster_bits) {
                 Some(h) if h + (1 << ctx.cluster_bits) <= ctx.device_size => Some((h, true)),
                 _ => L2Entry(cache.block(way)[i as usize])
                     .plain_data(ctx.cluster_bits, ctx.device_size),
@@ -950,7 +977,7 @@ impl<D: BlockDevice> Qcow2<D> {
         let way = hit.way;
         let ctx = self.ctx.get();
         let cs = 1u64 << ctx.cluster_bits;
-        let host = match cache.aux(way).host(0, ctx.cluster_bits) {
+        let host = match cache.aux(way).linear.host(0, ctx.cluster_bits) {
             Some(first) => {
                 let host = first + within;
                 // Every cluster the range touches ends inside the device (the general path
@@ -1048,7 +1075,12 @@ impl<D: BlockDevice> Qcow2<D> {
         let cache = self.l2_cache.try_borrow().ok()?;
         let way = cache.peek(self.geo.slice_id(off))?;
         // A linear slice is resolved without loading the entry: nothing to prefetch.
-        if cache.aux(way).host(0, self.geo.cluster_bits).is_some() {
+        if cache
+            .aux(way)
+            .linear
+            .host(0, self.geo.cluster_bits)
+            .is_some()
+        {
             return None;
         }
         let i = self.geo.index_in_slice(off) as usize * if self.geo.extended_l2 { 2 } else { 1 };
@@ -1085,6 +1117,80 @@ impl<D: BlockDevice> Qcow2<D> {
         })
     }
 
+    /// On a writable core replica whose copy of the slice of `[off, off + len)` is older
+    /// than the slot's epoch: whether the copy still answers an in-place overwrite
+    /// (ARCHITECTURE.md §6). It does while the slot's count of removals is the one the copy
+    /// was taken under: every change since only added mappings, so each cluster the copy
+    /// shows as COPIED data still is, at the same host offset, and the copy grants no
+    /// overwrite a current copy would refuse. The range lies in one slice, in one cluster
+    /// unless the copy is linear; its clusters lie inside the device and are not metadata
+    /// now (the bitmap as for any in-place write). Touches the LRU and counts a hit only
+    /// for [`KeptCopy::Host`].
+    pub(crate) fn kept_overwrite(&self, off: u64, len: u64) -> KeptCopy {
+        let (Some(sh), Some((key, within))) =
+            (self.writable_core_shared(), self.in_one_slice(off, len))
+        else {
+            return KeptCopy::Unusable;
+        };
+        // After the request's grace-period entry, like every look-up.
+        let now = sh.stamp(key);
+        let Ok(mut cache) = self.l2_cache.try_borrow_mut() else {
+            return KeptCopy::Unusable;
+        };
+        let Some((hit, epoch)) = cache.probe_any(key) else {
+            return KeptCopy::Unusable;
+        };
+        let summary = cache.aux(hit.way);
+        if summary.removals != now.removals() {
+            return KeptCopy::Unusable;
+        }
+        let not_in_place = KeptCopy::NotInPlace {
+            changes: now.epoch().wrapping_sub(epoch) / 2,
+        };
+        let ctx = self.ctx.get();
+        let cs = 1u64 << ctx.cluster_bits;
+        let host = match summary.linear.host(0, ctx.cluster_bits) {
+            Some(first) => first + within,
+            None => {
+                let in_cluster = off & (cs - 1);
+                if in_cluster + len > cs {
+                    return not_in_place;
+                }
+                let i = self.geo.index_in_slice(GuestOffset(off)) as usize;
+                let block = cache.block(hit.way);
+                let entry = if self.geo.extended_l2 {
+                    let sc = self.geo.subcluster_size();
+                    match (block.get(2 * i), block.get(2 * i + 1)) {
+                        (Some(&e), Some(&bitmap))
+                            if SubclusterBitmap(bitmap)
+                                .all_data(in_cluster / sc, (in_cluster + len - 1) / sc) =>
+                        {
+                            L2Entry(e)
+                        }
+                        _ => return not_in_place,
+                    }
+                } else {
+                    match block.get(i) {
+                        Some(&e) => L2Entry(e),
+                        None => return not_in_place,
+                    }
+                };
+                match entry.plain_data(ctx.cluster_bits, ctx.device_size) {
+                    Some((h, true)) => h + in_cluster,
+                    _ => return not_in_place,
+                }
+            }
+        };
+        let bits = ctx.cluster_bits;
+        if (host + len).next_multiple_of(cs) > ctx.device_size
+            || ((host >> bits)..=((host + len - 1) >> bits)).any(|c| sh.is_meta_cluster(c))
+        {
+            return not_in_place;
+        }
+        cache.touch_fresh(hit);
+        KeptCopy::Host(host)
+    }
+
     fn l1_entry_end(&self, off: GuestOffset) -> u64 {
         let cov = self.geo.l1_entry_coverage();
         (off.0 / cov + 1).saturating_mul(cov)
@@ -1106,21 +1212,21 @@ impl<D: BlockDevice> Qcow2<D> {
         // The owner's dirty copy is newer than the device.
         if let Some(m) = &self.meta {
             if let Some(words) = m.dirty_slice(key) {
-                return Ok(Some(
-                    self.cache_slice(key, 0, |b| b.copy_from_slice(&words)),
-                ));
+                return Ok(Some(self.cache_slice(key, SliceStamp::OWNER, |b| {
+                    b.copy_from_slice(&words)
+                })));
             }
         }
         let raw = self.read_slice_raw(l2, off).await?;
         // A write-back may have dirtied it meanwhile: the dirty copy wins.
         if let Some(m) = &self.meta {
             if let Some(words) = m.dirty_slice(key) {
-                return Ok(Some(
-                    self.cache_slice(key, 0, |b| b.copy_from_slice(&words)),
-                ));
+                return Ok(Some(self.cache_slice(key, SliceStamp::OWNER, |b| {
+                    b.copy_from_slice(&words)
+                })));
             }
         }
-        let w = self.cache_slice(key, 0, |block| {
+        let w = self.cache_slice(key, SliceStamp::OWNER, |block| {
             for (dst, w) in block.iter_mut().zip(be_words(&raw)) {
                 *dst = w;
             }
@@ -1128,21 +1234,32 @@ impl<D: BlockDevice> Qcow2<D> {
         Ok(Some(w))
     }
 
-    /// Caches slice `key` read under `epoch` (`fill` writes its words) with its summary
-    /// ([`LinearSlice`]); returns the way. Every L2 slice enters the cache here.
-    pub(crate) fn cache_slice(&self, key: u64, epoch: u32, fill: impl FnOnce(&mut [u64])) -> usize {
+    /// Caches slice `key` read under `stamp` (`fill` writes its words) with its summary
+    /// ([`SliceSummary`]); returns the way. Every L2 slice enters the cache here.
+    pub(crate) fn cache_slice(
+        &self,
+        key: u64,
+        stamp: SliceStamp,
+        fill: impl FnOnce(&mut [u64]),
+    ) -> usize {
         self.memo.forget(key);
         let mut cache = self.l2_cache.borrow_mut();
-        let (w, evicted) = cache.insert_evicting(key, epoch, fill);
+        let (w, evicted) = cache.insert_evicting(key, stamp.epoch(), fill);
         if let Some(old) = evicted {
             self.memo.forget(old);
         }
-        let lin = LinearSlice::of(
+        let linear = LinearSlice::of(
             cache.block(w),
             self.ctx.get().cluster_bits,
             self.geo.extended_l2,
         );
-        cache.set_aux(w, lin);
+        cache.set_aux(
+            w,
+            SliceSummary {
+                linear,
+                removals: stamp.removals(),
+            },
+        );
         w
     }
 
@@ -1301,20 +1418,20 @@ impl<D: BlockDevice> Replica<'_, D> {
                 // faster than this core can read it); the guest may retry.
                 return Err(Error::Io(11));
             }
-            let mut epoch = shared.epoch(key);
-            if let Some(w) = q.l2_cache.borrow_mut().lookup(key, epoch) {
+            let mut stamp = shared.stamp(key);
+            if let Some(w) = q.l2_cache.borrow_mut().lookup(key, stamp.epoch()) {
                 return Ok(Some(w));
             }
-            if epoch & 1 == 1 {
+            if stamp.epoch() & 1 == 1 {
                 match self.ask_owner(key).await {
-                    SliceReply::Copy { words, epoch } => {
+                    SliceReply::Copy { words, stamp } => {
                         q.sync_core();
-                        let w = q.cache_slice(key, epoch, |b| b.copy_from_slice(&words));
+                        let w = q.cache_slice(key, stamp, |b| b.copy_from_slice(&words));
                         // Taken after this request began: valid for it whatever the epoch
                         // is now; the cache keeps it only while the epoch stays.
                         return Ok(Some(w));
                     }
-                    SliceReply::Clean { epoch: e } => epoch = e,
+                    SliceReply::Clean { stamp: s } => stamp = s,
                     SliceReply::Retry => continue,
                 }
             }
@@ -1324,13 +1441,14 @@ impl<D: BlockDevice> Replica<'_, D> {
                 return Ok(None);
             };
             let raw = q.read_slice_raw(l2, off).await?;
-            if shared.epoch(key) != epoch {
+            // An unchanged epoch means no removal either (a removal moves both).
+            if shared.epoch(key) != stamp.epoch() {
                 continue;
             }
             // Entries of the slice may point where the owner grew the device before it
             // wrote them.
             q.sync_core();
-            let w = q.cache_slice(key, epoch, |block| {
+            let w = q.cache_slice(key, stamp, |block| {
                 for (dst, w) in block.iter_mut().zip(be_words(&raw)) {
                     *dst = w;
                 }

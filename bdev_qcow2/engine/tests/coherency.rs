@@ -495,7 +495,8 @@ fn qemu_img(args: &[&str]) -> std::process::Output {
         .expect("qemu-img")
 }
 
-fn random_run(seed: u64, steps: usize) {
+/// Returns how many writes the cores kept through an older copy of their slice.
+fn random_run(seed: u64, steps: usize) -> u64 {
     let lazy = seed.is_multiple_of(3);
     let mut rig = Rig::new(seed, 2, lazy, 1 + seed % 4);
     let mut rng = Rng::new(seed);
@@ -677,8 +678,10 @@ fn random_run(seed: u64, steps: usize) {
     }
     assert!(core_fast > 0, "seed {seed}: no in-place write on a core");
     assert!(reads > 0);
+    let kept: u64 = rig.chains[1..].iter().map(|c| c.kept_overwrites()).sum();
     eprintln!(
-        "seed {seed}: {reads} reads, {core_fast} in-place core writes, {core_fallback} sent to the owner"
+        "seed {seed}: {reads} reads, {core_fast} in-place core writes ({kept} through an \
+         older copy of the slice), {core_fallback} sent to the owner"
     );
     rig.close();
 
@@ -714,13 +717,19 @@ fn random_run(seed: u64, steps: usize) {
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );
+    kept
 }
 
+/// Owner and two cores on a fresh image with 4 KiB clusters: allocations, overwrites,
+/// discards, write-zeroes and the reallocations that follow, interleaved at random; the
+/// cores overwrite through older copies of slices the owner only added to since (§6).
 #[test]
 fn random_interleavings_owner_and_two_cores() {
+    let mut kept = 0;
     for seed in 1..=16u64 {
-        random_run(seed * 0x9E37_79B9, 20_000);
+        kept += random_run(seed * 0x9E37_79B9, 20_000);
     }
+    assert!(kept > 0, "no core kept an overwrite through an older copy");
 }
 
 // ----- targeted ------------------------------------------------------------------------
@@ -861,6 +870,109 @@ fn point_cluster_0_at_the_l1_table(rig: &Rig) -> (u64, Vec<u8>) {
     )
 }
 
+/// Runs an owner request submitted by `submit` with `tag` to completion.
+fn owner_sync(rig: &mut Rig, tag: u64, submit: impl FnOnce(&Rc<Chain<Channel>>, u64)) {
+    let owner = rig.chains[0].clone();
+    submit(&owner, tag);
+    rig.run(tag).unwrap();
+}
+
+#[test]
+fn core_keeps_overwrites_through_older_copies_until_a_removal() {
+    // ARCHITECTURE.md §6: a core overwrites in place through a copy of its slice older than
+    // the epoch while the owner only added mappings since; a removal anywhere in the slot
+    // (discard, write-zeroes) ends that, also for clusters it did not touch; a copy many
+    // changes behind is fetched again rather than sending the write to the owner.
+    let mut rig = Rig::new(11, 1, false, 1);
+    let cs = 4096u64;
+    write_sync(&mut rig, 1, 0, 41, 4 * cs);
+    flush_sync(&mut rig, 2);
+    assert_eq!(core_read(&mut rig, 1, 3, 0, 4 * cs), vec![41; 32]);
+    let core = rig.chains[1].clone();
+
+    // An allocation in the slice (the owner holds it dirty): cluster 0 stays on the core.
+    write_sync(&mut rig, 4, 5 * cs, 42, cs);
+    assert!(
+        kept_host(&rig, 1, 0, cs).is_some(),
+        "only an addition since"
+    );
+    let (buf, _) = fill(43, 0, cs);
+    match core.route_write(0, cs) {
+        WriteRoute::Direct(g) => core.submit_granted_write(5, g, BufSlice::whole(buf)),
+        other => panic!("an overwrite the older copy shows in place, not {other:?}"),
+    }
+    rig.run_core(1, 5).unwrap();
+    let obuf = HeapBuf::new(cs as usize);
+    rig.chains[0].submit_read(6, 0, BufSlice::whole(obuf.clone()));
+    rig.run(6).unwrap();
+    assert_eq!(
+        decode(0, &obuf.to_vec()[..512]).unwrap(),
+        43,
+        "landed where the owner maps"
+    );
+    assert_eq!(
+        route(&core, 5 * cs, cs),
+        "owner, may be in place",
+        "allocated after the copy"
+    );
+
+    // A discard of cluster 1 removes a mapping: the copy answers no overwrite any more,
+    // not even of cluster 0, which kept its own.
+    owner_sync(&mut rig, 7, |o, t| o.submit_discard(t, cs, cs));
+    assert_eq!(kept_host(&rig, 1, 0, cs), None, "a removal since the copy");
+    assert_eq!(route(&core, cs, cs), "owner, may be in place");
+    // Reallocated: the core, with a new copy, overwrites it where the owner put it.
+    write_sync(&mut rig, 8, cs, 44, cs);
+    assert_eq!(
+        core_read(&mut rig, 1, 9, 0, 2 * cs),
+        [vec![43; 8], vec![44; 8]].concat()
+    );
+    write_sync(&mut rig, 10, 6 * cs, 45, cs);
+    assert!(
+        kept_host(&rig, 1, cs, cs).is_some(),
+        "the new mapping, kept"
+    );
+
+    // Write-zeroes without unmap sets a zero flag: a removal too.
+    owner_sync(&mut rig, 11, |o, t| {
+        o.submit_write_zeroes(t, 2 * cs, cs, false)
+    });
+    assert_eq!(kept_host(&rig, 1, 3 * cs, cs), None);
+    assert_eq!(
+        core_read(&mut rig, 1, 12, 2 * cs, 2 * cs),
+        [vec![0; 8], vec![41; 8]].concat()
+    );
+
+    // Many allocations behind: a write the copy shows unallocated is loaded on the core
+    // (a new copy from the owner) instead of going to the owner, and written in place.
+    // (Each allocation and write-back moves the epoch two changes; the last leaves it odd.)
+    for (i, c) in (10..45u64).enumerate() {
+        write_sync(&mut rig, 100 + 2 * i as u64, c * cs, 46, cs);
+        flush_sync(&mut rig, 101 + 2 * i as u64);
+    }
+    write_sync(&mut rig, 200, 45 * cs, 46, cs);
+    assert!(kept_host(&rig, 1, 3 * cs, cs).is_some());
+    assert_eq!(
+        route(&core, 10 * cs, cs),
+        "local",
+        "the copy is many changes behind"
+    );
+    let (buf, _) = fill(47, 10 * cs, cs);
+    core.submit_write_local(13, 10 * cs, BufSlice::whole(buf));
+    rig.run_core(1, 13).unwrap();
+    assert_eq!(
+        route(&core, 11 * cs, cs),
+        "direct",
+        "the new copy is current"
+    );
+    assert_eq!(
+        core_read(&mut rig, 1, 14, 10 * cs, 2 * cs),
+        [vec![47; 8], vec![46; 8]].concat()
+    );
+    assert!(core.kept_overwrites() >= 4);
+    rig.close();
+}
+
 #[test]
 fn core_refuses_in_place_write_into_metadata() {
     // ARCHITECTURE.md §7 rule 6 / §9 on a core: a (hostile) L2 entry that points at the image's
@@ -894,10 +1006,15 @@ fn core_refuses_in_place_write_into_metadata() {
 /// `Chain::route_write` as a word; a direct grant is finished at once, where the general
 /// look-up ([`general`]) maps the write in place too.
 fn route(chain: &Chain<Channel>, off: u64, len: u64) -> &'static str {
+    let kept = chain.kept_overwrites();
     match chain.route_write(off, len) {
         WriteRoute::Direct(g) => {
             let host = g.host().0;
             g.finish(chain.exec());
+            if chain.kept_overwrites() != kept {
+                // Through a copy older than the epoch: `kept_host` compares with the owner.
+                return "direct, older copy";
+            }
             assert_eq!(
                 general(chain, off, len, true),
                 Some(host),
@@ -909,6 +1026,28 @@ fn route(chain: &Chain<Channel>, off: u64, len: u64) -> &'static str {
         WriteRoute::Owner { slow: true } => "owner",
         WriteRoute::Owner { slow: false } => "owner, may be in place",
     }
+}
+
+/// Where core `c` routes an overwrite of `[off, off + len)` through a copy of its slice
+/// older than the epoch (§6): the host offset, which must be where the owner maps it now;
+/// `None` when the route is anything else (a grant is finished at once).
+fn kept_host(rig: &Rig, c: usize, off: u64, len: u64) -> Option<u64> {
+    let core = &rig.chains[c];
+    let kept = core.kept_overwrites();
+    let WriteRoute::Direct(g) = core.route_write(off, len) else {
+        return None;
+    };
+    let host = g.host().0;
+    g.finish(core.exec());
+    if core.kept_overwrites() == kept {
+        return None;
+    }
+    assert_eq!(
+        general(&rig.chains[0], off, len, true),
+        Some(host),
+        "an older copy routed where the owner does not map in place"
+    );
+    Some(host)
 }
 
 /// Where the direct path maps `[off, off + len)`, asked as the SPDK module asks: one
@@ -1179,18 +1318,25 @@ fn core_routes_writes_by_its_cached_slice() {
     );
     assert_eq!(route(&core, 0, 2 * cs), "owner", "partly a first write");
     // The owner allocates cluster 1 in the same slice and keeps it dirty: the core's copy
-    // is outdated, and even the overwrite of cluster 0 goes to the owner rather than
-    // fetching the owner's copy.
+    // is outdated, but the change only added a mapping, so the overwrite of cluster 0 stays
+    // on the core; one of cluster 1, which the copy shows unallocated, goes to the owner
+    // rather than fetching the owner's copy.
     write_sync(&mut rig, 4, cs, 32, cs);
     assert_eq!(
         route(&core, 0, cs),
+        "direct, older copy",
+        "only an addition since the copy"
+    );
+    assert!(kept_host(&rig, 1, 0, cs).is_some());
+    assert_eq!(
+        route(&core, cs, cs),
         "owner, may be in place",
-        "slice dirty on the owner since"
+        "allocated after the copy, dirty on the owner"
     );
     // Once written back (clean, even epoch) the core reloads it itself.
     flush_sync(&mut rig, 5);
     assert_eq!(
-        route(&core, 0, cs),
+        route(&core, cs, cs),
         "local",
         "clean again: the core reads it"
     );

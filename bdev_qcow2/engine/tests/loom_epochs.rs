@@ -19,9 +19,16 @@
 //! of a slice never uses a version older than `v`, never a torn slice, and never the
 //! garbage a freshly allocated L2 table holds on the device before its first write-back.
 //!
+//! Overwrites (`Req::Overwrite`) follow the engine's `Qcow2::kept_overwrite`: a copy older
+//! than the epoch still serves an in-place overwrite while the slot's count of removals is
+//! the copy's. The owner's `Modify` only adds mappings; its `Remove` unmaps the cluster the
+//! cores overwrite (a discard). Invariant: an overwrite submitted after a removal was
+//! acknowledged never goes in place through a version that still maps the cluster.
+//!
 //! Broken variants of the owner or the core (acknowledging before the epoch bump, skipping
-//! the re-check, publishing an L1 entry before the new table's slices are odd) must be
-//! caught: they run under `#[should_panic]`.
+//! the re-check, publishing an L1 entry before the new table's slices are odd, a removal
+//! counted as an addition, a core keeping an older copy without comparing the removals)
+//! must be caught: they run under `#[should_panic]`.
 
 #![cfg(loom)]
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
@@ -29,7 +36,7 @@
 use loom::sync::atomic::{AtomicU64, Ordering};
 use loom::sync::{Arc, Condvar, Mutex};
 use loom::thread;
-use qcow2_engine::coherency::{OwnerEpochs, Shared, SliceReply};
+use qcow2_engine::coherency::{OwnerEpochs, Shared, SliceChange, SliceReply, SliceStamp};
 
 /// What a freshly allocated cluster holds before anything is written to it.
 const GARBAGE: u64 = 0xdead;
@@ -47,6 +54,25 @@ struct Faults {
     skip_recheck: bool,
     /// The owner publishes a new L1 entry before the new table's slices go odd.
     l1_before_dirty: bool,
+    /// The owner counts a removal as an addition (no bump of the slot's removals).
+    removal_as_addition: bool,
+    /// The core overwrites through any older copy, without comparing the removals.
+    kept_ignores_removals: bool,
+}
+
+/// A core's guest request.
+#[derive(Clone, Copy, Debug)]
+enum Req {
+    /// A read of the slice (through `Core::load`).
+    Read(u64),
+    /// An overwrite of the slice's one cluster (through an older copy while no removal
+    /// happened since, else `Core::load`).
+    Overwrite(u64),
+}
+
+/// A script of reads.
+fn reads(keys: &[u64]) -> Vec<Req> {
+    keys.iter().map(|&k| Req::Read(k)).collect()
 }
 
 struct World {
@@ -55,6 +81,11 @@ struct World {
     dev: Vec<[AtomicU64; 2]>,
     /// Per key: the last acknowledged version.
     acked: Vec<AtomicU64>,
+    /// Per key: the first version in which the cores' cluster is unmapped (u64::MAX: none);
+    /// stored before that version exists anywhere.
+    unmapped_from: Vec<AtomicU64>,
+    /// Per key: 1 once a removal was acknowledged.
+    removal_acked: Vec<AtomicU64>,
     /// The message queues between the cores and the owner (blocking, no spinning).
     mail: Mutex<Mailbox>,
     mail_cv: Condvar,
@@ -82,6 +113,8 @@ fn world(total_slices: u64, l1: &[u64], dev: &[u64], cores: usize, faults: Fault
             .map(|&v| [AtomicU64::new(v), AtomicU64::new(v)])
             .collect(),
         acked: l1.iter().map(|_| AtomicU64::new(0)).collect(),
+        unmapped_from: l1.iter().map(|_| AtomicU64::new(u64::MAX)).collect(),
+        removal_acked: l1.iter().map(|_| AtomicU64::new(0)).collect(),
         mail: Mutex::new(Mailbox {
             replies: vec![None; cores],
             ..Default::default()
@@ -106,8 +139,11 @@ struct Owner {
 
 #[derive(Clone, Copy, Debug)]
 enum Step {
-    /// `dirty_slice_for` + `set_l2_words` + acknowledgement of the guest write.
+    /// `dirty_slice_for` + `set_l2_words` (an allocation: only adds) + acknowledgement of
+    /// the guest write.
     Modify(u64),
+    /// The same for a discard of the cores' cluster: a removal.
+    Remove(u64),
     /// `ensure_l2`: a new table at location `loc` (zeroed in memory: version 1), its slice
     /// dirty, then the L1 entry published.
     AllocTable(u64, u64),
@@ -134,13 +170,13 @@ impl Owner {
     /// `Qcow2::slice_for_core`.
     fn slice_for_core(&self, key: u64) -> SliceReply {
         let k = key as usize;
-        let epoch = self.w.shared.epoch(key);
+        let stamp = self.w.shared.stamp(key);
         match self.dirty[k].or(self.writing[k]) {
             Some(v) => SliceReply::Copy {
                 words: vec![v],
-                epoch,
+                stamp,
             },
-            None => SliceReply::Clean { epoch },
+            None => SliceReply::Clean { stamp },
         }
     }
 
@@ -162,9 +198,13 @@ impl Owner {
         let sh = &self.w.shared;
         let f = self.w.faults;
         match s {
-            Step::Modify(key) => {
+            Step::Modify(key) | Step::Remove(key) => {
                 let k = key as usize;
                 let v = self.version[k] + 1;
+                let removes = matches!(s, Step::Remove(_));
+                if removes {
+                    self.w.unmapped_from[k].store(v, Ordering::SeqCst);
+                }
                 if f.ack_before_bump {
                     self.version[k] = v;
                     self.w.acked[k].store(v, Ordering::Release);
@@ -172,14 +212,22 @@ impl Owner {
                 // dirty_slice_for: the slice becomes dirty (content unchanged) ...
                 if self.dirty[k].is_none() {
                     self.dirty[k] = Some(self.writing[k].unwrap_or(self.version[k]));
-                    self.ep.dirtied(sh, key);
+                    self.ep.dirtied(sh, key, SliceChange::Adds);
                 }
-                // ... set_l2_words: changed in memory, then the epoch moves ...
+                // ... set_l2_words: changed in memory, then the epoch moves (and the count
+                // of removals, for a removal) ...
                 self.version[k] = v;
                 self.dirty[k] = Some(v);
-                self.ep.changed(sh, key);
-                // ... and only then the guest write is acknowledged.
+                let change = match removes && !f.removal_as_addition {
+                    true => SliceChange::Removes,
+                    false => SliceChange::Adds,
+                };
+                self.ep.changed(sh, key, change);
+                // ... and only then the guest request is acknowledged.
                 self.w.acked[k].store(v, Ordering::Release);
+                if removes {
+                    self.w.removal_acked[k].store(1, Ordering::Release);
+                }
             }
             Step::AllocTable(key, loc) => {
                 let k = key as usize;
@@ -189,9 +237,9 @@ impl Owner {
                 }
                 self.version[k] = 1;
                 if self.dirty[k].replace(1).is_none() {
-                    self.ep.dirtied(sh, key);
+                    self.ep.dirtied(sh, key, SliceChange::Removes);
                 } else {
-                    self.ep.changed(sh, key);
+                    self.ep.changed(sh, key, SliceChange::Removes);
                 }
                 if !f.l1_before_dirty {
                     sh.set_l1(k, loc);
@@ -240,11 +288,11 @@ impl Owner {
     }
 }
 
-/// A core replica: its cache of (epoch, version) per key.
+/// A core replica: its cache of (stamp, version) per key.
 struct Core {
     w: Arc<World>,
     id: usize,
-    cache: Vec<Option<(u32, u64)>>,
+    cache: Vec<Option<(SliceStamp, u64)>>,
 }
 
 impl Core {
@@ -265,19 +313,19 @@ impl Core {
         let sh = &self.w.shared;
         let k = key as usize;
         for _ in 0..MAX_ATTEMPTS {
-            let mut epoch = sh.epoch(key);
-            if let Some((e, v)) = self.cache[k] {
-                if e == epoch {
+            let mut stamp = sh.stamp(key);
+            if let Some((st, v)) = self.cache[k] {
+                if st.epoch() == stamp.epoch() {
                     return Some(v);
                 }
             }
-            if epoch & 1 == 1 {
+            if stamp.epoch() & 1 == 1 {
                 match self.ask(key) {
-                    SliceReply::Copy { words, epoch } => {
-                        self.cache[k] = Some((epoch, words[0]));
+                    SliceReply::Copy { words, stamp } => {
+                        self.cache[k] = Some((stamp, words[0]));
                         return Some(words[0]);
                     }
-                    SliceReply::Clean { epoch: e } => epoch = e,
+                    SliceReply::Clean { stamp: st } => stamp = st,
                     SliceReply::Retry => continue,
                 }
             }
@@ -289,17 +337,53 @@ impl Core {
             let a = self.w.dev[loc][0].load(Ordering::Acquire);
             let b = self.w.dev[loc][1].load(Ordering::Acquire);
             let v = if a == b { a } else { TORN };
-            if !self.w.faults.skip_recheck && sh.epoch(key) != epoch {
+            if !self.w.faults.skip_recheck && sh.epoch(key) != stamp.epoch() {
                 continue;
             }
-            self.cache[k] = Some((epoch, v));
+            self.cache[k] = Some((stamp, v));
             return Some(v);
         }
         None
     }
 
+    /// A guest request submitted now.
+    fn request(&mut self, req: Req) {
+        match req {
+            Req::Read(key) => self.read(key),
+            Req::Overwrite(key) => self.overwrite(key),
+        }
+    }
+
+    /// `Qcow2::kept_overwrite`, else `Core::load`: an overwrite of `key`'s cluster submitted
+    /// now must not go in place through a version that still maps it once its removal was
+    /// acknowledged.
+    fn overwrite(&mut self, key: u64) {
+        let k = key as usize;
+        let removed = self.w.removal_acked[k].load(Ordering::Acquire) == 1;
+        let now = self.w.shared.stamp(key);
+        let version = match self.cache[k] {
+            Some((st, v)) if st.epoch() == now.epoch() => Some(v),
+            // An older copy, no removal since: the kept overwrite.
+            Some((st, v))
+                if self.w.faults.kept_ignores_removals || st.removals() == now.removals() =>
+            {
+                Some(v)
+            }
+            _ => self.load(key),
+        };
+        if let Some(v) = version {
+            let mapped =
+                v != GARBAGE && v != TORN && v < self.w.unmapped_from[k].load(Ordering::Acquire);
+            assert!(
+                !(mapped && removed),
+                "coherency violation: core {} overwrote slice {key}'s cluster in place through version {v} after its removal was acknowledged",
+                self.id
+            );
+        }
+    }
+
     /// A guest read of `key` submitted now: it must see at least the acknowledged version.
-    fn request(&mut self, key: u64) {
+    fn read(&mut self, key: u64) {
         let min = self.w.acked[key as usize].load(Ordering::Acquire);
         if let Some(v) = self.load(key) {
             assert!(
@@ -319,7 +403,7 @@ struct Scenario {
     /// Initial slice versions (must match the device for allocated keys).
     versions: Vec<u64>,
     owner: Vec<Step>,
-    cores: Vec<Vec<u64>>,
+    cores: Vec<Vec<Req>>,
     faults: Faults,
 }
 
@@ -343,8 +427,8 @@ fn check(s: Scenario, preemptions: usize) {
                         w,
                         id,
                     };
-                    for key in script {
-                        c.request(key);
+                    for req in script {
+                        c.request(req);
                     }
                     c.w.mail.lock().unwrap().done += 1;
                     c.w.mail_cv.notify_all();
@@ -368,7 +452,7 @@ fn writeback_scenario(faults: Faults) -> Scenario {
         dev: vec![GARBAGE, 1],
         versions: vec![1],
         owner: vec![Modify(0), WbStart, WbWord(0, 0), WbWord(0, 1), WbDone(0)],
-        cores: vec![vec![0, 0]],
+        cores: vec![reads(&[0, 0])],
         faults,
     }
 }
@@ -394,7 +478,7 @@ fn redirty_during_writeback() {
                 WbWord(0, 1),
                 WbDone(0),
             ],
-            cores: vec![vec![0, 0]],
+            cores: vec![reads(&[0, 0])],
             faults: Faults::default(),
         },
         3,
@@ -422,7 +506,7 @@ fn two_slices_one_slot() {
                 WbWord(1, 1),
                 WbDone(1),
             ],
-            cores: vec![vec![0, 1]],
+            cores: vec![reads(&[0, 1])],
             faults: Faults::default(),
         },
         2,
@@ -447,7 +531,7 @@ fn slot_stays_odd_across_neighbour_writeback() {
                 WbWord(1, 1),
                 WbDone(1),
             ],
-            cores: vec![vec![1, 0, 1]],
+            cores: vec![reads(&[1, 0, 1])],
             faults: Faults::default(),
         },
         2,
@@ -468,7 +552,7 @@ fn new_table_scenario(faults: Faults) -> Scenario {
             WbWord(0, 1),
             WbDone(0),
         ],
-        cores: vec![vec![0, 0]],
+        cores: vec![reads(&[0, 0])],
         faults,
     }
 }
@@ -498,7 +582,7 @@ fn cached_replica_across_changes() {
                 WbWord(0, 1),
                 WbDone(0),
             ],
-            cores: vec![vec![0, 0, 0]],
+            cores: vec![reads(&[0, 0, 0])],
             faults: Faults::default(),
         },
         2,
@@ -515,10 +599,60 @@ fn two_cores_one_slice() {
             dev: vec![GARBAGE, 1],
             versions: vec![1],
             owner: vec![Modify(0), WbStart, WbWord(0, 0), WbWord(0, 1), WbDone(0)],
-            cores: vec![vec![0], vec![0]],
+            cores: vec![reads(&[0]), reads(&[0])],
             faults: Faults::default(),
         },
         1,
+    );
+}
+
+/// A core reads the slice (its copy maps the cluster), then overwrites the cluster twice
+/// while the owner adds a mapping, removes the cluster's and writes the slice back: the
+/// first overwrite may go through the older copy, none after the removal's acknowledgement.
+fn kept_scenario(faults: Faults) -> Scenario {
+    Scenario {
+        total_slices: 1,
+        l1: vec![1],
+        dev: vec![GARBAGE, 1],
+        versions: vec![1],
+        owner: vec![
+            Modify(0),
+            Remove(0),
+            WbStart,
+            WbWord(0, 0),
+            WbWord(0, 1),
+            WbDone(0),
+        ],
+        cores: vec![vec![Req::Read(0), Req::Overwrite(0), Req::Overwrite(0)]],
+        faults,
+    }
+}
+
+#[test]
+fn kept_overwrites_until_a_removal() {
+    check(kept_scenario(Faults::default()), 3);
+}
+
+/// The same with the removal in a neighbour sharing the slot: a removal anywhere in the
+/// slot ends the older copies of every slice in it (only false misses).
+#[test]
+fn kept_overwrites_with_a_neighbour_in_the_slot() {
+    check(
+        Scenario {
+            total_slices: 1,
+            l1: vec![1, 2],
+            dev: vec![GARBAGE, 1, 1],
+            versions: vec![1, 1],
+            owner: vec![Modify(1), Remove(0), Modify(1)],
+            cores: vec![vec![
+                Req::Read(0),
+                Req::Overwrite(0),
+                Req::Read(1),
+                Req::Overwrite(0),
+            ]],
+            faults: Faults::default(),
+        },
+        2,
     );
 }
 
@@ -534,7 +668,7 @@ fn broken_ack_before_bump_is_caught() {
             dev: vec![GARBAGE, 1],
             versions: vec![1],
             owner: vec![Modify(0)],
-            cores: vec![vec![0, 0]],
+            cores: vec![reads(&[0, 0])],
             faults: Faults {
                 ack_before_bump: true,
                 ..Default::default()
@@ -562,6 +696,30 @@ fn broken_l1_before_dirty_is_caught() {
     check(
         new_table_scenario(Faults {
             l1_before_dirty: true,
+            ..Default::default()
+        }),
+        2,
+    );
+}
+
+#[test]
+#[should_panic(expected = "coherency violation")]
+fn broken_removal_counted_as_addition_is_caught() {
+    check(
+        kept_scenario(Faults {
+            removal_as_addition: true,
+            ..Default::default()
+        }),
+        2,
+    );
+}
+
+#[test]
+#[should_panic(expected = "coherency violation")]
+fn broken_kept_copy_without_the_removal_check_is_caught() {
+    check(
+        kept_scenario(Faults {
+            kept_ignores_removals: true,
             ..Default::default()
         }),
         2,
@@ -692,9 +850,9 @@ fn grace_owner(w: &GraceWorld, mut ep: OwnerEpochs, s: &GraceScenario) {
         sh.grace.try_advance();
     }
     // COW of guest cluster 0: dirty slice, changed in memory, epoch bump (before the ack).
-    ep.dirtied(sh, 0);
+    ep.dirtied(sh, 0, SliceChange::Adds);
     w.mapping.store(NEW as u64, Ordering::SeqCst);
-    ep.changed(sh, 0);
+    ep.changed(sh, 0, SliceChange::Removes);
     // Write-back and flush: the slice is clean, the free of OLD is stable.
     ep.cleaned(sh, 0);
     // release_unstable: tag the batch (no fence: the owner is the generation's only
@@ -743,7 +901,7 @@ fn check_grace(s: GraceScenario, preemptions: usize) {
         let core_slot = w.shared.grace.register().unwrap();
         assert_ne!(owner_slot, core_slot);
         let mut ep = OwnerEpochs::default();
-        ep.dirtied(&w.shared, 0);
+        ep.dirtied(&w.shared, 0, SliceChange::Adds);
         ep.cleaned(&w.shared, 0);
         w.mapping.store(OLD as u64, Ordering::SeqCst);
         let epoch = w.shared.epoch(0);

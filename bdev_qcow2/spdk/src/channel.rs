@@ -123,6 +123,10 @@ pub struct ChannelStats {
     pub local_writes: u64,
     /// Requests sent to the metadata owner (writable bdevs).
     pub forwarded: u64,
+    /// Overwrites served in place through a copy of their L2 slice older than the owner's
+    /// latest changes, which only added mappings (writable bdevs; part of `local_writes`
+    /// when served).
+    pub kept_overwrites: u64,
     /// Read-ahead: sequential streams detected.
     pub prefetch_streams: u64,
     /// Read-ahead: slice loads started ahead of a stream.
@@ -160,6 +164,7 @@ impl ChannelStats {
         self.busy_retries += o.busy_retries;
         self.local_writes += o.local_writes;
         self.forwarded += o.forwarded;
+        self.kept_overwrites += o.kept_overwrites;
         self.prefetch_streams += o.prefetch_streams;
         self.prefetch_issued += o.prefetch_issued;
         self.prefetch_loaded += o.prefetch_loaded;
@@ -293,6 +298,7 @@ impl Channel {
             let r = chain.stats();
             s.fast_reads = r.fast_reads;
             s.slow_reads = r.slow_reads;
+            s.kept_overwrites = chain.kept_overwrites();
             let p = chain.prefetch_stats();
             s.prefetch_streams = p.streams;
             s.prefetch_issued = p.issued;

@@ -105,6 +105,10 @@ struct Config {
     /// The prefetch ring on every core: sequential bands then mostly read, and their writes
     /// land just ahead of the reader, in what its ring holds.
     ring: bool,
+    /// A fresh image (nothing written before the run) and mostly one-cluster requests: the
+    /// image fills while cores overwrite what was allocated, discard it and write it again,
+    /// and a core overwrites through copies of slices the owner keeps changing (§6).
+    fresh: bool,
 }
 
 /// Runs one core's share of the workload on reactor `r`; returns its history.
@@ -114,6 +118,7 @@ fn workload(
     size: u64,
     ops: usize,
     ring: bool,
+    fresh: bool,
 ) -> Vec<Op> {
     // STRESS_QD overrides the queue depth per core (default 16).
     let qd_env = std::env::var("STRESS_QD").ok().and_then(|v| v.parse().ok());
@@ -150,7 +155,10 @@ fn workload(
             }
             issued += 1;
             let blocks = size / 4096;
-            let nblk = 1 + rng.next() % 16;
+            let nblk = match fresh && !rng.next().is_multiple_of(4) {
+                true => 1,
+                false => 1 + rng.next() % 16,
+            };
             let random = rng.next() % (blocks - nblk);
             let sequential = (issued / 200) % 2 == 1;
             let start = if sequential {
@@ -311,15 +319,18 @@ fn run_stress(cfg: &Config) {
         if cfg.extended_l2 { "on" } else { "off" }
     );
     qemu_img(&["create", "-q", "-f", "qcow2", "-o", &opts, img_s, "16M"]);
-    // The first half starts allocated (in-place writes), the second half empty (allocations).
-    common::run(std::process::Command::new("qemu-io").args([
-        "-f",
-        "qcow2",
-        "-c",
-        "write -P 0xab 0 8M",
-        img_s,
-    ]));
-    let initial = |sector: u64| sector * SECTOR < (8 << 20);
+    // The first half starts allocated (in-place writes), the second half empty (allocations);
+    // a fresh image starts empty.
+    if !cfg.fresh {
+        common::run(std::process::Command::new("qemu-io").args([
+            "-f",
+            "qcow2",
+            "-c",
+            "write -P 0xab 0 8M",
+            img_s,
+        ]));
+    }
+    let initial = |sector: u64| !cfg.fresh && sector * SECTOR < (8 << 20);
 
     let clock = AtomicU64::new(1);
     let open = |id: usize, writable: bool| {
@@ -342,15 +353,17 @@ fn run_stress(cfg: &Config) {
         max_window: 512 << 10,
     });
     let out = run_reactors_with_ring(cfg.cores, &open, eopts, true, ring, |r| {
-        let history = workload(r, &clock, size, cfg.ops_per_core, cfg.ring);
+        let history = workload(r, &clock, size, cfg.ops_per_core, cfg.ring, cfg.fresh);
         let ring = r.chain.ring_stats().unwrap_or_default();
-        Ok((history, r.chain.prefetch_stats(), ring))
+        let kept = r.chain.kept_overwrites();
+        Ok((history, r.chain.prefetch_stats(), ring, kept))
     })
     .expect("reactors");
     let stats: Vec<_> = out.iter().map(|(_, s)| *s).collect();
-    let read_ahead: Vec<_> = out.iter().map(|((_, p, _), _)| *p).collect();
-    let rings: Vec<RingStats> = out.iter().map(|((_, _, g), _)| *g).collect();
-    let all: Vec<Op> = out.into_iter().flat_map(|((h, _, _), _)| h).collect();
+    let read_ahead: Vec<_> = out.iter().map(|((_, p, _, _), _)| *p).collect();
+    let rings: Vec<RingStats> = out.iter().map(|((_, _, g, _), _)| *g).collect();
+    let kept: Vec<u64> = out.iter().map(|((_, _, _, k), _)| *k).collect();
+    let all: Vec<Op> = out.into_iter().flat_map(|((h, _, _, _), _)| h).collect();
     eprintln!(
         "stress {}{}: {} ops on {} cores; per reactor {:?}",
         cfg.cluster,
@@ -361,6 +374,10 @@ fn run_stress(cfg: &Config) {
     );
     // Every core sent something to the owner and served something itself.
     assert!(stats[1..].iter().all(|s| s.forwarded > 0), "{stats:?}");
+    // Overwrites a core kept through an older copy of a slice the owner only added to
+    // since; the checker below holds what they wrote to the same freshness as the rest.
+    eprintln!("overwrites kept through older copies per reactor: {kept:?}");
+    assert!(!cfg.fresh || kept[1..].iter().all(|&k| k > 0), "{kept:?}");
     // The sequential bands made every core (not only the owner) load slices ahead into its
     // replica; what those requests read is checked below like the rest.
     eprintln!("read-ahead per reactor: {read_ahead:?}");
@@ -478,6 +495,7 @@ fn stress_three_cores_64k_clusters() {
         cores: 3,
         ops_per_core: 3000,
         ring: false,
+        fresh: false,
     });
 }
 
@@ -492,6 +510,42 @@ fn stress_two_cores_4k_clusters() {
         cores: 2,
         ops_per_core: 4000,
         ring: false,
+        fresh: false,
+    });
+}
+
+#[test]
+fn stress_two_cores_4k_clusters_fresh() {
+    // A fresh image with 4 KiB clusters filled by mostly 4 KiB requests: fills, overwrites,
+    // discards, write-zeroes and the reallocations after them race on two cores; every
+    // slice of the image fits the cores' caches, so a core keeps its copies while the
+    // owner holds the slices dirty, and overwrites through them (§6).
+    run_stress(&Config {
+        cluster: "4k",
+        extended_l2: false,
+        l2_slice: 512,
+        l2_cache: 64 << 10,
+        cores: 2,
+        ops_per_core: 6000,
+        ring: false,
+        fresh: true,
+    });
+}
+
+#[test]
+fn stress_three_cores_extended_l2_fresh() {
+    // The same with extended L2: a write into an unallocated subcluster of an allocated
+    // cluster adds to its bitmap, which the owner does; cores keep overwrites of the
+    // subclusters their copies show allocated.
+    run_stress(&Config {
+        cluster: "64k",
+        extended_l2: true,
+        l2_slice: 1024,
+        l2_cache: 16 << 10,
+        cores: 3,
+        ops_per_core: 3000,
+        ring: false,
+        fresh: true,
     });
 }
 
@@ -505,6 +559,7 @@ fn stress_three_cores_extended_l2() {
         cores: 3,
         ops_per_core: 2000,
         ring: false,
+        fresh: false,
     });
 }
 
@@ -551,6 +606,7 @@ fn stress_one_core_4k_clusters() {
         cores: 1,
         ops_per_core: 8000,
         ring: false,
+        fresh: false,
     });
 }
 
@@ -564,6 +620,7 @@ fn stress_three_cores_64k_clusters_with_the_prefetch_ring() {
         cores: 3,
         ops_per_core: 4000,
         ring: true,
+        fresh: false,
     });
 }
 
@@ -578,5 +635,6 @@ fn stress_two_cores_4k_clusters_with_the_prefetch_ring() {
         cores: 2,
         ops_per_core: 4000,
         ring: true,
+        fresh: false,
     });
 }

@@ -297,6 +297,42 @@ impl L2Entry {
         Some((off, v & COPIED != 0))
     }
 
+    /// What this entry (with `bitmap` when `extended`) lets a core overwrite in place, by
+    /// its bits alone: the host offset and the mask of subclusters (all 32 bits for a
+    /// standard entry) that are COPIED plain data; `None` when nothing (unallocated, zero,
+    /// compressed, shared, reserved bits). The device's bounds are the reader's to check.
+    #[inline]
+    pub fn in_place(&self, bitmap: SubclusterBitmap, extended: bool) -> Option<(u64, u32)> {
+        let v = self.0;
+        let off = v & OFFSET_MASK;
+        if v & (COMPRESSED | ZERO | L2_RESERVED) != 0 || v & COPIED == 0 || off == 0 {
+            return None;
+        }
+        let mask = match extended {
+            true => bitmap.alloc_mask() & !bitmap.zero_mask(),
+            false => u32::MAX,
+        };
+        (mask != 0).then_some((off, mask))
+    }
+
+    /// Whether changing an entry from `old` to `new` (entry and bitmap, `extended` as in
+    /// [`in_place`](Self::in_place)) only adds: every subcluster `old` lets a core
+    /// overwrite in place, `new` lets it overwrite at the same host offset. The owner counts
+    /// any other change as a removal (ARCHITECTURE.md §6).
+    pub fn change_only_adds(
+        old: (L2Entry, SubclusterBitmap),
+        new: (L2Entry, SubclusterBitmap),
+        extended: bool,
+    ) -> bool {
+        match old.0.in_place(old.1, extended) {
+            None => true,
+            Some((host, mask)) => new
+                .0
+                .in_place(new.1, extended)
+                .is_some_and(|(h, m)| h == host && m & mask == mask),
+        }
+    }
+
     /// Interprets a standard L2 entry for the whole cluster (no extended L2), validated (see
     /// [`plain_data`](Self::plain_data) for the hot path).
     pub fn mapping(&self, ctx: &L2Context) -> Result<ClusterMapping> {

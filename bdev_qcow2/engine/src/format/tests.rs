@@ -6,7 +6,7 @@
 //! at a cluster-aligned offset well inside [`DEVICE_SIZE`].
 
 use super::entries::{compressed_entry, ClusterMapping, L1Entry, L2Context, L2Entry};
-use super::entries::{LinearSlice, SubclusterBitmap, COMPRESSED, COPIED, FULL_BITMAP};
+use super::entries::{LinearSlice, SubclusterBitmap, COMPRESSED, COPIED, FULL_BITMAP, ZERO};
 use super::header::{autoclear, ext_type, incompat, BitmapsExt, FeatureName};
 use super::header::{CompressionType, Extensions, Header, ImageHeader, ZeroedTail};
 use super::refcount::{entries_per_block, get_refcount, max_refcount, set_refcount};
@@ -866,4 +866,44 @@ proptest! {
             }
         }
     }
+}
+
+#[test]
+fn changes_that_only_add_keep_every_in_place_cluster() {
+    let h = 0x5_0000u64;
+    let none = SubclusterBitmap::NONE;
+    let std = |old: u64, new: u64| {
+        L2Entry::change_only_adds((L2Entry(old), none), (L2Entry(new), none), false)
+    };
+    // Additions: an allocation, a preallocated zero cluster written, COPIED set again.
+    assert!(std(0, h | COPIED));
+    assert!(std(ZERO, h | COPIED));
+    assert!(std(h | COPIED | ZERO, h | COPIED));
+    assert!(std(h, h | COPIED));
+    assert!(std(h | COPIED, h | COPIED), "unchanged");
+    // Removals: discard, zero flag, COPIED cleared (a snapshot), moved (COW), compressed.
+    assert!(!std(h | COPIED, 0));
+    assert!(!std(h | COPIED, ZERO));
+    assert!(!std(h | COPIED, h | COPIED | ZERO));
+    assert!(!std(h | COPIED, h));
+    assert!(!std(h | COPIED, 0x9_0000 | COPIED));
+    assert!(!std(h | COPIED, compressed_entry(16, 0x9_0000, 512).0));
+    // Extended L2: subclusters gaining allocation add; losing it, or turning zero, removes.
+    let ext = |old: (u32, u32), new: (u32, u32)| {
+        L2Entry::change_only_adds(
+            (L2Entry(h | COPIED), SubclusterBitmap::new(old.0, old.1)),
+            (L2Entry(h | COPIED), SubclusterBitmap::new(new.0, new.1)),
+            true,
+        )
+    };
+    assert!(ext((0, 0), (0b1, 0)));
+    assert!(ext((0b0011, 0), (0b0111, 0)));
+    assert!(ext((0, 0b1), (0b1, 0)), "a zero subcluster written");
+    assert!(!ext((0b0011, 0), (0b0001, 0)));
+    assert!(!ext((0b0011, 0), (0b0001, 0b0010)));
+    assert!(!L2Entry::change_only_adds(
+        (L2Entry(h | COPIED), SubclusterBitmap::new(1, 0)),
+        (L2Entry(0), SubclusterBitmap::new(0, u32::MAX)),
+        true
+    ));
 }

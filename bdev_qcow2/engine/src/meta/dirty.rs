@@ -7,7 +7,7 @@
 //! moves its epoch ([`OwnerEpochs`]) in the same call.
 
 use super::{HashMap, Shared};
-use crate::coherency::OwnerEpochs;
+use crate::coherency::{OwnerEpochs, SliceChange};
 use std::collections::{BTreeMap, BTreeSet};
 
 /// Dirty metadata of the owner (see the module doc).
@@ -52,32 +52,40 @@ impl DirtyMetadata {
             .or_else(|| self.writing_l2.get(&key))
             .cloned()
     }
-    /// Makes slice `key` dirty with `words` (replacing a dirty copy): its epoch goes odd
-    /// when it was clean, moves on when it was dirty already.
-    pub(crate) fn put_slice(&mut self, key: u64, words: Vec<u64>, shared: Option<&Shared>) {
+    /// Makes slice `key` dirty with `words` (replacing a dirty copy), which changed its
+    /// content as `change` says: its epoch goes odd when it was clean, moves on when it was
+    /// dirty already.
+    pub(crate) fn put_slice(
+        &mut self,
+        key: u64,
+        words: Vec<u64>,
+        shared: Option<&Shared>,
+        change: SliceChange,
+    ) {
         let was_clean = self.l2.insert(key, words).is_none();
         if let Some(sh) = shared {
             if was_clean {
-                self.epochs.dirtied(sh, key);
+                self.epochs.dirtied(sh, key, change);
             } else {
-                self.epochs.changed(sh, key);
+                self.epochs.changed(sh, key, change);
             }
         }
     }
-    /// Changes the dirty slice `key` with `f` (its epoch moves on); false when it is not
-    /// dirty (nothing changed).
+    /// Changes the dirty slice `key` with `f`, which says how (its epoch moves on, and its
+    /// count of removals when `f` removed something); false when it is not dirty (nothing
+    /// changed).
     pub(crate) fn change_slice(
         &mut self,
         key: u64,
         shared: Option<&Shared>,
-        f: impl FnOnce(&mut [u64]),
+        f: impl FnOnce(&mut [u64]) -> SliceChange,
     ) -> bool {
         let Some(b) = self.l2.get_mut(&key) else {
             return false;
         };
-        f(b);
+        let change = f(b);
         if let Some(sh) = shared {
-            self.epochs.changed(sh, key);
+            self.epochs.changed(sh, key, change);
         }
         true
     }
@@ -99,7 +107,8 @@ impl DirtyMetadata {
             .copied()
             .collect();
         for k in keys {
-            self.epochs.dirtied(shared, k);
+            // No core has a copy yet.
+            self.epochs.dirtied(shared, k, SliceChange::Adds);
         }
     }
 

@@ -6,6 +6,7 @@
 //! (odd) before the L1 entry pointing at it is published (ARCHITECTURE.md §6).
 
 use super::Owner;
+use crate::coherency::{SliceChange, SliceStamp};
 use crate::error::{corrupt, Field, Result};
 use crate::exec::read_bytes;
 use crate::format::{L1Entry, L2Entry, SubclusterBitmap};
@@ -57,9 +58,13 @@ impl<D: BlockDevice> Owner<'_, D> {
             return Ok(());
         }
         let cache = self.l2_cache.borrow();
-        m.st_mut()
-            .dirty
-            .put_slice(key, cache.block(w).to_vec(), self.shared.as_deref());
+        // Dirty but unchanged: nothing removed.
+        m.st_mut().dirty.put_slice(
+            key,
+            cache.block(w).to_vec(),
+            self.shared.as_deref(),
+            SliceChange::Adds,
+        );
         Ok(())
     }
 
@@ -115,11 +120,28 @@ impl<D: BlockDevice> Owner<'_, D> {
                 b[i] = entry;
             }
         };
+        // A core may overwrite in place through an older copy of the slice only while
+        // every change since it was taken kept what the copy shows in place (§6).
+        let classify_and_put = |b: &mut [u64]| {
+            let old = match ext {
+                true => (L2Entry(b[2 * i]), SubclusterBitmap(b[2 * i + 1])),
+                false => (L2Entry(b[i]), SubclusterBitmap::NONE),
+            };
+            let new = (
+                L2Entry(entry),
+                SubclusterBitmap(if ext { bitmap } else { 0 }),
+            );
+            put(b);
+            match L2Entry::change_only_adds(old, new, ext) {
+                true => SliceChange::Adds,
+                false => SliceChange::Removes,
+            }
+        };
         if !self
             .meta()
             .st_mut()
             .dirty
-            .change_slice(key, self.shared.as_deref(), put)
+            .change_slice(key, self.shared.as_deref(), classify_and_put)
         {
             return Err(corrupt(Field::L2Entry, key, "L2 slice not dirty"));
         }
@@ -132,9 +154,11 @@ impl<D: BlockDevice> Owner<'_, D> {
             };
             put(cache.block_mut(w));
             let new = (entry, if ext { bitmap } else { 0 });
-            let mut lin = cache.aux(w);
-            lin.changed(i, old, new, cache.block(w), self.geo.cluster_bits, ext);
-            cache.set_aux(w, lin);
+            let mut summary = cache.aux(w);
+            summary
+                .linear
+                .changed(i, old, new, cache.block(w), self.geo.cluster_bits, ext);
+            cache.set_aux(w, summary);
         }
         Ok(())
     }
@@ -191,10 +215,12 @@ impl<D: BlockDevice> Owner<'_, D> {
         {
             let mut st = m.st_mut();
             for (s, chunk) in content.chunks(slice_words).enumerate() {
+                // A new table replaces whatever a core may hold for these slices.
                 st.dirty.put_slice(
                     first_slice + s as u64,
                     chunk.to_vec(),
                     self.shared.as_deref(),
+                    SliceChange::Removes,
                 );
             }
             st.dirty.dirty_l1(idx);
@@ -206,7 +232,9 @@ impl<D: BlockDevice> Owner<'_, D> {
         // The owner's cache holds the new table's slices too (what it held of the old one
         // is replaced): its look-ups (the direct path's among them) find them at once.
         for (s, chunk) in content.chunks(slice_words).enumerate() {
-            self.cache_slice(first_slice + s as u64, 0, |b| b.copy_from_slice(chunk));
+            self.cache_slice(first_slice + s as u64, SliceStamp::OWNER, |b| {
+                b.copy_from_slice(chunk)
+            });
         }
         let entry = L1Entry::new(new, true);
         self.l1.borrow_mut()[idx as usize] = entry;

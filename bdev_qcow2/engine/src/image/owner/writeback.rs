@@ -17,6 +17,7 @@
 //! stays dirty.
 
 use super::{words_to_bytes, Owner};
+use crate::coherency::SliceStamp;
 use crate::error::{corrupt, Field, Result};
 use crate::io::{BlockDevice, BufSlice, IoBuffer, SECTOR};
 use crate::types::GuestOffset;
@@ -174,7 +175,7 @@ impl<D: BlockDevice> Owner<'_, D> {
             // cache, unless a newer dirty copy exists (then that one is written later).
             if let Some(words) = written {
                 if !st.dirty.has_slice(key) && self.l2_cache.borrow().probe(key, 0).is_none() {
-                    self.cache_slice(key, 0, |b| b.copy_from_slice(&words));
+                    self.cache_slice(key, SliceStamp::OWNER, |b| b.copy_from_slice(&words));
                 }
             }
         }
