@@ -160,11 +160,13 @@ impl DirtyMetadata {
 
     /// A shadow commit is about to publish L1 entries naming other L2 tables for slices
     /// `keys` (the same entries, COPIED flags changed): their epochs go odd (or move on),
-    /// as for a slice that becomes dirty, so that no core keeps a replica of the old table.
+    /// as for a slice that becomes dirty, so that no core keeps a replica of the old table;
+    /// a removal too (COPIED changes and the table moves), so that no core keeps
+    /// overwriting through an older copy either (§6).
     /// [`tables_moved`](Self::tables_moved) follows once the entries are published.
     pub(crate) fn tables_moving(&mut self, keys: &[u64], shared: &Shared) {
         for &k in keys {
-            self.epochs.dirtied(shared, k);
+            self.epochs.dirtied(shared, k, SliceChange::Removes);
         }
     }
     /// The new L1 entries of slices `keys` are published: their epochs become even again
