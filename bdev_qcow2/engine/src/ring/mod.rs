@@ -38,6 +38,10 @@ pub const STREAMS: usize = 4;
 const WINDOW_START: u32 = 2;
 /// Most chunks one stream may hold (bounds the per-stream bookkeeping).
 pub const MAX_WINDOW_CHUNKS: u32 = 64;
+/// Chunks in a row a stream may pass before their read-ahead was of use (still filling,
+/// or ready only after the reads went to the base) before it stops reading ahead: its
+/// reader's own queue keeps it ahead of the ring, which would only read everything twice.
+pub const LATE_OFF: u8 = 4;
 /// Reads (on this core) after which a stream not continued in them counts as left: its
 /// slot and its chunks go to the next stream that needs them (a reader that jumped
 /// elsewhere, or finished, would otherwise keep its read-ahead, and its slot from new
@@ -185,6 +189,8 @@ struct Stream {
     window: u32,
     /// Turned off for good: its read-ahead went unused.
     off: bool,
+    /// Chunks in a row it passed too late to use ([`LATE_OFF`]).
+    late: u8,
     /// Chunks its last read spanned: the window is at least two reads long, so that a
     /// read larger than the starting window finds all of its chunks.
     span: u32,
@@ -199,6 +205,7 @@ impl Stream {
         run: 0,
         window: 0,
         off: false,
+        late: 0,
         span: 1,
         first: 0,
         count: 0,
@@ -324,6 +331,7 @@ impl Ring {
                 s.run = 1;
                 s.window = 0;
                 s.off = false;
+                s.late = 0;
             }
             s.run = s.run.saturating_add(1);
             s.span = Self::span(len);
@@ -500,7 +508,8 @@ impl Ring {
     /// Releases stream `i`'s first chunk: its window grows when the chunk served reads,
     /// shrinks (down to off) when a write made it unusable or its read-ahead failed, and
     /// stays when it came too late (still filling, or ready while another chunk of the
-    /// same read was not).
+    /// same read was not) — unless [`LATE_OFF`] chunks in a row came too late: then the
+    /// reader keeps ahead of the ring on its own and the stream stops reading ahead.
     fn pop_front(&mut self, hot: &Hot, i: usize) {
         let max = self.cfg.max_window_chunks();
         let s = &mut self.streams[i];
@@ -510,9 +519,19 @@ impl Ring {
         s.first += 1;
         let slot = self.slots[k as usize];
         match (slot.state, slot.used) {
-            (_, true) => s.window = (s.window * 2).clamp(1, max),
-            // Late, not useless.
-            (State::Filling | State::Ready, false) => {}
+            (_, true) => {
+                s.window = (s.window * 2).clamp(1, max);
+                s.late = 0;
+            }
+            // Late, not useless, unless it always is.
+            (State::Filling | State::Ready, false) => {
+                s.late = s.late.saturating_add(1);
+                if s.late >= LATE_OFF {
+                    s.window = 0;
+                    s.off = true;
+                    self.ahead &= !(1 << i);
+                }
+            }
             (_, false) => {
                 s.window /= 2;
                 if s.window == 0 {

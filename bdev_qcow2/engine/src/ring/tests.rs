@@ -406,3 +406,52 @@ fn readers_that_jump_leave_no_read_ahead_stuck_and_push_out_no_live_stream() {
     let per_wrap = RingConfig::default().max_window + 2 * CHUNK;
     assert!(st.bytes_evicted_unread <= 4 * wraps * per_wrap, "{st:?}");
 }
+
+#[test]
+fn a_reader_always_ahead_of_its_read_ahead_turns_it_off() {
+    // 128 KiB reads at a depth that keeps them ahead of the ring (a fast base): each
+    // read-ahead completes only once the reader has reached its chunk, so every chunk is
+    // passed still filling. After LATE_OFF such chunks the stream reads ahead no more.
+    let mut sim = Sim::new(RingConfig::default(), DISK);
+    let mut issued = 0u64;
+    let mut per_read = Vec::new();
+    for k in 0..64u64 {
+        let before = sim.inflight.len();
+        assert!(
+            !sim.read(k * CHUNK, CHUNK),
+            "nothing is ready before its read"
+        );
+        issued += (sim.inflight.len() - before) as u64;
+        per_read.push(issued);
+        let reached = (k + 1) * CHUNK;
+        let (done, still): (Vec<Fill>, Vec<Fill>) =
+            sim.inflight.drain(..).partition(|f| f.offset < reached);
+        sim.inflight = still;
+        for f in done {
+            sim.ring.filled(f.slot, true);
+        }
+    }
+    assert!(
+        per_read[SEQ_MIN as usize + 1] > 0,
+        "it did read ahead at first"
+    );
+    assert_eq!(
+        per_read[63], per_read[31],
+        "read-ahead still issued after the stream was always late: {per_read:?}"
+    );
+}
+
+#[test]
+fn a_reader_late_at_first_and_then_served_keeps_reading_ahead() {
+    // QD1 over a slow base: the first chunk read ahead comes late, later ones are ready.
+    let mut sim = Sim::new(RingConfig::default(), DISK);
+    let mut hits = 0;
+    for k in 0..64u64 {
+        if sim.read(k * CHUNK, CHUNK) {
+            hits += 1;
+        }
+        // The reader's own read took as long as a read-ahead: those in flight completed.
+        sim.complete();
+    }
+    assert!(hits > 50, "{hits} of 64 reads hit");
+}
