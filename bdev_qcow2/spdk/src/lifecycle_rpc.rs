@@ -28,19 +28,12 @@ pub fn resize(req: Request, params: Params) {
         );
     }
     let reg = registry::lock();
-    let Some(node) = reg.node(&p.name) else {
-        drop(reg);
-        return req.errno(libc::ENODEV, &format!("no qcow2 bdev named {}", p.name));
-    };
-    let Some(owner) = node.owner_here() else {
-        drop(reg);
-        return req.errno(
-            libc::EROFS,
-            &format!(
-                "{}: read-only, or this RPC does not run on its md thread",
-                p.name
-            ),
-        );
+    let (node, owner) = match reg.writable(&p.name) {
+        Ok(found) => found,
+        Err((errno, msg)) => {
+            drop(reg);
+            return req.errno(errno, &msg);
+        }
     };
     let Some(busy) = Busy::begin(&p.name) else {
         drop(reg);
@@ -107,16 +100,12 @@ fn busy_msg(name: &str) -> String {
 /// locked), or answers `req` with why not.
 fn with_owner(req: Request, name: &str, f: impl FnOnce(Request, NodeKey, &Owner)) {
     let reg = registry::lock();
-    let Some(node) = reg.node(name) else {
-        drop(reg);
-        return req.errno(libc::ENODEV, &format!("no qcow2 bdev named {name}"));
-    };
-    let Some(owner) = node.owner_here() else {
-        drop(reg);
-        return req.errno(
-            libc::EROFS,
-            &format!("{name}: read-only, or this RPC does not run on its md thread"),
-        );
+    let (node, owner) = match reg.writable(name) {
+        Ok(found) => found,
+        Err((errno, msg)) => {
+            drop(reg);
+            return req.errno(errno, &msg);
+        }
     };
     f(req, node.key(), owner);
 }

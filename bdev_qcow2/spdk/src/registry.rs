@@ -3,6 +3,7 @@
 //! fine here; the data path never touches it.
 
 use crate::ffi::node::{NodeKey, Registered};
+use crate::owner::Owner;
 use crate::params::CreateParams;
 use std::sync::{Mutex, MutexGuard};
 
@@ -28,6 +29,21 @@ impl Registry {
     /// The registered node called `name`.
     pub fn node(&self, name: &str) -> Option<&Registered> {
         self.nodes.iter().find(|(n, _)| n == name).map(|(_, r)| r)
+    }
+
+    /// The registered, writable node `name` and its owner, for a control-path RPC on the
+    /// node's md thread; or the errno and message to answer with.
+    pub fn writable(&self, name: &str) -> Result<(&Registered, &Owner), (i32, String)> {
+        let node = self
+            .node(name)
+            .ok_or_else(|| (libc::ENODEV, format!("no qcow2 bdev named {name}")))?;
+        let owner = node.owner_here().ok_or_else(|| {
+            (
+                libc::EROFS,
+                format!("{name}: read-only, or this RPC does not run on its md thread"),
+            )
+        })?;
+        Ok((node, owner))
     }
 
     /// The registered node `key`.

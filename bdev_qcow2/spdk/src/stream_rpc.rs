@@ -41,19 +41,12 @@ pub fn stream(req: Request, params: Params) {
         return;
     };
     let reg = registry::lock();
-    let Some(node) = reg.node(&p.name) else {
-        drop(reg);
-        return req.errno(libc::ENODEV, &format!("no qcow2 bdev named {}", p.name));
-    };
-    let Some(owner) = node.owner_here() else {
-        drop(reg);
-        return req.errno(
-            libc::EROFS,
-            &format!(
-                "{}: read-only, or this RPC does not run on its md thread",
-                p.name
-            ),
-        );
+    let (node, owner) = match reg.writable(&p.name) {
+        Ok(found) => found,
+        Err((errno, msg)) => {
+            drop(reg);
+            return req.errno(errno, &msg);
+        }
     };
     let n = node.node();
     if n.backing.is_none() || n.backing_dropped.load(Ordering::Acquire) {
