@@ -1050,20 +1050,24 @@ impl<D: BlockDevice> Qcow2<D> {
     /// slice).
     #[inline(never)]
     fn remember_mapped(&self, key: u64, epoch: u32, meta_gen: u64, block: &[u64]) {
+        let hosts = block.iter().map(|&e| self.memo_word(L2Entry(e)));
+        self.memo.remember_mapped(key, epoch, meta_gen, hosts);
+    }
+
+    /// A standard L2 entry's word in a mapped memo row: its host cluster when it is plain
+    /// COPIED data inside the device and, on a writable core replica, not metadata; else 0.
+    pub(crate) fn memo_word(&self, e: L2Entry) -> u32 {
         let ctx = self.ctx.get();
         let bits = ctx.cluster_bits;
+        let cluster = match e.plain_data(bits, ctx.device_size) {
+            Some((h, true)) => h >> bits,
+            _ => return 0,
+        };
         let core = self.writable_core_shared();
-        let hosts = block.iter().map(|&e| {
-            let cluster = match L2Entry(e).plain_data(bits, ctx.device_size) {
-                Some((h, true)) => h >> bits,
-                _ => return 0,
-            };
-            match u32::try_from(cluster) {
-                Ok(c) if core.is_none_or(|sh| sh.meta_range_clear(cluster, 1)) => c,
-                _ => 0,
-            }
-        });
-        self.memo.remember_mapped(key, epoch, meta_gen, hosts);
+        match u32::try_from(cluster) {
+            Ok(c) if core.is_none_or(|sh| sh.meta_range_clear(cluster, 1)) => c,
+            _ => 0,
+        }
     }
 
     /// Where this replica's cached L2 entry for `off` lies in memory, if its slice is cached

@@ -231,6 +231,25 @@ impl SliceMemo {
         });
     }
 
+    /// Entry `index` of slice `key` changed to host cluster `host` (0: the memo does not
+    /// answer for it): a mapped slice's row takes the new word, so a slice that changes
+    /// with every allocation is not decoded again for each request; a linear slice (whose
+    /// start no longer tells) or another slice's slot is forgotten.
+    pub fn patch_mapped(&self, key: u64, index: usize, host: u32) {
+        let slot = self.slot(key);
+        let held = slot.get();
+        if held.key != key {
+            return;
+        }
+        let word = (held.host == MAPPED && index < self.entries)
+            .then(|| self.map.get()?.get(self.index(key) * self.entries + index))
+            .flatten();
+        match word {
+            Some(w) => w.set(host),
+            None => slot.set(MEMO_EMPTY),
+        }
+    }
+
     /// Forgets every slice (the L1 table was replaced).
     pub fn forget_all(&self) {
         for slot in self.slots.iter() {
@@ -318,6 +337,28 @@ mod tests {
         assert_eq!(m.extent(5, 6, 2 * c, 512), None, "rows are padded with 0");
         m.forget(5);
         assert_eq!(m.extent(5, 6, c, 512), None);
+    }
+
+    #[test]
+    fn a_changed_entry_patches_a_mapped_row_and_drops_a_linear_slot() {
+        let m = SliceMemo::new(4, 8, 16);
+        let c = 1u64 << 16;
+        m.remember_mapped(1, 6, MEMO_NO_META_GEN, [7u32, 0, 9].into_iter());
+        // An allocation: the entry gains a host; a discard: it loses it.
+        m.patch_mapped(1, 1, 4);
+        assert_eq!(m.extent(1, 6, c + 512, 512), Some(4 * c + 512));
+        m.patch_mapped(1, 0, 0);
+        assert_eq!(m.extent(1, 6, 0, 512), None);
+        assert_eq!(m.extent(1, 6, 2 * c, 512), Some(9 * c), "others kept");
+        // Another key in the slot, or an index past the row: nothing answers wrongly.
+        m.patch_mapped(5, 2, 3);
+        assert_eq!(m.extent(1, 6, 2 * c, 512), Some(9 * c));
+        m.patch_mapped(1, 8, 3);
+        assert_eq!(m.extent(1, 6, 2 * c, 512), None, "forgotten");
+        // A linear slice's start no longer tells where a changed entry lies.
+        m.remember(2, 1 << 30, 6, MEMO_NO_META_GEN);
+        m.patch_mapped(2, 3, 12);
+        assert_eq!(m.extent(2, 6, 0, 512), None);
     }
 
     #[test]

@@ -109,9 +109,15 @@ impl<D: BlockDevice> Owner<'_, D> {
         let (entry, bitmap) = (entry.0, bitmap.0);
         let key = self.geo.slice_id(off);
         let i = self.geo.index_in_slice(off) as usize;
-        // The direct path must not use what it remembered of the slice before the change.
-        self.memo.forget(key);
         let ext = self.geo.extended_l2;
+        // The direct path must not use what it remembered of the slice before the change
+        // (only standard slices are remembered as mapped).
+        match ext {
+            true => self.memo.forget(key),
+            false => self
+                .memo
+                .patch_mapped(key, i, self.memo_word(L2Entry(entry))),
+        }
         let put = |b: &mut [u64]| {
             if ext {
                 b[2 * i] = entry;
