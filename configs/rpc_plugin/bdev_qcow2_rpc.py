@@ -7,7 +7,7 @@
 def bdev_qcow2_create(client, name, base_bdev, backing_bdev=None, read_only=None,
                       l2_cache_size=None, l2_slice_size=None, cache_ways=None, prefetch=None,
                       ordered_layout=None, zero_offload=None, prefetch_ring_size=None,
-                      prefetch_max_window=None):
+                      prefetch_max_window=None, alloc_granule=None):
     params = {'name': name, 'base_bdev': base_bdev}
     if backing_bdev is not None:
         params['backing_bdev'] = backing_bdev
@@ -29,6 +29,8 @@ def bdev_qcow2_create(client, name, base_bdev, backing_bdev=None, read_only=None
         params['ordered_layout'] = True
     if zero_offload is not None:
         params['zero_offload'] = zero_offload
+    if alloc_granule is not None:
+        params['alloc_granule'] = alloc_granule
     return client.call('bdev_qcow2_create', params)
 
 
@@ -98,7 +100,8 @@ def spdk_rpc_plugin_initialize(subparsers):
                                      prefetch_ring_size=args.prefetch_ring_size,
                                      prefetch_max_window=args.prefetch_max_window,
                                      ordered_layout=args.ordered_layout,
-                                     zero_offload=args.zero_offload))
+                                     zero_offload=args.zero_offload,
+                                     alloc_granule=args.alloc_granule))
 
     p = subparsers.add_parser('bdev_qcow2_create',
                               help='Serve a qcow2 image stored on a bdev as a new bdev')
@@ -123,6 +126,9 @@ def spdk_rpc_plugin_initialize(subparsers):
                    help='most bytes a stream reads ahead (multiple of 128 KiB, default 1 MiB)')
     p.add_argument('--ordered-layout', action='store_true', default=None,
                    help="lay each L2 slice's data out on the base in guest order")
+    p.add_argument('--alloc-granule', type=int,
+                   help='bytes a first write takes at once where the base reads zeros '
+                   '(default 65536; 0: one cluster per first write)')
     p.add_argument('--zero-offload', dest='zero_offload', action='store_true', default=None,
                    help='zero the rest of a partly written new cluster with the base\'s '
                    'WRITE_ZEROES on any base that zeroes natively (default: NVMe bdevs only)')

@@ -233,7 +233,11 @@ impl<D: BlockDevice> Chain<D> {
     /// before the owner's latest changes to it, which only added mappings (ARCHITECTURE.md
     /// §6): what a core keeps instead of sending to the owner while the slice is dirty.
     pub fn kept_overwrites(&self) -> u64 {
-        self.kept_overwrites.get()
+        let memo = match self.layers().first() {
+            Some(Layer::Qcow2(q)) => q.memo_kept_overwrites(),
+            _ => 0,
+        };
+        self.kept_overwrites.get() + memo
     }
 
     /// Counts a read the host served on the direct path (after its submission succeeded:

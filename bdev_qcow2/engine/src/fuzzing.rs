@@ -230,7 +230,8 @@ fn range(size: u64, at: u16, len: u16) -> (u64, u64) {
 /// 1, 2, 4, 8; bit 6 a small refcount cache; bit 7 a backing layer when the image names
 /// one), a byte whose low four bits count the operations (at most [`MAX_OPS`]), whose bit 6
 /// puts the image on a fixed-size device (4 MiB of room past it, like a bdev) with the
-/// ordered layout (`OpenOptions::ordered_layout`), and whose top bit opens writable, the
+/// ordered layout (`OpenOptions::ordered_layout`), whose bit 5 turns off taking clusters
+/// ahead (`OpenOptions::alloc_granule`), and whose top bit opens writable, the
 /// operations ([`OP_BYTES`] each, see [`Op::decode`]), then the image (at most
 /// [`MAX_IMAGE_BYTES`]). The image is opened first; operations that need an open image are
 /// skipped while none is.
@@ -252,6 +253,11 @@ pub fn image_ops(data: &[u8]) {
         refcount_cache_bytes: if config & 0x40 != 0 { 512 } else { 256 << 10 },
         writable: count & 0x80 != 0,
         ordered_layout: count & 0x40 != 0,
+        alloc_granule: if count & 0x20 != 0 {
+            0
+        } else {
+            crate::image::DEFAULT_ALLOC_GRANULE
+        },
     };
     let backing = config & 0x80 != 0;
     let mem = if opts.ordered_layout {

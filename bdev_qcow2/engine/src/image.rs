@@ -47,7 +47,17 @@ pub struct OpenOptions {
     /// they are written in (see the owner's `alloc_data`). Off: clusters are appended in the
     /// order they are first written, as QEMU does (fastest for random first writes).
     pub ordered_layout: bool,
+    /// Bytes a first write into an image without a backing file takes at once, when the
+    /// clusters it can take read as zeros (fresh: a zeroed tail, or past a growing file's
+    /// end, inside the device): the aligned group of unallocated clusters around the
+    /// write, in one host run, so later first writes into the group are overwrites.
+    /// At most the cluster size: one cluster per first write, as QEMU does.
+    pub alloc_granule: u64,
 }
+
+/// Default [`OpenOptions::alloc_granule`]: the default cluster size, so that an image with
+/// small clusters grows in the steps of one with default clusters.
+pub const DEFAULT_ALLOC_GRANULE: u64 = 64 << 10;
 
 impl Default for OpenOptions {
     fn default() -> Self {
@@ -58,6 +68,7 @@ impl Default for OpenOptions {
             refcount_cache_bytes: 256 * 1024,
             writable: false,
             ordered_layout: false,
+            alloc_granule: DEFAULT_ALLOC_GRANULE,
         }
     }
 }
@@ -277,6 +288,7 @@ impl<D: BlockDevice> Qcow2<D> {
                 &c0,
                 device_size,
                 opts.ordered_layout,
+                opts.alloc_granule,
             ))
         } else {
             None
@@ -664,6 +676,11 @@ impl<D: BlockDevice> Qcow2<D> {
         s.hits += self.memo.hits();
         s
     }
+    /// Overwrites the memo answered through a copy older than its slot's epoch (part of
+    /// [`Chain::kept_overwrites`](crate::Chain::kept_overwrites)).
+    pub(crate) fn memo_kept_overwrites(&self) -> u64 {
+        self.memo.kept()
+    }
     /// The metadata owner's counters (`None` unless opened writable).
     pub fn owner_stats(&self) -> Option<crate::meta::OwnerStats> {
         self.meta.as_ref().map(|m| m.stats())
@@ -937,8 +954,14 @@ impl<D: BlockDevice> Qcow2<D> {
     pub(crate) fn memo_overwrite(&self, off: u64, len: u64) -> Option<u64> {
         let sh = self.writable_core_shared()?;
         let (key, within) = self.in_one_slice(off, len)?;
-        self.memo
-            .extent_overwrite(key, sh.epoch(key), sh.meta_gen(), within, len)
+        let now = sh.stamp(key);
+        self.memo.extent_overwrite(
+            key,
+            (now.epoch(), now.removals()),
+            sh.meta_gen(),
+            within,
+            len,
+        )
     }
 
     /// The host offset of `[off, off + len)` from the memo of slices alone: a read
@@ -992,7 +1015,8 @@ impl<D: BlockDevice> Qcow2<D> {
                     .is_some_and(|e| e <= ctx.device_size)
                 {
                     let meta_gen = self.slice_clear_of_metadata(first, coverage);
-                    self.memo.remember(key, first, epoch, meta_gen);
+                    let removals = cache.aux(way).removals;
+                    self.memo.remember(key, first, (epoch, removals), meta_gen);
                 }
                 host
             }
@@ -1002,7 +1026,8 @@ impl<D: BlockDevice> Qcow2<D> {
                         .writable_core_shared()
                         .map_or(MEMO_NO_META_GEN, |sh| sh.meta_gen());
                     if self.memo.takes_mapped(key, epoch, meta_gen) {
-                        self.remember_mapped(key, epoch, meta_gen, cache.block(way));
+                        let removals = cache.aux(way).removals;
+                        self.remember_mapped(key, (epoch, removals), meta_gen, cache.block(way));
                     }
                 }
                 let in_cluster = off & (cs - 1);
@@ -1049,9 +1074,9 @@ impl<D: BlockDevice> Qcow2<D> {
     /// not metadata under `meta_gen`, the bitmap's generation read before (as for a linear
     /// slice).
     #[inline(never)]
-    fn remember_mapped(&self, key: u64, epoch: u32, meta_gen: u64, block: &[u64]) {
+    fn remember_mapped(&self, key: u64, stamp: (u32, u32), meta_gen: u64, block: &[u64]) {
         let hosts = block.iter().map(|&e| self.memo_word(L2Entry(e)));
-        self.memo.remember_mapped(key, epoch, meta_gen, hosts);
+        self.memo.remember_mapped(key, stamp, meta_gen, hosts);
     }
 
     /// A standard L2 entry's word in a mapped memo row: its host cluster when it is plain
@@ -1190,6 +1215,27 @@ impl<D: BlockDevice> Qcow2<D> {
             || ((host >> bits)..=((host + len - 1) >> bits)).any(|c| sh.is_meta_cluster(c))
         {
             return not_in_place;
+        }
+        // Later overwrites through this copy find it in the memo, under the same count of
+        // removals (`memo_overwrite`), in a few compares.
+        let stamp = (epoch, summary.removals);
+        let coverage = self.geo.slice_coverage();
+        match summary.linear.host(0, bits) {
+            Some(first)
+                if first
+                    .checked_add(coverage)
+                    .is_some_and(|e| e <= ctx.device_size) =>
+            {
+                let meta_gen = self.slice_clear_of_metadata(first, coverage);
+                self.memo.remember(key, first, stamp, meta_gen);
+            }
+            None if !self.geo.extended_l2 => {
+                let meta_gen = sh.meta_gen();
+                if self.memo.takes_mapped(key, epoch, meta_gen) {
+                    self.remember_mapped(key, stamp, meta_gen, cache.block(hit.way));
+                }
+            }
+            _ => {}
         }
         cache.touch_fresh(hit);
         KeptCopy::Host(host)

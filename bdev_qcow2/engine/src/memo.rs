@@ -54,6 +54,8 @@ pub struct SliceMemo {
     /// Attempts to remember a mapped slice in a slot another slice holds.
     conflicts: Cell<u32>,
     hits: Cell<u64>,
+    /// Overwrites answered through a copy older than the slot's epoch.
+    kept: Cell<u64>,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -62,6 +64,10 @@ struct MemoSlot {
     /// A linear slice's first host offset, or [`MAPPED`].
     host: u64,
     epoch: u32,
+    /// The slot's count of removals the slice's copy was taken under (ARCHITECTURE.md §6):
+    /// on a writable core replica an overwrite may use it while the count holds, even
+    /// when the epoch moved on (additions only).
+    removals: u32,
     /// On a writable core replica: the metadata bitmap's generation under which no host
     /// cluster the slot answers for was metadata (`Shared::meta_range_clear`);
     /// [`MEMO_NO_META_GEN`] otherwise.
@@ -72,6 +78,7 @@ const MEMO_EMPTY: MemoSlot = MemoSlot {
     key: EMPTY_KEY,
     host: 0,
     epoch: 0,
+    removals: 0,
     meta_gen: MEMO_NO_META_GEN,
 };
 
@@ -88,6 +95,7 @@ impl SliceMemo {
             map: OnceCell::new(),
             conflicts: Cell::new(0),
             hits: Cell::new(0),
+            kept: Cell::new(0),
         }
     }
 
@@ -119,19 +127,30 @@ impl SliceMemo {
         self.lookup(key, epoch, None, within, len)
     }
 
-    /// For an in-place write on a core replica: [`extent`](Self::extent), when also no
+    /// For an in-place write on a writable core replica: where the memo answers for the
+    /// range while the slot's count of removals is still `removals` (the epoch may have
+    /// moved by additions only: what the copy shows as COPIED data still is, §6) and no
     /// cluster the slot answers for was metadata under metadata generation `meta_gen` (the
-    /// current one).
+    /// current one). `epoch`: the slot's current one, to count the answers through an
+    /// older copy ([`kept`](Self::kept)).
     #[inline(always)]
     pub fn extent_overwrite(
         &self,
         key: u64,
-        epoch: u32,
+        (epoch, removals): (u32, u32),
         meta_gen: u64,
         within: u64,
         len: u64,
     ) -> Option<u64> {
-        self.lookup(key, epoch, Some(meta_gen), within, len)
+        let s = self.slot(key).get();
+        if s.key != key || s.removals != removals || s.meta_gen != meta_gen {
+            return None;
+        }
+        let host = self.answer(key, s, within, len)?;
+        if s.epoch != epoch {
+            self.kept.set(self.kept.get() + 1);
+        }
+        Some(host)
     }
 
     #[inline(always)]
@@ -147,6 +166,12 @@ impl SliceMemo {
         if s.key != key || s.epoch != epoch || meta_gen.is_some_and(|g| g != s.meta_gen) {
             return None;
         }
+        self.answer(key, s, within, len)
+    }
+
+    /// Slot `s` (holding `key`, checked)'s answer for the range at `within`.
+    #[inline(always)]
+    fn answer(&self, key: u64, s: MemoSlot, within: u64, len: u64) -> Option<u64> {
         let host = if s.host != MAPPED {
             s.host + within
         } else {
@@ -170,14 +195,16 @@ impl SliceMemo {
         (h != 0).then(|| (u64::from(h) << bits) + in_cluster)
     }
 
-    /// Remembers that linear slice `key`, read under `epoch`, starts at `host`; `meta_gen`:
-    /// the metadata generation under which none of its clusters was metadata (a writable
-    /// core replica), else [`MEMO_NO_META_GEN`].
-    pub fn remember(&self, key: u64, host: u64, epoch: u32, meta_gen: u64) {
+    /// Remembers that linear slice `key`, read under `epoch` and `removals` (the slot's
+    /// count when the copy was taken), starts at `host`; `meta_gen`: the metadata
+    /// generation under which none of its clusters was metadata (a writable core replica),
+    /// else [`MEMO_NO_META_GEN`].
+    pub fn remember(&self, key: u64, host: u64, (epoch, removals): (u32, u32), meta_gen: u64) {
         self.slot(key).set(MemoSlot {
             key,
             host,
             epoch,
+            removals,
             meta_gen,
         });
     }
@@ -200,13 +227,13 @@ impl SliceMemo {
         n.is_multiple_of(MAPPED_EVICT_EVERY)
     }
 
-    /// Remembers slice `key`, read under `epoch`, as mapped: `hosts` gives the host cluster
+    /// Remembers slice `key`, read under `epoch` and `removals`, as mapped: `hosts` gives the host cluster
     /// of each entry in order (0: the memo does not answer for it; at most as many as a
     /// slice has entries, the rest 0); `meta_gen` as for [`remember`](Self::remember).
     pub fn remember_mapped(
         &self,
         key: u64,
-        epoch: u32,
+        (epoch, removals): (u32, u32),
         meta_gen: u64,
         hosts: impl Iterator<Item = u32>,
     ) {
@@ -227,6 +254,7 @@ impl SliceMemo {
             key,
             host: MAPPED,
             epoch,
+            removals,
             meta_gen,
         });
     }
@@ -270,6 +298,11 @@ impl SliceMemo {
     pub fn hits(&self) -> u64 {
         self.hits.get()
     }
+
+    /// Overwrites it answered through a copy older than the slot's epoch (additions since).
+    pub fn kept(&self) -> u64 {
+        self.kept.get()
+    }
 }
 
 #[cfg(test)]
@@ -283,7 +316,7 @@ mod tests {
         assert_eq!(SliceMemo::new(usize::MAX, 8, 16).slots(), MEMO_MAX_SLOTS);
         let m = SliceMemo::new(16, 8, 16);
         assert_eq!(m.extent(3, 0, 0, 512), None);
-        m.remember(3, 1 << 20, 4, 9);
+        m.remember(3, 1 << 20, (4, 2), 9);
         assert_eq!(m.extent(3, 4, 0, 512), Some(1 << 20));
         assert_eq!(m.extent(3, 4, 70_000, 512), Some((1 << 20) + 70_000));
         assert_eq!(m.extent(3, 5, 0, 512), None, "another epoch");
@@ -292,20 +325,28 @@ mod tests {
             None,
             "another key in the same slot"
         );
-        assert_eq!(m.extent_overwrite(3, 4, 9, 0, 512), Some(1 << 20));
+        // An overwrite goes by the count of removals (2) alone: the epoch moves with
+        // every addition (ARCHITECTURE.md §6).
+        assert_eq!(m.extent_overwrite(3, (5, 2), 9, 0, 512), Some(1 << 20));
+        assert_eq!(m.kept(), 1, "through an older copy");
         assert_eq!(
-            m.extent_overwrite(3, 4, 10, 0, 512),
+            m.extent_overwrite(3, (7, 3), 9, 0, 512),
+            None,
+            "a removal since"
+        );
+        assert_eq!(
+            m.extent_overwrite(3, (4, 2), 10, 0, 512),
             None,
             "metadata marked since"
         );
         assert_eq!(m.hits(), 3);
         // A slot holds one key: the later one wins; forgetting another key leaves it.
-        m.remember(19, 2 << 20, 4, MEMO_NO_META_GEN);
+        m.remember(19, 2 << 20, (4, 0), MEMO_NO_META_GEN);
         assert_eq!(m.extent(3, 4, 0, 512), None);
         m.forget(3);
         assert_eq!(m.extent(19, 4, 0, 512), Some(2 << 20));
         assert_eq!(
-            m.extent_overwrite(19, 4, 9, 0, 512),
+            m.extent_overwrite(19, (4, 0), 9, 0, 512),
             None,
             "not known clear of metadata"
         );
@@ -318,7 +359,7 @@ mod tests {
         // 8 entries of 64 KiB clusters; entry 2 has no host cluster the memo answers for.
         let m = SliceMemo::new(4, 8, 16);
         let hosts = [7u32, 3, 0, 12, 5, 6, 9, 8];
-        m.remember_mapped(1, 6, 11, hosts.into_iter());
+        m.remember_mapped(1, (6, 1), 11, hosts.into_iter());
         let c = 1u64 << 16;
         assert_eq!(m.extent(1, 6, 0, 4096), Some(7 * c));
         assert_eq!(m.extent(1, 6, c + 512, 512), Some(3 * c + 512));
@@ -326,13 +367,24 @@ mod tests {
         assert_eq!(m.extent(1, 6, 2 * c, 512), None, "no host cluster");
         assert_eq!(m.extent(1, 6, c - 512, 1024), None, "across two clusters");
         assert_eq!(m.extent(1, 8, 0, 512), None, "another epoch");
-        assert_eq!(m.extent_overwrite(1, 6, 11, 4 * c, 4096), Some(5 * c));
-        assert_eq!(m.extent_overwrite(1, 6, 12, 4 * c, 4096), None);
+        assert_eq!(m.extent_overwrite(1, (6, 1), 11, 4 * c, 4096), Some(5 * c));
+        assert_eq!(m.kept(), 0, "the current copy");
+        assert_eq!(
+            m.extent_overwrite(1, (6, 1), 11, 2 * c, 512),
+            None,
+            "no host cluster"
+        );
+        assert_eq!(
+            m.extent_overwrite(1, (8, 2), 11, 4 * c, 4096),
+            None,
+            "a removal"
+        );
+        assert_eq!(m.extent_overwrite(1, (6, 1), 12, 4 * c, 4096), None);
         // A linear slice in the same slot replaces it, and a mapped one the linear one.
-        m.remember(5, 1 << 30, 6, MEMO_NO_META_GEN);
+        m.remember(5, 1 << 30, (6, 0), MEMO_NO_META_GEN);
         assert_eq!(m.extent(1, 6, 0, 512), None);
         assert_eq!(m.extent(5, 6, c, 512), Some((1 << 30) + c));
-        m.remember_mapped(5, 6, MEMO_NO_META_GEN, [1u32, 2].into_iter());
+        m.remember_mapped(5, (6, 0), MEMO_NO_META_GEN, [1u32, 2].into_iter());
         assert_eq!(m.extent(5, 6, c, 512), Some(2 * c));
         assert_eq!(m.extent(5, 6, 2 * c, 512), None, "rows are padded with 0");
         m.forget(5);
@@ -343,7 +395,7 @@ mod tests {
     fn a_changed_entry_patches_a_mapped_row_and_drops_a_linear_slot() {
         let m = SliceMemo::new(4, 8, 16);
         let c = 1u64 << 16;
-        m.remember_mapped(1, 6, MEMO_NO_META_GEN, [7u32, 0, 9].into_iter());
+        m.remember_mapped(1, (6, 0), MEMO_NO_META_GEN, [7u32, 0, 9].into_iter());
         // An allocation: the entry gains a host; a discard: it loses it.
         m.patch_mapped(1, 1, 4);
         assert_eq!(m.extent(1, 6, c + 512, 512), Some(4 * c + 512));
@@ -356,7 +408,7 @@ mod tests {
         m.patch_mapped(1, 8, 3);
         assert_eq!(m.extent(1, 6, 2 * c, 512), None, "forgotten");
         // A linear slice's start no longer tells where a changed entry lies.
-        m.remember(2, 1 << 30, 6, MEMO_NO_META_GEN);
+        m.remember(2, 1 << 30, (6, 0), MEMO_NO_META_GEN);
         m.patch_mapped(2, 3, 12);
         assert_eq!(m.extent(2, 6, 0, 512), None);
     }
@@ -365,7 +417,7 @@ mod tests {
     fn a_held_slot_gives_way_to_mapped_slices_rarely() {
         let m = SliceMemo::new(1, 4, 16);
         assert!(m.takes_mapped(1, 0, 5), "empty");
-        m.remember_mapped(1, 0, 5, [1u32].into_iter());
+        m.remember_mapped(1, (0, 0), 5, [1u32].into_iter());
         assert!(!m.takes_mapped(1, 0, 5), "held already");
         assert!(m.takes_mapped(1, 2, 5), "held under an older epoch");
         assert!(

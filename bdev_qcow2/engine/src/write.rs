@@ -42,6 +42,15 @@ enum Action {
     },
 }
 
+impl Action {
+    /// A cluster a first write takes with its group (`OpenOptions::alloc_granule`) but does
+    /// not write: unallocated, reading zeros, as its fresh new cluster does.
+    const UNWRITTEN: Action = Action::Alloc {
+        bitmap: SubclusterBitmap::NONE,
+        old: ClusterMapping::Unallocated { host: None },
+    };
+}
+
 /// One guest cluster of a write.
 #[derive(Debug, Clone, Copy)]
 struct Part {
@@ -640,6 +649,48 @@ impl<D: BlockDevice> Chain<D> {
         r
     }
 
+    /// The aligned group of guest clusters `(first, count)` that a first write of guest
+    /// clusters `g..g + n` (`parts`, every one unallocated) takes at once under
+    /// `OpenOptions::alloc_granule`: when the group is larger than the write, lies in its
+    /// slice and in the disk, and its other clusters are unallocated (no backing file: they
+    /// read as zeros, as the fresh clusters taken for them do) with no allocation in flight.
+    fn granule_run(&self, q: &Owner<'_, D>, parts: &[Part], g: u64, n: u64) -> Option<(u64, u64)> {
+        let per = q.meta().granule_clusters();
+        let geo = q.geometry();
+        if per <= 1 || geo.extended_l2 || self.layers().len() > 1 || parts.len() as u64 != n {
+            return None;
+        }
+        let unwritten = |p: &Part| {
+            matches!(
+                p.action,
+                Action::Alloc {
+                    old: ClusterMapping::Unallocated { host: None },
+                    ..
+                }
+            )
+        };
+        if !parts.iter().all(unwritten) {
+            return None;
+        }
+        let bits = geo.cluster_bits;
+        let g0 = g & !(per - 1);
+        let end = (g + n)
+            .next_multiple_of(per)
+            .min(q.size().div_ceil(geo.cluster_size()));
+        let slice = |c: u64| geo.slice_id(GuestOffset(c << bits));
+        if end <= g0 + n || slice(g0) != slice(end - 1) || !q.next_run_fresh(end - g0) {
+            return None;
+        }
+        if q.meta().inflight_any(g0, end - 1) {
+            return None;
+        }
+        let others_unallocated = (g0..g).chain(g + n..end).all(|c| {
+            q.l2_words_now(GuestOffset(c << bits))
+                .is_some_and(|(e, _)| e.0 == 0)
+        });
+        others_unallocated.then_some((g0, end - g0))
+    }
+
     /// [`plan`](Self::plan) on the spot, for a write of guest bytes `[start, end)` inside
     /// one L2 slice that changes metadata (allocation, an extended-L2 bitmap, a zero flag),
     /// when everything it needs is in memory: the metadata lock free (no plan, commit or
@@ -704,11 +755,41 @@ impl<D: BlockDevice> Chain<D> {
             pos = b;
         }
         let mut allocs = Allocs::new();
-        if let Some((_, n)) = allocating {
-            let Some(run) = q.alloc_clusters_now(n)? else {
-                return Ok(None);
+        let (mut first, mut last) = (first, last);
+        if let Some((g, n)) = allocating {
+            let granule = self.granule_run(q, &parts, g, n);
+            let run = match granule {
+                Some((_, n0)) => q.alloc_clusters_now(n0)?,
+                None => None,
             };
-            allocs.push(run);
+            match (granule, run) {
+                (Some((g0, n0)), Some(run)) => {
+                    // The other clusters of the group join the plan as first writes of
+                    // nothing: their entries map the run, and fresh clusters read zeros.
+                    let cs_bits = geo.cluster_bits;
+                    let mut all = Parts::new();
+                    let mut own = parts.iter().peekable();
+                    for c in g0..g0 + n0 {
+                        match own.next_if(|p| geo.guest_cluster(p.cluster) == c) {
+                            Some(p) => all.push(*p),
+                            None => {
+                                let at = c << cs_bits;
+                                all.push(Part::new(at, at, at, Action::UNWRITTEN));
+                            }
+                        }
+                    }
+                    parts = all;
+                    (first, last) = (g0, g0 + n0 - 1);
+                    allocs.push(run);
+                    m.st_mut().stats.clusters_taken_ahead += n0 - n;
+                }
+                _ => {
+                    let Some(run) = q.alloc_clusters_now(n)? else {
+                        return Ok(None);
+                    };
+                    allocs.push(run);
+                }
+            }
         }
         let mut st = m.st_mut();
         st.alloc.inflight_mut().mark(first, last);
@@ -740,6 +821,10 @@ impl<D: BlockDevice> Chain<D> {
                 let mut next = None;
                 for p in &parts {
                     let (h, span) = self.part_range(q, p, &allocs, &mut alloc_i);
+                    if span.len() == 0 {
+                        // A cluster of the group that this write leaves alone.
+                        continue;
+                    }
                     let host_off = h.plus(span.start());
                     one_run &= span == p.written && next.is_none_or(|n| n == host_off);
                     host_start.get_or_insert(host_off);
@@ -931,6 +1016,10 @@ impl<D: BlockDevice> Chain<D> {
             let host_off = host.plus(span.start());
             let len = span.len();
             let guest_at = p.guest(w.start());
+            if len == 0 {
+                // A cluster of the group taken ahead that reads zeros as it is.
+                continue;
+            }
             if span == w {
                 // Guest data only: extend or start a direct run.
                 match &mut run {

@@ -199,6 +199,24 @@ fn image(q: &Chain<Channel>) -> &Qcow2<Channel> {
 
 impl Rig {
     fn new(seed: u64, cores: usize, lazy: bool, max_latency: u64) -> Rig {
+        Rig::with_granule(
+            seed,
+            cores,
+            lazy,
+            max_latency,
+            OpenOptions::default().alloc_granule,
+        )
+    }
+
+    /// A rig whose owner takes `alloc_granule` bytes per first write
+    /// (`OpenOptions::alloc_granule`; 0: one cluster, for a layout a test lays out itself).
+    fn with_granule(
+        seed: u64,
+        cores: usize,
+        lazy: bool,
+        max_latency: u64,
+        alloc_granule: u64,
+    ) -> Rig {
         let disk = Rc::new(RefCell::new(Vec::new()));
         let dev_rng = Rc::new(RefCell::new(Rng::new(seed ^ 0x5eed)));
         let channel = |lat: u64| Channel {
@@ -228,6 +246,7 @@ impl Rig {
             writable: true,
             l2_slice_bytes: 512,
             l2_cache_bytes: Some(4 << 10),
+            alloc_granule,
             ..Default::default()
         };
         let mut owner = owner_exec
@@ -882,8 +901,9 @@ fn core_keeps_overwrites_through_older_copies_until_a_removal() {
     // ARCHITECTURE.md §6: a core overwrites in place through a copy of its slice older than
     // the epoch while the owner only added mappings since; a removal anywhere in the slot
     // (discard, write-zeroes) ends that, also for clusters it did not touch; a copy many
-    // changes behind is fetched again rather than sending the write to the owner.
-    let mut rig = Rig::new(11, 1, false, 1);
+    // changes behind is fetched again rather than sending the write to the owner. (One
+    // cluster per first write, so that the allocations below are the test's own.)
+    let mut rig = Rig::with_granule(11, 1, false, 1, 0);
     let cs = 4096u64;
     write_sync(&mut rig, 1, 0, 41, 4 * cs);
     flush_sync(&mut rig, 2);
@@ -1167,7 +1187,7 @@ fn core_direct_path_drops_a_remembered_linear_slice_the_owner_changed() {
 /// across two clusters, or into one without a host cluster, is the slice cache's.
 #[test]
 fn core_direct_path_maps_non_linear_slices_from_the_memo_until_they_change() {
-    let mut rig = Rig::new(12, 1, false, 1);
+    let mut rig = Rig::with_granule(12, 1, false, 1, 0);
     let cs = 4096u64;
     // 512-byte slices: 64 entries. Written last to first: every cluster of slice 0 lies
     // before the one it follows in the guest, so the slice is not linear.

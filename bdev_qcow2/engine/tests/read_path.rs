@@ -1214,17 +1214,46 @@ fn a_failed_background_writeback_waits_and_leaves_the_metadata_for_the_flush() {
 /// the image qemu-img checks clean holds exactly what was written.
 #[test]
 fn first_writes_planned_on_the_spot_land_where_qemu_reads_them() {
-    first_writes_planned_on_the_spot("cluster_size=4096", 512);
+    // One cluster per first write (no clusters taken ahead).
+    first_writes_planned_on_the_spot("cluster_size=4096", 0, 512);
     // 2 KiB subclusters: most writes set bits in the bitmap of a cluster allocated already
     // (in place, planned on the spot too); writes of 512 bytes inside a subcluster that
     // reads as zeros write all of it.
-    first_writes_planned_on_the_spot("cluster_size=65536,extended_l2=on", 512);
+    first_writes_planned_on_the_spot(
+        "cluster_size=65536,extended_l2=on",
+        OpenOptions::default().alloc_granule,
+        512,
+    );
 }
 
-fn first_writes_planned_on_the_spot(opts: &str, at_least: u64) {
+/// With clusters taken ahead (`alloc_granule`, 16 clusters of 4 KiB here), the first write
+/// into a group takes all of it unless another write into the group is in flight (then
+/// it takes its own cluster): fewer writes are planned, many overwrite in place, and the
+/// clusters taken and left unwritten read as zeros (the image qemu-img checks clean
+/// compares equal to the model).
+#[test]
+fn first_writes_take_their_group_ahead_and_the_rest_read_zeros() {
+    let st = first_writes_planned_on_the_spot("cluster_size=4096", 64 << 10, 16);
+    assert!(st.writes_planned_now < 400, "{st:?}");
+    assert!(st.clusters_taken_ahead >= 512, "{st:?}");
+}
+
+fn first_writes_planned_on_the_spot(
+    opts: &str,
+    granule: u64,
+    at_least: u64,
+) -> qcow2_engine::meta::OwnerStats {
     let dir = tempfile::tempdir().unwrap();
     let (img, mut raw) = make_image(dir.path(), opts, "8M", &[]);
-    let (exec, dev, chain) = open_writable(img);
+    let (exec, dev, chain) = open(
+        img,
+        OpenOptions {
+            writable: true,
+            alloc_granule: granule,
+            ..OpenOptions::default()
+        },
+    );
+    let chain = chain.unwrap();
     let inflight = RefCell::new(std::collections::HashMap::new());
     let tag = std::cell::Cell::new(0u64);
     let submit = |off: u64, len: usize, byte: u8, raw: &mut Vec<u8>| {
@@ -1278,6 +1307,7 @@ fn first_writes_planned_on_the_spot(opts: &str, at_least: u64) {
     );
     wait_for(&exec, |t| chain.submit_flush(t)).unwrap();
     check_and_compare(dir.path(), &dev, &raw);
+    owner_stats(&chain)
 }
 
 /// A first write that comes while a flush writes metadata back (holding the metadata lock,

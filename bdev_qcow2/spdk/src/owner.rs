@@ -221,6 +221,7 @@ impl Owner {
                 serde_json::json!({
                     "clusters_allocated": s.clusters_allocated,
                     "writes_planned_now": s.writes_planned_now,
+                    "clusters_taken_ahead": s.clusters_taken_ahead,
                     "l2_slices_written": s.l2_slices_written,
                     "writebacks": s.writebacks,
                     "zeroed_tail_raises": s.zeroed_tail_raises,

@@ -58,6 +58,12 @@ pub struct CreateParams {
     /// first writes get slower (scattered over the base instead of appended).
     #[serde(default, skip_serializing_if = "is_false")]
     pub ordered_layout: bool,
+    /// Bytes a first write into an image without a backing file takes at once when the
+    /// base reads zeros there (a zeroed tail): the aligned group of unallocated clusters
+    /// around it, so later first writes into the group are overwrites (default 65536; at
+    /// most the cluster size, e.g. 0: one cluster per first write, as QEMU does).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub alloc_granule: Option<u64>,
     /// Leave the rest of a new cluster that a first write covers only partly (16 KiB or
     /// more of it) to the base's WRITE_ZEROES, as QEMU does, rather than write the whole
     /// cluster from a zeroed buffer. Default: on where the base is an NVMe bdev, whose
@@ -94,6 +100,11 @@ impl CreateParams {
         if let Some(c) = self.l2_cache_size {
             if c > 4 << 30 {
                 return Err(format!("l2_cache_size {c}: at most 4 GiB"));
+            }
+        }
+        if let Some(g) = self.alloc_granule {
+            if g > 2 << 20 {
+                return Err(format!("alloc_granule {g}: at most 2 MiB"));
             }
         }
         if let Some(r) = self.prefetch_ring_size {
@@ -134,6 +145,7 @@ impl CreateParams {
             l2_slice_bytes: self.l2_slice_size.unwrap_or(d.l2_slice_bytes),
             cache_ways: self.cache_ways.unwrap_or(d.cache_ways),
             ordered_layout: self.ordered_layout,
+            alloc_granule: self.alloc_granule.unwrap_or(d.alloc_granule),
             ..d
         }
     }
@@ -311,13 +323,14 @@ mod tests {
             r#"{"name":"q0","base_bdev":"aio0"}"#
         );
         let p: CreateParams = serde_json::from_str(
-            r#"{"name":"q0","base_bdev":"aio0","backing_bdev":"b","read_only":true,"l2_cache_size":65536,"l2_slice_size":512,"cache_ways":4,"prefetch":true,"prefetch_ring_size":8388608,"prefetch_max_window":2097152,"ordered_layout":true,"zero_offload":false}"#,
+            r#"{"name":"q0","base_bdev":"aio0","backing_bdev":"b","read_only":true,"l2_cache_size":65536,"l2_slice_size":512,"cache_ways":4,"prefetch":true,"prefetch_ring_size":8388608,"prefetch_max_window":2097152,"ordered_layout":true,"alloc_granule":0,"zero_offload":false}"#,
         )
         .unwrap();
         let back: CreateParams = serde_json::from_str(&serde_json::to_string(&p).unwrap()).unwrap();
         assert_eq!(back, p);
         assert!(p.validate().is_ok());
         assert!(p.open_options().ordered_layout);
+        assert_eq!(p.open_options().alloc_granule, 0);
         assert_eq!(
             p.ring_config(),
             Some(RingConfig {

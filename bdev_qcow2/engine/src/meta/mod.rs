@@ -79,6 +79,8 @@ pub struct Meta<D: BlockDevice> {
     st: RefCell<MetaState>,
     /// `OpenOptions::ordered_layout`.
     ordered_layout: bool,
+    /// `OpenOptions::alloc_granule` in clusters (a power of two, 1: off).
+    granule_clusters: u64,
 }
 
 impl<D: BlockDevice> Meta<D> {
@@ -90,8 +92,10 @@ impl<D: BlockDevice> Meta<D> {
         c0: &[u8],
         device_size: u64,
         ordered_layout: bool,
+        alloc_granule: u64,
     ) -> Self {
         let cs = header.cluster_size();
+        let granule_clusters = (alloc_granule / cs).max(1).next_power_of_two();
         let end = device_size.div_ceil(cs);
         // Past a zeroed tail (in the first sector, where we keep it), clusters read as zeros
         // from the start.
@@ -101,6 +105,7 @@ impl<D: BlockDevice> Meta<D> {
             lock: AsyncLock::new(exec),
             inflight_wait: WaitQueue::new(exec),
             ordered_layout,
+            granule_clusters,
             st: RefCell::new(MetaState {
                 dirty: Default::default(),
                 alloc: alloc::AllocState::new(fresh_from),
@@ -153,6 +158,10 @@ impl<D: BlockDevice> Meta<D> {
     /// `OpenOptions::ordered_layout`.
     pub(crate) fn ordered_layout(&self) -> bool {
         self.ordered_layout
+    }
+    /// `OpenOptions::alloc_granule`, in clusters (1: each first write takes its own).
+    pub(crate) fn granule_clusters(&self) -> u64 {
+        self.granule_clusters
     }
     /// The counters.
     pub(crate) fn stats(&self) -> OwnerStats {

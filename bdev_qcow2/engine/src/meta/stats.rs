@@ -11,6 +11,9 @@ pub struct OwnerStats {
     /// planned on the spot, without a planning task (their metadata was in memory and the
     /// metadata lock free).
     pub writes_planned_now: u64,
+    /// Clusters first writes took with their group and left unwritten, reading zeros
+    /// (`OpenOptions::alloc_granule`).
+    pub clusters_taken_ahead: u64,
     /// L2 slices written back to the device.
     pub l2_slices_written: u64,
     /// Metadata write-back passes (refcounts, flush, L2 slices, L1; on FLUSH, on close

@@ -43,6 +43,12 @@ pub struct ImageArgs {
     /// file, which grows as clusters are appended.
     #[arg(long)]
     pub ordered_layout: bool,
+    /// Bytes a first write into an image without a backing file takes at once where the
+    /// clusters read as zeros (past a growing file's end, or a zeroed tail): the aligned
+    /// group of unallocated clusters around it, so later first writes into the group are
+    /// overwrites. 0 (or at most the cluster size): one cluster per first write, as QEMU.
+    #[arg(long, value_parser = crate::parse_size, default_value = "64K")]
+    pub alloc_granule: u64,
     /// The image.
     pub image: PathBuf,
 }
@@ -80,6 +86,7 @@ impl ImageArgs {
                 l2_slice_bytes: self.l2_slice_size,
                 cache_ways: self.cache_ways,
                 ordered_layout: self.ordered_layout,
+                alloc_granule: self.alloc_granule,
                 ..OpenOptions::default()
             },
             queue_depth: 64,

@@ -157,6 +157,20 @@ impl<D: BlockDevice> Owner<'_, D> {
         self.allocated(start, n).map(Some)
     }
 
+    /// Whether [`alloc_clusters_now`](Self::alloc_clusters_now) of `n` clusters would take
+    /// fresh ones (they read as zeros without being written) that the device holds or
+    /// grows to hold: what a first write needs to take more clusters than it writes
+    /// (`OpenOptions::alloc_granule`).
+    pub(crate) fn next_run_fresh(&self, n: u64) -> bool {
+        let st = self.meta().st();
+        let hint = st.alloc.hint().max(1);
+        if hint < st.alloc.fresh_from() || st.alloc.has_regions() {
+            return false;
+        }
+        let end = (hint + NOW_SCAN + n) << self.geo.cluster_bits;
+        end <= self.device_size.get() || self.exec.with_device(self.dev, |d| d.can_grow())
+    }
+
     /// The bookkeeping of clusters `start..start + count` just taken: device size first
     /// (a device that cannot hold them fails the allocation, and their refcounts go back
     /// to 0: nothing is taken), then allocation hint, counters, freshness. Returns what
