@@ -821,7 +821,7 @@ impl<D: BlockDevice> Chain<D> {
                 let mut next = None;
                 for p in &parts {
                     let (h, span) = self.part_range(q, p, &allocs, &mut alloc_i);
-                    if span.len() == 0 {
+                    if span.is_empty() {
                         // A cluster of the group that this write leaves alone.
                         continue;
                     }
