@@ -36,14 +36,22 @@ done
 
 cargo build --release -q -p bdev_qcow2
 SO=${BDEV_QCOW2_SO:-$PWD/target/release/libbdev_qcow2.so}
+# A BENCH_DIR given is kept, with its images: a later run reuses those it holds (build them
+# outside the SPDK lock with `tests/aged_layouts.py DIR SIZE_MIB LAYOUT...`).
 DIR=${BENCH_DIR:-$(mktemp -d -p /dev/shm)}
 mkdir -p "$DIR"
-trap 'kill "${ZPID:-}" 2>/dev/null || true; rm -rf "$DIR"' EXIT
+if [ -n "${BENCH_DIR:-}" ]; then
+  trap 'kill "${ZPID:-}" 2>/dev/null || true; rm -f "$DIR"/work.* "$DIR"/cg.*' EXIT
+else
+  trap 'kill "${ZPID:-}" 2>/dev/null || true; rm -rf "$DIR"' EXIT
+fi
 LAYOUTS=${LAYOUTS:-linear random4k writers2 writers4 convert rewrite}
 BDEVPERF_PY=${BDEVPERF_PY:-/opt/spdk-src/examples/bdev/bdevperf/bdevperf.py}
 
+missing=
+for l in $LAYOUTS; do [ -f "$DIR/$l.qcow2" ] || missing="$missing $l"; done
 # shellcheck disable=SC2086
-python3 tests/aged_layouts.py "$DIR" "${SIZE_MIB:-1024}" $LAYOUTS
+[ -z "$missing" ] || python3 tests/aged_layouts.py "$DIR" "${SIZE_MIB:-1024}" $missing
 
 # config FILE IMAGE RAW: qcow2 bdev "q" on an AIO bdev over IMAGE, passthru "p" on one over RAW.
 config() {
