@@ -19,6 +19,7 @@
 #   SKIP_INSTR=1 PAIRS=10 PAIR_SECS=1 tests/aged_bench.sh
 #   SIZE_MIB=1024 BENCH_DIR=/dev/shm/aged tests/aged_bench.sh
 #   BASELINE_SO=/tmp/main.so tests/aged_bench.sh     # counts also with another build
+#   Q_ARGS=--no-prefetch SKIP_INSTR=1 tests/aged_bench.sh  # more bdev_qcow2_create options
 #
 # Needs an installed SPDK (bdevperf, pkg-config spdk_bdev), qemu-img and qemu-io, and for
 # the counts valgrind; prints SKIPPED and exits 0 without them. Run it alone on the machine
@@ -136,7 +137,8 @@ zrpc() {
   PYTHONPATH=$PWD/configs/rpc_plugin timeout 60 /usr/bin/python3 \
     "${RPC_PY:-/opt/spdk-src/scripts/rpc.py}" -s "$DIR/z.sock" --plugin bdev_qcow2_rpc "$@" >/dev/null
 }
-use_q() { [ "$XNOW" = q ] && return; drop_x; zrpc bdev_qcow2_create -b X --base-bdev a0; XNOW=q; }
+# shellcheck disable=SC2086
+use_q() { [ "$XNOW" = q ] && return; drop_x; zrpc bdev_qcow2_create -b X --base-bdev a0 ${Q_ARGS:-}; XNOW=q; }
 use_p() { [ "$XNOW" = p ] && return; drop_x; zrpc bdev_passthru_create -b a1 -p X; XNOW=p; }
 drop_x() {
   case "$XNOW" in q) zrpc bdev_qcow2_delete X ;; p) zrpc bdev_passthru_delete X ;; esac
