@@ -13,6 +13,8 @@
 #                                                # a fresh image being filled (first writes,
 #                                                # and overwrites while the owner holds the
 #                                                # slices dirty); CLUSTER: its cluster size
+#   KEEP=/tmp/cg tests/spdk_instr.sh             # keeps each run's callgrind output there
+#                                                # (q-randwrite-512.out, ...) for callgrind_annotate
 #
 # With FILL ("WORKLOAD IOSIZE SECONDS"), our image is not preallocated but filled in the
 # guest's own order first (e.g. random 4 KiB writes, QD32), then front to back for what
@@ -78,6 +80,7 @@ count() {
   cycle=$(callgrind_annotate --auto=no --inclusive=yes --threshold=100 "$DIR/$kind.out" 2>/dev/null |
     grep -E "(accel_sw\.c:accel_comp_poll|bdev_qcow2::ffi::thread::run_poller|ffi::thread::Polled>::finish) " |
     awk '{gsub(",", "", $1); if ($0 ~ /Polled>::finish/) s -= $1; else s += $1} END {print s}')
+  [ -z "${KEEP:-}" ] || { mkdir -p "$KEEP" && cp "$DIR/$kind.out" "$KEEP/$kind-$w-$o.out"; }
   awk -v c="$cycle" -v n="$n" 'BEGIN {printf "%.0f", c / n}'
 }
 

@@ -148,6 +148,16 @@ impl<D: BlockDevice> Chain<D> {
         &self.layers[..self.depth.get()]
     }
 
+    /// The top image, when it is a qcow2 image: `layers[0]` whatever the depth (never 0),
+    /// without the slice of [`layers`](Self::layers) (a request's route asks it first).
+    #[inline(always)]
+    pub(crate) fn top_qcow2(&self) -> Option<&Qcow2<D>> {
+        match self.layers.first() {
+            Some(Layer::Qcow2(q)) => Some(q),
+            _ => None,
+        }
+    }
+
     /// Stops reading through the backing layers: the top image no longer names a backing
     /// file (a stream dropped it, ARCHITECTURE.md §13), or every cluster a backing layer
     /// could show is in the top image. Requests resolved from now on never reach a backing

@@ -73,7 +73,7 @@ impl<D: BlockDevice> Chain<D> {
         // Before resolving anything: a cluster freed meanwhile is not reused until the
         // request is over (shared images; see `coherency::Grace`).
         let parity = self.exec().guest_enter();
-        if let Some(Layer::Qcow2(q)) = self.layers().first() {
+        if let Some(q) = self.top_qcow2() {
             if let Some(host) = q.memo_extent(offset, len, false) {
                 let host = HostOffset(host);
                 return ReadRoute::Direct(Grant::new(q.dev(), host, range, parity, true));
@@ -124,7 +124,7 @@ impl<D: BlockDevice> Chain<D> {
             return WriteRoute::Engine;
         };
         let parity = self.exec().guest_enter();
-        if let Some(Layer::Qcow2(q)) = self.layers().first() {
+        if let Some(q) = self.top_qcow2() {
             if let Some(host) = q.memo_overwrite(offset, len) {
                 let host = HostOffset(host);
                 return WriteRoute::Direct(Grant::new(q.dev(), host, range, parity, true));

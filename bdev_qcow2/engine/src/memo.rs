@@ -13,8 +13,12 @@ pub const MEMO_NO_META_GEN: u64 = u64::MAX;
 /// Key of an empty slot.
 const EMPTY_KEY: u64 = u64::MAX;
 
-/// [`MemoSlot::host`] of a mapped slice: its clusters are in the slot's row of the map.
-const MAPPED: u64 = u64::MAX;
+/// Tag in [`MemoSlot::host`] of a mapped slice: its clusters are in the row of the map
+/// that starts at the low 32 bits (a linear slice's start on the device is below 2^63).
+const MAPPED: u64 = 1 << 63;
+
+/// A word of a mapped row that does not answer (no plain COPIED data the memo can map).
+const NO_WORD: i32 = i32::MIN;
 
 /// A mapped slice replaces a slot held by another slice only at every this-many-th
 /// attempt: building a map decodes a whole slice, which slices that share slots would
@@ -25,32 +29,37 @@ const MAPPED_EVICT_EVERY: u32 = 64;
 /// one slice, the epoch it was read under, and either
 /// - for a **linear** slice (see [`LinearSlice`](crate::format::entries::LinearSlice)):
 ///   where its clusters start on the device — a hit is one load and two compares;
-/// - for any other slice (**mapped**): a row of the memo's map, one `u32` per entry: the
-///   host cluster of each entry that is plain COPIED data inside the device (and, on a
-///   writable core replica, not metadata), 0 for the rest — a hit loads that word too.
+/// - for any other slice (**mapped**): a row of the memo's map, one word per entry: for
+///   an entry that is plain COPIED data inside the device (and, on a writable core
+///   replica, not metadata), its host cluster less its index in the slice, so that the
+///   host offset is the word times the cluster size plus the request's offset in the
+///   slice; [`NO_WORD`] for the rest — a hit loads that word too.
 ///
 /// Both answer a request that lies inside one slice (a mapped slice: inside one cluster
-/// whose word is not 0) where the set-associative look-up hashes the key, reads the slot,
+/// whose word answers) where the set-associative look-up hashes the key, reads the slot,
 /// the summary, the LRU clock and the entry, decodes it and writes the rank back. As many
-/// slots as the slice cache holds slices (a power of two, at most [`MEMO_MAX_SLOTS`]); the
-/// map is allocated the first time a mapped slice is remembered (4 bytes per entry of every
-/// slot: half what the slice cache takes for as many slices).
+/// slots in use as the slice cache holds slices (a power of two, at most
+/// [`MEMO_MAX_SLOTS`]; the table always has that many, so that finding a slot takes no
+/// bounds check); the map is allocated the first time a mapped slice is remembered
+/// (4 bytes per entry of every slot in use: half what the slice cache takes for as many
+/// slices).
 ///
 /// Its entries are copies, valid on their own: on a core replica the epoch check is the same
 /// one the slice cache makes (ARCHITECTURE.md §6), and the owner (whose epochs are fixed)
-/// forgets a slice whenever it changes or re-caches it (`Qcow2::set_l2_words`,
-/// `Qcow2::cache_slice`), and an entry leaves when its slice leaves the cache
-/// (`Qcow2::cache_slice`): the memo is a faster look-up of what the cache holds, never more.
+/// forgets a slice or patches its row whenever it changes or re-caches it
+/// (`Qcow2::set_l2_words`, `Qcow2::cache_slice`), and an entry leaves when its slice leaves
+/// the cache (`Qcow2::cache_slice`): the memo is a faster look-up of what the cache holds,
+/// never more.
 pub struct SliceMemo {
-    slots: Box<[Cell<MemoSlot>]>,
-    /// `slots.len() - 1`.
+    slots: Box<[Cell<MemoSlot>; MEMO_MAX_SLOTS]>,
+    /// Slots in use less one (below [`MEMO_MAX_SLOTS`]).
     mask: usize,
     /// Entries per slice: the length of a row of `map`.
     entries: usize,
     /// log2 of the cluster size.
     cluster_bits: u32,
-    /// One row of host cluster numbers per slot, for mapped slices.
-    map: OnceCell<Box<[Cell<u32>]>>,
+    /// One row of words per slot in use, for mapped slices.
+    map: OnceCell<Box<[Cell<i32>]>>,
     /// Attempts to remember a mapped slice in a slot another slice holds.
     conflicts: Cell<u32>,
     hits: Cell<u64>,
@@ -61,7 +70,7 @@ pub struct SliceMemo {
 #[derive(Clone, Copy, Debug)]
 struct MemoSlot {
     key: u64,
-    /// A linear slice's first host offset, or [`MAPPED`].
+    /// A linear slice's first host offset, or [`MAPPED`] with the start of its row.
     host: u64,
     epoch: u32,
     /// The slot's count of removals the slice's copy was taken under (ARCHITECTURE.md §6):
@@ -82,13 +91,23 @@ const MEMO_EMPTY: MemoSlot = MemoSlot {
     meta_gen: MEMO_NO_META_GEN,
 };
 
+/// The word of entry `index` whose host cluster is `host` (0: none the memo answers for);
+/// clusters from 2^31 on are not answered (the word is signed).
+#[inline]
+fn word(index: usize, host: u32) -> i32 {
+    match (i32::try_from(host), i32::try_from(index)) {
+        (Ok(h), Ok(i)) if h != 0 => h - i,
+        _ => NO_WORD,
+    }
+}
+
 impl SliceMemo {
     /// A memo of `slots` rounded up to a power of two, between 1 and [`MEMO_MAX_SLOTS`], for
     /// slices of `entries` entries of clusters of `1 << cluster_bits` bytes.
     pub fn new(slots: usize, entries: usize, cluster_bits: u32) -> Self {
         let n = slots.clamp(1, MEMO_MAX_SLOTS).next_power_of_two();
         SliceMemo {
-            slots: (0..n).map(|_| Cell::new(MEMO_EMPTY)).collect(),
+            slots: Box::new([const { Cell::new(MEMO_EMPTY) }; MEMO_MAX_SLOTS]),
             mask: n - 1,
             entries,
             cluster_bits,
@@ -99,24 +118,20 @@ impl SliceMemo {
         }
     }
 
-    /// Number of slots.
+    /// Number of slots in use.
     pub fn slots(&self) -> usize {
-        self.slots.len()
+        self.mask + 1
     }
 
     #[inline(always)]
     fn index(&self, key: u64) -> usize {
-        key as usize & self.mask
+        // (The constant mask lets the compiler see the index is inside the table.)
+        key as usize & self.mask & (MEMO_MAX_SLOTS - 1)
     }
 
     #[inline(always)]
     fn slot(&self, key: u64) -> &Cell<MemoSlot> {
-        // `mask` is below the length, so the `get` always finds a slot (the fallback only
-        // keeps a panic path out of the request path).
-        match self.slots.get(self.index(key)) {
-            Some(s) => s,
-            None => &self.slots[0],
-        }
+        &self.slots[self.index(key)]
     }
 
     /// Where the `len` bytes at `within` (bytes from the start of slice `key`, inside the
@@ -146,7 +161,7 @@ impl SliceMemo {
         if s.key != key || s.removals != removals || s.meta_gen != meta_gen {
             return None;
         }
-        let host = self.answer(key, s, within, len)?;
+        let host = self.answer(s, within, len)?;
         if s.epoch != epoch {
             self.kept.set(self.kept.get() + 1);
         }
@@ -166,33 +181,34 @@ impl SliceMemo {
         if s.key != key || s.epoch != epoch || meta_gen.is_some_and(|g| g != s.meta_gen) {
             return None;
         }
-        self.answer(key, s, within, len)
+        self.answer(s, within, len)
     }
 
-    /// Slot `s` (holding `key`, checked)'s answer for the range at `within`.
+    /// Slot `s` (holding the key asked for, checked)'s answer for the range at `within`.
     #[inline(always)]
-    fn answer(&self, key: u64, s: MemoSlot, within: u64, len: u64) -> Option<u64> {
-        let host = if s.host != MAPPED {
+    fn answer(&self, s: MemoSlot, within: u64, len: u64) -> Option<u64> {
+        let host = if s.host & MAPPED == 0 {
             s.host + within
         } else {
-            self.mapped(self.index(key), within, len)?
+            self.mapped(s.host as u32 as usize, within, len)?
         };
         self.hits.set(self.hits.get() + 1);
         Some(host)
     }
 
-    /// A mapped slice's answer for the range at `within`: inside one cluster whose word
-    /// in row `row` is not 0.
+    /// A mapped slice's answer for the range at `within`, from the row starting at word
+    /// `row`: inside one cluster whose word answers.
     #[inline(always)]
     fn mapped(&self, row: usize, within: u64, len: u64) -> Option<u64> {
         let bits = self.cluster_bits;
-        let in_cluster = within & ((1 << bits) - 1);
-        if in_cluster + len > 1 << bits {
+        let index = within >> bits;
+        if (within + len).wrapping_sub(1) >> bits != index {
             return None;
         }
-        let i = row * self.entries + (within >> bits) as usize;
-        let h = self.map.get()?.get(i)?.get();
-        (h != 0).then(|| (u64::from(h) << bits) + in_cluster)
+        let w = self.map.get()?.get(row + index as usize)?.get();
+        // The word is the host cluster less `index`: times the cluster size, plus
+        // `within`, is the host cluster's offset plus the offset in it.
+        (w != NO_WORD).then(|| ((i64::from(w) << bits) as u64).wrapping_add(within))
     }
 
     /// Remembers that linear slice `key`, read under `epoch` and `removals` (the slot's
@@ -200,6 +216,10 @@ impl SliceMemo {
     /// generation under which none of its clusters was metadata (a writable core replica),
     /// else [`MEMO_NO_META_GEN`].
     pub fn remember(&self, key: u64, host: u64, (epoch, removals): (u32, u32), meta_gen: u64) {
+        // (Past 2^63 it would read as a mapped slot; no device is that large.)
+        if host & MAPPED != 0 {
+            return self.forget(key);
+        }
         self.slot(key).set(MemoSlot {
             key,
             host,
@@ -238,21 +258,22 @@ impl SliceMemo {
         hosts: impl Iterator<Item = u32>,
     ) {
         let map = self.map.get_or_init(|| {
-            (0..self.slots.len() * self.entries)
-                .map(|_| Cell::new(0))
+            (0..self.slots() * self.entries)
+                .map(|_| Cell::new(NO_WORD))
                 .collect()
         });
         let start = self.index(key) * self.entries;
-        let Some(row) = map.get(start..start + self.entries) else {
+        let (Some(row), Ok(tag)) = (map.get(start..start + self.entries), u32::try_from(start))
+        else {
             return;
         };
         let mut hosts = hosts.fuse();
-        for w in row {
-            w.set(hosts.next().unwrap_or(0));
+        for (i, w) in row.iter().enumerate() {
+            w.set(word(i, hosts.next().unwrap_or(0)));
         }
         self.slot(key).set(MemoSlot {
             key,
-            host: MAPPED,
+            host: MAPPED | u64::from(tag),
             epoch,
             removals,
             meta_gen,
@@ -269,18 +290,18 @@ impl SliceMemo {
         if held.key != key {
             return;
         }
-        let word = (held.host == MAPPED && index < self.entries)
-            .then(|| self.map.get()?.get(self.index(key) * self.entries + index))
+        let cell = (held.host & MAPPED != 0 && index < self.entries)
+            .then(|| self.map.get()?.get(held.host as u32 as usize + index))
             .flatten();
-        match word {
-            Some(w) => w.set(host),
+        match cell {
+            Some(w) => w.set(word(index, host)),
             None => slot.set(MEMO_EMPTY),
         }
     }
 
     /// Forgets every slice (the L1 table was replaced).
     pub fn forget_all(&self) {
-        for slot in self.slots.iter() {
+        for slot in &self.slots[..self.slots()] {
             slot.set(MEMO_EMPTY);
         }
     }
@@ -411,6 +432,63 @@ mod tests {
         m.remember(2, 1 << 30, (6, 0), MEMO_NO_META_GEN);
         m.patch_mapped(2, 3, 12);
         assert_eq!(m.extent(2, 6, 0, 512), None);
+    }
+
+    #[test]
+    fn mapped_words_hold_host_clusters_below_above_and_at_their_index() {
+        // 2 MiB clusters, 16 entries: host clusters at, below and above their index, the
+        // largest one a word holds (2^31 - 1), and one past it, which the memo leaves to
+        // the cache.
+        let bits = 21;
+        let c = 1u64 << bits;
+        let m = SliceMemo::new(2, 16, bits);
+        let big = i32::MAX as u32;
+        let hosts = [0u32, 1, 9, 3, 1 << 20, big, big + 1];
+        m.remember_mapped(3, (1, 0), MEMO_NO_META_GEN, hosts.into_iter());
+        assert_eq!(m.extent(3, 1, 0, 512), None, "no host");
+        assert_eq!(
+            m.extent(3, 1, c + 4096, 512),
+            Some(c + 4096),
+            "at its index"
+        );
+        assert_eq!(m.extent(3, 1, 2 * c, 4096), Some(9 * c));
+        assert_eq!(m.extent(3, 1, 3 * c + c - 512, 512), Some(3 * c + c - 512));
+        assert_eq!(m.extent(3, 1, 4 * c + 512, 512), Some((1 << 20) * c + 512));
+        assert_eq!(m.extent(3, 1, 5 * c, 512), Some(u64::from(big) * c));
+        assert_eq!(m.extent(3, 1, 6 * c, 512), None, "past 2^31 clusters");
+        assert_eq!(
+            m.extent(3, 1, 2 * c - 512, 1024),
+            None,
+            "across two clusters"
+        );
+        assert_eq!(m.extent(3, 1, 2 * c, 0), None, "empty");
+        // A patched word is encoded the same way, in the row of its own slot.
+        m.remember_mapped(2, (1, 0), MEMO_NO_META_GEN, [4u32].into_iter());
+        m.patch_mapped(3, 6, 2);
+        m.patch_mapped(3, 1, 0);
+        assert_eq!(m.extent(3, 1, 6 * c + 512, 512), Some(2 * c + 512));
+        assert_eq!(m.extent(3, 1, c, 512), None);
+        assert_eq!(
+            m.extent(2, 1, 512, 512),
+            Some(4 * c + 512),
+            "other row kept"
+        );
+    }
+
+    #[test]
+    fn slots_in_use_wrap_below_the_table_and_forget_all_empties_them() {
+        // 4 slots in use: keys 1 and 5 share one; a start on the device that would read
+        // as a mapped slot is not remembered.
+        let m = SliceMemo::new(4, 8, 16);
+        m.remember(1, 4096, (0, 0), MEMO_NO_META_GEN);
+        m.remember(6, 8192, (0, 0), MEMO_NO_META_GEN);
+        assert_eq!(m.extent(1, 0, 0, 512), Some(4096));
+        m.remember(5, 1 << 20, (0, 0), MEMO_NO_META_GEN);
+        assert_eq!(m.extent(1, 0, 0, 512), None, "5 took the slot of 1");
+        m.remember(5, MAPPED | 7, (0, 0), MEMO_NO_META_GEN);
+        assert_eq!(m.extent(5, 0, 0, 512), None);
+        m.forget_all();
+        assert_eq!(m.extent(6, 0, 0, 512), None);
     }
 
     #[test]
