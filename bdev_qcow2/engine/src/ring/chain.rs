@@ -251,6 +251,7 @@ impl<D: BlockDevice> Chain<D> {
                 tag,
                 offset: wait.offset + wait.covered,
                 buf: rest,
+                prefix: covered > 0,
             },
         );
     }
@@ -276,11 +277,11 @@ impl<D: BlockDevice> Chain<D> {
             if usable {
                 let (src, n) = Ring::waited_range(slot, w.offset, w.buf.len as u64);
                 rh.buf.copy_to(src, &w.buf.buf, w.buf.off, n);
-                rh.ring.waiter_done(slot, n as u64);
+                rh.ring.waiter_done(slot, n as u64, w.prefix);
                 drop(guard);
                 self.exec().complete(w.tag, Ok(()));
             } else {
-                rh.ring.waiter_done(slot, 0);
+                rh.ring.waiter_done(slot, 0, w.prefix);
                 drop(guard);
                 self.submit_read(w.tag, w.offset, w.buf);
             }

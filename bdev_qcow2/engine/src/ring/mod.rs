@@ -115,6 +115,9 @@ pub struct RingStats {
     pub bytes_served: u64,
     /// Guest reads served from the ring (those that waited included).
     pub reads_served: u64,
+    /// Guest reads the ring served a first part of (not all, not none), the rest read
+    /// from the base ([`Lookup::Partial`]) or waited for ([`Lookup::Wait`]).
+    pub reads_partial: u64,
     /// Guest reads that waited for a chunk's read-ahead in flight ([`Lookup::Wait`]).
     pub reads_waited: u64,
     /// Of those, the reads sent to the base when it completed: it failed, or a write
@@ -135,6 +138,7 @@ impl RingStats {
             bytes_read_ahead: self.bytes_read_ahead - before.bytes_read_ahead,
             bytes_served: self.bytes_served - before.bytes_served,
             reads_served: self.reads_served - before.reads_served,
+            reads_partial: self.reads_partial - before.reads_partial,
             reads_waited: self.reads_waited - before.reads_waited,
             waited_to_base: self.waited_to_base - before.waited_to_base,
             bytes_evicted_unread: self.bytes_evicted_unread - before.bytes_evicted_unread,
@@ -149,6 +153,7 @@ impl RingStats {
         self.bytes_read_ahead += o.bytes_read_ahead;
         self.bytes_served += o.bytes_served;
         self.reads_served += o.reads_served;
+        self.reads_partial += o.reads_partial;
         self.reads_waited += o.reads_waited;
         self.waited_to_base += o.waited_to_base;
         self.bytes_evicted_unread += o.bytes_evicted_unread;
@@ -404,6 +409,9 @@ impl Ring {
             }
             covered = upto;
         }
+        if covered > offset && covered < end {
+            self.stats.reads_partial += 1;
+        }
         if covered < end {
             if let Some(slot) = self.wait_slot(i, covered, end) {
                 return Lookup::Wait {
@@ -570,8 +578,9 @@ impl Ring {
     }
 
     /// A read that waited on `slot` was handed on after its read-ahead completed:
-    /// `served` bytes copied from the slot, or (0) sent to the base.
-    pub fn waiter_done(&mut self, slot: u16, served: u64) {
+    /// `served` bytes copied from the slot, or (0) sent to the base. `prefix`: its first
+    /// part was served from the ring before it waited (the read counted served then).
+    pub fn waiter_done(&mut self, slot: u16, served: u64, prefix: bool) {
         let s = &mut self.slots[slot as usize];
         debug_assert!(s.waiters > 0);
         s.waiters -= 1;
@@ -579,7 +588,7 @@ impl Ring {
         if served > 0 {
             s.used = true;
             self.stats.bytes_served += served;
-            self.stats.reads_served += 1;
+            self.stats.reads_served += u64::from(!prefix);
         } else {
             self.stats.waited_to_base += 1;
         }

@@ -13,8 +13,8 @@ struct Sim {
     hot: Hot,
     gens: std::collections::HashMap<u64, u32>,
     inflight: Vec<Fill>,
-    /// Reads waiting on a slot: (slot, bytes to copy from it).
-    waiting: Vec<(u16, u64)>,
+    /// Reads waiting on a slot: (slot, bytes to copy from it, a prefix served before).
+    waiting: Vec<(u16, u64, bool)>,
 }
 
 impl Sim {
@@ -59,7 +59,7 @@ impl Sim {
             } => {
                 assert!(covered < len);
                 assert_eq!(self.ring.slots[slot as usize].state, State::Filling);
-                self.waiting.push((slot, len - covered));
+                self.waiting.push((slot, len - covered, covered > 0));
                 (stream, covered)
             }
         };
@@ -94,14 +94,14 @@ impl Sim {
         let usable = self.ring.filled(f.slot, ok, self.gen(f.offset));
         let (mut served, mut to_base) = (0, 0);
         let waiting = std::mem::take(&mut self.waiting);
-        for (k, n) in waiting {
+        for (k, n, prefix) in waiting {
             if k != f.slot {
-                self.waiting.push((k, n));
+                self.waiting.push((k, n, prefix));
             } else if usable {
-                self.ring.waiter_done(k, n);
+                self.ring.waiter_done(k, n, prefix);
                 served += 1;
             } else {
-                self.ring.waiter_done(k, 0);
+                self.ring.waiter_done(k, 0, prefix);
                 to_base += 1;
             }
         }
@@ -490,11 +490,17 @@ fn a_reader_that_waits_alone_keeps_reading_ahead_and_its_window_grows() {
     // window grows, the stream stays on.
     let cfg = RingConfig::default();
     let mut sim = Sim::new(cfg, DISK);
+    let mut most_in_flight = 0;
     for k in 0..64u64 {
         sim.read(k * CHUNK, CHUNK);
+        most_in_flight = most_in_flight.max(sim.inflight.len() as u64);
         // Only the chunk the read waits for has come in.
         sim.complete_before((k + 1) * CHUNK);
     }
+    // Read-ahead of a whole window in flight at once, ahead of the reader (and the chunks
+    // about it: the one it waits for, the one it is about to enter).
+    let w = cfg.max_window / CHUNK;
+    assert!((w..=w + 2).contains(&most_in_flight), "{most_in_flight}");
     let st = sim.ring.stats();
     assert!(st.reads_waited > 50, "{st:?}");
     assert_eq!(st.waited_to_base, 0);

@@ -18,6 +18,8 @@ pub(crate) struct Waiter<B> {
     pub offset: u64,
     /// Where they go (its length is theirs).
     pub buf: BufSlice<B>,
+    /// Its first part was served from the ring before it waited.
+    pub prefix: bool,
 }
 
 /// The waiter table of one core's ring.
@@ -86,6 +88,7 @@ mod tests {
             tag,
             offset: 0,
             buf: BufSlice::whole(HeapBuf::new(1)),
+            prefix: false,
         }
     }
 
