@@ -9,6 +9,9 @@
 #    sequential streams (one bdevperf job per stream, each reading its own region, QD1,
 #    4 KiB), whose per-stream gain is compared with the single stream's; 4 KiB random
 #    reads at QD32 (no harm), with the bytes the ring evicted unread against the bytes read.
+#    Row `fast` (not in the default rows): 128 KiB sequential reads at QD8 on the malloc
+#    base without a delay bdev, where the reader's own queue keeps ahead of the ring (it
+#    must stop reading ahead, LATE_OFF: no harm).
 # 2. Golden image: a raw backing image on a malloc bdev exported over NVMe-oF/TCP on
 #    loopback by a second spdk_tgt; an empty overlay (qcow2 on tmpfs, aio bdev) naming it
 #    as backing_bdev; 4 KiB sequential reads at QD1 of the overlay.
@@ -17,7 +20,7 @@
 #   tests/prefetch_bench.sh
 #   LATS="50" ROUNDS=3 TIME=3 tests/prefetch_bench.sh
 #   SKIP_SPDK=1 / SKIP_GOLDEN=1 / SKIP_PERF=1 tests/prefetch_bench.sh
-#   ROWS="streams" tests/prefetch_bench.sh     # section 1 rows: seq streams streams128 rand
+#   ROWS="streams" tests/prefetch_bench.sh     # section 1 rows: seq streams streams128 rand fast
 #   CORES=2 ROWS="streams" tests/prefetch_bench.sh   # streams spread over two cores
 #
 # Runs SPDK applications: wrap it in `flock /tmp/spdk-app.lock` on a shared machine. Needs
@@ -78,15 +81,17 @@ if [ "${free_mb%.*}" -ge 1536 ] && grep -q hugetlbfs /proc/mounts; then MEM=(); 
 
 # --- 1. bdevperf over a delay bdev ----------------------------------------------------------
 # config LAT PREFETCH: a bdevperf JSON config: malloc m0, formatted fully allocated, a delay
-# bdev d0 on it, our bdev q0 on d0.
+# bdev d0 on it, our bdev q0 on d0 (LAT 0: no delay bdev, q0 on m0).
 config() {
-  local lat=$1 pf=$2 f=$DIR/q-$1-$2.json
+  local lat=$1 pf=$2 f=$DIR/q-$1-$2.json base=d0 delay
+  delay="{\"method\":\"bdev_delay_create\",\"params\":{\"name\":\"d0\",\"base_bdev_name\":\"m0\",\"avg_read_latency\":$lat,\"p99_read_latency\":$lat,\"avg_write_latency\":$lat,\"p99_write_latency\":$lat}},"
+  if [ "$lat" = 0 ]; then base=m0 delay=; fi
   cat >"$f" <<EOF
 {"subsystems":[{"subsystem":"bdev","config":[
 {"method":"bdev_malloc_create","params":{"name":"m0","num_blocks":$(((MB + 16) * 2048)),"block_size":512}},
 {"method":"bdev_qcow2_format","params":{"base_bdev":"m0","size":$((MB << 20)),"cluster_size":65536,"preallocation":"full"}},
-{"method":"bdev_delay_create","params":{"name":"d0","base_bdev_name":"m0","avg_read_latency":$lat,"p99_read_latency":$lat,"avg_write_latency":$lat,"p99_write_latency":$lat}},
-{"method":"bdev_qcow2_create","params":{"name":"q0","base_bdev":"d0","prefetch":$([ "$pf" = on ] && echo true || echo false)}},
+$delay
+{"method":"bdev_qcow2_create","params":{"name":"q0","base_bdev":"$base","prefetch":$([ "$pf" = on ] && echo true || echo false)}},
 {"method":"bdev_wait_for_examine"}]}]}
 EOF
   echo "$f"
@@ -163,6 +168,11 @@ if [ -n "$have_spdk" ] && [ -z "${SKIP_SPDK:-}" ]; then
   echo "== bdevperf, one core, qcow2 (64 KiB clusters, ${MB} MiB, fully allocated) over bdev_delay on malloc"
   echo "   ring on vs off, $ROUNDS alternating pairs of ${TIME} s runs, median ratio"
   rows=${ROWS:-seq streams streams128 rand}
+  if [[ " $rows " == *" fast "* ]]; then
+    pairs "no delay (malloc): 128 KiB seq read QD8" bperf 0 read 131072 8
+    bperf 0 read 131072 8 on >/dev/null
+    echo "   ring on: $(ring_line)"
+  fi
   for lat in $LATS; do
     if [[ " $rows " == *" seq "* ]]; then
       pairs "delay ${lat}us: 4 KiB seq read QD1" bperf "$lat" read 4096 1

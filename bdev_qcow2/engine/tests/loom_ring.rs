@@ -12,12 +12,19 @@
 //! (record the generation, resolve the mapping, read the device) and later serves a read
 //! from the ring only while the generation holds.
 //!
+//! A read that reaches the chunk while its read-ahead is in flight waits for it
+//! (`Lookup::Wait`): when the read-ahead completes, the waiting read is copied from it only
+//! while the generation still holds, else read from the base (the mapping and the device
+//! as they are then). The model lets that read arrive before or after the read-ahead's
+//! device read.
+//!
 //! Invariant: a read submitted after the writer's acknowledgement (it observed it) is
-//! never served the old data from the ring.
+//! never served the old data from the ring, waiting or not.
 //!
 //! Broken variants — bumping before the data reached the device, bumping before the new
-//! mapping is published, recording the generation after the read-ahead — must be caught:
-//! they run under `#[should_panic]`.
+//! mapping is published, recording the generation after the read-ahead, serving the
+//! reads waiting on a read-ahead without checking the generation when it completes —
+//! must be caught: they run under `#[should_panic]`.
 
 #![cfg(loom)]
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
@@ -42,6 +49,8 @@ struct Faults {
     bump_before_mapping: bool,
     /// The read-ahead records the generation after its device read.
     record_after_read: bool,
+    /// Reads waiting on a read-ahead are served when it completes, generation unchecked.
+    wake_unchecked: bool,
 }
 
 struct World {
@@ -111,6 +120,85 @@ fn run(remap: bool, faults: Faults) {
         }
         writer.join().unwrap();
     });
+}
+
+/// A guest read that arrives while the read-ahead fills (before its device read when
+/// `early`, after it otherwise) and waits for it, as `Chain::ring_filled` serves it.
+fn run_waiting(remap: bool, early: bool, faults: Faults) {
+    loom::model(move || {
+        let w = Arc::new(World {
+            gens: WriteGens::new(1 << 20),
+            dev: [AtomicU64::new(OLD), AtomicU64::new(0xdead)],
+            map: AtomicU64::new(0),
+            acked: AtomicBool::new(false),
+            faults,
+        });
+        let writer = {
+            let w = w.clone();
+            thread::spawn(move || {
+                let loc = if remap { 1 } else { 0 };
+                w.dev[loc].store(NEW, Ordering::Relaxed);
+                if remap {
+                    w.map.store(1, Ordering::Release);
+                }
+                w.gens.written(OFF, LEN);
+                w.acked.store(true, Ordering::Release);
+            })
+        };
+        // The read-ahead starts: the generation recorded, then the mapping resolved and
+        // the device read; the guest read arrives and waits in between or after.
+        let gen = w.gens.current(OFF);
+        let mut after_ack = false;
+        if early {
+            after_ack = w.acked.load(Ordering::Acquire);
+        }
+        let loc = w.map.load(Ordering::Acquire) as usize;
+        let data = w.dev[loc].load(Ordering::Relaxed);
+        if !early {
+            after_ack = w.acked.load(Ordering::Acquire);
+        }
+        // The read-ahead completes: the waiting read is served from it or sent to the base.
+        let served = if w.faults.wake_unchecked || w.gens.current(OFF) == gen {
+            data
+        } else {
+            let loc = w.map.load(Ordering::Acquire) as usize;
+            w.dev[loc].load(Ordering::Relaxed)
+        };
+        assert_ne!(served, 0xdead, "garbage of a new cluster served");
+        if after_ack {
+            assert_eq!(
+                served, NEW,
+                "a waiting read submitted after the write's acknowledgement got old data"
+            );
+        }
+        writer.join().unwrap();
+    });
+}
+
+#[test]
+fn waiting_read_in_place_overwrite() {
+    run_waiting(false, true, Faults::default());
+    run_waiting(false, false, Faults::default());
+}
+
+#[test]
+fn waiting_read_write_through_a_new_mapping() {
+    run_waiting(true, true, Faults::default());
+    run_waiting(true, false, Faults::default());
+}
+
+#[test]
+#[should_panic(expected = "old data")]
+fn broken_waiters_served_without_the_generation_check_are_caught() {
+    // The read arrives after the read-ahead's device read took the old bytes.
+    run_waiting(
+        false,
+        false,
+        Faults {
+            wake_unchecked: true,
+            ..Default::default()
+        },
+    );
 }
 
 #[test]

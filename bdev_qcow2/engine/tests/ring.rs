@@ -76,9 +76,14 @@ fn read(exec: &Exec<MemDevice>, chain: &Rc<Chain<MemDevice>>, off: u64, len: usi
         RingServed::All => None,
         RingServed::Nothing => Some((off, slice)),
         RingServed::Prefix(n) => Some((off + n, slice.sub(n as usize, len - n as usize))),
+        RingServed::Wait(w) => {
+            Some((u64::MAX, slice.clone())).inspect(|_| chain.ring_wait(w, 7, slice))
+        }
     };
     if let Some((off, slice)) = rest {
-        chain.submit_read(7, off, slice);
+        if off != u64::MAX {
+            chain.submit_read(7, off, slice);
+        }
         let mut done = None;
         while done.is_none() {
             exec.poll(&mut |t, r| {
@@ -279,4 +284,181 @@ fn a_read_partly_in_the_ring_is_served_its_part_and_reads_only_the_rest() {
     assert!(got == expect, "partial hit read the wrong bytes");
     // The rest is one device read of its own (the read-aheads it started come after).
     assert!(devs[0].0.borrow().reads > reads);
+}
+
+/// Starts one guest read as a host does, under `tag`, without polling: from the ring,
+/// else (the part it did not hold) through the engine, or waiting for a read-ahead in
+/// flight. Returns its buffer, and whether it is already done (served from the ring).
+fn start(chain: &Rc<Chain<MemDevice>>, off: u64, len: usize, tag: u64) -> (HeapBuf, bool) {
+    let buf = HeapBuf::new(len);
+    let slice = BufSlice::whole(buf.clone());
+    match chain.ring_read(off, &slice) {
+        RingServed::All => return (buf, true),
+        RingServed::Nothing => chain.submit_read(tag, off, slice),
+        RingServed::Prefix(n) => {
+            chain.submit_read(tag, off + n, slice.sub(n as usize, len - n as usize))
+        }
+        RingServed::Wait(w) => chain.ring_wait(w, tag, slice),
+    }
+    (buf, false)
+}
+
+/// Polls until the reads of `tags` are done (each must succeed).
+fn wait_all(exec: &Exec<MemDevice>, mut tags: Vec<u64>) {
+    while !tags.is_empty() {
+        exec.poll(&mut |t, r| {
+            r.unwrap();
+            let k = tags.iter().position(|&x| x == t).expect("a tag in flight");
+            tags.swap_remove(k);
+        });
+    }
+}
+
+/// Reads `len`-byte requests from `from` to `to` (one after the other, each polled to
+/// its end): returns the bytes.
+fn read_range(
+    exec: &Exec<MemDevice>,
+    chain: &Rc<Chain<MemDevice>>,
+    from: u64,
+    to: u64,
+    len: usize,
+) -> Vec<u8> {
+    let mut out = Vec::new();
+    let mut off = from;
+    while off < to {
+        let n = len.min((to - off) as usize);
+        let (buf, done) = start(chain, off, n, 1);
+        if !done {
+            wait_all(exec, vec![1]);
+        }
+        out.extend(buf.to_vec());
+        off += n as u64;
+    }
+    out
+}
+
+#[test]
+fn reads_that_reach_a_chunk_while_it_fills_wait_for_it_and_read_what_qemu_reads() {
+    let dir = tempfile::tempdir().unwrap();
+    let base = dir.path().join("base.qcow2");
+    let img = dir.path().join("img.qcow2");
+    sh(Command::new("qemu-img")
+        .args(["create", "-q", "-f", "qcow2"])
+        .arg(&base)
+        .arg("3M"));
+    qemu_io(&base, &["write -P 0x41 0 3M"]);
+    sh(Command::new("qemu-img")
+        .args(["create", "-q", "-f", "qcow2", "-F", "qcow2", "-b"])
+        .arg(&base)
+        .arg(&img));
+    qemu_io(&img, &["write -P 0x42 700k 300k", "write -z 1500k 200k"]);
+    let expect = raw_of(&img);
+    for len in [128usize << 10, 96 << 10, 4 << 10] {
+        let (exec, chain, devs) = chain_of(&[&img, &base], OpenOptions::default());
+        // A slow device: a read-ahead is still in flight when the reader reaches it.
+        for d in &devs {
+            d.0.borrow_mut().latency_polls = 40;
+        }
+        let got = read_range(&exec, &chain, 0, chain.size(), len);
+        assert!(got == expect, "{len}-byte reads differ from qemu-img's");
+        let st = chain.ring_stats().unwrap();
+        assert!(st.reads_waited > 0, "{len}: {st:?}");
+        assert_eq!(st.waited_to_base, 0, "{len}: {st:?}");
+        // Every waiting read is served from the ring, not read a second time.
+        assert!(st.bytes_served >= chain.size() / 2, "{len}: {st:?}");
+    }
+}
+
+/// Where the 4 KiB of `byte` start in `dev` (unique in the image).
+fn find_block(dev: &MemDevice, byte: u8) -> usize {
+    let s = dev.0.borrow();
+    (0..s.data.len() / 4096)
+        .map(|k| k * 4096)
+        .find(|&o| s.data[o..o + 4096].iter().all(|&b| b == byte))
+        .expect("the block")
+}
+
+#[test]
+fn a_write_completed_while_a_chunk_fills_sends_the_reads_waiting_for_it_to_the_base() {
+    let dir = tempfile::tempdir().unwrap();
+    let img = dir.path().join("img.qcow2");
+    sh(Command::new("qemu-img")
+        .args(["create", "-q", "-f", "qcow2"])
+        .arg(&img)
+        .arg("1M"));
+    qemu_io(&img, &["write -P 0x11 0 1M", "write -P 0x22 132k 4k"]);
+    let (exec, chain, devs) = chain_of(&[&img], OpenOptions::default());
+    let host = find_block(&devs[0], 0x22);
+    devs[0].0.borrow_mut().latency_polls = 50;
+    // A stream of 4 KiB reads through chunk 0, all in flight: chunks 1 and 2 are read
+    // ahead once the executor runs.
+    let mut tags = Vec::new();
+    for k in 0..32u64 {
+        let (_, done) = start(&chain, k * 4096, 4096, 100 + k);
+        assert!(!done);
+        tags.push(100 + k);
+    }
+    exec.poll(&mut |_, _| panic!("nothing completes yet"));
+    // The read-ahead of chunk 1 read its old bytes; now another core overwrites 132 KiB
+    // in place and completes: its data on the device, the generation moved.
+    devs[0].0.borrow_mut().data[host..host + 4096].fill(0x99);
+    chain.ring_written(132 << 10, 4096);
+    // Reads submitted after that write reach chunk 1 while it fills: they wait.
+    let mut bufs = Vec::new();
+    for k in 32..40u64 {
+        let (b, done) = start(&chain, k * 4096, 4096, 100 + k);
+        assert!(!done);
+        bufs.push(b);
+        tags.push(100 + k);
+    }
+    assert_eq!(chain.ring_stats().unwrap().reads_waited, 8);
+    wait_all(&exec, tags);
+    let st = chain.ring_stats().unwrap();
+    assert_eq!(st.waited_to_base, 8, "{st:?}");
+    assert_eq!(st.invalidated, 1, "{st:?}");
+    for (k, b) in bufs.iter().enumerate() {
+        let want = if k == 1 { 0x99 } else { 0x11 };
+        assert!(
+            b.to_vec().iter().all(|&x| x == want),
+            "read {} after the write got stale data",
+            32 + k
+        );
+    }
+}
+
+#[test]
+fn a_failed_read_ahead_sends_the_reads_waiting_for_it_to_the_base() {
+    let dir = tempfile::tempdir().unwrap();
+    let img = dir.path().join("img.qcow2");
+    sh(Command::new("qemu-img")
+        .args(["create", "-q", "-f", "qcow2"])
+        .arg(&img)
+        .arg("1M"));
+    qemu_io(&img, &["write -P 0x33 0 1M"]);
+    let (exec, chain, devs) = chain_of(&[&img], OpenOptions::default());
+    // The mapping cached first: the guest reads below go to the device as they are
+    // submitted, not from tasks that would run before the read-ahead's.
+    read(&exec, &chain, 900 << 10, 4096);
+    devs[0].0.borrow_mut().latency_polls = 10;
+    let mut tags = Vec::new();
+    for k in 0..32u64 {
+        assert!(!start(&chain, k * 4096, 4096, 100 + k).1);
+        tags.push(100 + k);
+    }
+    // The next device operation is chunk 1's read-ahead (spawned first): it fails.
+    {
+        let mut s = devs[0].0.borrow_mut();
+        s.fail_op = Some((s.ops, 5));
+    }
+    let mut bufs = Vec::new();
+    for k in 32..36u64 {
+        let (b, done) = start(&chain, k * 4096, 4096, 100 + k);
+        assert!(!done);
+        bufs.push(b);
+        tags.push(100 + k);
+    }
+    wait_all(&exec, tags);
+    let st = chain.ring_stats().unwrap();
+    assert_eq!((st.reads_waited, st.waited_to_base), (4, 4), "{st:?}");
+    assert!(bufs.iter().all(|b| b.to_vec().iter().all(|&x| x == 0x33)));
 }

@@ -22,7 +22,7 @@
 //! drives slow paths (tasks), resubmissions after `-ENOMEM`, opening the replica, and
 //! sending forwarded requests.
 
-use crate::device::{read_from_ring, read_rest, SpdkDevice};
+use crate::device::{read_from_ring, read_rest, wait_for_ring, SpdkDevice};
 use crate::direct::{self, Target};
 use crate::engine_host::{Driver, Host};
 use crate::ffi::bdev::Desc;
@@ -145,6 +145,13 @@ pub struct ChannelStats {
     pub ring_bytes_served: u64,
     /// Prefetch ring: reads served from the ring.
     pub ring_reads_served: u64,
+    /// Prefetch ring: reads it served a first part of (the rest read or waited for).
+    pub ring_reads_partial: u64,
+    /// Prefetch ring: reads that waited for a read-ahead in flight.
+    pub ring_reads_waited: u64,
+    /// Prefetch ring: of those, reads sent to the base (the read-ahead failed, or a write
+    /// made its chunk unusable while it filled).
+    pub ring_waited_to_base: u64,
     /// Prefetch ring: bytes read ahead and dropped unread.
     pub ring_bytes_evicted_unread: u64,
     /// Prefetch ring: chunks a write (on any thread) made unusable.
@@ -180,6 +187,9 @@ impl ChannelStats {
             bytes_read_ahead: self.ring_bytes_read_ahead,
             bytes_served: self.ring_bytes_served,
             reads_served: self.ring_reads_served,
+            reads_partial: self.ring_reads_partial,
+            reads_waited: self.ring_reads_waited,
+            waited_to_base: self.ring_waited_to_base,
             bytes_evicted_unread: self.ring_bytes_evicted_unread,
             invalidated: self.ring_invalidated,
         }
@@ -192,6 +202,9 @@ impl ChannelStats {
         self.ring_bytes_read_ahead += r.bytes_read_ahead;
         self.ring_bytes_served += r.bytes_served;
         self.ring_reads_served += r.reads_served;
+        self.ring_reads_partial += r.reads_partial;
+        self.ring_reads_waited += r.reads_waited;
+        self.ring_waited_to_base += r.waited_to_base;
         self.ring_bytes_evicted_unread += r.bytes_evicted_unread;
         self.ring_invalidated += r.invalidated;
     }
@@ -434,6 +447,12 @@ impl Channel {
                 self.own(&mut io);
                 chain.read_ahead(off, len);
                 return read_rest(&self.driver, chain, io, n);
+            }
+            // The rest is being read ahead: completed from the ring when it is in.
+            RingServed::Wait(w) => {
+                self.own(&mut io);
+                chain.read_ahead(off, len);
+                return wait_for_ring(&self.driver, chain, io, w);
             }
         }
         self.own(&mut io);

@@ -23,7 +23,7 @@ use crate::ffi::dma::DmaMem;
 pub use crate::ffi::dma::SpdkBuf;
 use crate::ffi::sys;
 use qcow2_engine::io::{BlockDevice, BufSlice, Busy, DeviceError, DeviceOp, IoBuffer};
-use qcow2_engine::ring::RingServed;
+use qcow2_engine::ring::{RingServed, RingWait};
 use qcow2_engine::{Chain, DevId};
 use std::rc::Rc;
 
@@ -62,6 +62,14 @@ pub fn read_rest(driver: &Driver, chain: &Rc<Chain<SpdkDevice>>, io: BdevIo, ser
             buf.sub(served as usize, (len - served) as usize),
         )
     });
+}
+
+/// Hands guest read `io`, whose rest the prefetch ring is reading ahead
+/// ([`RingServed::Wait`]), to `chain`'s engine through `driver`: the request completes when
+/// the read-ahead is in and the rest copied from the ring (or read from the base).
+#[inline(never)]
+pub fn wait_for_ring(driver: &Driver, chain: &Rc<Chain<SpdkDevice>>, io: BdevIo, w: RingWait) {
+    driver.submit(io, |tag, _, buf| chain.ring_wait(w, tag, buf));
 }
 
 /// A base bdev as the engine sees it from one SPDK thread.

@@ -642,7 +642,9 @@ fn log_summary(n: &Node, owner: Option<crate::owner::OwnerCounters>) {
         "qcow2 bdev {}: {} requests; slice caches {} hits, {} misses; read-ahead {} \
          sequential streams, {} slices loaded ahead of {} started, {} reached by their stream; \
          prefetch ring {} streams, {} read-ahead I/Os, {} bytes read ahead, {} bytes served \
-         in {} reads, {} bytes evicted unread, {} chunks invalidated by writes",
+         in {} reads ({} of them in part; {} waited for their read-ahead, {} of those then \
+         sent to the base), \
+         {} bytes evicted unread, {} chunks invalidated by writes",
         n.params.name,
         t.completed,
         t.l2_cache_hits,
@@ -656,6 +658,9 @@ fn log_summary(n: &Node, owner: Option<crate::owner::OwnerCounters>) {
         t.ring_bytes_read_ahead,
         t.ring_bytes_served,
         t.ring_reads_served,
+        t.ring_reads_partial,
+        t.ring_reads_waited,
+        t.ring_waited_to_base,
         t.ring_bytes_evicted_unread,
         t.ring_invalidated
     );

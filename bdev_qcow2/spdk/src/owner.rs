@@ -24,7 +24,7 @@
 //! runs on the md thread, which debug builds assert ([`Owner::assert_md_thread`]).
 
 use crate::channel;
-use crate::device::{read_from_ring, read_rest, SpdkDevice};
+use crate::device::{read_from_ring, read_rest, wait_for_ring, SpdkDevice};
 use crate::direct::{self, Target};
 use crate::engine_host::{Driver, Host};
 use crate::ffi::bdev_io::{Arrived, BdevIo, ChildDone, IoQueue, QueueReceiver};
@@ -237,6 +237,9 @@ impl Owner {
                     "ring_bytes_read_ahead": r.bytes_read_ahead,
                     "ring_bytes_served": r.bytes_served,
                     "ring_reads_served": r.reads_served,
+                    "ring_reads_partial": r.reads_partial,
+                    "ring_reads_waited": r.reads_waited,
+                    "ring_waited_to_base": r.waited_to_base,
                     "ring_bytes_evicted_unread": r.bytes_evicted_unread,
                     "ring_invalidated": r.invalidated,
                     "stream": crate::stream_rpc::stats_json(self),
@@ -295,6 +298,7 @@ impl Owner {
                     // Copied from the owner's prefetch ring: no base I/O.
                     RingServed::All => return done(io, sys::SPDK_BDEV_IO_STATUS_SUCCESS),
                     RingServed::Prefix(n) => return read_rest(d, c, io, n),
+                    RingServed::Wait(w) => return wait_for_ring(d, c, io, w),
                 }
                 let io = match c.route_read(off, len) {
                     ReadRoute::Direct(grant) => {

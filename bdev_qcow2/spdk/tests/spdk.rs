@@ -287,9 +287,25 @@ mod real {
     /// Copies bdev `bdev` out with spdk_dd and compares it with `qemu-img convert -O raw`;
     /// returns spdk_dd's output.
     fn dd_and_compare(dir: &Path, cfg: &Path, bdev: &str, img: &Path, tag: &str) -> String {
+        // One 128 KiB read at a time, as a guest reading a file does: the prefetch ring
+        // serves such a reader (a deeper queue on this fast base keeps ahead of it, and
+        // the ring stops reading ahead).
+        dd_bs_and_compare(dir, cfg, bdev, img, tag, 128 << 10)
+    }
+
+    /// [`dd_and_compare`] in reads of `bs` bytes, one at a time.
+    fn dd_bs_and_compare(
+        dir: &Path,
+        cfg: &Path,
+        bdev: &str,
+        img: &Path,
+        tag: &str,
+        bs: u64,
+    ) -> String {
         let out = dir.join(format!("{tag}.spdk.raw"));
         let want = dir.join(format!("{tag}.qemu.raw"));
         let log = dir.join(format!("{tag}.dd.log"));
+        let bs = bs.to_string();
         let args: Vec<String> = [
             "--json",
             s(cfg),
@@ -297,11 +313,8 @@ mod real {
             bdev,
             "--of",
             s(&out),
-            // One 128 KiB read at a time, as a guest reading a file does: the prefetch
-            // ring serves such a reader (a deeper queue on this fast base keeps ahead of
-            // it, and the ring stops reading ahead).
             "--bs",
-            "131072",
+            &bs,
             "--qd",
             "1",
         ]
@@ -344,9 +357,19 @@ mod real {
         (n[0], n[1], n[2], n[3])
     }
 
-    /// The prefetch ring figures of `bdev` from the summary it logs when deleted: (bytes
-    /// read ahead, bytes served, reads served).
-    fn ring_summary(log: &str, bdev: &str) -> (u64, u64, u64) {
+    /// The prefetch ring figures of `bdev` from the summary it logs when deleted (the
+    /// counters `bdev_qcow2_get_stats` reports).
+    #[derive(Debug)]
+    struct RingSummary {
+        ahead: u64,
+        served: u64,
+        reads: u64,
+        partial: u64,
+        waited: u64,
+        waited_to_base: u64,
+    }
+
+    fn ring_summary(log: &str, bdev: &str) -> RingSummary {
         let line = log
             .lines()
             .find_map(|l| l.split_once(&format!("qcow2 bdev {bdev}: ")).map(|x| x.1))
@@ -357,8 +380,94 @@ mod real {
             .split(|c: char| !c.is_ascii_digit())
             .filter_map(|w| w.parse().ok())
             .collect();
-        assert_eq!(n.len(), 7, "{line}");
-        (n[2], n[3], n[4])
+        assert_eq!(n.len(), 10, "{line}");
+        RingSummary {
+            ahead: n[2],
+            served: n[3],
+            reads: n[4],
+            partial: n[5],
+            waited: n[6],
+            waited_to_base: n[7],
+        }
+    }
+
+    /// An image mostly allocated, with some variety: 32 MiB, clusters of `cs` bytes.
+    fn ring_image(img: &Path, cs: u32) {
+        let cs = format!("cluster_size={cs}");
+        qemu_img(&["create", "-q", "-f", "qcow2", "-o", &cs, s(img), "32M"]);
+        qemu_io(
+            img,
+            &[
+                "write -P 0x11 0 20M",
+                "write -P 0x22 1536k 4k",
+                "write -P 0x33 2047k 3k",
+                "write -P 0x44 7M 130k",
+                "write -z 7232k 64k",
+                "write -P 0x55 24M 6M",
+                "discard 512k 128k",
+            ],
+        );
+    }
+
+    #[test]
+    fn prefetch_ring_partial_hits_read_what_qemu_img_reads() {
+        require!("spdk_dd");
+        let _t = turn();
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        // SPDK cuts requests at the bdev's optimal I/O boundary, a multiple of the cluster
+        // (`node::cluster_cut`): 128 KiB, the ring's chunk, from 4 KiB clusters up, so a
+        // request never straddles two chunks there. With 512-byte clusters the cut is
+        // 263 blocks, and 96 KiB reads straddle chunk boundaries: their first part is in
+        // a chunk the ring holds, the rest in the next one.
+        let img = d.join("partial.qcow2");
+        ring_image(&img, 512);
+        // A base 1 ms slow to read: the next chunk is often still being read ahead when
+        // a read reaches it (its rest waits), or not read ahead yet (its rest is read).
+        let delay = json!({"method": "bdev_delay_create",
+            "params": {"name": "slow0", "base_bdev_name": "aio0",
+                       "avg_read_latency": 1000, "p99_read_latency": 1000,
+                       "avg_write_latency": 1000, "p99_write_latency": 1000}});
+        let cfg = d.join("partial.json");
+        write_config(
+            &cfg,
+            vec![aio(&img, "aio0"), delay, qcow2("q0", "slow0", None)],
+        );
+        let log = dd_bs_and_compare(d, &cfg, "q0", &img, "partial", 96 << 10);
+        let r = ring_summary(&log, "q0");
+        say(&format!("partial hits: {r:?}"));
+        assert!(
+            r.partial > 0 && r.served > 0 && r.served <= r.ahead,
+            "{r:?}\n{log}"
+        );
+        assert!(r.reads >= r.partial, "{r:?}");
+    }
+
+    #[test]
+    fn prefetch_ring_reads_that_wait_for_read_ahead_read_what_qemu_img_reads() {
+        require!("spdk_dd");
+        let _t = turn();
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        let img = d.join("wait.qcow2");
+        ring_image(&img, 65536);
+        // A base 1 ms slow to read: 4 KiB reads served from the ring run through a chunk
+        // long before the next one's read-ahead is in, and wait for it.
+        let delay = json!({"method": "bdev_delay_create",
+            "params": {"name": "slow0", "base_bdev_name": "aio0",
+                       "avg_read_latency": 1000, "p99_read_latency": 1000,
+                       "avg_write_latency": 1000, "p99_write_latency": 1000}});
+        let cfg = d.join("wait.json");
+        write_config(
+            &cfg,
+            vec![aio(&img, "aio0"), delay, qcow2("q0", "slow0", None)],
+        );
+        let log = dd_bs_and_compare(d, &cfg, "q0", &img, "wait", 4096);
+        let r = ring_summary(&log, "q0");
+        say(&format!("reads that waited: {r:?}"));
+        assert!(r.waited > 0 && r.waited_to_base == 0, "{r:?}\n{log}");
+        // Most of the disk was served from the ring, not read twice.
+        assert!(r.served > 24 << 20, "{r:?}");
     }
 
     #[test]
@@ -397,7 +506,12 @@ mod real {
             assert_eq!(loaded, started, "{log}");
             // The copy above compared equal with qemu-img's although the prefetch ring
             // served part of it.
-            let (ahead, served, reads) = ring_summary(&log, "q0");
+            let RingSummary {
+                ahead,
+                served,
+                reads,
+                ..
+            } = ring_summary(&log, "q0");
             say(&format!(
                 "{tag}: prefetch ring: {ahead} bytes read ahead, {served} bytes served in {reads} reads"
             ));

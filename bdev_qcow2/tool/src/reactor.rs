@@ -196,6 +196,7 @@ impl<D: BlockDevice> Reactor<D> {
             RingServed::Nothing => (offset, buf),
             RingServed::All => return self.exec.complete(tag, Ok(())),
             RingServed::Prefix(n) => (offset + n, buf.sub(n as usize, (len - n) as usize)),
+            RingServed::Wait(w) => return self.chain.ring_wait(w, tag, buf),
         };
         let len = buf.len as u64;
         match self.chain.route_read(offset, len) {

@@ -4,6 +4,7 @@
 //! backing layer, zeros from metadata without a read, compressed clusters decompressed
 //! once into the ring, nothing past the end of the disk).
 
+use super::wait::{Waiter, Waiters};
 use super::{Lookup, Ring, RingConfig, RingStats, WriteGens};
 use crate::chain::{read_layer, Chain, Layer};
 use crate::error::{Error, Result};
@@ -26,6 +27,22 @@ pub enum RingServed {
     /// The first `n` bytes (not all, not none) were copied: the host routes the rest,
     /// `len - n` bytes at `offset + n` into the read's buffer from `n` on.
     Prefix(u64),
+    /// The first bytes (maybe none) were copied and the rest is being read ahead: the
+    /// host must hand the read to [`Chain::ring_wait`] at once, with a tag; the engine
+    /// completes that tag once the rest is copied from the ring (or, when a write made
+    /// that chunk unusable while it filled or its read-ahead failed, read from the base).
+    Wait(RingWait),
+}
+
+/// A read that waits for a read-ahead in flight ([`RingServed::Wait`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[must_use]
+pub struct RingWait {
+    slot: u16,
+    /// Bytes from the start of the read already copied.
+    covered: u64,
+    /// Guest offset of the read.
+    offset: u64,
 }
 
 /// A core's ring with its buffer and the image's write generations.
@@ -33,6 +50,7 @@ pub(crate) struct RingHost<B> {
     ring: Ring,
     buf: B,
     gens: Arc<WriteGens>,
+    waiters: Waiters<B>,
 }
 
 impl<D: BlockDevice> Chain<D> {
@@ -57,6 +75,7 @@ impl<D: BlockDevice> Chain<D> {
             ring: Ring::new(cfg, self.size()),
             buf,
             gens,
+            waiters: Waiters::new(cfg.slots()),
         });
         self.ring_on.set(true);
         Ok(())
@@ -153,7 +172,10 @@ impl<D: BlockDevice> Chain<D> {
         let Ok(mut guard) = self.ring.try_borrow_mut() else {
             return RingServed::Nothing;
         };
-        let Some(RingHost { ring, buf, gens }) = guard.as_mut() else {
+        let Some(RingHost {
+            ring, buf, gens, ..
+        }) = guard.as_mut()
+        else {
             return RingServed::Nothing;
         };
         let hot = &self.ring_hot;
@@ -173,6 +195,23 @@ impl<D: BlockDevice> Chain<D> {
                 });
                 (stream, RingServed::Prefix(covered))
             }
+            Lookup::Wait {
+                stream,
+                covered,
+                slot,
+            } => {
+                if covered > 0 {
+                    ring.pieces(stream, offset, covered, |src_off, off, n| {
+                        copy(buf, src_off, off, n)
+                    });
+                }
+                let wait = RingWait {
+                    slot,
+                    covered,
+                    offset,
+                };
+                (stream, RingServed::Wait(wait))
+            }
         };
         while let Some(f) = ring.next_fill(hot, stream) {
             // Recorded before the read-ahead resolves anything (see `gens`).
@@ -190,11 +229,62 @@ impl<D: BlockDevice> Chain<D> {
                 let parity = chain.exec().guest_enter();
                 let r = read_layer(chain.clone(), 0, f.offset, dst).await;
                 chain.exec().guest_exit(parity);
-                if let Some(rh) = chain.ring.borrow_mut().as_mut() {
-                    rh.ring.filled(f.slot, r.is_ok());
-                }
+                chain.ring_filled(f.slot, f.offset, r.is_ok());
             });
         }
         served
+    }
+
+    /// Queues a read the ring answered [`RingServed::Wait`] (at once: before the host
+    /// returns to its poller) under `tag`, with `buf`, the read's whole buffer: the engine
+    /// completes `tag` when the rest of it is copied from the ring or read from the base.
+    pub fn ring_wait(&self, wait: RingWait, tag: u64, buf: BufSlice<D::Buf>) {
+        let covered = wait.covered as usize;
+        let rest = buf.sub(covered, buf.len - covered);
+        let mut guard = self.ring.borrow_mut();
+        let Some(rh) = guard.as_mut() else {
+            unreachable!("a ring that answered Wait stays on");
+        };
+        rh.waiters.push(
+            wait.slot,
+            Waiter {
+                tag,
+                offset: wait.offset + wait.covered,
+                buf: rest,
+                prefix: covered > 0,
+            },
+        );
+    }
+
+    /// The read-ahead of the chunk at `offset` into `slot` completed (`ok`): the reads
+    /// waiting on it are copied from it if its data is usable — it succeeded and no write
+    /// moved the chunk's generation since it was recorded (read now, after every waiting
+    /// read was submitted, as a hit reads it) — else sent to the base.
+    fn ring_filled(self: &Rc<Self>, slot: u16, offset: u64, ok: bool) {
+        let usable = {
+            let mut guard = self.ring.borrow_mut();
+            let Some(rh) = guard.as_mut() else { return };
+            let gen_now = rh.gens.current(offset);
+            rh.ring.filled(slot, ok, gen_now)
+        };
+        loop {
+            let mut guard = self.ring.borrow_mut();
+            let Some(rh) = guard.as_mut() else { return };
+            let Some(w) = rh.waiters.pop(slot) else {
+                rh.ring.woken(slot);
+                return;
+            };
+            if usable {
+                let (src, n) = Ring::waited_range(slot, w.offset, w.buf.len as u64);
+                rh.buf.copy_to(src, &w.buf.buf, w.buf.off, n);
+                rh.ring.waiter_done(slot, n as u64, w.prefix);
+                drop(guard);
+                self.exec().complete(w.tag, Ok(()));
+            } else {
+                rh.ring.waiter_done(slot, 0, w.prefix);
+                drop(guard);
+                self.submit_read(w.tag, w.offset, w.buf);
+            }
+        }
     }
 }

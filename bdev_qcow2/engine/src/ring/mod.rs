@@ -18,8 +18,9 @@
 pub(crate) mod chain;
 pub mod gens;
 mod hot;
+mod wait;
 
-pub use chain::{RingCopy, RingServed};
+pub use chain::{RingCopy, RingServed, RingWait};
 pub use gens::WriteGens;
 pub use hot::Hot;
 
@@ -34,6 +35,9 @@ pub const SEQ_MIN: u32 = 3;
 const _: () = assert!(SEQ_MIN > 1);
 /// Streams followed at once per core.
 pub const STREAMS: usize = 4;
+/// Reads that may wait at once, per core, on chunks whose read-ahead is in flight
+/// ([`Lookup::Wait`]); one more goes to the base. Bounds the fixed waiter table.
+pub const MAX_WAITERS: u16 = 256;
 /// The window of a stream that just turned sequential, in chunks.
 const WINDOW_START: u32 = 2;
 /// Most chunks one stream may hold (bounds the per-stream bookkeeping).
@@ -89,7 +93,7 @@ impl RingConfig {
         Ok(())
     }
 
-    fn slots(&self) -> usize {
+    pub(crate) fn slots(&self) -> usize {
         (self.ring_bytes / CHUNK) as usize
     }
 
@@ -109,8 +113,16 @@ pub struct RingStats {
     pub bytes_read_ahead: u64,
     /// Bytes of guest reads served from the ring.
     pub bytes_served: u64,
-    /// Guest reads served from the ring.
+    /// Guest reads served from the ring (those that waited included).
     pub reads_served: u64,
+    /// Guest reads the ring served a first part of (not all, not none), the rest read
+    /// from the base ([`Lookup::Partial`]) or waited for ([`Lookup::Wait`]).
+    pub reads_partial: u64,
+    /// Guest reads that waited for a chunk's read-ahead in flight ([`Lookup::Wait`]).
+    pub reads_waited: u64,
+    /// Of those, the reads sent to the base when it completed: it failed, or a write
+    /// made the chunk unusable while it filled.
+    pub waited_to_base: u64,
     /// Bytes read ahead and dropped without serving any read.
     pub bytes_evicted_unread: u64,
     /// Chunks found written since they were read ahead (a write on any core).
@@ -126,6 +138,9 @@ impl RingStats {
             bytes_read_ahead: self.bytes_read_ahead - before.bytes_read_ahead,
             bytes_served: self.bytes_served - before.bytes_served,
             reads_served: self.reads_served - before.reads_served,
+            reads_partial: self.reads_partial - before.reads_partial,
+            reads_waited: self.reads_waited - before.reads_waited,
+            waited_to_base: self.waited_to_base - before.waited_to_base,
             bytes_evicted_unread: self.bytes_evicted_unread - before.bytes_evicted_unread,
             invalidated: self.invalidated - before.invalidated,
         }
@@ -138,6 +153,9 @@ impl RingStats {
         self.bytes_read_ahead += o.bytes_read_ahead;
         self.bytes_served += o.bytes_served;
         self.reads_served += o.reads_served;
+        self.reads_partial += o.reads_partial;
+        self.reads_waited += o.reads_waited;
+        self.waited_to_base += o.waited_to_base;
         self.bytes_evicted_unread += o.bytes_evicted_unread;
         self.invalidated += o.invalidated;
     }
@@ -163,9 +181,12 @@ struct Slot {
     len: u32,
     /// Write generation of the chunk's region, recorded before its read-ahead was issued.
     gen: u32,
-    /// Whether a read was served from it.
+    /// Whether a read was served from it (once ready, or waiting for it).
     used: bool,
-    /// Released by its stream while filling: freed when the read-ahead completes.
+    /// Reads waiting for its read-ahead (while [`State::Filling`]).
+    waiters: u16,
+    /// Released by its stream while filling: freed when the read-ahead completes and its
+    /// waiters are handed on.
     orphan: bool,
 }
 
@@ -175,6 +196,7 @@ impl Slot {
         len: 0,
         gen: 0,
         used: false,
+        waiters: 0,
         orphan: false,
     };
 }
@@ -256,6 +278,19 @@ pub enum Lookup {
         /// Bytes from the start of the read that the ring holds.
         covered: u64,
     },
+    /// It continues `stream`, its first `covered` bytes (maybe none) are in the ring, and
+    /// the rest lies in one chunk whose read-ahead is in flight into `slot`: copy the
+    /// prefix and wait for the read-ahead (counted as waiting on `slot` already: the
+    /// caller must queue the read there at once), then serve the rest from the slot if
+    /// its data is still valid ([`Ring::filled`]), else read it from the base.
+    Wait {
+        /// The stream.
+        stream: u8,
+        /// Bytes from the start of the read that the ring holds.
+        covered: u64,
+        /// The slot filling with the rest.
+        slot: u16,
+    },
 }
 
 /// The ring's state (see the module documentation).
@@ -269,6 +304,8 @@ pub struct Ring {
     /// another slot first. (Where streams continue is in [`Hot`].)
     ahead: u8,
     streams: [Stream; STREAMS],
+    /// Reads waiting on every slot ([`MAX_WAITERS`] at most).
+    waiting: u16,
     stats: RingStats,
 }
 
@@ -284,6 +321,7 @@ impl Ring {
             free: (0..n as u16).rev().collect(),
             ahead: 0,
             streams: [Stream::IDLE; STREAMS],
+            waiting: 0,
             stats: RingStats::default(),
         }
     }
@@ -371,11 +409,44 @@ impl Ring {
             }
             covered = upto;
         }
+        if covered > offset && covered < end {
+            self.stats.reads_partial += 1;
+        }
+        if covered < end {
+            if let Some(slot) = self.wait_slot(i, covered, end) {
+                return Lookup::Wait {
+                    stream,
+                    covered: covered - offset,
+                    slot,
+                };
+            }
+        }
         match covered - offset {
             0 => Lookup::Miss { stream },
             n if n == len => Lookup::Hit { stream },
             n => Lookup::Partial { stream, covered: n },
         }
+    }
+
+    /// The rest of a read, `from..end`, of stream `i`: when it lies in one chunk the
+    /// stream holds whose read-ahead is in flight, and the waiter table has room, counts
+    /// a read waiting there and returns the slot. (A rest over several chunks goes to the
+    /// base: waiting for one chunk at a time would pin chunks the stream may release.)
+    #[inline(never)]
+    fn wait_slot(&mut self, i: usize, from: u64, end: u64) -> Option<u16> {
+        let c = from / CHUNK;
+        if (end - 1) / CHUNK != c || self.waiting >= MAX_WAITERS {
+            return None;
+        }
+        let k = self.streams[i].slot_of(c)?;
+        let slot = &mut self.slots[k as usize];
+        if slot.state != State::Filling {
+            return None;
+        }
+        slot.waiters += 1;
+        self.waiting += 1;
+        self.stats.reads_waited += 1;
+        Some(k)
     }
 
     /// Chunks a read of `len` bytes spans (at least 1, at most [`MAX_WINDOW_CHUNKS`]).
@@ -414,6 +485,13 @@ impl Ring {
         }
         self.stats.bytes_served += len;
         self.stats.reads_served += 1;
+    }
+
+    /// The byte range, in the ring's buffer, of the `len` bytes at guest `offset` in
+    /// `slot`, for a read that waited there ([`Lookup::Wait`]).
+    pub fn waited_range(slot: u16, offset: u64, len: u64) -> (usize, usize) {
+        let (base, _) = Self::slot_range(slot);
+        (base + (offset % CHUNK) as usize, len as usize)
     }
 
     /// After [`lookup`](Self::lookup) of stream `i`: the read-ahead the stream should
@@ -469,9 +547,7 @@ impl Ring {
         self.slots[slot as usize] = Slot {
             state: State::Filling,
             len,
-            gen: 0,
-            used: false,
-            orphan: false,
+            ..Slot::EMPTY
         };
         self.stats.readahead_ios += 1;
         Some(Fill { slot, offset, len })
@@ -482,21 +558,54 @@ impl Ring {
         self.slots[slot as usize].gen = gen;
     }
 
-    /// The read-ahead into `slot` completed (`ok`: its bytes are in the buffer).
-    pub fn filled(&mut self, slot: u16, ok: bool) {
+    /// The read-ahead into `slot` completed (`ok`: its bytes are in the buffer) under
+    /// generation `gen_now` of its chunk (read after the completion): the slot's data is
+    /// usable when it succeeded and no write moved the generation since it was recorded.
+    /// Returns whether it is; the caller then hands the reads waiting on it
+    /// ([`waiter_done`](Self::waiter_done) each) and calls [`woken`](Self::woken).
+    pub fn filled(&mut self, slot: u16, ok: bool, gen_now: u32) -> bool {
         let s = &mut self.slots[slot as usize];
         if ok {
             self.stats.bytes_read_ahead += s.len as u64;
         }
+        let usable = ok && gen_now == s.gen;
+        if ok && !usable {
+            // Written while it filled: no read, waiting or later, may see it.
+            self.stats.invalidated += 1;
+        }
+        s.state = if usable { State::Ready } else { State::Dead };
+        usable
+    }
+
+    /// A read that waited on `slot` was handed on after its read-ahead completed:
+    /// `served` bytes copied from the slot, or (0) sent to the base. `prefix`: its first
+    /// part was served from the ring before it waited (the read counted served then).
+    pub fn waiter_done(&mut self, slot: u16, served: u64, prefix: bool) {
+        let s = &mut self.slots[slot as usize];
+        debug_assert!(s.waiters > 0);
+        s.waiters -= 1;
+        self.waiting -= 1;
+        if served > 0 {
+            s.used = true;
+            self.stats.bytes_served += served;
+            self.stats.reads_served += u64::from(!prefix);
+        } else {
+            self.stats.waited_to_base += 1;
+        }
+    }
+
+    /// Every read that waited on `slot` was handed on: a slot its stream released while
+    /// it filled is freed now.
+    pub fn woken(&mut self, slot: u16) {
+        let s = &mut self.slots[slot as usize];
+        debug_assert_eq!(s.waiters, 0);
         if s.orphan {
-            if ok {
+            if s.state == State::Ready && !s.used {
                 self.stats.bytes_evicted_unread += s.len as u64;
             }
             *s = Slot::EMPTY;
             self.free.push(slot);
-            return;
         }
-        s.state = if ok { State::Ready } else { State::Dead };
     }
 
     /// The first chunk stream `i` holds.
@@ -505,11 +614,13 @@ impl Ring {
         (s.count > 0).then_some(s.first)
     }
 
-    /// Releases stream `i`'s first chunk: its window grows when the chunk served reads,
+    /// Releases stream `i`'s first chunk: its window grows when the chunk served reads
+    /// (once ready, or reads that waited for it: its read-ahead started before them),
     /// shrinks (down to off) when a write made it unusable or its read-ahead failed, and
-    /// stays when it came too late (still filling, or ready while another chunk of the
-    /// same read was not) — unless [`LATE_OFF`] chunks in a row came too late: then the
-    /// reader keeps ahead of the ring on its own and the stream stops reading ahead.
+    /// stays when it came too late (still filling when the stream passed it — its reads
+    /// went to the base, or wait still — or ready while another chunk of the same read
+    /// was not) — unless [`LATE_OFF`] chunks in a row came too late: then the reader's
+    /// own queue reaches as far as the read-ahead, and the stream stops reading ahead.
     fn pop_front(&mut self, hot: &Hot, i: usize) {
         let max = self.cfg.max_window_chunks();
         let s = &mut self.streams[i];

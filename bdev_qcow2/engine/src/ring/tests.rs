@@ -13,6 +13,8 @@ struct Sim {
     hot: Hot,
     gens: std::collections::HashMap<u64, u32>,
     inflight: Vec<Fill>,
+    /// Reads waiting on a slot: (slot, bytes to copy from it, a prefix served before).
+    waiting: Vec<(u16, u64, bool)>,
 }
 
 impl Sim {
@@ -22,6 +24,7 @@ impl Sim {
             hot: Hot::default(),
             gens: Default::default(),
             inflight: Vec::new(),
+            waiting: Vec::new(),
         }
     }
 
@@ -49,6 +52,16 @@ impl Sim {
                 assert!(covered > 0 && covered < len);
                 (stream, covered)
             }
+            Lookup::Wait {
+                stream,
+                covered,
+                slot,
+            } => {
+                assert!(covered < len);
+                assert_eq!(self.ring.slots[slot as usize].state, State::Filling);
+                self.waiting.push((slot, len - covered, covered > 0));
+                (stream, covered)
+            }
         };
         if want > 0 {
             let mut covered = 0;
@@ -70,9 +83,40 @@ impl Sim {
     fn complete(&mut self) -> Vec<Fill> {
         let done: Vec<Fill> = self.inflight.drain(..).collect();
         for f in &done {
-            self.ring.filled(f.slot, true);
+            self.fill_done(*f, true);
         }
         done
+    }
+
+    /// Completes read-ahead `f` (`ok`: it succeeded) as `chain` does: the reads waiting on
+    /// it are served from it, or sent to the base; returns how many of each.
+    fn fill_done(&mut self, f: Fill, ok: bool) -> (u64, u64) {
+        let usable = self.ring.filled(f.slot, ok, self.gen(f.offset));
+        let (mut served, mut to_base) = (0, 0);
+        let waiting = std::mem::take(&mut self.waiting);
+        for (k, n, prefix) in waiting {
+            if k != f.slot {
+                self.waiting.push((k, n, prefix));
+            } else if usable {
+                self.ring.waiter_done(k, n, prefix);
+                served += 1;
+            } else {
+                self.ring.waiter_done(k, 0, prefix);
+                to_base += 1;
+            }
+        }
+        self.ring.woken(f.slot);
+        (served, to_base)
+    }
+
+    /// Completes the read-aheads in flight of chunks before `end`.
+    fn complete_before(&mut self, end: u64) {
+        let (done, still): (Vec<Fill>, Vec<Fill>) =
+            self.inflight.drain(..).partition(|f| f.offset < end);
+        self.inflight = still;
+        for f in done {
+            self.fill_done(f, true);
+        }
     }
 
     fn write(&mut self, off: u64) {
@@ -409,9 +453,11 @@ fn readers_that_jump_leave_no_read_ahead_stuck_and_push_out_no_live_stream() {
 
 #[test]
 fn a_reader_always_ahead_of_its_read_ahead_turns_it_off() {
-    // 128 KiB reads at a depth that keeps them ahead of the ring (a fast base): each
-    // read-ahead completes only once the reader has reached its chunk, so every chunk is
-    // passed still filling. After LATE_OFF such chunks the stream reads ahead no more.
+    // 128 KiB reads at QD8 on a fast base: the reader's own queue reaches as far as the
+    // ring, so each chunk is reached while it fills, its read waits, and the next read
+    // passes it still filling (late). After LATE_OFF such chunks the stream reads ahead
+    // no more.
+    const QD: u64 = 8;
     let mut sim = Sim::new(RingConfig::default(), DISK);
     let mut issued = 0u64;
     let mut per_read = Vec::new();
@@ -423,22 +469,155 @@ fn a_reader_always_ahead_of_its_read_ahead_turns_it_off() {
         );
         issued += (sim.inflight.len() - before) as u64;
         per_read.push(issued);
-        let reached = (k + 1) * CHUNK;
-        let (done, still): (Vec<Fill>, Vec<Fill>) =
-            sim.inflight.drain(..).partition(|f| f.offset < reached);
-        sim.inflight = still;
-        for f in done {
-            sim.ring.filled(f.slot, true);
-        }
+        // The read QD back completes: so do the read-aheads up to it.
+        sim.complete_before((k + 1).saturating_sub(QD - 1) * CHUNK);
     }
     assert!(
         per_read[SEQ_MIN as usize + 1] > 0,
         "it did read ahead at first"
     );
+    assert!(sim.ring.stats().reads_waited > 0);
     assert_eq!(
         per_read[63], per_read[31],
         "read-ahead still issued after the stream was always late: {per_read:?}"
     );
+}
+
+#[test]
+fn a_reader_that_waits_alone_keeps_reading_ahead_and_its_window_grows() {
+    // 128 KiB reads at QD1 on a slow base: each read reaches its chunk while it fills
+    // and waits for it. That is of use (the read-ahead started before the read): the
+    // window grows, the stream stays on.
+    let cfg = RingConfig::default();
+    let mut sim = Sim::new(cfg, DISK);
+    let mut most_in_flight = 0;
+    for k in 0..64u64 {
+        sim.read(k * CHUNK, CHUNK);
+        most_in_flight = most_in_flight.max(sim.inflight.len() as u64);
+        // Only the chunk the read waits for has come in.
+        sim.complete_before((k + 1) * CHUNK);
+    }
+    // Read-ahead of a whole window in flight at once, ahead of the reader (and the chunks
+    // about it: the one it waits for, the one it is about to enter).
+    let w = cfg.max_window / CHUNK;
+    assert!((w..=w + 2).contains(&most_in_flight), "{most_in_flight}");
+    let st = sim.ring.stats();
+    assert!(st.reads_waited > 50, "{st:?}");
+    assert_eq!(st.waited_to_base, 0);
+    assert_eq!(st.reads_served, st.reads_waited, "{st:?}");
+    assert_eq!(st.bytes_served, st.reads_served * CHUNK);
+    let s = sim.ring.streams.iter().find(|t| t.count > 0).unwrap();
+    assert!(!s.off);
+    assert_eq!(s.window as u64, cfg.max_window / CHUNK);
+    assert_eq!(st.bytes_evicted_unread, 0);
+}
+
+#[test]
+fn a_read_of_a_filling_chunk_waits_and_is_served_from_it() {
+    let mut sim = Sim::new(RingConfig::default(), DISK);
+    for k in 0..SEQ_MIN as u64 {
+        sim.read(k * B, B);
+    }
+    // Chunks 1 and 2 are filling; the stream reads on into chunk 1.
+    let fills = sim.inflight.clone();
+    assert_eq!(fills[0].offset, CHUNK);
+    for k in SEQ_MIN as u64..32 {
+        sim.read(k * B, B);
+    }
+    assert!(sim.waiting.is_empty());
+    for k in 32..40u64 {
+        assert!(!sim.read(k * B, B));
+    }
+    assert_eq!(sim.waiting.len(), 8);
+    let before = sim.ring.free.len();
+    let (served, to_base) = sim.fill_done(fills[0], true);
+    assert_eq!((served, to_base), (8, 0));
+    let st = sim.ring.stats();
+    assert_eq!(
+        (st.reads_waited, st.reads_served, st.bytes_served),
+        (8, 8, 8 * B)
+    );
+    // The rest of the chunk is a plain hit now; the waiter table is empty again.
+    assert!(sim.read(40 * B, B));
+    assert_eq!(sim.ring.waiting, 0);
+    assert_eq!(sim.ring.free.len(), before);
+}
+
+#[test]
+fn a_write_while_a_chunk_fills_sends_its_waiters_to_the_base() {
+    let mut sim = Sim::new(RingConfig::default(), DISK);
+    for k in 0..32u64 {
+        sim.read(k * B, B);
+    }
+    let fill = sim.inflight[0];
+    assert_eq!(fill.offset, CHUNK);
+    assert!(!sim.read(32 * B, B));
+    assert_eq!(sim.waiting.len(), 1);
+    // Any core writes the chunk while it fills (after its generation was recorded).
+    sim.write(CHUNK + 10 * B);
+    assert_eq!(sim.fill_done(fill, true), (0, 1));
+    let st = sim.ring.stats();
+    assert_eq!(
+        (st.reads_waited, st.waited_to_base, st.reads_served),
+        (1, 1, 0)
+    );
+    assert_eq!(st.invalidated, 1);
+    // Never served later either.
+    assert!(!sim.read(33 * B, B));
+    assert!(sim.waiting.is_empty(), "no read waits on a dead chunk");
+}
+
+#[test]
+fn a_failed_read_ahead_sends_its_waiters_to_the_base() {
+    let mut sim = Sim::new(RingConfig::default(), DISK);
+    for k in 0..32u64 {
+        sim.read(k * B, B);
+    }
+    let fill = sim.inflight[0];
+    assert!(!sim.read(32 * B, B) && !sim.read(33 * B, B));
+    assert_eq!(sim.fill_done(fill, false), (0, 2));
+    assert_eq!(sim.ring.stats().waited_to_base, 2);
+    assert!(!sim.read(34 * B, B));
+}
+
+#[test]
+fn a_chunk_released_while_reads_wait_on_it_serves_them_then_is_freed() {
+    let mut sim = Sim::new(RingConfig::default(), DISK);
+    for k in 0..32u64 {
+        sim.read(k * B, B);
+    }
+    let fill = sim.inflight[0];
+    assert!(!sim.read(32 * B, B));
+    assert!(!sim.read(33 * B, 31 * B));
+    // The stream moves past chunk 1 (its reads at a depth) while it fills.
+    sim.read(64 * B, B);
+    let slot = fill.slot as usize;
+    assert!(sim.ring.slots[slot].orphan);
+    let free = sim.ring.free.len();
+    assert_eq!(sim.fill_done(fill, true), (2, 0));
+    assert_eq!(sim.ring.slots[slot].state, State::Free);
+    assert_eq!(sim.ring.free.len(), free + 1);
+    // Served a read: not evicted unread.
+    assert_eq!(sim.ring.stats().bytes_evicted_unread, 0);
+}
+
+#[test]
+fn reads_beyond_the_waiter_table_or_over_two_filling_chunks_go_to_the_base() {
+    let mut sim = Sim::new(RingConfig::default(), DISK);
+    for k in 0..32u64 {
+        sim.read(k * B, B);
+    }
+    // The rest of a read over chunks 1 and 2, both filling: no waiting.
+    assert!(!sim.read(32 * B, CHUNK + B));
+    assert!(sim.waiting.is_empty());
+    let mut sim = Sim::new(RingConfig::default(), DISK);
+    for k in 0..32u64 {
+        sim.read(k * B, B);
+    }
+    sim.ring.waiting = MAX_WAITERS;
+    assert!(!sim.read(32 * B, B));
+    assert!(sim.waiting.is_empty());
+    assert_eq!(sim.ring.stats().reads_waited, 0);
 }
 
 #[test]

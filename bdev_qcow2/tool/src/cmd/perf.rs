@@ -187,6 +187,12 @@ pub struct RunResult {
     pub ring_bytes_read_ahead: u64,
     /// Prefetch ring: bytes of reads served from it.
     pub ring_bytes_served: u64,
+    /// Prefetch ring: reads it served a first part of (the rest read or waited for).
+    pub ring_reads_partial: u64,
+    /// Prefetch ring: reads that waited for a read-ahead in flight.
+    pub ring_reads_waited: u64,
+    /// Prefetch ring: of those, reads sent to the base (read-ahead failed or written).
+    pub ring_waited_to_base: u64,
     /// Prefetch ring: bytes read ahead and dropped unread.
     pub ring_bytes_evicted_unread: u64,
     /// Prefetch ring: chunks a write made unusable.
@@ -597,6 +603,9 @@ pub fn run_one(path: &Path, raw: bool, w: Workload, a: &PerfArgs) -> ToolResult<
         ring_readahead_ios: ring.readahead_ios,
         ring_bytes_read_ahead: ring.bytes_read_ahead,
         ring_bytes_served: ring.bytes_served,
+        ring_reads_partial: ring.reads_partial,
+        ring_reads_waited: ring.reads_waited,
+        ring_waited_to_base: ring.waited_to_base,
         ring_bytes_evicted_unread: ring.bytes_evicted_unread,
         ring_invalidated: ring.invalidated,
         verify_failures: fails,
@@ -716,6 +725,9 @@ fn merge(a: RunResult, b: RunResult) -> RunResult {
         ring_readahead_ios: a.ring_readahead_ios + b.ring_readahead_ios,
         ring_bytes_read_ahead: a.ring_bytes_read_ahead + b.ring_bytes_read_ahead,
         ring_bytes_served: a.ring_bytes_served + b.ring_bytes_served,
+        ring_reads_partial: a.ring_reads_partial + b.ring_reads_partial,
+        ring_reads_waited: a.ring_reads_waited + b.ring_reads_waited,
+        ring_waited_to_base: a.ring_waited_to_base + b.ring_waited_to_base,
         ring_bytes_evicted_unread: a.ring_bytes_evicted_unread + b.ring_bytes_evicted_unread,
         ring_invalidated: a.ring_invalidated + b.ring_invalidated,
         verify_failures: a.verify_failures + b.verify_failures,
