@@ -9,8 +9,10 @@
 # The count covers the whole reactor (vhost's virtqueue poller, the bdev layer, our bdev or
 # the passthru, the AIO bdev, every poller's idle passes) over a window of WIN seconds that
 # starts once the client runs; requests are the window's vhost-blk completions
-# (blk_request_complete_cb calls). It also prints, per request, the functions whose
-# inclusive cost differs most between the two servers.
+# (blk_request_complete_cb calls). It also prints the reactor iterations per request (the
+# count includes every poller's idle passes: a server that is not saturated, e.g. because a
+# loaded machine slows the client, runs more of them per request) and, per request, the
+# functions whose inclusive cost differs most between the two servers.
 #
 #   tests/vhost_instr.sh                           # randread 4096 QD32, 1 GiB image on tmpfs
 #   ARGS="-q 1 -o 4096 -w randread" tests/vhost_instr.sh
@@ -106,6 +108,10 @@ EOF
   total=$(awk '/PROGRAM TOTALS/ {gsub(",", "", $1); print $1; exit}' "$d.tree")
   [ "$n" -gt 0 ] || { echo "no request completed in the window" >&2; exit 1; }
   echo "$n" >"$d.n"
+  # Reactor iterations (each takes one look at the reactor's event ring): idle passes of
+  # every poller are part of the count, so compare runs whose iterations per request match.
+  grep -E "\* .*reactor.c:reactor_run " -A8 "$d.tree" | grep -E "> .*spdk_ring_dequeue" |
+    sed -E 's/.*\(([0-9,]+)x\).*/\1/' | tr -d , | head -1 >"$d.it"
   awk -v t="$total" -v n="$n" 'BEGIN {printf "%.0f", t / n}'
 }
 
@@ -113,6 +119,10 @@ q=$(count ours)
 p=$(count pt)
 printf 'vhost-user-blk server, %s, %s s window: instructions per request: ours %d passthru %d ratio %.3f\n' \
   "$ARGS" "$WIN" "$q" "$p" "$(awk -v a="$q" -v b="$p" 'BEGIN {print a / b}')"
+for k in ours pt; do
+  awk -v k="$k" -v i="$(cat "$WORK/$k.it")" -v n="$(cat "$WORK/$k.n")" \
+    'BEGIN {printf "%s: %d requests in the window, %.2f reactor iterations per request\n", k, n, i / n}'
+done
 # Inclusive cost per request of each function (its "*" line in the calling tree), side by
 # side; the largest differences first.
 per_fn() {
