@@ -759,8 +759,11 @@ impl Polled for Channel {
     fn poll(&self) -> Poll {
         // Idle (or a writable bdev's forwarding channel): nothing for the executor to do.
         let mut n = self.driver.poll(self);
-        let opening = self.forward_to.is_none() || self.opened.borrow().is_some();
-        if opening && self.chain.get().is_none() && !self.failed.get() {
+        // (The chain first: once it is built, this poll's idle checks stay cheap.)
+        if self.chain.get().is_none()
+            && !self.failed.get()
+            && (self.forward_to.is_none() || self.opened.borrow().is_some())
+        {
             self.try_ready();
             n += 1;
         }

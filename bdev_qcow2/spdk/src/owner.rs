@@ -536,10 +536,13 @@ impl Polled for Owner {
                 *self.arrived.borrow_mut() = arrived;
             }
         }
-        let asks = std::mem::take(&mut *self.unsent_asks.borrow_mut());
-        for a in asks {
-            n += 1;
-            channel::send_ask(a);
+        // (Checked first: this poller runs on every reactor iteration, mostly idle.)
+        if !self.unsent_asks.borrow().is_empty() {
+            let asks = std::mem::take(&mut *self.unsent_asks.borrow_mut());
+            for a in asks {
+                n += 1;
+                channel::send_ask(a);
+            }
         }
         // Dirty metadata that waited long enough for a flush goes back on its own, so the
         // cores take overwrites into its slices again (see `tick_background_writeback`).
@@ -550,7 +553,7 @@ impl Polled for Owner {
         {
             n += 1;
         }
-        if self.closing.borrow().is_none() {
+        if self.stream.borrow().is_some() && self.closing.borrow().is_none() {
             n += crate::stream_rpc::poll(self);
         }
         n += self.driver.poll(self);
