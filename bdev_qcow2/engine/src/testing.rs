@@ -14,6 +14,9 @@ pub enum LoggedOp {
     Write(u64, Vec<u8>),
     /// A completed flush.
     Flush,
+    /// The device grew to this many bytes (a file's new length, stable like a write once a
+    /// flush follows).
+    Grow(u64),
 }
 
 /// State shared between a [`MemDevice`] and the test that inspects it.
@@ -162,6 +165,9 @@ impl BlockDevice for MemDevice {
                 return Err(DeviceError(28)); // ENOSPC
             }
             s.data.resize(size as usize, 0);
+            if s.record {
+                s.log.push(LoggedOp::Grow(size));
+            }
         }
         Ok(())
     }
