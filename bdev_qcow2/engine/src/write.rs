@@ -649,12 +649,24 @@ impl<D: BlockDevice> Chain<D> {
         r
     }
 
-    /// The aligned group of guest clusters `(first, count)` that a first write of guest
+    /// The aligned group of guest clusters `first..end` that a first write of guest
     /// clusters `g..g + n` (`parts`, every one unallocated) takes at once under
-    /// `OpenOptions::alloc_granule`: when the group is larger than the write, lies in its
-    /// slice and in the disk, and its other clusters are unallocated (no backing file: they
-    /// read as zeros, as the fresh clusters taken for them do) with no allocation in flight.
-    fn granule_run(&self, q: &Owner<'_, D>, parts: &[Part], g: u64, n: u64) -> Option<(u64, u64)> {
+    /// `OpenOptions::alloc_granule`, with the plan that takes it: the write's own parts and,
+    /// in guest order between them, a part of nothing for every other cluster of the group
+    /// that is unallocated (no backing file: it reads as zeros, as the fresh cluster taken
+    /// for it does). Clusters of the group allocated already are left alone, so that a group
+    /// one write could not take whole (an allocation in flight, the zeroed tail in the way,
+    /// a new L2 table) is taken by the next first write into it. `None` when the group is no
+    /// larger than the write, crosses its slice or the disk's end, has an allocation in
+    /// flight or nothing else to take. Returns the first and last guest cluster of the plan
+    /// with it.
+    fn granule_run(
+        &self,
+        q: &Owner<'_, D>,
+        parts: &[Part],
+        g: u64,
+        n: u64,
+    ) -> Option<(u64, u64, Parts)> {
         let per = q.meta().granule_clusters();
         let geo = q.geometry();
         if per <= 1 || geo.extended_l2 || self.layers().len() > 1 || parts.len() as u64 != n {
@@ -678,17 +690,28 @@ impl<D: BlockDevice> Chain<D> {
             .next_multiple_of(per)
             .min(q.size().div_ceil(geo.cluster_size()));
         let slice = |c: u64| geo.slice_id(GuestOffset(c << bits));
-        if end <= g0 + n || slice(g0) != slice(end - 1) || !q.next_run_fresh(end - g0) {
+        if end <= g0 + n || slice(g0) != slice(end - 1) || q.meta().inflight_any(g0, end - 1) {
             return None;
         }
-        if q.meta().inflight_any(g0, end - 1) {
-            return None;
-        }
-        let others_unallocated = (g0..g).chain(g + n..end).all(|c| {
-            q.l2_words_now(GuestOffset(c << bits))
+        let mut all = Parts::new();
+        let mut own = parts.iter();
+        for c in g0..end {
+            if (g..g + n).contains(&c) {
+                all.extend(own.next().copied());
+            } else if q
+                .l2_words_now(GuestOffset(c << bits))
                 .is_some_and(|(e, _)| e.0 == 0)
-        });
-        others_unallocated.then_some((g0, end - g0))
+            {
+                let at = c << bits;
+                all.push(Part::new(at, at, at, Action::UNWRITTEN));
+            }
+        }
+        let take = all.len() as u64;
+        // The clusters marked in flight, from the plan's first part to its last (what
+        // `finish_chunk` unmarks); allocated ones between them only wait a little.
+        let first = all.first().map(|p| geo.guest_cluster(p.cluster))?;
+        let last = all.last().map(|p| geo.guest_cluster(p.cluster))?;
+        (take > n && q.next_run_fresh(take)).then_some((first, last, all))
     }
 
     /// [`plan`](Self::plan) on the spot, for a write of guest bytes `[start, end)` inside
@@ -758,30 +781,19 @@ impl<D: BlockDevice> Chain<D> {
         let (mut first, mut last) = (first, last);
         if let Some((g, n)) = allocating {
             let granule = self.granule_run(q, &parts, g, n);
-            let run = match granule {
-                Some((_, n0)) => q.alloc_clusters_now(n0)?,
+            let run = match &granule {
+                Some((_, _, all)) => q.alloc_clusters_now(all.len() as u64)?,
                 None => None,
             };
             match (granule, run) {
-                (Some((g0, n0)), Some(run)) => {
-                    // The other clusters of the group join the plan as first writes of
-                    // nothing: their entries map the run, and fresh clusters read zeros.
-                    let cs_bits = geo.cluster_bits;
-                    let mut all = Parts::new();
-                    let mut own = parts.iter().peekable();
-                    for c in g0..g0 + n0 {
-                        match own.next_if(|p| geo.guest_cluster(p.cluster) == c) {
-                            Some(p) => all.push(*p),
-                            None => {
-                                let at = c << cs_bits;
-                                all.push(Part::new(at, at, at, Action::UNWRITTEN));
-                            }
-                        }
-                    }
+                (Some((g_first, g_last, all)), Some(run)) => {
+                    // The other unallocated clusters of the group join the plan as first
+                    // writes of nothing: their entries map the run, and fresh clusters
+                    // read zeros.
+                    m.st_mut().stats.clusters_taken_ahead += all.len() as u64 - n;
                     parts = all;
-                    (first, last) = (g0, g0 + n0 - 1);
+                    (first, last) = (g_first, g_last);
                     allocs.push(run);
-                    m.st_mut().stats.clusters_taken_ahead += n0 - n;
                 }
                 _ => {
                     let Some(run) = q.alloc_clusters_now(n)? else {

@@ -1294,7 +1294,8 @@ fn core_routes_writes_by_its_cached_slice() {
     // `Chain::route_write` on a core: an uncached slice is loaded here first (local); a
     // current slice sends first writes to the owner and keeps overwrites here (direct); a
     // slice the owner changed and holds dirty sends the write to the owner without a fetch.
-    let mut rig = Rig::new(5, 1, false, 1);
+    // (One cluster per first write: the test names which clusters are unallocated.)
+    let mut rig = Rig::with_granule(5, 1, false, 1, 0);
     let cs = 4096u64;
     write_sync(&mut rig, 1, 0, 31, cs);
     flush_sync(&mut rig, 2);

@@ -1238,6 +1238,58 @@ fn first_writes_take_their_group_ahead_and_the_rest_read_zeros() {
     assert!(st.clusters_taken_ahead >= 512, "{st:?}");
 }
 
+/// A group some of whose clusters are allocated already (here by qemu-io, or by a first
+/// write through the task path) is still taken by the next first write planned on the
+/// spot: its unallocated clusters, one host run in guest order, and nothing else.
+#[test]
+fn a_partly_allocated_group_is_taken_by_the_next_first_write() {
+    let dir = tempfile::tempdir().unwrap();
+    let (img, mut raw) = make_image(
+        dir.path(),
+        "cluster_size=4096",
+        "8M",
+        &["write -P 7 12K 4K", "write -P 8 36K 4K"],
+    );
+    let (exec, dev, chain) = open(
+        img,
+        OpenOptions {
+            writable: true,
+            alloc_granule: 64 << 10,
+            ..OpenOptions::default()
+        },
+    );
+    let chain = chain.unwrap();
+    let write = |c: u64, byte: u8, raw: &mut Vec<u8>| {
+        let buf = HeapBuf::new(4096);
+        buf.copy_in(0, &[byte; 4096]);
+        raw[(c << 12) as usize..((c + 1) << 12) as usize].fill(byte);
+        wait_for(&exec, |t| chain.submit_write(t, c << 12, BufSlice::whole(buf))).unwrap();
+    };
+    // Through the task path (the slice is not in the owner's cache yet): one cluster.
+    write(20, 1, &mut raw);
+    let before = owner_stats(&chain);
+    // Group 0..16 less clusters 3 and 9; group 16..32 less cluster 20.
+    write(5, 2, &mut raw);
+    write(22, 3, &mut raw);
+    let after = owner_stats(&chain);
+    assert_eq!(after.writes_planned_now - before.writes_planned_now, 2, "{after:?}");
+    assert_eq!(
+        after.clusters_taken_ahead - before.clusters_taken_ahead,
+        13 + 14,
+        "{after:?}"
+    );
+    let host = |c: u64| direct_host(&exec, &chain, c << 12, 4096, true).expect("allocated");
+    let taken: Vec<u64> = (0..16).filter(|c| ![3, 9].contains(c)).collect();
+    for w in taken.windows(2) {
+        assert_eq!(host(w[1]), host(w[0]) + 4096, "one run in guest order: {w:?}");
+    }
+    // The clusters taken ahead read zeros and take overwrites in place.
+    write(0, 4, &mut raw);
+    write(31, 5, &mut raw);
+    wait_for(&exec, |t| chain.submit_flush(t)).unwrap();
+    check_and_compare(dir.path(), &dev, &raw);
+}
+
 fn first_writes_planned_on_the_spot(
     opts: &str,
     granule: u64,
