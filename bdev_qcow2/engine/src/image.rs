@@ -1075,7 +1075,13 @@ impl<D: BlockDevice> Qcow2<D> {
     /// slice).
     #[inline(never)]
     fn remember_mapped(&self, key: u64, stamp: (u32, u32), meta_gen: u64, block: &[u64]) {
-        let hosts = block.iter().map(|&e| self.memo_word(L2Entry(e)));
+        // One decode per entry, the context and the bitmap read once: a slice that changes
+        // under a fill is remembered again for every new copy.
+        let ctx = self.ctx.get();
+        let core = self.writable_core_shared();
+        let hosts = block
+            .iter()
+            .map(|&e| memo_word_in(ctx.cluster_bits, ctx.device_size, core, L2Entry(e)));
         self.memo.remember_mapped(key, stamp, meta_gen, hosts);
     }
 
@@ -1083,16 +1089,12 @@ impl<D: BlockDevice> Qcow2<D> {
     /// COPIED data inside the device and, on a writable core replica, not metadata; else 0.
     pub(crate) fn memo_word(&self, e: L2Entry) -> u32 {
         let ctx = self.ctx.get();
-        let bits = ctx.cluster_bits;
-        let cluster = match e.plain_data(bits, ctx.device_size) {
-            Some((h, true)) => h >> bits,
-            _ => return 0,
-        };
-        let core = self.writable_core_shared();
-        match u32::try_from(cluster) {
-            Ok(c) if core.is_none_or(|sh| sh.meta_range_clear(cluster, 1)) => c,
-            _ => 0,
-        }
+        memo_word_in(
+            ctx.cluster_bits,
+            ctx.device_size,
+            self.writable_core_shared(),
+            e,
+        )
     }
 
     /// Where this replica's cached L2 entry for `off` lies in memory, if its slice is cached
@@ -1505,5 +1507,19 @@ impl<D: BlockDevice> Replica<'_, D> {
             });
             return Ok(Some(w));
         }
+    }
+}
+
+/// [`Qcow2::memo_word`] with the image's cluster bits, device size and (on a writable core
+/// replica) metadata bitmap given.
+#[inline(always)]
+fn memo_word_in(bits: u32, device_size: u64, core: Option<&Shared>, e: L2Entry) -> u32 {
+    let Some((h, true)) = e.plain_data(bits, device_size) else {
+        return 0;
+    };
+    let cluster = h >> bits;
+    match u32::try_from(cluster) {
+        Ok(c) if core.is_none_or(|sh| !sh.is_meta_cluster(cluster)) => c,
+        _ => 0,
     }
 }

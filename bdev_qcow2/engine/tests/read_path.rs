@@ -1263,7 +1263,10 @@ fn a_partly_allocated_group_is_taken_by_the_next_first_write() {
         let buf = HeapBuf::new(4096);
         buf.copy_in(0, &[byte; 4096]);
         raw[(c << 12) as usize..((c + 1) << 12) as usize].fill(byte);
-        wait_for(&exec, |t| chain.submit_write(t, c << 12, BufSlice::whole(buf))).unwrap();
+        wait_for(&exec, |t| {
+            chain.submit_write(t, c << 12, BufSlice::whole(buf))
+        })
+        .unwrap();
     };
     // Through the task path (the slice is not in the owner's cache yet): one cluster.
     write(20, 1, &mut raw);
@@ -1272,7 +1275,11 @@ fn a_partly_allocated_group_is_taken_by_the_next_first_write() {
     write(5, 2, &mut raw);
     write(22, 3, &mut raw);
     let after = owner_stats(&chain);
-    assert_eq!(after.writes_planned_now - before.writes_planned_now, 2, "{after:?}");
+    assert_eq!(
+        after.writes_planned_now - before.writes_planned_now,
+        2,
+        "{after:?}"
+    );
     assert_eq!(
         after.clusters_taken_ahead - before.clusters_taken_ahead,
         13 + 14,
@@ -1281,7 +1288,11 @@ fn a_partly_allocated_group_is_taken_by_the_next_first_write() {
     let host = |c: u64| direct_host(&exec, &chain, c << 12, 4096, true).expect("allocated");
     let taken: Vec<u64> = (0..16).filter(|c| ![3, 9].contains(c)).collect();
     for w in taken.windows(2) {
-        assert_eq!(host(w[1]), host(w[0]) + 4096, "one run in guest order: {w:?}");
+        assert_eq!(
+            host(w[1]),
+            host(w[0]) + 4096,
+            "one run in guest order: {w:?}"
+        );
     }
     // The clusters taken ahead read zeros and take overwrites in place.
     write(0, 4, &mut raw);

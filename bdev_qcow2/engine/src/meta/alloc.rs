@@ -7,7 +7,7 @@
 //! reserved regions never overlap each other; `rt_grows` only increases, so a search that
 //! saw it change knows the refcount table moved under it.
 
-use super::{HashMap, HashSet};
+use super::HashMap;
 use std::collections::BTreeMap;
 
 /// Host clusters reserved for the data clusters of one run of guest clusters (a slice, or
@@ -157,34 +157,70 @@ impl AllocState {
     }
 }
 
-/// Guest clusters with an allocation in flight: a handful at a time, looked up by every
-/// write the owner plans (hashed; an empty set answers without hashing).
+/// Guest clusters with an allocation in flight: a handful of runs at a time (one per
+/// planned write, a group of clusters taken ahead being one run), looked up by every
+/// write the owner plans. Runs never overlap: a writer marks only clusters none marks.
 #[derive(Debug, Default)]
-pub struct Inflight(HashSet<u64>);
+pub struct Inflight(Vec<(u64, u64)>);
 
 impl Inflight {
     /// Whether guest cluster `c` has an allocation in flight.
     #[inline]
     pub fn contains(&self, c: u64) -> bool {
-        !self.0.is_empty() && self.0.contains(&c)
+        self.any(c, c)
     }
     /// Whether any of guest clusters `first..=last` has one.
     #[inline]
     pub fn any(&self, first: u64, last: u64) -> bool {
-        !self.0.is_empty() && (first..=last).any(|c| self.0.contains(&c))
+        self.0.iter().any(|&(a, b)| a <= last && first <= b)
     }
-    /// Whether any guest cluster at or past `first` has one (the set is small).
+    /// Whether any guest cluster at or past `first` has one.
     pub fn any_from(&self, first: u64) -> bool {
-        self.0.iter().any(|&c| c >= first)
+        self.0.iter().any(|&(_, b)| b >= first)
     }
     /// Marks guest clusters `first..=last`.
     pub fn mark(&mut self, first: u64, last: u64) {
-        self.0.extend(first..=last);
+        debug_assert!(!self.any(first, last), "{first}..={last} marked twice");
+        self.0.push((first, last));
     }
-    /// Unmarks guest clusters `first..=last`.
+    /// Unmarks guest clusters `first..=last` (what is left of a run around them stays).
     pub fn unmark(&mut self, first: u64, last: u64) {
-        for c in first..=last {
-            self.0.remove(&c);
+        let mut i = 0;
+        while i < self.0.len() {
+            let (a, b) = self.0[i];
+            if a > last || b < first {
+                i += 1;
+                continue;
+            }
+            self.0.swap_remove(i);
+            if a < first {
+                self.0.push((a, first - 1));
+            }
+            if b > last {
+                self.0.push((last + 1, b));
+            }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Inflight;
+
+    #[test]
+    fn inflight_runs_answer_by_cluster_and_unmark_in_part() {
+        let mut f = Inflight::default();
+        assert!(!f.contains(0) && !f.any(0, u64::MAX) && !f.any_from(0));
+        f.mark(16, 31);
+        f.mark(40, 40);
+        assert!(f.contains(16) && f.contains(31) && f.contains(40));
+        assert!(!f.contains(15) && !f.contains(32) && !f.contains(39));
+        assert!(f.any(0, 16) && f.any(31, 35) && !f.any(32, 39));
+        assert!(f.any_from(40) && !f.any_from(41));
+        // Part of a run: the rest stays marked.
+        f.unmark(20, 23);
+        assert!(f.contains(19) && !f.contains(20) && !f.contains(23) && f.contains(24));
+        f.unmark(0, 100);
+        assert!(!f.any(0, u64::MAX));
     }
 }
