@@ -20,7 +20,7 @@ use crate::format::{
 };
 use crate::io::{BlockDevice, BufSlice, IoBuffer, SECTOR};
 use crate::limits::MAX_CACHE_BYTES;
-use crate::memo::{SliceMemo, MEMO_NO_META_GEN};
+use crate::memo::{MappedRow, SliceMemo, MEMO_NO_META_GEN};
 use crate::types::{Geometry, GuestOffset, HostOffset, SUBCLUSTERS};
 use std::cell::{Cell, Ref, RefCell};
 use std::sync::Arc;
@@ -1286,6 +1286,50 @@ impl<D: BlockDevice> Qcow2<D> {
         Ok(Some(w))
     }
 
+    /// Core replica: caches the owner's copy `words` of slice `key`, taken under `stamp`.
+    /// When the memo holds a mapped row built from the copy cached now, the row is carried
+    /// over to the new copy with only the entries that differ decoded: while the owner fills
+    /// a slice a core takes a new copy every few dozen allocations, and decoding all of its
+    /// entries each time cost more than the rest of the requests' work.
+    fn cache_slice_copy(&self, key: u64, stamp: SliceStamp, words: &[u64]) -> usize {
+        let carried = if self.geo.extended_l2 {
+            None
+        } else {
+            self.carry_memo_row(key, words)
+        };
+        let w = self.cache_slice(key, stamp, |b| b.copy_from_slice(words));
+        if let Some((row, meta_gen)) = carried {
+            self.memo
+                .carry_mapped(row, (stamp.epoch(), stamp.removals()), meta_gen);
+        }
+        w
+    }
+
+    /// The memo's mapped row of slice `key`, patched to `words` (standard L2), with the
+    /// metadata generation it holds under; `None` when the memo holds no row built from
+    /// the cached copy (or the row cannot take the patch).
+    fn carry_memo_row(&self, key: u64, words: &[u64]) -> Option<(MappedRow, u64)> {
+        let meta_gen = self
+            .writable_core_shared()
+            .map_or(MEMO_NO_META_GEN, |sh| sh.meta_gen());
+        let cache = self.l2_cache.borrow();
+        let way = cache.peek(key)?;
+        let epoch = cache.peek_epoch(key)?;
+        let row = self
+            .memo
+            .mapped_row(key, (epoch, cache.aux(way).removals), meta_gen)?;
+        let old = cache.block(way);
+        if old.len() != words.len() {
+            return None;
+        }
+        for (i, (&a, &b)) in old.iter().zip(words).enumerate() {
+            if a != b && !self.memo.patch_row(&row, i, self.memo_word(L2Entry(b))) {
+                return None;
+            }
+        }
+        Some((row, meta_gen))
+    }
+
     /// Caches slice `key` read under `stamp` (`fill` writes its words) with its summary
     /// ([`SliceSummary`]); returns the way. Every L2 slice enters the cache here.
     pub(crate) fn cache_slice(
@@ -1478,7 +1522,7 @@ impl<D: BlockDevice> Replica<'_, D> {
                 match self.ask_owner(key).await {
                     SliceReply::Copy { words, stamp } => {
                         q.sync_core();
-                        let w = q.cache_slice(key, stamp, |b| b.copy_from_slice(&words));
+                        let w = q.cache_slice_copy(key, stamp, &words);
                         // Taken after this request began: valid for it whatever the epoch
                         // is now; the cache keeps it only while the epoch stays.
                         return Ok(Some(w));

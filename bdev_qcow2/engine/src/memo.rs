@@ -67,6 +67,14 @@ pub struct SliceMemo {
     kept: Cell<u64>,
 }
 
+/// A mapped row of [`SliceMemo`] to carry over to a newer copy of its slice: taken by
+/// [`SliceMemo::mapped_row`], used once by [`SliceMemo::carry_mapped`].
+#[derive(Debug)]
+pub struct MappedRow {
+    key: u64,
+    host: u64,
+}
+
 #[derive(Clone, Copy, Debug)]
 struct MemoSlot {
     key: u64,
@@ -299,6 +307,49 @@ impl SliceMemo {
         }
     }
 
+    /// Slice `key`'s mapped row, when the memo holds it as remembered from the copy cached
+    /// under `(epoch, removals)` with metadata generation `meta_gen`: a newer copy of the
+    /// slice can take the row over ([`carry_mapped`](Self::carry_mapped)) with only the
+    /// entries that changed patched, instead of decoding every entry again.
+    pub fn mapped_row(
+        &self,
+        key: u64,
+        (epoch, removals): (u32, u32),
+        meta_gen: u64,
+    ) -> Option<MappedRow> {
+        let s = self.slot(key).get();
+        (s.key == key
+            && s.host & MAPPED != 0
+            && s.epoch == epoch
+            && s.removals == removals
+            && s.meta_gen == meta_gen)
+            .then_some(MappedRow { key, host: s.host })
+    }
+
+    /// Entry `index` of `row` takes host cluster `host` (as
+    /// [`patch_mapped`](Self::patch_mapped)); false when the row has no such entry (the row
+    /// must not be carried over then).
+    pub fn patch_row(&self, row: &MappedRow, index: usize, host: u32) -> bool {
+        let cell = (index < self.entries)
+            .then(|| self.map.get()?.get(row.host as u32 as usize + index))
+            .flatten();
+        cell.map(|w| w.set(word(index, host))).is_some()
+    }
+
+    /// Remembers `row`'s slice again, now as read under `(epoch, removals)`, once every
+    /// entry in which the newer copy differs is patched ([`patch_row`](Self::patch_row))
+    /// and nothing else was remembered since [`mapped_row`](Self::mapped_row) (the row's
+    /// words are still the slice's even if the slot was forgotten meanwhile).
+    pub fn carry_mapped(&self, row: MappedRow, (epoch, removals): (u32, u32), meta_gen: u64) {
+        self.slot(row.key).set(MemoSlot {
+            key: row.key,
+            host: row.host,
+            epoch,
+            removals,
+            meta_gen,
+        });
+    }
+
     /// Forgets every slice (the L1 table was replaced).
     pub fn forget_all(&self) {
         for slot in &self.slots[..self.slots()] {
@@ -410,6 +461,36 @@ mod tests {
         assert_eq!(m.extent(5, 6, 2 * c, 512), None, "rows are padded with 0");
         m.forget(5);
         assert_eq!(m.extent(5, 6, c, 512), None);
+    }
+
+    #[test]
+    fn a_mapped_row_is_carried_to_a_newer_copy_only_from_the_copy_it_was_built_from() {
+        let m = SliceMemo::new(4, 8, 16);
+        let c = 1u64 << 16;
+        m.remember_mapped(1, (5, 2), 9, [7u32, 0, 9].into_iter());
+        assert!(m.mapped_row(1, (7, 2), 9).is_none(), "another copy");
+        assert!(
+            m.mapped_row(1, (5, 3), 9).is_none(),
+            "another count of removals"
+        );
+        assert!(m.mapped_row(1, (5, 2), 10).is_none(), "the bitmap moved");
+        assert!(
+            m.mapped_row(5, (5, 2), 9).is_none(),
+            "another key in the slot"
+        );
+        let row = m.mapped_row(1, (5, 2), 9).expect("the row of copy (5, 2)");
+        assert!(m.patch_row(&row, 1, 4));
+        assert!(!m.patch_row(&row, 8, 4), "past the row");
+        // The cache forgets the slice while it takes the new copy; the row comes back.
+        m.forget(1);
+        m.carry_mapped(row, (9, 2), 9);
+        assert_eq!(m.extent(1, 5, c, 512), None, "the old copy's epoch");
+        assert_eq!(m.extent(1, 9, c + 512, 512), Some(4 * c + 512), "patched");
+        assert_eq!(m.extent(1, 9, 2 * c, 512), Some(9 * c), "kept");
+        assert_eq!(m.extent(1, 9, 0, 512), Some(7 * c));
+        // A linear slot is no row to carry.
+        m.remember(2, 1 << 30, (6, 0), MEMO_NO_META_GEN);
+        assert!(m.mapped_row(2, (6, 0), MEMO_NO_META_GEN).is_none());
     }
 
     #[test]
