@@ -1025,10 +1025,8 @@ impl<D: BlockDevice> Qcow2<D> {
                     let meta_gen = self
                         .writable_core_shared()
                         .map_or(MEMO_NO_META_GEN, |sh| sh.meta_gen());
-                    if self.memo.takes_mapped(key, epoch, meta_gen) {
-                        let removals = cache.aux(way).removals;
-                        self.remember_mapped(key, (epoch, removals), meta_gen, cache.block(way));
-                    }
+                    let removals = cache.aux(way).removals;
+                    self.refresh_mapped(key, (epoch, removals), meta_gen, cache.block(way));
                 }
                 let in_cluster = off & (cs - 1);
                 if in_cluster + len > cs {
@@ -1066,6 +1064,21 @@ impl<D: BlockDevice> Qcow2<D> {
         };
         cache.touch_fresh(hit);
         Ok(host)
+    }
+
+    /// Brings the memo's mapped row of slice `key` (cached under `stamp` with entries
+    /// `block`) to metadata generation `meta_gen`: in place when it holds the row under an
+    /// older generation (a new L2 table or refcount block moves the generation, dozens of
+    /// times in a fill, and each move would otherwise decode every slice again), else
+    /// afresh when [`SliceMemo::takes_mapped`] says so.
+    fn refresh_mapped(&self, key: u64, stamp: (u32, u32), meta_gen: u64, block: &[u64]) {
+        let sh = self.writable_core_shared();
+        let is_meta = |c: u64| sh.is_some_and(|sh| sh.is_meta_cluster(c));
+        if !self.memo.revalidate_mapped(key, stamp, meta_gen, is_meta)
+            && self.memo.takes_mapped(key, stamp.0, meta_gen)
+        {
+            self.remember_mapped(key, stamp, meta_gen, block);
+        }
     }
 
     /// Remembers slice `key`, a standard (not extended) slice that is not linear, cached
@@ -1233,9 +1246,7 @@ impl<D: BlockDevice> Qcow2<D> {
             }
             None if !self.geo.extended_l2 => {
                 let meta_gen = sh.meta_gen();
-                if self.memo.takes_mapped(key, epoch, meta_gen) {
-                    self.remember_mapped(key, stamp, meta_gen, cache.block(hit.way));
-                }
+                self.refresh_mapped(key, stamp, meta_gen, cache.block(hit.way));
             }
             _ => {}
         }

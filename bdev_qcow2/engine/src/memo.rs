@@ -255,6 +255,45 @@ impl SliceMemo {
         n.is_multiple_of(MAPPED_EVICT_EVERY)
     }
 
+    /// Brings slice `key`'s mapped row, remembered under `(epoch, removals)` but an older
+    /// metadata generation, to generation `meta_gen` (read before the bitmap) without
+    /// decoding its slice again: every word whose host cluster `is_meta` now stops
+    /// answering. Clusters only ever become metadata, so the rest still holds. False when
+    /// the slot holds no such row (the caller remembers the slice afresh).
+    pub fn revalidate_mapped(
+        &self,
+        key: u64,
+        (epoch, removals): (u32, u32),
+        meta_gen: u64,
+        is_meta: impl Fn(u64) -> bool,
+    ) -> bool {
+        let s = self.slot(key).get();
+        if s.key != key
+            || s.host & MAPPED == 0
+            || s.epoch != epoch
+            || s.removals != removals
+            || s.meta_gen == meta_gen
+        {
+            return false;
+        }
+        let start = s.host as u32 as usize;
+        let Some(row) = self
+            .map
+            .get()
+            .and_then(|m| m.get(start..start + self.entries))
+        else {
+            return false;
+        };
+        for (i, w) in row.iter().enumerate() {
+            let v = w.get();
+            if v != NO_WORD && is_meta((i64::from(v) + i as i64) as u64) {
+                w.set(NO_WORD);
+            }
+        }
+        self.slot(key).set(MemoSlot { meta_gen, ..s });
+        true
+    }
+
     /// Remembers slice `key`, read under `epoch` and `removals`, as mapped: `hosts` gives the host cluster
     /// of each entry in order (0: the memo does not answer for it; at most as many as a
     /// slice has entries, the rest 0); `meta_gen` as for [`remember`](Self::remember).
@@ -491,6 +530,36 @@ mod tests {
         // A linear slot is no row to carry.
         m.remember(2, 1 << 30, (6, 0), MEMO_NO_META_GEN);
         assert!(m.mapped_row(2, (6, 0), MEMO_NO_META_GEN).is_none());
+    }
+
+    #[test]
+    fn a_new_metadata_generation_revalidates_a_mapped_row_in_place() {
+        let m = SliceMemo::new(4, 8, 16);
+        let c = 1u64 << 16;
+        m.remember_mapped(1, (5, 2), 9, [7u32, 0, 9, 10].into_iter());
+        assert!(
+            !m.revalidate_mapped(1, (5, 2), 9, |_| true),
+            "same generation"
+        );
+        assert!(
+            !m.revalidate_mapped(1, (7, 2), 10, |_| true),
+            "another copy"
+        );
+        assert!(!m.revalidate_mapped(1, (5, 3), 10, |_| true), "a removal");
+        // Cluster 9 became metadata under generation 10.
+        assert!(m.revalidate_mapped(1, (5, 2), 10, |h| h == 9));
+        assert_eq!(
+            m.extent_overwrite(1, (5, 2), 9, 0, 512),
+            None,
+            "old generation"
+        );
+        assert_eq!(m.extent_overwrite(1, (5, 2), 10, 0, 512), Some(7 * c));
+        assert_eq!(
+            m.extent_overwrite(1, (5, 2), 10, 2 * c, 512),
+            None,
+            "metadata now"
+        );
+        assert_eq!(m.extent_overwrite(1, (5, 2), 10, 3 * c, 512), Some(10 * c));
     }
 
     #[test]
