@@ -279,13 +279,28 @@ impl<D: BlockDevice> Chain<D> {
     /// The fast path: plans the request from cached slices only; returns false (having
     /// changed nothing but LRU/hit counters) when a slow path is needed.
     fn try_fast_read(&self, tag: u64, offset: u64, buf: &BufSlice<D::Buf>, parity: u8) -> bool {
+        self.try_fast_read_as(tag, offset, buf, parity, false)
+    }
+
+    /// [`try_fast_read`](Self::try_fast_read) of a guest request (`internal` false) or of
+    /// the engine's own (a read-ahead into the ring: its end goes to the executor's
+    /// internal sink under token `tag`). Nothing submitted when it returns false.
+    pub(crate) fn try_fast_read_as(
+        &self,
+        tag: u64,
+        offset: u64,
+        buf: &BufSlice<D::Buf>,
+        parity: u8,
+        internal: bool,
+    ) -> bool {
         let Layer::Qcow2(q) = &self.layers[0] else {
             let Layer::Raw { dev, .. } = &self.layers[0] else {
                 return false;
             };
-            self.exec.request_single(
+            self.exec.request_single_as(
                 tag,
                 parity,
+                internal,
                 *dev,
                 DeviceOp::Read {
                     offset,
@@ -334,9 +349,10 @@ impl<D: BlockDevice> Chain<D> {
             buf.sub(o, n).zero();
         }
         if let [r] = runs.as_slice() {
-            self.exec.request_single(
+            self.exec.request_single_as(
                 tag,
                 parity,
+                internal,
                 q.dev(),
                 DeviceOp::Read {
                     offset: r.host,
@@ -345,7 +361,7 @@ impl<D: BlockDevice> Chain<D> {
             );
             return true;
         }
-        let req = self.exec.request_begin_entered(tag, parity);
+        let req = self.exec.request_begin_as(tag, parity, internal);
         for r in runs.iter() {
             self.exec.request_op(
                 req,

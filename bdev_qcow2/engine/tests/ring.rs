@@ -442,13 +442,14 @@ fn a_failed_read_ahead_sends_the_reads_waiting_for_it_to_the_base() {
     devs[0].0.borrow_mut().latency_polls = 10;
     let mut tags = Vec::new();
     for k in 0..32u64 {
+        if k == 2 {
+            // The third read starts the stream's read-ahead, chunks 1 and 2, submitted
+            // at once before the read's own: chunk 1's fails.
+            let mut s = devs[0].0.borrow_mut();
+            s.fail_op = Some((s.ops, 5));
+        }
         assert!(!start(&chain, k * 4096, 4096, 100 + k).1);
         tags.push(100 + k);
-    }
-    // The next device operation is chunk 1's read-ahead (spawned first): it fails.
-    {
-        let mut s = devs[0].0.borrow_mut();
-        s.fail_op = Some((s.ops, 5));
     }
     let mut bufs = Vec::new();
     for k in 32..36u64 {

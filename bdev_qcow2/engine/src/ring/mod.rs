@@ -177,6 +177,8 @@ enum State {
 #[derive(Debug, Clone, Copy)]
 struct Slot {
     state: State,
+    /// Guest offset of its chunk.
+    offset: u64,
     /// Valid bytes (less than a chunk only at the end of the disk).
     len: u32,
     /// Write generation of the chunk's region, recorded before its read-ahead was issued.
@@ -193,6 +195,7 @@ struct Slot {
 impl Slot {
     const EMPTY: Slot = Slot {
         state: State::Free,
+        offset: 0,
         len: 0,
         gen: 0,
         used: false,
@@ -546,11 +549,17 @@ impl Ring {
         hot.set_busy(i, true);
         self.slots[slot as usize] = Slot {
             state: State::Filling,
+            offset,
             len,
             ..Slot::EMPTY
         };
         self.stats.readahead_ios += 1;
         Some(Fill { slot, offset, len })
+    }
+
+    /// Guest offset of the chunk in `slot` (filling, or filled).
+    pub fn chunk_offset(&self, slot: u16) -> u64 {
+        self.slots[slot as usize].offset
     }
 
     /// The read-ahead into `slot` starts under write generation `gen` of its chunk.
