@@ -5,7 +5,7 @@
 //! once into the ring, nothing past the end of the disk).
 
 use super::wait::{Waiter, Waiters};
-use super::{Fill, Lookup, Ring, RingConfig, RingStats, WriteGens};
+use super::{Fill, Lookup, Ring, RingConfig, RingStats, WriteGens, CHUNK};
 use crate::chain::{read_layer, Chain, Layer};
 use crate::error::{Error, Result};
 use crate::exec::{InternalSink, SINK_SHIFT};
@@ -28,10 +28,11 @@ pub enum RingServed {
     /// The first `n` bytes (not all, not none) were copied: the host routes the rest,
     /// `len - n` bytes at `offset + n` into the read's buffer from `n` on.
     Prefix(u64),
-    /// The first bytes (maybe none) were copied and the rest is being read ahead: the
-    /// host must hand the read to [`Chain::ring_wait`] at once, with a tag; the engine
-    /// completes that tag once the rest is copied from the ring (or, when a write made
-    /// that chunk unusable while it filled or its read-ahead failed, read from the base).
+    /// The first bytes (maybe none) were copied and the rest is being read ahead (one
+    /// chunk or several): the host must hand the read to [`Chain::ring_wait`] at once,
+    /// with a tag; the engine completes that tag once the rest is copied from the ring
+    /// (or, when a write made one of those chunks unusable while it filled or its
+    /// read-ahead failed, read from the base).
     Wait(RingWait),
 }
 
@@ -39,7 +40,8 @@ pub enum RingServed {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[must_use]
 pub struct RingWait {
-    slot: u16,
+    /// The stream holding the chunks it waits for.
+    stream: u8,
     /// Bytes from the start of the read already copied.
     covered: u64,
     /// Guest offset of the read.
@@ -215,9 +217,7 @@ impl<D: BlockDevice> Chain<D> {
                 (stream, RingServed::Prefix(covered))
             }
             Lookup::Wait {
-                stream,
-                covered,
-                slot,
+                stream, covered, ..
             } => {
                 if covered > 0 {
                     ring.pieces(stream, offset, covered, |src_off, off, n| {
@@ -225,7 +225,7 @@ impl<D: BlockDevice> Chain<D> {
                     });
                 }
                 let wait = RingWait {
-                    slot,
+                    stream,
                     covered,
                     offset,
                 };
@@ -279,21 +279,32 @@ impl<D: BlockDevice> Chain<D> {
         let Some(rh) = guard.as_mut() else {
             unreachable!("a ring that answered Wait stays on");
         };
-        rh.waiters.push(
-            wait.slot,
-            Waiter {
-                tag,
-                offset: wait.offset + wait.covered,
-                buf: rest,
-                prefix: covered > 0,
-            },
-        );
+        // The chunks the lookup counted it waiting for, still the stream's (nothing ran
+        // since): one link on each.
+        let from = wait.offset + wait.covered;
+        let (c0, c1) = (from / CHUNK, (from + rest.len as u64 - 1) / CHUNK);
+        let read = rh.waiters.add(Waiter {
+            tag,
+            offset: from,
+            buf: rest,
+            prefix: covered > 0,
+            pending: (c1 - c0 + 1) as u32,
+            dead: false,
+        });
+        for c in c0..=c1 {
+            let Some(slot) = rh.ring.held_slot(wait.stream, c) else {
+                unreachable!("a chunk a read waits for stays held until it completes");
+            };
+            rh.waiters.link(slot, read);
+        }
     }
 
-    /// The read-ahead into `slot` completed (`ok`): the reads waiting on it are copied
-    /// from it if its data is usable — it succeeded and no write moved the chunk's
-    /// generation since it was recorded (read now, after every waiting read was submitted,
-    /// as a hit reads it) — else sent to the base.
+    /// The read-ahead into `slot` completed (`ok`): the part of each read waiting on it
+    /// that lies in its chunk is copied from it if its data is usable — it succeeded and
+    /// no write moved the chunk's generation since it was recorded (read now, after every
+    /// waiting read was submitted, as a hit reads it). A read that waited for nothing
+    /// else is done then: completed when every chunk it waited for was usable, else its
+    /// whole rest is sent to the base.
     /// `sink`: the ring's number among the executor's sinks.
     fn ring_filled(self: &Rc<Self>, sink: u64, slot: u16, ok: bool) {
         let usable = {
@@ -311,20 +322,40 @@ impl<D: BlockDevice> Chain<D> {
         loop {
             let mut guard = self.ring.borrow_mut();
             let Some(rh) = guard.as_mut() else { return };
-            let Some(w) = rh.waiters.pop(slot) else {
+            let Some(read) = rh.waiters.pop(slot) else {
                 rh.ring.woken(slot);
                 return;
             };
-            if usable {
-                let (src, n) = Ring::waited_range(slot, w.offset, w.buf.len as u64);
-                rh.buf.copy_to(src, &w.buf.buf, w.buf.off, n);
-                rh.ring.waiter_done(slot, n as u64, w.prefix);
-                drop(guard);
-                self.exec().complete(w.tag, Ok(()));
-            } else {
-                rh.ring.waiter_done(slot, 0, w.prefix);
+            let chunk = rh.ring.chunk_offset(slot);
+            let Some(w) = rh.waiters.get_mut(read) else {
+                unreachable!("a linked read stays in the table until taken");
+            };
+            let copy = usable && !w.dead;
+            if copy {
+                // The read's bytes in this chunk.
+                let from = w.offset.max(chunk);
+                let to = (w.offset + w.buf.len as u64).min(chunk + CHUNK);
+                let (src, n) = Ring::waited_range(slot, from, to - from);
+                let at = w.buf.off + (from - w.offset) as usize;
+                rh.buf.copy_to(src, &w.buf.buf, at, n);
+            }
+            w.dead |= !usable;
+            w.pending -= 1;
+            rh.ring.waited_chunk(slot, copy);
+            if w.pending > 0 {
+                continue;
+            }
+            let Some(w) = rh.waiters.take(read) else {
+                continue;
+            };
+            if w.dead {
+                rh.ring.waited_read(0, w.prefix);
                 drop(guard);
                 self.submit_read(w.tag, w.offset, w.buf);
+            } else {
+                rh.ring.waited_read(w.buf.len as u64, w.prefix);
+                drop(guard);
+                self.exec().complete(w.tag, Ok(()));
             }
         }
     }
