@@ -30,6 +30,7 @@
 #   SKIP_SPDK=1 / SKIP_GOLDEN=1 / SKIP_PERF=1 tests/prefetch_bench.sh
 #   ROWS="streams" tests/prefetch_bench.sh     # section 1 rows: seq streams streams128 rand fast window
 #   CORES=2 ROWS="streams" tests/prefetch_bench.sh   # streams spread over two cores
+#   RING_BYTES=$((10 << 20)) ROWS="window" tests/prefetch_bench.sh   # a larger ring
 #
 # Runs SPDK applications: wrap it in `flock /tmp/spdk-app.lock` on a shared machine. Needs
 # an installed SPDK (bdevperf, spdk_tgt, pkg-config spdk_bdev) and qemu-img for sections 1
@@ -93,7 +94,9 @@ if [ "${free_mb%.*}" -ge 1536 ] && grep -q hugetlbfs /proc/mounts; then MEM=(); 
 # config LAT PREFETCH: a bdevperf JSON config: malloc m0, formatted fully allocated, a delay
 # bdev d0 on it, our bdev q0 on d0 (LAT 0: no delay bdev, q0 on m0).
 config() {
-  local lat=$1 pf=$2 f=$DIR/q-$1-$2.json base=d0 delay
+  local lat=$1 pf=$2 f=$DIR/q-$1-$2.json base=d0 delay ring=
+  # RING_BYTES: the ring's size per channel (default: the module's, 5 MiB).
+  [ -n "${RING_BYTES:-}" ] && ring=",\"prefetch_ring_size\":$RING_BYTES"
   delay="{\"method\":\"bdev_delay_create\",\"params\":{\"name\":\"d0\",\"base_bdev_name\":\"m0\",\"avg_read_latency\":$lat,\"p99_read_latency\":$lat,\"avg_write_latency\":$lat,\"p99_write_latency\":$lat}},"
   if [ "$lat" = 0 ]; then base=m0 delay=; fi
   cat >"$f" <<EOF
@@ -101,7 +104,7 @@ config() {
 {"method":"bdev_malloc_create","params":{"name":"m0","num_blocks":$(((MB + 16) * 2048)),"block_size":512}},
 {"method":"bdev_qcow2_format","params":{"base_bdev":"m0","size":$((MB << 20)),"cluster_size":65536,"preallocation":"full"}},
 $delay
-{"method":"bdev_qcow2_create","params":{"name":"q0","base_bdev":"$base","prefetch":$([ "$pf" = on ] && echo true || echo false)}},
+{"method":"bdev_qcow2_create","params":{"name":"q0","base_bdev":"$base","prefetch":$([ "$pf" = on ] && echo true || echo false)$ring}},
 {"method":"bdev_wait_for_examine"}]}]}
 EOF
   echo "$f"
