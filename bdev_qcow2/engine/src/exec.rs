@@ -34,7 +34,7 @@ enum Waiter {
     /// A guest request on the fast path.
     Request(usize),
     /// A fast-path request of exactly one device operation: (tag, grace parity, whether
-    /// the engine's sink hears of it rather than the host: [`Exec::set_internal_sink`]).
+    /// the engine's sink hears of it rather than the host: [`Exec::add_internal_sink`]).
     Single(u64, u8, bool),
 }
 

@@ -247,12 +247,12 @@ impl<D: BlockDevice> Chain<D> {
     }
 
     /// Issues read-ahead `f` into `dst` (its slot's part of the ring's buffer). Where the
-    /// cached metadata maps the chunk to data and zeros of the top layer (the steady state
-    /// of a stream), its base reads are submitted at once as the engine's own request, in
-    /// the executor's preallocated records, and its end reaches
-    /// [`ring_filled`](Self::ring_filled) through the ring's internal sink: nothing
-    /// allocates. Otherwise (a slice not cached, clusters of a backing layer, compressed
-    /// clusters) a task runs the chain's whole read path.
+    /// cached metadata of the layers it reaches maps the whole chunk (the steady state of
+    /// a stream, through a backing image too), its device reads are submitted at once as
+    /// the engine's own request, in the executor's preallocated records, and its end
+    /// reaches [`ring_filled`](Self::ring_filled) through the ring's internal sink:
+    /// nothing allocates. Otherwise (a slice not cached, a compressed cluster) a task runs
+    /// the chain's whole read path.
     fn start_fill(self: &Rc<Self>, sink: u64, f: Fill, dst: BufSlice<D::Buf>) {
         // A read-ahead is a request like a guest's: a cluster it resolves is not reused
         // before it is over.
