@@ -12,6 +12,14 @@
 #    Row `fast` (not in the default rows): 128 KiB sequential reads at QD8 on the malloc
 #    base without a delay bdev, where the reader's own queue keeps ahead of the ring (it
 #    must stop reading ahead, LATE_OFF: no harm).
+#    Row `window` (not in the default rows): 1, 2 and 4 interleaved 128 KiB QD1 streams
+#    over a delay bdev of WLAT µs (default 1000), where a stream served from the ring is
+#    bound by its window (chunks in flight per base round trip), not by the core: does
+#    detection keep interleaved streams apart there (each stream's gain against the
+#    single stream's)?
+#    After each streams row: each stream's gain as a share of the single stream's, and the
+#    ring-on aggregate IOPS against the single stream's (about 1x: the streams share what
+#    one stream already takes, the core; about Nx: they do not compete).
 # 2. Golden image: a raw backing image on a malloc bdev exported over NVMe-oF/TCP on
 #    loopback by a second spdk_tgt; an empty overlay (qcow2 on tmpfs, aio bdev) naming it
 #    as backing_bdev; 4 KiB sequential reads at QD1 of the overlay.
@@ -20,8 +28,9 @@
 #   tests/prefetch_bench.sh
 #   LATS="50" ROUNDS=3 TIME=3 tests/prefetch_bench.sh
 #   SKIP_SPDK=1 / SKIP_GOLDEN=1 / SKIP_PERF=1 tests/prefetch_bench.sh
-#   ROWS="streams" tests/prefetch_bench.sh     # section 1 rows: seq streams streams128 rand fast
+#   ROWS="streams" tests/prefetch_bench.sh     # section 1 rows: seq streams streams128 rand fast window
 #   CORES=2 ROWS="streams" tests/prefetch_bench.sh   # streams spread over two cores
+#   RING_BYTES=$((10 << 20)) ROWS="window" tests/prefetch_bench.sh   # a larger ring
 #
 # Runs SPDK applications: wrap it in `flock /tmp/spdk-app.lock` on a shared machine. Needs
 # an installed SPDK (bdevperf, spdk_tgt, pkg-config spdk_bdev) and qemu-img for sections 1
@@ -59,9 +68,11 @@ pairs() {
     ons+=("$on") offs+=("$off")
     ratios+=("$(awk -v a="$on" -v b="$off" 'BEGIN {printf "%.4f", a / b}')")
   done
+  # The medians, for the rows that compare with an earlier one.
+  PAIR_ON=$(printf '%s\n' "${ons[@]}" | median)
+  PAIR_RATIO=$(printf '%s\n' "${ratios[@]}" | median)
   printf '%-46s on %10.0f  off %10.0f  ratio %7.2f  (ratios: %s)\n' "$name" \
-    "$(printf '%s\n' "${ons[@]}" | median)" "$(printf '%s\n' "${offs[@]}" | median)" \
-    "$(printf '%s\n' "${ratios[@]}" | median)" "${ratios[*]}"
+    "$PAIR_ON" "$(printf '%s\n' "${offs[@]}" | median)" "$PAIR_RATIO" "${ratios[*]}"
 }
 
 have_spdk=1
@@ -83,7 +94,9 @@ if [ "${free_mb%.*}" -ge 1536 ] && grep -q hugetlbfs /proc/mounts; then MEM=(); 
 # config LAT PREFETCH: a bdevperf JSON config: malloc m0, formatted fully allocated, a delay
 # bdev d0 on it, our bdev q0 on d0 (LAT 0: no delay bdev, q0 on m0).
 config() {
-  local lat=$1 pf=$2 f=$DIR/q-$1-$2.json base=d0 delay
+  local lat=$1 pf=$2 f=$DIR/q-$1-$2.json base=d0 delay ring=
+  # RING_BYTES: the ring's size per channel (default: the module's, 5 MiB).
+  [ -n "${RING_BYTES:-}" ] && ring=",\"prefetch_ring_size\":$RING_BYTES"
   delay="{\"method\":\"bdev_delay_create\",\"params\":{\"name\":\"d0\",\"base_bdev_name\":\"m0\",\"avg_read_latency\":$lat,\"p99_read_latency\":$lat,\"avg_write_latency\":$lat,\"p99_write_latency\":$lat}},"
   if [ "$lat" = 0 ]; then base=m0 delay=; fi
   cat >"$f" <<EOF
@@ -91,7 +104,7 @@ config() {
 {"method":"bdev_malloc_create","params":{"name":"m0","num_blocks":$(((MB + 16) * 2048)),"block_size":512}},
 {"method":"bdev_qcow2_format","params":{"base_bdev":"m0","size":$((MB << 20)),"cluster_size":65536,"preallocation":"full"}},
 $delay
-{"method":"bdev_qcow2_create","params":{"name":"q0","base_bdev":"$base","prefetch":$([ "$pf" = on ] && echo true || echo false)}},
+{"method":"bdev_qcow2_create","params":{"name":"q0","base_bdev":"$base","prefetch":$([ "$pf" = on ] && echo true || echo false)$ring}},
 {"method":"bdev_wait_for_examine"}]}]}
 EOF
   echo "$f"
@@ -162,6 +175,24 @@ streams_detail() {
   echo "   $2 stream(s), ring on, ${CORES:-1} core(s): aggregate $(awk -v p="$per" -v n="$2" 'BEGIN {printf "%.0f", p * n}') IOPS; $(ring_use)"
 }
 
+# streams_rows LAT IOSIZE LABEL: the 1, 2 and 4 streams rows; after the 2 and 4 streams
+# rows, each stream's gain as a share of the single stream's, and the ring-on aggregate
+# (median per-stream IOPS times N) against the single stream's ring-on IOPS.
+streams_rows() {
+  local n one_ratio one_on
+  for n in 1 2 4; do
+    pairs "delay ${1}us: $n stream(s) $3 QD1, per stream" bstreams "$1" "$n" "$2"
+    if [ "$n" = 1 ]; then
+      one_ratio=$PAIR_RATIO one_on=$PAIR_ON
+    else
+      awk -v r="$PAIR_RATIO" -v r1="$one_ratio" -v on="$PAIR_ON" -v on1="$one_on" -v n="$n" 'BEGIN {
+        printf "   %s streams: each %.0f%% of the single stream'"'"'s gain; ring-on aggregate %.2fx the single stream'"'"'s IOPS\n",
+          n, 100 * r / r1, n * on / on1 }'
+    fi
+    streams_detail "$1" "$n" "$2"
+  done
+}
+
 if [ -n "$have_spdk" ] && [ -z "${SKIP_SPDK:-}" ]; then
   cargo build --release -q -p bdev_qcow2
   SO=$PWD/target/release/libbdev_qcow2.so
@@ -179,17 +210,11 @@ if [ -n "$have_spdk" ] && [ -z "${SKIP_SPDK:-}" ]; then
       pairs "delay ${lat}us: 128 KiB seq read QD1" bperf "$lat" read 131072 1
     fi
     if [[ " $rows " == *" streams "* ]]; then
-      for n in 1 2 4; do
-        pairs "delay ${lat}us: $n stream(s) 4 KiB QD1, per stream" bstreams "$lat" "$n" 4096
-        streams_detail "$lat" "$n" 4096
-      done
+      streams_rows "$lat" 4096 "4 KiB"
     fi
     # The same with 128 KiB reads, where one stream does not take the whole core.
     if [[ " $rows " == *" streams128 "* ]]; then
-      for n in 1 2 4; do
-        pairs "delay ${lat}us: $n stream(s) 128 KiB QD1, per stream" bstreams "$lat" "$n" 131072
-        streams_detail "$lat" "$n" 131072
-      done
+      streams_rows "$lat" 131072 "128 KiB"
     fi
     if [[ " $rows " == *" rand "* ]]; then
       pairs "delay ${lat}us: 4 KiB random read QD32" bperf "$lat" randread 4096 32
@@ -197,6 +222,10 @@ if [ -n "$have_spdk" ] && [ -z "${SKIP_SPDK:-}" ]; then
       echo "   random read QD32, ring on: $(awk -v i="$iops" -v t="$TIME" 'BEGIN {printf "%.0f", i * t * 4096}') bytes read; $(ring_line)"
     fi
   done
+  # Bound by the window, not the core: a slow base, large reads.
+  if [[ " $rows " == *" window "* ]]; then
+    streams_rows "${WLAT:-1000}" 131072 "128 KiB"
+  fi
 fi
 
 # --- 2. Golden image over NVMe-oF/TCP -------------------------------------------------------

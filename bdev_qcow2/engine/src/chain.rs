@@ -54,12 +54,29 @@ type FastPlan = (Vec<Run>, Vec<(usize, usize)>);
 
 type BoxFut = Pin<Box<dyn Future<Output = Result<()>>>>;
 
-/// A data run planned by the fast path: host offset, offset in the guest buffer, length.
+/// A data run planned by the fast path: device, host offset, offset in the guest buffer,
+/// length.
 #[derive(Clone, Copy)]
 struct Run {
+    dev: DevId,
     host: u64,
     buf_off: usize,
     len: usize,
+}
+
+/// Adds `r` to `runs`, extending the last run when `r` continues it on the same device.
+#[inline(always)]
+fn push_run(runs: &mut Vec<Run>, r: Run) {
+    match runs.last_mut() {
+        Some(l)
+            if l.dev == r.dev
+                && l.host + l.len as u64 == r.host
+                && l.buf_off + l.len == r.buf_off =>
+        {
+            l.len += r.len
+        }
+        _ => runs.push(r),
+    }
 }
 
 /// An image and its backing chain, served on one core.
@@ -279,13 +296,28 @@ impl<D: BlockDevice> Chain<D> {
     /// The fast path: plans the request from cached slices only; returns false (having
     /// changed nothing but LRU/hit counters) when a slow path is needed.
     fn try_fast_read(&self, tag: u64, offset: u64, buf: &BufSlice<D::Buf>, parity: u8) -> bool {
+        self.try_fast_read_as(tag, offset, buf, parity, false)
+    }
+
+    /// [`try_fast_read`](Self::try_fast_read) of a guest request (`internal` false) or of
+    /// the engine's own (a read-ahead into the ring: its end goes to the executor's
+    /// internal sink under token `tag`). Nothing submitted when it returns false.
+    pub(crate) fn try_fast_read_as(
+        &self,
+        tag: u64,
+        offset: u64,
+        buf: &BufSlice<D::Buf>,
+        parity: u8,
+        internal: bool,
+    ) -> bool {
         let Layer::Qcow2(q) = &self.layers[0] else {
             let Layer::Raw { dev, .. } = &self.layers[0] else {
                 return false;
             };
-            self.exec.request_single(
+            self.exec.request_single_as(
                 tag,
                 parity,
+                internal,
                 *dev,
                 DeviceOp::Read {
                     offset,
@@ -311,21 +343,25 @@ impl<D: BlockDevice> Chain<D> {
                 ClusterMapping::Data { host, .. } => {
                     // `host` is the start of the (sub)cluster holding `pos`.
                     let host = host.0 + (pos & (q.geometry().subcluster_size() - 1));
-                    match runs.last_mut() {
-                        Some(r)
-                            if r.host + r.len as u64 == host && r.buf_off + r.len == buf_off =>
-                        {
-                            r.len += n
-                        }
-                        _ => runs.push(Run {
+                    push_run(
+                        runs,
+                        Run {
+                            dev: q.dev(),
                             host,
                             buf_off,
                             len: n,
-                        }),
-                    }
+                        },
+                    );
                 }
                 ClusterMapping::Zero { .. } => zeros.push((buf_off, n)),
                 ClusterMapping::Unallocated { .. } if !has_backing => zeros.push((buf_off, n)),
+                // A read-ahead follows the mapping down the chain (a golden image's
+                // stream); a guest read there takes the slow path, as it always did.
+                ClusterMapping::Unallocated { .. } if internal => {
+                    if !self.plan_below(1, pos, n, buf_off, runs, zeros) {
+                        return false;
+                    }
+                }
                 _ => return false,
             }
             pos += n as u64;
@@ -334,10 +370,11 @@ impl<D: BlockDevice> Chain<D> {
             buf.sub(o, n).zero();
         }
         if let [r] = runs.as_slice() {
-            self.exec.request_single(
+            self.exec.request_single_as(
                 tag,
                 parity,
-                q.dev(),
+                internal,
+                r.dev,
                 DeviceOp::Read {
                     offset: r.host,
                     buf: buf.sub(r.buf_off, r.len),
@@ -345,11 +382,11 @@ impl<D: BlockDevice> Chain<D> {
             );
             return true;
         }
-        let req = self.exec.request_begin_entered(tag, parity);
+        let req = self.exec.request_begin_as(tag, parity, internal);
         for r in runs.iter() {
             self.exec.request_op(
                 req,
-                q.dev(),
+                r.dev,
                 DeviceOp::Read {
                     offset: r.host,
                     buf: buf.sub(r.buf_off, r.len),
@@ -357,6 +394,85 @@ impl<D: BlockDevice> Chain<D> {
             );
         }
         self.exec.request_arm(req);
+        true
+    }
+
+    /// Plans, from cached metadata, `len` bytes at `offset` of layer `idx` (a backing
+    /// layer) into the buffer at `buf_off`, as `read_layer` reads them: past the layer's
+    /// end zeros, data runs on its device, zeros, unallocated clusters from the layer
+    /// below (or zeros at the bottom). False, nothing planned that counts, when a slice
+    /// is not cached, a cluster is compressed, or a raw layer ends inside a sector.
+    fn plan_below(
+        &self,
+        idx: usize,
+        offset: u64,
+        len: usize,
+        buf_off: usize,
+        runs: &mut Vec<Run>,
+        zeros: &mut Vec<(usize, usize)>,
+    ) -> bool {
+        let Some(layer) = self.layers.get(idx) else {
+            return false;
+        };
+        let inside = (offset + len as u64)
+            .min(layer.size())
+            .saturating_sub(offset) as usize;
+        if inside < len {
+            zeros.push((buf_off + inside, len - inside));
+        }
+        if inside == 0 {
+            return true;
+        }
+        let q = match layer {
+            Layer::Raw { dev, .. } => {
+                if !(inside as u64).is_multiple_of(SECTOR) {
+                    return false;
+                }
+                push_run(
+                    runs,
+                    Run {
+                        dev: *dev,
+                        host: offset,
+                        buf_off,
+                        len: inside,
+                    },
+                );
+                return true;
+            }
+            Layer::Qcow2(q) => q,
+        };
+        let end = offset + inside as u64;
+        let mut pos = offset;
+        while pos < end {
+            let Ok(Some((m, m_end))) = q.resolve_cached(GuestOffset(pos)) else {
+                return false;
+            };
+            let n = (m_end.min(end) - pos) as usize;
+            let at = buf_off + (pos - offset) as usize;
+            match m {
+                ClusterMapping::Data { host, .. } => {
+                    let host = host.0 + (pos & (q.geometry().subcluster_size() - 1));
+                    push_run(
+                        runs,
+                        Run {
+                            dev: q.dev(),
+                            host,
+                            buf_off: at,
+                            len: n,
+                        },
+                    );
+                }
+                ClusterMapping::Zero { .. } => zeros.push((at, n)),
+                ClusterMapping::Unallocated { .. } if idx + 1 < self.depth.get() => {
+                    if !self.plan_below(idx + 1, pos, n, at, runs, zeros) {
+                        return false;
+                    }
+                }
+                ClusterMapping::Unallocated { .. } => zeros.push((at, n)),
+                ClusterMapping::Compressed(_) => return false,
+            }
+            pos += n as u64;
+        }
         true
     }
 

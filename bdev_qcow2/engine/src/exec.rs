@@ -33,8 +33,9 @@ enum Waiter {
     },
     /// A guest request on the fast path.
     Request(usize),
-    /// A fast-path guest request of exactly one device operation: (tag, grace parity).
-    Single(u64, u8),
+    /// A fast-path request of exactly one device operation: (tag, grace parity, whether
+    /// the engine's sink hears of it rather than the host: [`Exec::add_internal_sink`]).
+    Single(u64, u8, bool),
 }
 
 /// A guest request split into several device operations on the fast path.
@@ -44,7 +45,16 @@ struct Request {
     error: Option<Error>,
     /// Grace parity the guest request entered with ([`Exec::guest_enter`]).
     parity: u8,
+    /// The engine's own request (a read-ahead): its end goes to the internal sink.
+    internal: bool,
 }
+
+/// Where the engine hears of its own fast-path requests' ends ([`Exec::add_internal_sink`]):
+/// called with (token, success).
+pub type InternalSink = Rc<dyn Fn(u64, bool)>;
+
+/// Bits of an internal request's token below the sink's number ([`Exec::add_internal_sink`]).
+pub const SINK_SHIFT: u32 = 48;
 
 /// Parity of a request that did not enter a grace period (no shared image).
 pub const NO_GRACE: u8 = 2;
@@ -99,6 +109,11 @@ struct Inner<D: BlockDevice> {
     done: RefCell<VecDeque<(u64, Outcome)>>,
     /// Reused scratch for reaped completions (no allocation per poll).
     reaped: RefCell<Vec<(u64, Result<(), DeviceError>)>>,
+    /// The engine's own requests that ended: (token, success), handed to `sink` by
+    /// [`Exec::take_outcomes`] (so never inside a submission).
+    internal: RefCell<VecDeque<(u64, bool)>>,
+    /// Indexed by a token's bits from [`SINK_SHIFT`] up.
+    sinks: RefCell<Vec<InternalSink>>,
     stats: Cell<ExecStats>,
     /// This core's membership in a shared image's grace periods.
     /// (shared state, member slot, whether its entries need no full fence: the owner's, or
@@ -148,6 +163,8 @@ impl<D: BlockDevice> Exec<D> {
                 current: Cell::new(None),
                 done: RefCell::new(VecDeque::with_capacity(256)),
                 reaped: RefCell::new(Vec::with_capacity(256)),
+                internal: RefCell::new(VecDeque::with_capacity(256)),
+                sinks: RefCell::new(Vec::new()),
                 stats: Cell::new(ExecStats::default()),
                 grace: OnceCell::new(),
             }),
@@ -282,6 +299,23 @@ impl<D: BlockDevice> Exec<D> {
         self.io(dev, DeviceOp::Read { offset, buf })
     }
 
+    /// Adds a place where the engine hears of its own fast-path requests' ends (those
+    /// started with `internal` set: a read-ahead into a chain's prefetch ring) and returns
+    /// its number: internal requests whose token has it in the bits from [`SINK_SHIFT`] up
+    /// end there. Allocated once, here: an internal request allocates nothing.
+    pub fn add_internal_sink(&self, sink: InternalSink) -> u64 {
+        let mut sinks = self.inner.sinks.borrow_mut();
+        sinks.push(sink);
+        (sinks.len() - 1) as u64
+    }
+
+    /// An internal request of token `token` ended (`ok`): queues it for the sink. Also how
+    /// the sink puts back one it cannot take now (it is re-offered at the next
+    /// [`take_outcomes`](Self::take_outcomes)).
+    pub(crate) fn internal_done(&self, token: u64, ok: bool) {
+        self.inner.internal.borrow_mut().push_back((token, ok));
+    }
+
     /// Starts a fast-path guest request: returns its id for [`Exec::request_read`] calls,
     /// then [`Exec::request_arm`] once every device operation is submitted.
     pub fn request_begin(&self, tag: u64) -> usize {
@@ -291,7 +325,14 @@ impl<D: BlockDevice> Exec<D> {
     /// [`request_begin`](Self::request_begin) for a guest request that entered with
     /// `parity` ([`guest_enter`](Self::guest_enter)): it exits when it completes.
     pub fn request_begin_entered(&self, tag: u64, parity: u8) -> usize {
+        self.request_begin_as(tag, parity, false)
+    }
+
+    /// [`request_begin_entered`](Self::request_begin_entered); `internal`: the engine's
+    /// own request, whose end goes to the internal sink under token `tag`.
+    pub(crate) fn request_begin_as(&self, tag: u64, parity: u8, internal: bool) -> usize {
         self.inner.requests.borrow_mut().insert(Request {
+            internal,
             tag,
             // One extra reference held until `request_arm`, so early completions cannot
             // finish the request while it is still being built.
@@ -314,11 +355,24 @@ impl<D: BlockDevice> Exec<D> {
     /// record, the operation's completion is the request's. `parity` as for
     /// [`request_begin_entered`](Self::request_begin_entered).
     pub fn request_single(&self, tag: u64, parity: u8, dev: DevId, op: DeviceOp<D::Buf>) {
+        self.request_single_as(tag, parity, false, dev, op)
+    }
+
+    /// [`request_single`](Self::request_single); `internal` as for
+    /// [`request_begin_as`](Self::request_begin_as).
+    pub(crate) fn request_single_as(
+        &self,
+        tag: u64,
+        parity: u8,
+        internal: bool,
+        dev: DevId,
+        op: DeviceOp<D::Buf>,
+    ) {
         let w = self
             .inner
             .waiters
             .borrow_mut()
-            .insert(Waiter::Single(tag, parity));
+            .insert(Waiter::Single(tag, parity, internal));
         self.submit_raw(dev, op, w as u64);
     }
 
@@ -338,6 +392,9 @@ impl<D: BlockDevice> Exec<D> {
             let r = reqs.remove(req);
             drop(reqs);
             self.guest_exit(r.parity);
+            if r.internal {
+                return self.internal_done(r.tag, r.error.is_none());
+            }
             self.inner
                 .done
                 .borrow_mut()
@@ -458,9 +515,12 @@ impl<D: BlockDevice> Exec<D> {
                     _ => None,
                 },
                 Some(Waiter::Single(..)) => {
-                    if let Waiter::Single(t, parity) = waiters.remove(tag as usize) {
+                    if let Waiter::Single(t, parity, internal) = waiters.remove(tag as usize) {
                         drop(waiters);
                         self.guest_exit(parity);
+                        if internal {
+                            return self.internal_done(t, res.is_ok());
+                        }
                         self.inner
                             .done
                             .borrow_mut()
@@ -487,8 +547,11 @@ impl<D: BlockDevice> Exec<D> {
         self.take_outcomes(&mut |tag, o| done(tag, o.into_result()))
     }
 
-    /// [`take_completions`](Self::take_completions) with each request's [`Outcome`].
+    /// [`take_completions`](Self::take_completions) with each request's [`Outcome`]. The
+    /// engine's own requests that ended go to its sink first (a read-ahead's end may
+    /// complete guest reads that waited for it: they are reported in the same call).
     pub fn take_outcomes(&self, done: &mut dyn FnMut(u64, Outcome)) -> usize {
+        let k = self.take_internal();
         let n = self.inner.done.borrow().len();
         for _ in 0..n {
             let Some((tag, res)) = self.inner.done.borrow_mut().pop_front() else {
@@ -496,7 +559,28 @@ impl<D: BlockDevice> Exec<D> {
             };
             done(tag, res);
         }
-        n
+        n + k
+    }
+
+    /// Hands the internal requests that ended so far to the sink; returns how many.
+    fn take_internal(&self) -> usize {
+        let k = self.inner.internal.borrow().len();
+        for _ in 0..k {
+            let Some((token, ok)) = self.inner.internal.borrow_mut().pop_front() else {
+                return k;
+            };
+            // A handle of its own: the sink may add another.
+            let sink = self
+                .inner
+                .sinks
+                .borrow()
+                .get((token >> SINK_SHIFT) as usize)
+                .cloned();
+            if let Some(sink) = sink {
+                sink(token, ok);
+            }
+        }
+        k
     }
 
     /// Whether any task, device operation or unreported completion is outstanding.
@@ -504,6 +588,7 @@ impl<D: BlockDevice> Exec<D> {
         !self.inner.tasks.borrow().is_empty()
             || !self.inner.waiters.borrow().is_empty()
             || !self.inner.done.borrow().is_empty()
+            || !self.inner.internal.borrow().is_empty()
     }
 
     /// Runs `fut` to completion by polling (the host's "synchronous" entry point for open,

@@ -18,13 +18,19 @@
 //! as they are then). The model lets that read arrive before or after the read-ahead's
 //! device read.
 //!
+//! A read whose rest spans two chunks, both filling, waits for both read-aheads: each
+//! chunk's generation is read again when its read-ahead completes, and the read is served
+//! from the ring only if both held, else its whole rest is read from the base. The model
+//! has the writer write either chunk.
+//!
 //! Invariant: a read submitted after the writer's acknowledgement (it observed it) is
 //! never served the old data from the ring, waiting or not.
 //!
 //! Broken variants — bumping before the data reached the device, bumping before the new
 //! mapping is published, recording the generation after the read-ahead, serving the
-//! reads waiting on a read-ahead without checking the generation when it completes —
-//! must be caught: they run under `#[should_panic]`.
+//! reads waiting on a read-ahead without checking the generation when it completes,
+//! serving a read that waited for two chunks on the first chunk's check alone — must be
+//! caught: they run under `#[should_panic]`.
 
 #![cfg(loom)]
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
@@ -51,6 +57,8 @@ struct Faults {
     record_after_read: bool,
     /// Reads waiting on a read-ahead are served when it completes, generation unchecked.
     wake_unchecked: bool,
+    /// A read waiting for two chunks is served on its first chunk's check alone.
+    first_chunk_only: bool,
 }
 
 struct World {
@@ -173,6 +181,93 @@ fn run_waiting(remap: bool, early: bool, faults: Faults) {
         }
         writer.join().unwrap();
     });
+}
+
+/// The second chunk's offset (its own generation region).
+const CHUNK: u64 = qcow2_engine::ring::CHUNK;
+
+/// A guest read whose rest spans chunks 0 and 1, both filling, arriving before or after
+/// the read-aheads' device reads (`early`), waits for both, as `Chain::ring_filled`
+/// serves it; the writer writes chunk `written` (its region holds OLD, then NEW).
+fn run_waiting_two(written: u64, remap: bool, early: bool, faults: Faults) {
+    loom::model(move || {
+        let w = Arc::new(World {
+            gens: WriteGens::new(1 << 20),
+            dev: [AtomicU64::new(OLD), AtomicU64::new(0xdead)],
+            map: AtomicU64::new(0),
+            acked: AtomicBool::new(false),
+            faults,
+        });
+        let at = written * CHUNK;
+        let writer = {
+            let w = w.clone();
+            thread::spawn(move || {
+                let loc = if remap { 1 } else { 0 };
+                w.dev[loc].store(NEW, Ordering::Relaxed);
+                if remap {
+                    w.map.store(1, Ordering::Release);
+                }
+                w.gens.written(at, LEN);
+                w.acked.store(true, Ordering::Release);
+            })
+        };
+        // Both read-aheads start: generations recorded, then the device reads (of the
+        // written chunk through its mapping; the other chunk holds what it always held).
+        let gens = [w.gens.current(0), w.gens.current(CHUNK)];
+        let mut after_ack = false;
+        if early {
+            after_ack = w.acked.load(Ordering::Acquire);
+        }
+        let loc = w.map.load(Ordering::Acquire) as usize;
+        let data = w.dev[loc].load(Ordering::Relaxed);
+        if !early {
+            after_ack = w.acked.load(Ordering::Acquire);
+        }
+        // Each read-ahead completes, its chunk's generation read again: the read is
+        // served from the ring if both held, else its whole rest from the base.
+        let checked = if w.faults.first_chunk_only { 1 } else { 2 };
+        let usable = (0..checked).all(|c| w.gens.current(c as u64 * CHUNK) == gens[c]);
+        let served = if usable {
+            data
+        } else {
+            let loc = w.map.load(Ordering::Acquire) as usize;
+            w.dev[loc].load(Ordering::Relaxed)
+        };
+        assert_ne!(served, 0xdead, "garbage of a new cluster served");
+        if after_ack {
+            assert_eq!(
+                served, NEW,
+                "a read waiting for two chunks, submitted after the write's acknowledgement, \
+                 got old data"
+            );
+        }
+        writer.join().unwrap();
+    });
+}
+
+#[test]
+fn waiting_for_two_chunks_either_written() {
+    for written in [0, 1] {
+        for remap in [false, true] {
+            run_waiting_two(written, remap, true, Faults::default());
+            run_waiting_two(written, remap, false, Faults::default());
+        }
+    }
+}
+
+#[test]
+#[should_panic(expected = "old data")]
+fn broken_two_chunk_waiters_served_on_the_first_chunk_check_alone_are_caught() {
+    // The second chunk is written after its read-ahead took the old bytes.
+    run_waiting_two(
+        1,
+        false,
+        false,
+        Faults {
+            first_chunk_only: true,
+            ..Default::default()
+        },
+    );
 }
 
 #[test]

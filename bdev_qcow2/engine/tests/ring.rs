@@ -353,7 +353,8 @@ fn reads_that_reach_a_chunk_while_it_fills_wait_for_it_and_read_what_qemu_reads(
         .arg(&img));
     qemu_io(&img, &["write -P 0x42 700k 300k", "write -z 1500k 200k"]);
     let expect = raw_of(&img);
-    for len in [128usize << 10, 96 << 10, 4 << 10] {
+    // 320 KiB and 260 KiB reads: their rest spans two or three chunks, all filling.
+    for len in [320usize << 10, 260 << 10, 128 << 10, 96 << 10, 4 << 10] {
         let (exec, chain, devs) = chain_of(&[&img, &base], OpenOptions::default());
         // A slow device: a read-ahead is still in flight when the reader reaches it.
         for d in &devs {
@@ -427,6 +428,58 @@ fn a_write_completed_while_a_chunk_fills_sends_the_reads_waiting_for_it_to_the_b
 }
 
 #[test]
+fn a_read_waiting_for_two_chunks_reads_what_qemu_reads_or_goes_to_the_base_when_written() {
+    let dir = tempfile::tempdir().unwrap();
+    let img = dir.path().join("img.qcow2");
+    sh(Command::new("qemu-img")
+        .args(["create", "-q", "-f", "qcow2"])
+        .arg(&img)
+        .arg("1M"));
+    qemu_io(
+        &img,
+        &[
+            "write -P 0x11 0 1M",
+            "write -P 0x22 200k 4k",
+            "write -P 0x33 300k 4k",
+        ],
+    );
+    for written in [false, true] {
+        let (exec, chain, devs) = chain_of(&[&img], OpenOptions::default());
+        let mut expect = raw_of(&img)[128 << 10..384 << 10].to_vec();
+        let host = find_block(&devs[0], 0x33);
+        devs[0].0.borrow_mut().latency_polls = 50;
+        // A stream of 4 KiB reads through chunk 0, all in flight: chunks 1 and 2 are
+        // read ahead at once.
+        let mut tags = Vec::new();
+        for k in 0..32u64 {
+            assert!(!start(&chain, k * 4096, 4096, 100 + k).1);
+            tags.push(100 + k);
+        }
+        // 256 KiB at 128 KiB: its rest (all of it) is chunks 1 and 2, both filling.
+        let (buf, done) = start(&chain, 128 << 10, 256 << 10, 1);
+        assert!(!done);
+        tags.push(1);
+        let st = chain.ring_stats().unwrap();
+        assert_eq!(st.reads_waited, 1, "{st:?}");
+        if written {
+            // Another core overwrites 300 KiB (chunk 2) in place and completes.
+            devs[0].0.borrow_mut().data[host..host + 4096].fill(0x99);
+            chain.ring_written(300 << 10, 4096);
+            expect[172 << 10..176 << 10].fill(0x99);
+        }
+        wait_all(&exec, tags);
+        assert!(buf.to_vec() == expect, "written {written}: wrong bytes");
+        let st = chain.ring_stats().unwrap();
+        assert_eq!(st.waited_to_base, u64::from(written), "{st:?}");
+        assert_eq!(
+            st.bytes_served,
+            if written { 0 } else { 256 << 10 },
+            "{st:?}"
+        );
+    }
+}
+
+#[test]
 fn a_failed_read_ahead_sends_the_reads_waiting_for_it_to_the_base() {
     let dir = tempfile::tempdir().unwrap();
     let img = dir.path().join("img.qcow2");
@@ -442,13 +495,14 @@ fn a_failed_read_ahead_sends_the_reads_waiting_for_it_to_the_base() {
     devs[0].0.borrow_mut().latency_polls = 10;
     let mut tags = Vec::new();
     for k in 0..32u64 {
+        if k == 2 {
+            // The third read starts the stream's read-ahead, chunks 1 and 2, submitted
+            // at once before the read's own: chunk 1's fails.
+            let mut s = devs[0].0.borrow_mut();
+            s.fail_op = Some((s.ops, 5));
+        }
         assert!(!start(&chain, k * 4096, 4096, 100 + k).1);
         tags.push(100 + k);
-    }
-    // The next device operation is chunk 1's read-ahead (spawned first): it fails.
-    {
-        let mut s = devs[0].0.borrow_mut();
-        s.fail_op = Some((s.ops, 5));
     }
     let mut bufs = Vec::new();
     for k in 32..36u64 {

@@ -147,6 +147,9 @@ pub struct ChannelStats {
     pub ring_reads_served: u64,
     /// Prefetch ring: reads it served a first part of (the rest read or waited for).
     pub ring_reads_partial: u64,
+    /// Prefetch ring: of those, reads whose rest waited for read-aheads in flight (the
+    /// others' rest was read from the base at once).
+    pub ring_partial_waited: u64,
     /// Prefetch ring: reads that waited for a read-ahead in flight.
     pub ring_reads_waited: u64,
     /// Prefetch ring: of those, reads sent to the base (the read-ahead failed, or a write
@@ -188,6 +191,7 @@ impl ChannelStats {
             bytes_served: self.ring_bytes_served,
             reads_served: self.ring_reads_served,
             reads_partial: self.ring_reads_partial,
+            partial_waited: self.ring_partial_waited,
             reads_waited: self.ring_reads_waited,
             waited_to_base: self.ring_waited_to_base,
             bytes_evicted_unread: self.ring_bytes_evicted_unread,
@@ -203,6 +207,7 @@ impl ChannelStats {
         self.ring_bytes_served += r.bytes_served;
         self.ring_reads_served += r.reads_served;
         self.ring_reads_partial += r.reads_partial;
+        self.ring_partial_waited += r.partial_waited;
         self.ring_reads_waited += r.reads_waited;
         self.ring_waited_to_base += r.waited_to_base;
         self.ring_bytes_evicted_unread += r.bytes_evicted_unread;

@@ -642,7 +642,7 @@ fn log_summary(n: &Node, owner: Option<crate::owner::OwnerCounters>) {
         "qcow2 bdev {}: {} requests; slice caches {} hits, {} misses; read-ahead {} \
          sequential streams, {} slices loaded ahead of {} started, {} reached by their stream; \
          prefetch ring {} streams, {} read-ahead I/Os, {} bytes read ahead, {} bytes served \
-         in {} reads ({} of them in part; {} waited for their read-ahead, {} of those then \
+         in {} reads ({} of them in part, {} of those with the rest waited for; {} waited for their read-ahead, {} of those then \
          sent to the base), \
          {} bytes evicted unread, {} chunks invalidated by writes",
         n.params.name,
@@ -659,6 +659,7 @@ fn log_summary(n: &Node, owner: Option<crate::owner::OwnerCounters>) {
         t.ring_bytes_served,
         t.ring_reads_served,
         t.ring_reads_partial,
+        t.ring_partial_waited,
         t.ring_reads_waited,
         t.ring_waited_to_base,
         t.ring_bytes_evicted_unread,

@@ -238,6 +238,7 @@ impl Owner {
                     "ring_bytes_served": r.bytes_served,
                     "ring_reads_served": r.reads_served,
                     "ring_reads_partial": r.reads_partial,
+                    "ring_partial_waited": r.partial_waited,
                     "ring_reads_waited": r.reads_waited,
                     "ring_waited_to_base": r.waited_to_base,
                     "ring_bytes_evicted_unread": r.bytes_evicted_unread,

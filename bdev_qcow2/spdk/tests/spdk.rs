@@ -365,6 +365,7 @@ mod real {
         served: u64,
         reads: u64,
         partial: u64,
+        partial_waited: u64,
         waited: u64,
         waited_to_base: u64,
     }
@@ -380,14 +381,15 @@ mod real {
             .split(|c: char| !c.is_ascii_digit())
             .filter_map(|w| w.parse().ok())
             .collect();
-        assert_eq!(n.len(), 10, "{line}");
+        assert_eq!(n.len(), 11, "{line}");
         RingSummary {
             ahead: n[2],
             served: n[3],
             reads: n[4],
             partial: n[5],
-            waited: n[6],
-            waited_to_base: n[7],
+            partial_waited: n[6],
+            waited: n[7],
+            waited_to_base: n[8],
         }
     }
 
@@ -441,6 +443,11 @@ mod real {
             "{r:?}\n{log}"
         );
         assert!(r.reads >= r.partial, "{r:?}");
+        // Each partial read's rest was waited for or read from the base, and told apart.
+        assert!(
+            r.partial_waited <= r.partial && r.partial_waited <= r.waited,
+            "{r:?}"
+        );
     }
 
     #[test]

@@ -5,9 +5,10 @@
 //! once into the ring, nothing past the end of the disk).
 
 use super::wait::{Waiter, Waiters};
-use super::{Lookup, Ring, RingConfig, RingStats, WriteGens};
+use super::{Fill, Lookup, Ring, RingConfig, RingStats, WriteGens, CHUNK};
 use crate::chain::{read_layer, Chain, Layer};
 use crate::error::{Error, Result};
+use crate::exec::{InternalSink, SINK_SHIFT};
 use crate::io::{BlockDevice, BufSlice, IoBuffer};
 use std::rc::Rc;
 use std::sync::Arc;
@@ -27,10 +28,11 @@ pub enum RingServed {
     /// The first `n` bytes (not all, not none) were copied: the host routes the rest,
     /// `len - n` bytes at `offset + n` into the read's buffer from `n` on.
     Prefix(u64),
-    /// The first bytes (maybe none) were copied and the rest is being read ahead: the
-    /// host must hand the read to [`Chain::ring_wait`] at once, with a tag; the engine
-    /// completes that tag once the rest is copied from the ring (or, when a write made
-    /// that chunk unusable while it filled or its read-ahead failed, read from the base).
+    /// The first bytes (maybe none) were copied and the rest is being read ahead (one
+    /// chunk or several): the host must hand the read to [`Chain::ring_wait`] at once,
+    /// with a tag; the engine completes that tag once the rest is copied from the ring
+    /// (or, when a write made one of those chunks unusable while it filled or its
+    /// read-ahead failed, read from the base).
     Wait(RingWait),
 }
 
@@ -38,7 +40,8 @@ pub enum RingServed {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[must_use]
 pub struct RingWait {
-    slot: u16,
+    /// The stream holding the chunks it waits for.
+    stream: u8,
     /// Bytes from the start of the read already copied.
     covered: u64,
     /// Guest offset of the read.
@@ -51,6 +54,9 @@ pub(crate) struct RingHost<B> {
     buf: B,
     gens: Arc<WriteGens>,
     waiters: Waiters<B>,
+    /// This ring's number among the executor's internal sinks: the high bits of its
+    /// read-aheads' tokens (the low bits are the slot).
+    sink: u64,
 }
 
 impl<D: BlockDevice> Chain<D> {
@@ -58,8 +64,10 @@ impl<D: BlockDevice> Chain<D> {
     /// layer's device (DMA memory on SPDK), of `cfg.ring_bytes`. `gens` are the image's
     /// write generations, shared by every core of the image: each core's writes must go
     /// through [`ring_written`](Self::ring_written) from then on. Refuses a configuration
-    /// [`RingConfig::validate`] refuses, and a second call.
-    pub fn enable_ring(&self, cfg: RingConfig, gens: Arc<WriteGens>) -> Result<()> {
+    /// [`RingConfig::validate`] refuses, and a second call. Everything the ring's path uses
+    /// is allocated here: the buffer, the slots, the waiter table, and where the executor
+    /// reports the ends of read-aheads (its internal sink).
+    pub fn enable_ring(self: &Rc<Self>, cfg: RingConfig, gens: Arc<WriteGens>) -> Result<()> {
         cfg.validate().map_err(Error::InvalidRequest)?;
         let mut slot = self.ring.borrow_mut();
         if slot.is_some() {
@@ -71,11 +79,20 @@ impl<D: BlockDevice> Chain<D> {
         };
         let buf = self.exec().alloc_buf(dev, cfg.ring_bytes as usize);
         let _ = self.ring_gens.set(gens.clone());
+        // Weak: the executor outlives no chain it serves, and must not keep one alive.
+        let chain = Rc::downgrade(self);
+        let sink: InternalSink = Rc::new(move |token, ok| {
+            if let Some(c) = chain.upgrade() {
+                c.ring_filled(token >> SINK_SHIFT, token as u16, ok);
+            }
+        });
+        let sink = self.exec().add_internal_sink(sink);
         *slot = Some(RingHost {
             ring: Ring::new(cfg, self.size()),
             buf,
             gens,
             waiters: Waiters::new(cfg.slots()),
+            sink,
         });
         self.ring_on.set(true);
         Ok(())
@@ -173,7 +190,11 @@ impl<D: BlockDevice> Chain<D> {
             return RingServed::Nothing;
         };
         let Some(RingHost {
-            ring, buf, gens, ..
+            ring,
+            buf,
+            gens,
+            sink,
+            ..
         }) = guard.as_mut()
         else {
             return RingServed::Nothing;
@@ -196,9 +217,7 @@ impl<D: BlockDevice> Chain<D> {
                 (stream, RingServed::Prefix(covered))
             }
             Lookup::Wait {
-                stream,
-                covered,
-                slot,
+                stream, covered, ..
             } => {
                 if covered > 0 {
                     ring.pieces(stream, offset, covered, |src_off, off, n| {
@@ -206,7 +225,7 @@ impl<D: BlockDevice> Chain<D> {
                     });
                 }
                 let wait = RingWait {
-                    slot,
+                    stream,
                     covered,
                     offset,
                 };
@@ -222,17 +241,32 @@ impl<D: BlockDevice> Chain<D> {
                 off: base,
                 len: f.len as usize,
             };
-            let chain = self.clone();
-            self.exec().spawn(async move {
-                // A read-ahead is a request like a guest's: a cluster it resolves is not
-                // reused before it is over.
-                let parity = chain.exec().guest_enter();
-                let r = read_layer(chain.clone(), 0, f.offset, dst).await;
-                chain.exec().guest_exit(parity);
-                chain.ring_filled(f.slot, f.offset, r.is_ok());
-            });
+            self.start_fill(*sink, f, dst);
         }
         served
+    }
+
+    /// Issues read-ahead `f` into `dst` (its slot's part of the ring's buffer). Where the
+    /// cached metadata of the layers it reaches maps the whole chunk (the steady state of
+    /// a stream, through a backing image too), its device reads are submitted at once as
+    /// the engine's own request, in the executor's preallocated records, and its end
+    /// reaches [`ring_filled`](Self::ring_filled) through the ring's internal sink:
+    /// nothing allocates. Otherwise (a slice not cached, a compressed cluster) a task runs
+    /// the chain's whole read path.
+    fn start_fill(self: &Rc<Self>, sink: u64, f: Fill, dst: BufSlice<D::Buf>) {
+        // A read-ahead is a request like a guest's: a cluster it resolves is not reused
+        // before it is over.
+        let parity = self.exec().guest_enter();
+        let token = sink << SINK_SHIFT | f.slot as u64;
+        if self.try_fast_read_as(token, f.offset, &dst, parity, true) {
+            return;
+        }
+        let chain = self.clone();
+        self.exec().spawn(async move {
+            let r = read_layer(chain.clone(), 0, f.offset, dst).await;
+            chain.exec().guest_exit(parity);
+            chain.ring_filled(sink, f.slot, r.is_ok());
+        });
     }
 
     /// Queues a read the ring answered [`RingServed::Wait`] (at once: before the host
@@ -245,45 +279,83 @@ impl<D: BlockDevice> Chain<D> {
         let Some(rh) = guard.as_mut() else {
             unreachable!("a ring that answered Wait stays on");
         };
-        rh.waiters.push(
-            wait.slot,
-            Waiter {
-                tag,
-                offset: wait.offset + wait.covered,
-                buf: rest,
-                prefix: covered > 0,
-            },
-        );
+        // The chunks the lookup counted it waiting for, still the stream's (nothing ran
+        // since): one link on each.
+        let from = wait.offset + wait.covered;
+        let (c0, c1) = (from / CHUNK, (from + rest.len as u64 - 1) / CHUNK);
+        let read = rh.waiters.add(Waiter {
+            tag,
+            offset: from,
+            buf: rest,
+            prefix: covered > 0,
+            pending: (c1 - c0 + 1) as u32,
+            dead: false,
+        });
+        for c in c0..=c1 {
+            let Some(slot) = rh.ring.held_slot(wait.stream, c) else {
+                unreachable!("a chunk a read waits for stays held until it completes");
+            };
+            rh.waiters.link(slot, read);
+        }
     }
 
-    /// The read-ahead of the chunk at `offset` into `slot` completed (`ok`): the reads
-    /// waiting on it are copied from it if its data is usable — it succeeded and no write
-    /// moved the chunk's generation since it was recorded (read now, after every waiting
-    /// read was submitted, as a hit reads it) — else sent to the base.
-    fn ring_filled(self: &Rc<Self>, slot: u16, offset: u64, ok: bool) {
+    /// The read-ahead into `slot` completed (`ok`): the part of each read waiting on it
+    /// that lies in its chunk is copied from it if its data is usable — it succeeded and
+    /// no write moved the chunk's generation since it was recorded (read now, after every
+    /// waiting read was submitted, as a hit reads it). A read that waited for nothing
+    /// else is done then: completed when every chunk it waited for was usable, else its
+    /// whole rest is sent to the base.
+    /// `sink`: the ring's number among the executor's sinks.
+    fn ring_filled(self: &Rc<Self>, sink: u64, slot: u16, ok: bool) {
         let usable = {
-            let mut guard = self.ring.borrow_mut();
+            let Ok(mut guard) = self.ring.try_borrow_mut() else {
+                // Reported while the ring is in use (a device that completes inside its
+                // submission): handled at the executor's next report.
+                return self
+                    .exec()
+                    .internal_done(sink << SINK_SHIFT | slot as u64, ok);
+            };
             let Some(rh) = guard.as_mut() else { return };
-            let gen_now = rh.gens.current(offset);
+            let gen_now = rh.gens.current(rh.ring.chunk_offset(slot));
             rh.ring.filled(slot, ok, gen_now)
         };
         loop {
             let mut guard = self.ring.borrow_mut();
             let Some(rh) = guard.as_mut() else { return };
-            let Some(w) = rh.waiters.pop(slot) else {
+            let Some(read) = rh.waiters.pop(slot) else {
                 rh.ring.woken(slot);
                 return;
             };
-            if usable {
-                let (src, n) = Ring::waited_range(slot, w.offset, w.buf.len as u64);
-                rh.buf.copy_to(src, &w.buf.buf, w.buf.off, n);
-                rh.ring.waiter_done(slot, n as u64, w.prefix);
-                drop(guard);
-                self.exec().complete(w.tag, Ok(()));
-            } else {
-                rh.ring.waiter_done(slot, 0, w.prefix);
+            let chunk = rh.ring.chunk_offset(slot);
+            let Some(w) = rh.waiters.get_mut(read) else {
+                unreachable!("a linked read stays in the table until taken");
+            };
+            let copy = usable && !w.dead;
+            if copy {
+                // The read's bytes in this chunk.
+                let from = w.offset.max(chunk);
+                let to = (w.offset + w.buf.len as u64).min(chunk + CHUNK);
+                let (src, n) = Ring::waited_range(slot, from, to - from);
+                let at = w.buf.off + (from - w.offset) as usize;
+                rh.buf.copy_to(src, &w.buf.buf, at, n);
+            }
+            w.dead |= !usable;
+            w.pending -= 1;
+            rh.ring.waited_chunk(slot, copy);
+            if w.pending > 0 {
+                continue;
+            }
+            let Some(w) = rh.waiters.take(read) else {
+                continue;
+            };
+            if w.dead {
+                rh.ring.waited_read(0, w.prefix);
                 drop(guard);
                 self.submit_read(w.tag, w.offset, w.buf);
+            } else {
+                rh.ring.waited_read(w.buf.len as u64, w.prefix);
+                drop(guard);
+                self.exec().complete(w.tag, Ok(()));
             }
         }
     }

@@ -38,6 +38,9 @@ pub const STREAMS: usize = 4;
 /// Reads that may wait at once, per core, on chunks whose read-ahead is in flight
 /// ([`Lookup::Wait`]); one more goes to the base. Bounds the fixed waiter table.
 pub const MAX_WAITERS: u16 = 256;
+/// Chunks those reads may wait for at once, per core (a read whose rest spans `n`
+/// filling chunks waits for each): one read more that would pass it goes to the base.
+pub const MAX_WAIT_LINKS: u16 = 2 * MAX_WAITERS;
 /// The window of a stream that just turned sequential, in chunks.
 const WINDOW_START: u32 = 2;
 /// Most chunks one stream may hold (bounds the per-stream bookkeeping).
@@ -118,6 +121,9 @@ pub struct RingStats {
     /// Guest reads the ring served a first part of (not all, not none), the rest read
     /// from the base ([`Lookup::Partial`]) or waited for ([`Lookup::Wait`]).
     pub reads_partial: u64,
+    /// Of those, the reads whose rest waited for read-aheads in flight (the others' rest
+    /// was read from the base at once).
+    pub partial_waited: u64,
     /// Guest reads that waited for a chunk's read-ahead in flight ([`Lookup::Wait`]).
     pub reads_waited: u64,
     /// Of those, the reads sent to the base when it completed: it failed, or a write
@@ -139,6 +145,7 @@ impl RingStats {
             bytes_served: self.bytes_served - before.bytes_served,
             reads_served: self.reads_served - before.reads_served,
             reads_partial: self.reads_partial - before.reads_partial,
+            partial_waited: self.partial_waited - before.partial_waited,
             reads_waited: self.reads_waited - before.reads_waited,
             waited_to_base: self.waited_to_base - before.waited_to_base,
             bytes_evicted_unread: self.bytes_evicted_unread - before.bytes_evicted_unread,
@@ -154,6 +161,7 @@ impl RingStats {
         self.bytes_served += o.bytes_served;
         self.reads_served += o.reads_served;
         self.reads_partial += o.reads_partial;
+        self.partial_waited += o.partial_waited;
         self.reads_waited += o.reads_waited;
         self.waited_to_base += o.waited_to_base;
         self.bytes_evicted_unread += o.bytes_evicted_unread;
@@ -177,13 +185,16 @@ enum State {
 #[derive(Debug, Clone, Copy)]
 struct Slot {
     state: State,
+    /// Guest offset of its chunk.
+    offset: u64,
     /// Valid bytes (less than a chunk only at the end of the disk).
     len: u32,
     /// Write generation of the chunk's region, recorded before its read-ahead was issued.
     gen: u32,
     /// Whether a read was served from it (once ready, or waiting for it).
     used: bool,
-    /// Reads waiting for its read-ahead (while [`State::Filling`]).
+    /// Reads waiting for its read-ahead (while [`State::Filling`]; a read waiting for
+    /// several chunks counts in each).
     waiters: u16,
     /// Released by its stream while filling: freed when the read-ahead completes and its
     /// waiters are handed on.
@@ -193,6 +204,7 @@ struct Slot {
 impl Slot {
     const EMPTY: Slot = Slot {
         state: State::Free,
+        offset: 0,
         len: 0,
         gen: 0,
         used: false,
@@ -279,17 +291,21 @@ pub enum Lookup {
         covered: u64,
     },
     /// It continues `stream`, its first `covered` bytes (maybe none) are in the ring, and
-    /// the rest lies in one chunk whose read-ahead is in flight into `slot`: copy the
-    /// prefix and wait for the read-ahead (counted as waiting on `slot` already: the
-    /// caller must queue the read there at once), then serve the rest from the slot if
-    /// its data is still valid ([`Ring::filled`]), else read it from the base.
+    /// the rest lies in `chunks` chunks (one or more) whose read-aheads are all in flight,
+    /// the first into `slot` (the others' slots: [`Ring::held_slot`]): copy the prefix and
+    /// wait for the read-aheads (counted as waiting on each slot already: the caller must
+    /// queue the read there at once), then serve the rest from the slots if the data of
+    /// every one is still valid when it completes ([`Ring::filled`]), else read the whole
+    /// rest from the base.
     Wait {
         /// The stream.
         stream: u8,
         /// Bytes from the start of the read that the ring holds.
         covered: u64,
-        /// The slot filling with the rest.
+        /// The slot filling with the rest's first chunk.
         slot: u16,
+        /// Chunks the rest spans, each filling.
+        chunks: u32,
     },
 }
 
@@ -306,6 +322,8 @@ pub struct Ring {
     streams: [Stream; STREAMS],
     /// Reads waiting on every slot ([`MAX_WAITERS`] at most).
     waiting: u16,
+    /// Chunks they wait for, a read counting once per chunk ([`MAX_WAIT_LINKS`] at most).
+    wait_links: u16,
     stats: RingStats,
 }
 
@@ -322,6 +340,7 @@ impl Ring {
             ahead: 0,
             streams: [Stream::IDLE; STREAMS],
             waiting: 0,
+            wait_links: 0,
             stats: RingStats::default(),
         }
     }
@@ -409,15 +428,18 @@ impl Ring {
             }
             covered = upto;
         }
-        if covered > offset && covered < end {
+        let partial = covered > offset && covered < end;
+        if partial {
             self.stats.reads_partial += 1;
         }
         if covered < end {
-            if let Some(slot) = self.wait_slot(i, covered, end) {
+            if let Some((slot, chunks)) = self.wait_slots(i, covered, end) {
+                self.stats.partial_waited += u64::from(partial);
                 return Lookup::Wait {
                     stream,
                     covered: covered - offset,
                     slot,
+                    chunks,
                 };
             }
         }
@@ -428,25 +450,39 @@ impl Ring {
         }
     }
 
-    /// The rest of a read, `from..end`, of stream `i`: when it lies in one chunk the
-    /// stream holds whose read-ahead is in flight, and the waiter table has room, counts
-    /// a read waiting there and returns the slot. (A rest over several chunks goes to the
-    /// base: waiting for one chunk at a time would pin chunks the stream may release.)
+    /// The rest of a read, `from..end`, of stream `i`: when every chunk it spans is one
+    /// the stream holds whose read-ahead is in flight, and the waiter table has room,
+    /// counts a read waiting on each of those slots and returns the first slot and how
+    /// many chunks. (A rest that reaches a chunk ready or not held goes to the base: a
+    /// ready chunk after a filling one is rare, read-ahead completing in order.)
     #[inline(never)]
-    fn wait_slot(&mut self, i: usize, from: u64, end: u64) -> Option<u16> {
-        let c = from / CHUNK;
-        if (end - 1) / CHUNK != c || self.waiting >= MAX_WAITERS {
+    fn wait_slots(&mut self, i: usize, from: u64, end: u64) -> Option<(u16, u32)> {
+        let (c0, c1) = (from / CHUNK, (end - 1) / CHUNK);
+        let n = c1 - c0 + 1;
+        if self.waiting >= MAX_WAITERS || self.wait_links as u64 + n > MAX_WAIT_LINKS as u64 {
             return None;
         }
-        let k = self.streams[i].slot_of(c)?;
-        let slot = &mut self.slots[k as usize];
-        if slot.state != State::Filling {
-            return None;
+        let s = &self.streams[i];
+        for c in c0..=c1 {
+            let k = s.slot_of(c)?;
+            if self.slots[k as usize].state != State::Filling {
+                return None;
+            }
         }
-        slot.waiters += 1;
+        for c in c0..=c1 {
+            let k = s.slot_of(c)?;
+            self.slots[k as usize].waiters += 1;
+        }
         self.waiting += 1;
+        self.wait_links += n as u16;
         self.stats.reads_waited += 1;
-        Some(k)
+        Some((s.slot_of(c0)?, n as u32))
+    }
+
+    /// The slot holding `chunk` (a chunk index) for `stream`, if it holds it: for a
+    /// [`Lookup::Wait`], the slots of the chunks after the first.
+    pub fn held_slot(&self, stream: u8, chunk: u64) -> Option<u16> {
+        self.streams[stream as usize].slot_of(chunk)
     }
 
     /// Chunks a read of `len` bytes spans (at least 1, at most [`MAX_WINDOW_CHUNKS`]).
@@ -546,11 +582,17 @@ impl Ring {
         hot.set_busy(i, true);
         self.slots[slot as usize] = Slot {
             state: State::Filling,
+            offset,
             len,
             ..Slot::EMPTY
         };
         self.stats.readahead_ios += 1;
         Some(Fill { slot, offset, len })
+    }
+
+    /// Guest offset of the chunk in `slot` (filling, or filled).
+    pub fn chunk_offset(&self, slot: u16) -> u64 {
+        self.slots[slot as usize].offset
     }
 
     /// The read-ahead into `slot` starts under write generation `gen` of its chunk.
@@ -561,8 +603,9 @@ impl Ring {
     /// The read-ahead into `slot` completed (`ok`: its bytes are in the buffer) under
     /// generation `gen_now` of its chunk (read after the completion): the slot's data is
     /// usable when it succeeded and no write moved the generation since it was recorded.
-    /// Returns whether it is; the caller then hands the reads waiting on it
-    /// ([`waiter_done`](Self::waiter_done) each) and calls [`woken`](Self::woken).
+    /// Returns whether it is; the caller then takes each read waiting on it off the slot
+    /// ([`waited_chunk`](Self::waited_chunk)), hands on those that waited for nothing
+    /// else ([`waited_read`](Self::waited_read)), and calls [`woken`](Self::woken).
     pub fn filled(&mut self, slot: u16, ok: bool, gen_now: u32) -> bool {
         let s = &mut self.slots[slot as usize];
         if ok {
@@ -577,16 +620,22 @@ impl Ring {
         usable
     }
 
-    /// A read that waited on `slot` was handed on after its read-ahead completed:
-    /// `served` bytes copied from the slot, or (0) sent to the base. `prefix`: its first
-    /// part was served from the ring before it waited (the read counted served then).
-    pub fn waiter_done(&mut self, slot: u16, served: u64, prefix: bool) {
+    /// A read waiting on `slot` is taken off it, its read-ahead completed: `copied`, its
+    /// bytes in the slot were copied to the read (the slot served a read).
+    pub fn waited_chunk(&mut self, slot: u16, copied: bool) {
         let s = &mut self.slots[slot as usize];
         debug_assert!(s.waiters > 0);
         s.waiters -= 1;
+        self.wait_links -= 1;
+        s.used |= copied;
+    }
+
+    /// A read that waited was handed on, every chunk it waited for completed: `served`
+    /// bytes copied from the ring, or (0) sent to the base. `prefix`: its first part was
+    /// served from the ring before it waited (the read counted served then).
+    pub fn waited_read(&mut self, served: u64, prefix: bool) {
         self.waiting -= 1;
         if served > 0 {
-            s.used = true;
             self.stats.bytes_served += served;
             self.stats.reads_served += u64::from(!prefix);
         } else {

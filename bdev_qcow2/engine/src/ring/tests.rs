@@ -6,6 +6,13 @@ use super::*;
 const B: u64 = 4096;
 const DISK: u64 = 1 << 40;
 
+struct Waiting {
+    slots: Vec<u16>,
+    rest: u64,
+    prefix: bool,
+    dead: bool,
+}
+
 /// A ring, its hot half, its generations (one per chunk, by chunk index) and the
 /// read-aheads in flight.
 struct Sim {
@@ -13,8 +20,9 @@ struct Sim {
     hot: Hot,
     gens: std::collections::HashMap<u64, u32>,
     inflight: Vec<Fill>,
-    /// Reads waiting on a slot: (slot, bytes to copy from it, a prefix served before).
-    waiting: Vec<(u16, u64, bool)>,
+    /// Reads waiting: the slots they still wait for, the bytes of their rest, whether a
+    /// prefix was served before, whether a chunk came in unusable.
+    waiting: Vec<Waiting>,
 }
 
 impl Sim {
@@ -56,10 +64,24 @@ impl Sim {
                 stream,
                 covered,
                 slot,
+                chunks,
             } => {
                 assert!(covered < len);
-                assert_eq!(self.ring.slots[slot as usize].state, State::Filling);
-                self.waiting.push((slot, len - covered, covered > 0));
+                let c0 = (off + covered) / CHUNK;
+                assert_eq!(c0 + chunks as u64 - 1, (off + len - 1) / CHUNK);
+                let slots: Vec<u16> = (c0..c0 + chunks as u64)
+                    .map(|c| self.ring.held_slot(stream, c).unwrap())
+                    .collect();
+                assert_eq!(slots[0], slot);
+                for &k in &slots {
+                    assert_eq!(self.ring.slots[k as usize].state, State::Filling);
+                }
+                self.waiting.push(Waiting {
+                    slots,
+                    rest: len - covered,
+                    prefix: covered > 0,
+                    dead: false,
+                });
                 (stream, covered)
             }
         };
@@ -89,20 +111,29 @@ impl Sim {
     }
 
     /// Completes read-ahead `f` (`ok`: it succeeded) as `chain` does: the reads waiting on
-    /// it are served from it, or sent to the base; returns how many of each.
+    /// it are taken off it, and those that wait for nothing more are served from the ring
+    /// (every chunk they waited for usable), or sent to the base; returns how many of each.
     fn fill_done(&mut self, f: Fill, ok: bool) -> (u64, u64) {
         let usable = self.ring.filled(f.slot, ok, self.gen(f.offset));
         let (mut served, mut to_base) = (0, 0);
         let waiting = std::mem::take(&mut self.waiting);
-        for (k, n, prefix) in waiting {
-            if k != f.slot {
-                self.waiting.push((k, n, prefix));
-            } else if usable {
-                self.ring.waiter_done(k, n, prefix);
-                served += 1;
-            } else {
-                self.ring.waiter_done(k, 0, prefix);
+        for mut w in waiting {
+            let Some(at) = w.slots.iter().position(|&k| k == f.slot) else {
+                self.waiting.push(w);
+                continue;
+            };
+            w.slots.remove(at);
+            let copy = usable && !w.dead;
+            w.dead |= !usable;
+            self.ring.waited_chunk(f.slot, copy);
+            if !w.slots.is_empty() {
+                self.waiting.push(w);
+            } else if w.dead {
+                self.ring.waited_read(0, w.prefix);
                 to_base += 1;
+            } else {
+                self.ring.waited_read(w.rest, w.prefix);
+                served += 1;
             }
         }
         self.ring.woken(f.slot);
@@ -602,14 +633,7 @@ fn a_chunk_released_while_reads_wait_on_it_serves_them_then_is_freed() {
 }
 
 #[test]
-fn reads_beyond_the_waiter_table_or_over_two_filling_chunks_go_to_the_base() {
-    let mut sim = Sim::new(RingConfig::default(), DISK);
-    for k in 0..32u64 {
-        sim.read(k * B, B);
-    }
-    // The rest of a read over chunks 1 and 2, both filling: no waiting.
-    assert!(!sim.read(32 * B, CHUNK + B));
-    assert!(sim.waiting.is_empty());
+fn reads_beyond_the_waiter_table_go_to_the_base() {
     let mut sim = Sim::new(RingConfig::default(), DISK);
     for k in 0..32u64 {
         sim.read(k * B, B);
@@ -618,6 +642,121 @@ fn reads_beyond_the_waiter_table_or_over_two_filling_chunks_go_to_the_base() {
     assert!(!sim.read(32 * B, B));
     assert!(sim.waiting.is_empty());
     assert_eq!(sim.ring.stats().reads_waited, 0);
+    // Room for one more read, but not for the two chunks it would wait for.
+    let mut sim = Sim::new(RingConfig::default(), DISK);
+    for k in 0..32u64 {
+        sim.read(k * B, B);
+    }
+    sim.ring.wait_links = MAX_WAIT_LINKS - 1;
+    assert!(!sim.read(32 * B, CHUNK + B));
+    assert!(sim.waiting.is_empty());
+    // One chunk fits.
+    assert!(!sim.read(32 * B + CHUNK + B, B));
+    assert_eq!(sim.waiting.len(), 1);
+}
+
+/// A stream of 4 KiB reads up to chunk 1, with chunks 1 and 2 filling.
+fn two_filling() -> (Sim, Fill, Fill) {
+    let mut sim = Sim::new(RingConfig::default(), DISK);
+    for k in 0..32u64 {
+        sim.read(k * B, B);
+    }
+    let (a, b) = (sim.inflight[0], sim.inflight[1]);
+    assert_eq!((a.offset, b.offset), (CHUNK, 2 * CHUNK));
+    (sim, a, b)
+}
+
+#[test]
+fn a_read_over_two_filling_chunks_waits_for_both_and_is_served_from_them() {
+    for first_done in [0, 1] {
+        let (mut sim, a, b) = two_filling();
+        assert!(!sim.read(32 * B, CHUNK + B));
+        assert_eq!(sim.waiting.len(), 1);
+        assert_eq!(sim.waiting[0].slots, vec![a.slot, b.slot]);
+        let (x, y) = if first_done == 0 { (a, b) } else { (b, a) };
+        assert_eq!(sim.fill_done(x, true), (0, 0), "waits for the other chunk");
+        assert_eq!(sim.fill_done(y, true), (1, 0));
+        let st = sim.ring.stats();
+        assert_eq!(
+            (st.reads_waited, st.reads_served, st.bytes_served),
+            (1, 1, CHUNK + B)
+        );
+        assert_eq!(
+            (st.waited_to_base, st.reads_partial, st.partial_waited),
+            (0, 0, 0)
+        );
+        assert_eq!((sim.ring.waiting, sim.ring.wait_links), (0, 0));
+        // Both served a read: passing them evicts nothing unread.
+        sim.read(32 * B + CHUNK + B, B);
+        sim.read(3 * CHUNK, B);
+        assert_eq!(sim.ring.stats().bytes_evicted_unread, 0);
+    }
+}
+
+#[test]
+fn a_write_or_failure_in_either_chunk_sends_the_whole_rest_to_the_base() {
+    for (write_to, fail) in [
+        (Some(1), None),
+        (Some(2), None),
+        (None, Some(1)),
+        (None, Some(2)),
+    ] {
+        let (mut sim, a, b) = two_filling();
+        assert!(!sim.read(32 * B, CHUNK + B));
+        if let Some(c) = write_to {
+            // Any core writes the chunk while it fills.
+            sim.write(c * CHUNK + 10 * B);
+        }
+        let ok = |f: Fill| fail != Some(f.offset / CHUNK);
+        assert_eq!(sim.fill_done(a, ok(a)), (0, 0));
+        assert_eq!(sim.fill_done(b, ok(b)), (0, 1), "{write_to:?} {fail:?}");
+        let st = sim.ring.stats();
+        assert_eq!(
+            (
+                st.reads_waited,
+                st.waited_to_base,
+                st.reads_served,
+                st.bytes_served
+            ),
+            (1, 1, 0, 0)
+        );
+        assert_eq!(st.invalidated, u64::from(write_to.is_some()));
+        assert_eq!((sim.ring.waiting, sim.ring.wait_links), (0, 0));
+    }
+}
+
+#[test]
+fn a_partial_hit_whose_rest_spans_filling_chunks_waits_and_is_counted_so() {
+    let (mut sim, _, _) = two_filling();
+    // Chunk 1 comes in; reading on into it issues chunk 3.
+    sim.complete_before(2 * CHUNK);
+    for k in 32..40u64 {
+        assert!(sim.read(k * B, B));
+    }
+    assert!(sim.inflight.iter().any(|f| f.offset == 3 * CHUNK));
+    // 40..104 (blocks): the rest of chunk 1 ready, then chunks 2 and 3 filling.
+    assert_eq!(sim.read_prefix(40 * B, 64 * B), 24 * B);
+    assert_eq!(sim.waiting.len(), 1);
+    assert_eq!(sim.waiting[0].slots.len(), 2);
+    let st = sim.ring.stats();
+    assert_eq!((st.reads_partial, st.partial_waited), (1, 1));
+    sim.complete();
+    let st = sim.ring.stats();
+    assert_eq!((st.waited_to_base, sim.ring.waiting), (0, 0));
+    // A partial hit whose rest is read from the base: counted partial, not waited.
+    let mut t = Sim::new(RingConfig::default(), DISK);
+    for k in 0..32u64 {
+        t.read(k * B, B);
+        t.complete();
+    }
+    t.write(2 * CHUNK);
+    for k in 32..56u64 {
+        t.read(k * B, B);
+        t.complete();
+    }
+    assert_eq!(t.read_prefix(56 * B, 16 * B), 8 * B);
+    let st = t.ring.stats();
+    assert_eq!((st.reads_partial, st.partial_waited), (1, 0));
 }
 
 #[test]

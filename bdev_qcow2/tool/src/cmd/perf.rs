@@ -189,6 +189,9 @@ pub struct RunResult {
     pub ring_bytes_served: u64,
     /// Prefetch ring: reads it served a first part of (the rest read or waited for).
     pub ring_reads_partial: u64,
+    /// Prefetch ring: of those, reads whose rest waited for read-aheads in flight (the
+    /// others' rest was read from the base at once).
+    pub ring_partial_waited: u64,
     /// Prefetch ring: reads that waited for a read-ahead in flight.
     pub ring_reads_waited: u64,
     /// Prefetch ring: of those, reads sent to the base (read-ahead failed or written).
@@ -604,6 +607,7 @@ pub fn run_one(path: &Path, raw: bool, w: Workload, a: &PerfArgs) -> ToolResult<
         ring_bytes_read_ahead: ring.bytes_read_ahead,
         ring_bytes_served: ring.bytes_served,
         ring_reads_partial: ring.reads_partial,
+        ring_partial_waited: ring.partial_waited,
         ring_reads_waited: ring.reads_waited,
         ring_waited_to_base: ring.waited_to_base,
         ring_bytes_evicted_unread: ring.bytes_evicted_unread,
@@ -726,6 +730,7 @@ fn merge(a: RunResult, b: RunResult) -> RunResult {
         ring_bytes_read_ahead: a.ring_bytes_read_ahead + b.ring_bytes_read_ahead,
         ring_bytes_served: a.ring_bytes_served + b.ring_bytes_served,
         ring_reads_partial: a.ring_reads_partial + b.ring_reads_partial,
+        ring_partial_waited: a.ring_partial_waited + b.ring_partial_waited,
         ring_reads_waited: a.ring_reads_waited + b.ring_reads_waited,
         ring_waited_to_base: a.ring_waited_to_base + b.ring_waited_to_base,
         ring_bytes_evicted_unread: a.ring_bytes_evicted_unread + b.ring_bytes_evicted_unread,

@@ -1,0 +1,265 @@
+//! Nothing on the prefetch ring's path allocates: with the chain's metadata cached, a
+//! stream of reads served from the ring (whole, in part, or waiting for a read-ahead in
+//! flight) and the read-aheads that keep it ahead — issued, completed, handed to the reads
+//! that waited — make no heap allocation. On an overlay whose read-aheads come mostly
+//! from its backing image (the golden-image case) no read-ahead takes a task (guest
+//! reads the ring misses there still take the slow path, which allocates, as before). Counted by a global allocator on the test's own
+//! thread, around a host loop like the hosts' (look the read up in the ring, queue it on
+//! the slot it waits for, route the rest, poll the executor once per request).
+
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test helpers may panic
+
+use qcow2_engine::io::{BufSlice, HeapBuf};
+use qcow2_engine::ring::{RingConfig, RingServed, RingStats, WriteGens};
+use qcow2_engine::testing::MemDevice;
+use qcow2_engine::{Chain, Exec, Layer, OpenOptions, Qcow2};
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::cell::Cell;
+use std::path::Path;
+use std::process::Command;
+use std::rc::Rc;
+use std::sync::Arc;
+
+/// The system allocator, counting the allocations of a thread while it asks for it.
+struct Counting;
+
+thread_local! {
+    static COUNTING: Cell<bool> = const { Cell::new(false) };
+    static ALLOCS: Cell<u64> = const { Cell::new(0) };
+}
+
+fn count() {
+    // `try_with`: never panics inside the allocator (a thread being torn down).
+    let _ = COUNTING.try_with(|on| {
+        if on.get() {
+            let _ = ALLOCS.try_with(|n| n.set(n.get() + 1));
+        }
+    });
+}
+
+// SAFETY: every call goes to `System` unchanged; counting touches only const-initialized
+// thread-locals, which allocate nothing.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        count();
+        // SAFETY: the caller's contract, passed on.
+        unsafe { System.alloc(layout) }
+    }
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        count();
+        // SAFETY: the caller's contract, passed on.
+        unsafe { System.alloc_zeroed(layout) }
+    }
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        count();
+        // SAFETY: the caller's contract, passed on.
+        unsafe { System.realloc(ptr, layout, new_size) }
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // SAFETY: the caller's contract, passed on.
+        unsafe { System.dealloc(ptr, layout) }
+    }
+}
+
+#[global_allocator]
+static ALLOCATOR: Counting = Counting;
+
+/// Allocations `f` makes on this thread.
+fn allocations(f: impl FnOnce()) -> u64 {
+    ALLOCS.with(|n| n.set(0));
+    COUNTING.with(|c| c.set(true));
+    f();
+    COUNTING.with(|c| c.set(false));
+    ALLOCS.with(|n| n.get())
+}
+
+fn sh(cmd: &mut Command) {
+    let out = cmd.output().expect("run");
+    assert!(
+        out.status.success(),
+        "{cmd:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// What QEMU reads from `img`.
+fn raw_of(img: &Path) -> Vec<u8> {
+    let raw = img.with_extension("raw");
+    sh(Command::new("qemu-img")
+        .args(["convert", "-O", "raw"])
+        .arg(img)
+        .arg(&raw));
+    std::fs::read(&raw).unwrap()
+}
+
+/// An 8 MiB image (64 KiB clusters) of a different byte per MiB, with a zero cluster.
+fn image(dir: &Path) -> std::path::PathBuf {
+    let img = dir.join("a.qcow2");
+    sh(Command::new("qemu-img")
+        .args(["create", "-q", "-f", "qcow2", "-o", "cluster_size=65536"])
+        .arg(&img)
+        .arg("8M"));
+    let mut q = Command::new("qemu-io");
+    q.args(["-f", "qcow2"]);
+    for i in 0..8 {
+        q.arg("-c").arg(format!("write -P {} {i}M 1M", 0x41 + i));
+    }
+    q.arg("-c").arg("write -z 3M 64k");
+    sh(q.arg(&img));
+    img
+}
+
+/// An overlay of `base` with a few clusters of its own (data and zeros).
+fn overlay(dir: &Path, base: &Path) -> std::path::PathBuf {
+    let top = dir.join("top.qcow2");
+    sh(Command::new("qemu-img")
+        .args(["create", "-q", "-f", "qcow2", "-F", "qcow2", "-b"])
+        .arg(base)
+        .arg(&top));
+    sh(Command::new("qemu-io")
+        .args(["-f", "qcow2", "-c", "write -P 0x77 1M 64k", "-c"])
+        .arg("write -P 0x78 5M 200k")
+        .args(["-c", "write -z 6400k 64k"])
+        .arg(&top));
+    top
+}
+
+/// One reader: its region, request size, where it is, its buffer (allocated once).
+struct Reader {
+    start: u64,
+    end: u64,
+    len: usize,
+    pos: u64,
+    buf: HeapBuf,
+}
+
+/// The host: one request of `r` at QD1, as a host serves it; then one poll of the
+/// executor (the reactor polls between requests, so read-aheads complete meanwhile).
+fn step(exec: &Exec<MemDevice>, chain: &Rc<Chain<MemDevice>>, r: &mut Reader, expect: &[u8]) {
+    const TAG: u64 = 7;
+    let len = r.len.min((r.end - r.pos) as usize);
+    let whole = BufSlice::whole(r.buf.clone());
+    let slice = whole.sub(0, len);
+    let wait = match chain.ring_read(r.pos, &slice) {
+        RingServed::All => false,
+        RingServed::Nothing => {
+            chain.submit_read(TAG, r.pos, slice.clone());
+            true
+        }
+        RingServed::Prefix(n) => {
+            let n = n as usize;
+            chain.submit_read(TAG, r.pos + n as u64, slice.sub(n, len - n));
+            true
+        }
+        RingServed::Wait(w) => {
+            chain.ring_wait(w, TAG, slice.clone());
+            true
+        }
+    };
+    let mut done = !wait;
+    exec.poll(&mut |t, res| {
+        assert_eq!(t, TAG);
+        res.unwrap();
+        done = true;
+    });
+    while !done {
+        exec.poll(&mut |t, res| {
+            assert_eq!(t, TAG);
+            res.unwrap();
+            done = true;
+        });
+    }
+    let got = r.buf.0.borrow();
+    let at = r.pos as usize;
+    assert!(got[..len] == expect[at..at + len], "bytes at {at}");
+    r.pos += len as u64;
+    if r.pos == r.end {
+        r.pos = r.start;
+    }
+}
+
+#[test]
+fn ring_served_reads_and_read_aheads_allocate_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let img = image(dir.path());
+    let (allocs, tasks, _) = run_readers(&[&img]);
+    assert_eq!(allocs, 0, "allocations on the ring's path");
+    assert_eq!(tasks, 0, "read-aheads ran as tasks");
+}
+
+#[test]
+fn read_aheads_from_a_backing_image_take_no_task() {
+    let dir = tempfile::tempdir().unwrap();
+    let base = image(dir.path());
+    let top = overlay(dir.path(), &base);
+    let (_, tasks, slow_reads) = run_readers(&[&top, &base]);
+    // Each task is a guest read's slow path (a miss through the backing image).
+    assert_eq!(tasks, slow_reads, "read-aheads ran as tasks");
+}
+
+/// Three interleaved readers over the chain of `images` (top first), warmed up, then
+/// counted (every byte what QEMU reads): returns the allocations, the tasks spawned and
+/// the guest reads that took the slow path.
+fn run_readers(images: &[&Path]) -> (u64, u64, u64) {
+    let expect = raw_of(images[0]);
+    let exec = Exec::new();
+    let mut layers = Vec::new();
+    for img in images {
+        let dev = MemDevice::new(std::fs::read(img).unwrap());
+        // A read-ahead takes longer than a 96 KiB reader served from the ring needs to
+        // pass a whole window (8 chunks, at 3 polls per 96 KiB): some reads wait for one
+        // in flight.
+        dev.0.borrow_mut().latency_polls = 40;
+        let id = exec.add_device(dev);
+        let e2 = exec.clone();
+        let q = exec
+            .block_on(async move { Qcow2::open(&e2, id, OpenOptions::default()).await })
+            .unwrap();
+        layers.push(Layer::Qcow2(Box::new(q)));
+    }
+    let chain = Chain::new(&exec, layers).unwrap();
+    let gens = Arc::new(WriteGens::new(chain.size()));
+    chain.enable_ring(RingConfig::default(), gens).unwrap();
+    // Three interleaved readers: 4 KiB, and 96 KiB reads that straddle chunks (served
+    // in part, or waiting for the chunk filling with their rest), each in its own region.
+    let mb = 1u64 << 20;
+    let mut readers: Vec<Reader> = [(0, 4, 4096), (4, 6, 96 << 10), (6, 8, 96 << 10)]
+        .into_iter()
+        .map(|(a, b, len)| Reader {
+            start: a * mb,
+            end: b * mb,
+            len,
+            pos: a * mb,
+            buf: HeapBuf::new(len),
+        })
+        .collect();
+    // Their streams run side by side, one request each in turn.
+    let round = |readers: &mut Vec<Reader>| {
+        step(&exec, &chain, &mut readers[0], &expect);
+        step(&exec, &chain, &mut readers[1], &expect);
+        step(&exec, &chain, &mut readers[2], &expect);
+    };
+    // Warm up: the slices are loaded, the executor's and the device's queues reach their
+    // depth (first-pass reads of what was never read ahead allocate on the slow path).
+    for _ in 0..1200 {
+        round(&mut readers);
+    }
+    let before: RingStats = chain.ring_stats().unwrap();
+    let tasks = exec.stats().tasks_spawned;
+    let slow = chain.stats().slow_reads;
+    let n = allocations(|| {
+        for _ in 0..1200 {
+            round(&mut readers);
+        }
+    });
+    let s = chain.ring_stats().unwrap().since(&before);
+    assert!(s.readahead_ios > 50, "{s:?}");
+    assert!(s.reads_served > 3000, "{s:?}");
+    assert!(s.reads_waited > 0, "{s:?}");
+    assert!(s.reads_partial > 0, "{s:?}");
+    (
+        n,
+        exec.stats().tasks_spawned - tasks,
+        chain.stats().slow_reads - slow,
+    )
+}
