@@ -206,7 +206,7 @@ pub struct CoreSeed {
 
 pub use crate::exec::read_bytes;
 
-fn be_words(bytes: &[u8]) -> impl Iterator<Item = u64> + '_ {
+fn be_words(bytes: &[u8]) -> impl ExactSizeIterator<Item = u64> + Clone + '_ {
     bytes.chunks_exact(8).map(|c| {
         let mut a = [0u8; 8];
         a.copy_from_slice(c);
@@ -1297,18 +1297,28 @@ impl<D: BlockDevice> Qcow2<D> {
         Ok(Some(w))
     }
 
-    /// Core replica: caches the owner's copy `words` of slice `key`, taken under `stamp`.
-    /// When the memo holds a mapped row built from the copy cached now, the row is carried
-    /// over to the new copy with only the entries that differ decoded: while the owner fills
-    /// a slice a core takes a new copy every few dozen allocations, and decoding all of its
-    /// entries each time cost more than the rest of the requests' work.
-    fn cache_slice_copy(&self, key: u64, stamp: SliceStamp, words: &[u64]) -> usize {
+    /// Core replica: caches `words` of slice `key` (the owner's copy, or what the device
+    /// holds), taken under `stamp`. When the memo holds a mapped row built from the copy
+    /// cached now, the row is carried over to the new copy with only the entries that
+    /// differ decoded: while the owner fills a slice a core takes a new copy every few
+    /// dozen allocations, and decoding all of its entries each time cost more than the rest
+    /// of the requests' work.
+    fn cache_slice_carrying(
+        &self,
+        key: u64,
+        stamp: SliceStamp,
+        words: impl ExactSizeIterator<Item = u64> + Clone,
+    ) -> usize {
         let carried = if self.geo.extended_l2 {
             None
         } else {
-            self.carry_memo_row(key, words)
+            self.carry_memo_row(key, words.clone())
         };
-        let w = self.cache_slice(key, stamp, |b| b.copy_from_slice(words));
+        let w = self.cache_slice(key, stamp, |b| {
+            for (dst, w) in b.iter_mut().zip(words) {
+                *dst = w;
+            }
+        });
         if let Some((row, meta_gen)) = carried {
             self.memo
                 .carry_mapped(row, (stamp.epoch(), stamp.removals()), meta_gen);
@@ -1319,7 +1329,11 @@ impl<D: BlockDevice> Qcow2<D> {
     /// The memo's mapped row of slice `key`, patched to `words` (standard L2), with the
     /// metadata generation it holds under; `None` when the memo holds no row built from
     /// the cached copy (or the row cannot take the patch).
-    fn carry_memo_row(&self, key: u64, words: &[u64]) -> Option<(MappedRow, u64)> {
+    fn carry_memo_row(
+        &self,
+        key: u64,
+        words: impl ExactSizeIterator<Item = u64>,
+    ) -> Option<(MappedRow, u64)> {
         let meta_gen = self
             .writable_core_shared()
             .map_or(MEMO_NO_META_GEN, |sh| sh.meta_gen());
@@ -1333,7 +1347,7 @@ impl<D: BlockDevice> Qcow2<D> {
         if old.len() != words.len() {
             return None;
         }
-        for (i, (&a, &b)) in old.iter().zip(words).enumerate() {
+        for (i, (&a, b)) in old.iter().zip(words).enumerate() {
             if a != b && !self.memo.patch_row(&row, i, self.memo_word(L2Entry(b))) {
                 return None;
             }
@@ -1533,7 +1547,7 @@ impl<D: BlockDevice> Replica<'_, D> {
                 match self.ask_owner(key).await {
                     SliceReply::Copy { words, stamp } => {
                         q.sync_core();
-                        let w = q.cache_slice_copy(key, stamp, &words);
+                        let w = q.cache_slice_carrying(key, stamp, words.iter().copied());
                         // Taken after this request began: valid for it whatever the epoch
                         // is now; the cache keeps it only while the epoch stays.
                         return Ok(Some(w));
@@ -1555,12 +1569,7 @@ impl<D: BlockDevice> Replica<'_, D> {
             // Entries of the slice may point where the owner grew the device before it
             // wrote them.
             q.sync_core();
-            let w = q.cache_slice(key, stamp, |block| {
-                for (dst, w) in block.iter_mut().zip(be_words(&raw)) {
-                    *dst = w;
-                }
-            });
-            return Ok(Some(w));
+            return Ok(Some(q.cache_slice_carrying(key, stamp, be_words(&raw))));
         }
     }
 }
