@@ -22,14 +22,22 @@
 # zeros without any disk I/O) and each server process, not the client, in a cgroup v1 blkio
 # group that limits it on the disk to LIMIT_IOPS reads and writes per second and LIMIT_BPS
 # bytes per second each way (default 3000 and 125 MiB/s: a cloud volume's baseline, far below
-# what either server does on a CPU), so both servers are disk-bound. The disk I/Os each server
-# issued per request (blkio.throttle.io_serviced, opening included) are printed under each row.
+# what either server does on a CPU), so both servers are disk-bound. The disk I/Os and KiB each
+# server issued per request (blkio.throttle.io_serviced and io_service_bytes, opening
+# included) are printed under each row, from the run with the median I/Os per request.
 # Without blkio (or permission to make a group) that case prints SKIPPED with the reason.
 #
 #   tests/vhost_bench.sh                        # tmpfs and disk
 #   RUNS=4 TIME=5 SIZE=1G tests/vhost_bench.sh
 #   CASES=tmpfs tests/vhost_bench.sh            # or CASES=disk, CASES=disk-throttled
 #   ROWS="randread-4k qd1" tests/vhost_bench.sh # some rows only (names as printed)
+#
+# Case two-cores: tmpfs, two virtqueues in use, the client (bdevperf on cores 0 and 1, -C: one
+# job per core, each on its own virtqueue) and the server sharing both cores. spdk_tgt runs
+# on cores 0-1 with the vhost controller's thread on core 1 (SPDK polls every queue of a
+# vhost-blk session on that one thread; our owner and the md thread stay on core 0);
+# qemu-storage-daemon runs on cores 0-1 with one iothread (QEMU 10.0's vhost-user-blk export
+# takes one iothread: neither a list of iothreads nor iothread-vq-mapping exists for exports).
 #
 # Row l2-small: an L2SIZE (4 GiB) image with 64 KiB clusters, randread 4 KiB QD32, with
 # qemu-storage-daemon's L2 cache set to a quarter of the image's L2 (l2-cache-size 128 KiB):
@@ -62,6 +70,8 @@ L2SIZE=${L2SIZE:-4G}
 LIMIT_IOPS=${LIMIT_IOPS:-3000}
 LIMIT_BPS=${LIMIT_BPS:-$((125 << 20))}
 BLKIO=/sys/fs/cgroup/blkio
+# Cores of the server (spdk_tgt mask, its vhost controller's mask, qsd's CPUs) and client.
+SRV_MASK=0x1 VHOST_MASK=0x1 QSD_CPUS=0 CLI_MASK=0x2 CLI_ARGS=
 SERVERS=(ours qsd pt)
 
 WORK=$(mktemp -d /tmp/vhost_bench.XXXXXX)
@@ -121,8 +131,13 @@ throttle_group() {
   for f in read_bps write_bps; do echo "$THROTTLE $LIMIT_BPS" >"$CG/blkio.throttle.${f}_device"; done
 }
 
-# Disk I/Os (reads and writes) the server's group issued.
-throttle_ios() { awk -v d="$THROTTLE" '$1 == d && $2 == "Total" {print $3}' "$CG/blkio.throttle.io_serviced"; }
+# Disk I/Os (reads and writes) the server's group issued, and their bytes.
+throttle_ios() {
+  local f
+  for f in io_serviced io_service_bytes; do
+    awk -v d="$THROTTLE" '$1 == d && $2 == "Total" {print $3}' "$CG/blkio.throttle.$f"
+  done | paste -sd ' '
+}
 
 # LAUNCH: what runs a server in the blkio group when throttled (exec'd, so that $! is the
 # server itself; a shell function run with & would be a subshell, deaf to SIGINT).
@@ -152,18 +167,18 @@ server() {
 EOF
     mkdir -p "$WORK/vhost"
     rm -f "$WORK/vhost/d0"
-    "${LAUNCH[@]}" env LD_PRELOAD="$SO" spdk_tgt -m 0x1 -s 1024 -S "$WORK/vhost" -r "$WORK/spdk.sock" \
+    "${LAUNCH[@]}" env LD_PRELOAD="$SO" spdk_tgt -m "$SRV_MASK" -s 1024 -S "$WORK/vhost" -r "$WORK/spdk.sock" \
       --json "$WORK/server.json" >"$log" 2>&1 &
     SERVER_PID=$!
     for _ in $(seq 150); do
       "$RPC" -s "$WORK/spdk.sock" -t 5 framework_wait_init >/dev/null 2>&1 && break
       sleep 0.2
     done
-    "$RPC" -s "$WORK/spdk.sock" vhost_create_blk_controller --cpumask 0x1 d0 d0 >/dev/null
+    "$RPC" -s "$WORK/spdk.sock" vhost_create_blk_controller --cpumask "$VHOST_MASK" d0 d0 >/dev/null
     ln -sf "$WORK/vhost/d0" "$sock"
     ;;
   qsd)
-    "${LAUNCH[@]}" taskset -c 0 qemu-storage-daemon \
+    "${LAUNCH[@]}" taskset -c "$QSD_CPUS" qemu-storage-daemon \
       --blockdev "driver=file,node-name=file0,filename=$file,cache.direct=on,aio=io_uring" \
       --blockdev "driver=qcow2,node-name=qcow0,file=file0${QSD_OPTS:-}" \
       --object iothread,id=io0 \
@@ -181,7 +196,7 @@ stop_server() {
   wait "$SERVER_PID" 2>/dev/null || true
   SERVER_PID=
   if [ -n "$CG" ]; then
-    DISK_IOS=$(throttle_ios)
+    read -r DISK_IOS DISK_BYTES < <(throttle_ios)
     rmdir "$CG"
     CG=
   fi
@@ -201,8 +216,9 @@ client() {
  {"method": "bdev_virtio_attach_controller", "params": {"name": "V", "trtype": "user",
   "traddr": "$WORK/relay.sock", "dev_type": "blk", "vq_count": 2, "vq_size": 256}}]}]}
 EOF
-  if ! timeout -k 5 $((TIME + 60)) env LD_PRELOAD="$WORK/align.so" bdevperf -m 0x2 -g -s 1024 \
-      --json "$WORK/client.json" -t "$TIME" "$@" >"$out" 2>&1; then
+  # shellcheck disable=SC2086
+  if ! timeout -k 5 $((TIME + 60)) env LD_PRELOAD="$WORK/align.so" bdevperf -m "$CLI_MASK" -g -s 1024 \
+      --json "$WORK/client.json" -t "$TIME" $CLI_ARGS "$@" >"$out" 2>&1; then
     kill "$relay" 2>/dev/null || true
     grep -v VHOST_CONFIG "$WORK/server.log" | tail -15; tail -25 "$out"
     echo "bdevperf failed" >&2
@@ -277,7 +293,14 @@ printf '%s\n' "vhost-user-blk, client bdevperf (virtio-user) on core 1, servers 
   "relay: config request shortened, size_max 0 -> 65536; client buffers 4 KiB aligned;" \
   "medians of $RUNS alternating runs of $TIME s; image $SIZE (big: $BIG, metadata preallocated)."
 for case in $CASES; do
-  if [ "$case" = tmpfs ]; then dir=/dev/shm/vhost_bench; else dir=/var/tmp/vhost_bench; fi
+  case $case in
+  tmpfs | two-cores) dir=/dev/shm/vhost_bench ;;
+  *) dir=/var/tmp/vhost_bench ;;
+  esac
+  SRV_MASK=0x1 VHOST_MASK=0x1 QSD_CPUS=0 CLI_MASK=0x2 CLI_ARGS=
+  if [ "$case" = two-cores ]; then
+    SRV_MASK=0x3 VHOST_MASK=0x2 QSD_CPUS=0,1 CLI_MASK=0x3 CLI_ARGS=-C
+  fi
   rm -rf "$dir"
   mkdir -p "$dir"
   THROTTLE=
@@ -292,9 +315,12 @@ for case in $CASES; do
   fi
   qemu-img create -q -f qcow2 -o preallocation="$PREALLOC" "$dir/master.qcow2" "$SIZE"
   echo "== $case ($(df -T "$dir" | awk 'NR == 2 {print $2}') at $dir); figures in IOPS (qd1: µs)"
+  [ "$case" != two-cores ] || echo "servers and client share cores 0-1: spdk_tgt -m 0x3, vhost" \
+    "thread on core 1, owner on core 0; qsd on 0-1, one iothread; bdevperf -m 0x3 -C (a job per" \
+    "core, each on its own virtqueue; figures are both jobs' sum)"
   [ -z "$THROTTLE" ] || echo "each server limited on disk $THROTTLE to $LIMIT_IOPS IOPS and" \
     "$((LIMIT_BPS >> 20)) MiB/s each way (blkio); images fully written; under each row the" \
-    "server's disk I/Os per request (opening included)"
+    "server's disk I/Os and KiB per request (opening included)"
   printf '%-14s %10s %10s %10s %9s %9s\n' row ours qsd passthru ours/qsd ours/pt
   for row in $ROWS; do
     if [ -n "$THROTTLE" ] && [ "$row" = big-defaults ]; then
@@ -320,7 +346,8 @@ for case in $CASES; do
         stop_server
         if [ "$row" = qd1 ]; then got[$s]+="$LAT_US "; else got[$s]+="$IOPS "; fi
         [ -z "$THROTTLE" ] ||
-          ios[$s]+="$(awk -v n="$DISK_IOS" -v r="$IOPS" -v t="$TIME" 'BEGIN {printf "%.2f", n / (r * t)}') "
+          ios[$s]+="$(awk -v n="$DISK_IOS" -v b="$DISK_BYTES" -v r="$IOPS" -v t="$TIME" \
+            'BEGIN {printf "%.2f/%.0fK", n / (r * t), b / (r * t) / 1024}') "
 
       done
     done
@@ -335,9 +362,10 @@ for case in $CASES; do
     fi
     printf '%-14s %10s %10s %10s %9s %9s\n' "$row" "$o" "$q" "$p" "$rq" "$rp"
     if [ -n "$THROTTLE" ]; then
+      # The run whose I/Os per request are the median.
       mi() { [ -n "${ios[$1]:-}" ] && echo "${ios[$1]}" | tr ' ' '\n' | grep . | sort -g |
         awk '{v[NR]=$1} END {print v[int((NR+1)/2)]}' || echo -; }
-      printf '%-14s %10s %10s %10s\n' "  disk I/O/req" "$(mi ours)" "$(mi qsd)" "$(mi pt)"
+      printf '%-14s %10s %10s %10s\n' "  I/Os,KiB/req" "$(mi ours)" "$(mi qsd)" "$(mi pt)"
     fi
     unset got ios
   done
