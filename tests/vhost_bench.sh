@@ -33,7 +33,7 @@
 #   ROWS="randread-4k qd1" tests/vhost_bench.sh # some rows only (names as printed)
 #
 # Case two-cores: tmpfs, two virtqueues in use, the client (bdevperf on cores 0 and 1, -C: one
-# job per core, each on its own virtqueue) and the server sharing both cores. spdk_tgt runs
+# job per core, each on its own virtqueue; a third, which bdevperf's examine holds) and the server sharing both cores. spdk_tgt runs
 # on cores 0-1 with the vhost controller's thread on core 1 (SPDK polls every queue of a
 # vhost-blk session on that one thread; our owner and the md thread stay on core 0);
 # qemu-storage-daemon runs on cores 0-1 with one iothread (QEMU 10.0's vhost-user-blk export
@@ -71,7 +71,7 @@ LIMIT_IOPS=${LIMIT_IOPS:-3000}
 LIMIT_BPS=${LIMIT_BPS:-$((125 << 20))}
 BLKIO=/sys/fs/cgroup/blkio
 # Cores of the server (spdk_tgt mask, its vhost controller's mask, qsd's CPUs) and client.
-SRV_MASK=0x1 VHOST_MASK=0x1 QSD_CPUS=0 CLI_MASK=0x2 CLI_ARGS= NO_LOCKS=
+SRV_MASK=0x1 VHOST_MASK=0x1 QSD_CPUS=0 CLI_MASK=0x2 CLI_ARGS= NO_LOCKS= VQS=2
 SERVERS=(ours qsd pt)
 
 WORK=$(mktemp -d /tmp/vhost_bench.XXXXXX)
@@ -183,7 +183,7 @@ EOF
       --blockdev "driver=file,node-name=file0,filename=$file,cache.direct=on,aio=io_uring" \
       --blockdev "driver=qcow2,node-name=qcow0,file=file0${QSD_OPTS:-}" \
       --object iothread,id=io0 \
-      --export "type=vhost-user-blk,id=exp0,node-name=qcow0,addr.type=unix,addr.path=$sock,writable=on,iothread=io0,num-queues=2" \
+      --export "type=vhost-user-blk,id=exp0,node-name=qcow0,addr.type=unix,addr.path=$sock,writable=on,iothread=io0,num-queues=$VQS" \
       >"$log" 2>&1 &
     SERVER_PID=$!
     for _ in $(seq 100); do [ -S "$sock" ] && break; sleep 0.1; done
@@ -215,7 +215,7 @@ client() {
   cat >"$WORK/client.json" <<EOF
 {"subsystems": [{"subsystem": "bdev", "config": [
  {"method": "bdev_virtio_attach_controller", "params": {"name": "V", "trtype": "user",
-  "traddr": "$WORK/relay.sock", "dev_type": "blk", "vq_count": 2, "vq_size": 256}}]}]}
+  "traddr": "$WORK/relay.sock", "dev_type": "blk", "vq_count": $VQS, "vq_size": 256}}]}]}
 EOF
   # shellcheck disable=SC2086
   if ! timeout -k 5 $((TIME + 60)) env LD_PRELOAD="$WORK/align.so" bdevperf -m "$CLI_MASK" $NO_LOCKS -g -s 1024 \
@@ -298,10 +298,12 @@ for case in $CASES; do
   tmpfs | two-cores) dir=/dev/shm/vhost_bench ;;
   *) dir=/var/tmp/vhost_bench ;;
   esac
-  SRV_MASK=0x1 VHOST_MASK=0x1 QSD_CPUS=0 CLI_MASK=0x2 CLI_ARGS= NO_LOCKS=
+  SRV_MASK=0x1 VHOST_MASK=0x1 QSD_CPUS=0 CLI_MASK=0x2 CLI_ARGS= NO_LOCKS= VQS=2
   if [ "$case" = two-cores ]; then
     # Both SPDK applications on cores 0-1: neither takes SPDK's per-core lock files.
     SRV_MASK=0x3 VHOST_MASK=0x2 QSD_CPUS=0,1 CLI_MASK=0x3 CLI_ARGS=-C NO_LOCKS=--disable-cpumask-locks
+    # A virtqueue per job, and one that bdevperf's examine still holds when the jobs start.
+    VQS=3
   fi
   rm -rf "$dir"
   mkdir -p "$dir"
