@@ -83,6 +83,8 @@ const FUNCTIONS: &[&str] = &[
     "spdk_io_channel_iter_get_io_device",
     "spdk_poller_register_named",
     "spdk_poller_unregister",
+    "spdk_poller_pause",
+    "spdk_poller_resume",
     "spdk_get_thread",
     "spdk_thread_send_msg",
     "spdk_thread_get_name",

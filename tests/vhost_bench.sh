@@ -17,10 +17,33 @@
 #   between runs, so that where a copy lies on the disk does not favour one server.
 # Each figure is the median of RUNS alternating runs (ours, qsd, passthru; then reversed).
 #
-#   tests/vhost_bench.sh                        # tmpfs (/dev/shm) and an ext4 file (/var/tmp)
+# Cases: tmpfs (/dev/shm), disk (an ext4 file in /var/tmp), and disk-throttled: the ext4
+# file with data really on the disk (the images fully written: a falloc'd or sparse image reads
+# zeros without any disk I/O) and each server process, not the client, in a cgroup v1 blkio
+# group that limits it on the disk to LIMIT_IOPS reads and writes per second and LIMIT_BPS
+# bytes per second each way (default 3000 and 125 MiB/s: a cloud volume's baseline, far below
+# what either server does on a CPU), so both servers are disk-bound. The disk I/Os and KiB each
+# server issued per request (blkio.throttle.io_serviced and io_service_bytes, opening
+# included) are printed under each row, from the run with the median I/Os per request.
+# Without blkio (or permission to make a group) that case prints SKIPPED with the reason.
+#
+#   tests/vhost_bench.sh                        # tmpfs and disk
 #   RUNS=4 TIME=5 SIZE=1G tests/vhost_bench.sh
-#   CASES=tmpfs tests/vhost_bench.sh            # or CASES=disk
+#   CASES=tmpfs tests/vhost_bench.sh            # or CASES=disk, CASES=disk-throttled
 #   ROWS="randread-4k qd1" tests/vhost_bench.sh # some rows only (names as printed)
+#
+# Case two-cores: tmpfs, two virtqueues in use, the client (bdevperf on cores 0 and 1, -C: one
+# job per core, each on its own virtqueue; a third, which bdevperf's examine holds) and the server sharing both cores. spdk_tgt runs
+# on cores 0-1 with the vhost controller's thread on core 1 (SPDK polls every queue of a
+# vhost-blk session on that one thread; our owner and the md thread stay on core 0);
+# qemu-storage-daemon runs on cores 0-1 with one iothread (QEMU 10.0's vhost-user-blk export
+# takes one iothread: neither a list of iothreads nor iothread-vq-mapping exists for exports).
+#
+# Row l2-small: an L2SIZE (4 GiB) image with 64 KiB clusters, randread 4 KiB QD32, with
+# qemu-storage-daemon's L2 cache set to a quarter of the image's L2 (l2-cache-size 128 KiB):
+# what QEMU's default 32 MiB is on a 1 TiB image, where a random read then loads a 64 KiB L2
+# table first three times in four. Ours runs at its defaults, which cache this image's whole
+# L2 (on a 1 TiB image that takes l2_cache_size 128 MiB per core). No passthru in that row.
 #
 # Needs SPDK (spdk_tgt, bdevperf, rpc.py), qemu-storage-daemon, qemu-img, python3, cc; prints
 # SKIPPED and exits 0 without them. Run it alone (one SPDK application pair at a time).
@@ -42,15 +65,24 @@ TIME=${TIME:-5}
 SIZE=${SIZE:-1G}
 BIG=${BIG:-64G}
 CASES=${CASES:-tmpfs disk}
-ROWS=${ROWS:-randread-4k randread-512 seqread-128k overwrite-4k qd1 verify big-defaults alloc-write}
+ROWS=${ROWS:-randread-4k randread-512 seqread-128k overwrite-4k qd1 verify big-defaults alloc-write l2-small}
+L2SIZE=${L2SIZE:-4G}
+LIMIT_IOPS=${LIMIT_IOPS:-3000}
+LIMIT_BPS=${LIMIT_BPS:-$((125 << 20))}
+BLKIO=/sys/fs/cgroup/blkio
+# Cores of the server (spdk_tgt mask, its vhost controller's mask, qsd's CPUs) and client.
+SRV_MASK=0x1 VHOST_MASK=0x1 QSD_CPUS=0 CLI_MASK=0x2 CLI_ARGS= NO_LOCKS= VQS=2
 SERVERS=(ours qsd pt)
 
 WORK=$(mktemp -d /tmp/vhost_bench.XXXXXX)
 SERVER_PID=
 RELAY_PID=
+CG=
+THROTTLE=
 cleanup() {
   for p in $SERVER_PID $RELAY_PID; do kill "$p" 2>/dev/null || true; done
   wait 2>/dev/null || true
+  [ -z "$CG" ] || rmdir "$CG" 2>/dev/null || true
   rm -rf "$WORK" /dev/shm/vhost_bench /var/tmp/vhost_bench
 }
 trap cleanup EXIT
@@ -63,11 +95,62 @@ size_t spdk_bdev_get_buf_align(const struct spdk_bdev *bdev) { (void)bdev; retur
 EOF
 cc -O2 -shared -fPIC -o "$WORK/align.so" "$WORK/align.c"
 
+# The device a file lies on, as blkio names it (MAJ:MIN of the whole disk).
+disk_of() {
+  local dev
+  dev=$(df --output=source "$1" | tail -1)
+  dev=/dev/$(lsblk -no PKNAME "$dev" 2>/dev/null | head -1 || true)
+  [ "$dev" != /dev/ ] || dev=$(df --output=source "$1" | tail -1)
+  lsblk -dno MAJ:MIN "$dev" | tr -d ' '
+}
+
+# throttle_check DIR: finds the disk under DIR (sets THROTTLE to its MAJ:MIN) and checks a
+# blkio group can limit it, or prints why not and returns 1.
+throttle_check() {
+  [ -w "$BLKIO/cgroup.procs" ] && [ -e "$BLKIO/blkio.throttle.read_iops_device" ] ||
+    { echo "SKIPPED: no writable cgroup v1 blkio hierarchy at $BLKIO"; return 1; }
+  THROTTLE=$(disk_of "$1") || true
+  [ -n "$THROTTLE" ] || { echo "SKIPPED: no block device found under $1"; return 1; }
+  local cg=$BLKIO/vhost_bench_check.$$
+  mkdir "$cg" 2>/dev/null || { echo "SKIPPED: cannot make a blkio group under $BLKIO"; THROTTLE=; return 1; }
+  if ! echo "$THROTTLE $LIMIT_IOPS" >"$cg/blkio.throttle.read_iops_device" 2>/dev/null; then
+    rmdir "$cg"
+    echo "SKIPPED: blkio refuses a limit on $THROTTLE"
+    THROTTLE=
+    return 1
+  fi
+  rmdir "$cg"
+}
+
+# A fresh blkio group for one server (its counters start at zero), limited on $THROTTLE.
+throttle_group() {
+  CG=$BLKIO/vhost_bench.$$
+  mkdir "$CG"
+  local f
+  for f in read_iops write_iops; do echo "$THROTTLE $LIMIT_IOPS" >"$CG/blkio.throttle.${f}_device"; done
+  for f in read_bps write_bps; do echo "$THROTTLE $LIMIT_BPS" >"$CG/blkio.throttle.${f}_device"; done
+}
+
+# Disk I/Os (reads and writes) the server's group issued, and their bytes.
+throttle_ios() {
+  local f
+  for f in io_serviced io_service_bytes; do
+    awk -v d="$THROTTLE" '$1 == d && $2 == "Total" {print $3}' "$CG/blkio.throttle.$f"
+  done | paste -sd ' '
+}
+
+# LAUNCH: what runs a server in the blkio group when throttled (exec'd, so that $! is the
+# server itself; a shell function run with & would be a subshell, deaf to SIGINT).
+# shellcheck disable=SC2016
+launcher() { LAUNCH=(); [ -z "$THROTTLE" ] || LAUNCH=(sh -c 'echo $$ >"$0/cgroup.procs" && exec "$@"' "$CG"); }
+
 # server NAME FILE: starts server NAME on FILE pinned to core 0, its vhost socket at
-# $WORK/server.sock; sets SERVER_PID.
+# $WORK/server.sock; sets SERVER_PID. QSD_OPTS: more options of qsd's qcow2 node.
 server() {
   local name=$1 file=$2 sock=$WORK/server.sock log=$WORK/server.log
   rm -f "$sock" "$WORK/spdk.sock"
+  [ -z "$THROTTLE" ] || throttle_group
+  launcher
   case $name in
   ours | pt)
     local bdev
@@ -84,22 +167,23 @@ server() {
 EOF
     mkdir -p "$WORK/vhost"
     rm -f "$WORK/vhost/d0"
-    env LD_PRELOAD="$SO" spdk_tgt -m 0x1 -s 1024 -S "$WORK/vhost" -r "$WORK/spdk.sock" \
+    # shellcheck disable=SC2086
+    "${LAUNCH[@]}" env LD_PRELOAD="$SO" spdk_tgt -m "$SRV_MASK" $NO_LOCKS -s 1024 -S "$WORK/vhost" -r "$WORK/spdk.sock" \
       --json "$WORK/server.json" >"$log" 2>&1 &
     SERVER_PID=$!
     for _ in $(seq 150); do
       "$RPC" -s "$WORK/spdk.sock" -t 5 framework_wait_init >/dev/null 2>&1 && break
       sleep 0.2
     done
-    "$RPC" -s "$WORK/spdk.sock" vhost_create_blk_controller --cpumask 0x1 d0 d0 >/dev/null
+    "$RPC" -s "$WORK/spdk.sock" vhost_create_blk_controller --cpumask "$VHOST_MASK" d0 d0 >/dev/null
     ln -sf "$WORK/vhost/d0" "$sock"
     ;;
   qsd)
-    taskset -c 0 qemu-storage-daemon \
+    "${LAUNCH[@]}" taskset -c "$QSD_CPUS" qemu-storage-daemon \
       --blockdev "driver=file,node-name=file0,filename=$file,cache.direct=on,aio=io_uring" \
-      --blockdev "driver=qcow2,node-name=qcow0,file=file0" \
+      --blockdev "driver=qcow2,node-name=qcow0,file=file0${QSD_OPTS:-}" \
       --object iothread,id=io0 \
-      --export "type=vhost-user-blk,id=exp0,node-name=qcow0,addr.type=unix,addr.path=$sock,writable=on,iothread=io0,num-queues=2" \
+      --export "type=vhost-user-blk,id=exp0,node-name=qcow0,addr.type=unix,addr.path=$sock,writable=on,iothread=io0,num-queues=$VQS" \
       >"$log" 2>&1 &
     SERVER_PID=$!
     for _ in $(seq 100); do [ -S "$sock" ] && break; sleep 0.1; done
@@ -112,6 +196,11 @@ stop_server() {
   kill -INT "$SERVER_PID" 2>/dev/null || true
   wait "$SERVER_PID" 2>/dev/null || true
   SERVER_PID=
+  if [ -n "$CG" ]; then
+    read -r DISK_IOS DISK_BYTES < <(throttle_ios)
+    rmdir "$CG"
+    CG=
+  fi
 }
 
 # client OUT ARGS...: bdevperf on core 1 through the relay; sets IOPS and LAT_US.
@@ -126,10 +215,11 @@ client() {
   cat >"$WORK/client.json" <<EOF
 {"subsystems": [{"subsystem": "bdev", "config": [
  {"method": "bdev_virtio_attach_controller", "params": {"name": "V", "trtype": "user",
-  "traddr": "$WORK/relay.sock", "dev_type": "blk", "vq_count": 2, "vq_size": 256}}]}]}
+  "traddr": "$WORK/relay.sock", "dev_type": "blk", "vq_count": $VQS, "vq_size": 256}}]}]}
 EOF
-  if ! timeout -k 5 $((TIME + 60)) env LD_PRELOAD="$WORK/align.so" bdevperf -m 0x2 -g -s 1024 \
-      --json "$WORK/client.json" -t "$TIME" "$@" >"$out" 2>&1; then
+  # shellcheck disable=SC2086
+  if ! timeout -k 5 $((TIME + 60)) env LD_PRELOAD="$WORK/align.so" bdevperf -m "$CLI_MASK" $NO_LOCKS -g -s 1024 \
+      --json "$WORK/client.json" -t "$TIME" $CLI_ARGS "$@" >"$out" 2>&1; then
     kill "$relay" 2>/dev/null || true
     grep -v VHOST_CONFIG "$WORK/server.log" | tail -15; tail -25 "$out"
     echo "bdevperf failed" >&2
@@ -159,12 +249,14 @@ row_args() {
   verify) echo "-q 32 -o 4096 -w verify" ;;
   big-defaults) echo "-q 32 -o 4096 -w randread" ;;
   alloc-write) echo "-q 32 -o 4096 -w randwrite" ;;
+  l2-small) echo "-q 32 -o 4096 -w randread" ;;
   esac
 }
 
 median() { sort -g | awk '{v[NR]=$1} END {printf "%.1f\n", NR % 2 ? v[(NR+1)/2] : (v[NR/2]+v[NR/2+1])/2}'; }
 
-# image ROW DIR COPY: the image a row reads, fresh where the row needs it.
+# image ROW DIR COPY: the image a row reads, fresh where the row needs it. Copies are
+# written in full (cp would leave holes where the data is zeros, which read without disk I/O).
 image() {
   local row=$1 dir=$2 copy=$3 f=$2/$3.qcow2
   case $row in
@@ -179,15 +271,22 @@ image() {
     [ -f "$f.big" ] || qemu-img create -q -f qcow2 -o preallocation=metadata "$f.big" "$BIG"
     f=$f.big
     ;;
-  verify) rm -f "$f"; qemu-img create -q -f qcow2 -o preallocation=falloc "$f" "$SIZE" ;;
+  verify) rm -f "$f"; qemu-img create -q -f qcow2 -o preallocation="$PREALLOC" "$f" "$SIZE" ;;
+  l2-small)
+    [ -f "$dir/l2.qcow2" ] || qemu-img create -q -f qcow2 -o preallocation="$PREALLOC" "$dir/l2.qcow2" "$L2SIZE"
+    f=$f.l2
+    [ -f "$f" ] || cp --sparse=never "$dir/l2.qcow2" "$f"
+    ;;
   overwrite-4k)
     # Passthru writes its copy as raw data: it gets a new one each time.
     [ "$copy" = P ] && rm -f "$f"
-    [ -f "$f" ] || cp "$dir/master.qcow2" "$f"
+    [ -f "$f" ] || cp --sparse=never "$dir/master.qcow2" "$f"
     ;;
-  *) [ -f "$f" ] || cp "$dir/master.qcow2" "$f" ;;
+  *) [ -f "$f" ] || cp --sparse=never "$dir/master.qcow2" "$f" ;;
   esac
   truncate -s %512 "$f"
+  # Written back now, not by the server's first reads (counted against its disk limit).
+  sync "$f"
   echo "$f"
 }
 
@@ -195,15 +294,44 @@ printf '%s\n' "vhost-user-blk, client bdevperf (virtio-user) on core 1, servers 
   "relay: config request shortened, size_max 0 -> 65536; client buffers 4 KiB aligned;" \
   "medians of $RUNS alternating runs of $TIME s; image $SIZE (big: $BIG, metadata preallocated)."
 for case in $CASES; do
-  if [ "$case" = tmpfs ]; then dir=/dev/shm/vhost_bench; else dir=/var/tmp/vhost_bench; fi
+  case $case in
+  tmpfs | two-cores) dir=/dev/shm/vhost_bench ;;
+  *) dir=/var/tmp/vhost_bench ;;
+  esac
+  SRV_MASK=0x1 VHOST_MASK=0x1 QSD_CPUS=0 CLI_MASK=0x2 CLI_ARGS= NO_LOCKS= VQS=2
+  if [ "$case" = two-cores ]; then
+    # Both SPDK applications on cores 0-1: neither takes SPDK's per-core lock files.
+    SRV_MASK=0x3 VHOST_MASK=0x2 QSD_CPUS=0,1 CLI_MASK=0x3 CLI_ARGS=-C NO_LOCKS=--disable-cpumask-locks
+    # A virtqueue per job, and one that bdevperf's examine still holds when the jobs start.
+    VQS=3
+  fi
   rm -rf "$dir"
   mkdir -p "$dir"
-  qemu-img create -q -f qcow2 -o preallocation=falloc "$dir/master.qcow2" "$SIZE"
+  THROTTLE=
+  PREALLOC=falloc
   echo
+  if [ "$case" = disk-throttled ]; then
+    if ! throttle_check "$dir"; then
+      rm -rf "$dir"
+      continue
+    fi
+    PREALLOC=full
+  fi
+  qemu-img create -q -f qcow2 -o preallocation="$PREALLOC" "$dir/master.qcow2" "$SIZE"
   echo "== $case ($(df -T "$dir" | awk 'NR == 2 {print $2}') at $dir); figures in IOPS (qd1: µs)"
+  [ "$case" != two-cores ] || echo "servers and client share cores 0-1: spdk_tgt -m 0x3, vhost" \
+    "thread on core 1, owner on core 0; qsd on 0-1, one iothread; bdevperf -m 0x3 -C (a job per" \
+    "core, each on its own virtqueue; figures are both jobs' sum)"
+  [ -z "$THROTTLE" ] || echo "each server limited on disk $THROTTLE to $LIMIT_IOPS IOPS and" \
+    "$((LIMIT_BPS >> 20)) MiB/s each way (blkio); images fully written; under each row the" \
+    "server's disk I/Os and KiB per request (opening included)"
   printf '%-14s %10s %10s %10s %9s %9s\n' row ours qsd passthru ours/qsd ours/pt
   for row in $ROWS; do
-    declare -A got=()
+    if [ -n "$THROTTLE" ] && [ "$row" = big-defaults ]; then
+      echo "big-defaults   skipped: its data is never written, so it is not read from the disk"
+      continue
+    fi
+    declare -A got=() ios=()
     for r in $(seq "$RUNS"); do
       if [ $((r % 2)) = 1 ]; then order=(ours qsd pt); else order=(pt qsd ours); fi
       for s in "${order[@]}"; do
@@ -212,13 +340,19 @@ for case in $CASES; do
         if [ "$s" = qsd ]; then c=$([ $((r % 2)) = 1 ] && echo B || echo A); else
           c=$([ $((r % 2)) = 1 ] && echo A || echo B); fi
         [ "$s" = pt ] && c=P
-        [ "$s" = pt ] && [ "$row" = alloc-write ] && continue
+        [ "$s" = pt ] && { [ "$row" = alloc-write ] || [ "$row" = l2-small ]; } && continue
         f=$(image "$row" "$dir" "$c")
+        QSD_OPTS=
+        [ "$row" = l2-small ] && QSD_OPTS=,l2-cache-size=131072
         server "$s" "$f"
         # shellcheck disable=SC2046
         client "$WORK/out.txt" $(row_args "$row")
         stop_server
         if [ "$row" = qd1 ]; then got[$s]+="$LAT_US "; else got[$s]+="$IOPS "; fi
+        [ -z "$THROTTLE" ] ||
+          ios[$s]+="$(awk -v n="$DISK_IOS" -v b="$DISK_BYTES" -v r="$IOPS" -v t="$TIME" \
+            'BEGIN {printf "%.2f/%.0fK", n / (r * t), b / (r * t) / 1024}') "
+
       done
     done
     m() { [ -n "${got[$1]:-}" ] && echo "${got[$1]}" | tr ' ' '\n' | grep . | median || echo -; }
@@ -231,7 +365,13 @@ for case in $CASES; do
       rp=$([ "$p" = - ] && echo - || awk -v a="$o" -v b="$p" 'BEGIN {printf "%.2fx", a / b}')
     fi
     printf '%-14s %10s %10s %10s %9s %9s\n' "$row" "$o" "$q" "$p" "$rq" "$rp"
-    unset got
+    if [ -n "$THROTTLE" ]; then
+      # The run whose I/Os per request are the median.
+      mi() { [ -n "${ios[$1]:-}" ] && echo "${ios[$1]}" | tr ' ' '\n' | grep . | sort -g |
+        awk '{v[NR]=$1} END {print v[int((NR+1)/2)]}' || echo -; }
+      printf '%-14s %10s %10s %10s\n' "  I/Os,KiB/req" "$(mi ours)" "$(mi qsd)" "$(mi pt)"
+    fi
+    unset got ios
   done
   rm -rf "$dir"
 done

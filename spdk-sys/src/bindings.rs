@@ -10656,6 +10656,12 @@ unsafe extern "C" {
     pub fn spdk_poller_unregister(ppoller: *mut *mut spdk_poller);
 }
 unsafe extern "C" {
+    pub fn spdk_poller_pause(poller: *mut spdk_poller);
+}
+unsafe extern "C" {
+    pub fn spdk_poller_resume(poller: *mut spdk_poller);
+}
+unsafe extern "C" {
     pub fn spdk_io_device_register(
         io_device: *mut ::std::os::raw::c_void,
         create_cb: spdk_io_channel_create_cb,

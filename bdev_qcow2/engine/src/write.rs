@@ -1414,6 +1414,13 @@ impl<D: BlockDevice> Chain<D> {
         true
     }
 
+    /// Whether dirty metadata waits for [`tick_background_writeback`](Self::tick_background_writeback)
+    /// to start its write-back: a poll loop that stops polling while idle must not stop
+    /// while this holds (the quiet write-back bounds how long a slice stays dirty).
+    pub fn background_writeback_pending(&self) -> bool {
+        top(self).is_ok_and(|q| q.background_writeback_pending())
+    }
+
     /// Flushes everything, refcounts included, and clears the dirty bit (lazy refcounts):
     /// call before dropping a writable chain.
     pub async fn close(self: &Rc<Self>) -> Result<()> {

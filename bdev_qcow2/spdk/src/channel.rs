@@ -416,7 +416,7 @@ impl Channel {
     /// one): forwarded to the owner (writable bdev) or read from this channel's replica.
     fn start(&self, io: BdevIo) {
         match self.forward_to {
-            Some(md) if !self.has_replica() => owner::forward(md, io, OwnerOp::Read, &self.outbox),
+            Some(md) if !self.has_replica() => self.forward(md, io, OwnerOp::Read),
             _ => self.read_replica(io),
         }
     }
@@ -515,7 +515,7 @@ impl Channel {
             Some(chain) => self.write_on(chain, io, md),
             None => {
                 self.forwarded.set(self.forwarded.get() + 1);
-                owner::forward(md, io, OwnerOp::Write, &self.outbox);
+                self.forward(md, io, OwnerOp::Write);
             }
         }
     }
@@ -556,7 +556,7 @@ impl Channel {
         } else {
             OwnerOp::Write
         };
-        owner::forward(md, io, op, &self.outbox);
+        self.forward(md, io, op);
     }
 
     /// A write in place through this replica's engine, with read-ahead (out of line: the
@@ -585,7 +585,7 @@ impl Channel {
             return io.complete(sys::SPDK_BDEV_IO_STATUS_FAILED);
         };
         self.accept();
-        owner::forward(md, io, op, &self.outbox);
+        self.forward(md, io, op);
     }
 
     /// A write this channel ran in place is about to complete: no thread's prefetch ring
@@ -638,6 +638,34 @@ impl Channel {
     fn idle(&self) -> bool {
         !self.exec().busy() && self.outstanding() == 0
     }
+
+    /// Hands `io` to the owner (see [`owner::forward`]); the poller sends the outbox.
+    #[inline(always)]
+    fn forward(&self, md: Thread, io: BdevIo, op: OwnerOp) {
+        owner::forward(md, io, op, &self.outbox);
+        self.wake();
+    }
+
+    /// Resumes the poller if it paused itself while idle ([`Channel::poll`]): wherever the
+    /// channel gets work only its poller does — a request for the owner in the outbox, a
+    /// request or completion for its executor ([`Driver`]), an answer to resend, a reset
+    /// waiting, SPDK putting the channel, a slice the owner sent. Not on the direct path: a
+    /// read served there and its completion leave the poller paused.
+    #[inline(always)]
+    pub fn wake(&self) {
+        self.driver.slot().resume();
+    }
+
+    /// Whether the poller may pause: the replica is open (or failed), nothing queued or
+    /// in flight in its executor, nothing to send, no reset waiting, not closing.
+    fn may_pause(&self) -> bool {
+        (self.chain.get().is_some() || self.failed.get())
+            && !self.exec().busy()
+            && self.unsent_asks.borrow().is_empty()
+            && self.outbox.is_empty()
+            && self.reset_waiters.borrow().is_empty()
+            && !self.closing.get()
+    }
 }
 
 impl Host for Channel {
@@ -658,7 +686,7 @@ impl Host for Channel {
             (Outcome::ToOwner, Some(md)) => {
                 self.forwarded.set(self.forwarded.get() + 1);
                 let op = if write { OwnerOp::Write } else { OwnerOp::Read };
-                return owner::forward(md, io, op, &self.outbox);
+                return self.forward(md, io, op);
             }
             (Outcome::ToOwner, None) => {
                 tracing::debug!("request failed: handed to a metadata owner this bdev lacks");
@@ -749,6 +777,7 @@ impl Channel {
     /// opened).
     pub fn release(&self) -> bool {
         self.closing.set(true);
+        self.wake();
         self.idle()
     }
 }
@@ -795,10 +824,14 @@ impl Polled for Channel {
             return Poll::Done;
         }
         if n > 0 {
-            Poll::Busy
-        } else {
-            Poll::Idle
+            return Poll::Busy;
         }
+        // Idle with nothing pending (e.g. reads on the direct path, which complete from
+        // SPDK's callback): SPDK stops calling the poller until `wake`.
+        if self.may_pause() {
+            self.driver.slot().pause();
+        }
+        Poll::Idle
     }
 }
 
@@ -825,6 +858,7 @@ fn reset_step(it: ChannelIter, _io: &mut BdevIo) {
             it.next(0);
         } else {
             c.reset_waiters.borrow_mut().push(it);
+            c.wake();
         }
     });
 }
@@ -889,6 +923,7 @@ pub fn send_ask(a: Box<Ask>) {
     if a.reply.is_none() {
         // On the channel's thread: its poller sends it again.
         chan.get().unsent_asks.borrow_mut().push(a);
+        chan.get().wake();
     } else {
         // On the md thread: the owner's poller sends the answer again.
         owner.get().defer_ask(a);
@@ -904,6 +939,7 @@ impl thread::Message for Ask {
             return send_ask(self);
         };
         let ch = self.chan.get();
+        ch.wake();
         ch.driver.run(|| {
             if let Some(Layer::Qcow2(q)) = ch.chain.get().and_then(|c| c.layers().first()) {
                 q.deliver_slice(self.ticket, reply);

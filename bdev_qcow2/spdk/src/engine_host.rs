@@ -67,6 +67,8 @@ impl Driver {
     pub fn submit(&self, io: BdevIo, submit: impl FnOnce(u64, u64, BufSlice<SpdkBuf>)) {
         let off = io.offset_bytes();
         let (tag, view) = io.into_engine();
+        // The executor has work: a poller paused while idle runs again.
+        self.slot.resume();
         self.run(|| submit(tag, off, guest_buf(view)));
     }
 
@@ -75,6 +77,7 @@ impl Driver {
     pub fn submit_no_data(&self, io: BdevIo, submit: impl FnOnce(u64, u64, u64)) {
         let (off, len) = (io.offset_bytes(), io.len_bytes());
         let (tag, _) = io.into_engine();
+        self.slot.resume();
         self.run(|| submit(tag, off, len));
     }
 
@@ -137,6 +140,8 @@ impl<H: Host> SinkHost for H {
 fn deliver<H: Host>(host: &H, tag: u64, r: Result<(), DeviceError>) -> bool {
     let d = host.driver();
     if d.in_engine.get() {
+        // Queued in the device: the poller delivers it.
+        d.slot.resume();
         return false;
     }
     d.run(|| {
@@ -144,5 +149,8 @@ fn deliver<H: Host>(host: &H, tag: u64, r: Result<(), DeviceError>) -> bool {
         d.exec
             .take_outcomes(&mut |tag, o| complete_tag(host, tag, o));
     });
+    if d.exec.busy() {
+        d.slot.resume();
+    }
     true
 }

@@ -145,6 +145,7 @@ impl Owner {
     pub fn close(&self, _: Closing, then: impl FnOnce(OwnerCounters) + 'static) {
         let o = self;
         o.assert_md_thread();
+        o.wake();
         let result: Closed = Rc::new(Cell::new(None));
         let (r2, chain) = (result.clone(), o.chain.clone());
         o.exec().spawn(async move {
@@ -171,6 +172,7 @@ impl Owner {
         F: std::future::Future<Output = ()> + 'static,
     {
         self.assert_md_thread();
+        self.wake();
         let fut = job(self.chain.clone());
         let jobs = self.jobs.clone();
         jobs.set(jobs.get() + 1);
@@ -266,7 +268,30 @@ impl Owner {
     /// Keeps an answered slice request to send again on the next poll (message pool empty).
     pub fn defer_ask(&self, a: Box<channel::Ask>) {
         self.assert_md_thread();
+        self.wake();
         self.unsent_asks.borrow_mut().push(a);
+    }
+
+    /// Resumes the owner's poller if it paused itself while idle ([`Owner::poll`]): called
+    /// wherever the owner may get work — every access to it (`BdevIo::with_owner`,
+    /// `NodeRef::owner_here`), its executor's work (`Driver`), a close, a job, a deferred
+    /// answer.
+    #[inline(always)]
+    pub fn wake(&self) {
+        self.driver.slot().resume();
+    }
+
+    /// Whether the poller may pause: nothing queued, in flight or due later (a dirty slice
+    /// waits for its quiet write-back, which only the poller starts), no stream, no job.
+    fn may_pause(&self) -> bool {
+        !self.exec().busy()
+            && self.arrived.borrow().is_empty()
+            && self.unsent_asks.borrow().is_empty()
+            && self.outboxes.borrow().iter().all(|(_, q)| q.is_empty())
+            && self.stream.borrow().is_none()
+            && self.closing.borrow().is_none()
+            && self.jobs.get() == 0
+            && !self.chain.background_writeback_pending()
     }
 
     /// Answers a channel's replica asking for slice `key` (ARCHITECTURE.md §6). On the md thread.
@@ -573,10 +598,15 @@ impl Polled for Owner {
             return Poll::Done;
         }
         if n > 0 {
-            Poll::Busy
-        } else {
-            Poll::Idle
+            return Poll::Busy;
         }
+        // Idle with nothing pending (e.g. reads the channels serve on their own): SPDK stops
+        // calling the poller until something gives the owner work (`wake`), so the reactor
+        // does not pay an idle pass per loop.
+        if self.may_pause() {
+            self.driver.slot().pause();
+        }
+        Poll::Idle
     }
 
     /// Closed and idle: dropping the owner puts the md thread's base channels back before

@@ -213,7 +213,9 @@ impl BdevIo {
             "a request of a read-only bdev reached the owner"
         );
         // SAFETY: as above.
-        f(unsafe { &*o }, self)
+        let o = unsafe { &*o };
+        o.wake();
+        f(o, self)
     }
 
     /// As [`with_channel`](Self::with_channel), for a channel's direct-path request: the

@@ -74,7 +74,9 @@ impl Registered {
         // SAFETY: the owner is set before registration and freed by teardown after this
         // handle is consumed, on the md thread — the calling thread, so not meanwhile. The
         // reference is not `Send` (the owner is not `Sync`): it stays on this thread.
-        Some(unsafe { &*n.owner })
+        let o = unsafe { &*n.owner };
+        o.wake();
+        Some(o)
     }
 
     /// Tells SPDK the bdev now has `blocks` blocks (`spdk_bdev_notify_blockcnt_change`):

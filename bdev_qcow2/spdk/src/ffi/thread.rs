@@ -207,9 +207,43 @@ impl Poll {
     }
 }
 
-/// Where a polled state keeps its poller (set by [`start`]).
+/// Where a polled state keeps its poller (set by [`start`]), and whether it is paused.
 #[derive(Debug, Default)]
-pub struct PollerSlot(Cell<*mut sys::spdk_poller>);
+pub struct PollerSlot(Cell<*mut sys::spdk_poller>, Cell<bool>);
+
+impl PollerSlot {
+    /// Pauses the poller: SPDK's thread skips it (no cost per reactor pass) until
+    /// [`resume`](Self::resume). Called from the poller's own poll, on its thread.
+    pub fn pause(&self) {
+        let p = self.0.get();
+        if p.is_null() || self.1.get() {
+            return;
+        }
+        self.1.set(true);
+        // SAFETY: a live poller (the slot is nulled when it is unregistered), on the thread
+        // that registered it (the state is only used there); SPDK moves it to its paused
+        // list after the current run.
+        unsafe { sys::spdk_poller_pause(p) };
+    }
+
+    /// Resumes a paused poller (one load and a branch when it runs). On its thread.
+    #[inline(always)]
+    pub fn resume(&self) {
+        if self.1.get() {
+            self.resume_paused();
+        }
+    }
+
+    #[cold]
+    fn resume_paused(&self) {
+        self.1.set(false);
+        let p = self.0.get();
+        if !p.is_null() {
+            // SAFETY: as in `pause`: live, on its own thread.
+            unsafe { sys::spdk_poller_resume(p) };
+        }
+    }
+}
 
 /// State that a poller of its own drives on the thread that started it, and owns: it lives
 /// at a fixed address from [`start`] until it finishes (its poll said [`Poll::Done`], or

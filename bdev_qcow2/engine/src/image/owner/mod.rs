@@ -83,6 +83,13 @@ impl<D: BlockDevice> Qcow2<D> {
         self.owner().is_ok_and(|o| o.background_writeback_due())
     }
 
+    /// Whether dirty L2 or L1 metadata waits for a background write-back (the owner's poll
+    /// loop must keep asking [`background_writeback_due`](Self::background_writeback_due)
+    /// while it does); false unless this is the owner.
+    pub fn background_writeback_pending(&self) -> bool {
+        self.owner().is_ok_and(|o| o.background_writeback_pending())
+    }
+
     /// Writes the dirty metadata back in dependency order without flushing the device
     /// (see [`Owner::background_writeback`]); `ReadOnly` unless this is the owner.
     pub async fn background_writeback(&self) -> Result<()> {

@@ -252,6 +252,10 @@ impl<D: BlockDevice> Owner<'_, D> {
     /// [`background_writeback`](Self::background_writeback).
     ///
     /// [`BACKGROUND_WRITEBACK_INTERVAL`]: crate::meta::BACKGROUND_WRITEBACK_INTERVAL
+    pub(crate) fn background_writeback_pending(&self) -> bool {
+        self.meta().st().dirty.has_l2_or_l1()
+    }
+
     pub(crate) fn background_writeback_due(&self) -> bool {
         let mut st = self.meta().st_mut();
         let (dirty, sig) = (st.dirty.has_l2_or_l1(), st.change_signature());
