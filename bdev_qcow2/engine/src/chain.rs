@@ -355,14 +355,15 @@ impl<D: BlockDevice> Chain<D> {
                 }
                 ClusterMapping::Zero { .. } => zeros.push((buf_off, n)),
                 ClusterMapping::Unallocated { .. } if !has_backing => zeros.push((buf_off, n)),
-                // A read-ahead follows the mapping down the chain (a golden image's
-                // stream); a guest read there takes the slow path, as it always did.
-                ClusterMapping::Unallocated { .. } if internal => {
+                // Guest reads and read-aheads follow the mapping down the chain (a golden
+                // image): the top slice was current under its epoch, so no write to these
+                // clusters completed before the read; the backing layers never change.
+                ClusterMapping::Unallocated { .. } => {
                     if !self.plan_below(1, pos, n, buf_off, runs, zeros) {
                         return false;
                     }
                 }
-                _ => return false,
+                ClusterMapping::Compressed(_) => return false,
             }
             pos += n as u64;
         }

@@ -264,6 +264,26 @@ fn backing_chain_on_memory_devices() {
             expect
         );
     }
+    // With the slices cached, guest reads follow the mapping down the chain on the fast
+    // path (no task), across the top's data, its discarded (zero) range and the backing
+    // image's data and unallocated clusters.
+    let before = chain.stats();
+    let mut x = 0x2545_f491_4f6c_dd1du64;
+    for _ in 0..300 {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        let len = ((x % 48 + 1) * 512) as usize;
+        let off = (x >> 20) % (expect.len() - len) as u64 / 512 * 512;
+        assert_eq!(
+            submit_and_wait(&exec, &chain, off, len).unwrap(),
+            expect[off as usize..off as usize + len],
+            "{len} bytes at {off:#x}"
+        );
+    }
+    let after = chain.stats();
+    assert_eq!(after.slow_reads, before.slow_reads, "{after:?}");
+    assert_eq!(after.fast_reads - before.fast_reads, 300);
     // Unaligned and out-of-range requests are refused, not served.
     assert!(matches!(
         submit_and_wait(&exec, &chain, 100, 512),
