@@ -128,6 +128,9 @@ pub struct Shared {
     /// Bumped after every bit set in `meta_bits`: a core that found a range of clusters
     /// clear under one value knows it is still clear while the value holds.
     meta_gen: AtomicU64,
+    /// The cluster marked at each of the last [`META_LOG`] generations (generation `g` in
+    /// slot `g % META_LOG`), written before the generation moves past it.
+    meta_log: [AtomicU64; META_LOG],
     /// Grace periods before freed clusters are reused.
     pub grace: Grace,
 }
@@ -164,6 +167,7 @@ impl Shared {
             virtual_size: AtomicU64::new(0),
             meta_bits: (0..words).map(|_| AtomicU64::new(0)).collect(),
             meta_gen: AtomicU64::new(0),
+            meta_log: [const { AtomicU64::new(0) }; META_LOG],
             grace: Grace::default(),
         }
     }
@@ -316,9 +320,32 @@ impl Shared {
         if let Some(w) = self.meta_bits.get((c / 64) as usize) {
             w.fetch_or(1 << (c % 64), Ordering::AcqRel);
         }
+        // The owner alone moves the generation: `g` is the one this mark ends.
+        let g = self.meta_gen.load(Ordering::Relaxed);
+        self.meta_log[(g % META_LOG as u64) as usize].store(c, Ordering::Release);
         self.meta_gen.fetch_add(1, Ordering::AcqRel);
     }
+
+    /// The lowest host cluster marked as metadata while the generation went from `since`
+    /// to `now` (read with [`meta_gen`](Self::meta_gen)), or `None` when the log no longer
+    /// holds every one of those marks (more than [`META_LOG`] generations). Lets a core
+    /// keep what it found clear below that cluster without looking at the bitmap again.
+    pub fn meta_marked_min(&self, since: u64, now: u64) -> Option<u64> {
+        if now.wrapping_sub(since) > META_LOG as u64 {
+            return None;
+        }
+        let mut min = u64::MAX;
+        for g in since..now {
+            min = min.min(self.meta_log[(g % META_LOG as u64) as usize].load(Ordering::Acquire));
+        }
+        // A slot is written again META_LOG generations later: if the generation has not
+        // come that far since `since`, none of the slots read was.
+        (self.meta_gen.load(Ordering::Acquire).wrapping_sub(since) < META_LOG as u64).then_some(min)
+    }
 }
+
+/// Metadata marks [`Shared::meta_marked_min`] remembers.
+pub const META_LOG: usize = 64;
 
 /// What `change` adds to an epoch word besides the epoch's step: one removal (high half).
 #[inline(always)]
@@ -710,6 +737,36 @@ mod tests {
         o.cleaned(&s, 5);
         assert_eq!((s.stamp(5).epoch(), s.stamp(5).removals()), (6, 2));
         assert_eq!(s.stamp(4), SliceStamp::default(), "other slots untouched");
+    }
+
+    #[test]
+    fn the_metadata_log_gives_the_lowest_mark_while_it_holds_them_all() {
+        let s = Shared::new(1, &[], 0, 1 << 20);
+        let g0 = s.meta_gen();
+        s.set_meta_cluster(500);
+        s.set_meta_cluster(300);
+        s.set_meta_cluster(900);
+        let g3 = s.meta_gen();
+        assert_eq!(s.meta_marked_min(g0, g3), Some(300));
+        assert_eq!(s.meta_marked_min(g0 + 2, g3), Some(900));
+        assert_eq!(
+            s.meta_marked_min(g3, g3),
+            Some(u64::MAX),
+            "nothing marked since"
+        );
+        for c in 0..META_LOG as u64 {
+            s.set_meta_cluster(1000 + c);
+        }
+        assert_eq!(
+            s.meta_marked_min(g0, g3),
+            None,
+            "the log moved past g0's marks"
+        );
+        let g = s.meta_gen();
+        assert_eq!(
+            s.meta_marked_min(g - 2, g),
+            Some(1000 + META_LOG as u64 - 2)
+        );
     }
 
     #[test]

@@ -1074,7 +1074,10 @@ impl<D: BlockDevice> Qcow2<D> {
     fn refresh_mapped(&self, key: u64, stamp: (u32, u32), meta_gen: u64, block: &[u64]) {
         let sh = self.writable_core_shared();
         let is_meta = |c: u64| sh.is_some_and(|sh| sh.is_meta_cluster(c));
-        if !self.memo.revalidate_mapped(key, stamp, meta_gen, is_meta)
+        let marked_min = |since: u64| sh.and_then(|sh| sh.meta_marked_min(since, meta_gen));
+        if !self
+            .memo
+            .revalidate_mapped(key, stamp, meta_gen, is_meta, marked_min)
             && self.memo.takes_mapped(key, stamp.0, meta_gen)
         {
             self.remember_mapped(key, stamp, meta_gen, block);

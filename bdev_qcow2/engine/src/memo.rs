@@ -109,6 +109,16 @@ fn word(index: usize, host: u32) -> i32 {
     }
 }
 
+/// Host cluster `host` as a row's highest-cluster word (`NO_WORD` for 0, which answers
+/// nothing; clusters past `i32::MAX` are never answered either).
+#[inline]
+fn host_word(host: u32) -> i32 {
+    match i32::try_from(host) {
+        Ok(h) if h != 0 => h,
+        _ => NO_WORD,
+    }
+}
+
 impl SliceMemo {
     /// A memo of `slots` rounded up to a power of two, between 1 and [`MEMO_MAX_SLOTS`], for
     /// slices of `entries` entries of clusters of `1 << cluster_bits` bytes.
@@ -258,14 +268,17 @@ impl SliceMemo {
     /// Brings slice `key`'s mapped row, remembered under `(epoch, removals)` but an older
     /// metadata generation, to generation `meta_gen` (read before the bitmap) without
     /// decoding its slice again: every word whose host cluster `is_meta` now stops
-    /// answering. Clusters only ever become metadata, so the rest still holds. False when
-    /// the slot holds no such row (the caller remembers the slice afresh).
+    /// answering. Clusters only ever become metadata, so the rest still holds.
+    /// `marked_min(since)`: the lowest cluster marked since generation `since`, when known;
+    /// a row whose every host cluster lies below it is kept without a look at its words.
+    /// False when the slot holds no such row (the caller remembers the slice afresh).
     pub fn revalidate_mapped(
         &self,
         key: u64,
         (epoch, removals): (u32, u32),
         meta_gen: u64,
         is_meta: impl Fn(u64) -> bool,
+        marked_min: impl Fn(u64) -> Option<u64>,
     ) -> bool {
         let s = self.slot(key).get();
         if s.key != key
@@ -277,13 +290,20 @@ impl SliceMemo {
             return false;
         }
         let start = s.host as u32 as usize;
-        let Some(row) = self
-            .map
-            .get()
-            .and_then(|m| m.get(start..start + self.entries))
-        else {
+        let (Some(row), Some(top)) = (
+            self.map
+                .get()
+                .and_then(|m| m.get(start..start + self.entries)),
+            self.map.get().and_then(|m| m.get(start + self.entries)),
+        ) else {
             return false;
         };
+        // Every cluster marked since lies above every cluster the row answers for (the
+        // common case: new tables and blocks go where the image grows): nothing to drop.
+        if top.get() == NO_WORD || marked_min(s.meta_gen).is_some_and(|m| m > top.get() as u64) {
+            self.slot(key).set(MemoSlot { meta_gen, ..s });
+            return true;
+        }
         for (i, w) in row.iter().enumerate() {
             let v = w.get();
             if v != NO_WORD && is_meta((i64::from(v) + i as i64) as u64) {
@@ -305,19 +325,26 @@ impl SliceMemo {
         hosts: impl Iterator<Item = u32>,
     ) {
         let map = self.map.get_or_init(|| {
-            (0..self.slots() * self.entries)
+            (0..self.slots() * self.stride())
                 .map(|_| Cell::new(NO_WORD))
                 .collect()
         });
-        let start = self.index(key) * self.entries;
-        let (Some(row), Ok(tag)) = (map.get(start..start + self.entries), u32::try_from(start))
-        else {
+        let start = self.index(key) * self.stride();
+        let (Some(row), Some(top), Ok(tag)) = (
+            map.get(start..start + self.entries),
+            map.get(start + self.entries),
+            u32::try_from(start),
+        ) else {
             return;
         };
         let mut hosts = hosts.fuse();
+        let mut hi = NO_WORD;
         for (i, w) in row.iter().enumerate() {
-            w.set(word(i, hosts.next().unwrap_or(0)));
+            let h = hosts.next().unwrap_or(0);
+            w.set(word(i, h));
+            hi = hi.max(host_word(h));
         }
+        top.set(hi);
         self.slot(key).set(MemoSlot {
             key,
             host: MAPPED | u64::from(tag),
@@ -337,13 +364,32 @@ impl SliceMemo {
         if held.key != key {
             return;
         }
-        let cell = (held.host & MAPPED != 0 && index < self.entries)
-            .then(|| self.map.get()?.get(held.host as u32 as usize + index))
-            .flatten();
-        match cell {
-            Some(w) => w.set(word(index, host)),
-            None => slot.set(MEMO_EMPTY),
+        let patched = held.host & MAPPED != 0 && self.patch_at(held.host, index, host);
+        if !patched {
+            slot.set(MEMO_EMPTY);
         }
+    }
+
+    /// Entry `index` of the row at tag `host` (a slot's) takes host cluster `host`, and the
+    /// row's highest host cluster follows; false when the row has no such entry.
+    fn patch_at(&self, tag: u64, index: usize, host: u32) -> bool {
+        let start = tag as u32 as usize;
+        let (Some(w), Some(top)) = (
+            (index < self.entries)
+                .then(|| self.map.get()?.get(start + index))
+                .flatten(),
+            self.map.get().and_then(|m| m.get(start + self.entries)),
+        ) else {
+            return false;
+        };
+        w.set(word(index, host));
+        top.set(top.get().max(host_word(host)));
+        true
+    }
+
+    /// Words per row of the map: the slice's entries and the row's highest host cluster.
+    fn stride(&self) -> usize {
+        self.entries + 1
     }
 
     /// Slice `key`'s mapped row, when the memo holds it as remembered from the copy cached
@@ -369,10 +415,7 @@ impl SliceMemo {
     /// [`patch_mapped`](Self::patch_mapped)); false when the row has no such entry (the row
     /// must not be carried over then).
     pub fn patch_row(&self, row: &MappedRow, index: usize, host: u32) -> bool {
-        let cell = (index < self.entries)
-            .then(|| self.map.get()?.get(row.host as u32 as usize + index))
-            .flatten();
-        cell.map(|w| w.set(word(index, host))).is_some()
+        self.patch_at(row.host, index, host)
     }
 
     /// Remembers `row`'s slice again, now as read under `(epoch, removals)`, once every
@@ -538,16 +581,30 @@ mod tests {
         let c = 1u64 << 16;
         m.remember_mapped(1, (5, 2), 9, [7u32, 0, 9, 10].into_iter());
         assert!(
-            !m.revalidate_mapped(1, (5, 2), 9, |_| true),
+            !m.revalidate_mapped(1, (5, 2), 9, |_| true, |_| None),
             "same generation"
         );
         assert!(
-            !m.revalidate_mapped(1, (7, 2), 10, |_| true),
+            !m.revalidate_mapped(1, (7, 2), 10, |_| true, |_| None),
             "another copy"
         );
-        assert!(!m.revalidate_mapped(1, (5, 3), 10, |_| true), "a removal");
-        // Cluster 9 became metadata under generation 10.
-        assert!(m.revalidate_mapped(1, (5, 2), 10, |h| h == 9));
+        assert!(
+            !m.revalidate_mapped(1, (5, 3), 10, |_| true, |_| None),
+            "a removal"
+        );
+        // Cluster 9 became metadata under generation 10; the log says only that the
+        // lowest cluster marked since 9 is 9 (not above the row's highest, 10): the row's
+        // words are checked.
+        assert!(m.revalidate_mapped(
+            1,
+            (5, 2),
+            10,
+            |h| h == 9,
+            |since| {
+                assert_eq!(since, 9);
+                Some(9)
+            }
+        ));
         assert_eq!(
             m.extent_overwrite(1, (5, 2), 9, 0, 512),
             None,
@@ -560,6 +617,29 @@ mod tests {
             "metadata now"
         );
         assert_eq!(m.extent_overwrite(1, (5, 2), 10, 3 * c, 512), Some(10 * c));
+    }
+
+    #[test]
+    fn a_row_below_every_cluster_marked_since_is_kept_without_a_look() {
+        let m = SliceMemo::new(4, 8, 16);
+        let c = 1u64 << 16;
+        m.remember_mapped(1, (5, 2), 9, [7u32, 0, 9, 10].into_iter());
+        // Marks since 9 all at 11 or above: the row stands (`is_meta` is not asked).
+        assert!(m.revalidate_mapped(1, (5, 2), 10, |_| panic!("looked"), |_| Some(11)));
+        assert_eq!(m.extent_overwrite(1, (5, 2), 10, 3 * c, 512), Some(10 * c));
+        // A patch raises the row's highest cluster: a mark at 11 is looked at now.
+        m.patch_mapped(1, 1, 11);
+        assert!(m.revalidate_mapped(1, (5, 2), 11, |h| h == 11, |_| Some(11)));
+        assert_eq!(
+            m.extent_overwrite(1, (5, 2), 11, c, 512),
+            None,
+            "metadata now"
+        );
+        assert_eq!(m.extent_overwrite(1, (5, 2), 11, 3 * c, 512), Some(10 * c));
+        // The log no longer holds every mark: the words are checked.
+        assert!(m.revalidate_mapped(1, (5, 2), 12, |h| h == 7, |_| None));
+        assert_eq!(m.extent_overwrite(1, (5, 2), 12, 0, 512), None);
+        assert_eq!(m.extent_overwrite(1, (5, 2), 12, 3 * c, 512), Some(10 * c));
     }
 
     #[test]
