@@ -167,7 +167,7 @@ impl Shared {
             virtual_size: AtomicU64::new(0),
             meta_bits: (0..words).map(|_| AtomicU64::new(0)).collect(),
             meta_gen: AtomicU64::new(0),
-            meta_log: [const { AtomicU64::new(0) }; META_LOG],
+            meta_log: std::array::from_fn(|_| AtomicU64::new(0)),
             grace: Grace::default(),
         }
     }
