@@ -310,62 +310,12 @@ impl<D: BlockDevice> Chain<D> {
         parity: u8,
         internal: bool,
     ) -> bool {
-        let Layer::Qcow2(q) = &self.layers[0] else {
-            let Layer::Raw { dev, .. } = &self.layers[0] else {
-                return false;
-            };
-            self.exec.request_single_as(
-                tag,
-                parity,
-                internal,
-                *dev,
-                DeviceOp::Read {
-                    offset,
-                    buf: buf.clone(),
-                },
-            );
-            return true;
-        };
-        let has_backing = self.depth.get() > 1;
         let mut scratch = self.scratch.borrow_mut();
         let (runs, zeros) = &mut *scratch;
         runs.clear();
         zeros.clear();
-        let end = offset + buf.len as u64;
-        let mut pos = offset;
-        while pos < end {
-            let Ok(Some((m, m_end))) = q.resolve_cached(GuestOffset(pos)) else {
-                return false;
-            };
-            let n = (m_end.min(end) - pos) as usize;
-            let buf_off = (pos - offset) as usize;
-            match m {
-                ClusterMapping::Data { host, .. } => {
-                    // `host` is the start of the (sub)cluster holding `pos`.
-                    let host = host.0 + (pos & (q.geometry().subcluster_size() - 1));
-                    push_run(
-                        runs,
-                        Run {
-                            dev: q.dev(),
-                            host,
-                            buf_off,
-                            len: n,
-                        },
-                    );
-                }
-                ClusterMapping::Zero { .. } => zeros.push((buf_off, n)),
-                ClusterMapping::Unallocated { .. } if !has_backing => zeros.push((buf_off, n)),
-                // Guest reads and read-aheads follow the mapping down the chain (a golden
-                // image): the top slice was current under its epoch, so no write to these
-                // clusters completed before the read; the backing layers never change.
-                ClusterMapping::Unallocated { .. } => {
-                    if !self.plan_below(1, pos, n, buf_off, runs, zeros) {
-                        return false;
-                    }
-                }
-                ClusterMapping::Compressed(_) => return false,
-            }
-            pos += n as u64;
+        if !self.plan_layer(0, offset, buf.len, 0, runs, zeros) {
+            return false;
         }
         for &(o, n) in zeros.iter() {
             buf.sub(o, n).zero();
@@ -398,12 +348,15 @@ impl<D: BlockDevice> Chain<D> {
         true
     }
 
-    /// Plans, from cached metadata, `len` bytes at `offset` of layer `idx` (a backing
-    /// layer) into the buffer at `buf_off`, as `read_layer` reads them: past the layer's
-    /// end zeros, data runs on its device, zeros, unallocated clusters from the layer
-    /// below (or zeros at the bottom). False, nothing planned that counts, when a slice
-    /// is not cached, a cluster is compressed, or a raw layer ends inside a sector.
-    fn plan_below(
+    /// Plans, from cached metadata, `len` bytes at `offset` of layer `idx` into the buffer
+    /// at `buf_off`, as `read_layer` reads them: past the layer's end zeros, data runs on
+    /// its device, zeros, unallocated clusters from the layer below (or zeros at the
+    /// bottom). False, nothing planned that counts, when a slice is not cached, a cluster
+    /// is compressed, or a raw layer ends inside a sector. From the top layer (guest reads
+    /// and read-aheads alike) this follows the mapping down the chain: the top slice was
+    /// current under its epoch, so no write to its unallocated clusters completed before
+    /// the read, and backing layers never change (a stream detaches them first).
+    fn plan_layer(
         &self,
         idx: usize,
         offset: u64,
@@ -465,7 +418,7 @@ impl<D: BlockDevice> Chain<D> {
                 }
                 ClusterMapping::Zero { .. } => zeros.push((at, n)),
                 ClusterMapping::Unallocated { .. } if idx + 1 < self.depth.get() => {
-                    if !self.plan_below(idx + 1, pos, n, at, runs, zeros) {
+                    if !self.plan_layer(idx + 1, pos, n, at, runs, zeros) {
                         return false;
                     }
                 }

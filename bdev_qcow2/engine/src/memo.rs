@@ -290,11 +290,12 @@ impl SliceMemo {
             return false;
         }
         let start = s.host as u32 as usize;
+        let Some(map) = self.map.get() else {
+            return false;
+        };
         let (Some(row), Some(top)) = (
-            self.map
-                .get()
-                .and_then(|m| m.get(start..start + self.entries)),
-            self.map.get().and_then(|m| m.get(start + self.entries)),
+            map.get(start..start + self.entries),
+            map.get(start + self.entries),
         ) else {
             return false;
         };
@@ -374,12 +375,10 @@ impl SliceMemo {
     /// row's highest host cluster follows; false when the row has no such entry.
     fn patch_at(&self, tag: u64, index: usize, host: u32) -> bool {
         let start = tag as u32 as usize;
-        let (Some(w), Some(top)) = (
-            (index < self.entries)
-                .then(|| self.map.get()?.get(start + index))
-                .flatten(),
-            self.map.get().and_then(|m| m.get(start + self.entries)),
-        ) else {
+        let Some(map) = self.map.get().filter(|_| index < self.entries) else {
+            return false;
+        };
+        let (Some(w), Some(top)) = (map.get(start + index), map.get(start + self.entries)) else {
             return false;
         };
         w.set(word(index, host));
