@@ -7,7 +7,7 @@
 def bdev_qcow2_create(client, name, base_bdev, backing_bdev=None, read_only=None,
                       l2_cache_size=None, l2_slice_size=None, cache_ways=None, prefetch=None,
                       ordered_layout=None, zero_offload=None, prefetch_ring_size=None,
-                      prefetch_max_window=None, alloc_granule=None):
+                      prefetch_max_window=None, alloc_granule=None, zero_ahead=None):
     params = {'name': name, 'base_bdev': base_bdev}
     if backing_bdev is not None:
         params['backing_bdev'] = backing_bdev
@@ -31,6 +31,8 @@ def bdev_qcow2_create(client, name, base_bdev, backing_bdev=None, read_only=None
         params['zero_offload'] = zero_offload
     if alloc_granule is not None:
         params['alloc_granule'] = alloc_granule
+    if zero_ahead is not None:
+        params['zero_ahead'] = zero_ahead
     return client.call('bdev_qcow2_create', params)
 
 
@@ -101,7 +103,8 @@ def spdk_rpc_plugin_initialize(subparsers):
                                      prefetch_max_window=args.prefetch_max_window,
                                      ordered_layout=args.ordered_layout,
                                      zero_offload=args.zero_offload,
-                                     alloc_granule=args.alloc_granule))
+                                     alloc_granule=args.alloc_granule,
+                                     zero_ahead=args.zero_ahead))
 
     p = subparsers.add_parser('bdev_qcow2_create',
                               help='Serve a qcow2 image stored on a bdev as a new bdev')
@@ -134,6 +137,13 @@ def spdk_rpc_plugin_initialize(subparsers):
                    'WRITE_ZEROES on any base that zeroes natively (default: NVMe bdevs only)')
     p.add_argument('--no-zero-offload', dest='zero_offload', action='store_false',
                    help='write partly written new clusters whole from a zeroed buffer')
+    p.add_argument('--zero-ahead', dest='zero_ahead', action='store_true', default=None,
+                   help='zero the base past the clusters in use ahead of the allocator, so '
+                   'that first writes into new clusters write the guest\'s bytes alone, on '
+                   'any base that zeroes natively (default: NVMe bdevs and AIO bdevs created '
+                   'with --fallocate; images with a zeroed tail of their own need none)')
+    p.add_argument('--no-zero-ahead', dest='zero_ahead', action='store_false',
+                   help='never zero ahead of the allocator')
     p.set_defaults(func=create)
 
     def fmt(args):

@@ -258,6 +258,7 @@ pub fn image_ops(data: &[u8]) {
         } else {
             crate::image::DEFAULT_ALLOC_GRANULE
         },
+        zero_ahead: count & 0x10 != 0,
     };
     let backing = config & 0x80 != 0;
     let mem = if opts.ordered_layout {

@@ -53,6 +53,12 @@ pub struct OpenOptions {
     /// write, in one host run, so later first writes into the group are overwrites.
     /// At most the cluster size: one cluster per first write, as QEMU does.
     pub alloc_granule: u64,
+    /// On a device that cannot grow, whose image records no zeroed tail: zero the space
+    /// past every cluster in use ahead of the allocator, in large write-zeroes, so that a
+    /// first write into a new cluster writes the guest's bytes alone (the rest reads as
+    /// zeros) instead of the whole cluster. For a device that zeroes ranges cheaply (a
+    /// file's `fallocate`, NVMe Write Zeroes); nothing is recorded in the image.
+    pub zero_ahead: bool,
 }
 
 /// Default [`OpenOptions::alloc_granule`]: the default cluster size, so that an image with
@@ -69,6 +75,7 @@ impl Default for OpenOptions {
             writable: false,
             ordered_layout: false,
             alloc_granule: DEFAULT_ALLOC_GRANULE,
+            zero_ahead: false,
         }
     }
 }
@@ -315,6 +322,9 @@ impl<D: BlockDevice> Qcow2<D> {
             core: None,
         };
         q.index_metadata();
+        if opts.zero_ahead && q.meta.is_some() {
+            q.owner()?.start_zero_ahead().await?;
+        }
         Ok(q)
     }
 
@@ -684,6 +694,17 @@ impl<D: BlockDevice> Qcow2<D> {
     /// The metadata owner's counters (`None` unless opened writable).
     pub fn owner_stats(&self) -> Option<crate::meta::OwnerStats> {
         self.meta.as_ref().map(|m| m.stats())
+    }
+    /// Whether the owner zeroes the device ahead of its allocator (`OpenOptions::zero_ahead`,
+    /// on a device that cannot grow and an image without a zeroed tail of its own, until
+    /// zeroing fails).
+    pub fn zeroing_ahead(&self) -> bool {
+        self.meta.as_ref().is_some_and(|m| {
+            matches!(
+                m.st().tail,
+                crate::meta::zeroed_tail::TailKeeper::ZeroedAhead { .. }
+            )
+        })
     }
     /// Refcount block cache counters.
     pub fn refcount_cache_stats(&self) -> CacheStats {

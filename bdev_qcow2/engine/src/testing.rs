@@ -45,6 +45,9 @@ pub struct MemState {
     pub cheap_zeroes: bool,
     /// `WriteZeroes` operations submitted so far.
     pub zero_writes: u64,
+    /// Fail every `WriteZeroes` with this errno (a file system without `fallocate`'s
+    /// zero range, say).
+    pub zeroes_fail: Option<i32>,
     inflight: VecDeque<(u64, u64, Result<(), DeviceError>)>,
     polls: u64,
 }
@@ -140,7 +143,10 @@ impl BlockDevice for MemDevice {
             }
             (None, DeviceOp::WriteZeroes { offset, len }) => {
                 s.zero_writes += 1;
-                s.write(offset, vec![0u8; len as usize])
+                match s.zeroes_fail {
+                    Some(errno) => Err(DeviceError(errno)),
+                    None => s.write(offset, vec![0u8; len as usize]),
+                }
             }
             (None, DeviceOp::Flush) => {
                 if s.record {

@@ -12,7 +12,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)] // test helpers may panic
 
 mod crash_common;
-use crash_common::{new_image, open};
+use crash_common::{new_image, open, open_with};
 
 use qcow2_engine::create::CreateOptions;
 use qcow2_engine::io::{BufSlice, HeapBuf, IoBuffer};
@@ -147,28 +147,54 @@ fn crash_test_on(
     fixed: Option<usize>,
     cheap_zeroes: bool,
 ) -> usize {
-    crash_test_with(opts, seed, ops, subsets, fixed, cheap_zeroes, false)
+    let setup = Setup {
+        fixed,
+        cheap_zeroes,
+        ..Default::default()
+    };
+    crash_test_with(opts, seed, ops, subsets, setup)
 }
 
-/// [`crash_test_on`], the writes submitted as a host does with `submit` ([`apply_via`]).
+/// The device and host of a crash test.
+#[derive(Default, Clone, Copy)]
+struct Setup {
+    /// A device of this fixed size (like a bdev); `None`: one that grows (like a file).
+    fixed: Option<usize>,
+    /// The device zeroes itself (`WriteZeroes`, logged as writes of zeros).
+    cheap_zeroes: bool,
+    /// Writes submitted as a host does ([`apply_via`]).
+    submit: bool,
+    /// On a fixed device, stale bytes past the image, and the owner zeroes ahead of its
+    /// allocator (`OpenOptions::zero_ahead`).
+    zero_ahead: bool,
+}
+
+/// [`crash_test`] with the device and host of `setup`.
 fn crash_test_with(
     opts: CreateOptions,
     seed: u64,
     ops: usize,
     subsets: usize,
-    fixed: Option<usize>,
-    cheap_zeroes: bool,
-    submit: bool,
+    setup: Setup,
 ) -> usize {
+    let Setup {
+        fixed,
+        cheap_zeroes,
+        submit,
+        zero_ahead,
+    } = setup;
     let size = opts.size;
     let cs = 1u64 << opts.cluster_bits;
-    let initial = new_image(&opts);
+    let mut initial = new_image(&opts);
+    if let (Some(bytes), true) = (fixed, zero_ahead) {
+        initial.resize(bytes, 0xee);
+    }
     let exec = Exec::new();
     let dev = match fixed {
         Some(bytes) => MemDevice::fixed(initial.clone(), bytes),
         None => MemDevice::new(initial.clone()),
     };
-    let chain = open(&exec, &dev, true).unwrap();
+    let chain = open_with(&exec, &dev, true, zero_ahead).unwrap();
     dev.0.borrow_mut().record = true;
     dev.0.borrow_mut().cheap_zeroes = cheap_zeroes;
     let work = workload(seed, size, cs, ops);
@@ -356,12 +382,44 @@ fn crash_states_first_writes_taking_their_group_ahead() {
         23,
         120,
         3,
-        None,
-        false,
-        true,
+        Setup {
+            submit: true,
+            ..Default::default()
+        },
     );
     eprintln!("crash states tried (clusters taken ahead): {n}");
     assert!(n > 50);
+}
+
+#[test]
+fn crash_states_zeroing_ahead() {
+    // A bdev holding an image with no zeroed tail and stale bytes past it: the owner
+    // zeroes the device ahead of its allocator, and first writes (64 KiB clusters, taking
+    // their group with 4 KiB ones) write the guest's bytes alone. Whatever a crash keeps,
+    // the stale bytes never show through a cluster the image maps.
+    for (cluster_bits, seed) in [(16, 31), (12, 37)] {
+        let n = crash_test_with(
+            CreateOptions {
+                size: 8 << 20,
+                cluster_bits,
+                ..Default::default()
+            },
+            seed,
+            120,
+            3,
+            Setup {
+                fixed: Some(12 << 20),
+                submit: true,
+                zero_ahead: true,
+                ..Default::default()
+            },
+        );
+        eprintln!(
+            "crash states tried (zeroing ahead, {} KiB clusters): {n}",
+            1 << (cluster_bits - 10)
+        );
+        assert!(n > 50);
+    }
 }
 
 #[test]

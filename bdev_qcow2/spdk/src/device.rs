@@ -130,6 +130,39 @@ pub fn zero_offload(desc: &Desc, force: Option<bool>) -> bool {
     }
 }
 
+/// Whether the engine zeroes the base behind `desc` ahead of its allocator
+/// (`OpenOptions::zero_ahead`): with `force` unset, where it is an NVMe bdev or an AIO bdev
+/// that zeroes with `fallocate` (a large range costs about what a small one does); with
+/// `Some(true)`, wherever its module zeroes itself; never with `Some(false)`, nor with
+/// SPDK's emulation (writes of a zeroed buffer).
+pub fn zero_ahead(desc: &Desc, force: Option<bool>) -> bool {
+    let native = desc.supports_natively(sys::SPDK_BDEV_IO_TYPE_WRITE_ZEROES);
+    match force {
+        Some(on) => on && native,
+        None => native && matches!(desc.module_name().as_str(), "nvme" | "aio"),
+    }
+}
+
+/// How the engine zeroes on one base: per partial first write ([`zero_offload`]) and
+/// ahead of the allocator ([`zero_ahead`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Zeroing {
+    /// Partial first writes leave the rest of their cluster to the base's Write Zeroes.
+    pub offload: bool,
+    /// The base is zeroed ahead of the allocator.
+    pub ahead: bool,
+}
+
+impl Zeroing {
+    /// The zeroing of the create call's `zero_offload` and `zero_ahead` on `desc`.
+    pub fn of(desc: &Desc, offload: Option<bool>, ahead: Option<bool>) -> Zeroing {
+        Zeroing {
+            offload: zero_offload(desc, offload),
+            ahead: zero_ahead(desc, ahead),
+        }
+    }
+}
+
 impl BlockDevice for SpdkDevice {
     type Buf = SpdkBuf;
 

@@ -87,7 +87,7 @@ struct Switch {
     /// The overlay's executor (its device 0 is `new_base`) and the open overlay.
     exec: Option<Exec<SpdkDevice>>,
     image: Option<Qcow2<SpdkDevice>>,
-    zero_offload: bool,
+    zeroing: crate::device::Zeroing,
     /// The bdev's parameters over the overlay, and the old image's bdev's.
     params: CreateParams,
     snap_params: CreateParams,
@@ -230,7 +230,7 @@ pub fn snapshot_external(req: Request, params: Params) {
             ),
         );
     }
-    let zero_offload = crate::device::zero_offload(&new_base, old.zero_offload);
+    let zeroing = crate::device::Zeroing::of(&new_base, old.zero_offload, old.zero_ahead);
     let params = CreateParams {
         base_bdev: p.base_bdev.clone(),
         backing_bdev: Some(snapshot.clone()),
@@ -240,6 +240,7 @@ pub fn snapshot_external(req: Request, params: Params) {
         name: snapshot.clone(),
         read_only: true,
         zero_offload: None,
+        zero_ahead: None,
         ..old
     };
     let sw = Box::new(Switch {
@@ -251,7 +252,7 @@ pub fn snapshot_external(req: Request, params: Params) {
         new_base: Some(new_base),
         exec: None,
         image: None,
-        zero_offload,
+        zeroing,
         params,
         snap_params,
         t0: None,
@@ -333,13 +334,14 @@ fn prepare(sw: Box<Switch>, opts: CreateOptions) {
         return sw.fail(libc::ENOMEM, "no I/O channel for the new base".into());
     };
     let mut dev = dev;
-    dev.set_zero_offload(sw.zero_offload);
+    dev.set_zero_offload(sw.zeroing.offload);
     let exec: Exec<SpdkDevice> = Exec::new();
     let id = exec.add_device(dev);
     let result = Rc::new(RefCell::new(None));
     let (e2, r2) = (exec.clone(), result.clone());
     let open = OpenOptions {
         writable: true,
+        zero_ahead: sw.zeroing.ahead,
         ..sw.params.open_options()
     };
     exec.spawn(async move {
@@ -460,7 +462,7 @@ fn switch(mut sw: Box<Switch>) {
         return sw.fail(libc::ENOMEM, format!("no I/O channel for {snap}"));
     };
     let backing_dev = exec.add_device(bdev);
-    let info = ImageInfo::of(&image, &sw.params, sw.zero_offload);
+    let info = ImageInfo::of(&image, &sw.params, sw.zeroing);
     let reg = registry::lock();
     let Some(node) = reg.by_key(sw.key) else {
         drop(reg);

@@ -73,13 +73,16 @@ pub struct ImageInfo {
     /// Whether partial first writes leave their zeros to the base's WRITE_ZEROES (the
     /// `zero_offload` of the create call, or its default for this base).
     pub zero_offload: bool,
+    /// Whether the base is zeroed ahead of the allocator (the `zero_ahead` of the create
+    /// call, or its default for this base; only where the image records no zeroed tail).
+    pub zero_ahead: bool,
 }
 
 impl ImageInfo {
     pub(crate) fn of<D: BlockDevice>(
         q: &Qcow2<D>,
         p: &CreateParams,
-        zero_offload: bool,
+        z: crate::device::Zeroing,
     ) -> ImageInfo {
         let h = q.header();
         ImageInfo {
@@ -102,7 +105,8 @@ impl ImageInfo {
             base_bdev: p.base_bdev.clone(),
             backing_bdev: p.backing_bdev.clone(),
             read_only: p.read_only,
-            zero_offload: zero_offload && !p.read_only,
+            zero_offload: z.offload && !p.read_only,
+            zero_ahead: z.ahead && q.zeroing_ahead(),
         }
     }
 }
@@ -295,8 +299,8 @@ fn create_claiming(params: CreateParams, claim_base: bool, done: Done) {
         let m = format!("no I/O channel for base bdev {}", params.base_bdev);
         return fail(&name, [Some(base), backing], done, libc::ENOMEM, m);
     };
-    let zero_offload = crate::device::zero_offload(&base, params.zero_offload);
-    dev.set_zero_offload(zero_offload);
+    let zeroing = crate::device::Zeroing::of(&base, params.zero_offload, params.zero_ahead);
+    dev.set_zero_offload(zeroing.offload);
     let dev = exec.add_device(dev);
     let mut backing_dev = None;
     if let (Some(b), false) = (&backing, params.read_only) {
@@ -312,12 +316,13 @@ fn create_claiming(params: CreateParams, claim_base: bool, done: Done) {
         let (exec2, result2, p2) = (exec.clone(), result.clone(), params.clone());
         let opts = OpenOptions {
             writable: !params.read_only,
+            zero_ahead: zeroing.ahead,
             ..params.open_options()
         };
         exec.spawn(async move {
             let r = Qcow2::open(&exec2, dev, opts)
                 .await
-                .map(|q| (ImageInfo::of(&q, &p2, zero_offload), q));
+                .map(|q| (ImageInfo::of(&q, &p2, zeroing), q));
             *result2.borrow_mut() = Some(r);
         });
     }
@@ -535,7 +540,7 @@ fn register(
     };
     let i = &node.node().info;
     let created = format!(
-        "created qcow2 bdev {name} on {} ({} bytes, cluster {}, v{}{}{})",
+        "created qcow2 bdev {name} on {} ({} bytes, cluster {}, v{}{}{}{})",
         i.base_bdev,
         i.virtual_size,
         i.cluster_size,
@@ -544,7 +549,8 @@ fn register(
             .as_ref()
             .map(|b| format!(", backing {b}"))
             .unwrap_or_default(),
-        if i.zero_offload { ", zero offload" } else { "" }
+        if i.zero_offload { ", zero offload" } else { "" },
+        if i.zero_ahead { ", zeroing ahead" } else { "" }
     );
     {
         let mut reg = registry::lock();

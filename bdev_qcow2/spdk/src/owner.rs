@@ -227,6 +227,7 @@ impl Owner {
                     "l2_slices_written": s.l2_slices_written,
                     "writebacks": s.writebacks,
                     "zeroed_tail_raises": s.zeroed_tail_raises,
+                    "zeroed_ahead_bytes": s.zeroed_ahead_bytes,
                     "l2_cache_hits": c.hits,
                     "l2_cache_misses": c.misses,
                     "l2_cache_evictions": c.evictions,

@@ -71,6 +71,15 @@ pub struct CreateParams {
     /// (never SPDK's emulation with zero-buffer writes); `false`: off.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub zero_offload: Option<bool>,
+    /// On an image that records no zeroed tail (one `qemu-img` made, say): zero the base
+    /// past every cluster in use ahead of the allocator, in large Write Zeroes (a 64th of
+    /// the base at a time, 64 MiB at most), so that a first write into a new cluster writes
+    /// the guest's bytes alone rather than the whole cluster. Nothing is recorded in the
+    /// image. Default: on where the base is an NVMe bdev or an AIO bdev created with
+    /// `fallocate` (one `fallocate` zeroes the range); `true`: on any base whose module
+    /// zeroes itself (never SPDK's emulation); `false`: off.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub zero_ahead: Option<bool>,
 }
 
 impl CreateParams {
@@ -323,7 +332,7 @@ mod tests {
             r#"{"name":"q0","base_bdev":"aio0"}"#
         );
         let p: CreateParams = serde_json::from_str(
-            r#"{"name":"q0","base_bdev":"aio0","backing_bdev":"b","read_only":true,"l2_cache_size":65536,"l2_slice_size":512,"cache_ways":4,"prefetch":true,"prefetch_ring_size":8388608,"prefetch_max_window":2097152,"ordered_layout":true,"alloc_granule":0,"zero_offload":false}"#,
+            r#"{"name":"q0","base_bdev":"aio0","backing_bdev":"b","read_only":true,"l2_cache_size":65536,"l2_slice_size":512,"cache_ways":4,"prefetch":true,"prefetch_ring_size":8388608,"prefetch_max_window":2097152,"ordered_layout":true,"alloc_granule":0,"zero_offload":false,"zero_ahead":true}"#,
         )
         .unwrap();
         let back: CreateParams = serde_json::from_str(&serde_json::to_string(&p).unwrap()).unwrap();

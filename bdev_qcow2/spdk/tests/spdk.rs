@@ -884,6 +884,8 @@ mod real {
         // Zero offload: off by default on an AIO base (its fallocate blocks the reactor)
         // and on malloc; on when asked for where the base zeroes natively.
         assert_eq!(q0["driver_specific"]["qcow2"]["zero_offload"], json!(false));
+        // Zeroing ahead: off on an AIO base created without fallocate (it cannot zero).
+        assert_eq!(q0["driver_specific"]["qcow2"]["zero_ahead"], json!(false));
         t.rpc(&["bdev_malloc_create", "-b", "mz", "16", "512"]);
         t.rpc(&["bdev_qcow2_format", "mz", "-s", "8388608"]);
         for (flag, on) in [(None, false), (Some("--zero-offload"), true)] {
@@ -1245,6 +1247,30 @@ mod real {
         say(&format!(
             "zeroed base: format zeroed 80 MiB of old data; spdk_dd wrote 64 MiB - 4 KiB in 4 KiB blocks; qemu-img check clean, compare equal; zeroed tail at {tail:#x} after close"
         ));
+
+        // An image qemu-img made, over old data, on a base that zeroes itself (AIO with
+        // fallocate): the bdev zeroes the base ahead of its allocator (`zero_ahead`, on by
+        // default there), so 4 KiB first writes write the guest's bytes alone. Old data
+        // must not show through, and the base past what the image needed keeps its bytes.
+        let img = d.join("ahead.qcow2");
+        qemu_img(&["create", "-q", "-f", "qcow2", s(&img), "64M"]);
+        let mut bytes = fs::read(&img).unwrap();
+        bytes.resize((80 * MIB) as usize, 0xa5);
+        fs::write(&img, &bytes).unwrap();
+        let cfg = d.join("ahead.json");
+        let mut base = aio(&img, "aio0");
+        base["params"]["fallocate"] = json!(true);
+        write_config(&cfg, vec![base, qcow2("q0", "aio0", None)]);
+        dd_4k(&cfg, "ahead");
+        check_clean(&img, "zeroed ahead");
+        compare_with_raw(&img, &want);
+        let bytes = fs::read(&img).unwrap();
+        let untouched = bytes.len() - (4 * MIB) as usize;
+        assert!(
+            bytes[untouched..].iter().all(|b| *b == 0xa5),
+            "the base was zeroed further than the image needed"
+        );
+        say("zeroed ahead: qemu-img image over 80 MiB of old data; spdk_dd wrote 64 MiB - 4 KiB in 4 KiB blocks; qemu-img check clean, compare equal; the base's last 4 MiB untouched");
     }
 
     /// Runs bdevperf with `args` on config `cfg`; returns its output (asserting it exited 0).

@@ -60,6 +60,19 @@ pub(crate) struct MetaState {
 }
 
 impl MetaState {
+    /// Zeroes ahead of the allocator from cluster `used_end` on, which lies past every
+    /// cluster in use (`OpenOptions::zero_ahead`). Called at open, before anything is taken:
+    /// clusters become fresh as the tail is raised past them.
+    pub(crate) fn start_zero_ahead(&mut self, used_end: u64, cluster_bits: u32) {
+        self.tail = zeroed_tail::TailKeeper::zeroed_ahead(used_end << cluster_bits);
+        self.alloc = alloc::AllocState::new(used_end);
+    }
+    /// Gives the zeroed-ahead tail up (zeroing failed): no cluster inside the device,
+    /// `dev_end` clusters long, is fresh any more.
+    pub(crate) fn stop_zero_ahead(&mut self, dev_end: u64) {
+        self.tail.drop_tail();
+        self.alloc.written_below(dev_end);
+    }
     /// What changes whenever metadata is allocated or newly dirtied (the quiet write-back's
     /// test that nothing happened).
     pub(crate) fn change_signature(&self) -> background::ChangeSignature {
@@ -100,7 +113,7 @@ impl<D: BlockDevice> Meta<D> {
         // Past a zeroed tail (in the first sector, where we keep it), clusters read as zeros
         // from the start.
         let tail = zeroed_tail::TailKeeper::new(header.extensions.zeroed_tail);
-        let fresh_from = tail.get().map_or(end, |z| z.from.div_ceil(cs).min(end));
+        let fresh_from = tail.from().map_or(end, |f| f.div_ceil(cs).min(end));
         Meta {
             lock: AsyncLock::new(exec),
             inflight_wait: WaitQueue::new(exec),

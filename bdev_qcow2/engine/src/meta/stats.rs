@@ -19,6 +19,9 @@ pub struct OwnerStats {
     /// Metadata write-back passes (refcounts, flush, L2 slices, L1; on FLUSH, on close
     /// and when the dirty metadata passes its threshold).
     pub writebacks: u64,
-    /// Times the zeroed tail was raised on disk ([`ZeroedTail`](crate::format::header::ZeroedTail)).
+    /// Times the zeroed tail was raised: on disk ([`ZeroedTail`](crate::format::header::ZeroedTail)),
+    /// or by zeroing the device ahead of the allocator (`OpenOptions::zero_ahead`).
     pub zeroed_tail_raises: u64,
+    /// Bytes of the device zeroed ahead of the allocator (`OpenOptions::zero_ahead`).
+    pub zeroed_ahead_bytes: u64,
 }

@@ -26,13 +26,25 @@ pub fn open(
     dev: &MemDevice,
     writable: bool,
 ) -> Result<Rc<Chain<MemDevice>>, Error> {
+    open_with(exec, dev, writable, false)
+}
+
+/// [`open`], zeroing the device ahead of the allocator (`OpenOptions::zero_ahead`) with
+/// `zero_ahead`, clusters then appended as first written (no data regions).
+pub fn open_with(
+    exec: &Exec<MemDevice>,
+    dev: &MemDevice,
+    writable: bool,
+    zero_ahead: bool,
+) -> Result<Rc<Chain<MemDevice>>, Error> {
     let id = exec.add_device(dev.clone());
     let e2 = exec.clone();
     let opts = OpenOptions {
         writable,
         l2_cache_bytes: Some(8 << 10),
         // On a fixed-size device: data in per-slice regions.
-        ordered_layout: dev.0.borrow().fixed,
+        ordered_layout: dev.0.borrow().fixed && !zero_ahead,
+        zero_ahead,
         ..Default::default()
     };
     let q = exec.block_on(async move { Qcow2::open(&e2, id, opts).await })?;

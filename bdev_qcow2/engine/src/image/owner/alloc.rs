@@ -263,6 +263,52 @@ impl<D: BlockDevice> Owner<'_, D> {
         Ok(())
     }
 
+    /// One past the last host cluster in use: counted by a refcount, or holding the
+    /// image's own tables (counted too, unless the image is inconsistent). Reads refcount
+    /// blocks from the top of the refcount table down to the first that counts a cluster:
+    /// one, as a rule.
+    async fn used_end(&self) -> Result<u64> {
+        let bits = self.geo.cluster_bits;
+        let mut end = 1;
+        self.any_static_metadata(|start, bytes| {
+            end = end.max((start + bytes).div_ceil(1 << bits));
+            false
+        });
+        end = end.max(self.table_clusters().into_iter().max().map_or(0, |c| c + 1));
+        let order = self.header.borrow().header.refcount_order;
+        let per_block = self.per_block();
+        let top = self.refcount_table.borrow().len() as u64;
+        for r in (0..top).rev() {
+            let Some((block, _)) = self.rc_locate(r * per_block)? else {
+                continue;
+            };
+            self.load_rc_block(block).await?;
+            let last = self.with_rc_block(block, |b| {
+                (0..per_block)
+                    .rev()
+                    .find(|&i| get_refcount(b, order, i) != 0)
+            });
+            if let Some(i) = last {
+                return Ok(end.max(r * per_block + i + 1));
+            }
+        }
+        Ok(end)
+    }
+
+    /// Starts zeroing ahead of the allocator (`OpenOptions::zero_ahead`), past every
+    /// cluster in use; at open, before anything is taken, on a device that cannot grow and
+    /// an image without a zeroed tail of its own.
+    pub(crate) async fn start_zero_ahead(&self) -> Result<()> {
+        let m = self.meta();
+        let can_grow = self.exec.with_device(self.dev, |d| d.can_grow());
+        if can_grow || m.st().tail.from().is_some() {
+            return Ok(());
+        }
+        let end = self.used_end().await?;
+        m.st_mut().start_zero_ahead(end, self.geo.cluster_bits);
+        Ok(())
+    }
+
     /// The last cluster index (exclusive bound) the allocator may hand out.
     fn alloc_limit(&self) -> u64 {
         self.device_size

@@ -9,9 +9,13 @@ use super::Owner;
 use crate::error::{corrupt, Error, Field, Result};
 use crate::format::header::ZeroedTail;
 use crate::io::{BlockDevice, BufSlice, IoBuffer};
+use crate::meta::zeroed_tail::{Raise, TailKeeper};
 
 /// The least step by which the zeroed tail is raised (see `raise_zeroed_tail`).
 const ZEROED_TAIL_STEP_MIN: u64 = 1 << 20;
+/// The most a tail zeroed ahead is raised by at once: one write-zeroes, which the
+/// allocator waits for (NVMe may write the zeros).
+const ZERO_AHEAD_STEP_MAX: u64 = 64 << 20;
 
 impl<D: BlockDevice> Owner<'_, D> {
     /// Sets the corrupt bit on disk (best effort) after an inconsistency was detected, and
@@ -68,12 +72,13 @@ impl<D: BlockDevice> Owner<'_, D> {
         tail.is_none_or(|t| end_cluster <= t)
     }
 
-    /// Raises the zeroed tail on disk to at least cluster `end_cluster` (the first sector
-    /// written alone, then flushed) unless it lies there already: called before clusters
-    /// below `end_cluster` are taken, so that nothing is ever written at or past the tail
-    /// on disk, whatever a crash keeps. It moves in steps of a 64th of the device (1 MiB
-    /// at least): 64 rewrites while the image fills the device. Caller holds the metadata
-    /// lock.
+    /// Raises the zeroed tail to at least cluster `end_cluster` unless it lies there
+    /// already: called before clusters below `end_cluster` are taken, so that nothing is
+    /// ever written at or past the tail. A recorded tail is raised on disk (the first
+    /// sector written alone, then flushed), so that whatever a crash keeps, the claim
+    /// covers nothing written; a tail zeroed ahead zeroes the device up to its new start.
+    /// It moves in steps of a 64th of the device (1 MiB at least; zeroing, 64 MiB at
+    /// most). Caller holds the metadata lock.
     pub(crate) async fn raise_zeroed_tail(&self, end_cluster: u64) -> Result<()> {
         if self.below_zeroed_tail(end_cluster) {
             return Ok(());
@@ -82,20 +87,40 @@ impl<D: BlockDevice> Owner<'_, D> {
         let cs = self.geo.cluster_size();
         let bits = self.geo.cluster_bits;
         let dev_end = self.device_size.get().div_ceil(cs) * cs;
-        let step = (dev_end / 64).max(ZEROED_TAIL_STEP_MIN);
+        let zeroing = matches!(m.st().tail, TailKeeper::ZeroedAhead { .. });
+        let mut step = (dev_end / 64).max(ZEROED_TAIL_STEP_MIN);
+        if zeroing {
+            step = step.min(ZERO_AHEAD_STEP_MAX);
+        }
         let from = ((end_cluster << bits) + step).div_ceil(cs) * cs;
         let from = from.min(dev_end.max(end_cluster << bits));
-        let sector = {
-            let mut st = m.st_mut();
-            let Some(z) = st.tail.get() else {
-                return Ok(());
-            };
-            st.header.raise_zeroed_tail(ZeroedTail { from, at: z.at })
+        let Some(raise) = m.st().tail.raise_to(from) else {
+            return Ok(());
         };
-        let buf = self.exec.alloc_buf(self.dev, sector.len());
-        buf.copy_in(0, &sector);
-        self.exec.write(self.dev, 0, BufSlice::whole(buf)).await?;
-        self.exec.flush(self.dev).await?;
+        match raise {
+            Raise::Record(tail) => {
+                let sector = m.st_mut().header.raise_zeroed_tail(tail);
+                let buf = self.exec.alloc_buf(self.dev, sector.len());
+                buf.copy_in(0, &sector);
+                self.exec.write(self.dev, 0, BufSlice::whole(buf)).await?;
+                self.exec.flush(self.dev).await?;
+            }
+            Raise::Zero { from: old, to } => {
+                // Inside the device only: past its end nothing can be taken anyway.
+                let to_dev = to.min(self.device_size.get());
+                if to_dev > old {
+                    if let Err(e) = self.exec.write_zeroes(self.dev, old, to_dev - old).await {
+                        tracing::warn!(
+                            "qcow2: zeroing ahead of the allocator failed ({e}); first writes \
+                             into new clusters write them whole from now on"
+                        );
+                        m.st_mut().stop_zero_ahead(dev_end >> bits);
+                        return Ok(());
+                    }
+                }
+                m.st_mut().stats.zeroed_ahead_bytes += to_dev.saturating_sub(old);
+            }
+        }
         let mut st = m.st_mut();
         st.tail.moved_to(from);
         st.stats.zeroed_tail_raises += 1;
@@ -111,7 +136,7 @@ impl<D: BlockDevice> Owner<'_, D> {
         let lowered = {
             let mut st = m.st_mut();
             let end = st.alloc.fresh_from() * cs;
-            match st.tail.get() {
+            match st.tail.recorded() {
                 Some(z) if end < z.from => {
                     st.header.lower_zeroed_tail(ZeroedTail {
                         from: end,
