@@ -1214,6 +1214,7 @@ mod real {
             let log = d.join(format!("{tag}.dd.log"));
             let (ok, text) = spawn_spdk("spdk_dd", &args, &log).wait(120);
             assert!(ok, "spdk_dd failed:\n{text}");
+            text
         };
         dd_4k(&cfg, "zeroing");
         check_clean(&img, "zeroing base");
@@ -1261,7 +1262,11 @@ mod real {
         let mut base = aio(&img, "aio0");
         base["params"]["fallocate"] = json!(true);
         write_config(&cfg, vec![base, qcow2("q0", "aio0", None)]);
-        dd_4k(&cfg, "ahead");
+        let text = dd_4k(&cfg, "ahead");
+        assert!(
+            text.contains("zeroing ahead"),
+            "zero_ahead is on by default:\n{text}"
+        );
         check_clean(&img, "zeroed ahead");
         compare_with_raw(&img, &want);
         let bytes = fs::read(&img).unwrap();
