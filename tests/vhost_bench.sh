@@ -45,6 +45,8 @@
 # table first three times in four. Ours runs at its defaults, which cache this image's whole
 # L2 (on a 1 TiB image that takes l2_cache_size 128 MiB per core). No passthru in that row.
 #
+# OURS_OPTS: more parameters of bdev_qcow2_create, as JSON members (e.g. '"zero_ahead": false').
+#
 # Needs SPDK (spdk_tgt, bdevperf, rpc.py), qemu-storage-daemon, qemu-img, python3, cc; prints
 # SKIPPED and exits 0 without them. Run it alone (one SPDK application pair at a time).
 set -eEuo pipefail
@@ -155,7 +157,7 @@ server() {
   ours | pt)
     local bdev
     if [ "$name" = ours ]; then
-      bdev='{"method": "bdev_qcow2_create", "params": {"name": "d0", "base_bdev": "aio0"}}'
+      bdev='{"method": "bdev_qcow2_create", "params": {"name": "d0", "base_bdev": "aio0"'"${OURS_OPTS:+, $OURS_OPTS}"'}}'
     else
       bdev='{"method": "bdev_passthru_create", "params": {"name": "d0", "base_bdev_name": "aio0"}}'
     fi

@@ -140,8 +140,8 @@ def spdk_rpc_plugin_initialize(subparsers):
     p.add_argument('--zero-ahead', dest='zero_ahead', action='store_true', default=None,
                    help='zero the base past the clusters in use ahead of the allocator, so '
                    'that first writes into new clusters write the guest\'s bytes alone, on '
-                   'any base that zeroes natively (default: NVMe bdevs and AIO bdevs created '
-                   'with --fallocate; images with a zeroed tail of their own need none)')
+                   'any base that zeroes natively, e.g. AIO with --fallocate (default: NVMe bdevs '
+                   'only; images with a zeroed tail of their own need none)')
     p.add_argument('--no-zero-ahead', dest='zero_ahead', action='store_false',
                    help='never zero ahead of the allocator')
     p.set_defaults(func=create)

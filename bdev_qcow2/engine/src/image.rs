@@ -56,8 +56,9 @@ pub struct OpenOptions {
     /// On a device that cannot grow, whose image records no zeroed tail: zero the space
     /// past every cluster in use ahead of the allocator, in large write-zeroes, so that a
     /// first write into a new cluster writes the guest's bytes alone (the rest reads as
-    /// zeros) instead of the whole cluster. For a device that zeroes ranges cheaply (a
-    /// file's `fallocate`, NVMe Write Zeroes); nothing is recorded in the image.
+    /// zeros) instead of the whole cluster. For a device that zeroes ranges cheaply and
+    /// takes scattered small writes into them well (NVMe Write Zeroes; on ext4, such writes
+    /// split a file's extents); nothing is recorded in the image.
     pub zero_ahead: bool,
 }
 

@@ -75,9 +75,9 @@ pub struct CreateParams {
     /// past every cluster in use ahead of the allocator, in large Write Zeroes (a 64th of
     /// the base at a time, 64 MiB at most), so that a first write into a new cluster writes
     /// the guest's bytes alone rather than the whole cluster. Nothing is recorded in the
-    /// image. Default: on where the base is an NVMe bdev or an AIO bdev created with
-    /// `fallocate` (one `fallocate` zeroes the range); `true`: on any base whose module
-    /// zeroes itself (never SPDK's emulation); `false`: off.
+    /// image. Default: on where the base is an NVMe bdev; `true`: on any base whose module
+    /// zeroes itself (an AIO bdev created with `fallocate`; never SPDK's emulation);
+    /// `false`: off.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub zero_ahead: Option<bool>,
 }
