@@ -927,3 +927,33 @@ pub async fn read_bytes<D: BlockDevice>(
     buf.copy_out((off - start) as usize, &mut out);
     Ok(out)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testing::MemDevice;
+
+    #[test]
+    fn a_removed_sinks_number_is_reused_and_its_late_ends_reach_nothing() {
+        let exec: Exec<MemDevice> = Exec::new();
+        let heard: Rc<RefCell<Vec<(char, u32)>>> = Rc::default();
+        let sink = |name: char| -> InternalSink {
+            let heard = heard.clone();
+            Rc::new(move |payload, _| heard.borrow_mut().push((name, payload)))
+        };
+        let a = exec.add_internal_sink(sink('a'));
+        // A request of `a` ends after `a` is gone.
+        exec.internal_done(a.token(5), true);
+        exec.remove_internal_sink(a);
+        assert_eq!(exec.internal_sinks(), 0);
+        let b = exec.add_internal_sink(sink('b'));
+        assert_eq!(b.index, a.index, "the number is reused");
+        assert_ne!(b.token(5), a.token(5));
+        exec.internal_done(b.token(6), true);
+        exec.poll(&mut |_, _| {});
+        assert_eq!(*heard.borrow(), vec![('b', 6)]);
+        // Removing `a` again (stale id) leaves `b` in place.
+        exec.remove_internal_sink(a);
+        assert_eq!(exec.internal_sinks(), 1);
+    }
+}

@@ -516,3 +516,56 @@ fn a_failed_read_ahead_sends_the_reads_waiting_for_it_to_the_base() {
     assert_eq!((st.reads_waited, st.waited_to_base), (4, 4), "{st:?}");
     assert!(bufs.iter().all(|b| b.to_vec().iter().all(|&x| x == 0x33)));
 }
+
+#[test]
+fn a_chain_rebuilt_on_the_same_executor_leaves_no_sink_behind() {
+    let dir = tempfile::tempdir().unwrap();
+    let img = dir.path().join("a.qcow2");
+    sh(Command::new("qemu-img")
+        .args(["create", "-q", "-f", "qcow2"])
+        .arg(&img)
+        .arg("4M"));
+    qemu_io(&img, &["write -P 0x5a 0 4M"]);
+    let expect = raw_of(&img);
+    let exec = Exec::new();
+    let dev = MemDevice::new(std::fs::read(&img).unwrap());
+    // Read-aheads stay in flight over a few polls.
+    dev.0.borrow_mut().latency_polls = 20;
+    let id = exec.add_device(dev);
+    let build = || {
+        let e2 = exec.clone();
+        let q = exec
+            .block_on(async move { Qcow2::open(&e2, id, OpenOptions::default()).await })
+            .unwrap();
+        let chain = Chain::new(&exec, vec![Layer::Qcow2(Box::new(q))]).unwrap();
+        let gens = Arc::new(WriteGens::new(chain.size()));
+        chain.enable_ring(RingConfig::default(), gens).unwrap();
+        chain
+    };
+    let first = build();
+    assert_eq!(exec.internal_sinks(), 1);
+    let mut off = 0;
+    // Until read-aheads are in flight.
+    while first.ring_stats().unwrap().readahead_ios == 0 || !exec.busy() {
+        assert_eq!(
+            read(&exec, &first, off, 4096),
+            expect[off as usize..][..4096]
+        );
+        off += 4096;
+        assert!(off < 1 << 20, "no read-ahead in flight");
+    }
+    drop(first);
+    assert_eq!(exec.internal_sinks(), 0, "the dropped chain's sink is gone");
+    // Rebuilt (a host reopening the image on this core): one sink again, and the old
+    // read-aheads' ends, dropped, reach nothing.
+    let second = build();
+    assert_eq!(exec.internal_sinks(), 1);
+    while exec.busy() {
+        exec.poll(&mut |_, _| panic!("no guest request in flight"));
+    }
+    assert_eq!(second.ring_stats().unwrap().bytes_read_ahead, 0);
+    assert_eq!(read_all(&exec, &second, 64 << 10), expect);
+    let s = second.ring_stats().unwrap();
+    assert!(s.reads_served > 0, "{s:?}");
+    assert_eq!(exec.internal_sinks(), 1);
+}
