@@ -59,8 +59,9 @@ type BoxFut = Pin<Box<dyn Future<Output = Result<()>>>>;
 pub(crate) enum Unplanned {
     /// The slice of layer `layer` covering guest offset `offset` is not cached.
     Slice {
-        /// The layer.
-        layer: usize,
+        /// The layer (at most [`MAX_BACKING_DEPTH`]; a byte keeps the result in two
+        /// registers on the guest's fast path).
+        layer: u8,
         /// A guest offset in the slice.
         offset: u64,
     },
@@ -68,6 +69,8 @@ pub(crate) enum Unplanned {
     /// invalid entry.
     Other,
 }
+
+const _: () = assert!(MAX_BACKING_DEPTH <= u8::MAX as usize);
 
 /// A data run planned by the fast path: device, host offset, offset in the guest buffer,
 /// length.
@@ -423,7 +426,7 @@ impl<D: BlockDevice> Chain<D> {
                 Ok(Some(hit)) => hit,
                 Ok(None) => {
                     return Err(Unplanned::Slice {
-                        layer: idx,
+                        layer: idx as u8,
                         offset: pos,
                     })
                 }

@@ -296,7 +296,9 @@ impl<D: BlockDevice> Chain<D> {
             Err(Unplanned::Slice { layer, offset }) if tries < PARK_TRIES => {
                 // It resolved nothing: it enters again when it is issued.
                 self.exec().guest_exit(parity);
-                if let SliceLoad::Loading(load) = self.load_slice_ahead(layer, offset, false) {
+                if let SliceLoad::Loading(load) =
+                    self.load_slice_ahead(layer as usize, offset, false)
+                {
                     parked.park(f.slot, load, tries + 1);
                     return;
                 }
