@@ -39,15 +39,24 @@ impl Parked {
         self.count += 1;
     }
 
-    /// Takes the next read-ahead waiting for `load`: its slot and tries.
-    fn take(&mut self, load: u32) -> Option<(u16, u8)> {
+    /// Slots that may hold a parked read-ahead (none when nothing is parked).
+    fn slots(&self) -> usize {
         if self.count == 0 {
+            0
+        } else {
+            self.by_slot.len()
+        }
+    }
+
+    /// Takes the read-ahead of `slot` if it waits for `load`: how many loads it waited for.
+    fn take(&mut self, slot: usize, load: u32) -> Option<u8> {
+        let (l, tries) = self.by_slot[slot];
+        if l != load {
             return None;
         }
-        let k = self.by_slot.iter().position(|&(l, _)| l == load)?;
-        let (_, tries) = std::mem::replace(&mut self.by_slot[k], (Self::NONE, 0));
+        self.by_slot[slot] = (Self::NONE, 0);
         self.count -= 1;
-        Some((k as u16, tries))
+        Some(tries)
     }
 }
 
@@ -325,7 +334,13 @@ impl<D: BlockDevice> Chain<D> {
         else {
             return;
         };
-        while let Some((slot, tries)) = parked.take(load) {
+        // Once over the slots: a read-ahead that parks again (on another slice, or the
+        // same one loading again under the same record) waits for that load's end.
+        for k in 0..parked.slots() {
+            let Some(tries) = parked.take(k, load) else {
+                continue;
+            };
+            let slot = k as u16;
             let (base, _) = Ring::slot_range(slot);
             let f = Fill {
                 slot,
