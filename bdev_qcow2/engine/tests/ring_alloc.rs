@@ -16,7 +16,7 @@
 use qcow2_engine::io::{BufSlice, HeapBuf};
 use qcow2_engine::ring::{RingConfig, RingServed, RingStats, WriteGens};
 use qcow2_engine::testing::MemDevice;
-use qcow2_engine::{Chain, Exec, Layer, OpenOptions, Qcow2};
+use qcow2_engine::{Chain, Exec, Layer, OpenOptions, OwnerLink, Qcow2};
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
 use std::path::Path;
@@ -276,7 +276,9 @@ fn run_readers(images: &[&Path]) -> (u64, u64, u64) {
 /// A 32 MiB image of 64 KiB clusters, a different byte per MiB, read through slices of
 /// 512 bytes (4 MiB of guest each) with room for four of them in the cache: a reader that
 /// goes round it finds every slice it enters evicted since its last pass.
-fn small_cache_chain(dir: &Path) -> (Exec<MemDevice>, Rc<Chain<MemDevice>>, Vec<u8>) {
+/// `core`: the chain is a core replica of the image (as an SPDK channel's), on an
+/// executor of its own; else the image itself.
+fn small_cache_chain(dir: &Path, core: bool) -> (Exec<MemDevice>, Rc<Chain<MemDevice>>, Vec<u8>) {
     let img = dir.join("big.qcow2");
     sh(Command::new("qemu-img")
         .args(["create", "-q", "-f", "qcow2", "-o", "cluster_size=65536"])
@@ -300,11 +302,33 @@ fn small_cache_chain(dir: &Path) -> (Exec<MemDevice>, Rc<Chain<MemDevice>>, Vec<
         cache_ways: 4,
         ..OpenOptions::default()
     };
-    let q = exec
+    let mut q = exec
         .block_on(async move { Qcow2::open(&e2, id, opts).await })
         .unwrap();
-    let chain = Chain::new(&exec, vec![Layer::Qcow2(Box::new(q))]).unwrap();
-    (exec, chain, expect)
+    if !core {
+        let chain = Chain::new(&exec, vec![Layer::Qcow2(Box::new(q))]).unwrap();
+        return (exec, chain, expect);
+    }
+    q.share();
+    let exec2 = Exec::new();
+    let id2 = exec2.add_device(exec.with_device(id, |d| d.clone()));
+    let r = Qcow2::from_seed(q.core_seed().unwrap(), &exec2, id2, opts, Box::new(NoOwner)).unwrap();
+    assert!(r.is_core_replica());
+    let chain = Chain::new(&exec2, vec![Layer::Qcow2(Box::new(r))]).unwrap();
+    // The owner changes nothing: the core's chain goes on without it, on the device's
+    // other handle.
+    drop(q);
+    (exec2, chain, expect)
+}
+
+/// A core's link to an owner that changes nothing: no slice is ever dirty, so none is
+/// asked for.
+struct NoOwner;
+
+impl OwnerLink for NoOwner {
+    fn ask_slice(&self, key: u64, _ticket: u64) {
+        panic!("slice {key} asked of an owner that changed nothing");
+    }
 }
 
 /// Guest bytes of one slice of [`small_cache_chain`].
@@ -355,8 +379,17 @@ fn first_passes(
 
 #[test]
 fn ring_read_aheads_over_slices_not_cached_allocate_nothing() {
+    ring_over_slices_not_cached(false);
+}
+
+#[test]
+fn ring_read_aheads_over_slices_not_cached_allocate_nothing_on_a_core_replica() {
+    ring_over_slices_not_cached(true);
+}
+
+fn ring_over_slices_not_cached(core: bool) {
     let dir = tempfile::tempdir().unwrap();
-    let (exec, chain, expect) = small_cache_chain(dir.path());
+    let (exec, chain, expect) = small_cache_chain(dir.path(), core);
     let gens = Arc::new(WriteGens::new(chain.size()));
     chain.enable_ring(RingConfig::default(), gens).unwrap();
     let before = chain.ring_stats().unwrap();
@@ -371,8 +404,17 @@ fn ring_read_aheads_over_slices_not_cached_allocate_nothing() {
 
 #[test]
 fn the_slice_read_ahead_allocates_nothing() {
+    slice_read_ahead(false);
+}
+
+#[test]
+fn the_slice_read_ahead_allocates_nothing_on_a_core_replica() {
+    slice_read_ahead(true);
+}
+
+fn slice_read_ahead(core: bool) {
     let dir = tempfile::tempdir().unwrap();
-    let (exec, chain, expect) = small_cache_chain(dir.path());
+    let (exec, chain, expect) = small_cache_chain(dir.path(), core);
     chain.set_prefetch(true);
     let before = chain.prefetch_stats();
     let slow = chain.stats().slow_reads;
