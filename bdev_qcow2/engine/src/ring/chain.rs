@@ -13,9 +13,10 @@ use crate::slice_load::SliceLoad;
 use std::rc::Rc;
 use std::sync::Arc;
 
-/// Times a read-ahead waits for a slice load before it runs as a task instead (a chunk
-/// spans several slices only with tiny slices; a load may find the slice changed).
-const PARK_TRIES: u8 = 3;
+/// Times a read-ahead waits for a slice load before it runs as a task instead: a chunk
+/// spans several slices of a layer only with tiny ones (slices cover 16 KiB at least:
+/// eight a chunk), and a load may find its slice changed.
+const PARK_TRIES: u8 = 12;
 
 /// Ring read-aheads waiting for a slice load (their chunk's slice was not cached): per
 /// slot, the load's payload and how many loads it waited for. Allocated with the ring.
