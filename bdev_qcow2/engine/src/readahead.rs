@@ -31,7 +31,8 @@ impl<D: BlockDevice> Chain<D> {
     /// Tells read-ahead about a guest request (read or write) of `len` bytes at `offset`
     /// that this replica is about to serve or route; when it continues a sequential stream
     /// and the stream's next slice is not cached here, starts loading that slice in the
-    /// background (a task on this executor; a failure is left to the request that needs
+    /// background (the engine's own request on this executor, `slice_load.rs`; a task
+    /// only when its records cannot take it; a failure is left to the request that needs
     /// the slice, which reports it). Costs a few compares when off or on random I/O.
     #[inline]
     pub fn read_ahead(self: &Rc<Self>, offset: u64, len: u64) {

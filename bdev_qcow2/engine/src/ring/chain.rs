@@ -182,7 +182,7 @@ impl<D: BlockDevice> Chain<D> {
 
     /// Looks a guest read of `len` bytes at `offset` up in the ring, before the host
     /// routes it: tells the stream detector about it, and starts the read-ahead its stream
-    /// needs now (tasks on this executor). The bytes from the start of the read that are
+    /// needs now (the engine's own requests on this executor, see `start_fill`). The bytes from the start of the read that are
     /// in the ring, valid under the current write generations, are handed to `copy` as
     /// (ring buffer, offset in it, offset in the read, length): all of them
     /// ([`RingServed::All`]: the read is done, with no device I/O) or a prefix
