@@ -379,17 +379,25 @@ fn first_passes(
 
 #[test]
 fn ring_read_aheads_over_slices_not_cached_allocate_nothing() {
-    ring_over_slices_not_cached(false);
+    ring_over_slices_not_cached(false, false);
 }
 
 #[test]
 fn ring_read_aheads_over_slices_not_cached_allocate_nothing_on_a_core_replica() {
-    ring_over_slices_not_cached(true);
+    ring_over_slices_not_cached(true, false);
 }
 
-fn ring_over_slices_not_cached(core: bool) {
+/// As an SPDK channel runs them by default: a core replica, the ring and the slice
+/// read-ahead both on.
+#[test]
+fn ring_and_slice_read_aheads_over_slices_not_cached_allocate_nothing() {
+    ring_over_slices_not_cached(true, true);
+}
+
+fn ring_over_slices_not_cached(core: bool, slice_read_ahead: bool) {
     let dir = tempfile::tempdir().unwrap();
     let (exec, chain, expect) = small_cache_chain(dir.path(), core);
+    chain.set_prefetch(slice_read_ahead);
     let gens = Arc::new(WriteGens::new(chain.size()));
     chain.enable_ring(RingConfig::default(), gens).unwrap();
     let before = chain.ring_stats().unwrap();
