@@ -54,6 +54,24 @@ type FastPlan = (Vec<Run>, Vec<(usize, usize)>);
 
 type BoxFut = Pin<Box<dyn Future<Output = Result<()>>>>;
 
+/// Why the fast path could not plan a read ([`Chain::plan_layer`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Unplanned {
+    /// The slice of layer `layer` covering guest offset `offset` is not cached.
+    Slice {
+        /// The layer (at most [`MAX_BACKING_DEPTH`]; a byte keeps the result in two
+        /// registers on the guest's fast path).
+        layer: u8,
+        /// A guest offset in the slice.
+        offset: u64,
+    },
+    /// Anything else: a compressed cluster, a raw layer ending inside a sector, an
+    /// invalid entry.
+    Other,
+}
+
+const _: () = assert!(MAX_BACKING_DEPTH <= u8::MAX as usize);
+
 /// A data run planned by the fast path: device, host offset, offset in the guest buffer,
 /// length.
 #[derive(Clone, Copy)]
@@ -119,6 +137,11 @@ pub struct Chain<D: BlockDevice> {
     pub(crate) ring: RefCell<Option<crate::ring::chain::RingHost<D::Buf>>>,
     /// The image's write generations, while the ring is on ([`Chain::ring_written`]).
     pub(crate) ring_gens: std::cell::OnceCell<std::sync::Arc<crate::ring::WriteGens>>,
+    /// Where the executor reports the ends of this chain's own requests (ring read-aheads,
+    /// slice loads): added when first needed, removed with the chain.
+    pub(crate) sink: std::cell::OnceCell<crate::exec::OwnedSink<D>>,
+    /// Slices loaded without a task ([`Chain::load_slice_ahead`]).
+    pub(crate) loads: RefCell<crate::slice_load::SliceLoads<D::Buf>>,
 }
 
 impl<D: BlockDevice> Chain<D> {
@@ -157,6 +180,8 @@ impl<D: BlockDevice> Chain<D> {
             ring_hot: crate::ring::Hot::default(),
             ring: RefCell::new(None),
             ring_gens: std::cell::OnceCell::new(),
+            sink: std::cell::OnceCell::new(),
+            loads: RefCell::default(),
         }))
     }
 
@@ -297,11 +322,12 @@ impl<D: BlockDevice> Chain<D> {
     /// changed nothing but LRU/hit counters) when a slow path is needed.
     fn try_fast_read(&self, tag: u64, offset: u64, buf: &BufSlice<D::Buf>, parity: u8) -> bool {
         self.try_fast_read_as(tag, offset, buf, parity, false)
+            .is_ok()
     }
 
     /// [`try_fast_read`](Self::try_fast_read) of a guest request (`internal` false) or of
     /// the engine's own (a read-ahead into the ring: its end goes to the executor's
-    /// internal sink under token `tag`). Nothing submitted when it returns false.
+    /// internal sink under token `tag`). Nothing submitted when it fails: why it did.
     pub(crate) fn try_fast_read_as(
         &self,
         tag: u64,
@@ -309,14 +335,12 @@ impl<D: BlockDevice> Chain<D> {
         buf: &BufSlice<D::Buf>,
         parity: u8,
         internal: bool,
-    ) -> bool {
+    ) -> Result<(), Unplanned> {
         let mut scratch = self.scratch.borrow_mut();
         let (runs, zeros) = &mut *scratch;
         runs.clear();
         zeros.clear();
-        if !self.plan_layer(0, offset, buf.len, 0, runs, zeros) {
-            return false;
-        }
+        self.plan_layer(0, offset, buf.len, 0, runs, zeros)?;
         for &(o, n) in zeros.iter() {
             buf.sub(o, n).zero();
         }
@@ -331,7 +355,7 @@ impl<D: BlockDevice> Chain<D> {
                     buf: buf.sub(r.buf_off, r.len),
                 },
             );
-            return true;
+            return Ok(());
         }
         let req = self.exec.request_begin_as(tag, parity, internal);
         for r in runs.iter() {
@@ -345,13 +369,13 @@ impl<D: BlockDevice> Chain<D> {
             );
         }
         self.exec.request_arm(req);
-        true
+        Ok(())
     }
 
     /// Plans, from cached metadata, `len` bytes at `offset` of layer `idx` into the buffer
     /// at `buf_off`, as `read_layer` reads them: past the layer's end zeros, data runs on
     /// its device, zeros, unallocated clusters from the layer below (or zeros at the
-    /// bottom). False, nothing planned that counts, when a slice is not cached, a cluster
+    /// bottom). Fails, nothing planned that counts, when a slice is not cached, a cluster
     /// is compressed, or a raw layer ends inside a sector. From the top layer (guest reads
     /// and read-aheads alike) this follows the mapping down the chain: the top slice was
     /// current under its epoch, so no write to its unallocated clusters completed before
@@ -364,9 +388,9 @@ impl<D: BlockDevice> Chain<D> {
         buf_off: usize,
         runs: &mut Vec<Run>,
         zeros: &mut Vec<(usize, usize)>,
-    ) -> bool {
+    ) -> Result<(), Unplanned> {
         let Some(layer) = self.layers.get(idx) else {
-            return false;
+            return Err(Unplanned::Other);
         };
         let inside = (offset + len as u64)
             .min(layer.size())
@@ -375,12 +399,12 @@ impl<D: BlockDevice> Chain<D> {
             zeros.push((buf_off + inside, len - inside));
         }
         if inside == 0 {
-            return true;
+            return Ok(());
         }
         let q = match layer {
             Layer::Raw { dev, .. } => {
                 if !(inside as u64).is_multiple_of(SECTOR) {
-                    return false;
+                    return Err(Unplanned::Other);
                 }
                 push_run(
                     runs,
@@ -391,15 +415,22 @@ impl<D: BlockDevice> Chain<D> {
                         len: inside,
                     },
                 );
-                return true;
+                return Ok(());
             }
             Layer::Qcow2(q) => q,
         };
         let end = offset + inside as u64;
         let mut pos = offset;
         while pos < end {
-            let Ok(Some((m, m_end))) = q.resolve_cached(GuestOffset(pos)) else {
-                return false;
+            let (m, m_end) = match q.resolve_cached(GuestOffset(pos)) {
+                Ok(Some(hit)) => hit,
+                Ok(None) => {
+                    return Err(Unplanned::Slice {
+                        layer: idx as u8,
+                        offset: pos,
+                    })
+                }
+                Err(_) => return Err(Unplanned::Other),
             };
             let n = (m_end.min(end) - pos) as usize;
             let at = buf_off + (pos - offset) as usize;
@@ -418,16 +449,14 @@ impl<D: BlockDevice> Chain<D> {
                 }
                 ClusterMapping::Zero { .. } => zeros.push((at, n)),
                 ClusterMapping::Unallocated { .. } if idx + 1 < self.depth.get() => {
-                    if !self.plan_layer(idx + 1, pos, n, at, runs, zeros) {
-                        return false;
-                    }
+                    self.plan_layer(idx + 1, pos, n, at, runs, zeros)?;
                 }
                 ClusterMapping::Unallocated { .. } => zeros.push((at, n)),
-                ClusterMapping::Compressed(_) => return false,
+                ClusterMapping::Compressed(_) => return Err(Unplanned::Other),
             }
             pos += n as u64;
         }
-        true
+        Ok(())
     }
 
     /// Reads `buf.len` bytes at `offset` and waits for them (for tasks and tools).

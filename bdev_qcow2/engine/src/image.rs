@@ -26,7 +26,9 @@ use std::cell::{Cell, Ref, RefCell};
 use std::sync::Arc;
 
 pub(crate) mod owner;
+mod preload;
 pub use owner::snapshot::SnapshotTime;
+pub(crate) use preload::Preload;
 
 /// Options for opening an image.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -41,6 +41,7 @@ mod readahead;
 pub mod ring;
 pub mod rng;
 pub mod route;
+mod slice_load;
 pub mod stream;
 #[cfg(any(test, feature = "testing"))]
 pub mod testing;

@@ -7,6 +7,7 @@
 use crate::chain::{Chain, Layer};
 use crate::io::BlockDevice;
 use crate::prefetch::PrefetchStats;
+use crate::slice_load::SliceLoad;
 use crate::types::GuestOffset;
 use std::rc::Rc;
 
@@ -30,7 +31,8 @@ impl<D: BlockDevice> Chain<D> {
     /// Tells read-ahead about a guest request (read or write) of `len` bytes at `offset`
     /// that this replica is about to serve or route; when it continues a sequential stream
     /// and the stream's next slice is not cached here, starts loading that slice in the
-    /// background (a task on this executor; a failure is left to the request that needs
+    /// background (the engine's own request on this executor, `slice_load.rs`; a task
+    /// only when its records cannot take it; a failure is left to the request that needs
     /// the slice, which reports it). Costs a few compares when off or on random I/O.
     #[inline]
     pub fn read_ahead(self: &Rc<Self>, offset: u64, len: u64) {
@@ -84,23 +86,39 @@ impl<D: BlockDevice> Chain<D> {
             return;
         }
         self.prefetch.borrow_mut().stats.issued += 1;
+        // Without a task as a rule (`slice_load.rs`): its end comes to `slice_ahead_loaded`.
+        if self.load_slice_ahead(0, target, true) != SliceLoad::Refused {
+            return;
+        }
+        // Every record busy, or a slice the owner holds dirty: a task.
         let chain = self.clone();
         self.exec().spawn(async move {
             let Layer::Qcow2(q) = &chain.layers()[0] else {
                 return;
             };
             if let Ok(Some(_)) = q.load_slice(GuestOffset(target)).await {
-                let key = target / coverage;
-                // A stream already in the slice was not helped: not remembered as a hit.
-                let late = chain.pf_hot.next.iter().any(|n| {
-                    n.get() != u64::MAX && n.get() > target && (n.get() - 1) / coverage == key
-                });
-                let mut p = chain.prefetch.borrow_mut();
-                p.stats.loaded += 1;
-                if !late {
-                    p.remember_loaded(key);
-                }
+                chain.slice_ahead_loaded(target);
             }
         });
+    }
+
+    /// The slice covering `target` that read-ahead asked for is cached: counts it, and
+    /// remembers it to count the stream reaching it.
+    pub(crate) fn slice_ahead_loaded(&self, target: u64) {
+        let Layer::Qcow2(q) = &self.layers()[0] else {
+            return;
+        };
+        let coverage = q.geometry().slice_coverage();
+        let key = target / coverage;
+        // A stream already in the slice was not helped: not remembered as a hit.
+        let late =
+            self.pf_hot.next.iter().any(|n| {
+                n.get() != u64::MAX && n.get() > target && (n.get() - 1) / coverage == key
+            });
+        let mut p = self.prefetch.borrow_mut();
+        p.stats.loaded += 1;
+        if !late {
+            p.remember_loaded(key);
+        }
     }
 }

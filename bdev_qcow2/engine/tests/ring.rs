@@ -516,3 +516,101 @@ fn a_failed_read_ahead_sends_the_reads_waiting_for_it_to_the_base() {
     assert_eq!((st.reads_waited, st.waited_to_base), (4, 4), "{st:?}");
     assert!(bufs.iter().all(|b| b.to_vec().iter().all(|&x| x == 0x33)));
 }
+
+#[test]
+fn a_chain_rebuilt_on_the_same_executor_leaves_no_sink_behind() {
+    let dir = tempfile::tempdir().unwrap();
+    let img = dir.path().join("a.qcow2");
+    sh(Command::new("qemu-img")
+        .args(["create", "-q", "-f", "qcow2"])
+        .arg(&img)
+        .arg("4M"));
+    qemu_io(&img, &["write -P 0x5a 0 4M"]);
+    let expect = raw_of(&img);
+    let exec = Exec::new();
+    let dev = MemDevice::new(std::fs::read(&img).unwrap());
+    // Read-aheads stay in flight over a few polls.
+    dev.0.borrow_mut().latency_polls = 20;
+    let id = exec.add_device(dev);
+    let build = || {
+        let e2 = exec.clone();
+        let q = exec
+            .block_on(async move { Qcow2::open(&e2, id, OpenOptions::default()).await })
+            .unwrap();
+        let chain = Chain::new(&exec, vec![Layer::Qcow2(Box::new(q))]).unwrap();
+        let gens = Arc::new(WriteGens::new(chain.size()));
+        chain.enable_ring(RingConfig::default(), gens).unwrap();
+        chain
+    };
+    let first = build();
+    assert_eq!(exec.internal_sinks(), 1);
+    let mut off = 0;
+    // Until read-aheads are in flight.
+    while first.ring_stats().unwrap().readahead_ios == 0 || !exec.busy() {
+        assert_eq!(
+            read(&exec, &first, off, 4096),
+            expect[off as usize..][..4096]
+        );
+        off += 4096;
+        assert!(off < 1 << 20, "no read-ahead in flight");
+    }
+    drop(first);
+    assert_eq!(exec.internal_sinks(), 0, "the dropped chain's sink is gone");
+    // Rebuilt (a host reopening the image on this core): one sink again, and the old
+    // read-aheads' ends, dropped, reach nothing.
+    let second = build();
+    assert_eq!(exec.internal_sinks(), 1);
+    while exec.busy() {
+        exec.poll(&mut |_, _| panic!("no guest request in flight"));
+    }
+    assert_eq!(second.ring_stats().unwrap().bytes_read_ahead, 0);
+    assert_eq!(read_all(&exec, &second, 64 << 10), expect);
+    let s = second.ring_stats().unwrap();
+    assert!(s.reads_served > 0, "{s:?}");
+    assert_eq!(exec.internal_sinks(), 1);
+}
+
+#[test]
+fn a_write_completed_while_a_read_ahead_waits_for_its_slice_makes_it_unusable() {
+    let dir = tempfile::tempdir().unwrap();
+    let img = dir.path().join("img.qcow2");
+    sh(Command::new("qemu-img")
+        .args(["create", "-q", "-f", "qcow2", "-o", "cluster_size=4096"])
+        .arg(&img)
+        .arg("1M"));
+    qemu_io(&img, &["write -P 0x11 0 1M", "write -P 0x22 260k 4k"]);
+    // Slices of 256 KiB of guest: chunk 2 (256-384 KiB) is in the second slice.
+    let opts = OpenOptions {
+        l2_slice_bytes: 512,
+        ..OpenOptions::default()
+    };
+    let (exec, chain, devs) = chain_of(&[&img], opts);
+    let host = find_block(&devs[0], 0x22);
+    devs[0].0.borrow_mut().latency_polls = 50;
+    // A stream of 4 KiB reads through chunk 0, all in flight before anything ran: nothing
+    // is cached, so chunks 1, 2 (and 3) are read ahead by waiting for their slices'
+    // loads, not by tasks (the 32 tasks are the reads').
+    let tasks = exec.stats().tasks_spawned;
+    let mut tags = Vec::new();
+    for k in 0..32u64 {
+        assert!(!start(&chain, k * 4096, 4096, 100 + k).1);
+        tags.push(100 + k);
+    }
+    assert!(chain.ring_stats().unwrap().readahead_ios >= 2);
+    assert_eq!(exec.stats().tasks_spawned - tasks, 32);
+    exec.poll(&mut |_, _| panic!("nothing completes yet"));
+    // Another core overwrites 260 KiB in place and completes while chunk 2 waits for its
+    // slice: its generation was recorded before it waited, so whatever the read-ahead
+    // reads once the slice is in, it is never served.
+    devs[0].0.borrow_mut().data[host..host + 4096].fill(0x99);
+    chain.ring_written(260 << 10, 4096);
+    wait_all(&exec, tags);
+    let got = read_range(&exec, &chain, 128 << 10, 384 << 10, 4096);
+    for (k, b) in got.chunks(4096).enumerate() {
+        let want = if k == (260 - 128) / 4 { 0x99 } else { 0x11 };
+        assert!(b.iter().all(|&x| x == want), "block {k} of 128-384 KiB");
+    }
+    let st = chain.ring_stats().unwrap();
+    assert_eq!(st.invalidated, 1, "{st:?}");
+    assert!(st.reads_served > 0, "{st:?}");
+}

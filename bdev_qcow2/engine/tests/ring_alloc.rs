@@ -3,7 +3,11 @@
 //! flight) and the read-aheads that keep it ahead — issued, completed, handed to the reads
 //! that waited — make no heap allocation. On an overlay whose read-aheads come mostly
 //! from its backing image (the golden-image case) no read-ahead takes a task (guest
-//! reads the ring misses there still take the slow path, which allocates, as before). Counted by a global allocator on the test's own
+//! reads the ring misses there still take the slow path, which allocates, as before).
+//! A stream's first pass over slices not cached (a cache too small for the disk, so every
+//! pass is a first one) allocates nothing either, once the slice loads' records exist:
+//! the ring's read-aheads wait for their slice's load, and the slice read-ahead loads the
+//! next slice, without a task. Counted by a global allocator on the test's own
 //! thread, around a host loop like the hosts' (look the read up in the ring, queue it on
 //! the slot it waits for, route the rest, poll the executor once per request).
 
@@ -12,7 +16,7 @@
 use qcow2_engine::io::{BufSlice, HeapBuf};
 use qcow2_engine::ring::{RingConfig, RingServed, RingStats, WriteGens};
 use qcow2_engine::testing::MemDevice;
-use qcow2_engine::{Chain, Exec, Layer, OpenOptions, Qcow2};
+use qcow2_engine::{Chain, Exec, Layer, OpenOptions, OwnerLink, Qcow2};
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
 use std::path::Path;
@@ -140,18 +144,23 @@ fn step(exec: &Exec<MemDevice>, chain: &Rc<Chain<MemDevice>>, r: &mut Reader, ex
     let len = r.len.min((r.end - r.pos) as usize);
     let whole = BufSlice::whole(r.buf.clone());
     let slice = whole.sub(0, len);
+    // As the hosts do: the slice read-ahead watches every read the ring did not serve
+    // whole (a no-op while it is off).
     let wait = match chain.ring_read(r.pos, &slice) {
         RingServed::All => false,
         RingServed::Nothing => {
+            chain.read_ahead(r.pos, len as u64);
             chain.submit_read(TAG, r.pos, slice.clone());
             true
         }
         RingServed::Prefix(n) => {
+            chain.read_ahead(r.pos, len as u64);
             let n = n as usize;
             chain.submit_read(TAG, r.pos + n as u64, slice.sub(n, len - n));
             true
         }
         RingServed::Wait(w) => {
+            chain.read_ahead(r.pos, len as u64);
             chain.ring_wait(w, TAG, slice.clone());
             true
         }
@@ -262,4 +271,168 @@ fn run_readers(images: &[&Path]) -> (u64, u64, u64) {
         exec.stats().tasks_spawned - tasks,
         chain.stats().slow_reads - slow,
     )
+}
+
+/// A 32 MiB image of 64 KiB clusters, a different byte per MiB, read through slices of
+/// 512 bytes (4 MiB of guest each) with room for four of them in the cache: a reader that
+/// goes round it finds every slice it enters evicted since its last pass.
+/// `core`: the chain is a core replica of the image (as an SPDK channel's), on an
+/// executor of its own; else the image itself.
+fn small_cache_chain(dir: &Path, core: bool) -> (Exec<MemDevice>, Rc<Chain<MemDevice>>, Vec<u8>) {
+    let img = dir.join("big.qcow2");
+    sh(Command::new("qemu-img")
+        .args(["create", "-q", "-f", "qcow2", "-o", "cluster_size=65536"])
+        .arg(&img)
+        .arg("32M"));
+    let mut q = Command::new("qemu-io");
+    q.args(["-f", "qcow2"]);
+    for i in 0..32 {
+        q.arg("-c").arg(format!("write -P {} {i}M 1M", 0x21 + i));
+    }
+    sh(q.arg(&img));
+    let expect = raw_of(&img);
+    let exec = Exec::new();
+    let dev = MemDevice::new(std::fs::read(&img).unwrap());
+    dev.0.borrow_mut().latency_polls = 8;
+    let id = exec.add_device(dev);
+    let e2 = exec.clone();
+    let opts = OpenOptions {
+        l2_slice_bytes: 512,
+        l2_cache_bytes: Some(4 * 512),
+        cache_ways: 4,
+        ..OpenOptions::default()
+    };
+    let mut q = exec
+        .block_on(async move { Qcow2::open(&e2, id, opts).await })
+        .unwrap();
+    if !core {
+        let chain = Chain::new(&exec, vec![Layer::Qcow2(Box::new(q))]).unwrap();
+        return (exec, chain, expect);
+    }
+    q.share();
+    let exec2 = Exec::new();
+    let id2 = exec2.add_device(exec.with_device(id, |d| d.clone()));
+    let r = Qcow2::from_seed(q.core_seed().unwrap(), &exec2, id2, opts, Box::new(NoOwner)).unwrap();
+    assert!(r.is_core_replica());
+    let chain = Chain::new(&exec2, vec![Layer::Qcow2(Box::new(r))]).unwrap();
+    // The owner changes nothing: the core's chain goes on without it, on the device's
+    // other handle.
+    drop(q);
+    (exec2, chain, expect)
+}
+
+/// A core's link to an owner that changes nothing: no slice is ever dirty, so none is
+/// asked for.
+struct NoOwner;
+
+impl OwnerLink for NoOwner {
+    fn ask_slice(&self, key: u64, _ticket: u64) {
+        panic!("slice {key} asked of an owner that changed nothing");
+    }
+}
+
+/// Guest bytes of one slice of [`small_cache_chain`].
+const SLICE_COVERAGE: u64 = 4 << 20;
+
+/// Passes of one 64 KiB reader over the whole disk of `chain`: `warm` passes, then
+/// `counted` passes whose requests are counted — except those in the first slice, where
+/// the reader starts over (a new stream: its first reads miss the cache, on the guest's
+/// slow path, before anything reads ahead). Returns the allocations counted, the tasks
+/// spawned and the slices evicted from the cache in the counted passes (one a slice loaded).
+fn first_passes(
+    exec: &Exec<MemDevice>,
+    chain: &Rc<Chain<MemDevice>>,
+    expect: &[u8],
+    warm: usize,
+    counted: usize,
+) -> (u64, u64, u64) {
+    let mut r = Reader {
+        start: 0,
+        end: chain.size(),
+        len: 64 << 10,
+        pos: 0,
+        buf: HeapBuf::new(64 << 10),
+    };
+    let per_pass = (chain.size() / (64 << 10)) as usize;
+    for _ in 0..warm * per_pass {
+        step(exec, chain, &mut r, expect);
+    }
+    let misses = |c: &Chain<MemDevice>| match &c.layers()[0] {
+        Layer::Qcow2(q) => q.l2_cache_stats().evictions,
+        Layer::Raw { .. } => 0,
+    };
+    let (tasks, missed) = (exec.stats().tasks_spawned, misses(chain));
+    let mut n = 0;
+    let mut tasks_counted = 0;
+    for _ in 0..counted * per_pass {
+        if r.pos < SLICE_COVERAGE {
+            step(exec, chain, &mut r, expect);
+            continue;
+        }
+        let t = exec.stats().tasks_spawned;
+        n += allocations(|| step(exec, chain, &mut r, expect));
+        tasks_counted += exec.stats().tasks_spawned - t;
+    }
+    assert!(exec.stats().tasks_spawned - tasks >= tasks_counted);
+    (n, tasks_counted, misses(chain) - missed)
+}
+
+#[test]
+fn ring_read_aheads_over_slices_not_cached_allocate_nothing() {
+    ring_over_slices_not_cached(false, false);
+}
+
+#[test]
+fn ring_read_aheads_over_slices_not_cached_allocate_nothing_on_a_core_replica() {
+    ring_over_slices_not_cached(true, false);
+}
+
+/// As an SPDK channel runs them by default: a core replica, the ring and the slice
+/// read-ahead both on.
+#[test]
+fn ring_and_slice_read_aheads_over_slices_not_cached_allocate_nothing() {
+    ring_over_slices_not_cached(true, true);
+}
+
+fn ring_over_slices_not_cached(core: bool, slice_read_ahead: bool) {
+    let dir = tempfile::tempdir().unwrap();
+    let (exec, chain, expect) = small_cache_chain(dir.path(), core);
+    chain.set_prefetch(slice_read_ahead);
+    let gens = Arc::new(WriteGens::new(chain.size()));
+    chain.enable_ring(RingConfig::default(), gens).unwrap();
+    let before = chain.ring_stats().unwrap();
+    let (allocs, tasks, missed) = first_passes(&exec, &chain, &expect, 2, 3);
+    let s = chain.ring_stats().unwrap().since(&before);
+    // Every slice but the first of each pass was entered by a read-ahead: 7 a pass.
+    assert!(missed >= 3 * 7, "slices evicted: {missed}");
+    assert!(s.readahead_ios > 3 * 200, "{s:?}");
+    assert_eq!(allocs, 0, "allocations on the ring's path");
+    assert_eq!(tasks, 0, "read-aheads ran as tasks");
+}
+
+#[test]
+fn the_slice_read_ahead_allocates_nothing() {
+    slice_read_ahead(false);
+}
+
+#[test]
+fn the_slice_read_ahead_allocates_nothing_on_a_core_replica() {
+    slice_read_ahead(true);
+}
+
+fn slice_read_ahead(core: bool) {
+    let dir = tempfile::tempdir().unwrap();
+    let (exec, chain, expect) = small_cache_chain(dir.path(), core);
+    chain.set_prefetch(true);
+    let before = chain.prefetch_stats();
+    let slow = chain.stats().slow_reads;
+    let (allocs, tasks, missed) = first_passes(&exec, &chain, &expect, 2, 3);
+    let p = chain.prefetch_stats();
+    assert!(p.loaded - before.loaded >= 5 * 7, "{p:?}");
+    assert!(missed >= 3 * 7, "slices evicted: {missed}");
+    assert_eq!(allocs, 0, "allocations on the slice read-ahead's path");
+    assert_eq!(tasks, 0, "slice read-aheads ran as tasks");
+    // Past the first slice every guest read found its slice loaded ahead.
+    let slow = chain.stats().slow_reads - slow;
+    assert!(slow <= 5 * 4, "guest reads on the slow path: {slow}");
 }

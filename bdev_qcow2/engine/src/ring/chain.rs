@@ -6,12 +6,60 @@
 
 use super::wait::{Waiter, Waiters};
 use super::{Fill, Lookup, Ring, RingConfig, RingStats, WriteGens, CHUNK};
-use crate::chain::{read_layer, Chain, Layer};
+use crate::chain::{read_layer, Chain, Layer, Unplanned};
 use crate::error::{Error, Result};
-use crate::exec::{InternalSink, SINK_SHIFT};
 use crate::io::{BlockDevice, BufSlice, IoBuffer};
+use crate::slice_load::SliceLoad;
 use std::rc::Rc;
 use std::sync::Arc;
+
+/// Times a read-ahead waits for a slice load before it runs as a task instead: a chunk
+/// spans several slices of a layer only with tiny ones (slices cover 16 KiB at least:
+/// eight a chunk), and a load may find its slice changed.
+const PARK_TRIES: u8 = 12;
+
+/// Ring read-aheads waiting for a slice load (their chunk's slice was not cached): per
+/// slot, the load's payload and how many loads it waited for. Allocated with the ring.
+struct Parked {
+    by_slot: Box<[(u32, u8)]>,
+    count: u16,
+}
+
+impl Parked {
+    const NONE: u32 = 0;
+
+    fn new(slots: usize) -> Self {
+        Parked {
+            by_slot: vec![(Self::NONE, 0); slots].into_boxed_slice(),
+            count: 0,
+        }
+    }
+
+    fn park(&mut self, slot: u16, load: u32, tries: u8) {
+        self.by_slot[slot as usize] = (load, tries);
+        self.count += 1;
+    }
+
+    /// Slots that may hold a parked read-ahead (none when nothing is parked).
+    fn slots(&self) -> usize {
+        if self.count == 0 {
+            0
+        } else {
+            self.by_slot.len()
+        }
+    }
+
+    /// Takes the read-ahead of `slot` if it waits for `load`: how many loads it waited for.
+    fn take(&mut self, slot: usize, load: u32) -> Option<u8> {
+        let (l, tries) = self.by_slot[slot];
+        if l != load {
+            return None;
+        }
+        self.by_slot[slot] = (Self::NONE, 0);
+        self.count -= 1;
+        Some(tries)
+    }
+}
 
 /// Where a ring hit's bytes go: called with (ring buffer, offset in it, offset in the
 /// read, length) for each piece, in order.
@@ -54,9 +102,7 @@ pub(crate) struct RingHost<B> {
     buf: B,
     gens: Arc<WriteGens>,
     waiters: Waiters<B>,
-    /// This ring's number among the executor's internal sinks: the high bits of its
-    /// read-aheads' tokens (the low bits are the slot).
-    sink: u64,
+    parked: Parked,
 }
 
 impl<D: BlockDevice> Chain<D> {
@@ -66,7 +112,7 @@ impl<D: BlockDevice> Chain<D> {
     /// through [`ring_written`](Self::ring_written) from then on. Refuses a configuration
     /// [`RingConfig::validate`] refuses, and a second call. Everything the ring's path uses
     /// is allocated here: the buffer, the slots, the waiter table, and where the executor
-    /// reports the ends of read-aheads (its internal sink).
+    /// reports the ends of read-aheads (the chain's internal sink, removed with the chain).
     pub fn enable_ring(self: &Rc<Self>, cfg: RingConfig, gens: Arc<WriteGens>) -> Result<()> {
         cfg.validate().map_err(Error::InvalidRequest)?;
         let mut slot = self.ring.borrow_mut();
@@ -79,20 +125,13 @@ impl<D: BlockDevice> Chain<D> {
         };
         let buf = self.exec().alloc_buf(dev, cfg.ring_bytes as usize);
         let _ = self.ring_gens.set(gens.clone());
-        // Weak: the executor outlives no chain it serves, and must not keep one alive.
-        let chain = Rc::downgrade(self);
-        let sink: InternalSink = Rc::new(move |token, ok| {
-            if let Some(c) = chain.upgrade() {
-                c.ring_filled(token >> SINK_SHIFT, token as u16, ok);
-            }
-        });
-        let sink = self.exec().add_internal_sink(sink);
+        let _ = self.sink();
         *slot = Some(RingHost {
             ring: Ring::new(cfg, self.size()),
             buf,
             gens,
             waiters: Waiters::new(cfg.slots()),
-            sink,
+            parked: Parked::new(cfg.slots()),
         });
         self.ring_on.set(true);
         Ok(())
@@ -143,7 +182,7 @@ impl<D: BlockDevice> Chain<D> {
 
     /// Looks a guest read of `len` bytes at `offset` up in the ring, before the host
     /// routes it: tells the stream detector about it, and starts the read-ahead its stream
-    /// needs now (tasks on this executor). The bytes from the start of the read that are
+    /// needs now (the engine's own requests on this executor, see `start_fill`). The bytes from the start of the read that are
     /// in the ring, valid under the current write generations, are handed to `copy` as
     /// (ring buffer, offset in it, offset in the read, length): all of them
     /// ([`RingServed::All`]: the read is done, with no device I/O) or a prefix
@@ -193,7 +232,7 @@ impl<D: BlockDevice> Chain<D> {
             ring,
             buf,
             gens,
-            sink,
+            parked,
             ..
         }) = guard.as_mut()
         else {
@@ -241,7 +280,7 @@ impl<D: BlockDevice> Chain<D> {
                 off: base,
                 len: f.len as usize,
             };
-            self.start_fill(*sink, f, dst);
+            self.start_fill(f, dst, parked, 0);
         }
         served
     }
@@ -250,23 +289,72 @@ impl<D: BlockDevice> Chain<D> {
     /// cached metadata of the layers it reaches maps the whole chunk (the steady state of
     /// a stream, through a backing image too), its device reads are submitted at once as
     /// the engine's own request, in the executor's preallocated records, and its end
-    /// reaches [`ring_filled`](Self::ring_filled) through the ring's internal sink:
-    /// nothing allocates. Otherwise (a slice not cached, a compressed cluster) a task runs
-    /// the chain's whole read path.
-    fn start_fill(self: &Rc<Self>, sink: u64, f: Fill, dst: BufSlice<D::Buf>) {
+    /// reaches [`ring_filled`](Self::ring_filled) through the chain's internal sink:
+    /// nothing allocates. Where a slice it needs is not cached (a stream's first pass),
+    /// the slice is loaded without a task ([`load_slice_ahead`](Self::load_slice_ahead))
+    /// and the read-ahead waits in `parked` until it is in
+    /// ([`ring_slice_loaded`](Self::ring_slice_loaded)), `tries` counting the loads it
+    /// waited for. Otherwise (a compressed cluster, a raw layer ending inside a sector, a
+    /// slice no record could load) a task runs the chain's whole read path.
+    fn start_fill(self: &Rc<Self>, f: Fill, dst: BufSlice<D::Buf>, parked: &mut Parked, tries: u8) {
         // A read-ahead is a request like a guest's: a cluster it resolves is not reused
         // before it is over.
-        let parity = self.exec().guest_enter();
-        let token = sink << SINK_SHIFT | f.slot as u64;
-        if self.try_fast_read_as(token, f.offset, &dst, parity, true) {
-            return;
+        let mut parity = self.exec().guest_enter();
+        let token = self.sink().token(f.slot as u32);
+        match self.try_fast_read_as(token, f.offset, &dst, parity, true) {
+            Ok(()) => return,
+            Err(Unplanned::Slice { layer, offset }) if tries < PARK_TRIES => {
+                // It resolved nothing: it enters again when it is issued.
+                self.exec().guest_exit(parity);
+                if let SliceLoad::Loading(load) =
+                    self.load_slice_ahead(layer as usize, offset, false)
+                {
+                    parked.park(f.slot, load, tries + 1);
+                    return;
+                }
+                parity = self.exec().guest_enter();
+            }
+            Err(_) => {}
         }
         let chain = self.clone();
         self.exec().spawn(async move {
             let r = read_layer(chain.clone(), 0, f.offset, dst).await;
             chain.exec().guest_exit(parity);
-            chain.ring_filled(sink, f.slot, r.is_ok());
+            chain.ring_filled(f.slot, r.is_ok());
         });
+    }
+
+    /// Slice load `load` ended (its slice cached, or not: then a read-ahead finds it
+    /// missing again and loads it again, or after [`PARK_TRIES`] runs as a task): issues
+    /// the read-aheads that waited for it.
+    pub(crate) fn ring_slice_loaded(self: &Rc<Self>, load: u32) {
+        let mut guard = self.ring.borrow_mut();
+        let Some(RingHost {
+            ring, buf, parked, ..
+        }) = guard.as_mut()
+        else {
+            return;
+        };
+        // Once over the slots: a read-ahead that parks again (on another slice, or the
+        // same one loading again under the same record) waits for that load's end.
+        for k in 0..parked.slots() {
+            let Some(tries) = parked.take(k, load) else {
+                continue;
+            };
+            let slot = k as u16;
+            let (base, _) = Ring::slot_range(slot);
+            let f = Fill {
+                slot,
+                offset: ring.chunk_offset(slot),
+                len: ring.chunk_len(slot),
+            };
+            let dst = BufSlice {
+                buf: buf.clone(),
+                off: base,
+                len: f.len as usize,
+            };
+            self.start_fill(f, dst, parked, tries);
+        }
     }
 
     /// Queues a read the ring answered [`RingServed::Wait`] (at once: before the host
@@ -305,15 +393,14 @@ impl<D: BlockDevice> Chain<D> {
     /// waiting read was submitted, as a hit reads it). A read that waited for nothing
     /// else is done then: completed when every chunk it waited for was usable, else its
     /// whole rest is sent to the base.
-    /// `sink`: the ring's number among the executor's sinks.
-    fn ring_filled(self: &Rc<Self>, sink: u64, slot: u16, ok: bool) {
+    pub(crate) fn ring_filled(self: &Rc<Self>, slot: u16, ok: bool) {
         let usable = {
             let Ok(mut guard) = self.ring.try_borrow_mut() else {
                 // Reported while the ring is in use (a device that completes inside its
                 // submission): handled at the executor's next report.
                 return self
                     .exec()
-                    .internal_done(sink << SINK_SHIFT | slot as u64, ok);
+                    .internal_done(self.sink().token(slot as u32), ok);
             };
             let Some(rh) = guard.as_mut() else { return };
             let gen_now = rh.gens.current(rh.ring.chunk_offset(slot));

@@ -595,6 +595,12 @@ impl Ring {
         self.slots[slot as usize].offset
     }
 
+    /// Bytes of the chunk in `slot` (filling, or filled): less than a chunk only at the
+    /// end of the disk.
+    pub fn chunk_len(&self, slot: u16) -> u32 {
+        self.slots[slot as usize].len
+    }
+
     /// The read-ahead into `slot` starts under write generation `gen` of its chunk.
     pub fn filling(&mut self, slot: u16, gen: u32) {
         self.slots[slot as usize].gen = gen;
