@@ -690,6 +690,9 @@ impl<D: BlockDevice> Chain<D> {
             .next_multiple_of(per)
             .min(q.size().div_ceil(geo.cluster_size()));
         let slice = |c: u64| geo.slice_id(GuestOffset(c << bits));
+        // Graced clusters come back before the look at freshness, as `alloc_clusters_now`
+        // would bring them back: they lower the allocation hint below the fresh clusters.
+        q.reclaim_graced();
         if end <= g0 + n || slice(g0) != slice(end - 1) || q.meta().inflight_any(g0, end - 1) {
             return None;
         }
@@ -1008,8 +1011,10 @@ impl<D: BlockDevice> Chain<D> {
         let mut alloc_i = 0;
         let exec = self.exec().clone();
         let dev = q.dev();
+        // A cluster of a group taken ahead has no guest bytes (and may lie past them).
         let guest = |at: GuestOffset, len: u64| {
             data.as_ref()
+                .filter(|_| len > 0)
                 .map(|d| d.sub(at.since(start) as usize, len as usize))
         };
         // A direct run's data: the guest's bytes, or zeros.
