@@ -75,7 +75,7 @@ struct World {
 fn run(remap: bool, faults: Faults) {
     loom::model(move || {
         let w = Arc::new(World {
-            gens: WriteGens::new(1 << 20),
+            gens: WriteGens::new(),
             dev: [AtomicU64::new(OLD), AtomicU64::new(0xdead)],
             map: AtomicU64::new(0),
             acked: AtomicBool::new(false),
@@ -135,7 +135,7 @@ fn run(remap: bool, faults: Faults) {
 fn run_waiting(remap: bool, early: bool, faults: Faults) {
     loom::model(move || {
         let w = Arc::new(World {
-            gens: WriteGens::new(1 << 20),
+            gens: WriteGens::new(),
             dev: [AtomicU64::new(OLD), AtomicU64::new(0xdead)],
             map: AtomicU64::new(0),
             acked: AtomicBool::new(false),
@@ -192,7 +192,7 @@ const CHUNK: u64 = qcow2_engine::ring::CHUNK;
 fn run_waiting_two(written: u64, remap: bool, early: bool, faults: Faults) {
     loom::model(move || {
         let w = Arc::new(World {
-            gens: WriteGens::new(1 << 20),
+            gens: WriteGens::new(),
             dev: [AtomicU64::new(OLD), AtomicU64::new(0xdead)],
             map: AtomicU64::new(0),
             acked: AtomicBool::new(false),

@@ -62,7 +62,7 @@ fn chain_of(
         layers.push(Layer::Qcow2(Box::new(q)));
     }
     let chain = Chain::new(&exec, layers).unwrap();
-    let gens = Arc::new(WriteGens::new(chain.size()));
+    let gens = Arc::new(WriteGens::new());
     chain.enable_ring(RingConfig::default(), gens).unwrap();
     (exec, chain, devs)
 }
@@ -538,7 +538,7 @@ fn a_chain_rebuilt_on_the_same_executor_leaves_no_sink_behind() {
             .block_on(async move { Qcow2::open(&e2, id, OpenOptions::default()).await })
             .unwrap();
         let chain = Chain::new(&exec, vec![Layer::Qcow2(Box::new(q))]).unwrap();
-        let gens = Arc::new(WriteGens::new(chain.size()));
+        let gens = Arc::new(WriteGens::new());
         chain.enable_ring(RingConfig::default(), gens).unwrap();
         chain
     };

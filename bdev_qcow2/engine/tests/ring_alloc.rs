@@ -227,7 +227,7 @@ fn run_readers(images: &[&Path]) -> (u64, u64, u64) {
         layers.push(Layer::Qcow2(Box::new(q)));
     }
     let chain = Chain::new(&exec, layers).unwrap();
-    let gens = Arc::new(WriteGens::new(chain.size()));
+    let gens = Arc::new(WriteGens::new());
     chain.enable_ring(RingConfig::default(), gens).unwrap();
     // Three interleaved readers: 4 KiB, and 96 KiB reads that straddle chunks (served
     // in part, or waiting for the chunk filling with their rest), each in its own region.
@@ -398,7 +398,7 @@ fn ring_over_slices_not_cached(core: bool, slice_read_ahead: bool) {
     let dir = tempfile::tempdir().unwrap();
     let (exec, chain, expect) = small_cache_chain(dir.path(), core);
     chain.set_prefetch(slice_read_ahead);
-    let gens = Arc::new(WriteGens::new(chain.size()));
+    let gens = Arc::new(WriteGens::new());
     chain.enable_ring(RingConfig::default(), gens).unwrap();
     let before = chain.ring_stats().unwrap();
     let (allocs, tasks, missed) = first_passes(&exec, &chain, &expect, 2, 3);

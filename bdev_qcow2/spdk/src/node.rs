@@ -408,7 +408,7 @@ fn finish(mut job: Job) {
     let ring = job
         .params
         .ring_config()
-        .map(|c| (c, Arc::new(WriteGens::new(info.virtual_size))));
+        .map(|c| (c, Arc::new(WriteGens::new())));
     if job.params.read_only {
         // Every channel opens its own replica: release this one and its base channel.
         drop(image);

@@ -612,7 +612,7 @@ where
                     "multi-core reactors run images without a backing file".into(),
                 ));
             }
-            let gens = ring.map(|_| Arc::new(WriteGens::new(q.size())));
+            let gens = ring.map(|_| Arc::new(WriteGens::new()));
             // One reactor alone needs no replicas, epochs nor grace periods.
             if n > 1 {
                 // Before the first image is shared (the fence mode is fixed then).
