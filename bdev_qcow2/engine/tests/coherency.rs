@@ -1570,3 +1570,50 @@ fn core_stops_writing_in_place_after_a_snapshot_and_again_after_its_deletion() {
         [vec![33; 8], vec![0; 8], vec![42; 8]].concat()
     );
 }
+
+#[test]
+fn a_group_taken_ahead_is_never_freed_clusters_brought_back_in_its_allocation() {
+    // A first write takes its aligned group of clusters ahead only when the next host run
+    // is fresh (reads zeros without a write). Clusters a discard freed come back when
+    // their grace period is over, at an allocation, and lower where the next run starts:
+    // the look at freshness must see that, or the group's other clusters land in the
+    // freed clusters (and the write path asked the guest buffer for their bytes, which
+    // it does not hold).
+    let mut rig = Rig::with_granule(5, 1, false, 0, 64 << 10);
+    let cs = 4096u64;
+    write_sync(&mut rig, 1, 0, 51, 16 * cs);
+    write_sync(&mut rig, 2, 64 * cs, 52, cs);
+    // A request in flight on the core holds the grace period back over the discard and
+    // the write-back after which its clusters are free (entries that no longer map them
+    // on the disk): they come back at an allocation after it is over.
+    let parity = rig.execs[1].guest_enter();
+    owner_sync(&mut rig, 3, |o, t| o.submit_discard(t, 0, 16 * cs));
+    flush_sync(&mut rig, 4);
+    write_sync(&mut rig, 5, 96 * cs, 53, cs);
+    rig.execs[1].guest_exit(parity);
+    // First writes, each at the start of a new group, each after the interval between two
+    // advances of the grace period: the freed clusters come back at one of them.
+    let groups = 8u64;
+    for i in 0..groups {
+        std::thread::sleep(std::time::Duration::from_millis(2));
+        write_sync(&mut rig, 10 + i, (128 + 16 * i) * cs, 60 + i, cs);
+    }
+    flush_sync(&mut rig, 30);
+    let ids = qemu_ids(&rig, None, (128 + 16 * groups) * cs);
+    let per = cs / SECTOR;
+    let expect = |s: u64| match s / per {
+        c if c < 16 => 0,
+        64 => 52,
+        96 => 53,
+        c if c >= 128 && (c - 128) % 16 == 0 => 60 + (c - 128) / 16,
+        _ => 0,
+    };
+    for (s, id) in ids.iter().enumerate() {
+        assert_eq!(*id, expect(s as u64), "sector {s}");
+    }
+    assert!(
+        rig.owner().owner_stats().unwrap().clusters_taken_ahead > 0,
+        "groups were taken ahead before the reclaim"
+    );
+    rig.close();
+}
