@@ -671,6 +671,10 @@ impl<D: BlockDevice> Qcow2<D> {
     pub fn dev(&self) -> DevId {
         self.dev
     }
+    /// How its compressed clusters are compressed.
+    pub(crate) fn compression_type(&self) -> crate::format::CompressionType {
+        self.header.borrow().header.compression_type
+    }
     /// Size of that device.
     pub fn device_size(&self) -> u64 {
         self.device_size.get()
