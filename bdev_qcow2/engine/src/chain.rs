@@ -192,11 +192,7 @@ impl<D: BlockDevice> Chain<D> {
             size: Cell::new(size),
             depth: Cell::new(layers.len()),
             layers,
-            scratch: RefCell::new((
-                Vec::with_capacity(64),
-                Vec::with_capacity(64),
-                Vec::new(),
-            )),
+            scratch: RefCell::new((Vec::with_capacity(64), Vec::with_capacity(64), Vec::new())),
             fast_reads: Cell::new(0),
             slow_reads: Cell::new(0),
             kept_overwrites: Cell::new(0),

@@ -212,7 +212,14 @@ impl<D: BlockDevice> Chain<D> {
         let req = exec.request_begin_as(sink.token(ZIP_BIT | i as u32), parity, true);
         for r in runs {
             let buf = dst.sub(r.buf_off, r.len);
-            exec.request_op(req, r.dev, DeviceOp::Read { offset: r.host, buf });
+            exec.request_op(
+                req,
+                r.dev,
+                DeviceOp::Read {
+                    offset: r.host,
+                    buf,
+                },
+            );
         }
         for &(dev, host, off, len) in reads.iter() {
             let buf = BufSlice {
@@ -255,26 +262,26 @@ impl<D: BlockDevice> Chain<D> {
         match rec.dst.take() {
             Some(dst) if ok => {
                 for p in &rec.parts {
-                let Some(Layer::Qcow2(q)) = self.layers().get(p.layer as usize) else {
-                    ok = false;
-                    break;
-                };
-                let cs = q.geometry().cluster_size() as usize;
-                let (Some(inp), Some(cluster)) = (input.get_mut(..p.len), out.get_mut(..cs))
-                else {
-                    ok = false;
-                    break;
-                };
-                rec.buf.copy_out(p.at, inp);
-                let Ok(()) = dec.decompress(q.compression_type(), inp, cluster) else {
-                    ok = false;
-                    break;
-                };
-                let Some(part) = cluster.get(p.in_cluster..p.in_cluster + p.n) else {
-                    ok = false;
-                    break;
-                };
-                dst.copy_in(p.dst_off, part);
+                    let Some(Layer::Qcow2(q)) = self.layers().get(p.layer as usize) else {
+                        ok = false;
+                        break;
+                    };
+                    let cs = q.geometry().cluster_size() as usize;
+                    let (Some(inp), Some(cluster)) = (input.get_mut(..p.len), out.get_mut(..cs))
+                    else {
+                        ok = false;
+                        break;
+                    };
+                    rec.buf.copy_out(p.at, inp);
+                    let Ok(()) = dec.decompress(q.compression_type(), inp, cluster) else {
+                        ok = false;
+                        break;
+                    };
+                    let Some(part) = cluster.get(p.in_cluster..p.in_cluster + p.n) else {
+                        ok = false;
+                        break;
+                    };
+                    dst.copy_in(p.dst_off, part);
                 }
             }
             _ => ok = false,
