@@ -334,10 +334,11 @@ impl<D: BlockDevice> Chain<D> {
                 }
                 parity = self.exec().guest_enter();
             }
-            Err(Unplanned::Busy(record)) if tries < PARK_TRIES => {
-                // As for a slice load: it enters again when it is issued.
+            Err(Unplanned::Busy(record)) => {
+                // As for a slice load: it enters again when it is issued. Not a try: a
+                // record always ends, and each end issues a chunk that waited for it.
                 self.exec().guest_exit(parity);
-                parked.park(f.slot, record, tries + 1);
+                parked.park(f.slot, record, tries);
                 return;
             }
             Err(_) => {}
