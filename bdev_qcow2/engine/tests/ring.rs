@@ -770,3 +770,57 @@ fn a_write_completed_while_a_compressed_chunk_fills_sends_the_reads_waiting_for_
     assert!(got[32 << 10..] == src[192 << 10..384 << 10]);
     assert!(chain.ring_stats().unwrap().bytes_served - served >= 128 << 10);
 }
+
+/// Compressed images of every cluster size the ring meets differently — many clusters
+/// to a chunk (512 bytes: 256 of them, their streams sharing sectors and read together),
+/// a few, a cluster larger than a chunk (each chunk decompresses the cluster for its
+/// part) — read sequentially through the ring: what the source holds. Clusters of 2 MiB
+/// that barely compress do not fit a record: their chunks run as tasks, counted.
+#[test]
+fn compressed_chunks_of_every_cluster_size_read_what_the_source_holds() {
+    let dir = tempfile::tempdir().unwrap();
+    // 4 MiB: text for 3 MiB, then a MiB whose bytes barely compress.
+    let mut src = Vec::with_capacity(4 << 20);
+    for block in 0..768u64 {
+        let line = format!("block {block:06} of a compressed disk. ");
+        let mut b = line.repeat(4096 / line.len() + 1).into_bytes();
+        b.truncate(4096);
+        src.extend(b);
+    }
+    let mut x = 0x2545_f491_4f6c_dd1du64;
+    while src.len() < 4 << 20 {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        // Half the bytes random: deflate keeps it compressed, at well over a chunk
+        // per 2 MiB cluster.
+        src.extend_from_slice(&[x as u8, 0, (x >> 8) as u8, 0]);
+    }
+    let raw = dir.path().join("mixed.raw");
+    std::fs::write(&raw, &src).unwrap();
+    for cs in [512u64, 4096, 65536, 2 << 20] {
+        let img = dir.path().join(format!("mixed-{cs}.qcow2"));
+        sh(Command::new("qemu-img")
+            .args(["convert", "-q", "-c", "-f", "raw", "-O", "qcow2", "-o"])
+            .arg(format!("cluster_size={cs}"))
+            .arg(&raw)
+            .arg(&img));
+        let (exec, chain, devs) = chain_of(&[&img], OpenOptions::default());
+        devs[0].0.borrow_mut().latency_polls = 3;
+        let got = read_range(&exec, &chain, 0, chain.size(), 16 << 10);
+        assert!(
+            got == src,
+            "{cs}-byte clusters: bytes differ from the source"
+        );
+        let s = chain.ring_stats().unwrap();
+        assert!(s.compressed_fills >= 15, "{cs}: {s:?}");
+        assert!(s.bytes_served >= 3 << 20, "{cs}: {s:?}");
+        match cs {
+            // Tables of 64 entries: a chunk spans four slices, and a stream's first pass
+            // may find every slice-load record busy (a task, as for plain clusters).
+            512 => assert!(s.readahead_tasks <= 4, "{cs}: {s:?}"),
+            4096 | 65536 => assert_eq!(s.readahead_tasks, 0, "{cs}: {s:?}"),
+            _ => assert!(s.readahead_tasks > 0, "{cs}: {s:?}"),
+        }
+    }
+}
