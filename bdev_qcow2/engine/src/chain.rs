@@ -420,10 +420,11 @@ impl<D: BlockDevice> Chain<D> {
     /// its device, zeros, unallocated clusters from the layer below (or zeros at the
     /// bottom), and with `ZIP` compressed clusters in `parts` (without, they fail it).
     /// Fails, nothing planned that counts, when a slice is not cached, a cluster is
-    /// compressed (without `ZIP`), or a raw layer ends inside a sector. From the top layer (guest reads
-    /// and read-aheads alike) this follows the mapping down the chain: the top slice was
-    /// current under its epoch, so no write to its unallocated clusters completed before
-    /// the read, and backing layers never change (a stream detaches them first).
+    /// compressed (without `ZIP`), or a raw layer ends inside a sector. From the top
+    /// layer (guest reads and read-aheads alike) this follows the mapping down the chain:
+    /// the top slice was current under its epoch, so no write to its unallocated clusters
+    /// completed before the read, and backing layers never change (a stream detaches them
+    /// first).
     #[allow(clippy::too_many_arguments)] // the three lists of one plan
     fn plan_layer<const ZIP: bool>(
         &self,
