@@ -6,7 +6,7 @@
 
 use crate::error::{Error, Result};
 use crate::exec::{join_all, DevId, Exec};
-use crate::format::ClusterMapping;
+use crate::format::{ClusterMapping, CompressedDescriptor};
 use crate::image::Qcow2;
 use crate::io::{BlockDevice, BufSlice, DeviceOp, SECTOR};
 use crate::limits::MAX_BACKING_DEPTH;
@@ -49,8 +49,9 @@ pub struct ReadStats {
     pub slow_reads: u64,
 }
 
-/// Fast-path plan: data runs and zero ranges (offset, length in the guest buffer).
-type FastPlan = (Vec<Run>, Vec<(usize, usize)>);
+/// Fast-path plan: data runs, zero ranges (offset, length in the guest buffer), and the
+/// compressed parts of a ring fill ([`Chain::plan_fill`]).
+pub(crate) type FastPlan = (Vec<Run>, Vec<(usize, usize)>, Vec<ZipPart>);
 
 type BoxFut = Pin<Box<dyn Future<Output = Result<()>>>>;
 
@@ -65,8 +66,14 @@ pub(crate) enum Unplanned {
         /// A guest offset in the slice.
         offset: u64,
     },
-    /// Anything else: a compressed cluster, a raw layer ending inside a sector, an
-    /// invalid entry.
+    /// A compressed cluster (the fast path reads none; a ring fill may, see
+    /// `ring/compressed.rs`).
+    Compressed,
+    /// Every record that fills a ring chunk holding compressed clusters is busy: the
+    /// one whose end (its internal payload) frees one first.
+    Busy(u32),
+    /// Anything else: a raw layer ending inside a sector, an invalid entry, compressed
+    /// bytes no record can take.
     Other,
 }
 
@@ -75,11 +82,23 @@ const _: () = assert!(MAX_BACKING_DEPTH <= u8::MAX as usize);
 /// A data run planned by the fast path: device, host offset, offset in the guest buffer,
 /// length.
 #[derive(Clone, Copy)]
-struct Run {
-    dev: DevId,
-    host: u64,
-    buf_off: usize,
-    len: usize,
+pub(crate) struct Run {
+    pub(crate) dev: DevId,
+    pub(crate) host: u64,
+    pub(crate) buf_off: usize,
+    pub(crate) len: usize,
+}
+
+/// A compressed cluster's part of a ring fill ([`Chain::plan_fill`]): its layer and
+/// descriptor, where the part starts in the cluster, where it goes in the buffer, and
+/// its length.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct ZipPart {
+    pub(crate) layer: u8,
+    pub(crate) desc: CompressedDescriptor,
+    pub(crate) in_cluster: usize,
+    pub(crate) buf_off: usize,
+    pub(crate) len: usize,
 }
 
 /// Adds `r` to `runs`, extending the last run when `r` continues it on the same device.
@@ -142,6 +161,9 @@ pub struct Chain<D: BlockDevice> {
     pub(crate) sink: std::cell::OnceCell<crate::exec::OwnedSink<D>>,
     /// Slices loaded without a task ([`Chain::load_slice_ahead`]).
     pub(crate) loads: RefCell<crate::slice_load::SliceLoads<D::Buf>>,
+    /// Ring chunks holding compressed clusters filled without a task
+    /// (`ring/compressed.rs`).
+    pub(crate) zips: RefCell<crate::ring::compressed::ZipFills<D::Buf>>,
 }
 
 impl<D: BlockDevice> Chain<D> {
@@ -170,7 +192,7 @@ impl<D: BlockDevice> Chain<D> {
             size: Cell::new(size),
             depth: Cell::new(layers.len()),
             layers,
-            scratch: RefCell::new((Vec::with_capacity(64), Vec::with_capacity(64))),
+            scratch: RefCell::new((Vec::with_capacity(64), Vec::with_capacity(64), Vec::new())),
             fast_reads: Cell::new(0),
             slow_reads: Cell::new(0),
             kept_overwrites: Cell::new(0),
@@ -182,6 +204,7 @@ impl<D: BlockDevice> Chain<D> {
             ring_gens: std::cell::OnceCell::new(),
             sink: std::cell::OnceCell::new(),
             loads: RefCell::default(),
+            zips: RefCell::default(),
         }))
     }
 
@@ -337,10 +360,10 @@ impl<D: BlockDevice> Chain<D> {
         internal: bool,
     ) -> Result<(), Unplanned> {
         let mut scratch = self.scratch.borrow_mut();
-        let (runs, zeros) = &mut *scratch;
+        let (runs, zeros, parts) = &mut *scratch;
         runs.clear();
         zeros.clear();
-        self.plan_layer(0, offset, buf.len, 0, runs, zeros)?;
+        self.plan_layer::<false>(0, offset, buf.len, 0, runs, zeros, parts)?;
         for &(o, n) in zeros.iter() {
             buf.sub(o, n).zero();
         }
@@ -372,15 +395,38 @@ impl<D: BlockDevice> Chain<D> {
         Ok(())
     }
 
+    /// Plans a ring fill of `buf.len` bytes at `offset` as the fast path would, compressed
+    /// clusters included (in the plan's third list, for the caller to read and
+    /// decompress); the zeros are written into `buf` already. Nothing submitted.
+    pub(crate) fn plan_fill(
+        &self,
+        offset: u64,
+        buf: &BufSlice<D::Buf>,
+    ) -> Result<std::cell::RefMut<'_, FastPlan>, Unplanned> {
+        let mut scratch = self.scratch.borrow_mut();
+        let (runs, zeros, parts) = &mut *scratch;
+        runs.clear();
+        zeros.clear();
+        parts.clear();
+        self.plan_layer::<true>(0, offset, buf.len, 0, runs, zeros, parts)?;
+        for &(o, n) in zeros.iter() {
+            buf.sub(o, n).zero();
+        }
+        Ok(scratch)
+    }
+
     /// Plans, from cached metadata, `len` bytes at `offset` of layer `idx` into the buffer
     /// at `buf_off`, as `read_layer` reads them: past the layer's end zeros, data runs on
     /// its device, zeros, unallocated clusters from the layer below (or zeros at the
-    /// bottom). Fails, nothing planned that counts, when a slice is not cached, a cluster
-    /// is compressed, or a raw layer ends inside a sector. From the top layer (guest reads
-    /// and read-aheads alike) this follows the mapping down the chain: the top slice was
-    /// current under its epoch, so no write to its unallocated clusters completed before
-    /// the read, and backing layers never change (a stream detaches them first).
-    fn plan_layer(
+    /// bottom), and with `ZIP` compressed clusters in `parts` (without, they fail it).
+    /// Fails, nothing planned that counts, when a slice is not cached, a cluster is
+    /// compressed (without `ZIP`), or a raw layer ends inside a sector. From the top
+    /// layer (guest reads and read-aheads alike) this follows the mapping down the chain:
+    /// the top slice was current under its epoch, so no write to its unallocated clusters
+    /// completed before the read, and backing layers never change (a stream detaches them
+    /// first).
+    #[allow(clippy::too_many_arguments)] // the three lists of one plan
+    fn plan_layer<const ZIP: bool>(
         &self,
         idx: usize,
         offset: u64,
@@ -388,6 +434,7 @@ impl<D: BlockDevice> Chain<D> {
         buf_off: usize,
         runs: &mut Vec<Run>,
         zeros: &mut Vec<(usize, usize)>,
+        parts: &mut Vec<ZipPart>,
     ) -> Result<(), Unplanned> {
         let Some(layer) = self.layers.get(idx) else {
             return Err(Unplanned::Other);
@@ -449,10 +496,17 @@ impl<D: BlockDevice> Chain<D> {
                 }
                 ClusterMapping::Zero { .. } => zeros.push((at, n)),
                 ClusterMapping::Unallocated { .. } if idx + 1 < self.depth.get() => {
-                    self.plan_layer(idx + 1, pos, n, at, runs, zeros)?;
+                    self.plan_layer::<ZIP>(idx + 1, pos, n, at, runs, zeros, parts)?;
                 }
                 ClusterMapping::Unallocated { .. } => zeros.push((at, n)),
-                ClusterMapping::Compressed(_) => return Err(Unplanned::Other),
+                ClusterMapping::Compressed(desc) if ZIP => parts.push(ZipPart {
+                    layer: idx as u8,
+                    desc,
+                    in_cluster: (pos & (q.geometry().cluster_size() - 1)) as usize,
+                    buf_off: at,
+                    len: n,
+                }),
+                ClusterMapping::Compressed(_) => return Err(Unplanned::Compressed),
             }
             pos += n as u64;
         }

@@ -7,15 +7,51 @@ use crate::format::CompressionType;
 
 /// Decompresses `input` into `out`, which must be filled completely (one cluster).
 /// `input` may carry trailing bytes (the rest of the last sector); they are ignored.
+/// New decompressor state each call: see [`Decompressor`] to keep it.
 pub fn decompress(ct: CompressionType, input: &[u8], out: &mut [u8]) -> Result<()> {
-    match ct {
-        CompressionType::Zlib => inflate_raw(input, out),
-        CompressionType::Zstd => unzstd(input, out),
+    Decompressor::default().decompress(ct, input, out)
+}
+
+/// Decompressor state kept from one cluster to the next (created on first use, reset
+/// before each cluster), so that decompressing allocates nothing once both kinds were
+/// used: what the prefetch ring's compressed fills keep per chain.
+#[derive(Default)]
+pub struct Decompressor {
+    inflate: Option<flate2::Decompress>,
+    zstd: Option<zstd::stream::raw::Decoder<'static>>,
+}
+
+impl Decompressor {
+    /// [`decompress`], with this state.
+    pub fn decompress(&mut self, ct: CompressionType, input: &[u8], out: &mut [u8]) -> Result<()> {
+        match ct {
+            CompressionType::Zlib => {
+                let d = match &mut self.inflate {
+                    Some(d) => {
+                        d.reset(false);
+                        d
+                    }
+                    None => self.inflate.insert(flate2::Decompress::new(false)),
+                };
+                inflate_raw(d, input, out)
+            }
+            CompressionType::Zstd => {
+                use zstd::stream::raw::{Decoder, Operation};
+                let unavailable = || corrupt(Field::CompressedData, 0, "zstd decoder unavailable");
+                let d = match &mut self.zstd {
+                    Some(d) => {
+                        d.reinit().map_err(|_| unavailable())?;
+                        d
+                    }
+                    None => self.zstd.insert(Decoder::new().map_err(|_| unavailable())?),
+                };
+                unzstd(d, input, out)
+            }
+        }
     }
 }
 
-fn inflate_raw(input: &[u8], out: &mut [u8]) -> Result<()> {
-    let mut d = flate2::Decompress::new(false);
+fn inflate_raw(d: &mut flate2::Decompress, input: &[u8], out: &mut [u8]) -> Result<()> {
     match d.decompress(input, out, flate2::FlushDecompress::Finish) {
         Ok(flate2::Status::StreamEnd) if d.total_out() as usize == out.len() => Ok(()),
         Ok(_) if d.total_out() as usize == out.len() => {
@@ -46,10 +82,12 @@ fn inflate_raw(input: &[u8], out: &mut [u8]) -> Result<()> {
     }
 }
 
-fn unzstd(input: &[u8], out: &mut [u8]) -> Result<()> {
-    use zstd::stream::raw::{Decoder, InBuffer, Operation, OutBuffer};
-    let mut dec = Decoder::new()
-        .map_err(|_| corrupt(Field::CompressedData, 0, "zstd decoder unavailable"))?;
+fn unzstd(
+    dec: &mut zstd::stream::raw::Decoder<'static>,
+    input: &[u8],
+    out: &mut [u8],
+) -> Result<()> {
+    use zstd::stream::raw::{InBuffer, Operation, OutBuffer};
     let mut inb = InBuffer::around(input);
     let mut outb = OutBuffer::around(out);
     // Bounded: every iteration either consumes input or produces output, or we stop.
@@ -66,7 +104,7 @@ fn unzstd(input: &[u8], out: &mut [u8]) -> Result<()> {
             return if hint == 0 {
                 Ok(())
             } else {
-                zstd_check_no_more_output(&mut dec, &mut inb)
+                zstd_check_no_more_output(dec, &mut inb)
             };
         }
         if hint == 0 {
@@ -147,6 +185,28 @@ mod tests {
             let mut out = vec![0; 65536];
             decompress(ct, &c, &mut out).unwrap();
             assert_eq!(out, data);
+        }
+    }
+
+    /// State kept across clusters decodes each as a fresh one would, a bad cluster in
+    /// between included.
+    #[test]
+    fn kept_state_is_reset_per_cluster() {
+        let a: Vec<u8> = (0..65536u32).map(|i| (i / 100) as u8).collect();
+        let b: Vec<u8> = (0..65536u32).map(|i| (i / 7 % 251) as u8).collect();
+        let mut d = Decompressor::default();
+        for ct in [CompressionType::Zlib, CompressionType::Zstd] {
+            let (ca, cb) = (compress(ct, &a).unwrap(), compress(ct, &b).unwrap());
+            let mut out = vec![0; 65536];
+            d.decompress(ct, &ca, &mut out).unwrap();
+            assert_eq!(out, a);
+            // Cut short: the state is left mid-stream.
+            assert!(d.decompress(ct, &cb[..cb.len() / 2], &mut out).is_err());
+            d.decompress(ct, &cb, &mut out).unwrap();
+            assert_eq!(out, b);
+            assert!(d.decompress(ct, &[0xff; 100], &mut out).is_err());
+            d.decompress(ct, &ca, &mut out).unwrap();
+            assert_eq!(out, a);
         }
     }
 

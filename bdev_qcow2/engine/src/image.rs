@@ -90,6 +90,9 @@ pub const DEFAULT_L2_CACHE_MAX: u64 = 32 << 20;
 pub struct Qcow2<D: BlockDevice> {
     exec: Exec<D>,
     dev: DevId,
+    /// Decoder state for the compressed clusters guest reads decompress, kept from one to
+    /// the next (reset per cluster) rather than made each time.
+    decompressor: RefCell<crate::compress::Decompressor>,
     /// Size of the device as far as entries may point (grows as clusters are allocated).
     device_size: Cell<u64>,
     header: RefCell<ImageHeader>,
@@ -306,6 +309,7 @@ impl<D: BlockDevice> Qcow2<D> {
         let q = Qcow2 {
             exec: exec.clone(),
             dev,
+            decompressor: RefCell::default(),
             device_size: Cell::new(device_size),
             header: RefCell::new(header),
             geo,
@@ -412,6 +416,7 @@ impl<D: BlockDevice> Qcow2<D> {
         Ok(Qcow2 {
             exec: exec.clone(),
             dev,
+            decompressor: RefCell::default(),
             device_size: Cell::new(self.device_size.get()),
             header: RefCell::new(self.header.borrow().clone()),
             geo: self.geo,
@@ -525,6 +530,7 @@ impl<D: BlockDevice> Qcow2<D> {
         Ok(Qcow2 {
             exec: exec.clone(),
             dev,
+            decompressor: RefCell::default(),
             device_size: Cell::new(seed.shared.device_size()),
             header: RefCell::new(seed.header),
             geo: seed.geo,
@@ -670,6 +676,10 @@ impl<D: BlockDevice> Qcow2<D> {
     /// The device this image lives on.
     pub fn dev(&self) -> DevId {
         self.dev
+    }
+    /// How its compressed clusters are compressed.
+    pub(crate) fn compression_type(&self) -> crate::format::CompressionType {
+        self.header.borrow().header.compression_type
     }
     /// Size of that device.
     pub fn device_size(&self) -> u64 {
@@ -1461,7 +1471,11 @@ impl<D: BlockDevice> Qcow2<D> {
         let input = read_bytes(&self.exec, self.dev, d.offset.0, d.len).await?;
         let mut out = vec![0u8; self.geo.cluster_size() as usize];
         let ct = self.header.borrow().header.compression_type;
-        crate::compress::decompress(ct, &input, &mut out)?;
+        // Nothing awaits while it is borrowed: the fresh state is for safety alone.
+        match self.decompressor.try_borrow_mut() {
+            Ok(mut d) => d.decompress(ct, &input, &mut out)?,
+            Err(_) => crate::compress::decompress(ct, &input, &mut out)?,
+        }
         Ok(out)
     }
 

@@ -17,7 +17,7 @@ use crate::types::GuestOffset;
 use std::rc::Rc;
 
 /// The bit of an internal token's payload that names a slice load (the others: a ring
-/// slot).
+/// slot, or a compressed fill's record).
 pub(crate) const LOAD_BIT: u32 = 1 << 31;
 /// Slice buffers per layer: the bytes of this many default (4 KiB) slices, at least two
 /// slices, at most eight.
@@ -94,6 +94,8 @@ impl<D: BlockDevice> Chain<D> {
     fn internal_end(self: &Rc<Self>, payload: u32, ok: bool) {
         if payload & LOAD_BIT != 0 {
             self.slice_loaded(payload, ok);
+        } else if payload & crate::ring::compressed::ZIP_BIT != 0 {
+            self.zip_filled(payload, ok);
         } else {
             self.ring_filled(payload as u16, ok);
         }

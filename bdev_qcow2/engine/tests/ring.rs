@@ -614,3 +614,213 @@ fn a_write_completed_while_a_read_ahead_waits_for_its_slice_makes_it_unusable() 
     assert_eq!(st.invalidated, 1, "{st:?}");
     assert!(st.reads_served > 0, "{st:?}");
 }
+
+/// A 2 MiB source of text that compresses, each 4 KiB block its own, converted by
+/// `qemu-img convert -c` (zlib): every cluster compressed. Returns the image and the
+/// source's bytes.
+fn compressed_text(dir: &Path) -> (std::path::PathBuf, Vec<u8>) {
+    let mut src = Vec::with_capacity(2 << 20);
+    for block in 0..512u64 {
+        let line = format!("block {block:06} of a compressed disk. ");
+        let mut b = line.repeat(4096 / line.len() + 1).into_bytes();
+        b.truncate(4096);
+        src.extend(b);
+    }
+    let raw = dir.join("text.raw");
+    std::fs::write(&raw, &src).unwrap();
+    let img = dir.join("text.qcow2");
+    sh(Command::new("qemu-img")
+        .args(["convert", "-q", "-c", "-f", "raw", "-O", "qcow2"])
+        .arg(&raw)
+        .arg(&img));
+    (img, src)
+}
+
+/// The compressed descriptor of the cluster at guest `off` (top layer).
+fn compressed_at(
+    exec: &Exec<MemDevice>,
+    chain: &Rc<Chain<MemDevice>>,
+    off: u64,
+) -> qcow2_engine::format::CompressedDescriptor {
+    let c = chain.clone();
+    let (m, _) = exec
+        .block_on(async move { c.block_status(0, off, off + 4096).await })
+        .unwrap();
+    match m {
+        qcow2_engine::format::ClusterMapping::Compressed(d) => d,
+        m => panic!("cluster at {off} not compressed: {m:?}"),
+    }
+}
+
+/// [`read`] that returns the read's result rather than unwrap it.
+fn try_read(
+    exec: &Exec<MemDevice>,
+    chain: &Rc<Chain<MemDevice>>,
+    off: u64,
+    len: usize,
+) -> qcow2_engine::Result<Vec<u8>> {
+    let (buf, done) = start(chain, off, len, 7);
+    let mut res = Ok(());
+    if !done {
+        let mut got = None;
+        while got.is_none() {
+            exec.poll(&mut |t, r| {
+                assert_eq!(t, 7);
+                got = Some(r);
+            });
+        }
+        res = got.unwrap();
+    }
+    exec.poll(&mut |_, _| panic!("no request in flight"));
+    res.map(|()| buf.to_vec())
+}
+
+#[test]
+fn a_corrupt_compressed_cluster_read_ahead_fails_its_reads_as_the_base_path_does() {
+    let dir = tempfile::tempdir().unwrap();
+    let (img, src) = compressed_text(dir.path());
+    let (exec, chain, devs) = chain_of(&[&img], OpenOptions::default());
+    devs[0].0.borrow_mut().latency_polls = 4;
+    // The second cluster of chunk 3: its deflate stream starts with a reserved block type.
+    let bad = (3 << 17) + (64 << 10);
+    let d = compressed_at(&exec, &chain, bad);
+    let at = d.offset.0 as usize;
+    devs[0].0.borrow_mut().data[at..at + 16].fill(0xff);
+    // Twice over the disk: nothing the failed read-ahead left behind is served later.
+    for _ in 0..2 {
+        for k in 0..(chain.size() / 4096) {
+            let off = k * 4096;
+            let got = try_read(&exec, &chain, off, 4096);
+            if (bad..bad + (64 << 10)).contains(&off) {
+                let Err(e) = got else {
+                    panic!("a read of the corrupt cluster at {off} succeeded");
+                };
+                assert!(e.to_string().contains("deflate"), "{e}");
+            } else {
+                let got = got.unwrap_or_else(|e| panic!("read at {off}: {e}"));
+                assert!(
+                    got == src[off as usize..off as usize + 4096],
+                    "bytes at {off}"
+                );
+            }
+        }
+    }
+    let s = chain.ring_stats().unwrap();
+    assert!(s.compressed_fills > 20, "{s:?}");
+    assert_eq!(s.readahead_tasks, 0, "{s:?}");
+    // The bad chunk's reads went to the base, each pass.
+    assert!(s.bytes_served <= 2 * (chain.size() - (256 << 10)), "{s:?}");
+}
+
+#[test]
+fn a_write_completed_while_a_compressed_chunk_fills_sends_the_reads_waiting_for_it_to_the_base() {
+    let dir = tempfile::tempdir().unwrap();
+    let (img, src) = compressed_text(dir.path());
+    let (exec, chain, devs) = chain_of(&[&img], OpenOptions::default());
+    // Chunk 1's first cluster, and its data as another core's write leaves it: the
+    // same sectors holding the compressed stream of new bytes.
+    let d = compressed_at(&exec, &chain, 128 << 10);
+    let new = qcow2_engine::compress::compress(
+        qcow2_engine::format::CompressionType::Zlib,
+        &[0x99; 64 << 10],
+    )
+    .unwrap();
+    assert!(new.len() as u64 <= d.len);
+    devs[0].0.borrow_mut().latency_polls = 50;
+    // A stream of 4 KiB reads through chunk 0, all in flight: chunks 1 and 2 are read
+    // ahead once the executor runs.
+    let mut tags = Vec::new();
+    for k in 0..32u64 {
+        let (_, done) = start(&chain, k * 4096, 4096, 100 + k);
+        assert!(!done);
+        tags.push(100 + k);
+    }
+    exec.poll(&mut |_, _| panic!("nothing completes yet"));
+    assert!(chain.ring_stats().unwrap().compressed_fills >= 2);
+    // The fill of chunk 1 read the old compressed bytes; now the write lands and
+    // completes.
+    let at = d.offset.0 as usize;
+    devs[0].0.borrow_mut().data[at..at + new.len()].copy_from_slice(&new);
+    chain.ring_written(128 << 10, 64 << 10);
+    // Reads submitted after that write reach chunk 1 while it fills: they wait.
+    let mut bufs = Vec::new();
+    for k in 32..40u64 {
+        let (b, done) = start(&chain, k * 4096, 4096, 100 + k);
+        assert!(!done);
+        bufs.push(b);
+        tags.push(100 + k);
+    }
+    assert_eq!(chain.ring_stats().unwrap().reads_waited, 8);
+    wait_all(&exec, tags);
+    let st = chain.ring_stats().unwrap();
+    assert_eq!(st.waited_to_base, 8, "{st:?}");
+    assert_eq!(st.invalidated, 1, "{st:?}");
+    for (k, b) in bufs.iter().enumerate() {
+        assert!(
+            b.to_vec().iter().all(|&x| x == 0x99),
+            "read {} after the write got stale data",
+            32 + k
+        );
+    }
+    // The stream goes on: the rest of chunk 1 from the base (the written cluster's new
+    // bytes, then the old second cluster), chunk 2, not written, from the ring.
+    let served = st.bytes_served;
+    let got = read_range(&exec, &chain, 160 << 10, 384 << 10, 4096);
+    assert!(got[..32 << 10].iter().all(|&x| x == 0x99));
+    assert!(got[32 << 10..] == src[192 << 10..384 << 10]);
+    assert!(chain.ring_stats().unwrap().bytes_served - served >= 128 << 10);
+}
+
+/// Compressed images of every cluster size the ring meets differently — many clusters
+/// to a chunk (512 bytes: 256 of them, their streams sharing sectors and read together),
+/// a few, a cluster larger than a chunk (each chunk decompresses the cluster for its
+/// part) — read sequentially through the ring: what the source holds. Clusters of 2 MiB
+/// that barely compress do not fit a record: their chunks run as tasks, counted.
+#[test]
+fn compressed_chunks_of_every_cluster_size_read_what_the_source_holds() {
+    let dir = tempfile::tempdir().unwrap();
+    // 4 MiB: text for 3 MiB, then a MiB whose bytes barely compress.
+    let mut src = Vec::with_capacity(4 << 20);
+    for block in 0..768u64 {
+        let line = format!("block {block:06} of a compressed disk. ");
+        let mut b = line.repeat(4096 / line.len() + 1).into_bytes();
+        b.truncate(4096);
+        src.extend(b);
+    }
+    let mut x = 0x2545_f491_4f6c_dd1du64;
+    while src.len() < 4 << 20 {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        // Half the bytes random: deflate keeps it compressed, at well over a chunk
+        // per 2 MiB cluster.
+        src.extend_from_slice(&[x as u8, 0, (x >> 8) as u8, 0]);
+    }
+    let raw = dir.path().join("mixed.raw");
+    std::fs::write(&raw, &src).unwrap();
+    for cs in [512u64, 4096, 65536, 2 << 20] {
+        let img = dir.path().join(format!("mixed-{cs}.qcow2"));
+        sh(Command::new("qemu-img")
+            .args(["convert", "-q", "-c", "-f", "raw", "-O", "qcow2", "-o"])
+            .arg(format!("cluster_size={cs}"))
+            .arg(&raw)
+            .arg(&img));
+        let (exec, chain, devs) = chain_of(&[&img], OpenOptions::default());
+        devs[0].0.borrow_mut().latency_polls = 3;
+        let got = read_range(&exec, &chain, 0, chain.size(), 16 << 10);
+        assert!(
+            got == src,
+            "{cs}-byte clusters: bytes differ from the source"
+        );
+        let s = chain.ring_stats().unwrap();
+        assert!(s.compressed_fills >= 15, "{cs}: {s:?}");
+        assert!(s.bytes_served >= 3 << 20, "{cs}: {s:?}");
+        match cs {
+            // Tables of 64 entries: a chunk spans four slices, and a stream's first pass
+            // may find every slice-load record busy (a task, as for plain clusters).
+            512 => assert!(s.readahead_tasks <= 4, "{cs}: {s:?}"),
+            4096 | 65536 => assert_eq!(s.readahead_tasks, 0, "{cs}: {s:?}"),
+            _ => assert!(s.readahead_tasks > 0, "{cs}: {s:?}"),
+        }
+    }
+}

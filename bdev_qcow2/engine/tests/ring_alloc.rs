@@ -14,7 +14,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)] // test helpers may panic
 
 use qcow2_engine::io::{BufSlice, HeapBuf};
-use qcow2_engine::ring::{RingConfig, RingServed, RingStats, WriteGens};
+use qcow2_engine::ring::{RingConfig, RingServed, RingStats, WriteGens, CHUNK};
 use qcow2_engine::testing::MemDevice;
 use qcow2_engine::{Chain, Exec, Layer, OpenOptions, OwnerLink, Qcow2};
 use std::alloc::{GlobalAlloc, Layout, System};
@@ -271,6 +271,112 @@ fn run_readers(images: &[&Path]) -> (u64, u64, u64) {
         exec.stats().tasks_spawned - tasks,
         chain.stats().slow_reads - slow,
     )
+}
+
+/// A source disk of 8 MiB whose 64 KiB clusters are, in turn, text that compresses (each
+/// 4 KiB block its own), bytes that do not (kept plain by `qemu-img convert -c`), and
+/// zeros (left unallocated) — so most chunks hold compressed clusters next to plain
+/// ones and holes — converted with compression of `kind`. Returns the image and the
+/// source's bytes.
+fn compressed_image(dir: &Path, kind: &str) -> (std::path::PathBuf, Vec<u8>) {
+    let mut src = Vec::with_capacity(8 << 20);
+    let mut x = 0x9e37_79b9_7f4a_7c15u64;
+    for c in 0..128u64 {
+        for k in 0..16u64 {
+            let block = c * 16 + k;
+            match c % 5 {
+                3 => {
+                    for _ in 0..4096 / 8 {
+                        // xorshift: bytes deflate and zstd cannot shrink.
+                        x ^= x << 13;
+                        x ^= x >> 7;
+                        x ^= x << 17;
+                        src.extend_from_slice(&x.to_le_bytes());
+                    }
+                }
+                4 if c % 10 == 4 => src.extend(std::iter::repeat_n(0u8, 4096)),
+                _ => {
+                    let line = format!("cluster {c:04} block {block:06} of the source. ");
+                    let mut b = line.repeat(4096 / line.len() + 1).into_bytes();
+                    b.truncate(4096);
+                    src.extend(b);
+                }
+            }
+        }
+    }
+    let raw = dir.join(format!("src-{kind}.raw"));
+    std::fs::write(&raw, &src).unwrap();
+    let img = dir.join(format!("c-{kind}.qcow2"));
+    sh(Command::new("qemu-img")
+        .args(["convert", "-q", "-c", "-f", "raw", "-O", "qcow2", "-o"])
+        .arg(format!("compression_type={kind}"))
+        .arg(&raw)
+        .arg(&img));
+    (img, src)
+}
+
+/// One 4 KiB reader at QD1 over a compressed image, round and round: once the ring's
+/// records exist (the first pass), its read-aheads — the chunk's plain clusters read
+/// into the ring, the compressed ones read into a record and decompressed into the ring,
+/// holes zeroed — allocate nothing and take no task; every byte is the source's.
+fn compressed_reads_allocate_nothing(kind: &str) {
+    let dir = tempfile::tempdir().unwrap();
+    let (img, expect) = compressed_image(dir.path(), kind);
+    let exec = Exec::new();
+    let dev = MemDevice::new(std::fs::read(&img).unwrap());
+    dev.0.borrow_mut().latency_polls = 6;
+    let id = exec.add_device(dev);
+    let e2 = exec.clone();
+    let q = exec
+        .block_on(async move { Qcow2::open(&e2, id, OpenOptions::default()).await })
+        .unwrap();
+    let chain = Chain::new(&exec, vec![Layer::Qcow2(Box::new(q))]).unwrap();
+    let gens = Arc::new(WriteGens::new(chain.size()));
+    chain.enable_ring(RingConfig::default(), gens).unwrap();
+    let mut r = Reader {
+        start: 0,
+        end: chain.size(),
+        len: 4096,
+        pos: 0,
+        buf: HeapBuf::new(4096),
+    };
+    let per_pass = (chain.size() / 4096) as usize;
+    // First pass: the slices cached, the records and the decompressors' state made.
+    for _ in 0..per_pass {
+        step(&exec, &chain, &mut r, &expect);
+    }
+    let before = chain.ring_stats().unwrap();
+    let (tasks, slow) = (exec.stats().tasks_spawned, chain.stats().slow_reads);
+    let mut n = 0;
+    for _ in 0..2 * per_pass {
+        // A pass starts a new stream: its first reads, before it reads ahead, take the
+        // guest's slow path (a task that allocates, as before).
+        if r.pos < CHUNK {
+            step(&exec, &chain, &mut r, &expect);
+            continue;
+        }
+        n += allocations(|| step(&exec, &chain, &mut r, &expect));
+    }
+    let s = chain.ring_stats().unwrap().since(&before);
+    let tasks = exec.stats().tasks_spawned - tasks;
+    let slow = chain.stats().slow_reads - slow;
+    assert!(s.compressed_fills > 2 * 50, "{s:?}");
+    // All but the reads of each pass's first chunk, never read ahead.
+    assert!(s.reads_served >= 2 * (per_pass as u64 - 32), "{s:?}");
+    assert_eq!(s.readahead_tasks, 0, "{s:?}");
+    // Each task is one of a pass's first guest reads.
+    assert_eq!(tasks, slow, "read-aheads ran as tasks");
+    assert_eq!(n, 0, "allocations on the ring's path");
+}
+
+#[test]
+fn compressed_read_aheads_allocate_nothing_zlib() {
+    compressed_reads_allocate_nothing("zlib");
+}
+
+#[test]
+fn compressed_read_aheads_allocate_nothing_zstd() {
+    compressed_reads_allocate_nothing("zstd");
 }
 
 /// A 32 MiB image of 64 KiB clusters, a different byte per MiB, read through slices of

@@ -159,6 +159,10 @@ pub struct ChannelStats {
     pub ring_bytes_evicted_unread: u64,
     /// Prefetch ring: chunks a write (on any thread) made unusable.
     pub ring_invalidated: u64,
+    /// Prefetch ring: read-aheads of chunks holding compressed clusters, without a task.
+    pub ring_compressed_fills: u64,
+    /// Prefetch ring: read-aheads that ran as a task.
+    pub ring_readahead_tasks: u64,
 }
 
 impl ChannelStats {
@@ -196,6 +200,8 @@ impl ChannelStats {
             waited_to_base: self.ring_waited_to_base,
             bytes_evicted_unread: self.ring_bytes_evicted_unread,
             invalidated: self.ring_invalidated,
+            compressed_fills: self.ring_compressed_fills,
+            readahead_tasks: self.ring_readahead_tasks,
         }
     }
 
@@ -212,6 +218,8 @@ impl ChannelStats {
         self.ring_waited_to_base += r.waited_to_base;
         self.ring_bytes_evicted_unread += r.bytes_evicted_unread;
         self.ring_invalidated += r.invalidated;
+        self.ring_compressed_fills += r.compressed_fills;
+        self.ring_readahead_tasks += r.readahead_tasks;
     }
 }
 

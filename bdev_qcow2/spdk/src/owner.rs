@@ -246,6 +246,8 @@ impl Owner {
                     "ring_waited_to_base": r.waited_to_base,
                     "ring_bytes_evicted_unread": r.bytes_evicted_unread,
                     "ring_invalidated": r.invalidated,
+                    "ring_compressed_fills": r.compressed_fills,
+                    "ring_readahead_tasks": r.readahead_tasks,
                     "stream": crate::stream_rpc::stats_json(self),
                 })
             }

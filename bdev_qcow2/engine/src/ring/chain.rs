@@ -280,7 +280,7 @@ impl<D: BlockDevice> Chain<D> {
                 off: base,
                 len: f.len as usize,
             };
-            self.start_fill(f, dst, parked, 0);
+            self.start_fill(f, dst, ring, parked, 0);
         }
         served
     }
@@ -294,14 +294,34 @@ impl<D: BlockDevice> Chain<D> {
     /// the slice is loaded without a task ([`load_slice_ahead`](Self::load_slice_ahead))
     /// and the read-ahead waits in `parked` until it is in
     /// ([`ring_slice_loaded`](Self::ring_slice_loaded)), `tries` counting the loads it
-    /// waited for. Otherwise (a compressed cluster, a raw layer ending inside a sector, a
-    /// slice no record could load) a task runs the chain's whole read path.
-    fn start_fill(self: &Rc<Self>, f: Fill, dst: BufSlice<D::Buf>, parked: &mut Parked, tries: u8) {
+    /// waited for. A chunk holding compressed clusters is read and decompressed without a
+    /// task too (`compressed.rs`), waiting the same way when every record for that is
+    /// busy. Otherwise (compressed bytes no record can take, a raw layer ending inside a
+    /// sector, a slice no record could load) a task runs the chain's whole read path,
+    /// counted in `ring`.
+    fn start_fill(
+        self: &Rc<Self>,
+        f: Fill,
+        dst: BufSlice<D::Buf>,
+        ring: &mut Ring,
+        parked: &mut Parked,
+        tries: u8,
+    ) {
         // A read-ahead is a request like a guest's: a cluster it resolves is not reused
         // before it is over.
         let mut parity = self.exec().guest_enter();
         let token = self.sink().token(f.slot as u32);
-        match self.try_fast_read_as(token, f.offset, &dst, parity, true) {
+        let issued = match self.try_fast_read_as(token, f.offset, &dst, parity, true) {
+            Err(Unplanned::Compressed) => {
+                let r = self.start_zip_fill(f.slot, f.offset, &dst, parity);
+                if r.is_ok() {
+                    ring.count_compressed_fill();
+                }
+                r
+            }
+            r => r,
+        };
+        match issued {
             Ok(()) => return,
             Err(Unplanned::Slice { layer, offset }) if tries < PARK_TRIES => {
                 // It resolved nothing: it enters again when it is issued.
@@ -314,8 +334,16 @@ impl<D: BlockDevice> Chain<D> {
                 }
                 parity = self.exec().guest_enter();
             }
+            Err(Unplanned::Busy(record)) => {
+                // As for a slice load: it enters again when it is issued. Not a try: a
+                // record always ends, and each end issues a chunk that waited for it.
+                self.exec().guest_exit(parity);
+                parked.park(f.slot, record, tries);
+                return;
+            }
             Err(_) => {}
         }
+        ring.count_readahead_task();
         let chain = self.clone();
         self.exec().spawn(async move {
             let r = read_layer(chain.clone(), 0, f.offset, dst).await;
@@ -353,7 +381,7 @@ impl<D: BlockDevice> Chain<D> {
                 off: base,
                 len: f.len as usize,
             };
-            self.start_fill(f, dst, parked, tries);
+            self.start_fill(f, dst, ring, parked, tries);
         }
     }
 

@@ -16,6 +16,7 @@
 //! nothing locks, and after [`Ring::new`] nothing allocates.
 
 pub(crate) mod chain;
+pub(crate) mod compressed;
 pub mod gens;
 mod hot;
 mod wait;
@@ -133,6 +134,13 @@ pub struct RingStats {
     pub bytes_evicted_unread: u64,
     /// Chunks found written since they were read ahead (a write on any core).
     pub invalidated: u64,
+    /// Read-aheads whose chunk held compressed clusters, issued without a task (their
+    /// clusters decompressed into the ring as their reads ended).
+    pub compressed_fills: u64,
+    /// Read-aheads that ran as a task: a chunk whose mapping the cached metadata could
+    /// not plan (a slice no record could load, compressed bytes no record could take, a
+    /// raw layer ending inside a sector).
+    pub readahead_tasks: u64,
 }
 
 impl RingStats {
@@ -150,6 +158,8 @@ impl RingStats {
             waited_to_base: self.waited_to_base - before.waited_to_base,
             bytes_evicted_unread: self.bytes_evicted_unread - before.bytes_evicted_unread,
             invalidated: self.invalidated - before.invalidated,
+            compressed_fills: self.compressed_fills - before.compressed_fills,
+            readahead_tasks: self.readahead_tasks - before.readahead_tasks,
         }
     }
 
@@ -166,6 +176,8 @@ impl RingStats {
         self.waited_to_base += o.waited_to_base;
         self.bytes_evicted_unread += o.bytes_evicted_unread;
         self.invalidated += o.invalidated;
+        self.compressed_fills += o.compressed_fills;
+        self.readahead_tasks += o.readahead_tasks;
     }
 }
 
@@ -599,6 +611,16 @@ impl Ring {
     /// end of the disk.
     pub fn chunk_len(&self, slot: u16) -> u32 {
         self.slots[slot as usize].len
+    }
+
+    /// A read-ahead was issued with compressed clusters in its chunk, without a task.
+    pub fn count_compressed_fill(&mut self) {
+        self.stats.compressed_fills += 1;
+    }
+
+    /// A read-ahead runs as a task.
+    pub fn count_readahead_task(&mut self) {
+        self.stats.readahead_tasks += 1;
     }
 
     /// The read-ahead into `slot` starts under write generation `gen` of its chunk.

@@ -200,6 +200,10 @@ pub struct RunResult {
     pub ring_bytes_evicted_unread: u64,
     /// Prefetch ring: chunks a write made unusable.
     pub ring_invalidated: u64,
+    /// Prefetch ring: read-aheads of chunks holding compressed clusters, without a task.
+    pub ring_compressed_fills: u64,
+    /// Prefetch ring: read-aheads that ran as a task.
+    pub ring_readahead_tasks: u64,
     /// Verify mismatches (must be 0).
     pub verify_failures: u64,
 }
@@ -612,6 +616,8 @@ pub fn run_one(path: &Path, raw: bool, w: Workload, a: &PerfArgs) -> ToolResult<
         ring_waited_to_base: ring.waited_to_base,
         ring_bytes_evicted_unread: ring.bytes_evicted_unread,
         ring_invalidated: ring.invalidated,
+        ring_compressed_fills: ring.compressed_fills,
+        ring_readahead_tasks: ring.readahead_tasks,
         verify_failures: fails,
     })
 }
@@ -735,6 +741,8 @@ fn merge(a: RunResult, b: RunResult) -> RunResult {
         ring_waited_to_base: a.ring_waited_to_base + b.ring_waited_to_base,
         ring_bytes_evicted_unread: a.ring_bytes_evicted_unread + b.ring_bytes_evicted_unread,
         ring_invalidated: a.ring_invalidated + b.ring_invalidated,
+        ring_compressed_fills: a.ring_compressed_fills + b.ring_compressed_fills,
+        ring_readahead_tasks: a.ring_readahead_tasks + b.ring_readahead_tasks,
         verify_failures: a.verify_failures + b.verify_failures,
         ..a
     }

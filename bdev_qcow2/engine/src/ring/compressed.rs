@@ -1,0 +1,295 @@
+//! Ring read-aheads whose chunk holds compressed clusters, without a task. Per chain, a
+//! few records, allocated the first time a chunk needs one, each with a buffer (DMA
+//! memory on SPDK) for the compressed bytes of one chunk; and one decompressor state,
+//! reset per cluster. A fill is one engine request (`Exec::request_begin_as` under the
+//! chain's internal sink): the chunk's plain data straight into the ring slot, each
+//! compressed cluster's covering sectors into the record's buffer (clusters written one
+//! after the other, as `qemu-img convert -c` writes them, share one read). Its end comes
+//! back to [`Chain::zip_filled`], which decompresses each cluster and copies its part into
+//! the slot, then hands the fill to `ring_filled`. After that first use nothing on this
+//! path allocates. A chunk the records cannot take (its compressed bytes larger than a
+//! buffer, a cluster larger than the ring's chunk that does not fit either) is left to
+//! the caller, which runs it as a task; a chunk that finds every record busy waits for
+//! the next to end, as a read-ahead waits for a slice load.
+
+use super::CHUNK;
+use crate::chain::{Chain, Layer, Unplanned};
+use crate::compress::Decompressor;
+use crate::exec::DevId;
+use crate::io::{BlockDevice, BufSlice, DeviceOp, IoBuffer, SECTOR};
+use std::rc::Rc;
+
+/// The bit of an internal token's payload that names a compressed fill's record (the
+/// others: a ring slot, or a slice load's bit).
+pub(crate) const ZIP_BIT: u32 = 1 << 30;
+/// Records per chain: chunks holding compressed clusters in flight at once — a stream's
+/// default window (1 MiB, eight chunks). With four, a 4 KiB QD1 reader over a 50 µs base
+/// lost 4-9% to its chunks waiting for a record (`qcow2 perf`).
+const RECORDS: usize = 8;
+/// Bytes of a record's buffer: a chunk's compressed clusters are smaller than the chunk
+/// (QEMU keeps a cluster compressed only if it shrinks), plus each one's sectors around.
+const ZIP_BYTES: usize = CHUNK as usize + (64 << 10);
+/// Compressed clusters one chunk holds at most (clusters of 512 bytes).
+const MAX_PARTS: usize = (CHUNK / SECTOR) as usize;
+
+/// One compressed cluster's part of a fill: its layer, where its compressed bytes start in
+/// the record's buffer and how many, where the part starts in the cluster, where it goes in
+/// the slot and how long it is.
+#[derive(Clone, Copy)]
+struct Part {
+    layer: u8,
+    at: usize,
+    len: usize,
+    in_cluster: usize,
+    dst_off: usize,
+    n: usize,
+}
+
+/// A fill in flight.
+struct Record<B> {
+    busy: bool,
+    slot: u16,
+    /// The slot's bytes.
+    dst: Option<BufSlice<B>>,
+    buf: B,
+    parts: Vec<Part>,
+}
+
+/// A chain's compressed fills (see the module documentation).
+pub(crate) struct ZipFills<B> {
+    /// Allocated the first time a chunk holds a compressed cluster.
+    recs: Vec<Record<B>>,
+    /// The record taken after the last one taken: the first to end of those busy.
+    next: usize,
+    dec: Decompressor,
+    /// A part's compressed bytes, copied out of the record's buffer.
+    input: Vec<u8>,
+    /// A whole cluster, decompressed (the largest of the chain's layers).
+    out: Vec<u8>,
+    /// The reads of the fill being issued: device, host offset, offset in the record's
+    /// buffer, length.
+    reads: Vec<(DevId, u64, usize, usize)>,
+}
+
+impl<B> Default for ZipFills<B> {
+    fn default() -> Self {
+        ZipFills {
+            recs: Vec::new(),
+            next: 0,
+            dec: Decompressor::default(),
+            input: Vec::new(),
+            out: Vec::new(),
+            reads: Vec::new(),
+        }
+    }
+}
+
+impl<D: BlockDevice> Chain<D> {
+    /// Issues the read-ahead of the chunk at `offset` into `dst` (ring slot `slot`), whose
+    /// mapping holds compressed clusters (see the module documentation); `parity` is the
+    /// request's ([`Exec::guest_enter`](crate::Exec::guest_enter)), exited when its device
+    /// reads end. Nothing issued on an error: [`Unplanned::Slice`] (a slice to load first),
+    /// [`Unplanned::Busy`] (every record busy: retry when that one ends), or another (a
+    /// task must do it).
+    pub(super) fn start_zip_fill(
+        self: &Rc<Self>,
+        slot: u16,
+        offset: u64,
+        dst: &BufSlice<D::Buf>,
+        parity: u8,
+    ) -> Result<(), Unplanned> {
+        let sink = self.sink();
+        let Ok(mut zips) = self.zips.try_borrow_mut() else {
+            return Err(Unplanned::Other);
+        };
+        let plan = self.plan_fill(offset, dst)?;
+        if zips.recs.is_empty() {
+            self.zip_records(&mut zips);
+        }
+        self.zip_issue(&mut zips, &plan, slot, dst, parity, sink)
+    }
+
+    /// Allocates the records, the decompressor's buffers and the read list, once.
+    fn zip_records(&self, zips: &mut ZipFills<D::Buf>) {
+        let dev = match &self.layers()[0] {
+            Layer::Qcow2(q) => q.dev(),
+            Layer::Raw { dev, .. } => *dev,
+        };
+        zips.recs = (0..RECORDS)
+            .map(|_| Record {
+                busy: false,
+                slot: 0,
+                dst: None,
+                buf: self.exec().alloc_buf(dev, ZIP_BYTES),
+                parts: Vec::with_capacity(MAX_PARTS),
+            })
+            .collect();
+        let cluster = self
+            .layers()
+            .iter()
+            .filter_map(|l| match l {
+                Layer::Qcow2(q) => Some(q.geometry().cluster_size() as usize),
+                Layer::Raw { .. } => None,
+            })
+            .max()
+            .unwrap_or(0);
+        zips.input = vec![0; ZIP_BYTES];
+        zips.out = vec![0; cluster];
+        zips.reads = Vec::with_capacity(MAX_PARTS);
+    }
+
+    /// Lays the compressed parts of `plan` out in a free record's buffer and issues the
+    /// fill: one request of the plan's data runs into `dst` and of the compressed bytes'
+    /// reads into the record.
+    fn zip_issue(
+        &self,
+        zips: &mut ZipFills<D::Buf>,
+        plan: &crate::chain::FastPlan,
+        slot: u16,
+        dst: &BufSlice<D::Buf>,
+        parity: u8,
+        sink: crate::exec::SinkId,
+    ) -> Result<(), Unplanned> {
+        let (runs, _, parts) = plan;
+        let ZipFills {
+            recs, next, reads, ..
+        } = zips;
+        let n = recs.len();
+        let Some(i) = (0..n).map(|k| (*next + k) % n).find(|&i| !recs[i].busy) else {
+            return Err(Unplanned::Busy(ZIP_BIT | *next as u32));
+        };
+        let rec = &mut recs[i];
+        rec.parts.clear();
+        reads.clear();
+        let mut used = 0usize;
+        for p in parts {
+            let Some(Layer::Qcow2(q)) = self.layers().get(p.layer as usize) else {
+                return Err(Unplanned::Other);
+            };
+            // The sectors that hold the compressed bytes (which need not start or end on
+            // one).
+            let start = p.desc.offset.0;
+            let lo = start & !(SECTOR - 1);
+            let hi = start
+                .checked_add(p.desc.len)
+                .and_then(|e| e.checked_next_multiple_of(SECTOR))
+                .ok_or(Unplanned::Other)?;
+            let dev = q.dev();
+            let at = match reads.last_mut() {
+                // Continues (or overlaps) the last read on the same device: extend it.
+                Some((d, h, b, l)) if *d == dev && lo >= *h && lo <= *h + *l as u64 => {
+                    let end = *h + *l as u64;
+                    let grow = hi.saturating_sub(end);
+                    if grow > (ZIP_BYTES - used) as u64 {
+                        return Err(Unplanned::Other);
+                    }
+                    *l += grow as usize;
+                    used += grow as usize;
+                    *b + (start - *h) as usize
+                }
+                _ => {
+                    let l = hi - lo;
+                    if l > (ZIP_BYTES - used) as u64 {
+                        return Err(Unplanned::Other);
+                    }
+                    reads.push((dev, lo, used, l as usize));
+                    used += l as usize;
+                    used - l as usize + (start - lo) as usize
+                }
+            };
+            rec.parts.push(Part {
+                layer: p.layer,
+                at,
+                len: p.desc.len as usize,
+                in_cluster: p.in_cluster,
+                dst_off: p.buf_off,
+                n: p.len,
+            });
+        }
+        rec.busy = true;
+        rec.slot = slot;
+        rec.dst = Some(dst.clone());
+        *next = (i + 1) % n;
+        let exec = self.exec();
+        let req = exec.request_begin_as(sink.token(ZIP_BIT | i as u32), parity, true);
+        for r in runs {
+            let buf = dst.sub(r.buf_off, r.len);
+            exec.request_op(
+                req,
+                r.dev,
+                DeviceOp::Read {
+                    offset: r.host,
+                    buf,
+                },
+            );
+        }
+        for &(dev, host, off, len) in reads.iter() {
+            let buf = BufSlice {
+                buf: rec.buf.clone(),
+                off,
+                len,
+            };
+            exec.request_op(req, dev, DeviceOp::Read { offset: host, buf });
+        }
+        exec.request_arm(req);
+        Ok(())
+    }
+
+    /// The device reads of compressed fill `payload` ended (`ok`): decompresses each of its
+    /// clusters into the ring slot (a cluster that does not decode to exactly one cluster
+    /// fails the fill: its reads go to the base, which reports the error), then hands the
+    /// fill to the ring and the read-aheads that waited for a record to it.
+    pub(crate) fn zip_filled(self: &Rc<Self>, payload: u32, ok: bool) {
+        let zips = self.zips.try_borrow_mut();
+        let (Ok(mut zips), false) = (zips, self.ring.try_borrow_mut().is_err()) else {
+            // Reported while either is in use: handled at the executor's next report.
+            return self.exec().internal_done(self.sink().token(payload), ok);
+        };
+        let ZipFills {
+            recs,
+            dec,
+            input,
+            out,
+            ..
+        } = &mut *zips;
+        let Some(rec) = recs
+            .get_mut((payload & !ZIP_BIT) as usize)
+            .filter(|r| r.busy)
+        else {
+            return;
+        };
+        rec.busy = false;
+        let slot = rec.slot;
+        let mut ok = ok;
+        match rec.dst.take() {
+            Some(dst) if ok => {
+                for p in &rec.parts {
+                    let Some(Layer::Qcow2(q)) = self.layers().get(p.layer as usize) else {
+                        ok = false;
+                        break;
+                    };
+                    let cs = q.geometry().cluster_size() as usize;
+                    let (Some(inp), Some(cluster)) = (input.get_mut(..p.len), out.get_mut(..cs))
+                    else {
+                        ok = false;
+                        break;
+                    };
+                    rec.buf.copy_out(p.at, inp);
+                    let Ok(()) = dec.decompress(q.compression_type(), inp, cluster) else {
+                        ok = false;
+                        break;
+                    };
+                    let Some(part) = cluster.get(p.in_cluster..p.in_cluster + p.n) else {
+                        ok = false;
+                        break;
+                    };
+                    dst.copy_in(p.dst_off, part);
+                }
+            }
+            _ => ok = false,
+        }
+        drop(zips);
+        self.ring_filled(slot, ok);
+        self.ring_slice_loaded(payload);
+    }
+}
