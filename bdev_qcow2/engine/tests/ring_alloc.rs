@@ -331,7 +331,7 @@ fn compressed_reads_allocate_nothing(kind: &str) {
         .block_on(async move { Qcow2::open(&e2, id, OpenOptions::default()).await })
         .unwrap();
     let chain = Chain::new(&exec, vec![Layer::Qcow2(Box::new(q))]).unwrap();
-    let gens = Arc::new(WriteGens::new(chain.size()));
+    let gens = Arc::new(WriteGens::new());
     chain.enable_ring(RingConfig::default(), gens).unwrap();
     let mut r = Reader {
         start: 0,
