@@ -601,7 +601,7 @@ pub mod fences {
     }
 
     /// Fixes the mode (idempotent): called when a [`Grace`](super::Grace) is made.
-    pub(super) fn init() {
+    pub(crate) fn init() {
         #[cfg(not(loom))]
         if MODE.load(Ordering::Acquire) == UNDECIDED {
             // The barrier must work once before the cores rely on it.

@@ -26,8 +26,13 @@
 //! Invariant: a read submitted after the writer's acknowledgement (it observed it) is
 //! never served the old data from the ring, waiting or not.
 //!
+//! A write skips its bump where no read-ahead ever recorded (its zone unwatched): the
+//! model runs `WriteGens::record` and `written` with `fence(SeqCst)` for each half of the
+//! asymmetric fence pair they use.
+//!
 //! Broken variants — bumping before the data reached the device, bumping before the new
-//! mapping is published, recording the generation after the read-ahead, serving the
+//! mapping is published, recording the generation after the read-ahead, recording it
+//! without marking the zone watched, serving the
 //! reads waiting on a read-ahead without checking the generation when it completes,
 //! serving a read that waited for two chunks on the first chunk's check alone — must be
 //! caught: they run under `#[should_panic]`.
@@ -59,6 +64,18 @@ struct Faults {
     wake_unchecked: bool,
     /// A read waiting for two chunks is served on its first chunk's check alone.
     first_chunk_only: bool,
+    /// The read-ahead reads the generation without marking its zone watched (so a write
+    /// there skips its bump).
+    record_unwatched: bool,
+}
+
+/// The read-ahead's record of the generation, as `Chain::ring_read` takes it.
+fn record(w: &World) -> u32 {
+    if w.faults.record_unwatched {
+        w.gens.current(OFF)
+    } else {
+        w.gens.record(OFF)
+    }
 }
 
 struct World {
@@ -108,12 +125,12 @@ fn run(remap: bool, faults: Faults) {
         let mut gen = if f.record_after_read {
             None
         } else {
-            Some(w.gens.current(OFF))
+            Some(record(&w))
         };
         let loc = w.map.load(Ordering::Acquire) as usize;
         let data = w.dev[loc].load(Ordering::Relaxed);
         if gen.is_none() {
-            gen = Some(w.gens.current(OFF));
+            gen = Some(record(&w));
         }
         // The guest read: submitted after it observed the acknowledgement, or not.
         let after_ack = w.acked.load(Ordering::Acquire);
@@ -155,7 +172,7 @@ fn run_waiting(remap: bool, early: bool, faults: Faults) {
         };
         // The read-ahead starts: the generation recorded, then the mapping resolved and
         // the device read; the guest read arrives and waits in between or after.
-        let gen = w.gens.current(OFF);
+        let gen = w.gens.record(OFF);
         let mut after_ack = false;
         if early {
             after_ack = w.acked.load(Ordering::Acquire);
@@ -213,7 +230,7 @@ fn run_waiting_two(written: u64, remap: bool, early: bool, faults: Faults) {
         };
         // Both read-aheads start: generations recorded, then the device reads (of the
         // written chunk through its mapping; the other chunk holds what it always held).
-        let gens = [w.gens.current(0), w.gens.current(CHUNK)];
+        let gens = [w.gens.record(0), w.gens.record(CHUNK)];
         let mut after_ack = false;
         if early {
             after_ack = w.acked.load(Ordering::Acquire);
@@ -326,6 +343,18 @@ fn broken_bump_before_mapping_is_caught() {
         Faults {
             bump_before_mapping: true,
             ..Default::default()
+        },
+    );
+}
+
+#[test]
+#[should_panic(expected = "old data")]
+fn broken_record_without_watching_the_zone_is_caught() {
+    run(
+        false,
+        Faults {
+            record_unwatched: true,
+            ..Faults::default()
         },
     );
 }

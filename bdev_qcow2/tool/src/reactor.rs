@@ -612,11 +612,14 @@ where
                     "multi-core reactors run images without a backing file".into(),
                 ));
             }
+            if n > 1 {
+                // Before the first image is shared or has write generations (the fence
+                // mode is fixed then).
+                qcow2_engine::coherency::fences::install_membarrier();
+            }
             let gens = ring.map(|_| Arc::new(WriteGens::new()));
             // One reactor alone needs no replicas, epochs nor grace periods.
             if n > 1 {
-                // Before the first image is shared (the fence mode is fixed then).
-                qcow2_engine::coherency::fences::install_membarrier();
                 q.share();
                 let seed = q.core_seed().map_err(engine)?;
                 for tx in seed_tx.drain(..) {

@@ -273,7 +273,7 @@ impl<D: BlockDevice> Chain<D> {
         };
         while let Some(f) = ring.next_fill(hot, stream) {
             // Recorded before the read-ahead resolves anything (see `gens`).
-            ring.filling(f.slot, gens.current(f.offset));
+            ring.filling(f.slot, gens.record(f.offset));
             let (base, _) = Ring::slot_range(f.slot);
             let dst = BufSlice {
                 buf: buf.clone(),

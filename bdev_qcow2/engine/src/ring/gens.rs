@@ -10,7 +10,7 @@
 //!   (its data, a new mapping, a COW) and **before** the request completes
 //!   ([`WriteGens::written`]);
 //! - read-ahead records the generation of its region **before** it resolves the mapping
-//!   and issues the read ([`WriteGens::current`]);
+//!   and issues the read ([`WriteGens::record`]);
 //! - prefetched data is used only while the generation still equals the recorded one
 //!   ([`WriteGens::current`] again, when a request would be served from it).
 //!
@@ -23,12 +23,26 @@
 //! writers that both loaded the same value and stored value + 1 would leave a read-ahead
 //! that recorded between them unable to see the second.
 //!
-//! The atomics come from `loom` under `--cfg loom` (`tests/loom_epochs.rs` checks them).
+//! **Unwatched zones.** The bump is a locked read-modify-write on a line every writing
+//! core shares: on a random-write workload it was most of what a write costs over SPDK's
+//! passthru. Yet only guest space that some ring ever read ahead needs it. So a read-ahead
+//! marks its [`ZONE`] watched when it records (the first one there: flag store, then the
+//! heavy half of the asymmetric fence pair, `coherency::fences`), and a write whose zone
+//! is not watched skips its bump (its light half, then the flag's load). Either the
+//! write's load sees the flag, and it bumps; or it ran before the barrier the heavy half
+//! forces on its CPU, and so did everything the write did before it — its data was on
+//! the device and its mapping in place before the read-ahead resolved and read, and the
+//! read-ahead's data is the write's or newer. Flags are never cleared. Without the
+//! asymmetric pair every write bumps, as a full fence would cost what the bump does.
+//!
+//! The atomics come from `loom` under `--cfg loom` (`tests/loom_ring.rs` checks them, with
+//! `fence(SeqCst)` for each half of the pair).
 
+use crate::coherency::fences;
 #[cfg(loom)]
-use loom::sync::atomic::{AtomicU32, Ordering};
+use loom::sync::atomic::{fence, AtomicBool, AtomicU32, Ordering};
 #[cfg(not(loom))]
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 
 /// Bytes of guest space one generation covers: one ring chunk, so a hit checks one
 /// generation per chunk.
@@ -39,12 +53,27 @@ pub const REGION: u64 = 128 << 10;
 /// check or a load of the mask. (Few under loom, which models every atomic.)
 #[cfg(not(loom))]
 pub const GEN_SLOTS: usize = 1 << 16;
+/// Generation slots of an image under loom.
 #[cfg(loom)]
 pub const GEN_SLOTS: usize = 8;
+
+/// Bytes of guest space one watch flag covers (see [`WriteGens::record`]).
+pub const ZONE: u64 = 64 << 20;
+/// Watch flags of an image: zones this many apart share one (a shared flag only costs
+/// bumps that were not needed).
+#[cfg(not(loom))]
+const ZONES: usize = 1 << 12;
+#[cfg(loom)]
+const ZONES: usize = 2;
 
 /// The write generations of one image, shared by its cores (`Arc`).
 pub struct WriteGens {
     gens: Box<[AtomicU32; GEN_SLOTS]>,
+    /// Per zone: a read-ahead was recorded there once (never cleared).
+    watched: Box<[AtomicBool; ZONES]>,
+    /// Writes outside watched zones skip the bump: only with the asymmetric fence pair,
+    /// whose light half costs a write nothing (a full fence would cost what the bump does).
+    skip_unwatched: bool,
 }
 
 impl std::fmt::Debug for WriteGens {
@@ -62,15 +91,48 @@ impl Default for WriteGens {
 }
 
 impl WriteGens {
-    /// Generations for an image, all 0.
+    /// Generations for an image, all 0, no zone watched. (Fixes the fence mode, as the
+    /// first shared image would: a host installs its barrier before it opens images.)
     pub fn new() -> Self {
+        fences::init();
         WriteGens {
             gens: (0..GEN_SLOTS)
                 .map(|_| AtomicU32::new(0))
                 .collect::<Box<[AtomicU32]>>()
                 .try_into()
                 .unwrap_or_else(|_| unreachable!("GEN_SLOTS generations")),
+            watched: (0..ZONES)
+                .map(|_| AtomicBool::new(false))
+                .collect::<Box<[AtomicBool]>>()
+                .try_into()
+                .unwrap_or_else(|_| unreachable!("ZONES flags")),
+            skip_unwatched: cfg!(loom) || fences::asymmetric(),
         }
+    }
+
+    /// The watch flag of the zone holding guest byte `offset`.
+    #[inline(always)]
+    fn zone(&self, offset: u64) -> &AtomicBool {
+        &self.watched[(offset / ZONE) as usize % ZONES]
+    }
+
+    /// A read-ahead of the region holding guest byte `offset` is about to resolve its
+    /// mapping and read: returns the generation to hold its data against. The first in a
+    /// zone marks it watched and then runs the heavy half of the fence pair before it
+    /// reads anything, so that a write that finds the zone unwatched (and skips its bump)
+    /// had completed before this read-ahead reads (see the module documentation).
+    #[inline]
+    pub fn record(&self, offset: u64) -> u32 {
+        let z = self.zone(offset);
+        // Acquire: what follows (the generation, the mapping, the read) comes after it.
+        if !z.load(Ordering::Acquire) {
+            z.store(true, Ordering::Relaxed);
+            #[cfg(not(loom))]
+            fences::heavy();
+            #[cfg(loom)]
+            fence(Ordering::SeqCst);
+        }
+        self.current(offset)
     }
 
     /// The slot of region `region`.
@@ -92,6 +154,16 @@ impl WriteGens {
     /// all). Also after a failed write, which may have changed some of its bytes.
     #[inline(always)]
     pub fn written(&self, offset: u64, len: u64) {
+        if self.skip_unwatched && offset / ZONE == offset.saturating_add(len) / ZONE {
+            // The light half of the pair: orders what the write did before the flag's load.
+            #[cfg(not(loom))]
+            fences::light(true);
+            #[cfg(loom)]
+            fence(Ordering::SeqCst);
+            if !self.zone(offset).load(Ordering::Relaxed) {
+                return;
+            }
+        }
         // A write inside one region (every small write but those that straddle a
         // boundary): one bump, no loop. (Its first and last byte differ only below the
         // region's bits; a write of nothing may bump one, which costs only a false miss.)
@@ -131,6 +203,36 @@ mod tests {
         assert_eq!(g.current(2 * REGION), before[2]);
         // Within a region every byte shares it.
         assert_eq!(g.current(REGION + 4096), g.current(2 * REGION - 1));
+    }
+
+    #[test]
+    fn writes_bump_only_in_zones_a_read_ahead_recorded_in() {
+        let mut g = WriteGens::new();
+        g.skip_unwatched = true;
+        g.written(4096, 512);
+        assert_eq!(g.current(4096), 0, "no read-ahead there: no bump");
+        assert_eq!(g.record(4096), 0);
+        g.written(4096, 512);
+        assert_eq!(g.current(4096), 1);
+        // The whole zone is watched; the next one is not; zones ZONES apart share a flag.
+        g.written(ZONE - REGION, 512);
+        assert_eq!(g.current(ZONE - REGION), 1);
+        g.written(ZONE, 512);
+        assert_eq!(g.current(ZONE), 0);
+        let alias = ZONES as u64 * ZONE + 3 * REGION;
+        g.written(alias, 512);
+        assert_eq!(g.current(alias), 1);
+        // A write over a zone's end bumps whatever it touched.
+        g.written(2 * ZONE - 512, 1024);
+        assert_eq!(g.current(2 * ZONE - 512), 1);
+        assert_eq!(g.current(2 * ZONE), 1);
+        // Without the asymmetric pair every write bumps.
+        let all = WriteGens {
+            skip_unwatched: false,
+            ..WriteGens::new()
+        };
+        all.written(4096, 512);
+        assert_eq!(all.current(4096), 1);
     }
 
     #[test]
