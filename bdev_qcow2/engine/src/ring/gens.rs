@@ -154,20 +154,21 @@ impl WriteGens {
     /// all). Also after a failed write, which may have changed some of its bytes.
     #[inline(always)]
     pub fn written(&self, offset: u64, len: u64) {
-        if self.skip_unwatched && offset / ZONE == offset.saturating_add(len) / ZONE {
-            // The light half of the pair: orders what the write did before the flag's load.
-            #[cfg(not(loom))]
-            fences::light(true);
-            #[cfg(loom)]
-            fence(Ordering::SeqCst);
-            if !self.zone(offset).load(Ordering::Relaxed) {
-                return;
-            }
-        }
         // A write inside one region (every small write but those that straddle a
-        // boundary): one bump, no loop. (Its first and last byte differ only below the
-        // region's bits; a write of nothing may bump one, which costs only a false miss.)
+        // boundary): one bump, no loop, and none where its zone is not watched. (Its first
+        // and last byte differ only below the region's bits; a write of nothing may bump
+        // one, which costs only a false miss.) Others always bump.
         if offset ^ offset.wrapping_add(len).wrapping_sub(1) < REGION {
+            if self.skip_unwatched {
+                // The light half of the pair: what the write did, then the flag's load.
+                #[cfg(not(loom))]
+                fences::light(true);
+                #[cfg(loom)]
+                fence(Ordering::SeqCst);
+                if !self.zone(offset).load(Ordering::Relaxed) {
+                    return;
+                }
+            }
             self.slot(offset / REGION).fetch_add(1, Ordering::AcqRel);
         } else {
             self.written_range(offset, len);
@@ -222,7 +223,7 @@ mod tests {
         let alias = ZONES as u64 * ZONE + 3 * REGION;
         g.written(alias, 512);
         assert_eq!(g.current(alias), 1);
-        // A write over a zone's end bumps whatever it touched.
+        // A write over a region's end (here a zone's too) bumps whatever it touched.
         g.written(2 * ZONE - 512, 1024);
         assert_eq!(g.current(2 * ZONE - 512), 1);
         assert_eq!(g.current(2 * ZONE), 1);
