@@ -91,7 +91,7 @@ EOF
     -t $((WIN + 60)) $ARGS >"$d/client.log" 2>&1 &
   CP=$!
   # Connecting to a server under valgrind takes a while: count from 2 s after the run began.
-  for _ in $(seq 600); do grep -q "Running I/O" "$d/client.log" && break; sleep 0.5; done
+  for _ in $(seq 600); do grep -qs "Running I/O" "$d/client.log" && break; sleep 0.5; done
   grep -q "Running I/O" "$d/client.log" || { tail "$d/client.log"; echo "client did not start" >&2; exit 1; }
   sleep 2
   callgrind_control -z "$SP" >/dev/null
