@@ -50,7 +50,7 @@ pub struct ReadStats {
 }
 
 /// Fast-path plan: data runs, zero ranges (offset, length in the guest buffer), and the
-/// compressed parts of a ring fill ([`Chain::plan_fill`]).
+/// compressed parts of a ring fill ([`Chain::plan_fast`]).
 pub(crate) type FastPlan = (Vec<Run>, Vec<(usize, usize)>, Vec<ZipPart>);
 
 type BoxFut = Pin<Box<dyn Future<Output = Result<()>>>>;
@@ -89,7 +89,7 @@ pub(crate) struct Run {
     pub(crate) len: usize,
 }
 
-/// A compressed cluster's part of a ring fill ([`Chain::plan_fill`]): its layer and
+/// A compressed cluster's part of a ring fill ([`Chain::plan_fast`]): its layer and
 /// descriptor, where the part starts in the cluster, where it goes in the buffer, and
 /// its length.
 #[derive(Clone, Copy, Debug)]
@@ -359,14 +359,8 @@ impl<D: BlockDevice> Chain<D> {
         parity: u8,
         internal: bool,
     ) -> Result<(), Unplanned> {
-        let mut scratch = self.scratch.borrow_mut();
-        let (runs, zeros, parts) = &mut *scratch;
-        runs.clear();
-        zeros.clear();
-        self.plan_layer::<false>(0, offset, buf.len, 0, runs, zeros, parts)?;
-        for &(o, n) in zeros.iter() {
-            buf.sub(o, n).zero();
-        }
+        let plan = self.plan_fast::<false>(offset, buf)?;
+        let runs = &plan.0;
         if let [r] = runs.as_slice() {
             self.exec.request_single_as(
                 tag,
@@ -395,10 +389,12 @@ impl<D: BlockDevice> Chain<D> {
         Ok(())
     }
 
-    /// Plans a ring fill of `buf.len` bytes at `offset` as the fast path would, compressed
-    /// clusters included (in the plan's third list, for the caller to read and
-    /// decompress); the zeros are written into `buf` already. Nothing submitted.
-    pub(crate) fn plan_fill(
+    /// Plans `buf.len` bytes at `offset` from cached metadata into the chain's plan, as the
+    /// fast path reads them, with `ZIP` compressed clusters included (in the plan's third
+    /// list, for a ring fill to read and decompress: `ring/compressed.rs`); the zeros are
+    /// written into `buf` already. Nothing submitted.
+    #[inline(always)]
+    pub(crate) fn plan_fast<const ZIP: bool>(
         &self,
         offset: u64,
         buf: &BufSlice<D::Buf>,
@@ -407,8 +403,10 @@ impl<D: BlockDevice> Chain<D> {
         let (runs, zeros, parts) = &mut *scratch;
         runs.clear();
         zeros.clear();
-        parts.clear();
-        self.plan_layer::<true>(0, offset, buf.len, 0, runs, zeros, parts)?;
+        if ZIP {
+            parts.clear();
+        }
+        self.plan_layer::<ZIP>(0, offset, buf.len, 0, runs, zeros, parts)?;
         for &(o, n) in zeros.iter() {
             buf.sub(o, n).zero();
         }

@@ -712,12 +712,9 @@ impl<D: BlockDevice> Qcow2<D> {
     /// on a device that cannot grow and an image without a zeroed tail of its own, until
     /// zeroing fails).
     pub fn zeroing_ahead(&self) -> bool {
-        self.meta.as_ref().is_some_and(|m| {
-            matches!(
-                m.st().tail,
-                crate::meta::zeroed_tail::TailKeeper::ZeroedAhead { .. }
-            )
-        })
+        self.meta
+            .as_ref()
+            .is_some_and(|m| m.st().tail.zeroes_ahead())
     }
     /// Refcount block cache counters.
     pub fn refcount_cache_stats(&self) -> CacheStats {
@@ -1470,7 +1467,7 @@ impl<D: BlockDevice> Qcow2<D> {
     ) -> Result<Vec<u8>> {
         let input = read_bytes(&self.exec, self.dev, d.offset.0, d.len).await?;
         let mut out = vec![0u8; self.geo.cluster_size() as usize];
-        let ct = self.header.borrow().header.compression_type;
+        let ct = self.compression_type();
         // Nothing awaits while it is borrowed: the fresh state is for safety alone.
         match self.decompressor.try_borrow_mut() {
             Ok(mut d) => d.decompress(ct, &input, &mut out)?,

@@ -6,12 +6,14 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // test helpers may panic
 
-use qcow2_engine::io::{BufSlice, HeapBuf, IoBuffer};
 use qcow2_engine::testing::{LoggedOp, MemDevice, Rng};
-use qcow2_engine::{Chain, Exec, Layer, OpenOptions, Qcow2};
+use qcow2_engine::{Chain, Exec};
 use std::path::Path;
 use std::process::Command;
 use std::rc::Rc;
+
+mod mem_chain;
+use mem_chain::{close, flush, image, open, read, write};
 
 const CS: u64 = 64 << 10;
 const SIZE: u64 = 64 << 20;
@@ -65,51 +67,6 @@ fn device(img: &[u8]) -> MemDevice {
     let mut data = img.to_vec();
     data.resize(DEV_SIZE, STALE);
     MemDevice::fixed(data, DEV_SIZE)
-}
-
-fn open(exec: &Exec<MemDevice>, dev: &MemDevice, zero_ahead: bool) -> Rc<Chain<MemDevice>> {
-    let id = exec.add_device(dev.clone());
-    let e2 = exec.clone();
-    let opts = OpenOptions {
-        writable: true,
-        zero_ahead,
-        ..Default::default()
-    };
-    let q = exec
-        .block_on(async move { Qcow2::open(&e2, id, opts).await })
-        .unwrap();
-    Chain::new(exec, vec![Layer::Qcow2(Box::new(q))]).unwrap()
-}
-
-fn image(chain: &Chain<MemDevice>) -> &Qcow2<MemDevice> {
-    match &chain.layers()[0] {
-        Layer::Qcow2(q) => q,
-        _ => unreachable!("a qcow2 chain"),
-    }
-}
-
-fn write(exec: &Exec<MemDevice>, chain: &Rc<Chain<MemDevice>>, off: u64, data: &[u8]) {
-    let (c, buf) = (chain.clone(), HeapBuf::new(data.len()));
-    buf.copy_in(0, data);
-    exec.block_on(async move { c.write(off, BufSlice::whole(buf)).await })
-        .unwrap();
-}
-
-fn read(exec: &Exec<MemDevice>, chain: &Rc<Chain<MemDevice>>, off: u64, len: usize) -> Vec<u8> {
-    let (c, buf) = (chain.clone(), HeapBuf::new(len));
-    let b2 = buf.clone();
-    exec.block_on(async move { c.read(off, BufSlice::whole(b2)).await })
-        .unwrap();
-    buf.to_vec()
-}
-
-fn flush(exec: &Exec<MemDevice>, chain: &Rc<Chain<MemDevice>>) {
-    let c = chain.clone();
-    exec.block_on(async move { c.flush().await }).unwrap();
-}
-
-fn close(exec: &Exec<MemDevice>, chain: Rc<Chain<MemDevice>>) {
-    exec.block_on(async move { chain.close().await }).unwrap();
 }
 
 /// Writes 4 KiB of a fresh pattern into `n` clusters of the guest's disk that QEMU left

@@ -9,12 +9,13 @@
 use qcow2_engine::create::{create, CreateOptions};
 use qcow2_engine::format::header::autoclear;
 use qcow2_engine::format::ImageHeader;
-use qcow2_engine::io::{BufSlice, HeapBuf, IoBuffer};
 use qcow2_engine::testing::{LoggedOp, MemDevice, Rng};
-use qcow2_engine::{Chain, Exec, Layer, OpenOptions, Qcow2};
+use qcow2_engine::Exec;
 use std::path::Path;
 use std::process::Command;
-use std::rc::Rc;
+
+mod mem_chain;
+use mem_chain::{close, open, read, write};
 
 const CS: u64 = 64 << 10;
 
@@ -36,38 +37,6 @@ fn formatted_with(opts: CreateOptions, dev_size: usize) -> MemDevice {
     exec.block_on(async move { create(&e2, id, &opts).await })
         .unwrap();
     dev
-}
-
-fn open(exec: &Exec<MemDevice>, dev: &MemDevice) -> Rc<Chain<MemDevice>> {
-    let id = exec.add_device(dev.clone());
-    let e2 = exec.clone();
-    let opts = OpenOptions {
-        writable: true,
-        ..Default::default()
-    };
-    let q = exec
-        .block_on(async move { Qcow2::open(&e2, id, opts).await })
-        .unwrap();
-    Chain::new(exec, vec![Layer::Qcow2(Box::new(q))]).unwrap()
-}
-
-fn write(exec: &Exec<MemDevice>, chain: &Rc<Chain<MemDevice>>, off: u64, data: &[u8]) {
-    let (c, buf) = (chain.clone(), HeapBuf::new(data.len()));
-    buf.copy_in(0, data);
-    exec.block_on(async move { c.write(off, BufSlice::whole(buf)).await })
-        .unwrap();
-}
-
-fn read(exec: &Exec<MemDevice>, chain: &Rc<Chain<MemDevice>>, off: u64, len: usize) -> Vec<u8> {
-    let (c, buf) = (chain.clone(), HeapBuf::new(len));
-    let b2 = buf.clone();
-    exec.block_on(async move { c.read(off, BufSlice::whole(b2)).await })
-        .unwrap();
-    buf.to_vec()
-}
-
-fn close(exec: &Exec<MemDevice>, chain: Rc<Chain<MemDevice>>) {
-    exec.block_on(async move { chain.close().await }).unwrap();
 }
 
 /// The zeroed tail an image's header claims (`None`: no valid claim).
@@ -155,7 +124,7 @@ fn a_first_write_past_the_zeroed_tail_writes_the_guest_bytes_alone() {
     for zeroed_tail in [true, false] {
         let dev = formatted(64 << 20, 80 << 20, zeroed_tail);
         let exec = Exec::new();
-        let chain = open(&exec, &dev);
+        let chain = open(&exec, &dev, false);
         dev.0.borrow_mut().record = true;
         write(&exec, &chain, 3 * CS + 8192, &pattern);
         // Only the data write so far (its metadata is dirty in memory).
@@ -195,7 +164,7 @@ fn a_first_write_past_the_zeroed_tail_writes_the_guest_bytes_alone() {
         // A reopened image still writes first writes alone.
         let exec = Exec::new();
         let dev = MemDevice::fixed(img, 80 << 20);
-        let chain = open(&exec, &dev);
+        let chain = open(&exec, &dev, false);
         dev.0.borrow_mut().record = true;
         write(&exec, &chain, 40 * CS, &pattern);
         assert_eq!(data_write_lens(&dev), vec![want], "after a reopen");
@@ -210,7 +179,7 @@ fn nothing_is_written_past_the_zeroed_tail_on_disk() {
     let dev = formatted(size, dev_size, true);
     let initial = tail_of(&dev.contents()).unwrap();
     let exec = Exec::new();
-    let chain = open(&exec, &dev);
+    let chain = open(&exec, &dev, false);
     dev.0.borrow_mut().record = true;
     let mut r = Rng(29);
     let mut clusters: Vec<u64> = (0..size / CS).collect();
@@ -237,7 +206,7 @@ fn nothing_is_written_past_the_zeroed_tail_on_disk() {
     // The data reads back (through a fresh open), and QEMU finds the image clean.
     let exec = Exec::new();
     let dev2 = MemDevice::fixed(img.clone(), dev_size);
-    let chain = open(&exec, &dev2);
+    let chain = open(&exec, &dev2, false);
     for (off, data) in reference.iter().step_by(97) {
         assert_eq!(&read(&exec, &chain, *off, 4096), data);
     }
@@ -260,7 +229,7 @@ fn a_refcount_table_that_grows_stays_below_the_zeroed_tail() {
     let dev = formatted_with(opts, dev_size);
     let initial = tail_of(&dev.contents()).unwrap();
     let exec = Exec::new();
-    let chain = open(&exec, &dev);
+    let chain = open(&exec, &dev, false);
     dev.0.borrow_mut().record = true;
     for i in 0..(5u64 << 20) / 65536 {
         write(&exec, &chain, i * 65536, &[(i % 255) as u8 + 1; 65536]);
@@ -306,7 +275,7 @@ fn qemu_writing_the_image_voids_the_zeroed_tail() {
     // Our first write takes that free cluster: the rest of it must read as zeros.
     let exec = Exec::new();
     let dev = MemDevice::fixed(img, dev_size);
-    let chain = open(&exec, &dev);
+    let chain = open(&exec, &dev, false);
     let pattern = vec![0x11u8; 4096];
     write(&exec, &chain, 5 * CS, &pattern);
     let got = read(&exec, &chain, 5 * CS, CS as usize);
@@ -324,7 +293,7 @@ fn a_repair_voids_the_zeroed_tail() {
     // not keep the tail, so it clears its bit first.
     let dev = formatted(8 << 20, 16 << 20, true);
     let exec = Exec::new();
-    let chain = open(&exec, &dev);
+    let chain = open(&exec, &dev, false);
     write(&exec, &chain, 0, &[7u8; 4096]);
     close(&exec, chain);
     let mut img = dev.contents();

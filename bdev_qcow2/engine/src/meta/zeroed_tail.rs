@@ -52,6 +52,10 @@ impl TailKeeper {
             _ => None,
         }
     }
+    /// Whether this writer zeroes the device ahead of the allocator.
+    pub(crate) fn zeroes_ahead(&self) -> bool {
+        matches!(self, TailKeeper::ZeroedAhead { .. })
+    }
     /// Where the tail starts (bytes), if there is one.
     pub(crate) fn from(&self) -> Option<u64> {
         match self {

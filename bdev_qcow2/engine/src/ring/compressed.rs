@@ -102,7 +102,7 @@ impl<D: BlockDevice> Chain<D> {
         let Ok(mut zips) = self.zips.try_borrow_mut() else {
             return Err(Unplanned::Other);
         };
-        let plan = self.plan_fill(offset, dst)?;
+        let plan = self.plan_fast::<true>(offset, dst)?;
         if zips.recs.is_empty() {
             self.zip_records(&mut zips);
         }

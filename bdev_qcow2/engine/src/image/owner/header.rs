@@ -9,7 +9,7 @@ use super::Owner;
 use crate::error::{corrupt, Error, Field, Result};
 use crate::format::header::ZeroedTail;
 use crate::io::{BlockDevice, BufSlice, IoBuffer};
-use crate::meta::zeroed_tail::{Raise, TailKeeper};
+use crate::meta::zeroed_tail::Raise;
 
 /// The least step by which the zeroed tail is raised (see `raise_zeroed_tail`).
 const ZEROED_TAIL_STEP_MIN: u64 = 1 << 20;
@@ -87,7 +87,7 @@ impl<D: BlockDevice> Owner<'_, D> {
         let cs = self.geo.cluster_size();
         let bits = self.geo.cluster_bits;
         let dev_end = self.device_size.get().div_ceil(cs) * cs;
-        let zeroing = matches!(m.st().tail, TailKeeper::ZeroedAhead { .. });
+        let zeroing = m.st().tail.zeroes_ahead();
         let mut step = (dev_end / 64).max(ZEROED_TAIL_STEP_MIN);
         if zeroing {
             step = step.min(ZERO_AHEAD_STEP_MAX);
