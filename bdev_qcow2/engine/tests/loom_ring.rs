@@ -26,13 +26,15 @@
 //! Invariant: a read submitted after the writer's acknowledgement (it observed it) is
 //! never served the old data from the ring, waiting or not.
 //!
-//! A write skips its bump where no read-ahead ever recorded (its zone unwatched): the
-//! model runs `WriteGens::record` and `written` with `fence(SeqCst)` for each half of the
-//! asymmetric fence pair they use.
+//! A write skips its bump where no read-ahead watches its zone: the model runs
+//! `WriteGens::record` and `written` with `fence(SeqCst)` for each half of the asymmetric
+//! fence pair they use. A third core watches the same zone first, and may unwatch it and
+//! sweep it, while the reader core's read-ahead watches it.
 //!
 //! Broken variants — bumping before the data reached the device, bumping before the new
 //! mapping is published, recording the generation after the read-ahead, recording it
-//! without marking the zone watched, serving the
+//! without watching the zone, watching a zone another core is still arming without a
+//! barrier, sweeping a watched zone, serving the
 //! reads waiting on a read-ahead without checking the generation when it completes,
 //! serving a read that waited for two chunks on the first chunk's check alone — must be
 //! caught: they run under `#[should_panic]`.
@@ -43,7 +45,7 @@
 use loom::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use loom::sync::Arc;
 use loom::thread;
-use qcow2_engine::ring::WriteGens;
+use qcow2_engine::ring::{Watch, WriteGens};
 
 /// The region's guest offset and a write's length.
 const OFF: u64 = 0;
@@ -67,14 +69,24 @@ struct Faults {
     /// The read-ahead reads the generation without marking its zone watched (so a write
     /// there skips its bump).
     record_unwatched: bool,
+    /// A read-ahead that finds its zone watched skips the barrier, though the core that
+    /// watched first may still be in it.
+    record_trusting: bool,
+    /// The sweep clears zones that are still watched.
+    sweep_watched: bool,
 }
 
-/// The read-ahead's record of the generation, as `Chain::ring_read` takes it.
-fn record(w: &World) -> u32 {
+/// The read-ahead's record of the generation, as `Chain::ring_read` takes it, and its
+/// watch on the zone (kept while its data may be served).
+fn record(w: &World) -> (u32, Option<Watch>) {
     if w.faults.record_unwatched {
-        w.gens.current(OFF)
+        (w.gens.current(OFF), None)
+    } else if w.faults.record_trusting {
+        let (g, watch) = w.gens.record_trusting(OFF);
+        (g, Some(watch))
     } else {
-        w.gens.record(OFF)
+        let (g, watch) = w.gens.record(OFF);
+        (g, Some(watch))
     }
 }
 
@@ -122,16 +134,17 @@ fn run(remap: bool, faults: Faults) {
         };
         // The reader core: a read-ahead, then a guest read served from the ring.
         let f = w.faults;
-        let mut gen = if f.record_after_read {
+        let mut rec = if f.record_after_read {
             None
         } else {
             Some(record(&w))
         };
         let loc = w.map.load(Ordering::Acquire) as usize;
         let data = w.dev[loc].load(Ordering::Relaxed);
-        if gen.is_none() {
-            gen = Some(record(&w));
+        if rec.is_none() {
+            rec = Some(record(&w));
         }
+        let gen = rec.as_ref().map(|r| r.0);
         // The guest read: submitted after it observed the acknowledgement, or not.
         let after_ack = w.acked.load(Ordering::Acquire);
         if Some(w.gens.current(OFF)) == gen {
@@ -172,7 +185,7 @@ fn run_waiting(remap: bool, early: bool, faults: Faults) {
         };
         // The read-ahead starts: the generation recorded, then the mapping resolved and
         // the device read; the guest read arrives and waits in between or after.
-        let gen = w.gens.record(OFF);
+        let (gen, _watch) = w.gens.record(OFF);
         let mut after_ack = false;
         if early {
             after_ack = w.acked.load(Ordering::Acquire);
@@ -230,7 +243,8 @@ fn run_waiting_two(written: u64, remap: bool, early: bool, faults: Faults) {
         };
         // Both read-aheads start: generations recorded, then the device reads (of the
         // written chunk through its mapping; the other chunk holds what it always held).
-        let gens = [w.gens.record(0), w.gens.record(CHUNK)];
+        let (r0, r1) = (w.gens.record(0), w.gens.record(CHUNK));
+        let gens = [r0.0, r1.0];
         let mut after_ack = false;
         if early {
             after_ack = w.acked.load(Ordering::Acquire);
@@ -367,6 +381,96 @@ fn broken_record_after_read_is_caught() {
         Faults {
             record_after_read: true,
             ..Default::default()
+        },
+    );
+}
+
+/// Three cores: besides the writer, a core whose read-ahead watches the zone first (and,
+/// when `leaves`, unwatches it and sweeps at once), and the reader core, whose read-ahead
+/// watches the same zone, maybe while the first is still in its barrier, and then serves a
+/// read from the ring.
+/// Preemptions the three-core model explores per execution.
+const PREEMPTIONS: usize = 3;
+
+fn run_watchers(leaves: bool, faults: Faults) {
+    // Three threads: bounded preemptions keep the search to seconds (every broken variant
+    // is still caught within the bound).
+    let mut b = loom::model::Builder::new();
+    b.preemption_bound = Some(PREEMPTIONS);
+    b.check(move || {
+        let w = Arc::new(World {
+            gens: WriteGens::new(),
+            dev: [AtomicU64::new(OLD), AtomicU64::new(0xdead)],
+            map: AtomicU64::new(0),
+            acked: AtomicBool::new(false),
+            faults,
+        });
+        let writer = {
+            let w = w.clone();
+            thread::spawn(move || {
+                w.dev[0].store(NEW, Ordering::Relaxed);
+                w.gens.written(OFF, LEN);
+                w.acked.store(true, Ordering::Release);
+            })
+        };
+        let first = {
+            let w = w.clone();
+            thread::spawn(move || {
+                let r = record(&w);
+                if leaves {
+                    drop(r);
+                    if w.faults.sweep_watched {
+                        w.gens.zones().sweep_all();
+                    } else {
+                        w.gens.zones().sweep();
+                    }
+                }
+            })
+        };
+        let (gen, _watch) = record(&w);
+        let data = w.dev[0].load(Ordering::Relaxed);
+        let after_ack = w.acked.load(Ordering::Acquire);
+        if w.gens.current(OFF) == gen && after_ack {
+            assert_eq!(
+                data, NEW,
+                "a read after the write's acknowledgement got old data"
+            );
+        }
+        writer.join().unwrap();
+        first.join().unwrap();
+    });
+}
+
+#[test]
+fn a_zone_watched_by_two_cores() {
+    run_watchers(false, Faults::default());
+}
+
+#[test]
+fn a_zone_unwatched_and_swept_while_another_core_watches_it() {
+    run_watchers(true, Faults::default());
+}
+
+#[test]
+#[should_panic(expected = "old data")]
+fn broken_watch_trusting_a_zone_still_arming_is_caught() {
+    run_watchers(
+        false,
+        Faults {
+            record_trusting: true,
+            ..Faults::default()
+        },
+    );
+}
+
+#[test]
+#[should_panic(expected = "old data")]
+fn broken_sweep_of_a_watched_zone_is_caught() {
+    run_watchers(
+        true,
+        Faults {
+            sweep_watched: true,
+            ..Faults::default()
         },
     );
 }

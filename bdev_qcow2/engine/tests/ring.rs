@@ -824,3 +824,44 @@ fn compressed_chunks_of_every_cluster_size_read_what_the_source_holds() {
         }
     }
 }
+
+#[test]
+fn the_zones_a_stream_left_are_swept_on_the_owners_tick() {
+    use qcow2_engine::ring::zones::ZONE;
+    let dir = tempfile::tempdir().unwrap();
+    let img = dir.path().join("img.qcow2");
+    sh(Command::new("qemu-img")
+        .args(["create", "-q", "-f", "qcow2"])
+        .arg(&img)
+        .arg("80M"));
+    qemu_io(&img, &["write -P 0x11 0 1M", "write -P 0x22 65M 1M"]);
+    let (exec, chain, _) = chain_of(&[&img], OpenOptions::default());
+    let gens = chain.write_gens().unwrap().clone();
+    // A stream from the first zone well into the second.
+    let mut off = 0;
+    while off < ZONE + (8 << 20) {
+        let got = read(&exec, &chain, off, 64 << 10);
+        let want = match off {
+            o if o < 1 << 20 => 0x11,
+            o if (65 << 20..66 << 20).contains(&o) => 0x22,
+            _ => 0,
+        };
+        assert!(got.iter().all(|&b| b == want), "at {off}");
+        off += 64 << 10;
+    }
+    assert!(gens.zones().is_watched(0) && gens.zones().is_watched(ZONE));
+    // The default interval has not passed; with none, a sweep comes within 64 ticks.
+    assert!(!(0..64).any(|_| chain.tick_ring_zones()));
+    chain.set_ring_sweep_every(std::time::Duration::ZERO);
+    assert!((0..64).any(|_| chain.tick_ring_zones()));
+    assert!(!gens.zones().is_watched(0), "left: swept");
+    assert!(
+        gens.zones().is_watched(ZONE),
+        "read ahead in: still watched"
+    );
+    assert_eq!(gens.zones().swept(), 1);
+    // The chain goes (its channel destroyed): nothing of it stays watched.
+    drop(chain);
+    assert_eq!(gens.zones().sweep(), 1);
+    assert!(!gens.zones().is_watched(ZONE));
+}

@@ -33,6 +33,7 @@ use crate::ffi::sys;
 use crate::ffi::thread::{self, Poll, Polled, PollerSlot, Thread};
 use crate::io_ctx::OwnerOp;
 use qcow2_engine::exec::Outcome;
+use qcow2_engine::ring::zones::SWEEP_EVERY;
 use qcow2_engine::ring::RingServed;
 use qcow2_engine::{Chain, DevId, Exec, ReadRoute, WriteRoute};
 use std::cell::{Cell, RefCell};
@@ -80,6 +81,9 @@ pub struct Owner {
     stream: RefCell<Option<crate::stream_rpc::Stream>>,
     /// Life-cycle jobs ([`run_job`](Self::run_job): resize, snapshots) not finished yet.
     jobs: Rc<Cell<u32>>,
+    /// With the prefetch ring: sweeps the zones every read-ahead left, so that writes there
+    /// skip their generation bump again (a timer: the poller pauses while idle).
+    _sweeper: Option<thread::Ticker>,
 }
 
 /// How often (in polls) the owner asks whether dirty metadata waited long enough for a
@@ -102,6 +106,18 @@ impl Owner {
         let direct = devs
             .first()
             .map(|&d| exec.with_device(d, |dev| dev.direct_target(d)));
+        let sweeper = chain.write_gens().and_then(|g| {
+            let g = g.clone();
+            let t = thread::every(SWEEP_EVERY, c"qcow2_zones", Box::new(move || {
+                g.zones().sweep();
+            }));
+            if t.is_none() {
+                tracing::warn!(
+                    "no poller for the zone sweep: writes keep their generation bump wherever a read-ahead was"
+                );
+            }
+            t
+        });
         let o = Box::new(Owner {
             driver: Driver::new(exec),
             md_thread: Thread::current(),
@@ -114,6 +130,7 @@ impl Owner {
             polls: Cell::new(0),
             stream: RefCell::new(None),
             jobs: Rc::new(Cell::new(0)),
+            _sweeper: sweeper,
         });
         for d in devs {
             // SAFETY: the owner is boxed and owns the executor that owns the device.

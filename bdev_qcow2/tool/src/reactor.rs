@@ -329,6 +329,8 @@ impl<D: BlockDevice> Reactor<D> {
             if self.chain.tick_background_writeback() {
                 n += 1;
             }
+            // Zones every read-ahead left stop costing writes their generation bump.
+            self.chain.tick_ring_zones();
             let mesh = &self.mesh;
             let fwd = &mut self.forwarded;
             // The owner's requests always complete (it hands nothing to itself).

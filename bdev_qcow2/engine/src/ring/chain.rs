@@ -5,6 +5,7 @@
 //! once into the ring, nothing past the end of the disk).
 
 use super::wait::{Waiter, Waiters};
+use super::zones::SWEEP_EVERY;
 use super::{Fill, Lookup, Ring, RingConfig, RingStats, WriteGens, CHUNK};
 use crate::chain::{read_layer, Chain, Layer, Unplanned};
 use crate::error::{Error, Result};
@@ -12,6 +13,7 @@ use crate::io::{BlockDevice, BufSlice, IoBuffer};
 use crate::slice_load::SliceLoad;
 use std::rc::Rc;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 /// Times a read-ahead waits for a slice load before it runs as a task instead: a chunk
 /// spans several slices of a layer only with tiny ones (slices cover 16 KiB at least:
@@ -103,7 +105,14 @@ pub(crate) struct RingHost<B> {
     gens: Arc<WriteGens>,
     waiters: Waiters<B>,
     parked: Parked,
+    /// [`Chain::tick_ring_zones`] calls since it last read the clock, and when it sweeps next.
+    ticks: u32,
+    next_sweep: Instant,
+    sweep_every: Duration,
 }
+
+/// [`Chain::tick_ring_zones`] calls between two reads of the clock.
+const TICKS_PER_CLOCK: u32 = 64;
 
 impl<D: BlockDevice> Chain<D> {
     /// Turns the prefetch ring on for this core: allocates its buffer once, from the top
@@ -132,6 +141,9 @@ impl<D: BlockDevice> Chain<D> {
             gens,
             waiters: Waiters::new(cfg.slots()),
             parked: Parked::new(cfg.slots()),
+            ticks: 0,
+            next_sweep: Instant::now() + SWEEP_EVERY,
+            sweep_every: SWEEP_EVERY,
         });
         self.ring_on.set(true);
         Ok(())
@@ -157,6 +169,40 @@ impl<D: BlockDevice> Chain<D> {
     pub fn ring_written(&self, offset: u64, len: u64) {
         if let Some(g) = self.ring_gens.get() {
             g.written(offset, len);
+        }
+    }
+
+    /// On the image's owner, from its poll loop (as often as it polls): every
+    /// [`SWEEP_EVERY`], clears the zones no read-ahead watches any more
+    /// ([`Zones::sweep`](super::Zones::sweep)), so that writes there skip their generation
+    /// bump again once every reader has left. Returns whether it swept.
+    pub fn tick_ring_zones(&self) -> bool {
+        let Ok(mut guard) = self.ring.try_borrow_mut() else {
+            return false;
+        };
+        let Some(rh) = guard.as_mut() else {
+            return false;
+        };
+        rh.ticks += 1;
+        if rh.ticks < TICKS_PER_CLOCK {
+            return false;
+        }
+        rh.ticks = 0;
+        let now = Instant::now();
+        if now < rh.next_sweep {
+            return false;
+        }
+        rh.next_sweep = now + rh.sweep_every;
+        rh.gens.zones().sweep();
+        true
+    }
+
+    /// Sets how often [`tick_ring_zones`](Self::tick_ring_zones) sweeps (default
+    /// [`SWEEP_EVERY`]): a stress test sweeps often, to race sweeps with the rings.
+    pub fn set_ring_sweep_every(&self, every: Duration) {
+        if let Some(rh) = self.ring.borrow_mut().as_mut() {
+            rh.sweep_every = every;
+            rh.next_sweep = Instant::now() + every;
         }
     }
 

@@ -25,24 +25,23 @@
 //!
 //! **Unwatched zones.** The bump is a locked read-modify-write on a line every writing
 //! core shares: on a random-write workload it was most of what a write costs over SPDK's
-//! passthru. Yet only guest space that some ring ever read ahead needs it. So a read-ahead
-//! marks its [`ZONE`] watched when it records (the first one there: flag store, then the
-//! heavy half of the asymmetric fence pair, `coherency::fences`), and a write whose zone
-//! is not watched skips its bump (its light half, then the flag's load). Either the
-//! write's load sees the flag, and it bumps; or it ran before the barrier the heavy half
-//! forces on its CPU, and so did everything the write did before it — its data was on
-//! the device and its mapping in place before the read-ahead resolved and read, and the
-//! read-ahead's data is the write's or newer. Flags are never cleared. Without the
-//! asymmetric pair every write bumps, as a full fence would cost what the bump does.
+//! passthru. Yet only guest space that some ring is reading ahead in needs it. So a
+//! read-ahead holds a [`Watch`] on its zone from its record until its slot is freed, and a
+//! write inside one region skips its bump where no watch is (the light half of the
+//! asymmetric fence pair, then the zone's load; the protocol is in [`zones`](super::zones)).
+//! Without the asymmetric pair every write bumps, as a full fence would cost what the bump
+//! does.
 //!
 //! The atomics come from `loom` under `--cfg loom` (`tests/loom_ring.rs` checks them, with
 //! `fence(SeqCst)` for each half of the pair).
 
+use super::zones::{Watch, Zones};
 use crate::coherency::fences;
 #[cfg(loom)]
-use loom::sync::atomic::{fence, AtomicBool, AtomicU32, Ordering};
+use loom::sync::atomic::{fence, AtomicU32, Ordering};
 #[cfg(not(loom))]
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
 
 /// Bytes of guest space one generation covers: one ring chunk, so a hit checks one
 /// generation per chunk.
@@ -57,20 +56,11 @@ pub const GEN_SLOTS: usize = 1 << 16;
 #[cfg(loom)]
 pub const GEN_SLOTS: usize = 8;
 
-/// Bytes of guest space one watch flag covers (see [`WriteGens::record`]).
-pub const ZONE: u64 = 64 << 20;
-/// Watch flags of an image: zones this many apart share one (a shared flag only costs
-/// bumps that were not needed).
-#[cfg(not(loom))]
-const ZONES: usize = 1 << 12;
-#[cfg(loom)]
-const ZONES: usize = 2;
-
 /// The write generations of one image, shared by its cores (`Arc`).
 pub struct WriteGens {
     gens: Box<[AtomicU32; GEN_SLOTS]>,
-    /// Per zone: a read-ahead was recorded there once (never cleared).
-    watched: Box<[AtomicBool; ZONES]>,
+    /// Where some core reads ahead (writes elsewhere skip their bump).
+    zones: Arc<Zones>,
     /// Writes outside watched zones skip the bump: only with the asymmetric fence pair,
     /// whose light half costs a write nothing (a full fence would cost what the bump does).
     skip_unwatched: bool,
@@ -101,38 +91,34 @@ impl WriteGens {
                 .collect::<Box<[AtomicU32]>>()
                 .try_into()
                 .unwrap_or_else(|_| unreachable!("GEN_SLOTS generations")),
-            watched: (0..ZONES)
-                .map(|_| AtomicBool::new(false))
-                .collect::<Box<[AtomicBool]>>()
-                .try_into()
-                .unwrap_or_else(|_| unreachable!("ZONES flags")),
+            zones: Arc::new(Zones::new()),
             skip_unwatched: cfg!(loom) || fences::asymmetric(),
         }
     }
 
-    /// The watch flag of the zone holding guest byte `offset`.
-    #[inline(always)]
-    fn zone(&self, offset: u64) -> &AtomicBool {
-        &self.watched[(offset / ZONE) as usize % ZONES]
+    /// A read-ahead of the region holding guest byte `offset` is about to resolve its
+    /// mapping and read: returns the generation to hold its data against, and its watch on
+    /// the zone, to keep until its data is never served again (its slot freed or dead).
+    /// Watching comes first, so that a write that skips its bump there had completed
+    /// before this read-ahead reads.
+    #[inline]
+    pub fn record(&self, offset: u64) -> (u32, Watch) {
+        let watch = self.zones.watch(offset);
+        (self.current(offset), watch)
     }
 
-    /// A read-ahead of the region holding guest byte `offset` is about to resolve its
-    /// mapping and read: returns the generation to hold its data against. The first in a
-    /// zone marks it watched and then runs the heavy half of the fence pair before it
-    /// reads anything, so that a write that finds the zone unwatched (and skips its bump)
-    /// had completed before this read-ahead reads (see the module documentation).
-    #[inline]
-    pub fn record(&self, offset: u64) -> u32 {
-        let z = self.zone(offset);
-        // Acquire: what follows (the generation, the mapping, the read) comes after it.
-        if !z.load(Ordering::Acquire) {
-            z.store(true, Ordering::Relaxed);
-            #[cfg(not(loom))]
-            fences::heavy();
-            #[cfg(loom)]
-            fence(Ordering::SeqCst);
-        }
-        self.current(offset)
+    /// The deliberately broken [`record`](Self::record) of the model check: its watch
+    /// trusts a zone another core is still arming.
+    #[cfg(loom)]
+    pub fn record_trusting(&self, offset: u64) -> (u32, Watch) {
+        let watch = self.zones.watch_trusting(offset);
+        (self.current(offset), watch)
+    }
+
+    /// The zones read-ahead watches: hosts [`sweep`](Zones::sweep) them every
+    /// [`SWEEP_EVERY`](super::zones::SWEEP_EVERY).
+    pub fn zones(&self) -> &Zones {
+        &self.zones
     }
 
     /// The slot of region `region`.
@@ -165,7 +151,7 @@ impl WriteGens {
                 fences::light(true);
                 #[cfg(loom)]
                 fence(Ordering::SeqCst);
-                if !self.zone(offset).load(Ordering::Relaxed) {
+                if self.zones.unwatched(offset) {
                     return;
                 }
             }
@@ -193,6 +179,7 @@ impl WriteGens {
 #[cfg(all(test, not(loom)))]
 mod tests {
     use super::*;
+    use crate::ring::zones::{ZONE, ZONES};
 
     #[test]
     fn a_write_moves_the_generation_of_every_region_it_touches() {
@@ -207,15 +194,16 @@ mod tests {
     }
 
     #[test]
-    fn writes_bump_only_in_zones_a_read_ahead_recorded_in() {
+    fn writes_bump_only_in_zones_a_read_ahead_watches() {
         let mut g = WriteGens::new();
         g.skip_unwatched = true;
         g.written(4096, 512);
         assert_eq!(g.current(4096), 0, "no read-ahead there: no bump");
-        assert_eq!(g.record(4096), 0);
+        let (gen, watch) = g.record(4096);
+        assert_eq!(gen, 0);
         g.written(4096, 512);
         assert_eq!(g.current(4096), 1);
-        // The whole zone is watched; the next one is not; zones ZONES apart share a flag.
+        // The whole zone is watched; the next one is not; zones ZONES apart share a word.
         g.written(ZONE - REGION, 512);
         assert_eq!(g.current(ZONE - REGION), 1);
         g.written(ZONE, 512);
@@ -227,6 +215,13 @@ mod tests {
         g.written(2 * ZONE - 512, 1024);
         assert_eq!(g.current(2 * ZONE - 512), 1);
         assert_eq!(g.current(2 * ZONE), 1);
+        // Unwatched: writes bump until a sweep, then skip.
+        drop(watch);
+        g.written(4096, 512);
+        assert_eq!(g.current(4096), 2);
+        assert_eq!(g.zones().sweep(), 1);
+        g.written(4096, 512);
+        assert_eq!(g.current(4096), 2);
         // Without the asymmetric pair every write bumps.
         let all = WriteGens {
             skip_unwatched: false,

@@ -20,10 +20,12 @@ pub(crate) mod compressed;
 pub mod gens;
 mod hot;
 mod wait;
+pub mod zones;
 
 pub use chain::{RingCopy, RingServed, RingWait};
 pub use gens::WriteGens;
 pub use hot::Hot;
+pub use zones::{Watch, Zones};
 
 use gens::REGION;
 
@@ -194,7 +196,7 @@ enum State {
     Dead,
 }
 
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug)]
 struct Slot {
     state: State,
     /// Guest offset of its chunk.
@@ -203,6 +205,8 @@ struct Slot {
     len: u32,
     /// Write generation of the chunk's region, recorded before its read-ahead was issued.
     gen: u32,
+    /// The read-ahead's watch on its zone, while its data may still be served.
+    watch: Option<Watch>,
     /// Whether a read was served from it (once ready, or waiting for it).
     used: bool,
     /// Reads waiting for its read-ahead (while [`State::Filling`]; a read waiting for
@@ -219,6 +223,7 @@ impl Slot {
         offset: 0,
         len: 0,
         gen: 0,
+        watch: None,
         used: false,
         waiters: 0,
         orphan: false,
@@ -346,7 +351,7 @@ impl Ring {
         Ring {
             cfg,
             disk_size,
-            slots: vec![Slot::EMPTY; n].into_boxed_slice(),
+            slots: (0..n).map(|_| Slot::EMPTY).collect(),
             // Popped from the end: slot 0 first.
             free: (0..n as u16).rev().collect(),
             ahead: 0,
@@ -431,6 +436,7 @@ impl Ring {
             if gen_of(c * CHUNK) != slot.gen {
                 // Written since it was read ahead: no read may see it again.
                 slot.state = State::Dead;
+                slot.watch = None;
                 self.stats.invalidated += 1;
                 break;
             }
@@ -623,9 +629,12 @@ impl Ring {
         self.stats.readahead_tasks += 1;
     }
 
-    /// The read-ahead into `slot` starts under write generation `gen` of its chunk.
-    pub fn filling(&mut self, slot: u16, gen: u32) {
-        self.slots[slot as usize].gen = gen;
+    /// The read-ahead into `slot` starts under write generation `gen` of its chunk, its
+    /// zone watched by `watch` ([`WriteGens::record`]) until the slot is freed or dead.
+    pub fn filling(&mut self, slot: u16, (gen, watch): (u32, Watch)) {
+        let s = &mut self.slots[slot as usize];
+        s.gen = gen;
+        s.watch = Some(watch);
     }
 
     /// The read-ahead into `slot` completed (`ok`: its bytes are in the buffer) under
@@ -644,7 +653,12 @@ impl Ring {
             // Written while it filled: no read, waiting or later, may see it.
             self.stats.invalidated += 1;
         }
-        s.state = if usable { State::Ready } else { State::Dead };
+        if usable {
+            s.state = State::Ready;
+        } else {
+            s.state = State::Dead;
+            s.watch = None;
+        }
         usable
     }
 
@@ -705,7 +719,7 @@ impl Ring {
         s.head = (s.head + 1) % MAX_WINDOW_CHUNKS;
         s.count -= 1;
         s.first += 1;
-        let slot = self.slots[k as usize];
+        let slot = &self.slots[k as usize];
         match (slot.state, slot.used) {
             (_, true) => {
                 s.window = (s.window * 2).clamp(1, max);

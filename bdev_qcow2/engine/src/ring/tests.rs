@@ -19,6 +19,8 @@ struct Sim {
     ring: Ring,
     hot: Hot,
     gens: std::collections::HashMap<u64, u32>,
+    /// Where the read-aheads' watches come from (their generations are `gens`').
+    watches: WriteGens,
     inflight: Vec<Fill>,
     /// Reads waiting: the slots they still wait for, the bytes of their rest, whether a
     /// prefix was served before, whether a chunk came in unusable.
@@ -31,6 +33,7 @@ impl Sim {
             ring: Ring::new(cfg, disk),
             hot: Hot::default(),
             gens: Default::default(),
+            watches: WriteGens::new(),
             inflight: Vec::new(),
             waiting: Vec::new(),
         }
@@ -95,7 +98,8 @@ impl Sim {
         }
         while let Some(f) = self.ring.next_fill(&self.hot, i) {
             let gen = self.gen(f.offset);
-            self.ring.filling(f.slot, gen);
+            let (_, watch) = self.watches.record(f.offset);
+            self.ring.filling(f.slot, (gen, watch));
             self.inflight.push(f);
         }
         want
@@ -772,4 +776,47 @@ fn a_reader_late_at_first_and_then_served_keeps_reading_ahead() {
         sim.complete();
     }
     assert!(hits > 50, "{hits} of 64 reads hit");
+}
+
+#[test]
+fn a_stream_watches_the_zones_of_the_data_its_slots_may_still_serve() {
+    use super::zones::ZONE;
+    let mut s = Sim::new(RingConfig::default(), DISK);
+    let start = ZONE - (2 << 20);
+    let mut off = start;
+    while off < ZONE + (4 << 20) {
+        s.read(off, B);
+        s.complete();
+        off += B;
+    }
+    let live = |s: &Sim| s.ring.slots.iter().filter(|k| k.watch.is_some()).count() as u32;
+    assert!(live(&s) > 0);
+    assert_eq!(s.watches.zones().watches(ZONE), live(&s));
+    // Zone 0's chunks were passed and freed: armed until the sweep, then unwatched.
+    assert_eq!(s.watches.zones().watches(0), 0);
+    assert!(s.watches.zones().is_watched(0));
+    assert_eq!(s.watches.zones().sweep(), 1);
+    assert!(!s.watches.zones().is_watched(0));
+    assert!(s.watches.zones().is_watched(ZONE));
+    // A chunk found written can never be served: its watch goes at once.
+    let before = live(&s);
+    s.write(off + CHUNK);
+    while s.ring.stats().invalidated == 0 {
+        s.read(off, B);
+        s.complete();
+        off += B;
+    }
+    assert!(s
+        .ring
+        .slots
+        .iter()
+        .any(|k| k.state == State::Dead && k.watch.is_none()));
+    assert_eq!(s.watches.zones().watches(ZONE), live(&s));
+    assert!(live(&s) <= before);
+    // A ring that goes (its channel destroyed) leaves no watch.
+    let Sim { ring, watches, .. } = s;
+    drop(ring);
+    assert_eq!(watches.zones().watches(ZONE), 0);
+    assert_eq!(watches.zones().sweep(), 1);
+    assert!(!watches.zones().is_watched(ZONE));
 }

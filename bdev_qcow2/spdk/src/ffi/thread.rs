@@ -368,3 +368,53 @@ unsafe fn send_boxed<M: Message>(thread: *mut sys::spdk_thread, m: Box<M>) -> Re
     }
     Ok(())
 }
+
+/// A timed poller: runs its closure every period on the thread that started it, until
+/// dropped (on that thread: it is neither `Send` nor `Sync`). Between its runs it costs the
+/// reactor nothing but SPDK's look at its timer list.
+pub struct Ticker {
+    poller: *mut sys::spdk_poller,
+    ctx: *mut Box<dyn FnMut()>,
+}
+
+impl std::fmt::Debug for Ticker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Ticker").finish_non_exhaustive()
+    }
+}
+
+/// Starts a [`Ticker`] on the calling SPDK thread running `f` every `period` (at least one
+/// microsecond); `None` if SPDK refused a poller.
+pub fn every(period: std::time::Duration, name: &CStr, f: Box<dyn FnMut()>) -> Option<Ticker> {
+    let ctx = Box::into_raw(Box::new(f));
+    let us = (period.as_micros() as u64).max(1);
+    // SAFETY: `run_ticker` gets the leaked closure, live until the ticker drops (after it
+    // unregistered the poller); SPDK copies `name`.
+    let poller =
+        unsafe { sys::spdk_poller_register_named(Some(run_ticker), ctx.cast(), us, name.as_ptr()) };
+    if poller.is_null() {
+        // SAFETY: no poller refers to it: still only ours.
+        drop(unsafe { Box::from_raw(ctx) });
+        return None;
+    }
+    Some(Ticker { poller, ctx })
+}
+
+unsafe extern "C" fn run_ticker(ctx: *mut c_void) -> c_int {
+    // SAFETY: `ctx` is the closure `every` leaked, live while its poller is registered; SPDK
+    // runs a poller on its own thread only, never reentrantly.
+    let f = unsafe { &mut *ctx.cast::<Box<dyn FnMut()>>() };
+    f();
+    POLLER_IDLE
+}
+
+impl Drop for Ticker {
+    fn drop(&mut self) {
+        // SAFETY: registered by `every` on this thread (the type cannot leave it) and
+        // unregistered once, here; SPDK calls it no more, so its closure can go.
+        unsafe {
+            sys::spdk_poller_unregister(&mut self.poller);
+            drop(Box::from_raw(self.ctx));
+        }
+    }
+}
