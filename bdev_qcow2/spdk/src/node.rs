@@ -650,7 +650,8 @@ fn log_summary(n: &Node, owner: Option<crate::owner::OwnerCounters>) {
          prefetch ring {} streams, {} read-ahead I/Os, {} bytes read ahead, {} bytes served \
          in {} reads ({} of them in part, {} of those with the rest waited for; {} waited for their read-ahead, {} of those then \
          sent to the base), \
-         {} bytes evicted unread, {} chunks invalidated by writes",
+         {} bytes evicted unread, {} chunks invalidated by writes, {} compressed fills, \
+         {} read-aheads run as tasks",
         n.params.name,
         t.completed,
         t.l2_cache_hits,
@@ -669,7 +670,9 @@ fn log_summary(n: &Node, owner: Option<crate::owner::OwnerCounters>) {
         t.ring_reads_waited,
         t.ring_waited_to_base,
         t.ring_bytes_evicted_unread,
-        t.ring_invalidated
+        t.ring_invalidated,
+        t.ring_compressed_fills,
+        t.ring_readahead_tasks
     );
 }
 

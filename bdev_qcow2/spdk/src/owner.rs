@@ -265,6 +265,10 @@ impl Owner {
                     "ring_invalidated": r.invalidated,
                     "ring_compressed_fills": r.compressed_fills,
                     "ring_readahead_tasks": r.readahead_tasks,
+                    // Zones where writes bump their write generation (a ring holds data
+                    // there, or left less than a sweep ago), and how many sweeps cleared.
+                    "ring_zones_watched": self.chain.write_gens().map_or(0, |g| g.zones().watched()),
+                    "ring_zones_swept": self.chain.write_gens().map_or(0, |g| g.zones().swept()),
                     "stream": crate::stream_rpc::stats_json(self),
                 })
             }

@@ -951,6 +951,8 @@ mod real {
                 "l2_cache_hits",
                 "ring_bytes_served",
                 "ring_bytes_evicted_unread",
+                "ring_zones_watched",
+                "ring_zones_swept",
             ] {
                 assert!(o[k].is_u64(), "owner counter {k} missing: {b}");
             }

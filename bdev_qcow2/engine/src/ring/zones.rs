@@ -168,6 +168,15 @@ impl Zones {
         cleared
     }
 
+    /// Zone words now watched or armed (writes there bump their generation): an
+    /// operator's look, which scans them all.
+    pub fn watched(&self) -> usize {
+        self.words
+            .iter()
+            .filter(|w| w.load(Ordering::Relaxed) != 0)
+            .count()
+    }
+
     /// Zones cleared by sweeps so far (each time one was).
     pub fn swept(&self) -> u64 {
         self.swept.load(std::sync::atomic::Ordering::Relaxed)
