@@ -4,6 +4,9 @@
 //! completions arrive when the thread polls), an io_uring file (SQ full means busy, CQEs
 //! are reaped by polling) and the in-memory test device alike. Nothing here blocks.
 
+use crate::compress::Decompressor;
+use crate::error::Result;
+use crate::format::CompressionType;
 use std::fmt;
 
 /// Alignment (offset, length and memory) the engine keeps for every device I/O.
@@ -38,6 +41,40 @@ pub trait IoBuffer: Clone + 'static {
             dst.copy_in(dst_off + done, &bounce[..n]);
             done += n;
         }
+    }
+    /// Decompresses the `ct` cluster in `len` bytes at `off` into `out` (filled whole),
+    /// reading the bytes where they are. `None` where this buffer cannot lend them as one
+    /// piece (the caller copies them out first). The decompressor gets the buffer's bytes
+    /// and `out` alone: nothing else runs on them meanwhile.
+    fn decompress_to(
+        &self,
+        off: usize,
+        len: usize,
+        dec: &mut Decompressor,
+        ct: CompressionType,
+        out: &mut [u8],
+    ) -> Option<Result<()>> {
+        let _ = (off, len, dec, ct, out);
+        None
+    }
+
+    /// Decompresses the `ct` cluster in `src_len` bytes at `src_off` of `src` straight
+    /// into `len` bytes at `off` of this buffer (filled whole), each read or written where
+    /// it is. `None` where either buffer cannot lend its range as one piece, or the two
+    /// overlap (the caller goes through its own memory).
+    #[allow(clippy::too_many_arguments)]
+    fn decompress_into(
+        &self,
+        off: usize,
+        len: usize,
+        src: &Self,
+        src_off: usize,
+        src_len: usize,
+        dec: &mut Decompressor,
+        ct: CompressionType,
+    ) -> Option<Result<()>> {
+        let _ = (off, len, src, src_off, src_len, dec, ct);
+        None
     }
 }
 
@@ -203,5 +240,33 @@ impl IoBuffer for HeapBuf {
     }
     fn fill(&self, off: usize, len: usize, byte: u8) {
         self.0.borrow_mut()[off..off + len].fill(byte);
+    }
+    fn decompress_to(
+        &self,
+        off: usize,
+        len: usize,
+        dec: &mut Decompressor,
+        ct: CompressionType,
+        out: &mut [u8],
+    ) -> Option<Result<()>> {
+        let b = self.0.try_borrow().ok()?;
+        Some(dec.decompress(ct, b.get(off..off.checked_add(len)?)?, out))
+    }
+    fn decompress_into(
+        &self,
+        off: usize,
+        len: usize,
+        src: &Self,
+        src_off: usize,
+        src_len: usize,
+        dec: &mut Decompressor,
+        ct: CompressionType,
+    ) -> Option<Result<()>> {
+        if std::rc::Rc::ptr_eq(&self.0, &src.0) {
+            return None;
+        }
+        let mut b = self.0.try_borrow_mut().ok()?;
+        let out = b.get_mut(off..off.checked_add(len)?)?;
+        src.decompress_to(src_off, src_len, dec, ct, out)
     }
 }

@@ -5,8 +5,9 @@
 //! chain's internal sink): the chunk's plain data straight into the ring slot, each
 //! compressed cluster's covering sectors into the record's buffer (clusters written one
 //! after the other, as `qemu-img convert -c` writes them, share one read). Its end comes
-//! back to [`Chain::zip_filled`], which decompresses each cluster and copies its part into
-//! the slot, then hands the fill to `ring_filled`. After that first use nothing on this
+//! back to [`Chain::zip_filled`], which decompresses each cluster from the record straight
+//! into the slot (a part of a cluster: into scratch, then its part copied in), then hands
+//! the fill to `ring_filled`. After that first use nothing on this
 //! path allocates. A chunk the records cannot take (its compressed bytes larger than a
 //! buffer, a cluster larger than the ring's chunk that does not fit either) is left to
 //! the caller, which runs it as a task; a chunk that finds every record busy waits for
@@ -269,13 +270,39 @@ impl<D: BlockDevice> Chain<D> {
                         break;
                     };
                     let cs = q.geometry().cluster_size() as usize;
+                    let ct = q.compression_type();
+                    if p.in_cluster == 0 && p.n == cs {
+                        // A whole cluster: decoded from the record straight into the slot.
+                        let d = &dst;
+                        match d.buf.decompress_into(
+                            d.off + p.dst_off,
+                            cs,
+                            &rec.buf,
+                            p.at,
+                            p.len,
+                            dec,
+                            ct,
+                        ) {
+                            Some(Ok(())) => continue,
+                            Some(Err(_)) => {
+                                ok = false;
+                                break;
+                            }
+                            None => {}
+                        }
+                    }
                     let (Some(inp), Some(cluster)) = (input.get_mut(..p.len), out.get_mut(..cs))
                     else {
                         ok = false;
                         break;
                     };
-                    rec.buf.copy_out(p.at, inp);
-                    let Ok(()) = dec.decompress(q.compression_type(), inp, cluster) else {
+                    // Decoded from the record where it is, else from a copy.
+                    let r = rec.buf.decompress_to(p.at, p.len, dec, ct, cluster);
+                    let r = r.unwrap_or_else(|| {
+                        rec.buf.copy_out(p.at, inp);
+                        dec.decompress(ct, inp, cluster)
+                    });
+                    let Ok(()) = r else {
                         ok = false;
                         break;
                     };

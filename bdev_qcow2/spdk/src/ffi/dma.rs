@@ -3,6 +3,8 @@
 
 use super::bdev_io::IovView;
 use super::sys;
+use qcow2_engine::compress::Decompressor;
+use qcow2_engine::format::CompressionType;
 use qcow2_engine::io::IoBuffer;
 use std::alloc::{alloc_zeroed, dealloc, Layout};
 use std::ffi::c_void;
@@ -105,6 +107,18 @@ impl SpdkBuf {
         }
     }
 
+    /// The address of `len` bytes at `off` (non-empty) where they are one piece of DMA
+    /// memory (`None`: a guest's iovecs, or out of bounds).
+    fn piece(&self, off: usize, len: usize) -> Option<(*mut u8, usize)> {
+        match self {
+            SpdkBuf::Dma(m) if len > 0 && off.checked_add(len)? <= m.len() => {
+                // SAFETY: in bounds (just checked).
+                Some((unsafe { m.as_ptr().add(off) }, len))
+            }
+            _ => None,
+        }
+    }
+
     /// Appends iovecs describing `len` bytes at `off` to `out` (no allocation while `out`
     /// has capacity).
     pub fn append_iovs(&self, off: usize, len: usize, out: &mut Vec<sys::iovec>) {
@@ -151,5 +165,47 @@ impl IoBuffer for SpdkBuf {
             // SAFETY: `p..p+n` is inside the buffer (segments).
             unsafe { std::ptr::write_bytes(p, byte, n) }
         });
+    }
+    fn decompress_to(
+        &self,
+        off: usize,
+        len: usize,
+        dec: &mut Decompressor,
+        ct: CompressionType,
+        out: &mut [u8],
+    ) -> Option<qcow2_engine::Result<()>> {
+        let (p, n) = self.piece(off, len)?;
+        // SAFETY: one piece inside DMA memory (`piece`), initialised (zeroed at allocation);
+        // no I/O is in flight on it (the engine's contract for every copy), and for the
+        // call only the decompressor, which reaches no buffer, reads it; `out` is a
+        // distinct Rust slice.
+        let input = unsafe { std::slice::from_raw_parts(p, n) };
+        Some(dec.decompress(ct, input, out))
+    }
+    fn decompress_into(
+        &self,
+        off: usize,
+        len: usize,
+        src: &Self,
+        src_off: usize,
+        src_len: usize,
+        dec: &mut Decompressor,
+        ct: CompressionType,
+    ) -> Option<qcow2_engine::Result<()>> {
+        let (p, n) = self.piece(off, len)?;
+        let (q, m) = src.piece(src_off, src_len)?;
+        if (p as usize) < q as usize + m && (q as usize) < p as usize + n {
+            return None;
+        }
+        // SAFETY: both pieces lie inside DMA memory (`piece`) and do not overlap (just
+        // checked); no I/O is in flight on either; for the call only the decompressor,
+        // which reaches no buffer, touches them, so the mutable slice is the only access.
+        let (out, input) = unsafe {
+            (
+                std::slice::from_raw_parts_mut(p, n),
+                std::slice::from_raw_parts(q, m),
+            )
+        };
+        Some(dec.decompress(ct, input, out))
     }
 }
