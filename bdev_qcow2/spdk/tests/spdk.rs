@@ -381,7 +381,7 @@ mod real {
             .split(|c: char| !c.is_ascii_digit())
             .filter_map(|w| w.parse().ok())
             .collect();
-        assert_eq!(n.len(), 11, "{line}");
+        assert_eq!(n.len(), 13, "{line}");
         RingSummary {
             ahead: n[2],
             served: n[3],
