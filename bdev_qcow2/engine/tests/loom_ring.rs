@@ -101,15 +101,23 @@ struct World {
     faults: Faults,
 }
 
-fn run(remap: bool, faults: Faults) {
-    loom::model(move || {
-        let w = Arc::new(World {
+impl World {
+    /// The region holding OLD at location 0 (location 1 garbage), mapped to location 0,
+    /// nothing acknowledged, no generation moved.
+    fn new(faults: Faults) -> Arc<World> {
+        Arc::new(World {
             gens: WriteGens::new(),
             dev: [AtomicU64::new(OLD), AtomicU64::new(0xdead)],
             map: AtomicU64::new(0),
             acked: AtomicBool::new(false),
             faults,
-        });
+        })
+    }
+}
+
+fn run(remap: bool, faults: Faults) {
+    loom::model(move || {
+        let w = World::new(faults);
         let writer = {
             let w = w.clone();
             thread::spawn(move || {
@@ -164,13 +172,7 @@ fn run(remap: bool, faults: Faults) {
 /// `early`, after it otherwise) and waits for it, as `Chain::ring_filled` serves it.
 fn run_waiting(remap: bool, early: bool, faults: Faults) {
     loom::model(move || {
-        let w = Arc::new(World {
-            gens: WriteGens::new(),
-            dev: [AtomicU64::new(OLD), AtomicU64::new(0xdead)],
-            map: AtomicU64::new(0),
-            acked: AtomicBool::new(false),
-            faults,
-        });
+        let w = World::new(faults);
         let writer = {
             let w = w.clone();
             thread::spawn(move || {
@@ -221,13 +223,7 @@ const CHUNK: u64 = qcow2_engine::ring::CHUNK;
 /// serves it; the writer writes chunk `written` (its region holds OLD, then NEW).
 fn run_waiting_two(written: u64, remap: bool, early: bool, faults: Faults) {
     loom::model(move || {
-        let w = Arc::new(World {
-            gens: WriteGens::new(),
-            dev: [AtomicU64::new(OLD), AtomicU64::new(0xdead)],
-            map: AtomicU64::new(0),
-            acked: AtomicBool::new(false),
-            faults,
-        });
+        let w = World::new(faults);
         let at = written * CHUNK;
         let writer = {
             let w = w.clone();
@@ -398,13 +394,7 @@ fn run_watchers(leaves: bool, faults: Faults) {
     let mut b = loom::model::Builder::new();
     b.preemption_bound = Some(PREEMPTIONS);
     b.check(move || {
-        let w = Arc::new(World {
-            gens: WriteGens::new(),
-            dev: [AtomicU64::new(OLD), AtomicU64::new(0xdead)],
-            map: AtomicU64::new(0),
-            acked: AtomicBool::new(false),
-            faults,
-        });
+        let w = World::new(faults);
         let writer = {
             let w = w.clone();
             thread::spawn(move || {

@@ -379,6 +379,30 @@ fn find_block(dev: &MemDevice, byte: u8) -> usize {
         .expect("the block")
 }
 
+/// After a write completed while chunk 1 fills (`tags`: the reads in flight before it):
+/// reads of 32..40 (in 4 KiB blocks), submitted now, reach chunk 1 while it fills and wait;
+/// when it ends, the write found, all eight go to the base. Returns their buffers and the
+/// ring's counters then.
+fn reads_after_the_write_wait_and_go_to_the_base(
+    exec: &Exec<MemDevice>,
+    chain: &Rc<Chain<MemDevice>>,
+    mut tags: Vec<u64>,
+) -> (Vec<HeapBuf>, qcow2_engine::ring::RingStats) {
+    let mut bufs = Vec::new();
+    for k in 32..40u64 {
+        let (b, done) = start(chain, k * 4096, 4096, 100 + k);
+        assert!(!done);
+        bufs.push(b);
+        tags.push(100 + k);
+    }
+    assert_eq!(chain.ring_stats().unwrap().reads_waited, 8);
+    wait_all(exec, tags);
+    let st = chain.ring_stats().unwrap();
+    assert_eq!(st.waited_to_base, 8, "{st:?}");
+    assert_eq!(st.invalidated, 1, "{st:?}");
+    (bufs, st)
+}
+
 #[test]
 fn a_write_completed_while_a_chunk_fills_sends_the_reads_waiting_for_it_to_the_base() {
     let dir = tempfile::tempdir().unwrap();
@@ -404,19 +428,7 @@ fn a_write_completed_while_a_chunk_fills_sends_the_reads_waiting_for_it_to_the_b
     // in place and completes: its data on the device, the generation moved.
     devs[0].0.borrow_mut().data[host..host + 4096].fill(0x99);
     chain.ring_written(132 << 10, 4096);
-    // Reads submitted after that write reach chunk 1 while it fills: they wait.
-    let mut bufs = Vec::new();
-    for k in 32..40u64 {
-        let (b, done) = start(&chain, k * 4096, 4096, 100 + k);
-        assert!(!done);
-        bufs.push(b);
-        tags.push(100 + k);
-    }
-    assert_eq!(chain.ring_stats().unwrap().reads_waited, 8);
-    wait_all(&exec, tags);
-    let st = chain.ring_stats().unwrap();
-    assert_eq!(st.waited_to_base, 8, "{st:?}");
-    assert_eq!(st.invalidated, 1, "{st:?}");
+    let (bufs, _) = reads_after_the_write_wait_and_go_to_the_base(&exec, &chain, tags);
     for (k, b) in bufs.iter().enumerate() {
         let want = if k == 1 { 0x99 } else { 0x11 };
         assert!(
@@ -742,19 +754,7 @@ fn a_write_completed_while_a_compressed_chunk_fills_sends_the_reads_waiting_for_
     let at = d.offset.0 as usize;
     devs[0].0.borrow_mut().data[at..at + new.len()].copy_from_slice(&new);
     chain.ring_written(128 << 10, 64 << 10);
-    // Reads submitted after that write reach chunk 1 while it fills: they wait.
-    let mut bufs = Vec::new();
-    for k in 32..40u64 {
-        let (b, done) = start(&chain, k * 4096, 4096, 100 + k);
-        assert!(!done);
-        bufs.push(b);
-        tags.push(100 + k);
-    }
-    assert_eq!(chain.ring_stats().unwrap().reads_waited, 8);
-    wait_all(&exec, tags);
-    let st = chain.ring_stats().unwrap();
-    assert_eq!(st.waited_to_base, 8, "{st:?}");
-    assert_eq!(st.invalidated, 1, "{st:?}");
+    let (bufs, st) = reads_after_the_write_wait_and_go_to_the_base(&exec, &chain, tags);
     for (k, b) in bufs.iter().enumerate() {
         assert!(
             b.to_vec().iter().all(|&x| x == 0x99),
