@@ -68,6 +68,58 @@ unsafe impl GlobalAlloc for Counting {
 #[global_allocator]
 static ALLOCATOR: Counting = Counting;
 
+/// C's allocator, counted the same way: libzstd (C, linked statically into this binary)
+/// allocates with `malloc`, which Rust's allocator never sees. These definitions take the
+/// place of libc's for the code linked into the executable, and pass each call on to
+/// glibc's own entry points. Rust's `System` allocator calls them too, so a
+/// Rust allocation may count twice: the tests ask for none.
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+mod c_alloc {
+    use std::ffi::c_void;
+
+    extern "C" {
+        fn __libc_malloc(size: usize) -> *mut c_void;
+        fn __libc_calloc(n: usize, size: usize) -> *mut c_void;
+        fn __libc_realloc(ptr: *mut c_void, size: usize) -> *mut c_void;
+        fn __libc_memalign(align: usize, size: usize) -> *mut c_void;
+    }
+
+    #[no_mangle]
+    extern "C" fn malloc(size: usize) -> *mut c_void {
+        super::count();
+        // SAFETY: glibc's malloc, with the caller's arguments.
+        unsafe { __libc_malloc(size) }
+    }
+
+    #[no_mangle]
+    extern "C" fn calloc(n: usize, size: usize) -> *mut c_void {
+        super::count();
+        // SAFETY: glibc's calloc, with the caller's arguments.
+        unsafe { __libc_calloc(n, size) }
+    }
+
+    #[no_mangle]
+    extern "C" fn realloc(ptr: *mut c_void, size: usize) -> *mut c_void {
+        super::count();
+        // SAFETY: glibc's realloc, with the caller's arguments (a pointer from these).
+        unsafe { __libc_realloc(ptr, size) }
+    }
+
+    #[no_mangle]
+    extern "C" fn aligned_alloc(align: usize, size: usize) -> *mut c_void {
+        super::count();
+        // SAFETY: glibc's memalign takes what aligned_alloc takes.
+        unsafe { __libc_memalign(align, size) }
+    }
+
+    /// Whether the definitions above are the ones libzstd calls: making a decoder's
+    /// state (`ZSTD_createDCtx`, a C `malloc`) is counted. (Only code linked into the
+    /// executable binds to them: a Rust binary exports no symbols to shared libraries.)
+    pub fn interposed() -> bool {
+        super::allocations(|| drop(zstd::zstd_safe::DCtx::create())) > 0
+    }
+}
+
 /// Allocations `f` makes on this thread.
 fn allocations(f: impl FnOnce()) -> u64 {
     ALLOCS.with(|n| n.set(0));
@@ -377,6 +429,13 @@ fn compressed_read_aheads_allocate_nothing_zlib() {
 #[test]
 fn compressed_read_aheads_allocate_nothing_zstd() {
     compressed_reads_allocate_nothing("zstd");
+}
+
+/// libzstd's C allocations are counted, so the zstd test above would see them.
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+#[test]
+fn c_allocations_are_counted() {
+    assert!(c_alloc::interposed());
 }
 
 /// A 32 MiB image of 64 KiB clusters, a different byte per MiB, read through slices of
