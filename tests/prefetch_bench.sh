@@ -23,7 +23,9 @@
 # 2. Golden image: a raw backing image on a malloc bdev exported over NVMe-oF/TCP on
 #    loopback by a second spdk_tgt; an empty overlay (qcow2 on tmpfs, aio bdev) naming it
 #    as backing_bdev; 4 KiB sequential reads at QD1 of the overlay.
-# 3. `qcow2 perf --base-latency-us 50`: 4 KiB and 128 KiB sequential reads at QD1.
+# 3. `qcow2 perf --base-latency-us 50`: 4 KiB and 128 KiB sequential reads at QD1, the
+#    sample image in PERF_DIR (default /dev/shm: memory under the added latency, like the
+#    malloc base of section 1; on a disk, 128 KiB reads ahead run into its bandwidth).
 #
 #   tests/prefetch_bench.sh
 #   LATS="50" ROUNDS=3 TIME=3 tests/prefetch_bench.sh
@@ -271,8 +273,9 @@ fi
 # --- 3. qcow2 perf ---------------------------------------------------------------------------
 # qperf IOSIZE PREFETCH: qcow2 perf on our host, sequential reads at QD1, 50 µs added to
 # every device completion.
+PERF_DIR=${PERF_DIR:-/dev/shm}
 qperf() {
-  ./target/release/qcow2 perf -w read -q 1 -o "$1" -t "$TIME" --base-latency-us 50 \
+  TMPDIR=$PERF_DIR ./target/release/qcow2 perf -w read -q 1 -o "$1" -t "$TIME" --base-latency-us 50 \
     --sample-size "${MB}M" --prefetch "$2" --json |
     /usr/bin/python3 -c 'import json, sys
 for l in sys.stdin:
@@ -283,7 +286,8 @@ for l in sys.stdin:
 
 if [ -z "${SKIP_PERF:-}" ]; then
   cargo build --release -q -p qcow2_tool
-  echo "== qcow2 perf --base-latency-us 50 (our io_uring host, one core)"
+  echo "== qcow2 perf --base-latency-us 50 (our io_uring host, one core; sample image on" \
+    "$(df --output=fstype "$PERF_DIR" | tail -1) at $PERF_DIR)"
   pairs "qcow2 perf: 4 KiB seq read QD1" qperf 4096
   pairs "qcow2 perf: 128 KiB seq read QD1" qperf 131072
 fi
