@@ -33,6 +33,7 @@
 #   ROWS="streams" tests/prefetch_bench.sh     # section 1 rows: seq streams streams128 rand fast window
 #   CORES=2 ROWS="streams" tests/prefetch_bench.sh   # streams spread over two cores
 #   RING_BYTES=$((10 << 20)) ROWS="window" tests/prefetch_bench.sh   # a larger ring
+#   MAX_WINDOW=$((256 << 10)) ROWS="streams" tests/prefetch_bench.sh  # a smaller window
 #
 # Runs SPDK applications: wrap it in `flock /tmp/spdk-app.lock` on a shared machine. Needs
 # an installed SPDK (bdevperf, spdk_tgt, pkg-config spdk_bdev) and qemu-img for sections 1
@@ -99,6 +100,8 @@ config() {
   local lat=$1 pf=$2 f=$DIR/q-$1-$2.json base=d0 delay ring=
   # RING_BYTES: the ring's size per channel (default: the module's, 5 MiB).
   [ -n "${RING_BYTES:-}" ] && ring=",\"prefetch_ring_size\":$RING_BYTES"
+  # MAX_WINDOW: each stream's largest window (default: the module's, 1 MiB).
+  [ -n "${MAX_WINDOW:-}" ] && ring="$ring,\"prefetch_max_window\":$MAX_WINDOW"
   delay="{\"method\":\"bdev_delay_create\",\"params\":{\"name\":\"d0\",\"base_bdev_name\":\"m0\",\"avg_read_latency\":$lat,\"p99_read_latency\":$lat,\"avg_write_latency\":$lat,\"p99_write_latency\":$lat}},"
   if [ "$lat" = 0 ]; then base=m0 delay=; fi
   cat >"$f" <<EOF
