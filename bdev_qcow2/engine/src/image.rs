@@ -527,14 +527,20 @@ impl<D: BlockDevice> Qcow2<D> {
         // Sized by the table, not by the room the owner keeps for it to grow online.
         let l1_len = seed.header.header.l1_size as usize;
         let (l2_cache, rc_cache) = Self::new_caches(&seed.geo, l1_len, 0, &opts)?;
+        // One reading for both: the owner may have grown the device since the seed was
+        // taken, and `sync_core` only looks for changes from `device_size`.
+        let device_size = seed.shared.device_size();
         Ok(Qcow2 {
             exec: exec.clone(),
             dev,
             decompressor: RefCell::default(),
-            device_size: Cell::new(seed.shared.device_size()),
+            device_size: Cell::new(device_size),
             header: RefCell::new(seed.header),
             geo: seed.geo,
-            ctx: Cell::new(seed.ctx),
+            ctx: Cell::new(L2Context {
+                device_size,
+                ..seed.ctx
+            }),
             l1: RefCell::new(Vec::new()),
             refcount_table: RefCell::new(Vec::new()),
             snapshots: RefCell::new(seed.snapshots),

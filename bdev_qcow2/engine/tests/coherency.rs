@@ -22,7 +22,9 @@ use qcow2_engine::format::ClusterMapping;
 use qcow2_engine::io::{BlockDevice, BufSlice, Busy, DeviceError, DeviceOp, HeapBuf, IoBuffer};
 use qcow2_engine::rng::Rng;
 use qcow2_engine::types::GuestOffset;
-use qcow2_engine::{Chain, Exec, Layer, OpenOptions, OwnerLink, Qcow2, ReadRoute, WriteRoute};
+use qcow2_engine::{
+    Chain, CoreSeed, Exec, Layer, OpenOptions, OwnerLink, Qcow2, ReadRoute, WriteRoute,
+};
 use std::cell::RefCell;
 use std::collections::{HashMap, VecDeque};
 use std::process::Command;
@@ -188,6 +190,8 @@ struct Rig {
     /// Guest completions reported by the polls: (tag, ok).
     done: Vec<(u64, Result<(), String>)>,
     size: u64,
+    /// The devices' latency draws (a core added later shares them).
+    rng: Rc<RefCell<Rng>>,
 }
 
 fn image(q: &Chain<Channel>) -> &Qcow2<Channel> {
@@ -294,7 +298,36 @@ impl Rig {
             asks,
             done: Vec::new(),
             size,
+            rng: dev_rng,
         }
+    }
+
+    /// Adds a core made from `seed` (taken from the owner at any time before), without
+    /// latency; returns its index.
+    fn add_core(&mut self, seed: CoreSeed) -> usize {
+        let c = self.execs.len();
+        let exec: Exec<Channel> = Exec::new();
+        let dev = exec.add_device(Channel {
+            disk: self.disk.clone(),
+            rng: self.rng.clone(),
+            max_latency: 0,
+            polls: 0,
+            inflight: Vec::new(),
+        });
+        let link = Link {
+            core: c,
+            asks: self.asks.clone(),
+        };
+        let opts = OpenOptions {
+            l2_slice_bytes: 512,
+            ..Default::default()
+        };
+        let q = Qcow2::from_seed(seed, &exec, dev, opts, Box::new(link)).unwrap();
+        self.chains
+            .push(Chain::new(&exec, vec![Layer::Qcow2(Box::new(q))]).unwrap());
+        self.execs.push(exec);
+        self.inbox.push(VecDeque::new());
+        c
     }
 
     fn owner(&self) -> &Qcow2<Channel> {
@@ -1464,6 +1497,30 @@ fn a_core_takes_the_size_the_owner_grew_the_disk_to() {
     assert_eq!(rig.chains[1].size(), new);
     assert_eq!(core_read(&mut rig, 1, 5, 0, cs), vec![21; 8]);
     assert_eq!(core_read(&mut rig, 1, 6, old, cs), vec![0; 8]);
+    rig.close();
+}
+
+/// A core made from a seed taken before the owner grew the device (an SPDK channel created
+/// while the owner allocates) reads what the owner wrote past the old end: it once kept the
+/// seed's device size for its checks while believing itself up to date, and called the
+/// owner's new clusters corrupt ("data cluster past the end of the device").
+#[test]
+fn a_core_made_from_an_older_seed_reads_clusters_allocated_since() {
+    let mut rig = Rig::new(11, 1, false, 2);
+    let cs = 4096u64;
+    let seed = rig.owner().core_seed().unwrap();
+    // Allocations grow the device (4 KiB clusters, the image ends after its metadata).
+    for i in 0..8 {
+        write_sync(&mut rig, 100 + i, i * cs, 40 + i, cs);
+    }
+    let c = rig.add_core(seed);
+    for i in 0..8 {
+        assert_eq!(core_read(&mut rig, c, 200 + i, i * cs, cs), vec![40 + i; 8]);
+    }
+    // And after a write-back, from the device.
+    flush_sync(&mut rig, 300);
+    let c = rig.add_core(rig.owner().core_seed().unwrap());
+    assert_eq!(core_read(&mut rig, c, 301, 7 * cs, cs), vec![47; 8]);
     rig.close();
 }
 
