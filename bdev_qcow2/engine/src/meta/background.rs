@@ -17,8 +17,8 @@ use std::time::{Duration, Instant};
 /// not see allocated in its copy.
 pub const BACKGROUND_WRITEBACK_INTERVAL: Duration = Duration::from_millis(10);
 /// The longest quiet interval: where allocations keep resuming soon after each write-back,
-/// each write-back costs the disk more than the cores gain (on a disk limited to 3,000 I/Os
-/// per second, write-backs in every 10 ms dip cost 0.3 I/Os per allocating write).
+/// each write-back costs the disk more than the cores gain (a disk that limits its I/Os
+/// per second pauses the guest's writes every few milliseconds).
 pub const BACKGROUND_WRITEBACK_MAX: Duration = Duration::from_secs(1);
 /// How long a failed background write-back waits before the next attempt.
 const BACKGROUND_RETRY_DELAY: Duration = Duration::from_secs(1);
