@@ -257,60 +257,33 @@ impl Rig {
             .block_on(async move { Qcow2::open(&e2, id, oopts).await })
             .unwrap();
         owner.share();
-        let asks: Asks = Rc::new(RefCell::new(VecDeque::new()));
-        let mut execs = vec![owner_exec.clone()];
-        let mut chains = Vec::new();
-        for c in 1..=cores {
-            let exec: Exec<Channel> = Exec::new();
-            let dev = exec.add_device(channel(max_latency));
-            let copts = OpenOptions {
-                l2_slice_bytes: 512,
-                // Four slices of sixteen: replicas get evicted and reloaded.
-                l2_cache_bytes: Some(2 << 10),
-                cache_ways: 2,
-                ..Default::default()
-            };
-            let link = Link {
-                core: c,
-                asks: asks.clone(),
-            };
-            let q = Qcow2::from_seed(
-                owner.core_seed().unwrap(),
-                &exec,
-                dev,
-                copts,
-                Box::new(link),
-            )
-            .unwrap();
-            assert!(q.is_core_replica());
-            chains.push(Chain::new(&exec, vec![Layer::Qcow2(Box::new(q))]).unwrap());
-            execs.push(exec);
-        }
-        chains.insert(
-            0,
-            Chain::new(&owner_exec, vec![Layer::Qcow2(Box::new(owner))]).unwrap(),
-        );
-        Rig {
+        let chain = Chain::new(&owner_exec, vec![Layer::Qcow2(Box::new(owner))]).unwrap();
+        let mut rig = Rig {
             disk,
-            inbox: vec![VecDeque::new(); cores + 1],
-            execs,
-            chains,
-            asks,
+            inbox: vec![VecDeque::new()],
+            execs: vec![owner_exec],
+            chains: vec![chain],
+            asks: Rc::new(RefCell::new(VecDeque::new())),
             done: Vec::new(),
             size,
             rng: dev_rng,
+        };
+        for _ in 0..cores {
+            let seed = rig.owner().core_seed().unwrap();
+            rig.add_core(seed, max_latency);
         }
+        rig
     }
 
-    /// Adds a core made from `seed` (taken from the owner at any time before), without
-    /// latency; returns its index.
-    fn add_core(&mut self, seed: CoreSeed) -> usize {
+    /// Adds a core made from `seed` (taken from the owner at any time before) whose
+    /// device answers within `max_latency` polls; returns its index.
+    fn add_core(&mut self, seed: CoreSeed, max_latency: u64) -> usize {
         let c = self.execs.len();
         let exec: Exec<Channel> = Exec::new();
         let dev = exec.add_device(Channel {
             disk: self.disk.clone(),
             rng: self.rng.clone(),
-            max_latency: 0,
+            max_latency,
             polls: 0,
             inflight: Vec::new(),
         });
@@ -320,9 +293,13 @@ impl Rig {
         };
         let opts = OpenOptions {
             l2_slice_bytes: 512,
+            // Four slices of sixteen: replicas get evicted and reloaded.
+            l2_cache_bytes: Some(2 << 10),
+            cache_ways: 2,
             ..Default::default()
         };
         let q = Qcow2::from_seed(seed, &exec, dev, opts, Box::new(link)).unwrap();
+        assert!(q.is_core_replica());
         self.chains
             .push(Chain::new(&exec, vec![Layer::Qcow2(Box::new(q))]).unwrap());
         self.execs.push(exec);
@@ -1500,8 +1477,9 @@ fn a_core_takes_the_size_the_owner_grew_the_disk_to() {
     rig.close();
 }
 
-/// A core made from a seed taken before the owner grew the device (an SPDK channel created
-/// while the owner allocates) reads what the owner wrote past the old end: it once kept the
+/// A core made from a seed taken before the owner grew the device (a reactor core made
+/// while the owner allocates into a file that grows) reads what the owner wrote past the
+/// old end: it once kept the
 /// seed's device size for its checks while believing itself up to date, and called the
 /// owner's new clusters corrupt ("data cluster past the end of the device").
 #[test]
@@ -1513,13 +1491,14 @@ fn a_core_made_from_an_older_seed_reads_clusters_allocated_since() {
     for i in 0..8 {
         write_sync(&mut rig, 100 + i, i * cs, 40 + i, cs);
     }
-    let c = rig.add_core(seed);
+    let c = rig.add_core(seed, 0);
     for i in 0..8 {
         assert_eq!(core_read(&mut rig, c, 200 + i, i * cs, cs), vec![40 + i; 8]);
     }
     // And after a write-back, from the device.
     flush_sync(&mut rig, 300);
-    let c = rig.add_core(rig.owner().core_seed().unwrap());
+    let seed = rig.owner().core_seed().unwrap();
+    let c = rig.add_core(seed, 0);
     assert_eq!(core_read(&mut rig, c, 301, 7 * cs, cs), vec![47; 8]);
     rig.close();
 }
