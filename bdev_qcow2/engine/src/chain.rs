@@ -72,8 +72,7 @@ pub(crate) enum Unplanned {
     /// Every record that fills a ring chunk holding compressed clusters is busy: the
     /// one whose end (its internal payload) frees one first.
     Busy(u32),
-    /// Anything else: a raw layer ending inside a sector, an invalid entry, compressed
-    /// bytes no record can take.
+    /// Anything else: an invalid entry, compressed bytes no record can take.
     Other,
 }
 
@@ -418,7 +417,7 @@ impl<D: BlockDevice> Chain<D> {
     /// its device, zeros, unallocated clusters from the layer below (or zeros at the
     /// bottom), and with `ZIP` compressed clusters in `parts` (without, they fail it).
     /// Fails, nothing planned that counts, when a slice is not cached, a cluster is
-    /// compressed (without `ZIP`), or a raw layer ends inside a sector. From the top
+    /// compressed (without `ZIP`). From the top
     /// layer (guest reads and read-aheads alike) this follows the mapping down the chain:
     /// the top slice was current under its epoch, so no write to its unallocated clusters
     /// completed before the read, and backing layers never change (a stream detaches them
@@ -448,16 +447,17 @@ impl<D: BlockDevice> Chain<D> {
         }
         let q = match layer {
             Layer::Raw { dev, .. } => {
-                if !(inside as u64).is_multiple_of(SECTOR) {
-                    return Err(Unplanned::Other);
-                }
+                // Device I/O stays sector aligned: a layer (a raw file) ending inside a
+                // sector has that sector read whole, the device reading zeros past its
+                // end, as `read_layer` reads it.
+                let whole = (inside as u64).next_multiple_of(SECTOR) as usize;
                 push_run(
                     runs,
                     Run {
                         dev: *dev,
                         host: offset,
                         buf_off,
-                        len: inside,
+                        len: whole.min(len),
                     },
                 );
                 return Ok(());

@@ -154,6 +154,48 @@ fn sequential_reads_from_the_ring_read_what_qemu_reads_over_a_backing_image() {
     }
 }
 
+/// A raw backing file that ends inside a sector (our host serves such files; the disk is
+/// a whole number of sectors, the bytes past the file's end zeros): the chunk at its end
+/// is planned like any other, its last sector read whole, with no task.
+#[test]
+fn a_raw_backing_file_ending_inside_a_sector_is_read_ahead_without_a_task() {
+    let dir = tempfile::tempdir().unwrap();
+    let (base, top) = (dir.path().join("base.img"), dir.path().join("top.qcow2"));
+    let len = (3000 << 10) + 300;
+    std::fs::write(
+        &base,
+        (0..len).map(|i| (i % 251) as u8 + 1).collect::<Vec<u8>>(),
+    )
+    .unwrap();
+    sh(Command::new("qemu-img")
+        .args(["create", "-q", "-f", "qcow2", "-F", "raw", "-b", "base.img"])
+        .arg(&top));
+    qemu_io(&top, &["write -P 0x42 1M 68k"]);
+    let expect = raw_of(&top);
+    assert_eq!(expect.len() as u64, (len as u64).next_multiple_of(512));
+    for rlen in [4096, 128 << 10] {
+        let exec = Exec::new();
+        let id = exec.add_device(MemDevice::new(std::fs::read(&top).unwrap()));
+        let e2 = exec.clone();
+        let q = exec
+            .block_on(async move { Qcow2::open(&e2, id, OpenOptions::default()).await })
+            .unwrap();
+        let raw = exec.add_device(MemDevice::new(std::fs::read(&base).unwrap()));
+        let size = exec.device_size(raw);
+        assert_eq!(size, len as u64);
+        let layers = vec![Layer::Qcow2(Box::new(q)), Layer::Raw { dev: raw, size }];
+        let chain = Chain::new(&exec, layers).unwrap();
+        chain
+            .enable_ring(RingConfig::default(), Arc::new(WriteGens::new()))
+            .unwrap();
+        let got = read_all(&exec, &chain, rlen);
+        assert!(got == expect, "{rlen}-byte reads differ from qemu-img");
+        let s = chain.ring_stats().unwrap();
+        assert!(s.bytes_served > expect.len() as u64 / 2, "{rlen}: {s:?}");
+        assert_eq!(s.readahead_tasks, 0, "{rlen}: {s:?}");
+    }
+}
+
 #[test]
 fn zeros_are_answered_from_metadata_and_compressed_clusters_read_once() {
     let dir = tempfile::tempdir().unwrap();

@@ -342,8 +342,8 @@ impl<D: BlockDevice> Chain<D> {
     /// ([`ring_slice_loaded`](Self::ring_slice_loaded)), `tries` counting the loads it
     /// waited for. A chunk holding compressed clusters is read and decompressed without a
     /// task too (`compressed.rs`), waiting the same way when every record for that is
-    /// busy. Otherwise (compressed bytes no record can take, a raw layer ending inside a
-    /// sector, a slice no record could load) a task runs the chain's whole read path,
+    /// busy. Otherwise (compressed bytes no record can take, a slice no record could
+    /// load) a task runs the chain's whole read path,
     /// counted in `ring`.
     fn start_fill(
         self: &Rc<Self>,

@@ -140,8 +140,7 @@ pub struct RingStats {
     /// clusters decompressed into the ring as their reads ended).
     pub compressed_fills: u64,
     /// Read-aheads that ran as a task: a chunk whose mapping the cached metadata could
-    /// not plan (a slice no record could load, compressed bytes no record could take, a
-    /// raw layer ending inside a sector).
+    /// not plan (a slice no record could load, compressed bytes no record could take).
     pub readahead_tasks: u64,
 }
 
