@@ -625,9 +625,7 @@ async fn read_qcow2<D: BlockDevice>(
                     let Layer::Qcow2(q) = &chain.layers[idx] else {
                         return Ok(());
                     };
-                    let data = q.read_compressed_cluster(d).await?;
-                    sub.copy_in(0, &data[in_cluster..in_cluster + sub.len]);
-                    Ok(())
+                    q.read_compressed_part(d, in_cluster, &sub).await
                 }));
             }
         }

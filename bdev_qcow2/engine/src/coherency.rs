@@ -133,6 +133,9 @@ pub struct Shared {
     meta_log: [AtomicU64; META_LOG],
     /// Grace periods before freed clusters are reused.
     pub grace: Grace,
+    /// Moved by the owner whenever freed clusters become its allocator's again, before it
+    /// hands any out: bytes in use at one value are unchanged while it holds.
+    reuse: AtomicU64,
 }
 
 impl std::fmt::Debug for Shared {
@@ -146,6 +149,17 @@ impl std::fmt::Debug for Shared {
 }
 
 impl Shared {
+    /// The reuse generation (see the field): a core reads it after resolving a mapping,
+    /// so it sees any move made before the owner published that mapping.
+    pub fn reuse_gen(&self) -> u64 {
+        self.reuse.load(Ordering::Acquire)
+    }
+
+    /// Owner: freed clusters are about to be handed out again.
+    pub(crate) fn bump_reuse(&self) {
+        self.reuse.fetch_add(1, Ordering::Release);
+    }
+
     /// Shared state for an image with `total_slices` L2 slices, L1 table `l1` (raw
     /// entries), on a device of `device_size` bytes whose metadata may reach
     /// `max_clusters` host clusters.
@@ -169,6 +183,7 @@ impl Shared {
             meta_gen: AtomicU64::new(0),
             meta_log: std::array::from_fn(|_| AtomicU64::new(0)),
             grace: Grace::default(),
+            reuse: AtomicU64::new(0),
         }
     }
 

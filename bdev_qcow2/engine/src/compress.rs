@@ -172,6 +172,45 @@ pub fn compress(ct: CompressionType, input: &[u8]) -> Option<Vec<u8>> {
     (out.len() < input.len()).then_some(out)
 }
 
+/// The compressed cluster a core decompressed last, kept whole, as QEMU keeps one: a guest
+/// (or a read-ahead chunk smaller than the cluster) reading a compressed cluster in pieces
+/// reads and decompresses it once. Named by its compressed stream's place and length and
+/// by the image's reuse generation read before its bytes were read: the bytes of a stream
+/// in use change only once its clusters were freed and handed out again, which moves the
+/// generation (`Qcow2::reuse_gen`), so a stream named the same under the same generation
+/// holds the same bytes. (A corrupt image whose refcounts leave a stream's cluster free can
+/// have it overwritten without a move: its reads then show the cluster as the image held it
+/// before, never another image's bytes.)
+#[derive(Default)]
+pub struct LastCluster {
+    key: Option<(u64, u64, u64)>,
+    data: Vec<u8>,
+}
+
+impl LastCluster {
+    /// The cluster, when it is the one whose stream starts at `offset` and is `len` bytes
+    /// long, decompressed under reuse generation `gen` (the current one).
+    pub fn get(&self, offset: u64, len: u64, gen: u64) -> Option<&[u8]> {
+        (self.key == Some((offset, len, gen))).then_some(&self.data[..])
+    }
+
+    /// Decompresses `input` (the stream at `offset`, `len` bytes, read under reuse
+    /// generation `gen`) into the kept cluster of `cluster` bytes, which it then is (none on
+    /// an error); allocates only the first time, or for a larger cluster.
+    pub fn fill(
+        &mut self,
+        (offset, len, gen): (u64, u64, u64),
+        cluster: usize,
+        decode: impl FnOnce(&mut [u8]) -> Result<()>,
+    ) -> Result<&[u8]> {
+        self.key = None;
+        self.data.resize(cluster, 0);
+        decode(&mut self.data)?;
+        self.key = Some((offset, len, gen));
+        Ok(&self.data)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

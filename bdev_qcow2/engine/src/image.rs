@@ -93,6 +93,11 @@ pub struct Qcow2<D: BlockDevice> {
     /// Decoder state for the compressed clusters guest reads decompress, kept from one to
     /// the next (reset per cluster) rather than made each time.
     decompressor: RefCell<crate::compress::Decompressor>,
+    /// The compressed cluster guest reads decompressed last (and read-ahead chunks that
+    /// take a part of a cluster), whole.
+    last_compressed: RefCell<crate::compress::LastCluster>,
+    /// The owner's reuse generation before it shares the image (then `Shared`'s).
+    reuse_local: Cell<u64>,
     /// Size of the device as far as entries may point (grows as clusters are allocated).
     device_size: Cell<u64>,
     header: RefCell<ImageHeader>,
@@ -310,6 +315,8 @@ impl<D: BlockDevice> Qcow2<D> {
             exec: exec.clone(),
             dev,
             decompressor: RefCell::default(),
+            last_compressed: RefCell::default(),
+            reuse_local: Cell::new(0),
             device_size: Cell::new(device_size),
             header: RefCell::new(header),
             geo,
@@ -417,6 +424,8 @@ impl<D: BlockDevice> Qcow2<D> {
             exec: exec.clone(),
             dev,
             decompressor: RefCell::default(),
+            last_compressed: RefCell::default(),
+            reuse_local: Cell::new(0),
             device_size: Cell::new(self.device_size.get()),
             header: RefCell::new(self.header.borrow().clone()),
             geo: self.geo,
@@ -488,6 +497,9 @@ impl<D: BlockDevice> Qcow2<D> {
         self.exec.join_grace(shared.clone(), true);
         shared.set_virtual_size(self.size());
         self.shared = Some(shared.clone());
+        // Its generation is `Shared`'s from now on: what was kept under the owner's own is
+        // not comparable.
+        *self.last_compressed.borrow_mut() = Default::default();
         shared
     }
 
@@ -534,6 +546,8 @@ impl<D: BlockDevice> Qcow2<D> {
             exec: exec.clone(),
             dev,
             decompressor: RefCell::default(),
+            last_compressed: RefCell::default(),
+            reuse_local: Cell::new(0),
             device_size: Cell::new(device_size),
             header: RefCell::new(seed.header),
             geo: seed.geo,
@@ -1466,20 +1480,60 @@ impl<D: BlockDevice> Qcow2<D> {
         Ok((first, pos.min(stop) - off))
     }
 
-    /// Reads and decompresses one compressed cluster into a new cluster-sized vector.
-    pub async fn read_compressed_cluster(
+    /// Copies `dst.len` bytes at `in_cluster` of compressed cluster `d` into `dst`: from the
+    /// cluster this core decompressed last when it is that one, else read and decompressed
+    /// (and kept in its place).
+    pub async fn read_compressed_part(
         &self,
         d: crate::format::CompressedDescriptor,
-    ) -> Result<Vec<u8>> {
-        let input = read_bytes(&self.exec, self.dev, d.offset.0, d.len).await?;
-        let mut out = vec![0u8; self.geo.cluster_size() as usize];
-        let ct = self.compression_type();
-        // Nothing awaits while it is borrowed: the fresh state is for safety alone.
-        match self.decompressor.try_borrow_mut() {
-            Ok(mut d) => d.decompress(ct, &input, &mut out)?,
-            Err(_) => crate::compress::decompress(ct, &input, &mut out)?,
+        in_cluster: usize,
+        dst: &BufSlice<D::Buf>,
+    ) -> Result<()> {
+        let part = |c: &[u8]| -> Result<()> {
+            let bytes = c.get(in_cluster..in_cluster + dst.len).ok_or_else(|| {
+                corrupt(Field::CompressedData, d.offset.0, "part past its cluster")
+            })?;
+            dst.copy_in(0, bytes);
+            Ok(())
+        };
+        // Read before the stream's bytes: a reuse meanwhile leaves the kept cluster unused.
+        let gen = self.reuse_gen();
+        if let Some(c) = self.last_compressed.borrow().get(d.offset.0, d.len, gen) {
+            return part(c);
         }
-        Ok(out)
+        let input = read_bytes(&self.exec, self.dev, d.offset.0, d.len).await?;
+        let ct = self.compression_type();
+        // Nothing awaits while they are borrowed.
+        let mut last = self.last_compressed.borrow_mut();
+        let mut dec = self.decompressor.borrow_mut();
+        let cs = self.geo.cluster_size() as usize;
+        part(last.fill((d.offset.0, d.len, gen), cs, |out| {
+            dec.decompress(ct, &input, out)
+        })?)
+    }
+
+    /// The generation under which bytes in use stay unchanged (see
+    /// [`LastCluster`](crate::compress::LastCluster)): `Shared`'s on a shared image, else
+    /// the owner's own (a read-only image never frees).
+    pub(crate) fn reuse_gen(&self) -> u64 {
+        match &self.shared {
+            Some(sh) => sh.reuse_gen(),
+            None => self.reuse_local.get(),
+        }
+    }
+
+    /// Owner: freed clusters are about to be handed out again (see
+    /// [`reuse_gen`](Self::reuse_gen)).
+    pub(crate) fn bump_reuse(&self) {
+        match &self.shared {
+            Some(sh) => sh.bump_reuse(),
+            None => self.reuse_local.set(self.reuse_local.get() + 1),
+        }
+    }
+
+    /// The kept compressed cluster, for a read-ahead that decompresses a part of one.
+    pub(crate) fn last_compressed(&self) -> &RefCell<crate::compress::LastCluster> {
+        &self.last_compressed
     }
 
     /// Refcount of the host cluster containing `host_off` (through the refcount block

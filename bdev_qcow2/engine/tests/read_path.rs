@@ -1548,3 +1548,101 @@ fn partial_first_writes_on_a_cheaply_zeroing_device(opts: &str, unit: u64, zeroi
         "{opts}: the device zeroes around the guest's bytes"
     );
 }
+
+/// The compressed descriptor of the cluster at guest `off`.
+fn compressed_desc(
+    exec: &Exec<MemDevice>,
+    chain: &Rc<Chain<MemDevice>>,
+    off: u64,
+) -> qcow2_engine::format::CompressedDescriptor {
+    let c = chain.clone();
+    let (m, _) = exec
+        .block_on(async move { c.block_status(0, off, off + 4096).await })
+        .unwrap();
+    match m {
+        qcow2_engine::format::ClusterMapping::Compressed(d) => d,
+        m => panic!("cluster at {off} not compressed: {m:?}"),
+    }
+}
+
+/// A guest reading a compressed cluster in pieces reads and decompresses it once, as QEMU
+/// does: the core keeps the cluster it decompressed last (one), whole.
+#[test]
+fn pieces_of_a_compressed_cluster_read_its_stream_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let (img, raw) = make_image(
+        dir.path(),
+        "cluster_size=65536",
+        "1M",
+        &["write -c -P 0x5a 0 64k", "write -c -P 0x6b 64k 64k"],
+    );
+    let (exec, dev, chain) = open(img, OpenOptions::default());
+    let chain = chain.unwrap();
+    let reads = || dev.0.borrow().reads;
+    // The first piece loads the slice and reads the stream.
+    assert_eq!(
+        submit_and_wait(&exec, &chain, 0, 4096).unwrap(),
+        raw[..4096]
+    );
+    let before = reads();
+    for k in 1..16u64 {
+        let off = k * 4096;
+        let got = submit_and_wait(&exec, &chain, off, 4096).unwrap();
+        assert!(got == raw[off as usize..off as usize + 4096], "piece {k}");
+    }
+    assert_eq!(reads(), before, "pieces of the kept cluster read nothing");
+    // Another cluster takes its place; the first is read again when asked for.
+    assert_eq!(
+        submit_and_wait(&exec, &chain, 65536, 512).unwrap(),
+        raw[65536..65536 + 512]
+    );
+    assert_eq!(reads(), before + 1);
+    assert_eq!(
+        submit_and_wait(&exec, &chain, 8192, 512).unwrap(),
+        raw[8192..8192 + 512]
+    );
+    assert_eq!(reads(), before + 2);
+}
+
+/// The kept cluster is named by its stream's place and the reuse generation: a stream
+/// written where a freed one was, with the same place and length, is read, not the
+/// cluster kept from the old one.
+#[test]
+fn a_new_stream_in_a_freed_streams_place_is_not_served_from_the_kept_cluster() {
+    let dir = tempfile::tempdir().unwrap();
+    let (img, _) = make_image(dir.path(), "cluster_size=65536", "1M", &[]);
+    let (exec, _dev, chain) = open_writable(img);
+    let c = chain.clone();
+    exec.block_on(async move { c.write_compressed(0, &vec![0x11u8; 65536]).await })
+        .unwrap();
+    let old = compressed_desc(&exec, &chain, 0);
+    let got = submit_and_wait(&exec, &chain, 4096, 4096).unwrap();
+    assert!(
+        got == [0x11; 4096],
+        "the compressed cluster reads as written"
+    );
+    // An overwrite moves the cluster out of its stream, whose clusters are freed once the
+    // metadata is stable; the next compressed cluster goes where it was.
+    let c = chain.clone();
+    exec.block_on(async move {
+        let data = HeapBuf::new(4096);
+        data.0.borrow_mut().fill(0x99);
+        c.write(0, BufSlice::whole(data)).await?;
+        c.flush().await?;
+        c.write_compressed(65536, &vec![0x22u8; 65536]).await
+    })
+    .unwrap();
+    let new = compressed_desc(&exec, &chain, 65536);
+    assert_eq!(
+        (new.offset, new.len),
+        (old.offset, old.len),
+        "the test needs the new stream where the old one was"
+    );
+    let got = submit_and_wait(&exec, &chain, 65536 + 4096, 4096).unwrap();
+    assert!(
+        got == [0x22; 4096],
+        "the new stream read, not the kept cluster"
+    );
+    let got = submit_and_wait(&exec, &chain, 0, 4096).unwrap();
+    assert!(got == [0x99; 4096], "the overwrite");
+}

@@ -815,8 +815,8 @@ fn a_write_completed_while_a_compressed_chunk_fills_sends_the_reads_waiting_for_
 
 /// Compressed images of every cluster size the ring meets differently — many clusters
 /// to a chunk (512 bytes: 256 of them, their streams sharing sectors and read together),
-/// a few, a cluster larger than a chunk (each chunk decompresses the cluster for its
-/// part) — read sequentially through the ring: what the source holds. Clusters of 2 MiB
+/// a few, a cluster larger than a chunk (the first chunk decompresses the cluster, the
+/// next take their part of it) — read sequentially through the ring: what the source holds. Clusters of 2 MiB
 /// that barely compress do not fit a record: their chunks run as tasks, counted.
 #[test]
 fn compressed_chunks_of_every_cluster_size_read_what_the_source_holds() {

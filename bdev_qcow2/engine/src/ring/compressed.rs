@@ -6,7 +6,8 @@
 //! compressed cluster's covering sectors into the record's buffer (clusters written one
 //! after the other, as `qemu-img convert -c` writes them, share one read). Its end comes
 //! back to [`Chain::zip_filled`], which decompresses each cluster from the record straight
-//! into the slot (a part of a cluster: into scratch, then its part copied in), then hands
+//! into the slot (a part of a cluster: from the cluster the layer decompressed last, or
+//! decoded into its place first, `LastCluster`; then its part copied in), then hands
 //! the fill to `ring_filled`. After that first use nothing on this
 //! path allocates. A chunk the records cannot take (its compressed bytes larger than a
 //! buffer, a cluster larger than the ring's chunk that does not fit either) is left to
@@ -39,6 +40,10 @@ const MAX_PARTS: usize = (CHUNK / SECTOR) as usize;
 #[derive(Clone, Copy)]
 struct Part {
     layer: u8,
+    /// Where its stream lies on the layer's device, and the layer's reuse generation when
+    /// the fill was issued (the kept cluster's name, `LastCluster`).
+    stream: u64,
+    gen: u64,
     at: usize,
     len: usize,
     in_cluster: usize,
@@ -65,8 +70,6 @@ pub(crate) struct ZipFills<B> {
     dec: Decompressor,
     /// A part's compressed bytes, copied out of the record's buffer.
     input: Vec<u8>,
-    /// A whole cluster, decompressed (the largest of the chain's layers).
-    out: Vec<u8>,
     /// The reads of the fill being issued: device, host offset, offset in the record's
     /// buffer, length.
     reads: Vec<(DevId, u64, usize, usize)>,
@@ -79,7 +82,6 @@ impl<B> Default for ZipFills<B> {
             next: 0,
             dec: Decompressor::default(),
             input: Vec::new(),
-            out: Vec::new(),
             reads: Vec::new(),
         }
     }
@@ -125,17 +127,7 @@ impl<D: BlockDevice> Chain<D> {
                 parts: Vec::with_capacity(MAX_PARTS),
             })
             .collect();
-        let cluster = self
-            .layers()
-            .iter()
-            .filter_map(|l| match l {
-                Layer::Qcow2(q) => Some(q.geometry().cluster_size() as usize),
-                Layer::Raw { .. } => None,
-            })
-            .max()
-            .unwrap_or(0);
         zips.input = vec![0; ZIP_BYTES];
-        zips.out = vec![0; cluster];
         zips.reads = Vec::with_capacity(MAX_PARTS);
     }
 
@@ -200,6 +192,8 @@ impl<D: BlockDevice> Chain<D> {
             };
             rec.parts.push(Part {
                 layer: p.layer,
+                stream: start,
+                gen: q.reuse_gen(),
                 at,
                 len: p.desc.len as usize,
                 in_cluster: p.in_cluster,
@@ -247,11 +241,7 @@ impl<D: BlockDevice> Chain<D> {
             return self.exec().internal_done(self.sink().token(payload), ok);
         };
         let ZipFills {
-            recs,
-            dec,
-            input,
-            out,
-            ..
+            recs, dec, input, ..
         } = &mut *zips;
         let Some(rec) = recs
             .get_mut((payload & !ZIP_BIT) as usize)
@@ -291,18 +281,29 @@ impl<D: BlockDevice> Chain<D> {
                             None => {}
                         }
                     }
-                    let (Some(inp), Some(cluster)) = (input.get_mut(..p.len), out.get_mut(..cs))
+                    // A part: from the cluster the layer decompressed last when it is this
+                    // one (a cluster larger than a chunk is decompressed once, not once per
+                    // chunk), else decompressed into its place.
+                    let (Some(inp), Ok(mut last)) =
+                        (input.get_mut(..p.len), q.last_compressed().try_borrow_mut())
                     else {
                         ok = false;
                         break;
                     };
-                    // Decoded from the record where it is, else from a copy.
-                    let r = rec.buf.decompress_to(p.at, p.len, dec, ct, cluster);
-                    let r = r.unwrap_or_else(|| {
-                        rec.buf.copy_out(p.at, inp);
-                        dec.decompress(ct, inp, cluster)
-                    });
-                    let Ok(()) = r else {
+                    let (stream, len, now) = (p.stream, p.len as u64, q.reuse_gen());
+                    let cluster = if last.get(stream, len, now).is_some() {
+                        Ok(last.get(stream, len, now).unwrap_or_default())
+                    } else {
+                        last.fill((stream, len, p.gen), cs, |out| {
+                            // Decoded from the record where it is, else from a copy.
+                            let r = rec.buf.decompress_to(p.at, p.len, dec, ct, out);
+                            r.unwrap_or_else(|| {
+                                rec.buf.copy_out(p.at, inp);
+                                dec.decompress(ct, inp, out)
+                            })
+                        })
+                    };
+                    let Ok(cluster) = cluster else {
                         ok = false;
                         break;
                     };

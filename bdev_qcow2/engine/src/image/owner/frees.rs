@@ -20,6 +20,10 @@ impl<D: BlockDevice> Owner<'_, D> {
     /// at once on an image of one core; after a grace period when cores share it.
     pub(crate) fn release_unstable(&self) {
         let grace = self.shared.as_ref().map(|sh| || sh.grace.now());
+        if self.shared.is_none() && !self.meta().st().frees.none_unstable() {
+            // Free at once, before the allocator can hand them out.
+            self.bump_reuse();
+        }
         self.meta().st_mut().frees.stabilized(grace);
         self.reclaim_graced();
     }
@@ -46,7 +50,9 @@ impl<D: BlockDevice> Owner<'_, D> {
         };
         let mut st = m.st_mut();
         if let Some(lowest) = st.frees.reclaim(g) {
-            st.alloc.freed(lowest);
+            drop(st);
+            self.bump_reuse();
+            m.st_mut().alloc.freed(lowest);
         }
     }
 
