@@ -330,7 +330,7 @@ fn run_readers(images: &[&Path]) -> (u64, u64, u64) {
 /// zeros (left unallocated) — so most chunks hold compressed clusters next to plain
 /// ones and holes — converted with compression of `kind`. Returns the image and the
 /// source's bytes.
-fn compressed_image(dir: &Path, kind: &str) -> (std::path::PathBuf, Vec<u8>) {
+fn compressed_image(dir: &Path, kind: &str, cluster: u64) -> (std::path::PathBuf, Vec<u8>) {
     let mut src = Vec::with_capacity(8 << 20);
     let mut x = 0x9e37_79b9_7f4a_7c15u64;
     for c in 0..128u64 {
@@ -361,7 +361,7 @@ fn compressed_image(dir: &Path, kind: &str) -> (std::path::PathBuf, Vec<u8>) {
     let img = dir.join(format!("c-{kind}.qcow2"));
     sh(Command::new("qemu-img")
         .args(["convert", "-q", "-c", "-f", "raw", "-O", "qcow2", "-o"])
-        .arg(format!("compression_type={kind}"))
+        .arg(format!("compression_type={kind},cluster_size={cluster}"))
         .arg(&raw)
         .arg(&img));
     (img, src)
@@ -371,9 +371,9 @@ fn compressed_image(dir: &Path, kind: &str) -> (std::path::PathBuf, Vec<u8>) {
 /// records exist (the first pass), its read-aheads — the chunk's plain clusters read
 /// into the ring, the compressed ones read into a record and decompressed into the ring,
 /// holes zeroed — allocate nothing and take no task; every byte is the source's.
-fn compressed_reads_allocate_nothing(kind: &str) {
+fn compressed_reads_allocate_nothing(kind: &str, cluster: u64) {
     let dir = tempfile::tempdir().unwrap();
-    let (img, expect) = compressed_image(dir.path(), kind);
+    let (img, expect) = compressed_image(dir.path(), kind, cluster);
     let exec = Exec::new();
     let dev = MemDevice::new(std::fs::read(&img).unwrap());
     dev.0.borrow_mut().latency_polls = 6;
@@ -423,12 +423,19 @@ fn compressed_reads_allocate_nothing(kind: &str) {
 
 #[test]
 fn compressed_read_aheads_allocate_nothing_zlib() {
-    compressed_reads_allocate_nothing("zlib");
+    compressed_reads_allocate_nothing("zlib", 65536);
 }
 
 #[test]
 fn compressed_read_aheads_allocate_nothing_zstd() {
-    compressed_reads_allocate_nothing("zstd");
+    compressed_reads_allocate_nothing("zstd", 65536);
+}
+
+/// Clusters of 2 MiB, a fifth of each incompressible: their streams fit no record but
+/// the big one, and each chunk after a cluster's first takes its part of that cluster.
+#[test]
+fn compressed_read_aheads_of_clusters_larger_than_a_chunk_allocate_nothing() {
+    compressed_reads_allocate_nothing("zlib", 2 << 20);
 }
 
 /// libzstd's C allocations are counted, so the zstd test above would see them.

@@ -8,11 +8,14 @@
 //! back to [`Chain::zip_filled`], which decompresses each cluster from the record straight
 //! into the slot (a part of a cluster: from the cluster the layer decompressed last, or
 //! decoded into its place first, `LastCluster`; then its part copied in), then hands
-//! the fill to `ring_filled`. After that first use nothing on this
-//! path allocates. A chunk the records cannot take (its compressed bytes larger than a
-//! buffer, a cluster larger than the ring's chunk that does not fit either) is left to
-//! the caller, which runs it as a task; a chunk that finds every record busy waits for
-//! the next to end, as a read-ahead waits for a slice load.
+//! the fill to `ring_filled`. A part of the cluster its layer decompressed last is copied
+//! into the slot when the fill is issued, and reads nothing. With clusters larger than a
+//! chunk, one big record (a cluster's bytes) takes the stream a record cannot: the first
+//! chunk of such a cluster reads and decompresses it, the next chunks (waiting for the big
+//! record meanwhile) take their parts of it. After that first use nothing on this path
+//! allocates. A chunk no record can take (a stream longer than a cluster: a hostile
+//! image) is left to the caller, which runs it as a task; a chunk that finds every record
+//! it needs busy waits for the next to end, as a read-ahead waits for a slice load.
 
 use super::CHUNK;
 use crate::chain::{Chain, Layer, Unplanned};
@@ -59,6 +62,8 @@ struct Record<B> {
     dst: Option<BufSlice<B>>,
     buf: B,
     parts: Vec<Part>,
+    /// Bytes of `buf`.
+    bytes: usize,
 }
 
 /// A chain's compressed fills (see the module documentation).
@@ -112,28 +117,46 @@ impl<D: BlockDevice> Chain<D> {
         self.zip_issue(&mut zips, &plan, slot, dst, parity, sink)
     }
 
-    /// Allocates the records, the decompressor's buffers and the read list, once.
+    /// Allocates the records, the decompressor's buffers and the read list, once; with a
+    /// layer whose clusters are larger than a chunk, the big record too.
     fn zip_records(&self, zips: &mut ZipFills<D::Buf>) {
         let dev = match &self.layers()[0] {
             Layer::Qcow2(q) => q.dev(),
             Layer::Raw { dev, .. } => *dev,
         };
-        zips.recs = (0..RECORDS)
-            .map(|_| Record {
-                busy: false,
-                slot: 0,
-                dst: None,
-                buf: self.exec().alloc_buf(dev, ZIP_BYTES),
-                parts: Vec::with_capacity(MAX_PARTS),
+        let cluster = self
+            .layers()
+            .iter()
+            .filter_map(|l| match l {
+                Layer::Qcow2(q) => Some(q.geometry().cluster_size() as usize),
+                Layer::Raw { .. } => None,
             })
-            .collect();
-        zips.input = vec![0; ZIP_BYTES];
+            .max()
+            .unwrap_or(0);
+        // A cluster's stream is smaller than the cluster (QEMU keeps a cluster compressed
+        // only if it shrinks), plus the sectors around it.
+        let big = (cluster > CHUNK as usize).then_some(cluster + 2 * SECTOR as usize);
+        let record = |bytes| Record {
+            busy: false,
+            slot: 0,
+            dst: None,
+            buf: self.exec().alloc_buf(dev, bytes),
+            parts: Vec::with_capacity(MAX_PARTS),
+            bytes,
+        };
+        zips.recs = (0..RECORDS).map(|_| record(ZIP_BYTES)).collect();
+        zips.recs.extend(big.map(record));
+        zips.input = vec![0; big.unwrap_or(0).max(ZIP_BYTES)];
         zips.reads = Vec::with_capacity(MAX_PARTS);
     }
 
     /// Lays the compressed parts of `plan` out in a free record's buffer and issues the
     /// fill: one request of the plan's data runs into `dst` and of the compressed bytes'
-    /// reads into the record.
+    /// reads into the record. A part of the cluster its layer decompressed last is copied
+    /// into `dst` at once and reads nothing. Parts whose streams a record cannot take
+    /// (clusters larger than a chunk, the first chunk of each) take the big record, one
+    /// at a time: the chunks of the same cluster that wait for it then find that cluster
+    /// decompressed.
     fn zip_issue(
         &self,
         zips: &mut ZipFills<D::Buf>,
@@ -147,64 +170,31 @@ impl<D: BlockDevice> Chain<D> {
         let ZipFills {
             recs, next, reads, ..
         } = zips;
-        let n = recs.len();
-        let Some(i) = (0..n).map(|k| (*next + k) % n).find(|&i| !recs[i].busy) else {
+        let Some(i) = (0..RECORDS)
+            .map(|k| (*next + k) % RECORDS)
+            .find(|&i| recs.get(i).is_some_and(|r| !r.busy))
+        else {
             return Err(Unplanned::Busy(ZIP_BIT | *next as u32));
         };
+        let i = match self.zip_layout(&mut recs[i], reads, parts, dst) {
+            Ok(()) => i,
+            Err(Unplanned::Other) if recs.len() > RECORDS => {
+                let big = &mut recs[RECORDS];
+                if big.busy {
+                    return Err(Unplanned::Busy(ZIP_BIT | RECORDS as u32));
+                }
+                self.zip_layout(big, reads, parts, dst)?;
+                RECORDS
+            }
+            Err(e) => return Err(e),
+        };
         let rec = &mut recs[i];
-        rec.parts.clear();
-        reads.clear();
-        let mut used = 0usize;
-        for p in parts {
-            let Some(Layer::Qcow2(q)) = self.layers().get(p.layer as usize) else {
-                return Err(Unplanned::Other);
-            };
-            // The sectors that hold the compressed bytes (which need not start or end on
-            // one).
-            let start = p.desc.offset.0;
-            let lo = start & !(SECTOR - 1);
-            let hi = start
-                .checked_add(p.desc.len)
-                .and_then(|e| e.checked_next_multiple_of(SECTOR))
-                .ok_or(Unplanned::Other)?;
-            let dev = q.dev();
-            let at = match reads.last_mut() {
-                // Continues (or overlaps) the last read on the same device: extend it.
-                Some((d, h, b, l)) if *d == dev && lo >= *h && lo <= *h + *l as u64 => {
-                    let end = *h + *l as u64;
-                    let grow = hi.saturating_sub(end);
-                    if grow > (ZIP_BYTES - used) as u64 {
-                        return Err(Unplanned::Other);
-                    }
-                    *l += grow as usize;
-                    used += grow as usize;
-                    *b + (start - *h) as usize
-                }
-                _ => {
-                    let l = hi - lo;
-                    if l > (ZIP_BYTES - used) as u64 {
-                        return Err(Unplanned::Other);
-                    }
-                    reads.push((dev, lo, used, l as usize));
-                    used += l as usize;
-                    used - l as usize + (start - lo) as usize
-                }
-            };
-            rec.parts.push(Part {
-                layer: p.layer,
-                stream: start,
-                gen: q.reuse_gen(),
-                at,
-                len: p.desc.len as usize,
-                in_cluster: p.in_cluster,
-                dst_off: p.buf_off,
-                n: p.len,
-            });
-        }
         rec.busy = true;
         rec.slot = slot;
         rec.dst = Some(dst.clone());
-        *next = (i + 1) % n;
+        if i < RECORDS {
+            *next = (i + 1) % RECORDS;
+        }
         let exec = self.exec();
         let req = exec.request_begin_as(sink.token(ZIP_BIT | i as u32), parity, true);
         for r in runs {
@@ -227,6 +217,80 @@ impl<D: BlockDevice> Chain<D> {
             exec.request_op(req, dev, DeviceOp::Read { offset: host, buf });
         }
         exec.request_arm(req);
+        Ok(())
+    }
+
+    /// Lays `parts` out in record `rec`'s buffer (its parts, and the device reads in
+    /// `reads`), copying at once the parts of each layer's kept cluster into `dst`;
+    /// `Unplanned::Other` when the streams do not fit.
+    fn zip_layout(
+        &self,
+        rec: &mut Record<D::Buf>,
+        reads: &mut Vec<(DevId, u64, usize, usize)>,
+        parts: &[crate::chain::ZipPart],
+        dst: &BufSlice<D::Buf>,
+    ) -> Result<(), Unplanned> {
+        rec.parts.clear();
+        reads.clear();
+        let cap = rec.bytes;
+        let mut used = 0usize;
+        for p in parts {
+            let Some(Layer::Qcow2(q)) = self.layers().get(p.layer as usize) else {
+                return Err(Unplanned::Other);
+            };
+            let start = p.desc.offset.0;
+            let gen = q.reuse_gen();
+            // A part of the cluster its layer decompressed last: copied now, nothing read.
+            let kept = q.last_compressed().try_borrow().is_ok_and(|last| {
+                last.get(start, p.desc.len, gen)
+                    .and_then(|c| c.get(p.in_cluster..p.in_cluster + p.len))
+                    .map(|part| dst.copy_in(p.buf_off, part))
+                    .is_some()
+            });
+            if kept {
+                continue;
+            }
+            // The sectors that hold the compressed bytes (which need not start or end on
+            // one).
+            let lo = start & !(SECTOR - 1);
+            let hi = start
+                .checked_add(p.desc.len)
+                .and_then(|e| e.checked_next_multiple_of(SECTOR))
+                .ok_or(Unplanned::Other)?;
+            let dev = q.dev();
+            let at = match reads.last_mut() {
+                // Continues (or overlaps) the last read on the same device: extend it.
+                Some((d, h, b, l)) if *d == dev && lo >= *h && lo <= *h + *l as u64 => {
+                    let end = *h + *l as u64;
+                    let grow = hi.saturating_sub(end);
+                    if grow > (cap - used) as u64 {
+                        return Err(Unplanned::Other);
+                    }
+                    *l += grow as usize;
+                    used += grow as usize;
+                    *b + (start - *h) as usize
+                }
+                _ => {
+                    let l = hi - lo;
+                    if l > (cap - used) as u64 {
+                        return Err(Unplanned::Other);
+                    }
+                    reads.push((dev, lo, used, l as usize));
+                    used += l as usize;
+                    used - l as usize + (start - lo) as usize
+                }
+            };
+            rec.parts.push(Part {
+                layer: p.layer,
+                stream: start,
+                gen,
+                at,
+                len: p.desc.len as usize,
+                in_cluster: p.in_cluster,
+                dst_off: p.buf_off,
+                n: p.len,
+            });
+        }
         Ok(())
     }
 
