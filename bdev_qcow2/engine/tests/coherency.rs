@@ -30,6 +30,8 @@ use std::collections::{HashMap, VecDeque};
 use std::process::Command;
 use std::rc::Rc;
 
+mod mem_chain;
+
 const SECTOR: u64 = 512;
 
 /// Device completions one channel reports per poll. More than one lets two completions of
@@ -1654,18 +1656,6 @@ fn a_group_taken_ahead_is_never_freed_clusters_brought_back_in_its_allocation() 
     rig.close();
 }
 
-/// The compressed stream of the cluster at guest `off`, as the owner maps it.
-fn stream_of(rig: &Rig, off: u64) -> qcow2_engine::format::CompressedDescriptor {
-    let c = rig.chains[0].clone();
-    let (m, _) = rig.execs[0]
-        .block_on(async move { c.block_status(0, off, off + 512).await })
-        .unwrap();
-    match m {
-        ClusterMapping::Compressed(d) => d,
-        m => panic!("cluster at {off} not compressed: {m:?}"),
-    }
-}
-
 /// ARCHITECTURE.md §10: a core's kept compressed cluster (the one it decompressed last) is
 /// named by the reuse generation the owner moves before freed clusters go back to its
 /// allocator. A stream the owner writes where a freed one was, at the same place and of the
@@ -1688,7 +1678,7 @@ fn a_core_reads_a_new_stream_written_where_the_one_it_kept_was_freed() {
     };
     compressed(&mut rig, 0, 0x11);
     flush_sync(&mut rig, 1);
-    let old = stream_of(&rig, 0);
+    let old = mem_chain::compressed_at(&rig.execs[0], &rig.chains[0], 0);
     assert!(core_bytes(&mut rig, 2, 512) == [0x11; 512]);
     // Cluster 0 moves out of its stream; the stream's cluster is free once the metadata
     // is stable and the cores' grace period over (flushes a while apart advance it).
@@ -1698,7 +1688,7 @@ fn a_core_reads_a_new_stream_written_where_the_one_it_kept_was_freed() {
         std::thread::sleep(std::time::Duration::from_millis(1));
     }
     compressed(&mut rig, cs, 0x22);
-    let new = stream_of(&rig, cs);
+    let new = mem_chain::compressed_at(&rig.execs[0], &rig.chains[0], cs);
     assert_eq!(
         (new.offset, new.len),
         (old.offset, old.len),

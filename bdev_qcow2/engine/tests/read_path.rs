@@ -12,6 +12,8 @@ use std::path::Path;
 use std::process::Command;
 use std::rc::Rc;
 
+mod mem_chain;
+
 fn sh(cmd: &mut Command) {
     let out = cmd.output().expect("run");
     assert!(
@@ -1549,22 +1551,6 @@ fn partial_first_writes_on_a_cheaply_zeroing_device(opts: &str, unit: u64, zeroi
     );
 }
 
-/// The compressed descriptor of the cluster at guest `off`.
-fn compressed_desc(
-    exec: &Exec<MemDevice>,
-    chain: &Rc<Chain<MemDevice>>,
-    off: u64,
-) -> qcow2_engine::format::CompressedDescriptor {
-    let c = chain.clone();
-    let (m, _) = exec
-        .block_on(async move { c.block_status(0, off, off + 4096).await })
-        .unwrap();
-    match m {
-        qcow2_engine::format::ClusterMapping::Compressed(d) => d,
-        m => panic!("cluster at {off} not compressed: {m:?}"),
-    }
-}
-
 /// A guest reading a compressed cluster in pieces reads and decompresses it once, as QEMU
 /// does: the core keeps the cluster it decompressed last (one), whole.
 #[test]
@@ -1615,7 +1601,7 @@ fn a_new_stream_in_a_freed_streams_place_is_not_served_from_the_kept_cluster() {
     let c = chain.clone();
     exec.block_on(async move { c.write_compressed(0, &vec![0x11u8; 65536]).await })
         .unwrap();
-    let old = compressed_desc(&exec, &chain, 0);
+    let old = mem_chain::compressed_at(&exec, &chain, 0);
     let got = submit_and_wait(&exec, &chain, 4096, 4096).unwrap();
     assert!(
         got == [0x11; 4096],
@@ -1632,7 +1618,7 @@ fn a_new_stream_in_a_freed_streams_place_is_not_served_from_the_kept_cluster() {
         c.write_compressed(65536, &vec![0x22u8; 65536]).await
     })
     .unwrap();
-    let new = compressed_desc(&exec, &chain, 65536);
+    let new = mem_chain::compressed_at(&exec, &chain, 65536);
     assert_eq!(
         (new.offset, new.len),
         (old.offset, old.len),

@@ -15,6 +15,9 @@ use std::process::Command;
 use std::rc::Rc;
 use std::sync::Arc;
 
+mod mem_chain;
+use mem_chain::compressed_at;
+
 fn sh(cmd: &mut Command) {
     let out = cmd.output().expect("run");
     assert!(
@@ -688,22 +691,6 @@ fn compressed_text(dir: &Path) -> (std::path::PathBuf, Vec<u8>) {
         .arg(&raw)
         .arg(&img));
     (img, src)
-}
-
-/// The compressed descriptor of the cluster at guest `off` (top layer).
-fn compressed_at(
-    exec: &Exec<MemDevice>,
-    chain: &Rc<Chain<MemDevice>>,
-    off: u64,
-) -> qcow2_engine::format::CompressedDescriptor {
-    let c = chain.clone();
-    let (m, _) = exec
-        .block_on(async move { c.block_status(0, off, off + 4096).await })
-        .unwrap();
-    match m {
-        qcow2_engine::format::ClusterMapping::Compressed(d) => d,
-        m => panic!("cluster at {off} not compressed: {m:?}"),
-    }
 }
 
 /// [`read`] that returns the read's result rather than unwrap it.

@@ -1,6 +1,7 @@
 //! A writable image on an in-memory device as one chain, driven to completion request by
 //! request: what the zeroed-tail tests (`zeroed_tail.rs`, `zero_ahead.rs`) write and read
-//! with.
+//! with; and where a compressed cluster's stream lies (`ring.rs`, `read_path.rs`,
+//! `coherency.rs`).
 
 #![allow(clippy::unwrap_used, dead_code)] // test helpers may panic; not every test uses each
 
@@ -54,4 +55,21 @@ pub fn flush(exec: &Exec<MemDevice>, chain: &Rc<Chain<MemDevice>>) {
 
 pub fn close(exec: &Exec<MemDevice>, chain: Rc<Chain<MemDevice>>) {
     exec.block_on(async move { chain.close().await }).unwrap();
+}
+
+/// The compressed stream of the cluster at guest `off` in the chain's top image (any
+/// device: the coherency rig's too).
+pub fn compressed_at<D: qcow2_engine::io::BlockDevice>(
+    exec: &Exec<D>,
+    chain: &Rc<Chain<D>>,
+    off: u64,
+) -> qcow2_engine::format::CompressedDescriptor {
+    let c = chain.clone();
+    let (m, _) = exec
+        .block_on(async move { c.block_status(0, off, off + 512).await })
+        .unwrap();
+    match m {
+        qcow2_engine::format::ClusterMapping::Compressed(d) => d,
+        m => panic!("cluster at {off} not compressed: {m:?}"),
+    }
 }
