@@ -26,6 +26,9 @@
 # 3. `qcow2 perf --base-latency-us 50`: 4 KiB and 128 KiB sequential reads at QD1, the
 #    sample image in PERF_DIR (default /dev/shm: memory under the added latency, like the
 #    malloc base of section 1; on a disk, 128 KiB reads ahead run into its bandwidth).
+#    Then the same on images `qemu-img convert -c` makes of ZMB MiB of text (default 128),
+#    with 64 KiB and 2 MiB clusters (the ring's chunks decompress each cluster once; 2 MiB
+#    clusters take its big record).
 #
 #   tests/prefetch_bench.sh
 #   LATS="50" ROUNDS=3 TIME=3 tests/prefetch_bench.sh
@@ -279,7 +282,7 @@ fi
 PERF_DIR=${PERF_DIR:-/dev/shm}
 qperf() {
   TMPDIR=$PERF_DIR ./target/release/qcow2 perf -w read -q 1 -o "$1" -t "$TIME" --base-latency-us 50 \
-    --sample-size "${MB}M" --prefetch "$2" --json |
+    --sample-size "${MB}M" --prefetch "$2" --json ${ZIMG:+"$ZIMG"} |
     /usr/bin/python3 -c 'import json, sys
 for l in sys.stdin:
     r = json.loads(l)
@@ -293,4 +296,20 @@ if [ -z "${SKIP_PERF:-}" ]; then
     "$(df --output=fstype "$PERF_DIR" | tail -1) at $PERF_DIR)"
   pairs "qcow2 perf: 4 KiB seq read QD1" qperf 4096
   pairs "qcow2 perf: 128 KiB seq read QD1" qperf 131072
+  # Text that deflate shrinks about 8x, a 4 KiB line of words per block.
+  zdir=$(mktemp -d -p "$PERF_DIR")
+  /usr/bin/python3 - "$zdir/text.raw" "${ZMB:-128}" <<'PY'
+import random, sys
+r = random.Random(1)
+words = ["alpha", "beta", "gamma", "delta", "disk", "cluster", "qcow2", "guest", "block", "sector"]
+with open(sys.argv[1], "wb") as f:
+    for _ in range(int(sys.argv[2]) * 256):
+        f.write(" ".join(r.choice(words) for _ in range(800)).encode()[:4096].ljust(4096, b"."))
+PY
+  for cs in 64k 2M; do
+    qemu-img convert -q -c -f raw -O qcow2 -o cluster_size=$cs "$zdir/text.raw" "$zdir/z-$cs.qcow2"
+    ZIMG=$zdir/z-$cs.qcow2 pairs "qcow2 perf, compressed ($cs clusters): 4 KiB seq read QD1" qperf 4096
+    ZIMG=$zdir/z-$cs.qcow2 pairs "qcow2 perf, compressed ($cs clusters): 128 KiB seq read QD1" qperf 131072
+  done
+  rm -rf "$zdir"
 fi
