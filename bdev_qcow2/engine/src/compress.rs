@@ -194,6 +194,22 @@ impl LastCluster {
         (self.key == Some((offset, len, gen))).then_some(&self.data[..])
     }
 
+    /// The cluster whose stream starts at `offset` and is `len` bytes long: kept under
+    /// reuse generation `now` (the current one), else decoded by `decode` into its place
+    /// as [`fill`](Self::fill) does, under `read` (the generation its bytes were read under).
+    pub fn get_or_fill(
+        &mut self,
+        (offset, len): (u64, u64),
+        (now, read): (u64, u64),
+        cluster: usize,
+        decode: impl FnOnce(&mut [u8]) -> Result<()>,
+    ) -> Result<&[u8]> {
+        if self.key == Some((offset, len, now)) {
+            return Ok(&self.data);
+        }
+        self.fill((offset, len, read), cluster, decode)
+    }
+
     /// Decompresses `input` (the stream at `offset`, `len` bytes, read under reuse
     /// generation `gen`) into the kept cluster of `cluster` bytes, which it then is (none on
     /// an error); allocates only the first time, or for a larger cluster.

@@ -354,19 +354,15 @@ impl<D: BlockDevice> Chain<D> {
                         ok = false;
                         break;
                     };
-                    let (stream, len, now) = (p.stream, p.len as u64, q.reuse_gen());
-                    let cluster = if last.get(stream, len, now).is_some() {
-                        Ok(last.get(stream, len, now).unwrap_or_default())
-                    } else {
-                        last.fill((stream, len, p.gen), cs, |out| {
-                            // Decoded from the record where it is, else from a copy.
-                            let r = rec.buf.decompress_to(p.at, p.len, dec, ct, out);
-                            r.unwrap_or_else(|| {
-                                rec.buf.copy_out(p.at, inp);
-                                dec.decompress(ct, inp, out)
-                            })
+                    let key = (p.stream, p.len as u64);
+                    let cluster = last.get_or_fill(key, (q.reuse_gen(), p.gen), cs, |out| {
+                        // Decoded from the record where it is, else from a copy.
+                        let r = rec.buf.decompress_to(p.at, p.len, dec, ct, out);
+                        r.unwrap_or_else(|| {
+                            rec.buf.copy_out(p.at, inp);
+                            dec.decompress(ct, inp, out)
                         })
-                    };
+                    });
                     let Ok(cluster) = cluster else {
                         ok = false;
                         break;
