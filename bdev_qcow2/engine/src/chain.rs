@@ -163,6 +163,9 @@ pub struct Chain<D: BlockDevice> {
     /// Ring chunks holding compressed clusters filled without a task
     /// (`ring/compressed.rs`).
     pub(crate) zips: RefCell<crate::ring::compressed::ZipFills<D::Buf>>,
+    /// The top image's persistent bitmaps, which every change of the disk marks
+    /// ([`Chain::note_change`]).
+    dirty_bitmaps: Option<std::sync::Arc<crate::dirty_bitmaps::DirtyBitmaps>>,
 }
 
 impl<D: BlockDevice> Chain<D> {
@@ -185,6 +188,10 @@ impl<D: BlockDevice> Chain<D> {
             Layer::Raw { .. } => None,
         };
         let (pf_hot, prefetch) = crate::prefetch::new_state(coverage);
+        let dirty_bitmaps = match &layers[0] {
+            Layer::Qcow2(q) => q.dirty_bitmaps().cloned(),
+            Layer::Raw { .. } => None,
+        };
         Ok(Rc::new(Chain {
             pf_hot,
             exec: exec.clone(),
@@ -204,7 +211,17 @@ impl<D: BlockDevice> Chain<D> {
             sink: std::cell::OnceCell::new(),
             loads: RefCell::default(),
             zips: RefCell::default(),
+            dirty_bitmaps,
         }))
+    }
+
+    /// A write, write-zeroes or discard of `len` bytes at `offset` (inside the disk) is
+    /// about to change it: the persistent bitmaps record it before it is submitted.
+    #[inline(always)]
+    pub(crate) fn note_change(&self, offset: u64, len: u64) {
+        if let Some(b) = &self.dirty_bitmaps {
+            b.mark(offset, len);
+        }
     }
 
     /// The layers, top first.

@@ -35,6 +35,7 @@ use crate::error::{invalid, Error, Field, Result};
 use crate::exec::read_bytes;
 use crate::exec::{DevId, Exec};
 use crate::format::be::{get_u16, get_u32, get_u64, put_u64};
+use crate::format::bitmaps;
 use crate::format::header::{autoclear, incompat, peek_cluster_bits, PEEK_LEN};
 use crate::format::refcount::{entries_per_block, get_refcount, max_refcount, set_refcount};
 use crate::format::{HeaderPatch, ImageHeader};
@@ -124,17 +125,6 @@ const BITMAP_ALL_ALLOC: u64 = 0xffff_ffff;
 /// Zero half of an extended L2 subcluster bitmap.
 const BITMAP_ALL_ZERO: u64 = BITMAP_ALL_ALLOC << 32;
 
-/// Bitmap directory entry limits and flags (QEMU `docs/interop/qcow2.rst`, "Bitmaps").
-const BME_MAX_TABLE_SIZE: u64 = 0x800_0000;
-const BME_MAX_PHYS_SIZE: u64 = 0x2000_0000;
-const BME_MIN_GRANULARITY_BITS: u8 = 9;
-const BME_MAX_GRANULARITY_BITS: u8 = 31;
-const BME_MAX_NAME_SIZE: u16 = 1023;
-const BME_RESERVED_FLAGS: u32 = 0xffff_fffc;
-const BME_FLAG_IN_USE: u32 = 1;
-const BME_TABLE_RESERVED: u64 = 0xff00_0000_0000_01fe;
-const BME_TABLE_ALL_ONES: u64 = 1;
-
 /// How QEMU classifies an L2 entry (`qcow2_get_cluster_type`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum ClusterType {
@@ -167,12 +157,6 @@ struct SnapshotL1 {
     name: String,
     l1_offset: u64,
     l1_size: u32,
-}
-
-/// One bitmap of the bitmap directory.
-struct BitmapTable {
-    offset: u64,
-    entries: u32,
 }
 
 /// Why the scan stopped early: QEMU aborts the check in these cases (exit code 1).
@@ -720,7 +704,7 @@ impl<D: BlockDevice> Checker<'_, D> {
         )
         .await?;
         let virtual_size = self.header.header.size / SECTOR * SECTOR;
-        let bitmaps = match parse_bitmap_directory(&dir, ext.nb_bitmaps, self.cs, virtual_size) {
+        let bitmaps = match bitmaps::parse_directory(&dir, ext.nb_bitmaps, self.cs, virtual_size) {
             Ok(b) => b,
             Err(why) => {
                 self.corruption(format!("ERROR bitmap directory: {why}"));
@@ -729,15 +713,15 @@ impl<D: BlockDevice> Checker<'_, D> {
             }
         };
         for bm in bitmaps {
-            let bytes = u64::from(bm.entries) * 8;
-            self.inc(bm.offset, bytes);
-            let table = words(&read_bytes(self.exec, self.dev, bm.offset, bytes).await?);
+            let bytes = u64::from(bm.table_size) * 8;
+            self.inc(bm.table_offset, bytes);
+            let table = words(&read_bytes(self.exec, self.dev, bm.table_offset, bytes).await?);
             let mut data = Vec::with_capacity(table.len());
             for e in table {
-                if !bitmap_table_entry_ok(e, self.cs) {
+                if !bitmaps::table_entry_ok(e, self.cs) {
                     self.corruption(format!(
                         "ERROR bitmap table at {:#x}: invalid entry {e:#x}",
-                        bm.offset
+                        bm.table_offset
                     ));
                     self.report.check_errors += 1;
                     return Err(Stop::Abort);
@@ -1356,71 +1340,6 @@ fn walk_snapshots(buf: &[u8], nb: u32) -> Result<Option<(Vec<SnapshotL1>, u64)>>
 /// `docs/interop/qcow2.rst`: table offset u64, table size u32, flags u32, type u8,
 /// granularity bits u8, name size u16, extra data size u32, extra data, name, padding
 /// to 8 bytes). Returns each bitmap's table, or why the directory is unusable.
-fn parse_bitmap_directory(
-    dir: &[u8],
-    nb_bitmaps: u32,
-    cluster_size: u64,
-    virtual_size: u64,
-) -> std::result::Result<Vec<BitmapTable>, &'static str> {
-    let mut out = Vec::new();
-    let mut off = 0usize;
-    while off < dir.len() {
-        if off + 24 > dir.len() {
-            return Err("broken bitmap directory");
-        }
-        if out.len() as u64 >= u64::from(nb_bitmaps) {
-            return Err("more bitmaps found than specified in header extension");
-        }
-        let table_offset = get_u64(dir, off);
-        let table_size = get_u32(dir, off + 8);
-        let flags = get_u32(dir, off + 12);
-        let ty = dir[off + 16];
-        let granularity_bits = dir[off + 17];
-        let name_size = get_u16(dir, off + 18);
-        let extra = get_u32(dir, off + 20) as usize;
-        let next = (off + 24 + usize::from(name_size) + extra).div_ceil(8) * 8;
-        if next > dir.len() {
-            return Err("broken bitmap directory");
-        }
-        if extra != 0 {
-            return Err("bitmap extra data is not supported");
-        }
-        let phys = u64::from(table_size) * cluster_size;
-        let bad = table_size == 0
-            || table_offset == 0
-            || !table_offset.is_multiple_of(cluster_size)
-            || u64::from(table_size) > BME_MAX_TABLE_SIZE
-            || !(BME_MIN_GRANULARITY_BITS..=BME_MAX_GRANULARITY_BITS).contains(&granularity_bits)
-            || flags & BME_RESERVED_FLAGS != 0
-            || name_size > BME_MAX_NAME_SIZE
-            || ty != 1
-            || phys > BME_MAX_PHYS_SIZE
-            || (flags & BME_FLAG_IN_USE == 0
-                && u128::from(virtual_size) > (u128::from(phys) * 8) << granularity_bits);
-        if bad {
-            return Err("a bitmap does not satisfy the constraints");
-        }
-        out.push(BitmapTable {
-            offset: table_offset,
-            entries: table_size,
-        });
-        off = next;
-    }
-    if out.len() as u64 != u64::from(nb_bitmaps) {
-        return Err("fewer bitmaps found than specified in header extension");
-    }
-    Ok(out)
-}
-
-/// Whether a bitmap table entry is valid (QEMU's `check_table_entry`).
-fn bitmap_table_entry_ok(entry: u64, cluster_size: u64) -> bool {
-    if entry & BME_TABLE_RESERVED != 0 {
-        return false;
-    }
-    let off = entry & OFFSET_MASK;
-    off == 0 || (entry & BME_TABLE_ALL_ONES == 0 && off.is_multiple_of(cluster_size))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1433,16 +1352,6 @@ mod tests {
         assert_eq!(cluster_type(0x10001, true), ClusterType::Normal);
         assert_eq!(cluster_type(COPIED, false), ClusterType::Unallocated);
         assert_eq!(cluster_type(COMPRESSED | 5, false), ClusterType::Compressed);
-    }
-
-    #[test]
-    fn bitmap_entries() {
-        assert!(bitmap_table_entry_ok(0, 65536));
-        assert!(bitmap_table_entry_ok(1, 65536));
-        assert!(bitmap_table_entry_ok(0x20000, 65536));
-        assert!(!bitmap_table_entry_ok(0x20001, 65536));
-        assert!(!bitmap_table_entry_ok(0x20200, 65536));
-        assert!(!bitmap_table_entry_ok(1 << 60, 65536));
     }
 
     #[test]

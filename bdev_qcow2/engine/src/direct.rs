@@ -123,6 +123,7 @@ impl<D: BlockDevice> Chain<D> {
         let Ok(range) = self.check_range(offset, len) else {
             return WriteRoute::Engine;
         };
+        self.note_change(offset, len);
         let parity = self.exec().guest_enter();
         if let Some(q) = self.top_qcow2() {
             if let Some(host) = q.memo_overwrite(offset, len) {

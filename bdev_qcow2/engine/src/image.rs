@@ -9,6 +9,7 @@
 
 use crate::cache::{CacheConfig, CacheStats, SetAssocCache};
 use crate::coherency::{Shared, SliceReply, SliceStamp};
+use crate::dirty_bitmaps::DirtyBitmaps;
 use crate::error::{corrupt, invalid, Error, Field, Result};
 use crate::exec::{DevId, Exec, WaitQueue};
 use crate::format::header::{peek_cluster_bits, PEEK_LEN};
@@ -120,6 +121,9 @@ pub struct Qcow2<D: BlockDevice> {
     /// Set on a core replica of a shared image: reached through
     /// [`replica_side`](Self::replica_side) by what only a replica does.
     core: Option<CoreSide<D>>,
+    /// The persistent bitmaps every guest write marks (an image open for writing that has
+    /// some, on the owner and every core).
+    dirty_bitmaps: Option<Arc<DirtyBitmaps>>,
 }
 
 /// How a core replica reaches the metadata owner. The host carries the messages (SPDK:
@@ -220,6 +224,7 @@ pub struct CoreSeed {
     snapshots: Vec<Snapshot>,
     shared: Arc<Shared>,
     writable: bool,
+    dirty_bitmaps: Option<Arc<DirtyBitmaps>>,
 }
 
 pub use crate::exec::read_bytes;
@@ -311,7 +316,7 @@ impl<D: BlockDevice> Qcow2<D> {
         } else {
             None
         };
-        let q = Qcow2 {
+        let mut q = Qcow2 {
             exec: exec.clone(),
             dev,
             decompressor: RefCell::default(),
@@ -334,8 +339,12 @@ impl<D: BlockDevice> Qcow2<D> {
             meta,
             shared: None,
             core: None,
+            dirty_bitmaps: None,
         };
         q.index_metadata();
+        if q.meta.is_some() {
+            q.dirty_bitmaps = q.owner()?.load_bitmaps().await?;
+        }
         if opts.zero_ahead && q.meta.is_some() {
             q.owner()?.start_zero_ahead().await?;
         }
@@ -443,6 +452,7 @@ impl<D: BlockDevice> Qcow2<D> {
             meta: None,
             shared: None,
             core: None,
+            dirty_bitmaps: None,
         })
     }
 
@@ -516,6 +526,7 @@ impl<D: BlockDevice> Qcow2<D> {
             snapshots: self.snapshots.borrow().clone(),
             shared,
             writable: self.meta.is_some(),
+            dirty_bitmaps: self.dirty_bitmaps.clone(),
         })
     }
 
@@ -574,7 +585,13 @@ impl<D: BlockDevice> Qcow2<D> {
                 wait: WaitQueue::new(exec),
                 writable: seed.writable,
             }),
+            dirty_bitmaps: seed.dirty_bitmaps,
         })
+    }
+
+    /// The persistent bitmaps guest writes must mark, when the image keeps any.
+    pub(crate) fn dirty_bitmaps(&self) -> Option<&Arc<DirtyBitmaps>> {
+        self.dirty_bitmaps.as_ref()
     }
 
     /// The shared state, if [`share`](Self::share)d (owner) or a core replica.

@@ -24,6 +24,7 @@ pub mod compress;
 pub mod compressed_write;
 pub mod create;
 mod direct;
+mod dirty_bitmaps;
 pub mod error;
 pub mod exec;
 pub mod format;

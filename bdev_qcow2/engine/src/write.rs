@@ -232,6 +232,7 @@ impl<D: BlockDevice> Chain<D> {
         if let Err(e) = top(self).and_then(|_| self.check_range(offset, buf.len as u64)) {
             return self.exec().complete(tag, Err(e));
         }
+        self.note_change(offset, buf.len as u64);
         let parity = self.exec().guest_enter();
         if fast && self.try_fast_write(tag, offset, &buf, parity) {
             return;
@@ -289,6 +290,7 @@ impl<D: BlockDevice> Chain<D> {
         if let Err(e) = self.check_range(offset, buf.len as u64) {
             return self.exec().complete(tag, Err(e));
         }
+        self.note_change(offset, buf.len as u64);
         let parity = self.exec().guest_enter();
         if self.try_fast_write(tag, offset, &buf, parity) {
             return;
@@ -329,6 +331,7 @@ impl<D: BlockDevice> Chain<D> {
         if self.check_range(offset, buf.len as u64).is_err() {
             return false;
         }
+        self.note_change(offset, buf.len as u64);
         let parity = self.exec().guest_enter();
         if self.try_fast_write(tag, offset, buf, parity) {
             return true;
@@ -548,6 +551,7 @@ impl<D: BlockDevice> Chain<D> {
     pub async fn write(self: &Rc<Self>, offset: u64, buf: BufSlice<D::Buf>) -> Result<()> {
         let q = top(self)?;
         self.check_range(offset, buf.len as u64)?;
+        self.note_change(offset, buf.len as u64);
         let end = offset + buf.len as u64;
         let cov = q.geometry().slice_coverage();
         let mut pos = offset;
@@ -1236,6 +1240,7 @@ impl<D: BlockDevice> Chain<D> {
     async fn zero_range(self: &Rc<Self>, offset: u64, len: u64, kind: ZeroKind) -> Result<()> {
         let q = top(self)?;
         self.check_range(offset, len)?;
+        self.note_change(offset, len);
         let geo = q.geometry();
         let cs = geo.cluster_size();
         let gran = geo.subcluster_size();

@@ -1,6 +1,7 @@
 //! On-disk structures: decode, encode, validate. Bytes in, typed values out; no I/O.
 
 pub mod be;
+pub mod bitmaps;
 pub mod entries;
 pub mod header;
 pub mod header_sector;

@@ -17,6 +17,7 @@
 
 pub(crate) mod alloc;
 pub(crate) mod background;
+pub(crate) mod bitmaps;
 pub(crate) mod dirty;
 pub(crate) mod frees;
 pub(crate) mod header_writer;
@@ -57,6 +58,8 @@ pub(crate) struct MetaState {
     pub(crate) timer: background::BackgroundTimer,
     /// Counters.
     pub(crate) stats: OwnerStats,
+    /// The persistent bitmaps, when the image has any it keeps up to date.
+    pub(crate) bitmaps: Option<bitmaps::KeptBitmaps>,
 }
 
 impl MetaState {
@@ -128,6 +131,7 @@ impl<D: BlockDevice> Meta<D> {
                 index: Default::default(),
                 timer: Default::default(),
                 stats: OwnerStats::default(),
+                bitmaps: None,
             }),
         }
     }

@@ -10,6 +10,7 @@
 //! nothing below calls them.
 //!
 //! - [`alloc`]: host clusters for data and metadata, data regions;
+//! - [`bitmaps`]: persistent dirty bitmaps, loaded at open and stored at close;
 //! - [`refcount`]: refcount changes, new refcount blocks, a larger refcount table;
 //! - [`l2`]: dirty L2 slices, new or copied L2 tables;
 //! - [`frees`]: frees after the metadata that removed a reference is stable;
@@ -21,6 +22,7 @@
 //! - [`writeback`]: the ordered write-back, flush and close.
 
 pub(crate) mod alloc;
+pub(crate) mod bitmaps;
 pub(crate) mod frees;
 pub(crate) mod header;
 pub(crate) mod l2;

@@ -43,6 +43,7 @@ impl<D: BlockDevice> Owner<'_, D> {
             }
             self.check_cut_off_is_empty(new_size, old_size).await?;
         }
+        self.resize_bitmaps(new_size)?;
         // Everything dirty goes to the device first, in order: the L1 table copied below
         // is then the one on disk, and the header written below carries no other change.
         self.writeback_locked().await?;

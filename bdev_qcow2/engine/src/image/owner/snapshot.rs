@@ -172,6 +172,7 @@ impl<D: BlockDevice> Owner<'_, D> {
                 "applying a snapshot is done offline, on an image nobody else serves".into(),
             ));
         }
+        self.refuse_with_enabled_bitmaps("switching to a snapshot")?;
         let m = self.meta();
         let _g = m.lock().lock().await;
         let snapshots = self.snapshots.borrow().clone();
@@ -427,7 +428,7 @@ impl<D: BlockDevice> Owner<'_, D> {
 
     /// Writes `bytes` (a whole number of clusters) into freshly taken clusters; returns
     /// their offset. Marks them as metadata for the overlap check.
-    async fn write_new_bytes(&self, bytes: &[u8]) -> Result<u64> {
+    pub(crate) async fn write_new_bytes(&self, bytes: &[u8]) -> Result<u64> {
         let cs = self.geo.cluster_size();
         let n = (bytes.len() as u64).div_ceil(cs);
         let a = self.alloc_run(n).await?;

@@ -299,6 +299,11 @@ impl<D: BlockDevice> Owner<'_, D> {
         let _g = self.meta().lock().lock().await;
         self.writeback_mode(true).await?;
         self.exec.flush(self.dev).await?;
+        if self.meta().st().bitmaps.is_some() {
+            self.store_bitmaps().await?;
+            // The old tables' frees.
+            self.writeback_mode(true).await?;
+        }
         self.lower_zeroed_tail().await
     }
 

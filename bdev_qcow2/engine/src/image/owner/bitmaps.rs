@@ -1,0 +1,278 @@
+//! Persistent dirty bitmaps on the owner, kept as QEMU keeps them: loaded when the image
+//! opens for writing and marked `in_use` on disk before any guest write, recorded in
+//! memory by every core ([`DirtyBitmaps`]), stored at a clean close with `in_use` cleared.
+//! An image that was not closed keeps `in_use`: QEMU then treats the bitmap as
+//! inconsistent (a backup that relies on it refuses, instead of missing data).
+//!
+//! Bitmaps already `in_use` at open are left as they are. Disabled bitmaps (no `auto`
+//! flag) record nothing, but are loaded and stored too: their size follows the disk's.
+//!
+//! Store order (a crash at any point leaves a consistent image, bitmaps at worst `in_use`):
+//! 1. new data clusters and a new table for each bitmap that changed, written, and their
+//!    refcounts written and flushed (the write-back);
+//! 2. the directory's entries take the new tables, still `in_use`; flushed;
+//! 3. the `in_use` flags go (each a 4-byte field: one sector write cannot tear it);
+//!    flushed;
+//! 4. the old tables and data are freed.
+
+use super::Owner;
+use crate::dirty_bitmaps::{Bits, DirtyBitmaps};
+use crate::error::{invalid, Error, Field, Result};
+use crate::exec::read_bytes;
+use crate::format::be::get_u64;
+use crate::format::bitmaps::{
+    self, data_bytes, BitmapEntry, FLAG_IN_USE, TABLE_ALL_ONES, TABLE_OFFSET_MASK,
+};
+use crate::io::{BlockDevice, BufSlice, IoBuffer, SECTOR};
+use crate::meta::bitmaps::{KeptBitmaps, Loaded};
+use crate::types::{HostOffset, HostRange};
+use std::sync::Arc;
+
+impl<D: BlockDevice> Owner<'_, D> {
+    /// At open for writing: loads every bitmap not already `in_use`, and marks them
+    /// `in_use` on disk (flushed) before the image takes any write. `None` when the image
+    /// has no bitmaps to keep. A directory or table QEMU would refuse is an error.
+    pub(crate) async fn load_bitmaps(&self) -> Result<Option<Arc<DirtyBitmaps>>> {
+        let Some(ext) = self.header.borrow().extensions.bitmaps.clone() else {
+            return Ok(None);
+        };
+        let cs = self.geo.cluster_size();
+        if ext.directory_offset.saturating_add(ext.directory_size) > self.device_size.get() {
+            return Err(invalid(
+                Field::BitmapsExtension,
+                ext.directory_offset,
+                "bitmap directory extends past the end of the device",
+            ));
+        }
+        // Written back in whole sectors, inside its clusters (QEMU's file may end inside
+        // the last one).
+        let dir_len = ext.directory_size.div_ceil(SECTOR) * SECTOR;
+        self.note_allocated((ext.directory_offset + dir_len).div_ceil(cs))?;
+        let mut dir = read_bytes(&self.exec, self.dev, ext.directory_offset, dir_len).await?;
+        let entries = bitmaps::parse_directory(
+            &dir[..ext.directory_size as usize],
+            ext.nb_bitmaps,
+            cs,
+            self.size(),
+        )
+        .map_err(|why| invalid(Field::BitmapsExtension, ext.directory_offset, why))?;
+        let mut loaded = Vec::new();
+        let mut bits = Vec::new();
+        for (i, e) in entries.iter().enumerate().filter(|(_, e)| !e.in_use()) {
+            let (data, data_clusters) = self.read_bitmap(e).await?;
+            bits.push(Bits::new(e.granularity_bits, &data, data.len(), e.auto()));
+            loaded.push(Loaded {
+                entry: i,
+                data_clusters,
+            });
+            bitmaps::set_flags(&mut dir, e, e.flags | FLAG_IN_USE);
+        }
+        if loaded.is_empty() {
+            return Ok(None);
+        }
+        self.write_directory(ext.directory_offset, &dir).await?;
+        self.exec.flush(self.dev).await?;
+        let entries = bitmaps::parse_directory(
+            &dir[..ext.directory_size as usize],
+            ext.nb_bitmaps,
+            cs,
+            self.size(),
+        )
+        .map_err(|why| invalid(Field::BitmapsExtension, ext.directory_offset, why))?;
+        let bits = Arc::new(DirtyBitmaps::new(bits));
+        self.meta().st_mut().bitmaps = Some(KeptBitmaps {
+            dir_offset: ext.directory_offset,
+            dir,
+            entries,
+            loaded,
+            bits: bits.clone(),
+        });
+        Ok(Some(bits))
+    }
+
+    /// Bitmap `e`'s data (its table's whole clusters) and the host clusters it is in.
+    async fn read_bitmap(&self, e: &BitmapEntry) -> Result<(Vec<u8>, Vec<u64>)> {
+        let cs = self.geo.cluster_size();
+        let dev_size = self.device_size.get();
+        let table_bytes = u64::from(e.table_size) * 8;
+        if e.table_offset.saturating_add(table_bytes) > dev_size {
+            return Err(invalid(
+                Field::BitmapsExtension,
+                e.table_offset,
+                "bitmap table extends past the end of the device",
+            ));
+        }
+        let table = read_bytes(&self.exec, self.dev, e.table_offset, table_bytes).await?;
+        let mut data = Vec::with_capacity((u64::from(e.table_size) * cs) as usize);
+        let mut clusters = Vec::new();
+        for i in 0..e.table_size as usize {
+            let t = get_u64(&table, i * 8);
+            if !bitmaps::table_entry_ok(t, cs) {
+                return Err(invalid(
+                    Field::BitmapsExtension,
+                    t,
+                    "invalid bitmap table entry",
+                ));
+            }
+            let off = t & TABLE_OFFSET_MASK;
+            if off == 0 {
+                let fill = if t & TABLE_ALL_ONES != 0 { 0xff } else { 0 };
+                data.resize(data.len() + cs as usize, fill);
+                continue;
+            }
+            if off >= dev_size {
+                return Err(invalid(
+                    Field::BitmapsExtension,
+                    off,
+                    "bitmap data past the end of the device",
+                ));
+            }
+            // A file may end inside the last cluster: the rest reads as zeros.
+            let mut c = read_bytes(&self.exec, self.dev, off, cs.min(dev_size - off)).await?;
+            c.resize(cs as usize, 0);
+            data.extend(c);
+            clusters.push(off >> self.geo.cluster_bits);
+        }
+        Ok((data, clusters))
+    }
+
+    /// Writes the directory `dir` (whole sectors) at `offset`.
+    async fn write_directory(&self, offset: u64, dir: &[u8]) -> Result<()> {
+        let buf = self.exec.alloc_buf(self.dev, dir.len());
+        buf.copy_in(0, dir);
+        self.exec
+            .write(self.dev, offset, BufSlice::whole(buf))
+            .await
+    }
+
+    /// At a clean close, with everything else written back: stores the bitmaps (see the
+    /// module doc) and clears their `in_use` flags. Caller holds the metadata lock.
+    pub(crate) async fn store_bitmaps(&self) -> Result<()> {
+        let Some(mut kept) = self.meta().st_mut().bitmaps.take() else {
+            return Ok(());
+        };
+        let r = self.store_kept(&mut kept).await;
+        self.meta().st_mut().bitmaps = Some(kept);
+        r
+    }
+
+    async fn store_kept(&self, kept: &mut KeptBitmaps) -> Result<()> {
+        let cs = self.geo.cluster_size();
+        let size = self.size();
+        kept.bits.clear_from(size);
+        // 1. New tables for the bitmaps that changed, or whose size did.
+        let mut old: Vec<HostRange> = Vec::new();
+        let mut moved: Vec<(usize, u64, u32, Vec<u64>)> = Vec::new();
+        for (k, l) in kept.loaded.iter().enumerate() {
+            let e = &kept.entries[l.entry];
+            let bits = kept.bits.get(k);
+            let len = data_bytes(size, e.granularity_bits);
+            let entries = len.div_ceil(cs);
+            if !bits.changed() && entries == u64::from(e.table_size) {
+                continue;
+            }
+            let data = bits.data(len as usize);
+            let mut table = vec![0u8; (entries * 8).div_ceil(cs) as usize * cs as usize];
+            let mut clusters = Vec::new();
+            for (i, chunk) in data.chunks(cs as usize).enumerate() {
+                if chunk.iter().all(|&b| b == 0) {
+                    continue;
+                }
+                let mut c = chunk.to_vec();
+                c.resize(cs as usize, 0);
+                let off = self.write_new_bytes(&c).await?;
+                table[i * 8..i * 8 + 8].copy_from_slice(&off.to_be_bytes());
+                clusters.push(off >> self.geo.cluster_bits);
+            }
+            let table_off = self.write_new_bytes(&table).await?;
+            let table_size = u32::try_from(entries)
+                .map_err(|_| Error::Refused(format!("bitmap '{}' too large", e.name)))?;
+            moved.push((k, table_off, table_size, clusters));
+        }
+        if !moved.is_empty() {
+            // Their refcounts (and the bytes just written) stable before the directory
+            // names them.
+            self.writeback_mode(true).await?;
+            self.exec.flush(self.dev).await?;
+            // 2. The directory takes the new tables, still in use.
+            for (k, table_off, table_size, clusters) in &mut moved {
+                let l = &mut kept.loaded[*k];
+                let e = &mut kept.entries[l.entry];
+                old.push(HostRange::new(
+                    HostOffset(e.table_offset),
+                    (u64::from(e.table_size) * 8).div_ceil(cs) * cs,
+                ));
+                old.extend(
+                    std::mem::take(&mut l.data_clusters)
+                        .into_iter()
+                        .map(|c| HostRange::new(HostOffset(c << self.geo.cluster_bits), cs)),
+                );
+                bitmaps::set_table(&mut kept.dir, e, *table_off, *table_size);
+                e.table_offset = *table_off;
+                e.table_size = *table_size;
+                l.data_clusters = std::mem::take(clusters);
+            }
+            self.write_directory(kept.dir_offset, &kept.dir).await?;
+            self.exec.flush(self.dev).await?;
+        }
+        // 3. Consistent again.
+        for l in &kept.loaded {
+            let e = &mut kept.entries[l.entry];
+            e.flags &= !FLAG_IN_USE;
+            bitmaps::set_flags(&mut kept.dir, e, e.flags);
+        }
+        self.write_directory(kept.dir_offset, &kept.dir).await?;
+        self.exec.flush(self.dev).await?;
+        // 4. What the old tables held (the caller's write-back makes the frees stable).
+        for r in old {
+            self.free_later(r);
+        }
+        Ok(())
+    }
+
+    /// Refuses a change of the disk the enabled bitmaps cannot record (switching to a
+    /// snapshot, as QEMU refuses it).
+    pub(crate) fn refuse_with_enabled_bitmaps(&self, what: &str) -> Result<()> {
+        let names = self
+            .meta()
+            .st()
+            .bitmaps
+            .as_ref()
+            .map(KeptBitmaps::enabled_names)
+            .unwrap_or_default();
+        if names.is_empty() {
+            return Ok(());
+        }
+        Err(Error::Refused(format!(
+            "{what} is refused while the image has enabled persistent bitmaps ({}): \
+             disable or remove them first (qemu-img bitmap --disable/--remove)",
+            names.join(", ")
+        )))
+    }
+
+    /// Before the disk's size becomes `new_size`: refused past what a bitmap's table can
+    /// cover (QEMU would refuse the image); on a shrink, the bits past the new end go.
+    pub(crate) fn resize_bitmaps(&self, new_size: u64) -> Result<()> {
+        let st = self.meta().st();
+        let Some(kept) = &st.bitmaps else {
+            return Ok(());
+        };
+        let cs = self.geo.cluster_size();
+        // (Those in use since before the open may be of any size.)
+        let too_small = kept
+            .loaded
+            .iter()
+            .map(|l| &kept.entries[l.entry])
+            .find(|e| u128::from(new_size) > e.coverage(cs));
+        if let Some(e) = too_small {
+            return Err(Error::Refused(format!(
+                "the disk would outgrow persistent bitmap '{}' (its table covers {} bytes); \
+                 resize the image offline with qemu-img resize, or remove the bitmap",
+                e.name,
+                e.coverage(cs)
+            )));
+        }
+        kept.bits.clear_from(new_size);
+        Ok(())
+    }
+}

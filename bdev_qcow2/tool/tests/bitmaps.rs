@@ -1,0 +1,305 @@
+//! Persistent dirty bitmaps (QEMU's incremental backup) through the `qcow2` tool against
+//! QEMU: the same writes on two copies of one image, one by `qcow2 io`, one by `qemu-io`,
+//! must leave the same bits in every bitmap, as `qemu-nbd` exports them; the image stays
+//! clean and its bitmaps consistent. What would break a bitmap is refused.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test helpers may panic
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+mod common;
+use common::{output, qemu_img, run};
+
+const QCOW2: &str = env!("CARGO_BIN_EXE_qcow2");
+
+fn s(p: &Path) -> &str {
+    p.to_str().expect("utf-8 path")
+}
+
+fn qemu_io(img: &Path, cmds: &[&str]) {
+    let mut c = Command::new("qemu-io");
+    c.arg("-f").arg("qcow2");
+    for cmd in cmds {
+        c.arg("-c").arg(cmd);
+    }
+    run(c.arg(img));
+}
+
+fn ours_io(img: &Path, cmds: &[&str]) {
+    let mut c = Command::new(QCOW2);
+    c.arg("io");
+    for cmd in cmds {
+        c.arg("-c").arg(cmd);
+    }
+    run(c.arg(img));
+}
+
+/// Each bitmap's name and flags, as `qemu-img info` lists them.
+fn bitmap_flags(img: &Path) -> Vec<(String, Vec<String>)> {
+    let out = qemu_img(&["info", "--output=json", "-U", s(img)]);
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let list = v["format-specific"]["data"]["bitmaps"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    list.iter()
+        .map(|b| {
+            let flags = b["flags"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|f| f.as_str().unwrap().to_string())
+                .collect();
+            (b["name"].as_str().unwrap().to_string(), flags)
+        })
+        .collect()
+}
+
+/// The dirty ranges of bitmap `name` (start, length), as `qemu-nbd` exports them.
+fn dirty(img: &Path, name: &str) -> Vec<(u64, u64)> {
+    let sock = img.with_extension(format!("{name}.sock"));
+    let _ = std::fs::remove_file(&sock);
+    let mut nbd = Command::new("qemu-nbd")
+        .args(["-r", "-f", "qcow2", "-B", name, "-k", s(&sock), s(img)])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("qemu-nbd");
+    let t0 = Instant::now();
+    while !sock.exists() {
+        if let Ok(Some(st)) = nbd.try_wait() {
+            let mut err = String::new();
+            std::io::Read::read_to_string(&mut nbd.stderr.take().unwrap(), &mut err).unwrap();
+            panic!("qemu-nbd exited ({st}): {err}");
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "qemu-nbd did not start"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let opts = format!(
+        "driver=nbd,server.type=unix,server.path={},x-dirty-bitmap=qemu:dirty-bitmap:{name}",
+        s(&sock)
+    );
+    let out =
+        output(Command::new("qemu-img").args(["map", "--output=json", "--image-opts", &opts]));
+    let _ = nbd.kill();
+    let _ = nbd.wait();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    // With x-dirty-bitmap, a dirty range reads as one without data.
+    let mut ranges: Vec<(u64, u64)> = Vec::new();
+    for e in v.as_array().unwrap() {
+        if e["data"].as_bool() == Some(false) {
+            let (start, len) = (e["start"].as_u64().unwrap(), e["length"].as_u64().unwrap());
+            match ranges.last_mut() {
+                Some(l) if l.0 + l.1 == start => l.1 += len,
+                _ => ranges.push((start, len)),
+            }
+        }
+    }
+    ranges
+}
+
+struct Pair {
+    _dir: tempfile::TempDir,
+    ours: PathBuf,
+    qemu: PathBuf,
+}
+
+/// A 64 MiB image with an enabled bitmap `b0` (64 KiB granules), an enabled `fine` (4 KiB)
+/// and a disabled `old` holding earlier writes; two copies of it.
+fn pair() -> Pair {
+    let dir = tempfile::tempdir().unwrap();
+    let ours = dir.path().join("ours.qcow2");
+    qemu_img(&["create", "-q", "-f", "qcow2", s(&ours), "64M"]);
+    qemu_io(&ours, &["write -P 9 0 8M"]);
+    qemu_img(&["bitmap", "--add", s(&ours), "old"]);
+    qemu_io(&ours, &["write -P 7 30M 192k"]);
+    qemu_img(&["bitmap", "--disable", s(&ours), "old"]);
+    qemu_img(&["bitmap", "--add", s(&ours), "b0"]);
+    qemu_img(&["bitmap", "--add", "-g", "4096", s(&ours), "fine"]);
+    let qemu = dir.path().join("qemu.qcow2");
+    std::fs::copy(&ours, &qemu).unwrap();
+    Pair {
+        _dir: dir,
+        ours,
+        qemu,
+    }
+}
+
+/// Both copies clean, with the same bitmaps, flags and bits.
+fn same_bitmaps(p: &Pair) {
+    qemu_img(&["check", s(&p.ours)]);
+    let flags = bitmap_flags(&p.ours);
+    assert_eq!(flags, bitmap_flags(&p.qemu));
+    assert!(
+        flags.iter().all(|(_, f)| !f.iter().any(|x| x == "in-use")),
+        "{flags:?}"
+    );
+    for (name, _) in &flags {
+        let (a, b) = (dirty(&p.ours, name), dirty(&p.qemu, name));
+        assert_eq!(a, b, "bitmap {name}: ours {a:x?}, QEMU's {b:x?}");
+    }
+    run(Command::new("qemu-img").args(["compare", s(&p.ours), s(&p.qemu)]));
+}
+
+#[test]
+fn writes_zeroes_and_discards_set_the_bits_qemu_sets() {
+    let p = pair();
+    let first = [
+        "write -P 1 0 4k",
+        "write -P 2 100k 200k",
+        "write -P 3 1000000 1000",
+        "write -z 5M 64k",
+        "write -z -u 6M 128k",
+        "discard 7M 128k",
+        // The disk's last bytes.
+        "write -P 4 67108352 512",
+    ];
+    ours_io(&p.ours, &first);
+    qemu_io(&p.qemu, &first);
+    // 64 KiB granules: 0 to 300k, 1000000, 5M, 6M and 7M (128k each) and the last.
+    assert_eq!(
+        dirty(&p.ours, "b0"),
+        vec![
+            (0, 5 << 16),
+            (15 << 16, 1 << 16),
+            (5 << 20, 1 << 16),
+            (6 << 20, 2 << 16),
+            (7 << 20, 2 << 16),
+            ((64 << 20) - (1 << 16), 1 << 16)
+        ]
+    );
+    assert_eq!(dirty(&p.ours, "old"), vec![(30 << 20, 192 << 10)]);
+    same_bitmaps(&p);
+    // A second session adds to what the first stored.
+    let second = ["write -P 5 40M 64k", "write -P 6 4096 512"];
+    ours_io(&p.ours, &second);
+    qemu_io(&p.qemu, &second);
+    same_bitmaps(&p);
+    // Reading only leaves every bitmap as it was.
+    let before = dirty(&p.ours, "fine");
+    ours_io(&p.ours, &["read 0 1M"]);
+    assert_eq!(dirty(&p.ours, "fine"), before);
+    same_bitmaps(&p);
+}
+
+#[test]
+fn bitmaps_follow_a_resize_and_refuse_what_would_break_them() {
+    let p = pair();
+    // Growing within what the tables cover, then writing past the old end.
+    let r = |img: &Path, shrink: bool, size: &str| {
+        let mut c = Command::new(QCOW2);
+        c.arg("resize");
+        if shrink {
+            c.arg("--shrink");
+        }
+        output(c.arg(img).arg(size))
+    };
+    assert!(r(&p.ours, false, "+64M").status.success());
+    qemu_img(&["resize", "-q", s(&p.qemu), "+64M"]);
+    ours_io(&p.ours, &["write -P 3 100M 64k"]);
+    qemu_io(&p.qemu, &["write -P 3 100M 64k"]);
+    same_bitmaps(&p);
+    // Shrinking (over no data: ours refuses to cut data off) drops the bits past the new
+    // end.
+    let cut = [
+        "write -P 3 127M 64k",
+        "discard 127M 64k",
+        "discard 100M 64k",
+    ];
+    ours_io(&p.ours, &cut);
+    qemu_io(&p.qemu, &cut);
+    assert!(r(&p.ours, true, "-32M").status.success());
+    qemu_img(&["resize", "-q", "--shrink", s(&p.qemu), "-32M"]);
+    same_bitmaps(&p);
+
+    // A bitmap of 512-byte granules: one table cluster covers 256 MiB.
+    qemu_img(&["bitmap", "--add", "-g", "512", s(&p.ours), "tiny"]);
+    let out = r(&p.ours, false, "1G");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("bitmap 'tiny'"),
+        "{err}"
+    );
+    assert_eq!(qemu_img_virtual_size(&p.ours), 96 << 20);
+    qemu_img(&["check", s(&p.ours)]);
+}
+
+fn qemu_img_virtual_size(img: &Path) -> u64 {
+    let out = qemu_img(&["info", "--output=json", s(img)]);
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    v["virtual-size"].as_u64().unwrap()
+}
+
+#[test]
+fn switching_to_a_snapshot_is_refused_while_a_bitmap_is_enabled() {
+    let p = pair();
+    let snap = |args: &[&str]| output(Command::new(QCOW2).arg("snapshot").args(args).arg(&p.ours));
+    assert!(snap(&["-c", "s1"]).status.success());
+    ours_io(&p.ours, &["write -P 8 0 64k"]);
+    let out = snap(&["-a", "s1"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("persistent bitmaps (b0, fine)"),
+        "{err}"
+    );
+    // As QEMU refuses it.
+    qemu_img(&["snapshot", "-c", "s1", s(&p.qemu)]);
+    let out = output(Command::new("qemu-img").args(["snapshot", "-a", "s1", s(&p.qemu)]));
+    assert!(!out.status.success());
+    qemu_img(&["check", s(&p.ours)]);
+    let b0 = dirty(&p.ours, "b0");
+    assert_eq!(b0, vec![(0, 64 << 10)]);
+    // Disabled, the bitmaps record nothing: the switch goes ahead.
+    qemu_img(&["bitmap", "--disable", s(&p.ours), "b0"]);
+    qemu_img(&["bitmap", "--disable", s(&p.ours), "fine"]);
+    assert!(snap(&["-a", "s1"]).status.success());
+    qemu_img(&["check", s(&p.ours)]);
+    assert_eq!(dirty(&p.ours, "b0"), b0);
+}
+
+#[test]
+fn bitmaps_a_writer_did_not_save_are_left_in_use() {
+    // `qemu-io` killed while the image is open for writing leaves `in_use` set.
+    let dir = tempfile::tempdir().unwrap();
+    let img = dir.path().join("a.qcow2");
+    qemu_img(&["create", "-q", "-f", "qcow2", s(&img), "64M"]);
+    qemu_img(&["bitmap", "--add", s(&img), "b0"]);
+    let mut c = Command::new("qemu-io")
+        .args(["-f", "qcow2", s(&img)])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    let t0 = Instant::now();
+    while !bitmap_flags(&img)
+        .iter()
+        .any(|(_, f)| f.iter().any(|x| x == "in-use"))
+    {
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "qemu-io did not open the image"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    c.kill().unwrap();
+    c.wait().unwrap();
+    ours_io(&img, &["write -P 1 0 64k"]);
+    assert_eq!(
+        bitmap_flags(&img),
+        vec![(
+            "b0".to_string(),
+            vec!["in-use".to_string(), "auto".to_string()]
+        )]
+    );
+    qemu_img(&["check", s(&img)]);
+}
