@@ -1135,3 +1135,129 @@ fn snapshots_over_compressed_and_zero_clusters_check_clean() {
     let (_, head) = read_range(out, 0, data.len() as u64);
     assert!(head == moved, "the active disk");
 }
+
+/// Each bitmap of image `img`: its name, whether it is `in_use`, and its bits (one `bool`
+/// per granule of `granule` bytes over `size` bytes).
+fn bitmaps_of(img: &[u8], size: u64) -> Vec<(String, bool, Vec<bool>)> {
+    use qcow2_engine::format::bitmaps::{parse_directory, TABLE_ALL_ONES, TABLE_OFFSET_MASK};
+    let cs = 1usize << qcow2_engine::format::header::peek_cluster_bits(img).unwrap();
+    let h = qcow2_engine::format::ImageHeader::decode(&img[..cs], img.len() as u64).unwrap();
+    let ext = h.extensions.bitmaps.expect("the bitmaps extension");
+    let at = |off: u64, len: usize| -> Vec<u8> {
+        let mut b = vec![0u8; len];
+        let from = (off as usize).min(img.len());
+        let to = (off as usize + len).min(img.len());
+        b[..to - from].copy_from_slice(&img[from..to]);
+        b
+    };
+    let dir = at(ext.directory_offset, ext.directory_size as usize);
+    let entries = parse_directory(&dir, ext.nb_bitmaps, cs as u64, size).unwrap();
+    entries
+        .iter()
+        .map(|e| {
+            let table = at(e.table_offset, e.table_size as usize * 8);
+            let mut data = Vec::new();
+            for t in table.chunks(8) {
+                let t = u64::from_be_bytes(t.try_into().unwrap());
+                match t & TABLE_OFFSET_MASK {
+                    0 if t & TABLE_ALL_ONES != 0 => data.extend(vec![0xffu8; cs]),
+                    0 => data.extend(vec![0u8; cs]),
+                    off => data.extend(at(off, cs)),
+                }
+            }
+            let granules = size.div_ceil(1 << e.granularity_bits) as usize;
+            let bits = (0..granules)
+                .map(|i| data[i / 8] >> (i % 8) & 1 == 1)
+                .collect();
+            (e.name.clone(), e.in_use(), bits)
+        })
+        .collect()
+}
+
+/// A session of guest writes on an image with persistent bitmaps (QEMU-made: an enabled
+/// `b0` and a disabled `old` holding earlier writes), from open to close, under the
+/// recorder. In every crash state the image is accepted by qemu-img, and each bitmap is
+/// either `in_use` (inconsistent: a backup refuses it) or trustworthy: `b0` has a bit set
+/// wherever the disk differs from the disk before the session, `old` is as it was. After
+/// the close neither is `in_use`.
+#[test]
+fn persistent_bitmaps_are_in_use_or_right_after_any_crash() {
+    let size = 8u64 << 20;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("bitmaps.qcow2");
+    let p = path.to_str().unwrap();
+    let sh = |prog: &str, args: &[&str]| {
+        let out = Command::new(prog).args(args).output().unwrap();
+        assert!(out.status.success(), "{prog} {args:?}: {:?}", out);
+    };
+    sh("qemu-img", &["create", "-q", "-f", "qcow2", p, "8M"]);
+    sh("qemu-img", &["bitmap", "--add", p, "old"]);
+    sh("qemu-io", &["-f", "qcow2", "-c", "write -P 3 2M 192k", p]);
+    sh("qemu-img", &["bitmap", "--disable", p, "old"]);
+    sh("qemu-img", &["bitmap", "--add", p, "b0"]);
+    let initial = std::fs::read(&path).unwrap();
+    let before = bitmaps_of(&initial, size);
+    let (_, disk_before) = read_range(initial.clone(), 0, size);
+
+    let exec = Exec::new();
+    let dev = MemDevice::new(initial.clone());
+    dev.0.borrow_mut().record = true;
+    let chain = open(&exec, &dev, true).unwrap();
+    let mut r = Rng(0xb17);
+    for (i, off) in [0u64, 3 << 20, (1 << 20) + 4096, 7 << 20, 5 << 20]
+        .into_iter()
+        .enumerate()
+    {
+        let data: Vec<u8> = (0..(64 << 10) + 512).map(|_| r.next() as u8).collect();
+        write(&exec, &chain, off, &data);
+        if i % 2 == 1 {
+            let c = chain.clone();
+            exec.block_on(async move { c.flush().await }).unwrap();
+        }
+    }
+    let c = chain.clone();
+    exec.block_on(async move { c.close().await }).unwrap();
+    let log = dev.0.borrow().log.clone();
+
+    let mut consistent_after_writes = 0;
+    let n = for_each_crash_state(&initial, &log, 3, 0xb175, |label, img| {
+        qemu_accepts(label, &img);
+        let (_, disk) = read_range(img.clone(), 0, size);
+        let now = bitmaps_of(&img, size);
+        for ((name, in_use, bits), (_, _, old_bits)) in now.iter().zip(&before) {
+            if *in_use {
+                continue;
+            }
+            if name == "old" {
+                assert_eq!(
+                    bits, old_bits,
+                    "crash state {label}: the disabled bitmap changed"
+                );
+                continue;
+            }
+            let changed = disk.iter().zip(&disk_before).position(|(a, b)| a != b);
+            for (g, bit) in bits.iter().enumerate() {
+                let (s, e) = (g << 16, ((g + 1) << 16).min(size as usize));
+                assert!(
+                    *bit || disk[s..e] == disk_before[s..e],
+                    "crash state {label}: bitmap {name} misses granule {g}, which changed"
+                );
+            }
+            if changed.is_some() {
+                consistent_after_writes += 1;
+            }
+        }
+    });
+    let last = bitmaps_of(&dev.contents(), size);
+    assert!(
+        last.iter().all(|(_, in_use, _)| !in_use),
+        "{:?}",
+        last.iter().map(|b| (&b.0, b.1)).collect::<Vec<_>>()
+    );
+    assert!(
+        consistent_after_writes > 0,
+        "no crash state after the store"
+    );
+    qemu_clean("after the close", &dev.contents());
+    say_states("persistent bitmaps", n);
+}
