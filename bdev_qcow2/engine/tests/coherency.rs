@@ -223,7 +223,25 @@ impl Rig {
         max_latency: u64,
         alloc_granule: u64,
     ) -> Rig {
-        let disk = Rc::new(RefCell::new(Vec::new()));
+        Rig::build(seed, cores, lazy, max_latency, alloc_granule, None)
+    }
+
+    /// A rig on image bytes `image` (4 KiB clusters, 4 MiB) instead of a new image.
+    fn with_image(seed: u64, cores: usize, image: Vec<u8>) -> Rig {
+        let granule = OpenOptions::default().alloc_granule;
+        Rig::build(seed, cores, false, 2, granule, Some(image))
+    }
+
+    fn build(
+        seed: u64,
+        cores: usize,
+        lazy: bool,
+        max_latency: u64,
+        alloc_granule: u64,
+        image: Option<Vec<u8>>,
+    ) -> Rig {
+        let made = image.is_some();
+        let disk = Rc::new(RefCell::new(image.unwrap_or_default()));
         let dev_rng = Rc::new(RefCell::new(Rng::new(seed ^ 0x5eed)));
         let channel = |lat: u64| Channel {
             disk: disk.clone(),
@@ -242,9 +260,11 @@ impl Rig {
             lazy_refcounts: lazy,
             ..Default::default()
         };
-        owner_exec
-            .block_on(async move { create(&e2, id, &copts).await })
-            .unwrap();
+        if !made {
+            owner_exec
+                .block_on(async move { create(&e2, id, &copts).await })
+                .unwrap();
+        }
         // Latency from now on (the owner's channel was idle-free during create).
         owner_exec.with_device(id, |d| d.max_latency = max_latency);
         let e2 = owner_exec.clone();
@@ -1696,4 +1716,53 @@ fn a_core_reads_a_new_stream_written_where_the_one_it_kept_was_freed() {
     );
     assert!(core_bytes(&mut rig, 20, cs + 512) == [0x22; 512]);
     rig.close();
+}
+
+/// Writes a core makes in place (never seen by the owner) reach the persistent bitmap the
+/// owner stores at close: every core marks the bitmap the owner loaded.
+#[test]
+fn in_place_writes_on_a_core_reach_the_owners_persistent_bitmap() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("b.qcow2");
+    let p = path.to_str().unwrap();
+    qemu_img(&[
+        "create",
+        "-q",
+        "-f",
+        "qcow2",
+        "-o",
+        "cluster_size=4096",
+        p,
+        "4M",
+    ]);
+    let out = std::process::Command::new("qemu-io")
+        .args(["-f", "qcow2", "-c", "write -P 1 0 4M", p])
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    qemu_img(&["bitmap", "--add", "-g", "4096", p, "b0"]);
+    let mut rig = Rig::with_image(3, 1, std::fs::read(&path).unwrap());
+    let cs = 4096u64;
+    // Core 1 overwrites clusters 100 and 300 + 512 bytes through its in-place path (loading
+    // their slices), then cluster 101 through a direct grant; the owner zeroes cluster 700.
+    for (tag, off, len) in [(1, 100 * cs, cs), (2, 300 * cs + 512, 1024)] {
+        let (buf, _) = fill(4 + tag, off, len);
+        rig.chains[1].submit_write_local(tag, off, BufSlice::whole(buf));
+        rig.run_core(1, tag).unwrap();
+    }
+    let (buf, _) = fill(7, 101 * cs, cs);
+    match rig.chains[1].route_write(101 * cs, cs) {
+        WriteRoute::Direct(g) => rig.chains[1].submit_granted_write(4, g, BufSlice::whole(buf)),
+        _ => panic!("not a direct write on the core"),
+    }
+    rig.run_core(1, 4).unwrap();
+    rig.chains[0].submit_write_zeroes(3, 700 * cs, cs, false);
+    rig.run(3).unwrap();
+    rig.close();
+    let img = rig.disk.borrow().clone();
+    let maps = mem_chain::bitmaps_of(&img, rig.size);
+    let (name, in_use, bits) = &maps[0];
+    assert_eq!((name.as_str(), *in_use), ("b0", false));
+    let set: Vec<usize> = (0..bits.len()).filter(|&g| bits[g]).collect();
+    assert_eq!(set, vec![100, 101, 300, 700]);
 }

@@ -10,6 +10,8 @@
 
 mod crash_common;
 use crash_common::{new_image, open};
+mod mem_chain;
+use mem_chain::bitmaps_of;
 
 use qcow2_engine::create::CreateOptions;
 use qcow2_engine::format::header::Header;
@@ -1134,44 +1136,6 @@ fn snapshots_over_compressed_and_zero_clusters_check_clean() {
     );
     let (_, head) = read_range(out, 0, data.len() as u64);
     assert!(head == moved, "the active disk");
-}
-
-/// Each bitmap of image `img`: its name, whether it is `in_use`, and its bits (one `bool`
-/// per granule of `granule` bytes over `size` bytes).
-fn bitmaps_of(img: &[u8], size: u64) -> Vec<(String, bool, Vec<bool>)> {
-    use qcow2_engine::format::bitmaps::{parse_directory, TABLE_ALL_ONES, TABLE_OFFSET_MASK};
-    let cs = 1usize << qcow2_engine::format::header::peek_cluster_bits(img).unwrap();
-    let h = qcow2_engine::format::ImageHeader::decode(&img[..cs], img.len() as u64).unwrap();
-    let ext = h.extensions.bitmaps.expect("the bitmaps extension");
-    let at = |off: u64, len: usize| -> Vec<u8> {
-        let mut b = vec![0u8; len];
-        let from = (off as usize).min(img.len());
-        let to = (off as usize + len).min(img.len());
-        b[..to - from].copy_from_slice(&img[from..to]);
-        b
-    };
-    let dir = at(ext.directory_offset, ext.directory_size as usize);
-    let entries = parse_directory(&dir, ext.nb_bitmaps, cs as u64, size).unwrap();
-    entries
-        .iter()
-        .map(|e| {
-            let table = at(e.table_offset, e.table_size as usize * 8);
-            let mut data = Vec::new();
-            for t in table.chunks(8) {
-                let t = u64::from_be_bytes(t.try_into().unwrap());
-                match t & TABLE_OFFSET_MASK {
-                    0 if t & TABLE_ALL_ONES != 0 => data.extend(vec![0xffu8; cs]),
-                    0 => data.extend(vec![0u8; cs]),
-                    off => data.extend(at(off, cs)),
-                }
-            }
-            let granules = size.div_ceil(1 << e.granularity_bits) as usize;
-            let bits = (0..granules)
-                .map(|i| data[i / 8] >> (i % 8) & 1 == 1)
-                .collect();
-            (e.name.clone(), e.in_use(), bits)
-        })
-        .collect()
 }
 
 /// A session of guest writes on an image with persistent bitmaps (QEMU-made: an enabled

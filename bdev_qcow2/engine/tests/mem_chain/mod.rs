@@ -1,6 +1,7 @@
 //! A writable image on an in-memory device as one chain, driven to completion request by
 //! request: what the zeroed-tail tests (`zeroed_tail.rs`, `zero_ahead.rs`) write and read
 //! with; and where a compressed cluster's stream lies (`ring.rs`, `read_path.rs`,
+//! `coherency.rs`); the persistent bitmaps an image holds (`crash_lifecycle.rs`,
 //! `coherency.rs`).
 
 #![allow(clippy::unwrap_used, dead_code)] // test helpers may panic; not every test uses each
@@ -72,4 +73,42 @@ pub fn compressed_at<D: qcow2_engine::io::BlockDevice>(
         qcow2_engine::format::ClusterMapping::Compressed(d) => d,
         m => panic!("cluster at {off} not compressed: {m:?}"),
     }
+}
+
+/// Each bitmap of image `img`: its name, whether it is `in_use`, and its bits (one `bool`
+/// per granule over `size` bytes).
+pub fn bitmaps_of(img: &[u8], size: u64) -> Vec<(String, bool, Vec<bool>)> {
+    use qcow2_engine::format::bitmaps::{parse_directory, TABLE_ALL_ONES, TABLE_OFFSET_MASK};
+    let cs = 1usize << qcow2_engine::format::header::peek_cluster_bits(img).unwrap();
+    let h = qcow2_engine::format::ImageHeader::decode(&img[..cs], img.len() as u64).unwrap();
+    let ext = h.extensions.bitmaps.expect("the bitmaps extension");
+    let at = |off: u64, len: usize| -> Vec<u8> {
+        let mut b = vec![0u8; len];
+        let from = (off as usize).min(img.len());
+        let to = (off as usize + len).min(img.len());
+        b[..to - from].copy_from_slice(&img[from..to]);
+        b
+    };
+    let dir = at(ext.directory_offset, ext.directory_size as usize);
+    let entries = parse_directory(&dir, ext.nb_bitmaps, cs as u64, size).unwrap();
+    entries
+        .iter()
+        .map(|e| {
+            let table = at(e.table_offset, e.table_size as usize * 8);
+            let mut data = Vec::new();
+            for t in table.chunks(8) {
+                let t = u64::from_be_bytes(t.try_into().unwrap());
+                match t & TABLE_OFFSET_MASK {
+                    0 if t & TABLE_ALL_ONES != 0 => data.extend(vec![0xffu8; cs]),
+                    0 => data.extend(vec![0u8; cs]),
+                    off => data.extend(at(off, cs)),
+                }
+            }
+            let granules = size.div_ceil(1 << e.granularity_bits) as usize;
+            let bits = (0..granules)
+                .map(|i| data[i / 8] >> (i % 8) & 1 == 1)
+                .collect();
+            (e.name.clone(), e.in_use(), bits)
+        })
+        .collect()
 }
