@@ -1118,6 +1118,111 @@ mod real {
 
     const MIB: u64 = 1 << 20;
 
+    /// The dirty ranges (start, length) of persistent bitmap `name` of `img`, as
+    /// `qemu-nbd` exports them (with x-dirty-bitmap, a dirty range reads as one without
+    /// data).
+    fn dirty_ranges(img: &Path, name: &str) -> Vec<(u64, u64)> {
+        let sock = img.with_extension(format!("{name}.sock"));
+        let mut nbd = Command::new("qemu-nbd")
+            .args(["-r", "-f", "qcow2", "-B", name, "-k", s(&sock), s(img)])
+            .stdout(Stdio::null())
+            .spawn()
+            .expect("qemu-nbd");
+        let t0 = Instant::now();
+        while !sock.exists() {
+            assert!(
+                t0.elapsed() < Duration::from_secs(20),
+                "qemu-nbd did not start"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let opts = format!(
+            "driver=nbd,server.type=unix,server.path={},x-dirty-bitmap=qemu:dirty-bitmap:{name}",
+            s(&sock)
+        );
+        let out = Command::new("qemu-img")
+            .args(["map", "--output=json", "--image-opts", &opts])
+            .output()
+            .unwrap();
+        let _ = nbd.kill();
+        let _ = nbd.wait();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+        let mut ranges: Vec<(u64, u64)> = Vec::new();
+        for e in v
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|e| e["data"] == json!(false))
+        {
+            let (start, len) = (e["start"].as_u64().unwrap(), e["length"].as_u64().unwrap());
+            match ranges.last_mut() {
+                Some(l) if l.0 + l.1 == start => l.1 += len,
+                _ => ranges.push((start, len)),
+            }
+        }
+        ranges
+    }
+
+    /// Guest writes through the bdev reach the image's enabled persistent bitmaps (QEMU's
+    /// incremental backup) as QEMU records the same writes, and the bitmaps are consistent
+    /// once the application closed the bdev.
+    #[test]
+    fn spdk_dd_writes_reach_persistent_bitmaps_as_qemu_records_them() {
+        require!("spdk_dd");
+        let _t = turn();
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        let img = d.join("bm.qcow2");
+        qemu_img(&["create", "-q", "-f", "qcow2", s(&img), "64M"]);
+        qemu_io(&img, &["write -P 1 0 8M"]);
+        qemu_img(&["bitmap", "--add", s(&img), "b0"]);
+        qemu_img(&["bitmap", "--add", "-g", "4096", s(&img), "fine"]);
+        let theirs = d.join("theirs.qcow2");
+        fs::copy(&img, &theirs).unwrap();
+        sparse(&img, 80 * MIB);
+        // 1 MiB + 4 KiB at 3 MiB + 4 KiB, over data and past it, in 4 KiB writes.
+        let raw = d.join("in.raw");
+        fs::write(&raw, vec![0x5au8; (MIB + 4096) as usize]).unwrap();
+        let cfg = d.join("bm.json");
+        write_config(&cfg, vec![aio(&img, "aio0"), qcow2("q0", "aio0", None)]);
+        let args: Vec<String> = [
+            "--json",
+            s(&cfg),
+            "--if",
+            s(&raw),
+            "--ob",
+            "q0",
+            "--bs",
+            "4096",
+            "--seek",
+            "769",
+        ]
+        .map(String::from)
+        .to_vec();
+        let (ok, text) = spawn_spdk("spdk_dd", &args, &d.join("bm.dd.log")).wait(120);
+        assert!(ok, "spdk_dd failed:\n{text}");
+        qemu_io(&theirs, &["write -P 0x5a 3149824 1052672"]);
+        check_clean(&img, "after spdk_dd");
+        run_ok(Command::new("qemu-img").args(["compare", s(&img), s(&theirs)]));
+        let info = Command::new("qemu-img")
+            .args(["info", s(&img)])
+            .output()
+            .unwrap();
+        let info = String::from_utf8_lossy(&info.stdout);
+        assert!(!info.contains("in-use"), "{info}");
+        for name in ["b0", "fine"] {
+            let ours = dirty_ranges(&img, name);
+            assert_eq!(ours, dirty_ranges(&theirs, name), "bitmap {name}");
+            assert!(!ours.is_empty());
+        }
+        say("spdk_dd's writes are in the persistent bitmaps as QEMU records them; image clean, bitmaps not in use");
+    }
+
     #[test]
     fn spdk_dd_writes_a_raw_file_into_a_fresh_image() {
         require!("spdk_dd");

@@ -44,10 +44,12 @@ impl<D: BlockDevice> Owner<'_, D> {
                 "bitmap directory extends past the end of the device",
             ));
         }
-        // Written back in whole sectors, inside its clusters (QEMU's file may end inside
-        // the last one).
+        // Written back in whole sectors, inside its clusters: a file QEMU left ending
+        // inside them grows to cover them.
         let dir_len = ext.directory_size.div_ceil(SECTOR) * SECTOR;
-        self.note_allocated((ext.directory_offset + dir_len).div_ceil(cs))?;
+        if ext.directory_offset + dir_len > self.device_size.get() {
+            self.note_allocated((ext.directory_offset + dir_len).div_ceil(cs))?;
+        }
         let mut dir = read_bytes(&self.exec, self.dev, ext.directory_offset, dir_len).await?;
         let entries = bitmaps::parse_directory(
             &dir[..ext.directory_size as usize],
