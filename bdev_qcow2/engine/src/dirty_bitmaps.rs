@@ -5,12 +5,24 @@
 //! Invariant: a write marks its granules before it is submitted, so every write that
 //! completed before the owner stores the bitmaps is in what it stores.
 
+use crate::format::bitmaps::MAX_PHYS_SIZE;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::OnceLock;
 
-/// One bitmap's bits: bit `i` of word `i / 64` stands for granule `i`.
+/// log2 of the granules a segment of bits holds (128 KiB of words).
+const SEG_BITS: u32 = 20;
+/// Words per segment.
+const SEG_WORDS: usize = 1 << (SEG_BITS - 6);
+/// Segments of the largest bitmap QEMU holds ([`MAX_PHYS_SIZE`] bytes of data).
+const MAX_SEGS: usize = ((MAX_PHYS_SIZE * 8) >> SEG_BITS) as usize;
+
+/// One bitmap's bits: bit `i % 64` of word `i / 64` stands for granule `i`. The words are
+/// in segments, allocated by the owner for the granules the disk has before any core may
+/// write there ([`cover`](Self::cover)), so that a disk that grows keeps its bits where
+/// they are while cores mark them.
 pub(crate) struct Bits {
     granularity_bits: u32,
-    words: Box<[AtomicU64]>,
+    segs: Box<[OnceLock<Box<[AtomicU64]>>]>,
     /// Whether it records guest writes (the `auto` flag).
     enabled: bool,
     /// Whether a bit was set since it was loaded.
@@ -18,44 +30,74 @@ pub(crate) struct Bits {
 }
 
 impl Bits {
-    /// A bitmap of `granularity_bits`, `data` its bytes as stored (bit `i` is bit `i % 8`
-    /// of byte `i / 8`), `len` bytes long in memory (at least `data`'s length).
-    pub(crate) fn new(granularity_bits: u8, data: &[u8], len: usize, enabled: bool) -> Self {
-        let mut words: Vec<AtomicU64> = (0..len.div_ceil(8)).map(|_| AtomicU64::new(0)).collect();
-        for (w, chunk) in words.iter_mut().zip(data.chunks(8)) {
-            let mut b = [0u8; 8];
-            b[..chunk.len()].copy_from_slice(chunk);
-            *w.get_mut() = u64::from_le_bytes(b);
-        }
-        Bits {
+    /// A bitmap of `granularity_bits` whose bits are `data` as stored (bit `i` is bit
+    /// `i % 8` of byte `i / 8`), covering at least `granules`.
+    pub(crate) fn new(granularity_bits: u8, data: &[u8], granules: u64, enabled: bool) -> Self {
+        let b = Bits {
             granularity_bits: u32::from(granularity_bits),
-            words: words.into_boxed_slice(),
+            segs: (0..MAX_SEGS).map(|_| OnceLock::new()).collect(),
             enabled,
             changed: AtomicBool::new(false),
+        };
+        b.cover(granules.max(data.len() as u64 * 8));
+        for (i, chunk) in data.chunks(8).enumerate() {
+            let mut w = [0u8; 8];
+            w[..chunk.len()].copy_from_slice(chunk);
+            if let Some(a) = b.word(i) {
+                a.store(u64::from_le_bytes(w), Ordering::Relaxed);
+            }
+        }
+        b
+    }
+
+    /// Allocates the words of the first `granules` (those past what QEMU holds never
+    /// are).
+    fn cover(&self, granules: u64) {
+        let segs = granules.div_ceil(1 << SEG_BITS) as usize;
+        for s in self.segs.iter().take(segs) {
+            s.get_or_init(|| (0..SEG_WORDS).map(|_| AtomicU64::new(0)).collect());
         }
     }
 
-    /// Granules the bits can stand for.
-    fn granules(&self) -> u64 {
-        self.words.len() as u64 * 64
+    /// Bytes of the disk the bits can ever stand for.
+    fn max_coverage(&self) -> u128 {
+        u128::from(MAX_PHYS_SIZE * 8) << self.granularity_bits
+    }
+
+    /// The word of granules `64 * w ..`, when allocated.
+    #[inline]
+    fn word(&self, w: usize) -> Option<&AtomicU64> {
+        self.segs
+            .get(w >> (SEG_BITS - 6))?
+            .get()?
+            .get(w & (SEG_WORDS - 1))
+    }
+
+    /// The first and last granule of the disk bytes `[offset, offset + len)` (`len` > 0).
+    #[inline]
+    fn granules_of(&self, offset: u64, len: u64) -> (u64, u64) {
+        (
+            offset >> self.granularity_bits,
+            (offset + len - 1) >> self.granularity_bits,
+        )
     }
 
     /// Sets the bits of the granules `[offset, offset + len)` touches (`len` > 0).
     #[inline]
     fn mark(&self, offset: u64, len: u64) {
-        let first = offset >> self.granularity_bits;
-        let last = ((offset + len - 1) >> self.granularity_bits).min(self.granules() - 1);
+        let (first, last) = self.granules_of(offset, len);
         let mut g = first;
         while g <= last {
-            let w = (g / 64) as usize;
             let lo = g % 64;
             let hi = (last - (g - lo)).min(63);
             let mask = (u64::MAX >> (63 - hi)) & (u64::MAX << lo);
             // Most writes find their bits set already: a load, and no write to the line
-            // the other cores read.
-            if self.words[w].load(Ordering::Relaxed) & mask != mask {
-                self.words[w].fetch_or(mask, Ordering::Relaxed);
-                self.changed.store(true, Ordering::Relaxed);
+            // the other cores read. (Every granule inside the disk has its word.)
+            if let Some(w) = self.word((g / 64) as usize) {
+                if w.load(Ordering::Relaxed) & mask != mask {
+                    w.fetch_or(mask, Ordering::Relaxed);
+                    self.changed.store(true, Ordering::Relaxed);
+                }
             }
             g += hi - lo + 1;
         }
@@ -65,21 +107,19 @@ impl Bits {
     /// shrank: the bits past it must be zero, and stay so if it grows back).
     pub(crate) fn clear_from(&self, size: u64) {
         let first = size.div_ceil(1u64 << self.granularity_bits);
-        for (i, w) in self.words.iter().enumerate() {
-            let base = i as u64 * 64;
-            if base + 64 <= first {
-                continue;
-            }
-            let keep = first.saturating_sub(base);
+        let mut w = (first / 64) as usize;
+        while let Some(a) = self.word(w) {
+            let keep = first.saturating_sub(w as u64 * 64).min(64);
             let mask = if keep == 0 {
                 0
             } else {
                 u64::MAX >> (64 - keep)
             };
-            if w.load(Ordering::Relaxed) & !mask != 0 {
-                w.fetch_and(mask, Ordering::Relaxed);
+            if a.load(Ordering::Relaxed) & !mask != 0 {
+                a.fetch_and(mask, Ordering::Relaxed);
                 self.changed.store(true, Ordering::Relaxed);
             }
+            w += 1;
         }
     }
 
@@ -91,8 +131,9 @@ impl Bits {
     /// The first `len` bytes of the bitmap's data as stored.
     pub(crate) fn data(&self, len: usize) -> Vec<u8> {
         let mut out = Vec::with_capacity(len.div_ceil(8) * 8);
-        for w in self.words.iter().take(len.div_ceil(8)) {
-            out.extend_from_slice(&w.load(Ordering::Relaxed).to_le_bytes());
+        for w in 0..len.div_ceil(8) {
+            let v = self.word(w).map_or(0, |a| a.load(Ordering::Relaxed));
+            out.extend_from_slice(&v.to_le_bytes());
         }
         out.resize(len, 0);
         out
@@ -136,6 +177,22 @@ impl DirtyBitmaps {
         &self.maps[i]
     }
 
+    /// Before the disk becomes `size` bytes: every bitmap gets the words for it. `Err(i)`
+    /// when bitmap `i` cannot describe that many granules (QEMU's limit).
+    pub(crate) fn cover(&self, size: u64) -> Result<(), usize> {
+        if let Some(i) = self
+            .maps
+            .iter()
+            .position(|b| u128::from(size) > b.max_coverage())
+        {
+            return Err(i);
+        }
+        for b in self.maps.iter() {
+            b.cover(size.div_ceil(1 << b.granularity_bits));
+        }
+        Ok(())
+    }
+
     /// The bitmaps' bits past `size` bytes are cleared (the disk shrank).
     pub(crate) fn clear_from(&self, size: u64) {
         for b in self.maps.iter() {
@@ -150,37 +207,49 @@ mod tests {
 
     #[test]
     fn marks_set_every_granule_a_range_touches_and_nothing_else() {
-        // 64 KiB granules, 3 words.
-        let b = Bits::new(16, &[0b1000_0001], 24, true);
+        // 64 KiB granules, a disk of 192.
+        let b = Bits::new(16, &[0b1000_0001], 192, true);
         assert!(!b.changed());
         b.mark(0, 1);
         assert!(!b.changed(), "granule 0 was set already");
         b.mark((1 << 16) - 1, 2); // granules 0 and 1
         b.mark(70 << 16, (60 << 16) + 1); // granules 70..=130
-        b.mark(191 << 16, 1 << 30); // granule 191 on, clipped at the end
-        let d = b.data(24);
+        b.mark(191 << 16, 1 << 16);
+        let set = |b: &Bits, n: usize| -> Vec<usize> {
+            let d = b.data(n.div_ceil(8));
+            (0..n).filter(|&i| d[i / 8] >> (i % 8) & 1 == 1).collect()
+        };
         assert!(b.changed());
-        let bit = |i: usize| d[i / 8] >> (i % 8) & 1 == 1;
-        let set: Vec<usize> = (0..192).filter(|&i| bit(i)).collect();
         let want: Vec<usize> = [0, 1, 7]
             .into_iter()
             .chain(70..=130)
             .chain(std::iter::once(191))
             .collect();
-        assert_eq!(set, want);
-        assert_eq!(b.data(3), d[..3].to_vec());
+        assert_eq!(set(&b, 1 << 21), want, "nothing past the disk");
         b.clear_from((100 << 16) + 1); // granule 100 stays: the disk still ends inside it
-        let d = b.data(24);
-        let set: Vec<usize> = (0..192).filter(|&i| d[i / 8] >> (i % 8) & 1 == 1).collect();
         let want: Vec<usize> = [0, 1, 7].into_iter().chain(70..=100).collect();
-        assert_eq!(set, want);
+        assert_eq!(set(&b, 1 << 21), want);
+        // A disk that grows past the first segment gets words for the new granules.
+        let m = DirtyBitmaps::new(vec![b]);
+        let past = (1u64 << SEG_BITS) + 5;
+        m.mark(past << 16, 1);
+        assert_eq!(
+            set(m.get(0), 1 << 22).last(),
+            Some(&100),
+            "no words there yet"
+        );
+        assert_eq!(m.cover((past + 1) << 16), Ok(()));
+        m.mark(past << 16, 1);
+        assert_eq!(set(m.get(0), 1 << 22).last(), Some(&(past as usize)));
+        // QEMU's limit: 2^32 granules.
+        assert_eq!(m.cover((1u64 << 48) + 1), Err(0));
     }
 
     #[test]
     fn only_enabled_bitmaps_record_writes() {
         let m = DirtyBitmaps::new(vec![
-            Bits::new(9, &[], 8, false),
-            Bits::new(12, &[], 8, true),
+            Bits::new(9, &[], 64, false),
+            Bits::new(12, &[], 64, true),
         ]);
         m.mark(4096, 512);
         m.mark(0, 0);

@@ -222,16 +222,31 @@ fn bitmaps_follow_a_resize_and_refuse_what_would_break_them() {
     qemu_img(&["resize", "-q", "--shrink", s(&p.qemu), "-32M"]);
     same_bitmaps(&p);
 
-    // A bitmap of 512-byte granules: one table cluster covers 256 MiB.
-    qemu_img(&["bitmap", "--add", "-g", "512", s(&p.ours), "tiny"]);
-    let out = r(&p.ours, false, "1G");
+    // A bitmap of 512-byte granules, whose table's one cluster describes 256 MiB: the
+    // disk grows past that (the close stores a larger table), and writes there are marked.
+    for img in [&p.ours, &p.qemu] {
+        qemu_img(&["bitmap", "--add", "-g", "512", s(img), "tiny"]);
+    }
+    assert!(r(&p.ours, false, "1G").status.success());
+    qemu_img(&["resize", "-q", s(&p.qemu), "1G"]);
+    ours_io(
+        &p.ours,
+        &["write -P 4 900M 64k", "write -P 4 1073741312 512"],
+    );
+    qemu_io(
+        &p.qemu,
+        &["write -P 4 900M 64k", "write -P 4 1073741312 512"],
+    );
+    same_bitmaps(&p);
+    // Past 2^32 granules (2 TiB) QEMU cannot hold it: refused, nothing changed.
+    let out = r(&p.ours, false, "3T");
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
         !out.status.success() && err.contains("bitmap 'tiny'"),
         "{err}"
     );
-    assert_eq!(qemu_img_virtual_size(&p.ours), 96 << 20);
-    qemu_img(&["check", s(&p.ours)]);
+    assert_eq!(qemu_img_virtual_size(&p.ours), 1 << 30);
+    same_bitmaps(&p);
 }
 
 fn qemu_img_virtual_size(img: &Path) -> u64 {

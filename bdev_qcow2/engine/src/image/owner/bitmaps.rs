@@ -62,7 +62,8 @@ impl<D: BlockDevice> Owner<'_, D> {
         let mut bits = Vec::new();
         for (i, e) in entries.iter().enumerate().filter(|(_, e)| !e.in_use()) {
             let (data, data_clusters) = self.read_bitmap(e).await?;
-            bits.push(Bits::new(e.granularity_bits, &data, data.len(), e.auto()));
+            let granules = self.size().div_ceil(1 << e.granularity_bits);
+            bits.push(Bits::new(e.granularity_bits, &data, granules, e.auto()));
             loaded.push(Loaded {
                 entry: i,
                 data_clusters,
@@ -252,26 +253,19 @@ impl<D: BlockDevice> Owner<'_, D> {
         )))
     }
 
-    /// Before the disk's size becomes `new_size`: refused past what a bitmap's table can
-    /// cover (QEMU would refuse the image); on a shrink, the bits past the new end go.
+    /// Before the disk's size becomes `new_size` (before any core may write past the old
+    /// one): every loaded bitmap gets room for it, refused past what QEMU can hold; on a
+    /// shrink, the bits past the new end go. The close stores tables of the new size.
     pub(crate) fn resize_bitmaps(&self, new_size: u64) -> Result<()> {
         let st = self.meta().st();
         let Some(kept) = &st.bitmaps else {
             return Ok(());
         };
-        let cs = self.geo.cluster_size();
-        // (Those in use since before the open may be of any size.)
-        let too_small = kept
-            .loaded
-            .iter()
-            .map(|l| &kept.entries[l.entry])
-            .find(|e| u128::from(new_size) > e.coverage(cs));
-        if let Some(e) = too_small {
+        if let Err(i) = kept.bits.cover(new_size) {
             return Err(Error::Refused(format!(
-                "the disk would outgrow persistent bitmap '{}' (its table covers {} bytes); \
-                 resize the image offline with qemu-img resize, or remove the bitmap",
-                e.name,
-                e.coverage(cs)
+                "persistent bitmap '{}' cannot describe a disk of {new_size} bytes (QEMU's \
+                 limit: 2^32 granules); remove it first",
+                kept.entries[kept.loaded[i].entry].name
             )));
         }
         kept.bits.clear_from(new_size);
