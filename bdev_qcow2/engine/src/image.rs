@@ -589,6 +589,32 @@ impl<D: BlockDevice> Qcow2<D> {
         })
     }
 
+    /// The bitmap directory's entries (none without the bitmaps extension), read from the
+    /// device: names, flags, granularities. A directory QEMU would refuse is an error.
+    pub async fn bitmap_directory(&self) -> Result<Vec<crate::format::bitmaps::BitmapEntry>> {
+        let Some(ext) = self.header.borrow().extensions.bitmaps.clone() else {
+            return Ok(Vec::new());
+        };
+        let bad = |why| invalid(Field::BitmapsExtension, ext.directory_offset, why);
+        if ext.directory_offset.saturating_add(ext.directory_size) > self.device_size.get() {
+            return Err(bad("bitmap directory extends past the end of the device"));
+        }
+        let dir = read_bytes(
+            &self.exec,
+            self.dev,
+            ext.directory_offset,
+            ext.directory_size,
+        )
+        .await?;
+        crate::format::bitmaps::parse_directory(
+            &dir,
+            ext.nb_bitmaps,
+            self.geo.cluster_size(),
+            self.size(),
+        )
+        .map_err(bad)
+    }
+
     /// The persistent bitmaps guest writes must mark, when the image keeps any.
     pub(crate) fn dirty_bitmaps(&self) -> Option<&Arc<DirtyBitmaps>> {
         self.dirty_bitmaps.as_ref()

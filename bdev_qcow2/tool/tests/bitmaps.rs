@@ -135,9 +135,23 @@ fn pair() -> Pair {
     }
 }
 
+/// The bitmaps `qcow2 info --output=json` lists.
+fn ours_info_bitmaps(img: &Path) -> serde_json::Value {
+    let out = run(Command::new(QCOW2).args(["info", "--output=json", s(img)]));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    v["format-specific"]["data"]["bitmaps"].clone()
+}
+
 /// Both copies clean, with the same bitmaps, flags and bits.
 fn same_bitmaps(p: &Pair) {
     qemu_img(&["check", s(&p.ours)]);
+    // `qcow2 info` lists them as `qemu-img info` does.
+    let out = qemu_img(&["info", "--output=json", s(&p.ours)]);
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(
+        ours_info_bitmaps(&p.ours),
+        v["format-specific"]["data"]["bitmaps"]
+    );
     let flags = bitmap_flags(&p.ours);
     assert_eq!(flags, bitmap_flags(&p.qemu));
     assert!(

@@ -101,7 +101,23 @@ pub fn run(args: &InfoArgs) -> ToolResult<String> {
             "dirty-flag": false,
         }),
         Format::Qcow2 => {
-            let (_exec, q) = open_single(&spec)?;
+            let (exec, q) = open_single(&spec)?;
+            let q2 = q.clone();
+            let bitmaps: Vec<Value> = exec
+                .block_on(async move { q2.bitmap_directory().await })
+                .map_err(|source| ToolError::Engine {
+                    path: spec.path.display().to_string(),
+                    source,
+                })?
+                .iter()
+                .map(|b| {
+                    let flags: Vec<&str> = [(b.in_use(), "in-use"), (b.auto(), "auto")]
+                        .into_iter()
+                        .filter_map(|(on, name)| on.then_some(name))
+                        .collect();
+                    json!({"flags": flags, "name": b.name, "granularity": 1u64 << b.granularity_bits})
+                })
+                .collect();
             let ih = q.header();
             let h = &ih.header;
             let snapshots: Vec<Value> = q
@@ -147,8 +163,8 @@ pub fn run(args: &InfoArgs) -> ToolResult<String> {
                 if let Some(df) = &ih.extensions.external_data_file {
                     m.insert("data-file".into(), json!(df));
                 }
-                if let Some(b) = &ih.extensions.bitmaps {
-                    m.insert("bitmaps-count".into(), json!(b.nb_bitmaps));
+                if !bitmaps.is_empty() {
+                    m.insert("bitmaps".into(), json!(bitmaps));
                 }
                 // Our additions: the raw version and feature bits.
                 m.insert("version".into(), json!(h.version));
@@ -260,12 +276,31 @@ fn human(v: &Value) -> String {
             ("compat", "compat"),
             ("compression-type", "compression type"),
             ("lazy-refcounts", "lazy refcounts"),
+            ("bitmaps", "bitmaps"),
             ("refcount-bits", "refcount bits"),
             ("corrupt", "corrupt"),
             ("extended-l2", "extended l2"),
         ] {
-            if d.get(key).is_some() {
-                let _ = writeln!(s, "    {label}: {}", b(key));
+            match d.get(key).and_then(Value::as_array) {
+                // Listed as qemu-img lists them.
+                Some(list) => {
+                    let _ = writeln!(s, "    {label}:");
+                    for (i, bm) in list.iter().enumerate() {
+                        let _ = writeln!(s, "        [{i}]:");
+                        let _ = writeln!(s, "            flags:");
+                        for (j, f) in bm["flags"].as_array().into_iter().flatten().enumerate() {
+                            let _ =
+                                writeln!(s, "                [{j}]: {}", f.as_str().unwrap_or(""));
+                        }
+                        let _ =
+                            writeln!(s, "            name: {}", bm["name"].as_str().unwrap_or(""));
+                        let _ = writeln!(s, "            granularity: {}", bm["granularity"]);
+                    }
+                }
+                None if d.get(key).is_some() => {
+                    let _ = writeln!(s, "    {label}: {}", b(key));
+                }
+                None => {}
             }
         }
         let bits = |k: &str| d.get(k).and_then(Value::as_u64).unwrap_or(0);
