@@ -76,6 +76,18 @@ pub struct ImageInfo {
     /// Whether the base is zeroed ahead of the allocator (the `zero_ahead` of the create
     /// call, or its default for this base; only where the image records no zeroed tail).
     pub zero_ahead: bool,
+    /// The persistent dirty bitmaps the bdev keeps (QEMU's incremental backup): `in_use`
+    /// while the bdev is open, stored at its deletion.
+    pub persistent_bitmaps: Vec<PersistentBitmap>,
+}
+
+/// A persistent bitmap of [`ImageInfo`].
+#[derive(Debug, Clone, Serialize)]
+pub struct PersistentBitmap {
+    /// Its name.
+    pub name: String,
+    /// Whether it records the bdev's writes (QEMU's `auto` flag).
+    pub enabled: bool,
 }
 
 impl ImageInfo {
@@ -107,6 +119,11 @@ impl ImageInfo {
             read_only: p.read_only,
             zero_offload: z.offload && !p.read_only,
             zero_ahead: z.ahead && q.zeroing_ahead(),
+            persistent_bitmaps: q
+                .kept_bitmaps()
+                .into_iter()
+                .map(|(name, enabled)| PersistentBitmap { name, enabled })
+                .collect(),
         }
     }
 }

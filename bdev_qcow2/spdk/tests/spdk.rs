@@ -1123,6 +1123,7 @@ mod real {
     /// data).
     fn dirty_ranges(img: &Path, name: &str) -> Vec<(u64, u64)> {
         let sock = img.with_extension(format!("{name}.sock"));
+        let _ = fs::remove_file(&sock);
         let mut nbd = Command::new("qemu-nbd")
             .args(["-r", "-f", "qcow2", "-B", name, "-k", s(&sock), s(img)])
             .stdout(Stdio::null())
@@ -1173,7 +1174,7 @@ mod real {
     /// once the application closed the bdev.
     #[test]
     fn spdk_dd_writes_reach_persistent_bitmaps_as_qemu_records_them() {
-        require!("spdk_dd");
+        require!("spdk_dd", "spdk_tgt");
         let _t = turn();
         let dir = tempfile::tempdir().unwrap();
         let d = dir.path();
@@ -1221,6 +1222,49 @@ mod real {
             assert!(!ours.is_empty());
         }
         say("spdk_dd's writes are in the persistent bitmaps as QEMU records them; image clean, bitmaps not in use");
+
+        // In spdk_tgt: the bdev lists the bitmaps it keeps, which are in use while it is
+        // open; an online resize past what their tables describe (64 MiB at 4 KiB granules
+        // with one table cluster: 2 GiB) resizes them, and the deletion stores them.
+        if rpc_py().is_none() {
+            return say("SKIPPED (spdk_tgt part): rpc.py not found");
+        }
+        let in_use = |img: &Path| {
+            let out = Command::new("qemu-img")
+                .args(["info", "-U", s(img)])
+                .output()
+                .unwrap();
+            String::from_utf8_lossy(&out.stdout).contains("in-use")
+        };
+        let f = fs::OpenOptions::new().write(true).open(&img).unwrap();
+        f.set_len(128 * MIB).unwrap();
+        drop(f);
+        let t = Target::start(d, "bm", Some(&cfg));
+        let v = t.bdev("q0").expect("q0");
+        assert_eq!(
+            v["driver_specific"]["qcow2"]["persistent_bitmaps"],
+            json!([{"name": "b0", "enabled": true}, {"name": "fine", "enabled": true}]),
+            "{v}"
+        );
+        assert!(
+            in_use(&img),
+            "the bitmaps are not in use while the bdev is open"
+        );
+        let big = (3u64 << 30).to_string();
+        t.rpc(&["bdev_qcow2_resize", "-b", "q0", "-s", &big]);
+        assert_eq!(t.rpc(&["bdev_qcow2_delete", "q0"]), json!(true));
+        assert!(!in_use(&img), "the deletion left the bitmaps in use");
+        t.stop();
+        qemu_img(&["resize", "-q", s(&theirs), "3G"]);
+        check_clean(&img, "after an online resize and the deletion");
+        for name in ["b0", "fine"] {
+            assert_eq!(
+                dirty_ranges(&img, name),
+                dirty_ranges(&theirs, name),
+                "bitmap {name}"
+            );
+        }
+        say("spdk_tgt: the bdev lists its bitmaps, in use while open; resized online past their tables and stored at deletion as QEMU stores them");
     }
 
     #[test]

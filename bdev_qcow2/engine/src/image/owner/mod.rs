@@ -136,6 +136,24 @@ impl<D: BlockDevice> Qcow2<D> {
         self.owner()?.snapshot_apply(which).await
     }
 
+    /// The persistent bitmaps this owner keeps up to date (loaded at open): each one's name
+    /// and whether it is enabled (records writes). Empty on a read-only image or a core.
+    pub fn kept_bitmaps(&self) -> Vec<(String, bool)> {
+        let Ok(o) = self.owner() else {
+            return Vec::new();
+        };
+        let st = o.meta().st();
+        st.bitmaps.as_ref().map_or_else(Vec::new, |k| {
+            k.loaded
+                .iter()
+                .map(|l| {
+                    let e = &k.entries[l.entry];
+                    (e.name.clone(), e.auto())
+                })
+                .collect()
+        })
+    }
+
     /// Guest flush: every write completed before it is stable when this returns.
     /// `ReadOnly` unless this is the owner.
     pub async fn flush(&self) -> Result<()> {
