@@ -130,6 +130,9 @@ pub struct Chain<D: BlockDevice> {
     /// [`Chain::resize`]; on a core's, when a request past it finds a larger size
     /// published).
     size: Cell<u64>,
+    /// The top image's persistent bitmaps, which every change of the disk marks
+    /// ([`Chain::note_change`]).
+    dirty_bitmaps: Option<std::sync::Arc<crate::dirty_bitmaps::DirtyBitmaps>>,
     /// Whether the prefetch ring is on ([`Chain::ring_read`]): every read looks at it.
     pub(crate) ring_on: Cell<bool>,
     /// The ring's stream table as every read sees it (a random read goes no further).
@@ -163,9 +166,6 @@ pub struct Chain<D: BlockDevice> {
     /// Ring chunks holding compressed clusters filled without a task
     /// (`ring/compressed.rs`).
     pub(crate) zips: RefCell<crate::ring::compressed::ZipFills<D::Buf>>,
-    /// The top image's persistent bitmaps, which every change of the disk marks
-    /// ([`Chain::note_change`]).
-    dirty_bitmaps: Option<std::sync::Arc<crate::dirty_bitmaps::DirtyBitmaps>>,
 }
 
 impl<D: BlockDevice> Chain<D> {

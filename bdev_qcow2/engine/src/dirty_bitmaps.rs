@@ -16,6 +16,13 @@ const SEG_WORDS: usize = 1 << (SEG_BITS - 6);
 /// Segments of the largest bitmap QEMU holds ([`MAX_PHYS_SIZE`] bytes of data).
 const MAX_SEGS: usize = ((MAX_PHYS_SIZE * 8) >> SEG_BITS) as usize;
 
+/// Memory one bitmap of `granules` takes: its segments and their index.
+pub(crate) fn memory_for(granules: u64) -> u64 {
+    let segs = granules.div_ceil(1 << SEG_BITS);
+    segs * (SEG_WORDS as u64 * 8)
+        + MAX_SEGS as u64 * std::mem::size_of::<OnceLock<Box<[AtomicU64]>>>() as u64
+}
+
 /// One bitmap's bits: bit `i % 64` of word `i / 64` stands for granule `i`. The words are
 /// in segments, allocated by the owner for the granules the disk has before any core may
 /// write there ([`cover`](Self::cover)), so that a disk that grows keeps its bits where
@@ -30,8 +37,8 @@ pub(crate) struct Bits {
 }
 
 impl Bits {
-    /// A bitmap of `granularity_bits` whose bits are `data` as stored (bit `i` is bit
-    /// `i % 8` of byte `i / 8`), covering at least `granules`.
+    /// A bitmap of `granularity_bits` covering `granules`, whose bits are `data` as stored
+    /// (bit `i` is bit `i % 8` of byte `i / 8`; bits past `granules` are dropped).
     pub(crate) fn new(granularity_bits: u8, data: &[u8], granules: u64, enabled: bool) -> Self {
         let b = Bits {
             granularity_bits: u32::from(granularity_bits),
@@ -39,8 +46,12 @@ impl Bits {
             enabled,
             changed: AtomicBool::new(false),
         };
-        b.cover(granules.max(data.len() as u64 * 8));
-        for (i, chunk) in data.chunks(8).enumerate() {
+        b.cover(granules);
+        for (i, chunk) in data
+            .chunks(8)
+            .take(granules.div_ceil(64) as usize)
+            .enumerate()
+        {
             let mut w = [0u8; 8];
             w[..chunk.len()].copy_from_slice(chunk);
             if let Some(a) = b.word(i) {
@@ -177,20 +188,28 @@ impl DirtyBitmaps {
         &self.maps[i]
     }
 
-    /// Before the disk becomes `size` bytes: every bitmap gets the words for it. `Err(i)`
-    /// when bitmap `i` cannot describe that many granules (QEMU's limit).
-    pub(crate) fn cover(&self, size: u64) -> Result<(), usize> {
-        if let Some(i) = self
-            .maps
+    /// Memory the bitmaps take for a disk of `size` bytes.
+    pub(crate) fn memory_for(&self, size: u64) -> u64 {
+        self.maps
+            .iter()
+            .map(|b| memory_for(size.div_ceil(1 << b.granularity_bits)))
+            .sum()
+    }
+
+    /// Bitmap `i`, the first that cannot describe a disk of `size` bytes (QEMU's limit of
+    /// granules), if any.
+    pub(crate) fn too_small(&self, size: u64) -> Option<usize> {
+        self.maps
             .iter()
             .position(|b| u128::from(size) > b.max_coverage())
-        {
-            return Err(i);
-        }
+    }
+
+    /// Before the disk becomes `size` bytes (not [`too_small`](Self::too_small) for it):
+    /// every bitmap gets the words for it.
+    pub(crate) fn cover(&self, size: u64) {
         for b in self.maps.iter() {
             b.cover(size.div_ceil(1 << b.granularity_bits));
         }
-        Ok(())
     }
 
     /// The bitmaps' bits past `size` bytes are cleared (the disk shrank).
@@ -238,11 +257,13 @@ mod tests {
             Some(&100),
             "no words there yet"
         );
-        assert_eq!(m.cover((past + 1) << 16), Ok(()));
+        assert_eq!(m.too_small((past + 1) << 16), None);
+        m.cover((past + 1) << 16);
         m.mark(past << 16, 1);
         assert_eq!(set(m.get(0), 1 << 22).last(), Some(&(past as usize)));
         // QEMU's limit: 2^32 granules.
-        assert_eq!(m.cover((1u64 << 48) + 1), Err(0));
+        assert_eq!(m.too_small((1u64 << 48) + 1), Some(0));
+        assert_eq!(m.too_small(1u64 << 48), None);
     }
 
     #[test]

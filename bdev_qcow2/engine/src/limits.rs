@@ -34,6 +34,11 @@ pub const MAX_BITMAPS: u64 = 65535;
 /// Largest bitmap directory (QEMU's limit, 64 MiB).
 pub const MAX_BITMAP_DIRECTORY_BYTES: u64 = 64 * 1024 * 1024;
 
+/// Most memory the persistent bitmaps of one image open for writing may take (their bits
+/// and the index of their segments): 256 MiB, a thousand bitmaps of small disks or one of
+/// a 128 TiB disk at 64 KiB granules.
+pub const MAX_BITMAP_MEMORY: u64 = 256 << 20;
+
 /// Smallest and largest cluster_bits accepted (512 B – 2 MiB).
 pub const MIN_CLUSTER_BITS: u32 = 9;
 /// See [`MIN_CLUSTER_BITS`].

@@ -332,3 +332,59 @@ fn bitmaps_a_writer_did_not_save_are_left_in_use() {
     );
     qemu_img(&["check", s(&img)]);
 }
+
+/// A bitmap table naming a cluster of other metadata (here the L1 table) would have us
+/// rewrite or free it at close: the image is refused for writing, with the reason, and left
+/// as it was; it still opens read-only.
+#[test]
+fn a_bitmap_sharing_a_cluster_with_other_metadata_is_refused_for_writing() {
+    let dir = tempfile::tempdir().unwrap();
+    let img = dir.path().join("hostile.qcow2");
+    qemu_img(&["create", "-q", "-f", "qcow2", s(&img), "64M"]);
+    qemu_img(&["bitmap", "--add", s(&img), "b0"]);
+    qemu_io(&img, &["write -P 1 0 64k"]);
+    let mut bytes = std::fs::read(&img).unwrap();
+    let be64 = |b: &[u8], at: usize| u64::from_be_bytes(b[at..at + 8].try_into().unwrap());
+    let be32 = |b: &[u8], at: usize| u32::from_be_bytes(b[at..at + 4].try_into().unwrap());
+    let l1 = be64(&bytes, 40);
+    // The bitmaps extension, past the header.
+    let mut at = be32(&bytes, 100) as usize;
+    let dir_off = loop {
+        let (ty, len) = (be32(&bytes, at), be32(&bytes, at + 4) as usize);
+        assert_ne!(ty, 0, "no bitmaps extension");
+        if ty == 0x2385_2875 {
+            break be64(&bytes, at + 8 + 16) as usize;
+        }
+        at += 8 + len.div_ceil(8) * 8;
+    };
+    let table = be64(&bytes, dir_off) as usize;
+    assert_ne!(be64(&bytes, table), 0, "the bitmap has a data cluster");
+    bytes[table..table + 8].copy_from_slice(&l1.to_be_bytes());
+    std::fs::write(&img, &bytes).unwrap();
+    let out = output(Command::new(QCOW2).args(["io", "-c", "write -P 2 0 4k", s(&img)]));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("bitmap cluster is shared"),
+        "{err}"
+    );
+    assert!(std::fs::read(&img).unwrap() == bytes, "the image changed");
+    run(Command::new(QCOW2).args(["io", "-c", "read -P 1 0 64k", s(&img)]));
+}
+
+/// Bitmaps that would take more memory than the engine keeps for them (one of 512-byte
+/// granules over a 1 TiB disk: 2^31 bits) refuse a writable open with the reason.
+#[test]
+fn bitmaps_too_large_to_keep_are_refused_for_writing() {
+    let dir = tempfile::tempdir().unwrap();
+    let img = dir.path().join("big.qcow2");
+    qemu_img(&["create", "-q", "-f", "qcow2", s(&img), "1T"]);
+    qemu_img(&["bitmap", "--add", "-g", "512", s(&img), "fine"]);
+    let before = std::fs::read(&img).unwrap();
+    let out = output(Command::new(QCOW2).args(["io", "-c", "write -P 2 0 4k", s(&img)]));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("MiB of memory"),
+        "{err}"
+    );
+    assert!(std::fs::read(&img).unwrap() == before, "the image changed");
+}

@@ -16,14 +16,15 @@
 //! 4. the old tables and data are freed.
 
 use super::Owner;
-use crate::dirty_bitmaps::{Bits, DirtyBitmaps};
-use crate::error::{invalid, Error, Field, Result};
+use crate::dirty_bitmaps::{self, Bits, DirtyBitmaps};
+use crate::error::{corrupt, invalid, Error, Field, Result};
 use crate::exec::read_bytes;
 use crate::format::be::get_u64;
 use crate::format::bitmaps::{
     self, data_bytes, BitmapEntry, FLAG_IN_USE, TABLE_ALL_ONES, TABLE_OFFSET_MASK,
 };
 use crate::io::{BlockDevice, BufSlice, IoBuffer, SECTOR};
+use crate::limits::MAX_BITMAP_MEMORY;
 use crate::meta::bitmaps::{KeptBitmaps, Loaded};
 use crate::types::{HostOffset, HostRange};
 use std::sync::Arc;
@@ -44,12 +45,7 @@ impl<D: BlockDevice> Owner<'_, D> {
                 "bitmap directory extends past the end of the device",
             ));
         }
-        // Written back in whole sectors, inside its clusters: a file QEMU left ending
-        // inside them grows to cover them.
         let dir_len = ext.directory_size.div_ceil(SECTOR) * SECTOR;
-        if ext.directory_offset + dir_len > self.device_size.get() {
-            self.note_allocated((ext.directory_offset + dir_len).div_ceil(cs))?;
-        }
         let mut dir = read_bytes(&self.exec, self.dev, ext.directory_offset, dir_len).await?;
         let entries = bitmaps::parse_directory(
             &dir[..ext.directory_size as usize],
@@ -58,11 +54,32 @@ impl<D: BlockDevice> Owner<'_, D> {
             self.size(),
         )
         .map_err(|why| invalid(Field::BitmapsExtension, ext.directory_offset, why))?;
+        let size = self.size();
+        let memory: u64 = entries
+            .iter()
+            .filter(|e| !e.in_use())
+            .map(|e| dirty_bitmaps::memory_for(size.div_ceil(1 << e.granularity_bits)))
+            .sum();
+        if memory > MAX_BITMAP_MEMORY {
+            return Err(too_much_memory(memory));
+        }
+        // What a store rewrites or frees must be the bitmaps' own: the directory's clusters
+        // and each table's and data cluster, referenced once (a hostile image could name an
+        // L2 table, or one cluster twice).
+        let bits_c = self.geo.cluster_bits;
+        let mut owned = crate::meta::HashSet::default();
+        let dir_clusters = ext.directory_offset >> bits_c
+            ..(ext.directory_offset + ext.directory_size).div_ceil(cs);
+        self.own(&mut owned, dir_clusters).await?;
         let mut loaded = Vec::new();
         let mut bits = Vec::new();
         for (i, e) in entries.iter().enumerate().filter(|(_, e)| !e.in_use()) {
             let (data, data_clusters) = self.read_bitmap(e).await?;
-            let granules = self.size().div_ceil(1 << e.granularity_bits);
+            let table = e.table_offset >> bits_c
+                ..(e.table_offset + u64::from(e.table_size) * 8).div_ceil(cs);
+            self.own(&mut owned, table.chain(data_clusters.iter().copied()))
+                .await?;
+            let granules = size.div_ceil(1 << e.granularity_bits);
             bits.push(Bits::new(e.granularity_bits, &data, granules, e.auto()));
             loaded.push(Loaded {
                 entry: i,
@@ -72,6 +89,11 @@ impl<D: BlockDevice> Owner<'_, D> {
         }
         if loaded.is_empty() {
             return Ok(None);
+        }
+        // Written back in whole sectors, inside its clusters: a file QEMU left ending
+        // inside them grows to cover them.
+        if ext.directory_offset + dir_len > self.device_size.get() {
+            self.note_allocated((ext.directory_offset + dir_len).div_ceil(cs))?;
         }
         self.write_directory(ext.directory_offset, &dir).await?;
         self.exec.flush(self.dev).await?;
@@ -93,10 +115,13 @@ impl<D: BlockDevice> Owner<'_, D> {
         Ok(Some(bits))
     }
 
-    /// Bitmap `e`'s data (its table's whole clusters) and the host clusters it is in.
+    /// Bitmap `e`'s data for the disk's size (the clusters of the table entries the disk
+    /// needs: fewer than the table has when the disk shrank) and every host cluster its
+    /// table names (all freed when a new table replaces it).
     async fn read_bitmap(&self, e: &BitmapEntry) -> Result<(Vec<u8>, Vec<u64>)> {
         let cs = self.geo.cluster_size();
         let dev_size = self.device_size.get();
+        let needed = data_bytes(self.size(), e.granularity_bits).div_ceil(cs);
         let table_bytes = u64::from(e.table_size) * 8;
         if e.table_offset.saturating_add(table_bytes) > dev_size {
             return Err(invalid(
@@ -106,10 +131,9 @@ impl<D: BlockDevice> Owner<'_, D> {
             ));
         }
         let table = read_bytes(&self.exec, self.dev, e.table_offset, table_bytes).await?;
-        let mut data = Vec::with_capacity((u64::from(e.table_size) * cs) as usize);
+        let mut data = Vec::with_capacity((needed * cs) as usize);
         let mut clusters = Vec::new();
-        for i in 0..e.table_size as usize {
-            let t = get_u64(&table, i * 8);
+        for (i, t) in table.chunks_exact(8).map(|w| get_u64(w, 0)).enumerate() {
             if !bitmaps::table_entry_ok(t, cs) {
                 return Err(invalid(
                     Field::BitmapsExtension,
@@ -118,11 +142,6 @@ impl<D: BlockDevice> Owner<'_, D> {
                 ));
             }
             let off = t & TABLE_OFFSET_MASK;
-            if off == 0 {
-                let fill = if t & TABLE_ALL_ONES != 0 { 0xff } else { 0 };
-                data.resize(data.len() + cs as usize, fill);
-                continue;
-            }
             if off >= dev_size {
                 return Err(invalid(
                     Field::BitmapsExtension,
@@ -130,13 +149,48 @@ impl<D: BlockDevice> Owner<'_, D> {
                     "bitmap data past the end of the device",
                 ));
             }
+            if off != 0 {
+                clusters.push(off >> self.geo.cluster_bits);
+            }
+            if i as u64 >= needed {
+                continue;
+            }
+            if off == 0 {
+                let fill = if t & TABLE_ALL_ONES != 0 { 0xff } else { 0 };
+                data.resize(data.len() + cs as usize, fill);
+                continue;
+            }
             // A file may end inside the last cluster: the rest reads as zeros.
             let mut c = read_bytes(&self.exec, self.dev, off, cs.min(dev_size - off)).await?;
             c.resize(cs as usize, 0);
             data.extend(c);
-            clusters.push(off >> self.geo.cluster_bits);
         }
         Ok((data, clusters))
+    }
+
+    /// Adds `clusters` to `owned`, each of which must be a bitmap's alone: not in `owned`
+    /// yet, not the image's other metadata, refcount 1.
+    async fn own(
+        &self,
+        owned: &mut crate::meta::HashSet<u64>,
+        clusters: impl Iterator<Item = u64>,
+    ) -> Result<()> {
+        let (bits, cs) = (self.geo.cluster_bits, self.geo.cluster_size());
+        for c in clusters {
+            let off = c << bits;
+            if !owned.insert(c)
+                || self.overlaps_metadata(HostOffset(off), cs)
+                || self.refcount(off).await? != 1
+            {
+                return Err(corrupt(
+                    Field::BitmapsExtension,
+                    off,
+                    "a bitmap cluster is shared with other data or metadata; run \
+                     `qcow2 check -r all` or remove the bitmap",
+                ));
+            }
+        }
+        Ok(())
     }
 
     /// Writes the directory `dir` (whole sectors) at `offset`.
@@ -261,14 +315,29 @@ impl<D: BlockDevice> Owner<'_, D> {
         let Some(kept) = &st.bitmaps else {
             return Ok(());
         };
-        if let Err(i) = kept.bits.cover(new_size) {
+        if let Some(i) = kept.bits.too_small(new_size) {
             return Err(Error::Refused(format!(
                 "persistent bitmap '{}' cannot describe a disk of {new_size} bytes (QEMU's \
                  limit: 2^32 granules); remove it first",
                 kept.entries[kept.loaded[i].entry].name
             )));
         }
+        let memory = kept.bits.memory_for(new_size);
+        if memory > MAX_BITMAP_MEMORY {
+            return Err(too_much_memory(memory));
+        }
+        kept.bits.cover(new_size);
         kept.bits.clear_from(new_size);
         Ok(())
     }
+}
+
+/// The refusal of bitmaps that would take `memory` bytes.
+fn too_much_memory(memory: u64) -> Error {
+    Error::Refused(format!(
+        "the image's persistent bitmaps would need {} MiB of memory to be kept, more than the \
+         {} MiB allowed: remove some (qemu-img bitmap --remove), or open the image read-only",
+        memory >> 20,
+        MAX_BITMAP_MEMORY >> 20
+    ))
 }
