@@ -47,7 +47,7 @@ impl<D: BlockDevice> Owner<'_, D> {
         }
         let dir_len = ext.directory_size.div_ceil(SECTOR) * SECTOR;
         let mut dir = read_bytes(&self.exec, self.dev, ext.directory_offset, dir_len).await?;
-        let entries = bitmaps::parse_directory(
+        let mut entries = bitmaps::parse_directory(
             &dir[..ext.directory_size as usize],
             ext.nb_bitmaps,
             cs,
@@ -85,7 +85,11 @@ impl<D: BlockDevice> Owner<'_, D> {
                 entry: i,
                 data_clusters,
             });
-            bitmaps::set_flags(&mut dir, e, e.flags | FLAG_IN_USE);
+        }
+        for l in &loaded {
+            let e = &mut entries[l.entry];
+            e.flags |= FLAG_IN_USE;
+            bitmaps::set_flags(&mut dir, e, e.flags);
         }
         if loaded.is_empty() {
             return Ok(None);
@@ -97,13 +101,6 @@ impl<D: BlockDevice> Owner<'_, D> {
         }
         self.write_directory(ext.directory_offset, &dir).await?;
         self.exec.flush(self.dev).await?;
-        let entries = bitmaps::parse_directory(
-            &dir[..ext.directory_size as usize],
-            ext.nb_bitmaps,
-            cs,
-            self.size(),
-        )
-        .map_err(|why| invalid(Field::BitmapsExtension, ext.directory_offset, why))?;
         let bits = Arc::new(DirtyBitmaps::new(bits));
         self.meta().st_mut().bitmaps = Some(KeptBitmaps {
             dir_offset: ext.directory_offset,
