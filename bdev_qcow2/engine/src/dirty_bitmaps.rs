@@ -97,20 +97,31 @@ impl Bits {
     #[inline]
     fn mark(&self, offset: u64, len: u64) {
         let (first, last) = self.granules_of(offset, len);
+        if first / 64 == last / 64 {
+            // One word (a request of up to 64 granules, most of them).
+            let mask = (u64::MAX >> (63 - last % 64)) & (u64::MAX << (first % 64));
+            return self.set(first / 64, mask);
+        }
         let mut g = first;
         while g <= last {
             let lo = g % 64;
             let hi = (last - (g - lo)).min(63);
             let mask = (u64::MAX >> (63 - hi)) & (u64::MAX << lo);
-            // Most writes find their bits set already: a load, and no write to the line
-            // the other cores read. (Every granule inside the disk has its word.)
-            if let Some(w) = self.word((g / 64) as usize) {
-                if w.load(Ordering::Relaxed) & mask != mask {
-                    w.fetch_or(mask, Ordering::Relaxed);
-                    self.changed.store(true, Ordering::Relaxed);
-                }
-            }
+            self.set(g / 64, mask);
             g += hi - lo + 1;
+        }
+    }
+
+    /// Sets the bits `mask` of word `w`.
+    #[inline]
+    fn set(&self, w: u64, mask: u64) {
+        // Most writes find their bits set already: a load, and no write to the line the
+        // other cores read. (Every granule inside the disk has its word.)
+        if let Some(a) = self.word(w as usize) {
+            if a.load(Ordering::Relaxed) & mask != mask {
+                a.fetch_or(mask, Ordering::Relaxed);
+                self.changed.store(true, Ordering::Relaxed);
+            }
         }
     }
 
@@ -180,8 +191,10 @@ impl DirtyBitmaps {
         if len == 0 {
             return;
         }
-        for b in self.maps.iter().filter(|b| b.enabled) {
-            b.mark(offset, len);
+        for b in self.maps.iter() {
+            if b.enabled {
+                b.mark(offset, len);
+            }
         }
     }
 
