@@ -145,9 +145,14 @@ impl Bits {
         }
     }
 
-    /// Whether a bit was set (or cleared) since the bitmap was loaded.
+    /// Whether a bit was set (or cleared) since the bitmap was loaded or stored.
     pub(crate) fn changed(&self) -> bool {
         self.changed.load(Ordering::Relaxed)
+    }
+
+    /// The bits as they are now are stored.
+    pub(crate) fn stored(&self) {
+        self.changed.store(false, Ordering::Relaxed);
     }
 
     /// The first `len` bytes of the bitmap's data as stored.

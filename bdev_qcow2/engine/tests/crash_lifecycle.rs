@@ -1182,6 +1182,11 @@ fn persistent_bitmaps_are_in_use_or_right_after_any_crash() {
     let c = chain.clone();
     exec.block_on(async move { c.close().await }).unwrap();
     let log = dev.0.borrow().log.clone();
+    // A second close stores nothing new.
+    let closed = dev.contents();
+    let c = chain.clone();
+    exec.block_on(async move { c.close().await }).unwrap();
+    assert!(dev.contents() == closed, "a second close changed the image");
 
     let mut consistent_after_writes = 0;
     let n = for_each_crash_state(&initial, &log, 3, 0xb175, |label, img| {

@@ -265,6 +265,7 @@ impl<D: BlockDevice> Owner<'_, D> {
                 e.table_offset = *table_off;
                 e.table_size = *table_size;
                 l.data_clusters = std::mem::take(clusters);
+                kept.bits.get(*k).stored();
             }
             self.write_directory(kept.dir_offset, &kept.dir).await?;
             self.exec.flush(self.dev).await?;
