@@ -21,7 +21,11 @@ fn say(msg: &str) {
     let _ = writeln!(std::io::stderr().lock(), "{msg}");
 }
 
+#[path = "../../tool/tests/common/dirty_ranges.rs"]
+mod dirty;
+
 mod real {
+    use super::dirty::dirty_ranges;
     use super::say;
     use serde_json::{json, Value};
     use std::fs;
@@ -1117,57 +1121,6 @@ mod real {
     }
 
     const MIB: u64 = 1 << 20;
-
-    /// The dirty ranges (start, length) of persistent bitmap `name` of `img`, as
-    /// `qemu-nbd` exports them (with x-dirty-bitmap, a dirty range reads as one without
-    /// data).
-    fn dirty_ranges(img: &Path, name: &str) -> Vec<(u64, u64)> {
-        let sock = img.with_extension(format!("{name}.sock"));
-        let _ = fs::remove_file(&sock);
-        let mut nbd = Command::new("qemu-nbd")
-            .args(["-r", "-f", "qcow2", "-B", name, "-k", s(&sock), s(img)])
-            .stdout(Stdio::null())
-            .spawn()
-            .expect("qemu-nbd");
-        let t0 = Instant::now();
-        while !sock.exists() {
-            assert!(
-                t0.elapsed() < Duration::from_secs(20),
-                "qemu-nbd did not start"
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        let opts = format!(
-            "driver=nbd,server.type=unix,server.path={},x-dirty-bitmap=qemu:dirty-bitmap:{name}",
-            s(&sock)
-        );
-        let out = Command::new("qemu-img")
-            .args(["map", "--output=json", "--image-opts", &opts])
-            .output()
-            .unwrap();
-        let _ = nbd.kill();
-        let _ = nbd.wait();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let v: Value = serde_json::from_slice(&out.stdout).unwrap();
-        let mut ranges: Vec<(u64, u64)> = Vec::new();
-        for e in v
-            .as_array()
-            .unwrap()
-            .iter()
-            .filter(|e| e["data"] == json!(false))
-        {
-            let (start, len) = (e["start"].as_u64().unwrap(), e["length"].as_u64().unwrap());
-            match ranges.last_mut() {
-                Some(l) if l.0 + l.1 == start => l.1 += len,
-                _ => ranges.push((start, len)),
-            }
-        }
-        ranges
-    }
 
     /// Guest writes through the bdev reach the image's enabled persistent bitmaps (QEMU's
     /// incremental backup) as QEMU records the same writes, and the bitmaps are consistent

@@ -10,21 +10,15 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 mod common;
-use common::{output, qemu_img, run};
+#[path = "common/dirty_ranges.rs"]
+mod dirty_ranges;
+use common::{output, qemu_img, qemu_io, run};
+use dirty_ranges::dirty_ranges as dirty;
 
 const QCOW2: &str = env!("CARGO_BIN_EXE_qcow2");
 
 fn s(p: &Path) -> &str {
     p.to_str().expect("utf-8 path")
-}
-
-fn qemu_io(img: &Path, cmds: &[&str]) {
-    let mut c = Command::new("qemu-io");
-    c.arg("-f").arg("qcow2");
-    for cmd in cmds {
-        c.arg("-c").arg(cmd);
-    }
-    run(c.arg(img));
 }
 
 fn ours_io(img: &Path, cmds: &[&str]) {
@@ -55,57 +49,6 @@ fn bitmap_flags(img: &Path) -> Vec<(String, Vec<String>)> {
             (b["name"].as_str().unwrap().to_string(), flags)
         })
         .collect()
-}
-
-/// The dirty ranges of bitmap `name` (start, length), as `qemu-nbd` exports them.
-fn dirty(img: &Path, name: &str) -> Vec<(u64, u64)> {
-    let sock = img.with_extension(format!("{name}.sock"));
-    let _ = std::fs::remove_file(&sock);
-    let mut nbd = Command::new("qemu-nbd")
-        .args(["-r", "-f", "qcow2", "-B", name, "-k", s(&sock), s(img)])
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("qemu-nbd");
-    let t0 = Instant::now();
-    while !sock.exists() {
-        if let Ok(Some(st)) = nbd.try_wait() {
-            let mut err = String::new();
-            std::io::Read::read_to_string(&mut nbd.stderr.take().unwrap(), &mut err).unwrap();
-            panic!("qemu-nbd exited ({st}): {err}");
-        }
-        assert!(
-            t0.elapsed() < Duration::from_secs(20),
-            "qemu-nbd did not start"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let opts = format!(
-        "driver=nbd,server.type=unix,server.path={},x-dirty-bitmap=qemu:dirty-bitmap:{name}",
-        s(&sock)
-    );
-    let out =
-        output(Command::new("qemu-img").args(["map", "--output=json", "--image-opts", &opts]));
-    let _ = nbd.kill();
-    let _ = nbd.wait();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    // With x-dirty-bitmap, a dirty range reads as one without data.
-    let mut ranges: Vec<(u64, u64)> = Vec::new();
-    for e in v.as_array().unwrap() {
-        if e["data"].as_bool() == Some(false) {
-            let (start, len) = (e["start"].as_u64().unwrap(), e["length"].as_u64().unwrap());
-            match ranges.last_mut() {
-                Some(l) if l.0 + l.1 == start => l.1 += len,
-                _ => ranges.push((start, len)),
-            }
-        }
-    }
-    ranges
 }
 
 struct Pair {

@@ -8,18 +8,9 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 mod common;
-use common::{output, qemu_img, run};
+use common::{output, qemu_img, qemu_io, run};
 
 const QCOW2: &str = env!("CARGO_BIN_EXE_qcow2");
-
-fn qemu_io(img: &Path, cmds: &[&str]) {
-    let mut c = Command::new("qemu-io");
-    c.arg("-f").arg("qcow2");
-    for cmd in cmds {
-        c.arg("-c").arg(cmd);
-    }
-    run(c.arg(img));
-}
 
 fn s(p: &Path) -> &str {
     p.to_str().expect("utf-8 path")

@@ -26,3 +26,13 @@ pub fn run(cmd: &mut Command) -> Output {
 pub fn qemu_img(args: &[&str]) -> Output {
     run(Command::new("qemu-img").args(args))
 }
+
+/// `qemu-io -f qcow2 -c CMD... IMG`, which must succeed.
+pub fn qemu_io(img: &std::path::Path, cmds: &[&str]) {
+    let mut c = Command::new("qemu-io");
+    c.arg("-f").arg("qcow2");
+    for cmd in cmds {
+        c.arg("-c").arg(cmd);
+    }
+    run(c.arg(img));
+}
