@@ -10,6 +10,8 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // test helpers may panic
 
+#[path = "../../bdev_qcow2/tool/tests/common/dirty_ranges.rs"]
+mod dirty_ranges;
 mod initramfs;
 mod plan;
 mod target;
@@ -76,6 +78,34 @@ fn check_image(img: &Path, leaks_allowed: bool) {
         "qemu-img check {} (exit {code}):\n{text}",
         img.display()
     );
+}
+
+/// Granules of a persistent bitmap the tests add (QEMU's default).
+const GRANULE: u64 = 64 << 10;
+
+/// Adds an enabled persistent bitmap `backup` to `img` (QEMU's incremental backup).
+fn add_bitmap(img: &Path) {
+    run_ok(Command::new("qemu-img").args([
+        "bitmap",
+        "--add",
+        "-g",
+        &GRANULE.to_string(),
+        s(img),
+        "backup",
+    ]));
+}
+
+/// Whether `img`'s bitmap `backup` is `in_use` (not saved by its last writer).
+fn bitmap_in_use(img: &Path) -> bool {
+    run_ok(Command::new("qemu-img").args(["info", "-U", s(img)])).contains("in-use")
+}
+
+/// The granules `backup` marks dirty.
+fn dirty_granules(img: &Path) -> BTreeSet<u64> {
+    dirty_ranges::dirty_ranges(img, "backup")
+        .into_iter()
+        .flat_map(|(start, len)| start / GRANULE..(start + len).div_ceil(GRANULE))
+        .collect()
 }
 
 fn md5(file: &Path) -> String {
@@ -237,6 +267,8 @@ fn scenario(v: &Variant) {
     let ops = plan::raw_ops(&mut rng);
     let files = plan::files(&mut rng, "f", 40, 6 << 20);
     let (calls, mut model, raw_img, fs_img) = images(d, v, &mut rng);
+    let before = model.clone();
+    add_bitmap(&raw_img);
     plan::apply(&mut model, &blob, &ops);
     let model_file = d.join("model.raw");
     fs::write(&model_file, &model).unwrap();
@@ -281,6 +313,34 @@ fn scenario(v: &Variant) {
         s(&model_file),
     ]));
     check_fs(d, &fs_img, &blob, &files);
+    // The raw disk's bitmap marks every granule whose bytes changed, and none the guest
+    // did not write or discard (reads do not mark), and is consistent after the stop.
+    assert!(
+        !bitmap_in_use(&raw_img),
+        "{}: the bitmap is still in use",
+        v.name
+    );
+    let dirty = dirty_granules(&raw_img);
+    let touched: BTreeSet<u64> = ops
+        .iter()
+        .flat_map(|op| {
+            let (dst, len) = match *op {
+                plan::Op::Write { dst, len, .. } | plan::Op::Discard { dst, len } => (dst, len),
+            };
+            dst / GRANULE..(dst + len).div_ceil(GRANULE)
+        })
+        .collect();
+    let changed: BTreeSet<u64> = (0..RAW_DISK / GRANULE)
+        .filter(|g| {
+            let r = (g * GRANULE) as usize..((g + 1) * GRANULE) as usize;
+            model[r.clone()] != before[r]
+        })
+        .collect();
+    assert!(
+        changed.is_subset(&dirty) && dirty.is_subset(&touched),
+        "{}: bitmap {dirty:?}, changed {changed:?}, touched {touched:?}",
+        v.name
+    );
 
     // Boot 2, on a new target: everything boot 1 wrote reads back.
     let (t, disks) = serve(d, "boot2", v, &calls);
@@ -293,10 +353,19 @@ fn scenario(v: &Variant) {
     t.stop();
     check_image(&raw_img, false);
     check_image(&fs_img, false);
+    assert_eq!(
+        dirty_granules(&raw_img),
+        dirty,
+        "{}: boot 2 marked the bitmap",
+        v.name
+    );
     say(&format!(
-        "guest {}: {} raw writes and discards, {} ext4 files, verified over 2 boots in {:.0} s",
+        "guest {}: {} raw writes and discards ({} of {} granules marked in its bitmap), {} \
+         ext4 files, verified over 2 boots in {:.0} s",
         v.name,
         ops.len(),
+        dirty.len(),
+        RAW_DISK / GRANULE,
         files.len(),
         started.elapsed().as_secs_f64()
     ));
@@ -377,6 +446,7 @@ fn guest_fsynced_files_survive_a_killed_target() {
         overlay: false,
     };
     let (calls, _, _, fs_img) = images(d, &v, &mut rng);
+    add_bitmap(&fs_img);
     let files_text = plan::files_text(&files);
     let payload: [(&str, &[u8]); 2] = [("blob", &blob), ("files", files_text.as_bytes())];
     let initrd = initramfs::build(d, "crash", &kernel, &payload);
@@ -423,6 +493,11 @@ fn guest_fsynced_files_survive_a_killed_target() {
         synced.len()
     ));
     check_image(&fs_img, true);
+    // Killed, the target did not store the bitmap: it says so (a backup refuses it).
+    assert!(
+        bitmap_in_use(&fs_img),
+        "the bitmap of a killed target is not in use"
+    );
 
     let kept: Vec<FileSpec> = files
         .into_iter()
