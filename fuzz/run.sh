@@ -138,6 +138,19 @@ for name in sorted(os.listdir(src)):
     if l2_off:
         flags = sel_bits | (0x400 if ext else 0) | (0x800 if version == 3 else 0)
         seed('l2', 2, flags, b[l2_off:l2_off + cs])
+    # The bitmap directory, with the disk's size as the device size.
+    at = struct.unpack('>I', b[100:104])[0] if version == 3 else 72
+    while version == 3 and at + 8 <= len(b):
+        kind, length = struct.unpack('>II', b[at:at + 8])
+        if kind == 0:
+            break
+        if kind == 0x23852875 and length == 24:
+            nb, _, dsize, doff = struct.unpack('>IIQQ', b[at + 8:at + 32])
+            vsize = struct.unpack('>Q', b[24:32])[0]
+            with open(os.path.join(out, f'seed-{stem}-bitmaps'), 'wb') as f:
+                f.write(bytes([4]) + struct.pack('>QQ', (nb << 32) | sel_bits, vsize)
+                        + b[doff:doff + dsize])
+        at += 8 + (length + 7) // 8 * 8
     seed('l1', 2, sel_bits | 0x800, b[l1_off:l1_off + 8 * l1_size])
     seed('reftable', 2, sel_bits, b[rt_off:rt_off + cs])
     rb_off = struct.unpack('>Q', b[rt_off:rt_off + 8])[0]

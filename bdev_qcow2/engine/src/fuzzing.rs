@@ -7,6 +7,7 @@
 
 use crate::check::{check, Repair};
 use crate::exec::Exec;
+use crate::format::bitmaps;
 use crate::format::entries::{L1Entry, L2Context, L2Entry, SubclusterBitmap};
 use crate::format::refcount::{
     entries_per_block, get_refcount, max_refcount, refcount_block_offset, set_refcount,
@@ -348,7 +349,8 @@ fn word(data: &[u8], off: usize) -> u64 {
 
 /// Runs the on-disk decoders alone on arbitrary bytes: header (and, when it decodes, its
 /// encoding and geometry), snapshot table, L1/L2/refcount-table entries, refcount blocks
-/// of every width (a stored value must read back; one too wide must be refused).
+/// of every width (a stored value must read back; one too wide must be refused), bitmap
+/// directories and table entries.
 ///
 /// Input: a selector byte, 16 bytes of parameters, then the bytes to decode.
 pub fn parse(data: &[u8]) {
@@ -368,7 +370,7 @@ pub fn parse(data: &[u8]) {
         2 => (p1 & 0xffff) << cluster_bits,
         _ => p1,
     };
-    match sel % 4 {
+    match sel % 5 {
         0 => {
             if let Ok(h) = ImageHeader::decode(body, device_size) {
                 let _ = h.geometry(9 + (p0 >> 16) as u32 % 13);
@@ -405,6 +407,24 @@ pub fn parse(data: &[u8]) {
                 } else {
                     let _ = l2.mapping(&ctx);
                 }
+            }
+        }
+        4 => {
+            // A bitmap directory of `nb` entries for a disk of `device_size` bytes: what
+            // parses takes its `in_use` flag and a new table and still parses (the flag
+            // only relaxes the constraints); every table word is judged.
+            let nb = (p0 >> 32) as u32;
+            if let Ok(entries) = bitmaps::parse_directory(body, nb, cs, device_size) {
+                let mut dir = body.to_vec();
+                for e in &entries {
+                    bitmaps::set_flags(&mut dir, e, e.flags | bitmaps::FLAG_IN_USE);
+                    bitmaps::set_table(&mut dir, e, e.table_offset, e.table_size);
+                }
+                let again = bitmaps::parse_directory(&dir, nb, cs, device_size);
+                assert!(again.is_ok(), "a directory marked in use no longer parses");
+            }
+            for w in body.chunks(8) {
+                let _ = bitmaps::table_entry_ok(word(w, 0), cs);
             }
         }
         _ => {

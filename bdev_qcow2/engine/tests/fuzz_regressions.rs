@@ -85,7 +85,7 @@ fn parse_harness_runs_every_decoder() {
         ..Default::default()
     });
     let dev = img.len() as u64;
-    for sel in 0..4u8 {
+    for sel in 0..5u8 {
         let mut input = vec![sel];
         input.extend(be(&[(3 << 8) | 3, dev]));
         input.extend_from_slice(&img);
