@@ -32,13 +32,14 @@ pub(crate) struct Bits {
     segs: Box<[OnceLock<Box<[AtomicU64]>>]>,
     /// Whether it records guest writes (the `auto` flag).
     enabled: bool,
-    /// Whether a bit was set since it was loaded.
+    /// Whether a bit changed since the bitmap was loaded or last stored.
     changed: AtomicBool,
 }
 
 impl Bits {
     /// A bitmap of `granularity_bits` covering `granules`, whose bits are `data` as stored
-    /// (bit `i` is bit `i % 8` of byte `i / 8`; bits past `granules` are dropped).
+    /// (bit `i` is bit `i % 8` of byte `i / 8`; words past `granules` are dropped, and a
+    /// store clears the bits past the disk's end).
     pub(crate) fn new(granularity_bits: u8, data: &[u8], granules: u64, enabled: bool) -> Self {
         let b = Bits {
             granularity_bits: u32::from(granularity_bits),
