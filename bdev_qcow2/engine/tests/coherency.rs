@@ -1766,3 +1766,46 @@ fn in_place_writes_on_a_core_reach_the_owners_persistent_bitmap() {
     let set: Vec<usize> = (0..bits.len()).filter(|&g| bits[g]).collect();
     assert_eq!(set, vec![100, 101, 300, 700]);
 }
+
+/// A shared disk grown online past one segment of a bitmap's words (2^20 granules: 512 MiB
+/// at 512-byte granules) gets the words for its new range before any core may write
+/// there: a write past the old end, routed by a core, is in the stored bitmap.
+#[test]
+fn writes_past_the_end_a_shared_disk_grew_to_reach_its_persistent_bitmap() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("g.qcow2");
+    let p = path.to_str().unwrap();
+    qemu_img(&[
+        "create",
+        "-q",
+        "-f",
+        "qcow2",
+        "-o",
+        "cluster_size=4096",
+        p,
+        "4M",
+    ]);
+    qemu_img(&["bitmap", "--add", "-g", "512", p, "b0"]);
+    let mut rig = Rig::with_image(5, 1, std::fs::read(&path).unwrap());
+    let (size, off, len) = (1u64 << 30, 600u64 << 20, 4096u64);
+    let c = rig.chains[0].clone();
+    rig.execs[0]
+        .block_on(async move { c.resize(size, false).await })
+        .unwrap();
+    // The core takes the new size and routes the write (an allocation: the owner's).
+    assert!(!matches!(
+        rig.chains[1].route_write(off, len),
+        WriteRoute::Direct(_)
+    ));
+    let (buf, _) = fill(9, off, len);
+    rig.chains[0].submit_write(1, off, BufSlice::whole(buf));
+    rig.run(1).unwrap();
+    rig.close();
+    let img = rig.disk.borrow().clone();
+    let (_, in_use, bits) = &mem_chain::bitmaps_of(&img, size)[0];
+    assert!(!in_use);
+    let set: Vec<u64> = (0..bits.len() as u64)
+        .filter(|&g| bits[g as usize])
+        .collect();
+    assert_eq!(set, (off / 512..(off + len) / 512).collect::<Vec<_>>());
+}
