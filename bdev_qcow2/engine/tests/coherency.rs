@@ -1718,14 +1718,20 @@ fn a_core_reads_a_new_stream_written_where_the_one_it_kept_was_freed() {
     rig.close();
 }
 
-/// Writes a core makes in place (never seen by the owner) reach the persistent bitmap the
-/// owner stores at close: every core marks the bitmap the owner loaded.
-#[test]
-fn in_place_writes_on_a_core_reach_the_owners_persistent_bitmap() {
+/// A rig (`seed`) on a 4 MiB image of 4 KiB clusters made by QEMU, filled by qemu-io first
+/// when `written`, with one enabled persistent bitmap "b0" of `granularity`-byte granules.
+fn rig_with_bitmap(seed: u64, granularity: u64, written: bool) -> Rig {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("b.qcow2");
     let p = path.to_str().unwrap();
-    qemu_img(&[
+    let ok = |out: std::process::Output| {
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    ok(qemu_img(&[
         "create",
         "-q",
         "-f",
@@ -1734,14 +1740,30 @@ fn in_place_writes_on_a_core_reach_the_owners_persistent_bitmap() {
         "cluster_size=4096",
         p,
         "4M",
-    ]);
-    let out = std::process::Command::new("qemu-io")
-        .args(["-f", "qcow2", "-c", "write -P 1 0 4M", p])
-        .output()
-        .unwrap();
-    assert!(out.status.success());
-    qemu_img(&["bitmap", "--add", "-g", "4096", p, "b0"]);
-    let mut rig = Rig::with_image(3, 1, std::fs::read(&path).unwrap());
+    ]));
+    if written {
+        let write = ["-f", "qcow2", "-c", "write -P 1 0 4M", p];
+        ok(Command::new("qemu-io")
+            .args(write)
+            .output()
+            .expect("qemu-io"));
+    }
+    ok(qemu_img(&[
+        "bitmap",
+        "--add",
+        "-g",
+        &granularity.to_string(),
+        p,
+        "b0",
+    ]));
+    Rig::with_image(seed, 1, std::fs::read(&path).unwrap())
+}
+
+/// Writes a core makes in place (never seen by the owner) reach the persistent bitmap the
+/// owner stores at close: every core marks the bitmap the owner loaded.
+#[test]
+fn in_place_writes_on_a_core_reach_the_owners_persistent_bitmap() {
+    let mut rig = rig_with_bitmap(3, 4096, true);
     let cs = 4096u64;
     // Core 1 overwrites clusters 100 and 300 + 512 bytes through its in-place path (loading
     // their slices), then cluster 101 through a direct grant; the owner zeroes cluster 700.
@@ -1772,21 +1794,7 @@ fn in_place_writes_on_a_core_reach_the_owners_persistent_bitmap() {
 /// there: a write past the old end, routed by a core, is in the stored bitmap.
 #[test]
 fn writes_past_the_end_a_shared_disk_grew_to_reach_its_persistent_bitmap() {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("g.qcow2");
-    let p = path.to_str().unwrap();
-    qemu_img(&[
-        "create",
-        "-q",
-        "-f",
-        "qcow2",
-        "-o",
-        "cluster_size=4096",
-        p,
-        "4M",
-    ]);
-    qemu_img(&["bitmap", "--add", "-g", "512", p, "b0"]);
-    let mut rig = Rig::with_image(5, 1, std::fs::read(&path).unwrap());
+    let mut rig = rig_with_bitmap(5, 512, false);
     let (size, off, len) = (1u64 << 30, 600u64 << 20, 4096u64);
     let c = rig.chains[0].clone();
     rig.execs[0]
