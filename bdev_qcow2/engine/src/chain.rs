@@ -166,6 +166,10 @@ pub struct Chain<D: BlockDevice> {
     /// Ring chunks holding compressed clusters filled without a task
     /// (`ring/compressed.rs`).
     pub(crate) zips: RefCell<crate::ring::compressed::ZipFills<D::Buf>>,
+    /// Where this chain's requests that change metadata run ([`Chain::plan`]).
+    pub(crate) role: crate::plan::Role,
+    /// Per-request counters of [`Chain::plan`].
+    pub(crate) tally: crate::plan::Tally,
 }
 
 impl<D: BlockDevice> Chain<D> {
@@ -192,7 +196,10 @@ impl<D: BlockDevice> Chain<D> {
             Layer::Qcow2(q) => q.dirty_bitmaps().cloned(),
             Layer::Raw { .. } => None,
         };
+        let role = crate::plan::Role::of(&layers[0]);
         Ok(Rc::new(Chain {
+            role,
+            tally: Default::default(),
             pf_hot,
             exec: exec.clone(),
             size: Cell::new(size),

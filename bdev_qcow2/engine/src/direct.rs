@@ -76,12 +76,12 @@ impl<D: BlockDevice> Chain<D> {
         if let Some(q) = self.top_qcow2() {
             if let Some(host) = q.memo_extent(offset, len, false) {
                 let host = HostOffset(host);
-                return ReadRoute::Direct(Grant::new(q.dev(), host, range, parity, true));
+                return ReadRoute::Direct(Grant::new(q.dev(), host, range, parity, true, false));
             }
         }
         match self.route_read_past_memo(range, parity) {
             PastMemo::Direct(dev, host) => {
-                ReadRoute::Direct(Grant::new(dev, host, range, parity, false))
+                ReadRoute::Direct(Grant::new(dev, host, range, parity, false, false))
             }
             PastMemo::Engine | PastMemo::Owner { .. } => ReadRoute::Engine,
         }
@@ -128,12 +128,12 @@ impl<D: BlockDevice> Chain<D> {
         if let Some(q) = self.top_qcow2() {
             if let Some(host) = q.memo_overwrite(offset, len) {
                 let host = HostOffset(host);
-                return WriteRoute::Direct(Grant::new(q.dev(), host, range, parity, true));
+                return WriteRoute::Direct(Grant::new(q.dev(), host, range, parity, true, true));
             }
         }
         match self.route_write_past_memo(range, parity) {
             PastMemo::Direct(dev, host) => {
-                WriteRoute::Direct(Grant::new(dev, host, range, parity, false))
+                WriteRoute::Direct(Grant::new(dev, host, range, parity, false, true))
             }
             PastMemo::Engine => WriteRoute::Engine,
             PastMemo::Owner { slow } => WriteRoute::Owner { slow },

@@ -11,6 +11,8 @@
 //! - [`meta`]: the metadata owner's state; `image::owner`: its operations (allocation,
 //!   ordered write-back), built on the image;
 //! - [`chain`]: backing chains and the guest read path;
+//! - [`plan`]: the one decision per guest request ([`Chain::plan`]) and the steps a host
+//!   takes ([`Step`], [`Chain::start`]);
 //! - [`route`]: what routing a guest request decides (the direct grant, read and write
 //!   routes);
 //! - [`exec`], [`io`]: the executor and device seams.
@@ -37,6 +39,7 @@ pub mod limits;
 pub mod memo;
 pub mod meta;
 pub mod overlay;
+pub mod plan;
 pub mod prefetch;
 mod readahead;
 pub mod ring;
@@ -53,4 +56,5 @@ pub use chain::{Chain, Layer};
 pub use error::{Error, Field, Result};
 pub use exec::{DevId, Exec};
 pub use image::{CoreSeed, CoreSlice, OpenOptions, OwnerLink, Qcow2, SnapshotTime};
+pub use plan::{Op, Request, RequestStats, Role, Step, Task};
 pub use route::{Grant, GuestRange, ReadRoute, WriteRoute};

@@ -86,11 +86,12 @@ pub struct Grant {
     range: GuestRange,
     parity: u8,
     memo: bool,
+    write: bool,
 }
 
 impl Grant {
     /// A grant of `range` at `host` on `dev`, entered into the grace period with `parity`;
-    /// `memo`: found by the memo of slices.
+    /// `memo`: found by the memo of slices; `write`: a write's grant.
     #[inline(always)]
     pub(crate) fn new(
         dev: DevId,
@@ -98,6 +99,7 @@ impl Grant {
         range: GuestRange,
         parity: u8,
         memo: bool,
+        write: bool,
     ) -> Self {
         Grant {
             dev,
@@ -105,7 +107,14 @@ impl Grant {
             range,
             parity,
             memo,
+            write,
         }
+    }
+
+    /// Whether this is a write's grant (else a read's).
+    #[inline(always)]
+    pub fn is_write(&self) -> bool {
+        self.write
     }
 
     /// The device holding the extent.
@@ -235,14 +244,14 @@ mod tests {
     #[should_panic(expected = "dropped without its exit")]
     fn a_grant_dropped_without_its_exit_is_a_bug() {
         let range = GuestRange::new(0, 512, 512).expect("valid");
-        let _ = Grant::new(DevId(0), HostOffset(0), range, 0, false);
+        let _ = Grant::new(DevId(0), HostOffset(0), range, 0, false, false);
     }
 
     #[test]
     fn a_submitted_grant_hands_over_its_parity() {
         let range = GuestRange::new(0, 512, 512).expect("valid");
         assert_eq!(
-            Grant::new(DevId(0), HostOffset(0), range, 1, false).submitted(),
+            Grant::new(DevId(0), HostOffset(0), range, 1, false, false).submitted(),
             1
         );
     }

@@ -293,7 +293,7 @@ impl<D: BlockDevice> Chain<D> {
         self.note_change(offset, buf.len as u64);
         let parity = self.exec().guest_enter();
         if self.try_fast_write(tag, offset, &buf, parity) {
-            return;
+            return self.tally.wrote_here();
         }
         let chain = self.clone();
         self.exec().spawn(async move {
@@ -306,13 +306,19 @@ impl<D: BlockDevice> Chain<D> {
                     match q.load_slice(GuestOffset(pos)).await {
                         Ok(Some(_)) => {}
                         // No L2 table: an allocation, for the owner.
-                        Ok(None) => return exec.hand_to_owner(tag, parity),
+                        Ok(None) => {
+                            chain.tally.sent_to_owner();
+                            return exec.hand_to_owner(tag, parity);
+                        }
                         Err(e) => return exec.complete_entered(tag, Err(e), parity),
                     }
                     pos = (pos / cov + 1) * cov;
                 }
             }
-            if !chain.try_fast_write(tag, offset, &buf, parity) {
+            if chain.try_fast_write(tag, offset, &buf, parity) {
+                chain.tally.wrote_here();
+            } else {
+                chain.tally.sent_to_owner();
                 exec.hand_to_owner(tag, parity);
             }
         });
@@ -601,7 +607,7 @@ impl<D: BlockDevice> Chain<D> {
         let cs = q.geometry().cluster_size();
         let (first, last) = (start / cs, (end - 1) / cs);
         let guard = self.lock_clusters(&o, first, last).await;
-        let planned = self.plan(&o, start, end).await;
+        let planned = self.plan_chunk(&o, start, end).await;
         let (parts, allocs) = match planned {
             Ok(p) => p,
             Err(e) => {
@@ -721,7 +727,7 @@ impl<D: BlockDevice> Chain<D> {
         (take > n && q.next_run_fresh(take)).then_some((first, last, all))
     }
 
-    /// [`plan`](Self::plan) on the spot, for a write of guest bytes `[start, end)` inside
+    /// [`plan_chunk`](Self::plan_chunk) on the spot, for a write of guest bytes `[start, end)` inside
     /// one L2 slice that changes metadata (allocation, an extended-L2 bitmap, a zero flag),
     /// when everything it needs is in memory: the metadata lock free (no plan, commit or
     /// write-back under way), no allocation in flight on its clusters, its L2 table
@@ -863,7 +869,7 @@ impl<D: BlockDevice> Chain<D> {
     /// Decides the action for each guest cluster of `[start, end)` and allocates what is
     /// needed (refcounts and L2 tables, in the dirty metadata). Returns the parts and, per
     /// allocated run, its [`Allocation`]. Caller holds the lock.
-    async fn plan(&self, q: &Owner<'_, D>, start: u64, end: u64) -> Result<(Parts, Allocs)> {
+    async fn plan_chunk(&self, q: &Owner<'_, D>, start: u64, end: u64) -> Result<(Parts, Allocs)> {
         let geo = q.geometry();
         let cs = geo.cluster_size();
         let mut parts = Parts::new();

@@ -22,7 +22,7 @@
 //! drives slow paths (tasks), resubmissions after `-ENOMEM`, opening the replica, and
 //! sending forwarded requests.
 
-use crate::device::{read_from_ring, read_rest, wait_for_ring, SpdkDevice};
+use crate::device::{guest_buf, SpdkDevice};
 use crate::direct::{self, Target};
 use crate::engine_host::{Driver, Host};
 use crate::ffi::bdev::Desc;
@@ -30,13 +30,12 @@ use crate::ffi::bdev_io::{BdevIo, BufDone, ChildDone, IoQueue};
 use crate::ffi::io_channel::ChannelIter;
 use crate::ffi::sys;
 use crate::ffi::thread::{self, Homed, Poll, Polled, PollerSlot, Thread};
-use crate::io_ctx::OwnerOp;
 use crate::node::Node;
 use crate::owner;
 use qcow2_engine::coherency::SliceReply;
 use qcow2_engine::exec::Outcome;
-use qcow2_engine::ring::{RingConfig, RingServed, RingStats, WriteGens};
-use qcow2_engine::{Chain, DevId, Exec, Grant, Layer, OwnerLink, Qcow2, ReadRoute, WriteRoute};
+use qcow2_engine::ring::{RingConfig, RingStats, WriteGens};
+use qcow2_engine::{Chain, DevId, Exec, Grant, Layer, Op, OwnerLink, Qcow2, Request, Step, Task};
 use serde::Serialize;
 use std::cell::{Cell, OnceCell, RefCell};
 use std::collections::VecDeque;
@@ -73,8 +72,7 @@ pub struct Channel {
     /// Writable bdev: slice requests that SPDK's message pool could not take yet.
     #[allow(clippy::vec_box)] // boxed: each goes out again as the message it was
     unsent_asks: RefCell<Vec<Box<Ask>>>,
-    /// Writes served in place here / sent to the owner.
-    local_writes: Cell<u64>,
+    /// Writes sent to the owner before (or without) a replica to plan them.
     forwarded: Cell<u64>,
     backing_dev: Option<DevId>,
     /// A stream dropped the backing reference: the chain reads no backing layer (set by
@@ -240,7 +238,6 @@ impl Channel {
             ring: node.ring.clone(),
             outbox: IoQueue::new(),
             unsent_asks: RefCell::new(Vec::new()),
-            local_writes: Cell::new(0),
             forwarded: Cell::new(0),
             backing_dev: None,
             backing_detached: Cell::new(false),
@@ -313,7 +310,6 @@ impl Channel {
     pub fn stats(&self) -> ChannelStats {
         let mut s = ChannelStats {
             thread: self.thread_name.clone(),
-            local_writes: self.local_writes.get(),
             forwarded: self.forwarded.get(),
             completed: self.completed.get(),
             errors: self.errors.get(),
@@ -325,6 +321,9 @@ impl Channel {
             s.fast_reads = r.fast_reads;
             s.slow_reads = r.slow_reads;
             s.kept_overwrites = chain.kept_overwrites();
+            let q = chain.request_stats();
+            s.local_writes = q.writes_here;
+            s.forwarded += q.to_owner;
             let p = chain.prefetch_stats();
             s.prefetch_streams = p.streams;
             s.prefetch_issued = p.issued;
@@ -415,7 +414,7 @@ impl Channel {
             return io.get_buf::<Channel>();
         }
         match self.chain.get() {
-            Some(chain) => self.read_on(chain, io),
+            Some(chain) => self.run(chain, Op::Read, io),
             None => self.start(io),
         }
     }
@@ -424,7 +423,7 @@ impl Channel {
     /// one): forwarded to the owner (writable bdev) or read from this channel's replica.
     fn start(&self, io: BdevIo) {
         match self.forward_to {
-            Some(md) if !self.has_replica() => self.forward(md, io, OwnerOp::Read),
+            Some(md) if !self.has_replica() => self.forward(md, io, Op::Read),
             _ => self.read_replica(io),
         }
     }
@@ -442,158 +441,101 @@ impl Channel {
             return self.finish(io, false);
         }
         match self.chain.get() {
-            Some(chain) => self.read_on(chain, io),
+            Some(chain) => self.run(chain, Op::Read, io),
             None => self.queued.borrow_mut().push_back(io),
         }
     }
 
-    /// A guest read on this channel's replica: straight to the base when the engine grants
-    /// it one extent (`direct.rs`), else through the engine.
-    #[inline(always)]
-    fn read_on(&self, chain: &Rc<Chain<SpdkDevice>>, mut io: BdevIo) {
-        let (off, len) = (io.offset_bytes(), io.len_bytes());
-        match read_from_ring(chain, &io) {
-            RingServed::Nothing => {}
-            // Copied from this channel's prefetch ring: no base I/O.
-            RingServed::All => return self.finish(io, true),
-            RingServed::Prefix(n) => {
-                self.own(&mut io);
-                chain.read_ahead(off, len);
-                return read_rest(&self.driver, chain, io, n);
-            }
-            // The rest is being read ahead: completed from the ring when it is in.
-            RingServed::Wait(w) => {
-                self.own(&mut io);
-                chain.read_ahead(off, len);
-                return wait_for_ring(&self.driver, chain, io, w);
-            }
-        }
-        self.own(&mut io);
-        match chain.route_read(off, len) {
-            // The memo of linear slices found it: its slice is cached, and read-ahead
-            // watches it only in the slice's tail.
-            ReadRoute::Direct(grant) if grant.from_memo() => {
-                chain.read_ahead_memo(off, len);
-                self.read_granted(chain, io, grant);
-            }
-            ReadRoute::Direct(grant) => self.read_granted_past_memo(chain, io, grant),
-            ReadRoute::Engine => {
-                chain.read_ahead(off, len);
-                self.read_engine(chain, io);
-            }
-        }
-    }
-
-    /// [`read_on`](Self::read_on) for a grant the slice cache found: read-ahead watches
-    /// the request (out of line: the memo's path stays small).
-    #[inline(never)]
-    fn read_granted_past_memo(&self, chain: &Rc<Chain<SpdkDevice>>, io: BdevIo, grant: Grant) {
-        let range = grant.range();
-        chain.read_ahead(range.offset().0, range.len());
-        self.read_granted(chain, io, grant);
-    }
-
-    /// A read granted one extent: straight to the base, else (base busy) through the
-    /// engine.
-    #[inline(always)]
-    fn read_granted(&self, chain: &Rc<Chain<SpdkDevice>>, io: BdevIo, grant: Grant) {
-        let target = self.direct.as_ref();
-        if let Err(io) = direct::submit_read::<Channel>(chain, target, io, grant) {
-            self.read_engine(chain, io);
-        }
-    }
-
-    /// [`read_on`](Self::read_on) through the engine (out of line: the direct path stays
-    /// small).
-    #[inline(never)]
-    fn read_engine(&self, chain: &Rc<Chain<SpdkDevice>>, io: BdevIo) {
-        self.driver
-            .submit(io, |tag, off, buf| chain.submit_read(tag, off, buf));
-    }
-
-    /// A guest write (`submit_request`): in place on this thread's replica when the
-    /// clusters are allocated and COPIED (fast path), else on the owner.
+    /// A guest write (`submit_request`): as the replica's engine plans it, or on the owner
+    /// while there is no replica.
     #[inline(always)]
     fn write(&self, io: BdevIo) {
-        let Some(md) = self.forward_to else {
-            return io.complete(sys::SPDK_BDEV_IO_STATUS_FAILED);
-        };
         self.accept();
-        match self.chain.get() {
-            Some(chain) => self.write_on(chain, io, md),
-            None => {
+        match (self.chain.get(), self.forward_to) {
+            (Some(chain), _) => self.run(chain, Op::Write, io),
+            (None, Some(md)) => {
                 self.forwarded.set(self.forwarded.get() + 1);
-                self.forward(md, io, OwnerOp::Write);
+                self.forward(md, io, Op::Write)
             }
+            // A read-only bdev whose replica is not open (or failed).
+            (None, None) => self.finish(io, false),
         }
     }
 
-    /// A guest write on this channel's replica, as the engine routes it: straight to the
-    /// base when it overwrites one extent, in place through the engine (with read-ahead),
-    /// or to the owner (an allocation, COW, a slice the owner holds dirty).
+    /// The channel's one loop: the replica's engine decides request `io` ([`Chain::plan`])
+    /// and the channel takes that step.
     #[inline(always)]
-    fn write_on(&self, chain: &Rc<Chain<SpdkDevice>>, io: BdevIo, md: Thread) {
-        let (off, len) = (io.offset_bytes(), io.len_bytes());
-        match chain.route_write(off, len) {
-            WriteRoute::Direct(grant) => self.write_granted(chain, io, grant),
-            WriteRoute::Engine => self.write_local(chain, io),
-            WriteRoute::Owner { slow } => self.write_to_owner(io, md, slow),
+    fn run(&self, chain: &Rc<Chain<SpdkDevice>>, op: Op, io: BdevIo) {
+        let req = Request::new(op, io.offset_bytes(), io.len_bytes());
+        match chain.plan(req, || guest_buf(io.data_view())) {
+            Step::Direct(grant) => self.direct(chain, io, grant),
+            Step::Task(task) => self.task(chain, io, task),
+            Step::Owner(op) => self.to_owner(io, op),
+            Step::Complete(r) => self.complete(io, r),
         }
     }
 
-    /// An overwrite granted one extent: straight to the base, else (base busy) in place
-    /// through the engine.
+    /// One child I/O of the base with the request's own iovecs, as passthru does; if the
+    /// base refuses it (busy), the engine's task for the same request.
     #[inline(always)]
-    fn write_granted(&self, chain: &Rc<Chain<SpdkDevice>>, mut io: BdevIo, grant: Grant) {
+    fn direct(&self, chain: &Rc<Chain<SpdkDevice>>, mut io: BdevIo, grant: Grant) {
         self.own(&mut io);
         let target = self.direct.as_ref();
-        match direct::submit::<DirectWrite>(self.exec(), target, io, grant, true) {
-            Ok(()) => self.local_writes.set(self.local_writes.get() + 1),
-            Err(io) => self.write_local(chain, io),
+        let r = match grant.is_write() {
+            false => direct::submit::<Channel>(self.exec(), target, io, grant, false),
+            true => direct::submit::<DirectWrite>(self.exec(), target, io, grant, true),
+        };
+        if let Err(io) = r {
+            self.refused(chain, io);
         }
     }
 
-    /// [`write_on`](Self::write_on) for a write the owner runs (`slow`: on its slow path at
-    /// once). First writes and COW go there without a detour through this replica (out of
-    /// line: the direct path stays small).
+    /// A direct request the base refused: the engine runs it (out of line: rare).
     #[inline(never)]
-    fn write_to_owner(&self, io: BdevIo, md: Thread, slow: bool) {
-        self.forwarded.set(self.forwarded.get() + 1);
-        let op = if slow {
-            OwnerOp::WriteSlow
-        } else {
-            OwnerOp::Write
+    fn refused(&self, chain: &Rc<Chain<SpdkDevice>>, io: BdevIo) {
+        let op = match io.io_type() == sys::SPDK_BDEV_IO_TYPE_WRITE {
+            true => Op::Write,
+            false => Op::Read,
         };
-        self.forward(md, io, op);
+        let task = chain.refused(Request::new(op, io.offset_bytes(), io.len_bytes()));
+        self.task(chain, io, task);
     }
 
-    /// A write in place through this replica's engine, with read-ahead (out of line: the
-    /// direct path stays small).
+    /// Engine work on this channel's executor (out of line: the direct path stays small).
+    /// A write in place may still end as `Outcome::ToOwner` (see `request_done`).
     #[inline(never)]
-    fn write_local(&self, chain: &Rc<Chain<SpdkDevice>>, io: BdevIo) {
-        // Read-ahead watches the writes that need the engine here (a slice to load, most
-        // often): a stream of direct overwrites needs no slice loaded ahead, and the owner
-        // runs its own read-ahead on what it is sent.
-        chain.read_ahead(io.offset_bytes(), io.len_bytes());
-        self.write_engine(chain, io);
-    }
-
-    /// [`write_on`](Self::write_on) in place through the engine (out of line).
-    #[inline(never)]
-    fn write_engine(&self, chain: &Rc<Chain<SpdkDevice>>, io: BdevIo) {
-        // Completes here, or ends as `Outcome::ToOwner` (see `request_done`): then to the
-        // owner.
+    fn task(&self, chain: &Rc<Chain<SpdkDevice>>, io: BdevIo, task: Task) {
         self.driver
-            .submit(io, |tag, off, buf| chain.submit_write_local(tag, off, buf));
+            .submit(io, |tag, _, buf| chain.start(task, tag, Some(buf)));
     }
 
-    /// Write zeroes, unmap and flush (`submit_request`): the owner runs them.
-    fn to_owner(&self, io: BdevIo, op: OwnerOp) {
-        let Some(md) = self.forward_to else {
-            return io.complete(sys::SPDK_BDEV_IO_STATUS_FAILED);
-        };
+    /// A request the plan sent to the owner (out of line).
+    #[inline(never)]
+    fn to_owner(&self, io: BdevIo, op: Op) {
+        match self.forward_to {
+            Some(md) => self.forward(md, io, op),
+            None => self.finish(io, false),
+        }
+    }
+
+    /// Completes `io` with `r` (out of line).
+    #[inline(never)]
+    fn complete(&self, io: BdevIo, r: qcow2_engine::Result<()>) {
+        if let Err(e) = &r {
+            tracing::debug!("request failed: {e}");
+        }
+        self.finish(io, r.is_ok());
+    }
+
+    /// Write zeroes, unmap and flush (`submit_request`): as the replica's engine plans them
+    /// (the owner runs them), or on the owner while there is no replica.
+    fn other(&self, io: BdevIo, op: Op) {
         self.accept();
-        self.forward(md, io, op);
+        match (self.chain.get(), self.forward_to) {
+            (Some(chain), _) => self.run(chain, op, io),
+            (None, Some(md)) => self.forward(md, io, op),
+            (None, None) => self.finish(io, false),
+        }
     }
 
     /// A write this channel ran in place is about to complete: no thread's prefetch ring
@@ -649,7 +591,7 @@ impl Channel {
 
     /// Hands `io` to the owner (see [`owner::forward`]); the poller sends the outbox.
     #[inline(always)]
-    fn forward(&self, md: Thread, io: BdevIo, op: OwnerOp) {
+    fn forward(&self, md: Thread, io: BdevIo, op: Op) {
         owner::forward(md, io, op, &self.outbox);
         self.wake();
     }
@@ -683,30 +625,16 @@ impl Host for Channel {
 
     fn request_done(&self, io: BdevIo, outcome: Outcome) {
         let write = io.io_type() == sys::SPDK_BDEV_IO_TYPE_WRITE;
-        let r = match (outcome, self.forward_to) {
-            (Outcome::Done(r), _) => {
+        match outcome {
+            Outcome::Done(r) => {
                 if write {
                     self.written(&io);
                 }
-                r
+                self.complete(io, r)
             }
             // Not an in-place write after all: the owner runs it.
-            (Outcome::ToOwner, Some(md)) => {
-                self.forwarded.set(self.forwarded.get() + 1);
-                let op = if write { OwnerOp::Write } else { OwnerOp::Read };
-                return self.forward(md, io, op);
-            }
-            (Outcome::ToOwner, None) => {
-                tracing::debug!("request failed: handed to a metadata owner this bdev lacks");
-                return self.finish(io, false);
-            }
-        };
-        match &r {
-            Err(e) => tracing::debug!("request failed: {e}"),
-            Ok(()) if write => self.local_writes.set(self.local_writes.get() + 1),
-            Ok(()) => {}
+            Outcome::ToOwner => self.to_owner(io, if write { Op::Write } else { Op::Read }),
         }
-        self.finish(io, r.is_ok());
     }
 }
 
@@ -864,9 +792,9 @@ pub fn submit_request(c: &Channel, io: BdevIo) {
 #[inline(never)]
 fn submit_other(c: &Channel, io: BdevIo, t: sys::spdk_bdev_io_type) {
     match t {
-        sys::SPDK_BDEV_IO_TYPE_WRITE_ZEROES => c.to_owner(io, OwnerOp::WriteZeroes),
-        sys::SPDK_BDEV_IO_TYPE_UNMAP => c.to_owner(io, OwnerOp::Unmap),
-        sys::SPDK_BDEV_IO_TYPE_FLUSH => c.to_owner(io, OwnerOp::Flush),
+        sys::SPDK_BDEV_IO_TYPE_WRITE_ZEROES => c.other(io, Op::WriteZeroes),
+        sys::SPDK_BDEV_IO_TYPE_UNMAP => c.other(io, Op::Discard),
+        sys::SPDK_BDEV_IO_TYPE_FLUSH => c.other(io, Op::Flush),
         sys::SPDK_BDEV_IO_TYPE_RESET => io.for_each_channel(reset_step, reset_done),
         _ => io.complete(sys::SPDK_BDEV_IO_STATUS_FAILED),
     }

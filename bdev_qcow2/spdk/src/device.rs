@@ -15,16 +15,14 @@
 //! when the channel is created, so a submission allocates nothing.
 
 use crate::direct::Target;
-use crate::engine_host::Driver;
 use crate::ffi::base::{BaseIo, BaseOp, Submitted};
 use crate::ffi::bdev::Desc;
-use crate::ffi::bdev_io::{BdevIo, IovView};
+use crate::ffi::bdev_io::IovView;
 use crate::ffi::dma::DmaMem;
 pub use crate::ffi::dma::SpdkBuf;
 use crate::ffi::sys;
-use qcow2_engine::io::{BlockDevice, BufSlice, Busy, DeviceError, DeviceOp, IoBuffer};
-use qcow2_engine::ring::{RingServed, RingWait};
-use qcow2_engine::{Chain, DevId};
+use qcow2_engine::io::{BlockDevice, BufSlice, Busy, DeviceError, DeviceOp};
+use qcow2_engine::DevId;
 use std::rc::Rc;
 
 /// The data of a guest request (its iovecs, handed over by
@@ -32,44 +30,6 @@ use std::rc::Rc;
 #[inline(always)]
 pub fn guest_buf(view: IovView) -> BufSlice<SpdkBuf> {
     BufSlice::whole(SpdkBuf::Iov(view))
-}
-
-/// Serves guest read `io`, or the first part of it, from `chain`'s prefetch ring: what the
-/// ring holds is copied into the request's iovecs (their view is built only then, so a
-/// miss costs the look-up alone). [`RingServed::Prefix`]: the host reads the rest
-/// ([`read_rest`]); [`RingServed::Nothing`]: the whole read, as usual.
-#[inline(always)]
-pub fn read_from_ring(chain: &Rc<Chain<SpdkDevice>>, io: &BdevIo) -> RingServed {
-    let (off, len) = (io.offset_bytes(), io.len_bytes());
-    if chain.ring_passes(off, len) {
-        return RingServed::Nothing;
-    }
-    chain.ring_read_past(off, len, &mut |src, src_off, off, n| {
-        src.copy_to(src_off, &SpdkBuf::Iov(io.data_view()), off, n)
-    })
-}
-
-/// Hands the rest of guest read `io`, whose first `served` bytes the prefetch ring copied
-/// ([`RingServed::Prefix`]), to `chain`'s engine through `driver`: the request completes
-/// when that part is read. (Out of line: a partial hit is rare on the read path.)
-#[inline(never)]
-pub fn read_rest(driver: &Driver, chain: &Rc<Chain<SpdkDevice>>, io: BdevIo, served: u64) {
-    let len = io.len_bytes();
-    driver.submit(io, |tag, off, buf| {
-        chain.submit_read(
-            tag,
-            off + served,
-            buf.sub(served as usize, (len - served) as usize),
-        )
-    });
-}
-
-/// Hands guest read `io`, whose rest the prefetch ring is reading ahead
-/// ([`RingServed::Wait`]), to `chain`'s engine through `driver`: the request completes when
-/// the read-ahead is in and the rest copied from the ring (or read from the base).
-#[inline(never)]
-pub fn wait_for_ring(driver: &Driver, chain: &Rc<Chain<SpdkDevice>>, io: BdevIo, w: RingWait) {
-    driver.submit(io, |tag, _, buf| chain.ring_wait(w, tag, buf));
 }
 
 /// A base bdev as the engine sees it from one SPDK thread.

@@ -10,7 +10,7 @@
 
 use crate::device::SpdkDevice;
 use crate::ffi::bdev_io::{BdevIo, ChildDone, DirectTarget};
-use qcow2_engine::{Chain, DevId, Exec, Grant};
+use qcow2_engine::{DevId, Exec, Grant};
 
 /// A base device as the direct path sees it: its id in the host's executor (a grant's
 /// [`Grant::dev`] must match) and where to submit.
@@ -20,19 +20,6 @@ pub struct Target {
     pub dev: DevId,
     /// Its descriptor and this thread's channel.
     pub base: DirectTarget,
-}
-
-/// [`submit`] for a read, counted as served on the direct path once submitted.
-#[inline(always)]
-pub fn submit_read<D: ChildDone>(
-    chain: &Chain<SpdkDevice>,
-    target: Option<&Target>,
-    io: BdevIo,
-    grant: Grant,
-) -> Result<(), BdevIo> {
-    submit::<D>(chain.exec(), target, io, grant, false)?;
-    chain.count_direct_read();
-    Ok(())
 }
 
 /// Submits request `io` (a `write` or a read), granted the one extent `grant`, to the base;

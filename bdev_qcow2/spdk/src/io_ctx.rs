@@ -4,26 +4,7 @@
 
 use crate::channel::Channel;
 use crate::ffi::sys;
-
-/// What the metadata owner runs for a request a channel forwarded (the channel's switch on
-/// the I/O type chose it).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[repr(u8)]
-pub enum OwnerOp {
-    /// A read.
-    Read,
-    /// A write, on the owner's direct path when it maps to one extent.
-    Write,
-    /// A write the channel's replica knows is not in place (an allocation, COW): the owner
-    /// skips its direct path.
-    WriteSlow,
-    /// Write zeroes.
-    WriteZeroes,
-    /// Unmap (discard).
-    Unmap,
-    /// Flush.
-    Flush,
-}
+use qcow2_engine::Op;
 
 /// The per-I/O context.
 #[repr(C)]
@@ -37,7 +18,7 @@ pub struct IoCtx {
     /// Grace-period entry of a request on the direct path.
     parity: u8,
     /// What the owner runs for a forwarded request.
-    op: OwnerOp,
+    op: Op,
 }
 
 impl IoCtx {
@@ -46,7 +27,7 @@ impl IoCtx {
         chan: std::ptr::null(),
         status: sys::SPDK_BDEV_IO_STATUS_SUCCESS,
         parity: 0,
-        op: OwnerOp::Read,
+        op: Op::Read,
     };
 
     /// The channel recorded by [`set_chan`](Self::set_chan) (null before).
@@ -85,13 +66,13 @@ impl IoCtx {
 
     /// What the owner runs for this forwarded request.
     #[inline(always)]
-    pub fn op(&self) -> OwnerOp {
+    pub fn op(&self) -> Op {
         self.op
     }
 
     /// Sets what the owner runs for this request.
     #[inline(always)]
-    pub fn set_op(&mut self, op: OwnerOp) {
+    pub fn set_op(&mut self, op: Op) {
         self.op = op;
     }
 }

@@ -24,18 +24,16 @@
 //! runs on the md thread, which debug builds assert ([`Owner::assert_md_thread`]).
 
 use crate::channel;
-use crate::device::{read_from_ring, read_rest, wait_for_ring, SpdkDevice};
+use crate::device::{guest_buf, SpdkDevice};
 use crate::direct::{self, Target};
 use crate::engine_host::{Driver, Host};
 use crate::ffi::bdev_io::{Arrived, BdevIo, ChildDone, IoQueue, QueueReceiver};
 use crate::ffi::node::Closing;
 use crate::ffi::sys;
 use crate::ffi::thread::{self, Poll, Polled, PollerSlot, Thread};
-use crate::io_ctx::OwnerOp;
 use qcow2_engine::exec::Outcome;
 use qcow2_engine::ring::zones::SWEEP_EVERY;
-use qcow2_engine::ring::RingServed;
-use qcow2_engine::{Chain, DevId, Exec, ReadRoute, WriteRoute};
+use qcow2_engine::{Chain, DevId, Exec, Op, Request, Step};
 use std::cell::{Cell, RefCell};
 use std::rc::Rc;
 
@@ -335,63 +333,37 @@ impl Owner {
         self.driver.run(|| self.run_op(io));
     }
 
+    /// The owner's one loop: its engine decides forwarded request `io` ([`Chain::plan`]),
+    /// and the owner takes that step.
     fn run_op(&self, io: BdevIo) {
         let c = &self.chain;
-        let d = &self.driver;
-        let target = self.direct.as_ref();
-        match io.ctx().op() {
-            OwnerOp::Read => {
-                let (off, len) = (io.offset_bytes(), io.len_bytes());
-                c.read_ahead(off, len);
-                match read_from_ring(c, &io) {
-                    RingServed::Nothing => {}
-                    // Copied from the owner's prefetch ring: no base I/O.
-                    RingServed::All => return done(io, sys::SPDK_BDEV_IO_STATUS_SUCCESS),
-                    RingServed::Prefix(n) => return read_rest(d, c, io, n),
-                    RingServed::Wait(w) => return wait_for_ring(d, c, io, w),
+        let req = Request::new(io.ctx().op(), io.offset_bytes(), io.len_bytes());
+        match c.plan(req, || guest_buf(io.data_view())) {
+            Step::Direct(grant) => {
+                let target = self.direct.as_ref();
+                let r = match grant.is_write() {
+                    false => direct::submit::<Owner>(self.exec(), target, io, grant, false),
+                    true => {
+                        direct::submit::<OwnerDirectWrite>(self.exec(), target, io, grant, true)
+                    }
+                };
+                if let Err(io) = r {
+                    let task = c.refused(req);
+                    self.driver
+                        .submit(io, |tag, _, buf| c.start(task, tag, Some(buf)));
                 }
-                let io = match c.route_read(off, len) {
-                    ReadRoute::Direct(grant) => {
-                        let Err(io) = direct::submit_read::<Owner>(c, target, io, grant) else {
-                            return;
-                        };
-                        io
-                    }
-                    ReadRoute::Engine => io,
-                };
-                d.submit(io, |tag, off, buf| c.submit_read(tag, off, buf));
             }
-            OwnerOp::Write => {
-                let (off, len) = (io.offset_bytes(), io.len_bytes());
-                c.read_ahead(off, len);
-                let io = match c.route_write(off, len) {
-                    WriteRoute::Direct(grant) => {
-                        let Err(io) = direct::submit::<OwnerDirectWrite>(
-                            self.exec(),
-                            target,
-                            io,
-                            grant,
-                            true,
-                        ) else {
-                            return;
-                        };
-                        io
-                    }
-                    // The owner is no core replica: every other write is its write path's.
-                    WriteRoute::Engine | WriteRoute::Owner { .. } => io,
-                };
-                d.submit(io, |tag, off, buf| c.submit_write(tag, off, buf));
-            }
-            // A core replica found it not in place: the slow path at once.
-            OwnerOp::WriteSlow => {
-                c.read_ahead(io.offset_bytes(), io.len_bytes());
-                d.submit(io, |tag, off, buf| c.submit_write_slow(tag, off, buf));
-            }
-            OwnerOp::WriteZeroes => d.submit_no_data(io, |tag, off, len| {
-                c.submit_write_zeroes(tag, off, len, false)
-            }),
-            OwnerOp::Unmap => d.submit_no_data(io, |tag, off, len| c.submit_discard(tag, off, len)),
-            OwnerOp::Flush => d.submit_no_data(io, |tag, _, _| c.submit_flush(tag)),
+            Step::Task(task) => match req.op.has_data() {
+                true => self
+                    .driver
+                    .submit(io, |tag, _, buf| c.start(task, tag, Some(buf))),
+                false => self
+                    .driver
+                    .submit_no_data(io, |tag, _, _| c.start(task, tag, None)),
+            },
+            Step::Complete(r) => self.request_done(io, Outcome::Done(r)),
+            // The owner is no core replica: nothing goes further.
+            Step::Owner(_) => self.request_done(io, Outcome::ToOwner),
         }
     }
 
@@ -400,10 +372,7 @@ impl Owner {
     /// serve the bytes it replaced any more (a no-op while the ring is off).
     #[inline(always)]
     fn written(&self, io: &BdevIo) {
-        if matches!(
-            io.ctx().op(),
-            OwnerOp::Write | OwnerOp::WriteSlow | OwnerOp::WriteZeroes | OwnerOp::Unmap
-        ) {
+        if io.ctx().op().changes_data() {
             self.chain.ring_written(io.offset_bytes(), io.len_bytes());
         }
     }
@@ -481,7 +450,7 @@ impl ChildDone for OwnerDirectWrite {
 /// Hands `io` to the owner of its (writable) bdev, to run `op`: directly on the md thread,
 /// else into `outbox`, the queue its channel's poller sends ([`send_forwarded`]). The caller
 /// counted it as outstanding on its channel.
-pub fn forward(md_thread: Thread, mut io: BdevIo, op: OwnerOp, outbox: &IoQueue) {
+pub fn forward(md_thread: Thread, mut io: BdevIo, op: Op, outbox: &IoQueue) {
     io.ctx_mut().set_op(op);
     if md_thread.is_current() {
         return io.with_owner(|o, io| o.submit(io));
@@ -517,12 +486,12 @@ fn arrive(io: BdevIo) {
 fn arrive_at(o: &Owner, io: BdevIo) {
     o.assert_md_thread();
     let op = io.ctx().op();
-    if matches!(op, OwnerOp::Read | OwnerOp::Write | OwnerOp::WriteSlow) {
+    if op.has_data() {
         let off = io.offset_bytes();
         if let Some(p) = o.chain.entry_hint(off) {
             thread::prefetch_line(p.cast());
         }
-        if op != OwnerOp::Read {
+        if op != Op::Read {
             if let Some(p) = o.chain.dirty_entry_hint(off) {
                 thread::prefetch_line(p.cast());
             }

@@ -16,9 +16,9 @@ use crossbeam_queue::SegQueue;
 use qcow2_engine::coherency::SliceReply;
 use qcow2_engine::exec::Outcome;
 use qcow2_engine::io::{BlockDevice, BufSlice, IoBuffer};
-use qcow2_engine::ring::{RingConfig, RingServed, WriteGens};
+use qcow2_engine::ring::{RingConfig, WriteGens};
 use qcow2_engine::{
-    Chain, CoreSeed, DevId, Exec, Layer, OpenOptions, OwnerLink, Qcow2, ReadRoute, WriteRoute,
+    Chain, CoreSeed, DevId, Exec, Layer, Op, OpenOptions, OwnerLink, Qcow2, Request, Step,
 };
 use std::rc::Rc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -40,30 +40,12 @@ enum ToOwner {
         key: u64,
         ticket: u64,
     },
-    Write {
+    /// A guest request the core's plan sent here, with its data (reads and writes).
+    Request {
         core: usize,
         tag: u64,
-        offset: u64,
-        data: Vec<u8>,
-        /// Routed [`WriteRoute::Owner`] `{ slow: true }`: the owner's slow path at once.
-        slow: bool,
-    },
-    WriteZeroes {
-        core: usize,
-        tag: u64,
-        offset: u64,
-        len: u64,
-        unmap: bool,
-    },
-    Discard {
-        core: usize,
-        tag: u64,
-        offset: u64,
-        len: u64,
-    },
-    Flush {
-        core: usize,
-        tag: u64,
+        req: Request,
+        data: Option<Vec<u8>>,
     },
 }
 
@@ -166,7 +148,12 @@ impl<D: BlockDevice> Reactor<D> {
 
     /// Counters so far.
     pub fn stats(&self) -> ReactorStats {
-        self.stats
+        let r = self.chain.request_stats();
+        ReactorStats {
+            local_writes: r.writes_here,
+            forwarded: r.to_owner,
+            ..self.stats
+        }
     }
 
     fn image(&self) -> Option<&Qcow2<D>> {
@@ -181,103 +168,92 @@ impl<D: BlockDevice> Reactor<D> {
         self.image().map(|q| q.l2_cache_stats()).unwrap_or_default()
     }
 
-    /// Starts a read (tags below 2^61 - 1: the reactor uses the bits above). A read the
-    /// prefetch ring holds (when on) is copied from it and completes at the next poll; of a
-    /// read whose first part it holds, that part is copied and the rest read. Else
-    /// straight to the device when cached metadata maps it to one extent, else through the
-    /// engine, on every reactor (the owner included), as the SPDK module routes it. Reads
-    /// and writes feed this reactor's read-ahead of L2 slices (on unless the host turned it
-    /// off with `chain.set_prefetch(false)`), every one of them: a stream that mixes reads
-    /// and writes stays one stream.
-    pub fn submit_read(&mut self, tag: u64, offset: u64, buf: BufSlice<D::Buf>) {
-        let len = buf.len as u64;
-        self.chain.read_ahead(offset, len);
-        let (offset, buf) = match self.chain.ring_read(offset, &buf) {
-            RingServed::Nothing => (offset, buf),
-            RingServed::All => return self.exec.complete(tag, Ok(())),
-            RingServed::Prefix(n) => (offset + n, buf.sub(n as usize, (len - n) as usize)),
-            RingServed::Wait(w) => return self.chain.ring_wait(w, tag, buf),
+    /// Starts guest request `req` under `tag` (tags below 2^61 - 1: the reactor uses the
+    /// bits above), with its buffer (`None` for write zeroes, discard, flush): the engine
+    /// decides it ([`Chain::plan`]) and this reactor takes the step — completes it, reads
+    /// or writes the granted extent on its device, starts the engine's task, or sends it
+    /// to the owner.
+    pub fn submit(&mut self, tag: u64, req: Request, buf: Option<BufSlice<D::Buf>>) {
+        let tag = match req.op.changes_data() {
+            true => self.ring_tag(tag, req.offset, req.len),
+            false => tag,
         };
-        let len = buf.len as u64;
-        match self.chain.route_read(offset, len) {
-            ReadRoute::Direct(grant) => self.chain.submit_granted_read(tag, grant, buf),
-            ReadRoute::Engine => self.chain.submit_read(tag, offset, buf),
-        }
-    }
-
-    /// Starts a write: straight to the device when it overwrites one extent, else on this
-    /// reactor's engine path (in place on a core, or the owner's write path), else (an
-    /// allocation, a slice the owner holds dirty) on the owner.
-    pub fn submit_write(&mut self, tag: u64, offset: u64, buf: BufSlice<D::Buf>) {
-        let len = buf.len as u64;
-        let tag = self.ring_tag(tag, offset, len);
-        self.chain.read_ahead(offset, len);
-        match self.chain.route_write(offset, len) {
-            WriteRoute::Direct(grant) => {
-                if !self.is_owner() {
-                    self.stats.local_writes += 1;
+        let step = match &buf {
+            Some(b) => self.chain.plan(req, || b.clone()),
+            None => self
+                .chain
+                .plan(req, || unreachable!("a request without data")),
+        };
+        match step {
+            Step::Complete(r) => self.exec.complete(tag, r),
+            Step::Direct(grant) => match buf {
+                Some(b) => self.chain.submit_direct(tag, grant, b),
+                None => {
+                    let task = self.chain.not_submitted(grant);
+                    self.chain.start(task, tag, None)
                 }
-                self.chain.submit_granted_write(tag, grant, buf);
+            },
+            Step::Task(task) => {
+                // A core's write in place may still end as `Outcome::ToOwner`: kept to
+                // send then.
+                let tag = match (req.op, &buf, self.is_owner()) {
+                    (Op::Write, Some(b), false) => {
+                        LOCAL_WRITE | self.local.insert((tag, req.offset, b.clone())) as u64
+                    }
+                    _ => tag,
+                };
+                self.chain.start(task, tag, buf)
             }
-            WriteRoute::Engine if self.is_owner() => self.chain.submit_write(tag, offset, buf),
-            WriteRoute::Engine => {
-                // Loads the slices here and writes in place, or hands the write back.
-                let slot = self.local.insert((tag, offset, buf.clone()));
-                self.chain
-                    .submit_write_local(LOCAL_WRITE | slot as u64, offset, buf);
-            }
-            WriteRoute::Owner { slow } => self.forward_write(tag, offset, &buf, slow),
+            Step::Owner(op) => self.forward_request(tag, Request { op, ..req }, buf.as_ref()),
         }
     }
 
-    fn forward_write(&mut self, tag: u64, offset: u64, buf: &BufSlice<D::Buf>, slow: bool) {
-        let mut data = vec![0u8; buf.len];
-        buf.copy_out(0, &mut data);
-        self.forward(ToOwner::Write {
-            core: self.id,
-            tag,
-            offset,
-            data,
-            slow,
-        });
+    /// Starts a read of `buf.len` bytes at `offset` ([`submit`](Self::submit)).
+    pub fn submit_read(&mut self, tag: u64, offset: u64, buf: BufSlice<D::Buf>) {
+        let req = Request::new(Op::Read, offset, buf.len as u64);
+        self.submit(tag, req, Some(buf));
     }
 
-    /// Starts a write-zeroes.
+    /// Starts a write of `buf` at `offset` ([`submit`](Self::submit)).
+    pub fn submit_write(&mut self, tag: u64, offset: u64, buf: BufSlice<D::Buf>) {
+        let req = Request::new(Op::Write, offset, buf.len as u64);
+        self.submit(tag, req, Some(buf));
+    }
+
+    /// Starts a write-zeroes ([`submit`](Self::submit)).
     pub fn submit_write_zeroes(&mut self, tag: u64, offset: u64, len: u64, unmap: bool) {
-        let tag = self.ring_tag(tag, offset, len);
-        if self.is_owner() {
-            return self.chain.submit_write_zeroes(tag, offset, len, unmap);
-        }
-        self.forward(ToOwner::WriteZeroes {
-            core: self.id,
-            tag,
-            offset,
-            len,
-            unmap,
-        });
+        let op = match unmap {
+            true => Op::WriteZeroesUnmap,
+            false => Op::WriteZeroes,
+        };
+        self.submit(tag, Request::new(op, offset, len), None);
     }
 
-    /// Starts a discard.
+    /// Starts a discard ([`submit`](Self::submit)).
     pub fn submit_discard(&mut self, tag: u64, offset: u64, len: u64) {
-        let tag = self.ring_tag(tag, offset, len);
-        if self.is_owner() {
-            return self.chain.submit_discard(tag, offset, len);
-        }
-        self.forward(ToOwner::Discard {
-            core: self.id,
-            tag,
-            offset,
-            len,
-        });
+        self.submit(tag, Request::new(Op::Discard, offset, len), None);
     }
 
     /// Starts a flush (every write completed before it, on any core, is durable after it:
     /// the owner flushes the file all reactors write to).
     pub fn submit_flush(&mut self, tag: u64) {
-        if self.is_owner() {
-            return self.chain.submit_flush(tag);
-        }
-        self.forward(ToOwner::Flush { core: self.id, tag });
+        self.submit(tag, Request::new(Op::Flush, 0, 0), None);
+    }
+
+    /// Sends `req` to the owner, its data copied into the message.
+    fn forward_request(&mut self, tag: u64, req: Request, buf: Option<&BufSlice<D::Buf>>) {
+        let data = buf.map(|b| {
+            let mut data = vec![0u8; b.len];
+            b.copy_out(0, &mut data);
+            data
+        });
+        self.pending += 1;
+        self.mesh.owner.push(ToOwner::Request {
+            core: self.id,
+            tag,
+            req,
+            data,
+        });
     }
 
     /// The tag a write of `len` bytes at `offset` runs under: with the ring on, one that
@@ -287,12 +263,6 @@ impl<D: BlockDevice> Reactor<D> {
             return tag;
         }
         RING_WRITE | self.ring_writes.insert((tag, offset, len)) as u64
-    }
-
-    fn forward(&mut self, m: ToOwner) {
-        self.pending += 1;
-        self.stats.forwarded += 1;
-        self.mesh.owner.push(m);
     }
 
     /// Polls the queues and the executor; reports finished requests to `done`. A write's
@@ -362,7 +332,6 @@ impl<D: BlockDevice> Reactor<D> {
             }
             let local = &mut self.local;
             let mut again = Vec::new();
-            let mut served_here = 0;
             n += self.exec.poll_outcomes(&mut |tag, o| {
                 if tag & LOCAL_WRITE == 0 {
                     return done(tag, o.into_result());
@@ -372,25 +341,19 @@ impl<D: BlockDevice> Reactor<D> {
                 };
                 match o {
                     Outcome::ToOwner => again.push((t, off, buf)),
-                    Outcome::Done(r) => {
-                        served_here += 1;
-                        done(t, r)
-                    }
+                    Outcome::Done(r) => done(t, r),
                 }
             });
-            self.stats.local_writes += served_here;
             for (t, off, buf) in again {
                 // Not in place after all: the owner runs it (it may allocate).
-                self.forward_write(t, off, &buf, false);
+                let req = Request::new(Op::Write, off, buf.len as u64);
+                self.forward_request(t, req, Some(&buf));
             }
         }
         n
     }
 
     fn serve(&mut self, m: ToOwner) {
-        let tag_for = |fwd: &mut slab::Slab<(usize, u64)>, core: usize, tag: u64| {
-            FORWARDED | fwd.insert((core, tag)) as u64
-        };
         match m {
             ToOwner::Ask { core, key, ticket } => {
                 let reply = match self.image() {
@@ -399,50 +362,40 @@ impl<D: BlockDevice> Reactor<D> {
                 };
                 self.mesh.cores[core - 1].push(ToCore::Slice { ticket, reply });
             }
-            ToOwner::Write {
+            ToOwner::Request {
                 core,
                 tag,
-                offset,
+                req,
                 data,
-                slow,
             } => {
                 self.stats.served += 1;
-                let t = tag_for(&mut self.forwarded, core, tag);
-                let buf = self.exec.alloc_buf(self.dev, data.len());
-                buf.copy_in(0, &data);
-                let len = data.len();
-                let buf = BufSlice { buf, off: 0, len };
-                if slow {
-                    self.chain.submit_write_slow(t, offset, buf);
-                } else {
-                    self.chain.submit_write(t, offset, buf);
+                let t = FORWARDED | self.forwarded.insert((core, tag)) as u64;
+                let buf = data.map(|data| {
+                    let buf = self.exec.alloc_buf(self.dev, data.len());
+                    buf.copy_in(0, &data);
+                    BufSlice::whole(buf)
+                });
+                let buf2 = buf.clone();
+                let step = self
+                    .chain
+                    .plan(req, || buf2.unwrap_or_else(|| unreachable!("no data")));
+                match step {
+                    Step::Complete(r) => self.exec.complete(t, r),
+                    Step::Direct(grant) => match buf {
+                        Some(b) => self.chain.submit_direct(t, grant, b),
+                        None => {
+                            let task = self.chain.not_submitted(grant);
+                            self.chain.start(task, t, None)
+                        }
+                    },
+                    Step::Task(task) => self.chain.start(task, t, buf),
+                    // The owner hands nothing to itself.
+                    Step::Owner(_) => {
+                        let e =
+                            qcow2_engine::Error::InvalidRequest("sent to the owner by the owner");
+                        self.exec.complete(t, Err(e))
+                    }
                 }
-            }
-            ToOwner::WriteZeroes {
-                core,
-                tag,
-                offset,
-                len,
-                unmap,
-            } => {
-                self.stats.served += 1;
-                let t = tag_for(&mut self.forwarded, core, tag);
-                self.chain.submit_write_zeroes(t, offset, len, unmap);
-            }
-            ToOwner::Discard {
-                core,
-                tag,
-                offset,
-                len,
-            } => {
-                self.stats.served += 1;
-                let t = tag_for(&mut self.forwarded, core, tag);
-                self.chain.submit_discard(t, offset, len);
-            }
-            ToOwner::Flush { core, tag } => {
-                self.stats.served += 1;
-                let t = tag_for(&mut self.forwarded, core, tag);
-                self.chain.submit_flush(t);
             }
         }
     }
@@ -491,7 +444,7 @@ impl<D: BlockDevice> Reactor<D> {
                 self.poll(&mut |_, _| {});
             }
         }
-        Ok(self.stats)
+        Ok(self.stats())
     }
 }
 

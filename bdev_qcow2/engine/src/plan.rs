@@ -1,0 +1,454 @@
+//! One decision per guest request: [`Chain::plan`] looks at the prefetch ring, routes the
+//! request from cached metadata, feeds read-ahead, marks the persistent bitmaps and counts
+//! it, and returns the one [`Step`] the host takes. A host runs that step and nothing else:
+//! it submits a [`Grant`] as one device I/O with the request's own buffers, hands a
+//! [`Task`] to [`Chain::start`], sends [`Step::Owner`] to the metadata owner, or completes
+//! the request. Both hosts (the SPDK module's channels and metadata thread, the tool's
+//! reactors) are that loop; the policy lives here, once.
+
+use crate::chain::{Chain, Layer};
+use crate::error::{Error, Result};
+use crate::io::{BlockDevice, BufSlice, DeviceOp, IoBuffer};
+use crate::ring::{RingServed, RingWait};
+use crate::route::{Grant, ReadRoute, WriteRoute};
+use std::cell::Cell;
+use std::rc::Rc;
+
+/// What a guest request asks for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Op {
+    /// Read.
+    Read,
+    /// Write.
+    Write,
+    /// A write a core replica found not in place (an allocation, COW, zero clusters) with
+    /// current metadata: the owner, which holds the same metadata, starts its slow path at
+    /// once instead of looking for an in-place extent first.
+    WriteNotInPlace,
+    /// Write zeroes; the clusters stay allocated.
+    WriteZeroes,
+    /// Write zeroes; whole clusters may be deallocated.
+    WriteZeroesUnmap,
+    /// Discard (SPDK's unmap).
+    Discard,
+    /// Flush: every write completed before it is durable after it.
+    Flush,
+}
+
+impl Op {
+    /// Whether the request carries guest data (its buffer is the engine's to read or fill).
+    #[inline(always)]
+    pub fn has_data(self) -> bool {
+        matches!(self, Op::Read | Op::Write | Op::WriteNotInPlace)
+    }
+
+    /// Whether the request changes the disk's bytes (the prefetch ring of every core must
+    /// stop serving what it replaced before it completes).
+    #[inline(always)]
+    pub fn changes_data(self) -> bool {
+        !matches!(self, Op::Read | Op::Flush)
+    }
+}
+
+/// A guest request: what, where, how long (bytes).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Request {
+    /// What it asks for.
+    pub op: Op,
+    /// Guest offset in bytes.
+    pub offset: u64,
+    /// Length in bytes (0 for a flush).
+    pub len: u64,
+}
+
+impl Request {
+    /// A request of `op` over `len` bytes at `offset`.
+    #[inline(always)]
+    pub fn new(op: Op, offset: u64, len: u64) -> Request {
+        Request { op, offset, len }
+    }
+}
+
+/// The role the top image of a chain plays, which decides where requests that change
+/// metadata run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Role {
+    /// The metadata owner, or an image only one core serves (or a raw top layer): every
+    /// request runs here.
+    Owner,
+    /// A core replica of a writable image: reads and overwrites in place run here,
+    /// anything that changes metadata runs on the owner.
+    Replica,
+    /// A read-only image (or a replica of one): writes fail.
+    ReadOnly,
+}
+
+impl Role {
+    /// The role of a chain whose top layer is `top`.
+    pub(crate) fn of<D: BlockDevice>(top: &Layer<D>) -> Role {
+        match top {
+            Layer::Raw { .. } => Role::Owner,
+            Layer::Qcow2(q) if q.writable_core_shared().is_some() => Role::Replica,
+            Layer::Qcow2(q) if q.is_writable() && !q.is_core_replica() => Role::Owner,
+            Layer::Qcow2(_) => Role::ReadOnly,
+        }
+    }
+}
+
+/// What the host does with a guest request ([`Chain::plan`]).
+#[must_use = "a step is the request's only way on (a grant holds a grace-period entry)"]
+#[derive(Debug)]
+pub enum Step {
+    /// Complete the request now with this result, no I/O (a read the prefetch ring held
+    /// whole; a write to a read-only image).
+    Complete(Result<()>),
+    /// One I/O of one device extent with the request's own buffers: the host submits it
+    /// (SPDK: a child bdev_io, as passthru does) and calls
+    /// [`Chain::direct_done`] when it completes, or [`Chain::submit_direct`] has the
+    /// executor do both; if the device refuses it, [`Chain::not_submitted`] turns it into
+    /// a task.
+    Direct(Grant),
+    /// Engine work on this core: the host hands the request's buffer and a tag to
+    /// [`Chain::start`] at once; the executor reports the tag's
+    /// [`Outcome`](crate::exec::Outcome).
+    Task(Task),
+    /// The metadata owner runs it, as this operation: the host sends the request there,
+    /// where the owner's chain plans it again.
+    Owner(Op),
+}
+
+/// Engine work the host starts with [`Chain::start`]: made only by the engine's plan.
+#[must_use = "a task is a request the host must start"]
+#[derive(Debug)]
+pub struct Task {
+    kind: TaskKind,
+    offset: u64,
+    len: u64,
+}
+
+#[derive(Debug)]
+enum TaskKind {
+    /// The engine's read path, from `skip` bytes into the request (the ring copied the
+    /// first `skip`).
+    Read { skip: u64 },
+    /// The rest of a read the ring is reading ahead.
+    RingWait(RingWait),
+    /// The write path of the image (the owner's: allocation, COW, in place).
+    Write,
+    /// The owner's slow write path at once ([`Op::WriteNotInPlace`]).
+    WriteNotInPlace,
+    /// A core replica's in-place write that needs a slice loaded first; it ends as
+    /// [`Outcome::ToOwner`](crate::exec::Outcome::ToOwner) if not in place after all.
+    WriteInPlace,
+    /// Write zeroes (`unmap`: clusters may go).
+    WriteZeroes { unmap: bool },
+    /// Discard.
+    Discard,
+    /// Flush.
+    Flush,
+}
+
+/// Per-request counters of a chain, bumped by its plans (plain cells: one core).
+#[derive(Debug, Default)]
+pub(crate) struct Tally {
+    /// Writes a core replica served in place (direct, or its engine path).
+    pub(crate) writes_here: Cell<u64>,
+    /// Requests sent to the metadata owner.
+    pub(crate) to_owner: Cell<u64>,
+    /// Reads served whole from the prefetch ring.
+    pub(crate) ring_served: Cell<u64>,
+}
+
+impl Tally {
+    #[inline(always)]
+    fn bump(c: &Cell<u64>) {
+        c.set(c.get() + 1);
+    }
+
+    /// A core replica served a write in place.
+    #[inline(always)]
+    pub(crate) fn wrote_here(&self) {
+        Self::bump(&self.writes_here);
+    }
+
+    /// A request goes to the metadata owner.
+    pub(crate) fn sent_to_owner(&self) {
+        Self::bump(&self.to_owner);
+    }
+}
+
+/// A chain's per-request counters ([`Chain::request_stats`]).
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct RequestStats {
+    /// Writes a core replica served in place (direct, or after loading a slice).
+    pub writes_here: u64,
+    /// Requests this core sent to the metadata owner.
+    pub to_owner: u64,
+    /// Reads the prefetch ring served whole.
+    pub ring_served: u64,
+}
+
+impl<D: BlockDevice> Chain<D> {
+    /// Decides guest request `req` — the one call a host makes per request. `buf` gives
+    /// the request's buffer; it is called only when the prefetch ring copies into it.
+    ///
+    /// Reads: the prefetch ring first (a read it holds whole completes here; a partial
+    /// hit becomes a task for the rest), then the route (memo, slice cache), read-ahead
+    /// fed on what the route did not find in the memo (or in a memo slice's tail).
+    /// Writes: the route; on a core replica what is not in place goes to the owner, and
+    /// read-ahead watches the writes that load a slice here; on the owner every write
+    /// feeds read-ahead. Write zeroes, discard, flush: the owner's (a task there).
+    #[inline(always)]
+    pub fn plan<B>(self: &Rc<Self>, req: Request, buf: B) -> Step
+    where
+        B: FnOnce() -> BufSlice<D::Buf>,
+    {
+        match req.op {
+            Op::Read => self.plan_read(req.offset, req.len, buf),
+            Op::Write => self.plan_write(req.offset, req.len),
+            _ => self.plan_other(req),
+        }
+    }
+
+    /// The role of this chain's top image.
+    #[inline(always)]
+    pub fn role(&self) -> Role {
+        self.role
+    }
+
+    /// This chain's per-request counters.
+    pub fn request_stats(&self) -> RequestStats {
+        RequestStats {
+            writes_here: self.tally.writes_here.get(),
+            to_owner: self.tally.to_owner.get(),
+            ring_served: self.tally.ring_served.get(),
+        }
+    }
+
+    #[inline(always)]
+    fn plan_read<B>(self: &Rc<Self>, offset: u64, len: u64, buf: B) -> Step
+    where
+        B: FnOnce() -> BufSlice<D::Buf>,
+    {
+        if !self.ring_passes(offset, len) {
+            if let Some(step) = self.plan_ring_read(offset, len, buf()) {
+                return step;
+            }
+        }
+        match self.route_read(offset, len) {
+            // The memo found it: its slice is cached, and read-ahead watches it only in
+            // the slice's tail.
+            ReadRoute::Direct(grant) if grant.from_memo() => {
+                self.read_ahead_memo(offset, len);
+                self.count_direct_read();
+                Step::Direct(grant)
+            }
+            ReadRoute::Direct(grant) => self.direct_past_memo(grant),
+            ReadRoute::Engine => self.read_task(offset, len, 0),
+        }
+    }
+
+    /// A read the ring did not pass: what it copied decides (out of line: the ring's
+    /// hits are the sequential reads, not the random ones the direct path serves).
+    #[inline(never)]
+    fn plan_ring_read(
+        self: &Rc<Self>,
+        offset: u64,
+        len: u64,
+        buf: BufSlice<D::Buf>,
+    ) -> Option<Step> {
+        let served = self.ring_read_past(offset, len, &mut |src, src_off, off, n| {
+            src.copy_to(src_off, &buf.buf, buf.off + off, n)
+        });
+        match served {
+            RingServed::Nothing => None,
+            // Read-ahead of L2 slices watches the stream the ring serves too: the ring's
+            // own read-aheads then find the next slices cached.
+            RingServed::All => {
+                self.read_ahead(offset, len);
+                Tally::bump(&self.tally.ring_served);
+                Some(Step::Complete(Ok(())))
+            }
+            RingServed::Prefix(n) => Some(self.read_task(offset, len, n)),
+            RingServed::Wait(w) => {
+                self.read_ahead(offset, len);
+                Some(Step::Task(Task {
+                    kind: TaskKind::RingWait(w),
+                    offset,
+                    len,
+                }))
+            }
+        }
+    }
+
+    /// A read the slice cache granted past the memo: read-ahead watches it (out of line:
+    /// the memo's path stays small).
+    #[inline(never)]
+    fn direct_past_memo(self: &Rc<Self>, grant: Grant) -> Step {
+        let range = grant.range();
+        self.read_ahead(range.offset().0, range.len());
+        self.count_direct_read();
+        Step::Direct(grant)
+    }
+
+    /// The engine's read path from `skip` bytes in, read-ahead fed (out of line).
+    #[inline(never)]
+    fn read_task(self: &Rc<Self>, offset: u64, len: u64, skip: u64) -> Step {
+        self.read_ahead(offset, len);
+        Step::Task(Task {
+            kind: TaskKind::Read { skip },
+            offset,
+            len,
+        })
+    }
+
+    #[inline(always)]
+    fn plan_write(self: &Rc<Self>, offset: u64, len: u64) -> Step {
+        if self.role != Role::Replica {
+            return self.plan_owner_write(Op::Write, offset, len);
+        }
+        match self.route_write(offset, len) {
+            WriteRoute::Direct(grant) => {
+                self.tally.wrote_here();
+                Step::Direct(grant)
+            }
+            WriteRoute::Engine => self.write_in_place_task(offset, len),
+            WriteRoute::Owner { slow } => self.to_owner(match slow {
+                true => Op::WriteNotInPlace,
+                false => Op::Write,
+            }),
+        }
+    }
+
+    /// A core replica's write that loads a slice first, with read-ahead (out of line: the
+    /// direct path stays small). A stream of direct overwrites needs no slice loaded
+    /// ahead, and the owner runs its own read-ahead on what it is sent.
+    #[inline(never)]
+    fn write_in_place_task(self: &Rc<Self>, offset: u64, len: u64) -> Step {
+        self.read_ahead(offset, len);
+        Step::Task(Task {
+            kind: TaskKind::WriteInPlace,
+            offset,
+            len,
+        })
+    }
+
+    /// Sends a request to the owner, counted (out of line).
+    #[inline(never)]
+    fn to_owner(&self, op: Op) -> Step {
+        self.tally.sent_to_owner();
+        Step::Owner(op)
+    }
+
+    /// A write where this chain runs every write (the owner, a lone image), or none (a
+    /// read-only image). Out of line.
+    #[inline(never)]
+    fn plan_owner_write(self: &Rc<Self>, op: Op, offset: u64, len: u64) -> Step {
+        if self.role == Role::ReadOnly {
+            return Step::Complete(Err(Error::ReadOnly));
+        }
+        self.read_ahead(offset, len);
+        let kind = match op {
+            Op::WriteNotInPlace => TaskKind::WriteNotInPlace,
+            _ => match self.route_write(offset, len) {
+                WriteRoute::Direct(grant) => return Step::Direct(grant),
+                // The owner is no core replica: every other write is its write path's.
+                WriteRoute::Engine | WriteRoute::Owner { .. } => TaskKind::Write,
+            },
+        };
+        Step::Task(Task { kind, offset, len })
+    }
+
+    /// Write zeroes, discard, flush, and a write a core found not in place: the owner's.
+    #[inline(never)]
+    fn plan_other(self: &Rc<Self>, req: Request) -> Step {
+        let (offset, len) = (req.offset, req.len);
+        match self.role {
+            Role::Replica => return self.to_owner(req.op),
+            Role::ReadOnly if req.op != Op::Flush => return Step::Complete(Err(Error::ReadOnly)),
+            Role::ReadOnly | Role::Owner => {}
+        }
+        let kind = match req.op {
+            Op::Read | Op::Write => unreachable!("planned by plan_read / plan_write"),
+            Op::WriteNotInPlace => return self.plan_owner_write(req.op, offset, len),
+            Op::WriteZeroes => TaskKind::WriteZeroes { unmap: false },
+            Op::WriteZeroesUnmap => TaskKind::WriteZeroes { unmap: true },
+            Op::Discard => TaskKind::Discard,
+            Op::Flush => TaskKind::Flush,
+        };
+        Step::Task(Task { kind, offset, len })
+    }
+
+    /// Starts `task` (from this chain's [`plan`](Self::plan)) under `tag`, with the
+    /// request's buffer (`None` for a request without data). The executor reports the
+    /// tag's outcome ([`Exec::poll_outcomes`](crate::Exec::poll_outcomes)).
+    pub fn start(self: &Rc<Self>, task: Task, tag: u64, buf: Option<BufSlice<D::Buf>>) {
+        let Task { kind, offset, len } = task;
+        let data = match (&kind, buf) {
+            (TaskKind::WriteZeroes { unmap }, _) => {
+                return self.submit_write_zeroes(tag, offset, len, *unmap)
+            }
+            (TaskKind::Discard, _) => return self.submit_discard(tag, offset, len),
+            (TaskKind::Flush, _) => return self.submit_flush(tag),
+            (_, Some(buf)) => buf,
+            (_, None) => {
+                let e = Error::InvalidRequest("a read or write without a buffer");
+                return self.exec().complete(tag, Err(e));
+            }
+        };
+        match kind {
+            TaskKind::Read { skip: 0 } => self.submit_read(tag, offset, data),
+            TaskKind::Read { skip } => {
+                let rest = data.sub(skip as usize, (len - skip) as usize);
+                self.submit_read(tag, offset + skip, rest)
+            }
+            TaskKind::RingWait(w) => self.ring_wait(w, tag, data),
+            TaskKind::Write => self.submit_write(tag, offset, data),
+            TaskKind::WriteNotInPlace => self.submit_write_slow(tag, offset, data),
+            TaskKind::WriteInPlace => self.submit_write_local(tag, offset, data),
+            TaskKind::WriteZeroes { .. } | TaskKind::Discard | TaskKind::Flush => {}
+        }
+    }
+
+    /// A [`Step::Direct`] the host could not submit (another device than its own): the
+    /// grant ends, and the same request continues as a task.
+    pub fn not_submitted(&self, grant: Grant) -> Task {
+        let range = grant.range();
+        let op = match grant.is_write() {
+            true => Op::Write,
+            false => Op::Read,
+        };
+        grant.finish(self.exec());
+        self.refused(Request::new(op, range.offset().0, range.len()))
+    }
+
+    /// The task of read or write `req`, granted the direct path, whose submission the
+    /// device refused (busy) after its grant ended.
+    pub fn refused(&self, req: Request) -> Task {
+        let kind = match (req.op, self.role) {
+            (Op::Read, _) => TaskKind::Read { skip: 0 },
+            (_, Role::Replica) => TaskKind::WriteInPlace,
+            (_, _) => TaskKind::Write,
+        };
+        Task {
+            kind,
+            offset: req.offset,
+            len: req.len,
+        }
+    }
+
+    /// Submits a [`Step::Direct`] through the executor (for hosts that do not submit to the
+    /// device themselves): one device operation with `buf`, whose completion is the
+    /// request's, reported under `tag`; the grant ends with it.
+    #[inline(always)]
+    pub fn submit_direct(&self, tag: u64, grant: Grant, buf: BufSlice<D::Buf>) {
+        debug_assert_eq!(buf.len as u64, grant.range().len());
+        let (dev, offset) = (grant.dev(), grant.host().0);
+        let op = match grant.is_write() {
+            false => DeviceOp::Read { offset, buf },
+            true => DeviceOp::Write { offset, buf },
+        };
+        self.exec().request_single(tag, grant.submitted(), dev, op);
+    }
+}
