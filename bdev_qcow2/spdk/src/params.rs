@@ -44,7 +44,7 @@ pub struct CreateParams {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub prefetch: Option<bool>,
     /// Bytes of prefetch ring per channel, DMA memory allocated when the channel is created
-    /// (a multiple of 128 KiB; default 4 MiB).
+    /// (a multiple of 128 KiB; default 5 MiB, `RingConfig::default`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub prefetch_ring_size: Option<u64>,
     /// Most bytes one stream reads ahead (a multiple of 128 KiB, at most 8 MiB; default

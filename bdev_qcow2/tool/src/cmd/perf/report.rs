@@ -1,0 +1,56 @@
+//! The tables `qcow2 perf` prints.
+
+use super::stats::RunResult;
+use super::thrash::ThrashResult;
+
+pub(super) fn table(rows: &[(RunResult, Option<RunResult>)]) -> String {
+    let mut s = format!(
+        "{:<10} {:>6} {:>3} {:>5} {:>11} {:>9} {:>9} {:>9} {:>11} {:>7}\n",
+        "workload", "size", "qd", "cores", "IOPS", "MiB/s", "avg us", "p99 us", "raw IOPS", "ratio"
+    );
+    for (q, r) in rows {
+        let (raw_iops, ratio) = match r {
+            Some(r) => (
+                format!("{:.0}", r.iops),
+                format!("{:.3}", q.iops / r.iops.max(1e-9)),
+            ),
+            None => ("-".into(), "-".into()),
+        };
+        s += &format!(
+            "{:<10} {:>6} {:>3} {:>5} {:>11.0} {:>9.1} {:>9.1} {:>9.0} {:>11} {:>7}\n",
+            format!("{:?}", q.workload).to_lowercase(),
+            crate::cmd::info::human_size(q.io_size).replace(' ', ""),
+            q.depth,
+            q.cores,
+            q.iops,
+            q.mibps,
+            q.lat_avg_us,
+            q.lat_p99_us,
+            raw_iops,
+            ratio
+        );
+        if q.verify_failures > 0 {
+            s += &format!("  VERIFY FAILURES: {}\n", q.verify_failures);
+        }
+    }
+    s
+}
+
+pub(super) fn thrash_table(rows: &[ThrashResult]) -> String {
+    let mut s = format!(
+        "{:>6} {:>7} {:>9} {:>11} {:>11} {:>11} {:>7}\n",
+        "cache", "slices", "miss rate", "IOPS", "IOPS hit", "bound", "ratio"
+    );
+    for t in rows {
+        s += &format!(
+            "{:>5}% {:>7} {:>9.3} {:>11.0} {:>11.0} {:>11.0} {:>7.3}\n",
+            t.percent, t.cache_slices, t.miss_rate, t.iops, t.iops_hit, t.bound, t.ratio
+        );
+    }
+    s += &format!(
+        "cache = share of the image's {} L2 slices asked for (slices: what the cache holds); \
+         bound = IOPS hit / (1 + miss rate), one slice read per miss; ratio = IOPS / bound\n",
+        rows.first().map_or(0, |t| t.image_slices)
+    );
+    s
+}

@@ -1,0 +1,240 @@
+//! One run on every core and its statistics: rates, latencies and the engine's counters,
+//! and two runs merged into one.
+
+use super::args::{PerfArgs, Switch, Workload};
+use super::device::{open_dev, Dev};
+use super::workload::{drive, warm, Lanes, RawTarget};
+use crate::host::{ToolError, ToolResult};
+use crate::reactor::run_reactors_with_ring;
+use qcow2_engine::ring::RingStats;
+use qcow2_engine::{Exec, OpenOptions};
+use std::path::Path;
+
+/// One run's result.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct RunResult {
+    /// "qcow2" or "raw".
+    pub target: &'static str,
+    /// Workload.
+    pub workload: Workload,
+    /// I/O size in bytes.
+    pub io_size: u64,
+    /// Queue depth per core.
+    pub depth: usize,
+    /// Cores.
+    pub cores: usize,
+    /// Operations per second.
+    pub iops: f64,
+    /// MiB per second.
+    pub mibps: f64,
+    /// Mean latency in microseconds.
+    pub lat_avg_us: f64,
+    /// 99th percentile latency in microseconds.
+    pub lat_p99_us: f64,
+    /// L2 slice cache hits (qcow2 runs).
+    pub cache_hits: u64,
+    /// L2 slice cache misses.
+    pub cache_misses: u64,
+    /// L2 slice cache evictions.
+    pub cache_evictions: u64,
+    /// L2 slices read ahead of a sequential stream.
+    pub prefetch_loaded: u64,
+    /// ... that the stream reached after they were loaded.
+    pub prefetch_hits: u64,
+    /// Whether the prefetch ring was on.
+    pub prefetch: Switch,
+    /// Prefetch ring: sequential streams detected.
+    pub ring_streams: u64,
+    /// Prefetch ring: read-ahead I/Os issued.
+    pub ring_readahead_ios: u64,
+    /// Prefetch ring: bytes read ahead.
+    pub ring_bytes_read_ahead: u64,
+    /// Prefetch ring: bytes of reads served from it.
+    pub ring_bytes_served: u64,
+    /// Prefetch ring: reads it served a first part of (the rest read or waited for).
+    pub ring_reads_partial: u64,
+    /// Prefetch ring: of those, reads whose rest waited for read-aheads in flight (the
+    /// others' rest was read from the base at once).
+    pub ring_partial_waited: u64,
+    /// Prefetch ring: reads that waited for a read-ahead in flight.
+    pub ring_reads_waited: u64,
+    /// Prefetch ring: of those, reads sent to the base (read-ahead failed or written).
+    pub ring_waited_to_base: u64,
+    /// Prefetch ring: bytes read ahead and dropped unread.
+    pub ring_bytes_evicted_unread: u64,
+    /// Prefetch ring: chunks a write made unusable.
+    pub ring_invalidated: u64,
+    /// Prefetch ring: read-aheads of chunks holding compressed clusters, without a task.
+    pub ring_compressed_fills: u64,
+    /// Prefetch ring: read-aheads that ran as a task.
+    pub ring_readahead_tasks: u64,
+    /// Verify mismatches (must be 0).
+    pub verify_failures: u64,
+}
+
+/// Per-core outcome: ops, latencies, verify failures, (cache counters, slices read ahead,
+/// of which reached in time, prefetch ring counters).
+type CoreRun = (
+    u64,
+    Vec<u32>,
+    u64,
+    (qcow2_engine::cache::CacheStats, u64, u64, RingStats),
+);
+
+/// One run (qcow2 or raw) on `a.cores` cores.
+pub fn run_one(path: &Path, raw: bool, w: Workload, a: &PerfArgs) -> ToolResult<RunResult> {
+    let cores = a.cores.max(1);
+    let runs: Vec<CoreRun> = if raw {
+        let mut handles = Vec::new();
+        for core in 0..cores {
+            let (p, a2) = (path.to_path_buf(), a.clone());
+            handles.push(std::thread::spawn(move || -> ToolResult<CoreRun> {
+                let exec: Exec<Dev> = Exec::new();
+                let dev = exec.add_device(open_dev(&p, w.writes(), &a2)?);
+                let size = exec.device_size(dev) / 512 * 512;
+                let mut t = RawTarget { exec, dev, size };
+                let (o, l, f) = drive(&mut t, &a2, w, Lanes { core, cores })?;
+                Ok((o, l, f, Default::default()))
+            }));
+        }
+        let mut v = Vec::new();
+        for h in handles {
+            v.push(
+                h.join()
+                    .map_err(|_| ToolError::Usage("a perf thread panicked".into()))??,
+            );
+        }
+        v
+    } else {
+        let opts = OpenOptions {
+            l2_cache_bytes: a.l2_cache_size,
+            l2_slice_bytes: a.l2_slice_size,
+            cache_ways: a.cache_ways,
+            ..OpenOptions::default()
+        };
+        let open = |id: usize, writable: bool| {
+            let mut d = open_dev(path, writable, a)?;
+            if id > 0 {
+                d.inner = d.inner.into_channel();
+            }
+            Ok(d)
+        };
+        let ring = a.ring()?;
+        let out = run_reactors_with_ring(cores, &open, opts, w.writes(), ring, |r| {
+            r.chain.set_prefetch(ring.is_some());
+            if !a.cold {
+                warm(r)?;
+            }
+            let before = r.cache_stats();
+            let pf_before = r.chain.prefetch_stats();
+            let ring_before = r.chain.ring_stats().unwrap_or_default();
+            let core = r.id;
+            let (o, l, f) = drive(r, a, w, Lanes { core, cores })?;
+            let after = r.cache_stats();
+            let stats = qcow2_engine::cache::CacheStats {
+                hits: after.hits - before.hits,
+                misses: after.misses - before.misses,
+                evictions: after.evictions - before.evictions,
+                ..after
+            };
+            let pf = r.chain.prefetch_stats();
+            let ring_after = r.chain.ring_stats().unwrap_or_default();
+            Ok((
+                o,
+                l,
+                f,
+                (
+                    stats,
+                    pf.loaded - pf_before.loaded,
+                    pf.hits - pf_before.hits,
+                    ring_after.since(&ring_before),
+                ),
+            ))
+        })?;
+        out.into_iter().map(|(r, _)| r).collect()
+    };
+    let mut ops = 0;
+    let mut lat = Vec::new();
+    let mut fails = 0;
+    let mut stats = qcow2_engine::cache::CacheStats::default();
+    let (mut pf_loaded, mut pf_hits) = (0, 0);
+    let mut ring = RingStats::default();
+    for (o, l, f, (s, loaded, hits, rs)) in runs {
+        ring.add(&rs);
+        ops += o;
+        lat.extend(l);
+        fails += f;
+        stats.hits += s.hits;
+        stats.misses += s.misses;
+        stats.evictions += s.evictions;
+        pf_loaded += loaded;
+        pf_hits += hits;
+    }
+    lat.sort_unstable();
+    let avg = lat.iter().map(|&x| x as f64).sum::<f64>() / lat.len().max(1) as f64;
+    let p99 = lat
+        .get(lat.len().saturating_sub(1) * 99 / 100)
+        .copied()
+        .unwrap_or(0) as f64;
+    let iops = ops as f64 / a.seconds;
+    Ok(RunResult {
+        target: if raw { "raw" } else { "qcow2" },
+        workload: w,
+        io_size: a.io_size,
+        depth: a.depth,
+        cores,
+        iops,
+        mibps: iops * a.io_size as f64 / (1 << 20) as f64,
+        lat_avg_us: avg,
+        lat_p99_us: p99,
+        cache_hits: stats.hits,
+        cache_misses: stats.misses,
+        cache_evictions: stats.evictions,
+        prefetch_loaded: pf_loaded,
+        prefetch_hits: pf_hits,
+        prefetch: if raw { Switch::Off } else { a.prefetch },
+        ring_streams: ring.streams,
+        ring_readahead_ios: ring.readahead_ios,
+        ring_bytes_read_ahead: ring.bytes_read_ahead,
+        ring_bytes_served: ring.bytes_served,
+        ring_reads_partial: ring.reads_partial,
+        ring_partial_waited: ring.partial_waited,
+        ring_reads_waited: ring.reads_waited,
+        ring_waited_to_base: ring.waited_to_base,
+        ring_bytes_evicted_unread: ring.bytes_evicted_unread,
+        ring_invalidated: ring.invalidated,
+        ring_compressed_fills: ring.compressed_fills,
+        ring_readahead_tasks: ring.readahead_tasks,
+        verify_failures: fails,
+    })
+}
+
+/// Two runs of the same target and workload as one: mean rates and latency, the worse
+/// p99, summed counters.
+pub(super) fn merge(a: RunResult, b: RunResult) -> RunResult {
+    RunResult {
+        iops: (a.iops + b.iops) / 2.0,
+        mibps: (a.mibps + b.mibps) / 2.0,
+        lat_avg_us: (a.lat_avg_us + b.lat_avg_us) / 2.0,
+        lat_p99_us: a.lat_p99_us.max(b.lat_p99_us),
+        cache_hits: a.cache_hits + b.cache_hits,
+        cache_misses: a.cache_misses + b.cache_misses,
+        cache_evictions: a.cache_evictions + b.cache_evictions,
+        prefetch_loaded: a.prefetch_loaded + b.prefetch_loaded,
+        prefetch_hits: a.prefetch_hits + b.prefetch_hits,
+        ring_streams: a.ring_streams + b.ring_streams,
+        ring_readahead_ios: a.ring_readahead_ios + b.ring_readahead_ios,
+        ring_bytes_read_ahead: a.ring_bytes_read_ahead + b.ring_bytes_read_ahead,
+        ring_bytes_served: a.ring_bytes_served + b.ring_bytes_served,
+        ring_reads_partial: a.ring_reads_partial + b.ring_reads_partial,
+        ring_partial_waited: a.ring_partial_waited + b.ring_partial_waited,
+        ring_reads_waited: a.ring_reads_waited + b.ring_reads_waited,
+        ring_waited_to_base: a.ring_waited_to_base + b.ring_waited_to_base,
+        ring_bytes_evicted_unread: a.ring_bytes_evicted_unread + b.ring_bytes_evicted_unread,
+        ring_invalidated: a.ring_invalidated + b.ring_invalidated,
+        ring_compressed_fills: a.ring_compressed_fills + b.ring_compressed_fills,
+        ring_readahead_tasks: a.ring_readahead_tasks + b.ring_readahead_tasks,
+        verify_failures: a.verify_failures + b.verify_failures,
+        ..a
+    }
+}
