@@ -14,14 +14,13 @@
 //! hands it to the engine. Per-operation state lives in a fixed pool of slots allocated
 //! when the channel is created, so a submission allocates nothing.
 
-use crate::direct::Target;
-use crate::engine_host::Driver;
-use crate::ffi::base::{BaseIo, BaseOp, Submitted};
+use crate::ffi::base::{BaseIo, BaseOp, SinkHost, Submitted};
 use crate::ffi::bdev::Desc;
-use crate::ffi::bdev_io::{BdevIo, IovView};
+use crate::ffi::bdev_io::{DirectTarget, IovView};
 use crate::ffi::dma::DmaMem;
 pub use crate::ffi::dma::SpdkBuf;
 use crate::ffi::sys;
+use crate::types::BdevIo;
 use qcow2_engine::io::{BlockDevice, BufSlice, Busy, DeviceError, DeviceOp, IoBuffer};
 use qcow2_engine::ring::{RingServed, RingWait};
 use qcow2_engine::{Chain, DevId};
@@ -32,6 +31,14 @@ use std::rc::Rc;
 #[inline(always)]
 pub fn guest_buf(view: IovView) -> BufSlice<SpdkBuf> {
     BufSlice::whole(SpdkBuf::Iov(view))
+}
+
+/// What hands a guest request to a host's engine: the host's
+/// [`Driver`](crate::engine_host::Driver), which depends on this module. The ring's reads
+/// ([`read_rest`], [`wait_for_ring`]) go through it.
+pub trait EngineSubmit {
+    /// Hands guest request `io` to the engine with `submit(tag, offset, buffer)`.
+    fn submit(&self, io: BdevIo, submit: impl FnOnce(u64, u64, BufSlice<SpdkBuf>));
 }
 
 /// Serves guest read `io`, or the first part of it, from `chain`'s prefetch ring: what the
@@ -53,7 +60,12 @@ pub fn read_from_ring(chain: &Rc<Chain<SpdkDevice>>, io: &BdevIo) -> RingServed 
 /// ([`RingServed::Prefix`]), to `chain`'s engine through `driver`: the request completes
 /// when that part is read. (Out of line: a partial hit is rare on the read path.)
 #[inline(never)]
-pub fn read_rest(driver: &Driver, chain: &Rc<Chain<SpdkDevice>>, io: BdevIo, served: u64) {
+pub fn read_rest(
+    driver: &impl EngineSubmit,
+    chain: &Rc<Chain<SpdkDevice>>,
+    io: BdevIo,
+    served: u64,
+) {
     let len = io.len_bytes();
     driver.submit(io, |tag, off, buf| {
         chain.submit_read(
@@ -68,8 +80,23 @@ pub fn read_rest(driver: &Driver, chain: &Rc<Chain<SpdkDevice>>, io: BdevIo, ser
 /// ([`RingServed::Wait`]), to `chain`'s engine through `driver`: the request completes when
 /// the read-ahead is in and the rest copied from the ring (or read from the base).
 #[inline(never)]
-pub fn wait_for_ring(driver: &Driver, chain: &Rc<Chain<SpdkDevice>>, io: BdevIo, w: RingWait) {
+pub fn wait_for_ring(
+    driver: &impl EngineSubmit,
+    chain: &Rc<Chain<SpdkDevice>>,
+    io: BdevIo,
+    w: RingWait,
+) {
     driver.submit(io, |tag, _, buf| chain.ring_wait(w, tag, buf));
+}
+
+/// A base device as the direct path sees it: its id in the host's executor (a grant's
+/// [`Grant::dev`](qcow2_engine::Grant::dev) must match) and where to submit.
+#[derive(Clone, Copy, Debug)]
+pub struct Target {
+    /// The device's id in its executor.
+    pub dev: DevId,
+    /// Its descriptor and this thread's channel.
+    pub base: DirectTarget,
 }
 
 /// A base bdev as the engine sees it from one SPDK thread.
@@ -99,9 +126,14 @@ impl SpdkDevice {
         self.cheap_zeroes = on;
     }
 
-    /// The SPDK side of the device (`ffi/base.rs` adds [`SpdkDevice::deliver_to`] with it).
-    pub(crate) fn base_io(&mut self) -> &mut BaseIo {
-        &mut self.io
+    /// Makes SPDK's completion callback offer each completion to `host` before queueing it
+    /// for `poll`.
+    ///
+    /// # Safety
+    /// `host` keeps its address and outlives this device (the invariant of [`SinkHost`]).
+    pub unsafe fn deliver_to<H: SinkHost>(&mut self, host: &H) {
+        // SAFETY: per the contract.
+        unsafe { self.io.deliver_to(host) }
     }
 
     /// What the direct path needs to submit to this device without the executor

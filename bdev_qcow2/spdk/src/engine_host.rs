@@ -8,10 +8,10 @@
 //! When the callback runs while the host is inside the engine (SPDK completing inline during
 //! a submission), the completion stays queued in the device and the poller delivers it.
 
-use crate::device::{guest_buf, SpdkBuf, SpdkDevice};
+use crate::device::{guest_buf, EngineSubmit, SpdkBuf, SpdkDevice};
 use crate::ffi::base::SinkHost;
-use crate::ffi::bdev_io::BdevIo;
 use crate::ffi::thread::PollerSlot;
+use crate::types::BdevIo;
 use qcow2_engine::exec::Outcome;
 use qcow2_engine::io::{BufSlice, DeviceError};
 use qcow2_engine::{DevId, Exec};
@@ -114,6 +114,14 @@ impl Driver {
     /// descriptors they belong to).
     pub fn release(&mut self) {
         self.exec = Exec::new();
+    }
+}
+
+/// The ring's reads hand the rest of a request to the engine through the driver.
+impl EngineSubmit for Driver {
+    #[inline(always)]
+    fn submit(&self, io: BdevIo, submit: impl FnOnce(u64, u64, BufSlice<SpdkBuf>)) {
+        Driver::submit(self, io, submit)
     }
 }
 

@@ -31,4 +31,6 @@ mod node;
 mod owner;
 mod registry;
 pub mod rpc;
+mod stats;
 mod stream_rpc;
+mod types;
