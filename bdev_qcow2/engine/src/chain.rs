@@ -10,7 +10,7 @@ use crate::format::{ClusterMapping, CompressedDescriptor};
 use crate::image::Qcow2;
 use crate::io::{BlockDevice, BufSlice, DeviceOp, SECTOR};
 use crate::limits::MAX_BACKING_DEPTH;
-use crate::route::GuestRange;
+use crate::route::{GuestRange, Role};
 use crate::types::GuestOffset;
 use std::cell::{Cell, RefCell};
 use std::future::Future;
@@ -167,9 +167,9 @@ pub struct Chain<D: BlockDevice> {
     /// (`ring/compressed.rs`).
     pub(crate) zips: RefCell<crate::ring::compressed::ZipFills<D::Buf>>,
     /// Where this chain's requests that change metadata run ([`Chain::plan`]).
-    pub(crate) role: crate::plan::Role,
+    pub(crate) role: crate::route::Role,
     /// Per-request counters of [`Chain::plan`].
-    pub(crate) tally: crate::plan::Tally,
+    pub(crate) tally: crate::route::Tally,
 }
 
 impl<D: BlockDevice> Chain<D> {
@@ -196,7 +196,12 @@ impl<D: BlockDevice> Chain<D> {
             Layer::Qcow2(q) => q.dirty_bitmaps().cloned(),
             Layer::Raw { .. } => None,
         };
-        let role = crate::plan::Role::of(&layers[0]);
+        let role = match &layers[0] {
+            Layer::Raw { .. } => Role::Owner,
+            Layer::Qcow2(q) if q.writable_core_shared().is_some() => Role::Replica,
+            Layer::Qcow2(q) if q.is_writable() && !q.is_core_replica() => Role::Owner,
+            Layer::Qcow2(_) => Role::ReadOnly,
+        };
         Ok(Rc::new(Chain {
             role,
             tally: Default::default(),

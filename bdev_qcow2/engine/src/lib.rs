@@ -56,5 +56,5 @@ pub use chain::{Chain, Layer};
 pub use error::{Error, Field, Result};
 pub use exec::{DevId, Exec};
 pub use image::{CoreSeed, CoreSlice, OpenOptions, OwnerLink, Qcow2, SnapshotTime};
-pub use plan::{Op, Request, RequestStats, Role, Step, Task};
-pub use route::{Grant, GuestRange, ReadRoute, WriteRoute};
+pub use plan::{Op, Request, RequestStats, Step, Task};
+pub use route::{Grant, GuestRange, ReadRoute, Role, WriteRoute};

@@ -6,12 +6,11 @@
 //! the request. Both hosts (the SPDK module's channels and metadata thread, the tool's
 //! reactors) are that loop; the policy lives here, once.
 
-use crate::chain::{Chain, Layer};
+use crate::chain::Chain;
 use crate::error::{Error, Result};
 use crate::io::{BlockDevice, BufSlice, DeviceOp, IoBuffer};
 use crate::ring::{RingServed, RingWait};
-use crate::route::{Grant, ReadRoute, WriteRoute};
-use std::cell::Cell;
+use crate::route::{Grant, ReadRoute, Role, WriteRoute};
 use std::rc::Rc;
 
 /// What a guest request asks for.
@@ -70,32 +69,6 @@ impl Request {
     }
 }
 
-/// The role the top image of a chain plays, which decides where requests that change
-/// metadata run.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Role {
-    /// The metadata owner, or an image only one core serves (or a raw top layer): every
-    /// request runs here.
-    Owner,
-    /// A core replica of a writable image: reads and overwrites in place run here,
-    /// anything that changes metadata runs on the owner.
-    Replica,
-    /// A read-only image (or a replica of one): writes fail.
-    ReadOnly,
-}
-
-impl Role {
-    /// The role of a chain whose top layer is `top`.
-    pub(crate) fn of<D: BlockDevice>(top: &Layer<D>) -> Role {
-        match top {
-            Layer::Raw { .. } => Role::Owner,
-            Layer::Qcow2(q) if q.writable_core_shared().is_some() => Role::Replica,
-            Layer::Qcow2(q) if q.is_writable() && !q.is_core_replica() => Role::Owner,
-            Layer::Qcow2(_) => Role::ReadOnly,
-        }
-    }
-}
-
 /// What the host does with a guest request ([`Chain::plan`]).
 #[must_use = "a step is the request's only way on (a grant holds a grace-period entry)"]
 #[derive(Debug)]
@@ -147,35 +120,6 @@ enum TaskKind {
     Discard,
     /// Flush.
     Flush,
-}
-
-/// Per-request counters of a chain, bumped by its plans (plain cells: one core).
-#[derive(Debug, Default)]
-pub(crate) struct Tally {
-    /// Writes a core replica served in place (direct, or its engine path).
-    pub(crate) writes_here: Cell<u64>,
-    /// Requests sent to the metadata owner.
-    pub(crate) to_owner: Cell<u64>,
-    /// Reads served whole from the prefetch ring.
-    pub(crate) ring_served: Cell<u64>,
-}
-
-impl Tally {
-    #[inline(always)]
-    fn bump(c: &Cell<u64>) {
-        c.set(c.get() + 1);
-    }
-
-    /// A core replica served a write in place.
-    #[inline(always)]
-    pub(crate) fn wrote_here(&self) {
-        Self::bump(&self.writes_here);
-    }
-
-    /// A request goes to the metadata owner.
-    pub(crate) fn sent_to_owner(&self) {
-        Self::bump(&self.to_owner);
-    }
 }
 
 /// A chain's per-request counters ([`Chain::request_stats`]).
@@ -267,7 +211,7 @@ impl<D: BlockDevice> Chain<D> {
             // own read-aheads then find the next slices cached.
             RingServed::All => {
                 self.read_ahead(offset, len);
-                Tally::bump(&self.tally.ring_served);
+                self.tally.served_from_ring();
                 Some(Step::Complete(Ok(())))
             }
             RingServed::Prefix(n) => Some(self.read_task(offset, len, n)),

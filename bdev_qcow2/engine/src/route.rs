@@ -10,6 +10,7 @@ use crate::error::{Error, Result};
 use crate::exec::{DevId, Exec};
 use crate::io::{BlockDevice, SECTOR};
 use crate::types::{GuestOffset, HostOffset};
+use std::cell::Cell;
 
 /// A guest request's byte range, checked: offset and length are multiples of 512 and the
 /// range lies inside the disk. Made only by [`GuestRange::new`], so every entry that takes
@@ -208,6 +209,54 @@ pub enum WriteRoute {
         /// write.
         slow: bool,
     },
+}
+
+/// The role the top image of a chain plays, which decides where requests that change
+/// metadata run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Role {
+    /// The metadata owner, or an image only one core serves (or a raw top layer): every
+    /// request runs here.
+    Owner,
+    /// A core replica of a writable image: reads and overwrites in place run here,
+    /// anything that changes metadata runs on the owner.
+    Replica,
+    /// A read-only image (or a replica of one): writes fail.
+    ReadOnly,
+}
+
+/// Per-request counters of a chain, bumped by its plans (plain cells: one core).
+#[derive(Debug, Default)]
+pub(crate) struct Tally {
+    /// Writes a core replica served in place (direct, or its engine path).
+    pub(crate) writes_here: Cell<u64>,
+    /// Requests sent to the metadata owner.
+    pub(crate) to_owner: Cell<u64>,
+    /// Reads served whole from the prefetch ring.
+    pub(crate) ring_served: Cell<u64>,
+}
+
+impl Tally {
+    #[inline(always)]
+    fn bump(c: &Cell<u64>) {
+        c.set(c.get() + 1);
+    }
+
+    /// A core replica served a write in place.
+    #[inline(always)]
+    pub(crate) fn wrote_here(&self) {
+        Self::bump(&self.writes_here);
+    }
+
+    /// A request goes to the metadata owner.
+    pub(crate) fn sent_to_owner(&self) {
+        Self::bump(&self.to_owner);
+    }
+
+    /// The prefetch ring served a read whole.
+    pub(crate) fn served_from_ring(&self) {
+        Self::bump(&self.ring_served);
+    }
 }
 
 #[cfg(test)]

@@ -26,17 +26,18 @@ use crate::device::{guest_buf, SpdkDevice};
 use crate::direct::{self, Target};
 use crate::engine_host::{Driver, Host};
 use crate::ffi::bdev::Desc;
-use crate::ffi::bdev_io::{BdevIo, BufDone, ChildDone, IoQueue};
-use crate::ffi::io_channel::ChannelIter;
+use crate::ffi::bdev_io::{BufDone, ChildDone, Requests};
+use crate::ffi::io_channel::Channels;
 use crate::ffi::sys;
 use crate::ffi::thread::{self, Homed, Poll, Polled, PollerSlot, Thread};
 use crate::node::Node;
 use crate::owner;
+pub use crate::stats::ChannelStats;
+use crate::types::{BdevIo, ChannelIter, IoQueue, Qcow2Bdev};
 use qcow2_engine::coherency::SliceReply;
 use qcow2_engine::exec::Outcome;
-use qcow2_engine::ring::{RingConfig, RingStats, WriteGens};
+use qcow2_engine::ring::{RingConfig, WriteGens};
 use qcow2_engine::{Chain, DevId, Exec, Grant, Layer, Op, OwnerLink, Qcow2, Request, Step, Task};
-use serde::Serialize;
 use std::cell::{Cell, OnceCell, RefCell};
 use std::collections::VecDeque;
 use std::ffi::c_int;
@@ -96,131 +97,6 @@ pub struct Channel {
     thread_name: String,
 }
 
-/// Counters of one channel (`bdev_qcow2_get_stats`).
-#[derive(Debug, Default, Clone, Serialize)]
-pub struct ChannelStats {
-    /// The SPDK thread of the channel.
-    pub thread: String,
-    /// L2 slice cache lookups that hit.
-    pub l2_cache_hits: u64,
-    /// ... that missed.
-    pub l2_cache_misses: u64,
-    /// Valid slices replaced.
-    pub l2_cache_evictions: u64,
-    /// Reads served on the fast path (cached metadata, one base I/O per contiguous run).
-    pub fast_reads: u64,
-    /// Reads that needed a slow path (slice miss, compressed, backing).
-    pub slow_reads: u64,
-    /// Reads completed.
-    pub completed: u64,
-    /// Reads completed with an error.
-    pub errors: u64,
-    /// Base submissions refused as busy (-ENOMEM) and retried.
-    pub busy_retries: u64,
-    /// Writes served in place on this thread (writable bdevs).
-    pub local_writes: u64,
-    /// Requests sent to the metadata owner (writable bdevs).
-    pub forwarded: u64,
-    /// Overwrites served in place through a copy of their L2 slice older than the owner's
-    /// latest changes, which only added mappings (writable bdevs; part of `local_writes`
-    /// when served).
-    pub kept_overwrites: u64,
-    /// Read-ahead: sequential streams detected.
-    pub prefetch_streams: u64,
-    /// Read-ahead: slice loads started ahead of a stream.
-    pub prefetch_issued: u64,
-    /// Read-ahead: ... that put a slice into the cache.
-    pub prefetch_loaded: u64,
-    /// Read-ahead: slices loaded ahead that their stream then reached.
-    pub prefetch_hits: u64,
-    /// Prefetch ring: sequential streams that read ahead.
-    pub ring_streams: u64,
-    /// Prefetch ring: read-ahead I/Os issued (one per 128 KiB chunk).
-    pub ring_readahead_ios: u64,
-    /// Prefetch ring: bytes read ahead.
-    pub ring_bytes_read_ahead: u64,
-    /// Prefetch ring: bytes of reads served from the ring.
-    pub ring_bytes_served: u64,
-    /// Prefetch ring: reads served from the ring.
-    pub ring_reads_served: u64,
-    /// Prefetch ring: reads it served a first part of (the rest read or waited for).
-    pub ring_reads_partial: u64,
-    /// Prefetch ring: of those, reads whose rest waited for read-aheads in flight (the
-    /// others' rest was read from the base at once).
-    pub ring_partial_waited: u64,
-    /// Prefetch ring: reads that waited for a read-ahead in flight.
-    pub ring_reads_waited: u64,
-    /// Prefetch ring: of those, reads sent to the base (the read-ahead failed, or a write
-    /// made its chunk unusable while it filled).
-    pub ring_waited_to_base: u64,
-    /// Prefetch ring: bytes read ahead and dropped unread.
-    pub ring_bytes_evicted_unread: u64,
-    /// Prefetch ring: chunks a write (on any thread) made unusable.
-    pub ring_invalidated: u64,
-    /// Prefetch ring: read-aheads of chunks holding compressed clusters, without a task.
-    pub ring_compressed_fills: u64,
-    /// Prefetch ring: read-aheads that ran as a task.
-    pub ring_readahead_tasks: u64,
-}
-
-impl ChannelStats {
-    /// Adds `o` into `self` (for totals).
-    pub fn add(&mut self, o: &ChannelStats) {
-        self.l2_cache_hits += o.l2_cache_hits;
-        self.l2_cache_misses += o.l2_cache_misses;
-        self.l2_cache_evictions += o.l2_cache_evictions;
-        self.fast_reads += o.fast_reads;
-        self.slow_reads += o.slow_reads;
-        self.completed += o.completed;
-        self.errors += o.errors;
-        self.busy_retries += o.busy_retries;
-        self.local_writes += o.local_writes;
-        self.forwarded += o.forwarded;
-        self.kept_overwrites += o.kept_overwrites;
-        self.prefetch_streams += o.prefetch_streams;
-        self.prefetch_issued += o.prefetch_issued;
-        self.prefetch_loaded += o.prefetch_loaded;
-        self.prefetch_hits += o.prefetch_hits;
-        self.add_ring(&o.ring_stats());
-    }
-
-    /// The prefetch ring counters as the engine counts them.
-    pub fn ring_stats(&self) -> RingStats {
-        RingStats {
-            streams: self.ring_streams,
-            readahead_ios: self.ring_readahead_ios,
-            bytes_read_ahead: self.ring_bytes_read_ahead,
-            bytes_served: self.ring_bytes_served,
-            reads_served: self.ring_reads_served,
-            reads_partial: self.ring_reads_partial,
-            partial_waited: self.ring_partial_waited,
-            reads_waited: self.ring_reads_waited,
-            waited_to_base: self.ring_waited_to_base,
-            bytes_evicted_unread: self.ring_bytes_evicted_unread,
-            invalidated: self.ring_invalidated,
-            compressed_fills: self.ring_compressed_fills,
-            readahead_tasks: self.ring_readahead_tasks,
-        }
-    }
-
-    /// Adds an engine's prefetch ring counters.
-    pub fn add_ring(&mut self, r: &RingStats) {
-        self.ring_streams += r.streams;
-        self.ring_readahead_ios += r.readahead_ios;
-        self.ring_bytes_read_ahead += r.bytes_read_ahead;
-        self.ring_bytes_served += r.bytes_served;
-        self.ring_reads_served += r.reads_served;
-        self.ring_reads_partial += r.reads_partial;
-        self.ring_partial_waited += r.partial_waited;
-        self.ring_reads_waited += r.reads_waited;
-        self.ring_waited_to_base += r.waited_to_base;
-        self.ring_bytes_evicted_unread += r.bytes_evicted_unread;
-        self.ring_invalidated += r.invalidated;
-        self.ring_compressed_fills += r.compressed_fills;
-        self.ring_readahead_tasks += r.readahead_tasks;
-    }
-}
-
 impl Channel {
     /// This thread's channel state of `node` (SPDK's `create_cb`; see `ffi/io_channel.rs`).
     pub fn create(node: &Node) -> Result<Box<Channel>, i32> {
@@ -275,7 +151,7 @@ impl Channel {
         let exec = ch.exec();
         // SAFETY: `host` is this boxed channel state, which stays until its asks are back.
         let chan = unsafe { Homed::channel(host) };
-        match (&node.seed, Homed::owner(node), chan) {
+        match (&node.seed, node.owner.homed(node.md_thread), chan) {
             (Some(seed), Some(owner), Some(chan)) => {
                 // A replica of the owner's image, usable at once.
                 let link = Box::new(SpdkLink { owner, chan });
@@ -550,7 +426,7 @@ impl Channel {
     /// Records this channel in the request's context for its direct-path completion.
     #[inline(always)]
     fn own(&self, io: &mut BdevIo) {
-        io.ctx_mut().set_chan(self);
+        io.record_channel(self);
     }
 
     fn finish(&self, io: BdevIo, ok: bool) {
@@ -639,7 +515,7 @@ impl Host for Channel {
 }
 
 /// Completion of a channel's direct-path request, on its thread.
-impl ChildDone for Channel {
+impl ChildDone<Qcow2Bdev> for Channel {
     fn child_done(io: BdevIo, success: bool) {
         // SAFETY: only a channel's direct path completes here, and it recorded itself
         // (`Channel::own`) before submitting.
@@ -657,7 +533,7 @@ impl ChildDone for Channel {
 /// reads pay nothing for it).
 pub struct DirectWrite;
 
-impl ChildDone for DirectWrite {
+impl ChildDone<Qcow2Bdev> for DirectWrite {
     // Inline in SPDK's callback like `Channel`'s, the generation bump included.
     #[inline(always)]
     fn child_done(io: BdevIo, success: bool) {
@@ -673,7 +549,7 @@ impl ChildDone for DirectWrite {
 }
 
 /// A read's buffer arrived (`BdevIo::get_buf`).
-impl BufDone for Channel {
+impl BufDone<Qcow2Bdev> for Channel {
     fn buf_done(io: BdevIo, success: bool) {
         io.with_channel(|c, io| {
             if success {
@@ -768,6 +644,41 @@ impl Polled for Channel {
             self.driver.slot().pause();
         }
         Poll::Idle
+    }
+}
+
+/// SPDK's calls on our channels (`ffi/io_channel.rs`): a channel state is built from the
+/// node's fields while no switch changes them (`Node::switching`).
+impl Channels for Qcow2Bdev {
+    fn create_channel(node: &Node) -> Result<Box<Channel>, i32> {
+        let _g = node.switching.lock().unwrap_or_else(|e| e.into_inner());
+        Channel::create(node)
+    }
+
+    fn release_channel(c: &Channel) -> bool {
+        c.release()
+    }
+}
+
+/// Requests reach the channel they were submitted on ([`submit_request`]).
+impl Requests for Qcow2Bdev {
+    #[inline(always)]
+    fn submit_request(c: &Channel, io: BdevIo) {
+        submit_request(c, io)
+    }
+}
+
+/// What the owner needs of the channels: its answers to their slice requests go back as
+/// [`Ask`]s, and the requests it ran complete on their channels.
+impl owner::ChannelSide for Qcow2Bdev {
+    type Ask = Ask;
+
+    fn send_ask(a: Box<Ask>) {
+        send_ask(a)
+    }
+
+    fn complete_forwarded(io: BdevIo) {
+        complete_forwarded(io)
     }
 }
 

@@ -14,10 +14,9 @@
 //! hands it to the engine. Per-operation state lives in a fixed pool of slots allocated
 //! when the channel is created, so a submission allocates nothing.
 
-use crate::direct::Target;
-use crate::ffi::base::{BaseIo, BaseOp, Submitted};
+use crate::ffi::base::{BaseIo, BaseOp, SinkHost, Submitted};
 use crate::ffi::bdev::Desc;
-use crate::ffi::bdev_io::IovView;
+use crate::ffi::bdev_io::{DirectTarget, IovView};
 use crate::ffi::dma::DmaMem;
 pub use crate::ffi::dma::SpdkBuf;
 use crate::ffi::sys;
@@ -30,6 +29,16 @@ use std::rc::Rc;
 #[inline(always)]
 pub fn guest_buf(view: IovView) -> BufSlice<SpdkBuf> {
     BufSlice::whole(SpdkBuf::Iov(view))
+}
+
+/// A base device as the direct path sees it: its id in the host's executor (a grant's
+/// [`Grant::dev`](qcow2_engine::Grant::dev) must match) and where to submit.
+#[derive(Clone, Copy, Debug)]
+pub struct Target {
+    /// The device's id in its executor.
+    pub dev: DevId,
+    /// Its descriptor and this thread's channel.
+    pub base: DirectTarget,
 }
 
 /// A base bdev as the engine sees it from one SPDK thread.
@@ -59,9 +68,14 @@ impl SpdkDevice {
         self.cheap_zeroes = on;
     }
 
-    /// The SPDK side of the device (`ffi/base.rs` adds [`SpdkDevice::deliver_to`] with it).
-    pub(crate) fn base_io(&mut self) -> &mut BaseIo {
-        &mut self.io
+    /// Makes SPDK's completion callback offer each completion to `host` before queueing it
+    /// for `poll`.
+    ///
+    /// # Safety
+    /// `host` keeps its address and outlives this device (the invariant of [`SinkHost`]).
+    pub unsafe fn deliver_to<H: SinkHost>(&mut self, host: &H) {
+        // SAFETY: per the contract.
+        unsafe { self.io.deliver_to(host) }
     }
 
     /// What the direct path needs to submit to this device without the executor

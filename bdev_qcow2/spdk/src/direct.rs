@@ -9,24 +9,16 @@
 //! the engine path runs it then.
 
 use crate::device::SpdkDevice;
-use crate::ffi::bdev_io::{BdevIo, ChildDone, DirectTarget};
-use qcow2_engine::{DevId, Exec, Grant};
-
-/// A base device as the direct path sees it: its id in the host's executor (a grant's
-/// [`Grant::dev`] must match) and where to submit.
-#[derive(Clone, Copy, Debug)]
-pub struct Target {
-    /// The device's id in its executor.
-    pub dev: DevId,
-    /// Its descriptor and this thread's channel.
-    pub base: DirectTarget,
-}
+pub use crate::device::Target;
+use crate::ffi::bdev_io::ChildDone;
+use crate::types::{BdevIo, Qcow2Bdev};
+use qcow2_engine::{Exec, Grant};
 
 /// Submits request `io` (a `write` or a read), granted the one extent `grant`, to the base;
 /// `D` completes it. On refusal (the grant is for another device, no target, base busy) the
 /// grant ends and the request comes back.
 #[inline(always)]
-pub fn submit<D: ChildDone>(
+pub fn submit<D: ChildDone<Qcow2Bdev>>(
     exec: &Exec<SpdkDevice>,
     target: Option<&Target>,
     mut io: BdevIo,
@@ -41,11 +33,13 @@ pub fn submit<D: ChildDone>(
     // The completion leaves the grace period with the parity kept in the request's context.
     let parity = grant.submitted();
     io.ctx_mut().set_parity(parity);
-    t.base.submit::<D>(io, write, host).map_err(|(io, _)| {
-        // Refused: over before it began.
-        exec.guest_exit(parity);
-        io
-    })
+    t.base
+        .submit::<Qcow2Bdev, D>(io, write, host)
+        .map_err(|(io, _)| {
+            // Refused: over before it began.
+            exec.guest_exit(parity);
+            io
+        })
 }
 
 /// Leaves the grace period a completed direct-path request `io` held.

@@ -10,8 +10,8 @@
 
 use crate::device::{guest_buf, SpdkBuf, SpdkDevice};
 use crate::ffi::base::SinkHost;
-use crate::ffi::bdev_io::BdevIo;
 use crate::ffi::thread::PollerSlot;
+use crate::types::BdevIo;
 use qcow2_engine::exec::Outcome;
 use qcow2_engine::io::{BufSlice, DeviceError};
 use qcow2_engine::{DevId, Exec};

@@ -17,16 +17,16 @@
 
 use crate::device::SpdkDevice;
 use crate::ffi::bdev::{self, Desc};
-use crate::ffi::io_channel::ChannelIter;
-use crate::ffi::node::{Image, NodeKey};
+use crate::ffi::node::NodeKey;
 use crate::ffi::rpc::{Params, Request, INVALID_PARAMS};
 use crate::ffi::sys;
 use crate::ffi::thread::{self, Poll, Polled, PollerSlot};
 use crate::lifecycle_busy::Busy;
-use crate::node::{self, ImageInfo};
+use crate::node::{self, Image, ImageInfo};
 use crate::params::CreateParams;
 use crate::registry::{self, Registry};
 use crate::rpc::decode;
+use crate::types::ChannelIter;
 use qcow2_engine::create::CreateOptions;
 use qcow2_engine::overlay::{format_overlay, overlay_options};
 use qcow2_engine::{Exec, OpenOptions, Qcow2};
@@ -40,6 +40,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 const METHOD: &str = "bdev_qcow2_snapshot_external";
+
+crate::rpc_entry!(bdev_qcow2_rpc_snapshot_external => snapshot_external);
 
 /// `bdev_qcow2_snapshot_external` parameters.
 #[derive(Debug, Clone, Deserialize)]

@@ -2,7 +2,6 @@
 //! reserves it in every bdev_io: `get_ctx_size`). `submit_request` initializes it; the handle
 //! reaches it with [`BdevIo::ctx`](crate::ffi::bdev_io::BdevIo::ctx).
 
-use crate::channel::Channel;
 use crate::ffi::sys;
 use qcow2_engine::Op;
 
@@ -10,9 +9,6 @@ use qcow2_engine::Op;
 #[repr(C)]
 #[derive(Debug)]
 pub struct IoCtx {
-    /// The channel a channel's direct-path request belongs to, so its completion finds it
-    /// without asking SPDK.
-    chan: *const Channel,
     /// `SPDK_BDEV_IO_STATUS_*` of a forwarded request, on its way back.
     status: sys::spdk_bdev_io_status,
     /// Grace-period entry of a request on the direct path.
@@ -24,23 +20,10 @@ pub struct IoCtx {
 impl IoCtx {
     /// A fresh context (nothing recorded yet).
     pub const NEW: IoCtx = IoCtx {
-        chan: std::ptr::null(),
         status: sys::SPDK_BDEV_IO_STATUS_SUCCESS,
         parity: 0,
         op: Op::Read,
     };
-
-    /// The channel recorded by [`set_chan`](Self::set_chan) (null before).
-    #[inline(always)]
-    pub fn chan(&self) -> *const Channel {
-        self.chan
-    }
-
-    /// Records the channel a direct-path request belongs to.
-    #[inline(always)]
-    pub fn set_chan(&mut self, c: &Channel) {
-        self.chan = c;
-    }
 
     /// The status a forwarded request carries back.
     pub fn status(&self) -> sys::spdk_bdev_io_status {

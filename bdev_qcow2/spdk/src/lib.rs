@@ -33,4 +33,6 @@ mod node;
 mod owner;
 mod registry;
 pub mod rpc;
+mod stats;
 mod stream_rpc;
+mod types;

@@ -10,7 +10,13 @@ use crate::owner::Owner;
 use crate::params::{ResizeParams, SnapshotListParams, SnapshotParams};
 use crate::registry;
 use crate::rpc::decode;
+use crate::types::Registered;
 use serde_json::json;
+
+crate::rpc_entry!(bdev_qcow2_rpc_resize => resize);
+crate::rpc_entry!(bdev_qcow2_rpc_snapshot_create => snapshot_create);
+crate::rpc_entry!(bdev_qcow2_rpc_snapshot_delete => snapshot_delete);
+crate::rpc_entry!(bdev_qcow2_rpc_snapshot_list => snapshot_list);
 
 /// `bdev_qcow2_resize {name, size}`: grows the image (and tells SPDK, which tells every
 /// descriptor), or shrinks it when the range cut off holds no data and nobody has the bdev
@@ -111,7 +117,7 @@ fn with_owner(req: Request, name: &str, f: impl FnOnce(Request, NodeKey, &Owner)
 }
 
 /// Runs `f` with the owner of node `key` if it is still registered; `Err(req)` otherwise.
-fn again(key: NodeKey, f: impl FnOnce(&crate::ffi::node::Registered, &Owner)) -> bool {
+fn again(key: NodeKey, f: impl FnOnce(&Registered, &Owner)) -> bool {
     let reg = registry::lock();
     match reg.by_key(key).and_then(|n| n.owner_here().map(|o| (n, o))) {
         Some((n, o)) => {

@@ -1,10 +1,74 @@
-//! The bdev module `qcow2` (its descriptor is in `ffi/module.rs`): init/fini, and
-//! `examine_config`, which completes creations deferred until their base bdev appears.
+//! The bdev module `qcow2`: its descriptor (`BDEV_QCOW2_MODULE`, which `register.c`
+//! registers), init/fini, and `examine_config`, which completes creations deferred until
+//! their base bdev appears. Also where the module's types are bound to the marker `ffi` is
+//! instantiated with ([`Qcow2Bdev`]): the one module that names them all.
 
+use crate::channel::Channel;
+use crate::ffi::module::ModuleHooks;
+use crate::ffi::thread::Thread;
+use crate::ffi::types::{BdevTypes, Closing};
 use crate::ffi::{bdev, module};
+use crate::io_ctx::IoCtx;
+use crate::node::Node;
+use crate::owner::{Owner, OwnerCounters};
+use crate::types::{OwnerPtr, Qcow2Bdev};
 use crate::{logging, node, registry};
 use std::cell::Cell;
+use std::ffi::CStr;
 use std::rc::Rc;
+
+crate::bdev_module!(c"qcow2", Hooks, Qcow2Bdev);
+
+/// What `ffi` keeps for us: a request's context ([`IoCtx`]), a bdev ([`Node`]), a
+/// channel's state ([`Channel`]) and a writable bdev's metadata owner ([`Owner`]).
+impl BdevTypes for Qcow2Bdev {
+    type Ctx = IoCtx;
+    const NEW_CTX: IoCtx = IoCtx::NEW;
+    type Node = Node;
+    type Channel = Channel;
+    type Owner = Owner;
+    type OwnerCounters = OwnerCounters;
+    const CHANNEL_POLLER: &'static CStr = c"qcow2_channel";
+
+    #[inline(always)]
+    fn owner(node: &Node) -> &OwnerPtr {
+        &node.owner
+    }
+
+    fn owner_mut(node: &mut Node) -> &mut OwnerPtr {
+        &mut node.owner
+    }
+
+    fn md_thread(node: &Node) -> Option<Thread> {
+        node.md_thread
+    }
+
+    #[inline(always)]
+    fn wake(owner: &Owner) {
+        owner.wake()
+    }
+
+    fn close(owner: &Owner, token: Closing, then: impl FnOnce(OwnerCounters) + 'static) {
+        owner.close(token, then)
+    }
+}
+
+/// SPDK's calls on the module.
+pub struct Hooks;
+
+impl ModuleHooks for Hooks {
+    fn init() -> i32 {
+        init()
+    }
+
+    fn fini() {
+        fini()
+    }
+
+    fn examine_config() {
+        examine_config()
+    }
+}
 
 /// `module_init`: logging, and the grace periods' fences.
 pub fn init() -> i32 {

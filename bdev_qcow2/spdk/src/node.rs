@@ -8,19 +8,22 @@
 
 use crate::device::SpdkDevice;
 use crate::ffi::bdev::{self, Desc};
-use crate::ffi::node::{self as handle, MdNode, NodeKey, OwnerBox, Unregistered};
+use crate::ffi::node::{self as handle, NodeKey, Nodes};
 use crate::ffi::sys;
 use crate::ffi::thread::{self, Poll, Polled, PollerSlot, Thread};
+use crate::ffi::types::Switching;
 use crate::owner::Owner;
 use crate::params::CreateParams;
 use crate::registry;
+use crate::stats::ChannelStats;
+use crate::types::{MdNode, OwnerBox, OwnerPtr, Qcow2Bdev, Unregistered};
 use qcow2_engine::io::{BlockDevice, SECTOR};
 use qcow2_engine::ring::{RingConfig, WriteGens};
 use qcow2_engine::{Chain, CoreSeed, DevId, Exec, Layer, OpenOptions, Qcow2};
 use serde::Serialize;
 use serde_json::json;
 use std::cell::RefCell;
-use std::ffi::{CStr, CString};
+use std::ffi::CString;
 use std::rc::Rc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -128,14 +131,12 @@ impl ImageInfo {
     }
 }
 
-/// One qcow2 bdev. Boxed and leaked while registered (`ffi/node.rs`): its address is the
-/// io_device and the bdev's `ctxt`. Everything but `bdev` (SPDK's) is immutable after
+/// One qcow2 bdev. Boxed and leaked while registered (`ffi/node.rs`, next to the bdev SPDK
+/// knows): its address is the io_device and the bdev's `ctxt`. Immutable after
 /// registration, except the descriptors and the owner, which teardown takes on the md thread
-/// after every channel is gone.
+/// after every channel is gone, and what an external snapshot switches
+/// ([`Nodes::swap_image`]).
 pub struct Node {
-    /// The bdev SPDK knows.
-    pub bdev: sys::spdk_bdev,
-    name: CString,
     /// The create call, written back by `write_config_json`.
     pub params: CreateParams,
     /// What the image header said.
@@ -150,7 +151,7 @@ pub struct Node {
     pub md_thread: Option<Thread>,
     /// Writable bdev: the image's one writable instance, on `md_thread` (null: read-only).
     /// Set before registration, freed by teardown after the last channel.
-    pub owner: *mut Owner,
+    pub owner: OwnerPtr,
     /// Writable bdev: what other threads' channels build their replica from (the owner's
     /// shared epochs, L1 and geometry).
     pub seed: Option<CoreSeed>,
@@ -163,9 +164,9 @@ pub struct Node {
     pub live_channels: Arc<AtomicUsize>,
     /// Counters of the channels already gone (added when each is freed), so
     /// `bdev_qcow2_get_stats` totals cover the bdev's whole life, not only live channels.
-    pub retired: Arc<Mutex<crate::channel::ChannelStats>>,
+    pub retired: Arc<Mutex<ChannelStats>>,
     /// Held while a channel state is built from the fields above, and while an external
-    /// snapshot puts a new image under the node (`ffi/node.rs`, `Registered::switch_image`).
+    /// snapshot puts a new image under the node ([`Nodes::swap_image`]).
     pub switching: Mutex<()>,
     /// A stream dropped the backing reference (`bdev_qcow2_stream`): channels created from
     /// now on read no backing layer, and `save_config` leaves `backing_bdev` out. The
@@ -173,10 +174,83 @@ pub struct Node {
     pub backing_dropped: AtomicBool,
 }
 
+/// The image under a node, as [`Registered::switch_image`](handle::Registered::switch_image)
+/// swaps it.
+pub struct Image {
+    /// The base descriptor (holding the image).
+    pub base: Option<Desc>,
+    /// The backing descriptor.
+    pub backing: Option<Desc>,
+    /// The image's metadata owner.
+    pub owner: Option<OwnerBox>,
+    /// What other threads' replicas are built from.
+    pub seed: Option<CoreSeed>,
+    /// The create call `save_config` writes.
+    pub params: CreateParams,
+    /// What the header said.
+    pub info: ImageInfo,
+    /// Channel states built from this image that are not freed yet.
+    pub live_channels: Arc<AtomicUsize>,
+}
+
 impl Node {
-    /// The bdev's name, as SPDK keeps it.
-    pub fn c_name(&self) -> &CStr {
-        &self.name
+    /// Puts `new` under the node in place of its image (see [`Nodes::swap_image`]):
+    /// descriptors, owner, replica seed, parameters, header information, and the count of
+    /// channel states built from them. `Err`: `new` has no owner.
+    fn swap_image(&mut self, mut new: Box<Image>, t: &Switching) -> Result<Box<Image>, Box<Image>> {
+        let Some(owner) = new.owner.take() else {
+            return Err(new);
+        };
+        let _g = self.switching.lock().unwrap_or_else(|e| e.into_inner());
+        let old_owner = std::mem::replace(&mut self.owner, owner.into_node());
+        // The new image names its backing (the old one): nothing was dropped from it.
+        self.backing_dropped.store(false, Ordering::Release);
+        Ok(Box::new(Image {
+            base: std::mem::replace(&mut self.base, new.base),
+            backing: std::mem::replace(&mut self.backing, new.backing),
+            owner: old_owner.into_box(t),
+            seed: std::mem::replace(&mut self.seed, new.seed),
+            params: std::mem::replace(&mut self.params, new.params),
+            info: std::mem::replace(&mut self.info, new.info),
+            live_channels: std::mem::replace(&mut self.live_channels, new.live_channels),
+        }))
+    }
+}
+
+/// SPDK's calls on our bdevs, and the image switch.
+impl Nodes for Qcow2Bdev {
+    type Image = Image;
+
+    fn destruct(key: NodeKey) {
+        destruct(key)
+    }
+
+    fn channels_gone(node: Unregistered) {
+        channels_gone(node)
+    }
+
+    fn never_registered(node: Node, owner: Option<OwnerBox>) {
+        never_registered(node, owner)
+    }
+
+    fn io_type_supported(node: &Node, ty: sys::spdk_bdev_io_type) -> bool {
+        io_type_supported(node, ty)
+    }
+
+    fn info_json(node: &Node) -> serde_json::Value {
+        info_json(node)
+    }
+
+    fn config_json(node: &Node) -> Vec<serde_json::Value> {
+        config_json(node)
+    }
+
+    fn swap_image(
+        node: &mut Node,
+        new: Box<Image>,
+        token: &Switching,
+    ) -> Result<Box<Image>, Box<Image>> {
+        node.swap_image(new, token)
     }
 }
 
@@ -480,7 +554,7 @@ pub(crate) fn start_owner(
     }
     // The base device was added first (`create`), so it is `DevId(0)`.
     let devs = [Some(DevId(0)), backing_dev].into_iter().flatten();
-    let owner = OwnerBox::start(exec, chain, devs)
+    let owner = Owner::start(exec, chain, devs)
         .ok_or_else(|| (libc::ENOMEM, "cannot register a poller".to_string()))?;
     Ok((owner, seed))
 }
@@ -528,24 +602,24 @@ fn register(
         required_alignment: if align > 1 { align.ilog2() as u8 } else { 0 },
     };
     let cluster_size = info.cluster_size;
-    let node = Box::new(Node {
-        bdev: bdev::blank(),
-        name: cname,
+    let node = Node {
         opts: params.open_options(),
         params,
         info,
         base,
         backing,
         md_thread: Thread::current(),
-        owner: owner.map_or(std::ptr::null_mut(), OwnerBox::into_node),
+        owner: owner.map_or(OwnerPtr::null(), OwnerBox::into_node),
         seed,
         ring,
         live_channels: Arc::new(AtomicUsize::new(0)),
         retired: Arc::new(Mutex::new(Default::default())),
         switching: Mutex::new(()),
         backing_dropped: AtomicBool::new(false),
-    });
-    let node = match handle::register(node, &props, |max| cluster_cut(max, cluster_size)) {
+    };
+    let node = match handle::register::<Qcow2Bdev>(node, cname, &props, |max| {
+        cluster_cut(max, cluster_size)
+    }) {
         Ok(r) => r,
         Err(e) => {
             // The node comes back to `never_registered` once its io_device is gone.
@@ -695,10 +769,10 @@ fn log_summary(n: &Node, owner: Option<crate::owner::OwnerCounters>) {
 
 /// Teardown, step 3.
 fn close_descs(mut n: MdNode) {
-    if let Some(d) = n.take_backing() {
+    if let Some(d) = n.node_mut().backing.take() {
         d.close();
     }
-    if let Some(d) = n.take_base() {
+    if let Some(d) = n.node_mut().base.take() {
         d.close();
     }
     let n = n.destruct_done();
@@ -707,7 +781,7 @@ fn close_descs(mut n: MdNode) {
 
 /// A node whose bdev never registered, back once its io_device is gone (on the md thread,
 /// the one that registered it): its owner closes, then its descriptors.
-pub fn never_registered(mut n: Box<Node>, owner: Option<OwnerBox>) {
+pub fn never_registered(mut n: Node, owner: Option<OwnerBox>) {
     let descs = [n.backing.take(), n.base.take()];
     let close = move || {
         for d in descs.into_iter().flatten() {

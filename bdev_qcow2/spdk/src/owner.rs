@@ -23,19 +23,48 @@
 //! without waiting for the owner's poller; the poller drives the slow paths. Everything here
 //! runs on the md thread, which debug builds assert ([`Owner::assert_md_thread`]).
 
-use crate::channel;
 use crate::device::{guest_buf, SpdkDevice};
 use crate::direct::{self, Target};
 use crate::engine_host::{Driver, Host};
-use crate::ffi::bdev_io::{Arrived, BdevIo, ChildDone, IoQueue, QueueReceiver};
-use crate::ffi::node::Closing;
+use crate::ffi::bdev_io::{ChildDone, QueueReceiver};
 use crate::ffi::sys;
 use crate::ffi::thread::{self, Poll, Polled, PollerSlot, Thread};
+use crate::ffi::types::Closing;
+use crate::types::{Arrived, BdevIo, IoQueue, OwnerBox, Qcow2Bdev};
 use qcow2_engine::exec::Outcome;
 use qcow2_engine::ring::zones::SWEEP_EVERY;
 use qcow2_engine::{Chain, DevId, Exec, Op, Request, Step};
 use std::cell::{Cell, RefCell};
 use std::rc::Rc;
+
+/// What the owner needs of the channels that forward requests to it and ask it for slices
+/// (implemented in `channel.rs`, which depends on this module, not the other way round).
+pub trait ChannelSide {
+    /// A channel's slice request, answered here and sent back.
+    type Ask: Send + 'static;
+    /// Sends an answered request back to its channel (again: SPDK's message pool was empty
+    /// the first time).
+    fn send_ask(a: Box<Self::Ask>);
+    /// Completes a request the owner ran on the thread (and channel) it was submitted on,
+    /// with the status its context carries back.
+    fn complete_forwarded(io: BdevIo);
+}
+
+/// The stream job (`bdev_qcow2_stream`) an owner keeps and drives from its poller
+/// (implemented in `stream_rpc.rs`).
+pub trait StreamSide {
+    /// The job's state.
+    type Stream;
+    /// One step of `owner`'s stream job; returns the work done.
+    fn poll_stream(owner: &Owner) -> usize;
+    /// The stream's state for `bdev_qcow2_get_stats` (`null` before any stream).
+    fn stream_json(owner: &Owner) -> serde_json::Value;
+}
+
+/// A channel's slice request, as the owner keeps an answer it could not send yet.
+type Ask = <Qcow2Bdev as ChannelSide>::Ask;
+/// The owner's stream job.
+type Stream = <Qcow2Bdev as StreamSide>::Stream;
 
 /// What happens once the owner closed (metadata flushed), on the md thread.
 /// What follows a close: gets the owner's final read-ahead and slice-cache counters.
@@ -68,7 +97,7 @@ pub struct Owner {
     arrived: RefCell<Vec<BdevIo>>,
     /// Answers to channels' slice requests SPDK could not queue yet (see `channel.rs`).
     #[allow(clippy::vec_box)] // boxed: each goes out again as the message it was
-    unsent_asks: RefCell<Vec<Box<channel::Ask>>>,
+    unsent_asks: RefCell<Vec<Box<Ask>>>,
     /// `Some` once closing: the close task's result (`None` while it runs) and what follows.
     closing: RefCell<Option<(Closed, Then)>>,
     /// Polls so far: the quiet write-back's test runs on one poll in
@@ -76,7 +105,7 @@ pub struct Owner {
     polls: Cell<u32>,
     /// The stream job, once `bdev_qcow2_stream` started one (kept after it ends, for its
     /// state in `bdev_qcow2_get_stats`).
-    stream: RefCell<Option<crate::stream_rpc::Stream>>,
+    stream: RefCell<Option<Stream>>,
     /// Life-cycle jobs ([`run_job`](Self::run_job): resize, snapshots) not finished yet.
     jobs: Rc<Cell<u32>>,
     /// With the prefetch ring: sweeps the zones every read-ahead left, so that writes there
@@ -92,13 +121,13 @@ const WRITEBACK_TEST_EVERY: u32 = 16;
 
 impl Owner {
     /// Starts the owner of `chain` (whose devices `devs` belong to `exec`) on the calling
-    /// thread, the md thread. Returns a pointer freed after [`Owner::close`], or `None` if
+    /// thread, the md thread. Returns its box, freed after [`Owner::close`], or `None` if
     /// SPDK refused a poller.
     pub fn start(
         exec: Exec<SpdkDevice>,
         chain: Rc<Chain<SpdkDevice>>,
         devs: impl IntoIterator<Item = DevId>,
-    ) -> Option<*mut Owner> {
+    ) -> Option<OwnerBox> {
         let devs: Vec<DevId> = devs.into_iter().collect();
         // The top image's device (the base) comes first.
         let direct = devs
@@ -134,7 +163,7 @@ impl Owner {
             // SAFETY: the owner is boxed and owns the executor that owns the device.
             unsafe { o.driver.attach(d, &*o) };
         }
-        thread::start(o, c"qcow2_owner").ok().map(|o| o.cast_mut())
+        OwnerBox::start(o, c"qcow2_owner")
     }
 
     /// Asserts (in debug builds) that the caller runs on the md thread, where alone the
@@ -155,7 +184,7 @@ impl Owner {
 
     /// Flushes the metadata (`Chain::close`: refcounts, dirty bit), then frees the owner and
     /// calls `then`, on the md thread. Every forwarded request has completed (the node's
-    /// channels are gone). Only the owner's [`OwnerBox`](crate::ffi::node::OwnerBox) can
+    /// channels are gone). Only the owner's [`OwnerBox`](crate::ffi::types::OwnerBox) can
     /// call it (it alone makes the [`Closing`] token), once, on the md thread.
     pub fn close(&self, _: Closing, then: impl FnOnce(OwnerCounters) + 'static) {
         let o = self;
@@ -203,7 +232,7 @@ impl Owner {
     }
 
     /// The stream job's slot (`stream_rpc.rs`).
-    pub fn stream(&self) -> &RefCell<Option<crate::stream_rpc::Stream>> {
+    pub fn stream(&self) -> &RefCell<Option<Stream>> {
         self.assert_md_thread();
         &self.stream
     }
@@ -267,7 +296,7 @@ impl Owner {
                     // there, or left less than a sweep ago), and how many sweeps cleared.
                     "ring_zones_watched": self.chain.write_gens().map_or(0, |g| g.zones().watched()),
                     "ring_zones_swept": self.chain.write_gens().map_or(0, |g| g.zones().swept()),
-                    "stream": crate::stream_rpc::stats_json(self),
+                    "stream": Qcow2Bdev::stream_json(self),
                 })
             }
             _ => serde_json::Value::Null,
@@ -288,7 +317,7 @@ impl Owner {
     }
 
     /// Keeps an answered slice request to send again on the next poll (message pool empty).
-    pub fn defer_ask(&self, a: Box<channel::Ask>) {
+    pub fn defer_ask(&self, a: Box<Ask>) {
         self.assert_md_thread();
         self.wake();
         self.unsent_asks.borrow_mut().push(a);
@@ -413,7 +442,7 @@ impl Host for Owner {
 }
 
 /// Completion of a request the owner sent down the direct path.
-impl ChildDone for Owner {
+impl ChildDone<Qcow2Bdev> for Owner {
     fn child_done(io: BdevIo, success: bool) {
         let status = if success {
             sys::SPDK_BDEV_IO_STATUS_SUCCESS
@@ -432,7 +461,7 @@ impl ChildDone for Owner {
 /// reads pay nothing for it).
 struct OwnerDirectWrite;
 
-impl ChildDone for OwnerDirectWrite {
+impl ChildDone<Qcow2Bdev> for OwnerDirectWrite {
     fn child_done(io: BdevIo, success: bool) {
         let status = if success {
             sys::SPDK_BDEV_IO_STATUS_SUCCESS
@@ -468,7 +497,7 @@ pub fn send_forwarded(md_thread: Thread, outbox: &IoQueue) -> bool {
 /// Forwarded requests arriving on the md thread.
 struct Arrive;
 
-impl QueueReceiver for Arrive {
+impl QueueReceiver<Qcow2Bdev> for Arrive {
     /// Each request's L2 entry is prefetched, and the owner's poller runs it with the
     /// others of this poll.
     fn receive(q: Arrived) {
@@ -503,10 +532,10 @@ fn arrive_at(o: &Owner, io: BdevIo) {
 /// Completed requests arriving back on the thread they were submitted on.
 struct Back;
 
-impl QueueReceiver for Back {
+impl QueueReceiver<Qcow2Bdev> for Back {
     fn receive(q: Arrived) {
         for io in q {
-            channel::complete_forwarded(io);
+            Qcow2Bdev::complete_forwarded(io);
         }
     }
 }
@@ -517,7 +546,7 @@ fn done(mut io: BdevIo, status: sys::spdk_bdev_io_status) {
     io.ctx_mut().set_status(status);
     let t = io.thread();
     if t.is_current() {
-        return channel::complete_forwarded(io);
+        return Qcow2Bdev::complete_forwarded(io);
     }
     io.with_owner(|o, io| {
         o.assert_md_thread();
@@ -560,7 +589,7 @@ impl Polled for Owner {
             let asks = std::mem::take(&mut *self.unsent_asks.borrow_mut());
             for a in asks {
                 n += 1;
-                channel::send_ask(a);
+                Qcow2Bdev::send_ask(a);
             }
         }
         // Dirty metadata that waited long enough for a flush goes back on its own, so the
@@ -573,7 +602,7 @@ impl Polled for Owner {
             n += 1;
         }
         if self.stream.borrow().is_some() && self.closing.borrow().is_none() {
-            n += crate::stream_rpc::poll(self);
+            n += Qcow2Bdev::poll_stream(self);
         }
         n += self.driver.poll(self);
         // Last: what this poll and the base completions since the last one finished.

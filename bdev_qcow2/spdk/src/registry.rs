@@ -2,9 +2,10 @@
 //! in progress, and registered nodes. Control path only (RPCs, examine, destruct): a mutex is
 //! fine here; the data path never touches it.
 
-use crate::ffi::node::{NodeKey, Registered};
+use crate::ffi::node::NodeKey;
 use crate::owner::Owner;
 use crate::params::CreateParams;
+use crate::types::Registered;
 use std::sync::{Mutex, MutexGuard};
 
 /// The module's bookkeeping.

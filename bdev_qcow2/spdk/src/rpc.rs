@@ -1,18 +1,24 @@
 //! The RPC methods `bdev_qcow2_create`, `bdev_qcow2_format`, `bdev_qcow2_delete` and
 //! `bdev_qcow2_get_stats` (the life-cycle ones are in `lifecycle_rpc.rs`)
-//! (registered by `register.c`; entry points in `ffi/rpc.rs`). Parameters are decoded into
+//! (registered by `register.c`; entry points declared here with `rpc_entry!`). Parameters are decoded into
 //! the structs of `params.rs`.
 
 use crate::channel::{self, ChannelStats};
+use crate::ffi::bdev;
 use crate::ffi::node::NodeKey;
 use crate::ffi::rpc::{Params, Request, INVALID_PARAMS};
-use crate::ffi::{bdev, io_channel};
 use crate::node;
 use crate::params::{CreateParams, DeleteParams, FormatParams, StatsParams};
 use crate::registry;
+use crate::types::ChannelIter;
 use serde::de::DeserializeOwned;
 use serde_json::{json, Value};
 use std::ffi::c_int;
+
+crate::rpc_entry!(bdev_qcow2_rpc_create => create);
+crate::rpc_entry!(bdev_qcow2_rpc_format => format);
+crate::rpc_entry!(bdev_qcow2_rpc_delete => delete);
+crate::rpc_entry!(bdev_qcow2_rpc_get_stats => get_stats);
 
 /// Decodes `params` into `T`, or answers the request with the reason and returns `None`.
 pub(crate) fn decode<T: DeserializeOwned>(
@@ -165,7 +171,7 @@ struct Collect {
     out: Vec<Value>,
 }
 
-fn collect_step(it: io_channel::ChannelIter, c: &mut Collect) {
+fn collect_step(it: ChannelIter, c: &mut Collect) {
     channel::stats_step(it, &mut c.channels);
 }
 

@@ -8,14 +8,14 @@
 //! zero flags, never a hole a core could still read through to the backing bdev).
 //! Progress is in `bdev_qcow2_get_stats` (`owner.stream`).
 
-use crate::ffi::io_channel::ChannelIter;
 use crate::ffi::node::NodeKey;
 use crate::ffi::rpc::{Params, Request};
 use crate::lifecycle_busy::Busy;
-use crate::owner::Owner;
+use crate::owner::{Owner, StreamSide};
 use crate::params::StreamParams;
 use crate::registry;
 use crate::rpc::decode;
+use crate::types::{ChannelIter, Qcow2Bdev};
 use qcow2_engine::stream::{StreamJob, StreamState};
 use serde_json::{json, Value};
 use std::cell::Cell;
@@ -28,6 +28,21 @@ pub struct Stream {
     key: NodeKey,
     /// The channels were asked to detach the backing bdev.
     detaching: Cell<bool>,
+}
+
+crate::rpc_entry!(bdev_qcow2_rpc_stream => stream);
+
+/// The owner keeps the stream job and its poller drives it ([`poll`]).
+impl StreamSide for Qcow2Bdev {
+    type Stream = Stream;
+
+    fn poll_stream(owner: &Owner) -> usize {
+        poll(owner)
+    }
+
+    fn stream_json(owner: &Owner) -> Value {
+        stats_json(owner)
+    }
 }
 
 /// `bdev_qcow2_stream`: starts the job and answers `true` at once (the job reports through

@@ -3,10 +3,9 @@
 //! [`CompletionSink`] right in SPDK's callback or queued for the poller, and the wait for a
 //! free bdev_io after `-ENOMEM`.
 
-use super::bdev::Desc;
+use super::bdev::{ChannelRef, Desc};
 use super::bdev_io::DirectTarget;
 use super::dma::SpdkBuf;
-use super::io_channel::ChannelRef;
 use super::sys;
 use qcow2_engine::io::{BufSlice, DeviceError};
 use std::collections::VecDeque;
@@ -338,7 +337,7 @@ impl Drop for BaseIo {
 /// Whoever drives the executor that owns a device — a channel or the metadata owner — as
 /// the device's callback sees it: it takes each completion first.
 ///
-/// Invariant (the one [`SpdkDevice::deliver_to`] rests on): a host is boxed, so it stays at
+/// Invariant (the one [`BaseIo::deliver_to`] rests on): a host is boxed, so it stays at
 /// its address, and it outlives every device attached to it — it owns the executor that owns
 /// them and drops that first (a device dropped with operations in flight forgets its host).
 pub trait SinkHost {
@@ -350,14 +349,14 @@ pub trait SinkHost {
 /// The [`CompletionSink`] of a [`SinkHost`] `H`.
 ///
 /// # Safety
-/// `ctx` is the `H` given to [`SpdkDevice::deliver_to`].
+/// `ctx` is the `H` given to [`BaseIo::deliver_to`].
 #[inline(always)]
 unsafe fn offer<H: SinkHost>(ctx: *mut c_void, tag: u64, r: Result<(), DeviceError>) -> bool {
     // SAFETY: per the contract; the host is live and unmoved (the invariant of `SinkHost`).
     H::offer(unsafe { &*ctx.cast::<H>() }, tag, r)
 }
 
-impl crate::device::SpdkDevice {
+impl BaseIo {
     /// Makes SPDK's completion callback offer each completion to `host` before queueing it
     /// for `poll`.
     ///
@@ -367,6 +366,6 @@ impl crate::device::SpdkDevice {
         let ctx = std::ptr::from_ref(host).cast_mut().cast::<c_void>();
         // SAFETY: `offer::<H>` is called only with this `ctx`, which stays valid while the
         // device may complete operations (the invariant of `SinkHost`).
-        unsafe { self.base_io().set_sink(offer::<H>, ctx) }
+        unsafe { self.set_sink(offer::<H>, ctx) }
     }
 }

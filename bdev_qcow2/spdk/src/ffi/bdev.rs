@@ -1,7 +1,6 @@
 //! Base bdevs: open descriptors, claims, geometry.
 
 use super::sys;
-use crate::node::{self, Node};
 use std::ffi::{c_int, c_void, CStr, CString};
 
 /// What happens on events of a bdev we opened (hot remove, resize, media).
@@ -190,14 +189,15 @@ pub fn unregister_by_name(name: &str, done: impl FnOnce(i32) + 'static) -> Resul
     Ok(())
 }
 
-/// A blank bdev struct for one of our nodes, filled in by [`register`].
+/// A blank bdev struct for one of our nodes, filled in at registration
+/// ([`register`](super::node::register)).
 pub fn blank() -> sys::spdk_bdev {
     // SAFETY: `spdk_bdev` is a C struct for which all-zero is the documented initial state
     // before the module fills in its fields.
     unsafe { std::mem::zeroed() }
 }
 
-/// What SPDK is told about one of our bdevs (besides its name, which lives in the node).
+/// What SPDK is told about one of our bdevs (besides its name).
 pub struct Props {
     /// Number of blocks of [`BLOCK_SIZE`](super::bdev_io::BLOCK_SIZE) bytes.
     pub blockcnt: u64,
@@ -207,85 +207,33 @@ pub struct Props {
     pub required_alignment: u8,
 }
 
-/// Fills in `node`'s bdev from `props` and registers it with SPDK, with our function table
-/// and module, the node as its `ctxt` and the node's name. Returns SPDK's errno on failure.
-///
-/// # Safety
-/// `node` is live and stays at its address until SPDK's destruct of the bdev completes (or,
-/// on failure, until the caller frees it).
-pub(super) unsafe fn register(node: *mut Node, props: &Props) -> Result<(), i32> {
-    // SAFETY: per the contract; the name lives in the node.
-    let name = unsafe { (*node).c_name() }.as_ptr().cast_mut();
-    // SAFETY: per the contract; nothing else uses the node yet.
-    let b = unsafe { &mut (*node).bdev };
-    b.name = name;
-    b.product_name = c"QCOW2 disk".as_ptr().cast_mut();
-    b.blocklen = super::bdev_io::BLOCK_SIZE;
-    b.blockcnt = props.blockcnt;
-    b.write_cache = i32::from(props.write_cache);
-    b.required_alignment = props.required_alignment;
-    b.ctxt = node.cast();
-    b.fn_table = &FN_TABLE;
-    b.module = super::module::module_ptr();
-    // SAFETY: the bdev struct is filled in and lives in the node (contract).
-    let rc = unsafe { sys::spdk_bdev_register(b) };
-    if rc != 0 {
-        return Err(-rc);
-    }
-    Ok(())
-}
-
 /// Makes SPDK split requests at `bdev.optimal_io_boundary`.
 pub fn set_split_on_optimal_io_boundary(bdev: &mut sys::spdk_bdev) {
     // SAFETY: a plain store into a bdev struct the caller holds exclusively.
     unsafe { sys::spdk_sys_bdev_set_split_on_optimal_io_boundary(bdev, true) };
 }
 
-/// The function table of our bdevs: SPDK's calls go to `crate::node`, requests to
-/// `crate::channel` (through `bdev_io::submit_request`).
-static FN_TABLE: sys::spdk_bdev_fn_table = sys::spdk_bdev_fn_table {
-    destruct: Some(destruct),
-    submit_request: Some(super::bdev_io::submit_request),
-    io_type_supported: Some(io_type_supported),
-    get_io_channel: Some(get_io_channel),
-    dump_info_json: Some(dump_info_json),
-    write_config_json: Some(write_config_json),
-    // SAFETY: every other member is an optional function pointer, for which zero is `None`.
-    ..unsafe { std::mem::zeroed() }
-};
+/// A reference to a channel of some io_device (a base bdev's channel), put back on drop.
+/// Must be dropped on the thread that got it.
+pub struct ChannelRef(*mut sys::spdk_io_channel);
 
-unsafe extern "C" fn destruct(ctx: *mut c_void) -> c_int {
-    // `ctx` is the node of a bdev SPDK unregistered and no longer uses.
-    node::destruct(super::node::NodeKey::of(ctx));
-    1 // asynchronous: `spdk_bdev_destruct_done` follows
+impl ChannelRef {
+    /// Gets this thread's channel of the bdev open as `desc`; `None` if SPDK refused.
+    pub fn of_bdev(desc: &Desc) -> Option<ChannelRef> {
+        // SAFETY: `desc` is open; the call runs on an SPDK thread.
+        let ch = unsafe { sys::spdk_bdev_get_io_channel(desc.raw()) };
+        (!ch.is_null()).then_some(ChannelRef(ch))
+    }
+
+    /// The raw channel (for I/O submission).
+    pub fn raw(&self) -> *mut sys::spdk_io_channel {
+        self.0
+    }
 }
 
-unsafe extern "C" fn io_type_supported(ctx: *mut c_void, ty: sys::spdk_bdev_io_type) -> bool {
-    // SAFETY: `ctx` is a registered node.
-    node::io_type_supported(unsafe { &*ctx.cast::<Node>() }, ty)
-}
-
-unsafe extern "C" fn get_io_channel(ctx: *mut c_void) -> *mut sys::spdk_io_channel {
-    // SAFETY: `ctx` is our registered io_device (the node).
-    unsafe { sys::spdk_get_io_channel(ctx) }
-}
-
-unsafe extern "C" fn dump_info_json(ctx: *mut c_void, w: *mut sys::spdk_json_write_ctx) -> c_int {
-    // SAFETY: `ctx` is a registered node.
-    let v = node::info_json(unsafe { &*ctx.cast::<Node>() });
-    // SAFETY: SPDK hands us a write context inside the bdev's `driver_specific` object.
-    unsafe { super::json::write_named(w, "qcow2", &v) };
-    0
-}
-
-unsafe extern "C" fn write_config_json(
-    bdev: *mut sys::spdk_bdev,
-    w: *mut sys::spdk_json_write_ctx,
-) {
-    // SAFETY: `bdev` is ours, so its `ctxt` is the node.
-    let calls = node::config_json(unsafe { &*(*bdev).ctxt.cast::<Node>() });
-    for v in &calls {
-        // SAFETY: SPDK hands us a write context inside the config array.
-        unsafe { super::json::write_value(w, v) };
+impl Drop for ChannelRef {
+    fn drop(&mut self) {
+        // SAFETY: the reference was obtained on this thread and is put back once.
+        unsafe { sys::spdk_put_io_channel(self.0) }
     }
 }

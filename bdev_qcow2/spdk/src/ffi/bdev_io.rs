@@ -1,55 +1,70 @@
 //! The bdev_io SPDK hands to our `submit_request`: an owned handle completed once, the
 //! module's area in it, queues of them, and submitting one straight to a base bdev.
 
-use super::io_channel::{self, ChannelIter};
+use super::io_channel::{self, ChannelIter, Channels};
 use super::sys;
 use super::thread::Thread;
-use crate::channel::{self, Channel};
-use crate::io_ctx::IoCtx;
-use crate::node::Node;
-use crate::owner::Owner;
+use super::types::BdevTypes;
 use std::cell::Cell;
 use std::ffi::{c_int, c_void};
+use std::marker::PhantomData;
 use std::ptr::NonNull;
 
 /// Block size of every bdev this module registers (`node.rs` registers with it).
 pub const BLOCK_SIZE: u32 = 512;
 
 /// The area SPDK reserves in each of our bdev_ios (`get_ctx_size`): the link of the
-/// [`IoQueue`] it may travel in, then the module's [`IoCtx`].
+/// [`IoQueue`] it may travel in, the channel a direct-path request belongs to, then the
+/// module's per-I/O context.
 #[repr(C)]
-struct DriverArea {
+struct DriverArea<M: BdevTypes> {
     next: *mut sys::spdk_bdev_io,
-    ctx: IoCtx,
+    /// Recorded by [`BdevIo::record_channel`] (null before).
+    chan: *const M::Channel,
+    ctx: M::Ctx,
 }
 
-/// Bytes of the driver area, for `get_ctx_size`.
-pub const DRIVER_CTX_SIZE: usize = std::mem::size_of::<DriverArea>();
+/// Bytes of the driver area of module `M`'s bdev_ios, for `get_ctx_size`.
+pub const fn driver_ctx_size<M: BdevTypes>() -> usize {
+    std::mem::size_of::<DriverArea<M>>()
+}
+
+/// `fn_table.submit_request` of module `M` continues here.
+pub trait Requests: Channels {
+    /// A new request `io` on channel `c`, on the channel's thread.
+    fn submit_request(c: &Self::Channel, io: BdevIo<Self>);
+}
 
 /// A bdev_io submitted to one of our bdevs and not completed yet. There is one handle per
 /// such bdev_io: it is neither `Copy` nor `Clone`, and [`BdevIo::complete`] consumes it, so
 /// a bdev_io cannot be completed twice. While SPDK or the engine holds the bdev_io for us
 /// (a child I/O, a buffer wait, an engine request, a message), it travels as a raw pointer
 /// or tag ([`BdevIo::into_raw`], [`BdevIo::into_tag`]) and comes back as a handle.
-#[derive(Debug)]
-pub struct BdevIo(NonNull<sys::spdk_bdev_io>);
+pub struct BdevIo<M: BdevTypes>(NonNull<sys::spdk_bdev_io>, PhantomData<M>);
 
-impl BdevIo {
+impl<M: BdevTypes> std::fmt::Debug for BdevIo<M> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("BdevIo").field(&self.0).finish()
+    }
+}
+
+impl<M: BdevTypes> BdevIo<M> {
     /// Takes a bdev_io SPDK just submitted to one of our bdevs and initializes the module's
     /// area in it to `ctx` (SPDK leaves it as the last user did).
     ///
     /// # Safety
     /// `p` is null or a bdev_io submitted to a bdev of this module (driver area of
-    /// [`DRIVER_CTX_SIZE`] bytes, blocks of [`BLOCK_SIZE`]) that is not completed and has no
+    /// [`driver_ctx_size`] bytes, blocks of [`BLOCK_SIZE`]) that is not completed and has no
     /// other handle.
     #[inline(always)]
-    pub unsafe fn submitted(p: *mut sys::spdk_bdev_io, ctx: IoCtx) -> Option<BdevIo> {
-        let io = BdevIo(NonNull::new(p)?);
-        // SAFETY: the driver area follows the struct and is at least `DRIVER_CTX_SIZE`
+    pub unsafe fn submitted(p: *mut sys::spdk_bdev_io, ctx: M::Ctx) -> Option<BdevIo<M>> {
+        let io = BdevIo(NonNull::new(p)?, PhantomData);
+        // SAFETY: the driver area follows the struct and is at least `driver_ctx_size`
         // bytes, aligned for pointers (per the contract); nothing reads it before this.
         unsafe {
             io.area().write(DriverArea {
                 next: std::ptr::null_mut(),
+                chan: std::ptr::null(),
                 ctx,
             })
         };
@@ -61,8 +76,8 @@ impl BdevIo {
     /// # Safety
     /// `p` is null or comes from `into_raw` of a handle, and is turned back once.
     #[inline(always)]
-    pub unsafe fn from_raw(p: *mut sys::spdk_bdev_io) -> Option<BdevIo> {
-        NonNull::new(p).map(BdevIo)
+    pub unsafe fn from_raw(p: *mut sys::spdk_bdev_io) -> Option<BdevIo<M>> {
+        NonNull::new(p).map(|p| BdevIo(p, PhantomData))
     }
 
     /// Gives up the handle for a raw pointer (to cross a C callback).
@@ -102,27 +117,27 @@ impl BdevIo {
     /// `tag` came from [`BdevIo::into_engine`] and is reported done once, after the engine
     /// stopped using its view (what an executor does with the requests it was handed).
     #[inline(always)]
-    pub unsafe fn from_tag(tag: u64) -> Option<BdevIo> {
+    pub unsafe fn from_tag(tag: u64) -> Option<BdevIo<M>> {
         // The handle is as unique as the tag was: the executor reported it done once.
-        NonNull::new(tag as *mut sys::spdk_bdev_io).map(BdevIo)
+        NonNull::new(tag as *mut sys::spdk_bdev_io).map(|p| BdevIo(p, PhantomData))
     }
 
     #[inline(always)]
-    fn area(&self) -> *mut DriverArea {
+    fn area(&self) -> *mut DriverArea<M> {
         // SAFETY: live bdev_io (type contract); the area follows the struct.
         unsafe { (*self.0.as_ptr()).driver_ctx.as_mut_ptr().cast() }
     }
 
     /// The module's per-I/O context.
     #[inline(always)]
-    pub fn ctx(&self) -> &IoCtx {
+    pub fn ctx(&self) -> &M::Ctx {
         // SAFETY: initialized by `submitted`; only this handle reaches it.
         unsafe { &(*self.area()).ctx }
     }
 
     /// The module's per-I/O context, to change.
     #[inline(always)]
-    pub fn ctx_mut(&mut self) -> &mut IoCtx {
+    pub fn ctx_mut(&mut self) -> &mut M::Ctx {
         // SAFETY: as in `ctx`; `&mut self` makes this the only reference.
         unsafe { &mut (*self.area()).ctx }
     }
@@ -184,10 +199,10 @@ impl BdevIo {
 
     /// Asks SPDK to attach a data buffer for the whole request, then calls
     /// `D::buf_done(io, success)` on this thread.
-    pub fn get_buf<D: BufDone>(self) {
+    pub fn get_buf<D: BufDone<M>>(self) {
         let len = self.len_bytes();
         // SAFETY: live bdev_io of a block I/O type; `buf_done` turns the pointer back.
-        unsafe { sys::spdk_bdev_io_get_buf(self.into_raw(), Some(buf_done::<D>), len) }
+        unsafe { sys::spdk_bdev_io_get_buf(self.into_raw(), Some(buf_done::<M, D>), len) }
     }
 
     /// The SPDK thread the bdev_io was submitted on (where it must be completed).
@@ -203,31 +218,42 @@ impl BdevIo {
     /// Calls `f` with the metadata owner of the request's (writable) bdev and the request,
     /// on the md thread.
     #[inline(always)]
-    pub fn with_owner<R>(self, f: impl FnOnce(&Owner, BdevIo) -> R) -> R {
+    pub fn with_owner<R>(self, f: impl FnOnce(&M::Owner, BdevIo<M>) -> R) -> R {
         // SAFETY: bdev_ios reaching us belong to our registered bdevs, whose `ctxt` is the
-        // node; a writable bdev's `owner` is set before registration, immutable after it,
-        // and lives while the bdev has I/O (this request) and channels.
-        let o = unsafe { (*self.bdev_ctxt().cast::<Node>()).owner };
+        // node (`node::register`); a writable bdev's owner is set before registration,
+        // changed only while no request is in flight, and lives while the bdev has I/O
+        // (this request) and channels.
+        let o = M::owner(unsafe { &*self.bdev_ctxt().cast::<M::Node>() }).raw();
         debug_assert!(
             !o.is_null(),
             "a request of a read-only bdev reached the owner"
         );
         // SAFETY: as above.
         let o = unsafe { &*o };
-        o.wake();
+        M::wake(o);
         f(o, self)
     }
 
+    /// Records channel `c` in the request's driver area: the one its direct-path completion
+    /// finds with [`with_recorded_channel`](Self::with_recorded_channel).
+    #[inline(always)]
+    pub fn record_channel(&mut self, c: &M::Channel) {
+        // SAFETY: initialized by `submitted`; `&mut self` makes this the only reference.
+        unsafe { (*self.area()).chan = c };
+    }
+
     /// As [`with_channel`](Self::with_channel), for a channel's direct-path request: the
-    /// channel is the one its context recorded ([`IoCtx::set_chan`]), found without asking
-    /// SPDK.
+    /// channel is the one it recorded ([`record_channel`](Self::record_channel)), found
+    /// without asking SPDK.
     ///
     /// # Safety
-    /// The request's channel recorded itself with [`IoCtx::set_chan`] when it sent the
-    /// request down its direct path (its state lives while the request is outstanding).
+    /// The request's channel recorded itself with [`record_channel`](Self::record_channel)
+    /// when it sent the request down its direct path (its state lives while the request is
+    /// outstanding).
     #[inline(always)]
-    pub unsafe fn with_recorded_channel<R>(self, f: impl FnOnce(&Channel, BdevIo) -> R) -> R {
-        let c = self.ctx().chan();
+    pub unsafe fn with_recorded_channel<R>(self, f: impl FnOnce(&M::Channel, BdevIo<M>) -> R) -> R {
+        // SAFETY: initialized by `submitted`; only this handle reaches it.
+        let c = unsafe { (*self.area()).chan };
         debug_assert!(
             !c.is_null(),
             "no channel recorded for a direct-path request"
@@ -238,12 +264,12 @@ impl BdevIo {
 
     /// Calls `f` with the state of the channel the request was submitted on (on its
     /// thread) and the request.
-    pub fn with_channel<R>(self, f: impl FnOnce(&Channel, BdevIo) -> R) -> R {
+    pub fn with_channel<R>(self, f: impl FnOnce(&M::Channel, BdevIo<M>) -> R) -> R {
         // SAFETY: live bdev_io; its channel is one of our bdev's, whose state lives while the
         // request is outstanding and, once `f` completes it, until SPDK's deferred release
         // of the channel, after `f` returned.
         let c = unsafe {
-            io_channel::state_of(io_channel::ctx_of(sys::spdk_bdev_io_get_io_channel(
+            io_channel::state_of::<M>(io_channel::ctx_of(sys::spdk_bdev_io_get_io_channel(
                 self.0.as_ptr(),
             )))
         };
@@ -258,11 +284,15 @@ impl BdevIo {
 
     /// Visits every channel of the request's bdev on its own thread with `each`, then calls
     /// `done` with the request and the status on this thread (a reset).
-    pub fn for_each_channel(self, each: fn(ChannelIter, &mut BdevIo), done: fn(BdevIo, c_int)) {
+    pub fn for_each_channel(
+        self,
+        each: fn(ChannelIter<M>, &mut BdevIo<M>),
+        done: fn(BdevIo<M>, c_int),
+    ) {
         let node = self.bdev_ctxt();
         // SAFETY: `bdev.ctxt` is our node, which is the io_device, registered while the bdev
         // has I/O (this one).
-        unsafe { io_channel::for_each_channel(node, self, each, done) };
+        unsafe { io_channel::for_each_channel::<M, _>(node, self, each, done) };
     }
 
     /// Completes the bdev_io with `status` (`SPDK_BDEV_IO_STATUS_*`). Consumes the handle.
@@ -274,8 +304,8 @@ impl BdevIo {
 }
 
 /// `fn_table.submit_request`: hands a new request and its channel to
-/// [`channel::submit_request`].
-pub(crate) unsafe extern "C" fn submit_request(
+/// [`Requests::submit_request`].
+pub(super) unsafe extern "C" fn submit_request<M: Requests>(
     ch: *mut sys::spdk_io_channel,
     bdev_io: *mut sys::spdk_bdev_io,
 ) {
@@ -283,28 +313,28 @@ pub(crate) unsafe extern "C" fn submit_request(
     // a live bdev_io submitted to it, seen here first.
     let (c, io) = unsafe {
         (
-            io_channel::state_of(io_channel::ctx_of(ch)),
-            BdevIo::submitted(bdev_io, IoCtx::NEW),
+            io_channel::state_of::<M>(io_channel::ctx_of(ch)),
+            BdevIo::<M>::submitted(bdev_io, M::NEW_CTX),
         )
     };
     if let Some(io) = io {
-        channel::submit_request(c, io);
+        M::submit_request(c, io);
     }
 }
 
 /// Where [`BdevIo::get_buf`] continues.
-pub trait BufDone {
+pub trait BufDone<M: BdevTypes> {
     /// The buffer is attached (`success`), or SPDK could not attach one.
-    fn buf_done(io: BdevIo, success: bool);
+    fn buf_done(io: BdevIo<M>, success: bool);
 }
 
-unsafe extern "C" fn buf_done<D: BufDone>(
+unsafe extern "C" fn buf_done<M: BdevTypes, D: BufDone<M>>(
     _ch: *mut sys::spdk_io_channel,
     bdev_io: *mut sys::spdk_bdev_io,
     success: bool,
 ) {
     // SAFETY: SPDK hands back the bdev_io `get_buf` gave up.
-    if let Some(io) = unsafe { BdevIo::from_raw(bdev_io) } {
+    if let Some(io) = unsafe { BdevIo::<M>::from_raw(bdev_io) } {
         D::buf_done(io, success);
     }
 }
@@ -364,24 +394,34 @@ impl IovView {
 /// bdev_ios linked through their driver areas, first in first out, without allocating.
 /// Holds its requests as handles do: each is taken out exactly once. Changed through `&self`
 /// (a channel or the owner keeps it in place), like a `Cell`.
-#[derive(Debug)]
-pub struct IoQueue {
+pub struct IoQueue<M: BdevTypes> {
     head: Cell<*mut sys::spdk_bdev_io>,
     tail: Cell<*mut sys::spdk_bdev_io>,
+    _types: PhantomData<M>,
 }
 
-impl Default for IoQueue {
-    fn default() -> IoQueue {
+impl<M: BdevTypes> std::fmt::Debug for IoQueue<M> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("IoQueue")
+            .field("head", &self.head)
+            .field("tail", &self.tail)
+            .finish()
+    }
+}
+
+impl<M: BdevTypes> Default for IoQueue<M> {
+    fn default() -> IoQueue<M> {
         IoQueue::new()
     }
 }
 
-impl IoQueue {
+impl<M: BdevTypes> IoQueue<M> {
     /// An empty queue.
-    pub const fn new() -> IoQueue {
+    pub const fn new() -> IoQueue<M> {
         IoQueue {
             head: Cell::new(std::ptr::null_mut()),
             tail: Cell::new(std::ptr::null_mut()),
+            _types: PhantomData,
         }
     }
 
@@ -392,7 +432,7 @@ impl IoQueue {
     }
 
     /// Appends `io`.
-    pub fn push(&self, io: BdevIo) {
+    pub fn push(&self, io: BdevIo<M>) {
         // SAFETY: the area of a live bdev_io we hold.
         unsafe { (*io.area()).next = std::ptr::null_mut() };
         let p = io.into_raw();
@@ -401,7 +441,7 @@ impl IoQueue {
             self.head.set(p);
         } else {
             // SAFETY: the tail is a live bdev_io of this queue.
-            unsafe { (*BdevIo(NonNull::new_unchecked(tail)).area()).next = p };
+            unsafe { (*BdevIo::<M>(NonNull::new_unchecked(tail), PhantomData).area()).next = p };
         }
         self.tail.set(p);
     }
@@ -411,7 +451,7 @@ impl IoQueue {
     /// it went.
     ///
     #[inline(always)]
-    pub fn send<R: QueueReceiver>(&self, thread: Thread) -> bool {
+    pub fn send<R: QueueReceiver<M>>(&self, thread: Thread) -> bool {
         if self.is_empty() {
             return false;
         }
@@ -419,12 +459,12 @@ impl IoQueue {
     }
 
     /// As [`send`](Self::send), for a queue that is not empty.
-    fn send_now<R: QueueReceiver>(&self, thread: Thread) -> bool {
+    fn send_now<R: QueueReceiver<M>>(&self, thread: Thread) -> bool {
         let head = self.head.get();
         // SAFETY: `thread` is live (the invariant of `Thread`); `receive` takes the queue
         // over, and the bdev_ios in it may move threads (SPDK completes them on theirs).
         let rc =
-            unsafe { sys::spdk_thread_send_msg(thread.raw(), Some(receive::<R>), head.cast()) };
+            unsafe { sys::spdk_thread_send_msg(thread.raw(), Some(receive::<M, R>), head.cast()) };
         if rc != 0 {
             return false;
         }
@@ -435,19 +475,19 @@ impl IoQueue {
 }
 
 /// The end of an [`IoQueue::send`].
-pub trait QueueReceiver {
+pub trait QueueReceiver<M: BdevTypes> {
     /// Takes the queue's requests over, on the thread they were sent to.
-    fn receive(q: Arrived);
+    fn receive(q: Arrived<M>);
 }
 
 /// The requests of a queue that arrived with a message, in order.
-pub struct Arrived(*mut sys::spdk_bdev_io);
+pub struct Arrived<M: BdevTypes>(*mut sys::spdk_bdev_io, PhantomData<M>);
 
-impl Iterator for Arrived {
-    type Item = BdevIo;
+impl<M: BdevTypes> Iterator for Arrived<M> {
+    type Item = BdevIo<M>;
 
     /// The next request (its successor is read first, so it may be completed at once).
-    fn next(&mut self) -> Option<BdevIo> {
+    fn next(&mut self) -> Option<BdevIo<M>> {
         // SAFETY: the head, if any, is a live bdev_io of the queue `send` gave up; each is
         // taken out once.
         let io = unsafe { BdevIo::from_raw(self.0) }?;
@@ -457,8 +497,8 @@ impl Iterator for Arrived {
     }
 }
 
-unsafe extern "C" fn receive<R: QueueReceiver>(head: *mut c_void) {
-    R::receive(Arrived(head.cast()));
+unsafe extern "C" fn receive<M: BdevTypes, R: QueueReceiver<M>>(head: *mut c_void) {
+    R::receive(Arrived(head.cast(), PhantomData));
 }
 
 /// A base bdev as the direct path sees it: its descriptor and this thread's channel of it,
@@ -503,12 +543,12 @@ impl DirectTarget {
     /// SPDK's bdev layer checks the device's bounds, as for every request), or SPDK refused
     /// (`ENOMEM`: its bdev_io pool is empty).
     #[inline(always)]
-    pub fn submit<D: ChildDone>(
+    pub fn submit<M: BdevTypes, D: ChildDone<M>>(
         &self,
-        io: BdevIo,
+        io: BdevIo<M>,
         write: bool,
         host: u64,
-    ) -> Result<(), (BdevIo, i32)> {
+    ) -> Result<(), (BdevIo<M>, i32)> {
         let len = io.len_bytes();
         // Shifts and one mask (this runs on every direct request); a block size not a power
         // of two fails the mask.
@@ -533,7 +573,7 @@ impl DirectTarget {
                 iovcnt,
                 offset_blocks,
                 len_blocks,
-                Some(child_done::<D>),
+                Some(child_done::<M, D>),
                 io.0.as_ptr().cast(),
             )
         };
@@ -547,12 +587,12 @@ impl DirectTarget {
 }
 
 /// Where a [`DirectTarget::submit`] continues.
-pub trait ChildDone {
+pub trait ChildDone<M: BdevTypes> {
     /// The child I/O completed (`success`); `io` is the guest request.
-    fn child_done(io: BdevIo, success: bool);
+    fn child_done(io: BdevIo<M>, success: bool);
 }
 
-unsafe extern "C" fn child_done<D: ChildDone>(
+unsafe extern "C" fn child_done<M: BdevTypes, D: ChildDone<M>>(
     child: *mut sys::spdk_bdev_io,
     success: bool,
     arg: *mut c_void,
@@ -560,7 +600,7 @@ unsafe extern "C" fn child_done<D: ChildDone>(
     // SAFETY: SPDK hands back the child bdev_io of `submit`; freed once, here.
     unsafe { sys::spdk_bdev_free_io(child) };
     // SAFETY: `arg` is the guest bdev_io `submit` gave up.
-    if let Some(io) = unsafe { BdevIo::from_raw(arg.cast()) } {
+    if let Some(io) = unsafe { BdevIo::<M>::from_raw(arg.cast()) } {
         D::child_done(io, success);
     }
 }

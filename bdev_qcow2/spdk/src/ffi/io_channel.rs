@@ -2,33 +2,18 @@
 
 use super::sys;
 use super::thread::{self, Homed, Thread};
-use crate::channel::Channel;
-use crate::node::Node;
+use super::types::BdevTypes;
 use std::ffi::{c_int, c_void, CStr};
+use std::marker::PhantomData;
 
-/// A reference to a channel of some io_device (a base bdev's channel), put back on drop.
-/// Must be dropped on the thread that got it.
-pub struct ChannelRef(*mut sys::spdk_io_channel);
-
-impl ChannelRef {
-    /// Gets this thread's channel of the bdev open as `desc`; `None` if SPDK refused.
-    pub fn of_bdev(desc: &super::bdev::Desc) -> Option<ChannelRef> {
-        // SAFETY: `desc` is open; the call runs on an SPDK thread.
-        let ch = unsafe { sys::spdk_bdev_get_io_channel(desc.raw()) };
-        (!ch.is_null()).then_some(ChannelRef(ch))
-    }
-
-    /// The raw channel (for I/O submission).
-    pub fn raw(&self) -> *mut sys::spdk_io_channel {
-        self.0
-    }
-}
-
-impl Drop for ChannelRef {
-    fn drop(&mut self) {
-        // SAFETY: the reference was obtained on this thread and is put back once.
-        unsafe { sys::spdk_put_io_channel(self.0) }
-    }
+/// How module `M`'s channel states are made and let go (SPDK's `create_cb` and
+/// `destroy_cb` of its io_devices, its nodes).
+pub trait Channels: BdevTypes {
+    /// This thread's channel state of `node` (its poller is started by the caller).
+    fn create_channel(node: &Self::Node) -> Result<Box<Self::Channel>, i32>;
+    /// SPDK put the channel: whether the state can be freed now (else its poll finishes it
+    /// once idle).
+    fn release_channel(c: &Self::Channel) -> bool;
 }
 
 /// The channel state behind a context area of one of our channels (what `create_cb` stored).
@@ -36,83 +21,79 @@ impl Drop for ChannelRef {
 /// # Safety
 /// `ctx` is the context area of a live channel of one of our nodes; the state outlives the
 /// returned reference (it lives while the channel has requests or is open).
-pub(crate) unsafe fn state_of<'a>(ctx: *mut c_void) -> &'a Channel {
+pub(super) unsafe fn state_of<'a, M: BdevTypes>(ctx: *mut c_void) -> &'a M::Channel {
     // SAFETY: per the contract; `create_cb` stored a live state pointer there.
-    unsafe { &**ctx.cast::<*const Channel>() }
+    unsafe { &**ctx.cast::<*const M::Channel>() }
 }
 
 /// The context area of a live channel.
 ///
 /// # Safety
 /// `ch` must be a live channel of one of our io_devices.
-pub(crate) unsafe fn ctx_of(ch: *mut sys::spdk_io_channel) -> *mut c_void {
+pub(super) unsafe fn ctx_of(ch: *mut sys::spdk_io_channel) -> *mut c_void {
     // SAFETY: per the contract.
     unsafe { sys::io_channel_get_ctx(ch) }
 }
 
-impl Homed<Channel> {
-    /// A handle to the channel state `state` (from [`Channel::create`], on the calling
-    /// thread), for a request that leaves the thread and comes back while the channel waits
-    /// for it (`None` outside SPDK threads).
+impl<S> Homed<S> {
+    /// A handle to the channel state `state` (from [`Channels::create_channel`], on the
+    /// calling thread), for a request that leaves the thread and comes back while the
+    /// channel waits for it (`None` outside SPDK threads).
     ///
     /// # Safety
     /// `state` is boxed and outlives every request carrying the handle: channel states are
     /// freed only once released and idle (`destroy_cb`, or their poll), and a request
     /// carrying the handle keeps the channel busy (its replica waits for it) until it returns.
-    pub unsafe fn channel(state: &Channel) -> Option<Homed<Channel>> {
+    pub unsafe fn channel(state: &S) -> Option<Homed<S>> {
         let home = Thread::current()?;
         // SAFETY: per the contract.
         Some(unsafe { Homed::new(state, home) })
     }
 }
 
-unsafe extern "C" fn create_cb(io_device: *mut c_void, ctx: *mut c_void) -> c_int {
+unsafe extern "C" fn create_cb<M: Channels>(io_device: *mut c_void, ctx: *mut c_void) -> c_int {
     // SAFETY: our io_devices are nodes, live while channels exist.
-    let node = unsafe { &*io_device.cast::<Node>() };
-    let state = match new_state(node) {
+    let node = unsafe { &*io_device.cast::<M::Node>() };
+    let state = match new_state::<M>(node) {
         Ok(s) => s,
         Err(e) => return -e,
     };
     // SAFETY: the context area has room for one pointer (size given at registration).
-    unsafe { *ctx.cast::<*const Channel>() = state };
+    unsafe { *ctx.cast::<*const M::Channel>() = state };
     0
 }
 
-/// A channel state of `node` on this thread, built from the node's fields while no switch
-/// changes them (`Node::switching`), its poller started.
-fn new_state(node: &Node) -> Result<*const Channel, i32> {
-    let state = {
-        let _g = node.switching.lock().unwrap_or_else(|e| e.into_inner());
-        Channel::create(node)?
-    };
+/// A channel state of `node` on this thread, its poller started.
+fn new_state<M: Channels>(node: &M::Node) -> Result<*const M::Channel, i32> {
+    let state = M::create_channel(node)?;
     // Dropped on failure: nothing is in flight except the open task, which its executor drops.
-    thread::start(state, c"qcow2_channel").map_err(|_| libc::ENOMEM)
+    thread::start(state, M::CHANNEL_POLLER).map_err(|_| libc::ENOMEM)
 }
 
-unsafe extern "C" fn destroy_cb(_io_device: *mut c_void, ctx: *mut c_void) {
+unsafe extern "C" fn destroy_cb<M: Channels>(_io_device: *mut c_void, ctx: *mut c_void) {
     // SAFETY: the area holds the state `create_cb` stored, live until finished.
-    let state = unsafe { *ctx.cast::<*const Channel>() };
+    let state = unsafe { *ctx.cast::<*const M::Channel>() };
     // SAFETY: as just said.
-    if unsafe { &*state }.release() {
+    if M::release_channel(unsafe { &*state }) {
         // SAFETY: idle: nothing refers to the state any more; finished once (its poll
         // finishes only states that were released, and this one is gone now).
         unsafe { thread::stop(state) };
     }
 }
 
-/// Registers `node` as an io_device whose channels each get a [`Channel`] state, named
-/// `name`.
+/// Registers `node` (a `M::Node` at that address) as an io_device whose channels each get
+/// a `M::Channel` state, named `name`.
 ///
 /// # Safety
 /// `node` must stay valid until the unregister callback of [`unregister_device`].
-pub(super) unsafe fn register_device(node: *const Node, name: &CStr) {
+pub(super) unsafe fn register_device<M: Channels>(node: *const c_void, name: &CStr) {
     // SAFETY: per the contract; SPDK copies `name`.
     unsafe {
         sys::spdk_io_device_register(
-            node.cast_mut().cast(),
-            Some(create_cb),
-            Some(destroy_cb),
-            std::mem::size_of::<*const Channel>() as u32,
+            node.cast_mut(),
+            Some(create_cb::<M>),
+            Some(destroy_cb::<M>),
+            std::mem::size_of::<*const M::Channel>() as u32,
             name.as_ptr(),
         )
     }
@@ -132,15 +113,15 @@ pub(super) unsafe fn unregister_device(
 
 /// One step of [`for_each_channel`]: the channel being visited. Must be continued exactly
 /// once with [`ChannelIter::next`] — now or later, on the channel's thread.
-pub struct ChannelIter(*mut sys::spdk_io_channel_iter);
+pub struct ChannelIter<M: BdevTypes>(*mut sys::spdk_io_channel_iter, PhantomData<M>);
 
-impl ChannelIter {
+impl<M: Channels> ChannelIter<M> {
     /// Calls `f` with the visited channel's state and the iterator (which `f` continues,
     /// or keeps in the state to continue later).
-    pub fn with_channel<R>(self, f: impl FnOnce(&Channel, ChannelIter) -> R) -> R {
+    pub fn with_channel<R>(self, f: impl FnOnce(&M::Channel, ChannelIter<M>) -> R) -> R {
         // SAFETY: the iterator is live until continued; the channel it names is one of our
         // node's, whose state lives at least until the iteration moves past it.
-        let c = unsafe { state_of(ctx_of(sys::spdk_io_channel_iter_get_channel(self.0))) };
+        let c = unsafe { state_of::<M>(ctx_of(sys::spdk_io_channel_iter_get_channel(self.0))) };
         f(c, self)
     }
 
@@ -154,17 +135,17 @@ impl ChannelIter {
         // state pointer (`create_cb`), which only this thread replaces.
         let (node, ctx) = unsafe {
             (
-                &*sys::spdk_io_channel_iter_get_io_device(self.0).cast::<Node>(),
-                ctx_of(sys::spdk_io_channel_iter_get_channel(self.0)).cast::<*const Channel>(),
+                &*sys::spdk_io_channel_iter_get_io_device(self.0).cast::<M::Node>(),
+                ctx_of(sys::spdk_io_channel_iter_get_channel(self.0)).cast::<*const M::Channel>(),
             )
         };
-        let status = match new_state(node) {
+        let status = match new_state::<M>(node) {
             Ok(new) => {
                 // SAFETY: as above; requests already carry the state they were submitted
                 // to (the old one stays until they completed), new ones find the new one.
                 let old = unsafe { std::ptr::replace(ctx, new) };
                 // SAFETY: live until finished, which only its poll or this does.
-                if unsafe { &*old }.release() {
+                if M::release_channel(unsafe { &*old }) {
                     // SAFETY: idle and no longer reachable from the channel: finished once.
                     unsafe { thread::stop(old) };
                 }
@@ -182,22 +163,23 @@ impl ChannelIter {
     }
 }
 
-struct IterState<C> {
-    each: fn(ChannelIter, &mut C),
+struct IterState<M: BdevTypes, C> {
+    each: fn(ChannelIter<M>, &mut C),
     done: fn(C, c_int),
     ctx: C,
 }
 
-unsafe extern "C" fn iter_each<C>(i: *mut sys::spdk_io_channel_iter) {
-    // SAFETY: the iteration context is the `IterState<C>` leaked by `for_each_channel`, alive
-    // until `iter_done`; steps run one at a time, so this is the only reference.
-    let st = unsafe { &mut *sys::spdk_io_channel_iter_get_ctx(i).cast::<IterState<C>>() };
-    (st.each)(ChannelIter(i), &mut st.ctx);
+unsafe extern "C" fn iter_each<M: BdevTypes, C>(i: *mut sys::spdk_io_channel_iter) {
+    // SAFETY: the iteration context is the `IterState<M, C>` leaked by `for_each_channel`,
+    // alive until `iter_done`; steps run one at a time, so this is the only reference.
+    let st = unsafe { &mut *sys::spdk_io_channel_iter_get_ctx(i).cast::<IterState<M, C>>() };
+    (st.each)(ChannelIter(i, PhantomData), &mut st.ctx);
 }
 
-unsafe extern "C" fn iter_done<C>(i: *mut sys::spdk_io_channel_iter, status: c_int) {
+unsafe extern "C" fn iter_done<M: BdevTypes, C>(i: *mut sys::spdk_io_channel_iter, status: c_int) {
     // SAFETY: as in `iter_each`; this is the last use, so ownership is taken back.
-    let st = unsafe { Box::from_raw(sys::spdk_io_channel_iter_get_ctx(i).cast::<IterState<C>>()) };
+    let st =
+        unsafe { Box::from_raw(sys::spdk_io_channel_iter_get_ctx(i).cast::<IterState<M, C>>()) };
     (st.done)(st.ctx, status);
 }
 
@@ -206,13 +188,20 @@ unsafe extern "C" fn iter_done<C>(i: *mut sys::spdk_io_channel_iter, status: c_i
 ///
 /// # Safety
 /// `io_device` must be registered and stay so until `done` runs.
-pub(super) unsafe fn for_each_channel<C: 'static>(
+pub(super) unsafe fn for_each_channel<M: BdevTypes, C: 'static>(
     io_device: *mut c_void,
     ctx: C,
-    each: fn(ChannelIter, &mut C),
+    each: fn(ChannelIter<M>, &mut C),
     done: fn(C, c_int),
 ) {
     let st = Box::into_raw(Box::new(IterState { each, done, ctx })).cast::<c_void>();
     // SAFETY: per the contract; `st` is reclaimed by `iter_done`.
-    unsafe { sys::spdk_for_each_channel(io_device, Some(iter_each::<C>), st, Some(iter_done::<C>)) }
+    unsafe {
+        sys::spdk_for_each_channel(
+            io_device,
+            Some(iter_each::<M, C>),
+            st,
+            Some(iter_done::<M, C>),
+        )
+    }
 }

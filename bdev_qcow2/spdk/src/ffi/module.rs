@@ -1,9 +1,12 @@
-//! The bdev module's descriptor (linked into SPDK's list at load time by `register.c`) and
-//! the calls SPDK makes on it, which go to `crate::module`.
+//! The bdev module's descriptor and the calls SPDK makes on it. The descriptor is a
+//! `#[no_mangle]` static that `register.c` links into SPDK's module list at load time; the
+//! module defines it with [`bdev_module!`](crate::bdev_module), next to its hooks
+//! ([`ModuleHooks`]), and this file reaches it by that symbol.
 
+use super::bdev_io::{driver_ctx_size, Requests};
 use super::sys;
 use std::cell::UnsafeCell;
-use std::ffi::c_int;
+use std::ffi::{c_int, CStr};
 
 /// The module descriptor SPDK links into its module list (it writes its own bookkeeping
 /// into the `internal` fields, hence the cell).
@@ -14,39 +17,76 @@ pub struct ModuleCell(UnsafeCell<sys::spdk_bdev_module>);
 // thread); Rust code only takes the address.
 unsafe impl Sync for ModuleCell {}
 
-/// The `qcow2` bdev module, registered by `SPDK_BDEV_MODULE_REGISTER` in `register.c`.
-#[no_mangle]
-pub static BDEV_QCOW2_MODULE: ModuleCell = ModuleCell(UnsafeCell::new(sys::spdk_bdev_module {
-    module_init: Some(module_init),
-    module_fini: Some(module_fini),
-    name: c"qcow2".as_ptr(),
-    get_ctx_size: Some(get_ctx_size),
-    examine_config: Some(examine_config),
-    // SAFETY: the remaining members are optional callbacks (zero is `None`), flags (false)
-    // and SPDK's internal bookkeeping, which `spdk_bdev_module_list_add` initializes.
-    ..unsafe { std::mem::zeroed() }
-}));
+/// What SPDK's calls on the module do.
+pub trait ModuleHooks {
+    /// `module_init`; returns 0 or a negative errno.
+    fn init() -> i32;
+    /// `module_fini`.
+    fn fini();
+    /// `examine_config` (a bdev appeared); ends with one [`examine_done`].
+    fn examine_config();
+}
+
+impl ModuleCell {
+    /// The descriptor of module `name`: SPDK's calls go to `H`, and its bdev_ios carry the
+    /// driver area of `M`'s requests.
+    pub const fn new<H: ModuleHooks, M: Requests>(name: &'static CStr) -> ModuleCell {
+        ModuleCell(UnsafeCell::new(sys::spdk_bdev_module {
+            module_init: Some(module_init::<H>),
+            module_fini: Some(module_fini::<H>),
+            name: name.as_ptr(),
+            get_ctx_size: Some(get_ctx_size::<M>),
+            examine_config: Some(examine_config::<H>),
+            // SAFETY: the remaining members are optional callbacks (zero is `None`), flags
+            // (false) and SPDK's internal bookkeeping, which `spdk_bdev_module_list_add`
+            // initializes.
+            ..unsafe { std::mem::zeroed() }
+        }))
+    }
+}
+
+/// Defines the module descriptor `BDEV_QCOW2_MODULE` that `register.c` registers (with
+/// `SPDK_BDEV_MODULE_REGISTER`), named `$name`, its calls going to `$hooks` and its
+/// requests being `$types`'.
+#[macro_export]
+macro_rules! bdev_module {
+    ($name:expr, $hooks:ty, $types:ty) => {
+        /// The bdev module, registered by `SPDK_BDEV_MODULE_REGISTER` in `register.c`.
+        #[no_mangle]
+        pub static BDEV_QCOW2_MODULE: $crate::ffi::module::ModuleCell =
+            $crate::ffi::module::ModuleCell::new::<$hooks, $types>($name);
+    };
+}
+
+extern "C" {
+    /// The descriptor [`bdev_module!`](crate::bdev_module) defines.
+    #[link_name = "BDEV_QCOW2_MODULE"]
+    static MODULE: ModuleCell;
+}
 
 /// Our module, for claims and bdev registration (registered at load time).
 pub fn module_ptr() -> *mut sys::spdk_bdev_module {
-    BDEV_QCOW2_MODULE.0.get()
+    // SAFETY: the descriptor is a static defined once by `bdev_module!` (the crate invokes
+    // it); only its address is taken here.
+    unsafe { MODULE.0.get() }
 }
 
-unsafe extern "C" fn module_init() -> c_int {
-    crate::module::init()
+unsafe extern "C" fn module_init<H: ModuleHooks>() -> c_int {
+    H::init()
 }
 
-unsafe extern "C" fn module_fini() {
-    crate::module::fini()
+unsafe extern "C" fn module_fini<H: ModuleHooks>() {
+    H::fini()
 }
 
-unsafe extern "C" fn get_ctx_size() -> c_int {
-    // Each bdev_io's module area: its queue link and the per-I/O context (`io_ctx.rs`).
-    super::bdev_io::DRIVER_CTX_SIZE as c_int
+unsafe extern "C" fn get_ctx_size<M: Requests>() -> c_int {
+    // Each bdev_io's module area: its queue link, its recorded channel and the per-I/O
+    // context.
+    driver_ctx_size::<M>() as c_int
 }
 
-unsafe extern "C" fn examine_config(_bdev: *mut sys::spdk_bdev) {
-    crate::module::examine_config()
+unsafe extern "C" fn examine_config<H: ModuleHooks>(_bdev: *mut sys::spdk_bdev) {
+    H::examine_config()
 }
 
 /// Tells SPDK that one `examine_config` call of ours is over.

@@ -1,35 +1,66 @@
 //! A node's life as SPDK sees it: leaked at registration (its address is the io_device and
 //! the bdev's `ctxt`), handed back to teardown on its md thread, freed there. The raw node
-//! pointer stays in this file; `crate::node` drives the steps, in their order, through the
-//! handles here:
+//! pointer stays in this file; the module drives the steps, in their order, through the
+//! handles here and the hooks of [`Nodes`]:
 //!
-//! - [`register`] gives a [`Registered`] handle, which the registry keeps;
-//! - SPDK's destruct takes it out of the registry and consumes it
+//! - [`register`] gives a [`Registered`] handle, which the module's registry keeps;
+//! - SPDK's destruct ([`Nodes::destruct`]) takes it out of the registry and consumes it
 //!   ([`Registered::unregister_device`]);
 //! - once the last channel is gone, an [`Unregistered`] handle reaches
-//!   `crate::node::channels_gone` (any thread), which moves to the md thread
+//!   [`Nodes::channels_gone`] (any thread), which moves to the md thread
 //!   ([`Unregistered::on_md_thread`]), where an [`MdNode`] closes the owner, then the
 //!   descriptors, and ends destruct ([`MdNode::destruct_done`]).
 //!
-//! The metadata owner a writable node holds goes the same way: an [`OwnerBox`] from
-//! [`OwnerBox::start`] until the node takes it, and back out of the node once its channels
-//! are gone, to be closed once on the md thread.
+//! The metadata owner a writable node holds goes the same way: an
+//! [`OwnerBox`](super::types::OwnerBox) until the node takes it, and back out of the node
+//! once its channels are gone, to be closed once on the md thread.
 
-use super::bdev::{self, Desc, Props};
+use super::bdev::{self, Props};
+use super::bdev_io::{self, Requests};
 use super::io_channel::{self, ChannelIter};
 use super::sys;
-use super::thread::{Homed, Thread};
-use crate::device::SpdkDevice;
-use crate::node::{ImageInfo, Node};
-use crate::owner::{Owner, OwnerCounters};
-use crate::params::CreateParams;
-use qcow2_engine::{Chain, CoreSeed, DevId, Exec};
-use std::ffi::{c_int, c_void};
+use super::thread::Thread;
+use super::types::{BdevTypes, OwnerBox, Switching};
+use std::ffi::{c_int, c_void, CString};
 use std::marker::PhantomData;
 use std::ptr::NonNull;
-use std::rc::Rc;
-use std::sync::atomic::AtomicUsize;
-use std::sync::Arc;
+
+/// What SPDK's calls on module `M`'s bdevs do, and what an image switch changes.
+pub trait Nodes: Requests {
+    /// What [`Registered::switch_image`] puts under a node in place of its image.
+    type Image;
+    /// SPDK's `destruct` of the bdev of node `key` (unregistered and unused): teardown
+    /// begins ([`Registered::unregister_device`]).
+    fn destruct(key: NodeKey);
+    /// Teardown: the node's last channel is gone (any thread).
+    fn channels_gone(node: Unregistered<Self>);
+    /// A node whose bdev failed to register, back once its io_device is gone (on the md
+    /// thread), with its owner.
+    fn never_registered(node: Self::Node, owner: Option<OwnerBox<Self>>);
+    /// SPDK's `io_type_supported`.
+    fn io_type_supported(node: &Self::Node, ty: sys::spdk_bdev_io_type) -> bool;
+    /// What `dump_info_json` writes (under `"qcow2"`).
+    fn info_json(node: &Self::Node) -> serde_json::Value;
+    /// The calls `write_config_json` writes.
+    fn config_json(node: &Self::Node) -> Vec<serde_json::Value>;
+    /// Puts `new` under `node` in place of its image and returns the former one (`Err`:
+    /// `new` back, refused); the token lets the node's owner back into its box.
+    fn swap_image(
+        node: &mut Self::Node,
+        new: Box<Self::Image>,
+        token: &Switching,
+    ) -> Result<Box<Self::Image>, Box<Self::Image>>;
+}
+
+/// A node as SPDK holds it: the module's node first (so the address of this is also the
+/// node's: the io_device and the bdev's `ctxt`), then SPDK's bdev and its name. Only
+/// reached through raw places: SPDK writes the bdev while others read the node.
+#[repr(C)]
+struct NodeCell<M: BdevTypes> {
+    node: M::Node,
+    bdev: sys::spdk_bdev,
+    name: CString,
+}
 
 /// Names a node (by address) for look-ups in the registry, without giving access to it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -45,37 +76,38 @@ impl NodeKey {
 /// A registered node: the one handle to it from [`register`] until teardown consumes it
 /// ([`Registered::unregister_device`]). Neither `Clone` nor `Copy`, so while it exists the
 /// node is live; the registry keeps it.
-pub struct Registered(NonNull<Node>);
+pub struct Registered<M: BdevTypes>(NonNull<NodeCell<M>>);
 
 // SAFETY: a registered node is shared by every SPDK thread (its channels read it); what
 // changes (SPDK's `bdev`, the descriptors and owner at teardown) is not reached through
 // this handle except the owner, and only on the md thread (`owner_here`).
-unsafe impl Send for Registered {}
+unsafe impl<M: BdevTypes> Send for Registered<M> {}
 
-impl Registered {
+impl<M: Nodes> Registered<M> {
     /// The key that finds this node again.
     pub fn key(&self) -> NodeKey {
         NodeKey::of(self.0.as_ptr().cast())
     }
 
     /// The node.
-    pub fn node(&self) -> &Node {
+    pub fn node(&self) -> &M::Node {
         // SAFETY: a node is freed only by teardown, which begins by consuming this handle.
-        unsafe { self.0.as_ref() }
+        unsafe { &(*self.0.as_ptr()).node }
     }
 
     /// A writable node's metadata owner, if the caller runs on the md thread (the only one
     /// that may use it); `None` otherwise, or for a read-only node.
-    pub fn owner_here(&self) -> Option<&Owner> {
+    pub fn owner_here(&self) -> Option<&M::Owner> {
         let n = self.node();
-        if n.owner.is_null() || !n.md_thread.is_some_and(Thread::is_current) {
+        let o = M::owner(n).raw();
+        if o.is_null() || !M::md_thread(n).is_some_and(Thread::is_current) {
             return None;
         }
         // SAFETY: the owner is set before registration and freed by teardown after this
         // handle is consumed, on the md thread — the calling thread, so not meanwhile. The
         // reference is not `Send` (the owner is not `Sync`): it stays on this thread.
-        let o = unsafe { &*n.owner };
-        o.wake();
+        let o = unsafe { &*o };
+        M::wake(o);
         Some(o)
     }
 
@@ -99,38 +131,22 @@ impl Registered {
     }
 
     /// Puts `new` under the node in place of its image (an external snapshot: the bdev
-    /// goes on under the same name over another image): descriptors, owner, replica seed,
-    /// parameters, header information, and the count of channel states built from them.
-    /// Returns the former ones, or `new` back when the caller is not on the md thread of a
-    /// writable node. The caller quiesced the bdev (no request in flight) and then moves
-    /// every channel onto a state built from the new image ([`ChannelIter::renew_state`]);
-    /// the former owner is closed once the former states are gone.
-    pub fn switch_image(&self, new: Box<Image>) -> Result<Box<Image>, Box<Image>> {
-        let p = self.0.as_ptr();
-        if self.owner_here().is_none() || new.owner.is_none() {
+    /// goes on under the same name over another image), through [`Nodes::swap_image`].
+    /// Returns the former one, or `new` back when the caller is not on the md thread of a
+    /// writable node (or the swap refused). The caller quiesced the bdev (no request in
+    /// flight) and then moves every channel onto a state built from the new image
+    /// ([`ChannelIter::renew_state`]); the former owner is closed once the former states
+    /// are gone.
+    pub fn switch_image(&self, new: Box<M::Image>) -> Result<Box<M::Image>, Box<M::Image>> {
+        if self.owner_here().is_none() {
             return Err(new);
         }
         // SAFETY: the node is live while this handle exists. Its fields are read by channel
-        // creation on any thread, which holds `switching` (not written here), and by this
-        // (md) thread; the owner only on the md thread. No request is in flight (quiesced).
-        unsafe {
-            let _g = (*p).switching.lock().unwrap_or_else(|e| e.into_inner());
-            let owner = new.owner.map_or(std::ptr::null_mut(), OwnerBox::into_node);
-            let old_owner = std::mem::replace(&mut (*p).owner, owner);
-            // The new image names its backing (the old one): nothing was dropped from it.
-            (*p).backing_dropped
-                .store(false, std::sync::atomic::Ordering::Release);
-            Ok(Box::new(Image {
-                base: std::mem::replace(&mut (*p).base, new.base),
-                backing: std::mem::replace(&mut (*p).backing, new.backing),
-                // Started on this thread (the md thread) and given to no other box.
-                owner: OwnerBox::from_raw(old_owner),
-                seed: std::mem::replace(&mut (*p).seed, new.seed),
-                params: std::mem::replace(&mut (*p).params, new.params),
-                info: std::mem::replace(&mut (*p).info, new.info),
-                live_channels: std::mem::replace(&mut (*p).live_channels, new.live_channels),
-            }))
-        }
+        // creation on any thread, which holds the node's switch lock (`swap_image` takes it
+        // to write them), and by this (md) thread; the owner only on the md thread. No
+        // request is in flight (quiesced).
+        let node = unsafe { &mut (*self.0.as_ptr()).node };
+        M::swap_image(node, new, &Switching(()))
     }
 
     /// Quiesces the bdev (`spdk_bdev_quiesce`): once every request in flight has completed,
@@ -147,10 +163,8 @@ impl Registered {
 
     fn quiesce_call(&self, quiesce: bool, done: Box<dyn FnOnce(c_int)>) {
         let ctx = Box::into_raw(Box::new(done)).cast::<c_void>();
-        let bdev = std::ptr::addr_of_mut!(
-            // SAFETY: the node is live while this handle exists.
-            unsafe { &mut *self.0.as_ptr() }.bdev
-        );
+        // SAFETY: the node is live while this handle exists; only the bdev's place is taken.
+        let bdev = unsafe { std::ptr::addr_of_mut!((*self.0.as_ptr()).bdev) };
         let module = super::module::module_ptr();
         // SAFETY: a registered bdev of our module; `ctx` is reclaimed exactly once, by
         // `quiesce_done` (SPDK calls it once) or below when SPDK refuses at once.
@@ -173,41 +187,23 @@ impl Registered {
     pub fn for_each_channel<C: 'static>(
         &self,
         ctx: C,
-        each: fn(ChannelIter, &mut C),
+        each: fn(ChannelIter<M>, &mut C),
         done: fn(C, c_int),
     ) {
         // SAFETY: a registered node is a registered io_device (this handle exists); SPDK
         // refuses to unregister an io_device while an iteration over it is outstanding, so
         // it stays registered until `done`.
-        unsafe { io_channel::for_each_channel(self.0.as_ptr().cast(), ctx, each, done) }
+        unsafe { io_channel::for_each_channel::<M, C>(self.0.as_ptr().cast(), ctx, each, done) }
     }
 
     /// Teardown, step 1 (SPDK's destruct took the node out of the registry): unregisters
-    /// the io_device. `crate::node::channels_gone` gets the node once its last channel is
+    /// the io_device. [`Nodes::channels_gone`] gets the node once its last channel is
     /// destroyed.
     pub fn unregister_device(self) {
         // SAFETY: a registered io_device; the node stays allocated until `MdNode` frees it,
         // after `device_gone`.
-        unsafe { io_channel::unregister_device(self.0.as_ptr().cast(), device_gone) }
+        unsafe { io_channel::unregister_device(self.0.as_ptr().cast(), device_gone::<M>) }
     }
-}
-
-/// The image under a node, as [`Registered::switch_image`] swaps it.
-pub struct Image {
-    /// The base descriptor (holding the image).
-    pub base: Option<Desc>,
-    /// The backing descriptor.
-    pub backing: Option<Desc>,
-    /// The image's metadata owner.
-    pub owner: Option<OwnerBox>,
-    /// What other threads' replicas are built from.
-    pub seed: Option<CoreSeed>,
-    /// The create call `save_config` writes.
-    pub params: CreateParams,
-    /// What the header said.
-    pub info: ImageInfo,
-    /// Channel states built from this image that are not freed yet.
-    pub live_channels: Arc<AtomicUsize>,
 }
 
 /// SPDK finished a quiesce or unquiesce: hands the status to the boxed callback.
@@ -217,28 +213,33 @@ unsafe extern "C" fn quiesce_done(ctx: *mut c_void, status: c_int) {
     done(status);
 }
 
-/// Leaks `node` and registers it: as an io_device (each channel gets a
-/// [`Channel`](crate::channel::Channel) state), then its bdev (`props`, the node as `ctxt`).
-/// Then `split` gets the request size SPDK chose (`max_rw_size`, 0: no limit) and may
-/// return a smaller one, at which requests are then split (also the optimal I/O boundary).
+/// Leaks `node` and registers it: as an io_device (each channel gets a `M::Channel`
+/// state), then its bdev called `name` (`props`, the node as `ctxt`). Then `split` gets the
+/// request size SPDK chose (`max_rw_size`, 0: no limit) and may return a smaller one, at
+/// which requests are then split (also the optimal I/O boundary).
 ///
 /// On failure (SPDK's errno), the io_device is unregistered again and the node comes back
-/// to `crate::node::never_registered` on this thread once that is done.
-pub fn register(
-    node: Box<Node>,
+/// to [`Nodes::never_registered`] on this thread once that is done.
+pub fn register<M: Nodes>(
+    node: M::Node,
+    name: CString,
     props: &Props,
     split: impl FnOnce(u32) -> Option<u32>,
-) -> Result<Registered, i32> {
-    let node = NonNull::from(Box::leak(node));
-    let p = node.as_ptr();
-    // SAFETY: `node` is live (leaked above) until `device_gone` or `free_unregistered`
+) -> Result<Registered<M>, i32> {
+    let cell = NonNull::from(Box::leak(Box::new(NodeCell::<M> {
+        node,
+        bdev: bdev::blank(),
+        name,
+    })));
+    let p = cell.as_ptr();
+    // SAFETY: `p` is live (leaked above) until `device_gone` or `free_unregistered`
     // reclaims it; SPDK copies the name.
-    unsafe { io_channel::register_device(p, (*p).c_name()) };
-    // SAFETY: as just said; the bdev's name lives in the node.
-    if let Err(e) = unsafe { bdev::register(p, props) } {
+    unsafe { io_channel::register_device::<M>(p.cast(), &(*p).name) };
+    // SAFETY: as just said; the bdev's name lives in the cell.
+    if let Err(e) = unsafe { register_bdev(p, props) } {
         // SAFETY: registered just above; `free_unregistered` reclaims the node (no bdev to
         // finish).
-        unsafe { io_channel::unregister_device(p.cast(), free_unregistered) };
+        unsafe { io_channel::unregister_device(p.cast(), free_unregistered::<M>) };
         return Err(e);
     }
     // SAFETY: registered just above on this thread; no request reaches the bdev before we
@@ -249,52 +250,139 @@ pub fn register(
         b.optimal_io_boundary = cut;
         bdev::set_split_on_optimal_io_boundary(b);
     }
-    Ok(Registered(node))
+    Ok(Registered(cell))
+}
+
+/// Fills in the bdev of `cell` from `props` and registers it with SPDK, with `M`'s function
+/// table and our module, the node as its `ctxt` and the cell's name. Returns SPDK's errno
+/// on failure.
+///
+/// # Safety
+/// `cell` is live and stays at its address until SPDK's destruct of the bdev completes (or,
+/// on failure, until the caller frees it).
+unsafe fn register_bdev<M: Nodes>(cell: *mut NodeCell<M>, props: &Props) -> Result<(), i32> {
+    // SAFETY: per the contract; nothing else uses the cell yet.
+    let (b, name) = unsafe { (&mut (*cell).bdev, (*cell).name.as_ptr()) };
+    b.name = name.cast_mut();
+    b.product_name = c"QCOW2 disk".as_ptr().cast_mut();
+    b.blocklen = bdev_io::BLOCK_SIZE;
+    b.blockcnt = props.blockcnt;
+    b.write_cache = i32::from(props.write_cache);
+    b.required_alignment = props.required_alignment;
+    b.ctxt = cell.cast();
+    b.fn_table = &FnTable::<M>::TABLE;
+    b.module = super::module::module_ptr();
+    // SAFETY: the bdev struct is filled in and lives in the cell (contract).
+    let rc = unsafe { sys::spdk_bdev_register(b) };
+    if rc != 0 {
+        return Err(-rc);
+    }
+    Ok(())
+}
+
+/// The function table of `M`'s bdevs: SPDK's calls go to [`Nodes`], requests to
+/// [`Requests::submit_request`].
+struct FnTable<M>(PhantomData<M>);
+
+impl<M: Nodes> FnTable<M> {
+    const TABLE: sys::spdk_bdev_fn_table = sys::spdk_bdev_fn_table {
+        destruct: Some(destruct::<M>),
+        submit_request: Some(bdev_io::submit_request::<M>),
+        io_type_supported: Some(io_type_supported::<M>),
+        get_io_channel: Some(get_io_channel),
+        dump_info_json: Some(dump_info_json::<M>),
+        write_config_json: Some(write_config_json::<M>),
+        // SAFETY: every other member is an optional function pointer, for which zero is
+        // `None`.
+        ..unsafe { std::mem::zeroed() }
+    };
+}
+
+unsafe extern "C" fn destruct<M: Nodes>(ctx: *mut c_void) -> c_int {
+    // `ctx` is the node of a bdev SPDK unregistered and no longer uses.
+    M::destruct(NodeKey::of(ctx));
+    1 // asynchronous: `spdk_bdev_destruct_done` follows
+}
+
+unsafe extern "C" fn io_type_supported<M: Nodes>(
+    ctx: *mut c_void,
+    ty: sys::spdk_bdev_io_type,
+) -> bool {
+    // SAFETY: `ctx` is a registered node.
+    M::io_type_supported(unsafe { &*ctx.cast::<M::Node>() }, ty)
+}
+
+unsafe extern "C" fn get_io_channel(ctx: *mut c_void) -> *mut sys::spdk_io_channel {
+    // SAFETY: `ctx` is our registered io_device (the node).
+    unsafe { sys::spdk_get_io_channel(ctx) }
+}
+
+unsafe extern "C" fn dump_info_json<M: Nodes>(
+    ctx: *mut c_void,
+    w: *mut sys::spdk_json_write_ctx,
+) -> c_int {
+    // SAFETY: `ctx` is a registered node.
+    let v = M::info_json(unsafe { &*ctx.cast::<M::Node>() });
+    // SAFETY: SPDK hands us a write context inside the bdev's `driver_specific` object.
+    unsafe { super::json::write_named(w, "qcow2", &v) };
+    0
+}
+
+unsafe extern "C" fn write_config_json<M: Nodes>(
+    bdev: *mut sys::spdk_bdev,
+    w: *mut sys::spdk_json_write_ctx,
+) {
+    // SAFETY: `bdev` is ours, so its `ctxt` is the node.
+    let calls = M::config_json(unsafe { &*(*bdev).ctxt.cast::<M::Node>() });
+    for v in &calls {
+        // SAFETY: SPDK hands us a write context inside the config array.
+        unsafe { super::json::write_value(w, v) };
+    }
 }
 
 /// The io_device of a node whose bdev failed to register is gone (on the thread that
 /// registered it, the md thread).
-unsafe extern "C" fn free_unregistered(io_device: *mut c_void) {
+unsafe extern "C" fn free_unregistered<M: Nodes>(io_device: *mut c_void) {
     // SAFETY: the node never reached SPDK's bdev list and its io_device is gone: only ours,
     // reclaimed once.
-    let mut n = unsafe { Box::from_raw(io_device.cast::<Node>()) };
-    let owner = std::mem::replace(&mut n.owner, std::ptr::null_mut());
+    let mut n = unsafe { Box::from_raw(io_device.cast::<NodeCell<M>>()) };
+    let owner = M::owner_mut(&mut n.node).take();
     // SAFETY: started on this thread (the md thread registered the node) and never used:
     // the bdev never registered.
     let owner = unsafe { OwnerBox::from_raw(owner) };
-    crate::node::never_registered(n, owner);
+    M::never_registered(n.node, owner);
 }
 
 /// Teardown, between steps 1 and 2: the last channel is gone.
-unsafe extern "C" fn device_gone(io_device: *mut c_void) {
+unsafe extern "C" fn device_gone<M: Nodes>(io_device: *mut c_void) {
     // SAFETY: our io_devices are nodes, live until `MdNode::destruct_done`.
-    let node = unsafe { NonNull::new_unchecked(io_device.cast::<Node>()) };
-    crate::node::channels_gone(Unregistered(node));
+    let node = unsafe { NonNull::new_unchecked(io_device.cast::<NodeCell<M>>()) };
+    M::channels_gone(Unregistered(node));
 }
 
 /// A node whose io_device is unregistered and whose channels are gone, on its way to the
 /// md thread.
-pub struct Unregistered(NonNull<Node>);
+pub struct Unregistered<M: BdevTypes>(NonNull<NodeCell<M>>);
 
 // SAFETY: nothing touches the node through this handle; it only carries it to the md
 // thread, where `MdNode` takes over.
-unsafe impl Send for Unregistered {}
+unsafe impl<M: BdevTypes> Send for Unregistered<M> {}
 
-impl Unregistered {
+impl<M: Nodes> Unregistered<M> {
     /// Runs `f` with the node on its md thread: now if that is the calling thread, else as
     /// a message. `Err`: SPDK's errno when the message could not be queued (the node is
     /// then left allocated).
-    pub fn on_md_thread(self, f: fn(MdNode)) -> Result<(), i32> {
+    pub fn on_md_thread(self, f: fn(MdNode<M>)) -> Result<(), i32> {
         self.md_thread()?.exec(move || f(self.arrived()))
     }
 
     /// Queues `f` with the node as a message to its md thread (also when on it already).
-    fn send_to_md_thread(self, f: fn(MdNode)) -> Result<(), i32> {
+    fn send_to_md_thread(self, f: fn(MdNode<M>)) -> Result<(), i32> {
         self.md_thread()?.send(move || f(self.arrived()))
     }
 
     /// On the md thread: the handle that may touch the node there.
-    fn arrived(self) -> MdNode {
+    fn arrived(self) -> MdNode<M> {
         MdNode(self.0, PhantomData)
     }
 
@@ -302,121 +390,57 @@ impl Unregistered {
     fn md_thread(&self) -> Result<Thread, i32> {
         // SAFETY: no channel is left, and nothing writes the node's fields but teardown on
         // the md thread, which this handle is on its way to.
-        unsafe { self.0.as_ref() }.md_thread.ok_or(libc::ESRCH)
+        M::md_thread(unsafe { &self.0.as_ref().node }).ok_or(libc::ESRCH)
     }
 }
 
 /// A node in teardown, on its md thread: unregistered, no channel left, out of the
 /// registry. Not `Send`: only this thread touches the node now.
-pub struct MdNode(NonNull<Node>, PhantomData<*const ()>);
+pub struct MdNode<M: BdevTypes>(NonNull<NodeCell<M>>, PhantomData<*const ()>);
 
-impl MdNode {
+impl<M: Nodes> MdNode<M> {
     /// The node.
-    pub fn node(&self) -> &Node {
+    pub fn node(&self) -> &M::Node {
         // SAFETY: live until `destruct_done`, which consumes this handle.
-        unsafe { self.0.as_ref() }
+        unsafe { &self.0.as_ref().node }
+    }
+
+    /// The node, to take its descriptors (to be closed here, where they were opened).
+    pub fn node_mut(&mut self) -> &mut M::Node {
+        // SAFETY: live until `destruct_done`; only this thread uses the node now (see the
+        // type), through this handle.
+        unsafe { &mut (*self.0.as_ptr()).node }
     }
 
     /// Looks again shortly: queues `f` with the node as a message to this (the md) thread.
     /// `Err`: SPDK's errno when the message could not be queued (the node is then left
     /// allocated).
-    pub fn again(self, f: fn(MdNode)) -> Result<(), i32> {
+    pub fn again(self, f: fn(MdNode<M>)) -> Result<(), i32> {
         Unregistered(self.0).send_to_md_thread(f)
     }
 
     /// Teardown, step 2: a writable node's owner flushes the metadata and is freed, then
     /// `then` gets the node and the owner's final counters, on this thread; a read-only
     /// node goes to `then` at once (`None`).
-    pub fn close_owner(self, then: impl FnOnce(MdNode, Option<OwnerCounters>) + 'static) {
-        // SAFETY: on the md thread with no channel left: only this thread uses the node's
-        // owner, and it is taken once (nulled).
-        let raw = std::mem::replace(
-            unsafe { &mut (*self.0.as_ptr()).owner },
-            std::ptr::null_mut(),
-        );
+    pub fn close_owner(mut self, then: impl FnOnce(MdNode<M>, Option<M::OwnerCounters>) + 'static) {
+        // On the md thread with no channel left: only this thread uses the node's owner,
+        // and it is taken once (nulled).
+        let raw = M::owner_mut(self.node_mut()).take();
         // SAFETY: the owner was started on this thread and every request through it has
         // completed (no channel is left).
-        match unsafe { OwnerBox::from_raw(raw) } {
+        match unsafe { OwnerBox::<M>::from_raw(raw) } {
             Some(owner) => owner.close(move |counters| then(self, Some(counters))),
             None => then(self, None),
         }
     }
 
-    /// Takes the node's backing descriptor (to be closed here, where it was opened).
-    pub fn take_backing(&mut self) -> Option<Desc> {
-        // SAFETY: only this thread uses the node now (see the type).
-        unsafe { &mut (*self.0.as_ptr()).backing }.take()
-    }
-
-    /// Takes the node's base descriptor (to be closed here, where it was opened).
-    pub fn take_base(&mut self) -> Option<Desc> {
-        // SAFETY: as in `take_backing`.
-        unsafe { &mut (*self.0.as_ptr()).base }.take()
-    }
-
     /// Teardown, step 3: tells SPDK the bdev's destruct is done and hands the node back, to
     /// be dropped.
-    pub fn destruct_done(self) -> Box<Node> {
+    pub fn destruct_done(self) -> M::Node {
         // SAFETY: our bdev, being destructed (SPDK called destruct, then the io_device went).
         unsafe { sys::spdk_bdev_destruct_done(std::ptr::addr_of_mut!((*self.0.as_ptr()).bdev), 0) };
         // SAFETY: unregistered, no channel or owner left, SPDK is done with the bdev: the
         // node is only ours; reclaimed once (this handle is consumed).
-        unsafe { Box::from_raw(self.0.as_ptr()) }
-    }
-}
-
-impl Homed<Owner> {
-    /// A handle to the metadata owner of `node`, on its md thread (`None`: a read-only node).
-    pub fn owner(node: &Node) -> Option<Homed<Owner>> {
-        let md = node.md_thread?;
-        // SAFETY: a writable node's owner is set before registration, immutable after it,
-        // and freed by teardown only after the node's last channel — the holders of this
-        // handle — is gone; it lives on the md thread.
-        NonNull::new(node.owner).map(|o| unsafe { Homed::new(o.as_ref(), md) })
-    }
-}
-
-/// Permission to close an owner ([`Owner::close`]): made only by [`OwnerBox::close`],
-/// which consumes the owner's one box on its md thread, so an owner is closed once and no
-/// node still points at it.
-pub struct Closing(());
-
-/// A writable bdev's metadata owner, as [`OwnerBox::start`] started it on this thread (its
-/// md thread): closed once, there, by [`OwnerBox::close`], unless a node takes it
-/// ([`OwnerBox::into_node`]) and gives it back at teardown.
-pub struct OwnerBox(NonNull<Owner>, PhantomData<*const ()>);
-
-impl OwnerBox {
-    /// Starts the owner of `chain` on the calling thread (see [`Owner::start`]). `None` if
-    /// SPDK refused a poller.
-    pub fn start(
-        exec: Exec<SpdkDevice>,
-        chain: Rc<Chain<SpdkDevice>>,
-        devs: impl IntoIterator<Item = DevId>,
-    ) -> Option<OwnerBox> {
-        // SAFETY: just started on this thread.
-        unsafe { OwnerBox::from_raw(Owner::start(exec, chain, devs)?) }
-    }
-
-    /// # Safety
-    /// `raw` is null or an owner from [`Owner::start`] on the calling thread, not closed,
-    /// and given to no other `OwnerBox`.
-    unsafe fn from_raw(raw: *mut Owner) -> Option<OwnerBox> {
-        NonNull::new(raw).map(|o| OwnerBox(o, PhantomData))
-    }
-
-    /// Flushes the metadata, frees the owner and then calls `then` with its final counters,
-    /// on this thread (see [`Owner::close`]). Every request through it must have completed.
-    pub fn close(self, then: impl FnOnce(OwnerCounters) + 'static) {
-        // SAFETY: from `Owner::start` on this thread (the box is not `Send`) and not freed
-        // before its close; the poller frees it only after this call returned.
-        let o = unsafe { self.0.as_ref() };
-        o.close(Closing(()), then);
-    }
-
-    /// The pointer a node keeps (its `owner`) until teardown takes it back
-    /// ([`MdNode::close_owner`]).
-    pub fn into_node(self) -> *mut Owner {
-        self.0.as_ptr()
+        unsafe { Box::from_raw(self.0.as_ptr()) }.node
     }
 }

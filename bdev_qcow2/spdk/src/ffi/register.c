@@ -1,6 +1,7 @@
 /*
  * Registration with SPDK at load time (constructors): the bdev module "qcow2", its RPC
- * methods and its log flag. Everything registered here is defined in Rust (src/ffi, src/rpc.rs).
+ * methods and its log flag. Everything registered here is defined in Rust, where the module
+ * invokes src/ffi's macros: bdev_module! (src/module.rs) and rpc_entry! (next to each handler).
  */
 #include <spdk/stdinc.h>
 #include <spdk/bdev_module.h>

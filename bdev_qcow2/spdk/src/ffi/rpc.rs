@@ -52,7 +52,9 @@ impl Request {
 }
 
 /// Declares the `#[no_mangle]` entry point `register.c` registers for an RPC method, which
-/// hands the request and its decoded parameters to the safe handler.
+/// hands the request and its decoded parameters to the safe handler. Invoked next to the
+/// handler (`rpc_entry!(bdev_qcow2_rpc_create => create);`).
+#[macro_export]
 macro_rules! rpc_entry {
     ($name:ident => $handler:path) => {
         /// An RPC entry point (registered by `register.c`).
@@ -61,25 +63,26 @@ macro_rules! rpc_entry {
         /// Called by SPDK's RPC server with a live request and its params.
         #[no_mangle]
         pub unsafe extern "C" fn $name(
-            request: *mut sys::spdk_jsonrpc_request,
-            params: *const sys::spdk_json_val,
+            request: *mut $crate::ffi::sys::spdk_jsonrpc_request,
+            params: *const $crate::ffi::sys::spdk_json_val,
         ) {
-            // SAFETY: SPDK's request, answered exactly once by the handler.
-            let req = unsafe { Request::from_raw(request) };
-            // SAFETY: SPDK's params, valid for the call.
-            let params = unsafe { super::json::decode(params) };
+            // SAFETY: SPDK's request and params, valid for the call; the request is answered
+            // exactly once by the handler.
+            let (req, params) = unsafe { $crate::ffi::rpc::entry(request, params) };
             $handler(req, params);
         }
     };
 }
 
-rpc_entry!(bdev_qcow2_rpc_create => crate::rpc::create);
-rpc_entry!(bdev_qcow2_rpc_format => crate::rpc::format);
-rpc_entry!(bdev_qcow2_rpc_delete => crate::rpc::delete);
-rpc_entry!(bdev_qcow2_rpc_get_stats => crate::rpc::get_stats);
-rpc_entry!(bdev_qcow2_rpc_resize => crate::lifecycle_rpc::resize);
-rpc_entry!(bdev_qcow2_rpc_snapshot_create => crate::lifecycle_rpc::snapshot_create);
-rpc_entry!(bdev_qcow2_rpc_snapshot_delete => crate::lifecycle_rpc::snapshot_delete);
-rpc_entry!(bdev_qcow2_rpc_snapshot_list => crate::lifecycle_rpc::snapshot_list);
-rpc_entry!(bdev_qcow2_rpc_snapshot_external => crate::external_snapshot::snapshot_external);
-rpc_entry!(bdev_qcow2_rpc_stream => crate::stream_rpc::stream);
+/// What an [`rpc_entry!`](crate::rpc_entry) hands its handler.
+///
+/// # Safety
+/// `request` is a request SPDK's RPC server handed a method, not yet responded to (the
+/// returned value becomes its only responder); `params` is null or its valid params.
+pub unsafe fn entry(
+    request: *mut sys::spdk_jsonrpc_request,
+    params: *const sys::spdk_json_val,
+) -> (Request, Params) {
+    // SAFETY: per the contract.
+    unsafe { (Request::from_raw(request), super::json::decode(params)) }
+}
