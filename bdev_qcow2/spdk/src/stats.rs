@@ -19,9 +19,9 @@ pub struct ChannelStats {
     pub fast_reads: u64,
     /// Reads that needed a slow path (slice miss, compressed, backing).
     pub slow_reads: u64,
-    /// Reads completed.
+    /// Guest requests completed (every type).
     pub completed: u64,
-    /// Reads completed with an error.
+    /// ... completed with an error.
     pub errors: u64,
     /// Base submissions refused as busy (-ENOMEM) and retried.
     pub busy_retries: u64,
