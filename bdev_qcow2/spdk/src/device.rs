@@ -33,7 +33,7 @@ pub fn guest_buf(view: IovView) -> BufSlice<SpdkBuf> {
 
 /// A base device as the direct path sees it: its id in the host's executor (a grant's
 /// [`Grant::dev`](qcow2_engine::Grant::dev) must match) and where to submit.
-#[derive(Clone, Copy, Debug)]
+#[derive(Debug)]
 pub struct Target {
     /// The device's id in its executor.
     pub dev: DevId,

@@ -342,7 +342,7 @@ unsafe extern "C" fn buf_done<M: BdevTypes, D: BufDone<M>>(
 /// The data iovecs of an outstanding bdev_io (or any iovec array), as the engine uses them:
 /// valid while that bdev_io is outstanding, which is longer than the engine holds the view
 /// (see [`BdevIo::into_engine`]).
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub struct IovView {
     iovs: *const sys::iovec,
     cnt: usize,
@@ -505,7 +505,7 @@ unsafe extern "C" fn receive<M: BdevTypes, R: QueueReceiver<M>>(head: *mut c_voi
 /// copied out of the device that owns them so a request reaches the base without borrowing
 /// the executor. Valid while that device lives (the channel or owner holding the target
 /// also owns the executor that owns the device).
-#[derive(Clone, Copy, Debug)]
+#[derive(Debug)]
 pub struct DirectTarget {
     desc: *mut sys::spdk_bdev_desc,
     ch: *mut sys::spdk_io_channel,
