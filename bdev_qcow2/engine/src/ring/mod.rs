@@ -4,9 +4,12 @@
 //!
 //! - [`Ring`] is the state machine alone: the stream table, each stream's window and
 //!   chunks, the slots and their free list. It does no I/O and is unit-tested here.
-//! - `chain` drives it for a [`Chain`](crate::Chain): it looks every read up
-//!   ([`Chain::ring_read`](crate::Chain::ring_read)) and fills chunks through the read path
-//!   of the chain, so read-ahead follows the mapping in every layer.
+//! - `host` holds it with its buffer, the reads waiting for read-aheads and the
+//!   read-aheads waiting for slice loads; `compressed` the records of chunks holding
+//!   compressed clusters. Neither issues I/O nor knows the chain: the chain
+//!   (`chain/ring.rs`) looks every read up there
+//!   ([`Chain::ring_read`](crate::Chain::ring_read)) and fills the chunks they hand out
+//!   through its own read path, so read-ahead follows the mapping in every layer.
 //! - [`gens`] keeps prefetched data coherent with writes on any core.
 //! - [`Hot`] is the part of the stream table every read looks at, on plain cells: a
 //!   random read starts its stream there without borrowing the ring.
@@ -15,15 +18,15 @@
 //! Single-threaded like the rest of a core: nothing here is shared but the generations,
 //! nothing locks, and after [`Ring::new`] nothing allocates.
 
-pub(crate) mod chain;
 pub(crate) mod compressed;
 pub mod gens;
+pub(crate) mod host;
 mod hot;
 mod wait;
 pub mod zones;
 
-pub use chain::{RingCopy, RingServed, RingWait};
 pub use gens::WriteGens;
+pub use host::{RingCopy, RingServed, RingWait};
 pub use hot::Hot;
 pub use zones::{Watch, Zones};
 
