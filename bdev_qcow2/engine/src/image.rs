@@ -1,11 +1,11 @@
 //! An open qcow2 image: validated header, L1 table, refcount table, snapshot table and the
 //! per-core caches of L2 slices and refcount blocks.
 //!
-//! Layering: the image builds on the metadata owner's state ([`crate::meta`], which it holds
-//! when writable and consults for dirty copies) and on the checker ([`crate::check`], which
-//! repairs a dirty image before it opens for writing); neither of them knows the image. The
-//! owner's operations ([`owner`], a child module: they reach the image's private fields) and
-//! the request paths build on the image.
+//! Layering: the image builds on the checker ([`crate::check`], which repairs a dirty image
+//! before it opens for writing), which does not know the image. The metadata owner
+//! ([`owner`], a child module: its operations reach the image's private fields) holds its
+//! state next to its operations; the image holds that state when writable and consults it
+//! for dirty copies through its methods. The request paths build on the image.
 
 use crate::cache::{CacheConfig, CacheStats, SetAssocCache};
 use crate::coherency::{Shared, SliceReply, SliceStamp};
@@ -114,7 +114,7 @@ pub struct Qcow2<D: BlockDevice> {
     rc_cache: RefCell<SetAssocCache<u8>>,
     /// The metadata owner's state (`None` when opened read-only, and on a core replica):
     /// reached by the owner's operations through [`owner`](Self::owner).
-    meta: Option<crate::meta::Meta<D>>,
+    meta: Option<owner::Meta<D>>,
     /// State published to other cores (owner: after [`share`](Self::share); core replica:
     /// always).
     shared: Option<Arc<Shared>>,
@@ -305,7 +305,7 @@ impl<D: BlockDevice> Qcow2<D> {
                 }
                 return Box::pin(Self::open_inner(exec, dev, opts, true)).await;
             }
-            Some(crate::meta::Meta::new(
+            Some(owner::Meta::new(
                 exec,
                 &header,
                 &c0,
@@ -712,7 +712,7 @@ impl<D: BlockDevice> Qcow2<D> {
     /// The metadata owner's state, when this image is the owner (see
     /// [`owner`](Self::owner) for its operations).
     #[inline(always)]
-    pub(crate) fn meta_state(&self) -> Option<&crate::meta::Meta<D>> {
+    pub(crate) fn meta_state(&self) -> Option<&owner::Meta<D>> {
         self.meta.as_ref()
     }
     /// Cluster/L2 geometry.
@@ -768,7 +768,7 @@ impl<D: BlockDevice> Qcow2<D> {
         self.memo.kept()
     }
     /// The metadata owner's counters (`None` unless opened writable).
-    pub fn owner_stats(&self) -> Option<crate::meta::OwnerStats> {
+    pub fn owner_stats(&self) -> Option<owner::OwnerStats> {
         self.meta.as_ref().map(|m| m.stats())
     }
     /// Whether the owner zeroes the device ahead of its allocator (`OpenOptions::zero_ahead`,
@@ -811,9 +811,9 @@ impl<D: BlockDevice> Qcow2<D> {
     }
 
     /// Clusters of refcount blocks and active L2 tables, from the refcount table and L1.
-    pub(crate) fn table_clusters(&self) -> crate::meta::HashSet<u64> {
+    pub(crate) fn table_clusters(&self) -> owner::HashSet<u64> {
         let cs = self.geo.cluster_size();
-        let mut set = crate::meta::HashSet::default();
+        let mut set = owner::HashSet::default();
         for e in self.refcount_table.borrow().iter() {
             if *e != 0 && e % cs == 0 {
                 set.insert(e >> self.geo.cluster_bits);
