@@ -5,8 +5,8 @@
 //! `RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=/tmp/loom-target cargo test -p qcow2_engine --test loom_epochs --release`
 //!
 //! The model: the owner thread runs a script of metadata operations exactly in the order
-//! the owner does them (`image/owner/dirty.rs` and the rest of `image/owner/`: dirty → change in memory → epoch
-//! bump → acknowledgement; write-back: take the dirty set, write the device, mark the slice
+//! the owner does them (`image/owner/dirty.rs` and the rest of `image/owner/`: dirty →
+//! change in memory → epoch bump → acknowledgement; write-back: take the dirty set, write the device, mark the slice
 //! clean), and between every step answers pending core requests like
 //! `Qcow2::slice_for_core`. A slice's content is a
 //! version number; the "device" holds it in two words written one after the other (a
