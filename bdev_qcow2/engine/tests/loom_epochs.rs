@@ -6,8 +6,8 @@
 //!
 //! The model: the owner thread runs a script of metadata operations exactly in the order
 //! the owner does them (`image/owner/dirty.rs` and the rest of `image/owner/`: dirty →
-//! change in memory → epoch bump → acknowledgement; write-back: take the dirty set, write the device, mark the slice
-//! clean), and between every step answers pending core requests like
+//! change in memory → epoch bump → acknowledgement; write-back: take the dirty set, write
+//! the device, mark the slice clean), and between every step answers pending core requests like
 //! `Qcow2::slice_for_core`. A slice's content is a
 //! version number; the "device" holds it in two words written one after the other (a
 //! non-atomic slice write, torn while in progress). Core threads run the miss path of
