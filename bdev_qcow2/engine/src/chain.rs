@@ -6,7 +6,7 @@
 
 use crate::error::{Error, Result};
 use crate::exec::{join_all, DevId, Exec};
-use crate::format::{ClusterMapping, CompressedDescriptor};
+use crate::format::ClusterMapping;
 use crate::image::Qcow2;
 use crate::io::{BlockDevice, BufSlice, DeviceOp, SECTOR};
 use crate::limits::MAX_BACKING_DEPTH;
@@ -16,6 +16,12 @@ use std::cell::{Cell, RefCell};
 use std::future::Future;
 use std::pin::Pin;
 use std::rc::Rc;
+
+mod loads;
+mod ring;
+mod zip;
+
+pub(crate) use crate::ring::compressed::ZipPart;
 
 /// One layer of a chain.
 pub enum Layer<D: BlockDevice> {
@@ -88,18 +94,6 @@ pub(crate) struct Run {
     pub(crate) len: usize,
 }
 
-/// A compressed cluster's part of a ring fill ([`Chain::plan_fast`]): its layer and
-/// descriptor, where the part starts in the cluster, where it goes in the buffer, and
-/// its length.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct ZipPart {
-    pub(crate) layer: u8,
-    pub(crate) desc: CompressedDescriptor,
-    pub(crate) in_cluster: usize,
-    pub(crate) buf_off: usize,
-    pub(crate) len: usize,
-}
-
 /// Adds `r` to `runs`, extending the last run when `r` continues it on the same device.
 #[inline(always)]
 fn push_run(runs: &mut Vec<Run>, r: Run) {
@@ -155,7 +149,7 @@ pub struct Chain<D: BlockDevice> {
     /// request of the same range down the slow path, which handles every write.
     pub(crate) no_write_plan: Cell<Option<(u64, u64)>>,
     /// The prefetch ring, once the host turned it on ([`Chain::enable_ring`]).
-    pub(crate) ring: RefCell<Option<crate::ring::chain::RingHost<D::Buf>>>,
+    pub(crate) ring: RefCell<Option<crate::ring::host::RingHost<D::Buf>>>,
     /// The image's write generations, while the ring is on ([`Chain::ring_written`]).
     pub(crate) ring_gens: std::cell::OnceCell<std::sync::Arc<crate::ring::WriteGens>>,
     /// Where the executor reports the ends of this chain's own requests (ring read-aheads,

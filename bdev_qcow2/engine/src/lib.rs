@@ -8,8 +8,8 @@
 //! - [`types`]: offsets and cluster geometry;
 //! - [`cache`]: the set-associative slice cache;
 //! - [`image`]: an open image (header, tables, caches);
-//! - [`meta`]: the metadata owner's state; `image::owner`: its operations (allocation,
-//!   ordered write-back), built on the image;
+//! - `image::owner`: the metadata owner, its state and operations (allocation, ordered
+//!   write-back) one concern per module, built on the image; [`meta`] its public types;
 //! - [`chain`]: backing chains and the guest read path;
 //! - [`plan`]: the one decision per guest request ([`Chain::plan`]) and the steps a host
 //!   takes ([`Step`], [`Chain::start`]);

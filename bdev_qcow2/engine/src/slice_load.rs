@@ -3,18 +3,20 @@
 //! waits for the load, then goes out on the fast path). Per chain, per layer, a few
 //! records with a slice buffer each, allocated the first time a layer needs one; a load
 //! is the engine's own request (`Exec::request_single_as`) into that buffer, and its end
-//! comes back through the chain's internal sink to [`Chain::slice_loaded`], which caches
-//! the slice as [`Qcow2::load_slice`](crate::Qcow2) would (`image/preload.rs`). After that
-//! first use nothing on this path allocates. A load these records cannot take (all busy,
-//! or one that needs a task: the owner holds the slice dirty) is left to the caller.
+//! comes back through the chain's internal sink (`chain/loads.rs`), which caches the slice
+//! as [`Qcow2::load_slice`](crate::Qcow2) would (`image/preload.rs`). After that first use
+//! nothing on this path allocates. A load these records cannot take (all busy, or one
+//! that needs a task: the owner holds the slice dirty) is left to the caller.
+//!
+//! This module keeps the records; it issues nothing: the chain takes a record here
+//! ([`SliceLoads::take`]), issues the read, and hands its end back
+//! ([`SliceLoads::finish`]).
 
-use crate::chain::{Chain, Layer};
 use crate::coherency::SliceStamp;
-use crate::exec::{InternalSink, OwnedSink, SinkId};
-use crate::image::Preload;
-use crate::io::{BlockDevice, BufSlice, DeviceOp};
+use crate::exec::Exec;
+use crate::image::Qcow2;
+use crate::io::{BlockDevice, BufSlice, IoBuffer};
 use crate::types::GuestOffset;
-use std::rc::Rc;
 
 /// The bit of an internal token's payload that names a slice load (the others: a ring
 /// slot, or a compressed fill's record).
@@ -56,77 +58,74 @@ impl<B> Default for SliceLoads<B> {
     }
 }
 
-/// How a slice load was asked for ([`Chain::load_slice_ahead`]).
+/// How a slice load was asked for
+/// ([`Chain::load_slice_ahead`](crate::Chain::load_slice_ahead)).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum SliceLoad {
     /// Nothing to load: cached already, or no L2 table there.
     Nothing,
-    /// In flight (started now, or already): its end reaches [`Chain::slice_loaded`] with
-    /// this payload.
+    /// In flight (started now, or already): its end reaches the chain's internal sink
+    /// with this payload.
     Loading(u32),
     /// Not taken: every record of the layer is busy, or the load needs a task.
     Refused,
+}
+
+/// What [`SliceLoads::take`] did.
+pub(crate) enum Taken<B> {
+    /// A load of that slice is in flight already (payload): joined.
+    Joined(u32),
+    /// A record was taken: read the slice into `buf`, its end reported with `payload`.
+    Start {
+        /// The load's payload.
+        payload: u32,
+        /// The record's buffer.
+        buf: BufSlice<B>,
+    },
+    /// Every record of the layer is busy.
+    Busy,
+}
+
+/// What a slice load that ended did ([`SliceLoads::finish`]).
+pub(crate) struct Loaded {
+    /// Guest offset in the slice.
+    pub(crate) off: u64,
+    /// The slice read-ahead asked for it.
+    pub(crate) ahead: bool,
+    /// The slice was cached.
+    pub(crate) cached: bool,
 }
 
 fn payload(layer: usize, slot: usize) -> u32 {
     LOAD_BIT | (layer as u32) << 8 | slot as u32
 }
 
-impl<D: BlockDevice> Chain<D> {
-    /// The chain's sink among the executor's (added the first time; removed when the chain
-    /// goes): the ends of its ring read-aheads and slice loads.
-    pub(crate) fn sink(self: &Rc<Self>) -> SinkId {
-        self.sink
-            .get_or_init(|| {
-                // Weak: the executor must not keep the chain alive.
-                let chain = Rc::downgrade(self);
-                let sink: InternalSink = Rc::new(move |payload, ok| {
-                    if let Some(c) = chain.upgrade() {
-                        c.internal_end(payload, ok);
-                    }
-                });
-                OwnedSink::add(self.exec(), sink)
-            })
-            .id()
-    }
+/// The layer and the record a load's payload names.
+pub(crate) fn load_of(payload: u32) -> (usize, usize) {
+    (
+        ((payload & !LOAD_BIT) >> 8) as usize,
+        (payload & 0xff) as usize,
+    )
+}
 
-    /// One of this chain's own requests ended.
-    fn internal_end(self: &Rc<Self>, payload: u32, ok: bool) {
-        if payload & LOAD_BIT != 0 {
-            self.slice_loaded(payload, ok);
-        } else if payload & crate::ring::compressed::ZIP_BIT != 0 {
-            self.zip_filled(payload, ok);
-        } else {
-            self.ring_filled(payload as u16, ok);
-        }
-    }
-
-    /// Starts loading the slice of layer `layer` covering guest offset `off` without a
-    /// task (`ahead`: for the slice read-ahead, which counts it when it lands); joins a
-    /// load of that slice in flight.
-    pub(crate) fn load_slice_ahead(
-        self: &Rc<Self>,
+impl<B: IoBuffer> SliceLoads<B> {
+    /// Takes a record of layer `layer` (image `q`, on `exec`) to load the slice covering
+    /// guest offset `off` under `stamp` (`ahead`: for the slice read-ahead), allocating
+    /// the layer's records the first time; joins a load of that slice in flight.
+    pub(crate) fn take<D: BlockDevice<Buf = B>>(
+        &mut self,
+        exec: &Exec<D>,
+        q: &Qcow2<D>,
         layer: usize,
         off: u64,
+        stamp: SliceStamp,
         ahead: bool,
-    ) -> SliceLoad {
-        let Some(Layer::Qcow2(q)) = self.layers().get(layer) else {
-            return SliceLoad::Refused;
-        };
-        let (host, stamp) = match q.preload_begin(GuestOffset(off)) {
-            Preload::Nothing => return SliceLoad::Nothing,
-            Preload::Task => return SliceLoad::Refused,
-            Preload::Read { host, stamp } => (host, stamp),
-        };
-        let sink = self.sink();
-        let Ok(mut loads) = self.loads.try_borrow_mut() else {
-            return SliceLoad::Refused;
-        };
-        if loads.layers.len() <= layer {
-            loads.layers.resize_with(layer + 1, || None);
+    ) -> Taken<B> {
+        if self.layers.len() <= layer {
+            self.layers.resize_with(layer + 1, || None);
         }
         let bytes = q.slice_bytes();
-        let recs = loads.layers[layer].get_or_insert_with(|| {
+        let recs = self.layers[layer].get_or_insert_with(|| {
             let n = (LOAD_BYTES / bytes).clamp(2, 8);
             LayerLoads {
                 slots: (0..n)
@@ -135,7 +134,7 @@ impl<D: BlockDevice> Chain<D> {
                         off: 0,
                         stamp: SliceStamp::OWNER,
                         ahead: false,
-                        buf: self.exec().alloc_buf(q.device(), bytes),
+                        buf: exec.alloc_buf(q.device(), bytes),
                     })
                     .collect(),
             }
@@ -147,10 +146,10 @@ impl<D: BlockDevice> Chain<D> {
             .position(|l| l.busy && l.off / q.geometry().slice_coverage() == key)
         {
             recs.slots[i].ahead |= ahead;
-            return SliceLoad::Loading(payload(layer, i));
+            return Taken::Joined(payload(layer, i));
         }
         let Some(i) = recs.slots.iter().position(|l| !l.busy) else {
-            return SliceLoad::Refused;
+            return Taken::Busy;
         };
         let rec = &mut recs.slots[i];
         *rec = Load {
@@ -161,55 +160,42 @@ impl<D: BlockDevice> Chain<D> {
             buf: rec.buf.clone(),
         };
         let buf = BufSlice::whole(rec.buf.clone());
-        if loads.scratch.len() < bytes {
-            loads.scratch.resize(bytes, 0);
+        if self.scratch.len() < bytes {
+            self.scratch.resize(bytes, 0);
         }
-        drop(loads);
-        // Like a guest request: the L2 table it reads is not reused before it is over.
-        let parity = self.exec().guest_enter();
-        let p = payload(layer, i);
-        let op = DeviceOp::Read { offset: host, buf };
-        self.exec()
-            .request_single_as(sink.token(p), parity, true, q.device(), op);
-        SliceLoad::Loading(p)
+        Taken::Start {
+            payload: payload(layer, i),
+            buf,
+        }
     }
 
-    /// The slice load `payload` ended (`ok`): caches the slice if it is still good, then
-    /// hands the news to the slice read-ahead and to the ring read-aheads that wait for it.
-    fn slice_loaded(self: &Rc<Self>, payload: u32, ok: bool) {
-        let (layer, i) = (
-            ((payload & !LOAD_BIT) >> 8) as usize,
-            (payload & 0xff) as usize,
-        );
-        let loads = self.loads.try_borrow_mut();
-        let (Ok(mut loads), false) = (loads, self.ring.try_borrow_mut().is_err()) else {
-            // Reported while either is in use: handled at the executor's next report.
-            return self.exec().internal_done(self.sink().token(payload), ok);
-        };
-        let SliceLoads { layers, scratch } = &mut *loads;
-        let Some(rec) = layers
+    /// The load in record `i` of layer `layer` ended (`ok`), `q` that layer's image:
+    /// frees the record and caches the slice if it is still good
+    /// ([`Qcow2::preload_end`]). `None` when no such load is in flight.
+    pub(crate) fn finish<D: BlockDevice<Buf = B>>(
+        &mut self,
+        layer: usize,
+        i: usize,
+        ok: bool,
+        q: Option<&Qcow2<D>>,
+    ) -> Option<Loaded> {
+        let SliceLoads { layers, scratch } = self;
+        let rec = layers
             .get_mut(layer)
             .and_then(Option::as_mut)
             .and_then(|l| l.slots.get_mut(i))
-            .filter(|r| r.busy)
-        else {
-            return;
-        };
+            .filter(|r| r.busy)?;
         rec.busy = false;
         let (off, ahead) = (rec.off, rec.ahead);
         let cached = ok
-            && match self.layers().get(layer) {
-                Some(Layer::Qcow2(q)) => {
+            && match q {
+                Some(q) => {
                     let raw = &mut scratch[..q.slice_bytes()];
                     BufSlice::whole(rec.buf.clone()).copy_out(0, raw);
                     q.preload_end(GuestOffset(off), rec.stamp, raw)
                 }
-                _ => false,
+                None => false,
             };
-        drop(loads);
-        if ahead && cached {
-            self.slice_ahead_loaded(off);
-        }
-        self.ring_slice_loaded(payload);
+        Some(Loaded { off, ahead, cached })
     }
 }

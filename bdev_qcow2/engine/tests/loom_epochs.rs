@@ -5,9 +5,9 @@
 //! `RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=/tmp/loom-target cargo test -p qcow2_engine --test loom_epochs --release`
 //!
 //! The model: the owner thread runs a script of metadata operations exactly in the order
-//! the owner does them (`meta/dirty.rs`, `image/owner/`: dirty → change in memory → epoch
-//! bump → acknowledgement; write-back: take the dirty set, write the device, mark the slice
-//! clean), and between every step answers pending core requests like
+//! the owner does them (`image/owner/dirty.rs` and the rest of `image/owner/`: dirty →
+//! change in memory → epoch bump → acknowledgement; write-back: take the dirty set, write
+//! the device, mark the slice clean), and between every step answers pending core requests like
 //! `Qcow2::slice_for_core`. A slice's content is a
 //! version number; the "device" holds it in two words written one after the other (a
 //! non-atomic slice write, torn while in progress). Core threads run the miss path of
@@ -130,7 +130,7 @@ struct Owner {
     ep: OwnerEpochs,
     /// Current version of each slice (what a read must see once acknowledged).
     version: Vec<u64>,
-    /// The owner's dirty and writing slices (`meta/dirty.rs`): the version each holds.
+    /// The owner's dirty and writing slices (`image/owner/dirty.rs`): the version each holds.
     dirty: Vec<Option<u64>>,
     writing: Vec<Option<u64>>,
     /// Table location of each key (the owner's own L1).

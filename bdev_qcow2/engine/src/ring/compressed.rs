@@ -5,7 +5,8 @@
 //! chain's internal sink): the chunk's plain data straight into the ring slot, each
 //! compressed cluster's covering sectors into the record's buffer (clusters written one
 //! after the other, as `qemu-img convert -c` writes them, share one read). Its end comes
-//! back to [`Chain::zip_filled`], which decompresses each cluster from the record straight
+//! back to the chain (`chain/zip.rs`), which hands it to [`ZipFills::finish`]: that
+//! decompresses each cluster from the record straight
 //! into the slot (a part of a cluster: from the cluster the layer decompressed last, or
 //! decoded into its place first, `LastCluster`; then its part copied in), then hands
 //! the fill to `ring_filled`. A part of the cluster its layer decompressed last is copied
@@ -18,11 +19,11 @@
 //! it needs busy waits for the next to end, as a read-ahead waits for a slice load.
 
 use super::CHUNK;
-use crate::chain::{Chain, Layer, Unplanned};
 use crate::compress::Decompressor;
 use crate::exec::DevId;
-use crate::io::{BlockDevice, BufSlice, DeviceOp, IoBuffer, SECTOR};
-use std::rc::Rc;
+use crate::format::CompressedDescriptor;
+use crate::image::Qcow2;
+use crate::io::{BlockDevice, BufSlice, IoBuffer, SECTOR};
 
 /// The bit of an internal token's payload that names a compressed fill's record (the
 /// others: a ring slot, or a slice load's bit).
@@ -36,6 +37,34 @@ const RECORDS: usize = 8;
 const ZIP_BYTES: usize = CHUNK as usize + (64 << 10);
 /// Compressed clusters one chunk holds at most (clusters of 512 bytes).
 const MAX_PARTS: usize = (CHUNK / SECTOR) as usize;
+
+/// A compressed cluster's part of a ring fill, as the chain's fast path plans it
+/// (`Chain::plan_fast`): its layer and descriptor, where the part starts in the cluster,
+/// where it goes in the buffer, and its length.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct ZipPart {
+    pub(crate) layer: u8,
+    pub(crate) desc: CompressedDescriptor,
+    pub(crate) in_cluster: usize,
+    pub(crate) buf_off: usize,
+    pub(crate) len: usize,
+}
+
+/// What the compressed fills need of a chain: the qcow2 image of each layer.
+pub(crate) trait ZipLayers<D: BlockDevice> {
+    /// The image of layer `layer`; `None` for a raw layer or past the chain.
+    fn zip_layer(&self, layer: usize) -> Option<&Qcow2<D>>;
+}
+
+/// Why a fill was not issued ([`ZipFills::take`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum ZipRefused {
+    /// Every record it could take is busy: the one whose end (its payload) frees one first.
+    Busy(u32),
+    /// No record can take its compressed bytes (or a part's layer is not qcow2): a task
+    /// must do it.
+    Unfit,
+}
 
 /// One compressed cluster's part of a fill: its layer, where its compressed bytes start in
 /// the record's buffer and how many, where the part starts in the cluster, where it goes in
@@ -92,47 +121,16 @@ impl<B> Default for ZipFills<B> {
     }
 }
 
-impl<D: BlockDevice> Chain<D> {
-    /// Issues the read-ahead of the chunk at `offset` into `dst` (ring slot `slot`), whose
-    /// mapping holds compressed clusters (see the module documentation); `parity` is the
-    /// request's ([`Exec::guest_enter`](crate::Exec::guest_enter)), exited when its device
-    /// reads end. Nothing issued on an error: [`Unplanned::Slice`] (a slice to load first),
-    /// [`Unplanned::Busy`] (every record busy: retry when that one ends), or another (a
-    /// task must do it).
-    pub(super) fn start_zip_fill(
-        self: &Rc<Self>,
-        slot: u16,
-        offset: u64,
-        dst: &BufSlice<D::Buf>,
-        parity: u8,
-    ) -> Result<(), Unplanned> {
-        let sink = self.sink();
-        let Ok(mut zips) = self.zips.try_borrow_mut() else {
-            return Err(Unplanned::Other);
-        };
-        let plan = self.plan_fast::<true>(offset, dst)?;
-        if zips.recs.is_empty() {
-            self.zip_records(&mut zips);
-        }
-        self.zip_issue(&mut zips, &plan, slot, dst, parity, sink)
+impl<B: IoBuffer> ZipFills<B> {
+    /// Whether the records are allocated.
+    pub(crate) fn has_records(&self) -> bool {
+        !self.recs.is_empty()
     }
 
-    /// Allocates the records, the decompressor's buffers and the read list, once; with a
-    /// layer whose clusters are larger than a chunk, the big record too.
-    fn zip_records(&self, zips: &mut ZipFills<D::Buf>) {
-        let dev = match &self.layers()[0] {
-            Layer::Qcow2(q) => q.dev(),
-            Layer::Raw { dev, .. } => *dev,
-        };
-        let cluster = self
-            .layers()
-            .iter()
-            .filter_map(|l| match l {
-                Layer::Qcow2(q) => Some(q.geometry().cluster_size() as usize),
-                Layer::Raw { .. } => None,
-            })
-            .max()
-            .unwrap_or(0);
+    /// Allocates the records (their buffers from `alloc`, given a length), the
+    /// decompressor's buffers and the read list, once; with layers whose clusters
+    /// (`cluster` bytes at most) are larger than a chunk, the big record too.
+    pub(crate) fn allocate(&mut self, cluster: usize, alloc: impl Fn(usize) -> B) {
         // A cluster's stream is smaller than the cluster (QEMU keeps a cluster compressed
         // only if it shrinks), plus the sectors around it.
         let big = (cluster > CHUNK as usize).then_some(cluster + 2 * SECTOR as usize);
@@ -140,50 +138,47 @@ impl<D: BlockDevice> Chain<D> {
             busy: false,
             slot: 0,
             dst: None,
-            buf: self.exec().alloc_buf(dev, bytes),
+            buf: alloc(bytes),
             parts: Vec::with_capacity(MAX_PARTS),
             bytes,
         };
-        zips.recs = (0..RECORDS).map(|_| record(ZIP_BYTES)).collect();
-        zips.recs.extend(big.map(record));
-        zips.input = vec![0; big.unwrap_or(0).max(ZIP_BYTES)];
-        zips.reads = Vec::with_capacity(MAX_PARTS);
+        self.recs = (0..RECORDS).map(|_| record(ZIP_BYTES)).collect();
+        self.recs.extend(big.map(record));
+        self.input = vec![0; big.unwrap_or(0).max(ZIP_BYTES)];
+        self.reads = Vec::with_capacity(MAX_PARTS);
     }
 
-    /// Lays the compressed parts of `plan` out in a free record's buffer and issues the
-    /// fill: one request of the plan's data runs into `dst` and of the compressed bytes'
-    /// reads into the record. A part of the cluster its layer decompressed last is copied
-    /// into `dst` at once and reads nothing. Parts whose streams a record cannot take
-    /// (clusters larger than a chunk, the first chunk of each) take the big record, one
-    /// at a time: the chunks of the same cluster that wait for it then find that cluster
-    /// decompressed.
-    fn zip_issue(
-        &self,
-        zips: &mut ZipFills<D::Buf>,
-        plan: &crate::chain::FastPlan,
+    /// Lays the compressed `parts` of a fill of ring slot `slot` into `dst` out in a free
+    /// record's buffer and takes it; returns its payload, under which the fill's request
+    /// (its data runs into `dst` and the record's [`reads`](Self::reads)) reports its end.
+    /// A part of the cluster its layer decompressed last is copied into `dst` at once and
+    /// reads nothing. Parts whose streams a record cannot take (clusters larger than a
+    /// chunk, the first chunk of each) take the big record, one at a time: the chunks of
+    /// the same cluster that wait for it then find that cluster decompressed.
+    pub(crate) fn take<D: BlockDevice<Buf = B>>(
+        &mut self,
+        layers: &impl ZipLayers<D>,
+        parts: &[ZipPart],
         slot: u16,
-        dst: &BufSlice<D::Buf>,
-        parity: u8,
-        sink: crate::exec::SinkId,
-    ) -> Result<(), Unplanned> {
-        let (runs, _, parts) = plan;
+        dst: &BufSlice<B>,
+    ) -> Result<u32, ZipRefused> {
         let ZipFills {
             recs, next, reads, ..
-        } = zips;
+        } = self;
         let Some(i) = (0..RECORDS)
             .map(|k| (*next + k) % RECORDS)
             .find(|&i| recs.get(i).is_some_and(|r| !r.busy))
         else {
-            return Err(Unplanned::Busy(ZIP_BIT | *next as u32));
+            return Err(ZipRefused::Busy(ZIP_BIT | *next as u32));
         };
-        let i = match self.zip_layout(&mut recs[i], reads, parts, dst) {
+        let i = match layout(layers, &mut recs[i], reads, parts, dst) {
             Ok(()) => i,
-            Err(Unplanned::Other) if recs.len() > RECORDS => {
+            Err(ZipRefused::Unfit) if recs.len() > RECORDS => {
                 let big = &mut recs[RECORDS];
                 if big.busy {
-                    return Err(Unplanned::Busy(ZIP_BIT | RECORDS as u32));
+                    return Err(ZipRefused::Busy(ZIP_BIT | RECORDS as u32));
                 }
-                self.zip_layout(big, reads, parts, dst)?;
+                layout(layers, big, reads, parts, dst)?;
                 RECORDS
             }
             Err(e) => return Err(e),
@@ -195,131 +190,52 @@ impl<D: BlockDevice> Chain<D> {
         if i < RECORDS {
             *next = (i + 1) % RECORDS;
         }
-        let exec = self.exec();
-        let req = exec.request_begin_as(sink.token(ZIP_BIT | i as u32), parity, true);
-        for r in runs {
-            let buf = dst.sub(r.buf_off, r.len);
-            exec.request_op(
-                req,
-                r.dev,
-                DeviceOp::Read {
-                    offset: r.host,
-                    buf,
-                },
-            );
-        }
-        for &(dev, host, off, len) in reads.iter() {
-            let buf = BufSlice {
-                buf: rec.buf.clone(),
-                off,
-                len,
-            };
-            exec.request_op(req, dev, DeviceOp::Read { offset: host, buf });
-        }
-        exec.request_arm(req);
-        Ok(())
+        Ok(ZIP_BIT | i as u32)
     }
 
-    /// Lays `parts` out in record `rec`'s buffer (its parts, and the device reads in
-    /// `reads`), copying at once the parts of each layer's kept cluster into `dst`;
-    /// `Unplanned::Other` when the streams do not fit.
-    fn zip_layout(
+    /// The device reads of the fill [`take`](Self::take) just laid out under `payload`:
+    /// device, host offset, and where they go in the record's buffer.
+    pub(crate) fn reads(
         &self,
-        rec: &mut Record<D::Buf>,
-        reads: &mut Vec<(DevId, u64, usize, usize)>,
-        parts: &[crate::chain::ZipPart],
-        dst: &BufSlice<D::Buf>,
-    ) -> Result<(), Unplanned> {
-        rec.parts.clear();
-        reads.clear();
-        let cap = rec.bytes;
-        let mut used = 0usize;
-        for p in parts {
-            let Some(Layer::Qcow2(q)) = self.layers().get(p.layer as usize) else {
-                return Err(Unplanned::Other);
-            };
-            let start = p.desc.offset.0;
-            let gen = q.reuse_gen();
-            // A part of the cluster its layer decompressed last: copied now, nothing read.
-            let kept = q.last_compressed().try_borrow().is_ok_and(|last| {
-                last.get(start, p.desc.len, gen)
-                    .and_then(|c| c.get(p.in_cluster..p.in_cluster + p.len))
-                    .map(|part| dst.copy_in(p.buf_off, part))
-                    .is_some()
-            });
-            if kept {
-                continue;
-            }
-            // The sectors that hold the compressed bytes (which need not start or end on
-            // one).
-            let lo = start & !(SECTOR - 1);
-            let hi = start
-                .checked_add(p.desc.len)
-                .and_then(|e| e.checked_next_multiple_of(SECTOR))
-                .ok_or(Unplanned::Other)?;
-            let dev = q.dev();
-            let at = match reads.last_mut() {
-                // Continues (or overlaps) the last read on the same device: extend it.
-                Some((d, h, b, l)) if *d == dev && lo >= *h && lo <= *h + *l as u64 => {
-                    let end = *h + *l as u64;
-                    let grow = hi.saturating_sub(end);
-                    if grow > (cap - used) as u64 {
-                        return Err(Unplanned::Other);
-                    }
-                    *l += grow as usize;
-                    used += grow as usize;
-                    *b + (start - *h) as usize
-                }
-                _ => {
-                    let l = hi - lo;
-                    if l > (cap - used) as u64 {
-                        return Err(Unplanned::Other);
-                    }
-                    reads.push((dev, lo, used, l as usize));
-                    used += l as usize;
-                    used - l as usize + (start - lo) as usize
-                }
-            };
-            rec.parts.push(Part {
-                layer: p.layer,
-                stream: start,
-                gen,
-                at,
-                len: p.desc.len as usize,
-                in_cluster: p.in_cluster,
-                dst_off: p.buf_off,
-                n: p.len,
-            });
-        }
-        Ok(())
+        payload: u32,
+    ) -> impl Iterator<Item = (DevId, u64, BufSlice<B>)> + '_ {
+        let buf = &self.recs[(payload & !ZIP_BIT) as usize].buf;
+        self.reads.iter().map(move |&(dev, host, off, len)| {
+            (
+                dev,
+                host,
+                BufSlice {
+                    buf: buf.clone(),
+                    off,
+                    len,
+                },
+            )
+        })
     }
 
-    /// The device reads of compressed fill `payload` ended (`ok`): decompresses each of its
-    /// clusters into the ring slot (a cluster that does not decode to exactly one cluster
-    /// fails the fill: its reads go to the base, which reports the error), then hands the
-    /// fill to the ring and the read-aheads that waited for a record to it.
-    pub(crate) fn zip_filled(self: &Rc<Self>, payload: u32, ok: bool) {
-        let zips = self.zips.try_borrow_mut();
-        let (Ok(mut zips), false) = (zips, self.ring.try_borrow_mut().is_err()) else {
-            // Reported while either is in use: handled at the executor's next report.
-            return self.exec().internal_done(self.sink().token(payload), ok);
-        };
+    /// The device reads of fill `payload` ended (`ok`): frees its record and decompresses
+    /// each of its clusters into the ring slot (a cluster that does not decode to exactly
+    /// one cluster fails the fill: its reads go to the base, which reports the error).
+    /// Returns the slot and whether its data is in; `None` when no such fill is in flight.
+    pub(crate) fn finish<D: BlockDevice<Buf = B>>(
+        &mut self,
+        layers: &impl ZipLayers<D>,
+        payload: u32,
+        ok: bool,
+    ) -> Option<(u16, bool)> {
         let ZipFills {
             recs, dec, input, ..
-        } = &mut *zips;
-        let Some(rec) = recs
+        } = self;
+        let rec = recs
             .get_mut((payload & !ZIP_BIT) as usize)
-            .filter(|r| r.busy)
-        else {
-            return;
-        };
+            .filter(|r| r.busy)?;
         rec.busy = false;
         let slot = rec.slot;
         let mut ok = ok;
         match rec.dst.take() {
             Some(dst) if ok => {
                 for p in &rec.parts {
-                    let Some(Layer::Qcow2(q)) = self.layers().get(p.layer as usize) else {
+                    let Some(q) = layers.zip_layer(p.layer as usize) else {
                         ok = false;
                         break;
                     };
@@ -376,8 +292,80 @@ impl<D: BlockDevice> Chain<D> {
             }
             _ => ok = false,
         }
-        drop(zips);
-        self.ring_filled(slot, ok);
-        self.ring_slice_loaded(payload);
+        Some((slot, ok))
     }
+}
+
+/// Lays `parts` out in record `rec`'s buffer (its parts, and the device reads in
+/// `reads`), copying at once the parts of each layer's kept cluster into `dst`;
+/// [`ZipRefused::Unfit`] when the streams do not fit.
+fn layout<D: BlockDevice>(
+    layers: &impl ZipLayers<D>,
+    rec: &mut Record<D::Buf>,
+    reads: &mut Vec<(DevId, u64, usize, usize)>,
+    parts: &[ZipPart],
+    dst: &BufSlice<D::Buf>,
+) -> Result<(), ZipRefused> {
+    rec.parts.clear();
+    reads.clear();
+    let cap = rec.bytes;
+    let mut used = 0usize;
+    for p in parts {
+        let Some(q) = layers.zip_layer(p.layer as usize) else {
+            return Err(ZipRefused::Unfit);
+        };
+        let start = p.desc.offset.0;
+        let gen = q.reuse_gen();
+        // A part of the cluster its layer decompressed last: copied now, nothing read.
+        let kept = q.last_compressed().try_borrow().is_ok_and(|last| {
+            last.get(start, p.desc.len, gen)
+                .and_then(|c| c.get(p.in_cluster..p.in_cluster + p.len))
+                .map(|part| dst.copy_in(p.buf_off, part))
+                .is_some()
+        });
+        if kept {
+            continue;
+        }
+        // The sectors that hold the compressed bytes (which need not start or end on
+        // one).
+        let lo = start & !(SECTOR - 1);
+        let hi = start
+            .checked_add(p.desc.len)
+            .and_then(|e| e.checked_next_multiple_of(SECTOR))
+            .ok_or(ZipRefused::Unfit)?;
+        let dev = q.dev();
+        let at = match reads.last_mut() {
+            // Continues (or overlaps) the last read on the same device: extend it.
+            Some((d, h, b, l)) if *d == dev && lo >= *h && lo <= *h + *l as u64 => {
+                let end = *h + *l as u64;
+                let grow = hi.saturating_sub(end);
+                if grow > (cap - used) as u64 {
+                    return Err(ZipRefused::Unfit);
+                }
+                *l += grow as usize;
+                used += grow as usize;
+                *b + (start - *h) as usize
+            }
+            _ => {
+                let l = hi - lo;
+                if l > (cap - used) as u64 {
+                    return Err(ZipRefused::Unfit);
+                }
+                reads.push((dev, lo, used, l as usize));
+                used += l as usize;
+                used - l as usize + (start - lo) as usize
+            }
+        };
+        rec.parts.push(Part {
+            layer: p.layer,
+            stream: start,
+            gen,
+            at,
+            len: p.desc.len as usize,
+            in_cluster: p.in_cluster,
+            dst_off: p.buf_off,
+            n: p.len,
+        });
+    }
+    Ok(())
 }

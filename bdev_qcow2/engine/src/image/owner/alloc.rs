@@ -1,26 +1,149 @@
 //! Host clusters for the owner: free-cluster searches (through the refcounts, kept clear
-//! of deferred frees, metadata and reserved data regions), allocations planned on the spot
-//! without I/O, and data regions for the ordered layout.
+//! of deferred frees, metadata and reserved data regions), and allocations planned on the
+//! spot without I/O (data regions for the ordered layout: `regions.rs`); and the
+//! allocator's state they change: where the next search starts, which clusters were never
+//! written since open (fresh: they read as zeros), and the guest clusters with an
+//! allocation in flight.
 //!
 //! Invariants: a cluster is taken only with refcount 0, not held by a deferred free, not
 //! metadata; the zeroed tail is raised past a cluster before it is taken; the device grows
 //! to cover a taken cluster before anything may point at it, and an allocation the device
-//! cannot hold takes nothing.
+//! cannot hold takes nothing. Every cluster at or past `fresh_from` was never taken since
+//! open (so a cluster counts as fresh only when it is at or past every cluster taken before
+//! it); `rt_grows` only increases, so a search that saw it change knows the refcount table
+//! moved under it.
 
 use super::Owner;
 use crate::error::{corrupt, Error, Field, Result};
 use crate::format::refcount::{get_refcount, set_refcount};
-use crate::format::L2Entry;
+
 use crate::io::BlockDevice;
-use crate::types::{GuestOffset, HostCluster, HostOffset};
+use crate::types::{HostCluster, HostOffset};
+
+/// The allocator's state (see the module doc).
+pub(crate) struct AllocState {
+    /// Where the next free-cluster search starts.
+    hint: u64,
+    /// How many times the refcount table grew since open.
+    rt_grows: u64,
+    /// Clusters at or past this index were never written since open.
+    fresh_from: u64,
+    /// Guest clusters with an allocation in flight (writers of the same cluster wait).
+    inflight: Inflight,
+}
+
+impl AllocState {
+    /// The state at open: nothing taken, clusters from `fresh_from` on read as zeros.
+    pub(crate) fn new(fresh_from: u64) -> Self {
+        AllocState {
+            hint: 0,
+            rt_grows: 0,
+            fresh_from,
+            inflight: Inflight::default(),
+        }
+    }
+
+    /// Where the next free-cluster search starts.
+    pub(crate) fn hint(&self) -> u64 {
+        self.hint
+    }
+    /// Clusters up to `end` (exclusive) were just taken: the next search starts there.
+    pub(crate) fn taken_up_to(&mut self, end: u64) {
+        self.hint = end;
+    }
+    /// Cluster `c` became free: the next search starts there at the latest.
+    pub(crate) fn freed(&mut self, c: u64) {
+        if c < self.hint {
+            self.hint = c;
+        }
+    }
+
+    /// Notes clusters `start..start + count` taken: returns whether they are fresh (never
+    /// written: at or past every cluster taken before), and they are not fresh any more.
+    pub(crate) fn take_fresh(&mut self, start: u64, count: u64) -> bool {
+        let fresh = start >= self.fresh_from;
+        self.fresh_from = self.fresh_from.max(start + count);
+        fresh
+    }
+    /// Clusters below `end` were written (a new refcount table and its blocks): none of
+    /// them is fresh any more.
+    pub(crate) fn written_below(&mut self, end: u64) {
+        self.fresh_from = self.fresh_from.max(end);
+    }
+    /// The first cluster never taken since open.
+    pub(crate) fn fresh_from(&self) -> u64 {
+        self.fresh_from
+    }
+
+    /// How many times the refcount table grew since open.
+    pub(crate) fn rt_grows(&self) -> u64 {
+        self.rt_grows
+    }
+    /// The refcount table is about to grow (a search running meanwhile starts over).
+    pub(crate) fn rt_growing(&mut self) {
+        self.rt_grows += 1;
+    }
+
+    /// The guest clusters with an allocation in flight.
+    #[inline]
+    pub(crate) fn inflight(&self) -> &Inflight {
+        &self.inflight
+    }
+    /// The same, to mark or unmark.
+    pub(crate) fn inflight_mut(&mut self) -> &mut Inflight {
+        &mut self.inflight
+    }
+}
+
+/// Guest clusters with an allocation in flight: a handful of runs at a time (one per
+/// planned write, a group of clusters taken ahead being one run), looked up by every
+/// write the owner plans. Runs never overlap: a writer marks only clusters none marks.
+#[derive(Debug, Default)]
+pub struct Inflight(Vec<(u64, u64)>);
+
+impl Inflight {
+    /// Whether guest cluster `c` has an allocation in flight.
+    #[inline]
+    pub fn contains(&self, c: u64) -> bool {
+        self.any(c, c)
+    }
+    /// Whether any of guest clusters `first..=last` has one.
+    #[inline]
+    pub fn any(&self, first: u64, last: u64) -> bool {
+        self.0.iter().any(|&(a, b)| a <= last && first <= b)
+    }
+    /// Whether any guest cluster at or past `first` has one.
+    pub fn any_from(&self, first: u64) -> bool {
+        self.0.iter().any(|&(_, b)| b >= first)
+    }
+    /// Marks guest clusters `first..=last`.
+    pub fn mark(&mut self, first: u64, last: u64) {
+        debug_assert!(!self.any(first, last), "{first}..={last} marked twice");
+        self.0.push((first, last));
+    }
+    /// Unmarks guest clusters `first..=last` (what is left of a run around them stays).
+    pub fn unmark(&mut self, first: u64, last: u64) {
+        let mut i = 0;
+        while i < self.0.len() {
+            let (a, b) = self.0[i];
+            if a > last || b < first {
+                i += 1;
+                continue;
+            }
+            self.0.swap_remove(i);
+            if a < first {
+                self.0.push((a, first - 1));
+            }
+            if b > last {
+                self.0.push((last + 1, b));
+            }
+        }
+    }
+}
 
 /// How many used clusters past the allocation hint an allocation planned on the spot
 /// ([`Owner::alloc_clusters_now`]) skips before it leaves the search to the slow path.
 const NOW_SCAN: u64 = 64;
-
-/// Largest data region reserved at once for a run of guest clusters (see
-/// [`Owner::alloc_data`]): a whole L2 slice up to this size, a part of one beyond.
-const MAX_REGION_BYTES: u64 = 64 << 20;
 
 /// Host clusters an allocator took: `count` consecutive clusters from `first` (at least
 /// one), their refcounts 1 in the dirty metadata.
@@ -102,7 +225,7 @@ impl<D: BlockDevice> Owner<'_, D> {
     /// regions are kept clear. The caller holds the metadata lock or knows it is free.
     pub(crate) fn alloc_clusters_now(&self, n: u64) -> Result<Option<Allocation>> {
         let m = self.meta();
-        if m.st().alloc.has_regions() {
+        if m.st().regions.has_regions() {
             return Ok(None);
         }
         self.reclaim_graced();
@@ -164,7 +287,7 @@ impl<D: BlockDevice> Owner<'_, D> {
     pub(crate) fn next_run_fresh(&self, n: u64) -> bool {
         let st = self.meta().st();
         let hint = st.alloc.hint().max(1);
-        if hint < st.alloc.fresh_from() || st.alloc.has_regions() {
+        if hint < st.alloc.fresh_from() || st.regions.has_regions() {
             return false;
         }
         let end = (hint + NOW_SCAN + n) << self.geo.cluster_bits;
@@ -205,7 +328,7 @@ impl<D: BlockDevice> Owner<'_, D> {
         let hint = m.st().alloc.hint().max(1);
         let mut c = hint;
         let limit = self.alloc_limit();
-        let mut keep_out = m.st().alloc.has_regions();
+        let mut keep_out = m.st().regions.has_regions();
         // Regions exist only on devices that cannot grow: the first pass stays inside.
         let inside = (self.device_size.get() >> self.geo.cluster_bits).min(limit);
         let start = loop {
@@ -213,7 +336,7 @@ impl<D: BlockDevice> Owner<'_, D> {
                 if keep_out {
                     // Below the hint everything but the regions' free slots is in use.
                     keep_out = false;
-                    let first_region = m.st().alloc.first_region_start();
+                    let first_region = m.st().regions.first_region_start();
                     c = first_region.map_or(hint, |r| r.min(hint));
                     continue;
                 }
@@ -247,7 +370,7 @@ impl<D: BlockDevice> Owner<'_, D> {
 
     /// Sets the refcounts of free clusters `start..start + count` to 1 (dirty); one that
     /// was not 0 is corruption.
-    async fn take_clusters(&self, start: u64, count: u64) -> Result<()> {
+    pub(super) async fn take_clusters(&self, start: u64, count: u64) -> Result<()> {
         for i in 0..count {
             let rc = self.update_refcount(start + i, 1).await?;
             if rc != 1 {
@@ -317,180 +440,6 @@ impl<D: BlockDevice> Owner<'_, D> {
             >> self.geo.cluster_bits
     }
 
-    /// The end of the reserved region holding host cluster `c`, if any.
-    fn region_end_at(&self, c: u64) -> Option<u64> {
-        self.meta().st().alloc.region_end_at(c)
-    }
-
-    /// Guest clusters per data region.
-    fn region_len(&self) -> u64 {
-        self.geo
-            .slice_entries()
-            .min((MAX_REGION_BYTES >> self.geo.cluster_bits).max(1))
-    }
-
-    /// Allocates host clusters for the data of guest clusters `g..g + n` (consecutive, in
-    /// one L2 slice, each needing a new cluster): where their region puts them, so that
-    /// guest clusters written in any order, by any number of streams, lie in guest order
-    /// on the host (a slice filled so is linear: `LinearSlice`; sequential reads are
-    /// sequential on the device), else wherever [`alloc_clusters`](Self::alloc_clusters)
-    /// finds room. Returns them like `alloc_clusters`; the count may be less than `n`.
-    ///
-    /// Only with `OpenOptions::ordered_layout`, and on a device that cannot grow (a bdev,
-    /// a block device), whose whole size is the image's to use: on a file, a region would
-    /// make it jump ahead by up to a region for one write (sparsely, but visibly), and
-    /// appending already lays out a single stream in order. Off by default: random first
-    /// writes scattered over regions are slower than appended ones, while a slice filled
-    /// by several streams is linear with it.
-    pub(crate) async fn alloc_data(&self, g: u64, n: u64) -> Result<Allocation> {
-        if !self.allocates_by_region() {
-            return self.alloc_clusters(n).await;
-        }
-        match self.alloc_in_region(g, n).await? {
-            Some(r) => Ok(r),
-            None => self.alloc_clusters(n).await,
-        }
-    }
-
-    /// Whether [`alloc_data`](Self::alloc_data) places data by regions (ordered layout on
-    /// a device that cannot grow) rather than where `alloc_clusters` finds room.
-    pub(crate) fn allocates_by_region(&self) -> bool {
-        self.meta().ordered_layout() && !self.exec.with_device(self.dev, |d| d.can_grow())
-    }
-
-    async fn alloc_in_region(&self, g: u64, n: u64) -> Result<Option<Allocation>> {
-        let m = self.meta();
-        self.reclaim_graced();
-        let per = self.region_len();
-        let idx = g / per;
-        let known = m.st().alloc.region(idx).map(|r| (r.start, r.len));
-        let (start, len) = match known {
-            Some(r) => r,
-            // Boxed: a reservation is rare, and the write path's future stays small.
-            None => Box::pin(self.reserve_region(idx)).await?,
-        };
-        let slot = g % per;
-        if slot >= len {
-            return Ok(None);
-        }
-        let goal = start + slot;
-        let n = n.min(len - slot);
-        let count = loop {
-            let grows = m.st().alloc.rt_grows();
-            let mut count = 0;
-            while count < n && self.cluster_is_free(goal + count).await? {
-                count += 1;
-            }
-            // As in `alloc_clusters`: a table that grew meanwhile may lie on the run.
-            if m.st().alloc.rt_grows() == grows {
-                break count;
-            }
-        };
-        if count == 0 {
-            return Ok(None);
-        }
-        self.raise_zeroed_tail(goal + count).await?;
-        self.take_clusters(goal, count).await?;
-        // Inside the device (the region is): nothing to grow.
-        self.note_allocated(goal + count)?;
-        let mut st = m.st_mut();
-        st.stats.clusters_allocated += count;
-        // Regions fill out of order: a cluster below the last one taken counts as written.
-        Ok(Some(Allocation {
-            first: HostCluster(goal),
-            count,
-            fresh: st.alloc.take_fresh(goal, count),
-        }))
-    }
-
-    /// Reserves the host clusters of region `idx`: where its data already lies, else the
-    /// first run of clusters free for all of it at or after the last region and the
-    /// allocation hint, searched for a bounded distance, inside the device. Records and
-    /// returns (start, length); length 0 when there is no such run (the region's data then
-    /// goes wherever the allocator finds room, for as long as the image stays open).
-    async fn reserve_region(&self, idx: u64) -> Result<(u64, u64)> {
-        let m = self.meta();
-        let per = self.region_len();
-        let total = self.size().div_ceil(self.geo.cluster_size());
-        let len = per.min(total.saturating_sub(idx * per));
-        // Inside the device, which cannot grow (see `alloc_data`): looking further would
-        // only make refcount blocks for clusters it cannot use.
-        let end = self.device_size.get() >> self.geo.cluster_bits;
-        let found = 'search: {
-            if len == 0 {
-                break 'search None;
-            }
-            // Data the slice already has (written before a reopen) says where its region
-            // was: keep it there.
-            if let Some(c) = self.region_of_data(idx * per, len).await? {
-                break 'search Some(c);
-            }
-            let mut c = {
-                let st = m.st();
-                st.alloc.hint().max(st.alloc.region_top()).max(1)
-            };
-            // Bounded: a fragmented image gets no region rather than a long scan.
-            let mut budget = 4 * len + 64;
-            loop {
-                if c.saturating_add(len) > end || budget == 0 {
-                    break 'search None;
-                }
-                if let Some(past) = self.region_end_at(c) {
-                    c = past;
-                    continue;
-                }
-                let next = m.st().alloc.region_starting_in(c, len);
-                if let Some(next) = next {
-                    // Another region starts inside the candidate run: skip past it.
-                    c = next;
-                    continue;
-                }
-                budget = budget.saturating_sub(len);
-                match self.first_busy(c, len).await? {
-                    Some(busy) => c = busy + 1,
-                    None => break 'search Some(c),
-                }
-            }
-        };
-        let region = m.st_mut().alloc.reserve_region(idx, found, len);
-        Ok((region.start, region.len))
-    }
-
-    /// Where the region of guest clusters `g0..g0 + len` (inside one slice) starts when its
-    /// first data cluster (a plain data entry, `L2Entry::plain_data`) is taken to be in
-    /// its slot, as the ordered layout put it before the image was reopened: `None` when the
-    /// clusters have no data yet, or that region would leave the device or overlap another.
-    async fn region_of_data(&self, g0: u64, len: u64) -> Result<Option<u64>> {
-        let bits = self.geo.cluster_bits;
-        let off = GuestOffset(g0 << bits);
-        let Some(way) = self.load_slice(off).await? else {
-            return Ok(None);
-        };
-        let (key, i0) = (
-            self.geo.slice_id(off),
-            self.geo.index_in_slice(off) as usize,
-        );
-        let step = if self.geo.extended_l2 { 2 } else { 1 };
-        let first = |words: &[u64]| {
-            (0..len as usize).find_map(|k| {
-                let e = L2Entry(*words.get((i0 + k) * step)?);
-                let (host, _) = e.plain_data(bits, u64::MAX)?;
-                Some((host >> bits).checked_sub(k as u64))
-            })
-        };
-        let m = self.meta();
-        let found = match m.st().dirty.slice(key) {
-            Some(words) => first(words),
-            None => first(self.l2_cache.borrow().block(way)),
-        };
-        let Some(Some(start)) = found else {
-            return Ok(None);
-        };
-        let end = self.device_size.get() >> bits;
-        let clash = m.st().alloc.clashes_with_region(start, len);
-        Ok((start > 0 && start + len <= end && !clash).then_some(start))
-    }
-
     /// The first of host clusters `c..c + len` that [`cluster_is_free`] would refuse, if
     /// any: as many checks, made a refcount block at a time where it can (a region's
     /// reservation checks a whole slice of clusters), and a missing refcount block means
@@ -539,7 +488,7 @@ impl<D: BlockDevice> Owner<'_, D> {
 
     /// Whether host cluster `c` may be allocated: refcount 0, not freed-but-unstable, not
     /// metadata.
-    async fn cluster_is_free(&self, c: u64) -> Result<bool> {
+    pub(super) async fn cluster_is_free(&self, c: u64) -> Result<bool> {
         if let Some(free) = self.cluster_is_free_now(c)? {
             return Ok(free);
         }
@@ -613,5 +562,27 @@ impl<D: BlockDevice> Owner<'_, D> {
         Ok(cache
             .lookup(block, 0)
             .map(|w| get_refcount(cache.block(w), order, idx) == 0))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Inflight;
+
+    #[test]
+    fn inflight_runs_answer_by_cluster_and_unmark_in_part() {
+        let mut f = Inflight::default();
+        assert!(!f.contains(0) && !f.any(0, u64::MAX) && !f.any_from(0));
+        f.mark(16, 31);
+        f.mark(40, 40);
+        assert!(f.contains(16) && f.contains(31) && f.contains(40));
+        assert!(!f.contains(15) && !f.contains(32) && !f.contains(39));
+        assert!(f.any(0, 16) && f.any(31, 35) && !f.any(32, 39));
+        assert!(f.any_from(40) && !f.any_from(41));
+        // Part of a run: the rest stays marked.
+        f.unmark(20, 23);
+        assert!(f.contains(19) && !f.contains(20) && !f.contains(23) && f.contains(24));
+        f.unmark(0, 100);
+        assert!(!f.any(0, u64::MAX));
     }
 }

@@ -1,6 +1,8 @@
-//! Persistent dirty bitmaps on the owner, kept as QEMU keeps them: loaded when the image
-//! opens for writing and marked `in_use` on disk before any guest write, recorded in
-//! memory by every core ([`DirtyBitmaps`]), stored at a clean close with `in_use` cleared.
+//! Persistent dirty bitmaps on the owner (its record of them while the image is open for
+//! writing, [`KeptBitmaps`]: the directory as on disk, and for each bitmap it loaded, where
+//! its table and data were), kept as QEMU keeps them: loaded when the image opens for
+//! writing and marked `in_use` on disk before any guest write, recorded in memory by every
+//! core ([`DirtyBitmaps`]), stored at a clean close with `in_use` cleared.
 //! An image that was not closed keeps `in_use`: QEMU then treats the bitmap as
 //! inconsistent (a backup that relies on it refuses, instead of missing data).
 //!
@@ -14,6 +16,9 @@
 //! 3. the `in_use` flags go (each a 4-byte field: one sector write cannot tear it);
 //!    flushed;
 //! 4. the old tables and data are freed.
+//!
+//! Invariant: `dir` is the directory as last written; every bitmap it loaded has its
+//! `in_use` flag set there until the owner stored it.
 
 use super::Owner;
 use crate::dirty_bitmaps::{self, Bits, DirtyBitmaps};
@@ -25,9 +30,41 @@ use crate::format::bitmaps::{
 };
 use crate::io::{BlockDevice, BufSlice, IoBuffer, SECTOR};
 use crate::limits::MAX_BITMAP_MEMORY;
-use crate::meta::bitmaps::{KeptBitmaps, Loaded};
 use crate::types::{HostOffset, HostRange};
 use std::sync::Arc;
+
+/// A bitmap the owner loaded.
+pub(crate) struct Loaded {
+    /// Its entry in [`KeptBitmaps::entries`].
+    pub(crate) entry: usize,
+    /// The host clusters its data was in when loaded (or last stored).
+    pub(crate) data_clusters: Vec<u64>,
+}
+
+/// The image's persistent bitmaps (see the module doc).
+pub(crate) struct KeptBitmaps {
+    /// Host offset of the directory.
+    pub(crate) dir_offset: u64,
+    /// The directory's bytes, whole sectors.
+    pub(crate) dir: Vec<u8>,
+    /// Its entries (positions, tables and flags as in `dir`).
+    pub(crate) entries: Vec<BitmapEntry>,
+    /// The bitmaps loaded, in the order of `bits`.
+    pub(crate) loaded: Vec<Loaded>,
+    /// Their bits, shared with every core.
+    pub(crate) bits: Arc<DirtyBitmaps>,
+}
+
+impl KeptBitmaps {
+    /// The names of the loaded bitmaps that record guest writes.
+    pub(crate) fn enabled_names(&self) -> Vec<String> {
+        self.loaded
+            .iter()
+            .filter(|l| self.entries[l.entry].auto())
+            .map(|l| self.entries[l.entry].name.clone())
+            .collect()
+    }
+}
 
 impl<D: BlockDevice> Owner<'_, D> {
     /// At open for writing: loads every bitmap not already `in_use`, and marks them
@@ -67,7 +104,7 @@ impl<D: BlockDevice> Owner<'_, D> {
         // and each table's and data cluster, referenced once (a hostile image could name an
         // L2 table, or one cluster twice).
         let bits_c = self.geo.cluster_bits;
-        let mut owned = crate::meta::HashSet::default();
+        let mut owned = super::HashSet::default();
         let dir_clusters = ext.directory_offset >> bits_c
             ..(ext.directory_offset + ext.directory_size).div_ceil(cs);
         self.own(&mut owned, dir_clusters).await?;
@@ -169,7 +206,7 @@ impl<D: BlockDevice> Owner<'_, D> {
     /// yet, not the image's other metadata, refcount 1.
     async fn own(
         &self,
-        owned: &mut crate::meta::HashSet<u64>,
+        owned: &mut super::HashSet<u64>,
         clusters: impl Iterator<Item = u64>,
     ) -> Result<()> {
         let (bits, cs) = (self.geo.cluster_bits, self.geo.cluster_size());

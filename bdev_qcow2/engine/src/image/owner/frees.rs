@@ -1,13 +1,118 @@
+//! Deferred frees: references removed in metadata that is not stable yet, clusters whose
+//! refcount dropped to 0 in such metadata, and (on a shared image) freed clusters waiting
+//! for a grace period.
+//!
+//! Invariant (ARCHITECTURE.md §7 rule 2, and §6 on grace periods): a cluster named here is
+//! out of the allocator's reach — its refcount decrement is not stable, or a core may still
+//! hold its old mapping — until [`Frees::reclaim`] gives it back.
+//!
 //! Frees on the owner: a removed reference is dropped only once the metadata that removed
 //! it is stable (rule 2), and on a shared image the cluster waits a grace period more
 //! before reuse (a request that resolved the old mapping may still be in flight on another
 //! core).
 
 use super::alloc::Allocation;
+use super::HashSet;
 use super::Owner;
 use crate::error::Result;
 use crate::io::BlockDevice;
 use crate::types::HostRange;
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
+
+/// Least time between two attempts to advance the grace period.
+const ADVANCE_INTERVAL: Duration = Duration::from_micros(100);
+
+/// Deferred frees (see the module doc).
+#[derive(Default)]
+pub(crate) struct Frees {
+    /// Host byte ranges whose reference was removed in not-yet-stable metadata.
+    pending: Vec<HostRange>,
+    /// Clusters whose refcount dropped to 0 but is not yet stable.
+    unstable: HashSet<u64>,
+    /// Freed clusters (stable) waiting for a grace period before reuse, by the generation
+    /// they were freed in.
+    graced: VecDeque<(u64, Vec<u64>)>,
+    /// The same clusters, for the allocator.
+    graced_set: HashSet<u64>,
+    /// When the owner last tried to advance the grace period.
+    last_advance: Option<Instant>,
+}
+
+impl Frees {
+    /// The reference to host bytes `range` was removed in dirty metadata.
+    pub(crate) fn free_later(&mut self, range: HostRange) {
+        self.pending.push(range);
+    }
+    /// Takes the pending frees: the metadata that removed them is stable now.
+    pub(crate) fn take_pending(&mut self) -> Vec<HostRange> {
+        std::mem::take(&mut self.pending)
+    }
+    /// Host cluster `c`'s refcount dropped to 0 in metadata not yet stable.
+    pub(crate) fn unstable(&mut self, c: u64) {
+        self.unstable.insert(c);
+    }
+    /// Whether no refcount drop waits to become stable.
+    pub(crate) fn none_unstable(&self) -> bool {
+        self.unstable.is_empty()
+    }
+    /// Whether no cluster is held (unstable or in a grace period): the allocator may skip
+    /// asking [`holds`](Self::holds).
+    pub(crate) fn holds_none(&self) -> bool {
+        self.unstable.is_empty() && self.graced_set.is_empty()
+    }
+    /// Whether host cluster `c` is held out of the allocator's reach.
+    #[inline]
+    pub(crate) fn holds(&self, c: u64) -> bool {
+        let held = |set: &HashSet<u64>| !set.is_empty() && set.contains(&c);
+        held(&self.unstable) || held(&self.graced_set)
+    }
+    /// The unstable drops are stable now: on an image of one core (`grace` `None`) they
+    /// are free at once; on a shared one they wait from the generation `grace` gives on.
+    pub(crate) fn stabilized(&mut self, grace: Option<impl FnOnce() -> u64>) {
+        match grace {
+            None => self.unstable.clear(),
+            Some(now) => {
+                let batch: Vec<u64> = self.unstable.drain().collect();
+                if !batch.is_empty() {
+                    self.graced_set.extend(batch.iter().copied());
+                    self.graced.push_back((now(), batch));
+                }
+            }
+        }
+    }
+    /// Whether any cluster waits for a grace period.
+    pub(crate) fn any_graced(&self) -> bool {
+        !self.graced.is_empty()
+    }
+    /// Whether to try to advance the grace period now (noting the attempt): always without
+    /// asymmetric fences (`costly` false), else at most once per interval, however many
+    /// allocations ask meanwhile.
+    pub(crate) fn advance_due(&mut self, now: Instant, costly: bool) -> bool {
+        let due = !costly
+            || self
+                .last_advance
+                .is_none_or(|t| now.duration_since(t) >= ADVANCE_INTERVAL);
+        if due {
+            self.last_advance = Some(now);
+        }
+        due
+    }
+    /// Releases the clusters whose grace period is over at generation `g`; returns the
+    /// lowest one released.
+    pub(crate) fn reclaim(&mut self, g: u64) -> Option<u64> {
+        let mut lowest: Option<u64> = None;
+        while self.graced.front().is_some_and(|(tag, _)| tag + 2 <= g) {
+            if let Some((_, batch)) = self.graced.pop_front() {
+                for c in batch {
+                    self.graced_set.remove(&c);
+                    lowest = Some(lowest.map_or(c, |l| l.min(c)));
+                }
+            }
+        }
+        lowest
+    }
+}
 
 impl<D: BlockDevice> Owner<'_, D> {
     /// Drops the references of host bytes `range` once the metadata that removed them is

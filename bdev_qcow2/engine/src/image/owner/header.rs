@@ -1,21 +1,133 @@
-//! The header on the owner: the corrupt bit, the dirty bit (lazy refcounts), and the
-//! zeroed tail, each written as the first sector whole through the header writer's copy.
+//! The owner's copies of the image's first sector: the one it changes and the one last
+//! written, and whether the dirty bit it set is on disk.
 //!
-//! Invariants: the dirty bit is set and stable before metadata that relies on it reaches
-//! the device; the zeroed tail on disk lies past every cluster written, so it is raised
-//! (written and flushed) before clusters at or past it are taken.
+//! Invariant: every header change goes through the copy here, by the format's setters
+//! ([`HeaderSector`]), and reaches the device only as a whole sector; `on_disk` is always
+//! what the last write put there, so a write of it alone (raising the zeroed tail) changes
+//! nothing else.
+//!
+//! The header on the owner: the corrupt bit and the dirty bit (lazy refcounts), each
+//! written as the first sector whole through the copy here (the zeroed tail, written the
+//! same way: `zeroed_tail.rs`).
+//!
+//! Invariant: the dirty bit is set and stable before metadata that relies on it reaches
+//! the device.
 
 use super::Owner;
 use crate::error::{corrupt, Error, Field, Result};
 use crate::format::header::ZeroedTail;
+use crate::format::HeaderSector;
 use crate::io::{BlockDevice, BufSlice, IoBuffer};
-use crate::meta::zeroed_tail::Raise;
 
-/// The least step by which the zeroed tail is raised (see `raise_zeroed_tail`).
-const ZEROED_TAIL_STEP_MIN: u64 = 1 << 20;
-/// The most a tail zeroed ahead is raised by at once: one write-zeroes, which the
-/// allocator waits for (NVMe may write the zeros).
-const ZERO_AHEAD_STEP_MAX: u64 = 64 << 20;
+/// The header writer's state (see the module doc).
+pub(crate) struct HeaderCopies {
+    /// The first sector as the owner wants it on disk.
+    sector0: HeaderSector,
+    /// Whether `sector0` must be written.
+    dirty: bool,
+    /// `sector0` as last written.
+    on_disk: HeaderSector,
+    /// Whether the owner set the dirty bit on disk (lazy refcounts) and must clear it.
+    dirty_bit_on_disk: bool,
+}
+
+impl HeaderCopies {
+    /// The copies at open, from cluster 0 `c0` as read.
+    pub(crate) fn new(c0: &[u8]) -> Self {
+        let sector0 = HeaderSector::from_cluster0(c0);
+        HeaderCopies {
+            on_disk: sector0.clone(),
+            sector0,
+            dirty: false,
+            dirty_bit_on_disk: false,
+        }
+    }
+
+    /// Whether the header copy must be written.
+    pub(crate) fn is_dirty(&self) -> bool {
+        self.dirty
+    }
+    /// The sector to write now: it is the one on disk once written.
+    pub(crate) fn take_for_write(&mut self) -> Vec<u8> {
+        self.dirty = false;
+        self.on_disk = self.sector0.clone();
+        self.sector0.bytes().to_vec()
+    }
+
+    /// The corrupt bit set (version 3: a version 2 header has no feature bits); returns
+    /// the sector to write at once.
+    pub(crate) fn mark_corrupt(&mut self) -> Vec<u8> {
+        self.sector0.set_corrupt();
+        self.on_disk = self.sector0.clone();
+        self.sector0.bytes().to_vec()
+    }
+
+    /// Whether the dirty bit the owner set is on disk.
+    pub(crate) fn dirty_bit_on_disk(&self) -> bool {
+        self.dirty_bit_on_disk
+    }
+    /// Sets the dirty bit in the copy, to be written and flushed before metadata that
+    /// relies on it ([`dirty_bit_written`](Self::dirty_bit_written) then).
+    pub(crate) fn set_dirty_bit(&mut self) {
+        self.sector0.set_dirty(true);
+    }
+    /// The dirty bit is stable on disk.
+    pub(crate) fn dirty_bit_written(&mut self) {
+        self.dirty_bit_on_disk = true;
+    }
+    /// Every refcount is stable: the dirty bit goes (the header is dirty).
+    pub(crate) fn clear_dirty_bit(&mut self) {
+        self.sector0.set_dirty(false);
+        self.dirty = true;
+        self.dirty_bit_on_disk = false;
+    }
+
+    /// The refcount table moved to `offset`, `clusters` long (the header is dirty).
+    pub(crate) fn set_refcount_table(&mut self, offset: u64, clusters: u32) {
+        self.sector0.set_refcount_table(offset, clusters);
+        self.dirty = true;
+    }
+
+    /// The L1 table moved to `offset`, `size` entries long (the header is dirty).
+    pub(crate) fn set_l1_table(&mut self, offset: u64, size: u32) {
+        self.sector0.set_l1_table(offset, size);
+        self.dirty = true;
+    }
+
+    /// The virtual disk size is `bytes` (the header is dirty).
+    pub(crate) fn set_size(&mut self, bytes: u64) {
+        self.sector0.set_size(bytes);
+        self.dirty = true;
+    }
+
+    /// The snapshot table moved to `offset` and holds `count` snapshots (the header is
+    /// dirty).
+    pub(crate) fn set_snapshot_table(&mut self, offset: u64, count: u32) {
+        self.sector0.set_snapshot_table(offset, count);
+        self.dirty = true;
+    }
+
+    /// The backing file reference dropped (see [`HeaderSector::clear_backing`]; `rest` is
+    /// cluster 0 past the first sector as on disk); returns whether the backing format
+    /// extension went too. The header is dirty.
+    pub(crate) fn clear_backing(&mut self, rest: &[u8]) -> bool {
+        self.dirty = true;
+        self.sector0.clear_backing(rest)
+    }
+
+    /// The zeroed tail raised to `tail`: in the copy and in the one on disk, which is
+    /// returned to be written alone.
+    pub(crate) fn raise_zeroed_tail(&mut self, tail: ZeroedTail) -> Vec<u8> {
+        self.sector0.set_zeroed_tail(tail);
+        self.on_disk.set_zeroed_tail(tail);
+        self.on_disk.bytes().to_vec()
+    }
+    /// The zeroed tail lowered to `tail` (the header is dirty).
+    pub(crate) fn lower_zeroed_tail(&mut self, tail: ZeroedTail) {
+        self.sector0.set_zeroed_tail(tail);
+        self.dirty = true;
+    }
+}
 
 impl<D: BlockDevice> Owner<'_, D> {
     /// Sets the corrupt bit on disk (best effort) after an inconsistency was detected, and
@@ -62,96 +174,6 @@ impl<D: BlockDevice> Owner<'_, D> {
         self.write_header().await?;
         self.exec.flush(self.dev).await?;
         m.st_mut().header.dirty_bit_written();
-        Ok(())
-    }
-
-    /// Whether clusters below `end_cluster` may be written as things stand: they lie below
-    /// the zeroed tail (always, without one).
-    pub(crate) fn below_zeroed_tail(&self, end_cluster: u64) -> bool {
-        let tail = self.meta().st().tail.first_cluster(self.geo.cluster_bits);
-        tail.is_none_or(|t| end_cluster <= t)
-    }
-
-    /// Raises the zeroed tail to at least cluster `end_cluster` unless it lies there
-    /// already: called before clusters below `end_cluster` are taken, so that nothing is
-    /// ever written at or past the tail. A recorded tail is raised on disk (the first
-    /// sector written alone, then flushed), so that whatever a crash keeps, the claim
-    /// covers nothing written; a tail zeroed ahead zeroes the device up to its new start.
-    /// It moves in steps of a 64th of the device (1 MiB at least; zeroing, 64 MiB at
-    /// most). Caller holds the metadata lock.
-    pub(crate) async fn raise_zeroed_tail(&self, end_cluster: u64) -> Result<()> {
-        if self.below_zeroed_tail(end_cluster) {
-            return Ok(());
-        }
-        let m = self.meta();
-        let cs = self.geo.cluster_size();
-        let bits = self.geo.cluster_bits;
-        let dev_end = self.device_size.get().div_ceil(cs) * cs;
-        let zeroing = m.st().tail.zeroes_ahead();
-        let mut step = (dev_end / 64).max(ZEROED_TAIL_STEP_MIN);
-        if zeroing {
-            step = step.min(ZERO_AHEAD_STEP_MAX);
-        }
-        let from = ((end_cluster << bits) + step).div_ceil(cs) * cs;
-        let from = from.min(dev_end.max(end_cluster << bits));
-        let Some(raise) = m.st().tail.raise_to(from) else {
-            return Ok(());
-        };
-        match raise {
-            Raise::Record(tail) => {
-                let sector = m.st_mut().header.raise_zeroed_tail(tail);
-                let buf = self.exec.alloc_buf(self.dev, sector.len());
-                buf.copy_in(0, &sector);
-                self.exec.write(self.dev, 0, BufSlice::whole(buf)).await?;
-                self.exec.flush(self.dev).await?;
-            }
-            Raise::Zero { from: old, to } => {
-                // Inside the device only: past its end nothing can be taken anyway.
-                let to_dev = to.min(self.device_size.get());
-                if to_dev > old {
-                    if let Err(e) = self.exec.write_zeroes(self.dev, old, to_dev - old).await {
-                        tracing::warn!(
-                            "qcow2: zeroing ahead of the allocator failed ({e}); first writes \
-                             into new clusters write them whole from now on"
-                        );
-                        m.st_mut().stop_zero_ahead(dev_end >> bits);
-                        return Ok(());
-                    }
-                }
-                m.st_mut().stats.zeroed_ahead_bytes += to_dev.saturating_sub(old);
-            }
-        }
-        let mut st = m.st_mut();
-        st.tail.moved_to(from);
-        st.stats.zeroed_tail_raises += 1;
-        Ok(())
-    }
-
-    /// At a clean close: the zeroed tail goes back to where the clusters ever allocated end
-    /// (nothing was written past them), so that the next open finds every cluster past
-    /// them fresh. Caller holds the metadata lock, every write has completed.
-    pub(crate) async fn lower_zeroed_tail(&self) -> Result<()> {
-        let m = self.meta();
-        let cs = self.geo.cluster_size();
-        let lowered = {
-            let mut st = m.st_mut();
-            let end = st.alloc.fresh_from() * cs;
-            match st.tail.recorded() {
-                Some(z) if end < z.from => {
-                    st.header.lower_zeroed_tail(ZeroedTail {
-                        from: end,
-                        at: z.at,
-                    });
-                    Some(end)
-                }
-                _ => None,
-            }
-        };
-        if let Some(end) = lowered {
-            self.write_header().await?;
-            self.exec.flush(self.dev).await?;
-            m.st_mut().tail.moved_to(end);
-        }
         Ok(())
     }
 }

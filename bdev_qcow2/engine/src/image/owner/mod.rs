@@ -1,20 +1,31 @@
-//! The metadata owner's operations: allocation, refcounts, L2 tables, deferred frees, the
+//! The metadata owner: its state and its operations, one module per concern, each holding
+//! the concern's state (a private type changed only through its methods) together with
+//! the operations built on it: allocation, refcounts, L2 tables, deferred frees, the
 //! header and the ordered write-back ([`writeback`], ARCHITECTURE.md §7).
 //!
-//! They are methods of [`Owner`], a view of an image open for writing together with its
-//! owner state ([`Meta`]): obtained once, at an entry point, by [`Qcow2::owner`] (which
-//! fails with `ReadOnly` on a read-only image or a core replica), so that an operation that
-//! needs the owner cannot be called without one. The state itself lives in
-//! [`crate::meta`], below the image; these operations build on the image (`Owner`
-//! dereferences to it; a child module of the image, they reach its private fields), and
-//! nothing below calls them.
+//! The operations are methods of [`Owner`], a view of an image open for writing together
+//! with its owner state ([`Meta`]): obtained once, at an entry point, by [`Qcow2::owner`]
+//! (which fails with `ReadOnly` on a read-only image or a core replica), so that an
+//! operation that needs the owner cannot be called without one. A child module of the
+//! image, they reach its private fields (`Owner` dereferences to it); the image holds the
+//! [`Meta`] when it is writable and reads it through its methods, and nothing below the
+//! image calls the operations.
 //!
-//! - [`alloc`]: host clusters for data and metadata, data regions;
+//! - [`alloc`]: host clusters for data and metadata, the allocator's state, allocations
+//!   in flight;
+//! - [`regions`]: data regions of the ordered layout;
 //! - [`bitmaps`]: persistent dirty bitmaps, loaded at open and stored at close;
 //! - [`refcount`]: refcount changes, new refcount blocks, a larger refcount table;
 //! - [`l2`]: dirty L2 slices, new or copied L2 tables;
-//! - [`frees`]: frees after the metadata that removed a reference is stable;
-//! - [`header`]: the corrupt and dirty bits, the zeroed tail;
+//! - [`dirty`]: the dirty metadata (L2 slices, refcount blocks, L1 and refcount-table
+//!   entries);
+//! - [`frees`]: frees after the metadata that removed a reference is stable, and grace
+//!   periods;
+//! - [`header`]: the copies of the first sector, the corrupt and dirty bits;
+//! - [`zeroed_tail`]: the zeroed tail, as kept and as raised;
+//! - [`index`]: the clusters of metadata, for the overlap check;
+//! - [`background`]: the background write-back and its timer;
+//! - [`stats`]: the counters;
 //! - [`resize`]: growing and shrinking the virtual disk;
 //! - [`shadow`]: changes of refcounts and active tables switched by one header write;
 //! - [`snapshot`]: internal snapshots (create, delete, apply);
@@ -22,21 +33,34 @@
 //! - [`writeback`]: the ordered write-back, flush and close.
 
 pub(crate) mod alloc;
+pub(crate) mod background;
 pub(crate) mod bitmaps;
+pub(crate) mod dirty;
 pub(crate) mod frees;
 pub(crate) mod header;
+pub(crate) mod index;
 pub(crate) mod l2;
 pub(crate) mod refcount;
+pub(crate) mod regions;
 pub(crate) mod resize;
 pub(crate) mod shadow;
 pub(crate) mod snapshot;
+pub(crate) mod stats;
 pub(crate) mod stream;
 pub(crate) mod writeback;
+pub(crate) mod zeroed_tail;
 
+pub use alloc::Inflight;
+pub use background::BACKGROUND_WRITEBACK_INTERVAL;
+pub use stats::OwnerStats;
+
+use crate::coherency::Shared;
 use crate::error::{Error, Result};
+use crate::exec::{AsyncLock, Exec, WaitQueue};
+use crate::format::ImageHeader;
 use crate::image::Qcow2;
 use crate::io::BlockDevice;
-use crate::meta::Meta;
+use std::cell::{Ref, RefCell, RefMut};
 
 /// An image in its role of metadata owner: the image and its owner state (see the module
 /// doc). Copied freely (two references).
@@ -65,6 +89,178 @@ impl<'a, D: BlockDevice> Owner<'a, D> {
     #[inline]
     pub(crate) fn meta(&self) -> &'a Meta<D> {
         self.m
+    }
+}
+
+/// Hash maps and sets of the owner's state: looked up on every allocating write, so with a
+/// fast hasher (foldhash: seeded per process, far cheaper than SipHash on u64 keys).
+pub(crate) type HashMap<K, V> = std::collections::HashMap<K, V, foldhash::fast::RandomState>;
+pub(crate) type HashSet<K> = std::collections::HashSet<K, foldhash::fast::RandomState>;
+
+/// The owner's mutable state, one part per concern (see the module doc).
+pub(crate) struct MetaState {
+    /// Dirty metadata, written back in order.
+    pub(crate) dirty: dirty::DirtyMetadata,
+    /// The allocator.
+    pub(crate) alloc: alloc::AllocState,
+    /// The data regions of the ordered layout.
+    pub(crate) regions: regions::DataRegions,
+    /// Deferred frees and grace periods.
+    pub(crate) frees: frees::Frees,
+    /// The first sector's copies.
+    pub(crate) header: header::HeaderCopies,
+    /// The zeroed tail.
+    pub(crate) tail: zeroed_tail::TailKeeper,
+    /// Clusters of refcount blocks and active L2 tables.
+    pub(crate) index: index::MetadataIndex,
+    /// The background write-back's timer.
+    pub(crate) timer: background::BackgroundTimer,
+    /// Counters.
+    pub(crate) stats: OwnerStats,
+    /// The persistent bitmaps, when the image has any it keeps up to date.
+    pub(crate) bitmaps: Option<bitmaps::KeptBitmaps>,
+}
+
+impl MetaState {
+    /// Zeroes ahead of the allocator from cluster `used_end` on, which lies past every
+    /// cluster in use (`OpenOptions::zero_ahead`). Called at open, before anything is taken:
+    /// clusters become fresh as the tail is raised past them.
+    pub(crate) fn start_zero_ahead(&mut self, used_end: u64, cluster_bits: u32) {
+        self.tail = zeroed_tail::TailKeeper::zeroed_ahead(used_end << cluster_bits);
+        self.alloc = alloc::AllocState::new(used_end);
+    }
+    /// Gives the zeroed-ahead tail up (zeroing failed): no cluster inside the device,
+    /// `dev_end` clusters long, is fresh any more.
+    pub(crate) fn stop_zero_ahead(&mut self, dev_end: u64) {
+        self.tail.drop_tail();
+        self.alloc.written_below(dev_end);
+    }
+    /// What changes whenever metadata is allocated or newly dirtied (the quiet write-back's
+    /// test that nothing happened).
+    pub(crate) fn change_signature(&self) -> background::ChangeSignature {
+        (
+            self.stats.clusters_allocated,
+            self.dirty.slices(),
+            self.dirty.rc_blocks(),
+        )
+    }
+}
+
+/// The owner: its lock (every metadata mutation runs under it, so a write-back sees a
+/// consistent set), the writers waiting for an allocation in flight, and its state.
+pub struct Meta<D: BlockDevice> {
+    lock: AsyncLock<D>,
+    inflight_wait: WaitQueue<D>,
+    st: RefCell<MetaState>,
+    /// `OpenOptions::ordered_layout`.
+    ordered_layout: bool,
+    /// `OpenOptions::alloc_granule` in clusters (a power of two, 1: off).
+    granule_clusters: u64,
+}
+
+impl<D: BlockDevice> Meta<D> {
+    /// The owner's state of an image opened for writing: `header` and cluster 0 `c0` as
+    /// read, on a device of `device_size` bytes.
+    pub(crate) fn new(
+        exec: &Exec<D>,
+        header: &ImageHeader,
+        c0: &[u8],
+        device_size: u64,
+        ordered_layout: bool,
+        alloc_granule: u64,
+    ) -> Self {
+        let cs = header.cluster_size();
+        let granule_clusters = (alloc_granule / cs).max(1).next_power_of_two();
+        let end = device_size.div_ceil(cs);
+        // Past a zeroed tail (in the first sector, where we keep it), clusters read as zeros
+        // from the start.
+        let tail = zeroed_tail::TailKeeper::new(header.extensions.zeroed_tail);
+        let fresh_from = tail.from().map_or(end, |f| f.div_ceil(cs).min(end));
+        Meta {
+            lock: AsyncLock::new(exec),
+            inflight_wait: WaitQueue::new(exec),
+            ordered_layout,
+            granule_clusters,
+            st: RefCell::new(MetaState {
+                dirty: Default::default(),
+                alloc: alloc::AllocState::new(fresh_from),
+                regions: Default::default(),
+                frees: Default::default(),
+                header: header::HeaderCopies::new(c0),
+                tail,
+                index: Default::default(),
+                timer: Default::default(),
+                stats: OwnerStats::default(),
+                bitmaps: None,
+            }),
+        }
+    }
+
+    /// The state, to read.
+    #[inline]
+    pub(crate) fn st(&self) -> Ref<'_, MetaState> {
+        self.st.borrow()
+    }
+    /// The state, to change (no borrow may be held across an await).
+    #[inline]
+    pub(crate) fn st_mut(&self) -> RefMut<'_, MetaState> {
+        self.st.borrow_mut()
+    }
+    /// The state, to read, unless it is being changed.
+    pub(crate) fn try_st(&self) -> Option<Ref<'_, MetaState>> {
+        self.st.try_borrow().ok()
+    }
+    /// The metadata lock.
+    pub(crate) fn lock(&self) -> &AsyncLock<D> {
+        &self.lock
+    }
+    /// Waits until an allocation in flight ends.
+    pub(crate) async fn wait_inflight(&self) {
+        self.inflight_wait.wait().await
+    }
+    /// Unmarks guest clusters `first..=last` in flight and wakes their waiting writers.
+    pub(crate) fn end_inflight(&self, first: u64, last: u64) {
+        self.st
+            .borrow_mut()
+            .alloc
+            .inflight_mut()
+            .unmark(first, last);
+        self.inflight_wait.notify_all();
+    }
+    /// Whether any of guest clusters `first..=last` has an allocation in flight.
+    #[inline]
+    pub(crate) fn inflight_any(&self, first: u64, last: u64) -> bool {
+        self.st.borrow().alloc.inflight().any(first, last)
+    }
+    /// `OpenOptions::ordered_layout`.
+    pub(crate) fn ordered_layout(&self) -> bool {
+        self.ordered_layout
+    }
+    /// `OpenOptions::alloc_granule`, in clusters (1: each first write takes its own).
+    pub(crate) fn granule_clusters(&self) -> u64 {
+        self.granule_clusters
+    }
+    /// The counters.
+    pub(crate) fn stats(&self) -> OwnerStats {
+        self.st.borrow().stats
+    }
+
+    /// A copy of a dirty L2 slice (or one being written back), if the owner holds one.
+    pub(crate) fn dirty_slice(&self, key: u64) -> Option<Vec<u64>> {
+        self.st.borrow().dirty.slice_copy(key)
+    }
+    /// Whether refcount block `block` is dirty.
+    pub(crate) fn has_dirty_rc(&self, block: u64) -> bool {
+        self.st.borrow().dirty.has_rc(block)
+    }
+    /// The dirty copy of refcount block `block`.
+    pub(crate) fn dirty_rc_ref(&self, block: u64) -> Option<Ref<'_, Vec<u8>>> {
+        Ref::filter_map(self.st.borrow(), |s| s.dirty.rc(block)).ok()
+    }
+    /// Whether host cluster `c` holds a refcount block or an active L2 table.
+    #[inline]
+    pub(crate) fn is_metadata_cluster(&self, c: u64) -> bool {
+        self.st.borrow().index.contains(c)
     }
 }
 

@@ -20,12 +20,12 @@
 //! lock throughout); the in-memory state switches without an await after the switch is
 //! stable, so no task on the owner sees half of it.
 
+use super::HashMap;
 use super::{words_to_bytes, Owner};
 use crate::error::{corrupt, Error, Field, Result};
 use crate::format::refcount::{get_refcount, set_refcount};
 use crate::io::{BlockDevice, BufSlice, IoBuffer};
 use crate::limits::MAX_SHADOW_DELTA_BYTES;
-use crate::meta::HashMap;
 use crate::types::HostRange;
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -297,7 +297,7 @@ impl<D: BlockDevice> Owner<'_, D> {
 }
 
 /// Sets the header writer's copy to the switched fields and refcount table `rt`.
-fn set_header(w: &mut crate::meta::header_writer::HeaderCopies, s: HeaderSwitch, rt: (u64, u32)) {
+fn set_header(w: &mut super::header::HeaderCopies, s: HeaderSwitch, rt: (u64, u32)) {
     w.set_refcount_table(rt.0, rt.1);
     if let Some((off, n)) = s.l1 {
         w.set_l1_table(off, n);

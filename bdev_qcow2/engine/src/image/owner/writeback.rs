@@ -244,41 +244,6 @@ impl<D: BlockDevice> Owner<'_, D> {
         Ok(())
     }
 
-    /// Whether the owner should write its dirty metadata back now without a guest flush:
-    /// something is dirty, no background write-back is running, and nothing was allocated
-    /// or newly dirtied for [`BACKGROUND_WRITEBACK_INTERVAL`] (a write-back holds the
-    /// metadata lock, so it waits for allocations to pause rather than stall them). Cheap
-    /// when nothing is dirty (no clock read). A host's owner loop asks this and then runs
-    /// [`background_writeback`](Self::background_writeback).
-    ///
-    /// [`BACKGROUND_WRITEBACK_INTERVAL`]: crate::meta::BACKGROUND_WRITEBACK_INTERVAL
-    pub(crate) fn background_writeback_pending(&self) -> bool {
-        self.meta().st().dirty.has_l2_or_l1()
-    }
-
-    pub(crate) fn background_writeback_due(&self) -> bool {
-        let mut st = self.meta().st_mut();
-        let (dirty, sig) = (st.dirty.has_l2_or_l1(), st.change_signature());
-        st.timer.due(dirty, sig)
-    }
-
-    /// Writes the dirty metadata back in dependency order, as a flush does but without
-    /// flushing the device (no guest write becomes stable through it): the owner's dirty
-    /// slices become clean, so the cores serve overwrites into them on their own again.
-    pub(crate) async fn background_writeback(&self) -> Result<()> {
-        let m = self.meta();
-        m.st_mut().timer.start();
-        let r = {
-            let _g = m.lock().lock().await;
-            self.writeback_locked().await
-        };
-        let mut st = m.st_mut();
-        // What failed stays dirty for the next flush, which reports it.
-        let failed = r.is_err().then(|| st.change_signature());
-        st.timer.finish(failed);
-        r
-    }
-
     /// Writes back when the dirty set has grown past the threshold (memory bound).
     pub(crate) async fn maybe_writeback_locked(&self) -> Result<()> {
         let dirty = {

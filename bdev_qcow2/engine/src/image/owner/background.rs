@@ -1,5 +1,5 @@
-//! The background write-back's timer: dirty metadata that stays unchanged, waiting for a
-//! flush, is written back by the owner on its own.
+//! The background write-back and its timer: dirty metadata that stays unchanged, waiting
+//! for a flush, is written back by the owner on its own.
 //!
 //! Invariant: at most one background write-back runs; one is due only when the dirty
 //! metadata's change signature stayed the same for the current quiet interval (after a
@@ -9,6 +9,9 @@
 //! pause was a dip in a stream of allocations, e.g. a throttled disk holding the guest's
 //! writes back, not the end of it); a write-back followed by a longer quiet starts it over.
 
+use super::Owner;
+use crate::error::Result;
+use crate::io::BlockDevice;
 use std::time::{Duration, Instant};
 
 /// How long dirty metadata must stay unchanged, waiting for a flush, before the owner
@@ -108,6 +111,43 @@ impl BackgroundTimer {
     #[cfg(test)]
     fn interval(&self) -> Duration {
         self.interval
+    }
+}
+
+impl<D: BlockDevice> Owner<'_, D> {
+    /// Whether the owner should write its dirty metadata back now without a guest flush:
+    /// something is dirty, no background write-back is running, and nothing was allocated
+    /// or newly dirtied for [`BACKGROUND_WRITEBACK_INTERVAL`] (a write-back holds the
+    /// metadata lock, so it waits for allocations to pause rather than stall them). Cheap
+    /// when nothing is dirty (no clock read). A host's owner loop asks this and then runs
+    /// [`background_writeback`](Self::background_writeback).
+    ///
+    /// [`BACKGROUND_WRITEBACK_INTERVAL`]: BACKGROUND_WRITEBACK_INTERVAL
+    pub(crate) fn background_writeback_pending(&self) -> bool {
+        self.meta().st().dirty.has_l2_or_l1()
+    }
+
+    pub(crate) fn background_writeback_due(&self) -> bool {
+        let mut st = self.meta().st_mut();
+        let (dirty, sig) = (st.dirty.has_l2_or_l1(), st.change_signature());
+        st.timer.due(dirty, sig)
+    }
+
+    /// Writes the dirty metadata back in dependency order, as a flush does but without
+    /// flushing the device (no guest write becomes stable through it): the owner's dirty
+    /// slices become clean, so the cores serve overwrites into them on their own again.
+    pub(crate) async fn background_writeback(&self) -> Result<()> {
+        let m = self.meta();
+        m.st_mut().timer.start();
+        let r = {
+            let _g = m.lock().lock().await;
+            self.writeback_locked().await
+        };
+        let mut st = m.st_mut();
+        // What failed stays dirty for the next flush, which reports it.
+        let failed = r.is_err().then(|| st.change_signature());
+        st.timer.finish(failed);
+        r
     }
 }
 
