@@ -5,7 +5,7 @@
 //! operator allowed in the tool); the engine never opens anything by a name found in an image.
 
 use crate::error::{Error, Result};
-use crate::exec::{join_all, DevId, Exec};
+use crate::exec::{join_all, DevId, Exec, GraceEntry};
 use crate::format::ClusterMapping;
 use crate::image::Qcow2;
 use crate::io::{BlockDevice, BufSlice, DeviceOp, SECTOR};
@@ -313,16 +313,16 @@ impl<D: BlockDevice> Chain<D> {
         }
         // Before resolving anything: a cluster freed meanwhile is not reused until this
         // request is over (shared images; see `coherency::Grace`).
-        let parity = self.exec.guest_enter();
-        if self.try_fast_read(tag, offset, &buf, parity) {
+        let entry = self.exec.guest_enter();
+        let Err(entry) = self.try_fast_read(tag, offset, &buf, entry) else {
             self.fast_reads.set(self.fast_reads.get() + 1);
             return;
-        }
+        };
         self.slow_reads.set(self.slow_reads.get() + 1);
         let chain = self.clone();
         self.exec.spawn(async move {
             let r = read_layer(chain.clone(), 0, offset, buf).await;
-            chain.exec.complete_entered(tag, r, parity);
+            chain.exec.complete_entered(tag, r, entry);
         });
     }
 
@@ -337,10 +337,9 @@ impl<D: BlockDevice> Chain<D> {
         self.kept_overwrites.get() + memo
     }
 
-    /// Counts a read the host served on the direct path (after its submission succeeded:
-    /// a refused one falls back to [`submit_read`](Self::submit_read), which counts it).
-    /// [`submit_granted_read`](Self::submit_granted_read) counts its own.
-    pub fn count_direct_read(&self) {
+    /// Counts a read granted the direct path ([`Chain::plan`]; a refused one that falls
+    /// back to [`submit_read`](Self::submit_read) is counted there too).
+    pub(crate) fn count_direct_read(&self) {
         self.fast_reads.set(self.fast_reads.get() + 1);
     }
 
@@ -363,30 +362,40 @@ impl<D: BlockDevice> Chain<D> {
         }
     }
 
-    /// The fast path: plans the request from cached slices only; returns false (having
-    /// changed nothing but LRU/hit counters) when a slow path is needed.
-    fn try_fast_read(&self, tag: u64, offset: u64, buf: &BufSlice<D::Buf>, parity: u8) -> bool {
-        self.try_fast_read_as(tag, offset, buf, parity, false)
-            .is_ok()
+    /// The fast path: plans the request from cached slices only; hands `entry` back
+    /// (having changed nothing but LRU/hit counters) when a slow path is needed.
+    fn try_fast_read(
+        &self,
+        tag: u64,
+        offset: u64,
+        buf: &BufSlice<D::Buf>,
+        entry: GraceEntry,
+    ) -> Result<(), GraceEntry> {
+        self.try_fast_read_as(tag, offset, buf, entry, false)
+            .map_err(|(_, entry)| entry)
     }
 
     /// [`try_fast_read`](Self::try_fast_read) of a guest request (`internal` false) or of
     /// the engine's own (a read-ahead into the ring: its end goes to the executor's
-    /// internal sink under token `tag`). Nothing submitted when it fails: why it did.
+    /// internal sink under token `tag`). Nothing submitted when it fails: why it did, and
+    /// `entry` back.
     pub(crate) fn try_fast_read_as(
         &self,
         tag: u64,
         offset: u64,
         buf: &BufSlice<D::Buf>,
-        parity: u8,
+        entry: GraceEntry,
         internal: bool,
-    ) -> Result<(), Unplanned> {
-        let plan = self.plan_fast::<false>(offset, buf)?;
+    ) -> Result<(), (Unplanned, GraceEntry)> {
+        let plan = match self.plan_fast::<false>(offset, buf) {
+            Ok(plan) => plan,
+            Err(e) => return Err((e, entry)),
+        };
         let runs = &plan.0;
         if let [r] = runs.as_slice() {
             self.exec.request_single_as(
                 tag,
-                parity,
+                entry,
                 internal,
                 r.dev,
                 DeviceOp::Read {
@@ -396,7 +405,7 @@ impl<D: BlockDevice> Chain<D> {
             );
             return Ok(());
         }
-        let req = self.exec.request_begin_as(tag, parity, internal);
+        let req = self.exec.request_begin_as(tag, entry, internal);
         for r in runs.iter() {
             self.exec.request_op(
                 req,

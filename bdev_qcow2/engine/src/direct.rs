@@ -7,10 +7,10 @@
 //! a [`Grant`] carries the entry to the host, every other answer has left it.
 
 use crate::chain::{Chain, Layer};
-use crate::exec::DevId;
+use crate::exec::{DevId, GraceEntry};
 use crate::format::ClusterMapping;
 use crate::image::{CoreSlice, KeptCopy, Qcow2};
-use crate::io::{BlockDevice, BufSlice, DeviceOp};
+use crate::io::BlockDevice;
 use crate::route::{Grant, GuestRange, ReadRoute, WriteRoute};
 use crate::types::{GuestOffset, HostOffset};
 use crate::write::WriteExtent;
@@ -20,7 +20,7 @@ use crate::write::WriteExtent;
 /// registers instead of sharing the out-of-line call's return slot.
 enum PastMemo {
     /// One extent of a device (the request stays entered: its grant is made from this).
-    Direct(DevId, HostOffset),
+    Direct(DevId, HostOffset, GraceEntry),
     /// The engine path (the request left the grace period).
     Engine,
     /// The metadata owner, as [`WriteRoute::Owner`] (the request left the grace period).
@@ -60,7 +60,7 @@ impl<D: BlockDevice> Chain<D> {
     ///   device — exactly the reads [`submit_read`](Self::submit_read) would serve with a
     ///   single device operation. The host reads the extent itself with the guest's
     ///   buffers (SPDK hands a bdev_io's iovecs to the base bdev, as its passthru does;
-    ///   others call [`submit_granted_read`](Self::submit_granted_read)); the [`Grant`]
+    ///   others call [`submit_direct`](Self::submit_direct)); the [`Grant`]
     ///   says how its grace-period entry ends.
     /// - [`ReadRoute::Engine`] otherwise (a slice not cached, zeros, several extents,
     ///   compressed or backing data, an empty or invalid request, which the engine
@@ -72,33 +72,33 @@ impl<D: BlockDevice> Chain<D> {
         };
         // Before resolving anything: a cluster freed meanwhile is not reused until the
         // request is over (shared images; see `coherency::Grace`).
-        let parity = self.exec().guest_enter();
+        let entry = self.exec().guest_enter();
         if let Some(q) = self.top_qcow2() {
             if let Some(host) = q.memo_extent(offset, len, false) {
                 let host = HostOffset(host);
-                return ReadRoute::Direct(Grant::new(q.dev(), host, range, parity, true, false));
+                return ReadRoute::Direct(Grant::new(q.dev(), host, range, entry, true, false));
             }
         }
-        match self.route_read_past_memo(range, parity) {
-            PastMemo::Direct(dev, host) => {
-                ReadRoute::Direct(Grant::new(dev, host, range, parity, false, false))
+        match self.route_read_past_memo(range, entry) {
+            PastMemo::Direct(dev, host, entry) => {
+                ReadRoute::Direct(Grant::new(dev, host, range, entry, false, false))
             }
             PastMemo::Engine | PastMemo::Owner { .. } => ReadRoute::Engine,
         }
     }
 
     /// [`route_read`](Self::route_read) past the memo, for a request entered with
-    /// `parity`: the slice cache (out of line: the memo's path stays small).
+    /// `entry`: the slice cache (out of line: the memo's path stays small).
     #[inline(never)]
-    fn route_read_past_memo(&self, range: GuestRange, parity: u8) -> PastMemo {
+    fn route_read_past_memo(&self, range: GuestRange, entry: GraceEntry) -> PastMemo {
         let found = match range.is_empty() {
             true => None,
             false => self.plan_direct_read(range.offset().0, range.len()),
         };
         match found {
-            Some((dev, host)) => PastMemo::Direct(dev, HostOffset(host)),
+            Some((dev, host)) => PastMemo::Direct(dev, HostOffset(host), entry),
             None => {
-                self.exec().guest_exit(parity);
+                self.exec().guest_exit(entry);
                 PastMemo::Engine
             }
         }
@@ -109,7 +109,7 @@ impl<D: BlockDevice> Chain<D> {
     /// - [`WriteRoute::Direct`] when it overwrites COPIED clusters outside the image's
     ///   metadata, with no allocation in flight, in one extent of the device (the host
     ///   writes it itself, as [`route_read`](Self::route_read) describes for reads; or
-    ///   [`submit_granted_write`](Self::submit_granted_write));
+    ///   [`submit_direct`](Self::submit_direct));
     /// - [`WriteRoute::Owner`], on a writable core replica, when the write is not in place
     ///   and either every slice involved is current here (allocation, COW, zero clusters:
     ///   the owner's work), or one has no L2 table yet, or one changed since this core
@@ -124,16 +124,16 @@ impl<D: BlockDevice> Chain<D> {
             return WriteRoute::Engine;
         };
         self.note_change(offset, len);
-        let parity = self.exec().guest_enter();
+        let entry = self.exec().guest_enter();
         if let Some(q) = self.top_qcow2() {
             if let Some(host) = q.memo_overwrite(offset, len) {
                 let host = HostOffset(host);
-                return WriteRoute::Direct(Grant::new(q.dev(), host, range, parity, true, true));
+                return WriteRoute::Direct(Grant::new(q.dev(), host, range, entry, true, true));
             }
         }
-        match self.route_write_past_memo(range, parity) {
-            PastMemo::Direct(dev, host) => {
-                WriteRoute::Direct(Grant::new(dev, host, range, parity, false, true))
+        match self.route_write_past_memo(range, entry) {
+            PastMemo::Direct(dev, host, entry) => {
+                WriteRoute::Direct(Grant::new(dev, host, range, entry, false, true))
             }
             PastMemo::Engine => WriteRoute::Engine,
             PastMemo::Owner { slow } => WriteRoute::Owner { slow },
@@ -141,12 +141,12 @@ impl<D: BlockDevice> Chain<D> {
     }
 
     /// [`route_write`](Self::route_write) past the memo of overwrites, for a request
-    /// entered with `parity` (out of line: the memo's path stays small).
+    /// entered with `entry` (out of line: the memo's path stays small).
     #[inline(never)]
-    fn route_write_past_memo(&self, range: GuestRange, parity: u8) -> PastMemo {
+    fn route_write_past_memo(&self, range: GuestRange, entry: GraceEntry) -> PastMemo {
         if range.is_empty() {
             // The engine path completes it.
-            self.exec().guest_exit(parity);
+            self.exec().guest_exit(entry);
             return PastMemo::Engine;
         }
         // The memo of overwrites answers only on a writable core replica, which asked it;
@@ -157,8 +157,8 @@ impl<D: BlockDevice> Chain<D> {
         };
         let (offset, len) = (range.offset().0, range.len());
         match self.plan_write_extent_with(offset, len, memo) {
-            WriteExtent::One(dev, host) => PastMemo::Direct(dev, host),
-            other => self.route_unplanned(range, parity, other),
+            WriteExtent::One(dev, host) => PastMemo::Direct(dev, host, entry),
+            other => self.route_unplanned(range, entry, other),
         }
     }
 
@@ -168,7 +168,7 @@ impl<D: BlockDevice> Chain<D> {
     /// plan where every slice is current here, and a write into a slice the owner is
     /// filling (the common case while an image fills) goes there without one.
     #[inline(never)]
-    fn route_unplanned(&self, range: GuestRange, parity: u8, e: WriteExtent) -> PastMemo {
+    fn route_unplanned(&self, range: GuestRange, entry: GraceEntry, e: WriteExtent) -> PastMemo {
         let (offset, len) = (range.offset().0, range.len());
         let mut slices = self.slices_need_owner(offset, len);
         if let (SliceRoute::Owner { slow: false } | SliceRoute::Load, Some(Layer::Qcow2(q))) =
@@ -179,7 +179,7 @@ impl<D: BlockDevice> Chain<D> {
             match q.kept_overwrite(offset, len) {
                 KeptCopy::Host(h) => {
                     self.kept_overwrites.set(self.kept_overwrites.get() + 1);
-                    return PastMemo::Direct(q.dev(), HostOffset(h));
+                    return PastMemo::Direct(q.dev(), HostOffset(h), entry);
                 }
                 KeptCopy::NotInPlace { changes } if changes >= REFRESH_AFTER_CHANGES => {
                     slices = SliceRoute::Load;
@@ -189,11 +189,11 @@ impl<D: BlockDevice> Chain<D> {
         }
         let current = match slices {
             SliceRoute::Owner { slow } => {
-                self.exec().guest_exit(parity);
+                self.exec().guest_exit(entry);
                 return PastMemo::Owner { slow };
             }
             SliceRoute::Load => {
-                self.exec().guest_exit(parity);
+                self.exec().guest_exit(entry);
                 return PastMemo::Engine;
             }
             SliceRoute::Current => true,
@@ -201,9 +201,9 @@ impl<D: BlockDevice> Chain<D> {
         };
         let planned = self.single_write_extent(offset, len, e);
         if let Some((dev, Some(host))) = planned {
-            return PastMemo::Direct(dev, host);
+            return PastMemo::Direct(dev, host, entry);
         }
-        self.exec().guest_exit(parity);
+        self.exec().guest_exit(entry);
         match planned {
             // Allocation, COW, zero clusters: the owner's work.
             None if current => PastMemo::Owner { slow: true },
@@ -243,29 +243,6 @@ impl<D: BlockDevice> Chain<D> {
         } else {
             SliceRoute::Load
         }
-    }
-
-    /// Reads a request [`route_read`](Self::route_read) granted into `buf` (the guest's
-    /// buffer, of the grant's length): one device operation, whose completion is the
-    /// request's, reported with `tag` by [`Exec::poll`](crate::Exec::poll); the grant's
-    /// grace-period entry ends with it.
-    #[inline(always)]
-    pub fn submit_granted_read(&self, tag: u64, grant: Grant, buf: BufSlice<D::Buf>) {
-        debug_assert_eq!(buf.len as u64, grant.range().len());
-        let (dev, offset) = (grant.dev(), grant.host().0);
-        self.count_direct_read();
-        let op = DeviceOp::Read { offset, buf };
-        self.exec().request_single(tag, grant.submitted(), dev, op);
-    }
-
-    /// Writes a request [`route_write`](Self::route_write) granted from `buf`, as
-    /// [`submit_granted_read`](Self::submit_granted_read) reads.
-    #[inline(always)]
-    pub fn submit_granted_write(&self, tag: u64, grant: Grant, buf: BufSlice<D::Buf>) {
-        debug_assert_eq!(buf.len as u64, grant.range().len());
-        let (dev, offset) = (grant.dev(), grant.host().0);
-        let op = DeviceOp::Write { offset, buf };
-        self.exec().request_single(tag, grant.submitted(), dev, op);
     }
 
     /// One contiguous data extent for a read, from cached slices only (the caller asked

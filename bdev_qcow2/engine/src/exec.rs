@@ -33,9 +33,9 @@ enum Waiter {
     },
     /// A guest request on the fast path.
     Request(usize),
-    /// A fast-path request of exactly one device operation: (tag, grace parity, whether
+    /// A fast-path request of exactly one device operation: (tag, grace entry, whether
     /// the engine's sink hears of it rather than the host: [`Exec::add_internal_sink`]).
-    Single(u64, u8, bool),
+    Single(u64, GraceEntry, bool),
 }
 
 /// A guest request split into several device operations on the fast path.
@@ -43,8 +43,8 @@ struct Request {
     tag: u64,
     remaining: u32,
     error: Option<Error>,
-    /// Grace parity the guest request entered with ([`Exec::guest_enter`]).
-    parity: u8,
+    /// The guest request's grace entry ([`Exec::guest_enter`]).
+    entry: GraceEntry,
     /// The engine's own request (a read-ahead): its end goes to the internal sink.
     internal: bool,
 }
@@ -118,8 +118,41 @@ struct SinkEntry {
     gen: u16,
 }
 
-/// Parity of a request that did not enter a grace period (no shared image).
-pub const NO_GRACE: u8 = 2;
+/// A guest request's entry into its core's grace period ([`Exec::guest_enter`]): neither
+/// `Copy` nor `Clone`, and ended by passing it to [`Exec::guest_exit`] (or to what exits
+/// for it: a request record, [`Exec::complete_entered`], [`Exec::hand_to_owner`]) once the
+/// request can no longer use a mapping it resolved. A freed cluster is not reused while
+/// an entry of its generation is open (`coherency::Grace`).
+#[must_use = "a grace entry ends only in Exec::guest_exit"]
+#[derive(Debug, PartialEq, Eq)]
+pub struct GraceEntry(Entered);
+
+/// Which of its core's two counters a request entered under.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+enum Entered {
+    Even = 0,
+    Odd = 1,
+    /// The image is not shared: no grace period to enter.
+    Unshared = 2,
+}
+
+impl GraceEntry {
+    /// The entry of a request on an image no other core shares: its exit does nothing.
+    pub fn unshared() -> GraceEntry {
+        GraceEntry(Entered::Unshared)
+    }
+
+    /// The entry into a shared image's grace period under counter `parity` (0 or 1).
+    #[inline(always)]
+    pub(crate) fn of_parity(parity: u8) -> GraceEntry {
+        GraceEntry(if parity & 1 == 0 {
+            Entered::Even
+        } else {
+            Entered::Odd
+        })
+    }
+}
 
 /// How a guest request the engine ran ended ([`Exec::poll_outcomes`]).
 #[derive(Debug)]
@@ -258,36 +291,37 @@ impl<D: BlockDevice> Exec<D> {
         }
     }
 
-    /// A guest request starts (before it resolves any mapping): returns its parity.
+    /// A guest request starts (before it resolves any mapping): its grace entry.
     #[inline(always)]
-    pub fn guest_enter(&self) -> u8 {
+    pub fn guest_enter(&self) -> GraceEntry {
         match self.inner.grace.get() {
-            Some((sh, slot, light)) => sh.grace.enter_as(*slot, *light),
-            None => NO_GRACE,
+            Some((sh, slot, light)) => GraceEntry::of_parity(sh.grace.enter_as(*slot, *light)),
+            None => GraceEntry::unshared(),
         }
     }
 
-    /// The guest request that entered with `parity` is over.
+    /// The guest request that entered with `entry` is over.
     #[inline]
-    pub fn guest_exit(&self, parity: u8) {
-        if parity == NO_GRACE {
-            return;
-        }
+    pub fn guest_exit(&self, entry: GraceEntry) {
+        let parity = match entry.0 {
+            Entered::Unshared => return,
+            p => p as u8,
+        };
         if let Some((sh, slot, _)) = self.inner.grace.get() {
             sh.grace.exit(*slot, parity);
         }
     }
 
-    /// Completes a guest request that entered with `parity` (from a task or at once).
-    pub fn complete_entered(&self, tag: u64, result: Result<()>, parity: u8) {
-        self.guest_exit(parity);
+    /// Completes a guest request that entered with `entry` (from a task or at once).
+    pub fn complete_entered(&self, tag: u64, result: Result<()>, entry: GraceEntry) {
+        self.guest_exit(entry);
         self.complete(tag, result);
     }
 
-    /// Hands a guest request that entered with `parity`, and changed nothing, to the
+    /// Hands a guest request that entered with `entry`, and changed nothing, to the
     /// metadata owner: reported as [`Outcome::ToOwner`].
-    pub fn hand_to_owner(&self, tag: u64, parity: u8) {
-        self.guest_exit(parity);
+    pub fn hand_to_owner(&self, tag: u64, entry: GraceEntry) {
+        self.guest_exit(entry);
         self.inner
             .done
             .borrow_mut()
@@ -422,18 +456,18 @@ impl<D: BlockDevice> Exec<D> {
     /// Starts a fast-path guest request: returns its id for [`Exec::request_read`] calls,
     /// then [`Exec::request_arm`] once every device operation is submitted.
     pub fn request_begin(&self, tag: u64) -> usize {
-        self.request_begin_entered(tag, NO_GRACE)
+        self.request_begin_entered(tag, GraceEntry::unshared())
     }
 
     /// [`request_begin`](Self::request_begin) for a guest request that entered with
-    /// `parity` ([`guest_enter`](Self::guest_enter)): it exits when it completes.
-    pub fn request_begin_entered(&self, tag: u64, parity: u8) -> usize {
-        self.request_begin_as(tag, parity, false)
+    /// `entry` ([`guest_enter`](Self::guest_enter)): it exits when it completes.
+    pub fn request_begin_entered(&self, tag: u64, entry: GraceEntry) -> usize {
+        self.request_begin_as(tag, entry, false)
     }
 
     /// [`request_begin_entered`](Self::request_begin_entered); `internal`: the engine's
     /// own request, whose end goes to the internal sink under token `tag`.
-    pub(crate) fn request_begin_as(&self, tag: u64, parity: u8, internal: bool) -> usize {
+    pub(crate) fn request_begin_as(&self, tag: u64, entry: GraceEntry, internal: bool) -> usize {
         self.inner.requests.borrow_mut().insert(Request {
             internal,
             tag,
@@ -441,7 +475,7 @@ impl<D: BlockDevice> Exec<D> {
             // finish the request while it is still being built.
             remaining: 1,
             error: None,
-            parity,
+            entry,
         })
     }
 
@@ -455,10 +489,10 @@ impl<D: BlockDevice> Exec<D> {
     }
 
     /// A fast-path guest request of one device operation (the common case): no request
-    /// record, the operation's completion is the request's. `parity` as for
+    /// record, the operation's completion is the request's. `entry` as for
     /// [`request_begin_entered`](Self::request_begin_entered).
-    pub fn request_single(&self, tag: u64, parity: u8, dev: DevId, op: DeviceOp<D::Buf>) {
-        self.request_single_as(tag, parity, false, dev, op)
+    pub fn request_single(&self, tag: u64, entry: GraceEntry, dev: DevId, op: DeviceOp<D::Buf>) {
+        self.request_single_as(tag, entry, false, dev, op)
     }
 
     /// [`request_single`](Self::request_single); `internal` as for
@@ -466,7 +500,7 @@ impl<D: BlockDevice> Exec<D> {
     pub(crate) fn request_single_as(
         &self,
         tag: u64,
-        parity: u8,
+        entry: GraceEntry,
         internal: bool,
         dev: DevId,
         op: DeviceOp<D::Buf>,
@@ -475,7 +509,7 @@ impl<D: BlockDevice> Exec<D> {
             .inner
             .waiters
             .borrow_mut()
-            .insert(Waiter::Single(tag, parity, internal));
+            .insert(Waiter::Single(tag, entry, internal));
         self.submit_raw(dev, op, w as u64);
     }
 
@@ -494,7 +528,7 @@ impl<D: BlockDevice> Exec<D> {
         if r.remaining == 0 {
             let r = reqs.remove(req);
             drop(reqs);
-            self.guest_exit(r.parity);
+            self.guest_exit(r.entry);
             if r.internal {
                 return self.internal_done(r.tag, r.error.is_none());
             }
@@ -618,9 +652,9 @@ impl<D: BlockDevice> Exec<D> {
                     _ => None,
                 },
                 Some(Waiter::Single(..)) => {
-                    if let Waiter::Single(t, parity, internal) = waiters.remove(tag as usize) {
+                    if let Waiter::Single(t, entry, internal) = waiters.remove(tag as usize) {
                         drop(waiters);
-                        self.guest_exit(parity);
+                        self.guest_exit(entry);
                         if internal {
                             return self.internal_done(t, res.is_ok());
                         }

@@ -7,7 +7,7 @@
 //! uses none of theirs.
 
 use crate::error::{Error, Result};
-use crate::exec::{DevId, Exec};
+use crate::exec::{DevId, Exec, GraceEntry};
 use crate::io::{BlockDevice, SECTOR};
 use crate::types::{GuestOffset, HostOffset};
 use std::cell::Cell;
@@ -69,14 +69,14 @@ impl GuestRange {
 /// The grant holds the request's grace-period entry (a freed cluster is not reused while
 /// a request that may have seen its old mapping is in flight: see `coherency::Grace`).
 /// It is neither `Copy` nor `Clone`, and its entry ends in exactly one of three ways:
-/// - [`Chain::submit_granted_read`](crate::Chain::submit_granted_read) /
-///   [`submit_granted_write`](crate::Chain::submit_granted_write) (hosts that submit
+/// - [`Chain::submit_direct`](crate::Chain::submit_direct) (hosts that submit
 ///   through the engine's executor): the entry ends when the operation completes;
 /// - [`submitted`](Self::submitted) (hosts that submit to the device themselves): the
-///   host keeps the returned parity with the request and passes it to
+///   host keeps the returned [`GraceEntry`] with the request and passes it to
 ///   [`Exec::guest_exit`] once the operation completed;
-/// - [`finish`](Self::finish): the host did not submit it (another device, device busy)
-///   and sends the request down the engine path instead.
+/// - [`finish`](Self::finish) or [`Chain::not_submitted`](crate::Chain::not_submitted):
+///   the host did not submit it (another device, device busy) and the request takes the
+///   engine path instead.
 ///
 /// Dropping a grant otherwise is a bug (a debug assertion).
 #[must_use = "a grant holds a grace-period entry: submit it or finish it"]
@@ -85,20 +85,21 @@ pub struct Grant {
     dev: DevId,
     host: HostOffset,
     range: GuestRange,
-    parity: u8,
+    /// Taken only by the grant's one exit (`None` after it).
+    entry: Option<GraceEntry>,
     memo: bool,
     write: bool,
 }
 
 impl Grant {
-    /// A grant of `range` at `host` on `dev`, entered into the grace period with `parity`;
+    /// A grant of `range` at `host` on `dev`, entered into the grace period as `entry`;
     /// `memo`: found by the memo of slices; `write`: a write's grant.
     #[inline(always)]
     pub(crate) fn new(
         dev: DevId,
         host: HostOffset,
         range: GuestRange,
-        parity: u8,
+        entry: GraceEntry,
         memo: bool,
         write: bool,
     ) -> Self {
@@ -106,7 +107,7 @@ impl Grant {
             dev,
             host,
             range,
-            parity,
+            entry: Some(entry),
             memo,
             write,
         }
@@ -144,14 +145,13 @@ impl Grant {
         self.memo
     }
 
-    /// The host submitted the operation to the device itself: returns the grace-period
-    /// parity it passes to [`Exec::guest_exit`] once the operation completed (whatever
-    /// its result).
+    /// The host submitted the operation to the device itself: returns the grace entry it
+    /// passes to [`Exec::guest_exit`] once the operation completed (whatever its result).
     #[inline(always)]
-    pub fn submitted(self) -> u8 {
-        let parity = self.parity;
+    pub fn submitted(mut self) -> GraceEntry {
+        let entry = self.entry.take();
         std::mem::forget(self);
-        parity
+        entry.unwrap_or_else(GraceEntry::unshared)
     }
 
     /// The host did not submit the operation (the grant is for another device than its
@@ -293,15 +293,23 @@ mod tests {
     #[should_panic(expected = "dropped without its exit")]
     fn a_grant_dropped_without_its_exit_is_a_bug() {
         let range = GuestRange::new(0, 512, 512).expect("valid");
-        let _ = Grant::new(DevId(0), HostOffset(0), range, 0, false, false);
+        let _ = Grant::new(
+            DevId(0),
+            HostOffset(0),
+            range,
+            GraceEntry::of_parity(0),
+            false,
+            false,
+        );
     }
 
     #[test]
     fn a_submitted_grant_hands_over_its_parity() {
         let range = GuestRange::new(0, 512, 512).expect("valid");
+        let entry = GraceEntry::of_parity(1);
         assert_eq!(
-            Grant::new(DevId(0), HostOffset(0), range, 1, false, false).submitted(),
-            1
+            Grant::new(DevId(0), HostOffset(0), range, entry, false, false).submitted(),
+            GraceEntry::of_parity(1)
         );
     }
 }

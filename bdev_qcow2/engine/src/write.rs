@@ -11,7 +11,7 @@
 use crate::chain::{read_layer, Chain, Layer};
 use crate::coherency::Shared;
 use crate::error::{corrupt, Error, Field, Result};
-use crate::exec::DevId;
+use crate::exec::{DevId, GraceEntry};
 use crate::format::{ClusterMapping, L2Entry, SubclusterBitmap};
 use crate::image::owner::alloc::Allocation;
 use crate::image::owner::Owner;
@@ -233,24 +233,27 @@ impl<D: BlockDevice> Chain<D> {
             return self.exec().complete(tag, Err(e));
         }
         self.note_change(offset, buf.len as u64);
-        let parity = self.exec().guest_enter();
-        if fast && self.try_fast_write(tag, offset, &buf, parity) {
-            return;
+        let mut entry = self.exec().guest_enter();
+        if fast {
+            match self.try_fast_write(tag, offset, &buf, entry) {
+                Ok(()) => return,
+                Err(back) => entry = back,
+            }
         }
         let chain = self.clone();
         if let Ok(q) = top(self) {
             match self.plan_now(q, offset, offset + buf.len as u64) {
                 Ok(Some(planned)) => {
-                    let fut = chain.planned_task(tag, parity, GuestOffset(offset), planned, buf);
+                    let fut = chain.planned_task(tag, entry, GuestOffset(offset), planned, buf);
                     return self.exec().spawn(fut);
                 }
                 Ok(None) => {}
-                Err(e) => return self.exec().complete_entered(tag, Err(e), parity),
+                Err(e) => return self.exec().complete_entered(tag, Err(e), entry),
             }
         }
         self.exec().spawn(async move {
             let r = chain.write(offset, buf).await;
-            chain.exec().complete_entered(tag, r, parity);
+            chain.exec().complete_entered(tag, r, entry);
         });
     }
 
@@ -291,10 +294,10 @@ impl<D: BlockDevice> Chain<D> {
             return self.exec().complete(tag, Err(e));
         }
         self.note_change(offset, buf.len as u64);
-        let parity = self.exec().guest_enter();
-        if self.try_fast_write(tag, offset, &buf, parity) {
-            return self.tally.wrote_here();
-        }
+        let entry = match self.try_fast_write(tag, offset, &buf, self.exec().guest_enter()) {
+            Ok(()) => return self.tally.wrote_here(),
+            Err(entry) => entry,
+        };
         let chain = self.clone();
         self.exec().spawn(async move {
             let exec = chain.exec();
@@ -308,18 +311,19 @@ impl<D: BlockDevice> Chain<D> {
                         // No L2 table: an allocation, for the owner.
                         Ok(None) => {
                             chain.tally.sent_to_owner();
-                            return exec.hand_to_owner(tag, parity);
+                            return exec.hand_to_owner(tag, entry);
                         }
-                        Err(e) => return exec.complete_entered(tag, Err(e), parity),
+                        Err(e) => return exec.complete_entered(tag, Err(e), entry),
                     }
                     pos = (pos / cov + 1) * cov;
                 }
             }
-            if chain.try_fast_write(tag, offset, &buf, parity) {
-                chain.tally.wrote_here();
-            } else {
-                chain.tally.sent_to_owner();
-                exec.hand_to_owner(tag, parity);
+            match chain.try_fast_write(tag, offset, &buf, entry) {
+                Ok(()) => chain.tally.wrote_here(),
+                Err(entry) => {
+                    chain.tally.sent_to_owner();
+                    exec.hand_to_owner(tag, entry);
+                }
             }
         });
     }
@@ -338,12 +342,13 @@ impl<D: BlockDevice> Chain<D> {
             return false;
         }
         self.note_change(offset, buf.len as u64);
-        let parity = self.exec().guest_enter();
-        if self.try_fast_write(tag, offset, buf, parity) {
-            return true;
+        match self.try_fast_write(tag, offset, buf, self.exec().guest_enter()) {
+            Ok(()) => true,
+            Err(entry) => {
+                self.exec().guest_exit(entry);
+                false
+            }
         }
-        self.exec().guest_exit(parity);
-        false
     }
 
     /// Plans an in-place write of `len` bytes at `offset` from cached metadata alone (no side
@@ -515,29 +520,35 @@ impl<D: BlockDevice> Chain<D> {
     }
 
     /// In-place fast path: every cluster COPIED data (standard L2), slice cached, no
-    /// allocation in flight. Returns false (changing nothing) otherwise.
-    fn try_fast_write(&self, tag: u64, offset: u64, buf: &BufSlice<D::Buf>, parity: u8) -> bool {
+    /// allocation in flight. Otherwise hands `entry` back, having changed nothing.
+    fn try_fast_write(
+        &self,
+        tag: u64,
+        offset: u64,
+        buf: &BufSlice<D::Buf>,
+        entry: GraceEntry,
+    ) -> Result<(), GraceEntry> {
         if self.no_write_plan.take() == Some((offset, buf.len as u64)) {
-            return false;
+            return Err(entry);
         }
         let mut runs = [WriteRun::EMPTY; 8];
         let Some((dev, n)) = self.plan_fast_write(offset, buf.len as u64, &mut runs) else {
-            return false;
+            return Err(entry);
         };
         if n == 1 {
             let r = runs[0];
             self.exec().request_single(
                 tag,
-                parity,
+                entry,
                 dev,
                 DeviceOp::Write {
                     offset: r.host.0,
                     buf: buf.sub(r.buf_off, r.len),
                 },
             );
-            return true;
+            return Ok(());
         }
-        let req = self.exec().request_begin_entered(tag, parity);
+        let req = self.exec().request_begin_entered(tag, entry);
         for r in &runs[..n] {
             self.exec().request_op(
                 req,
@@ -549,7 +560,7 @@ impl<D: BlockDevice> Chain<D> {
             );
         }
         self.exec().request_arm(req);
-        true
+        Ok(())
     }
 
     /// Writes `buf` at `offset` and waits for it (acknowledged, not yet durable: see
@@ -823,7 +834,7 @@ impl<D: BlockDevice> Chain<D> {
     }
 
     /// The task of a guest write [`plan_now`](Self::plan_now) planned (`tag`, entered with
-    /// `parity`): its data, then [`finish_chunk`](Self::finish_chunk), then completion.
+    /// `entry`): its data, then [`finish_chunk`](Self::finish_chunk), then completion.
     /// Data that is the guest's alone, on consecutive host bytes (whole new clusters, or
     /// part of one that reads as zeros), is one device write awaited in place; anything
     /// else (COW data) goes through [`write_data`](Self::write_data), boxed. One async fn
@@ -832,7 +843,7 @@ impl<D: BlockDevice> Chain<D> {
     async fn planned_task(
         self: Rc<Self>,
         tag: u64,
-        parity: u8,
+        entry: GraceEntry,
         start: GuestOffset,
         (parts, allocs): (Parts, Allocs),
         data: BufSlice<D::Buf>,
@@ -863,7 +874,7 @@ impl<D: BlockDevice> Chain<D> {
             }
             Err(e) => Err(e),
         };
-        self.exec().complete_entered(tag, r, parity);
+        self.exec().complete_entered(tag, r, entry);
     }
 
     /// Decides the action for each guest cluster of `[start, end)` and allocates what is

@@ -610,7 +610,7 @@ fn random_run(seed: u64, steps: usize) -> u64 {
                         let chain = &rig.chains[exec];
                         let guest = BufSlice::whole(buf.clone());
                         match chain.route_read(off, len) {
-                            ReadRoute::Direct(g) => chain.submit_granted_read(tag, g, guest),
+                            ReadRoute::Direct(g) => chain.submit_direct(tag, g, guest),
                             ReadRoute::Engine => chain.submit_read(tag, off, guest),
                         }
                         ops.insert(
@@ -636,7 +636,7 @@ fn random_run(seed: u64, steps: usize) -> u64 {
                         let guest = BufSlice::whole(buf.clone());
                         let granted = match (c < 3).then(|| rig.chains[c].route_write(off, len)) {
                             Some(WriteRoute::Direct(g)) => {
-                                rig.chains[c].submit_granted_write(tag, g, guest.clone());
+                                rig.chains[c].submit_direct(tag, g, guest.clone());
                                 true
                             }
                             _ => false,
@@ -950,7 +950,7 @@ fn core_keeps_overwrites_through_older_copies_until_a_removal() {
     );
     let (buf, _) = fill(43, 0, cs);
     match core.route_write(0, cs) {
-        WriteRoute::Direct(g) => core.submit_granted_write(5, g, BufSlice::whole(buf)),
+        WriteRoute::Direct(g) => core.submit_direct(5, g, BufSlice::whole(buf)),
         other => panic!("an overwrite the older copy shows in place, not {other:?}"),
     }
     rig.run_core(1, 5).unwrap();
@@ -1774,7 +1774,7 @@ fn in_place_writes_on_a_core_reach_the_owners_persistent_bitmap() {
     }
     let (buf, _) = fill(7, 101 * cs, cs);
     match rig.chains[1].route_write(101 * cs, cs) {
-        WriteRoute::Direct(g) => rig.chains[1].submit_granted_write(4, g, BufSlice::whole(buf)),
+        WriteRoute::Direct(g) => rig.chains[1].submit_direct(4, g, BufSlice::whole(buf)),
         _ => panic!("not a direct write on the core"),
     }
     rig.run_core(1, 4).unwrap();

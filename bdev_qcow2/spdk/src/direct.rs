@@ -30,14 +30,13 @@ pub fn submit<D: ChildDone<Qcow2Bdev>>(
         return Err(io);
     };
     let host = grant.host().0;
-    // The completion leaves the grace period with the parity kept in the request's context.
-    let parity = grant.submitted();
-    io.ctx_mut().set_parity(parity);
+    // The completion leaves the grace period with the entry kept in the request's context.
+    io.ctx_mut().set_entry(grant.submitted());
     t.base
         .submit::<Qcow2Bdev, D>(io, write, host)
         .map_err(|(io, _)| {
             // Refused: over before it began.
-            exec.guest_exit(parity);
+            leave(exec, &io);
             io
         })
 }
@@ -45,5 +44,7 @@ pub fn submit<D: ChildDone<Qcow2Bdev>>(
 /// Leaves the grace period a completed direct-path request `io` held.
 #[inline(always)]
 pub fn leave(exec: &Exec<SpdkDevice>, io: &BdevIo) {
-    exec.guest_exit(io.ctx().parity());
+    if let Some(entry) = io.ctx().take_entry() {
+        exec.guest_exit(entry);
+    }
 }

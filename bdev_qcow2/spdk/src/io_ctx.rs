@@ -3,25 +3,28 @@
 //! reaches it with [`BdevIo::ctx`](crate::ffi::bdev_io::BdevIo::ctx).
 
 use crate::ffi::sys;
-use qcow2_engine::Op;
+use qcow2_engine::{GraceEntry, Op};
+use std::cell::Cell;
 
 /// The per-I/O context.
 #[repr(C)]
-#[derive(Debug)]
 pub struct IoCtx {
     /// `SPDK_BDEV_IO_STATUS_*` of a forwarded request, on its way back.
     status: sys::spdk_bdev_io_status,
-    /// Grace-period entry of a request on the direct path.
-    parity: u8,
+    /// The grace-period entry of a request on the direct path, taken by its one exit
+    /// (a cell: the completion reaches the context through a shared handle).
+    entry: Cell<Option<GraceEntry>>,
     /// What the owner runs for a forwarded request.
     op: Op,
 }
 
 impl IoCtx {
-    /// A fresh context (nothing recorded yet).
+    /// A fresh context (nothing recorded yet). A value to initialize with: each use is a
+    /// context of its own, so its cell is never shared.
+    #[allow(clippy::declare_interior_mutable_const)]
     pub const NEW: IoCtx = IoCtx {
         status: sys::SPDK_BDEV_IO_STATUS_SUCCESS,
-        parity: 0,
+        entry: Cell::new(None),
         op: Op::Read,
     };
 
@@ -35,16 +38,16 @@ impl IoCtx {
         self.status = s;
     }
 
-    /// The grace-period entry of a direct-path request.
+    /// Takes the grace-period entry of a direct-path request (`None` once taken).
     #[inline(always)]
-    pub fn parity(&self) -> u8 {
-        self.parity
+    pub fn take_entry(&self) -> Option<GraceEntry> {
+        self.entry.take()
     }
 
     /// Records the grace-period entry of a direct-path request.
     #[inline(always)]
-    pub fn set_parity(&mut self, p: u8) {
-        self.parity = p;
+    pub fn set_entry(&mut self, e: GraceEntry) {
+        self.entry.set(Some(e));
     }
 
     /// What the owner runs for this forwarded request.
@@ -57,5 +60,14 @@ impl IoCtx {
     #[inline(always)]
     pub fn set_op(&mut self, op: Op) {
         self.op = op;
+    }
+}
+
+impl std::fmt::Debug for IoCtx {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("IoCtx")
+            .field("status", &self.status)
+            .field("op", &self.op)
+            .finish_non_exhaustive()
     }
 }

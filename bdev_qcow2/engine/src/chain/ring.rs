@@ -193,11 +193,11 @@ impl<D: BlockDevice> Chain<D> {
     ) {
         // A read-ahead is a request like a guest's: a cluster it resolves is not reused
         // before it is over.
-        let mut parity = self.exec().guest_enter();
+        let entry = self.exec().guest_enter();
         let token = self.sink().token(f.slot as u32);
-        let issued = match self.try_fast_read_as(token, f.offset, &dst, parity, true) {
-            Err(Unplanned::Compressed) => {
-                let r = self.start_zip_fill(f.slot, f.offset, &dst, parity);
+        let issued = match self.try_fast_read_as(token, f.offset, &dst, entry, true) {
+            Err((Unplanned::Compressed, entry)) => {
+                let r = self.start_zip_fill(f.slot, f.offset, &dst, entry);
                 if r.is_ok() {
                     rh.count_compressed_fill();
                 }
@@ -205,33 +205,33 @@ impl<D: BlockDevice> Chain<D> {
             }
             r => r,
         };
-        match issued {
+        let entry = match issued {
             Ok(()) => return,
-            Err(Unplanned::Slice { layer, offset }) if tries < PARK_TRIES => {
+            Err((Unplanned::Slice { layer, offset }, entry)) if tries < PARK_TRIES => {
                 // It resolved nothing: it enters again when it is issued.
-                self.exec().guest_exit(parity);
+                self.exec().guest_exit(entry);
                 if let SliceLoad::Loading(load) =
                     self.load_slice_ahead(layer as usize, offset, false)
                 {
                     rh.park(f.slot, load, tries + 1);
                     return;
                 }
-                parity = self.exec().guest_enter();
+                self.exec().guest_enter()
             }
-            Err(Unplanned::Busy(record)) => {
+            Err((Unplanned::Busy(record), entry)) => {
                 // As for a slice load: it enters again when it is issued. Not a try: a
                 // record always ends, and each end issues a chunk that waited for it.
-                self.exec().guest_exit(parity);
+                self.exec().guest_exit(entry);
                 rh.park(f.slot, record, tries);
                 return;
             }
-            Err(_) => {}
-        }
+            Err((_, entry)) => entry,
+        };
         rh.count_readahead_task();
         let chain = self.clone();
         self.exec().spawn(async move {
             let r = read_layer(chain.clone(), 0, f.offset, dst).await;
-            chain.exec().guest_exit(parity);
+            chain.exec().guest_exit(entry);
             chain.ring_filled(f.slot, r.is_ok());
         });
     }

@@ -4,6 +4,7 @@
 //! the ring when their reads end.
 
 use super::{Chain, Layer, Unplanned};
+use crate::exec::GraceEntry;
 use crate::image::Qcow2;
 use crate::io::{BlockDevice, BufSlice, DeviceOp};
 use crate::ring::compressed::{ZipLayers, ZipRefused};
@@ -31,22 +32,25 @@ impl<D: BlockDevice> Chain<D> {
     /// Issues the read-ahead of the chunk at `offset` into `dst` (ring slot `slot`), whose
     /// mapping holds compressed clusters (see `ring/compressed.rs`): one request of the
     /// plan's data runs into `dst` and of the compressed bytes' reads into a record;
-    /// `parity` is the request's ([`Exec::guest_enter`](crate::Exec::guest_enter)), exited
-    /// when its device reads end. Nothing issued on an error: [`Unplanned::Slice`] (a slice
-    /// to load first), [`Unplanned::Busy`] (every record busy: retry when that one ends),
-    /// or another (a task must do it).
+    /// `entry` is the request's ([`Exec::guest_enter`](crate::Exec::guest_enter)), exited
+    /// when its device reads end. Nothing issued on an error, which hands the entry back:
+    /// [`Unplanned::Slice`] (a slice to load first), [`Unplanned::Busy`] (every record
+    /// busy: retry when that one ends), or another (a task must do it).
     pub(super) fn start_zip_fill(
         self: &Rc<Self>,
         slot: u16,
         offset: u64,
         dst: &BufSlice<D::Buf>,
-        parity: u8,
-    ) -> Result<(), Unplanned> {
+        entry: GraceEntry,
+    ) -> Result<(), (Unplanned, GraceEntry)> {
         let sink = self.sink();
         let Ok(mut zips) = self.zips.try_borrow_mut() else {
-            return Err(Unplanned::Other);
+            return Err((Unplanned::Other, entry));
         };
-        let plan = self.plan_fast::<true>(offset, dst)?;
+        let plan = match self.plan_fast::<true>(offset, dst) {
+            Ok(plan) => plan,
+            Err(e) => return Err((e, entry)),
+        };
         if !zips.has_records() {
             let dev = match &self.layers()[0] {
                 Layer::Qcow2(q) => q.dev(),
@@ -64,9 +68,12 @@ impl<D: BlockDevice> Chain<D> {
             zips.allocate(cluster, |bytes| self.exec().alloc_buf(dev, bytes));
         }
         let (runs, _, parts) = &*plan;
-        let payload = zips.take(&**self, parts, slot, dst)?;
+        let payload = match zips.take(&**self, parts, slot, dst) {
+            Ok(payload) => payload,
+            Err(e) => return Err((e.into(), entry)),
+        };
         let exec = self.exec();
-        let req = exec.request_begin_as(sink.token(payload), parity, true);
+        let req = exec.request_begin_as(sink.token(payload), entry, true);
         for r in runs {
             let buf = dst.sub(r.buf_off, r.len);
             exec.request_op(

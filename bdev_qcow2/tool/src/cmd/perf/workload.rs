@@ -60,7 +60,7 @@ impl PerfTarget for RawTarget {
         };
         // The leanest path the executor has: the baseline pays no more than it must.
         self.exec
-            .request_single(tag, qcow2_engine::exec::NO_GRACE, self.dev, op);
+            .request_single(tag, qcow2_engine::GraceEntry::unshared(), self.dev, op);
     }
     fn poll(&mut self, done: &mut dyn FnMut(u64, qcow2_engine::Result<()>)) {
         self.exec.poll(done);
