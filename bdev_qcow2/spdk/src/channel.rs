@@ -516,10 +516,10 @@ impl DirectHost for Channel {
     }
 
     #[inline(always)]
-    fn with_host<R>(io: BdevIo, f: impl FnOnce(&Channel, BdevIo) -> R) -> R {
-        // SAFETY: only `direct::submit` completes through here, and it had the channel
-        // record itself (`claim`) before it submitted the request; the channel state lives
-        // while the request is outstanding.
+    unsafe fn with_host<R>(io: BdevIo, f: impl FnOnce(&Channel, BdevIo) -> R) -> R {
+        // SAFETY: per the contract, the channel recorded itself (`claim`) before the
+        // request went down the direct path; its state lives while the request is
+        // outstanding.
         unsafe { io.with_recorded_channel(f) }
     }
 

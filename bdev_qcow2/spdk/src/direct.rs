@@ -22,9 +22,13 @@ pub trait DirectHost: Host {
     /// Marks request `io` as this host's before it goes down the direct path, so that
     /// [`with_host`](Self::with_host) finds this host again.
     fn claim(&self, io: &mut BdevIo);
-    /// Calls `f` with the host that sent direct-path request `io` (it claimed it first) and
-    /// the request, on the host's thread.
-    fn with_host<R>(io: BdevIo, f: impl FnOnce(&Self, BdevIo) -> R) -> R;
+    /// Calls `f` with the host that sent direct-path request `io` and the request, on the
+    /// host's thread.
+    ///
+    /// # Safety
+    /// `io` went down the direct path through [`submit`] with this host, which
+    /// [`claim`](Self::claim)ed it first, and has not completed.
+    unsafe fn with_host<R>(io: BdevIo, f: impl FnOnce(&Self, BdevIo) -> R) -> R;
     /// A write this host ran is about to complete: no thread's prefetch ring may serve the
     /// bytes it replaced any more.
     fn written(&self, io: &BdevIo);
@@ -60,13 +64,17 @@ impl<H: DirectHost, K: Kind> ChildDone<Qcow2Bdev> for Done<H, K> {
     // Inline in SPDK's callback, the generation bump (writes only) included.
     #[inline(always)]
     fn child_done(io: BdevIo, success: bool) {
-        H::with_host(io, |h, io| {
-            leave(h.driver().exec(), &io);
-            if K::WRITE {
-                h.written(&io);
-            }
-            h.complete_direct(io, success);
-        })
+        // SAFETY: `Done<H, K>` is the completion only `submit::<H, K>` hands SPDK, after
+        // `H::claim`; SPDK calls it once, when the child I/O of `io` completed.
+        unsafe {
+            H::with_host(io, |h, io| {
+                leave(h.driver().exec(), &io);
+                if K::WRITE {
+                    h.written(&io);
+                }
+                h.complete_direct(io, success);
+            })
+        }
     }
 }
 

@@ -446,7 +446,7 @@ impl DirectHost for Owner {
     fn claim(&self, _: &mut BdevIo) {}
 
     #[inline(always)]
-    fn with_host<R>(io: BdevIo, f: impl FnOnce(&Owner, BdevIo) -> R) -> R {
+    unsafe fn with_host<R>(io: BdevIo, f: impl FnOnce(&Owner, BdevIo) -> R) -> R {
         io.with_owner(f)
     }
 
