@@ -23,14 +23,14 @@
 //! sending forwarded requests.
 
 use crate::device::{guest_buf, SpdkDevice};
-use crate::direct::{self, Target};
+use crate::direct::{self, DirectHost, Target};
 use crate::engine_host::{Driver, Host};
 use crate::ffi::bdev::Desc;
-use crate::ffi::bdev_io::{BufDone, ChildDone, Requests};
+use crate::ffi::bdev_io::{BufDone, Requests};
 use crate::ffi::io_channel::Channels;
 use crate::ffi::sys;
 use crate::ffi::thread::{self, Homed, Poll, Polled, PollerSlot, Thread};
-use crate::node::Node;
+use crate::node::{ChannelSource, Node};
 use crate::owner;
 pub use crate::stats::ChannelStats;
 use crate::types::{BdevIo, ChannelIter, IoQueue, Qcow2Bdev};
@@ -98,20 +98,21 @@ pub struct Channel {
 }
 
 impl Channel {
-    /// This thread's channel state of `node` (SPDK's `create_cb`; see `ffi/io_channel.rs`).
-    pub fn create(node: &Node) -> Result<Box<Channel>, i32> {
-        let base = node.base.as_ref().ok_or(libc::ENODEV)?;
+    /// This thread's channel state, built from `node`'s view `src` (SPDK's `create_cb`; see
+    /// `ffi/io_channel.rs`).
+    pub fn create(src: ChannelSource<'_>) -> Result<Box<Channel>, i32> {
+        let base = src.base.ok_or(libc::ENODEV)?;
         let thread_name = thread::current_name();
-        node.live_channels.fetch_add(1, Ordering::AcqRel);
+        src.live.fetch_add(1, Ordering::AcqRel);
         let mut ch = Box::new(Channel {
-            live: node.live_channels.clone(),
-            retired: node.retired.clone(),
+            live: src.live.clone(),
+            retired: src.retired.clone(),
             driver: Driver::new(Exec::new()),
             direct: None,
             forward_to: None,
             forward_only: Cell::new(false),
-            prefetch: node.params.prefetch_on(),
-            ring: node.ring.clone(),
+            prefetch: src.prefetch,
+            ring: src.ring.cloned(),
             outbox: IoQueue::new(),
             unsent_asks: RefCell::new(Vec::new()),
             forwarded: Cell::new(0),
@@ -128,9 +129,9 @@ impl Channel {
             errors: Cell::new(0),
             thread_name,
         });
-        if !node.owner.is_null() {
-            ch.forward_to = node.md_thread;
-            if node.md_thread.is_some_and(Thread::is_current) || node.seed.is_none() {
+        if src.writable {
+            ch.forward_to = src.md_thread;
+            if src.md_thread.is_some_and(Thread::is_current) || src.seed.is_none() {
                 return Ok(ch);
             }
         }
@@ -143,23 +144,22 @@ impl Channel {
             Ok::<_, i32>(id)
         };
         let base_dev = add(base)?;
-        let backing_dev = match &node.backing {
-            // After a stream's drop a new channel never reads the backing bdev.
-            Some(d) if !node.backing_dropped.load(Ordering::Acquire) => Some(add(d)?),
-            _ => None,
+        let backing_dev = match src.backing {
+            Some(d) => Some(add(d)?),
+            None => None,
         };
         let exec = ch.exec();
         // SAFETY: `host` is this boxed channel state, which stays until its asks are back.
         let chan = unsafe { Homed::channel(host) };
-        match (&node.seed, node.owner.homed(node.md_thread), chan) {
+        match (src.seed, src.owner, chan) {
             (Some(seed), Some(owner), Some(chan)) => {
                 // A replica of the owner's image, usable at once.
                 let link = Box::new(SpdkLink { owner, chan });
-                let r = Qcow2::from_seed(seed.clone(), exec, base_dev, node.opts, link);
+                let r = Qcow2::from_seed(seed.clone(), exec, base_dev, src.opts, link);
                 *ch.opened.borrow_mut() = Some(r);
             }
             _ => {
-                let (e2, o2, opts) = (exec.clone(), ch.opened.clone(), node.opts);
+                let (e2, o2, opts) = (exec.clone(), ch.opened.clone(), src.opts);
                 exec.spawn(async move {
                     let r = Qcow2::open(&e2, base_dev, opts).await;
                     *o2.borrow_mut() = Some(r);
@@ -354,12 +354,11 @@ impl Channel {
     /// One child I/O of the base with the request's own iovecs, as passthru does; if the
     /// base refuses it (busy), the engine's task for the same request.
     #[inline(always)]
-    fn direct(&self, chain: &Rc<Chain<SpdkDevice>>, mut io: BdevIo, grant: Grant) {
-        self.own(&mut io);
+    fn direct(&self, chain: &Rc<Chain<SpdkDevice>>, io: BdevIo, grant: Grant) {
         let target = self.direct.as_ref();
         let r = match grant.is_write() {
-            false => direct::submit::<Channel>(self.exec(), target, io, grant, false),
-            true => direct::submit::<DirectWrite>(self.exec(), target, io, grant, true),
+            false => direct::submit::<Channel, direct::Read>(self, target, io, grant),
+            true => direct::submit::<Channel, direct::Write>(self, target, io, grant),
         };
         if let Err(io) = r {
             self.refused(chain, io);
@@ -421,12 +420,6 @@ impl Channel {
         if let Some(chain) = self.chain.get() {
             chain.ring_written(io.offset_bytes(), io.len_bytes());
         }
-    }
-
-    /// Records this channel in the request's context for its direct-path completion.
-    #[inline(always)]
-    fn own(&self, io: &mut BdevIo) {
-        io.record_channel(self);
     }
 
     fn finish(&self, io: BdevIo, ok: bool) {
@@ -514,37 +507,30 @@ impl Host for Channel {
     }
 }
 
-/// Completion of a channel's direct-path request, on its thread.
-impl ChildDone<Qcow2Bdev> for Channel {
-    fn child_done(io: BdevIo, success: bool) {
-        // SAFETY: only a channel's direct path completes here, and it recorded itself
-        // (`Channel::own`) before submitting.
-        unsafe {
-            io.with_recorded_channel(|c, io| {
-                direct::leave(c.exec(), &io);
-                c.finish(io, success);
-            })
-        }
-    }
-}
-
-/// Completion of a channel's direct-path write: as [`Channel`]'s, once the write moved
-/// the write generations of its range (a completion type of its own, so that direct
-/// reads pay nothing for it).
-pub struct DirectWrite;
-
-impl ChildDone<Qcow2Bdev> for DirectWrite {
-    // Inline in SPDK's callback like `Channel`'s, the generation bump included.
+/// A channel's direct-path requests (`direct.rs`): found again through the channel each
+/// recorded in its context, completed on the channel's thread.
+impl DirectHost for Channel {
     #[inline(always)]
-    fn child_done(io: BdevIo, success: bool) {
-        // SAFETY: as for `Channel`: a channel's direct write recorded itself first.
-        unsafe {
-            io.with_recorded_channel(|c, io| {
-                direct::leave(c.exec(), &io);
-                c.written(&io);
-                c.finish(io, success);
-            })
-        }
+    fn claim(&self, io: &mut BdevIo) {
+        io.record_channel(self);
+    }
+
+    #[inline(always)]
+    unsafe fn with_host<R>(io: BdevIo, f: impl FnOnce(&Channel, BdevIo) -> R) -> R {
+        // SAFETY: per the contract, the channel recorded itself (`claim`) before the
+        // request went down the direct path; its state lives while the request is
+        // outstanding.
+        unsafe { io.with_recorded_channel(f) }
+    }
+
+    #[inline(always)]
+    fn written(&self, io: &BdevIo) {
+        Channel::written(self, io)
+    }
+
+    #[inline(always)]
+    fn complete_direct(&self, io: BdevIo, success: bool) {
+        self.finish(io, success)
     }
 }
 
@@ -647,12 +633,11 @@ impl Polled for Channel {
     }
 }
 
-/// SPDK's calls on our channels (`ffi/io_channel.rs`): a channel state is built from the
-/// node's fields while no switch changes them (`Node::switching`).
+/// SPDK's calls on our channels (`ffi/io_channel.rs`): a channel state is built from one
+/// view of the node that no switch changes meanwhile (`Node::new_channel`).
 impl Channels for Qcow2Bdev {
     fn create_channel(node: &Node) -> Result<Box<Channel>, i32> {
-        let _g = node.switching.lock().unwrap_or_else(|e| e.into_inner());
-        Channel::create(node)
+        node.new_channel(Channel::create)
     }
 
     fn release_channel(c: &Channel) -> bool {

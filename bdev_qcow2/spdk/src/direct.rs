@@ -1,39 +1,104 @@
 //! The direct path: a guest read or write the engine granted one extent of the base
 //! ([`Grant`], from `Chain::route_read` / `Chain::route_write`) goes straight there with its
-//! own iovecs — one child bdev_io, as SPDK's passthru does — and its completion
-//! ([`ChildDone`]) leaves the grace period and completes it. Both hosts use it: a channel on
-//! its replica, the owner on the writable image.
+//! own iovecs — one child bdev_io, as SPDK's passthru does — and its completion ([`Done`])
+//! leaves the grace period and completes it. Both hosts use it: a channel on its replica,
+//! the owner on the writable image; each says how through [`DirectHost`].
 //!
-//! Every function here returns the guest request (`Err(io)`), having submitted nothing and
-//! ended the grant, when the base cannot take it (another device, no target, base busy):
-//! the engine path runs it then.
+//! [`submit`] returns the guest request (`Err(io)`), having submitted nothing and ended the
+//! grant, when the base cannot take it (another device, no target, base busy): the engine
+//! path runs it then.
 
 use crate::device::SpdkDevice;
 pub use crate::device::Target;
+use crate::engine_host::Host;
 use crate::ffi::bdev_io::ChildDone;
 use crate::types::{BdevIo, Qcow2Bdev};
 use qcow2_engine::{Exec, Grant};
+use std::marker::PhantomData;
 
-/// Submits request `io` (a `write` or a read), granted the one extent `grant`, to the base;
-/// `D` completes it. On refusal (the grant is for another device, no target, base busy) the
-/// grant ends and the request comes back.
+/// A host of the direct path (a channel, the owner): where its requests' completions find
+/// it, and what completing one means there.
+pub trait DirectHost: Host {
+    /// Marks request `io` as this host's before it goes down the direct path, so that
+    /// [`with_host`](Self::with_host) finds this host again.
+    fn claim(&self, io: &mut BdevIo);
+    /// Calls `f` with the host that sent direct-path request `io` and the request, on the
+    /// host's thread.
+    ///
+    /// # Safety
+    /// `io` went down the direct path through [`submit`] with this host, which
+    /// [`claim`](Self::claim)ed it first, and has not completed.
+    unsafe fn with_host<R>(io: BdevIo, f: impl FnOnce(&Self, BdevIo) -> R) -> R;
+    /// A write this host ran is about to complete: no thread's prefetch ring may serve the
+    /// bytes it replaced any more.
+    fn written(&self, io: &BdevIo);
+    /// Completes `io` (its child I/O ended with `success`).
+    fn complete_direct(&self, io: BdevIo, success: bool);
+}
+
+/// What a direct request is, as a type: its completion is compiled once per kind, so that
+/// reads pay nothing for what only writes do.
+pub trait Kind {
+    /// Whether the child I/O writes.
+    const WRITE: bool;
+}
+
+/// A direct read.
+pub enum Read {}
+/// A direct write.
+pub enum Write {}
+
+impl Kind for Read {
+    const WRITE: bool = false;
+}
+
+impl Kind for Write {
+    const WRITE: bool = true;
+}
+
+/// Completion of host `H`'s direct request of kind `K`: leaves the grace period, moves the
+/// write generations of a write's range ([`DirectHost::written`]), completes the request.
+pub struct Done<H, K>(PhantomData<(H, K)>);
+
+impl<H: DirectHost, K: Kind> ChildDone<Qcow2Bdev> for Done<H, K> {
+    // Inline in SPDK's callback, the generation bump (writes only) included.
+    #[inline(always)]
+    fn child_done(io: BdevIo, success: bool) {
+        // SAFETY: `Done<H, K>` is the completion only `submit::<H, K>` hands SPDK, after
+        // `H::claim`; SPDK calls it once, when the child I/O of `io` completed.
+        unsafe {
+            H::with_host(io, |h, io| {
+                leave(h.driver().exec(), &io);
+                if K::WRITE {
+                    h.written(&io);
+                }
+                h.complete_direct(io, success);
+            })
+        }
+    }
+}
+
+/// Submits request `io` of kind `K`, granted the one extent `grant`, to the base through
+/// `target`; [`Done<H, K>`] completes it. On refusal (the grant is for another device, no
+/// target, base busy) the grant ends and the request comes back.
 #[inline(always)]
-pub fn submit<D: ChildDone<Qcow2Bdev>>(
-    exec: &Exec<SpdkDevice>,
+pub fn submit<H: DirectHost, K: Kind>(
+    host: &H,
     target: Option<&Target>,
     mut io: BdevIo,
     grant: Grant,
-    write: bool,
 ) -> Result<(), BdevIo> {
+    let exec = host.driver().exec();
     let Some(t) = target.filter(|t| t.dev == grant.dev()) else {
         grant.finish(exec);
         return Err(io);
     };
-    let host = grant.host().0;
+    host.claim(&mut io);
+    let h = grant.host().0;
     // The completion leaves the grace period with the entry kept in the request's context.
     io.ctx_mut().set_entry(grant.submitted());
     t.base
-        .submit::<Qcow2Bdev, D>(io, write, host)
+        .submit::<Qcow2Bdev, Done<H, K>>(io, K::WRITE, h)
         .map_err(|(io, _)| {
             // Refused: over before it began.
             leave(exec, &io);
@@ -43,7 +108,7 @@ pub fn submit<D: ChildDone<Qcow2Bdev>>(
 
 /// Leaves the grace period a completed direct-path request `io` held.
 #[inline(always)]
-pub fn leave(exec: &Exec<SpdkDevice>, io: &BdevIo) {
+fn leave(exec: &Exec<SpdkDevice>, io: &BdevIo) {
     if let Some(entry) = io.ctx().take_entry() {
         exec.guest_exit(entry);
     }

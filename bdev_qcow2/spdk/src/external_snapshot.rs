@@ -19,7 +19,6 @@ use crate::device::SpdkDevice;
 use crate::ffi::bdev::{self, Desc};
 use crate::ffi::node::NodeKey;
 use crate::ffi::rpc::{Params, Request, INVALID_PARAMS};
-use crate::ffi::sys;
 use crate::ffi::thread::{self, Poll, Polled, PollerSlot};
 use crate::lifecycle_busy::Busy;
 use crate::node::{self, Image, ImageInfo};
@@ -29,7 +28,7 @@ use crate::rpc::decode;
 use crate::types::ChannelIter;
 use qcow2_engine::create::CreateOptions;
 use qcow2_engine::overlay::{format_overlay, overlay_options};
-use qcow2_engine::{Exec, OpenOptions, Qcow2};
+use qcow2_engine::{Chain, Exec, OpenOptions, Qcow2};
 use serde::Deserialize;
 use serde_json::json;
 use std::cell::RefCell;
@@ -102,31 +101,135 @@ struct Switch {
     old: Option<Box<Image>>,
 }
 
-impl Switch {
-    /// Ends the switch with an error, the bdev serving as before: lets the requests go if
-    /// they were held, releases the new base, answers.
-    fn fail(mut self: Box<Self>, errno: i32, msg: String) {
-        tracing::error!("{METHOD} {}: {msg}", self.name);
-        self.image = None;
-        self.exec = None;
-        if let Some(d) = self.new_base.take() {
-            d.close();
+/// Where a switch is. [`advance`] runs each state's action; the action (or the SPDK
+/// callback it waits for) names the next state. Forward, in order (ARCHITECTURE.md §13):
+///
+/// | state | what happens | next |
+/// | --- | --- | --- |
+/// | `Flush` | the old image is flushed on its owner | `Format`, or `Fail` |
+/// | `Format` | the overlay is formatted on the new base and opened (its own poller) | `Quiesce`, or `Fail` |
+/// | `Quiesce` | the bdev is quiesced (requests in flight complete) | `CloseOld`, or `Fail` |
+/// | `CloseOld` | the old image is written back and closed on its owner | `RegisterSnapshot`, or `Fail` |
+/// | `RegisterSnapshot` | the old image's read-only bdev registers | `Switch`, or `Fail` |
+/// | `Switch` | the overlay's owner starts, goes under the node, then under every channel | `Resume`, or `Unregister` / `Fail` |
+/// | `Resume` | the bdev is unquiesced | `WaitOld` |
+/// | `WaitOld` | the old channel states are freed (a poller waits) | `CloseOldOwner`, or `Answer` |
+/// | `CloseOldOwner` | the old owner closes, then its descriptors | `Claim`, or `Answer` |
+/// | `Claim` | the old base and the read-only bdev are claimed read-only (a poller retries) | `Answer` |
+/// | `Answer` | the RPC answers | — |
+///
+/// Errors unwind through `Unregister` (the read-only bdev goes again) and `Fail` (the
+/// overlay and the new base are released, the bdev unquiesced if it was), to `Refuse`
+/// (the RPC answers the error), the bdev serving its old image as before.
+enum State {
+    Flush,
+    Format(CreateOptions),
+    Quiesce,
+    CloseOld,
+    RegisterSnapshot,
+    Switch,
+    /// With the status of the channels' renewal.
+    Resume(c_int),
+    WaitOld,
+    CloseOldOwner,
+    Claim,
+    Answer,
+    Unregister(i32, String),
+    Fail(i32, String),
+    Refuse(i32, String),
+}
+
+/// The error state of a step that found the bdev gone.
+fn went_away() -> State {
+    State::Fail(libc::ENODEV, "the bdev went away".into())
+}
+
+/// Runs the action of `state` on switch `sw`.
+fn advance(sw: Box<Switch>, state: State) {
+    match state {
+        // Step 1: most of what the close in the pause would write goes now.
+        State::Flush => flush(sw),
+        State::Format(opts) => format(sw, opts),
+        // Step 2: no request in flight from here, then the old image is final.
+        State::Quiesce => quiesce(sw),
+        State::CloseOld => close_old(sw),
+        // Step 3.
+        State::RegisterSnapshot => register_snapshot(sw),
+        State::Switch => switch(sw),
+        // Step 4: requests go on; the old image goes once nothing uses it.
+        State::Resume(status) => resume(sw, status),
+        State::WaitOld => wait_old(sw),
+        State::CloseOldOwner => close_old_owner(sw),
+        State::Claim => {
+            claim_snapshot(&sw.name, &sw.snapshot);
+            advance(sw, State::Answer)
         }
-        let req = self.req.take();
-        let answer = move || {
-            if let Some(req) = req {
-                req.errno(errno, &format!("{METHOD}: {msg}"));
-            }
-        };
-        if self.quiesced {
-            let reg = registry::lock();
-            if let Some(n) = reg.by_key(self.key) {
-                n.unquiesce(move |_| answer());
-                return;
-            }
+        State::Answer => answer(sw),
+        // Unwinding.
+        State::Unregister(errno, msg) => {
+            drop_snapshot(&sw.snapshot);
+            advance(sw, State::Fail(errno, msg))
         }
-        answer();
+        State::Fail(errno, msg) => fail(sw, errno, msg),
+        State::Refuse(errno, msg) => refuse(sw, errno, &msg),
     }
+}
+
+/// `Fail`: the bdev serves as before. Releases the overlay and the new base, and lets the
+/// requests go if they were held; then `Refuse`.
+fn fail(mut sw: Box<Switch>, errno: i32, msg: String) {
+    tracing::error!("{METHOD} {}: {msg}", sw.name);
+    sw.image = None;
+    sw.exec = None;
+    if let Some(d) = sw.new_base.take() {
+        d.close();
+    }
+    if sw.quiesced {
+        let reg = registry::lock();
+        if let Some(n) = reg.by_key(sw.key) {
+            n.unquiesce(move |_| advance(sw, State::Refuse(errno, msg)));
+            return;
+        }
+    }
+    advance(sw, State::Refuse(errno, msg))
+}
+
+/// `Refuse`: the RPC answers the error.
+fn refuse(mut sw: Box<Switch>, errno: i32, msg: &str) {
+    if let Some(req) = sw.req.take() {
+        req.errno(errno, &format!("{METHOD}: {msg}"));
+    }
+}
+
+/// Runs `job` with the switch on the owner's executor, as a life-cycle job (requests keep
+/// flowing); `Fail` when the bdev went away.
+fn owner_job<F>(sw: Box<Switch>, job: impl FnOnce(Box<Switch>, Rc<Chain<SpdkDevice>>) -> F)
+where
+    F: std::future::Future<Output = ()> + 'static,
+{
+    let reg = registry::lock();
+    let Some(owner) = reg.by_key(sw.key).and_then(|n| n.owner_here()) else {
+        drop(reg);
+        return advance(sw, went_away());
+    };
+    owner.run_job(move |chain| job(sw, chain));
+}
+
+/// `Flush`: the overlay's options from the old image, which is flushed; then `Format`.
+fn flush(sw: Box<Switch>) {
+    owner_job(sw, |sw, chain| async move {
+        let opts = match chain.layers().first() {
+            Some(qcow2_engine::Layer::Qcow2(q)) => overlay_options(q, &sw.snapshot),
+            _ => return advance(sw, State::Fail(libc::EROFS, "no writable image".into())),
+        };
+        match chain.flush().await {
+            Ok(()) => advance(sw, State::Format(opts)),
+            Err(e) => advance(
+                sw,
+                State::Fail(e.errno(), format!("flushing the image: {e}")),
+            ),
+        }
+    });
 }
 
 /// `bdev_qcow2_snapshot_external`: answers the bdev's name, the read-only bdev the old
@@ -152,13 +255,14 @@ pub fn snapshot_external(req: Request, params: Params) {
         }
     };
     let n = node.node();
+    let current = n.params();
     let snapshot = p
         .snapshot_name
         .clone()
         .unwrap_or_else(|| default_snapshot_name(&reg, &p.name));
     let in_chain = p.base_bdev == p.name
-        || p.base_bdev == n.params.base_bdev
-        || Some(&p.base_bdev) == n.params.backing_bdev.as_ref()
+        || p.base_bdev == current.base_bdev
+        || Some(&p.base_bdev) == current.backing_bdev.as_ref()
         || p.base_bdev == snapshot;
     if in_chain {
         drop(reg);
@@ -188,14 +292,9 @@ pub fn snapshot_external(req: Request, params: Params) {
     }
     // The bdev's alignment was fixed at registration from its base and backing: the
     // overlay's base must not need more (its direct path hands it the guest's buffers).
-    let align = [&n.base, &n.backing]
-        .into_iter()
-        .flatten()
-        .map(|d| d.buf_align())
-        .max()
-        .unwrap_or(1);
-    let (size, cluster) = (owner.size(), n.info.cluster_size);
-    let old = n.params.clone();
+    let align = n.buf_align();
+    let (size, cluster) = (owner.size(), n.cluster_size());
+    let old = current;
     let key = node.key();
     drop(reg);
     let new_base = match node::open_claimed(&p.base_bdev, "base", true) {
@@ -262,31 +361,7 @@ pub fn snapshot_external(req: Request, params: Params) {
         pause_us: 0,
         old: None,
     });
-    // Step 1: flush the old image (most of what the close in the pause would write), then
-    // format and open the overlay.
-    let slot = Rc::new(RefCell::new(Some(sw)));
-    let s2 = slot.clone();
-    let reg = registry::lock();
-    let Some(owner) = reg.by_key(key).and_then(|n| n.owner_here()) else {
-        drop(reg);
-        if let Some(sw) = slot.borrow_mut().take() {
-            sw.fail(libc::ENODEV, "the bdev went away".into());
-        }
-        return;
-    };
-    owner.run_job(move |chain| async move {
-        let Some(sw) = s2.borrow_mut().take() else {
-            return;
-        };
-        let opts = match chain.layers().first() {
-            Some(qcow2_engine::Layer::Qcow2(q)) => overlay_options(q, &sw.snapshot),
-            _ => return sw.fail(libc::EROFS, "no writable image".into()),
-        };
-        if let Err(e) = chain.flush().await {
-            return sw.fail(e.errno(), format!("flushing the image: {e}"));
-        }
-        prepare(sw, opts);
-    });
+    advance(sw, State::Flush);
 }
 
 /// The overlay being formatted and opened on the new base, by its own poller.
@@ -307,33 +382,37 @@ impl Polled for Prepare {
         Poll::of_task(n, self.result.borrow().is_some(), self.exec.busy())
     }
 
+    /// The overlay is open: `Quiesce`; else `Fail`.
     fn finish(self: Box<Self>) {
         let mut p = *self;
         let Some(mut sw) = p.sw.take() else { return };
         let r = p.result.borrow_mut().take();
-        match r {
+        let next = match r {
             Some(Ok(image)) => {
                 sw.exec = Some(p.exec);
                 sw.image = Some(image);
-                quiesce(sw);
+                State::Quiesce
             }
             Some(Err(e)) => {
                 drop(p.exec);
-                let base = sw.params.base_bdev.clone();
-                sw.fail(e.errno(), format!("formatting the overlay on {base}: {e}"));
+                let base = &sw.params.base_bdev;
+                State::Fail(e.errno(), format!("formatting the overlay on {base}: {e}"))
             }
             None => {
                 drop(p.exec);
-                sw.fail(libc::EIO, "the overlay's format did not finish".into());
+                State::Fail(libc::EIO, "the overlay's format did not finish".into())
             }
-        }
+        };
+        advance(sw, next)
     }
 }
 
-/// Step 1, second half: formats the overlay `opts` on the new base and opens it writable.
-fn prepare(sw: Box<Switch>, opts: CreateOptions) {
+/// `Format`: formats the overlay `opts` on the new base and opens it writable, on a poller
+/// of its own ([`Prepare`]).
+fn format(sw: Box<Switch>, opts: CreateOptions) {
     let Some(dev) = sw.new_base.as_ref().and_then(SpdkDevice::new) else {
-        return sw.fail(libc::ENOMEM, "no I/O channel for the new base".into());
+        let e = State::Fail(libc::ENOMEM, "no I/O channel for the new base".into());
+        return advance(sw, e);
     };
     let mut dev = dev;
     dev.set_zero_offload(sw.zeroing.offload);
@@ -362,106 +441,89 @@ fn prepare(sw: Box<Switch>, opts: CreateOptions) {
     if let Err(mut j) = thread::start_task(job, c"qcow2_overlay") {
         if let Some(sw) = j.sw.take() {
             drop(j);
-            sw.fail(libc::ENOMEM, "cannot register a poller".into());
+            advance(
+                sw,
+                State::Fail(libc::ENOMEM, "cannot register a poller".into()),
+            );
         }
     }
 }
 
-/// Step 2: quiesce, then close the old image.
+/// `Quiesce`: once no request is in flight, `CloseOld`; `Fail` if SPDK refuses.
 fn quiesce(mut sw: Box<Switch>) {
-    let key = sw.key;
     sw.t0 = Some(Instant::now());
-    let slot = Rc::new(RefCell::new(Some(sw)));
-    let s2 = slot.clone();
-    let found = {
-        let reg = registry::lock();
-        reg.by_key(key).map(|n| {
-            n.quiesce(move |status| {
-                let Some(mut sw) = s2.borrow_mut().take() else {
-                    return;
-                };
-                if status != 0 {
-                    return sw.fail(-status, "SPDK could not quiesce the bdev".into());
-                }
-                sw.quiesced = true;
-                close_old(sw);
-            })
-        })
-    };
-    if found.is_none() {
-        let sw = slot.borrow_mut().take();
-        if let Some(sw) = sw {
-            sw.fail(libc::ENODEV, "the bdev went away".into());
-        }
-    }
-}
-
-/// Step 2, second half: the old image written back and closed (no request is in flight).
-fn close_old(sw: Box<Switch>) {
     let reg = registry::lock();
-    let Some(owner) = reg.by_key(sw.key).and_then(|n| n.owner_here()) else {
+    let Some(n) = reg.by_key(sw.key) else {
         drop(reg);
-        return sw.fail(libc::ENODEV, "the bdev went away".into());
+        return advance(sw, went_away());
     };
-    owner.run_job(move |chain| async move {
-        if let Err(e) = chain.close().await {
-            return sw.fail(e.errno(), format!("closing the old image: {e}"));
+    n.quiesce(move |status| {
+        if status != 0 {
+            let e = State::Fail(-status, "SPDK could not quiesce the bdev".into());
+            return advance(sw, e);
         }
-        register_snapshot(sw);
+        sw.quiesced = true;
+        advance(sw, State::CloseOld)
     });
 }
 
-/// Step 3: the old image's read-only bdev, on a descriptor of the old base opened without a
-/// claim (the bdev still holds its writer's claim until its old states are gone).
+/// `CloseOld`: the old image written back and closed (no request is in flight); then
+/// `RegisterSnapshot`.
+fn close_old(sw: Box<Switch>) {
+    owner_job(sw, |sw, chain| async move {
+        match chain.close().await {
+            Ok(()) => advance(sw, State::RegisterSnapshot),
+            Err(e) => advance(
+                sw,
+                State::Fail(e.errno(), format!("closing the old image: {e}")),
+            ),
+        }
+    });
+}
+
+/// `RegisterSnapshot`: the old image's read-only bdev, on a descriptor of the old base
+/// opened without a claim (the bdev still holds its writer's claim until its old states
+/// are gone); then `Switch`.
 fn register_snapshot(sw: Box<Switch>) {
     let p = sw.snap_params.clone();
-    let slot = Rc::new(RefCell::new(Some(sw)));
-    let s2 = slot.clone();
     node::create_unclaimed(
         p,
-        Box::new(move |r| {
-            let Some(sw) = s2.borrow_mut().take() else {
-                return;
-            };
-            match r {
-                Ok(_) => switch(sw),
-                Err((e, m)) => sw.fail(e, format!("the old image's bdev: {m}")),
-            }
+        Box::new(move |r| match r {
+            Ok(_) => advance(sw, State::Switch),
+            Err((e, m)) => advance(sw, State::Fail(e, format!("the old image's bdev: {m}"))),
         }),
     );
 }
 
-/// Undoes [`register_snapshot`] after a later failure (nothing uses the bdev yet).
+/// Undoes `RegisterSnapshot` after a later failure (nothing uses the bdev yet).
 fn drop_snapshot(name: &str) {
     if let Err(e) = bdev::unregister_by_name(name, |_| {}) {
         tracing::error!("{METHOD}: cannot unregister {name} again: errno {e}");
     }
 }
 
-/// Step 3, second half: the overlay's owner over the old image's bdev, put under the node
-/// and under every channel.
+/// `Switch`: the overlay's owner over the old image's bdev, put under the node and then
+/// under every channel; `Resume` once every channel has its new state. Before the node
+/// switched, a failure unregisters the read-only bdev (`Unregister`).
 fn switch(mut sw: Box<Switch>) {
     let snap = sw.snapshot.clone();
-    // Claimed later (`claim_snapshot`): other modules examine the new bdev now, some
-    // with a descriptor open for writing, which a read-only claim cannot coexist with.
+    // Claimed later (`Claim`): other modules examine the new bdev now, some with a
+    // descriptor open for writing, which a read-only claim cannot coexist with.
     let backing = match node::open_unclaimed(&snap, "backing") {
         Ok(d) => d,
-        Err((e, m)) => {
-            drop_snapshot(&snap);
-            return sw.fail(e, m);
-        }
+        Err((e, m)) => return advance(sw, State::Unregister(e, m)),
     };
     let (Some(exec), Some(image)) = (sw.exec.take(), sw.image.take()) else {
         backing.close();
-        drop_snapshot(&snap);
-        return sw.fail(libc::EIO, "the overlay is not open".into());
+        let e = State::Unregister(libc::EIO, "the overlay is not open".into());
+        return advance(sw, e);
     };
     let Some(bdev) = SpdkDevice::new(&backing) else {
         drop(image);
         drop(exec);
         backing.close();
-        drop_snapshot(&snap);
-        return sw.fail(libc::ENOMEM, format!("no I/O channel for {snap}"));
+        let e = State::Unregister(libc::ENOMEM, format!("no I/O channel for {snap}"));
+        return advance(sw, e);
     };
     let backing_dev = exec.add_device(bdev);
     let info = ImageInfo::of(&image, &sw.params, sw.zeroing);
@@ -471,17 +533,16 @@ fn switch(mut sw: Box<Switch>) {
         drop(image);
         drop(exec);
         backing.close();
-        drop_snapshot(&snap);
-        return sw.fail(libc::ENODEV, "the bdev went away".into());
+        let e = State::Unregister(libc::ENODEV, "the bdev went away".into());
+        return advance(sw, e);
     };
-    let ring = node.node().ring.clone();
+    let ring = node.node().ring().cloned();
     let owner = match node::start_owner(exec, image, Some(backing_dev), &sw.params, ring.as_ref()) {
         Ok(o) => o,
         Err((e, m)) => {
             drop(reg);
             backing.close();
-            drop_snapshot(&snap);
-            return sw.fail(e, m);
+            return advance(sw, State::Unregister(e, m));
         }
     };
     let new = Box::new(Image {
@@ -498,7 +559,7 @@ fn switch(mut sw: Box<Switch>) {
         Err(_) => {
             // Not reached: the node was found writable on this thread above.
             drop(reg);
-            return sw.fail(libc::EIO, "the switch was refused".into());
+            return advance(sw, State::Fail(libc::EIO, "the switch was refused".into()));
         }
     }
     tracing::info!(
@@ -506,11 +567,16 @@ fn switch(mut sw: Box<Switch>) {
         sw.name,
         sw.params.base_bdev
     );
-    node.for_each_channel(sw, |it: ChannelIter, _| it.renew_state(), switched);
+    node.for_each_channel(
+        sw,
+        |it: ChannelIter, _| it.renew_state(),
+        |sw, status| advance(sw, State::Resume(status)),
+    );
 }
 
-/// Step 4: every channel has its new state: the requests go on.
-fn switched(sw: Box<Switch>, status: c_int) {
+/// `Resume`: every channel has its new state (or kept the old one: `status`); the
+/// requests go on. Then `WaitOld`.
+fn resume(sw: Box<Switch>, status: c_int) {
     if status != 0 {
         tracing::error!(
             "{METHOD} {}: a channel kept the old image (errno {}); its requests fail",
@@ -518,30 +584,16 @@ fn switched(sw: Box<Switch>, status: c_int) {
             -status
         );
     }
-    let key = sw.key;
-    let slot = Rc::new(RefCell::new(Some(sw)));
-    let s2 = slot.clone();
-    let found = {
-        let reg = registry::lock();
-        reg.by_key(key).map(|n| {
-            n.unquiesce(move |_| {
-                let sw = s2.borrow_mut().take();
-                if let Some(sw) = sw {
-                    retire_old(sw);
-                }
-            })
-        })
+    let reg = registry::lock();
+    let Some(n) = reg.by_key(sw.key) else {
+        drop(reg);
+        return advance(sw, State::WaitOld);
     };
-    if found.is_none() {
-        let sw = slot.borrow_mut().take();
-        if let Some(sw) = sw {
-            retire_old(sw);
-        }
-    }
+    n.unquiesce(move |_| advance(sw, State::WaitOld));
 }
 
 /// Waits for the old channel states to be freed (an idle one at once, one finishing its
-/// read-ahead soon after), then [`close_old_owner`].
+/// read-ahead soon after), then `CloseOldOwner`.
 struct WaitOld {
     live: Arc<AtomicUsize>,
     poller: PollerSlot,
@@ -563,17 +615,19 @@ impl Polled for WaitOld {
 
     fn finish(mut self: Box<Self>) {
         if let Some(sw) = self.sw.take() {
-            close_old_owner(sw);
+            advance(sw, State::CloseOldOwner);
         }
     }
 }
 
-fn retire_old(mut sw: Box<Switch>) {
+/// `WaitOld`: records the pause, then waits for the old channel states ([`WaitOld`]);
+/// `Answer` at once without an old image, or with no poller to wait (it stays open).
+fn wait_old(mut sw: Box<Switch>) {
     sw.pause_us = sw.t0.map_or(0, |t| t.elapsed().as_micros() as u64);
     sw.quiesced = false;
     tracing::info!("{METHOD} {}: I/O paused {} us", sw.name, sw.pause_us);
     let Some(live) = sw.old.as_ref().map(|o| o.live_channels.clone()) else {
-        return answer(sw);
+        return advance(sw, State::Answer);
     };
     let job = Box::new(WaitOld {
         live,
@@ -584,26 +638,25 @@ fn retire_old(mut sw: Box<Switch>) {
         tracing::error!("{METHOD}: no poller to retire the old image; it stays open");
         if let Some(mut sw) = j.sw.take() {
             sw.old = None;
-            answer(sw);
+            advance(sw, State::Answer);
         }
     }
 }
 
-/// The old owner closes (nothing left to write), then its descriptors; the old base is
-/// claimed for the read-only bdev, and the RPC answers.
+/// `CloseOldOwner`: the old owner closes (nothing left to write), then its descriptors,
+/// which releases the old base; then `Claim`. Without an old owner, `Answer`.
 fn close_old_owner(mut sw: Box<Switch>) {
     let Some(mut old) = sw.old.take() else {
-        return answer(sw);
+        return advance(sw, State::Answer);
     };
     let Some(owner) = old.owner.take() else {
-        return answer(sw);
+        return advance(sw, State::Answer);
     };
     owner.close(move |_| {
         for d in [old.backing.take(), old.base.take()].into_iter().flatten() {
             d.close();
         }
-        claim_snapshot(&sw.name, &sw.snapshot);
-        answer(sw);
+        advance(sw, State::Claim);
     });
 }
 
@@ -639,27 +692,22 @@ impl Polled for ClaimSnapshot {
         }
         self.next.set(now + CLAIM_EVERY);
         let reg = registry::lock();
-        let descs = [
-            reg.node(&self.snap).and_then(|n| n.node().base.as_ref()),
-            reg.node(&self.name).and_then(|n| n.node().backing.as_ref()),
-        ];
+        // The old base (the read-only bdev's), then the read-only bdev (the overlay's
+        // backing).
+        let claims = [(&self.snap, true), (&self.name, false)];
         let mut left = self.left.get();
         let late = Instant::now() > self.until;
-        for (i, d) in descs.into_iter().enumerate() {
-            let Some(d) = d.filter(|_| left[i]) else {
-                left[i] = false;
+        for (i, (name, base)) in claims.into_iter().enumerate() {
+            if !left[i] {
                 continue;
-            };
-            match d.claim(sys::SPDK_BDEV_CLAIM_READ_MANY_WRITE_NONE) {
-                Ok(()) => left[i] = false,
-                Err(e) if late => {
-                    tracing::warn!(
-                        "{METHOD}: cannot claim bdev {} read-only (errno {e})",
-                        d.name()
-                    );
+            }
+            match reg.node(name).and_then(|n| n.node().claim_read_only(base)) {
+                None | Some(Ok(())) => left[i] = false,
+                Some(Err((e, bdev))) if late => {
+                    tracing::warn!("{METHOD}: cannot claim bdev {bdev} read-only (errno {e})");
                     left[i] = false;
                 }
-                Err(_) => {}
+                Some(Err(_)) => {}
             }
         }
         self.left.set(left);
@@ -685,6 +733,7 @@ fn claim_snapshot(name: &str, snap: &str) {
     }
 }
 
+/// `Answer`: the RPC answers the bdev's name, the read-only bdev and the pause.
 fn answer(mut sw: Box<Switch>) {
     tracing::info!(
         "{METHOD}: {} switched to the overlay on {}; the old image is read-only bdev {}",

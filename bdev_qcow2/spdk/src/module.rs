@@ -32,15 +32,11 @@ impl BdevTypes for Qcow2Bdev {
 
     #[inline(always)]
     fn owner(node: &Node) -> &OwnerPtr {
-        &node.owner
-    }
-
-    fn owner_mut(node: &mut Node) -> &mut OwnerPtr {
-        &mut node.owner
+        node.owner()
     }
 
     fn md_thread(node: &Node) -> Option<Thread> {
-        node.md_thread
+        node.md_thread()
     }
 
     #[inline(always)]

@@ -24,9 +24,9 @@
 //! runs on the md thread, which debug builds assert ([`Owner::assert_md_thread`]).
 
 use crate::device::{guest_buf, SpdkDevice};
-use crate::direct::{self, Target};
+use crate::direct::{self, DirectHost, Target};
 use crate::engine_host::{Driver, Host};
-use crate::ffi::bdev_io::{ChildDone, QueueReceiver};
+use crate::ffi::bdev_io::QueueReceiver;
 use crate::ffi::sys;
 use crate::ffi::thread::{self, Poll, Polled, PollerSlot, Thread};
 use crate::ffi::types::Closing;
@@ -371,10 +371,8 @@ impl Owner {
             Step::Direct(grant) => {
                 let target = self.direct.as_ref();
                 let r = match grant.is_write() {
-                    false => direct::submit::<Owner>(self.exec(), target, io, grant, false),
-                    true => {
-                        direct::submit::<OwnerDirectWrite>(self.exec(), target, io, grant, true)
-                    }
+                    false => direct::submit::<Owner, direct::Read>(self, target, io, grant),
+                    true => direct::submit::<Owner, direct::Write>(self, target, io, grant),
                 };
                 if let Err(io) = r {
                     let task = c.refused(req);
@@ -441,38 +439,30 @@ impl Host for Owner {
     }
 }
 
-/// Completion of a request the owner sent down the direct path.
-impl ChildDone<Qcow2Bdev> for Owner {
-    fn child_done(io: BdevIo, success: bool) {
-        let status = if success {
-            sys::SPDK_BDEV_IO_STATUS_SUCCESS
-        } else {
-            sys::SPDK_BDEV_IO_STATUS_FAILED
-        };
-        io.with_owner(|o, io| {
-            direct::leave(o.exec(), &io);
-            done(io, status);
-        });
+/// The owner's direct-path requests (`direct.rs`): found again through their bdev (whose
+/// owner it is), completed like every request the owner ran.
+impl DirectHost for Owner {
+    #[inline(always)]
+    fn claim(&self, _: &mut BdevIo) {}
+
+    #[inline(always)]
+    unsafe fn with_host<R>(io: BdevIo, f: impl FnOnce(&Owner, BdevIo) -> R) -> R {
+        io.with_owner(f)
     }
-}
 
-/// Completion of a write the owner sent down the direct path: as [`Owner`]'s, once the
-/// write moved the write generations of its range (a type of its own, so that direct
-/// reads pay nothing for it).
-struct OwnerDirectWrite;
+    #[inline(always)]
+    fn written(&self, io: &BdevIo) {
+        Owner::written(self, io)
+    }
 
-impl ChildDone<Qcow2Bdev> for OwnerDirectWrite {
-    fn child_done(io: BdevIo, success: bool) {
+    #[inline(always)]
+    fn complete_direct(&self, io: BdevIo, success: bool) {
         let status = if success {
             sys::SPDK_BDEV_IO_STATUS_SUCCESS
         } else {
             sys::SPDK_BDEV_IO_STATUS_FAILED
         };
-        io.with_owner(|o, io| {
-            direct::leave(o.exec(), &io);
-            o.written(&io);
-            done(io, status);
-        });
+        done(io, status);
     }
 }
 

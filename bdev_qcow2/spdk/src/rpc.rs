@@ -125,7 +125,7 @@ pub fn delete(req: Request, params: Params) {
         let user = reg
             .nodes
             .iter()
-            .find(|(_, r)| r.node().params.backing_bdev.as_deref() == Some(p.name.as_str()));
+            .find(|(_, r)| r.node().params().backing_bdev.as_deref() == Some(p.name.as_str()));
         if let Some((user, _)) = user {
             let m = format!(
                 "bdev {} is the backing bdev of qcow2 bdev {user}: delete {user} first",
@@ -187,10 +187,9 @@ fn collect_done(mut c: Collect, _status: c_int) {
     // node is used: a delete removes the node from the registry before anything frees it.
     let mut retired = Value::Null;
     if let Some(n) = registry::lock().by_key(key) {
-        if let Ok(r) = n.node().retired.lock() {
-            total.add(&r);
-            retired = serde_json::to_value(&*r).unwrap_or(Value::Null);
-        }
+        let r = n.node().retired();
+        total.add(&r);
+        retired = serde_json::to_value(&r).unwrap_or(Value::Null);
     }
     // The owner's counters, read only while the node is still registered (a delete
     // removes it first; the node and its owner are freed later, on the md thread) and only

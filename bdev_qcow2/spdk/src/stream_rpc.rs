@@ -20,7 +20,6 @@ use qcow2_engine::stream::{StreamJob, StreamState};
 use serde_json::{json, Value};
 use std::cell::Cell;
 use std::os::raw::c_int;
-use std::sync::atomic::Ordering;
 
 /// A stream job of one bdev, kept by its owner.
 pub struct Stream {
@@ -63,8 +62,7 @@ pub fn stream(req: Request, params: Params) {
             return req.errno(errno, &msg);
         }
     };
-    let n = node.node();
-    if n.backing.is_none() || n.backing_dropped.load(Ordering::Acquire) {
+    if !node.node().reads_backing() {
         drop(reg);
         return req.errno(
             libc::EINVAL,
@@ -154,7 +152,7 @@ fn detach_channels(key: NodeKey) {
     let Some(node) = reg.by_key(key) else {
         return;
     };
-    node.node().backing_dropped.store(true, Ordering::Release);
+    node.node().drop_backing();
     node.for_each_channel(key, detach_step, detached);
 }
 
@@ -180,9 +178,7 @@ fn detached(key: NodeKey, status: c_int) {
         s.job.cores_detached(owner.chain());
         tracing::info!(
             "qcow2 bdev {}: stream done, the backing bdev is no longer read",
-            reg.by_key(key)
-                .map(|n| n.node().params.name.clone())
-                .unwrap_or_default()
+            reg.by_key(key).map(|n| n.node().name()).unwrap_or_default()
         );
     }
 }

@@ -44,9 +44,11 @@ pub trait Nodes: Requests {
     /// The calls `write_config_json` writes.
     fn config_json(node: &Self::Node) -> Vec<serde_json::Value>;
     /// Puts `new` under `node` in place of its image and returns the former one (`Err`:
-    /// `new` back, refused); the token lets the node's owner back into its box.
+    /// `new` back, refused); the token lets the node's owner back into its box. The node
+    /// keeps what a switch changes behind its own lock (channel creation reads it on
+    /// other threads).
     fn swap_image(
-        node: &mut Self::Node,
+        node: &Self::Node,
         new: Box<Self::Image>,
         token: &Switching,
     ) -> Result<Box<Self::Image>, Box<Self::Image>>;
@@ -79,8 +81,9 @@ impl NodeKey {
 pub struct Registered<M: BdevTypes>(NonNull<NodeCell<M>>);
 
 // SAFETY: a registered node is shared by every SPDK thread (its channels read it); what
-// changes (SPDK's `bdev`, the descriptors and owner at teardown) is not reached through
-// this handle except the owner, and only on the md thread (`owner_here`).
+// changes is SPDK's `bdev` (not reached through this handle) and what a switch or teardown
+// changes, which the node keeps behind its own lock and atomic owner pointer; the owner is
+// used only on the md thread (`owner_here`).
 unsafe impl<M: BdevTypes> Send for Registered<M> {}
 
 impl<M: Nodes> Registered<M> {
@@ -141,12 +144,8 @@ impl<M: Nodes> Registered<M> {
         if self.owner_here().is_none() {
             return Err(new);
         }
-        // SAFETY: the node is live while this handle exists. Its fields are read by channel
-        // creation on any thread, which holds the node's switch lock (`swap_image` takes it
-        // to write them), and by this (md) thread; the owner only on the md thread. No
-        // request is in flight (quiesced).
-        let node = unsafe { &mut (*self.0.as_ptr()).node };
-        M::swap_image(node, new, &Switching(()))
+        // On the md thread of a writable node (just checked); the caller quiesced it.
+        M::swap_image(self.node(), new, &Switching(()))
     }
 
     /// Quiesces the bdev (`spdk_bdev_quiesce`): once every request in flight has completed,
@@ -345,8 +344,8 @@ unsafe extern "C" fn write_config_json<M: Nodes>(
 unsafe extern "C" fn free_unregistered<M: Nodes>(io_device: *mut c_void) {
     // SAFETY: the node never reached SPDK's bdev list and its io_device is gone: only ours,
     // reclaimed once.
-    let mut n = unsafe { Box::from_raw(io_device.cast::<NodeCell<M>>()) };
-    let owner = M::owner_mut(&mut n.node).take();
+    let n = unsafe { Box::from_raw(io_device.cast::<NodeCell<M>>()) };
+    let owner = M::owner(&n.node).take();
     // SAFETY: started on this thread (the md thread registered the node) and never used:
     // the bdev never registered.
     let owner = unsafe { OwnerBox::from_raw(owner) };
@@ -405,13 +404,6 @@ impl<M: Nodes> MdNode<M> {
         unsafe { &self.0.as_ref().node }
     }
 
-    /// The node, to take its descriptors (to be closed here, where they were opened).
-    pub fn node_mut(&mut self) -> &mut M::Node {
-        // SAFETY: live until `destruct_done`; only this thread uses the node now (see the
-        // type), through this handle.
-        unsafe { &mut (*self.0.as_ptr()).node }
-    }
-
     /// Looks again shortly: queues `f` with the node as a message to this (the md) thread.
     /// `Err`: SPDK's errno when the message could not be queued (the node is then left
     /// allocated).
@@ -422,10 +414,10 @@ impl<M: Nodes> MdNode<M> {
     /// Teardown, step 2: a writable node's owner flushes the metadata and is freed, then
     /// `then` gets the node and the owner's final counters, on this thread; a read-only
     /// node goes to `then` at once (`None`).
-    pub fn close_owner(mut self, then: impl FnOnce(MdNode<M>, Option<M::OwnerCounters>) + 'static) {
+    pub fn close_owner(self, then: impl FnOnce(MdNode<M>, Option<M::OwnerCounters>) + 'static) {
         // On the md thread with no channel left: only this thread uses the node's owner,
         // and it is taken once (nulled).
-        let raw = M::owner_mut(self.node_mut()).take();
+        let raw = M::owner(self.node()).take();
         // SAFETY: the owner was started on this thread and every request through it has
         // completed (no channel is left).
         match unsafe { OwnerBox::<M>::from_raw(raw) } {

@@ -11,6 +11,7 @@ use super::thread::{self, Homed, Polled, Thread};
 use std::ffi::CStr;
 use std::marker::PhantomData;
 use std::ptr::NonNull;
+use std::sync::atomic::{AtomicPtr, Ordering};
 
 /// The types of a bdev module, as SPDK's callbacks reach them. Implemented once, for the
 /// module's marker type.
@@ -30,8 +31,6 @@ pub trait BdevTypes: Sized + 'static {
 
     /// The node's metadata owner (null: a read-only node).
     fn owner(node: &Self::Node) -> &OwnerPtr<Self>;
-    /// The same, to take it out at teardown or put another in.
-    fn owner_mut(node: &mut Self::Node) -> &mut OwnerPtr<Self>;
     /// The thread that created the node (its metadata owner's).
     fn md_thread(node: &Self::Node) -> Option<Thread>;
     /// The owner is about to be used: its poller resumes if it paused.
@@ -48,53 +47,61 @@ pub trait BdevTypes: Sized + 'static {
 /// node still points at it.
 pub struct Closing(());
 
-/// Permission to take a node's owner back into its box while another goes in: made only by
+/// Permission to put another image (and owner) under a node and take its owner back into
+/// its box ([`OwnerPtr::replace`]): made only by
 /// [`Registered::switch_image`](super::node::Registered::switch_image), on the md thread of
 /// a writable node with no request in flight.
 pub struct Switching(pub(super) ());
 
 /// A node's metadata owner, as the node keeps it (null: a read-only node). Made only from
-/// an [`OwnerBox`] and turned back into one only by `ffi` or with a [`Switching`] token, so
-/// an owner is boxed or in one node, never both. Neither `Clone` nor `Copy`.
-pub struct OwnerPtr<M: BdevTypes>(*mut M::Owner);
+/// an [`OwnerBox`] and turned back into one only by `ffi` at teardown or with a
+/// [`Switching`] token, so an owner is boxed or in one node, never both. Neither `Clone` nor
+/// `Copy`. Atomic so that a switch can put another owner in through a shared node (channel
+/// creation on other threads reads it, under the node's lock); its loads are plain loads.
+pub struct OwnerPtr<M: BdevTypes>(AtomicPtr<M::Owner>);
 
 impl<M: BdevTypes> OwnerPtr<M> {
     /// No owner (a read-only node).
     pub const fn null() -> OwnerPtr<M> {
-        OwnerPtr(std::ptr::null_mut())
+        OwnerPtr(AtomicPtr::new(std::ptr::null_mut()))
     }
 
     /// Whether there is none (a read-only node).
     pub fn is_null(&self) -> bool {
-        self.0.is_null()
+        self.raw().is_null()
     }
 
     /// The raw owner, for `ffi`'s accesses on the md thread.
+    #[inline(always)]
     pub(super) fn raw(&self) -> *mut M::Owner {
-        self.0
+        // Relaxed: the md thread wrote it (or a switch did, there), and other threads read
+        // it only under the node's lock, which orders them after the switch.
+        self.0.load(Ordering::Relaxed)
     }
 
     /// Takes the owner out (on the md thread of a node with no channel left).
-    pub(super) fn take(&mut self) -> *mut M::Owner {
-        std::mem::replace(&mut self.0, std::ptr::null_mut())
+    pub(super) fn take(&self) -> *mut M::Owner {
+        self.0.swap(std::ptr::null_mut(), Ordering::Relaxed)
     }
 
-    /// Turns a node's former owner back into its box while an image switch puts another
-    /// one in (see [`Switching`]).
-    pub fn into_box(mut self, _: &Switching) -> Option<OwnerBox<M>> {
+    /// Puts `new` in place of the node's owner (an image switch, see [`Switching`]) and
+    /// returns the former one in its box (`None`: there was none).
+    pub fn replace(&self, new: OwnerBox<M>, _: &Switching) -> Option<OwnerBox<M>> {
+        let old = self.0.swap(new.0.as_ptr(), Ordering::Relaxed);
         // SAFETY: made from an `OwnerBox` started on the md thread, which the token proves
-        // this is; the pointer is consumed, so it is boxed once.
-        unsafe { OwnerBox::from_raw(self.take()) }
+        // this is; taken out of the node here, so boxed once.
+        unsafe { OwnerBox::from_raw(old) }
     }
 
     /// A handle to the owner on its md thread `md` (`None`: a read-only node, or no md
     /// thread).
     pub fn homed(&self, md: Option<Thread>) -> Option<Homed<M::Owner>> {
         let md = md?;
-        // SAFETY: a writable node's owner is set before registration, immutable while it has
-        // channels, and freed by teardown only after the node's last channel — the holders
-        // of this handle — is gone; it lives on the md thread.
-        NonNull::new(self.0).map(|o| unsafe { Homed::new(o.as_ref(), md) })
+        // SAFETY: a writable node's owner is set before registration, changed only by a
+        // switch while no request is in flight (a former owner lives until the channel
+        // states built with it are gone), and freed by teardown only after the node's last
+        // channel — the holders of this handle — is gone; it lives on the md thread.
+        NonNull::new(self.raw()).map(|o| unsafe { Homed::new(o.as_ref(), md) })
     }
 }
 
@@ -131,6 +138,6 @@ impl<M: BdevTypes> OwnerBox<M> {
 
     /// What a node keeps (its owner) until teardown takes it back.
     pub fn into_node(self) -> OwnerPtr<M> {
-        OwnerPtr(self.0.as_ptr())
+        OwnerPtr(AtomicPtr::new(self.0.as_ptr()))
     }
 }

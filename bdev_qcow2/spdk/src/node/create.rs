@@ -1,0 +1,465 @@
+//! Creating a node: open and claim the base (and backing) bdev, read and validate the
+//! image on the creating thread — the metadata owner — start the owner, then register.
+
+use super::{Image, ImageInfo, Node, Ring, BLOCK_SIZE};
+use crate::device::SpdkDevice;
+use crate::ffi::bdev::{self, Desc};
+use crate::ffi::node as handle;
+use crate::ffi::sys;
+use crate::ffi::thread::{self, Poll, Polled, PollerSlot};
+use crate::owner::Owner;
+use crate::params::CreateParams;
+use crate::registry;
+use crate::types::{OwnerBox, Qcow2Bdev};
+use qcow2_engine::ring::WriteGens;
+use qcow2_engine::{Chain, CoreSeed, DevId, Exec, Layer, OpenOptions, Qcow2};
+use std::cell::RefCell;
+use std::ffi::CString;
+use std::rc::Rc;
+use std::sync::atomic::AtomicUsize;
+use std::sync::Arc;
+
+/// How a creation ends: the bdev name, or an errno and a message.
+pub type Outcome = Result<String, (i32, String)>;
+/// Who hears about it (an RPC response, or the examine that started a deferred creation).
+pub type Done = Box<dyn FnOnce(Outcome)>;
+
+type Opened = qcow2_engine::Result<(ImageInfo, Qcow2<SpdkDevice>)>;
+
+/// A creation in progress: the image is being read on the md thread.
+struct Job {
+    params: CreateParams,
+    base: Option<Desc>,
+    backing: Option<Desc>,
+    exec: Exec<SpdkDevice>,
+    /// The backing bdev on `exec` (writable bdevs: the owner's chain reads through it).
+    backing_dev: Option<DevId>,
+    result: Rc<RefCell<Option<Opened>>>,
+    poller: PollerSlot,
+    done: Option<Done>,
+}
+
+fn fail(name: &str, descs: [Option<Desc>; 2], done: Done, errno: i32, msg: String) {
+    for d in descs.into_iter().flatten() {
+        d.close();
+    }
+    registry::lock().creating.retain(|n| n != name);
+    tracing::error!("bdev_qcow2_create {name}: {msg}");
+    done(Err((errno, msg)));
+}
+
+fn strerror(e: i32) -> String {
+    std::io::Error::from_raw_os_error(e).to_string()
+}
+
+/// Opens and claims `name` for our module: shared read-only, or (`write`) as its only writer.
+pub(crate) fn open_claimed(name: &str, role: &str, write: bool) -> Result<Desc, (i32, String)> {
+    let d = Desc::open::<BaseEvents>(name, write).map_err(|e| {
+        (
+            e,
+            format!(
+                "cannot open {role} bdev {name}{}: {}",
+                if write { " for writing" } else { "" },
+                strerror(e)
+            ),
+        )
+    })?;
+    let kind = if write {
+        sys::SPDK_BDEV_CLAIM_READ_MANY_WRITE_ONE
+    } else {
+        sys::SPDK_BDEV_CLAIM_READ_MANY_WRITE_NONE
+    };
+    if let Err(e) = d.claim(kind) {
+        d.close();
+        return Err((
+            e,
+            format!(
+                "cannot claim {role} bdev {name} (claimed by another module?): {}",
+                strerror(e)
+            ),
+        ));
+    }
+    if d.block_size() != BLOCK_SIZE {
+        let bs = d.block_size();
+        d.close();
+        return Err((
+            libc::EINVAL,
+            format!("{role} bdev {name} has {bs}-byte blocks; only {BLOCK_SIZE}-byte blocks are supported"),
+        ));
+    }
+    Ok(d)
+}
+
+/// Creates the bdev of `params` (whose base and backing bdevs exist) on the calling thread,
+/// which becomes its metadata owner. `done` hears the outcome, possibly before this returns.
+pub fn create(params: CreateParams, done: Done) {
+    create_claiming(params, true, done);
+}
+
+/// [`create`] for a read-only bdev whose base bdev is opened without a claim yet: an
+/// external snapshot's old image, whose base the bdev it leaves still claims as its writer
+/// until its last request is done; the claim follows (`external_snapshot.rs`).
+pub(crate) fn create_unclaimed(params: CreateParams, done: Done) {
+    debug_assert!(params.read_only);
+    create_claiming(params, false, done);
+}
+
+/// Opens `name` (our `role` bdev) read-only without claiming it (the claim follows).
+pub(crate) fn open_unclaimed(name: &str, role: &str) -> Result<Desc, (i32, String)> {
+    let d = Desc::open::<BaseEvents>(name, false).map_err(|e| {
+        (
+            e,
+            format!("cannot open {role} bdev {name}: {}", strerror(e)),
+        )
+    })?;
+    if d.block_size() != BLOCK_SIZE {
+        d.close();
+        return Err((
+            libc::EINVAL,
+            format!("{role} bdev {name}: only {BLOCK_SIZE}-byte blocks are supported"),
+        ));
+    }
+    Ok(d)
+}
+
+fn create_claiming(params: CreateParams, claim_base: bool, done: Done) {
+    let name = params.name.clone();
+    {
+        let mut reg = registry::lock();
+        if reg.knows(&name) || bdev::exists(&name) {
+            drop(reg);
+            return done(Err((libc::EEXIST, format!("bdev {name} already exists"))));
+        }
+        reg.creating.push(name.clone());
+    }
+    let base = if claim_base {
+        open_claimed(&params.base_bdev, "base", !params.read_only)
+    } else {
+        open_unclaimed(&params.base_bdev, "base")
+    };
+    let base = match base {
+        Ok(d) => d,
+        Err((e, m)) => return fail(&name, [None, None], done, e, m),
+    };
+    let backing = match params
+        .backing_bdev
+        .as_deref()
+        .map(|b| open_claimed(b, "backing", false))
+    {
+        None => None,
+        Some(Ok(d)) => Some(d),
+        Some(Err((e, m))) => return fail(&name, [Some(base), None], done, e, m),
+    };
+    let exec: Exec<SpdkDevice> = Exec::new();
+    let Some(mut dev) = SpdkDevice::new(&base) else {
+        let m = format!("no I/O channel for base bdev {}", params.base_bdev);
+        return fail(&name, [Some(base), backing], done, libc::ENOMEM, m);
+    };
+    let zeroing = crate::device::Zeroing::of(&base, params.zero_offload, params.zero_ahead);
+    dev.set_zero_offload(zeroing.offload);
+    let dev = exec.add_device(dev);
+    let mut backing_dev = None;
+    if let (Some(b), false) = (&backing, params.read_only) {
+        let Some(bd) = SpdkDevice::new(b) else {
+            drop(exec);
+            let m = format!("no I/O channel for backing bdev {}", b.name());
+            return fail(&name, [Some(base), backing], done, libc::ENOMEM, m);
+        };
+        backing_dev = Some(exec.add_device(bd));
+    }
+    let result = Rc::new(RefCell::new(None));
+    {
+        let (exec2, result2, p2) = (exec.clone(), result.clone(), params.clone());
+        let opts = OpenOptions {
+            writable: !params.read_only,
+            zero_ahead: zeroing.ahead,
+            ..params.open_options()
+        };
+        exec.spawn(async move {
+            let r = Qcow2::open(&exec2, dev, opts)
+                .await
+                .map(|q| (ImageInfo::of(&q, &p2, zeroing), q));
+            *result2.borrow_mut() = Some(r);
+        });
+    }
+    let job = Box::new(Job {
+        params,
+        base: Some(base),
+        backing,
+        exec,
+        backing_dev,
+        result,
+        poller: PollerSlot::default(),
+        done: Some(done),
+    });
+    if let Err(mut job) = thread::start_task(job, c"qcow2_create") {
+        let done = job.done.take();
+        let descs = [job.base.take(), job.backing.take()];
+        let name = job.params.name.clone();
+        drop(job);
+        if let Some(done) = done {
+            fail(
+                &name,
+                descs,
+                done,
+                libc::ENOMEM,
+                "cannot register a poller".into(),
+            );
+        }
+    }
+}
+
+impl Polled for Job {
+    fn slot(&self) -> &PollerSlot {
+        &self.poller
+    }
+
+    fn poll(&self) -> Poll {
+        let n = self.exec.poll(&mut |_, _| {});
+        Poll::of_task(n, self.result.borrow().is_some(), self.exec.busy())
+    }
+
+    fn finish(self: Box<Self>) {
+        finish(*self);
+    }
+}
+
+fn finish(mut job: Job) {
+    let name = job.params.name.clone();
+    let Some(done) = job.done.take() else { return };
+    let descs = [job.base.take(), job.backing.take()];
+    let opened = job.result.borrow_mut().take();
+    let (info, image) = match opened {
+        Some(Ok(i)) => i,
+        Some(Err(e)) => {
+            // Releases the md thread's channel of the base before the descriptors close.
+            drop(job.exec);
+            let m = format!("image on bdev {}: {e}", job.params.base_bdev);
+            return fail(&name, descs, done, libc::EINVAL, m);
+        }
+        None => {
+            drop(job.exec);
+            return fail(&name, descs, done, libc::EIO, "image not read".into());
+        }
+    };
+    match (&info.backing_file, &job.params.backing_bdev) {
+        (Some(f), None) => {
+            let m = format!(
+                "the image on bdev {} names backing file '{f}': give backing_bdev, the bdev that \
+                 holds it (paths inside images are never opened)",
+                job.params.base_bdev
+            );
+            return fail(&name, descs, done, libc::EINVAL, m);
+        }
+        (None, Some(b)) => {
+            let m = format!(
+                "backing_bdev {b} given, but the image on bdev {} has no backing file",
+                job.params.base_bdev
+            );
+            return fail(&name, descs, done, libc::EINVAL, m);
+        }
+        _ => {}
+    }
+    // Every channel's prefetch ring (and the owner's) checks the same write generations.
+    let ring = job
+        .params
+        .ring_config()
+        .map(|c| (c, Arc::new(WriteGens::new())));
+    if job.params.read_only {
+        // Every channel opens its own replica: release this one and its base channel.
+        drop(image);
+        drop(job.exec);
+        let [base, backing] = descs;
+        return register(job.params, info, base, backing, None, ring, done);
+    }
+    let started = start_owner(job.exec, image, job.backing_dev, &job.params, ring.as_ref());
+    let owner = match started {
+        Ok(o) => o,
+        Err((e, m)) => return fail(&name, descs, done, e, m),
+    };
+    let [base, backing] = descs;
+    register(job.params, info, base, backing, Some(owner), ring, done);
+}
+
+/// Starts the metadata owner of the writable `image` on `exec` (on this thread, the md
+/// thread), read over the backing bdev `backing_dev` of `exec` if any, with the prefetch
+/// settings of `params`: the owner, and the seed the other threads' replicas are built
+/// from. The base device was added to `exec` first (`DevId(0)`). Fails with an errno and a
+/// message.
+pub(crate) fn start_owner(
+    exec: Exec<SpdkDevice>,
+    mut image: Qcow2<SpdkDevice>,
+    backing_dev: Option<DevId>,
+    params: &CreateParams,
+    ring: Option<&Ring>,
+) -> Result<(OwnerBox, Option<CoreSeed>), (i32, String)> {
+    let name = &params.name;
+    // Publish the metadata to the other threads' channels (ARCHITECTURE.md §6): they serve cache
+    // hits and in-place writes on their own replica and send the rest here.
+    image.share();
+    let seed = image.core_seed().ok();
+    let mut layers = vec![Layer::Qcow2(Box::new(image))];
+    if let Some(d) = backing_dev {
+        layers.push(Layer::Raw {
+            dev: d,
+            size: exec.device_size(d),
+        });
+    }
+    let chain = Chain::new(&exec, layers).map_err(|e| {
+        (
+            libc::EINVAL,
+            format!("image on bdev {}: {e}", params.base_bdev),
+        )
+    })?;
+    chain.set_prefetch(params.prefetch_on());
+    if let Some((cfg, gens)) = ring {
+        if let Err(e) = chain.enable_ring(*cfg, gens.clone()) {
+            tracing::warn!("owner of {name}: no prefetch ring ({e})");
+        }
+    }
+    // The base device was added first (`create`), so it is `DevId(0)`.
+    let devs = [Some(DevId(0)), backing_dev].into_iter().flatten();
+    let owner = Owner::start(exec, chain, devs)
+        .ok_or_else(|| (libc::ENOMEM, "cannot register a poller".to_string()))?;
+    Ok((owner, seed))
+}
+
+fn register(
+    params: CreateParams,
+    info: ImageInfo,
+    base: Option<Desc>,
+    backing: Option<Desc>,
+    owner: Option<(OwnerBox, Option<CoreSeed>)>,
+    ring: Option<Ring>,
+    done: Done,
+) {
+    let name = params.name.clone();
+    let (owner, seed) = match owner {
+        Some((o, s)) => (Some(o), s),
+        None => (None, None),
+    };
+    let Ok(cname) = CString::new(name.clone()) else {
+        if let Some(o) = owner {
+            // Just started on this thread; nothing was submitted to it.
+            o.close(|_| {});
+        }
+        return fail(
+            &name,
+            [base, backing],
+            done,
+            libc::EINVAL,
+            "name contains NUL".into(),
+        );
+    };
+    let align = [&base, &backing]
+        .into_iter()
+        .flatten()
+        .map(|d| d.buf_align())
+        .max()
+        .unwrap_or(1)
+        .max(1);
+    let props = bdev::Props {
+        blockcnt: info.virtual_size / u64::from(BLOCK_SIZE),
+        // Writes are acknowledged before their metadata is stable: only a FLUSH makes them
+        // durable (ARCHITECTURE.md §7), which is what a volatile write cache means to SPDK.
+        write_cache: owner.is_some(),
+        // The hot path hands the guest's buffers to the base: ask for what the base needs.
+        required_alignment: if align > 1 { align.ilog2() as u8 } else { 0 },
+    };
+    let cluster_size = info.cluster_size;
+    let i = &info;
+    let created = format!(
+        "created qcow2 bdev {name} on {} ({} bytes, cluster {}, v{}{}{}{})",
+        i.base_bdev,
+        i.virtual_size,
+        i.cluster_size,
+        i.version,
+        i.backing_bdev
+            .as_ref()
+            .map(|b| format!(", backing {b}"))
+            .unwrap_or_default(),
+        if i.zero_offload { ", zero offload" } else { "" },
+        if i.zero_ahead { ", zeroing ahead" } else { "" }
+    );
+    let image = Image {
+        base,
+        backing,
+        owner,
+        seed,
+        params,
+        info,
+        live_channels: Arc::new(AtomicUsize::new(0)),
+    };
+    let node = match handle::register::<Qcow2Bdev>(Node::new(image, ring), cname, &props, |max| {
+        cluster_cut(max, cluster_size)
+    }) {
+        Ok(r) => r,
+        Err(e) => {
+            // The node comes back to `never_registered` once its io_device is gone.
+            registry::lock().creating.retain(|n| n != &name);
+            let m = format!("spdk_bdev_register failed: {}", strerror(e));
+            tracing::error!("bdev_qcow2_create {name}: {m}");
+            return done(Err((e, m)));
+        }
+    };
+    {
+        let mut reg = registry::lock();
+        reg.creating.retain(|n| n != &name);
+        reg.nodes.push((name.clone(), node));
+    }
+    tracing::info!("{created}");
+    done(Ok(name));
+}
+
+/// Events of base and backing bdevs.
+struct BaseEvents;
+
+impl bdev::BdevEvents for BaseEvents {
+    /// Hot remove of a base or backing bdev: unregister every node using it (its I/O
+    /// completes, then destruct closes the descriptors, which lets the base go).
+    fn event(ty: sys::spdk_bdev_event_type, name: &str) {
+        if ty != sys::SPDK_BDEV_EVENT_REMOVE {
+            tracing::info!("bdev {name}: event {ty} ignored");
+            return;
+        }
+        let victims: Vec<String> = registry::lock()
+            .nodes
+            .iter()
+            .filter(|(_, r)| {
+                let params = r.node().params();
+                params.base_bdev == name || params.backing_bdev.as_deref() == Some(name)
+            })
+            .map(|(n, _)| n.clone())
+            .collect();
+        for v in victims {
+            tracing::warn!("bdev {name} is going away: unregistering the qcow2 bdev on it");
+            // A second unregistration (a delete already under way) is refused by SPDK.
+            let _ = bdev::unregister_by_name(&v, |_| {});
+        }
+    }
+}
+
+/// Where SPDK cuts requests longer than a bdev takes. A bdev that asks for aligned buffers
+/// (ours asks for the base's alignment) gets `max_rw_size` set at registration to one large
+/// iobuf (263 blocks with the default 132 KiB buffers, so SPDK can bounce any request), and
+/// longer requests are split into children of that many blocks: children that begin and
+/// end inside clusters. Each then allocates a partial cluster (filling the rest with
+/// zeros), waits for its neighbours' clusters, and a sequential stream lays the image out
+/// out of order (3 + 1 clusters per 256 KiB seen with 1 MiB writes). Cut at cluster
+/// boundaries instead — at a multiple of the cluster not above that size, or at a power of
+/// two inside the cluster when one cluster is larger — and say so as the optimal I/O
+/// boundary (an NVMe-oF namespace reports it to the guest as NOIOB). Returns the cut for
+/// SPDK's `max_rw_size` (`None`: SPDK set no limit).
+fn cluster_cut(max_rw_size: u32, cluster_size: u64) -> Option<u32> {
+    let max = u64::from(max_rw_size);
+    if max == 0 {
+        return None;
+    }
+    let cluster = (cluster_size / u64::from(BLOCK_SIZE)).max(1);
+    let cut = if max >= cluster {
+        max - max % cluster
+    } else {
+        1 << max.ilog2()
+    };
+    Some(u32::try_from(cut).unwrap_or(max_rw_size))
+}

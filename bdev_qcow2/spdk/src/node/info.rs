@@ -1,0 +1,106 @@
+//! What `dump_info_json` says about a bdev's image, read from its header when the bdev
+//! was created (or switched to another image).
+
+use crate::params::CreateParams;
+use qcow2_engine::io::BlockDevice;
+use qcow2_engine::Qcow2;
+use serde::Serialize;
+
+/// What `dump_info_json` says about the image (read when the bdev was created).
+#[derive(Debug, Clone, Serialize)]
+pub struct ImageInfo {
+    /// Virtual disk size in bytes.
+    pub virtual_size: u64,
+    /// Cluster size in bytes.
+    pub cluster_size: u64,
+    /// qcow2 version (2 or 3).
+    pub version: u32,
+    /// `0.10` (v2) or `1.1` (v3), as qemu-img calls them.
+    pub compat: &'static str,
+    /// Backing file name recorded in the image (informational: never opened).
+    pub backing_file: Option<String>,
+    /// Backing format recorded in the image.
+    pub backing_format: Option<String>,
+    /// Compression type of compressed clusters.
+    pub compression_type: &'static str,
+    /// Extended L2 entries (subclusters).
+    pub extended_l2: bool,
+    /// Refcount width in bits.
+    pub refcount_bits: u32,
+    /// Lazy refcounts enabled.
+    pub lazy_refcounts: bool,
+    /// The corrupt bit is set.
+    pub corrupt: bool,
+    /// The dirty bit is set.
+    pub dirty: bool,
+    /// Number of internal snapshots.
+    pub snapshots: usize,
+    /// Raw feature bitmaps.
+    pub incompatible_features: u64,
+    /// Raw feature bitmaps.
+    pub compatible_features: u64,
+    /// Raw feature bitmaps.
+    pub autoclear_features: u64,
+    /// The bdev holding the image.
+    pub base_bdev: String,
+    /// The bdev holding the backing image, if any.
+    pub backing_bdev: Option<String>,
+    /// Whether the bdev refuses writes (`read_only` of the create call).
+    pub read_only: bool,
+    /// Whether partial first writes leave their zeros to the base's WRITE_ZEROES (the
+    /// `zero_offload` of the create call, or its default for this base).
+    pub zero_offload: bool,
+    /// Whether the base is zeroed ahead of the allocator (the `zero_ahead` of the create
+    /// call, or its default for this base; only where the image records no zeroed tail).
+    pub zero_ahead: bool,
+    /// The persistent dirty bitmaps the bdev keeps (QEMU's incremental backup): `in_use`
+    /// while the bdev is open, stored at its deletion.
+    pub persistent_bitmaps: Vec<PersistentBitmap>,
+}
+
+/// A persistent bitmap of [`ImageInfo`].
+#[derive(Debug, Clone, Serialize)]
+pub struct PersistentBitmap {
+    /// Its name.
+    pub name: String,
+    /// Whether it records the bdev's writes (QEMU's `auto` flag).
+    pub enabled: bool,
+}
+
+impl ImageInfo {
+    pub(crate) fn of<D: BlockDevice>(
+        q: &Qcow2<D>,
+        p: &CreateParams,
+        z: crate::device::Zeroing,
+    ) -> ImageInfo {
+        let h = q.header();
+        ImageInfo {
+            virtual_size: q.size(),
+            cluster_size: h.cluster_size(),
+            version: h.header.version,
+            compat: if h.header.version >= 3 { "1.1" } else { "0.10" },
+            backing_file: h.backing_file.clone(),
+            backing_format: h.extensions.backing_format.clone(),
+            compression_type: h.header.compression_type.name(),
+            extended_l2: h.extended_l2(),
+            refcount_bits: h.refcount_bits(),
+            lazy_refcounts: h.lazy_refcounts(),
+            corrupt: h.is_corrupt(),
+            dirty: h.is_dirty(),
+            snapshots: q.snapshots().len(),
+            incompatible_features: h.header.incompatible_features,
+            compatible_features: h.header.compatible_features,
+            autoclear_features: h.header.autoclear_features,
+            base_bdev: p.base_bdev.clone(),
+            backing_bdev: p.backing_bdev.clone(),
+            read_only: p.read_only,
+            zero_offload: z.offload && !p.read_only,
+            zero_ahead: z.ahead && q.zeroing_ahead(),
+            persistent_bitmaps: q
+                .kept_bitmaps()
+                .into_iter()
+                .map(|(name, enabled)| PersistentBitmap { name, enabled })
+                .collect(),
+        }
+    }
+}
