@@ -170,14 +170,32 @@ impl<D: BlockDevice> Chain<D> {
         }
     }
 
+    // No function out of line below returns a `Step`: one that did would make every
+    // branch store its step in a stack slot the host's match reads back, where inline
+    // branches keep a grant in registers.
+
     #[inline(always)]
     fn plan_read<B>(self: &Rc<Self>, offset: u64, len: u64, buf: B) -> Step
     where
         B: FnOnce() -> BufSlice<D::Buf>,
     {
         if !self.ring_passes(offset, len) {
-            if let Some(step) = self.plan_ring_read(offset, len, buf()) {
-                return step;
+            let buf = buf();
+            let served = self.ring_read_past(offset, len, &mut |src, src_off, off, n| {
+                src.copy_to(src_off, &buf.buf, buf.off + off, n)
+            });
+            let kind = match served {
+                RingServed::Nothing => None,
+                RingServed::All => {
+                    self.ring_served(offset, len);
+                    return Step::Complete(Ok(()));
+                }
+                RingServed::Prefix(n) => Some(TaskKind::Read { skip: n }),
+                RingServed::Wait(w) => Some(TaskKind::RingWait(w)),
+            };
+            if let Some(kind) = kind {
+                self.read_ahead_out_of_line(offset, len);
+                return Step::Task(Task { kind, offset, len });
             }
         }
         match self.route_read(offset, len) {
@@ -188,63 +206,35 @@ impl<D: BlockDevice> Chain<D> {
                 self.count_direct_read();
                 Step::Direct(grant)
             }
-            ReadRoute::Direct(grant) => self.direct_past_memo(grant),
-            ReadRoute::Engine => self.read_task(offset, len, 0),
-        }
-    }
-
-    /// A read the ring did not pass: what it copied decides (out of line: the ring's
-    /// hits are the sequential reads, not the random ones the direct path serves).
-    #[inline(never)]
-    fn plan_ring_read(
-        self: &Rc<Self>,
-        offset: u64,
-        len: u64,
-        buf: BufSlice<D::Buf>,
-    ) -> Option<Step> {
-        let served = self.ring_read_past(offset, len, &mut |src, src_off, off, n| {
-            src.copy_to(src_off, &buf.buf, buf.off + off, n)
-        });
-        match served {
-            RingServed::Nothing => None,
-            // Read-ahead of L2 slices watches the stream the ring serves too: the ring's
-            // own read-aheads then find the next slices cached.
-            RingServed::All => {
-                self.read_ahead(offset, len);
-                self.tally.served_from_ring();
-                Some(Step::Complete(Ok(())))
+            ReadRoute::Direct(grant) => {
+                let range = grant.range();
+                self.read_ahead_out_of_line(range.offset().0, range.len());
+                self.count_direct_read();
+                Step::Direct(grant)
             }
-            RingServed::Prefix(n) => Some(self.read_task(offset, len, n)),
-            RingServed::Wait(w) => {
-                self.read_ahead(offset, len);
-                Some(Step::Task(Task {
-                    kind: TaskKind::RingWait(w),
+            ReadRoute::Engine => {
+                self.read_ahead_out_of_line(offset, len);
+                Step::Task(Task {
+                    kind: TaskKind::Read { skip: 0 },
                     offset,
                     len,
-                }))
+                })
             }
         }
     }
 
-    /// A read the slice cache granted past the memo: read-ahead watches it (out of line:
-    /// the memo's path stays small).
+    /// A read the prefetch ring served whole: read-ahead of L2 slices watches the stream
+    /// the ring serves too (its own read-aheads then find the next slices cached).
     #[inline(never)]
-    fn direct_past_memo(self: &Rc<Self>, grant: Grant) -> Step {
-        let range = grant.range();
-        self.read_ahead(range.offset().0, range.len());
-        self.count_direct_read();
-        Step::Direct(grant)
+    fn ring_served(self: &Rc<Self>, offset: u64, len: u64) {
+        self.read_ahead(offset, len);
+        self.tally.served_from_ring();
     }
 
-    /// The engine's read path from `skip` bytes in, read-ahead fed (out of line).
+    /// [`read_ahead`](Self::read_ahead) out of line: the memo's path stays small.
     #[inline(never)]
-    fn read_task(self: &Rc<Self>, offset: u64, len: u64, skip: u64) -> Step {
+    fn read_ahead_out_of_line(self: &Rc<Self>, offset: u64, len: u64) {
         self.read_ahead(offset, len);
-        Step::Task(Task {
-            kind: TaskKind::Read { skip },
-            offset,
-            len,
-        })
     }
 
     #[inline(always)]
@@ -257,42 +247,35 @@ impl<D: BlockDevice> Chain<D> {
                 self.tally.wrote_here();
                 Step::Direct(grant)
             }
-            WriteRoute::Engine => self.write_in_place_task(offset, len),
-            WriteRoute::Owner { slow } => self.to_owner(match slow {
-                true => Op::WriteNotInPlace,
-                false => Op::Write,
-            }),
+            // A slice to load first, with read-ahead: a stream of direct overwrites needs
+            // no slice loaded ahead, and the owner runs its own read-ahead on what it is
+            // sent.
+            WriteRoute::Engine => {
+                self.read_ahead_out_of_line(offset, len);
+                Step::Task(Task {
+                    kind: TaskKind::WriteInPlace,
+                    offset,
+                    len,
+                })
+            }
+            WriteRoute::Owner { slow } => {
+                self.tally.sent_to_owner();
+                Step::Owner(match slow {
+                    true => Op::WriteNotInPlace,
+                    false => Op::Write,
+                })
+            }
         }
     }
 
-    /// A core replica's write that loads a slice first, with read-ahead (out of line: the
-    /// direct path stays small). A stream of direct overwrites needs no slice loaded
-    /// ahead, and the owner runs its own read-ahead on what it is sent.
-    #[inline(never)]
-    fn write_in_place_task(self: &Rc<Self>, offset: u64, len: u64) -> Step {
-        self.read_ahead(offset, len);
-        Step::Task(Task {
-            kind: TaskKind::WriteInPlace,
-            offset,
-            len,
-        })
-    }
-
-    /// Sends a request to the owner, counted (out of line).
-    #[inline(never)]
-    fn to_owner(&self, op: Op) -> Step {
-        self.tally.sent_to_owner();
-        Step::Owner(op)
-    }
-
     /// A write where this chain runs every write (the owner, a lone image), or none (a
-    /// read-only image). Out of line.
-    #[inline(never)]
+    /// read-only image).
+    #[inline(always)]
     fn plan_owner_write(self: &Rc<Self>, op: Op, offset: u64, len: u64) -> Step {
         if self.role == Role::ReadOnly {
             return Step::Complete(Err(Error::ReadOnly));
         }
-        self.read_ahead(offset, len);
+        self.read_ahead_out_of_line(offset, len);
         let kind = match op {
             Op::WriteNotInPlace => TaskKind::WriteNotInPlace,
             _ => match self.route_write(offset, len) {
@@ -305,11 +288,14 @@ impl<D: BlockDevice> Chain<D> {
     }
 
     /// Write zeroes, discard, flush, and a write a core found not in place: the owner's.
-    #[inline(never)]
+    #[inline(always)]
     fn plan_other(self: &Rc<Self>, req: Request) -> Step {
         let (offset, len) = (req.offset, req.len);
         match self.role {
-            Role::Replica => return self.to_owner(req.op),
+            Role::Replica => {
+                self.tally.sent_to_owner();
+                return Step::Owner(req.op);
+            }
             Role::ReadOnly if req.op != Op::Flush => return Step::Complete(Err(Error::ReadOnly)),
             Role::ReadOnly | Role::Owner => {}
         }
