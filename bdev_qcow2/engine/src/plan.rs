@@ -243,7 +243,10 @@ impl<D: BlockDevice> Chain<D> {
             return self.plan_owner_write(Op::Write, offset, len);
         }
         match self.route_write(offset, len) {
+            // Read-ahead watches an overwrite in its slice's tail, as a read the memo
+            // found: a stream that mixes reads and writes stays one stream there.
             WriteRoute::Direct(grant) => {
+                self.read_ahead_memo(offset, len);
                 self.tally.wrote_here();
                 Step::Direct(grant)
             }
