@@ -15,9 +15,9 @@ use crate::exec::{DevId, GraceEntry};
 use crate::format::{ClusterMapping, L2Entry, SubclusterBitmap};
 use crate::image::owner::alloc::Allocation;
 use crate::image::owner::Owner;
-use crate::image::{Qcow2, Touch};
+use crate::image::{CachedExtent, Qcow2, Touch};
 use crate::io::{BlockDevice, BufSlice, DeviceOp, IoBuffer};
-use crate::types::{ClusterSpan, GuestOffset, HostOffset, HostRange};
+use crate::types::{ClusterSpan, Geometry, GuestOffset, HostOffset, HostRange};
 use smallvec::SmallVec;
 use std::rc::Rc;
 
@@ -86,6 +86,49 @@ impl Part {
 /// to two clusters, so the common write allocates nothing for them.
 type Parts = SmallVec<[Part; 2]>;
 type Allocs = SmallVec<[Allocation; 2]>;
+
+/// The host clusters of a plan's allocations, handed out in order to its allocating parts
+/// (the `i`-th allocating part takes the `i`-th cluster of the runs).
+struct AllocCursor<'a> {
+    allocs: &'a [Allocation],
+    taken: u64,
+}
+
+/// A host cluster a plan allocated for one of its parts ([`AllocCursor::next_cluster`]).
+#[derive(Debug, Clone, Copy)]
+struct NewCluster {
+    /// Where the cluster starts on the device.
+    host: HostOffset,
+    /// Never written since open: it reads as zeros.
+    fresh: bool,
+}
+
+impl<'a> AllocCursor<'a> {
+    /// A cursor at the first cluster of `allocs`.
+    fn new(allocs: &'a [Allocation]) -> Self {
+        AllocCursor { allocs, taken: 0 }
+    }
+
+    /// The host cluster of the next allocating part (host offset 0, not fresh, past the
+    /// last one allocated, which a plan never asks for).
+    fn next_cluster(&mut self, geo: &Geometry) -> NewCluster {
+        let mut i = self.taken;
+        self.taken += 1;
+        for a in self.allocs {
+            if i < a.count {
+                return NewCluster {
+                    host: geo.host_cluster_offset(a.nth(i)),
+                    fresh: a.fresh,
+                };
+            }
+            i -= a.count;
+        }
+        NewCluster {
+            host: HostOffset(0),
+            fresh: false,
+        }
+    }
+}
 
 /// Kinds of zeroing requests.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -182,18 +225,32 @@ impl WriteRun {
 /// The pieces of an in-place write the fast path takes at most.
 type WriteRuns = [WriteRun; 8];
 
-/// Whether host range `[h, h + len)` (non-empty) touches the image's metadata: on a core
-/// replica (`core`) by the owner's published metadata-cluster bitmap, on the owner by its
-/// exact index.
+/// Who checks an in-place write's clusters ([`Chain::fast_write_side`]), and whether the
+/// image takes in-place writes at all.
+#[derive(Clone, Copy)]
+enum InPlaceSide<'a> {
+    /// The metadata owner (or an image one core serves): its in-flight allocations and its
+    /// exact metadata index.
+    Owner,
+    /// A writable core replica: the owner's published metadata-cluster bitmap (an
+    /// allocation in flight is not COPIED data in its view yet).
+    Core(&'a Shared),
+    /// No in-place writes here (a read-only image or replica: no owner state either).
+    ReadOnly,
+}
+
+/// Whether host range `[h, h + len)` (non-empty) touches the image's metadata, as `side`
+/// checks it: on a core replica by the owner's published metadata-cluster bitmap, on the
+/// owner by its exact index (a read-only side takes no write: true).
 #[inline(always)]
 fn overlaps_meta<D: BlockDevice>(
     q: &Qcow2<D>,
-    core: Option<&Shared>,
+    side: InPlaceSide<'_>,
     h: HostOffset,
     len: u64,
 ) -> bool {
-    match core {
-        Some(sh) => {
+    match side {
+        InPlaceSide::Core(sh) => {
             let bits = q.geometry().cluster_bits;
             let (first, last) = (h.0 >> bits, (h.0 + len - 1) >> bits);
             // Most writes lie in one cluster: one bitmap test, no range iterator.
@@ -202,7 +259,8 @@ fn overlaps_meta<D: BlockDevice>(
             }
             (first..=last).any(|c| sh.is_meta_cluster(c))
         }
-        None => q.overlaps_metadata(h, len),
+        InPlaceSide::Owner => q.overlaps_metadata(h, len),
+        InPlaceSide::ReadOnly => true,
     }
 }
 
@@ -220,10 +278,11 @@ impl<D: BlockDevice> Chain<D> {
         self.start_write(tag, offset, buf, true);
     }
 
-    /// [`submit_write`](Self::submit_write) for a write a core replica routed here as
-    /// [`WriteRoute::Owner`](crate::route::WriteRoute::Owner) `{ slow: true }`: runs the
-    /// slow path without planning a fast-path write first (it would not find one; the slow
-    /// path handles it if it could).
+    /// [`submit_write`](Self::submit_write) for a write known not in place: a core replica
+    /// routed it here as [`WriteRoute::Owner`](crate::route::WriteRoute::Owner)
+    /// `{ slow: true }`, or this chain's own route found it so. Runs the slow path without
+    /// planning a fast-path write first (it would not find one; the slow path handles it
+    /// if it could).
     pub fn submit_write_slow(self: &Rc<Self>, tag: u64, offset: u64, buf: BufSlice<D::Buf>) {
         self.start_write(tag, offset, buf, false);
     }
@@ -398,35 +457,34 @@ impl<D: BlockDevice> Chain<D> {
         if let Some(h) = memo.then(|| q.memo_overwrite(offset, len)).flatten() {
             return WriteExtent::One(q.dev(), HostOffset(h));
         }
-        let Some(core) = self.fast_write_side(q) else {
-            return WriteExtent::Refused;
+        let side = match self.fast_write_side(q) {
+            InPlaceSide::ReadOnly => return WriteExtent::Refused,
+            side => side,
         };
         let h = match q.cached_extent_with(offset, len, true, memo) {
-            Ok(h) => HostOffset(h),
+            CachedExtent::Host(h) => HostOffset(h),
             // One cluster with no host cluster, or not COPIED: the walk would find the same.
-            Err(true) => return WriteExtent::Refused,
-            Err(false) => return WriteExtent::Walk,
+            CachedExtent::NotInPlace => return WriteExtent::Refused,
+            CachedExtent::Unknown => return WriteExtent::Walk,
         };
         let inflight = q.meta_state().is_some_and(|m| {
             let cs = q.geometry().cluster_size();
             m.inflight_any(offset / cs, (offset + len - 1) / cs)
         });
-        if inflight || overlaps_meta(q, core, h, len) {
+        if inflight || overlaps_meta(q, side, h, len) {
             return WriteExtent::Refused;
         }
         WriteExtent::One(q.dev(), h)
     }
 
-    /// Who checks an in-place write's clusters: the owner (`Some(None)`: its in-flight
-    /// allocations and exact metadata index) or a writable core replica (`Some(Some(_))`:
-    /// the owner's published metadata-cluster bitmap; an allocation in flight is not
-    /// COPIED data in its view yet); `None` when this image takes no in-place writes.
+    /// Who checks an in-place write's clusters of `q` ([`InPlaceSide`]).
     #[inline(always)]
-    fn fast_write_side<'a>(&self, q: &'a Qcow2<D>) -> Option<Option<&'a Shared>> {
+    fn fast_write_side<'a>(&self, q: &'a Qcow2<D>) -> InPlaceSide<'a> {
         match q.writable_core_shared() {
-            Some(sh) => Some(Some(sh)),
+            Some(sh) => InPlaceSide::Core(sh),
             // A read-only replica has no owner state either.
-            None => q.meta_state().is_some().then_some(None),
+            None if q.meta_state().is_some() => InPlaceSide::Owner,
+            None => InPlaceSide::ReadOnly,
         }
     }
 
@@ -473,7 +531,10 @@ impl<D: BlockDevice> Chain<D> {
         let Layer::Qcow2(q) = &self.layers()[0] else {
             return None;
         };
-        let core = self.fast_write_side(q)?;
+        let side = match self.fast_write_side(q) {
+            InPlaceSide::ReadOnly => return None,
+            side => side,
+        };
         let m = q.meta_state();
         let cs = q.geometry().cluster_size();
         // The mapping's host offset is where its (sub)cluster starts.
@@ -497,7 +558,7 @@ impl<D: BlockDevice> Chain<D> {
             };
             let len = (c_end.min(end) - pos) as usize;
             let h = host.plus(pos & (unit - 1));
-            if overlaps_meta(q, core, h, len as u64) {
+            if overlaps_meta(q, side, h, len as u64) {
                 // The slow path refuses it and marks the image corrupt.
                 return None;
             }
@@ -528,9 +589,6 @@ impl<D: BlockDevice> Chain<D> {
         buf: &BufSlice<D::Buf>,
         entry: GraceEntry,
     ) -> Result<(), GraceEntry> {
-        if self.no_write_plan.take() == Some((offset, buf.len as u64)) {
-            return Err(entry);
-        }
         let mut runs = [WriteRun::EMPTY; 8];
         let Some((dev, n)) = self.plan_fast_write(offset, buf.len as u64, &mut runs) else {
             return Err(entry);
@@ -851,12 +909,12 @@ impl<D: BlockDevice> Chain<D> {
         let r = match top(&self).and_then(|q| q.owner()) {
             Ok(o) => {
                 let q = &o;
-                let mut alloc_i = 0;
+                let mut cursor = AllocCursor::new(&allocs);
                 let mut one_run = true;
                 let mut host_start = None;
                 let mut next = None;
                 for p in &parts {
-                    let (h, span) = self.part_range(q, p, &allocs, &mut alloc_i);
+                    let (h, span) = self.part_range(q, p, &mut cursor);
                     if span.is_empty() {
                         // A cluster of the group that this write leaves alone.
                         continue;
@@ -953,18 +1011,6 @@ impl<D: BlockDevice> Chain<D> {
         Ok((parts, allocs))
     }
 
-    /// Where the host cluster assigned to the `i`-th allocating part starts, and whether
-    /// it is fresh.
-    fn alloc_host(q: &Qcow2<D>, allocs: &[Allocation], mut i: u64) -> (HostOffset, bool) {
-        for a in allocs {
-            if i < a.count {
-                return (q.geometry().host_cluster_offset(a.nth(i)), a.fresh);
-            }
-            i -= a.count;
-        }
-        (HostOffset(0), false)
-    }
-
     /// Whether guest bytes of `old` (the mapping of the guest cluster starting at
     /// `cluster`) in this layer read as zeros without looking at data.
     fn reads_zero(&self, old: &ClusterMapping, cluster: GuestOffset) -> bool {
@@ -979,14 +1025,12 @@ impl<D: BlockDevice> Chain<D> {
 
     /// Where part `p` of a plan writes: (host offset of its cluster, the span of the
     /// cluster written, which is `p.written` or more when it needs COW data around the
-    /// guest's). `alloc_i` counts the allocating parts seen so far (their host clusters are
-    /// in `allocs`).
+    /// guest's). An allocating part takes the next cluster of `allocs`.
     fn part_range(
         &self,
         q: &Qcow2<D>,
         p: &Part,
-        allocs: &[Allocation],
-        alloc_i: &mut u64,
+        allocs: &mut AllocCursor<'_>,
     ) -> (HostOffset, ClusterSpan) {
         let geo = q.geometry();
         let whole = ClusterSpan::whole(geo.cluster_size());
@@ -996,8 +1040,7 @@ impl<D: BlockDevice> Chain<D> {
             Action::Rewrite { host, .. } => (host, whole),
             Action::SubclusterInPlace { host, .. } => (host, p.written.round_out(sc)),
             Action::Alloc { old, .. } => {
-                let (h, fresh) = Self::alloc_host(q, allocs, *alloc_i);
-                *alloc_i += 1;
+                let NewCluster { host: h, fresh } = allocs.next_cluster(&geo);
                 if geo.extended_l2 {
                     if matches!(old, ClusterMapping::Data { .. }) {
                         // A shared cluster: copy all of it.
@@ -1029,7 +1072,7 @@ impl<D: BlockDevice> Chain<D> {
         let mut futs = Vec::new();
         // Pending direct run: (host start, guest start, len).
         let mut run: Option<(HostOffset, GuestOffset, u64)> = None;
-        let mut alloc_i = 0;
+        let mut cursor = AllocCursor::new(allocs);
         let exec = self.exec().clone();
         let dev = q.dev();
         // A cluster of a group taken ahead has no guest bytes (and may lie past them).
@@ -1049,7 +1092,7 @@ impl<D: BlockDevice> Chain<D> {
         };
         for p in parts {
             // `span` is what this part writes of its cluster, `w` the guest's part of it.
-            let (host, span) = self.part_range(q, p, allocs, &mut alloc_i);
+            let (host, span) = self.part_range(q, p, &mut cursor);
             let w = p.written;
             let host_off = host.plus(span.start());
             let len = span.len();
@@ -1173,16 +1216,16 @@ impl<D: BlockDevice> Chain<D> {
     /// Records a finished plan in the dirty metadata. Caller holds the lock. The parts
     /// lie in one L2 slice (a chunk): it is made dirty once, if anything changes.
     async fn commit(&self, q: &Owner<'_, D>, parts: &[Part], allocs: &[Allocation]) -> Result<()> {
-        let mut alloc_i = 0;
+        let mut cursor = AllocCursor::new(allocs);
         let changes = parts
             .iter()
-            .any(|p| Self::new_words(q, p, allocs, &mut alloc_i).is_some());
+            .any(|p| Self::new_words(q, p, &mut cursor).is_some());
         if let (true, Some(p)) = (changes, parts.first()) {
             q.dirty_slice_for(p.cluster).await?;
         }
-        let mut alloc_i = 0;
+        let mut cursor = AllocCursor::new(allocs);
         for p in parts {
-            let Some((entry, bitmap)) = Self::new_words(q, p, allocs, &mut alloc_i) else {
+            let Some((entry, bitmap)) = Self::new_words(q, p, &mut cursor) else {
                 continue;
             };
             q.set_l2_words(p.cluster, entry, bitmap)?;
@@ -1200,13 +1243,11 @@ impl<D: BlockDevice> Chain<D> {
     }
 
     /// The L2 words (entry, bitmap) part `p` of a finished plan leaves, `None` when they
-    /// stay as they are. `alloc_i` counts the allocating parts seen so far (their host
-    /// clusters are in `allocs`).
+    /// stay as they are. An allocating part takes the next cluster of `allocs`.
     fn new_words(
         q: &Qcow2<D>,
         p: &Part,
-        allocs: &[Allocation],
-        alloc_i: &mut u64,
+        allocs: &mut AllocCursor<'_>,
     ) -> Option<(L2Entry, SubclusterBitmap)> {
         let geo = q.geometry();
         let sc = geo.subcluster_size();
@@ -1222,8 +1263,7 @@ impl<D: BlockDevice> Chain<D> {
                 (nb != bitmap).then_some((entry, nb))
             }
             Action::Alloc { bitmap, old } => {
-                let (h, _) = Self::alloc_host(q, allocs, *alloc_i);
-                *alloc_i += 1;
+                let h = allocs.next_cluster(&geo).host;
                 let nb = if geo.extended_l2 {
                     // A copied shared cluster keeps its allocated subclusters.
                     let old_alloc = if matches!(old, ClusterMapping::Data { .. }) {
