@@ -55,9 +55,59 @@ pub struct ReadStats {
     pub slow_reads: u64,
 }
 
-/// Fast-path plan: data runs, zero ranges (offset, length in the guest buffer), and the
-/// compressed parts of a ring fill ([`Chain::plan_fast`]).
-pub(crate) type FastPlan = (Vec<Run>, Vec<(usize, usize)>, Vec<ZipPart>);
+/// A read planned from cached metadata ([`Chain::plan_fast`]): the chain's reused scratch,
+/// cleared for each plan, so that planning allocates nothing once the lists have grown.
+pub(crate) struct FastPlan {
+    /// Data runs, one device read each.
+    pub(crate) runs: Vec<Run>,
+    /// Ranges of the guest buffer that read as zeros: (offset, length).
+    pub(crate) zeros: Vec<(usize, usize)>,
+    /// Compressed parts, for a ring fill to read and decompress (`ring/compressed.rs`).
+    pub(crate) zips: Vec<ZipPart>,
+}
+
+impl FastPlan {
+    /// Empty lists with room for a typical request.
+    fn new() -> Self {
+        FastPlan {
+            runs: Vec::with_capacity(64),
+            zeros: Vec::with_capacity(64),
+            zips: Vec::new(),
+        }
+    }
+
+    /// Empties it for a new plan; `zips`: the compressed parts too (only a plan that may
+    /// hold them has any).
+    #[inline(always)]
+    fn clear(&mut self, zips: bool) {
+        self.runs.clear();
+        self.zeros.clear();
+        if zips {
+            self.zips.clear();
+        }
+    }
+
+    /// Adds data run `r`, extending the last run when `r` continues it on the same device.
+    #[inline(always)]
+    fn push_run(&mut self, r: Run) {
+        match self.runs.last_mut() {
+            Some(l)
+                if l.dev == r.dev
+                    && l.host + l.len as u64 == r.host
+                    && l.buf_off + l.len == r.buf_off =>
+            {
+                l.len += r.len
+            }
+            _ => self.runs.push(r),
+        }
+    }
+
+    /// Adds `len` bytes of zeros at `buf_off` of the guest buffer.
+    #[inline(always)]
+    fn push_zeros(&mut self, buf_off: usize, len: usize) {
+        self.zeros.push((buf_off, len));
+    }
+}
 
 type BoxFut = Pin<Box<dyn Future<Output = Result<()>>>>;
 
@@ -94,21 +144,6 @@ pub(crate) struct Run {
     pub(crate) len: usize,
 }
 
-/// Adds `r` to `runs`, extending the last run when `r` continues it on the same device.
-#[inline(always)]
-fn push_run(runs: &mut Vec<Run>, r: Run) {
-    match runs.last_mut() {
-        Some(l)
-            if l.dev == r.dev
-                && l.host + l.len as u64 == r.host
-                && l.buf_off + l.len == r.buf_off =>
-        {
-            l.len += r.len
-        }
-        _ => runs.push(r),
-    }
-}
-
 /// An image and its backing chain, served on one core.
 ///
 /// `repr(C)`: the fields every request reads come first, together.
@@ -143,11 +178,6 @@ pub struct Chain<D: BlockDevice> {
     pub(crate) kept_overwrites: Cell<u64>,
     /// The rest of read-ahead's state (sequential requests only).
     pub(crate) prefetch: RefCell<crate::prefetch::Prefetch>,
-    /// The write range (offset, length) that `route_write` last found no in-place plan
-    /// for: the host's next call, `submit_write` of that same request, skips planning it
-    /// again (nothing runs in between on this thread). A stale entry only sends a later
-    /// request of the same range down the slow path, which handles every write.
-    pub(crate) no_write_plan: Cell<Option<(u64, u64)>>,
     /// The prefetch ring, once the host turned it on ([`Chain::enable_ring`]).
     pub(crate) ring: RefCell<Option<crate::ring::host::RingHost<D::Buf>>>,
     /// The image's write generations, while the ring is on ([`Chain::ring_written`]).
@@ -204,12 +234,11 @@ impl<D: BlockDevice> Chain<D> {
             size: Cell::new(size),
             depth: Cell::new(layers.len()),
             layers,
-            scratch: RefCell::new((Vec::with_capacity(64), Vec::with_capacity(64), Vec::new())),
+            scratch: RefCell::new(FastPlan::new()),
             fast_reads: Cell::new(0),
             slow_reads: Cell::new(0),
             kept_overwrites: Cell::new(0),
             prefetch,
-            no_write_plan: Cell::new(None),
             ring_on: Cell::new(false),
             ring_hot: crate::ring::Hot::default(),
             ring: RefCell::new(None),
@@ -391,7 +420,7 @@ impl<D: BlockDevice> Chain<D> {
             Ok(plan) => plan,
             Err(e) => return Err((e, entry)),
         };
-        let runs = &plan.0;
+        let runs = &plan.runs;
         if let [r] = runs.as_slice() {
             self.exec.request_single_as(
                 tag,
@@ -421,8 +450,8 @@ impl<D: BlockDevice> Chain<D> {
     }
 
     /// Plans `buf.len` bytes at `offset` from cached metadata into the chain's plan, as the
-    /// fast path reads them, with `ZIP` compressed clusters included (in the plan's third
-    /// list, for a ring fill to read and decompress: `ring/compressed.rs`); the zeros are
+    /// fast path reads them, with `ZIP` compressed clusters included (in the plan's `zips`,
+    /// for a ring fill to read and decompress: `ring/compressed.rs`); the zeros are
     /// written into `buf` already. Nothing submitted.
     #[inline(always)]
     pub(crate) fn plan_fast<const ZIP: bool>(
@@ -431,39 +460,31 @@ impl<D: BlockDevice> Chain<D> {
         buf: &BufSlice<D::Buf>,
     ) -> Result<std::cell::RefMut<'_, FastPlan>, Unplanned> {
         let mut scratch = self.scratch.borrow_mut();
-        let (runs, zeros, parts) = &mut *scratch;
-        runs.clear();
-        zeros.clear();
-        if ZIP {
-            parts.clear();
-        }
-        self.plan_layer::<ZIP>(0, offset, buf.len, 0, runs, zeros, parts)?;
-        for &(o, n) in zeros.iter() {
+        scratch.clear(ZIP);
+        self.plan_layer::<ZIP>(0, offset, buf.len, 0, &mut scratch)?;
+        for &(o, n) in scratch.zeros.iter() {
             buf.sub(o, n).zero();
         }
         Ok(scratch)
     }
 
     /// Plans, from cached metadata, `len` bytes at `offset` of layer `idx` into the buffer
-    /// at `buf_off`, as `read_layer` reads them: past the layer's end zeros, data runs on
-    /// its device, zeros, unallocated clusters from the layer below (or zeros at the
-    /// bottom), and with `ZIP` compressed clusters in `parts` (without, they fail it).
+    /// at `buf_off`, into `plan`, as `read_layer` reads them: past the layer's end zeros,
+    /// data runs on its device, zeros, unallocated clusters from the layer below (or zeros
+    /// at the bottom), and with `ZIP` compressed clusters (without, they fail it).
     /// Fails, nothing planned that counts, when a slice is not cached, a cluster is
     /// compressed (without `ZIP`). From the top
     /// layer (guest reads and read-aheads alike) this follows the mapping down the chain:
     /// the top slice was current under its epoch, so no write to its unallocated clusters
     /// completed before the read, and backing layers never change (a stream detaches them
     /// first).
-    #[allow(clippy::too_many_arguments)] // the three lists of one plan
     fn plan_layer<const ZIP: bool>(
         &self,
         idx: usize,
         offset: u64,
         len: usize,
         buf_off: usize,
-        runs: &mut Vec<Run>,
-        zeros: &mut Vec<(usize, usize)>,
-        parts: &mut Vec<ZipPart>,
+        plan: &mut FastPlan,
     ) -> Result<(), Unplanned> {
         let Some(layer) = self.layers.get(idx) else {
             return Err(Unplanned::Other);
@@ -472,7 +493,7 @@ impl<D: BlockDevice> Chain<D> {
             .min(layer.size())
             .saturating_sub(offset) as usize;
         if inside < len {
-            zeros.push((buf_off + inside, len - inside));
+            plan.push_zeros(buf_off + inside, len - inside);
         }
         if inside == 0 {
             return Ok(());
@@ -483,15 +504,12 @@ impl<D: BlockDevice> Chain<D> {
                 // sector has that sector read whole, the device reading zeros past its
                 // end, as `read_layer` reads it.
                 let whole = (inside as u64).next_multiple_of(SECTOR) as usize;
-                push_run(
-                    runs,
-                    Run {
-                        dev: *dev,
-                        host: offset,
-                        buf_off,
-                        len: whole.min(len),
-                    },
-                );
+                plan.push_run(Run {
+                    dev: *dev,
+                    host: offset,
+                    buf_off,
+                    len: whole.min(len),
+                });
                 return Ok(());
             }
             Layer::Qcow2(q) => q,
@@ -514,22 +532,19 @@ impl<D: BlockDevice> Chain<D> {
             match m {
                 ClusterMapping::Data { host, .. } => {
                     let host = host.0 + (pos & (q.geometry().subcluster_size() - 1));
-                    push_run(
-                        runs,
-                        Run {
-                            dev: q.dev(),
-                            host,
-                            buf_off: at,
-                            len: n,
-                        },
-                    );
+                    plan.push_run(Run {
+                        dev: q.dev(),
+                        host,
+                        buf_off: at,
+                        len: n,
+                    });
                 }
-                ClusterMapping::Zero { .. } => zeros.push((at, n)),
+                ClusterMapping::Zero { .. } => plan.push_zeros(at, n),
                 ClusterMapping::Unallocated { .. } if idx + 1 < self.depth.get() => {
-                    self.plan_layer::<ZIP>(idx + 1, pos, n, at, runs, zeros, parts)?;
+                    self.plan_layer::<ZIP>(idx + 1, pos, n, at, plan)?;
                 }
-                ClusterMapping::Unallocated { .. } => zeros.push((at, n)),
-                ClusterMapping::Compressed(desc) if ZIP => parts.push(ZipPart {
+                ClusterMapping::Unallocated { .. } => plan.push_zeros(at, n),
+                ClusterMapping::Compressed(desc) if ZIP => plan.zips.push(ZipPart {
                     layer: idx as u8,
                     desc,
                     in_cluster: (pos & (q.geometry().cluster_size() - 1)) as usize,

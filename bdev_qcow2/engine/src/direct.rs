@@ -9,9 +9,9 @@
 use crate::chain::{Chain, Layer};
 use crate::exec::{DevId, GraceEntry};
 use crate::format::ClusterMapping;
-use crate::image::{CoreSlice, KeptCopy, Qcow2};
+use crate::image::{CachedExtent, CoreSlice, KeptCopy, Qcow2};
 use crate::io::BlockDevice;
-use crate::route::{Grant, GuestRange, ReadRoute, WriteRoute};
+use crate::route::{Grant, GuestRange, ReadRoute, WriteDecision, WriteRoute};
 use crate::types::{GuestOffset, HostOffset};
 use crate::write::WriteExtent;
 
@@ -25,6 +25,9 @@ enum PastMemo {
     Engine,
     /// The metadata owner, as [`WriteRoute::Owner`] (the request left the grace period).
     Owner { slow: bool },
+    /// The engine path of a chain that runs its own writes, known not in place, as
+    /// [`WriteDecision::EngineNotInPlace`] (the request left the grace period).
+    NotInPlace,
 }
 
 /// Changes of a dirty slot after which a core's copy of a slice that does not show an
@@ -83,7 +86,7 @@ impl<D: BlockDevice> Chain<D> {
             PastMemo::Direct(dev, host, entry) => {
                 ReadRoute::Direct(Grant::new(dev, host, range, entry, false, false))
             }
-            PastMemo::Engine | PastMemo::Owner { .. } => ReadRoute::Engine,
+            PastMemo::Engine | PastMemo::Owner { .. } | PastMemo::NotInPlace => ReadRoute::Engine,
         }
     }
 
@@ -120,23 +123,33 @@ impl<D: BlockDevice> Chain<D> {
     ///   slice on a core (so later overwrites stay there) and reports invalid requests.
     #[inline(always)]
     pub fn route_write(&self, offset: u64, len: u64) -> WriteRoute {
+        self.decide_write(offset, len).into()
+    }
+
+    /// [`route_write`](Self::route_write) as the plan takes it: on a chain that runs its
+    /// own writes, a write its metadata shows not in place is
+    /// [`WriteDecision::EngineNotInPlace`], so that its task does not plan it in place
+    /// again.
+    #[inline(always)]
+    pub(crate) fn decide_write(&self, offset: u64, len: u64) -> WriteDecision {
         let Ok(range) = self.check_range(offset, len) else {
-            return WriteRoute::Engine;
+            return WriteDecision::Engine;
         };
         self.note_change(offset, len);
         let entry = self.exec().guest_enter();
         if let Some(q) = self.top_qcow2() {
             if let Some(host) = q.memo_overwrite(offset, len) {
                 let host = HostOffset(host);
-                return WriteRoute::Direct(Grant::new(q.dev(), host, range, entry, true, true));
+                return WriteDecision::Direct(Grant::new(q.dev(), host, range, entry, true, true));
             }
         }
         match self.route_write_past_memo(range, entry) {
             PastMemo::Direct(dev, host, entry) => {
-                WriteRoute::Direct(Grant::new(dev, host, range, entry, false, true))
+                WriteDecision::Direct(Grant::new(dev, host, range, entry, false, true))
             }
-            PastMemo::Engine => WriteRoute::Engine,
-            PastMemo::Owner { slow } => WriteRoute::Owner { slow },
+            PastMemo::Engine => WriteDecision::Engine,
+            PastMemo::NotInPlace => WriteDecision::EngineNotInPlace,
+            PastMemo::Owner { slow } => WriteDecision::Owner { slow },
         }
     }
 
@@ -207,11 +220,8 @@ impl<D: BlockDevice> Chain<D> {
         match planned {
             // Allocation, COW, zero clusters: the owner's work.
             None if current => PastMemo::Owner { slow: true },
-            None => {
-                // The engine's `submit_write` of this request, next, need not plan it again.
-                self.no_write_plan.set(Some((offset, len)));
-                PastMemo::Engine
-            }
+            // This chain runs its own writes: its task need not plan this one again.
+            None => PastMemo::NotInPlace,
             Some(_) => PastMemo::Engine,
         }
     }
@@ -253,7 +263,7 @@ impl<D: BlockDevice> Chain<D> {
             Layer::Raw { dev, .. } => return Some((*dev, offset)),
             Layer::Qcow2(q) => q,
         };
-        if let Ok(h) = q.cached_extent_with(offset, len, false, false) {
+        if let CachedExtent::Host(h) = q.cached_extent_with(offset, len, false, false) {
             return Some((q.dev(), h));
         }
         Self::walk_direct_read(q, offset, len)

@@ -26,6 +26,7 @@ pub(crate) mod owner;
 mod preload;
 mod replica;
 mod slices;
+pub(crate) use lookup::CachedExtent;
 pub use owner::snapshot::SnapshotTime;
 pub(crate) use preload::Preload;
 

@@ -10,7 +10,7 @@ use crate::chain::Chain;
 use crate::error::{Error, Result};
 use crate::io::{BlockDevice, BufSlice, DeviceOp, IoBuffer};
 use crate::ring::{RingServed, RingWait};
-use crate::route::{Grant, ReadRoute, Role, WriteRoute};
+use crate::route::{Grant, ReadRoute, Role, WriteDecision};
 use std::rc::Rc;
 
 /// What a guest request asks for.
@@ -109,7 +109,9 @@ enum TaskKind {
     RingWait(RingWait),
     /// The write path of the image (the owner's: allocation, COW, in place).
     Write,
-    /// The owner's slow write path at once ([`Op::WriteNotInPlace`]).
+    /// The owner's slow write path at once, for a write known not in place: a core
+    /// replica's [`Op::WriteNotInPlace`], or a write the owner's own route found not in
+    /// place (`WriteDecision::EngineNotInPlace`). Nothing plans it in place again.
     WriteNotInPlace,
     /// A core replica's in-place write that needs a slice loaded first; it ends as
     /// [`Outcome::ToOwner`](crate::exec::Outcome::ToOwner) if not in place after all.
@@ -242,18 +244,18 @@ impl<D: BlockDevice> Chain<D> {
         if self.role != Role::Replica {
             return self.plan_owner_write(Op::Write, offset, len);
         }
-        match self.route_write(offset, len) {
+        match self.decide_write(offset, len) {
             // Read-ahead watches an overwrite in its slice's tail, as a read the memo
             // found: a stream that mixes reads and writes stays one stream there.
-            WriteRoute::Direct(grant) => {
+            WriteDecision::Direct(grant) => {
                 self.read_ahead_memo(offset, len);
                 self.tally.wrote_here();
                 Step::Direct(grant)
             }
             // A slice to load first, with read-ahead: a stream of direct overwrites needs
             // no slice loaded ahead, and the owner runs its own read-ahead on what it is
-            // sent.
-            WriteRoute::Engine => {
+            // sent. (Not in place on a core replica is `Owner`: never `EngineNotInPlace`.)
+            WriteDecision::Engine | WriteDecision::EngineNotInPlace => {
                 self.read_ahead_out_of_line(offset, len);
                 Step::Task(Task {
                     kind: TaskKind::WriteInPlace,
@@ -261,7 +263,7 @@ impl<D: BlockDevice> Chain<D> {
                     len,
                 })
             }
-            WriteRoute::Owner { slow } => {
+            WriteDecision::Owner { slow } => {
                 self.tally.sent_to_owner();
                 Step::Owner(match slow {
                     true => Op::WriteNotInPlace,
@@ -281,10 +283,12 @@ impl<D: BlockDevice> Chain<D> {
         self.read_ahead_out_of_line(offset, len);
         let kind = match op {
             Op::WriteNotInPlace => TaskKind::WriteNotInPlace,
-            _ => match self.route_write(offset, len) {
-                WriteRoute::Direct(grant) => return Step::Direct(grant),
+            _ => match self.decide_write(offset, len) {
+                WriteDecision::Direct(grant) => return Step::Direct(grant),
+                // The route found it not in place: the task starts the slow path.
+                WriteDecision::EngineNotInPlace => TaskKind::WriteNotInPlace,
                 // The owner is no core replica: every other write is its write path's.
-                WriteRoute::Engine | WriteRoute::Owner { .. } => TaskKind::Write,
+                WriteDecision::Engine | WriteDecision::Owner { .. } => TaskKind::Write,
             },
         };
         Step::Task(Task { kind, offset, len })

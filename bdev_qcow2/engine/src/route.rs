@@ -211,6 +211,39 @@ pub enum WriteRoute {
     },
 }
 
+/// What the route of a write decided, as the chain's plan takes it: a [`WriteRoute`], and
+/// on a chain that runs its own writes, whether the route found the write not in place
+/// (made by `Chain::decide_write`; [`Chain::route_write`](crate::Chain::route_write) is its
+/// public face).
+#[derive(Debug)]
+pub(crate) enum WriteDecision {
+    /// As [`WriteRoute::Direct`].
+    Direct(Grant),
+    /// As [`WriteRoute::Engine`].
+    Engine,
+    /// [`WriteRoute::Engine`] on a chain that runs its own writes (the owner, an image one
+    /// core serves), for a write its current metadata shows not in place (an allocation,
+    /// COW, zero clusters): its slow path starts at once, without planning the write in
+    /// place a second time.
+    EngineNotInPlace,
+    /// As [`WriteRoute::Owner`].
+    Owner {
+        /// As in [`WriteRoute::Owner`].
+        slow: bool,
+    },
+}
+
+impl From<WriteDecision> for WriteRoute {
+    #[inline(always)]
+    fn from(d: WriteDecision) -> WriteRoute {
+        match d {
+            WriteDecision::Direct(grant) => WriteRoute::Direct(grant),
+            WriteDecision::Engine | WriteDecision::EngineNotInPlace => WriteRoute::Engine,
+            WriteDecision::Owner { slow } => WriteRoute::Owner { slow },
+        }
+    }
+}
+
 /// The role the top image of a chain plays, which decides where requests that change
 /// metadata run.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -36,8 +36,8 @@ const SECTOR: u64 = 512;
 
 /// Device completions one channel reports per poll. More than one lets two completions of
 /// one task's concurrent operations (a `join_all`) wake it twice in one `Exec::poll`: the
-/// spurious wake-up that once made `AsyncLock` lose a wake-up (fixed in exec.rs; this test
-/// hung with 2 before the fix).
+/// spurious wake-up that once made `AsyncLock` lose a wake-up (fixed in exec/wait.rs; this
+/// test hung with 2 before the fix).
 const COMPLETIONS_PER_POLL: usize = 4;
 
 // ----- a disk shared by per-core channels ------------------------------------------------

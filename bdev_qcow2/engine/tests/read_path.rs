@@ -787,10 +787,10 @@ fn single_cluster_extents_from_non_linear_slices() {
     check(std::fs::read(dir.path().join("img.qcow2")).unwrap(), false);
 }
 
-/// A write the direct path found no in-place plan for (`route_write` remembers its range)
-/// goes down the slow path without being planned again, allocates, and reads back; the
-/// next look-up of that range maps it directly. A remembered range that the host never
-/// submits does not keep a different in-place write off the fast path.
+/// A write the direct path found no in-place plan for goes down the slow path, allocates,
+/// and reads back; the next look-up of that range maps it directly. A refused range that
+/// the host never submits does not keep a different in-place write off the fast path
+/// (what the route found travels in the plan's task, not in the chain).
 #[test]
 fn a_write_the_direct_path_refused_is_written_once_by_the_slow_path() {
     let dir = tempfile::tempdir().unwrap();

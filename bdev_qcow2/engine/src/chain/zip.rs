@@ -67,7 +67,7 @@ impl<D: BlockDevice> Chain<D> {
                 .unwrap_or(0);
             zips.allocate(cluster, |bytes| self.exec().alloc_buf(dev, bytes));
         }
-        let (runs, _, parts) = &*plan;
+        let (runs, parts) = (&plan.runs, &plan.zips);
         let payload = match zips.take(&**self, parts, slot, dst) {
             Ok(payload) => payload,
             Err(e) => return Err((e.into(), entry)),

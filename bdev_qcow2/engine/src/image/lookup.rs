@@ -10,6 +10,20 @@ use crate::io::BlockDevice;
 use crate::memo::MEMO_NO_META_GEN;
 use crate::types::{GuestOffset, SUBCLUSTERS};
 
+/// What the slice cache alone says of a range asked as one device extent
+/// ([`Qcow2::cached_extent_with`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum CachedExtent {
+    /// One device extent, starting at this host byte.
+    Host(u64),
+    /// No extent for an in-place write, and the general look-up would find none either:
+    /// the range lies in one cluster of a current slice whose standard entry has no host
+    /// cluster (unallocated, or zero) or, when COPIED was asked for, is not COPIED.
+    NotInPlace,
+    /// The cache alone does not tell: the caller asks the general look-up.
+    Unknown,
+}
+
 impl<D: BlockDevice> Qcow2<D> {
     /// The host offset of the L2 table covering `off`, or `None` if unallocated.
     pub(crate) fn l2_table(&self, off: GuestOffset) -> Result<Option<crate::types::HostOffset>> {
@@ -120,10 +134,11 @@ impl<D: BlockDevice> Qcow2<D> {
     /// needs; with extended L2, every subcluster the range touches allocated data). The
     /// clusters lie inside the device. Touches the LRU and counts a hit only then.
     ///
-    /// `Err(true)` when the range lies in one cluster of a current slice whose standard
-    /// entry has no host cluster (unallocated, or zero) or, with `copied`, is not COPIED:
-    /// no in-place plan exists there, and the general look-up would find the same.
-    /// `Err(false)` sends the caller to the general look-up, which also handles everything
+    /// [`CachedExtent::NotInPlace`] when the range lies in one cluster of a current slice
+    /// whose standard entry has no host cluster (unallocated, or zero) or, with `copied`, is
+    /// not COPIED: no in-place plan exists there, and the general look-up would find the
+    /// same. [`CachedExtent::Unknown`] sends the caller to the general look-up, which also
+    /// handles everything
     /// this skips: unallocated L2 tables, zero, compressed entries, unallocated or zero
     /// subclusters, a device size this core has not synced yet. (No L1 check is needed: a
     /// slice is cached only from an allocated table, and the owner makes a table's slices
@@ -137,9 +152,9 @@ impl<D: BlockDevice> Qcow2<D> {
         len: u64,
         copied: bool,
         memo: bool,
-    ) -> Result<u64, bool> {
+    ) -> CachedExtent {
         let Some((key, within)) = self.in_one_slice(off, len) else {
-            return Err(false);
+            return CachedExtent::Unknown;
         };
         let epoch = self.cur_epoch(key);
         // A slice remembered under the current epoch: the clusters it answers for are
@@ -148,7 +163,7 @@ impl<D: BlockDevice> Qcow2<D> {
             .then(|| self.memo.extent(key, epoch, within, len))
             .flatten()
         {
-            return Ok(host);
+            return CachedExtent::Host(host);
         }
         self.cached_extent_in_cache(off, len, copied, (key, within), epoch)
     }
@@ -221,13 +236,13 @@ impl<D: BlockDevice> Qcow2<D> {
         copied: bool,
         (key, within): (u64, u64),
         epoch: u32,
-    ) -> Result<u64, bool> {
+    ) -> CachedExtent {
         let coverage = self.geo.slice_coverage();
         let Ok(mut cache) = self.l2_cache.try_borrow_mut() else {
-            return Err(false);
+            return CachedExtent::Unknown;
         };
         let Some(hit) = cache.probe(key, epoch) else {
-            return Err(false);
+            return CachedExtent::Unknown;
         };
         let way = hit.way;
         let ctx = self.ctx.get();
@@ -238,7 +253,7 @@ impl<D: BlockDevice> Qcow2<D> {
                 // Every cluster the range touches ends inside the device (the general path
                 // checks each cluster the same way).
                 if (host + len).next_multiple_of(cs) > ctx.device_size {
-                    return Err(false);
+                    return CachedExtent::Unknown;
                 }
                 // The whole slice inside the device: every request within it passes the
                 // check above.
@@ -262,7 +277,7 @@ impl<D: BlockDevice> Qcow2<D> {
                 }
                 let in_cluster = off & (cs - 1);
                 if in_cluster + len > cs {
-                    return Err(false);
+                    return CachedExtent::Unknown;
                 }
                 let i = self.geo.index_in_slice(GuestOffset(off)) as usize;
                 let block = cache.block(way);
@@ -271,31 +286,34 @@ impl<D: BlockDevice> Qcow2<D> {
                     // range touches must all be allocated data.
                     let sc = self.geo.subcluster_size();
                     let (Some(&e), Some(&bitmap)) = (block.get(2 * i), block.get(2 * i + 1)) else {
-                        return Err(false);
+                        return CachedExtent::Unknown;
                     };
                     if !SubclusterBitmap(bitmap)
                         .all_data(in_cluster / sc, (in_cluster + len - 1) / sc)
                     {
-                        return Err(false);
+                        return CachedExtent::Unknown;
                     }
                     L2Entry(e)
                 } else {
                     let Some(&e) = block.get(i) else {
-                        return Err(false);
+                        return CachedExtent::Unknown;
                     };
                     L2Entry(e)
                 };
                 match entry.plain_data(ctx.cluster_bits, ctx.device_size) {
                     Some((h, c)) if c || !copied => h + in_cluster,
                     // Not COPIED: the general look-up agrees.
-                    Some(_) => return Err(true),
+                    Some(_) => return CachedExtent::NotInPlace,
                     // No host cluster (standard L2): unallocated or zero, for everyone.
-                    None => return Err(!self.geo.extended_l2 && entry.host_bits() == 0),
+                    None if !self.geo.extended_l2 && entry.host_bits() == 0 => {
+                        return CachedExtent::NotInPlace
+                    }
+                    None => return CachedExtent::Unknown,
                 }
             }
         };
         cache.touch_fresh(hit);
-        Ok(host)
+        CachedExtent::Host(host)
     }
 
     /// Brings the memo's mapped row of slice `key` (cached under `stamp` with entries

@@ -1,0 +1,89 @@
+//! A guest request's entry into its core's grace period: the [`GraceEntry`] token, and the
+//! executor's membership in a shared image's grace periods (`coherency::Grace`).
+
+use super::Exec;
+use crate::io::BlockDevice;
+
+/// A guest request's entry into its core's grace period ([`Exec::guest_enter`]): neither
+/// `Copy` nor `Clone`, and ended by passing it to [`Exec::guest_exit`] (or to what exits
+/// for it: a request record, [`Exec::complete_entered`], [`Exec::hand_to_owner`]) once the
+/// request can no longer use a mapping it resolved. A freed cluster is not reused while
+/// an entry of its generation is open (`coherency::Grace`).
+#[must_use = "a grace entry ends only in Exec::guest_exit"]
+#[derive(Debug, PartialEq, Eq)]
+pub struct GraceEntry(Entered);
+
+/// Which of its core's two counters a request entered under.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+enum Entered {
+    Even = 0,
+    Odd = 1,
+    /// The image is not shared: no grace period to enter.
+    Unshared = 2,
+}
+
+impl GraceEntry {
+    /// The entry of a request on an image no other core shares: its exit does nothing.
+    pub fn unshared() -> GraceEntry {
+        GraceEntry(Entered::Unshared)
+    }
+
+    /// The entry into a shared image's grace period under counter `parity` (0 or 1).
+    #[inline(always)]
+    pub(crate) fn of_parity(parity: u8) -> GraceEntry {
+        GraceEntry(if parity & 1 == 0 {
+            Entered::Even
+        } else {
+            Entered::Odd
+        })
+    }
+}
+
+impl<D: BlockDevice> Exec<D> {
+    /// Makes this core a member of `shared`'s grace periods (see
+    /// [`Grace`](crate::coherency::Grace)); false when every member slot is taken. Once a
+    /// member, every guest request must enter ([`guest_enter`](Self::guest_enter)) before it
+    /// resolves a mapping and exit when it completes. `owner`: this is the metadata owner's
+    /// executor, on the thread that advances the grace periods (its entries need no fence:
+    /// see [`Grace::enter_owner`](crate::coherency::Grace::enter_owner)).
+    pub fn join_grace(
+        &self,
+        shared: std::sync::Arc<crate::coherency::Shared>,
+        owner: bool,
+    ) -> bool {
+        if self.inner.grace.get().is_some() {
+            return true;
+        }
+        match shared.grace.register() {
+            Some(slot) => {
+                // Not set before (checked above; one thread): `set` succeeds.
+                let light = owner || shared.grace.light_entries();
+                let _ = self.inner.grace.set((shared, slot, light));
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// A guest request starts (before it resolves any mapping): its grace entry.
+    #[inline(always)]
+    pub fn guest_enter(&self) -> GraceEntry {
+        match self.inner.grace.get() {
+            Some((sh, slot, light)) => GraceEntry::of_parity(sh.grace.enter_as(*slot, *light)),
+            None => GraceEntry::unshared(),
+        }
+    }
+
+    /// The guest request that entered with `entry` is over.
+    #[inline]
+    pub fn guest_exit(&self, entry: GraceEntry) {
+        let parity = match entry.0 {
+            Entered::Unshared => return,
+            p => p as u8,
+        };
+        if let Some((sh, slot, _)) = self.inner.grace.get() {
+            sh.grace.exit(*slot, parity);
+        }
+    }
+}
