@@ -196,3 +196,83 @@ impl BlockDevice for MemDevice {
 }
 
 pub use crate::rng::Rng;
+
+/// One core's channel to a disk shared by every core (tests of several executors on one
+/// image): the bytes are common, each channel's operations complete on its next poll.
+pub struct SharedDisk {
+    data: Rc<RefCell<Vec<u8>>>,
+    done: VecDeque<u64>,
+}
+
+impl SharedDisk {
+    /// A channel of the disk holding `data` (shared with every other channel of it).
+    pub fn new(data: &Rc<RefCell<Vec<u8>>>) -> SharedDisk {
+        SharedDisk {
+            data: data.clone(),
+            done: VecDeque::new(),
+        }
+    }
+
+    /// Another channel of the same disk.
+    pub fn channel(&self) -> SharedDisk {
+        SharedDisk::new(&self.data)
+    }
+}
+
+impl BlockDevice for SharedDisk {
+    type Buf = HeapBuf;
+    fn size(&self) -> u64 {
+        self.data.borrow().len() as u64
+    }
+    fn alloc_buf(&mut self, len: usize) -> HeapBuf {
+        HeapBuf::new(len)
+    }
+    fn submit(&mut self, op: DeviceOp<HeapBuf>, tag: u64) -> Result<(), Busy<HeapBuf>> {
+        let mut d = self.data.borrow_mut();
+        match op {
+            DeviceOp::Read { offset, buf } => {
+                let mut tmp = vec![0u8; buf.len];
+                let o = offset as usize;
+                if o < d.len() {
+                    let n = (d.len() - o).min(buf.len);
+                    tmp[..n].copy_from_slice(&d[o..o + n]);
+                }
+                buf.copy_in(0, &tmp);
+            }
+            DeviceOp::Write { offset, buf } => {
+                let end = offset as usize + buf.len;
+                if d.len() < end {
+                    d.resize(end, 0);
+                }
+                buf.copy_out(0, &mut d[offset as usize..end]);
+            }
+            DeviceOp::WriteZeroes { offset, len } => {
+                let end = (offset + len) as usize;
+                if d.len() < end {
+                    d.resize(end, 0);
+                }
+                d[offset as usize..end].fill(0);
+            }
+            DeviceOp::Flush => {}
+        }
+        self.done.push_back(tag);
+        Ok(())
+    }
+    fn can_grow(&self) -> bool {
+        true
+    }
+    fn ensure_size(&mut self, size: u64) -> Result<(), DeviceError> {
+        let mut d = self.data.borrow_mut();
+        if (d.len() as u64) < size {
+            d.resize(size as usize, 0);
+        }
+        Ok(())
+    }
+    fn poll(&mut self, done: &mut dyn FnMut(u64, Result<(), DeviceError>)) -> usize {
+        let n = self.done.len();
+        while let Some(t) = self.done.pop_front() {
+            done(t, Ok(()));
+        }
+        n
+    }
+}

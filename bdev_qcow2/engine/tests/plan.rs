@@ -8,7 +8,8 @@
 
 use qcow2_engine::create::{create, CreateOptions};
 use qcow2_engine::exec::Outcome;
-use qcow2_engine::io::{BlockDevice, BufSlice, Busy, DeviceError, DeviceOp, HeapBuf, IoBuffer};
+use qcow2_engine::io::{BufSlice, HeapBuf, IoBuffer};
+use qcow2_engine::testing::SharedDisk as Disk;
 use qcow2_engine::{
     Chain, Error, Exec, Layer, Op, OpenOptions, OwnerLink, Qcow2, Request, Role, Step,
 };
@@ -18,70 +19,6 @@ use std::rc::Rc;
 
 const CLUSTER: u64 = 4096;
 const SIZE: u64 = 4 << 20;
-
-/// One host's channel of a disk shared by both hosts: its own completions, the disk's
-/// bytes in common.
-#[derive(Clone)]
-struct Disk {
-    data: Rc<RefCell<Vec<u8>>>,
-    done: VecDeque<u64>,
-}
-
-impl BlockDevice for Disk {
-    type Buf = HeapBuf;
-    fn size(&self) -> u64 {
-        self.data.borrow().len() as u64
-    }
-    fn alloc_buf(&mut self, len: usize) -> HeapBuf {
-        HeapBuf::new(len)
-    }
-    fn submit(&mut self, op: DeviceOp<HeapBuf>, tag: u64) -> Result<(), Busy<HeapBuf>> {
-        let mut d = self.data.borrow_mut();
-        match op {
-            DeviceOp::Read { offset, buf } => {
-                let mut tmp = vec![0u8; buf.len];
-                let from = (offset as usize).min(d.len());
-                let n = (d.len() - from).min(buf.len);
-                tmp[..n].copy_from_slice(&d[from..from + n]);
-                buf.copy_in(0, &tmp);
-            }
-            DeviceOp::Write { offset, buf } => {
-                let end = offset as usize + buf.len;
-                if d.len() < end {
-                    d.resize(end, 0);
-                }
-                buf.copy_out(0, &mut d[offset as usize..end]);
-            }
-            DeviceOp::WriteZeroes { offset, len } => {
-                let end = (offset + len) as usize;
-                if d.len() < end {
-                    d.resize(end, 0);
-                }
-                d[offset as usize..end].fill(0);
-            }
-            DeviceOp::Flush => {}
-        }
-        self.done.push_back(tag);
-        Ok(())
-    }
-    fn can_grow(&self) -> bool {
-        true
-    }
-    fn ensure_size(&mut self, size: u64) -> Result<(), DeviceError> {
-        let mut d = self.data.borrow_mut();
-        if (d.len() as u64) < size {
-            d.resize(size as usize, 0);
-        }
-        Ok(())
-    }
-    fn poll(&mut self, done: &mut dyn FnMut(u64, Result<(), DeviceError>)) -> usize {
-        let n = self.done.len();
-        while let Some(t) = self.done.pop_front() {
-            done(t, Ok(()));
-        }
-        n
-    }
-}
 
 /// What a step was, for assertions.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -176,12 +113,9 @@ struct Rig {
 
 impl Rig {
     fn new() -> Rig {
-        let disk = Disk {
-            data: Rc::default(),
-            done: VecDeque::new(),
-        };
+        let disk = Disk::new(&Rc::default());
         let oexec: Exec<Disk> = Exec::new();
-        let id = oexec.add_device(disk.clone());
+        let id = oexec.add_device(disk.channel());
         let e2 = oexec.clone();
         let copts = CreateOptions {
             size: SIZE,
@@ -414,10 +348,7 @@ fn a_read_only_image_refuses_writes_in_its_plan() {
     let rig = Rig::new();
     // A read-only open of the same bytes.
     let disk = match &rig.owner.chain.layers()[0] {
-        Layer::Qcow2(q) => q.exec().with_device(q.dev(), |d| Disk {
-            data: d.data.clone(),
-            done: VecDeque::new(),
-        }),
+        Layer::Qcow2(q) => q.exec().with_device(q.dev(), |d| d.channel()),
         Layer::Raw { .. } => unreachable!(),
     };
     let exec: Exec<Disk> = Exec::new();

@@ -7,75 +7,12 @@
 
 use qcow2_engine::create::{create, CreateOptions};
 use qcow2_engine::exec::Outcome;
-use qcow2_engine::io::{BlockDevice, BufSlice, Busy, DeviceError, DeviceOp, HeapBuf};
+use qcow2_engine::io::{BufSlice, HeapBuf};
+use qcow2_engine::testing::SharedDisk;
 use qcow2_engine::{Chain, Exec, Layer, OpenOptions, OwnerLink, Qcow2};
 use std::cell::RefCell;
 use std::collections::VecDeque;
 use std::rc::Rc;
-
-/// One core's channel to a disk shared by every core: operations complete on the next poll.
-struct Disk {
-    data: Rc<RefCell<Vec<u8>>>,
-    done: VecDeque<u64>,
-}
-
-impl BlockDevice for Disk {
-    type Buf = HeapBuf;
-    fn size(&self) -> u64 {
-        self.data.borrow().len() as u64
-    }
-    fn alloc_buf(&mut self, len: usize) -> HeapBuf {
-        HeapBuf::new(len)
-    }
-    fn submit(&mut self, op: DeviceOp<HeapBuf>, tag: u64) -> Result<(), Busy<HeapBuf>> {
-        let mut d = self.data.borrow_mut();
-        match op {
-            DeviceOp::Read { offset, buf } => {
-                let mut tmp = vec![0u8; buf.len];
-                let o = offset as usize;
-                if o < d.len() {
-                    let n = (d.len() - o).min(buf.len);
-                    tmp[..n].copy_from_slice(&d[o..o + n]);
-                }
-                buf.copy_in(0, &tmp);
-            }
-            DeviceOp::Write { offset, buf } => {
-                let end = offset as usize + buf.len;
-                if d.len() < end {
-                    d.resize(end, 0);
-                }
-                buf.copy_out(0, &mut d[offset as usize..end]);
-            }
-            DeviceOp::WriteZeroes { offset, len } => {
-                let end = (offset + len) as usize;
-                if d.len() < end {
-                    d.resize(end, 0);
-                }
-                d[offset as usize..end].fill(0);
-            }
-            DeviceOp::Flush => {}
-        }
-        self.done.push_back(tag);
-        Ok(())
-    }
-    fn can_grow(&self) -> bool {
-        true
-    }
-    fn ensure_size(&mut self, size: u64) -> Result<(), DeviceError> {
-        let mut d = self.data.borrow_mut();
-        if (d.len() as u64) < size {
-            d.resize(size as usize, 0);
-        }
-        Ok(())
-    }
-    fn poll(&mut self, done: &mut dyn FnMut(u64, Result<(), DeviceError>)) -> usize {
-        let n = self.done.len();
-        while let Some(t) = self.done.pop_front() {
-            done(t, Ok(()));
-        }
-        n
-    }
-}
 
 type Asks = Rc<RefCell<VecDeque<(u64, u64)>>>;
 
@@ -91,21 +28,14 @@ const CS: u64 = 64 << 10;
 const SIZE: u64 = 4 << 20;
 
 struct Rig {
-    owner: Rc<Chain<Disk>>,
-    core: Rc<Chain<Disk>>,
-    owner_exec: Exec<Disk>,
-    core_exec: Exec<Disk>,
+    owner: Rc<Chain<SharedDisk>>,
+    core: Rc<Chain<SharedDisk>>,
+    owner_exec: Exec<SharedDisk>,
+    core_exec: Exec<SharedDisk>,
     asks: Asks,
 }
 
-fn disk(data: &Rc<RefCell<Vec<u8>>>) -> Disk {
-    Disk {
-        data: data.clone(),
-        done: VecDeque::new(),
-    }
-}
-
-fn image(c: &Chain<Disk>) -> &Qcow2<Disk> {
+fn image(c: &Chain<SharedDisk>) -> &Qcow2<SharedDisk> {
     match &c.layers()[0] {
         Layer::Qcow2(q) => q,
         Layer::Raw { .. } => unreachable!(),
@@ -118,8 +48,8 @@ impl Rig {
     fn new() -> Rig {
         let img = Rc::new(RefCell::new(Vec::new()));
         let golden = Rc::new(RefCell::new(vec![0x5au8; SIZE as usize]));
-        let owner_exec: Exec<Disk> = Exec::new();
-        let id = owner_exec.add_device(disk(&img));
+        let owner_exec: Exec<SharedDisk> = Exec::new();
+        let id = owner_exec.add_device(SharedDisk::new(&img));
         let e2 = owner_exec.clone();
         let opts = CreateOptions {
             size: SIZE,
@@ -147,8 +77,8 @@ impl Rig {
             .unwrap();
         q.share();
         let asks: Asks = Rc::new(RefCell::new(VecDeque::new()));
-        let core_exec: Exec<Disk> = Exec::new();
-        let cid = core_exec.add_device(disk(&img));
+        let core_exec: Exec<SharedDisk> = Exec::new();
+        let cid = core_exec.add_device(SharedDisk::new(&img));
         let replica = Qcow2::from_seed(
             q.core_seed().unwrap(),
             &core_exec,
@@ -157,8 +87,8 @@ impl Rig {
             Box::new(Link(asks.clone())),
         )
         .unwrap();
-        let raw = |e: &Exec<Disk>| Layer::Raw {
-            dev: e.add_device(disk(&golden)),
+        let raw = |e: &Exec<SharedDisk>| Layer::Raw {
+            dev: e.add_device(SharedDisk::new(&golden)),
             size: SIZE,
         };
         let core = Chain::new(
@@ -206,7 +136,7 @@ impl Rig {
 
     fn on_owner<T: 'static>(
         &self,
-        f: impl FnOnce(Rc<Chain<Disk>>) -> std::pin::Pin<Box<dyn std::future::Future<Output = T>>>,
+        f: impl FnOnce(Rc<Chain<SharedDisk>>) -> std::pin::Pin<Box<dyn std::future::Future<Output = T>>>,
     ) -> T {
         self.owner_exec.block_on(f(self.owner.clone()))
     }
