@@ -13,7 +13,7 @@ use qcow2_engine::io::{BlockDevice, BufSlice, Busy, DeviceError, DeviceOp, IoBuf
 use slab::Slab;
 use std::alloc::{alloc_zeroed, dealloc, Layout};
 use std::fs::{File, OpenOptions};
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
 use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
 use std::path::Path;
 use std::ptr::NonNull;
@@ -211,6 +211,13 @@ impl Drop for UringDevice {
         if self.regular_file && self.owns_len && self.file_len > self.size {
             let _ = self.file.set_len(self.size);
         }
+    }
+}
+
+/// The open file, for calls on it beside I/O (its lock bytes, see [`crate::lock`]).
+impl AsFd for UringDevice {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        self.file.as_fd()
     }
 }
 
