@@ -161,28 +161,39 @@ pub fn uring_device(path: &Path, writable: bool, spec: &OpenSpec) -> ToolResult<
         (false, true) => Access::ReadForceShare,
         (false, false) => Access::Read,
     };
-    let dev =
+    let mut dev =
         UringDevice::open(path, writable, spec.direct, spec.queue_depth).map_err(|source| {
             ToolError::Io {
                 path: path.display().to_string(),
                 source,
             }
         })?;
-    lock_file(&dev, path, access)?;
+    lock_device(&mut dev, path, access)?;
     Ok(dev)
 }
 
+/// Takes the lock bytes of `access` on the image `dev` ([`UringDevice::lock`]) before
+/// anything reads or writes it; they go with the device.
+pub fn lock_device(dev: &mut UringDevice, path: &Path, access: Access) -> ToolResult<()> {
+    dev.lock(access).map_err(lock_error(path, access))
+}
+
 /// Takes the lock bytes of `access` on the open `file` ([`crate::lock::lock`]) before
-/// anything reads or writes it. On failure the caller drops the file, which releases
-/// whatever was taken.
+/// anything reads or writes it; they go when the file is closed (on failure too, for
+/// what was taken).
 pub fn lock_file(file: &impl AsFd, path: &Path, access: Access) -> ToolResult<()> {
-    crate::lock::lock(file.as_fd(), access).map_err(|failure| {
+    crate::lock::lock(file.as_fd(), access).map_err(lock_error(path, access))
+}
+
+/// The error of a failed lock on `path`, as QEMU words it for an open or a creation.
+fn lock_error(path: &Path, access: Access) -> impl FnOnce(LockFailure) -> ToolError + '_ {
+    move |failure| {
         let path = path.display().to_string();
         match access {
             Access::Create => ToolError::CreateLock { path, failure },
             _ => ToolError::Lock { path, failure },
         }
-    })
+    }
 }
 
 /// Opens one image file as a device on `exec`.

@@ -176,7 +176,7 @@ pub fn lock(fd: BorrowedFd<'_>, access: Access) -> Result<(), LockFailure> {
         .map(|(i, _)| PERM_BASE + i)
         .chain(denied.each().map(|(i, _)| SHARED_BASE + i));
     for byte in bytes {
-        ofd_lock(fd, libc::F_OFD_SETLK, libc::F_RDLCK, byte)
+        ofd_lock(fd, libc::F_OFD_SETLK, libc::F_RDLCK, byte, 1)
             .map_err(|source| LockFailure::Os { byte, source })?;
     }
     let probes = perm
@@ -184,7 +184,7 @@ pub fn lock(fd: BorrowedFd<'_>, access: Access) -> Result<(), LockFailure> {
         .map(|(i, p)| (SHARED_BASE + i, p, false))
         .chain(denied.each().map(|(i, p)| (PERM_BASE + i, p, true)));
     for (byte, p, is_shared) in probes {
-        let held = ofd_lock(fd, libc::F_OFD_GETLK, libc::F_WRLCK, byte)
+        let held = ofd_lock(fd, libc::F_OFD_GETLK, libc::F_WRLCK, byte, 1)
             .map_err(|source| LockFailure::Os { byte, source })?;
         if held {
             return Err(LockFailure::Conflict {
@@ -196,20 +196,31 @@ pub fn lock(fd: BorrowedFd<'_>, access: Access) -> Result<(), LockFailure> {
     Ok(())
 }
 
-/// One OFD lock call on the single byte `byte`: `F_OFD_SETLK` takes (never waits) a lock
-/// of type `kind` (and returns false); `F_OFD_GETLK` asks whether a lock of type `kind`
-/// would conflict with one another open file description holds (returns true if so).
+/// Releases every lock byte this open file description holds (what [`lock`] took, with
+/// any access). Nothing else is locked by this module, and a byte not held is no error;
+/// a failure (which unlocking cannot meet on a valid descriptor) is ignored, as the close
+/// that follows releases them anyway.
+pub fn unlock(fd: BorrowedFd<'_>) {
+    let len = SHARED_BASE + 4 - PERM_BASE;
+    let _ = ofd_lock(fd, libc::F_OFD_SETLK, libc::F_UNLCK, PERM_BASE, len);
+}
+
+/// One OFD lock call on `len` bytes from `start`: `F_OFD_SETLK` takes (never waits) or,
+/// with `F_UNLCK`, releases a lock of type `kind` (and returns false); `F_OFD_GETLK` asks
+/// whether a lock of type `kind` would conflict with one another open file description
+/// holds (returns true if so).
 fn ofd_lock(
     fd: BorrowedFd<'_>,
     cmd: libc::c_int,
     kind: libc::c_int,
-    byte: i64,
+    start: i64,
+    len: i64,
 ) -> io::Result<bool> {
     let mut fl = libc::flock {
         l_type: kind as libc::c_short,
         l_whence: libc::SEEK_SET as libc::c_short,
-        l_start: byte,
-        l_len: 1,
+        l_start: start,
+        l_len: len,
         // OFD locks require 0 here.
         l_pid: 0,
     };
@@ -265,5 +276,8 @@ mod tests {
         assert_eq!(e.to_string(), "Failed to get shared \"write\" lock");
         let u = open(&p);
         lock(u.as_fd(), Access::ReadForceShare).expect("-U reader beside a writer");
+        // Released without closing: a reader gets in while the writer's file is open.
+        unlock(w.as_fd());
+        lock(r.as_fd(), Access::Read).expect("reader after the writer unlocked");
     }
 }

@@ -103,9 +103,15 @@ impl QemuHolder {
 /// `qcow2 io ARGS -c CMD... -c 'sleep 60000' IMG`, running with the image open (its lock
 /// bytes seen) when this returns; [`stop`] ends it.
 fn our_holder(img: &Path, args: &[&str], cmds: &[&str], byte: u64) -> Child {
+    our_holder_for(img, args, cmds, byte, 60_000)
+}
+
+/// [`our_holder`] sleeping `ms` milliseconds after its commands.
+fn our_holder_for(img: &Path, args: &[&str], cmds: &[&str], byte: u64, ms: u64) -> Child {
+    let sleep = format!("sleep {ms}");
     let mut c = Command::new(QCOW2);
     c.arg("io").args(args);
-    for x in cmds.iter().chain(&["sleep 60000"]) {
+    for x in cmds.iter().chain(&[sleep.as_str()]) {
         c.arg("-c").arg(x);
     }
     let mut child = c
@@ -118,14 +124,30 @@ fn our_holder(img: &Path, args: &[&str], cmds: &[&str], byte: u64) -> Child {
     child
 }
 
-/// Ends a holder from [`our_holder`] (still running, else what it held proves nothing).
-fn stop(mut child: Child) {
+/// Kills a holder from [`our_holder`] (still running, else what it held proves nothing)
+/// and waits until its locks on `img` are gone: a killed process's files are closed by
+/// the kernel, io_uring's references to them possibly after the process is reaped.
+fn stop(mut child: Child, img: &Path) {
     assert!(
         child.try_wait().expect("try_wait").is_none(),
         "the qcow2 holder exited early"
     );
     child.kill().expect("kill our holder");
     child.wait().expect("wait our holder");
+    wait_unlocked(img);
+}
+
+/// Waits (at most 10 s) until no lock is left on `img`'s reader byte.
+fn wait_unlocked(img: &Path) {
+    let t0 = Instant::now();
+    while byte_locked(img, READER_BYTE) {
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "{} still locked 10 s after the holder was killed",
+            img.display()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
 }
 
 fn qcow2(args: &[&str]) -> Output {
@@ -248,9 +270,15 @@ fn tool_writer_keeps_qemu_out() {
     ]));
     assert_ok("qemu-io -U -r", &out);
 
-    stop(holder);
+    stop(holder, &img);
     qemu_io(&img, &["write -P 0x66 0 4k", "read -P 0xaa 4k 60k"]);
     qemu_img(&["check", s(&img)]);
+
+    // A normal exit releases the locks before the process is gone: QEMU gets in at once.
+    let mut holder = our_holder_for(&img, &[], &["write -P 0x77 0 4k"], WRITER_BYTE, 300);
+    let st = holder.wait().expect("wait our holder");
+    assert!(st.success(), "qcow2 io: {st}");
+    qemu_io(&img, &["read -P 0x77 0 4k", "write -P 0x66 0 4k"]);
 }
 
 /// Readers coexist both ways; a reader keeps writers out both ways.
@@ -283,7 +311,7 @@ fn readers_coexist_and_keep_writers_out() {
     assert_ok("qemu-io -r beside qcow2 io read", &out);
     let out = output(Command::new("qemu-io").args(["-f", "qcow2", "-c", "write 0 4k", s(&img)]));
     assert_refused("qemu-io write beside qcow2 io read", &out, WRITE_LOCK, &img);
-    stop(holder);
+    stop(holder, &img);
 }
 
 /// Backing files are opened read-only and shared: QEMU may read them but not write them
@@ -305,13 +333,14 @@ fn backing_files_are_locked_as_shared_readers() {
         s(&top),
     ]);
 
-    let holder = our_holder(
+    let mut holder = our_holder(
         &top,
         &["--allow-backing"],
         &["write -P 0x55 0 4k", "flush"],
         WRITER_BYTE,
     );
-    assert!(byte_locked(&base, READER_BYTE), "backing file not locked");
+    // The backing file is opened after the overlay's locks are seen.
+    wait_locked(&base, READER_BYTE, &mut holder);
     assert!(
         !byte_locked(&base, WRITER_BYTE),
         "backing file locked for writing"
@@ -319,7 +348,8 @@ fn backing_files_are_locked_as_shared_readers() {
     qemu_img(&["info", s(&base)]);
     let out = output(Command::new("qemu-io").args(["-f", "qcow2", "-c", "write 0 4k", s(&base)]));
     assert_refused("qemu-io write to the backing file", &out, WRITE_LOCK, &base);
-    stop(holder);
+    stop(holder, &top);
+    wait_unlocked(&base);
 
     let holder = QemuHolder::open(&base, false);
     let out = qcow2(&["io", "--allow-backing", "-c", "write 0 4k", s(&top)]);

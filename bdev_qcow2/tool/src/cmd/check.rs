@@ -6,7 +6,7 @@
 //! whose findings are reported together with the repaired counts.
 
 use super::{CacheMode, OutputFormat};
-use crate::host::{lock_file, Format};
+use crate::host::{lock_device, Format};
 use crate::lock::Access;
 use crate::uring::UringDevice;
 use qcow2_engine::check::{check, CheckReport, Repair};
@@ -185,7 +185,7 @@ pub fn main(args: &CheckArgs) -> ExitCode {
         (false, true) => Access::ReadForceShare,
         (false, false) => Access::Read,
     };
-    let dev = match UringDevice::open(
+    let mut dev = match UringDevice::open(
         &args.image,
         access == Access::Write,
         args.cache == CacheMode::None,
@@ -197,7 +197,7 @@ pub fn main(args: &CheckArgs) -> ExitCode {
             return ExitCode::from(1);
         }
     };
-    if let Err(e) = lock_file(&dev, &args.image, access) {
+    if let Err(e) = lock_device(&mut dev, &args.image, access) {
         eprintln!("qcow2: {e}");
         return ExitCode::from(1);
     }

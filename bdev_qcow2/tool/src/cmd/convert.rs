@@ -82,8 +82,8 @@ pub fn run(args: &ConvertArgs) -> ToolResult<String> {
     crate::cmd::create::create_file(&args.output, size)?;
     // Output writes go through io_uring too, so they overlap with reads (the kernel copies
     // into the page cache on its own workers) instead of stalling the polling loop.
-    let out_dev = UringDevice::open(&args.output, true, false, 64).map_err(io_err)?;
-    crate::host::lock_file(&out_dev, &args.output, Access::WriteRaw)?;
+    let mut out_dev = UringDevice::open(&args.output, true, false, 64).map_err(io_err)?;
+    crate::host::lock_device(&mut out_dev, &args.output, Access::WriteRaw)?;
     let out_id = o.exec.add_device(out_dev);
 
     let depth = args.queue_depth.max(1);
@@ -363,12 +363,12 @@ mod qcow2_out {
             source,
         };
         let direct = args.image.cache == CacheMode::None;
-        let dev =
+        let mut dev =
             UringDevice::open(&args.output, true, direct, 64).map_err(|source| ToolError::Io {
                 path: args.output.display().to_string(),
                 source,
             })?;
-        crate::host::lock_file(&dev, &args.output, crate::lock::Access::Write)?;
+        crate::host::lock_device(&mut dev, &args.output, crate::lock::Access::Write)?;
         let id = o.exec.add_device(dev);
         let e2 = o.exec.clone();
         let q = o

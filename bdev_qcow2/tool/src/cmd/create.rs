@@ -299,8 +299,8 @@ pub fn format_image(path: &Path, opts: &CreateOptions) -> ToolResult<()> {
     };
     create_file(path, 0)?;
     // Buffered: a fresh, empty file cannot be probed for O_DIRECT support.
-    let dev = UringDevice::open(path, true, false, 64).map_err(io_err)?;
-    crate::host::lock_file(&dev, path, crate::lock::Access::Write)?;
+    let mut dev = UringDevice::open(path, true, false, 64).map_err(io_err)?;
+    crate::host::lock_device(&mut dev, path, crate::lock::Access::Write)?;
     let exec: Exec<UringDevice> = Exec::new();
     let id = exec.add_device(dev);
     let e2 = exec.clone();
