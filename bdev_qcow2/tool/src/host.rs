@@ -1,10 +1,12 @@
 //! The standalone host: opens an image and its backing chain from paths, on io_uring
 //! devices driven by one executor (one core).
 
+use crate::lock::{Access, LockFailure};
 use crate::uring::UringDevice;
 use qcow2_engine::io::BlockDevice;
 use qcow2_engine::{Chain, Exec, Layer, OpenOptions, Qcow2};
 use std::collections::HashSet;
+use std::os::fd::AsFd;
 use std::path::{Path, PathBuf};
 use std::rc::Rc;
 
@@ -27,9 +29,35 @@ pub enum ToolError {
         /// The OS error.
         source: std::io::Error,
     },
+    /// The image's lock bytes (QEMU's scheme, see [`crate::lock`]) could not be taken:
+    /// another process (QEMU, or this tool) uses the image in a conflicting way.
+    #[error("Could not open '{path}': {failure}{}", lock_hint(failure, path))]
+    Lock {
+        /// The file concerned.
+        path: String,
+        /// What stood in the way.
+        failure: LockFailure,
+    },
+    /// As [`ToolError::Lock`], for a file about to be created over (truncated).
+    #[error("{path}: {failure}{}", lock_hint(failure, path))]
+    CreateLock {
+        /// The file concerned.
+        path: String,
+        /// What stood in the way.
+        failure: LockFailure,
+    },
     /// Bad usage or an unsupported request.
     #[error("{0}")]
     Usage(String),
+}
+
+/// QEMU's hint after a lock conflict (none when the lock call itself failed).
+fn lock_hint(failure: &LockFailure, path: &str) -> String {
+    if failure.is_conflict() {
+        format!("\nIs another process using the image [{path}]?")
+    } else {
+        String::new()
+    }
 }
 
 /// Result type of the tool.
@@ -80,6 +108,9 @@ pub struct OpenSpec {
     pub queue_depth: u32,
     /// Bypass the page cache (O_DIRECT) where the file system allows.
     pub direct: bool,
+    /// Take no lock that keeps others from writing (qemu-img's `-U`/`--force-share`), on
+    /// every file of the chain; only for read-only opens.
+    pub force_share: bool,
 }
 
 /// An opened chain with the paths and formats of its layers (top first). `D` is the device
@@ -114,14 +145,55 @@ fn top_image_err(path: &Path) -> impl FnOnce(qcow2_engine::Error) -> ToolError +
     }
 }
 
-/// Opens one image file as an io_uring device (read-only unless `writable`).
+/// Opens one image file as an io_uring device (read-only unless `writable`) and takes its
+/// lock bytes as QEMU would for the same open ([`crate::lock`]): a writable image, a
+/// read-only one, or with `spec.force_share` one that lets others write. Refuses a
+/// writable open with `force_share`, as QEMU does.
 pub fn uring_device(path: &Path, writable: bool, spec: &OpenSpec) -> ToolResult<UringDevice> {
-    UringDevice::open(path, writable, spec.direct, spec.queue_depth).map_err(|source| {
-        ToolError::Io {
-            path: path.display().to_string(),
-            source,
+    let access = match (writable, spec.force_share) {
+        (true, true) => {
+            return Err(ToolError::Usage(format!(
+                "Could not open '{}': force-share=on can only be used with read-only images",
+                path.display()
+            )))
         }
-    })
+        (true, false) => Access::Write,
+        (false, true) => Access::ReadForceShare,
+        (false, false) => Access::Read,
+    };
+    let mut dev =
+        UringDevice::open(path, writable, spec.direct, spec.queue_depth).map_err(|source| {
+            ToolError::Io {
+                path: path.display().to_string(),
+                source,
+            }
+        })?;
+    lock_device(&mut dev, path, access)?;
+    Ok(dev)
+}
+
+/// Takes the lock bytes of `access` on the image `dev` ([`UringDevice::lock`]) before
+/// anything reads or writes it; they go with the device.
+pub fn lock_device(dev: &mut UringDevice, path: &Path, access: Access) -> ToolResult<()> {
+    dev.lock(access).map_err(lock_error(path, access))
+}
+
+/// Takes the lock bytes of `access` on the open `file` ([`crate::lock::lock`]) before
+/// anything reads or writes it; they go when the file is closed (on failure too, for
+/// what was taken).
+pub fn lock_file(file: &impl AsFd, path: &Path, access: Access) -> ToolResult<()> {
+    crate::lock::lock(file.as_fd(), access).map_err(lock_error(path, access))
+}
+
+/// The error of a failed lock on `path`, as QEMU words it for an open or a creation.
+fn lock_error(path: &Path, access: Access) -> impl FnOnce(LockFailure) -> ToolError + '_ {
+    move |failure| {
+        let path = path.display().to_string();
+        match access {
+            Access::Create => ToolError::CreateLock { path, failure },
+            _ => ToolError::Lock { path, failure },
+        }
+    }
 }
 
 /// Opens one image file as a device on `exec`.

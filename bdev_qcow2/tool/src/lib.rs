@@ -3,6 +3,7 @@
 
 pub mod cmd;
 pub mod host;
+pub mod lock;
 pub mod logwrites;
 pub mod reactor;
 pub mod rng;

@@ -13,7 +13,7 @@ use qcow2_engine::io::{BlockDevice, BufSlice, Busy, DeviceError, DeviceOp, IoBuf
 use slab::Slab;
 use std::alloc::{alloc_zeroed, dealloc, Layout};
 use std::fs::{File, OpenOptions};
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsFd, AsRawFd};
 use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
 use std::path::Path;
 use std::ptr::NonNull;
@@ -190,6 +190,8 @@ pub struct UringDevice {
     /// per poll).
     cqes: Vec<(u64, i32)>,
     stats: DeviceStats,
+    /// Whether this open took image lock bytes ([`UringDevice::lock`]), released on drop.
+    locked: bool,
 }
 
 /// Operation counters of a [`UringDevice`] (for benchmarks: write amplification).
@@ -210,6 +212,12 @@ impl Drop for UringDevice {
         // Give back the space grown ahead of appending writes (what was never written).
         if self.regular_file && self.owns_len && self.file_len > self.size {
             let _ = self.file.set_len(self.size);
+        }
+        if self.locked {
+            // Released here rather than by the close: the file may outlive this device
+            // (io_uring drops its references asynchronously, a child being spawned holds
+            // a copy of the descriptor table until it execs), and the lock must not.
+            crate::lock::unlock(self.file.as_fd());
         }
     }
 }
@@ -282,7 +290,16 @@ impl UringDevice {
             completions: Vec::with_capacity(depth as usize),
             cqes: Vec::with_capacity(depth as usize),
             stats: DeviceStats::default(),
+            locked: false,
         })
+    }
+
+    /// Takes the image lock bytes of `access` on this open ([`crate::lock::lock`]), before
+    /// anything reads or writes the image; they are released when the device is dropped
+    /// (also after a failure here, for the bytes already taken).
+    pub fn lock(&mut self, access: crate::lock::Access) -> Result<(), crate::lock::LockFailure> {
+        self.locked = true;
+        crate::lock::lock(self.file.as_fd(), access)
     }
 
     /// Extends a regular file (sparsely) by 1 GiB past `end` before a write that would

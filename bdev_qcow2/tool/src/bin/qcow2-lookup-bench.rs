@@ -58,6 +58,7 @@ fn open(path: &Path, size: u64) -> (Exec<UringDevice>, Rc<Chain<UringDevice>>) {
         opts: OpenOptions::default(),
         queue_depth: 32,
         direct: false,
+        force_share: false,
     })
     .expect("open image");
     let Layer::Qcow2(q) = &chain.layers()[0] else {

@@ -6,7 +6,8 @@
 //! whose findings are reported together with the repaired counts.
 
 use super::{CacheMode, OutputFormat};
-use crate::host::Format;
+use crate::host::{lock_device, Format};
+use crate::lock::Access;
 use crate::uring::UringDevice;
 use qcow2_engine::check::{check, CheckReport, Repair};
 use qcow2_engine::Exec;
@@ -39,6 +40,11 @@ pub struct CheckArgs {
     /// Cache mode of the image file (`none`: O_DIRECT where the file system allows it).
     #[arg(short = 'T', long = "cache", value_enum, default_value = "none")]
     pub cache: CacheMode,
+    /// Force sharing (qemu-img's `-U`): take no lock that keeps others from writing the
+    /// image meanwhile (the check may then report what a writer is changing). Not with
+    /// `-r`.
+    #[arg(short = 'U', long = "force-share")]
+    pub force_share: bool,
     /// Print nothing on stdout; only the exit code tells.
     #[arg(short = 'q', long)]
     pub quiet: bool,
@@ -167,9 +173,21 @@ pub fn main(args: &CheckArgs) -> ExitCode {
         Some(RepairArg::Leaks) => Repair::Leaks,
         Some(RepairArg::All) => Repair::All,
     };
-    let dev = match UringDevice::open(
+    let access = match (repair != Repair::None, args.force_share) {
+        (true, true) => {
+            eprintln!(
+                "qcow2: Could not open '{filename}': force-share=on can only be used with \
+                 read-only images"
+            );
+            return ExitCode::from(1);
+        }
+        (true, false) => Access::Write,
+        (false, true) => Access::ReadForceShare,
+        (false, false) => Access::Read,
+    };
+    let mut dev = match UringDevice::open(
         &args.image,
-        repair != Repair::None,
+        access == Access::Write,
         args.cache == CacheMode::None,
         64,
     ) {
@@ -179,6 +197,10 @@ pub fn main(args: &CheckArgs) -> ExitCode {
             return ExitCode::from(1);
         }
     };
+    if let Err(e) = lock_device(&mut dev, &args.image, access) {
+        eprintln!("qcow2: {e}");
+        return ExitCode::from(1);
+    }
     let exec: Exec<UringDevice> = Exec::new();
     let dev = exec.add_device(dev);
     let run = |mode: Repair| {

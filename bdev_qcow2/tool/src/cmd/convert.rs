@@ -13,6 +13,7 @@
 
 use super::ImageArgs;
 use crate::host::{open_chain, ToolError, ToolResult};
+use crate::lock::Access;
 use crate::uring::{AlignedBuf, UringDevice};
 use qcow2_engine::io::{BufSlice, DeviceOp};
 
@@ -78,18 +79,11 @@ pub fn run(args: &ConvertArgs) -> ToolResult<String> {
         path: args.output.display().to_string(),
         source,
     };
-    let out = std::fs::OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .open(&args.output)
-        .map_err(io_err)?;
-    out.set_len(size).map_err(io_err)?;
-
-    drop(out);
+    crate::cmd::create::create_file(&args.output, size)?;
     // Output writes go through io_uring too, so they overlap with reads (the kernel copies
     // into the page cache on its own workers) instead of stalling the polling loop.
-    let out_dev = UringDevice::open(&args.output, true, false, 64).map_err(io_err)?;
+    let mut out_dev = UringDevice::open(&args.output, true, false, 64).map_err(io_err)?;
+    crate::host::lock_device(&mut out_dev, &args.output, Access::WriteRaw)?;
     let out_id = o.exec.add_device(out_dev);
 
     let depth = args.queue_depth.max(1);
@@ -369,11 +363,12 @@ mod qcow2_out {
             source,
         };
         let direct = args.image.cache == CacheMode::None;
-        let dev =
+        let mut dev =
             UringDevice::open(&args.output, true, direct, 64).map_err(|source| ToolError::Io {
                 path: args.output.display().to_string(),
                 source,
             })?;
+        crate::host::lock_device(&mut dev, &args.output, crate::lock::Access::Write)?;
         let id = o.exec.add_device(dev);
         let e2 = o.exec.clone();
         let q = o

@@ -289,20 +289,18 @@ impl FormatOptions {
     }
 }
 
-/// Creates (or truncates) `path` and formats it with `opts` through the engine.
+/// Creates (or truncates) `path` and formats it with `opts` through the engine. As QEMU,
+/// an existing file is truncated only once its create locks are taken (nobody else uses
+/// it), and formatted under the locks of a writable image.
 pub fn format_image(path: &Path, opts: &CreateOptions) -> ToolResult<()> {
     let io_err = |source| ToolError::Io {
         path: path.display().to_string(),
         source,
     };
-    std::fs::OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .open(path)
-        .map_err(io_err)?;
+    create_file(path, 0)?;
     // Buffered: a fresh, empty file cannot be probed for O_DIRECT support.
-    let dev = UringDevice::open(path, true, false, 64).map_err(io_err)?;
+    let mut dev = UringDevice::open(path, true, false, 64).map_err(io_err)?;
+    crate::host::lock_device(&mut dev, path, crate::lock::Access::Write)?;
     let exec: Exec<UringDevice> = Exec::new();
     let id = exec.add_device(dev);
     let e2 = exec.clone();
@@ -312,6 +310,26 @@ pub fn format_image(path: &Path, opts: &CreateOptions) -> ToolResult<()> {
             path: path.display().to_string(),
             source,
         })
+}
+
+/// Creates `path`, or truncates it once its create locks ([`crate::lock::Access::Create`])
+/// show that nobody else has it open in a conflicting way, and sets its length to `len`.
+/// The locks go with the file, closed on return.
+pub fn create_file(path: &Path, len: u64) -> ToolResult<()> {
+    let io_err = |source| ToolError::Io {
+        path: path.display().to_string(),
+        source,
+    };
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(path)
+        .map_err(io_err)?;
+    crate::host::lock_file(&f, path, crate::lock::Access::Create)?;
+    f.set_len(0).map_err(io_err)?;
+    f.set_len(len).map_err(io_err)
 }
 
 /// Virtual size of the backing image `name` (relative to `image`'s directory), opened
@@ -332,6 +350,9 @@ fn backing_size(image: &Path, name: &str, format: Format) -> ToolResult<u64> {
         opts: OpenOptions::default(),
         queue_depth: 8,
         direct: false,
+        // As qemu-img create, which probes the backing size with force-share: the backing
+        // file may be in use (a base image under running guests).
+        force_share: true,
     };
     match format {
         Format::Raw => {
@@ -451,6 +472,7 @@ fn preallocate(path: &Path, mode: qcow2_engine::create::Preallocation) -> ToolRe
         queue_depth: 64,
         direct: true,
         writable: true,
+        force_share: false,
     };
     let o = crate::host::open_chain(&spec)?;
     let chain = o.chain.clone();

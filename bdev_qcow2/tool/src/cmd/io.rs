@@ -2,10 +2,12 @@
 //!
 //! Commands (`-c`, repeatable, run in order): `read [-q] [-P pattern] OFF LEN`,
 //! `write [-q] [-P pattern] OFF LEN` (pattern 0xcd by default, like qemu-io),
-//! `write -z [-u] [-q] OFF LEN`, `discard [-q] OFF LEN`, `flush`. Offsets and lengths take
+//! `write -z [-u] [-q] OFF LEN`, `discard [-q] OFF LEN`, `flush`, `sleep MS` (holds the
+//! image open, and its locks, for MS milliseconds). Offsets and lengths take
 //! k/M/G suffixes and need no alignment: partial 512-byte sectors are read, patched and
 //! written back here (the engine only takes whole sectors). The image is opened writable
-//! only if some command writes, and flushed at the end.
+//! only if some command writes (never with `-r`, which makes writing commands fail like
+//! qemu-io's "Block node is read-only"), and flushed at the end.
 //!
 //! `--log-writes LOG` records every write and flush the engine issues to the image file in
 //! the dm-log-writes format (see [`crate::logwrites`]), with a mark `flush-N` after the
@@ -31,6 +33,9 @@ pub struct IoArgs {
     /// A command to run (repeatable; qemu-io syntax): read, write, write -z, discard, flush.
     #[arg(short = 'c', long = "cmd")]
     pub commands: Vec<String>,
+    /// Open the image read-only (as `qemu-io -r`): writing commands fail.
+    #[arg(short = 'r', long = "read-only")]
+    pub read_only: bool,
     /// Record every write and flush issued to the image in dm-log-writes format.
     #[arg(long)]
     pub log_writes: Option<PathBuf>,
@@ -86,12 +91,20 @@ pub enum IoCmd {
     },
     /// Guest flush.
     Flush,
+    /// Wait, the image held open (qemu-io's `sleep`).
+    Sleep {
+        /// Milliseconds.
+        ms: u64,
+    },
 }
 
 impl IoCmd {
     /// Whether the command needs the image open for writing.
     pub fn writes(&self) -> bool {
-        !matches!(self, IoCmd::Read { .. } | IoCmd::Flush)
+        !matches!(
+            self,
+            IoCmd::Read { .. } | IoCmd::Flush | IoCmd::Sleep { .. }
+        )
     }
 }
 
@@ -186,6 +199,14 @@ pub fn parse_cmd(line: &str) -> Result<IoCmd, String> {
         }
         "flush" if pos.is_empty() => Ok(IoCmd::Flush),
         "flush" => Err("flush takes no arguments".into()),
+        "sleep" => match pos[..] {
+            [ms] => Ok(IoCmd::Sleep {
+                ms: ms
+                    .parse()
+                    .map_err(|_| format!("sleep: invalid milliseconds '{ms}'"))?,
+            }),
+            _ => Err("sleep: expects MS".into()),
+        },
         _ => Err(format!("command \"{name}\" not found")),
     }
 }
@@ -352,6 +373,12 @@ fn run_commands(
         }
     };
     for cmd in cmds {
+        if cmd.writes() && !writable {
+            // qemu-io -r: the command fails, the others still run.
+            eprintln!("qcow2: Block node is read-only");
+            ok = false;
+            continue;
+        }
         let t0 = Instant::now();
         let c = chain.clone();
         match *cmd {
@@ -404,6 +431,11 @@ fn run_commands(
                 ok &= done("discard", "discard", r, off, len, quiet, t0, out);
             }
             IoCmd::Flush => flush(&mut ok, out, false),
+            IoCmd::Sleep { ms } => {
+                // Output so far is seen before the wait (a test waits on it).
+                let _ = out.flush();
+                std::thread::sleep(std::time::Duration::from_millis(ms));
+            }
         }
     }
     // Close: make everything durable, like qemu-io's bdrv_close.
@@ -443,7 +475,7 @@ fn run(args: &IoArgs, out: &mut dyn Write) -> ToolResult<bool> {
         .iter()
         .map(|c| parse_cmd(c).map_err(ToolError::Usage))
         .collect::<ToolResult<Vec<_>>>()?;
-    let writable = cmds.iter().any(IoCmd::writes);
+    let writable = !args.read_only && cmds.iter().any(IoCmd::writes);
     let mut spec = args.image.spec()?;
     if writable && spec.format == crate::host::Format::Raw {
         return Err(ToolError::Usage(
@@ -523,6 +555,8 @@ mod tests {
             })
         );
         assert_eq!(parse_cmd("flush"), Ok(IoCmd::Flush));
+        assert_eq!(parse_cmd("sleep 250"), Ok(IoCmd::Sleep { ms: 250 }));
+        assert!(parse_cmd("sleep").is_err());
         assert!(parse_cmd("write -u 0 1").is_err());
         assert!(parse_cmd("read -P 256 0 1").is_err());
         assert!(parse_cmd("bogus").is_err());

@@ -49,6 +49,11 @@ pub struct ImageArgs {
     /// overwrites. 0 (or at most the cluster size): one cluster per first write, as QEMU.
     #[arg(long, value_parser = crate::parse_size, default_value = "64K")]
     pub alloc_granule: u64,
+    /// Force sharing (qemu-img's `-U`): take no lock that keeps QEMU (or another `qcow2`)
+    /// from writing the image and its backing files meanwhile, so an image in use can be
+    /// read, at the risk of reading it mid-change. Only for commands that read.
+    #[arg(short = 'U', long = "force-share")]
+    pub force_share: bool,
     /// The image.
     pub image: PathBuf,
 }
@@ -91,6 +96,7 @@ impl ImageArgs {
             },
             queue_depth: 64,
             direct: self.cache == CacheMode::None,
+            force_share: self.force_share,
         })
     }
 }

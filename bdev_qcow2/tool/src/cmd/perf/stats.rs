@@ -5,6 +5,7 @@ use super::args::{PerfArgs, Switch, Workload};
 use super::device::{open_dev, Dev};
 use super::workload::{drive, warm, Lanes, RawTarget};
 use crate::host::{ToolError, ToolResult};
+use crate::lock::Access;
 use crate::reactor::run_reactors_with_ring;
 use qcow2_engine::ring::RingStats;
 use qcow2_engine::{Exec, OpenOptions};
@@ -116,6 +117,16 @@ pub fn run_one(path: &Path, raw: bool, w: Workload, a: &PerfArgs) -> ToolResult<
             let mut d = open_dev(path, writable, a)?;
             if id > 0 {
                 d.inner = d.inner.into_channel();
+            } else {
+                // The owner's open holds the image's locks for the process; the other
+                // cores' channels are further opens of it and take none (they would
+                // conflict with the owner's).
+                let access = if writable {
+                    Access::Write
+                } else {
+                    Access::Read
+                };
+                crate::host::lock_device(&mut d.inner, path, access)?;
             }
             Ok(d)
         };

@@ -41,7 +41,9 @@ pub struct ThrashResult {
 /// a slice cache of `cache` bytes holds.
 fn cache_shape(path: &Path, a: &PerfArgs, cache: Option<u64>) -> ToolResult<(u64, u64, u64)> {
     let exec: Exec<Dev> = Exec::new();
-    let dev = exec.add_device(open_dev(path, false, a)?);
+    let mut dev = open_dev(path, false, a)?;
+    crate::host::lock_device(&mut dev.inner, path, crate::lock::Access::Read)?;
+    let dev = exec.add_device(dev);
     let e2 = exec.clone();
     let opts = OpenOptions {
         l2_slice_bytes: a.l2_slice_size,
