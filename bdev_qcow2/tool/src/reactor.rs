@@ -178,6 +178,12 @@ impl<D: BlockDevice> Reactor<D> {
             true => self.ring_tag(tag, req.offset, req.len),
             false => tag,
         };
+        self.take_step(tag, req, buf);
+    }
+
+    /// The reactor's one loop, for its own requests and (on the owner) those the cores
+    /// sent: the engine plans `req` and the reactor takes the step.
+    fn take_step(&mut self, tag: u64, req: Request, buf: Option<BufSlice<D::Buf>>) {
         let step = match &buf {
             Some(b) => self.chain.plan(req, || b.clone()),
             None => self
@@ -203,6 +209,11 @@ impl<D: BlockDevice> Reactor<D> {
                     _ => tag,
                 };
                 self.chain.start(task, tag, buf)
+            }
+            // The owner hands nothing to itself.
+            Step::Owner(_) if self.is_owner() => {
+                let e = qcow2_engine::Error::InvalidRequest("sent to the owner by the owner");
+                self.exec.complete(tag, Err(e))
             }
             Step::Owner(op) => self.forward_request(tag, Request { op, ..req }, buf.as_ref()),
         }
@@ -375,27 +386,7 @@ impl<D: BlockDevice> Reactor<D> {
                     buf.copy_in(0, &data);
                     BufSlice::whole(buf)
                 });
-                let buf2 = buf.clone();
-                let step = self
-                    .chain
-                    .plan(req, || buf2.unwrap_or_else(|| unreachable!("no data")));
-                match step {
-                    Step::Complete(r) => self.exec.complete(t, r),
-                    Step::Direct(grant) => match buf {
-                        Some(b) => self.chain.submit_direct(t, grant, b),
-                        None => {
-                            let task = self.chain.not_submitted(grant);
-                            self.chain.start(task, t, None)
-                        }
-                    },
-                    Step::Task(task) => self.chain.start(task, t, buf),
-                    // The owner hands nothing to itself.
-                    Step::Owner(_) => {
-                        let e =
-                            qcow2_engine::Error::InvalidRequest("sent to the owner by the owner");
-                        self.exec.complete(t, Err(e))
-                    }
-                }
+                self.take_step(t, req, buf);
             }
         }
     }
