@@ -25,7 +25,7 @@
 # callback, our bdev or the passthru, the malloc bdev and the accel copy: everything the
 # accel poller runs, plus our bdev's own pollers: every channel's and the metadata owner's
 # poller runs through `ffi::thread::run_poller`, less their `finish` at the end of the run)
-# and the ratio qcow2/passthru. Needs an
+# and the ratio qcow2/passthru, per request bdevperf completed (tests/instr_cycle.py). Needs an
 # installed SPDK (bdevperf, pkg-config spdk_bdev) and valgrind; prints SKIPPED without them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -59,14 +59,12 @@ count() {
   fi
   printf '{"subsystems":[{"subsystem":"bdev","config":[%s,{"method":"bdev_wait_for_examine"}]}]}' \
     "$calls" >"$DIR/$kind.json"
-  local n cycle
   if [ "$kind" = q ] && [ -n "${FILL:-}" ]; then
-    n=$(filled_run "$w" "$o")
+    filled_run "$w" "$o" >/dev/null
   else
     timeout 600 env LD_PRELOAD="$SO" valgrind --tool=callgrind --callgrind-out-file="$DIR/$kind.out" \
       bdevperf -u --no-huge -s 1024 --json "$DIR/$kind.json" -m 0x1 -T X -q 32 -o "$o" -w "$w" \
       -t "${SECS:-5}" >"$DIR/$kind.log" 2>&1
-    n=$(awk '$1 == "X" && $2 == ":" {print $3 * $4; exit}' "$DIR/$kind.log")
   fi
   # (filled_run checks its own results.)
   if { [ "$kind" = p ] || [ -z "${FILL:-}" ]; } &&
@@ -75,13 +73,9 @@ count() {
     echo "failed I/O" >&2
     exit 1
   fi
-  # (Less what our pollers' `finish` runs once at the end: dropping a channel or the owner,
-  # e.g. freeing a prefetch ring, is no part of a request.)
-  cycle=$(callgrind_annotate --auto=no --inclusive=yes --threshold=100 "$DIR/$kind.out" 2>/dev/null |
-    grep -E "(accel_sw\.c:accel_comp_poll|bdev_qcow2::ffi::thread::run_poller|ffi::thread::Polled>::finish) " |
-    awk '{gsub(",", "", $1); if ($0 ~ /Polled>::finish/) s -= $1; else s += $1} END {print s}')
   [ -z "${KEEP:-}" ] || { mkdir -p "$KEEP" && cp "$DIR/$kind.out" "$KEEP/$kind-$w-$o.out"; }
-  awk -v c="$cycle" -v n="$n" 'BEGIN {printf "%.0f", c / n}'
+  # The cycle per request completed (tests/instr_cycle.py says what it counts).
+  python3 tests/instr_cycle.py "$DIR/$kind.out" | cut -d' ' -f1
 }
 
 # filled_run WORKLOAD IOSIZE: our image filled by FILL, then the measured run, counted

@@ -253,7 +253,9 @@ pub trait Polled: Sized + 'static {
     fn slot(&self) -> &PollerSlot;
     /// One run.
     fn poll(&self) -> Poll;
-    /// The poller has stopped: the last use of the state.
+    /// The poller has stopped: the last use of the state (dropped here by default). Never
+    /// inlined, so that a profile tells teardown from the poll that ended it.
+    #[inline(never)]
     fn finish(self: Box<Self>) {}
 }
 

@@ -1,0 +1,63 @@
+#!/usr/bin/env python3
+"""Instructions per request of one callgrind run of bdevperf (used by tests/spdk_instr.sh).
+
+The cycle is what the accel poller runs (bdevperf's completion and resubmission, our bdev or
+the passthru, the malloc bdev, the copy) plus our data-path pollers (`ffi::thread::run_poller`)
+less the teardown those run once at the end (`Polled>::finish`, called from them). Requests
+are bdevperf's completions counted by callgrind (calls of `bdevperf_complete`), not its
+IOPS times runtime, which leave out the requests of the run's first and last moments.
+
+Usage: instr_cycle.py CALLGRIND_OUT  ->  prints "INSTRUCTIONS_PER_REQUEST REQUESTS"
+"""
+import re
+import subprocess
+import sys
+
+COST = re.compile(r"^\s*([\d,]+) \(\s*[\d.]+%\)\s+([*<>])\s+(.*)$")
+
+
+def blocks(path, tree):
+    """The call-tree blocks of callgrind_annotate: (function line, [(mark, cost, text)])."""
+    out = subprocess.run(
+        ["callgrind_annotate", "--auto=no", "--inclusive=yes", "--threshold=100",
+         "--tree=" + tree, path],
+        capture_output=True, text=True, check=True).stdout
+    cur, rows = None, []
+    for line in out.splitlines():
+        m = COST.match(line)
+        if not m:
+            if cur is not None:
+                yield cur, rows
+            cur, rows = None, []
+            continue
+        cost, mark, text = int(m.group(1).replace(",", "")), m.group(2), m.group(3)
+        if mark == "*":
+            cur = (cost, text)
+        else:
+            rows.append((mark, cost, text))
+    if cur is not None:
+        yield cur, rows
+
+
+def main():
+    path = sys.argv[1]
+    cycle = 0
+    for (cost, text), rows in blocks(path, "calling"):
+        if "accel_sw.c:accel_comp_poll " in text:
+            cycle += cost
+        elif "bdev_qcow2::ffi::thread::run_poller " in text:
+            cycle += cost - sum(c for m, c, t in rows if m == ">" and "Polled>::finish" in t)
+    requests = 0
+    for (_, text), rows in blocks(path, "caller"):
+        if re.search(r"bdevperf\.c:bdevperf_complete ", text):
+            for _, _, t in rows:
+                m = re.search(r"\(([\d,]+)x\)", t)
+                if m:
+                    requests += int(m.group(1).replace(",", ""))
+    if requests == 0:
+        sys.exit("no completed requests in " + path)
+    print("%.0f %d" % (cycle / requests, requests))
+
+
+if __name__ == "__main__":
+    main()
