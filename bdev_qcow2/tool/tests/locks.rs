@@ -333,6 +333,13 @@ fn backing_files_are_locked_as_shared_readers() {
         s(&top),
     ]);
 
+    // Written before the holder starts too: the holder is seen locking at its open, maybe
+    // before its own write ran, and may be killed then. (Its write, of the same bytes in
+    // place, is what makes it a writer.)
+    assert_ok(
+        "qcow2 io write into the overlay",
+        &qcow2(&["io", "--allow-backing", "-c", "write -P 0x55 0 4k", s(&top)]),
+    );
     let mut holder = our_holder(
         &top,
         &["--allow-backing"],
