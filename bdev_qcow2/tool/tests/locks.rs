@@ -247,6 +247,12 @@ fn qemu_writer_keeps_the_tool_out() {
 fn tool_writer_keeps_qemu_out() {
     let d = tempfile::tempdir().unwrap();
     let img = image(d.path(), "a.qcow2");
+    // (Written first as well: the holder is seen locking at its open, maybe before its own
+    // write of the same bytes ran.)
+    assert_ok(
+        "qcow2 io write",
+        &qcow2(&["io", "-c", "write -P 0x55 0 4k", s(&img)]),
+    );
     let holder = our_holder(&img, &[], &["write -P 0x55 0 4k", "flush"], WRITER_BYTE);
 
     let out = output(Command::new("qemu-io").args(["-f", "qcow2", "-c", "write 0 4k", s(&img)]));
