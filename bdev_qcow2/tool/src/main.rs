@@ -28,10 +28,16 @@ enum Cmd {
     Map(map::MapArgs),
     /// Copy the virtual disk into a raw file (like `qemu-img convert -O raw`).
     Convert(convert::ConvertArgs),
+    /// The file size a new image needs, empty or converted from an image (like
+    /// `qemu-img measure`).
+    Measure(measure::MeasureArgs),
     /// Create a new qcow2 image (like `qemu-img create`).
     Create(create::CreateArgs),
     /// Run guest I/O commands on an image (like `qemu-io -c …`).
     Io(io::IoArgs),
+    /// Whether two images read the same (like `qemu-img compare [-s]`; exit status 0
+    /// identical, 1 different, 2 open failed, 3 block status failed, 4 read failed).
+    Compare(compare::CompareArgs),
     /// Check the image's consistency and repair it (like `qemu-img check [-r leaks|all]`).
     Check(check::CheckArgs),
     /// Change the virtual size (like `qemu-img resize [--shrink]`; a shrink is refused
@@ -64,6 +70,8 @@ fn main() -> ExitCode {
         Cmd::Io(a) => return io::main(a),
         // Its own exit codes (0 clean, 1 failed, 2 corruptions, 3 leaks), like qemu-img.
         Cmd::Check(a) => return check::main(a),
+        // Its own exit codes (0 identical, 1 different, 2..4 errors), like qemu-img.
+        Cmd::Compare(a) => return compare::main(a),
     };
     match r {
         Ok(out) => {
