@@ -2,7 +2,9 @@
 //! output and exit codes shaped like `qemu-img`.
 
 use clap::{Parser, Subcommand};
-use qcow2_tool::cmd::{check, convert, create, info, io, map, perf, rebase, resize, snapshot};
+use qcow2_tool::cmd::{
+    check, compare, convert, create, info, io, map, measure, perf, rebase, resize, snapshot,
+};
 use std::io::Write;
 use std::process::ExitCode;
 
@@ -61,6 +63,7 @@ fn main() -> ExitCode {
         Cmd::Info(a) => info::run(a),
         Cmd::Perf(a) => perf::run(a),
         Cmd::Map(a) => map::run(a),
+        Cmd::Measure(a) => measure::run(a),
         Cmd::Convert(a) => convert::run(a),
         Cmd::Create(a) => create::run(a),
         Cmd::Resize(a) => resize::run(a),
