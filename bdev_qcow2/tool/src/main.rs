@@ -3,7 +3,7 @@
 
 use clap::{Parser, Subcommand};
 use qcow2_tool::cmd::{
-    check, compare, convert, create, info, io, map, measure, perf, rebase, resize, snapshot,
+    bitmap, check, compare, convert, create, info, io, map, measure, perf, rebase, resize, snapshot,
 };
 use std::io::Write;
 use std::process::ExitCode;
@@ -48,6 +48,9 @@ enum Cmd {
     /// Copy everything the image reads from its backing chain into it and drop the backing
     /// file (like `qemu-img rebase -b ''`; `-u`: drop the reference only).
     Rebase(rebase::RebaseArgs),
+    /// Enable, disable, clear or merge persistent dirty bitmaps (like `qemu-img bitmap
+    /// --enable|--disable|--clear|--merge`).
+    Bitmap(bitmap::BitmapArgs),
     /// List, create, delete or apply internal snapshots (like `qemu-img snapshot
     /// -l|-c|-d|-a`).
     Snapshot(snapshot::SnapshotArgs),
@@ -69,6 +72,7 @@ fn main() -> ExitCode {
         Cmd::Resize(a) => resize::run(a),
         Cmd::Rebase(a) => rebase::run(a),
         Cmd::Snapshot(a) => snapshot::run(a),
+        Cmd::Bitmap(a) => bitmap::run(a),
         // Exit status 1 when a command fails or a pattern does not match, like qemu-io.
         Cmd::Io(a) => return io::main(a),
         // Its own exit codes (0 clean, 1 failed, 2 corruptions, 3 leaks), like qemu-img.

@@ -1,5 +1,6 @@
 //! Subcommands of the `qcow2` tool.
 
+pub mod bitmap;
 pub mod check;
 pub mod compare;
 pub mod convert;
