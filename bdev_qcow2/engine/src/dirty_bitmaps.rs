@@ -31,7 +31,7 @@ pub(crate) struct Bits {
     granularity_bits: u32,
     segs: Box<[OnceLock<Box<[AtomicU64]>>]>,
     /// Whether it records guest writes (the `auto` flag).
-    enabled: bool,
+    enabled: AtomicBool,
     /// Whether a bit changed since the bitmap was loaded or last stored.
     changed: AtomicBool,
 }
@@ -44,7 +44,7 @@ impl Bits {
         let b = Bits {
             granularity_bits: u32::from(granularity_bits),
             segs: (0..MAX_SEGS).map(|_| OnceLock::new()).collect(),
-            enabled,
+            enabled: AtomicBool::new(enabled),
             changed: AtomicBool::new(false),
         };
         b.cover(granules);
@@ -146,6 +146,37 @@ impl Bits {
         }
     }
 
+    /// Starts or stops recording guest writes.
+    pub(crate) fn set_enabled(&self, on: bool) {
+        self.enabled.store(on, Ordering::Relaxed);
+    }
+
+    /// Clears every bit.
+    pub(crate) fn clear_all(&self) {
+        for seg in self.segs.iter().filter_map(OnceLock::get) {
+            for a in seg.iter() {
+                if a.swap(0, Ordering::Relaxed) != 0 {
+                    self.changed.store(true, Ordering::Relaxed);
+                }
+            }
+        }
+    }
+
+    /// Sets the bits of every granule that another bitmap's set bits touch: `data` as
+    /// stored, of granularity `granularity_bits`, over a disk of `size` bytes.
+    pub(crate) fn merge(&self, granularity_bits: u8, data: &[u8], size: u64) {
+        let g = u32::from(granularity_bits);
+        for (i, &byte) in data.iter().enumerate().filter(|(_, b)| **b != 0) {
+            for bit in (0..8).filter(|b| byte >> b & 1 == 1) {
+                let start = ((i as u64) * 8 + bit) << g;
+                if start >= size {
+                    return;
+                }
+                self.mark(start, (1u64 << g).min(size - start));
+            }
+        }
+    }
+
     /// Whether a bit was set (or cleared) since the bitmap was loaded or stored.
     pub(crate) fn changed(&self) -> bool {
         self.changed.load(Ordering::Relaxed)
@@ -198,7 +229,7 @@ impl DirtyBitmaps {
             return;
         }
         for b in self.maps.iter() {
-            if b.enabled {
+            if b.enabled.load(Ordering::Relaxed) {
                 b.mark(offset, len);
             }
         }
@@ -284,6 +315,38 @@ mod tests {
         // QEMU's limit: 2^32 granules.
         assert_eq!(m.too_small((1u64 << 48) + 1), Some(0));
         assert_eq!(m.too_small(1u64 << 48), None);
+    }
+
+    #[test]
+    fn clear_and_merge_across_granularities() {
+        // 4 KiB granules over a disk of 1 MiB + 1 KiB.
+        let size: u64 = (1 << 20) + 1024;
+        let b = Bits::new(12, &[0b1], size.div_ceil(4096), true);
+        b.clear_all();
+        assert!(b.changed());
+        assert_eq!(b.data(33), vec![0; 33]);
+        // A 64 KiB-granule source with granules 1 and 16 set: 16 covers only the disk's
+        // last KiB, i.e. granule 256 here.
+        b.merge(16, &[0b10, 0, 0b1], size);
+        let d = b.data(33);
+        let set: Vec<usize> = (0..257).filter(|&i| d[i / 8] >> (i % 8) & 1 == 1).collect();
+        assert_eq!(
+            set,
+            (16..32).chain(std::iter::once(256)).collect::<Vec<_>>()
+        );
+        // A 512-byte-granule source: granule 1 lies in 4 KiB granule 0.
+        b.merge(9, &[0b10], size);
+        assert_eq!(b.data(1)[0] & 1, 1);
+        b.set_enabled(false);
+        let m = DirtyBitmaps::new(vec![b]);
+        m.mark(900_000, 1);
+        assert_eq!(
+            m.get(0).data(33),
+            d.iter()
+                .enumerate()
+                .map(|(i, x)| if i == 0 { x | 1 } else { *x })
+                .collect::<Vec<_>>()
+        );
     }
 
     #[test]

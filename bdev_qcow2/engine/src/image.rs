@@ -27,6 +27,7 @@ mod preload;
 mod replica;
 mod slices;
 pub(crate) use lookup::CachedExtent;
+pub use owner::bitmap_change::{BitmapBits, BitmapChange};
 pub use owner::snapshot::SnapshotTime;
 pub(crate) use preload::Preload;
 

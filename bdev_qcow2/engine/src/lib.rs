@@ -55,6 +55,8 @@ pub mod write;
 pub use chain::{Chain, Layer};
 pub use error::{Error, Field, Result};
 pub use exec::{DevId, Exec, GraceEntry};
-pub use image::{CoreSeed, CoreSlice, OpenOptions, OwnerLink, Qcow2, SnapshotTime};
+pub use image::{
+    BitmapBits, BitmapChange, CoreSeed, CoreSlice, OpenOptions, OwnerLink, Qcow2, SnapshotTime,
+};
 pub use plan::{Op, Request, RequestStats, Step, Task};
 pub use route::{Grant, GuestRange, ReadRoute, Role, WriteRoute};

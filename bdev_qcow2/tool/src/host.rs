@@ -253,9 +253,19 @@ pub fn open_chain(spec: &OpenSpec) -> ToolResult<Opened> {
 /// writable, and only when `spec.writable` says so.
 pub fn open_chain_with<D: BlockDevice>(
     spec: &OpenSpec,
+    wrap: impl FnMut(UringDevice, bool) -> D,
+) -> ToolResult<Opened<D>> {
+    open_chain_on(&Exec::new(), spec, wrap)
+}
+
+/// [`open_chain_with`] on an executor of the caller's, so that several chains (the two
+/// images `compare` reads, or an image and its commit target) run on one.
+pub fn open_chain_on<D: BlockDevice>(
+    exec: &Exec<D>,
+    spec: &OpenSpec,
     mut wrap: impl FnMut(UringDevice, bool) -> D,
 ) -> ToolResult<Opened<D>> {
-    let exec: Exec<D> = Exec::new();
+    let exec = exec.clone();
     let mut layers = Vec::new();
     let mut files = Vec::new();
     let mut seen = HashSet::new();

@@ -5,6 +5,7 @@ pub mod cmd;
 pub mod host;
 pub mod lock;
 pub mod logwrites;
+pub mod progress;
 pub mod reactor;
 pub mod rng;
 pub mod uring;

@@ -2,7 +2,9 @@
 //! output and exit codes shaped like `qemu-img`.
 
 use clap::{Parser, Subcommand};
-use qcow2_tool::cmd::{check, convert, create, info, io, map, perf, rebase, resize, snapshot};
+use qcow2_tool::cmd::{
+    bitmap, check, compare, convert, create, info, io, map, measure, perf, rebase, resize, snapshot,
+};
 use std::io::Write;
 use std::process::ExitCode;
 
@@ -28,10 +30,16 @@ enum Cmd {
     Map(map::MapArgs),
     /// Copy the virtual disk into a raw file (like `qemu-img convert -O raw`).
     Convert(convert::ConvertArgs),
+    /// The file size a new image needs, empty or converted from an image (like
+    /// `qemu-img measure`).
+    Measure(measure::MeasureArgs),
     /// Create a new qcow2 image (like `qemu-img create`).
     Create(create::CreateArgs),
     /// Run guest I/O commands on an image (like `qemu-io -c …`).
     Io(io::IoArgs),
+    /// Whether two images read the same (like `qemu-img compare [-s]`; exit status 0
+    /// identical, 1 different, 2 open failed, 3 block status failed, 4 read failed).
+    Compare(compare::CompareArgs),
     /// Check the image's consistency and repair it (like `qemu-img check [-r leaks|all]`).
     Check(check::CheckArgs),
     /// Change the virtual size (like `qemu-img resize [--shrink]`; a shrink is refused
@@ -40,6 +48,9 @@ enum Cmd {
     /// Copy everything the image reads from its backing chain into it and drop the backing
     /// file (like `qemu-img rebase -b ''`; `-u`: drop the reference only).
     Rebase(rebase::RebaseArgs),
+    /// Enable, disable, clear or merge persistent dirty bitmaps (like `qemu-img bitmap
+    /// --enable|--disable|--clear|--merge`).
+    Bitmap(bitmap::BitmapArgs),
     /// List, create, delete or apply internal snapshots (like `qemu-img snapshot
     /// -l|-c|-d|-a`).
     Snapshot(snapshot::SnapshotArgs),
@@ -55,15 +66,19 @@ fn main() -> ExitCode {
         Cmd::Info(a) => info::run(a),
         Cmd::Perf(a) => perf::run(a),
         Cmd::Map(a) => map::run(a),
+        Cmd::Measure(a) => measure::run(a),
         Cmd::Convert(a) => convert::run(a),
         Cmd::Create(a) => create::run(a),
         Cmd::Resize(a) => resize::run(a),
         Cmd::Rebase(a) => rebase::run(a),
         Cmd::Snapshot(a) => snapshot::run(a),
+        Cmd::Bitmap(a) => bitmap::run(a),
         // Exit status 1 when a command fails or a pattern does not match, like qemu-io.
         Cmd::Io(a) => return io::main(a),
         // Its own exit codes (0 clean, 1 failed, 2 corruptions, 3 leaks), like qemu-img.
         Cmd::Check(a) => return check::main(a),
+        // Its own exit codes (0 identical, 1 different, 2..4 errors), like qemu-img.
+        Cmd::Compare(a) => return compare::main(a),
     };
     match r {
         Ok(out) => {

@@ -646,3 +646,58 @@ fn convert_of_a_raw_source_without_f_raw_says_to_add_it() {
         .arg(&src)
         .arg(c.path("o.raw")));
 }
+
+/// `convert -p` prints qemu-img's progress lines on stdout (a pipe here, not a terminal,
+/// as qemu-img prints them anyway): from 0.00 to 100.00, then a newline; the output is
+/// the same image with and without it, raw or qcow2.
+#[test]
+fn convert_progress_like_qemu_img() {
+    let c = Case::new();
+    let img = c.path("img.qcow2");
+    qemu_img(&["create", "-q", "-f", "qcow2", img.to_str().unwrap(), "24M"]);
+    qemu_io(
+        &img,
+        &[
+            "write -P 5 1M 3M".to_string(),
+            "write -P 6 20M 64k".to_string(),
+        ],
+    );
+    for fmt in ["raw", "qcow2"] {
+        let out = c.path(&format!("out.{fmt}"));
+        let theirs = qemu_img(&[
+            "convert",
+            "-p",
+            "-O",
+            fmt,
+            img.to_str().unwrap(),
+            out.to_str().unwrap(),
+        ]);
+        let ours = run(Command::new(QCOW2)
+            .args(["convert", "-p", "-O", fmt])
+            .arg(&img)
+            .arg(&out));
+        for o in [&ours, &theirs] {
+            let text = String::from_utf8_lossy(&o.stdout);
+            assert!(text.starts_with("    (0.00/100%)\r"), "{fmt}: {text:?}");
+            assert!(text.ends_with("    (100.00/100%)\r\n"), "{fmt}: {text:?}");
+            assert!(text.matches("/100%)\r").count() >= 3, "{fmt}: {text:?}");
+        }
+        let same = Command::new("qemu-img")
+            .args([
+                "compare",
+                "-F",
+                fmt,
+                img.to_str().unwrap(),
+                out.to_str().unwrap(),
+            ])
+            .status()
+            .unwrap();
+        assert!(same.success(), "{fmt}");
+        // Without -p, nothing on stdout.
+        let quiet = run(Command::new(QCOW2)
+            .args(["convert", "-O", fmt])
+            .arg(&img)
+            .arg(&out));
+        assert!(quiet.stdout.is_empty(), "{fmt}");
+    }
+}

@@ -14,6 +14,7 @@
 use super::ImageArgs;
 use crate::host::{open_chain, ToolError, ToolResult};
 use crate::lock::Access;
+use crate::progress::Progress;
 use crate::uring::{AlignedBuf, UringDevice};
 use qcow2_engine::io::{BufSlice, DeviceOp};
 
@@ -42,7 +43,7 @@ pub struct ConvertArgs {
     /// Write compressed clusters (qcow2 output).
     #[arg(short = 'c')]
     pub compress: bool,
-    /// Show progress, like qemu-img's "(xx.xx/100%)".
+    /// Show progress on stdout, like qemu-img's "(xx.xx/100%)" lines.
     #[arg(short = 'p')]
     pub progress: bool,
     /// Bytes per read request.
@@ -93,6 +94,8 @@ pub fn run(args: &ConvertArgs) -> ToolResult<String> {
     let mut slots: Vec<Option<(u64, usize)>> = vec![None; depth];
     let mut next = 0u64;
     let mut done: Vec<(u64, qcow2_engine::Result<()>)> = Vec::with_capacity(depth);
+    let mut progress = Progress::new(args.progress);
+    progress.set(0.0);
     loop {
         for (i, slot) in slots.iter_mut().enumerate() {
             if slot.is_none() && next < size {
@@ -114,7 +117,9 @@ pub fn run(args: &ConvertArgs) -> ToolResult<String> {
         for (tag, r) in done.drain(..) {
             let i = (tag & !WRITE_TAG) as usize;
             if tag & WRITE_TAG != 0 {
-                slots[i] = None;
+                if let Some((_, len)) = slots[i].take() {
+                    progress.advance(len as u64, size);
+                }
                 r.map_err(|source| ToolError::Engine {
                     path: args.output.display().to_string(),
                     source,
@@ -129,6 +134,7 @@ pub fn run(args: &ConvertArgs) -> ToolResult<String> {
             if bufs[i].is_zero(0, len) {
                 // Leave a hole, like qemu-img.
                 slots[i] = None;
+                progress.advance(len as u64, size);
                 continue;
             }
             let req = o.exec.request_begin(WRITE_TAG | i as u64);
@@ -142,6 +148,8 @@ pub fn run(args: &ConvertArgs) -> ToolResult<String> {
             o.exec.request_arm(req);
         }
     }
+    progress.set(100.0);
+    progress.finish();
     // Like `qemu-img convert`, the output is not fsync()ed (run `sync` if it must be durable).
     Ok(String::new())
 }
@@ -153,12 +161,13 @@ mod qcow2_out {
     use crate::cmd::create::{format_image, FormatOptions};
     use crate::cmd::CacheMode;
     use crate::host::{open_chain, ToolError, ToolResult};
+    use crate::progress::Progress;
     use crate::uring::{AlignedBuf, UringDevice};
-    use indicatif::{ProgressBar, ProgressDrawTarget, ProgressState, ProgressStyle};
     use qcow2_engine::format::ClusterMapping;
     use qcow2_engine::io::{BlockDevice, BufSlice};
     use qcow2_engine::{Chain, Layer, OpenOptions, Qcow2};
     use std::cell::Cell;
+    use std::cell::RefCell;
     use std::rc::Rc;
 
     /// Whether guest bytes at `pos` hold data somewhere in the chain (`true`), or read as
@@ -321,20 +330,6 @@ mod qcow2_out {
         .await
     }
 
-    fn progress_bar(size: u64, show: bool) -> ProgressBar {
-        if !show {
-            return ProgressBar::hidden();
-        }
-        let style = ProgressStyle::with_template("    ({pct}/100%)")
-            .unwrap_or_else(|_| ProgressStyle::default_bar())
-            .with_key("pct", |s: &ProgressState, w: &mut dyn std::fmt::Write| {
-                let _ = write!(w, "{:.2}", s.fraction() * 100.0);
-            });
-        let pb = ProgressBar::with_draw_target(Some(size.max(1)), ProgressDrawTarget::stdout());
-        pb.set_style(style);
-        pb
-    }
-
     /// Runs `convert -O qcow2`.
     pub fn run(args: &ConvertArgs) -> ToolResult<String> {
         let mut fo = FormatOptions::default();
@@ -390,7 +385,8 @@ mod qcow2_out {
         let cluster = 1u64 << fo.create.cluster_bits;
         let chunk = args.chunk_size.max(cluster).div_ceil(cluster) * cluster;
         let next = Rc::new(Cell::new(0u64));
-        let pb = progress_bar(size, args.progress);
+        let pb = Rc::new(RefCell::new(Progress::new(args.progress)));
+        pb.borrow_mut().set(0.0);
         let mut workers = Vec::new();
         for _ in 0..args.queue_depth.max(1) {
             let (src, dst, next, pb) = (o.chain.clone(), dst.clone(), next.clone(), pb.clone());
@@ -419,7 +415,7 @@ mod qcow2_out {
                         next.set(size);
                         return r;
                     }
-                    pb.inc(end - start);
+                    pb.borrow_mut().advance(end - start, size);
                 }
             });
         }
@@ -445,7 +441,8 @@ mod qcow2_out {
                 },
                 Side::Output => out_err(source),
             })?;
-        pb.finish();
+        pb.borrow_mut().set(100.0);
+        pb.borrow().finish();
         Ok(String::new())
     }
 }

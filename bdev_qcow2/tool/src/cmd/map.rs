@@ -3,7 +3,7 @@
 
 use super::{ImageArgs, OutputFormat};
 use crate::host::{open_chain, Format, Opened, ToolError, ToolResult};
-use crate::uring::data_or_hole;
+use crate::uring::{data_or_hole, UringDevice};
 use qcow2_engine::format::ClusterMapping;
 use std::fmt::Write;
 use std::fs::File;
@@ -42,7 +42,7 @@ pub struct MapEntry {
 
 impl MapEntry {
     /// Whether `next` continues this entry (qemu-img's merge rule).
-    fn merges_with(&self, next: &MapEntry) -> bool {
+    pub(crate) fn merges_with(&self, next: &MapEntry) -> bool {
         self.start + self.length == next.start
             && self.depth == next.depth
             && self.present == next.present
@@ -58,7 +58,7 @@ impl MapEntry {
 }
 
 /// How `map` reads one layer's file.
-struct LayerFile {
+pub(crate) struct LayerFile {
     file: File,
     /// A raw layer: its file is the disk.
     raw: bool,
@@ -94,14 +94,16 @@ async fn metadata_preallocated(
     Ok(count >= threshold)
 }
 
-/// Status of guest bytes at `pos` (up to `end`) through the chain, with each layer's file.
-async fn chain_status(
-    o: &Opened,
+/// Status of guest bytes at `pos` (up to `end`) through the chain, with each layer's file
+/// ([`layer_files`]): QEMU's block status of the range (`bdrv_block_status_above` down to
+/// the bottom of the chain), at most one L2 slice of the layer that decides it.
+pub(crate) async fn chain_status(
+    chain: &qcow2_engine::Chain<UringDevice>,
     files: &[LayerFile],
     pos: u64,
     end: u64,
 ) -> qcow2_engine::Result<MapEntry> {
-    let layers = o.chain.layers();
+    let layers = chain.layers();
     let mut idx = 0;
     let mut end = end;
     loop {
@@ -118,7 +120,7 @@ async fn chain_status(
                 offset: Some(pos),
             });
         }
-        let (m, n) = o.chain.block_status(idx, pos, end).await?;
+        let (m, n) = chain.block_status(idx, pos, end).await?;
         let sc = match &layers[idx] {
             qcow2_engine::Layer::Qcow2(q) => q.geometry().subcluster_size(),
             qcow2_engine::Layer::Raw { .. } => 1,
@@ -168,10 +170,9 @@ async fn chain_status(
     }
 }
 
-/// Computes the merged map of the whole disk.
-pub fn compute(o: &Opened) -> ToolResult<Vec<MapEntry>> {
-    let files: Vec<(File, bool)> = o
-        .files
+/// Opens each layer's file of `o` for [`layer_files`] (with whether it is a raw layer).
+pub(crate) fn open_layer_files(o: &Opened) -> ToolResult<Vec<(File, bool)>> {
+    o.files
         .iter()
         .map(|(p, f)| {
             File::open(p)
@@ -181,32 +182,42 @@ pub fn compute(o: &Opened) -> ToolResult<Vec<MapEntry>> {
                     source,
                 })
         })
-        .collect::<ToolResult<_>>()?;
+        .collect()
+}
+
+/// The layer files [`chain_status`] reads, from [`open_layer_files`].
+pub(crate) async fn layer_files(
+    chain: &qcow2_engine::Chain<UringDevice>,
+    files: Vec<(File, bool)>,
+) -> qcow2_engine::Result<Vec<LayerFile>> {
+    let mut layer_files = Vec::with_capacity(files.len());
+    for ((file, raw), layer) in files.into_iter().zip(chain.layers()) {
+        let look_through = match layer {
+            qcow2_engine::Layer::Qcow2(q) => metadata_preallocated(q, &file).await?,
+            qcow2_engine::Layer::Raw { .. } => false,
+        };
+        layer_files.push(LayerFile {
+            file,
+            raw,
+            look_through,
+        });
+    }
+    Ok(layer_files)
+}
+
+/// Computes the merged map of the whole disk.
+pub fn compute(o: &Opened) -> ToolResult<Vec<MapEntry>> {
+    let files = open_layer_files(o)?;
     let size = o.chain.size();
     let exec = o.exec.clone();
     // The walk runs as one task on the executor (slices are loaded on demand).
-    let o2 = Opened {
-        exec: o.exec.clone(),
-        chain: o.chain.clone(),
-        files: o.files.clone(),
-    };
+    let chain = o.chain.clone();
     let res = exec.block_on(async move {
-        let mut layer_files = Vec::with_capacity(files.len());
-        for ((file, raw), layer) in files.into_iter().zip(o2.chain.layers()) {
-            let look_through = match layer {
-                qcow2_engine::Layer::Qcow2(q) => metadata_preallocated(q, &file).await?,
-                qcow2_engine::Layer::Raw { .. } => false,
-            };
-            layer_files.push(LayerFile {
-                file,
-                raw,
-                look_through,
-            });
-        }
+        let layer_files = layer_files(&chain, files).await?;
         let mut out: Vec<MapEntry> = Vec::new();
         let mut pos = 0;
         while pos < size {
-            let e = chain_status(&o2, &layer_files, pos, size).await?;
+            let e = chain_status(&chain, &layer_files, pos, size).await?;
             pos += e.length;
             match out.last_mut() {
                 Some(last) if last.merges_with(&e) => last.length += e.length,

@@ -1,11 +1,14 @@
 //! Subcommands of the `qcow2` tool.
 
+pub mod bitmap;
 pub mod check;
+pub mod compare;
 pub mod convert;
 pub mod create;
 pub mod info;
 pub mod io;
 pub mod map;
+pub mod measure;
 pub mod perf;
 pub mod rebase;
 pub mod resize;

@@ -148,11 +148,13 @@ impl<D: BlockDevice> Owner<'_, D> {
         });
         Ok(Some(bits))
     }
+}
 
+impl<D: BlockDevice> crate::image::Qcow2<D> {
     /// Bitmap `e`'s data for the disk's size (the clusters of the table entries the disk
     /// needs: fewer than the table has when the disk shrank) and every host cluster its
     /// table names (all freed when a new table replaces it).
-    async fn read_bitmap(&self, e: &BitmapEntry) -> Result<(Vec<u8>, Vec<u64>)> {
+    pub(crate) async fn read_bitmap(&self, e: &BitmapEntry) -> Result<(Vec<u8>, Vec<u64>)> {
         let cs = self.geo.cluster_size();
         let dev_size = self.device_size.get();
         let needed = data_bytes(self.size(), e.granularity_bits).div_ceil(cs);
@@ -201,7 +203,9 @@ impl<D: BlockDevice> Owner<'_, D> {
         }
         Ok((data, clusters))
     }
+}
 
+impl<D: BlockDevice> Owner<'_, D> {
     /// Adds `clusters` to `owned`, each of which must be a bitmap's alone: not in `owned`
     /// yet, not the image's other metadata, refcount 1.
     async fn own(

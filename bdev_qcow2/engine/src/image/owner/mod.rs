@@ -15,6 +15,7 @@
 //!   in flight;
 //! - [`regions`]: data regions of the ordered layout;
 //! - [`bitmaps`]: persistent dirty bitmaps, loaded at open and stored at close;
+//! - [`bitmap_change`]: enabling, disabling, clearing and merging them;
 //! - [`refcount`]: refcount changes, new refcount blocks, a larger refcount table;
 //! - [`l2`]: dirty L2 slices, new or copied L2 tables;
 //! - [`dirty`]: the dirty metadata (L2 slices, refcount blocks, L1 and refcount-table
@@ -34,6 +35,7 @@
 
 pub(crate) mod alloc;
 pub(crate) mod background;
+pub(crate) mod bitmap_change;
 pub(crate) mod bitmaps;
 pub(crate) mod dirty;
 pub(crate) mod frees;
