@@ -16,6 +16,7 @@ use crate::host::{open_chain, ToolError, ToolResult};
 use crate::lock::Access;
 use crate::uring::{AlignedBuf, UringDevice};
 use qcow2_engine::io::{BufSlice, DeviceOp};
+use qcow2_engine::{Op, Request};
 
 /// Tag bit marking output writes (read tags are slot numbers).
 const WRITE_TAG: u64 = 1 << 63;
@@ -103,7 +104,8 @@ pub fn run(args: &ConvertArgs) -> ToolResult<String> {
                     off: 0,
                     len,
                 };
-                o.chain.submit_read(i as u64, next, buf);
+                let req = Request::new(Op::Read, next, len as u64);
+                crate::host::submit(&o.chain, i as u64, req, buf);
                 next += len as u64;
             }
         }
