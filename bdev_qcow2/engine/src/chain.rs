@@ -336,7 +336,7 @@ impl<D: BlockDevice> Chain<D> {
     /// When every L2 slice involved is cached and the range holds only data clusters and
     /// zeros, the device reads are submitted directly (no task, no allocation); otherwise a
     /// slow-path task does the work.
-    pub fn submit_read(self: &Rc<Self>, tag: u64, offset: u64, buf: BufSlice<D::Buf>) {
+    pub(crate) fn submit_read(self: &Rc<Self>, tag: u64, offset: u64, buf: BufSlice<D::Buf>) {
         if let Err(e) = self.check_range(offset, buf.len as u64) {
             return self.exec.complete(tag, Err(e));
         }

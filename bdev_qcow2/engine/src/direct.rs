@@ -60,14 +60,15 @@ enum SliceRoute {
 impl<D: BlockDevice> Chain<D> {
     /// Where a guest read of `len` bytes at `offset` goes, from cached metadata alone:
     /// - [`ReadRoute::Direct`] when the bytes are plain data in one contiguous extent of a
-    ///   device — exactly the reads [`submit_read`](Self::submit_read) would serve with a
-    ///   single device operation. The host reads the extent itself with the guest's
+    ///   device — exactly the reads the engine's read path would serve with a single
+    ///   device operation. The host reads the extent itself with the guest's
     ///   buffers (SPDK hands a bdev_io's iovecs to the base bdev, as its passthru does;
     ///   others call [`submit_direct`](Self::submit_direct)); the [`Grant`]
     ///   says how its grace-period entry ends.
     /// - [`ReadRoute::Engine`] otherwise (a slice not cached, zeros, several extents,
     ///   compressed or backing data, an empty or invalid request, which the engine
-    ///   reports): nothing changed but LRU/hit counters; the host calls `submit_read`.
+    ///   reports): nothing changed but LRU/hit counters; the read is a task
+    ///   ([`Chain::start`]).
     #[inline(always)]
     pub fn route_read(&self, offset: u64, len: u64) -> ReadRoute {
         let Ok(range) = self.check_range(offset, len) else {

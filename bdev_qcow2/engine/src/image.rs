@@ -25,6 +25,7 @@ mod open;
 pub(crate) mod owner;
 mod preload;
 mod replica;
+mod role;
 mod slices;
 pub(crate) use lookup::CachedExtent;
 pub use owner::bitmap_change::{BitmapBits, BitmapChange};
@@ -112,15 +113,8 @@ pub struct Qcow2<D: BlockDevice> {
     /// The direct path's memo of slices, in front of `l2_cache`.
     memo: SliceMemo,
     rc_cache: RefCell<SetAssocCache<u8>>,
-    /// The metadata owner's state (`None` when opened read-only, and on a core replica):
-    /// reached by the owner's operations through [`owner`](Self::owner).
-    meta: Option<owner::Meta<D>>,
-    /// State published to other cores (owner: after [`share`](Self::share); core replica:
-    /// always).
-    shared: Option<Arc<Shared>>,
-    /// Set on a core replica of a shared image: reached through
-    /// [`replica_side`](Self::replica_side) by what only a replica does.
-    core: Option<CoreSide<D>>,
+    /// Read-only, metadata owner or core replica, with the state only that role has.
+    role: role::ImageRole<D>,
     /// The persistent bitmaps every guest write marks (an image open for writing that has
     /// some, on the owner and every core).
     dirty_bitmaps: Option<Arc<DirtyBitmaps>>,
@@ -137,8 +131,7 @@ pub trait OwnerLink {
 
 /// A core replica's side of the protocol.
 pub(crate) struct CoreSide<D: BlockDevice> {
-    /// The owner's published state (the image's `shared` too): here, so that a core's
-    /// look-ups reach it with one check.
+    /// The owner's published state.
     shared: Arc<Shared>,
     /// How requests for the owner's dirty slices leave this core.
     link: Box<dyn OwnerLink>,
@@ -269,23 +262,9 @@ impl<D: BlockDevice> Qcow2<D> {
         self.dirty_bitmaps.as_ref()
     }
 
-    /// The shared state, if [`share`](Self::share)d (owner) or a core replica.
-    pub fn shared(&self) -> Option<&Arc<Shared>> {
-        self.shared.as_ref()
-    }
-
-    /// Whether this is a core replica of a shared image.
-    pub fn is_core_replica(&self) -> bool {
-        self.core.is_some()
-    }
-
     /// The decoded header (as currently in effect).
     pub fn header(&self) -> Ref<'_, ImageHeader> {
         self.header.borrow()
-    }
-    /// Whether the image is open for writing.
-    pub fn is_writable(&self) -> bool {
-        self.meta.is_some()
     }
     /// The L2 entry context (cluster size, version, extended L2, device size) entries are
     /// decoded in.
@@ -297,12 +276,6 @@ impl<D: BlockDevice> Qcow2<D> {
     pub(crate) fn l1_copied(&self, off: GuestOffset) -> bool {
         let idx = self.geo.l1_index(off) as usize;
         self.l1.borrow().get(idx).is_some_and(|e| e.is_copied())
-    }
-    /// The metadata owner's state, when this image is the owner (see
-    /// [`owner`](Self::owner) for its operations).
-    #[inline(always)]
-    pub(crate) fn meta_state(&self) -> Option<&owner::Meta<D>> {
-        self.meta.as_ref()
     }
     /// Cluster/L2 geometry.
     pub fn geometry(&self) -> Geometry {
@@ -321,7 +294,7 @@ impl<D: BlockDevice> Qcow2<D> {
     /// Core replica: takes `size`, the virtual size the owner published after a resize.
     /// Nothing on the owner (its resize changed its own header) or a read-only image.
     pub(crate) fn adopt_size(&self, size: u64) {
-        if self.core.is_some() {
+        if self.is_core_replica() {
             self.header.borrow_mut().header.size = size;
         }
     }
@@ -358,14 +331,13 @@ impl<D: BlockDevice> Qcow2<D> {
     }
     /// The metadata owner's counters (`None` unless opened writable).
     pub fn owner_stats(&self) -> Option<owner::OwnerStats> {
-        self.meta.as_ref().map(|m| m.stats())
+        self.meta_state().map(|m| m.stats())
     }
     /// Whether the owner zeroes the device ahead of its allocator (`OpenOptions::zero_ahead`,
     /// on a device that cannot grow and an image without a zeroed tail of its own, until
     /// zeroing fails).
     pub fn zeroing_ahead(&self) -> bool {
-        self.meta
-            .as_ref()
+        self.meta_state()
             .is_some_and(|m| m.st().tail.zeroes_ahead())
     }
     /// Refcount block cache counters.
@@ -382,7 +354,7 @@ impl<D: BlockDevice> Qcow2<D> {
     /// [`LastCluster`](crate::compress::LastCluster)): `Shared`'s on a shared image, else
     /// the owner's own (a read-only image never frees).
     pub(crate) fn reuse_gen(&self) -> u64 {
-        match &self.shared {
+        match self.shared() {
             Some(sh) => sh.reuse_gen(),
             None => self.reuse_local.get(),
         }
@@ -391,7 +363,7 @@ impl<D: BlockDevice> Qcow2<D> {
     /// Owner: freed clusters are about to be handed out again (see
     /// [`reuse_gen`](Self::reuse_gen)).
     pub(crate) fn bump_reuse(&self) {
-        match &self.shared {
+        match self.shared() {
             Some(sh) => sh.bump_reuse(),
             None => self.reuse_local.set(self.reuse_local.get() + 1),
         }

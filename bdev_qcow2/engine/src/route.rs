@@ -180,7 +180,7 @@ impl Drop for Grant {
 pub enum ReadRoute {
     /// One extent of one device: the host submits it with the guest's buffers.
     Direct(Grant),
-    /// The engine path on this core ([`Chain::submit_read`](crate::Chain::submit_read)),
+    /// The engine path on this core (a task, [`Chain::start`](crate::Chain::start)),
     /// which also reports an invalid request.
     Engine,
 }
@@ -192,10 +192,9 @@ pub enum WriteRoute {
     /// An overwrite of one extent of one device: the host submits it with the guest's
     /// buffers.
     Direct(Grant),
-    /// The engine path on this core: on the metadata owner (or an image not shared)
-    /// [`Chain::submit_write`](crate::Chain::submit_write); on a core replica
-    /// [`Chain::submit_write_local`](crate::Chain::submit_write_local), which may still
-    /// hand the write to the owner ([`Outcome::ToOwner`](crate::exec::Outcome::ToOwner)).
+    /// The engine path on this core (a task, [`Chain::start`](crate::Chain::start)): on
+    /// the metadata owner (or an image not shared) its write path; on a core replica its
+    /// in-place path, which may still hand the write to the owner ([`Outcome::ToOwner`](crate::exec::Outcome::ToOwner)).
     /// Invalid requests are reported there too.
     Engine,
     /// The metadata owner (an allocation, or a slice the owner holds dirty).
@@ -203,7 +202,7 @@ pub enum WriteRoute {
         /// This replica's metadata for the write is current, and it is not in place there
         /// (an allocation, COW, zero clusters, no L2 table): the owner holds the same
         /// metadata, so it can start its slow path at once
-        /// ([`Chain::submit_write_slow`](crate::Chain::submit_write_slow)) instead of
+        /// ([`Op::WriteNotInPlace`](crate::Op::WriteNotInPlace)) instead of
         /// planning a direct write first. Without it (a slice the owner holds dirty) the
         /// owner may find the write in place. Either way the owner's slow path handles any
         /// write.

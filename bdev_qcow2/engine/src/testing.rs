@@ -1,6 +1,7 @@
 //! An in-memory block device for tests, with hooks to inject what a real device cannot do
 //! on demand: failures of the k-th operation, latency (in polls), a queue depth that makes
 //! it report busy, and a log of every write and flush (for crash-state replay).
+//! [`host`] puts guest requests in as a host does.
 
 use crate::io::{BlockDevice, Busy, DeviceError, DeviceOp, HeapBuf};
 use std::cell::RefCell;
@@ -196,6 +197,8 @@ impl BlockDevice for MemDevice {
 }
 
 pub use crate::rng::Rng;
+
+pub mod host;
 
 /// One core's channel to a disk shared by every core (tests of several executors on one
 /// image): the bytes are common, each channel's operations complete on its next poll.

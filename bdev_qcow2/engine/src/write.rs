@@ -43,7 +43,7 @@ impl<D: BlockDevice> Chain<D> {
     /// Starts a guest write; completion is reported with `tag` by [`crate::Exec::poll`].
     /// A write into allocated clusters whose refcount is 1, with their L2 slice cached, is
     /// submitted directly (no task, no metadata); anything else runs as a slow-path task.
-    pub fn submit_write(self: &Rc<Self>, tag: u64, offset: u64, buf: BufSlice<D::Buf>) {
+    pub(crate) fn submit_write(self: &Rc<Self>, tag: u64, offset: u64, buf: BufSlice<D::Buf>) {
         self.start_write(tag, offset, buf, true);
     }
 
@@ -52,7 +52,7 @@ impl<D: BlockDevice> Chain<D> {
     /// `{ slow: true }`, or this chain's own route found it so. Runs the slow path without
     /// planning a fast-path write first (it would not find one; the slow path handles it
     /// if it could).
-    pub fn submit_write_slow(self: &Rc<Self>, tag: u64, offset: u64, buf: BufSlice<D::Buf>) {
+    pub(crate) fn submit_write_slow(self: &Rc<Self>, tag: u64, offset: u64, buf: BufSlice<D::Buf>) {
         self.start_write(tag, offset, buf, false);
     }
 
@@ -86,7 +86,13 @@ impl<D: BlockDevice> Chain<D> {
     }
 
     /// Starts a write-zeroes (`unmap`: the clusters may be deallocated).
-    pub fn submit_write_zeroes(self: &Rc<Self>, tag: u64, offset: u64, len: u64, unmap: bool) {
+    pub(crate) fn submit_write_zeroes(
+        self: &Rc<Self>,
+        tag: u64,
+        offset: u64,
+        len: u64,
+        unmap: bool,
+    ) {
         let chain = self.clone();
         self.exec().spawn(async move {
             let r = chain.write_zeroes(offset, len, unmap).await;
@@ -95,7 +101,7 @@ impl<D: BlockDevice> Chain<D> {
     }
 
     /// Starts a discard.
-    pub fn submit_discard(self: &Rc<Self>, tag: u64, offset: u64, len: u64) {
+    pub(crate) fn submit_discard(self: &Rc<Self>, tag: u64, offset: u64, len: u64) {
         let chain = self.clone();
         self.exec().spawn(async move {
             let r = chain.discard(offset, len).await;
@@ -104,7 +110,7 @@ impl<D: BlockDevice> Chain<D> {
     }
 
     /// Starts a guest flush.
-    pub fn submit_flush(self: &Rc<Self>, tag: u64) {
+    pub(crate) fn submit_flush(self: &Rc<Self>, tag: u64) {
         let chain = self.clone();
         self.exec().spawn(async move {
             let r = chain.flush().await;
@@ -117,7 +123,12 @@ impl<D: BlockDevice> Chain<D> {
     /// this core's cache). Otherwise the request ends as
     /// [`Outcome::ToOwner`](crate::exec::Outcome::ToOwner), having changed nothing: the
     /// host then sends it to the metadata owner.
-    pub fn submit_write_local(self: &Rc<Self>, tag: u64, offset: u64, buf: BufSlice<D::Buf>) {
+    pub(crate) fn submit_write_local(
+        self: &Rc<Self>,
+        tag: u64,
+        offset: u64,
+        buf: BufSlice<D::Buf>,
+    ) {
         if let Err(e) = self.check_range(offset, buf.len as u64) {
             return self.exec().complete(tag, Err(e));
         }
@@ -159,7 +170,7 @@ impl<D: BlockDevice> Chain<D> {
     /// On a core replica of a shared image ([`Qcow2::from_seed`]): starts the write here if
     /// it is an in-place write (fast path) and returns true; returns false, having changed
     /// nothing, when the write must go to the metadata owner (allocation, COW, anything
-    /// else), where the host submits it with [`submit_write`](Self::submit_write).
+    /// else), where the host sends it.
     pub fn try_submit_write(
         self: &Rc<Self>,
         tag: u64,

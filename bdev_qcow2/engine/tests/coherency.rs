@@ -21,6 +21,7 @@ use qcow2_engine::exec::Outcome;
 use qcow2_engine::format::ClusterMapping;
 use qcow2_engine::io::{BlockDevice, BufSlice, Busy, DeviceError, DeviceOp, HeapBuf, IoBuffer};
 use qcow2_engine::rng::Rng;
+use qcow2_engine::testing::host;
 use qcow2_engine::types::GuestOffset;
 use qcow2_engine::{
     Chain, CoreSeed, Exec, Layer, OpenOptions, OwnerLink, Qcow2, ReadRoute, WriteRoute,
@@ -611,7 +612,7 @@ fn random_run(seed: u64, steps: usize) -> u64 {
                         let guest = BufSlice::whole(buf.clone());
                         match chain.route_read(off, len) {
                             ReadRoute::Direct(g) => chain.submit_direct(tag, g, guest),
-                            ReadRoute::Engine => chain.submit_read(tag, off, guest),
+                            ReadRoute::Engine => host::engine_read(chain, tag, off, guest),
                         }
                         ops.insert(
                             tag,
@@ -650,7 +651,7 @@ fn random_run(seed: u64, steps: usize) -> u64 {
                             // The owner's copy of the data.
                             let obuf = HeapBuf::new(len as usize);
                             obuf.copy_in(0, &buf.to_vec());
-                            rig.chains[0].submit_write(tag, off, BufSlice::whole(obuf));
+                            host::write(&rig.chains[0], tag, off, BufSlice::whole(obuf));
                         }
                     }
                     13 if model.free(off / SECTOR, len / SECTOR) => {
@@ -659,7 +660,7 @@ fn random_run(seed: u64, steps: usize) -> u64 {
                             .collect();
                         model.begin_write(&secs, now);
                         ops.insert(tag, Op::Write { sectors: secs });
-                        rig.chains[0].submit_write_zeroes(tag, off, len, rng.below(2) == 0);
+                        host::write_zeroes(&rig.chains[0], tag, off, len, rng.below(2) == 0);
                     }
                     14 if model.free(off / SECTOR, len / SECTOR) => {
                         // Whole clusters read as zeros after a discard; partial ones keep
@@ -673,11 +674,11 @@ fn random_run(seed: u64, steps: usize) -> u64 {
                         };
                         model.begin_write(&secs, now);
                         ops.insert(tag, Op::Write { sectors: secs });
-                        rig.chains[0].submit_discard(tag, off, len);
+                        host::discard(&rig.chains[0], tag, off, len);
                     }
                     _ => {
                         ops.insert(tag, Op::Flush);
-                        rig.chains[0].submit_flush(tag);
+                        host::flush(&rig.chains[0], tag);
                     }
                 }
             }
@@ -787,19 +788,19 @@ fn random_interleavings_owner_and_two_cores() {
 
 fn write_sync(rig: &mut Rig, tag: u64, off: u64, id: u64, len: u64) {
     let (buf, _) = fill(id, off, len);
-    rig.chains[0].submit_write(tag, off, BufSlice::whole(buf));
+    host::write(&rig.chains[0], tag, off, BufSlice::whole(buf));
     rig.run(tag).unwrap();
 }
 
 fn flush_sync(rig: &mut Rig, tag: u64) {
-    rig.chains[0].submit_flush(tag);
+    host::flush(&rig.chains[0], tag);
     rig.run(tag).unwrap();
 }
 
 /// Reads `[off, off+len)` on core `c`, running only that core: returns the write ids.
 fn core_read(rig: &mut Rig, c: usize, tag: u64, off: u64, len: u64) -> Vec<u64> {
     let buf = HeapBuf::new(len as usize);
-    rig.chains[c].submit_read(tag, off, BufSlice::whole(buf.clone()));
+    host::read(&rig.chains[c], tag, off, BufSlice::whole(buf.clone()));
     rig.run_core(c, tag).unwrap();
     buf.to_vec()
         .chunks(SECTOR as usize)
@@ -837,7 +838,7 @@ fn core_sees_owner_allocation_in_cached_slice() {
     assert!(rig.chains[1].try_submit_write(9, 0, &BufSlice::whole(buf)));
     rig.run(9).unwrap();
     let obuf = HeapBuf::new(cs as usize);
-    rig.chains[0].submit_read(10, 0, BufSlice::whole(obuf.clone()));
+    host::read(&rig.chains[0], 10, 0, BufSlice::whole(obuf.clone()));
     rig.run(10).unwrap();
     assert_eq!(decode(0, &obuf.to_vec()[..512]).unwrap(), 13);
     rig.close();
@@ -864,14 +865,14 @@ fn core_reads_during_owner_writeback() {
         }
         // A write-back in progress: after every single poll of the owner, the core reads
         // every target (running only itself; the owner answers without polling).
-        rig.chains[0].submit_flush(tag);
+        host::flush(&rig.chains[0], tag);
         let flush_tag = tag;
         tag += 1;
         let mut steps = 0;
         // A write submitted meanwhile waits for the write-back (metadata lock); while in
         // flight its cluster may read either way.
         let (buf, _) = fill(99, 3 * cs, cs);
-        rig.chains[0].submit_write(tag, 3 * cs, BufSlice::whole(buf));
+        host::write(&rig.chains[0], tag, 3 * cs, BufSlice::whole(buf));
         let mut pending = Some(tag);
         tag += 1;
         loop {
@@ -955,7 +956,7 @@ fn core_keeps_overwrites_through_older_copies_until_a_removal() {
     }
     rig.run_core(1, 5).unwrap();
     let obuf = HeapBuf::new(cs as usize);
-    rig.chains[0].submit_read(6, 0, BufSlice::whole(obuf.clone()));
+    host::read(&rig.chains[0], 6, 0, BufSlice::whole(obuf.clone()));
     rig.run(6).unwrap();
     assert_eq!(
         decode(0, &obuf.to_vec()[..512]).unwrap(),
@@ -970,7 +971,7 @@ fn core_keeps_overwrites_through_older_copies_until_a_removal() {
 
     // A discard of cluster 1 removes a mapping: the copy answers no overwrite any more,
     // not even of cluster 0, which kept its own.
-    owner_sync(&mut rig, 7, |o, t| o.submit_discard(t, cs, cs));
+    owner_sync(&mut rig, 7, |o, t| host::discard(o, t, cs, cs));
     assert_eq!(kept_host(&rig, 1, 0, cs), None, "a removal since the copy");
     assert_eq!(route(&core, cs, cs), "owner, may be in place");
     // Reallocated: the core, with a new copy, overwrites it where the owner put it.
@@ -987,7 +988,7 @@ fn core_keeps_overwrites_through_older_copies_until_a_removal() {
 
     // Write-zeroes without unmap sets a zero flag: a removal too.
     owner_sync(&mut rig, 11, |o, t| {
-        o.submit_write_zeroes(t, 2 * cs, cs, false)
+        host::write_zeroes(o, t, 2 * cs, cs, false)
     });
     assert_eq!(kept_host(&rig, 1, 3 * cs, cs), None);
     assert_eq!(
@@ -1010,7 +1011,7 @@ fn core_keeps_overwrites_through_older_copies_until_a_removal() {
         "the copy is many changes behind"
     );
     let (buf, _) = fill(47, 10 * cs, cs);
-    core.submit_write_local(13, 10 * cs, BufSlice::whole(buf));
+    host::engine_write(&core, 13, 10 * cs, BufSlice::whole(buf));
     rig.run_core(1, 13).unwrap();
     assert_eq!(
         route(&core, 11 * cs, cs),
@@ -1042,7 +1043,7 @@ fn core_refuses_in_place_write_into_metadata() {
         !rig.chains[1].try_submit_write(4, 0, &buf),
         "a core wrote in place through an entry into metadata"
     );
-    rig.chains[1].submit_write_local(5, 0, buf);
+    host::engine_write(&rig.chains[1], 5, 0, buf);
     let r = rig.run(5);
     assert!(
         r.as_ref().is_err_and(|e| e.contains("owner")),
@@ -1199,7 +1200,7 @@ fn core_direct_path_drops_a_remembered_linear_slice_the_owner_changed() {
     // Each asked twice (the memo, then the general look-up's slice cache).
     assert_eq!(image(&core).l2_cache_stats().hits, hits + 4);
     // The owner discards cluster 0 (the slice's epoch moves).
-    rig.chains[0].submit_discard(4, 0, cs);
+    host::discard(&rig.chains[0], 4, 0, cs);
     rig.run(4).unwrap();
     assert_eq!(map(0), (None, false), "a discarded cluster is not mapped");
     assert_eq!(core_read(&mut rig, 1, 5, 0, cs), vec![0; 8]);
@@ -1242,7 +1243,7 @@ fn core_direct_path_maps_non_linear_slices_from_the_memo_until_they_change() {
         "two clusters apart on the device"
     );
     // The owner discards cluster 5 (the slice's epoch moves).
-    rig.chains[0].submit_discard(4, 5 * cs, cs);
+    host::discard(&rig.chains[0], 4, 5 * cs, cs);
     rig.run(4).unwrap();
     assert_eq!(
         read(5 * cs, cs),
@@ -1417,7 +1418,7 @@ fn core_routes_writes_by_its_cached_slice() {
     let slow_tasks = rig.chains[0].exec().stats().tasks_spawned;
     for (tag, off, id) in [(20, 2 * cs, 33), (21, 0, 34)] {
         let (buf, _) = fill(id, off, cs);
-        rig.chains[0].submit_write_slow(tag, off, BufSlice::whole(buf));
+        host::write_not_in_place(&rig.chains[0], tag, off, BufSlice::whole(buf));
         rig.run(tag).unwrap();
     }
     assert_eq!(
@@ -1459,7 +1460,7 @@ fn owner_of_a_shared_image_refuses_a_write_through_an_entry_into_metadata() {
     flush_sync(&mut rig, 20);
     let (l1_off, l1_before) = point_cluster_0_at_the_l1_table(&rig);
     let (buf, _) = fill(22, 0, cs);
-    rig.chains[0].submit_write(21, 0, BufSlice::whole(buf));
+    host::write(&rig.chains[0], 21, 0, BufSlice::whole(buf));
     let r = rig.run(21);
     assert!(
         r.is_err(),
@@ -1480,7 +1481,7 @@ fn a_core_takes_the_size_the_owner_grew_the_disk_to() {
     write_sync(&mut rig, 1, 0, 21, cs);
     // Past the end: refused on the core.
     let buf = HeapBuf::new(cs as usize);
-    rig.chains[1].submit_read(2, old, BufSlice::whole(buf));
+    host::read(&rig.chains[1], 2, old, BufSlice::whole(buf));
     assert!(rig.run(2).is_err(), "a read past the end was accepted");
     // The owner grows the disk sixteen times (4 KiB clusters: its L1 table moves).
     let c = rig.chains[0].clone();
@@ -1592,7 +1593,7 @@ fn core_stops_writing_in_place_after_a_snapshot_and_again_after_its_deletion() {
         !rig.chains[1].try_submit_write(6, 0, &buf),
         "the core wrote in place into a cluster the snapshot shares"
     );
-    rig.chains[0].submit_write(6, 0, buf);
+    host::write(&rig.chains[0], 6, 0, buf);
     rig.run(6).unwrap();
     flush_sync(&mut rig, 7);
     // The core sees the copy the owner made. (Its write may still go to the owner: the
@@ -1602,7 +1603,7 @@ fn core_stops_writing_in_place_after_a_snapshot_and_again_after_its_deletion() {
     let (buf, _) = fill(33, 0, cs);
     let buf = BufSlice::whole(buf);
     if !rig.chains[1].try_submit_write(9, 0, &buf) {
-        rig.chains[0].submit_write(9, 0, buf);
+        host::write(&rig.chains[0], 9, 0, buf);
     }
     rig.run(9).unwrap();
     flush_sync(&mut rig, 10);
@@ -1645,7 +1646,7 @@ fn a_group_taken_ahead_is_never_freed_clusters_brought_back_in_its_allocation() 
     // the write-back after which its clusters are free (entries that no longer map them
     // on the disk): they come back at an allocation after it is over.
     let parity = rig.execs[1].guest_enter();
-    owner_sync(&mut rig, 3, |o, t| o.submit_discard(t, 0, 16 * cs));
+    owner_sync(&mut rig, 3, |o, t| host::discard(o, t, 0, 16 * cs));
     flush_sync(&mut rig, 4);
     write_sync(&mut rig, 5, 96 * cs, 53, cs);
     rig.execs[1].guest_exit(parity);
@@ -1692,7 +1693,7 @@ fn a_core_reads_a_new_stream_written_where_the_one_it_kept_was_freed() {
     };
     let core_bytes = |rig: &mut Rig, tag: u64, off: u64| {
         let buf = HeapBuf::new(512);
-        rig.chains[1].submit_read(tag, off, BufSlice::whole(buf.clone()));
+        host::read(&rig.chains[1], tag, off, BufSlice::whole(buf.clone()));
         rig.run_core(1, tag).unwrap();
         buf.to_vec()
     };
@@ -1769,7 +1770,7 @@ fn in_place_writes_on_a_core_reach_the_owners_persistent_bitmap() {
     // their slices), then cluster 101 through a direct grant; the owner zeroes cluster 700.
     for (tag, off, len) in [(1, 100 * cs, cs), (2, 300 * cs + 512, 1024)] {
         let (buf, _) = fill(4 + tag, off, len);
-        rig.chains[1].submit_write_local(tag, off, BufSlice::whole(buf));
+        host::engine_write(&rig.chains[1], tag, off, BufSlice::whole(buf));
         rig.run_core(1, tag).unwrap();
     }
     let (buf, _) = fill(7, 101 * cs, cs);
@@ -1778,7 +1779,7 @@ fn in_place_writes_on_a_core_reach_the_owners_persistent_bitmap() {
         _ => panic!("not a direct write on the core"),
     }
     rig.run_core(1, 4).unwrap();
-    rig.chains[0].submit_write_zeroes(3, 700 * cs, cs, false);
+    host::write_zeroes(&rig.chains[0], 3, 700 * cs, cs, false);
     rig.run(3).unwrap();
     rig.close();
     let img = rig.disk.borrow().clone();
@@ -1806,7 +1807,7 @@ fn writes_past_the_end_a_shared_disk_grew_to_reach_its_persistent_bitmap() {
         WriteRoute::Direct(_)
     ));
     let (buf, _) = fill(9, off, len);
-    rig.chains[0].submit_write(1, off, BufSlice::whole(buf));
+    host::write(&rig.chains[0], 1, off, BufSlice::whole(buf));
     rig.run(1).unwrap();
     rig.close();
     let img = rig.disk.borrow().clone();

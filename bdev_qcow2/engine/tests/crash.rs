@@ -16,6 +16,7 @@ use crash_common::{new_image, open, open_with};
 
 use qcow2_engine::create::CreateOptions;
 use qcow2_engine::io::{BufSlice, HeapBuf, IoBuffer};
+use qcow2_engine::testing::host;
 use qcow2_engine::testing::Rng;
 use qcow2_engine::testing::{LoggedOp, MemDevice};
 use qcow2_engine::{Chain, Error, Exec};
@@ -51,7 +52,7 @@ fn apply(exec: &Exec<MemDevice>, chain: &Rc<Chain<MemDevice>>, op: &Op) -> Resul
     apply_via(exec, chain, op, false)
 }
 
-/// [`apply`]; with `submit`, a write goes in as a host submits it (`Chain::submit_write`:
+/// [`apply`]; with `submit`, a write goes in as a host submits it (`Chain::plan` and its step:
 /// planned on the spot where it can, which is where first writes take their group of
 /// clusters ahead, `OpenOptions::alloc_granule`).
 fn apply_via(
@@ -65,7 +66,7 @@ fn apply_via(
         Op::Write(off, data) if submit => {
             let buf = HeapBuf::new(data.len());
             buf.copy_in(0, &data);
-            c.submit_write(1, off, BufSlice::whole(buf));
+            host::write(&c, 1, off, BufSlice::whole(buf));
             let mut res = None;
             while res.is_none() {
                 exec.poll(&mut |_, r| res = Some(r));

@@ -728,7 +728,7 @@ fn broken_kept_copy_without_the_removal_check_is_caught() {
 
 // ----- grace periods before freed clusters are reused -------------------------------------
 //
-// The real `Grace` of `Shared`: a core thread runs guest requests the way `Chain::submit_read`
+// The real `Grace` of `Shared`: a core thread runs guest requests the way the engine's read path
 // does (`enter` before resolving anything, then the slice epoch, then the mapping: a cached
 // replica valid for that epoch, or the published one read under a seqlock check), "uses"
 // the host cluster, and exits. The owner removes the mapping (COW: guest cluster 0 moves

@@ -7,6 +7,7 @@
 
 use qcow2_engine::create::{create, CreateOptions};
 use qcow2_engine::io::{BufSlice, HeapBuf, IoBuffer};
+use qcow2_engine::testing::host;
 use qcow2_engine::testing::MemDevice;
 use qcow2_engine::testing::Rng;
 use qcow2_engine::{Chain, Exec, Layer, OpenOptions, Qcow2};
@@ -695,7 +696,7 @@ fn concurrent_same_cluster(extended_l2: bool, backing: bool) {
         reference[off as usize..off as usize + 4096].copy_from_slice(&data);
         let buf = HeapBuf::new(4096);
         buf.copy_in(0, &data);
-        chain.submit_write(tag as u64, off, BufSlice::whole(buf));
+        host::write(&chain, tag as u64, off, BufSlice::whole(buf));
     }
     let mut done = 0;
     while done < 64 {

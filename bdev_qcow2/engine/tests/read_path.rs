@@ -5,6 +5,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)] // test helpers may panic
 
 use qcow2_engine::io::{BufSlice, HeapBuf, IoBuffer};
+use qcow2_engine::testing::host;
 use qcow2_engine::testing::MemDevice;
 use qcow2_engine::{Chain, Error, Exec, Layer, OpenOptions, Qcow2, ReadRoute, WriteRoute};
 use std::cell::RefCell;
@@ -70,7 +71,7 @@ fn submit_and_wait(
 ) -> Result<Vec<u8>, Error> {
     let buf = HeapBuf::new(len);
     wait_for(exec, |t| {
-        chain.submit_read(t, off, BufSlice::whole(buf.clone()))
+        host::read(chain, t, off, BufSlice::whole(buf.clone()))
     })
     .map(|_| buf.to_vec())
 }
@@ -151,7 +152,12 @@ fn busy_slow_device_reads_like_qemu() {
     let chunk = raw.len() / n;
     let bufs: Vec<HeapBuf> = (0..n).map(|_| HeapBuf::new(chunk)).collect();
     for (i, b) in bufs.iter().enumerate() {
-        chain.submit_read(i as u64, (i * chunk) as u64, BufSlice::whole(b.clone()));
+        host::read(
+            &chain,
+            i as u64,
+            (i * chunk) as u64,
+            BufSlice::whole(b.clone()),
+        );
     }
     let mut done = 0;
     while done < n {
@@ -340,7 +346,7 @@ fn completions_delivered_from_a_device_callback_finish_fast_path_reads_at_once()
     // Warm the slice cache (slow path), then a cached read takes the fast path.
     submit_and_wait(&exec, &chain, 0, 65536).unwrap();
     let buf = HeapBuf::new(65536);
-    chain.submit_read(9, 0, BufSlice::whole(buf.clone()));
+    host::read(&chain, 9, 0, BufSlice::whole(buf.clone()));
     // The host's device callback hands each completion to the executor directly (as SPDK's
     // completion callback would), with no Exec::poll in between.
     let mut got = None;
@@ -481,8 +487,12 @@ fn read_ahead_loads_the_next_slice_of_a_sequential_stream() {
         let (exec, _dev, chain) = open_sliced(img.clone(), 512, prefetch);
         assert_eq!(chain.prefetch_enabled(), prefetch);
         for &off in offsets {
+            // Read-ahead fed here, as a plan feeds it; the read itself on the engine's path.
             chain.read_ahead(off, LEN as u64);
-            let got = submit_and_wait(&exec, &chain, off, LEN).unwrap();
+            let buf = HeapBuf::new(LEN);
+            let slice = BufSlice::whole(buf.clone());
+            wait_for(&exec, |t| host::engine_read(&chain, t, off, slice)).unwrap();
+            let got = buf.to_vec();
             assert_eq!(got[..], raw[off as usize..off as usize + LEN], "at {off}");
         }
         (chain.stats(), chain.prefetch_stats())
@@ -666,7 +676,7 @@ fn linear_slices_follow_the_owners_changes() {
         assert_eq!(host(c * cs), Some(h0 + c * cs), "cluster {c}");
     }
     // Discard cluster 5: it reads as zeros, its neighbours stay where they were.
-    wait_for(&exec, |t| chain.submit_discard(t, 5 * cs, cs)).unwrap();
+    wait_for(&exec, |t| host::discard(&chain, t, 5 * cs, cs)).unwrap();
     raw[5 * cs as usize..6 * cs as usize].fill(0);
     assert_eq!(host(5 * cs), None);
     assert_eq!(host(4 * cs), Some(h0 + 4 * cs));
@@ -679,7 +689,7 @@ fn linear_slices_follow_the_owners_changes() {
     let buf = HeapBuf::new(cs as usize);
     buf.copy_in(0, &vec![0x22; cs as usize]);
     wait_for(&exec, |t| {
-        chain.submit_write(t, 5 * cs, BufSlice::whole(buf))
+        host::write(&chain, t, 5 * cs, BufSlice::whole(buf))
     })
     .unwrap();
     raw[5 * cs as usize..6 * cs as usize].fill(0x22);
@@ -692,7 +702,7 @@ fn linear_slices_follow_the_owners_changes() {
             "cluster {c}"
         );
     }
-    wait_for(&exec, |t| chain.submit_flush(t)).unwrap();
+    wait_for(&exec, |t| host::flush(&chain, t)).unwrap();
     check_and_compare(dir.path(), &dev, &raw);
 }
 
@@ -809,7 +819,7 @@ fn a_write_the_direct_path_refused_is_written_once_by_the_slow_path() {
     buf.copy_in(0, &[0x5a; 4096]);
     let tasks = exec.stats().tasks_spawned;
     wait_for(&exec, |t| {
-        chain.submit_write(t, cs, BufSlice::whole(buf.clone()))
+        host::write(&chain, t, cs, BufSlice::whole(buf.clone()))
     })
     .unwrap();
     assert_eq!(
@@ -829,7 +839,7 @@ fn a_write_the_direct_path_refused_is_written_once_by_the_slow_path() {
     assert_eq!(direct_host(&exec, &chain, 3 * cs, 4096, true), None);
     let tasks = exec.stats().tasks_spawned;
     wait_for(&exec, |t| {
-        chain.submit_write(t, 2 * cs, BufSlice::whole(buf.clone()))
+        host::write(&chain, t, 2 * cs, BufSlice::whole(buf.clone()))
     })
     .unwrap();
     assert_eq!(
@@ -838,7 +848,7 @@ fn a_write_the_direct_path_refused_is_written_once_by_the_slow_path() {
         "in place, on the fast path"
     );
     raw[2 * cs as usize..(2 * cs + 4096) as usize].fill(0x5a);
-    wait_for(&exec, |t| chain.submit_flush(t)).unwrap();
+    wait_for(&exec, |t| host::flush(&chain, t)).unwrap();
     check_and_compare(dir.path(), &dev, &raw);
 }
 
@@ -904,7 +914,7 @@ fn extended_l2_overwrites_of_allocated_subclusters_take_the_fast_path() {
         buf.copy_in(0, &vec![fill; len as usize]);
         let (tasks, writes) = (exec.stats().tasks_spawned, device_writes(&dev));
         wait_for(&exec, |t| {
-            chain.submit_write(t, off, BufSlice::whole(buf.clone()))
+            host::write(&chain, t, off, BufSlice::whole(buf.clone()))
         })
         .unwrap();
         if fast {
@@ -924,7 +934,7 @@ fn extended_l2_overwrites_of_allocated_subclusters_take_the_fast_path() {
             "case {i}"
         );
     }
-    wait_for(&exec, |t| chain.submit_flush(t)).unwrap();
+    wait_for(&exec, |t| host::flush(&chain, t)).unwrap();
     check_and_compare(dir.path(), &dev, &raw);
 }
 
@@ -955,7 +965,7 @@ fn extended_l2_slices_of_whole_clusters_are_linear() {
     );
     // Subcluster 4 of cluster 1 reads as zeros now.
     wait_for(&exec, |t| {
-        chain.submit_write_zeroes(t, 72 * k, 2 * k, false)
+        host::write_zeroes(&chain, t, 72 * k, 2 * k, false)
     })
     .unwrap();
     raw[72 * k as usize..74 * k as usize].fill(0);
@@ -974,7 +984,7 @@ fn extended_l2_slices_of_whole_clusters_are_linear() {
     let buf = HeapBuf::new(2048);
     buf.copy_in(0, &[0x5a; 2048]);
     wait_for(&exec, |t| {
-        chain.submit_write(t, 72 * k, BufSlice::whole(buf.clone()))
+        host::write(&chain, t, 72 * k, BufSlice::whole(buf.clone()))
     })
     .unwrap();
     raw[72 * k as usize..74 * k as usize].fill(0x5a);
@@ -987,7 +997,7 @@ fn extended_l2_slices_of_whole_clusters_are_linear() {
         submit_and_wait(&exec, &chain, 0, 256 << 10).unwrap(),
         raw[..256 << 10]
     );
-    wait_for(&exec, |t| chain.submit_flush(t)).unwrap();
+    wait_for(&exec, |t| host::flush(&chain, t)).unwrap();
     check_and_compare(dir.path(), &dev, &raw);
 }
 
@@ -1019,7 +1029,7 @@ fn write_cluster(exec: &Exec<MemDevice>, chain: &Rc<Chain<MemDevice>>, c: u64) -
     let buf = HeapBuf::new(cs);
     buf.copy_in(0, &vec![fill; cs]);
     wait_for(exec, |t| {
-        chain.submit_write(t, c * cs as u64, BufSlice::whole(buf.clone()))
+        host::write(chain, t, c * cs as u64, BufSlice::whole(buf.clone()))
     })
     .unwrap();
     fill
@@ -1067,7 +1077,7 @@ fn on_a_fixed_device_slices_written_in_any_order_are_laid_out_in_order() {
         let fill = write_cluster(&exec, &chain, c);
         raw[(c * cs) as usize..((c + 1) * cs) as usize].fill(fill);
     }
-    wait_for(&exec, |t| chain.submit_flush(t)).unwrap();
+    wait_for(&exec, |t| host::flush(&chain, t)).unwrap();
     check_and_compare(dir.path(), &dev, &raw);
     let map = qemu_map(&dir.path().join("after.qcow2"));
     for slice in 0..2u64 {
@@ -1104,12 +1114,12 @@ fn a_full_fixed_device_still_takes_every_cluster() {
         let buf = HeapBuf::new(cs as usize);
         buf.copy_in(0, &vec![fill; cs as usize]);
         wait_for(&exec, |t| {
-            chain.submit_write(t, c * cs, BufSlice::whole(buf.clone()))
+            host::write(&chain, t, c * cs, BufSlice::whole(buf.clone()))
         })
         .unwrap_or_else(|e| panic!("cluster {c}: {e}"));
         raw[(c * cs) as usize..((c + 1) * cs) as usize].fill(fill);
     }
-    wait_for(&exec, |t| chain.submit_flush(t)).unwrap();
+    wait_for(&exec, |t| host::flush(&chain, t)).unwrap();
     check_and_compare(dir.path(), &dev, &raw);
 }
 
@@ -1129,7 +1139,7 @@ fn the_ordered_layout_continues_a_slice_after_a_reopen() {
             let fill = write_cluster(exec, chain, c);
             raw[(c * cs) as usize..((c + 1) * cs) as usize].fill(fill);
         }
-        wait_for(exec, |t| chain.submit_flush(t)).unwrap();
+        wait_for(exec, |t| host::flush(chain, t)).unwrap();
     };
     let (exec, dev, chain) = open_fixed(img, size, true);
     // Half the slice (a fresh reservation after the reopen would start past that data).
@@ -1162,7 +1172,7 @@ fn quiet_dirty_metadata_is_written_back_without_a_flush() {
     let write = |off: u64, byte: u8| {
         let buf = HeapBuf::new(4096);
         buf.copy_in(0, &[byte; 4096]);
-        wait_for(&exec, |t| chain.submit_write(t, off, BufSlice::whole(buf))).unwrap();
+        wait_for(&exec, |t| host::write(&chain, t, off, BufSlice::whole(buf))).unwrap();
     };
     write(3 << 16, 0x33);
     raw[3 << 16..(3 << 16) + 4096].fill(0x33);
@@ -1201,7 +1211,7 @@ fn a_failed_background_writeback_waits_and_leaves_the_metadata_for_the_flush() {
     let buf = HeapBuf::new(4096);
     buf.copy_in(0, &[0x55; 4096]);
     wait_for(&exec, |t| {
-        chain.submit_write(t, 5 << 16, BufSlice::whole(buf))
+        host::write(&chain, t, 5 << 16, BufSlice::whole(buf))
     })
     .unwrap();
     raw[5 << 16..(5 << 16) + 4096].fill(0x55);
@@ -1223,7 +1233,7 @@ fn a_failed_background_writeback_waits_and_leaves_the_metadata_for_the_flush() {
             "a failed write-back is retried after a second, not after the interval"
         );
     }
-    wait_for(&exec, |t| chain.submit_flush(t)).unwrap();
+    wait_for(&exec, |t| host::flush(&chain, t)).unwrap();
     assert!(owner_stats(&chain).l2_slices_written >= 1);
     check_and_compare(dir.path(), &dev, &raw);
 }
@@ -1286,7 +1296,7 @@ fn a_partly_allocated_group_is_taken_by_the_next_first_write() {
         buf.copy_in(0, &[byte; 4096]);
         raw[(c << 12) as usize..((c + 1) << 12) as usize].fill(byte);
         wait_for(&exec, |t| {
-            chain.submit_write(t, c << 12, BufSlice::whole(buf))
+            host::write(&chain, t, c << 12, BufSlice::whole(buf))
         })
         .unwrap();
     };
@@ -1319,7 +1329,7 @@ fn a_partly_allocated_group_is_taken_by_the_next_first_write() {
     // The clusters taken ahead read zeros and take overwrites in place.
     write(0, 4, &mut raw);
     write(31, 5, &mut raw);
-    wait_for(&exec, |t| chain.submit_flush(t)).unwrap();
+    wait_for(&exec, |t| host::flush(&chain, t)).unwrap();
     check_and_compare(dir.path(), &dev, &raw);
 }
 
@@ -1347,7 +1357,7 @@ fn first_writes_planned_on_the_spot(
         raw[off as usize..off as usize + len].fill(byte);
         tag.set(tag.get() + 1);
         inflight.borrow_mut().insert(tag.get(), (off, len));
-        chain.submit_write(tag.get(), off, BufSlice::whole(buf));
+        host::write(&chain, tag.get(), off, BufSlice::whole(buf));
     };
     let drain = || {
         while !inflight.borrow().is_empty() {
@@ -1390,7 +1400,7 @@ fn first_writes_planned_on_the_spot(
         planned >= at_least,
         "{opts}: most first writes are planned on the spot: {planned}"
     );
-    wait_for(&exec, |t| chain.submit_flush(t)).unwrap();
+    wait_for(&exec, |t| host::flush(&chain, t)).unwrap();
     check_and_compare(dir.path(), &dev, &raw);
     owner_stats(&chain)
 }
@@ -1408,7 +1418,7 @@ fn a_first_write_during_a_writeback_waits_for_the_metadata_lock() {
         let buf = HeapBuf::new(4096);
         buf.copy_in(0, &[byte; 4096]);
         raw[(c << 12) as usize..((c + 1) << 12) as usize].fill(byte);
-        chain.submit_write(c, c << 12, BufSlice::whole(buf));
+        host::write(&chain, c, c << 12, BufSlice::whole(buf));
     };
     let drain = |n: usize| {
         let mut left = n;
@@ -1423,13 +1433,13 @@ fn a_first_write_during_a_writeback_waits_for_the_metadata_lock() {
     write(0, 0x10, &mut raw);
     write(600, 0x11, &mut raw);
     drain(2);
-    wait_for(&exec, |t| chain.submit_flush(t)).unwrap();
+    wait_for(&exec, |t| host::flush(&chain, t)).unwrap();
     write(1, 0x12, &mut raw);
     drain(1);
     let before = owner_stats(&chain).writes_planned_now;
     assert!(before >= 1, "the last write was planned on the spot");
     dev.0.borrow_mut().latency_polls = 4;
-    chain.submit_flush(9999);
+    host::flush(&chain, 9999);
     exec.poll(&mut |_, _| panic!("the flush is still writing"));
     // A new cluster of the other table (cached, clean).
     write(601, 0x13, &mut raw);
@@ -1456,7 +1466,7 @@ fn a_full_device_fails_the_write_that_finds_no_room_and_leaks_nothing() {
         let byte = (c % 250) as u8 + 1;
         buf.copy_in(0, &[byte; 4096]);
         match wait_for(&exec, |t| {
-            chain.submit_write(t, c << 12, BufSlice::whole(buf))
+            host::write(&chain, t, c << 12, BufSlice::whole(buf))
         }) {
             Ok(()) => raw[(c << 12) as usize..((c + 1) << 12) as usize].fill(byte),
             Err(e) => {
@@ -1472,7 +1482,8 @@ fn a_full_device_fails_the_write_that_finds_no_room_and_leaks_nothing() {
     assert!(st.writes_planned_now > 100, "{st:?}");
     // Once more: the same answer, and still nothing taken.
     let buf = HeapBuf::new(4096);
-    assert!(wait_for(&exec, |t| chain.submit_write(
+    assert!(wait_for(&exec, |t| host::write(
+        &chain,
         t,
         c << 12,
         BufSlice::whole(buf)
@@ -1529,7 +1540,7 @@ fn partial_first_writes_on_a_cheaply_zeroing_device(opts: &str, unit: u64, zeroi
         let buf = HeapBuf::new(len);
         buf.copy_in(0, &vec![byte; len]);
         raw[off as usize..off as usize + len].fill(byte);
-        wait_for(&exec, |t| chain.submit_write(t, off, BufSlice::whole(buf)))
+        wait_for(&exec, |t| host::write(&chain, t, off, BufSlice::whole(buf)))
             .unwrap_or_else(|e| panic!("{opts}: write at {off}: {e}"));
     };
     let u = unit;
@@ -1542,7 +1553,7 @@ fn partial_first_writes_on_a_cheaply_zeroing_device(opts: &str, unit: u64, zeroi
     write(7 * u - 1024, 2048, 5);
     // An overwrite next to a first write: nothing to zero.
     write(u + u / 2, 512, 6);
-    wait_for(&exec, |t| chain.submit_flush(t)).unwrap();
+    wait_for(&exec, |t| host::flush(&chain, t)).unwrap();
     check_and_compare(dir.path(), &dev, &raw);
     assert_eq!(
         dev.0.borrow().zero_writes,

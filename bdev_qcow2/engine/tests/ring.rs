@@ -8,6 +8,7 @@
 
 use qcow2_engine::io::{BufSlice, HeapBuf};
 use qcow2_engine::ring::{RingConfig, RingServed, WriteGens};
+use qcow2_engine::testing::host;
 use qcow2_engine::testing::MemDevice;
 use qcow2_engine::{Chain, Exec, Layer, OpenOptions, Qcow2};
 use std::path::Path;
@@ -85,7 +86,7 @@ fn read(exec: &Exec<MemDevice>, chain: &Rc<Chain<MemDevice>>, off: u64, len: usi
     };
     if let Some((off, slice)) = rest {
         if off != u64::MAX {
-            chain.submit_read(7, off, slice);
+            host::engine_read(chain, 7, off, slice);
         }
         let mut done = None;
         while done.is_none() {
@@ -259,7 +260,7 @@ fn a_write_makes_what_the_ring_holds_of_it_unusable() {
     // An in-place overwrite ahead of the stream: no mapping changes, only its data.
     let w = HeapBuf::new(4096);
     w.0.borrow_mut().fill(0x99);
-    chain.submit_write(9, 200 << 10, BufSlice::whole(w));
+    host::write(&chain, 9, 200 << 10, BufSlice::whole(w));
     let mut done = None;
     while done.is_none() {
         exec.poll(&mut |_, r| done = Some(r));
@@ -284,7 +285,7 @@ fn a_write_makes_what_the_ring_holds_of_it_unusable() {
 fn write(exec: &Exec<MemDevice>, chain: &Rc<Chain<MemDevice>>, off: u64, len: usize, byte: u8) {
     let w = HeapBuf::new(len);
     w.0.borrow_mut().fill(byte);
-    chain.submit_write(9, off, BufSlice::whole(w));
+    host::write(chain, 9, off, BufSlice::whole(w));
     let mut done = None;
     while done.is_none() {
         exec.poll(&mut |_, r| done = Some(r));
@@ -339,9 +340,10 @@ fn start(chain: &Rc<Chain<MemDevice>>, off: u64, len: usize, tag: u64) -> (HeapB
     let slice = BufSlice::whole(buf.clone());
     match chain.ring_read(off, &slice) {
         RingServed::All => return (buf, true),
-        RingServed::Nothing => chain.submit_read(tag, off, slice),
+        RingServed::Nothing => host::engine_read(chain, tag, off, slice),
         RingServed::Prefix(n) => {
-            chain.submit_read(tag, off + n, slice.sub(n as usize, len - n as usize))
+            let rest = slice.sub(n as usize, len - n as usize);
+            host::engine_read(chain, tag, off + n, rest)
         }
         RingServed::Wait(w) => chain.ring_wait(w, tag, slice),
     }

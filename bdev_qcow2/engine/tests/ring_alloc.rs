@@ -15,6 +15,7 @@
 
 use qcow2_engine::io::{BufSlice, HeapBuf};
 use qcow2_engine::ring::{RingConfig, RingServed, RingStats, WriteGens, CHUNK};
+use qcow2_engine::testing::host;
 use qcow2_engine::testing::MemDevice;
 use qcow2_engine::{Chain, Exec, Layer, OpenOptions, OwnerLink, Qcow2};
 use std::alloc::{GlobalAlloc, Layout, System};
@@ -202,13 +203,14 @@ fn step(exec: &Exec<MemDevice>, chain: &Rc<Chain<MemDevice>>, r: &mut Reader, ex
         RingServed::All => false,
         RingServed::Nothing => {
             chain.read_ahead(r.pos, len as u64);
-            chain.submit_read(TAG, r.pos, slice.clone());
+            host::engine_read(chain, TAG, r.pos, slice.clone());
             true
         }
         RingServed::Prefix(n) => {
             chain.read_ahead(r.pos, len as u64);
             let n = n as usize;
-            chain.submit_read(TAG, r.pos + n as u64, slice.sub(n, len - n));
+            let rest = slice.sub(n, len - n);
+            host::engine_read(chain, TAG, r.pos + n as u64, rest);
             true
         }
         RingServed::Wait(w) => {

@@ -8,6 +8,7 @@
 use qcow2_engine::create::{create, CreateOptions};
 use qcow2_engine::exec::Outcome;
 use qcow2_engine::io::{BufSlice, HeapBuf};
+use qcow2_engine::testing::host;
 use qcow2_engine::testing::SharedDisk;
 use qcow2_engine::{Chain, Exec, Layer, OpenOptions, OwnerLink, Qcow2};
 use std::cell::RefCell;
@@ -113,7 +114,7 @@ impl Rig {
     /// Reads one cluster at `off` on the core (the owner answers its slice requests).
     fn core_read(&self, off: u64) -> Vec<u8> {
         let buf = HeapBuf::new(CS as usize);
-        self.core.submit_read(1, off, BufSlice::whole(buf.clone()));
+        host::read(&self.core, 1, off, BufSlice::whole(buf.clone()));
         let mut done = None;
         for _ in 0..100_000 {
             self.core_exec.poll_outcomes(&mut |_, o| {

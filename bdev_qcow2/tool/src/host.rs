@@ -3,8 +3,8 @@
 
 use crate::lock::{Access, LockFailure};
 use crate::uring::UringDevice;
-use qcow2_engine::io::BlockDevice;
-use qcow2_engine::{Chain, Exec, Layer, OpenOptions, Qcow2};
+use qcow2_engine::io::{BlockDevice, BufSlice};
+use qcow2_engine::{Chain, Exec, Layer, OpenOptions, Qcow2, Request, Step};
 use std::collections::HashSet;
 use std::os::fd::AsFd;
 use std::path::{Path, PathBuf};
@@ -123,6 +123,21 @@ pub struct Opened<D: BlockDevice = UringDevice> {
     pub chain: Rc<Chain<D>>,
     /// Path and format of each layer.
     pub files: Vec<(PathBuf, Format)>,
+}
+
+/// Puts guest read or write `req`, its data in `buf`, into `chain` as a host of one core
+/// does: the engine plans it and the step is taken through the executor, which reports
+/// the completion under `tag`. (With no other core there is no owner to send it to.)
+pub fn submit<D: BlockDevice>(chain: &Rc<Chain<D>>, tag: u64, req: Request, buf: BufSlice<D::Buf>) {
+    match chain.plan(req, || buf.clone()) {
+        Step::Complete(r) => chain.exec().complete(tag, r),
+        Step::Direct(grant) => chain.submit_direct(tag, grant, buf),
+        Step::Task(task) => chain.start(task, tag, Some(buf)),
+        Step::Owner(_) => {
+            let e = qcow2_engine::Error::InvalidRequest("a request for an owner on one core");
+            chain.exec().complete(tag, Err(e))
+        }
+    }
 }
 
 fn engine_err(path: &Path) -> impl FnOnce(qcow2_engine::Error) -> ToolError + '_ {

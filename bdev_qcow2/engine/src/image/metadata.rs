@@ -54,7 +54,7 @@ impl<D: BlockDevice> Qcow2<D> {
         let off = off.0;
         // The cores' bitmap marks every metadata cluster (and some that were, never
         // cleared): a range it marks nowhere is not metadata, in a bit test per cluster.
-        if let Some(sh) = &self.shared {
+        if let Some(sh) = self.shared() {
             let bits = self.geo.cluster_bits;
             let (first, last) = (off >> bits, (off + len.max(1) - 1) >> bits);
             if (first..=last).all(|c| !sh.is_meta_cluster(c)) {
@@ -67,7 +67,7 @@ impl<D: BlockDevice> Qcow2<D> {
         if self.any_static_metadata(hit) {
             return true;
         }
-        if let Some(m) = &self.meta {
+        if let Some(m) = self.meta_state() {
             let st = m.st();
             let first = off >> self.geo.cluster_bits;
             let last = (off + len.max(1) - 1) >> self.geo.cluster_bits;
@@ -80,7 +80,7 @@ impl<D: BlockDevice> Qcow2<D> {
 
     /// Records the clusters of refcount blocks and L2 tables for the overlap check.
     pub(crate) fn index_metadata(&self) {
-        let Some(m) = &self.meta else { return };
+        let Some(m) = self.meta_state() else { return };
         m.st_mut().index.reset(self.table_clusters());
     }
 
@@ -114,7 +114,7 @@ impl<D: BlockDevice> Qcow2<D> {
 
     /// Makes sure refcount block `block` is in the cache (or the owner's dirty set).
     pub(crate) async fn load_rc_block(&self, block: u64) -> Result<()> {
-        if self.meta.as_ref().is_some_and(|m| m.has_dirty_rc(block)) {
+        if self.meta_state().is_some_and(|m| m.has_dirty_rc(block)) {
             return Ok(());
         }
         if self.rc_cache.borrow_mut().lookup(block, 0).is_some() {
@@ -122,7 +122,7 @@ impl<D: BlockDevice> Qcow2<D> {
         }
         let raw = read_bytes(&self.exec, self.dev, block, self.geo.cluster_size()).await?;
         // Another task may have dirtied it meanwhile: the dirty copy wins.
-        if self.meta.as_ref().is_some_and(|m| m.has_dirty_rc(block)) {
+        if self.meta_state().is_some_and(|m| m.has_dirty_rc(block)) {
             return Ok(());
         }
         self.rc_cache
@@ -134,7 +134,7 @@ impl<D: BlockDevice> Qcow2<D> {
     /// Runs `f` on refcount block `block`, which [`load_rc_block`](Self::load_rc_block)
     /// just loaded (no await in between). The owner's dirty copy wins over the cache.
     pub(crate) fn with_rc_block<R>(&self, block: u64, f: impl FnOnce(&[u8]) -> R) -> R {
-        if let Some(m) = &self.meta {
+        if let Some(m) = self.meta_state() {
             if let Some(b) = m.dirty_rc_ref(block) {
                 return f(&b);
             }

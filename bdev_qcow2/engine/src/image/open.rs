@@ -3,6 +3,7 @@
 //! set up (a dirty image repaired first).
 
 use super::owner;
+use super::role::ImageRole;
 use super::{be_words, OpenOptions, Qcow2, SliceSummary, DEFAULT_L2_CACHE_MAX};
 use crate::cache::{CacheConfig, SetAssocCache};
 use crate::error::{invalid, Error, Field, Result};
@@ -64,7 +65,7 @@ impl<D: BlockDevice> Qcow2<D> {
         let snapshots = Self::read_snapshots(exec, dev, &header, device_size).await?;
 
         let (l2_cache, rc_cache) = Self::new_caches(&geo, l1.len(), refcount_table.len(), &opts)?;
-        let meta = if opts.writable {
+        let role = if opts.writable {
             if header.is_corrupt() {
                 return Err(Error::MarkedCorrupt);
             }
@@ -85,16 +86,19 @@ impl<D: BlockDevice> Qcow2<D> {
                 }
                 return Box::pin(Self::open_inner(exec, dev, opts, true)).await;
             }
-            Some(owner::Meta::new(
-                exec,
-                &header,
-                &c0,
-                device_size,
-                opts.ordered_layout,
-                opts.alloc_granule,
-            ))
+            ImageRole::Owner {
+                meta: owner::Meta::new(
+                    exec,
+                    &header,
+                    &c0,
+                    device_size,
+                    opts.ordered_layout,
+                    opts.alloc_granule,
+                ),
+                shared: None,
+            }
         } else {
-            None
+            ImageRole::ReadOnly { shared: None }
         };
         let mut q = Qcow2 {
             exec: exec.clone(),
@@ -116,17 +120,16 @@ impl<D: BlockDevice> Qcow2<D> {
             ),
             l2_cache: RefCell::new(l2_cache),
             rc_cache: RefCell::new(rc_cache),
-            meta,
-            shared: None,
-            core: None,
+            role,
             dirty_bitmaps: None,
         };
         q.index_metadata();
-        if q.meta.is_some() {
-            q.dirty_bitmaps = q.owner()?.load_bitmaps().await?;
-        }
-        if opts.zero_ahead && q.meta.is_some() {
-            q.owner()?.start_zero_ahead().await?;
+        if let Ok(o) = q.owner() {
+            let bitmaps = o.load_bitmaps().await?;
+            if opts.zero_ahead {
+                o.start_zero_ahead().await?;
+            }
+            q.dirty_bitmaps = bitmaps;
         }
         Ok(q)
     }

@@ -62,11 +62,9 @@ impl<D: BlockDevice> Qcow2<D> {
             Ok(None) => return Preload::Nothing,
             Err(_) => return Preload::Task,
         };
-        if self.core.is_none()
-            && self
-                .meta
-                .as_ref()
-                .is_some_and(|m| m.st().dirty.has_slice(key))
+        if self
+            .meta_state()
+            .is_some_and(|m| m.st().dirty.has_slice(key))
         {
             return Preload::Task;
         }
@@ -98,7 +96,7 @@ impl<D: BlockDevice> Qcow2<D> {
             return true;
         }
         // A write-back may have dirtied it meanwhile: the dirty copy wins.
-        if let Some(words) = self.meta.as_ref().and_then(|m| m.dirty_slice(key)) {
+        if let Some(words) = self.meta_state().and_then(|m| m.dirty_slice(key)) {
             self.cache_slice(key, SliceStamp::OWNER, |b| b.copy_from_slice(&words));
             return true;
         }

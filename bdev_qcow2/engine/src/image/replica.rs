@@ -3,6 +3,7 @@
 //! core's slice requests, and the [`Replica`] view with the seqlock miss path and the
 //! overwrites a core keeps through an older copy of a slice.
 
+use super::role::ImageRole;
 use super::{
     be_words, CoreSeed, CoreSide, CoreSlice, KeptCopy, OpenOptions, OwnerLink, Qcow2, Replica,
 };
@@ -48,9 +49,7 @@ impl<D: BlockDevice> Qcow2<D> {
             ),
             l2_cache: RefCell::new(l2_cache),
             rc_cache: RefCell::new(rc_cache),
-            meta: None,
-            shared: None,
-            core: None,
+            role: ImageRole::ReadOnly { shared: None },
             dirty_bitmaps: None,
         })
     }
@@ -59,7 +58,7 @@ impl<D: BlockDevice> Qcow2<D> {
     /// state; later calls return the same. From now on every metadata change bumps the
     /// epochs the core replicas validate against. Call on the owner's core.
     pub fn share(&mut self) -> Arc<Shared> {
-        if let Some(s) = &self.shared {
+        if let Some(s) = self.shared() {
             return s.clone();
         }
         let cs = self.geo.cluster_size();
@@ -94,7 +93,7 @@ impl<D: BlockDevice> Qcow2<D> {
         for c in self.table_clusters() {
             shared.set_meta_cluster(c);
         }
-        if let Some(m) = &self.meta {
+        if let Some(m) = self.meta_state() {
             let mut st = m.st_mut();
             for c in st.index.iter() {
                 shared.set_meta_cluster(c);
@@ -105,7 +104,7 @@ impl<D: BlockDevice> Qcow2<D> {
         // with its own discards like a core's do).
         self.exec.join_grace(shared.clone(), true);
         shared.set_virtual_size(self.size());
-        self.shared = Some(shared.clone());
+        self.role.publish(shared.clone());
         // Its generation is `Shared`'s from now on: what was kept under the owner's own is
         // not comparable.
         *self.last_compressed.borrow_mut() = Default::default();
@@ -115,7 +114,7 @@ impl<D: BlockDevice> Qcow2<D> {
     /// What another core needs to build its replica ([`from_seed`](Self::from_seed)).
     /// [`share`](Self::share) must have run.
     pub fn core_seed(&self) -> Result<CoreSeed> {
-        let shared = self.shared.clone().ok_or(Error::InvalidRequest(
+        let shared = self.shared().cloned().ok_or(Error::InvalidRequest(
             "image not shared: call share() first",
         ))?;
         Ok(CoreSeed {
@@ -124,7 +123,7 @@ impl<D: BlockDevice> Qcow2<D> {
             ctx: self.ctx.get(),
             snapshots: self.snapshots.borrow().clone(),
             shared,
-            writable: self.meta.is_some(),
+            writable: self.is_writable(),
             dirty_bitmaps: self.dirty_bitmaps.clone(),
         })
     }
@@ -175,9 +174,7 @@ impl<D: BlockDevice> Qcow2<D> {
             ),
             l2_cache: RefCell::new(l2_cache),
             rc_cache: RefCell::new(rc_cache),
-            meta: None,
-            shared: Some(seed.shared.clone()),
-            core: Some(CoreSide {
+            role: ImageRole::Replica(CoreSide {
                 shared: seed.shared,
                 link,
                 tickets: RefCell::new(slab::Slab::new()),
@@ -190,10 +187,10 @@ impl<D: BlockDevice> Qcow2<D> {
 
     /// Owner: the answer to a core's [`OwnerLink::ask_slice`] (no I/O, no await).
     pub fn slice_for_core(&self, key: u64) -> SliceReply {
-        let Some(shared) = &self.shared else {
+        let Some(shared) = self.shared() else {
             return SliceReply::Retry;
         };
-        if let Some(m) = &self.meta {
+        if let Some(m) = self.meta_state() {
             if let Some(words) = m.dirty_slice(key) {
                 return SliceReply::Copy {
                     words,
@@ -212,12 +209,6 @@ impl<D: BlockDevice> Qcow2<D> {
         if let Some(r) = self.replica_side() {
             r.deliver(ticket, reply);
         }
-    }
-
-    /// This image as a core replica (`None` on the owner and on a read-only image).
-    #[inline]
-    pub(crate) fn replica_side(&self) -> Option<Replica<'_, D>> {
-        self.core.as_ref().map(|side| Replica { q: self, side })
     }
 
     /// Core replica: takes the owner's latest device size (entries may point further).
@@ -242,16 +233,10 @@ impl<D: BlockDevice> Qcow2<D> {
         }
     }
 
-    /// The shared state of a core replica (`None` on the owner).
-    #[inline(always)]
-    pub(super) fn core_shared(&self) -> Option<&Shared> {
-        self.core.as_ref().map(|c| &*c.shared)
-    }
-
     /// On a core replica: whether the owner holds the slice covering `off` dirty (odd
     /// epoch), so a copy would come from the owner by message. False on the owner.
     pub fn slice_dirty_elsewhere(&self, off: GuestOffset) -> bool {
-        self.core.is_some() && self.cur_epoch(self.geo.slice_id(off)) & 1 == 1
+        self.is_core_replica() && self.cur_epoch(self.geo.slice_id(off)) & 1 == 1
     }
 
     /// On a writable core replica: the state of this core's copy of the slice covering
@@ -359,16 +344,6 @@ impl<D: BlockDevice> Qcow2<D> {
         }
         cache.touch_fresh(hit);
         KeptCopy::Host(host)
-    }
-
-    /// The shared state of a writable core replica (`None` on the owner and on read-only
-    /// images): what its in-place writes are checked against.
-    #[inline(always)]
-    pub(crate) fn writable_core_shared(&self) -> Option<&Shared> {
-        match &self.core {
-            Some(c) if c.writable => Some(&c.shared),
-            _ => None,
-        }
     }
 }
 

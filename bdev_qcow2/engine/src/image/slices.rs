@@ -31,7 +31,7 @@ impl<D: BlockDevice> Qcow2<D> {
             return Ok(Some(w));
         }
         // The owner's dirty copy is newer than the device.
-        if let Some(m) = &self.meta {
+        if let Some(m) = self.meta_state() {
             if let Some(words) = m.dirty_slice(key) {
                 return Ok(Some(self.cache_slice(key, SliceStamp::OWNER, |b| {
                     b.copy_from_slice(&words)
@@ -40,7 +40,7 @@ impl<D: BlockDevice> Qcow2<D> {
         }
         let raw = self.read_slice_raw(l2, off).await?;
         // A write-back may have dirtied it meanwhile: the dirty copy wins.
-        if let Some(m) = &self.meta {
+        if let Some(m) = self.meta_state() {
             if let Some(words) = m.dirty_slice(key) {
                 return Ok(Some(self.cache_slice(key, SliceStamp::OWNER, |b| {
                     b.copy_from_slice(&words)

@@ -13,8 +13,8 @@
 
 use clap::Parser;
 use qcow2_engine::io::BufSlice;
-use qcow2_engine::{Chain, Exec, Layer, OpenOptions, ReadRoute};
-use qcow2_tool::host::{open_chain, Format, OpenSpec, Opened};
+use qcow2_engine::{Chain, Exec, Layer, Op, OpenOptions, ReadRoute, Request};
+use qcow2_tool::host::{open_chain, submit, Format, OpenSpec, Opened};
 use qcow2_tool::rng::Rng;
 use qcow2_tool::uring::{AlignedBuf, UringDevice};
 use std::hint::black_box;
@@ -68,14 +68,16 @@ fn open(path: &Path, size: u64) -> (Exec<UringDevice>, Rc<Chain<UringDevice>>) {
     let buf = AlignedBuf::new(512);
     for s in 0..size.div_ceil(cov) {
         // The second cluster of each slice: allocated in both images.
-        chain.submit_read(
+        let slice = BufSlice {
+            buf: buf.clone(),
+            off: 0,
+            len: 512,
+        };
+        submit(
+            &chain,
             0,
-            s * cov + 65536,
-            BufSlice {
-                buf: buf.clone(),
-                off: 0,
-                len: 512,
-            },
+            Request::new(Op::Read, s * cov + 65536, 512),
+            slice,
         );
         let mut done = false;
         while !done {

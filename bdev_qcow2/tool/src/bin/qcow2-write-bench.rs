@@ -10,7 +10,7 @@
 use clap::Parser;
 use qcow2_engine::create::{create, CreateOptions};
 use qcow2_engine::io::BufSlice;
-use qcow2_engine::{Chain, Exec, Layer, OpenOptions, Qcow2};
+use qcow2_engine::{Chain, Exec, Layer, Op, OpenOptions, Qcow2, Request};
 use qcow2_tool::rng::Rng;
 use qcow2_tool::uring::{AlignedBuf, UringDevice};
 use std::path::{Path, PathBuf};
@@ -94,15 +94,13 @@ fn run(img: &Img, qd: usize, n: u64, len: usize, mut next_off: impl FnMut(u64) -
         while issued < n {
             let Some(slot) = free.pop() else { break };
             let off = next_off(issued);
-            img.chain.submit_write(
-                slot as u64,
-                off,
-                BufSlice {
-                    buf: bufs[slot].clone(),
-                    off: 0,
-                    len,
-                },
-            );
+            let buf = BufSlice {
+                buf: bufs[slot].clone(),
+                off: 0,
+                len,
+            };
+            let req = Request::new(Op::Write, off, len as u64);
+            qcow2_tool::host::submit(&img.chain, slot as u64, req, buf);
             issued += 1;
         }
         img.exec.poll(&mut |tag, r| {

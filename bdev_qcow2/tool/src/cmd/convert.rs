@@ -17,6 +17,7 @@ use crate::lock::Access;
 use crate::progress::Progress;
 use crate::uring::{AlignedBuf, UringDevice};
 use qcow2_engine::io::{BufSlice, DeviceOp};
+use qcow2_engine::{Op, Request};
 
 /// Tag bit marking output writes (read tags are slot numbers).
 const WRITE_TAG: u64 = 1 << 63;
@@ -106,7 +107,8 @@ pub fn run(args: &ConvertArgs) -> ToolResult<String> {
                     off: 0,
                     len,
                 };
-                o.chain.submit_read(i as u64, next, buf);
+                let req = Request::new(Op::Read, next, len as u64);
+                crate::host::submit(&o.chain, i as u64, req, buf);
                 next += len as u64;
             }
         }

@@ -184,7 +184,7 @@ impl<D: BlockDevice> Owner<'_, D> {
             let mut ctx = self.ctx.get();
             ctx.device_size = end;
             self.ctx.set(ctx);
-            if let Some(sh) = &self.shared {
+            if let Some(sh) = self.published() {
                 sh.set_device_size(end);
             }
         }

@@ -124,8 +124,8 @@ impl<D: BlockDevice> Owner<'_, D> {
     /// The refcount drops waiting to become stable are stable: the clusters may be reused —
     /// at once on an image of one core; after a grace period when cores share it.
     pub(crate) fn release_unstable(&self) {
-        let grace = self.shared.as_ref().map(|sh| || sh.grace.now());
-        if self.shared.is_none() && !self.meta().st().frees.none_unstable() {
+        let grace = self.published().map(|sh| || sh.grace.now());
+        if self.published().is_none() && !self.meta().st().frees.none_unstable() {
             // Free at once, before the allocator can hand them out.
             self.bump_reuse();
         }
@@ -135,7 +135,7 @@ impl<D: BlockDevice> Owner<'_, D> {
 
     /// Releases the graced clusters whose grace period is over (advancing it if it can).
     pub(crate) fn reclaim_graced(&self) {
-        let Some(sh) = &self.shared else {
+        let Some(sh) = self.published() else {
             return;
         };
         let m = self.meta();

@@ -62,7 +62,7 @@ impl<D: BlockDevice> Owner<'_, D> {
         m.st_mut().dirty.put_slice(
             key,
             cache.block(w).to_vec(),
-            self.shared.as_deref(),
+            self.published(),
             SliceChange::Adds,
         );
         Ok(())
@@ -147,7 +147,7 @@ impl<D: BlockDevice> Owner<'_, D> {
             .meta()
             .st_mut()
             .dirty
-            .change_slice(key, self.shared.as_deref(), classify_and_put)
+            .change_slice(key, self.published(), classify_and_put)
         {
             return Err(corrupt(Field::L2Entry, key, "L2 slice not dirty"));
         }
@@ -225,13 +225,13 @@ impl<D: BlockDevice> Owner<'_, D> {
                 st.dirty.put_slice(
                     first_slice + s as u64,
                     chunk.to_vec(),
-                    self.shared.as_deref(),
+                    self.published(),
                     SliceChange::Removes,
                 );
             }
             st.dirty.dirty_l1(idx);
             st.index.insert(start.0);
-            if let Some(sh) = &self.shared {
+            if let Some(sh) = self.published() {
                 sh.set_meta_cluster(start.0);
             }
         }
@@ -245,7 +245,7 @@ impl<D: BlockDevice> Owner<'_, D> {
         let entry = L1Entry::new(new, true);
         self.l1.borrow_mut()[idx as usize] = entry;
         // Published after the new table's slices went odd (ARCHITECTURE.md §6).
-        if let Some(sh) = &self.shared {
+        if let Some(sh) = self.published() {
             sh.set_l1(idx as usize, entry.0);
         }
         Ok(())

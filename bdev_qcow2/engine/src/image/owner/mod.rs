@@ -65,10 +65,11 @@ use crate::io::BlockDevice;
 use std::cell::{Ref, RefCell, RefMut};
 
 /// An image in its role of metadata owner: the image and its owner state (see the module
-/// doc). Copied freely (two references).
+/// doc). Copied freely (three references).
 pub(crate) struct Owner<'a, D: BlockDevice> {
     q: &'a Qcow2<D>,
     m: &'a Meta<D>,
+    sh: Option<&'a Shared>,
 }
 
 impl<D: BlockDevice> Clone for Owner<'_, D> {
@@ -91,6 +92,12 @@ impl<'a, D: BlockDevice> Owner<'a, D> {
     #[inline]
     pub(crate) fn meta(&self) -> &'a Meta<D> {
         self.m
+    }
+    /// The state published to the core replicas, once the image is
+    /// [`share`](Qcow2::share)d.
+    #[inline]
+    pub(crate) fn published(&self) -> Option<&'a Shared> {
+        self.sh
     }
 }
 
@@ -271,8 +278,8 @@ impl<D: BlockDevice> Qcow2<D> {
     /// replica: its writes that change metadata go to the owner).
     #[inline]
     pub(crate) fn owner(&self) -> Result<Owner<'_, D>> {
-        match self.meta_state() {
-            Some(m) => Ok(Owner { q: self, m }),
+        match self.owner_parts() {
+            Some((m, sh)) => Ok(Owner { q: self, m, sh }),
             None => Err(Error::ReadOnly),
         }
     }

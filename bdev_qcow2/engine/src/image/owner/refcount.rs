@@ -102,7 +102,7 @@ impl<D: BlockDevice> Owner<'_, D> {
             st.dirty.put_rc(b << bits, bytes);
             st.dirty.dirty_rt(r);
             st.index.insert(b);
-            if let Some(sh) = &self.shared {
+            if let Some(sh) = self.published() {
                 sh.set_meta_cluster(b);
             }
             st.alloc.take_fresh(b, 1);
@@ -205,7 +205,7 @@ impl<D: BlockDevice> Owner<'_, D> {
                 .write(self.dev, at << bits, BufSlice::whole(buf))
                 .await?;
             m.st_mut().index.insert(at);
-            if let Some(sh) = &self.shared {
+            if let Some(sh) = self.published() {
                 sh.set_meta_cluster(at);
             }
         }
@@ -228,7 +228,7 @@ impl<D: BlockDevice> Owner<'_, D> {
             .write(self.dev, start << bits, BufSlice::whole(buf))
             .await?;
         self.exec.flush(self.dev).await?;
-        if let Some(sh) = &self.shared {
+        if let Some(sh) = self.published() {
             for c in start..start + table_clusters {
                 sh.set_meta_cluster(c);
             }

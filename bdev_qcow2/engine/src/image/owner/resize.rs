@@ -63,7 +63,7 @@ impl<D: BlockDevice> Owner<'_, D> {
         if let Some(old) = old_table {
             m.st_mut().frees.free_later(old);
         }
-        if let Some(sh) = &self.shared {
+        if let Some(sh) = self.published() {
             sh.set_virtual_size(new_size);
         }
         Ok(old_size)
@@ -117,7 +117,7 @@ impl<D: BlockDevice> Owner<'_, D> {
                  image may have"
             )));
         }
-        if let Some(sh) = &self.shared {
+        if let Some(sh) = self.published() {
             if entries > sh.l1_len() as u64 {
                 return Err(Error::Refused(format!(
                     "online growth is limited to {} L1 entries for this image (the room \
@@ -153,7 +153,7 @@ impl<D: BlockDevice> Owner<'_, D> {
             .write(self.dev, new_off, BufSlice::whole(buf))
             .await?;
         self.exec.flush(self.dev).await?;
-        if let Some(sh) = &self.shared {
+        if let Some(sh) = self.published() {
             for c in table.first.0..table.end().0 {
                 sh.set_meta_cluster(c);
             }

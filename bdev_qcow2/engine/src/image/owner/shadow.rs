@@ -222,7 +222,7 @@ impl<D: BlockDevice> Owner<'_, D> {
         self.exec
             .write(self.dev, rt_first << bits, BufSlice::whole(buf))
             .await?;
-        if let Some(sh) = &self.shared {
+        if let Some(sh) = self.published() {
             for c in pool.iter().copied().chain(rt_first..rt_first + rt_clusters) {
                 sh.set_meta_cluster(c);
             }

@@ -167,7 +167,7 @@ impl<D: BlockDevice> Owner<'_, D> {
     /// referenced. For an image nobody else serves (offline): the cores' virtual size and
     /// the guests' view would change under them.
     pub(crate) async fn snapshot_apply(&self, which: &str) -> Result<()> {
-        if self.shared.is_some() {
+        if self.published().is_some() {
             return Err(Error::Refused(
                 "applying a snapshot is done offline, on an image nobody else serves".into(),
             ));
@@ -373,7 +373,7 @@ impl<D: BlockDevice> Owner<'_, D> {
         self.l2_cache.borrow_mut().clear();
         self.memo.forget_all();
         self.index_metadata();
-        if let Some(sh) = &self.shared {
+        if let Some(sh) = self.published() {
             self.publish_l1(sh, &old_words, &words);
         }
         let m = self.meta();
@@ -439,7 +439,7 @@ impl<D: BlockDevice> Owner<'_, D> {
         let mut st = self.meta().st_mut();
         for c in a.first.0..a.end().0 {
             st.index.insert(c);
-            if let Some(sh) = &self.shared {
+            if let Some(sh) = self.published() {
                 sh.set_meta_cluster(c);
             }
         }

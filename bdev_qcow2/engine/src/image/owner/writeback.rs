@@ -166,10 +166,10 @@ impl<D: BlockDevice> Owner<'_, D> {
             if let Err(e) = r {
                 // Back to dirty; a newer dirty copy (changed meanwhile) wins.
                 st.dirty
-                    .slices_not_written(keys[i..].iter().copied(), self.shared.as_deref());
+                    .slices_not_written(keys[i..].iter().copied(), self.published());
                 return Err(e);
             }
-            let written = st.dirty.slice_written(key, self.shared.as_deref());
+            let written = st.dirty.slice_written(key, self.published());
             st.stats.l2_slices_written += 1;
             // A slice only the dirty set held (a new table's) stays in memory, in the
             // cache, unless a newer dirty copy exists (then that one is written later).
