@@ -57,15 +57,15 @@ pub struct ImageArgs {
     /// Give the image file's space back (punch holes) for the clusters a guest discard or
     /// a write-zeroes with unmap frees, as QEMU's `pass-discard-request` (on, as with
     /// qemu-io).
-    #[arg(long, value_name = "on|off", value_parser = parse_on_off, default_value = "on")]
+    #[arg(long, value_name = "on|off", action = clap::ArgAction::Set, value_parser = parse_on_off, default_value = "on")]
     pub pass_discard_request: bool,
     /// The same for the clusters a snapshot's deletion frees (QEMU's
     /// `pass-discard-snapshot`).
-    #[arg(long, value_name = "on|off", value_parser = parse_on_off, default_value = "on")]
+    #[arg(long, value_name = "on|off", action = clap::ArgAction::Set, value_parser = parse_on_off, default_value = "on")]
     pub pass_discard_snapshot: bool,
     /// The same for clusters freed otherwise: copied-on-write clusters, old tables
     /// (QEMU's `pass-discard-other`).
-    #[arg(long, value_name = "on|off", value_parser = parse_on_off, default_value = "off")]
+    #[arg(long, value_name = "on|off", action = clap::ArgAction::Set, value_parser = parse_on_off, default_value = "off")]
     pub pass_discard_other: bool,
     /// The image.
     pub image: PathBuf,
