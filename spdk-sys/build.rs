@@ -49,6 +49,7 @@ const FUNCTIONS: &[&str] = &[
     "spdk_bdev_writev_blocks",
     "spdk_bdev_flush_blocks",
     "spdk_bdev_write_zeroes_blocks",
+    "spdk_bdev_unmap_blocks",
     "spdk_bdev_free_io",
     "spdk_bdev_get_by_name",
     "spdk_bdev_get_name",

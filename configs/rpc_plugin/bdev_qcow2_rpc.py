@@ -7,7 +7,9 @@
 def bdev_qcow2_create(client, name, base_bdev, backing_bdev=None, read_only=None,
                       l2_cache_size=None, l2_slice_size=None, cache_ways=None, prefetch=None,
                       ordered_layout=None, zero_offload=None, prefetch_ring_size=None,
-                      prefetch_max_window=None, alloc_granule=None, zero_ahead=None):
+                      prefetch_max_window=None, alloc_granule=None, zero_ahead=None,
+                      pass_discard_request=None, pass_discard_snapshot=None,
+                      pass_discard_other=None):
     params = {'name': name, 'base_bdev': base_bdev}
     if backing_bdev is not None:
         params['backing_bdev'] = backing_bdev
@@ -33,6 +35,11 @@ def bdev_qcow2_create(client, name, base_bdev, backing_bdev=None, read_only=None
         params['alloc_granule'] = alloc_granule
     if zero_ahead is not None:
         params['zero_ahead'] = zero_ahead
+    for k, v in (('pass_discard_request', pass_discard_request),
+                 ('pass_discard_snapshot', pass_discard_snapshot),
+                 ('pass_discard_other', pass_discard_other)):
+        if v is not None:
+            params[k] = v if isinstance(v, bool) else v == 'on'
     return client.call('bdev_qcow2_create', params)
 
 
@@ -104,7 +111,10 @@ def spdk_rpc_plugin_initialize(subparsers):
                                      ordered_layout=args.ordered_layout,
                                      zero_offload=args.zero_offload,
                                      alloc_granule=args.alloc_granule,
-                                     zero_ahead=args.zero_ahead))
+                                     zero_ahead=args.zero_ahead,
+                                     pass_discard_request=args.pass_discard_request,
+                                     pass_discard_snapshot=args.pass_discard_snapshot,
+                                     pass_discard_other=args.pass_discard_other))
 
     p = subparsers.add_parser('bdev_qcow2_create',
                               help='Serve a qcow2 image stored on a bdev as a new bdev')
@@ -144,6 +154,14 @@ def spdk_rpc_plugin_initialize(subparsers):
                    'only; images with a zeroed tail of their own need none)')
     p.add_argument('--no-zero-ahead', dest='zero_ahead', action='store_false',
                    help='never zero ahead of the allocator')
+    for what, default, freed in (('request', 'on', 'a guest unmap or write-zeroes with unmap'),
+                                 ('snapshot', 'on', "a snapshot's deletion"),
+                                 ('other', 'off', 'anything else (copy-on-write, old tables)')):
+        p.add_argument('--pass-discard-' + what, dest='pass_discard_' + what,
+                       choices=['on', 'off'], default=None,
+                       type=str,
+                       help='unmap on the base the clusters %s frees, as QEMU\'s '
+                       'pass-discard-%s (default %s)' % (freed, what, default))
     p.set_defaults(func=create)
 
     def fmt(args):

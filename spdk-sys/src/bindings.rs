@@ -10489,6 +10489,16 @@ unsafe extern "C" {
     ) -> ::std::os::raw::c_int;
 }
 unsafe extern "C" {
+    pub fn spdk_bdev_unmap_blocks(
+        desc: *mut spdk_bdev_desc,
+        ch: *mut spdk_io_channel,
+        offset_blocks: u64,
+        num_blocks: u64,
+        cb: spdk_bdev_io_completion_cb,
+        cb_arg: *mut ::std::os::raw::c_void,
+    ) -> ::std::os::raw::c_int;
+}
+unsafe extern "C" {
     pub fn spdk_bdev_flush_blocks(
         desc: *mut spdk_bdev_desc,
         ch: *mut spdk_io_channel,

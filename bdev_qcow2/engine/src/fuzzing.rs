@@ -260,6 +260,7 @@ pub fn image_ops(data: &[u8]) {
             crate::image::DEFAULT_ALLOC_GRANULE
         },
         zero_ahead: count & 0x10 != 0,
+        ..OpenOptions::default()
     };
     let backing = config & 0x80 != 0;
     let mem = if opts.ordered_layout {

@@ -64,6 +64,17 @@ pub struct OpenOptions {
     /// takes scattered small writes into them well (NVMe Write Zeroes; on ext4, such writes
     /// split a file's extents); nothing is recorded in the image.
     pub zero_ahead: bool,
+    /// Discard on the device the host clusters a guest discard or a write-zeroes with
+    /// unmap frees (QEMU's `pass-discard-request`; on by default, as QEMU has it with
+    /// `discard=unmap`, which qemu-io and a bdev advertising unmap stand for).
+    pub pass_discard_request: bool,
+    /// Discard the host clusters a snapshot's deletion (or apply) frees (QEMU's
+    /// `pass-discard-snapshot`, on by default).
+    pub pass_discard_snapshot: bool,
+    /// Discard the host clusters any other change frees: a copied-on-write cluster, an old
+    /// L2 or refcount table, an aborted allocation (QEMU's `pass-discard-other`, off by
+    /// default).
+    pub pass_discard_other: bool,
 }
 
 /// Default [`OpenOptions::alloc_granule`]: the default cluster size, so that an image with
@@ -81,6 +92,9 @@ impl Default for OpenOptions {
             ordered_layout: false,
             alloc_granule: DEFAULT_ALLOC_GRANULE,
             zero_ahead: false,
+            pass_discard_request: true,
+            pass_discard_snapshot: true,
+            pass_discard_other: false,
         }
     }
 }

@@ -150,6 +150,16 @@ pub enum DeviceOp<B> {
         /// Bytes to zero.
         len: u64,
     },
+    /// `len` bytes at `offset` are no longer needed: the device may give their space back
+    /// (a file punches a hole, a thin bdev unmaps), after which they read as anything.
+    /// The engine issues it only where [`BlockDevice::discards`] says so, and only for
+    /// host clusters nothing on the device refers to any more; a failure loses nothing.
+    Discard {
+        /// Byte offset on the device.
+        offset: u64,
+        /// Bytes to discard.
+        len: u64,
+    },
     /// Make every completed write stable.
     Flush,
 }
@@ -161,6 +171,7 @@ impl<B> DeviceOp<B> {
             DeviceOp::Read { .. } => "read",
             DeviceOp::Write { .. } => "write",
             DeviceOp::WriteZeroes { .. } => "write_zeroes",
+            DeviceOp::Discard { .. } => "discard",
             DeviceOp::Flush => "flush",
         }
     }
@@ -199,6 +210,12 @@ pub trait BlockDevice: 'static {
     /// with it, rather than write zeros from a buffer. Every device takes the operation
     /// either way.
     fn zeroes_cheaply(&self) -> bool {
+        false
+    }
+    /// Whether [`DeviceOp::Discard`] gives space back (a sparse file, a thin or an NVMe
+    /// bdev that unmaps). Only then does the engine issue it, for the clusters the image
+    /// frees; a device that says no is never sent one.
+    fn discards(&self) -> bool {
         false
     }
     /// Makes the device at least `size` bytes long, reading zeros in the new part (a file

@@ -19,6 +19,7 @@ use crate::chain::{read_layer, Chain, Layer};
 use crate::error::{Error, Field, Result};
 use crate::format::{L2Entry, SubclusterBitmap};
 use crate::image::owner::alloc::Allocation;
+use crate::image::owner::discards::FreeKind;
 use crate::image::owner::Owner;
 use crate::image::Qcow2;
 use crate::io::{BlockDevice, BufSlice, IoBuffer};
@@ -289,7 +290,7 @@ impl<D: BlockDevice> Chain<D> {
                 if old != 0 {
                     // A cluster shared with a snapshot, copied whole: the copy keeps its
                     // allocated subclusters, the shared one loses this reference.
-                    o.free_later(HostRange::new(HostOffset(old), cs));
+                    o.free_later(HostRange::new(HostOffset(old), cs), FreeKind::Other);
                 }
                 let keep = if old != 0 { a } else { 0 };
                 (

@@ -18,6 +18,9 @@ pub enum LoggedOp {
     /// The device grew to this many bytes (a file's new length, stable like a write once a
     /// flush follows).
     Grow(u64),
+    /// Bytes discarded at an offset (they may read as anything afterwards; a replay that
+    /// fills them with garbage shows whether anything still pointed at them).
+    Discard(u64, u64),
 }
 
 /// State shared between a [`MemDevice`] and the test that inspects it.
@@ -44,6 +47,11 @@ pub struct MemState {
     /// Claims [`BlockDevice::zeroes_cheaply`] (like an NVMe namespace or a malloc bdev), so
     /// the engine zeroes with [`DeviceOp::WriteZeroes`].
     pub cheap_zeroes: bool,
+    /// Claims [`BlockDevice::discards`] (like a sparse file or a thin bdev): a discard
+    /// zeroes the range here (a punched hole).
+    pub discards: bool,
+    /// Bytes discarded so far.
+    pub discarded_bytes: u64,
     /// `WriteZeroes` operations submitted so far.
     pub zero_writes: u64,
     /// Fail every `WriteZeroes` with this errno (a file system without `fallocate`'s
@@ -149,6 +157,18 @@ impl BlockDevice for MemDevice {
                     None => s.write(offset, vec![0u8; len as usize]),
                 }
             }
+            (None, DeviceOp::Discard { offset, len }) => {
+                // Only inside the device, like a hole punched with the size kept.
+                let end = (offset + len).min(s.data.len() as u64);
+                if s.discards && offset < end {
+                    s.data[offset as usize..end as usize].fill(0);
+                    s.discarded_bytes += end - offset;
+                    if s.record {
+                        s.log.push(LoggedOp::Discard(offset, end - offset));
+                    }
+                }
+                Ok(())
+            }
             (None, DeviceOp::Flush) => {
                 if s.record {
                     s.log.push(LoggedOp::Flush);
@@ -165,6 +185,9 @@ impl BlockDevice for MemDevice {
     }
     fn zeroes_cheaply(&self) -> bool {
         self.0.borrow().cheap_zeroes
+    }
+    fn discards(&self) -> bool {
+        self.0.borrow().discards
     }
     fn ensure_size(&mut self, size: u64) -> Result<(), DeviceError> {
         let mut s = self.0.borrow_mut();
@@ -256,7 +279,8 @@ impl BlockDevice for SharedDisk {
                 }
                 d[offset as usize..end].fill(0);
             }
-            DeviceOp::Flush => {}
+            // Claims no discards: never sent one.
+            DeviceOp::Discard { .. } | DeviceOp::Flush => {}
         }
         self.done.push_back(tag);
         Ok(())

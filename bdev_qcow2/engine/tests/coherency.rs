@@ -122,6 +122,15 @@ impl BlockDevice for Channel {
                 offset,
                 bytes: vec![0u8; len as usize],
             },
+            // Discarded bytes read as anything: garbage (within the disk) at completion,
+            // which a request still reading them through an old mapping would return.
+            DeviceOp::Discard { offset, len } => {
+                let end = (offset + len).min(disk.len() as u64);
+                Deferred::Write {
+                    offset,
+                    bytes: vec![0xd5; end.saturating_sub(offset) as usize],
+                }
+            }
             DeviceOp::Flush => Deferred::None,
         };
         let due = self.polls + 1 + rng.below(self.max_latency + 1);
@@ -129,6 +138,9 @@ impl BlockDevice for Channel {
         Ok(())
     }
     fn can_grow(&self) -> bool {
+        true
+    }
+    fn discards(&self) -> bool {
         true
     }
     fn ensure_size(&mut self, size: u64) -> Result<(), DeviceError> {
@@ -1673,6 +1685,48 @@ fn a_group_taken_ahead_is_never_freed_clusters_brought_back_in_its_allocation() 
     assert!(
         rig.owner().owner_stats().unwrap().clusters_taken_ahead > 0,
         "groups were taken ahead before the reclaim"
+    );
+    rig.close();
+}
+
+/// Discarded clusters' bytes on the test disk: 512-byte sectors the device filled with its
+/// discard garbage.
+fn discarded_sectors(rig: &Rig) -> usize {
+    rig.disk
+        .borrow()
+        .chunks_exact(SECTOR as usize)
+        .filter(|s| s.iter().all(|b| *b == 0xd5))
+        .count()
+}
+
+#[test]
+fn freed_clusters_are_discarded_only_after_the_cores_grace_period() {
+    // A request in flight on a core may still read a cluster through the mapping it
+    // resolved before the owner freed it: the device discards the cluster only once the
+    // grace period is over, like its reuse, however many write-backs come meanwhile.
+    let mut rig = Rig::new(7, 1, false, 0);
+    let cs = 4096u64;
+    write_sync(&mut rig, 1, 0, 51, 16 * cs);
+    let parity = rig.execs[1].guest_enter();
+    owner_sync(&mut rig, 2, |o, t| host::discard(o, t, 0, 16 * cs));
+    for tag in 3..6 {
+        flush_sync(&mut rig, tag);
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    assert_eq!(
+        discarded_sectors(&rig),
+        0,
+        "discarded under a request in flight"
+    );
+    rig.execs[1].guest_exit(parity);
+    for tag in 6..9 {
+        std::thread::sleep(std::time::Duration::from_millis(1));
+        flush_sync(&mut rig, tag);
+    }
+    assert_eq!(
+        discarded_sectors(&rig) as u64,
+        16 * cs / SECTOR,
+        "the freed clusters are discarded once the grace period is over"
     );
     rig.close();
 }

@@ -19,7 +19,7 @@ use qcow2_engine::io::{BufSlice, HeapBuf, IoBuffer};
 use qcow2_engine::testing::host;
 use qcow2_engine::testing::Rng;
 use qcow2_engine::testing::{LoggedOp, MemDevice};
-use qcow2_engine::{Chain, Error, Exec};
+use qcow2_engine::{Chain, Error, Exec, Layer};
 use std::path::Path;
 use std::process::Command;
 use std::rc::Rc;
@@ -30,6 +30,8 @@ enum Op {
     Zero(u64, u64, bool),
     Discard(u64, u64),
     Flush,
+    /// Deletes internal snapshot `base` (the guest disk is unchanged).
+    DeleteSnapshot,
 }
 
 fn workload(seed: u64, size: u64, cs: u64, n: usize) -> Vec<Op> {
@@ -83,6 +85,12 @@ fn apply_via(
         }
         Op::Discard(off, len) => exec.block_on(async move { c.discard(off, len).await }),
         Op::Flush => exec.block_on(async move { c.flush().await }),
+        Op::DeleteSnapshot => exec.block_on(async move {
+            let Some(Layer::Qcow2(q)) = c.layers().first() else {
+                unreachable!("a chain of one qcow2 layer")
+            };
+            q.snapshot_delete("base").await.map(|_| ())
+        }),
     }
 }
 
@@ -106,7 +114,7 @@ fn reference_apply(reference: &mut [u8], op: &Op, gran: u64) -> Option<(u64, u64
             }
             Some((*off, *len))
         }
-        Op::Flush => None,
+        Op::Flush | Op::DeleteSnapshot => None,
     }
 }
 
@@ -168,6 +176,45 @@ struct Setup {
     /// On a fixed device, stale bytes past the image, and the owner zeroes ahead of its
     /// allocator (`OpenOptions::zero_ahead`).
     zero_ahead: bool,
+    /// The device discards, and every freed cluster is discarded
+    /// (`OpenOptions::pass_discard_*`): a crash replay fills discarded bytes with garbage.
+    discards: bool,
+    /// The disk starts written (its first half) with internal snapshot `base` of it, which
+    /// the workload deletes halfway: writes copy shared clusters and L2 tables, and the
+    /// deletion frees the snapshot's.
+    snapshot: bool,
+}
+
+/// What a crash replay leaves in discarded bytes: anything, so not zeros.
+const DISCARDED: u8 = 0xd5;
+
+/// Writes pseudo-random bytes over the first half of the disk, takes internal snapshot
+/// `base` of it and flushes; returns the disk's bytes.
+fn written_with_snapshot(
+    exec: &Exec<MemDevice>,
+    chain: &Rc<Chain<MemDevice>>,
+    size: u64,
+    seed: u64,
+) -> Vec<u8> {
+    let mut r = Rng(seed | 1);
+    let mut disk = vec![0u8; size as usize];
+    disk[..size as usize / 2].fill_with(|| r.next() as u8);
+    apply(
+        exec,
+        chain,
+        &Op::Write(0, disk[..size as usize / 2].to_vec()),
+    )
+    .unwrap();
+    let c = chain.clone();
+    exec.block_on(async move {
+        let Some(Layer::Qcow2(q)) = c.layers().first() else {
+            unreachable!("a chain of one qcow2 layer")
+        };
+        q.snapshot_create("base", Default::default()).await?;
+        c.flush().await
+    })
+    .unwrap();
+    disk
 }
 
 /// [`crash_test`] with the device and host of `setup`.
@@ -183,6 +230,8 @@ fn crash_test_with(
         cheap_zeroes,
         submit,
         zero_ahead,
+        discards,
+        snapshot,
     } = setup;
     let size = opts.size;
     let cs = 1u64 << opts.cluster_bits;
@@ -195,11 +244,19 @@ fn crash_test_with(
         Some(bytes) => MemDevice::fixed(initial.clone(), bytes),
         None => MemDevice::new(initial.clone()),
     };
+    dev.0.borrow_mut().discards = discards;
     let chain = open_with(&exec, &dev, true, zero_ahead).unwrap();
+    let mut reference = vec![0u8; size as usize];
+    if snapshot {
+        reference = written_with_snapshot(&exec, &chain, size, seed);
+        initial = dev.contents();
+    }
     dev.0.borrow_mut().record = true;
     dev.0.borrow_mut().cheap_zeroes = cheap_zeroes;
-    let work = workload(seed, size, cs, ops);
-    let mut reference = vec![0u8; size as usize];
+    let mut work = workload(seed, size, cs, ops);
+    if snapshot {
+        work.insert(ops / 2, Op::DeleteSnapshot);
+    }
     // Per completed guest flush: (device log length at completion, reference snapshot,
     // index of the op).
     let mut flushes: Vec<(usize, Vec<u8>, usize)> = vec![(0, reference.clone(), 0)];
@@ -217,11 +274,24 @@ fn crash_test_with(
             touched_after.push(Vec::new());
         }
     }
+    if discards {
+        // Closed, as a lazy-refcount image frees (and discards) only at a full write-back.
+        let c = chain.clone();
+        exec.block_on(async move { c.close().await }).unwrap();
+        flushes.push((dev.0.borrow().log.len(), reference.clone(), work.len()));
+        touched_after.push(Vec::new());
+    }
     let log = dev.0.borrow().log.clone();
     if cheap_zeroes {
         assert!(
             dev.0.borrow().zero_writes > 0,
             "the workload leaves zeroing to the device"
+        );
+    }
+    if discards {
+        assert!(
+            log.iter().any(|e| matches!(e, LoggedOp::Discard(..))),
+            "the workload discards freed clusters"
         );
     }
     let dir = tempfile::tempdir().unwrap();
@@ -256,6 +326,13 @@ fn crash_test_with(
                 LoggedOp::Grow(len) => {
                     if img.len() < *len as usize {
                         img.resize(*len as usize, 0);
+                    }
+                }
+                // Discarded bytes read as anything: garbage shows a cluster still in use.
+                LoggedOp::Discard(off, len) => {
+                    let end = ((off + len) as usize).min(img.len());
+                    if (*off as usize) < end {
+                        img[*off as usize..end].fill(DISCARDED);
                     }
                 }
                 LoggedOp::Flush => {}
@@ -318,6 +395,7 @@ fn crash_test_with(
                             Op::Zero(o, l, u) => (*o, *l, if *u { "zero-unmap" } else { "zero" }),
                             Op::Discard(o, l) => (*o, *l, "discard"),
                             Op::Flush => return Some(format!("{k}:flush")),
+                            Op::DeleteSnapshot => return Some(format!("{k}:delete-snapshot")),
                         };
                         (r.0 <= i as u64 && (i as u64) < r.0 + r.1)
                             .then(|| format!("{k}:{}@{:#x}+{:#x}", r.2, r.0, r.1))
@@ -512,6 +590,67 @@ fn crash_states_extended_l2() {
     );
     eprintln!("crash states tried (extended L2): {n}");
     assert!(n > 50);
+}
+
+#[test]
+fn crash_states_discarding_freed_clusters() {
+    // A device that discards (a sparse file, a thin lvol): every cluster the workload frees
+    // (guest discards, write-zeroes with unmap) is discarded on it, and a crash replay
+    // leaves garbage there. No crash state may read garbage where flushed data was: a
+    // cluster is discarded only once nothing on the device points at it, and never after
+    // it was handed out again.
+    // Small disks, so that discards often meet allocated clusters.
+    for (cluster_bits, size, seed, lazy_refcounts) in [
+        (16, 4 << 20, 41, false),
+        (12, 512 << 10, 43, false),
+        (16, 4 << 20, 47, true),
+    ] {
+        let n = crash_test_with(
+            CreateOptions {
+                size,
+                cluster_bits,
+                lazy_refcounts,
+                ..Default::default()
+            },
+            seed,
+            120,
+            3,
+            Setup {
+                discards: true,
+                ..Default::default()
+            },
+        );
+        eprintln!("crash states tried (discards, {cluster_bits} cluster bits, lazy {lazy_refcounts}): {n}");
+        assert!(n > 50);
+    }
+}
+
+#[test]
+fn crash_states_discarding_what_a_snapshot_deletion_frees() {
+    // The disk starts with a snapshot of its first half: writes copy shared clusters and L2
+    // tables, then the snapshot is deleted halfway, freeing (and discarding) the clusters
+    // and tables only it still held, while the workload goes on reusing freed space.
+    for (cluster_bits, seed) in [(16, 53), (12, 59)] {
+        let n = crash_test_with(
+            CreateOptions {
+                size: 4 << 20,
+                cluster_bits,
+                ..Default::default()
+            },
+            seed,
+            120,
+            2,
+            Setup {
+                discards: true,
+                snapshot: true,
+                ..Default::default()
+            },
+        );
+        eprintln!(
+            "crash states tried (snapshot deleted, discards, {cluster_bits} cluster bits): {n}"
+        );
+        assert!(n > 50);
+    }
 }
 
 fn fault_test(opts: CreateOptions, seed: u64, ops: usize, errno: i32) -> usize {

@@ -77,8 +77,8 @@ fn assert_writes_below_the_tail(dev: &MemDevice, initial: u64) -> usize {
                 );
             }
             LoggedOp::Flush => stable = pending,
-            // (A fixed device never grows.)
-            LoggedOp::Grow(_) => {}
+            // (A fixed device never grows; this one does not discard.)
+            LoggedOp::Grow(_) | LoggedOp::Discard(..) => {}
         }
     }
     let from = tail_of(&img).unwrap();

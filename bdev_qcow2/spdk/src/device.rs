@@ -47,6 +47,9 @@ pub struct SpdkDevice {
     buf_align: usize,
     /// The engine leaves zeroing to the bdev ([`zero_offload`]).
     cheap_zeroes: bool,
+    /// The bdev's module unmaps (a thin lvol, NVMe, malloc, AIO): freed clusters are
+    /// discarded on it.
+    unmaps: bool,
 }
 
 impl SpdkDevice {
@@ -60,6 +63,7 @@ impl SpdkDevice {
             io: BaseIo::new(desc)?,
             buf_align: desc.buf_align().max(4096),
             cheap_zeroes: zero_offload(desc, None),
+            unmaps: desc.supports_natively(sys::SPDK_BDEV_IO_TYPE_UNMAP),
         })
     }
 
@@ -153,6 +157,10 @@ impl BlockDevice for SpdkDevice {
         self.cheap_zeroes
     }
 
+    fn discards(&self) -> bool {
+        self.unmaps
+    }
+
     fn submit(&mut self, op: DeviceOp<SpdkBuf>, tag: u64) -> Result<(), Busy<SpdkBuf>> {
         let bs = self.io.block_size();
         let size = self.size();
@@ -165,6 +173,14 @@ impl BlockDevice for SpdkDevice {
                 *offset,
                 *len,
                 BaseOp::WriteZeroes {
+                    offset: *offset,
+                    len: *len,
+                },
+            ),
+            DeviceOp::Discard { offset, len } => (
+                *offset,
+                *len,
+                BaseOp::Unmap {
                     offset: *offset,
                     len: *len,
                 },

@@ -80,6 +80,19 @@ pub struct CreateParams {
     /// `false`: off.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub zero_ahead: Option<bool>,
+    /// Unmap on the base the clusters a guest unmap (or a write-zeroes with unmap) frees,
+    /// once the metadata that freed them is on stable storage, where the base unmaps
+    /// (a thin lvol gives its clusters back). QEMU's `pass-discard-request`; default `true`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pass_discard_request: Option<bool>,
+    /// The same for the clusters a snapshot's deletion frees (QEMU's
+    /// `pass-discard-snapshot`; default `true`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pass_discard_snapshot: Option<bool>,
+    /// The same for clusters freed otherwise: copied-on-write clusters, old tables, aborted
+    /// allocations (QEMU's `pass-discard-other`; default `false`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pass_discard_other: Option<bool>,
 }
 
 impl CreateParams {
@@ -155,6 +168,11 @@ impl CreateParams {
             cache_ways: self.cache_ways.unwrap_or(d.cache_ways),
             ordered_layout: self.ordered_layout,
             alloc_granule: self.alloc_granule.unwrap_or(d.alloc_granule),
+            pass_discard_request: self.pass_discard_request.unwrap_or(d.pass_discard_request),
+            pass_discard_snapshot: self
+                .pass_discard_snapshot
+                .unwrap_or(d.pass_discard_snapshot),
+            pass_discard_other: self.pass_discard_other.unwrap_or(d.pass_discard_other),
             ..d
         }
     }

@@ -1487,6 +1487,74 @@ mod real {
         }
     }
 
+    /// Thin stays thin on SPDK: a qcow2 bdev on an AIO base that unmaps (created with
+    /// `fallocate`) gives the base file its space back for the clusters guest unmaps free
+    /// (bdevperf `-w unmap` after `-w write`), once the metadata that freed them is stable;
+    /// with `pass_discard_request` false the file keeps its blocks. `qemu-img check` is
+    /// clean either way.
+    #[test]
+    fn guest_unmaps_give_an_unmapping_base_its_space_back() {
+        require!("bdevperf");
+        let _t = turn();
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        let img = d.join("thin.qcow2");
+        let blocks = |p: &Path| {
+            use std::os::unix::fs::MetadataExt;
+            fs::metadata(p).unwrap().blocks() * 512
+        };
+        for pass in [true, false] {
+            let _ = fs::remove_file(&img);
+            sparse(&img, 96 * MIB);
+            let mut base = aio(&img, "b0");
+            base["params"]["fallocate"] = json!(true);
+            let mut create = qcow2("q0", "b0", None);
+            create["params"]["pass_discard_request"] = json!(pass);
+            let first = d.join(format!("first-{pass}.json"));
+            write_config(
+                &first,
+                vec![base.clone(), format_call("b0", 64 * MIB), create.clone()],
+            );
+            let again = d.join(format!("again-{pass}.json"));
+            write_config(&again, vec![base, create]);
+            let mut allocated = Vec::new();
+            for (cfg, w) in [(&first, "write"), (&again, "unmap")] {
+                let tag = format!("thin-{pass}-{w}");
+                let (ok, out) = bdevperf(
+                    d,
+                    cfg,
+                    &tag,
+                    &["-q", "8", "-o", "1048576", "-w", w, "-t", "2"],
+                    90,
+                );
+                assert!(ok, "{tag}: bdevperf failed:\n{out}");
+                let rows = bdevperf_rows(&out, "q0");
+                assert!(
+                    !rows.is_empty() && rows.iter().all(|r| r.1 == 0.0),
+                    "{tag}: failures:\n{out}"
+                );
+                check_clean(&img, &tag);
+                allocated.push(blocks(&img));
+            }
+            let (written, unmapped) = (allocated[0], allocated[1]);
+            say(&format!(
+                "pass_discard_request {pass}: base file {written} bytes allocated after bdevperf -w write, {unmapped} after -w unmap"
+            ));
+            assert!(
+                written >= 48 * MIB,
+                "the writes took their space: {written}"
+            );
+            if pass {
+                assert!(
+                    unmapped < 4 * MIB,
+                    "unmapped clusters stay allocated in the base: {unmapped} bytes"
+                );
+            } else {
+                assert!(unmapped >= written - MIB, "unmaps were passed: {unmapped}");
+            }
+        }
+    }
+
     /// `bdev_qcow2_format` with `preallocation`: over a base full of old data (0xab), the
     /// preallocated image reads as zeros (old contents never show), passes `qemu-img
     /// check`, maps as qemu-img says (metadata: allocated zero clusters; full: data, front

@@ -28,7 +28,7 @@ use std::rc::Rc;
 pub const LOG_FLUSH_FLAG: u64 = 1 << 0;
 /// Entry flag: forced unit access (not issued by the engine).
 pub const LOG_FUA_FLAG: u64 = 1 << 1;
-/// Entry flag: a discard (no data follows; not issued by the engine).
+/// Entry flag: a discard (no data follows).
 pub const LOG_DISCARD_FLAG: u64 = 1 << 2;
 /// Entry flag: a mark; its text is stored inline after the entry header.
 pub const LOG_MARK_FLAG: u64 = 1 << 3;
@@ -135,6 +135,17 @@ impl WriteLog {
         self.append(offset / LOG_SECTOR, nr, 0, &[], data);
     }
 
+    /// Logs a completed discard of `len` bytes at `offset` (no data).
+    pub fn log_discard(&mut self, offset: u64, len: u64) {
+        self.append(
+            offset / LOG_SECTOR,
+            len.div_ceil(LOG_SECTOR),
+            LOG_DISCARD_FLAG,
+            &[],
+            &[],
+        );
+    }
+
     /// Logs a completed flush and updates the super block.
     pub fn log_flush(&mut self) {
         self.append(0, 0, LOG_FLUSH_FLAG, &[], &[]);
@@ -164,6 +175,7 @@ impl WriteLog {
 enum Pending<B> {
     Write { offset: u64, buf: BufSlice<B> },
     Zeroes { offset: u64, len: u64 },
+    Discard { offset: u64, len: u64 },
     Flush,
 }
 
@@ -220,6 +232,15 @@ impl<D: BlockDevice> BlockDevice for LogWrites<D> {
                         },
                     );
                 }
+                DeviceOp::Discard { offset, len } => {
+                    self.pending.insert(
+                        tag,
+                        Pending::Discard {
+                            offset: *offset,
+                            len: *len,
+                        },
+                    );
+                }
                 DeviceOp::Flush => {
                     self.pending.insert(tag, Pending::Flush);
                 }
@@ -239,6 +260,10 @@ impl<D: BlockDevice> BlockDevice for LogWrites<D> {
 
     fn zeroes_cheaply(&self) -> bool {
         self.inner.zeroes_cheaply()
+    }
+
+    fn discards(&self) -> bool {
+        self.inner.discards()
     }
 
     fn ensure_size(&mut self, size: u64) -> Result<(), DeviceError> {
@@ -262,6 +287,9 @@ impl<D: BlockDevice> BlockDevice for LogWrites<D> {
                         }
                         Pending::Zeroes { offset, len } => {
                             log.borrow_mut().log_write(offset, &vec![0u8; len as usize]);
+                        }
+                        Pending::Discard { offset, len } => {
+                            log.borrow_mut().log_discard(offset, len)
                         }
                         Pending::Flush => log.borrow_mut().log_flush(),
                     }

@@ -4,7 +4,9 @@
 //! without waiting and reaps CQEs, so nothing ever sleeps in the kernel. Files are opened
 //! with O_DIRECT when the file system accepts 512-byte aligned direct I/O, buffered
 //! otherwise. Short reads at end of file are completed with zeros, other short transfers
-//! are resubmitted for the remainder.
+//! are resubmitted for the remainder. A discard punches a hole (`fallocate` with
+//! `FALLOC_FL_PUNCH_HOLE`, the size kept; on a block device the kernel unmaps, or answers
+//! EOPNOTSUPP).
 
 use io_uring::{opcode, types, IoUring};
 use qcow2_engine::compress::Decompressor;
@@ -205,6 +207,10 @@ pub struct DeviceStats {
     pub bytes_written: u64,
     /// Flushes submitted.
     pub flushes: u64,
+    /// Discards (holes punched) submitted.
+    pub discards: u64,
+    /// Bytes of those discards.
+    pub bytes_discarded: u64,
 }
 
 impl Drop for UringDevice {
@@ -354,6 +360,10 @@ impl UringDevice {
             DeviceOp::Flush => opcode::Fsync::new(fd)
                 .flags(types::FsyncFlags::DATASYNC)
                 .build(),
+            DeviceOp::Discard { offset, len } => opcode::Fallocate::new(fd, *len)
+                .offset(*offset)
+                .mode(libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE)
+                .build(),
             DeviceOp::WriteZeroes { .. } => unreachable!("`submit` writes zeroes from a buffer"),
         }
         .user_data(idx as u64);
@@ -378,7 +388,9 @@ impl UringDevice {
         let (total, is_read, buf) = match &f.op {
             DeviceOp::Read { buf, .. } => (buf.len, true, Some(buf.clone())),
             DeviceOp::Write { buf, .. } => (buf.len, false, None),
-            DeviceOp::WriteZeroes { .. } | DeviceOp::Flush => (0, false, None),
+            DeviceOp::WriteZeroes { .. } | DeviceOp::Discard { .. } | DeviceOp::Flush => {
+                (0, false, None)
+            }
         };
         f.done += n;
         if f.done >= total {
@@ -439,6 +451,10 @@ impl BlockDevice for UringDevice {
             }
             DeviceOp::Read { .. } => self.stats.reads += 1,
             DeviceOp::Flush => self.stats.flushes += 1,
+            DeviceOp::Discard { len, .. } => {
+                self.stats.discards += 1;
+                self.stats.bytes_discarded += len;
+            }
             DeviceOp::WriteZeroes { .. } => unreachable!("turned into a write above"),
         }
         let idx = self.inflight.insert(InFlight { tag, op, done: 0 });
@@ -451,6 +467,12 @@ impl BlockDevice for UringDevice {
 
     fn can_grow(&self) -> bool {
         self.regular_file && self.owns_len
+    }
+
+    fn discards(&self) -> bool {
+        // A file's holes; a block device unmaps where it can (EOPNOTSUPP stops the engine
+        // asking).
+        true
     }
 
     fn ensure_size(&mut self, size: u64) -> Result<(), DeviceError> {

@@ -33,6 +33,11 @@ impl<D: BlockDevice> Exec<D> {
         self.io(dev, DeviceOp::WriteZeroes { offset, len })
     }
 
+    /// Tells `dev` that `len` bytes at `offset` are no longer needed ([`DeviceOp::Discard`]).
+    pub fn discard(&self, dev: DevId, offset: u64, len: u64) -> IoFuture<D> {
+        self.io(dev, DeviceOp::Discard { offset, len })
+    }
+
     /// Flushes `dev` (every completed write becomes stable).
     pub fn flush(&self, dev: DevId) -> IoFuture<D> {
         self.io(dev, DeviceOp::Flush)

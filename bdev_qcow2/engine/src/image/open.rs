@@ -94,6 +94,10 @@ impl<D: BlockDevice> Qcow2<D> {
                     device_size,
                     opts.ordered_layout,
                     opts.alloc_granule,
+                    owner::discards::PassDiscard::new(
+                        &opts,
+                        exec.with_device(dev, |d| d.discards()),
+                    ),
                 ),
                 shared: None,
             }

@@ -6,6 +6,7 @@ use crate::chain::Chain;
 use crate::error::Result;
 use crate::format::ClusterMapping;
 use crate::image::owner::alloc::Allocation;
+use crate::image::owner::discards::FreeKind;
 use crate::image::owner::Owner;
 use crate::io::BlockDevice;
 use crate::types::HostRange;
@@ -35,9 +36,13 @@ impl<D: BlockDevice> Chain<D> {
             if let Action::Alloc { old, .. } = p.action {
                 let cs = q.geometry().cluster_size();
                 match old {
-                    ClusterMapping::Data { host, .. } => q.free_later(HostRange::new(host, cs)),
-                    ClusterMapping::Zero { host: Some(h) } => q.free_later(HostRange::new(h, cs)),
-                    ClusterMapping::Compressed(d) => q.free_later(d.sectors()),
+                    ClusterMapping::Data { host, .. } => {
+                        q.free_later(HostRange::new(host, cs), FreeKind::Other)
+                    }
+                    ClusterMapping::Zero { host: Some(h) } => {
+                        q.free_later(HostRange::new(h, cs), FreeKind::Other)
+                    }
+                    ClusterMapping::Compressed(d) => q.free_later(d.sectors(), FreeKind::Other),
                     _ => {}
                 }
             }

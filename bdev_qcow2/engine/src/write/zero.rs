@@ -5,6 +5,7 @@ use super::top;
 use crate::chain::Chain;
 use crate::error::Result;
 use crate::format::{ClusterMapping, L2Entry, SubclusterBitmap};
+use crate::image::owner::discards::FreeKind;
 use crate::image::Qcow2;
 use crate::io::BlockDevice;
 use crate::types::{ClusterSpan, GuestOffset, HostOffset, HostRange};
@@ -183,7 +184,7 @@ impl<D: BlockDevice> Chain<D> {
             q.dirty_slice_for(cluster).await?;
             q.set_l2_words(cluster, new_entry, new_bitmap)?;
             if let Some(r) = free {
-                q.free_later(r);
+                q.free_later(r, FreeKind::Request);
             }
             q.maybe_writeback_locked().await
         }

@@ -37,16 +37,27 @@ pub fn open_with(
     writable: bool,
     zero_ahead: bool,
 ) -> Result<Rc<Chain<MemDevice>>, Error> {
-    let id = exec.add_device(dev.clone());
-    let e2 = exec.clone();
     let opts = OpenOptions {
         writable,
         l2_cache_bytes: Some(8 << 10),
         // On a fixed-size device: data in per-slice regions.
         ordered_layout: dev.0.borrow().fixed && !zero_ahead,
         zero_ahead,
+        // Every freed cluster discarded, on a device that discards.
+        pass_discard_other: true,
         ..Default::default()
     };
+    open_opts(exec, dev, opts)
+}
+
+/// The image on `dev` as a chain of one layer, opened with `opts`.
+pub fn open_opts(
+    exec: &Exec<MemDevice>,
+    dev: &MemDevice,
+    opts: OpenOptions,
+) -> Result<Rc<Chain<MemDevice>>, Error> {
+    let id = exec.add_device(dev.clone());
+    let e2 = exec.clone();
     let q = exec.block_on(async move { Qcow2::open(&e2, id, opts).await })?;
     Chain::new(exec, vec![Layer::Qcow2(Box::new(q))])
 }

@@ -71,6 +71,13 @@ pub enum BaseOp<'a> {
         /// Bytes.
         len: u64,
     },
+    /// Unmap `len` bytes at `offset` (the base gives their space back).
+    Unmap {
+        /// First byte.
+        offset: u64,
+        /// Bytes.
+        len: u64,
+    },
     /// Read into `buf` from `offset`.
     Read {
         /// First byte.
@@ -228,6 +235,14 @@ impl BaseIo {
         let rc = unsafe {
             match op {
                 BaseOp::WriteZeroes { offset, len } => sys::spdk_bdev_write_zeroes_blocks(
+                    self.desc,
+                    self.ch.raw(),
+                    offset / bs,
+                    len / bs,
+                    Some(io_done),
+                    slot_ptr,
+                ),
+                BaseOp::Unmap { offset, len } => sys::spdk_bdev_unmap_blocks(
                     self.desc,
                     self.ch.raw(),
                     offset / bs,

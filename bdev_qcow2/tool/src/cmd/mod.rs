@@ -57,8 +57,30 @@ pub struct ImageArgs {
     /// read, at the risk of reading it mid-change. Only for commands that read.
     #[arg(short = 'U', long = "force-share")]
     pub force_share: bool,
+    /// Give the image file's space back (punch holes) for the clusters a guest discard or
+    /// a write-zeroes with unmap frees, as QEMU's `pass-discard-request` (on, as with
+    /// qemu-io).
+    #[arg(long, value_name = "on|off", action = clap::ArgAction::Set, value_parser = parse_on_off, default_value = "on")]
+    pub pass_discard_request: bool,
+    /// The same for the clusters a snapshot's deletion frees (QEMU's
+    /// `pass-discard-snapshot`).
+    #[arg(long, value_name = "on|off", action = clap::ArgAction::Set, value_parser = parse_on_off, default_value = "on")]
+    pub pass_discard_snapshot: bool,
+    /// The same for clusters freed otherwise: copied-on-write clusters, old tables
+    /// (QEMU's `pass-discard-other`).
+    #[arg(long, value_name = "on|off", action = clap::ArgAction::Set, value_parser = parse_on_off, default_value = "off")]
+    pub pass_discard_other: bool,
     /// The image.
     pub image: PathBuf,
+}
+
+/// A QEMU boolean option value: `on`/`off` (also `yes`/`no`, `true`/`false`).
+fn parse_on_off(v: &str) -> Result<bool, String> {
+    match v {
+        "on" | "yes" | "true" => Ok(true),
+        "off" | "no" | "false" => Ok(false),
+        _ => Err(format!("expects 'on' or 'off' (got '{v}')")),
+    }
 }
 
 /// Host page-cache use for image files.
@@ -95,6 +117,9 @@ impl ImageArgs {
                 cache_ways: self.cache_ways,
                 ordered_layout: self.ordered_layout,
                 alloc_granule: self.alloc_granule,
+                pass_discard_request: self.pass_discard_request,
+                pass_discard_snapshot: self.pass_discard_snapshot,
+                pass_discard_other: self.pass_discard_other,
                 ..OpenOptions::default()
             },
             queue_depth: 64,

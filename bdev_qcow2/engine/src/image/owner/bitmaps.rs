@@ -20,6 +20,7 @@
 //! Invariant: `dir` is the directory as last written; every bitmap it loaded has its
 //! `in_use` flag set there until the owner stored it.
 
+use super::discards::FreeKind;
 use super::Owner;
 use crate::dirty_bitmaps::{self, Bits, DirtyBitmaps};
 use crate::error::{corrupt, invalid, Error, Field, Result};
@@ -321,7 +322,7 @@ impl<D: BlockDevice> Owner<'_, D> {
         self.exec.flush(self.dev).await?;
         // 4. What the old tables held (the caller's write-back makes the frees stable).
         for r in old {
-            self.free_later(r);
+            self.free_later(r, FreeKind::Other);
         }
         Ok(())
     }

@@ -1,10 +1,11 @@
 //! Deferred frees: references removed in metadata that is not stable yet, clusters whose
-//! refcount dropped to 0 in such metadata, and (on a shared image) freed clusters waiting
-//! for a grace period.
+//! refcount dropped to 0 in such metadata, (on a shared image) freed clusters waiting
+//! for a grace period, and freed clusters waiting for their discard ([`super::discards`]).
 //!
 //! Invariant (ARCHITECTURE.md §7 rule 2, and §6 on grace periods): a cluster named here is
 //! out of the allocator's reach — its refcount decrement is not stable, or a core may still
-//! hold its old mapping — until [`Frees::reclaim`] gives it back.
+//! hold its old mapping, or its discard is not done — until [`Frees::reclaim`] (and
+//! [`Frees::discarded`] for a discarded one) gives it back.
 //!
 //! Frees on the owner: a removed reference is dropped only once the metadata that removed
 //! it is stable (rule 2), and on a shared image the cluster waits a grace period more
@@ -12,6 +13,7 @@
 //! core).
 
 use super::alloc::Allocation;
+use super::discards::{DiscardQueue, FreeKind, PassDiscard};
 use super::HashSet;
 use super::Owner;
 use crate::error::Result;
@@ -26,8 +28,8 @@ const ADVANCE_INTERVAL: Duration = Duration::from_micros(100);
 /// Deferred frees (see the module doc).
 #[derive(Default)]
 pub(crate) struct Frees {
-    /// Host byte ranges whose reference was removed in not-yet-stable metadata.
-    pending: Vec<HostRange>,
+    /// Host byte ranges whose reference was removed in not-yet-stable metadata, and why.
+    pending: Vec<(HostRange, FreeKind)>,
     /// Clusters whose refcount dropped to 0 but is not yet stable.
     unstable: HashSet<u64>,
     /// Freed clusters (stable) waiting for a grace period before reuse, by the generation
@@ -37,20 +39,31 @@ pub(crate) struct Frees {
     graced_set: HashSet<u64>,
     /// When the owner last tried to advance the grace period.
     last_advance: Option<Instant>,
+    /// Freed clusters to discard on the device.
+    discards: DiscardQueue,
 }
 
 impl Frees {
-    /// The reference to host bytes `range` was removed in dirty metadata.
-    pub(crate) fn free_later(&mut self, range: HostRange) {
-        self.pending.push(range);
+    /// No deferred free; freed clusters are discarded as `pass` says.
+    pub(crate) fn new(pass: PassDiscard) -> Self {
+        Frees {
+            discards: DiscardQueue::new(pass),
+            ..Default::default()
+        }
+    }
+    /// The reference to host bytes `range` was removed in dirty metadata, for `kind`.
+    pub(crate) fn free_later(&mut self, range: HostRange, kind: FreeKind) {
+        self.pending.push((range, kind));
     }
     /// Takes the pending frees: the metadata that removed them is stable now.
-    pub(crate) fn take_pending(&mut self) -> Vec<HostRange> {
+    pub(crate) fn take_pending(&mut self) -> Vec<(HostRange, FreeKind)> {
         std::mem::take(&mut self.pending)
     }
-    /// Host cluster `c`'s refcount dropped to 0 in metadata not yet stable.
-    pub(crate) fn unstable(&mut self, c: u64) {
+    /// Host cluster `c`'s refcount dropped to 0 in metadata not yet stable, freed for
+    /// `kind` (queued for a discard if its switch is on).
+    pub(crate) fn unstable(&mut self, c: u64, kind: FreeKind) {
         self.unstable.insert(c);
+        self.discards.freed(c, kind);
     }
     /// Whether no refcount drop waits to become stable.
     pub(crate) fn none_unstable(&self) -> bool {
@@ -59,17 +72,43 @@ impl Frees {
     /// Whether no cluster is held (unstable or in a grace period): the allocator may skip
     /// asking [`holds`](Self::holds).
     pub(crate) fn holds_none(&self) -> bool {
-        self.unstable.is_empty() && self.graced_set.is_empty()
+        self.unstable.is_empty() && self.graced_set.is_empty() && self.discards.is_empty()
     }
     /// Whether host cluster `c` is held out of the allocator's reach.
     #[inline]
     pub(crate) fn holds(&self, c: u64) -> bool {
         let held = |set: &HashSet<u64>| !set.is_empty() && set.contains(&c);
-        held(&self.unstable) || held(&self.graced_set)
+        held(&self.unstable)
+            || held(&self.graced_set)
+            || (!self.discards.is_empty() && self.discards.holds(c))
+    }
+    /// Whether no freed cluster waits for its discard.
+    pub(crate) fn discards_empty(&self) -> bool {
+        self.discards.is_empty()
+    }
+    /// The queued runs (first cluster, count) that may be discarded now: their frees are
+    /// stable and past any grace period. They stay held until [`discarded`](Self::discarded).
+    pub(crate) fn take_ready_discards(&mut self) -> Vec<(u64, u64)> {
+        let (unstable, graced) = (&self.unstable, &self.graced_set);
+        self.discards
+            .take_ready(|c| unstable.contains(&c) || graced.contains(&c))
+    }
+    /// The runs `issued` were discarded: their clusters are free. Returns the lowest.
+    pub(crate) fn discarded(&mut self, issued: &[(u64, u64)]) -> Option<u64> {
+        self.discards.done(issued)
+    }
+    /// The device cannot discard: nothing more is queued.
+    pub(crate) fn stop_discards(&mut self) {
+        self.discards.stop();
+    }
+    /// Clusters freed without a discard because the queue was full.
+    pub(crate) fn discards_skipped(&self) -> u64 {
+        self.discards.skipped()
     }
     /// The unstable drops are stable now: on an image of one core (`grace` `None`) they
     /// are free at once; on a shared one they wait from the generation `grace` gives on.
     pub(crate) fn stabilized(&mut self, grace: Option<impl FnOnce() -> u64>) {
+        self.discards.seal();
         match grace {
             None => self.unstable.clear(),
             Some(now) => {
@@ -115,10 +154,10 @@ impl Frees {
 }
 
 impl<D: BlockDevice> Owner<'_, D> {
-    /// Drops the references of host bytes `range` once the metadata that removed them is
-    /// stable.
-    pub(crate) fn free_later(&self, range: HostRange) {
-        self.meta().st_mut().frees.free_later(range);
+    /// Drops the references of host bytes `range` (removed for `kind`) once the metadata
+    /// that removed them is stable.
+    pub(crate) fn free_later(&self, range: HostRange, kind: FreeKind) {
+        self.meta().st_mut().frees.free_later(range, kind);
     }
 
     /// The refcount drops waiting to become stable are stable: the clusters may be reused —
@@ -165,7 +204,7 @@ impl<D: BlockDevice> Owner<'_, D> {
     pub(crate) async fn free_unreferenced(&self, a: Allocation) -> Result<()> {
         for c in a.first.0..a.end().0 {
             self.update_refcount(c, -1).await?;
-            self.meta().st_mut().frees.unstable(c);
+            self.meta().st_mut().frees.unstable(c, FreeKind::Other);
         }
         Ok(())
     }

@@ -5,6 +5,7 @@
 //! slice (with its linear summary) changes in the same call; a new table's slices are dirty
 //! (odd) before the L1 entry pointing at it is published (ARCHITECTURE.md §6).
 
+use super::discards::FreeKind;
 use super::Owner;
 use crate::coherency::{SliceChange, SliceStamp};
 use crate::error::{corrupt, Field, Result};
@@ -209,7 +210,9 @@ impl<D: BlockDevice> Owner<'_, D> {
             Some(t) => {
                 let raw = read_bytes(&self.exec, self.dev, t.0, cs).await?;
                 // The active L1 no longer references the old table once L1 is stable.
-                m.st_mut().frees.free_later(HostRange::new(t, cs));
+                m.st_mut()
+                    .frees
+                    .free_later(HostRange::new(t, cs), FreeKind::Other);
                 raw.chunks_exact(8)
                     .map(|c| u64::from_be_bytes(c.try_into().unwrap_or([0; 8])))
                     .collect()

@@ -22,6 +22,7 @@
 //!   entries);
 //! - [`frees`]: frees after the metadata that removed a reference is stable, and grace
 //!   periods;
+//! - [`discards`]: freed clusters discarded on the device once nothing can point at them;
 //! - [`header`]: the copies of the first sector, the corrupt and dirty bits;
 //! - [`zeroed_tail`]: the zeroed tail, as kept and as raised;
 //! - [`index`]: the clusters of metadata, for the overlap check;
@@ -38,6 +39,7 @@ pub(crate) mod background;
 pub(crate) mod bitmap_change;
 pub(crate) mod bitmaps;
 pub(crate) mod dirty;
+pub(crate) mod discards;
 pub(crate) mod frees;
 pub(crate) mod header;
 pub(crate) mod index;
@@ -177,6 +179,7 @@ impl<D: BlockDevice> Meta<D> {
         device_size: u64,
         ordered_layout: bool,
         alloc_granule: u64,
+        pass_discard: discards::PassDiscard,
     ) -> Self {
         let cs = header.cluster_size();
         let granule_clusters = (alloc_granule / cs).max(1).next_power_of_two();
@@ -194,7 +197,7 @@ impl<D: BlockDevice> Meta<D> {
                 dirty: Default::default(),
                 alloc: alloc::AllocState::new(fresh_from),
                 regions: Default::default(),
-                frees: Default::default(),
+                frees: frees::Frees::new(pass_discard),
                 header: header::HeaderCopies::new(c0),
                 tail,
                 index: Default::default(),
@@ -251,7 +254,11 @@ impl<D: BlockDevice> Meta<D> {
     }
     /// The counters.
     pub(crate) fn stats(&self) -> OwnerStats {
-        self.st.borrow().stats
+        let st = self.st.borrow();
+        OwnerStats {
+            discards_skipped: st.frees.discards_skipped(),
+            ..st.stats
+        }
     }
 
     /// A copy of a dirty L2 slice (or one being written back), if the owner holds one.

@@ -6,6 +6,7 @@
 //! are written and flushed before the header points at them, and the old table is freed
 //! only after that.
 
+use super::discards::FreeKind;
 use super::{words_to_bytes, Owner};
 use crate::error::{corrupt, Error, Field, Result};
 use crate::format::refcount::{entries_per_block, get_refcount, set_refcount};
@@ -248,7 +249,7 @@ impl<D: BlockDevice> Owner<'_, D> {
         self.exec.flush(self.dev).await?;
         // Finally the old table's clusters are free.
         let old = HostRange::new(HostOffset(old_off), old_clusters << bits);
-        m.st_mut().frees.free_later(old);
+        m.st_mut().frees.free_later(old, FreeKind::Other);
         Ok(())
     }
 }

@@ -8,6 +8,7 @@
 //! old table is freed only after the header naming the new one is stable. A crash at any
 //! point leaves the old disk or the new one, with at most the new table's clusters leaked.
 
+use super::discards::FreeKind;
 use super::{words_to_bytes, Owner};
 use crate::error::{Error, Result};
 use crate::format::{ClusterMapping, L1Entry};
@@ -61,7 +62,7 @@ impl<D: BlockDevice> Owner<'_, D> {
         // The header naming the new table is stable: the old one may go (rule 2: a later
         // write-back frees it).
         if let Some(old) = old_table {
-            m.st_mut().frees.free_later(old);
+            m.st_mut().frees.free_later(old, FreeKind::Other);
         }
         if let Some(sh) = self.published() {
             sh.set_virtual_size(new_size);

@@ -30,6 +30,7 @@
 //! a replica of a table that stopped being active: a replaced table is freed only after
 //! a grace period, for requests that resolved through it before.
 
+use super::discards::FreeKind;
 use super::shadow::{Deltas, HeaderSwitch};
 use super::{words_to_bytes, Owner};
 use crate::error::{corrupt, Error, Field, Result};
@@ -380,12 +381,13 @@ impl<D: BlockDevice> Owner<'_, D> {
         {
             let mut st = m.st_mut();
             for c in freed {
-                st.frees.unstable(c);
+                st.frees.unstable(c, FreeKind::Snapshot);
                 st.alloc.freed(c);
             }
         }
         // Stable already (the switch): free after the cores' grace period.
         self.release_unstable();
+        self.process_discards().await;
         Ok(())
     }
 

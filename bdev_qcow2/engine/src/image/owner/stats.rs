@@ -24,4 +24,12 @@ pub struct OwnerStats {
     pub zeroed_tail_raises: u64,
     /// Bytes of the device zeroed ahead of the allocator (`OpenOptions::zero_ahead`).
     pub zeroed_ahead_bytes: u64,
+    /// Runs of freed clusters discarded on the device (`OpenOptions::pass_discard_*`).
+    pub discards: u64,
+    /// Discards the device failed (the space stays; nothing is lost).
+    pub discards_failed: u64,
+    /// Bytes of freed clusters handed to the device's discard.
+    pub bytes_discarded: u64,
+    /// Clusters freed without a discard because the queue of discards was full.
+    pub discards_skipped: u64,
 }

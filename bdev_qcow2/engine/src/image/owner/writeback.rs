@@ -86,22 +86,22 @@ impl<D: BlockDevice> Owner<'_, D> {
         if lazy && !frees.is_empty() {
             // Decrements stay in memory with the other lazy refcounts; the clusters are not
             // reused until a full write-back made them stable.
-            for r in &frees {
+            for (r, kind) in &frees {
                 for c in r.clusters(bits) {
                     if self.update_refcount(c, -1).await? == 0 {
                         let mut st = m.st_mut();
-                        st.frees.unstable(c);
+                        st.frees.unstable(c, *kind);
                         st.index.remove(c);
                     }
                 }
             }
         } else if !frees.is_empty() || (!lazy && !m.st().frees.none_unstable()) {
-            for r in &frees {
+            for (r, kind) in &frees {
                 for c in r.clusters(bits) {
                     let new = self.update_refcount(c, -1).await?;
                     if new == 0 {
                         let mut st = m.st_mut();
-                        st.frees.unstable(c);
+                        st.frees.unstable(c, *kind);
                         st.index.remove(c);
                         st.alloc.freed(c);
                     }
@@ -111,6 +111,9 @@ impl<D: BlockDevice> Owner<'_, D> {
             self.exec.flush(self.dev).await?;
             self.release_unstable();
         }
+        // Freed clusters whose decrement is stable (and grace period over) go to the
+        // device's discard before the allocator may take them.
+        self.process_discards().await;
         // Phase 4: the header.
         if full && m.st().header.dirty_bit_on_disk() {
             // Every refcount is stable now: the dirty bit can go.

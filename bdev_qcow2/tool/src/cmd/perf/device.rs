@@ -33,6 +33,9 @@ impl<D: BlockDevice> BlockDevice for DelayDevice<D> {
     fn zeroes_cheaply(&self) -> bool {
         self.inner.zeroes_cheaply()
     }
+    fn discards(&self) -> bool {
+        self.inner.discards()
+    }
     fn ensure_size(&mut self, size: u64) -> Result<(), DeviceError> {
         self.inner.ensure_size(size)
     }
