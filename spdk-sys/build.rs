@@ -104,7 +104,6 @@ const FUNCTIONS: &[&str] = &[
     "spdk_uuid_parse",
     "spdk_uuid_fmt_lower",
     "spdk_uuid_generate_sha1",
-    "spdk_uuid_is_null",
     "spdk_sys_.*",
 ];
 

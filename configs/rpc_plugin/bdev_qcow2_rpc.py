@@ -7,7 +7,7 @@
 def bdev_qcow2_create(client, name, base_bdev, backing_bdev=None, read_only=None,
                       l2_cache_size=None, l2_slice_size=None, cache_ways=None, prefetch=None,
                       ordered_layout=None, zero_offload=None, prefetch_ring_size=None,
-                      prefetch_max_window=None, alloc_granule=None, zero_ahead=None):
+                      prefetch_max_window=None, alloc_granule=None, zero_ahead=None, uuid=None):
     params = {'name': name, 'base_bdev': base_bdev}
     if backing_bdev is not None:
         params['backing_bdev'] = backing_bdev
@@ -33,6 +33,8 @@ def bdev_qcow2_create(client, name, base_bdev, backing_bdev=None, read_only=None
         params['alloc_granule'] = alloc_granule
     if zero_ahead is not None:
         params['zero_ahead'] = zero_ahead
+    if uuid is not None:
+        params['uuid'] = uuid
     return client.call('bdev_qcow2_create', params)
 
 
@@ -83,10 +85,13 @@ def bdev_qcow2_snapshot_list(client, name):
     return client.call('bdev_qcow2_snapshot_list', {'name': name})
 
 
-def bdev_qcow2_snapshot_external(client, name, base_bdev, snapshot_name=None):
+def bdev_qcow2_snapshot_external(client, name, base_bdev, snapshot_name=None,
+                                 snapshot_uuid=None):
     params = {'name': name, 'base_bdev': base_bdev}
     if snapshot_name is not None:
         params['snapshot_name'] = snapshot_name
+    if snapshot_uuid is not None:
+        params['snapshot_uuid'] = snapshot_uuid
     return client.call('bdev_qcow2_snapshot_external', params)
 
 
@@ -104,7 +109,8 @@ def spdk_rpc_plugin_initialize(subparsers):
                                      ordered_layout=args.ordered_layout,
                                      zero_offload=args.zero_offload,
                                      alloc_granule=args.alloc_granule,
-                                     zero_ahead=args.zero_ahead))
+                                     zero_ahead=args.zero_ahead,
+                                     uuid=args.uuid))
 
     p = subparsers.add_parser('bdev_qcow2_create',
                               help='Serve a qcow2 image stored on a bdev as a new bdev')
@@ -144,6 +150,9 @@ def spdk_rpc_plugin_initialize(subparsers):
                    'only; images with a zeroed tail of their own need none)')
     p.add_argument('--no-zero-ahead', dest='zero_ahead', action='store_false',
                    help='never zero ahead of the allocator')
+    p.add_argument('-u', '--uuid',
+                   help='UUID of the bdev (an NVMe-oF namespace\'s NGUID/UUID; default: '
+                   'derived from the base bdev\'s UUID and the name, the same on every start)')
     p.set_defaults(func=create)
 
     def fmt(args):
@@ -240,7 +249,8 @@ def spdk_rpc_plugin_initialize(subparsers):
     def snapshot_external(args):
         print_json(bdev_qcow2_snapshot_external(args.client, name=args.name,
                                                 base_bdev=args.base_bdev,
-                                                snapshot_name=args.snapshot_name))
+                                                snapshot_name=args.snapshot_name,
+                                                snapshot_uuid=args.snapshot_uuid))
 
     p = subparsers.add_parser('bdev_qcow2_snapshot_external',
                               help='Switch a qcow2 bdev to a new overlay formatted on another '
@@ -251,6 +261,9 @@ def spdk_rpc_plugin_initialize(subparsers):
                    help='bdev to format the overlay on (everything on it is lost)')
     p.add_argument('-n', '--snapshot-name', dest='snapshot_name',
                    help='name of the old image\'s read-only bdev (default <name>_snap<N>)')
+    p.add_argument('--snapshot-uuid', dest='snapshot_uuid',
+                   help='UUID of that read-only bdev (default: derived from its base bdev\'s '
+                   'UUID and its name)')
     p.set_defaults(func=snapshot_external)
 
     def snapshot_list(args):

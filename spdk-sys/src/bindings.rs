@@ -9747,9 +9747,6 @@ unsafe extern "C" {
         len: usize,
     ) -> ::std::os::raw::c_int;
 }
-unsafe extern "C" {
-    pub fn spdk_uuid_is_null(uuid: *const spdk_uuid) -> bool;
-}
 pub const SPDK_JSON_VAL_INVALID: spdk_json_val_type = 0;
 pub const SPDK_JSON_VAL_NULL: spdk_json_val_type = 2;
 pub const SPDK_JSON_VAL_TRUE: spdk_json_val_type = 4;

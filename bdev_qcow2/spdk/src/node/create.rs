@@ -1,12 +1,13 @@
 //! Creating a node: open and claim the base (and backing) bdev, read and validate the
 //! image on the creating thread — the metadata owner — start the owner, then register.
 
-use super::{Image, ImageInfo, Node, Ring, BLOCK_SIZE};
+use super::{identity, Image, ImageInfo, Node, Ring, BLOCK_SIZE};
 use crate::device::SpdkDevice;
 use crate::ffi::bdev::{self, Desc};
 use crate::ffi::node as handle;
 use crate::ffi::sys;
 use crate::ffi::thread::{self, Poll, Polled, PollerSlot};
+use crate::ffi::uuid::Uuid;
 use crate::owner::Owner;
 use crate::params::CreateParams;
 use crate::registry;
@@ -29,6 +30,8 @@ type Opened = qcow2_engine::Result<(ImageInfo, Qcow2<SpdkDevice>)>;
 /// A creation in progress: the image is being read on the md thread.
 struct Job {
     params: CreateParams,
+    /// The bdev's UUID (`params.uuid` says it too).
+    uuid: Uuid,
     base: Option<Desc>,
     backing: Option<Desc>,
     exec: Exec<SpdkDevice>,
@@ -122,7 +125,7 @@ pub(crate) fn open_unclaimed(name: &str, role: &str) -> Result<Desc, (i32, Strin
     Ok(d)
 }
 
-fn create_claiming(params: CreateParams, claim_base: bool, done: Done) {
+fn create_claiming(mut params: CreateParams, claim_base: bool, done: Done) {
     let name = params.name.clone();
     {
         let mut reg = registry::lock();
@@ -150,6 +153,12 @@ fn create_claiming(params: CreateParams, claim_base: bool, done: Done) {
         Some(Ok(d)) => Some(d),
         Some(Err((e, m))) => return fail(&name, [Some(base), None], done, e, m),
     };
+    let uuid = match identity::resolve(&params, &base) {
+        Ok(u) => u,
+        Err(m) => return fail(&name, [Some(base), backing], done, libc::EEXIST, m),
+    };
+    // Written back by `save_config`, so a restart keeps it whatever the base's UUID then.
+    params.uuid = Some(uuid.to_string());
     let exec: Exec<SpdkDevice> = Exec::new();
     let Some(mut dev) = SpdkDevice::new(&base) else {
         let m = format!("no I/O channel for base bdev {}", params.base_bdev);
@@ -184,6 +193,7 @@ fn create_claiming(params: CreateParams, claim_base: bool, done: Done) {
     }
     let job = Box::new(Job {
         params,
+        uuid,
         base: Some(base),
         backing,
         exec,
@@ -269,16 +279,14 @@ fn finish(mut job: Job) {
         // Every channel opens its own replica: release this one and its base channel.
         drop(image);
         drop(job.exec);
-        let [base, backing] = descs;
-        return register(job.params, info, base, backing, None, ring, done);
+        return register(job.params, job.uuid, info, descs, None, ring, done);
     }
     let started = start_owner(job.exec, image, job.backing_dev, &job.params, ring.as_ref());
     let owner = match started {
         Ok(o) => o,
         Err((e, m)) => return fail(&name, descs, done, e, m),
     };
-    let [base, backing] = descs;
-    register(job.params, info, base, backing, Some(owner), ring, done);
+    register(job.params, job.uuid, info, descs, Some(owner), ring, done);
 }
 
 /// Starts the metadata owner of the writable `image` on `exec` (on this thread, the md
@@ -324,16 +332,18 @@ pub(crate) fn start_owner(
     Ok((owner, seed))
 }
 
+/// Registers the bdev of `params` over its base and backing descriptors `descs`.
 fn register(
     params: CreateParams,
+    uuid: Uuid,
     info: ImageInfo,
-    base: Option<Desc>,
-    backing: Option<Desc>,
+    descs: [Option<Desc>; 2],
     owner: Option<(OwnerBox, Option<CoreSeed>)>,
     ring: Option<Ring>,
     done: Done,
 ) {
     let name = params.name.clone();
+    let [base, backing] = descs;
     let (owner, seed) = match owner {
         Some((o, s)) => (Some(o), s),
         None => (None, None),
@@ -365,6 +375,7 @@ fn register(
         write_cache: owner.is_some(),
         // The hot path hands the guest's buffers to the base: ask for what the base needs.
         required_alignment: if align > 1 { align.ilog2() as u8 } else { 0 },
+        uuid,
     };
     let cluster_size = info.cluster_size;
     let i = &info;
