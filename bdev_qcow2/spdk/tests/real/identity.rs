@@ -449,3 +449,70 @@ fn driver_info_follows_resize_snapshots_and_stream() {
     check_clean(&ov, "after resize, snapshots and a stream");
     say("driver_specific.qcow2 followed a resize, two snapshots and a delete, a stream and the dirty bit, as qemu-img info read the image");
 }
+
+#[test]
+fn external_snapshot_keeps_the_bdev_uuid() {
+    require!("spdk_tgt");
+    if rpc_py().is_none() {
+        say("SKIPPED: rpc.py not found (set SPDK_RPC or put spdk-rpc on PATH)");
+        return;
+    }
+    let _t = turn();
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let old = d.join("es-old.qcow2");
+    qemu_img(&["create", "-q", "-f", "qcow2", s(&old), "16M"]);
+    let (ov1, ov2) = (d.join("es-ov1.raw"), d.join("es-ov2.raw"));
+    for f in [&ov1, &ov2] {
+        sparse(f, 32 * MIB);
+    }
+    let cfg = d.join("es.json");
+    write_config(
+        &cfg,
+        vec![
+            aio_with_uuid(&old, "aio0", BASE_A),
+            aio_with_uuid(&ov1, "aio1", BASE_B),
+            aio_with_uuid(&ov2, "aio2", "3c2b1a09-8f7e-4d6c-b5a4-93827160f5e4"),
+            qcow2("q0", "aio0", None),
+        ],
+    );
+    let t = Target::start(d, "es1", Some(&cfg));
+    let u0 = uuid_of(&t, "q0");
+    let (ok, text) = t.try_rpc(&[
+        "bdev_qcow2_snapshot_external",
+        "-b",
+        "q0",
+        "--base-bdev",
+        "aio1",
+        "--snapshot-uuid",
+        "q0-snap",
+    ]);
+    assert!(
+        !ok && text.contains("snapshot_uuid 'q0-snap' is not a UUID"),
+        "{text}"
+    );
+    assert_eq!(driver_info(&t, "q0").0["base_bdev"], "aio0");
+    let given = "0a1b2c3d-4e5f-4a6b-8c7d-9e0f1a2b3c4d";
+    let args = ["bdev_qcow2_snapshot_external", "-b", "q0", "--base-bdev"];
+    t.rpc(&[&args[..], &["aio1", "--snapshot-uuid", given]].concat());
+    t.rpc(&[&args[..], &["aio2"]].concat());
+    // The bdev keeps its UUID over each overlay; each old image's bdev has its own.
+    assert_eq!(driver_info(&t, "q0").0["base_bdev"], "aio2");
+    assert_eq!(uuid_of(&t, "q0"), u0);
+    assert_eq!(uuid_of(&t, "q0_snap0"), given);
+    let s1 = uuid_of(&t, "q0_snap1");
+    assert!(canonical(&s1) && s1 != u0 && s1 != given, "{s1}");
+    let saved = d.join("es-saved.json");
+    save(&t, &saved);
+    t.stop();
+    let t = Target::start(d, "es2", Some(&saved));
+    for (n, u) in [
+        ("q0", &u0),
+        ("q0_snap0", &given.to_string()),
+        ("q0_snap1", &s1),
+    ] {
+        assert_eq!(&uuid_of(&t, n), u, "{n} after a restart from save_config");
+    }
+    t.stop();
+    say("bdev_qcow2_snapshot_external: q0 kept its UUID over two overlays; the old images' bdevs got the given and a derived one, all kept by save_config");
+}
