@@ -155,7 +155,7 @@ fn create_claiming(mut params: CreateParams, claim_base: bool, done: Done) {
     };
     let uuid = match identity::resolve(&params, &base) {
         Ok(u) => u,
-        Err(m) => return fail(&name, [Some(base), backing], done, libc::EEXIST, m),
+        Err((e, m)) => return fail(&name, [Some(base), backing], done, e, m),
     };
     // Written back by `save_config`, so a restart keeps it whatever the base's UUID then.
     params.uuid = Some(uuid.to_string());

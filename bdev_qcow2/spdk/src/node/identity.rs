@@ -34,17 +34,24 @@ pub fn check(uuid: &mut Option<String>, what: &str) -> Result<(), String> {
 
 /// The UUID of the bdev `p` creates over the open base `base`: `p.uuid` (already
 /// [`check`]ed), else derived from the base's UUID and `p.name` (from the base's name where
-/// its UUID is null). `Err`: the reason, when the UUID cannot be had or another bdev has it
-/// as its UUID or name.
-pub fn resolve(p: &CreateParams, base: &Desc) -> Result<Uuid, String> {
+/// its UUID is null). `Err`: an errno and the reason, when the UUID cannot be had
+/// (`EINVAL`) or another bdev has it as its UUID or name (`EEXIST`).
+pub fn resolve(p: &CreateParams, base: &Desc) -> Result<Uuid, (i32, String)> {
     let uuid = match &p.uuid {
-        Some(text) => Uuid::parse(text).ok_or_else(|| format!("uuid '{text}' is not a UUID"))?,
-        None => derive(base, &p.name).ok_or("SPDK could not derive the bdev's UUID")?,
-    };
+        Some(text) => Uuid::parse(text),
+        None => derive(base, &p.name),
+    }
+    .ok_or_else(|| {
+        (
+            libc::EINVAL,
+            "SPDK could not read or derive the bdev's UUID".into(),
+        )
+    })?;
     let text = uuid.to_string();
     if bdev::exists(&text) {
-        return Err(format!(
-            "UUID {text} is already a bdev's UUID (or name): give another with uuid"
+        return Err((
+            libc::EEXIST,
+            format!("UUID {text} is already a bdev's UUID (or name): give another with uuid"),
         ));
     }
     Ok(uuid)
