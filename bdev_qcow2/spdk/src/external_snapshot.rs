@@ -285,6 +285,12 @@ pub fn snapshot_external(req: Request, params: Params) {
         drop(reg);
         return req.errno(libc::EEXIST, &format!("bdev {snapshot} already exists"));
     }
+    // Refused now rather than when the read-only bdev registers, with I/O paused.
+    if let Some(u) = p.snapshot_uuid.as_ref().filter(|u| bdev::exists(u)) {
+        let m = format!("{METHOD}: UUID {u} is already a bdev's UUID (or name)");
+        drop(reg);
+        return req.errno(libc::EEXIST, &m);
+    }
     let Some(busy) = Busy::begin(&p.name) else {
         drop(reg);
         return req.errno(

@@ -19,6 +19,7 @@ use std::ffi::CString;
 use std::rc::Rc;
 use std::sync::atomic::AtomicUsize;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 /// How a creation ends: the bdev name, or an errno and a message.
 pub type Outcome = Result<String, (i32, String)>;
@@ -125,7 +126,7 @@ pub(crate) fn open_unclaimed(name: &str, role: &str) -> Result<Desc, (i32, Strin
     Ok(d)
 }
 
-fn create_claiming(mut params: CreateParams, claim_base: bool, done: Done) {
+fn create_claiming(params: CreateParams, claim_base: bool, done: Done) {
     let name = params.name.clone();
     {
         let mut reg = registry::lock();
@@ -135,14 +136,90 @@ fn create_claiming(mut params: CreateParams, claim_base: bool, done: Done) {
         }
         reg.creating.push(name.clone());
     }
+    open_and_read(params, claim_base, done, Instant::now() + CLAIM_WAIT, 0);
+}
+
+/// How long a creation tries again to claim a base or backing bdev that refuses the claim
+/// (`EPERM`), and how often: another module's examine of a bdev just registered holds it
+/// open for writing for a moment (lvol's does), as when a saved config creates a qcow2
+/// bdev over one it has just created.
+const CLAIM_WAIT: Duration = Duration::from_secs(2);
+const CLAIM_RETRY: Duration = Duration::from_millis(10);
+
+/// A creation waiting to try its claims again ([`CLAIM_RETRY`]).
+struct Retry {
+    params: CreateParams,
+    claim_base: bool,
+    done: Done,
+    until: Instant,
+    at: Instant,
+    /// Claims tried so far.
+    tries: u32,
+    poller: PollerSlot,
+}
+
+impl Polled for Retry {
+    fn slot(&self) -> &PollerSlot {
+        &self.poller
+    }
+
+    fn poll(&self) -> Poll {
+        if Instant::now() < self.at {
+            Poll::Idle
+        } else {
+            Poll::Done
+        }
+    }
+
+    fn finish(self: Box<Self>) {
+        let r = *self;
+        open_and_read(r.params, r.claim_base, r.done, r.until, r.tries);
+    }
+}
+
+/// Tries the creation's claims again shortly, or fails with `errno` and `msg` once `until`
+/// has passed.
+fn retry_or_fail(r: Retry, errno: i32, msg: String) {
+    let name = r.params.name.clone();
+    if errno != libc::EPERM || Instant::now() >= r.until {
+        return fail(&name, [None, None], r.done, errno, msg);
+    }
+    if r.tries == 1 {
+        tracing::info!("bdev_qcow2_create {name}: {msg}; trying again");
+    }
+    if let Err(r) = thread::start_task(Box::new(r), c"qcow2_create") {
+        fail(&name, [None, None], r.done, errno, msg);
+    }
+}
+
+/// Opens (and claims) the base and backing bdevs of a creation whose name is taken
+/// (`creating`), then reads the image on a poller; claims refused for a moment are tried
+/// again until `until`.
+fn open_and_read(
+    mut params: CreateParams,
+    claim_base: bool,
+    done: Done,
+    until: Instant,
+    tries: u32,
+) {
+    let name = params.name.clone();
     let base = if claim_base {
         open_claimed(&params.base_bdev, "base", !params.read_only)
     } else {
         open_unclaimed(&params.base_bdev, "base")
     };
+    let again = |params, done| Retry {
+        params,
+        claim_base,
+        done,
+        until,
+        at: Instant::now() + CLAIM_RETRY,
+        tries: tries + 1,
+        poller: PollerSlot::default(),
+    };
     let base = match base {
         Ok(d) => d,
-        Err((e, m)) => return fail(&name, [None, None], done, e, m),
+        Err((e, m)) => return retry_or_fail(again(params, done), e, m),
     };
     let backing = match params
         .backing_bdev
@@ -151,7 +228,10 @@ fn create_claiming(mut params: CreateParams, claim_base: bool, done: Done) {
     {
         None => None,
         Some(Ok(d)) => Some(d),
-        Some(Err((e, m))) => return fail(&name, [Some(base), None], done, e, m),
+        Some(Err((e, m))) => {
+            base.close();
+            return retry_or_fail(again(params, done), e, m);
+        }
     };
     let uuid = match identity::resolve(&params, &base) {
         Ok(u) => u,

@@ -491,7 +491,19 @@ fn external_snapshot_keeps_the_bdev_uuid() {
         !ok && text.contains("snapshot_uuid 'q0-snap' is not a UUID"),
         "{text}"
     );
+    // Another bdev's UUID: refused before anything pauses.
+    let (ok, text) = t.try_rpc(&[
+        "bdev_qcow2_snapshot_external",
+        "-b",
+        "q0",
+        "--base-bdev",
+        "aio1",
+        "--snapshot-uuid",
+        BASE_B,
+    ]);
+    assert!(!ok && text.contains("already a bdev's UUID"), "{text}");
     assert_eq!(driver_info(&t, "q0").0["base_bdev"], "aio0");
+    assert_eq!(t.bdev("aio1").unwrap()["claimed"], json!(false));
     let given = "0a1b2c3d-4e5f-4a6b-8c7d-9e0f1a2b3c4d";
     let args = ["bdev_qcow2_snapshot_external", "-b", "q0", "--base-bdev"];
     t.rpc(&[&args[..], &["aio1", "--snapshot-uuid", given]].concat());
