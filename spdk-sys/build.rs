@@ -57,6 +57,7 @@ const FUNCTIONS: &[&str] = &[
     "spdk_bdev_get_block_size",
     "spdk_bdev_get_num_blocks",
     "spdk_bdev_get_buf_align",
+    "spdk_bdev_get_uuid",
     "spdk_bdev_io_type_supported",
     "spdk_bdev_register",
     "spdk_bdev_unregister",
@@ -101,6 +102,9 @@ const FUNCTIONS: &[&str] = &[
     "spdk_log_get_print_level",
     "spdk_dma_zmalloc",
     "spdk_dma_free",
+    "spdk_uuid_parse",
+    "spdk_uuid_fmt_lower",
+    "spdk_uuid_generate_sha1",
     "spdk_sys_.*",
 ];
 
@@ -122,6 +126,7 @@ const VARS: &[&str] = &[
     "SPDK_RPC_STARTUP",
     "SPDK_JSONRPC_ERROR_.*",
     "SPDK_IO_CHANNEL_STRUCT_SIZE",
+    "SPDK_UUID_STRING_LEN",
 ];
 
 struct Found {

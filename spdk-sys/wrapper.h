@@ -10,6 +10,7 @@
 #include <spdk/env.h>
 #include <spdk/util.h>
 #include <spdk/string.h>
+#include <spdk/uuid.h>
 
 /* The shim: static inlines of the headers above, given a linkable symbol (shim.c). */
 void *spdk_sys_io_channel_get_ctx(struct spdk_io_channel *ch);

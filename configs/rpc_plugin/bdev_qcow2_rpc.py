@@ -9,7 +9,7 @@ def bdev_qcow2_create(client, name, base_bdev, backing_bdev=None, read_only=None
                       ordered_layout=None, zero_offload=None, prefetch_ring_size=None,
                       prefetch_max_window=None, alloc_granule=None, zero_ahead=None,
                       pass_discard_request=None, pass_discard_snapshot=None,
-                      pass_discard_other=None):
+                      pass_discard_other=None, uuid=None):
     params = {'name': name, 'base_bdev': base_bdev}
     if backing_bdev is not None:
         params['backing_bdev'] = backing_bdev
@@ -40,6 +40,8 @@ def bdev_qcow2_create(client, name, base_bdev, backing_bdev=None, read_only=None
                  ('pass_discard_other', pass_discard_other)):
         if v is not None:
             params[k] = v if isinstance(v, bool) else v == 'on'
+    if uuid is not None:
+        params['uuid'] = uuid
     return client.call('bdev_qcow2_create', params)
 
 
@@ -90,10 +92,13 @@ def bdev_qcow2_snapshot_list(client, name):
     return client.call('bdev_qcow2_snapshot_list', {'name': name})
 
 
-def bdev_qcow2_snapshot_external(client, name, base_bdev, snapshot_name=None):
+def bdev_qcow2_snapshot_external(client, name, base_bdev, snapshot_name=None,
+                                 snapshot_uuid=None):
     params = {'name': name, 'base_bdev': base_bdev}
     if snapshot_name is not None:
         params['snapshot_name'] = snapshot_name
+    if snapshot_uuid is not None:
+        params['snapshot_uuid'] = snapshot_uuid
     return client.call('bdev_qcow2_snapshot_external', params)
 
 
@@ -114,7 +119,8 @@ def spdk_rpc_plugin_initialize(subparsers):
                                      zero_ahead=args.zero_ahead,
                                      pass_discard_request=args.pass_discard_request,
                                      pass_discard_snapshot=args.pass_discard_snapshot,
-                                     pass_discard_other=args.pass_discard_other))
+                                     pass_discard_other=args.pass_discard_other,
+                                     uuid=args.uuid))
 
     p = subparsers.add_parser('bdev_qcow2_create',
                               help='Serve a qcow2 image stored on a bdev as a new bdev')
@@ -162,6 +168,9 @@ def spdk_rpc_plugin_initialize(subparsers):
                        type=str,
                        help='unmap on the base the clusters %s frees, as QEMU\'s '
                        'pass-discard-%s (default %s)' % (freed, what, default))
+    p.add_argument('-u', '--uuid',
+                   help='UUID of the bdev (an NVMe-oF namespace\'s NGUID/UUID; default: '
+                   'derived from the base bdev\'s UUID and the name, the same on every start)')
     p.set_defaults(func=create)
 
     def fmt(args):
@@ -258,7 +267,8 @@ def spdk_rpc_plugin_initialize(subparsers):
     def snapshot_external(args):
         print_json(bdev_qcow2_snapshot_external(args.client, name=args.name,
                                                 base_bdev=args.base_bdev,
-                                                snapshot_name=args.snapshot_name))
+                                                snapshot_name=args.snapshot_name,
+                                                snapshot_uuid=args.snapshot_uuid))
 
     p = subparsers.add_parser('bdev_qcow2_snapshot_external',
                               help='Switch a qcow2 bdev to a new overlay formatted on another '
@@ -269,6 +279,9 @@ def spdk_rpc_plugin_initialize(subparsers):
                    help='bdev to format the overlay on (everything on it is lost)')
     p.add_argument('-n', '--snapshot-name', dest='snapshot_name',
                    help='name of the old image\'s read-only bdev (default <name>_snap<N>)')
+    p.add_argument('--snapshot-uuid', dest='snapshot_uuid',
+                   help='UUID of that read-only bdev (default: derived from its base bdev\'s '
+                   'UUID and its name)')
     p.set_defaults(func=snapshot_external)
 
     def snapshot_list(args):

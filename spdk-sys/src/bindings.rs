@@ -171,6 +171,7 @@ impl<T> ::std::fmt::Debug for __IncompleteArrayField<T> {
         fmt.write_str("__IncompleteArrayField")
     }
 }
+pub const SPDK_UUID_STRING_LEN: u32 = 37;
 pub const SPDK_IO_CHANNEL_STRUCT_SIZE: u32 = 96;
 pub const SPDK_JSONRPC_ERROR_PARSE_ERROR: i32 = -32700;
 pub const SPDK_JSONRPC_ERROR_INVALID_REQUEST: i32 = -32600;
@@ -9725,6 +9726,27 @@ impl Default for spdk_uuid {
         }
     }
 }
+unsafe extern "C" {
+    pub fn spdk_uuid_parse(
+        uuid: *mut spdk_uuid,
+        uuid_str: *const ::std::os::raw::c_char,
+    ) -> ::std::os::raw::c_int;
+}
+unsafe extern "C" {
+    pub fn spdk_uuid_fmt_lower(
+        uuid_str: *mut ::std::os::raw::c_char,
+        uuid_str_size: usize,
+        uuid: *const spdk_uuid,
+    ) -> ::std::os::raw::c_int;
+}
+unsafe extern "C" {
+    pub fn spdk_uuid_generate_sha1(
+        uuid: *mut spdk_uuid,
+        ns_uuid: *mut spdk_uuid,
+        name: *const ::std::os::raw::c_char,
+        len: usize,
+    ) -> ::std::os::raw::c_int;
+}
 pub const SPDK_JSON_VAL_INVALID: spdk_json_val_type = 0;
 pub const SPDK_JSON_VAL_NULL: spdk_json_val_type = 2;
 pub const SPDK_JSON_VAL_TRUE: spdk_json_val_type = 4;
@@ -10450,6 +10472,9 @@ unsafe extern "C" {
 }
 unsafe extern "C" {
     pub fn spdk_bdev_get_buf_align(bdev: *const spdk_bdev) -> usize;
+}
+unsafe extern "C" {
+    pub fn spdk_bdev_get_uuid(bdev: *const spdk_bdev) -> *const spdk_uuid;
 }
 unsafe extern "C" {
     pub fn spdk_bdev_get_io_channel(desc: *mut spdk_bdev_desc) -> *mut spdk_io_channel;

@@ -354,6 +354,15 @@ impl<D: BlockDevice> Qcow2<D> {
         self.meta_state()
             .is_some_and(|m| m.st().tail.zeroes_ahead())
     }
+    /// Whether the header's dirty bit is set on the device now: on the owner, whether it set
+    /// the bit (lazy refcounts: before metadata relying on it, cleared once refcounts are
+    /// written; a writable open repairs a dirty image first); elsewhere, the bit as read.
+    pub fn dirty_bit(&self) -> bool {
+        match self.meta_state() {
+            Some(m) => m.st().header.dirty_bit_on_disk(),
+            None => self.header.borrow().is_dirty(),
+        }
+    }
     /// Refcount block cache counters.
     pub fn refcount_cache_stats(&self) -> CacheStats {
         self.rc_cache.borrow().stats()

@@ -1,4 +1,4 @@
-//! `bdev_qcow2_snapshot_external {name, base_bdev, snapshot_name?}` (QEMU's
+//! `bdev_qcow2_snapshot_external {name, base_bdev, snapshot_name?, snapshot_uuid?}` (QEMU's
 //! `blockdev-snapshot-sync`): formats a new overlay on `base_bdev` whose backing is the
 //! bdev's current image, and switches the bdev to it while it serves I/O. The old image
 //! becomes a read-only qcow2 bdev of its own, `snapshot_name` (default `<name>_snap<N>`,
@@ -53,6 +53,10 @@ pub struct ExternalSnapshotParams {
     /// The name of the read-only bdev the old image becomes (default `<name>_snap<N>`).
     #[serde(default)]
     pub snapshot_name: Option<String>,
+    /// The UUID of that read-only bdev (default: derived from its base's UUID and its name,
+    /// as `bdev_qcow2_create` derives one). The bdev keeps its own UUID over the overlay.
+    #[serde(default)]
+    pub snapshot_uuid: Option<String>,
 }
 
 /// `<name>_snap<N>` for the lowest N that names no bdev.
@@ -235,9 +239,12 @@ fn flush(sw: Box<Switch>) {
 /// `bdev_qcow2_snapshot_external`: answers the bdev's name, the read-only bdev the old
 /// image became, and how long I/O paused (`pause_us`), once the old image is closed.
 pub fn snapshot_external(req: Request, params: Params) {
-    let Some((req, p)) = decode::<ExternalSnapshotParams>(req, params, METHOD) else {
+    let Some((req, mut p)) = decode::<ExternalSnapshotParams>(req, params, METHOD) else {
         return;
     };
+    if let Err(m) = node::check_uuid(&mut p.snapshot_uuid, "snapshot_uuid") {
+        return req.error(INVALID_PARAMS, &format!("{METHOD}: {m}"));
+    }
     let names = [Some(&p.name), Some(&p.base_bdev), p.snapshot_name.as_ref()];
     if names
         .iter()
@@ -277,6 +284,12 @@ pub fn snapshot_external(req: Request, params: Params) {
     if reg.knows(&snapshot) || bdev::exists(&snapshot) {
         drop(reg);
         return req.errno(libc::EEXIST, &format!("bdev {snapshot} already exists"));
+    }
+    // Refused now rather than when the read-only bdev registers, with I/O paused.
+    if let Some(u) = p.snapshot_uuid.as_ref().filter(|u| bdev::exists(u)) {
+        let m = format!("{METHOD}: UUID {u} is already a bdev's UUID (or name)");
+        drop(reg);
+        return req.errno(libc::EEXIST, &m);
     }
     let Some(busy) = Busy::begin(&p.name) else {
         drop(reg);
@@ -342,6 +355,8 @@ pub fn snapshot_external(req: Request, params: Params) {
         read_only: true,
         zero_offload: None,
         zero_ahead: None,
+        // Not the bdev's own, which it keeps over the overlay (`params`).
+        uuid: p.snapshot_uuid.clone(),
         ..old
     };
     let sw = Box::new(Switch {

@@ -9,12 +9,14 @@
 
 mod config;
 mod create;
+mod identity;
 mod info;
 mod teardown;
 
 pub use config::config_json;
 pub(crate) use create::{create, create_unclaimed, open_claimed, open_unclaimed, start_owner};
 
+pub use identity::check as check_uuid;
 pub use info::ImageInfo;
 
 use crate::ffi::bdev::Desc;
@@ -203,9 +205,18 @@ impl Node {
         self.current().info.cluster_size
     }
 
-    /// What `dump_info_json` says about the image (under `"qcow2"`).
-    pub fn info_json(&self) -> serde_json::Value {
-        serde_json::to_value(&self.current().info).unwrap_or_default()
+    /// What `dump_info_json` says about the image (under `"qcow2"`): as `owner` (the
+    /// metadata owner, when asked on the md thread) has it now, else as read when the
+    /// image was opened (a read-only image never changes).
+    pub fn info_json(&self, owner: Option<&Owner>) -> serde_json::Value {
+        let info = match owner {
+            Some(o) => {
+                let saved = self.saved_params();
+                self.current().info.now(o, &saved)
+            }
+            None => self.current().info.clone(),
+        };
+        serde_json::to_value(&info).unwrap_or_default()
     }
 
     /// The prefetch ring's settings and write generations (`None`: `prefetch` is off).
@@ -367,8 +378,8 @@ impl Nodes for Qcow2Bdev {
         node.io_type_supported(ty)
     }
 
-    fn info_json(node: &Node) -> serde_json::Value {
-        node.info_json()
+    fn info_json(node: &Node, owner: Option<&Owner>) -> serde_json::Value {
+        node.info_json(owner)
     }
 
     fn config_json(node: &Node) -> Vec<serde_json::Value> {

@@ -93,6 +93,11 @@ pub struct CreateParams {
     /// allocations (QEMU's `pass-discard-other`; default `false`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pass_discard_other: Option<bool>,
+    /// The bdev's UUID (SPDK's form, 8-4-4-4-12 hex digits), which an NVMe-oF namespace
+    /// takes as its NGUID and UUID. Default: derived from the base bdev's UUID and the
+    /// bdev's name, the same on every start (`node/identity.rs`); `save_config` writes it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub uuid: Option<String>,
 }
 
 impl CreateParams {
@@ -350,7 +355,7 @@ mod tests {
             r#"{"name":"q0","base_bdev":"aio0"}"#
         );
         let p: CreateParams = serde_json::from_str(
-            r#"{"name":"q0","base_bdev":"aio0","backing_bdev":"b","read_only":true,"l2_cache_size":65536,"l2_slice_size":512,"cache_ways":4,"prefetch":true,"prefetch_ring_size":8388608,"prefetch_max_window":2097152,"ordered_layout":true,"alloc_granule":0,"zero_offload":false,"zero_ahead":true}"#,
+            r#"{"name":"q0","base_bdev":"aio0","backing_bdev":"b","read_only":true,"l2_cache_size":65536,"l2_slice_size":512,"cache_ways":4,"prefetch":true,"prefetch_ring_size":8388608,"prefetch_max_window":2097152,"ordered_layout":true,"alloc_granule":0,"zero_offload":false,"zero_ahead":true,"uuid":"0f8a3e2c-5b1d-4c6e-9a7f-1e2d3c4b5a69"}"#,
         )
         .unwrap();
         let back: CreateParams = serde_json::from_str(&serde_json::to_string(&p).unwrap()).unwrap();

@@ -45,10 +45,13 @@ pub(crate) fn decode<T: DeserializeOwned>(
 
 /// `bdev_qcow2_create`.
 pub fn create(req: Request, params: Params) {
-    let Some((req, p)) = decode::<CreateParams>(req, params, "bdev_qcow2_create") else {
+    let Some((req, mut p)) = decode::<CreateParams>(req, params, "bdev_qcow2_create") else {
         return;
     };
-    if let Err(m) = p.validate() {
+    if let Err(m) = p
+        .validate()
+        .and_then(|()| node::check_uuid(&mut p.uuid, "uuid"))
+    {
         return req.error(INVALID_PARAMS, &format!("bdev_qcow2_create: {m}"));
     }
     let missing: Vec<&str> = std::iter::once(p.base_bdev.as_str())

@@ -2981,4 +2981,7 @@ mod real {
         compare_with_raw(&ov, &raw);
         say("bdev_qcow2_stream: 16 MiB written ahead of the stream won; the image equals the golden image with them, alone");
     }
+
+    /// UUIDs across restarts, NVMe-oF namespace ids, live driver info (`real/identity.rs`).
+    mod identity;
 }

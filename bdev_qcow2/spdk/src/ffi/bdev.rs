@@ -1,6 +1,7 @@
 //! Base bdevs: open descriptors, claims, geometry.
 
 use super::sys;
+use super::uuid::Uuid;
 use std::ffi::{c_int, c_void, CStr, CString};
 
 /// What happens on events of a bdev we opened (hot remove, resize, media).
@@ -119,6 +120,14 @@ impl Desc {
         self.num_blocks() * u64::from(self.block_size())
     }
 
+    /// The bdev's UUID (SPDK gave it a random one at registration unless its module or
+    /// create call set one).
+    pub fn uuid(&self) -> Uuid {
+        // SAFETY: the bdev of an open descriptor is registered; SPDK returns the address of
+        // its UUID, read here at once.
+        Uuid::of(unsafe { &*sys::spdk_bdev_get_uuid(self.bdev()) })
+    }
+
     /// Buffer alignment the bdev requires, in bytes.
     pub fn buf_align(&self) -> usize {
         // SAFETY: as above.
@@ -205,6 +214,8 @@ pub struct Props {
     pub write_cache: bool,
     /// log2 of the buffer alignment requests must come with.
     pub required_alignment: u8,
+    /// The bdev's UUID (an NVMe-oF namespace takes its NGUID and UUID from it).
+    pub uuid: Uuid,
 }
 
 /// Makes SPDK split requests at `bdev.optimal_io_boundary`.

@@ -18,5 +18,6 @@ pub mod node;
 pub mod rpc;
 pub mod thread;
 pub mod types;
+pub mod uuid;
 
 pub use spdk_sys as sys;

@@ -39,8 +39,10 @@ pub trait Nodes: Requests {
     fn never_registered(node: Self::Node, owner: Option<OwnerBox<Self>>);
     /// SPDK's `io_type_supported`.
     fn io_type_supported(node: &Self::Node, ty: sys::spdk_bdev_io_type) -> bool;
-    /// What `dump_info_json` writes (under `"qcow2"`).
-    fn info_json(node: &Self::Node) -> serde_json::Value;
+    /// What `dump_info_json` writes (under `"qcow2"`), with the node's metadata owner when
+    /// SPDK asks on its md thread (the image as it is now: `None` on other threads and for
+    /// read-only nodes).
+    fn info_json(node: &Self::Node, owner: Option<&Self::Owner>) -> serde_json::Value;
     /// The calls `write_config_json` writes.
     fn config_json(node: &Self::Node) -> Vec<serde_json::Value>;
     /// Puts `new` under `node` in place of its image and returns the former one (`Err`:
@@ -101,15 +103,9 @@ impl<M: Nodes> Registered<M> {
     /// A writable node's metadata owner, if the caller runs on the md thread (the only one
     /// that may use it); `None` otherwise, or for a read-only node.
     pub fn owner_here(&self) -> Option<&M::Owner> {
-        let n = self.node();
-        let o = M::owner(n).raw();
-        if o.is_null() || !M::md_thread(n).is_some_and(Thread::is_current) {
-            return None;
-        }
-        // SAFETY: the owner is set before registration and freed by teardown after this
-        // handle is consumed, on the md thread — the calling thread, so not meanwhile. The
-        // reference is not `Send` (the owner is not `Sync`): it stays on this thread.
-        let o = unsafe { &*o };
+        // SAFETY: a node is unregistered only by teardown, which begins by consuming this
+        // handle.
+        let o = unsafe { owner_on_md_thread::<M>(self.node()) }?;
         M::wake(o);
         Some(o)
     }
@@ -205,6 +201,24 @@ impl<M: Nodes> Registered<M> {
     }
 }
 
+/// The owner of the writable node `n` if the caller runs on its md thread (the only one
+/// that may use it); `None` otherwise, or for a read-only node.
+///
+/// # Safety
+/// `n` stays registered (teardown, which frees the owner, has not begun) while the returned
+/// reference is used.
+unsafe fn owner_on_md_thread<M: Nodes>(n: &M::Node) -> Option<&M::Owner> {
+    let o = M::owner(n).raw();
+    if o.is_null() || !M::md_thread(n).is_some_and(Thread::is_current) {
+        return None;
+    }
+    // SAFETY: the owner is set before registration, replaced by a switch and freed by
+    // teardown only on the md thread — the calling thread, so not meanwhile — and teardown
+    // waits for unregistration (the contract). The reference is not `Send` (the owner is
+    // not `Sync`): it stays on this thread.
+    Some(unsafe { &*o })
+}
+
 /// SPDK finished a quiesce or unquiesce: hands the status to the boxed callback.
 unsafe extern "C" fn quiesce_done(ctx: *mut c_void, status: c_int) {
     // SAFETY: `ctx` is the box `quiesce_call` leaked, reclaimed here once.
@@ -268,6 +282,7 @@ unsafe fn register_bdev<M: Nodes>(cell: *mut NodeCell<M>, props: &Props) -> Resu
     b.blockcnt = props.blockcnt;
     b.write_cache = i32::from(props.write_cache);
     b.required_alignment = props.required_alignment;
+    b.uuid = props.uuid.raw();
     b.ctxt = cell.cast();
     b.fn_table = &FnTable::<M>::TABLE;
     b.module = super::module::module_ptr();
@@ -321,7 +336,11 @@ unsafe extern "C" fn dump_info_json<M: Nodes>(
     w: *mut sys::spdk_json_write_ctx,
 ) -> c_int {
     // SAFETY: `ctx` is a registered node.
-    let v = M::info_json(unsafe { &*ctx.cast::<M::Node>() });
+    let node = unsafe { &*ctx.cast::<M::Node>() };
+    // SAFETY: SPDK holds the bdev open for the call (`bdev_get_bdevs`), so it stays
+    // registered: teardown begins only once every descriptor is closed.
+    let owner = unsafe { owner_on_md_thread::<M>(node) };
+    let v = M::info_json(node, owner);
     // SAFETY: SPDK hands us a write context inside the bdev's `driver_specific` object.
     unsafe { super::json::write_named(w, "qcow2", &v) };
     0

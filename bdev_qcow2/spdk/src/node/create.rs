@@ -1,12 +1,13 @@
 //! Creating a node: open and claim the base (and backing) bdev, read and validate the
 //! image on the creating thread — the metadata owner — start the owner, then register.
 
-use super::{Image, ImageInfo, Node, Ring, BLOCK_SIZE};
+use super::{identity, Image, ImageInfo, Node, Ring, BLOCK_SIZE};
 use crate::device::SpdkDevice;
 use crate::ffi::bdev::{self, Desc};
 use crate::ffi::node as handle;
 use crate::ffi::sys;
 use crate::ffi::thread::{self, Poll, Polled, PollerSlot};
+use crate::ffi::uuid::Uuid;
 use crate::owner::Owner;
 use crate::params::CreateParams;
 use crate::registry;
@@ -18,6 +19,7 @@ use std::ffi::CString;
 use std::rc::Rc;
 use std::sync::atomic::AtomicUsize;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 /// How a creation ends: the bdev name, or an errno and a message.
 pub type Outcome = Result<String, (i32, String)>;
@@ -29,6 +31,8 @@ type Opened = qcow2_engine::Result<(ImageInfo, Qcow2<SpdkDevice>)>;
 /// A creation in progress: the image is being read on the md thread.
 struct Job {
     params: CreateParams,
+    /// The bdev's UUID (`params.uuid` says it too).
+    uuid: Uuid,
     base: Option<Desc>,
     backing: Option<Desc>,
     exec: Exec<SpdkDevice>,
@@ -132,14 +136,90 @@ fn create_claiming(params: CreateParams, claim_base: bool, done: Done) {
         }
         reg.creating.push(name.clone());
     }
+    open_and_read(params, claim_base, done, Instant::now() + CLAIM_WAIT, 0);
+}
+
+/// How long a creation tries again to claim a base or backing bdev that refuses the claim
+/// (`EPERM`), and how often: another module's examine of a bdev just registered holds it
+/// open for writing for a moment (lvol's does), as when a saved config creates a qcow2
+/// bdev over one it has just created.
+const CLAIM_WAIT: Duration = Duration::from_secs(2);
+const CLAIM_RETRY: Duration = Duration::from_millis(10);
+
+/// A creation waiting to try its claims again ([`CLAIM_RETRY`]).
+struct Retry {
+    params: CreateParams,
+    claim_base: bool,
+    done: Done,
+    until: Instant,
+    at: Instant,
+    /// Claims tried so far.
+    tries: u32,
+    poller: PollerSlot,
+}
+
+impl Polled for Retry {
+    fn slot(&self) -> &PollerSlot {
+        &self.poller
+    }
+
+    fn poll(&self) -> Poll {
+        if Instant::now() < self.at {
+            Poll::Idle
+        } else {
+            Poll::Done
+        }
+    }
+
+    fn finish(self: Box<Self>) {
+        let r = *self;
+        open_and_read(r.params, r.claim_base, r.done, r.until, r.tries);
+    }
+}
+
+/// Tries the creation's claims again shortly, or fails with `errno` and `msg` once `until`
+/// has passed.
+fn retry_or_fail(r: Retry, errno: i32, msg: String) {
+    let name = r.params.name.clone();
+    if errno != libc::EPERM || Instant::now() >= r.until {
+        return fail(&name, [None, None], r.done, errno, msg);
+    }
+    if r.tries == 1 {
+        tracing::info!("bdev_qcow2_create {name}: {msg}; trying again");
+    }
+    if let Err(r) = thread::start_task(Box::new(r), c"qcow2_create") {
+        fail(&name, [None, None], r.done, errno, msg);
+    }
+}
+
+/// Opens (and claims) the base and backing bdevs of a creation whose name is taken
+/// (`creating`), then reads the image on a poller; claims refused for a moment are tried
+/// again until `until`.
+fn open_and_read(
+    mut params: CreateParams,
+    claim_base: bool,
+    done: Done,
+    until: Instant,
+    tries: u32,
+) {
+    let name = params.name.clone();
     let base = if claim_base {
         open_claimed(&params.base_bdev, "base", !params.read_only)
     } else {
         open_unclaimed(&params.base_bdev, "base")
     };
+    let again = |params, done| Retry {
+        params,
+        claim_base,
+        done,
+        until,
+        at: Instant::now() + CLAIM_RETRY,
+        tries: tries + 1,
+        poller: PollerSlot::default(),
+    };
     let base = match base {
         Ok(d) => d,
-        Err((e, m)) => return fail(&name, [None, None], done, e, m),
+        Err((e, m)) => return retry_or_fail(again(params, done), e, m),
     };
     let backing = match params
         .backing_bdev
@@ -148,8 +228,17 @@ fn create_claiming(params: CreateParams, claim_base: bool, done: Done) {
     {
         None => None,
         Some(Ok(d)) => Some(d),
-        Some(Err((e, m))) => return fail(&name, [Some(base), None], done, e, m),
+        Some(Err((e, m))) => {
+            base.close();
+            return retry_or_fail(again(params, done), e, m);
+        }
     };
+    let uuid = match identity::resolve(&params, &base) {
+        Ok(u) => u,
+        Err((e, m)) => return fail(&name, [Some(base), backing], done, e, m),
+    };
+    // Written back by `save_config`, so a restart keeps it whatever the base's UUID then.
+    params.uuid = Some(uuid.to_string());
     let exec: Exec<SpdkDevice> = Exec::new();
     let Some(mut dev) = SpdkDevice::new(&base) else {
         let m = format!("no I/O channel for base bdev {}", params.base_bdev);
@@ -184,6 +273,7 @@ fn create_claiming(params: CreateParams, claim_base: bool, done: Done) {
     }
     let job = Box::new(Job {
         params,
+        uuid,
         base: Some(base),
         backing,
         exec,
@@ -269,16 +359,14 @@ fn finish(mut job: Job) {
         // Every channel opens its own replica: release this one and its base channel.
         drop(image);
         drop(job.exec);
-        let [base, backing] = descs;
-        return register(job.params, info, base, backing, None, ring, done);
+        return register(job.params, job.uuid, info, descs, None, ring, done);
     }
     let started = start_owner(job.exec, image, job.backing_dev, &job.params, ring.as_ref());
     let owner = match started {
         Ok(o) => o,
         Err((e, m)) => return fail(&name, descs, done, e, m),
     };
-    let [base, backing] = descs;
-    register(job.params, info, base, backing, Some(owner), ring, done);
+    register(job.params, job.uuid, info, descs, Some(owner), ring, done);
 }
 
 /// Starts the metadata owner of the writable `image` on `exec` (on this thread, the md
@@ -324,16 +412,18 @@ pub(crate) fn start_owner(
     Ok((owner, seed))
 }
 
+/// Registers the bdev of `params` over its base and backing descriptors `descs`.
 fn register(
     params: CreateParams,
+    uuid: Uuid,
     info: ImageInfo,
-    base: Option<Desc>,
-    backing: Option<Desc>,
+    descs: [Option<Desc>; 2],
     owner: Option<(OwnerBox, Option<CoreSeed>)>,
     ring: Option<Ring>,
     done: Done,
 ) {
     let name = params.name.clone();
+    let [base, backing] = descs;
     let (owner, seed) = match owner {
         Some((o, s)) => (Some(o), s),
         None => (None, None),
@@ -365,6 +455,7 @@ fn register(
         write_cache: owner.is_some(),
         // The hot path hands the guest's buffers to the base: ask for what the base needs.
         required_alignment: if align > 1 { align.ilog2() as u8 } else { 0 },
+        uuid,
     };
     let cluster_size = info.cluster_size;
     let i = &info;

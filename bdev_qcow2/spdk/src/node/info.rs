@@ -1,12 +1,15 @@
-//! What `dump_info_json` says about a bdev's image, read from its header when the bdev
-//! was created (or switched to another image).
+//! What `dump_info_json` says about a bdev's image: read from its header when the bdev
+//! was created (or switched to another image), and again from the metadata owner's image
+//! at each call on the md thread, so that a resize, a snapshot or a stream shows at once.
 
+use crate::device::Zeroing;
+use crate::owner::Owner;
 use crate::params::CreateParams;
 use qcow2_engine::io::BlockDevice;
-use qcow2_engine::Qcow2;
+use qcow2_engine::{Layer, Qcow2};
 use serde::Serialize;
 
-/// What `dump_info_json` says about the image (read when the bdev was created).
+/// What `dump_info_json` says about the image.
 #[derive(Debug, Clone, Serialize)]
 pub struct ImageInfo {
     /// Virtual disk size in bytes.
@@ -31,10 +34,10 @@ pub struct ImageInfo {
     pub lazy_refcounts: bool,
     /// The corrupt bit is set.
     pub corrupt: bool,
-    /// The dirty bit is set.
+    /// The dirty bit is set (lazy refcounts: refcounts on the device may be stale).
     pub dirty: bool,
-    /// Number of internal snapshots.
-    pub snapshots: usize,
+    /// The internal snapshots.
+    pub snapshots: Vec<SnapshotInfo>,
     /// Raw feature bitmaps.
     pub incompatible_features: u64,
     /// Raw feature bitmaps.
@@ -56,6 +59,18 @@ pub struct ImageInfo {
     /// The persistent dirty bitmaps the bdev keeps (QEMU's incremental backup): `in_use`
     /// while the bdev is open, stored at its deletion.
     pub persistent_bitmaps: Vec<PersistentBitmap>,
+    /// The zeroing asked for on this base (what the image allows is read again each time).
+    #[serde(skip)]
+    zeroing: Zeroing,
+}
+
+/// An internal snapshot of [`ImageInfo`].
+#[derive(Debug, Clone, Serialize)]
+pub struct SnapshotInfo {
+    /// Its unique id.
+    pub id: String,
+    /// Its name.
+    pub name: String,
 }
 
 /// A persistent bitmap of [`ImageInfo`].
@@ -68,11 +83,8 @@ pub struct PersistentBitmap {
 }
 
 impl ImageInfo {
-    pub(crate) fn of<D: BlockDevice>(
-        q: &Qcow2<D>,
-        p: &CreateParams,
-        z: crate::device::Zeroing,
-    ) -> ImageInfo {
+    /// What image `q` says now, served with the create call `p` on a base zeroed as `z`.
+    pub(crate) fn of<D: BlockDevice>(q: &Qcow2<D>, p: &CreateParams, z: Zeroing) -> ImageInfo {
         let h = q.header();
         ImageInfo {
             virtual_size: q.size(),
@@ -86,8 +98,15 @@ impl ImageInfo {
             refcount_bits: h.refcount_bits(),
             lazy_refcounts: h.lazy_refcounts(),
             corrupt: h.is_corrupt(),
-            dirty: h.is_dirty(),
-            snapshots: q.snapshots().len(),
+            dirty: q.dirty_bit(),
+            snapshots: q
+                .snapshots()
+                .into_iter()
+                .map(|s| SnapshotInfo {
+                    id: s.id,
+                    name: s.name,
+                })
+                .collect(),
             incompatible_features: h.header.incompatible_features,
             compatible_features: h.header.compatible_features,
             autoclear_features: h.header.autoclear_features,
@@ -101,6 +120,17 @@ impl ImageInfo {
                 .into_iter()
                 .map(|(name, enabled)| PersistentBitmap { name, enabled })
                 .collect(),
+            zeroing: z,
+        }
+    }
+
+    /// The image as `owner` (the metadata owner, on its md thread) has it now, served with
+    /// the create call `p` as `save_config` would write it; this one if the owner's chain
+    /// has no qcow2 layer on top (it always has).
+    pub(crate) fn now(&self, owner: &Owner, p: &CreateParams) -> ImageInfo {
+        match owner.chain().layers().first() {
+            Some(Layer::Qcow2(q)) => ImageInfo::of(q, p, self.zeroing),
+            _ => self.clone(),
         }
     }
 }
