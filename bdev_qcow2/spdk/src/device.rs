@@ -47,6 +47,10 @@ pub struct SpdkDevice {
     buf_align: usize,
     /// The engine leaves zeroing to the bdev ([`zero_offload`]).
     cheap_zeroes: bool,
+    /// The bdev takes FLUSH. One that does not (an lvol) has no volatile cache: its
+    /// completed writes are stable, and a flush has nothing to do (as SPDK's NVMe-oF
+    /// target answers a Flush to such a bdev).
+    flushes: bool,
 }
 
 impl SpdkDevice {
@@ -60,6 +64,7 @@ impl SpdkDevice {
             io: BaseIo::new(desc)?,
             buf_align: desc.buf_align().max(4096),
             cheap_zeroes: zero_offload(desc, None),
+            flushes: desc.supports_natively(sys::SPDK_BDEV_IO_TYPE_FLUSH),
         })
     }
 
@@ -160,6 +165,10 @@ impl BlockDevice for SpdkDevice {
         // contract); the part inside goes to the bdev.
         let inside_buf;
         let (offset, len, base_op) = match &op {
+            DeviceOp::Flush if !self.flushes => {
+                self.io.complete_now(tag, Ok(()));
+                return Ok(());
+            }
             DeviceOp::Flush => (0, 0, BaseOp::Flush),
             DeviceOp::WriteZeroes { offset, len } => (
                 *offset,
