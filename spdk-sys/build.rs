@@ -67,6 +67,7 @@ const FUNCTIONS: &[&str] = &[
     "spdk_bdev_unquiesce",
     "spdk_bdev_destruct_done",
     "spdk_bdev_io_complete",
+    "spdk_bdev_io_complete_nvme_status",
     "spdk_bdev_io_get_buf",
     "spdk_bdev_io_get_thread",
     "spdk_bdev_io_get_io_channel",
@@ -120,6 +121,8 @@ const TYPES: &[&str] = &[
     "spdk_bdev_module",
     "spdk_bdev_fn_table",
     "spdk_bdev_io_wait_entry",
+    "spdk_nvme_status_code_type",
+    "spdk_nvme_generic_command_status_code",
 ];
 const VARS: &[&str] = &[
     "SPDK_RPC_RUNTIME",

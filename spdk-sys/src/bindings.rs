@@ -9694,6 +9694,61 @@ impl spdk_nvme_cmd {
         __bindgen_bitfield_unit
     }
 }
+pub const SPDK_NVME_SCT_GENERIC: spdk_nvme_status_code_type = 0;
+pub const SPDK_NVME_SCT_COMMAND_SPECIFIC: spdk_nvme_status_code_type = 1;
+pub const SPDK_NVME_SCT_MEDIA_ERROR: spdk_nvme_status_code_type = 2;
+pub const SPDK_NVME_SCT_PATH: spdk_nvme_status_code_type = 3;
+pub const SPDK_NVME_SCT_VENDOR_SPECIFIC: spdk_nvme_status_code_type = 7;
+pub type spdk_nvme_status_code_type = ::std::os::raw::c_uint;
+pub const SPDK_NVME_SC_SUCCESS: spdk_nvme_generic_command_status_code = 0;
+pub const SPDK_NVME_SC_INVALID_OPCODE: spdk_nvme_generic_command_status_code = 1;
+pub const SPDK_NVME_SC_INVALID_FIELD: spdk_nvme_generic_command_status_code = 2;
+pub const SPDK_NVME_SC_COMMAND_ID_CONFLICT: spdk_nvme_generic_command_status_code = 3;
+pub const SPDK_NVME_SC_DATA_TRANSFER_ERROR: spdk_nvme_generic_command_status_code = 4;
+pub const SPDK_NVME_SC_ABORTED_POWER_LOSS: spdk_nvme_generic_command_status_code = 5;
+pub const SPDK_NVME_SC_INTERNAL_DEVICE_ERROR: spdk_nvme_generic_command_status_code = 6;
+pub const SPDK_NVME_SC_ABORTED_BY_REQUEST: spdk_nvme_generic_command_status_code = 7;
+pub const SPDK_NVME_SC_ABORTED_SQ_DELETION: spdk_nvme_generic_command_status_code = 8;
+pub const SPDK_NVME_SC_ABORTED_FAILED_FUSED: spdk_nvme_generic_command_status_code = 9;
+pub const SPDK_NVME_SC_ABORTED_MISSING_FUSED: spdk_nvme_generic_command_status_code = 10;
+pub const SPDK_NVME_SC_INVALID_NAMESPACE_OR_FORMAT: spdk_nvme_generic_command_status_code = 11;
+pub const SPDK_NVME_SC_COMMAND_SEQUENCE_ERROR: spdk_nvme_generic_command_status_code = 12;
+pub const SPDK_NVME_SC_INVALID_SGL_SEG_DESCRIPTOR: spdk_nvme_generic_command_status_code = 13;
+pub const SPDK_NVME_SC_INVALID_NUM_SGL_DESCIRPTORS: spdk_nvme_generic_command_status_code = 14;
+pub const SPDK_NVME_SC_DATA_SGL_LENGTH_INVALID: spdk_nvme_generic_command_status_code = 15;
+pub const SPDK_NVME_SC_METADATA_SGL_LENGTH_INVALID: spdk_nvme_generic_command_status_code = 16;
+pub const SPDK_NVME_SC_SGL_DESCRIPTOR_TYPE_INVALID: spdk_nvme_generic_command_status_code = 17;
+pub const SPDK_NVME_SC_INVALID_CONTROLLER_MEM_BUF: spdk_nvme_generic_command_status_code = 18;
+pub const SPDK_NVME_SC_INVALID_PRP_OFFSET: spdk_nvme_generic_command_status_code = 19;
+pub const SPDK_NVME_SC_ATOMIC_WRITE_UNIT_EXCEEDED: spdk_nvme_generic_command_status_code = 20;
+pub const SPDK_NVME_SC_OPERATION_DENIED: spdk_nvme_generic_command_status_code = 21;
+pub const SPDK_NVME_SC_INVALID_SGL_OFFSET: spdk_nvme_generic_command_status_code = 22;
+pub const SPDK_NVME_SC_HOSTID_INCONSISTENT_FORMAT: spdk_nvme_generic_command_status_code = 24;
+pub const SPDK_NVME_SC_KEEP_ALIVE_EXPIRED: spdk_nvme_generic_command_status_code = 25;
+pub const SPDK_NVME_SC_KEEP_ALIVE_INVALID: spdk_nvme_generic_command_status_code = 26;
+pub const SPDK_NVME_SC_ABORTED_PREEMPT: spdk_nvme_generic_command_status_code = 27;
+pub const SPDK_NVME_SC_SANITIZE_FAILED: spdk_nvme_generic_command_status_code = 28;
+pub const SPDK_NVME_SC_SANITIZE_IN_PROGRESS: spdk_nvme_generic_command_status_code = 29;
+pub const SPDK_NVME_SC_SGL_DATA_BLOCK_GRANULARITY_INVALID: spdk_nvme_generic_command_status_code = 30;
+pub const SPDK_NVME_SC_COMMAND_INVALID_IN_CMB: spdk_nvme_generic_command_status_code = 31;
+pub const SPDK_NVME_SC_COMMAND_NAMESPACE_IS_PROTECTED: spdk_nvme_generic_command_status_code = 32;
+pub const SPDK_NVME_SC_COMMAND_INTERRUPTED: spdk_nvme_generic_command_status_code = 33;
+pub const SPDK_NVME_SC_COMMAND_TRANSIENT_TRANSPORT_ERROR: spdk_nvme_generic_command_status_code = 34;
+pub const SPDK_NVME_SC_COMMAND_PROHIBITED_BY_LOCKDOWN: spdk_nvme_generic_command_status_code = 35;
+pub const SPDK_NVME_SC_ADMIN_COMMAND_MEDIA_NOT_READY: spdk_nvme_generic_command_status_code = 36;
+pub const SPDK_NVME_SC_FDP_DISABLED: spdk_nvme_generic_command_status_code = 41;
+pub const SPDK_NVME_SC_INVALID_PLACEMENT_HANDLE_LIST: spdk_nvme_generic_command_status_code = 42;
+pub const SPDK_NVME_SC_LBA_OUT_OF_RANGE: spdk_nvme_generic_command_status_code = 128;
+pub const SPDK_NVME_SC_CAPACITY_EXCEEDED: spdk_nvme_generic_command_status_code = 129;
+pub const SPDK_NVME_SC_NAMESPACE_NOT_READY: spdk_nvme_generic_command_status_code = 130;
+pub const SPDK_NVME_SC_RESERVATION_CONFLICT: spdk_nvme_generic_command_status_code = 131;
+pub const SPDK_NVME_SC_FORMAT_IN_PROGRESS: spdk_nvme_generic_command_status_code = 132;
+pub const SPDK_NVME_SC_INVALID_VALUE_SIZE: spdk_nvme_generic_command_status_code = 133;
+pub const SPDK_NVME_SC_INVALID_KEY_SIZE: spdk_nvme_generic_command_status_code = 134;
+pub const SPDK_NVME_SC_KV_KEY_DOES_NOT_EXIST: spdk_nvme_generic_command_status_code = 135;
+pub const SPDK_NVME_SC_UNRECOVERED_ERROR: spdk_nvme_generic_command_status_code = 136;
+pub const SPDK_NVME_SC_KEY_EXISTS: spdk_nvme_generic_command_status_code = 137;
+pub type spdk_nvme_generic_command_status_code = ::std::os::raw::c_uint;
 pub const SPDK_NVME_CSI_NVM: spdk_nvme_csi = 0;
 pub const SPDK_NVME_CSI_KV: spdk_nvme_csi = 1;
 pub const SPDK_NVME_CSI_ZNS: spdk_nvme_csi = 2;
@@ -12752,6 +12807,14 @@ unsafe extern "C" {
     pub fn spdk_bdev_io_complete(
         bdev_io: *mut spdk_bdev_io,
         status: spdk_bdev_io_status,
+    );
+}
+unsafe extern "C" {
+    pub fn spdk_bdev_io_complete_nvme_status(
+        bdev_io: *mut spdk_bdev_io,
+        cdw0: u32,
+        sct: ::std::os::raw::c_int,
+        sc: ::std::os::raw::c_int,
     );
 }
 unsafe extern "C" {

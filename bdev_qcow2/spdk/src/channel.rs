@@ -33,6 +33,7 @@ use crate::ffi::thread::{self, Homed, Poll, Polled, PollerSlot, Thread};
 use crate::node::{ChannelSource, Node};
 use crate::owner;
 pub use crate::stats::ChannelStats;
+use crate::status::Status;
 use crate::types::{BdevIo, ChannelIter, IoQueue, Qcow2Bdev};
 use qcow2_engine::coherency::SliceReply;
 use qcow2_engine::exec::Outcome;
@@ -94,6 +95,8 @@ pub struct Channel {
     closing: Cell<bool>,
     completed: Cell<u64>,
     errors: Cell<u64>,
+    /// ... of them, for want of room on the base.
+    no_space_errors: Cell<u64>,
     thread_name: String,
 }
 
@@ -127,6 +130,7 @@ impl Channel {
             closing: Cell::new(false),
             completed: Cell::new(0),
             errors: Cell::new(0),
+            no_space_errors: Cell::new(0),
             thread_name,
         });
         if src.writable {
@@ -189,6 +193,7 @@ impl Channel {
             forwarded: self.forwarded.get(),
             completed: self.completed.get(),
             errors: self.errors.get(),
+            no_space_errors: self.no_space_errors.get(),
             busy_retries: self.exec().stats().busy_retries,
             ..ChannelStats::default()
         };
@@ -399,7 +404,7 @@ impl Channel {
         if let Err(e) = &r {
             tracing::debug!("request failed: {e}");
         }
-        self.finish(io, r.is_ok());
+        self.finish_status(io, Status::of(&r));
     }
 
     /// Write zeroes, unmap and flush (`submit_request`): as the replica's engine plans them
@@ -423,22 +428,18 @@ impl Channel {
     }
 
     fn finish(&self, io: BdevIo, ok: bool) {
-        self.finish_status(
-            io,
-            if ok {
-                sys::SPDK_BDEV_IO_STATUS_SUCCESS
-            } else {
-                sys::SPDK_BDEV_IO_STATUS_FAILED
-            },
-        );
+        self.finish_status(io, Status::of_success(ok));
     }
 
-    fn finish_status(&self, io: BdevIo, status: sys::spdk_bdev_io_status) {
+    fn finish_status(&self, io: BdevIo, status: Status) {
         self.completed.set(self.completed.get() + 1);
-        if status != sys::SPDK_BDEV_IO_STATUS_SUCCESS {
+        if status != Status::Success {
             self.errors.set(self.errors.get() + 1);
+            if status == Status::NoSpace {
+                self.no_space_errors.set(self.no_space_errors.get() + 1);
+            }
         }
-        io.complete(status);
+        status.complete(io);
     }
 
     /// Guest requests accepted and not completed (every request completed was accepted

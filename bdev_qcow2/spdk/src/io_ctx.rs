@@ -2,15 +2,15 @@
 //! reserves it in every bdev_io: `get_ctx_size`). `submit_request` initializes it; the handle
 //! reaches it with [`BdevIo::ctx`](crate::ffi::bdev_io::BdevIo::ctx).
 
-use crate::ffi::sys;
+use crate::status::Status;
 use qcow2_engine::{GraceEntry, Op};
 use std::cell::Cell;
 
 /// The per-I/O context.
 #[repr(C)]
 pub struct IoCtx {
-    /// `SPDK_BDEV_IO_STATUS_*` of a forwarded request, on its way back.
-    status: sys::spdk_bdev_io_status,
+    /// How a forwarded request ended, on its way back.
+    status: Status,
     /// The grace-period entry of a request on the direct path, taken by its one exit
     /// (a cell: the completion reaches the context through a shared handle).
     entry: Cell<Option<GraceEntry>>,
@@ -23,18 +23,18 @@ impl IoCtx {
     /// context of its own, so its cell is never shared.
     #[allow(clippy::declare_interior_mutable_const)]
     pub const NEW: IoCtx = IoCtx {
-        status: sys::SPDK_BDEV_IO_STATUS_SUCCESS,
+        status: Status::Success,
         entry: Cell::new(None),
         op: Op::Read,
     };
 
     /// The status a forwarded request carries back.
-    pub fn status(&self) -> sys::spdk_bdev_io_status {
+    pub fn status(&self) -> Status {
         self.status
     }
 
     /// Sets the status a forwarded request carries back.
-    pub fn set_status(&mut self, s: sys::spdk_bdev_io_status) {
+    pub fn set_status(&mut self, s: Status) {
         self.status = s;
     }
 

@@ -34,5 +34,6 @@ mod owner;
 mod registry;
 pub mod rpc;
 mod stats;
+mod status;
 mod stream_rpc;
 mod types;

@@ -27,15 +27,16 @@ use crate::device::{guest_buf, SpdkDevice};
 use crate::direct::{self, DirectHost, Target};
 use crate::engine_host::{Driver, Host};
 use crate::ffi::bdev_io::QueueReceiver;
-use crate::ffi::sys;
 use crate::ffi::thread::{self, Poll, Polled, PollerSlot, Thread};
 use crate::ffi::types::Closing;
+use crate::status::Status;
 use crate::types::{Arrived, BdevIo, IoQueue, OwnerBox, Qcow2Bdev};
 use qcow2_engine::exec::Outcome;
 use qcow2_engine::ring::zones::SWEEP_EVERY;
 use qcow2_engine::{Chain, DevId, Exec, Op, Request, Step};
 use std::cell::{Cell, RefCell};
 use std::rc::Rc;
+use std::time::{Duration, Instant};
 
 /// What the owner needs of the channels that forward requests to it and ask it for slices
 /// (implemented in `channel.rs`, which depends on this module, not the other way round).
@@ -111,7 +112,12 @@ pub struct Owner {
     /// With the prefetch ring: sweeps the zones every read-ahead left, so that writes there
     /// skip their generation bump again (a timer: the poller pauses while idle).
     _sweeper: Option<thread::Ticker>,
+    /// When the last "base is full" warning was logged (one per [`FULL_WARNING_EVERY`]).
+    full_warned: Cell<Option<Instant>>,
 }
+
+/// At most one warning this often while writes fail for want of room on the base.
+const FULL_WARNING_EVERY: Duration = Duration::from_secs(10);
 
 /// How often (in polls) the owner asks whether dirty metadata waited long enough for a
 /// background write-back: its interval is milliseconds, a poll takes well under one
@@ -158,6 +164,7 @@ impl Owner {
             stream: RefCell::new(None),
             jobs: Rc::new(Cell::new(0)),
             _sweeper: sweeper,
+            full_warned: Cell::new(None),
         });
         for d in devs {
             // SAFETY: the owner is boxed and owns the executor that owns the device.
@@ -398,6 +405,25 @@ impl Owner {
     /// unmap: its data and its metadata in place by now), no thread's prefetch ring may
     /// serve the bytes it replaced any more (a no-op while the ring is off).
     #[inline(always)]
+    /// A write failed for want of room on the base: says so (not on every write).
+    #[cold]
+    fn out_of_space(&self) {
+        let now = Instant::now();
+        if self
+            .full_warned
+            .get()
+            .is_some_and(|t| now.duration_since(t) < FULL_WARNING_EVERY)
+        {
+            return;
+        }
+        self.full_warned.set(Some(now));
+        tracing::warn!(
+            "the base is full: writes that need a new cluster fail (ENOSPC, NVMe Capacity \
+             Exceeded; counted in bdev_qcow2_get_stats' no_space_errors) until it grows \
+             (bdev_lvol_resize, bdev_aio_rescan, ...); nothing else is affected"
+        );
+    }
+
     fn written(&self, io: &BdevIo) {
         if io.ctx().op().changes_data() {
             self.chain.ring_written(io.offset_bytes(), io.len_bytes());
@@ -424,15 +450,20 @@ impl Host for Owner {
     fn request_done(&self, io: BdevIo, outcome: Outcome) {
         self.written(&io);
         let status = match outcome {
-            Outcome::Done(Ok(())) => sys::SPDK_BDEV_IO_STATUS_SUCCESS,
-            Outcome::Done(Err(e)) => {
-                tracing::debug!("request failed: {e}");
-                sys::SPDK_BDEV_IO_STATUS_FAILED
+            Outcome::Done(r) => {
+                if let Err(e) = &r {
+                    tracing::debug!("request failed: {e}");
+                }
+                let status = Status::of(&r);
+                if status == Status::NoSpace {
+                    self.out_of_space();
+                }
+                status
             }
             // Only a core replica hands requests to the owner.
             Outcome::ToOwner => {
                 tracing::debug!("request failed: handed to the owner by the owner");
-                sys::SPDK_BDEV_IO_STATUS_FAILED
+                Status::Failed
             }
         };
         done(io, status);
@@ -457,12 +488,7 @@ impl DirectHost for Owner {
 
     #[inline(always)]
     fn complete_direct(&self, io: BdevIo, success: bool) {
-        let status = if success {
-            sys::SPDK_BDEV_IO_STATUS_SUCCESS
-        } else {
-            sys::SPDK_BDEV_IO_STATUS_FAILED
-        };
-        done(io, status);
+        done(io, Status::of_success(success));
     }
 }
 
@@ -532,7 +558,7 @@ impl QueueReceiver<Qcow2Bdev> for Back {
 
 /// A request finished on the owner: back to its thread, in that thread's queue (the
 /// owner's poller sends it).
-fn done(mut io: BdevIo, status: sys::spdk_bdev_io_status) {
+fn done(mut io: BdevIo, status: Status) {
     io.ctx_mut().set_status(status);
     let t = io.thread();
     if t.is_current() {

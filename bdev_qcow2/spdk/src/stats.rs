@@ -23,6 +23,9 @@ pub struct ChannelStats {
     pub completed: u64,
     /// ... completed with an error.
     pub errors: u64,
+    /// ... of them because the image needed room the base does not have (NVMe Capacity
+    /// Exceeded; they succeed again once the base grows).
+    pub no_space_errors: u64,
     /// Base submissions refused as busy (-ENOMEM) and retried.
     pub busy_retries: u64,
     /// Writes served in place on this thread (writable bdevs).
@@ -81,6 +84,7 @@ impl ChannelStats {
         self.slow_reads += o.slow_reads;
         self.completed += o.completed;
         self.errors += o.errors;
+        self.no_space_errors += o.no_space_errors;
         self.busy_retries += o.busy_retries;
         self.local_writes += o.local_writes;
         self.forwarded += o.forwarded;

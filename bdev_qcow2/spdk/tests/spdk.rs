@@ -2416,6 +2416,184 @@ mod real {
         say("bdev_qcow2_resize under bdevperf verify on 2 cores: no failure, the image checks clean and reads as QEMU reads it");
     }
 
+    /// bdevperf with an RPC socket on bdev q0 of `cfg`, one core, continuing after failed
+    /// I/O (`-f`); `script(sock, perform)` drives it, `perform(args)` runs one
+    /// `perform_tests` (e.g. `-w write -t 2`) and returns its JSON result. Returns bdevperf's
+    /// log.
+    fn bdevperf_driven(
+        d: &Path,
+        cfg: &Path,
+        tag: &str,
+        script: impl FnOnce(&Path, &(dyn Fn(&[&str]) -> Value + Sync)),
+    ) -> String {
+        let bdevperf_py = ["/opt/spdk-src/examples/bdev/bdevperf/bdevperf.py"]
+            .into_iter()
+            .map(PathBuf::from)
+            .chain(std::env::var_os("BDEVPERF_PY").map(PathBuf::from))
+            .find(|p| p.is_file())
+            .expect("bdevperf.py");
+        let sock = d.join(format!("{tag}.sock"));
+        let log = d.join(format!("{tag}.log"));
+        let args: Vec<String> = [
+            "--json",
+            s(cfg),
+            "-r",
+            s(&sock),
+            "-z",
+            "-f",
+            "-T",
+            "q0",
+            "-q",
+            "8",
+            "-o",
+            "65536",
+            "-w",
+            "write",
+            "-t",
+            "1",
+            "-m",
+            "0x1",
+        ]
+        .map(String::from)
+        .to_vec();
+        let proc = spawn_spdk("bdevperf", &args, &log);
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while !(sock.exists() && plugin_rpc(&sock, &["framework_wait_init"]).0) {
+            assert!(
+                Instant::now() < deadline,
+                "bdevperf did not start:\n{}",
+                fs::read_to_string(&log).unwrap_or_default()
+            );
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        let perform = |extra: &[&str]| -> Value {
+            let out = Command::new("/usr/bin/python3")
+                .arg(&bdevperf_py)
+                .args(["-s", s(&sock), "-t", "120", "perform_tests"])
+                .args(extra)
+                .output()
+                .unwrap();
+            let text = String::from_utf8_lossy(&out.stdout);
+            assert!(
+                out.status.success(),
+                "perform_tests {extra:?}: {text}{}\n{}",
+                String::from_utf8_lossy(&out.stderr),
+                fs::read_to_string(&log).unwrap_or_default()
+            );
+            serde_json::from_str(text.trim())
+                .unwrap_or_else(|e| panic!("perform_tests {extra:?}: {e}: {text}"))
+        };
+        script(&sock, &perform);
+        let _ = plugin_rpc(&sock, &["spdk_kill_instance", "SIGTERM"]);
+        let (ok, text) = proc.wait(60);
+        assert!(ok, "bdevperf failed:\n{text}");
+        text
+    }
+
+    /// The failed and completed requests of job q0 in a `perform_tests` result.
+    fn job_counts(r: &Value) -> (f64, f64) {
+        let job = r["results"]
+            .as_array()
+            .and_then(|a| a.iter().find(|j| j["job"] == "q0"))
+            .unwrap_or_else(|| panic!("no q0 job: {r}"));
+        (
+            job["io_failed"].as_f64().unwrap_or(0.0),
+            job["iops"].as_f64().unwrap_or(0.0) * job["runtime"].as_f64().unwrap_or(0.0),
+        )
+    }
+
+    /// `no_space_errors` of q0 in `bdev_qcow2_get_stats`.
+    fn no_space_errors(sock: &Path) -> u64 {
+        let (ok, text) = plugin_rpc(sock, &["bdev_qcow2_get_stats", "-b", "q0"]);
+        assert!(ok, "bdev_qcow2_get_stats: {text}");
+        let v: Value = serde_json::from_str(text.trim()).unwrap();
+        v[0]["total"]["no_space_errors"]
+            .as_u64()
+            .unwrap_or_else(|| panic!("no no_space_errors: {v}"))
+    }
+
+    /// A base that runs out of room: the writes that need a new cluster fail (NVMe Capacity
+    /// Exceeded, counted as `no_space_errors`), nothing is corrupted, and once the base
+    /// grows under load (a thin lvol resized; an AIO file grown and rescanned) writes
+    /// succeed again and verify.
+    #[test]
+    fn full_base_fails_writes_then_resumes_when_it_grows() {
+        require!("bdevperf");
+        if rpc_py().is_none() {
+            say("SKIPPED: rpc.py not found (set SPDK_RPC or put spdk-rpc on PATH)");
+            return;
+        }
+        let _t = turn();
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+
+        // A thin lvol of 4 MiB under a 32 MiB image, resized to 64 MiB under load.
+        let cfg = d.join("lv.json");
+        write_config(
+            &cfg,
+            vec![
+                json!({"method": "bdev_malloc_create",
+                       "params": {"name": "m0", "num_blocks": 128 * 2048, "block_size": 512}}),
+                json!({"method": "bdev_lvol_create_lvstore",
+                       "params": {"bdev_name": "m0", "lvs_name": "lvs", "cluster_sz": MIB}}),
+                json!({"method": "bdev_lvol_create",
+                       "params": {"lvs_name": "lvs", "lvol_name": "lv", "size_in_mib": 4,
+                                  "thin_provision": true}}),
+                json!({"method": "bdev_qcow2_format",
+                       "params": {"base_bdev": "lvs/lv", "size": 32 * MIB}}),
+                qcow2("q0", "lvs/lv", None),
+            ],
+        );
+        let mut seen = Vec::new();
+        bdevperf_driven(d, &cfg, "lv", |sock, perform| {
+            let (failed, _) = job_counts(&perform(&["-w", "write", "-t", "2"]));
+            let full = no_space_errors(sock);
+            assert!(failed > 0.0, "32 MiB of writes fit a 4 MiB base?");
+            assert!(full > 0, "writes failed, none for want of room");
+            // Grown while writes run into it.
+            let writes = std::thread::scope(|sc| {
+                let h = sc.spawn(|| perform(&["-w", "write", "-t", "4"]));
+                std::thread::sleep(Duration::from_millis(1500));
+                let (ok, text) = plugin_rpc(sock, &["bdev_lvol_resize", "lvs/lv", "64"]);
+                assert!(ok, "bdev_lvol_resize: {text}");
+                h.join().unwrap()
+            });
+            let (_, done) = job_counts(&writes);
+            assert!(done > 0.0, "no write succeeded after the resize: {writes}");
+            let after = no_space_errors(sock);
+            let (vfailed, vdone) = job_counts(&perform(&["-w", "verify", "-t", "2"]));
+            assert_eq!(vfailed, 0.0, "verify failed once the base had grown");
+            assert!(vdone > 0.0);
+            assert_eq!(no_space_errors(sock), after, "no room missing any more");
+            seen.push((full, after));
+        });
+        say(&format!(
+            "thin lvol 4 MiB under a 32 MiB image: {} writes refused for room, resized to \
+             64 MiB under load, then verify clean",
+            seen[0].1
+        ));
+
+        // An AIO file: the image file itself can be checked afterwards.
+        let img = d.join("full.qcow2");
+        qemu_img(&["create", "-q", "-f", "qcow2", s(&img), "32M"]);
+        let f = fs::OpenOptions::new().write(true).open(&img).unwrap();
+        f.set_len(4 * MIB).unwrap();
+        let cfg = d.join("aio.json");
+        write_config(&cfg, vec![aio(&img, "a0"), qcow2("q0", "a0", None)]);
+        bdevperf_driven(d, &cfg, "aio", |sock, perform| {
+            let (failed, _) = job_counts(&perform(&["-w", "write", "-t", "2"]));
+            assert!(failed > 0.0 && no_space_errors(sock) > 0);
+            f.set_len(64 * MIB).unwrap();
+            let (ok, text) = plugin_rpc(sock, &["bdev_aio_rescan", "a0"]);
+            assert!(ok, "bdev_aio_rescan: {text}");
+            let (vfailed, vdone) = job_counts(&perform(&["-w", "verify", "-t", "2"]));
+            assert_eq!(vfailed, 0.0, "verify failed once the file had grown");
+            assert!(vdone > 0.0);
+        });
+        check_clean(&img, "after writes refused for room and resumed");
+        say("AIO file 4 MiB under a 32 MiB image: writes refused for room, file grown and rescanned, verify clean; qemu-img check clean");
+    }
+
     #[test]
     fn snapshots_under_verify_load() {
         require!("bdevperf");

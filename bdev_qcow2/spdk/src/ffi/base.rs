@@ -55,8 +55,9 @@ struct Pool {
 pub struct BaseIo {
     desc: *mut sys::spdk_bdev_desc,
     ch: ChannelRef,
+    /// The base bdev (its size is read live: a base may grow while open).
+    bdev: *mut sys::spdk_bdev,
     block_size: u64,
-    num_blocks: u64,
     pool: NonNull<Pool>,
 }
 
@@ -138,7 +139,7 @@ impl BaseIo {
             desc: desc.raw(),
             ch,
             block_size: u64::from(desc.block_size()),
-            num_blocks: desc.num_blocks(),
+            bdev: desc.bdev(),
             // SAFETY: `Box::into_raw` never returns null.
             pool: unsafe { NonNull::new_unchecked(pool) },
         })
@@ -149,9 +150,11 @@ impl BaseIo {
         self.block_size
     }
 
-    /// Number of blocks.
+    /// Number of blocks now (a thin lvol resized, an AIO file rescanned: the base grows
+    /// under an open image, and allocations that failed for room succeed again).
     pub fn num_blocks(&self) -> u64 {
-        self.num_blocks
+        // SAFETY: the descriptor keeps the bdev alive while this exists (see `new`).
+        unsafe { sys::spdk_bdev_get_num_blocks(self.bdev) }
     }
 
     /// Makes SPDK's completion callback offer each completion to `sink` (with `ctx`) before
@@ -254,7 +257,7 @@ impl BaseIo {
                     self.desc,
                     self.ch.raw(),
                     0,
-                    self.num_blocks,
+                    self.num_blocks(),
                     Some(io_done),
                     slot_ptr,
                 ),

@@ -301,6 +301,19 @@ impl<M: BdevTypes> BdevIo<M> {
         // SAFETY: live bdev_io, completed exactly once (the handle is consumed).
         unsafe { sys::spdk_bdev_io_complete(self.0.as_ptr(), status) }
     }
+
+    /// Completes the bdev_io with an NVMe status (`sct`, `sc`): what an NVMe-oF host sees,
+    /// and what SPDK translates for other front ends. Consumes the handle.
+    pub fn complete_nvme(
+        self,
+        sct: sys::spdk_nvme_status_code_type,
+        sc: sys::spdk_nvme_generic_command_status_code,
+    ) {
+        // (Both enums' values fit an int: SPDK's own signature takes them as such.)
+        let (sct, sc) = (sct as i32, sc as i32);
+        // SAFETY: live bdev_io, completed exactly once (the handle is consumed).
+        unsafe { sys::spdk_bdev_io_complete_nvme_status(self.0.as_ptr(), 0, sct, sc) }
+    }
 }
 
 /// `fn_table.submit_request`: hands a new request and its channel to

@@ -509,6 +509,14 @@ impl bdev::BdevEvents for BaseEvents {
     /// Hot remove of a base or backing bdev: unregister every node using it (its I/O
     /// completes, then destruct closes the descriptors, which lets the base go).
     fn event(ty: sys::spdk_bdev_event_type, name: &str) {
+        if ty == sys::SPDK_BDEV_EVENT_RESIZE {
+            // Sizes are read live (`BaseIo::num_blocks`): allocations that failed for room
+            // succeed from now on.
+            tracing::info!(
+                "bdev {name} was resized: qcow2 images on it may grow into the new size"
+            );
+            return;
+        }
         if ty != sys::SPDK_BDEV_EVENT_REMOVE {
             tracing::info!("bdev {name}: event {ty} ignored");
             return;
