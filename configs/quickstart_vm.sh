@@ -64,8 +64,9 @@ overlay=$dir/vm0.qcow2
 # since an AIO bdev does not grow its file.
 truncate -s %512 "$base"
 qemu-img create -q -f qcow2 -F qcow2 -b "$base" "$overlay"
-vsize=$(qemu-img info --output=json "$overlay" | sed -n 's/.*"virtual-size": *\([0-9]*\).*/\1/p')
-truncate -s $((vsize + vsize / 64 + (16 << 20))) "$overlay"
+vsize=$(qemu-img info "$overlay" | sed -n 's/^virtual size: .*(\([0-9]*\) bytes).*/\1/p')
+[ -n "$vsize" ] || die "cannot read the virtual size of $overlay"
+truncate -s $(((vsize + vsize / 64 + (16 << 20)) / 512 * 512)) "$overlay"
 
 sed -e "s|/var/tmp/golden.qcow2|$base|" -e "s|/var/tmp/vm0.qcow2|$overlay|" \
   "$repo/configs/vhost_blk_qcow2.json" >"$dir/vhost.json"
