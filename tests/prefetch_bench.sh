@@ -281,7 +281,7 @@ fi
 # every device completion.
 PERF_DIR=${PERF_DIR:-/dev/shm}
 qperf() {
-  TMPDIR=$PERF_DIR ./target/release/qcow2 perf -w read -q 1 -o "$1" -t "$TIME" --base-latency-us 50 \
+  TMPDIR=$PERF_DIR ./target/release/qcow2 perf -w read -q 1 -s "$1" -t "$TIME" --base-latency-us 50 \
     --sample-size "${MB}M" --prefetch "$2" --json ${ZIMG:+"$ZIMG"} |
     /usr/bin/python3 -c 'import json, sys
 for l in sys.stdin:

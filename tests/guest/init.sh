@@ -102,6 +102,11 @@ fsync_loop() {
 
 case "$mode" in
 probe) ;;
+quickstart)
+    say "DISK vda $(blockdev --getsize64 /dev/vda)"
+    raw_ops
+    digest_vda
+    ;;
 write)
     say "QUEUES $(ls /sys/block/vda/mq | wc -l)"
     raw_ops

@@ -14,6 +14,7 @@
 mod dirty_ranges;
 mod initramfs;
 mod plan;
+mod quickstart;
 mod target;
 mod vm;
 

@@ -54,7 +54,7 @@ fn randread_reports_qcow2_and_raw_side_by_side() {
 #[test]
 fn verify_finds_no_mismatch() {
     for size in ["4k", "64k"] {
-        let runs = perf(&["-w", "verify", "-o", size, "-q", "16"]);
+        let runs = perf(&["-w", "verify", "-s", size, "-q", "16"]);
         assert_eq!(runs[0]["verify_failures"], 0, "{size}");
         assert!(runs[0]["iops"].as_f64().unwrap() > 0.0);
     }
@@ -77,7 +77,7 @@ fn cold_sequential_reads_load_slices_ahead() {
         let args = [
             "-w",
             "read",
-            "-o",
+            "-s",
             "64k",
             "-q",
             "1",
@@ -133,4 +133,71 @@ fn thrash_reports_miss_rate_and_the_one_read_per_miss_bound() {
         assert!((r["ratio"].as_f64().unwrap() - iops / bound).abs() < 1e-6);
         assert_eq!(r["run"]["target"], "qcow2");
     }
+}
+
+#[test]
+fn o_formats_the_sample_image_as_create_does() {
+    // 4 KiB clusters: a 512 B slice maps 64 clusters (256 KiB), so 64 MiB is 256 slices
+    // (64 KiB clusters would make 16).
+    let runs = perf(&[
+        "-o",
+        "cluster_size=4k",
+        "-o",
+        "refcount_bits=1",
+        "--thrash",
+        "50",
+        "--l2-slice-size",
+        "512",
+        "-q",
+        "8",
+    ]);
+    assert_eq!(runs[0]["image_slices"].as_u64().unwrap(), 256);
+    // `size=` sets the sample's size, over --sample-size (64M here).
+    let runs = perf(&[
+        "-o",
+        "size=32M,cluster_size=4k",
+        "--thrash",
+        "50",
+        "--l2-slice-size",
+        "512",
+    ]);
+    assert_eq!(runs[0]["image_slices"].as_u64().unwrap(), 128);
+}
+
+#[test]
+fn o_refuses_what_create_refuses_and_what_a_sample_cannot_be() {
+    let dir = tempfile::tempdir().unwrap();
+    let img = dir.path().join("x.qcow2");
+    for (args, want) in [
+        (
+            vec!["-o", "cluster_size=3k"],
+            "Cluster size must be a power of two",
+        ),
+        (vec!["-o", "bogus=1"], "Invalid parameter 'bogus'"),
+        (
+            vec!["-o", "preallocation=full"],
+            "preallocation does not apply",
+        ),
+        (
+            vec!["-o", "backing_file=b.qcow2,backing_fmt=qcow2"],
+            "no backing file",
+        ),
+        (
+            vec!["-o", "cluster_size=4k", img.to_str().unwrap()],
+            "does not apply to a given image",
+        ),
+    ] {
+        let out = Command::new(QCOW2)
+            .arg("perf")
+            .args(&args)
+            .env("TMPDIR", dir.path())
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {err}");
+        assert!(err.contains(want), "{args:?}: {err}");
+        assert!(out.stdout.is_empty(), "{args:?}");
+    }
+    // Nothing was created for the refused runs.
+    assert!(!img.exists());
 }

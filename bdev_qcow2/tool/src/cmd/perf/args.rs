@@ -1,6 +1,8 @@
 //! The arguments of `qcow2 perf` and the workloads they name.
 
+use crate::cmd::create::FormatOptions;
 use crate::host::{ToolError, ToolResult};
+use qcow2_engine::create::CreateOptions;
 use qcow2_engine::ring::RingConfig;
 use std::path::PathBuf;
 
@@ -42,8 +44,8 @@ pub struct PerfArgs {
     /// Queue depth per core.
     #[arg(short = 'q', default_value_t = 32)]
     pub depth: usize,
-    /// I/O size (e.g. 4k, 128k).
-    #[arg(short = 'o', value_parser = crate::parse_size, default_value = "4k")]
+    /// I/O size (e.g. 4k, 128k), as `qemu-img bench -s`.
+    #[arg(short = 's', long, value_parser = crate::parse_size, default_value = "4k")]
     pub io_size: u64,
     /// Workload. Without -w (and without an image), a default set runs.
     #[arg(short = 'w', value_enum)]
@@ -102,6 +104,11 @@ pub struct PerfArgs {
     /// Size of the sample image when no image is given.
     #[arg(long, value_parser = crate::parse_size, default_value = "1G")]
     pub sample_size: u64,
+    /// Format options of the sample image, as `qcow2 create -o` takes them
+    /// (`cluster_size=…,extended_l2=on,refcount_bits=…,compat=…,lazy_refcounts=…,
+    /// compression_type=…,size=…`); may be repeated. Only without IMG.
+    #[arg(short = 'o')]
+    pub options: Vec<String>,
     /// The image (qcow2, no backing file; write workloads overwrite its data, like bdevperf).
     /// Default: a sample image in a temporary directory.
     pub image: Option<PathBuf>,
@@ -129,5 +136,29 @@ impl PerfArgs {
         };
         cfg.validate().map_err(|e| ToolError::Usage(e.into()))?;
         Ok(Some(cfg))
+    }
+
+    /// What the sample image is created with: `-o` (parsed and checked as `qcow2 create`
+    /// does), its size from `-o size=` or `--sample-size`.
+    pub(super) fn sample_options(&self) -> ToolResult<CreateOptions> {
+        let usage = |m: &str| Err(ToolError::Usage(m.into()));
+        if self.image.is_some() && !self.options.is_empty() {
+            return usage("-o formats the sample image: it does not apply to a given image");
+        }
+        let mut fo = FormatOptions::default();
+        for o in &self.options {
+            fo.apply(o)?;
+        }
+        fo.validate()?;
+        if fo.create.backing_file.is_some() {
+            return usage("the sample image has no backing file");
+        }
+        if fo.prealloc_text.is_some() {
+            return usage(
+                "the sample image is always written in full: preallocation does not apply",
+            );
+        }
+        fo.create.size = fo.size.unwrap_or(self.sample_size);
+        Ok(fo.create)
     }
 }

@@ -6,35 +6,21 @@ use super::device::{open_dev, Dev};
 use crate::host::{ToolError, ToolResult};
 use crate::uring::AlignedBuf;
 use qcow2_engine::create::{create, CreateOptions};
-use qcow2_engine::io::{BufSlice, IoBuffer};
-use qcow2_engine::{Chain, Exec, Layer, OpenOptions, Qcow2};
+use qcow2_engine::io::{BufSlice, DeviceOp, IoBuffer};
+use qcow2_engine::{Chain, DevId, Exec, Layer, OpenOptions, Qcow2};
 use std::path::{Path, PathBuf};
+use std::rc::Rc;
 
-/// Creates a fully allocated sample image of `size` bytes at `path`.
-pub(super) fn sample_image(path: &Path, size: u64, a: &PerfArgs) -> ToolResult<()> {
-    std::fs::File::create(path).map_err(|source| ToolError::Io {
-        path: path.display().to_string(),
-        source,
-    })?;
+/// Creates a fully allocated sample image at `path`, formatted with `opts` (its size
+/// included) and written in full by [`fill`].
+pub(super) fn sample_image(path: &Path, opts: &CreateOptions, a: &PerfArgs) -> ToolResult<()> {
+    std::fs::File::create(path).map_err(io_err(path))?;
     let exec: Exec<Dev> = Exec::new();
     let dev = exec.add_device(open_dev(path, true, a)?);
     let e2 = exec.clone();
-    let err = |source| ToolError::Engine {
-        path: path.display().to_string(),
-        source,
-    };
-    exec.block_on(async move {
-        create(
-            &e2,
-            dev,
-            &CreateOptions {
-                size,
-                ..Default::default()
-            },
-        )
-        .await
-    })
-    .map_err(err)?;
+    let o2 = opts.clone();
+    exec.block_on(async move { create(&e2, dev, &o2).await })
+        .map_err(engine_err(path))?;
     let e2 = exec.clone();
     let q = exec
         .block_on(async move {
@@ -48,29 +34,44 @@ pub(super) fn sample_image(path: &Path, size: u64, a: &PerfArgs) -> ToolResult<(
             )
             .await
         })
-        .map_err(err)?;
-    let chain = Chain::new(&exec, vec![Layer::Qcow2(Box::new(q))]).map_err(err)?;
-    exec.block_on(async move {
-        let b = AlignedBuf::new(1 << 20);
-        b.fill(0, 1 << 20, 0xa5);
-        let mut off = 0;
-        while off < size {
-            let n = (size - off).min(1 << 20) as usize;
-            chain
-                .write(
-                    off,
-                    BufSlice {
-                        buf: b.clone(),
-                        off: 0,
-                        len: n,
-                    },
-                )
-                .await?;
-            off += n as u64;
+        .map_err(engine_err(path))?;
+    let chain = Chain::new(&exec, vec![Layer::Qcow2(Box::new(q))]).map_err(engine_err(path))?;
+    exec.block_on(fill(Fill::Image(chain), opts.size))
+        .map_err(engine_err(path))
+}
+
+/// What [`fill`] writes: the sample image through the engine, or the raw file's device.
+enum Fill {
+    Image(Rc<Chain<Dev>>),
+    Raw(Exec<Dev>, DevId),
+}
+
+/// Writes the whole disk front to back in 1 MiB requests, one at a time, then closes the
+/// image or flushes the raw file. The sample image and the raw baseline's scratch file are both written so:
+/// the same requests through the same device (O_DIRECT unless `--buffered`) into a file
+/// grown sparsely ahead, as the file system lays out blocks differently for direct and
+/// buffered writes, and random writes into the two layouts run at different rates.
+async fn fill(to: Fill, size: u64) -> qcow2_engine::Result<()> {
+    let b = AlignedBuf::new(1 << 20);
+    b.fill(0, 1 << 20, 0xa5);
+    let mut off = 0;
+    while off < size {
+        let n = (size - off).min(1 << 20) as usize;
+        let buf = BufSlice {
+            buf: b.clone(),
+            off: 0,
+            len: n,
+        };
+        match &to {
+            Fill::Image(chain) => chain.write(off, buf).await?,
+            Fill::Raw(exec, dev) => exec.write(*dev, off, buf).await?,
         }
-        chain.close().await
-    })
-    .map_err(err)
+        off += n as u64;
+    }
+    match to {
+        Fill::Image(chain) => chain.close().await,
+        Fill::Raw(exec, dev) => exec.io(dev, DeviceOp::Flush).await,
+    }
 }
 
 /// Reads a file once so a buffered run starts with it in the page cache.
@@ -97,13 +98,9 @@ impl Drop for TempFile {
     }
 }
 
-/// A raw file as large as the image's file, beside it (same file system), fully written.
-pub(super) fn raw_scratch(image: &Path) -> ToolResult<TempFile> {
-    use std::io::Write;
-    let io_err = |p: &Path| {
-        let p = p.display().to_string();
-        move |source| ToolError::Io { path: p, source }
-    };
+/// A raw file as large as the image's file, beside it (same file system), written in full
+/// the way the sample image was ([`fill`]).
+pub(super) fn raw_scratch(image: &Path, a: &PerfArgs) -> ToolResult<TempFile> {
     let len = std::fs::metadata(image)
         .map_err(io_err(image))?
         .len()
@@ -111,13 +108,25 @@ pub(super) fn raw_scratch(image: &Path) -> ToolResult<TempFile> {
         << 20;
     let p = image.with_extension(format!("perf-raw-{}", std::process::id()));
     let t = TempFile(p.clone());
-    let mut f = std::fs::File::create(&p).map_err(io_err(&p))?;
-    let chunk = vec![0x5au8; 1 << 20];
-    for _ in 0..(len >> 20) {
-        f.write_all(&chunk).map_err(io_err(&p))?;
-    }
-    f.sync_all().map_err(io_err(&p))?;
+    // Sparse first, as the image's device grows its file ahead of its writes.
+    let f = std::fs::File::create(&p).map_err(io_err(&p))?;
+    f.set_len(len).map_err(io_err(&p))?;
+    drop(f);
+    let exec: Exec<Dev> = Exec::new();
+    let dev = exec.add_device(open_dev(&p, true, a)?);
+    exec.block_on(fill(Fill::Raw(exec.clone(), dev), len))
+        .map_err(engine_err(&p))?;
     Ok(t)
+}
+
+fn io_err(p: &Path) -> impl FnOnce(std::io::Error) -> ToolError {
+    let path = p.display().to_string();
+    move |source| ToolError::Io { path, source }
+}
+
+fn engine_err(p: &Path) -> impl FnOnce(qcow2_engine::Error) -> ToolError {
+    let path = p.display().to_string();
+    move |source| ToolError::Engine { path, source }
 }
 
 pub(super) fn tempdir() -> ToolResult<crate::TempDir> {

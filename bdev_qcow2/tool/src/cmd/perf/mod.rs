@@ -28,12 +28,13 @@ use thrash::thrash;
 /// Runs `qcow2 perf`.
 pub fn run(a: &PerfArgs) -> ToolResult<String> {
     let tmp;
+    let sample = a.sample_options()?;
     let path = match &a.image {
         Some(p) => p.clone(),
         None => {
             tmp = tempdir()?;
             let p = tmp.path().join("sample.qcow2");
-            sample_image(&p, a.sample_size, a)?;
+            sample_image(&p, &sample, a)?;
             p
         }
     };
@@ -58,7 +59,7 @@ pub fn run(a: &PerfArgs) -> ToolResult<String> {
         ],
     };
     // Raw baselines of write workloads must not write over the image: they use a raw file
-    // of the same size beside it, fully written first.
+    // of the same size beside it, written in full the way the sample image was.
     let mut scratch: Option<TempFile> = None;
     if a.buffered {
         // Page-cache runs compare CPU paths: start both from a warm cache.
@@ -72,7 +73,7 @@ pub fn run(a: &PerfArgs) -> ToolResult<String> {
         };
         let raw_path = if w.writes() {
             if scratch.is_none() {
-                let t = raw_scratch(&path)?;
+                let t = raw_scratch(&path, a)?;
                 if a.buffered {
                     warm_page_cache(&t.0)?;
                 }
