@@ -91,7 +91,8 @@ chmod 0755 "$stage/usr/local/bin/spdk-rpc"
 # The Debian package that installed file $1 (dpkg records /lib and /usr/lib paths apart).
 deb_of() {
   local f g p
-  for f in "$1" "$(readlink -f "$1")"; do
+  # As named (a -dev package's lib*.so link, normalized), else the file it links to.
+  for f in "$(realpath -s "$1")" "$(readlink -f "$1")"; do
     for g in "$f" "/usr$f" "${f#/usr}"; do
       p=$(dpkg-query -S "$g" 2>/dev/null | head -1 | cut -d: -f1) || true
       if [ -n "$p" ]; then echo "$p"; return; fi
@@ -101,8 +102,9 @@ deb_of() {
 }
 
 # Runtime: what spdk_tgt and SPDK's libraries load from outside the prefix.
-ldd "$prefix/bin/spdk_tgt" "$prefix"/lib/libspdk*.so |
-  awk '$2 == "=>" && $3 ~ /^\// {print $3}' | grep -v "^$prefix/" | sort -u |
+# (libspdk.so is a linker script, which ldd refuses; runpaths may print paths with "//".)
+{ ldd "$prefix/bin/spdk_tgt" "$prefix"/lib/libspdk*.so 2>/dev/null || true; } |
+  awk '$2 == "=>" && $3 ~ /^\// {print $3}' | sed 's#//*#/#g' | grep -v "^$prefix/" | sort -u |
   while read -r lib; do deb_of "$lib"; done | sort -u >"$ctx/runtime-debs"
 
 # Build: what the module links with -l (spdk-sys/build.rs asks pkg-config the same).
