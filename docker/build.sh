@@ -2,15 +2,16 @@
 # Builds the bdev_qcow2 image without an image registry, from the SPDK installed on this
 # (Debian) host: the base image is made with debootstrap and `docker import`ed; the host's SPDK
 # install (libraries, spdk_tgt, headers, pkg-config files, its python RPC client) is copied
-# into the build context, never built. See docker/README.md.
+# into the build context, never built; so are the crates the module needs (`cargo vendor`), and
+# the build stage compiles it offline with Debian's cargo. See docker/README.md.
 #
 #   docker/build.sh [-t TAG] [--rebuild-base] [-- DOCKER-BUILD-ARGS...]
 #
 # The build stage runs spdk_tgt once (docker/check_module.py). Where SPDK applications must
 # take turns, build up to it first (`-- --target build`), then run the rest under the turn.
 #
-# Environment: DEBIAN_MIRROR (default http://deb.debian.org/debian), RUST_VERSION (the
-# toolchain rustup installs in the build stage, default 1.95.0).
+# Environment: DEBIAN_MIRROR (default http://deb.debian.org/debian), DEBIAN_SECURITY_MIRROR
+# (default http://deb.debian.org/debian-security).
 set -euo pipefail
 
 repo=$(cd "$(dirname "$0")/.." && pwd)
@@ -57,8 +58,16 @@ if [ -n "$rebuild_base" ] || ! docker image inspect "$base" >/dev/null 2>&1; the
   fi
   rootfs=$(mktemp -d /tmp/bdev_qcow2-rootfs.XXXXXX)
   trap 'rm -rf "$rootfs"' EXIT
-  debootstrap --variant=minbase "$suite" "$rootfs" "${DEBIAN_MIRROR:-http://deb.debian.org/debian}"
+  mirror=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
+  debootstrap --variant=minbase "$suite" "$rootfs" "$mirror"
   rm -rf "$rootfs"/var/cache/apt/archives/*.deb
+  # Updates and security too, as Debian's own images have (the security suite carries the
+  # newest rustc-web/cargo-web).
+  cat >"$rootfs/etc/apt/sources.list" <<EOF
+deb $mirror $suite main
+deb $mirror $suite-updates main
+deb ${DEBIAN_SECURITY_MIRROR:-http://deb.debian.org/debian-security} $suite-security main
+EOF
   tar -C "$rootfs" -c . | docker import - "$base"
   rm -rf "$rootfs"
   trap - EXIT
@@ -119,9 +128,14 @@ done | sort -u >"$ctx/build-debs"
 echo "runtime packages: $(tr '\n' ' ' <"$ctx/runtime-debs")"
 echo "build packages: $(tr '\n' ' ' <"$ctx/build-debs")"
 
+# The crates, from the host's cargo (crates.io over HTTPS is for the host: an image build may
+# not trust the same certificates), for an offline build inside.
+(cd "$repo" && cargo vendor --locked --versioned-dirs "$ctx/vendor") |
+  sed "s#$ctx/vendor#/vendor#" >"$ctx/cargo-config.toml"
+grep -q 'directory = "/vendor"' "$ctx/cargo-config.toml" || die "cargo vendor printed no source config"
+
 cp "$repo/docker/Dockerfile" "$ctx/Dockerfile"
 
-# --- 4. The image. Host network: the build stage downloads Debian packages, rustup and crates.
-docker build --network host --build-arg "BASE=$base" \
-  --build-arg "RUST_VERSION=${RUST_VERSION:-1.95.0}" -t "$tag" "$@" "$ctx"
+# --- 4. The image. Host network: the stages install Debian packages.
+docker build --network host --build-arg "BASE=$base" -t "$tag" "$@" "$ctx"
 echo "built $tag (base $base)"
