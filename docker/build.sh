@@ -7,7 +7,7 @@
 #
 #   docker/build.sh [-t TAG] [--rebuild-base] [-- DOCKER-BUILD-ARGS...]
 #
-# The build stage runs spdk_tgt once (docker/check_module.py). Where SPDK applications must
+# The last stage runs spdk_tgt once (docker/check_module.py). Where SPDK applications must
 # take turns, build up to it first (`-- --target build`), then run the rest under the turn.
 #
 # Environment: DEBIAN_MIRROR (default http://deb.debian.org/debian), DEBIAN_SECURITY_MIRROR
