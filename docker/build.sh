@@ -110,21 +110,30 @@ deb_of() {
   die "no Debian package owns $1 (SPDK needs it)"
 }
 
-# Runtime: what spdk_tgt and SPDK's libraries load from outside the prefix.
-# (libspdk.so is a linker script, which ldd refuses; runpaths may print paths with "//".)
-{ ldd "$prefix/bin/spdk_tgt" "$prefix"/lib/libspdk*.so 2>/dev/null || true; } |
-  awk '$2 == "=>" && $3 ~ /^\// {print $3}' | sed 's#//*#/#g' | grep -v "^$prefix/" | sort -u |
-  while read -r lib; do deb_of "$lib"; done | sort -u >"$ctx/runtime-debs"
-
-# Build: what the module links with -l (spdk-sys/build.rs asks pkg-config the same).
+# The libraries the module links with -l besides SPDK's (spdk-sys/build.rs asks pkg-config the
+# same): shared ones as their unversioned link, else static archives (librt.a).
+links=()
 for flag in $(pkg-config --libs-only-l spdk_env_dpdk spdk_syslibs); do
   l=${flag#-l}
   case "$l" in spdk_*) continue ;; esac
   f=$(cc -print-file-name="lib$l.so")
   [ "${f#/}" != "$f" ] || f=$(cc -print-file-name="lib$l.a")
   [ "${f#/}" != "$f" ] || die "cannot find lib$l for the module's link"
-  deb_of "$f"
-done | sort -u >"$ctx/build-debs"
+  links+=("$f")
+done
+
+# Runtime: what spdk_tgt and SPDK's libraries load from outside the prefix, and what the module
+# links (with --no-as-needed it needs them all, e.g. libIPSec_MB, which spdk_tgt does not).
+# (libspdk.so is a linker script, which ldd refuses; runpaths may print paths with "//".)
+{
+  { ldd "$prefix/bin/spdk_tgt" "$prefix"/lib/libspdk*.so 2>/dev/null || true; } |
+    awk '$2 == "=>" && $3 ~ /^\// {print $3}' | sed 's#//*#/#g'
+  for f in "${links[@]}"; do case "$f" in *.so) readlink -f "$f" ;; esac; done
+} | grep -v "^$prefix/" | sort -u |
+  while read -r lib; do deb_of "$lib"; done | sort -u >"$ctx/runtime-debs"
+
+# Build: the packages with the links themselves (the -dev packages).
+for f in "${links[@]}"; do deb_of "$f"; done | sort -u >"$ctx/build-debs"
 echo "runtime packages: $(tr '\n' ' ' <"$ctx/runtime-debs")"
 echo "build packages: $(tr '\n' ' ' <"$ctx/build-debs")"
 
