@@ -128,7 +128,10 @@ done
 {
   { ldd "$prefix/bin/spdk_tgt" "$prefix"/lib/libspdk*.so 2>/dev/null || true; } |
     awk '$2 == "=>" && $3 ~ /^\// {print $3}' | sed 's#//*#/#g'
-  for f in "${links[@]}"; do case "$f" in *.so) readlink -f "$f" ;; esac; done
+  for f in "${links[@]}"; do
+    r=$(readlink -f "$f") # a shared object, not a linker script (libm.so, libbsd.so)
+    [ "$(head -c 4 "$r" | tail -c 3)" != ELF ] || [ "${r%.a}" != "$r" ] || echo "$r"
+  done
 } | grep -v "^$prefix/" | sort -u |
   while read -r lib; do deb_of "$lib"; done | sort -u >"$ctx/runtime-debs"
 
