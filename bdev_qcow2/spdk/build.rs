@@ -19,9 +19,11 @@ fn main() {
     let Ok(include) = env::var("DEP_SPDK_INCLUDE") else {
         panic!("spdk-sys found SPDK but exported no include directory");
     };
+    // The tests compile C against the same headers (look-alike modules for the check script).
+    println!("cargo:rustc-env=BDEV_QCOW2_SPDK_INCLUDE={include}");
     cc::Build::new()
         .file("src/ffi/register.c")
-        .include(include)
+        .include(&include)
         .warnings(true)
         // Nothing references the constructors: keep the whole object in the cdylib.
         .link_lib_modifier("+whole-archive")

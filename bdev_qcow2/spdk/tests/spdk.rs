@@ -3162,4 +3162,108 @@ mod real {
 
     /// UUIDs across restarts, NVMe-oF namespace ids, live driver info (`real/identity.rs`).
     mod identity;
+
+    /// Exports the names our module exports (`nm -D | grep bdev_qcow2` finds them) and
+    /// registers nothing with SPDK.
+    const LOOKALIKE_NOTHING: &str = "\
+int BDEV_QCOW2_MODULE;
+void bdev_qcow2_rpc_create(void) {}
+";
+
+    /// Registers our RPC names (each answers `true`) but no bdev module.
+    const LOOKALIKE_RPC_ONLY: &str = r#"
+#include <spdk/stdinc.h>
+#include <spdk/jsonrpc.h>
+#include <spdk/rpc.h>
+static void answer(struct spdk_jsonrpc_request *r) { spdk_jsonrpc_send_bool_response(r, true); }
+static void create(struct spdk_jsonrpc_request *r, const struct spdk_json_val *p) { answer(r); }
+static void format(struct spdk_jsonrpc_request *r, const struct spdk_json_val *p) { answer(r); }
+static void delete(struct spdk_jsonrpc_request *r, const struct spdk_json_val *p) { answer(r); }
+SPDK_RPC_REGISTER("bdev_qcow2_create", create, SPDK_RPC_RUNTIME)
+SPDK_RPC_REGISTER("bdev_qcow2_format", format, SPDK_RPC_RUNTIME)
+SPDK_RPC_REGISTER("bdev_qcow2_delete", delete, SPDK_RPC_RUNTIME)
+"#;
+
+    /// `dir/name.so` compiled from `source` with cc (SPDK's headers on the include path).
+    fn lookalike(dir: &Path, include: &str, name: &str, source: &str) -> PathBuf {
+        let c = dir.join(format!("{name}.c"));
+        let so = dir.join(format!("{name}.so"));
+        fs::write(&c, source).unwrap();
+        run_ok(
+            Command::new("cc")
+                .args(["-shared", "-fPIC", "-I", include, "-o", s(&so), s(&c)])
+                .stdin(Stdio::null()),
+        );
+        so
+    }
+
+    /// docker/check_module.py on `module`: its exit code and output.
+    fn check_module(module: &Path) -> (Option<i32>, String) {
+        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../docker/check_module.py");
+        let out = Command::new("python3")
+            .arg(script)
+            .arg(module)
+            .arg("--spdk-tgt")
+            .arg(on_path("spdk_tgt").unwrap())
+            .stdin(Stdio::null())
+            .output()
+            .unwrap();
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        (out.status.code(), text)
+    }
+
+    /// The image build's gate (docker/check_module.py) passes our module and fails modules
+    /// that only look like it: one with our symbol names that registers nothing (the
+    /// `nm -D | grep` the Dockerfile used to run passed it), and one that registers our RPC
+    /// names but no bdev module.
+    #[test]
+    fn check_module_script_passes_ours_and_fails_lookalikes() {
+        require!("spdk_tgt");
+        for tool in ["python3", "cc", "nm"] {
+            if on_path(tool).is_none() {
+                return say(&format!("SKIPPED: {tool} not on PATH"));
+            }
+        }
+        // build.rs exports it with cfg(spdk), which require! checked.
+        let Some(include) = option_env!("BDEV_QCOW2_SPDK_INCLUDE") else {
+            return say("SKIPPED: built without SPDK's include directory");
+        };
+        let _turn = turn();
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+
+        let (code, out) = check_module(&module_so());
+        assert_eq!(code, Some(0), "our module failed the check:\n{out}");
+        assert!(out.contains("PASSED"), "{out}");
+
+        let nothing = lookalike(d, include, "nothing", LOOKALIKE_NOTHING);
+        let nm = run_ok(Command::new("nm").args(["-D", "--defined-only", s(&nothing)]));
+        assert!(
+            String::from_utf8_lossy(&nm.stdout).contains("bdev_qcow2_rpc_create"),
+            "the look-alike exports our names"
+        );
+        let (code, out) = check_module(&nothing);
+        assert_eq!(code, Some(1), "a module registering nothing passed:\n{out}");
+        assert!(
+            out.contains("rpc_get_methods does not list bdev_qcow2_create"),
+            "failed for another reason:\n{out}"
+        );
+
+        let rpc_only = lookalike(d, include, "rpc_only", LOOKALIKE_RPC_ONLY);
+        let (code, out) = check_module(&rpc_only);
+        assert_eq!(
+            code,
+            Some(1),
+            "a module with RPCs but no bdev passed:\n{out}"
+        );
+        assert!(
+            out.contains("ok: rpc_get_methods lists") && out.contains("bdev_get_bdevs failed"),
+            "failed for another reason:\n{out}"
+        );
+        say("docker/check_module.py: passes our module; fails a look-alike registering nothing and one registering only our RPC names");
+    }
 }
