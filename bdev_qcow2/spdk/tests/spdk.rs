@@ -957,6 +957,8 @@ mod real {
                 "ring_bytes_evicted_unread",
                 "ring_zones_watched",
                 "ring_zones_swept",
+                "discards",
+                "bytes_discarded",
             ] {
                 assert!(o[k].is_u64(), "owner counter {k} missing: {b}");
             }
