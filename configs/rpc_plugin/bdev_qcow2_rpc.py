@@ -9,7 +9,7 @@ def bdev_qcow2_create(client, name, base_bdev, backing_bdev=None, read_only=None
                       ordered_layout=None, zero_offload=None, prefetch_ring_size=None,
                       prefetch_max_window=None, alloc_granule=None, zero_ahead=None,
                       pass_discard_request=None, pass_discard_snapshot=None,
-                      pass_discard_other=None, uuid=None):
+                      pass_discard_other=None, uuid=None, space_warn_percent=None):
     params = {'name': name, 'base_bdev': base_bdev}
     if backing_bdev is not None:
         params['backing_bdev'] = backing_bdev
@@ -42,6 +42,8 @@ def bdev_qcow2_create(client, name, base_bdev, backing_bdev=None, read_only=None
             params[k] = v if isinstance(v, bool) else v == 'on'
     if uuid is not None:
         params['uuid'] = uuid
+    if space_warn_percent is not None:
+        params['space_warn_percent'] = space_warn_percent
     return client.call('bdev_qcow2_create', params)
 
 
@@ -120,7 +122,8 @@ def spdk_rpc_plugin_initialize(subparsers):
                                      pass_discard_request=args.pass_discard_request,
                                      pass_discard_snapshot=args.pass_discard_snapshot,
                                      pass_discard_other=args.pass_discard_other,
-                                     uuid=args.uuid))
+                                     uuid=args.uuid,
+                                     space_warn_percent=args.space_warn_percent))
 
     p = subparsers.add_parser('bdev_qcow2_create',
                               help='Serve a qcow2 image stored on a bdev as a new bdev')
@@ -171,6 +174,9 @@ def spdk_rpc_plugin_initialize(subparsers):
     p.add_argument('-u', '--uuid',
                    help='UUID of the bdev (an NVMe-oF namespace\'s NGUID/UUID; default: '
                    'derived from the base bdev\'s UUID and the name, the same on every start)')
+    p.add_argument('--space-warn-percent', type=int,
+                   help='warn in the log once the image ends past this percentage of the '
+                   'base bdev (default 90; 0: off)')
     p.set_defaults(func=create)
 
     def fmt(args):

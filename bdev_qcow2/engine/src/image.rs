@@ -30,6 +30,7 @@ mod slices;
 pub(crate) use lookup::CachedExtent;
 pub use owner::bitmap_change::{BitmapBits, BitmapChange};
 pub use owner::snapshot::SnapshotTime;
+pub use owner::SpaceUsage;
 pub(crate) use preload::Preload;
 
 /// Options for opening an image.

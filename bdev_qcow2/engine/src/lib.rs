@@ -57,6 +57,7 @@ pub use error::{Error, Field, Result};
 pub use exec::{DevId, Exec, GraceEntry};
 pub use image::{
     BitmapBits, BitmapChange, CoreSeed, CoreSlice, OpenOptions, OwnerLink, Qcow2, SnapshotTime,
+    SpaceUsage,
 };
 pub use plan::{Op, Request, RequestStats, Step, Task};
 pub use route::{Grant, GuestRange, ReadRoute, Role, WriteRoute};

@@ -114,6 +114,9 @@ pub struct Owner {
     _sweeper: Option<thread::Ticker>,
     /// When the last "base is full" warning was logged (one per [`FULL_WARNING_EVERY`]).
     full_warned: Cell<Option<Instant>>,
+    /// The share of the base the image's end may reach before a warning
+    /// (`CreateParams::space_warn_percent`).
+    space_warn_percent: Option<u8>,
 }
 
 /// At most one warning this often while writes fail for want of room on the base.
@@ -133,6 +136,7 @@ impl Owner {
         exec: Exec<SpdkDevice>,
         chain: Rc<Chain<SpdkDevice>>,
         devs: impl IntoIterator<Item = DevId>,
+        space_warn_percent: Option<u8>,
     ) -> Option<OwnerBox> {
         let devs: Vec<DevId> = devs.into_iter().collect();
         // The top image's device (the base) comes first.
@@ -165,12 +169,60 @@ impl Owner {
             jobs: Rc::new(Cell::new(0)),
             _sweeper: sweeper,
             full_warned: Cell::new(None),
+            space_warn_percent,
         });
         for d in devs {
             // SAFETY: the owner is boxed and owns the executor that owns the device.
             unsafe { o.driver.attach(d, &*o) };
         }
+        o.watch_space();
         OwnerBox::start(o, c"qcow2_owner")
+    }
+
+    /// Sets the image's space threshold from the base's size now (at start, and when the
+    /// base was resized), then counts where the image ends (a background job) so that an
+    /// image already past it is reported too.
+    pub fn watch_space(&self) {
+        self.assert_md_thread();
+        let Some(pct) = self.space_warn_percent else {
+            return;
+        };
+        let Some(qcow2_engine::Layer::Qcow2(q)) = self.chain.layers().first() else {
+            return;
+        };
+        let base = q.dev();
+        // The base's size now (read live: it may have grown).
+        let threshold = (self.exec().device_size(base) as u128 * pct as u128 / 100) as u64;
+        let _ = self.run(|| q.set_space_threshold(Some(threshold)));
+        self.run_job(move |chain| async move {
+            if let Some(qcow2_engine::Layer::Qcow2(q)) = chain.layers().first() {
+                if let Err(e) = q.space_usage().await {
+                    tracing::warn!("counting the space of the image on {base:?} failed: {e}");
+                }
+            }
+        });
+    }
+
+    /// What the image takes of its base, for `bdev_qcow2_get_stats` (counted from the
+    /// refcounts by a job; `then` gets it on the md thread).
+    pub fn space_json(&self, then: impl FnOnce(serde_json::Value) + 'static) {
+        self.assert_md_thread();
+        self.run_job(move |chain| async move {
+            let Some(qcow2_engine::Layer::Qcow2(q)) = chain.layers().first() else {
+                return then(serde_json::Value::Null);
+            };
+            let v = match q.space_usage().await {
+                Ok(u) => serde_json::json!({
+                    "allocated_bytes": u.allocated_bytes,
+                    "image_end_bytes": u.image_end_bytes,
+                    "base_capacity_bytes": u.device_bytes,
+                    "free_bytes": u.free_bytes(),
+                    "threshold_exceeded": q.space_threshold_exceeded(),
+                }),
+                Err(e) => serde_json::json!({ "error": e.to_string() }),
+            };
+            then(v)
+        });
     }
 
     /// Asserts (in debug builds) that the caller runs on the md thread, where alone the

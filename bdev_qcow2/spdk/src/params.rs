@@ -98,7 +98,16 @@ pub struct CreateParams {
     /// bdev's name, the same on every start (`node/identity.rs`); `save_config` writes it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub uuid: Option<String>,
+    /// Warn in the log once the image's end on the base passes this percentage of the
+    /// base's size (a thin lvol or a file filling up: grow it before writes fail with
+    /// ENOSPC), as QEMU's write threshold does on a host offset; again after the base is
+    /// resized. 0: off; default 90. `bdev_qcow2_get_stats` reports the space either way.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub space_warn_percent: Option<u8>,
 }
+
+/// The default of [`CreateParams::space_warn_percent`].
+pub const DEFAULT_SPACE_WARN_PERCENT: u8 = 90;
 
 impl CreateParams {
     /// Checks ranges the engine does not (names, sizes); returns the reason if invalid.
@@ -134,6 +143,11 @@ impl CreateParams {
                 return Err(format!("alloc_granule {g}: at most 2 MiB"));
             }
         }
+        if let Some(p) = self.space_warn_percent {
+            if p > 100 {
+                return Err(format!("space_warn_percent {p}: at most 100"));
+            }
+        }
         if let Some(r) = self.prefetch_ring_size {
             if r > 1 << 30 {
                 return Err(format!("prefetch_ring_size {r}: at most 1 GiB"));
@@ -156,6 +170,17 @@ impl CreateParams {
     /// Each channel's prefetch ring (`None`: `prefetch` is off).
     pub fn ring_config(&self) -> Option<RingConfig> {
         self.prefetch_on().then(|| self.ring_sizes())
+    }
+
+    /// The share of the base the image's end may reach before a warning (`None`: off).
+    pub fn space_warn_percent(&self) -> Option<u8> {
+        match self
+            .space_warn_percent
+            .unwrap_or(DEFAULT_SPACE_WARN_PERCENT)
+        {
+            0 => None,
+            p => Some(p),
+        }
     }
 
     /// Whether read-ahead is on (`prefetch`, default true).

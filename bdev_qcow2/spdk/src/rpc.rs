@@ -198,17 +198,31 @@ fn collect_done(mut c: Collect, _status: c_int) {
     // removes it first; the node and its owner are freed later, on the md thread) and only
     // on the md thread, the owner's own (the thread that ran the create: normally the app
     // thread, where RPCs run); otherwise `null`.
-    let owner = registry::lock()
-        .by_key(key)
-        .and_then(|n| n.owner_here().map(|o| o.stats_json()))
-        .unwrap_or(Value::Null);
-    c.out.push(json!({
+    let entry = json!({
         "name": name,
         "channels": channels,
         "retired_channels": retired,
         "total": total,
-        "owner": owner,
-    }));
+        "owner": Value::Null,
+    });
+    let reg = registry::lock();
+    let Some(o) = reg.by_key(key).and_then(|n| n.owner_here()) else {
+        drop(reg);
+        return collect_entry(c, entry);
+    };
+    let mut entry = entry;
+    entry["owner"] = o.stats_json();
+    // The space the image takes is counted from its refcounts by a job of the owner; the
+    // collection goes on when it is done.
+    o.space_json(move |space| {
+        entry["owner"]["space"] = space;
+        collect_entry(c, entry);
+    });
+}
+
+/// The statistics of one node are complete: on to the next.
+fn collect_entry(mut c: Collect, entry: Value) {
+    c.out.push(entry);
     c.next += 1;
     collect_next(c);
 }

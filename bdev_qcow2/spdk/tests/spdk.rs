@@ -3165,6 +3165,9 @@ mod real {
     /// UUIDs across restarts, NVMe-oF namespace ids, live driver info (`real/identity.rs`).
     mod identity;
 
+    /// Space on a thin lvol: given back after unmaps, reported by get_stats (`real/space.rs`).
+    mod space;
+
     /// Exports the names our module exports (`nm -D | grep bdev_qcow2` finds them) and
     /// registers nothing with SPDK.
     const LOOKALIKE_NOTHING: &str = "\

@@ -407,7 +407,7 @@ pub(crate) fn start_owner(
     }
     // The base device was added first (`create`), so it is `DevId(0)`.
     let devs = [Some(DevId(0)), backing_dev].into_iter().flatten();
-    let owner = Owner::start(exec, chain, devs)
+    let owner = Owner::start(exec, chain, devs, params.space_warn_percent())
         .ok_or_else(|| (libc::ENOMEM, "cannot register a poller".to_string()))?;
     Ok((owner, seed))
 }
@@ -515,6 +515,15 @@ impl bdev::BdevEvents for BaseEvents {
             tracing::info!(
                 "bdev {name} was resized: qcow2 images on it may grow into the new size"
             );
+            // Their space thresholds follow the new size.
+            let reg = registry::lock();
+            for (_, r) in reg.nodes.iter() {
+                if r.node().params().base_bdev == name {
+                    if let Some(o) = r.owner_here() {
+                        o.watch_space();
+                    }
+                }
+            }
             return;
         }
         if ty != sys::SPDK_BDEV_EVENT_REMOVE {

@@ -188,6 +188,7 @@ impl<D: BlockDevice> Owner<'_, D> {
                 sh.set_device_size(end);
             }
         }
+        self.space_reached(end_cluster);
         Ok(())
     }
 

@@ -49,6 +49,7 @@ pub(crate) mod regions;
 pub(crate) mod resize;
 pub(crate) mod shadow;
 pub(crate) mod snapshot;
+pub(crate) mod space;
 pub(crate) mod stats;
 pub(crate) mod stream;
 pub(crate) mod writeback;
@@ -56,6 +57,7 @@ pub(crate) mod zeroed_tail;
 
 pub use alloc::Inflight;
 pub use background::BACKGROUND_WRITEBACK_INTERVAL;
+pub use space::SpaceUsage;
 pub use stats::OwnerStats;
 
 use crate::coherency::Shared;
@@ -130,6 +132,8 @@ pub(crate) struct MetaState {
     pub(crate) stats: OwnerStats,
     /// The persistent bitmaps, when the image has any it keeps up to date.
     pub(crate) bitmaps: Option<bitmaps::KeptBitmaps>,
+    /// The image's end against its space threshold.
+    pub(crate) space: space::SpaceWatch,
 }
 
 impl MetaState {
@@ -204,6 +208,7 @@ impl<D: BlockDevice> Meta<D> {
                 timer: Default::default(),
                 stats: OwnerStats::default(),
                 bitmaps: None,
+                space: Default::default(),
             }),
         }
     }
@@ -333,6 +338,26 @@ impl<D: BlockDevice> Qcow2<D> {
         when: snapshot::SnapshotTime,
     ) -> Result<crate::format::Snapshot> {
         self.owner()?.snapshot_create(name, when).await
+    }
+
+    /// What the image takes of its device, counted from the refcounts (see
+    /// [`space`](space)). `ReadOnly` unless this is the owner.
+    pub async fn space_usage(&self) -> Result<SpaceUsage> {
+        self.owner()?.space_usage().await
+    }
+
+    /// Warns (once, in the log) when the image's end passes `threshold` bytes of its device,
+    /// or at once if it is past it already (`None`: not watched). `ReadOnly` unless this is
+    /// the owner.
+    pub fn set_space_threshold(&self, threshold: Option<u64>) -> Result<()> {
+        self.owner()?.set_space_threshold(threshold);
+        Ok(())
+    }
+
+    /// Whether the image's end passed its space threshold (false when none is set or this
+    /// is not the owner).
+    pub fn space_threshold_exceeded(&self) -> bool {
+        self.meta_state().is_some_and(|m| m.st().space.exceeded())
     }
 
     /// Deletes the internal snapshot with id or name `which`; returns its table entry.
