@@ -109,6 +109,8 @@ pub struct Owner {
     stream: RefCell<Option<Stream>>,
     /// Life-cycle jobs ([`run_job`](Self::run_job): resize, snapshots) not finished yet.
     jobs: Rc<Cell<u32>>,
+    /// Other jobs (counting the space) not finished yet.
+    side_jobs: Rc<Cell<u32>>,
     /// With the prefetch ring: sweeps the zones every read-ahead left, so that writes there
     /// skip their generation bump again (a timer: the poller pauses while idle).
     _sweeper: Option<thread::Ticker>,
@@ -167,6 +169,7 @@ impl Owner {
             polls: Cell::new(0),
             stream: RefCell::new(None),
             jobs: Rc::new(Cell::new(0)),
+            side_jobs: Rc::new(Cell::new(0)),
             _sweeper: sweeper,
             full_warned: Cell::new(None),
             space_warn_percent,
@@ -194,7 +197,7 @@ impl Owner {
         // The base's size now (read live: it may have grown).
         let threshold = (self.exec().device_size(base) as u128 * pct as u128 / 100) as u64;
         let _ = self.run(|| q.set_space_threshold(Some(threshold)));
-        self.run_job(move |chain| async move {
+        self.run_side_job(move |chain| async move {
             if let Some(qcow2_engine::Layer::Qcow2(q)) = chain.layers().first() {
                 if let Err(e) = q.space_usage().await {
                     tracing::warn!("counting the space of the image on {base:?} failed: {e}");
@@ -206,8 +209,7 @@ impl Owner {
     /// What the image takes of its base, for `bdev_qcow2_get_stats` (counted from the
     /// refcounts by a job; `then` gets it on the md thread).
     pub fn space_json(&self, then: impl FnOnce(serde_json::Value) + 'static) {
-        self.assert_md_thread();
-        self.run_job(move |chain| async move {
+        self.run_side_job(move |chain| async move {
             let Some(qcow2_engine::Layer::Qcow2(q)) = chain.layers().first() else {
                 return then(serde_json::Value::Null);
             };
@@ -274,15 +276,33 @@ impl Owner {
     where
         F: std::future::Future<Output = ()> + 'static,
     {
+        self.spawn_counted(&self.jobs, job);
+    }
+
+    /// Runs `job` as [`run_job`](Self::run_job) does, counted in `count` while it runs
+    /// (the poller does not pause meanwhile).
+    fn spawn_counted<F>(&self, count: &Rc<Cell<u32>>, job: impl FnOnce(Rc<Chain<SpdkDevice>>) -> F)
+    where
+        F: std::future::Future<Output = ()> + 'static,
+    {
         self.assert_md_thread();
         self.wake();
         let fut = job(self.chain.clone());
-        let jobs = self.jobs.clone();
-        jobs.set(jobs.get() + 1);
+        let count = count.clone();
+        count.set(count.get() + 1);
         self.exec().spawn(async move {
             fut.await;
-            jobs.set(jobs.get() - 1);
+            count.set(count.get() - 1);
         });
+    }
+
+    /// Runs `job` (counting the image's space) as [`run_job`](Self::run_job) does, but not
+    /// as a life-cycle job: a stream may start meanwhile.
+    fn run_side_job<F>(&self, job: impl FnOnce(Rc<Chain<SpdkDevice>>) -> F)
+    where
+        F: std::future::Future<Output = ()> + 'static,
+    {
+        self.spawn_counted(&self.side_jobs, job);
     }
 
     /// Whether a life-cycle job started by [`run_job`](Self::run_job) is still running.
@@ -405,6 +425,7 @@ impl Owner {
             && self.stream.borrow().is_none()
             && self.closing.borrow().is_none()
             && self.jobs.get() == 0
+            && self.side_jobs.get() == 0
             && !self.chain.background_writeback_pending()
     }
 
