@@ -3168,6 +3168,9 @@ mod real {
     /// Space on a thin lvol: given back after unmaps, reported by get_stats (`real/space.rs`).
     mod space;
 
+    /// `configs/nvmf_tcp_qcow2.json` run as the README gives it (`real/nvmf_config.rs`).
+    mod nvmf_config;
+
     /// Exports the names our module exports (`nm -D | grep bdev_qcow2` finds them) and
     /// registers nothing with SPDK.
     const LOOKALIKE_NOTHING: &str = "\
