@@ -212,6 +212,13 @@ fn mixed(dir: &Path, base_opts: &str, top_opts: &str) {
             "write -P 0x47 8387584 512",
         ],
     );
+    if !top_opts.contains("extended_l2=on") {
+        io(
+            &dir.join("top.qcow2"),
+            "qcow2",
+            &["write -c -P 0x48 5M 64k"],
+        );
+    }
 }
 
 #[test]
