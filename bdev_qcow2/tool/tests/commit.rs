@@ -12,7 +12,7 @@ use std::process::{Command, Output};
 mod common;
 #[path = "common/holder.rs"]
 mod holder;
-use common::{output, qemu_img};
+use common::{assert_check_clean, assert_same, output, qemu_img};
 use holder::QemuHolder;
 
 const QCOW2: &str = env!("CARGO_BIN_EXE_qcow2");
@@ -63,32 +63,6 @@ fn our_commit(args: &[&str], top: &Path) -> Output {
 
 fn qemu_commit(args: &[&str], top: &Path) -> Output {
     output(Command::new("qemu-img").arg("commit").args(args).arg(top))
-}
-
-fn assert_check_clean(img: &Path) {
-    let out = output(Command::new("qemu-img").args(["check", s(img)]));
-    assert_eq!(
-        out.status.code(),
-        Some(0),
-        "qemu-img check {}: {}{}",
-        img.display(),
-        text(&out.stdout),
-        text(&out.stderr)
-    );
-}
-
-/// `qemu-img compare` of two images (formats given) says identical.
-fn assert_same(a: &Path, fa: &str, b: &Path, fb: &str) {
-    let out = output(Command::new("qemu-img").args(["compare", "-f", fa, "-F", fb, s(a), s(b)]));
-    assert_eq!(
-        out.status.code(),
-        Some(0),
-        "qemu-img compare {} {}: {}{}",
-        a.display(),
-        b.display(),
-        text(&out.stdout),
-        text(&out.stderr)
-    );
 }
 
 /// `qemu-img map --output=json IMG`.
