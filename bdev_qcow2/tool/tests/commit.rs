@@ -437,3 +437,30 @@ fn refusals() {
         text(&out.stderr)
     );
 }
+
+#[test]
+fn shorter_image_between_reads_as_zeros() {
+    // base (8M) <- mid (4M) <- top (8M): past mid's end the top read zeros where it held
+    // nothing, and the base gets those zeros, as qemu-img's block status counts them.
+    let c = Case::new(|d| {
+        create(d, "base.qcow2", "", None, Some("8M"));
+        io(&d.join("base.qcow2"), "qcow2", &["write -P 0x22 0 8M"]);
+        create(
+            d,
+            "mid.qcow2",
+            "",
+            Some(("base.qcow2", "qcow2")),
+            Some("4M"),
+        );
+        io(&d.join("mid.qcow2"), "qcow2", &["write -P 0x33 1M 1M"]);
+        create(d, "top.qcow2", "", Some(("mid.qcow2", "qcow2")), Some("8M"));
+        io(&d.join("top.qcow2"), "qcow2", &["write -P 0x44 6M 64k"]);
+    });
+    c.commit(
+        &["-b", "base.qcow2"],
+        "top.qcow2",
+        "base.qcow2",
+        "qcow2",
+        false,
+    );
+}
