@@ -183,3 +183,68 @@ fn a_snapshot_deletion_discards_what_only_the_snapshot_held() {
         assert_eq!(read(&exec, &chain, MIB, 4096), vec![0xab; 4096]);
     }
 }
+
+#[test]
+fn make_empty_unallocates_every_cluster_and_frees_as_a_snapshot_does() {
+    for snapshot in [true, false] {
+        let opts = OpenOptions {
+            pass_discard_snapshot: snapshot,
+            pass_discard_request: false,
+            ..Default::default()
+        };
+        let (exec, dev, chain) = setup(true, opts);
+        // Data, a preallocated zero cluster, a zero flag, a compressed cluster, data
+        // at the end of the disk.
+        write(&exec, &chain, 0, &vec![0xab; 2 * MIB as usize]);
+        let c = chain.clone();
+        exec.block_on(async move {
+            c.write_zeroes(MIB, 64 << 10, false).await?;
+            c.write_zeroes(4 * MIB, 64 << 10, true).await?;
+            c.write_compressed(8 * MIB, &vec![0xcd; 64 << 10]).await?;
+            c.flush().await
+        })
+        .unwrap();
+        write(&exec, &chain, 16 * MIB - 4096, &[0xef; 4096]);
+        flush(&exec, &chain);
+        let before = discarded(&dev);
+        let c = chain.clone();
+        exec.block_on(async move {
+            c.make_empty().await?;
+            c.close().await
+        })
+        .unwrap();
+        let c = chain.clone();
+        let mapping = exec
+            .block_on(async move { c.block_status(0, 0, 16 * MIB).await })
+            .unwrap();
+        assert_eq!(
+            mapping,
+            (
+                qcow2_engine::format::ClusterMapping::Unallocated { host: None },
+                16 * MIB
+            ),
+            "nothing left allocated"
+        );
+        assert_eq!(read(&exec, &chain, 0, 4096), vec![0; 4096]);
+        let d = discarded(&dev) - before;
+        if snapshot {
+            // 2 MiB of data (the preallocated zero cluster among it) and the last cluster.
+            assert!(d >= 2 * MIB + (64 << 10), "discarded {d} bytes");
+        } else {
+            assert_eq!(d, 0);
+        }
+        let id = image(&chain).dev();
+        let e2 = exec.clone();
+        let report = exec
+            .block_on(async move {
+                qcow2_engine::check::check(&e2, id, qcow2_engine::check::Repair::None).await
+            })
+            .unwrap();
+        assert_eq!(
+            (report.corruptions, report.leaks, report.allocated_clusters),
+            (0, 0, 0),
+            "{:?}",
+            report.messages
+        );
+    }
+}

@@ -278,9 +278,39 @@ pub fn open_chain_with<D: BlockDevice>(
 pub fn open_chain_on<D: BlockDevice>(
     exec: &Exec<D>,
     spec: &OpenSpec,
-    mut wrap: impl FnMut(UringDevice, bool) -> D,
+    wrap: impl FnMut(UringDevice, bool) -> D,
 ) -> ToolResult<Opened<D>> {
+    Ok(open_chain_until(exec, spec, wrap, |_| false)?.0)
+}
+
+/// An image file and its format.
+pub type ImageFile = (PathBuf, Format);
+
+/// A backing file named in an image of the chain, before it is opened.
+#[derive(Debug, Clone)]
+pub struct BackingRef<'a> {
+    /// The image naming it.
+    pub named_by: &'a Path,
+    /// The name as recorded in that image.
+    pub name: &'a str,
+    /// The name resolved against that image's directory.
+    pub path: &'a Path,
+    /// Its recorded format.
+    pub format: Format,
+}
+
+/// [`open_chain_on`] that stops before the first backing file `stop` picks: that file
+/// (path, format) is not opened and is returned beside the chain of the images above it
+/// (`None` when `stop` picked none and the whole chain was opened). For `commit`, whose
+/// target must be opened writable, apart from the images that read from it.
+pub fn open_chain_until<D: BlockDevice>(
+    exec: &Exec<D>,
+    spec: &OpenSpec,
+    mut wrap: impl FnMut(UringDevice, bool) -> D,
+    mut stop: impl FnMut(&BackingRef<'_>) -> bool,
+) -> ToolResult<(Opened<D>, Option<ImageFile>)> {
     let exec = exec.clone();
+    let mut stopped = None;
     let mut layers = Vec::new();
     let mut files = Vec::new();
     let mut seen = HashSet::new();
@@ -358,15 +388,26 @@ pub fn open_chain_on<D: BlockDevice>(
                     })?,
                 };
                 let next = Path::new(&name);
-                path = if next.is_absolute() {
+                let next = if next.is_absolute() {
                     next.to_path_buf()
                 } else {
                     path.parent().unwrap_or(Path::new(".")).join(next)
                 };
+                let r = BackingRef {
+                    named_by: &path,
+                    name: &name,
+                    path: &next,
+                    format: fmt,
+                };
+                if stop(&r) {
+                    stopped = Some((next, fmt));
+                    break;
+                }
+                path = next;
                 format = fmt;
             }
         }
     }
     let chain = Chain::new(&exec, layers).map_err(engine_err(&spec.path))?;
-    Ok(Opened { exec, chain, files })
+    Ok((Opened { exec, chain, files }, stopped))
 }

@@ -3,7 +3,8 @@
 
 use clap::{Parser, Subcommand};
 use qcow2_tool::cmd::{
-    bitmap, check, compare, convert, create, info, io, map, measure, perf, rebase, resize, snapshot,
+    bitmap, check, commit, compare, convert, create, info, io, map, measure, perf, rebase, resize,
+    snapshot,
 };
 use std::io::Write;
 use std::process::ExitCode;
@@ -48,6 +49,9 @@ enum Cmd {
     /// Copy everything the image reads from its backing chain into it and drop the backing
     /// file (like `qemu-img rebase -b ''`; `-u`: drop the reference only).
     Rebase(rebase::RebaseArgs),
+    /// Write an overlay's changes into its backing file, or with -b into a deeper image of
+    /// its chain, then empty the overlay unless -d or -b (like `qemu-img commit`).
+    Commit(commit::CommitArgs),
     /// Enable, disable, clear or merge persistent dirty bitmaps (like `qemu-img bitmap
     /// --enable|--disable|--clear|--merge`).
     Bitmap(bitmap::BitmapArgs),
@@ -71,6 +75,7 @@ fn main() -> ExitCode {
         Cmd::Create(a) => create::run(a),
         Cmd::Resize(a) => resize::run(a),
         Cmd::Rebase(a) => rebase::run(a),
+        Cmd::Commit(a) => commit::run(a),
         Cmd::Snapshot(a) => snapshot::run(a),
         Cmd::Bitmap(a) => bitmap::run(a),
         // Exit status 1 when a command fails or a pattern does not match, like qemu-io.

@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 mod common;
-use common::{output, qemu_img, run};
+use common::{assert_check_clean, assert_same, output, qemu_img, run};
 
 const QCOW2: &str = env!("CARGO_BIN_EXE_qcow2");
 
@@ -22,32 +22,6 @@ fn s(p: &Path) -> &str {
 fn check_status(img: &Path) -> i32 {
     let out = output(Command::new("qemu-img").args(["check", s(img)]));
     out.status.code().unwrap_or(-1)
-}
-
-fn assert_check_clean(img: &Path) {
-    let out = output(Command::new("qemu-img").args(["check", s(img)]));
-    assert_eq!(
-        out.status.code(),
-        Some(0),
-        "qemu-img check {}: {}{}",
-        img.display(),
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
-/// `qemu-img compare A B` (formats given) says identical.
-fn assert_same(a: &Path, fa: &str, b: &Path, fb: &str) {
-    let out = output(Command::new("qemu-img").args(["compare", "-f", fa, "-F", fb, s(a), s(b)]));
-    assert_eq!(
-        out.status.code(),
-        Some(0),
-        "qemu-img compare {} {}: {}{}",
-        a.display(),
-        b.display(),
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
 }
 
 fn info_json(img: &Path) -> serde_json::Value {

@@ -18,6 +18,9 @@ enum ZeroKind {
     WriteZeroes { unmap: bool },
     /// discard: free where possible, zero flag where a backing image would show through.
     Discard,
+    /// QEMU's full discard (`bdrv_make_empty`): the whole cluster becomes unallocated,
+    /// whatever it held, so the disk reads from the backing chain there.
+    Empty,
 }
 
 impl<D: BlockDevice> Chain<D> {
@@ -32,6 +35,30 @@ impl<D: BlockDevice> Chain<D> {
     /// backing image would otherwise show through); partial clusters are left alone.
     pub async fn discard(self: &Rc<Self>, offset: u64, len: u64) -> Result<()> {
         self.zero_range(offset, len, ZeroKind::Discard).await
+    }
+
+    /// Empties the top image, as QEMU's `bdrv_make_empty` after a commit: every cluster
+    /// becomes unallocated (its host space freed, as a snapshot's: `pass-discard-snapshot`),
+    /// so the disk reads what the backing chain holds, or zeros without one. The virtual
+    /// size stays; the last cluster counts as whole even when the disk ends inside it.
+    pub async fn make_empty(self: &Rc<Self>) -> Result<()> {
+        let q = top(self)?;
+        let cs = q.geometry().cluster_size();
+        let size = self.size();
+        let mut pos = 0;
+        while pos < size {
+            let (m, n) = q.extent(pos, size).await?;
+            if let ClusterMapping::Unallocated { host: None } = m {
+                pos += n.max(1);
+                continue;
+            }
+            let cluster = pos & !(cs - 1);
+            let span = ClusterSpan::new(0, cs);
+            self.zero_cluster_metadata(q, GuestOffset(cluster), span, ZeroKind::Empty)
+                .await?;
+            pos = cluster + cs;
+        }
+        Ok(())
     }
 
     async fn zero_range(self: &Rc<Self>, offset: u64, len: u64, kind: ZeroKind) -> Result<()> {
@@ -109,7 +136,24 @@ impl<D: BlockDevice> Chain<D> {
                 Some(entry.mapping(&ctx)?)
             };
             // The new words, and the host bytes to free once they are stable.
-            let (new_entry, new_bitmap, free): (_, _, Option<HostRange>) = if geo.extended_l2 {
+            let (new_entry, new_bitmap, free): (_, _, Option<HostRange>) = if kind
+                == ZeroKind::Empty
+            {
+                let free = match old {
+                    // Extended L2: the entry's host cluster, whatever its subclusters say.
+                    None => Some(entry.host_bits())
+                        .filter(|h| *h != 0)
+                        .map(|h| HostRange::new(HostOffset(h), cs)),
+                    Some(ClusterMapping::Data { host, .. })
+                    | Some(ClusterMapping::Zero { host: Some(host) })
+                    | Some(ClusterMapping::Unallocated { host: Some(host) }) => {
+                        Some(HostRange::new(host, cs))
+                    }
+                    Some(ClusterMapping::Compressed(d)) => Some(d.sectors()),
+                    Some(_) => None,
+                };
+                (L2Entry::UNALLOCATED, SubclusterBitmap::NONE, free)
+            } else if geo.extended_l2 {
                 let sc = geo.subcluster_size();
                 let t = span.whole_unit_mask(sc);
                 let host = entry.host_bits();
@@ -184,7 +228,12 @@ impl<D: BlockDevice> Chain<D> {
             q.dirty_slice_for(cluster).await?;
             q.set_l2_words(cluster, new_entry, new_bitmap)?;
             if let Some(r) = free {
-                q.free_later(r, FreeKind::Request);
+                let why = if kind == ZeroKind::Empty {
+                    FreeKind::Snapshot
+                } else {
+                    FreeKind::Request
+                };
+                q.free_later(r, why);
             }
             q.maybe_writeback_locked().await
         }

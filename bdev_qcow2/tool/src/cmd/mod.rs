@@ -2,6 +2,7 @@
 
 pub mod bitmap;
 pub mod check;
+pub mod commit;
 pub mod compare;
 pub mod convert;
 pub mod create;

@@ -2,6 +2,7 @@
 
 #![allow(dead_code)] // each test crate uses its own subset
 
+use std::path::Path;
 use std::process::{Command, Output};
 
 /// Runs `cmd` and returns its output (whatever the exit status).
@@ -35,4 +36,36 @@ pub fn qemu_io(img: &std::path::Path, cmds: &[&str]) {
         c.arg("-c").arg(cmd);
     }
     run(c.arg(img));
+}
+
+/// `qemu-img check IMG` finds nothing (exit status 0).
+pub fn assert_check_clean(img: &Path) {
+    let out = output(Command::new("qemu-img").arg("check").arg(img));
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "qemu-img check {}: {}{}",
+        img.display(),
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// `qemu-img compare A B` (formats given) says identical.
+pub fn assert_same(a: &Path, fa: &str, b: &Path, fb: &str) {
+    let out = output(
+        Command::new("qemu-img")
+            .args(["compare", "-f", fa, "-F", fb])
+            .arg(a)
+            .arg(b),
+    );
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "qemu-img compare {} {}: {}{}",
+        a.display(),
+        b.display(),
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
