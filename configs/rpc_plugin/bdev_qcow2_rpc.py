@@ -47,17 +47,29 @@ def bdev_qcow2_create(client, name, base_bdev, backing_bdev=None, read_only=None
     return client.call('bdev_qcow2_create', params)
 
 
-def bdev_qcow2_format(client, base_bdev, size, cluster_size=None, extended_l2=None,
+def bdev_qcow2_format(client, base_bdev, size=None, cluster_size=None, extended_l2=None,
                       refcount_bits=None, compat=None, lazy_refcounts=None,
-                      compression_type=None, preallocation=None, zero_base=None):
-    params = {'base_bdev': base_bdev, 'size': size}
-    for k, v in (('cluster_size', cluster_size), ('extended_l2', extended_l2),
+                      compression_type=None, preallocation=None, zero_base=None,
+                      backing_bdev=None):
+    params = {'base_bdev': base_bdev}
+    for k, v in (('size', size), ('backing_bdev', backing_bdev),
+                 ('cluster_size', cluster_size), ('extended_l2', extended_l2),
                  ('refcount_bits', refcount_bits), ('compat', compat),
                  ('lazy_refcounts', lazy_refcounts), ('compression_type', compression_type),
                  ('preallocation', preallocation), ('zero_base', zero_base)):
         if v is not None:
             params[k] = v
     return client.call('bdev_qcow2_format', params)
+
+
+def bdev_qcow2_overlay_create(client, name, base_bdev, backing_bdev, size=None,
+                              cluster_size=None, extended_l2=None, uuid=None):
+    params = {'name': name, 'base_bdev': base_bdev, 'backing_bdev': backing_bdev}
+    for k, v in (('size', size), ('cluster_size', cluster_size),
+                 ('extended_l2', extended_l2), ('uuid', uuid)):
+        if v is not None:
+            params[k] = v
+    return client.call('bdev_qcow2_overlay_create', params)
 
 
 def bdev_qcow2_delete(client, name):
@@ -187,12 +199,16 @@ def spdk_rpc_plugin_initialize(subparsers):
                                      lazy_refcounts=args.lazy_refcounts,
                                      compression_type=args.compression_type,
                                      preallocation=args.preallocation,
-                                     zero_base=args.zero_base))
+                                     zero_base=args.zero_base,
+                                     backing_bdev=args.backing_bdev))
 
     p = subparsers.add_parser('bdev_qcow2_format',
                               help='Write a fresh, empty qcow2 image onto a bdev (erases it)')
     p.add_argument('base_bdev', help='bdev to format')
-    p.add_argument('-s', '--size', type=int, required=True, help='virtual size in bytes')
+    p.add_argument('-s', '--size', type=int,
+                   help='virtual size in bytes (required unless --backing-bdev gives it)')
+    p.add_argument('--backing-bdev',
+                   help='make the image an overlay of this bdev (raw, or a qcow2 bdev)')
     p.add_argument('--cluster-size', type=int, help='cluster size in bytes (default 65536)')
     p.add_argument('--extended-l2', action='store_true', default=None,
                    help='extended L2 entries (subclusters)')
@@ -211,6 +227,28 @@ def spdk_rpc_plugin_initialize(subparsers):
     p.add_argument('--no-zero-base', dest='zero_base', action='store_false',
                    help='leave the base as it is (first writes write whole clusters)')
     p.set_defaults(func=fmt)
+
+    def overlay(args):
+        print_json(bdev_qcow2_overlay_create(args.client, name=args.name,
+                                             base_bdev=args.base_bdev,
+                                             backing_bdev=args.backing_bdev, size=args.size,
+                                             cluster_size=args.cluster_size,
+                                             extended_l2=args.extended_l2, uuid=args.uuid))
+
+    p = subparsers.add_parser('bdev_qcow2_overlay_create',
+                              help='Format an overlay of a backing bdev on a bdev (erases it) '
+                              'and serve it as a new qcow2 bdev, in one call')
+    p.add_argument('-b', '--name', required=True, help='name of the qcow2 bdev to create')
+    p.add_argument('--base-bdev', required=True, help='bdev to format the overlay on')
+    p.add_argument('--backing-bdev', required=True,
+                   help='bdev the overlay reads through (raw, or a qcow2 bdev)')
+    p.add_argument('-s', '--size', type=int,
+                   help='virtual size in bytes (default: the backing bdev\'s)')
+    p.add_argument('--cluster-size', type=int, help='cluster size in bytes (default 65536)')
+    p.add_argument('--extended-l2', action='store_true', default=None,
+                   help='extended L2 entries (subclusters)')
+    p.add_argument('-u', '--uuid', help='UUID of the bdev (default: derived)')
+    p.set_defaults(func=overlay)
 
     def delete(args):
         print_json(bdev_qcow2_delete(args.client, name=args.name))

@@ -42,11 +42,22 @@ fn errno_msg(e: i32) -> String {
 
 /// Formats `p.base_bdev` (which must exist and be unclaimed); `done` hears the outcome,
 /// possibly before this returns.
-pub fn format(p: FormatParams, done: Done) {
+pub fn format(mut p: FormatParams, done: Done) {
+    let backing = match p.backing_bdev.clone().map(|b| backing_of(&b)).transpose() {
+        Ok(b) => b,
+        Err(e) => return done(Err(e)),
+    };
+    if let (None, Some(b)) = (p.size, &backing) {
+        p.size = Some(b.size);
+    }
     let mut opts: CreateOptions = match p.create_options() {
         Ok(o) => o,
         Err(m) => return done(Err((libc::EINVAL, m))),
     };
+    if let Some(b) = backing {
+        opts.backing_file = Some(b.name);
+        opts.backing_format = Some(b.format.into());
+    }
     let prealloc = match p.preallocation() {
         Ok(Some(Preallocation::Metadata { .. })) if opts.version < 3 => {
             return done(Err((
@@ -140,6 +151,34 @@ pub fn format(p: FormatParams, done: Done) {
             done(Err((libc::ENOMEM, "cannot register a poller".into())));
         }
     }
+}
+
+/// The backing bdev of an overlay, as the image records it.
+struct Backing {
+    name: String,
+    /// `qcow2` for a qcow2 bdev (the format of the image it serves), else `raw`.
+    format: &'static str,
+    size: u64,
+}
+
+/// Looks the backing bdev `name` up (opened read-only for the moment, claimed by nothing).
+fn backing_of(name: &str) -> Result<Backing, (i32, String)> {
+    let desc = Desc::open::<IgnoreEvents>(name, false).map_err(|e| {
+        let m = format!("cannot open backing bdev {name}: {}", errno_msg(e));
+        (e, m)
+    })?;
+    let format = if desc.module_name() == "qcow2" {
+        "qcow2"
+    } else {
+        "raw"
+    };
+    let size = desc.size();
+    desc.close();
+    Ok(Backing {
+        name: name.to_owned(),
+        format,
+        size,
+    })
 }
 
 /// Bytes one Write Zeroes of [`zero_base`] covers.

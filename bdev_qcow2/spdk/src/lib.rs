@@ -3,8 +3,8 @@
 //! Load it into an unmodified SPDK application with `LD_PRELOAD`; it registers the bdev
 //! module `qcow2` and the RPCs `bdev_qcow2_create`, `bdev_qcow2_format`, `bdev_qcow2_delete`,
 //! `bdev_qcow2_get_stats`, `bdev_qcow2_resize`, `bdev_qcow2_snapshot_create`,
-//! `bdev_qcow2_snapshot_delete`, `bdev_qcow2_snapshot_list`, `bdev_qcow2_snapshot_external`
-//! and `bdev_qcow2_stream`. Threading follows `ARCHITECTURE.md`: the thread that creates a bdev
+//! `bdev_qcow2_snapshot_delete`, `bdev_qcow2_snapshot_list`, `bdev_qcow2_snapshot_external`,
+//! `bdev_qcow2_overlay_create` and `bdev_qcow2_stream`. Threading follows `ARCHITECTURE.md`: the thread that creates a bdev
 //! reads and validates its image (the metadata owner); every SPDK thread that opens a
 //! channel gets its own engine executor, replica of the image and base channels, driven by
 //! a per-channel poller; the data path takes no lock and allocates nothing on a cache hit.
@@ -30,6 +30,7 @@ mod lifecycle_rpc;
 mod logging;
 pub mod module;
 mod node;
+mod overlay;
 mod owner;
 mod registry;
 pub mod rpc;

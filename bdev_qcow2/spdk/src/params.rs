@@ -214,8 +214,15 @@ impl CreateParams {
 pub struct FormatParams {
     /// The bdev to write the fresh image on (everything on it is lost).
     pub base_bdev: String,
-    /// Virtual size in bytes (required, as with qemu-img; rounded up to 512).
-    pub size: u64,
+    /// Virtual size in bytes (rounded up to 512). Required, as with qemu-img, unless
+    /// `backing_bdev` is given: then the backing bdev's size.
+    #[serde(default)]
+    pub size: Option<u64>,
+    /// Make the image an overlay of this bdev (raw, or a qcow2 bdev): its name is recorded
+    /// as the backing file, with format `qcow2` when it is a qcow2 bdev and `raw`
+    /// otherwise, as `qemu-img create -b NAME -F FMT` records them.
+    #[serde(default)]
+    pub backing_bdev: Option<String>,
     /// Cluster size in bytes (power of two, 512 B – 2 MiB; default 65536).
     #[serde(default)]
     pub cluster_size: Option<u64>,
@@ -257,8 +264,15 @@ impl FormatParams {
         if self.base_bdev.is_empty() || self.base_bdev.contains('\0') {
             return Err("base_bdev must be a bdev name".into());
         }
-        if self.size == 0 {
-            return Err("size must be given (bytes) and non-zero".into());
+        let size = match self.size {
+            Some(s) if s > 0 => s,
+            _ => return Err("size must be given (bytes) and non-zero".into()),
+        };
+        if self.backing_bdev.as_deref() == Some(self.base_bdev.as_str()) {
+            return Err("backing_bdev must differ from base_bdev".into());
+        }
+        if self.backing_bdev.is_some() && self.preallocation.as_deref().unwrap_or("off") != "off" {
+            return Err("preallocation of an overlay (backing_bdev) is not supported".into());
         }
         let log2 = |what: &str, v: u64| {
             if v.is_power_of_two() {
@@ -268,7 +282,7 @@ impl FormatParams {
             }
         };
         Ok(CreateOptions {
-            size: self.size,
+            size,
             cluster_bits: match self.cluster_size {
                 Some(c) => log2("cluster_size", c)?,
                 None => d.cluster_bits,

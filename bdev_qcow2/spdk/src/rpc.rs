@@ -90,7 +90,8 @@ pub fn format(req: Request, params: Params) {
     let Some((req, p)) = decode::<FormatParams>(req, params, "bdev_qcow2_format") else {
         return;
     };
-    if let Err(m) = p.create_options() {
+    // (With a backing bdev the size may come from it: checked once it is known.)
+    if let (None, Err(m)) = (&p.backing_bdev, p.create_options()) {
         return req.error(INVALID_PARAMS, &format!("bdev_qcow2_format: {m}"));
     }
     crate::format::format(

@@ -3171,6 +3171,9 @@ mod real {
     /// `configs/nvmf_tcp_qcow2.json` run as the README gives it (`real/nvmf_config.rs`).
     mod nvmf_config;
 
+    /// `bdev_qcow2_overlay_create` (`real/overlay.rs`).
+    mod overlay;
+
     /// Exports the names our module exports (`nm -D | grep bdev_qcow2` finds them) and
     /// registers nothing with SPDK.
     const LOOKALIKE_NOTHING: &str = "\

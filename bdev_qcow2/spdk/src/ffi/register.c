@@ -23,11 +23,14 @@ void bdev_qcow2_rpc_snapshot_list(struct spdk_jsonrpc_request *request,
 				  const struct spdk_json_val *params);
 void bdev_qcow2_rpc_snapshot_external(struct spdk_jsonrpc_request *request,
 				      const struct spdk_json_val *params);
+void bdev_qcow2_rpc_overlay_create(struct spdk_jsonrpc_request *request,
+				    const struct spdk_json_val *params);
 void bdev_qcow2_rpc_stream(struct spdk_jsonrpc_request *request, const struct spdk_json_val *params);
 
 SPDK_BDEV_MODULE_REGISTER(qcow2, &BDEV_QCOW2_MODULE)
 SPDK_RPC_REGISTER("bdev_qcow2_create", bdev_qcow2_rpc_create, SPDK_RPC_RUNTIME)
 SPDK_RPC_REGISTER("bdev_qcow2_format", bdev_qcow2_rpc_format, SPDK_RPC_RUNTIME)
+SPDK_RPC_REGISTER("bdev_qcow2_overlay_create", bdev_qcow2_rpc_overlay_create, SPDK_RPC_RUNTIME)
 SPDK_RPC_REGISTER("bdev_qcow2_delete", bdev_qcow2_rpc_delete, SPDK_RPC_RUNTIME)
 SPDK_RPC_REGISTER("bdev_qcow2_get_stats", bdev_qcow2_rpc_get_stats, SPDK_RPC_RUNTIME)
 SPDK_RPC_REGISTER("bdev_qcow2_resize", bdev_qcow2_rpc_resize, SPDK_RPC_RUNTIME)
