@@ -11,6 +11,9 @@ use super::be::{get_u32, get_u64, put_u32, put_u64};
 use super::header::{ext_type, incompat, ZeroedTail};
 use crate::io::SECTOR;
 
+mod bitmaps_ext;
+pub use bitmaps_ext::NO_ROOM as NO_ROOM_FOR_BITMAPS;
+
 /// Offsets of the header fields changed in place (qcow2 specification, "Header").
 pub mod offset {
     /// `version` (u32).

@@ -15,7 +15,7 @@
 
 use super::Owner;
 use crate::error::{corrupt, Error, Field, Result};
-use crate::format::header::ZeroedTail;
+use crate::format::header::{BitmapsExt, ZeroedTail};
 use crate::format::HeaderSector;
 use crate::io::{BlockDevice, BufSlice, IoBuffer};
 
@@ -113,6 +113,27 @@ impl HeaderCopies {
     pub(crate) fn clear_backing(&mut self, rest: &[u8]) -> bool {
         self.dirty = true;
         self.sector0.clear_backing(rest)
+    }
+
+    /// Whether the bitmaps extension `ext` would fit (see
+    /// [`HeaderSector::set_bitmaps_ext`]; `rest` is cluster 0 past the first sector).
+    pub(crate) fn bitmaps_ext_fits(
+        &self,
+        rest: &[u8],
+        ext: Option<&BitmapsExt>,
+    ) -> std::result::Result<(), &'static str> {
+        self.sector0.clone().set_bitmaps_ext(rest, ext)
+    }
+    /// The bitmaps extension becomes `ext` (see [`HeaderSector::set_bitmaps_ext`]); the
+    /// header is dirty. Returns where the backing file name is now.
+    pub(crate) fn set_bitmaps_ext(
+        &mut self,
+        rest: &[u8],
+        ext: Option<&BitmapsExt>,
+    ) -> std::result::Result<u64, &'static str> {
+        self.sector0.set_bitmaps_ext(rest, ext)?;
+        self.dirty = true;
+        Ok(self.sector0.backing_file_offset())
     }
 
     /// The zeroed tail raised to `tail`: in the copy and in the one on disk, which is
