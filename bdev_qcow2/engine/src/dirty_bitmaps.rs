@@ -401,7 +401,11 @@ mod tests {
         assert_eq!(m.get(1).unwrap().data(1), vec![2]);
         m.retire(0);
         m.mark(0, 1);
-        assert_eq!(m.get(0).unwrap().data(2), vec![0, 1], "granule 8 only: marked before");
+        assert_eq!(
+            m.get(0).unwrap().data(2),
+            vec![0, 1],
+            "granule 8 only: marked before"
+        );
         assert_eq!(m.get(1).unwrap().data(1), vec![3]);
         assert_eq!(m.memory_for(1 << 20), memory_for(256));
         for _ in 1..ADDED_SLOTS {

@@ -47,7 +47,7 @@ pub struct BitmapArgs {
     pub source_format: Format,
     /// Granularity of a new bitmap in bytes, a power of 2 of at least 512 (k, M, G
     /// suffixes; only with --add; 0: the default).
-    #[arg(short = 'g', long = "granularity")]
+    #[arg(short = 'g', long = "granularity", allow_hyphen_values = true)]
     pub granularity: Option<String>,
     /// Format of the image.
     #[arg(short = 'f', long = "format", value_enum, default_value = "qcow2")]
