@@ -205,7 +205,7 @@ fn same_message(ours: &Output, theirs: &Output) {
     };
     assert_eq!(
         o.strip_prefix("qcow2: "),
-        t.strip_prefix("qemu-img: ").as_deref().map(|x| x as &str),
+        t.strip_prefix("qemu-img: "),
         "ours {o:?}, theirs {t:?}"
     );
 }
