@@ -272,3 +272,29 @@ fn refusals_as_qemu_img_s() {
     both(&ours, &theirs, &["--add", "-g", "0", "IMG", "dflt"]);
     alike(&ours, &theirs);
 }
+
+#[test]
+fn a_bitmap_left_in_use_is_removed_as_qemu_img_removes_it() {
+    let d = tempfile::tempdir().unwrap();
+    let (ours, theirs) = pair(d.path(), "64k", None);
+    for img in [&ours, &theirs] {
+        qemu_img(&["bitmap", "--add", "-g", "512", s(img), "b0"]);
+        qemu_io(img, &["write -P 9 0 40M"]);
+        qemu_img(&["bitmap", "--add", s(img), "b1"]);
+        // b0 (the first directory entry) marked in use: a writer that never closed.
+        let mut bytes = std::fs::read(img).unwrap();
+        let magic = 0x2385_2875u32.to_be_bytes();
+        let at = bytes.windows(4).position(|w| w == magic).unwrap();
+        let dir = u64::from_be_bytes(bytes[at + 24..at + 32].try_into().unwrap()) as usize;
+        bytes[dir + 15] |= 1;
+        std::fs::write(img, &bytes).unwrap();
+    }
+    let flags = |img: &Path| bitmaps(img)[0]["flags"].clone();
+    assert_eq!(flags(&ours), serde_json::json!(["in-use", "auto"]));
+    let (o, t) = both_out(&ours, &theirs, &["--clear", "IMG", "b0"]);
+    assert_eq!((o.status.code(), t.status.code()), (Some(1), Some(1)));
+    both(&ours, &theirs, &["--remove", "IMG", "b0"]);
+    alike(&ours, &theirs);
+    both(&ours, &theirs, &["--remove", "IMG", "b1"]);
+    alike(&ours, &theirs);
+}
