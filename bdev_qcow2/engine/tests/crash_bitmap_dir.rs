@@ -6,7 +6,7 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // test helpers may panic
 
-#[allow(dead_code)] // new_image: the other crash tests'
+#[allow(dead_code)] // new_image is for the other crash tests
 mod crash_common;
 use crash_common::open;
 use crash_common::states::{for_each_crash_state, qemu_accepts, qemu_clean, say_states};

@@ -28,7 +28,7 @@ use crate::format::bitmaps::{
 };
 use crate::format::header::{autoclear, BitmapsExt};
 use crate::image::Qcow2;
-use crate::io::{BlockDevice, BufSlice, IoBuffer, SECTOR};
+use crate::io::BlockDevice;
 use crate::limits::{MAX_BITMAPS, MAX_BITMAP_DIRECTORY_BYTES, MAX_BITMAP_MEMORY};
 use crate::types::{HostOffset, HostRange};
 
@@ -315,18 +315,6 @@ impl<D: BlockDevice> Owner<'_, D> {
             return None;
         }
         Some(data)
-    }
-
-    /// Cluster 0 past its first sector, as on disk (the extension list may run into it).
-    async fn header_rest(&self) -> Result<Vec<u8>> {
-        let cs = self.geo.cluster_size() as usize;
-        let buf = self.exec.alloc_buf(self.dev, cs);
-        self.exec
-            .read(self.dev, 0, BufSlice::whole(buf.clone()))
-            .await?;
-        let mut c0 = vec![0u8; cs];
-        buf.copy_out(0, &mut c0);
-        Ok(c0.split_off(SECTOR as usize))
     }
 
     /// Steps 1 (the directory) to 3 (the old one freed): the image switches to directory

@@ -17,7 +17,7 @@ use super::Owner;
 use crate::error::{corrupt, Error, Field, Result};
 use crate::format::header::{BitmapsExt, ZeroedTail};
 use crate::format::HeaderSector;
-use crate::io::{BlockDevice, BufSlice, IoBuffer};
+use crate::io::{BlockDevice, BufSlice, IoBuffer, SECTOR};
 
 /// The header writer's state (see the module doc).
 pub(crate) struct HeaderCopies {
@@ -175,6 +175,18 @@ impl<D: BlockDevice> Owner<'_, D> {
         self.header.borrow_mut().header.incompatible_features |=
             crate::format::header::incompat::CORRUPT;
         corrupt(field, value, reason)
+    }
+
+    /// Cluster 0 past its first sector, as on disk (the extension list may run into it).
+    pub(crate) async fn header_rest(&self) -> Result<Vec<u8>> {
+        let cs = self.geo.cluster_size() as usize;
+        let buf = self.exec.alloc_buf(self.dev, cs);
+        self.exec
+            .read(self.dev, 0, BufSlice::whole(buf.clone()))
+            .await?;
+        let mut c0 = vec![0u8; cs];
+        buf.copy_out(0, &mut c0);
+        Ok(c0.split_off(SECTOR as usize))
     }
 
     /// Writes the header copy (the first sector).
