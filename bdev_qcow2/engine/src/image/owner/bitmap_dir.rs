@@ -22,9 +22,11 @@ use super::discards::FreeKind;
 use super::Owner;
 use crate::dirty_bitmaps::{self, Bits};
 use crate::error::{Error, Result};
+use crate::exec::read_bytes;
+use crate::format::be::get_u64;
 use crate::format::bitmaps::{
     self, data_bytes, BitmapEntry, FLAG_AUTO, FLAG_IN_USE, MAX_NAME_SIZE, MAX_PHYS_SIZE,
-    MAX_TABLE_SIZE,
+    MAX_TABLE_SIZE, TABLE_OFFSET_MASK,
 };
 use crate::format::header::{autoclear, BitmapsExt};
 use crate::image::Qcow2;
@@ -288,7 +290,24 @@ impl<D: BlockDevice> Owner<'_, D> {
     /// leaves them allocated (a leak, never a cluster freed that something else uses).
     async fn owned_clusters_of_in_use(&self, e: &BitmapEntry) -> Option<Vec<u64>> {
         let (bits_c, cs) = (self.geo.cluster_bits, self.geo.cluster_size());
-        let (_, data) = self.read_bitmap(e).await.ok()?;
+        // Its table only (its data may be large, and is not needed).
+        let raw = read_bytes(
+            &self.exec,
+            self.dev,
+            e.table_offset,
+            u64::from(e.table_size) * 8,
+        )
+        .await
+        .ok()?;
+        let mut data = Vec::new();
+        for t in raw.chunks_exact(8).map(|w| get_u64(w, 0)) {
+            if !bitmaps::table_entry_ok(t, cs) || t & TABLE_OFFSET_MASK >= self.device_size.get() {
+                return None;
+            }
+            if t & TABLE_OFFSET_MASK != 0 {
+                data.push((t & TABLE_OFFSET_MASK) >> bits_c);
+            }
+        }
         // Everything the other bitmaps and the directory hold.
         let mut owned = super::HashSet::default();
         {
