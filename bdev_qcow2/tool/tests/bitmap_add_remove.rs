@@ -298,3 +298,41 @@ fn a_bitmap_left_in_use_is_removed_as_qemu_img_removes_it() {
     both(&ours, &theirs, &["--remove", "IMG", "b1"]);
     alike(&ours, &theirs);
 }
+
+#[test]
+fn no_room_for_the_extension_is_refused_before_anything_is_written() {
+    // 512-byte clusters: the header cluster is one sector, and a long backing file name
+    // fills it (QEMU fails the same add at close, "No space left on device").
+    let d = tempfile::tempdir().unwrap();
+    let sub = d.path().join("a".repeat(200));
+    std::fs::create_dir(&sub).unwrap();
+    let base = sub.join("b".repeat(140));
+    qemu_img(&["create", "-q", "-f", "qcow2", s(&base), "64M"]);
+    let ours = d.path().join("ours.qcow2");
+    qemu_img(&[
+        "create",
+        "-q",
+        "-f",
+        "qcow2",
+        "-o",
+        "cluster_size=512",
+        "-b",
+        s(&base),
+        "-F",
+        "qcow2",
+        s(&ours),
+        "64M",
+    ]);
+    let theirs = d.path().join("theirs.qcow2");
+    std::fs::copy(&ours, &theirs).unwrap();
+    let before = std::fs::read(&ours).unwrap();
+    let (o, t) = both_out(&ours, &theirs, &["--add", "IMG", "b"]);
+    assert_eq!((o.status.code(), t.status.code()), (Some(1), Some(1)));
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("would not fit"),
+        "{o:?}"
+    );
+    assert!(std::fs::read(&ours).unwrap() == before, "the image changed");
+    clean(&ours);
+    assert!(bitmaps(&ours).is_null());
+}
