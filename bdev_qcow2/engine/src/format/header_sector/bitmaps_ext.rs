@@ -238,6 +238,30 @@ mod tests {
     }
 
     #[test]
+    fn a_zeroed_tail_stays_where_its_writer_patches_it() {
+        use crate::format::header::ZeroedTail;
+        let mut ih = v3_header();
+        let at = 112 + 8;
+        ih.extensions.zeroed_tail = Some(ZeroedTail { from: 9 << 16, at });
+        ih.header.autoclear_features = autoclear::ZEROED_TAIL;
+        ih.extensions.feature_names = default_feature_names();
+        let c0 = ih.encode().unwrap();
+        let h = round(&c0, |s| {
+            s.set_bitmaps_ext(&c0[512..], Some(&ext(1, 5 << 16)))
+        })
+        .unwrap();
+        assert_eq!(
+            h.extensions.zeroed_tail,
+            Some(ZeroedTail { from: 9 << 16, at })
+        );
+        assert_eq!(
+            h.header.autoclear_features,
+            autoclear::ZEROED_TAIL | autoclear::BITMAPS
+        );
+        assert_eq!(h.extensions.bitmaps, Some(ext(1, 5 << 16)));
+    }
+
+    #[test]
     fn what_cannot_fit_is_refused() {
         let long = "b".repeat(400);
         let c0 = qemu_like(Some(&long), None);
