@@ -11,20 +11,13 @@ use std::process::{Command, Output};
 mod common;
 #[path = "common/dirty_ranges.rs"]
 mod dirty_ranges;
-use common::{output, qemu_img, qemu_io};
+use common::{info_bitmaps as bitmaps, output, qemu_img, qemu_io};
 use dirty_ranges::dirty_ranges;
 
 const QCOW2: &str = env!("CARGO_BIN_EXE_qcow2");
 
 fn s(p: &Path) -> &str {
     p.to_str().unwrap()
-}
-
-/// `qemu-img info`'s bitmaps list (null without any).
-fn bitmaps(img: &Path) -> serde_json::Value {
-    let out = qemu_img(&["info", "--output=json", s(img)]);
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    v["format-specific"]["data"]["bitmaps"].clone()
 }
 
 /// `qcow2 bitmap ARGS` on `ours` and `qemu-img bitmap ARGS` on `theirs` (`IMG` standing

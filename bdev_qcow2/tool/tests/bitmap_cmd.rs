@@ -14,7 +14,7 @@ mod common;
 mod dirty_ranges;
 #[path = "common/holder.rs"]
 mod holder;
-use common::{output, qemu_img, qemu_io};
+use common::{info_bitmaps as bitmaps, output, qemu_img, qemu_io};
 use dirty_ranges::dirty_ranges;
 use holder::QemuHolder;
 
@@ -22,13 +22,6 @@ const QCOW2: &str = env!("CARGO_BIN_EXE_qcow2");
 
 fn s(p: &Path) -> &str {
     p.to_str().unwrap()
-}
-
-/// `qemu-img info`'s bitmaps list.
-fn bitmaps(img: &Path) -> serde_json::Value {
-    let out = qemu_img(&["info", "--output=json", s(img)]);
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    v["format-specific"]["data"]["bitmaps"].clone()
 }
 
 /// A 64 MiB image with data and bitmaps `b0` (enabled, 64 KiB), `fine` (enabled, 4 KiB,

@@ -36,3 +36,10 @@ pub fn qemu_io(img: &std::path::Path, cmds: &[&str]) {
     }
     run(c.arg(img));
 }
+
+/// `qemu-img info`'s bitmaps list of `img` (null without any).
+pub fn info_bitmaps(img: &std::path::Path) -> serde_json::Value {
+    let out = qemu_img(&["info", "--output=json", img.to_str().expect("utf-8 path")]);
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    v["format-specific"]["data"]["bitmaps"].clone()
+}

@@ -136,38 +136,9 @@ impl HeaderSector {
 
 #[cfg(test)]
 mod tests {
+    use super::super::tests::v3_image_header;
     use super::*;
     use crate::format::header::{default_feature_names, ImageHeader};
-
-    /// A version 3 header of 64 KiB clusters, no extensions.
-    fn v3_header() -> ImageHeader {
-        use crate::format::header::{CompressionType, Extensions, Header, V3_HEADER_LEN};
-        ImageHeader {
-            header: Header {
-                version: 3,
-                backing_file_offset: 0,
-                backing_file_size: 0,
-                cluster_bits: 16,
-                size: 1 << 30,
-                crypt_method: 0,
-                l1_size: 2,
-                l1_table_offset: 3 << 16,
-                refcount_table_offset: 1 << 16,
-                refcount_table_clusters: 1,
-                nb_snapshots: 0,
-                snapshots_offset: 0,
-                incompatible_features: 0,
-                compatible_features: 0,
-                autoclear_features: 0,
-                refcount_order: 4,
-                header_length: V3_HEADER_LEN,
-                compression_type: CompressionType::Zlib,
-                unknown_tail: Vec::new(),
-            },
-            extensions: Extensions::default(),
-            backing_file: None,
-        }
-    }
 
     fn ext(nb: u32, off: u64) -> BitmapsExt {
         BitmapsExt {
@@ -191,7 +162,7 @@ mod tests {
     }
 
     fn qemu_like(backing: Option<&str>, bitmaps: Option<BitmapsExt>) -> Vec<u8> {
-        let mut ih = v3_header();
+        let mut ih = v3_image_header();
         ih.extensions.zeroed_tail = None;
         ih.header.autoclear_features = if bitmaps.is_some() {
             autoclear::BITMAPS
@@ -240,7 +211,7 @@ mod tests {
     #[test]
     fn a_zeroed_tail_stays_where_its_writer_patches_it() {
         use crate::format::header::ZeroedTail;
-        let mut ih = v3_header();
+        let mut ih = v3_image_header();
         let at = 112 + 8;
         ih.extensions.zeroed_tail = Some(ZeroedTail { from: 9 << 16, at });
         ih.header.autoclear_features = autoclear::ZEROED_TAIL;
@@ -271,7 +242,7 @@ mod tests {
         s.set_bitmaps_ext(&c0[512..], Some(&ext(1, 5 << 16)))
             .unwrap();
         // A name in the first sector that the list would not leave room for.
-        let mut ih = v3_header();
+        let mut ih = v3_image_header();
         ih.extensions.zeroed_tail = None;
         ih.backing_file = Some("c".repeat(370));
         let c0 = ih.encode().unwrap();
