@@ -34,6 +34,8 @@ pub(crate) struct Bits {
     enabled: AtomicBool,
     /// Whether a bit changed since the bitmap was loaded or last stored.
     changed: AtomicBool,
+    /// Whether the bitmap was removed (its slot stays, unused).
+    retired: AtomicBool,
 }
 
 impl Bits {
@@ -46,6 +48,7 @@ impl Bits {
             segs: (0..MAX_SEGS).map(|_| OnceLock::new()).collect(),
             enabled: AtomicBool::new(enabled),
             changed: AtomicBool::new(false),
+            retired: AtomicBool::new(false),
         };
         b.cover(granules);
         for (i, chunk) in data
@@ -199,25 +202,45 @@ impl Bits {
     }
 }
 
-/// The persistent bitmaps of an image open for writing, in the order of its directory
-/// (those the owner loaded: see `image::owner::bitmaps`). Shared by every core's chain.
+/// Bitmaps that may be added while an image is open (`qemu-img bitmap --add`), past those
+/// it had at open.
+pub(crate) const ADDED_SLOTS: usize = 16;
+
+/// The persistent bitmaps of an image open for writing, in slots (those the owner loaded,
+/// in the order of its directory, then those added while open: see
+/// `image::owner::bitmaps`). Shared by every core's chain: a slot once set stays set (a
+/// removed bitmap is retired, recording nothing), so cores read them without locks.
 pub struct DirtyBitmaps {
-    maps: Box<[Bits]>,
+    maps: Box<[OnceLock<Bits>]>,
 }
 
 impl std::fmt::Debug for DirtyBitmaps {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("DirtyBitmaps")
-            .field("bitmaps", &self.maps.len())
+            .field("bitmaps", &self.live().count())
             .finish()
     }
 }
 
 impl DirtyBitmaps {
+    /// `maps` in the first slots, and room for [`ADDED_SLOTS`] more.
     pub(crate) fn new(maps: Vec<Bits>) -> Self {
+        let slots: Vec<OnceLock<Bits>> = maps
+            .into_iter()
+            .map(OnceLock::from)
+            .chain((0..ADDED_SLOTS).map(|_| OnceLock::new()))
+            .collect();
         DirtyBitmaps {
-            maps: maps.into_boxed_slice(),
+            maps: slots.into_boxed_slice(),
         }
+    }
+
+    /// The bitmaps not retired.
+    fn live(&self) -> impl Iterator<Item = &Bits> {
+        self.maps
+            .iter()
+            .map_while(OnceLock::get)
+            .filter(|b| !b.retired.load(Ordering::Relaxed))
     }
 
     /// A guest write, write-zeroes or discard of `len` bytes at `offset` is about to
@@ -228,44 +251,61 @@ impl DirtyBitmaps {
         if len == 0 {
             return;
         }
-        for b in self.maps.iter() {
+        for b in self.maps.iter().map_while(OnceLock::get) {
             if b.enabled.load(Ordering::Relaxed) {
                 b.mark(offset, len);
             }
         }
     }
 
-    pub(crate) fn get(&self, i: usize) -> &Bits {
-        &self.maps[i]
+    /// The bitmap in slot `i`, if set.
+    pub(crate) fn get(&self, i: usize) -> Option<&Bits> {
+        self.maps.get(i)?.get()
+    }
+
+    /// Puts `b` in the first free slot, whose number it returns; `None` when every slot
+    /// is taken.
+    pub(crate) fn add(&self, b: Bits) -> Option<usize> {
+        let i = self.maps.iter().position(|m| m.get().is_none())?;
+        self.maps[i].set(b).ok()?;
+        Some(i)
+    }
+
+    /// The bitmap in slot `i` is removed: it records nothing more, and its slot stays.
+    pub(crate) fn retire(&self, i: usize) {
+        if let Some(b) = self.get(i) {
+            b.set_enabled(false);
+            b.retired.store(true, Ordering::Relaxed);
+        }
     }
 
     /// Memory the bitmaps take for a disk of `size` bytes.
     pub(crate) fn memory_for(&self, size: u64) -> u64 {
-        self.maps
-            .iter()
+        self.live()
             .map(|b| memory_for(size.div_ceil(1 << b.granularity_bits)))
             .sum()
     }
 
-    /// Bitmap `i`, the first that cannot describe a disk of `size` bytes (QEMU's limit of
-    /// granules), if any.
+    /// The slot of the first bitmap that cannot describe a disk of `size` bytes (QEMU's
+    /// limit of granules), if any.
     pub(crate) fn too_small(&self, size: u64) -> Option<usize> {
         self.maps
             .iter()
-            .position(|b| u128::from(size) > b.max_coverage())
+            .map_while(OnceLock::get)
+            .position(|b| !b.retired.load(Ordering::Relaxed) && u128::from(size) > b.max_coverage())
     }
 
     /// Before the disk becomes `size` bytes (not [`too_small`](Self::too_small) for it):
     /// every bitmap gets the words for it.
     pub(crate) fn cover(&self, size: u64) {
-        for b in self.maps.iter() {
+        for b in self.live() {
             b.cover(size.div_ceil(1 << b.granularity_bits));
         }
     }
 
     /// The bitmaps' bits past `size` bytes are cleared (the disk shrank).
     pub(crate) fn clear_from(&self, size: u64) {
-        for b in self.maps.iter() {
+        for b in self.live() {
             b.clear_from(size);
         }
     }
@@ -304,14 +344,17 @@ mod tests {
         let past = (1u64 << SEG_BITS) + 5;
         m.mark(past << 16, 1);
         assert_eq!(
-            set(m.get(0), 1 << 22).last(),
+            set(m.get(0).unwrap(), 1 << 22).last(),
             Some(&100),
             "no words there yet"
         );
         assert_eq!(m.too_small((past + 1) << 16), None);
         m.cover((past + 1) << 16);
         m.mark(past << 16, 1);
-        assert_eq!(set(m.get(0), 1 << 22).last(), Some(&(past as usize)));
+        assert_eq!(
+            set(m.get(0).unwrap(), 1 << 22).last(),
+            Some(&(past as usize))
+        );
         // QEMU's limit: 2^32 granules.
         assert_eq!(m.too_small((1u64 << 48) + 1), Some(0));
         assert_eq!(m.too_small(1u64 << 48), None);
@@ -341,11 +384,36 @@ mod tests {
         let m = DirtyBitmaps::new(vec![b]);
         m.mark(900_000, 1);
         assert_eq!(
-            m.get(0).data(33),
+            m.get(0).unwrap().data(33),
             d.iter()
                 .enumerate()
                 .map(|(i, x)| if i == 0 { x | 1 } else { *x })
                 .collect::<Vec<_>>()
+        );
+    }
+
+    #[test]
+    fn bitmaps_added_record_and_retired_ones_do_not() {
+        let m = DirtyBitmaps::new(vec![Bits::new(9, &[], 64, true)]);
+        let i = m.add(Bits::new(12, &[], 8, true)).unwrap();
+        assert_eq!(i, 1);
+        m.mark(4096, 1);
+        assert_eq!(m.get(1).unwrap().data(1), vec![2]);
+        m.retire(0);
+        m.mark(0, 1);
+        assert_eq!(
+            m.get(0).unwrap().data(2),
+            vec![0, 1],
+            "granule 8 only: marked before"
+        );
+        assert_eq!(m.get(1).unwrap().data(1), vec![3]);
+        assert_eq!(m.memory_for(1 << 20), memory_for(256));
+        for _ in 1..ADDED_SLOTS {
+            assert!(m.add(Bits::new(12, &[], 8, false)).is_some());
+        }
+        assert!(
+            m.add(Bits::new(12, &[], 8, false)).is_none(),
+            "every slot taken"
         );
     }
 
@@ -357,8 +425,8 @@ mod tests {
         ]);
         m.mark(4096, 512);
         m.mark(0, 0);
-        assert_eq!(m.get(0).data(8), vec![0; 8]);
-        assert_eq!(m.get(1).data(8), vec![2, 0, 0, 0, 0, 0, 0, 0]);
-        assert!(m.get(1).changed() && !m.get(0).changed());
+        assert_eq!(m.get(0).unwrap().data(8), vec![0; 8]);
+        assert_eq!(m.get(1).unwrap().data(8), vec![2, 0, 0, 0, 0, 0, 0, 0]);
+        assert!(m.get(1).unwrap().changed() && !m.get(0).unwrap().changed());
     }
 }

@@ -1872,3 +1872,32 @@ fn writes_past_the_end_a_shared_disk_grew_to_reach_its_persistent_bitmap() {
         .collect();
     assert_eq!(set, (off / 512..(off + len) / 512).collect::<Vec<_>>());
 }
+
+/// A bitmap the owner adds while cores share the image records their writes from then on
+/// (it takes a slot every core already marks); one it removes records nothing more.
+#[test]
+fn a_bitmap_added_while_cores_share_the_image_records_their_writes() {
+    let mut rig = rig_with_bitmap(7, 4096, true);
+    let cs = 4096u64;
+    let c = rig.chains[0].clone();
+    rig.execs[0]
+        .block_on(async move {
+            let Some(Layer::Qcow2(q)) = c.layers().first() else {
+                panic!("a qcow2 layer")
+            };
+            q.add_bitmap("added", Some(4096), true).await?;
+            q.remove_bitmap("b0").await
+        })
+        .unwrap();
+    let (buf, _) = fill(5, 200 * cs, cs);
+    host::engine_write(&rig.chains[1], 1, 200 * cs, BufSlice::whole(buf));
+    rig.run_core(1, 1).unwrap();
+    rig.close();
+    let img = rig.disk.borrow().clone();
+    let maps = mem_chain::bitmaps_of(&img, rig.size);
+    assert_eq!(maps.len(), 1);
+    let (name, in_use, bits) = &maps[0];
+    assert_eq!((name.as_str(), *in_use), ("added", false));
+    let set: Vec<usize> = (0..bits.len()).filter(|&g| bits[g]).collect();
+    assert_eq!(set, vec![200]);
+}

@@ -1,7 +1,7 @@
 //! The `qcow2` command-line tool: qcow2 images through the bdev_qcow2 engine, with options,
 //! output and exit codes shaped like `qemu-img`.
 
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, FromArgMatches, Subcommand};
 use qcow2_tool::cmd::{
     bitmap, check, commit, compare, convert, create, info, io, map, measure, perf, rebase, resize,
     snapshot,
@@ -9,7 +9,7 @@ use qcow2_tool::cmd::{
 use std::io::Write;
 use std::process::ExitCode;
 
-#[derive(Parser)]
+#[derive(clap::Parser)]
 #[command(
     name = "qcow2",
     version,
@@ -52,8 +52,8 @@ enum Cmd {
     /// Write an overlay's changes into its backing file, or with -b into a deeper image of
     /// its chain, then empty the overlay unless -d or -b (like `qemu-img commit`).
     Commit(commit::CommitArgs),
-    /// Enable, disable, clear or merge persistent dirty bitmaps (like `qemu-img bitmap
-    /// --enable|--disable|--clear|--merge`).
+    /// Add, remove, enable, disable, clear or merge persistent dirty bitmaps (like
+    /// `qemu-img bitmap --add|--remove|--enable|--disable|--clear|--merge`).
     Bitmap(bitmap::BitmapArgs),
     /// List, create, delete or apply internal snapshots (like `qemu-img snapshot
     /// -l|-c|-d|-a`).
@@ -65,7 +65,11 @@ fn main() -> ExitCode {
         .with_env_filter(tracing_subscriber::EnvFilter::from_env("QCOW2_LOG"))
         .with_writer(std::io::stderr)
         .init();
-    let cli = Cli::parse();
+    let matches = Cli::command().get_matches();
+    let mut cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
+    if let (Cmd::Bitmap(a), Some(m)) = (&mut cli.cmd, matches.subcommand_matches("bitmap")) {
+        a.order = bitmap::order_of(m);
+    }
     let r = match &cli.cmd {
         Cmd::Info(a) => info::run(a),
         Cmd::Perf(a) => perf::run(a),

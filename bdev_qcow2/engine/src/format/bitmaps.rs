@@ -146,6 +146,39 @@ pub fn table_entry_ok(entry: u64, cluster_size: u64) -> bool {
     off == 0 || (entry & TABLE_ALL_ONES == 0 && off.is_multiple_of(cluster_size))
 }
 
+/// Bytes a directory entry for a name of `name_len` bytes takes (no extra data; padded
+/// to 8 as QEMU's `calc_dir_entry_size`).
+pub fn entry_size(name_len: usize) -> usize {
+    (ENTRY_HEAD + name_len).div_ceil(8) * 8
+}
+
+/// A directory entry (no extra data) for bitmap `name` of `granularity_bits`, with its
+/// table at `table_offset`, `table_size` entries long, and `flags`.
+pub fn encode_entry(
+    table_offset: u64,
+    table_size: u32,
+    flags: u32,
+    granularity_bits: u8,
+    name: &[u8],
+) -> Vec<u8> {
+    let mut e = vec![0u8; entry_size(name.len())];
+    put_u64(&mut e, 0, table_offset);
+    put_u32(&mut e, 8, table_size);
+    put_u32(&mut e, 12, flags);
+    e[16] = 1;
+    e[17] = granularity_bits;
+    e[18..20].copy_from_slice(&(name.len() as u16).to_be_bytes());
+    e[ENTRY_HEAD..ENTRY_HEAD + name.len()].copy_from_slice(name);
+    e
+}
+
+/// The bytes of entry `e` in directory `dir` (as [`parse_directory`] accepted it: no
+/// extra data).
+pub fn entry_range(dir: &[u8], e: &BitmapEntry) -> std::ops::Range<usize> {
+    let name_size = usize::from(get_u16(dir, e.pos + 18));
+    e.pos..e.pos + entry_size(name_size)
+}
+
 /// Entry `e` of directory `dir` takes flags `flags`.
 pub fn set_flags(dir: &mut [u8], e: &BitmapEntry, flags: u32) {
     put_u32(dir, e.pos + 12, flags);
@@ -163,15 +196,7 @@ mod tests {
 
     /// A directory entry for a bitmap named `name`.
     fn entry(table: u64, size: u32, flags: u32, gran: u8, name: &str) -> Vec<u8> {
-        let mut e = vec![0u8; (ENTRY_HEAD + name.len()).div_ceil(8) * 8];
-        put_u64(&mut e, 0, table);
-        put_u32(&mut e, 8, size);
-        put_u32(&mut e, 12, flags);
-        e[16] = 1;
-        e[17] = gran;
-        e[18..20].copy_from_slice(&(name.len() as u16).to_be_bytes());
-        e[ENTRY_HEAD..ENTRY_HEAD + name.len()].copy_from_slice(name.as_bytes());
-        e
+        encode_entry(table, size, flags, gran, name.as_bytes())
     }
 
     #[test]
@@ -202,6 +227,10 @@ mod tests {
         set_flags(&mut dir, &e[0], FLAG_AUTO | FLAG_IN_USE);
         set_table(&mut dir, &e[1], 0x70000, 2);
         let again = parse_directory(&dir, 2, cs, 1 << 30).unwrap();
+        assert_eq!(entry_range(&dir, &again[0]), 0..32);
+        assert_eq!(entry_range(&dir, &again[1]), 32..72);
+        assert_eq!(entry_size(8), 32);
+        assert_eq!(entry_size(9), 40);
         assert!(again[0].in_use() && again[0].auto());
         assert_eq!((again[1].table_offset, again[1].table_size), (0x70000, 2));
         assert_eq!(data_bytes(1 << 30, 16), 2048);

@@ -11,6 +11,9 @@ use super::be::{get_u32, get_u64, put_u32, put_u64};
 use super::header::{ext_type, incompat, ZeroedTail};
 use crate::io::SECTOR;
 
+mod bitmaps_ext;
+pub use bitmaps_ext::NO_ROOM as NO_ROOM_FOR_BITMAPS;
+
 /// Offsets of the header fields changed in place (qcow2 specification, "Header").
 pub mod offset {
     /// `version` (u32).
@@ -250,11 +253,10 @@ mod tests {
     use super::*;
     use crate::format::header::{autoclear, ImageHeader};
 
-    /// A version 3 header of 64 KiB clusters with a zeroed tail extension (its offset
-    /// right after the header, as `create` places it).
-    fn v3() -> HeaderSector {
+    /// A version 3 header of 64 KiB clusters, no extensions (also for `bitmaps_ext`).
+    pub(in crate::format::header_sector) fn v3_image_header() -> ImageHeader {
         use crate::format::header::{CompressionType, Extensions, Header, V3_HEADER_LEN};
-        let ih = ImageHeader {
+        ImageHeader {
             header: Header {
                 version: 3,
                 backing_file_offset: 0,
@@ -270,21 +272,26 @@ mod tests {
                 snapshots_offset: 0,
                 incompatible_features: 0,
                 compatible_features: 0,
-                autoclear_features: autoclear::ZEROED_TAIL,
+                autoclear_features: 0,
                 refcount_order: 4,
                 header_length: V3_HEADER_LEN,
                 compression_type: CompressionType::Zlib,
                 unknown_tail: Vec::new(),
             },
-            extensions: Extensions {
-                zeroed_tail: Some(ZeroedTail {
-                    from: 4 << 16,
-                    at: u64::from(V3_HEADER_LEN) + 8,
-                }),
-                ..Default::default()
-            },
+            extensions: Extensions::default(),
             backing_file: None,
-        };
+        }
+    }
+
+    /// A version 3 header of 64 KiB clusters with a zeroed tail extension (its offset
+    /// right after the header, as `create` places it).
+    fn v3() -> HeaderSector {
+        let mut ih = v3_image_header();
+        ih.header.autoclear_features = autoclear::ZEROED_TAIL;
+        ih.extensions.zeroed_tail = Some(ZeroedTail {
+            from: 4 << 16,
+            at: u64::from(crate::format::header::V3_HEADER_LEN) + 8,
+        });
         HeaderSector::from_cluster0(&ih.encode().expect("encode"))
     }
 

@@ -7,6 +7,8 @@ use qcow2_engine::testing::MemDevice;
 use qcow2_engine::{Chain, Error, Exec, Layer, OpenOptions, Qcow2};
 use std::rc::Rc;
 
+pub mod states;
+
 /// The bytes of a new image made with `opts`.
 pub fn new_image(opts: &CreateOptions) -> Vec<u8> {
     let exec = Exec::new();

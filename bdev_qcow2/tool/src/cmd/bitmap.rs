@@ -1,11 +1,13 @@
-//! `qcow2 bitmap`: changes persistent dirty bitmaps of an image, like `qemu-img bitmap
-//! --enable | --disable | --clear | --merge SRC [-b SRC_IMG [-F FMT]]`, through the
-//! engine (the image opened for writing, the change stored at its close in the engine's
-//! bitmap store order). Exit status 1 with qemu-img's "Operation … failed" line on error.
+//! `qcow2 bitmap`: adds, removes and changes persistent dirty bitmaps of an image, like
+//! `qemu-img bitmap --add [-g GRANULARITY] | --remove | --enable | --disable | --clear |
+//! --merge SRC [-b SRC_IMG [-F FMT]]`, through the engine (the image opened for writing;
+//! an add or remove switches the bitmap directory at once, in the engine's crash-safe
+//! order; the other changes are stored at close). Exit status 1 with qemu-img's
+//! "Operation … failed" line on error.
 //!
-//! Several operations run in a fixed order: clear, merge, enable, disable. `--add` and
-//! `--remove` (which grow or shrink the bitmap directory and the header's bitmaps
-//! extension) are refused: use `qemu-img bitmap` for them.
+//! Several operations run in the order given, as qemu-img runs them, up to the first that
+//! fails. `--add` makes a disabled bitmap when `--disable` is given too; its granularity
+//! defaults to QEMU's (the cluster size, within 4 KiB ..= 64 KiB).
 
 use crate::host::{open_single, open_top_only, Format, OpenSpec, ToolError, ToolResult};
 use qcow2_engine::{BitmapChange, Layer, OpenOptions};
@@ -14,10 +16,10 @@ use std::path::{Path, PathBuf};
 /// Arguments of `qcow2 bitmap`.
 #[derive(Debug, clap::Args)]
 pub struct BitmapArgs {
-    /// Create BITMAP (not supported: use `qemu-img bitmap --add`).
+    /// Create BITMAP (enabled, unless --disable is given too).
     #[arg(long)]
     pub add: bool,
-    /// Remove BITMAP (not supported: use `qemu-img bitmap --remove`).
+    /// Remove BITMAP, freeing its clusters.
     #[arg(long)]
     pub remove: bool,
     /// Clear every bit of BITMAP.
@@ -43,8 +45,9 @@ pub struct BitmapArgs {
         default_value = "qcow2"
     )]
     pub source_format: Format,
-    /// Granularity of a new bitmap (only with --add).
-    #[arg(short = 'g', long = "granularity")]
+    /// Granularity of a new bitmap in bytes, a power of 2 of at least 512 (k, M, G
+    /// suffixes; only with --add; 0: the default).
+    #[arg(short = 'g', long = "granularity", allow_hyphen_values = true)]
     pub granularity: Option<String>,
     /// Format of the image.
     #[arg(short = 'f', long = "format", value_enum, default_value = "qcow2")]
@@ -53,6 +56,48 @@ pub struct BitmapArgs {
     pub image: PathBuf,
     /// The bitmap.
     pub bitmap: String,
+    /// The operations in the order given on the command line (the ids `add`, `remove`,
+    /// `clear`, `enable`, `disable`, `merge`), filled by the caller from its parse; empty:
+    /// that order.
+    #[arg(skip)]
+    pub order: Vec<String>,
+}
+
+/// The ids of the operation arguments, in the order a caller that knows none runs them.
+pub const OPERATIONS: [&str; 6] = ["add", "clear", "merge", "enable", "disable", "remove"];
+
+/// The operations of `m` (the subcommand's matches) in command-line order.
+pub fn order_of(m: &clap::ArgMatches) -> Vec<String> {
+    let mut at: Vec<(usize, &str)> = OPERATIONS
+        .iter()
+        .filter(|id| m.value_source(id) == Some(clap::parser::ValueSource::CommandLine))
+        .filter_map(|id| m.index_of(id).map(|i| (i, *id)))
+        .collect();
+    at.sort();
+    at.into_iter().map(|(_, id)| id.to_string()).collect()
+}
+
+/// `-g` as qemu-img reads it: a size (0: none given), then cut to 32 bits as QEMU passes
+/// it on (so 4G is refused as 0 is, like qemu-img does).
+fn granularity(arg: &str) -> ToolResult<Option<u32>> {
+    if arg.trim_start().starts_with('-') {
+        return Err(ToolError::Usage(
+            "Invalid granularity specified. Must be between 0 and 9223372036854775807.".into(),
+        ));
+    }
+    let g = crate::parse_size(arg)
+        .ok()
+        .filter(|g| *g <= i64::MAX as u64)
+        .ok_or_else(|| ToolError::Usage(format!("Invalid granularity specified: '{arg}'.")))?;
+    Ok((g != 0).then_some(g as u32))
+}
+
+/// One operation.
+enum Op {
+    Add,
+    Remove,
+    /// A change; a merge within this image has none yet (its source is read when it runs).
+    Change(Option<BitmapChange>),
 }
 
 fn spec(path: &Path, format: Format, writable: bool) -> OpenSpec {
@@ -82,7 +127,11 @@ pub fn run(args: &BitmapArgs) -> ToolResult<String> {
             "Need at least one of --add, --remove, --clear, --enable, --disable, or --merge",
         );
     }
-    if args.granularity.is_some() && !args.add {
+    let gran = match &args.granularity {
+        Some(g) => granularity(g)?,
+        None => None,
+    };
+    if gran.is_some() && !args.add {
         return usage("granularity only supported with --add");
     }
     if args.source_file.is_some() && args.merge.is_none() {
@@ -96,14 +145,6 @@ pub fn run(args: &BitmapArgs) -> ToolResult<String> {
         };
         ToolError::Usage(format!("Operation {op} on bitmap {name} failed: {msg}"))
     };
-    for (on, op) in [(args.add, "add"), (args.remove, "remove")] {
-        if on {
-            return Err(ToolError::Usage(format!(
-                "Operation {op} on bitmap {name} failed: not supported by this tool (it does \
-                 not grow or shrink the bitmap directory); use qemu-img bitmap --{op}"
-            )));
-        }
-    }
     if args.format != Format::Qcow2 {
         return Err(ToolError::Usage(format!(
             "Operation on bitmap {name} failed: a raw image has no persistent bitmaps"
@@ -129,39 +170,65 @@ pub fn run(args: &BitmapArgs) -> ToolResult<String> {
     }
     let o = open_top_only(&spec(&args.image, args.format, true))?;
     let chain = o.chain.clone();
-    let mut ops: Vec<(&str, Option<BitmapChange>)> = Vec::new();
-    if args.clear {
-        ops.push(("clear", Some(BitmapChange::Clear)));
-    }
-    if args.merge.is_some() {
-        ops.push(("merge", merge.map(BitmapChange::Merge)));
-    }
-    if args.enable {
-        ops.push(("enable", Some(BitmapChange::Enable)));
-    }
-    if args.disable {
-        ops.push(("disable", Some(BitmapChange::Disable)));
-    }
-    let ops: Vec<(String, Option<BitmapChange>)> =
-        ops.into_iter().map(|(o, c)| (o.to_string(), c)).collect();
+    let on = |id: &str| match id {
+        "add" => args.add,
+        "remove" => args.remove,
+        "clear" => args.clear,
+        "enable" => args.enable,
+        "disable" => args.disable,
+        "merge" => args.merge.is_some(),
+        _ => false,
+    };
+    let order: Vec<String> = if args.order.is_empty() {
+        OPERATIONS
+            .iter()
+            .filter(|id| on(id))
+            .map(|id| id.to_string())
+            .collect()
+    } else {
+        args.order.clone()
+    };
+    let mut merge = merge.map(BitmapChange::Merge);
+    let ops: Vec<(String, Op)> = order
+        .into_iter()
+        .map(|id| {
+            let op = match id.as_str() {
+                "add" => Op::Add,
+                "remove" => Op::Remove,
+                "clear" => Op::Change(Some(BitmapChange::Clear)),
+                "enable" => Op::Change(Some(BitmapChange::Enable)),
+                "disable" => Op::Change(Some(BitmapChange::Disable)),
+                _ => Op::Change(merge.take()),
+            };
+            (id, op)
+        })
+        .collect();
+    // --disable with --add makes the new bitmap disabled, as qemu-img does.
+    let enabled = !args.disable;
     let (name2, src) = (name.clone(), args.merge.clone());
     let r = o.exec.block_on(async move {
         let Some(Layer::Qcow2(q)) = chain.layers().first() else {
             return Err(("open".to_string(), qcow2_engine::Error::ReadOnly));
         };
         let mut done = Ok(());
-        for (op, change) in ops {
-            let change = match change {
-                Some(c) => Ok(c),
-                // A merge within this image: the source's bits as kept now.
-                None => q
-                    .bitmap_bits(src.as_deref().unwrap_or_default())
-                    .await
-                    .map(BitmapChange::Merge),
-            };
-            let r = match change {
-                Ok(c) => q.change_bitmap(&name2, c).await,
-                Err(e) => Err(e),
+        for (op, what) in ops {
+            let r = match what {
+                Op::Add => q.add_bitmap(&name2, gran, enabled).await,
+                Op::Remove => q.remove_bitmap(&name2).await,
+                Op::Change(change) => {
+                    let change = match change {
+                        Some(c) => Ok(c),
+                        // A merge within this image: the source's bits as kept now.
+                        None => q
+                            .bitmap_bits(src.as_deref().unwrap_or_default())
+                            .await
+                            .map(BitmapChange::Merge),
+                    };
+                    match change {
+                        Ok(c) => q.change_bitmap(&name2, c).await,
+                        Err(e) => Err(e),
+                    }
+                }
             };
             if let Err(e) = r {
                 done = Err((op, e));

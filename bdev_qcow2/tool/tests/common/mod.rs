@@ -69,3 +69,10 @@ pub fn assert_same(a: &Path, fa: &str, b: &Path, fb: &str) {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// `qemu-img info`'s bitmaps list of `img` (null without any).
+pub fn info_bitmaps(img: &std::path::Path) -> serde_json::Value {
+    let out = qemu_img(&["info", "--output=json", img.to_str().expect("utf-8 path")]);
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    v["format-specific"]["data"]["bitmaps"].clone()
+}

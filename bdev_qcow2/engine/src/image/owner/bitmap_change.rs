@@ -6,7 +6,7 @@
 //! it leaves the bitmaps `in_use` (inconsistent), never half changed.
 //!
 //! Adding and removing bitmaps (which change the directory's size and the header's
-//! bitmaps extension) are not here.
+//! bitmaps extension) are in `bitmap_dir.rs`.
 
 use super::Owner;
 use crate::error::{Error, Result};
@@ -38,7 +38,7 @@ pub struct BitmapBits {
     pub data: Vec<u8>,
 }
 
-fn not_found(name: &str) -> Error {
+pub(super) fn not_found(name: &str) -> Error {
     Error::Refused(format!("Dirty bitmap '{name}' not found"))
 }
 
@@ -60,15 +60,18 @@ impl<D: BlockDevice> Owner<'_, D> {
         let size = self.size();
         let mut st = m.st_mut();
         let Some(kept) = st.bitmaps.as_mut() else {
-            return Err(self.missing_bitmap(name));
+            // A version 2 image: no bitmaps.
+            return Err(not_found(name));
         };
         let Some(entry) = kept.entries.iter().position(|e| e.name == name) else {
             return Err(not_found(name));
         };
-        let Some(k) = kept.loaded.iter().position(|l| l.entry == entry) else {
+        let Some(l) = kept.loaded.iter().find(|l| l.entry == entry) else {
             return Err(inconsistent(name));
         };
-        let bits = kept.bits.get(k);
+        let Some(bits) = kept.bits.get(l.slot) else {
+            return Err(inconsistent(name));
+        };
         match change {
             BitmapChange::Enable | BitmapChange::Disable => {
                 let on = change == BitmapChange::Enable;
@@ -94,31 +97,12 @@ impl<D: BlockDevice> Owner<'_, D> {
         Ok(())
     }
 
-    /// `not_found`, or `inconsistent` when the image has the bitmap but keeps none (every
-    /// one of them `in_use` at open).
-    fn missing_bitmap(&self, name: &str) -> Error {
-        let has = self
-            .header
-            .borrow()
-            .extensions
-            .bitmaps
-            .as_ref()
-            .is_some_and(|b| b.nb_bitmaps > 0);
-        if has {
-            // Only `in_use` bitmaps: whether `name` is one is not known without reading
-            // the directory, which a caller does through `bitmap_bits` first.
-            inconsistent(name)
-        } else {
-            not_found(name)
-        }
-    }
-
     /// The bits of kept bitmap `name` as they are now.
     fn kept_bits(&self, name: &str) -> Option<Result<BitmapBits>> {
         let st = self.meta().st();
         let kept = st.bitmaps.as_ref()?;
         let entry = kept.entries.iter().position(|e| e.name == name)?;
-        let Some(k) = kept.loaded.iter().position(|l| l.entry == entry) else {
+        let Some(l) = kept.loaded.iter().find(|l| l.entry == entry) else {
             return Some(Err(inconsistent(name)));
         };
         let e = &kept.entries[entry];
@@ -127,7 +111,7 @@ impl<D: BlockDevice> Owner<'_, D> {
         Some(Ok(BitmapBits {
             granularity_bits: e.granularity_bits,
             disk_size: size,
-            data: kept.bits.get(k).data(len as usize),
+            data: kept.bits.get(l.slot)?.data(len as usize),
         }))
     }
 }

@@ -34,19 +34,22 @@ use crate::limits::MAX_BITMAP_MEMORY;
 use crate::types::{HostOffset, HostRange};
 use std::sync::Arc;
 
-/// A bitmap the owner loaded.
+/// A bitmap the owner loaded (or added).
 pub(crate) struct Loaded {
     /// Its entry in [`KeptBitmaps::entries`].
     pub(crate) entry: usize,
+    /// Its slot in [`KeptBitmaps::bits`].
+    pub(crate) slot: usize,
     /// The host clusters its data was in when loaded (or last stored).
     pub(crate) data_clusters: Vec<u64>,
 }
 
-/// The image's persistent bitmaps (see the module doc).
+/// The image's persistent bitmaps (see the module doc); kept by the owner of every
+/// version 3 image open for writing, with none (so that bitmaps can be added).
 pub(crate) struct KeptBitmaps {
-    /// Host offset of the directory.
+    /// Host offset of the directory (0: none).
     pub(crate) dir_offset: u64,
-    /// The directory's bytes, whole sectors.
+    /// The directory's bytes (its size in the header extension).
     pub(crate) dir: Vec<u8>,
     /// Its entries (positions, tables and flags as in `dir`).
     pub(crate) entries: Vec<BitmapEntry>,
@@ -69,11 +72,20 @@ impl KeptBitmaps {
 
 impl<D: BlockDevice> Owner<'_, D> {
     /// At open for writing: loads every bitmap not already `in_use`, and marks them
-    /// `in_use` on disk (flushed) before the image takes any write. `None` when the image
-    /// has no bitmaps to keep. A directory or table QEMU would refuse is an error.
+    /// `in_use` on disk (flushed) before the image takes any write. `None` for a version 2
+    /// image (which cannot have any). A directory or table QEMU would refuse is an error.
     pub(crate) async fn load_bitmaps(&self) -> Result<Option<Arc<DirtyBitmaps>>> {
-        let Some(ext) = self.header.borrow().extensions.bitmaps.clone() else {
+        if self.header.borrow().header.version < 3 {
             return Ok(None);
+        }
+        let Some(ext) = self.header.borrow().extensions.bitmaps.clone() else {
+            return Ok(Some(self.keep_bitmaps(KeptBitmaps {
+                dir_offset: 0,
+                dir: Vec::new(),
+                entries: Vec::new(),
+                loaded: Vec::new(),
+                bits: Arc::new(DirtyBitmaps::new(Vec::new())),
+            })));
         };
         let cs = self.geo.cluster_size();
         if ext.directory_offset.saturating_add(ext.directory_size) > self.device_size.get() {
@@ -83,15 +95,15 @@ impl<D: BlockDevice> Owner<'_, D> {
                 "bitmap directory extends past the end of the device",
             ));
         }
-        let dir_len = ext.directory_size.div_ceil(SECTOR) * SECTOR;
-        let mut dir = read_bytes(&self.exec, self.dev, ext.directory_offset, dir_len).await?;
-        let mut entries = bitmaps::parse_directory(
-            &dir[..ext.directory_size as usize],
-            ext.nb_bitmaps,
-            cs,
-            self.size(),
+        let mut dir = read_bytes(
+            &self.exec,
+            self.dev,
+            ext.directory_offset,
+            ext.directory_size,
         )
-        .map_err(|why| invalid(Field::BitmapsExtension, ext.directory_offset, why))?;
+        .await?;
+        let mut entries = bitmaps::parse_directory(&dir, ext.nb_bitmaps, cs, self.size())
+            .map_err(|why| invalid(Field::BitmapsExtension, ext.directory_offset, why))?;
         let size = self.size();
         let memory: u64 = entries
             .iter()
@@ -121,6 +133,7 @@ impl<D: BlockDevice> Owner<'_, D> {
             bits.push(Bits::new(e.granularity_bits, &data, granules, e.auto()));
             loaded.push(Loaded {
                 entry: i,
+                slot: loaded.len(),
                 data_clusters,
             });
         }
@@ -129,25 +142,30 @@ impl<D: BlockDevice> Owner<'_, D> {
             e.flags |= FLAG_IN_USE;
             bitmaps::set_flags(&mut dir, e, e.flags);
         }
-        if loaded.is_empty() {
-            return Ok(None);
+        if !loaded.is_empty() {
+            // Written back in whole sectors, inside its clusters: a file QEMU left ending
+            // inside them grows to cover them.
+            let dir_end = ext.directory_offset + ext.directory_size.div_ceil(SECTOR) * SECTOR;
+            if dir_end > self.device_size.get() {
+                self.note_allocated(dir_end.div_ceil(cs))?;
+            }
+            self.write_directory(ext.directory_offset, &dir).await?;
+            self.exec.flush(self.dev).await?;
         }
-        // Written back in whole sectors, inside its clusters: a file QEMU left ending
-        // inside them grows to cover them.
-        if ext.directory_offset + dir_len > self.device_size.get() {
-            self.note_allocated((ext.directory_offset + dir_len).div_ceil(cs))?;
-        }
-        self.write_directory(ext.directory_offset, &dir).await?;
-        self.exec.flush(self.dev).await?;
-        let bits = Arc::new(DirtyBitmaps::new(bits));
-        self.meta().st_mut().bitmaps = Some(KeptBitmaps {
+        Ok(Some(self.keep_bitmaps(KeptBitmaps {
             dir_offset: ext.directory_offset,
             dir,
             entries,
             loaded,
-            bits: bits.clone(),
-        });
-        Ok(Some(bits))
+            bits: Arc::new(DirtyBitmaps::new(bits)),
+        })))
+    }
+
+    /// The owner keeps `kept`; returns the bits every core shares.
+    fn keep_bitmaps(&self, kept: KeptBitmaps) -> Arc<DirtyBitmaps> {
+        let bits = kept.bits.clone();
+        self.meta().st_mut().bitmaps = Some(kept);
+        bits
     }
 }
 
@@ -209,7 +227,7 @@ impl<D: BlockDevice> crate::image::Qcow2<D> {
 impl<D: BlockDevice> Owner<'_, D> {
     /// Adds `clusters` to `owned`, each of which must be a bitmap's alone: not in `owned`
     /// yet, not the image's other metadata, refcount 1.
-    async fn own(
+    pub(crate) async fn own(
         &self,
         owned: &mut super::HashSet<u64>,
         clusters: impl Iterator<Item = u64>,
@@ -232,10 +250,13 @@ impl<D: BlockDevice> Owner<'_, D> {
         Ok(())
     }
 
-    /// Writes the directory `dir` (whole sectors) at `offset`.
-    async fn write_directory(&self, offset: u64, dir: &[u8]) -> Result<()> {
-        let buf = self.exec.alloc_buf(self.dev, dir.len());
-        buf.copy_in(0, dir);
+    /// Writes the directory `dir` at `offset`, zeros to its last sector's end.
+    pub(crate) async fn write_directory(&self, offset: u64, dir: &[u8]) -> Result<()> {
+        let len = (dir.len() as u64).div_ceil(SECTOR) * SECTOR;
+        let buf = self.exec.alloc_buf(self.dev, len as usize);
+        let mut padded = dir.to_vec();
+        padded.resize(len as usize, 0);
+        buf.copy_in(0, &padded);
         self.exec
             .write(self.dev, offset, BufSlice::whole(buf))
             .await
@@ -253,6 +274,10 @@ impl<D: BlockDevice> Owner<'_, D> {
     }
 
     async fn store_kept(&self, kept: &mut KeptBitmaps) -> Result<()> {
+        if kept.loaded.is_empty() {
+            // Nothing in use to store (an image with no bitmaps, or only inconsistent ones).
+            return Ok(());
+        }
         let cs = self.geo.cluster_size();
         let size = self.size();
         kept.bits.clear_from(size);
@@ -261,7 +286,9 @@ impl<D: BlockDevice> Owner<'_, D> {
         let mut moved: Vec<(usize, u64, u32, Vec<u64>)> = Vec::new();
         for (k, l) in kept.loaded.iter().enumerate() {
             let e = &kept.entries[l.entry];
-            let bits = kept.bits.get(k);
+            let Some(bits) = kept.bits.get(l.slot) else {
+                continue;
+            };
             let len = data_bytes(size, e.granularity_bits);
             let entries = len.div_ceil(cs);
             if !bits.changed() && entries == u64::from(e.table_size) {
@@ -307,7 +334,9 @@ impl<D: BlockDevice> Owner<'_, D> {
                 e.table_offset = *table_off;
                 e.table_size = *table_size;
                 l.data_clusters = std::mem::take(clusters);
-                kept.bits.get(*k).stored();
+                if let Some(b) = kept.bits.get(l.slot) {
+                    b.stored();
+                }
             }
             self.write_directory(kept.dir_offset, &kept.dir).await?;
             self.exec.flush(self.dev).await?;
@@ -355,11 +384,15 @@ impl<D: BlockDevice> Owner<'_, D> {
         let Some(kept) = &st.bitmaps else {
             return Ok(());
         };
-        if let Some(i) = kept.bits.too_small(new_size) {
+        if let Some(slot) = kept.bits.too_small(new_size) {
+            let name = kept
+                .loaded
+                .iter()
+                .find(|l| l.slot == slot)
+                .map_or("?", |l| kept.entries[l.entry].name.as_str());
             return Err(Error::Refused(format!(
-                "persistent bitmap '{}' cannot describe a disk of {new_size} bytes (QEMU's \
-                 limit: 2^32 granules); remove it first",
-                kept.entries[kept.loaded[i].entry].name
+                "persistent bitmap '{name}' cannot describe a disk of {new_size} bytes (QEMU's \
+                 limit: 2^32 granules); remove it first"
             )));
         }
         let memory = kept.bits.memory_for(new_size);

@@ -15,9 +15,9 @@
 
 use super::Owner;
 use crate::error::{corrupt, Error, Field, Result};
-use crate::format::header::ZeroedTail;
+use crate::format::header::{BitmapsExt, ZeroedTail};
 use crate::format::HeaderSector;
-use crate::io::{BlockDevice, BufSlice, IoBuffer};
+use crate::io::{BlockDevice, BufSlice, IoBuffer, SECTOR};
 
 /// The header writer's state (see the module doc).
 pub(crate) struct HeaderCopies {
@@ -115,6 +115,27 @@ impl HeaderCopies {
         self.sector0.clear_backing(rest)
     }
 
+    /// Whether the bitmaps extension `ext` would fit (see
+    /// [`HeaderSector::set_bitmaps_ext`]; `rest` is cluster 0 past the first sector).
+    pub(crate) fn bitmaps_ext_fits(
+        &self,
+        rest: &[u8],
+        ext: Option<&BitmapsExt>,
+    ) -> std::result::Result<(), &'static str> {
+        self.sector0.clone().set_bitmaps_ext(rest, ext)
+    }
+    /// The bitmaps extension becomes `ext` (see [`HeaderSector::set_bitmaps_ext`]); the
+    /// header is dirty. Returns where the backing file name is now.
+    pub(crate) fn set_bitmaps_ext(
+        &mut self,
+        rest: &[u8],
+        ext: Option<&BitmapsExt>,
+    ) -> std::result::Result<u64, &'static str> {
+        self.sector0.set_bitmaps_ext(rest, ext)?;
+        self.dirty = true;
+        Ok(self.sector0.backing_file_offset())
+    }
+
     /// The zeroed tail raised to `tail`: in the copy and in the one on disk, which is
     /// returned to be written alone.
     pub(crate) fn raise_zeroed_tail(&mut self, tail: ZeroedTail) -> Vec<u8> {
@@ -154,6 +175,18 @@ impl<D: BlockDevice> Owner<'_, D> {
         self.header.borrow_mut().header.incompatible_features |=
             crate::format::header::incompat::CORRUPT;
         corrupt(field, value, reason)
+    }
+
+    /// Cluster 0 past its first sector, as on disk (the extension list may run into it).
+    pub(crate) async fn header_rest(&self) -> Result<Vec<u8>> {
+        let cs = self.geo.cluster_size() as usize;
+        let buf = self.exec.alloc_buf(self.dev, cs);
+        self.exec
+            .read(self.dev, 0, BufSlice::whole(buf.clone()))
+            .await?;
+        let mut c0 = vec![0u8; cs];
+        buf.copy_out(0, &mut c0);
+        Ok(c0.split_off(SECTOR as usize))
     }
 
     /// Writes the header copy (the first sector).

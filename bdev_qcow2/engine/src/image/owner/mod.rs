@@ -37,6 +37,7 @@
 pub(crate) mod alloc;
 pub(crate) mod background;
 pub(crate) mod bitmap_change;
+pub(crate) mod bitmap_dir;
 pub(crate) mod bitmaps;
 pub(crate) mod dirty;
 pub(crate) mod discards;

@@ -9,7 +9,7 @@
 
 use super::Owner;
 use crate::error::Result;
-use crate::io::{BlockDevice, BufSlice, IoBuffer, SECTOR};
+use crate::io::BlockDevice;
 
 impl<D: BlockDevice> Owner<'_, D> {
     /// Drops the backing file reference from the header (see the module doc). Returns
@@ -21,14 +21,8 @@ impl<D: BlockDevice> Owner<'_, D> {
         self.writeback_locked().await?;
         self.exec.flush(self.dev).await?;
         // The extension list may run past the first sector, which the header copy holds.
-        let cs = self.geo.cluster_size() as usize;
-        let buf = self.exec.alloc_buf(self.dev, cs);
-        self.exec
-            .read(self.dev, 0, BufSlice::whole(buf.clone()))
-            .await?;
-        let mut c0 = vec![0u8; cs];
-        buf.copy_out(0, &mut c0);
-        let gone = m.st_mut().header.clear_backing(&c0[SECTOR as usize..]);
+        let rest = self.header_rest().await?;
+        let gone = m.st_mut().header.clear_backing(&rest);
         self.write_header().await?;
         self.exec.flush(self.dev).await?;
         let mut h = self.header.borrow_mut();
