@@ -255,7 +255,9 @@ impl<D: BlockDevice> Chain<D> {
     #[inline(always)]
     pub(crate) fn note_change(&self, offset: u64, len: u64) {
         if let Some(b) = &self.dirty_bitmaps {
-            b.mark(offset, len);
+            if b.recording() {
+                b.mark(offset, len);
+            }
         }
     }
 

@@ -149,8 +149,9 @@ impl Bits {
         }
     }
 
-    /// Starts or stops recording guest writes.
-    pub(crate) fn set_enabled(&self, on: bool) {
+    /// Starts or stops recording guest writes (through [`DirtyBitmaps::set_enabled`], which
+    /// keeps its `recording` true).
+    fn set_enabled(&self, on: bool) {
         self.enabled.store(on, Ordering::Relaxed);
     }
 
@@ -212,6 +213,9 @@ pub(crate) const ADDED_SLOTS: usize = 16;
 /// removed bitmap is retired, recording nothing), so cores read them without locks.
 pub struct DirtyBitmaps {
     maps: Box<[OnceLock<Bits>]>,
+    /// Whether any live bitmap is enabled: tested inline on every write, so that an image
+    /// with no bitmap recording pays no call ([`refresh`](Self::refresh) keeps it).
+    recording: AtomicBool,
 }
 
 impl std::fmt::Debug for DirtyBitmaps {
@@ -230,9 +234,33 @@ impl DirtyBitmaps {
             .map(OnceLock::from)
             .chain((0..ADDED_SLOTS).map(|_| OnceLock::new()))
             .collect();
-        DirtyBitmaps {
+        let d = DirtyBitmaps {
             maps: slots.into_boxed_slice(),
+            recording: AtomicBool::new(false),
+        };
+        d.refresh();
+        d
+    }
+
+    /// Whether a write must be [`mark`](Self::mark)ed: some bitmap records.
+    #[inline(always)]
+    pub fn recording(&self) -> bool {
+        self.recording.load(Ordering::Relaxed)
+    }
+
+    /// Recomputes [`recording`](Self::recording) after a bitmap was added, removed,
+    /// enabled or disabled.
+    fn refresh(&self) {
+        let on = self.live().any(|b| b.enabled.load(Ordering::Relaxed));
+        self.recording.store(on, Ordering::Relaxed);
+    }
+
+    /// Starts or stops recording guest writes in the bitmap of slot `i`.
+    pub(crate) fn set_enabled(&self, i: usize, on: bool) {
+        if let Some(b) = self.get(i) {
+            b.set_enabled(on);
         }
+        self.refresh();
     }
 
     /// The bitmaps not retired.
@@ -268,6 +296,7 @@ impl DirtyBitmaps {
     pub(crate) fn add(&self, b: Bits) -> Option<usize> {
         let i = self.maps.iter().position(|m| m.get().is_none())?;
         self.maps[i].set(b).ok()?;
+        self.refresh();
         Some(i)
     }
 
@@ -277,6 +306,7 @@ impl DirtyBitmaps {
             b.set_enabled(false);
             b.retired.store(true, Ordering::Relaxed);
         }
+        self.refresh();
     }
 
     /// Memory the bitmaps take for a disk of `size` bytes.

@@ -69,7 +69,8 @@ impl<D: BlockDevice> Owner<'_, D> {
         let Some(l) = kept.loaded.iter().find(|l| l.entry == entry) else {
             return Err(inconsistent(name));
         };
-        let Some(bits) = kept.bits.get(l.slot) else {
+        let slot = l.slot;
+        let Some(bits) = kept.bits.get(slot) else {
             return Err(inconsistent(name));
         };
         match change {
@@ -82,7 +83,7 @@ impl<D: BlockDevice> Owner<'_, D> {
                     e.flags & !FLAG_AUTO
                 };
                 bitmaps::set_flags(&mut kept.dir, e, e.flags);
-                bits.set_enabled(on);
+                kept.bits.set_enabled(slot, on);
             }
             BitmapChange::Clear => bits.clear_all(),
             BitmapChange::Merge(src) => {
