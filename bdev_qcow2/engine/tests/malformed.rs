@@ -1569,14 +1569,7 @@ fn extended_compressed(zstd: bool, stream: &[u8], bitmap: u64) -> Vec<u8> {
         zstd,
         ..Spec::default()
     };
-    let mut img = build(&spec);
-    let off = img.len() as u64 + 100;
-    img.resize(off as usize, 0);
-    img.extend_from_slice(stream);
-    img.resize(img.len().div_ceil(512) * 512, 0);
-    let e = compressed_descriptor(spec.cluster_bits, off, stream.len() as u64);
-    put64(&mut img, L2_OFF + 16, e);
-    with64(img, L2_OFF + 24, bitmap)
+    with64(with_compressed(&spec, stream), L2_OFF + 24, bitmap)
 }
 
 #[test]
@@ -1636,7 +1629,8 @@ fn compressed_descriptor(cluster_bits: u32, offset: u64, len: u64) -> u64 {
 }
 
 /// Guest cluster 1 of the default fixture (or of `spec`), stored as `stream` at a
-/// sector-unaligned offset after the last cluster; returns the image.
+/// sector-unaligned offset after the last cluster (with extended L2, its bitmap 0);
+/// returns the image.
 fn with_compressed(spec: &Spec, stream: &[u8]) -> Vec<u8> {
     let mut img = build(spec);
     let off = img.len() as u64 + 100;
@@ -1644,7 +1638,12 @@ fn with_compressed(spec: &Spec, stream: &[u8]) -> Vec<u8> {
     img.extend_from_slice(stream);
     img.resize(img.len().div_ceil(512) * 512, 0);
     let e = compressed_descriptor(spec.cluster_bits, off, stream.len() as u64);
-    put64(&mut img, L2_OFF + 8, e);
+    if spec.extended_l2 {
+        put64(&mut img, L2_OFF + 16, e);
+        put64(&mut img, L2_OFF + 24, 0);
+    } else {
+        put64(&mut img, L2_OFF + 8, e);
+    }
     img
 }
 
