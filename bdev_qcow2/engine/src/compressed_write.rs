@@ -34,8 +34,7 @@ impl<D: BlockDevice> Chain<D> {
     /// be unallocated in the top image.
     ///
     /// Returns `Ok(())` once the write completed (durable after [`Chain::flush`]). When
-    /// compression does not make the cluster smaller, when the image has extended L2
-    /// entries, or when the cluster is already allocated, the data is written by an ordinary
+    /// compression does not make the cluster smaller, or when the cluster is already allocated, the data is written by an ordinary
     /// [`Chain::write`] instead.
     pub async fn write_compressed(self: &Rc<Self>, offset: u64, data: &[u8]) -> Result<()> {
         let q = top(self)?;
@@ -60,9 +59,6 @@ impl<D: BlockDevice> Chain<D> {
             buf.copy_in(0, data);
             chain.write(offset, BufSlice::whole(buf)).await
         };
-        if geo.extended_l2 {
-            return plain(self.clone()).await;
-        }
         let mut cluster = data.to_vec();
         cluster.resize(cs as usize, 0);
         let ct = q.header().header.compression_type;

@@ -128,8 +128,12 @@ impl<D: BlockDevice> Chain<D> {
                 }
                 continue;
             }
-            // Validates the entry and the bitmap.
-            entry.subcluster_mapping(bitmap, 0, &ctx)?;
+            // Validates the entry and the bitmap; a compressed cluster holds all its data.
+            if let crate::format::ClusterMapping::Compressed(_) =
+                entry.subcluster_mapping(bitmap, 0, &ctx)?
+            {
+                continue;
+            }
             // Subclusters wholly past the backing chain read as zeros either way.
             let below = (backing_end - cluster.0).div_ceil(sc).min(32);
             let mask = if below >= 32 {

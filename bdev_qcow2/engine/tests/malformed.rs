@@ -1561,13 +1561,43 @@ fn extended_l2_allocated_subclusters_without_cluster_is_corrupt() {
     assert_read_corrupt(with64(img, L2_OFF + 8, 1), Field::SubclusterBitmap);
 }
 
+/// Guest cluster 1 of an extended-L2 fixture stored compressed as `stream`, its
+/// (reserved) subcluster bitmap `bitmap`.
+fn extended_compressed(zstd: bool, stream: &[u8], bitmap: u64) -> Vec<u8> {
+    let spec = Spec {
+        extended_l2: true,
+        zstd,
+        ..Spec::default()
+    };
+    with64(with_compressed(&spec, stream), L2_OFF + 24, bitmap)
+}
+
 #[test]
-fn extended_l2_compressed_entry_is_corrupt() {
-    let x = 62 - (CLUSTER_BITS - 8);
-    assert_read_corrupt(
-        with64(extended(), L2_OFF, COMPRESSED | (1 << x) | DATA_OFF),
-        Field::L2Entry,
-    );
+fn extended_l2_compressed_cluster_reads_back() {
+    // QEMU writes compressed clusters into extended-L2 images, their bitmap 0.
+    for (zstd, ct) in [
+        (false, CompressionType::Zlib),
+        (true, CompressionType::Zstd),
+    ] {
+        let img = extended_compressed(zstd, &compress(ct, &cluster_1()), 0);
+        let got = read_disk(open_ok(img)).unwrap_or_else(|e| panic!("{ct:?}: {e}"));
+        let mut want = expected_disk();
+        want[CS as usize..2 * CS as usize].copy_from_slice(&cluster_1());
+        assert!(got == want, "{ct:?} cluster read back wrong");
+    }
+}
+
+#[test]
+fn extended_l2_compressed_entry_with_a_bitmap_is_corrupt() {
+    // The bitmap of a compressed cluster is reserved (QEMU's check: "compressed cluster
+    // with non-zero subcluster allocation bitmap").
+    let stream = compress(CompressionType::Zlib, &cluster_1());
+    for bitmap in [1, 1 << 31, 1 << 32, u64::MAX] {
+        assert_read_corrupt(
+            extended_compressed(false, &stream, bitmap),
+            Field::SubclusterBitmap,
+        );
+    }
 }
 
 #[test]
@@ -1599,7 +1629,8 @@ fn compressed_descriptor(cluster_bits: u32, offset: u64, len: u64) -> u64 {
 }
 
 /// Guest cluster 1 of the default fixture (or of `spec`), stored as `stream` at a
-/// sector-unaligned offset after the last cluster; returns the image.
+/// sector-unaligned offset after the last cluster (with extended L2, its bitmap 0);
+/// returns the image.
 fn with_compressed(spec: &Spec, stream: &[u8]) -> Vec<u8> {
     let mut img = build(spec);
     let off = img.len() as u64 + 100;
@@ -1607,7 +1638,12 @@ fn with_compressed(spec: &Spec, stream: &[u8]) -> Vec<u8> {
     img.extend_from_slice(stream);
     img.resize(img.len().div_ceil(512) * 512, 0);
     let e = compressed_descriptor(spec.cluster_bits, off, stream.len() as u64);
-    put64(&mut img, L2_OFF + 8, e);
+    if spec.extended_l2 {
+        put64(&mut img, L2_OFF + 16, e);
+        put64(&mut img, L2_OFF + 24, 0);
+    } else {
+        put64(&mut img, L2_OFF + 8, e);
+    }
     img
 }
 

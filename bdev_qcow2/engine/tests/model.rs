@@ -274,7 +274,12 @@ fn continue_qemu_image(compressed: bool, extended_l2: bool, seed: u64) {
         s,
     ]);
     if compressed {
-        sh(&["qemu-img", "convert", "-c", "-O", "qcow2", s, p]);
+        sh(&["qemu-img", "convert", "-c", "-O", "qcow2", "-o", opts, s, p]);
+        let map = Command::new("qemu-img")
+            .args(["map", "--output=json", p])
+            .output()
+            .unwrap();
+        assert!(String::from_utf8_lossy(&map.stdout).contains("\"compressed\": true"));
     } else {
         std::fs::copy(&src, &img).unwrap();
     }
@@ -367,6 +372,12 @@ fn continue_qemu_image_compressed_with_snapshots() {
 #[test]
 fn continue_qemu_image_extended_l2_with_snapshots() {
     continue_qemu_image(false, true, 33);
+}
+
+#[test]
+fn continue_qemu_image_compressed_extended_l2_with_snapshots() {
+    // QEMU writes compressed clusters into extended-L2 images too.
+    continue_qemu_image(true, true, 34);
 }
 
 #[test]

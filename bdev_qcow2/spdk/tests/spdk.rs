@@ -562,6 +562,28 @@ mod real {
         write_config(&cfg, vec![qcow2("q0", "aio0", None), aio(&comp, "aio0")]);
         dd_and_compare(d, &cfg, "q0", &comp, "compressed");
 
+        // Compressed clusters (zstd) in an extended-L2 image, as qemu-img writes them.
+        let comp_ext = d.join("comp_ext.qcow2");
+        qemu_img(&[
+            "convert",
+            "-q",
+            "-c",
+            "-f",
+            "raw",
+            "-O",
+            "qcow2",
+            "-o",
+            "extended_l2=on,cluster_size=16384,compression_type=zstd",
+            s(&raw),
+            s(&comp_ext),
+        ]);
+        let cfg = d.join("comp_ext.json");
+        write_config(
+            &cfg,
+            vec![aio(&comp_ext, "aio0"), qcow2("q0", "aio0", None)],
+        );
+        dd_and_compare(d, &cfg, "q0", &comp_ext, "compressed-extended-l2");
+
         // A backing chain: the backing image is a second qcow2 bdev.
         let base = d.join("base.qcow2");
         qemu_img(&["create", "-q", "-f", "qcow2", s(&base), "64M"]);

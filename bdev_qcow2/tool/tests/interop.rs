@@ -224,7 +224,8 @@ fn l2_slices_smaller_than_table_and_tiny_cache() {
     c.check(&img, &["--l2-slice-size", "65536"]);
 }
 
-fn compressed_case(compression: &str, cluster: &str) {
+/// `extra`: further options of the compressed image (`,extended_l2=on`).
+fn compressed_case(compression: &str, cluster: &str, extra: &str) {
     let c = Case::new();
     let src = c.create("src.qcow2", &format!("cluster_size={cluster}"), "32M");
     let cl = qcow2_tool::parse_size(cluster).expect("size");
@@ -239,7 +240,7 @@ fn compressed_case(compression: &str, cluster: &str) {
         "-O",
         "qcow2",
         "-o",
-        &format!("compression_type={compression},cluster_size={cluster}"),
+        &format!("compression_type={compression},cluster_size={cluster}{extra}"),
         src.to_str().expect("utf-8"),
         dst.to_str().expect("utf-8"),
     ]);
@@ -251,22 +252,44 @@ fn compressed_case(compression: &str, cluster: &str) {
 
 #[test]
 fn compressed_zlib() {
-    compressed_case("zlib", "65536");
+    compressed_case("zlib", "65536", "");
 }
 
 #[test]
 fn compressed_zlib_4k() {
-    compressed_case("zlib", "4096");
+    compressed_case("zlib", "4096", "");
 }
 
 #[test]
 fn compressed_zstd() {
-    compressed_case("zstd", "65536");
+    compressed_case("zstd", "65536", "");
 }
 
 #[test]
 fn compressed_zstd_2m() {
-    compressed_case("zstd", "2M");
+    compressed_case("zstd", "2M", "");
+}
+
+// Compressed clusters in extended-L2 images (QEMU writes them; their bitmap is 0), and
+// qemu-io's subcluster writes over them.
+#[test]
+fn compressed_zlib_extended_l2_16k() {
+    compressed_case("zlib", "16384", ",extended_l2=on");
+}
+
+#[test]
+fn compressed_zstd_extended_l2_16k() {
+    compressed_case("zstd", "16384", ",extended_l2=on");
+}
+
+#[test]
+fn compressed_zlib_extended_l2_64k() {
+    compressed_case("zlib", "65536", ",extended_l2=on");
+}
+
+#[test]
+fn compressed_zstd_extended_l2_64k() {
+    compressed_case("zstd", "65536", ",extended_l2=on");
 }
 
 #[test]

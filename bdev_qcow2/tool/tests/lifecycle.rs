@@ -332,7 +332,7 @@ fn create_with_a_backing_file_is_an_external_snapshot() {
 
 /// A three-image chain made by qemu-img: a compressed base, a 4 KiB-cluster middle with
 /// data and zeros over it, and an extended-L2 top, larger than the base, with partial
-/// subclusters, zeros and data. Returns the top.
+/// subclusters, zeros, data and a compressed cluster. Returns the top.
 fn stream_chain(d: &Dir) -> PathBuf {
     let b0 = d.image(
         "b0.qcow2",
@@ -368,6 +368,8 @@ fn stream_chain(d: &Dir) -> PathBuf {
             "write -z 5M 128k",
             "write -P 0x46 9M 64k",
             "write -P 0x47 7M 512",
+            // A compressed cluster (its subcluster bitmap 0) over backing data.
+            "write -c -P 0x48 8M 64k",
         ],
     )
 }

@@ -488,6 +488,105 @@ fn io_continues_qemu_images() {
     assert_same(&snap_ours, "raw", &snap_orig, "raw");
 }
 
+/// `qemu-img map --output=json` of `img` without host offsets (ours allocate elsewhere).
+fn map_without_offsets(img: &Path) -> serde_json::Value {
+    let out = qemu_img(&["map", "--output=json", s(img)]);
+    let mut v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("map JSON");
+    for e in v.as_array_mut().expect("map is a list") {
+        e.as_object_mut().expect("map entry").remove("offset");
+    }
+    v
+}
+
+/// Compressed clusters of an extended-L2 image (as `qemu-img convert -c` writes them),
+/// overwritten here and by qemu-io alike: a partial write copies the cluster into a normal
+/// one with every subcluster allocated, whole-cluster write-zeroes free it, partial ones
+/// are written as data. Both images check clean, read the same and map the same.
+fn compressed_extended_l2_case(opts: &str, cluster: u64) {
+    let d = Dir::new();
+    let size: u64 = 4 << 20;
+    let src = d.path("src.raw");
+    qemu_img(&["create", "-q", "-f", "raw", s(&src), &size.to_string()]);
+    qemu_io(&src, "raw", &[format!("write -P 0x33 0 {size}")]);
+    let comp = d.path("comp.qcow2");
+    qemu_img(&[
+        "convert",
+        "-c",
+        "-f",
+        "raw",
+        "-O",
+        "qcow2",
+        "-o",
+        opts,
+        s(&src),
+        s(&comp),
+    ]);
+    assert_compressed(&comp, true);
+    let (cs, sc) = (cluster, cluster / 32);
+    let cmds: Vec<String> = [
+        // Reads of a whole cluster, of a subcluster, across two compressed clusters.
+        format!("read -P 0x33 0 {cs}"),
+        format!("read -P 0x33 {sc} {sc}"),
+        format!("read -P 0x33 {} {cs}", cs / 2),
+        // Partial writes: one subcluster, a sector, across two clusters.
+        format!("write -P 0x44 {} {sc}", 2 * sc),
+        format!("write -P 0x45 {} 512", cs + 1024),
+        format!("write -P 0x46 {} {cs}", 2 * cs + cs / 2),
+        // Write-zeroes: whole subclusters of a compressed cluster, a whole cluster (kept
+        // and unmapped), a sector.
+        format!("write -z {} {}", 5 * cs + sc, 2 * sc),
+        format!("write -z {} {cs}", 6 * cs),
+        format!("write -z -u {} {cs}", 7 * cs),
+        format!("write -z {} 512", 8 * cs + 512),
+        // Discards: part of a cluster (left alone), then data over a discarded one.
+        format!("discard {} {sc}", 9 * cs),
+        format!("read -P 0x33 {} {cs}", 9 * cs),
+        // A whole-cluster write.
+        format!("write -P 0x47 {} {cs}", 10 * cs),
+    ]
+    .into();
+    let ours = d.path("ours.qcow2");
+    let theirs = d.path("theirs.qcow2");
+    std::fs::copy(&comp, &ours).unwrap();
+    std::fs::copy(&comp, &theirs).unwrap();
+    let out = our_io(&ours, &[], &cmds);
+    assert!(
+        out.status.success(),
+        "{opts}: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let q = qemu_io(&theirs, "qcow2", &cmds);
+    assert_eq!(reports(&out), reports(&q), "report lines ({opts})");
+    assert_check_clean(&ours);
+    assert_same(&ours, "qcow2", &theirs, "qcow2");
+    assert_eq!(
+        map_without_offsets(&ours),
+        map_without_offsets(&theirs),
+        "{opts}: map"
+    );
+    // A whole-cluster discard frees the compressed cluster: both read zeros there (QEMU
+    // also marks it zero, the engine leaves it unallocated without a backing file).
+    let discard = vec![format!("discard {} {cs}", 11 * cs)];
+    assert!(our_io(&ours, &[], &discard).status.success());
+    qemu_io(&theirs, "qcow2", &discard);
+    assert_check_clean(&ours);
+    assert_same(&ours, "qcow2", &theirs, "qcow2");
+}
+
+#[test]
+fn io_over_compressed_clusters_extended_l2_16k_zlib() {
+    compressed_extended_l2_case("extended_l2=on,cluster_size=16k", 16 << 10);
+}
+
+#[test]
+fn io_over_compressed_clusters_extended_l2_64k_zstd() {
+    compressed_extended_l2_case(
+        "extended_l2=on,cluster_size=64k,compression_type=zstd",
+        64 << 10,
+    );
+}
+
 // ----- --log-writes -----------------------------------------------------------------
 
 const LOG_FLUSH: u64 = 1;
@@ -658,6 +757,8 @@ fn convert_from_raw() {
         ("", true),
         ("cluster_size=4k", false),
         ("cluster_size=4k,compression_type=zstd", true),
+        ("extended_l2=on,cluster_size=16k", true),
+        ("extended_l2=on,compression_type=zstd", true),
         ("lazy_refcounts=on", false),
     ] {
         let dst = d.path("dst.qcow2");

@@ -383,11 +383,17 @@ impl L2Entry {
     ) -> Result<ClusterMapping> {
         let v = self.0;
         if self.is_compressed() {
-            // Compressed clusters cannot be combined with extended L2.
-            return Err(corrupt(
-                Field::L2Entry,
-                v,
-                "compressed cluster in an image with extended L2",
+            // The whole cluster is compressed; its bitmap is reserved and must be 0 (QEMU's
+            // check calls anything else corruption).
+            if bitmap.0 != 0 {
+                return Err(corrupt(
+                    Field::SubclusterBitmap,
+                    bitmap.0,
+                    "nonzero subcluster bitmap in a compressed cluster",
+                ));
+            }
+            return Ok(ClusterMapping::Compressed(
+                self.compressed(ctx.cluster_bits, ctx.device_size)?,
             ));
         }
         // With extended L2 the zero flag (bit 0) is reserved too.
@@ -687,5 +693,19 @@ mod tests {
             L2Entry(0).subcluster_mapping(SubclusterBitmap::new(0, 1), 0, &c),
             Ok(ClusterMapping::Zero { host: None })
         );
+        // A compressed cluster is one whole compressed cluster whatever the subcluster;
+        // its bitmap is reserved.
+        let z = compressed_entry(c.cluster_bits, 0x50000, 3000);
+        let d = z.compressed(c.cluster_bits, c.device_size).unwrap();
+        for sc in [0, 31] {
+            assert_eq!(
+                z.subcluster_mapping(SubclusterBitmap(0), sc, &c),
+                Ok(ClusterMapping::Compressed(d))
+            );
+        }
+        assert!(z.subcluster_mapping(SubclusterBitmap(1), 0, &c).is_err());
+        assert!(z
+            .subcluster_mapping(SubclusterBitmap::new(0, 1), 5, &c)
+            .is_err());
     }
 }

@@ -57,7 +57,12 @@ impl<D: BlockDevice> Qcow2<D> {
                 sc,
                 &ctx,
             )?;
-            Ok((m, cluster_start + (sc + 1) * sc_size))
+            // A compressed cluster is one unit, whatever its subclusters.
+            let end = match m {
+                ClusterMapping::Compressed(_) => cluster_start + cs,
+                _ => cluster_start + (sc + 1) * sc_size,
+            };
+            Ok((m, end))
         } else {
             Ok((L2Entry(block[i]).mapping(&ctx)?, cluster_start + cs))
         }

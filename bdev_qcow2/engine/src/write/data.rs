@@ -50,8 +50,11 @@ impl<D: BlockDevice> Chain<D> {
             Action::Alloc { old, .. } => {
                 let NewCluster { host: h, fresh } = allocs.next_cluster(&geo);
                 if geo.extended_l2 {
-                    if matches!(old, ClusterMapping::Data { .. }) {
-                        // A shared cluster: copy all of it.
+                    if matches!(
+                        old,
+                        ClusterMapping::Data { .. } | ClusterMapping::Compressed(_)
+                    ) {
+                        // A shared or compressed cluster: copy all of it.
                         (h, whole)
                     } else {
                         (h, p.written.round_out(sc))

@@ -2,7 +2,7 @@
 //! parts of a plan ([`Part`]) and the host clusters it allocated, handed out in order
 //! ([`AllocCursor`]).
 
-use crate::error::{corrupt, Field, Result};
+use crate::error::Result;
 use crate::format::{ClusterMapping, L2Entry, SubclusterBitmap};
 use crate::image::owner::alloc::Allocation;
 use crate::image::Qcow2;
@@ -92,11 +92,12 @@ impl Part {
             Action::Alloc { bitmap, old } => {
                 let h = allocs.next_cluster(geo).host;
                 let nb = if geo.extended_l2 {
-                    // A copied shared cluster keeps its allocated subclusters.
-                    let old_alloc = if matches!(old, ClusterMapping::Data { .. }) {
-                        bitmap.alloc_mask()
-                    } else {
-                        0
+                    // A copied shared cluster keeps its allocated subclusters; a compressed
+                    // one is copied whole, every subcluster allocated (as QEMU).
+                    let old_alloc = match old {
+                        ClusterMapping::Data { .. } => bitmap.alloc_mask(),
+                        ClusterMapping::Compressed(_) => u32::MAX,
+                        _ => 0,
                     };
                     let t = touched();
                     SubclusterBitmap::new(old_alloc | t, bitmap.zero_mask() & !t)
@@ -168,15 +169,11 @@ pub(super) fn action_for<D: BlockDevice>(
     let geo = q.geometry();
     let ctx = q.l2_context();
     Ok(if geo.extended_l2 {
-        if entry.is_compressed() {
-            return Err(corrupt(
-                Field::L2Entry,
-                entry.0,
-                "compressed cluster in an image with extended L2",
-            ));
-        }
         // Validate (reserved bits, bitmap consistency) through the mapping decoder.
-        entry.subcluster_mapping(bitmap, 0, &ctx)?;
+        if let old @ ClusterMapping::Compressed(_) = entry.subcluster_mapping(bitmap, 0, &ctx)? {
+            // Copied whole into a new cluster ([`Part::new_words`]).
+            return Ok(Action::Alloc { bitmap, old });
+        }
         let host = entry.host_bits();
         if host != 0 && entry.is_copied() {
             Action::SubclusterInPlace {

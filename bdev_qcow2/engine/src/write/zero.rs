@@ -54,6 +54,7 @@ impl<D: BlockDevice> Chain<D> {
             }
             let cluster = pos & !(cs - 1);
             let span = ClusterSpan::new(0, cs);
+            // (Never refused: emptying covers the whole cluster.)
             self.zero_cluster_metadata(q, GuestOffset(cluster), span, ZeroKind::Empty)
                 .await?;
             pos = cluster + cs;
@@ -103,22 +104,32 @@ impl<D: BlockDevice> Chain<D> {
                 }
             }
             let span = ClusterSpan::new(whole_units.0 - cluster, whole_units.1 - cluster);
-            self.zero_cluster_metadata(q, GuestOffset(cluster), span, kind)
+            let done = self
+                .zero_cluster_metadata(q, GuestOffset(cluster), span, kind)
                 .await?;
+            // Part of a compressed cluster (extended L2): written as data like QEMU, which
+            // cannot zero it partially; a discard leaves it alone.
+            if !done {
+                if let ZeroKind::WriteZeroes { .. } = kind {
+                    self.write_chunk(q, whole_units.0, whole_units.1, None)
+                        .await?;
+                }
+            }
             pos = b;
         }
         Ok(())
     }
 
     /// Zeroes/discards `span` (whole subclusters, or the whole cluster) of the guest
-    /// cluster starting at `cluster` through its L2 entry.
+    /// cluster starting at `cluster` through its L2 entry. `Ok(false)` when metadata cannot
+    /// do it: `span` is part of a compressed cluster of an extended L2 image.
     async fn zero_cluster_metadata(
         &self,
         q: &Qcow2<D>,
         cluster: GuestOffset,
         span: ClusterSpan,
         kind: ZeroKind,
-    ) -> Result<()> {
+    ) -> Result<bool> {
         let geo = q.geometry();
         let cs = geo.cluster_size();
         let c = geo.guest_cluster(cluster);
@@ -130,8 +141,10 @@ impl<D: BlockDevice> Chain<D> {
             let (entry, bitmap) = q.l2_words(cluster).await?;
             let ctx = q.l2_context();
             let old = if geo.extended_l2 {
-                entry.subcluster_mapping(bitmap, 0, &ctx)?;
-                None
+                match entry.subcluster_mapping(bitmap, 0, &ctx)? {
+                    m @ ClusterMapping::Compressed(_) => Some(m),
+                    _ => None,
+                }
             } else {
                 Some(entry.mapping(&ctx)?)
             };
@@ -153,6 +166,21 @@ impl<D: BlockDevice> Chain<D> {
                     Some(_) => None,
                 };
                 (L2Entry::UNALLOCATED, SubclusterBitmap::NONE, free)
+            } else if let (true, Some(ClusterMapping::Compressed(d))) = (geo.extended_l2, old) {
+                // Only whole: the cluster is freed and reads as zeros (as QEMU).
+                if span.whole_unit_mask(geo.subcluster_size()) != u32::MAX {
+                    return Ok(false);
+                }
+                let zero = if has_backing || kind != ZeroKind::Discard {
+                    u32::MAX
+                } else {
+                    0
+                };
+                (
+                    L2Entry::UNALLOCATED,
+                    SubclusterBitmap::new(0, zero),
+                    Some(d.sectors()),
+                )
             } else if geo.extended_l2 {
                 let sc = geo.subcluster_size();
                 let t = span.whole_unit_mask(sc);
@@ -215,11 +243,11 @@ impl<D: BlockDevice> Chain<D> {
                 (ne, SubclusterBitmap::NONE, free)
             };
             if new_entry == entry && new_bitmap == bitmap {
-                return Ok(());
+                return Ok(true);
             }
             if q.l2_table(cluster)?.is_none() {
                 if new_entry == L2Entry::UNALLOCATED && new_bitmap == SubclusterBitmap::NONE {
-                    return Ok(());
+                    return Ok(true);
                 }
                 q.ensure_l2(cluster).await?;
             } else if !q.l1_copied(cluster) {
@@ -235,7 +263,7 @@ impl<D: BlockDevice> Chain<D> {
                 };
                 q.free_later(r, why);
             }
-            q.maybe_writeback_locked().await
+            q.maybe_writeback_locked().await.map(|()| true)
         }
         .await;
         drop(guard);
