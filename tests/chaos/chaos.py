@@ -111,6 +111,7 @@ class Chaos:
         self.disks = [Disk(s.index, size // BLOCK, size // BLOCK if s.golden else 0,
                            self.pattern) for s in SPECS]
         self.snapshots = [[] for _ in SPECS]
+        self.records = [{} for _ in SPECS]  # snapshot name -> the model's cur when taken
         self.gens = itertools.count(2)
         self.stats = Stats()
         self.errors = []
@@ -135,6 +136,7 @@ class Chaos:
                           f"{p.stdout}")
             if "leaked" in p.stdout:
                 self.stats.op("leaky_checks")
+            self.check_snapshots(s, img)
             raw = os.path.join(self.wd, f"{s.name}.raw")
             run(["qemu-img", "convert", "-q", "-f", "qcow2", "-O", "raw", img, raw])
             with open(raw, "rb") as f:
@@ -177,29 +179,31 @@ class Chaos:
         for s in SPECS:
             lst = self.target.call("bdev_qcow2_snapshot_list", {"name": s.name})
             self.snapshots[s.index] = [x["name"] for x in lst]
+            for name in set(self.records[s.index]) - set(self.snapshots[s.index]):
+                self.fail(f"cycle {self.cycles}: {s.name}: snapshot {name} is gone")
 
     def lifecycle(self, workers):
         """One random life-cycle RPC; False when the target died under it."""
         r = self.rng.random()
         i = self.rng.randrange(len(SPECS))
-        s, snaps = SPECS[i], self.snapshots[i]
+        s, snaps, w = SPECS[i], self.snapshots[i], workers[i]
         try:
-            if r < 0.35 and len(snaps) < 6:
-                name = f"c{self.cycles}-{self.rng.randrange(1 << 30)}"
-                self.target.call("bdev_qcow2_snapshot_create", {"name": s.name, "snapshot": name})
-                snaps.append(name)
-                self.stats.op("snapshot_create")
-            elif r < 0.65 and snaps:
+            if r < 0.30 and len(snaps) < 6:
+                self.snapshot_create(i, w)
+            elif r < 0.55 and snaps:
                 name = snaps.pop(self.rng.randrange(len(snaps)))
+                self.records[i].pop(name, None)
                 self.target.call("bdev_qcow2_snapshot_delete", {"name": s.name, "snapshot": name})
                 self.stats.op("snapshot_delete")
-            elif r < 0.85:
+            elif r < 0.75:
                 blocks = self.disks[i].blocks + self.rng.choice((1, 2, 4)) * MIB // BLOCK
                 if blocks > self.max_blocks:
                     return True
                 self.target.call("bdev_qcow2_resize", {"name": s.name, "size": blocks * BLOCK})
-                workers[i].want_blocks = blocks
+                w.want_blocks = blocks
                 self.stats.op("resize")
+            elif r < 0.90:
+                self.recreate(s, w)
             else:
                 self.target.call("bdev_qcow2_get_stats", {"name": s.name})
                 self.stats.op("get_stats")
@@ -209,6 +213,54 @@ class Chaos:
         except OSError:
             return False
         return True
+
+    def snapshot_create(self, i, w):
+        """Half the snapshots are taken with the client paused, and what the model says the
+        disk holds then is recorded, to check the snapshot against after each kill."""
+        name = f"c{self.cycles}-{self.rng.randrange(1 << 30)}"
+        params = {"name": SPECS[i].name, "snapshot": name}
+        if self.rng.random() < 0.5:
+            with w.paused():
+                self.target.call("bdev_qcow2_snapshot_create", params)
+                self.records[i][name] = list(self.disks[i].cur)
+            self.stats.op("snapshot_create_recorded")
+        else:
+            self.target.call("bdev_qcow2_snapshot_create", params)
+        self.snapshots[i].append(name)
+        self.stats.op("snapshot_create")
+
+    def recreate(self, s, w):
+        """The bdev deleted and created again under its NVMe-oF namespace."""
+        with w.paused():
+            self.target.call("nvmf_subsystem_remove_ns", {"nqn": s.nqn, "nsid": 1})
+            self.target.call("bdev_qcow2_delete", {"name": s.name})
+            p = {"name": s.name, "base_bdev": f"aio_{s.name}"}
+            if s.golden:
+                p["backing_bdev"] = "golden"
+            self.target.call("bdev_qcow2_create", p)
+            self.target.call("nvmf_subsystem_add_ns",
+                             {"nqn": s.nqn, "namespace": {"bdev_name": s.name, "nsid": 1}})
+        self.stats.op("delete_recreate")
+
+    def check_snapshots(self, s, img):
+        """Each recorded snapshot holds what the model said the disk held when it was taken."""
+        for name, rec in self.records[s.index].items():
+            raw = os.path.join(self.wd, "snap.raw")
+            p = run(["qemu-img", "convert", "-q", "-f", "qcow2", "-l", f"snapshot.name={name}",
+                     "-O", "raw", img, raw], ok=(0, 1))
+            if p.returncode:
+                self.fail(f"cycle {self.cycles}: {s.name}: snapshot {name} unreadable:\n{p.stdout}")
+                continue
+            with open(raw, "rb") as f:
+                data = f.read()
+            os.unlink(raw)
+            snap = Disk(s.index, 0, 0, self.pattern)
+            snap.cur = rec + [frozenset((0,))] * max(0, len(data) // BLOCK - len(rec))
+            bad = snap.check_read(0, data[:len(snap.cur) * BLOCK])
+            self.stats.verified(len(data), len(bad))
+            self.stats.op("snapshot_checks")
+            for lba, why in bad[:8]:
+                self.fail(f"cycle {self.cycles}: {s.name} snapshot {name} block {lba}: {why}")
 
     def cycle(self, ctrls):
         stop = threading.Event()
@@ -293,7 +345,7 @@ def main():
     p.add_argument("--mem-args", default="")
     p.add_argument("--size-mib", type=int, default=32)
     p.add_argument("--max-cycle", type=float, default=6.0, help="longest life between kills, s")
-    p.add_argument("--rpc-rate", type=float, default=0.5)
+    p.add_argument("--rpc-rate", type=float, default=0.8)
     a = p.parse_args()
     print(f"CHAOS seed={a.seed} duration={a.duration}s workdir={a.workdir}", flush=True)
     c = Chaos(a)

@@ -2,6 +2,7 @@
 over NVMe/TCP, one at a time, each recorded in the disk's model before it is sent and after
 it completes, until the target dies or the driver says stop."""
 
+import contextlib
 import threading
 import time
 
@@ -58,11 +59,27 @@ class Worker(threading.Thread):
         self.stats, self.errors, self.stop = stats, errors, stop
         self.want_blocks = 0  # set by the driver after a resize
         self.link_lost = False
+        # Held around each command: the driver takes it to pause this client.
+        self.gate = threading.Lock()
+        self.hold = False
+
+    @contextlib.contextmanager
+    def paused(self):
+        """No command of this client runs inside the block."""
+        self.hold = True
+        try:
+            with self.gate:
+                yield
+        finally:
+            self.hold = False
 
     def run(self):
         try:
             while not self.stop.is_set() and not self.errors:
-                self._one()
+                with self.gate:
+                    self._one()
+                while self.hold:  # let the driver take the gate
+                    time.sleep(0.005)
         except LinkError:
             self.link_lost = True
         except Exception as e:  # a bug in the test itself: fail loudly

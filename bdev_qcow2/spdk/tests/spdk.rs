@@ -3171,6 +3171,9 @@ mod real {
     /// `configs/nvmf_tcp_qcow2.json` run as the README gives it (`real/nvmf_config.rs`).
     mod nvmf_config;
 
+    /// `tests/chaos.sh` short: SIGKILLs under NVMe/TCP load and life-cycle RPCs (`real/chaos.rs`).
+    mod chaos;
+
     /// Exports the names our module exports (`nm -D | grep bdev_qcow2` finds them) and
     /// registers nothing with SPDK.
     const LOOKALIKE_NOTHING: &str = "\
