@@ -27,13 +27,15 @@ MIB = 1 << 20
 class Spec:
     """One exported qcow2 bdev."""
 
-    def __init__(self, index, name, cluster, extended_l2=False, golden=False):
+    def __init__(self, index, name, cluster, extended_l2=False, golden=False, error=False):
         self.index, self.name, self.cluster = index, name, cluster
-        self.extended_l2, self.golden = extended_l2, golden
+        self.extended_l2, self.golden, self.error = extended_l2, golden, error
+        # With `error`, the image sits on an error bdev (bdev_error) over its AIO bdev.
+        self.base = f"EE_aio_{name}" if error else f"aio_{name}"
         self.nqn = f"nqn.2016-06.io.spdk:chaos-{name}"
 
 
-SPECS = [Spec(0, "plain", 65536), Spec(1, "overlay", 16384, extended_l2=True, golden=True)]
+SPECS = [Spec(0, "plain", 65536, error=True), Spec(1, "overlay", 16384, extended_l2=True, golden=True)]
 
 
 def run(cmd, ok=(0,)):
@@ -77,7 +79,9 @@ def initial_config(wd, port):
         bdev.append({"method": "bdev_aio_create",
                      "params": {"name": f"aio_{s.name}", "block_size": 512,
                                 "filename": os.path.join(wd, f"{s.name}.qcow2")}})
-        p = {"name": s.name, "base_bdev": f"aio_{s.name}"}
+        if s.error:
+            bdev.append({"method": "bdev_error_create", "params": {"base_name": f"aio_{s.name}"}})
+        p = {"name": s.name, "base_bdev": s.base}
         if s.golden:
             p["backing_bdev"] = "golden"
         bdev.append({"method": "bdev_qcow2_create", "params": p})
@@ -202,8 +206,15 @@ class Chaos:
                 self.target.call("bdev_qcow2_resize", {"name": s.name, "size": blocks * BLOCK})
                 w.want_blocks = blocks
                 self.stats.op("resize")
-            elif r < 0.90:
+            elif r < 0.85:
                 self.recreate(s, w)
+            elif r < 0.92 and s.error:
+                io = self.rng.choice(("write", "read", "flush", "unmap", "all"))
+                self.target.call("bdev_error_inject_error", {
+                    "name": s.base, "io_type": io, "error_type": "failure",
+                    "num": self.rng.randint(1, 16)})
+                w.tolerate_errors = True
+                self.stats.op("inject_errors")
             else:
                 self.target.call("bdev_qcow2_get_stats", {"name": s.name})
                 self.stats.op("get_stats")
@@ -234,7 +245,7 @@ class Chaos:
         with w.paused():
             self.target.call("nvmf_subsystem_remove_ns", {"nqn": s.nqn, "nsid": 1})
             self.target.call("bdev_qcow2_delete", {"name": s.name})
-            p = {"name": s.name, "base_bdev": f"aio_{s.name}"}
+            p = {"name": s.name, "base_bdev": s.base}
             if s.golden:
                 p["backing_bdev"] = "golden"
             self.target.call("bdev_qcow2_create", p)

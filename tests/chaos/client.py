@@ -62,6 +62,7 @@ class Worker(threading.Thread):
         # Held around each command: the driver takes it to pause this client.
         self.gate = threading.Lock()
         self.hold = False
+        self.tolerate_errors = False
 
     @contextlib.contextmanager
     def paused(self):
@@ -133,13 +134,22 @@ class Worker(threading.Thread):
                 self.stats.op("flush")
             elif r < 0.91:
                 d.begin_write(lba, n, ZERO)
-                c.write_zeroes(lba, n)
+                try:
+                    c.write_zeroes(lba, n)
+                except NvmeError:
+                    d.failed_write(lba, n, ZERO)
+                    raise
                 d.end_write(lba, n, ZERO)
                 self.stats.op("write_zeroes")
             else:
                 d.begin_deallocate(lba, n)
-                c.deallocate(lba, n)
-                d.end_deallocate(lba, n)
+                try:
+                    c.deallocate(lba, n)
+                finally:
+                    d.end_deallocate(lba, n)
                 self.stats.op("deallocate")
         except NvmeError as e:
-            self.errors.append(f"disk {d.index}: {e} (lba {lba}, {n} blocks)")
+            if self.tolerate_errors:  # errors injected under the bdev: the model allows both
+                self.stats.op("io_errors")
+            else:
+                self.errors.append(f"disk {d.index}: {e} (lba {lba}, {n} blocks)")
