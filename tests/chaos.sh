@@ -6,16 +6,17 @@
 # kill: qemu-img check (leaks allowed), QEMU's view against the model, restart from the
 # config the target saved, its view equal to QEMU's.
 #
-#   flock /tmp/spdk-run.lock tests/chaos.sh            # 60 s, a random seed
-#   SEED=1234 DURATION=3600 flock /tmp/spdk-run.lock tests/chaos.sh
+#   tests/chaos.sh                          # 60 s, a random seed
+#   SEED=1234 DURATION=3600 tests/chaos.sh  # an hour's soak
 #
-# Environment: SEED (printed; a failing seed replays its operations and kill points,
-# though not the threads' exact interleaving), DURATION (seconds, default 60),
+# Environment: SEED (printed; a failing seed replays its operations, RPCs and lives between
+# kills, though not the threads' timing), DURATION (seconds, default 60),
 # BDEV_QCOW2_SO (default target/release or target/debug libbdev_qcow2.so), CORES (spdk_tgt
 # -m, default 0x3), SIZE_MIB (each disk, default 32), MAX_CYCLE (most seconds between kills,
 # default 6), MEM_ARGS (default: hugepages when 1 GiB is free, else --no-huge -s 2048),
 # KEEP=1 keeps the work directory. Ends with a CHAOS line of figures; exits non-zero on a
-# finding. It does not take /tmp/spdk-run.lock itself (the caller does).
+# finding. Like the SPDK tests it needs the cores to itself: run one SPDK application at a time
+# (it takes no lock itself; wrap it in flock where others share the machine).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 
