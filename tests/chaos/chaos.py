@@ -17,7 +17,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from client import Stats, Worker, connect, read_all  # noqa: E402
+from client import Group, Stats, Worker, connect, read_all  # noqa: E402
 from model import BLOCK, GOLDEN, Disk, Pattern  # noqa: E402
 from target import RpcError, Target  # noqa: E402
 
@@ -112,6 +112,7 @@ class Chaos:
         self.pattern = Pattern(a.seed)
         size = a.size_mib * MIB
         self.max_blocks = 2 * size // BLOCK
+        self.base_blocks = size // BLOCK
         self.disks = [Disk(s.index, size // BLOCK, size // BLOCK if s.golden else 0,
                            self.pattern) for s in SPECS]
         self.snapshots = [[] for _ in SPECS]
@@ -177,6 +178,7 @@ class Chaos:
                 for lba, why in bad[:8]:
                     self.fail(f"cycle {self.cycles}: {s.name} block {lba}: {why}")
             ctrls.append(c)
+            ctrls += [connect(self.a.port, s.nqn) for _ in range(self.a.clients - 1)]
         return ctrls
 
     def resync_snapshots(self):
@@ -186,11 +188,11 @@ class Chaos:
             for name in set(self.records[s.index]) - set(self.snapshots[s.index]):
                 self.fail(f"cycle {self.cycles}: {s.name}: snapshot {name} is gone")
 
-    def lifecycle(self, workers):
+    def lifecycle(self, groups):
         """One random life-cycle RPC; False when the target died under it."""
         r = self.rng.random()
         i = self.rng.randrange(len(SPECS))
-        s, snaps, w = SPECS[i], self.snapshots[i], workers[i]
+        s, snaps, w = SPECS[i], self.snapshots[i], groups[i]
         try:
             if r < 0.30 and len(snaps) < 6:
                 self.snapshot_create(i, w)
@@ -204,7 +206,7 @@ class Chaos:
                 if blocks > self.max_blocks:
                     return True
                 self.target.call("bdev_qcow2_resize", {"name": s.name, "size": blocks * BLOCK})
-                w.want_blocks = blocks
+                w.resized(blocks)
                 self.stats.op("resize")
             elif r < 0.85:
                 self.recreate(s, w)
@@ -213,7 +215,7 @@ class Chaos:
                 self.target.call("bdev_error_inject_error", {
                     "name": s.base, "io_type": io, "error_type": "failure",
                     "num": self.rng.randint(1, 16)})
-                w.tolerate_errors = True
+                w.tolerate_errors()
                 self.stats.op("inject_errors")
             else:
                 self.target.call("bdev_qcow2_get_stats", {"name": s.name})
@@ -275,9 +277,15 @@ class Chaos:
 
     def cycle(self, ctrls):
         stop = threading.Event()
-        workers = [Worker(c, d, random.Random(f"{self.a.seed}-{self.cycles}-{d.index}"),
-                          self.gens, self.stats, self.errors, stop)
-                   for c, d in zip(ctrls, self.disks)]
+        workers, per = [], self.a.clients
+        for k, c in enumerate(ctrls):
+            d = self.disks[k // per]
+            j = k % per
+            lo = (j * self.base_blocks // per) & ~127
+            hi = None if j == per - 1 else ((j + 1) * self.base_blocks // per) & ~127
+            rng = random.Random(f"{self.a.seed}-{self.cycles}-{k}")
+            workers.append(Worker(c, d, rng, self.gens, self.stats, self.errors, stop, lo, hi))
+        groups = [Group(workers[i * per:(i + 1) * per]) for i in range(len(SPECS))]
         for w in workers:
             w.start()
         life = self.rng.uniform(0.3, self.a.max_cycle)
@@ -288,7 +296,7 @@ class Chaos:
         while time.time() < end and not self.errors:
             time.sleep(self.rng.uniform(0.05, 0.8))
             if time.time() < end and self.rng.random() < self.a.rpc_rate:
-                if not self.lifecycle(workers):
+                if not self.lifecycle(groups):
                     break
         killer.cancel()
         self.target.kill()
@@ -356,6 +364,7 @@ def main():
     p.add_argument("--mem-args", default="")
     p.add_argument("--size-mib", type=int, default=32)
     p.add_argument("--max-cycle", type=float, default=6.0, help="longest life between kills, s")
+    p.add_argument("--clients", type=int, default=2, help="connections per disk")
     p.add_argument("--rpc-rate", type=float, default=0.8)
     a = p.parse_args()
     print(f"CHAOS seed={a.seed} duration={a.duration}s workdir={a.workdir}", flush=True)

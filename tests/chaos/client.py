@@ -53,8 +53,9 @@ def read_all(ctrl):
 
 
 class Worker(threading.Thread):
-    def __init__(self, ctrl, disk, rng, gens, stats, errors, stop):
+    def __init__(self, ctrl, disk, rng, gens, stats, errors, stop, lo=0, hi=None):
         super().__init__(daemon=True)
+        self.lo, self.hi = lo, hi  # the blocks this client owns (hi None: to the end)
         self.ctrl, self.disk, self.rng, self.gens = ctrl, disk, rng, gens
         self.stats, self.errors, self.stop = stats, errors, stop
         self.want_blocks = 0  # set by the driver after a resize
@@ -92,11 +93,11 @@ class Worker(threading.Thread):
         r = self.rng
         most = min(CHUNK, self.ctrl.max_bytes) // BLOCK
         n = r.choice((1, 7, 8, 8, 16, 32, 64, 128, r.randint(1, most), most))
-        n = min(n, self.disk.blocks)
+        end = self.disk.blocks if self.hi is None else self.hi
+        n = min(n, end - self.lo)
+        lba = r.randrange(self.lo, end - n + 1)
         if r.random() < 0.6:  # 4 KiB aligned, as guests mostly write
-            lba = r.randrange(0, self.disk.blocks - n + 1) & ~7
-        else:
-            lba = r.randrange(0, self.disk.blocks - n + 1)
+            lba = max(self.lo, lba & ~7)
         return lba, n
 
     def _grow(self):
@@ -129,8 +130,9 @@ class Worker(threading.Thread):
                     self.errors.append(f"disk {d.index}: read at block {lba_bad}: {why}")
                 self.stats.op("read")
             elif r < 0.82:
+                blocks = d.blocks
                 c.flush()
-                d.flushed()
+                d.flushed(self.lo, self.hi, blocks)
                 self.stats.op("flush")
             elif r < 0.91:
                 d.begin_write(lba, n, ZERO)
@@ -153,3 +155,25 @@ class Worker(threading.Thread):
                 self.stats.op("io_errors")
             else:
                 self.errors.append(f"disk {d.index}: {e} (lba {lba}, {n} blocks)")
+
+
+class Group:
+    """The clients of one disk, told and paused together."""
+
+    def __init__(self, workers):
+        self.workers = workers
+
+    @contextlib.contextmanager
+    def paused(self):
+        with contextlib.ExitStack() as stack:
+            for w in self.workers:
+                stack.enter_context(w.paused())
+            yield
+
+    def resized(self, blocks):
+        for w in self.workers:
+            w.want_blocks = blocks
+
+    def tolerate_errors(self):
+        for w in self.workers:
+            w.tolerate_errors = True

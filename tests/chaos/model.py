@@ -14,6 +14,7 @@ After a crash a block must read a value in stable | pending."""
 
 import random
 import struct
+import threading
 
 BLOCK = 512
 ZERO, GOLDEN = 0, 1
@@ -63,6 +64,8 @@ class Disk:
         self.cur = list(self.stable)
         self.pending = {}
         self.flushed_blocks = blocks  # the size the last completed flush covered
+        # Several clients share a disk, each in its own range of blocks.
+        self.lock = threading.Lock()
 
     @property
     def blocks(self):
@@ -72,7 +75,8 @@ class Disk:
         return frozenset((ZERO, GOLDEN)) if lba < self.golden_blocks else _Z
 
     def _pend(self, lba, values):
-        self.pending.setdefault(lba, set()).update(values)
+        with self.lock:
+            self.pending.setdefault(lba, set()).update(values)
 
     def begin_write(self, lba, n, gen):
         for i in range(lba, lba + n):
@@ -95,17 +99,23 @@ class Disk:
         for i in range(lba, lba + n):
             self.cur[i] = self.cur[i] | self._freed(i)
 
-    def flushed(self):
-        for i in self.pending:
-            if i < len(self.cur):
+    def flushed(self, lo=0, hi=None, blocks=None):
+        """A flush completed: what blocks lo..hi held when it was sent is stable, and so is
+        the size (`blocks`) the disk had then. (Other clients' writes acknowledged before
+        the flush was sent would be stable too; left pending, which is weaker but safe.)"""
+        with self.lock:
+            hi = len(self.cur) if hi is None else hi
+            for i in [i for i in self.pending if lo <= i < hi]:
                 self.stable[i] = self.cur[i]
-        self.pending.clear()
-        self.flushed_blocks = len(self.cur)
+                del self.pending[i]
+            self.flushed_blocks = max(self.flushed_blocks,
+                                      len(self.cur) if blocks is None else blocks)
 
     def grow(self, blocks):
-        while len(self.cur) < blocks:
-            self.cur.append(_Z)
-            self.stable.append(_Z)
+        with self.lock:
+            while len(self.cur) < blocks:
+                self.cur.append(_Z)
+                self.stable.append(_Z)
 
     def check_read(self, lba, data, after_crash=False):
         """Checks blocks read at `lba`; returns a list of (lba, what was wrong). After a
