@@ -193,6 +193,10 @@ class Chaos:
         r = self.rng.random()
         i = self.rng.randrange(len(SPECS))
         s, snaps, w = SPECS[i], self.snapshots[i], groups[i]
+        if self.rng.random() < self.a.rpc_kill:
+            # Kill within the RPC that follows, wherever it is then.
+            threading.Timer(self.rng.uniform(0, 0.03), self.target.kill_now).start()
+            self.stats.op("kills_in_rpc")
         try:
             if r < 0.30 and len(snaps) < 6:
                 self.snapshot_create(i, w)
@@ -289,8 +293,7 @@ class Chaos:
         for w in workers:
             w.start()
         life = self.rng.uniform(0.3, self.a.max_cycle)
-        pid = self.target.proc.pid
-        killer = threading.Timer(life, lambda: os.kill(pid, 9))
+        killer = threading.Timer(life, self.target.kill_now)
         killer.start()
         end = time.time() + life
         while time.time() < end and not self.errors:
@@ -365,6 +368,8 @@ def main():
     p.add_argument("--size-mib", type=int, default=32)
     p.add_argument("--max-cycle", type=float, default=6.0, help="longest life between kills, s")
     p.add_argument("--clients", type=int, default=2, help="connections per disk")
+    p.add_argument("--rpc-kill", type=float, default=0.1,
+                   help="chance that a life-cycle RPC is cut by a kill")
     p.add_argument("--rpc-rate", type=float, default=0.8)
     a = p.parse_args()
     print(f"CHAOS seed={a.seed} duration={a.duration}s workdir={a.workdir}", flush=True)

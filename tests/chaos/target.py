@@ -5,6 +5,7 @@ import os
 import signal
 import socket
 import subprocess
+import threading
 import time
 
 
@@ -22,6 +23,7 @@ class Target:
         self.log = os.path.join(workdir, "tgt.log")
         self.proc = None
         self._id = 0
+        self._lock = threading.Lock()  # a timer's SIGKILL never reaches a reaped pid
 
     def start(self, config):
         if os.path.exists(self.sock):
@@ -94,12 +96,19 @@ class Target:
             os.fsync(f.fileno())
         os.replace(tmp, path)
 
+    def kill_now(self):
+        """SIGKILL without waiting (from a timer)."""
+        with self._lock:
+            if self.proc and self.proc.returncode is None:
+                os.kill(self.proc.pid, signal.SIGKILL)
+
     def kill(self):
-        if self.proc and self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGKILL)
-        if self.proc:
-            self.proc.wait()
-        self.proc = None
+        with self._lock:
+            if self.proc and self.proc.returncode is None:
+                os.kill(self.proc.pid, signal.SIGKILL)
+            if self.proc:
+                self.proc.wait()
+            self.proc = None
 
     def stop(self):
         """A clean stop (SIGTERM): returns spdk_tgt's exit status."""
