@@ -216,10 +216,10 @@ class Chaos:
                 self.recreate(s, w)
             elif r < 0.92 and s.error:
                 io = self.rng.choice(("write", "read", "flush", "unmap", "all"))
+                w.tolerate_errors()  # before: the first failure may beat the RPC's answer
                 self.target.call("bdev_error_inject_error", {
                     "name": s.base, "io_type": io, "error_type": "failure",
                     "num": self.rng.randint(1, 16)})
-                w.tolerate_errors()
                 self.stats.op("inject_errors")
             else:
                 self.target.call("bdev_qcow2_get_stats", {"name": s.name})
