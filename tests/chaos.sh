@@ -35,6 +35,7 @@ if [ -z "$so" ] || [ ! -f "$so" ]; then
     exit 0
 fi
 
+python3 "$root/tests/chaos/model_check.py"
 seed=${SEED:-$(od -An -N4 -tu4 /dev/urandom | tr -d ' ')}
 if [ -z "${MEM_ARGS+x}" ]; then
     free_mib=$(awk '/HugePages_Free/ {f=$2} /Hugepagesize/ {s=$2} END {print f*s/1024}' /proc/meminfo)

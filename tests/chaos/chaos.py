@@ -117,6 +117,8 @@ class Chaos:
                            self.pattern) for s in SPECS]
         self.snapshots = [[] for _ in SPECS]
         self.records = [{} for _ in SPECS]  # snapshot name -> the model's cur when taken
+        self.streaming = False  # a bdev_qcow2_stream job runs on the golden overlay
+        self.streamed = False  # the overlay's header no longer names golden.qcow2
         self.gens = itertools.count(2)
         self.stats = Stats()
         self.errors = []
@@ -141,6 +143,8 @@ class Chaos:
                           f"{p.stdout}")
             if "leaked" in p.stdout:
                 self.stats.op("leaky_checks")
+            if s.golden:
+                self.header_after_kill(s, img)
             self.check_snapshots(s, img)
             raw = os.path.join(self.wd, f"{s.name}.raw")
             run(["qemu-img", "convert", "-q", "-f", "qcow2", "-O", "raw", img, raw])
@@ -193,6 +197,8 @@ class Chaos:
         r = self.rng.random()
         i = self.rng.randrange(len(SPECS))
         s, snaps, w = SPECS[i], self.snapshots[i], groups[i]
+        if self.streaming and not self.poll_stream():
+            return False
         if self.rng.random() < self.a.rpc_kill:
             # Kill within the RPC that follows, wherever it is then.
             threading.Timer(self.rng.uniform(0, 0.03), self.target.kill_now).start()
@@ -213,7 +219,14 @@ class Chaos:
                 w.resized(blocks)
                 self.stats.op("resize")
             elif r < 0.85:
+                if s.golden and self.streaming:
+                    return True  # a bdev is not deleted under its own stream here
                 self.recreate(s, w)
+            elif r < 0.88 and s.golden and not (self.streamed or self.streaming):
+                rate = self.rng.choice((4, 16, 64)) * MIB
+                self.target.call("bdev_qcow2_stream", {"name": s.name, "rate_limit": rate})
+                self.streaming = True
+                self.stats.op("stream")
             elif r < 0.92 and s.error:
                 io = self.rng.choice(("write", "read", "flush", "unmap", "all"))
                 w.tolerate_errors()  # before: the first failure may beat the RPC's answer
@@ -226,10 +239,56 @@ class Chaos:
                 self.stats.op("get_stats")
             self.save()
         except RpcError as e:
-            self.fail(f"cycle {self.cycles}: {e}")
+            if s.golden and self.streaming and ("-16" in str(e) or "busy" in str(e).lower()):
+                self.stats.op("busy_while_streaming")
+            else:
+                self.fail(f"cycle {self.cycles}: {e}")
         except OSError:
             return False
         return True
+
+    def poll_stream(self):
+        """Saves the config once the stream is done (it then drops backing_bdev)."""
+        s = next(x for x in SPECS if x.golden)
+        try:
+            st = self.target.call("bdev_qcow2_get_stats", {"name": s.name})
+        except OSError:
+            return False
+        job = ((st[0].get("owner") or {}).get("stream") or {}) if st else {}
+        if job.get("state") == "failed":
+            self.fail(f"cycle {self.cycles}: stream failed: {job}")
+        if job.get("state") == "done":
+            self.streaming, self.streamed = False, True
+            try:
+                self.save()
+            except OSError:
+                return False
+            self.stats.op("stream_done")
+        return True
+
+    def header_after_kill(self, s, img):
+        """A stream may have dropped the backing file after the config was last saved:
+        restarting from that config would then be refused (backing_bdev given, no backing
+        file), so the config is fixed as an operator would, and counted."""
+        info = json.loads(run(["qemu-img", "info", "--output=json", "-U", img]).stdout)
+        if "backing-filename" in info:
+            self.streaming = False  # the job died with the process
+            return
+        self.streaming, self.streamed = False, True
+        with open(self.saved) as f:
+            cfg = json.load(f)
+        for sub in cfg["subsystems"]:
+            for call in sub.get("config") or []:
+                p = call.get("params", {})
+                if call["method"] == "bdev_qcow2_create" and p.get("name") == s.name \
+                        and "backing_bdev" in p:
+                    del p["backing_bdev"]
+                    self.stats.op("config_fixed_after_stream")
+                    print(f"CHAOS NOTE: cycle {self.cycles}: the saved config names backing_bdev "
+                          f"for {s.name}, whose stream had dropped its backing file: fixed",
+                          flush=True)
+        with open(self.saved, "w") as f:
+            json.dump(cfg, f, indent=1)
 
     def snapshot_create(self, i, w):
         """Half the snapshots are taken with the client paused, and what the model says the
@@ -252,7 +311,7 @@ class Chaos:
             self.target.call("nvmf_subsystem_remove_ns", {"nqn": s.nqn, "nsid": 1})
             self.target.call("bdev_qcow2_delete", {"name": s.name})
             p = {"name": s.name, "base_bdev": s.base}
-            if s.golden:
+            if s.golden and not self.streamed:
                 p["backing_bdev"] = "golden"
             self.target.call("bdev_qcow2_create", p)
             self.target.call("nvmf_subsystem_add_ns",
