@@ -258,13 +258,25 @@ class Chaos:
         if job.get("state") == "failed":
             self.fail(f"cycle {self.cycles}: stream failed: {job}")
         if job.get("state") == "done":
-            self.streaming, self.streamed = False, True
+            self.stream_finished()
             try:
                 self.save()
             except OSError:
                 return False
             self.stats.op("stream_done")
         return True
+
+    def stream_finished(self):
+        """The overlay's header dropped its backing file. Internal snapshots taken before
+        share the header: where they read through to the golden image they now read zeros
+        (QEMU's block-stream does the same; qemu-img reads them so)."""
+        if not self.streamed:
+            s = next(x for x in SPECS if x.golden)
+            for rec in self.records[s.index].values():
+                for i, ok in enumerate(rec):
+                    if GOLDEN in ok:
+                        rec[i] = ok | {0}
+        self.streaming, self.streamed = False, True
 
     def header_after_kill(self, s, img):
         """A stream may have dropped the backing file after the config was last saved:
@@ -274,7 +286,7 @@ class Chaos:
         if "backing-filename" in info:
             self.streaming = False  # the job died with the process
             return
-        self.streaming, self.streamed = False, True
+        self.stream_finished()
         with open(self.saved) as f:
             cfg = json.load(f)
         for sub in cfg["subsystems"]:
