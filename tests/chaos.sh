@@ -2,7 +2,8 @@
 # Chaos soak: spdk_tgt with libbdev_qcow2.so serves qcow2 bdevs over NVMe/TCP on 127.0.0.1
 # to a client of ours (tests/chaos/) that writes, reads, flushes, write-zeroes and
 # deallocates against a model of every block, while a driver issues life-cycle RPCs
-# (snapshot create/delete, resize) and SIGKILLs spdk_tgt at random moments; after each
+# (snapshot create/delete, resize, bdev delete/re-create, bdev_error injection, stream)
+# and SIGKILLs spdk_tgt at random moments; after each
 # kill: qemu-img check (leaks allowed), QEMU's view against the model, restart from the
 # config the target saved, its view equal to QEMU's.
 #
