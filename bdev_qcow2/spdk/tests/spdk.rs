@@ -3196,6 +3196,9 @@ mod real {
     /// `bdev_qcow2_overlay_create` (`real/overlay.rs`).
     mod overlay;
 
+    /// `tests/chaos.sh` short: SIGKILLs under NVMe/TCP load and life-cycle RPCs (`real/chaos.rs`).
+    mod chaos;
+
     /// Exports the names our module exports (`nm -D | grep bdev_qcow2` finds them) and
     /// registers nothing with SPDK.
     const LOOKALIKE_NOTHING: &str = "\

@@ -1,0 +1,54 @@
+"""Checks of the model alone (no SPDK): it accepts what may be read and flags what may not.
+tests/chaos.sh runs it first."""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from model import GOLDEN, ZERO, Disk, Pattern  # noqa: E402
+
+
+def main():
+    p = Pattern(1)
+
+    def written(disk, gen, flush):
+        d = Disk(disk, 64, 32 if disk == 1 else 0, p)
+        d.begin_write(0, 4, gen)
+        d.end_write(0, 4, gen)
+        if flush:
+            d.flushed()
+        return d
+
+    d = written(1, 5, False)
+    assert d.check_read(0, p.blocks(1, 0, 4, 5)) == []
+    assert d.check_read(0, p.blocks(1, 0, 4, GOLDEN)), "an overwritten block read old data"
+    assert d.check_read(0, p.blocks(1, 0, 4, 5)[:-1] + b"x"), "a damaged block passed"
+    assert d.check_read(0, p.blocks(0, 0, 4, 5)), "another disk's block passed"
+    # Unflushed: after a crash the old data or the new.
+    assert written(1, 5, False).check_read(0, p.blocks(1, 0, 4, GOLDEN), after_crash=True) == []
+    assert written(1, 5, False).check_read(0, p.blocks(1, 0, 4, 5), after_crash=True) == []
+    # Flushed: only the new.
+    assert written(1, 5, True).check_read(0, p.blocks(1, 0, 4, GOLDEN), after_crash=True)
+    assert written(1, 5, True).check_read(0, p.blocks(1, 0, 4, ZERO), after_crash=True)
+    # A write in flight at the crash (never acknowledged) may have landed.
+    d = written(1, 5, True)
+    d.begin_write(0, 4, 6)
+    assert d.check_read(0, p.blocks(1, 0, 4, 6), after_crash=True) == []
+    # A deallocated block reads zeros, the golden image's (overlay) or what it held.
+    d = written(0, 7, True)
+    d.begin_deallocate(0, 8)
+    d.end_deallocate(0, 8)
+    assert d.check_read(0, p.blocks(0, 0, 4, 7)) == []
+    assert d.check_read(0, p.blocks(0, 0, 4, ZERO)) == []
+    assert d.check_read(0, p.blocks(0, 0, 4, GOLDEN)), "golden data on a disk without backing"
+    # A resize a completed flush covered must survive.
+    d = written(0, 7, True)
+    d.grow(128)
+    d.flushed(blocks=128)
+    assert d.after_crash(64), "a flushed resize was lost and nobody noticed"
+    print("chaos model checks: ok")
+
+
+if __name__ == "__main__":
+    main()
