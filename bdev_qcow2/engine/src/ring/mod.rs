@@ -23,6 +23,7 @@ mod config;
 pub mod gens;
 pub(crate) mod host;
 mod hot;
+mod part;
 mod wait;
 pub mod zones;
 
@@ -30,6 +31,7 @@ pub use config::{RingConfig, RingStats};
 pub use gens::WriteGens;
 pub use host::{RingCopy, RingServed, RingWait};
 pub use hot::Hot;
+pub use part::ChainRing;
 pub use zones::{Watch, Zones};
 
 use gens::REGION;
