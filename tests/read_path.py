@@ -7,9 +7,13 @@
 
 Line tables (`debug = "line-tables-only"`) change no machine code; they let callgrind
 attribute every instruction, inlined ones too, to the source line it came from. A line of
-our crates (paths under `bdev_qcow2/`) counts as run per request when its instructions over
-the run reach half the requests bdevperf completed (a line run once per request costs at
-least one instruction each time; set-up code runs once, far below that). Its function is
+our crates (paths under `bdev_qcow2/`) counts as run per request when it runs under SPDK's
+calls into our bdev for a request (`submit_request`, a direct child's `child_done`, and
+what they call: the submission and completion of a request, not our pollers) and its
+instructions there over the run reach 0.9 per request bdevperf completed (a line run once
+per request costs at least one instruction each time; 0.9 for the requests a run's end
+leaves in flight). Lines a request runs only sometimes (a read-ahead's slice tail, an
+eighth of random reads) stay out. Its function is
 the `fn` of our source that encloses the line (closures belong to theirs), so functions
 inlined into others count as well as those called. Prints the files and functions so
 found, with their instructions per request; `--list` names them.
@@ -25,15 +29,19 @@ from instr_cycle import blocks  # noqa: E402
 # The source tree the run was built from (SRC_ROOT: another checkout, for a "before").
 ROOT = os.environ.get("SRC_ROOT") or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OURS = re.compile(r"(^|/)bdev_qcow2/(engine|spdk|tool)/src/")
+# Where a request enters our code: `fn_table.submit_request`, a direct child's completion.
+ROOTS = re.compile(r"bdev_qcow2::ffi::bdev_io::(submit_request|child_done)$")
 FN = re.compile(r"^(\s*)(pub(\([^)]*\))?\s+)?(const\s+)?(async\s+)?(unsafe\s+)?"
                 r"(extern\s+\"C\"\s+)?fn\s+(\w+)")
 
 
-def line_costs(path):
-    """Self cost per (file, line) of a callgrind output (positions: line)."""
+def parse(path):
+    """Self cost per (function, file, line) and the functions each function calls, from a
+    callgrind output (positions: line)."""
     names = {}
     cost = defaultdict(int)
-    fl = fi = None
+    calls = defaultdict(set)
+    fl = fi = fn = cfn = None
     last = 0
     skip_next = False
 
@@ -66,7 +74,7 @@ def line_costs(path):
                     skip_next = False
                     continue
                 if len(parts) > 1 and fi is not None:
-                    cost[(fi, pos)] += int(parts[1])
+                    cost[(fn, fi, pos)] += int(parts[1])
                 continue
             key, _, rest = line.partition("=")
             if key == "fl":
@@ -75,16 +83,30 @@ def line_costs(path):
                 fi = name("fl", rest)
             elif key == "fn":
                 fi = fl
-                name("fn", rest)
+                fn = name("fn", rest)
             elif key in ("cfl", "cfi"):
                 name("fl", rest)
             elif key == "cfn":
-                name("fn", rest)
+                cfn = name("fn", rest)
             elif key in ("ob", "cob"):
                 name("ob", rest)
             elif key == "calls":
+                calls[fn].add(cfn)
                 skip_next = True
-    return cost
+    return cost, calls
+
+
+def request_functions(calls):
+    """The functions a request runs: SPDK's calls into our bdev for a request (its
+    submission, a direct child's completion) and everything they call."""
+    roots = [f for f in calls if ROOTS.search(f)]
+    seen, todo = set(roots), list(roots)
+    while todo:
+        for g in calls.get(todo.pop(), ()):
+            if g not in seen:
+                seen.add(g)
+                todo.append(g)
+    return seen
 
 
 def source_path(f):
@@ -96,8 +118,10 @@ def enclosing_fn(src_lines, line):
     """The `fn` whose body holds 1-based `line`: the nearest one above it that is indented
     less (as much, for a closing brace or the `fn` line itself)."""
     if not 0 < line <= len(src_lines):
-        return "?"
+        return None  # code without a line (the compiler's own): the file's, no function's
     text = src_lines[line - 1]
+    if text.lstrip().startswith("#[derive("):
+        return "derive:%d" % line
     t = len(text) - len(text.lstrip())
     closing = text.lstrip().startswith("}")
     for i in range(line - 1, -1, -1):
@@ -125,8 +149,10 @@ def main():
         sys.exit("no completed requests in " + path)
     files, fns = defaultdict(int), defaultdict(int)
     srcs = {}
-    for (f, line), c in line_costs(path).items():
-        if not OURS.search(f) or c * 2 < n:
+    cost, calls = parse(path)
+    on_path = request_functions(calls)
+    for (fn, f, line), c in cost.items():
+        if fn not in on_path or not OURS.search(f) or c < 0.9 * n:
             continue
         sp = source_path(f)
         if sp not in srcs:
@@ -136,7 +162,9 @@ def main():
                 srcs[sp] = []
         rel = os.path.relpath(sp, ROOT)
         files[rel] += c
-        fns[(rel, enclosing_fn(srcs[sp], line))] += c
+        fn = enclosing_fn(srcs[sp], line)
+        if fn is not None:
+            fns[(rel, fn)] += c
     print("%d files, %d functions of ours per request (%d requests)" % (len(files), len(fns), n))
     if "--list" in sys.argv:
         for f in sorted(files, key=files.get, reverse=True):

@@ -185,7 +185,10 @@ impl<D: BlockDevice> Chain<D> {
             // The memo found it: its slice is cached, and read-ahead watches it only in
             // the slice's tail.
             ReadRoute::Direct(grant) if grant.from_memo() => {
-                self.read_ahead_memo(offset, len);
+                // (`read_ahead_memo`, its tail test asked of the part here.)
+                if self.readahead.in_tail(offset, len) {
+                    self.read_ahead(offset, len);
+                }
                 self.counters.fast_read();
                 Step::Direct(grant)
             }
@@ -229,7 +232,9 @@ impl<D: BlockDevice> Chain<D> {
             // Read-ahead watches an overwrite in its slice's tail, as a read the memo
             // found: a stream that mixes reads and writes stays one stream there.
             WriteDecision::Direct(grant) => {
-                self.read_ahead_memo(offset, len);
+                if self.readahead.in_tail(offset, len) {
+                    self.read_ahead(offset, len);
+                }
                 self.counters.wrote_here();
                 Step::Direct(grant)
             }
