@@ -15,12 +15,11 @@
 //!
 //! Single-threaded like the rest of a replica: nothing here is shared, nothing locks.
 
+use crate::streams::{StreamSlots, ALL, STREAMS};
 use std::cell::{Cell, RefCell};
 
 /// Requests in a row that make a stream sequential.
 pub const SEQ_MIN: u32 = 4;
-/// Streams followed at once per core.
-const STREAMS: usize = 4;
 /// Slices loaded ahead and not yet reached, remembered to count the useful ones.
 const LOADED: usize = 8;
 /// The least tail of a slice in which
@@ -46,13 +45,12 @@ pub struct PrefetchStats {
 /// request costs no cache line of its own.
 struct Hot {
     on: Cell<bool>,
-    /// Where the search for a slot for the next new stream starts (round robin).
-    victim: Cell<u8>,
     /// Slots holding a sequential stream (bit per slot): a new stream takes another slot
     /// first, so random requests between a stream's requests do not push it out.
     seq: Cell<u8>,
-    /// Where each stream's next request starts (`u64::MAX`: none).
-    next: [Cell<u64>; STREAMS],
+    /// Where each stream's next request starts, and the round robin (the stream table
+    /// the prefetch ring's detector is built on too).
+    slots: StreamSlots,
     /// Per stream: requests in a row, and the last slice asked for (`u64::MAX`: none).
     /// Here rather than in [`Prefetch`]: a random request restarts a stream.
     run: [Cell<(u32, u64)>; STREAMS],
@@ -75,9 +73,8 @@ impl Hot {
             tail_mask,
             tail_from,
             on: Cell::new(false),
-            victim: Cell::new(0),
             seq: Cell::new(0),
-            next: std::array::from_fn(|_| Cell::new(u64::MAX)),
+            slots: StreamSlots::default(),
             run: std::array::from_fn(|_| Cell::new((0, u64::MAX))),
         }
     }
@@ -90,26 +87,19 @@ impl Hot {
     #[inline(always)]
     fn find_or_start(&self, offset: u64, len: u64) -> Result<usize, usize> {
         let next = offset.saturating_add(len);
-        if let Some(i) = self.next.iter().position(|n| n.get() == offset) {
-            self.next[i].set(next);
+        if let Some(i) = self.slots.find(offset) {
             // The slot just continued is the last a new stream would take.
-            self.victim.set(((i + 1) % STREAMS) as u8);
+            self.slots.moved(i, next);
             return Ok(i);
         }
-        // In turn from `victim`, skipping sequential streams unless every slot holds one.
+        // In turn, skipping sequential streams unless every slot holds one.
         let seq = self.seq.get();
-        let start = self.victim.get() as usize % STREAMS;
-        let v = if seq == 0 {
-            start
-        } else {
-            (0..STREAMS)
-                .map(|k| (start + k) % STREAMS)
-                .find(|&i| seq & (1 << i) == 0)
-                .unwrap_or(start)
-        };
-        self.victim.set(((v + 1) % STREAMS) as u8);
+        let v = self
+            .slots
+            .first_of(!u32::from(seq) & ALL)
+            .unwrap_or_else(|| self.slots.turn());
         self.seq.set(seq & !(1 << v));
-        self.next[v].set(next);
+        self.slots.moved(v, next);
         self.run[v].set((1, u64::MAX));
         Err(v)
     }
@@ -261,10 +251,11 @@ impl ReadAhead {
     pub(crate) fn loaded(&self, target: u64, coverage: u64) {
         let key = target / coverage;
         // A stream already in the slice was not helped: not remembered as a hit.
-        let late =
-            self.hot.next.iter().any(|n| {
-                n.get() != u64::MAX && n.get() > target && (n.get() - 1) / coverage == key
-            });
+        let late = self
+            .hot
+            .slots
+            .nexts()
+            .any(|n| n != u64::MAX && n > target && (n - 1) / coverage == key);
         let mut p = self.cold.borrow_mut();
         p.stats.loaded += 1;
         if !late {

@@ -12,22 +12,16 @@
 //! [`STALE_READS`] reads has left, and its slot goes to the ring to hand on.
 
 use super::{STALE_READS, STREAMS};
+use crate::streams::StreamSlots;
 use std::cell::Cell;
-
-// The search rotates a mask of slots in a `u32`; the round robin's position is a `u8`
-// taken modulo STREAMS, which must divide 256 to wrap evenly.
-const _: () = assert!(STREAMS <= 8 && 256 % STREAMS == 0);
-const ALL: u32 = (1 << STREAMS) - 1;
 
 /// Where the followed streams continue and which slots are free to take (see the module
 /// documentation). One per core's chain, next to the fields every request reads.
 #[derive(Debug)]
 pub struct Hot {
-    /// Where each stream's next read starts (`u64::MAX`: none).
-    next: [Cell<u64>; STREAMS],
-    /// Where the search for a slot for a new stream starts (round robin; taken modulo
-    /// [`STREAMS`], so that moving it on is one add).
-    victim: Cell<u8>,
+    /// Where each stream's next read starts, and the round robin (the stream table
+    /// read-ahead's detector is built on too).
+    slots: StreamSlots,
     /// Per slot: a new stream may not take it here (reading ahead, or holding chunks).
     /// Bytes rather than bits: one compare to test, one store to set.
     busy: [Cell<bool>; STREAMS],
@@ -42,8 +36,7 @@ pub struct Hot {
 impl Default for Hot {
     fn default() -> Self {
         Hot {
-            next: std::array::from_fn(|_| Cell::new(u64::MAX)),
-            victim: Cell::new(0),
+            slots: StreamSlots::default(),
             busy: Default::default(),
             fresh: Default::default(),
             reads: Cell::new(0),
@@ -60,11 +53,11 @@ impl Hot {
     #[inline(always)]
     pub fn start_here(&self, offset: u64, len: u64) -> bool {
         self.reads.set(self.reads.get() + 1);
-        if self.next.iter().any(|n| n.get() == offset) {
+        if self.slots.continues(offset) {
             return false;
         }
         // Most often the slot in turn is idle itself: no search.
-        let v = self.victim();
+        let v = self.slots.turn();
         let i = if !self.busy[v].get() {
             v
         } else if self.left(v) {
@@ -84,7 +77,7 @@ impl Hot {
     /// The stream whose next read starts at `offset`.
     #[inline(always)]
     pub(super) fn find(&self, offset: u64) -> Option<usize> {
-        self.next.iter().position(|n| n.get() == offset)
+        self.slots.find(offset)
     }
 
     /// The first slot from the round robin's position on that a new stream may take here.
@@ -120,23 +113,14 @@ impl Hot {
 
     /// The first slot of `mask` (a bit per slot) from the round robin's position on.
     pub(super) fn first_of(&self, mask: u32) -> Option<usize> {
-        let v = self.victim() as u32;
-        let turned = ((mask | mask << STREAMS) >> v) & ALL;
-        (turned != 0).then(|| ((v + turned.trailing_zeros()) as usize) % STREAMS)
-    }
-
-    /// The round robin's position.
-    #[inline(always)]
-    fn victim(&self) -> usize {
-        self.victim.get() as usize % STREAMS
+        self.slots.first_of(mask)
     }
 
     /// Stream `i` starts with a read ending at `end`: its state in the ring is reset when
     /// it is next continued ([`take_fresh`](Self::take_fresh)).
     #[inline(always)]
     pub(super) fn start(&self, i: usize, end: u64) {
-        self.next[i].set(end);
-        self.victim.set(i as u8 + 1);
+        self.slots.moved(i, end);
         self.fresh[i].set(true);
         self.last[i].set(self.reads.get());
     }
@@ -145,15 +129,14 @@ impl Hot {
     /// last a new stream would take.
     #[inline(always)]
     pub(super) fn continued(&self, i: usize, end: u64) {
-        self.next[i].set(end);
-        self.victim.set(i as u8 + 1);
+        self.slots.moved(i, end);
         self.last[i].set(self.reads.get());
     }
 
     /// Where stream `i` continues.
     #[inline(always)]
     pub(super) fn next(&self, i: usize) -> u64 {
-        self.next[i].get()
+        self.slots.next(i)
     }
 
     /// Whether stream `i` was restarted since the ring last saw it (clears the mark).

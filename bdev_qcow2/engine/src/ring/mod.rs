@@ -43,8 +43,8 @@ pub const CHUNK: u64 = REGION;
 pub const SEQ_MIN: u32 = 3;
 // A stream just started reads nothing ahead: `Lookup::Started` skips the fills.
 const _: () = assert!(SEQ_MIN > 1);
-/// Streams followed at once per core.
-pub const STREAMS: usize = 4;
+/// Streams followed at once per core (the stream table's, `crate::streams`).
+pub use crate::streams::STREAMS;
 /// Reads that may wait at once, per core, on chunks whose read-ahead is in flight
 /// ([`Lookup::Wait`]); one more goes to the base. Bounds the fixed waiter table.
 pub const MAX_WAITERS: u16 = 256;
