@@ -47,7 +47,6 @@ pub mod rng;
 pub mod route;
 mod slice_load;
 pub mod stream;
-mod streams;
 #[cfg(any(test, feature = "testing"))]
 pub mod testing;
 pub mod types;

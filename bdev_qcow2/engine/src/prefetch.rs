@@ -15,7 +15,7 @@
 //!
 //! Single-threaded like the rest of a replica: nothing here is shared, nothing locks.
 
-use crate::streams::{StreamSlots, ALL, STREAMS};
+use crate::ring::{StreamSlots, ALL, STREAMS};
 use std::cell::{Cell, RefCell};
 
 /// Requests in a row that make a stream sequential.

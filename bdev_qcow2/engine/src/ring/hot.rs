@@ -1,4 +1,7 @@
-//! The part of the ring's stream table every read looks at, on plain cells outside the
+//! The stream table both stream detectors are built on ([`StreamSlots`]: where each
+//! followed stream continues, and the round robin that says which slot a new stream takes
+//! first; read-ahead of L2 slices, `prefetch.rs`, keeps one too, watching other requests),
+//! and the part of the ring's stream table every read looks at, on plain cells outside the
 //! ring's `RefCell`: where each stream continues, which stream slot a new stream takes
 //! next, and which slots a new stream may take without touching the ring's state.
 //!
@@ -11,9 +14,83 @@
 //! reads and when each stream was last started or continued: a stream not continued in
 //! [`STALE_READS`] reads has left, and its slot goes to the ring to hand on.
 
-use super::{STALE_READS, STREAMS};
-use crate::streams::StreamSlots;
+use super::STALE_READS;
 use std::cell::Cell;
+
+/// Streams followed at once by each detector.
+pub const STREAMS: usize = 4;
+
+// The search rotates a mask of slots in a `u32`; the round robin's position is a `u8`
+// taken modulo STREAMS, which must divide 256 to wrap evenly.
+const _: () = assert!(STREAMS <= 8 && 256 % STREAMS == 0);
+/// Every slot, a bit each.
+pub(crate) const ALL: u32 = (1 << STREAMS) - 1;
+
+/// Where [`STREAMS`] streams continue, and whose turn it is.
+#[derive(Debug)]
+pub(crate) struct StreamSlots {
+    /// Where each stream's next request starts (`u64::MAX`: none).
+    next: [Cell<u64>; STREAMS],
+    /// Where the search for a slot for a new stream starts (round robin; taken modulo
+    /// [`STREAMS`], so that moving it on is one add).
+    victim: Cell<u8>,
+}
+
+impl Default for StreamSlots {
+    fn default() -> Self {
+        StreamSlots {
+            next: std::array::from_fn(|_| Cell::new(u64::MAX)),
+            victim: Cell::new(0),
+        }
+    }
+}
+
+impl StreamSlots {
+    /// The stream whose next request starts at `offset`.
+    #[inline(always)]
+    pub(crate) fn find(&self, offset: u64) -> Option<usize> {
+        self.next.iter().position(|n| n.get() == offset)
+    }
+
+    /// Whether a stream's next request starts at `offset`.
+    #[inline(always)]
+    pub(crate) fn continues(&self, offset: u64) -> bool {
+        self.next.iter().any(|n| n.get() == offset)
+    }
+
+    /// Stream `i` was started or continued by a request ending at `end`: the slot just
+    /// used is the last a new stream would take.
+    #[inline(always)]
+    pub(crate) fn moved(&self, i: usize, end: u64) {
+        self.next[i].set(end);
+        self.victim.set(i as u8 + 1);
+    }
+
+    /// Where stream `i` continues.
+    #[inline(always)]
+    pub(crate) fn next(&self, i: usize) -> u64 {
+        self.next[i].get()
+    }
+
+    /// Where each stream continues.
+    pub(crate) fn nexts(&self) -> impl Iterator<Item = u64> + '_ {
+        self.next.iter().map(Cell::get)
+    }
+
+    /// The round robin's position: the slot a new stream takes first.
+    #[inline(always)]
+    pub(crate) fn turn(&self) -> usize {
+        self.victim.get() as usize % STREAMS
+    }
+
+    /// The first slot of `mask` (a bit per slot) from the round robin's position on.
+    #[inline(always)]
+    pub(crate) fn first_of(&self, mask: u32) -> Option<usize> {
+        let v = self.turn() as u32;
+        let turned = ((mask | mask << STREAMS) >> v) & ALL;
+        (turned != 0).then(|| ((v + turned.trailing_zeros()) as usize) % STREAMS)
+    }
+}
 
 /// Where the followed streams continue and which slots are free to take (see the module
 /// documentation). One per core's chain, next to the fields every request reads.
@@ -149,5 +226,24 @@ impl Hot {
     #[inline(always)]
     pub(super) fn set_busy(&self, i: usize, busy: bool) {
         self.busy[i].set(busy);
+    }
+}
+
+#[cfg(test)]
+mod stream_slots_tests {
+    use super::*;
+
+    #[test]
+    fn a_new_stream_takes_the_first_slot_of_a_mask_in_turn() {
+        let s = StreamSlots::default();
+        assert_eq!(s.first_of(ALL), Some(0));
+        s.moved(1, 4096);
+        assert_eq!(s.find(4096), Some(1));
+        assert_eq!(s.turn(), 2);
+        assert_eq!(s.first_of(0b0011), Some(0));
+        assert_eq!(s.first_of(0b1000), Some(3));
+        assert_eq!(s.first_of(0), None);
+        s.moved(3, 8192);
+        assert_eq!(s.turn(), 0);
     }
 }
