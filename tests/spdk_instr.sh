@@ -15,6 +15,9 @@
 #                                                # slices dirty); CLUSTER: its cluster size
 #   KEEP=/tmp/cg tests/spdk_instr.sh             # keeps each run's callgrind output there
 #                                                # (q-randwrite-512.out, ...) for callgrind_annotate
+#   ZEROED=1 tests/spdk_instr.sh                 # our bdev counted from the measured run's
+#                                                # start (as FILL does, without a fill): no
+#                                                # set-up in its output, for tests/read_path.py
 #
 # With FILL ("WORKLOAD IOSIZE SECONDS"), our image is not preallocated but filled in the
 # guest's own order first (e.g. random 4 KiB writes, QD32), then front to back for what
@@ -59,7 +62,7 @@ count() {
   fi
   printf '{"subsystems":[{"subsystem":"bdev","config":[%s,{"method":"bdev_wait_for_examine"}]}]}' \
     "$calls" >"$DIR/$kind.json"
-  if [ "$kind" = q ] && [ -n "${FILL:-}" ]; then
+  if [ "$kind" = q ] && { [ -n "${FILL:-}" ] || [ -n "${ZEROED:-}" ]; }; then
     filled_run "$w" "$o" >/dev/null
   else
     timeout 600 env LD_PRELOAD="$SO" valgrind --tool=callgrind --callgrind-out-file="$DIR/$kind.out" \
@@ -67,7 +70,7 @@ count() {
       -t "${SECS:-5}" >"$DIR/$kind.log" 2>&1
   fi
   # (filled_run checks its own results.)
-  if { [ "$kind" = p ] || [ -z "${FILL:-}" ]; } &&
+  if { [ "$kind" = p ] || { [ -z "${FILL:-}" ] && [ -z "${ZEROED:-}" ]; }; } &&
     awk -v f="$(awk '$1 == "X" && $2 == ":" {print $6; exit}' "$DIR/$kind.log")" 'BEGIN {exit !(f != "0.00")}'; then
     cat "$DIR/$kind.log"
     echo "failed I/O" >&2
@@ -78,8 +81,8 @@ count() {
   python3 tests/instr_cycle.py "$DIR/$kind.out" | cut -d' ' -f1
 }
 
-# filled_run WORKLOAD IOSIZE: our image filled by FILL, then the measured run, counted
-# alone into $DIR/q.out; prints the requests it completed.
+# filled_run WORKLOAD IOSIZE: our image filled by FILL (if set), then the measured run,
+# counted alone into $DIR/q.out; prints the requests it completed.
 filled_run() {
   local py=${BDEVPERF_PY:-/opt/spdk-src/examples/bdev/bdevperf/bdevperf.py}
   rm -f "$DIR/z.sock"
@@ -90,9 +93,11 @@ filled_run() {
   ZPID=$!
   for _ in $(seq 300); do [ -S "$DIR/z.sock" ] && break; sleep 0.2; done
   perform() { timeout 300 /usr/bin/python3 "$py" -s "$DIR/z.sock" -t 290 perform_tests "$@"; }
-  set -- "$1" "$2" $FILL
-  perform -w "$3" -o "$4" -t "$5" -q 32 >/dev/null
-  perform -w write -o 1048576 -t 4 -q 8 >/dev/null
+  if [ -n "${FILL:-}" ]; then
+    set -- "$1" "$2" $FILL
+    perform -w "$3" -o "$4" -t "$5" -q 32 >/dev/null
+    perform -w write -o 1048576 -t 4 -q 8 >/dev/null
+  fi
   callgrind_control -z "$ZPID" >/dev/null
   perform -w "$1" -o "$2" -t "${SECS:-5}" -q 32 >"$DIR/q.res"
   callgrind_control -d "$ZPID" >/dev/null

@@ -1,8 +1,9 @@
-//! A backing chain and the guest read path over it.
-//!
-//! Layer 0 is the image the guest sees; layer `i + 1` is the backing image of layer `i`
-//! (qcow2 or raw). Backing devices are chosen by the host (named bdevs in SPDK, files the
-//! operator allowed in the tool); the engine never opens anything by a name found in an image.
+//! A backing chain served on one core, composed of parts that each own their state and
+//! its operations — the disk (`disk.rs`: layers, depth, size, bitmaps, the range check),
+//! the request counters (`counters.rs`), read-ahead of L2 slices
+//! ([`ReadAhead`](crate::prefetch::ReadAhead)), the prefetch ring
+//! ([`ChainRing`](crate::ring::ChainRing)) — and the guest read path over the layers
+//! (here). [`Chain::plan`] (`plan.rs`) decides each guest request through them.
 
 use crate::error::{Error, Result};
 use crate::exec::{join_all, DevId, Exec, GraceEntry};
@@ -10,50 +11,23 @@ use crate::format::ClusterMapping;
 use crate::image::Qcow2;
 use crate::io::{BlockDevice, BufSlice, DeviceOp, SECTOR};
 use crate::limits::MAX_BACKING_DEPTH;
-use crate::route::{GuestRange, Role};
+use crate::route::Role;
 use crate::types::GuestOffset;
-use std::cell::{Cell, RefCell};
+use std::cell::RefCell;
 use std::future::Future;
 use std::pin::Pin;
 use std::rc::Rc;
 
+mod counters;
+mod disk;
 mod loads;
 mod ring;
 mod zip;
 
+pub use counters::{Counters, ReadStats, RequestStats};
+pub use disk::{Disk, Layer};
+
 pub(crate) use crate::ring::compressed::ZipPart;
-
-/// One layer of a chain.
-pub enum Layer<D: BlockDevice> {
-    /// A qcow2 image.
-    Qcow2(Box<Qcow2<D>>),
-    /// A raw image: guest offset = device offset; its size is the device size.
-    Raw {
-        /// The device.
-        dev: DevId,
-        /// Virtual size (the device size).
-        size: u64,
-    },
-}
-
-impl<D: BlockDevice> Layer<D> {
-    /// Virtual size of this layer.
-    pub fn size(&self) -> u64 {
-        match self {
-            Layer::Qcow2(q) => q.size(),
-            Layer::Raw { size, .. } => *size,
-        }
-    }
-}
-
-/// Counters of the read path.
-#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
-pub struct ReadStats {
-    /// Guest reads served entirely on the fast path (cached metadata, plain data/zeros).
-    pub fast_reads: u64,
-    /// Guest reads that needed a slow path (miss, compressed, backing).
-    pub slow_reads: u64,
-}
 
 /// A read planned from cached metadata ([`Chain::plan_fast`]): the chain's reused scratch,
 /// cleared for each plan, so that planning allocates nothing once the lists have grown.
@@ -144,83 +118,42 @@ pub(crate) struct Run {
     pub(crate) len: usize,
 }
 
-/// An image and its backing chain, served on one core.
+/// An image and its backing chain, served on one core: a small struct of parts.
 ///
-/// `repr(C)`: the fields every request reads come first, together.
+/// `repr(C)`: the parts every request reads come first, together.
 #[repr(C)]
 pub struct Chain<D: BlockDevice> {
     exec: Exec<D>,
-    layers: Vec<Layer<D>>,
-    /// How many of `layers` the chain reads through: all of them, until a stream drops the
-    /// backing reference ([`Chain::detach_backing`]); then 1, and nothing below the top is
-    /// read again (the devices stay until the chain goes, for requests already past them).
-    depth: Cell<usize>,
-    /// Virtual size of the top image: changes only by a resize (on the owner's chain, by
-    /// [`Chain::resize`]; on a core's, when a request past it finds a larger size
-    /// published).
-    size: Cell<u64>,
-    /// The top image's persistent bitmaps, which every change of the disk marks
-    /// ([`Chain::note_change`]).
-    dirty_bitmaps: Option<std::sync::Arc<crate::dirty_bitmaps::DirtyBitmaps>>,
-    /// Whether the prefetch ring is on ([`Chain::ring_read`]): every read looks at it.
-    pub(crate) ring_on: Cell<bool>,
-    /// The ring's stream table as every read sees it (a random read goes no further).
-    pub(crate) ring_hot: crate::ring::Hot,
-    /// Read-ahead's per-request state ([`Chain::read_ahead`]).
-    pub(crate) pf_hot: crate::prefetch::Hot,
+    /// The layers and what the guest sees of them.
+    pub(crate) disk: Disk<D>,
+    /// Where this chain's requests that change metadata run ([`Chain::plan`]).
+    pub(crate) role: Role,
+    /// Request counters: plain cells, bumped on every request.
+    pub(crate) counters: Counters,
+    /// Read-ahead of L2 slices: its stream detector and counters.
+    pub(crate) readahead: crate::prefetch::ReadAhead,
+    /// The prefetch ring, its stream table and its compressed fills.
+    pub(crate) ring: crate::ring::ChainRing<D::Buf>,
     /// Reused plan storage of the fast path (no allocation per request).
     scratch: RefCell<FastPlan>,
-    /// Read-path counters ([`ReadStats`]): plain cells, bumped on every request.
-    fast_reads: Cell<u64>,
-    slow_reads: Cell<u64>,
-    /// Overwrites a core replica routed in place through a copy of their slice older than
-    /// the slot's epoch ([`Chain::kept_overwrites`]).
-    pub(crate) kept_overwrites: Cell<u64>,
-    /// The rest of read-ahead's state (sequential requests only).
-    pub(crate) prefetch: RefCell<crate::prefetch::Prefetch>,
-    /// The prefetch ring, once the host turned it on ([`Chain::enable_ring`]).
-    pub(crate) ring: RefCell<Option<crate::ring::host::RingHost<D::Buf>>>,
-    /// The image's write generations, while the ring is on ([`Chain::ring_written`]).
-    pub(crate) ring_gens: std::cell::OnceCell<std::sync::Arc<crate::ring::WriteGens>>,
     /// Where the executor reports the ends of this chain's own requests (ring read-aheads,
     /// slice loads): added when first needed, removed with the chain.
     pub(crate) sink: std::cell::OnceCell<crate::exec::OwnedSink<D>>,
     /// Slices loaded without a task ([`Chain::load_slice_ahead`]).
     pub(crate) loads: RefCell<crate::slice_load::SliceLoads<D::Buf>>,
-    /// Ring chunks holding compressed clusters filled without a task
-    /// (`ring/compressed.rs`).
-    pub(crate) zips: RefCell<crate::ring::compressed::ZipFills<D::Buf>>,
-    /// Where this chain's requests that change metadata run ([`Chain::plan`]).
-    pub(crate) role: crate::route::Role,
-    /// Per-request counters of [`Chain::plan`].
-    pub(crate) tally: crate::route::Tally,
 }
 
 impl<D: BlockDevice> Chain<D> {
     /// Builds a chain from its layers, top first. Refuses more than
-    /// [`MAX_BACKING_DEPTH`] layers.
+    /// [`MAX_BACKING_DEPTH`](crate::limits::MAX_BACKING_DEPTH) layers.
     pub fn new(exec: &Exec<D>, layers: Vec<Layer<D>>) -> Result<Rc<Self>> {
-        if layers.is_empty() {
-            return Err(Error::BackingChain(
-                "a chain needs at least one image".into(),
-            ));
-        }
-        if layers.len() > MAX_BACKING_DEPTH {
-            return Err(Error::BackingChain(format!(
-                "backing chain deeper than {MAX_BACKING_DEPTH} images"
-            )));
-        }
-        let size = layers[0].size();
-        let coverage = match &layers[0] {
+        let disk = Disk::new(layers)?;
+        let top = &disk.layers()[0];
+        let coverage = match top {
             Layer::Qcow2(q) => Some(q.geometry().slice_coverage()),
             Layer::Raw { .. } => None,
         };
-        let (pf_hot, prefetch) = crate::prefetch::new_state(coverage);
-        let dirty_bitmaps = match &layers[0] {
-            Layer::Qcow2(q) => q.dirty_bitmaps().cloned(),
-            Layer::Raw { .. } => None,
-        };
-        let role = match &layers[0] {
+        let role = match top {
             Layer::Raw { .. } => Role::Owner,
             Layer::Qcow2(q) if q.writable_core_shared().is_some() => Role::Replica,
             Layer::Qcow2(q) if q.is_writable() && !q.is_core_replica() => Role::Owner,
@@ -228,107 +161,42 @@ impl<D: BlockDevice> Chain<D> {
         };
         Ok(Rc::new(Chain {
             role,
-            tally: Default::default(),
-            pf_hot,
+            readahead: crate::prefetch::ReadAhead::new(coverage),
             exec: exec.clone(),
-            size: Cell::new(size),
-            depth: Cell::new(layers.len()),
-            layers,
+            disk,
             scratch: RefCell::new(FastPlan::new()),
-            fast_reads: Cell::new(0),
-            slow_reads: Cell::new(0),
-            kept_overwrites: Cell::new(0),
-            prefetch,
-            ring_on: Cell::new(false),
-            ring_hot: crate::ring::Hot::default(),
-            ring: RefCell::new(None),
-            ring_gens: std::cell::OnceCell::new(),
+            counters: Counters::default(),
+            ring: Default::default(),
             sink: std::cell::OnceCell::new(),
             loads: RefCell::default(),
-            zips: RefCell::default(),
-            dirty_bitmaps,
         }))
     }
 
-    /// A write, write-zeroes or discard of `len` bytes at `offset` (inside the disk) is
-    /// about to change it: the persistent bitmaps record it before it is submitted.
+    /// The disk: layers, depth, size, bitmaps, the range check.
     #[inline(always)]
-    pub(crate) fn note_change(&self, offset: u64, len: u64) {
-        if let Some(b) = &self.dirty_bitmaps {
-            if b.recording() {
-                b.mark(offset, len);
-            }
-        }
+    pub fn disk(&self) -> &Disk<D> {
+        &self.disk
     }
 
-    /// The layers, top first.
+    /// The layers the chain reads through, top first ([`Disk::layers`]).
+    #[inline(always)]
     pub fn layers(&self) -> &[Layer<D>] {
-        &self.layers[..self.depth.get()]
+        self.disk.layers()
     }
 
-    /// The top image, when it is a qcow2 image: `layers[0]` whatever the depth (never 0),
-    /// without the slice of [`layers`](Self::layers) (a request's route asks it first).
+    /// Virtual size of the top image ([`Disk::size`]).
     #[inline(always)]
-    pub(crate) fn top_qcow2(&self) -> Option<&Qcow2<D>> {
-        match self.layers.first() {
-            Some(Layer::Qcow2(q)) => Some(q),
-            _ => None,
-        }
+    pub fn size(&self) -> u64 {
+        self.disk.size()
     }
 
-    /// Stops reading through the backing layers: the top image no longer names a backing
-    /// file (a stream dropped it, ARCHITECTURE.md §13), or every cluster a backing layer
-    /// could show is in the top image. Requests resolved from now on never reach a backing
-    /// device; the devices themselves stay with the chain.
-    pub fn detach_backing(&self) {
-        self.depth.set(1);
-    }
-    /// Virtual size of the top image.
-    pub fn size(&self) -> u64 {
-        self.size.get()
-    }
-    /// Takes `size` as the top image's virtual size (after a resize).
-    pub(crate) fn set_size(&self, size: u64) {
-        self.size.set(size);
-    }
     /// The executor.
     pub fn exec(&self) -> &Exec<D> {
         &self.exec
     }
-    /// The one check of a guest request's range: `len` bytes at `offset` are 512-byte
-    /// aligned and inside the disk ([`Error::InvalidRequest`] otherwise). Every entry that
-    /// takes a guest range asks it.
-    #[inline(always)]
-    pub fn check_range(&self, offset: u64, len: u64) -> Result<GuestRange> {
-        match GuestRange::new(offset, len, self.size.get()) {
-            Ok(r) => Ok(r),
-            Err(e) => self.check_range_resized(offset, len, e),
-        }
-    }
-
-    /// [`check_range`](Self::check_range) of a request that failed it: on a core of a
-    /// shared image the owner may have grown the disk since, so the size it published is
-    /// taken and the range checked again; otherwise `err`.
-    #[cold]
-    fn check_range_resized(&self, offset: u64, len: u64, err: Error) -> Result<GuestRange> {
-        let Some(Layer::Qcow2(q)) = self.layers.first() else {
-            return Err(err);
-        };
-        let published = q.shared().map_or(0, |s| s.virtual_size());
-        if published == 0 || published == self.size.get() {
-            return Err(err);
-        }
-        q.adopt_size(published);
-        self.size.set(q.size());
-        GuestRange::new(offset, len, self.size.get())
-    }
-
-    /// Read-path counters.
-    pub fn stats(&self) -> ReadStats {
-        ReadStats {
-            fast_reads: self.fast_reads.get(),
-            slow_reads: self.slow_reads.get(),
-        }
+    /// The chain's request counters.
+    pub fn counters(&self) -> &Counters {
+        &self.counters
     }
 
     /// Starts a guest read of `buf.len` bytes at `offset`; its completion is reported with
@@ -339,17 +207,17 @@ impl<D: BlockDevice> Chain<D> {
     /// zeros, the device reads are submitted directly (no task, no allocation); otherwise a
     /// slow-path task does the work.
     pub(crate) fn submit_read(self: &Rc<Self>, tag: u64, offset: u64, buf: BufSlice<D::Buf>) {
-        if let Err(e) = self.check_range(offset, buf.len as u64) {
+        if let Err(e) = self.disk.check_range(offset, buf.len as u64) {
             return self.exec.complete(tag, Err(e));
         }
         // Before resolving anything: a cluster freed meanwhile is not reused until this
         // request is over (shared images; see `coherency::Grace`).
         let entry = self.exec.guest_enter();
         let Err(entry) = self.try_fast_read(tag, offset, &buf, entry) else {
-            self.fast_reads.set(self.fast_reads.get() + 1);
+            self.counters.fast_read();
             return;
         };
-        self.slow_reads.set(self.slow_reads.get() + 1);
+        self.counters.slow_read();
         let chain = self.clone();
         self.exec.spawn(async move {
             let r = read_layer(chain.clone(), 0, offset, buf).await;
@@ -365,32 +233,7 @@ impl<D: BlockDevice> Chain<D> {
             Some(Layer::Qcow2(q)) => q.memo_kept_overwrites(),
             _ => 0,
         };
-        self.kept_overwrites.get() + memo
-    }
-
-    /// Counts a read granted the direct path ([`Chain::plan`]; a refused one that falls
-    /// back to [`submit_read`](Self::submit_read) is counted there too).
-    pub(crate) fn count_direct_read(&self) {
-        self.fast_reads.set(self.fast_reads.get() + 1);
-    }
-
-    /// Where the top image's cached L2 entry for `offset` lies in memory (see
-    /// [`Qcow2::entry_hint`]): for the host to prefetch before
-    /// [`route_read`](Self::route_read) or [`route_write`](Self::route_write).
-    pub fn entry_hint(&self, offset: u64) -> Option<*const u64> {
-        match &self.layers[0] {
-            Layer::Qcow2(q) => q.entry_hint(GuestOffset(offset)),
-            Layer::Raw { .. } => None,
-        }
-    }
-
-    /// On the metadata owner: where its dirty copy of the L2 entry for `offset` lies, if
-    /// the slice is dirty (see [`Qcow2::dirty_entry_hint`]); the slow write path reads it.
-    pub fn dirty_entry_hint(&self, offset: u64) -> Option<*const u64> {
-        match &self.layers[0] {
-            Layer::Qcow2(q) => q.dirty_entry_hint(GuestOffset(offset)),
-            Layer::Raw { .. } => None,
-        }
+        self.counters.kept_overwrites() + memo
     }
 
     /// The fast path: plans the request from cached slices only; hands `entry` back
@@ -488,7 +331,7 @@ impl<D: BlockDevice> Chain<D> {
         buf_off: usize,
         plan: &mut FastPlan,
     ) -> Result<(), Unplanned> {
-        let Some(layer) = self.layers.get(idx) else {
+        let Some(layer) = self.disk.layer(idx) else {
             return Err(Unplanned::Other);
         };
         let inside = (offset + len as u64)
@@ -542,7 +385,7 @@ impl<D: BlockDevice> Chain<D> {
                     });
                 }
                 ClusterMapping::Zero { .. } => plan.push_zeros(at, n),
-                ClusterMapping::Unallocated { .. } if idx + 1 < self.depth.get() => {
+                ClusterMapping::Unallocated { .. } if self.disk.reads_below(idx) => {
                     self.plan_layer::<ZIP>(idx + 1, pos, n, at, plan)?;
                 }
                 ClusterMapping::Unallocated { .. } => plan.push_zeros(at, n),
@@ -562,7 +405,7 @@ impl<D: BlockDevice> Chain<D> {
 
     /// Reads `buf.len` bytes at `offset` and waits for them (for tasks and tools).
     pub async fn read(self: &Rc<Self>, offset: u64, buf: BufSlice<D::Buf>) -> Result<()> {
-        self.check_range(offset, buf.len as u64)?;
+        self.disk.check_range(offset, buf.len as u64)?;
         read_layer(self.clone(), 0, offset, buf).await
     }
 
@@ -597,7 +440,10 @@ pub(crate) fn read_layer<D: BlockDevice>(
 ) -> BoxFut {
     Box::pin(async move {
         let len = buf.len as u64;
-        let size = chain.layers[idx].size();
+        let Some(layer) = chain.disk.layer(idx) else {
+            return Err(Error::BackingChain("no such layer".into()));
+        };
+        let size = layer.size();
         // Past the end of a (backing) layer the disk reads as zeros.
         if offset >= size {
             buf.zero();
@@ -608,7 +454,7 @@ pub(crate) fn read_layer<D: BlockDevice>(
             buf.sub(inside, buf.len - inside).zero();
         }
         let avail = (len.min(size - offset)) as usize;
-        match &chain.layers[idx] {
+        match layer {
             Layer::Raw { dev, .. } => {
                 // Keep device I/O sector aligned; a partial last sector reads zeros past EOF.
                 let n = (avail as u64).div_ceil(SECTOR) as usize * SECTOR as usize;
@@ -658,7 +504,7 @@ async fn read_qcow2<D: BlockDevice>(
             ClusterMapping::Unallocated { .. } => {
                 flush(&mut run, &mut futs);
                 let sub = buf.sub((pos - offset) as usize, n as usize);
-                if idx + 1 < chain.depth.get() {
+                if chain.disk.reads_below(idx) {
                     futs.push(read_layer(chain.clone(), idx + 1, pos, sub));
                 } else {
                     sub.zero();
@@ -671,7 +517,7 @@ async fn read_qcow2<D: BlockDevice>(
                 let sub = buf.sub((pos - offset) as usize, n as usize);
                 let chain = chain.clone();
                 futs.push(Box::pin(async move {
-                    let Layer::Qcow2(q) = &chain.layers[idx] else {
+                    let Some(Layer::Qcow2(q)) = chain.disk.layer(idx) else {
                         return Ok(());
                     };
                     q.read_compressed_part(d, in_cluster, &sub).await

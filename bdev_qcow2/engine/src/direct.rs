@@ -71,13 +71,13 @@ impl<D: BlockDevice> Chain<D> {
     ///   ([`Chain::start`]).
     #[inline(always)]
     pub fn route_read(&self, offset: u64, len: u64) -> ReadRoute {
-        let Ok(range) = self.check_range(offset, len) else {
+        let Ok(range) = self.disk.check_range(offset, len) else {
             return ReadRoute::Engine;
         };
         // Before resolving anything: a cluster freed meanwhile is not reused until the
         // request is over (shared images; see `coherency::Grace`).
         let entry = self.exec().guest_enter();
-        if let Some(q) = self.top_qcow2() {
+        if let Some(q) = self.disk.top_qcow2() {
             if let Some(host) = q.memo_extent(offset, len, false) {
                 let host = HostOffset(host);
                 return ReadRoute::Direct(Grant::new(q.dev(), host, range, entry, true, false));
@@ -133,12 +133,12 @@ impl<D: BlockDevice> Chain<D> {
     /// again.
     #[inline(always)]
     pub(crate) fn decide_write(&self, offset: u64, len: u64) -> WriteDecision {
-        let Ok(range) = self.check_range(offset, len) else {
+        let Ok(range) = self.disk.check_range(offset, len) else {
             return WriteDecision::Engine;
         };
-        self.note_change(offset, len);
+        self.disk.note_change(offset, len);
         let entry = self.exec().guest_enter();
-        if let Some(q) = self.top_qcow2() {
+        if let Some(q) = self.disk.top_qcow2() {
             if let Some(host) = q.memo_overwrite(offset, len) {
                 let host = HostOffset(host);
                 return WriteDecision::Direct(Grant::new(q.dev(), host, range, entry, true, true));
@@ -192,7 +192,7 @@ impl<D: BlockDevice> Chain<D> {
             // still answer an overwrite, since additions do not count as removals (§6).
             match q.kept_overwrite(offset, len) {
                 KeptCopy::Host(h) => {
-                    self.kept_overwrites.set(self.kept_overwrites.get() + 1);
+                    self.counters.kept_overwrite();
                     return PastMemo::Direct(q.dev(), HostOffset(h), entry);
                 }
                 KeptCopy::NotInPlace { changes } if changes >= REFRESH_AFTER_CHANGES => {

@@ -22,7 +22,7 @@ impl<D: BlockDevice> Chain<D> {
             return Err(Error::ReadOnly);
         };
         let old = q.resize(new_size, shrink).await?;
-        self.set_size(q.size());
+        self.disk.set_size(q.size());
         if new_size > old {
             if let Some(backing) = self.layers().get(1) {
                 let end = backing.size().min(new_size);
@@ -41,7 +41,7 @@ impl<D: BlockDevice> Chain<D> {
             return Err(Error::ReadOnly);
         };
         q.snapshot_apply(which).await?;
-        self.set_size(q.size());
+        self.disk.set_size(q.size());
         Ok(())
     }
 }

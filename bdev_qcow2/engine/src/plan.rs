@@ -7,6 +7,7 @@
 //! reactors) are that loop; the policy lives here, once.
 
 use crate::chain::Chain;
+pub use crate::chain::RequestStats;
 use crate::error::{Error, Result};
 use crate::io::{BlockDevice, BufSlice, DeviceOp, IoBuffer};
 use crate::ring::{RingServed, RingWait};
@@ -124,17 +125,6 @@ enum TaskKind {
     Flush,
 }
 
-/// A chain's per-request counters ([`Chain::request_stats`]).
-#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
-pub struct RequestStats {
-    /// Writes a core replica served in place (direct, or after loading a slice).
-    pub writes_here: u64,
-    /// Requests this core sent to the metadata owner.
-    pub to_owner: u64,
-    /// Reads the prefetch ring served whole.
-    pub ring_served: u64,
-}
-
 impl<D: BlockDevice> Chain<D> {
     /// Decides guest request `req` — the one call a host makes per request. `buf` gives
     /// the request's buffer; it is called only when the prefetch ring copies into it.
@@ -163,15 +153,6 @@ impl<D: BlockDevice> Chain<D> {
         self.role
     }
 
-    /// This chain's per-request counters.
-    pub fn request_stats(&self) -> RequestStats {
-        RequestStats {
-            writes_here: self.tally.writes_here.get(),
-            to_owner: self.tally.to_owner.get(),
-            ring_served: self.tally.ring_served.get(),
-        }
-    }
-
     // No function out of line below returns a `Step`: one that did would make every
     // branch store its step in a stack slot the host's match reads back, where inline
     // branches keep a grant in registers.
@@ -181,7 +162,7 @@ impl<D: BlockDevice> Chain<D> {
     where
         B: FnOnce() -> BufSlice<D::Buf>,
     {
-        if !self.ring_passes(offset, len) {
+        if !self.ring.passes(offset, len) {
             let buf = buf();
             let served = self.ring_read_past(offset, len, &mut |src, src_off, off, n| {
                 src.copy_to(src_off, &buf.buf, buf.off + off, n)
@@ -204,14 +185,17 @@ impl<D: BlockDevice> Chain<D> {
             // The memo found it: its slice is cached, and read-ahead watches it only in
             // the slice's tail.
             ReadRoute::Direct(grant) if grant.from_memo() => {
-                self.read_ahead_memo(offset, len);
-                self.count_direct_read();
+                // (`read_ahead_memo`, its tail test asked of the part here.)
+                if self.readahead.in_tail(offset, len) {
+                    self.read_ahead(offset, len);
+                }
+                self.counters.fast_read();
                 Step::Direct(grant)
             }
             ReadRoute::Direct(grant) => {
                 let range = grant.range();
                 self.read_ahead_out_of_line(range.offset().0, range.len());
-                self.count_direct_read();
+                self.counters.fast_read();
                 Step::Direct(grant)
             }
             ReadRoute::Engine => {
@@ -230,7 +214,7 @@ impl<D: BlockDevice> Chain<D> {
     #[inline(never)]
     fn ring_served(self: &Rc<Self>, offset: u64, len: u64) {
         self.read_ahead(offset, len);
-        self.tally.served_from_ring();
+        self.counters.served_from_ring();
     }
 
     /// [`read_ahead`](Self::read_ahead) out of line: the memo's path stays small.
@@ -248,8 +232,10 @@ impl<D: BlockDevice> Chain<D> {
             // Read-ahead watches an overwrite in its slice's tail, as a read the memo
             // found: a stream that mixes reads and writes stays one stream there.
             WriteDecision::Direct(grant) => {
-                self.read_ahead_memo(offset, len);
-                self.tally.wrote_here();
+                if self.readahead.in_tail(offset, len) {
+                    self.read_ahead(offset, len);
+                }
+                self.counters.wrote_here();
                 Step::Direct(grant)
             }
             // A slice to load first, with read-ahead: a stream of direct overwrites needs
@@ -264,7 +250,7 @@ impl<D: BlockDevice> Chain<D> {
                 })
             }
             WriteDecision::Owner { slow } => {
-                self.tally.sent_to_owner();
+                self.counters.sent_to_owner();
                 Step::Owner(match slow {
                     true => Op::WriteNotInPlace,
                     false => Op::Write,
@@ -300,7 +286,7 @@ impl<D: BlockDevice> Chain<D> {
         let (offset, len) = (req.offset, req.len);
         match self.role {
             Role::Replica => {
-                self.tally.sent_to_owner();
+                self.counters.sent_to_owner();
                 return Step::Owner(req.op);
             }
             Role::ReadOnly if req.op != Op::Flush => return Step::Complete(Err(Error::ReadOnly)),
@@ -340,7 +326,7 @@ impl<D: BlockDevice> Chain<D> {
                 let rest = data.sub(skip as usize, (len - skip) as usize);
                 self.submit_read(tag, offset + skip, rest)
             }
-            TaskKind::RingWait(w) => self.ring_wait(w, tag, data),
+            TaskKind::RingWait(w) => self.ring.wait(w, tag, data),
             TaskKind::Write => self.submit_write(tag, offset, data),
             TaskKind::WriteNotInPlace => self.submit_write_slow(tag, offset, data),
             TaskKind::WriteInPlace => self.submit_write_local(tag, offset, data),

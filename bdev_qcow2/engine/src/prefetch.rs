@@ -1,5 +1,6 @@
-//! L2 slice read-ahead on sequential streams, one per core replica: the detector and its
-//! state (`readahead` drives it for a chain: [`Chain::read_ahead`](crate::Chain::read_ahead)).
+//! L2 slice read-ahead on sequential streams, one per core replica: the chain's
+//! [`ReadAhead`] part, its stream detector, state and counters (`readahead` issues the loads
+//! it asks for: [`Chain::read_ahead`](crate::Chain::read_ahead)).
 //!
 //! A host tells its chain where each guest request goes. Four stream slots remember where
 //! recent streams will continue; a request that starts exactly there extends its stream,
@@ -14,12 +15,11 @@
 //!
 //! Single-threaded like the rest of a replica: nothing here is shared, nothing locks.
 
+use crate::ring::{StreamSlots, ALL, STREAMS};
 use std::cell::{Cell, RefCell};
 
 /// Requests in a row that make a stream sequential.
 pub const SEQ_MIN: u32 = 4;
-/// Streams followed at once per core.
-const STREAMS: usize = 4;
 /// Slices loaded ahead and not yet reached, remembered to count the useful ones.
 const LOADED: usize = 8;
 /// The least tail of a slice in which
@@ -43,22 +43,21 @@ pub struct PrefetchStats {
 /// What every request looks at: whether read-ahead is on and where the followed streams
 /// continue. Kept in the [`Chain`](crate::Chain) next to the fields every request reads, so a random
 /// request costs no cache line of its own.
-pub(crate) struct Hot {
-    pub(crate) on: Cell<bool>,
-    /// Where the search for a slot for the next new stream starts (round robin).
-    victim: Cell<u8>,
+struct Hot {
+    on: Cell<bool>,
     /// Slots holding a sequential stream (bit per slot): a new stream takes another slot
     /// first, so random requests between a stream's requests do not push it out.
     seq: Cell<u8>,
-    /// Where each stream's next request starts (`u64::MAX`: none).
-    pub(crate) next: [Cell<u64>; STREAMS],
+    /// Where each stream's next request starts, and the round robin (the stream table
+    /// the prefetch ring's detector is built on too).
+    slots: StreamSlots,
     /// Per stream: requests in a row, and the last slice asked for (`u64::MAX`: none).
     /// Here rather than in [`Prefetch`]: a random request restarts a stream.
     run: [Cell<(u32, u64)>; STREAMS],
     /// [`Chain::read_ahead_memo`](crate::Chain::read_ahead_memo)'s tail of a slice: a request whose offset within its
     /// slice (`offset & tail_mask`) plus its length passes `tail_from` ends in the tail.
-    pub(crate) tail_mask: u64,
-    pub(crate) tail_from: u64,
+    tail_mask: u64,
+    tail_from: u64,
 }
 
 impl Hot {
@@ -74,9 +73,8 @@ impl Hot {
             tail_mask,
             tail_from,
             on: Cell::new(false),
-            victim: Cell::new(0),
             seq: Cell::new(0),
-            next: std::array::from_fn(|_| Cell::new(u64::MAX)),
+            slots: StreamSlots::default(),
             run: std::array::from_fn(|_| Cell::new((0, u64::MAX))),
         }
     }
@@ -87,50 +85,43 @@ impl Hot {
     /// starts one (a run of 1) in a slot without a sequential stream, else in the next slot
     /// in turn (whose stream then counts as new).
     #[inline(always)]
-    pub(crate) fn find_or_start(&self, offset: u64, len: u64) -> Result<usize, usize> {
+    fn find_or_start(&self, offset: u64, len: u64) -> Result<usize, usize> {
         let next = offset.saturating_add(len);
-        if let Some(i) = self.next.iter().position(|n| n.get() == offset) {
-            self.next[i].set(next);
+        if let Some(i) = self.slots.find(offset) {
             // The slot just continued is the last a new stream would take.
-            self.victim.set(((i + 1) % STREAMS) as u8);
+            self.slots.moved(i, next);
             return Ok(i);
         }
-        // In turn from `victim`, skipping sequential streams unless every slot holds one.
+        // In turn, skipping sequential streams unless every slot holds one.
         let seq = self.seq.get();
-        let start = self.victim.get() as usize % STREAMS;
-        let v = if seq == 0 {
-            start
-        } else {
-            (0..STREAMS)
-                .map(|k| (start + k) % STREAMS)
-                .find(|&i| seq & (1 << i) == 0)
-                .unwrap_or(start)
-        };
-        self.victim.set(((v + 1) % STREAMS) as u8);
+        let v = self
+            .slots
+            .first_of(!u32::from(seq) & ALL)
+            .unwrap_or_else(|| self.slots.turn());
         self.seq.set(seq & !(1 << v));
-        self.next[v].set(next);
+        self.slots.moved(v, next);
         self.run[v].set((1, u64::MAX));
         Err(v)
     }
 
     /// Slot `i` holds a sequential stream.
-    pub(crate) fn mark_sequential(&self, i: usize) {
+    fn mark_sequential(&self, i: usize) {
         self.seq.set(self.seq.get() | 1 << i);
     }
 
     /// Whether stream `i` has run long enough to be sequential.
-    pub(crate) fn is_sequential_run(&self, i: usize) -> bool {
+    fn is_sequential_run(&self, i: usize) -> bool {
         self.run[i].get().0 >= SEQ_MIN
     }
 }
 
 /// The rest of a replica's read-ahead state (touched only by sequential requests).
 #[derive(Default)]
-pub(crate) struct Prefetch {
+struct Prefetch {
     /// Slices loaded ahead, not yet reached (`u64::MAX`: empty).
     loaded: [u64; LOADED],
     loaded_pos: usize,
-    pub(crate) stats: PrefetchStats,
+    stats: PrefetchStats,
 }
 
 impl Prefetch {
@@ -144,7 +135,7 @@ impl Prefetch {
     /// Request `offset`/`len` continues stream `i` (in slices of `coverage` bytes, on a
     /// disk of `size`): returns the guest offset of a slice to load ahead, if any — the
     /// slice after the last one the request covers.
-    pub(crate) fn advance(
+    fn advance(
         &mut self,
         hot: &Hot,
         i: usize,
@@ -176,15 +167,101 @@ impl Prefetch {
         Some(target)
     }
 
-    pub(crate) fn remember_loaded(&mut self, key: u64) {
+    fn remember_loaded(&mut self, key: u64) {
         self.loaded[self.loaded_pos] = key;
         self.loaded_pos = (self.loaded_pos + 1) % LOADED;
     }
 }
 
-/// A hot and a cold half, as the chain holds them (`coverage`: see [`Hot::new`]).
-pub(crate) fn new_state(coverage: Option<u64>) -> (Hot, RefCell<Prefetch>) {
-    (Hot::new(coverage), RefCell::new(Prefetch::new()))
+/// A chain's read-ahead ([`Chain::prefetch`](crate::Chain::prefetch)): what every
+/// request looks at, and the rest, touched only by sequential requests.
+pub struct ReadAhead {
+    hot: Hot,
+    cold: RefCell<Prefetch>,
+}
+
+impl ReadAhead {
+    /// Off, for a chain whose top image has slices of `coverage` bytes (`None`: a raw top
+    /// layer, whose requests are all watched).
+    pub(crate) fn new(coverage: Option<u64>) -> Self {
+        ReadAhead {
+            hot: Hot::new(coverage),
+            cold: RefCell::new(Prefetch::new()),
+        }
+    }
+
+    /// Turns read-ahead of L2 slices on sequential streams on or off for this replica
+    /// (off by default; hosts turn it on per their configuration).
+    pub fn set_on(&self, on: bool) {
+        self.hot.on.set(on);
+    }
+
+    /// Whether read-ahead is on.
+    pub fn is_on(&self) -> bool {
+        self.hot.on.get()
+    }
+
+    /// Read-ahead counters.
+    pub fn stats(&self) -> PrefetchStats {
+        self.cold.borrow().stats
+    }
+
+    /// A request of `len` bytes at `offset`: the stream it continues, if read-ahead is on
+    /// (one that continues none starts one).
+    #[inline(always)]
+    pub(crate) fn watch(&self, offset: u64, len: u64) -> Option<usize> {
+        if !self.hot.on.get() || len == 0 {
+            return None;
+        }
+        self.hot.find_or_start(offset, len).ok()
+    }
+
+    /// Whether a request the memo mapped ends in its slice's tail, where read-ahead
+    /// watches it.
+    #[inline(always)]
+    pub(crate) fn in_tail(&self, offset: u64, len: u64) -> bool {
+        (offset & self.hot.tail_mask) + len > self.hot.tail_from
+    }
+
+    /// Stream `i` was continued by `len` bytes at `offset` (slices of `coverage` bytes, a
+    /// disk of `size`): the guest offset of the slice to load ahead, if any.
+    pub(crate) fn advance(
+        &self,
+        i: usize,
+        offset: u64,
+        len: u64,
+        coverage: u64,
+        size: u64,
+    ) -> Option<u64> {
+        let mut p = self.cold.try_borrow_mut().ok()?;
+        let target = p.advance(&self.hot, i, offset, len, coverage, size);
+        if self.hot.is_sequential_run(i) {
+            self.hot.mark_sequential(i);
+        }
+        target
+    }
+
+    /// A load of the slice ahead was started.
+    pub(crate) fn count_issued(&self) {
+        self.cold.borrow_mut().stats.issued += 1;
+    }
+
+    /// The slice covering `target` (slices of `coverage` bytes) that read-ahead asked for
+    /// is cached: counts it, and remembers it to count the stream reaching it.
+    pub(crate) fn loaded(&self, target: u64, coverage: u64) {
+        let key = target / coverage;
+        // A stream already in the slice was not helped: not remembered as a hit.
+        let late = self
+            .hot
+            .slots
+            .nexts()
+            .any(|n| n != u64::MAX && n > target && (n - 1) / coverage == key);
+        let mut p = self.cold.borrow_mut();
+        p.stats.loaded += 1;
+        if !late {
+            p.remember_loaded(key);
+        }
+    }
 }
 
 #[cfg(test)]

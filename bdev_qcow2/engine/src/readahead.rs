@@ -1,31 +1,20 @@
-//! Read-ahead for a chain: tells the stream detector (`prefetch`) about each guest request
-//! and loads the next L2 slice of a sequential stream into this replica's cache in the
-//! background.
+//! Read-ahead for a chain: tells its [`ReadAhead`] part (`prefetch`) about each guest
+//! request and loads the next L2 slice of a sequential stream into this replica's cache in
+//! the background.
 //!
 //! Above the chain and the detector: neither uses this module.
 
-use crate::chain::{Chain, Layer};
+use crate::chain::Chain;
 use crate::io::BlockDevice;
-use crate::prefetch::PrefetchStats;
+use crate::prefetch::ReadAhead;
 use crate::slice_load::SliceLoad;
 use crate::types::GuestOffset;
 use std::rc::Rc;
 
 impl<D: BlockDevice> Chain<D> {
-    /// Turns read-ahead of L2 slices on sequential streams on or off for this replica
-    /// (off by default; hosts turn it on per their configuration).
-    pub fn set_prefetch(&self, on: bool) {
-        self.pf_hot.on.set(on);
-    }
-
-    /// Whether read-ahead is on.
-    pub fn prefetch_enabled(&self) -> bool {
-        self.pf_hot.on.get()
-    }
-
-    /// Read-ahead counters.
-    pub fn prefetch_stats(&self) -> PrefetchStats {
-        self.prefetch.borrow().stats
+    /// The chain's read-ahead part: on or off, counters.
+    pub fn prefetch(&self) -> &ReadAhead {
+        &self.readahead
     }
 
     /// Tells read-ahead about a guest request (read or write) of `len` bytes at `offset`
@@ -36,10 +25,7 @@ impl<D: BlockDevice> Chain<D> {
     /// the slice, which reports it). Costs a few compares when off or on random I/O.
     #[inline]
     pub fn read_ahead(self: &Rc<Self>, offset: u64, len: u64) {
-        if !self.pf_hot.on.get() || len == 0 {
-            return;
-        }
-        if let Ok(i) = self.pf_hot.find_or_start(offset, len) {
+        if let Some(i) = self.readahead.watch(offset, len) {
             self.continue_stream(i, offset, len);
         }
     }
@@ -53,7 +39,7 @@ impl<D: BlockDevice> Chain<D> {
     /// of the stream look-up. (A stream is counted again in each slice's tail.)
     #[inline(always)]
     pub fn read_ahead_memo(self: &Rc<Self>, offset: u64, len: u64) {
-        if (offset & self.pf_hot.tail_mask) + len > self.pf_hot.tail_from {
+        if self.readahead.in_tail(offset, len) {
             self.read_ahead(offset, len);
         }
     }
@@ -61,19 +47,14 @@ impl<D: BlockDevice> Chain<D> {
     /// [`read_ahead`](Self::read_ahead) for a request that continues stream `i`.
     #[inline(never)]
     fn continue_stream(self: &Rc<Self>, i: usize, offset: u64, len: u64) {
-        let Layer::Qcow2(q) = &self.layers()[0] else {
+        let Some(q) = self.disk.top_qcow2() else {
             return;
         };
         let coverage = q.geometry().slice_coverage();
-        let Ok(mut p) = self.prefetch.try_borrow_mut() else {
-            return;
-        };
-        let target = p.advance(&self.pf_hot, i, offset, len, coverage, self.size());
-        if self.pf_hot.is_sequential_run(i) {
-            self.pf_hot.mark_sequential(i);
-        }
-        drop(p);
-        let Some(target) = target else {
+        let Some(target) = self
+            .readahead
+            .advance(i, offset, len, coverage, self.size())
+        else {
             return;
         };
         // Cached already; no L2 table there (nothing to load: it reads as zeros); or, on a
@@ -85,7 +66,7 @@ impl<D: BlockDevice> Chain<D> {
         {
             return;
         }
-        self.prefetch.borrow_mut().stats.issued += 1;
+        self.readahead.count_issued();
         // Without a task as a rule (`slice_load.rs`): its end comes to `slice_ahead_loaded`.
         if self.load_slice_ahead(0, target, true) != SliceLoad::Refused {
             return;
@@ -93,7 +74,7 @@ impl<D: BlockDevice> Chain<D> {
         // Every record busy, or a slice the owner holds dirty: a task.
         let chain = self.clone();
         self.exec().spawn(async move {
-            let Layer::Qcow2(q) = &chain.layers()[0] else {
+            let Some(q) = chain.disk.top_qcow2() else {
                 return;
             };
             if let Ok(Some(_)) = q.load_slice(GuestOffset(target)).await {
@@ -102,23 +83,10 @@ impl<D: BlockDevice> Chain<D> {
         });
     }
 
-    /// The slice covering `target` that read-ahead asked for is cached: counts it, and
-    /// remembers it to count the stream reaching it.
+    /// The slice covering `target` that read-ahead asked for is cached: counts it.
     pub(crate) fn slice_ahead_loaded(&self, target: u64) {
-        let Layer::Qcow2(q) = &self.layers()[0] else {
-            return;
-        };
-        let coverage = q.geometry().slice_coverage();
-        let key = target / coverage;
-        // A stream already in the slice was not helped: not remembered as a hit.
-        let late =
-            self.pf_hot.next.iter().any(|n| {
-                n.get() != u64::MAX && n.get() > target && (n.get() - 1) / coverage == key
-            });
-        let mut p = self.prefetch.borrow_mut();
-        p.stats.loaded += 1;
-        if !late {
-            p.remember_loaded(key);
+        if let Some(q) = self.disk.top_qcow2() {
+            self.readahead.loaded(target, q.geometry().slice_coverage());
         }
     }
 }

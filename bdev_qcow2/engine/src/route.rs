@@ -10,7 +10,6 @@ use crate::error::{Error, Result};
 use crate::exec::{DevId, Exec, GraceEntry};
 use crate::io::{BlockDevice, SECTOR};
 use crate::types::{GuestOffset, HostOffset};
-use std::cell::Cell;
 
 /// A guest request's byte range, checked: offset and length are multiples of 512 and the
 /// range lies inside the disk. Made only by [`GuestRange::new`], so every entry that takes
@@ -255,40 +254,6 @@ pub enum Role {
     Replica,
     /// A read-only image (or a replica of one): writes fail.
     ReadOnly,
-}
-
-/// Per-request counters of a chain, bumped by its plans (plain cells: one core).
-#[derive(Debug, Default)]
-pub(crate) struct Tally {
-    /// Writes a core replica served in place (direct, or its engine path).
-    pub(crate) writes_here: Cell<u64>,
-    /// Requests sent to the metadata owner.
-    pub(crate) to_owner: Cell<u64>,
-    /// Reads served whole from the prefetch ring.
-    pub(crate) ring_served: Cell<u64>,
-}
-
-impl Tally {
-    #[inline(always)]
-    fn bump(c: &Cell<u64>) {
-        c.set(c.get() + 1);
-    }
-
-    /// A core replica served a write in place.
-    #[inline(always)]
-    pub(crate) fn wrote_here(&self) {
-        Self::bump(&self.writes_here);
-    }
-
-    /// A request goes to the metadata owner.
-    pub(crate) fn sent_to_owner(&self) {
-        Self::bump(&self.to_owner);
-    }
-
-    /// The prefetch ring served a read whole.
-    pub(crate) fn served_from_ring(&self) {
-        Self::bump(&self.ring_served);
-    }
 }
 
 #[cfg(test)]

@@ -313,7 +313,7 @@ impl<D: BlockDevice> Chain<D> {
     /// below the end of the backing chain still reads from it, then drops the backing
     /// reference from the header ([`Owner::drop_backing`]). Returns whether the backing
     /// format extension went too. The chain still reads through its backing layer until
-    /// [`detach_backing`](Chain::detach_backing): the host detaches the cores' chains first.
+    /// [`Disk::detach_backing`](crate::chain::Disk::detach_backing): the host detaches the cores' chains first.
     pub async fn finish_stream(self: &Rc<Self>) -> Result<bool> {
         let (q, backing_end) = self.stream_owner()?;
         if let Some(b) = backing_end {
@@ -338,7 +338,7 @@ impl<D: BlockDevice> Chain<D> {
     pub async fn forget_backing(self: &Rc<Self>) -> Result<bool> {
         let (q, _) = self.stream_owner()?;
         let gone = q.owner()?.drop_backing().await?;
-        self.detach_backing();
+        self.disk.detach_backing();
         Ok(gone)
     }
 
@@ -361,7 +361,7 @@ impl<D: BlockDevice> Chain<D> {
         }
         *job.0.state.borrow_mut() = StreamState::Dropping;
         self.finish_stream().await?;
-        self.detach_backing();
+        self.disk.detach_backing();
         *job.0.state.borrow_mut() = StreamState::Done;
         progress(&job.progress());
         Ok(job.progress().bytes_filled)
@@ -582,7 +582,7 @@ impl StreamJob {
     /// stops reading it too, and the job is done. Only in [`StreamState::Detaching`].
     pub fn cores_detached<D: BlockDevice>(&self, chain: &Chain<D>) {
         if *self.0.state.borrow() == StreamState::Detaching {
-            chain.detach_backing();
+            chain.disk.detach_backing();
             *self.0.state.borrow_mut() = StreamState::Done;
         }
     }

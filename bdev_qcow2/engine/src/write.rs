@@ -57,10 +57,10 @@ impl<D: BlockDevice> Chain<D> {
     }
 
     fn start_write(self: &Rc<Self>, tag: u64, offset: u64, buf: BufSlice<D::Buf>, fast: bool) {
-        if let Err(e) = top(self).and_then(|_| self.check_range(offset, buf.len as u64)) {
+        if let Err(e) = top(self).and_then(|_| self.disk.check_range(offset, buf.len as u64)) {
             return self.exec().complete(tag, Err(e));
         }
-        self.note_change(offset, buf.len as u64);
+        self.disk.note_change(offset, buf.len as u64);
         let mut entry = self.exec().guest_enter();
         if fast {
             match self.try_fast_write(tag, offset, &buf, entry) {
@@ -129,12 +129,12 @@ impl<D: BlockDevice> Chain<D> {
         offset: u64,
         buf: BufSlice<D::Buf>,
     ) {
-        if let Err(e) = self.check_range(offset, buf.len as u64) {
+        if let Err(e) = self.disk.check_range(offset, buf.len as u64) {
             return self.exec().complete(tag, Err(e));
         }
-        self.note_change(offset, buf.len as u64);
+        self.disk.note_change(offset, buf.len as u64);
         let entry = match self.try_fast_write(tag, offset, &buf, self.exec().guest_enter()) {
-            Ok(()) => return self.tally.wrote_here(),
+            Ok(()) => return self.counters.wrote_here(),
             Err(entry) => entry,
         };
         let chain = self.clone();
@@ -149,7 +149,7 @@ impl<D: BlockDevice> Chain<D> {
                         Ok(Some(_)) => {}
                         // No L2 table: an allocation, for the owner.
                         Ok(None) => {
-                            chain.tally.sent_to_owner();
+                            chain.counters.sent_to_owner();
                             return exec.hand_to_owner(tag, entry);
                         }
                         Err(e) => return exec.complete_entered(tag, Err(e), entry),
@@ -158,9 +158,9 @@ impl<D: BlockDevice> Chain<D> {
                 }
             }
             match chain.try_fast_write(tag, offset, &buf, entry) {
-                Ok(()) => chain.tally.wrote_here(),
+                Ok(()) => chain.counters.wrote_here(),
                 Err(entry) => {
-                    chain.tally.sent_to_owner();
+                    chain.counters.sent_to_owner();
                     exec.hand_to_owner(tag, entry);
                 }
             }
@@ -177,10 +177,10 @@ impl<D: BlockDevice> Chain<D> {
         offset: u64,
         buf: &BufSlice<D::Buf>,
     ) -> bool {
-        if self.check_range(offset, buf.len as u64).is_err() {
+        if self.disk.check_range(offset, buf.len as u64).is_err() {
             return false;
         }
-        self.note_change(offset, buf.len as u64);
+        self.disk.note_change(offset, buf.len as u64);
         match self.try_fast_write(tag, offset, buf, self.exec().guest_enter()) {
             Ok(()) => true,
             Err(entry) => {
@@ -194,8 +194,8 @@ impl<D: BlockDevice> Chain<D> {
     /// [`flush`](Self::flush)).
     pub async fn write(self: &Rc<Self>, offset: u64, buf: BufSlice<D::Buf>) -> Result<()> {
         let q = top(self)?;
-        self.check_range(offset, buf.len as u64)?;
-        self.note_change(offset, buf.len as u64);
+        self.disk.check_range(offset, buf.len as u64)?;
+        self.disk.note_change(offset, buf.len as u64);
         let end = offset + buf.len as u64;
         let cov = q.geometry().slice_coverage();
         let mut pos = offset;

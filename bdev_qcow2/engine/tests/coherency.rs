@@ -1154,7 +1154,7 @@ fn direct(chain: &Chain<Channel>, off: u64, len: u64, write: bool) -> (Option<u6
 /// host offset when every (sub)cluster is data — for a `write`, COPIED and none of the
 /// image's metadata — and they follow each other on the device.
 fn general(chain: &Chain<Channel>, off: u64, len: u64, write: bool) -> Option<u64> {
-    if len == 0 || chain.check_range(off, len).is_err() {
+    if len == 0 || chain.disk().check_range(off, len).is_err() {
         return None;
     }
     let q = image(chain);

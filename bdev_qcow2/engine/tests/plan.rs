@@ -265,11 +265,11 @@ fn a_core_sends_what_changes_metadata_to_the_owner_and_keeps_overwrites() {
         direct,
         "an overwrite of a cluster the core has mapped goes direct"
     );
-    let s = rig.core.chain.request_stats();
+    let s = rig.core.chain.counters().requests();
     assert!(s.to_owner >= 3, "{s:?}");
     assert!(s.writes_here >= 1, "{s:?}");
     // The owner sends nothing on.
-    assert_eq!(rig.owner.chain.request_stats().to_owner, 0);
+    assert_eq!(rig.owner.chain.counters().requests().to_owner, 0);
     // Every byte reads back on both hosts.
     for host in [&mut rig.core, &mut rig.owner] {
         let back = data(0, CLUSTER);

@@ -90,13 +90,13 @@ fn fast_path_is_one_device_io_per_contiguous_run() {
     // First read misses the slice: slow path.
     let a = submit_and_wait(&exec, &chain, 0, 1 << 20).unwrap();
     assert_eq!(a, raw[..1 << 20]);
-    assert_eq!(chain.stats().slow_reads, 1);
+    assert_eq!(chain.counters().reads().slow_reads, 1);
     // Second read: every slice cached, 16 contiguous clusters -> exactly one device read.
     let reads = dev.0.borrow().reads;
     let tasks = exec.stats().tasks_spawned;
     let b = submit_and_wait(&exec, &chain, 0, 1 << 20).unwrap();
     assert_eq!(b, raw[..1 << 20]);
-    assert_eq!(chain.stats().fast_reads, 1);
+    assert_eq!(chain.counters().reads().fast_reads, 1);
     assert_eq!(
         dev.0.borrow().reads - reads,
         1,
@@ -275,7 +275,7 @@ fn backing_chain_on_memory_devices() {
     // With the slices cached, guest reads follow the mapping down the chain on the fast
     // path (no task), across the top's data, its discarded (zero) range and the backing
     // image's data and unallocated clusters.
-    let before = chain.stats();
+    let before = chain.counters().reads();
     let mut x = 0x2545_f491_4f6c_dd1du64;
     for _ in 0..300 {
         x ^= x << 13;
@@ -289,7 +289,7 @@ fn backing_chain_on_memory_devices() {
             "{len} bytes at {off:#x}"
         );
     }
-    let after = chain.stats();
+    let after = chain.counters().reads();
     assert_eq!(after.slow_reads, before.slow_reads, "{after:?}");
     assert_eq!(after.fast_reads - before.fast_reads, 300);
     // Unaligned and out-of-range requests are refused, not served.
@@ -485,7 +485,7 @@ fn read_ahead_loads_the_next_slice_of_a_sequential_stream() {
     let cov = 256 << 10;
     let run = |prefetch: bool, offsets: &[u64]| {
         let (exec, _dev, chain) = open_sliced(img.clone(), 512, prefetch);
-        assert_eq!(chain.prefetch_enabled(), prefetch);
+        assert_eq!(chain.prefetch().is_on(), prefetch);
         for &off in offsets {
             // Read-ahead fed here, as a plan feeds it; the read itself on the engine's path.
             chain.read_ahead(off, LEN as u64);
@@ -495,7 +495,7 @@ fn read_ahead_loads_the_next_slice_of_a_sequential_stream() {
             let got = buf.to_vec();
             assert_eq!(got[..], raw[off as usize..off as usize + LEN], "at {off}");
         }
-        (chain.stats(), chain.prefetch_stats())
+        (chain.counters().reads(), chain.prefetch().stats())
     };
     let seq: Vec<u64> = (0..256).map(|i| i * LEN as u64).collect();
     let slices = (8 << 20) / cov;
@@ -550,19 +550,19 @@ fn read_ahead_on_memo_hits_watches_the_tail_of_each_slice() {
     for i in 0..28 {
         chain.read_ahead_memo(i * MIB, MIB);
     }
-    assert_eq!(chain.prefetch_stats(), Default::default());
+    assert_eq!(chain.prefetch().stats(), Default::default());
     // Once it reaches the tail it is: seen there, and the next slice is asked for.
     for i in 28..32 {
         chain.read_ahead_memo(i * MIB, MIB);
     }
-    let p = chain.prefetch_stats();
+    let p = chain.prefetch().stats();
     assert_eq!((p.streams, p.issued), (1, 1), "{p:?}");
     // `read_ahead` watches every request: the head of the slice is enough.
     let (_exec, _dev, chain) = fresh();
     for i in 0..24 {
         chain.read_ahead(i * MIB, MIB);
     }
-    let p = chain.prefetch_stats();
+    let p = chain.prefetch().stats();
     assert_eq!((p.streams, p.issued), (1, 1), "{p:?}");
 }
 
@@ -580,7 +580,7 @@ fn open_sliced(
         },
     );
     let chain = chain.unwrap();
-    chain.set_prefetch(prefetch);
+    chain.prefetch().set_on(prefetch);
     (exec, dev, chain)
 }
 
@@ -958,7 +958,7 @@ fn extended_l2_slices_of_whole_clusters_are_linear() {
     let k = 1024u64;
     let (exec, dev, chain) = open_writable(img);
     submit_and_wait(&exec, &chain, 0, 4096).unwrap();
-    assert_eq!(chain.entry_hint(0), None, "linear: no entry to load");
+    assert_eq!(chain.disk().entry_hint(0), None, "linear: no entry to load");
     assert_eq!(
         direct_host(&exec, &chain, 60 * k, 512 * k, false),
         Some(h0 + 60 * k)
@@ -969,7 +969,7 @@ fn extended_l2_slices_of_whole_clusters_are_linear() {
     })
     .unwrap();
     raw[72 * k as usize..74 * k as usize].fill(0);
-    assert!(chain.entry_hint(0).is_some(), "no longer linear");
+    assert!(chain.disk().entry_hint(0).is_some(), "no longer linear");
     assert_eq!(direct_host(&exec, &chain, 64 * k, 64 * k, false), None);
     assert_eq!(
         direct_host(&exec, &chain, 0, 64 * k, true),
@@ -988,7 +988,7 @@ fn extended_l2_slices_of_whole_clusters_are_linear() {
     })
     .unwrap();
     raw[72 * k as usize..74 * k as usize].fill(0x5a);
-    assert_eq!(chain.entry_hint(0), None, "linear again");
+    assert_eq!(chain.disk().entry_hint(0), None, "linear again");
     assert_eq!(
         direct_host(&exec, &chain, 72 * k, 2 * k, false),
         Some(h0 + 72 * k)
@@ -1065,7 +1065,7 @@ fn on_a_fixed_device_slices_written_in_any_order_are_laid_out_in_order() {
         }
         submit_and_wait(&exec, &chain, 0, 4096).unwrap();
         assert!(
-            chain.entry_hint(0).is_some(),
+            chain.disk().entry_hint(0).is_some(),
             "appended: full but not linear"
         );
     }
@@ -1091,7 +1091,7 @@ fn on_a_fixed_device_slices_written_in_any_order_are_laid_out_in_order() {
     }
     // And the slices are linear in the cache: no entry to load.
     submit_and_wait(&exec, &chain, 0, 4096).unwrap();
-    assert_eq!(chain.entry_hint(0), None);
+    assert_eq!(chain.disk().entry_hint(0), None);
 }
 
 /// A fixed device with room for the data and metadata but hardly more: with 4 KiB
@@ -1149,7 +1149,11 @@ fn the_ordered_layout_continues_a_slice_after_a_reopen() {
     let (exec, dev, chain) = open_fixed(before, size, true);
     write(&exec, &chain, &order[256..]);
     submit_and_wait(&exec, &chain, 0, 4096).unwrap();
-    assert_eq!(chain.entry_hint(0), None, "linear: the region was kept");
+    assert_eq!(
+        chain.disk().entry_hint(0),
+        None,
+        "linear: the region was kept"
+    );
     check_and_compare(dir.path(), &dev, &raw);
 }
 

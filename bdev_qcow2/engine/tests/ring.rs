@@ -81,7 +81,7 @@ fn read(exec: &Exec<MemDevice>, chain: &Rc<Chain<MemDevice>>, off: u64, len: usi
         RingServed::Nothing => Some((off, slice)),
         RingServed::Prefix(n) => Some((off + n, slice.sub(n as usize, len - n as usize))),
         RingServed::Wait(w) => {
-            Some((u64::MAX, slice.clone())).inspect(|_| chain.ring_wait(w, 7, slice))
+            Some((u64::MAX, slice.clone())).inspect(|_| chain.ring().wait(w, 7, slice))
         }
     };
     if let Some((off, slice)) = rest {
@@ -151,7 +151,7 @@ fn sequential_reads_from_the_ring_read_what_qemu_reads_over_a_backing_image() {
         let (exec, chain, _) = chain_of(&[&top, &base], OpenOptions::default());
         let got = read_all(&exec, &chain, len);
         assert!(got == expect, "{len}-byte reads differ from qemu-img");
-        let s = chain.ring_stats().unwrap();
+        let s = chain.ring().stats().unwrap();
         assert!(s.bytes_served > expect.len() as u64 / 2, "{len}: {s:?}");
         // Never past the end of the disk.
         assert!(s.bytes_read_ahead <= expect.len() as u64, "{s:?}");
@@ -194,7 +194,7 @@ fn a_raw_backing_file_ending_inside_a_sector_is_read_ahead_without_a_task() {
             .unwrap();
         let got = read_all(&exec, &chain, rlen);
         assert!(got == expect, "{rlen}-byte reads differ from qemu-img");
-        let s = chain.ring_stats().unwrap();
+        let s = chain.ring().stats().unwrap();
         assert!(s.bytes_served > expect.len() as u64 / 2, "{rlen}: {s:?}");
         assert_eq!(s.readahead_tasks, 0, "{rlen}: {s:?}");
     }
@@ -212,7 +212,7 @@ fn zeros_are_answered_from_metadata_and_compressed_clusters_read_once() {
     let (exec, chain, devs) = chain_of(&[&empty], OpenOptions::default());
     let before = devs[0].0.borrow().reads;
     assert!(read_all(&exec, &chain, 4096).iter().all(|&b| b == 0));
-    let s = chain.ring_stats().unwrap();
+    let s = chain.ring().stats().unwrap();
     assert!(s.bytes_served > 60 << 20, "{s:?}");
     assert_eq!(devs[0].0.borrow().reads - before, 0, "zeros were read");
 
@@ -255,7 +255,7 @@ fn a_write_makes_what_the_ring_holds_of_it_unusable() {
     for k in 0..16u64 {
         read(&exec, &chain, k * 4096, 4096);
     }
-    let before = chain.ring_stats().unwrap();
+    let before = chain.ring().stats().unwrap();
     assert!(before.readahead_ios > 0, "{before:?}");
     // An in-place overwrite ahead of the stream: no mapping changes, only its data.
     let w = HeapBuf::new(4096);
@@ -265,7 +265,7 @@ fn a_write_makes_what_the_ring_holds_of_it_unusable() {
     while done.is_none() {
         exec.poll(&mut |_, r| done = Some(r));
     }
-    chain.ring_written(200 << 10, 4096);
+    chain.ring().written(200 << 10, 4096);
     done.unwrap().unwrap();
     let mut seen = Vec::new();
     for k in 16..64u64 {
@@ -278,7 +278,7 @@ fn a_write_makes_what_the_ring_holds_of_it_unusable() {
         "stale data served"
     );
     assert!(seen[..at].iter().all(|&b| b == 0x11));
-    assert_eq!(chain.ring_stats().unwrap().invalidated, 1);
+    assert_eq!(chain.ring().stats().unwrap().invalidated, 1);
 }
 
 /// Writes `len` bytes of `byte` at `off` as a host does, the ring told before completion.
@@ -290,7 +290,7 @@ fn write(exec: &Exec<MemDevice>, chain: &Rc<Chain<MemDevice>>, off: u64, len: us
     while done.is_none() {
         exec.poll(&mut |_, r| done = Some(r));
     }
-    chain.ring_written(off, len as u64);
+    chain.ring().written(off, len as u64);
     done.unwrap().unwrap();
 }
 
@@ -318,10 +318,10 @@ fn a_read_partly_in_the_ring_is_served_its_part_and_reads_only_the_rest() {
         read(&exec, &chain, k * 4096, 4096);
     }
     // 64 KiB at 224 KiB: its first 32 KiB in chunk 1 (in the ring), the rest in chunk 2.
-    let before = chain.ring_stats().unwrap();
+    let before = chain.ring().stats().unwrap();
     let reads = devs[0].0.borrow().reads;
     let got = read(&exec, &chain, 224 << 10, 64 << 10);
-    let s = chain.ring_stats().unwrap().since(&before);
+    let s = chain.ring().stats().unwrap().since(&before);
     assert_eq!(s.bytes_served, 32 << 10, "{s:?}");
     assert_eq!(s.reads_served, 1);
     assert_eq!(s.invalidated, 1);
@@ -345,7 +345,7 @@ fn start(chain: &Rc<Chain<MemDevice>>, off: u64, len: usize, tag: u64) -> (HeapB
             let rest = slice.sub(n as usize, len - n as usize);
             host::engine_read(chain, tag, off + n, rest)
         }
-        RingServed::Wait(w) => chain.ring_wait(w, tag, slice),
+        RingServed::Wait(w) => chain.ring().wait(w, tag, slice),
     }
     (buf, false)
 }
@@ -409,7 +409,7 @@ fn reads_that_reach_a_chunk_while_it_fills_wait_for_it_and_read_what_qemu_reads(
         }
         let got = read_range(&exec, &chain, 0, chain.size(), len);
         assert!(got == expect, "{len}-byte reads differ from qemu-img's");
-        let st = chain.ring_stats().unwrap();
+        let st = chain.ring().stats().unwrap();
         assert!(st.reads_waited > 0, "{len}: {st:?}");
         assert_eq!(st.waited_to_base, 0, "{len}: {st:?}");
         // Every waiting read is served from the ring, not read a second time.
@@ -442,9 +442,9 @@ fn reads_after_the_write_wait_and_go_to_the_base(
         bufs.push(b);
         tags.push(100 + k);
     }
-    assert_eq!(chain.ring_stats().unwrap().reads_waited, 8);
+    assert_eq!(chain.ring().stats().unwrap().reads_waited, 8);
     wait_all(exec, tags);
-    let st = chain.ring_stats().unwrap();
+    let st = chain.ring().stats().unwrap();
     assert_eq!(st.waited_to_base, 8, "{st:?}");
     assert_eq!(st.invalidated, 1, "{st:?}");
     (bufs, st)
@@ -474,7 +474,7 @@ fn a_write_completed_while_a_chunk_fills_sends_the_reads_waiting_for_it_to_the_b
     // The read-ahead of chunk 1 read its old bytes; now another core overwrites 132 KiB
     // in place and completes: its data on the device, the generation moved.
     devs[0].0.borrow_mut().data[host..host + 4096].fill(0x99);
-    chain.ring_written(132 << 10, 4096);
+    chain.ring().written(132 << 10, 4096);
     let (bufs, _) = reads_after_the_write_wait_and_go_to_the_base(&exec, &chain, tags);
     for (k, b) in bufs.iter().enumerate() {
         let want = if k == 1 { 0x99 } else { 0x11 };
@@ -518,17 +518,17 @@ fn a_read_waiting_for_two_chunks_reads_what_qemu_reads_or_goes_to_the_base_when_
         let (buf, done) = start(&chain, 128 << 10, 256 << 10, 1);
         assert!(!done);
         tags.push(1);
-        let st = chain.ring_stats().unwrap();
+        let st = chain.ring().stats().unwrap();
         assert_eq!(st.reads_waited, 1, "{st:?}");
         if written {
             // Another core overwrites 300 KiB (chunk 2) in place and completes.
             devs[0].0.borrow_mut().data[host..host + 4096].fill(0x99);
-            chain.ring_written(300 << 10, 4096);
+            chain.ring().written(300 << 10, 4096);
             expect[172 << 10..176 << 10].fill(0x99);
         }
         wait_all(&exec, tags);
         assert!(buf.to_vec() == expect, "written {written}: wrong bytes");
-        let st = chain.ring_stats().unwrap();
+        let st = chain.ring().stats().unwrap();
         assert_eq!(st.waited_to_base, u64::from(written), "{st:?}");
         assert_eq!(
             st.bytes_served,
@@ -571,7 +571,7 @@ fn a_failed_read_ahead_sends_the_reads_waiting_for_it_to_the_base() {
         tags.push(100 + k);
     }
     wait_all(&exec, tags);
-    let st = chain.ring_stats().unwrap();
+    let st = chain.ring().stats().unwrap();
     assert_eq!((st.reads_waited, st.waited_to_base), (4, 4), "{st:?}");
     assert!(bufs.iter().all(|b| b.to_vec().iter().all(|&x| x == 0x33)));
 }
@@ -605,7 +605,7 @@ fn a_chain_rebuilt_on_the_same_executor_leaves_no_sink_behind() {
     assert_eq!(exec.internal_sinks(), 1);
     let mut off = 0;
     // Until read-aheads are in flight.
-    while first.ring_stats().unwrap().readahead_ios == 0 || !exec.busy() {
+    while first.ring().stats().unwrap().readahead_ios == 0 || !exec.busy() {
         assert_eq!(
             read(&exec, &first, off, 4096),
             expect[off as usize..][..4096]
@@ -622,9 +622,9 @@ fn a_chain_rebuilt_on_the_same_executor_leaves_no_sink_behind() {
     while exec.busy() {
         exec.poll(&mut |_, _| panic!("no guest request in flight"));
     }
-    assert_eq!(second.ring_stats().unwrap().bytes_read_ahead, 0);
+    assert_eq!(second.ring().stats().unwrap().bytes_read_ahead, 0);
     assert_eq!(read_all(&exec, &second, 64 << 10), expect);
-    let s = second.ring_stats().unwrap();
+    let s = second.ring().stats().unwrap();
     assert!(s.reads_served > 0, "{s:?}");
     assert_eq!(exec.internal_sinks(), 1);
 }
@@ -655,21 +655,21 @@ fn a_write_completed_while_a_read_ahead_waits_for_its_slice_makes_it_unusable() 
         assert!(!start(&chain, k * 4096, 4096, 100 + k).1);
         tags.push(100 + k);
     }
-    assert!(chain.ring_stats().unwrap().readahead_ios >= 2);
+    assert!(chain.ring().stats().unwrap().readahead_ios >= 2);
     assert_eq!(exec.stats().tasks_spawned - tasks, 32);
     exec.poll(&mut |_, _| panic!("nothing completes yet"));
     // Another core overwrites 260 KiB in place and completes while chunk 2 waits for its
     // slice: its generation was recorded before it waited, so whatever the read-ahead
     // reads once the slice is in, it is never served.
     devs[0].0.borrow_mut().data[host..host + 4096].fill(0x99);
-    chain.ring_written(260 << 10, 4096);
+    chain.ring().written(260 << 10, 4096);
     wait_all(&exec, tags);
     let got = read_range(&exec, &chain, 128 << 10, 384 << 10, 4096);
     for (k, b) in got.chunks(4096).enumerate() {
         let want = if k == (260 - 128) / 4 { 0x99 } else { 0x11 };
         assert!(b.iter().all(|&x| x == want), "block {k} of 128-384 KiB");
     }
-    let st = chain.ring_stats().unwrap();
+    let st = chain.ring().stats().unwrap();
     assert_eq!(st.invalidated, 1, "{st:?}");
     assert!(st.reads_served > 0, "{st:?}");
 }
@@ -748,7 +748,7 @@ fn a_corrupt_compressed_cluster_read_ahead_fails_its_reads_as_the_base_path_does
             }
         }
     }
-    let s = chain.ring_stats().unwrap();
+    let s = chain.ring().stats().unwrap();
     assert!(s.compressed_fills > 20, "{s:?}");
     assert_eq!(s.readahead_tasks, 0, "{s:?}");
     // The bad chunk's reads went to the base, each pass.
@@ -779,12 +779,12 @@ fn a_write_completed_while_a_compressed_chunk_fills_sends_the_reads_waiting_for_
         tags.push(100 + k);
     }
     exec.poll(&mut |_, _| panic!("nothing completes yet"));
-    assert!(chain.ring_stats().unwrap().compressed_fills >= 2);
+    assert!(chain.ring().stats().unwrap().compressed_fills >= 2);
     // The fill of chunk 1 read the old compressed bytes; now the write lands and
     // completes.
     let at = d.offset.0 as usize;
     devs[0].0.borrow_mut().data[at..at + new.len()].copy_from_slice(&new);
-    chain.ring_written(128 << 10, 64 << 10);
+    chain.ring().written(128 << 10, 64 << 10);
     let (bufs, st) = reads_after_the_write_wait_and_go_to_the_base(&exec, &chain, tags);
     for (k, b) in bufs.iter().enumerate() {
         assert!(
@@ -799,7 +799,7 @@ fn a_write_completed_while_a_compressed_chunk_fills_sends_the_reads_waiting_for_
     let got = read_range(&exec, &chain, 160 << 10, 384 << 10, 4096);
     assert!(got[..32 << 10].iter().all(|&x| x == 0x99));
     assert!(got[32 << 10..] == src[192 << 10..384 << 10]);
-    assert!(chain.ring_stats().unwrap().bytes_served - served >= 128 << 10);
+    assert!(chain.ring().stats().unwrap().bytes_served - served >= 128 << 10);
 }
 
 /// Compressed images of every cluster size the ring meets differently — many clusters
@@ -851,7 +851,7 @@ fn compressed_chunks_of_every_cluster_size_read_what_the_source_holds() {
             got == src,
             "{cs}-byte clusters{ext}: bytes differ from the source"
         );
-        let s = chain.ring_stats().unwrap();
+        let s = chain.ring().stats().unwrap();
         assert!(s.compressed_fills >= 15, "{cs}: {s:?}");
         assert!(s.bytes_served >= 3 << 20, "{cs}: {s:?}");
         match cs {
@@ -874,7 +874,7 @@ fn the_zones_a_stream_left_are_swept_on_the_owners_tick() {
         .arg("80M"));
     qemu_io(&img, &["write -P 0x11 0 1M", "write -P 0x22 65M 1M"]);
     let (exec, chain, _) = chain_of(&[&img], OpenOptions::default());
-    let gens = chain.write_gens().unwrap().clone();
+    let gens = chain.ring().write_gens().unwrap().clone();
     // A stream from the first zone well into the second.
     let mut off = 0;
     while off < ZONE + (8 << 20) {
@@ -889,9 +889,9 @@ fn the_zones_a_stream_left_are_swept_on_the_owners_tick() {
     }
     assert!(gens.zones().is_watched(0) && gens.zones().is_watched(ZONE));
     // The default interval has not passed; with none, a sweep comes within 64 ticks.
-    assert!(!(0..64).any(|_| chain.tick_ring_zones()));
-    chain.set_ring_sweep_every(std::time::Duration::ZERO);
-    assert!((0..64).any(|_| chain.tick_ring_zones()));
+    assert!(!(0..64).any(|_| chain.ring().tick_zones()));
+    chain.ring().set_sweep_every(std::time::Duration::ZERO);
+    assert!((0..64).any(|_| chain.ring().tick_zones()));
     assert!(!gens.zones().is_watched(0), "left: swept");
     assert!(
         gens.zones().is_watched(ZONE),

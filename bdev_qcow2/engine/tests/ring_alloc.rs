@@ -215,7 +215,7 @@ fn step(exec: &Exec<MemDevice>, chain: &Rc<Chain<MemDevice>>, r: &mut Reader, ex
         }
         RingServed::Wait(w) => {
             chain.read_ahead(r.pos, len as u64);
-            chain.ring_wait(w, TAG, slice.clone());
+            chain.ring().wait(w, TAG, slice.clone());
             true
         }
     };
@@ -307,15 +307,15 @@ fn run_readers(images: &[&Path]) -> (u64, u64, u64) {
     for _ in 0..1200 {
         round(&mut readers);
     }
-    let before: RingStats = chain.ring_stats().unwrap();
+    let before: RingStats = chain.ring().stats().unwrap();
     let tasks = exec.stats().tasks_spawned;
-    let slow = chain.stats().slow_reads;
+    let slow = chain.counters().reads().slow_reads;
     let n = allocations(|| {
         for _ in 0..1200 {
             round(&mut readers);
         }
     });
-    let s = chain.ring_stats().unwrap().since(&before);
+    let s = chain.ring().stats().unwrap().since(&before);
     assert!(s.readahead_ios > 50, "{s:?}");
     assert!(s.reads_served > 3000, "{s:?}");
     assert!(s.reads_waited > 0, "{s:?}");
@@ -323,7 +323,7 @@ fn run_readers(images: &[&Path]) -> (u64, u64, u64) {
     (
         n,
         exec.stats().tasks_spawned - tasks,
-        chain.stats().slow_reads - slow,
+        chain.counters().reads().slow_reads - slow,
     )
 }
 
@@ -399,8 +399,11 @@ fn compressed_reads_allocate_nothing(kind: &str, cluster: u64) {
     for _ in 0..per_pass {
         step(&exec, &chain, &mut r, &expect);
     }
-    let before = chain.ring_stats().unwrap();
-    let (tasks, slow) = (exec.stats().tasks_spawned, chain.stats().slow_reads);
+    let before = chain.ring().stats().unwrap();
+    let (tasks, slow) = (
+        exec.stats().tasks_spawned,
+        chain.counters().reads().slow_reads,
+    );
     let mut n = 0;
     for _ in 0..2 * per_pass {
         // A pass starts a new stream: its first reads, before it reads ahead, take the
@@ -411,9 +414,9 @@ fn compressed_reads_allocate_nothing(kind: &str, cluster: u64) {
         }
         n += allocations(|| step(&exec, &chain, &mut r, &expect));
     }
-    let s = chain.ring_stats().unwrap().since(&before);
+    let s = chain.ring().stats().unwrap().since(&before);
     let tasks = exec.stats().tasks_spawned - tasks;
-    let slow = chain.stats().slow_reads - slow;
+    let slow = chain.counters().reads().slow_reads - slow;
     assert!(s.compressed_fills > 2 * 50, "{s:?}");
     // All but the reads of each pass's first chunk, never read ahead.
     assert!(s.reads_served >= 2 * (per_pass as u64 - 32), "{s:?}");
@@ -571,12 +574,12 @@ fn ring_and_slice_read_aheads_over_slices_not_cached_allocate_nothing() {
 fn ring_over_slices_not_cached(core: bool, slice_read_ahead: bool) {
     let dir = tempfile::tempdir().unwrap();
     let (exec, chain, expect) = small_cache_chain(dir.path(), core);
-    chain.set_prefetch(slice_read_ahead);
+    chain.prefetch().set_on(slice_read_ahead);
     let gens = Arc::new(WriteGens::new());
     chain.enable_ring(RingConfig::default(), gens).unwrap();
-    let before = chain.ring_stats().unwrap();
+    let before = chain.ring().stats().unwrap();
     let (allocs, tasks, missed) = first_passes(&exec, &chain, &expect, 2, 3);
-    let s = chain.ring_stats().unwrap().since(&before);
+    let s = chain.ring().stats().unwrap().since(&before);
     // Every slice but the first of each pass was entered by a read-ahead: 7 a pass.
     assert!(missed >= 3 * 7, "slices evicted: {missed}");
     assert!(s.readahead_ios > 3 * 200, "{s:?}");
@@ -597,16 +600,16 @@ fn the_slice_read_ahead_allocates_nothing_on_a_core_replica() {
 fn slice_read_ahead(core: bool) {
     let dir = tempfile::tempdir().unwrap();
     let (exec, chain, expect) = small_cache_chain(dir.path(), core);
-    chain.set_prefetch(true);
-    let before = chain.prefetch_stats();
-    let slow = chain.stats().slow_reads;
+    chain.prefetch().set_on(true);
+    let before = chain.prefetch().stats();
+    let slow = chain.counters().reads().slow_reads;
     let (allocs, tasks, missed) = first_passes(&exec, &chain, &expect, 2, 3);
-    let p = chain.prefetch_stats();
+    let p = chain.prefetch().stats();
     assert!(p.loaded - before.loaded >= 5 * 7, "{p:?}");
     assert!(missed >= 3 * 7, "slices evicted: {missed}");
     assert_eq!(allocs, 0, "allocations on the slice read-ahead's path");
     assert_eq!(tasks, 0, "slice read-aheads ran as tasks");
     // Past the first slice every guest read found its slice loaded ahead.
-    let slow = chain.stats().slow_reads - slow;
+    let slow = chain.counters().reads().slow_reads - slow;
     assert!(slow <= 5 * 4, "guest reads on the slow path: {slow}");
 }

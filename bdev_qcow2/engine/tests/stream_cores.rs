@@ -155,10 +155,10 @@ fn discard_after_drop(core_first: bool) -> Vec<u8> {
     rig.on_owner(|c| Box::pin(async move { c.finish_stream().await.unwrap() }));
     assert!(rig.core_read(3 * CS).iter().all(|&b| b == 0x5a));
     if core_first {
-        rig.core.detach_backing();
-        rig.owner.detach_backing();
+        rig.core.disk().detach_backing();
+        rig.owner.disk().detach_backing();
     } else {
-        rig.owner.detach_backing();
+        rig.owner.disk().detach_backing();
     }
     // With no backing layer on the owner's chain, a discard leaves the cluster unallocated.
     rig.on_owner(|c| Box::pin(async move { c.discard(3 * CS, CS).await.unwrap() }));

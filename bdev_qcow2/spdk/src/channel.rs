@@ -198,19 +198,19 @@ impl Channel {
             ..ChannelStats::default()
         };
         if let Some(chain) = self.chain.get() {
-            let r = chain.stats();
+            let r = chain.counters().reads();
             s.fast_reads = r.fast_reads;
             s.slow_reads = r.slow_reads;
             s.kept_overwrites = chain.kept_overwrites();
-            let q = chain.request_stats();
+            let q = chain.counters().requests();
             s.local_writes = q.writes_here;
             s.forwarded += q.to_owner;
-            let p = chain.prefetch_stats();
+            let p = chain.prefetch().stats();
             s.prefetch_streams = p.streams;
             s.prefetch_issued = p.issued;
             s.prefetch_loaded = p.loaded;
             s.prefetch_hits = p.hits;
-            if let Some(r) = chain.ring_stats() {
+            if let Some(r) = chain.ring().stats() {
                 s.add_ring(&r);
             }
             if let Some(Layer::Qcow2(q)) = chain.layers().first() {
@@ -228,7 +228,7 @@ impl Channel {
     pub fn detach_backing(&self) {
         self.backing_detached.set(true);
         if let Some(c) = self.chain.get() {
-            c.detach_backing();
+            c.disk().detach_backing();
         }
     }
 
@@ -255,7 +255,7 @@ impl Channel {
         });
         match chain {
             Ok(c) => {
-                c.set_prefetch(self.prefetch);
+                c.prefetch().set_on(self.prefetch);
                 if let Some((cfg, gens)) = &self.ring {
                     // Its buffer is DMA memory of the base, allocated once, here.
                     if let Err(e) = c.enable_ring(*cfg, gens.clone()) {
@@ -423,7 +423,7 @@ impl Channel {
     #[inline(always)]
     fn written(&self, io: &BdevIo) {
         if let Some(chain) = self.chain.get() {
-            chain.ring_written(io.offset_bytes(), io.len_bytes());
+            chain.ring().written(io.offset_bytes(), io.len_bytes());
         }
     }
 

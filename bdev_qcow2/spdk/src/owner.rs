@@ -145,7 +145,7 @@ impl Owner {
         let direct = devs
             .first()
             .map(|&d| exec.with_device(d, |dev| dev.direct_target(d)));
-        let sweeper = chain.write_gens().and_then(|g| {
+        let sweeper = chain.ring().write_gens().and_then(|g| {
             let g = g.clone();
             let t = thread::every(SWEEP_EVERY, c"qcow2_zones", Box::new(move || {
                 g.zones().sweep();
@@ -377,8 +377,8 @@ impl Owner {
                     "ring_readahead_tasks": r.readahead_tasks,
                     // Zones where writes bump their write generation (a ring holds data
                     // there, or left less than a sweep ago), and how many sweeps cleared.
-                    "ring_zones_watched": self.chain.write_gens().map_or(0, |g| g.zones().watched()),
-                    "ring_zones_swept": self.chain.write_gens().map_or(0, |g| g.zones().swept()),
+                    "ring_zones_watched": self.chain.ring().write_gens().map_or(0, |g| g.zones().watched()),
+                    "ring_zones_swept": self.chain.ring().write_gens().map_or(0, |g| g.zones().swept()),
                     "stream": Qcow2Bdev::stream_json(self),
                 })
             }
@@ -393,9 +393,9 @@ impl Owner {
             _ => Default::default(),
         };
         (
-            self.chain.prefetch_stats(),
+            self.chain.prefetch().stats(),
             c,
-            self.chain.ring_stats().unwrap_or_default(),
+            self.chain.ring().stats().unwrap_or_default(),
         )
     }
 
@@ -503,7 +503,7 @@ impl Owner {
 
     fn written(&self, io: &BdevIo) {
         if io.ctx().op().changes_data() {
-            self.chain.ring_written(io.offset_bytes(), io.len_bytes());
+            self.chain.ring().written(io.offset_bytes(), io.len_bytes());
         }
     }
 
@@ -610,11 +610,11 @@ fn arrive_at(o: &Owner, io: BdevIo) {
     let op = io.ctx().op();
     if op.has_data() {
         let off = io.offset_bytes();
-        if let Some(p) = o.chain.entry_hint(off) {
+        if let Some(p) = o.chain.disk().entry_hint(off) {
             thread::prefetch_line(p.cast());
         }
         if op != Op::Read {
-            if let Some(p) = o.chain.dirty_entry_hint(off) {
+            if let Some(p) = o.chain.disk().dirty_entry_hint(off) {
                 thread::prefetch_line(p.cast());
             }
         }

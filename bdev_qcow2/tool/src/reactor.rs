@@ -148,7 +148,7 @@ impl<D: BlockDevice> Reactor<D> {
 
     /// Counters so far.
     pub fn stats(&self) -> ReactorStats {
-        let r = self.chain.request_stats();
+        let r = self.chain.counters().requests();
         ReactorStats {
             local_writes: r.writes_here,
             forwarded: r.to_owner,
@@ -270,7 +270,7 @@ impl<D: BlockDevice> Reactor<D> {
     /// The tag a write of `len` bytes at `offset` runs under: with the ring on, one that
     /// makes its completion invalidate the range first ([`poll`](Self::poll)).
     fn ring_tag(&mut self, tag: u64, offset: u64, len: u64) -> u64 {
-        if self.chain.write_gens().is_none() {
+        if self.chain.ring().write_gens().is_none() {
             return tag;
         }
         RING_WRITE | self.ring_writes.insert((tag, offset, len)) as u64
@@ -290,7 +290,7 @@ impl<D: BlockDevice> Reactor<D> {
                 return done(tag, r);
             }
             if let Some((t, off, len)) = writes.try_remove((tag & !RING_WRITE) as usize) {
-                chain.ring_written(off, len);
+                chain.ring().written(off, len);
                 done(t, r)
             }
         });
@@ -311,7 +311,7 @@ impl<D: BlockDevice> Reactor<D> {
                 n += 1;
             }
             // Zones every read-ahead left stop costing writes their generation bump.
-            self.chain.tick_ring_zones();
+            self.chain.ring().tick_zones();
             let mesh = &self.mesh;
             let fwd = &mut self.forwarded;
             // The owner's requests always complete (it hands nothing to itself).
@@ -523,7 +523,7 @@ where
                 let chain = Qcow2::from_seed(seed, &exec, dev, opts, link)
                     .and_then(|q| Chain::new(&exec, vec![Layer::Qcow2(Box::new(q))]));
                 let chain = chain.map_err(engine)?;
-                chain.set_prefetch(true);
+                chain.prefetch().set_on(true);
                 if let (Some(cfg), Some(gens)) = (ring, gens) {
                     chain.enable_ring(cfg, gens).map_err(engine)?;
                 }
@@ -573,7 +573,7 @@ where
                 }
             }
             let chain = Chain::new(&exec, vec![Layer::Qcow2(Box::new(q))]).map_err(engine)?;
-            chain.set_prefetch(true);
+            chain.prefetch().set_on(true);
             if let (Some(cfg), Some(gens)) = (ring, gens) {
                 chain.enable_ring(cfg, gens).map_err(engine)?;
             }

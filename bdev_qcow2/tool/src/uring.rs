@@ -548,7 +548,7 @@ pub fn data_or_hole(file: &File, pos: u64, end: u64) -> (bool, u64) {
 
 /// A hint to the CPU to load the cache line at `p` into its caches (no effect on other
 /// architectures): hosts prefetch the L2 entries of a batch of requests before submitting
-/// them ([`Chain::entry_hint`](qcow2_engine::Chain::entry_hint)).
+/// them ([`Disk::entry_hint`](qcow2_engine::chain::Disk::entry_hint)).
 #[inline]
 pub fn prefetch_line(p: *const u8) {
     #[cfg(target_arch = "x86_64")]

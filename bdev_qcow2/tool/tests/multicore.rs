@@ -356,12 +356,13 @@ fn run_stress(cfg: &Config) {
         // The owner sweeps the zones the rings left (writes there then skip their bump)
         // many times a run, racing the rings' watches.
         r.chain
-            .set_ring_sweep_every(std::time::Duration::from_micros(200));
+            .ring()
+            .set_sweep_every(std::time::Duration::from_micros(200));
         let history = workload(r, &clock, size, cfg.ops_per_core, cfg.ring, cfg.fresh);
-        let ring = r.chain.ring_stats().unwrap_or_default();
+        let ring = r.chain.ring().stats().unwrap_or_default();
         let kept = r.chain.kept_overwrites();
-        let swept = r.chain.write_gens().map_or(0, |g| g.zones().swept());
-        Ok((history, r.chain.prefetch_stats(), (ring, swept), kept))
+        let swept = r.chain.ring().write_gens().map_or(0, |g| g.zones().swept());
+        Ok((history, r.chain.prefetch().stats(), (ring, swept), kept))
     })
     .expect("reactors");
     let stats: Vec<_> = out.iter().map(|(_, s)| *s).collect();

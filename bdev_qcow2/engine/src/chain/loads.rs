@@ -80,7 +80,7 @@ impl<D: BlockDevice> Chain<D> {
     fn slice_loaded(self: &Rc<Self>, payload: u32, ok: bool) {
         let (layer, i) = load_of(payload);
         let loads = self.loads.try_borrow_mut();
-        let (Ok(mut loads), false) = (loads, self.ring.try_borrow_mut().is_err()) else {
+        let (Ok(mut loads), false) = (loads, self.ring.host().try_borrow_mut().is_err()) else {
             // Reported while either is in use: handled at the executor's next report.
             return self.exec().internal_done(self.sink().token(payload), ok);
         };

@@ -5,15 +5,14 @@
 //! compressed clusters decompressed once into the ring, nothing past the end of the disk).
 //! The ring's state ([`RingHost`]) decides; the methods here issue what it hands out.
 
-use super::{read_layer, Chain, Layer, Unplanned};
+use super::{read_layer, Chain, Unplanned};
 use crate::error::{Error, Result};
 use crate::io::{BlockDevice, BufSlice, IoBuffer};
 use crate::ring::host::{RingHost, Woken};
-use crate::ring::{Fill, RingConfig, RingCopy, RingServed, RingStats, RingWait, WriteGens};
+use crate::ring::{ChainRing, Fill, RingConfig, RingCopy, RingServed, WriteGens};
 use crate::slice_load::SliceLoad;
 use std::rc::Rc;
 use std::sync::Arc;
-use std::time::Duration;
 
 /// Times a read-ahead waits for a slice load before it runs as a task instead: a chunk
 /// spans several slices of a layer only with tiny ones (slices cover 16 KiB at least:
@@ -21,83 +20,29 @@ use std::time::Duration;
 const PARK_TRIES: u8 = 12;
 
 impl<D: BlockDevice> Chain<D> {
+    /// The chain's prefetch ring part: on or off, counters, configuration, the write
+    /// generations every write moves ([`ChainRing::written`]).
+    #[inline(always)]
+    pub fn ring(&self) -> &ChainRing<D::Buf> {
+        &self.ring
+    }
+
     /// Turns the prefetch ring on for this core: allocates its buffer once, from the top
     /// layer's device (DMA memory on SPDK), of `cfg.ring_bytes`. `gens` are the image's
     /// write generations, shared by every core of the image: each core's writes must go
-    /// through [`ring_written`](Self::ring_written) from then on. Refuses a configuration
+    /// through [`ChainRing::written`] from then on. Refuses a configuration
     /// [`RingConfig::validate`] refuses, and a second call. Everything the ring's path uses
     /// is allocated here: the buffer, the slots, the waiter table, and where the executor
     /// reports the ends of read-aheads (the chain's internal sink, removed with the chain).
     pub fn enable_ring(self: &Rc<Self>, cfg: RingConfig, gens: Arc<WriteGens>) -> Result<()> {
-        cfg.validate().map_err(Error::InvalidRequest)?;
-        let mut slot = self.ring.borrow_mut();
-        if slot.is_some() {
-            return Err(Error::InvalidRequest("prefetch ring already on"));
-        }
-        let dev = match &self.layers()[0] {
-            Layer::Qcow2(q) => q.dev(),
-            Layer::Raw { dev, .. } => *dev,
-        };
-        let buf = self.exec().alloc_buf(dev, cfg.ring_bytes as usize);
-        let _ = self.ring_gens.set(gens.clone());
-        let _ = self.sink();
-        *slot = Some(RingHost::new(cfg, self.size(), buf, gens));
-        self.ring_on.set(true);
-        Ok(())
-    }
-
-    /// Whether the prefetch ring is on: a host may test it before it builds what
-    /// [`ring_read`](Self::ring_read) takes.
-    #[inline(always)]
-    pub fn ring_is_on(&self) -> bool {
-        self.ring_on.get()
-    }
-
-    /// The image's write generations, when the ring is on.
-    pub fn write_gens(&self) -> Option<&Arc<WriteGens>> {
-        self.ring_gens.get()
-    }
-
-    /// A guest write, write-zeroes or discard of `len` bytes at `offset`, run on any path
-    /// of any core of this image, is about to complete (successfully or not): makes every
-    /// core's prefetched data of those bytes unusable. Hosts call it before they report
-    /// the completion; a no-op while the ring is off.
-    #[inline(always)]
-    pub fn ring_written(&self, offset: u64, len: u64) {
-        if let Some(g) = self.ring_gens.get() {
-            g.written(offset, len);
-        }
-    }
-
-    /// On the image's owner, from its poll loop (as often as it polls): every
-    /// [`SWEEP_EVERY`](crate::ring::zones::SWEEP_EVERY), clears the zones no read-ahead
-    /// watches any more ([`Zones::sweep`](crate::ring::Zones::sweep)), so that writes there
-    /// skip their generation bump again once every reader has left. Returns whether it
-    /// swept.
-    pub fn tick_ring_zones(&self) -> bool {
-        let Ok(mut guard) = self.ring.try_borrow_mut() else {
-            return false;
-        };
-        guard.as_mut().is_some_and(RingHost::tick_zones)
-    }
-
-    /// Sets how often [`tick_ring_zones`](Self::tick_ring_zones) sweeps (default
-    /// [`SWEEP_EVERY`](crate::ring::zones::SWEEP_EVERY)): a stress test sweeps often, to
-    /// race sweeps with the rings.
-    pub fn set_ring_sweep_every(&self, every: Duration) {
-        if let Some(rh) = self.ring.borrow_mut().as_mut() {
-            rh.set_sweep_every(every);
-        }
-    }
-
-    /// The ring's counters (`None` while it is off).
-    pub fn ring_stats(&self) -> Option<RingStats> {
-        self.ring.borrow().as_ref().map(RingHost::stats)
-    }
-
-    /// The ring's configuration (`None` while it is off).
-    pub fn ring_config(&self) -> Option<RingConfig> {
-        self.ring.borrow().as_ref().map(RingHost::config)
+        let dev = self.layers()[0].dev();
+        self.ring
+            .enable(cfg, self.size(), gens, |bytes| {
+                let buf = self.exec().alloc_buf(dev, bytes);
+                let _ = self.sink();
+                buf
+            })
+            .map_err(Error::InvalidRequest)
     }
 
     /// Looks a guest read of `buf.len` bytes at `offset` up in the ring, before the host
@@ -127,23 +72,14 @@ impl<D: BlockDevice> Chain<D> {
         len: u64,
         copy: &mut RingCopy<'_, D::Buf>,
     ) -> RingServed {
-        if self.ring_passes(offset, len) {
+        if self.ring.passes(offset, len) {
             return RingServed::Nothing;
         }
         self.ring_read_past(offset, len, copy)
     }
 
-    /// The first half of [`ring_read_with`](Self::ring_read_with), for a host that builds
-    /// its `copy` only when it is needed: true when the ring has nothing to do with the
-    /// read (off, or a read that starts a stream on the hot half); false: call
-    /// [`ring_read_past`](Self::ring_read_past).
-    #[inline(always)]
-    pub fn ring_passes(&self, offset: u64, len: u64) -> bool {
-        !self.ring_on.get() || self.ring_hot.start_here(offset, len)
-    }
-
     /// The second half of [`ring_read_with`](Self::ring_read_with), for a read
-    /// [`ring_passes`](Self::ring_passes) did not pass (calling it for one it passed would
+    /// [`ChainRing::passes`] did not pass (calling it for one it passed would
     /// look the read up twice).
     #[inline(never)]
     pub fn ring_read_past(
@@ -152,16 +88,16 @@ impl<D: BlockDevice> Chain<D> {
         len: u64,
         copy: &mut RingCopy<'_, D::Buf>,
     ) -> RingServed {
-        if self.check_range(offset, len).is_err() {
+        if self.disk.check_range(offset, len).is_err() {
             return RingServed::Nothing;
         }
-        let Ok(mut guard) = self.ring.try_borrow_mut() else {
+        let Ok(mut guard) = self.ring.host().try_borrow_mut() else {
             return RingServed::Nothing;
         };
         let Some(rh) = guard.as_mut() else {
             return RingServed::Nothing;
         };
-        let hot = &self.ring_hot;
+        let hot = self.ring.hot();
         let Some((stream, served)) = rh.look_up(hot, offset, len, copy) else {
             return RingServed::Nothing;
         };
@@ -240,7 +176,7 @@ impl<D: BlockDevice> Chain<D> {
     /// missing again and loads it again, or after [`PARK_TRIES`] runs as a task): issues
     /// the read-aheads that waited for it.
     pub(crate) fn ring_slice_loaded(self: &Rc<Self>, load: u32) {
-        let mut guard = self.ring.borrow_mut();
+        let mut guard = self.ring.host().borrow_mut();
         let Some(rh) = guard.as_mut() else {
             return;
         };
@@ -253,17 +189,6 @@ impl<D: BlockDevice> Chain<D> {
         }
     }
 
-    /// Queues a read the ring answered [`RingServed::Wait`] (at once: before the host
-    /// returns to its poller) under `tag`, with `buf`, the read's whole buffer: the engine
-    /// completes `tag` when the rest of it is copied from the ring or read from the base.
-    pub fn ring_wait(&self, wait: RingWait, tag: u64, buf: BufSlice<D::Buf>) {
-        let mut guard = self.ring.borrow_mut();
-        let Some(rh) = guard.as_mut() else {
-            unreachable!("a ring that answered Wait stays on");
-        };
-        rh.wait(wait, tag, buf);
-    }
-
     /// The read-ahead into `slot` completed (`ok`): the part of each read waiting on it
     /// that lies in its chunk is copied from it if its data is usable — it succeeded and
     /// no write moved the chunk's generation since it was recorded (read now, after every
@@ -272,7 +197,7 @@ impl<D: BlockDevice> Chain<D> {
     /// whole rest is sent to the base.
     pub(crate) fn ring_filled(self: &Rc<Self>, slot: u16, ok: bool) {
         let usable = {
-            let Ok(mut guard) = self.ring.try_borrow_mut() else {
+            let Ok(mut guard) = self.ring.host().try_borrow_mut() else {
                 // Reported while the ring is in use (a device that completes inside its
                 // submission): handled at the executor's next report.
                 return self
@@ -283,7 +208,7 @@ impl<D: BlockDevice> Chain<D> {
             rh.filled(slot, ok)
         };
         loop {
-            let mut guard = self.ring.borrow_mut();
+            let mut guard = self.ring.host().borrow_mut();
             let Some(rh) = guard.as_mut() else { return };
             let Some(woken) = rh.next_woken(slot, usable) else {
                 return;

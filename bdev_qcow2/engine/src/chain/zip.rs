@@ -44,7 +44,7 @@ impl<D: BlockDevice> Chain<D> {
         entry: GraceEntry,
     ) -> Result<(), (Unplanned, GraceEntry)> {
         let sink = self.sink();
-        let Ok(mut zips) = self.zips.try_borrow_mut() else {
+        let Ok(mut zips) = self.ring.zips().try_borrow_mut() else {
             return Err((Unplanned::Other, entry));
         };
         let plan = match self.plan_fast::<true>(offset, dst) {
@@ -96,8 +96,8 @@ impl<D: BlockDevice> Chain<D> {
     /// decompressed into the ring slot, then the fill goes to the ring and the read-aheads
     /// that waited for a record to it.
     pub(crate) fn zip_filled(self: &Rc<Self>, payload: u32, ok: bool) {
-        let zips = self.zips.try_borrow_mut();
-        let (Ok(mut zips), false) = (zips, self.ring.try_borrow_mut().is_err()) else {
+        let zips = self.ring.zips().try_borrow_mut();
+        let (Ok(mut zips), false) = (zips, self.ring.host().try_borrow_mut().is_err()) else {
             // Reported while either is in use: handled at the executor's next report.
             return self.exec().internal_done(self.sink().token(payload), ok);
         };

@@ -71,7 +71,7 @@ pub enum RingServed {
     Prefix(u64),
     /// The first bytes (maybe none) were copied and the rest is being read ahead (one
     /// chunk or several): the host must hand the read to
-    /// [`Chain::ring_wait`](crate::Chain::ring_wait) at once, with a tag; the engine
+    /// [`ChainRing::wait`](crate::ring::ChainRing::wait) at once, with a tag; the engine
     /// completes that tag once the rest is copied from the ring (or, when a write made one
     /// of those chunks unusable while it filled or its read-ahead failed, read from the
     /// base).

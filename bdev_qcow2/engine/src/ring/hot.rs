@@ -1,4 +1,7 @@
-//! The part of the ring's stream table every read looks at, on plain cells outside the
+//! The stream table both stream detectors are built on ([`StreamSlots`]: where each
+//! followed stream continues, and the round robin that says which slot a new stream takes
+//! first; read-ahead of L2 slices, `prefetch.rs`, keeps one too, watching other requests),
+//! and the part of the ring's stream table every read looks at, on plain cells outside the
 //! ring's `RefCell`: where each stream continues, which stream slot a new stream takes
 //! next, and which slots a new stream may take without touching the ring's state.
 //!
@@ -11,23 +14,91 @@
 //! reads and when each stream was last started or continued: a stream not continued in
 //! [`STALE_READS`] reads has left, and its slot goes to the ring to hand on.
 
-use super::{STALE_READS, STREAMS};
+use super::STALE_READS;
 use std::cell::Cell;
+
+/// Streams followed at once by each detector.
+pub const STREAMS: usize = 4;
 
 // The search rotates a mask of slots in a `u32`; the round robin's position is a `u8`
 // taken modulo STREAMS, which must divide 256 to wrap evenly.
 const _: () = assert!(STREAMS <= 8 && 256 % STREAMS == 0);
-const ALL: u32 = (1 << STREAMS) - 1;
+/// Every slot, a bit each.
+pub(crate) const ALL: u32 = (1 << STREAMS) - 1;
+
+/// Where [`STREAMS`] streams continue, and whose turn it is.
+#[derive(Debug)]
+pub(crate) struct StreamSlots {
+    /// Where each stream's next request starts (`u64::MAX`: none).
+    next: [Cell<u64>; STREAMS],
+    /// Where the search for a slot for a new stream starts (round robin; taken modulo
+    /// [`STREAMS`], so that moving it on is one add).
+    victim: Cell<u8>,
+}
+
+impl Default for StreamSlots {
+    fn default() -> Self {
+        StreamSlots {
+            next: std::array::from_fn(|_| Cell::new(u64::MAX)),
+            victim: Cell::new(0),
+        }
+    }
+}
+
+impl StreamSlots {
+    /// The stream whose next request starts at `offset`.
+    #[inline(always)]
+    pub(crate) fn find(&self, offset: u64) -> Option<usize> {
+        self.next.iter().position(|n| n.get() == offset)
+    }
+
+    /// Whether a stream's next request starts at `offset`.
+    #[inline(always)]
+    pub(crate) fn continues(&self, offset: u64) -> bool {
+        self.next.iter().any(|n| n.get() == offset)
+    }
+
+    /// Stream `i` was started or continued by a request ending at `end`: the slot just
+    /// used is the last a new stream would take.
+    #[inline(always)]
+    pub(crate) fn moved(&self, i: usize, end: u64) {
+        self.next[i].set(end);
+        self.victim.set(i as u8 + 1);
+    }
+
+    /// Where stream `i` continues.
+    #[inline(always)]
+    pub(crate) fn next(&self, i: usize) -> u64 {
+        self.next[i].get()
+    }
+
+    /// Where each stream continues.
+    pub(crate) fn nexts(&self) -> impl Iterator<Item = u64> + '_ {
+        self.next.iter().map(Cell::get)
+    }
+
+    /// The round robin's position: the slot a new stream takes first.
+    #[inline(always)]
+    pub(crate) fn turn(&self) -> usize {
+        self.victim.get() as usize % STREAMS
+    }
+
+    /// The first slot of `mask` (a bit per slot) from the round robin's position on.
+    #[inline(always)]
+    pub(crate) fn first_of(&self, mask: u32) -> Option<usize> {
+        let v = self.turn() as u32;
+        let turned = ((mask | mask << STREAMS) >> v) & ALL;
+        (turned != 0).then(|| ((v + turned.trailing_zeros()) as usize) % STREAMS)
+    }
+}
 
 /// Where the followed streams continue and which slots are free to take (see the module
 /// documentation). One per core's chain, next to the fields every request reads.
 #[derive(Debug)]
 pub struct Hot {
-    /// Where each stream's next read starts (`u64::MAX`: none).
-    next: [Cell<u64>; STREAMS],
-    /// Where the search for a slot for a new stream starts (round robin; taken modulo
-    /// [`STREAMS`], so that moving it on is one add).
-    victim: Cell<u8>,
+    /// Where each stream's next read starts, and the round robin (the stream table
+    /// read-ahead's detector is built on too).
+    slots: StreamSlots,
     /// Per slot: a new stream may not take it here (reading ahead, or holding chunks).
     /// Bytes rather than bits: one compare to test, one store to set.
     busy: [Cell<bool>; STREAMS],
@@ -42,8 +113,7 @@ pub struct Hot {
 impl Default for Hot {
     fn default() -> Self {
         Hot {
-            next: std::array::from_fn(|_| Cell::new(u64::MAX)),
-            victim: Cell::new(0),
+            slots: StreamSlots::default(),
             busy: Default::default(),
             fresh: Default::default(),
             reads: Cell::new(0),
@@ -60,11 +130,11 @@ impl Hot {
     #[inline(always)]
     pub fn start_here(&self, offset: u64, len: u64) -> bool {
         self.reads.set(self.reads.get() + 1);
-        if self.next.iter().any(|n| n.get() == offset) {
+        if self.slots.continues(offset) {
             return false;
         }
         // Most often the slot in turn is idle itself: no search.
-        let v = self.victim();
+        let v = self.slots.turn();
         let i = if !self.busy[v].get() {
             v
         } else if self.left(v) {
@@ -84,7 +154,7 @@ impl Hot {
     /// The stream whose next read starts at `offset`.
     #[inline(always)]
     pub(super) fn find(&self, offset: u64) -> Option<usize> {
-        self.next.iter().position(|n| n.get() == offset)
+        self.slots.find(offset)
     }
 
     /// The first slot from the round robin's position on that a new stream may take here.
@@ -120,23 +190,14 @@ impl Hot {
 
     /// The first slot of `mask` (a bit per slot) from the round robin's position on.
     pub(super) fn first_of(&self, mask: u32) -> Option<usize> {
-        let v = self.victim() as u32;
-        let turned = ((mask | mask << STREAMS) >> v) & ALL;
-        (turned != 0).then(|| ((v + turned.trailing_zeros()) as usize) % STREAMS)
-    }
-
-    /// The round robin's position.
-    #[inline(always)]
-    fn victim(&self) -> usize {
-        self.victim.get() as usize % STREAMS
+        self.slots.first_of(mask)
     }
 
     /// Stream `i` starts with a read ending at `end`: its state in the ring is reset when
     /// it is next continued ([`take_fresh`](Self::take_fresh)).
     #[inline(always)]
     pub(super) fn start(&self, i: usize, end: u64) {
-        self.next[i].set(end);
-        self.victim.set(i as u8 + 1);
+        self.slots.moved(i, end);
         self.fresh[i].set(true);
         self.last[i].set(self.reads.get());
     }
@@ -145,15 +206,14 @@ impl Hot {
     /// last a new stream would take.
     #[inline(always)]
     pub(super) fn continued(&self, i: usize, end: u64) {
-        self.next[i].set(end);
-        self.victim.set(i as u8 + 1);
+        self.slots.moved(i, end);
         self.last[i].set(self.reads.get());
     }
 
     /// Where stream `i` continues.
     #[inline(always)]
     pub(super) fn next(&self, i: usize) -> u64 {
-        self.next[i].get()
+        self.slots.next(i)
     }
 
     /// Whether stream `i` was restarted since the ring last saw it (clears the mark).
@@ -166,5 +226,24 @@ impl Hot {
     #[inline(always)]
     pub(super) fn set_busy(&self, i: usize, busy: bool) {
         self.busy[i].set(busy);
+    }
+}
+
+#[cfg(test)]
+mod stream_slots_tests {
+    use super::*;
+
+    #[test]
+    fn a_new_stream_takes_the_first_slot_of_a_mask_in_turn() {
+        let s = StreamSlots::default();
+        assert_eq!(s.first_of(ALL), Some(0));
+        s.moved(1, 4096);
+        assert_eq!(s.find(4096), Some(1));
+        assert_eq!(s.turn(), 2);
+        assert_eq!(s.first_of(0b0011), Some(0));
+        assert_eq!(s.first_of(0b1000), Some(3));
+        assert_eq!(s.first_of(0), None);
+        s.moved(3, 8192);
+        assert_eq!(s.turn(), 0);
     }
 }

@@ -23,6 +23,7 @@ mod config;
 pub mod gens;
 pub(crate) mod host;
 mod hot;
+mod part;
 mod wait;
 pub mod zones;
 
@@ -30,6 +31,8 @@ pub use config::{RingConfig, RingStats};
 pub use gens::WriteGens;
 pub use host::{RingCopy, RingServed, RingWait};
 pub use hot::Hot;
+pub(crate) use hot::{StreamSlots, ALL};
+pub use part::ChainRing;
 pub use zones::{Watch, Zones};
 
 use gens::REGION;
@@ -41,8 +44,8 @@ pub const CHUNK: u64 = REGION;
 pub const SEQ_MIN: u32 = 3;
 // A stream just started reads nothing ahead: `Lookup::Started` skips the fills.
 const _: () = assert!(SEQ_MIN > 1);
-/// Streams followed at once per core.
-pub const STREAMS: usize = 4;
+/// Streams followed at once per core (the stream table's, `hot.rs`).
+pub use hot::STREAMS;
 /// Reads that may wait at once, per core, on chunks whose read-ahead is in flight
 /// ([`Lookup::Wait`]); one more goes to the base. Bounds the fixed waiter table.
 pub const MAX_WAITERS: u16 = 256;

@@ -64,8 +64,8 @@ impl<D: BlockDevice> Chain<D> {
 
     async fn zero_range(self: &Rc<Self>, offset: u64, len: u64, kind: ZeroKind) -> Result<()> {
         let q = top(self)?;
-        self.check_range(offset, len)?;
-        self.note_change(offset, len);
+        self.disk.check_range(offset, len)?;
+        self.disk.note_change(offset, len);
         let geo = q.geometry();
         let cs = geo.cluster_size();
         let gran = geo.subcluster_size();

@@ -399,7 +399,7 @@ pub(crate) fn start_owner(
             format!("image on bdev {}: {e}", params.base_bdev),
         )
     })?;
-    chain.set_prefetch(params.prefetch_on());
+    chain.prefetch().set_on(params.prefetch_on());
     if let Some((cfg, gens)) = ring {
         if let Err(e) = chain.enable_ring(*cfg, gens.clone()) {
             tracing::warn!("owner of {name}: no prefetch ring ({e})");

@@ -132,13 +132,13 @@ pub fn run_one(path: &Path, raw: bool, w: Workload, a: &PerfArgs) -> ToolResult<
         };
         let ring = a.ring()?;
         let out = run_reactors_with_ring(cores, &open, opts, w.writes(), ring, |r| {
-            r.chain.set_prefetch(ring.is_some());
+            r.chain.prefetch().set_on(ring.is_some());
             if !a.cold {
                 warm(r)?;
             }
             let before = r.cache_stats();
-            let pf_before = r.chain.prefetch_stats();
-            let ring_before = r.chain.ring_stats().unwrap_or_default();
+            let pf_before = r.chain.prefetch().stats();
+            let ring_before = r.chain.ring().stats().unwrap_or_default();
             let core = r.id;
             let (o, l, f) = drive(r, a, w, Lanes { core, cores })?;
             let after = r.cache_stats();
@@ -148,8 +148,8 @@ pub fn run_one(path: &Path, raw: bool, w: Workload, a: &PerfArgs) -> ToolResult<
                 evictions: after.evictions - before.evictions,
                 ..after
             };
-            let pf = r.chain.prefetch_stats();
-            let ring_after = r.chain.ring_stats().unwrap_or_default();
+            let pf = r.chain.prefetch().stats();
+            let ring_after = r.chain.ring().stats().unwrap_or_default();
             Ok((
                 o,
                 l,

@@ -35,7 +35,7 @@ impl PerfTarget for Reactor<Dev> {
         Reactor::poll(self, done);
     }
     fn prefetch(&self, off: u64) {
-        if let Some(p) = self.chain.entry_hint(off) {
+        if let Some(p) = self.chain.disk().entry_hint(off) {
             crate::uring::prefetch_line(p.cast());
         }
     }

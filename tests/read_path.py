@@ -1,0 +1,178 @@
+#!/usr/bin/env python3
+"""Which of our source files and functions one request runs, from a callgrind run of bdevperf.
+
+    KEEP=/tmp/cg WORKLOADS=randread:4096 CARGO_PROFILE_RELEASE_DEBUG=line-tables-only \
+        tests/spdk_instr.sh                      # a run of our bdev, with line tables
+    tests/read_path.py /tmp/cg/q-randread-4096.out [--list]
+
+Line tables (`debug = "line-tables-only"`) change no machine code; they let callgrind
+attribute every instruction, inlined ones too, to the source line it came from. A line of
+our crates (paths under `bdev_qcow2/`) counts as run per request when it runs under SPDK's
+calls into our bdev for a request (`submit_request`, a direct child's `child_done`, and
+what they call: the submission and completion of a request, not our pollers) and its
+instructions there over the run reach 0.9 per request bdevperf completed (a line run once
+per request costs at least one instruction each time; 0.9 for the requests a run's end
+leaves in flight). Lines a request runs only sometimes (a read-ahead's slice tail, an
+eighth of random reads) stay out. Its function is
+the `fn` of our source that encloses the line (closures belong to theirs), so functions
+inlined into others count as well as those called. Prints the files and functions so
+found, with their instructions per request; `--list` names them.
+"""
+import os
+import re
+import sys
+from collections import defaultdict
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from instr_cycle import blocks  # noqa: E402
+
+# The source tree the run was built from (SRC_ROOT: another checkout, for a "before").
+ROOT = os.environ.get("SRC_ROOT") or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+OURS = re.compile(r"(^|/)bdev_qcow2/(engine|spdk|tool)/src/")
+# Where a request enters our code: `fn_table.submit_request`, a direct child's completion.
+ROOTS = re.compile(r"bdev_qcow2::ffi::bdev_io::(submit_request|child_done)$")
+FN = re.compile(r"^(\s*)(pub(\([^)]*\))?\s+)?(const\s+)?(async\s+)?(unsafe\s+)?"
+                r"(extern\s+\"C\"\s+)?fn\s+(\w+)")
+
+
+def parse(path):
+    """Self cost per (function, file, line) and the functions each function calls, from a
+    callgrind output (positions: line)."""
+    names = {}
+    cost = defaultdict(int)
+    calls = defaultdict(set)
+    fl = fi = fn = cfn = None
+    last = 0
+    skip_next = False
+
+    def name(kind, rest):
+        m = re.match(r"\((\d+)\)(?:\s+(.*))?$", rest)
+        if not m:
+            return rest
+        key = (kind, m.group(1))
+        if m.group(2) is not None:
+            names[key] = m.group(2)
+        return names.get(key, "?")
+
+    with open(path) as f:
+        for raw in f:
+            line = raw.rstrip("\n")
+            if not line:
+                continue
+            c = line[0]
+            if c.isdigit() or c in "+-*":
+                parts = line.split()
+                p = parts[0]
+                if p == "*":
+                    pos = last
+                elif p[0] in "+-":
+                    pos = last + int(p)
+                else:
+                    pos = int(p)
+                last = pos
+                if skip_next:
+                    skip_next = False
+                    continue
+                if len(parts) > 1 and fi is not None:
+                    cost[(fn, fi, pos)] += int(parts[1])
+                continue
+            key, _, rest = line.partition("=")
+            if key == "fl":
+                fl = fi = name("fl", rest)
+            elif key in ("fi", "fe"):
+                fi = name("fl", rest)
+            elif key == "fn":
+                fi = fl
+                fn = name("fn", rest)
+            elif key in ("cfl", "cfi"):
+                name("fl", rest)
+            elif key == "cfn":
+                cfn = name("fn", rest)
+            elif key in ("ob", "cob"):
+                name("ob", rest)
+            elif key == "calls":
+                calls[fn].add(cfn)
+                skip_next = True
+    return cost, calls
+
+
+def request_functions(calls):
+    """The functions a request runs: SPDK's calls into our bdev for a request (its
+    submission, a direct child's completion) and everything they call."""
+    roots = [f for f in calls if ROOTS.search(f)]
+    seen, todo = set(roots), list(roots)
+    while todo:
+        for g in calls.get(todo.pop(), ()):
+            if g not in seen:
+                seen.add(g)
+                todo.append(g)
+    return seen
+
+
+def source_path(f):
+    m = OURS.search(f)
+    return os.path.join(ROOT, f[m.start() + (1 if f[m.start()] == "/" else 0):])
+
+
+def enclosing_fn(src_lines, line):
+    """The `fn` whose body holds 1-based `line`: the nearest one above it that is indented
+    less (as much, for a closing brace or the `fn` line itself)."""
+    if not 0 < line <= len(src_lines):
+        return None  # code without a line (the compiler's own): the file's, no function's
+    text = src_lines[line - 1]
+    if text.lstrip().startswith("#[derive("):
+        return "derive:%d" % line
+    t = len(text) - len(text.lstrip())
+    closing = text.lstrip().startswith("}")
+    for i in range(line - 1, -1, -1):
+        m = FN.match(src_lines[i])
+        if m and (len(m.group(1)) < t or (len(m.group(1)) <= t and (closing or i == line - 1))):
+            return "%s:%d" % (m.group(8), i + 1)
+    return "?"
+
+
+def requests(path):
+    n = 0
+    for (_, text), rows in blocks(path, "caller"):
+        if re.search(r"bdevperf\.c:bdevperf_complete ", text):
+            for _, _, t in rows:
+                m = re.search(r"\(([\d,]+)x\)", t)
+                if m:
+                    n += int(m.group(1).replace(",", ""))
+    return n
+
+
+def main():
+    path = sys.argv[1]
+    n = requests(path)
+    if n == 0:
+        sys.exit("no completed requests in " + path)
+    files, fns = defaultdict(int), defaultdict(int)
+    srcs = {}
+    cost, calls = parse(path)
+    on_path = request_functions(calls)
+    for (fn, f, line), c in cost.items():
+        if fn not in on_path or not OURS.search(f) or c < 0.9 * n:
+            continue
+        sp = source_path(f)
+        if sp not in srcs:
+            try:
+                srcs[sp] = open(sp).read().split("\n")
+            except OSError:
+                srcs[sp] = []
+        rel = os.path.relpath(sp, ROOT)
+        files[rel] += c
+        fn = enclosing_fn(srcs[sp], line)
+        if fn is not None:
+            fns[(rel, fn)] += c
+    print("%d files, %d functions of ours per request (%d requests)" % (len(files), len(fns), n))
+    if "--list" in sys.argv:
+        for f in sorted(files, key=files.get, reverse=True):
+            print("%6.1f %s" % (files[f] / n, f))
+            for (g, fn), c in sorted(fns.items(), key=lambda kv: -kv[1]):
+                if g == f:
+                    print("%6.1f     %s" % (c / n, fn))
+
+
+if __name__ == "__main__":
+    main()
