@@ -442,7 +442,24 @@ mod tests {
             }))
         );
         assert!(pre("falloc").is_err());
-        assert!(serde_json::from_str::<FormatParams>(r#"{"base_bdev":"m0"}"#).is_err());
+        // No size: only an overlay takes one from its backing bdev (`format` fills it in).
+        let p: FormatParams = serde_json::from_str(r#"{"base_bdev":"m0"}"#).unwrap();
+        assert!(p.create_options().is_err());
+        let overlay = |extra: &str| {
+            serde_json::from_str::<FormatParams>(&format!(
+                r#"{{"base_bdev":"m0","size":1048576,"backing_bdev":"g"{extra}}}"#
+            ))
+            .unwrap()
+            .create_options()
+        };
+        assert!(overlay("").is_ok());
+        assert!(overlay(r#","preallocation":"full""#).is_err());
+        let p: FormatParams =
+            serde_json::from_str(r#"{"base_bdev":"m0","size":1,"backing_bdev":"m0"}"#).unwrap();
+        assert!(
+            p.create_options().is_err(),
+            "backing_bdev must differ from base_bdev"
+        );
     }
 
     #[test]
