@@ -45,7 +45,7 @@ pub fn overlay_create(req: Request, params: Params) {
     let Some((req, p)) = decode::<OverlayParams>(req, params, METHOD) else {
         return;
     };
-    let create: CreateParams = match serde_json::from_value(json!({
+    let mut create: CreateParams = match serde_json::from_value(json!({
         "name": p.name,
         "base_bdev": p.base_bdev,
         "backing_bdev": p.backing_bdev,
@@ -54,7 +54,6 @@ pub fn overlay_create(req: Request, params: Params) {
         Ok(c) => c,
         Err(e) => return req.error(INVALID_PARAMS, &format!("{METHOD}: {e}")),
     };
-    let mut create = create;
     if let Err(m) = create
         .validate()
         .and_then(|()| node::check_uuid(&mut create.uuid, "uuid"))

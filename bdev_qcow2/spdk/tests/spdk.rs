@@ -2526,12 +2526,18 @@ mod real {
         )
     }
 
-    /// `no_space_errors` of q0 in `bdev_qcow2_get_stats`.
-    fn no_space_errors(sock: &Path) -> u64 {
+    /// q0's object in `bdev_qcow2_get_stats` over the RPC socket `sock`.
+    fn q0_stats(sock: &Path) -> Value {
         let (ok, text) = plugin_rpc(sock, &["bdev_qcow2_get_stats", "-b", "q0"]);
         assert!(ok, "bdev_qcow2_get_stats: {text}");
         let v: Value = serde_json::from_str(text.trim()).unwrap();
-        v[0]["total"]["no_space_errors"]
+        v[0].clone()
+    }
+
+    /// `no_space_errors` of q0 in `bdev_qcow2_get_stats`.
+    fn no_space_errors(sock: &Path) -> u64 {
+        let v = q0_stats(sock);
+        v["total"]["no_space_errors"]
             .as_u64()
             .unwrap_or_else(|| panic!("no no_space_errors: {v}"))
     }

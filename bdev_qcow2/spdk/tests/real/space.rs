@@ -7,10 +7,8 @@ use super::*;
 
 /// `owner.space` of q0 in `bdev_qcow2_get_stats`.
 fn space(sock: &Path) -> Value {
-    let (ok, text) = plugin_rpc(sock, &["bdev_qcow2_get_stats", "-b", "q0"]);
-    assert!(ok, "bdev_qcow2_get_stats: {text}");
-    let v: Value = serde_json::from_str(text.trim()).unwrap();
-    let s = v[0]["owner"]["space"].clone();
+    let v = q0_stats(sock);
+    let s = v["owner"]["space"].clone();
     assert!(s.is_object(), "no owner.space: {v}");
     s
 }
