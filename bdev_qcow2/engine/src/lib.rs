@@ -32,6 +32,7 @@ pub mod exec;
 pub mod format;
 #[cfg(any(test, feature = "testing"))]
 pub mod fuzzing;
+pub mod golden;
 pub mod image;
 pub mod io;
 mod lifecycle;

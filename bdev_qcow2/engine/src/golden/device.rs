@@ -1,0 +1,279 @@
+//! A golden image's device as one core sees it through the shared read cache: reads are
+//! served from the cache where it holds their granules, fill it where nobody does, and
+//! wait where another core (or read) is filling; every other operation, and every read
+//! without a cache, goes straight to the device.
+
+use super::cache::{Fill, Lookup, SharedReadCache};
+use crate::io::{BlockDevice, BufSlice, Busy, DeviceError, DeviceOp, IoBuffer};
+use std::collections::VecDeque;
+use std::sync::Arc;
+
+/// Tags of this wrapper's own fills on the device (the engine's tags are slab indexes,
+/// far below).
+const FILL_TAG: u64 = 1 << 63;
+
+/// A device, optionally reading through a [`SharedReadCache`].
+pub struct CachedDevice<D: BlockDevice> {
+    inner: D,
+    cache: Option<Arc<SharedReadCache>>,
+    /// Reads waiting for granules to be filled (here or on another core).
+    waiting: Vec<Waiting<D::Buf>>,
+    /// This core's fills in flight, by the low bits of their tag.
+    fills: slab::Slab<(Fill, D::Buf)>,
+    /// Fills the device refused as busy, to submit again.
+    unsent: VecDeque<(u64, DeviceOp<D::Buf>)>,
+    /// Granules whose fill failed here since the last poll: reads waiting for them go to
+    /// the device themselves.
+    failed: Vec<u64>,
+    /// Completions of reads served here, reported at the next poll.
+    done: VecDeque<(u64, Result<(), DeviceError>)>,
+}
+
+struct Waiting<B> {
+    tag: u64,
+    offset: u64,
+    buf: BufSlice<B>,
+}
+
+/// What serving a read from the cache came to.
+enum Served {
+    /// Every byte copied.
+    All,
+    /// Some granules are being filled (by this read's fills or others').
+    Pending,
+    /// The cache cannot take it: read the device.
+    Bypass,
+}
+
+impl<D: BlockDevice> CachedDevice<D> {
+    /// `inner` without a cache: every operation goes straight to it.
+    pub fn plain(inner: D) -> CachedDevice<D> {
+        CachedDevice::new(inner, None)
+    }
+
+    /// `inner`, its reads served through `cache` (shared with every other reader of the
+    /// same golden image).
+    pub fn new(inner: D, cache: Option<Arc<SharedReadCache>>) -> CachedDevice<D> {
+        CachedDevice {
+            inner,
+            cache,
+            waiting: Vec::new(),
+            fills: slab::Slab::new(),
+            unsent: VecDeque::new(),
+            failed: Vec::new(),
+            done: VecDeque::new(),
+        }
+    }
+
+    /// The device.
+    pub fn inner(&self) -> &D {
+        &self.inner
+    }
+
+    /// The device, to change.
+    pub fn inner_mut(&mut self) -> &mut D {
+        &mut self.inner
+    }
+
+    /// The cache its reads go through, if any.
+    pub fn cache(&self) -> Option<&Arc<SharedReadCache>> {
+        self.cache.as_ref()
+    }
+
+    /// Copies what the cache holds of a read into its buffer and starts fills for what it
+    /// does not.
+    fn serve(&mut self, offset: u64, buf: &BufSlice<D::Buf>) -> Served {
+        let Some(cache) = self.cache.clone() else {
+            return Served::Bypass;
+        };
+        let g = u64::from(cache.granule());
+        let end = offset + buf.len as u64;
+        let mut pending = false;
+        let mut bounce = [0u8; 4096];
+        let mut pos = offset;
+        while pos < end {
+            let granule = pos / g;
+            let within = pos % g;
+            let n = (g - within).min(end - pos);
+            if self.failed.contains(&granule) {
+                return Served::Bypass;
+            }
+            match cache.pin(granule) {
+                Lookup::Hit(pin) => {
+                    let mut done = 0;
+                    while done < n {
+                        let k = (n - done).min(bounce.len() as u64) as usize;
+                        pin.copy_out((within + done) as usize, &mut bounce[..k]);
+                        buf.copy_in((pos - offset + done) as usize, &bounce[..k]);
+                        done += k as u64;
+                    }
+                }
+                Lookup::Filling => pending = true,
+                Lookup::Miss => match cache.claim(granule) {
+                    Some(fill) => {
+                        self.start_fill(fill);
+                        pending = true;
+                    }
+                    // Filled meanwhile, or being filled: look again at the next poll.
+                    None if matches!(cache.pin(granule), Lookup::Hit(_) | Lookup::Filling) => {
+                        pending = true
+                    }
+                    None => return Served::Bypass,
+                },
+            }
+            pos += n;
+        }
+        match pending {
+            true => Served::Pending,
+            false => Served::All,
+        }
+    }
+
+    fn start_fill(&mut self, fill: Fill) {
+        let (offset, len) = fill.device_range();
+        let buf = self.inner.alloc_buf(len);
+        let op = DeviceOp::Read {
+            offset,
+            buf: BufSlice::whole(buf.clone()),
+        };
+        let tag = FILL_TAG | self.fills.insert((fill, buf)) as u64;
+        self.submit_fill(tag, op);
+    }
+
+    fn submit_fill(&mut self, tag: u64, op: DeviceOp<D::Buf>) {
+        if !self.unsent.is_empty() {
+            return self.unsent.push_back((tag, op));
+        }
+        if let Err(Busy(op, tag)) = self.inner.submit(op, tag) {
+            self.unsent.push_back((tag, op));
+        }
+    }
+
+    fn fill_done(&mut self, tag: u64, res: Result<(), DeviceError>) {
+        let key = (tag & !FILL_TAG) as usize;
+        let Some((fill, buf)) = self.fills.try_remove(key) else {
+            return;
+        };
+        match res {
+            Ok(()) => {
+                let mut bytes = vec![0u8; buf.len()];
+                buf.copy_out(0, &mut bytes);
+                fill.publish(&bytes);
+            }
+            // Dropped: the slot is empty again; the reads that waited here read the device.
+            Err(_) => self.failed.push(fill.granule()),
+        }
+    }
+
+    /// Serves the waiting reads that can be served now.
+    fn retry_waiting(&mut self) {
+        let mut i = 0;
+        while i < self.waiting.len() {
+            let (offset, buf) = (self.waiting[i].offset, self.waiting[i].buf.clone());
+            match self.serve(offset, &buf) {
+                Served::All => {
+                    let w = self.waiting.swap_remove(i);
+                    self.done.push_back((w.tag, Ok(())));
+                }
+                Served::Pending => i += 1,
+                Served::Bypass => {
+                    let w = self.waiting.swap_remove(i);
+                    self.bypass(w.tag, w.offset, w.buf);
+                }
+            }
+        }
+        self.failed.clear();
+    }
+
+    fn bypass(&mut self, tag: u64, offset: u64, buf: BufSlice<D::Buf>) {
+        if let Some(c) = &self.cache {
+            c.count_bypass();
+        }
+        if let Err(Busy(op, tag)) = self.inner.submit(DeviceOp::Read { offset, buf }, tag) {
+            // Sent again with this core's fills (the device keeps their order).
+            self.unsent.push_back((tag, op));
+        }
+    }
+}
+
+impl<D: BlockDevice> BlockDevice for CachedDevice<D> {
+    type Buf = D::Buf;
+
+    fn size(&self) -> u64 {
+        self.inner.size()
+    }
+
+    fn alloc_buf(&mut self, len: usize) -> D::Buf {
+        self.inner.alloc_buf(len)
+    }
+
+    fn submit(&mut self, op: DeviceOp<D::Buf>, tag: u64) -> Result<(), Busy<D::Buf>> {
+        let DeviceOp::Read { offset, buf } = op else {
+            return self.inner.submit(op, tag);
+        };
+        if self.cache.is_none() || buf.len == 0 {
+            return self.inner.submit(DeviceOp::Read { offset, buf }, tag);
+        }
+        match self.serve(offset, &buf) {
+            Served::All => self.done.push_back((tag, Ok(()))),
+            Served::Pending => {
+                if let Some(c) = &self.cache {
+                    c.count_wait();
+                }
+                self.waiting.push(Waiting { tag, offset, buf })
+            }
+            Served::Bypass => {
+                if let Some(c) = &self.cache {
+                    c.count_bypass();
+                }
+                return self.inner.submit(DeviceOp::Read { offset, buf }, tag);
+            }
+        }
+        Ok(())
+    }
+
+    fn poll(&mut self, done: &mut dyn FnMut(u64, Result<(), DeviceError>)) -> usize {
+        while let Some((tag, op)) = self.unsent.pop_front() {
+            if let Err(Busy(op, tag)) = self.inner.submit(op, tag) {
+                self.unsent.push_front((tag, op));
+                break;
+            }
+        }
+        let mut mine = Vec::new();
+        let mut n = self.inner.poll(&mut |tag, res| {
+            if tag & FILL_TAG != 0 {
+                mine.push((tag, res));
+            } else {
+                done(tag, res);
+            }
+        });
+        for (tag, res) in mine {
+            self.fill_done(tag, res);
+            n += 1;
+        }
+        if !self.waiting.is_empty() {
+            self.retry_waiting();
+        }
+        while let Some((tag, res)) = self.done.pop_front() {
+            done(tag, res);
+            n += 1;
+        }
+        n
+    }
+
+    fn can_grow(&self) -> bool {
+        self.inner.can_grow()
+    }
+
+    fn zeroes_cheaply(&self) -> bool {
+        self.inner.zeroes_cheaply()
+    }
+
+    fn discards(&self) -> bool {
+        self.inner.discards()
+    }
+
+    fn ensure_size(&mut self, size: u64) -> Result<(), DeviceError> {
+        self.inner.ensure_size(size)
+    }
+}
