@@ -9,7 +9,8 @@ def bdev_qcow2_create(client, name, base_bdev, backing_bdev=None, read_only=None
                       ordered_layout=None, zero_offload=None, prefetch_ring_size=None,
                       prefetch_max_window=None, alloc_granule=None, zero_ahead=None,
                       pass_discard_request=None, pass_discard_snapshot=None,
-                      pass_discard_other=None, uuid=None, space_warn_percent=None):
+                      pass_discard_other=None, uuid=None, space_warn_percent=None,
+                      backing_cache_size=None):
     params = {'name': name, 'base_bdev': base_bdev}
     if backing_bdev is not None:
         params['backing_bdev'] = backing_bdev
@@ -44,6 +45,8 @@ def bdev_qcow2_create(client, name, base_bdev, backing_bdev=None, read_only=None
         params['uuid'] = uuid
     if space_warn_percent is not None:
         params['space_warn_percent'] = space_warn_percent
+    if backing_cache_size is not None:
+        params['backing_cache_size'] = backing_cache_size
     return client.call('bdev_qcow2_create', params)
 
 
@@ -63,10 +66,12 @@ def bdev_qcow2_format(client, base_bdev, size=None, cluster_size=None, extended_
 
 
 def bdev_qcow2_overlay_create(client, name, base_bdev, backing_bdev, size=None,
-                              cluster_size=None, extended_l2=None, uuid=None):
+                              cluster_size=None, extended_l2=None, uuid=None,
+                              backing_cache_size=None):
     params = {'name': name, 'base_bdev': base_bdev, 'backing_bdev': backing_bdev}
     for k, v in (('size', size), ('cluster_size', cluster_size),
-                 ('extended_l2', extended_l2), ('uuid', uuid)):
+                 ('extended_l2', extended_l2), ('uuid', uuid),
+                 ('backing_cache_size', backing_cache_size)):
         if v is not None:
             params[k] = v
     return client.call('bdev_qcow2_overlay_create', params)
@@ -135,7 +140,8 @@ def spdk_rpc_plugin_initialize(subparsers):
                                      pass_discard_snapshot=args.pass_discard_snapshot,
                                      pass_discard_other=args.pass_discard_other,
                                      uuid=args.uuid,
-                                     space_warn_percent=args.space_warn_percent))
+                                     space_warn_percent=args.space_warn_percent,
+                                     backing_cache_size=args.backing_cache_size))
 
     p = subparsers.add_parser('bdev_qcow2_create',
                               help='Serve a qcow2 image stored on a bdev as a new bdev')
@@ -189,6 +195,9 @@ def spdk_rpc_plugin_initialize(subparsers):
     p.add_argument('--space-warn-percent', type=int,
                    help='warn in the log once the image ends past this percentage of the '
                    'base bdev (default 90; 0: off)')
+    p.add_argument('--backing-cache-size', dest='backing_cache_size', type=int,
+                   help='bytes of the read cache of the backing bdev shared by every qcow2 '
+                   'bdev over it (default 256 MiB; 0: none for this bdev)')
     p.set_defaults(func=create)
 
     def fmt(args):
@@ -233,7 +242,8 @@ def spdk_rpc_plugin_initialize(subparsers):
                                              base_bdev=args.base_bdev,
                                              backing_bdev=args.backing_bdev, size=args.size,
                                              cluster_size=args.cluster_size,
-                                             extended_l2=args.extended_l2, uuid=args.uuid))
+                                             extended_l2=args.extended_l2, uuid=args.uuid,
+                                             backing_cache_size=args.backing_cache_size))
 
     p = subparsers.add_parser('bdev_qcow2_overlay_create',
                               help='Format an overlay of a backing bdev on a bdev (erases it) '
@@ -248,6 +258,8 @@ def spdk_rpc_plugin_initialize(subparsers):
     p.add_argument('--extended-l2', action='store_true', default=None,
                    help='extended L2 entries (subclusters)')
     p.add_argument('-u', '--uuid', help='UUID of the bdev (default: derived)')
+    p.add_argument('--backing-cache-size', dest='backing_cache_size', type=int,
+                   help='bytes of the backing bdev\'s shared read cache (default 256 MiB)')
     p.set_defaults(func=overlay)
 
     def delete(args):

@@ -262,6 +262,7 @@ impl<D: BlockDevice> Exec<D> {
             || !self.inner.waiters.borrow().is_empty()
             || !self.inner.done.borrow().is_empty()
             || !self.inner.internal.borrow().is_empty()
+            || self.inner.devs.borrow().iter().any(|d| d.has_own_work())
     }
 
     /// Runs `fut` to completion by polling (the host's "synchronous" entry point for open,

@@ -218,6 +218,12 @@ pub trait BlockDevice: 'static {
     fn discards(&self) -> bool {
         false
     }
+    /// Whether the device has work of its own in flight that only its
+    /// [`poll`](Self::poll) finishes (a fill of a shared cache other cores wait for), with
+    /// no request of the executor waiting on it: the host keeps polling until it has none.
+    fn has_own_work(&self) -> bool {
+        false
+    }
     /// Makes the device at least `size` bytes long, reading zeros in the new part (a file
     /// grows sparsely). Fixed-size devices (bdevs, block devices) only check the size.
     /// Called when clusters are allocated past the end (rarely blocks: files grow ahead).

@@ -140,16 +140,16 @@ impl Channel {
             }
         }
         let host: &Channel = &ch;
-        let add = |desc: &Desc| {
-            let d = SpdkDevice::new(desc).ok_or(libc::ENOMEM)?;
+        let add = |desc: &Desc, cache| {
+            let d = crate::device::open_cached(desc, cache).ok_or(libc::ENOMEM)?;
             let id = ch.exec().add_device(d);
             // SAFETY: the channel state is boxed and owns the executor that owns the device.
             unsafe { ch.driver.attach(id, host) };
             Ok::<_, i32>(id)
         };
-        let base_dev = add(base)?;
+        let base_dev = add(base, None)?;
         let backing_dev = match src.backing {
-            Some(d) => Some(add(d)?),
+            Some(d) => Some(add(d, src.backing_cache)?),
             None => None,
         };
         let exec = ch.exec();
@@ -173,7 +173,7 @@ impl Channel {
         ch.backing_dev = backing_dev;
         ch.direct = Some(
             ch.exec()
-                .with_device(base_dev, |d| d.direct_target(base_dev)),
+                .with_device(base_dev, |d| d.inner().direct_target(base_dev)),
         );
         ch.try_ready();
         ch.queued.borrow_mut().reserve(256);

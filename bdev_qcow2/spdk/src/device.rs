@@ -7,7 +7,7 @@
 //! `spdk_bdev_queue_io_wait`: until SPDK calls back (a bdev_io was freed), every submission
 //! answers `Busy` without calling SPDK, and the executor resubmits in order on the poll after
 //! the callback. The completion callback hands `(tag, result)` to the device's
-//! [`CompletionSink`] if the host installed one ([`SpdkDevice::deliver_to`]: a channel delivers
+//! [`CompletionSink`] if the host installed one ([`BaseDevice::deliver_to`]: a channel delivers
 //! it into its executor at once, so a fast-path request completes right in the callback);
 //! otherwise, or when the sink declines (the host is inside the engine), it records it in the
 //! device's queue, and [`BlockDevice::poll`] — run by the poller through the executor —
@@ -20,9 +20,11 @@ use crate::ffi::bdev_io::{DirectTarget, IovView};
 use crate::ffi::dma::DmaMem;
 pub use crate::ffi::dma::SpdkBuf;
 use crate::ffi::sys;
+use qcow2_engine::golden::{CachedDevice, SharedReadCache};
 use qcow2_engine::io::{BlockDevice, BufSlice, Busy, DeviceError, DeviceOp};
 use qcow2_engine::DevId;
 use std::rc::Rc;
+use std::sync::Arc;
 
 /// The data of a guest request (its iovecs, handed over by
 /// [`BdevIo::into_engine`](crate::ffi::bdev_io::BdevIo::into_engine)) as an engine buffer.
@@ -41,8 +43,25 @@ pub struct Target {
     pub base: DirectTarget,
 }
 
-/// A base bdev as the engine sees it from one SPDK thread.
-pub struct SpdkDevice {
+/// A bdev as the engine sees it from one SPDK thread: a base bdev, or a backing bdev read
+/// through the shared read cache of its golden image ([`open_cached`]).
+pub type SpdkDevice = CachedDevice<BaseDevice>;
+
+/// A device over `desc` on the calling thread, reading it directly (see
+/// [`BaseDevice::new`]).
+pub fn open(desc: &Desc) -> Option<SpdkDevice> {
+    BaseDevice::new(desc).map(CachedDevice::plain)
+}
+
+/// A device over backing bdev `desc` on the calling thread, reading it through `cache`
+/// when given (completions then come through the executor's poll: the cache's fills are
+/// its own).
+pub fn open_cached(desc: &Desc, cache: Option<&Arc<SharedReadCache>>) -> Option<SpdkDevice> {
+    BaseDevice::new(desc).map(|d| CachedDevice::new(d, cache.cloned()))
+}
+
+/// A bdev as the engine sees it from one SPDK thread, read and written directly.
+pub struct BaseDevice {
     io: BaseIo,
     buf_align: usize,
     /// The engine leaves zeroing to the bdev ([`zero_offload`]).
@@ -56,14 +75,14 @@ pub struct SpdkDevice {
     flushes: bool,
 }
 
-impl SpdkDevice {
+impl BaseDevice {
     /// A device over `desc` on the calling thread (gets the thread's channel of the bdev).
     /// `None` if SPDK has no channel for it.
     ///
     /// The descriptor must stay open as long as the device exists (the node that owns it
     /// outlives every channel).
-    pub fn new(desc: &Desc) -> Option<SpdkDevice> {
-        Some(SpdkDevice {
+    pub fn new(desc: &Desc) -> Option<BaseDevice> {
+        Some(BaseDevice {
             io: BaseIo::new(desc)?,
             buf_align: desc.buf_align().max(4096),
             cheap_zeroes: zero_offload(desc, None),
@@ -147,7 +166,7 @@ impl Zeroing {
     }
 }
 
-impl BlockDevice for SpdkDevice {
+impl BlockDevice for BaseDevice {
     type Buf = SpdkBuf;
 
     fn size(&self) -> u64 {

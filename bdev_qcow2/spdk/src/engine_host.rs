@@ -100,9 +100,13 @@ impl Driver {
     /// `host` keeps its address and outlives `dev` (it owns this driver, whose executor owns
     /// the device).
     pub unsafe fn attach<H: Host>(&self, dev: DevId, host: &H) {
-        // SAFETY: per the contract.
-        self.exec
-            .with_device(dev, |d| unsafe { d.deliver_to(host) });
+        // (Not a device read through a shared cache: its fills are its own to reap.)
+        self.exec.with_device(dev, |d| {
+            if d.cache().is_none() {
+                // SAFETY: per the contract.
+                unsafe { d.inner_mut().deliver_to(host) }
+            }
+        });
     }
 
     /// Where the host's poller is kept.

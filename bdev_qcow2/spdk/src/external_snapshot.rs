@@ -425,12 +425,12 @@ impl Polled for Prepare {
 /// `Format`: formats the overlay `opts` on the new base and opens it writable, on a poller
 /// of its own ([`Prepare`]).
 fn format(sw: Box<Switch>, opts: CreateOptions) {
-    let Some(dev) = sw.new_base.as_ref().and_then(SpdkDevice::new) else {
+    let Some(dev) = sw.new_base.as_ref().and_then(crate::device::open) else {
         let e = State::Fail(libc::ENOMEM, "no I/O channel for the new base".into());
         return advance(sw, e);
     };
     let mut dev = dev;
-    dev.set_zero_offload(sw.zeroing.offload);
+    dev.inner_mut().set_zero_offload(sw.zeroing.offload);
     let exec: Exec<SpdkDevice> = Exec::new();
     let id = exec.add_device(dev);
     let result = Rc::new(RefCell::new(None));
@@ -533,7 +533,7 @@ fn switch(mut sw: Box<Switch>) {
         let e = State::Unregister(libc::EIO, "the overlay is not open".into());
         return advance(sw, e);
     };
-    let Some(bdev) = SpdkDevice::new(&backing) else {
+    let Some(bdev) = crate::device::open(&backing) else {
         drop(image);
         drop(exec);
         backing.close();

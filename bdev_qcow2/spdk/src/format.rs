@@ -105,7 +105,7 @@ pub fn format(mut p: FormatParams, done: Done) {
         }),
         m => m,
     };
-    let Some(dev) = SpdkDevice::new(&desc) else {
+    let Some(dev) = crate::device::open(&desc) else {
         desc.close();
         return done(Err((
             libc::ENOMEM,

@@ -24,6 +24,7 @@ mod engine_host;
 mod external_snapshot;
 pub mod ffi;
 mod format;
+mod golden;
 mod io_ctx;
 mod lifecycle_busy;
 mod lifecycle_rpc;

@@ -13,7 +13,7 @@ mod identity;
 mod info;
 mod teardown;
 
-pub use config::config_json;
+use config::config_json;
 pub(crate) use create::{create, create_unclaimed, open_claimed, open_unclaimed, start_owner};
 
 pub use identity::check as check_uuid;
@@ -28,6 +28,7 @@ use crate::owner::Owner;
 use crate::params::CreateParams;
 use crate::stats::ChannelStats;
 use crate::types::{OwnerBox, OwnerPtr, Qcow2Bdev, Unregistered};
+use qcow2_engine::golden::SharedReadCache;
 use qcow2_engine::io::SECTOR;
 use qcow2_engine::ring::{RingConfig, WriteGens};
 use qcow2_engine::{CoreSeed, OpenOptions};
@@ -88,6 +89,26 @@ struct Current {
     /// while its state still has base I/O in flight (a replica being opened); that state is
     /// freed later by its poller, and the descriptors must stay open until then.
     live_channels: Arc<AtomicUsize>,
+    /// The read cache of the backing bdev, shared with every bdev over the same one.
+    backing_cache: Option<Arc<SharedReadCache>>,
+}
+
+impl Current {
+    fn of(i: Image) -> Current {
+        let backing_cache = i
+            .backing
+            .as_ref()
+            .and_then(|b| crate::golden::cache_for(b, i.params.backing_cache_bytes()));
+        Current {
+            base: i.base,
+            backing: i.backing,
+            seed: i.seed,
+            params: i.params,
+            info: i.info,
+            live_channels: i.live_channels,
+            backing_cache,
+        }
+    }
 }
 
 /// The image under a node, as [`Node::new`] takes it and
@@ -135,26 +156,22 @@ pub struct ChannelSource<'a> {
     pub live: &'a Arc<AtomicUsize>,
     /// Where the channel's counters go when it is freed.
     pub retired: &'a Arc<Mutex<ChannelStats>>,
+    /// The backing bdev's shared read cache.
+    pub backing_cache: Option<&'a Arc<SharedReadCache>>,
 }
 
 impl Node {
     /// A node over `image`, created on this thread (its md thread), with the prefetch ring
     /// `ring`.
-    pub fn new(image: Image, ring: Option<Ring>) -> Node {
+    pub fn new(mut image: Image, ring: Option<Ring>) -> Node {
+        let owner = image.owner.take();
         Node {
             md_thread: Thread::current(),
             opts: image.params.open_options(),
             ring,
             retired: Arc::new(Mutex::new(Default::default())),
-            owner: image.owner.map_or(OwnerPtr::null(), OwnerBox::into_node),
-            image: Mutex::new(Current {
-                base: image.base,
-                backing: image.backing,
-                seed: image.seed,
-                params: image.params,
-                info: image.info,
-                live_channels: image.live_channels,
-            }),
+            owner: owner.map_or(OwnerPtr::null(), OwnerBox::into_node),
+            image: Mutex::new(Current::of(image)),
             backing_dropped: AtomicBool::new(false),
         }
     }
@@ -216,7 +233,19 @@ impl Node {
             }
             None => self.current().info.clone(),
         };
-        serde_json::to_value(&info).unwrap_or_default()
+        let mut v = serde_json::to_value(&info).unwrap_or_default();
+        if let Some(c) = self.backing_cache_json() {
+            v["backing_cache"] = c;
+        }
+        v
+    }
+
+    /// The backing bdev's shared read cache as the stats show it (`None`: no cache).
+    pub fn backing_cache_json(&self) -> Option<serde_json::Value> {
+        self.current()
+            .backing_cache
+            .as_ref()
+            .map(crate::golden::stats_json)
     }
 
     /// The prefetch ring's settings and write generations (`None`: `prefetch` is off).
@@ -292,6 +321,7 @@ impl Node {
             ring: self.ring.as_ref(),
             live: &c.live_channels,
             retired: &self.retired,
+            backing_cache: c.backing_cache.as_ref(),
         })
     }
 
@@ -320,17 +350,7 @@ impl Node {
         let old_owner = self.owner.replace(owner, t);
         // The new image names its backing (the old one): nothing was dropped from it.
         self.backing_dropped.store(false, Ordering::Release);
-        let old = std::mem::replace(
-            &mut *c,
-            Current {
-                base: new.base,
-                backing: new.backing,
-                seed: new.seed,
-                params: new.params,
-                info: new.info,
-                live_channels: new.live_channels,
-            },
-        );
+        let old = std::mem::replace(&mut *c, Current::of(new));
         Ok(Box::new(Image {
             base: old.base,
             backing: old.backing,

@@ -38,6 +38,9 @@ pub struct OverlayParams {
     /// The bdev's UUID (default: derived as `bdev_qcow2_create` derives it).
     #[serde(default)]
     pub uuid: Option<String>,
+    /// Bytes of the backing bdev's shared read cache (as `bdev_qcow2_create`'s).
+    #[serde(default)]
+    pub backing_cache_size: Option<u64>,
 }
 
 /// `bdev_qcow2_overlay_create`: answers the new bdev's name.
@@ -50,6 +53,7 @@ pub fn overlay_create(req: Request, params: Params) {
         "base_bdev": p.base_bdev,
         "backing_bdev": p.backing_bdev,
         "uuid": p.uuid,
+        "backing_cache_size": p.backing_cache_size,
     })) {
         Ok(c) => c,
         Err(e) => return req.error(INVALID_PARAMS, &format!("{METHOD}: {e}")),

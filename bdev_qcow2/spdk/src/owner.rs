@@ -144,7 +144,7 @@ impl Owner {
         // The top image's device (the base) comes first.
         let direct = devs
             .first()
-            .map(|&d| exec.with_device(d, |dev| dev.direct_target(d)));
+            .map(|&d| exec.with_device(d, |dev| dev.inner().direct_target(d)));
         let sweeper = chain.ring().write_gens().and_then(|g| {
             let g = g.clone();
             let t = thread::every(SWEEP_EVERY, c"qcow2_zones", Box::new(move || {

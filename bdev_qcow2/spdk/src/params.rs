@@ -104,7 +104,17 @@ pub struct CreateParams {
     /// resized. 0: off; default 90. `bdev_qcow2_get_stats` reports the space either way.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub space_warn_percent: Option<u8>,
+    /// Bytes of the read cache of the backing bdev's data shared by every qcow2 bdev that
+    /// names the same backing bdev, on every core (a golden image under many overlays is
+    /// read once for all of them). Memory is taken as the cache fills, in 64 KiB granules.
+    /// The first bdev that reads a backing bdev sizes its cache; 0: this bdev reads the
+    /// backing bdev past it. Default 256 MiB.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub backing_cache_size: Option<u64>,
 }
+
+/// The default of [`CreateParams::backing_cache_size`].
+pub const DEFAULT_BACKING_CACHE_SIZE: u64 = 256 << 20;
 
 /// The default of [`CreateParams::space_warn_percent`].
 pub const DEFAULT_SPACE_WARN_PERCENT: u8 = 90;
@@ -148,6 +158,11 @@ impl CreateParams {
                 return Err(format!("space_warn_percent {p}: at most 100"));
             }
         }
+        if let Some(c) = self.backing_cache_size {
+            if c > 64 << 30 {
+                return Err(format!("backing_cache_size {c}: at most 64 GiB"));
+            }
+        }
         if let Some(r) = self.prefetch_ring_size {
             if r > 1 << 30 {
                 return Err(format!("prefetch_ring_size {r}: at most 1 GiB"));
@@ -181,6 +196,12 @@ impl CreateParams {
             0 => None,
             p => Some(p),
         }
+    }
+
+    /// Bytes of the shared read cache of the backing bdev (0: none).
+    pub fn backing_cache_bytes(&self) -> u64 {
+        self.backing_cache_size
+            .unwrap_or(DEFAULT_BACKING_CACHE_SIZE)
     }
 
     /// Whether read-ahead is on (`prefetch`, default true).

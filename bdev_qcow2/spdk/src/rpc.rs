@@ -190,10 +190,12 @@ fn collect_done(mut c: Collect, _status: c_int) {
     // Channels already gone count in the total too. The registry lock is held while the
     // node is used: a delete removes the node from the registry before anything frees it.
     let mut retired = Value::Null;
+    let mut backing_cache = Value::Null;
     if let Some(n) = registry::lock().by_key(key) {
         let r = n.node().retired();
         total.add(&r);
         retired = serde_json::to_value(&r).unwrap_or(Value::Null);
+        backing_cache = n.node().backing_cache_json().unwrap_or(Value::Null);
     }
     // The owner's counters, read only while the node is still registered (a delete
     // removes it first; the node and its owner are freed later, on the md thread) and only
@@ -205,6 +207,7 @@ fn collect_done(mut c: Collect, _status: c_int) {
         "retired_channels": retired,
         "total": total,
         "owner": Value::Null,
+        "backing_cache": backing_cache,
     });
     let reg = registry::lock();
     let Some(o) = reg.by_key(key).and_then(|n| n.owner_here()) else {

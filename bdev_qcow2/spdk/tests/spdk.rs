@@ -2450,6 +2450,21 @@ mod real {
         tag: &str,
         script: impl FnOnce(&Path, &(dyn Fn(&[&str]) -> Value + Sync)),
     ) -> String {
+        let args = [
+            "-T", "q0", "-q", "8", "-o", "65536", "-w", "write", "-t", "1", "-m", "0x1",
+        ];
+        bdevperf_driven_with(d, cfg, tag, &args, script)
+    }
+
+    /// [`bdevperf_driven`] with bdevperf's job arguments `job` (targets, queue depth, I/O
+    /// size, workload, cores) instead of its defaults.
+    fn bdevperf_driven_with(
+        d: &Path,
+        cfg: &Path,
+        tag: &str,
+        job: &[&str],
+        script: impl FnOnce(&Path, &(dyn Fn(&[&str]) -> Value + Sync)),
+    ) -> String {
         let bdevperf_py = ["/opt/spdk-src/examples/bdev/bdevperf/bdevperf.py"]
             .into_iter()
             .map(PathBuf::from)
@@ -2458,28 +2473,11 @@ mod real {
             .expect("bdevperf.py");
         let sock = d.join(format!("{tag}.sock"));
         let log = d.join(format!("{tag}.log"));
-        let args: Vec<String> = [
-            "--json",
-            s(cfg),
-            "-r",
-            s(&sock),
-            "-z",
-            "-f",
-            "-T",
-            "q0",
-            "-q",
-            "8",
-            "-o",
-            "65536",
-            "-w",
-            "write",
-            "-t",
-            "1",
-            "-m",
-            "0x1",
-        ]
-        .map(String::from)
-        .to_vec();
+        let args: Vec<String> = ["--json", s(cfg), "-r", s(&sock), "-z", "-f"]
+            .into_iter()
+            .chain(job.iter().copied())
+            .map(String::from)
+            .collect();
         let proc = spawn_spdk("bdevperf", &args, &log);
         let deadline = Instant::now() + Duration::from_secs(60);
         while !(sock.exists() && plugin_rpc(&sock, &["framework_wait_init"]).0) {
@@ -3204,6 +3202,9 @@ mod real {
 
     /// `tests/chaos.sh` short: SIGKILLs under NVMe/TCP load and life-cycle RPCs (`real/chaos.rs`).
     mod chaos;
+
+    /// Overlays on one golden bdev share one read cache of it (`real/golden_cache.rs`).
+    mod golden_cache;
 
     /// Exports the names our module exports (`nm -D | grep bdev_qcow2` finds them) and
     /// registers nothing with SPDK.

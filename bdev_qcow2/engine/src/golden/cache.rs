@@ -184,11 +184,13 @@ impl SharedReadCache {
         set * WAYS..(set + 1) * WAYS
     }
 
-    /// Looks `granule` up, pinning it when it is ready.
+    /// Looks `granule` up, pinning it when it is ready (in any slot: two cores that missed
+    /// it at once may both fill it).
     pub fn pin(&self, granule: u64) -> Lookup<'_> {
         if granule > MAX_TAG {
             return Lookup::Miss;
         }
+        let mut filling = false;
         for slot in self.set_of(granule) {
             let word = &self.state[slot];
             let mut s = word.load(Ordering::Acquire);
@@ -197,7 +199,8 @@ impl SharedReadCache {
                     break;
                 }
                 if s & STATE_MASK == FILLING {
-                    return Lookup::Filling;
+                    filling = true;
+                    break;
                 }
                 if s & PIN_MASK == PIN_MASK {
                     // Every pin taken (never with fewer readers than that): read around it.
@@ -217,7 +220,10 @@ impl SharedReadCache {
                 }
             }
         }
-        Lookup::Miss
+        match filling {
+            true => Lookup::Filling,
+            false => Lookup::Miss,
+        }
     }
 
     /// Takes a slot of `granule`'s set to fill with it: an empty slot, else a ready one no

@@ -261,6 +261,14 @@ impl<D: BlockDevice> BlockDevice for CachedDevice<D> {
         n
     }
 
+    fn has_own_work(&self) -> bool {
+        !(self.fills.is_empty()
+            && self.unsent.is_empty()
+            && self.waiting.is_empty()
+            && self.done.is_empty())
+            || self.inner.has_own_work()
+    }
+
     fn can_grow(&self) -> bool {
         self.inner.can_grow()
     }

@@ -240,16 +240,17 @@ fn open_and_read(
     // Written back by `save_config`, so a restart keeps it whatever the base's UUID then.
     params.uuid = Some(uuid.to_string());
     let exec: Exec<SpdkDevice> = Exec::new();
-    let Some(mut dev) = SpdkDevice::new(&base) else {
+    let Some(mut dev) = crate::device::open(&base) else {
         let m = format!("no I/O channel for base bdev {}", params.base_bdev);
         return fail(&name, [Some(base), backing], done, libc::ENOMEM, m);
     };
     let zeroing = crate::device::Zeroing::of(&base, params.zero_offload, params.zero_ahead);
-    dev.set_zero_offload(zeroing.offload);
+    dev.inner_mut().set_zero_offload(zeroing.offload);
     let dev = exec.add_device(dev);
     let mut backing_dev = None;
     if let (Some(b), false) = (&backing, params.read_only) {
-        let Some(bd) = SpdkDevice::new(b) else {
+        let cache = crate::golden::cache_for(b, params.backing_cache_bytes());
+        let Some(bd) = crate::device::open_cached(b, cache.as_ref()) else {
             drop(exec);
             let m = format!("no I/O channel for backing bdev {}", b.name());
             return fail(&name, [Some(base), backing], done, libc::ENOMEM, m);
