@@ -280,6 +280,12 @@ class Chaos:
             else:
                 self.target.call("bdev_qcow2_get_stats", {"name": s.name})
                 self.stats.op("get_stats")
+            if self.rng.random() < self.a.rpc_kill / 2:
+                # Killed after the RPC's answer, before the config is saved: the restart
+                # comes from a config that predates the operation.
+                self.target.kill_now()
+                self.stats.op("kills_before_save")
+                return False
             self.save()
             self.pending_ext.clear()
         except RpcError as e:
