@@ -265,7 +265,7 @@ class Chaos:
                 if busy:
                     return True  # a bdev is not deleted under its own stream here
                 self.recreate(s, w)
-            elif r < 0.88 and s.streams and not (self.streamed or self.streaming):
+            elif r < 0.95 and s.streams and not (self.streamed or self.streaming):
                 rate = self.rng.choice((4, 16, 64)) * MIB
                 self.target.call("bdev_qcow2_stream", {"name": s.name, "rate_limit": rate})
                 self.streaming = True
