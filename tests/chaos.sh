@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# Chaos soak: spdk_tgt with libbdev_qcow2.so serves qcow2 bdevs over NVMe/TCP on 127.0.0.1
-# to a client of ours (tests/chaos/) that writes, reads, flushes, write-zeroes and
-# deallocates against a model of every block, while a driver issues life-cycle RPCs
-# (snapshot create/delete, resize, bdev delete/re-create, bdev_error injection, stream)
-# and SIGKILLs spdk_tgt at random moments; after each
-# kill: qemu-img check (leaks allowed), QEMU's view against the model, restart from the
-# config the target saved, its view equal to QEMU's.
+# Chaos soak: spdk_tgt with libbdev_qcow2.so serves qcow2 bdevs (plain on an error bdev,
+# extended L2 over a golden image, an overlay of a compressed golden image, one with
+# persistent bitmaps) over NVMe/TCP on 127.0.0.1 to a client of ours (tests/chaos/) that
+# writes, reads, flushes, write-zeroes and deallocates against a model of every block,
+# while a driver issues life-cycle RPCs (snapshot create/delete, external snapshot, resize,
+# bdev delete/re-create, bdev_error injection, stream) and SIGKILLs spdk_tgt at random
+# moments; after each kill: qemu-img check (leaks allowed), QEMU's view against the model,
+# bitmaps in use or covering every write, restart from the config the target saved, its
+# view equal to QEMU's.
 #
 #   tests/chaos.sh                          # 60 s, a random seed
 #   SEED=1234 DURATION=3600 tests/chaos.sh  # an hour's soak

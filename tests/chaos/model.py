@@ -66,6 +66,9 @@ class Disk:
         self.flushed_blocks = blocks  # the size the last completed flush covered
         # Several clients share a disk, each in its own range of blocks.
         self.lock = threading.Lock()
+        # Blocks each write, write-zeroes ("write") or deallocate ("deallocate") was sent
+        # to since `untouch`: a persistent dirty bitmap must cover them.
+        self.touched = {}
 
     @property
     def blocks(self):
@@ -78,7 +81,17 @@ class Disk:
         with self.lock:
             self.pending.setdefault(lba, set()).update(values)
 
+    def _touch(self, lba, n, kind):
+        with self.lock:
+            for i in range(lba, lba + n):
+                self.touched.setdefault(i, kind)
+
+    def untouch(self):
+        with self.lock:
+            self.touched = {}
+
     def begin_write(self, lba, n, gen):
+        self._touch(lba, n, "write")
         for i in range(lba, lba + n):
             self._pend(i, (gen,))
 
@@ -92,6 +105,7 @@ class Disk:
             self.cur[i] = self.cur[i] | {gen}
 
     def begin_deallocate(self, lba, n):
+        self._touch(lba, n, "deallocate")
         for i in range(lba, lba + n):
             self._pend(i, self._freed(i))
 

@@ -47,6 +47,13 @@ def main():
     d.grow(128)
     d.flushed(blocks=128)
     assert d.after_crash(64), "a flushed resize was lost and nobody noticed"
+    # A bitmap must cover what was touched since it was added: writes and deallocates.
+    d = written(0, 7, False)
+    d.begin_deallocate(10, 2)
+    assert sorted(d.touched.items()) == [(0, "write"), (1, "write"), (2, "write"), (3, "write"),
+                                         (10, "deallocate"), (11, "deallocate")]
+    d.untouch()
+    assert d.touched == {}
     print("chaos model checks: ok")
 
 

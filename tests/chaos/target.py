@@ -108,6 +108,11 @@ class Target:
                 os.kill(self.proc.pid, signal.SIGKILL)
             if self.proc:
                 self.proc.wait()
+                # A killed spdk_tgt leaves its trace file (4 MiB of /dev/shm, i.e. RAM).
+                try:
+                    os.unlink(f"/dev/shm/spdk_tgt_trace.pid{self.proc.pid}")
+                except OSError:
+                    pass
             self.proc = None
 
     def stop(self):

@@ -3200,6 +3200,10 @@ mod real {
     /// `bdev_qcow2_overlay_create` (`real/overlay.rs`).
     mod overlay;
 
+    /// A restart from a config saved before a stream dropped the backing file
+    /// (`real/stream_restart.rs`).
+    mod stream_restart;
+
     /// `tests/chaos.sh` short: SIGKILLs under NVMe/TCP load and life-cycle RPCs (`real/chaos.rs`).
     mod chaos;
 

@@ -36,8 +36,6 @@ struct Job {
     base: Option<Desc>,
     backing: Option<Desc>,
     exec: Exec<SpdkDevice>,
-    /// The backing bdev on `exec` (writable bdevs: the owner's chain reads through it).
-    backing_dev: Option<DevId>,
     result: Rc<RefCell<Option<Opened>>>,
     poller: PollerSlot,
     done: Option<Done>,
@@ -247,16 +245,6 @@ fn open_and_read(
     let zeroing = crate::device::Zeroing::of(&base, params.zero_offload, params.zero_ahead);
     dev.inner_mut().set_zero_offload(zeroing.offload);
     let dev = exec.add_device(dev);
-    let mut backing_dev = None;
-    if let (Some(b), false) = (&backing, params.read_only) {
-        let cache = crate::golden::cache_for(b, params.backing_cache_bytes());
-        let Some(bd) = crate::device::open_cached(b, cache.as_ref()) else {
-            drop(exec);
-            let m = format!("no I/O channel for backing bdev {}", b.name());
-            return fail(&name, [Some(base), backing], done, libc::ENOMEM, m);
-        };
-        backing_dev = Some(exec.add_device(bd));
-    }
     let result = Rc::new(RefCell::new(None));
     {
         let (exec2, result2, p2) = (exec.clone(), result.clone(), params.clone());
@@ -278,7 +266,6 @@ fn open_and_read(
         base: Some(base),
         backing,
         exec,
-        backing_dev,
         result,
         poller: PollerSlot::default(),
         done: Some(done),
@@ -318,9 +305,9 @@ impl Polled for Job {
 fn finish(mut job: Job) {
     let name = job.params.name.clone();
     let Some(done) = job.done.take() else { return };
-    let descs = [job.base.take(), job.backing.take()];
+    let mut descs = [job.base.take(), job.backing.take()];
     let opened = job.result.borrow_mut().take();
-    let (info, image) = match opened {
+    let (mut info, image) = match opened {
         Some(Ok(i)) => i,
         Some(Err(e)) => {
             // Releases the md thread's channel of the base before the descriptors close.
@@ -343,11 +330,18 @@ fn finish(mut job: Job) {
             return fail(&name, descs, done, libc::EINVAL, m);
         }
         (None, Some(b)) => {
-            let m = format!(
-                "backing_bdev {b} given, but the image on bdev {} has no backing file",
+            // A stream dropped the backing file after the config naming it was saved (a
+            // crash in between): the image holds all it read from there. Let it go.
+            tracing::info!(
+                "bdev_qcow2_create {name}: the image on bdev {} has no backing file (a stream \
+                 finished): backing_bdev {b} released and no longer saved",
                 job.params.base_bdev
             );
-            return fail(&name, descs, done, libc::EINVAL, m);
+            if let Some(d) = descs[1].take() {
+                d.close();
+            }
+            job.params.backing_bdev = None;
+            info.backing_bdev = None;
         }
         _ => {}
     }
@@ -362,7 +356,20 @@ fn finish(mut job: Job) {
         drop(job.exec);
         return register(job.params, job.uuid, info, descs, None, ring, done);
     }
-    let started = start_owner(job.exec, image, job.backing_dev, &job.params, ring.as_ref());
+    // The owner's chain reads through the backing bdev: added to `exec` only now that the
+    // image is known to name a backing file (after the base, `DevId(0)`).
+    let mut backing_dev = None;
+    if let Some(b) = &descs[1] {
+        let cache = crate::golden::cache_for(b, job.params.backing_cache_bytes());
+        let Some(bd) = crate::device::open_cached(b, cache.as_ref()) else {
+            drop(image);
+            drop(job.exec);
+            let m = format!("no I/O channel for backing bdev {}", b.name());
+            return fail(&name, descs, done, libc::ENOMEM, m);
+        };
+        backing_dev = Some(job.exec.add_device(bd));
+    }
+    let started = start_owner(job.exec, image, backing_dev, &job.params, ring.as_ref());
     let owner = match started {
         Ok(o) => o,
         Err((e, m)) => return fail(&name, descs, done, e, m),

@@ -1,9 +1,11 @@
-//! `tests/chaos.sh` in its short size: spdk_tgt serves qcow2 bdevs over NVMe/TCP to our
-//! client, which writes, reads, flushes, write-zeroes and deallocates against a model of
-//! every block while snapshots are taken and deleted, the bdevs grow, and spdk_tgt is
-//! SIGKILLed at random moments and restarted from its saved config. No acknowledged and
-//! flushed byte may be lost, nothing may read what was never written there, and
-//! `qemu-img check` must find no corruption. `CHAOS_SECONDS` sets the run's length (default
+//! `tests/chaos.sh` in its short size: spdk_tgt serves qcow2 bdevs (plain, extended L2,
+//! overlays of a plain and a compressed golden image, one with persistent bitmaps) over
+//! NVMe/TCP to our client, which writes, reads, flushes, write-zeroes and deallocates
+//! against a model of every block while snapshots (internal and external) are taken and
+//! deleted, the bdevs grow, stream and are re-created, and spdk_tgt is SIGKILLed at random
+//! moments and restarted from its saved config. No acknowledged and flushed byte may be
+//! lost, nothing may read what was never written there, bitmaps must be marked in use or
+//! cover every write, and `qemu-img check` must find no corruption. `CHAOS_SECONDS` sets the run's length (default
 //! 60), `SEED` replays a seed.
 
 use super::*;
