@@ -80,6 +80,8 @@ struct Inner<D: BlockDevice> {
     /// a core's with the asymmetric pair; see `Grace::enter_as`). Set once: every guest
     /// request reads it, without a borrow flag.
     grace: OnceCell<(std::sync::Arc<crate::coherency::Shared>, usize, bool)>,
+    /// A device may have work of its own ([`BlockDevice::may_have_own_work`]).
+    own_work: Cell<bool>,
 }
 
 impl<D: BlockDevice> Drop for Inner<D> {
@@ -127,6 +129,7 @@ impl<D: BlockDevice> Exec<D> {
                 sinks: RefCell::new(Vec::new()),
                 stats: Cell::new(ExecStats::default()),
                 grace: OnceCell::new(),
+                own_work: Cell::new(false),
             }),
         }
     }
@@ -134,6 +137,9 @@ impl<D: BlockDevice> Exec<D> {
     /// Registers a device; its completions are reaped by [`Exec::poll`].
     pub fn add_device(&self, dev: D) -> DevId {
         let mut devs = self.inner.devs.borrow_mut();
+        if dev.may_have_own_work() {
+            self.inner.own_work.set(true);
+        }
         devs.push(dev);
         DevId(devs.len() - 1)
     }
@@ -262,7 +268,8 @@ impl<D: BlockDevice> Exec<D> {
             || !self.inner.waiters.borrow().is_empty()
             || !self.inner.done.borrow().is_empty()
             || !self.inner.internal.borrow().is_empty()
-            || self.inner.devs.borrow().iter().any(|d| d.has_own_work())
+            || (self.inner.own_work.get()
+                && self.inner.devs.borrow().iter().any(|d| d.has_own_work()))
     }
 
     /// Runs `fut` to completion by polling (the host's "synchronous" entry point for open,

@@ -224,6 +224,11 @@ pub trait BlockDevice: 'static {
     fn has_own_work(&self) -> bool {
         false
     }
+    /// Whether [`has_own_work`](Self::has_own_work) can ever be true for this device (asked
+    /// once, when it is added: an executor whose devices cannot asks none of them).
+    fn may_have_own_work(&self) -> bool {
+        false
+    }
     /// Makes the device at least `size` bytes long, reading zeros in the new part (a file
     /// grows sparsely). Fixed-size devices (bdevs, block devices) only check the size.
     /// Called when clusters are allocated past the end (rarely blocks: files grow ahead).

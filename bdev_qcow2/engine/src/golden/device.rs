@@ -261,6 +261,10 @@ impl<D: BlockDevice> BlockDevice for CachedDevice<D> {
         n
     }
 
+    fn may_have_own_work(&self) -> bool {
+        self.cache.is_some() || self.inner.may_have_own_work()
+    }
+
     fn has_own_work(&self) -> bool {
         !(self.fills.is_empty()
             && self.unsent.is_empty()
