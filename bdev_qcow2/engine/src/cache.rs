@@ -135,7 +135,9 @@ impl<T: Copy + Default, A: Copy + Default> SetAssocCache<T, A> {
             home_mask: (1 << (usize::BITS - 1 - ways.leading_zeros())) - 1,
             block_len,
             slots: (0..n).map(Slot::empty).collect(),
-            data: vec![T::default(); n * block_len],
+            // Allocated by the first insert: a backing layer of a deep chain that is
+            // never read keeps no blocks (`insert_evicting`).
+            data: Vec::new(),
             aux: vec![A::default(); n],
             clock: 0,
             stats: CacheStats::default(),
@@ -379,6 +381,9 @@ impl<T: Copy + Default, A: Copy + Default> SetAssocCache<T, A> {
         epoch: u32,
         fill: impl FnOnce(&mut [T]),
     ) -> (usize, Option<u64>) {
+        if self.data.is_empty() {
+            self.data = vec![T::default(); self.slots.len() * self.block_len];
+        }
         let mut evicted = None;
         let w = match self.find(key) {
             Some((w, _)) => w,

@@ -18,8 +18,10 @@ use std::future::Future;
 use std::pin::Pin;
 use std::rc::Rc;
 
+mod below;
 mod counters;
 mod disk;
+mod index;
 mod loads;
 mod ring;
 mod zip;
@@ -90,9 +92,9 @@ type BoxFut = Pin<Box<dyn Future<Output = Result<()>>>>;
 pub(crate) enum Unplanned {
     /// The slice of layer `layer` covering guest offset `offset` is not cached.
     Slice {
-        /// The layer (at most [`MAX_BACKING_DEPTH`]; a byte keeps the result in two
+        /// The layer (below [`MAX_BACKING_DEPTH`]; two bytes keep the result in two
         /// registers on the guest's fast path).
-        layer: u8,
+        layer: u16,
         /// A guest offset in the slice.
         offset: u64,
     },
@@ -106,7 +108,7 @@ pub(crate) enum Unplanned {
     Other,
 }
 
-const _: () = assert!(MAX_BACKING_DEPTH <= u8::MAX as usize);
+const _: () = assert!(MAX_BACKING_DEPTH <= u16::MAX as usize);
 
 /// A data run planned by the fast path: device, host offset, offset in the guest buffer,
 /// length.
@@ -136,6 +138,9 @@ pub struct Chain<D: BlockDevice> {
     pub(crate) ring: crate::ring::ChainRing<D::Buf>,
     /// Reused plan storage of the fast path (no allocation per request).
     scratch: RefCell<FastPlan>,
+    /// Which backing layer holds each part of the disk, learnt as reads walk a deep chain
+    /// (`chain/index.rs`); `None` for a chain of one or two layers.
+    index: Option<index::LayerIndex>,
     /// Where the executor reports the ends of this chain's own requests (ring read-aheads,
     /// slice loads): added when first needed, removed with the chain.
     pub(crate) sink: std::cell::OnceCell<crate::exec::OwnedSink<D>>,
@@ -159,7 +164,9 @@ impl<D: BlockDevice> Chain<D> {
             Layer::Qcow2(q) if q.is_writable() && !q.is_core_replica() => Role::Owner,
             Layer::Qcow2(_) => Role::ReadOnly,
         };
+        let index = index::LayerIndex::new(disk.layers(), disk.size());
         Ok(Rc::new(Chain {
+            index,
             role,
             readahead: crate::prefetch::ReadAhead::new(coverage),
             exec: exec.clone(),
@@ -188,6 +195,13 @@ impl<D: BlockDevice> Chain<D> {
     #[inline(always)]
     pub fn size(&self) -> u64 {
         self.disk.size()
+    }
+
+    /// Bytes the layer index of a deep chain holds so far (`chain/index.rs`): 2 per unit
+    /// read through the backing layers, in chunks of 32 KiB; 0 for a chain of one or two
+    /// images.
+    pub fn layer_index_bytes(&self) -> usize {
+        self.index.as_ref().map_or(0, |ix| ix.bytes())
     }
 
     /// The executor.
@@ -366,7 +380,7 @@ impl<D: BlockDevice> Chain<D> {
                 Ok(Some(hit)) => hit,
                 Ok(None) => {
                     return Err(Unplanned::Slice {
-                        layer: idx as u8,
+                        layer: idx as u16,
                         offset: pos,
                     })
                 }
@@ -386,11 +400,14 @@ impl<D: BlockDevice> Chain<D> {
                 }
                 ClusterMapping::Zero { .. } => plan.push_zeros(at, n),
                 ClusterMapping::Unallocated { .. } if self.disk.reads_below(idx) => {
-                    self.plan_layer::<ZIP>(idx + 1, pos, n, at, plan)?;
+                    match &self.index {
+                        Some(ix) if idx == 0 => self.plan_below::<ZIP>(ix, pos, n, at, plan)?,
+                        _ => self.plan_layer::<ZIP>(idx + 1, pos, n, at, plan)?,
+                    }
                 }
                 ClusterMapping::Unallocated { .. } => plan.push_zeros(at, n),
                 ClusterMapping::Compressed(desc) if ZIP => plan.zips.push(ZipPart {
-                    layer: idx as u8,
+                    layer: idx as u16,
                     desc,
                     in_cluster: (pos & (q.geometry().cluster_size() - 1)) as usize,
                     buf_off: at,
@@ -504,7 +521,9 @@ async fn read_qcow2<D: BlockDevice>(
             ClusterMapping::Unallocated { .. } => {
                 flush(&mut run, &mut futs);
                 let sub = buf.sub((pos - offset) as usize, n as usize);
-                if chain.disk.reads_below(idx) {
+                if chain.disk.reads_below(idx) && idx == 0 {
+                    futs.push(below::read_below(chain.clone(), pos, sub));
+                } else if chain.disk.reads_below(idx) {
                     futs.push(read_layer(chain.clone(), idx + 1, pos, sub));
                 } else {
                     sub.zero();

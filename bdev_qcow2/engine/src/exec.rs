@@ -24,6 +24,7 @@ use std::task::{Context, Poll, Waker};
 
 mod future;
 mod grace;
+mod polled;
 mod request;
 mod sink;
 mod wait;
@@ -60,6 +61,8 @@ type Queued<D> = (DevId, DeviceOp<<D as BlockDevice>::Buf>, u64);
 
 struct Inner<D: BlockDevice> {
     devs: RefCell<Vec<D>>,
+    /// Which devices a poll visits (`exec/polled.rs`).
+    polled: RefCell<polled::Polled>,
     waiters: RefCell<Slab<Waiter>>,
     requests: RefCell<Slab<Request>>,
     retry: RefCell<VecDeque<Queued<D>>>,
@@ -117,6 +120,7 @@ impl<D: BlockDevice> Exec<D> {
         Exec {
             inner: Rc::new(Inner {
                 devs: RefCell::new(Vec::new()),
+                polled: RefCell::default(),
                 waiters: RefCell::new(Slab::with_capacity(256)),
                 requests: RefCell::new(Slab::with_capacity(256)),
                 retry: RefCell::new(VecDeque::new()),
@@ -140,7 +144,9 @@ impl<D: BlockDevice> Exec<D> {
         if dev.may_have_own_work() {
             self.inner.own_work.set(true);
         }
+        let tracked = dev.completes_only_submitted();
         devs.push(dev);
+        self.inner.polled.borrow_mut().add(devs.len() - 1, tracked);
         DevId(devs.len() - 1)
     }
 
@@ -178,9 +184,12 @@ impl<D: BlockDevice> Exec<D> {
             retry.push_back((dev, op, tag));
             return;
         }
-        if let Err(Busy(op, tag)) = self.inner.devs.borrow_mut()[dev.0].submit(op, tag) {
-            self.bump(|s| s.busy_retries += 1);
-            retry.push_back((dev, op, tag));
+        match self.inner.devs.borrow_mut()[dev.0].submit(op, tag) {
+            Ok(()) => self.inner.polled.borrow_mut().submitted(dev.0),
+            Err(Busy(op, tag)) => {
+                self.bump(|s| s.busy_retries += 1);
+                retry.push_back((dev, op, tag));
+            }
         }
     }
 
@@ -210,13 +219,19 @@ impl<D: BlockDevice> Exec<D> {
                 self.inner.retry.borrow_mut().push_front((dev, op, tag));
                 break;
             }
+            self.inner.polled.borrow_mut().submitted(dev.0);
         }
-        // Reap device completions.
-        let ndev = self.inner.devs.borrow().len();
+        // Reap device completions, of the devices that may have some.
         let mut reaped = std::mem::take(&mut *self.inner.reaped.borrow_mut());
-        for i in 0..ndev {
+        {
             let mut devs = self.inner.devs.borrow_mut();
-            events += devs[i].poll(&mut |tag, res| reaped.push((tag, res)));
+            let mut polled = self.inner.polled.borrow_mut();
+            let mut i = 0;
+            while let Some(d) = polled.at(i) {
+                let before = reaped.len();
+                events += devs[d].poll(&mut |tag, res| reaped.push((tag, res)));
+                i = polled.completed(i, (reaped.len() - before) as u32);
+            }
         }
         for (tag, res) in reaped.drain(..) {
             self.device_completed(tag, res);

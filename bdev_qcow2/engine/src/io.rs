@@ -198,6 +198,13 @@ pub trait BlockDevice: 'static {
     fn submit(&mut self, op: DeviceOp<Self::Buf>, tag: u64) -> Result<(), Busy<Self::Buf>>;
     /// Reaps completed operations, calling `done(tag, result)` for each; returns how many.
     fn poll(&mut self, done: &mut dyn FnMut(u64, Result<(), DeviceError>)) -> usize;
+    /// Whether the device completes only the operations submitted to it with
+    /// [`submit`](Self::submit), each once, in [`poll`](Self::poll): the executor then
+    /// polls it only while some are outstanding (a chain of a thousand images has a
+    /// thousand devices). Default `false`: polled always.
+    fn completes_only_submitted(&self) -> bool {
+        false
+    }
     /// Whether [`ensure_size`](Self::ensure_size) can make the device longer (a regular
     /// file, a memory device); a fixed-size device (a bdev, a block device) cannot. The
     /// allocator reserves data regions past the end only on a device that grows.

@@ -22,8 +22,12 @@ pub const MAX_SNAPSHOT_EXTRA_DATA: u64 = 1024;
 /// Longest backing file name (QEMU refuses > 1023 bytes).
 pub const MAX_BACKING_FILE_NAME: u64 = 1023;
 
-/// Deepest backing chain we open (the top image counts as depth 0).
-pub const MAX_BACKING_DEPTH: usize = 32;
+/// Most images in a backing chain we open, the top one included: chains of daily
+/// snapshots reach a thousand images; this leaves room for a decade of them while a loop
+/// (caught by name before) or a runaway chain still ends. A layer index fits in 16 bits
+/// (the fast path's `Unplanned::Slice`, the layer index's entries use 15), and each layer
+/// costs an open file and its per-image memory (README, "backing chain").
+pub const MAX_BACKING_DEPTH: usize = 4096;
 
 /// Largest virtual size: 2^61 bytes (2 EiB), well below overflow of any offset arithmetic.
 pub const MAX_VIRTUAL_SIZE: u64 = 1 << 61;

@@ -283,6 +283,26 @@ pub fn open_chain_on<D: BlockDevice>(
     Ok(open_chain_until(exec, spec, wrap, |_| false)?.0)
 }
 
+/// Raises the soft limit on open files to the hard one (as QEMU does at start): each layer
+/// of a chain holds its file and its io_uring open, and a chain of a thousand images needs
+/// more than the usual soft limit of 1024. Best effort: a chain that needs more than the
+/// limit fails to open a file with EMFILE, named.
+fn raise_fd_limit() {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: `lim` is a valid, writable `struct rlimit` that outlives the call.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } != 0
+        || lim.rlim_cur >= lim.rlim_max
+    {
+        return;
+    }
+    lim.rlim_cur = lim.rlim_max;
+    // SAFETY: `lim` is a valid, initialised `struct rlimit` that outlives the call.
+    unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &lim) };
+}
+
 /// An image file and its format.
 pub type ImageFile = (PathBuf, Format);
 
@@ -310,6 +330,9 @@ pub fn open_chain_until<D: BlockDevice>(
     mut stop: impl FnMut(&BackingRef<'_>) -> bool,
 ) -> ToolResult<(Opened<D>, Option<ImageFile>)> {
     let exec = exec.clone();
+    if spec.allow_backing {
+        raise_fd_limit();
+    }
     let mut stopped = None;
     let mut layers = Vec::new();
     let mut files = Vec::new();

@@ -469,6 +469,11 @@ impl BlockDevice for UringDevice {
         self.regular_file && self.owns_len
     }
 
+    fn completes_only_submitted(&self) -> bool {
+        // Each submitted operation completes once, in `poll`; nothing else does.
+        true
+    }
+
     fn discards(&self) -> bool {
         // A file's holes; a block device unmaps where it can (EOPNOTSUPP stops the engine
         // asking).

@@ -261,6 +261,11 @@ impl<D: BlockDevice> BlockDevice for CachedDevice<D> {
         n
     }
 
+    fn completes_only_submitted(&self) -> bool {
+        // With a cache, its fills need polls with nothing of the executor's outstanding.
+        self.cache.is_none() && self.inner.completes_only_submitted()
+    }
+
     fn may_have_own_work(&self) -> bool {
         self.cache.is_some() || self.inner.may_have_own_work()
     }

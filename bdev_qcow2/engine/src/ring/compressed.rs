@@ -43,7 +43,7 @@ const MAX_PARTS: usize = (CHUNK / SECTOR) as usize;
 /// where it goes in the buffer, and its length.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct ZipPart {
-    pub(crate) layer: u8,
+    pub(crate) layer: u16,
     pub(crate) desc: CompressedDescriptor,
     pub(crate) in_cluster: usize,
     pub(crate) buf_off: usize,
@@ -71,7 +71,7 @@ pub(crate) enum ZipRefused {
 /// the slot and how long it is.
 #[derive(Clone, Copy)]
 struct Part {
-    layer: u8,
+    layer: u16,
     /// Where its stream lies on the layer's device, and the layer's reuse generation when
     /// the fill was issued (the kept cluster's name, `LastCluster`).
     stream: u64,

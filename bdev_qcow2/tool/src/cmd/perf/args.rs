@@ -101,6 +101,13 @@ pub struct PerfArgs {
     /// IOPS against the bound IOPS(whole cache) / (1 + miss rate): one slice read per miss.
     #[arg(long, value_delimiter = ',', value_parser = clap::value_parser!(u32).range(1..=100))]
     pub thrash: Vec<u32>,
+    /// Chain mode: reads (-w randread unless -w names another read workload) through a
+    /// chain of this many images, the sample image at the bottom holding all the data
+    /// under empty overlays, side by side with the same reads through a chain of 2; each
+    /// run opens its chain and reads the whole disk once first (both timed). Only without
+    /// IMG.
+    #[arg(long, value_name = "DEPTH")]
+    pub chain: Option<usize>,
     /// Size of the sample image when no image is given.
     #[arg(long, value_parser = crate::parse_size, default_value = "1G")]
     pub sample_size: u64,

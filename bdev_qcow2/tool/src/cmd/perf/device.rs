@@ -30,6 +30,10 @@ impl<D: BlockDevice> BlockDevice for DelayDevice<D> {
     fn can_grow(&self) -> bool {
         self.inner.can_grow()
     }
+    fn completes_only_submitted(&self) -> bool {
+        // Held completions count as outstanding until delivered.
+        self.inner.completes_only_submitted()
+    }
     fn zeroes_cheaply(&self) -> bool {
         self.inner.zeroes_cheaply()
     }
@@ -62,15 +66,25 @@ impl<D: BlockDevice> BlockDevice for DelayDevice<D> {
 
 pub(super) type Dev = DelayDevice<UringDevice>;
 
+impl<D: BlockDevice> DelayDevice<D> {
+    /// `inner` with `delay` added to every completion.
+    pub(super) fn new(inner: D, delay: Duration) -> Self {
+        DelayDevice {
+            inner,
+            delay,
+            held: VecDeque::new(),
+        }
+    }
+}
+
 pub(super) fn open_dev(path: &Path, writable: bool, a: &PerfArgs) -> ToolResult<Dev> {
     let inner = UringDevice::open(path, writable, !a.buffered, (a.depth * 2).max(8) as u32)
         .map_err(|source| ToolError::Io {
             path: path.display().to_string(),
             source,
         })?;
-    Ok(DelayDevice {
+    Ok(DelayDevice::new(
         inner,
-        delay: Duration::from_micros(a.base_latency_us),
-        held: VecDeque::new(),
-    })
+        Duration::from_micros(a.base_latency_us),
+    ))
 }

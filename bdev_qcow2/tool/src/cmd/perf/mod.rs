@@ -7,6 +7,7 @@
 //! owns the metadata.
 
 mod args;
+mod chain;
 mod device;
 mod files;
 mod report;
@@ -15,6 +16,7 @@ mod thrash;
 mod workload;
 
 pub use args::{PerfArgs, Switch, Workload};
+pub use chain::ChainRun;
 pub use device::DelayDevice;
 pub use stats::{run_one, RunResult};
 pub use thrash::ThrashResult;
@@ -29,6 +31,11 @@ use thrash::thrash;
 pub fn run(a: &PerfArgs) -> ToolResult<String> {
     let tmp;
     let sample = a.sample_options()?;
+    if a.chain.is_some() && a.image.is_some() {
+        return Err(crate::host::ToolError::Usage(
+            "--chain builds its chain over the sample image: it takes no IMG".into(),
+        ));
+    }
     let path = match &a.image {
         Some(p) => p.clone(),
         None => {
@@ -38,6 +45,9 @@ pub fn run(a: &PerfArgs) -> ToolResult<String> {
             p
         }
     };
+    if let Some(depth) = a.chain {
+        return chain::chain_runs(&path, sample.size, depth, a);
+    }
     if !a.thrash.is_empty() {
         let rows = thrash(&path, a)?;
         if a.json {
