@@ -61,6 +61,31 @@ fn verify_finds_no_mismatch() {
 }
 
 #[test]
+fn fresh_writes_into_an_empty_image_against_an_empty_raw_file() {
+    // Without -w, --fresh runs random writes; 4 KiB and 64 KiB clusters.
+    for cs in ["cluster_size=4k", "cluster_size=64k"] {
+        let runs = perf(&["--fresh", "-o", cs, "-q", "8"]);
+        assert_eq!(runs.len(), 2, "{cs}");
+        assert_eq!(runs[0]["target"], "qcow2");
+        assert_eq!(runs[0]["workload"], "randwrite");
+        assert_eq!(runs[1]["target"], "raw");
+        assert!(runs.iter().all(|r| r["iops"].as_f64().unwrap() > 0.0));
+    }
+    // Verify also runs on it (written data reads back).
+    let runs = perf(&["--fresh", "-w", "verify", "-q", "8"]);
+    assert_eq!(runs[0]["verify_failures"], 0);
+    // A given image is not made fresh.
+    let dir = tempfile::tempdir().unwrap();
+    let img = dir.path().join("x.qcow2");
+    let out = Command::new(QCOW2)
+        .args(["perf", "--fresh", img.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--fresh makes its own image"));
+}
+
+#[test]
 fn two_cores_read_and_mixed_workloads_run() {
     let runs = perf(&["-w", "randread", "--cores", "2"]);
     assert_eq!(runs[0]["cores"], 2);

@@ -108,6 +108,13 @@ pub struct PerfArgs {
     /// IMG.
     #[arg(long, value_name = "DEPTH")]
     pub chain: Option<usize>,
+    /// Fresh image: the sample image is made empty (not written), anew before each of our
+    /// runs, so every write of the run lands on a cluster that was never written (as into a
+    /// VM's new overlay); the raw baseline is likewise an empty (sparse) file of the disk's
+    /// size, made anew before each raw run (a raw disk's first writes: the file system
+    /// allocates as it goes for both). Only without IMAGE.
+    #[arg(long)]
+    pub fresh: bool,
     /// Size of the sample image when no image is given.
     #[arg(long, value_parser = crate::parse_size, default_value = "1G")]
     pub sample_size: u64,
@@ -149,6 +156,12 @@ impl PerfArgs {
     /// does), its size from `-o size=` or `--sample-size`.
     pub(super) fn sample_options(&self) -> ToolResult<CreateOptions> {
         let usage = |m: &str| Err(ToolError::Usage(m.into()));
+        if self.image.is_some() && self.fresh {
+            return usage("--fresh makes its own image: it does not apply to a given image");
+        }
+        if self.chain.is_some() && self.fresh {
+            return usage("--chain reads data under empty overlays: it does not take --fresh");
+        }
         if self.image.is_some() && !self.options.is_empty() {
             return usage("-o formats the sample image: it does not apply to a given image");
         }

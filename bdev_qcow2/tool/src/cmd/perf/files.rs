@@ -11,9 +11,9 @@ use qcow2_engine::{Chain, DevId, Exec, Layer, OpenOptions, Qcow2};
 use std::path::{Path, PathBuf};
 use std::rc::Rc;
 
-/// Creates a fully allocated sample image at `path`, formatted with `opts` (its size
-/// included) and written in full by [`fill`].
-pub(super) fn sample_image(path: &Path, opts: &CreateOptions, a: &PerfArgs) -> ToolResult<()> {
+/// Creates an empty image at `path` (replacing what is there), formatted with `opts` (its
+/// size included); returns the executor and device it is open on.
+fn format_image(path: &Path, opts: &CreateOptions, a: &PerfArgs) -> ToolResult<(Exec<Dev>, DevId)> {
     std::fs::File::create(path).map_err(io_err(path))?;
     let exec: Exec<Dev> = Exec::new();
     let dev = exec.add_device(open_dev(path, true, a)?);
@@ -21,6 +21,18 @@ pub(super) fn sample_image(path: &Path, opts: &CreateOptions, a: &PerfArgs) -> T
     let o2 = opts.clone();
     exec.block_on(async move { create(&e2, dev, &o2).await })
         .map_err(engine_err(path))?;
+    Ok((exec, dev))
+}
+
+/// Creates an empty image at `path` (`--fresh`): nothing written past its metadata.
+pub(super) fn empty_image(path: &Path, opts: &CreateOptions, a: &PerfArgs) -> ToolResult<()> {
+    format_image(path, opts, a).map(|_| ())
+}
+
+/// Creates a fully allocated sample image at `path`, formatted with `opts` (its size
+/// included) and written in full by [`fill`].
+pub(super) fn sample_image(path: &Path, opts: &CreateOptions, a: &PerfArgs) -> ToolResult<()> {
+    let (exec, dev) = format_image(path, opts, a)?;
     let e2 = exec.clone();
     let q = exec
         .block_on(async move {
@@ -98,6 +110,24 @@ impl Drop for TempFile {
     }
 }
 
+/// The raw baseline's file beside `image` (same file system).
+fn raw_path(image: &Path) -> PathBuf {
+    image.with_extension(format!("perf-raw-{}", std::process::id()))
+}
+
+/// Makes `p` an empty (sparse) file of `len` bytes, replacing what it held.
+pub(super) fn sparse_file(p: &Path, len: u64) -> ToolResult<()> {
+    let f = std::fs::File::create(p).map_err(io_err(p))?;
+    f.set_len(len).map_err(io_err(p))
+}
+
+/// A raw file of `len` bytes beside `image`, empty (`--fresh`: a raw disk's first writes).
+pub(super) fn raw_sparse(image: &Path, len: u64) -> ToolResult<TempFile> {
+    let t = TempFile(raw_path(image));
+    sparse_file(&t.0, len)?;
+    Ok(t)
+}
+
 /// A raw file as large as the image's file, beside it (same file system), written in full
 /// the way the sample image was ([`fill`]).
 pub(super) fn raw_scratch(image: &Path, a: &PerfArgs) -> ToolResult<TempFile> {
@@ -106,12 +136,10 @@ pub(super) fn raw_scratch(image: &Path, a: &PerfArgs) -> ToolResult<TempFile> {
         .len()
         .div_ceil(1 << 20)
         << 20;
-    let p = image.with_extension(format!("perf-raw-{}", std::process::id()));
+    let p = raw_path(image);
     let t = TempFile(p.clone());
     // Sparse first, as the image's device grows its file ahead of its writes.
-    let f = std::fs::File::create(&p).map_err(io_err(&p))?;
-    f.set_len(len).map_err(io_err(&p))?;
-    drop(f);
+    sparse_file(&p, len)?;
     let exec: Exec<Dev> = Exec::new();
     let dev = exec.add_device(open_dev(&p, true, a)?);
     exec.block_on(fill(Fill::Raw(exec.clone(), dev), len))

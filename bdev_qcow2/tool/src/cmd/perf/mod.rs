@@ -22,7 +22,10 @@ pub use stats::{run_one, RunResult};
 pub use thrash::ThrashResult;
 
 use crate::host::ToolResult;
-use files::{raw_scratch, sample_image, tempdir, warm_page_cache, TempFile};
+use files::{
+    empty_image, raw_scratch, raw_sparse, sample_image, sparse_file, tempdir, warm_page_cache,
+    TempFile,
+};
 use report::{table, thrash_table};
 use stats::merge;
 use thrash::thrash;
@@ -41,7 +44,10 @@ pub fn run(a: &PerfArgs) -> ToolResult<String> {
         None => {
             tmp = tempdir()?;
             let p = tmp.path().join("sample.qcow2");
-            sample_image(&p, &sample, a)?;
+            match a.fresh {
+                true => empty_image(&p, &sample, a)?,
+                false => sample_image(&p, &sample, a)?,
+            }
             p
         }
     };
@@ -60,6 +66,8 @@ pub fn run(a: &PerfArgs) -> ToolResult<String> {
     }
     let set: Vec<(Workload, u64)> = match (a.workload, &a.image) {
         (Some(w), _) => vec![(w, a.io_size)],
+        // An empty image is for allocating writes.
+        (None, _) if a.fresh => vec![(Workload::Randwrite, a.io_size)],
         (None, _) => vec![
             (Workload::Randread, 4096),
             (Workload::Randread, 512),
@@ -69,7 +77,8 @@ pub fn run(a: &PerfArgs) -> ToolResult<String> {
         ],
     };
     // Raw baselines of write workloads must not write over the image: they use a raw file
-    // of the same size beside it, written in full the way the sample image was.
+    // of the same size beside it, written in full the way the sample image was (with
+    // --fresh: as large as the disk and empty, like the image).
     let mut scratch: Option<TempFile> = None;
     if a.buffered {
         // Page-cache runs compare CPU paths: start both from a warm cache.
@@ -83,7 +92,11 @@ pub fn run(a: &PerfArgs) -> ToolResult<String> {
         };
         let raw_path = if w.writes() {
             if scratch.is_none() {
-                let t = raw_scratch(&path, a)?;
+                let t = match a.fresh {
+                    // As large as the disk, empty: a raw disk's first writes.
+                    true => raw_sparse(&path, sample.size)?,
+                    false => raw_scratch(&path, a)?,
+                };
                 if a.buffered {
                     warm_page_cache(&t.0)?;
                 }
@@ -110,10 +123,24 @@ pub fn run(a: &PerfArgs) -> ToolResult<String> {
             seconds: a2.seconds / 2.0,
             ..a2.clone()
         };
-        let q1 = run_one(&path, false, w, &half)?;
-        let r1 = run_one(&raw_path, true, w, &half)?;
-        let r2 = run_one(&raw_path, true, w, &half)?;
-        let q2 = run_one(&path, false, w, &half)?;
+        // With --fresh, each of our runs starts from an empty image.
+        let ours = |half: &PerfArgs| {
+            if a.fresh {
+                empty_image(&path, &sample, a)?;
+            }
+            run_one(&path, false, w, half)
+        };
+        let q1 = ours(&half)?;
+        // With --fresh, each raw run starts from an empty (sparse) file as well.
+        let raw = |half: &PerfArgs| {
+            if a.fresh {
+                sparse_file(&raw_path, sample.size)?;
+            }
+            run_one(&raw_path, true, w, half)
+        };
+        let r1 = raw(&half)?;
+        let r2 = raw(&half)?;
+        let q2 = ours(&half)?;
         rows.push((merge(q1, q2), Some(merge(r1, r2))));
     }
     if a.json {
