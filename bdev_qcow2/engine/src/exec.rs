@@ -22,6 +22,7 @@ use std::pin::Pin;
 use std::rc::Rc;
 use std::task::{Context, Poll, Waker};
 
+mod crypt;
 mod future;
 mod grace;
 mod request;
@@ -75,6 +76,12 @@ struct Inner<D: BlockDevice> {
     /// Indexed by a token's bits from [`SINK_SHIFT`] up.
     sinks: RefCell<Vec<SinkEntry>>,
     stats: Cell<ExecStats>,
+    /// Encrypted views of devices (`crypt`), indexed by a view id's low bits.
+    views: RefCell<Vec<crypt::View>>,
+    /// Reads through a view in flight, to decrypt when they complete.
+    crypt_reads: RefCell<Slab<crypt::CryptRead<D::Buf>>>,
+    /// Operations failed at submission (a locked view), completed by the next poll.
+    failed: RefCell<Vec<(u64, Result<(), DeviceError>)>>,
     /// This core's membership in a shared image's grace periods.
     /// (shared state, member slot, whether its entries need no full fence: the owner's, or
     /// a core's with the asymmetric pair; see `Grace::enter_as`). Set once: every guest
@@ -126,6 +133,9 @@ impl<D: BlockDevice> Exec<D> {
                 internal: RefCell::new(VecDeque::with_capacity(256)),
                 sinks: RefCell::new(Vec::new()),
                 stats: Cell::new(ExecStats::default()),
+                views: RefCell::new(Vec::new()),
+                crypt_reads: RefCell::new(Slab::new()),
+                failed: RefCell::new(Vec::new()),
                 grace: OnceCell::new(),
             }),
         }
@@ -140,6 +150,7 @@ impl<D: BlockDevice> Exec<D> {
 
     /// Runs `f` on a registered device (e.g. to read its size or allocate a buffer).
     pub fn with_device<R>(&self, dev: DevId, f: impl FnOnce(&mut D) -> R) -> R {
+        let dev = self.real_dev(dev);
         f(&mut self.inner.devs.borrow_mut()[dev.0])
     }
 
@@ -166,6 +177,9 @@ impl<D: BlockDevice> Exec<D> {
 
     /// Submits now, or queues for retry when the device is busy (order is preserved).
     fn submit_raw(&self, dev: DevId, op: DeviceOp<D::Buf>, tag: u64) {
+        if dev.0 & crypt::VIEW_BIT != 0 {
+            return self.submit_crypt(dev, op, tag);
+        }
         self.bump(|s| s.device_ops += 1);
         let mut retry = self.inner.retry.borrow_mut();
         if !retry.is_empty() {
@@ -212,6 +226,7 @@ impl<D: BlockDevice> Exec<D> {
             let mut devs = self.inner.devs.borrow_mut();
             events += devs[i].poll(&mut |tag, res| reaped.push((tag, res)));
         }
+        reaped.append(&mut self.inner.failed.borrow_mut());
         for (tag, res) in reaped.drain(..) {
             self.device_completed(tag, res);
         }
@@ -262,6 +277,7 @@ impl<D: BlockDevice> Exec<D> {
             || !self.inner.waiters.borrow().is_empty()
             || !self.inner.done.borrow().is_empty()
             || !self.inner.internal.borrow().is_empty()
+            || !self.inner.failed.borrow().is_empty()
     }
 
     /// Runs `fut` to completion by polling (the host's "synchronous" entry point for open,

@@ -109,8 +109,8 @@ impl LuksHeader {
         let uuid = text(&b[168..208])?;
         let hash = HashAlg::parse(&hash_name)
             .ok_or_else(|| Error::UnsupportedFeature(format!("LUKS hash '{hash_name}'")))?;
-        let cipher = CipherSpec::parse(&cipher_name, &cipher_mode, key_bytes as usize)
-            .ok_or_else(|| {
+        let cipher =
+            CipherSpec::parse(&cipher_name, &cipher_mode, key_bytes as usize).ok_or_else(|| {
                 Error::UnsupportedFeature(format!(
                     "LUKS cipher '{cipher_name}-{cipher_mode}' with a {key_bytes}-byte key"
                 ))
@@ -200,9 +200,11 @@ impl LuksHeader {
             let mut slot_key = Zeroizing::new(vec![0u8; kb]);
             self.hash
                 .pbkdf2(secret, &slot.salt, slot.iterations, &mut slot_key);
-            let slot_cipher = SectorCipher::new(&self.cipher, &slot_key).map_err(|e| e.into_error())?;
+            let slot_cipher =
+                SectorCipher::new(&self.cipher, &slot_key).map_err(|e| e.into_error())?;
             // Key material, decrypted as sectors numbered from 0 (as QEMU).
-            let mut split = Zeroizing::new(vec![0u8; material.div_ceil(SECTOR_BYTES) * SECTOR_BYTES]);
+            let mut split =
+                Zeroizing::new(vec![0u8; material.div_ceil(SECTOR_BYTES) * SECTOR_BYTES]);
             split[..material].copy_from_slice(src);
             slot_cipher.decrypt(0, &mut split);
             let mk = af_merge(self.hash, &split[..material], kb, LUKS_STRIPES as usize);

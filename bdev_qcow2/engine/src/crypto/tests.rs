@@ -5,7 +5,10 @@ use super::*;
 #[test]
 fn cipher_specs_qemu_names() {
     let s = CipherSpec::parse("aes", "xts-plain64", 64).unwrap();
-    assert_eq!((s.bits, s.mode, s.ivgen), (AesBits::B256, Mode::Xts, IvGen::Plain64));
+    assert_eq!(
+        (s.bits, s.mode, s.ivgen),
+        (AesBits::B256, Mode::Xts, IvGen::Plain64)
+    );
     let s = CipherSpec::parse("aes", "cbc-essiv:sha256", 16).unwrap();
     assert_eq!(s.ivgen, IvGen::Essiv(HashAlg::Sha256));
     assert_eq!(s.bits, AesBits::B128);
