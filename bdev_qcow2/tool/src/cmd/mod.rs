@@ -7,6 +7,7 @@ pub mod compare;
 pub mod convert;
 pub mod create;
 pub mod info;
+pub mod info_encrypt;
 pub mod io;
 pub mod map;
 pub mod measure;
