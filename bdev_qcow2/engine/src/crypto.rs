@@ -4,6 +4,8 @@
 //! are encrypted sector by sector with the IV of the HOST offset / 512, as QEMU does for
 //! LUKS (`crypt_physical_offset`); metadata, zero and unallocated clusters are not.
 
+#[cfg(any(test, feature = "testing"))]
+pub mod build;
 pub mod cipher;
 pub mod hash;
 pub mod luks;

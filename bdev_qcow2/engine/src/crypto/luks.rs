@@ -234,7 +234,7 @@ fn af_merge(hash: HashAlg, split: &[u8], len: usize, stripes: usize) -> Zeroizin
 }
 
 /// LUKS AF diffusion: each digest-sized piece replaced by the hash of (its index, it).
-fn diffuse(hash: HashAlg, d: &mut [u8]) {
+pub(super) fn diffuse(hash: HashAlg, d: &mut [u8]) {
     let n = hash.digest_len();
     for (i, piece) in d.chunks_mut(n).enumerate() {
         let mut h = Zeroizing::new(hash.digest_parts(&[&(i as u32).to_be_bytes(), piece]));

@@ -63,3 +63,92 @@ fn xts_plain64_known_answer() {
         ]
     );
 }
+
+use super::build::{build, LuksBuild};
+use crate::error::{Error, Field};
+
+fn area(secret: &[u8], iterations: u32) -> Vec<u8> {
+    build(&LuksBuild {
+        cipher: ("aes", "xts-plain64"),
+        hash: HashAlg::Sha256,
+        master_key: &[7u8; 64],
+        secret,
+        iterations,
+        seed: 1,
+    })
+}
+
+fn field(e: Error) -> Option<Field> {
+    e.field()
+}
+
+#[test]
+fn unlock_right_and_wrong_key() {
+    let a = area(b"pw", 1000);
+    let h = LuksHeader::parse(&a).unwrap();
+    let c = h.unlock(&a, b"pw").unwrap();
+    let reference = SectorCipher::new(&h.cipher, &[7u8; 64]).unwrap();
+    let (mut x, mut y) = (vec![3u8; 1024], vec![3u8; 1024]);
+    c.encrypt(9, &mut x);
+    reference.encrypt(9, &mut y);
+    assert_eq!(x, y, "unlocked key is the master key");
+    assert_eq!(h.unlock(&a, b"nope").unwrap_err(), Error::WrongKey);
+}
+
+fn put32(a: &mut [u8], at: usize, v: u32) {
+    a[at..at + 4].copy_from_slice(&v.to_be_bytes());
+}
+
+#[test]
+fn hostile_headers_refused_before_any_key_derivation() {
+    let good = area(b"pw", 1000);
+    let slot0 = 208;
+    let cases: Vec<(&str, Box<dyn Fn(&mut Vec<u8>)>)> = vec![
+        ("magic", Box::new(|a| a[0] = b'X')),
+        ("version", Box::new(|a| a[7] = 2)),
+        (
+            "slot iterations",
+            Box::new(move |a| put32(a, slot0 + 4, u32::MAX)),
+        ),
+        ("digest iterations", Box::new(|a| put32(a, 164, 0))),
+        ("slot state", Box::new(move |a| put32(a, slot0, 0x1234))),
+        ("stripes", Box::new(move |a| put32(a, slot0 + 44, 1 << 30))),
+        (
+            "material outside",
+            Box::new(move |a| put32(a, slot0 + 40, u32::MAX)),
+        ),
+        (
+            "overlaps header",
+            Box::new(move |a| put32(a, slot0 + 40, 0)),
+        ),
+        (
+            "overlapping slots",
+            Box::new(move |a| put32(a, slot0 + 48 + 40, 9)),
+        ),
+        ("no active slot", Box::new(move |a| put32(a, slot0, 0xDEAD))),
+        ("truncated", Box::new(|a| a.truncate(100))),
+        ("key bytes", Box::new(|a| put32(a, 108, 1 << 31))),
+    ];
+    for (name, f) in cases {
+        let mut a = good.clone();
+        f(&mut a);
+        let t = std::time::Instant::now();
+        let r = LuksHeader::parse(&a);
+        assert!(r.is_err(), "{name} accepted");
+        let e = r.unwrap_err();
+        assert!(
+            field(e.clone()) == Some(Field::LuksHeader)
+                || matches!(e, Error::UnsupportedFeature(_)),
+            "{name}: {e}"
+        );
+        assert!(t.elapsed().as_millis() < 100, "{name}: slow refusal");
+    }
+    // Every active slot at the limit: refused as a whole (a wrong key would try them all).
+    let mut a = good.clone();
+    for i in 0..8 {
+        let s = slot0 + 48 * i;
+        put32(&mut a, s, 0x00AC_71F3);
+        put32(&mut a, s + 4, crate::limits::MAX_LUKS_ITERATIONS);
+    }
+    assert!(LuksHeader::parse(&a).is_err());
+}
