@@ -11,6 +11,7 @@ pub mod hash;
 pub mod luks;
 #[cfg(test)]
 mod tests;
+mod xts;
 
 pub use cipher::{CipherSpec, SectorCipher};
 pub use luks::LuksHeader;

@@ -1180,6 +1180,30 @@ fn luks_image_opens_locked_and_hostile_luks_areas_are_refused() {
     assert!(t.elapsed().as_secs() < 2);
 }
 
+#[test]
+fn refcount_order_7_is_refused() {
+    assert_invalid(
+        open_err(with32(fixture(), H_REFCOUNT_ORDER, 7)),
+        Field::RefcountOrder,
+    );
+}
+
+#[test]
+fn refcount_order_max_is_refused() {
+    assert_invalid(
+        open_err(with32(fixture(), H_REFCOUNT_ORDER, u32::MAX)),
+        Field::RefcountOrder,
+    );
+}
+
+#[test]
+fn refcount_order_0_to_6_open() {
+    for order in 0..=6 {
+        let o = open_ok(with32(fixture(), H_REFCOUNT_ORDER, order));
+        assert_eq!(o.image.header().refcount_bits(), 1 << order);
+    }
+}
+
 // ---------------------------------------------------------------------------------------
 // Refcount table
 // ---------------------------------------------------------------------------------------

@@ -79,11 +79,7 @@ pub fn parse_objects(objects: &[String]) -> Result<HashMap<String, Secret>, Tool
         match it.next() {
             Some((t, v))
                 if (t == "secret" && v.is_empty()) || (t == "qom-type" && v == "secret") => {}
-            _ => {
-                return Err(usage(format!(
-                    "--object: only 'secret' objects are supported"
-                )))
-            }
+            _ => return Err(usage("--object: only 'secret' objects are supported")),
         }
         let (mut id, mut data, mut file) = (None, None, None);
         for (k, v) in it {

@@ -3,12 +3,12 @@
 //! QEMU's `crypto/block-luks.c` and its IV generators compute them.
 
 use super::hash::HashAlg;
+use super::xts::Xts as Xts128;
 use super::CryptoError;
 use aes::cipher::{
     BlockDecrypt, BlockDecryptMut, BlockEncrypt, BlockEncryptMut, InnerIvInit, KeyInit,
 };
 use aes::{Aes128, Aes192, Aes256, Block};
-use xts_mode::Xts128;
 
 /// Bytes of one encrypted sector (LUKS1 and QEMU's qcow2 LUKS use 512).
 pub const SECTOR_BYTES: usize = 512;
@@ -105,7 +105,7 @@ impl CipherSpec {
             _ => return None,
         };
         let one = match mode {
-            Mode::Xts if key_bytes % 2 == 0 => key_bytes / 2,
+            Mode::Xts if key_bytes.is_multiple_of(2) => key_bytes / 2,
             Mode::Xts => return None,
             Mode::Cbc => key_bytes,
         };
@@ -169,9 +169,13 @@ impl std::fmt::Debug for SectorCipher {
     }
 }
 
-fn xts<C: KeyInit + BlockEncrypt + BlockDecrypt + aes::cipher::BlockCipher>(
-    key: &[u8],
-) -> Result<Box<Xts128<C>>, CryptoError> {
+fn xts<C>(key: &[u8]) -> Result<Box<Xts128<C>>, CryptoError>
+where
+    C: KeyInit
+        + BlockEncrypt
+        + BlockDecrypt
+        + aes::cipher::BlockSizeUser<BlockSize = aes::cipher::consts::U16>,
+{
     let half = key.len() / 2;
     let a = C::new_from_slice(&key[..half]).map_err(|_| CryptoError::Key)?;
     let b = C::new_from_slice(&key[half..]).map_err(|_| CryptoError::Key)?;
@@ -240,7 +244,7 @@ impl SectorCipher {
     }
 
     fn run(&self, first: u64, data: &mut [u8], enc: bool) {
-        debug_assert!(data.len() % SECTOR_BYTES == 0);
+        debug_assert!(data.len().is_multiple_of(SECTOR_BYTES));
         for (i, s) in data.chunks_exact_mut(SECTOR_BYTES).enumerate() {
             let iv = self.iv(first.wrapping_add(i as u64));
             match &self.keyed {
@@ -265,17 +269,13 @@ where
     out.copy_from_slice(&b);
 }
 
-fn xts_run<C: BlockEncrypt + BlockDecrypt + aes::cipher::BlockCipher>(
-    x: &Xts128<C>,
-    s: &mut [u8],
-    iv: [u8; 16],
-    enc: bool,
-) {
-    if enc {
-        x.encrypt_sector(s, iv)
-    } else {
-        x.decrypt_sector(s, iv)
-    }
+fn xts_run<C>(x: &Xts128<C>, s: &mut [u8], iv: [u8; 16], enc: bool)
+where
+    C: BlockEncrypt
+        + BlockDecrypt
+        + aes::cipher::BlockSizeUser<BlockSize = aes::cipher::consts::U16>,
+{
+    x.sector(s, iv, enc)
 }
 
 fn cbc_run<C>(c: &C, s: &mut [u8], iv: [u8; 16], enc: bool)

@@ -99,11 +99,14 @@ fn put32(a: &mut [u8], at: usize, v: u32) {
     a[at..at + 4].copy_from_slice(&v.to_be_bytes());
 }
 
+/// A change to a header area.
+type Mutation = Box<dyn Fn(&mut Vec<u8>)>;
+
 #[test]
 fn hostile_headers_refused_before_any_key_derivation() {
     let good = area(b"pw", 1000);
     let slot0 = 208;
-    let cases: Vec<(&str, Box<dyn Fn(&mut Vec<u8>)>)> = vec![
+    let cases: Vec<(&str, Mutation)> = vec![
         ("magic", Box::new(|a| a[0] = b'X')),
         ("version", Box::new(|a| a[7] = 2)),
         (
