@@ -4,7 +4,6 @@
 //! encrypt.key-secret=ID[,backing.encrypt.key-secret=ID2]`) naming the secret that unlocks
 //! the image. Secret bytes are zeroized when the last copy is dropped and never printed.
 
-use crate::host::{Format, ToolError};
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -37,7 +36,7 @@ pub struct Keys {
 }
 
 /// Splits a QEMU option string at commas (`,,` is a literal comma) into `key=value` pairs.
-pub fn split_opts(s: &str) -> Result<Vec<(String, String)>, ToolError> {
+pub fn split_opts(s: &str) -> Vec<(String, String)> {
     let mut parts = Vec::new();
     let mut cur = String::new();
     let mut chars = s.chars().peekable();
@@ -54,27 +53,27 @@ pub fn split_opts(s: &str) -> Result<Vec<(String, String)>, ToolError> {
         }
     }
     parts.push(cur);
-    Ok(parts
+    parts
         .into_iter()
         .filter(|p| !p.is_empty())
         .map(|p| match p.split_once('=') {
             Some((k, v)) => (k.to_owned(), v.to_owned()),
             None => (p, String::new()),
         })
-        .collect())
+        .collect()
 }
 
-fn usage(msg: impl Into<String>) -> ToolError {
-    ToolError::Usage(msg.into())
+fn usage(msg: impl Into<String>) -> String {
+    msg.into()
 }
 
 /// The secrets `--object` arguments define, by id. Only `secret` objects with `data=` or
 /// `file=` (format raw) are taken; QEMU's keyid/iv (secrets encrypted by another secret)
 /// are refused.
-pub fn parse_objects(objects: &[String]) -> Result<HashMap<String, Secret>, ToolError> {
+pub fn parse_objects(objects: &[String]) -> Result<HashMap<String, Secret>, String> {
     let mut out = HashMap::new();
     for o in objects {
-        let kv = split_opts(o)?;
+        let kv = split_opts(o);
         let mut it = kv.iter();
         match it.next() {
             Some((t, v))
@@ -99,10 +98,7 @@ pub fn parse_objects(objects: &[String]) -> Result<HashMap<String, Secret>, Tool
         let bytes = match (data, file) {
             (Some(d), None) => d,
             (None, Some(f)) => {
-                Zeroizing::new(std::fs::read(&f).map_err(|source| ToolError::Io {
-                    path: f.display().to_string(),
-                    source,
-                })?)
+                Zeroizing::new(std::fs::read(&f).map_err(|e| format!("{}: {e}", f.display()))?)
             }
             _ => {
                 return Err(usage(format!(
@@ -120,36 +116,28 @@ pub fn parse_objects(objects: &[String]) -> Result<HashMap<String, Secret>, Tool
 pub struct ImageOpts {
     /// `file.filename`.
     pub path: PathBuf,
-    /// `driver`.
-    pub format: Format,
+    /// `driver` (`qcow2` or `raw`).
+    pub driver: String,
     /// `encrypt.key-secret` and `backing.encrypt.key-secret`, resolved.
     pub keys: Keys,
 }
 
 /// Parses `--image-opts` against the secrets defined.
-pub fn parse_image_opts(
-    s: &str,
-    secrets: &HashMap<String, Secret>,
-) -> Result<ImageOpts, ToolError> {
-    let (mut path, mut format, mut keys) = (None, Format::Qcow2, Keys::default());
+pub fn parse_image_opts(s: &str, secrets: &HashMap<String, Secret>) -> Result<ImageOpts, String> {
+    let (mut path, mut driver, mut keys) = (None, "qcow2".to_string(), Keys::default());
     let secret = |id: &str| {
         secrets
             .get(id)
             .cloned()
             .ok_or_else(|| usage(format!("No secret with id '{id}'")))
     };
-    for (k, v) in split_opts(s)? {
+    for (k, v) in split_opts(s) {
         match k.as_str() {
+            "driver" if v == "qcow2" || v == "raw" => driver = v,
             "driver" => {
-                format = match v.as_str() {
-                    "qcow2" => Format::Qcow2,
-                    "raw" => Format::Raw,
-                    _ => {
-                        return Err(usage(format!(
-                            "--image-opts: driver '{v}' is not supported"
-                        )))
-                    }
-                }
+                return Err(usage(format!(
+                    "--image-opts: driver '{v}' is not supported"
+                )))
             }
             "file.filename" | "file" => path = Some(PathBuf::from(v)),
             "file.driver" if v == "file" => {}
@@ -170,7 +158,7 @@ pub fn parse_image_opts(
         }
     }
     let path = path.ok_or_else(|| usage("--image-opts: file.filename= is required"))?;
-    Ok(ImageOpts { path, format, keys })
+    Ok(ImageOpts { path, driver, keys })
 }
 
 #[cfg(test)]

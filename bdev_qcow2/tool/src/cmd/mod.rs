@@ -117,10 +117,17 @@ impl ImageArgs {
                 "--cache-ways must be 1..=64".into(),
             ));
         }
-        let secrets = crate::secrets::parse_objects(&self.objects)?;
+        let usage = crate::host::ToolError::Usage;
+        let secrets = crate::secrets::parse_objects(&self.objects).map_err(usage)?;
         let (path, format, keys) = if self.image_opts {
-            let o = crate::secrets::parse_image_opts(&self.image.to_string_lossy(), &secrets)?;
-            (o.path, o.format, o.keys)
+            let o = crate::secrets::parse_image_opts(&self.image.to_string_lossy(), &secrets)
+                .map_err(usage)?;
+            let format = if o.driver == "raw" {
+                Format::Raw
+            } else {
+                Format::Qcow2
+            };
+            (o.path, format, o.keys)
         } else {
             (self.image.clone(), self.format, Default::default())
         };

@@ -134,7 +134,7 @@ pub enum Switch {
 impl PerfArgs {
     /// The key `--key-secret` names.
     pub(super) fn key(&self) -> ToolResult<Option<crate::secrets::Secret>> {
-        let secrets = crate::secrets::parse_objects(&self.objects)?;
+        let secrets = crate::secrets::parse_objects(&self.objects).map_err(ToolError::Usage)?;
         self.key_secret
             .as_ref()
             .map(|id| {
