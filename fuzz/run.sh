@@ -3,7 +3,7 @@
 # made by qemu-img/qemu-io, runs each target for a given time and reports executions,
 # corpus size and crashes per target.
 #
-#   fuzz/run.sh [SECONDS_PER_TARGET] [TARGET...]     (default: 1800 s, image_ops and parse)
+#   fuzz/run.sh [SECONDS_PER_TARGET] [TARGET...]     (default: 1800 s, image_ops, parse and luks)
 #
 # Needs cargo-fuzz (`cargo install cargo-fuzz`) and qemu-utils. The toolchain is stable Rust:
 # RUSTC_BOOTSTRAP=1 lets it take the nightly flags cargo-fuzz passes (sanitizer coverage).
@@ -21,7 +21,7 @@ set -euo pipefail
 secs=${1:-1800}
 shift || true
 targets=("$@")
-[ ${#targets[@]} -gt 0 ] || targets=(image_ops parse)
+[ ${#targets[@]} -gt 0 ] || targets=(image_ops parse luks)
 
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(dirname "$here")
@@ -157,7 +157,27 @@ for name in sorted(os.listdir(src)):
     if rb_off:
         seed('refblock', 3, (refcount_order << 2) | (min(cb, 12) - 9), b[rb_off:rb_off + cs])
 EOF
-echo "   $(ls fuzz/corpus/image_ops | wc -l) image_ops inputs, $(ls fuzz/corpus/parse | wc -l) parse inputs"
+# luks seeds: the LUKS areas of images qemu-img encrypted (low PBKDF2 cost), two ciphers.
+mkdir -p fuzz/corpus/luks
+for mode in "" ",encrypt.cipher-mode=cbc,encrypt.ivgen-alg=essiv"; do
+    enc="$work/enc.qcow2"
+    qemu-img create -q -f qcow2 --object secret,id=s,data=fuzz \
+        -o "encrypt.format=luks,encrypt.key-secret=s,encrypt.iter-time=1$mode" "$enc" 1M
+    python3 - "$enc" fuzz/corpus/luks "${#mode}" <<'PY'
+import struct, sys
+b = open(sys.argv[1], 'rb').read()
+pos = struct.unpack('>I', b[100:104])[0]  # header_length
+while pos + 8 <= len(b):
+    t, l = struct.unpack('>II', b[pos:pos + 8])
+    if t == 0:
+        break
+    if t == 0x0537be77:
+        o, n = struct.unpack('>QQ', b[pos + 8:pos + 24])
+        open(f"{sys.argv[2]}/seed-{sys.argv[3]}", 'wb').write(b[o:o + n])
+    pos += 8 + (l + 7) // 8 * 8
+PY
+done
+echo "   $(ls fuzz/corpus/image_ops | wc -l) image_ops inputs, $(ls fuzz/corpus/parse | wc -l) parse inputs, $(ls fuzz/corpus/luks | wc -l) luks inputs"
 
 # ---------------------------------------------------------------------------------------
 # Fuzz

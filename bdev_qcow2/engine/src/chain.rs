@@ -392,7 +392,7 @@ impl<D: BlockDevice> Chain<D> {
                 ClusterMapping::Data { host, .. } => {
                     let host = host.0 + (pos & (q.geometry().subcluster_size() - 1));
                     plan.push_run(Run {
-                        dev: q.dev(),
+                        dev: q.data_dev(),
                         host,
                         buf_off: at,
                         len: n,
@@ -496,7 +496,7 @@ async fn read_qcow2<D: BlockDevice>(
     let flush = |run: &mut Option<(u64, u64, u64)>, futs: &mut Vec<BoxFut>| {
         if let Some((host, guest, len)) = run.take() {
             let sub = buf.sub((guest - offset) as usize, len as usize);
-            futs.push(Box::pin(chain.exec.read(q.dev(), host, sub)));
+            futs.push(Box::pin(chain.exec.read(q.data_dev(), host, sub)));
         }
     };
     let mut pos = offset;

@@ -38,6 +38,12 @@ impl<D: BlockDevice> Chain<D> {
     /// [`Chain::write`] instead.
     pub async fn write_compressed(self: &Rc<Self>, offset: u64, data: &[u8]) -> Result<()> {
         let q = top(self)?;
+        if q.encrypted() {
+            // QEMU neither writes nor decrypts compressed clusters of an encrypted image.
+            return Err(Error::Refused(
+                "compression and encryption are not supported at the same time".into(),
+            ));
+        }
         let geo = q.geometry();
         let cs = geo.cluster_size();
         let len = data.len() as u64;

@@ -80,7 +80,14 @@ impl<D: BlockDevice> Chain<D> {
         if let Some(q) = self.disk.top_qcow2() {
             if let Some(host) = q.memo_extent(offset, len, false) {
                 let host = HostOffset(host);
-                return ReadRoute::Direct(Grant::new(q.dev(), host, range, entry, true, false));
+                return ReadRoute::Direct(Grant::new(
+                    q.data_dev(),
+                    host,
+                    range,
+                    entry,
+                    true,
+                    false,
+                ));
             }
         }
         match self.route_read_past_memo(range, entry) {
@@ -141,7 +148,14 @@ impl<D: BlockDevice> Chain<D> {
         if let Some(q) = self.disk.top_qcow2() {
             if let Some(host) = q.memo_overwrite(offset, len) {
                 let host = HostOffset(host);
-                return WriteDecision::Direct(Grant::new(q.dev(), host, range, entry, true, true));
+                return WriteDecision::Direct(Grant::new(
+                    q.data_dev(),
+                    host,
+                    range,
+                    entry,
+                    true,
+                    true,
+                ));
             }
         }
         match self.route_write_past_memo(range, entry) {
@@ -193,7 +207,7 @@ impl<D: BlockDevice> Chain<D> {
             match q.kept_overwrite(offset, len) {
                 KeptCopy::Host(h) => {
                     self.counters.kept_overwrite();
-                    return PastMemo::Direct(q.dev(), HostOffset(h), entry);
+                    return PastMemo::Direct(q.data_dev(), HostOffset(h), entry);
                 }
                 KeptCopy::NotInPlace { changes } if changes >= REFRESH_AFTER_CHANGES => {
                     slices = SliceRoute::Load;
@@ -265,7 +279,7 @@ impl<D: BlockDevice> Chain<D> {
             Layer::Qcow2(q) => q,
         };
         if let CachedExtent::Host(h) = q.cached_extent_with(offset, len, false, false) {
-            return Some((q.dev(), h));
+            return Some((q.data_dev(), h));
         }
         Self::walk_direct_read(q, offset, len)
     }
@@ -295,6 +309,6 @@ impl<D: BlockDevice> Chain<D> {
             next_host = h + n;
             pos += n;
         }
-        start.map(|h| (q.dev(), h))
+        start.map(|h| (q.data_dev(), h))
     }
 }

@@ -35,6 +35,7 @@ pub enum Field {
     BitmapsExtension,
     ExternalDataFileExtension,
     EncryptionExtension,
+    LuksHeader,
     SnapshotTable,
     SnapshotL1Table,
     L1Entry,
@@ -76,6 +77,7 @@ impl fmt::Display for Field {
             Field::BitmapsExtension => "bitmaps extension",
             Field::ExternalDataFileExtension => "external data file extension",
             Field::EncryptionExtension => "full disk encryption extension",
+            Field::LuksHeader => "LUKS header",
             Field::SnapshotTable => "snapshot table",
             Field::SnapshotL1Table => "snapshot L1 table",
             Field::L1Entry => "L1 entry",
@@ -144,6 +146,12 @@ pub enum Error {
     /// The image has the corrupt bit set: it opens read-only only, until repaired.
     #[error("image is marked corrupt (corrupt bit set): it can be opened read-only only; `qcow2 check -r all` repairs it")]
     MarkedCorrupt,
+    /// The image is encrypted and no key was given to open it.
+    #[error("image is encrypted: a key is needed (encrypt.key-secret)")]
+    KeyRequired,
+    /// The key given opens none of the image's key slots.
+    #[error("invalid password: the key opens no key slot of the image's LUKS header")]
+    WrongKey,
     /// The device failed an I/O (errno).
     #[error("device I/O error: {}", errno_name(*.0))]
     Io(i32),
@@ -156,6 +164,7 @@ impl Error {
             Error::Io(e) => *e,
             Error::InvalidRequest(_) | Error::Refused(_) => 22, // EINVAL
             Error::ReadOnly | Error::MarkedCorrupt => 30,       // EROFS
+            Error::KeyRequired | Error::WrongKey => 1,          // EPERM
             Error::UnsupportedFeature(_) => 95,                 // EOPNOTSUPP
             _ => 5,                                             // EIO
         }

@@ -22,6 +22,7 @@ use std::pin::Pin;
 use std::rc::Rc;
 use std::task::{Context, Poll, Waker};
 
+mod crypt;
 mod future;
 mod grace;
 mod polled;
@@ -78,6 +79,12 @@ struct Inner<D: BlockDevice> {
     /// Indexed by a token's bits from [`SINK_SHIFT`] up.
     sinks: RefCell<Vec<SinkEntry>>,
     stats: Cell<ExecStats>,
+    /// Encrypted views of devices (`crypt`), indexed by a view id's low bits.
+    views: RefCell<Vec<crypt::View>>,
+    /// Reads through a view in flight, to decrypt when they complete.
+    crypt_reads: RefCell<Slab<crypt::CryptRead<D::Buf>>>,
+    /// Operations failed at submission (a locked view), completed by the next poll.
+    failed: RefCell<Vec<(u64, Result<(), DeviceError>)>>,
     /// This core's membership in a shared image's grace periods.
     /// (shared state, member slot, whether its entries need no full fence: the owner's, or
     /// a core's with the asymmetric pair; see `Grace::enter_as`). Set once: every guest
@@ -132,6 +139,9 @@ impl<D: BlockDevice> Exec<D> {
                 internal: RefCell::new(VecDeque::with_capacity(256)),
                 sinks: RefCell::new(Vec::new()),
                 stats: Cell::new(ExecStats::default()),
+                views: RefCell::new(Vec::new()),
+                crypt_reads: RefCell::new(Slab::new()),
+                failed: RefCell::new(Vec::new()),
                 grace: OnceCell::new(),
                 own_work: Cell::new(false),
             }),
@@ -152,6 +162,7 @@ impl<D: BlockDevice> Exec<D> {
 
     /// Runs `f` on a registered device (e.g. to read its size or allocate a buffer).
     pub fn with_device<R>(&self, dev: DevId, f: impl FnOnce(&mut D) -> R) -> R {
+        let dev = self.real_dev(dev);
         f(&mut self.inner.devs.borrow_mut()[dev.0])
     }
 
@@ -178,6 +189,9 @@ impl<D: BlockDevice> Exec<D> {
 
     /// Submits now, or queues for retry when the device is busy (order is preserved).
     fn submit_raw(&self, dev: DevId, op: DeviceOp<D::Buf>, tag: u64) {
+        if dev.0 & crypt::VIEW_BIT != 0 {
+            return self.submit_crypt(dev, op, tag);
+        }
         self.bump(|s| s.device_ops += 1);
         let mut retry = self.inner.retry.borrow_mut();
         if !retry.is_empty() {
@@ -233,6 +247,7 @@ impl<D: BlockDevice> Exec<D> {
                 i = polled.completed(i, (reaped.len() - before) as u32);
             }
         }
+        reaped.append(&mut self.inner.failed.borrow_mut());
         for (tag, res) in reaped.drain(..) {
             self.device_completed(tag, res);
         }
@@ -285,6 +300,7 @@ impl<D: BlockDevice> Exec<D> {
             || !self.inner.internal.borrow().is_empty()
             || (self.inner.own_work.get()
                 && self.inner.devs.borrow().iter().any(|d| d.has_own_work()))
+            || !self.inner.failed.borrow().is_empty()
     }
 
     /// Runs `fut` to completion by polling (the host's "synchronous" entry point for open,

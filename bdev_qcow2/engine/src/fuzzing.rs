@@ -455,3 +455,27 @@ pub fn parse(data: &[u8]) {
         }
     }
 }
+
+/// Most PBKDF2 iterations the `luks` harness spends on one input's unlock (the decoder's
+/// own limits allow minutes: a fuzzer must not wait for them).
+pub const LUKS_FUZZ_ITERATIONS: u64 = 1 << 12;
+
+/// Runs the LUKS header decoder on arbitrary bytes (a LUKS area: header and key material);
+/// what decodes with few PBKDF2 iterations is also unlocked with a fixed secret, which must
+/// end in a cipher or `WrongKey`, never a panic.
+///
+/// Input: the area's bytes.
+pub fn luks(data: &[u8]) {
+    let Ok(h) = crate::crypto::LuksHeader::parse(data) else {
+        return;
+    };
+    let cost: u64 = u64::from(h.mk_iterations)
+        + h.slots
+            .iter()
+            .filter(|s| s.active)
+            .map(|s| u64::from(s.iterations))
+            .sum::<u64>();
+    if cost <= LUKS_FUZZ_ITERATIONS {
+        let _ = h.unlock(data, b"fuzz");
+    }
+}

@@ -19,6 +19,7 @@ use crate::types::{Geometry, GuestOffset};
 use std::cell::{Cell, Ref, RefCell};
 use std::sync::Arc;
 
+mod encryption;
 mod lookup;
 mod metadata;
 mod open;
@@ -27,6 +28,7 @@ mod preload;
 mod replica;
 mod role;
 mod slices;
+pub use encryption::Luks;
 pub(crate) use lookup::CachedExtent;
 pub use owner::bitmap_change::{BitmapBits, BitmapChange};
 pub use owner::snapshot::SnapshotTime;
@@ -107,6 +109,11 @@ pub const DEFAULT_L2_CACHE_MAX: u64 = 32 << 20;
 pub struct Qcow2<D: BlockDevice> {
     exec: Exec<D>,
     dev: DevId,
+    /// Where data clusters are read and written: `dev`, or for an encrypted image its
+    /// encrypted view (metadata always goes to `dev`).
+    data_dev: DevId,
+    /// An encrypted image's LUKS header and cipher.
+    luks: Option<Arc<Luks>>,
     /// Decoder state for the compressed clusters guest reads decompress, kept from one to
     /// the next (reset per cluster) rather than made each time.
     decompressor: RefCell<crate::compress::Decompressor>,
@@ -233,6 +240,7 @@ pub struct CoreSeed {
     shared: Arc<Shared>,
     writable: bool,
     dirty_bitmaps: Option<Arc<DirtyBitmaps>>,
+    luks: Option<Arc<Luks>>,
 }
 
 pub use crate::exec::read_bytes;

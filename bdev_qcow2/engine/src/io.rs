@@ -42,6 +42,14 @@ pub trait IoBuffer: Clone + 'static {
             done += n;
         }
     }
+    /// Runs `f` on `len` bytes at `off`, changed in place (an encrypted image's sectors).
+    /// This default goes through a copy; hosts whose memory they can address lend it.
+    fn with_bytes_mut(&self, off: usize, len: usize, f: &mut dyn FnMut(&mut [u8])) {
+        let mut tmp = vec![0u8; len];
+        self.copy_out(off, &mut tmp);
+        f(&mut tmp);
+        self.copy_in(off, &tmp);
+    }
     /// Decompresses the `ct` cluster in `len` bytes at `off` into `out` (filled whole),
     /// reading the bytes where they are. `None` where this buffer cannot lend them as one
     /// piece (the caller copies them out first). The decompressor gets the buffer's bytes
@@ -275,6 +283,9 @@ impl IoBuffer for HeapBuf {
     }
     fn fill(&self, off: usize, len: usize, byte: u8) {
         self.0.borrow_mut()[off..off + len].fill(byte);
+    }
+    fn with_bytes_mut(&self, off: usize, len: usize, f: &mut dyn FnMut(&mut [u8])) {
+        f(&mut self.0.borrow_mut()[off..off + len])
     }
     fn decompress_to(
         &self,

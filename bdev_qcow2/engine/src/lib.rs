@@ -25,6 +25,7 @@ pub mod coherency;
 pub mod compress;
 pub mod compressed_write;
 pub mod create;
+pub mod crypto;
 mod direct;
 mod dirty_bitmaps;
 pub mod error;

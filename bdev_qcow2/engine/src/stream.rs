@@ -172,7 +172,7 @@ impl<D: BlockDevice> Chain<D> {
     async fn run_fills(self: &Rc<Self>, o: &Owner<'_, D>, fills: &[Fill]) -> Result<Option<u64>> {
         let geo = o.geometry();
         let (cs, sc) = (geo.cluster_size(), geo.subcluster_size());
-        let dev = o.dev();
+        let dev = o.data_dev();
         let exec = self.exec().clone();
         // What the guest sees of each cluster (of its fill subclusters, in place).
         let bufs: Vec<D::Buf> = fills

@@ -1115,11 +1115,69 @@ fn crypt_method_aes_is_refused() {
 }
 
 #[test]
-fn crypt_method_luks_is_refused() {
+fn crypt_method_luks_without_its_extension_is_refused() {
     assert_invalid(
         open_err(with32(fixture(), H_CRYPT_METHOD, 2)),
-        Field::CryptMethod,
+        Field::EncryptionExtension,
     );
+}
+
+/// A LUKS image: crypt_method 2 and the extension pointing at `area` placed at cluster 6.
+fn luks_image(area: &[u8], ext: Option<(u64, u64)>) -> Vec<u8> {
+    let (off, len) = ext.unwrap_or((6 * CS, area.len() as u64));
+    let mut d = vec![0u8; 16];
+    put64(&mut d, 0, off);
+    put64(&mut d, 8, len);
+    let mut img = build(&Spec {
+        extra_exts: vec![(EXT_ENCRYPTION, d)],
+        ..Spec::default()
+    });
+    put32(&mut img, H_CRYPT_METHOD, 2);
+    img.resize((6 * CS) as usize, 0);
+    img.extend_from_slice(area);
+    img
+}
+
+fn luks_area(iterations: u32) -> Vec<u8> {
+    qcow2_engine::crypto::build::build(&qcow2_engine::crypto::build::LuksBuild {
+        cipher: ("aes", "xts-plain64"),
+        hash: qcow2_engine::crypto::hash::HashAlg::Sha256,
+        master_key: &[1u8; 64],
+        secret: b"pw",
+        iterations,
+        seed: 7,
+    })
+}
+
+#[test]
+fn luks_image_opens_locked_and_hostile_luks_areas_are_refused() {
+    let area = luks_area(1000);
+    let o = open_ok(luks_image(&area, None));
+    assert!(o.image.encrypted() && !o.image.luks().unwrap().unlocked());
+    let len = area.len() as u64;
+    // The area: unaligned, empty, huge, past the device.
+    for ext in [
+        (6 * CS + 512, len),
+        (6 * CS, 0),
+        (6 * CS, 1 << 40),
+        (6 * CS, len + CS),
+        (u64::MAX - CS + 1, len),
+    ] {
+        assert_invalid(
+            open_err(luks_image(&area, Some(ext))),
+            Field::EncryptionExtension,
+        );
+    }
+    // Its contents: garbage; iterations that would burn minutes of CPU at open.
+    assert_invalid(
+        open_err(luks_image(&vec![0xa5; area.len()], None)),
+        Field::LuksHeader,
+    );
+    let mut burn = area.clone();
+    burn[212..216].copy_from_slice(&u32::MAX.to_be_bytes()); // slot 0 iterations
+    let t = std::time::Instant::now();
+    assert_invalid(open_err(luks_image(&burn, None)), Field::LuksHeader);
+    assert!(t.elapsed().as_secs() < 2);
 }
 
 #[test]

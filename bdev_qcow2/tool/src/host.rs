@@ -97,6 +97,8 @@ pub struct OpenSpec {
     pub path: PathBuf,
     /// Its format.
     pub format: Format,
+    /// Keys of encrypted images (top, backing).
+    pub keys: crate::secrets::Keys,
     /// Whether backing files named inside images may be opened.
     pub allow_backing: bool,
     /// Open the top image for writing (backing layers are always read-only). Overrides
@@ -221,14 +223,34 @@ pub fn open_device(
     Ok(exec.add_device(uring_device(path, writable, spec)?))
 }
 
+/// Opens a qcow2 image and unlocks it with `key` when it is encrypted; without a key an
+/// encrypted image is refused when `need_key` (every command that reads or writes data),
+/// as QEMU refuses it, and opens locked otherwise (`info`: its data is never read).
+pub async fn open_qcow2<D: BlockDevice>(
+    exec: Exec<D>,
+    dev: qcow2_engine::DevId,
+    opts: OpenOptions,
+    key: Option<crate::secrets::Secret>,
+    need_key: bool,
+) -> qcow2_engine::Result<Qcow2<D>> {
+    let q = Qcow2::open(&exec, dev, opts).await?;
+    match key {
+        Some(k) => q.unlock(k.bytes()).await?,
+        None if need_key && q.encrypted() => return Err(qcow2_engine::Error::KeyRequired),
+        None => {}
+    }
+    Ok(q)
+}
+
 /// Opens a qcow2 image on its own (no backing chain), for `info`.
 pub fn open_single(spec: &OpenSpec) -> ToolResult<(Exec<UringDevice>, Rc<Qcow2<UringDevice>>)> {
     let exec = Exec::new();
     let dev = open_device(&exec, &spec.path, false, spec)?;
     let e2 = exec.clone();
     let opts = spec.opts;
+    let key = spec.keys.top.clone();
     let q = exec
-        .block_on(async move { Qcow2::open(&e2, dev, opts).await })
+        .block_on(open_qcow2(e2, dev, opts, key, false))
         .map_err(top_image_err(&spec.path))?;
     Ok((exec, Rc::new(q)))
 }
@@ -243,8 +265,9 @@ pub fn open_top_only(spec: &OpenSpec) -> ToolResult<Opened> {
         writable: spec.writable,
         ..spec.opts
     };
+    let key = spec.keys.top.clone();
     let q = exec
-        .block_on(async move { Qcow2::open(&e2, dev, opts).await })
+        .block_on(open_qcow2(e2, dev, opts, key, true))
         .map_err(top_image_err(&spec.path))?;
     let chain =
         Chain::new(&exec, vec![Layer::Qcow2(Box::new(q))]).map_err(engine_err(&spec.path))?;
@@ -378,7 +401,12 @@ pub fn open_chain_until<D: BlockDevice>(
                     writable,
                     ..spec.opts
                 };
-                let opened = exec.block_on(async move { Qcow2::open(&e2, dev, opts).await });
+                let key = if top {
+                    spec.keys.top.clone()
+                } else {
+                    spec.keys.backing.clone()
+                };
+                let opened = exec.block_on(open_qcow2(e2, dev, opts, key, true));
                 let q = if top {
                     opened.map_err(top_image_err(&path))?
                 } else {

@@ -8,6 +8,7 @@ pub mod logwrites;
 pub mod progress;
 pub mod reactor;
 pub mod rng;
+pub mod secrets;
 pub mod uring;
 
 /// A scratch directory under `$TMPDIR` (default `/var/tmp`, on disk rather than in RAM),

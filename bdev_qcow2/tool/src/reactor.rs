@@ -488,6 +488,26 @@ where
     R: Send,
     B: Fn(&mut Reactor<D>) -> ToolResult<R> + Sync,
 {
+    run_reactors_keyed(n, open, opts, writable, ring, None, body)
+}
+
+/// [`run_reactors_with_ring`] on an encrypted image, unlocked with `key` on the owner (its
+/// replicas take the cipher from the owner's seed).
+#[allow(clippy::too_many_arguments)]
+pub fn run_reactors_keyed<D, R, B>(
+    n: usize,
+    open: &dyn OpenDevice<D>,
+    opts: OpenOptions,
+    writable: bool,
+    ring: Option<RingConfig>,
+    key: Option<crate::secrets::Secret>,
+    body: B,
+) -> ToolResult<Vec<(R, ReactorStats)>>
+where
+    D: BlockDevice,
+    R: Send,
+    B: Fn(&mut Reactor<D>) -> ToolResult<R> + Sync,
+{
     let n = n.max(1);
     let mesh = Arc::new(Mesh {
         owner: SegQueue::new(),
@@ -551,7 +571,7 @@ where
             let e2 = exec.clone();
             let o = OpenOptions { writable, ..opts };
             let mut q = exec
-                .block_on(async move { Qcow2::open(&e2, dev, o).await })
+                .block_on(crate::host::open_qcow2(e2, dev, o, key.clone(), true))
                 .map_err(engine)?;
             if q.header().backing_file.is_some() {
                 return Err(ToolError::Usage(

@@ -119,6 +119,15 @@ impl IoBuffer for AlignedBuf {
         // SAFETY: the range is in bounds (checked by `ptr`).
         unsafe { std::ptr::write_bytes(dst, byte, len) }
     }
+    fn with_bytes_mut(&self, off: usize, len: usize, f: &mut dyn FnMut(&mut [u8])) {
+        let p = self.ptr(off, len);
+        // SAFETY: in bounds (checked by `ptr`) and initialised (zeroed at allocation); no
+        // device I/O is in flight on it (the engine transforms a read's bytes after it
+        // completed, a write's before it is submitted), and `f`, the sector cipher, reaches
+        // no buffer: the slice is the only view of those bytes until the call returns.
+        let bytes = unsafe { std::slice::from_raw_parts_mut(p, len) };
+        f(bytes)
+    }
     fn decompress_to(
         &self,
         off: usize,

@@ -353,6 +353,7 @@ fn library_open_holds_locks_until_dropped() {
     let d = tempfile::tempdir().unwrap();
     let img = image(d.path(), "a.qcow2");
     let spec = OpenSpec {
+        keys: Default::default(),
         path: img.clone(),
         format: Format::Qcow2,
         allow_backing: false,

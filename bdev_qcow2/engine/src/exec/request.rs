@@ -174,6 +174,9 @@ impl<D: BlockDevice> Exec<D> {
     /// [`Exec::take_completions`] reports it without waiting for the next poll; a task is
     /// made ready and runs at the next poll.
     pub fn device_completed(&self, tag: u64, res: Result<(), DeviceError>) {
+        if tag & super::crypt::CRYPT_TAG != 0 {
+            return self.crypt_read_done(tag, res);
+        }
         let req = {
             let mut waiters = self.inner.waiters.borrow_mut();
             match waiters.get_mut(tag as usize) {

@@ -14,6 +14,8 @@ pub use extensions::{
     default_feature_names, ext_type, BitmapsExt, Extensions, FeatureName, ZeroedTail,
 };
 
+/// `crypt_method` of a LUKS-encrypted image.
+pub const CRYPT_LUKS: u32 = 2;
 /// `QFI\xfb`.
 pub const MAGIC: u32 = 0x5146_49fb;
 /// Length of the version 2 header.
@@ -91,7 +93,7 @@ pub struct Header {
     pub cluster_bits: u32,
     /// Virtual disk size in bytes.
     pub size: u64,
-    /// 0 (encryption is refused).
+    /// 0, or [`CRYPT_LUKS`] (1, legacy AES, is refused).
     pub crypt_method: u32,
     /// Entries in the active L1 table.
     pub l1_size: u32,
@@ -316,19 +318,60 @@ impl ImageHeader {
         let cluster_size = 1u64 << h.cluster_bits;
         let names = &self.extensions.feature_names;
 
-        if h.crypt_method != 0 {
-            return Err(invalid(
-                Field::CryptMethod,
-                h.crypt_method.into(),
-                "encryption is not supported",
-            ));
-        }
-        if self.extensions.encryption.is_some() {
-            return Err(invalid(
-                Field::EncryptionExtension,
-                0,
-                "encryption header present without encryption",
-            ));
+        match (h.crypt_method, self.extensions.encryption) {
+            (0, None) => {}
+            (0, Some(_)) => {
+                return Err(invalid(
+                    Field::EncryptionExtension,
+                    0,
+                    "encryption header present without encryption",
+                ))
+            }
+            (1, _) => {
+                return Err(invalid(
+                    Field::CryptMethod,
+                    1,
+                    "legacy AES encryption is insecure and not supported: \
+                     `qemu-img convert` it to an unencrypted or LUKS-encrypted image",
+                ))
+            }
+            (CRYPT_LUKS, None) => {
+                return Err(invalid(
+                    Field::EncryptionExtension,
+                    0,
+                    "LUKS encryption without its header extension",
+                ))
+            }
+            (CRYPT_LUKS, Some((off, len))) => {
+                if off == 0 || off % cluster_size != 0 {
+                    return Err(invalid(
+                        Field::EncryptionExtension,
+                        off,
+                        "LUKS header offset not cluster aligned",
+                    ));
+                }
+                if len == 0 || len > crate::limits::MAX_LUKS_HEADER_BYTES {
+                    return Err(invalid(
+                        Field::EncryptionExtension,
+                        len,
+                        "LUKS header length",
+                    ));
+                }
+                if off.checked_add(len).is_none_or(|e| e > device_size) {
+                    return Err(invalid(
+                        Field::EncryptionExtension,
+                        off,
+                        "LUKS header past the end of the device",
+                    ));
+                }
+            }
+            (m, _) => {
+                return Err(invalid(
+                    Field::CryptMethod,
+                    m.into(),
+                    "unknown encryption method",
+                ))
+            }
         }
         let unknown = h.incompatible_features & !incompat::KNOWN;
         if unknown != 0 {

@@ -44,6 +44,14 @@ impl<D: BlockDevice> Qcow2<D> {
         let c0_len = (1u64 << cluster_bits).min(device_size);
         let c0 = read_bytes(exec, dev, 0, c0_len).await?;
         let header = ImageHeader::decode(&c0, device_size)?;
+        let luks = super::encryption::read_luks(exec, dev, &header).await?;
+        let mut opts = opts;
+        if luks.is_some() {
+            // Clusters that read as zeros unwritten hold no cipher text of zeros: every new
+            // cluster of an encrypted image is written whole (as QEMU does).
+            opts.alloc_granule = 0;
+            opts.zero_ahead = false;
+        }
         let h = &header.header;
         let geo = header.geometry(opts.l2_slice_bytes.max(512).ilog2());
         let ctx = L2Context {
@@ -104,9 +112,12 @@ impl<D: BlockDevice> Qcow2<D> {
         } else {
             ImageRole::ReadOnly { shared: None }
         };
+        let data_dev = super::encryption::data_view(exec, dev, luks.as_ref());
         let mut q = Qcow2 {
             exec: exec.clone(),
             dev,
+            data_dev,
+            luks,
             decompressor: RefCell::default(),
             last_compressed: RefCell::default(),
             reuse_local: Cell::new(0),

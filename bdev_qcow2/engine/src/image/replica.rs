@@ -29,9 +29,12 @@ impl<D: BlockDevice> Qcow2<D> {
         let refcount_table = self.refcount_table.borrow().clone();
         let (l2_cache, rc_cache) =
             Self::new_caches(&self.geo, l1.len(), refcount_table.len(), &opts)?;
+        let data_dev = super::encryption::data_view(exec, dev, self.luks.as_ref());
         Ok(Qcow2 {
             exec: exec.clone(),
             dev,
+            data_dev,
+            luks: self.luks.clone(),
             decompressor: RefCell::default(),
             last_compressed: RefCell::default(),
             reuse_local: Cell::new(0),
@@ -125,6 +128,7 @@ impl<D: BlockDevice> Qcow2<D> {
             shared,
             writable: self.is_writable(),
             dirty_bitmaps: self.dirty_bitmaps.clone(),
+            luks: self.luks.clone(),
         })
     }
 
@@ -151,9 +155,12 @@ impl<D: BlockDevice> Qcow2<D> {
         // One reading for both: the owner may have grown the device since the seed was
         // taken, and `sync_core` only looks for changes from `device_size`.
         let device_size = seed.shared.device_size();
+        let data_dev = super::encryption::data_view(exec, dev, seed.luks.as_ref());
         Ok(Qcow2 {
             exec: exec.clone(),
             dev,
+            data_dev,
+            luks: seed.luks,
             decompressor: RefCell::default(),
             last_compressed: RefCell::default(),
             reuse_local: Cell::new(0),

@@ -59,7 +59,7 @@ impl<D: BlockDevice> Chain<D> {
                     } else {
                         (h, p.written.round_out(sc))
                     }
-                } else if fresh && self.reads_zero(&old, p.cluster) {
+                } else if fresh && !q.encrypted() && self.reads_zero(&old, p.cluster) {
                     (h, p.written)
                 } else {
                     (h, whole)
@@ -85,7 +85,7 @@ impl<D: BlockDevice> Chain<D> {
         let mut run: Option<(HostOffset, GuestOffset, u64)> = None;
         let mut cursor = AllocCursor::new(allocs);
         let exec = self.exec().clone();
-        let dev = q.dev();
+        let dev = q.data_dev();
         // A cluster of a group taken ahead has no guest bytes (and may lie past them).
         let guest = |at: GuestOffset, len: u64| {
             data.as_ref()
@@ -158,6 +158,7 @@ impl<D: BlockDevice> Chain<D> {
             };
             if zero_cow
                 && len - w.len() >= ZEROES_OFFLOAD_MIN
+                && !q.encrypted()
                 && exec.with_device(dev, |d| d.zeroes_cheaply())
             {
                 // The device zeroes around the guest data itself (as QEMU does where zeroing

@@ -126,7 +126,7 @@ impl<D: BlockDevice> Chain<D> {
             return WriteExtent::Refused;
         };
         if let Some(h) = memo.then(|| q.memo_overwrite(offset, len)).flatten() {
-            return WriteExtent::One(q.dev(), HostOffset(h));
+            return WriteExtent::One(q.data_dev(), HostOffset(h));
         }
         let side = match self.fast_write_side(q) {
             InPlaceSide::ReadOnly => return WriteExtent::Refused,
@@ -145,7 +145,7 @@ impl<D: BlockDevice> Chain<D> {
         if inflight || overlaps_meta(q, side, h, len) {
             return WriteExtent::Refused;
         }
-        WriteExtent::One(q.dev(), h)
+        WriteExtent::One(q.data_dev(), h)
     }
 
     /// Who checks an in-place write's clusters of `q` ([`InPlaceSide`]).
@@ -248,7 +248,7 @@ impl<D: BlockDevice> Chain<D> {
             }
             pos += len as u64;
         }
-        Some((q.dev(), n))
+        Some((q.data_dev(), n))
     }
 
     /// In-place fast path: every cluster COPIED data (standard L2), slice cached, no

@@ -217,7 +217,7 @@ impl<D: BlockDevice> Chain<D> {
                     next = Some(host_off.plus(span.len()));
                 }
                 let res = match host_start {
-                    Some(h) if one_run => self.exec().write(q.dev(), h.0, data).await,
+                    Some(h) if one_run => self.exec().write(q.data_dev(), h.0, data).await,
                     _ => Box::pin(self.write_data(q, start, &parts, &allocs, Some(data))).await,
                 };
                 self.finish_chunk(q, &parts, &allocs, res).await

@@ -51,6 +51,7 @@ fn qemu(args: &[&str]) {
 /// Opens `path` writable (like the SPDK module's bdevs) and loads every slice.
 fn open(path: &Path, size: u64) -> (Exec<UringDevice>, Rc<Chain<UringDevice>>) {
     let Opened { exec, chain, .. } = open_chain(&OpenSpec {
+        keys: Default::default(),
         path: path.to_path_buf(),
         format: Format::Qcow2,
         allow_backing: false,

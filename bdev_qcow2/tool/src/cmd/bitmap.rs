@@ -102,6 +102,7 @@ enum Op {
 
 fn spec(path: &Path, format: Format, writable: bool) -> OpenSpec {
     OpenSpec {
+        keys: Default::default(),
         path: path.to_path_buf(),
         format,
         allow_backing: false,

@@ -228,6 +228,7 @@ pub fn run(args: &CommitArgs) -> ToolResult<String> {
     };
     refuse_loop(&upper.files, &base_path)?;
     let base_spec = crate::host::OpenSpec {
+        keys: Default::default(),
         path: base_path.clone(),
         format: base_format,
         ..spec.clone()

@@ -342,6 +342,7 @@ fn backing_size(image: &Path, name: &str, format: Format) -> ToolResult<u64> {
         image.parent().unwrap_or(Path::new(".")).join(p)
     };
     let spec = OpenSpec {
+        keys: Default::default(),
         path,
         format,
         // Only the header is needed; a backing image's own backing file is not opened.
@@ -462,6 +463,7 @@ fn reserve_blocks(path: &Path) -> ToolResult<()> {
 /// `preallocation=metadata|full` on a freshly formatted image.
 fn preallocate(path: &Path, mode: qcow2_engine::create::Preallocation) -> ToolResult<()> {
     let spec = crate::host::OpenSpec {
+        keys: Default::default(),
         path: path.to_path_buf(),
         format: Format::Qcow2,
         allow_backing: false,

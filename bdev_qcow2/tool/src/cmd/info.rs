@@ -166,6 +166,9 @@ pub fn run(args: &InfoArgs) -> ToolResult<String> {
                 if !bitmaps.is_empty() {
                     m.insert("bitmaps".into(), json!(bitmaps));
                 }
+                if let Some(l) = q.luks() {
+                    m.insert("encrypt".into(), super::info_encrypt::encrypt_json(l));
+                }
                 // Our additions: the raw version and feature bits.
                 m.insert("version".into(), json!(h.version));
                 m.insert(
@@ -190,6 +193,9 @@ pub fn run(args: &InfoArgs) -> ToolResult<String> {
                 "dirty-flag": ih.is_dirty(),
             });
             if let Some(m) = v.as_object_mut() {
+                if q.encrypted() {
+                    m.insert("encrypted".into(), json!(true));
+                }
                 if !snapshots.is_empty() {
                     m.insert("snapshots".into(), json!(snapshots));
                 }
@@ -234,6 +240,9 @@ fn human(v: &Value) -> String {
         n("virtual-size")
     );
     let _ = writeln!(s, "disk size: {}", human_size(n("actual-size")));
+    if g("encrypted").as_bool() == Some(true) {
+        let _ = writeln!(s, "encrypted: yes");
+    }
     if let Some(cs) = v.get("cluster-size").and_then(Value::as_u64) {
         let _ = writeln!(s, "cluster_size: {cs}");
     }
@@ -301,6 +310,9 @@ fn human(v: &Value) -> String {
                     let _ = writeln!(s, "    {label}: {}", b(key));
                 }
                 None => {}
+            }
+            if let (Some(e), "refcount-bits") = (d.get("encrypt"), key) {
+                super::info_encrypt::encrypt_human(e, &mut s);
             }
         }
         let bits = |k: &str| d.get(k).and_then(Value::as_u64).unwrap_or(0);

@@ -228,6 +228,7 @@ pub fn measure(args: &MeasureArgs) -> ToolResult<Measured> {
         return usage("Invalid parameter for the raw format (only size and preallocation)");
     }
     let spec = |path: &PathBuf| OpenSpec {
+        keys: Default::default(),
         path: path.clone(),
         format: args.format,
         allow_backing: args.allow_backing,

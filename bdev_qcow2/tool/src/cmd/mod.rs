@@ -7,6 +7,7 @@ pub mod compare;
 pub mod convert;
 pub mod create;
 pub mod info;
+pub mod info_encrypt;
 pub mod io;
 pub mod map;
 pub mod measure;
@@ -71,7 +72,16 @@ pub struct ImageArgs {
     /// (QEMU's `pass-discard-other`).
     #[arg(long, value_name = "on|off", action = clap::ArgAction::Set, value_parser = parse_on_off, default_value = "off")]
     pub pass_discard_other: bool,
-    /// The image.
+    /// A secret, as qemu-img's `--object secret,id=ID,data=…|file=…` (repeatable); an
+    /// encrypted image names the one that unlocks it with `--image-opts`.
+    #[arg(long = "object", value_name = "secret,id=ID,data=…|file=…")]
+    pub objects: Vec<String>,
+    /// The image argument is an option string, as qemu-img's `--image-opts`:
+    /// `driver=qcow2,file.filename=IMG,encrypt.key-secret=ID` (and, for the backing image,
+    /// `backing.encrypt.key-secret=ID2`).
+    #[arg(long)]
+    pub image_opts: bool,
+    /// The image (with `--image-opts`, its option string).
     pub image: PathBuf,
 }
 
@@ -107,9 +117,24 @@ impl ImageArgs {
                 "--cache-ways must be 1..=64".into(),
             ));
         }
+        let usage = crate::host::ToolError::Usage;
+        let secrets = crate::secrets::parse_objects(&self.objects).map_err(usage)?;
+        let (path, format, keys) = if self.image_opts {
+            let o = crate::secrets::parse_image_opts(&self.image.to_string_lossy(), &secrets)
+                .map_err(usage)?;
+            let format = if o.driver == "raw" {
+                Format::Raw
+            } else {
+                Format::Qcow2
+            };
+            (o.path, format, o.keys)
+        } else {
+            (self.image.clone(), self.format, Default::default())
+        };
         Ok(OpenSpec {
-            path: self.image.clone(),
-            format: self.format,
+            path,
+            format,
+            keys,
             allow_backing: self.allow_backing,
             writable: false,
             opts: OpenOptions {

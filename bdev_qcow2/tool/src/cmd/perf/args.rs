@@ -123,6 +123,13 @@ pub struct PerfArgs {
     /// compression_type=…,size=…`); may be repeated. Only without IMG.
     #[arg(short = 'o')]
     pub options: Vec<String>,
+    /// A secret, as qemu-img's `--object secret,id=ID,data=…|file=…`.
+    #[arg(long = "object")]
+    pub objects: Vec<String>,
+    /// The secret (an `--object` id) that unlocks an encrypted IMG (qemu-img's
+    /// `encrypt.key-secret`).
+    #[arg(long)]
+    pub key_secret: Option<String>,
     /// The image (qcow2, no backing file; write workloads overwrite its data, like bdevperf).
     /// Default: a sample image in a temporary directory.
     pub image: Option<PathBuf>,
@@ -139,6 +146,20 @@ pub enum Switch {
 }
 
 impl PerfArgs {
+    /// The key `--key-secret` names.
+    pub(super) fn key(&self) -> ToolResult<Option<crate::secrets::Secret>> {
+        let secrets = crate::secrets::parse_objects(&self.objects).map_err(ToolError::Usage)?;
+        self.key_secret
+            .as_ref()
+            .map(|id| {
+                secrets
+                    .get(id)
+                    .cloned()
+                    .ok_or_else(|| ToolError::Usage(format!("No secret with id '{id}'")))
+            })
+            .transpose()
+    }
+
     /// The prefetch ring these arguments ask for (`None`: off).
     pub(super) fn ring(&self) -> ToolResult<Option<RingConfig>> {
         if self.prefetch == Switch::Off {

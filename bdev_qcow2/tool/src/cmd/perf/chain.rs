@@ -159,6 +159,8 @@ fn run_chain(top: &Path, depth: usize, a: &PerfArgs) -> ToolResult<ChainRun> {
         queue_depth: (a.depth * 2).max(8) as u32,
         direct: !a.buffered,
         force_share: false,
+        // (The chain's images are made here, unencrypted.)
+        keys: Default::default(),
     };
     let delay = Duration::from_micros(a.base_latency_us);
     let t0 = Instant::now();

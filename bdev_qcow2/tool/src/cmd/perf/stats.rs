@@ -6,7 +6,7 @@ use super::device::{open_dev, Dev};
 use super::workload::{drive, warm, Lanes, RawTarget};
 use crate::host::{ToolError, ToolResult};
 use crate::lock::Access;
-use crate::reactor::run_reactors_with_ring;
+use crate::reactor::run_reactors_keyed;
 use qcow2_engine::ring::RingStats;
 use qcow2_engine::{Exec, OpenOptions};
 use std::path::Path;
@@ -131,7 +131,8 @@ pub fn run_one(path: &Path, raw: bool, w: Workload, a: &PerfArgs) -> ToolResult<
             Ok(d)
         };
         let ring = a.ring()?;
-        let out = run_reactors_with_ring(cores, &open, opts, w.writes(), ring, |r| {
+        let key = a.key()?;
+        let out = run_reactors_keyed(cores, &open, opts, w.writes(), ring, key, |r| {
             r.chain.prefetch().set_on(ring.is_some());
             if !a.cold {
                 warm(r)?;

@@ -1,0 +1,157 @@
+use super::cipher::{AesBits, IvGen, Mode};
+use super::hash::HashAlg;
+use super::*;
+
+#[test]
+fn cipher_specs_qemu_names() {
+    let s = CipherSpec::parse("aes", "xts-plain64", 64).unwrap();
+    assert_eq!(
+        (s.bits, s.mode, s.ivgen),
+        (AesBits::B256, Mode::Xts, IvGen::Plain64)
+    );
+    let s = CipherSpec::parse("aes", "cbc-essiv:sha256", 16).unwrap();
+    assert_eq!(s.ivgen, IvGen::Essiv(HashAlg::Sha256));
+    assert_eq!(s.bits, AesBits::B128);
+    assert!(CipherSpec::parse("aes", "xts-plain64", 63).is_none());
+    assert!(CipherSpec::parse("aes", "cbc-essiv:sha1", 32).is_none());
+    assert!(CipherSpec::parse("twofish", "xts-plain64", 64).is_none());
+    assert!(CipherSpec::parse("aes", "ecb", 32).is_none());
+}
+
+#[test]
+fn sectors_round_trip_and_depend_on_the_sector_number() {
+    for (mode, kb) in [
+        ("xts-plain64", 64),
+        ("xts-plain", 32),
+        ("xts-essiv:sha256", 48),
+        ("cbc-plain64", 32),
+        ("cbc-essiv:sha256", 24),
+    ] {
+        let spec = CipherSpec::parse("aes", mode, kb).unwrap();
+        let key: Vec<u8> = (0..kb as u8).collect();
+        let c = SectorCipher::new(&spec, &key).unwrap();
+        let plain: Vec<u8> = (0..2048u32).map(|i| (i * 7) as u8).collect();
+        let mut a = plain.clone();
+        c.encrypt(5, &mut a);
+        assert_ne!(a, plain, "{mode}");
+        // Sector 6 alone encrypts as the second sector of a run starting at 5.
+        let mut b = plain[512..1024].to_vec();
+        c.encrypt(6, &mut b);
+        assert_eq!(b, a[512..1024], "{mode}");
+        c.decrypt(5, &mut a);
+        assert_eq!(a, plain, "{mode}");
+    }
+}
+
+#[test]
+fn xts_plain64_known_answer() {
+    // IEEE 1619 XTS-AES-256 vector 10 (data unit sequence number 0xff): first 16 bytes.
+    let k1 = "2718281828459045235360287471352662497757247093699959574966967627";
+    let k2 = "3141592653589793238462643383279502884197169399375105820974944592";
+    let key: Vec<u8> = (0..64)
+        .map(|i| u8::from_str_radix(&format!("{k1}{k2}")[2 * i..2 * i + 2], 16).unwrap())
+        .collect();
+    let spec = CipherSpec::parse("aes", "xts-plain64", 64).unwrap();
+    let c = SectorCipher::new(&spec, &key).unwrap();
+    let mut data: Vec<u8> = (0..512).map(|i| i as u8).collect();
+    c.encrypt(0xff, &mut data);
+    assert_eq!(
+        &data[..16],
+        &[
+            0x1c, 0x3b, 0x3a, 0x10, 0x2f, 0x77, 0x03, 0x86, 0xe4, 0x83, 0x6c, 0x99, 0xe3, 0x70,
+            0xcf, 0x9b
+        ]
+    );
+}
+
+use super::build::{build, LuksBuild};
+use crate::error::{Error, Field};
+
+fn area(secret: &[u8], iterations: u32) -> Vec<u8> {
+    build(&LuksBuild {
+        cipher: ("aes", "xts-plain64"),
+        hash: HashAlg::Sha256,
+        master_key: &[7u8; 64],
+        secret,
+        iterations,
+        seed: 1,
+    })
+}
+
+fn field(e: Error) -> Option<Field> {
+    e.field()
+}
+
+#[test]
+fn unlock_right_and_wrong_key() {
+    let a = area(b"pw", 1000);
+    let h = LuksHeader::parse(&a).unwrap();
+    let c = h.unlock(&a, b"pw").unwrap();
+    let reference = SectorCipher::new(&h.cipher, &[7u8; 64]).unwrap();
+    let (mut x, mut y) = (vec![3u8; 1024], vec![3u8; 1024]);
+    c.encrypt(9, &mut x);
+    reference.encrypt(9, &mut y);
+    assert_eq!(x, y, "unlocked key is the master key");
+    assert_eq!(h.unlock(&a, b"nope").unwrap_err(), Error::WrongKey);
+}
+
+fn put32(a: &mut [u8], at: usize, v: u32) {
+    a[at..at + 4].copy_from_slice(&v.to_be_bytes());
+}
+
+/// A change to a header area.
+type Mutation = Box<dyn Fn(&mut Vec<u8>)>;
+
+#[test]
+fn hostile_headers_refused_before_any_key_derivation() {
+    let good = area(b"pw", 1000);
+    let slot0 = 208;
+    let cases: Vec<(&str, Mutation)> = vec![
+        ("magic", Box::new(|a| a[0] = b'X')),
+        ("version", Box::new(|a| a[7] = 2)),
+        (
+            "slot iterations",
+            Box::new(move |a| put32(a, slot0 + 4, u32::MAX)),
+        ),
+        ("digest iterations", Box::new(|a| put32(a, 164, 0))),
+        ("slot state", Box::new(move |a| put32(a, slot0, 0x1234))),
+        ("stripes", Box::new(move |a| put32(a, slot0 + 44, 1 << 30))),
+        (
+            "material outside",
+            Box::new(move |a| put32(a, slot0 + 40, u32::MAX)),
+        ),
+        (
+            "overlaps header",
+            Box::new(move |a| put32(a, slot0 + 40, 0)),
+        ),
+        (
+            "overlapping slots",
+            Box::new(move |a| put32(a, slot0 + 48 + 40, 9)),
+        ),
+        ("no active slot", Box::new(move |a| put32(a, slot0, 0xDEAD))),
+        ("truncated", Box::new(|a| a.truncate(100))),
+        ("key bytes", Box::new(|a| put32(a, 108, 1 << 31))),
+    ];
+    for (name, f) in cases {
+        let mut a = good.clone();
+        f(&mut a);
+        let t = std::time::Instant::now();
+        let r = LuksHeader::parse(&a);
+        assert!(r.is_err(), "{name} accepted");
+        let e = r.unwrap_err();
+        assert!(
+            field(e.clone()) == Some(Field::LuksHeader)
+                || matches!(e, Error::UnsupportedFeature(_)),
+            "{name}: {e}"
+        );
+        assert!(t.elapsed().as_millis() < 100, "{name}: slow refusal");
+    }
+    // Every active slot at the limit: refused as a whole (a wrong key would try them all).
+    let mut a = good.clone();
+    for i in 0..8 {
+        let s = slot0 + 48 * i;
+        put32(&mut a, s, 0x00AC_71F3);
+        put32(&mut a, s + 4, crate::limits::MAX_LUKS_ITERATIONS);
+    }
+    assert!(LuksHeader::parse(&a).is_err());
+}
