@@ -10,7 +10,9 @@
 # the size of the trace's disk, as raw, as plain qcow2 and as a zstd-compressed qcow2
 # (`qemu-img convert -c -o compression_type=zstd`), an aio bdev on a file in /dev/shm under
 # bdev_delay (LAT µs reads) with QoS (MBPS MB/s reads): a slow image store whose bandwidth
-# limits a boot. A qcow2 golden image is a read-only qcow2 bdev on it.
+# limits a boot. A qcow2 golden image is a read-only qcow2 bdev on it. BASE=nvmf: that slow
+# base is in a second spdk_tgt (core 1, as a real image store would be) and reaches the
+# overlays' spdk_tgt over NVMe-oF/TCP on loopback (bdev_nvme_attach_controller).
 # Each overlay: a qcow2 bdev on its own malloc bdev, backing_bdev the golden bdev, exported
 # as a namespace of one NVMe-oF/TCP subsystem of spdk_tgt (CORES, default one core).
 # The replayer: tests/bootstorm/replay.py, an asyncio NVMe/TCP host (one controller per
@@ -23,6 +25,9 @@
 #   tests/bootstorm_bench.sh
 #   NS="1 8 32 128" ROUNDS=1 IMAGES="raw zstd" tests/bootstorm_bench.sh
 #   LAT=500 MBPS=100 QD=8 tests/bootstorm_bench.sh
+#   BASE=nvmf IMAGES="raw zstd" tests/bootstorm_bench.sh    # the golden image over NVMe-oF/TCP
+#   LAT=0 MBPS=0 IMAGES=raw tests/bootstorm_bench.sh        # no slow base: the replayer's and
+#                                                           # the target's own floor
 #
 # Each spdk_tgt run takes /tmp/spdk-run.lock (LOCK) for its life only. Needs an installed
 # SPDK (spdk_tgt, pkg-config spdk_bdev), qemu-img and mke2fs (SKIPPED without them). Builds
@@ -75,4 +80,5 @@ echo "== boot storm: $(wc -l <"$TRACE") reads of $(awk -F, '{b += $2} END {print
   "(qcow2 $(du -m "$DIR/golden.qcow2" 2>/dev/null | cut -f1) MiB, zstd $(du -m "$DIR/golden-zstd.qcow2" 2>/dev/null | cut -f1) MiB)"
 python3 tests/bootstorm/bench.py --module "$SO" --dir "$DIR" --trace "$TRACE" --images "$images" \
   --ns "${NS:-1 8 32}" --rounds "${ROUNDS:-3}" --qd "${QD:-8}" --lat "${LAT:-500}" \
-  --mbps "${MBPS:-100}" --cores "${CORES:-0x1}" --lock "${LOCK:-/tmp/spdk-run.lock}"
+  --mbps "${MBPS:-100}" --cores "${CORES:-0x1}" --base "${BASE:-delay}" \
+  --lock "${LOCK:-/tmp/spdk-run.lock}"

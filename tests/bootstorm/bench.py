@@ -20,13 +20,12 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from target import Target  # noqa: E402
 
 NQN = "nqn.2016-06.io.spdk:bootstorm"
+STORE_NQN = "nqn.2016-06.io.spdk:golden"
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def config(a, image, fmt, n, shared, path):
-    """spdk_tgt's JSON config: aio golden file, bdev_delay + QoS on it (the slow base, `dg`),
-    a read-only qcow2 bdev `golden` on it for a qcow2 image, N overlays vm<i>."""
-    golden = "dg" if fmt == "raw" else "golden"
+def slow_base(a, image):
+    """The golden image's slow base `dg`: an aio bdev, bdev_delay and QoS on it."""
     bdev = [
         {"method": "bdev_aio_create",
          "params": {"name": "ag", "filename": image, "block_size": 512}},
@@ -38,9 +37,48 @@ def config(a, image, fmt, n, shared, path):
     if a.mbps:
         bdev.append({"method": "bdev_set_qos_limit",
                      "params": {"name": "dg", "r_mbytes_per_sec": a.mbps}})
+    return bdev
+
+
+def listener(nqn, port):
+    return {"method": "nvmf_subsystem_add_listener",
+            "params": {"nqn": nqn, "listen_address": {
+                "trtype": "TCP", "adrfam": "IPv4", "traddr": "127.0.0.1",
+                "trsvcid": str(port)}}}
+
+
+def store_config(a, image, path):
+    """The image store's spdk_tgt (base nvmf): `dg` exported over NVMe-oF/TCP."""
+    nvmf = [
+        {"method": "nvmf_create_transport", "params": {"trtype": "TCP"}},
+        {"method": "nvmf_create_subsystem",
+         "params": {"nqn": STORE_NQN, "allow_any_host": True, "serial_number": "GOLDEN0001"}},
+        {"method": "nvmf_subsystem_add_ns",
+         "params": {"nqn": STORE_NQN, "namespace": {"bdev_name": "dg", "nsid": 1}}},
+        listener(STORE_NQN, a.port + 1),
+    ]
+    with open(path, "w") as f:
+        json.dump({"subsystems": [{"subsystem": "bdev", "config": slow_base(a, image)},
+                                  {"subsystem": "nvmf", "config": nvmf}]}, f)
+
+
+def config(a, image, fmt, n, shared, path):
+    """spdk_tgt's JSON config: the slow base (here, or base nvmf: attached from the image
+    store as `sg` n1), a read-only qcow2 bdev `golden` on it for a qcow2 image, N overlays
+    vm<i>."""
+    if a.base == "nvmf":
+        base = "sgn1"
+        bdev = [{"method": "bdev_nvme_attach_controller",
+                 "params": {"name": "sg", "trtype": "tcp", "adrfam": "ipv4",
+                            "traddr": "127.0.0.1", "trsvcid": str(a.port + 1),
+                            "subnqn": STORE_NQN}}]
+    else:
+        base = "dg"
+        bdev = slow_base(a, image)
+    golden = base if fmt == "raw" else "golden"
     if fmt != "raw":
         bdev.append({"method": "bdev_qcow2_create",
-                     "params": {"name": "golden", "base_bdev": "dg", "read_only": True}})
+                     "params": {"name": "golden", "base_bdev": base, "read_only": True}})
     for i in range(n):
         m = f"m{i}"
         bdev.append({"method": "bdev_malloc_create",
@@ -62,10 +100,7 @@ def config(a, image, fmt, n, shared, path):
     for i in range(n):
         nvmf.append({"method": "nvmf_subsystem_add_ns",
                      "params": {"nqn": NQN, "namespace": {"bdev_name": f"vm{i}", "nsid": i + 1}}})
-    nvmf.append({"method": "nvmf_subsystem_add_listener",
-                 "params": {"nqn": NQN, "listen_address": {
-                     "trtype": "TCP", "adrfam": "IPv4", "traddr": "127.0.0.1",
-                     "trsvcid": str(a.port)}}})
+    nvmf.append(listener(NQN, a.port))
     with open(path, "w") as f:
         json.dump({"subsystems": [{"subsystem": "bdev", "config": bdev},
                                   {"subsystem": "nvmf", "config": nvmf}]}, f)
@@ -80,18 +115,27 @@ def run(a, image, fmt, n, shared):
     cfg = os.path.join(a.dir, "tgt.json")
     config(a, image, fmt, n, shared, cfg)
     tgt = Target(a.dir, a.module, a.mem.split(), a.cores)
+    store = tgt
+    if a.base == "nvmf":
+        # The image store: a second spdk_tgt on the other core, its own socket.
+        sdir = os.path.join(a.dir, "store")
+        os.makedirs(sdir, exist_ok=True)
+        store_config(a, image, os.path.join(sdir, "store.json"))
+        store = Target(sdir, a.module, a.mem.split(), a.store_cores)
     with open(a.lock, "w") as lock:
         # Other SPDK applications on this machine: one at a time, for the run only.
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
+            if store is not tgt:
+                store.start(os.path.join(sdir, "store.json"))
             tgt.start(cfg)
-            before = bytes_read(tgt, "dg")
+            before = bytes_read(store, "dg")
             out = subprocess.run(
                 [sys.executable, os.path.join(HERE, "replay.py"), "--port", str(a.port),
                  "--nqn", NQN, "--boots", str(n), "--qd", str(a.qd), "--trace", a.trace],
                 check=True, capture_output=True, text=True, timeout=900)
             r = json.loads(out.stdout)
-            golden = bytes_read(tgt, "dg") - before
+            golden = bytes_read(store, "dg") - before
             stats = tgt.call("bdev_qcow2_get_stats", {"name": "vm0"})
             cache = stats[0].get("backing_cache") or {}
             mem = cache.get("memory_bytes", 0)
@@ -99,6 +143,7 @@ def run(a, image, fmt, n, shared):
             sys.exit(f"replay failed: {e.stderr}\n{tgt.tail()}")
         finally:
             tgt.kill()
+            store.kill()
     return r["wall"], golden, mem, r["cpu"]
 
 
@@ -114,11 +159,15 @@ def main():
     ap.add_argument("--lat", type=int, default=500, help="golden read latency, us")
     ap.add_argument("--mbps", type=int, default=100, help="golden read MB/s (QoS), 0: none")
     ap.add_argument("--cores", default="0x1")
+    ap.add_argument("--base", default="delay", choices=["delay", "nvmf"],
+                    help="the slow base here, or in a second spdk_tgt over NVMe-oF/TCP")
+    ap.add_argument("--store-cores", default="0x2")
     ap.add_argument("--mem", default="--no-huge -s 3072")
     ap.add_argument("--port", type=int, default=4437)
     ap.add_argument("--lock", default="/tmp/spdk-run.lock")
     a = ap.parse_args()
-    print(f"   golden base: aio file, bdev_delay {a.lat} us reads, QoS {a.mbps} MB/s reads;"
+    where = "" if a.base == "delay" else f", exported by spdk_tgt -m {a.store_cores} over NVMe-oF/TCP"
+    print(f"   golden base: aio file, bdev_delay {a.lat} us reads, QoS {a.mbps} MB/s reads{where};"
           f" spdk_tgt -m {a.cores}; replay QD{a.qd} per boot; {a.rounds} alternating pair(s)")
     print(f"   {'image':6} {'N':>4} | {'wall s on':>9} {'off':>7} {'x1 on':>6} {'x1 off':>6}"
           f" | {'golden MiB on':>13} {'off':>7} {'x1 on':>6} {'x1 off':>6}"
