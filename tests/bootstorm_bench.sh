@@ -26,6 +26,8 @@
 #   NS="1 8 32 128" ROUNDS=1 IMAGES="raw zstd" tests/bootstorm_bench.sh
 #   LAT=500 MBPS=100 QD=8 tests/bootstorm_bench.sh
 #   BASE=nvmf IMAGES="raw zstd" tests/bootstorm_bench.sh    # the golden image over NVMe-oF/TCP
+#   MBPS=20 NS="1 32" OFF_MAX=1 IMAGES=raw tests/bootstorm_bench.sh  # a base slow enough that
+#                                                           # one boot outlasts the floor below
 #   LAT=0 MBPS=0 IMAGES=raw tests/bootstorm_bench.sh        # no slow base: the replayer's and
 #                                                           # the target's own floor
 #
@@ -81,4 +83,5 @@ echo "== boot storm: $(wc -l <"$TRACE") reads of $(awk -F, '{b += $2} END {print
 python3 tests/bootstorm/bench.py --module "$SO" --dir "$DIR" --trace "$TRACE" --images "$images" \
   --ns "${NS:-1 8 32}" --rounds "${ROUNDS:-3}" --qd "${QD:-8}" --lat "${LAT:-500}" \
   --mbps "${MBPS:-100}" --cores "${CORES:-0x1}" --base "${BASE:-delay}" \
+  --off-max "${OFF_MAX:-1073741824}" \
   --lock "${LOCK:-/tmp/spdk-run.lock}"
