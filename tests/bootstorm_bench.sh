@@ -7,7 +7,7 @@
 # tests/bootstorm/record_trace.sh (a guest reading every file of an ext4 root: 2,066 reads,
 # 134 MiB of a 272 MiB disk; offset,length per line).
 # The golden image: an ext4 filesystem of this host's libraries (real, compressible data)
-# the size of the trace's disk, as raw, as plain qcow2 and as a zstd-compressed qcow2
+# as large as the trace reaches, as raw, as plain qcow2 and as a zstd-compressed qcow2
 # (`qemu-img convert -c -o compression_type=zstd`), an aio bdev on a file in /dev/shm under
 # bdev_delay (LAT µs reads) with QoS (MBPS MB/s reads): a slow image store whose bandwidth
 # limits a boot. A qcow2 golden image is a read-only qcow2 bdev on it. BASE=nvmf: that slow

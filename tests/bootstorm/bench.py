@@ -114,14 +114,17 @@ def run(a, image, fmt, n, shared):
     """One storm: (wall s, golden bytes read, cache memory bytes, replayer CPU s)."""
     cfg = os.path.join(a.dir, "tgt.json")
     config(a, image, fmt, n, shared, cfg)
-    tgt = Target(a.dir, a.module, a.mem.split(), a.cores)
+    # Each overlay takes its malloc bdev (8 MiB) and a prefetch ring (5 MiB) of DMA memory.
+    mem = a.mem.split() or ["--no-huge", "-s", str(2048 + 24 * n)]
+    tgt = Target(a.dir, a.module, mem, a.cores)
     store = tgt
     if a.base == "nvmf":
         # The image store: a second spdk_tgt on the other core, its own socket.
         sdir = os.path.join(a.dir, "store")
         os.makedirs(sdir, exist_ok=True)
         store_config(a, image, os.path.join(sdir, "store.json"))
-        store = Target(sdir, a.module, a.mem.split(), a.store_cores)
+        store = Target(sdir, a.module, a.mem.split() or ["--no-huge", "-s", "1024"],
+                       a.store_cores)
     with open(a.lock, "w") as lock:
         # Other SPDK applications on this machine: one at a time, for the run only.
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -164,7 +167,7 @@ def main():
     ap.add_argument("--base", default="delay", choices=["delay", "nvmf"],
                     help="the slow base here, or in a second spdk_tgt over NVMe-oF/TCP")
     ap.add_argument("--store-cores", default="0x2")
-    ap.add_argument("--mem", default="--no-huge -s 3072")
+    ap.add_argument("--mem", default="", help="spdk_tgt's memory options (default: by N)")
     ap.add_argument("--port", type=int, default=4437)
     ap.add_argument("--lock", default="/tmp/spdk-run.lock")
     a = ap.parse_args()
