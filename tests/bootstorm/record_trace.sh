@@ -9,6 +9,7 @@
 #
 #   tests/bootstorm/record_trace.sh [OUT]   # default tests/bootstorm/boot_trace.csv
 #   ROOT_MB=160 tests/bootstorm/record_trace.sh
+#   KEEP=1 tests/bootstorm/record_trace.sh     # keep the work directory (disk, QEMU trace log)
 #
 # Needs qemu-system-x86_64 (TCG is enough), static busybox, cpio, mke2fs, a kernel in
 # /boot with its modules.
