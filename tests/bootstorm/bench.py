@@ -86,8 +86,7 @@ def config(a, image, fmt, n, shared, path):
         bdev.append({"method": "bdev_qcow2_format",
                      "params": {"base_bdev": m, "backing_bdev": golden}})
         params = {"name": f"vm{i}", "base_bdev": m, "backing_bdev": golden}
-        if not shared:
-            params["backing_cache_size"] = 0
+        params["backing_cache_size"] = (256 << 20) if shared else 0
         bdev.append({"method": "bdev_qcow2_create", "params": params})
     bdev.append({"method": "bdev_wait_for_examine"})
     nvmf = [
