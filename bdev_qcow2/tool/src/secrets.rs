@@ -35,8 +35,8 @@ pub struct Keys {
     pub backing: Option<Secret>,
 }
 
-/// Splits a QEMU option string at commas (`,,` is a literal comma) into `key=value` pairs.
-pub fn split_opts(s: &str) -> Vec<(String, String)> {
+/// Splits a QEMU option string at commas (`,,` is a literal comma), empty parts left out.
+pub fn split_commas(s: &str) -> Vec<String> {
     let mut parts = Vec::new();
     let mut cur = String::new();
     let mut chars = s.chars().peekable();
@@ -53,9 +53,13 @@ pub fn split_opts(s: &str) -> Vec<(String, String)> {
         }
     }
     parts.push(cur);
-    parts
+    parts.into_iter().filter(|p| !p.is_empty()).collect()
+}
+
+/// [`split_commas`] into `key=value` pairs (a part without `=` has an empty value).
+pub fn split_opts(s: &str) -> Vec<(String, String)> {
+    split_commas(s)
         .into_iter()
-        .filter(|p| !p.is_empty())
         .map(|p| match p.split_once('=') {
             Some((k, v)) => (k.to_owned(), v.to_owned()),
             None => (p, String::new()),

@@ -90,23 +90,7 @@ fn usage<T>(msg: impl Into<String>) -> ToolResult<T> {
 
 /// Splits a qemu option string at commas; `,,` stands for a literal comma.
 fn split_options(s: &str) -> Vec<String> {
-    let mut out = Vec::new();
-    let mut cur = String::new();
-    let mut chars = s.chars().peekable();
-    while let Some(c) = chars.next() {
-        if c == ',' {
-            if chars.peek() == Some(&',') {
-                chars.next();
-                cur.push(',');
-            } else {
-                out.push(std::mem::take(&mut cur));
-            }
-        } else {
-            cur.push(c);
-        }
-    }
-    out.push(cur);
-    out.into_iter().filter(|s| !s.is_empty()).collect()
+    crate::secrets::split_commas(s)
 }
 
 /// QEMU's boolean option values.
