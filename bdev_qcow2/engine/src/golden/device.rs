@@ -52,7 +52,8 @@ impl<D: BlockDevice> CachedDevice<D> {
     }
 
     /// `inner`, its reads served through `cache` (shared with every other reader of the
-    /// same golden image).
+    /// same golden image) while two readers or more hold it as
+    /// [`Sharer`](super::Sharer)s.
     pub fn new(inner: D, cache: Option<Arc<SharedReadCache>>) -> CachedDevice<D> {
         CachedDevice {
             inner,
@@ -211,7 +212,7 @@ impl<D: BlockDevice> BlockDevice for CachedDevice<D> {
         let DeviceOp::Read { offset, buf } = op else {
             return self.inner.submit(op, tag);
         };
-        if self.cache.is_none() || buf.len == 0 {
+        if buf.len == 0 || !self.cache.as_ref().is_some_and(|c| c.is_shared()) {
             return self.inner.submit(DeviceOp::Read { offset, buf }, tag);
         }
         match self.serve(offset, &buf) {
