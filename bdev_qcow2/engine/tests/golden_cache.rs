@@ -72,6 +72,9 @@ fn overlay_reads(golden: &[u8], cache: Option<Arc<SharedReadCache>>, start: &Bar
         off += n as u64;
     }
     let reads = gstate.borrow().reads;
+    // Every overlay shares the cache until all have read (the last one alone would read
+    // past it).
+    start.wait();
     reads
 }
 

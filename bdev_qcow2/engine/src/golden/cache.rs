@@ -374,6 +374,13 @@ impl Drop for Fill {
 
 /// Copies `dst.len()` bytes from byte `off` of `words` (native byte order, as stored).
 fn copy_words_out(words: &[AtomicU64], off: usize, dst: &mut [u8]) {
+    if off.is_multiple_of(8) && dst.len().is_multiple_of(8) {
+        // Whole words (every sector-aligned read): a load and a store each.
+        for (w, out) in words[off / 8..].iter().zip(dst.chunks_exact_mut(8)) {
+            out.copy_from_slice(&w.load(Ordering::Relaxed).to_ne_bytes());
+        }
+        return;
+    }
     let mut pos = off;
     let mut out = 0;
     while out < dst.len() {
