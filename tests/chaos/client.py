@@ -67,13 +67,19 @@ class Worker(threading.Thread):
 
     @contextlib.contextmanager
     def paused(self):
-        """No command of this client runs inside the block. Left by an exception (the
-        target died under the driver's RPC), the client stays held until it is stopped: a
-        command it sent then would count its blocks as touched though no bdev could take
-        them (with the bdev deleted, its bitmaps were stored without them)."""
+        """No command of this client runs inside the block. Left by an OSError (the target
+        died under the driver's RPC), the client stays held until it is stopped: a command
+        it sent then would count its blocks as touched though no bdev could take them (with
+        the bdev deleted, its bitmaps were stored without them)."""
         self.hold = True
-        with self.gate:
-            yield
+        try:
+            with self.gate:
+                yield
+        except OSError:
+            raise
+        except BaseException:
+            self.hold = False
+            raise
         self.hold = False
 
     def run(self):
@@ -178,3 +184,7 @@ class Group:
     def tolerate_errors(self):
         for w in self.workers:
             w.tolerate_errors = True
+
+    def tolerating_errors(self):
+        """Whether errors were injected under this disk in this life."""
+        return any(w.tolerate_errors for w in self.workers)

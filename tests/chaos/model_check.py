@@ -94,6 +94,14 @@ def held_after_a_failed_pause(p):
     w.start()
     try:
         with w.paused():
+            raise RuntimeError("an RPC answered an error: the client goes on")
+    except RuntimeError:
+        pass
+    sent = c.sent
+    time.sleep(0.2)
+    assert c.sent > sent, "a client stayed held after an RPC error"
+    try:
+        with w.paused():
             raise OSError("the target died under the RPC")
     except OSError:
         pass
