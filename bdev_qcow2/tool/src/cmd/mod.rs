@@ -6,6 +6,7 @@ pub mod commit;
 pub mod compare;
 pub mod convert;
 pub mod create;
+pub mod create_encrypt;
 pub mod info;
 pub mod info_encrypt;
 pub mod io;
