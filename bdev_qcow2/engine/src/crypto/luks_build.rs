@@ -102,15 +102,16 @@ impl LuksParams {
     pub fn set(&mut self, name: &str, value: &str) -> Result<()> {
         match name {
             "cipher-alg" => {
-                self.cipher_alg =
-                    match value {
-                        "aes-128" => AesBits::B128,
-                        "aes-192" => AesBits::B192,
-                        "aes-256" => AesBits::B256,
-                        _ => return refused(format!(
+                self.cipher_alg = match value {
+                    "aes-128" => AesBits::B128,
+                    "aes-192" => AesBits::B192,
+                    "aes-256" => AesBits::B256,
+                    _ => {
+                        return refused(format!(
                             "Cipher algorithm {value} not supported (aes-128, aes-192, aes-256)"
-                        )),
+                        ))
                     }
+                }
             }
             "cipher-mode" => {
                 self.cipher_mode = match value {
