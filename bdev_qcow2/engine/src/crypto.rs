@@ -9,12 +9,14 @@ pub mod build;
 pub mod cipher;
 pub mod hash;
 pub mod luks;
+pub mod luks_build;
 #[cfg(test)]
 mod tests;
 mod xts;
 
 pub use cipher::{CipherSpec, SectorCipher};
 pub use luks::LuksHeader;
+pub use luks_build::{build_luks_area, LuksArea, LuksParams};
 
 use crate::error::{invalid, Error, Field};
 

@@ -329,6 +329,7 @@ impl FormatParams {
             backing_format: None,
             // `format` decides, from `zero_base` and the base.
             zeroed_tail: false,
+            encryption: None,
         })
     }
 
