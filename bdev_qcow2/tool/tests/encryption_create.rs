@@ -399,3 +399,18 @@ fn snapshot_resize_bitmap_convert_on_encrypted_images() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("Compression"));
 }
+
+#[test]
+fn measure_counts_the_luks_area_as_qemu() {
+    for o in [
+        "encrypt.format=luks,encrypt.key-secret=sec0",
+        "encrypt.format=luks,encrypt.key-secret=sec0,encrypt.cipher-alg=aes-128",
+        "encrypt.format=luks,encrypt.key-secret=sec0,cluster_size=4k",
+    ] {
+        let args = ["-O", "qcow2", "-o", o, "--size", "1G", "--output=json"];
+        let q = qemu_img_secrets(&[&["measure"][..], &args[..]].concat());
+        let q: serde_json::Value = serde_json::from_slice(&q.stdout).unwrap();
+        let ours: serde_json::Value = serde_json::from_str(&ours_ok("measure", &args)).unwrap();
+        assert_eq!(ours, q, "{o}");
+    }
+}
