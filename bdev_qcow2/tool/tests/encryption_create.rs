@@ -44,7 +44,9 @@ fn qemu_encrypt_fields(img: &Path) -> serde_json::Value {
     e
 }
 
-const CIPHERS: [(&str, &str); 8] = [
+const CIPHERS: [(&str, &str); 10] = [
+    ("v2-4k-clusters", ",compat=0.10,cluster_size=4k"),
+    ("extended-l2", ",extended_l2=on,cluster_size=32k"),
     ("default", ""),
     (
         "xts128-sha1",
@@ -247,6 +249,18 @@ fn encrypted_overlays_on_plain_and_encrypted_bases() {
             "read -P 0x44 0 64k",
             "read -P 0x55 64k 4k",
             "read -P 0x44 68k 60k",
+        ],
+    );
+    qemu_check_clean(&e);
+    // Rebase onto nothing: the base's data copied in, encrypted; QEMU reads it alone.
+    ours_ok("rebase", &["--allow-backing", "-b", "", "--image-opts", &e]);
+    std::fs::remove_file(&plain).unwrap();
+    qemu_io_opts(
+        &e,
+        &[
+            "read -P 0x44 0 64k",
+            "read -P 0x55 64k 4k",
+            "read -P 0x44 68k 956k",
         ],
     );
     qemu_check_clean(&e);
