@@ -10,16 +10,13 @@ use std::path::Path;
 use std::process::Command;
 
 mod common;
-use common::{output, qemu_img, run};
-
-const QCOW2: &str = env!("CARGO_BIN_EXE_qcow2");
-const SECRET: &str = "secret,id=sec0,data=correct horse";
+#[path = "common/luks.rs"]
+mod luks;
+use common::{qemu_img, run};
+use luks::{ours, SECRET};
 
 fn opts(img: &Path) -> String {
-    format!(
-        "driver=qcow2,file.filename={},encrypt.key-secret=sec0",
-        img.display()
-    )
+    luks::opts(img, Some("sec0"))
 }
 
 /// `qemu-img create` of an encrypted image with `extra` encrypt options.
@@ -40,36 +37,13 @@ fn create(img: &Path, size: &str, extra: &str) {
 }
 
 fn qemu_io(img: &Path, cmds: &[String]) {
-    let mut c = Command::new("qemu-io");
-    c.args(["--object", SECRET, "--image-opts"]).arg(opts(img));
-    for x in cmds {
-        c.arg("-c").arg(x);
-    }
-    let out = run(&mut c);
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        !text.contains("error") && !text.contains("failed"),
-        "qemu-io: {text}"
-    );
-}
-
-fn ours(args: &[&str]) -> std::process::Output {
-    output(Command::new(QCOW2).args(args))
+    let cmds: Vec<&str> = cmds.iter().map(String::as_str).collect();
+    luks::qemu_io_opts(&opts(img), &cmds);
 }
 
 fn our_io(img: &Path, cmds: &[String]) {
-    let o = opts(img);
-    let mut a = vec!["io", "--object", SECRET, "--image-opts", &o];
-    for c in cmds {
-        a.push("-c");
-        a.push(c);
-    }
-    let out = ours(&a);
-    assert!(
-        out.status.success(),
-        "qcow2 io: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let cmds: Vec<&str> = cmds.iter().map(String::as_str).collect();
+    luks::our_io_opts(&opts(img), &cmds);
 }
 
 fn random_file(dir: &Path) -> String {
@@ -172,30 +146,8 @@ fn our_writes_read_back_by_qemu() {
     }
     run(c.arg(&plain));
     let e = opts(&img);
-    let p = format!("driver=qcow2,file.filename={}", plain.display());
-    let out = output(Command::new("qemu-img").args([
-        "compare",
-        "--object",
-        SECRET,
-        "--image-opts",
-        &e,
-        &p,
-    ]));
-    assert_eq!(
-        out.status.code(),
-        Some(0),
-        "qemu-img compare: {}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let out =
-        output(Command::new("qemu-img").args(["check", "--object", SECRET, "--image-opts", &e]));
-    assert_eq!(
-        out.status.code(),
-        Some(0),
-        "{}",
-        String::from_utf8_lossy(&out.stdout)
-    );
+    luks::qemu_same(&e, &luks::opts(&plain, None));
+    luks::qemu_check_clean(&e);
 }
 
 #[test]

@@ -180,8 +180,18 @@ impl LuksParams {
     }
 
     /// The payload cipher these options make; refused when QEMU refuses them (essiv with
-    /// a hash whose digest is no AES key length: sha1, sha384, sha512).
+    /// a hash whose digest is no AES key length: sha1, sha384, sha512) or fails on them
+    /// (aes-192-cbc).
     pub fn cipher_spec(&self) -> Result<CipherSpec> {
+        if !(self.key_bytes() * LUKS_STRIPES as usize).is_multiple_of(SECTOR_BYTES) {
+            // aes-192-cbc: QEMU encrypts key material by whole sectors and aborts on it.
+            return refused(format!(
+                "cipher {}-{} not supported: its key material is not whole sectors, which \
+                 QEMU cannot create or open",
+                self.cipher_alg.name(),
+                self.cipher_mode_text()
+            ));
+        }
         CipherSpec::parse("aes", &self.cipher_mode_text(), self.key_bytes()).map_or_else(
             || {
                 refused(format!(

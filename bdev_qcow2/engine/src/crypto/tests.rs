@@ -199,9 +199,14 @@ fn built_area_for_each_option_set() {
             32,
         ),
         (
-            &[("cipher-alg", "aes-192"), ("cipher-mode", "cbc")][..],
+            &[("cipher-alg", "aes-192"), ("hash-alg", "sha224")][..],
+            "xts-plain64",
+            48,
+        ),
+        (
+            &[("cipher-alg", "aes-128"), ("cipher-mode", "cbc")][..],
             "cbc-plain64",
-            24,
+            16,
         ),
         (
             &[("ivgen-alg", "plain"), ("hash-alg", "sha1")][..],
@@ -238,6 +243,12 @@ fn built_area_for_each_option_set() {
         assert!(p.set(k, v).is_err(), "{k}={v}");
     }
     p.set("cipher-mode", "cbc").unwrap();
+    p.set("cipher-alg", "aes-192").unwrap();
+    assert!(
+        build_luks_area(&p, b"k").is_err(),
+        "aes-192-cbc: QEMU aborts on it"
+    );
+    p.set("cipher-alg", "aes-256").unwrap();
     p.set("ivgen-alg", "essiv").unwrap();
     p.set("ivgen-hash-alg", "sha1").unwrap();
     assert!(

@@ -48,7 +48,14 @@ pub struct CheckArgs {
     /// Print nothing on stdout; only the exit code tells.
     #[arg(short = 'q', long)]
     pub quiet: bool,
-    /// The image.
+    /// Secrets (`--object secret,…`), as qemu-img takes them; a check reads no guest
+    /// data, so an encrypted image's key is not needed.
+    #[arg(long = "object", value_name = "secret,id=ID,data=…|file=…")]
+    pub objects: Vec<String>,
+    /// The image argument is an option string, as qemu-img's `--image-opts`.
+    #[arg(long)]
+    pub image_opts: bool,
+    /// The image (with `--image-opts`, its option string).
     pub image: PathBuf,
 }
 
@@ -163,8 +170,16 @@ fn eprint_messages(r: &CheckReport) {
 
 /// Runs `qcow2 check`; prints its output and returns the exit code.
 pub fn main(args: &CheckArgs) -> ExitCode {
-    let filename = args.image.display().to_string();
-    if args.format != Format::Qcow2 {
+    let (image, format) =
+        match super::image_target(&args.image, args.format, &args.objects, args.image_opts) {
+            Ok((path, format, _keys)) => (path, format),
+            Err(e) => {
+                eprintln!("qcow2: {e}");
+                return ExitCode::from(1);
+            }
+        };
+    let filename = image.display().to_string();
+    if format != Format::Qcow2 {
         eprintln!("qcow2: This image format does not support checks");
         return ExitCode::from(63);
     }
@@ -186,7 +201,7 @@ pub fn main(args: &CheckArgs) -> ExitCode {
         (false, false) => Access::Read,
     };
     let mut dev = match UringDevice::open(
-        &args.image,
+        &image,
         access == Access::Write,
         args.cache == CacheMode::None,
         64,
@@ -197,7 +212,7 @@ pub fn main(args: &CheckArgs) -> ExitCode {
             return ExitCode::from(1);
         }
     };
-    if let Err(e) = lock_device(&mut dev, &args.image, access) {
+    if let Err(e) = lock_device(&mut dev, &image, access) {
         eprintln!("qcow2: {e}");
         return ExitCode::from(1);
     }

@@ -114,6 +114,11 @@ impl EncryptOptions {
         s
     }
 
+    /// Bytes of the LUKS header area the image gets (`None`: not encrypted).
+    pub fn area_bytes(&self) -> Option<u64> {
+        self.luks.then(|| self.params.area_bytes() as u64)
+    }
+
     /// The secret `encrypt.key-secret` names, among those `--object` defined.
     pub fn secret(&self, secrets: &HashMap<String, Secret>) -> ToolResult<Option<Secret>> {
         let Some(id) = self.key_secret.as_deref().filter(|_| self.luks) else {

@@ -40,6 +40,10 @@ pub struct MeasureArgs {
     /// Force sharing (qemu-img's `-U`): read an image another process may be writing.
     #[arg(short = 'U', long = "force-share")]
     pub force_share: bool,
+    /// Secrets (`--object secret,…`), as qemu-img takes them (an input image is measured
+    /// without its key: no guest data is read).
+    #[arg(long = "object", value_name = "secret,id=ID,data=…|file=…")]
+    pub objects: Vec<String>,
     /// The input image (its contents are to be converted into the new image).
     pub filenames: Vec<PathBuf>,
 }
@@ -190,7 +194,9 @@ fn measure_qcow2(fo: &FormatOptions, input: Option<&Input>) -> ToolResult<Measur
     ) {
         required = size;
     }
-    let fully_allocated = prealloc_size(size, cs, c.refcount_order, c.extended_l2);
+    // An encrypted image's LUKS header area, in whole clusters, as QEMU counts it.
+    let luks = fo.encrypt.area_bytes().map_or(0, |b| b.div_ceil(cs) * cs);
+    let fully_allocated = prealloc_size(size, cs, c.refcount_order, c.extended_l2) + luks;
     let bitmaps = match input.and_then(|i| i.bitmaps.as_ref()) {
         Some(b) if c.version >= 3 => Some(bitmaps_size(b, input.map_or(0, |i| i.size), cs)),
         _ => None,
@@ -216,6 +222,7 @@ pub fn measure(args: &MeasureArgs) -> ToolResult<Measured> {
     for o in &args.options {
         fo.apply(o)?;
     }
+    crate::secrets::parse_objects(&args.objects).map_err(ToolError::Usage)?;
     if let Some(s) = &args.size {
         fo.size = Some(
             super::create::parse_qemu_size(s)
@@ -224,7 +231,7 @@ pub fn measure(args: &MeasureArgs) -> ToolResult<Measured> {
     }
     if args.target_format == Format::Qcow2 {
         fo.validate()?;
-    } else if fo.create != qcow2_engine::create::CreateOptions::default() {
+    } else if fo.create != qcow2_engine::create::CreateOptions::default() || fo.encrypt.any() {
         return usage("Invalid parameter for the raw format (only size and preallocation)");
     }
     let spec = |path: &PathBuf| OpenSpec {
