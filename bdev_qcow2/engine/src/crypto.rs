@@ -7,13 +7,15 @@
 #[cfg(any(test, feature = "testing"))]
 pub mod build;
 pub mod cipher;
+mod evp;
 pub mod hash;
 pub mod luks;
+mod soft;
 #[cfg(test)]
 mod tests;
 mod xts;
 
-pub use cipher::{CipherSpec, SectorCipher};
+pub use cipher::{Backend, CipherSpec, SectorCipher, SectorWorker};
 pub use luks::LuksHeader;
 
 use crate::error::{invalid, Error, Field};
