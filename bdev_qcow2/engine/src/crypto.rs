@@ -8,6 +8,7 @@
 pub mod build;
 pub mod cipher;
 mod evp;
+mod evp_xts;
 pub mod hash;
 pub mod luks;
 mod soft;

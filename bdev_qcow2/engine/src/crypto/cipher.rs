@@ -2,11 +2,11 @@
 //! with the IV of each 512-byte sector from its number (`plain`, `plain64`, `essiv`), as
 //! QEMU's `crypto/block-luks.c` and its IV generators compute them.
 //!
-//! One dispatch: OpenSSL's EVP (`evp.rs`, AES-NI/VAES) runs every sector it serves, keyed
-//! once per key; RustCrypto (`soft.rs`) runs the rest (XTS over AES-192, XTS keys with
-//! equal halves) and is the reference the tests check EVP against. An EVP context is
-//! mutable: a [`SectorWorker`] owns one pair per thread (an executor's view, one per
-//! core, lock-free); [`SectorCipher::encrypt`]/[`decrypt`](SectorCipher::decrypt) through
+//! One dispatch: OpenSSL's EVP (`evp.rs`) runs every cipher it serves, keyed once per key
+//! (XTS as our XTS over EVP's AES-ECB, `evp_xts.rs`); RustCrypto (`soft.rs`) runs XTS
+//! over AES-192, which OpenSSL lacks, and is the reference the tests check EVP against.
+//! An EVP context is mutable: a [`SectorWorker`] owns one per thread (an executor's view,
+//! one per core, lock-free); [`SectorCipher::encrypt`]/[`decrypt`](SectorCipher::decrypt) through
 //! a shared `&SectorCipher` borrow a pair from a small pool under a mutex.
 
 use super::evp::EvpPair;
@@ -298,17 +298,17 @@ impl SectorCipher {
         }
     }
 
-    fn run(&self, mut pair: Option<&mut EvpPair>, first: u64, data: &mut [u8], enc: bool) {
+    fn run(&self, pair: Option<&mut EvpPair>, first: u64, data: &mut [u8], enc: bool) {
         debug_assert!(data.len().is_multiple_of(SECTOR_BYTES));
-        for (i, s) in data.chunks_exact_mut(SECTOR_BYTES).enumerate() {
-            let iv = self.iv(first.wrapping_add(i as u64));
-            let done = match pair.as_deref_mut() {
-                Some(p) => p.sector(s, &iv, enc),
-                None => false,
-            };
-            if !done {
-                self.soft.sector(s, iv, enc);
-            }
+        let iv = |i: u64| self.iv(first.wrapping_add(i));
+        let done = match pair {
+            Some(p) => p.run(data, &iv, enc),
+            None => 0,
+        };
+        // What EVP did not do (all of it without EVP), RustCrypto does.
+        let rest = data[done * SECTOR_BYTES..].chunks_exact_mut(SECTOR_BYTES);
+        for (i, s) in rest.enumerate() {
+            self.soft.sector(s, iv((done + i) as u64), enc);
         }
     }
 }

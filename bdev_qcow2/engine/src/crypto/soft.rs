@@ -1,6 +1,5 @@
 //! The sector cipher in Rust (RustCrypto's `aes`, our XTS): what OpenSSL does not serve
-//! (XTS over AES-192, XTS keys with equal halves, which OpenSSL 3 refuses and QEMU
-//! accepts), and the reference the EVP path is checked against. Its key schedules are
+//! (XTS over AES-192), and the reference the EVP path is checked against. Its key schedules are
 //! zeroized when dropped (the `aes` crate's `zeroize` feature).
 
 use super::cipher::{AesBits, Mode};
