@@ -14,6 +14,7 @@ use openssl::cipher_ctx::CipherCtx;
 const BLOCKS: usize = SECTOR_BYTES / 16;
 /// Sectors per AES update: 8 KiB of data, scratch and tweaks stay in L1.
 const CHUNK: usize = 16;
+const _: () = assert!(CHUNK.is_multiple_of(LANES));
 
 /// Three ECB contexts keyed once (k1 to encrypt, k1 to decrypt, k2 for the tweaks) and the
 /// scratch they run through.
@@ -25,8 +26,8 @@ pub(super) struct EcbXts {
     a: Vec<u8>,
     /// AES output; the first tweaks.
     b: Vec<u8>,
-    /// Every block's tweak.
-    t: Vec<u128>,
+    /// Every block's tweak, as bytes.
+    t: Vec<u8>,
 }
 
 fn ctx(c: &CipherRef, key: &[u8], enc: bool) -> Option<CipherCtx> {
@@ -58,6 +59,9 @@ fn load(b: &[u8]) -> u128 {
     u128::from_le_bytes(w)
 }
 
+/// Sectors whose tweak chains run side by side (each step depends on the last).
+const LANES: usize = 4;
+
 impl EcbXts {
     /// `ecb` is AES-ECB of one key half's size; `key` both halves.
     pub(super) fn new(ecb: &CipherRef, key: &[u8]) -> Option<Self> {
@@ -79,7 +83,26 @@ impl EcbXts {
             k2,
             a: vec![0; CHUNK * SECTOR_BYTES + 16],
             b: vec![0; CHUNK * SECTOR_BYTES + 16],
-            t: vec![0; CHUNK * BLOCKS],
+            t: vec![0; CHUNK * SECTOR_BYTES],
+        }
+    }
+
+    /// Every block's tweak of `n` sectors into `t`, from their first tweaks in `b`: the
+    /// chains of [`LANES`] sectors interleaved, so that their steps overlap.
+    fn tweaks(&mut self, n: usize) {
+        for g in (0..n).step_by(LANES) {
+            let mut cur = [0u128; LANES];
+            for (k, c) in cur.iter_mut().enumerate().take(n - g) {
+                *c = load(&self.b[16 * (g + k)..16 * (g + k + 1)]);
+            }
+            // Lanes past `n` compute zeros into room `t` has (CHUNK is a multiple of LANES).
+            for j in 0..BLOCKS {
+                for (k, c) in cur.iter_mut().enumerate() {
+                    let at = ((g + k) * BLOCKS + j) * 16;
+                    self.t[at..at + 16].copy_from_slice(&c.to_le_bytes());
+                    *c = times_alpha(*c);
+                }
+            }
         }
     }
 
@@ -130,17 +153,11 @@ impl EcbXts {
         ) {
             return false;
         }
-        for s in 0..n {
-            let mut tw = load(&self.b[16 * s..16 * s + 16]);
-            let at = s * SECTOR_BYTES;
-            let src = data[at..at + SECTOR_BYTES].chunks_exact(16);
-            let dst = self.a[at..at + SECTOR_BYTES].chunks_exact_mut(16);
-            let tws = &mut self.t[s * BLOCKS..(s + 1) * BLOCKS];
-            for ((src, dst), slot) in src.zip(dst).zip(tws) {
-                *slot = tw;
-                dst.copy_from_slice(&(load(src) ^ tw).to_le_bytes());
-                tw = times_alpha(tw);
-            }
+        self.tweaks(n);
+        // Byte-wise XORs of equal slices: the compiler vectorizes them.
+        let a = self.a[..len].iter_mut().zip(&data[..len]);
+        for ((a, d), t) in a.zip(&self.t[..len]) {
+            *a = d ^ t;
         }
         let k1 = if enc { &mut self.k1e } else { &mut self.k1d };
         if !matches!(
@@ -149,9 +166,9 @@ impl EcbXts {
         ) {
             return false;
         }
-        let blocks = self.b[..len].chunks_exact(16).zip(&self.t[..n * BLOCKS]);
-        for ((src, tw), dst) in blocks.zip(data.chunks_exact_mut(16)) {
-            dst.copy_from_slice(&(load(src) ^ tw).to_le_bytes());
+        let out = data[..len].iter_mut().zip(&self.b[..len]);
+        for ((d, b), t) in out.zip(&self.t[..len]) {
+            *d = b ^ t;
         }
         true
     }
