@@ -10,6 +10,7 @@
 
 use openssl::cipher::Cipher;
 use openssl::cipher_ctx::CipherCtx;
+use openssl::error::ErrorStack;
 use qcow2_engine::crypto::{Backend, CipherSpec, SectorCipher};
 use std::process::Command;
 use std::sync::Arc;
@@ -40,12 +41,11 @@ fn timed(len: usize, mut f: impl FnMut(&mut [u8], u64)) -> f64 {
 
 /// OpenSSL's EVP aes-256-xts (encrypt) over `len`-byte units, keyed once; no IV reset (as
 /// `openssl speed` runs it) unless `reset` (as a sector of the format needs).
-fn evp_direct(key: &[u8], len: usize, reset: bool) -> f64 {
-    let mut ctx = CipherCtx::new().expect("EVP_CIPHER_CTX_new");
+fn evp_direct(key: &[u8], len: usize, reset: bool) -> Result<f64, ErrorStack> {
+    let mut ctx = CipherCtx::new()?;
     let c = Cipher::aes_256_xts();
-    ctx.encrypt_init(Some(c), Some(key), Some(&[0u8; 16]))
-        .expect("aes-256-xts");
-    timed(len, |b, i| {
+    ctx.encrypt_init(Some(c), Some(key), Some(&[0u8; 16]))?;
+    Ok(timed(len, |b, i| {
         if reset {
             let mut iv = [0u8; 16];
             iv[..8].copy_from_slice(&i.to_le_bytes());
@@ -53,7 +53,7 @@ fn evp_direct(key: &[u8], len: usize, reset: bool) -> f64 {
         }
         let n = b.len();
         let _ = ctx.cipher_update_inplace(b, n);
-    })
+    }))
 }
 
 /// `openssl speed -evp aes-256-xts -bytes N` (1 s), in GB/s.
@@ -90,15 +90,16 @@ fn key(n: usize) -> Vec<u8> {
         .collect()
 }
 
-fn main() {
+fn main() -> Result<(), Box<dyn std::error::Error>> {
     let rounds: usize = std::env::args()
         .nth(1)
         .and_then(|a| a.parse().ok())
         .unwrap_or(5);
-    let spec = CipherSpec::parse("aes", "xts-plain64", 64).expect("xts-plain64");
+    let spec = CipherSpec::parse("aes", "xts-plain64", 64).ok_or("xts-plain64")?;
     let k = key(64);
-    let ours = Arc::new(SectorCipher::new(&spec, &k).expect("key"));
-    let old = SectorCipher::with_backend(&spec, &k, Backend::RustCrypto).expect("key");
+    let ours = Arc::new(SectorCipher::new(&spec, &k).map_err(|e| format!("{e:?}"))?);
+    let old =
+        SectorCipher::with_backend(&spec, &k, Backend::RustCrypto).map_err(|e| format!("{e:?}"))?;
     let names = [
         "openssl speed -bytes 512",
         "openssl speed -bytes 4096",
@@ -126,9 +127,9 @@ fn main() {
             } else {
                 None
             },
-            Some(evp_direct(&k, 512, false)),
-            Some(evp_direct(&k, 4096, false)),
-            Some(evp_direct(&k, 512, true)),
+            Some(evp_direct(&k, 512, false)?),
+            Some(evp_direct(&k, 4096, false)?),
+            Some(evp_direct(&k, 512, true)?),
             Some(timed(4096, |b, i| w.encrypt(i * 8, b))),
             Some(timed(4096, |b, i| w.decrypt(i * 8, b))),
             Some(timed(4096, |b, i| ours.encrypt(i * 8, b))),
@@ -183,4 +184,5 @@ fn main() {
             c.backend()
         );
     }
+    Ok(())
 }
