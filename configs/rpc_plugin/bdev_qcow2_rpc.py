@@ -197,7 +197,7 @@ def spdk_rpc_plugin_initialize(subparsers):
                    'base bdev (default 90; 0: off)')
     p.add_argument('--backing-cache-size', dest='backing_cache_size', type=int,
                    help='bytes of the read cache of the backing bdev shared by every qcow2 '
-                   'bdev over it (default 0: none)')
+                   'bdev over it, used while two or more share it (default 256 MiB; 0: none)')
     p.set_defaults(func=create)
 
     def fmt(args):
@@ -259,7 +259,7 @@ def spdk_rpc_plugin_initialize(subparsers):
                    help='extended L2 entries (subclusters)')
     p.add_argument('-u', '--uuid', help='UUID of the bdev (default: derived)')
     p.add_argument('--backing-cache-size', dest='backing_cache_size', type=int,
-                   help='bytes of the backing bdev\'s shared read cache (default 0: none)')
+                   help='bytes of the backing bdev\'s shared read cache (default 256 MiB; 0: none)')
     p.set_defaults(func=overlay)
 
     def delete(args):

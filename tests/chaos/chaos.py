@@ -291,6 +291,10 @@ class Chaos:
         except RpcError as e:
             if busy and ("-16" in str(e) or "busy" in str(e).lower()):
                 self.stats.op("busy_while_streaming")
+            elif s.error and w.tolerating_errors() and "'code': -5" in str(e):
+                # The base fails the metadata writes as injected: the operation fails, and
+                # the image must stay consistent (checked after the kill).
+                self.stats.op("rpc_failed_by_injected_errors")
             else:
                 self.fail(f"cycle {self.cycles}: {e}")
         except OSError:

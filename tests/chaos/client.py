@@ -67,20 +67,27 @@ class Worker(threading.Thread):
 
     @contextlib.contextmanager
     def paused(self):
-        """No command of this client runs inside the block."""
+        """No command of this client runs inside the block. Left by an OSError (the target
+        died under the driver's RPC), the client stays held until it is stopped: a command
+        it sent then would count its blocks as touched though no bdev could take them (with
+        the bdev deleted, its bitmaps were stored without them)."""
         self.hold = True
         try:
             with self.gate:
                 yield
-        finally:
+        except OSError:
+            raise
+        except BaseException:
             self.hold = False
+            raise
+        self.hold = False
 
     def run(self):
         try:
             while not self.stop.is_set() and not self.errors:
                 with self.gate:
                     self._one()
-                while self.hold:  # let the driver take the gate
+                while self.hold and not self.stop.is_set():  # let the driver take the gate
                     time.sleep(0.005)
         except LinkError:
             self.link_lost = True
@@ -177,3 +184,7 @@ class Group:
     def tolerate_errors(self):
         for w in self.workers:
             w.tolerate_errors = True
+
+    def tolerating_errors(self):
+        """Whether errors were injected under this disk in this life."""
+        return any(w.tolerate_errors for w in self.workers)

@@ -2,11 +2,15 @@
 tests/chaos.sh runs it first."""
 
 import os
+import random
 import sys
+import threading
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from model import GOLDEN, ZERO, Disk, Pattern  # noqa: E402
+from client import Stats, Worker  # noqa: E402
+from model import BLOCK, GOLDEN, ZERO, Disk, Pattern  # noqa: E402
 
 
 def main():
@@ -54,7 +58,59 @@ def main():
                                          (10, "deallocate"), (11, "deallocate")]
     d.untouch()
     assert d.touched == {}
+    held_after_a_failed_pause(p)
     print("chaos model checks: ok")
+
+
+def held_after_a_failed_pause(p):
+    """A client paused by a driver whose RPC died with the target sends nothing more until
+    it is stopped (a regression: it wrote once more, touching blocks no bitmap could record,
+    and a soak flagged the stored bitmap)."""
+    class Ctrl:
+        max_bytes = 128 << 10
+
+        def __init__(self):
+            self.sent = 0
+
+        def write(self, lba, data):
+            self.sent += 1
+
+        write_zeroes = deallocate = write
+
+        def read(self, lba, n):
+            self.sent += 1
+            return bytes(n * BLOCK)
+
+        def flush(self):
+            self.sent += 1
+
+        def close(self):
+            pass
+
+    stop, c, errors = threading.Event(), Ctrl(), []
+    w = Worker(c, Disk(0, 64, 0, p), random.Random(1), iter(range(2, 10**9)), Stats(), errors,
+               stop)
+    w.disk.check_read = lambda lba, data: []
+    w.start()
+    try:
+        with w.paused():
+            raise RuntimeError("an RPC answered an error: the client goes on")
+    except RuntimeError:
+        pass
+    sent = c.sent
+    time.sleep(0.2)
+    assert c.sent > sent, "a client stayed held after an RPC error"
+    try:
+        with w.paused():
+            raise OSError("the target died under the RPC")
+    except OSError:
+        pass
+    sent = c.sent
+    time.sleep(0.2)
+    assert c.sent == sent, "a client sent commands after its pause failed"
+    stop.set()
+    w.join(5)
+    assert not w.is_alive() and not errors and sent > 0, (sent, errors)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@
 //! refcount blocks covering the metadata, then the L1 table. Everything is written, then
 //! flushed; the header is written last so a crash leaves no valid-looking half image.
 
+use crate::crypto::LuksArea;
 use crate::error::{invalid, Error, Field, Result};
 use crate::exec::{DevId, Exec};
 use crate::format::header::{
@@ -43,6 +44,11 @@ pub struct CreateOptions {
     /// and writes only the guest's bytes into them. For a device that cannot grow; on one
     /// that can (a file), what lies past its end reads as zeros anyway. Compat 1.1 only.
     pub zeroed_tail: bool,
+    /// Encrypt the image with LUKS (`encrypt.format=luks`): the header area
+    /// [`build_luks_area`](crate::crypto::build_luks_area) made, placed in the clusters
+    /// after the L1 table (as QEMU places it), `crypt_method` 2 and the encryption header
+    /// extension pointing at it.
+    pub encryption: Option<LuksArea>,
 }
 
 impl Default for CreateOptions {
@@ -58,6 +64,7 @@ impl Default for CreateOptions {
             backing_file: None,
             backing_format: None,
             zeroed_tail: false,
+            encryption: None,
         }
     }
 }
@@ -100,6 +107,12 @@ impl CreateOptions {
                     "extended_l2, lazy_refcounts, zstd and a zeroed tail need compat=1.1",
                 ));
             }
+        }
+        if self.encryption.is_some() && self.zeroed_tail {
+            // Zeros on the device are not the cipher text of zeros.
+            return Err(Error::UnsupportedFeature(
+                "a zeroed tail with encryption".into(),
+            ));
         }
         if self.extended_l2 && self.cluster_bits < MIN_CLUSTER_BITS_EXTENDED_L2 {
             return Err(invalid(
@@ -145,11 +158,12 @@ pub async fn create<D: BlockDevice>(
         ));
     }
     let l1_clusters = (l1_entries * 8).div_ceil(cs).max(1);
+    let luks_clusters = opts.encryption.as_ref().map_or(0, |a| a.len().div_ceil(cs));
     let per_block = entries_per_block(opts.cluster_bits, opts.refcount_order);
     // Fixpoint: the refcount blocks must count themselves and the table.
     let (mut rt_clusters, mut blocks) = (1u64, 1u64);
     loop {
-        let total = 1 + rt_clusters + blocks + l1_clusters;
+        let total = 1 + rt_clusters + blocks + l1_clusters + luks_clusters;
         let nb = total.div_ceil(per_block);
         let nrt = (nb * 8).div_ceil(cs).max(1);
         if nb == blocks && nrt == rt_clusters {
@@ -161,7 +175,8 @@ pub async fn create<D: BlockDevice>(
     let rt_off = cs;
     let rb_off = rt_off + rt_clusters * cs;
     let l1_off = rb_off + blocks * cs;
-    let total = 1 + rt_clusters + blocks + l1_clusters;
+    let luks_off = l1_off + l1_clusters * cs;
+    let total = 1 + rt_clusters + blocks + l1_clusters + luks_clusters;
 
     let mut incompatible = 0;
     if opts.extended_l2 {
@@ -177,7 +192,11 @@ pub async fn create<D: BlockDevice>(
             backing_file_size: 0,
             cluster_bits: opts.cluster_bits,
             size,
-            crypt_method: 0,
+            crypt_method: if opts.encryption.is_some() {
+                header::CRYPT_LUKS
+            } else {
+                0
+            },
             l1_size: l1_entries as u32,
             l1_table_offset: l1_off,
             refcount_table_offset: rt_off,
@@ -211,6 +230,7 @@ pub async fn create<D: BlockDevice>(
                 at: u64::from(header::V3_HEADER_LEN) + 8,
             }),
             backing_format: opts.backing_format.clone(),
+            encryption: opts.encryption.as_ref().map(|a| (luks_off, a.len())),
             feature_names: match opts.version {
                 3 if opts.zeroed_tail => {
                     let mut f = default_feature_names();
@@ -248,6 +268,12 @@ pub async fn create<D: BlockDevice>(
     }
     write(rt_off, rt).await?;
     write(l1_off, vec![0u8; (l1_clusters * cs) as usize]).await?;
+    if let Some(a) = &opts.encryption {
+        // Whole clusters: the tail past the area reads as zeros, as QEMU leaves it.
+        let mut area = vec![0u8; (luks_clusters * cs) as usize];
+        area[..a.bytes().len()].copy_from_slice(a.bytes());
+        write(luks_off, area).await?;
+    }
     exec.flush(dev).await?;
     // Header last.
     write(0, c0).await?;

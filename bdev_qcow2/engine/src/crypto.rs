@@ -11,6 +11,7 @@ mod evp;
 mod evp_xts;
 pub mod hash;
 pub mod luks;
+pub mod luks_build;
 mod soft;
 #[cfg(test)]
 mod tests;
@@ -18,6 +19,7 @@ mod xts;
 
 pub use cipher::{Backend, CipherSpec, SectorCipher, SectorWorker};
 pub use luks::LuksHeader;
+pub use luks_build::{build_luks_area, LuksArea, LuksParams};
 
 use crate::error::{invalid, Error, Field};
 

@@ -8,5 +8,5 @@
 mod cache;
 mod device;
 
-pub use cache::{CacheStats, Fill, Lookup, Pin, SharedReadCache, DEFAULT_GRANULE, WAYS};
+pub use cache::{CacheStats, Fill, Lookup, Pin, SharedReadCache, Sharer, DEFAULT_GRANULE, WAYS};
 pub use device::CachedDevice;

@@ -42,8 +42,9 @@ pub trait IoBuffer: Clone + 'static {
             done += n;
         }
     }
-    /// Runs `f` on `len` bytes at `off`, changed in place (an encrypted image's sectors).
-    /// This default goes through a copy; hosts whose memory they can address lend it.
+    /// Runs `f` on `len` bytes at `off`, changed in place (an encrypted image's sectors, a
+    /// cached granule copied in). `f` must not reach this buffer (or a clone of it). This
+    /// default goes through a copy; hosts whose memory they can address lend it.
     fn with_bytes_mut(&self, off: usize, len: usize, f: &mut dyn FnMut(&mut [u8])) {
         let mut tmp = vec![0u8; len];
         self.copy_out(off, &mut tmp);
@@ -123,6 +124,11 @@ impl<B: IoBuffer> BufSlice<B> {
     /// Copies out of the slice at `off`.
     pub fn copy_out(&self, off: usize, dst: &mut [u8]) {
         self.buf.copy_out(self.off + off, dst);
+    }
+    /// Runs `f` on `len` bytes at `off` of the slice, in place where the host lends them
+    /// ([`IoBuffer::with_bytes_mut`]).
+    pub fn with_bytes_mut(&self, off: usize, len: usize, f: &mut dyn FnMut(&mut [u8])) {
+        self.buf.with_bytes_mut(self.off + off, len, f);
     }
 }
 

@@ -29,6 +29,8 @@ fn overlay_reads(golden: &[u8], cache: Option<Arc<SharedReadCache>>, start: &Bar
     let img = exec.add_device(CachedDevice::plain(MemDevice::new(Vec::new())));
     let gdev = MemDevice::new(golden.to_vec());
     let gstate = gdev.0.clone();
+    // This overlay holds the cache as the SPDK module's bdevs do, for as long as it reads.
+    let _sharer = cache.as_ref().map(|c| c.share());
     let gid = exec.add_device(CachedDevice::new(gdev, cache));
     let e = exec.clone();
     let opts = CreateOptions {
@@ -70,6 +72,9 @@ fn overlay_reads(golden: &[u8], cache: Option<Arc<SharedReadCache>>, start: &Bar
         off += n as u64;
     }
     let reads = gstate.borrow().reads;
+    // Every overlay shares the cache until all have read (the last one alone would read
+    // past it).
+    start.wait();
     reads
 }
 
@@ -101,6 +106,26 @@ fn four_overlays_read_the_golden_image_once() {
     assert_eq!(s.fills, total, "every golden read is a fill");
     assert!(s.hits > 0 && s.bypasses == 0, "{s:?}");
     assert!(s.memory_bytes <= SIZE, "{s:?}");
+}
+
+#[test]
+fn one_overlay_alone_reads_past_the_cache() {
+    // Sharing with nobody only costs copies: the cache is used from the second sharer on.
+    let cache = SharedReadCache::new(SIZE, GRANULE).unwrap();
+    let reads = run(1, Some(cache.clone()));
+    let s = cache.stats();
+    assert!(reads[0] >= SIZE / CHUNK as u64, "{reads:?}");
+    assert_eq!(
+        (s.fills, s.hits, s.memory_bytes, s.sharers),
+        (0, 0, 0, 0),
+        "{s:?}"
+    );
+    let first = cache.share();
+    assert!(!cache.is_shared());
+    let second = cache.share();
+    assert!(cache.is_shared());
+    drop((first, second));
+    assert_eq!(cache.stats().sharers, 0);
 }
 
 #[test]

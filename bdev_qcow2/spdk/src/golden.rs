@@ -51,6 +51,7 @@ pub fn stats_json(c: &Arc<SharedReadCache>) -> serde_json::Value {
         bypasses,
         memory_bytes,
         capacity_bytes,
+        sharers,
     } = c.stats();
     serde_json::json!({
         "granule_bytes": c.granule(),
@@ -61,7 +62,9 @@ pub fn stats_json(c: &Arc<SharedReadCache>) -> serde_json::Value {
         "bypasses": bypasses,
         "memory_bytes": memory_bytes,
         "capacity_bytes": capacity_bytes,
-        // Nodes hold it once each, and every core's device of it once more.
+        // Bdevs over the golden bdev: reads go through the cache while two or more do.
+        "sharers": sharers,
+        // Bdevs hold it once each, and every core's device of it once more.
         "references": Arc::strong_count(c),
     })
 }

@@ -28,7 +28,7 @@ use crate::owner::Owner;
 use crate::params::CreateParams;
 use crate::stats::ChannelStats;
 use crate::types::{OwnerBox, OwnerPtr, Qcow2Bdev, Unregistered};
-use qcow2_engine::golden::SharedReadCache;
+use qcow2_engine::golden::{SharedReadCache, Sharer};
 use qcow2_engine::io::SECTOR;
 use qcow2_engine::ring::{RingConfig, WriteGens};
 use qcow2_engine::{CoreSeed, OpenOptions};
@@ -90,7 +90,7 @@ struct Current {
     /// freed later by its poller, and the descriptors must stay open until then.
     live_channels: Arc<AtomicUsize>,
     /// The read cache of the backing bdev, shared with every bdev over the same one.
-    backing_cache: Option<Arc<SharedReadCache>>,
+    backing_cache: Option<Sharer>,
 }
 
 impl Current {
@@ -98,7 +98,8 @@ impl Current {
         let backing_cache = i
             .backing
             .as_ref()
-            .and_then(|b| crate::golden::cache_for(b, i.params.backing_cache_bytes()));
+            .and_then(|b| crate::golden::cache_for(b, i.params.backing_cache_bytes()))
+            .map(|c| c.share());
         Current {
             base: i.base,
             backing: i.backing,
@@ -245,7 +246,7 @@ impl Node {
         self.current()
             .backing_cache
             .as_ref()
-            .map(crate::golden::stats_json)
+            .map(|s| crate::golden::stats_json(s.cache()))
     }
 
     /// The prefetch ring's settings and write generations (`None`: `prefetch` is off).
@@ -321,7 +322,7 @@ impl Node {
             ring: self.ring.as_ref(),
             live: &c.live_channels,
             retired: &self.retired,
-            backing_cache: c.backing_cache.as_ref(),
+            backing_cache: c.backing_cache.as_ref().map(Sharer::cache),
         })
     }
 

@@ -108,14 +108,14 @@ pub struct CreateParams {
     /// names the same backing bdev, on every core (a golden image under many overlays is
     /// read once for all of them). Memory is taken as the cache fills, in 64 KiB granules.
     /// The first bdev that reads a backing bdev sizes its cache; 0: this bdev reads the
-    /// backing bdev past it. Default 0 (off): a hit costs two copies, more than one overlay
-    /// alone saves over a fast golden bdev (0.2-0.4x on a malloc golden bdev).
+    /// backing bdev past it. Memory is taken as the cache fills, and only while two bdevs
+    /// or more share the backing bdev (one alone reads past it).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub backing_cache_size: Option<u64>,
 }
 
 /// The default of [`CreateParams::backing_cache_size`].
-pub const DEFAULT_BACKING_CACHE_SIZE: u64 = 0;
+pub const DEFAULT_BACKING_CACHE_SIZE: u64 = 256 << 20;
 
 /// The default of [`CreateParams::space_warn_percent`].
 pub const DEFAULT_SPACE_WARN_PERCENT: u8 = 90;
@@ -329,6 +329,7 @@ impl FormatParams {
             backing_format: None,
             // `format` decides, from `zero_base` and the base.
             zeroed_tail: false,
+            encryption: None,
         })
     }
 

@@ -58,6 +58,9 @@ impl<D: BlockDevice> Checker<'_, D> {
                 md.push((off, off.saturating_add(cs)));
             }
         }
+        if let Some((off, len)) = self.header.extensions.encryption {
+            md.push((off, off.saturating_add(len)));
+        }
         if let Some(b) = &self.header.extensions.bitmaps {
             md.push((
                 b.directory_offset,
@@ -168,6 +171,10 @@ impl<D: BlockDevice> Checker<'_, D> {
         }
         self.inc(self.header.header.snapshots_offset, self.snapshots_size);
         self.inc(self.rt_offset, self.rt_clusters * cs);
+        // The LUKS header area of an encrypted image (QEMU counts `crypto_header`).
+        if let Some((off, len)) = self.header.extensions.encryption {
+            self.inc(off, len);
+        }
         self.check_bitmaps().await?;
         self.check_refblocks();
         Ok(())

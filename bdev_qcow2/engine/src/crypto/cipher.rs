@@ -109,6 +109,9 @@ impl CipherSpec {
             None if iv == "plain" => IvGen::Plain,
             None if iv == "plain64" => IvGen::Plain64,
             Some(("essiv", h)) => IvGen::Essiv(HashAlg::parse(h)?),
+            // QEMU (as dm-crypt) records and then ignores a hash named with plain(64).
+            Some(("plain", h)) if HashAlg::parse(h).is_some() => IvGen::Plain,
+            Some(("plain64", h)) if HashAlg::parse(h).is_some() => IvGen::Plain64,
             _ => return None,
         };
         let one = match mode {

@@ -267,3 +267,97 @@ fn shared_cipher_from_many_threads() {
         t.join().unwrap();
     }
 }
+
+use super::luks_build::{build_luks_area, LuksParams};
+
+#[test]
+fn built_area_has_qemus_layout_and_unlocks() {
+    let mut p = LuksParams::default();
+    p.set("iter-time", "1").unwrap();
+    let a = build_luks_area(&p, b"pw").unwrap();
+    // aes-256-xts: 64-byte key, 4000 stripes = 500 sectors, 504 aligned; 8 + 8 * 504.
+    assert_eq!(a.len(), 4040 * 512);
+    assert_eq!(p.area_bytes() as u64, a.len());
+    let h = LuksHeader::parse(a.bytes()).unwrap();
+    assert_eq!(
+        (h.cipher_name.as_str(), h.cipher_mode.as_str()),
+        ("aes", "xts-plain64")
+    );
+    assert_eq!(
+        (h.hash, h.key_bytes, h.payload_offset),
+        (HashAlg::Sha256, 64, 4040)
+    );
+    let offs: Vec<u32> = h.slots.iter().map(|s| s.key_offset).collect();
+    assert_eq!(offs, [8, 512, 1016, 1520, 2024, 2528, 3032, 3536]);
+    assert!(h.slots[0].active && h.slots[1..].iter().all(|s| !s.active));
+    assert!(h.slots[0].iterations >= 1000 && h.mk_iterations >= 1000);
+    assert_eq!(h.uuid.len(), 36);
+    assert_eq!(&h.uuid[14..15], "4");
+    h.unlock(a.bytes(), b"pw").unwrap();
+    assert_eq!(h.unlock(a.bytes(), b"pW").unwrap_err(), Error::WrongKey);
+    // Fresh randomness each time: another master key, salts and UUID.
+    let b = build_luks_area(&p, b"pw").unwrap();
+    assert_ne!(LuksHeader::parse(b.bytes()).unwrap().mk_salt, h.mk_salt);
+    assert_ne!(a.bytes()[4096..8192], b.bytes()[4096..8192]);
+}
+
+#[test]
+fn built_area_for_each_option_set() {
+    for (opts, mode, kb) in [
+        (&[("cipher-alg", "aes-128")][..], "xts-plain64", 32),
+        (
+            &[("cipher-mode", "cbc"), ("ivgen-alg", "essiv")][..],
+            "cbc-essiv:sha256",
+            32,
+        ),
+        (
+            &[("cipher-alg", "aes-192"), ("cipher-mode", "cbc")][..],
+            "cbc-plain64",
+            24,
+        ),
+        (
+            &[("ivgen-alg", "plain"), ("hash-alg", "sha1")][..],
+            "xts-plain",
+            64,
+        ),
+        (
+            &[("ivgen-hash-alg", "sha1"), ("hash-alg", "sha512")][..],
+            "xts-plain64:sha1",
+            64,
+        ),
+    ] {
+        let mut p = LuksParams::default();
+        p.set("iter-time", "1").unwrap();
+        for (k, v) in opts {
+            p.set(k, v).unwrap();
+        }
+        let a = build_luks_area(&p, b"k").unwrap();
+        let h = LuksHeader::parse(a.bytes()).unwrap();
+        assert_eq!(
+            (h.cipher_mode.as_str(), h.key_bytes),
+            (mode, kb),
+            "{opts:?}"
+        );
+        h.unlock(a.bytes(), b"k").unwrap();
+    }
+    let mut p = LuksParams::default();
+    for (k, v) in [
+        ("cipher-alg", "twofish-128"),
+        ("hash-alg", "md5"),
+        ("iter-time", "x"),
+        ("foo", "1"),
+    ] {
+        assert!(p.set(k, v).is_err(), "{k}={v}");
+    }
+    p.set("cipher-mode", "cbc").unwrap();
+    p.set("ivgen-alg", "essiv").unwrap();
+    p.set("ivgen-hash-alg", "sha1").unwrap();
+    assert!(
+        build_luks_area(&p, b"k").is_err(),
+        "essiv:sha1 has no AES key length"
+    );
+    assert!(
+        build_luks_area(&LuksParams::default(), b"a\0b").is_err(),
+        "NUL in secret"
+    );
+}

@@ -47,6 +47,8 @@ pub struct CacheStats {
     pub memory_bytes: u64,
     /// Bytes it may hold at most.
     pub capacity_bytes: u64,
+    /// Readers holding it as [`Sharer`]s (overlays of the golden image).
+    pub sharers: u64,
 }
 
 /// The shared read cache of one golden image (see the module documentation).
@@ -59,6 +61,8 @@ pub struct SharedReadCache {
     /// Per set: where its next replacement starts looking (a clock hand).
     hand: Box<[AtomicU32]>,
     counters: Counters,
+    /// How many [`Sharer`]s hold it: while one or none does, reads skip it.
+    sharers: Padded,
 }
 
 /// Counters, each on its own cache line (every core bumps them).
@@ -145,6 +149,7 @@ impl SharedReadCache {
             data: (0..slots).map(|_| OnceLock::new()).collect(),
             hand: (0..sets).map(|_| AtomicU32::new(0)).collect(),
             counters: Counters::default(),
+            sharers: Padded::default(),
         }))
     }
 
@@ -164,7 +169,21 @@ impl SharedReadCache {
             bypasses: c.bypasses.get(),
             memory_bytes: c.slots_allocated.get() * u64::from(self.granule),
             capacity_bytes: self.state.len() as u64 * u64::from(self.granule),
+            sharers: self.sharers.get(),
         }
+    }
+
+    /// One more reader of the golden image (an overlay) holds the cache, until the
+    /// returned [`Sharer`] is dropped.
+    pub fn share(self: &Arc<Self>) -> Sharer {
+        self.sharers.add(1);
+        Sharer(self.clone())
+    }
+
+    /// Whether two readers or more hold it: only then do reads go through it. A reader
+    /// alone would only pay the copies of a hit for what its own read-ahead already does.
+    pub fn is_shared(&self) -> bool {
+        self.sharers.get() > 1
     }
 
     /// Counts a wait for another read's fill.
@@ -283,6 +302,23 @@ impl SharedReadCache {
     }
 }
 
+/// A reader's hold on a [`SharedReadCache`] ([`SharedReadCache::share`]).
+#[derive(Debug)]
+pub struct Sharer(Arc<SharedReadCache>);
+
+impl Sharer {
+    /// The cache held.
+    pub fn cache(&self) -> &Arc<SharedReadCache> {
+        &self.0
+    }
+}
+
+impl Drop for Sharer {
+    fn drop(&mut self) {
+        self.0.sharers.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
 impl Pin<'_> {
     /// Copies `dst.len()` bytes of the granule from byte `off` on.
     pub fn copy_out(&self, off: usize, dst: &mut [u8]) {
@@ -338,6 +374,13 @@ impl Drop for Fill {
 
 /// Copies `dst.len()` bytes from byte `off` of `words` (native byte order, as stored).
 fn copy_words_out(words: &[AtomicU64], off: usize, dst: &mut [u8]) {
+    if off.is_multiple_of(8) && dst.len().is_multiple_of(8) {
+        // Whole words (every sector-aligned read): a load and a store each.
+        for (w, out) in words[off / 8..].iter().zip(dst.chunks_exact_mut(8)) {
+            out.copy_from_slice(&w.load(Ordering::Relaxed).to_ne_bytes());
+        }
+        return;
+    }
     let mut pos = off;
     let mut out = 0;
     while out < dst.len() {

@@ -52,7 +52,8 @@ impl<D: BlockDevice> CachedDevice<D> {
     }
 
     /// `inner`, its reads served through `cache` (shared with every other reader of the
-    /// same golden image).
+    /// same golden image) while two readers or more hold it as
+    /// [`Sharer`](super::Sharer)s.
     pub fn new(inner: D, cache: Option<Arc<SharedReadCache>>) -> CachedDevice<D> {
         CachedDevice {
             inner,
@@ -89,7 +90,6 @@ impl<D: BlockDevice> CachedDevice<D> {
         let g = u64::from(cache.granule());
         let end = offset + buf.len as u64;
         let mut pending = false;
-        let mut bounce = [0u8; 4096];
         let mut pos = offset;
         while pos < end {
             let granule = pos / g;
@@ -99,14 +99,11 @@ impl<D: BlockDevice> CachedDevice<D> {
                 return Served::Bypass;
             }
             match cache.pin(granule) {
+                // One copy, straight into the request's memory where the host lends it.
                 Lookup::Hit(pin) => {
-                    let mut done = 0;
-                    while done < n {
-                        let k = (n - done).min(bounce.len() as u64) as usize;
-                        pin.copy_out((within + done) as usize, &mut bounce[..k]);
-                        buf.copy_in((pos - offset + done) as usize, &bounce[..k]);
-                        done += k as u64;
-                    }
+                    buf.with_bytes_mut((pos - offset) as usize, n as usize, &mut |dst| {
+                        pin.copy_out(within as usize, dst)
+                    })
                 }
                 Lookup::Filling => pending = true,
                 Lookup::Miss => match cache.claim(granule) {
@@ -156,9 +153,12 @@ impl<D: BlockDevice> CachedDevice<D> {
         };
         match res {
             Ok(()) => {
-                let mut bytes = vec![0u8; buf.len()];
-                buf.copy_out(0, &mut bytes);
-                fill.publish(&bytes);
+                let mut fill = Some(fill);
+                buf.with_bytes_mut(0, buf.len(), &mut |bytes| {
+                    if let Some(f) = fill.take() {
+                        f.publish(bytes)
+                    }
+                });
             }
             // Dropped: the slot is empty again; the reads that waited here read the device.
             Err(_) => self.failed.push(fill.granule()),
@@ -211,7 +211,7 @@ impl<D: BlockDevice> BlockDevice for CachedDevice<D> {
         let DeviceOp::Read { offset, buf } = op else {
             return self.inner.submit(op, tag);
         };
-        if self.cache.is_none() || buf.len == 0 {
+        if buf.len == 0 || !self.cache.as_ref().is_some_and(|c| c.is_shared()) {
             return self.inner.submit(DeviceOp::Read { offset, buf }, tag);
         }
         match self.serve(offset, &buf) {

@@ -160,6 +160,28 @@ impl IoBuffer for SpdkBuf {
             })
         });
     }
+    fn with_bytes_mut(&self, off: usize, len: usize, f: &mut dyn FnMut(&mut [u8])) {
+        let (mut pieces, mut one) = (0, None);
+        self.segments(off, len, |p, n, _| {
+            pieces += 1;
+            one = Some((p, n));
+        });
+        match one {
+            Some((p, n)) if pieces == 1 => {
+                // SAFETY: one piece of `n` bytes inside the buffer's memory (segments),
+                // initialised; no I/O is in flight on it, and `f` reaches no buffer (the
+                // trait's contract), so for the call the slice is the only access to it.
+                f(unsafe { std::slice::from_raw_parts_mut(p, n) })
+            }
+            // Across iovecs: through a copy.
+            _ => {
+                let mut tmp = vec![0u8; len];
+                self.copy_out(off, &mut tmp);
+                f(&mut tmp);
+                self.copy_in(off, &tmp);
+            }
+        }
+    }
     fn fill(&self, off: usize, len: usize, byte: u8) {
         self.segments(off, len, |p, n, _| {
             // SAFETY: `p..p+n` is inside the buffer (segments).

@@ -19,22 +19,31 @@ fn bytes_read(sock: &Path, name: &str) -> u64 {
         .unwrap_or_else(|| panic!("no bytes_read: {v}"))
 }
 
-/// Four overlays over golden qcow2 image `golden`, with `cache` bytes of shared cache;
-/// returns (golden bytes read, bytes the overlays read, vm0's stats, vm0's bdev).
-fn storm(d: &Path, golden: &Path, cache: u64, tag: &str) -> (u64, u64, Value, Value) {
+/// `n` overlays over golden qcow2 image `golden`, with `cache` bytes of shared cache (`None`:
+/// the default); returns (golden bytes read, bytes the overlays read, vm0's stats, vm0's
+/// bdev).
+fn storm(
+    d: &Path,
+    golden: &Path,
+    n: usize,
+    cache: Option<u64>,
+    tag: &str,
+) -> (u64, u64, Value, Value) {
     let cfg = d.join(format!("{tag}.json"));
     let mut calls = vec![aio(golden, "aio_golden")];
     let mut g = qcow2("golden", "aio_golden", None);
     g["params"]["read_only"] = json!(true);
     calls.push(g);
-    for i in 0..4 {
+    for i in 0..n {
         let (m, vm) = (format!("m{i}"), format!("vm{i}"));
         calls.push(json!({"method": "bdev_malloc_create",
                           "params": {"name": m, "num_blocks": 2 * GOLDEN / 512, "block_size": 512}}));
         calls.push(json!({"method": "bdev_qcow2_format",
                           "params": {"base_bdev": m, "backing_bdev": "golden"}}));
         let mut c = qcow2(&vm, &m, Some("golden"));
-        c["params"]["backing_cache_size"] = json!(cache);
+        if let Some(cache) = cache {
+            c["params"]["backing_cache_size"] = json!(cache);
+        }
         calls.push(c);
     }
     write_config(&cfg, calls);
@@ -45,7 +54,7 @@ fn storm(d: &Path, golden: &Path, cache: u64, tag: &str) -> (u64, u64, Value, Va
     bdevperf_driven_with(d, &cfg, tag, &job, |sock, perform| {
         let r = perform(&[]);
         let golden_read = bytes_read(sock, "golden");
-        let overlays: u64 = (0..4).map(|i| bytes_read(sock, &format!("vm{i}"))).sum();
+        let overlays: u64 = (0..n).map(|i| bytes_read(sock, &format!("vm{i}"))).sum();
         let (ok, text) = plugin_rpc(sock, &["bdev_qcow2_get_stats", "-b", "vm0"]);
         assert!(ok, "bdev_qcow2_get_stats: {text}");
         let stats: Value = serde_json::from_str(text.trim()).unwrap();
@@ -72,7 +81,7 @@ fn four_overlays_read_their_golden_bdev_once() {
     qemu_img(&["create", "-q", "-f", "qcow2", s(&golden), "32M"]);
     qemu_io(&golden, &["write -P 0x61 0 32M"]);
 
-    let (shared, read, stats, bdev) = storm(d, &golden, 64 * MIB, "shared");
+    let (shared, read, stats, bdev) = storm(d, &golden, 4, Some(64 * MIB), "shared");
     let c = &stats["backing_cache"];
     say(&format!(
         "golden bdev read {} MiB for {} MiB read by 4 overlays with the shared cache; {c}",
@@ -88,6 +97,7 @@ fn four_overlays_read_their_golden_bdev_once() {
         "the golden bdev served {shared} bytes for a {GOLDEN}-byte image"
     );
     assert!(c["hits"].as_u64().unwrap_or(0) > 0, "{stats}");
+    assert_eq!(c["sharers"], json!(4), "{stats}");
     // (What else the golden bdev served: the examine of new bdevs, the overlays' opens.)
     let filled = c["fill_bytes"].as_u64().unwrap_or(0);
     assert!(filled >= GOLDEN && filled <= shared, "{stats}");
@@ -100,7 +110,7 @@ fn four_overlays_read_their_golden_bdev_once() {
         "bdev_get_bdevs shows the same cache: {bdev}"
     );
 
-    let (alone, read, stats, _) = storm(d, &golden, 0, "unshared");
+    let (alone, read, stats, _) = storm(d, &golden, 4, Some(0), "unshared");
     say(&format!(
         "without it: golden bdev read {} MiB for {} MiB read",
         alone >> 20,
@@ -110,5 +120,47 @@ fn four_overlays_read_their_golden_bdev_once() {
     assert!(
         alone >= 4 * GOLDEN,
         "each overlay read the golden bdev itself: {alone}"
+    );
+}
+
+#[test]
+fn a_lone_overlay_reads_its_golden_bdev_directly() {
+    require!("bdevperf");
+    if rpc_py().is_none() {
+        say("SKIPPED: rpc.py not found (set SPDK_RPC or put spdk-rpc on PATH)");
+        return;
+    }
+    let _t = turn();
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let golden = d.join("golden.qcow2");
+    qemu_img(&["create", "-q", "-f", "qcow2", s(&golden), "32M"]);
+    qemu_io(&golden, &["write -P 0x61 0 32M"]);
+
+    // The default cache (on): one overlay shares it with nobody, so it reads past it.
+    let (golden_read, read, stats, _) = storm(d, &golden, 1, None, "alone");
+    let c = &stats["backing_cache"];
+    say(&format!(
+        "one overlay: golden bdev read {} MiB for {} MiB; {c}",
+        golden_read >> 20,
+        read >> 20
+    ));
+    assert_eq!(c["sharers"], json!(1), "{stats}");
+    assert_eq!(
+        (
+            c["fills"].as_u64(),
+            c["hits"].as_u64(),
+            c["memory_bytes"].as_u64()
+        ),
+        (Some(0), Some(0), Some(0)),
+        "{stats}"
+    );
+    assert!(
+        c["capacity_bytes"].as_u64() == Some(256 * MIB),
+        "the default size: {stats}"
+    );
+    assert!(
+        golden_read >= GOLDEN,
+        "it read the golden bdev itself: {golden_read}"
     );
 }

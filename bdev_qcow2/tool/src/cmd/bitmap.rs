@@ -10,6 +10,7 @@
 //! defaults to QEMU's (the cluster size, within 4 KiB ..= 64 KiB).
 
 use crate::host::{open_single, open_top_only, Format, OpenSpec, ToolError, ToolResult};
+use crate::secrets::Keys;
 use qcow2_engine::{BitmapChange, Layer, OpenOptions};
 use std::path::{Path, PathBuf};
 
@@ -52,7 +53,15 @@ pub struct BitmapArgs {
     /// Format of the image.
     #[arg(short = 'f', long = "format", value_enum, default_value = "qcow2")]
     pub format: Format,
-    /// The image.
+    /// A secret, as qemu-img's `--object secret,id=ID,data=…|file=…` (repeatable): the
+    /// key of an encrypted image, named with `--image-opts`.
+    #[arg(long = "object", value_name = "secret,id=ID,data=…|file=…")]
+    pub objects: Vec<String>,
+    /// The image argument is an option string, as qemu-img's `--image-opts`
+    /// (`driver=qcow2,file.filename=IMG,encrypt.key-secret=ID`).
+    #[arg(long)]
+    pub image_opts: bool,
+    /// The image (with `--image-opts`, its option string).
     pub image: PathBuf,
     /// The bitmap.
     pub bitmap: String,
@@ -100,9 +109,9 @@ enum Op {
     Change(Option<BitmapChange>),
 }
 
-fn spec(path: &Path, format: Format, writable: bool) -> OpenSpec {
+fn spec(path: &Path, format: Format, writable: bool, keys: Keys) -> OpenSpec {
     OpenSpec {
-        keys: Default::default(),
+        keys,
         path: path.to_path_buf(),
         format,
         allow_backing: false,
@@ -161,7 +170,7 @@ pub fn run(args: &BitmapArgs) -> ToolResult<String> {
                     qcow2_engine::Error::Refused(format!("Dirty bitmap '{src}' not found")),
                 ));
             }
-            let (exec, q) = open_single(&spec(file, args.source_format, false))?;
+            let (exec, q) = open_single(&spec(file, args.source_format, false, Keys::default()))?;
             let s2 = src.clone();
             let bits = exec
                 .block_on(async move { q.bitmap_bits(&s2).await })
@@ -169,7 +178,14 @@ pub fn run(args: &BitmapArgs) -> ToolResult<String> {
             merge = Some(bits);
         }
     }
-    let o = open_top_only(&spec(&args.image, args.format, true))?;
+    let (path, format, keys) =
+        super::image_target(&args.image, args.format, &args.objects, args.image_opts)?;
+    if format != Format::Qcow2 {
+        return Err(ToolError::Usage(format!(
+            "Operation on bitmap {name} failed: a raw image has no persistent bitmaps"
+        )));
+    }
+    let o = open_top_only(&spec(&path, format, true, keys))?;
     let chain = o.chain.clone();
     let on = |id: &str| match id {
         "add" => args.add,

@@ -227,8 +227,12 @@ pub fn run(args: &CommitArgs) -> ToolResult<String> {
         }));
     };
     refuse_loop(&upper.files, &base_path)?;
+    // The base's key is the chain's `backing.encrypt.key-secret`.
     let base_spec = crate::host::OpenSpec {
-        keys: Default::default(),
+        keys: crate::secrets::Keys {
+            top: spec.keys.backing.clone(),
+            backing: None,
+        },
         path: base_path.clone(),
         format: base_format,
         ..spec.clone()

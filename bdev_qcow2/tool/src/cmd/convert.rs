@@ -167,7 +167,7 @@ mod qcow2_out {
     use crate::uring::{AlignedBuf, UringDevice};
     use qcow2_engine::format::ClusterMapping;
     use qcow2_engine::io::{BlockDevice, BufSlice};
-    use qcow2_engine::{Chain, Layer, OpenOptions, Qcow2};
+    use qcow2_engine::{Chain, Layer, OpenOptions};
     use std::cell::Cell;
     use std::cell::RefCell;
     use std::rc::Rc;
@@ -344,6 +344,13 @@ mod qcow2_out {
             ));
         }
         fo.validate()?;
+        if args.compress && fo.encrypt.encrypted() {
+            return Err(ToolError::Usage(
+                "Compression is not supported with encryption (as qemu-img)".into(),
+            ));
+        }
+        let secrets =
+            crate::secrets::parse_objects(&args.image.objects).map_err(ToolError::Usage)?;
         let spec = args.image.spec()?;
         let o = open_chain(&spec)?;
         let size = o.chain.size();
@@ -354,6 +361,13 @@ mod qcow2_out {
             )));
         }
         fo.create.size = size;
+        let key = match fo.encrypt.build(&secrets)? {
+            Some((area, key)) => {
+                fo.create.encryption = Some(area);
+                Some(key)
+            }
+            None => None,
+        };
         format_image(&args.output, &fo.create)?;
         let out_err = |source| ToolError::Engine {
             path: args.output.display().to_string(),
@@ -371,15 +385,11 @@ mod qcow2_out {
         let q = o
             .exec
             .block_on(async move {
-                Qcow2::open(
-                    &e2,
-                    id,
-                    OpenOptions {
-                        writable: true,
-                        ..OpenOptions::default()
-                    },
-                )
-                .await
+                let opts = OpenOptions {
+                    writable: true,
+                    ..OpenOptions::default()
+                };
+                crate::host::open_qcow2(e2, id, opts, key, true).await
             })
             .map_err(out_err)?;
         let dst = Chain::new(&o.exec, vec![Layer::Qcow2(Box::new(q))]).map_err(out_err)?;

@@ -3,6 +3,7 @@
 //!
 //! The `-o` parser here is shared with `convert -O qcow2`.
 
+use super::create_encrypt::EncryptOptions;
 use crate::host::{Format, OpenSpec, ToolError, ToolResult};
 use crate::uring::UringDevice;
 use qcow2_engine::create::{create, CreateOptions};
@@ -18,9 +19,15 @@ pub struct CreateArgs {
     pub format: String,
     /// Format options, comma-separated (`cluster_size=…,compat=…,refcount_bits=…,
     /// extended_l2=on|off,lazy_refcounts=on|off,compression_type=zlib|zstd,
-    /// preallocation=off|metadata|falloc|full,backing_file=…,backing_fmt=…`); may be repeated.
+    /// preallocation=off|metadata|falloc|full,backing_file=…,backing_fmt=…`, and
+    /// `encrypt.format=luks,encrypt.key-secret=ID[,encrypt.cipher-alg=…,…]`); may be
+    /// repeated.
     #[arg(short = 'o')]
     pub options: Vec<String>,
+    /// A secret, as qemu-img's `--object secret,id=ID,data=…|file=…` (repeatable): the
+    /// key an encrypted image gets (`-o encrypt.key-secret=ID`).
+    #[arg(long = "object", value_name = "secret,id=ID,data=…|file=…")]
+    pub objects: Vec<String>,
     /// Backing file recorded in the new image (opened only to read its size when SIZE is
     /// omitted; relative names resolve against the new image's directory).
     #[arg(short = 'b')]
@@ -68,6 +75,8 @@ pub struct FormatOptions {
     pub lazy_text: String,
     /// `extended_l2=` as given (echoed verbatim), default `off`.
     pub extended_l2_text: String,
+    /// `encrypt.*`: the LUKS encryption asked for.
+    pub encrypt: EncryptOptions,
 }
 
 impl Default for FormatOptions {
@@ -80,6 +89,7 @@ impl Default for FormatOptions {
             preallocation: Preallocation::Off,
             lazy_text: "off".into(),
             extended_l2_text: "off".into(),
+            encrypt: EncryptOptions::default(),
         }
     }
 }
@@ -146,6 +156,9 @@ impl FormatOptions {
     pub fn apply(&mut self, list: &str) -> ToolResult<()> {
         for kv in split_options(list) {
             let (k, v) = kv.split_once('=').unwrap_or((kv.as_str(), ""));
+            if self.encrypt.apply(k, v)? {
+                continue;
+            }
             let c = &mut self.create;
             match k {
                 "size" => self.size = Some(parse_qemu_size(v)?),
@@ -230,6 +243,14 @@ impl FormatOptions {
                 "Extended L2 entries are only supported with cluster sizes of at least 16384 bytes",
             );
         }
+        self.encrypt.validate()?;
+        if self.encrypt.encrypted() && self.preallocation != Preallocation::Off {
+            // QEMU maps the clusters without writing cipher text: they would read as noise.
+            return usage(
+                "preallocation of an encrypted image is not supported (its clusters would \
+                 read as noise, not zeros)",
+            );
+        }
         if c.backing_format.is_some() && c.backing_file.is_none() {
             return usage("Backing format cannot be used without backing file");
         }
@@ -243,7 +264,8 @@ impl FormatOptions {
     pub fn describe(&self, size: u64) -> String {
         let c = &self.create;
         let mut s = format!(
-            "cluster_size={} extended_l2={}",
+            "{}cluster_size={} extended_l2={}",
+            self.encrypt.describe(),
             1u64 << c.cluster_bits,
             self.extended_l2_text
         );
@@ -366,6 +388,7 @@ pub fn run(args: &CreateArgs) -> ToolResult<String> {
     for o in &args.options {
         fo.apply(o)?;
     }
+    let secrets = crate::secrets::parse_objects(&args.objects).map_err(ToolError::Usage)?;
     if let Some(b) = &args.backing {
         fo.create.backing_file = Some(b.clone());
     }
@@ -392,6 +415,7 @@ pub fn run(args: &CreateArgs) -> ToolResult<String> {
         return usage("Backing file specified without backing format");
     }
     fo.create.size = size;
+    fo.create.encryption = fo.encrypt.build(&secrets)?.map(|(area, _)| area);
     let mut out = String::new();
     if !args.quiet {
         out = format!(

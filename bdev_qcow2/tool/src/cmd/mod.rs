@@ -6,6 +6,7 @@ pub mod commit;
 pub mod compare;
 pub mod convert;
 pub mod create;
+pub mod create_encrypt;
 pub mod info;
 pub mod info_encrypt;
 pub mod io;
@@ -117,20 +118,8 @@ impl ImageArgs {
                 "--cache-ways must be 1..=64".into(),
             ));
         }
-        let usage = crate::host::ToolError::Usage;
-        let secrets = crate::secrets::parse_objects(&self.objects).map_err(usage)?;
-        let (path, format, keys) = if self.image_opts {
-            let o = crate::secrets::parse_image_opts(&self.image.to_string_lossy(), &secrets)
-                .map_err(usage)?;
-            let format = if o.driver == "raw" {
-                Format::Raw
-            } else {
-                Format::Qcow2
-            };
-            (o.path, format, o.keys)
-        } else {
-            (self.image.clone(), self.format, Default::default())
-        };
+        let (path, format, keys) =
+            image_target(&self.image, self.format, &self.objects, self.image_opts)?;
         Ok(OpenSpec {
             path,
             format,
@@ -153,6 +142,28 @@ impl ImageArgs {
             force_share: self.force_share,
         })
     }
+}
+
+/// The image's path, format and keys from the image argument, `-f`, `--object` and
+/// `--image-opts` (then the argument is QEMU's option string).
+pub fn image_target(
+    image: &std::path::Path,
+    format: Format,
+    objects: &[String],
+    image_opts: bool,
+) -> Result<(PathBuf, Format, crate::secrets::Keys), crate::host::ToolError> {
+    let usage = crate::host::ToolError::Usage;
+    let secrets = crate::secrets::parse_objects(objects).map_err(usage)?;
+    if !image_opts {
+        return Ok((image.to_path_buf(), format, Default::default()));
+    }
+    let o = crate::secrets::parse_image_opts(&image.to_string_lossy(), &secrets).map_err(usage)?;
+    let format = if o.driver == "raw" {
+        Format::Raw
+    } else {
+        Format::Qcow2
+    };
+    Ok((o.path, format, o.keys))
 }
 
 /// `--output` choices, as qemu-img spells them.
