@@ -13,6 +13,7 @@ pub mod hash;
 pub mod luks;
 pub mod luks_build;
 mod soft;
+mod spec;
 #[cfg(test)]
 mod tests;
 mod xts;

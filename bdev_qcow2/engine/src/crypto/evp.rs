@@ -5,8 +5,8 @@
 //! context is mutable state: one [`EvpPair`] per thread ([`EvpPair::dup`] copies the keyed
 //! state, not the key).
 
-use super::cipher::{AesBits, Mode, SECTOR_BYTES};
 use super::evp_xts::EcbXts;
+use super::spec::{AesBits, Mode, SECTOR_BYTES};
 use openssl::cipher::{Cipher, CipherRef};
 use openssl::cipher_ctx::CipherCtx;
 

@@ -7,7 +7,7 @@
 //! Tweaks are `T·α^j` in GF(2^128) (IEEE 1619, little endian); no ciphertext stealing
 //! (sectors are whole blocks).
 
-use super::cipher::SECTOR_BYTES;
+use super::spec::SECTOR_BYTES;
 use openssl::cipher::CipherRef;
 use openssl::cipher_ctx::CipherCtx;
 

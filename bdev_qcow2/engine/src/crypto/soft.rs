@@ -2,7 +2,7 @@
 //! (XTS over AES-192), and the reference the EVP path is checked against. Its key schedules are
 //! zeroized when dropped (the `aes` crate's `zeroize` feature).
 
-use super::cipher::{AesBits, Mode};
+use super::spec::{AesBits, Mode};
 use super::xts::Xts as Xts128;
 use super::CryptoError;
 use aes::cipher::{BlockDecrypt, BlockEncrypt, InnerIvInit, KeyInit};
