@@ -7,9 +7,9 @@
 //! over AES-192, which OpenSSL lacks, and is the reference the tests check EVP against.
 //! An EVP context is mutable: a [`SectorWorker`] owns one per thread (an executor's view,
 //! one per core, lock-free); [`SectorCipher::encrypt`]/[`decrypt`](SectorCipher::decrypt) through
-//! a shared `&SectorCipher` borrow a pair from a small pool under a mutex.
+//! a shared `&SectorCipher` borrow contexts from a small pool under a mutex.
 
-use super::evp::EvpPair;
+use super::evp::EvpCtx;
 use super::soft::{aes, Soft};
 pub use super::spec::{AesBits, CipherSpec, IvGen, Mode, SECTOR_BYTES};
 use super::CryptoError;
@@ -34,13 +34,13 @@ pub enum Backend {
     RustCrypto,
 }
 
-/// EVP pairs for callers through a shared reference: a keyed template and the free ones.
+/// EVP contexts for callers through a shared reference: a keyed template and the free ones.
 struct EvpPool {
-    template: EvpPair,
-    free: Vec<EvpPair>,
+    template: EvpCtx,
+    free: Vec<EvpCtx>,
 }
 
-/// Pairs kept for reuse; more threads at once each key a copy and drop it after.
+/// Contexts kept for reuse; more threads at once each key a copy and drop it after.
 const POOL_MAX: usize = 8;
 
 /// A keyed sector cipher. Its key schedules are cleared when it is dropped (RustCrypto's
@@ -79,7 +79,7 @@ impl SectorCipher {
         }
         let soft = Soft::new(spec.mode, spec.bits, key)?;
         let evp = match prefer {
-            Backend::OpenSsl => EvpPair::new(spec.mode, spec.bits, key).map(|template| {
+            Backend::OpenSsl => EvpCtx::new(spec.mode, spec.bits, key).map(|template| {
                 Mutex::new(EvpPool {
                     template,
                     free: Vec::new(),
@@ -118,7 +118,7 @@ impl SectorCipher {
     /// sectors take no lock.
     pub fn worker(self: &Arc<Self>) -> SectorWorker {
         SectorWorker {
-            pair: self.take_pair(),
+            ctx: self.take_ctx(),
             cipher: self.clone(),
         }
     }
@@ -151,7 +151,7 @@ impl SectorCipher {
         Some(m.lock().unwrap_or_else(|e| e.into_inner()))
     }
 
-    fn take_pair(&self) -> Option<EvpPair> {
+    fn take_ctx(&self) -> Option<EvpCtx> {
         let mut pool = self.pool()?;
         match pool.free.pop() {
             Some(p) => Some(p),
@@ -160,19 +160,19 @@ impl SectorCipher {
     }
 
     fn run_shared(&self, first: u64, data: &mut [u8], enc: bool) {
-        let mut pair = self.take_pair();
-        self.run(pair.as_mut(), first, data, enc);
-        if let (Some(p), Some(mut pool)) = (pair, self.pool()) {
+        let mut ctx = self.take_ctx();
+        self.run(ctx.as_mut(), first, data, enc);
+        if let (Some(p), Some(mut pool)) = (ctx, self.pool()) {
             if pool.free.len() < POOL_MAX {
                 pool.free.push(p);
             }
         }
     }
 
-    fn run(&self, pair: Option<&mut EvpPair>, first: u64, data: &mut [u8], enc: bool) {
+    fn run(&self, ctx: Option<&mut EvpCtx>, first: u64, data: &mut [u8], enc: bool) {
         debug_assert!(data.len().is_multiple_of(SECTOR_BYTES));
         let iv = |i: u64| self.iv(first.wrapping_add(i));
-        let done = match pair {
+        let done = match ctx {
             Some(p) => p.run(data, &iv, enc),
             None => 0,
         };
@@ -189,7 +189,7 @@ impl SectorCipher {
 /// be made on one thread and moved to the one that uses it.
 pub struct SectorWorker {
     cipher: Arc<SectorCipher>,
-    pair: Option<EvpPair>,
+    ctx: Option<EvpCtx>,
 }
 
 impl std::fmt::Debug for SectorWorker {
@@ -201,12 +201,12 @@ impl std::fmt::Debug for SectorWorker {
 impl SectorWorker {
     /// Encrypts `data` (whole sectors) in place; its first sector is number `sector`.
     pub fn encrypt(&mut self, sector: u64, data: &mut [u8]) {
-        self.cipher.run(self.pair.as_mut(), sector, data, true)
+        self.cipher.run(self.ctx.as_mut(), sector, data, true)
     }
 
     /// Decrypts `data` (whole sectors) in place; its first sector is number `sector`.
     pub fn decrypt(&mut self, sector: u64, data: &mut [u8]) {
-        self.cipher.run(self.pair.as_mut(), sector, data, false)
+        self.cipher.run(self.ctx.as_mut(), sector, data, false)
     }
 
     /// The cipher it works for.

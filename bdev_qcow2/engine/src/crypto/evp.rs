@@ -2,7 +2,7 @@
 //! keyed ONCE per key. XTS runs as our XTS over EVP's AES-ECB (`evp_xts.rs`: no per-sector
 //! IV reset); CBC through EVP's CBC, where each 512-byte sector only resets the IV
 //! (`EVP_CipherInit_ex` without cipher or key: no key schedule) and runs one update. A
-//! context is mutable state: one [`EvpPair`] per thread ([`EvpPair::dup`] copies the keyed
+//! context is mutable state: one [`EvpCtx`] per thread ([`EvpCtx::dup`] copies the keyed
 //! state, not the key).
 
 use super::evp_xts::EcbXts;
@@ -11,14 +11,14 @@ use openssl::cipher::{Cipher, CipherRef};
 use openssl::cipher_ctx::CipherCtx;
 
 /// A keyed cipher for one thread.
-pub(super) enum EvpPair {
+pub(super) enum EvpCtx {
     /// XTS over AES-ECB.
     Xts(Box<EcbXts>),
     /// CBC: one context per direction (AES's key schedules differ per direction).
     Cbc { enc: CipherCtx, dec: CipherCtx },
 }
 
-impl EvpPair {
+impl EvpCtx {
     /// Keys `mode` over AES-`bits` with `key`; `None` where OpenSSL does not serve the
     /// cipher (XTS over AES-192: OpenSSL has no XTS-AES-192 context to check against, and
     /// IEEE 1619 none at all).
@@ -74,7 +74,7 @@ impl EvpPair {
     }
 }
 
-fn cbc(c: &CipherRef, key: &[u8]) -> Option<EvpPair> {
+fn cbc(c: &CipherRef, key: &[u8]) -> Option<EvpCtx> {
     if c.key_length() != key.len() {
         return None;
     }
@@ -85,7 +85,7 @@ fn cbc(c: &CipherRef, key: &[u8]) -> Option<EvpPair> {
     // Sectors are whole blocks: no padding, and a decrypt keeps no block back.
     enc.set_padding(false);
     dec.set_padding(false);
-    Some(EvpPair::Cbc { enc, dec })
+    Some(EvpCtx::Cbc { enc, dec })
 }
 
 fn copy(src: &CipherCtx) -> Option<CipherCtx> {
