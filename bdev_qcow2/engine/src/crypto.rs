@@ -7,14 +7,18 @@
 #[cfg(any(test, feature = "testing"))]
 pub mod build;
 pub mod cipher;
+mod evp;
+mod evp_xts;
 pub mod hash;
 pub mod luks;
 pub mod luks_build;
+mod soft;
+mod spec;
 #[cfg(test)]
 mod tests;
 mod xts;
 
-pub use cipher::{CipherSpec, SectorCipher};
+pub use cipher::{Backend, CipherSpec, SectorCipher, SectorWorker};
 pub use luks::LuksHeader;
 pub use luks_build::{build_luks_area, LuksArea, LuksParams};
 

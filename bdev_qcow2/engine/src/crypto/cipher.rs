@@ -1,155 +1,21 @@
 //! The sector cipher of a LUKS payload: AES in XTS or CBC mode, keyed by the master key,
 //! with the IV of each 512-byte sector from its number (`plain`, `plain64`, `essiv`), as
 //! QEMU's `crypto/block-luks.c` and its IV generators compute them.
+//!
+//! One dispatch: OpenSSL's EVP (`evp.rs`) runs every cipher it serves, keyed once per key
+//! (XTS as our XTS over EVP's AES-ECB, `evp_xts.rs`); RustCrypto (`soft.rs`) runs XTS
+//! over AES-192, which OpenSSL lacks, and is the reference the tests check EVP against.
+//! An EVP context is mutable: a [`SectorWorker`] owns one per thread (an executor's view,
+//! one per core, lock-free); [`SectorCipher::encrypt`]/[`decrypt`](SectorCipher::decrypt) through
+//! a shared `&SectorCipher` borrow contexts from a small pool under a mutex.
 
-use super::hash::HashAlg;
-use super::xts::Xts as Xts128;
+use super::evp::EvpCtx;
+use super::soft::{aes, Soft};
+pub use super::spec::{AesBits, CipherSpec, IvGen, Mode, SECTOR_BYTES};
 use super::CryptoError;
-use aes::cipher::{
-    BlockDecrypt, BlockDecryptMut, BlockEncrypt, BlockEncryptMut, InnerIvInit, KeyInit,
-};
+use aes::cipher::BlockEncrypt;
 use aes::{Aes128, Aes192, Aes256, Block};
-
-/// Bytes of one encrypted sector (LUKS1 and QEMU's qcow2 LUKS use 512).
-pub const SECTOR_BYTES: usize = 512;
-
-/// The block cipher's key size (only AES is offered).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum AesBits {
-    /// aes-128
-    B128,
-    /// aes-192
-    B192,
-    /// aes-256
-    B256,
-}
-
-impl AesBits {
-    fn from_key_len(n: usize) -> Option<Self> {
-        match n {
-            16 => Some(Self::B128),
-            24 => Some(Self::B192),
-            32 => Some(Self::B256),
-            _ => None,
-        }
-    }
-    /// QEMU's name (`aes-256`).
-    pub fn name(self) -> &'static str {
-        match self {
-            Self::B128 => "aes-128",
-            Self::B192 => "aes-192",
-            Self::B256 => "aes-256",
-        }
-    }
-}
-
-/// Block cipher mode.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Mode {
-    /// XTS: the key is two AES keys.
-    Xts,
-    /// CBC.
-    Cbc,
-}
-
-/// How a sector's IV is made from its number.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum IvGen {
-    /// The low 32 bits, little endian.
-    Plain,
-    /// The 64-bit number, little endian.
-    Plain64,
-    /// plain64 encrypted with AES keyed by the hash of the key.
-    Essiv(HashAlg),
-}
-
-impl IvGen {
-    /// QEMU's name (`plain64`).
-    pub fn name(self) -> &'static str {
-        match self {
-            IvGen::Plain => "plain",
-            IvGen::Plain64 => "plain64",
-            IvGen::Essiv(_) => "essiv",
-        }
-    }
-}
-
-/// A cipher as a LUKS header names it: name, mode and IV generator, key length.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct CipherSpec {
-    /// AES key size (of one key, for XTS).
-    pub bits: AesBits,
-    /// Mode.
-    pub mode: Mode,
-    /// IV generator.
-    pub ivgen: IvGen,
-}
-
-impl CipherSpec {
-    /// From the header's `cipher_name`, `cipher_mode` (`xts-plain64`, `cbc-essiv:sha256`)
-    /// and `key_bytes`; `None` for anything we do not implement.
-    pub fn parse(name: &str, mode: &str, key_bytes: usize) -> Option<Self> {
-        if name != "aes" {
-            return None;
-        }
-        let (m, iv) = mode.split_once('-')?;
-        let mode = match m {
-            "xts" => Mode::Xts,
-            "cbc" => Mode::Cbc,
-            _ => return None,
-        };
-        let ivgen = match iv.split_once(':') {
-            None if iv == "plain" => IvGen::Plain,
-            None if iv == "plain64" => IvGen::Plain64,
-            Some(("essiv", h)) => IvGen::Essiv(HashAlg::parse(h)?),
-            // QEMU (as dm-crypt) records and then ignores a hash named with plain(64).
-            Some(("plain", h)) if HashAlg::parse(h).is_some() => IvGen::Plain,
-            Some(("plain64", h)) if HashAlg::parse(h).is_some() => IvGen::Plain64,
-            _ => return None,
-        };
-        let one = match mode {
-            Mode::Xts if key_bytes.is_multiple_of(2) => key_bytes / 2,
-            Mode::Xts => return None,
-            Mode::Cbc => key_bytes,
-        };
-        let bits = AesBits::from_key_len(one)?;
-        if let IvGen::Essiv(h) = ivgen {
-            // ESSIV's AES is keyed by the digest: its length must be an AES key length.
-            AesBits::from_key_len(h.digest_len())?;
-        }
-        Some(CipherSpec { bits, mode, ivgen })
-    }
-
-    /// Bytes of key the cipher takes.
-    pub fn key_bytes(&self) -> usize {
-        let one = match self.bits {
-            AesBits::B128 => 16,
-            AesBits::B192 => 24,
-            AesBits::B256 => 32,
-        };
-        match self.mode {
-            Mode::Xts => 2 * one,
-            Mode::Cbc => one,
-        }
-    }
-
-    /// QEMU's name of the mode (`xts`).
-    pub fn mode_name(&self) -> &'static str {
-        match self.mode {
-            Mode::Xts => "xts",
-            Mode::Cbc => "cbc",
-        }
-    }
-}
-
-enum Keyed {
-    Xts128(Box<Xts128<Aes128>>),
-    Xts192(Box<Xts128<Aes192>>),
-    Xts256(Box<Xts128<Aes256>>),
-    Cbc128(Box<Aes128>),
-    Cbc192(Box<Aes192>),
-    Cbc256(Box<Aes256>),
-}
+use std::sync::{Arc, Mutex, MutexGuard};
 
 enum Iv {
     Plain,
@@ -159,51 +25,67 @@ enum Iv {
     Essiv256(Box<Aes256>),
 }
 
-/// A keyed sector cipher. Its key schedules are zeroized when it is dropped (the `aes`
-/// crate's `zeroize` feature).
+/// Which implementation runs a cipher's sectors.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backend {
+    /// OpenSSL's EVP.
+    OpenSsl,
+    /// RustCrypto's `aes` with our XTS and the `cbc` crate.
+    RustCrypto,
+}
+
+/// EVP contexts for callers through a shared reference: a keyed template and the free ones.
+struct EvpPool {
+    template: EvpCtx,
+    free: Vec<EvpCtx>,
+}
+
+/// Contexts kept for reuse; more threads at once each key a copy and drop it after.
+const POOL_MAX: usize = 8;
+
+/// A keyed sector cipher. Its key schedules are cleared when it is dropped (RustCrypto's
+/// with the `aes` crate's `zeroize` feature; OpenSSL's with `OPENSSL_clear_free` when a
+/// context is freed); the key it was made from is not kept.
 pub struct SectorCipher {
-    keyed: Keyed,
+    /// Sectors OpenSSL serves; `None`: RustCrypto runs them all.
+    evp: Option<Mutex<EvpPool>>,
+    /// RustCrypto, keyed too: where EVP is absent or fails.
+    soft: Soft,
     iv: Iv,
 }
 
 impl std::fmt::Debug for SectorCipher {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("SectorCipher(..)")
+        write!(f, "SectorCipher({:?})", self.backend())
     }
 }
 
-fn xts<C>(key: &[u8]) -> Result<Box<Xts128<C>>, CryptoError>
-where
-    C: KeyInit
-        + BlockEncrypt
-        + BlockDecrypt
-        + aes::cipher::BlockSizeUser<BlockSize = aes::cipher::consts::U16>,
-{
-    let half = key.len() / 2;
-    let a = C::new_from_slice(&key[..half]).map_err(|_| CryptoError::Key)?;
-    let b = C::new_from_slice(&key[half..]).map_err(|_| CryptoError::Key)?;
-    Ok(Box::new(Xts128::new(a, b)))
-}
-
-fn aes<C: KeyInit>(key: &[u8]) -> Result<Box<C>, CryptoError> {
-    C::new_from_slice(key)
-        .map(Box::new)
-        .map_err(|_| CryptoError::Key)
-}
-
 impl SectorCipher {
-    /// Keys `spec` with `key` (its [`CipherSpec::key_bytes`] long).
+    /// Keys `spec` with `key` (its [`CipherSpec::key_bytes`] long): OpenSSL where it
+    /// serves the cipher, RustCrypto elsewhere.
     pub fn new(spec: &CipherSpec, key: &[u8]) -> Result<Self, CryptoError> {
+        Self::with_backend(spec, key, Backend::OpenSsl)
+    }
+
+    /// Keys `spec` with `key`, on `prefer` where it serves the cipher (RustCrypto serves
+    /// all: the reference of the tests and the benchmark).
+    pub fn with_backend(
+        spec: &CipherSpec,
+        key: &[u8],
+        prefer: Backend,
+    ) -> Result<Self, CryptoError> {
         if key.len() != spec.key_bytes() {
             return Err(CryptoError::Key);
         }
-        let keyed = match (spec.mode, spec.bits) {
-            (Mode::Xts, AesBits::B128) => Keyed::Xts128(xts(key)?),
-            (Mode::Xts, AesBits::B192) => Keyed::Xts192(xts(key)?),
-            (Mode::Xts, AesBits::B256) => Keyed::Xts256(xts(key)?),
-            (Mode::Cbc, AesBits::B128) => Keyed::Cbc128(aes(key)?),
-            (Mode::Cbc, AesBits::B192) => Keyed::Cbc192(aes(key)?),
-            (Mode::Cbc, AesBits::B256) => Keyed::Cbc256(aes(key)?),
+        let soft = Soft::new(spec.mode, spec.bits, key)?;
+        let evp = match prefer {
+            Backend::OpenSsl => EvpCtx::new(spec.mode, spec.bits, key).map(|template| {
+                Mutex::new(EvpPool {
+                    template,
+                    free: Vec::new(),
+                })
+            }),
+            Backend::RustCrypto => None,
         };
         let iv = match spec.ivgen {
             IvGen::Plain => Iv::Plain,
@@ -221,7 +103,24 @@ impl SectorCipher {
                 iv
             }
         };
-        Ok(SectorCipher { keyed, iv })
+        Ok(SectorCipher { evp, soft, iv })
+    }
+
+    /// The implementation that runs this cipher's sectors.
+    pub fn backend(&self) -> Backend {
+        match self.evp {
+            Some(_) => Backend::OpenSsl,
+            None => Backend::RustCrypto,
+        }
+    }
+
+    /// A worker of this cipher for one thread: it owns its own keyed EVP contexts, so its
+    /// sectors take no lock.
+    pub fn worker(self: &Arc<Self>) -> SectorWorker {
+        SectorWorker {
+            ctx: self.take_ctx(),
+            cipher: self.clone(),
+        }
     }
 
     fn iv(&self, sector: u64) -> [u8; 16] {
@@ -238,27 +137,81 @@ impl SectorCipher {
 
     /// Encrypts `data` (whole sectors) in place; its first sector is number `sector`.
     pub fn encrypt(&self, sector: u64, data: &mut [u8]) {
-        self.run(sector, data, true)
+        self.run_shared(sector, data, true)
     }
 
     /// Decrypts `data` (whole sectors) in place; its first sector is number `sector`.
     pub fn decrypt(&self, sector: u64, data: &mut [u8]) {
-        self.run(sector, data, false)
+        self.run_shared(sector, data, false)
     }
 
-    fn run(&self, first: u64, data: &mut [u8], enc: bool) {
-        debug_assert!(data.len().is_multiple_of(SECTOR_BYTES));
-        for (i, s) in data.chunks_exact_mut(SECTOR_BYTES).enumerate() {
-            let iv = self.iv(first.wrapping_add(i as u64));
-            match &self.keyed {
-                Keyed::Xts128(x) => xts_run(x, s, iv, enc),
-                Keyed::Xts192(x) => xts_run(x, s, iv, enc),
-                Keyed::Xts256(x) => xts_run(x, s, iv, enc),
-                Keyed::Cbc128(c) => cbc_run(c.as_ref(), s, iv, enc),
-                Keyed::Cbc192(c) => cbc_run(c.as_ref(), s, iv, enc),
-                Keyed::Cbc256(c) => cbc_run(c.as_ref(), s, iv, enc),
+    fn pool(&self) -> Option<MutexGuard<'_, EvpPool>> {
+        // The pool holds only contexts: a panic elsewhere leaves it usable.
+        let m = self.evp.as_ref()?;
+        Some(m.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+
+    fn take_ctx(&self) -> Option<EvpCtx> {
+        let mut pool = self.pool()?;
+        match pool.free.pop() {
+            Some(p) => Some(p),
+            None => pool.template.dup(),
+        }
+    }
+
+    fn run_shared(&self, first: u64, data: &mut [u8], enc: bool) {
+        let mut ctx = self.take_ctx();
+        self.run(ctx.as_mut(), first, data, enc);
+        if let (Some(p), Some(mut pool)) = (ctx, self.pool()) {
+            if pool.free.len() < POOL_MAX {
+                pool.free.push(p);
             }
         }
+    }
+
+    fn run(&self, ctx: Option<&mut EvpCtx>, first: u64, data: &mut [u8], enc: bool) {
+        debug_assert!(data.len().is_multiple_of(SECTOR_BYTES));
+        let iv = |i: u64| self.iv(first.wrapping_add(i));
+        let done = match ctx {
+            Some(p) => p.run(data, &iv, enc),
+            None => 0,
+        };
+        // What EVP did not do (all of it without EVP), RustCrypto does.
+        let rest = data[done * SECTOR_BYTES..].chunks_exact_mut(SECTOR_BYTES);
+        for (i, s) in rest.enumerate() {
+            self.soft.sector(s, iv((done + i) as u64), enc);
+        }
+    }
+}
+
+/// A [`SectorCipher`] for one thread: its own keyed EVP contexts, used through `&mut`
+/// without a lock (an executor's encrypted view holds one per core). `Send`, so it may
+/// be made on one thread and moved to the one that uses it.
+pub struct SectorWorker {
+    cipher: Arc<SectorCipher>,
+    ctx: Option<EvpCtx>,
+}
+
+impl std::fmt::Debug for SectorWorker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "SectorWorker({:?})", self.cipher.backend())
+    }
+}
+
+impl SectorWorker {
+    /// Encrypts `data` (whole sectors) in place; its first sector is number `sector`.
+    pub fn encrypt(&mut self, sector: u64, data: &mut [u8]) {
+        self.cipher.run(self.ctx.as_mut(), sector, data, true)
+    }
+
+    /// Decrypts `data` (whole sectors) in place; its first sector is number `sector`.
+    pub fn decrypt(&mut self, sector: u64, data: &mut [u8]) {
+        self.cipher.run(self.ctx.as_mut(), sector, data, false)
+    }
+
+    /// The cipher it works for.
+    pub fn cipher(&self) -> &Arc<SectorCipher> {
+        &self.cipher
     }
 }
 
@@ -270,30 +223,4 @@ where
     b[..8].copy_from_slice(&sector.to_le_bytes());
     c.encrypt_block(&mut b);
     out.copy_from_slice(&b);
-}
-
-fn xts_run<C>(x: &Xts128<C>, s: &mut [u8], iv: [u8; 16], enc: bool)
-where
-    C: BlockEncrypt
-        + BlockDecrypt
-        + aes::cipher::BlockSizeUser<BlockSize = aes::cipher::consts::U16>,
-{
-    x.sector(s, iv, enc)
-}
-
-fn cbc_run<C>(c: &C, s: &mut [u8], iv: [u8; 16], enc: bool)
-where
-    C: BlockEncrypt + BlockDecrypt + aes::cipher::BlockCipher + Clone,
-    C: aes::cipher::BlockSizeUser<BlockSize = aes::cipher::consts::U16>,
-{
-    use aes::cipher::block_padding::NoPadding;
-    let n = s.len();
-    // Whole sectors are whole blocks: NoPadding cannot fail on them.
-    if enc {
-        let _ = cbc::Encryptor::<C>::inner_iv_init(c.clone(), &iv.into())
-            .encrypt_padded_mut::<NoPadding>(s, n);
-    } else {
-        let _ = cbc::Decryptor::<C>::inner_iv_init(c.clone(), &iv.into())
-            .decrypt_padded_mut::<NoPadding>(s);
-    }
 }

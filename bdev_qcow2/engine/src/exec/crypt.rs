@@ -8,7 +8,7 @@
 
 use super::{DevId, Exec};
 use crate::crypto::cipher::SECTOR_BYTES;
-use crate::crypto::SectorCipher;
+use crate::crypto::{SectorCipher, SectorWorker};
 use crate::io::{BlockDevice, BufSlice, DeviceError, DeviceOp, IoBuffer};
 use std::sync::Arc;
 
@@ -18,10 +18,11 @@ pub(super) const VIEW_BIT: usize = 1 << 30;
 pub(super) const CRYPT_TAG: u64 = 1 << 62;
 const EACCES: i32 = 13;
 
-/// A view: the device under it and its cipher (none until the image is unlocked).
+/// A view: the device under it and its cipher (none until the image is unlocked), as a
+/// worker of this executor's own: its EVP contexts serve this core only, without a lock.
 pub(super) struct View {
     dev: DevId,
-    cipher: Option<Arc<SectorCipher>>,
+    cipher: Option<SectorWorker>,
 }
 
 /// A read in flight through a view: (caller's tag, caller's buffer, device offset, view).
@@ -39,7 +40,7 @@ impl<D: BlockDevice> Exec<D> {
     /// Unlocks a view with the image's payload cipher.
     pub fn set_view_cipher(&self, view: DevId, cipher: Arc<SectorCipher>) {
         if let Some(v) = self.inner.views.borrow_mut().get_mut(view.0 & !VIEW_BIT) {
-            v.cipher = Some(cipher);
+            v.cipher = Some(cipher.worker());
         }
     }
 
@@ -53,16 +54,16 @@ impl<D: BlockDevice> Exec<D> {
 
     /// Submits `op` through view `view`.
     pub(super) fn submit_crypt(&self, view: DevId, op: DeviceOp<D::Buf>, tag: u64) {
-        let (dev, cipher) = {
+        let (dev, unlocked) = {
             let views = self.inner.views.borrow();
             let v = &views[view.0 & !VIEW_BIT];
-            (v.dev, v.cipher.clone())
+            (v.dev, v.cipher.is_some())
         };
         let data = matches!(
             op,
             DeviceOp::Read { .. } | DeviceOp::Write { .. } | DeviceOp::WriteZeroes { .. }
         );
-        let Some(cipher) = cipher.filter(|_| data) else {
+        if !(unlocked && data) {
             if data {
                 self.inner
                     .failed
@@ -72,7 +73,7 @@ impl<D: BlockDevice> Exec<D> {
             }
             // Flush and discard carry no data.
             return self.submit_raw(dev, op, tag);
-        };
+        }
         match op {
             DeviceOp::Read { offset, buf } => {
                 let key = self.inner.crypt_reads.borrow_mut().insert((
@@ -86,14 +87,14 @@ impl<D: BlockDevice> Exec<D> {
             DeviceOp::Write { offset, buf } => {
                 let bounce = self.alloc_buf(dev, buf.len);
                 buf.buf.copy_to(buf.off, &bounce, 0, buf.len);
-                encrypt(&cipher, &bounce, offset);
+                self.encrypt(view, &bounce, offset);
                 let buf = BufSlice::whole(bounce);
                 self.submit_raw(dev, DeviceOp::Write { offset, buf }, tag);
             }
             DeviceOp::WriteZeroes { offset, len } => {
                 // Zeros of an encrypted image are the cipher's zeros, not the device's.
                 let bounce = self.alloc_buf(dev, len as usize);
-                encrypt(&cipher, &bounce, offset);
+                self.encrypt(view, &bounce, offset);
                 let buf = BufSlice::whole(bounce);
                 self.submit_raw(dev, DeviceOp::Write { offset, buf }, tag);
             }
@@ -110,20 +111,25 @@ impl<D: BlockDevice> Exec<D> {
             return;
         };
         if res.is_ok() {
-            let cipher = self.inner.views.borrow()[view].cipher.clone();
-            if let Some(c) = cipher {
+            // The cipher runs on the buffer alone: nothing in it re-enters the executor.
+            if let Some(w) = self.inner.views.borrow_mut()[view].cipher.as_mut() {
                 buf.buf.with_bytes_mut(buf.off, buf.len, &mut |b| {
-                    c.decrypt(offset / SECTOR_BYTES as u64, b)
+                    w.decrypt(offset / SECTOR_BYTES as u64, b)
                 });
             }
         }
         self.device_completed(orig, res);
     }
-}
 
-fn encrypt<B: IoBuffer>(cipher: &SectorCipher, buf: &B, offset: u64) {
-    let len = buf.len();
-    buf.with_bytes_mut(0, len, &mut |b| {
-        cipher.encrypt(offset / SECTOR_BYTES as u64, b)
-    });
+    /// Encrypts the whole of `buf`, which goes to device offset `offset`, with `view`'s
+    /// cipher.
+    fn encrypt(&self, view: DevId, buf: &D::Buf, offset: u64) {
+        if let Some(w) = self.inner.views.borrow_mut()[view.0 & !VIEW_BIT]
+            .cipher
+            .as_mut()
+        {
+            let len = buf.len();
+            buf.with_bytes_mut(0, len, &mut |b| w.encrypt(offset / SECTOR_BYTES as u64, b));
+        }
+    }
 }

@@ -1,0 +1,175 @@
+//! XTS over whole 512-byte sectors with OpenSSL's AES-ECB doing the AES: EVP's own XTS
+//! needs its IV reset per sector (the format's data unit), and that reset
+//! (`EVP_CipherInit_ex`) costs about a third of a sector's time; an ECB context needs no
+//! reset, so a whole request goes through AES in one update. Per chunk of sectors: their
+//! IVs through AES-k2 in one update (the first tweak of each), then `data ^ tweak` into a
+//! scratch buffer, AES-k1 over all of it in one update, and `^ tweak` back into the data.
+//! Tweaks are `T·α^j` in GF(2^128) (IEEE 1619, little endian); no ciphertext stealing
+//! (sectors are whole blocks).
+
+use super::spec::SECTOR_BYTES;
+use openssl::cipher::CipherRef;
+use openssl::cipher_ctx::CipherCtx;
+
+const BLOCKS: usize = SECTOR_BYTES / 16;
+/// Sectors per AES update: 8 KiB of data, scratch and tweaks stay in L1.
+const CHUNK: usize = 16;
+const _: () = assert!(CHUNK.is_multiple_of(LANES));
+
+/// Three ECB contexts keyed once (k1 to encrypt, k1 to decrypt, k2 for the tweaks) and the
+/// scratch they run through.
+pub(super) struct EcbXts {
+    k1e: CipherCtx,
+    k1d: CipherCtx,
+    k2: CipherCtx,
+    /// `data ^ tweak`; the IVs. (Each a block longer: EVP wants room for one.)
+    a: Vec<u8>,
+    /// AES output; the first tweaks.
+    b: Vec<u8>,
+    /// Every block's tweak, as bytes.
+    t: Vec<u8>,
+}
+
+fn ctx(c: &CipherRef, key: &[u8], enc: bool) -> Option<CipherCtx> {
+    let mut x = CipherCtx::new().ok()?;
+    if enc {
+        x.encrypt_init(Some(c), Some(key), None).ok()?;
+    } else {
+        x.decrypt_init(Some(c), Some(key), None).ok()?;
+    }
+    x.set_padding(false);
+    Some(x)
+}
+
+fn copy(src: &CipherCtx) -> Option<CipherCtx> {
+    let mut x = CipherCtx::new().ok()?;
+    x.copy(src).ok()?;
+    Some(x)
+}
+
+#[inline(always)]
+fn times_alpha(t: u128) -> u128 {
+    (t << 1) ^ ((t >> 127) * 0x87)
+}
+
+#[inline(always)]
+fn load(b: &[u8]) -> u128 {
+    let mut w = [0u8; 16];
+    w.copy_from_slice(b);
+    u128::from_le_bytes(w)
+}
+
+/// Sectors whose tweak chains run side by side (each step depends on the last).
+const LANES: usize = 4;
+
+impl EcbXts {
+    /// `ecb` is AES-ECB of one key half's size; `key` both halves.
+    pub(super) fn new(ecb: &CipherRef, key: &[u8]) -> Option<Self> {
+        let (k1, k2) = key.split_at(key.len() / 2);
+        if ecb.key_length() != k1.len() {
+            return None;
+        }
+        Some(Self::with(
+            ctx(ecb, k1, true)?,
+            ctx(ecb, k1, false)?,
+            ctx(ecb, k2, true)?,
+        ))
+    }
+
+    fn with(k1e: CipherCtx, k1d: CipherCtx, k2: CipherCtx) -> Self {
+        EcbXts {
+            k1e,
+            k1d,
+            k2,
+            a: vec![0; CHUNK * SECTOR_BYTES + 16],
+            b: vec![0; CHUNK * SECTOR_BYTES + 16],
+            t: vec![0; CHUNK * SECTOR_BYTES],
+        }
+    }
+
+    /// Every block's tweak of `n` sectors into `t`, from their first tweaks in `b`: the
+    /// chains of [`LANES`] sectors interleaved, so that their steps overlap.
+    fn tweaks(&mut self, n: usize) {
+        for g in (0..n).step_by(LANES) {
+            let mut cur = [0u128; LANES];
+            for (k, c) in cur.iter_mut().enumerate().take(n - g) {
+                *c = load(&self.b[16 * (g + k)..16 * (g + k + 1)]);
+            }
+            // Lanes past `n` compute zeros into room `t` has (CHUNK is a multiple of LANES).
+            for j in 0..BLOCKS {
+                for (k, c) in cur.iter_mut().enumerate() {
+                    let at = ((g + k) * BLOCKS + j) * 16;
+                    self.t[at..at + 16].copy_from_slice(&c.to_le_bytes());
+                    *c = times_alpha(*c);
+                }
+            }
+        }
+    }
+
+    /// Another with the same keyed state, for another thread.
+    pub(super) fn dup(&self) -> Option<Self> {
+        Some(Self::with(
+            copy(&self.k1e)?,
+            copy(&self.k1d)?,
+            copy(&self.k2)?,
+        ))
+    }
+
+    /// Encrypts (`enc`) or decrypts `data` (whole sectors) in place, the IV of its sector
+    /// `i` being `iv(i)`. Returns how many sectors it did: all, unless OpenSSL failed
+    /// (then the rest is untouched, for the caller to finish).
+    pub(super) fn run(
+        &mut self,
+        data: &mut [u8],
+        iv: &dyn Fn(u64) -> [u8; 16],
+        enc: bool,
+    ) -> usize {
+        let mut done = 0;
+        for chunk in data.chunks_mut(CHUNK * SECTOR_BYTES) {
+            if !self.chunk(chunk, done as u64, iv, enc) {
+                break;
+            }
+            done += chunk.len() / SECTOR_BYTES;
+        }
+        done
+    }
+
+    fn chunk(
+        &mut self,
+        data: &mut [u8],
+        first: u64,
+        iv: &dyn Fn(u64) -> [u8; 16],
+        enc: bool,
+    ) -> bool {
+        let n = data.len() / SECTOR_BYTES;
+        let len = n * SECTOR_BYTES;
+        // The first tweak of each sector: its IV through AES-k2.
+        for (i, b) in self.a[..16 * n].chunks_exact_mut(16).enumerate() {
+            b.copy_from_slice(&iv(first + i as u64));
+        }
+        if !matches!(
+            self.k2.cipher_update(&self.a[..16 * n], Some(&mut self.b[..16 * n + 16])),
+            Ok(x) if x == 16 * n
+        ) {
+            return false;
+        }
+        self.tweaks(n);
+        // Byte-wise XORs of equal slices: the compiler vectorizes them.
+        let a = self.a[..len].iter_mut().zip(&data[..len]);
+        for ((a, d), t) in a.zip(&self.t[..len]) {
+            *a = d ^ t;
+        }
+        let k1 = if enc { &mut self.k1e } else { &mut self.k1d };
+        if !matches!(
+            k1.cipher_update(&self.a[..len], Some(&mut self.b[..len + 16])),
+            Ok(x) if x == len
+        ) {
+            return false;
+        }
+        let out = data[..len].iter_mut().zip(&self.b[..len]);
+        for ((d, b), t) in out.zip(&self.t[..len]) {
+            *d = b ^ t;
+        }
+        true
+    }
+}
