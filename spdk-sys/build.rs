@@ -36,6 +36,7 @@ const LIBS: &[&str] = &[
     "spdk_rpc",
     "spdk_log",
     "spdk_util",
+    "spdk_keyring",
     "spdk_env_dpdk",
 ];
 
@@ -106,6 +107,9 @@ const FUNCTIONS: &[&str] = &[
     "spdk_uuid_parse",
     "spdk_uuid_fmt_lower",
     "spdk_uuid_generate_sha1",
+    "spdk_keyring_get_key",
+    "spdk_keyring_put_key",
+    "spdk_key_get_key",
     "spdk_sys_.*",
 ];
 

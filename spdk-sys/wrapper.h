@@ -11,6 +11,7 @@
 #include <spdk/util.h>
 #include <spdk/string.h>
 #include <spdk/uuid.h>
+#include <spdk/keyring.h>
 
 /* The shim: static inlines of the headers above, given a linkable symbol (shim.c). */
 void *spdk_sys_io_channel_get_ctx(struct spdk_io_channel *ch);

@@ -10,7 +10,7 @@ def bdev_qcow2_create(client, name, base_bdev, backing_bdev=None, read_only=None
                       prefetch_max_window=None, alloc_granule=None, zero_ahead=None,
                       pass_discard_request=None, pass_discard_snapshot=None,
                       pass_discard_other=None, uuid=None, space_warn_percent=None,
-                      backing_cache_size=None):
+                      backing_cache_size=None, key=None):
     params = {'name': name, 'base_bdev': base_bdev}
     if backing_bdev is not None:
         params['backing_bdev'] = backing_bdev
@@ -47,15 +47,18 @@ def bdev_qcow2_create(client, name, base_bdev, backing_bdev=None, read_only=None
         params['space_warn_percent'] = space_warn_percent
     if backing_cache_size is not None:
         params['backing_cache_size'] = backing_cache_size
+    if key is not None:
+        params['key'] = key
     return client.call('bdev_qcow2_create', params)
 
 
 def bdev_qcow2_format(client, base_bdev, size=None, cluster_size=None, extended_l2=None,
                       refcount_bits=None, compat=None, lazy_refcounts=None,
                       compression_type=None, preallocation=None, zero_base=None,
-                      backing_bdev=None):
+                      backing_bdev=None, key=None, encrypt_iter_time_ms=None):
     params = {'base_bdev': base_bdev}
-    for k, v in (('size', size), ('backing_bdev', backing_bdev),
+    for k, v in (('size', size), ('backing_bdev', backing_bdev), ('key', key),
+                 ('encrypt_iter_time_ms', encrypt_iter_time_ms),
                  ('cluster_size', cluster_size), ('extended_l2', extended_l2),
                  ('refcount_bits', refcount_bits), ('compat', compat),
                  ('lazy_refcounts', lazy_refcounts), ('compression_type', compression_type),
@@ -67,9 +70,10 @@ def bdev_qcow2_format(client, base_bdev, size=None, cluster_size=None, extended_
 
 def bdev_qcow2_overlay_create(client, name, base_bdev, backing_bdev, size=None,
                               cluster_size=None, extended_l2=None, uuid=None,
-                              backing_cache_size=None):
+                              backing_cache_size=None, key=None, encrypt_iter_time_ms=None):
     params = {'name': name, 'base_bdev': base_bdev, 'backing_bdev': backing_bdev}
-    for k, v in (('size', size), ('cluster_size', cluster_size),
+    for k, v in (('size', size), ('cluster_size', cluster_size), ('key', key),
+                 ('encrypt_iter_time_ms', encrypt_iter_time_ms),
                  ('extended_l2', extended_l2), ('uuid', uuid),
                  ('backing_cache_size', backing_cache_size)):
         if v is not None:
@@ -121,6 +125,14 @@ def bdev_qcow2_snapshot_external(client, name, base_bdev, snapshot_name=None,
     return client.call('bdev_qcow2_snapshot_external', params)
 
 
+def add_encrypt_args(p):
+    p.add_argument('-k', '--key',
+                   help='encrypt the image (LUKS, aes-256-xts-plain64 as qemu-img) with the '
+                   'passphrase held by this key of SPDK\'s keyring (keyring_file_add_key)')
+    p.add_argument('--encrypt-iter-time-ms', dest='encrypt_iter_time_ms', type=int,
+                   help='milliseconds of PBKDF2 the key slot takes (default 2000, as qemu-img)')
+
+
 def spdk_rpc_plugin_initialize(subparsers):
     def create(args):
         print_json(bdev_qcow2_create(args.client, name=args.name, base_bdev=args.base_bdev,
@@ -141,7 +153,8 @@ def spdk_rpc_plugin_initialize(subparsers):
                                      pass_discard_other=args.pass_discard_other,
                                      uuid=args.uuid,
                                      space_warn_percent=args.space_warn_percent,
-                                     backing_cache_size=args.backing_cache_size))
+                                     backing_cache_size=args.backing_cache_size,
+                                     key=args.key))
 
     p = subparsers.add_parser('bdev_qcow2_create',
                               help='Serve a qcow2 image stored on a bdev as a new bdev')
@@ -198,6 +211,9 @@ def spdk_rpc_plugin_initialize(subparsers):
     p.add_argument('--backing-cache-size', dest='backing_cache_size', type=int,
                    help='bytes of the read cache of the backing bdev shared by every qcow2 '
                    'bdev over it, used while two or more share it (default 256 MiB; 0: none)')
+    p.add_argument('-k', '--key',
+                   help='name of the key in SPDK\'s keyring (keyring_file_add_key) holding '
+                   'the passphrase of an encrypted (LUKS) image')
     p.set_defaults(func=create)
 
     def fmt(args):
@@ -209,7 +225,8 @@ def spdk_rpc_plugin_initialize(subparsers):
                                      compression_type=args.compression_type,
                                      preallocation=args.preallocation,
                                      zero_base=args.zero_base,
-                                     backing_bdev=args.backing_bdev))
+                                     backing_bdev=args.backing_bdev, key=args.key,
+                                     encrypt_iter_time_ms=args.encrypt_iter_time_ms))
 
     p = subparsers.add_parser('bdev_qcow2_format',
                               help='Write a fresh, empty qcow2 image onto a bdev (erases it)')
@@ -235,6 +252,7 @@ def spdk_rpc_plugin_initialize(subparsers):
                         'guest\'s bytes alone (default: on malloc and NVMe bases)')
     p.add_argument('--no-zero-base', dest='zero_base', action='store_false',
                    help='leave the base as it is (first writes write whole clusters)')
+    add_encrypt_args(p)
     p.set_defaults(func=fmt)
 
     def overlay(args):
@@ -243,7 +261,9 @@ def spdk_rpc_plugin_initialize(subparsers):
                                              backing_bdev=args.backing_bdev, size=args.size,
                                              cluster_size=args.cluster_size,
                                              extended_l2=args.extended_l2, uuid=args.uuid,
-                                             backing_cache_size=args.backing_cache_size))
+                                             backing_cache_size=args.backing_cache_size,
+                                             key=args.key,
+                                             encrypt_iter_time_ms=args.encrypt_iter_time_ms))
 
     p = subparsers.add_parser('bdev_qcow2_overlay_create',
                               help='Format an overlay of a backing bdev on a bdev (erases it) '
@@ -260,6 +280,7 @@ def spdk_rpc_plugin_initialize(subparsers):
     p.add_argument('-u', '--uuid', help='UUID of the bdev (default: derived)')
     p.add_argument('--backing-cache-size', dest='backing_cache_size', type=int,
                    help='bytes of the backing bdev\'s shared read cache (default 256 MiB; 0: none)')
+    add_encrypt_args(p)
     p.set_defaults(func=overlay)
 
     def delete(args):

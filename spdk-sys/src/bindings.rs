@@ -12886,6 +12886,24 @@ unsafe extern "C" {
         state_mask: u32,
     );
 }
+#[repr(C)]
+#[derive(Debug, Copy, Clone)]
+pub struct spdk_key {
+    _unused: [u8; 0],
+}
+unsafe extern "C" {
+    pub fn spdk_keyring_get_key(name: *const ::std::os::raw::c_char) -> *mut spdk_key;
+}
+unsafe extern "C" {
+    pub fn spdk_keyring_put_key(key: *mut spdk_key);
+}
+unsafe extern "C" {
+    pub fn spdk_key_get_key(
+        key: *mut spdk_key,
+        buf: *mut ::std::os::raw::c_void,
+        len: ::std::os::raw::c_int,
+    ) -> ::std::os::raw::c_int;
+}
 unsafe extern "C" {
     pub fn spdk_sys_io_channel_get_ctx(
         ch: *mut spdk_io_channel,

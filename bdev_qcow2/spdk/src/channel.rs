@@ -164,8 +164,15 @@ impl Channel {
             }
             _ => {
                 let (e2, o2, opts) = (exec.clone(), ch.opened.clone(), src.opts);
+                let key = src.key.cloned();
                 exec.spawn(async move {
-                    let r = Qcow2::open(&e2, base_dev, opts).await;
+                    let r = Qcow2::open(&e2, base_dev, opts).await.and_then(|q| {
+                        // An encrypted image's key, unlocked once at creation.
+                        if let Some(k) = &key {
+                            q.unlock_with(k)?;
+                        }
+                        Ok(q)
+                    });
                     *o2.borrow_mut() = Some(r);
                 });
             }

@@ -271,6 +271,17 @@ pub fn snapshot_external(req: Request, params: Params) {
         || p.base_bdev == current.base_bdev
         || Some(&p.base_bdev) == current.backing_bdev.as_ref()
         || p.base_bdev == snapshot;
+    if current.key.is_some() {
+        drop(reg);
+        return req.errno(
+            libc::EOPNOTSUPP,
+            &format!(
+                "{METHOD}: {} is encrypted: external snapshots of encrypted images are not \
+                 supported yet",
+                p.name
+            ),
+        );
+    }
     if in_chain {
         drop(reg);
         return req.error(
@@ -568,6 +579,7 @@ fn switch(mut sw: Box<Switch>) {
         params: sw.params.clone(),
         info,
         live_channels: Arc::new(AtomicUsize::new(0)),
+        key: None,
     });
     match node.switch_image(new) {
         Ok(old) => sw.old = Some(old),

@@ -43,6 +43,14 @@ fn errno_msg(e: i32) -> String {
 /// Formats `p.base_bdev` (which must exist and be unclaimed); `done` hears the outcome,
 /// possibly before this returns.
 pub fn format(mut p: FormatParams, done: Done) {
+    if p.key.is_some() || p.encrypt_iter_time_ms.is_some() {
+        return done(Err((
+            libc::EOPNOTSUPP,
+            "formatting encrypted images (key) is not supported yet: make the image with \
+             `qemu-img create -o encrypt.format=luks` and serve it with bdev_qcow2_create's key"
+                .into(),
+        )));
+    }
     let backing = match p.backing_bdev.clone().map(|b| backing_of(&b)).transpose() {
         Ok(b) => b,
         Err(e) => return done(Err(e)),

@@ -12,6 +12,7 @@ mod create;
 mod identity;
 mod info;
 mod teardown;
+mod unlock;
 
 use config::config_json;
 pub(crate) use create::{create, create_unclaimed, open_claimed, open_unclaimed, start_owner};
@@ -29,6 +30,7 @@ use crate::params::CreateParams;
 use crate::stats::ChannelStats;
 use crate::types::{OwnerBox, OwnerPtr, Qcow2Bdev, Unregistered};
 use qcow2_engine::golden::{SharedReadCache, Sharer};
+use qcow2_engine::image::UnlockedKey;
 use qcow2_engine::io::SECTOR;
 use qcow2_engine::ring::{RingConfig, WriteGens};
 use qcow2_engine::{CoreSeed, OpenOptions};
@@ -91,6 +93,8 @@ struct Current {
     live_channels: Arc<AtomicUsize>,
     /// The read cache of the backing bdev, shared with every bdev over the same one.
     backing_cache: Option<Sharer>,
+    /// The key an encrypted image was unlocked with.
+    key: Option<UnlockedKey>,
 }
 
 impl Current {
@@ -108,6 +112,7 @@ impl Current {
             info: i.info,
             live_channels: i.live_channels,
             backing_cache,
+            key: i.key,
         }
     }
 }
@@ -130,6 +135,9 @@ pub struct Image {
     pub info: ImageInfo,
     /// Channel states built from this image that are not freed yet.
     pub live_channels: Arc<AtomicUsize>,
+    /// The key an encrypted image was unlocked with (a read-only bdev's channels unlock
+    /// their replicas with it).
+    pub key: Option<UnlockedKey>,
 }
 
 /// What a channel state is built from: one consistent view of the node, taken under its
@@ -159,6 +167,8 @@ pub struct ChannelSource<'a> {
     pub retired: &'a Arc<Mutex<ChannelStats>>,
     /// The backing bdev's shared read cache.
     pub backing_cache: Option<&'a Arc<SharedReadCache>>,
+    /// The key an encrypted image was unlocked with.
+    pub key: Option<&'a UnlockedKey>,
 }
 
 impl Node {
@@ -323,6 +333,7 @@ impl Node {
             live: &c.live_channels,
             retired: &self.retired,
             backing_cache: c.backing_cache.as_ref().map(Sharer::cache),
+            key: c.key.as_ref(),
         })
     }
 
@@ -360,6 +371,7 @@ impl Node {
             params: old.params,
             info: old.info,
             live_channels: old.live_channels,
+            key: old.key,
         }))
     }
 

@@ -41,6 +41,13 @@ pub struct OverlayParams {
     /// Bytes of the backing bdev's shared read cache (as `bdev_qcow2_create`'s).
     #[serde(default)]
     pub backing_cache_size: Option<u64>,
+    /// Encrypt the overlay with the passphrase held by this key of SPDK's keyring (as
+    /// `bdev_qcow2_format`'s `key`; the bdev is then created with it).
+    #[serde(default)]
+    pub key: Option<String>,
+    /// As `bdev_qcow2_format`'s.
+    #[serde(default)]
+    pub encrypt_iter_time_ms: Option<u32>,
 }
 
 /// `bdev_qcow2_overlay_create`: answers the new bdev's name.
@@ -54,6 +61,7 @@ pub fn overlay_create(req: Request, params: Params) {
         "backing_bdev": p.backing_bdev,
         "uuid": p.uuid,
         "backing_cache_size": p.backing_cache_size,
+        "key": p.key,
     })) {
         Ok(c) => c,
         Err(e) => return req.error(INVALID_PARAMS, &format!("{METHOD}: {e}")),
@@ -74,6 +82,8 @@ pub fn overlay_create(req: Request, params: Params) {
         "size": p.size,
         "cluster_size": p.cluster_size,
         "extended_l2": p.extended_l2,
+        "key": p.key,
+        "encrypt_iter_time_ms": p.encrypt_iter_time_ms,
     })) {
         Ok(f) => f,
         Err(e) => return req.error(INVALID_PARAMS, &format!("{METHOD}: {e}")),

@@ -112,6 +112,12 @@ pub struct CreateParams {
     /// or more share the backing bdev (one alone reads past it).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub backing_cache_size: Option<u64>,
+    /// The name of the key in SPDK's keyring (`keyring_file_add_key`) whose bytes are the
+    /// passphrase of an encrypted (LUKS) image, as QEMU's `encrypt.key-secret` names a
+    /// secret. Required for an encrypted image, refused for a plain one. `save_config`
+    /// writes the name, never the key (the keyring's own config is saved before).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub key: Option<String>,
 }
 
 /// The default of [`CreateParams::backing_cache_size`].
@@ -128,6 +134,13 @@ impl CreateParams {
         }
         if self.name.contains('\0') {
             return Err("name contains NUL".into());
+        }
+        if self
+            .key
+            .as_ref()
+            .is_some_and(|k| k.is_empty() || k.contains('\0'))
+        {
+            return Err("key must be the name of a key in SPDK's keyring".into());
         }
         if self.name == self.base_bdev || Some(&self.name) == self.backing_bdev.as_ref() {
             return Err("name must differ from base_bdev and backing_bdev".into());
@@ -276,6 +289,15 @@ pub struct FormatParams {
     /// Zeroes where the base lacks it).
     #[serde(default)]
     pub zero_base: Option<bool>,
+    /// Encrypt the image (LUKS, `aes-256-xts-plain64` with `sha256`, as `qemu-img create -o
+    /// encrypt.format=luks` does by default) with the passphrase held by this key of SPDK's
+    /// keyring (`keyring_file_add_key`).
+    #[serde(default)]
+    pub key: Option<String>,
+    /// Milliseconds the key slot's PBKDF2 is calibrated to take (QEMU's
+    /// `encrypt.iter-time`; default 2000).
+    #[serde(default)]
+    pub encrypt_iter_time_ms: Option<u32>,
 }
 
 impl FormatParams {

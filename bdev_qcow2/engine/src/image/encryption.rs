@@ -5,8 +5,9 @@
 
 use super::Qcow2;
 use crate::crypto::{LuksHeader, SectorCipher};
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::exec::{read_bytes, DevId, Exec};
+use crate::format::header::{peek_cluster_bits, PEEK_LEN};
 use crate::format::ImageHeader;
 use crate::io::BlockDevice;
 use std::sync::{Arc, OnceLock};
@@ -54,6 +55,80 @@ pub(super) async fn read_luks<D: BlockDevice>(
     })))
 }
 
+/// An encrypted image's LUKS header and the bytes of its area, read from the device
+/// without opening the image: a host checks a key with it before a writable open (which
+/// may repair and write) and derives the key on any thread ([`LuksArea::unlock`] is
+/// `Send` work: PBKDF2 takes as long as the image's creator asked, seconds with QEMU's
+/// default `iter-time`).
+pub struct LuksArea {
+    header: LuksHeader,
+    region: Vec<u8>,
+}
+
+impl std::fmt::Debug for LuksArea {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LuksArea")
+            .field("header", &self.header)
+            .finish_non_exhaustive()
+    }
+}
+
+impl LuksArea {
+    /// Reads the LUKS area of the image on `dev` (`None`: the image is not encrypted),
+    /// validating the image header and the LUKS header as an open does.
+    pub async fn read<D: BlockDevice>(exec: &Exec<D>, dev: DevId) -> Result<Option<LuksArea>> {
+        let device_size = exec.device_size(dev);
+        if device_size < PEEK_LEN as u64 {
+            return Err(crate::error::invalid(
+                crate::error::Field::HeaderLength,
+                device_size,
+                "device smaller than a header",
+            ));
+        }
+        let peek = read_bytes(exec, dev, 0, PEEK_LEN as u64).await?;
+        let c0_len = (1u64 << peek_cluster_bits(&peek)?).min(device_size);
+        let c0 = read_bytes(exec, dev, 0, c0_len).await?;
+        let header = ImageHeader::decode(&c0, device_size)?;
+        let Some((off, len)) = header.extensions.encryption else {
+            return Ok(None);
+        };
+        let region = read_bytes(exec, dev, off, len).await?;
+        Ok(Some(LuksArea {
+            header: LuksHeader::parse(&region)?,
+            region,
+        }))
+    }
+
+    /// The decoded header.
+    pub fn header(&self) -> &LuksHeader {
+        &self.header
+    }
+
+    /// The key `secret` unlocks ([`Error::WrongKey`]: none of the active slots): PBKDF2 of
+    /// the secret for each active slot, then of the master key. Runs on any thread.
+    pub fn unlock(&self, secret: &[u8]) -> Result<UnlockedKey> {
+        Ok(UnlockedKey {
+            header: self.header.clone(),
+            cipher: Arc::new(self.header.unlock(&self.region, secret)?),
+        })
+    }
+}
+
+/// The payload cipher a secret unlocked, with the header it belongs to: another open of
+/// the same image takes it ([`Qcow2::unlock_with`]) without deriving the key again. Its
+/// key schedules are zeroized when the last copy is dropped; `Debug` shows nothing of them.
+#[derive(Clone)]
+pub struct UnlockedKey {
+    header: LuksHeader,
+    cipher: Arc<SectorCipher>,
+}
+
+impl std::fmt::Debug for UnlockedKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "UnlockedKey(LUKS {})", self.header.uuid)
+    }
+}
+
 /// The view data takes: the device itself for a plain image, an encrypted view (unlocked
 /// when `luks` is) for an encrypted one.
 pub(super) fn data_view<D: BlockDevice>(
@@ -95,10 +170,38 @@ impl<D: BlockDevice> Qcow2<D> {
             return Ok(());
         }
         let (off, len) = l.area;
-        let bytes = read_bytes(&self.exec, self.dev, off, len).await?;
-        let cipher = Arc::new(l.header.unlock(&bytes, secret)?);
-        let c = l.cipher.get_or_init(|| cipher).clone();
+        let region = read_bytes(&self.exec, self.dev, off, len).await?;
+        let area = LuksArea {
+            header: l.header.clone(),
+            region,
+        };
+        self.unlock_with(&area.unlock(secret)?)
+    }
+
+    /// Unlocks an encrypted image with a key another open of it unlocked (no key
+    /// derivation). [`Error::WrongKey`] when `key` belongs to another LUKS header; a plain
+    /// image refuses it likewise (a key given for an image that takes none is a mistake).
+    pub fn unlock_with(&self, key: &UnlockedKey) -> Result<()> {
+        let Some(l) = &self.luks else {
+            return Err(Error::Refused(
+                "a key was given but the image is not encrypted".into(),
+            ));
+        };
+        if l.header != key.header {
+            return Err(Error::WrongKey);
+        }
+        let c = l.cipher.get_or_init(|| key.cipher.clone()).clone();
         self.exec.set_view_cipher(self.data_dev, c);
         Ok(())
+    }
+
+    /// The key this image was unlocked with, for other opens of it (`None`: plain, or
+    /// locked).
+    pub fn unlocked_key(&self) -> Option<UnlockedKey> {
+        let l = self.luks.as_ref()?;
+        Some(UnlockedKey {
+            header: l.header.clone(),
+            cipher: l.cipher.get()?.clone(),
+        })
     }
 }

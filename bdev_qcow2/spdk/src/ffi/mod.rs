@@ -12,6 +12,7 @@ pub mod bdev_io;
 pub mod dma;
 pub mod io_channel;
 pub mod json;
+pub mod keyring;
 pub mod log;
 pub mod module;
 pub mod node;

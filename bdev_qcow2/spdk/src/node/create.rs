@@ -12,6 +12,7 @@ use crate::owner::Owner;
 use crate::params::CreateParams;
 use crate::registry;
 use crate::types::{OwnerBox, Qcow2Bdev};
+use qcow2_engine::image::UnlockedKey;
 use qcow2_engine::ring::WriteGens;
 use qcow2_engine::{Chain, CoreSeed, DevId, Exec, Layer, OpenOptions, Qcow2};
 use std::cell::RefCell;
@@ -26,7 +27,7 @@ pub type Outcome = Result<String, (i32, String)>;
 /// Who hears about it (an RPC response, or the examine that started a deferred creation).
 pub type Done = Box<dyn FnOnce(Outcome)>;
 
-type Opened = qcow2_engine::Result<(ImageInfo, Qcow2<SpdkDevice>)>;
+type Opened = qcow2_engine::Result<(ImageInfo, Qcow2<SpdkDevice>, Option<UnlockedKey>)>;
 
 /// A creation in progress: the image is being read on the md thread.
 struct Job {
@@ -237,6 +238,12 @@ fn open_and_read(
     };
     // Written back by `save_config`, so a restart keeps it whatever the base's UUID then.
     params.uuid = Some(uuid.to_string());
+    // The key's bytes, read now and zeroized once the key is derived from them.
+    let secret = match params.key.as_deref().map(crate::ffi::keyring::key_bytes) {
+        None => None,
+        Some(Ok(s)) => Some(s),
+        Some(Err((e, m))) => return fail(&name, [Some(base), backing], done, e, m),
+    };
     let exec: Exec<SpdkDevice> = Exec::new();
     let Some(mut dev) = crate::device::open(&base) else {
         let m = format!("no I/O channel for base bdev {}", params.base_bdev);
@@ -254,16 +261,9 @@ fn open_and_read(
             ..params.open_options()
         };
         exec.spawn(async move {
-            let r = Qcow2::open(&exec2, dev, opts).await.and_then(|q| {
-                // Keys through SPDK's keyring are not wired yet: the module's direct path
-                // would hand the guest cipher text.
-                if q.encrypted() {
-                    return Err(qcow2_engine::Error::UnsupportedFeature(
-                        "encrypted (LUKS) images are not supported by the SPDK module yet".into(),
-                    ));
-                }
-                Ok((ImageInfo::of(&q, &p2, zeroing), q))
-            });
+            let r = super::unlock::open_image(&exec2, dev, opts, secret)
+                .await
+                .map(|(q, key)| (ImageInfo::of(&q, &p2, zeroing), q, key));
             *result2.borrow_mut() = Some(r);
         });
     }
@@ -314,7 +314,7 @@ fn finish(mut job: Job) {
     let Some(done) = job.done.take() else { return };
     let mut descs = [job.base.take(), job.backing.take()];
     let opened = job.result.borrow_mut().take();
-    let (mut info, image) = match opened {
+    let (mut info, image, key) = match opened {
         Some(Ok(i)) => i,
         Some(Err(e)) => {
             // Releases the md thread's channel of the base before the descriptors close.
@@ -361,7 +361,8 @@ fn finish(mut job: Job) {
         // Every channel opens its own replica: release this one and its base channel.
         drop(image);
         drop(job.exec);
-        return register(job.params, job.uuid, info, descs, None, ring, done);
+        let parts = (descs, None, key);
+        return register(job.params, job.uuid, info, parts, ring, done);
     }
     // The owner's chain reads through the backing bdev: added to `exec` only now that the
     // image is known to name a backing file (after the base, `DevId(0)`).
@@ -381,7 +382,8 @@ fn finish(mut job: Job) {
         Ok(o) => o,
         Err((e, m)) => return fail(&name, descs, done, e, m),
     };
-    register(job.params, job.uuid, info, descs, Some(owner), ring, done);
+    let parts = (descs, Some(owner), key);
+    register(job.params, job.uuid, info, parts, ring, done);
 }
 
 /// Starts the metadata owner of the writable `image` on `exec` (on this thread, the md
@@ -427,13 +429,20 @@ pub(crate) fn start_owner(
     Ok((owner, seed))
 }
 
-/// Registers the bdev of `params` over its base and backing descriptors `descs`.
+/// What a node is made of: its base and backing descriptors, the owner of a writable
+/// image and its replicas' seed, the key an encrypted image was unlocked with.
+type Parts = (
+    [Option<Desc>; 2],
+    Option<(OwnerBox, Option<CoreSeed>)>,
+    Option<UnlockedKey>,
+);
+
+/// Registers the bdev of `params` over its base and backing descriptors.
 fn register(
     params: CreateParams,
     uuid: Uuid,
     info: ImageInfo,
-    descs: [Option<Desc>; 2],
-    owner: Option<(OwnerBox, Option<CoreSeed>)>,
+    (descs, owner, key): Parts,
     ring: Option<Ring>,
     done: Done,
 ) {
@@ -495,6 +504,7 @@ fn register(
         params,
         info,
         live_channels: Arc::new(AtomicUsize::new(0)),
+        key,
     };
     let node = match handle::register::<Qcow2Bdev>(Node::new(image, ring), cname, &props, |max| {
         cluster_cut(max, cluster_size)

@@ -1,0 +1,88 @@
+//! Opening an encrypted image with a key from SPDK's keyring (`bdev_qcow2_create`'s `key`):
+//! the key is checked against the image's LUKS header before the image is opened, since a
+//! writable open may write (a dirty image is repaired first), so a wrong key writes
+//! nothing. The key derivation (PBKDF2, as long as the image's creator asked: seconds with
+//! QEMU's default `iter-time`) runs on a thread of its own while the md thread polls on.
+//! The other threads' replicas take the unlocked cipher from the owner's seed, a read-only
+//! bdev's channels from the node ([`UnlockedKey`]): none derives it again.
+
+use crate::device::SpdkDevice;
+use qcow2_engine::image::{LuksArea, UnlockedKey};
+use qcow2_engine::{DevId, Error, Exec, OpenOptions, Qcow2, Result};
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::mpsc::{self, TryRecvError};
+use std::task::{Context, Poll};
+use zeroize::Zeroizing;
+
+/// The image on `dev` opened with `opts` and, when encrypted, unlocked with `secret` (the
+/// bytes of the keyring key the parameters name): with the key it was unlocked with.
+pub(super) async fn open_image(
+    exec: &Exec<SpdkDevice>,
+    dev: DevId,
+    opts: OpenOptions,
+    secret: Option<Zeroizing<Vec<u8>>>,
+) -> Result<(Qcow2<SpdkDevice>, Option<UnlockedKey>)> {
+    let key = match (LuksArea::read(exec, dev).await?, secret) {
+        (None, None) => None,
+        (None, Some(_)) => {
+            return Err(Error::Refused(
+                "key was given but the image is not encrypted".into(),
+            ))
+        }
+        (Some(_), None) => {
+            return Err(Error::Refused(
+                "the image is encrypted (LUKS): give key, the name of the key in SPDK's \
+                 keyring that holds its passphrase (keyring_file_add_key)"
+                    .into(),
+            ))
+        }
+        (Some(area), Some(secret)) => Some(derive(exec, area, secret).await?),
+    };
+    let q = Qcow2::open(exec, dev, opts).await?;
+    if let Some(k) = &key {
+        q.unlock_with(k)?;
+    }
+    Ok((q, key))
+}
+
+/// The key `secret` unlocks in `area`, derived on a thread of its own; the calling task
+/// yields until it is done. `secret` is zeroized there once used.
+async fn derive(
+    exec: &Exec<SpdkDevice>,
+    area: LuksArea,
+    secret: Zeroizing<Vec<u8>>,
+) -> Result<UnlockedKey> {
+    let (tx, rx) = mpsc::channel();
+    std::thread::Builder::new()
+        .name("qcow2_luks".into())
+        .spawn(move || {
+            let _ = tx.send(area.unlock(&secret));
+        })
+        .map_err(|e| Error::Io(e.raw_os_error().unwrap_or(libc::EAGAIN)))?;
+    loop {
+        match rx.try_recv() {
+            Ok(r) => return r,
+            Err(TryRecvError::Empty) => YieldOnce(exec, false).await,
+            Err(TryRecvError::Disconnected) => return Err(Error::Io(libc::EIO)),
+        }
+    }
+}
+
+/// Pending once, having made its task runnable again: the executor runs it at its next
+/// poll (its tasks are otherwise woken by device completions only).
+struct YieldOnce<'a>(&'a Exec<SpdkDevice>, bool);
+
+impl Future for YieldOnce<'_> {
+    type Output = ();
+    fn poll(mut self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<()> {
+        if self.1 {
+            return Poll::Ready(());
+        }
+        self.1 = true;
+        if let Some(id) = self.0.current_task() {
+            self.0.wake(id);
+        }
+        Poll::Pending
+    }
+}
