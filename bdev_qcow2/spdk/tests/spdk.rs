@@ -3210,6 +3210,9 @@ mod real {
     /// Overlays on one golden bdev share one read cache of it (`real/golden_cache.rs`).
     mod golden_cache;
 
+    /// Encrypted images with keys from SPDK's keyring (`real/encrypted.rs`).
+    mod encrypted;
+
     /// Exports the names our module exports (`nm -D | grep bdev_qcow2` finds them) and
     /// registers nothing with SPDK.
     const LOOKALIKE_NOTHING: &str = "\
