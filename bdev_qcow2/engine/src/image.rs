@@ -28,7 +28,7 @@ mod preload;
 mod replica;
 mod role;
 mod slices;
-pub use encryption::{Luks, LuksArea, UnlockedKey};
+pub use encryption::{LockedLuks, Luks, UnlockedKey};
 pub(crate) use lookup::CachedExtent;
 pub use owner::bitmap_change::{BitmapBits, BitmapChange};
 pub use owner::snapshot::SnapshotTime;

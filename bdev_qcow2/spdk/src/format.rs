@@ -9,6 +9,7 @@ use crate::ffi::sys;
 use crate::ffi::thread::{self, Poll, Polled, PollerSlot};
 use crate::params::FormatParams;
 use qcow2_engine::create::{create, preallocate, CreateOptions, Preallocation};
+use qcow2_engine::crypto::build_luks_area;
 use qcow2_engine::{Chain, DevId, Error, Exec, Layer, OpenOptions, Qcow2};
 use std::cell::RefCell;
 use std::rc::Rc;
@@ -43,14 +44,15 @@ fn errno_msg(e: i32) -> String {
 /// Formats `p.base_bdev` (which must exist and be unclaimed); `done` hears the outcome,
 /// possibly before this returns.
 pub fn format(mut p: FormatParams, done: Done) {
-    if p.key.is_some() || p.encrypt_iter_time_ms.is_some() {
-        return done(Err((
-            libc::EOPNOTSUPP,
-            "formatting encrypted images (key) is not supported yet: make the image with \
-             `qemu-img create -o encrypt.format=luks` and serve it with bdev_qcow2_create's key"
-                .into(),
-        )));
-    }
+    // An encrypted image's LUKS choices and passphrase, before anything is opened.
+    let encrypt = match p.luks_params() {
+        Ok(None) => None,
+        Ok(Some(luks)) => match crate::ffi::keyring::key_bytes(p.key.as_deref().unwrap_or("")) {
+            Ok(secret) => Some((luks, secret)),
+            Err(e) => return done(Err(e)),
+        },
+        Err(m) => return done(Err((libc::EINVAL, m))),
+    };
     let backing = match p.backing_bdev.clone().map(|b| backing_of(&b)).transpose() {
         Ok(b) => b,
         Err(e) => return done(Err(e)),
@@ -101,11 +103,13 @@ pub fn format(mut p: FormatParams, done: Done) {
     // By default where zeroing the whole base is cheap and allocates nothing: a malloc
     // (a fill) or an NVMe namespace (Write Zeroes). Not AIO (an `fallocate` that would
     // allocate the whole sparse file), not a thin lvol (it would allocate every cluster).
-    let zero = p.zero_base.unwrap_or_else(|| {
-        opts.version >= 3
-            && desc.supports_natively(sys::SPDK_BDEV_IO_TYPE_WRITE_ZEROES)
-            && matches!(desc.module_name().as_str(), "malloc" | "nvme")
-    });
+    // Never under an encrypted image: zeros on the base are not the cipher text of zeros.
+    let zero = encrypt.is_none()
+        && p.zero_base.unwrap_or_else(|| {
+            opts.version >= 3
+                && desc.supports_natively(sys::SPDK_BDEV_IO_TYPE_WRITE_ZEROES)
+                && matches!(desc.module_name().as_str(), "malloc" | "nvme")
+        });
     opts.zeroed_tail = zero;
     let prealloc = match prealloc {
         Some(Preallocation::Metadata { .. }) => Some(Preallocation::Metadata {
@@ -126,6 +130,22 @@ pub fn format(mut p: FormatParams, done: Done) {
     {
         let (e2, r2) = (exec.clone(), result.clone());
         exec.spawn(async move {
+            let mut opts = opts;
+            if let Some((luks, secret)) = encrypt {
+                // Built (PBKDF2 calibrated to the iteration time) before anything is
+                // written; the passphrase is zeroized on that thread.
+                let built = crate::offthread::on_thread(&e2, "qcow2_luks", move || {
+                    build_luks_area(&luks, &secret)
+                })
+                .await;
+                match built {
+                    Ok(area) => opts.encryption = Some(area),
+                    Err(e) => {
+                        *r2.borrow_mut() = Some(Err(e));
+                        return;
+                    }
+                }
+            }
             let mut r = if zero {
                 zero_base(&e2, dev, base_size).await
             } else {

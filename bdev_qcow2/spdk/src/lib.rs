@@ -31,6 +31,7 @@ mod lifecycle_rpc;
 mod logging;
 pub mod module;
 mod node;
+mod offthread;
 mod overlay;
 mod owner;
 mod registry;

@@ -2,6 +2,7 @@
 //! `save_config` round-trips.
 
 use qcow2_engine::create::{CreateOptions, Preallocation};
+use qcow2_engine::crypto::LuksParams;
 use qcow2_engine::format::header::CompressionType;
 use qcow2_engine::ring::RingConfig;
 use qcow2_engine::OpenOptions;
@@ -355,6 +356,34 @@ impl FormatParams {
         })
     }
 
+    /// The LUKS choices of an encrypted image (`None`: no `key`, a plain image), or why
+    /// the parameters do not go together.
+    pub fn luks_params(&self) -> Result<Option<LuksParams>, String> {
+        let Some(k) = &self.key else {
+            if self.encrypt_iter_time_ms.is_some() {
+                return Err("encrypt_iter_time_ms is for an encrypted image (key)".into());
+            }
+            return Ok(None);
+        };
+        if k.is_empty() || k.contains('\0') {
+            return Err("key must be the name of a key in SPDK's keyring".into());
+        }
+        if self.preallocation.as_deref().unwrap_or("off") != "off" {
+            return Err("preallocation of an encrypted image (key) is not supported".into());
+        }
+        if self.zero_base == Some(true) {
+            return Err(
+                "zero_base with key: zeros on the base are not the cipher text of zeros".into(),
+            );
+        }
+        let mut p = LuksParams::default();
+        if let Some(ms) = self.encrypt_iter_time_ms {
+            p.set("iter-time", &ms.to_string())
+                .map_err(|e| format!("encrypt_iter_time_ms {ms}: {e}"))?;
+        }
+        Ok(Some(p))
+    }
+
     /// The preallocation to run after formatting (`None`: off), or why the value is invalid.
     pub fn preallocation(&self) -> Result<Option<Preallocation>, String> {
         match self.preallocation.as_deref() {
@@ -505,6 +534,43 @@ mod tests {
             p.create_options().is_err(),
             "backing_bdev must differ from base_bdev"
         );
+    }
+
+    #[test]
+    fn key_is_saved_by_name_and_format_checks_what_goes_with_it() {
+        let p: CreateParams =
+            serde_json::from_str(r#"{"name":"q0","base_bdev":"a","key":"k0"}"#).unwrap();
+        assert_eq!(
+            serde_json::to_string(&p).unwrap(),
+            r#"{"name":"q0","base_bdev":"a","key":"k0"}"#
+        );
+        assert!(p.validate().is_ok());
+        let p: CreateParams =
+            serde_json::from_str(r#"{"name":"q0","base_bdev":"a","key":""}"#).unwrap();
+        assert!(p.validate().is_err());
+        let f = |extra: &str| {
+            serde_json::from_str::<FormatParams>(&format!(
+                r#"{{"base_bdev":"m0","size":1048576{extra}}}"#
+            ))
+            .unwrap()
+            .luks_params()
+        };
+        assert_eq!(f(""), Ok(None));
+        let l = f(r#","key":"k0","encrypt_iter_time_ms":10"#)
+            .unwrap()
+            .unwrap();
+        assert_eq!(l.iter_time_ms, 10);
+        assert_eq!(
+            l,
+            LuksParams {
+                iter_time_ms: 10,
+                ..LuksParams::default()
+            }
+        );
+        assert!(f(r#","encrypt_iter_time_ms":10"#).is_err());
+        assert!(f(r#","key":"k0","preallocation":"full""#).is_err());
+        assert!(f(r#","key":"k0","zero_base":true"#).is_err());
+        assert!(f(r#","key":"k0","zero_base":false"#).is_ok());
     }
 
     #[test]

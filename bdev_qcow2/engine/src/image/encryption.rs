@@ -57,26 +57,26 @@ pub(super) async fn read_luks<D: BlockDevice>(
 
 /// An encrypted image's LUKS header and the bytes of its area, read from the device
 /// without opening the image: a host checks a key with it before a writable open (which
-/// may repair and write) and derives the key on any thread ([`LuksArea::unlock`] is
+/// may repair and write) and derives the key on any thread ([`LockedLuks::unlock`] is
 /// `Send` work: PBKDF2 takes as long as the image's creator asked, seconds with QEMU's
 /// default `iter-time`).
-pub struct LuksArea {
+pub struct LockedLuks {
     header: LuksHeader,
     region: Vec<u8>,
 }
 
-impl std::fmt::Debug for LuksArea {
+impl std::fmt::Debug for LockedLuks {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("LuksArea")
+        f.debug_struct("LockedLuks")
             .field("header", &self.header)
             .finish_non_exhaustive()
     }
 }
 
-impl LuksArea {
+impl LockedLuks {
     /// Reads the LUKS area of the image on `dev` (`None`: the image is not encrypted),
     /// validating the image header and the LUKS header as an open does.
-    pub async fn read<D: BlockDevice>(exec: &Exec<D>, dev: DevId) -> Result<Option<LuksArea>> {
+    pub async fn read<D: BlockDevice>(exec: &Exec<D>, dev: DevId) -> Result<Option<LockedLuks>> {
         let device_size = exec.device_size(dev);
         if device_size < PEEK_LEN as u64 {
             return Err(crate::error::invalid(
@@ -93,7 +93,7 @@ impl LuksArea {
             return Ok(None);
         };
         let region = read_bytes(exec, dev, off, len).await?;
-        Ok(Some(LuksArea {
+        Ok(Some(LockedLuks {
             header: LuksHeader::parse(&region)?,
             region,
         }))
@@ -171,7 +171,7 @@ impl<D: BlockDevice> Qcow2<D> {
         }
         let (off, len) = l.area;
         let region = read_bytes(&self.exec, self.dev, off, len).await?;
-        let area = LuksArea {
+        let area = LockedLuks {
             header: l.header.clone(),
             region,
         };

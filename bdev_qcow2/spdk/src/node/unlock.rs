@@ -7,12 +7,8 @@
 //! bdev's channels from the node ([`UnlockedKey`]): none derives it again.
 
 use crate::device::SpdkDevice;
-use qcow2_engine::image::{LuksArea, UnlockedKey};
+use qcow2_engine::image::{LockedLuks, UnlockedKey};
 use qcow2_engine::{DevId, Error, Exec, OpenOptions, Qcow2, Result};
-use std::future::Future;
-use std::pin::Pin;
-use std::sync::mpsc::{self, TryRecvError};
-use std::task::{Context, Poll};
 use zeroize::Zeroizing;
 
 /// The image on `dev` opened with `opts` and, when encrypted, unlocked with `secret` (the
@@ -23,7 +19,7 @@ pub(super) async fn open_image(
     opts: OpenOptions,
     secret: Option<Zeroizing<Vec<u8>>>,
 ) -> Result<(Qcow2<SpdkDevice>, Option<UnlockedKey>)> {
-    let key = match (LuksArea::read(exec, dev).await?, secret) {
+    let key = match (LockedLuks::read(exec, dev).await?, secret) {
         (None, None) => None,
         (None, Some(_)) => {
             return Err(Error::Refused(
@@ -46,43 +42,12 @@ pub(super) async fn open_image(
     Ok((q, key))
 }
 
-/// The key `secret` unlocks in `area`, derived on a thread of its own; the calling task
-/// yields until it is done. `secret` is zeroized there once used.
+/// The key `secret` unlocks in `area`, derived on a thread of its own (the calling task
+/// yields meanwhile); `secret` is zeroized there once used.
 async fn derive(
     exec: &Exec<SpdkDevice>,
-    area: LuksArea,
+    area: LockedLuks,
     secret: Zeroizing<Vec<u8>>,
 ) -> Result<UnlockedKey> {
-    let (tx, rx) = mpsc::channel();
-    std::thread::Builder::new()
-        .name("qcow2_luks".into())
-        .spawn(move || {
-            let _ = tx.send(area.unlock(&secret));
-        })
-        .map_err(|e| Error::Io(e.raw_os_error().unwrap_or(libc::EAGAIN)))?;
-    loop {
-        match rx.try_recv() {
-            Ok(r) => return r,
-            Err(TryRecvError::Empty) => YieldOnce(exec, false).await,
-            Err(TryRecvError::Disconnected) => return Err(Error::Io(libc::EIO)),
-        }
-    }
-}
-
-/// Pending once, having made its task runnable again: the executor runs it at its next
-/// poll (its tasks are otherwise woken by device completions only).
-struct YieldOnce<'a>(&'a Exec<SpdkDevice>, bool);
-
-impl Future for YieldOnce<'_> {
-    type Output = ();
-    fn poll(mut self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<()> {
-        if self.1 {
-            return Poll::Ready(());
-        }
-        self.1 = true;
-        if let Some(id) = self.0.current_task() {
-            self.0.wake(id);
-        }
-        Poll::Pending
-    }
+    crate::offthread::on_thread(exec, "qcow2_luks", move || area.unlock(&secret)).await
 }

@@ -4,8 +4,9 @@
 //! (writable and read-only bdevs), writes through SPDK that qemu decrypts back, bdevperf's
 //! verify on two cores (replicas take the cipher from the seed), `qemu-img check` clean.
 //! No key, an unknown key and a wrong key are refused with the reason, the image unchanged;
-//! `save_config` names the key (never its bytes), after the keyring's own config, and
-//! loads again.
+//! `bdev_qcow2_format` and `bdev_qcow2_overlay_create` with a key make LUKS images qemu
+//! opens with the passphrase; `save_config` names the key (never its bytes), after the
+//! keyring's own config, and loads again.
 
 use super::*;
 
@@ -267,11 +268,57 @@ fn encrypted_image_served_with_a_keyring_key_reads_and_writes_as_qemu() {
         "k0",
     ]);
     assert!(!ok && text.contains("not encrypted"), "{text}");
-    // Formatting with a key is refused until the engine can build LUKS headers.
-    t.rpc(&["bdev_malloc_create", "-b", "mf", "16", "512"]);
-    let (ok, text) = t.try_rpc(&["bdev_qcow2_format", "mf", "-s", "8388608", "--key", "k0"]);
-    assert!(!ok && text.contains("not supported yet"), "{text}");
-    t.rpc(&["bdev_malloc_delete", "mf"]);
+    // bdev_qcow2_format and bdev_qcow2_overlay_create with a key make LUKS images.
+    let (fmt, ov, gold) = (d.join("fmt.qcow2"), d.join("ov.qcow2"), d.join("gold.raw"));
+    sparse(&fmt, 32 * MIB);
+    sparse(&ov, 32 * MIB);
+    fs::write(&gold, vec![0x77u8; 8 * MIB as usize]).unwrap();
+    t.rpc(&["bdev_aio_create", s(&fmt), "aio_fmt", "512"]);
+    let (ok, text) = t.try_rpc(&[
+        "bdev_qcow2_format",
+        "aio_fmt",
+        "-s",
+        "16777216",
+        "--key",
+        "nokey",
+    ]);
+    assert!(!ok && text.contains("no key named 'nokey'"), "{text}");
+    let iter = ["--encrypt-iter-time-ms", "10"];
+    let mut a = vec![
+        "bdev_qcow2_format",
+        "aio_fmt",
+        "-s",
+        "16777216",
+        "--key",
+        "k0",
+    ];
+    a.extend(iter);
+    assert_eq!(t.rpc(&a), json!(true));
+    t.rpc(&[
+        "bdev_qcow2_create",
+        "-b",
+        "qf",
+        "--base-bdev",
+        "aio_fmt",
+        "--key",
+        "k0",
+    ]);
+    t.rpc(&["bdev_qcow2_delete", "qf"]);
+    t.rpc(&["bdev_aio_create", s(&gold), "aio_gold", "512", "-r"]);
+    t.rpc(&["bdev_aio_create", s(&ov), "aio_ov", "512"]);
+    let mut a = vec![
+        "bdev_qcow2_overlay_create",
+        "-b",
+        "qov",
+        "--base-bdev",
+        "aio_ov",
+        "--backing-bdev",
+        "aio_gold",
+        "--key",
+        "k0",
+    ];
+    a.extend(iter);
+    assert_eq!(t.rpc(&a), json!("qov"));
     let r = t.rpc(&[
         "bdev_qcow2_create",
         "-b",
@@ -310,9 +357,52 @@ fn encrypted_image_served_with_a_keyring_key_reads_and_writes_as_qemu() {
     let t = Target::start(d, "reload", Some(&cfg));
     let qe = t.bdev("qe").expect("qe created from the saved config");
     assert_eq!(qe["num_blocks"], json!(64 * 2048));
+    assert!(
+        t.bdev("qov").is_some(),
+        "the encrypted overlay from the saved config"
+    );
     t.stop();
     check_clean_keyed(&pw, &img, "after the reload");
-    say("encrypted: no key, unknown key, wrong key, key for a plain image refused; save_config names k0 after the keyring; reload serves it");
+    let ov_info = run_ok(Command::new("qemu-img").args(["info", "--output=json", s(&ov)]));
+    let ov_info: Value = serde_json::from_slice(&ov_info.stdout).unwrap();
+    assert_eq!(ov_info["encrypted"], json!(true), "{ov_info}");
+    assert_eq!(ov_info["backing-filename"], json!("aio_gold"), "{ov_info}");
+
+    // The image bdev_qcow2_format encrypted: spdk_dd writes through it, qemu decrypts them.
+    pad(&fmt);
+    check_clean_keyed(&pw, &fmt, "the formatted encrypted image");
+    let cfg = d.join("fw.json");
+    keyed_config(
+        &cfg,
+        &pw,
+        vec![aio(&fmt, "aio_fmt"), keyed_qcow2("qf", "aio_fmt", false)],
+    );
+    let args: Vec<String> = [
+        "--json",
+        s(&cfg),
+        "--if",
+        s(&pat),
+        "--ob",
+        "qf",
+        "--bs",
+        "65536",
+        "--seek",
+        "17",
+    ]
+    .map(String::from)
+    .to_vec();
+    let (ok, text) = spawn_spdk("spdk_dd", &args, &d.join("fw.dd.log")).wait(120);
+    assert!(ok, "spdk_dd write failed:\n{text}");
+    check_clean_keyed(&pw, &fmt, "the formatted image after spdk_dd's writes");
+    let mut want = vec![0u8; 16 * MIB as usize];
+    let at = 17 * 65536;
+    want[at..at + pattern.len()].copy_from_slice(&pattern);
+    same(
+        &decrypted(&pw, &fmt, &d.join("fmt.raw")),
+        &want,
+        "qemu-img convert of the image bdev_qcow2_format encrypted",
+    );
+    say("encrypted: no key, unknown key, wrong key, key for a plain image refused; format and overlay_create with a key make LUKS images qemu opens; save_config names k0 after the keyring; reload serves them");
 }
 
 /// Whether target `tag`'s log holds `needle`.
