@@ -59,6 +59,10 @@ pub struct ImageInfo {
     /// The persistent dirty bitmaps the bdev keeps (QEMU's incremental backup): `in_use`
     /// while the bdev is open, stored at its deletion.
     pub persistent_bitmaps: Vec<PersistentBitmap>,
+    /// An encrypted image's LUKS cipher and the keyring key that unlocked it (absent: a
+    /// plain image).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub encryption: Option<EncryptionInfo>,
     /// The zeroing asked for on this base (what the image allows is read again each time).
     #[serde(skip)]
     zeroing: Zeroing,
@@ -80,6 +84,24 @@ pub struct PersistentBitmap {
     pub name: String,
     /// Whether it records the bdev's writes (QEMU's `auto` flag).
     pub enabled: bool,
+}
+
+/// The encryption of [`ImageInfo`], as the LUKS header names it (`qemu-img info`'s
+/// `encrypt` fields).
+#[derive(Debug, Clone, Serialize)]
+pub struct EncryptionInfo {
+    /// Always `luks`.
+    pub format: &'static str,
+    /// `cipher-alg`'s cipher (`aes`).
+    pub cipher_name: String,
+    /// `xts-plain64` and the like.
+    pub cipher_mode: String,
+    /// The master key's length in bits.
+    pub key_bits: u32,
+    /// PBKDF2's hash.
+    pub hash: &'static str,
+    /// The name of the keyring key (never its bytes).
+    pub key: Option<String>,
 }
 
 impl ImageInfo {
@@ -120,6 +142,17 @@ impl ImageInfo {
                 .into_iter()
                 .map(|(name, enabled)| PersistentBitmap { name, enabled })
                 .collect(),
+            encryption: q.luks().map(|l| {
+                let h = l.header();
+                EncryptionInfo {
+                    format: "luks",
+                    cipher_name: h.cipher_name.clone(),
+                    cipher_mode: h.cipher_mode.clone(),
+                    key_bits: h.key_bytes * 8,
+                    hash: h.hash.name(),
+                    key: p.key.clone(),
+                }
+            }),
             zeroing: z,
         }
     }

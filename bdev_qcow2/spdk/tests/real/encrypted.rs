@@ -329,6 +329,12 @@ fn encrypted_image_served_with_a_keyring_key_reads_and_writes_as_qemu() {
         "k0",
     ]);
     assert_eq!(r, json!("qe"));
+    let enc = &t.bdev("qe").unwrap()["driver_specific"]["qcow2"]["encryption"];
+    assert_eq!(
+        (&enc["cipher_mode"], &enc["key_bits"], &enc["key"]),
+        (&json!("xts-plain64"), &json!(512), &json!("k0")),
+        "{enc}"
+    );
     let saved = t.rpc(&["save_config"]);
     t.stop();
     assert!(!t_log_has(d, "enc", PASS), "the key's bytes in the log");
