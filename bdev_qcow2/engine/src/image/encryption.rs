@@ -205,3 +205,72 @@ impl<D: BlockDevice> Qcow2<D> {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::create::{create, CreateOptions};
+    use crate::crypto::{build_luks_area, LuksParams};
+    use crate::testing::MemDevice;
+    use crate::{Error, OpenOptions};
+
+    /// A fresh 1 MiB image on its own device of `exec`, encrypted with `secret` if given.
+    fn image(exec: &Exec<MemDevice>, secret: Option<&[u8]>) -> DevId {
+        let dev = exec.add_device(MemDevice::fixed(Vec::new(), 4 << 20));
+        let p = LuksParams {
+            iter_time_ms: 1,
+            ..LuksParams::default()
+        };
+        let opts = CreateOptions {
+            size: 1 << 20,
+            encryption: secret.map(|s| build_luks_area(&p, s).unwrap()),
+            ..CreateOptions::default()
+        };
+        let e = exec.clone();
+        exec.block_on(async move { create(&e, dev, &opts).await })
+            .unwrap();
+        dev
+    }
+
+    fn open(exec: &Exec<MemDevice>, dev: DevId) -> Qcow2<MemDevice> {
+        let e = exec.clone();
+        exec.block_on(async move { Qcow2::open(&e, dev, OpenOptions::default()).await })
+            .unwrap()
+    }
+
+    fn locked(exec: &Exec<MemDevice>, dev: DevId) -> Option<LockedLuks> {
+        let e = exec.clone();
+        exec.block_on(async move { LockedLuks::read(&e, dev).await })
+            .unwrap()
+    }
+
+    #[test]
+    fn a_key_checked_before_opening_unlocks_every_open_of_its_image_only() {
+        let exec: Exec<MemDevice> = Exec::new();
+        let (a, b, plain) = (
+            image(&exec, Some(b"pw-a")),
+            image(&exec, Some(b"pw-b")),
+            image(&exec, None),
+        );
+        assert!(locked(&exec, plain).is_none());
+        let la = locked(&exec, a).unwrap();
+        assert_eq!(la.unlock(b"wrong").unwrap_err(), Error::WrongKey);
+        let key = la.unlock(b"pw-a").unwrap();
+        assert!(!format!("{key:?}").contains("pw-a"));
+        // Two opens of image a take the one derivation; image b and a plain image refuse it.
+        for _ in 0..2 {
+            let q = open(&exec, a);
+            assert!(q.unlocked_key().is_none());
+            q.unlock_with(&key).unwrap();
+            assert!(q.luks().unwrap().unlocked());
+            assert!(q.unlocked_key().is_some());
+        }
+        let qb = open(&exec, b);
+        assert_eq!(qb.unlock_with(&key).unwrap_err(), Error::WrongKey);
+        assert!(!qb.luks().unwrap().unlocked());
+        assert!(matches!(
+            open(&exec, plain).unlock_with(&key),
+            Err(Error::Refused(_))
+        ));
+    }
+}
