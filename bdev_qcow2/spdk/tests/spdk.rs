@@ -3210,6 +3210,9 @@ mod real {
     /// Overlays on one golden bdev share one read cache of it (`real/golden_cache.rs`).
     mod golden_cache;
 
+    /// The golden bdev hot-removed under overlays and back (`real/golden_degraded.rs`).
+    mod golden_degraded;
+
     /// Exports the names our module exports (`nm -D | grep bdev_qcow2` finds them) and
     /// registers nothing with SPDK.
     const LOOKALIKE_NOTHING: &str = "\
