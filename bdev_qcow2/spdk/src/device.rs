@@ -152,6 +152,10 @@ impl BaseDevice {
             return false;
         };
         self.io = Some(io);
+        // A device built while the bdev was gone learns what it is like now.
+        self.buf_align = desc.buf_align().max(4096);
+        self.unmaps = desc.supports_natively(sys::SPDK_BDEV_IO_TYPE_UNMAP);
+        self.flushes = desc.supports_natively(sys::SPDK_BDEV_IO_TYPE_FLUSH);
         true
     }
 
