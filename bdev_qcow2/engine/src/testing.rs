@@ -57,6 +57,8 @@ pub struct MemState {
     /// Fail every `WriteZeroes` with this errno (a file system without `fallocate`'s
     /// zero range, say).
     pub zeroes_fail: Option<i32>,
+    /// Fail every operation with this errno: the device went away (a hot-removed bdev).
+    pub gone: Option<i32>,
     inflight: VecDeque<(u64, u64, Result<(), DeviceError>)>,
     polls: u64,
 }
@@ -125,7 +127,7 @@ impl BlockDevice for MemDevice {
         s.ops += 1;
         let fail = match s.fail_op {
             Some((k, errno)) if k == index => Some(DeviceError(errno)),
-            _ => None,
+            _ => s.gone.map(DeviceError),
         };
         let result = match (fail, op) {
             (Some(e), _) => Err(e),

@@ -22,6 +22,13 @@
 //! drives slow paths (tasks), resubmissions after `-ENOMEM`, opening the replica, and
 //! sending forwarded requests.
 
+mod ask;
+mod backing;
+
+use ask::SpdkLink;
+pub use ask::{send_ask, Ask};
+
+use crate::backing_slot::BackingSlot;
 use crate::device::{guest_buf, SpdkDevice};
 use crate::direct::{self, DirectHost, Target};
 use crate::engine_host::{Driver, Host};
@@ -35,10 +42,9 @@ use crate::owner;
 pub use crate::stats::ChannelStats;
 use crate::status::Status;
 use crate::types::{BdevIo, ChannelIter, IoQueue, Qcow2Bdev};
-use qcow2_engine::coherency::SliceReply;
 use qcow2_engine::exec::Outcome;
 use qcow2_engine::ring::{RingConfig, WriteGens};
-use qcow2_engine::{Chain, DevId, Exec, Grant, Layer, Op, OwnerLink, Qcow2, Request, Step, Task};
+use qcow2_engine::{Chain, Exec, Grant, Layer, Op, Qcow2, Request, Step, Task};
 use std::cell::{Cell, OnceCell, RefCell};
 use std::collections::VecDeque;
 use std::ffi::c_int;
@@ -76,7 +82,8 @@ pub struct Channel {
     unsent_asks: RefCell<Vec<Box<Ask>>>,
     /// Writes sent to the owner before (or without) a replica to plan them.
     forwarded: Cell<u64>,
-    backing_dev: Option<DevId>,
+    /// The device of the backing bdev, as it leaves and comes back.
+    backing: BackingSlot,
     /// A stream dropped the backing reference: the chain reads no backing layer (set by
     /// [`detach_backing`](Self::detach_backing), which may come before the chain exists).
     backing_detached: Cell<bool>,
@@ -119,7 +126,7 @@ impl Channel {
             outbox: IoQueue::new(),
             unsent_asks: RefCell::new(Vec::new()),
             forwarded: Cell::new(0),
-            backing_dev: None,
+            backing: BackingSlot::new(None, 0, None),
             backing_detached: Cell::new(false),
             opened: Rc::new(RefCell::new(None)),
             chain: OnceCell::new(),
@@ -148,9 +155,11 @@ impl Channel {
             Ok::<_, i32>(id)
         };
         let base_dev = add(base, None)?;
-        let backing_dev = match src.backing {
-            Some(d) => Some(add(d, src.backing_cache)?),
-            None => None,
+        let backing_dev = match (src.backing, src.backing_gone) {
+            (Some(d), _) => Some(add(d, src.backing_cache)?),
+            // Hot-removed: a device that fails what needs the bdev until it returns.
+            (None, Some(g)) => Some(backing::add_missing(&ch, g)),
+            (None, None) => None,
         };
         let exec = ch.exec();
         // SAFETY: `host` is this boxed channel state, which stays until its asks are back.
@@ -177,7 +186,11 @@ impl Channel {
                 });
             }
         }
-        ch.backing_dev = backing_dev;
+        ch.backing = BackingSlot::new(
+            backing_dev,
+            src.backing_generation,
+            Some(src.backing_pending.clone()),
+        );
         ch.direct = Some(
             ch.exec()
                 .with_device(base_dev, |d| d.inner().direct_target(base_dev)),
@@ -251,7 +264,7 @@ impl Channel {
         let chain = self.driver.run(|| {
             r.and_then(|q| {
                 let mut layers = vec![Layer::Qcow2(Box::new(q))];
-                if let Some(d) = self.backing_dev.filter(|_| !self.backing_detached.get()) {
+                if let Some(d) = self.backing.dev().filter(|_| !self.backing_detached.get()) {
                     layers.push(Layer::Raw {
                         dev: d,
                         size: self.exec().device_size(d),
@@ -492,6 +505,7 @@ impl Channel {
             && self.outbox.is_empty()
             && self.reset_waiters.borrow().is_empty()
             && !self.closing.get()
+            && !self.backing.draining()
     }
 }
 
@@ -619,6 +633,9 @@ impl Polled for Channel {
                 n += 1;
             }
         }
+        if self.backing.draining() {
+            self.backing.settle(self);
+        }
         if self.outstanding() == 0 && !self.reset_waiters.borrow().is_empty() {
             let waiters = std::mem::take(&mut *self.reset_waiters.borrow_mut());
             for it in waiters {
@@ -730,73 +747,4 @@ pub fn stats_step(it: ChannelIter, acc: &mut Vec<ChannelStats>) {
         acc.push(c.stats());
         it.next(0);
     });
-}
-
-/// How a writable bdev's replica reaches the owner for a slice it holds dirty: a boxed
-/// [`Ask`] sent to the md thread and back (slow path only).
-struct SpdkLink {
-    owner: Homed<owner::Owner>,
-    chan: Homed<Channel>,
-}
-
-/// One slice request on its way to the owner (on its md thread) and back to the channel.
-pub struct Ask {
-    owner: Homed<owner::Owner>,
-    chan: Homed<Channel>,
-    key: u64,
-    ticket: u64,
-    reply: Option<SliceReply>,
-}
-
-impl OwnerLink for SpdkLink {
-    fn ask_slice(&self, key: u64, ticket: u64) {
-        send_ask(Box::new(Ask {
-            owner: self.owner,
-            chan: self.chan,
-            key,
-            ticket,
-            reply: None,
-        }));
-    }
-}
-
-/// Sends `a` to the md thread (or back to its channel once answered); if SPDK's message pool
-/// is empty, the sending side's poller sends it again ([`Channel::poll`],
-/// [`Owner::defer_ask`](owner::Owner::defer_ask)).
-pub fn send_ask(a: Box<Ask>) {
-    let (owner, chan) = (a.owner, a.chan);
-    let to = if a.reply.is_none() {
-        owner.home()
-    } else {
-        chan.home()
-    };
-    let Err(a) = to.send_boxed(a) else {
-        return;
-    };
-    if a.reply.is_none() {
-        // On the channel's thread: its poller sends it again.
-        chan.get().unsent_asks.borrow_mut().push(a);
-        chan.get().wake();
-    } else {
-        // On the md thread: the owner's poller sends the answer again.
-        owner.get().defer_ask(a);
-    }
-}
-
-impl thread::Message for Ask {
-    /// On the md thread: the owner answers and the answer goes back; on the channel's thread:
-    /// the replica gets it.
-    fn arrive(mut self: Box<Ask>) {
-        let Some(reply) = self.reply else {
-            self.reply = Some(self.owner.get().slice_for_core(self.key));
-            return send_ask(self);
-        };
-        let ch = self.chan.get();
-        ch.wake();
-        ch.driver.run(|| {
-            if let Some(Layer::Qcow2(q)) = ch.chain.get().and_then(|c| c.layers().first()) {
-                q.deliver_slice(self.ticket, reply);
-            }
-        });
-    }
 }

@@ -61,8 +61,23 @@ pub fn open_cached(desc: &Desc, cache: Option<&Arc<SharedReadCache>>) -> Option<
 }
 
 /// A bdev as the engine sees it from one SPDK thread, read and written directly.
+///
+/// A backing bdev can be hot-removed and come back (ARCHITECTURE.md §15, degraded mode):
+/// [`leave`](Self::leave) fails every later operation at once and keeps the bdev's channel
+/// only until what it had in flight completes ([`settle`](Self::settle) puts it then);
+/// [`join`](Self::join) reads a returning bdev again.
 pub struct BaseDevice {
-    io: BaseIo,
+    /// `None` while the bdev is gone.
+    io: Option<BaseIo>,
+    /// The I/O of a bdev that left, until what it had in flight completes.
+    draining: Vec<BaseIo>,
+    /// Operations refused because the bdev is gone, completed by the next poll.
+    refused: std::collections::VecDeque<(u64, Result<(), DeviceError>)>,
+    /// The size it had when it left (a chain's backing layer keeps its size).
+    size_gone: u64,
+    /// Reads may go through a shared cache one day (reported to the executor at once: it
+    /// asks only when the device is added).
+    may_cache: bool,
     buf_align: usize,
     /// The engine leaves zeroing to the bdev ([`zero_offload`]).
     cheap_zeroes: bool,
@@ -83,12 +98,70 @@ impl BaseDevice {
     /// outlives every channel).
     pub fn new(desc: &Desc) -> Option<BaseDevice> {
         Some(BaseDevice {
-            io: BaseIo::new(desc)?,
+            io: Some(BaseIo::new(desc)?),
+            draining: Vec::new(),
+            refused: Default::default(),
+            size_gone: 0,
+            may_cache: false,
             buf_align: desc.buf_align().max(4096),
             cheap_zeroes: zero_offload(desc, None),
             unmaps: desc.supports_natively(sys::SPDK_BDEV_IO_TYPE_UNMAP),
             flushes: desc.supports_natively(sys::SPDK_BDEV_IO_TYPE_FLUSH),
         })
+    }
+
+    /// The device of a backing bdev that is gone (hot-removed) and had `size` bytes and
+    /// needed `align`-byte buffers: every operation fails until it [`join`](Self::join)s
+    /// a returning bdev. `may_cache`: its reads may go through a shared cache then.
+    pub fn missing(size: u64, align: usize, may_cache: bool) -> BaseDevice {
+        BaseDevice {
+            io: None,
+            draining: Vec::new(),
+            refused: Default::default(),
+            size_gone: size,
+            may_cache,
+            buf_align: align.max(4096),
+            cheap_zeroes: false,
+            unmaps: false,
+            flushes: false,
+        }
+    }
+
+    /// The bdev is going (hot-removed): later operations fail at once, and what is in
+    /// flight drains ([`settle`](Self::settle)).
+    pub fn leave(&mut self) {
+        if let Some(io) = self.io.take() {
+            self.size_gone = io.num_blocks() * io.block_size();
+            self.draining.push(io);
+        }
+        self.settle();
+    }
+
+    /// Puts the channels of a bdev that left once their operations are done (their
+    /// completions were delivered or are queued for `poll`, which reaps them first).
+    /// Returns whether any is still draining.
+    pub fn settle(&mut self) -> bool {
+        self.draining.retain(|io| !io.idle());
+        !self.draining.is_empty()
+    }
+
+    /// Reads the returning bdev of `desc` from now on (this thread's channel of it); `false`
+    /// when SPDK gave no channel (the device stays gone).
+    pub fn join(&mut self, desc: &Desc) -> bool {
+        let Some(io) = BaseIo::new(desc) else {
+            return false;
+        };
+        self.io = Some(io);
+        // A device built while the bdev was gone learns what it is like now.
+        self.buf_align = desc.buf_align().max(4096);
+        self.unmaps = desc.supports_natively(sys::SPDK_BDEV_IO_TYPE_UNMAP);
+        self.flushes = desc.supports_natively(sys::SPDK_BDEV_IO_TYPE_FLUSH);
+        true
+    }
+
+    /// Whether the bdev is gone (operations fail).
+    pub fn is_gone(&self) -> bool {
+        self.io.is_none()
     }
 
     /// Sets whether the engine leaves zeroing to this device (see [`zero_offload`]).
@@ -102,16 +175,23 @@ impl BaseDevice {
     /// # Safety
     /// `host` keeps its address and outlives this device (the invariant of [`SinkHost`]).
     pub unsafe fn deliver_to<H: SinkHost>(&mut self, host: &H) {
-        // SAFETY: per the contract.
-        unsafe { self.io.deliver_to(host) }
+        if let Some(io) = &mut self.io {
+            // SAFETY: per the contract.
+            unsafe { io.deliver_to(host) }
+        }
     }
 
     /// What the direct path needs to submit to this device without the executor
     /// ([`Target`]), for the device registered as `dev`.
+    ///
+    /// Only for a base bdev, which never leaves (its removal takes the qcow2 bdev away).
     pub fn direct_target(&self, dev: DevId) -> Target {
+        let Some(io) = &self.io else {
+            unreachable!("a direct target of a bdev that is gone")
+        };
         Target {
             dev,
-            base: self.io.direct_target(),
+            base: io.direct_target(),
         }
     }
 }
@@ -170,7 +250,10 @@ impl BlockDevice for BaseDevice {
     type Buf = SpdkBuf;
 
     fn size(&self) -> u64 {
-        self.io.num_blocks() * self.io.block_size()
+        match &self.io {
+            Some(io) => io.num_blocks() * io.block_size(),
+            None => self.size_gone,
+        }
     }
 
     fn alloc_buf(&mut self, len: usize) -> SpdkBuf {
@@ -186,14 +269,19 @@ impl BlockDevice for BaseDevice {
     }
 
     fn submit(&mut self, op: DeviceOp<SpdkBuf>, tag: u64) -> Result<(), Busy<SpdkBuf>> {
-        let bs = self.io.block_size();
         let size = self.size();
+        let Some(io) = &mut self.io else {
+            // Gone: what needs the bdev fails (never zeros where its data belongs).
+            self.refused.push_back((tag, Err(DeviceError(libc::EIO))));
+            return Ok(());
+        };
+        let bs = io.block_size();
         // Reads past the end of the device return zeros for the missing part (the seam's
         // contract); the part inside goes to the bdev.
         let inside_buf;
         let (offset, len, base_op) = match &op {
             DeviceOp::Flush if !self.flushes => {
-                self.io.complete_now(tag, Ok(()));
+                io.complete_now(tag, Ok(()));
                 return Ok(());
             }
             DeviceOp::Flush => (0, 0, BaseOp::Flush),
@@ -220,7 +308,7 @@ impl BlockDevice for BaseDevice {
                     buf.sub(inside as usize, (len - inside) as usize).zero();
                 }
                 if inside == 0 {
-                    self.io.complete_now(tag, Ok(()));
+                    io.complete_now(tag, Ok(()));
                     return Ok(());
                 }
                 inside_buf = buf.sub(0, inside as usize);
@@ -243,14 +331,14 @@ impl BlockDevice for BaseDevice {
             ),
         };
         if !offset.is_multiple_of(bs) || !len.is_multiple_of(bs) {
-            self.io.complete_now(tag, Err(DeviceError(libc::EINVAL)));
+            io.complete_now(tag, Err(DeviceError(libc::EINVAL)));
             return Ok(());
         }
-        match self.io.submit(base_op, tag) {
+        match io.submit(base_op, tag) {
             Submitted::Yes => Ok(()),
             Submitted::Busy => Err(Busy(op, tag)),
             Submitted::Failed(e) => {
-                self.io.complete_now(tag, Err(DeviceError(e)));
+                io.complete_now(tag, Err(DeviceError(e)));
                 Ok(())
             }
         }
@@ -258,10 +346,20 @@ impl BlockDevice for BaseDevice {
 
     fn poll(&mut self, done: &mut dyn FnMut(u64, Result<(), DeviceError>)) -> usize {
         let mut n = 0;
-        while let Some((tag, r)) = self.io.pop_done() {
+        for io in self.io.iter_mut().chain(self.draining.iter_mut()) {
+            while let Some((tag, r)) = io.pop_done() {
+                done(tag, r);
+                n += 1;
+            }
+        }
+        while let Some((tag, r)) = self.refused.pop_front() {
             done(tag, r);
             n += 1;
         }
         n
+    }
+
+    fn may_have_own_work(&self) -> bool {
+        self.may_cache
     }
 }

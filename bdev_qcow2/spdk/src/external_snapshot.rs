@@ -15,6 +15,7 @@
 //! 4. unquiesce; once the old channel states are gone, close the old owner and its
 //!    descriptors, and claim the old base for the read-only bdev.
 
+use crate::backing_state::Phase;
 use crate::device::SpdkDevice;
 use crate::ffi::bdev::{self, Desc};
 use crate::ffi::node::NodeKey;
@@ -262,6 +263,11 @@ pub fn snapshot_external(req: Request, params: Params) {
         }
     };
     let n = node.node();
+    if let Some(ph) = n.backing_phase().filter(|&ph| ph != Phase::Present) {
+        drop(reg);
+        let m = format!("{METHOD}: the backing bdev of {} is {}", p.name, ph.name());
+        return req.errno(libc::EBUSY, &m);
+    }
     let current = n.params();
     let snapshot = p
         .snapshot_name

@@ -17,6 +17,8 @@
 
 pub mod params;
 
+mod backing_slot;
+pub mod backing_state;
 mod channel;
 pub mod device;
 mod direct;

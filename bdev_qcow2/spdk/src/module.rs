@@ -61,8 +61,8 @@ impl ModuleHooks for Hooks {
         fini()
     }
 
-    fn examine_config() {
-        examine_config()
+    fn examine_config(name: &str) {
+        examine_config(name)
     }
 }
 
@@ -84,10 +84,13 @@ pub fn fini() {
     registry::lock().pending.clear();
 }
 
-/// `examine_config` (a bdev appeared): start every pending creation whose base (and backing)
-/// bdevs now all exist. The examine stays open until they finish, so `bdev_wait_for_examine`
-/// (and apps starting I/O after their config loaded) see the qcow2 bdevs.
-pub fn examine_config() {
+/// `examine_config` (bdev `name` appeared): qcow2 bdevs that lost their backing bdev of that
+/// name read it again (ARCHITECTURE.md §15, degraded mode), and every pending creation
+/// whose base (and backing) bdevs now all exist starts. The examine stays open until they
+/// finish, so `bdev_wait_for_examine` (and apps starting I/O after their config loaded) see
+/// the qcow2 bdevs.
+pub fn examine_config(name: &str) {
+    node::hotplug::appeared(name);
     let ready: Vec<_> = {
         let mut reg = registry::lock();
         let (ready, waiting) = std::mem::take(&mut reg.pending).into_iter().partition(|p| {

@@ -7,10 +7,13 @@
 //! creating thread as its one writable instance ([`Owner`]); a read-only bdev drops it and
 //! lets every channel open its own replica.
 
+mod backing;
 mod config;
 mod create;
+pub mod hotplug;
 mod identity;
 mod info;
+mod open;
 mod teardown;
 mod unlock;
 
@@ -20,6 +23,7 @@ pub(crate) use create::{create, create_unclaimed, open_claimed, open_unclaimed, 
 pub use identity::check as check_uuid;
 pub use info::ImageInfo;
 
+use crate::backing_state::{Link, Shape};
 use crate::ffi::bdev::Desc;
 use crate::ffi::node::{NodeKey, Nodes};
 use crate::ffi::sys;
@@ -72,6 +76,9 @@ pub struct Node {
     /// now on read no backing layer, and `save_config` leaves `backing_bdev` out. The
     /// descriptor stays open until the bdev goes (channels may hold its I/O channel).
     backing_dropped: AtomicBool,
+    /// Channels still draining operations to a backing bdev that left (its descriptor
+    /// closes once none is: `hotplug.rs`).
+    backing_pending: Arc<AtomicUsize>,
 }
 
 /// The image under a node, as the node keeps it (its owner aside).
@@ -95,6 +102,8 @@ struct Current {
     backing_cache: Option<Sharer>,
     /// The key an encrypted image was unlocked with.
     key: Option<UnlockedKey>,
+    /// Where the backing bdev is in a hot-removal and return (`None`: no backing bdev).
+    link: Option<Link>,
 }
 
 impl Current {
@@ -104,7 +113,21 @@ impl Current {
             .as_ref()
             .and_then(|b| crate::golden::cache_for(b, i.params.backing_cache_bytes()))
             .map(|c| c.share());
+        // A returning bdev must fit what the bdev was registered with.
+        let align = [&i.base, &i.backing]
+            .into_iter()
+            .flatten()
+            .map(|d| d.buf_align())
+            .max()
+            .unwrap_or(1);
+        let link = i.backing.as_ref().map(|b| {
+            Link::present(Shape {
+                size: b.size(),
+                align,
+            })
+        });
         Current {
+            link,
             base: i.base,
             backing: i.backing,
             seed: i.seed,
@@ -169,6 +192,24 @@ pub struct ChannelSource<'a> {
     pub backing_cache: Option<&'a Arc<SharedReadCache>>,
     /// The key an encrypted image was unlocked with.
     pub key: Option<&'a UnlockedKey>,
+    /// The backing bdev is gone (hot-removed): the channel reads it through a device
+    /// that fails every operation until the bdev returns.
+    pub backing_gone: Option<Gone>,
+    /// The generation of the backing descriptor (0 while gone).
+    pub backing_generation: u64,
+    /// The node's count of channels draining a backing bdev that left.
+    pub backing_pending: &'a Arc<AtomicUsize>,
+}
+
+/// A backing bdev that is gone, as a channel's device stands in for it.
+#[derive(Debug, Clone, Copy)]
+pub struct Gone {
+    /// Its size when it left.
+    pub size: u64,
+    /// The buffer alignment the node asks for.
+    pub align: usize,
+    /// Its reads may go through a shared cache once it is back.
+    pub may_cache: bool,
 }
 
 impl Node {
@@ -184,6 +225,7 @@ impl Node {
             owner: owner.map_or(OwnerPtr::null(), OwnerBox::into_node),
             image: Mutex::new(Current::of(image)),
             backing_dropped: AtomicBool::new(false),
+            backing_pending: Arc::new(AtomicUsize::new(0)),
         }
     }
 
@@ -247,6 +289,9 @@ impl Node {
         let mut v = serde_json::to_value(&info).unwrap_or_default();
         if let Some(c) = self.backing_cache_json() {
             v["backing_cache"] = c;
+        }
+        if let Some(p) = self.backing_phase() {
+            v["backing_state"] = p.name().into();
         }
         v
     }
@@ -316,13 +361,26 @@ impl Node {
         let c = self.current();
         let writable = self.writable();
         let md = self.md_thread;
+        // After a stream's drop a new channel never reads the backing bdev.
+        let dropped = self.backing_dropped.load(Ordering::Acquire);
+        let (backing, backing_gone, backing_generation) = match &c.link {
+            Some(l) if !dropped && l.readable() => (c.backing.as_ref(), None, l.generation()),
+            Some(l) if !dropped => {
+                let gone = Gone {
+                    size: l.shape().size,
+                    align: l.shape().align,
+                    may_cache: c.params.backing_cache_bytes() > 0,
+                };
+                (None, Some(gone), 0)
+            }
+            _ => (None, None, 0),
+        };
         build(ChannelSource {
             base: c.base.as_ref(),
-            // After a stream's drop a new channel never reads the backing bdev.
-            backing: c
-                .backing
-                .as_ref()
-                .filter(|_| !self.backing_dropped.load(Ordering::Acquire)),
+            backing,
+            backing_gone,
+            backing_generation,
+            backing_pending: &self.backing_pending,
             writable,
             md_thread: md,
             owner: self.owner.homed(md),

@@ -23,6 +23,7 @@
 //! without waiting for the owner's poller; the poller drives the slow paths. Everything here
 //! runs on the md thread, which debug builds assert ([`Owner::assert_md_thread`]).
 
+use crate::backing_slot::BackingSlot;
 use crate::device::{guest_buf, SpdkDevice};
 use crate::direct::{self, DirectHost, Target};
 use crate::engine_host::{Driver, Host};
@@ -88,6 +89,8 @@ pub struct Owner {
     md_thread: Option<Thread>,
     /// The base device for the direct path.
     direct: Option<Target>,
+    /// The backing bdev's device, as it leaves and comes back (`hotplug.rs`).
+    backing: BackingSlot,
     chain: Rc<Chain<SpdkDevice>>,
     /// Completed requests on their way back, one queue per thread (sent by the poller;
     /// kept for the next poll when SPDK's message pool is empty).
@@ -161,6 +164,8 @@ impl Owner {
             driver: Driver::new(exec),
             md_thread: Thread::current(),
             direct,
+            // The backing device follows the base (`start_owner`).
+            backing: BackingSlot::new(devs.get(1).copied(), 1, None),
             chain,
             outboxes: RefCell::new(Vec::new()),
             arrived: RefCell::new(Vec::with_capacity(64)),
@@ -415,10 +420,38 @@ impl Owner {
         self.driver.slot().resume();
     }
 
+    /// The backing bdev is going: the owner's reads that need it, and its copies on write
+    /// from it, fail from now on (ARCHITECTURE.md §15, degraded mode).
+    pub fn backing_leave(&self) {
+        self.assert_md_thread();
+        self.backing.leave(self);
+        self.wake();
+    }
+
+    /// Whether operations to the backing bdev that left still drain (puts its channel once
+    /// they are done).
+    pub fn backing_settle(&self) -> bool {
+        self.backing.settle(self)
+    }
+
+    /// The backing bdev came back as `desc` (`generation`, read through `cache`).
+    pub fn backing_join(
+        &self,
+        desc: &crate::ffi::bdev::Desc,
+        cache: Option<&std::sync::Arc<qcow2_engine::golden::SharedReadCache>>,
+        generation: u64,
+    ) {
+        self.assert_md_thread();
+        // SAFETY: the owner is boxed and owns its slot and executor.
+        unsafe { self.backing.join(self, desc, cache, generation) };
+        self.wake();
+    }
+
     /// Whether the poller may pause: nothing queued, in flight or due later (a dirty slice
     /// waits for its quiet write-back, which only the poller starts), no stream, no job.
     fn may_pause(&self) -> bool {
         !self.exec().busy()
+            && !self.backing.draining()
             && self.arrived.borrow().is_empty()
             && self.unsent_asks.borrow().is_empty()
             && self.outboxes.borrow().iter().all(|(_, q)| q.is_empty())

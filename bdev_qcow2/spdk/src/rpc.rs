@@ -191,11 +191,16 @@ fn collect_done(mut c: Collect, _status: c_int) {
     // node is used: a delete removes the node from the registry before anything frees it.
     let mut retired = Value::Null;
     let mut backing_cache = Value::Null;
+    let mut backing_state = Value::Null;
     if let Some(n) = registry::lock().by_key(key) {
         let r = n.node().retired();
         total.add(&r);
         retired = serde_json::to_value(&r).unwrap_or(Value::Null);
         backing_cache = n.node().backing_cache_json().unwrap_or(Value::Null);
+        backing_state = n
+            .node()
+            .backing_phase()
+            .map_or(Value::Null, |p| p.name().into());
     }
     // The owner's counters, read only while the node is still registered (a delete
     // removes it first; the node and its owner are freed later, on the md thread) and only
@@ -208,6 +213,8 @@ fn collect_done(mut c: Collect, _status: c_int) {
         "total": total,
         "owner": Value::Null,
         "backing_cache": backing_cache,
+        // "present", or degraded: "leaving", "missing", "returning" (null: no backing).
+        "backing_state": backing_state,
     });
     let reg = registry::lock();
     let Some(o) = reg.by_key(key).and_then(|n| n.owner_here()) else {

@@ -3213,6 +3213,9 @@ mod real {
     /// Encrypted images with keys from SPDK's keyring (`real/encrypted.rs`).
     mod encrypted;
 
+    /// The golden bdev hot-removed under overlays and back (`real/golden_degraded.rs`).
+    mod golden_degraded;
+
     /// Exports the names our module exports (`nm -D | grep bdev_qcow2` finds them) and
     /// registers nothing with SPDK.
     const LOOKALIKE_NOTHING: &str = "\

@@ -81,6 +81,18 @@ impl<D: BlockDevice> CachedDevice<D> {
         self.cache.as_ref()
     }
 
+    /// Reads go through `cache` from now on (`None`: straight to the device): the golden
+    /// bdev left, or came back as another bdev (another cache). Reads waiting for granules
+    /// of the old cache go to the device; this core's fills in flight still publish into
+    /// the old cache what the old bdev held.
+    pub fn set_cache(&mut self, cache: Option<Arc<SharedReadCache>>) {
+        for w in std::mem::take(&mut self.waiting) {
+            self.bypass(w.tag, w.offset, w.buf);
+        }
+        self.failed.clear();
+        self.cache = cache;
+    }
+
     /// Copies what the cache holds of a read into its buffer and starts fills for what it
     /// does not.
     fn serve(&mut self, offset: u64, buf: &BufSlice<D::Buf>) -> Served {

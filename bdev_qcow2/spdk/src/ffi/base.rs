@@ -175,6 +175,13 @@ impl BaseIo {
         SLOTS - p.free.len() + p.done.len()
     }
 
+    /// Whether nothing is in flight, queued or waiting for a bdev_io: the channel may be
+    /// put (a bdev that left drains to this before its channel goes).
+    pub fn idle(&self) -> bool {
+        // SAFETY: see `in_flight`.
+        self.in_flight() == 0 && !unsafe { self.pool.as_ref() }.waiting
+    }
+
     /// After `-ENOMEM`: asks SPDK to call back when a bdev_io is free again. If SPDK refuses
     /// (its cache is not actually empty), the executor simply retries on its next poll.
     fn wait_for_bdev_io(&mut self) {

@@ -23,8 +23,8 @@ pub trait ModuleHooks {
     fn init() -> i32;
     /// `module_fini`.
     fn fini();
-    /// `examine_config` (a bdev appeared); ends with one [`examine_done`].
-    fn examine_config();
+    /// `examine_config` (bdev `name` appeared); ends with one [`examine_done`].
+    fn examine_config(name: &str);
 }
 
 impl ModuleCell {
@@ -85,8 +85,10 @@ unsafe extern "C" fn get_ctx_size<M: Requests>() -> c_int {
     driver_ctx_size::<M>() as c_int
 }
 
-unsafe extern "C" fn examine_config<H: ModuleHooks>(_bdev: *mut sys::spdk_bdev) {
-    H::examine_config()
+unsafe extern "C" fn examine_config<H: ModuleHooks>(bdev: *mut sys::spdk_bdev) {
+    // SAFETY: SPDK examines a registered bdev; its name is a valid C string, read at once.
+    let name = unsafe { CStr::from_ptr(sys::spdk_bdev_get_name(bdev)) }.to_string_lossy();
+    H::examine_config(&name)
 }
 
 /// Tells SPDK that one `examine_config` call of ours is over.

@@ -1,11 +1,12 @@
 //! Creating a node: open and claim the base (and backing) bdev, read and validate the
 //! image on the creating thread — the metadata owner — start the owner, then register.
 
+use super::hotplug::BaseEvents;
+use super::open::{self, strerror};
 use super::{identity, Image, ImageInfo, Node, Ring, BLOCK_SIZE};
 use crate::device::SpdkDevice;
 use crate::ffi::bdev::{self, Desc};
 use crate::ffi::node as handle;
-use crate::ffi::sys;
 use crate::ffi::thread::{self, Poll, Polled, PollerSlot};
 use crate::ffi::uuid::Uuid;
 use crate::owner::Owner;
@@ -51,46 +52,14 @@ fn fail(name: &str, descs: [Option<Desc>; 2], done: Done, errno: i32, msg: Strin
     done(Err((errno, msg)));
 }
 
-fn strerror(e: i32) -> String {
-    std::io::Error::from_raw_os_error(e).to_string()
-}
-
 /// Opens and claims `name` for our module: shared read-only, or (`write`) as its only writer.
 pub(crate) fn open_claimed(name: &str, role: &str, write: bool) -> Result<Desc, (i32, String)> {
-    let d = Desc::open::<BaseEvents>(name, write).map_err(|e| {
-        (
-            e,
-            format!(
-                "cannot open {role} bdev {name}{}: {}",
-                if write { " for writing" } else { "" },
-                strerror(e)
-            ),
-        )
-    })?;
-    let kind = if write {
-        sys::SPDK_BDEV_CLAIM_READ_MANY_WRITE_ONE
-    } else {
-        sys::SPDK_BDEV_CLAIM_READ_MANY_WRITE_NONE
-    };
-    if let Err(e) = d.claim(kind) {
-        d.close();
-        return Err((
-            e,
-            format!(
-                "cannot claim {role} bdev {name} (claimed by another module?): {}",
-                strerror(e)
-            ),
-        ));
-    }
-    if d.block_size() != BLOCK_SIZE {
-        let bs = d.block_size();
-        d.close();
-        return Err((
-            libc::EINVAL,
-            format!("{role} bdev {name} has {bs}-byte blocks; only {BLOCK_SIZE}-byte blocks are supported"),
-        ));
-    }
-    Ok(d)
+    open::open_claimed::<BaseEvents>(name, role, write)
+}
+
+/// Opens `name` (our `role` bdev) read-only without claiming it (the claim follows).
+pub(crate) fn open_unclaimed(name: &str, role: &str) -> Result<Desc, (i32, String)> {
+    open::open_unclaimed::<BaseEvents>(name, role)
 }
 
 /// Creates the bdev of `params` (whose base and backing bdevs exist) on the calling thread,
@@ -105,24 +74,6 @@ pub fn create(params: CreateParams, done: Done) {
 pub(crate) fn create_unclaimed(params: CreateParams, done: Done) {
     debug_assert!(params.read_only);
     create_claiming(params, false, done);
-}
-
-/// Opens `name` (our `role` bdev) read-only without claiming it (the claim follows).
-pub(crate) fn open_unclaimed(name: &str, role: &str) -> Result<Desc, (i32, String)> {
-    let d = Desc::open::<BaseEvents>(name, false).map_err(|e| {
-        (
-            e,
-            format!("cannot open {role} bdev {name}: {}", strerror(e)),
-        )
-    })?;
-    if d.block_size() != BLOCK_SIZE {
-        d.close();
-        return Err((
-            libc::EINVAL,
-            format!("{role} bdev {name}: only {BLOCK_SIZE}-byte blocks are supported"),
-        ));
-    }
-    Ok(d)
 }
 
 fn create_claiming(params: CreateParams, claim_base: bool, done: Done) {
@@ -525,51 +476,6 @@ fn register(
     }
     tracing::info!("{created}");
     done(Ok(name));
-}
-
-/// Events of base and backing bdevs.
-struct BaseEvents;
-
-impl bdev::BdevEvents for BaseEvents {
-    /// Hot remove of a base or backing bdev: unregister every node using it (its I/O
-    /// completes, then destruct closes the descriptors, which lets the base go).
-    fn event(ty: sys::spdk_bdev_event_type, name: &str) {
-        if ty == sys::SPDK_BDEV_EVENT_RESIZE {
-            // Sizes are read live (`BaseIo::num_blocks`): allocations that failed for room
-            // succeed from now on.
-            tracing::info!(
-                "bdev {name} was resized: qcow2 images on it may grow into the new size"
-            );
-            // Their space thresholds follow the new size.
-            let reg = registry::lock();
-            for (_, r) in reg.nodes.iter() {
-                if r.node().params().base_bdev == name {
-                    if let Some(o) = r.owner_here() {
-                        o.watch_space();
-                    }
-                }
-            }
-            return;
-        }
-        if ty != sys::SPDK_BDEV_EVENT_REMOVE {
-            tracing::info!("bdev {name}: event {ty} ignored");
-            return;
-        }
-        let victims: Vec<String> = registry::lock()
-            .nodes
-            .iter()
-            .filter(|(_, r)| {
-                let params = r.node().params();
-                params.base_bdev == name || params.backing_bdev.as_deref() == Some(name)
-            })
-            .map(|(n, _)| n.clone())
-            .collect();
-        for v in victims {
-            tracing::warn!("bdev {name} is going away: unregistering the qcow2 bdev on it");
-            // A second unregistration (a delete already under way) is refused by SPDK.
-            let _ = bdev::unregister_by_name(&v, |_| {});
-        }
-    }
 }
 
 /// Where SPDK cuts requests longer than a bdev takes. A bdev that asks for aligned buffers

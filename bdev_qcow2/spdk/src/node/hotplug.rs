@@ -1,0 +1,324 @@
+//! A backing bdev hot-removed and back (ARCHITECTURE.md §15, degraded mode), driven on
+//! each node's md thread (where its descriptors were opened and close):
+//!
+//! 1. SPDK reports the removal to each descriptor: the node's phase goes to `Leaving`
+//!    (channels created from now on build a missing device), the owner and then every
+//!    channel, on its own thread, switch their device of the bdev to a missing one
+//!    (reads that need it fail; what is in flight drains);
+//! 2. once none drains any more, the descriptor closes (SPDK waits for that to let the
+//!    bdev go) and the node is `Missing`;
+//! 3. a bdev registered under the same name (our examine) is opened and claimed again if it
+//!    has the same size and no stricter alignment, with the shared cache of *that* bdev
+//!    (keyed by its UUID: another bdev reusing the name never hits the old one's granules);
+//!    the owner and every channel take a device of it, and reads go through again.
+
+use super::open;
+use crate::backing_state::{Phase, Shape};
+use crate::ffi::bdev;
+use crate::ffi::node::NodeKey;
+use crate::ffi::sys;
+use crate::ffi::thread::{self, Poll, Polled, PollerSlot, Thread};
+use crate::registry;
+use crate::types::{ChannelIter, Registered};
+use std::os::raw::c_int;
+use std::time::{Duration, Instant};
+
+/// How long a returning bdev's claim is tried again while another module's examine holds
+/// it (as a creation does), and how often.
+const CLAIM_WAIT: Duration = Duration::from_secs(2);
+const CLAIM_RETRY: Duration = Duration::from_millis(10);
+
+/// SPDK reports bdev `name` removed: every node reading it as its backing bdev leaves it,
+/// on its md thread.
+pub fn removed(name: &str) {
+    for (key, md) in users(name, false) {
+        on(md, move || leave(key));
+    }
+}
+
+/// A bdev called `name` was registered: every node missing it as its backing bdev opens it
+/// again, on its md thread.
+pub fn appeared(name: &str) {
+    let until = Instant::now() + CLAIM_WAIT;
+    for (key, md) in users(name, true) {
+        on(md, move || reopen(key, until));
+    }
+}
+
+/// The nodes whose backing bdev is `name` (`missing`: only those that lost it), with their
+/// md threads. A node whose stream dropped the backing reference lets the bdev go when it
+/// is removed (its descriptor is still open) but needs it no more.
+fn users(name: &str, missing: bool) -> Vec<(NodeKey, Thread)> {
+    registry::lock()
+        .nodes
+        .iter()
+        .filter(|(_, r)| {
+            let n = r.node();
+            let p = if missing {
+                n.saved_params()
+            } else {
+                n.params()
+            };
+            p.backing_bdev.as_deref() == Some(name)
+                && n.backing_phase()
+                    .is_some_and(|p| !missing || matches!(p, Phase::Leaving | Phase::Missing))
+        })
+        .filter_map(|(_, r)| Some((r.key(), r.node().md_thread()?)))
+        .collect()
+}
+
+fn on(md: Thread, f: impl FnOnce() + Send + 'static) {
+    if let Err(e) = md.exec(f) {
+        tracing::error!(
+            "cannot reach a qcow2 bdev's md thread ({e}): its backing bdev is not followed"
+        );
+    }
+}
+
+/// On the md thread: SPDK said the backing bdev is going.
+fn leave(key: NodeKey) {
+    let reg = registry::lock();
+    let Some(r) = reg.by_key(key) else { return };
+    if !r.node().backing_removed() {
+        return;
+    }
+    tracing::warn!(
+        "qcow2 bdev {}: backing bdev {} was removed: reads that need it fail until it returns",
+        r.node().name(),
+        r.node().params().backing_bdev.unwrap_or_default()
+    );
+    start_leaving(r, key);
+}
+
+/// The owner and every channel leave the backing bdev; the descriptor closes once none
+/// drains any more ([`Closer`]).
+fn start_leaving(r: &Registered, key: NodeKey) {
+    if let Some(o) = r.owner_here() {
+        o.backing_leave();
+    }
+    r.for_each_channel(key, leave_step, left);
+}
+
+fn leave_step(it: ChannelIter, _: &mut NodeKey) {
+    it.with_channel(|ch, it| {
+        ch.backing_leave();
+        it.next(0);
+    });
+}
+
+fn left(key: NodeKey, _: c_int) {
+    let c = Box::new(Closer {
+        key,
+        poller: PollerSlot::default(),
+    });
+    if thread::start_task(c, c"qcow2_backing").is_err() {
+        tracing::error!("no poller to close a removed backing bdev: it stays open");
+    }
+}
+
+/// Waits on the md thread until no channel (nor the owner) drains operations to the bdev
+/// that left, then closes its descriptor.
+struct Closer {
+    key: NodeKey,
+    poller: PollerSlot,
+}
+
+impl Polled for Closer {
+    fn slot(&self) -> &PollerSlot {
+        &self.poller
+    }
+
+    fn poll(&self) -> Poll {
+        let reg = registry::lock();
+        // Gone: its teardown closes the descriptor (after every channel, so drained).
+        let Some(r) = reg.by_key(self.key) else {
+            return Poll::Done;
+        };
+        let owner_draining = r.owner_here().is_some_and(|o| o.backing_settle());
+        if r.node().backing_pending() == 0 && !owner_draining {
+            Poll::Done
+        } else {
+            Poll::Idle
+        }
+    }
+
+    fn finish(self: Box<Self>) {
+        closed(self.key);
+    }
+}
+
+fn closed(key: NodeKey) {
+    let reg = registry::lock();
+    let Some(r) = reg.by_key(key) else { return };
+    let n = r.node();
+    let name = n.params().backing_bdev.unwrap_or_default();
+    let (desc, again) = n.backing_left();
+    if let Some(d) = desc {
+        d.close();
+    }
+    tracing::warn!(
+        "qcow2 bdev {}: backing bdev {name} released; it is read again once a bdev of that \
+         name and size is registered",
+        n.name()
+    );
+    drop(reg);
+    if again && bdev::exists(&name) {
+        reopen(key, Instant::now() + CLAIM_WAIT);
+    }
+}
+
+/// On the md thread: a bdev of the backing bdev's name appeared.
+fn reopen(key: NodeKey, until: Instant) {
+    let reg = registry::lock();
+    let Some(r) = reg.by_key(key) else { return };
+    let n = r.node();
+    match n.backing_phase() {
+        Some(Phase::Missing) => {}
+        Some(Phase::Leaving) => {
+            // Looked at once the old one has left.
+            let _ = n.backing_appeared(Shape { size: 0, align: 0 });
+            return;
+        }
+        _ => return,
+    }
+    let name = n.params().backing_bdev.unwrap_or_default();
+    let desc = match open::open_claimed::<BaseEvents>(&name, "backing", false) {
+        Ok(d) => d,
+        Err((e, m)) => {
+            drop(reg);
+            if e == libc::EPERM && Instant::now() < until {
+                return retry(key, until);
+            }
+            return tracing::error!("backing bdev {name} is back but cannot be read: {m}");
+        }
+    };
+    let shape = Shape {
+        size: desc.size(),
+        align: desc.buf_align(),
+    };
+    match n.backing_appeared(shape) {
+        Ok(true) => {}
+        Ok(false) => return desc.close(),
+        Err(m) => {
+            tracing::error!(
+                "qcow2 bdev {}: a bdev named {name} was registered, but {m}: not read",
+                n.name()
+            );
+            return desc.close();
+        }
+    }
+    // The cache of this bdev (its UUID): never the granules of the one that left, unless
+    // it is the same bdev.
+    let cache = crate::golden::cache_for(&desc, n.params().backing_cache_bytes());
+    n.backing_opened(desc, cache);
+    if let Some(o) = r.owner_here() {
+        n.with_backing(|d, c, g| o.backing_join(d, c, g));
+    }
+    r.for_each_channel(key, join_step, joined);
+}
+
+fn join_step(it: ChannelIter, key: &mut NodeKey) {
+    let key = *key;
+    it.with_channel(|ch, it| {
+        if let Some(r) = registry::lock().by_key(key) {
+            r.node().with_backing(|d, c, g| ch.backing_join(d, c, g));
+        }
+        it.next(0);
+    });
+}
+
+fn joined(key: NodeKey, _: c_int) {
+    let reg = registry::lock();
+    let Some(r) = reg.by_key(key) else { return };
+    if r.node().backing_joined() {
+        // Removed again meanwhile.
+        return start_leaving(r, key);
+    }
+    tracing::info!(
+        "qcow2 bdev {}: backing bdev {} is back: reads go through it again",
+        r.node().name(),
+        r.node().params().backing_bdev.unwrap_or_default()
+    );
+}
+
+/// Tries a refused claim again shortly ([`CLAIM_RETRY`]).
+struct Retry {
+    key: NodeKey,
+    until: Instant,
+    at: Instant,
+    poller: PollerSlot,
+}
+
+fn retry(key: NodeKey, until: Instant) {
+    let r = Box::new(Retry {
+        key,
+        until,
+        at: Instant::now() + CLAIM_RETRY,
+        poller: PollerSlot::default(),
+    });
+    if thread::start_task(r, c"qcow2_backing").is_err() {
+        tracing::error!("no poller to claim a returning backing bdev again");
+    }
+}
+
+impl Polled for Retry {
+    fn slot(&self) -> &PollerSlot {
+        &self.poller
+    }
+
+    fn poll(&self) -> Poll {
+        if Instant::now() < self.at {
+            Poll::Idle
+        } else {
+            Poll::Done
+        }
+    }
+
+    fn finish(self: Box<Self>) {
+        reopen(self.key, self.until);
+    }
+}
+
+/// Events of base and backing bdevs.
+pub(super) struct BaseEvents;
+
+impl bdev::BdevEvents for BaseEvents {
+    /// Hot remove of a base bdev: unregister every node on it (its I/O completes, then
+    /// destruct closes the descriptors, which lets the base go). Hot remove of a backing
+    /// bdev: the nodes reading it go on without it until it returns (`hotplug.rs`).
+    fn event(ty: sys::spdk_bdev_event_type, name: &str) {
+        if ty == sys::SPDK_BDEV_EVENT_RESIZE {
+            // Sizes are read live (`BaseIo::num_blocks`): allocations that failed for room
+            // succeed from now on.
+            tracing::info!(
+                "bdev {name} was resized: qcow2 images on it may grow into the new size"
+            );
+            // Their space thresholds follow the new size.
+            let reg = registry::lock();
+            for (_, r) in reg.nodes.iter() {
+                if r.node().params().base_bdev == name {
+                    if let Some(o) = r.owner_here() {
+                        o.watch_space();
+                    }
+                }
+            }
+            return;
+        }
+        if ty != sys::SPDK_BDEV_EVENT_REMOVE {
+            tracing::info!("bdev {name}: event {ty} ignored");
+            return;
+        }
+        let victims: Vec<String> = registry::lock()
+            .nodes
+            .iter()
+            .filter(|(_, r)| r.node().params().base_bdev == name)
+            .map(|(n, _)| n.clone())
+            .collect();
+        removed(name);
+        for v in victims {
+            tracing::warn!("bdev {name} is going away: unregistering the qcow2 bdev on it");
+            // A second unregistration (a delete already under way) is refused by SPDK.
+            let _ = bdev::unregister_by_name(&v, |_| {});
+        }
+    }
+}
