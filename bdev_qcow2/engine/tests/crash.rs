@@ -183,7 +183,15 @@ struct Setup {
     /// the workload deletes halfway: writes copy shared clusters and L2 tables, and the
     /// deletion frees the snapshot's.
     snapshot: bool,
+    /// Opened with this dirty bound (`OpenOptions::dirty_bound_bytes`) and 512-byte
+    /// slices, the ops submitted as a host does, up to 8 at a time (writes, write-zeroes
+    /// and discards of distinct ranges; a flush once those before it completed, with the
+    /// next ones in flight): write-backs at the bound run while allocations go on.
+    concurrent_bound: Option<u64>,
 }
+
+/// Ops of a concurrent workload in flight at once.
+const CONCURRENT_OPS: usize = 8;
 
 /// What a crash replay leaves in discarded bytes: anything, so not zeros.
 const DISCARDED: u8 = 0xd5;
@@ -217,6 +225,107 @@ fn written_with_snapshot(
     disk
 }
 
+/// Flushes completed: (device log length at completion, reference then, op index).
+type Flushes = Vec<(usize, Vec<u8>, usize)>;
+
+/// Runs `work` as a host submits it, [`CONCURRENT_OPS`] at a time (see
+/// [`Setup::concurrent_bound`]), keeping `reference`, `flushes` and `touched_after` as the
+/// sequential run does. A flush is submitted once every op before it completed, so what it
+/// covers is known; the ops after it run alongside.
+#[allow(clippy::too_many_arguments)]
+fn run_concurrent(
+    exec: &Exec<MemDevice>,
+    chain: &Rc<Chain<MemDevice>>,
+    dev: &MemDevice,
+    work: &[Op],
+    gran: u64,
+    reference: &mut [u8],
+    flushes: &mut Flushes,
+    touched_after: &mut Vec<Vec<(u64, u64)>>,
+) {
+    // Ops in flight: tag → (range, or None for a flush: its index in `flushes`).
+    let mut in_flight: std::collections::HashMap<u64, Result<(u64, u64), usize>> =
+        Default::default();
+    let drain = |in_flight: &mut std::collections::HashMap<u64, Result<(u64, u64), usize>>,
+                 flushes: &mut Flushes,
+                 until_empty: bool| {
+        while !in_flight.is_empty() {
+            let mut done = Vec::new();
+            exec.poll(&mut |tag, r| done.push((tag, r)));
+            for (tag, r) in done {
+                r.unwrap_or_else(|e| panic!("op {tag} failed: {e:?}"));
+                if let Some(Err(f)) = in_flight.remove(&tag) {
+                    flushes[f].0 = dev.0.borrow().log.len();
+                }
+            }
+            if !until_empty && in_flight.len() < CONCURRENT_OPS {
+                return;
+            }
+        }
+    };
+    for (i, op) in work.iter().enumerate() {
+        let tag = i as u64 + 1;
+        let range = match op {
+            Op::Write(o, d) => Some((*o, d.len() as u64)),
+            Op::Zero(o, l, _) | Op::Discard(o, l) => Some((*o, *l)),
+            Op::Flush => None,
+            Op::DeleteSnapshot => unreachable!("not in a concurrent workload"),
+        };
+        match range {
+            // A flush covers what completed before it: the ops before it first.
+            None => drain(&mut in_flight, flushes, true),
+            Some((o, l)) => {
+                // Ops in flight together touch distinct clusters (their order is unknown).
+                let (a, b) = (o / gran, (o + l - 1) / gran);
+                let clash = in_flight.values().any(|r| match r {
+                    Ok((o2, l2)) => a <= (o2 + l2 - 1) / gran && o2 / gran <= b,
+                    Err(_) => false,
+                });
+                if clash {
+                    drain(&mut in_flight, flushes, true);
+                }
+            }
+        }
+        match op.clone() {
+            Op::Write(off, data) => {
+                let buf = HeapBuf::new(data.len());
+                buf.copy_in(0, &data);
+                host::write(chain, tag, off, BufSlice::whole(buf));
+            }
+            Op::Zero(off, len, unmap) => host::write_zeroes(chain, tag, off, len, unmap),
+            Op::Discard(off, len) => host::discard(chain, tag, off, len),
+            Op::Flush => host::flush(chain, tag),
+            Op::DeleteSnapshot => unreachable!(),
+        }
+        match range {
+            Some(r) => {
+                reference_apply(reference, op, gran);
+                for t in touched_after.iter_mut() {
+                    t.push(r);
+                }
+                in_flight.insert(tag, Ok(r));
+            }
+            None => {
+                // Its log position is set when it completes.
+                flushes.push((usize::MAX, reference.to_vec(), i));
+                touched_after.push(Vec::new());
+                in_flight.insert(tag, Err(flushes.len() - 1));
+            }
+        }
+        if in_flight.len() >= CONCURRENT_OPS {
+            drain(&mut in_flight, flushes, false);
+        }
+    }
+    drain(&mut in_flight, flushes, true);
+    let Some(Layer::Qcow2(q)) = chain.layers().first() else {
+        unreachable!("a chain of one qcow2 layer")
+    };
+    let st = q.owner_stats().unwrap();
+    eprintln!("owner counters: {st:?}");
+    assert!(st.writebacks_at_bound > 0, "{st:?}");
+    assert!(st.clusters_allocated_during_writeback > 0, "{st:?}");
+}
+
 /// [`crash_test`] with the device and host of `setup`.
 fn crash_test_with(
     opts: CreateOptions,
@@ -232,6 +341,7 @@ fn crash_test_with(
         zero_ahead,
         discards,
         snapshot,
+        concurrent_bound,
     } = setup;
     let size = opts.size;
     let cs = 1u64 << opts.cluster_bits;
@@ -245,7 +355,21 @@ fn crash_test_with(
         None => MemDevice::new(initial.clone()),
     };
     dev.0.borrow_mut().discards = discards;
-    let chain = open_with(&exec, &dev, true, zero_ahead).unwrap();
+    let chain = match concurrent_bound {
+        Some(bound) => crash_common::open_opts(
+            &exec,
+            &dev,
+            qcow2_engine::OpenOptions {
+                writable: true,
+                l2_slice_bytes: 512,
+                l2_cache_bytes: Some(8 << 10),
+                dirty_bound_bytes: Some(bound),
+                ..Default::default()
+            },
+        )
+        .unwrap(),
+        None => open_with(&exec, &dev, true, zero_ahead).unwrap(),
+    };
     let mut reference = vec![0u8; size as usize];
     if snapshot {
         reference = written_with_snapshot(&exec, &chain, size, seed);
@@ -261,9 +385,24 @@ fn crash_test_with(
     // index of the op).
     let mut flushes: Vec<(usize, Vec<u8>, usize)> = vec![(0, reference.clone(), 0)];
     let mut touched_after: Vec<Vec<(u64, u64)>> = vec![Vec::new()];
+    let gran = if opts.extended_l2 { cs / 32 } else { cs };
+    if concurrent_bound.is_some() {
+        run_concurrent(
+            &exec,
+            &chain,
+            &dev,
+            &work,
+            gran,
+            &mut reference,
+            &mut flushes,
+            &mut touched_after,
+        );
+    }
     for (i, op) in work.iter().enumerate() {
+        if concurrent_bound.is_some() {
+            break;
+        }
         apply_via(&exec, &chain, op, submit).unwrap();
-        let gran = if opts.extended_l2 { cs / 32 } else { cs };
         if let Some(r) = reference_apply(&mut reference, op, gran) {
             for t in touched_after.iter_mut() {
                 t.push(r);
@@ -558,6 +697,29 @@ fn crash_states_small_clusters_refcount_1() {
     );
     eprintln!("crash states tried (512 B clusters, refcount_bits 1): {n}");
     assert!(n > 50);
+}
+
+#[test]
+fn crash_states_writebacks_at_the_bound_with_allocations_running() {
+    // 4 KiB clusters, 512-byte slices, a dirty bound of 4 slices: write-backs at the bound
+    // write their slices with the metadata lock released while the other ops in flight
+    // allocate, free and dirty slices again, and flushes arrive during them. Every crash
+    // state must check clean and read back what the last completed flush covered.
+    for (seed, lazy) in [(31, false), (32, false), (33, true)] {
+        let opts = CreateOptions {
+            size: 8 << 20,
+            cluster_bits: 12,
+            lazy_refcounts: lazy,
+            ..Default::default()
+        };
+        let setup = Setup {
+            concurrent_bound: Some(2 << 10),
+            ..Default::default()
+        };
+        let n = crash_test_with(opts.clone(), seed, 160, 2, setup);
+        eprintln!("crash states tried (write-backs at the bound, lazy {lazy}): {n}");
+        assert!(n > 40);
+    }
 }
 
 #[test]
