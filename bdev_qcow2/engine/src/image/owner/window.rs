@@ -101,11 +101,17 @@ impl<D: BlockDevice> Owner<'_, D> {
     }
 
     /// Waits until no slice of a write-back at the bound is being written (every slice is
-    /// then dirty or written).
-    pub(crate) async fn wait_window(&self) {
+    /// then dirty or written), and makes what it wrote stable: the caller takes its L1
+    /// entries and frees, which need its slices stable first even when the caller has no
+    /// slice of its own to write (and so no flush of its own before them).
+    pub(crate) async fn wait_window(&self) -> Result<()> {
         let m = self.meta();
+        if !m.st().dirty.writing_any() {
+            return Ok(());
+        }
         while m.st().dirty.writing_any() {
             m.wait_window_closed().await;
         }
+        self.exec.flush(self.dev).await
     }
 }

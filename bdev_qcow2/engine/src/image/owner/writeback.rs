@@ -41,7 +41,7 @@ impl<D: BlockDevice> Owner<'_, D> {
     pub(crate) async fn writeback_mode(&self, full: bool) -> Result<()> {
         // A write-back at the bound may be writing slices without the lock: its writes
         // complete first, so this one sees every slice dirty or written (window.rs).
-        self.wait_window().await;
+        self.wait_window().await?;
         let m = self.meta();
         m.st_mut().stats.writebacks += 1;
         let lazy = !full && self.header.borrow().lazy_refcounts();
