@@ -78,6 +78,11 @@ pub struct OpenOptions {
     /// L2 or refcount table, an aborted allocation (QEMU's `pass-discard-other`, off by
     /// default).
     pub pass_discard_other: bool,
+    /// Dirty metadata (L2 slices and refcount blocks) beyond which an allocating write
+    /// writes it back. `None`: the L2 cache's size, clamped to 8 ..= 32 MiB — random first
+    /// writes over a disk whose L2 tables that covers then write each slice back once per
+    /// many allocations rather than nearly once per allocation (#48).
+    pub dirty_bound_bytes: Option<u64>,
 }
 
 /// Default [`OpenOptions::alloc_granule`]: the default cluster size, so that an image with
@@ -98,12 +103,29 @@ impl Default for OpenOptions {
             pass_discard_request: true,
             pass_discard_snapshot: true,
             pass_discard_other: false,
+            dirty_bound_bytes: None,
         }
     }
 }
 
 /// Default cap on the L2 cache when the operator gives no size (QEMU's default maximum).
 pub const DEFAULT_L2_CACHE_MAX: u64 = 32 << 20;
+
+/// Least default [`OpenOptions::dirty_bound_bytes`] (the bound before #48).
+pub const MIN_DIRTY_BOUND: u64 = 8 << 20;
+
+impl OpenOptions {
+    /// The dirty-metadata bound for an image whose L2 tables take `l2_bytes` (see
+    /// [`dirty_bound_bytes`](Self::dirty_bound_bytes)).
+    pub fn dirty_bound(&self, l2_bytes: u64) -> u64 {
+        self.dirty_bound_bytes.unwrap_or_else(|| {
+            let cache = self
+                .l2_cache_bytes
+                .unwrap_or(l2_bytes.min(DEFAULT_L2_CACHE_MAX));
+            cache.clamp(MIN_DIRTY_BOUND, DEFAULT_L2_CACHE_MAX)
+        })
+    }
+}
 
 /// An open qcow2 image on one device.
 pub struct Qcow2<D: BlockDevice> {

@@ -11,7 +11,10 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // test helpers may panic
 
+#[path = "crash_common/concurrent.rs"]
+mod concurrent;
 mod crash_common;
+use concurrent::{run_concurrent, Flushes};
 use crash_common::{new_image, open, open_with};
 
 use qcow2_engine::create::CreateOptions;
@@ -183,6 +186,11 @@ struct Setup {
     /// the workload deletes halfway: writes copy shared clusters and L2 tables, and the
     /// deletion frees the snapshot's.
     snapshot: bool,
+    /// Opened with this dirty bound (`OpenOptions::dirty_bound_bytes`) and 512-byte
+    /// slices, the ops submitted as a host does, up to 8 at a time (writes, write-zeroes
+    /// and discards of distinct ranges; a flush once those before it completed, with the
+    /// next ones in flight): write-backs at the bound run while allocations go on.
+    concurrent_bound: Option<u64>,
 }
 
 /// What a crash replay leaves in discarded bytes: anything, so not zeros.
@@ -232,6 +240,7 @@ fn crash_test_with(
         zero_ahead,
         discards,
         snapshot,
+        concurrent_bound,
     } = setup;
     let size = opts.size;
     let cs = 1u64 << opts.cluster_bits;
@@ -245,7 +254,21 @@ fn crash_test_with(
         None => MemDevice::new(initial.clone()),
     };
     dev.0.borrow_mut().discards = discards;
-    let chain = open_with(&exec, &dev, true, zero_ahead).unwrap();
+    let chain = match concurrent_bound {
+        Some(bound) => crash_common::open_opts(
+            &exec,
+            &dev,
+            qcow2_engine::OpenOptions {
+                writable: true,
+                l2_slice_bytes: 512,
+                l2_cache_bytes: Some(8 << 10),
+                dirty_bound_bytes: Some(bound),
+                ..Default::default()
+            },
+        )
+        .unwrap(),
+        None => open_with(&exec, &dev, true, zero_ahead).unwrap(),
+    };
     let mut reference = vec![0u8; size as usize];
     if snapshot {
         reference = written_with_snapshot(&exec, &chain, size, seed);
@@ -259,11 +282,26 @@ fn crash_test_with(
     }
     // Per completed guest flush: (device log length at completion, reference snapshot,
     // index of the op).
-    let mut flushes: Vec<(usize, Vec<u8>, usize)> = vec![(0, reference.clone(), 0)];
+    let mut flushes: Flushes = vec![(0, reference.clone(), 0)];
     let mut touched_after: Vec<Vec<(u64, u64)>> = vec![Vec::new()];
+    let gran = if opts.extended_l2 { cs / 32 } else { cs };
+    if concurrent_bound.is_some() {
+        run_concurrent(
+            &exec,
+            &chain,
+            &dev,
+            &work,
+            gran,
+            &mut reference,
+            &mut flushes,
+            &mut touched_after,
+        );
+    }
     for (i, op) in work.iter().enumerate() {
+        if concurrent_bound.is_some() {
+            break;
+        }
         apply_via(&exec, &chain, op, submit).unwrap();
-        let gran = if opts.extended_l2 { cs / 32 } else { cs };
         if let Some(r) = reference_apply(&mut reference, op, gran) {
             for t in touched_after.iter_mut() {
                 t.push(r);
@@ -558,6 +596,29 @@ fn crash_states_small_clusters_refcount_1() {
     );
     eprintln!("crash states tried (512 B clusters, refcount_bits 1): {n}");
     assert!(n > 50);
+}
+
+#[test]
+fn crash_states_writebacks_at_the_bound_with_allocations_running() {
+    // 4 KiB clusters, 512-byte slices, a dirty bound of 4 slices: write-backs at the bound
+    // write their slices with the metadata lock released while the other ops in flight
+    // allocate, free and dirty slices again, and flushes arrive during them. Every crash
+    // state must check clean and read back what the last completed flush covered.
+    for (seed, lazy) in [(31, false), (32, false), (33, true)] {
+        let opts = CreateOptions {
+            size: 8 << 20,
+            cluster_bits: 12,
+            lazy_refcounts: lazy,
+            ..Default::default()
+        };
+        let setup = Setup {
+            concurrent_bound: Some(2 << 10),
+            ..Default::default()
+        };
+        let n = crash_test_with(opts.clone(), seed, 160, 2, setup);
+        eprintln!("crash states tried (write-backs at the bound, lazy {lazy}): {n}");
+        assert!(n > 40);
+    }
 }
 
 #[test]

@@ -106,6 +106,9 @@ impl<D: BlockDevice> Qcow2<D> {
                         &opts,
                         exec.with_device(dev, |d| d.discards()),
                     ),
+                )
+                .with_dirty_bound(
+                    opts.dirty_bound(u64::from(header.header.l1_size) * header.cluster_size()),
                 ),
                 shared: None,
             }

@@ -68,8 +68,8 @@ impl<D: BlockDevice> Chain<D> {
     }
 
     /// The end of a planned chunk after its data phase (`res`): under the metadata lock,
-    /// commits the plan (or frees its new clusters), writes metadata back if enough is
-    /// dirty, then lets waiting writers of its clusters go.
+    /// commits the plan (or frees its new clusters), lets waiting writers of its clusters
+    /// go, then writes metadata back if enough is dirty.
     pub(super) async fn finish_chunk(
         &self,
         q: &Owner<'_, D>,
@@ -93,12 +93,14 @@ impl<D: BlockDevice> Chain<D> {
                 Err(e)
             }
         };
-        let r = match r {
-            Ok(()) => q.maybe_writeback_locked().await,
-            Err(e) => Err(e),
-        };
+        let over_bound = r.is_ok() && q.over_bound();
         drop(guard);
         self.unmark_clusters(q, first, last);
+        if over_bound {
+            // Boxed: rare, and the write path's per-request future stays small. It takes
+            // the lock itself and lets allocations run while its slices are written.
+            Box::pin(q.writeback_at_bound()).await?;
+        }
         r
     }
 

@@ -24,6 +24,9 @@ pub(crate) struct DirtyMetadata {
     rc: BTreeMap<u64, Vec<u8>>,
     /// L1 indices changed since the last write-back.
     l1: BTreeSet<u64>,
+    /// L1 indices a write-back at the bound took with its slices (window.rs), until it
+    /// writes them or another write-back takes them first.
+    l1_window: BTreeSet<u64>,
     /// Refcount-table indices changed since the last write-back.
     rt: BTreeSet<u64>,
 }
@@ -95,7 +98,12 @@ impl DirtyMetadata {
     }
     /// Whether any L2 slice or L1 entry is dirty.
     pub(crate) fn has_l2_or_l1(&self) -> bool {
-        !self.l2.is_empty() || !self.l1.is_empty()
+        !self.l2.is_empty() || !self.l1.is_empty() || !self.l1_window.is_empty()
+    }
+    /// Whether a write-back's slices are being written (only a write-back at the bound
+    /// writes without the metadata lock).
+    pub(crate) fn writing_any(&self) -> bool {
+        !self.writing_l2.is_empty()
     }
     /// On [`share`](crate::Qcow2::share): every slice held here (dirty or being written)
     /// goes odd in the new shared state.
@@ -236,9 +244,24 @@ impl DirtyMetadata {
     pub(crate) fn dirty_l1(&mut self, idx: u64) {
         self.l1.insert(idx);
     }
-    /// Takes the changed L1 indices for a write-back.
+    /// Takes the changed L1 indices for a write-back (those a write-back at the bound
+    /// took and has not written included).
     pub(crate) fn take_l1(&mut self) -> BTreeSet<u64> {
-        std::mem::take(&mut self.l1)
+        let mut l1 = std::mem::take(&mut self.l1);
+        l1.append(&mut self.l1_window);
+        l1
+    }
+    /// A write-back at the bound takes the changed L1 indices with its slices; returns a
+    /// copy of them.
+    pub(crate) fn take_l1_window(&mut self) -> BTreeSet<u64> {
+        let l1 = std::mem::take(&mut self.l1);
+        self.l1_window.extend(l1.iter().copied());
+        l1
+    }
+    /// The L1 indices the write-back at the bound took and no other write-back took since:
+    /// it writes them now.
+    pub(crate) fn end_l1_window(&mut self) -> BTreeSet<u64> {
+        std::mem::take(&mut self.l1_window)
     }
     /// Their write failed: dirty again.
     pub(crate) fn l1_not_written(&mut self, l1: BTreeSet<u64>) {

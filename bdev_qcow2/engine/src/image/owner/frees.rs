@@ -30,6 +30,8 @@ const ADVANCE_INTERVAL: Duration = Duration::from_micros(100);
 pub(crate) struct Frees {
     /// Host byte ranges whose reference was removed in not-yet-stable metadata, and why.
     pending: Vec<(HostRange, FreeKind)>,
+    /// Pending frees a write-back at the bound took with its slices (window.rs).
+    window: Vec<(HostRange, FreeKind)>,
     /// Clusters whose refcount dropped to 0 but is not yet stable.
     unstable: HashSet<u64>,
     /// Freed clusters (stable) waiting for a grace period before reuse, by the generation
@@ -55,9 +57,27 @@ impl Frees {
     pub(crate) fn free_later(&mut self, range: HostRange, kind: FreeKind) {
         self.pending.push((range, kind));
     }
-    /// Takes the pending frees: the metadata that removed them is stable now.
+    /// Takes the pending frees: the metadata that removed them is stable now (those a
+    /// write-back at the bound took and has not applied included).
     pub(crate) fn take_pending(&mut self) -> Vec<(HostRange, FreeKind)> {
-        std::mem::take(&mut self.pending)
+        let mut v = std::mem::take(&mut self.window);
+        v.append(&mut self.pending);
+        v
+    }
+    /// A write-back at the bound takes the pending frees with its slices.
+    pub(crate) fn take_pending_window(&mut self) {
+        let mut p = std::mem::take(&mut self.pending);
+        self.window.append(&mut p);
+    }
+    /// The frees the write-back at the bound took and no other write-back took since: its
+    /// slices are stable, it applies them now.
+    pub(crate) fn end_window(&mut self) -> Vec<(HostRange, FreeKind)> {
+        std::mem::take(&mut self.window)
+    }
+    /// Frees taken and not applied (a write failed): pending again, first.
+    pub(crate) fn restore_pending(&mut self, mut frees: Vec<(HostRange, FreeKind)>) {
+        frees.append(&mut self.pending);
+        self.pending = frees;
     }
     /// Host cluster `c`'s refcount dropped to 0 in metadata not yet stable, freed for
     /// `kind` (queued for a discard if its switch is on).

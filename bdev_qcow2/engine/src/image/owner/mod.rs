@@ -53,6 +53,7 @@ pub(crate) mod snapshot;
 pub(crate) mod space;
 pub(crate) mod stats;
 pub(crate) mod stream;
+pub(crate) mod window;
 pub(crate) mod writeback;
 pub(crate) mod zeroed_tail;
 
@@ -167,11 +168,16 @@ impl MetaState {
 pub struct Meta<D: BlockDevice> {
     lock: AsyncLock<D>,
     inflight_wait: WaitQueue<D>,
+    /// Write-backs waiting for the slices a write-back at the bound writes unlocked.
+    window_wait: WaitQueue<D>,
     st: RefCell<MetaState>,
     /// `OpenOptions::ordered_layout`.
     ordered_layout: bool,
     /// `OpenOptions::alloc_granule` in clusters (a power of two, 1: off).
     granule_clusters: u64,
+    /// Dirty metadata bytes beyond which an allocating write writes back
+    /// (`OpenOptions::dirty_bound_bytes`).
+    dirty_bound: u64,
 }
 
 impl<D: BlockDevice> Meta<D> {
@@ -196,8 +202,10 @@ impl<D: BlockDevice> Meta<D> {
         Meta {
             lock: AsyncLock::new(exec),
             inflight_wait: WaitQueue::new(exec),
+            window_wait: WaitQueue::new(exec),
             ordered_layout,
             granule_clusters,
+            dirty_bound: crate::image::MIN_DIRTY_BOUND,
             st: RefCell::new(MetaState {
                 dirty: Default::default(),
                 alloc: alloc::AllocState::new(fresh_from),
@@ -228,6 +236,15 @@ impl<D: BlockDevice> Meta<D> {
     pub(crate) fn try_st(&self) -> Option<Ref<'_, MetaState>> {
         self.st.try_borrow().ok()
     }
+    /// With `bound` dirty metadata bytes beyond which an allocating write writes back.
+    pub(crate) fn with_dirty_bound(mut self, bound: u64) -> Self {
+        self.dirty_bound = bound;
+        self
+    }
+    /// Dirty metadata bytes beyond which an allocating write writes back.
+    pub(crate) fn dirty_bound(&self) -> u64 {
+        self.dirty_bound
+    }
     /// The metadata lock.
     pub(crate) fn lock(&self) -> &AsyncLock<D> {
         &self.lock
@@ -235,6 +252,14 @@ impl<D: BlockDevice> Meta<D> {
     /// Waits until an allocation in flight ends.
     pub(crate) async fn wait_inflight(&self) {
         self.inflight_wait.wait().await
+    }
+    /// Waits until a write-back at the bound finished writing its slices.
+    pub(crate) async fn wait_window_closed(&self) {
+        self.window_wait.wait().await
+    }
+    /// A write-back at the bound finished writing its slices: wakes the write-backs waiting.
+    pub(crate) fn window_closed(&self) {
+        self.window_wait.notify_all();
     }
     /// Unmarks guest clusters `first..=last` in flight and wakes their waiting writers.
     pub(crate) fn end_inflight(&self, first: u64, last: u64) {

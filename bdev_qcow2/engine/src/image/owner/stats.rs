@@ -19,6 +19,12 @@ pub struct OwnerStats {
     /// Metadata write-back passes (refcounts, flush, L2 slices, L1; on FLUSH, on close
     /// and when the dirty metadata passes its threshold).
     pub writebacks: u64,
+    /// Of those, write-backs at the dirty bound that released the metadata lock while
+    /// their L2 slices were written.
+    pub writebacks_at_bound: u64,
+    /// Clusters allocated while such a write-back wrote its slices (allocating writes that
+    /// did not wait for it).
+    pub clusters_allocated_during_writeback: u64,
     /// Times the zeroed tail was raised: on disk ([`ZeroedTail`](crate::format::header::ZeroedTail)),
     /// or by zeroing the device ahead of the allocator (`OpenOptions::zero_ahead`).
     pub zeroed_tail_raises: u64,

@@ -21,10 +21,7 @@ use crate::coherency::SliceStamp;
 use crate::error::{corrupt, Field, Result};
 use crate::io::{BlockDevice, BufSlice, IoBuffer, SECTOR};
 use crate::types::GuestOffset;
-use std::collections::BTreeSet;
-
-/// Dirty metadata beyond which a commit writes back on its own (bounded memory).
-const WRITEBACK_THRESHOLD_BYTES: u64 = 8 << 20;
+use std::collections::{BTreeMap, BTreeSet};
 
 /// Metadata writes of one phase in flight at once. One at a time, a write-back of the
 /// 8 MiB bound (2,048 slices of 4 KiB) took 2,048 device round trips under the metadata
@@ -42,14 +39,57 @@ impl<D: BlockDevice> Owner<'_, D> {
     /// Write-back; with lazy refcounts (and not `full`), refcount blocks stay in memory and
     /// the dirty bit, set and stable first, tells a later open to rebuild them (rule 7).
     pub(crate) async fn writeback_mode(&self, full: bool) -> Result<()> {
+        // A write-back at the bound may be writing slices without the lock: its writes
+        // complete first, so this one sees every slice dirty or written (window.rs).
+        self.wait_window().await?;
         let m = self.meta();
         m.st_mut().stats.writebacks += 1;
         let lazy = !full && self.header.borrow().lazy_refcounts();
+        let has_l2 = m.st().dirty.has_l2_or_l1();
+        // Phase 1: refcounts (and the data written so far) before any L2/L1 reference.
+        self.write_refcounts_first(lazy).await?;
+        // Phase 2: L2 slices, then L1 entries of new tables.
+        if has_l2 {
+            self.write_dirty_slices().await?;
+            let l1_dirty = m.st_mut().dirty.take_l1();
+            if !l1_dirty.is_empty() {
+                self.exec.flush(self.dev).await?;
+                let words: Vec<u64> = self.l1.borrow().iter().map(|e| e.0).collect();
+                let off = self.header.borrow().header.l1_table_offset;
+                if let Err(e) = self.write_table_sectors(off, &words, &l1_dirty).await {
+                    m.st_mut().dirty.l1_not_written(l1_dirty);
+                    return Err(e);
+                }
+            }
+            self.exec.flush(self.dev).await?;
+        }
+        // Phase 3: frees whose removal is now stable.
+        let frees = m.st_mut().frees.take_pending();
+        self.apply_frees(frees, lazy).await?;
+        // Freed clusters whose decrement is stable (and grace period over) go to the
+        // device's discard before the allocator may take them.
+        self.process_discards().await;
+        // Phase 4: the header.
+        if full && m.st().header.dirty_bit_on_disk() {
+            // Every refcount is stable now: the dirty bit can go.
+            m.st_mut().header.clear_dirty_bit();
+        }
+        if m.st().header.is_dirty() {
+            self.write_header().await?;
+            self.exec.flush(self.dev).await?;
+        }
+        Ok(())
+    }
+
+    /// Phase 1: refcount blocks, then refcount-table entries of new blocks, each followed
+    /// by a flush that also makes every data write completed so far stable (rules 1, 3 and
+    /// 4). With `lazy` refcounts, no block is written: the dirty bit is set first (rule 7).
+    pub(super) async fn write_refcounts_first(&self, lazy: bool) -> Result<()> {
+        let m = self.meta();
         let (has_l2, rt_dirty) = {
             let st = m.st();
             (st.dirty.has_l2_or_l1(), st.dirty.has_rt())
         };
-        // Phase 1: refcounts (and the data written so far) before any L2/L1 reference.
         let wrote_rc = if lazy && !rt_dirty {
             if has_l2 && !m.st().dirty.rc_is_empty() {
                 self.set_dirty_bit().await?;
@@ -71,23 +111,18 @@ impl<D: BlockDevice> Owner<'_, D> {
         if wrote_rc || has_l2 || rt_dirty {
             self.exec.flush(self.dev).await?;
         }
-        // Phase 2: L2 slices, then L1 entries of new tables.
-        if has_l2 {
-            self.write_dirty_slices().await?;
-            let l1_dirty = m.st_mut().dirty.take_l1();
-            if !l1_dirty.is_empty() {
-                self.exec.flush(self.dev).await?;
-                let words: Vec<u64> = self.l1.borrow().iter().map(|e| e.0).collect();
-                let off = self.header.borrow().header.l1_table_offset;
-                if let Err(e) = self.write_table_sectors(off, &words, &l1_dirty).await {
-                    m.st_mut().dirty.l1_not_written(l1_dirty);
-                    return Err(e);
-                }
-            }
-            self.exec.flush(self.dev).await?;
-        }
-        // Phase 3: frees whose removal is now stable.
-        let frees = m.st_mut().frees.take_pending();
+        Ok(())
+    }
+
+    /// Phase 3: the decrements of `frees`, whose references' removal is stable, applied
+    /// and written (flush), and only then the clusters handed back; with `lazy` refcounts
+    /// they stay in memory and the clusters wait for a full write-back.
+    pub(super) async fn apply_frees(
+        &self,
+        frees: Vec<(crate::types::HostRange, super::discards::FreeKind)>,
+        lazy: bool,
+    ) -> Result<()> {
+        let m = self.meta();
         let bits = self.geo.cluster_bits;
         if lazy && !frees.is_empty() {
             // Decrements stay in memory with the other lazy refcounts; the clusters are not
@@ -117,18 +152,6 @@ impl<D: BlockDevice> Owner<'_, D> {
             self.exec.flush(self.dev).await?;
             self.release_unstable();
         }
-        // Freed clusters whose decrement is stable (and grace period over) go to the
-        // device's discard before the allocator may take them.
-        self.process_discards().await;
-        // Phase 4: the header.
-        if full && m.st().header.dirty_bit_on_disk() {
-            // Every refcount is stable now: the dirty bit can go.
-            m.st_mut().header.clear_dirty_bit();
-        }
-        if m.st().header.is_dirty() {
-            self.write_header().await?;
-            self.exec.flush(self.dev).await?;
-        }
         Ok(())
     }
 
@@ -137,33 +160,44 @@ impl<D: BlockDevice> Owner<'_, D> {
     /// there) until their write completes; only then may a core read them from the device
     /// (epoch even).
     async fn write_dirty_slices(&self) -> Result<()> {
-        let m = self.meta();
-        let keys = m.st_mut().dirty.begin_slice_writeback();
-        for (b, batch) in keys.chunks(WRITEBACK_BATCH).enumerate() {
-            let not_written = |failed: Vec<u64>| {
-                let later = keys.get((b + 1) * WRITEBACK_BATCH..).unwrap_or(&[]);
-                let later = later.iter().copied();
-                m.st_mut()
-                    .dirty
-                    .slices_not_written(failed.into_iter().chain(later), self.published());
-            };
-            let mut targets = Vec::with_capacity(batch.len());
-            for &key in batch {
-                match self.slice_target(key).await {
-                    Ok(host) => targets.push((key, host)),
-                    Err(e) => {
-                        not_written(batch.to_vec());
-                        return Err(e);
-                    }
+        let keys = self.meta().st_mut().dirty.begin_slice_writeback();
+        let targets = self.slice_targets(&keys).await?;
+        self.write_slices(&targets).await
+    }
+
+    /// Where each slice of `keys` (just taken into the writing set) is written; on error
+    /// they are all dirty again.
+    pub(super) async fn slice_targets(&self, keys: &[u64]) -> Result<Vec<(u64, u64)>> {
+        let mut targets = Vec::with_capacity(keys.len());
+        for &key in keys {
+            match self.slice_target(key).await {
+                Ok(host) => targets.push((key, host)),
+                Err(e) => {
+                    let m = self.meta();
+                    let keys = keys.iter().copied();
+                    m.st_mut().dirty.slices_not_written(keys, self.published());
+                    return Err(e);
                 }
             }
+        }
+        Ok(targets)
+    }
+
+    /// Writes the slices of the writing set at their `targets` ((slice, host offset)),
+    /// [`WRITEBACK_BATCH`] at a time; on error, what was not written is dirty again.
+    pub(super) async fn write_slices(&self, targets: &[(u64, u64)]) -> Result<()> {
+        let m = self.meta();
+        for (b, batch) in targets.chunks(WRITEBACK_BATCH).enumerate() {
             let failed = std::cell::RefCell::new(Vec::new());
-            let writes = targets
+            let writes = batch
                 .iter()
                 .map(|&(key, host)| self.write_slice(key, host, &failed))
                 .collect();
             if let Err(e) = crate::exec::join_all(writes).await {
-                not_written(failed.into_inner());
+                let later = targets.get((b + 1) * WRITEBACK_BATCH..).unwrap_or(&[]);
+                let keys = failed.into_inner().into_iter();
+                let keys = keys.chain(later.iter().map(|&(k, _)| k));
+                m.st_mut().dirty.slices_not_written(keys, self.published());
                 return Err(e);
             }
         }
@@ -286,13 +320,20 @@ impl<D: BlockDevice> Owner<'_, D> {
         words: &[u64],
         indices: &BTreeSet<u64>,
     ) -> Result<()> {
-        let per_sector = SECTOR / 8;
-        let sectors: BTreeSet<u64> = indices.iter().map(|i| i / per_sector).collect();
-        for s in sectors {
-            let first = (s * per_sector) as usize;
+        self.write_sectors(table_off, &table_sectors(words, indices))
+            .await
+    }
+
+    /// Writes table sectors `sectors` (index of the sector in the table → its words) of
+    /// the table at host `table_off`.
+    pub(super) async fn write_sectors(
+        &self,
+        table_off: u64,
+        sectors: &BTreeMap<u64, Vec<u64>>,
+    ) -> Result<()> {
+        for (s, words) in sectors {
             let mut bytes = vec![0u8; SECTOR as usize];
-            let end = (first + per_sector as usize).min(words.len());
-            words_to_bytes(&words[first..end], &mut bytes);
+            words_to_bytes(words, &mut bytes);
             let buf = self.exec.alloc_buf(self.dev, bytes.len());
             buf.copy_in(0, &bytes);
             self.exec
@@ -302,14 +343,18 @@ impl<D: BlockDevice> Owner<'_, D> {
         Ok(())
     }
 
+    /// Whether the dirty set has grown past its bound (bounded memory,
+    /// `OpenOptions::dirty_bound_bytes`).
+    pub(crate) fn over_bound(&self) -> bool {
+        let st = self.meta().st();
+        let dirty = st.dirty.slices() as u64 * (1u64 << self.geo.slice_bits)
+            + st.dirty.rc_blocks() as u64 * self.geo.cluster_size();
+        dirty > self.meta().dirty_bound()
+    }
+
     /// Writes back when the dirty set has grown past the threshold (memory bound).
     pub(crate) async fn maybe_writeback_locked(&self) -> Result<()> {
-        let dirty = {
-            let st = self.meta().st();
-            st.dirty.slices() as u64 * (1u64 << self.geo.slice_bits)
-                + st.dirty.rc_blocks() as u64 * self.geo.cluster_size()
-        };
-        if dirty > WRITEBACK_THRESHOLD_BYTES {
+        if self.over_bound() {
             // Boxed: rare, and the write path's per-request future stays small.
             Box::pin(self.writeback_locked()).await?;
         }
@@ -336,4 +381,21 @@ impl<D: BlockDevice> Owner<'_, D> {
         self.writeback_locked().await?;
         self.exec.flush(self.dev).await
     }
+}
+
+/// The sectors of table `words` holding `indices`, with their words (index of the sector in
+/// the table → its words, the last one cut at the table's end).
+pub(super) fn table_sectors(words: &[u64], indices: &BTreeSet<u64>) -> BTreeMap<u64, Vec<u64>> {
+    let per_sector = (SECTOR / 8) as usize;
+    indices
+        .iter()
+        .map(|&i| i / per_sector as u64)
+        .collect::<BTreeSet<u64>>()
+        .into_iter()
+        .map(|s| {
+            let first = s as usize * per_sector;
+            let end = (first + per_sector).min(words.len());
+            (s, words.get(first..end).unwrap_or(&[]).to_vec())
+        })
+        .collect()
 }
