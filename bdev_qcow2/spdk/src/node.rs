@@ -13,6 +13,7 @@ mod create;
 pub mod hotplug;
 mod identity;
 mod info;
+mod later;
 mod open;
 mod teardown;
 mod unlock;

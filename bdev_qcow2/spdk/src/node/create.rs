@@ -2,6 +2,7 @@
 //! image on the creating thread — the metadata owner — start the owner, then register.
 
 use super::hotplug::BaseEvents;
+use super::later;
 use super::open::{self, strerror};
 use super::{identity, Image, ImageInfo, Node, Ring, BLOCK_SIZE};
 use crate::device::SpdkDevice;
@@ -21,7 +22,7 @@ use std::ffi::CString;
 use std::rc::Rc;
 use std::sync::atomic::AtomicUsize;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 /// How a creation ends: the bdev name, or an errno and a message.
 pub type Outcome = Result<String, (i32, String)>;
@@ -86,45 +87,23 @@ fn create_claiming(params: CreateParams, claim_base: bool, done: Done) {
         }
         reg.creating.push(name.clone());
     }
-    open_and_read(params, claim_base, done, Instant::now() + CLAIM_WAIT, 0);
+    open_and_read(
+        params,
+        claim_base,
+        done,
+        Instant::now() + later::CLAIM_WAIT,
+        0,
+    );
 }
 
-/// How long a creation tries again to claim a base or backing bdev that refuses the claim
-/// (`EPERM`), and how often: another module's examine of a bdev just registered holds it
-/// open for writing for a moment (lvol's does), as when a saved config creates a qcow2
-/// bdev over one it has just created.
-const CLAIM_WAIT: Duration = Duration::from_secs(2);
-const CLAIM_RETRY: Duration = Duration::from_millis(10);
-
-/// A creation waiting to try its claims again ([`CLAIM_RETRY`]).
+/// A creation waiting to try its claims again ([`later::CLAIM_RETRY`]).
 struct Retry {
     params: CreateParams,
     claim_base: bool,
     done: Done,
     until: Instant,
-    at: Instant,
     /// Claims tried so far.
     tries: u32,
-    poller: PollerSlot,
-}
-
-impl Polled for Retry {
-    fn slot(&self) -> &PollerSlot {
-        &self.poller
-    }
-
-    fn poll(&self) -> Poll {
-        if Instant::now() < self.at {
-            Poll::Idle
-        } else {
-            Poll::Done
-        }
-    }
-
-    fn finish(self: Box<Self>) {
-        let r = *self;
-        open_and_read(r.params, r.claim_base, r.done, r.until, r.tries);
-    }
 }
 
 /// Tries the creation's claims again shortly, or fails with `errno` and `msg` once `until`
@@ -137,7 +116,8 @@ fn retry_or_fail(r: Retry, errno: i32, msg: String) {
     if r.tries == 1 {
         tracing::info!("bdev_qcow2_create {name}: {msg}; trying again");
     }
-    if let Err(r) = thread::start_task(Box::new(r), c"qcow2_create") {
+    let again = |r: Retry| open_and_read(r.params, r.claim_base, r.done, r.until, r.tries);
+    if let Err(r) = later::retry_claim(c"qcow2_create", r, again) {
         fail(&name, [None, None], r.done, errno, msg);
     }
 }
@@ -163,9 +143,7 @@ fn open_and_read(
         claim_base,
         done,
         until,
-        at: Instant::now() + CLAIM_RETRY,
         tries: tries + 1,
-        poller: PollerSlot::default(),
     };
     let base = match base {
         Ok(d) => d,

@@ -12,7 +12,7 @@
 //!    (keyed by its UUID: another bdev reusing the name never hits the old one's granules);
 //!    the owner and every channel take a device of it, and reads go through again.
 
-use super::open;
+use super::{later, open};
 use crate::backing_state::{Phase, Shape};
 use crate::ffi::bdev;
 use crate::ffi::node::NodeKey;
@@ -21,12 +21,7 @@ use crate::ffi::thread::{self, Poll, Polled, PollerSlot, Thread};
 use crate::registry;
 use crate::types::{ChannelIter, Registered};
 use std::os::raw::c_int;
-use std::time::{Duration, Instant};
-
-/// How long a returning bdev's claim is tried again while another module's examine holds
-/// it (as a creation does), and how often.
-const CLAIM_WAIT: Duration = Duration::from_secs(2);
-const CLAIM_RETRY: Duration = Duration::from_millis(10);
+use std::time::Instant;
 
 /// SPDK reports bdev `name` removed: every node reading it as its backing bdev leaves it,
 /// on its md thread.
@@ -39,7 +34,7 @@ pub fn removed(name: &str) {
 /// A bdev called `name` was registered: every node missing it as its backing bdev opens it
 /// again, on its md thread.
 pub fn appeared(name: &str) {
-    let until = Instant::now() + CLAIM_WAIT;
+    let until = Instant::now() + later::CLAIM_WAIT;
     for (key, md) in users(name, true) {
         on(md, move || reopen(key, until));
     }
@@ -163,7 +158,7 @@ fn closed(key: NodeKey) {
     );
     drop(reg);
     if again && bdev::exists(&name) {
-        reopen(key, Instant::now() + CLAIM_WAIT);
+        reopen(key, Instant::now() + later::CLAIM_WAIT);
     }
 }
 
@@ -241,41 +236,10 @@ fn joined(key: NodeKey, _: c_int) {
     );
 }
 
-/// Tries a refused claim again shortly ([`CLAIM_RETRY`]).
-struct Retry {
-    key: NodeKey,
-    until: Instant,
-    at: Instant,
-    poller: PollerSlot,
-}
-
+/// Tries a refused claim again shortly.
 fn retry(key: NodeKey, until: Instant) {
-    let r = Box::new(Retry {
-        key,
-        until,
-        at: Instant::now() + CLAIM_RETRY,
-        poller: PollerSlot::default(),
-    });
-    if thread::start_task(r, c"qcow2_backing").is_err() {
+    if later::retry_claim(c"qcow2_backing", (key, until), |(k, u)| reopen(k, u)).is_err() {
         tracing::error!("no poller to claim a returning backing bdev again");
-    }
-}
-
-impl Polled for Retry {
-    fn slot(&self) -> &PollerSlot {
-        &self.poller
-    }
-
-    fn poll(&self) -> Poll {
-        if Instant::now() < self.at {
-            Poll::Idle
-        } else {
-            Poll::Done
-        }
-    }
-
-    fn finish(self: Box<Self>) {
-        reopen(self.key, self.until);
     }
 }
 
