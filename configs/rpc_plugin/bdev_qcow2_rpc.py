@@ -116,12 +116,14 @@ def bdev_qcow2_snapshot_list(client, name):
 
 
 def bdev_qcow2_snapshot_external(client, name, base_bdev, snapshot_name=None,
-                                 snapshot_uuid=None):
+                                 snapshot_uuid=None, encrypt_iter_time_ms=None):
     params = {'name': name, 'base_bdev': base_bdev}
     if snapshot_name is not None:
         params['snapshot_name'] = snapshot_name
     if snapshot_uuid is not None:
         params['snapshot_uuid'] = snapshot_uuid
+    if encrypt_iter_time_ms is not None:
+        params['encrypt_iter_time_ms'] = encrypt_iter_time_ms
     return client.call('bdev_qcow2_snapshot_external', params)
 
 
@@ -345,7 +347,8 @@ def spdk_rpc_plugin_initialize(subparsers):
         print_json(bdev_qcow2_snapshot_external(args.client, name=args.name,
                                                 base_bdev=args.base_bdev,
                                                 snapshot_name=args.snapshot_name,
-                                                snapshot_uuid=args.snapshot_uuid))
+                                                snapshot_uuid=args.snapshot_uuid,
+                                                encrypt_iter_time_ms=args.encrypt_iter_time_ms))
 
     p = subparsers.add_parser('bdev_qcow2_snapshot_external',
                               help='Switch a qcow2 bdev to a new overlay formatted on another '
@@ -359,6 +362,9 @@ def spdk_rpc_plugin_initialize(subparsers):
     p.add_argument('--snapshot-uuid', dest='snapshot_uuid',
                    help='UUID of that read-only bdev (default: derived from its base bdev\'s '
                    'UUID and its name)')
+    p.add_argument('--encrypt-iter-time-ms', dest='encrypt_iter_time_ms', type=int,
+                   help='an encrypted bdev\'s overlay is encrypted with its key: milliseconds '
+                   'of PBKDF2 for its key slot (default 2000, as qemu-img)')
     p.set_defaults(func=snapshot_external)
 
     def snapshot_list(args):

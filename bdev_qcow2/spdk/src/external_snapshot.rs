@@ -28,16 +28,19 @@ use crate::registry::{self, Registry};
 use crate::rpc::decode;
 use crate::types::ChannelIter;
 use qcow2_engine::create::CreateOptions;
-use qcow2_engine::overlay::{format_overlay, overlay_options};
+use qcow2_engine::crypto::LuksParams;
+use qcow2_engine::image::UnlockedKey;
+use qcow2_engine::overlay::overlay_options;
 use qcow2_engine::{Chain, Exec, OpenOptions, Qcow2};
 use serde::Deserialize;
 use serde_json::json;
-use std::cell::RefCell;
 use std::ffi::c_int;
 use std::rc::Rc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
+
+mod prepare;
 
 const METHOD: &str = "bdev_qcow2_snapshot_external";
 
@@ -58,6 +61,36 @@ pub struct ExternalSnapshotParams {
     /// as `bdev_qcow2_create` derives one). The bdev keeps its own UUID over the overlay.
     #[serde(default)]
     pub snapshot_uuid: Option<String>,
+    /// For an encrypted bdev: the milliseconds of PBKDF2 the overlay's key slot is
+    /// calibrated to (as `bdev_qcow2_format`'s; default QEMU's 2000).
+    #[serde(default)]
+    pub encrypt_iter_time_ms: Option<u32>,
+}
+
+/// How the overlay of a bdev encrypted with the keyring key `key` (`None`: plain) is
+/// encrypted: QEMU's default LUKS choices (aes-256-xts-plain64, sha256), as
+/// `qemu-img create -o encrypt.format=luks` makes an overlay, with the same passphrase.
+fn encryption(
+    key: Option<&str>,
+    iter_time_ms: Option<u32>,
+) -> Result<Option<prepare::Encrypt>, (i32, String)> {
+    let Some(key) = key else {
+        return match iter_time_ms {
+            Some(_) => Err((
+                libc::EINVAL,
+                "encrypt_iter_time_ms is for an encrypted bdev".into(),
+            )),
+            None => Ok(None),
+        };
+    };
+    let mut params = LuksParams::default();
+    if let Some(ms) = iter_time_ms {
+        params
+            .set("iter-time", &ms.to_string())
+            .map_err(|e| (libc::EINVAL, format!("encrypt_iter_time_ms {ms}: {e}")))?;
+    }
+    let secret = crate::ffi::keyring::key_bytes(key)?;
+    Ok(Some(prepare::Encrypt { params, secret }))
 }
 
 /// `<name>_snap<N>` for the lowest N that names no bdev.
@@ -104,6 +137,12 @@ struct Switch {
     pause_us: u64,
     /// The node's former image, until it is closed.
     old: Option<Box<Image>>,
+    /// How the overlay of an encrypted image is encrypted (until its format takes it).
+    encrypt: Option<prepare::Encrypt>,
+    /// The keys the overlay and the old image were unlocked with (encrypted images): the
+    /// bdevs over them take them without deriving them again, with I/O paused.
+    overlay_key: Option<UnlockedKey>,
+    old_key: Option<UnlockedKey>,
 }
 
 /// Where a switch is. [`advance`] runs each state's action; the action (or the SPDK
@@ -220,11 +259,15 @@ where
     owner.run_job(move |chain| job(sw, chain));
 }
 
-/// `Flush`: the overlay's options from the old image, which is flushed; then `Format`.
+/// `Flush`: the overlay's options (and the key) from the old image, which is flushed;
+/// then `Format`.
 fn flush(sw: Box<Switch>) {
-    owner_job(sw, |sw, chain| async move {
+    owner_job(sw, |mut sw, chain| async move {
         let opts = match chain.layers().first() {
-            Some(qcow2_engine::Layer::Qcow2(q)) => overlay_options(q, &sw.snapshot),
+            Some(qcow2_engine::Layer::Qcow2(q)) => {
+                sw.old_key = q.unlocked_key();
+                overlay_options(q, &sw.snapshot)
+            }
             _ => return advance(sw, State::Fail(libc::EROFS, "no writable image".into())),
         };
         match chain.flush().await {
@@ -277,17 +320,15 @@ pub fn snapshot_external(req: Request, params: Params) {
         || p.base_bdev == current.base_bdev
         || Some(&p.base_bdev) == current.backing_bdev.as_ref()
         || p.base_bdev == snapshot;
-    if current.key.is_some() {
-        drop(reg);
-        return req.errno(
-            libc::EOPNOTSUPP,
-            &format!(
-                "{METHOD}: {} is encrypted: external snapshots of encrypted images are not \
-                 supported yet",
-                p.name
-            ),
-        );
-    }
+    // The overlay of an encrypted image is encrypted with its key: checked now, before
+    // anything is claimed or written.
+    let encrypt = match encryption(current.key.as_deref(), p.encrypt_iter_time_ms) {
+        Ok(e) => e,
+        Err((errno, m)) => {
+            drop(reg);
+            return req.errno(errno, &format!("{METHOD}: {m}"));
+        }
+    };
     if in_chain {
         drop(reg);
         return req.error(
@@ -392,93 +433,46 @@ pub fn snapshot_external(req: Request, params: Params) {
         quiesced: false,
         pause_us: 0,
         old: None,
+        encrypt,
+        overlay_key: None,
+        old_key: None,
     });
     advance(sw, State::Flush);
 }
 
-/// The overlay being formatted and opened on the new base, by its own poller.
-struct Prepare {
-    exec: Exec<SpdkDevice>,
-    result: Rc<RefCell<Option<qcow2_engine::Result<Qcow2<SpdkDevice>>>>>,
-    poller: PollerSlot,
-    sw: Option<Box<Switch>>,
-}
-
-impl Polled for Prepare {
-    fn slot(&self) -> &PollerSlot {
-        &self.poller
-    }
-
-    fn poll(&self) -> Poll {
-        let n = self.exec.poll(&mut |_, _| {});
-        Poll::of_task(n, self.result.borrow().is_some(), self.exec.busy())
-    }
-
-    /// The overlay is open: `Quiesce`; else `Fail`.
-    fn finish(self: Box<Self>) {
-        let mut p = *self;
-        let Some(mut sw) = p.sw.take() else { return };
-        let r = p.result.borrow_mut().take();
-        let next = match r {
-            Some(Ok(image)) => {
-                sw.exec = Some(p.exec);
-                sw.image = Some(image);
-                State::Quiesce
-            }
-            Some(Err(e)) => {
-                drop(p.exec);
-                let base = &sw.params.base_bdev;
-                State::Fail(e.errno(), format!("formatting the overlay on {base}: {e}"))
-            }
-            None => {
-                drop(p.exec);
-                State::Fail(libc::EIO, "the overlay's format did not finish".into())
-            }
-        };
-        advance(sw, next)
-    }
-}
-
-/// `Format`: formats the overlay `opts` on the new base and opens it writable, on a poller
-/// of its own ([`Prepare`]).
-fn format(sw: Box<Switch>, opts: CreateOptions) {
+/// `Format`: formats the overlay `opts` on the new base (encrypted if the image is) and
+/// opens it writable, on a poller of its own ([`prepare`]); then `Quiesce`, or `Fail`.
+fn format(mut sw: Box<Switch>, opts: CreateOptions) {
     let Some(dev) = sw.new_base.as_ref().and_then(crate::device::open) else {
         let e = State::Fail(libc::ENOMEM, "no I/O channel for the new base".into());
         return advance(sw, e);
     };
-    let mut dev = dev;
-    dev.inner_mut().set_zero_offload(sw.zeroing.offload);
-    let exec: Exec<SpdkDevice> = Exec::new();
-    let id = exec.add_device(dev);
-    let result = Rc::new(RefCell::new(None));
-    let (e2, r2) = (exec.clone(), result.clone());
     let open = OpenOptions {
         writable: true,
         zero_ahead: sw.zeroing.ahead,
         ..sw.params.open_options()
     };
-    exec.spawn(async move {
-        let r = match format_overlay(&e2, id, &opts).await {
-            Ok(()) => Qcow2::open(&e2, id, open).await,
-            Err(e) => Err(e),
-        };
-        *r2.borrow_mut() = Some(r);
-    });
-    let job = Box::new(Prepare {
-        exec,
-        result,
-        poller: PollerSlot::default(),
-        sw: Some(sw),
-    });
-    if let Err(mut j) = thread::start_task(job, c"qcow2_overlay") {
-        if let Some(sw) = j.sw.take() {
-            drop(j);
-            advance(
-                sw,
-                State::Fail(libc::ENOMEM, "cannot register a poller".into()),
-            );
-        }
-    }
+    let encrypt = sw.encrypt.take();
+    prepare::start(
+        dev,
+        sw.zeroing,
+        opts,
+        open,
+        encrypt,
+        Box::new(move |r| match r {
+            Ok(p) => {
+                sw.exec = Some(p.exec);
+                sw.image = Some(p.image);
+                sw.overlay_key = p.key;
+                advance(sw, State::Quiesce)
+            }
+            Err((e, m)) => {
+                let base = &sw.params.base_bdev;
+                let m = format!("formatting the overlay on {base}: {m}");
+                advance(sw, State::Fail(e, m))
+            }
+        }),
+    );
 }
 
 /// `Quiesce`: once no request is in flight, `CloseOld`; `Fail` if SPDK refuses.
@@ -520,6 +514,7 @@ fn register_snapshot(sw: Box<Switch>) {
     let p = sw.snap_params.clone();
     node::create_unclaimed(
         p,
+        sw.old_key.clone(),
         Box::new(move |r| match r {
             Ok(_) => advance(sw, State::Switch),
             Err((e, m)) => advance(sw, State::Fail(e, format!("the old image's bdev: {m}"))),
@@ -585,7 +580,7 @@ fn switch(mut sw: Box<Switch>) {
         params: sw.params.clone(),
         info,
         live_channels: Arc::new(AtomicUsize::new(0)),
-        key: None,
+        key: sw.overlay_key.take(),
     });
     match node.switch_image(new) {
         Ok(old) => sw.old = Some(old),

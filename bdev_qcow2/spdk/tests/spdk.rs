@@ -3213,6 +3213,9 @@ mod real {
     /// Encrypted images with keys from SPDK's keyring (`real/encrypted.rs`).
     mod encrypted;
 
+    /// An external snapshot of an encrypted bdev (`real/encrypted_snapshot.rs`).
+    mod encrypted_snapshot;
+
     /// The golden bdev hot-removed under overlays and back (`real/golden_degraded.rs`).
     mod golden_degraded;
 

@@ -257,6 +257,15 @@ fn os_random(out: &mut [u8]) -> Result<()> {
 /// `secret` (the bytes of QEMU's secret object) opens. Refused for options QEMU refuses,
 /// and for a secret QEMU could not use (not UTF-8, or with a NUL byte).
 pub fn build_luks_area(p: &LuksParams, secret: &[u8]) -> Result<LuksArea> {
+    build_with_master(p, secret).map(|(area, _)| area)
+}
+
+/// [`build_luks_area`], with the master key the area holds (zeroized when dropped): the
+/// image made with it opens without deriving the key from the secret again.
+pub(crate) fn build_with_master(
+    p: &LuksParams,
+    secret: &[u8],
+) -> Result<(LuksArea, Zeroizing<Vec<u8>>)> {
     let spec = p.cipher_spec()?;
     if std::str::from_utf8(secret).is_err() || secret.contains(&0) {
         return refused("the secret must be UTF-8 text without NUL bytes (QEMU's rule)".into());
@@ -285,7 +294,7 @@ pub fn build_luks_area(p: &LuksParams, secret: &[u8]) -> Result<LuksArea> {
     );
     match err {
         Some(e) => Err(e),
-        None => Ok(LuksArea { bytes }),
+        None => Ok((LuksArea { bytes }, master)),
     }
 }
 

@@ -4,7 +4,7 @@
 //! itself; only data takes the view, so a plain image's path has nothing more to do.
 
 use super::Qcow2;
-use crate::crypto::{LuksHeader, SectorCipher};
+use crate::crypto::{LuksArea, LuksHeader, LuksParams, SectorCipher};
 use crate::error::{Error, Result};
 use crate::exec::{read_bytes, DevId, Exec};
 use crate::format::header::{peek_cluster_bits, PEEK_LEN};
@@ -121,6 +121,22 @@ impl LockedLuks {
 pub struct UnlockedKey {
     header: LuksHeader,
     cipher: Arc<SectorCipher>,
+}
+
+impl UnlockedKey {
+    /// A new LUKS area encrypted as `p` says whose key slot `secret` opens
+    /// ([`build_luks_area`](crate::crypto::build_luks_area)), with its key: the image made
+    /// with the area is unlocked by it ([`Qcow2::unlock_with`]) without a second derivation.
+    pub fn build(p: &LuksParams, secret: &[u8]) -> Result<(LuksArea, UnlockedKey)> {
+        let (area, master) = crate::crypto::luks_build::build_with_master(p, secret)?;
+        let header = LuksHeader::parse(area.bytes())?;
+        let cipher = SectorCipher::new(&header.cipher, &master).map_err(|e| e.into_error())?;
+        let key = UnlockedKey {
+            header,
+            cipher: Arc::new(cipher),
+        };
+        Ok((area, key))
+    }
 }
 
 impl std::fmt::Debug for UnlockedKey {
@@ -272,5 +288,40 @@ mod tests {
             open(&exec, plain).unlock_with(&key),
             Err(Error::Refused(_))
         ));
+    }
+
+    #[test]
+    fn a_built_area_comes_with_the_key_its_secret_unlocks() {
+        let exec: Exec<MemDevice> = Exec::new();
+        let p = LuksParams {
+            iter_time_ms: 1,
+            ..LuksParams::default()
+        };
+        let (area, key) = UnlockedKey::build(&p, b"pw-new").unwrap();
+        assert!(!format!("{key:?}").contains("pw-new"));
+        let dev = exec.add_device(MemDevice::fixed(Vec::new(), 4 << 20));
+        let opts = CreateOptions {
+            size: 1 << 20,
+            encryption: Some(area),
+            ..CreateOptions::default()
+        };
+        let e = exec.clone();
+        exec.block_on(async move { create(&e, dev, &opts).await })
+            .unwrap();
+        // The key the build kept unlocks the image, and is the one its secret derives.
+        let q = open(&exec, dev);
+        q.unlock_with(&key).unwrap();
+        let derived = locked(&exec, dev).unwrap().unlock(b"pw-new").unwrap();
+        let (mut a, mut b) = (vec![0x5au8; 4096], vec![0x5au8; 4096]);
+        key.cipher.encrypt(7, &mut a);
+        derived.cipher.encrypt(7, &mut b);
+        assert_eq!(a, b);
+        assert_ne!(a, vec![0x5au8; 4096]);
+        // Another image's key does not pass for it.
+        let other = image(&exec, Some(b"pw-new"));
+        assert_eq!(
+            open(&exec, other).unlock_with(&key).unwrap_err(),
+            Error::WrongKey
+        );
     }
 }

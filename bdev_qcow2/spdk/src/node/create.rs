@@ -4,6 +4,7 @@
 use super::hotplug::BaseEvents;
 use super::later;
 use super::open::{self, strerror};
+use super::unlock::Unlock;
 use super::{identity, Image, ImageInfo, Node, Ring, BLOCK_SIZE};
 use crate::device::SpdkDevice;
 use crate::ffi::bdev::{self, Desc};
@@ -66,18 +67,31 @@ pub(crate) fn open_unclaimed(name: &str, role: &str) -> Result<Desc, (i32, Strin
 /// Creates the bdev of `params` (whose base and backing bdevs exist) on the calling thread,
 /// which becomes its metadata owner. `done` hears the outcome, possibly before this returns.
 pub fn create(params: CreateParams, done: Done) {
-    create_claiming(params, true, done);
+    create_opening(params, Opening::Claimed, done);
+}
+
+/// How a creation opens its base bdev.
+#[derive(Clone)]
+enum Opening {
+    /// Claimed (read-only, or as its one writer), the image unlocked with the key
+    /// `params.key` names.
+    Claimed,
+    /// Without a claim yet, an encrypted image unlocked with the key of the open it was
+    /// switched from (an external snapshot's old image, with I/O paused: no second key
+    /// derivation).
+    Unclaimed(Option<UnlockedKey>),
 }
 
 /// [`create`] for a read-only bdev whose base bdev is opened without a claim yet: an
 /// external snapshot's old image, whose base the bdev it leaves still claims as its writer
 /// until its last request is done; the claim follows (`external_snapshot.rs`).
-pub(crate) fn create_unclaimed(params: CreateParams, done: Done) {
+/// `key`: the key the image was unlocked with there, if it is encrypted.
+pub(crate) fn create_unclaimed(params: CreateParams, key: Option<UnlockedKey>, done: Done) {
     debug_assert!(params.read_only);
-    create_claiming(params, false, done);
+    create_opening(params, Opening::Unclaimed(key), done);
 }
 
-fn create_claiming(params: CreateParams, claim_base: bool, done: Done) {
+fn create_opening(params: CreateParams, opening: Opening, done: Done) {
     let name = params.name.clone();
     {
         let mut reg = registry::lock();
@@ -87,19 +101,13 @@ fn create_claiming(params: CreateParams, claim_base: bool, done: Done) {
         }
         reg.creating.push(name.clone());
     }
-    open_and_read(
-        params,
-        claim_base,
-        done,
-        Instant::now() + later::CLAIM_WAIT,
-        0,
-    );
+    open_and_read(params, opening, done, Instant::now() + later::CLAIM_WAIT, 0);
 }
 
 /// A creation waiting to try its claims again ([`later::CLAIM_RETRY`]).
 struct Retry {
     params: CreateParams,
-    claim_base: bool,
+    opening: Opening,
     done: Done,
     until: Instant,
     /// Claims tried so far.
@@ -116,7 +124,7 @@ fn retry_or_fail(r: Retry, errno: i32, msg: String) {
     if r.tries == 1 {
         tracing::info!("bdev_qcow2_create {name}: {msg}; trying again");
     }
-    let again = |r: Retry| open_and_read(r.params, r.claim_base, r.done, r.until, r.tries);
+    let again = |r: Retry| open_and_read(r.params, r.opening, r.done, r.until, r.tries);
     if let Err(r) = later::retry_claim(c"qcow2_create", r, again) {
         fail(&name, [None, None], r.done, errno, msg);
     }
@@ -127,20 +135,19 @@ fn retry_or_fail(r: Retry, errno: i32, msg: String) {
 /// again until `until`.
 fn open_and_read(
     mut params: CreateParams,
-    claim_base: bool,
+    opening: Opening,
     done: Done,
     until: Instant,
     tries: u32,
 ) {
     let name = params.name.clone();
-    let base = if claim_base {
-        open_claimed(&params.base_bdev, "base", !params.read_only)
-    } else {
-        open_unclaimed(&params.base_bdev, "base")
+    let base = match opening {
+        Opening::Claimed => open_claimed(&params.base_bdev, "base", !params.read_only),
+        Opening::Unclaimed(_) => open_unclaimed(&params.base_bdev, "base"),
     };
     let again = |params, done| Retry {
         params,
-        claim_base,
+        opening: opening.clone(),
         done,
         until,
         tries: tries + 1,
@@ -167,11 +174,15 @@ fn open_and_read(
     };
     // Written back by `save_config`, so a restart keeps it whatever the base's UUID then.
     params.uuid = Some(uuid.to_string());
-    // The key's bytes, read now and zeroized once the key is derived from them.
-    let secret = match params.key.as_deref().map(crate::ffi::keyring::key_bytes) {
-        None => None,
-        Some(Ok(s)) => Some(s),
-        Some(Err((e, m))) => return fail(&name, [Some(base), backing], done, e, m),
+    // The key's bytes, read now and zeroized once the key is derived from them; or the key
+    // the image was unlocked with before.
+    let unlock = match (opening, params.key.as_deref()) {
+        (Opening::Unclaimed(Some(k)), _) => Unlock::Key(k),
+        (_, None) => Unlock::Plain,
+        (_, Some(key)) => match crate::ffi::keyring::key_bytes(key) {
+            Ok(s) => Unlock::Secret(s),
+            Err((e, m)) => return fail(&name, [Some(base), backing], done, e, m),
+        },
     };
     let exec: Exec<SpdkDevice> = Exec::new();
     let Some(mut dev) = crate::device::open(&base) else {
@@ -190,7 +201,7 @@ fn open_and_read(
             ..params.open_options()
         };
         exec.spawn(async move {
-            let r = super::unlock::open_image(&exec2, dev, opts, secret)
+            let r = super::unlock::open_image(&exec2, dev, opts, unlock)
                 .await
                 .map(|(q, key)| (ImageInfo::of(&q, &p2, zeroing), q, key));
             *result2.borrow_mut() = Some(r);

@@ -11,29 +11,40 @@ use qcow2_engine::image::{LockedLuks, UnlockedKey};
 use qcow2_engine::{DevId, Error, Exec, OpenOptions, Qcow2, Result};
 use zeroize::Zeroizing;
 
-/// The image on `dev` opened with `opts` and, when encrypted, unlocked with `secret` (the
-/// bytes of the keyring key the parameters name): with the key it was unlocked with.
+/// What unlocks an image as it opens.
+pub(crate) enum Unlock {
+    /// Nothing: the image must be plain.
+    Plain,
+    /// The bytes of the keyring key the parameters name (derived on a thread of its own).
+    Secret(Zeroizing<Vec<u8>>),
+    /// The key another open of the same image was unlocked with.
+    Key(UnlockedKey),
+}
+
+/// The image on `dev` opened with `opts` and, when encrypted, unlocked as `unlock` says:
+/// with the key it was unlocked with.
 pub(super) async fn open_image(
     exec: &Exec<SpdkDevice>,
     dev: DevId,
     opts: OpenOptions,
-    secret: Option<Zeroizing<Vec<u8>>>,
+    unlock: Unlock,
 ) -> Result<(Qcow2<SpdkDevice>, Option<UnlockedKey>)> {
-    let key = match (LockedLuks::read(exec, dev).await?, secret) {
-        (None, None) => None,
-        (None, Some(_)) => {
+    let key = match (LockedLuks::read(exec, dev).await?, unlock) {
+        (None, Unlock::Plain) => None,
+        (None, _) => {
             return Err(Error::Refused(
                 "key was given but the image is not encrypted".into(),
             ))
         }
-        (Some(_), None) => {
+        (Some(_), Unlock::Plain) => {
             return Err(Error::Refused(
                 "the image is encrypted (LUKS): give key, the name of the key in SPDK's \
                  keyring that holds its passphrase (keyring_file_add_key)"
                     .into(),
             ))
         }
-        (Some(area), Some(secret)) => Some(derive(exec, area, secret).await?),
+        (Some(area), Unlock::Secret(secret)) => Some(derive(exec, area, secret).await?),
+        (Some(_), Unlock::Key(k)) => Some(k),
     };
     let q = Qcow2::open(exec, dev, opts).await?;
     if let Some(k) = &key {

@@ -10,10 +10,10 @@
 
 use super::*;
 
-const PASS: &str = "correct horse battery staple";
+pub(super) const PASS: &str = "correct horse battery staple";
 
 /// The passphrase file SPDK's file keyring accepts (absolute path, mode 0600).
-fn key_file(path: &Path, bytes: &str) {
+pub(super) fn key_file(path: &Path, bytes: &str) {
     use std::os::unix::fs::PermissionsExt;
     fs::write(path, bytes).unwrap();
     fs::set_permissions(path, fs::Permissions::from_mode(0o600)).unwrap();
@@ -33,7 +33,7 @@ fn qemu_key_args(pw: &Path, img: &Path) -> Vec<String> {
     ]
 }
 
-fn qemu_io_keyed(pw: &Path, img: &Path, cmds: &[&str]) {
+pub(super) fn qemu_io_keyed(pw: &Path, img: &Path, cmds: &[&str]) {
     let mut c = Command::new("qemu-io");
     let a = qemu_key_args(pw, img);
     c.args(&a[..2]);
@@ -78,7 +78,7 @@ fn check_clean_keyed(pw: &Path, img: &Path, what: &str) {
 }
 
 /// A config with the keyring's key `k0` over `pw` and `bdev` calls.
-fn keyed_config(path: &Path, pw: &Path, calls: Vec<Value>) {
+pub(super) fn keyed_config(path: &Path, pw: &Path, calls: Vec<Value>) {
     let mut calls = calls;
     calls.push(json!({"method": "bdev_wait_for_examine"}));
     let cfg = json!({"subsystems": [
@@ -90,13 +90,13 @@ fn keyed_config(path: &Path, pw: &Path, calls: Vec<Value>) {
     fs::write(path, serde_json::to_vec_pretty(&cfg).unwrap()).unwrap();
 }
 
-fn keyed_qcow2(name: &str, base: &str, read_only: bool) -> Value {
+pub(super) fn keyed_qcow2(name: &str, base: &str, read_only: bool) -> Value {
     json!({"method": "bdev_qcow2_create",
            "params": {"name": name, "base_bdev": base, "key": "k0", "read_only": read_only}})
 }
 
 /// spdk_dd copy of `bdev` under `cfg` into `out`, in 128 KiB reads.
-fn dd_out(d: &Path, cfg: &Path, bdev: &str, out: &Path, tag: &str) -> Vec<u8> {
+pub(super) fn dd_out(d: &Path, cfg: &Path, bdev: &str, out: &Path, tag: &str) -> Vec<u8> {
     let log = d.join(format!("{tag}.dd.log"));
     let args: Vec<String> = [
         "--json",
@@ -115,7 +115,7 @@ fn dd_out(d: &Path, cfg: &Path, bdev: &str, out: &Path, tag: &str) -> Vec<u8> {
     fs::read(out).unwrap()
 }
 
-fn same(a: &[u8], b: &[u8], what: &str) {
+pub(super) fn same(a: &[u8], b: &[u8], what: &str) {
     assert_eq!(a.len(), b.len(), "{what}: sizes differ");
     if let Some(i) = a.iter().zip(b).position(|(x, y)| x != y) {
         panic!("{what}: first difference at byte {i}");
