@@ -3213,8 +3213,8 @@ mod real {
     /// Encrypted images with keys from SPDK's keyring (`real/encrypted.rs`).
     mod encrypted;
 
-    /// An external snapshot of an encrypted bdev (`real/encrypted_snapshot.rs`).
-    mod encrypted_snapshot;
+    /// Chains of encrypted images: external snapshot, stream (`real/encrypted_chain.rs`).
+    mod encrypted_chain;
 
     /// The golden bdev hot-removed under overlays and back (`real/golden_degraded.rs`).
     mod golden_degraded;

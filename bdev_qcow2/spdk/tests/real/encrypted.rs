@@ -50,7 +50,7 @@ pub(super) fn qemu_io_keyed(pw: &Path, img: &Path, cmds: &[&str]) {
 }
 
 /// The plaintext of the encrypted `img`, as `qemu-img convert` decrypts it.
-fn decrypted(pw: &Path, img: &Path, out: &Path) -> Vec<u8> {
+pub(super) fn decrypted(pw: &Path, img: &Path, out: &Path) -> Vec<u8> {
     let a = qemu_key_args(pw, img);
     run_ok(
         Command::new("qemu-img")

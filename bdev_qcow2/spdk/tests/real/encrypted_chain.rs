@@ -1,9 +1,13 @@
-//! An external snapshot of an encrypted bdev under bdevperf's verify: the overlay is
-//! encrypted with the same keyring key (a LUKS header of its own), the old image becomes a
-//! read-only bdev unlocked with the key it had, and what QEMU decrypts of the chain with the
-//! passphrase is what SPDK reads after a reload from `save_config`.
+//! Chains of encrypted images in SPDK. An external snapshot of an encrypted bdev under
+//! bdevperf's verify: the overlay is encrypted with the same keyring key (a LUKS header of
+//! its own), the old image becomes a read-only bdev unlocked with the key it had, and what
+//! QEMU decrypts of the chain with the passphrase is what SPDK reads after a reload from
+//! `save_config`. A stream of an encrypted overlay from an encrypted golden bdev, each with
+//! its own key: the overlay alone then holds what the chain showed.
 
-use super::encrypted::{dd_out, key_file, keyed_config, keyed_qcow2, qemu_io_keyed, same, PASS};
+use super::encrypted::{
+    dd_out, decrypted, key_file, keyed_config, keyed_qcow2, qemu_io_keyed, same, PASS,
+};
 use super::*;
 
 /// `qemu-img` arguments that open `img` (over its encrypted backing file if `backed`),
@@ -163,4 +167,148 @@ fn external_snapshot_of_an_encrypted_bdev_makes_an_encrypted_overlay() {
         "spdk_dd of q0 after a reload against qemu-img's decryption",
     );
     say("bdev_qcow2_snapshot_external of an encrypted bdev under bdevperf verify: the overlay is LUKS-encrypted with the same key (its own header), both images check clean, QEMU's decryption of the chain equals SPDK's read after a reload");
+}
+
+/// A keyring key named `name` over the passphrase file `path`.
+fn keyring_key(name: &str, path: &Path) -> Value {
+    json!({"method": "keyring_file_add_key", "params": {"name": name, "path": s(path)}})
+}
+
+#[test]
+fn stream_of_an_encrypted_overlay_from_an_encrypted_golden_bdev() {
+    require!("spdk_tgt");
+    if rpc_py().is_none() {
+        say("SKIPPED: rpc.py not found (set SPDK_RPC or put spdk-rpc on PATH)");
+        return;
+    }
+    let _t = turn();
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let (pw_g, pw_o) = (d.join("golden.key"), d.join("overlay.key"));
+    key_file(&pw_g, PASS);
+    key_file(&pw_o, "another passphrase for the overlay");
+    let secret = |id: &str, pw: &Path| format!("secret,id={id},file={}", s(pw));
+    let golden = d.join("golden.qcow2");
+    run_ok(Command::new("qemu-img").args([
+        "create",
+        "-q",
+        "-f",
+        "qcow2",
+        "--object",
+        &secret("s0", &pw_g),
+        "-o",
+        "encrypt.format=luks,encrypt.key-secret=s0,encrypt.iter-time=10",
+        s(&golden),
+        "64M",
+    ]));
+    qemu_io_keyed(&pw_g, &golden, PATTERNS);
+    let ov = d.join("ov.qcow2");
+    run_ok(Command::new("qemu-img").args([
+        "create",
+        "-q",
+        "-f",
+        "qcow2",
+        "--object",
+        &secret("s1", &pw_o),
+        "-o",
+        "encrypt.format=luks,encrypt.key-secret=s1,encrypt.iter-time=10",
+        "-u",
+        "-b",
+        s(&golden),
+        "-F",
+        "qcow2",
+        s(&ov),
+        "64M",
+    ]));
+    // The overlay's own writes over part of what the golden image holds.
+    let chain = format!(
+        "driver=qcow2,file.filename={},encrypt.key-secret=s1,backing.encrypt.key-secret=s0",
+        s(&ov)
+    );
+    let objs = [
+        "--object".to_string(),
+        secret("s0", &pw_g),
+        "--object".to_string(),
+        secret("s1", &pw_o),
+    ];
+    run_ok(
+        Command::new("qemu-io")
+            .args(&objs)
+            .args(["-c", "write -P 0x77 512k 1M", "-c", "write -P 0x78 30M 64k"])
+            .args(["--image-opts", &chain]),
+    );
+    let want = d.join("want.raw");
+    run_ok(
+        Command::new("qemu-img")
+            .args(["convert", "-O", "raw"])
+            .args(&objs)
+            .args(["--image-opts", &chain])
+            .arg(s(&want)),
+    );
+    let want = fs::read(&want).unwrap();
+    sparse(&ov, 128 * MIB);
+    pad(&golden);
+    let cfg = d.join("encst.json");
+    let c = json!({"subsystems": [
+        {"subsystem": "keyring", "config": [keyring_key("kg", &pw_g), keyring_key("ko", &pw_o)]},
+        {"subsystem": "bdev", "config": [
+            aio(&golden, "aio_g"),
+            json!({"method": "bdev_qcow2_create", "params": {
+                "name": "gq", "base_bdev": "aio_g", "key": "kg", "read_only": true}}),
+            aio(&ov, "aio_o"),
+            json!({"method": "bdev_qcow2_create", "params": {
+                "name": "q0", "base_bdev": "aio_o", "backing_bdev": "gq", "key": "ko"}}),
+            json!({"method": "bdev_wait_for_examine"}),
+        ]},
+    ]});
+    fs::write(&cfg, serde_json::to_vec_pretty(&c).unwrap()).unwrap();
+    let t = Target::start(d, "encst", Some(&cfg));
+    t.rpc(&["bdev_qcow2_stream", "-b", "q0"]);
+    let t0 = Instant::now();
+    let last = loop {
+        let (ok, out) = t.try_rpc(&["bdev_qcow2_get_stats", "-b", "q0"]);
+        assert!(ok, "{out}");
+        let st = stream_stats(&out, "q0");
+        if st["state"] == "done" {
+            break st;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(60) && st["state"] != "failed",
+            "the stream did not finish: {st}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    t.stop();
+    assert_eq!(last["bytes_done"], last["bytes_total"], "{last}");
+    // The overlay alone: no backing file, clean, still encrypted with its own key, and it
+    // decrypts to what the chain showed.
+    no_backing(&ov);
+    let out = run_ok(Command::new("qemu-img").args(["info", "--output=json", s(&ov)]));
+    let info: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(info["encrypted"], true, "{info}");
+    let got = decrypted(&pw_o, &ov, &d.join("got.raw"));
+    same(
+        &got,
+        &want,
+        "the streamed overlay alone against the chain before",
+    );
+    let out = Command::new("qemu-img")
+        .arg("check")
+        .args(["--object", &secret("s1", &pw_o)])
+        .args([
+            "--image-opts",
+            &format!(
+                "driver=qcow2,file.filename={},encrypt.key-secret=s1",
+                s(&ov)
+            ),
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "qemu-img check: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    say("bdev_qcow2_stream of an encrypted overlay from an encrypted golden bdev (keys kg, ko): the overlay alone, clean and still encrypted, decrypts to what the chain showed");
 }
