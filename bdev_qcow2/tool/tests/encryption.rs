@@ -98,6 +98,8 @@ fn qemu_written_images_read_exactly_for_each_cipher() {
         ("cbc-essiv", ",encrypt.cipher-alg=aes-256,encrypt.cipher-mode=cbc,encrypt.ivgen-alg=essiv,encrypt.ivgen-hash-alg=sha256"),
         ("cbc128-plain64", ",encrypt.cipher-alg=aes-128,encrypt.cipher-mode=cbc,encrypt.ivgen-alg=plain64"),
         ("xts-plain", ",encrypt.ivgen-alg=plain"),
+        ("xts-md5", ",encrypt.hash-alg=md5"),
+        ("cbc-essiv-md5-ripemd160", ",encrypt.cipher-alg=aes-128,encrypt.cipher-mode=cbc,encrypt.ivgen-alg=essiv,encrypt.ivgen-hash-alg=md5,encrypt.hash-alg=ripemd160"),
     ] {
         let img = dir.path().join(format!("{name}.qcow2"));
         create(&img, "4M", extra);

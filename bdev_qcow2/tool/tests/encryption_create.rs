@@ -44,7 +44,7 @@ fn qemu_encrypt_fields(img: &Path) -> serde_json::Value {
     e
 }
 
-const CIPHERS: [(&str, &str); 10] = [
+const CIPHERS: [(&str, &str); 12] = [
     ("v2-4k-clusters", ",compat=0.10,cluster_size=4k"),
     ("extended-l2", ",extended_l2=on,cluster_size=32k"),
     ("default", ""),
@@ -72,6 +72,11 @@ const CIPHERS: [(&str, &str); 10] = [
     (
         "xts-plain64-ivhash",
         ",encrypt.ivgen-alg=plain64,encrypt.ivgen-hash-alg=sha1",
+    ),
+    ("xts-md5", ",encrypt.hash-alg=md5"),
+    (
+        "cbc128-essiv-ripemd160",
+        ",encrypt.cipher-alg=aes-128,encrypt.cipher-mode=cbc,encrypt.ivgen-alg=essiv,encrypt.ivgen-hash-alg=md5,encrypt.hash-alg=ripemd160",
     ),
 ];
 
@@ -209,7 +214,7 @@ fn create_refuses_what_it_cannot_make() {
             "encrypt.format=luks,encrypt.key-secret=sec0,encrypt.cipher-mode=cbc,encrypt.ivgen-alg=essiv,encrypt.ivgen-hash-alg=sha1",
             "essiv",
         ),
-        ("encrypt.format=luks,encrypt.key-secret=sec0,encrypt.hash-alg=md5", "md5"),
+        ("encrypt.format=luks,encrypt.key-secret=sec0,encrypt.hash-alg=sha3-256", "sha3-256"),
         (
             "encrypt.format=luks,encrypt.key-secret=sec0,encrypt.cipher-alg=aes-192,encrypt.cipher-mode=cbc",
             "not whole sectors",

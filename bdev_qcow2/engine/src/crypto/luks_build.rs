@@ -195,8 +195,8 @@ impl LuksParams {
         CipherSpec::parse("aes", &self.cipher_mode_text(), self.key_bytes()).map_or_else(
             || {
                 refused(format!(
-                    "cipher mode '{}' not supported: essiv needs ivgen-hash-alg=sha256 (a \
-                     digest as long as an AES key)",
+                    "cipher mode '{}' not supported: essiv needs an ivgen-hash-alg whose \
+                     digest is as long as an AES key (md5, sha256)",
                     self.cipher_mode_text()
                 ))
             },

@@ -330,6 +330,22 @@ fn built_area_for_each_option_set() {
             "xts-plain64:sha1",
             64,
         ),
+        (&[("hash-alg", "md5")][..], "xts-plain64", 64),
+        (
+            &[("hash-alg", "ripemd160"), ("cipher-alg", "aes-128")][..],
+            "xts-plain64",
+            32,
+        ),
+        (
+            &[
+                ("cipher-mode", "cbc"),
+                ("cipher-alg", "aes-128"),
+                ("ivgen-alg", "essiv"),
+                ("ivgen-hash-alg", "md5"),
+            ][..],
+            "cbc-essiv:md5",
+            16,
+        ),
     ] {
         let mut p = LuksParams::default();
         p.set("iter-time", "1").unwrap();
@@ -348,7 +364,7 @@ fn built_area_for_each_option_set() {
     let mut p = LuksParams::default();
     for (k, v) in [
         ("cipher-alg", "twofish-128"),
-        ("hash-alg", "md5"),
+        ("hash-alg", "sha3-256"),
         ("iter-time", "x"),
         ("foo", "1"),
     ] {
