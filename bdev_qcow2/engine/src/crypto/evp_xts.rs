@@ -5,9 +5,14 @@
 //! IVs through AES-k2 in one update (the first tweak of each), then `data ^ tweak` into a
 //! scratch buffer, AES-k1 over all of it in one update, and `^ tweak` back into the data.
 //! Tweaks are `T·α^j` in GF(2^128) (IEEE 1619, little endian); no ciphertext stealing
-//! (sectors are whole blocks).
+//! (sectors are whole blocks). On a CPU with AVX2 the tweaks and the XORs run in AVX2
+//! (`xts_avx2.rs`: the first pass writes the tweaks and `data ^ tweak` at once, AES-k1
+//! runs in place); elsewhere in portable Rust.
 
 use super::spec::SECTOR_BYTES;
+use super::xts::times_alpha;
+#[cfg(target_arch = "x86_64")]
+use super::xts_avx2::Avx2;
 use openssl::cipher::CipherRef;
 use openssl::cipher_ctx::CipherCtx;
 
@@ -28,6 +33,9 @@ pub(super) struct EcbXts {
     b: Vec<u8>,
     /// Every block's tweak, as bytes.
     t: Vec<u8>,
+    /// The AVX2 passes, where the CPU has them.
+    #[cfg(target_arch = "x86_64")]
+    avx2: Option<Avx2>,
 }
 
 fn ctx(c: &CipherRef, key: &[u8], enc: bool) -> Option<CipherCtx> {
@@ -45,11 +53,6 @@ fn copy(src: &CipherCtx) -> Option<CipherCtx> {
     let mut x = CipherCtx::new().ok()?;
     x.copy(src).ok()?;
     Some(x)
-}
-
-#[inline(always)]
-fn times_alpha(t: u128) -> u128 {
-    (t << 1) ^ ((t >> 127) * 0x87)
 }
 
 #[inline(always)]
@@ -84,7 +87,19 @@ impl EcbXts {
             a: vec![0; CHUNK * SECTOR_BYTES + 16],
             b: vec![0; CHUNK * SECTOR_BYTES + 16],
             t: vec![0; CHUNK * SECTOR_BYTES],
+            #[cfg(target_arch = "x86_64")]
+            avx2: Avx2::detect(),
         }
+    }
+
+    /// Runs the portable passes even where AVX2 is present (the tests check both).
+    #[cfg(test)]
+    pub(super) fn portable(mut self) -> Self {
+        #[cfg(target_arch = "x86_64")]
+        {
+            self.avx2 = None;
+        }
+        self
     }
 
     /// Every block's tweak of `n` sectors into `t`, from their first tweaks in `b`: the
@@ -152,6 +167,18 @@ impl EcbXts {
             Ok(x) if x == 16 * n
         ) {
             return false;
+        }
+        #[cfg(target_arch = "x86_64")]
+        if let Some(avx2) = self.avx2 {
+            let (a, t) = (&mut self.a[..len + 16], &mut self.t[..len]);
+            avx2.whiten(&data[..len], &mut a[..len], t, &self.b[..16 * n]);
+            let k1 = if enc { &mut self.k1e } else { &mut self.k1d };
+            // In place: `a` has the block of room EVP wants.
+            if !matches!(k1.cipher_update_inplace(a, len), Ok(x) if x == len) {
+                return false;
+            }
+            avx2.unwhiten(&mut data[..len], &a[..len], t);
+            return true;
         }
         self.tweaks(n);
         // Byte-wise XORs of equal slices: the compiler vectorizes them.
