@@ -123,16 +123,20 @@ impl SectorCipher {
         }
     }
 
-    fn iv(&self, sector: u64) -> [u8; 16] {
-        let mut b = [0u8; 16];
+    /// The IV of `sector` into `b`, written where it is used (built on the stack and
+    /// copied, as two 8-byte stores read back as one 16-byte load, it stalled the store
+    /// forwarding of every sector).
+    fn iv(&self, sector: u64, b: &mut [u8; 16]) {
         match &self.iv {
-            Iv::Plain => b[..4].copy_from_slice(&(sector as u32).to_le_bytes()),
-            Iv::Plain64 => b[..8].copy_from_slice(&sector.to_le_bytes()),
-            Iv::Essiv128(c) => essiv(c.as_ref(), sector, &mut b),
-            Iv::Essiv192(c) => essiv(c.as_ref(), sector, &mut b),
-            Iv::Essiv256(c) => essiv(c.as_ref(), sector, &mut b),
+            Iv::Plain => {
+                *b = [0; 16];
+                b[..4].copy_from_slice(&(sector as u32).to_le_bytes());
+            }
+            Iv::Plain64 => *b = u128::from(sector).to_le_bytes(),
+            Iv::Essiv128(c) => essiv(c.as_ref(), sector, b),
+            Iv::Essiv192(c) => essiv(c.as_ref(), sector, b),
+            Iv::Essiv256(c) => essiv(c.as_ref(), sector, b),
         }
-        b
     }
 
     /// Encrypts `data` (whole sectors) in place; its first sector is number `sector`.
@@ -171,7 +175,7 @@ impl SectorCipher {
 
     fn run(&self, ctx: Option<&mut EvpCtx>, first: u64, data: &mut [u8], enc: bool) {
         debug_assert!(data.len().is_multiple_of(SECTOR_BYTES));
-        let iv = |i: u64| self.iv(first.wrapping_add(i));
+        let iv = |i: u64, b: &mut [u8; 16]| self.iv(first.wrapping_add(i), b);
         let done = match ctx {
             Some(p) => p.run(data, &iv, enc),
             None => 0,
@@ -179,7 +183,9 @@ impl SectorCipher {
         // What EVP did not do (all of it without EVP), RustCrypto does.
         let rest = data[done * SECTOR_BYTES..].chunks_exact_mut(SECTOR_BYTES);
         for (i, s) in rest.enumerate() {
-            self.soft.sector(s, iv((done + i) as u64), enc);
+            let mut b = [0u8; 16];
+            iv((done + i) as u64, &mut b);
+            self.soft.sector(s, b, enc);
         }
     }
 }

@@ -56,7 +56,7 @@ impl EvpCtx {
     pub(super) fn run(
         &mut self,
         data: &mut [u8],
-        iv: &dyn Fn(u64) -> [u8; 16],
+        iv: &dyn Fn(u64, &mut [u8; 16]),
         enc: bool,
     ) -> usize {
         match self {
@@ -64,7 +64,9 @@ impl EvpCtx {
             Self::Cbc { enc: e, dec: d } => {
                 let ctx = if enc { e } else { d };
                 for (i, s) in data.chunks_exact_mut(SECTOR_BYTES).enumerate() {
-                    if !cbc_sector(ctx, s, &iv(i as u64), enc) {
+                    let mut b = [0u8; 16];
+                    iv(i as u64, &mut b);
+                    if !cbc_sector(ctx, s, &b, enc) {
                         return i;
                     }
                 }

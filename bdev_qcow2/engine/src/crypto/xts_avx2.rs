@@ -10,8 +10,7 @@
 //! endian).
 
 use super::spec::SECTOR_BYTES;
-use super::xts::times_alpha;
-use core::arch::x86_64::__m256i;
+use core::arch::x86_64::{__m128i, __m256i};
 use pulp::x86::V3;
 use pulp::NullaryFnOnce;
 
@@ -31,13 +30,45 @@ fn store(b: &mut [u8], v: __m256i) {
     b[..32].copy_from_slice(&pulp::cast::<__m256i, [u8; 32]>(v));
 }
 
-/// Two tweaks in one register, `a` in the low lane.
+/// Each 128-bit lane times `α^K` for a small `K` (`R` = 64 - `K`): the first tweaks of a
+/// sector, all from its first pair at once rather than a chain.
+macro_rules! times_alpha_k {
+    ($name:ident, $k:literal, $r:literal) => {
+        #[inline(always)]
+        fn $name(s: V3, x: __m256i) -> __m256i {
+            let a = s.avx2;
+            let c = a._mm256_srli_epi64::<$r>(x);
+            // The low half's top bits into the high half; the high half's fold back.
+            let up =
+                a._mm256_xor_si256(a._mm256_slli_epi64::<$k>(x), a._mm256_bslli_epi128::<8>(c));
+            let r = a._mm256_bsrli_epi128::<8>(c);
+            let red = a._mm256_xor_si256(
+                a._mm256_xor_si256(r, a._mm256_slli_epi64::<1>(r)),
+                a._mm256_xor_si256(a._mm256_slli_epi64::<2>(r), a._mm256_slli_epi64::<7>(r)),
+            );
+            a._mm256_xor_si256(up, red)
+        }
+    };
+}
+times_alpha_k!(times_alpha1, 1, 63);
+times_alpha_k!(times_alpha2, 2, 62);
+times_alpha_k!(times_alpha4, 4, 60);
+times_alpha_k!(times_alpha6, 6, 58);
+
+/// The tweaks of a sector's first eight blocks, `[T, T·α]` … `[T·α^6, T·α^7]`.
 #[inline(always)]
-fn pair(a: u128, b: u128) -> __m256i {
-    let mut w = [0u8; 32];
-    w[..16].copy_from_slice(&a.to_le_bytes());
-    w[16..].copy_from_slice(&b.to_le_bytes());
-    pulp::cast(w)
+fn first_eight(s: V3, first: &[u8]) -> [__m256i; 4] {
+    let a = s.avx2;
+    let mut w = [0u8; 16];
+    w.copy_from_slice(&first[..16]);
+    let t = a._mm256_broadcastsi128_si256(pulp::cast::<[u8; 16], __m128i>(w));
+    let v0 = a._mm256_blend_epi32::<0xF0>(t, times_alpha1(s, t));
+    [
+        v0,
+        times_alpha2(s, v0),
+        times_alpha4(s, v0),
+        times_alpha6(s, v0),
+    ]
 }
 
 /// Each 128-bit lane times `α^8`.
@@ -77,20 +108,7 @@ impl NullaryFnOnce for Whiten<'_> {
             .zip(self.t.chunks_exact_mut(SECTOR_BYTES))
             .zip(self.first.chunks_exact(16));
         for (((i, o), t), f) in sectors {
-            let mut w = [0u8; 16];
-            w.copy_from_slice(f);
-            let mut c = u128::from_le_bytes(w);
-            let mut tw = [0u128; 8];
-            for x in tw.iter_mut() {
-                *x = c;
-                c = times_alpha(c);
-            }
-            let mut v = [
-                pair(tw[0], tw[1]),
-                pair(tw[2], tw[3]),
-                pair(tw[4], tw[5]),
-                pair(tw[6], tw[7]),
-            ];
+            let mut v = first_eight(self.s, f);
             // Eight blocks (128 bytes) a round, the four chains side by side.
             let rounds = i.chunks_exact(128).zip(o.chunks_exact_mut(128));
             for ((ic, oc), tc) in rounds.zip(t.chunks_exact_mut(128)) {
