@@ -150,13 +150,13 @@ impl EcbXts {
         ))
     }
 
-    /// Encrypts (`enc`) or decrypts `data` (whole sectors) in place, the IV of its sector
-    /// `i` being `iv(i)`. Returns how many sectors it did: all, unless OpenSSL failed
-    /// (then the rest is untouched, for the caller to finish).
+    /// Encrypts (`enc`) or decrypts `data` (whole sectors) in place; `iv(i, out)` writes
+    /// the IVs of its sectors `i`, `i + 1`, … into `out`. Returns how many sectors it did:
+    /// all, unless OpenSSL failed (then the rest is untouched, for the caller to finish).
     pub(super) fn run(
         &mut self,
         data: &mut [u8],
-        iv: &dyn Fn(u64, &mut [u8; 16]),
+        iv: &dyn Fn(u64, &mut [[u8; 16]]),
         enc: bool,
     ) -> usize {
         let mut done = 0;
@@ -173,16 +173,14 @@ impl EcbXts {
         &mut self,
         data: &mut [u8],
         first: u64,
-        iv: &dyn Fn(u64, &mut [u8; 16]),
+        iv: &dyn Fn(u64, &mut [[u8; 16]]),
         enc: bool,
     ) -> bool {
         let n = data.len() / SECTOR_BYTES;
         let len = n * SECTOR_BYTES;
         let (a, b, t) = (self.a.get(), self.b.get(), self.t.get());
         // The first tweak of each sector: its IV through AES-k2.
-        for (i, x) in a[..16 * n].as_chunks_mut::<16>().0.iter_mut().enumerate() {
-            iv(first + i as u64, x);
-        }
+        iv(first, a[..16 * n].as_chunks_mut::<16>().0);
         if !matches!(
             self.k2.cipher_update(&a[..16 * n], Some(&mut b[..16 * n + 16])),
             Ok(x) if x == 16 * n

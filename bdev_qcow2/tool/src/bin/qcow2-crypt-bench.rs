@@ -3,7 +3,8 @@
 //! format's data unit), against OpenSSL's EVP over 512- and 4096-byte units with no IV
 //! reset (what `openssl speed -evp aes-256-xts -bytes N` measures; both timed here
 //! in-process, and `openssl speed` itself run when installed). Rounds alternate the
-//! contenders; each figure is the median of the rounds. Then the other modes, once each.
+//! contenders; each figure is the median of the rounds. Ours also over 512-byte requests
+//! (one sector each: against `-bytes 512`). Then the other modes, once each.
 //! A benchmark, not a test: it prints figures.
 //!
 //! `qcow2-crypt-bench [ROUNDS]` (default 5).
@@ -126,9 +127,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "ours 4 KiB encrypt (worker)",
         "ours 4 KiB decrypt (worker)",
         "ours 4 KiB encrypt (shared &SectorCipher)",
+        "ours 512 B encrypt (worker)",
         "old RustCrypto 4 KiB encrypt",
         "old RustCrypto 4 KiB decrypt",
     ];
+    const OURS_512: usize = 9;
     let mut figs: Vec<Vec<f64>> = vec![Vec::new(); names.len()];
     let have_openssl = openssl_speed(16).is_some();
     for _ in 0..rounds {
@@ -151,9 +154,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             Some(timed(4096, |b, i| w.encrypt(i * 8, b))),
             Some(timed(4096, |b, i| w.decrypt(i * 8, b))),
             Some(timed(4096, |b, i| ours.encrypt(i * 8, b))),
+            Some(timed(512, |b, i| w.encrypt(i, b))),
             Some(timed(4096, |b, i| old.encrypt(i * 8, b))),
             Some(timed(4096, |b, i| old.decrypt(i * 8, b))),
         ];
+        if let [Some(s512), Some(s4096), ..] = row {
+            println!("  round: openssl speed 512 {s512:.2}, 4096 {s4096:.2}, ours 4 KiB {:.2}, 512 B {:.2} GB/s",
+                row[6].unwrap_or(f64::NAN), row[9].unwrap_or(f64::NAN));
+        }
         for (f, v) in figs.iter_mut().zip(row) {
             f.extend(v);
         }
@@ -182,6 +190,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         if !med[i].is_nan() {
             println!("  {what:<52} {:.2}x", ours_enc / med[i]);
         }
+    }
+    if !med[0].is_nan() {
+        println!(
+            "ours 512 B encrypt (worker) against openssl speed -bytes 512: {:.2}x",
+            med[OURS_512] / med[0]
+        );
     }
     println!("other modes, one 4 KiB run each (encrypt / decrypt GB/s):");
     for (mode, kb) in [
