@@ -133,6 +133,7 @@ impl EcbXts {
 
     /// Runs the portable passes even where AVX2 is present (the tests check both).
     #[cfg(test)]
+    #[cfg_attr(not(target_arch = "x86_64"), allow(unused_mut))]
     pub(super) fn portable(mut self) -> Self {
         #[cfg(target_arch = "x86_64")]
         {
