@@ -17,6 +17,8 @@ mod spec;
 #[cfg(test)]
 mod tests;
 mod xts;
+#[cfg(target_arch = "x86_64")]
+mod xts_avx2;
 
 pub use cipher::{Backend, CipherSpec, SectorCipher, SectorWorker};
 pub use luks::LuksHeader;

@@ -123,16 +123,18 @@ impl SectorCipher {
         }
     }
 
-    fn iv(&self, sector: u64) -> [u8; 16] {
-        let mut b = [0u8; 16];
+    /// The IVs of sectors `sector`, `sector + 1`, … into `out`, written where they are used
+    /// (one call per run of sectors; built on the stack and copied, as two 8-byte stores
+    /// read back as one 16-byte load, they stalled the store forwarding of every sector).
+    fn ivs(&self, sector: u64, out: &mut [[u8; 16]]) {
+        let numbers = out.iter_mut().zip((0u64..).map(|i| sector.wrapping_add(i)));
         match &self.iv {
-            Iv::Plain => b[..4].copy_from_slice(&(sector as u32).to_le_bytes()),
-            Iv::Plain64 => b[..8].copy_from_slice(&sector.to_le_bytes()),
-            Iv::Essiv128(c) => essiv(c.as_ref(), sector, &mut b),
-            Iv::Essiv192(c) => essiv(c.as_ref(), sector, &mut b),
-            Iv::Essiv256(c) => essiv(c.as_ref(), sector, &mut b),
+            Iv::Plain => numbers.for_each(|(b, s)| *b = u128::from(s as u32).to_le_bytes()),
+            Iv::Plain64 => numbers.for_each(|(b, s)| *b = u128::from(s).to_le_bytes()),
+            Iv::Essiv128(c) => numbers.for_each(|(b, s)| essiv(c.as_ref(), s, b)),
+            Iv::Essiv192(c) => numbers.for_each(|(b, s)| essiv(c.as_ref(), s, b)),
+            Iv::Essiv256(c) => numbers.for_each(|(b, s)| essiv(c.as_ref(), s, b)),
         }
-        b
     }
 
     /// Encrypts `data` (whole sectors) in place; its first sector is number `sector`.
@@ -171,7 +173,7 @@ impl SectorCipher {
 
     fn run(&self, ctx: Option<&mut EvpCtx>, first: u64, data: &mut [u8], enc: bool) {
         debug_assert!(data.len().is_multiple_of(SECTOR_BYTES));
-        let iv = |i: u64| self.iv(first.wrapping_add(i));
+        let iv = |i: u64, out: &mut [[u8; 16]]| self.ivs(first.wrapping_add(i), out);
         let done = match ctx {
             Some(p) => p.run(data, &iv, enc),
             None => 0,
@@ -179,7 +181,9 @@ impl SectorCipher {
         // What EVP did not do (all of it without EVP), RustCrypto does.
         let rest = data[done * SECTOR_BYTES..].chunks_exact_mut(SECTOR_BYTES);
         for (i, s) in rest.enumerate() {
-            self.soft.sector(s, iv((done + i) as u64), enc);
+            let mut b = [[0u8; 16]];
+            iv((done + i) as u64, &mut b);
+            self.soft.sector(s, b[0], enc);
         }
     }
 }

@@ -50,13 +50,14 @@ impl EvpCtx {
         }
     }
 
-    /// Encrypts (`enc`) or decrypts `data` (whole sectors) in place, the IV of its sector
-    /// `i` being `iv(i)`. Returns how many sectors it did: all, unless OpenSSL failed (not
-    /// expected once keyed; the rest is untouched, for the caller to finish).
+    /// Encrypts (`enc`) or decrypts `data` (whole sectors) in place; `iv(i, out)` writes
+    /// the IVs of its sectors `i`, `i + 1`, … into `out`. Returns how many sectors it did:
+    /// all, unless OpenSSL failed (not expected once keyed; the rest is untouched, for the
+    /// caller to finish).
     pub(super) fn run(
         &mut self,
         data: &mut [u8],
-        iv: &dyn Fn(u64) -> [u8; 16],
+        iv: &dyn Fn(u64, &mut [[u8; 16]]),
         enc: bool,
     ) -> usize {
         match self {
@@ -64,7 +65,9 @@ impl EvpCtx {
             Self::Cbc { enc: e, dec: d } => {
                 let ctx = if enc { e } else { d };
                 for (i, s) in data.chunks_exact_mut(SECTOR_BYTES).enumerate() {
-                    if !cbc_sector(ctx, s, &iv(i as u64), enc) {
+                    let mut b = [[0u8; 16]];
+                    iv(i as u64, &mut b);
+                    if !cbc_sector(ctx, s, &b[0], enc) {
                         return i;
                     }
                 }

@@ -5,9 +5,14 @@
 //! IVs through AES-k2 in one update (the first tweak of each), then `data ^ tweak` into a
 //! scratch buffer, AES-k1 over all of it in one update, and `^ tweak` back into the data.
 //! Tweaks are `T·α^j` in GF(2^128) (IEEE 1619, little endian); no ciphertext stealing
-//! (sectors are whole blocks).
+//! (sectors are whole blocks). On a CPU with AVX2 the tweaks and the XORs run in AVX2
+//! (`xts_avx2.rs`: the first pass writes the tweaks and `data ^ tweak` at once, AES-k1
+//! runs in place); elsewhere in portable Rust.
 
 use super::spec::SECTOR_BYTES;
+use super::xts::times_alpha;
+#[cfg(target_arch = "x86_64")]
+use super::xts_avx2::Avx2;
 use openssl::cipher::CipherRef;
 use openssl::cipher_ctx::CipherCtx;
 
@@ -23,11 +28,34 @@ pub(super) struct EcbXts {
     k1d: CipherCtx,
     k2: CipherCtx,
     /// `data ^ tweak`; the IVs. (Each a block longer: EVP wants room for one.)
-    a: Vec<u8>,
+    a: Scratch,
     /// AES output; the first tweaks.
-    b: Vec<u8>,
+    b: Scratch,
     /// Every block's tweak, as bytes.
-    t: Vec<u8>,
+    t: Scratch,
+    /// The AVX2 passes, where the CPU has them.
+    #[cfg(target_arch = "x86_64")]
+    avx2: Option<Avx2>,
+}
+
+/// A buffer starting on a cache line: the AVX2 passes' 32-byte accesses then never
+/// straddle two lines (such a split access costs another, about 15 % of those passes).
+struct Scratch {
+    buf: Vec<u8>,
+    at: usize,
+}
+
+impl Scratch {
+    fn new(len: usize) -> Self {
+        let buf = vec![0; len + 64];
+        let at = buf.as_ptr().align_offset(64).min(64);
+        Scratch { buf, at }
+    }
+
+    fn get(&mut self) -> &mut [u8] {
+        let len = self.buf.len() - 64;
+        &mut self.buf[self.at..self.at + len]
+    }
 }
 
 fn ctx(c: &CipherRef, key: &[u8], enc: bool) -> Option<CipherCtx> {
@@ -48,11 +76,6 @@ fn copy(src: &CipherCtx) -> Option<CipherCtx> {
 }
 
 #[inline(always)]
-fn times_alpha(t: u128) -> u128 {
-    (t << 1) ^ ((t >> 127) * 0x87)
-}
-
-#[inline(always)]
 fn load(b: &[u8]) -> u128 {
     let mut w = [0u8; 16];
     w.copy_from_slice(b);
@@ -61,6 +84,25 @@ fn load(b: &[u8]) -> u128 {
 
 /// Sectors whose tweak chains run side by side (each step depends on the last).
 const LANES: usize = 4;
+
+/// Every block's tweak of `n` sectors into `t`, from their first tweaks in `first`: the
+/// chains of [`LANES`] sectors interleaved, so that their steps overlap (the portable path).
+fn tweaks(first: &[u8], t: &mut [u8], n: usize) {
+    for g in (0..n).step_by(LANES) {
+        let mut cur = [0u128; LANES];
+        for (k, c) in cur.iter_mut().enumerate().take(n - g) {
+            *c = load(&first[16 * (g + k)..16 * (g + k + 1)]);
+        }
+        // Lanes past `n` compute zeros into room `t` has (CHUNK is a multiple of LANES).
+        for j in 0..BLOCKS {
+            for (k, c) in cur.iter_mut().enumerate() {
+                let at = ((g + k) * BLOCKS + j) * 16;
+                t[at..at + 16].copy_from_slice(&c.to_le_bytes());
+                *c = times_alpha(*c);
+            }
+        }
+    }
+}
 
 impl EcbXts {
     /// `ecb` is AES-ECB of one key half's size; `key` both halves.
@@ -81,29 +123,23 @@ impl EcbXts {
             k1e,
             k1d,
             k2,
-            a: vec![0; CHUNK * SECTOR_BYTES + 16],
-            b: vec![0; CHUNK * SECTOR_BYTES + 16],
-            t: vec![0; CHUNK * SECTOR_BYTES],
+            a: Scratch::new(CHUNK * SECTOR_BYTES + 16),
+            b: Scratch::new(CHUNK * SECTOR_BYTES + 16),
+            t: Scratch::new(CHUNK * SECTOR_BYTES),
+            #[cfg(target_arch = "x86_64")]
+            avx2: Avx2::detect(),
         }
     }
 
-    /// Every block's tweak of `n` sectors into `t`, from their first tweaks in `b`: the
-    /// chains of [`LANES`] sectors interleaved, so that their steps overlap.
-    fn tweaks(&mut self, n: usize) {
-        for g in (0..n).step_by(LANES) {
-            let mut cur = [0u128; LANES];
-            for (k, c) in cur.iter_mut().enumerate().take(n - g) {
-                *c = load(&self.b[16 * (g + k)..16 * (g + k + 1)]);
-            }
-            // Lanes past `n` compute zeros into room `t` has (CHUNK is a multiple of LANES).
-            for j in 0..BLOCKS {
-                for (k, c) in cur.iter_mut().enumerate() {
-                    let at = ((g + k) * BLOCKS + j) * 16;
-                    self.t[at..at + 16].copy_from_slice(&c.to_le_bytes());
-                    *c = times_alpha(*c);
-                }
-            }
+    /// Runs the portable passes even where AVX2 is present (the tests check both).
+    #[cfg(test)]
+    #[cfg_attr(not(target_arch = "x86_64"), allow(unused_mut))]
+    pub(super) fn portable(mut self) -> Self {
+        #[cfg(target_arch = "x86_64")]
+        {
+            self.avx2 = None;
         }
+        self
     }
 
     /// Another with the same keyed state, for another thread.
@@ -115,13 +151,13 @@ impl EcbXts {
         ))
     }
 
-    /// Encrypts (`enc`) or decrypts `data` (whole sectors) in place, the IV of its sector
-    /// `i` being `iv(i)`. Returns how many sectors it did: all, unless OpenSSL failed
-    /// (then the rest is untouched, for the caller to finish).
+    /// Encrypts (`enc`) or decrypts `data` (whole sectors) in place; `iv(i, out)` writes
+    /// the IVs of its sectors `i`, `i + 1`, … into `out`. Returns how many sectors it did:
+    /// all, unless OpenSSL failed (then the rest is untouched, for the caller to finish).
     pub(super) fn run(
         &mut self,
         data: &mut [u8],
-        iv: &dyn Fn(u64) -> [u8; 16],
+        iv: &dyn Fn(u64, &mut [[u8; 16]]),
         enc: bool,
     ) -> usize {
         let mut done = 0;
@@ -138,36 +174,45 @@ impl EcbXts {
         &mut self,
         data: &mut [u8],
         first: u64,
-        iv: &dyn Fn(u64) -> [u8; 16],
+        iv: &dyn Fn(u64, &mut [[u8; 16]]),
         enc: bool,
     ) -> bool {
         let n = data.len() / SECTOR_BYTES;
         let len = n * SECTOR_BYTES;
+        let (a, b, t) = (self.a.get(), self.b.get(), self.t.get());
         // The first tweak of each sector: its IV through AES-k2.
-        for (i, b) in self.a[..16 * n].chunks_exact_mut(16).enumerate() {
-            b.copy_from_slice(&iv(first + i as u64));
-        }
+        iv(first, a[..16 * n].as_chunks_mut::<16>().0);
         if !matches!(
-            self.k2.cipher_update(&self.a[..16 * n], Some(&mut self.b[..16 * n + 16])),
+            self.k2.cipher_update(&a[..16 * n], Some(&mut b[..16 * n + 16])),
             Ok(x) if x == 16 * n
         ) {
             return false;
         }
-        self.tweaks(n);
+        #[cfg(target_arch = "x86_64")]
+        if let Some(avx2) = self.avx2 {
+            let (a, t) = (&mut a[..len + 16], &mut t[..len]);
+            avx2.whiten(&data[..len], &mut a[..len], t, &b[..16 * n]);
+            let k1 = if enc { &mut self.k1e } else { &mut self.k1d };
+            // In place: `a` has the block of room EVP wants.
+            if !matches!(k1.cipher_update_inplace(a, len), Ok(x) if x == len) {
+                return false;
+            }
+            avx2.unwhiten(&mut data[..len], &a[..len], t);
+            return true;
+        }
+        tweaks(&b[..16 * n], t, n);
         // Byte-wise XORs of equal slices: the compiler vectorizes them.
-        let a = self.a[..len].iter_mut().zip(&data[..len]);
-        for ((a, d), t) in a.zip(&self.t[..len]) {
+        for ((a, d), t) in a[..len].iter_mut().zip(&data[..len]).zip(&t[..len]) {
             *a = d ^ t;
         }
         let k1 = if enc { &mut self.k1e } else { &mut self.k1d };
         if !matches!(
-            k1.cipher_update(&self.a[..len], Some(&mut self.b[..len + 16])),
+            k1.cipher_update(&a[..len], Some(&mut b[..len + 16])),
             Ok(x) if x == len
         ) {
             return false;
         }
-        let out = data[..len].iter_mut().zip(&self.b[..len]);
-        for ((d, b), t) in out.zip(&self.t[..len]) {
+        for ((d, b), t) in data[..len].iter_mut().zip(&b[..len]).zip(&t[..len]) {
             *d = b ^ t;
         }
         true

@@ -16,7 +16,7 @@ pub struct Xts<C> {
 
 /// `t · α` in GF(2^128), little-endian as XTS has it.
 #[inline(always)]
-fn times_alpha(t: u128) -> u128 {
+pub(super) fn times_alpha(t: u128) -> u128 {
     (t << 1) ^ ((t >> 127) * 0x87)
 }
 
