@@ -47,20 +47,70 @@ fn copy(src: &CipherCtx) -> Option<CipherCtx> {
     Some(x)
 }
 
-#[inline(always)]
-fn times_alpha(t: u128) -> u128 {
-    (t << 1) ^ ((t >> 127) * 0x87)
+/// One block's tweak as two little-endian halves, times α in GF(2^128) (IEEE 1619): a
+/// shift left by one bit, 0x87 folded into the low byte when the top bit falls out.
+#[derive(Clone, Copy)]
+struct Tweak {
+    lo: u64,
+    hi: u64,
+}
+
+impl Tweak {
+    #[inline(always)]
+    fn of(b: &[u8]) -> Tweak {
+        Tweak {
+            lo: read64(b, 0),
+            hi: read64(b, 8),
+        }
+    }
+
+    #[inline(always)]
+    fn times_alpha(self) -> Tweak {
+        let carry = (self.hi >> 63).wrapping_neg() & 0x87;
+        Tweak {
+            lo: (self.lo << 1) ^ carry,
+            hi: (self.hi << 1) | (self.lo >> 63),
+        }
+    }
 }
 
 #[inline(always)]
-fn load(b: &[u8]) -> u128 {
-    let mut w = [0u8; 16];
-    w.copy_from_slice(b);
-    u128::from_le_bytes(w)
+fn read64(b: &[u8], at: usize) -> u64 {
+    let mut w = [0u8; 8];
+    w.copy_from_slice(&b[at..at + 8]);
+    u64::from_le_bytes(w)
+}
+
+#[inline(always)]
+fn write64(b: &mut [u8], at: usize, v: u64) {
+    b[at..at + 8].copy_from_slice(&v.to_le_bytes());
 }
 
 /// Sectors whose tweak chains run side by side (each step depends on the last).
 const LANES: usize = 4;
+
+/// `L` sectors on their way into AES: each block of `d` XORed with its tweak into `a`, the
+/// tweak kept in `t` for the way back; `first` holds each sector's first tweak. One pass:
+/// the tweaks are made where they are used, the chains of the `L` sectors interleaved.
+#[inline(always)]
+fn whiten<const L: usize>(d: &[u8], a: &mut [u8], t: &mut [u8], first: &[u8]) {
+    let n = L * SECTOR_BYTES;
+    let (d, a, t) = (&d[..n], &mut a[..n], &mut t[..n]);
+    let mut cur = [Tweak { lo: 0, hi: 0 }; L];
+    for (k, c) in cur.iter_mut().enumerate() {
+        *c = Tweak::of(&first[16 * k..16 * k + 16]);
+    }
+    for j in 0..BLOCKS {
+        for (k, c) in cur.iter_mut().enumerate() {
+            let at = k * SECTOR_BYTES + j * 16;
+            write64(a, at, read64(d, at) ^ c.lo);
+            write64(a, at + 8, read64(d, at + 8) ^ c.hi);
+            write64(t, at, c.lo);
+            write64(t, at + 8, c.hi);
+            *c = c.times_alpha();
+        }
+    }
+}
 
 impl EcbXts {
     /// `ecb` is AES-ECB of one key half's size; `key` both halves.
@@ -87,22 +137,28 @@ impl EcbXts {
         }
     }
 
-    /// Every block's tweak of `n` sectors into `t`, from their first tweaks in `b`: the
-    /// chains of [`LANES`] sectors interleaved, so that their steps overlap.
-    fn tweaks(&mut self, n: usize) {
-        for g in (0..n).step_by(LANES) {
-            let mut cur = [0u128; LANES];
-            for (k, c) in cur.iter_mut().enumerate().take(n - g) {
-                *c = load(&self.b[16 * (g + k)..16 * (g + k + 1)]);
-            }
-            // Lanes past `n` compute zeros into room `t` has (CHUNK is a multiple of LANES).
-            for j in 0..BLOCKS {
-                for (k, c) in cur.iter_mut().enumerate() {
-                    let at = ((g + k) * BLOCKS + j) * 16;
-                    self.t[at..at + 16].copy_from_slice(&c.to_le_bytes());
-                    *c = times_alpha(*c);
-                }
-            }
+    /// The `n` sectors of `data` XORed with their tweaks into `a` (the tweaks into `t`),
+    /// from their first tweaks in `b`: [`LANES`] sectors at a time, the rest one by one.
+    fn whiten_all(&mut self, data: &[u8], n: usize) {
+        let mut s = 0;
+        while s + LANES <= n {
+            let at = s * SECTOR_BYTES;
+            whiten::<LANES>(
+                &data[at..],
+                &mut self.a[at..],
+                &mut self.t[at..],
+                &self.b[16 * s..],
+            );
+            s += LANES;
+        }
+        for s in s..n {
+            let at = s * SECTOR_BYTES;
+            whiten::<1>(
+                &data[at..],
+                &mut self.a[at..],
+                &mut self.t[at..],
+                &self.b[16 * s..],
+            );
         }
     }
 
@@ -153,12 +209,7 @@ impl EcbXts {
         ) {
             return false;
         }
-        self.tweaks(n);
-        // Byte-wise XORs of equal slices: the compiler vectorizes them.
-        let a = self.a[..len].iter_mut().zip(&data[..len]);
-        for ((a, d), t) in a.zip(&self.t[..len]) {
-            *a = d ^ t;
-        }
+        self.whiten_all(data, n);
         let k1 = if enc { &mut self.k1e } else { &mut self.k1d };
         if !matches!(
             k1.cipher_update(&self.a[..len], Some(&mut self.b[..len + 16])),
@@ -166,6 +217,7 @@ impl EcbXts {
         ) {
             return false;
         }
+        // Byte-wise XORs of equal slices: the compiler vectorizes them.
         let out = data[..len].iter_mut().zip(&self.b[..len]);
         for ((d, b), t) in out.zip(&self.t[..len]) {
             *d = b ^ t;
