@@ -215,6 +215,7 @@ impl Channel {
             errors: self.errors.get(),
             no_space_errors: self.no_space_errors.get(),
             busy_retries: self.exec().stats().busy_retries,
+            engine_tasks: self.driver.tasks(),
             ..ChannelStats::default()
         };
         if let Some(chain) = self.chain.get() {
@@ -376,14 +377,15 @@ impl Channel {
         }
     }
 
-    /// One child I/O of the base with the request's own iovecs, as passthru does; if the
+    /// One child I/O of the base with the request's own iovecs, as passthru does (or one
+    /// device operation of the executor, for an encrypted image's crypt view); if the
     /// base refuses it (busy), the engine's task for the same request.
     #[inline(always)]
     fn direct(&self, chain: &Rc<Chain<SpdkDevice>>, io: BdevIo, grant: Grant) {
         let target = self.direct.as_ref();
         let r = match grant.is_write() {
-            false => direct::submit::<Channel, direct::Read>(self, target, io, grant),
-            true => direct::submit::<Channel, direct::Write>(self, target, io, grant),
+            false => direct::submit::<Channel, direct::Read>(self, chain, target, io, grant),
+            true => direct::submit::<Channel, direct::Write>(self, chain, target, io, grant),
         };
         if let Err(io) = r {
             self.refused(chain, io);

@@ -4,16 +4,20 @@
 //! leaves the grace period and completes it. Both hosts use it: a channel on its replica,
 //! the owner on the writable image; each says how through [`DirectHost`].
 //!
+//! A grant on another device than the base (an encrypted image's crypt view, which
+//! decrypts what it reads in the request's own buffer), or a host without a target, goes to
+//! the executor as the one device operation it is ([`Chain::submit_direct`]): no task, no
+//! second plan; its completion reaches the host as the engine's ([`Host::request_done`]).
+//!
 //! [`submit`] returns the guest request (`Err(io)`), having submitted nothing and ended the
-//! grant, when the base cannot take it (another device, no target, base busy): the engine
-//! path runs it then.
+//! grant, only when the base refused it (busy): the engine path runs it then.
 
 use crate::device::SpdkDevice;
 pub use crate::device::Target;
 use crate::engine_host::Host;
 use crate::ffi::bdev_io::ChildDone;
 use crate::types::{BdevIo, Qcow2Bdev};
-use qcow2_engine::{Exec, Grant};
+use qcow2_engine::{Chain, Exec, Grant};
 use std::marker::PhantomData;
 
 /// A host of the direct path (a channel, the owner): where its requests' completions find
@@ -78,20 +82,22 @@ impl<H: DirectHost, K: Kind> ChildDone<Qcow2Bdev> for Done<H, K> {
     }
 }
 
-/// Submits request `io` of kind `K`, granted the one extent `grant`, to the base through
-/// `target`; [`Done<H, K>`] completes it. On refusal (the grant is for another device, no
-/// target, base busy) the grant ends and the request comes back.
+/// Submits request `io` of kind `K`, granted the one extent `grant` of `chain`: to the base
+/// through `target` ([`Done<H, K>`] completes it), or, for another device (or without a
+/// target), through the executor ([`through_exec`]). When the base refused it (busy) the
+/// grant ends and the request comes back.
 #[inline(always)]
 pub fn submit<H: DirectHost, K: Kind>(
     host: &H,
+    chain: &Chain<SpdkDevice>,
     target: Option<&Target>,
     mut io: BdevIo,
     grant: Grant,
 ) -> Result<(), BdevIo> {
     let exec = host.driver().exec();
     let Some(t) = target.filter(|t| t.dev == grant.dev()) else {
-        grant.finish(exec);
-        return Err(io);
+        through_exec(host, chain, io, grant);
+        return Ok(());
     };
     host.claim(&mut io);
     let h = grant.host().0;
@@ -104,6 +110,17 @@ pub fn submit<H: DirectHost, K: Kind>(
             leave(exec, &io);
             io
         })
+}
+
+/// A grant the base does not serve itself (an encrypted image's crypt view): the executor
+/// submits its one device operation with the request's buffers, and that operation's
+/// completion — in SPDK's callback, decrypted in place for a read — completes the request
+/// and leaves its grace period ([`Chain::submit_direct`]). Out of line: plain images never
+/// come here.
+#[inline(never)]
+fn through_exec<H: Host>(host: &H, chain: &Chain<SpdkDevice>, io: BdevIo, grant: Grant) {
+    host.driver()
+        .submit_grant(io, |tag, buf| chain.submit_direct(tag, grant, buf));
 }
 
 /// Leaves the grace period a completed direct-path request `io` held.

@@ -33,6 +33,9 @@ pub struct Driver {
     in_engine: Cell<bool>,
     /// The host's poller (the host is [`Polled`](crate::ffi::thread::Polled)).
     slot: PollerSlot,
+    /// Guest requests handed to the engine as tasks ([`submit`](Self::submit),
+    /// [`submit_no_data`](Self::submit_no_data)): `engine_tasks` in the statistics.
+    tasks: Cell<u64>,
 }
 
 impl Driver {
@@ -42,6 +45,7 @@ impl Driver {
             exec,
             in_engine: Cell::new(false),
             slot: PollerSlot::default(),
+            tasks: Cell::new(0),
         }
     }
 
@@ -61,24 +65,45 @@ impl Driver {
     }
 
     /// Hands guest request `io` to the engine with `submit(tag, offset, buffer)` (one of
-    /// `Chain`'s `submit_*` calls); the host hears of it again in
+    /// `Chain`'s `submit_*` calls, a task); the host hears of it again in
     /// [`Host::request_done`].
     #[inline(always)]
     pub fn submit(&self, io: BdevIo, submit: impl FnOnce(u64, u64, BufSlice<SpdkBuf>)) {
+        self.tasks.set(self.tasks.get() + 1);
         let off = io.offset_bytes();
-        let (tag, view) = io.into_engine();
-        // The executor has work: a poller paused while idle runs again.
-        self.slot.resume();
-        self.run(|| submit(tag, off, guest_buf(view)));
+        self.hand(io, |tag, buf| submit(tag, off, buf));
+    }
+
+    /// Hands guest request `io`, granted one extent of a device its host does not submit
+    /// to itself, to the engine with `submit(tag, buffer)` (`Chain::submit_direct`): one
+    /// device operation, not a task; the host hears of it again in
+    /// [`Host::request_done`].
+    #[inline(always)]
+    pub fn submit_grant(&self, io: BdevIo, submit: impl FnOnce(u64, BufSlice<SpdkBuf>)) {
+        self.hand(io, submit);
     }
 
     /// Hands request `io` without data (write zeroes, unmap, flush) to the engine with
     /// `submit(tag, offset, len)`.
     pub fn submit_no_data(&self, io: BdevIo, submit: impl FnOnce(u64, u64, u64)) {
+        self.tasks.set(self.tasks.get() + 1);
         let (off, len) = (io.offset_bytes(), io.len_bytes());
         let (tag, _) = io.into_engine();
         self.slot.resume();
         self.run(|| submit(tag, off, len));
+    }
+
+    /// Guest requests handed to the engine as tasks so far.
+    pub fn tasks(&self) -> u64 {
+        self.tasks.get()
+    }
+
+    #[inline(always)]
+    fn hand(&self, io: BdevIo, submit: impl FnOnce(u64, BufSlice<SpdkBuf>)) {
+        let (tag, view) = io.into_engine();
+        // The executor has work: a poller paused while idle runs again.
+        self.slot.resume();
+        self.run(|| submit(tag, guest_buf(view)));
     }
 
     /// One pass of the executor (if it has anything to do), completing what finished.

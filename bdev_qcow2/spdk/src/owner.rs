@@ -351,6 +351,8 @@ impl Owner {
                 serde_json::json!({
                     "clusters_allocated": s.clusters_allocated,
                     "writes_planned_now": s.writes_planned_now,
+                    // Guest requests the owner ran as engine tasks (as a channel's).
+                    "engine_tasks": self.driver.tasks(),
                     "clusters_taken_ahead": s.clusters_taken_ahead,
                     "l2_slices_written": s.l2_slices_written,
                     "writebacks": s.writebacks,
@@ -488,8 +490,8 @@ impl Owner {
             Step::Direct(grant) => {
                 let target = self.direct.as_ref();
                 let r = match grant.is_write() {
-                    false => direct::submit::<Owner, direct::Read>(self, target, io, grant),
-                    true => direct::submit::<Owner, direct::Write>(self, target, io, grant),
+                    false => direct::submit::<Owner, direct::Read>(self, c, target, io, grant),
+                    true => direct::submit::<Owner, direct::Write>(self, c, target, io, grant),
                 };
                 if let Err(io) = r {
                     let task = c.refused(req);

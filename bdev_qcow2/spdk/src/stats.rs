@@ -19,6 +19,10 @@ pub struct ChannelStats {
     pub fast_reads: u64,
     /// Reads that needed a slow path (slice miss, compressed, backing).
     pub slow_reads: u64,
+    /// Guest requests run as engine tasks (slow paths, write zeroes/unmap/flush, direct
+    /// grants the base refused as busy). A warm read of an encrypted image is not one: its
+    /// grant on the decrypting view is one device operation of the executor.
+    pub engine_tasks: u64,
     /// Guest requests completed (every type).
     pub completed: u64,
     /// ... completed with an error.
@@ -82,6 +86,7 @@ impl ChannelStats {
         self.l2_cache_evictions += o.l2_cache_evictions;
         self.fast_reads += o.fast_reads;
         self.slow_reads += o.slow_reads;
+        self.engine_tasks += o.engine_tasks;
         self.completed += o.completed;
         self.errors += o.errors;
         self.no_space_errors += o.no_space_errors;

@@ -6,7 +6,8 @@
 //! No key, an unknown key and a wrong key are refused with the reason, the image unchanged;
 //! `bdev_qcow2_format` and `bdev_qcow2_overlay_create` with a key make LUKS images qemu
 //! opens with the passphrase; `save_config` names the key (never its bytes), after the
-//! keyring's own config, and loads again.
+//! keyring's own config, and loads again. Warm reads of an encrypted image run no engine
+//! task (`engine_tasks` in `bdev_qcow2_get_stats`): each is the view's one device operation.
 
 use super::*;
 
@@ -469,4 +470,94 @@ fn wrong_key_writes_nothing() {
         "the image after a wrong key",
     );
     say("encrypted: a wrong key is refused and the image is byte-identical");
+}
+
+/// A warm 4 KiB random read of an encrypted image is granted the direct path on the
+/// image's decrypting view, which the module hands the executor as one device operation:
+/// over a whole `perform_tests` run on two cores, `engine_tasks` (channels and owner) grows
+/// only by the slow reads of the run's fresh channels, not by the reads; spdk_dd then reads
+/// what qemu decrypts.
+#[test]
+fn warm_encrypted_reads_run_no_engine_task() {
+    require!("bdevperf");
+    if rpc_py().is_none() {
+        say("SKIPPED: rpc.py not found (set SPDK_RPC or put spdk-rpc on PATH)");
+        return;
+    }
+    let _t = turn();
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let pw = d.join("pw.key");
+    key_file(&pw, PASS);
+    let img = d.join("warm.qcow2");
+    run_ok(Command::new("qemu-img").args([
+        "create",
+        "-q",
+        "-f",
+        "qcow2",
+        "--object",
+        &format!("secret,id=s0,file={}", s(&pw)),
+        "-o",
+        "encrypt.format=luks,encrypt.key-secret=s0,encrypt.iter-time=10",
+        s(&img),
+        "32M",
+    ]));
+    // Every cluster allocated: a read is data on the view, never zeros.
+    qemu_io_keyed(&pw, &img, &["write -P 0x5a 0 32M"]);
+    let want = decrypted(&pw, &img, &d.join("want.raw"));
+    let cfg = d.join("warm.json");
+    keyed_config(
+        &cfg,
+        &pw,
+        vec![aio(&img, "aio0"), keyed_qcow2("q0", "aio0", false)],
+    );
+    let job = [
+        "-T", "q0", "-q", "16", "-o", "4096", "-w", "randread", "-t", "2", "-m", "0x3", "-C",
+    ];
+    let tasks = |v: &Value| {
+        let t = &v["total"];
+        (
+            t["engine_tasks"].as_u64().expect("engine_tasks"),
+            v["owner"]["engine_tasks"].as_u64().unwrap_or(0),
+            t["completed"].as_u64().unwrap_or(0),
+            t["fast_reads"].as_u64().unwrap_or(0),
+            t["slow_reads"].as_u64().unwrap_or(0),
+        )
+    };
+    let mut seen = None;
+    bdevperf_driven_with(d, &cfg, "warm", &job, |sock, perform| {
+        // The first run loads the slices; the second is warm.
+        let r = perform(&[]);
+        assert_eq!(job_counts(&r).0, 0.0, "failed reads: {r}");
+        let before = tasks(&q0_stats(sock));
+        let r = perform(&[]);
+        assert_eq!(job_counts(&r).0, 0.0, "failed reads: {r}");
+        seen = Some((before, tasks(&q0_stats(sock))));
+    });
+    let ((t0, o0, c0, f0, s0), (t1, o1, c1, f1, s1)) = seen.expect("the runs");
+    assert!(c1 - c0 > 1000, "completed {c0} -> {c1}");
+    assert!(f1 - f0 > 1000, "fast reads {f0} -> {f1}");
+    // Each run's jobs open fresh channels, whose replicas start with an empty slice cache:
+    // their first reads (about one per request in flight) miss it and run as tasks, and
+    // are counted as slow reads. Every other read (before the crypt view's grants went to
+    // the executor: every read) runs none.
+    assert_eq!(
+        (t1 - t0, o1 - o0),
+        (s1 - s0, 0),
+        "engine tasks (channels, owner) against slow reads over {} reads",
+        c1 - c0
+    );
+    assert!(
+        t1 - t0 <= 64,
+        "{} engine tasks over {} reads",
+        t1 - t0,
+        c1 - c0
+    );
+    // What the bdev serves is still the plaintext qemu decrypts.
+    let got = dd_out(d, &cfg, "q0", &d.join("got.raw"), "warm-read");
+    same(&got, &want, "spdk_dd after the warm runs");
+    say(&format!(
+        "encrypted: {} warm 4 KiB random reads on two cores, engine tasks only for the fresh channels' slow reads; spdk_dd equals qemu",
+        c1 - c0
+    ));
 }
