@@ -15,6 +15,12 @@
 #                                                # slices dirty); CLUSTER: its cluster size
 #   KEEP=/tmp/cg tests/spdk_instr.sh             # keeps each run's callgrind output there
 #                                                # (q-randwrite-512.out, ...) for callgrind_annotate
+#   OVERLAY=1 WORKLOADS="randread:4096" tests/spdk_instr.sh
+#                                                # our bdev a fresh overlay over a malloc
+#                                                # golden bdev (bdev_qcow2_overlay_create):
+#                                                # every read goes to the golden image;
+#                                                # CREATE_EXTRA goes to the overlay's create
+#                                                # (',"backing_cache_size":0': cache off)
 #   ZEROED=1 tests/spdk_instr.sh                 # our bdev counted from the measured run's
 #                                                # start (as FILL does, without a fill): no
 #                                                # set-up in its output, for tests/read_path.py
@@ -52,7 +58,11 @@ MB=${MB:-64}
 count() {
   local kind=$1 w=$2 o=$3 calls pre=full
   { [ -n "${FILL:-}" ] || [ -n "${FRESH:-}" ]; } && pre=off
-  if [ "$kind" = q ]; then
+  if [ "$kind" = q ] && [ -n "${OVERLAY:-}" ]; then
+    calls="{\"method\":\"bdev_malloc_create\",\"params\":{\"name\":\"g0\",\"num_blocks\":$((MB * 2048)),\"block_size\":512}},
+{\"method\":\"bdev_malloc_create\",\"params\":{\"name\":\"m0\",\"num_blocks\":$((MB * 256 + 8192)),\"block_size\":512}},
+{\"method\":\"bdev_qcow2_overlay_create\",\"params\":{\"name\":\"X\",\"base_bdev\":\"m0\",\"backing_bdev\":\"g0\"${CREATE_EXTRA:-}}}"
+  elif [ "$kind" = q ]; then
     calls="{\"method\":\"bdev_malloc_create\",\"params\":{\"name\":\"m0\",\"num_blocks\":$((MB * 2048 + 8192)),\"block_size\":512}},
 {\"method\":\"bdev_qcow2_format\",\"params\":{\"base_bdev\":\"m0\",\"size\":$((MB << 20)),\"preallocation\":\"$pre\"${CLUSTER:+,\"cluster_size\":$CLUSTER}}},
 {\"method\":\"bdev_qcow2_create\",\"params\":{\"name\":\"X\",\"base_bdev\":\"m0\"${CREATE_EXTRA:-}}}"

@@ -9,4 +9,4 @@ mod cache;
 mod device;
 
 pub use cache::{CacheStats, Fill, Lookup, Pin, SharedReadCache, Sharer, DEFAULT_GRANULE, WAYS};
-pub use device::CachedDevice;
+pub use device::{is_fill_tag, CachedDevice};

@@ -12,6 +12,11 @@
 //!
 //! A removal while returning waits for the return to finish, then leaves again; a bdev
 //! that comes back while the old one is still leaving is looked at once it has left.
+//!
+//! A backing bdev missing when the node is created starts `Missing` with its size not
+//! known: the first bdev of its name is taken whatever its size (the chain's backing layer
+//! has the image's virtual size, and reads past a bdev's end read zeros); later returns
+//! must have the size it had.
 
 /// The phase of the backing bdev of one node.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -59,6 +64,8 @@ pub struct Link {
     removed_again: bool,
     /// A bdev of its name appeared while the old one was leaving.
     appeared_meanwhile: bool,
+    /// The bdev's size is known (it was open once): a returning bdev must have it.
+    size_known: bool,
 }
 
 impl Link {
@@ -70,6 +77,18 @@ impl Link {
             shape,
             removed_again: false,
             appeared_meanwhile: false,
+            size_known: true,
+        }
+    }
+
+    /// A backing bdev missing when the node was created: `shape` is what the node asks of
+    /// it, its size the image's virtual size (any size is taken when it first appears).
+    pub fn missing(shape: Shape) -> Link {
+        Link {
+            phase: Phase::Missing,
+            generation: 0,
+            size_known: false,
+            ..Link::present(shape)
         }
     }
 
@@ -124,7 +143,7 @@ impl Link {
     pub fn appeared(&mut self, found: Shape) -> Result<bool, String> {
         match self.phase {
             Phase::Missing => {
-                if found.size != self.shape.size {
+                if self.size_known && found.size != self.shape.size {
                     return Err(format!(
                         "it has {} bytes where the backing bdev that left had {}",
                         found.size, self.shape.size
@@ -136,6 +155,9 @@ impl Link {
                          registered with",
                         found.align, self.shape.align
                     ));
+                }
+                if !std::mem::replace(&mut self.size_known, true) {
+                    self.shape.size = found.size;
                 }
                 Ok(true)
             }
@@ -242,6 +264,31 @@ mod tests {
         assert_eq!(l.phase(), Phase::Leaving);
         assert!(!l.left());
         assert_eq!(l.phase(), Phase::Missing);
+    }
+
+    #[test]
+    fn a_bdev_missing_at_creation_is_taken_at_any_size_once_then_must_keep_it() {
+        let mut l = Link::missing(SHAPE);
+        assert_eq!(l.phase(), Phase::Missing);
+        assert!(!l.readable());
+        let stricter = Shape {
+            align: 1 << 16,
+            ..SHAPE
+        };
+        assert!(l.appeared(stricter).unwrap_err().contains("aligned"));
+        let smaller = Shape {
+            size: SHAPE.size / 2,
+            ..SHAPE
+        };
+        assert_eq!(l.appeared(smaller), Ok(true));
+        assert_eq!(l.opened(), 1);
+        assert!(!l.joined());
+        assert_eq!(l.phase(), Phase::Present);
+        assert_eq!(l.shape(), smaller);
+        l.removed();
+        l.left();
+        assert!(l.appeared(SHAPE).unwrap_err().contains("bytes"));
+        assert_eq!(l.appeared(smaller), Ok(true));
     }
 
     #[test]

@@ -54,8 +54,7 @@ pub fn open(desc: &Desc) -> Option<SpdkDevice> {
 }
 
 /// A device over backing bdev `desc` on the calling thread, reading it through `cache`
-/// when given (completions then come through the executor's poll: the cache's fills are
-/// its own).
+/// when given (the cache's fills complete through the executor's poll: they are its own).
 pub fn open_cached(desc: &Desc, cache: Option<&Arc<SharedReadCache>>) -> Option<SpdkDevice> {
     BaseDevice::new(desc).map(|d| CachedDevice::new(d, cache.cloned()))
 }

@@ -13,6 +13,7 @@ use crate::ffi::base::SinkHost;
 use crate::ffi::thread::PollerSlot;
 use crate::types::BdevIo;
 use qcow2_engine::exec::Outcome;
+use qcow2_engine::golden::is_fill_tag;
 use qcow2_engine::io::{BufSlice, DeviceError};
 use qcow2_engine::{DevId, Exec};
 use std::cell::Cell;
@@ -125,12 +126,12 @@ impl Driver {
     /// `host` keeps its address and outlives `dev` (it owns this driver, whose executor owns
     /// the device).
     pub unsafe fn attach<H: Host>(&self, dev: DevId, host: &H) {
-        // (Not a device read through a shared cache: its fills are its own to reap.)
+        // A device read through a shared cache too: the sink leaves the cache's fills to
+        // its poll (`deliver`), and the engine's own reads complete in the callback, so a
+        // lone overlay with the cache on reads its backing bdev as one with it off does.
         self.exec.with_device(dev, |d| {
-            if d.cache().is_none() {
-                // SAFETY: per the contract.
-                unsafe { d.inner_mut().deliver_to(host) }
-            }
+            // SAFETY: per the contract.
+            unsafe { d.inner_mut().deliver_to(host) }
         });
     }
 
@@ -168,8 +169,9 @@ impl<H: Host> SinkHost for H {
 #[inline(always)]
 fn deliver<H: Host>(host: &H, tag: u64, r: Result<(), DeviceError>) -> bool {
     let d = host.driver();
-    if d.in_engine.get() {
-        // Queued in the device: the poller delivers it.
+    if d.in_engine.get() || is_fill_tag(tag) {
+        // Queued in the device: the poller delivers it (a shared cache's fill: its device
+        // publishes it there).
         d.slot.resume();
         return false;
     }

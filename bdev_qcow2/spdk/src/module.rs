@@ -4,18 +4,17 @@
 //! instantiated with ([`Qcow2Bdev`]): the one module that names them all.
 
 use crate::channel::Channel;
+use crate::examine_hold::ExamineHold;
+use crate::ffi::bdev;
 use crate::ffi::module::ModuleHooks;
 use crate::ffi::thread::Thread;
 use crate::ffi::types::{BdevTypes, Closing};
-use crate::ffi::{bdev, module};
 use crate::io_ctx::IoCtx;
 use crate::node::Node;
 use crate::owner::{Owner, OwnerCounters};
 use crate::types::{OwnerPtr, Qcow2Bdev};
 use crate::{logging, node, registry};
-use std::cell::Cell;
 use std::ffi::CStr;
-use std::rc::Rc;
 
 crate::bdev_module!(c"qcow2", Hooks, Qcow2Bdev);
 
@@ -84,39 +83,32 @@ pub fn fini() {
     registry::lock().pending.clear();
 }
 
-/// `examine_config` (bdev `name` appeared): qcow2 bdevs that lost their backing bdev of that
-/// name read it again (ARCHITECTURE.md §15, degraded mode), and every pending creation
-/// whose base (and backing) bdevs now all exist starts. The examine stays open until they
-/// finish, so `bdev_wait_for_examine` (and apps starting I/O after their config loaded) see
-/// the qcow2 bdevs.
+/// `examine_config` (bdev `name` appeared): qcow2 bdevs missing their backing bdev of that
+/// name (created without it, or it was hot-removed) read it again (ARCHITECTURE.md §15,
+/// degraded mode), and every pending creation whose base bdev now exists starts. The
+/// examine stays open until they finish ([`ExamineHold`]), so `bdev_wait_for_examine`
+/// (and apps starting I/O after their config loaded) see the qcow2 bdevs, reading through.
 pub fn examine_config(name: &str) {
-    node::hotplug::appeared(name);
+    let hold = ExamineHold::here();
+    node::hotplug::appeared(name, &hold);
     let ready: Vec<_> = {
         let mut reg = registry::lock();
-        let (ready, waiting) = std::mem::take(&mut reg.pending).into_iter().partition(|p| {
-            bdev::exists(&p.base_bdev) && p.backing_bdev.as_deref().is_none_or(bdev::exists)
-        });
+        let (ready, waiting) = std::mem::take(&mut reg.pending)
+            .into_iter()
+            .partition(|p| bdev::exists(&p.base_bdev));
         reg.pending = waiting;
         ready
     };
-    if ready.is_empty() {
-        return module::examine_done();
-    }
-    let left = Rc::new(Cell::new(ready.len()));
     for p in ready {
         tracing::info!("base bdev {} appeared: creating {}", p.base_bdev, p.name);
-        let left = left.clone();
+        let hold = hold.clone();
         node::create(
             p,
             Box::new(move |r| {
                 if let Err((_, m)) = r {
                     tracing::error!("deferred bdev_qcow2_create failed: {m}");
                 }
-                left.set(left.get() - 1);
-                if left.get() == 0 {
-                    // The last creation started by this examine ended.
-                    module::examine_done();
-                }
+                drop(hold);
             }),
         );
     }

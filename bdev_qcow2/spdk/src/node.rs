@@ -15,6 +15,7 @@ mod identity;
 mod info;
 mod later;
 mod open;
+mod passes;
 mod teardown;
 mod unlock;
 
@@ -115,18 +116,20 @@ impl Current {
             .and_then(|b| crate::golden::cache_for(b, i.params.backing_cache_bytes()))
             .map(|c| c.share());
         // A returning bdev must fit what the bdev was registered with.
-        let align = [&i.base, &i.backing]
-            .into_iter()
-            .flatten()
-            .map(|d| d.buf_align())
-            .max()
-            .unwrap_or(1);
-        let link = i.backing.as_ref().map(|b| {
-            Link::present(Shape {
+        let missing = i.backing.is_none() && i.params.backing_bdev.is_some();
+        let align = needed_align(i.base.as_ref(), i.backing.as_ref(), missing);
+        let link = match &i.backing {
+            Some(b) => Some(Link::present(Shape {
                 size: b.size(),
                 align,
-            })
-        });
+            })),
+            // Missing at creation: created degraded, read once it appears.
+            None if missing => Some(Link::missing(Shape {
+                size: i.info.virtual_size,
+                align,
+            })),
+            None => None,
+        };
         Current {
             link,
             base: i.base,
@@ -201,6 +204,23 @@ pub struct ChannelSource<'a> {
     /// The node's count of channels draining a backing bdev that left.
     pub backing_pending: &'a Arc<AtomicUsize>,
 }
+
+/// The buffer alignment a node over `base` and `backing` asks for (at least 1): what they
+/// need, and with a backing bdev `missing` at creation at least
+/// [`MISSING_BACKING_ALIGN`] (it must fit what the bdev registered with when it appears).
+pub fn needed_align(base: Option<&Desc>, backing: Option<&Desc>, missing: bool) -> usize {
+    let floor = if missing { MISSING_BACKING_ALIGN } else { 1 };
+    [base, backing]
+        .into_iter()
+        .flatten()
+        .map(|d| d.buf_align())
+        .fold(floor, usize::max)
+}
+
+/// The alignment a node asks for when its backing bdev is missing at creation: a
+/// 4096-byte-sector AIO file needs this much; a bdev that needs more is refused when it
+/// appears (logged), as a returning one is.
+pub const MISSING_BACKING_ALIGN: usize = 4096;
 
 /// A backing bdev that is gone, as a channel's device stands in for it.
 #[derive(Debug, Clone, Copy)]
@@ -313,18 +333,16 @@ impl Node {
     /// The buffer alignment the base and backing bdevs need (at least 1).
     pub fn buf_align(&self) -> usize {
         let c = self.current();
-        [&c.base, &c.backing]
-            .into_iter()
-            .flatten()
-            .map(|d| d.buf_align())
-            .max()
-            .unwrap_or(1)
-            .max(1)
+        match &c.link {
+            // What the node registered with (a returning bdev must fit it).
+            Some(l) => l.shape().align.max(1),
+            None => needed_align(c.base.as_ref(), None, false),
+        }
     }
 
     /// Whether the chain still reads a backing bdev (one is open and no stream dropped it).
     pub fn reads_backing(&self) -> bool {
-        self.current().backing.is_some() && !self.backing_dropped.load(Ordering::Acquire)
+        self.current().link.is_some() && !self.backing_dropped.load(Ordering::Acquire)
     }
 
     /// A stream dropped the backing reference: channels created from now on read no

@@ -144,6 +144,9 @@ impl Owner {
         space_warn_percent: Option<u8>,
     ) -> Option<OwnerBox> {
         let devs: Vec<DevId> = devs.into_iter().collect();
+        let backing_generation = devs.get(1).map_or(1, |&d| {
+            u64::from(!exec.with_device(d, |dev| dev.inner().is_gone()))
+        });
         // The top image's device (the base) comes first.
         let direct = devs
             .first()
@@ -164,8 +167,9 @@ impl Owner {
             driver: Driver::new(exec),
             md_thread: Thread::current(),
             direct,
-            // The backing device follows the base (`start_owner`).
-            backing: BackingSlot::new(devs.get(1).copied(), 1, None),
+            // The backing device follows the base (`start_owner`); one missing at creation
+            // reads generation 0 until the bdev appears.
+            backing: BackingSlot::new(devs.get(1).copied(), backing_generation, None),
             chain,
             outboxes: RefCell::new(Vec::new()),
             arrived: RefCell::new(Vec::with_capacity(64)),

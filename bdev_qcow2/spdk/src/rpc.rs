@@ -54,12 +54,13 @@ pub fn create(req: Request, params: Params) {
     {
         return req.error(INVALID_PARAMS, &format!("bdev_qcow2_create: {m}"));
     }
+    // (A missing backing bdev does not defer it: the bdev is created degraded and reads
+    // through it once it appears, as SPDK's lvol esnap clones do.)
     let missing: Vec<&str> = std::iter::once(p.base_bdev.as_str())
-        .chain(p.backing_bdev.as_deref())
         .filter(|b| !bdev::exists(b))
         .collect();
     if !missing.is_empty() {
-        // Deferred: completed by examine_config when the bdevs appear (this is what makes
+        // Deferred: completed by examine_config when the base appears (this is what makes
         // a saved config load whatever the order of its create calls).
         let mut reg = registry::lock();
         if reg.knows(&p.name) || bdev::exists(&p.name) {

@@ -12,6 +12,14 @@ use std::sync::Arc;
 /// far below).
 const FILL_TAG: u64 = 1 << 63;
 
+/// Whether `tag`, completed by the device under a [`CachedDevice`], is one of the
+/// wrapper's own fills: a host that takes the device's completions before
+/// [`poll`](BlockDevice::poll) (SPDK's completion callback) leaves these to it.
+#[inline(always)]
+pub fn is_fill_tag(tag: u64) -> bool {
+    tag & FILL_TAG != 0
+}
+
 /// A device, optionally reading through a [`SharedReadCache`].
 pub struct CachedDevice<D: BlockDevice> {
     inner: D,

@@ -6,7 +6,7 @@ use super::later;
 use super::open::{self, strerror};
 use super::unlock::Unlock;
 use super::{identity, Image, ImageInfo, Node, Ring, BLOCK_SIZE};
-use crate::device::SpdkDevice;
+use crate::device::{BaseDevice, SpdkDevice};
 use crate::ffi::bdev::{self, Desc};
 use crate::ffi::node as handle;
 use crate::ffi::thread::{self, Poll, Polled, PollerSlot};
@@ -15,6 +15,7 @@ use crate::owner::Owner;
 use crate::params::CreateParams;
 use crate::registry;
 use crate::types::{OwnerBox, Qcow2Bdev};
+use qcow2_engine::golden::CachedDevice;
 use qcow2_engine::image::UnlockedKey;
 use qcow2_engine::ring::WriteGens;
 use qcow2_engine::{Chain, CoreSeed, DevId, Exec, Layer, OpenOptions, Qcow2};
@@ -156,9 +157,12 @@ fn open_and_read(
         Ok(d) => d,
         Err((e, m)) => return retry_or_fail(again(params, done), e, m),
     };
+    // A backing bdev that does not exist (yet): the bdev is created degraded, as SPDK's
+    // lvol esnap clones are, and reads through it once it is registered (`hotplug.rs`).
     let backing = match params
         .backing_bdev
         .as_deref()
+        .filter(|b| bdev::exists(b))
         .map(|b| open_claimed(b, "backing", false))
     {
         None => None,
@@ -168,6 +172,12 @@ fn open_and_read(
             return retry_or_fail(again(params, done), e, m);
         }
     };
+    if let (None, Some(b)) = (&backing, &params.backing_bdev) {
+        tracing::warn!(
+            "bdev_qcow2_create {name}: backing bdev {b} does not exist: created degraded \
+             (reads that need it fail until it is registered)"
+        );
+    }
     let uuid = match identity::resolve(&params, &base) {
         Ok(u) => u,
         Err((e, m)) => return fail(&name, [Some(base), backing], done, e, m),
@@ -316,6 +326,13 @@ fn finish(mut job: Job) {
             return fail(&name, descs, done, libc::ENOMEM, m);
         };
         backing_dev = Some(job.exec.add_device(bd));
+    } else if job.params.backing_bdev.is_some() {
+        // Missing: a device that fails what needs it until the bdev appears, of the
+        // image's virtual size (the size of the backing layer, whatever the bdev's).
+        let align = super::needed_align(descs[0].as_ref(), None, true);
+        let may_cache = job.params.backing_cache_bytes() > 0;
+        let gone = BaseDevice::missing(info.virtual_size, align, may_cache);
+        backing_dev = Some(job.exec.add_device(CachedDevice::plain(gone)));
     }
     let started = start_owner(job.exec, image, backing_dev, &job.params, ring.as_ref());
     let owner = match started {
@@ -405,13 +422,8 @@ fn register(
             "name contains NUL".into(),
         );
     };
-    let align = [&base, &backing]
-        .into_iter()
-        .flatten()
-        .map(|d| d.buf_align())
-        .max()
-        .unwrap_or(1)
-        .max(1);
+    let missing = backing.is_none() && params.backing_bdev.is_some();
+    let align = super::needed_align(base.as_ref(), backing.as_ref(), missing);
     let props = bdev::Props {
         blockcnt: info.virtual_size / u64::from(BLOCK_SIZE),
         // Writes are acknowledged before their metadata is stable: only a FLUSH makes them
@@ -431,7 +443,7 @@ fn register(
         i.version,
         i.backing_bdev
             .as_ref()
-            .map(|b| format!(", backing {b}"))
+            .map(|b| format!(", backing {b}{}", if missing { " (missing)" } else { "" }))
             .unwrap_or_default(),
         if i.zero_offload { ", zero offload" } else { "" },
         if i.zero_ahead { ", zeroing ahead" } else { "" }

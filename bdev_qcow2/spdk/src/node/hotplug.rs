@@ -11,9 +11,14 @@
 //!    has the same size and no stricter alignment, with the shared cache of *that* bdev
 //!    (keyed by its UUID: another bdev reusing the name never hits the old one's granules);
 //!    the owner and every channel take a device of it, and reads go through again.
+//!
+//! A node created while its backing bdev did not exist starts at 3 (`Missing`, any size
+//! taken the first time). A node deleted while a pass over its channels runs is
+//! unregistered when the pass ends (`passes.rs`).
 
-use super::{later, open};
+use super::{later, open, passes};
 use crate::backing_state::{Phase, Shape};
+use crate::examine_hold::ExamineHold;
 use crate::ffi::bdev;
 use crate::ffi::node::NodeKey;
 use crate::ffi::sys;
@@ -31,12 +36,14 @@ pub fn removed(name: &str) {
     }
 }
 
-/// A bdev called `name` was registered: every node missing it as its backing bdev opens it
-/// again, on its md thread.
-pub fn appeared(name: &str) {
+/// A bdev called `name` was registered: every node missing it as its backing bdev (created
+/// without it, or it was removed) opens it again, on its md thread; `hold` keeps the
+/// bdev's examine open until every core of theirs reads it.
+pub fn appeared(name: &str, hold: &ExamineHold) {
     let until = Instant::now() + later::CLAIM_WAIT;
     for (key, md) in users(name, true) {
-        on(md, move || reopen(key, until));
+        let hold = hold.clone();
+        on(md, move || reopen(key, until, Some(hold)));
     }
 }
 
@@ -91,6 +98,7 @@ fn start_leaving(r: &Registered, key: NodeKey) {
     if let Some(o) = r.owner_here() {
         o.backing_leave();
     }
+    passes::started(key);
     r.for_each_channel(key, leave_step, left);
 }
 
@@ -102,6 +110,10 @@ fn leave_step(it: ChannelIter, _: &mut NodeKey) {
 }
 
 fn left(key: NodeKey, _: c_int) {
+    if let Some(gone) = passes::ended(key) {
+        // Deleted meanwhile: its teardown closes the descriptor.
+        return gone.unregister_device();
+    }
     let c = Box::new(Closer {
         key,
         poller: PollerSlot::default(),
@@ -158,12 +170,13 @@ fn closed(key: NodeKey) {
     );
     drop(reg);
     if again && bdev::exists(&name) {
-        reopen(key, Instant::now() + later::CLAIM_WAIT);
+        reopen(key, Instant::now() + later::CLAIM_WAIT, None);
     }
 }
 
-/// On the md thread: a bdev of the backing bdev's name appeared.
-fn reopen(key: NodeKey, until: Instant) {
+/// On the md thread: a bdev of the backing bdev's name appeared (its examine held by
+/// `hold` until every core reads it, or this gives up).
+fn reopen(key: NodeKey, until: Instant, hold: Option<ExamineHold>) {
     let reg = registry::lock();
     let Some(r) = reg.by_key(key) else { return };
     let n = r.node();
@@ -182,7 +195,7 @@ fn reopen(key: NodeKey, until: Instant) {
         Err((e, m)) => {
             drop(reg);
             if e == libc::EPERM && Instant::now() < until {
-                return retry(key, until);
+                return retry(key, until, hold);
             }
             return tracing::error!("backing bdev {name} is back but cannot be read: {m}");
         }
@@ -209,10 +222,11 @@ fn reopen(key: NodeKey, until: Instant) {
     if let Some(o) = r.owner_here() {
         n.with_backing(|d, c, g| o.backing_join(d, c, g));
     }
-    r.for_each_channel(key, join_step, joined);
+    passes::started(key);
+    r.for_each_channel((key, hold), join_step, joined);
 }
 
-fn join_step(it: ChannelIter, key: &mut NodeKey) {
+fn join_step(it: ChannelIter, (key, _): &mut (NodeKey, Option<ExamineHold>)) {
     let key = *key;
     it.with_channel(|ch, it| {
         if let Some(r) = registry::lock().by_key(key) {
@@ -222,7 +236,10 @@ fn join_step(it: ChannelIter, key: &mut NodeKey) {
     });
 }
 
-fn joined(key: NodeKey, _: c_int) {
+fn joined((key, _hold): (NodeKey, Option<ExamineHold>), _: c_int) {
+    if let Some(gone) = passes::ended(key) {
+        return gone.unregister_device();
+    }
     let reg = registry::lock();
     let Some(r) = reg.by_key(key) else { return };
     if r.node().backing_joined() {
@@ -237,8 +254,9 @@ fn joined(key: NodeKey, _: c_int) {
 }
 
 /// Tries a refused claim again shortly.
-fn retry(key: NodeKey, until: Instant) {
-    if later::retry_claim(c"qcow2_backing", (key, until), |(k, u)| reopen(k, u)).is_err() {
+fn retry(key: NodeKey, until: Instant, hold: Option<ExamineHold>) {
+    let state = (key, until, hold);
+    if later::retry_claim(c"qcow2_backing", state, |(k, u, h)| reopen(k, u, h)).is_err() {
         tracing::error!("no poller to claim a returning backing bdev again");
     }
 }

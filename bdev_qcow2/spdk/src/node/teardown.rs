@@ -14,10 +14,17 @@ use crate::types::{MdNode, OwnerBox, Unregistered};
 
 /// Teardown, step 1 (SPDK's `destruct`).
 pub fn destruct(key: NodeKey) {
-    let node = registry::lock().take(key);
-    match node {
-        Some(node) => node.unregister_device(),
-        None => tracing::error!("destruct of a qcow2 bdev that is not registered"),
+    let node = {
+        let mut reg = registry::lock();
+        let Some(node) = reg.take(key) else {
+            return tracing::error!("destruct of a qcow2 bdev that is not registered");
+        };
+        // (Under the registry's lock: a pass over its channels either started or never
+        // will.)
+        super::passes::unless_passing(key, node)
+    };
+    if let Some(node) = node {
+        node.unregister_device();
     }
 }
 

@@ -344,3 +344,219 @@ fn golden_bdev_removed_and_back_under_load_on_two_cores() {
     );
     say("golden bdev removed and re-created under random reads on two cores: no hang, failed while gone, reads through again");
 }
+
+/// The bdev calls of a saved config, with the golden bdev `gold` created last (before the
+/// final `bdev_wait_for_examine`): the overlay's create comes first, as a config written by
+/// hand or by another tool may list it.
+fn golden_last(saved: &Value) -> Vec<Value> {
+    let mut calls: Vec<Value> = saved["subsystems"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|s| s["subsystem"] == "bdev")
+        .flat_map(|s| s["config"].as_array().unwrap().iter().cloned())
+        .filter(|c| c["method"] != "bdev_wait_for_examine")
+        .collect();
+    calls.sort_by_key(|c| c["params"]["name"] == "gold");
+    assert_eq!(calls.last().unwrap()["method"], "bdev_aio_create");
+    calls
+}
+
+#[test]
+fn golden_bdev_missing_at_creation_gives_a_degraded_overlay() {
+    require!("spdk_tgt");
+    if rpc_py().is_none() || on_path("python3").is_none() {
+        say("SKIPPED: rpc.py or python3 not found");
+        return;
+    }
+    let _t = turn();
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let golden = d.join("golden.raw");
+    let bytes = golden_data();
+    fs::write(&golden, &bytes).unwrap();
+    let ov = d.join("ov.qcow2");
+    qemu_img(&[
+        "create",
+        "-q",
+        "-f",
+        "qcow2",
+        "-b",
+        s(&golden),
+        "-F",
+        "raw",
+        s(&ov),
+    ]);
+    // Room on its AIO bdev for the clusters it writes.
+    fs::OpenOptions::new()
+        .write(true)
+        .open(&ov)
+        .unwrap()
+        .set_len(2 * GOLDEN as u64)
+        .unwrap();
+    // The golden bdev does not exist when the overlay is created.
+    let cfg = d.join("late.json");
+    write_config(
+        &cfg,
+        vec![aio(&ov, "ovb"), qcow2("vm0", "ovb", Some("gold"))],
+    );
+    let t = Target::start(d, "late", Some(&cfg));
+    assert!(t.bdev("vm0").is_some(), "created degraded, not deferred");
+    assert_eq!(backing_state(&t, "vm0"), "missing");
+    t.rpc(&["nvmf_create_transport", "-t", "TCP"]);
+    let (p, n) = (free_port(), "nqn.2026-12.io.qcow2:late0");
+    export(&t, "vm0", n, p);
+    let c = CLUSTER;
+    let cb = c / BLOCK;
+    let r = nvme(
+        p,
+        n,
+        json!([
+            ["read", 0, 8],                        // the golden image's
+            ["write", lba(3 * c), cb, 0x33],       // a whole cluster needs nothing from it
+            ["write", lba(4 * c + 4096), 8, 0x44], // needs the rest of cluster 4 from it
+            ["flush"],
+            ["read", lba(3 * c), cb],
+        ]),
+    );
+    assert_eq!(r[0], "error", "a golden-backed read must fail");
+    assert_eq!(r[1], "ok", "a whole-cluster write must succeed");
+    assert_eq!(
+        r[2], "error",
+        "a partial write needing golden data must fail"
+    );
+    assert_eq!(r[3], "ok");
+    assert_eq!(r[4], hex(&[0x33; CLUSTER]));
+
+    // The golden bdev appears: read through, of whatever size it has.
+    t.rpc(&["bdev_aio_create", s(&golden), "gold", "512"]);
+    wait_state(&t, "vm0", "present");
+    let r = nvme(
+        p,
+        n,
+        json!([
+            ["read", lba(c), cb],
+            ["read", lba(4 * c), cb],
+            ["read", lba(3 * c), cb]
+        ]),
+    );
+    assert_eq!(r[0], hex(&bytes[c..2 * c]), "golden data reads through");
+    assert_eq!(
+        r[1],
+        hex(&bytes[4 * c..5 * c]),
+        "the failed write mapped nothing"
+    );
+    assert_eq!(r[2], hex(&[0x33; CLUSTER]));
+    let saved = t.rpc(&["save_config"]);
+    t.stop();
+
+    // A config with the overlay's create before its golden bdev's: once it is loaded
+    // (`bdev_wait_for_examine`), the overlay reads through, as if created in order.
+    let cfg = d.join("reordered.json");
+    write_config(&cfg, golden_last(&saved));
+    let t = Target::start(d, "late2", Some(&cfg));
+    assert_eq!(backing_state(&t, "vm0"), "present");
+    t.rpc(&["nvmf_create_transport", "-t", "TCP"]);
+    let p = free_port();
+    export(&t, "vm0", n, p);
+    let r = nvme(
+        p,
+        n,
+        json!([["read", lba(c), cb], ["read", lba(3 * c), cb]]),
+    );
+    assert_eq!(r[0], hex(&bytes[c..2 * c]));
+    assert_eq!(r[1], hex(&[0x33; CLUSTER]));
+    let log = t.log_text();
+    assert!(log.contains("is back: reads go through it again"), "{log}");
+    t.stop();
+    say("golden bdev missing at creation: overlay created degraded (owned data served, golden reads failed), read through once the golden bdev appeared, and at once after a config listing it last");
+}
+
+/// Sends JSON-RPC `calls` to `t` in one write, so that its RPC server runs them one after
+/// the other in one poll; returns each call's response (`null` for none).
+fn rpc_batch(t: &Target, calls: &[Value]) -> Vec<Value> {
+    let script = r#"
+import json, socket, sys
+s = socket.socket(socket.AF_UNIX)
+s.connect(sys.argv[1])
+s.settimeout(60)
+calls = json.loads(sys.argv[2])
+s.sendall("".join(json.dumps(dict(jsonrpc="2.0", id=i + 1, **c))
+                  for i, c in enumerate(calls)).encode())
+dec, text, got = json.JSONDecoder(), "", {}
+while len(got) < len(calls):
+    chunk = s.recv(65536)
+    if not chunk:
+        break
+    text += chunk.decode()
+    while text.strip():
+        try:
+            obj, end = dec.raw_decode(text.lstrip())
+        except ValueError:
+            break
+        got[obj["id"]] = obj
+        text = text.lstrip()[end:]
+print(json.dumps([got.get(i + 1) for i in range(len(calls))]))
+"#;
+    let out = Command::new("python3")
+        .args([
+            "-c",
+            script,
+            s(&t.sock),
+            &Value::from(calls.to_vec()).to_string(),
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "batch {calls:?}: {}\n{}",
+        String::from_utf8_lossy(&out.stderr),
+        t.log_text()
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+/// SPDK refuses to unregister an io_device while a `for_each_channel` over it is under
+/// way: an overlay deleted while its channels leave its golden bdev is unregistered once
+/// they have (`node/passes.rs`). The golden bdev's removal and the overlay's delete in one
+/// poll of the RPC server: the delete completes and releases the base, the other overlay
+/// goes missing. (SPDK's own messages usually finish the delete before the removal's pass
+/// starts; the test says which happened.)
+#[test]
+fn overlay_deleted_while_its_channels_leave_the_golden_bdev() {
+    require!("spdk_tgt");
+    if rpc_py().is_none() || on_path("python3").is_none() {
+        say("SKIPPED: rpc.py or python3 not found");
+        return;
+    }
+    let _t = turn();
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let golden = d.join("golden.raw");
+    fs::write(&golden, golden_data()).unwrap();
+    let cfg = d.join("gp.json");
+    write_config(&cfg, setup_calls(&golden, [0, 0]));
+    let t = Target::start(d, "gp", Some(&cfg));
+    let r = rpc_batch(
+        &t,
+        &[
+            json!({"method": "bdev_aio_delete", "params": {"name": "gold"}}),
+            json!({"method": "bdev_qcow2_delete", "params": {"name": "vm0"}}),
+        ],
+    );
+    assert_eq!(r[1]["result"], json!(true), "{r:?}\n{}", t.log_text());
+    assert!(r[0].get("result").is_some(), "{r:?}");
+    assert!(t.bdev("vm0").is_none());
+    assert_eq!(t.bdev("m0").unwrap()["claimed"], json!(false));
+    wait_state(&t, "vm1", "missing");
+    let log = t.log_text();
+    assert!(!log.contains("for_each calls outstanding"), "{log}");
+    // Whether the delete landed inside the pass depends on how SPDK orders its messages:
+    // said, not required.
+    let inside = log.contains("deleted while its channels take or leave its backing bdev");
+    t.stop();
+    say(&format!(
+        "an overlay deleted as its golden bdev is removed, in one poll: the delete completed, \
+         everything released (inside the leave pass: {inside})"
+    ));
+}
