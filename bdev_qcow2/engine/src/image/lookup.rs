@@ -158,7 +158,7 @@ impl<D: BlockDevice> Qcow2<D> {
         copied: bool,
         memo: bool,
     ) -> CachedExtent {
-        let Some((key, within)) = self.in_one_slice(off, len) else {
+        let Some((key, within)) = self.geo.in_one_slice(off, len) else {
             return CachedExtent::Unknown;
         };
         let epoch = self.cur_epoch(key);
@@ -171,15 +171,6 @@ impl<D: BlockDevice> Qcow2<D> {
             return CachedExtent::Host(host);
         }
         self.cached_extent_in_cache(off, len, copied, (key, within), epoch)
-    }
-
-    /// The slice of a non-empty range `[off, off + len)` that lies inside one slice, and
-    /// the range's offset within it.
-    #[inline(always)]
-    pub(super) fn in_one_slice(&self, off: u64, len: u64) -> Option<(u64, u64)> {
-        let within = self.geo.within_slice(GuestOffset(off));
-        (len != 0 && within + len <= self.geo.slice_coverage())
-            .then(|| (self.geo.slice_id(GuestOffset(off)), within))
     }
 
     /// On a writable core replica, for the memo: the metadata generation under which none
@@ -205,7 +196,7 @@ impl<D: BlockDevice> Qcow2<D> {
     #[inline(always)]
     pub(crate) fn memo_overwrite(&self, off: u64, len: u64) -> Option<u64> {
         let sh = self.writable_core_shared()?;
-        let (key, within) = self.in_one_slice(off, len)?;
+        let (key, within) = self.geo.in_one_slice(off, len)?;
         let now = sh.stamp(key);
         self.memo.extent_overwrite(
             key,
@@ -226,7 +217,7 @@ impl<D: BlockDevice> Qcow2<D> {
         if write {
             return self.memo_overwrite(off, len);
         }
-        let (key, within) = self.in_one_slice(off, len)?;
+        let (key, within) = self.geo.in_one_slice(off, len)?;
         self.memo.extent(key, self.cur_epoch(key), within, len)
     }
 
