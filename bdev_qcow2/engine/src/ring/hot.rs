@@ -6,7 +6,7 @@
 //! next, and which slots a new stream may take without touching the ring's state.
 //!
 //! A random read continues no stream and starts one in a slot that reads nothing ahead
-//! and holds no chunk: [`Hot::start_here`] does that here, with a few compares and stores,
+//! and holds no chunk: [`Hot::passes`] does that here, with a few compares and stores,
 //! no borrow and no call. Everything else — a read that continues a stream, or one that
 //! must push out a stream holding chunks — goes to [`Ring::lookup`](super::Ring::lookup).
 //! A stream restarted here is marked fresh; the ring resets the rest of its state (its
@@ -131,23 +131,21 @@ impl Hot {
         self.on.get()
     }
 
-    /// True when the ring has nothing to do with a read of `len` bytes at `offset`: off, or
-    /// a read that starts a stream here ([`start_here`](Self::start_here)).
-    #[inline(always)]
-    pub(super) fn passes(&self, offset: u64, len: u64) -> bool {
-        !self.on.get() || self.start_here(offset, len)
-    }
-
-    /// A read of `len` bytes at `offset` arrives: when it continues no stream and a slot
-    /// that neither reads ahead nor holds chunks is free, starts its stream there and
-    /// returns true (the read is a miss, nothing more to do). False: the ring's state
-    /// decides ([`Ring::lookup`](super::Ring::lookup)).
+    /// A read of `len` bytes at `offset` arrives. True when the ring has nothing to do with
+    /// it: the ring is off, or the read continues no stream and a slot that neither reads
+    /// ahead nor holds chunks is free, where its stream starts (the read is a miss,
+    /// nothing more to do). False: the ring's state decides
+    /// ([`Ring::lookup`](super::Ring::lookup)).
     ///
-    /// Every random read runs it: the look-up, the round robin and the start are written
-    /// out here on the fields (what `StreamSlots::turn` and `start` do), and
-    /// the count of reads stays in a register for the start.
+    /// Every read runs it, and a random read nothing else of the ring: the look-up, the
+    /// round robin and the start are written out here on the fields (what
+    /// `StreamSlots::turn` and `start` do), and the count of reads stays in a register for
+    /// the start.
     #[inline(always)]
-    pub fn start_here(&self, offset: u64, len: u64) -> bool {
+    pub(crate) fn passes(&self, offset: u64, len: u64) -> bool {
+        if !self.on.get() {
+            return true;
+        }
         let reads = self.reads.get() + 1;
         self.reads.set(reads);
         let slots = &self.slots;
