@@ -78,16 +78,9 @@ impl<D: BlockDevice> Chain<D> {
         // request is over (shared images; see `coherency::Grace`).
         let entry = self.exec().guest_enter();
         if let Some(q) = self.disk.top_qcow2() {
-            if let Some(host) = q.memo_extent(offset, len, false) {
+            if let Some((dev, host)) = q.memo_extent(offset, len, false) {
                 let host = HostOffset(host);
-                return ReadRoute::Direct(Grant::new(
-                    q.data_dev(),
-                    host,
-                    range,
-                    entry,
-                    true,
-                    false,
-                ));
+                return ReadRoute::Direct(Grant::new(dev, host, range, entry, true, false));
             }
         }
         match self.route_read_past_memo(range, entry) {
@@ -146,16 +139,9 @@ impl<D: BlockDevice> Chain<D> {
         self.disk.note_change(offset, len);
         let entry = self.exec().guest_enter();
         if let Some(q) = self.disk.top_qcow2() {
-            if let Some(host) = q.memo_overwrite(offset, len) {
+            if let Some((dev, host)) = q.memo_extent(offset, len, true) {
                 let host = HostOffset(host);
-                return WriteDecision::Direct(Grant::new(
-                    q.data_dev(),
-                    host,
-                    range,
-                    entry,
-                    true,
-                    true,
-                ));
+                return WriteDecision::Direct(Grant::new(dev, host, range, entry, true, true));
             }
         }
         match self.route_write_past_memo(range, entry) {

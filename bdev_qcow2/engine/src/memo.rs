@@ -154,10 +154,21 @@ impl SliceMemo {
 
     /// Where the `len` bytes at `within` (bytes from the start of slice `key`, inside the
     /// slice) lie on the device, if the memo knows the slice under `epoch` and can answer
-    /// for that range (counted as a hit).
+    /// for that range (counted as a hit). Every read the memo answers runs this and
+    /// nothing else of the memo: slot, compares and answer are written out here.
     #[inline(always)]
     pub fn extent(&self, key: u64, epoch: u32, within: u64, len: u64) -> Option<u64> {
-        self.lookup(key, epoch, None, within, len)
+        // (As `index`: the constant mask keeps the bounds check out.)
+        let s = self.slots[key as usize & self.mask & (MEMO_MAX_SLOTS - 1)].get();
+        if s.key != key || s.epoch != epoch {
+            return None;
+        }
+        let host = match s.host & MAPPED {
+            0 => s.host + within,
+            _ => self.mapped(s.host as u32 as usize, within, len)?,
+        };
+        self.hits.set(self.hits.get() + 1);
+        Some(host)
     }
 
     /// For an in-place write on a writable core replica: where the memo answers for the
@@ -165,7 +176,7 @@ impl SliceMemo {
     /// moved by additions only: what the copy shows as COPIED data still is, §6) and no
     /// cluster the slot answers for was metadata under metadata generation `meta_gen` (the
     /// current one). `epoch`: the slot's current one, to count the answers through an
-    /// older copy ([`kept`](Self::kept)).
+    /// older copy ([`kept`](Self::kept)). Written out as [`extent`](Self::extent) is.
     #[inline(always)]
     pub fn extent_overwrite(
         &self,
@@ -175,42 +186,18 @@ impl SliceMemo {
         within: u64,
         len: u64,
     ) -> Option<u64> {
-        let s = self.slot(key).get();
+        let s = self.slots[key as usize & self.mask & (MEMO_MAX_SLOTS - 1)].get();
         if s.key != key || s.removals != removals || s.meta_gen != meta_gen {
             return None;
         }
-        let host = self.answer(s, within, len)?;
+        let host = match s.host & MAPPED {
+            0 => s.host + within,
+            _ => self.mapped(s.host as u32 as usize, within, len)?,
+        };
+        self.hits.set(self.hits.get() + 1);
         if s.epoch != epoch {
             self.kept.set(self.kept.get() + 1);
         }
-        Some(host)
-    }
-
-    #[inline(always)]
-    fn lookup(
-        &self,
-        key: u64,
-        epoch: u32,
-        meta_gen: Option<u64>,
-        within: u64,
-        len: u64,
-    ) -> Option<u64> {
-        let s = self.slot(key).get();
-        if s.key != key || s.epoch != epoch || meta_gen.is_some_and(|g| g != s.meta_gen) {
-            return None;
-        }
-        self.answer(s, within, len)
-    }
-
-    /// Slot `s` (holding the key asked for, checked)'s answer for the range at `within`.
-    #[inline(always)]
-    fn answer(&self, s: MemoSlot, within: u64, len: u64) -> Option<u64> {
-        let host = if s.host & MAPPED == 0 {
-            s.host + within
-        } else {
-            self.mapped(s.host as u32 as usize, within, len)?
-        };
-        self.hits.set(self.hits.get() + 1);
         Some(host)
     }
 

@@ -296,6 +296,15 @@ impl Geometry {
     pub fn within_slice(&self, off: GuestOffset) -> u64 {
         off.0 & self.coverage_mask
     }
+    /// The slice of a non-empty range of `len` bytes at `off` that lies inside one slice,
+    /// and the range's offset within it (the memo's look-up: one function, its fields read
+    /// directly).
+    #[inline(always)]
+    pub fn in_one_slice(&self, off: u64, len: u64) -> Option<(u64, u64)> {
+        let within = off & self.coverage_mask;
+        (len != 0 && within + len <= self.coverage_mask + 1)
+            .then_some((off >> self.coverage_bits, within))
+    }
     /// log2 of [`slice_coverage`](Self::slice_coverage): a slice holds
     /// 2^(slice_bits - log2(entry bytes)) entries of one cluster each.
     #[inline]

@@ -64,7 +64,7 @@ impl<D: BlockDevice> Chain<D> {
     /// ([`RingServed::Prefix`]: the host reads the rest). [`RingServed::Nothing`] (a miss,
     /// the ring off, an invalid request): the host routes the read as usual. Takes no lock
     /// and allocates nothing; a random read costs a few compares on plain cells
-    /// ([`Hot::start_here`](crate::ring::Hot::start_here)).
+    /// ([`Hot::passes`](crate::ring::Hot::passes)).
     #[inline(always)]
     pub fn ring_read_with(
         self: &Rc<Self>,

@@ -5,6 +5,7 @@
 use super::{Qcow2, Touch};
 use crate::coherency::Shared;
 use crate::error::{corrupt, Field, Result};
+use crate::exec::DevId;
 use crate::format::{ClusterMapping, L1Entry, L2Entry, SubclusterBitmap};
 use crate::io::BlockDevice;
 use crate::memo::MEMO_NO_META_GEN;
@@ -158,7 +159,7 @@ impl<D: BlockDevice> Qcow2<D> {
         copied: bool,
         memo: bool,
     ) -> CachedExtent {
-        let Some((key, within)) = self.in_one_slice(off, len) else {
+        let Some((key, within)) = self.geo.in_one_slice(off, len) else {
             return CachedExtent::Unknown;
         };
         let epoch = self.cur_epoch(key);
@@ -171,15 +172,6 @@ impl<D: BlockDevice> Qcow2<D> {
             return CachedExtent::Host(host);
         }
         self.cached_extent_in_cache(off, len, copied, (key, within), epoch)
-    }
-
-    /// The slice of a non-empty range `[off, off + len)` that lies inside one slice, and
-    /// the range's offset within it.
-    #[inline(always)]
-    pub(super) fn in_one_slice(&self, off: u64, len: u64) -> Option<(u64, u64)> {
-        let within = self.geo.within_slice(GuestOffset(off));
-        (len != 0 && within + len <= self.geo.slice_coverage())
-            .then(|| (self.geo.slice_id(GuestOffset(off)), within))
     }
 
     /// On a writable core replica, for the memo: the metadata generation under which none
@@ -205,7 +197,7 @@ impl<D: BlockDevice> Qcow2<D> {
     #[inline(always)]
     pub(crate) fn memo_overwrite(&self, off: u64, len: u64) -> Option<u64> {
         let sh = self.writable_core_shared()?;
-        let (key, within) = self.in_one_slice(off, len)?;
+        let (key, within) = self.geo.in_one_slice(off, len)?;
         let now = sh.stamp(key);
         self.memo.extent_overwrite(
             key,
@@ -216,18 +208,22 @@ impl<D: BlockDevice> Qcow2<D> {
         )
     }
 
-    /// The host offset of `[off, off + len)` from the memo of slices alone: a read
-    /// (the slice's current epoch, as [`cached_extent_with`](Self::cached_extent_with) checks
-    /// it) or, with `write`, an in-place write on a writable core replica
-    /// ([`memo_overwrite`](Self::memo_overwrite)). `None` says nothing about the range: the
-    /// caller asks the slice cache.
+    /// The data device and host offset of `[off, off + len)` from the memo of slices
+    /// alone: a read (the slice's current epoch, as
+    /// [`cached_extent_with`](Self::cached_extent_with) checks it) or, with `write`, an
+    /// in-place write on a writable core replica ([`memo_overwrite`](Self::memo_overwrite)).
+    /// `None` says nothing about the range: the caller asks the slice cache.
     #[inline(always)]
-    pub(crate) fn memo_extent(&self, off: u64, len: u64, write: bool) -> Option<u64> {
-        if write {
-            return self.memo_overwrite(off, len);
-        }
-        let (key, within) = self.in_one_slice(off, len)?;
-        self.memo.extent(key, self.cur_epoch(key), within, len)
+    pub(crate) fn memo_extent(&self, off: u64, len: u64, write: bool) -> Option<(DevId, u64)> {
+        let host = match write {
+            true => self.memo_overwrite(off, len)?,
+            false => {
+                let (key, within) = self.geo.in_one_slice(off, len)?;
+                self.memo.extent(key, self.cur_epoch(key), within, len)?
+            }
+        };
+        // (The field itself: one function less on every request than `data_dev()`.)
+        Some((self.data_dev, host))
     }
 
     /// [`cached_extent_with`](Self::cached_extent_with) past the memo, for the range at

@@ -271,7 +271,7 @@ impl<D: BlockDevice> Qcow2<D> {
     /// for [`KeptCopy::Host`].
     pub(crate) fn kept_overwrite(&self, off: u64, len: u64) -> KeptCopy {
         let (Some(sh), Some((key, within))) =
-            (self.writable_core_shared(), self.in_one_slice(off, len))
+            (self.writable_core_shared(), self.geo.in_one_slice(off, len))
         else {
             return KeptCopy::Unusable;
         };

@@ -6,7 +6,7 @@
 //! next, and which slots a new stream may take without touching the ring's state.
 //!
 //! A random read continues no stream and starts one in a slot that reads nothing ahead
-//! and holds no chunk: [`Hot::start_here`] does that here, with a few compares and stores,
+//! and holds no chunk: [`Hot::passes`] does that here, with a few compares and stores,
 //! no borrow and no call. Everything else — a read that continues a stream, or one that
 //! must push out a stream holding chunks — goes to [`Ring::lookup`](super::Ring::lookup).
 //! A stream restarted here is marked fresh; the ring resets the rest of its state (its
@@ -52,12 +52,6 @@ impl StreamSlots {
         self.next.iter().position(|n| n.get() == offset)
     }
 
-    /// Whether a stream's next request starts at `offset`.
-    #[inline(always)]
-    pub(crate) fn continues(&self, offset: u64) -> bool {
-        self.next.iter().any(|n| n.get() == offset)
-    }
-
     /// Stream `i` was started or continued by a request ending at `end`: the slot just
     /// used is the last a new stream would take.
     #[inline(always)]
@@ -96,6 +90,8 @@ impl StreamSlots {
 /// documentation). One per core's chain, next to the fields every request reads.
 #[derive(Debug)]
 pub struct Hot {
+    /// Whether the ring is on: every read looks at it, here with the rest.
+    on: Cell<bool>,
     /// Where each stream's next read starts, and the round robin (the stream table
     /// read-ahead's detector is built on too).
     slots: StreamSlots,
@@ -113,6 +109,7 @@ pub struct Hot {
 impl Default for Hot {
     fn default() -> Self {
         Hot {
+            on: Cell::new(false),
             slots: StreamSlots::default(),
             busy: Default::default(),
             fresh: Default::default(),
@@ -123,18 +120,40 @@ impl Default for Hot {
 }
 
 impl Hot {
-    /// A read of `len` bytes at `offset` arrives: when it continues no stream and a slot
-    /// that neither reads ahead nor holds chunks is free, starts its stream there and
-    /// returns true (the read is a miss, nothing more to do). False: the ring's state
-    /// decides ([`Ring::lookup`](super::Ring::lookup)).
+    /// The ring is on from now on.
+    pub(super) fn turn_on(&self) {
+        self.on.set(true);
+    }
+
+    /// Whether the ring is on.
     #[inline(always)]
-    pub fn start_here(&self, offset: u64, len: u64) -> bool {
-        self.reads.set(self.reads.get() + 1);
-        if self.slots.continues(offset) {
+    pub(super) fn is_on(&self) -> bool {
+        self.on.get()
+    }
+
+    /// A read of `len` bytes at `offset` arrives. True when the ring has nothing to do with
+    /// it: the ring is off, or the read continues no stream and a slot that neither reads
+    /// ahead nor holds chunks is free, where its stream starts (the read is a miss,
+    /// nothing more to do). False: the ring's state decides
+    /// ([`Ring::lookup`](super::Ring::lookup)).
+    ///
+    /// Every read runs it, and a random read nothing else of the ring: the look-up, the
+    /// round robin and the start are written out here on the fields (what
+    /// `StreamSlots::turn` and `start` do), and the count of reads stays in a register for
+    /// the start.
+    #[inline(always)]
+    pub(crate) fn passes(&self, offset: u64, len: u64) -> bool {
+        if !self.on.get() {
+            return true;
+        }
+        let reads = self.reads.get() + 1;
+        self.reads.set(reads);
+        let slots = &self.slots;
+        if slots.next.iter().any(|n| n.get() == offset) {
             return false;
         }
         // Most often the slot in turn is idle itself: no search.
-        let v = self.slots.turn();
+        let v = slots.victim.get() as usize % STREAMS;
         let i = if !self.busy[v].get() {
             v
         } else if self.left(v) {
@@ -147,7 +166,10 @@ impl Hot {
             }
         };
         // (Wraps only past the end of any disk: a stream no read continues.)
-        self.start(i, offset.wrapping_add(len));
+        slots.next[i].set(offset.wrapping_add(len));
+        slots.victim.set(i as u8 + 1);
+        self.fresh[i].set(true);
+        self.last[i].set(reads);
         true
     }
 

@@ -262,7 +262,7 @@ impl Ring {
     }
 
     /// A read of `len` bytes at `offset` arrives (`hot`: the streams' hot half, which
-    /// [`Hot::start_here`] may have looked at first): finds the stream it continues and
+    /// [`Hot::passes`] may have looked at first): finds the stream it continues and
     /// moves it on, or starts one in the next slot in turn that is idle, else that does not
     /// read ahead ([`Lookup::Started`]). For a continued stream, releases the chunks it has
     /// left behind (counting, when unused, as evicted unread) and says how much of the read,

@@ -8,7 +8,7 @@ use super::compressed::ZipFills;
 use super::host::RingHost;
 use super::{Hot, RingConfig, RingStats, RingWait, WriteGens};
 use crate::io::{BufSlice, IoBuffer};
-use std::cell::{Cell, OnceCell, RefCell};
+use std::cell::{OnceCell, RefCell};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -16,9 +16,8 @@ use std::time::Duration;
 /// read looks at first.
 #[repr(C)]
 pub struct ChainRing<B> {
-    /// Whether the ring is on: every read looks at it.
-    on: Cell<bool>,
-    /// The stream table as every read sees it (a random read goes no further).
+    /// The stream table as every read sees it (a random read goes no further), with
+    /// whether the ring is on.
     hot: Hot,
     /// The ring, once the host turned it on.
     host: RefCell<Option<RingHost<B>>>,
@@ -32,7 +31,6 @@ pub struct ChainRing<B> {
 impl<B> Default for ChainRing<B> {
     fn default() -> Self {
         ChainRing {
-            on: Cell::new(false),
             hot: Hot::default(),
             host: RefCell::new(None),
             gens: OnceCell::new(),
@@ -61,22 +59,22 @@ impl<B: IoBuffer> ChainRing<B> {
         let buf = buf(cfg.ring_bytes as usize);
         let _ = self.gens.set(gens.clone());
         *slot = Some(RingHost::new(cfg, disk_size, buf, gens));
-        self.on.set(true);
+        self.hot.turn_on();
         Ok(())
     }
 
     /// Whether the ring is on.
     #[inline(always)]
     pub fn is_on(&self) -> bool {
-        self.on.get()
+        self.hot.is_on()
     }
 
     /// True when the ring has nothing to do with a read of `len` bytes at `offset`: off, or
-    /// a read that starts a stream on the hot half ([`Hot::start_here`]); false: the
+    /// a read that starts a stream on the hot half ([`Hot::passes`]); false: the
     /// chain looks it up ([`Chain::ring_read_past`](crate::Chain::ring_read_past)).
     #[inline(always)]
     pub fn passes(&self, offset: u64, len: u64) -> bool {
-        !self.on.get() || self.hot.start_here(offset, len)
+        self.hot.passes(offset, len)
     }
 
     /// The image's write generations, when the ring is on.

@@ -31,8 +31,9 @@ pub const fn driver_ctx_size<M: BdevTypes>() -> usize {
 
 /// `fn_table.submit_request` of module `M` continues here.
 pub trait Requests: Channels {
-    /// A new request `io` on channel `c`, on the channel's thread.
-    fn submit_request(c: &Self::Channel, io: BdevIo<Self>);
+    /// A new request `io` of type `kind` (`SPDK_BDEV_IO_TYPE_*`, read with the request) on
+    /// channel `c`, on the channel's thread.
+    fn submit_request(c: &Self::Channel, io: BdevIo<Self>, kind: sys::spdk_bdev_io_type);
 }
 
 /// A bdev_io submitted to one of our bdevs and not completed yet. There is one handle per
@@ -163,16 +164,26 @@ impl<M: BdevTypes> BdevIo<M> {
         unsafe { (*self.0.as_ptr()).u.bdev.num_blocks }
     }
 
+    /// First byte and length in bytes, read together: what every request's plan starts
+    /// from (one function on the request path rather than four accessors).
+    #[inline(always)]
+    pub fn extent(&self) -> (u64, u64) {
+        // SAFETY: as in `offset_blocks`.
+        let b = unsafe { &(*self.0.as_ptr()).u.bdev };
+        let bs = u64::from(BLOCK_SIZE);
+        (b.offset_blocks * bs, b.num_blocks * bs)
+    }
+
     /// First byte.
     #[inline(always)]
     pub fn offset_bytes(&self) -> u64 {
-        self.offset_blocks() * u64::from(BLOCK_SIZE)
+        self.extent().0
     }
 
     /// Length in bytes.
     #[inline(always)]
     pub fn len_bytes(&self) -> u64 {
-        self.num_blocks() * u64::from(BLOCK_SIZE)
+        self.extent().1
     }
 
     #[inline(always)]
@@ -192,9 +203,11 @@ impl<M: BdevTypes> BdevIo<M> {
     /// Whether the bdev_io carries data buffers (reads may arrive without; see `get_buf`).
     #[inline(always)]
     pub fn has_buf(&self) -> bool {
-        let (iovs, cnt) = self.iovs();
-        // SAFETY: `iovs` points at `cnt` iovecs when `cnt > 0`.
-        cnt > 0 && !iovs.is_null() && !unsafe { (*iovs).iov_base }.is_null()
+        // SAFETY: as in `offset_blocks`; `iovs` points at `iovcnt` iovecs when `iovcnt > 0`.
+        unsafe {
+            let b = &(*self.0.as_ptr()).u.bdev;
+            b.iovcnt > 0 && !b.iovs.is_null() && !(*b.iovs).iov_base.is_null()
+        }
     }
 
     /// Asks SPDK to attach a data buffer for the whole request, then calls
@@ -331,7 +344,9 @@ pub(super) unsafe extern "C" fn submit_request<M: Requests>(
         )
     };
     if let Some(io) = io {
-        M::submit_request(c, io);
+        // SAFETY: as above (its type, read here: no accessor on the request path).
+        let kind = sys::spdk_bdev_io_type::from(unsafe { (*bdev_io).type_ });
+        M::submit_request(c, io, kind);
     }
 }
 
@@ -562,7 +577,10 @@ impl DirectTarget {
         write: bool,
         host: u64,
     ) -> Result<(), (BdevIo<M>, i32)> {
-        let len = io.len_bytes();
+        // The request's fields read here, with the child's submission.
+        // SAFETY: live bdev_io of a block I/O type (`u.bdev` is the active union member).
+        let b = unsafe { &(*io.0.as_ptr()).u.bdev };
+        let (len, iovs, iovcnt) = (b.num_blocks * u64::from(BLOCK_SIZE), b.iovs, b.iovcnt);
         // Shifts and one mask (this runs on every direct request); a block size not a power
         // of two fails the mask.
         if (host | len) & self.align_mask != 0 {
@@ -574,7 +592,6 @@ impl DirectTarget {
         } else {
             sys::spdk_bdev_readv_blocks
         };
-        let (iovs, iovcnt) = io.raw_iovs();
         // SAFETY: `desc` is open and `ch` is this thread's channel of it (constructor); the
         // iovecs hold the `len` bytes of the guest request and stay valid until it is
         // completed, which only `child_done` can do, after the child completed.
