@@ -212,7 +212,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let d = timed(4096, |b, i| w.decrypt(i * 8, b));
         println!(
             "  {}-{mode}: {e:.2} / {d:.2} ({:?})",
-            spec.bits.name(),
+            spec.alg.name(),
             c.backend()
         );
     }
