@@ -16,6 +16,8 @@ mod soft;
 mod spec;
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_ciphers;
 mod xts;
 #[cfg(target_arch = "x86_64")]
 mod xts_avx2;

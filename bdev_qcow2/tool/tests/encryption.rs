@@ -100,6 +100,12 @@ fn qemu_written_images_read_exactly_for_each_cipher() {
         ("xts-plain", ",encrypt.ivgen-alg=plain"),
         ("xts-md5", ",encrypt.hash-alg=md5"),
         ("cbc-essiv-md5-ripemd160", ",encrypt.cipher-alg=aes-128,encrypt.cipher-mode=cbc,encrypt.ivgen-alg=essiv,encrypt.ivgen-hash-alg=md5,encrypt.hash-alg=ripemd160"),
+        ("twofish256-xts", ",encrypt.cipher-alg=twofish-256"),
+        ("serpent128-xts", ",encrypt.cipher-alg=serpent-128"),
+        ("serpent192-xts-plain", ",encrypt.cipher-alg=serpent-192,encrypt.ivgen-alg=plain"),
+        ("twofish128-cbc-essiv", ",encrypt.cipher-alg=twofish-128,encrypt.cipher-mode=cbc,encrypt.ivgen-alg=essiv"),
+        ("cast5-cbc-plain64", ",encrypt.cipher-alg=cast5-128,encrypt.cipher-mode=cbc,encrypt.ivgen-alg=plain64"),
+        ("cast5-cbc-essiv-md5", ",encrypt.cipher-alg=cast5-128,encrypt.cipher-mode=cbc,encrypt.ivgen-alg=essiv,encrypt.ivgen-hash-alg=md5"),
     ] {
         let img = dir.path().join(format!("{name}.qcow2"));
         create(&img, "4M", extra);

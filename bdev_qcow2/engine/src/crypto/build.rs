@@ -8,7 +8,7 @@ use super::luks_build::{assemble, Assembly};
 
 /// What to build.
 pub struct LuksBuild<'a> {
-    /// `cipher_name` (only `aes`), `cipher_mode`.
+    /// `cipher_name` (`aes`, `twofish`, `serpent`, `cast5`), `cipher_mode`.
     pub cipher: (&'a str, &'a str),
     /// `hash_spec`.
     pub hash: HashAlg,

@@ -1,21 +1,26 @@
-//! The sector cipher of a LUKS payload: AES in XTS or CBC mode, keyed by the master key,
-//! with the IV of each 512-byte sector from its number (`plain`, `plain64`, `essiv`), as
-//! QEMU's `crypto/block-luks.c` and its IV generators compute them.
+//! The sector cipher of a LUKS payload: AES, Twofish or Serpent in XTS or CBC mode, or
+//! CAST5 in CBC, keyed by the master key, with the IV of each 512-byte sector from its
+//! number (`plain`, `plain64`, `essiv`), as QEMU's `crypto/block-luks.c` and its IV
+//! generators compute them (an IV is a block long: 8 bytes for CAST5).
 //!
-//! One dispatch: OpenSSL's EVP (`evp.rs`) runs every cipher it serves, keyed once per key
-//! (XTS as our XTS over EVP's AES-ECB, `evp_xts.rs`); RustCrypto (`soft.rs`) runs XTS
-//! over AES-192, which OpenSSL lacks, and is the reference the tests check EVP against.
+//! One dispatch: OpenSSL's EVP (`evp.rs`) runs every AES cipher it serves, keyed once per
+//! key (XTS as our XTS over EVP's AES-ECB, `evp_xts.rs`); RustCrypto (`soft.rs`) runs XTS
+//! over AES-192, which OpenSSL lacks, and Twofish, Serpent and CAST5, and is the reference
+//! the tests check EVP against.
 //! An EVP context is mutable: a [`SectorWorker`] owns one per thread (an executor's view,
 //! one per core, lock-free); [`SectorCipher::encrypt`]/[`decrypt`](SectorCipher::decrypt) through
 //! a shared `&SectorCipher` borrow contexts from a small pool under a mutex.
 
 use super::evp::EvpCtx;
-use super::soft::{aes, Soft};
-pub use super::spec::{AesBits, CipherSpec, IvGen, Mode, SECTOR_BYTES};
+use super::soft::{keyed, Soft};
+pub use super::spec::{CipherAlg, CipherSpec, IvGen, Mode, SECTOR_BYTES};
 use super::CryptoError;
 use aes::cipher::BlockEncrypt;
-use aes::{Aes128, Aes192, Aes256, Block};
+use aes::{Aes128, Aes192, Aes256};
+use cast5::Cast5;
+use serpent::Serpent;
 use std::sync::{Arc, Mutex, MutexGuard};
+use twofish::Twofish;
 
 enum Iv {
     Plain,
@@ -23,6 +28,9 @@ enum Iv {
     Essiv128(Box<Aes128>),
     Essiv192(Box<Aes192>),
     Essiv256(Box<Aes256>),
+    EssivTwofish(Box<Twofish>),
+    EssivSerpent(Box<Serpent>),
+    EssivCast5(Box<Cast5>),
 }
 
 /// Which implementation runs a cipher's sectors.
@@ -77,9 +85,9 @@ impl SectorCipher {
         if key.len() != spec.key_bytes() {
             return Err(CryptoError::Key);
         }
-        let soft = Soft::new(spec.mode, spec.bits, key)?;
+        let soft = Soft::new(spec.mode, spec.alg, key)?;
         let evp = match prefer {
-            Backend::OpenSsl => EvpCtx::new(spec.mode, spec.bits, key).map(|template| {
+            Backend::OpenSsl => EvpCtx::new(spec.mode, spec.alg, key).map(|template| {
                 Mutex::new(EvpPool {
                     template,
                     free: Vec::new(),
@@ -91,16 +99,12 @@ impl SectorCipher {
             IvGen::Plain => Iv::Plain,
             IvGen::Plain64 => Iv::Plain64,
             IvGen::Essiv(h) => {
-                // QEMU hashes the whole key (both halves for XTS).
+                // QEMU hashes the whole key (both halves for XTS); the ESSIV cipher is
+                // the family's whose key is the whole digest.
                 let mut salt = h.digest(key);
-                let iv = match AesBits::from_key_len(salt.len()) {
-                    Some(AesBits::B128) => Iv::Essiv128(aes(&salt)?),
-                    Some(AesBits::B192) => Iv::Essiv192(aes(&salt)?),
-                    Some(AesBits::B256) => Iv::Essiv256(aes(&salt)?),
-                    None => return Err(CryptoError::Key),
-                };
+                let iv = essiv_keyed(spec.essiv_alg(), &salt);
                 zeroize::Zeroize::zeroize(&mut salt);
-                iv
+                iv?
             }
         };
         Ok(SectorCipher { evp, soft, iv })
@@ -134,6 +138,9 @@ impl SectorCipher {
             Iv::Essiv128(c) => numbers.for_each(|(b, s)| essiv(c.as_ref(), s, b)),
             Iv::Essiv192(c) => numbers.for_each(|(b, s)| essiv(c.as_ref(), s, b)),
             Iv::Essiv256(c) => numbers.for_each(|(b, s)| essiv(c.as_ref(), s, b)),
+            Iv::EssivTwofish(c) => numbers.for_each(|(b, s)| essiv(c.as_ref(), s, b)),
+            Iv::EssivSerpent(c) => numbers.for_each(|(b, s)| essiv(c.as_ref(), s, b)),
+            Iv::EssivCast5(c) => numbers.for_each(|(b, s)| essiv(c.as_ref(), s, b)),
         }
     }
 
@@ -219,12 +226,27 @@ impl SectorWorker {
     }
 }
 
-fn essiv<C>(c: &C, sector: u64, out: &mut [u8; 16])
-where
-    C: BlockEncrypt + aes::cipher::BlockSizeUser<BlockSize = aes::cipher::consts::U16>,
-{
-    let mut b = Block::default();
+/// The ESSIV cipher `alg` keyed with `salt` (the digest of the key).
+fn essiv_keyed(alg: Option<CipherAlg>, salt: &[u8]) -> Result<Iv, CryptoError> {
+    use CipherAlg as A;
+    Ok(match alg.ok_or(CryptoError::Key)? {
+        A::Aes128 => Iv::Essiv128(keyed(salt)?),
+        A::Aes192 => Iv::Essiv192(keyed(salt)?),
+        A::Aes256 => Iv::Essiv256(keyed(salt)?),
+        A::Twofish128 | A::Twofish192 | A::Twofish256 => Iv::EssivTwofish(keyed(salt)?),
+        A::Serpent128 | A::Serpent192 | A::Serpent256 => Iv::EssivSerpent(keyed(salt)?),
+        A::Cast5 => Iv::EssivCast5(keyed(salt)?),
+    })
+}
+
+/// ESSIV as QEMU's `ivgen-essiv.c`: the little-endian sector number, zero-padded to a
+/// block, encrypted; the IV is that block (8 bytes for CAST5, zero-padded here).
+fn essiv<C: BlockEncrypt>(c: &C, sector: u64, out: &mut [u8; 16]) {
+    let mut b = aes::cipher::Block::<C>::default();
+    let n = b.len().min(16);
     b[..8].copy_from_slice(&sector.to_le_bytes());
     c.encrypt_block(&mut b);
-    out.copy_from_slice(&b);
+    out[..n].copy_from_slice(&b[..n]);
+    // Empty for a 16-byte block: nothing added to AES.
+    out[n..].fill(0);
 }

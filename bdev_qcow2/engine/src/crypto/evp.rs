@@ -6,7 +6,7 @@
 //! state, not the key).
 
 use super::evp_xts::EcbXts;
-use super::spec::{AesBits, Mode, SECTOR_BYTES};
+use super::spec::{CipherAlg, Mode, SECTOR_BYTES};
 use openssl::cipher::{Cipher, CipherRef};
 use openssl::cipher_ctx::CipherCtx;
 
@@ -19,23 +19,24 @@ pub(super) enum EvpCtx {
 }
 
 impl EvpCtx {
-    /// Keys `mode` over AES-`bits` with `key`; `None` where OpenSSL does not serve the
+    /// Keys `mode` over `alg` with `key`; `None` where OpenSSL does not serve the
     /// cipher (XTS over AES-192: OpenSSL has no XTS-AES-192 context to check against, and
-    /// IEEE 1619 none at all).
-    pub(super) fn new(mode: Mode, bits: AesBits, key: &[u8]) -> Option<Self> {
-        match (mode, bits) {
-            (Mode::Xts, AesBits::B128) => Some(Self::Xts(Box::new(EcbXts::new(
+    /// IEEE 1619 none at all; every cipher but AES, which RustCrypto runs).
+    pub(super) fn new(mode: Mode, alg: CipherAlg, key: &[u8]) -> Option<Self> {
+        match (mode, alg) {
+            (Mode::Xts, CipherAlg::Aes128) => Some(Self::Xts(Box::new(EcbXts::new(
                 Cipher::aes_128_ecb(),
                 key,
             )?))),
-            (Mode::Xts, AesBits::B192) => None,
-            (Mode::Xts, AesBits::B256) => Some(Self::Xts(Box::new(EcbXts::new(
+            (Mode::Xts, CipherAlg::Aes192) => None,
+            (Mode::Xts, CipherAlg::Aes256) => Some(Self::Xts(Box::new(EcbXts::new(
                 Cipher::aes_256_ecb(),
                 key,
             )?))),
-            (Mode::Cbc, AesBits::B128) => cbc(Cipher::aes_128_cbc(), key),
-            (Mode::Cbc, AesBits::B192) => cbc(Cipher::aes_192_cbc(), key),
-            (Mode::Cbc, AesBits::B256) => cbc(Cipher::aes_256_cbc(), key),
+            (Mode::Cbc, CipherAlg::Aes128) => cbc(Cipher::aes_128_cbc(), key),
+            (Mode::Cbc, CipherAlg::Aes192) => cbc(Cipher::aes_192_cbc(), key),
+            (Mode::Cbc, CipherAlg::Aes256) => cbc(Cipher::aes_256_cbc(), key),
+            _ => None,
         }
     }
 

@@ -19,7 +19,7 @@
 //! // `CreateOptions { encryption: Some(area), .. }` formats an encrypted image with it.
 //! ```
 
-use super::cipher::{AesBits, CipherSpec, Mode, SectorCipher, SECTOR_BYTES};
+use super::cipher::{CipherAlg, CipherSpec, Mode, SectorCipher, SECTOR_BYTES};
 use super::hash::HashAlg;
 use super::luks::{diffuse, LUKS_HEADER_BYTES, LUKS_MAGIC, LUKS_SLOTS, LUKS_STRIPES};
 use crate::error::{Error, Result};
@@ -53,8 +53,8 @@ pub enum IvGenAlg {
 /// with QEMU's defaults: aes-256, xts, plain64, sha256, iter-time 2000 ms.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LuksParams {
-    /// `cipher-alg`: aes-128, aes-192, aes-256.
-    pub cipher_alg: AesBits,
+    /// `cipher-alg`: aes-128/192/256, twofish-128/192/256, serpent-128/192/256, cast5-128.
+    pub cipher_alg: CipherAlg,
     /// `cipher-mode`: xts or cbc.
     pub cipher_mode: Mode,
     /// `ivgen-alg`.
@@ -70,7 +70,7 @@ pub struct LuksParams {
 impl Default for LuksParams {
     fn default() -> Self {
         LuksParams {
-            cipher_alg: AesBits::B256,
+            cipher_alg: CipherAlg::Aes256,
             cipher_mode: Mode::Xts,
             ivgen_alg: IvGenAlg::Plain64,
             ivgen_hash_alg: None,
@@ -102,14 +102,14 @@ impl LuksParams {
     pub fn set(&mut self, name: &str, value: &str) -> Result<()> {
         match name {
             "cipher-alg" => {
-                self.cipher_alg = match value {
-                    "aes-128" => AesBits::B128,
-                    "aes-192" => AesBits::B192,
-                    "aes-256" => AesBits::B256,
-                    _ => {
+                self.cipher_alg = match CipherAlg::parse(value) {
+                    Some(a) => a,
+                    None => {
+                        let all: Vec<&str> = CipherAlg::ALL.iter().map(|a| a.name()).collect();
                         return refused(format!(
-                            "Cipher algorithm {value} not supported (aes-128, aes-192, aes-256)"
-                        ))
+                            "Cipher algorithm {value} not supported ({})",
+                            all.join(", ")
+                        ));
                     }
                 }
             }
@@ -166,23 +166,27 @@ impl LuksParams {
         }
     }
 
-    /// The master key's length: the AES key's, twice for XTS.
+    /// The master key's length: the cipher's key's, twice for XTS.
     pub fn key_bytes(&self) -> usize {
-        let one = match self.cipher_alg {
-            AesBits::B128 => 16,
-            AesBits::B192 => 24,
-            AesBits::B256 => 32,
-        };
+        let one = self.cipher_alg.key_len();
         match self.cipher_mode {
             Mode::Xts => 2 * one,
             Mode::Cbc => one,
         }
     }
 
-    /// The payload cipher these options make; refused when QEMU refuses them (essiv with
-    /// a hash whose digest is no AES key length: sha1, sha384, sha512) or fails on them
-    /// (aes-192-cbc).
+    /// The payload cipher these options make; refused when QEMU refuses them (XTS over
+    /// CAST5's 8-byte blocks; essiv with a hash whose digest is no key length of the
+    /// cipher: sha1, sha384, sha512, and all but md5 for CAST5) or fails on them
+    /// (aes-192-cbc, twofish-192-cbc, serpent-192-cbc).
     pub fn cipher_spec(&self) -> Result<CipherSpec> {
+        if self.cipher_mode == Mode::Xts && self.cipher_alg.block_len() != 16 {
+            return refused(format!(
+                "cipher {} not supported in mode xts (its blocks are {} bytes; use cbc)",
+                self.cipher_alg.name(),
+                self.cipher_alg.block_len()
+            ));
+        }
         if !(self.key_bytes() * LUKS_STRIPES as usize).is_multiple_of(SECTOR_BYTES) {
             // aes-192-cbc: QEMU encrypts key material by whole sectors and aborts on it.
             return refused(format!(
@@ -192,12 +196,18 @@ impl LuksParams {
                 self.cipher_mode_text()
             ));
         }
-        CipherSpec::parse("aes", &self.cipher_mode_text(), self.key_bytes()).map_or_else(
+        let family = self.cipher_alg.family();
+        CipherSpec::parse(family, &self.cipher_mode_text(), self.key_bytes()).map_or_else(
             || {
+                let keys = match self.cipher_alg {
+                    CipherAlg::Cast5 => "md5",
+                    _ => "md5, sha256",
+                };
                 refused(format!(
-                    "cipher mode '{}' not supported: essiv needs an ivgen-hash-alg whose \
-                     digest is as long as an AES key (md5, sha256)",
-                    self.cipher_mode_text()
+                    "cipher mode '{}' not supported with {}: essiv needs an ivgen-hash-alg \
+                     whose digest is as long as a {family} key ({keys})",
+                    self.cipher_mode_text(),
+                    self.cipher_alg.name()
                 ))
             },
             Ok,
@@ -379,7 +389,7 @@ pub(crate) fn assemble(a: &Assembly<'_>, fill: &mut dyn FnMut(&mut [u8])) -> Vec
     let h = &mut area[..LUKS_HEADER_BYTES];
     h[..6].copy_from_slice(&LUKS_MAGIC);
     h[6..8].copy_from_slice(&1u16.to_be_bytes());
-    put_text(&mut h[8..40], "aes");
+    put_text(&mut h[8..40], a.spec.alg.family());
     put_text(&mut h[40..72], a.cipher_mode);
     put_text(&mut h[72..104], a.hash.name());
     h[104..108].copy_from_slice(&(total_sectors as u32).to_be_bytes());

@@ -1,4 +1,4 @@
-use super::cipher::{AesBits, Backend, IvGen, Mode};
+use super::cipher::{Backend, CipherAlg, IvGen, Mode};
 use super::hash::HashAlg;
 use super::*;
 
@@ -6,15 +6,15 @@ use super::*;
 fn cipher_specs_qemu_names() {
     let s = CipherSpec::parse("aes", "xts-plain64", 64).unwrap();
     assert_eq!(
-        (s.bits, s.mode, s.ivgen),
-        (AesBits::B256, Mode::Xts, IvGen::Plain64)
+        (s.alg, s.mode, s.ivgen),
+        (CipherAlg::Aes256, Mode::Xts, IvGen::Plain64)
     );
     let s = CipherSpec::parse("aes", "cbc-essiv:sha256", 16).unwrap();
     assert_eq!(s.ivgen, IvGen::Essiv(HashAlg::Sha256));
-    assert_eq!(s.bits, AesBits::B128);
+    assert_eq!(s.alg, CipherAlg::Aes128);
     assert!(CipherSpec::parse("aes", "xts-plain64", 63).is_none());
     assert!(CipherSpec::parse("aes", "cbc-essiv:sha1", 32).is_none());
-    assert!(CipherSpec::parse("twofish", "xts-plain64", 64).is_none());
+    assert!(CipherSpec::parse("sm4", "xts-plain64", 32).is_none());
     assert!(CipherSpec::parse("aes", "ecb", 32).is_none());
 }
 
@@ -363,7 +363,7 @@ fn built_area_for_each_option_set() {
     }
     let mut p = LuksParams::default();
     for (k, v) in [
-        ("cipher-alg", "twofish-128"),
+        ("cipher-alg", "sm4"),
         ("hash-alg", "sha3-256"),
         ("iter-time", "x"),
         ("foo", "1"),
@@ -400,8 +400,8 @@ fn ecb_xts_passes_match_rustcrypto_for_every_length() {
     use openssl::cipher::Cipher;
     let mut seed = 7;
     for (bits, ecb) in [
-        (AesBits::B128, Cipher::aes_128_ecb()),
-        (AesBits::B256, Cipher::aes_256_ecb()),
+        (CipherAlg::Aes128, Cipher::aes_128_ecb()),
+        (CipherAlg::Aes256, Cipher::aes_256_ecb()),
     ] {
         let key = noise(&mut seed, 2 * ecb.key_length());
         let reference = Soft::new(Mode::Xts, bits, &key).unwrap();

@@ -29,7 +29,7 @@ pub fn encrypt_json(l: &Luks) -> Value {
         for (k, x) in [
             ("detached-header", json!(false)),
             ("hash-alg", json!(h.hash.name())),
-            ("cipher-alg", json!(h.cipher.bits.name())),
+            ("cipher-alg", json!(h.cipher.alg.name())),
             ("uuid", json!(h.uuid)),
             ("format", json!("luks")),
             ("cipher-mode", json!(h.cipher.mode_name())),
