@@ -285,6 +285,34 @@ row_args() {
   esac
 }
 
+# What a server's requests cost in CPU, whatever share of a core the machine's load leaves
+# it: cpu_mark before a client's run, cpu_per_io SERVER after it prints µs of CPU per request
+# completed. CPU time is the process's (utime + stime, its threads and io_uring workers
+# included); for an SPDK server only the share of it its reactors spent in busy polls
+# (framework_get_reactors' busy / (busy + idle) over the run): it polls the rest of its core.
+# qemu-storage-daemon's figure includes its iothread's own adaptive polling.
+proc_cpu() { awk '{print $14 + $15}' "/proc/$SERVER_PID/stat"; }
+reactor_ticks() {
+  "$RPC" -s "$WORK/spdk.sock" framework_get_reactors |
+    python3 -c 'import json,sys; r=json.load(sys.stdin)["reactors"]; print(sum(x["busy"] for x in r), sum(x["idle"] for x in r))'
+}
+cpu_mark() {
+  CPU0=$(proc_cpu)
+  TICKS0=
+  [ "$s" = qsd ] || TICKS0=$(reactor_ticks)
+}
+cpu_per_io() {
+  local cpu1 share=1 b0 i0 b1 i1
+  cpu1=$(proc_cpu)
+  if [ -n "$TICKS0" ]; then
+    read -r b0 i0 <<<"$TICKS0"
+    read -r b1 i1 < <(reactor_ticks)
+    share=$(awk -v b=$((b1 - b0)) -v i=$((i1 - i0)) 'BEGIN {print b / (b + i)}')
+  fi
+  awk -v c=$((cpu1 - CPU0)) -v hz="$(getconf CLK_TCK)" -v f="$share" -v r="$IOPS" -v t="$RUN_TIME" \
+    'BEGIN {printf "%.1f\n", c / hz * f / (r * t) * 1e6}'
+}
+
 # alloc_share IMAGE: the share of the run's writes that allocated a cluster (allocated data
 # clusters / writes completed, from IOPS); fails unless qemu-img check finds the image clean.
 # The image goes after it (on tmpfs it holds gigabytes of memory).
@@ -399,7 +427,7 @@ for case in $CASES; do
     fi
     RUN_TIME=$TIME
     [ "$row" != alloc-write ] || RUN_TIME=$ALLOC_TIME
-    declare -A got=() ios=() share=()
+    declare -A got=() ios=() share=() cpu=()
     for r in $(seq "$RUNS"); do
       if [ $((r % 2)) = 1 ]; then order=(ours qsd pt); else order=(pt qsd ours); fi
       for s in "${order[@]}"; do
@@ -423,9 +451,11 @@ for case in $CASES; do
           perf record -q -g -p "$SERVER_PID" -o "$PROFILE/$case-$row-$s-$r.data" -- sleep "$RUN_TIME" 2>/dev/null &
           perf_pid=$!
         fi
+        cpu_mark
         # shellcheck disable=SC2046
         client "$WORK/out.txt" $(row_args "$row")
         [ -z "$perf_pid" ] || wait "$perf_pid" || true
+        cpu[$s]+="$(cpu_per_io "$s") "
         stop_server
         if [ "$row" = qd1 ]; then got[$s]+="$LAT_US "; else got[$s]+="$IOPS "; fi
         [ "$row" != alloc-write ] || share[$s]+="$(alloc_share "$f") "
@@ -455,8 +485,13 @@ for case in $CASES; do
       ms() { echo "${share[$1]}" | tr ' ' '\n' | grep . | sort -g | awk '{v[NR]=$1} END {print v[int((NR+1)/2)]}'; }
       printf '%-14s %10s %10s\n' "  allocating" "$(ms ours)" "$(ms qsd)"
     fi
+    mc() { [ -n "${cpu[$1]:-}" ] && echo "${cpu[$1]}" | tr ' ' '\n' | grep . | median || echo -; }
+    co=$(mc ours) cq=$(mc qsd) cp=$(mc pt)
+    printf '%-14s %10s %10s %10s %9s %9s\n' "  cpu µs/req" "$co" "$cq" "$cp" \
+      "$(awk -v a="$co" -v b="$cq" 'BEGIN {printf "%.2fx", b / a}')" \
+      "$([ "$cp" = - ] && echo - || awk -v a="$co" -v b="$cp" 'BEGIN {printf "%.2fx", b / a}')"
     printf '%-14s %s\n' "  runs" "ours: ${got[ours]:-} qsd: ${got[qsd]:-}${got[pt]:+ pt: ${got[pt]}}"
-    unset got ios share
+    unset got ios share cpu
     # The big images of a row go with it (tmpfs holds them in memory).
     rm -f "$dir"/*.big "$dir"/*.l2
   done

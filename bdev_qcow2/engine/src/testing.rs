@@ -169,11 +169,12 @@ impl BlockDevice for MemDevice {
                     s.data[offset as usize..end as usize].fill(0);
                     s.discarded_bytes += end - offset;
                     if s.record {
-                        s.log.push(if s.discard_zeroes {
+                        let logged = if s.discard_zeroes {
                             LoggedOp::Write(offset, vec![0; (end - offset) as usize])
                         } else {
                             LoggedOp::Discard(offset, end - offset)
-                        });
+                        };
+                        s.log.push(logged);
                     }
                 }
                 Ok(())
