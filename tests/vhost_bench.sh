@@ -54,6 +54,9 @@
 # then misses: about a tenth of the server's time where the rest is cheap (big-defaults,
 # whose reads are holes). A guest's driver, over any real device, sees its order shuffled too.
 #
+# PROFILE=DIR: perf record -g of each server while its client runs, into
+# DIR/CASE-ROW-SERVER-RUN.data (perf report -i ...).
+#
 # OURS_OPTS: more parameters of bdev_qcow2_create, as JSON members (e.g. '"zero_ahead": false').
 #
 # Needs SPDK (spdk_tgt, bdevperf, rpc.py), qemu-storage-daemon, qemu-img, python3, cc; prints
@@ -78,13 +81,22 @@ BIG=${BIG:-64G}
 CASES=${CASES:-tmpfs disk}
 ROWS=${ROWS:-randread-4k randread-512 seqread-128k overwrite-4k qd1 verify big-defaults alloc-write l2-small}
 L2SIZE=${L2SIZE:-4G}
-# Row alloc-write measures allocation only: its image is large enough that the run's random
-# 4 KiB writes (some 10^5) land on distinct 64 KiB clusters almost always (1 TiB: 16 Mi
-# clusters), and its file has ALLOC_ROOM past the end for what they allocate (an AIO bdev
-# does not grow; sparse: only what a server writes takes space — on tmpfs that is memory, up
-# to 64 KiB per write where a server zeroes whole clusters with fallocate, as QEMU does).
-ALLOC_SIZE=${ALLOC_SIZE:-1T}
+# Row alloc-write measures allocation only: its image (ALLOC_SIZE, 64 KiB clusters) is large
+# enough that the run's random 4 KiB writes land on distinct clusters almost always — 256 GiB
+# has 4 Mi clusters, and ALLOC_TIME seconds of up to 60 K writes/s take 180 K of them, of
+# which about 2 % a second time — and small enough that both servers' default L2 caches
+# (32 MiB each) hold all of its L2 tables, as they do for a 16 GiB image (on 1 TiB, QEMU
+# would write evicted tables back and read them again). After each run the row checks the
+# image with qemu-img check (clean, no leaks) and prints under the row the share of writes
+# that allocated a cluster (allocated clusters / writes completed; the median run's).
+# ALLOC_SIZE=16G gives the issue's first figure (#48), where a quarter of the writes land in
+# a cluster an earlier one allocated. Its file has ALLOC_ROOM past the end for what they
+# allocate (an AIO bdev does not grow; sparse: only what a server writes takes space — on
+# tmpfs that is memory, up to 64 KiB per write where a server zeroes whole clusters, as both
+# do there; each run's image is removed after it).
+ALLOC_SIZE=${ALLOC_SIZE:-256G}
 ALLOC_ROOM=${ALLOC_ROOM:-16G}
+ALLOC_TIME=${ALLOC_TIME:-3}
 LIMIT_IOPS=${LIMIT_IOPS:-3000}
 LIMIT_BPS=${LIMIT_BPS:-$((125 << 20))}
 BLKIO=/sys/fs/cgroup/blkio
@@ -238,8 +250,8 @@ client() {
   "traddr": "$WORK/relay.sock", "dev_type": "blk", "vq_count": $VQS, "vq_size": 256}}]}]}
 EOF
   # shellcheck disable=SC2086
-  if ! timeout -k 5 $((TIME + 60)) env LD_PRELOAD="$WORK/align.so" bdevperf -m "$CLI_MASK" $NO_LOCKS -g -s 1024 \
-      --json "$WORK/client.json" -t "$TIME" $CLI_ARGS "$@" >"$out" 2>&1; then
+  if ! timeout -k 5 $((RUN_TIME + 60)) env LD_PRELOAD="$WORK/align.so" bdevperf -m "$CLI_MASK" $NO_LOCKS -g -s 1024 \
+      --json "$WORK/client.json" -t "$RUN_TIME" $CLI_ARGS "$@" >"$out" 2>&1; then
     kill "$relay" 2>/dev/null || true
     grep -v VHOST_CONFIG "$WORK/server.log" | tail -15; tail -25 "$out"
     echo "bdevperf failed" >&2
@@ -271,6 +283,44 @@ row_args() {
   alloc-write) echo "-q 32 -o 4096 -w randwrite" ;;
   l2-small) echo "-q 32 -o 4096 -w randread" ;;
   esac
+}
+
+# What a server's requests cost in CPU, whatever share of a core the machine's load leaves
+# it: cpu_mark before a client's run, cpu_per_io SERVER after it prints µs of CPU per request
+# completed. CPU time is the process's (utime + stime, its threads and io_uring workers
+# included); for an SPDK server only the share of it its reactors spent in busy polls
+# (framework_get_reactors' busy / (busy + idle) over the run): it polls the rest of its core.
+# qemu-storage-daemon's figure includes its iothread's own adaptive polling.
+proc_cpu() { awk '{print $14 + $15}' "/proc/$SERVER_PID/stat"; }
+reactor_ticks() {
+  "$RPC" -s "$WORK/spdk.sock" framework_get_reactors |
+    python3 -c 'import json,sys; r=json.load(sys.stdin)["reactors"]; print(sum(x["busy"] for x in r), sum(x["idle"] for x in r))'
+}
+cpu_mark() {
+  CPU0=$(proc_cpu)
+  TICKS0=
+  [ "$s" = qsd ] || TICKS0=$(reactor_ticks)
+}
+cpu_per_io() {
+  local cpu1 share=1 b0 i0 b1 i1
+  cpu1=$(proc_cpu)
+  if [ -n "$TICKS0" ]; then
+    read -r b0 i0 <<<"$TICKS0"
+    read -r b1 i1 < <(reactor_ticks)
+    share=$(awk -v b=$((b1 - b0)) -v i=$((i1 - i0)) 'BEGIN {print b / (b + i)}')
+  fi
+  awk -v c=$((cpu1 - CPU0)) -v hz="$(getconf CLK_TCK)" -v f="$share" -v r="$IOPS" -v t="$RUN_TIME" \
+    'BEGIN {printf "%.1f\n", c / hz * f / (r * t) * 1e6}'
+}
+
+# alloc_share IMAGE: the share of the run's writes that allocated a cluster (allocated data
+# clusters / writes completed, from IOPS); fails unless qemu-img check finds the image clean.
+# The image goes after it (on tmpfs it holds gigabytes of memory).
+alloc_share() {
+  local f=$1 out
+  out=$(qemu-img check --output=json "$f") || { echo "$out" >&2; echo "alloc-write: $f not clean" >&2; exit 1; }
+  rm -f "$f"
+  echo "$out" | python3 -c 'import json,sys; j=json.load(sys.stdin); print("%.3f" % (j["allocated-clusters"] / (float(sys.argv[1]) * float(sys.argv[2]))))' "$IOPS" "$RUN_TIME"
 }
 
 median() { sort -g | awk '{v[NR]=$1} END {printf "%.1f\n", NR % 2 ? v[(NR+1)/2] : (v[NR/2]+v[NR/2+1])/2}'; }
@@ -328,13 +378,15 @@ l2_images() {
 
 printf '%s\n' "vhost-user-blk, client bdevperf (virtio-user) on core 1, servers on core 0;" \
   "relay: config request shortened, size_max 0 -> 65536; client buffers 4 KiB aligned;" \
-  "medians of $RUNS alternating runs of $TIME s; image $SIZE (big: $BIG, metadata preallocated; alloc-write: $ALLOC_SIZE, empty)."
+  "medians of $RUNS alternating runs of $TIME s; image $SIZE (big: $BIG, metadata preallocated; alloc-write: $ALLOC_SIZE, empty, runs of $ALLOC_TIME s)."
 for case in $CASES; do
-  # AIO bdevs zero with fallocate on ext4, as an operator creates them there (our bdev then
-  # zeroes ahead of its allocator); tmpfs has no fallocate zero range.
+  # AIO bdevs with fallocate, as an operator makes them to have discards give space back
+  # (their unmap punches a hole, so our bdev zeroes ahead of its allocator by punching);
+  # tmpfs has no fallocate zero range, which neither server asks of it here.
+  FALLOC=true
   case $case in
-  tmpfs | two-cores) dir=/dev/shm/vhost_bench FALLOC=false ;;
-  *) dir=/var/tmp/vhost_bench FALLOC=true ;;
+  tmpfs | two-cores) dir=/dev/shm/vhost_bench ;;
+  *) dir=/var/tmp/vhost_bench ;;
   esac
   SRV_MASK=0x1 VHOST_MASK=0x1 QSD_CPUS=0 CLI_MASK=0x2 CLI_ARGS= NO_LOCKS= VQS=2
   if [ "$case" = two-cores ]; then
@@ -373,7 +425,9 @@ for case in $CASES; do
       why=$(l2_images "$dir")
       [ -z "$why" ] || { printf '%-14s %s\n' "$row" "$why"; continue; }
     fi
-    declare -A got=() ios=()
+    RUN_TIME=$TIME
+    [ "$row" != alloc-write ] || RUN_TIME=$ALLOC_TIME
+    declare -A got=() ios=() share=() cpu=()
     for r in $(seq "$RUNS"); do
       if [ $((r % 2)) = 1 ]; then order=(ours qsd pt); else order=(pt qsd ours); fi
       for s in "${order[@]}"; do
@@ -391,12 +445,22 @@ for case in $CASES; do
         QSD_OPTS=
         [ "$row" = l2-small ] && QSD_OPTS=,l2-cache-size=131072
         server "$s" "$f"
+        perf_pid=
+        if [ -n "${PROFILE:-}" ]; then
+          mkdir -p "$PROFILE"
+          perf record -q -g -p "$SERVER_PID" -o "$PROFILE/$case-$row-$s-$r.data" -- sleep "$RUN_TIME" 2>/dev/null &
+          perf_pid=$!
+        fi
+        cpu_mark
         # shellcheck disable=SC2046
         client "$WORK/out.txt" $(row_args "$row")
+        [ -z "$perf_pid" ] || wait "$perf_pid" || true
+        cpu[$s]+="$(cpu_per_io "$s") "
         stop_server
         if [ "$row" = qd1 ]; then got[$s]+="$LAT_US "; else got[$s]+="$IOPS "; fi
+        [ "$row" != alloc-write ] || share[$s]+="$(alloc_share "$f") "
         [ -z "$THROTTLE" ] ||
-          ios[$s]+="$(awk -v n="$DISK_IOS" -v b="$DISK_BYTES" -v r="$IOPS" -v t="$TIME" \
+          ios[$s]+="$(awk -v n="$DISK_IOS" -v b="$DISK_BYTES" -v r="$IOPS" -v t="$RUN_TIME" \
             'BEGIN {printf "%.2f/%.0fK", n / (r * t), b / (r * t) / 1024}') "
 
       done
@@ -417,7 +481,17 @@ for case in $CASES; do
         awk '{v[NR]=$1} END {print v[int((NR+1)/2)]}' || echo -; }
       printf '%-14s %10s %10s %10s\n' "  I/Os,KiB/req" "$(mi ours)" "$(mi qsd)" "$(mi pt)"
     fi
-    unset got ios
+    if [ "$row" = alloc-write ]; then
+      ms() { echo "${share[$1]}" | tr ' ' '\n' | grep . | sort -g | awk '{v[NR]=$1} END {print v[int((NR+1)/2)]}'; }
+      printf '%-14s %10s %10s\n' "  allocating" "$(ms ours)" "$(ms qsd)"
+    fi
+    mc() { [ -n "${cpu[$1]:-}" ] && echo "${cpu[$1]}" | tr ' ' '\n' | grep . | median || echo -; }
+    co=$(mc ours) cq=$(mc qsd) cp=$(mc pt)
+    printf '%-14s %10s %10s %10s %9s %9s\n' "  cpu µs/req" "$co" "$cq" "$cp" \
+      "$(awk -v a="$co" -v b="$cq" 'BEGIN {printf "%.2fx", b / a}')" \
+      "$([ "$cp" = - ] && echo - || awk -v a="$co" -v b="$cp" 'BEGIN {printf "%.2fx", b / a}')"
+    printf '%-14s %s\n' "  runs" "ours: ${got[ours]:-} qsd: ${got[qsd]:-}${got[pt]:+ pt: ${got[pt]}}"
+    unset got ios share cpu
     # The big images of a row go with it (tmpfs holds them in memory).
     rm -f "$dir"/*.big "$dir"/*.l2
   done

@@ -239,6 +239,15 @@ pub trait BlockDevice: 'static {
     fn discards(&self) -> bool {
         false
     }
+    /// Whether a [`DeviceOp::Discard`] that completed leaves its range reading zeros, and
+    /// stable like a write once a flush follows (a file's punched hole, which a
+    /// `FALLOC_FL_PUNCH_HOLE` guarantees on every file system and block device that takes
+    /// it). Then zeroing ahead of the allocator (`OpenOptions::zero_ahead`) punches rather
+    /// than writes zeros: nothing is allocated for the zeros, and a first write into a new
+    /// cluster fills one page of it, not all of it. Implies [`discards`](Self::discards).
+    fn discard_zeroes(&self) -> bool {
+        false
+    }
     /// Whether the device has work of its own in flight that only its
     /// [`poll`](Self::poll) finishes (a fill of a shared cache other cores wait for), with
     /// no request of the executor waiting on it: the host keeps polling until it has none.

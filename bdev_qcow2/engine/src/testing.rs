@@ -50,6 +50,9 @@ pub struct MemState {
     /// Claims [`BlockDevice::discards`] (like a sparse file or a thin bdev): a discard
     /// zeroes the range here (a punched hole).
     pub discards: bool,
+    /// Claims [`BlockDevice::discard_zeroes`] (a file's punched hole): a discard is
+    /// logged as a write of zeros, which a crash keeps or not until a flush.
+    pub discard_zeroes: bool,
     /// Bytes discarded so far.
     pub discarded_bytes: u64,
     /// `WriteZeroes` operations submitted so far.
@@ -166,7 +169,12 @@ impl BlockDevice for MemDevice {
                     s.data[offset as usize..end as usize].fill(0);
                     s.discarded_bytes += end - offset;
                     if s.record {
-                        s.log.push(LoggedOp::Discard(offset, end - offset));
+                        let logged = if s.discard_zeroes {
+                            LoggedOp::Write(offset, vec![0; (end - offset) as usize])
+                        } else {
+                            LoggedOp::Discard(offset, end - offset)
+                        };
+                        s.log.push(logged);
                     }
                 }
                 Ok(())
@@ -190,6 +198,10 @@ impl BlockDevice for MemDevice {
     }
     fn discards(&self) -> bool {
         self.0.borrow().discards
+    }
+    fn discard_zeroes(&self) -> bool {
+        let s = self.0.borrow();
+        s.discards && s.discard_zeroes
     }
     fn ensure_size(&mut self, size: u64) -> Result<(), DeviceError> {
         let mut s = self.0.borrow_mut();

@@ -179,6 +179,9 @@ struct Setup {
     /// On a fixed device, stale bytes past the image, and the owner zeroes ahead of its
     /// allocator (`OpenOptions::zero_ahead`).
     zero_ahead: bool,
+    /// With `zero_ahead`: the device has no write-zeroes but its discard leaves zeros (a
+    /// file's punched hole on tmpfs), so zeroing ahead punches.
+    punch: bool,
     /// The device discards, and every freed cluster is discarded
     /// (`OpenOptions::pass_discard_*`): a crash replay fills discarded bytes with garbage.
     discards: bool,
@@ -238,6 +241,7 @@ fn crash_test_with(
         cheap_zeroes,
         submit,
         zero_ahead,
+        punch,
         discards,
         snapshot,
         concurrent_bound,
@@ -253,7 +257,12 @@ fn crash_test_with(
         Some(bytes) => MemDevice::fixed(initial.clone(), bytes),
         None => MemDevice::new(initial.clone()),
     };
-    dev.0.borrow_mut().discards = discards;
+    dev.0.borrow_mut().discards = discards || punch;
+    if punch {
+        let mut s = dev.0.borrow_mut();
+        s.discard_zeroes = true;
+        s.zeroes_fail = Some(95); // EOPNOTSUPP
+    }
     let chain = match concurrent_bound {
         Some(bound) => crash_common::open_opts(
             &exec,
@@ -533,6 +542,37 @@ fn crash_states_zeroing_ahead() {
         );
         eprintln!(
             "crash states tried (zeroing ahead, {} KiB clusters): {n}",
+            1 << (cluster_bits - 10)
+        );
+        assert!(n > 50);
+    }
+}
+
+#[test]
+fn crash_states_zeroing_ahead_by_punching() {
+    // As above on a device whose discard leaves zeros and that has no write-zeroes (an AIO
+    // file on tmpfs): the owner punches ahead of its allocator; a punch a crash loses
+    // leaves the stale bytes, which must never show through a cluster the image maps.
+    for (cluster_bits, seed) in [(16, 43), (12, 47)] {
+        let n = crash_test_with(
+            CreateOptions {
+                size: 8 << 20,
+                cluster_bits,
+                ..Default::default()
+            },
+            seed,
+            120,
+            3,
+            Setup {
+                fixed: Some(12 << 20),
+                submit: true,
+                zero_ahead: true,
+                punch: true,
+                ..Default::default()
+            },
+        );
+        eprintln!(
+            "crash states tried (punching ahead, {} KiB clusters): {n}",
             1 << (cluster_bits - 10)
         );
         assert!(n > 50);

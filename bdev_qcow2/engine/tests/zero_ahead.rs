@@ -203,3 +203,32 @@ fn zeroing_that_fails_falls_back_to_whole_clusters() {
     close(&exec, chain);
     qemu_agrees(dir.path(), &dev, &model);
 }
+
+#[test]
+fn zeroing_ahead_punches_holes_where_a_discard_leaves_zeros() {
+    let dir = tempfile::tempdir().unwrap();
+    let (img, mut model) = qemu_image(dir.path());
+    let dev = device(&img);
+    // As an AIO file on tmpfs: no zero range, but a punched hole reads zeros.
+    {
+        let mut s = dev.0.borrow_mut();
+        s.zeroes_fail = Some(95);
+        s.discards = true;
+        s.discard_zeroes = true;
+    }
+    let exec = Exec::new();
+    let chain = open(&exec, &dev, true);
+    assert!(image(&chain).zeroing_ahead());
+    dev.0.borrow_mut().record = true;
+    let lens = first_writes(&exec, &chain, &dev, &mut model, &mut Rng(41), 300);
+    let whole = lens.iter().filter(|l| **l == CS as usize).count();
+    let alone = lens.iter().filter(|l| **l == 4096).count();
+    assert_eq!((whole, alone), (1, 299), "device write lengths: {lens:?}");
+    assert!(image(&chain).zeroing_ahead(), "punching does not fail");
+    assert_eq!(dev.0.borrow().zero_writes, 0, "no write-zeroes at all");
+    assert!(dev.0.borrow().discarded_bytes >= 300 * CS);
+    close(&exec, chain);
+    let data = dev.contents();
+    assert!(data[DEV_SIZE - (1 << 20)..].iter().all(|b| *b == STALE));
+    qemu_agrees(dir.path(), &dev, &model);
+}

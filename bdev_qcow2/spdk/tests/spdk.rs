@@ -910,8 +910,8 @@ mod real {
         // Zero offload: off by default on an AIO base (its fallocate blocks the reactor)
         // and on malloc; on when asked for where the base zeroes natively.
         assert_eq!(q0["driver_specific"]["qcow2"]["zero_offload"], json!(false));
-        // Zeroing ahead: off by default on an AIO base (and it could not zero here anyway:
-        // created without fallocate).
+        // Zeroing ahead: off on an AIO base created without fallocate (it can neither zero
+        // nor punch).
         assert_eq!(q0["driver_specific"]["qcow2"]["zero_ahead"], json!(false));
         t.rpc(&["bdev_malloc_create", "-b", "mz", "16", "512"]);
         t.rpc(&["bdev_qcow2_format", "mz", "-s", "8388608"]);
@@ -1378,11 +1378,11 @@ mod real {
             "zeroed base: format zeroed 80 MiB of old data; spdk_dd wrote 64 MiB - 4 KiB in 4 KiB blocks; qemu-img check clean, compare equal; zeroed tail at {tail:#x} after close"
         ));
 
-        // An image qemu-img made, over old data, on a base that zeroes itself (AIO with
-        // fallocate): the bdev zeroes the base ahead of its allocator (`zero_ahead`, asked
-        // for: on by default only on NVMe), so 4 KiB first writes write the guest's bytes
-        // alone. Old data
-        // must not show through, and the base past what the image needed keeps its bytes.
+        // An image qemu-img made, over old data, on a base that punches holes (AIO with
+        // fallocate): the bdev zeroes the base ahead of its allocator by punching
+        // (`zero_ahead`, on by default here; asked for all the same), so 4 KiB first writes
+        // write the guest's bytes alone. Old data must not show through, and the base past
+        // what the image needed keeps its bytes.
         let img = d.join("ahead.qcow2");
         qemu_img(&["create", "-q", "-f", "qcow2", s(&img), "64M"]);
         let mut bytes = fs::read(&img).unwrap();

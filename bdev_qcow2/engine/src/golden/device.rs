@@ -310,6 +310,10 @@ impl<D: BlockDevice> BlockDevice for CachedDevice<D> {
         self.inner.discards()
     }
 
+    fn discard_zeroes(&self) -> bool {
+        self.inner.discard_zeroes()
+    }
+
     fn ensure_size(&mut self, size: u64) -> Result<(), DeviceError> {
         self.inner.ensure_size(size)
     }

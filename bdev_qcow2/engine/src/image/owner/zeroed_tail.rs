@@ -9,7 +9,8 @@
 //!   the old `from`, whatever a crash keeps;
 //! - **zeroed ahead** (`OpenOptions::zero_ahead`): nothing is on disk; the device between
 //!   `from` and the device's end holds whatever it held, and raising the tail zeroes the
-//!   device up to the new `from` first. It starts past every cluster in use at open, so
+//!   device up to the new `from` first (a punched hole where the device's discard leaves
+//!   zeros, `BlockDevice::discard_zeroes`; else a write-zeroes). It starts past every cluster in use at open, so
 //!   it only ever zeroes clusters that nothing references.
 
 use super::Owner;
@@ -146,7 +147,14 @@ impl<D: BlockDevice> Owner<'_, D> {
                 // Inside the device only: past its end nothing can be taken anyway.
                 let to_dev = to.min(self.device_size.get());
                 if to_dev > old {
-                    if let Err(e) = self.exec.write_zeroes(self.dev, old, to_dev - old).await {
+                    // A punched hole reads zeros and takes no space: the cheapest zeros.
+                    let punch = self.exec.with_device(self.dev, |d| d.discard_zeroes());
+                    let zeroed = if punch {
+                        self.exec.discard(self.dev, old, to_dev - old).await
+                    } else {
+                        self.exec.write_zeroes(self.dev, old, to_dev - old).await
+                    };
+                    if let Err(e) = zeroed {
                         tracing::warn!(
                             "qcow2: zeroing ahead of the allocator failed ({e}); first writes \
                              into new clusters write them whole from now on"

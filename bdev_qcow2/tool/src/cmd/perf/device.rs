@@ -40,6 +40,9 @@ impl<D: BlockDevice> BlockDevice for DelayDevice<D> {
     fn discards(&self) -> bool {
         self.inner.discards()
     }
+    fn discard_zeroes(&self) -> bool {
+        self.inner.discard_zeroes()
+    }
     fn ensure_size(&mut self, size: u64) -> Result<(), DeviceError> {
         self.inner.ensure_size(size)
     }
