@@ -40,6 +40,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
+mod claim;
 mod prepare;
 
 const METHOD: &str = "bdev_qcow2_snapshot_external";
@@ -205,7 +206,7 @@ fn advance(sw: Box<Switch>, state: State) {
         State::WaitOld => wait_old(sw),
         State::CloseOldOwner => close_old_owner(sw),
         State::Claim => {
-            claim_snapshot(&sw.name, &sw.snapshot);
+            claim::claim_snapshot(&sw.name, &sw.snapshot);
             advance(sw, State::Answer)
         }
         State::Answer => answer(sw),
@@ -686,79 +687,6 @@ fn close_old_owner(mut sw: Box<Switch>) {
         }
         advance(sw, State::Claim);
     });
-}
-
-/// Claims the old base for the read-only bdev now that no writer holds it, and the
-/// read-only bdev for the overlay (as `bdev_qcow2_create` claims its backing bdev). Other
-/// modules examine the new bdev meanwhile, some with a descriptor open for writing, which a
-/// read-only claim cannot coexist with: each claim is tried again on every poll for a while.
-struct ClaimSnapshot {
-    /// The overlay's bdev and the read-only bdev.
-    name: String,
-    snap: String,
-    /// Which of the two claims (old base, read-only bdev) are still to take.
-    left: std::cell::Cell<[bool; 2]>,
-    /// The next try (SPDK logs each refusal) and the last.
-    next: std::cell::Cell<Instant>,
-    until: Instant,
-    poller: PollerSlot,
-}
-
-/// How long [`ClaimSnapshot`] keeps trying, and how often.
-const CLAIM_FOR: std::time::Duration = std::time::Duration::from_secs(5);
-const CLAIM_EVERY: std::time::Duration = std::time::Duration::from_millis(5);
-
-impl Polled for ClaimSnapshot {
-    fn slot(&self) -> &PollerSlot {
-        &self.poller
-    }
-
-    fn poll(&self) -> Poll {
-        let now = Instant::now();
-        if now < self.next.get() {
-            return Poll::Idle;
-        }
-        self.next.set(now + CLAIM_EVERY);
-        let reg = registry::lock();
-        // The old base (the read-only bdev's), then the read-only bdev (the overlay's
-        // backing).
-        let claims = [(&self.snap, true), (&self.name, false)];
-        let mut left = self.left.get();
-        let late = Instant::now() > self.until;
-        for (i, (name, base)) in claims.into_iter().enumerate() {
-            if !left[i] {
-                continue;
-            }
-            match reg.node(name).and_then(|n| n.node().claim_read_only(base)) {
-                None | Some(Ok(())) => left[i] = false,
-                Some(Err((e, bdev))) if late => {
-                    tracing::warn!("{METHOD}: cannot claim bdev {bdev} read-only (errno {e})");
-                    left[i] = false;
-                }
-                Some(Err(_)) => {}
-            }
-        }
-        self.left.set(left);
-        if left == [false, false] {
-            Poll::Done
-        } else {
-            Poll::Idle
-        }
-    }
-}
-
-fn claim_snapshot(name: &str, snap: &str) {
-    let job = Box::new(ClaimSnapshot {
-        name: name.to_owned(),
-        snap: snap.to_owned(),
-        left: std::cell::Cell::new([true, true]),
-        next: std::cell::Cell::new(Instant::now()),
-        until: Instant::now() + CLAIM_FOR,
-        poller: PollerSlot::default(),
-    });
-    if thread::start_task(job, c"qcow2_claim").is_err() {
-        tracing::warn!("{METHOD}: no poller to claim {snap}: it stays unclaimed");
-    }
 }
 
 /// `Answer`: the RPC answers the bdev's name, the read-only bdev and the pause.
