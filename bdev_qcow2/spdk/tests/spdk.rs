@@ -110,6 +110,16 @@ mod real {
         };
     }
 
+    /// Returns from a test (saying why) where SPDK's `rpc.py` is not found.
+    macro_rules! require_rpc {
+        () => {
+            if rpc_py().is_none() {
+                say("SKIPPED: rpc.py not found (set SPDK_RPC or put spdk-rpc on PATH)");
+                return;
+            }
+        };
+    }
+
     fn free_hugepages() -> u64 {
         let info = fs::read_to_string("/proc/meminfo").unwrap_or_default();
         let get = |k: &str| {
@@ -849,10 +859,7 @@ mod real {
     #[test]
     fn save_config_round_trip_and_delete_releases_base() {
         require!("spdk_tgt");
-        if rpc_py().is_none() {
-            say("SKIPPED: rpc.py not found (set SPDK_RPC or put spdk-rpc on PATH)");
-            return;
-        }
+        require_rpc!();
         let _t = turn();
         let dir = tempfile::tempdir().unwrap();
         let d = dir.path();
@@ -1947,10 +1954,7 @@ mod real {
             "spdk_dd",
             "bdevperf"
         );
-        if rpc_py().is_none() {
-            say("SKIPPED: rpc.py not found (set SPDK_RPC or put spdk-rpc on PATH)");
-            return;
-        }
+        require_rpc!();
         let _t = turn();
         let dir = tempfile::tempdir().unwrap();
         let d = dir.path();
@@ -2379,10 +2383,7 @@ mod real {
     #[test]
     fn resize_under_verify_load_grows_the_bdev() {
         require!("bdevperf", "spdk_dd");
-        if rpc_py().is_none() {
-            say("SKIPPED: rpc.py not found (set SPDK_RPC or put spdk-rpc on PATH)");
-            return;
-        }
+        require_rpc!();
         let _t = turn();
         let dir = tempfile::tempdir().unwrap();
         let d = dir.path();
@@ -2547,10 +2548,7 @@ mod real {
     #[test]
     fn full_base_fails_writes_then_resumes_when_it_grows() {
         require!("bdevperf");
-        if rpc_py().is_none() {
-            say("SKIPPED: rpc.py not found (set SPDK_RPC or put spdk-rpc on PATH)");
-            return;
-        }
+        require_rpc!();
         let _t = turn();
         let dir = tempfile::tempdir().unwrap();
         let d = dir.path();
@@ -2625,10 +2623,7 @@ mod real {
     #[test]
     fn snapshots_under_verify_load() {
         require!("bdevperf");
-        if rpc_py().is_none() {
-            say("SKIPPED: rpc.py not found (set SPDK_RPC or put spdk-rpc on PATH)");
-            return;
-        }
+        require_rpc!();
         let _t = turn();
         let dir = tempfile::tempdir().unwrap();
         let d = dir.path();
@@ -2691,10 +2686,7 @@ mod real {
     #[test]
     fn external_snapshot_under_verify_load_then_reload() {
         require!("bdevperf", "spdk_dd", "spdk_tgt");
-        if rpc_py().is_none() {
-            say("SKIPPED: rpc.py not found (set SPDK_RPC or put spdk-rpc on PATH)");
-            return;
-        }
+        require_rpc!();
         let _t = turn();
         let dir = tempfile::tempdir().unwrap();
         let d = dir.path();
@@ -3000,10 +2992,7 @@ mod real {
     #[test]
     fn stream_under_verify_load_drops_the_backing_bdev() {
         require!("bdevperf", "spdk_dd");
-        if rpc_py().is_none() {
-            say("SKIPPED: rpc.py not found (set SPDK_RPC or put spdk-rpc on PATH)");
-            return;
-        }
+        require_rpc!();
         let _t = turn();
         let dir = tempfile::tempdir().unwrap();
         let d = dir.path();
@@ -3091,10 +3080,7 @@ mod real {
     #[test]
     fn stream_guest_writes_to_unstreamed_clusters_win() {
         require!("spdk_tgt", "spdk_dd");
-        if rpc_py().is_none() {
-            say("SKIPPED: rpc.py not found (set SPDK_RPC or put spdk-rpc on PATH)");
-            return;
-        }
+        require_rpc!();
         let _t = turn();
         let dir = tempfile::tempdir().unwrap();
         let d = dir.path();

@@ -20,6 +20,24 @@ pub(super) fn key_file(path: &Path, bytes: &str) {
     fs::set_permissions(path, fs::Permissions::from_mode(0o600)).unwrap();
 }
 
+/// `qemu-img create`s the encrypted `img` of `size`, its key slot opened by the passphrase
+/// in `pw`: QEMU's default cipher (aes-256-xts-plain64, sha256) with a short iter-time so
+/// that the tests' key derivations stay short, `opts` appended to the `-o` options and
+/// `args` (a backing file) before the image.
+pub(super) fn luks_image(pw: &Path, img: &Path, size: &str, opts: &str, args: &[&str]) {
+    run_ok(
+        Command::new("qemu-img")
+            .args(["create", "-q", "-f", "qcow2", "--object"])
+            .arg(format!("secret,id=s0,file={}", s(pw)))
+            .arg("-o")
+            .arg(format!(
+                "encrypt.format=luks,encrypt.key-secret=s0,encrypt.iter-time=10{opts}"
+            ))
+            .args(args)
+            .args([s(img), size]),
+    );
+}
+
 /// `qemu-img`/`qemu-io` arguments that open the encrypted `img` with the passphrase in
 /// `pw`, as `--object` and `--image-opts`.
 fn qemu_key_args(pw: &Path, img: &Path) -> Vec<String> {
@@ -126,10 +144,7 @@ pub(super) fn same(a: &[u8], b: &[u8], what: &str) {
 #[test]
 fn encrypted_image_served_with_a_keyring_key_reads_and_writes_as_qemu() {
     require!("spdk_tgt", "spdk_dd", "bdevperf");
-    if rpc_py().is_none() {
-        say("SKIPPED: rpc.py not found (set SPDK_RPC or put spdk-rpc on PATH)");
-        return;
-    }
+    require_rpc!();
     let _t = turn();
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
@@ -137,20 +152,7 @@ fn encrypted_image_served_with_a_keyring_key_reads_and_writes_as_qemu() {
     key_file(&pw, PASS);
     key_file(&bad, "not the passphrase");
     let img = d.join("enc.qcow2");
-    // A short iter-time keeps the test's key derivations short; the format is QEMU's default
-    // otherwise (aes-256-xts-plain64, sha256).
-    run_ok(Command::new("qemu-img").args([
-        "create",
-        "-q",
-        "-f",
-        "qcow2",
-        "--object",
-        &format!("secret,id=s0,file={}", s(&pw)),
-        "-o",
-        "encrypt.format=luks,encrypt.key-secret=s0,encrypt.iter-time=10",
-        s(&img),
-        "64M",
-    ]));
+    luks_image(&pw, &img, "64M", "", &[]);
     qemu_io_keyed(&pw, &img, PATTERNS);
     // Room for the clusters the writes through SPDK allocate (an AIO bdev does not grow).
     sparse(&img, 128 * MIB);
@@ -423,10 +425,7 @@ fn t_log_has(d: &Path, tag: &str, needle: &str) -> bool {
 #[test]
 fn wrong_key_writes_nothing() {
     require!("spdk_tgt");
-    if rpc_py().is_none() {
-        say("SKIPPED: rpc.py not found (set SPDK_RPC or put spdk-rpc on PATH)");
-        return;
-    }
+    require_rpc!();
     let _t = turn();
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
@@ -434,18 +433,7 @@ fn wrong_key_writes_nothing() {
     key_file(&pw, PASS);
     key_file(&bad, "wrong");
     let img = d.join("dirty.qcow2");
-    run_ok(Command::new("qemu-img").args([
-        "create",
-        "-q",
-        "-f",
-        "qcow2",
-        "--object",
-        &format!("secret,id=s0,file={}", s(&pw)),
-        "-o",
-        "encrypt.format=luks,encrypt.key-secret=s0,encrypt.iter-time=10,lazy_refcounts=on",
-        s(&img),
-        "16M",
-    ]));
+    luks_image(&pw, &img, "16M", ",lazy_refcounts=on", &[]);
     qemu_io_keyed(&pw, &img, &["write -P 0x5a 0 1M"]);
     pad(&img);
     let before = fs::read(&img).unwrap();
@@ -480,28 +468,14 @@ fn wrong_key_writes_nothing() {
 #[test]
 fn warm_encrypted_reads_run_no_engine_task() {
     require!("bdevperf");
-    if rpc_py().is_none() {
-        say("SKIPPED: rpc.py not found (set SPDK_RPC or put spdk-rpc on PATH)");
-        return;
-    }
+    require_rpc!();
     let _t = turn();
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
     let pw = d.join("pw.key");
     key_file(&pw, PASS);
     let img = d.join("warm.qcow2");
-    run_ok(Command::new("qemu-img").args([
-        "create",
-        "-q",
-        "-f",
-        "qcow2",
-        "--object",
-        &format!("secret,id=s0,file={}", s(&pw)),
-        "-o",
-        "encrypt.format=luks,encrypt.key-secret=s0,encrypt.iter-time=10",
-        s(&img),
-        "32M",
-    ]));
+    luks_image(&pw, &img, "32M", "", &[]);
     // Every cluster allocated: a read is data on the view, never zeros.
     qemu_io_keyed(&pw, &img, &["write -P 0x5a 0 32M"]);
     let want = decrypted(&pw, &img, &d.join("want.raw"));

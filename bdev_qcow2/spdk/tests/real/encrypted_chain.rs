@@ -6,7 +6,7 @@
 //! its own key: the overlay alone then holds what the chain showed.
 
 use super::encrypted::{
-    dd_out, decrypted, key_file, keyed_config, keyed_qcow2, qemu_io_keyed, same, PASS,
+    dd_out, decrypted, key_file, keyed_config, keyed_qcow2, luks_image, qemu_io_keyed, same, PASS,
 };
 use super::*;
 
@@ -32,28 +32,14 @@ fn chain_args(pw: &Path, img: &Path, backed: bool) -> Vec<String> {
 #[test]
 fn external_snapshot_of_an_encrypted_bdev_makes_an_encrypted_overlay() {
     require!("spdk_tgt", "spdk_dd", "bdevperf");
-    if rpc_py().is_none() {
-        say("SKIPPED: rpc.py not found (set SPDK_RPC or put spdk-rpc on PATH)");
-        return;
-    }
+    require_rpc!();
     let _t = turn();
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
     let pw = d.join("pw.key");
     key_file(&pw, PASS);
     let old = d.join("old.qcow2");
-    run_ok(Command::new("qemu-img").args([
-        "create",
-        "-q",
-        "-f",
-        "qcow2",
-        "--object",
-        &format!("secret,id=s0,file={}", s(&pw)),
-        "-o",
-        "encrypt.format=luks,encrypt.key-secret=s0,encrypt.iter-time=10",
-        s(&old),
-        "64M",
-    ]));
+    luks_image(&pw, &old, "64M", "", &[]);
     qemu_io_keyed(&pw, &old, PATTERNS);
     sparse(&old, 128 * MIB);
     let ov = d.join("ov.qcow2");
@@ -177,10 +163,7 @@ fn keyring_key(name: &str, path: &Path) -> Value {
 #[test]
 fn stream_of_an_encrypted_overlay_from_an_encrypted_golden_bdev() {
     require!("spdk_tgt");
-    if rpc_py().is_none() {
-        say("SKIPPED: rpc.py not found (set SPDK_RPC or put spdk-rpc on PATH)");
-        return;
-    }
+    require_rpc!();
     let _t = turn();
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
@@ -189,37 +172,16 @@ fn stream_of_an_encrypted_overlay_from_an_encrypted_golden_bdev() {
     key_file(&pw_o, "another passphrase for the overlay");
     let secret = |id: &str, pw: &Path| format!("secret,id={id},file={}", s(pw));
     let golden = d.join("golden.qcow2");
-    run_ok(Command::new("qemu-img").args([
-        "create",
-        "-q",
-        "-f",
-        "qcow2",
-        "--object",
-        &secret("s0", &pw_g),
-        "-o",
-        "encrypt.format=luks,encrypt.key-secret=s0,encrypt.iter-time=10",
-        s(&golden),
-        "64M",
-    ]));
+    luks_image(&pw_g, &golden, "64M", "", &[]);
     qemu_io_keyed(&pw_g, &golden, PATTERNS);
     let ov = d.join("ov.qcow2");
-    run_ok(Command::new("qemu-img").args([
-        "create",
-        "-q",
-        "-f",
-        "qcow2",
-        "--object",
-        &secret("s1", &pw_o),
-        "-o",
-        "encrypt.format=luks,encrypt.key-secret=s1,encrypt.iter-time=10",
-        "-u",
-        "-b",
-        s(&golden),
-        "-F",
-        "qcow2",
-        s(&ov),
+    luks_image(
+        &pw_o,
+        &ov,
         "64M",
-    ]));
+        "",
+        &["-u", "-b", s(&golden), "-F", "qcow2"],
+    );
     // The overlay's own writes over part of what the golden image holds.
     let chain = format!(
         "driver=qcow2,file.filename={},encrypt.key-secret=s1,backing.encrypt.key-secret=s0",

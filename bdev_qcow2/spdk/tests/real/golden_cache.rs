@@ -70,10 +70,7 @@ fn storm(
 #[test]
 fn four_overlays_read_their_golden_bdev_once() {
     require!("bdevperf");
-    if rpc_py().is_none() {
-        say("SKIPPED: rpc.py not found (set SPDK_RPC or put spdk-rpc on PATH)");
-        return;
-    }
+    require_rpc!();
     let _t = turn();
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
@@ -126,10 +123,7 @@ fn four_overlays_read_their_golden_bdev_once() {
 #[test]
 fn a_lone_overlay_reads_its_golden_bdev_directly() {
     require!("bdevperf");
-    if rpc_py().is_none() {
-        say("SKIPPED: rpc.py not found (set SPDK_RPC or put spdk-rpc on PATH)");
-        return;
-    }
+    require_rpc!();
     let _t = turn();
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();

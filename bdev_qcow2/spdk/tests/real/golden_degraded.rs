@@ -282,10 +282,7 @@ fn golden_bdev_removed_fails_only_what_needs_it_and_comes_back() {
 #[test]
 fn golden_bdev_removed_and_back_under_load_on_two_cores() {
     require!("bdevperf");
-    if rpc_py().is_none() {
-        say("SKIPPED: rpc.py not found (set SPDK_RPC or put spdk-rpc on PATH)");
-        return;
-    }
+    require_rpc!();
     let _t = turn();
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();

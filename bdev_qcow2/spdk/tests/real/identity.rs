@@ -46,10 +46,7 @@ fn save(t: &Target, path: &Path) -> Value {
 #[test]
 fn uuid_survives_restarts_and_save_config() {
     require!("spdk_tgt");
-    if rpc_py().is_none() {
-        say("SKIPPED: rpc.py not found (set SPDK_RPC or put spdk-rpc on PATH)");
-        return;
-    }
+    require_rpc!();
     let _t = turn();
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
@@ -248,10 +245,7 @@ fn identify_ids(d: &Path, tag: &str, nqn: &str, port: &str) -> (String, String) 
 #[test]
 fn nvmf_namespace_ids_survive_restarts() {
     require!("spdk_tgt", "spdk_nvme_identify");
-    if rpc_py().is_none() {
-        say("SKIPPED: rpc.py not found (set SPDK_RPC or put spdk-rpc on PATH)");
-        return;
-    }
+    require_rpc!();
     let _t = turn();
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
@@ -342,10 +336,7 @@ fn snapshot_names(info: &Value) -> Vec<String> {
 #[test]
 fn driver_info_follows_resize_snapshots_and_stream() {
     require!("spdk_tgt");
-    if rpc_py().is_none() {
-        say("SKIPPED: rpc.py not found (set SPDK_RPC or put spdk-rpc on PATH)");
-        return;
-    }
+    require_rpc!();
     let _t = turn();
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
@@ -453,10 +444,7 @@ fn driver_info_follows_resize_snapshots_and_stream() {
 #[test]
 fn external_snapshot_keeps_the_bdev_uuid() {
     require!("spdk_tgt");
-    if rpc_py().is_none() {
-        say("SKIPPED: rpc.py not found (set SPDK_RPC or put spdk-rpc on PATH)");
-        return;
-    }
+    require_rpc!();
     let _t = turn();
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();

@@ -24,10 +24,7 @@ fn config(img: &Path, port: &str) -> Value {
 #[test]
 fn the_nvmf_tcp_config_exports_the_image_to_spdk_initiators() {
     require!("spdk_tgt", "spdk_nvme_identify", "bdevperf");
-    if rpc_py().is_none() {
-        say("SKIPPED: rpc.py not found (set SPDK_RPC or put spdk-rpc on PATH)");
-        return;
-    }
+    require_rpc!();
     let _t = turn();
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();

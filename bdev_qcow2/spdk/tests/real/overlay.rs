@@ -15,10 +15,7 @@ fn info(img: &Path) -> Value {
 #[test]
 fn an_overlay_in_one_call_reads_through_and_survives_save_config() {
     require!("spdk_tgt", "spdk_dd");
-    if rpc_py().is_none() {
-        say("SKIPPED: rpc.py not found (set SPDK_RPC or put spdk-rpc on PATH)");
-        return;
-    }
+    require_rpc!();
     let _t = turn();
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();

@@ -26,10 +26,7 @@ fn lvol_clusters(sock: &Path) -> u64 {
 #[test]
 fn a_thin_lvol_gets_its_clusters_back_and_get_stats_reports_the_space() {
     require!("bdevperf");
-    if rpc_py().is_none() {
-        say("SKIPPED: rpc.py not found (set SPDK_RPC or put spdk-rpc on PATH)");
-        return;
-    }
+    require_rpc!();
     let _t = turn();
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();

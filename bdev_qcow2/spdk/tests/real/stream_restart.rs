@@ -9,10 +9,7 @@ use super::*;
 #[test]
 fn a_config_naming_a_streamed_away_backing_still_restarts() {
     require!("spdk_tgt", "spdk_dd");
-    if rpc_py().is_none() {
-        say("SKIPPED: rpc.py not found (set SPDK_RPC or put spdk-rpc on PATH)");
-        return;
-    }
+    require_rpc!();
     let _t = turn();
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
