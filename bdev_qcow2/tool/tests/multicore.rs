@@ -389,9 +389,11 @@ fn run_stress(cfg: &Config) {
     // replica; what those requests read is checked below like the rest.
     eprintln!("read-ahead per reactor: {read_ahead:?}");
     assert!(read_ahead.iter().all(|p| p.streams > 0), "{read_ahead:?}");
-    // (With the ring on, its read-aheads load most slices before the stream asks.)
+    // (With the ring on, its read-aheads load most slices before the stream asks.) Which
+    // core's bands cross a slice's tail depends on scheduling: under load one replica may
+    // see none (CI: `[0, 0, 5]` loaded, streams on all three), so the replicas as a whole.
     assert!(
-        cfg.ring || read_ahead[1..].iter().all(|p| p.loaded > 0),
+        cfg.ring || read_ahead[1..].iter().any(|p| p.loaded > 0),
         "{read_ahead:?}"
     );
     if cfg.ring {
