@@ -85,19 +85,17 @@ struct Inner<D: BlockDevice> {
     crypt_reads: RefCell<Slab<crypt::CryptRead<D::Buf>>>,
     /// Operations failed at submission (a locked view), completed by the next poll.
     failed: RefCell<Vec<(u64, Result<(), DeviceError>)>>,
-    /// This core's membership in a shared image's grace periods.
-    /// (shared state, member slot, whether its entries need no full fence: the owner's, or
-    /// a core's with the asymmetric pair; see `Grace::enter_as`). Set once: every guest
-    /// request reads it, without a borrow flag.
-    grace: OnceCell<(std::sync::Arc<crate::coherency::Shared>, usize, bool)>,
+    /// This core's membership in a shared image's grace periods (`exec/grace.rs`). Set
+    /// once: every guest request reads it, without a borrow flag.
+    grace: OnceCell<grace::Member>,
     /// A device may have work of its own ([`BlockDevice::may_have_own_work`]).
     own_work: Cell<bool>,
 }
 
 impl<D: BlockDevice> Drop for Inner<D> {
     fn drop(&mut self) {
-        if let Some((sh, slot, _)) = self.grace.take() {
-            sh.grace.unregister(slot);
+        if let Some(m) = self.grace.take() {
+            m.leave();
         }
     }
 }

@@ -7,6 +7,7 @@ use super::fences;
 use loom::sync::atomic::{AtomicU64, Ordering};
 #[cfg(not(loom))]
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 
 /// Most cores (executors) that can take part in one image's grace periods.
 pub const MAX_GRACE_MEMBERS: usize = 256;
@@ -27,7 +28,10 @@ pub struct Grace {
     /// Bitmap of member slots in use.
     used: Box<[AtomicU64]>,
     /// Per member slot (a fixed length: the request path indexes it without a bounds check).
-    counts: Box<[Counters; MAX_GRACE_MEMBERS]>,
+    /// Each its own allocation, made once: a member keeps a handle on its own
+    /// ([`counters`](Self::counters)), so that its requests reach them in one load, without
+    /// the slot's index arithmetic.
+    counts: Box<[Arc<Counters>; MAX_GRACE_MEMBERS]>,
     /// [`fences::asymmetric`], read once: the mode is fixed before the first `Grace` exists
     /// and never changes, and a field next to the generation is one load closer on every
     /// request than the static behind the library's global offset table.
@@ -35,9 +39,16 @@ pub struct Grace {
 }
 
 /// One member's in-flight counts per parity, alone on its cache lines (cores write their
-/// own on every request: sharing a line would bounce it between cores).
+/// own on every request: sharing a line would bounce it between cores). Only the member's
+/// core writes them; the owner reads them in [`Grace::try_advance`].
 #[repr(align(128))]
-struct Counters([AtomicU64; 2]);
+pub struct Counters([AtomicU64; 2]);
+
+impl std::fmt::Debug for Counters {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Counters")
+    }
+}
 
 impl std::fmt::Debug for Grace {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -56,8 +67,8 @@ impl Default for Grace {
                 .map(|_| AtomicU64::new(0))
                 .collect(),
             counts: (0..MAX_GRACE_MEMBERS)
-                .map(|_| Counters([AtomicU64::new(0), AtomicU64::new(0)]))
-                .collect::<Box<[Counters]>>()
+                .map(|_| Arc::new(Counters([AtomicU64::new(0), AtomicU64::new(0)])))
+                .collect::<Box<[Arc<Counters>]>>()
                 .try_into()
                 .unwrap_or_else(|_| unreachable!("MAX_GRACE_MEMBERS counters")),
             asymmetric: fences::asymmetric(),
@@ -90,6 +101,12 @@ impl Grace {
         None
     }
 
+    /// The counters of member `slot` (from [`register`](Self::register)), for
+    /// [`enter_in`](Self::enter_in) and [`exit_in`](Self::exit_in).
+    pub fn counters(&self, slot: usize) -> Arc<Counters> {
+        self.counts[slot % MAX_GRACE_MEMBERS].clone()
+    }
+
     /// Gives a slot back (its core has no request in flight).
     pub fn unregister(&self, slot: usize) {
         for c in &self.counts[slot].0 {
@@ -109,13 +126,20 @@ impl Grace {
     /// which once: one path for both, with the fence chosen by a flag it holds.
     #[inline(always)]
     pub fn enter_as(&self, slot: usize, light: bool) -> u8 {
+        self.enter_in(&self.counts[slot % MAX_GRACE_MEMBERS], light)
+    }
+
+    /// [`enter_as`](Self::enter_as) for the member whose counters are `mine` (its
+    /// [`counters`](Self::counters)): what a core's guest requests run.
+    #[inline(always)]
+    pub fn enter_in(&self, mine: &Counters, light: bool) -> u8 {
         let g = self.global.load(Ordering::Acquire);
         // Only this member's core writes its counters: a plain increment, then the light
         // half of an asymmetric fence pair orders it before whatever the request reads next
         // (epochs, L1 entries, slices); `try_advance` runs the heavy half before it reads
         // the counters (see `fences`). The owner needs no fence (see `enter_owner`): the
         // light half costs it no instruction.
-        let c = &self.counts[slot % MAX_GRACE_MEMBERS].0[(g & 1) as usize];
+        let c = &mine.0[(g & 1) as usize];
         c.store(c.load(Ordering::Relaxed).wrapping_add(1), Ordering::Relaxed);
         fences::light(light);
         (g & 1) as u8
@@ -141,8 +165,14 @@ impl Grace {
     /// The guest request that entered with `parity` completed (on the core that entered).
     #[inline(always)]
     pub fn exit(&self, slot: usize, parity: u8) {
+        Self::exit_in(&self.counts[slot % MAX_GRACE_MEMBERS], parity)
+    }
+
+    /// [`exit`](Self::exit) for the member whose counters are `mine`.
+    #[inline(always)]
+    pub fn exit_in(mine: &Counters, parity: u8) {
         // Only this member's core writes its counters: no read-modify-write needed.
-        let c = &self.counts[slot % MAX_GRACE_MEMBERS].0[parity as usize & 1];
+        let c = &mine.0[parity as usize & 1];
         c.store(c.load(Ordering::Relaxed).wrapping_sub(1), Ordering::Release);
     }
 

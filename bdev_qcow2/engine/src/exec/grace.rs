@@ -2,7 +2,9 @@
 //! executor's membership in a shared image's grace periods (`coherency::Grace`).
 
 use super::Exec;
+use crate::coherency::{Counters, Grace, Shared};
 use crate::io::BlockDevice;
+use std::sync::Arc;
 
 /// A guest request's entry into its core's grace period ([`Exec::guest_enter`]): neither
 /// `Copy` nor `Clone`, and ended by passing it to [`Exec::guest_exit`] (or to what exits
@@ -40,6 +42,24 @@ impl GraceEntry {
     }
 }
 
+/// An executor's membership in one shared image's grace periods: the image's shared state,
+/// this member's own counters (their own allocation, one load away: no slot index to
+/// scale on every request), its slot, and whether its entries need no full fence (the
+/// owner's, or a core's with the asymmetric pair; see [`Grace::enter_as`]).
+pub(crate) struct Member {
+    shared: Arc<Shared>,
+    mine: Arc<Counters>,
+    slot: usize,
+    light: bool,
+}
+
+impl Member {
+    /// Gives the member's slot back (its executor is dropped: no request in flight).
+    pub(crate) fn leave(self) {
+        self.shared.grace.unregister(self.slot);
+    }
+}
+
 impl<D: BlockDevice> Exec<D> {
     /// Makes this core a member of `shared`'s grace periods (see
     /// [`Grace`](crate::coherency::Grace)); false when every member slot is taken. Once a
@@ -59,7 +79,13 @@ impl<D: BlockDevice> Exec<D> {
             Some(slot) => {
                 // Not set before (checked above; one thread): `set` succeeds.
                 let light = owner || shared.grace.light_entries();
-                let _ = self.inner.grace.set((shared, slot, light));
+                let mine = shared.grace.counters(slot);
+                let _ = self.inner.grace.set(Member {
+                    shared,
+                    mine,
+                    slot,
+                    light,
+                });
                 true
             }
             None => false,
@@ -70,7 +96,7 @@ impl<D: BlockDevice> Exec<D> {
     #[inline(always)]
     pub fn guest_enter(&self) -> GraceEntry {
         match self.inner.grace.get() {
-            Some((sh, slot, light)) => GraceEntry::of_parity(sh.grace.enter_as(*slot, *light)),
+            Some(m) => GraceEntry::of_parity(m.shared.grace.enter_in(&m.mine, m.light)),
             None => GraceEntry::unshared(),
         }
     }
@@ -82,8 +108,8 @@ impl<D: BlockDevice> Exec<D> {
             Entered::Unshared => return,
             p => p as u8,
         };
-        if let Some((sh, slot, _)) = self.inner.grace.get() {
-            sh.grace.exit(*slot, parity);
+        if let Some(m) = self.inner.grace.get() {
+            Grace::exit_in(&m.mine, parity);
         }
     }
 }
