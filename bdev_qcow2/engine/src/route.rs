@@ -84,8 +84,9 @@ pub struct Grant {
     dev: DevId,
     host: HostOffset,
     range: GuestRange,
-    /// Taken only by the grant's one exit (`None` after it).
-    entry: Option<GraceEntry>,
+    /// Handed over only by the grant's one exit ([`submitted`](Self::submitted), which
+    /// forgets the grant: its `Drop` never sees an entry handed over).
+    entry: GraceEntry,
     memo: bool,
     write: bool,
 }
@@ -106,7 +107,7 @@ impl Grant {
             dev,
             host,
             range,
-            entry: Some(entry),
+            entry,
             memo,
             write,
         }
@@ -148,9 +149,10 @@ impl Grant {
     /// passes to [`Exec::guest_exit`] once the operation completed (whatever its result).
     #[inline(always)]
     pub fn submitted(mut self) -> GraceEntry {
-        let entry = self.entry.take();
+        // (Swapped out rather than an `Option` taken: no test of a case that cannot be.)
+        let entry = std::mem::replace(&mut self.entry, GraceEntry::unshared());
         std::mem::forget(self);
-        entry.unwrap_or_else(GraceEntry::unshared)
+        entry
     }
 
     /// The host did not submit the operation (the grant is for another device than its

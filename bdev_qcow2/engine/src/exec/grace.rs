@@ -27,6 +27,7 @@ enum Entered {
 
 impl GraceEntry {
     /// The entry of a request on an image no other core shares: its exit does nothing.
+    #[inline(always)]
     pub fn unshared() -> GraceEntry {
         GraceEntry(Entered::Unshared)
     }
