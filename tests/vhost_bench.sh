@@ -55,7 +55,8 @@
 # whose reads are holes). A guest's driver, over any real device, sees its order shuffled too.
 #
 # PROFILE=DIR: perf record -g of each server while its client runs, into
-# DIR/CASE-ROW-SERVER-RUN.data (perf report -i ...).
+# DIR/CASE-ROW-SERVER-RUN.data (perf report -i ...). PROFILE_EVENTS=sched:sched_switch records
+# where each server's threads leave the CPU instead (an off-CPU profile: blocking calls).
 #
 # OURS_OPTS: more parameters of bdev_qcow2_create, as JSON members (e.g. '"zero_ahead": false').
 #
@@ -448,7 +449,8 @@ for case in $CASES; do
         perf_pid=
         if [ -n "${PROFILE:-}" ]; then
           mkdir -p "$PROFILE"
-          perf record -q -g -p "$SERVER_PID" -o "$PROFILE/$case-$row-$s-$r.data" -- sleep "$RUN_TIME" 2>/dev/null &
+          # shellcheck disable=SC2086
+          perf record -q -g ${PROFILE_EVENTS:+-e $PROFILE_EVENTS} -p "$SERVER_PID" -o "$PROFILE/$case-$row-$s-$r.data" -- sleep "$RUN_TIME" 2>/dev/null &
           perf_pid=$!
         fi
         cpu_mark

@@ -79,9 +79,12 @@ pub struct OpenOptions {
     /// default).
     pub pass_discard_other: bool,
     /// Dirty metadata (L2 slices and refcount blocks) beyond which an allocating write
-    /// writes it back. `None`: the L2 cache's size, clamped to 8 ..= 32 MiB — random first
-    /// writes over a disk whose L2 tables that covers then write each slice back once per
-    /// many allocations rather than nearly once per allocation (#48).
+    /// writes it back. `None`: the L2 cache's size, clamped to 8 ..= 32 MiB, and a quarter
+    /// more for refcount blocks — random first writes over a disk whose L2 tables that
+    /// covers then write each slice back once per many allocations rather than nearly once
+    /// per allocation, and once every L2 table is dirty the refcount blocks of a file the
+    /// disk's size (16-bit refcounts take a quarter of what its L2 entries take) do not
+    /// pass the bound either (#48).
     pub dirty_bound_bytes: Option<u64>,
 }
 
@@ -122,7 +125,8 @@ impl OpenOptions {
             let cache = self
                 .l2_cache_bytes
                 .unwrap_or(l2_bytes.min(DEFAULT_L2_CACHE_MAX));
-            cache.clamp(MIN_DIRTY_BOUND, DEFAULT_L2_CACHE_MAX)
+            let l2 = cache.clamp(MIN_DIRTY_BOUND, DEFAULT_L2_CACHE_MAX);
+            l2 + l2 / 4
         })
     }
 }

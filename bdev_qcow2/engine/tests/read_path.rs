@@ -1165,6 +1165,19 @@ fn owner_stats(chain: &Chain<MemDevice>) -> qcow2_engine::meta::OwnerStats {
     }
 }
 
+/// Ticks the background write-back every millisecond for `d` (a quiet counts only as the
+/// owner's poll loop observes it): whether a tick started one, stopping at it.
+fn ticked_quietly(chain: &Rc<Chain<MemDevice>>, d: std::time::Duration) -> bool {
+    let t0 = std::time::Instant::now();
+    while t0.elapsed() < d {
+        if chain.tick_background_writeback() {
+            return true;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    false
+}
+
 /// Dirty metadata that stays unchanged for the background interval is written back without
 /// a guest flush, in dependency order: the device then holds an image qemu-img checks clean
 /// with the data written; a new allocation restarts the interval.
@@ -1183,7 +1196,7 @@ fn quiet_dirty_metadata_is_written_back_without_a_flush() {
     assert_eq!(owner_stats(&chain).l2_slices_written, 0, "no flush yet");
     // The first look starts the quiet interval; a new allocation restarts it.
     assert!(!chain.tick_background_writeback());
-    std::thread::sleep(qcow2_engine::meta::BACKGROUND_WRITEBACK_INTERVAL * 2);
+    std::thread::sleep(qcow2_engine::meta::BACKGROUND_WRITEBACK_INTERVAL / 2);
     write(7 << 16, 0x77);
     raw[7 << 16..(7 << 16) + 4096].fill(0x77);
     assert!(
@@ -1191,8 +1204,10 @@ fn quiet_dirty_metadata_is_written_back_without_a_flush() {
         "an allocation restarts the interval"
     );
     assert_eq!(owner_stats(&chain).l2_slices_written, 0);
-    std::thread::sleep(qcow2_engine::meta::BACKGROUND_WRITEBACK_INTERVAL * 2);
-    assert!(chain.tick_background_writeback());
+    assert!(ticked_quietly(
+        &chain,
+        qcow2_engine::meta::BACKGROUND_WRITEBACK_INTERVAL * 20
+    ));
     while exec.busy() {
         exec.poll(&mut |_, _| panic!("no guest request is in flight"));
     }
@@ -1220,23 +1235,25 @@ fn a_failed_background_writeback_waits_and_leaves_the_metadata_for_the_flush() {
     .unwrap();
     raw[5 << 16..(5 << 16) + 4096].fill(0x55);
     assert!(!chain.tick_background_writeback());
-    std::thread::sleep(qcow2_engine::meta::BACKGROUND_WRITEBACK_INTERVAL * 2);
     // The write-back's first device operation fails.
     let next = dev.0.borrow().ops;
     dev.0.borrow_mut().fail_op = Some((next, 5));
-    assert!(chain.tick_background_writeback());
+    assert!(ticked_quietly(
+        &chain,
+        qcow2_engine::meta::BACKGROUND_WRITEBACK_INTERVAL * 20
+    ));
     while exec.busy() {
         exec.poll(&mut |_, _| panic!("no guest request is in flight"));
     }
     dev.0.borrow_mut().fail_op = None;
     assert_eq!(owner_stats(&chain).l2_slices_written, 0);
-    for _ in 0..2 {
-        std::thread::sleep(qcow2_engine::meta::BACKGROUND_WRITEBACK_INTERVAL * 2);
-        assert!(
-            !chain.tick_background_writeback(),
-            "a failed write-back is retried after a second, not after the interval"
-        );
-    }
+    assert!(
+        !ticked_quietly(
+            &chain,
+            qcow2_engine::meta::BACKGROUND_WRITEBACK_INTERVAL * 4
+        ),
+        "a failed write-back is retried after a second, not after the interval"
+    );
     wait_for(&exec, |t| host::flush(&chain, t)).unwrap();
     assert!(owner_stats(&chain).l2_slices_written >= 1);
     check_and_compare(dir.path(), &dev, &raw);

@@ -141,6 +141,11 @@ pub struct Reactor<D: BlockDevice> {
 }
 
 impl<D: BlockDevice> Reactor<D> {
+    /// This core's channel to the image's device.
+    pub fn dev(&self) -> DevId {
+        self.dev
+    }
+
     /// Whether this is the metadata owner.
     pub fn is_owner(&self) -> bool {
         self.id == 0

@@ -70,6 +70,12 @@ fn fresh_writes_into_an_empty_image_against_an_empty_raw_file() {
         assert_eq!(runs[0]["workload"], "randwrite");
         assert_eq!(runs[1]["target"], "raw");
         assert!(runs.iter().all(|r| r["iops"].as_f64().unwrap() > 0.0));
+        // Every request writes the device at least once; the raw file exactly once.
+        for r in &runs {
+            let (w, ops) = (r["device_writes"].as_u64(), r["ops"].as_u64());
+            assert!(w.unwrap() >= ops.unwrap() && ops.unwrap() > 0, "{cs}: {r}");
+        }
+        assert_eq!(runs[1]["device_writes"], runs[1]["ops"], "{cs}");
     }
     // Verify also runs on it (written data reads back).
     let runs = perf(&["--fresh", "-w", "verify", "-q", "8"]);

@@ -112,6 +112,11 @@ impl Inflight {
     pub fn any(&self, first: u64, last: u64) -> bool {
         self.0.iter().any(|&(a, b)| a <= last && first <= b)
     }
+    /// Whether no guest cluster has one.
+    #[inline]
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
     /// Whether any guest cluster at or past `first` has one.
     pub fn any_from(&self, first: u64) -> bool {
         self.0.iter().any(|&(_, b)| b >= first)

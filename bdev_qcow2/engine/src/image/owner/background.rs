@@ -2,12 +2,20 @@
 //! for a flush, is written back by the owner on its own.
 //!
 //! Invariant: at most one background write-back runs; one is due only when the dirty
-//! metadata's change signature stayed the same for the current quiet interval (after a
-//! failure, for [`BACKGROUND_RETRY_DELAY`] more). The interval starts at
+//! metadata's change signature stayed the same, with no allocation in flight, for the
+//! current quiet interval as the owner's poll loop saw it (after a failure, for
+//! [`BACKGROUND_RETRY_DELAY`] more). The interval starts at
 //! [`BACKGROUND_WRITEBACK_INTERVAL`] and doubles, up to [`BACKGROUND_WRITEBACK_MAX`], each
 //! time allocations resume within [`BACKGROUND_WRITEBACK_MAX`] of a write-back's end (the
 //! pause was a dip in a stream of allocations, e.g. a throttled disk holding the guest's
 //! writes back, not the end of it); a write-back followed by a longer quiet starts it over.
+//!
+//! A quiet is what the poll loop observed (#48): allocations waiting for their data writes
+//! are a stream, not a pause, and a gap between two checks longer than
+//! [`MAX_OBSERVED_GAP`] is the owner's thread not running (descheduled on a loaded
+//! machine), which counts for that much only. Without both, first writes into a fresh
+//! image on a shared machine started a write-back of thousands of slices under the metadata
+//! lock every few hundred milliseconds, stalling every allocating write meanwhile.
 
 use super::Owner;
 use crate::error::Result;
@@ -25,15 +33,29 @@ pub const BACKGROUND_WRITEBACK_INTERVAL: Duration = Duration::from_millis(10);
 pub const BACKGROUND_WRITEBACK_MAX: Duration = Duration::from_secs(1);
 /// How long a failed background write-back waits before the next attempt.
 const BACKGROUND_RETRY_DELAY: Duration = Duration::from_secs(1);
+/// The most one gap between two checks adds to a quiet: a poll loop checks every few
+/// microseconds (SPDK: every 16 polls), so a longer gap is time the owner did not run.
+pub(crate) const MAX_OBSERVED_GAP: Duration = Duration::from_millis(1);
 
 /// What changes whenever metadata is allocated or newly dirtied: (clusters allocated,
 /// dirty L2 slices, dirty refcount blocks).
 pub(crate) type ChangeSignature = (u64, usize, usize);
 
+/// A quiet in progress: the signature it keeps, how much of it the loop observed, and
+/// when it last checked.
+#[derive(Clone, Copy)]
+struct Quiet {
+    sig: ChangeSignature,
+    observed: Duration,
+    last: Instant,
+}
+
 /// The timer's state (see the module doc).
 pub(crate) struct BackgroundTimer {
-    /// Since when the dirty metadata has not changed, and its signature then.
-    quiet: Option<(Instant, ChangeSignature)>,
+    /// The quiet in progress, if the dirty metadata has not changed since the last check.
+    quiet: Option<Quiet>,
+    /// After a failed write-back: no next one before this.
+    retry_at: Option<Instant>,
     /// A background write-back task is running.
     running: bool,
     /// How long the metadata must stay unchanged before the next write-back.
@@ -46,6 +68,7 @@ impl Default for BackgroundTimer {
     fn default() -> Self {
         BackgroundTimer {
             quiet: None,
+            retry_at: None,
             running: false,
             interval: BACKGROUND_WRITEBACK_INTERVAL,
             ended: None,
@@ -55,20 +78,26 @@ impl Default for BackgroundTimer {
 
 impl BackgroundTimer {
     /// Whether a background write-back is due, with `dirty` telling whether anything is
-    /// dirty and `sig` the change signature now. Reads the clock only when something is
-    /// dirty and none is running.
-    pub(crate) fn due(&mut self, dirty: bool, sig: ChangeSignature) -> bool {
-        if self.running || !dirty {
+    /// dirty, `busy` whether an allocation is in flight, and `sig` the change signature
+    /// now. Reads the clock only when something is dirty, nothing is in flight and no
+    /// write-back is running.
+    pub(crate) fn due(&mut self, dirty: bool, busy: bool, sig: ChangeSignature) -> bool {
+        if self.running || !dirty || busy {
             self.quiet = None;
             return false;
         }
         self.due_at(Instant::now(), sig)
     }
 
-    /// [`due`](Self::due) at `now`, something being dirty and no write-back running.
+    /// [`due`](Self::due) at `now`, something being dirty, nothing in flight and no
+    /// write-back running.
     fn due_at(&mut self, now: Instant, sig: ChangeSignature) -> bool {
-        match self.quiet {
-            Some((since, s)) if s == sig => now.saturating_duration_since(since) >= self.interval,
+        match &mut self.quiet {
+            Some(q) if q.sig == sig => {
+                q.observed += now.saturating_duration_since(q.last).min(MAX_OBSERVED_GAP);
+                q.last = now;
+                q.observed >= self.interval && self.retry_at.is_none_or(|t| now >= t)
+            }
             _ => {
                 // Dirtied again: how long after the last write-back tells a dip from a
                 // pause.
@@ -80,7 +109,11 @@ impl BackgroundTimer {
                             BACKGROUND_WRITEBACK_INTERVAL
                         };
                 }
-                self.quiet = Some((now, sig));
+                self.quiet = Some(Quiet {
+                    sig,
+                    observed: Duration::ZERO,
+                    last: now,
+                });
                 false
             }
         }
@@ -102,8 +135,18 @@ impl BackgroundTimer {
     fn finish_at(&mut self, now: Instant, failed: Option<ChangeSignature>) {
         self.running = false;
         match failed {
-            Some(sig) => self.quiet = Some((now + BACKGROUND_RETRY_DELAY, sig)),
-            None => self.ended = Some(now),
+            Some(sig) => {
+                self.quiet = Some(Quiet {
+                    sig,
+                    observed: Duration::ZERO,
+                    last: now,
+                });
+                self.retry_at = Some(now + BACKGROUND_RETRY_DELAY);
+            }
+            None => {
+                self.ended = Some(now);
+                self.retry_at = None;
+            }
         }
     }
 
@@ -117,8 +160,9 @@ impl BackgroundTimer {
 impl<D: BlockDevice> Owner<'_, D> {
     /// Whether the owner should write its dirty metadata back now without a guest flush:
     /// something is dirty, no background write-back is running, and nothing was allocated
-    /// or newly dirtied for [`BACKGROUND_WRITEBACK_INTERVAL`] (a write-back holds the
-    /// metadata lock, so it waits for allocations to pause rather than stall them). Cheap
+    /// or newly dirtied, nor in flight, for [`BACKGROUND_WRITEBACK_INTERVAL`] as the poll
+    /// loop saw it (a write-back holds the metadata lock, so it waits for allocations to
+    /// pause rather than stall them). Cheap
     /// when nothing is dirty (no clock read). A host's owner loop asks this and then runs
     /// [`background_writeback`](Self::background_writeback).
     ///
@@ -130,7 +174,8 @@ impl<D: BlockDevice> Owner<'_, D> {
     pub(crate) fn background_writeback_due(&self) -> bool {
         let mut st = self.meta().st_mut();
         let (dirty, sig) = (st.dirty.has_l2_or_l1(), st.change_signature());
-        st.timer.due(dirty, sig)
+        let busy = !st.alloc.inflight().is_empty();
+        st.timer.due(dirty, busy, sig)
     }
 
     /// Writes the dirty metadata back in dependency order, as a flush does but without
@@ -206,19 +251,60 @@ mod tests {
         );
     }
 
+    /// Checks every millisecond from `from` (excluded) until due: returns when.
+    fn polled_until_due(tm: &mut BackgroundTimer, from: Instant, sig: ChangeSignature) -> Instant {
+        let mut now = from;
+        loop {
+            now += MS;
+            if tm.due_at(now, sig) {
+                return now;
+            }
+        }
+    }
+
     #[test]
     fn changes_while_quiet_restart_the_interval_and_leave_it_as_it_is() {
         let mut tm = BackgroundTimer::default();
         let t = Instant::now();
         assert!(!tm.due_at(t, (1, 1, 1)));
-        assert!(!tm.due_at(t + 9 * MS, (1, 1, 1)));
+        for ms in 1..=9 {
+            assert!(!tm.due_at(t + ms * MS, (1, 1, 1)));
+        }
         assert!(
             !tm.due_at(t + 9 * MS, (2, 1, 1)),
             "an allocation restarts it"
         );
-        assert!(!tm.due_at(t + 18 * MS, (2, 1, 1)));
-        assert!(tm.due_at(t + 19 * MS, (2, 1, 1)));
+        assert_eq!(
+            polled_until_due(&mut tm, t + 9 * MS, (2, 1, 1)),
+            t + 19 * MS
+        );
         assert_eq!(tm.interval(), BACKGROUND_WRITEBACK_INTERVAL);
+    }
+
+    #[test]
+    fn a_gap_between_checks_counts_as_a_short_quiet_only() {
+        let mut tm = BackgroundTimer::default();
+        let t = Instant::now();
+        assert!(!tm.due_at(t, (1, 1, 1)));
+        // The owner did not run for 50 ms: it saw 1 ms of that.
+        assert!(!tm.due_at(t + 50 * MS, (1, 1, 1)));
+        assert_eq!(
+            polled_until_due(&mut tm, t + 50 * MS, (1, 1, 1)),
+            t + 59 * MS
+        );
+    }
+
+    #[test]
+    fn allocations_in_flight_are_no_quiet() {
+        let mut tm = BackgroundTimer::default();
+        let t = Instant::now();
+        assert!(!tm.due_at(t, (1, 1, 1)));
+        assert!(!tm.due_at(t + 9 * MS, (1, 1, 1)));
+        // Every allocation waits for its data write: a stream, not a pause.
+        assert!(!tm.due(true, true, (1, 1, 1)));
+        let now = Instant::now();
+        assert!(!tm.due_at(now, (1, 1, 1)), "the quiet starts over");
+        assert_eq!(polled_until_due(&mut tm, now, (1, 1, 1)), now + 10 * MS);
     }
 
     #[test]
@@ -226,19 +312,20 @@ mod tests {
         let mut tm = BackgroundTimer::default();
         let t = Instant::now();
         assert!(!tm.due_at(t, (1, 1, 1)));
-        assert!(tm.due_at(t + 10 * MS, (1, 1, 1)));
+        let due = polled_until_due(&mut tm, t, (1, 1, 1));
+        assert_eq!(due, t + 10 * MS);
         tm.start();
         tm.finish_at(t + 11 * MS, Some((1, 1, 1)));
-        assert!(!tm.due_at(t + 500 * MS, (1, 1, 1)));
-        assert!(tm.due_at(t + 11 * MS + BACKGROUND_RETRY_DELAY + 10 * MS, (1, 1, 1)));
+        let next = polled_until_due(&mut tm, t + 11 * MS, (1, 1, 1));
+        assert_eq!(next, t + 11 * MS + BACKGROUND_RETRY_DELAY);
         assert_eq!(tm.interval(), BACKGROUND_WRITEBACK_INTERVAL);
     }
 
     #[test]
     fn nothing_dirty_or_a_write_back_running_is_never_due() {
         let mut tm = BackgroundTimer::default();
-        assert!(!tm.due(false, (1, 1, 1)));
+        assert!(!tm.due(false, false, (1, 1, 1)));
         tm.start();
-        assert!(!tm.due(true, (1, 1, 1)));
+        assert!(!tm.due(true, false, (1, 1, 1)));
     }
 }

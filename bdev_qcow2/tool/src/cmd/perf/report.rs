@@ -29,6 +29,20 @@ pub(super) fn table(rows: &[(RunResult, Option<RunResult>)]) -> String {
             raw_iops,
             ratio
         );
+        if let (true, Some(r)) = (q.workload.writes(), r) {
+            // What each request cost the device: the data and, for ours, the metadata.
+            let per = |x: &RunResult| {
+                let ops = x.ops.max(1) as f64;
+                (
+                    x.device_writes as f64 / ops,
+                    x.device_bytes_written as f64 / ops / 1024.0,
+                )
+            };
+            let ((qw, qk), (rw, rk)) = (per(q), per(r));
+            s += &format!(
+                "  device writes per request: qcow2 {qw:.3} ({qk:.1} KiB), raw {rw:.3} ({rk:.1} KiB)\n"
+            );
+        }
         if q.verify_failures > 0 {
             s += &format!("  VERIFY FAILURES: {}\n", q.verify_failures);
         }

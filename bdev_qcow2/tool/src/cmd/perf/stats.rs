@@ -7,6 +7,7 @@ use super::workload::{drive, warm, Lanes, RawTarget};
 use crate::host::{ToolError, ToolResult};
 use crate::lock::Access;
 use crate::reactor::run_reactors_keyed;
+use crate::uring::DeviceStats;
 use qcow2_engine::ring::RingStats;
 use qcow2_engine::{Exec, OpenOptions};
 use std::path::Path;
@@ -26,6 +27,8 @@ pub struct RunResult {
     pub cores: usize,
     /// Operations per second.
     pub iops: f64,
+    /// Operations completed.
+    pub ops: u64,
     /// MiB per second.
     pub mibps: f64,
     /// Mean latency in microseconds.
@@ -71,16 +74,35 @@ pub struct RunResult {
     pub ring_readahead_tasks: u64,
     /// Verify mismatches (must be 0).
     pub verify_failures: u64,
+    /// Writes the device was given during the run (data and metadata; every core's).
+    pub device_writes: u64,
+    /// Bytes of those writes.
+    pub device_bytes_written: u64,
 }
 
 /// Per-core outcome: ops, latencies, verify failures, (cache counters, slices read ahead,
-/// of which reached in time, prefetch ring counters).
+/// of which reached in time, prefetch ring counters), the device's counters over the run.
 type CoreRun = (
     u64,
     Vec<u32>,
     u64,
     (qcow2_engine::cache::CacheStats, u64, u64, RingStats),
+    DeviceStats,
 );
+
+/// What the device of `dev` counted between `before` and now.
+fn device_since<E: std::ops::Deref<Target = Exec<Dev>>>(
+    exec: E,
+    dev: qcow2_engine::DevId,
+    before: DeviceStats,
+) -> DeviceStats {
+    let now = exec.with_device(dev, |d| d.inner.stats());
+    DeviceStats {
+        writes: now.writes - before.writes,
+        bytes_written: now.bytes_written - before.bytes_written,
+        ..now
+    }
+}
 
 /// One run (qcow2 or raw) on `a.cores` cores.
 pub fn run_one(path: &Path, raw: bool, w: Workload, a: &PerfArgs) -> ToolResult<RunResult> {
@@ -94,8 +116,10 @@ pub fn run_one(path: &Path, raw: bool, w: Workload, a: &PerfArgs) -> ToolResult<
                 let dev = exec.add_device(open_dev(&p, w.writes(), &a2)?);
                 let size = exec.device_size(dev) / 512 * 512;
                 let mut t = RawTarget { exec, dev, size };
+                let before = t.exec.with_device(dev, |d| d.inner.stats());
                 let (o, l, f) = drive(&mut t, &a2, w, Lanes { core, cores })?;
-                Ok((o, l, f, Default::default()))
+                let ds = device_since(&t.exec, dev, before);
+                Ok((o, l, f, Default::default(), ds))
             }));
         }
         let mut v = Vec::new();
@@ -141,7 +165,9 @@ pub fn run_one(path: &Path, raw: bool, w: Workload, a: &PerfArgs) -> ToolResult<
             let pf_before = r.chain.prefetch().stats();
             let ring_before = r.chain.ring().stats().unwrap_or_default();
             let core = r.id;
+            let dev_before = r.exec.with_device(r.dev(), |d| d.inner.stats());
             let (o, l, f) = drive(r, a, w, Lanes { core, cores })?;
+            let ds = device_since(&r.exec, r.dev(), dev_before);
             let after = r.cache_stats();
             let stats = qcow2_engine::cache::CacheStats {
                 hits: after.hits - before.hits,
@@ -161,6 +187,7 @@ pub fn run_one(path: &Path, raw: bool, w: Workload, a: &PerfArgs) -> ToolResult<
                     pf.hits - pf_before.hits,
                     ring_after.since(&ring_before),
                 ),
+                ds,
             ))
         })?;
         out.into_iter().map(|(r, _)| r).collect()
@@ -171,8 +198,11 @@ pub fn run_one(path: &Path, raw: bool, w: Workload, a: &PerfArgs) -> ToolResult<
     let mut stats = qcow2_engine::cache::CacheStats::default();
     let (mut pf_loaded, mut pf_hits) = (0, 0);
     let mut ring = RingStats::default();
-    for (o, l, f, (s, loaded, hits, rs)) in runs {
+    let mut dev = DeviceStats::default();
+    for (o, l, f, (s, loaded, hits, rs), ds) in runs {
         ring.add(&rs);
+        dev.writes += ds.writes;
+        dev.bytes_written += ds.bytes_written;
         ops += o;
         lat.extend(l);
         fails += f;
@@ -196,6 +226,7 @@ pub fn run_one(path: &Path, raw: bool, w: Workload, a: &PerfArgs) -> ToolResult<
         depth: a.depth,
         cores,
         iops,
+        ops,
         mibps: iops * a.io_size as f64 / (1 << 20) as f64,
         lat_avg_us: avg,
         lat_p99_us: p99,
@@ -218,6 +249,8 @@ pub fn run_one(path: &Path, raw: bool, w: Workload, a: &PerfArgs) -> ToolResult<
         ring_compressed_fills: ring.compressed_fills,
         ring_readahead_tasks: ring.readahead_tasks,
         verify_failures: fails,
+        device_writes: dev.writes,
+        device_bytes_written: dev.bytes_written,
     })
 }
 
@@ -226,6 +259,7 @@ pub fn run_one(path: &Path, raw: bool, w: Workload, a: &PerfArgs) -> ToolResult<
 pub(super) fn merge(a: RunResult, b: RunResult) -> RunResult {
     RunResult {
         iops: (a.iops + b.iops) / 2.0,
+        ops: a.ops + b.ops,
         mibps: (a.mibps + b.mibps) / 2.0,
         lat_avg_us: (a.lat_avg_us + b.lat_avg_us) / 2.0,
         lat_p99_us: a.lat_p99_us.max(b.lat_p99_us),
@@ -247,6 +281,8 @@ pub(super) fn merge(a: RunResult, b: RunResult) -> RunResult {
         ring_compressed_fills: a.ring_compressed_fills + b.ring_compressed_fills,
         ring_readahead_tasks: a.ring_readahead_tasks + b.ring_readahead_tasks,
         verify_failures: a.verify_failures + b.verify_failures,
+        device_writes: a.device_writes + b.device_writes,
+        device_bytes_written: a.device_bytes_written + b.device_bytes_written,
         ..a
     }
 }
