@@ -21,6 +21,8 @@ mod tests_ciphers;
 mod xts;
 #[cfg(target_arch = "x86_64")]
 mod xts_avx2;
+#[cfg(target_arch = "x86_64")]
+mod xts_vaes;
 
 pub use cipher::{Backend, CipherSpec, SectorCipher, SectorWorker};
 pub use luks::LuksHeader;
