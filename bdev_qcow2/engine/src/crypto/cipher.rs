@@ -16,7 +16,11 @@
 use super::evp::EvpCtx;
 use super::soft::{keyed, Soft};
 pub use super::spec::{CipherAlg, CipherSpec, IvGen, Mode, SECTOR_BYTES};
-#[cfg(target_arch = "x86_64")]
+#[cfg(all(
+    target_arch = "x86_64",
+    target_feature = "vaes",
+    target_feature = "avx512f"
+))]
 use super::xts_vaes::VaesXts;
 use super::CryptoError;
 use aes::cipher::BlockEncrypt;
@@ -63,7 +67,11 @@ const POOL_MAX: usize = 8;
 /// context is freed); the key it was made from is not kept.
 pub struct SectorCipher {
     /// XTS with VAES, where the CPU has it: it runs every sector.
-    #[cfg(target_arch = "x86_64")]
+    #[cfg(all(
+        target_arch = "x86_64",
+        target_feature = "vaes",
+        target_feature = "avx512f"
+    ))]
     vaes: Option<Box<VaesXts>>,
     /// Sectors OpenSSL serves; `None`: RustCrypto runs them all.
     evp: Option<Mutex<EvpPool>>,
@@ -97,16 +105,28 @@ impl SectorCipher {
             return Err(CryptoError::Key);
         }
         let soft = Soft::new(spec.mode, spec.alg, key)?;
-        #[cfg(target_arch = "x86_64")]
+        #[cfg(all(
+            target_arch = "x86_64",
+            target_feature = "vaes",
+            target_feature = "avx512f"
+        ))]
         let vaes = match (prefer, spec.mode, spec.alg) {
             (Backend::Vaes, Mode::Xts, CipherAlg::Aes128 | CipherAlg::Aes256) => {
                 VaesXts::new(key).map(Box::new)
             }
             _ => None,
         };
-        #[cfg(target_arch = "x86_64")]
+        #[cfg(all(
+            target_arch = "x86_64",
+            target_feature = "vaes",
+            target_feature = "avx512f"
+        ))]
         let fast = vaes.is_some();
-        #[cfg(not(target_arch = "x86_64"))]
+        #[cfg(not(all(
+            target_arch = "x86_64",
+            target_feature = "vaes",
+            target_feature = "avx512f"
+        )))]
         let fast = false;
         let evp = match prefer {
             _ if fast => None,
@@ -133,7 +153,11 @@ impl SectorCipher {
             }
         };
         Ok(SectorCipher {
-            #[cfg(target_arch = "x86_64")]
+            #[cfg(all(
+                target_arch = "x86_64",
+                target_feature = "vaes",
+                target_feature = "avx512f"
+            ))]
             vaes,
             evp,
             soft,
@@ -143,7 +167,11 @@ impl SectorCipher {
 
     /// The implementation that runs this cipher's sectors.
     pub fn backend(&self) -> Backend {
-        #[cfg(target_arch = "x86_64")]
+        #[cfg(all(
+            target_arch = "x86_64",
+            target_feature = "vaes",
+            target_feature = "avx512f"
+        ))]
         if self.vaes.is_some() {
             return Backend::Vaes;
         }
@@ -216,7 +244,11 @@ impl SectorCipher {
     fn run(&self, ctx: Option<&mut EvpCtx>, first: u64, data: &mut [u8], enc: bool) {
         debug_assert!(data.len().is_multiple_of(SECTOR_BYTES));
         let iv = |i: u64, out: &mut [[u8; 16]]| self.ivs(first.wrapping_add(i), out);
-        #[cfg(target_arch = "x86_64")]
+        #[cfg(all(
+            target_arch = "x86_64",
+            target_feature = "vaes",
+            target_feature = "avx512f"
+        ))]
         if let Some(v) = &self.vaes {
             return v.run(data, &iv, enc);
         }

@@ -3,8 +3,9 @@
 //! with its own IV: the format's data unit), against OpenSSL's EVP over units of the same
 //! sizes with no IV reset (what `openssl speed -evp aes-256-xts -bytes N` measures; timed
 //! here in-process, and `openssl speed` itself run when installed). Ours is the backend
-//! `SectorCipher::new` picks (VAES where the CPU has it), beside our XTS over OpenSSL's
-//! AES-ECB (the path of CPUs without VAES) and the RustCrypto reference. Rounds alternate
+//! `SectorCipher::new` picks (VAES in a build for CPUs with it, see PERFORMANCE.md §12),
+//! beside our XTS over OpenSSL's AES-ECB (the backend of other builds: the same as ours
+//! there) and the RustCrypto reference. Rounds alternate
 //! the contenders; each figure is the median of the rounds. Then the other modes and
 //! ciphers, once each.
 //! A benchmark, not a test: it prints figures.
