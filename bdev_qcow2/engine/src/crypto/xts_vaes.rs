@@ -243,8 +243,12 @@ impl VaesXts {
     /// Encrypts (`enc`) or decrypts `data` (whole sectors) in place; `iv(i, out)` writes
     /// the IVs of its sectors `i`, `i + 1`, … into `out`.
     pub(super) fn run(&self, data: &mut [u8], iv: &dyn Fn(u64, &mut [[u8; 16]]), enc: bool) {
-        let whole_group = data.len() >= GROUP * SECTOR_BYTES;
-        let mut t = whole_group.then(|| Tweaks([0; GROUP * SECTOR_BYTES]));
+        // Cleared only where used (`then_some` would clear it for every request).
+        let mut t = if data.len() >= GROUP * SECTOR_BYTES {
+            Some(Tweaks([0; GROUP * SECTOR_BYTES]))
+        } else {
+            None
+        };
         for (c, chunk) in data.chunks_mut(CHUNK * SECTOR_BYTES).enumerate() {
             let n = chunk.len() / SECTOR_BYTES;
             // The first tweak of each sector: its IV through AES-k2.
