@@ -3,10 +3,12 @@
 //! number (`plain`, `plain64`, `essiv`), as QEMU's `crypto/block-luks.c` and its IV
 //! generators compute them (an IV is a block long: 8 bytes for CAST5).
 //!
-//! One dispatch: OpenSSL's EVP (`evp.rs`) runs every AES cipher it serves, keyed once per
-//! key (XTS as our XTS over EVP's AES-ECB, `evp_xts.rs`); RustCrypto (`soft.rs`) runs XTS
-//! over AES-192, which OpenSSL lacks, and Twofish, Serpent and CAST5, and is the reference
-//! the tests check EVP against.
+//! One dispatch: on a CPU with AVX-512 and VAES, XTS over AES-128/256 runs as our XTS over
+//! RustCrypto's `aes` 0.9 with VAES (`xts_vaes.rs`: immutable, shared by all threads);
+//! elsewhere OpenSSL's EVP (`evp.rs`) runs every AES cipher it serves, keyed once per key
+//! (XTS as our XTS over EVP's AES-ECB, `evp_xts.rs`); RustCrypto (`soft.rs`) runs XTS over
+//! AES-192, which OpenSSL lacks, and Twofish, Serpent and CAST5, and is the reference the
+//! tests check the others against.
 //! An EVP context is mutable: a [`SectorWorker`] owns one per thread (an executor's view,
 //! one per core, lock-free); [`SectorCipher::encrypt`]/[`decrypt`](SectorCipher::decrypt) through
 //! a shared `&SectorCipher` borrow contexts from a small pool under a mutex.
@@ -14,6 +16,12 @@
 use super::evp::EvpCtx;
 use super::soft::{keyed, Soft};
 pub use super::spec::{CipherAlg, CipherSpec, IvGen, Mode, SECTOR_BYTES};
+#[cfg(all(
+    target_arch = "x86_64",
+    target_feature = "vaes",
+    target_feature = "avx512f"
+))]
+use super::xts_vaes::VaesXts;
 use super::CryptoError;
 use aes::cipher::BlockEncrypt;
 use aes::{Aes128, Aes192, Aes256};
@@ -36,6 +44,9 @@ enum Iv {
 /// Which implementation runs a cipher's sectors.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Backend {
+    /// XTS over RustCrypto's `aes` 0.9 with VAES, the tweaks in AVX-512 (x86-64 CPUs with
+    /// both); where the CPU lacks them, [`Backend::OpenSsl`] runs instead.
+    Vaes,
     /// OpenSSL's EVP.
     OpenSsl,
     /// RustCrypto's `aes` with our XTS and the `cbc` crate.
@@ -55,6 +66,13 @@ const POOL_MAX: usize = 8;
 /// with the `aes` crate's `zeroize` feature; OpenSSL's with `OPENSSL_clear_free` when a
 /// context is freed); the key it was made from is not kept.
 pub struct SectorCipher {
+    /// XTS with VAES, where the CPU has it: it runs every sector.
+    #[cfg(all(
+        target_arch = "x86_64",
+        target_feature = "vaes",
+        target_feature = "avx512f"
+    ))]
+    vaes: Option<Box<VaesXts>>,
     /// Sectors OpenSSL serves; `None`: RustCrypto runs them all.
     evp: Option<Mutex<EvpPool>>,
     /// RustCrypto, keyed too: where EVP is absent or fails.
@@ -69,14 +87,15 @@ impl std::fmt::Debug for SectorCipher {
 }
 
 impl SectorCipher {
-    /// Keys `spec` with `key` (its [`CipherSpec::key_bytes`] long): OpenSSL where it
-    /// serves the cipher, RustCrypto elsewhere.
+    /// Keys `spec` with `key` (its [`CipherSpec::key_bytes`] long): the fastest backend
+    /// that serves the cipher (VAES, then OpenSSL, then RustCrypto).
     pub fn new(spec: &CipherSpec, key: &[u8]) -> Result<Self, CryptoError> {
-        Self::with_backend(spec, key, Backend::OpenSsl)
+        Self::with_backend(spec, key, Backend::Vaes)
     }
 
-    /// Keys `spec` with `key`, on `prefer` where it serves the cipher (RustCrypto serves
-    /// all: the reference of the tests and the benchmark).
+    /// Keys `spec` with `key`, on `prefer` where it serves the cipher, else on the next
+    /// (VAES, OpenSSL, RustCrypto; RustCrypto serves all: the reference of the tests and
+    /// the benchmark).
     pub fn with_backend(
         spec: &CipherSpec,
         key: &[u8],
@@ -86,13 +105,39 @@ impl SectorCipher {
             return Err(CryptoError::Key);
         }
         let soft = Soft::new(spec.mode, spec.alg, key)?;
+        #[cfg(all(
+            target_arch = "x86_64",
+            target_feature = "vaes",
+            target_feature = "avx512f"
+        ))]
+        let vaes = match (prefer, spec.mode, spec.alg) {
+            (Backend::Vaes, Mode::Xts, CipherAlg::Aes128 | CipherAlg::Aes256) => {
+                VaesXts::new(key).map(Box::new)
+            }
+            _ => None,
+        };
+        #[cfg(all(
+            target_arch = "x86_64",
+            target_feature = "vaes",
+            target_feature = "avx512f"
+        ))]
+        let fast = vaes.is_some();
+        #[cfg(not(all(
+            target_arch = "x86_64",
+            target_feature = "vaes",
+            target_feature = "avx512f"
+        )))]
+        let fast = false;
         let evp = match prefer {
-            Backend::OpenSsl => EvpCtx::new(spec.mode, spec.alg, key).map(|template| {
-                Mutex::new(EvpPool {
-                    template,
-                    free: Vec::new(),
+            _ if fast => None,
+            Backend::Vaes | Backend::OpenSsl => {
+                EvpCtx::new(spec.mode, spec.alg, key).map(|template| {
+                    Mutex::new(EvpPool {
+                        template,
+                        free: Vec::new(),
+                    })
                 })
-            }),
+            }
             Backend::RustCrypto => None,
         };
         let iv = match spec.ivgen {
@@ -107,11 +152,29 @@ impl SectorCipher {
                 iv?
             }
         };
-        Ok(SectorCipher { evp, soft, iv })
+        Ok(SectorCipher {
+            #[cfg(all(
+                target_arch = "x86_64",
+                target_feature = "vaes",
+                target_feature = "avx512f"
+            ))]
+            vaes,
+            evp,
+            soft,
+            iv,
+        })
     }
 
     /// The implementation that runs this cipher's sectors.
     pub fn backend(&self) -> Backend {
+        #[cfg(all(
+            target_arch = "x86_64",
+            target_feature = "vaes",
+            target_feature = "avx512f"
+        ))]
+        if self.vaes.is_some() {
+            return Backend::Vaes;
+        }
         match self.evp {
             Some(_) => Backend::OpenSsl,
             None => Backend::RustCrypto,
@@ -181,6 +244,14 @@ impl SectorCipher {
     fn run(&self, ctx: Option<&mut EvpCtx>, first: u64, data: &mut [u8], enc: bool) {
         debug_assert!(data.len().is_multiple_of(SECTOR_BYTES));
         let iv = |i: u64, out: &mut [[u8; 16]]| self.ivs(first.wrapping_add(i), out);
+        #[cfg(all(
+            target_arch = "x86_64",
+            target_feature = "vaes",
+            target_feature = "avx512f"
+        ))]
+        if let Some(v) = &self.vaes {
+            return v.run(data, &iv, enc);
+        }
         let done = match ctx {
             Some(p) => p.run(data, &iv, enc),
             None => 0,

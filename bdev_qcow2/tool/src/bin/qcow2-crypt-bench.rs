@@ -1,10 +1,13 @@
 //! Cipher speed of encrypted images, side by side with OpenSSL, one core: GB/s of our
-//! aes-256-xts-plain64 over 4 KiB requests (512-byte sectors, each with its own IV: the
-//! format's data unit), against OpenSSL's EVP over 512- and 4096-byte units with no IV
-//! reset (what `openssl speed -evp aes-256-xts -bytes N` measures; both timed here
-//! in-process, and `openssl speed` itself run when installed). Rounds alternate the
-//! contenders; each figure is the median of the rounds. Ours also over 512-byte requests
-//! (one sector each: against `-bytes 512`). Then the other modes and ciphers, once each.
+//! aes-256-xts-plain64 over 512-byte, 4 KiB and 128 KiB requests (512-byte sectors, each
+//! with its own IV: the format's data unit), against OpenSSL's EVP over units of the same
+//! sizes with no IV reset (what `openssl speed -evp aes-256-xts -bytes N` measures; timed
+//! here in-process, and `openssl speed` itself run when installed). Ours is the backend
+//! `SectorCipher::new` picks (VAES in a build for CPUs with it, see PERFORMANCE.md §12),
+//! beside our XTS over OpenSSL's AES-ECB (the backend of other builds: the same as ours
+//! there) and the RustCrypto reference. Rounds alternate
+//! the contenders; each figure is the median of the rounds. Then the other modes and
+//! ciphers, once each.
 //! A benchmark, not a test: it prints figures.
 //!
 //! `qcow2-crypt-bench [ROUNDS]` (default 5).
@@ -117,57 +120,85 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let ours = Arc::new(SectorCipher::new(&spec, &k).map_err(|e| format!("{e:?}"))?);
     let old =
         SectorCipher::with_backend(&spec, &k, Backend::RustCrypto).map_err(|e| format!("{e:?}"))?;
+    let ecb = Arc::new(
+        SectorCipher::with_backend(&spec, &k, Backend::OpenSsl).map_err(|e| format!("{e:?}"))?,
+    );
     let names = [
         "openssl speed -bytes 512",
         "openssl speed -bytes 4096",
+        "openssl speed -bytes 131072",
         "EVP in-process, 512-byte units",
         "EVP in-process, 4096-byte units",
+        "EVP in-process, 131072-byte units",
         "EVP in-process, 512-byte units, IV reset each",
         "EVP in-process aes-256-ecb, 4096-byte units",
         "ours 4 KiB encrypt (worker)",
         "ours 4 KiB decrypt (worker)",
         "ours 4 KiB encrypt (shared &SectorCipher)",
         "ours 512 B encrypt (worker)",
-        "old RustCrypto 4 KiB encrypt",
-        "old RustCrypto 4 KiB decrypt",
+        "ours 512 B decrypt (worker)",
+        "ours 128 KiB encrypt (worker)",
+        "ours 128 KiB decrypt (worker)",
+        "our XTS over OpenSSL's ECB, 4 KiB encrypt",
+        "our XTS over OpenSSL's ECB, 4 KiB decrypt",
+        "our XTS over OpenSSL's ECB, 512 B encrypt",
+        "our XTS over OpenSSL's ECB, 128 KiB encrypt",
+        "RustCrypto reference 4 KiB encrypt",
+        "RustCrypto reference 4 KiB decrypt",
     ];
-    const OURS_512: usize = 9;
+    // Indices of the rows compared below.
+    const SPEED_512: usize = 0;
+    const SPEED_4K: usize = 1;
+    const SPEED_128K: usize = 2;
+    const OURS_4K: usize = 8;
+    const OURS_512: usize = 11;
+    const OURS_128K: usize = 13;
     let mut figs: Vec<Vec<f64>> = vec![Vec::new(); names.len()];
     let have_openssl = openssl_speed(16).is_some();
     for _ in 0..rounds {
         let mut w = ours.worker();
+        let mut e = ecb.worker();
+        let speed = |n| have_openssl.then(|| openssl_speed(n)).flatten();
         let row = [
-            if have_openssl {
-                openssl_speed(512)
-            } else {
-                None
-            },
-            if have_openssl {
-                openssl_speed(4096)
-            } else {
-                None
-            },
+            speed(512),
+            speed(4096),
+            speed(131072),
             Some(evp_direct(&k, 512, false)?),
             Some(evp_direct(&k, 4096, false)?),
+            Some(evp_direct(&k, 131072, false)?),
             Some(evp_direct(&k, 512, true)?),
             Some(evp_ecb(&k)?),
             Some(timed(4096, |b, i| w.encrypt(i * 8, b))),
             Some(timed(4096, |b, i| w.decrypt(i * 8, b))),
             Some(timed(4096, |b, i| ours.encrypt(i * 8, b))),
             Some(timed(512, |b, i| w.encrypt(i, b))),
+            Some(timed(512, |b, i| w.decrypt(i, b))),
+            Some(timed(131072, |b, i| w.encrypt(i * 256, b))),
+            Some(timed(131072, |b, i| w.decrypt(i * 256, b))),
+            Some(timed(4096, |b, i| e.encrypt(i * 8, b))),
+            Some(timed(4096, |b, i| e.decrypt(i * 8, b))),
+            Some(timed(512, |b, i| e.encrypt(i, b))),
+            Some(timed(131072, |b, i| e.encrypt(i * 256, b))),
             Some(timed(4096, |b, i| old.encrypt(i * 8, b))),
             Some(timed(4096, |b, i| old.decrypt(i * 8, b))),
         ];
-        if let [Some(s512), Some(s4096), ..] = row {
-            println!("  round: openssl speed 512 {s512:.2}, 4096 {s4096:.2}, ours 4 KiB {:.2}, 512 B {:.2} GB/s",
-                row[6].unwrap_or(f64::NAN), row[9].unwrap_or(f64::NAN));
-        }
+        let f = |i: usize| row[i].unwrap_or(f64::NAN);
+        println!(
+            "  round (GB/s): openssl speed 512 / 4096 / 131072 {:.2} / {:.2} / {:.2}, \
+             ours {:.2} / {:.2} / {:.2}",
+            f(SPEED_512),
+            f(SPEED_4K),
+            f(SPEED_128K),
+            f(OURS_512),
+            f(OURS_4K),
+            f(OURS_128K)
+        );
         for (f, v) in figs.iter_mut().zip(row) {
             f.extend(v);
         }
     }
     let med: Vec<f64> = figs.into_iter().map(median).collect();
-    let ours_enc = med[6];
+    let ours_enc = med[OURS_4K];
     println!(
         "aes-256-xts, one core, medians of {rounds} alternating rounds (backend {:?}):",
         ours.backend()
@@ -181,20 +212,24 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     println!("ours 4 KiB encrypt (worker) against:");
     for (i, what) in [
-        (1, "openssl speed -bytes 4096"),
-        (0, "openssl speed -bytes 512"),
-        (3, "EVP in-process 4096"),
-        (2, "EVP in-process 512"),
-        (4, "EVP in-process 512 + IV reset (the format's bound)"),
+        (SPEED_4K, "openssl speed -bytes 4096"),
+        (SPEED_512, "openssl speed -bytes 512"),
+        (4, "EVP in-process 4096"),
+        (3, "EVP in-process 512"),
+        (6, "EVP in-process 512 + IV reset (the format's bound)"),
     ] {
         if !med[i].is_nan() {
             println!("  {what:<52} {:.2}x", ours_enc / med[i]);
         }
     }
-    if !med[0].is_nan() {
+    if !med[SPEED_512].is_nan() {
         println!(
             "ours 512 B encrypt (worker) against openssl speed -bytes 512: {:.2}x",
-            med[OURS_512] / med[0]
+            med[OURS_512] / med[SPEED_512]
+        );
+        println!(
+            "ours 128 KiB encrypt (worker) against openssl speed -bytes 131072: {:.2}x",
+            med[OURS_128K] / med[SPEED_128K]
         );
     }
     println!("other modes, one 4 KiB run each (encrypt / decrypt GB/s):");
