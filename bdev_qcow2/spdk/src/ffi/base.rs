@@ -49,6 +49,8 @@ struct Pool {
     waiting: bool,
     /// Where the callback delivers completions first (see [`CompletionSink`]).
     sink: Option<(CompletionSink, *mut c_void)>,
+    /// Completions the sink took since [`BaseIo::take_delivered`] last asked.
+    delivered: u32,
 }
 
 /// A base bdev's I/O as seen from one SPDK thread.
@@ -123,6 +125,7 @@ impl BaseIo {
             wait: unsafe { std::mem::zeroed() },
             waiting: false,
             sink: None,
+            delivered: 0,
         }));
         let slots: Box<[Slot]> = (0..SLOTS as u32)
             .map(|index| Slot {
@@ -214,6 +217,12 @@ impl BaseIo {
     pub fn complete_now(&mut self, tag: u64, r: Result<(), DeviceError>) {
         // SAFETY: see `in_flight`.
         unsafe { (*self.pool.as_ptr()).done.push_back((tag, r)) };
+    }
+
+    /// How many completions the sink took since this was last asked.
+    pub fn take_delivered(&mut self) -> u32 {
+        // SAFETY: see `in_flight`.
+        unsafe { std::mem::take(&mut (*self.pool.as_ptr()).delivered) }
     }
 
     /// The oldest completion not delivered to the sink.
@@ -330,12 +339,17 @@ unsafe extern "C" fn io_done(bdev_io: *mut sys::spdk_bdev_io, success: bool, cb_
         let sink = {
             let pool = &mut *owner;
             pool.free.push((*slot).index);
+            if pool.sink.is_some() {
+                // Counted before the sink runs (the pool is not touched while it does).
+                pool.delivered += 1;
+            }
             pool.sink
         };
         if let Some((f, ctx)) = sink {
             if f(ctx, tag, r) {
                 return;
             }
+            (*owner).delivered -= 1;
         }
         (*owner).done.push_back((tag, r));
     }

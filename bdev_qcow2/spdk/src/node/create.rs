@@ -5,7 +5,7 @@ use super::hotplug::BaseEvents;
 use super::later;
 use super::open::{self, strerror};
 use super::unlock::Unlock;
-use super::{identity, Image, ImageInfo, Node, Ring, BLOCK_SIZE};
+use super::{identity, Below, Image, ImageInfo, Node, Ring, BLOCK_SIZE};
 use crate::device::{BaseDevice, SpdkDevice};
 use crate::ffi::bdev::{self, Desc};
 use crate::ffi::node as handle;
@@ -312,7 +312,7 @@ fn finish(mut job: Job) {
         drop(image);
         drop(job.exec);
         let parts = (descs, None, key);
-        return register(job.params, job.uuid, info, parts, ring, done);
+        return register(job.params, job.uuid, info, parts, ring, None, done);
     }
     // The owner's chain reads through the backing bdev: added to `exec` only now that the
     // image is known to name a backing file (after the base, `DevId(0)`).
@@ -334,13 +334,36 @@ fn finish(mut job: Job) {
         let gone = BaseDevice::missing(info.virtual_size, align, may_cache);
         backing_dev = Some(job.exec.add_device(CachedDevice::plain(gone)));
     }
+    // A deep chain of read-only qcow2 bdevs below: the channels read its layers directly.
+    // (Only a writable overlay: each read-only bdev of a chain doing so would open the
+    // layers under it again, a number of descriptors square in the depth.)
+    let below = match &descs[1] {
+        Some(b) => {
+            let reg = registry::lock();
+            Below::resolve(&reg, &b.name())
+        }
+        None => Ok(None),
+    };
+    let below = match below {
+        Ok(b) => b,
+        Err((e, m)) => {
+            drop(image);
+            drop(job.exec);
+            return fail(&name, descs, done, e, m);
+        }
+    };
     let started = start_owner(job.exec, image, backing_dev, &job.params, ring.as_ref());
     let owner = match started {
         Ok(o) => o,
-        Err((e, m)) => return fail(&name, descs, done, e, m),
+        Err((e, m)) => {
+            if let Some(b) = below {
+                b.close();
+            }
+            return fail(&name, descs, done, e, m);
+        }
     };
     let parts = (descs, Some(owner), key);
-    register(job.params, job.uuid, info, parts, ring, done);
+    register(job.params, job.uuid, info, parts, ring, below, done);
 }
 
 /// Starts the metadata owner of the writable `image` on `exec` (on this thread, the md
@@ -401,6 +424,7 @@ fn register(
     info: ImageInfo,
     (descs, owner, key): Parts,
     ring: Option<Ring>,
+    below: Option<Below>,
     done: Done,
 ) {
     let name = params.name.clone();
@@ -413,6 +437,9 @@ fn register(
         if let Some(o) = owner {
             // Just started on this thread; nothing was submitted to it.
             o.close(|_| {});
+        }
+        if let Some(b) = below {
+            b.close();
         }
         return fail(
             &name,
@@ -436,7 +463,7 @@ fn register(
     let cluster_size = info.cluster_size;
     let i = &info;
     let created = format!(
-        "created qcow2 bdev {name} on {} ({} bytes, cluster {}, v{}{}{}{})",
+        "created qcow2 bdev {name} on {} ({} bytes, cluster {}, v{}{}{}{}{})",
         i.base_bdev,
         i.virtual_size,
         i.cluster_size,
@@ -446,7 +473,11 @@ fn register(
             .map(|b| format!(", backing {b}{}", if missing { " (missing)" } else { "" }))
             .unwrap_or_default(),
         if i.zero_offload { ", zero offload" } else { "" },
-        if i.zero_ahead { ", zeroing ahead" } else { "" }
+        if i.zero_ahead { ", zeroing ahead" } else { "" },
+        below
+            .as_ref()
+            .map(|b| format!(", {} layers below read directly", b.depth()))
+            .unwrap_or_default()
     );
     let image = Image {
         base,
@@ -458,18 +489,19 @@ fn register(
         live_channels: Arc::new(AtomicUsize::new(0)),
         key,
     };
-    let node = match handle::register::<Qcow2Bdev>(Node::new(image, ring), cname, &props, |max| {
-        cluster_cut(max, cluster_size)
-    }) {
-        Ok(r) => r,
-        Err(e) => {
-            // The node comes back to `never_registered` once its io_device is gone.
-            registry::lock().creating.retain(|n| n != &name);
-            let m = format!("spdk_bdev_register failed: {}", strerror(e));
-            tracing::error!("bdev_qcow2_create {name}: {m}");
-            return done(Err((e, m)));
-        }
-    };
+    let node =
+        match handle::register::<Qcow2Bdev>(Node::new(image, ring, below), cname, &props, |max| {
+            cluster_cut(max, cluster_size)
+        }) {
+            Ok(r) => r,
+            Err(e) => {
+                // The node comes back to `never_registered` once its io_device is gone.
+                registry::lock().creating.retain(|n| n != &name);
+                let m = format!("spdk_bdev_register failed: {}", strerror(e));
+                tracing::error!("bdev_qcow2_create {name}: {m}");
+                return done(Err((e, m)));
+            }
+        };
     {
         let mut reg = registry::lock();
         reg.creating.retain(|n| n != &name);
