@@ -89,7 +89,7 @@ pub struct Channel {
     /// [`detach_backing`](Self::detach_backing), which may come before the chain exists).
     backing_detached: Cell<bool>,
     /// A deep chain's layers under the top, opened beside the replica (`channel/below.rs`).
-    below_opened: below::OpenedBelow,
+    below_opened: crate::node::OpenedBelow,
     /// The chain waits for `below_opened`.
     below_wait: Cell<bool>,
     opened: Opened,

@@ -21,9 +21,11 @@ mod teardown;
 mod unlock;
 
 use config::config_json;
-pub(crate) use create::{create, create_unclaimed, open_claimed, open_unclaimed, start_owner};
+pub(crate) use create::{
+    create, create_unclaimed, open_claimed, open_unclaimed, start_owner, OwnerBacking,
+};
 
-pub use below::Below;
+pub use below::{Below, OpenedBelow};
 pub use identity::check as check_uuid;
 pub use info::ImageInfo;
 

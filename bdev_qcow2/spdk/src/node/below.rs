@@ -12,10 +12,43 @@
 
 use super::hotplug::BaseEvents;
 use super::open;
+use crate::device::SpdkDevice;
 use crate::registry::Registry;
 use qcow2_engine::image::UnlockedKey;
 use qcow2_engine::limits::MAX_BACKING_DEPTH;
-use qcow2_engine::OpenOptions;
+use qcow2_engine::{DevId, Exec, Layer, OpenOptions, Qcow2};
+use std::cell::RefCell;
+use std::rc::Rc;
+
+/// The layers under the top once their images are open (`None`: still opening).
+pub type OpenedBelow = Rc<RefCell<Option<qcow2_engine::Result<Vec<Layer<SpdkDevice>>>>>>;
+
+/// Where the layers' opens put their images, and how many are still opening.
+struct Opening {
+    images: Vec<Option<Qcow2<SpdkDevice>>>,
+    left: usize,
+    failed: Option<qcow2_engine::Error>,
+    bottom: Option<(DevId, u64)>,
+}
+
+impl Opening {
+    /// The layers, top first, the raw bottom last; or the first error.
+    fn finish(&mut self) -> qcow2_engine::Result<Vec<Layer<SpdkDevice>>> {
+        if let Some(e) = self.failed.take() {
+            return Err(e);
+        }
+        let mut layers: Vec<_> = self
+            .images
+            .drain(..)
+            .flatten()
+            .map(|q| Layer::Qcow2(Box::new(q)))
+            .collect();
+        if let Some((dev, size)) = self.bottom {
+            layers.push(Layer::Raw { dev, size });
+        }
+        Ok(layers)
+    }
+}
 
 /// One qcow2 layer below the top: its base bdev, opened here, and how to open its image.
 pub struct LayerSrc {
@@ -115,20 +148,14 @@ impl Below {
                     opts: l.opts,
                     key: l.key,
                 }),
-                Err(e) => {
-                    below.close();
-                    return Err(e);
-                }
+                Err(e) => return Err(e),
             }
             below.names.push(l.base);
         }
         if let Some(b) = bottom {
             match open::open_claimed::<BaseEvents>(&b, "backing", false) {
                 Ok(d) => below.bottom = Some(d),
-                Err(e) => {
-                    below.close();
-                    return Err(e);
-                }
+                Err(e) => return Err(e),
             }
             below.names.push(b);
         }
@@ -155,12 +182,70 @@ impl Below {
         self.layers.len() + usize::from(self.bottom.is_some())
     }
 
+    /// Adds a device of each layer (and of the bottom) to `exec`, this thread's, and starts
+    /// opening the layers' images there, all at once; `out` gets them once all are open.
+    /// Returns the devices (they leave with the backing bdev); `None`: SPDK gave no I/O
+    /// channel.
+    pub fn open(&self, exec: &Exec<SpdkDevice>, out: &OpenedBelow) -> Option<Vec<DevId>> {
+        let mut devs = Vec::with_capacity(self.depth());
+        let descs = self.layers.iter().map(|l| &l.desc).chain(self.bottom());
+        for desc in descs {
+            devs.push(exec.add_device(crate::device::open_layer(desc)?));
+        }
+        let n = self.layers.len();
+        let bottom = self
+            .bottom
+            .as_ref()
+            .map(|_| (devs[n], exec.device_size(devs[n])));
+        let state = Rc::new(RefCell::new(Opening {
+            images: (0..n).map(|_| None).collect(),
+            left: n,
+            failed: None,
+            bottom,
+        }));
+        if n == 0 {
+            *out.borrow_mut() = Some(state.borrow_mut().finish());
+        }
+        for (i, l) in self.layers.iter().enumerate() {
+            let (e2, st, out) = (exec.clone(), state.clone(), out.clone());
+            let (dev, opts, key) = (devs[i], l.opts, l.key.clone());
+            exec.spawn(async move {
+                let r = Qcow2::open(&e2, dev, opts).await.and_then(|q| {
+                    if let Some(k) = &key {
+                        q.unlock_with(k)?;
+                    }
+                    Ok(q)
+                });
+                let mut s = st.borrow_mut();
+                match r {
+                    Ok(q) => s.images[i] = Some(q),
+                    Err(e) => {
+                        s.failed.get_or_insert(e);
+                    }
+                }
+                s.left -= 1;
+                if s.left == 0 {
+                    *out.borrow_mut() = Some(s.finish());
+                }
+            });
+        }
+        Some(devs)
+    }
+
     /// Closes every descriptor (on the thread that opened them, once nothing reads them).
     pub fn close(self) {
-        for l in self.layers {
+        drop(self);
+    }
+}
+
+/// Dropped where it was opened, the md thread, once nothing reads the layers (teardown,
+/// a backing bdev that left, a creation that failed): the descriptors close.
+impl Drop for Below {
+    fn drop(&mut self) {
+        for l in std::mem::take(&mut self.layers) {
             l.desc.close();
         }
-        if let Some(b) = self.bottom {
+        if let Some(b) = self.bottom.take() {
             b.close();
         }
     }

@@ -5,7 +5,7 @@ use super::hotplug::BaseEvents;
 use super::later;
 use super::open::{self, strerror};
 use super::unlock::Unlock;
-use super::{identity, Below, Image, ImageInfo, Node, Ring, BLOCK_SIZE};
+use super::{identity, Below, Image, ImageInfo, Node, OpenedBelow, Ring, BLOCK_SIZE};
 use crate::device::{BaseDevice, SpdkDevice};
 use crate::ffi::bdev::{self, Desc};
 use crate::ffi::node as handle;
@@ -44,6 +44,9 @@ struct Job {
     result: Rc<RefCell<Option<Opened>>>,
     poller: PollerSlot,
     done: Option<Done>,
+    /// A writable overlay over a deep chain of qcow2 bdevs: its layers, their devices in
+    /// `exec` and their images once open (`below.rs`). Last: dropped (closed) after `exec`.
+    below: Option<(Below, Vec<DevId>, OpenedBelow)>,
 }
 
 fn fail(name: &str, descs: [Option<Desc>; 2], done: Done, errno: i32, msg: String) {
@@ -194,6 +197,20 @@ fn open_and_read(
             Err((e, m)) => return fail(&name, [Some(base), backing], done, e, m),
         },
     };
+    // A deep chain of read-only qcow2 bdevs below: the owner and the channels read its
+    // layers directly (`below.rs`). Only a writable overlay: each read-only bdev of a
+    // chain doing so would open the layers under it again, descriptors square in the depth.
+    let below = match (&backing, params.read_only) {
+        (Some(b), false) => {
+            let reg = registry::lock();
+            Below::resolve(&reg, &b.name())
+        }
+        _ => Ok(None),
+    };
+    let below = match below {
+        Ok(b) => b,
+        Err((e, m)) => return fail(&name, [Some(base), backing], done, e, m),
+    };
     let exec: Exec<SpdkDevice> = Exec::new();
     let Some(mut dev) = crate::device::open(&base) else {
         let m = format!("no I/O channel for base bdev {}", params.base_bdev);
@@ -217,6 +234,18 @@ fn open_and_read(
             *result2.borrow_mut() = Some(r);
         });
     }
+    let below = match below {
+        Some(b) => {
+            let out = Rc::new(RefCell::new(None));
+            let Some(devs) = b.open(&exec, &out) else {
+                drop(exec);
+                let m = "no I/O channel of a layer of the backing chain".to_string();
+                return fail(&name, [Some(base), backing], done, libc::ENOMEM, m);
+            };
+            Some((b, devs, out))
+        }
+        None => None,
+    };
     let job = Box::new(Job {
         params,
         uuid,
@@ -226,12 +255,15 @@ fn open_and_read(
         result,
         poller: PollerSlot::default(),
         done: Some(done),
+        below,
     });
     if let Err(mut job) = thread::start_task(job, c"qcow2_create") {
         let done = job.done.take();
         let descs = [job.base.take(), job.backing.take()];
         let name = job.params.name.clone();
+        let below = job.below.take();
         drop(job);
+        drop(below);
         if let Some(done) = done {
             fail(
                 &name,
@@ -317,7 +349,24 @@ fn finish(mut job: Job) {
     // The owner's chain reads through the backing bdev: added to `exec` only now that the
     // image is known to name a backing file (after the base, `DevId(0)`).
     let mut backing_dev = None;
-    if let Some(b) = &descs[1] {
+    let mut below = None;
+    if let Some((b, devs, out)) = job.below.take() {
+        // The layers in place of the backing bdev.
+        let layers = out.borrow_mut().take();
+        match layers {
+            Some(Ok(layers)) => below = Some((b, devs, layers)),
+            r => {
+                drop(image);
+                drop(job.exec);
+                drop(b);
+                let m = match r {
+                    Some(Err(e)) => format!("a layer of the backing chain: {e}"),
+                    _ => "the backing chain's layers not read".to_string(),
+                };
+                return fail(&name, descs, done, libc::EINVAL, m);
+            }
+        }
+    } else if let Some(b) = &descs[1] {
         let cache = crate::golden::cache_for(b, job.params.backing_cache_bytes());
         let Some(bd) = crate::device::open_cached(b, cache.as_ref()) else {
             drop(image);
@@ -334,31 +383,19 @@ fn finish(mut job: Job) {
         let gone = BaseDevice::missing(info.virtual_size, align, may_cache);
         backing_dev = Some(job.exec.add_device(CachedDevice::plain(gone)));
     }
-    // A deep chain of read-only qcow2 bdevs below: the channels read its layers directly.
-    // (Only a writable overlay: each read-only bdev of a chain doing so would open the
-    // layers under it again, a number of descriptors square in the depth.)
-    let below = match &descs[1] {
-        Some(b) => {
-            let reg = registry::lock();
-            Below::resolve(&reg, &b.name())
-        }
-        None => Ok(None),
+    let (below, layers) = match below {
+        Some((b, devs, layers)) => (Some(b), Some((devs, layers))),
+        None => (None, None),
     };
-    let below = match below {
-        Ok(b) => b,
-        Err((e, m)) => {
-            drop(image);
-            drop(job.exec);
-            return fail(&name, descs, done, e, m);
-        }
+    let backing = match layers {
+        Some(l) => OwnerBacking::Layers(l.0, l.1),
+        None => OwnerBacking::Dev(backing_dev),
     };
-    let started = start_owner(job.exec, image, backing_dev, &job.params, ring.as_ref());
+    let started = start_owner(job.exec, image, backing, &job.params, ring.as_ref());
     let owner = match started {
         Ok(o) => o,
         Err((e, m)) => {
-            if let Some(b) = below {
-                b.close();
-            }
+            drop(below);
             return fail(&name, descs, done, e, m);
         }
     };
@@ -374,7 +411,7 @@ fn finish(mut job: Job) {
 pub(crate) fn start_owner(
     exec: Exec<SpdkDevice>,
     mut image: Qcow2<SpdkDevice>,
-    backing_dev: Option<DevId>,
+    backing: OwnerBacking,
     params: &CreateParams,
     ring: Option<&Ring>,
 ) -> Result<(OwnerBox, Option<CoreSeed>), (i32, String)> {
@@ -384,6 +421,13 @@ pub(crate) fn start_owner(
     image.share();
     let seed = image.core_seed().ok();
     let mut layers = vec![Layer::Qcow2(Box::new(image))];
+    let (backing_dev, below_devs) = match backing {
+        OwnerBacking::Dev(d) => (d, Vec::new()),
+        OwnerBacking::Layers(devs, below) => {
+            layers.extend(below);
+            (None, devs)
+        }
+    };
     if let Some(d) = backing_dev {
         layers.push(Layer::Raw {
             dev: d,
@@ -404,9 +448,17 @@ pub(crate) fn start_owner(
     }
     // The base device was added first (`create`), so it is `DevId(0)`.
     let devs = [Some(DevId(0)), backing_dev].into_iter().flatten();
-    let owner = Owner::start(exec, chain, devs, params.space_warn_percent())
+    let owner = Owner::start(exec, chain, devs, below_devs, params.space_warn_percent())
         .ok_or_else(|| (libc::ENOMEM, "cannot register a poller".to_string()))?;
     Ok((owner, seed))
+}
+
+/// What the owner's chain reads under the top image.
+pub(crate) enum OwnerBacking {
+    /// The backing bdev as one raw layer (its device in the executor), if any.
+    Dev(Option<DevId>),
+    /// A deep chain's layers (`below.rs`): their devices and opened images.
+    Layers(Vec<DevId>, Vec<Layer<SpdkDevice>>),
 }
 
 /// What a node is made of: its base and backing descriptors, the owner of a writable
