@@ -109,8 +109,13 @@ impl BaseDevice {
     /// The descriptor must stay open as long as the device exists (the node that owns it
     /// outlives every channel).
     pub fn new(desc: &Desc) -> Option<BaseDevice> {
-        Some(BaseDevice {
-            io: Some(BaseIo::new(desc)?),
+        Some(BaseDevice::over(desc, BaseIo::new(desc)?))
+    }
+
+    /// A device over `desc` doing its I/O through `io`.
+    fn over(desc: &Desc, io: BaseIo) -> BaseDevice {
+        BaseDevice {
+            io: Some(io),
             draining: Vec::new(),
             refused: Default::default(),
             size_gone: 0,
@@ -122,13 +127,17 @@ impl BaseDevice {
             flushes: desc.supports_natively(sys::SPDK_BDEV_IO_TYPE_FLUSH),
             tracked: false,
             delivered_carry: 0,
-        })
+        }
     }
 
     /// A device over a deep chain's layer `desc` (read only, never through a cache): the
     /// executor polls it only while it has operations outstanding.
     pub fn layer(desc: &Desc) -> Option<BaseDevice> {
-        BaseDevice::new(desc).map(|d| BaseDevice { tracked: true, ..d })
+        let io = BaseIo::with_slots(desc, crate::ffi::base::LAYER_SLOTS, 0)?;
+        Some(BaseDevice {
+            tracked: true,
+            ..BaseDevice::over(desc, io)
+        })
     }
 
     /// The device of a backing bdev that is gone (hot-removed) and had `size` bytes and
