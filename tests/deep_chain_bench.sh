@@ -56,7 +56,8 @@ make_chain() {
   qemu-img create -q -f qcow2 -o preallocation=falloc "$dir/l0.qcow2" "$SIZE"
   local i
   for ((i = 1; i < d; i++)); do
-    qemu-img create -q -f qcow2 -b "$dir/l$((i - 1)).qcow2" -F qcow2 "$dir/l$i.qcow2"
+    # -u and the size: qemu-img would open the whole chain below for each new layer.
+    qemu-img create -q -f qcow2 -u -b "$dir/l$((i - 1)).qcow2" -F qcow2 "$dir/l$i.qcow2" "$SIZE"
   done
   for f in "$dir"/l*.qcow2; do truncate -s %512 "$f"; done
   # The top (l$((d-1))) is the writable bdev q0; every image below a read-only qcow2 bdev.
