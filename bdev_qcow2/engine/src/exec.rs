@@ -242,7 +242,11 @@ impl<D: BlockDevice> Exec<D> {
             while let Some(d) = polled.at(i) {
                 let before = reaped.len();
                 events += devs[d].poll(&mut |tag, res| reaped.push((tag, res)));
-                i = polled.completed(i, (reaped.len() - before) as u32);
+                let mut n = (reaped.len() - before) as u32;
+                if polled.tracked(d) {
+                    n += devs[d].take_delivered();
+                }
+                i = polled.completed(i, n);
             }
         }
         reaped.append(&mut self.inner.failed.borrow_mut());

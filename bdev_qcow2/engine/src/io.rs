@@ -219,6 +219,14 @@ pub trait BlockDevice: 'static {
     fn completes_only_submitted(&self) -> bool {
         false
     }
+    /// How many operations submitted to this device completed outside
+    /// [`poll`](Self::poll) since it was last asked: a host whose device hands completions
+    /// to the executor from a callback (SPDK's) says so here, so that a device that
+    /// [`completes_only_submitted`](Self::completes_only_submitted) stops being polled once
+    /// nothing is outstanding. Asked only of such devices, on each poll that visits them.
+    fn take_delivered(&mut self) -> u32 {
+        0
+    }
     /// Whether [`ensure_size`](Self::ensure_size) can make the device longer (a regular
     /// file, a memory device); a fixed-size device (a bdev, a block device) cannot. The
     /// allocator reserves data regions past the end only on a device that grows.

@@ -13,8 +13,12 @@ use std::sync::Arc;
 
 /// One host's device of the backing bdev.
 pub struct BackingSlot {
-    /// The device in the host's executor (`None`: the host reads no backing bdev).
+    /// The device in the host's executor (`None`: the host reads no backing bdev, or reads
+    /// a deep chain's `layers` in its place).
     dev: Option<DevId>,
+    /// The devices of a deep chain's layers under the backing bdev (`node/below.rs`): they
+    /// leave with it, and never come back.
+    layers: Vec<DevId>,
     /// The generation of the descriptor the device reads (0: the bdev is gone).
     generation: Cell<u64>,
     /// Operations to the bdev that left are still in flight.
@@ -34,10 +38,28 @@ impl BackingSlot {
     ) -> BackingSlot {
         BackingSlot {
             dev,
+            layers: Vec::new(),
             generation: Cell::new(generation),
             draining: Cell::new(false),
             pending,
         }
+    }
+
+    /// The slot of a host reading a deep chain's layers `layers` in place of the backing
+    /// bdev (generation `generation`), counted in `pending` while they drain.
+    pub fn layers(
+        layers: Vec<DevId>,
+        generation: u64,
+        pending: Option<Arc<AtomicUsize>>,
+    ) -> BackingSlot {
+        let mut s = BackingSlot::new(None, generation, pending);
+        s.layers = layers;
+        s
+    }
+
+    /// The devices of the backing bdev (or of the layers read in its place).
+    fn devs(&self) -> impl Iterator<Item = DevId> + '_ {
+        self.dev.iter().chain(self.layers.iter()).copied()
     }
 
     /// The device, if the host reads a backing bdev.
@@ -54,15 +76,20 @@ impl BackingSlot {
     /// The bdev is going: later operations fail at once (reads that need it, and copies
     /// on write from it), the shared cache is let go, and what is in flight drains.
     pub fn leave<H: Host>(&self, host: &H) {
-        let Some(dev) = self.dev else { return };
+        if self.dev.is_none() && self.layers.is_empty() {
+            return;
+        }
         self.generation.set(0);
-        let still = host.driver().run(|| {
-            host.driver().exec().with_device(dev, |d| {
-                d.inner_mut().leave();
-                d.set_cache(None);
-                d.inner_mut().settle()
-            })
-        });
+        let mut still = false;
+        for dev in self.devs() {
+            still |= host.driver().run(|| {
+                host.driver().exec().with_device(dev, |d| {
+                    d.inner_mut().leave();
+                    d.set_cache(None);
+                    d.inner_mut().settle()
+                })
+            });
+        }
         if still && !self.draining.replace(true) {
             if let Some(p) = &self.pending {
                 p.fetch_add(1, Ordering::AcqRel);
@@ -74,13 +101,16 @@ impl BackingSlot {
     /// bdev that left once their operations are done. Returns whether any is still
     /// draining.
     pub fn settle<H: Host>(&self, host: &H) -> bool {
-        let Some(dev) = self.dev.filter(|_| self.draining.get()) else {
+        if !self.draining.get() {
             return false;
-        };
-        let still = host
-            .driver()
-            .exec()
-            .with_device(dev, |d| d.inner_mut().settle());
+        }
+        let mut still = false;
+        for dev in self.devs() {
+            still |= host
+                .driver()
+                .exec()
+                .with_device(dev, |d| d.inner_mut().settle());
+        }
         if !still {
             self.undrain();
         }

@@ -24,6 +24,7 @@
 
 mod ask;
 mod backing;
+mod below;
 
 use ask::SpdkLink;
 pub use ask::{send_ask, Ask};
@@ -87,6 +88,10 @@ pub struct Channel {
     /// A stream dropped the backing reference: the chain reads no backing layer (set by
     /// [`detach_backing`](Self::detach_backing), which may come before the chain exists).
     backing_detached: Cell<bool>,
+    /// A deep chain's layers under the top, opened beside the replica (`channel/below.rs`).
+    below_opened: crate::node::OpenedBelow,
+    /// The chain waits for `below_opened`.
+    below_wait: Cell<bool>,
     opened: Opened,
     /// The replica's chain, set once when it is ready (`try_ready`): the request path
     /// serves on it when set.
@@ -128,6 +133,8 @@ impl Channel {
             forwarded: Cell::new(0),
             backing: BackingSlot::new(None, 0, None),
             backing_detached: Cell::new(false),
+            below_opened: Rc::new(RefCell::new(None)),
+            below_wait: Cell::new(false),
             opened: Rc::new(RefCell::new(None)),
             chain: OnceCell::new(),
             failed: Cell::new(false),
@@ -155,7 +162,12 @@ impl Channel {
             Ok::<_, i32>(id)
         };
         let base_dev = add(base, None)?;
+        let below_devs = match src.below {
+            Some(b) => ch.open_below(b)?,
+            None => Vec::new(),
+        };
         let backing_dev = match (src.backing, src.backing_gone) {
+            _ if src.below.is_some() => None,
             (Some(d), _) => Some(add(d, src.backing_cache)?),
             // Hot-removed: a device that fails what needs the bdev until it returns.
             (None, Some(g)) => Some(backing::add_missing(&ch, g)),
@@ -186,11 +198,13 @@ impl Channel {
                 });
             }
         }
-        ch.backing = BackingSlot::new(
-            backing_dev,
-            src.backing_generation,
-            Some(src.backing_pending.clone()),
-        );
+        let pending = Some(src.backing_pending.clone());
+        ch.backing = match backing_dev {
+            None if !below_devs.is_empty() => {
+                BackingSlot::layers(below_devs, src.backing_generation, pending)
+            }
+            d => BackingSlot::new(d, src.backing_generation, pending),
+        };
         ch.direct = Some(
             ch.exec()
                 .with_device(base_dev, |d| d.inner().direct_target(base_dev)),
@@ -254,18 +268,24 @@ impl Channel {
     }
 
     /// Once the replica is open: builds the chain (the backing bdev, if any, is a raw layer:
-    /// a qcow2 backing image is another of our bdevs) and submits the queued reads.
+    /// a qcow2 backing image is another of our bdevs; or, over a deep chain of them, the
+    /// layers under it, `channel/below.rs`) and submits the queued reads.
     fn try_ready(&self) {
-        if self.chain.get().is_some() || self.failed.get() {
+        if self.chain.get().is_some() || self.failed.get() || self.below_pending() {
             return;
         }
         let Some(r) = self.opened.borrow_mut().take() else {
             return;
         };
+        let below = self.take_below();
         let chain = self.driver.run(|| {
             r.and_then(|q| {
                 let mut layers = vec![Layer::Qcow2(Box::new(q))];
-                if let Some(d) = self.backing.dev().filter(|_| !self.backing_detached.get()) {
+                if let Some(b) = below.filter(|_| !self.backing_detached.get()) {
+                    // A deep chain: its layers in place of the backing bdev.
+                    layers.extend(b?);
+                } else if let Some(d) = self.backing.dev().filter(|_| !self.backing_detached.get())
+                {
                     layers.push(Layer::Raw {
                         dev: d,
                         size: self.exec().device_size(d),

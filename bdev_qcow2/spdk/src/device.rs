@@ -59,6 +59,12 @@ pub fn open_cached(desc: &Desc, cache: Option<&Arc<SharedReadCache>>) -> Option<
     BaseDevice::new(desc).map(|d| CachedDevice::new(d, cache.cloned()))
 }
 
+/// A device over a deep chain's layer (or raw bottom) `desc` on the calling thread (see
+/// [`BaseDevice::layer`]).
+pub fn open_layer(desc: &Desc) -> Option<SpdkDevice> {
+    BaseDevice::layer(desc).map(CachedDevice::plain)
+}
+
 /// A bdev as the engine sees it from one SPDK thread, read and written directly.
 ///
 /// A backing bdev can be hot-removed and come back (ARCHITECTURE.md §15, degraded mode):
@@ -89,6 +95,11 @@ pub struct BaseDevice {
     /// completed writes are stable, and a flush has nothing to do (as SPDK's NVMe-oF
     /// target answers a Flush to such a bdev).
     flushes: bool,
+    /// The executor polls it only while it has operations outstanding (a layer of a deep
+    /// chain: a thousand of them would otherwise be visited on every poll).
+    tracked: bool,
+    /// Completions delivered by channels that drained and were put since last asked.
+    delivered_carry: u32,
 }
 
 impl BaseDevice {
@@ -98,8 +109,13 @@ impl BaseDevice {
     /// The descriptor must stay open as long as the device exists (the node that owns it
     /// outlives every channel).
     pub fn new(desc: &Desc) -> Option<BaseDevice> {
-        Some(BaseDevice {
-            io: Some(BaseIo::new(desc)?),
+        Some(BaseDevice::over(desc, BaseIo::new(desc)?))
+    }
+
+    /// A device over `desc` doing its I/O through `io`.
+    fn over(desc: &Desc, io: BaseIo) -> BaseDevice {
+        BaseDevice {
+            io: Some(io),
             draining: Vec::new(),
             refused: Default::default(),
             size_gone: 0,
@@ -109,6 +125,18 @@ impl BaseDevice {
             unmaps: desc.supports_natively(sys::SPDK_BDEV_IO_TYPE_UNMAP),
             punches: discard_zeroes(desc),
             flushes: desc.supports_natively(sys::SPDK_BDEV_IO_TYPE_FLUSH),
+            tracked: false,
+            delivered_carry: 0,
+        }
+    }
+
+    /// A device over a deep chain's layer `desc` (read only, never through a cache): the
+    /// executor polls it only while it has operations outstanding.
+    pub fn layer(desc: &Desc) -> Option<BaseDevice> {
+        let io = BaseIo::with_slots(desc, crate::ffi::base::LAYER_SLOTS, 0)?;
+        Some(BaseDevice {
+            tracked: true,
+            ..BaseDevice::over(desc, io)
         })
     }
 
@@ -127,6 +155,8 @@ impl BaseDevice {
             unmaps: false,
             punches: false,
             flushes: false,
+            tracked: false,
+            delivered_carry: 0,
         }
     }
 
@@ -144,6 +174,9 @@ impl BaseDevice {
     /// completions were delivered or are queued for `poll`, which reaps them first).
     /// Returns whether any is still draining.
     pub fn settle(&mut self) -> bool {
+        for io in self.draining.iter_mut().filter(|io| io.idle()) {
+            self.delivered_carry += io.take_delivered();
+        }
         self.draining.retain(|io| !io.idle());
         !self.draining.is_empty()
     }
@@ -381,5 +414,17 @@ impl BlockDevice for BaseDevice {
 
     fn may_have_own_work(&self) -> bool {
         self.may_cache
+    }
+
+    fn completes_only_submitted(&self) -> bool {
+        self.tracked
+    }
+
+    fn take_delivered(&mut self) -> u32 {
+        let mut n = std::mem::take(&mut self.delivered_carry);
+        for io in self.io.iter_mut().chain(self.draining.iter_mut()) {
+            n += io.take_delivered();
+        }
+        n
     }
 }

@@ -565,7 +565,13 @@ fn switch(mut sw: Box<Switch>) {
         return advance(sw, e);
     };
     let ring = node.node().ring().cloned();
-    let owner = match node::start_owner(exec, image, Some(backing_dev), &sw.params, ring.as_ref()) {
+    let owner = match node::start_owner(
+        exec,
+        image,
+        node::OwnerBacking::Dev(Some(backing_dev)),
+        &sw.params,
+        ring.as_ref(),
+    ) {
         Ok(o) => o,
         Err((e, m)) => {
             drop(reg);

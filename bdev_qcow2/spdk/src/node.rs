@@ -8,6 +8,7 @@
 //! lets every channel open its own replica.
 
 mod backing;
+mod below;
 mod config;
 mod create;
 pub mod hotplug;
@@ -20,8 +21,11 @@ mod teardown;
 mod unlock;
 
 use config::config_json;
-pub(crate) use create::{create, create_unclaimed, open_claimed, open_unclaimed, start_owner};
+pub(crate) use create::{
+    create, create_unclaimed, open_claimed, open_unclaimed, start_owner, OwnerBacking,
+};
 
+pub use below::{Below, OpenedBelow};
 pub use identity::check as check_uuid;
 pub use info::ImageInfo;
 
@@ -81,6 +85,15 @@ pub struct Node {
     /// Channels still draining operations to a backing bdev that left (its descriptor
     /// closes once none is: `hotplug.rs`).
     backing_pending: Arc<AtomicUsize>,
+    /// A deep chain's qcow2 layers under the backing bdev, which channels read as layers of
+    /// their own chain (`below.rs`; `None`: the backing bdev is read as one raw layer).
+    /// Closed at teardown, or once every core left a removed backing bdev.
+    below: Mutex<Option<Below>>,
+    /// Channels built from now on read `below` (cleared when the backing bdev leaves or an
+    /// external snapshot switches the image).
+    below_on: AtomicBool,
+    /// `below` was set at creation: a removed backing bdev is not read again.
+    flattened: bool,
 }
 
 /// The image under a node, as the node keeps it (its owner aside).
@@ -203,6 +216,8 @@ pub struct ChannelSource<'a> {
     pub backing_generation: u64,
     /// The node's count of channels draining a backing bdev that left.
     pub backing_pending: &'a Arc<AtomicUsize>,
+    /// A deep chain's layers under the backing bdev, read in place of it (`below.rs`).
+    pub below: Option<&'a Below>,
 }
 
 /// The buffer alignment a node over `base` and `backing` asks for (at least 1): what they
@@ -236,8 +251,9 @@ pub struct Gone {
 impl Node {
     /// A node over `image`, created on this thread (its md thread), with the prefetch ring
     /// `ring`.
-    pub fn new(mut image: Image, ring: Option<Ring>) -> Node {
+    pub fn new(mut image: Image, ring: Option<Ring>, below: Option<Below>) -> Node {
         let owner = image.owner.take();
+        let below_on = AtomicBool::new(below.is_some());
         Node {
             md_thread: Thread::current(),
             opts: image.params.open_options(),
@@ -247,6 +263,9 @@ impl Node {
             image: Mutex::new(Current::of(image)),
             backing_dropped: AtomicBool::new(false),
             backing_pending: Arc::new(AtomicUsize::new(0)),
+            flattened: below.is_some(),
+            below: Mutex::new(below),
+            below_on,
         }
     }
 
@@ -313,6 +332,10 @@ impl Node {
         }
         if let Some(p) = self.backing_phase() {
             v["backing_state"] = p.name().into();
+        }
+        if let Some(d) = self.below_depth() {
+            // A deep chain's layers read directly under the top (`below.rs`).
+            v["backing_layers"] = d.into();
         }
         v
     }
@@ -394,7 +417,12 @@ impl Node {
             }
             _ => (None, None, 0),
         };
+        let below = self.below.lock().unwrap_or_else(|e| e.into_inner());
+        let below = below
+            .as_ref()
+            .filter(|_| backing.is_some() && self.below_on.load(Ordering::Acquire));
         build(ChannelSource {
+            below,
             base: c.base.as_ref(),
             backing,
             backing_gone,
@@ -439,6 +467,9 @@ impl Node {
         let old_owner = self.owner.replace(owner, t);
         // The new image names its backing (the old one): nothing was dropped from it.
         self.backing_dropped.store(false, Ordering::Release);
+        // Its backing is the old image's bdev: new channels read it as one layer (the old
+        // channels keep their layers until they are gone; teardown closes them).
+        self.below_on.store(false, Ordering::Release);
         let old = std::mem::replace(&mut *c, Current::of(new));
         Ok(Box::new(Image {
             base: old.base,

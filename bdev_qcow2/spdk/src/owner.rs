@@ -134,13 +134,15 @@ const FULL_WARNING_EVERY: Duration = Duration::from_secs(10);
 const WRITEBACK_TEST_EVERY: u32 = 16;
 
 impl Owner {
-    /// Starts the owner of `chain` (whose devices `devs` belong to `exec`) on the calling
-    /// thread, the md thread. Returns its box, freed after [`Owner::close`], or `None` if
-    /// SPDK refused a poller.
+    /// Starts the owner of `chain` (whose devices `devs`, and `layers` of a deep chain read
+    /// in place of the backing bdev, belong to `exec`) on the calling thread, the md
+    /// thread. Returns its box, freed after [`Owner::close`], or `None` if SPDK refused a
+    /// poller.
     pub fn start(
         exec: Exec<SpdkDevice>,
         chain: Rc<Chain<SpdkDevice>>,
         devs: impl IntoIterator<Item = DevId>,
+        layers: Vec<DevId>,
         space_warn_percent: Option<u8>,
     ) -> Option<OwnerBox> {
         let devs: Vec<DevId> = devs.into_iter().collect();
@@ -169,7 +171,11 @@ impl Owner {
             direct,
             // The backing device follows the base (`start_owner`); one missing at creation
             // reads generation 0 until the bdev appears.
-            backing: BackingSlot::new(devs.get(1).copied(), backing_generation, None),
+            backing: if layers.is_empty() {
+                BackingSlot::new(devs.get(1).copied(), backing_generation, None)
+            } else {
+                BackingSlot::layers(layers.clone(), backing_generation, None)
+            },
             chain,
             outboxes: RefCell::new(Vec::new()),
             arrived: RefCell::new(Vec::with_capacity(64)),
@@ -183,7 +189,7 @@ impl Owner {
             full_warned: Cell::new(None),
             space_warn_percent,
         });
-        for d in devs {
+        for d in devs.into_iter().chain(layers) {
             // SAFETY: the owner is boxed and owns the executor that owns the device.
             unsafe { o.driver.attach(d, &*o) };
         }

@@ -3205,6 +3205,9 @@ mod real {
     /// The golden bdev hot-removed under overlays and back (`real/golden_degraded.rs`).
     mod golden_degraded;
 
+    /// A writable overlay over a deep chain of qcow2 bdevs (`real/deep_chain.rs`).
+    mod deep_chain;
+
     /// Exports the names our module exports (`nm -D | grep bdev_qcow2` finds them) and
     /// registers nothing with SPDK.
     const LOOKALIKE_NOTHING: &str = "\

@@ -43,6 +43,12 @@ impl Polled {
         self.outstanding[dev] += 1;
     }
 
+    /// Whether device `dev` is visited only while it has operations outstanding.
+    #[inline(always)]
+    pub(super) fn tracked(&self, dev: usize) -> bool {
+        self.tracked[dev]
+    }
+
     /// The device to visit at position `i` of this poll, if any.
     #[inline(always)]
     pub(super) fn at(&self, i: usize) -> Option<usize> {

@@ -286,6 +286,10 @@ impl<D: BlockDevice> BlockDevice for CachedDevice<D> {
         self.cache.is_none() && self.inner.completes_only_submitted()
     }
 
+    fn take_delivered(&mut self) -> u32 {
+        self.inner.take_delivered()
+    }
+
     fn may_have_own_work(&self) -> bool {
         self.cache.is_some() || self.inner.may_have_own_work()
     }

@@ -16,6 +16,8 @@ use std::ptr::NonNull;
 const SLOT_IOVS: usize = 8;
 /// Operations one device can have in flight; beyond that `submit` answers `Busy`.
 pub const SLOTS: usize = 1024;
+/// ... for a layer of a deep chain (the executor resubmits past it, in order).
+pub const LAYER_SLOTS: usize = 128;
 
 /// Takes a completion `(tag, result)` straight from SPDK's callback, with the context given
 /// to [`BaseIo::set_sink`]. Returns `false` to decline (the completion is then queued
@@ -49,6 +51,8 @@ struct Pool {
     waiting: bool,
     /// Where the callback delivers completions first (see [`CompletionSink`]).
     sink: Option<(CompletionSink, *mut c_void)>,
+    /// Completions the sink took since [`BaseIo::take_delivered`] last asked.
+    delivered: u32,
 }
 
 /// A base bdev's I/O as seen from one SPDK thread.
@@ -113,24 +117,32 @@ impl BaseIo {
     /// The descriptor must stay open as long as this exists (the node that owns it
     /// outlives every channel).
     pub fn new(desc: &Desc) -> Option<BaseIo> {
+        BaseIo::with_slots(desc, SLOTS, SLOT_IOVS)
+    }
+
+    /// [`new`](Self::new) with `slots` operations in flight at most, each slot's iovecs
+    /// preallocated for `iovs` segments: a deep chain's layer takes [`LAYER_SLOTS`] without
+    /// iovecs until used, so a thousand layers per thread stay small (about 12 KiB each).
+    pub fn with_slots(desc: &Desc, slots: usize, iovs: usize) -> Option<BaseIo> {
         let ch = ChannelRef::of_bdev(desc)?;
         let pool = Box::into_raw(Box::new(Pool {
             slots: Box::new([]),
-            free: (0..SLOTS as u32).rev().collect(),
-            done: VecDeque::with_capacity(SLOTS),
+            free: (0..slots as u32).rev().collect(),
+            done: VecDeque::with_capacity(slots),
             // SAFETY: a plain C struct (pointers, an optional callback, list links) for
             // which all-zero is a valid unqueued state.
             wait: unsafe { std::mem::zeroed() },
             waiting: false,
             sink: None,
+            delivered: 0,
         }));
-        let slots: Box<[Slot]> = (0..SLOTS as u32)
+        let slots: Box<[Slot]> = (0..slots as u32)
             .map(|index| Slot {
                 owner: pool,
                 index,
                 tag: 0,
                 buf: None,
-                iovs: Vec::with_capacity(SLOT_IOVS),
+                iovs: Vec::with_capacity(iovs),
             })
             .collect();
         // SAFETY: `pool` was just leaked from a Box and is not shared yet.
@@ -214,6 +226,12 @@ impl BaseIo {
     pub fn complete_now(&mut self, tag: u64, r: Result<(), DeviceError>) {
         // SAFETY: see `in_flight`.
         unsafe { (*self.pool.as_ptr()).done.push_back((tag, r)) };
+    }
+
+    /// How many completions the sink took since this was last asked.
+    pub fn take_delivered(&mut self) -> u32 {
+        // SAFETY: see `in_flight`.
+        unsafe { std::mem::take(&mut (*self.pool.as_ptr()).delivered) }
     }
 
     /// The oldest completion not delivered to the sink.
@@ -330,12 +348,17 @@ unsafe extern "C" fn io_done(bdev_io: *mut sys::spdk_bdev_io, success: bool, cb_
         let sink = {
             let pool = &mut *owner;
             pool.free.push((*slot).index);
+            if pool.sink.is_some() {
+                // Counted before the sink runs (the pool is not touched while it does).
+                pool.delivered += 1;
+            }
             pool.sink
         };
         if let Some((f, ctx)) = sink {
             if f(ctx, tag, r) {
                 return;
             }
+            (*owner).delivered -= 1;
         }
         (*owner).done.push_back((tag, r));
     }

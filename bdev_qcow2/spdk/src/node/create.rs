@@ -5,7 +5,7 @@ use super::hotplug::BaseEvents;
 use super::later;
 use super::open::{self, strerror};
 use super::unlock::Unlock;
-use super::{identity, Image, ImageInfo, Node, Ring, BLOCK_SIZE};
+use super::{identity, Below, Image, ImageInfo, Node, OpenedBelow, Ring, BLOCK_SIZE};
 use crate::device::{BaseDevice, SpdkDevice};
 use crate::ffi::bdev::{self, Desc};
 use crate::ffi::node as handle;
@@ -44,6 +44,9 @@ struct Job {
     result: Rc<RefCell<Option<Opened>>>,
     poller: PollerSlot,
     done: Option<Done>,
+    /// A writable overlay over a deep chain of qcow2 bdevs: its layers, their devices in
+    /// `exec` and their images once open (`below.rs`). Last: dropped (closed) after `exec`.
+    below: Option<(Below, Vec<DevId>, OpenedBelow)>,
 }
 
 fn fail(name: &str, descs: [Option<Desc>; 2], done: Done, errno: i32, msg: String) {
@@ -194,6 +197,20 @@ fn open_and_read(
             Err((e, m)) => return fail(&name, [Some(base), backing], done, e, m),
         },
     };
+    // A deep chain of read-only qcow2 bdevs below: the owner and the channels read its
+    // layers directly (`below.rs`). Only a writable overlay: each read-only bdev of a
+    // chain doing so would open the layers under it again, descriptors square in the depth.
+    let below = match (&backing, params.read_only) {
+        (Some(b), false) => {
+            let reg = registry::lock();
+            Below::resolve(&reg, &b.name())
+        }
+        _ => Ok(None),
+    };
+    let below = match below {
+        Ok(b) => b,
+        Err((e, m)) => return fail(&name, [Some(base), backing], done, e, m),
+    };
     let exec: Exec<SpdkDevice> = Exec::new();
     let Some(mut dev) = crate::device::open(&base) else {
         let m = format!("no I/O channel for base bdev {}", params.base_bdev);
@@ -217,6 +234,18 @@ fn open_and_read(
             *result2.borrow_mut() = Some(r);
         });
     }
+    let below = match below {
+        Some(b) => {
+            let out = Rc::new(RefCell::new(None));
+            let Some(devs) = b.open(&exec, &out) else {
+                drop(exec);
+                let m = "no I/O channel of a layer of the backing chain".to_string();
+                return fail(&name, [Some(base), backing], done, libc::ENOMEM, m);
+            };
+            Some((b, devs, out))
+        }
+        None => None,
+    };
     let job = Box::new(Job {
         params,
         uuid,
@@ -226,12 +255,15 @@ fn open_and_read(
         result,
         poller: PollerSlot::default(),
         done: Some(done),
+        below,
     });
     if let Err(mut job) = thread::start_task(job, c"qcow2_create") {
         let done = job.done.take();
         let descs = [job.base.take(), job.backing.take()];
         let name = job.params.name.clone();
+        let below = job.below.take();
         drop(job);
+        drop(below);
         if let Some(done) = done {
             fail(
                 &name,
@@ -312,12 +344,29 @@ fn finish(mut job: Job) {
         drop(image);
         drop(job.exec);
         let parts = (descs, None, key);
-        return register(job.params, job.uuid, info, parts, ring, done);
+        return register(job.params, job.uuid, info, parts, ring, None, done);
     }
     // The owner's chain reads through the backing bdev: added to `exec` only now that the
     // image is known to name a backing file (after the base, `DevId(0)`).
     let mut backing_dev = None;
-    if let Some(b) = &descs[1] {
+    let mut below = None;
+    if let Some((b, devs, out)) = job.below.take() {
+        // The layers in place of the backing bdev.
+        let layers = out.borrow_mut().take();
+        match layers {
+            Some(Ok(layers)) => below = Some((b, devs, layers)),
+            r => {
+                drop(image);
+                drop(job.exec);
+                drop(b);
+                let m = match r {
+                    Some(Err(e)) => format!("a layer of the backing chain: {e}"),
+                    _ => "the backing chain's layers not read".to_string(),
+                };
+                return fail(&name, descs, done, libc::EINVAL, m);
+            }
+        }
+    } else if let Some(b) = &descs[1] {
         let cache = crate::golden::cache_for(b, job.params.backing_cache_bytes());
         let Some(bd) = crate::device::open_cached(b, cache.as_ref()) else {
             drop(image);
@@ -334,13 +383,24 @@ fn finish(mut job: Job) {
         let gone = BaseDevice::missing(info.virtual_size, align, may_cache);
         backing_dev = Some(job.exec.add_device(CachedDevice::plain(gone)));
     }
-    let started = start_owner(job.exec, image, backing_dev, &job.params, ring.as_ref());
+    let (below, layers) = match below {
+        Some((b, devs, layers)) => (Some(b), Some((devs, layers))),
+        None => (None, None),
+    };
+    let backing = match layers {
+        Some(l) => OwnerBacking::Layers(l.0, l.1),
+        None => OwnerBacking::Dev(backing_dev),
+    };
+    let started = start_owner(job.exec, image, backing, &job.params, ring.as_ref());
     let owner = match started {
         Ok(o) => o,
-        Err((e, m)) => return fail(&name, descs, done, e, m),
+        Err((e, m)) => {
+            drop(below);
+            return fail(&name, descs, done, e, m);
+        }
     };
     let parts = (descs, Some(owner), key);
-    register(job.params, job.uuid, info, parts, ring, done);
+    register(job.params, job.uuid, info, parts, ring, below, done);
 }
 
 /// Starts the metadata owner of the writable `image` on `exec` (on this thread, the md
@@ -351,7 +411,7 @@ fn finish(mut job: Job) {
 pub(crate) fn start_owner(
     exec: Exec<SpdkDevice>,
     mut image: Qcow2<SpdkDevice>,
-    backing_dev: Option<DevId>,
+    backing: OwnerBacking,
     params: &CreateParams,
     ring: Option<&Ring>,
 ) -> Result<(OwnerBox, Option<CoreSeed>), (i32, String)> {
@@ -361,6 +421,13 @@ pub(crate) fn start_owner(
     image.share();
     let seed = image.core_seed().ok();
     let mut layers = vec![Layer::Qcow2(Box::new(image))];
+    let (backing_dev, below_devs) = match backing {
+        OwnerBacking::Dev(d) => (d, Vec::new()),
+        OwnerBacking::Layers(devs, below) => {
+            layers.extend(below);
+            (None, devs)
+        }
+    };
     if let Some(d) = backing_dev {
         layers.push(Layer::Raw {
             dev: d,
@@ -381,9 +448,17 @@ pub(crate) fn start_owner(
     }
     // The base device was added first (`create`), so it is `DevId(0)`.
     let devs = [Some(DevId(0)), backing_dev].into_iter().flatten();
-    let owner = Owner::start(exec, chain, devs, params.space_warn_percent())
+    let owner = Owner::start(exec, chain, devs, below_devs, params.space_warn_percent())
         .ok_or_else(|| (libc::ENOMEM, "cannot register a poller".to_string()))?;
     Ok((owner, seed))
+}
+
+/// What the owner's chain reads under the top image.
+pub(crate) enum OwnerBacking {
+    /// The backing bdev as one raw layer (its device in the executor), if any.
+    Dev(Option<DevId>),
+    /// A deep chain's layers (`below.rs`): their devices and opened images.
+    Layers(Vec<DevId>, Vec<Layer<SpdkDevice>>),
 }
 
 /// What a node is made of: its base and backing descriptors, the owner of a writable
@@ -401,6 +476,7 @@ fn register(
     info: ImageInfo,
     (descs, owner, key): Parts,
     ring: Option<Ring>,
+    below: Option<Below>,
     done: Done,
 ) {
     let name = params.name.clone();
@@ -413,6 +489,9 @@ fn register(
         if let Some(o) = owner {
             // Just started on this thread; nothing was submitted to it.
             o.close(|_| {});
+        }
+        if let Some(b) = below {
+            b.close();
         }
         return fail(
             &name,
@@ -436,7 +515,7 @@ fn register(
     let cluster_size = info.cluster_size;
     let i = &info;
     let created = format!(
-        "created qcow2 bdev {name} on {} ({} bytes, cluster {}, v{}{}{}{})",
+        "created qcow2 bdev {name} on {} ({} bytes, cluster {}, v{}{}{}{}{})",
         i.base_bdev,
         i.virtual_size,
         i.cluster_size,
@@ -446,7 +525,11 @@ fn register(
             .map(|b| format!(", backing {b}{}", if missing { " (missing)" } else { "" }))
             .unwrap_or_default(),
         if i.zero_offload { ", zero offload" } else { "" },
-        if i.zero_ahead { ", zeroing ahead" } else { "" }
+        if i.zero_ahead { ", zeroing ahead" } else { "" },
+        below
+            .as_ref()
+            .map(|b| format!(", {} layers below read directly", b.depth()))
+            .unwrap_or_default()
     );
     let image = Image {
         base,
@@ -458,18 +541,19 @@ fn register(
         live_channels: Arc::new(AtomicUsize::new(0)),
         key,
     };
-    let node = match handle::register::<Qcow2Bdev>(Node::new(image, ring), cname, &props, |max| {
-        cluster_cut(max, cluster_size)
-    }) {
-        Ok(r) => r,
-        Err(e) => {
-            // The node comes back to `never_registered` once its io_device is gone.
-            registry::lock().creating.retain(|n| n != &name);
-            let m = format!("spdk_bdev_register failed: {}", strerror(e));
-            tracing::error!("bdev_qcow2_create {name}: {m}");
-            return done(Err((e, m)));
-        }
-    };
+    let node =
+        match handle::register::<Qcow2Bdev>(Node::new(image, ring, below), cname, &props, |max| {
+            cluster_cut(max, cluster_size)
+        }) {
+            Ok(r) => r,
+            Err(e) => {
+                // The node comes back to `never_registered` once its io_device is gone.
+                registry::lock().creating.retain(|n| n != &name);
+                let m = format!("spdk_bdev_register failed: {}", strerror(e));
+                tracing::error!("bdev_qcow2_create {name}: {m}");
+                return done(Err((e, m)));
+            }
+        };
     {
         let mut reg = registry::lock();
         reg.creating.retain(|n| n != &name);

@@ -49,7 +49,9 @@ pub fn appeared(name: &str, hold: &ExamineHold) {
 
 /// The nodes whose backing bdev is `name` (`missing`: only those that lost it), with their
 /// md threads. A node whose stream dropped the backing reference lets the bdev go when it
-/// is removed (its descriptor is still open) but needs it no more.
+/// is removed (its descriptor is still open) but needs it no more. A node that reads a deep
+/// chain's layers (`below.rs`) leaves the backing bdev when any of them goes, and does not
+/// read it again (the layers under a returning bdev may be others: re-create the overlay).
 fn users(name: &str, missing: bool) -> Vec<(NodeKey, Thread)> {
     registry::lock()
         .nodes
@@ -61,7 +63,19 @@ fn users(name: &str, missing: bool) -> Vec<(NodeKey, Thread)> {
             } else {
                 n.params()
             };
-            p.backing_bdev.as_deref() == Some(name)
+            let named = p.backing_bdev.as_deref() == Some(name);
+            if missing && named && n.flattened() {
+                tracing::warn!(
+                    "qcow2 bdev {}: a bdev named {name} was registered; the deep chain under \
+                     its backing bdev is not read again (re-create the bdev)",
+                    n.name()
+                );
+                return false;
+            }
+            if !missing && n.below_reads(name) {
+                return n.backing_phase().is_some();
+            }
+            named
                 && n.backing_phase()
                     .is_some_and(|p| !missing || matches!(p, Phase::Leaving | Phase::Missing))
         })
@@ -162,6 +176,9 @@ fn closed(key: NodeKey) {
     let (desc, again) = n.backing_left();
     if let Some(d) = desc {
         d.close();
+    }
+    if let Some(b) = n.take_below() {
+        b.close();
     }
     tracing::warn!(
         "qcow2 bdev {}: backing bdev {name} released; it is read again once a bdev of that \

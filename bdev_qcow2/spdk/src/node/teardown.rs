@@ -102,6 +102,9 @@ fn close_descs(n: MdNode) {
     for d in n.node().take_descs().into_iter().flatten() {
         d.close();
     }
+    if let Some(b) = n.node().take_below() {
+        b.close();
+    }
     let n = n.destruct_done();
     tracing::info!("qcow2 bdev {} deleted", n.name());
 }
@@ -110,9 +113,13 @@ fn close_descs(n: MdNode) {
 /// the one that registered it): its owner closes, then its descriptors.
 pub fn never_registered(n: Node, owner: Option<OwnerBox>) {
     let descs = n.take_descs();
+    let below = n.take_below();
     let close = move || {
         for d in descs.into_iter().flatten() {
             d.close();
+        }
+        if let Some(b) = below {
+            b.close();
         }
     };
     match owner {

@@ -1,0 +1,168 @@
+//! A deep chain of qcow2 bdevs (#48): a writable overlay over read-only qcow2 bdevs, each
+//! over the next, made by qemu-img with data in different layers (4 KiB clusters in one,
+//! extended L2 in another, zeros written over data below, the overlay's own writes). The
+//! overlay reads the layers' base bdevs as layers of its own chain (`backing_layers` in
+//! `bdev_get_bdevs`), and reads what qemu-io reads of the same chain; bdevperf's verify
+//! on two cores (copy-on-write from the deep layers, reads through the channels) leaves an
+//! image QEMU checks clean and reads as SPDK does; a stream then makes the overlay hold
+//! the whole disk alone.
+
+use super::*;
+
+/// Layers under the overlay.
+const DEPTH: usize = 6;
+
+/// The layer files, bottom first, and the overlay: `l0` holds data everywhere it writes;
+/// each layer above writes its own pattern over part of it, some zeros, some fresh ranges.
+fn chain(d: &Path) -> (Vec<PathBuf>, PathBuf) {
+    let mut layers: Vec<PathBuf> = Vec::new();
+    for i in 0..DEPTH {
+        let f = d.join(format!("l{i}.qcow2"));
+        let opts = match i {
+            2 => "cluster_size=4096",
+            3 => "cluster_size=16384,extended_l2=on",
+            _ => "cluster_size=65536",
+        };
+        let mut args = vec!["create", "-q", "-f", "qcow2", "-o", opts];
+        let below;
+        if let Some(b) = layers.last() {
+            below = s(b).to_string();
+            args.extend(["-b", &below, "-F", "qcow2"]);
+        }
+        args.extend([s(&f), "32M"]);
+        qemu_img(&args);
+        let p = 0x40 + i;
+        let writes = [
+            format!("write -P {p:#x} {}k 1M", i * 3072),
+            format!("write -P {:#x} {}k 12k", p + 0x20, 20480 + i * 40),
+            format!("write -P {:#x} {}k 4k", p + 0x40, 24576 + i * 516),
+            if i % 2 == 1 {
+                format!("write -z {}k 64k", (i - 1) * 3072 + 512)
+            } else {
+                format!("write -P {:#x} 31M 512", p + 0x60)
+            },
+        ];
+        let w: Vec<&str> = writes.iter().map(String::as_str).collect();
+        qemu_io(&f, &w);
+        pad(&f);
+        layers.push(f);
+    }
+    let top = d.join("top.qcow2");
+    let below = s(layers.last().unwrap()).to_string();
+    qemu_img(&[
+        "create",
+        "-q",
+        "-f",
+        "qcow2",
+        "-b",
+        &below,
+        "-F",
+        "qcow2",
+        s(&top),
+        "32M",
+    ]);
+    qemu_io(&top, &["write -P 0x99 100k 8k", "write -z 5M 64k"]);
+    pad(&top);
+    let f = fs::OpenOptions::new().write(true).open(&top).unwrap();
+    f.set_len(256 * MIB).unwrap();
+    (layers, top)
+}
+
+/// The config: an AIO bdev per file, a read-only qcow2 bdev per layer over the one below,
+/// the writable overlay `q0` over the last.
+fn config(path: &Path, layers: &[PathBuf], top: &Path) {
+    let mut calls = Vec::new();
+    for (i, f) in layers.iter().enumerate() {
+        calls.push(aio(f, &format!("a{i}")));
+        let mut p =
+            json!({"name": format!("l{i}"), "base_bdev": format!("a{i}"), "read_only": true});
+        if i > 0 {
+            p["backing_bdev"] = json!(format!("l{}", i - 1));
+        }
+        calls.push(json!({"method": "bdev_qcow2_create", "params": p}));
+    }
+    calls.push(aio(top, "atop"));
+    let last = format!("l{}", layers.len() - 1);
+    calls.push(qcow2("q0", "atop", Some(&last)));
+    write_config(path, calls);
+}
+
+#[test]
+fn a_deep_chain_of_qcow2_bdevs_reads_what_qemu_reads() {
+    require!("spdk_tgt", "spdk_dd", "bdevperf");
+    require_rpc!();
+    let _t = turn();
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let (layers, top) = chain(d);
+    let cfg = d.join("deep.json");
+    config(&cfg, &layers, &top);
+
+    // The overlay reads the six layers directly; a layer's base refuses a writer.
+    let t = Target::start(d, "deep", Some(&cfg));
+    let q0 = t.bdev("q0").expect("no bdev q0");
+    let q = &q0["driver_specific"]["qcow2"];
+    assert_eq!(q["backing_layers"], json!(DEPTH), "{q0}");
+    let (ok, text) = t.try_rpc(&["bdev_qcow2_create", "-b", "w3", "--base-bdev", "a3"]);
+    assert!(!ok, "a writer of a layer's base was accepted: {text}");
+    t.stop();
+
+    // What QEMU reads of the chain (the owner's path: spdk_dd reads on the md thread).
+    dd_and_compare(d, &cfg, "q0", &top, "deep-through");
+
+    // bdevperf verify on two cores: copies on write from the deep layers, reads on the
+    // channels' chains; then QEMU checks the overlay and reads what SPDK reads.
+    let (ok, text) = bdevperf(
+        d,
+        &cfg,
+        "deep-verify",
+        &[
+            "-m", "0x3", "-q", "16", "-o", "4096", "-w", "verify", "-t", "3", "-T", "q0",
+        ],
+        90,
+    );
+    assert!(ok, "bdevperf verify over the deep chain failed:\n{text}");
+    let (ok, text) = bdevperf(
+        d,
+        &cfg,
+        "deep-read",
+        &[
+            "-m", "0x3", "-q", "32", "-o", "4096", "-w", "randread", "-t", "2", "-T", "q0",
+        ],
+        90,
+    );
+    assert!(ok, "bdevperf randread over the deep chain failed:\n{text}");
+    check_clean(&top, "the overlay after bdevperf over the deep chain");
+    dd_and_compare(d, &cfg, "q0", &top, "deep-after-verify");
+    for l in &layers {
+        check_clean(l, "a layer under the overlay");
+    }
+
+    // A stream over the deep chain: the overlay then holds the disk alone.
+    let want = d.join("deep-want.raw");
+    qemu_img(&["convert", "-O", "raw", s(&top), s(&want)]);
+    let t = Target::start(d, "deep-stream", Some(&cfg));
+    t.rpc(&["bdev_qcow2_stream", "-b", "q0"]);
+    let t0 = Instant::now();
+    loop {
+        let (ok, out) = t.try_rpc(&["bdev_qcow2_get_stats", "-b", "q0"]);
+        assert!(ok, "{out}");
+        if stream_stats(&out, "q0")["state"] == "done" {
+            break;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "the stream does not end: {out}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    t.stop();
+    check_clean(&top, "the overlay after a stream over the deep chain");
+    no_backing(&top);
+    compare_with_raw(&top, &want);
+    say(&format!(
+        "a writable qcow2 bdev over {DEPTH} read-only qcow2 bdevs reads their bases as one chain \
+         (backing_layers {DEPTH}), reads what qemu-img reads before and after bdevperf verify \
+         on two cores, and streams to an image equal to the chain"
+    ));
+}
