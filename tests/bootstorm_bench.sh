@@ -15,8 +15,10 @@
 # overlays' spdk_tgt over NVMe-oF/TCP on loopback (bdev_nvme_attach_controller).
 # Each overlay: a qcow2 bdev on its own malloc bdev, backing_bdev the golden bdev, exported
 # as a namespace of one NVMe-oF/TCP subsystem of spdk_tgt (CORES, default one core).
-# The replayer: tests/bootstorm/replay.py, an asyncio NVMe/TCP host (one controller per
-# boot, QD reads in flight per boot) on the other core.
+# The replayer: tests/bootstorm/replay (bootstorm_replay, a compiled NVMe/TCP host: one
+# controller and one thread per boot, QD reads in flight per boot) on the other core;
+# REPLAY=py: tests/bootstorm/replay.py, the same host in asyncio Python (slower: with it the
+# host is the floor).
 # Per image and N: wall time of all N boots and that against one boot (x1), the golden
 # base's bytes read (bdev_get_iostat of the delay bdev) and that against one boot's, the
 # shared cache's memory (bdev_qcow2_get_stats backing_cache.memory_bytes), the replayer's
@@ -30,6 +32,8 @@
 #                                                           # one boot outlasts the floor below
 #   LAT=0 MBPS=0 IMAGES=raw tests/bootstorm_bench.sh        # no slow base: the replayer's and
 #                                                           # the target's own floor
+#   PERF=/tmp/p LAT=0 MBPS=0 NS=32 ROUNDS=1 IMAGES=raw tests/bootstorm_bench.sh
+#                                                           # perf record the target's storm
 #
 # Each spdk_tgt run takes /tmp/spdk-run.lock (LOCK) for its life only. Needs an installed
 # SPDK (spdk_tgt, pkg-config spdk_bdev), qemu-img and mke2fs (SKIPPED without them). Builds
@@ -52,8 +56,10 @@ TRACE=${TRACE:-tests/bootstorm/boot_trace.csv}
 DIR=$(mktemp -d -p /dev/shm)
 trap 'rm -rf "$DIR"' EXIT
 
-cargo build --release -q -p bdev_qcow2
+cargo build --release -q -p bdev_qcow2 -p bootstorm_replay
 SO=$PWD/target/release/libbdev_qcow2.so
+REPLAYER=$PWD/target/release/bootstorm_replay
+[ "${REPLAY:-rust}" = py ] && REPLAYER=
 
 # The golden image: the trace's disk size (its last byte read, whole MiB), an ext4
 # filesystem of shared libraries filling most of it.
@@ -84,4 +90,4 @@ python3 tests/bootstorm/bench.py --module "$SO" --dir "$DIR" --trace "$TRACE" --
   --ns "${NS:-1 8 32}" --rounds "${ROUNDS:-3}" --qd "${QD:-8}" --lat "${LAT:-500}" \
   --mbps "${MBPS:-100}" --cores "${CORES:-0x1}" --base "${BASE:-delay}" \
   --off-max "${OFF_MAX:-1073741824}" \
-  --lock "${LOCK:-/tmp/spdk-run.lock}"
+  --lock "${LOCK:-/tmp/spdk-run.lock}" --replayer "$REPLAYER" --perf "${PERF:-}"

@@ -11,6 +11,7 @@ import argparse
 import fcntl
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -132,11 +133,24 @@ def run(a, image, fmt, n, shared):
                 store.start(os.path.join(sdir, "store.json"))
             tgt.start(cfg)
             before = bytes_read(store, "dg")
+            prof = None
+            if a.perf:
+                # Where the target's core goes during the storm (perf report -i the file).
+                side = "on" if shared else "off"
+                prof = subprocess.Popen(
+                    ["perf", "record", "-q", "-g", "-p", str(tgt.proc.pid), "-o",
+                     os.path.join(a.perf, f"{fmt}-{n}-{side}.data")],
+                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                time.sleep(0.5)
+            host = [a.replayer] if a.replayer else [sys.executable, os.path.join(HERE, "replay.py")]
             out = subprocess.run(
-                [sys.executable, os.path.join(HERE, "replay.py"), "--port", str(a.port),
-                 "--nqn", NQN, "--boots", str(n), "--qd", str(a.qd), "--trace", a.trace],
+                host + ["--port", str(a.port), "--nqn", NQN, "--boots", str(n),
+                        "--qd", str(a.qd), "--trace", a.trace],
                 check=True, capture_output=True, text=True, timeout=900)
             r = json.loads(out.stdout)
+            if prof:
+                prof.send_signal(signal.SIGINT)
+                prof.wait()
             golden = bytes_read(store, "dg") - before
             stats = tgt.call("bdev_qcow2_get_stats", {"name": "vm0"})
             cache = stats[0].get("backing_cache") or {}
@@ -169,10 +183,13 @@ def main():
     ap.add_argument("--mem", default="", help="spdk_tgt's memory options (default: by N)")
     ap.add_argument("--port", type=int, default=4437)
     ap.add_argument("--lock", default="/tmp/spdk-run.lock")
+    ap.add_argument("--perf", default="", help="a directory: perf record the target there")
+    ap.add_argument("--replayer", default="",
+                    help="the host's binary (bootstorm_replay); default: replay.py")
     a = ap.parse_args()
     where = "" if a.base == "delay" else f", exported by spdk_tgt -m {a.store_cores} over NVMe-oF/TCP"
     print(f"   golden base: aio file, bdev_delay {a.lat} us reads, QoS {a.mbps} MB/s reads{where};"
-          f" spdk_tgt -m {a.cores}; replay QD{a.qd} per boot; {a.rounds} alternating pair(s)")
+          f" spdk_tgt -m {a.cores}; {os.path.basename(a.replayer) or 'replay.py'} QD{a.qd} per boot; {a.rounds} alternating pair(s)")
     print(f"   {'image':6} {'N':>4} | {'wall s on':>9} {'off':>7} {'x1 on':>6} {'x1 off':>6}"
           f" | {'golden MiB on':>13} {'off':>7} {'x1 on':>6} {'x1 off':>6}"
           f" | {'cache MiB':>9} | {'replay cpu s on':>15} {'off':>5}")

@@ -7,6 +7,10 @@
 
 mod cache;
 mod device;
+mod memory;
 
+#[cfg(loom)]
+pub use cache::Broken;
 pub use cache::{CacheStats, Fill, Lookup, Pin, SharedReadCache, Sharer, DEFAULT_GRANULE, WAYS};
 pub use device::{is_fill_tag, CachedDevice};
+pub use memory::{AtomicWords, Exclusive, GranuleAlloc, GranuleMemory, Shared};

@@ -4,6 +4,7 @@
 //! them (`READ_MANY_WRITE_NONE`), so nothing writes it while a cache of it lives.
 
 use crate::ffi::bdev::Desc;
+use crate::ffi::granule::DmaGranule;
 use qcow2_engine::golden::{CacheStats, SharedReadCache, DEFAULT_GRANULE};
 use std::sync::{Arc, Mutex, Weak};
 
@@ -30,7 +31,8 @@ pub fn cache_for(desc: &Desc, bytes: u64) -> Option<Arc<SharedReadCache>> {
     {
         return Some(c);
     }
-    let c = SharedReadCache::new(bytes, DEFAULT_GRANULE)?;
+    // Its granules in DMA memory: a hit is one memcpy into the request.
+    let c = SharedReadCache::with_memory(bytes, DEFAULT_GRANULE, DmaGranule::alloc)?;
     tracing::info!(
         "golden bdev {}: a shared read cache of up to {} MiB",
         key.0,

@@ -8,7 +8,16 @@
 //! overlays, so a slot needs no coherency beyond its replacement: pins keep a slot's bytes
 //! still while anyone copies them, and the release of a publish (or of an unpin) pairs
 //! with the acquire of the next pin (or of the replacement's claim).
+//!
+//! So a slot's bytes are written only by the one filler that claimed it (no pin on it) and
+//! read only under pins taken after the publish: whatever memory holds them
+//! ([`GranuleMemory`]: the host's DMA memory, copied with `memcpy`) is never written while
+//! it is read, and no lock is taken. `tests/loom_golden.rs` model-checks this.
 
+use super::memory::{AtomicWords, Exclusive, GranuleAlloc, GranuleMemory, Shared};
+#[cfg(loom)]
+use loom::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+#[cfg(not(loom))]
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 
@@ -57,12 +66,26 @@ pub struct SharedReadCache {
     sets: usize,
     state: Box<[AtomicU64]>,
     /// Each slot's bytes, allocated by its first fill: memory follows use, up to the size.
-    data: Box<[OnceLock<Box<[AtomicU64]>>]>,
+    data: Box<[OnceLock<Box<dyn GranuleMemory>>]>,
+    alloc: GranuleAlloc,
     /// Per set: where its next replacement starts looking (a clock hand).
     hand: Box<[AtomicU32]>,
     counters: Counters,
     /// How many [`Sharer`]s hold it: while one or none does, reads skip it.
     sharers: Padded,
+    /// The model check's deliberately broken protocol.
+    #[cfg(loom)]
+    broken: Broken,
+}
+
+/// Deliberately broken slot protocols the model check must catch.
+#[cfg(loom)]
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Broken {
+    /// A claim takes a ready slot that readers pin.
+    pub claim_pinned: bool,
+    /// A publish makes the slot ready without a release.
+    pub relaxed_publish: bool,
 }
 
 /// Counters, each on its own cache line (every core bumps them).
@@ -76,9 +99,14 @@ struct Counters {
     slots_allocated: Padded,
 }
 
-#[derive(Default)]
 #[repr(align(128))]
 struct Padded(AtomicU64);
+
+impl Default for Padded {
+    fn default() -> Padded {
+        Padded(AtomicU64::new(0))
+    }
+}
 
 impl Padded {
     fn add(&self, n: u64) {
@@ -132,8 +160,31 @@ pub struct Fill {
 impl SharedReadCache {
     /// A cache of at most `bytes` bytes in granules of `granule` bytes (a power of two of at
     /// least 4 KiB), rounded down to whole sets of [`WAYS`] slots; `None` when that is no
-    /// set at all.
+    /// set at all. Its bytes are in atomic words on the heap.
     pub fn new(bytes: u64, granule: u32) -> Option<Arc<SharedReadCache>> {
+        SharedReadCache::with_memory(bytes, granule, AtomicWords::alloc)
+    }
+
+    /// The model check's cache with a broken protocol.
+    #[cfg(loom)]
+    pub fn new_broken(
+        bytes: u64,
+        granule: u32,
+        alloc: GranuleAlloc,
+        broken: Broken,
+    ) -> Option<Arc<SharedReadCache>> {
+        let mut c = SharedReadCache::with_memory(bytes, granule, alloc)?;
+        Arc::get_mut(&mut c)?.broken = broken;
+        Some(c)
+    }
+
+    /// As [`new`](Self::new), each slot's bytes in memory from `alloc` (made by the slot's
+    /// first fill).
+    pub fn with_memory(
+        bytes: u64,
+        granule: u32,
+        alloc: GranuleAlloc,
+    ) -> Option<Arc<SharedReadCache>> {
         if !granule.is_power_of_two() || granule < 4096 {
             return None;
         }
@@ -147,9 +198,12 @@ impl SharedReadCache {
             sets,
             state: (0..slots).map(|_| AtomicU64::new(EMPTY)).collect(),
             data: (0..slots).map(|_| OnceLock::new()).collect(),
+            alloc,
             hand: (0..sets).map(|_| AtomicU32::new(0)).collect(),
             counters: Counters::default(),
             sharers: Padded::default(),
+            #[cfg(loom)]
+            broken: Broken::default(),
         }))
     }
 
@@ -271,7 +325,7 @@ impl SharedReadCache {
                 let s = snapshot[i];
                 let free = match want_empty {
                     true => s & STATE_MASK == EMPTY,
-                    false => s & STATE_MASK == READY && s & PIN_MASK == 0,
+                    false => s & STATE_MASK == READY && (s & PIN_MASK == 0 || self.claims_pinned()),
                 };
                 // The acquire pairs with the release of the last unpin: every copy out of
                 // the old granule is over before the new one is written.
@@ -292,13 +346,36 @@ impl SharedReadCache {
         None
     }
 
-    fn words(&self, slot: usize) -> &[AtomicU64] {
-        self.data[slot].get_or_init(|| {
+    fn memory(&self, slot: usize) -> &dyn GranuleMemory {
+        &**self.data[slot].get_or_init(|| {
             self.counters.slots_allocated.add(1);
-            (0..self.granule as usize / 8)
-                .map(|_| AtomicU64::new(0))
-                .collect()
+            (self.alloc)(self.granule as usize)
         })
+    }
+
+    #[cfg(not(loom))]
+    #[inline(always)]
+    fn claims_pinned(&self) -> bool {
+        false
+    }
+
+    #[cfg(loom)]
+    fn claims_pinned(&self) -> bool {
+        self.broken.claim_pinned
+    }
+
+    #[cfg(not(loom))]
+    #[inline(always)]
+    fn publish_order(&self) -> Ordering {
+        Ordering::Release
+    }
+
+    #[cfg(loom)]
+    fn publish_order(&self) -> Ordering {
+        match self.broken.relaxed_publish {
+            true => Ordering::Relaxed,
+            false => Ordering::Release,
+        }
     }
 }
 
@@ -322,7 +399,8 @@ impl Drop for Sharer {
 impl Pin<'_> {
     /// Copies `dst.len()` bytes of the granule from byte `off` on.
     pub fn copy_out(&self, off: usize, dst: &mut [u8]) {
-        copy_words_out(self.cache.words(self.slot), off, dst);
+        // A pin on a published slot: nobody writes its bytes until it is dropped.
+        self.cache.memory(self.slot).load(&Shared::new(), off, dst);
     }
 }
 
@@ -350,16 +428,12 @@ impl Fill {
     pub fn publish(mut self, src: &[u8]) {
         let c = &self.cache;
         debug_assert_eq!(src.len(), c.granule as usize);
-        let words = c.words(self.slot);
-        for (w, chunk) in words.iter().zip(src.chunks_exact(8)) {
-            let mut b = [0u8; 8];
-            b.copy_from_slice(chunk);
-            w.store(u64::from_ne_bytes(b), Ordering::Relaxed);
-        }
+        // Claimed with no pin on it, not yet published: this fill alone touches the bytes.
+        c.memory(self.slot).store(&Exclusive::new(), 0, src);
         c.counters.fills.add(1);
         c.counters.fill_bytes.add(u64::from(c.granule));
         // Release: the bytes before the state any pin (acquire) reads.
-        c.state[self.slot].store(READY | self.granule << TAG_SHIFT, Ordering::Release);
+        c.state[self.slot].store(READY | self.granule << TAG_SHIFT, c.publish_order());
         self.done = true;
     }
 }
@@ -369,27 +443,6 @@ impl Drop for Fill {
         if !self.done {
             self.cache.state[self.slot].store(EMPTY, Ordering::Release);
         }
-    }
-}
-
-/// Copies `dst.len()` bytes from byte `off` of `words` (native byte order, as stored).
-fn copy_words_out(words: &[AtomicU64], off: usize, dst: &mut [u8]) {
-    if off.is_multiple_of(8) && dst.len().is_multiple_of(8) {
-        // Whole words (every sector-aligned read): a load and a store each.
-        for (w, out) in words[off / 8..].iter().zip(dst.chunks_exact_mut(8)) {
-            out.copy_from_slice(&w.load(Ordering::Relaxed).to_ne_bytes());
-        }
-        return;
-    }
-    let mut pos = off;
-    let mut out = 0;
-    while out < dst.len() {
-        let w = words[pos / 8].load(Ordering::Relaxed).to_ne_bytes();
-        let from = pos % 8;
-        let n = (8 - from).min(dst.len() - out);
-        dst[out..out + n].copy_from_slice(&w[from..from + n]);
-        out += n;
-        pos += n;
     }
 }
 
