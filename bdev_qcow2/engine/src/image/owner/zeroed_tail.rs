@@ -116,7 +116,7 @@ impl<D: BlockDevice> Owner<'_, D> {
     /// sector written alone, then flushed), so that whatever a crash keeps, the claim
     /// covers nothing written; a tail zeroed ahead zeroes the device up to its new start.
     /// It moves in steps of a 64th of the device (1 MiB at least; zeroing, 64 MiB at
-    /// most; punching, to the device's end at once). Caller holds the metadata lock.
+    /// most). Caller holds the metadata lock.
     pub(crate) async fn raise_zeroed_tail(&self, end_cluster: u64) -> Result<()> {
         if self.below_zeroed_tail(end_cluster) {
             return Ok(());
@@ -126,14 +126,8 @@ impl<D: BlockDevice> Owner<'_, D> {
         let bits = self.geo.cluster_bits;
         let dev_end = self.device_size.get().div_ceil(cs) * cs;
         let zeroing = m.st().tail.zeroes_ahead();
-        // A punch costs no space, but on ext4 it waits for every direct I/O in flight on
-        // the file (the queue drains once per punch): punching ahead goes to the device's
-        // end in one go (#48). Write Zeroes may move data: bounded steps.
-        let punch = zeroing && self.exec.with_device(self.dev, |d| d.discard_zeroes());
         let mut step = (dev_end / 64).max(ZEROED_TAIL_STEP_MIN);
-        if punch {
-            step = dev_end;
-        } else if zeroing {
+        if zeroing {
             step = step.min(ZERO_AHEAD_STEP_MAX);
         }
         let from = ((end_cluster << bits) + step).div_ceil(cs) * cs;
@@ -154,6 +148,7 @@ impl<D: BlockDevice> Owner<'_, D> {
                 let to_dev = to.min(self.device_size.get());
                 if to_dev > old {
                     // A punched hole reads zeros and takes no space: the cheapest zeros.
+                    let punch = self.exec.with_device(self.dev, |d| d.discard_zeroes());
                     let zeroed = if punch {
                         self.exec.discard(self.dev, old, to_dev - old).await
                     } else {
