@@ -194,6 +194,10 @@ struct Setup {
     /// and discards of distinct ranges; a flush once those before it completed, with the
     /// next ones in flight): write-backs at the bound run while allocations go on.
     concurrent_bound: Option<u64>,
+    /// With `punch`: the owner punches once, at its first allocation, from the clusters in
+    /// use to where the image fully allocated ends, and never past it: the device from
+    /// this byte on keeps its stale bytes in every crash state.
+    stale_from: Option<usize>,
 }
 
 /// What a crash replay leaves in discarded bytes: anything, so not zeros.
@@ -245,6 +249,7 @@ fn crash_test_with(
         discards,
         snapshot,
         concurrent_bound,
+        stale_from,
     } = setup;
     let size = opts.size;
     let cs = 1u64 << opts.cluster_bits;
@@ -341,6 +346,15 @@ fn crash_test_with(
             "the workload discards freed clusters"
         );
     }
+    if stale_from.is_some() {
+        // A punch on a device whose discard leaves zeros is logged as a write of zeros;
+        // stepping ahead would punch a MiB or more at a time, several times.
+        let punches = log
+            .iter()
+            .filter(|e| matches!(e, LoggedOp::Write(_, d) if d.len() >= 1 << 20 && d.iter().all(|b| *b == 0)))
+            .count();
+        assert_eq!(punches, 1, "one punch ahead per open");
+    }
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("crash.qcow2");
     let mut rng = Rng(seed ^ 0xdead_beef);
@@ -396,6 +410,13 @@ fn crash_test_with(
                 }
             }
             states += 1;
+            if let Some(from) = stale_from {
+                assert!(
+                    img[from..].iter().all(|b| *b == 0xee),
+                    "crash state at log {p} subset {subset}: the device past the image's \
+                     fully allocated end was touched"
+                );
+            }
             if opts.lazy_refcounts {
                 // A dirty image is repaired when opened for writing; then it must be clean.
                 let exec = Exec::new();
@@ -577,6 +598,37 @@ fn crash_states_zeroing_ahead_by_punching() {
         );
         assert!(n > 50);
     }
+}
+
+#[test]
+fn crash_states_punching_ahead_once_to_the_images_end() {
+    // As above on a device far larger than the image needs: the first allocation punches
+    // from the clusters in use to where the image fully allocated ends, in one go (on ext4
+    // each punch waits for every direct I/O in flight, #48), and no further. Whatever a
+    // crash keeps, the stale bytes never show through a mapped cluster, and the device past
+    // what the image can need keeps them.
+    let size = 8u64 << 20;
+    let need = qcow2_engine::format::measure::prealloc_size(size, 64 << 10, 4, false);
+    let n = crash_test_with(
+        CreateOptions {
+            size,
+            cluster_bits: 16,
+            ..Default::default()
+        },
+        53,
+        120,
+        3,
+        Setup {
+            fixed: Some(48 << 20),
+            submit: true,
+            zero_ahead: true,
+            punch: true,
+            stale_from: Some(need as usize),
+            ..Default::default()
+        },
+    );
+    eprintln!("crash states tried (one punch ahead to the image's end): {n}");
+    assert!(n > 50);
 }
 
 #[test]

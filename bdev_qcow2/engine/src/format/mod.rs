@@ -5,6 +5,7 @@ pub mod bitmaps;
 pub mod entries;
 pub mod header;
 pub mod header_sector;
+pub mod measure;
 pub mod refcount;
 pub mod snapshot;
 

@@ -12,6 +12,7 @@ use super::create::{FormatOptions, Preallocation};
 use super::map::{chain_status, layer_files, open_layer_files};
 use super::OutputFormat;
 use crate::host::{open_chain, Format, OpenSpec, ToolError, ToolResult};
+use qcow2_engine::format::measure::prealloc_size;
 use qcow2_engine::{Layer, OpenOptions};
 use serde_json::{json, Map, Value};
 use std::path::PathBuf;
@@ -57,40 +58,6 @@ pub struct Measured {
     pub fully_allocated: u64,
     /// Bytes the input's persistent bitmaps would take, when both images can hold them.
     pub bitmaps: Option<u64>,
-}
-
-/// Bytes of refcount table and blocks that count `clusters` clusters and themselves
-/// (QEMU's `qcow2_refcount_metadata_size`: the fixed point).
-fn refcount_metadata_size(clusters: u64, cluster_size: u64, refcount_order: u32) -> u64 {
-    let per_table_cluster = cluster_size / 8;
-    let per_block = (cluster_size * 8) >> refcount_order;
-    let (mut table, mut blocks, mut n) = (0u64, 0u64, 0u64);
-    loop {
-        let last = n;
-        blocks = (clusters + table + blocks).div_ceil(per_block);
-        table = blocks.div_ceil(per_table_cluster);
-        n = clusters + blocks + table;
-        if n == last {
-            return (blocks + table) * cluster_size;
-        }
-    }
-}
-
-/// A fully allocated qcow2 image of `size` bytes (QEMU's `qcow2_calc_prealloc_size`).
-pub fn prealloc_size(size: u64, cluster_size: u64, refcount_order: u32, extended_l2: bool) -> u64 {
-    let aligned = size.div_ceil(cluster_size) * cluster_size;
-    let l2e = if extended_l2 { 16 } else { 8 };
-    let mut meta = cluster_size;
-    let nl2e = (aligned / cluster_size).div_ceil(cluster_size / l2e) * (cluster_size / l2e);
-    meta += nl2e * l2e;
-    let nl1e = (nl2e * l2e / cluster_size).div_ceil(cluster_size / 8) * (cluster_size / 8);
-    meta += nl1e * 8;
-    meta += refcount_metadata_size(
-        (meta + aligned) / cluster_size,
-        cluster_size,
-        refcount_order,
-    );
-    meta + aligned
 }
 
 /// Bytes one bitmap directory entry takes with a name of `name_len` bytes.
@@ -292,16 +259,4 @@ pub fn run(args: &MeasureArgs) -> ToolResult<String> {
             String::from_utf8_lossy(&buf).into_owned() + "\n"
         }
     })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// Figures `qemu-img measure` printed for the same inputs (QEMU 10.0).
-    #[test]
-    fn qemu_figures() {
-        assert_eq!(prealloc_size(1 << 30, 65536, 4, false), 1074135040);
-        assert_eq!(prealloc_size(4 << 20, 65536, 4, false), 4521984);
-    }
 }

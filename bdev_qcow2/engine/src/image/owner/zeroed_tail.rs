@@ -16,6 +16,7 @@
 use super::Owner;
 use crate::error::Result;
 use crate::format::header::ZeroedTail;
+use crate::format::measure::prealloc_size;
 use crate::io::{BlockDevice, BufSlice, IoBuffer, SECTOR};
 
 /// The zeroed tail kept by the owner, if any.
@@ -116,7 +117,8 @@ impl<D: BlockDevice> Owner<'_, D> {
     /// sector written alone, then flushed), so that whatever a crash keeps, the claim
     /// covers nothing written; a tail zeroed ahead zeroes the device up to its new start.
     /// It moves in steps of a 64th of the device (1 MiB at least; zeroing, 64 MiB at
-    /// most). Caller holds the metadata lock.
+    /// most); punching, the first step reaches as far as the image fully allocated ends
+    /// (never past the device's end). Caller holds the metadata lock.
     pub(crate) async fn raise_zeroed_tail(&self, end_cluster: u64) -> Result<()> {
         if self.below_zeroed_tail(end_cluster) {
             return Ok(());
@@ -126,11 +128,20 @@ impl<D: BlockDevice> Owner<'_, D> {
         let bits = self.geo.cluster_bits;
         let dev_end = self.device_size.get().div_ceil(cs) * cs;
         let zeroing = m.st().tail.zeroes_ahead();
+        let punch = zeroing && self.exec.with_device(self.dev, |d| d.discard_zeroes());
         let mut step = (dev_end / 64).max(ZEROED_TAIL_STEP_MIN);
         if zeroing {
             step = step.min(ZERO_AHEAD_STEP_MAX);
         }
-        let from = ((end_cluster << bits) + step).div_ceil(cs) * cs;
+        let mut from = ((end_cluster << bits) + step).div_ceil(cs) * cs;
+        if punch {
+            // A punch costs no space, but on ext4 it waits for every direct I/O in flight
+            // on the file (`inode_dio_wait`: the queue drains once per punch). So the
+            // first punch covers all the image can need without snapshots or bitmaps, and
+            // no more: the device past it keeps its bytes (#48). Write Zeroes may move
+            // data: bounded steps.
+            from = from.max(self.fully_allocated_end());
+        }
         let from = from.min(dev_end.max(end_cluster << bits));
         let Some(raise) = m.st().tail.raise_to(from) else {
             return Ok(());
@@ -148,7 +159,6 @@ impl<D: BlockDevice> Owner<'_, D> {
                 let to_dev = to.min(self.device_size.get());
                 if to_dev > old {
                     // A punched hole reads zeros and takes no space: the cheapest zeros.
-                    let punch = self.exec.with_device(self.dev, |d| d.discard_zeroes());
                     let zeroed = if punch {
                         self.exec.discard(self.dev, old, to_dev - old).await
                     } else {
@@ -170,6 +180,20 @@ impl<D: BlockDevice> Owner<'_, D> {
         st.tail.moved_to(from);
         st.stats.zeroed_tail_raises += 1;
         Ok(())
+    }
+
+    /// Where the image ends fully allocated (bytes, whole clusters): header, tables,
+    /// refcounts and every data cluster of its virtual size.
+    fn fully_allocated_end(&self) -> u64 {
+        let h = self.header.borrow();
+        let cs = self.geo.cluster_size();
+        let need = prealloc_size(
+            h.header.size,
+            cs,
+            h.header.refcount_order,
+            self.geo.extended_l2,
+        );
+        need.div_ceil(cs) * cs
     }
 
     /// At a clean close: the zeroed tail goes back to where the clusters ever allocated end

@@ -48,7 +48,7 @@ impl PerfTarget for ChainTarget {
     fn poll(&mut self, done: &mut dyn FnMut(u64, qcow2_engine::Result<()>)) {
         self.0.exec().poll(done);
     }
-    fn prefetch(&self, off: u64) {
+    fn prefetch(&self, off: u64, _write: bool) {
         if let Some(p) = self.0.disk().entry_hint(off) {
             crate::uring::prefetch_line(p.cast());
         }
