@@ -108,7 +108,8 @@ impl<H: DirectHost, K: Kind> ChildDone<Qcow2Bdev> for Done<H, K> {
 }
 
 /// Submits request `io` of kind `K`, granted the one extent `grant` of `chain`: to the base
-/// through `target` ([`Done<H, K>`] completes it), or, for another device (or without a
+/// through `target` ([`Done<H, K>`] completes it; a read on the crypt view over it,
+/// [`Done<H, Decrypt>`], in [`crypt_or_exec`]), or, for another device (or without a
 /// target), through the executor ([`through_exec`]). When the base refused it (busy) the
 /// grant ends and the request comes back.
 #[inline(always)]
