@@ -117,14 +117,25 @@ pub fn submit<H: DirectHost, K: Kind>(
     host: &H,
     chain: &Chain<SpdkDevice>,
     target: Option<&Target>,
-    mut io: BdevIo,
+    io: BdevIo,
     grant: Grant,
 ) -> Result<(), BdevIo> {
-    let exec = host.driver().exec();
     // (The indices compared: `DevId`'s derived `==` would be one more function per request.)
     let Some(t) = target.filter(|t| t.dev.0 == grant.dev().0) else {
         return crypt_or_exec::<H, K>(host, chain, target, io, grant);
     };
+    to_base::<H, K>(host, t, io, grant)
+}
+
+/// One child I/O of `t`'s base at the grant's host offset with the request's own iovecs,
+/// completed by [`Done<H, K>`].
+#[inline(always)]
+fn to_base<H: DirectHost, K: Kind>(
+    host: &H,
+    t: &Target,
+    mut io: BdevIo,
+    grant: Grant,
+) -> Result<(), BdevIo> {
     host.claim(&mut io);
     let h = grant.host().0;
     // The completion leaves the grace period with the entry kept in the request's context.
@@ -133,7 +144,7 @@ pub fn submit<H: DirectHost, K: Kind>(
         .submit::<Qcow2Bdev, Done<H, K>>(io, K::WRITE, h)
         .map_err(|(io, _)| {
             // Refused: over before it began.
-            leave(exec, &io);
+            leave(host.driver().exec(), &io);
             io
         })
 }
@@ -158,16 +169,9 @@ fn crypt_or_exec<H: DirectHost, K: Kind>(
             return Ok(());
         }
     };
-    host.claim(&mut io);
-    let h = grant.host().0;
-    io.ctx_mut().set_crypt(view, h);
-    io.ctx_mut().set_entry(grant.submitted());
-    t.base
-        .submit::<Qcow2Bdev, Done<H, Decrypt>>(io, false, h)
-        .map_err(|(io, _)| {
-            leave(exec, &io);
-            io
-        })
+    // The IVs come from the host offset: the completion decrypts with it.
+    io.ctx_mut().set_crypt(view, grant.host().0);
+    to_base::<H, Decrypt>(host, t, io, grant)
 }
 
 /// A grant the base does not serve itself (an encrypted image's crypt view): the executor
