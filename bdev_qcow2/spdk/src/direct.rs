@@ -4,16 +4,18 @@
 //! leaves the grace period and completes it. Both hosts use it: a channel on its replica,
 //! the owner on the writable image; each says how through [`DirectHost`].
 //!
-//! A grant on another device than the base (an encrypted image's crypt view, which
-//! decrypts what it reads in the request's own buffer), or a host without a target, goes to
-//! the executor as the one device operation it is ([`Chain::submit_direct`]): no task, no
+//! A read granted on an encrypted image's crypt view over the base goes there the same way
+//! ([`Decrypt`]) and is decrypted in the request's own buffer in the child's completion, on
+//! the same core, before the request completes. A write through the view (encrypted in a
+//! bounce buffer), a grant on another device, or a host without a target goes to the
+//! executor as the one device operation it is ([`Chain::submit_direct`]): no task, no
 //! second plan; its completion reaches the host as the engine's ([`Host::request_done`]).
 //!
 //! [`submit`] returns the guest request (`Err(io)`), having submitted nothing and ended the
 //! grant, only when the base refused it (busy): the engine path runs it then.
 
-use crate::device::SpdkDevice;
 pub use crate::device::Target;
+use crate::device::{guest_buf, SpdkDevice};
 use crate::engine_host::Host;
 use crate::ffi::bdev_io::ChildDone;
 use crate::types::{BdevIo, Qcow2Bdev};
@@ -45,6 +47,9 @@ pub trait DirectHost: Host {
 pub trait Kind {
     /// Whether the child I/O writes.
     const WRITE: bool;
+    /// Whether the child read is decrypted before the request completes (a read granted on
+    /// an encrypted image's crypt view).
+    const DECRYPT: bool = false;
 }
 
 /// A direct read.
@@ -60,6 +65,15 @@ impl Kind for Write {
     const WRITE: bool = true;
 }
 
+/// A direct read of an encrypted image: read from the base under its crypt view, decrypted
+/// in place when it completes.
+pub enum Decrypt {}
+
+impl Kind for Decrypt {
+    const WRITE: bool = false;
+    const DECRYPT: bool = true;
+}
+
 /// Completion of host `H`'s direct request of kind `K`: leaves the grace period, moves the
 /// write generations of a write's range ([`DirectHost::written`]), completes the request.
 pub struct Done<H, K>(PhantomData<(H, K)>);
@@ -72,6 +86,14 @@ impl<H: DirectHost, K: Kind> ChildDone<Qcow2Bdev> for Done<H, K> {
         // `H::claim`; SPDK calls it once, when the child I/O of `io` completed.
         unsafe {
             H::with_host(io, |h, io| {
+                if K::DECRYPT && success {
+                    // On the request's core, in its own buffer, before it completes; the
+                    // grace period still holds the clusters the IVs came from.
+                    let (view, host) = io.ctx().crypt();
+                    h.driver()
+                        .exec()
+                        .decrypt_view(view, host, &guest_buf(io.data_view()));
+                }
                 // (`leave`, written out: the completion's one function here.)
                 if let Some(entry) = io.ctx().take_entry() {
                     h.driver().exec().guest_exit(entry);
@@ -86,7 +108,8 @@ impl<H: DirectHost, K: Kind> ChildDone<Qcow2Bdev> for Done<H, K> {
 }
 
 /// Submits request `io` of kind `K`, granted the one extent `grant` of `chain`: to the base
-/// through `target` ([`Done<H, K>`] completes it), or, for another device (or without a
+/// through `target` ([`Done<H, K>`] completes it; a read on the crypt view over it,
+/// [`Done<H, Decrypt>`], in [`crypt_or_exec`]), or, for another device (or without a
 /// target), through the executor ([`through_exec`]). When the base refused it (busy) the
 /// grant ends and the request comes back.
 #[inline(always)]
@@ -94,15 +117,25 @@ pub fn submit<H: DirectHost, K: Kind>(
     host: &H,
     chain: &Chain<SpdkDevice>,
     target: Option<&Target>,
+    io: BdevIo,
+    grant: Grant,
+) -> Result<(), BdevIo> {
+    // (The indices compared: `DevId`'s derived `==` would be one more function per request.)
+    let Some(t) = target.filter(|t| t.dev.0 == grant.dev().0) else {
+        return crypt_or_exec::<H, K>(host, chain, target, io, grant);
+    };
+    to_base::<H, K>(host, t, io, grant)
+}
+
+/// One child I/O of `t`'s base at the grant's host offset with the request's own iovecs,
+/// completed by [`Done<H, K>`].
+#[inline(always)]
+fn to_base<H: DirectHost, K: Kind>(
+    host: &H,
+    t: &Target,
     mut io: BdevIo,
     grant: Grant,
 ) -> Result<(), BdevIo> {
-    let exec = host.driver().exec();
-    // (The indices compared: `DevId`'s derived `==` would be one more function per request.)
-    let Some(t) = target.filter(|t| t.dev.0 == grant.dev().0) else {
-        through_exec(host, chain, io, grant);
-        return Ok(());
-    };
     host.claim(&mut io);
     let h = grant.host().0;
     // The completion leaves the grace period with the entry kept in the request's context.
@@ -111,9 +144,34 @@ pub fn submit<H: DirectHost, K: Kind>(
         .submit::<Qcow2Bdev, Done<H, K>>(io, K::WRITE, h)
         .map_err(|(io, _)| {
             // Refused: over before it began.
-            leave(exec, &io);
+            leave(host.driver().exec(), &io);
             io
         })
+}
+
+/// A grant on a device other than the target's: a read on the crypt view over the target
+/// goes to the base as a [`Decrypt`] request; anything else through the executor. Out of
+/// line: plain images never come here.
+#[inline(never)]
+fn crypt_or_exec<H: DirectHost, K: Kind>(
+    host: &H,
+    chain: &Chain<SpdkDevice>,
+    target: Option<&Target>,
+    mut io: BdevIo,
+    grant: Grant,
+) -> Result<(), BdevIo> {
+    let exec = host.driver().exec();
+    let view = grant.dev();
+    let t = match target {
+        Some(t) if !K::WRITE && exec.unlocked_view_base(view).map(|d| d.0) == Some(t.dev.0) => t,
+        _ => {
+            through_exec(host, chain, io, grant);
+            return Ok(());
+        }
+    };
+    // The IVs come from the host offset: the completion decrypts with it.
+    io.ctx_mut().set_crypt(view, grant.host().0);
+    to_base::<H, Decrypt>(host, t, io, grant)
 }
 
 /// A grant the base does not serve itself (an encrypted image's crypt view): the executor

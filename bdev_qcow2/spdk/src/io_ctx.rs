@@ -3,7 +3,7 @@
 //! reaches it with [`BdevIo::ctx`](crate::ffi::bdev_io::BdevIo::ctx).
 
 use crate::status::Status;
-use qcow2_engine::{GraceEntry, Op};
+use qcow2_engine::{DevId, GraceEntry, Op};
 use std::cell::Cell;
 
 /// The per-I/O context.
@@ -16,6 +16,9 @@ pub struct IoCtx {
     entry: Cell<Option<GraceEntry>>,
     /// What the owner runs for a forwarded request.
     op: Op,
+    /// A direct read of an encrypted image: the crypt view it was granted and the host
+    /// offset read, which its completion decrypts with.
+    crypt: (DevId, u64),
 }
 
 impl IoCtx {
@@ -26,6 +29,7 @@ impl IoCtx {
         status: Status::Success,
         entry: Cell::new(None),
         op: Op::Read,
+        crypt: (DevId(0), 0),
     };
 
     /// The status a forwarded request carries back.
@@ -60,6 +64,20 @@ impl IoCtx {
     #[inline(always)]
     pub fn set_op(&mut self, op: Op) {
         self.op = op;
+    }
+}
+
+impl IoCtx {
+    /// The crypt view and host offset of a direct read of an encrypted image.
+    #[inline(always)]
+    pub fn crypt(&self) -> (DevId, u64) {
+        self.crypt
+    }
+
+    /// Records the crypt view and host offset of a direct read of an encrypted image.
+    #[inline(always)]
+    pub fn set_crypt(&mut self, view: DevId, host: u64) {
+        self.crypt = (view, host);
     }
 }
 

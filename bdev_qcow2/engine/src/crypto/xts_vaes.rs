@@ -118,12 +118,42 @@ fn first_sixteen(s: V4, t: &[u8]) -> [__m512i; 4] {
     ]
 }
 
-/// Pass one: `data ^= T` and `t = T` per block, each sector's chain from its first tweak in
-/// `first`.
+/// `data ^= T` per block of one sector, its chain from its first tweak `first`, and `t = T`
+/// when given (the group's tweak buffer, which pass two XORs back; without one, as for a
+/// request shorter than a group, pass two makes the tweaks again).
+#[inline(always)]
+fn whiten_sector(
+    s: V4,
+    d: &mut [u8; SECTOR_BYTES],
+    mut t: Option<&mut [u8; SECTOR_BYTES]>,
+    first: &[u8; 16],
+) {
+    let a = s.avx512f;
+    let mut v = first_sixteen(s, first);
+    // Sixteen blocks (256 bytes) a round, the four chains side by side.
+    for half in [0, 256] {
+        if half > 0 {
+            for x in v.iter_mut() {
+                *x = times_alpha16(s, *x);
+            }
+        }
+        for (i, x) in v.iter().enumerate() {
+            let o = half + i * 64;
+            let w = a._mm512_xor_si512(load(&d[o..]), *x);
+            store(&mut d[o..], w);
+            if let Some(t) = t.as_deref_mut() {
+                store(&mut t[o..], *x);
+            }
+        }
+    }
+}
+
+/// Pass one (and, without a tweak buffer, pass two): `data ^= T` per block, each sector's
+/// chain from its first tweak in `first`, keeping `T` in `t` when given.
 struct Whiten<'a> {
     s: V4,
     data: &'a mut [u8],
-    t: &'a mut [u8],
+    t: Option<&'a mut [u8]>,
     first: &'a [u8],
 }
 
@@ -132,29 +162,21 @@ impl NullaryFnOnce for Whiten<'_> {
 
     #[inline(always)]
     fn call(self) {
-        let a = self.s.avx512f;
-        let sectors = self
-            .data
-            .chunks_exact_mut(SECTOR_BYTES)
-            .zip(self.t.chunks_exact_mut(SECTOR_BYTES))
-            .zip(self.first.chunks_exact(16));
-        for ((d, t), f) in sectors {
-            let mut v = first_sixteen(self.s, f);
-            // Sixteen blocks (256 bytes) a round, the four chains side by side.
-            let (d0, d1) = d.split_at_mut(256);
-            let (t0, t1) = t.split_at_mut(256);
-            for ((d, t), x) in d0.chunks_exact_mut(64).zip(t0.chunks_exact_mut(64)).zip(&v) {
-                let x = *x;
-                store(d, a._mm512_xor_si512(load(d), x));
-                store(t, x);
+        let s = self.s;
+        let sectors = self.data.as_chunks_mut::<SECTOR_BYTES>().0.iter_mut();
+        let first = self.first.as_chunks::<16>().0;
+        // One loop per case, each with the test of `t` compiled out.
+        match self.t {
+            Some(t) => {
+                let t = t.as_chunks_mut::<SECTOR_BYTES>().0.iter_mut();
+                for ((d, t), f) in sectors.zip(t).zip(first) {
+                    whiten_sector(s, d, Some(t), f);
+                }
             }
-            for x in v.iter_mut() {
-                *x = times_alpha16(self.s, *x);
-            }
-            for ((d, t), x) in d1.chunks_exact_mut(64).zip(t1.chunks_exact_mut(64)).zip(&v) {
-                let x = *x;
-                store(d, a._mm512_xor_si512(load(d), x));
-                store(t, x);
+            None => {
+                for (d, f) in sectors.zip(first) {
+                    whiten_sector(s, d, None, f);
+                }
             }
         }
     }
@@ -175,42 +197,6 @@ impl NullaryFnOnce for Unwhiten<'_> {
         let a = self.s.avx512f;
         for (d, t) in self.data.chunks_exact_mut(64).zip(self.t.chunks_exact(64)) {
             store(d, a._mm512_xor_si512(load(d), load(t)));
-        }
-    }
-}
-
-/// `data ^= T` per block, each sector's chain from its first tweak in `first`, for a request
-/// shorter than a group (a 512-byte one): both passes make the tweaks, so that no group's
-/// buffer is cleared for it (2 KiB of stores, more than such a request's own passes).
-struct XorTweaks<'a> {
-    s: V4,
-    data: &'a mut [u8],
-    first: &'a [u8],
-}
-
-impl NullaryFnOnce for XorTweaks<'_> {
-    type Output = ();
-
-    #[inline(always)]
-    fn call(self) {
-        let a = self.s.avx512f;
-        let sectors = self
-            .data
-            .chunks_exact_mut(SECTOR_BYTES)
-            .zip(self.first.chunks_exact(16));
-        for (d, f) in sectors {
-            let mut v = first_sixteen(self.s, f);
-            // Sixteen blocks (256 bytes) a round, the four chains side by side.
-            let (d0, d1) = d.split_at_mut(256);
-            for (d, x) in d0.chunks_exact_mut(64).zip(&v) {
-                store(d, a._mm512_xor_si512(load(d), *x));
-            }
-            for x in v.iter_mut() {
-                *x = times_alpha16(self.s, *x);
-            }
-            for (d, x) in d1.chunks_exact_mut(64).zip(&v) {
-                store(d, a._mm512_xor_si512(load(d), *x));
-            }
         }
     }
 }
@@ -265,16 +251,28 @@ impl VaesXts {
             for (g, f) in groups {
                 let (s, first, len) = (self.v4, f.as_flattened(), g.len());
                 let Some(t) = t.as_mut() else {
-                    s.vectorize(XorTweaks { s, data: g, first });
+                    let t = None;
+                    s.vectorize(Whiten {
+                        s,
+                        data: g,
+                        t,
+                        first,
+                    });
                     self.aes(blocks(g), enc);
-                    s.vectorize(XorTweaks { s, data: g, first });
+                    let t = None;
+                    s.vectorize(Whiten {
+                        s,
+                        data: g,
+                        t,
+                        first,
+                    });
                     continue;
                 };
                 let t = &mut t.0[..len];
                 s.vectorize(Whiten {
                     s,
                     data: g,
-                    t,
+                    t: Some(&mut *t),
                     first,
                 });
                 self.aes(blocks(g), enc);

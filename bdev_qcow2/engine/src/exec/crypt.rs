@@ -44,6 +44,42 @@ impl<D: BlockDevice> Exec<D> {
         }
     }
 
+    /// The device under view `view` when it is an unlocked view: a host may then read it
+    /// there itself with the guest's buffer and [`decrypt_view`](Self::decrypt_view) it
+    /// when it completes (what a read through the view does, without the executor).
+    /// `None` for a device, or a view still locked.
+    #[inline]
+    pub fn unlocked_view_base(&self, view: DevId) -> Option<DevId> {
+        if view.0 & VIEW_BIT == 0 {
+            return None;
+        }
+        let views = self.inner.views.borrow();
+        let v = views.get(view.0 & !VIEW_BIT)?;
+        v.cipher.as_ref().map(|_| v.dev)
+    }
+
+    /// Decrypts `buf`, read from device offset `offset` under view `view`, in place with
+    /// the view's cipher (nothing when the view is locked or not a view).
+    #[inline]
+    pub fn decrypt_view(&self, view: DevId, offset: u64, buf: &BufSlice<D::Buf>) {
+        self.decrypt_at(view.0 & !VIEW_BIT, offset, buf)
+    }
+
+    fn decrypt_at(&self, view: usize, offset: u64, buf: &BufSlice<D::Buf>) {
+        // The cipher runs on the buffer alone: nothing in it re-enters the executor.
+        if let Some(w) = self
+            .inner
+            .views
+            .borrow_mut()
+            .get_mut(view)
+            .and_then(|v| v.cipher.as_mut())
+        {
+            buf.buf.with_bytes_mut(buf.off, buf.len, &mut |b| {
+                w.decrypt(offset / SECTOR_BYTES as u64, b)
+            });
+        }
+    }
+
     /// The device under `dev` (itself when it is not a view).
     pub(super) fn real_dev(&self, dev: DevId) -> DevId {
         if dev.0 & VIEW_BIT == 0 {
@@ -111,12 +147,7 @@ impl<D: BlockDevice> Exec<D> {
             return;
         };
         if res.is_ok() {
-            // The cipher runs on the buffer alone: nothing in it re-enters the executor.
-            if let Some(w) = self.inner.views.borrow_mut()[view].cipher.as_mut() {
-                buf.buf.with_bytes_mut(buf.off, buf.len, &mut |b| {
-                    w.decrypt(offset / SECTOR_BYTES as u64, b)
-                });
-            }
+            self.decrypt_at(view, offset, &buf);
         }
         self.device_completed(orig, res);
     }

@@ -461,7 +461,8 @@ fn wrong_key_writes_nothing() {
 }
 
 /// A warm 4 KiB random read of an encrypted image is granted the direct path on the
-/// image's decrypting view, which the module hands the executor as one device operation:
+/// image's decrypting view, which the module submits to the base as one child read with the
+/// request's own buffer and decrypts in its completion (no executor, no task):
 /// over a whole `perform_tests` run on two cores, `engine_tasks` (channels and owner) grows
 /// only by the slow reads of the run's fresh channels, not by the reads; spdk_dd then reads
 /// what qemu decrypts.
