@@ -56,7 +56,8 @@ def parse(path):
     names = {}
     cost = defaultdict(int)
     calls = defaultdict(set)
-    fl = fi = fn = cfn = None
+    objs = {}
+    fl = fi = fn = cfn = ob = None
     last = 0
     skip_next = False
 
@@ -99,16 +100,19 @@ def parse(path):
             elif key == "fn":
                 fi = fl
                 fn = name("fn", rest)
+                objs[fn] = ob
             elif key in ("cfl", "cfi"):
                 name("fl", rest)
             elif key == "cfn":
                 cfn = name("fn", rest)
-            elif key in ("ob", "cob"):
+            elif key == "ob":
+                ob = name("ob", rest)
+            elif key == "cob":
                 name("ob", rest)
             elif key == "calls":
                 calls[fn].add(cfn)
                 skip_next = True
-    return cost, calls
+    return cost, calls, objs
 
 
 def request_functions(calls, entries=None):
@@ -169,7 +173,7 @@ def main():
         sys.exit("no completed requests in " + path)
     files, fns = defaultdict(int), defaultdict(int)
     srcs = {}
-    cost, calls = parse(path)
+    cost, calls, objs = parse(path)
     entries = None
     if "--entries" in sys.argv:
         entries = {fn for (fn, f, _) in cost if OURS.search(f)}
@@ -189,6 +193,11 @@ def main():
         if fn is not None:
             fns[(rel, fn)] += c
     print("%d files, %d functions of ours per request (%d requests)" % (len(files), len(fns), n))
+    # Every instruction of our library (its object, standard library code inlined into it
+    # included) under those calls: the request's own code, which does not poll.
+    ours = {objs.get(f) for f in calls if ROOTS.search(f)}
+    lib = sum(c for (fn, _, _), c in cost.items() if fn in on_path and objs.get(fn) in ours)
+    print("%.1f instructions of our library per request under those calls" % (lib / n))
     if "--list" in sys.argv:
         for f in sorted(files, key=files.get, reverse=True):
             print("%6.1f %s" % (files[f] / n, f))
