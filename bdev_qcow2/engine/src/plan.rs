@@ -322,7 +322,8 @@ impl<D: BlockDevice> Chain<D> {
 
     #[inline(always)]
     fn plan_write(self: &Rc<Self>, offset: u64, len: u64) -> Step {
-        if self.role != Role::Replica {
+        // (`matches!` rather than the derived `!=`: one function less on every write.)
+        if !matches!(self.role, Role::Replica) {
             return self.plan_owner_write(Op::Write, offset, len);
         }
         match self.decide_write_in(offset, len) {
@@ -364,7 +365,7 @@ impl<D: BlockDevice> Chain<D> {
     /// read-only image).
     #[inline(always)]
     fn plan_owner_write(self: &Rc<Self>, op: Op, offset: u64, len: u64) -> Step {
-        if self.role == Role::ReadOnly {
+        if matches!(self.role, Role::ReadOnly) {
             return Step::Complete(Err(Error::ReadOnly));
         }
         self.read_ahead_out_of_line(offset, len);
