@@ -17,6 +17,21 @@ eighth of random reads) stay out. Its function is
 the `fn` of our source that encloses the line (closures belong to theirs), so functions
 inlined into others count as well as those called. Prints the files and functions so
 found, with their instructions per request; `--list` names them.
+
+`--entries` counts from every entry SPDK makes into our library instead (each function of
+ours called by a function with no line of ours: the request's submission and child
+completion, and also the messages between threads, the pollers and the base's completions
+of the engine's device operations): what a request runs on any thread, such as an
+allocating write, which a channel sends to the metadata owner and the owner runs as a
+task. Lines our pollers run per poll count too when the polls reach the threshold. For an
+allocating write, a fresh image whose every write allocates one cluster:
+
+    CARGO_PROFILE_RELEASE_DEBUG=line-tables-only CARGO_TARGET_DIR=target/lines \
+        cargo build --release -p bdev_qcow2
+    BDEV_QCOW2_SO=target/lines/release/libbdev_qcow2.so FRESH=1 ZEROED=1 CLUSTER=4096 \
+        MB=256 CREATE_EXTRA=',"alloc_granule":0' KEEP=/tmp/cg WORKLOADS=write:4096 SECS=3 \
+        tests/spdk_instr.sh
+    tests/read_path.py /tmp/cg/q-write-4096.out --entries --list
 """
 import os
 import re
@@ -41,7 +56,8 @@ def parse(path):
     names = {}
     cost = defaultdict(int)
     calls = defaultdict(set)
-    fl = fi = fn = cfn = None
+    objs = {}
+    fl = fi = fn = cfn = ob = None
     last = 0
     skip_next = False
 
@@ -84,22 +100,30 @@ def parse(path):
             elif key == "fn":
                 fi = fl
                 fn = name("fn", rest)
+                objs[fn] = ob
             elif key in ("cfl", "cfi"):
                 name("fl", rest)
             elif key == "cfn":
                 cfn = name("fn", rest)
-            elif key in ("ob", "cob"):
+            elif key == "ob":
+                ob = name("ob", rest)
+            elif key == "cob":
                 name("ob", rest)
             elif key == "calls":
                 calls[fn].add(cfn)
                 skip_next = True
-    return cost, calls
+    return cost, calls, objs
 
 
-def request_functions(calls):
+def request_functions(calls, entries=None):
     """The functions a request runs: SPDK's calls into our bdev for a request (its
-    submission, a direct child's completion) and everything they call."""
-    roots = [f for f in calls if ROOTS.search(f)]
+    submission, a direct child's completion) and everything they call; with `entries` (the
+    functions with a line of ours), every function of ours a function without one calls."""
+    if entries is None:
+        roots = [f for f in calls if ROOTS.search(f)]
+    else:
+        roots = sorted({g for f, gs in calls.items() if f not in entries
+                        for g in gs if g in entries})
     seen, todo = set(roots), list(roots)
     while todo:
         for g in calls.get(todo.pop(), ()):
@@ -149,8 +173,11 @@ def main():
         sys.exit("no completed requests in " + path)
     files, fns = defaultdict(int), defaultdict(int)
     srcs = {}
-    cost, calls = parse(path)
-    on_path = request_functions(calls)
+    cost, calls, objs = parse(path)
+    entries = None
+    if "--entries" in sys.argv:
+        entries = {fn for (fn, f, _) in cost if OURS.search(f)}
+    on_path = request_functions(calls, entries)
     for (fn, f, line), c in cost.items():
         if fn not in on_path or not OURS.search(f) or c < 0.9 * n:
             continue
@@ -166,6 +193,11 @@ def main():
         if fn is not None:
             fns[(rel, fn)] += c
     print("%d files, %d functions of ours per request (%d requests)" % (len(files), len(fns), n))
+    # Every instruction of our library (its object, standard library code inlined into it
+    # included) under those calls: the request's own code, which does not poll.
+    ours = {objs.get(f) for f in calls if ROOTS.search(f)}
+    lib = sum(c for (fn, _, _), c in cost.items() if fn in on_path and objs.get(fn) in ours)
+    print("%.1f instructions of our library per request under those calls" % (lib / n))
     if "--list" in sys.argv:
         for f in sorted(files, key=files.get, reverse=True):
             print("%6.1f %s" % (files[f] / n, f))

@@ -130,6 +130,8 @@ pub struct Chain<D: BlockDevice> {
     pub(crate) disk: Disk<D>,
     /// Where this chain's requests that change metadata run ([`Chain::plan`]).
     pub(crate) role: Role,
+    /// The top image's memo as the plan asks it (`None`: a raw top layer).
+    pub(crate) memo: Option<crate::memo::MemoView>,
     /// Request counters: plain cells, bumped on every request.
     pub(crate) counters: Counters,
     /// Read-ahead of L2 slices: its stream detector and counters.
@@ -165,10 +167,16 @@ impl<D: BlockDevice> Chain<D> {
             Layer::Qcow2(_) => Role::ReadOnly,
         };
         let index = index::LayerIndex::new(disk.layers(), disk.size());
+        let readahead = crate::prefetch::ReadAhead::new(coverage);
+        let memo = match top {
+            Layer::Qcow2(q) => Some(q.memo_view(readahead.tail_from())),
+            Layer::Raw { .. } => None,
+        };
         Ok(Rc::new(Chain {
             index,
             role,
-            readahead: crate::prefetch::ReadAhead::new(coverage),
+            memo,
+            readahead,
             exec: exec.clone(),
             disk,
             scratch: RefCell::new(FastPlan::new()),

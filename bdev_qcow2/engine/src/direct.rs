@@ -11,14 +11,14 @@ use crate::exec::{DevId, GraceEntry};
 use crate::format::ClusterMapping;
 use crate::image::{CachedExtent, CoreSlice, KeptCopy, Qcow2};
 use crate::io::BlockDevice;
-use crate::route::{Grant, GuestRange, ReadRoute, WriteDecision, WriteRoute};
+use crate::route::GuestRange;
 use crate::types::{GuestOffset, HostOffset};
 use crate::write::WriteExtent;
 
 /// What a route found past the memo; `route_read` / `route_write` make it their route.
 /// Apart from the public routes so that a memo hit's grant, built inline, keeps to
 /// registers instead of sharing the out-of-line call's return slot.
-enum PastMemo {
+pub(crate) enum PastMemo {
     /// One extent of a device (the request stays entered: its grant is made from this).
     Direct(DevId, HostOffset, GraceEntry),
     /// The engine path (the request left the grace period).
@@ -58,43 +58,10 @@ enum SliceRoute {
 }
 
 impl<D: BlockDevice> Chain<D> {
-    /// Where a guest read of `len` bytes at `offset` goes, from cached metadata alone:
-    /// - [`ReadRoute::Direct`] when the bytes are plain data in one contiguous extent of a
-    ///   device — exactly the reads the engine's read path would serve with a single
-    ///   device operation. The host reads the extent itself with the guest's
-    ///   buffers (SPDK hands a bdev_io's iovecs to the base bdev, as its passthru does;
-    ///   others call [`submit_direct`](Self::submit_direct)); the [`Grant`]
-    ///   says how its grace-period entry ends.
-    /// - [`ReadRoute::Engine`] otherwise (a slice not cached, zeros, several extents,
-    ///   compressed or backing data, an empty or invalid request, which the engine
-    ///   reports): nothing changed but LRU/hit counters; the read is a task
-    ///   ([`Chain::start`]).
-    #[inline(always)]
-    pub fn route_read(&self, offset: u64, len: u64) -> ReadRoute {
-        let Ok(range) = self.disk.check_range(offset, len) else {
-            return ReadRoute::Engine;
-        };
-        // Before resolving anything: a cluster freed meanwhile is not reused until the
-        // request is over (shared images; see `coherency::Grace`).
-        let entry = self.exec().guest_enter();
-        if let Some(q) = self.disk.top_qcow2() {
-            if let Some((dev, host)) = q.memo_extent(offset, len, false) {
-                let host = HostOffset(host);
-                return ReadRoute::Direct(Grant::new(dev, host, range, entry, true, false));
-            }
-        }
-        match self.route_read_past_memo(range, entry) {
-            PastMemo::Direct(dev, host, entry) => {
-                ReadRoute::Direct(Grant::new(dev, host, range, entry, false, false))
-            }
-            PastMemo::Engine | PastMemo::Owner { .. } | PastMemo::NotInPlace => ReadRoute::Engine,
-        }
-    }
-
     /// [`route_read`](Self::route_read) past the memo, for a request entered with
     /// `entry`: the slice cache (out of line: the memo's path stays small).
     #[inline(never)]
-    fn route_read_past_memo(&self, range: GuestRange, entry: GraceEntry) -> PastMemo {
+    pub(crate) fn route_read_past_memo(&self, range: GuestRange, entry: GraceEntry) -> PastMemo {
         let found = match range.is_empty() {
             true => None,
             false => self.plan_direct_read(range.offset().0, range.len()),
@@ -108,56 +75,10 @@ impl<D: BlockDevice> Chain<D> {
         }
     }
 
-    /// Where a guest write of `len` bytes at `offset` goes, from one look-up of this
-    /// replica's cached metadata:
-    /// - [`WriteRoute::Direct`] when it overwrites COPIED clusters outside the image's
-    ///   metadata, with no allocation in flight, in one extent of the device (the host
-    ///   writes it itself, as [`route_read`](Self::route_read) describes for reads; or
-    ///   [`submit_direct`](Self::submit_direct));
-    /// - [`WriteRoute::Owner`], on a writable core replica, when the write is not in place
-    ///   and either every slice involved is current here (allocation, COW, zero clusters:
-    ///   the owner's work), or one has no L2 table yet, or one changed since this core
-    ///   cached it and the owner still holds it dirty (it is allocating there: fetching its
-    ///   copy would cost a message pair and a slice copy only to find, most of the time, a
-    ///   cluster not in place yet);
-    /// - else [`WriteRoute::Engine`]: this replica's engine path, which loads an uncached
-    ///   slice on a core (so later overwrites stay there) and reports invalid requests.
-    #[inline(always)]
-    pub fn route_write(&self, offset: u64, len: u64) -> WriteRoute {
-        self.decide_write(offset, len).into()
-    }
-
-    /// [`route_write`](Self::route_write) as the plan takes it: on a chain that runs its
-    /// own writes, a write its metadata shows not in place is
-    /// [`WriteDecision::EngineNotInPlace`], so that its task does not plan it in place
-    /// again.
-    #[inline(always)]
-    pub(crate) fn decide_write(&self, offset: u64, len: u64) -> WriteDecision {
-        let Ok(range) = self.disk.check_range(offset, len) else {
-            return WriteDecision::Engine;
-        };
-        self.disk.note_change(offset, len);
-        let entry = self.exec().guest_enter();
-        if let Some(q) = self.disk.top_qcow2() {
-            if let Some((dev, host)) = q.memo_extent(offset, len, true) {
-                let host = HostOffset(host);
-                return WriteDecision::Direct(Grant::new(dev, host, range, entry, true, true));
-            }
-        }
-        match self.route_write_past_memo(range, entry) {
-            PastMemo::Direct(dev, host, entry) => {
-                WriteDecision::Direct(Grant::new(dev, host, range, entry, false, true))
-            }
-            PastMemo::Engine => WriteDecision::Engine,
-            PastMemo::NotInPlace => WriteDecision::EngineNotInPlace,
-            PastMemo::Owner { slow } => WriteDecision::Owner { slow },
-        }
-    }
-
     /// [`route_write`](Self::route_write) past the memo of overwrites, for a request
     /// entered with `entry` (out of line: the memo's path stays small).
     #[inline(never)]
-    fn route_write_past_memo(&self, range: GuestRange, entry: GraceEntry) -> PastMemo {
+    pub(crate) fn route_write_past_memo(&self, range: GuestRange, entry: GraceEntry) -> PastMemo {
         if range.is_empty() {
             // The engine path completes it.
             self.exec().guest_exit(entry);

@@ -17,6 +17,7 @@ use crate::io::{BlockDevice, SECTOR};
 use crate::memo::SliceMemo;
 use crate::types::{Geometry, GuestOffset};
 use std::cell::{Cell, Ref, RefCell};
+use std::rc::Rc;
 use std::sync::Arc;
 
 mod encryption;
@@ -159,7 +160,8 @@ pub struct Qcow2<D: BlockDevice> {
     snapshots: RefCell<Vec<Snapshot>>,
     l2_cache: RefCell<SetAssocCache<u64, SliceSummary>>,
     /// The direct path's memo of slices, in front of `l2_cache`.
-    memo: SliceMemo,
+    /// (Shared with the chain's view of it, `MemoView`.)
+    memo: Rc<SliceMemo>,
     rc_cache: RefCell<SetAssocCache<u8>>,
     /// Read-only, metadata owner or core replica, with the state only that role has.
     role: role::ImageRole<D>,

@@ -8,10 +8,12 @@
 
 use crate::chain::Chain;
 pub use crate::chain::RequestStats;
+use crate::direct::PastMemo;
 use crate::error::{Error, Result};
 use crate::io::{BlockDevice, BufSlice, DeviceOp, IoBuffer};
 use crate::ring::{RingServed, RingWait};
-use crate::route::{Grant, ReadRoute, Role, WriteDecision};
+use crate::route::{Grant, ReadRoute, Role, WriteDecision, WriteRoute};
+use crate::types::HostOffset;
 use std::rc::Rc;
 
 /// What a guest request asks for.
@@ -153,6 +155,102 @@ impl<D: BlockDevice> Chain<D> {
         self.role
     }
 
+    /// Where a guest read of `len` bytes at `offset` goes, from cached metadata alone:
+    /// - [`ReadRoute::Direct`] when the bytes are plain data in one contiguous extent of a
+    ///   device — exactly the reads the engine's read path would serve with a single
+    ///   device operation. The host reads the extent itself with the guest's
+    ///   buffers (SPDK hands a bdev_io's iovecs to the base bdev, as its passthru does;
+    ///   others call [`submit_direct`](Self::submit_direct)); the [`Grant`]
+    ///   says how its grace-period entry ends.
+    /// - [`ReadRoute::Engine`] otherwise (a slice not cached, zeros, several extents,
+    ///   compressed or backing data, an empty or invalid request, which the engine
+    ///   reports): nothing changed but LRU/hit counters; the read is a task
+    ///   ([`Chain::start`]).
+    #[inline(always)]
+    pub fn route_read(&self, offset: u64, len: u64) -> ReadRoute {
+        self.route_read_in(offset, len).0
+    }
+
+    /// [`route_read`](Self::route_read), and whether a memo hit ends in its slice's tail
+    /// (where read-ahead watches it; false past the memo). The memo's hit is asked here,
+    /// of the chain's view of it (`MemoView`), in one step.
+    #[inline(always)]
+    fn route_read_in(&self, offset: u64, len: u64) -> (ReadRoute, bool) {
+        let Ok(range) = self.disk.check_range(offset, len) else {
+            return (ReadRoute::Engine, false);
+        };
+        // Before resolving anything: a cluster freed meanwhile is not reused until the
+        // request is over (shared images; see `coherency::Grace`).
+        let entry = self.exec().guest_enter();
+        if let Some(m) = &self.memo {
+            if let Some((host, tail)) = m.read(offset, len) {
+                let grant = Grant::new(m.dev(), HostOffset(host), range, entry, true, false);
+                return (ReadRoute::Direct(grant), tail);
+            }
+        }
+        let route = match self.route_read_past_memo(range, entry) {
+            PastMemo::Direct(dev, host, entry) => {
+                ReadRoute::Direct(Grant::new(dev, host, range, entry, false, false))
+            }
+            PastMemo::Engine | PastMemo::Owner { .. } | PastMemo::NotInPlace => ReadRoute::Engine,
+        };
+        (route, false)
+    }
+
+    /// Where a guest write of `len` bytes at `offset` goes, from one look-up of this
+    /// replica's cached metadata:
+    /// - [`WriteRoute::Direct`] when it overwrites COPIED clusters outside the image's
+    ///   metadata, with no allocation in flight, in one extent of the device (the host
+    ///   writes it itself, as [`route_read`](Self::route_read) describes for reads; or
+    ///   [`submit_direct`](Self::submit_direct));
+    /// - [`WriteRoute::Owner`], on a writable core replica, when the write is not in place
+    ///   and either every slice involved is current here (allocation, COW, zero clusters:
+    ///   the owner's work), or one has no L2 table yet, or one changed since this core
+    ///   cached it and the owner still holds it dirty (it is allocating there: fetching its
+    ///   copy would cost a message pair and a slice copy only to find, most of the time, a
+    ///   cluster not in place yet);
+    /// - else [`WriteRoute::Engine`]: this replica's engine path, which loads an uncached
+    ///   slice on a core (so later overwrites stay there) and reports invalid requests.
+    #[inline(always)]
+    pub fn route_write(&self, offset: u64, len: u64) -> WriteRoute {
+        self.decide_write(offset, len).into()
+    }
+
+    /// [`route_write`](Self::route_write) as the plan takes it: on a chain that runs its
+    /// own writes, a write its metadata shows not in place is
+    /// [`WriteDecision::EngineNotInPlace`], so that its task does not plan it in place
+    /// again.
+    #[inline(always)]
+    pub(crate) fn decide_write(&self, offset: u64, len: u64) -> WriteDecision {
+        self.decide_write_in(offset, len).0
+    }
+
+    /// [`decide_write`](Self::decide_write), and whether a memo hit ends in its slice's
+    /// tail (false past the memo), as [`route_read_in`](Self::route_read_in).
+    #[inline(always)]
+    fn decide_write_in(&self, offset: u64, len: u64) -> (WriteDecision, bool) {
+        let Ok(range) = self.disk.check_range(offset, len) else {
+            return (WriteDecision::Engine, false);
+        };
+        self.disk.note_change(offset, len);
+        let entry = self.exec().guest_enter();
+        if let Some(m) = &self.memo {
+            if let Some((host, tail)) = m.overwrite(offset, len) {
+                let grant = Grant::new(m.dev(), HostOffset(host), range, entry, true, true);
+                return (WriteDecision::Direct(grant), tail);
+            }
+        }
+        let decision = match self.route_write_past_memo(range, entry) {
+            PastMemo::Direct(dev, host, entry) => {
+                WriteDecision::Direct(Grant::new(dev, host, range, entry, false, true))
+            }
+            PastMemo::Engine => WriteDecision::Engine,
+            PastMemo::NotInPlace => WriteDecision::EngineNotInPlace,
+            PastMemo::Owner { slow } => WriteDecision::Owner { slow },
+        };
+        (decision, false)
+    }
+
     // No function out of line below returns a `Step`: one that did would make every
     // branch store its step in a stack slot the host's match reads back, where inline
     // branches keep a grant in registers.
@@ -181,24 +279,23 @@ impl<D: BlockDevice> Chain<D> {
                 return Step::Task(Task { kind, offset, len });
             }
         }
-        match self.route_read(offset, len) {
+        match self.route_read_in(offset, len) {
             // The memo found it: its slice is cached, and read-ahead watches it only in
-            // the slice's tail.
-            ReadRoute::Direct(grant) if grant.from_memo() => {
-                // (`read_ahead_memo`, its tail test asked of the part here.)
-                if self.readahead.in_tail(offset, len) {
+            // the slice's tail (the memo's view tested it).
+            (ReadRoute::Direct(grant), tail) if grant.from_memo() => {
+                if tail {
                     self.read_ahead(offset, len);
                 }
                 self.counters.fast_read();
                 Step::Direct(grant)
             }
-            ReadRoute::Direct(grant) => {
+            (ReadRoute::Direct(grant), _) => {
                 let range = grant.range();
                 self.read_ahead_out_of_line(range.offset().0, range.len());
                 self.counters.fast_read();
                 Step::Direct(grant)
             }
-            ReadRoute::Engine => {
+            (ReadRoute::Engine, _) => {
                 self.read_ahead_out_of_line(offset, len);
                 Step::Task(Task {
                     kind: TaskKind::Read { skip: 0 },
@@ -225,14 +322,19 @@ impl<D: BlockDevice> Chain<D> {
 
     #[inline(always)]
     fn plan_write(self: &Rc<Self>, offset: u64, len: u64) -> Step {
-        if self.role != Role::Replica {
+        // (`matches!` rather than the derived `!=`: one function less on every write.)
+        if !matches!(self.role, Role::Replica) {
             return self.plan_owner_write(Op::Write, offset, len);
         }
-        match self.decide_write(offset, len) {
+        match self.decide_write_in(offset, len) {
             // Read-ahead watches an overwrite in its slice's tail, as a read the memo
             // found: a stream that mixes reads and writes stays one stream there.
-            WriteDecision::Direct(grant) => {
-                if self.readahead.in_tail(offset, len) {
+            (WriteDecision::Direct(grant), tail) => {
+                let tail = match grant.from_memo() {
+                    true => tail,
+                    false => self.readahead.in_tail(offset, len),
+                };
+                if tail {
                     self.read_ahead(offset, len);
                 }
                 self.counters.wrote_here();
@@ -241,7 +343,7 @@ impl<D: BlockDevice> Chain<D> {
             // A slice to load first, with read-ahead: a stream of direct overwrites needs
             // no slice loaded ahead, and the owner runs its own read-ahead on what it is
             // sent. (Not in place on a core replica is `Owner`: never `EngineNotInPlace`.)
-            WriteDecision::Engine | WriteDecision::EngineNotInPlace => {
+            (WriteDecision::Engine | WriteDecision::EngineNotInPlace, _) => {
                 self.read_ahead_out_of_line(offset, len);
                 Step::Task(Task {
                     kind: TaskKind::WriteInPlace,
@@ -249,7 +351,7 @@ impl<D: BlockDevice> Chain<D> {
                     len,
                 })
             }
-            WriteDecision::Owner { slow } => {
+            (WriteDecision::Owner { slow }, _) => {
                 self.counters.sent_to_owner();
                 Step::Owner(match slow {
                     true => Op::WriteNotInPlace,
@@ -263,7 +365,7 @@ impl<D: BlockDevice> Chain<D> {
     /// read-only image).
     #[inline(always)]
     fn plan_owner_write(self: &Rc<Self>, op: Op, offset: u64, len: u64) -> Step {
-        if self.role == Role::ReadOnly {
+        if matches!(self.role, Role::ReadOnly) {
             return Step::Complete(Err(Error::ReadOnly));
         }
         self.read_ahead_out_of_line(offset, len);

@@ -223,6 +223,13 @@ impl ReadAhead {
         (offset & self.hot.tail_mask) + len > self.hot.tail_from
     }
 
+    /// Where a slice's tail starts ([`in_tail`](Self::in_tail)), in bytes from the slice's
+    /// start: the memo's view tests it on the offset within the slice it computed anyway
+    /// (`memo::MemoView`).
+    pub(crate) fn tail_from(&self) -> u64 {
+        self.hot.tail_from
+    }
+
     /// Stream `i` was continued by `len` bytes at `offset` (slices of `coverage` bytes, a
     /// disk of `size`): the guest offset of the slice to load ahead, if any.
     pub(crate) fn advance(

@@ -332,11 +332,11 @@ impl Channel {
     #[inline(always)]
     fn read(&self, io: BdevIo) {
         self.accept();
-        if !io.has_buf() {
+        let Some(extent) = io.buffered_extent() else {
             return io.get_buf::<Channel>();
-        }
+        };
         match self.chain.get() {
-            Some(chain) => self.run(chain, Op::Read, io),
+            Some(chain) => self.run(chain, Op::Read, io, extent),
             None => self.start(io),
         }
     }
@@ -363,7 +363,10 @@ impl Channel {
             return self.finish(io, false);
         }
         match self.chain.get() {
-            Some(chain) => self.run(chain, Op::Read, io),
+            Some(chain) => {
+                let extent = io.extent();
+                self.run(chain, Op::Read, io, extent)
+            }
             None => self.queued.borrow_mut().push_back(io),
         }
     }
@@ -374,7 +377,10 @@ impl Channel {
     fn write(&self, io: BdevIo) {
         self.accept();
         match (self.chain.get(), self.forward_to) {
-            (Some(chain), _) => self.run(chain, Op::Write, io),
+            (Some(chain), _) => {
+                let extent = io.extent();
+                self.run(chain, Op::Write, io, extent)
+            }
             (None, Some(md)) => {
                 self.forwarded.set(self.forwarded.get() + 1);
                 self.forward(md, io, Op::Write)
@@ -384,11 +390,10 @@ impl Channel {
         }
     }
 
-    /// The channel's one loop: the replica's engine decides request `io` ([`Chain::plan`])
-    /// and the channel takes that step.
+    /// The channel's one loop: the replica's engine decides request `io` of `len` bytes at
+    /// `offset` ([`Chain::plan`]) and the channel takes that step.
     #[inline(always)]
-    fn run(&self, chain: &Rc<Chain<SpdkDevice>>, op: Op, io: BdevIo) {
-        let (offset, len) = io.extent();
+    fn run(&self, chain: &Rc<Chain<SpdkDevice>>, op: Op, io: BdevIo, (offset, len): (u64, u64)) {
         let req = Request::new(op, offset, len);
         match chain.plan(req, || guest_buf(io.data_view())) {
             Step::Direct(grant) => self.direct(chain, io, grant),
@@ -456,7 +461,10 @@ impl Channel {
     fn other(&self, io: BdevIo, op: Op) {
         self.accept();
         match (self.chain.get(), self.forward_to) {
-            (Some(chain), _) => self.run(chain, op, io),
+            (Some(chain), _) => {
+                let extent = io.extent();
+                self.run(chain, op, io, extent)
+            }
             (None, Some(md)) => self.forward(md, io, op),
             (None, None) => self.finish(io, false),
         }

@@ -2,13 +2,13 @@
 //! memo of linear and mapped slices in front of it (ARCHITECTURE.md §4), with the
 //! metadata checks a core's overwrite needs.
 
+use super::role::ImageRole;
 use super::{Qcow2, Touch};
 use crate::coherency::Shared;
 use crate::error::{corrupt, Field, Result};
-use crate::exec::DevId;
 use crate::format::{ClusterMapping, L1Entry, L2Entry, SubclusterBitmap};
 use crate::io::BlockDevice;
-use crate::memo::MEMO_NO_META_GEN;
+use crate::memo::{MemoView, MEMO_NO_META_GEN};
 use crate::types::{GuestOffset, SUBCLUSTERS};
 
 /// What the slice cache alone says of a range asked as one device extent
@@ -208,22 +208,23 @@ impl<D: BlockDevice> Qcow2<D> {
         )
     }
 
-    /// The data device and host offset of `[off, off + len)` from the memo of slices
-    /// alone: a read (the slice's current epoch, as
-    /// [`cached_extent_with`](Self::cached_extent_with) checks it) or, with `write`, an
-    /// in-place write on a writable core replica ([`memo_overwrite`](Self::memo_overwrite)).
-    /// `None` says nothing about the range: the caller asks the slice cache.
-    #[inline(always)]
-    pub(crate) fn memo_extent(&self, off: u64, len: u64, write: bool) -> Option<(DevId, u64)> {
-        let host = match write {
-            true => self.memo_overwrite(off, len)?,
-            false => {
-                let (key, within) = self.geo.in_one_slice(off, len)?;
-                self.memo.extent(key, self.cur_epoch(key), within, len)?
-            }
-        };
-        // (The field itself: one function less on every request than `data_dev()`.)
-        Some((self.data_dev, host))
+    /// The view of this image's memo its chain's requests ask (`Chain::plan`): checked
+    /// against a core replica's slice epochs (epoch 0 elsewhere, as
+    /// [`cached_extent_with`](Self::cached_extent_with) checks it), answering overwrites on
+    /// a writable core replica ([`memo_overwrite`](Self::memo_overwrite)); read-ahead's
+    /// tail of a slice starts at `tail_from`.
+    pub(crate) fn memo_view(&self, tail_from: u64) -> MemoView {
+        MemoView::new(
+            self.memo.clone(),
+            match &self.role {
+                ImageRole::Replica(c) => Some(c.shared.clone()),
+                _ => None,
+            },
+            self.writable_core_shared().is_some(),
+            self.data_dev,
+            self.geo.slice_coverage(),
+            tail_from,
+        )
     }
 
     /// [`cached_extent_with`](Self::cached_extent_with) past the memo, for the range at

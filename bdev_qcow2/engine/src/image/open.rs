@@ -17,6 +17,7 @@ use crate::limits::MAX_CACHE_BYTES;
 use crate::memo::SliceMemo;
 use crate::types::Geometry;
 use std::cell::{Cell, RefCell};
+use std::rc::Rc;
 
 impl<D: BlockDevice> Qcow2<D> {
     /// Opens and validates the image on `dev`. Reads cluster 0, the L1 table, the refcount
@@ -131,11 +132,11 @@ impl<D: BlockDevice> Qcow2<D> {
             l1: RefCell::new(l1),
             refcount_table: RefCell::new(refcount_table),
             snapshots: RefCell::new(snapshots),
-            memo: SliceMemo::new(
+            memo: Rc::new(SliceMemo::new(
                 l2_cache.capacity(),
                 geo.slice_entries() as usize,
                 geo.cluster_bits,
-            ),
+            )),
             l2_cache: RefCell::new(l2_cache),
             rc_cache: RefCell::new(rc_cache),
             role,

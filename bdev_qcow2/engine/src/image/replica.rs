@@ -15,6 +15,7 @@ use crate::io::BlockDevice;
 use crate::memo::SliceMemo;
 use crate::types::GuestOffset;
 use std::cell::{Cell, RefCell};
+use std::rc::Rc;
 use std::sync::Arc;
 
 impl<D: BlockDevice> Qcow2<D> {
@@ -45,11 +46,11 @@ impl<D: BlockDevice> Qcow2<D> {
             l1: RefCell::new(l1),
             refcount_table: RefCell::new(refcount_table),
             snapshots: RefCell::new(self.snapshots.borrow().clone()),
-            memo: SliceMemo::new(
+            memo: Rc::new(SliceMemo::new(
                 l2_cache.capacity(),
                 self.geo.slice_entries() as usize,
                 self.geo.cluster_bits,
-            ),
+            )),
             l2_cache: RefCell::new(l2_cache),
             rc_cache: RefCell::new(rc_cache),
             role: ImageRole::ReadOnly { shared: None },
@@ -174,11 +175,11 @@ impl<D: BlockDevice> Qcow2<D> {
             l1: RefCell::new(Vec::new()),
             refcount_table: RefCell::new(Vec::new()),
             snapshots: RefCell::new(seed.snapshots),
-            memo: SliceMemo::new(
+            memo: Rc::new(SliceMemo::new(
                 l2_cache.capacity(),
                 seed.geo.slice_entries() as usize,
                 seed.geo.cluster_bits,
-            ),
+            )),
             l2_cache: RefCell::new(l2_cache),
             rc_cache: RefCell::new(rc_cache),
             role: ImageRole::Replica(CoreSide {

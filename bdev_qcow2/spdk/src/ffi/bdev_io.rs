@@ -200,14 +200,21 @@ impl<M: BdevTypes> BdevIo<M> {
         (iovs, usize::try_from(cnt).unwrap_or(0))
     }
 
-    /// Whether the bdev_io carries data buffers (reads may arrive without; see `get_buf`).
+    /// First byte and length in bytes of a read, when it carries its data buffers (reads
+    /// may arrive without: `None`, see `get_buf`): the buffer check and [`extent`](Self::extent)
+    /// in one, a read's one accessor on the request path.
     #[inline(always)]
-    pub fn has_buf(&self) -> bool {
+    pub fn buffered_extent(&self) -> Option<(u64, u64)> {
         // SAFETY: as in `offset_blocks`; `iovs` points at `iovcnt` iovecs when `iovcnt > 0`.
-        unsafe {
+        let (b, has) = unsafe {
             let b = &(*self.0.as_ptr()).u.bdev;
-            b.iovcnt > 0 && !b.iovs.is_null() && !(*b.iovs).iov_base.is_null()
-        }
+            (
+                b,
+                b.iovcnt > 0 && !b.iovs.is_null() && !(*b.iovs).iov_base.is_null(),
+            )
+        };
+        let bs = u64::from(BLOCK_SIZE);
+        has.then(|| (b.offset_blocks * bs, b.num_blocks * bs))
     }
 
     /// Asks SPDK to attach a data buffer for the whole request, then calls
@@ -337,9 +344,11 @@ pub(super) unsafe extern "C" fn submit_request<M: Requests>(
 ) {
     // SAFETY: SPDK passes a channel of our bdev (its state lives while the channel does) and
     // a live bdev_io submitted to it, seen here first.
+    // (The channel's state read here, as `io_channel::state_of` does: its context area
+    // holds the state's pointer. No accessor on the request path.)
     let (c, io) = unsafe {
         (
-            io_channel::state_of::<M>(io_channel::ctx_of(ch)),
+            &**sys::io_channel_get_ctx(ch).cast::<*const M::Channel>(),
             BdevIo::<M>::submitted(bdev_io, M::NEW_CTX),
         )
     };
