@@ -102,17 +102,11 @@ fn default_snapshot_name(reg: &Registry, name: &str) -> String {
         .unwrap_or_default()
 }
 
-/// Bytes a fully allocated image of `size` bytes in clusters of `cluster` bytes takes
-/// (data, L2 and L1 tables, 16-bit refcounts, header): an overlay on a fixed-size bdev
-/// must have room for every cluster the guest may write.
+/// Bytes a fully allocated overlay of `size` bytes in clusters of `cluster` bytes takes
+/// (16-bit refcounts, standard L2; the count `qemu-img measure` makes): an overlay on a
+/// fixed-size bdev must have room for every cluster the guest may write.
 fn fully_allocated(size: u64, cluster: u64) -> u64 {
-    let clusters = |bytes: u64| bytes.div_ceil(cluster);
-    let data = clusters(size);
-    let l2 = clusters(data * 8);
-    let l1 = clusters(l2 * 8);
-    let meta = 1 + l2 + l1;
-    let refcounts = clusters((data + meta) * 2);
-    (data + meta + refcounts + clusters(refcounts * 8)) * cluster
+    qcow2_engine::format::measure::prealloc_size(size, cluster, 4, false)
 }
 
 /// A switch in progress: what every step hands the next.
