@@ -2,6 +2,7 @@
 //! with ([`SpdkBuf`]).
 
 use super::bdev_io::IovView;
+use super::granule::GranuleBuf;
 use super::sys;
 use qcow2_engine::compress::Decompressor;
 use qcow2_engine::format::CompressionType;
@@ -10,6 +11,10 @@ use std::alloc::{alloc_zeroed, dealloc, Layout};
 use std::ffi::c_void;
 use std::ptr::NonNull;
 use std::rc::Rc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// Allocations that fell back to the heap, for the rate limit of their warning.
+static HEAP_FALLBACKS: AtomicU64 = AtomicU64::new(0);
 
 /// A zeroed, aligned region from `spdk_dma_zmalloc` (pinned, translatable for every bdev),
 /// or — only when SPDK's allocator is exhausted — from the heap, so that a failed
@@ -33,7 +38,12 @@ impl DmaMem {
                 heap: None,
             };
         }
-        tracing::warn!("spdk_dma_zmalloc({size}) failed; using heap memory");
+        // Once per power of two: a cache filling its slots while SPDK's memory is short
+        // would otherwise warn once per slot (thousands).
+        let n = HEAP_FALLBACKS.fetch_add(1, Ordering::Relaxed) + 1;
+        if n.is_power_of_two() {
+            tracing::warn!("spdk_dma_zmalloc({size}) failed; using heap memory ({n} times so far)");
+        }
         let Ok(layout) = Layout::from_size_align(size, align.max(1)) else {
             std::alloc::handle_alloc_error(Layout::new::<u8>());
         };
@@ -63,6 +73,11 @@ impl DmaMem {
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
+
+    /// Whether the region is SPDK's DMA memory (not the heap's fallback).
+    pub fn is_dma(&self) -> bool {
+        self.heap.is_none()
+    }
 }
 
 impl Drop for DmaMem {
@@ -84,6 +99,8 @@ pub enum SpdkBuf {
     Dma(Rc<DmaMem>),
     /// A guest request's own iovecs.
     Iov(IovView),
+    /// A shared read cache slot's memory, lent to a fill that reads into it in place.
+    Granule(Rc<GranuleBuf>),
 }
 
 impl SpdkBuf {
@@ -104,6 +121,10 @@ impl SpdkBuf {
                 f(unsafe { m.as_ptr().add(off) }, len, 0)
             }
             SpdkBuf::Iov(v) => v.segments(off, len, f),
+            SpdkBuf::Granule(g) => {
+                // SAFETY: in bounds (asserted above).
+                f(unsafe { g.as_ptr().add(off) }, len, 0)
+            }
         }
     }
 
@@ -136,6 +157,7 @@ impl IoBuffer for SpdkBuf {
         match self {
             SpdkBuf::Dma(m) => m.len(),
             SpdkBuf::Iov(v) => v.len(),
+            SpdkBuf::Granule(g) => g.len(),
         }
     }
     fn copy_out(&self, off: usize, dst: &mut [u8]) {
