@@ -2,7 +2,7 @@
 //! and a fill reads the golden bdev straight into the slot ([`GranuleBuf`]; the engine's
 //! default copies atomic words one by one).
 
-use super::dma::DmaMem;
+use super::dma_mem::DmaMem;
 use qcow2_engine::golden::{Exclusive, GranuleMemory, LentGranule, Shared};
 use std::any::Any;
 
