@@ -7,10 +7,12 @@
 
 mod cache;
 mod device;
+mod lent;
 mod memory;
 
 #[cfg(loom)]
 pub use cache::Broken;
 pub use cache::{CacheStats, Fill, Lookup, Pin, SharedReadCache, Sharer, DEFAULT_GRANULE, WAYS};
-pub use device::{is_fill_tag, CachedDevice};
+pub use device::{is_fill_tag, CachedDevice, InPlace};
+pub use lent::LentGranule;
 pub use memory::{AtomicWords, Exclusive, GranuleAlloc, GranuleMemory, Shared};

@@ -8,8 +8,10 @@
 //! `RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=/tmp/loom-target cargo test -p qcow2_engine --test loom_golden --release`
 //!
 //! The models: a reader pins a cached granule and copies it out while a filler replaces a
-//! slot of the same (full) set with another granule; and a reader looks a granule up while
-//! a filler claims, fills and publishes it. Invariant: a hit copies exactly the bytes its
+//! slot of the same (full) set with another granule; a reader looks a granule up while
+//! a filler claims, fills and publishes it; and the same with the fill read in place: the
+//! filler lends the slot's memory to a device (another thread) that writes it and hands
+//! the loan back, then publishes it. Invariant: a hit copies exactly the bytes its
 //! granule was filled with, and loom sees no unordered access to a slot's bytes.
 //!
 //! Broken variants — a claim that takes a slot readers pin, a publish without release —
@@ -72,6 +74,18 @@ fn cache(broken: Broken) -> Arc<SharedReadCache> {
     .expect("one set")
 }
 
+/// A fill read in place: the slot's memory lent to a "device" thread that stores the
+/// granule through the loan's proof and hands the loan back; published after.
+fn fill_in_place(c: &Arc<SharedReadCache>, g: u64) {
+    let lent = c.claim(g).expect("the empty slot").lend();
+    let device = thread::spawn(move || {
+        let (mem, proof) = lent.memory();
+        mem.store(proof, 0, &bytes(g + 1));
+        lent
+    });
+    device.join().unwrap().publish();
+}
+
 /// A hit on `g` copies out its value (`g + 1`), if `g` is cached.
 fn read(c: &SharedReadCache, g: u64) {
     if let Lookup::Hit(pin) = c.pin(g) {
@@ -89,7 +103,7 @@ fn read(c: &SharedReadCache, g: u64) {
 /// with granule 100. The filler starts once the pin is taken (a flag, so that the model
 /// needs no preemption inside the reader to reach the window; both copies race unless the
 /// protocol orders them).
-fn replace_under_a_reader(broken: Broken) {
+fn replace_under_a_reader(broken: Broken, in_place: bool) {
     loom::model(move || {
         let c = cache(broken);
         for g in 0..WAYS as u64 {
@@ -104,7 +118,15 @@ fn replace_under_a_reader(broken: Broken) {
                 }
                 // The clock hand starts at granule 0's slot.
                 if let Some(f) = c.claim(100) {
-                    f.publish(&bytes(101));
+                    match in_place {
+                        true => {
+                            let lent = f.lend();
+                            let (mem, proof) = lent.memory();
+                            mem.store(proof, 0, &bytes(101));
+                            lent.publish();
+                        }
+                        false => f.publish(&bytes(101)),
+                    }
                 }
             })
         };
@@ -140,9 +162,32 @@ fn read_while_filled(broken: Broken) {
     });
 }
 
+/// A reader looks granule 5 up while a fill reads it in place into the set's empty slot.
+fn read_while_filled_in_place(broken: Broken) {
+    loom::model(move || {
+        let c = cache(broken);
+        for g in 0..WAYS as u64 - 1 {
+            c.claim(g + 10)
+                .expect("an empty slot")
+                .publish(&bytes(g + 11));
+        }
+        let r = {
+            let c = c.clone();
+            thread::spawn(move || read(&c, 5))
+        };
+        fill_in_place(&c, 5);
+        r.join().unwrap();
+    });
+}
+
 #[test]
 fn a_pinned_slot_is_never_replaced() {
-    replace_under_a_reader(Broken::default());
+    replace_under_a_reader(Broken::default(), false);
+}
+
+#[test]
+fn a_pinned_slot_is_never_replaced_in_place() {
+    replace_under_a_reader(Broken::default(), true);
 }
 
 #[test]
@@ -153,16 +198,45 @@ fn a_hit_sees_its_fill() {
 #[test]
 #[should_panic]
 fn broken_claim_of_a_pinned_slot_is_caught() {
-    replace_under_a_reader(Broken {
-        claim_pinned: true,
-        ..Broken::default()
-    });
+    replace_under_a_reader(
+        Broken {
+            claim_pinned: true,
+            ..Broken::default()
+        },
+        false,
+    );
+}
+
+#[test]
+#[should_panic]
+fn broken_claim_of_a_pinned_slot_in_place_is_caught() {
+    replace_under_a_reader(
+        Broken {
+            claim_pinned: true,
+            ..Broken::default()
+        },
+        true,
+    );
 }
 
 #[test]
 #[should_panic]
 fn broken_publish_without_release_is_caught() {
     read_while_filled(Broken {
+        relaxed_publish: true,
+        ..Broken::default()
+    });
+}
+
+#[test]
+fn a_hit_sees_its_fill_read_in_place() {
+    read_while_filled_in_place(Broken::default());
+}
+
+#[test]
+#[should_panic]
+fn broken_publish_in_place_without_release_is_caught() {
+    read_while_filled_in_place(Broken {
         relaxed_publish: true,
         ..Broken::default()
     });

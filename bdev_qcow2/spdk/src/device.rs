@@ -19,8 +19,9 @@ use crate::ffi::bdev::Desc;
 use crate::ffi::bdev_io::{DirectTarget, IovView};
 use crate::ffi::dma::DmaMem;
 pub use crate::ffi::dma::SpdkBuf;
+use crate::ffi::granule::GranuleBuf;
 use crate::ffi::sys;
-use qcow2_engine::golden::{CachedDevice, SharedReadCache};
+use qcow2_engine::golden::{CachedDevice, InPlace, SharedReadCache};
 use qcow2_engine::io::{BlockDevice, BufSlice, Busy, DeviceError, DeviceOp};
 use qcow2_engine::DevId;
 use std::rc::Rc;
@@ -56,8 +57,17 @@ pub fn open(desc: &Desc) -> Option<SpdkDevice> {
 /// A device over backing bdev `desc` on the calling thread, reading it through `cache`
 /// when given (the cache's fills complete through the executor's poll: they are its own).
 pub fn open_cached(desc: &Desc, cache: Option<&Arc<SharedReadCache>>) -> Option<SpdkDevice> {
-    BaseDevice::new(desc).map(|d| CachedDevice::new(d, cache.cloned()))
+    BaseDevice::new(desc).map(|d| CachedDevice::new(d, cache.cloned()).with_in_place(IN_PLACE))
 }
+
+/// Fills read the golden bdev straight into the cache's DMA slots (one copy fewer).
+const IN_PLACE: InPlace<BaseDevice> = InPlace {
+    lend: |dev, lent| GranuleBuf::new(lent, dev.buf_align).map(|g| SpdkBuf::Granule(Rc::new(g))),
+    take_back: |buf| match buf {
+        SpdkBuf::Granule(g) => Rc::try_unwrap(g).ok().map(GranuleBuf::into_lent),
+        _ => None,
+    },
+};
 
 /// A device over a deep chain's layer (or raw bottom) `desc` on the calling thread (see
 /// [`BaseDevice::layer`]).

@@ -49,6 +49,7 @@ pub fn stats_json(c: &Arc<SharedReadCache>) -> serde_json::Value {
         hits,
         fills,
         fill_bytes,
+        fills_in_place,
         waits,
         bypasses,
         memory_bytes,
@@ -60,6 +61,8 @@ pub fn stats_json(c: &Arc<SharedReadCache>) -> serde_json::Value {
         "hits": hits,
         "fills": fills,
         "fill_bytes": fill_bytes,
+        // Fills read straight into their slot's DMA memory (the rest were copied in).
+        "fills_in_place": fills_in_place,
         "waits": waits,
         "bypasses": bypasses,
         "memory_bytes": memory_bytes,

@@ -47,6 +47,8 @@ pub struct CacheStats {
     pub fills: u64,
     /// Bytes read from the golden image into the cache.
     pub fill_bytes: u64,
+    /// Of the fills, those the host read straight into their slot (no copy).
+    pub fills_in_place: u64,
     /// Times a read found its granule being filled by another read and waited for it.
     pub waits: u64,
     /// Reads sent to the golden image past the cache (no slot could be taken, or a fill
@@ -94,6 +96,7 @@ struct Counters {
     hits: Padded,
     fills: Padded,
     fill_bytes: Padded,
+    fills_in_place: Padded,
     waits: Padded,
     bypasses: Padded,
     slots_allocated: Padded,
@@ -219,6 +222,7 @@ impl SharedReadCache {
             hits: c.hits.get(),
             fills: c.fills.get(),
             fill_bytes: c.fill_bytes.get(),
+            fills_in_place: c.fills_in_place.get(),
             waits: c.waits.get(),
             bypasses: c.bypasses.get(),
             memory_bytes: c.slots_allocated.get() * u64::from(self.granule),
@@ -346,7 +350,7 @@ impl SharedReadCache {
         None
     }
 
-    fn memory(&self, slot: usize) -> &dyn GranuleMemory {
+    pub(super) fn memory(&self, slot: usize) -> &dyn GranuleMemory {
         &**self.data[slot].get_or_init(|| {
             self.counters.slots_allocated.add(1);
             (self.alloc)(self.granule as usize)
@@ -425,11 +429,25 @@ impl Fill {
 
     /// Stores the granule's bytes (`src`: the whole granule) and makes it ready for every
     /// reader.
-    pub fn publish(mut self, src: &[u8]) {
-        let c = &self.cache;
-        debug_assert_eq!(src.len(), c.granule as usize);
+    pub fn publish(self, src: &[u8]) {
+        debug_assert_eq!(src.len(), self.cache.granule as usize);
         // Claimed with no pin on it, not yet published: this fill alone touches the bytes.
-        c.memory(self.slot).store(&Exclusive::new(), 0, src);
+        self.memory().store(&Exclusive::new(), 0, src);
+        self.publish_stored(false);
+    }
+
+    /// The slot's memory (allocated by its first fill).
+    pub(super) fn memory(&self) -> &dyn GranuleMemory {
+        self.cache.memory(self.slot)
+    }
+
+    /// Makes the granule ready for every reader: its bytes are in the slot (read there in
+    /// place by the host's device when `in_place`).
+    pub(super) fn publish_stored(mut self, in_place: bool) {
+        let c = &self.cache;
+        if in_place {
+            c.counters.fills_in_place.add(1);
+        }
         c.counters.fills.add(1);
         c.counters.fill_bytes.add(u64::from(c.granule));
         // Release: the bytes before the state any pin (acquire) reads.

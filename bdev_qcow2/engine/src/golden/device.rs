@@ -1,9 +1,11 @@
 //! A golden image's device as one core sees it through the shared read cache: reads are
 //! served from the cache where it holds their granules, fill it where nobody does, and
 //! wait where another core (or read) is filling; every other operation, and every read
-//! without a cache, goes straight to the device.
+//! without a cache, goes straight to the device. Where the host lends it a buffer over a
+//! slot's memory ([`InPlace`]), a fill reads the granule straight into the slot.
 
 use super::cache::{Fill, Lookup, SharedReadCache};
+use super::lent::LentGranule;
 use crate::io::{BlockDevice, BufSlice, Busy, DeviceError, DeviceOp, IoBuffer};
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -26,8 +28,10 @@ pub struct CachedDevice<D: BlockDevice> {
     cache: Option<Arc<SharedReadCache>>,
     /// Reads waiting for granules to be filled (here or on another core).
     waiting: Vec<Waiting<D::Buf>>,
-    /// This core's fills in flight, by the low bits of their tag.
-    fills: slab::Slab<(Fill, D::Buf)>,
+    /// This core's fills in flight (granule, buffer), by the low bits of their tag.
+    fills: slab::Slab<(u64, Pending<D::Buf>)>,
+    /// How the host reads fills into slots in place, if it can.
+    in_place: Option<InPlace<D>>,
     /// Fills the device refused as busy, to submit again.
     unsent: VecDeque<(u64, DeviceOp<D::Buf>)>,
     /// Granules whose fill failed here since the last poll: reads waiting for them go to
@@ -35,6 +39,23 @@ pub struct CachedDevice<D: BlockDevice> {
     failed: Vec<u64>,
     /// Completions of reads served here, reported at the next poll.
     done: VecDeque<(u64, Result<(), DeviceError>)>,
+}
+
+/// How a host reads a fill straight into a slot's memory: a buffer of its device over a
+/// [`LentGranule`], and the loan back out of that buffer once the device completed it.
+pub struct InPlace<D: BlockDevice> {
+    /// A buffer over the lent memory (`Err`: the device cannot read into it, e.g. it is
+    /// not aligned or not DMA memory; the fill reads into a buffer of its own).
+    pub lend: fn(&D, LentGranule) -> Result<D::Buf, LentGranule>,
+    /// The loan back from the buffer (`None`: another handle of it is still about; the
+    /// loan is dropped with the last one and the slot is empty again).
+    pub take_back: fn(D::Buf) -> Option<LentGranule>,
+}
+
+/// A fill in flight: into a buffer of its own (stored at completion), or in place.
+enum Pending<B> {
+    Copy(Fill, B),
+    InPlace(B),
 }
 
 struct Waiting<B> {
@@ -68,10 +89,17 @@ impl<D: BlockDevice> CachedDevice<D> {
             cache,
             waiting: Vec::new(),
             fills: slab::Slab::new(),
+            in_place: None,
             unsent: VecDeque::new(),
             failed: Vec::new(),
             done: VecDeque::new(),
         }
+    }
+
+    /// Fills read into the slots in place where `in_place` lends a buffer over them.
+    pub fn with_in_place(mut self, in_place: InPlace<D>) -> CachedDevice<D> {
+        self.in_place = Some(in_place);
+        self
     }
 
     /// The device.
@@ -147,13 +175,23 @@ impl<D: BlockDevice> CachedDevice<D> {
     }
 
     fn start_fill(&mut self, fill: Fill) {
-        let (offset, len) = fill.device_range();
-        let buf = self.inner.alloc_buf(len);
+        let (granule, (offset, len)) = (fill.granule(), fill.device_range());
+        let lent = match &self.in_place {
+            Some(p) => (p.lend)(&self.inner, fill.lend()).map_err(LentGranule::into_fill),
+            None => Err(fill),
+        };
+        let (buf, pending) = match lent {
+            Ok(buf) => (buf.clone(), Pending::InPlace(buf)),
+            Err(fill) => {
+                let buf = self.inner.alloc_buf(len);
+                (buf.clone(), Pending::Copy(fill, buf))
+            }
+        };
         let op = DeviceOp::Read {
             offset,
-            buf: BufSlice::whole(buf.clone()),
+            buf: BufSlice::whole(buf),
         };
-        let tag = FILL_TAG | self.fills.insert((fill, buf)) as u64;
+        let tag = FILL_TAG | self.fills.insert((granule, pending)) as u64;
         self.submit_fill(tag, op);
     }
 
@@ -168,11 +206,11 @@ impl<D: BlockDevice> CachedDevice<D> {
 
     fn fill_done(&mut self, tag: u64, res: Result<(), DeviceError>) {
         let key = (tag & !FILL_TAG) as usize;
-        let Some((fill, buf)) = self.fills.try_remove(key) else {
+        let Some((granule, pending)) = self.fills.try_remove(key) else {
             return;
         };
-        match res {
-            Ok(()) => {
+        match (res, pending) {
+            (Ok(()), Pending::Copy(fill, buf)) => {
                 let mut fill = Some(fill);
                 buf.with_bytes_mut(0, buf.len(), &mut |bytes| {
                     if let Some(f) = fill.take() {
@@ -180,8 +218,17 @@ impl<D: BlockDevice> CachedDevice<D> {
                     }
                 });
             }
-            // Dropped: the slot is empty again; the reads that waited here read the device.
-            Err(_) => self.failed.push(fill.granule()),
+            (Ok(()), Pending::InPlace(buf)) => {
+                let take_back = self.in_place.as_ref().map(|p| p.take_back);
+                match take_back.and_then(|t| t(buf)) {
+                    // The device wrote every byte and holds the buffer no more.
+                    Some(lent) => lent.publish(),
+                    None => self.failed.push(granule),
+                }
+            }
+            // Dropped: the slot is empty again (an in-place loan with its buffer's last
+            // handle); the reads that waited here read the device.
+            (Err(_), _) => self.failed.push(granule),
         }
     }
 

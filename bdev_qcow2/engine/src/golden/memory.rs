@@ -8,7 +8,9 @@
 //! Only this module's parent can make either, so a host's memory may rely on them: while
 //! an `Exclusive` for a slot lives, nothing else reads or writes that slot's bytes; while a
 //! `Shared` lives, nothing writes them; and every store happens before every load of the
-//! same fill (the publish's release, the pin's acquire).
+//! same fill (the publish's release, the pin's acquire). A host that reads a fill straight
+//! into the slot's memory (its device writes it) gets the `Exclusive` lent with the slot
+//! ([`LentGranule`](super::LentGranule)) and writes only while it holds it.
 
 #[cfg(loom)]
 use loom::sync::atomic::{AtomicU64, Ordering};
@@ -41,6 +43,11 @@ pub trait GranuleMemory: Send + Sync {
     fn store(&self, proof: &Exclusive, off: usize, src: &[u8]);
     /// Copies `dst.len()` bytes of the granule from byte `off` (in bounds) into `dst`.
     fn load(&self, proof: &Shared, off: usize, dst: &mut [u8]);
+    /// The memory as the host's own type, for a host that reads fills straight into it
+    /// ([`LentGranule`](super::LentGranule)); `None` (the default): fills are stored.
+    fn as_any(&self) -> Option<&dyn std::any::Any> {
+        None
+    }
 }
 
 /// Makes the zeroed memory of one granule of `len` bytes (a slot's first fill calls it).

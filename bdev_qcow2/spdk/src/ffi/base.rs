@@ -289,7 +289,7 @@ impl BaseIo {
                 BaseOp::Read { offset, buf } | BaseOp::Write { offset, buf } => {
                     let is_read = matches!(op, BaseOp::Read { .. });
                     buf.buf.append_iovs(buf.off, buf.len, &mut slot.iovs);
-                    slot.buf = matches!(buf.buf, SpdkBuf::Dma(_)).then(|| buf.buf.clone());
+                    slot.buf = (!matches!(buf.buf, SpdkBuf::Iov(_))).then(|| buf.buf.clone());
                     let iovcnt = slot.iovs.len() as i32;
                     let f = if is_read {
                         sys::spdk_bdev_readv_blocks

@@ -10,6 +10,7 @@ pub mod base;
 pub mod bdev;
 pub mod bdev_io;
 pub mod dma;
+pub mod dma_mem;
 pub mod granule;
 pub mod io_channel;
 pub mod json;

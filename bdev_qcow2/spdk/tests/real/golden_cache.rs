@@ -98,6 +98,8 @@ fn four_overlays_read_their_golden_bdev_once() {
     // (What else the golden bdev served: the examine of new bdevs, the overlays' opens.)
     let filled = c["fill_bytes"].as_u64().unwrap_or(0);
     assert!(filled >= GOLDEN && filled <= shared, "{stats}");
+    // Every fill read the golden bdev straight into its slot's DMA memory.
+    assert_eq!(c["fills_in_place"], c["fills"], "{stats}");
     assert!(
         c["memory_bytes"].as_u64().unwrap_or(u64::MAX) <= 64 * MIB,
         "{stats}"
