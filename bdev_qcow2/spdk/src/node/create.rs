@@ -512,6 +512,11 @@ fn register(
         required_alignment: if align > 1 { align.ilog2() as u8 } else { 0 },
         uuid,
     };
+    let keeps = super::keep::keeps(
+        &registry::lock(),
+        params.read_only,
+        params.backing_bdev.as_deref(),
+    );
     let cluster_size = info.cluster_size;
     let i = &info;
     let created = format!(
@@ -554,6 +559,9 @@ fn register(
                 return done(Err((e, m)));
             }
         };
+    if keeps {
+        node.node().set_kept(node.keep_channel());
+    }
     {
         let mut reg = registry::lock();
         reg.creating.retain(|n| n != &name);
