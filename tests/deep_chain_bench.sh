@@ -43,6 +43,21 @@ SO=${BDEV_QCOW2_SO:-$PWD/target/release/libbdev_qcow2.so}
 # One open file per AIO bdev.
 ulimit -n 65536 2>/dev/null || ulimit -n "$(ulimit -Hn)"
 
+# Every AIO bdev's channel is a kernel AIO context of 128 events (SPDK's io_setup), and
+# the top reads each layer's AIO bdev on two threads (the app thread, where the read-only
+# bdevs keep their channels and the owner reads, and bdevperf's job thread): D = 1,000
+# needs about 2 x 1,000 x 128 of fs.aio-max-nr (65,536 by default: about 500 contexts).
+# Raised when we may (root); otherwise the deeper depths are left out.
+max_d=$(echo $DEPTHS | tr ' ' '\n' | sort -n | tail -1)
+need=$((max_d * 2 * 128 + 16384))
+if [ "$(cat /proc/sys/fs/aio-max-nr)" -lt "$need" ]; then
+  if ! echo "$need" >/proc/sys/fs/aio-max-nr 2>/dev/null; then
+    keep=$(( ($(cat /proc/sys/fs/aio-max-nr) - 16384) / 256 ))
+    echo "fs.aio-max-nr too low for depth $max_d and not writable: depths above $keep left out" >&2
+    DEPTHS=$(for d in $DEPTHS; do [ "$d" -le "$keep" ] && echo "$d"; done | tr '\n' ' ')
+  fi
+fi
+
 free_mb=$(awk '/HugePages_Free/ {f=$2} /Hugepagesize/ {s=$2} END {print f*s/1024}' /proc/meminfo)
 if [ "${free_mb%.*}" -ge 1024 ] && grep -q hugetlbfs /proc/mounts; then MEM=(-s 1024); else MEM=(--no-huge -s 2048); fi
 
@@ -111,7 +126,9 @@ run() {
   bdevperf.py -s "$sock" -t 600 perform_tests -t "$TIME" >"$DIR/hot.json"
   rss=$(awk '/VmRSS/ {printf "%d", $2 / 1024}' /proc/"$pid"/status)
   echo "$opened $warm $(iops "$DIR/hot.json") $rss"
-  kill "$pid"
+  # SIGKILL: a clean exit puts 2 x D AIO contexts, each io_destroy waiting an RCU grace
+  # period (about 20 s at D = 1,000, with the lock held); the hugepages are unlinked.
+  kill -9 "$pid"
   wait "$pid" 2>/dev/null || true
 }
 
