@@ -517,6 +517,9 @@ fn register(
         params.read_only,
         params.backing_bdev.as_deref(),
     );
+    // Its kept channel would hold a prefetch ring (5 MiB by default) for life, one per
+    // bdev of the chain (5 GiB at 1,000); the overlay on top reads the layers itself.
+    let ring = if keeps { None } else { ring };
     let cluster_size = info.cluster_size;
     let i = &info;
     let created = format!(
