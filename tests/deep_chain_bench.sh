@@ -105,27 +105,35 @@ print(round(sum(j["iops"] for j in r["results"] if j["job"].startswith("q0") or 
 ' "$1"
 }
 
+median() { tr ' ' '\n' | grep -v '^$' | sort -g | awk '{a[NR] = $1} END {print a[int((NR + 1) / 2)]}'; }
+
 # run D: one bdevperf process over the chain of D; prints "open_s warm_iops iops rss_mib".
 run() {
   local d=$1 dir=$DIR/d$1 sock=$DIR/bp.sock log=$DIR/bp.log t0 opened pid
   rm -f "$sock"
   t0=$(now)
   LD_PRELOAD="$SO" bdevperf -u "${MEM[@]}" -r "$sock" --json "$dir/cfg.json" -m 0x1 \
-    -q 32 -o 4096 -w randread -t "$WARM" -T q0 -z >"$log" 2>&1 &
+    -q 32 -o 4096 -w randread -t "$WARM" -T q0 -z -P 1 >"$log" 2>&1 &
   pid=$!
   until [ -S "$sock" ] && spdk-rpc -s "$sock" -t 600 bdev_get_bdevs -b q0 >/dev/null 2>&1; do
     kill -0 "$pid" 2>/dev/null || { cat "$log"; echo "bdevperf died" >&2; exit 1; }
     sleep 0.05
   done
   opened=$(echo "$(now) - $t0" | bc)
-  # The first pass: every unit touched once (the layer index fills), the channel's
-  # layers opened.
-  bdevperf.py -s "$sock" -t 600 perform_tests -t "$WARM" >"$DIR/warm.json"
-  local warm rss
-  warm=$(iops "$DIR/warm.json")
-  bdevperf.py -s "$sock" -t 600 perform_tests -t "$TIME" >"$DIR/hot.json"
+  # One run of WARM + TIME s on one channel of q0 (each perform_tests builds its jobs'
+  # channels anew: a second run would measure a fresh channel, its layers opened again and
+  # the index empty, while the first one's 2 x D AIO contexts are destroyed, each
+  # io_destroy waiting an RCU grace period on the reactor). bdevperf prints the IOPS of
+  # each second (-P 1): the first WARM seconds are the first pass (every unit touched
+  # once: the layer index fills), the median of the next TIME the reads after it.
+  bdevperf.py -s "$sock" -t 600 perform_tests -t "$((WARM + TIME))" >"$DIR/all.json"
+  local warm hot rss
+  local vals
+  vals=$(tr '\r' '\n' <"$log" | awk '/^ *[0-9.]+ IOPS,/ {print int($1)}')
+  warm=$(echo "$vals" | head -n "$WARM" | awk '{s += $1} END {print (NR ? int(s / NR) : 0)}')
+  hot=$(echo "$vals" | sed -n "$((WARM + 1)),$((WARM + TIME))p" | median)
   rss=$(awk '/VmRSS/ {printf "%d", $2 / 1024}' /proc/"$pid"/status)
-  echo "$opened $warm $(iops "$DIR/hot.json") $rss"
+  echo "$opened $warm $hot $rss"
   # SIGKILL: a clean exit puts 2 x D AIO contexts, each io_destroy waiting an RCU grace
   # period (about 20 s at D = 1,000, with the lock held); the hugepages are unlinked.
   kill -9 "$pid"
@@ -148,7 +156,6 @@ for ((r = 0; r < ROUNDS; r++)); do
   done
 done
 
-median() { tr ' ' '\n' | grep -v '^$' | sort -g | awk '{a[NR] = $1} END {print a[int((NR + 1) / 2)]}'; }
 base=$(echo "${HOT[2]:-}" | median)
 printf '%-6s %-10s %-10s %-12s %-12s %-8s %-8s\n' depth files_s open_s first_IOPS IOPS ratio RSS_MiB
 for d in $DEPTHS; do
