@@ -105,7 +105,7 @@ print(round(sum(j["iops"] for j in r["results"] if j["job"].startswith("q0") or 
 ' "$1"
 }
 
-median() { tr ' ' '\n' | grep -v '^$' | sort -g | awk '{a[NR] = $1} END {print a[int((NR + 1) / 2)]}'; }
+median() { tr ' ' '\n' | { grep -v '^$' || true; } | sort -g | awk '{a[NR] = $1} END {print a[int((NR + 1) / 2)]}'; }
 
 # run D: one bdevperf process over the chain of D; prints "open_s warm_iops iops rss_mib".
 run() {
@@ -130,7 +130,7 @@ run() {
   local warm hot rss
   local vals
   vals=$(tr '\r' '\n' <"$log" | awk '/^ *[0-9.]+ IOPS,/ {print int($1)}')
-  warm=$(echo "$vals" | head -n "$WARM" | awk '{s += $1} END {print (NR ? int(s / NR) : 0)}')
+  warm=$(echo "$vals" | sed -n "1,${WARM}p" | awk '{s += $1} END {print (NR ? int(s / NR) : 0)}')
   hot=$(echo "$vals" | sed -n "$((WARM + 1)),$((WARM + TIME))p" | median)
   rss=$(awk '/VmRSS/ {printf "%d", $2 / 1024}' /proc/"$pid"/status)
   echo "$opened $warm $hot $rss"
