@@ -113,7 +113,7 @@ run() {
   rm -f "$sock"
   t0=$(now)
   LD_PRELOAD="$SO" bdevperf -u "${MEM[@]}" -r "$sock" --json "$dir/cfg.json" -m 0x1 \
-    -q 32 -o 4096 -w randread -t "$WARM" -T q0 -z -P 1 >"$log" 2>&1 &
+    -q 32 -o 4096 -w randread -t "$WARM" -T q0 -z >"$log" 2>&1 &
   pid=$!
   until [ -S "$sock" ] && spdk-rpc -s "$sock" -t 600 bdev_get_bdevs -b q0 >/dev/null 2>&1; do
     kill -0 "$pid" 2>/dev/null || { cat "$log"; echo "bdevperf died" >&2; exit 1; }
@@ -123,13 +123,14 @@ run() {
   # One run of WARM + TIME s on one channel of q0 (each perform_tests builds its jobs'
   # channels anew: a second run would measure a fresh channel, its layers opened again and
   # the index empty, while the first one's 2 x D AIO contexts are destroyed, each
-  # io_destroy waiting an RCU grace period on the reactor). bdevperf prints the IOPS of
-  # each second (-P 1): the first WARM seconds are the first pass (every unit touched
-  # once: the layer index fills), the median of the next TIME the reads after it.
+  # io_destroy waiting an RCU grace period on the reactor). bdevperf prints the average
+  # IOPS since the start every second; second k read k*v[k] - (k-1)*v[k-1]. The first WARM
+  # seconds are the first pass (every unit touched once: the layer index fills), the
+  # median of the next TIME the reads after it.
   bdevperf.py -s "$sock" -t 600 perform_tests -t "$((WARM + TIME))" >"$DIR/all.json"
   local warm hot rss
   local vals
-  vals=$(tr '\r' '\n' <"$log" | awk '/^ *[0-9.]+ IOPS,/ {print int($1)}')
+  vals=$(tr '\r' '\n' <"$log" | awk '/^ *[0-9.]+ IOPS,/ {k++; print int(k * $1 - (k - 1) * p); p = $1}')
   warm=$(echo "$vals" | sed -n "1,${WARM}p" | awk '{s += $1} END {print (NR ? int(s / NR) : 0)}')
   hot=$(echo "$vals" | sed -n "$((WARM + 1)),$((WARM + TIME))p" | median)
   rss=$(awk '/VmRSS/ {printf "%d", $2 / 1024}' /proc/"$pid"/status)
