@@ -43,6 +43,21 @@ SO=${BDEV_QCOW2_SO:-$PWD/target/release/libbdev_qcow2.so}
 # One open file per AIO bdev.
 ulimit -n 65536 2>/dev/null || ulimit -n "$(ulimit -Hn)"
 
+# Every AIO bdev's channel is a kernel AIO context of 128 events (SPDK's io_setup), and
+# the top reads each layer's AIO bdev on two threads (the app thread, where the read-only
+# bdevs keep their channels and the owner reads, and bdevperf's job thread): D = 1,000
+# needs about 2 x 1,000 x 128 of fs.aio-max-nr (65,536 by default: about 500 contexts).
+# Raised when we may (root); otherwise the deeper depths are left out.
+max_d=$(echo $DEPTHS | tr ' ' '\n' | sort -n | tail -1)
+need=$((max_d * 2 * 128 + 16384))
+if [ "$(cat /proc/sys/fs/aio-max-nr)" -lt "$need" ]; then
+  if ! echo "$need" >/proc/sys/fs/aio-max-nr 2>/dev/null; then
+    keep=$(( ($(cat /proc/sys/fs/aio-max-nr) - 16384) / 256 ))
+    echo "fs.aio-max-nr too low for depth $max_d and not writable: depths above $keep left out" >&2
+    DEPTHS=$(for d in $DEPTHS; do [ "$d" -le "$keep" ] && echo "$d"; done | tr '\n' ' ')
+  fi
+fi
+
 free_mb=$(awk '/HugePages_Free/ {f=$2} /Hugepagesize/ {s=$2} END {print f*s/1024}' /proc/meminfo)
 if [ "${free_mb%.*}" -ge 1024 ] && grep -q hugetlbfs /proc/mounts; then MEM=(-s 1024); else MEM=(--no-huge -s 2048); fi
 
@@ -90,6 +105,8 @@ print(round(sum(j["iops"] for j in r["results"] if j["job"].startswith("q0") or 
 ' "$1"
 }
 
+median() { tr ' ' '\n' | { grep -v '^$' || true; } | sort -g | awk '{a[NR] = $1} END {print a[int((NR + 1) / 2)]}'; }
+
 # run D: one bdevperf process over the chain of D; prints "open_s warm_iops iops rss_mib".
 run() {
   local d=$1 dir=$DIR/d$1 sock=$DIR/bp.sock log=$DIR/bp.log t0 opened pid
@@ -103,15 +120,24 @@ run() {
     sleep 0.05
   done
   opened=$(echo "$(now) - $t0" | bc)
-  # The first pass: every unit touched once (the layer index fills), the channel's
-  # layers opened.
-  bdevperf.py -s "$sock" -t 600 perform_tests -t "$WARM" >"$DIR/warm.json"
-  local warm rss
-  warm=$(iops "$DIR/warm.json")
-  bdevperf.py -s "$sock" -t 600 perform_tests -t "$TIME" >"$DIR/hot.json"
+  # One run of WARM + TIME s on one channel of q0 (each perform_tests builds its jobs'
+  # channels anew: a second run would measure a fresh channel, its layers opened again and
+  # the index empty, while the first one's 2 x D AIO contexts are destroyed, each
+  # io_destroy waiting an RCU grace period on the reactor). bdevperf prints the average
+  # IOPS since the start every second; second k read k*v[k] - (k-1)*v[k-1]. The first WARM
+  # seconds are the first pass (every unit touched once: the layer index fills), the
+  # median of the next TIME the reads after it.
+  bdevperf.py -s "$sock" -t 600 perform_tests -t "$((WARM + TIME))" >"$DIR/all.json"
+  local warm hot rss
+  local vals
+  vals=$(tr '\r' '\n' <"$log" | awk '/^ *[0-9.]+ IOPS,/ {k++; print int(k * $1 - (k - 1) * p); p = $1}')
+  warm=$(echo "$vals" | sed -n "1,${WARM}p" | awk '{s += $1} END {print (NR ? int(s / NR) : 0)}')
+  hot=$(echo "$vals" | sed -n "$((WARM + 1)),$((WARM + TIME))p" | median)
   rss=$(awk '/VmRSS/ {printf "%d", $2 / 1024}' /proc/"$pid"/status)
-  echo "$opened $warm $(iops "$DIR/hot.json") $rss"
-  kill "$pid"
+  echo "$opened $warm $hot $rss"
+  # SIGKILL: a clean exit puts 2 x D AIO contexts, each io_destroy waiting an RCU grace
+  # period (about 20 s at D = 1,000, with the lock held); the hugepages are unlinked.
+  kill -9 "$pid"
   wait "$pid" 2>/dev/null || true
 }
 
@@ -131,7 +157,6 @@ for ((r = 0; r < ROUNDS; r++)); do
   done
 done
 
-median() { tr ' ' '\n' | grep -v '^$' | sort -g | awk '{a[NR] = $1} END {print a[int((NR + 1) / 2)]}'; }
 base=$(echo "${HOT[2]:-}" | median)
 printf '%-6s %-10s %-10s %-12s %-12s %-8s %-8s\n' depth files_s open_s first_IOPS IOPS ratio RSS_MiB
 for d in $DEPTHS; do

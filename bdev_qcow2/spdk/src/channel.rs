@@ -168,7 +168,16 @@ impl Channel {
         };
         let backing_dev = match (src.backing, src.backing_gone) {
             _ if src.below.is_some() => None,
-            (Some(d), _) => Some(add(d, src.backing_cache)?),
+            // Its channel is taken on first use: over a chain of read-only qcow2 bdevs,
+            // taking it now would build every channel below this one, nested.
+            (Some(d), _) => {
+                let id = ch
+                    .exec()
+                    .add_device(crate::device::open_cached_lazy(d, src.backing_cache));
+                // SAFETY: as for `add`.
+                unsafe { ch.driver.attach(id, host) };
+                Some(id)
+            }
             // Hot-removed: a device that fails what needs the bdev until it returns.
             (None, Some(g)) => Some(backing::add_missing(&ch, g)),
             (None, None) => None,

@@ -14,7 +14,7 @@
 //! hands it to the engine. Per-operation state lives in a fixed pool of slots allocated
 //! when the channel is created, so a submission allocates nothing.
 
-use crate::ffi::base::{BaseIo, BaseOp, SinkHost, Submitted};
+use crate::ffi::base::{BaseIo, BaseOp, LazyIo, SinkHost, Submitted};
 use crate::ffi::bdev::Desc;
 use crate::ffi::bdev_io::{DirectTarget, IovView};
 use crate::ffi::dma::DmaMem;
@@ -69,6 +69,12 @@ const IN_PLACE: InPlace<BaseDevice> = InPlace {
     },
 };
 
+/// [`open_cached`] taking the thread's channel of the bdev on first use (see
+/// [`BaseDevice::lazy`]).
+pub fn open_cached_lazy(desc: &Desc, cache: Option<&Arc<SharedReadCache>>) -> SpdkDevice {
+    CachedDevice::new(BaseDevice::lazy(desc), cache.cloned()).with_in_place(IN_PLACE)
+}
+
 /// A device over a deep chain's layer (or raw bottom) `desc` on the calling thread (see
 /// [`BaseDevice::layer`]).
 pub fn open_layer(desc: &Desc) -> Option<SpdkDevice> {
@@ -82,8 +88,10 @@ pub fn open_layer(desc: &Desc) -> Option<SpdkDevice> {
 /// only until what it had in flight completes ([`settle`](Self::settle) puts it then);
 /// [`join`](Self::join) reads a returning bdev again.
 pub struct BaseDevice {
-    /// `None` while the bdev is gone.
+    /// `None` while the bdev is gone, or until `later` opens it.
     io: Option<BaseIo>,
+    /// The bdev's I/O before its channel is taken ([`lazy`](Self::lazy)).
+    later: Option<LazyIo>,
     /// The I/O of a bdev that left, until what it had in flight completes.
     draining: Vec<BaseIo>,
     /// Operations refused because the bdev is gone, completed by the next poll.
@@ -122,10 +130,27 @@ impl BaseDevice {
         Some(BaseDevice::over(desc, BaseIo::new(desc)?))
     }
 
+    /// A device over `desc` that takes the thread's channel of the bdev on its first
+    /// operation (a backing bdev: a read-only qcow2 bdev's channel would otherwise build
+    /// the channels of a whole chain under it at once, nested). If SPDK has no channel to
+    /// give then, that operation fails (and the next one tries again).
+    pub fn lazy(desc: &Desc) -> BaseDevice {
+        BaseDevice {
+            io: None,
+            later: Some(LazyIo::new(desc)),
+            ..BaseDevice::with(desc, None)
+        }
+    }
+
     /// A device over `desc` doing its I/O through `io`.
     fn over(desc: &Desc, io: BaseIo) -> BaseDevice {
+        BaseDevice::with(desc, Some(io))
+    }
+
+    fn with(desc: &Desc, io: Option<BaseIo>) -> BaseDevice {
         BaseDevice {
-            io: Some(io),
+            io,
+            later: None,
             draining: Vec::new(),
             refused: Default::default(),
             size_gone: 0,
@@ -156,6 +181,7 @@ impl BaseDevice {
     pub fn missing(size: u64, align: usize, may_cache: bool) -> BaseDevice {
         BaseDevice {
             io: None,
+            later: None,
             draining: Vec::new(),
             refused: Default::default(),
             size_gone: size,
@@ -173,6 +199,9 @@ impl BaseDevice {
     /// The bdev is going (hot-removed): later operations fail at once, and what is in
     /// flight drains ([`settle`](Self::settle)).
     pub fn leave(&mut self) {
+        if let Some(l) = self.later.take() {
+            self.size_gone = l.size();
+        }
         if let Some(io) = self.io.take() {
             self.size_gone = io.num_blocks() * io.block_size();
             self.draining.push(io);
@@ -198,6 +227,7 @@ impl BaseDevice {
             return false;
         };
         self.io = Some(io);
+        self.later = None;
         // A device built while the bdev was gone learns what it is like now.
         self.buf_align = desc.buf_align().max(4096);
         self.unmaps = desc.supports_natively(sys::SPDK_BDEV_IO_TYPE_UNMAP);
@@ -208,7 +238,26 @@ impl BaseDevice {
 
     /// Whether the bdev is gone (operations fail).
     pub fn is_gone(&self) -> bool {
-        self.io.is_none()
+        self.io.is_none() && self.later.is_none()
+    }
+
+    /// A lazy device's first operation: takes the thread's channel of the bdev. `false`
+    /// when SPDK gave none (the operation fails; the next one tries again).
+    fn take_channel(&mut self) -> bool {
+        let Some(l) = &self.later else {
+            return true;
+        };
+        match l.open() {
+            Some(io) => {
+                self.io = Some(io);
+                self.later = None;
+                true
+            }
+            None => {
+                tracing::warn!("no I/O channel of a backing bdev on this thread");
+                false
+            }
+        }
     }
 
     /// Sets whether the engine leaves zeroing to this device (see [`zero_offload`]).
@@ -225,6 +274,9 @@ impl BaseDevice {
         if let Some(io) = &mut self.io {
             // SAFETY: per the contract.
             unsafe { io.deliver_to(host) }
+        } else if let Some(l) = &mut self.later {
+            // SAFETY: per the contract.
+            unsafe { l.deliver_to(host) }
         }
     }
 
@@ -309,9 +361,10 @@ impl BlockDevice for BaseDevice {
     type Buf = SpdkBuf;
 
     fn size(&self) -> u64 {
-        match &self.io {
-            Some(io) => io.num_blocks() * io.block_size(),
-            None => self.size_gone,
+        match (&self.io, &self.later) {
+            (Some(io), _) => io.num_blocks() * io.block_size(),
+            (None, Some(l)) => l.size(),
+            (None, None) => self.size_gone,
         }
     }
 
@@ -332,6 +385,11 @@ impl BlockDevice for BaseDevice {
     }
 
     fn submit(&mut self, op: DeviceOp<SpdkBuf>, tag: u64) -> Result<(), Busy<SpdkBuf>> {
+        if !self.take_channel() {
+            self.refused
+                .push_back((tag, Err(DeviceError(libc::ENOMEM))));
+            return Ok(());
+        }
         let size = self.size();
         let Some(io) = &mut self.io else {
             // Gone: what needs the bdev fails (never zeros where its data belongs).

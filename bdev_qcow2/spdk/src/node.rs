@@ -14,6 +14,7 @@ mod create;
 pub mod hotplug;
 mod identity;
 mod info;
+mod keep;
 mod later;
 mod open;
 mod passes;
@@ -94,6 +95,8 @@ pub struct Node {
     below_on: AtomicBool,
     /// `below` was set at creation: a removed backing bdev is not read again.
     flattened: bool,
+    /// A read-only bdev in a chain: its own channel on the md thread (`keep.rs`).
+    kept: Mutex<Option<crate::ffi::io_channel::Kept>>,
 }
 
 /// The image under a node, as the node keeps it (its owner aside).
@@ -266,6 +269,7 @@ impl Node {
             flattened: below.is_some(),
             below: Mutex::new(below),
             below_on,
+            kept: Mutex::new(None),
         }
     }
 

@@ -124,7 +124,19 @@ impl BaseIo {
     /// preallocated for `iovs` segments: a deep chain's layer takes [`LAYER_SLOTS`] without
     /// iovecs until used, so a thousand layers per thread stay small (about 12 KiB each).
     pub fn with_slots(desc: &Desc, slots: usize, iovs: usize) -> Option<BaseIo> {
-        let ch = ChannelRef::of_bdev(desc)?;
+        // SAFETY: `desc` is open, and stays open while this exists (see `new`).
+        unsafe { BaseIo::of_raw(desc.raw(), slots, iovs) }
+    }
+
+    /// [`with_slots`](Self::with_slots) by the raw descriptor.
+    ///
+    /// # Safety
+    /// `desc` is open and stays open as long as this exists.
+    unsafe fn of_raw(desc: *mut sys::spdk_bdev_desc, slots: usize, iovs: usize) -> Option<BaseIo> {
+        // SAFETY: per the contract.
+        let ch = unsafe { ChannelRef::of_raw(desc) }?;
+        // SAFETY: the bdev of an open descriptor is registered.
+        let bdev = unsafe { sys::spdk_bdev_desc_get_bdev(desc) };
         let pool = Box::into_raw(Box::new(Pool {
             slots: Box::new([]),
             free: (0..slots as u32).rev().collect(),
@@ -148,10 +160,11 @@ impl BaseIo {
         // SAFETY: `pool` was just leaked from a Box and is not shared yet.
         unsafe { (*pool).slots = slots };
         Some(BaseIo {
-            desc: desc.raw(),
+            desc,
             ch,
-            block_size: u64::from(desc.block_size()),
-            bdev: desc.bdev(),
+            // SAFETY: as above.
+            block_size: u64::from(unsafe { sys::spdk_bdev_get_block_size(bdev) }),
+            bdev,
             // SAFETY: `Box::into_raw` never returns null.
             pool: unsafe { NonNull::new_unchecked(pool) },
         })
@@ -184,7 +197,9 @@ impl BaseIo {
     pub fn in_flight(&self) -> usize {
         // SAFETY: the pool is ours; no callback runs concurrently (same thread).
         let p = unsafe { self.pool.as_ref() };
-        SLOTS - p.free.len() + p.done.len()
+        // Of this pool's slots (a layer's has fewer than `SLOTS`: counting from `SLOTS`
+        // made every idle layer look busy and leaked its pool when dropped).
+        p.slots.len() - p.free.len() + p.done.len()
     }
 
     /// Whether nothing is in flight, queued or waiting for a bdev_io: the channel may be
@@ -379,6 +394,63 @@ impl Drop for BaseIo {
         }
         // SAFETY: leaked from a Box in `new`; no operation refers to it any more.
         drop(unsafe { Box::from_raw(self.pool.as_ptr()) });
+    }
+}
+
+/// A base bdev's I/O on this thread before its channel is taken: [`open`](Self::open) gets
+/// it on first use. A read-only qcow2 bdev's device of its backing bdev is one: over a
+/// chain of them, taking each channel at once nested the creation of every channel below
+/// inside one `spdk_get_io_channel`, until SPDK could make no more.
+pub struct LazyIo {
+    desc: *mut sys::spdk_bdev_desc,
+    bdev: *mut sys::spdk_bdev,
+    slots: usize,
+    iovs: usize,
+    /// The sink to install once open (see [`BaseIo::set_sink`]).
+    sink: Option<(CompletionSink, *mut c_void)>,
+}
+
+impl LazyIo {
+    /// The I/O of `desc` on the calling thread, taken later; the descriptor must stay open
+    /// as long as this (or the [`BaseIo`] it opens) exists.
+    pub fn new(desc: &Desc) -> LazyIo {
+        LazyIo {
+            desc: desc.raw(),
+            bdev: desc.bdev(),
+            slots: SLOTS,
+            iovs: SLOT_IOVS,
+            sink: None,
+        }
+    }
+
+    /// Its size in bytes now (read live, as [`BaseIo::num_blocks`] does).
+    pub fn size(&self) -> u64 {
+        // SAFETY: the descriptor keeps the bdev alive while this exists (see `new`).
+        unsafe {
+            sys::spdk_bdev_get_num_blocks(self.bdev)
+                * u64::from(sys::spdk_bdev_get_block_size(self.bdev))
+        }
+    }
+
+    /// See [`BaseIo::deliver_to`]; installed when it opens.
+    ///
+    /// # Safety
+    /// As for [`BaseIo::deliver_to`].
+    pub unsafe fn deliver_to<H: SinkHost>(&mut self, host: &H) {
+        let ctx = std::ptr::from_ref(host).cast_mut().cast::<c_void>();
+        self.sink = Some((offer::<H>, ctx));
+    }
+
+    /// Takes this thread's channel of the bdev; `None` if SPDK has none to give (the caller
+    /// fails the operation that needed it and may try again later).
+    pub fn open(&self) -> Option<BaseIo> {
+        // SAFETY: the descriptor is open (see `new`).
+        let mut io = unsafe { BaseIo::of_raw(self.desc, self.slots, self.iovs) }?;
+        if let Some((sink, ctx)) = self.sink {
+            // SAFETY: installed by `deliver_to` under its contract.
+            unsafe { io.set_sink(sink, ctx) };
+        }
+        Some(io)
     }
 }
 

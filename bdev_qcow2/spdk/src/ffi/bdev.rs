@@ -231,8 +231,17 @@ pub struct ChannelRef(*mut sys::spdk_io_channel);
 impl ChannelRef {
     /// Gets this thread's channel of the bdev open as `desc`; `None` if SPDK refused.
     pub fn of_bdev(desc: &Desc) -> Option<ChannelRef> {
-        // SAFETY: `desc` is open; the call runs on an SPDK thread.
-        let ch = unsafe { sys::spdk_bdev_get_io_channel(desc.raw()) };
+        // SAFETY: `desc` is open.
+        unsafe { ChannelRef::of_raw(desc.raw()) }
+    }
+
+    /// [`of_bdev`](Self::of_bdev) by the raw descriptor.
+    ///
+    /// # Safety
+    /// `desc` is open (its owner keeps it open while the channel lives).
+    pub unsafe fn of_raw(desc: *mut sys::spdk_bdev_desc) -> Option<ChannelRef> {
+        // SAFETY: per the contract; the call runs on an SPDK thread.
+        let ch = unsafe { sys::spdk_bdev_get_io_channel(desc) };
         (!ch.is_null()).then_some(ChannelRef(ch))
     }
 

@@ -5,6 +5,7 @@ use super::thread::{self, Homed, Thread};
 use super::types::BdevTypes;
 use std::ffi::{c_int, c_void, CStr};
 use std::marker::PhantomData;
+use std::ptr::NonNull;
 
 /// How module `M`'s channel states are made and let go (SPDK's `create_cb` and
 /// `destroy_cb` of its io_devices, its nodes).
@@ -203,5 +204,57 @@ pub(super) unsafe fn for_each_channel<M: BdevTypes, C: 'static>(
             st,
             Some(iter_done::<M, C>),
         )
+    }
+}
+
+/// A node's own reference to its channel on the thread that took it (its md thread), put
+/// back there when dropped: the channel, and what it opened, stay built between the bdev
+/// I/Os that come and go on that thread.
+pub struct Kept {
+    ch: NonNull<sys::spdk_io_channel>,
+    thread: Thread,
+}
+
+/// A channel pointer on its way home to be put.
+struct Home(NonNull<sys::spdk_io_channel>);
+
+// SAFETY: the pointer is only put, and only on the thread that got it (`Kept`'s drop sends
+// it there); SPDK's channels are never touched elsewhere.
+unsafe impl Send for Home {}
+// SAFETY: as for `Home`: a `Kept` moves between threads (inside a node) but its channel is
+// used only where it was got.
+unsafe impl Send for Kept {}
+
+impl Home {
+    fn put(self) {
+        // SAFETY: a channel got on this thread (see `Kept::take`), put back once.
+        unsafe { sys::spdk_put_io_channel(self.0.as_ptr()) }
+    }
+}
+
+impl Kept {
+    /// This thread's channel of io_device `dev` (built now if it was not); `None` if SPDK
+    /// made none.
+    ///
+    /// # Safety
+    /// `dev` is one of our registered io_devices, unregistered only after this is dropped
+    /// (SPDK waits for the put before it finishes unregistering).
+    pub unsafe fn take(dev: *mut c_void) -> Option<Kept> {
+        let thread = Thread::current()?;
+        // SAFETY: per the contract; on an SPDK thread.
+        let ch = NonNull::new(unsafe { sys::spdk_get_io_channel(dev) })?;
+        Some(Kept { ch, thread })
+    }
+}
+
+impl Drop for Kept {
+    fn drop(&mut self) {
+        let home = Home(self.ch);
+        if self.thread.is_current() {
+            return home.put();
+        }
+        if let Err(e) = self.thread.send(move || home.put()) {
+            tracing::error!("cannot reach the thread of a kept channel ({e}): leaking it");
+        }
     }
 }

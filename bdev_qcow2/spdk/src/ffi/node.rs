@@ -100,6 +100,14 @@ impl<M: Nodes> Registered<M> {
         unsafe { &(*self.0.as_ptr()).node }
     }
 
+    /// The node's own reference to its channel on the calling thread (see
+    /// [`Kept`](super::io_channel::Kept)); `None` if SPDK made none.
+    pub fn keep_channel(&self) -> Option<super::io_channel::Kept> {
+        // SAFETY: the node is our registered io_device; its teardown drops what it keeps
+        // before its io_device finishes unregistering (SPDK waits for every channel).
+        unsafe { super::io_channel::Kept::take(self.0.as_ptr().cast()) }
+    }
+
     /// A writable node's metadata owner, if the caller runs on the md thread (the only one
     /// that may use it); `None` otherwise, or for a read-only node.
     pub fn owner_here(&self) -> Option<&M::Owner> {

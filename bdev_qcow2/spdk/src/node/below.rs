@@ -98,6 +98,11 @@ fn link(reg: &Registry, name: &str) -> Option<Link> {
     })
 }
 
+/// Whether bdev `name` is a read-only qcow2 bdev whose backing bdev is present.
+pub fn is_link(reg: &Registry, name: &str) -> bool {
+    link(reg, name).is_some()
+}
+
 impl Below {
     /// The chain under backing bdev `backing`, opened and claimed on this thread (the
     /// node's md thread), when it is a read-only qcow2 bdev over another one; `Ok(None)`

@@ -512,6 +512,14 @@ fn register(
         required_alignment: if align > 1 { align.ilog2() as u8 } else { 0 },
         uuid,
     };
+    let keeps = super::keep::keeps(
+        &registry::lock(),
+        params.read_only,
+        params.backing_bdev.as_deref(),
+    );
+    // Its kept channel would hold a prefetch ring (5 MiB by default) for life, one per
+    // bdev of the chain (5 GiB at 1,000); the overlay on top reads the layers itself.
+    let ring = if keeps { None } else { ring };
     let cluster_size = info.cluster_size;
     let i = &info;
     let created = format!(
@@ -554,6 +562,9 @@ fn register(
                 return done(Err((e, m)));
             }
         };
+    if keeps {
+        node.node().set_kept(node.keep_channel());
+    }
     {
         let mut reg = registry::lock();
         reg.creating.retain(|n| n != &name);

@@ -19,6 +19,8 @@ pub fn destruct(key: NodeKey) {
         let Some(node) = reg.take(key) else {
             return tracing::error!("destruct of a qcow2 bdev that is not registered");
         };
+        // Its own channel goes first: the io_device waits for every channel.
+        node.node().release_kept();
         // (Under the registry's lock: a pass over its channels either started or never
         // will.)
         super::passes::unless_passing(key, node)

@@ -105,6 +105,15 @@ fn a_deep_chain_of_qcow2_bdevs_reads_what_qemu_reads() {
     assert_eq!(q["backing_layers"], json!(DEPTH), "{q0}");
     let (ok, text) = t.try_rpc(&["bdev_qcow2_create", "-b", "w3", "--base-bdev", "a3"]);
     assert!(!ok, "a writer of a layer's base was accepted: {text}");
+    // Each read-only bdev's channel on the md thread was built once and stays (`keep.rs`):
+    // SPDK's examine of each new bdev read it through channels that lived on, instead of
+    // building and tearing down a channel of every bdev below (quadratic in the depth,
+    // and a nested build that failed past a few hundred).
+    for i in 0..DEPTH {
+        let stats = t.rpc(&["bdev_qcow2_get_stats", "-b", &format!("l{i}")]);
+        let channels = stats[0]["channels"].as_array().map_or(0, Vec::len);
+        assert_eq!(channels, 1, "l{i} does not keep one channel: {stats}");
+    }
     t.stop();
 
     // What QEMU reads of the chain (the owner's path: spdk_dd reads on the md thread).
