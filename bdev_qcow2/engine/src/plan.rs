@@ -12,7 +12,7 @@ use crate::direct::PastMemo;
 use crate::error::{Error, Result};
 use crate::io::{BlockDevice, BufSlice, DeviceOp, IoBuffer};
 use crate::ring::{RingServed, RingWait};
-use crate::route::{Grant, ReadRoute, Role, WriteDecision, WriteRoute};
+use crate::route::{Access, FoundBy, Grant, ReadRoute, Role, WriteDecision, WriteRoute};
 use crate::types::HostOffset;
 use std::rc::Rc;
 
@@ -184,14 +184,26 @@ impl<D: BlockDevice> Chain<D> {
         let entry = self.exec().guest_enter();
         if let Some(m) = &self.memo {
             if let Some((host, tail)) = m.read(offset, len) {
-                let grant = Grant::new(m.dev(), HostOffset(host), range, entry, true, false);
+                let grant = Grant::new(
+                    m.dev(),
+                    HostOffset(host),
+                    range,
+                    entry,
+                    FoundBy::Memo,
+                    Access::Read,
+                );
                 return (ReadRoute::Direct(grant), tail);
             }
         }
         let route = match self.route_read_past_memo(range, entry) {
-            PastMemo::Direct(dev, host, entry) => {
-                ReadRoute::Direct(Grant::new(dev, host, range, entry, false, false))
-            }
+            PastMemo::Direct(dev, host, entry) => ReadRoute::Direct(Grant::new(
+                dev,
+                host,
+                range,
+                entry,
+                FoundBy::Lookup,
+                Access::Read,
+            )),
             PastMemo::Engine | PastMemo::Owner { .. } | PastMemo::NotInPlace => ReadRoute::Engine,
         };
         (route, false)
@@ -236,14 +248,26 @@ impl<D: BlockDevice> Chain<D> {
         let entry = self.exec().guest_enter();
         if let Some(m) = &self.memo {
             if let Some((host, tail)) = m.overwrite(offset, len) {
-                let grant = Grant::new(m.dev(), HostOffset(host), range, entry, true, true);
+                let grant = Grant::new(
+                    m.dev(),
+                    HostOffset(host),
+                    range,
+                    entry,
+                    FoundBy::Memo,
+                    Access::Write,
+                );
                 return (WriteDecision::Direct(grant), tail);
             }
         }
         let decision = match self.route_write_past_memo(range, entry) {
-            PastMemo::Direct(dev, host, entry) => {
-                WriteDecision::Direct(Grant::new(dev, host, range, entry, false, true))
-            }
+            PastMemo::Direct(dev, host, entry) => WriteDecision::Direct(Grant::new(
+                dev,
+                host,
+                range,
+                entry,
+                FoundBy::Lookup,
+                Access::Write,
+            )),
             PastMemo::Engine => WriteDecision::Engine,
             PastMemo::NotInPlace => WriteDecision::EngineNotInPlace,
             PastMemo::Owner { slow } => WriteDecision::Owner { slow },

@@ -87,36 +87,51 @@ pub struct Grant {
     /// Handed over only by the grant's one exit ([`submitted`](Self::submitted), which
     /// forgets the grant: its `Drop` never sees an entry handed over).
     entry: GraceEntry,
-    memo: bool,
-    write: bool,
+    found: FoundBy,
+    access: Access,
+}
+
+/// What a grant lets the host do with its extent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Access {
+    Read,
+    Write,
+}
+
+/// Where the route found a grant's mapping: the memo of slices (the request's slice cached
+/// under the current epoch) or a look-up past it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum FoundBy {
+    Memo,
+    Lookup,
 }
 
 impl Grant {
-    /// A grant of `range` at `host` on `dev`, entered into the grace period as `entry`;
-    /// `memo`: found by the memo of slices; `write`: a write's grant.
+    /// A grant for `access` to `range` at `host` on `dev`, entered into the grace period as
+    /// `entry`, its mapping `found` by the memo or a look-up.
     #[inline(always)]
     pub(crate) fn new(
         dev: DevId,
         host: HostOffset,
         range: GuestRange,
         entry: GraceEntry,
-        memo: bool,
-        write: bool,
+        found: FoundBy,
+        access: Access,
     ) -> Self {
         Grant {
             dev,
             host,
             range,
             entry,
-            memo,
-            write,
+            found,
+            access,
         }
     }
 
     /// Whether this is a write's grant (else a read's).
     #[inline(always)]
     pub fn is_write(&self) -> bool {
-        self.write
+        matches!(self.access, Access::Write)
     }
 
     /// The device holding the extent.
@@ -142,7 +157,7 @@ impl Grant {
     /// ([`Chain::read_ahead_memo`](crate::Chain::read_ahead_memo)).
     #[inline(always)]
     pub fn from_memo(&self) -> bool {
-        self.memo
+        matches!(self.found, FoundBy::Memo)
     }
 
     /// The host submitted the operation to the device itself: returns the grace entry it
@@ -297,8 +312,8 @@ mod tests {
             HostOffset(0),
             range,
             GraceEntry::of_parity(0),
-            false,
-            false,
+            FoundBy::Lookup,
+            Access::Read,
         );
     }
 
@@ -307,7 +322,15 @@ mod tests {
         let range = GuestRange::new(0, 512, 512).expect("valid");
         let entry = GraceEntry::of_parity(1);
         assert_eq!(
-            Grant::new(DevId(0), HostOffset(0), range, entry, false, false).submitted(),
+            Grant::new(
+                DevId(0),
+                HostOffset(0),
+                range,
+                entry,
+                FoundBy::Lookup,
+                Access::Read
+            )
+            .submitted(),
             GraceEntry::of_parity(1)
         );
     }
