@@ -61,12 +61,12 @@ pub(crate) fn expand(key: &[u8]) -> Option<(Schedule, Schedule)> {
                 k[$i - 2],
                 _mm_shuffle_epi32::<0xff>(_mm_aeskeygenassist_si128::<$rcon>(k[$i - 1])),
             );
-            if $i < 14 {
-                k[$i + 1] = step(
-                    k[$i - 1],
-                    _mm_shuffle_epi32::<0xaa>(_mm_aeskeygenassist_si128::<0>(k[$i])),
-                );
-            }
+        };
+        ($i:literal) => {
+            k[$i] = step(
+                k[$i - 2],
+                _mm_shuffle_epi32::<0xaa>(_mm_aeskeygenassist_si128::<0>(k[$i - 1])),
+            );
         };
     }
     let word = |b: &[u8]| -> Option<[u8; 16]> { b.try_into().ok() };
@@ -89,11 +89,17 @@ pub(crate) fn expand(key: &[u8]) -> Option<(Schedule, Schedule)> {
             k[0] = m128(word(&key[..16])?);
             k[1] = m128(word(&key[16..])?);
             r256!(2, 0x01);
+            r256!(3);
             r256!(4, 0x02);
+            r256!(5);
             r256!(6, 0x04);
+            r256!(7);
             r256!(8, 0x08);
+            r256!(9);
             r256!(10, 0x10);
+            r256!(11);
             r256!(12, 0x20);
+            r256!(13);
             r256!(14, 0x40);
             14
         }
@@ -186,17 +192,6 @@ fn broadcast(s: &Schedule) -> [Z; 15] {
     k
 }
 
-/// Four blocks through AES (encryption).
-#[target_feature(enable = "avx512f,vaes")]
-#[inline]
-fn encrypt4(k: &[Z; 15], rounds: usize, x: Z) -> Z {
-    let mut x = _mm512_xor_si512(x, k[0]);
-    for r in &k[1..rounds] {
-        x = _mm512_aesenc_epi128(x, *r);
-    }
-    _mm512_aesenclast_epi128(x, k[rounds])
-}
-
 /// Lane `j` (0..4) of `t` in every lane.
 #[target_feature(enable = "avx512f")]
 #[inline]
@@ -240,6 +235,10 @@ fn sector<const ENC: bool>(k: &[Z; 15], rounds: usize, d: &mut [u8; SECTOR_BYTES
     }
 }
 
+/// Sectors whose first tweaks are made together (four registers of AES-k2 side by side,
+/// rather than one 14-round chain at a time in front of each group's sectors).
+const BATCH: usize = 16;
+
 /// XTS over `data`'s whole sectors, sector `i` with the IV `ivs[i]`; `k1` the data key's
 /// schedule in the direction `ENC`, `k2` the tweak key's (encryption).
 #[target_feature(enable = "aes,avx512f,avx512bw,vaes")]
@@ -251,13 +250,35 @@ pub(crate) fn xts<const ENC: bool>(
 ) {
     let (rk1, rk2) = (broadcast(k1), broadcast(k2));
     let sectors = data.as_chunks_mut::<SECTOR_BYTES>().0;
-    for (group, iv) in sectors.chunks_mut(4).zip(ivs.chunks(4)) {
-        // Four sectors' first tweaks, their IVs through AES-k2 in one register.
-        let mut w = [0u8; 64];
+    for (batch, iv) in sectors.chunks_mut(BATCH).zip(ivs.chunks(BATCH)) {
+        // The batch's first tweaks: its IVs through AES-k2, four a register.
+        let mut w = [0u8; BATCH * 16];
         w[..iv.len() * 16].copy_from_slice(iv.as_flattened());
-        let first = encrypt4(&rk2, k2.rounds(), load(&w));
-        for (j, d) in group.iter_mut().take(iv.len()).enumerate() {
-            sector::<ENC>(&rk1, k1.rounds(), d, lane(first, j));
+        let first = encrypt16(&rk2, k2.rounds(), &w, iv.len().div_ceil(4));
+        let groups = batch.chunks_mut(4).zip(first).zip(iv.chunks(4));
+        for ((group, first), iv) in groups {
+            for (j, d) in group.iter_mut().take(iv.len()).enumerate() {
+                sector::<ENC>(&rk1, k1.rounds(), d, lane(first, j));
+            }
         }
     }
+}
+
+/// The first `n` (1..=4) registers of `w` through AES (encryption), side by side.
+#[target_feature(enable = "avx512f,vaes")]
+#[inline]
+fn encrypt16(k: &[Z; 15], rounds: usize, w: &[u8; BATCH * 16], n: usize) -> [Z; 4] {
+    let mut x = [_mm512_setzero_si512(); 4];
+    for (v, o) in x.iter_mut().zip((0..).step_by(64)).take(n) {
+        *v = _mm512_xor_si512(load(&w[o..]), k[0]);
+    }
+    for r in &k[1..rounds] {
+        for v in x.iter_mut().take(n) {
+            *v = _mm512_aesenc_epi128(*v, *r);
+        }
+    }
+    for v in x.iter_mut().take(n) {
+        *v = _mm512_aesenclast_epi128(*v, k[rounds]);
+    }
+    x
 }
