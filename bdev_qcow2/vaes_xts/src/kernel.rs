@@ -7,7 +7,7 @@
 //! times `α^16`: a two-byte shift of each 128-bit lane, the 16 bits shifted out folded back
 //! in as `x^128 = x^7 + x^2 + x + 1` (IEEE 1619, little endian).
 
-use crate::keys::Schedule;
+use crate::schedule::Schedule;
 use crate::SECTOR_BYTES;
 use core::arch::x86_64::*;
 

@@ -22,6 +22,8 @@ mod ffi;
 mod kernel;
 #[cfg(target_arch = "x86_64")]
 mod keys;
+#[cfg(target_arch = "x86_64")]
+mod schedule;
 #[cfg(test)]
 mod tests;
 

@@ -4,7 +4,7 @@
 #![allow(unsafe_code)]
 
 use crate::kernel;
-use crate::keys::Schedule;
+use crate::schedule::Schedule;
 
 /// Proof that this CPU has AES-NI, VAES and AVX-512 F/BW (checked by `detect`, the only
 /// way to make one).
