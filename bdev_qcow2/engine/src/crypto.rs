@@ -21,11 +21,6 @@ mod tests_ciphers;
 mod xts;
 #[cfg(target_arch = "x86_64")]
 mod xts_avx2;
-#[cfg(all(
-    target_arch = "x86_64",
-    target_feature = "vaes",
-    target_feature = "avx512f"
-))]
 mod xts_vaes;
 
 pub use cipher::{Backend, CipherSpec, SectorCipher, SectorWorker};

@@ -3,8 +3,8 @@
 //! number (`plain`, `plain64`, `essiv`), as QEMU's `crypto/block-luks.c` and its IV
 //! generators compute them (an IV is a block long: 8 bytes for CAST5).
 //!
-//! One dispatch: on a CPU with AVX-512 and VAES, XTS over AES-128/256 runs as our XTS over
-//! RustCrypto's `aes` 0.9 with VAES (`xts_vaes.rs`: immutable, shared by all threads);
+//! One dispatch: on a CPU with AVX-512 and VAES (checked at run time), XTS over AES-128/256
+//! runs in the `vaes_xts` crate (`xts_vaes.rs`: immutable, shared by all threads);
 //! elsewhere OpenSSL's EVP (`evp.rs`) runs every AES cipher it serves, keyed once per key
 //! (XTS as our XTS over EVP's AES-ECB, `evp_xts.rs`); RustCrypto (`soft.rs`) runs XTS over
 //! AES-192, which OpenSSL lacks, and Twofish, Serpent and CAST5, and is the reference the
@@ -16,11 +16,6 @@
 use super::evp::EvpCtx;
 use super::soft::{keyed, Soft};
 pub use super::spec::{CipherAlg, CipherSpec, IvGen, Mode, SECTOR_BYTES};
-#[cfg(all(
-    target_arch = "x86_64",
-    target_feature = "vaes",
-    target_feature = "avx512f"
-))]
 use super::xts_vaes::VaesXts;
 use super::CryptoError;
 use aes::cipher::BlockEncrypt;
@@ -44,8 +39,8 @@ enum Iv {
 /// Which implementation runs a cipher's sectors.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Backend {
-    /// XTS over RustCrypto's `aes` 0.9 with VAES, the tweaks in AVX-512 (x86-64 CPUs with
-    /// both); where the CPU lacks them, [`Backend::OpenSsl`] runs instead.
+    /// XTS with VAES, the tweaks in AVX-512 (the `vaes_xts` crate, on x86-64 CPUs with both,
+    /// checked at run time); where the CPU lacks them, [`Backend::OpenSsl`] runs instead.
     Vaes,
     /// OpenSSL's EVP.
     OpenSsl,
@@ -67,11 +62,6 @@ const POOL_MAX: usize = 8;
 /// context is freed); the key it was made from is not kept.
 pub struct SectorCipher {
     /// XTS with VAES, where the CPU has it: it runs every sector.
-    #[cfg(all(
-        target_arch = "x86_64",
-        target_feature = "vaes",
-        target_feature = "avx512f"
-    ))]
     vaes: Option<Box<VaesXts>>,
     /// Sectors OpenSSL serves; `None`: RustCrypto runs them all.
     evp: Option<Mutex<EvpPool>>,
@@ -105,29 +95,13 @@ impl SectorCipher {
             return Err(CryptoError::Key);
         }
         let soft = Soft::new(spec.mode, spec.alg, key)?;
-        #[cfg(all(
-            target_arch = "x86_64",
-            target_feature = "vaes",
-            target_feature = "avx512f"
-        ))]
         let vaes = match (prefer, spec.mode, spec.alg) {
             (Backend::Vaes, Mode::Xts, CipherAlg::Aes128 | CipherAlg::Aes256) => {
                 VaesXts::new(key).map(Box::new)
             }
             _ => None,
         };
-        #[cfg(all(
-            target_arch = "x86_64",
-            target_feature = "vaes",
-            target_feature = "avx512f"
-        ))]
         let fast = vaes.is_some();
-        #[cfg(not(all(
-            target_arch = "x86_64",
-            target_feature = "vaes",
-            target_feature = "avx512f"
-        )))]
-        let fast = false;
         let evp = match prefer {
             _ if fast => None,
             Backend::Vaes | Backend::OpenSsl => {
@@ -153,11 +127,6 @@ impl SectorCipher {
             }
         };
         Ok(SectorCipher {
-            #[cfg(all(
-                target_arch = "x86_64",
-                target_feature = "vaes",
-                target_feature = "avx512f"
-            ))]
             vaes,
             evp,
             soft,
@@ -167,11 +136,6 @@ impl SectorCipher {
 
     /// The implementation that runs this cipher's sectors.
     pub fn backend(&self) -> Backend {
-        #[cfg(all(
-            target_arch = "x86_64",
-            target_feature = "vaes",
-            target_feature = "avx512f"
-        ))]
         if self.vaes.is_some() {
             return Backend::Vaes;
         }
@@ -244,11 +208,6 @@ impl SectorCipher {
     fn run(&self, ctx: Option<&mut EvpCtx>, first: u64, data: &mut [u8], enc: bool) {
         debug_assert!(data.len().is_multiple_of(SECTOR_BYTES));
         let iv = |i: u64, out: &mut [[u8; 16]]| self.ivs(first.wrapping_add(i), out);
-        #[cfg(all(
-            target_arch = "x86_64",
-            target_feature = "vaes",
-            target_feature = "avx512f"
-        ))]
         if let Some(v) = &self.vaes {
             return v.run(data, &iv, enc);
         }

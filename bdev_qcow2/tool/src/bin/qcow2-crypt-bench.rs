@@ -3,8 +3,8 @@
 //! with its own IV: the format's data unit), against OpenSSL's EVP over units of the same
 //! sizes with no IV reset (what `openssl speed -evp aes-256-xts -bytes N` measures; timed
 //! here in-process, and `openssl speed` itself run when installed). Ours is the backend
-//! `SectorCipher::new` picks (VAES in a build for CPUs with it, see PERFORMANCE.md §12),
-//! beside our XTS over OpenSSL's AES-ECB (the backend of other builds: the same as ours
+//! `SectorCipher::new` picks (VAES on a CPU with it and AVX-512, see PERFORMANCE.md §12),
+//! beside our XTS over OpenSSL's AES-ECB (the backend on other CPUs: the same as ours
 //! there) and the RustCrypto reference. Rounds alternate
 //! the contenders; each figure is the median of the rounds. Then the other modes and
 //! ciphers, once each.
