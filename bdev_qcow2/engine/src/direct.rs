@@ -62,10 +62,19 @@ impl<D: BlockDevice> Chain<D> {
     /// `entry`: the slice cache (out of line: the memo's path stays small).
     #[inline(never)]
     pub(crate) fn route_read_past_memo(&self, range: GuestRange, entry: GraceEntry) -> PastMemo {
-        let found = match range.is_empty() {
+        let (offset, len) = (range.offset().0, range.len());
+        let mut found = match range.is_empty() {
             true => None,
-            false => self.plan_direct_read(range.offset().0, range.len()),
+            false => self.plan_direct_read(offset, len),
         };
+        if let (None, false, Some(Layer::Qcow2(q))) =
+            (found, range.is_empty(), self.layers().first())
+        {
+            // The owner: a new table's slices are cached only once a request needs them.
+            if q.cache_dirty_for_direct(GuestOffset(offset), false) {
+                found = self.plan_direct_read(offset, len);
+            }
+        }
         match found {
             Some((dev, host)) => PastMemo::Direct(dev, HostOffset(host), entry),
             None => {
@@ -134,7 +143,13 @@ impl<D: BlockDevice> Chain<D> {
             SliceRoute::Current => true,
             SliceRoute::NotCore => false,
         };
-        let planned = self.single_write_extent(offset, len, e);
+        let mut planned = self.single_write_extent(offset, len, e);
+        if let (None, false, Some(Layer::Qcow2(q))) = (&planned, current, self.layers().first()) {
+            // The owner: a new table's slices are cached only once an overwrite needs them.
+            if q.cache_dirty_for_direct(GuestOffset(offset), true) {
+                planned = self.walk_single_write(offset, len);
+            }
+        }
         if let Some((dev, Some(host))) = planned {
             return PastMemo::Direct(dev, host, entry);
         }

@@ -26,6 +26,31 @@ impl<D: BlockDevice> Qcow2<D> {
         b.get(i).map(|e| e as *const u64)
     }
 
+    /// On the owner: caches the slice of `off` from its dirty copy when the cache does not
+    /// hold it and `off`'s entry is plain data (COPIED too when `copied`: what a write in
+    /// place needs), so that the direct path finds it (a new table's slices are not cached
+    /// as the table is made, `new_l2_table`). True when it cached the slice.
+    pub(crate) fn cache_dirty_for_direct(&self, off: GuestOffset, copied: bool) -> bool {
+        let Some(st) = self.meta_state().and_then(|m| m.try_st()) else {
+            return false;
+        };
+        let key = self.geo.slice_id(off);
+        let Some(b) = st.dirty.slice(key) else {
+            return false;
+        };
+        // An unallocated or zero cluster is engine work all the same.
+        let (entry, _) = self.words_in(b, off);
+        let ctx = self.ctx.get();
+        let usable = entry
+            .plain_data(ctx.cluster_bits, ctx.device_size)
+            .is_some_and(|(_, c)| c || !copied);
+        if !usable || self.l2_cache.borrow().peek(key).is_some() {
+            return false;
+        }
+        self.cache_slice(key, SliceStamp::OWNER, |w| w.copy_from_slice(b));
+        true
+    }
+
     /// `off`'s L2 words (entry, and bitmap with extended L2, else empty) in slice words `b`.
     fn words_in(&self, b: &[u64], off: GuestOffset) -> (L2Entry, SubclusterBitmap) {
         let i = self.geo.index_in_slice(off) as usize;
@@ -72,10 +97,14 @@ impl<D: BlockDevice> Owner<'_, D> {
     /// Reads the L2 words of `off`'s entry, undecoded (`(entry, bitmap)`; bitmap 0 without
     /// extended L2). The slice must be dirty or cached.
     pub(crate) async fn l2_words(&self, off: GuestOffset) -> Result<(L2Entry, SubclusterBitmap)> {
+        let key = self.geo.slice_id(off);
+        // The dirty copy first: a new table's slices are not cached (`new_l2_table`).
+        if let Some(b) = self.meta().st().dirty.slice(key) {
+            return Ok(self.words_in(b, off));
+        }
         let Some(way) = self.load_slice(off).await? else {
             return Ok((L2Entry::UNALLOCATED, SubclusterBitmap(0)));
         };
-        let key = self.geo.slice_id(off);
         if let Some(b) = self.meta().st().dirty.slice(key) {
             return Ok(self.words_in(b, off));
         }
@@ -205,29 +234,36 @@ impl<D: BlockDevice> Owner<'_, D> {
         let cs = self.geo.cluster_size();
         let start = self.alloc_clusters(1).await?.first;
         let new = self.geo.host_cluster_offset(start);
-        let words_per_table = (cs / 8) as usize;
-        let content: Vec<u64> = match old {
+        // A copy of a shared table, else none: a new table is zeros, made per slice below.
+        let copied: Option<Vec<u64>> = match old {
             Some(t) => {
                 let raw = read_bytes(&self.exec, self.dev, t.0, cs).await?;
                 // The active L1 no longer references the old table once L1 is stable.
                 m.st_mut()
                     .frees
                     .free_later(HostRange::new(t, cs), FreeKind::Other);
-                raw.chunks_exact(8)
-                    .map(|c| u64::from_be_bytes(c.try_into().unwrap_or([0; 8])))
-                    .collect()
+                Some(
+                    raw.chunks_exact(8)
+                        .map(|c| u64::from_be_bytes(c.try_into().unwrap_or([0; 8])))
+                        .collect(),
+                )
             }
-            None => vec![0; words_per_table],
+            None => None,
         };
         let slice_words = ((1u64 << self.geo.slice_bits) / 8) as usize;
-        let first_slice = idx * self.geo.slices_per_l2();
+        let slices = self.geo.slices_per_l2();
+        let first_slice = idx * slices;
         {
             let mut st = m.st_mut();
-            for (s, chunk) in content.chunks(slice_words).enumerate() {
+            for s in 0..slices {
+                let words = match &copied {
+                    Some(c) => c[s as usize * slice_words..][..slice_words].to_vec(),
+                    None => vec![0; slice_words],
+                };
                 // A new table replaces whatever a core may hold for these slices.
                 st.dirty.put_slice(
-                    first_slice + s as u64,
-                    chunk.to_vec(),
+                    first_slice + s,
+                    words,
                     self.published(),
                     SliceChange::Removes,
                 );
@@ -238,12 +274,27 @@ impl<D: BlockDevice> Owner<'_, D> {
                 sh.set_meta_cluster(start.0);
             }
         }
-        // The owner's cache holds the new table's slices too (what it held of the old one
-        // is replaced): its look-ups (the direct path's among them) find them at once.
-        for (s, chunk) in content.chunks(slice_words).enumerate() {
-            self.cache_slice(first_slice + s as u64, SliceStamp::OWNER, |b| {
-                b.copy_from_slice(chunk)
-            });
+        match &copied {
+            // The owner's cache holds a copied table's slices too (what it held of the old
+            // one is replaced): its look-ups (the direct path's among them) find them at once.
+            Some(c) => {
+                for (s, chunk) in c.chunks(slice_words).enumerate() {
+                    self.cache_slice(first_slice + s as u64, SliceStamp::OWNER, |b| {
+                        b.copy_from_slice(chunk)
+                    });
+                }
+            }
+            // A new table's slices stay out of the cache until a look-up needs them
+            // (`load_slice`, or the direct path's route: `cache_dirty_for_direct`): a fresh
+            // image's random first writes never look them up, and filling a cache way
+            // took most of a new table's cost (the first touch of its memory; #48).
+            None => {
+                let mut cache = self.l2_cache.borrow_mut();
+                for s in 0..slices {
+                    cache.invalidate(first_slice + s);
+                    self.memo.forget(first_slice + s);
+                }
+            }
         }
         let entry = L1Entry::new(new, true);
         self.l1.borrow_mut()[idx as usize] = entry;
