@@ -173,6 +173,9 @@ fn detached(key: NodeKey, status: c_int) {
         tracing::error!("bdev_qcow2_stream: detaching the backing bdev failed ({status})");
         return;
     }
+    if let Some(n) = reg.by_key(key) {
+        n.node().stream_left_backing();
+    }
     let slot = owner.stream().borrow();
     if let Some(s) = slot.as_ref() {
         s.job.cores_detached(owner.chain());

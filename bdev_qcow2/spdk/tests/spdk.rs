@@ -3205,6 +3205,10 @@ mod real {
     /// The golden bdev hot-removed under overlays and back (`real/golden_degraded.rs`).
     mod golden_degraded;
 
+    /// A golden bdev open for writing refused; overlays' writes never reach it; a stream
+    /// leaves the others sharing (`real/golden_guard.rs`).
+    mod golden_guard;
+
     /// A writable overlay over a deep chain of qcow2 bdevs (`real/deep_chain.rs`).
     mod deep_chain;
 

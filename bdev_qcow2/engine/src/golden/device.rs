@@ -252,6 +252,34 @@ impl<D: BlockDevice> CachedDevice<D> {
         self.failed.clear();
     }
 
+    /// A read while the cache is shared: served from it, waiting for its fills, or past
+    /// it; every other operation goes to the device.
+    #[inline(never)]
+    fn submit_shared(&mut self, op: DeviceOp<D::Buf>, tag: u64) -> Result<(), Busy<D::Buf>> {
+        let DeviceOp::Read { offset, buf } = op else {
+            return self.inner.submit(op, tag);
+        };
+        if buf.len == 0 {
+            return self.inner.submit(DeviceOp::Read { offset, buf }, tag);
+        }
+        match self.serve(offset, &buf) {
+            Served::All => self.done.push_back((tag, Ok(()))),
+            Served::Pending => {
+                if let Some(c) = &self.cache {
+                    c.count_wait();
+                }
+                self.waiting.push(Waiting { tag, offset, buf })
+            }
+            Served::Bypass => {
+                if let Some(c) = &self.cache {
+                    c.count_bypass();
+                }
+                return self.inner.submit(DeviceOp::Read { offset, buf }, tag);
+            }
+        }
+        Ok(())
+    }
+
     fn bypass(&mut self, tag: u64, offset: u64, buf: BufSlice<D::Buf>) {
         if let Some(c) = &self.cache {
             c.count_bypass();
@@ -274,29 +302,14 @@ impl<D: BlockDevice> BlockDevice for CachedDevice<D> {
         self.inner.alloc_buf(len)
     }
 
+    #[inline(always)]
     fn submit(&mut self, op: DeviceOp<D::Buf>, tag: u64) -> Result<(), Busy<D::Buf>> {
-        let DeviceOp::Read { offset, buf } = op else {
-            return self.inner.submit(op, tag);
-        };
-        if buf.len == 0 || !self.cache.as_ref().is_some_and(|c| c.is_shared()) {
-            return self.inner.submit(DeviceOp::Read { offset, buf }, tag);
+        // Unshared (a lone overlay, a base bdev): the operation goes to the device as it
+        // came, unmoved, at the cost of one load (PERFORMANCE.md §13).
+        if self.cache.as_ref().is_some_and(|c| c.is_shared()) {
+            return self.submit_shared(op, tag);
         }
-        match self.serve(offset, &buf) {
-            Served::All => self.done.push_back((tag, Ok(()))),
-            Served::Pending => {
-                if let Some(c) = &self.cache {
-                    c.count_wait();
-                }
-                self.waiting.push(Waiting { tag, offset, buf })
-            }
-            Served::Bypass => {
-                if let Some(c) = &self.cache {
-                    c.count_bypass();
-                }
-                return self.inner.submit(DeviceOp::Read { offset, buf }, tag);
-            }
-        }
-        Ok(())
+        self.inner.submit(op, tag)
     }
 
     fn poll(&mut self, done: &mut dyn FnMut(u64, Result<(), DeviceError>)) -> usize {

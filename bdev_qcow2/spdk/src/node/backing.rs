@@ -37,6 +37,13 @@ impl Node {
         (c.backing.take(), again)
     }
 
+    /// A stream dropped the backing bdev and every core left it: this bdev stops counting
+    /// as a sharer of its cache (the overlays still reading it share it among themselves;
+    /// one left alone reads past it).
+    pub fn stream_left_backing(&self) {
+        self.current().backing_cache = None;
+    }
+
     /// A bdev of the backing bdev's name was registered, of shape `found` (see
     /// [`Link::appeared`](crate::backing_state::Link::appeared)).
     pub fn backing_appeared(&self, found: Shape) -> Result<bool, String> {
