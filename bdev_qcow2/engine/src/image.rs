@@ -28,6 +28,7 @@ pub(crate) mod owner;
 mod preload;
 mod replica;
 mod role;
+mod seed;
 mod slices;
 pub use encryption::{LockedLuks, Luks, UnlockedKey};
 pub(crate) use lookup::CachedExtent;
@@ -35,6 +36,7 @@ pub use owner::bitmap_change::{BitmapBits, BitmapChange};
 pub use owner::snapshot::SnapshotTime;
 pub use owner::SpaceUsage;
 pub(crate) use preload::Preload;
+pub use seed::ReadOnlySeed;
 
 /// Options for opening an image.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -58,8 +58,8 @@ pub use chain::{Chain, Layer};
 pub use error::{Error, Field, Result};
 pub use exec::{DevId, Exec, GraceEntry};
 pub use image::{
-    BitmapBits, BitmapChange, CoreSeed, CoreSlice, OpenOptions, OwnerLink, Qcow2, SnapshotTime,
-    SpaceUsage,
+    BitmapBits, BitmapChange, CoreSeed, CoreSlice, OpenOptions, OwnerLink, Qcow2, ReadOnlySeed,
+    SnapshotTime, SpaceUsage,
 };
 pub use plan::{Op, Request, RequestStats, Step, Task};
 pub use route::{Grant, GuestRange, ReadRoute, Role, WriteRoute};

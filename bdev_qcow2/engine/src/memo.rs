@@ -43,8 +43,8 @@ const MAPPED_EVICT_EVERY: u32 = 64;
 /// whose word answers) where the set-associative look-up hashes the key, reads the slot,
 /// the summary, the LRU clock and the entry, decodes it and writes the rank back. As many
 /// slots in use as the slice cache holds slices (a power of two, at most
-/// [`MEMO_MAX_SLOTS`]; the table always has that many, so that finding a slot takes no
-/// bounds check); the map is allocated the first time a mapped slice is remembered
+/// [`MEMO_MAX_SLOTS`]; the table has that many: 32 bytes each, where a table of the
+/// largest size for every image took 128 KiB per layer and thread in a deep chain); the map is allocated the first time a mapped slice is remembered
 /// (4 bytes per entry of every slot in use: half what the slice cache takes for as many
 /// slices).
 ///
@@ -55,7 +55,9 @@ const MAPPED_EVICT_EVERY: u32 = 64;
 /// the cache (`Qcow2::cache_slice`): the memo is a faster look-up of what the cache holds,
 /// never more.
 pub struct SliceMemo {
-    slots: Box<[Cell<MemoSlot>; MEMO_MAX_SLOTS]>,
+    /// The slots in use (a power of two): an image with a small cache (a deep chain's
+    /// layer: thousands per thread) keeps a small table.
+    slots: Box<[Cell<MemoSlot>]>,
     /// Slots in use less one (below [`MEMO_MAX_SLOTS`]).
     mask: usize,
     /// Entries per slice: the length of a row of `map`.
@@ -129,7 +131,7 @@ impl SliceMemo {
     pub fn new(slots: usize, entries: usize, cluster_bits: u32) -> Self {
         let n = slots.clamp(1, MEMO_MAX_SLOTS).next_power_of_two();
         SliceMemo {
-            slots: Box::new([const { Cell::new(MEMO_EMPTY) }; MEMO_MAX_SLOTS]),
+            slots: (0..n).map(|_| Cell::new(MEMO_EMPTY)).collect(),
             mask: n - 1,
             entries,
             cluster_bits,
@@ -147,8 +149,7 @@ impl SliceMemo {
 
     #[inline(always)]
     fn index(&self, key: u64) -> usize {
-        // (The constant mask lets the compiler see the index is inside the table.)
-        key as usize & self.mask & (MEMO_MAX_SLOTS - 1)
+        key as usize & self.mask
     }
 
     #[inline(always)]
@@ -162,8 +163,7 @@ impl SliceMemo {
     /// nothing else of the memo: slot, compares and answer are written out here.
     #[inline(always)]
     pub fn extent(&self, key: u64, epoch: u32, within: u64, len: u64) -> Option<u64> {
-        // (As `index`: the constant mask keeps the bounds check out.)
-        let s = self.slots[key as usize & self.mask & (MEMO_MAX_SLOTS - 1)].get();
+        let s = self.slots[key as usize & self.mask].get();
         if s.key != key || s.epoch != epoch {
             return None;
         }
@@ -190,7 +190,7 @@ impl SliceMemo {
         within: u64,
         len: u64,
     ) -> Option<u64> {
-        let s = self.slots[key as usize & self.mask & (MEMO_MAX_SLOTS - 1)].get();
+        let s = self.slots[key as usize & self.mask].get();
         if s.key != key || s.removals != removals || s.meta_gen != meta_gen {
             return None;
         }
@@ -424,7 +424,7 @@ impl SliceMemo {
 
     /// Forgets every slice (the L1 table was replaced).
     pub fn forget_all(&self) {
-        for slot in &self.slots[..self.slots()] {
+        for slot in self.slots.iter() {
             slot.set(MEMO_EMPTY);
         }
     }

@@ -161,7 +161,19 @@ impl Channel {
             unsafe { ch.driver.attach(id, host) };
             Ok::<_, i32>(id)
         };
-        let base_dev = add(base, None)?;
+        // A link of a chain on its md thread (its kept channel, examines) takes its base's
+        // channel on first use (`keep.rs`).
+        let lazy_base = src.lazy_base;
+        let base_dev = if lazy_base {
+            let id = ch
+                .exec()
+                .add_device(crate::device::open_cached_lazy(base, None, true));
+            // SAFETY: as for `add`.
+            unsafe { ch.driver.attach(id, host) };
+            id
+        } else {
+            add(base, None)?
+        };
         let below_devs = match src.below {
             Some(b) => ch.open_below(b)?,
             None => Vec::new(),
@@ -171,9 +183,11 @@ impl Channel {
             // Its channel is taken on first use: over a chain of read-only qcow2 bdevs,
             // taking it now would build every channel below this one, nested.
             (Some(d), _) => {
-                let id = ch
-                    .exec()
-                    .add_device(crate::device::open_cached_lazy(d, src.backing_cache));
+                let id = ch.exec().add_device(crate::device::open_cached_lazy(
+                    d,
+                    src.backing_cache,
+                    lazy_base,
+                ));
                 // SAFETY: as for `add`.
                 unsafe { ch.driver.attach(id, host) };
                 Some(id)
@@ -191,6 +205,18 @@ impl Channel {
                 let link = Box::new(SpdkLink { owner, chan });
                 let r = Qcow2::from_seed(seed.clone(), exec, base_dev, src.opts, link);
                 *ch.opened.borrow_mut() = Some(r);
+            }
+            // A read-only bdev's image as its creation opened it: nothing to read.
+            _ if src.ro_seed.is_some() => {
+                let r = src.ro_seed.map(|s| {
+                    Qcow2::from_ro_seed(s, exec, base_dev, src.opts).and_then(|q| {
+                        if let Some(k) = src.key {
+                            q.unlock_with(k)?;
+                        }
+                        Ok(q)
+                    })
+                });
+                *ch.opened.borrow_mut() = r;
             }
             _ => {
                 let (e2, o2, opts) = (exec.clone(), ch.opened.clone(), src.opts);
@@ -214,10 +240,11 @@ impl Channel {
             }
             d => BackingSlot::new(d, src.backing_generation, pending),
         };
-        ch.direct = Some(
+        // (A lazy base has no channel yet: its requests go through the executor.)
+        ch.direct = (!lazy_base).then(|| {
             ch.exec()
-                .with_device(base_dev, |d| d.inner().direct_target(base_dev)),
-        );
+                .with_device(base_dev, |d| d.inner().direct_target(base_dev))
+        });
         ch.try_ready();
         ch.queued.borrow_mut().reserve(256);
         Ok(ch)

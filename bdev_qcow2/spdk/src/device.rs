@@ -70,15 +70,32 @@ const IN_PLACE: InPlace<BaseDevice> = InPlace {
 };
 
 /// [`open_cached`] taking the thread's channel of the bdev on first use (see
-/// [`BaseDevice::lazy`]).
-pub fn open_cached_lazy(desc: &Desc, cache: Option<&Arc<SharedReadCache>>) -> SpdkDevice {
-    CachedDevice::new(BaseDevice::lazy(desc), cache.cloned()).with_in_place(IN_PLACE)
+/// [`BaseDevice::lazy`]); `small`: with the request slots of a layer
+/// ([`LAYER_SLOTS`](crate::ffi::base::LAYER_SLOTS), iovecs allocated on use), for a device
+/// that sees little I/O (a link of a chain's channel on its md thread, which only SPDK's
+/// examines and RPCs read: a thousand of them stay small).
+pub fn open_cached_lazy(
+    desc: &Desc,
+    cache: Option<&Arc<SharedReadCache>>,
+    small: bool,
+) -> SpdkDevice {
+    let dev = match small {
+        true => BaseDevice::lazy_with_slots(desc, crate::ffi::base::LAYER_SLOTS, 0),
+        false => BaseDevice::lazy(desc),
+    };
+    CachedDevice::new(dev, cache.cloned()).with_in_place(IN_PLACE)
 }
 
 /// A device over a deep chain's layer (or raw bottom) `desc` on the calling thread (see
 /// [`BaseDevice::layer`]).
 pub fn open_layer(desc: &Desc) -> Option<SpdkDevice> {
     BaseDevice::layer(desc).map(CachedDevice::plain)
+}
+
+/// [`open_layer`] taking the thread's channel of the bdev on first use (a layer whose image
+/// is copied from a seed: see [`BaseDevice::layer_lazy`]).
+pub fn open_layer_lazy(desc: &Desc) -> SpdkDevice {
+    CachedDevice::plain(BaseDevice::layer_lazy(desc))
 }
 
 /// A bdev as the engine sees it from one SPDK thread, read and written directly.
@@ -142,6 +159,16 @@ impl BaseDevice {
         }
     }
 
+    /// [`lazy`](Self::lazy) opening with `slots` request slots of `iovs` preallocated
+    /// iovecs each (see [`BaseIo::with_slots`](crate::ffi::base::BaseIo::with_slots)).
+    pub fn lazy_with_slots(desc: &Desc, slots: usize, iovs: usize) -> BaseDevice {
+        BaseDevice {
+            io: None,
+            later: Some(LazyIo::with_slots(desc, slots, iovs)),
+            ..BaseDevice::with(desc, None)
+        }
+    }
+
     /// A device over `desc` doing its I/O through `io`.
     fn over(desc: &Desc, io: BaseIo) -> BaseDevice {
         BaseDevice::with(desc, Some(io))
@@ -173,6 +200,15 @@ impl BaseDevice {
             tracked: true,
             ..BaseDevice::over(desc, io)
         })
+    }
+
+    /// [`layer`](Self::layer) taking its channel on first use: a layer nothing reads on
+    /// this thread holds none.
+    pub fn layer_lazy(desc: &Desc) -> BaseDevice {
+        BaseDevice {
+            tracked: true,
+            ..BaseDevice::lazy_with_slots(desc, crate::ffi::base::LAYER_SLOTS, 0)
+        }
     }
 
     /// The device of a backing bdev that is gone (hot-removed) and had `size` bytes and

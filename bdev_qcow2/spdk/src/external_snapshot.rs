@@ -582,6 +582,7 @@ fn switch(mut sw: Box<Switch>) {
         info,
         live_channels: Arc::new(AtomicUsize::new(0)),
         key: sw.overlay_key.take(),
+        ro_seed: None,
     });
     match node.switch_image(new) {
         Ok(old) => sw.old = Some(old),

@@ -44,7 +44,7 @@ use qcow2_engine::golden::{SharedReadCache, Sharer};
 use qcow2_engine::image::UnlockedKey;
 use qcow2_engine::io::SECTOR;
 use qcow2_engine::ring::{RingConfig, WriteGens};
-use qcow2_engine::{CoreSeed, OpenOptions};
+use qcow2_engine::{CoreSeed, OpenOptions, ReadOnlySeed};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -97,6 +97,9 @@ pub struct Node {
     flattened: bool,
     /// A read-only bdev in a chain: its own channel on the md thread (`keep.rs`).
     kept: Mutex<Option<crate::ffi::io_channel::Kept>>,
+    /// A read-only bdev over another one of a chain (it keeps a channel): its channels on
+    /// the md thread take its base's channel on first use (`keep.rs`).
+    link: bool,
 }
 
 /// The image under a node, as the node keeps it (its owner aside).
@@ -120,6 +123,8 @@ struct Current {
     backing_cache: Option<Sharer>,
     /// The key an encrypted image was unlocked with.
     key: Option<UnlockedKey>,
+    /// Read-only bdev: what its channels copy their image from ([`Image::ro_seed`]).
+    ro_seed: Option<Arc<ReadOnlySeed>>,
     /// Where the backing bdev is in a hot-removal and return (`None`: no backing bdev).
     link: Option<Link>,
 }
@@ -156,6 +161,7 @@ impl Current {
             live_channels: i.live_channels,
             backing_cache,
             key: i.key,
+            ro_seed: i.ro_seed,
         }
     }
 }
@@ -181,6 +187,9 @@ pub struct Image {
     /// The key an encrypted image was unlocked with (a read-only bdev's channels unlock
     /// their replicas with it).
     pub key: Option<UnlockedKey>,
+    /// Read-only bdev: the image as its creation opened it, which every channel (and a deep
+    /// chain's overlay above, as one of its layers) copies instead of reading it again.
+    pub ro_seed: Option<Arc<ReadOnlySeed>>,
 }
 
 /// What a channel state is built from: one consistent view of the node, taken under its
@@ -221,6 +230,10 @@ pub struct ChannelSource<'a> {
     pub backing_pending: &'a Arc<AtomicUsize>,
     /// A deep chain's layers under the backing bdev, read in place of it (`below.rs`).
     pub below: Option<&'a Below>,
+    /// Read-only bdev: the image to copy (its channels read nothing to open it).
+    pub ro_seed: Option<&'a Arc<ReadOnlySeed>>,
+    /// Take the base's channel on first use, and no direct path (`keep.rs`).
+    pub lazy_base: bool,
 }
 
 /// The buffer alignment a node over `base` and `backing` asks for (at least 1): what they
@@ -270,6 +283,7 @@ impl Node {
             below: Mutex::new(below),
             below_on,
             kept: Mutex::new(None),
+            link: false,
         }
     }
 
@@ -427,6 +441,8 @@ impl Node {
             .filter(|_| backing.is_some() && self.below_on.load(Ordering::Acquire));
         build(ChannelSource {
             below,
+            ro_seed: c.ro_seed.as_ref(),
+            lazy_base: self.link && c.ro_seed.is_some() && md.is_some_and(Thread::is_current),
             base: c.base.as_ref(),
             backing,
             backing_gone,
@@ -484,6 +500,7 @@ impl Node {
             info: old.info,
             live_channels: old.live_channels,
             key: old.key,
+            ro_seed: old.ro_seed,
         }))
     }
 

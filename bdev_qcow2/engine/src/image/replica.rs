@@ -26,36 +26,7 @@ impl<D: BlockDevice> Qcow2<D> {
     /// A replica must not be used while this image is open for writing: it does not see the
     /// owner's later metadata changes (per-core coherency is the epoch protocol's job).
     pub fn replica(&self, exec: &Exec<D>, dev: DevId, opts: OpenOptions) -> Result<Self> {
-        let l1 = self.l1.borrow().clone();
-        let refcount_table = self.refcount_table.borrow().clone();
-        let (l2_cache, rc_cache) =
-            Self::new_caches(&self.geo, l1.len(), refcount_table.len(), &opts)?;
-        let data_dev = super::encryption::data_view(exec, dev, self.luks.as_ref());
-        Ok(Qcow2 {
-            exec: exec.clone(),
-            dev,
-            data_dev,
-            luks: self.luks.clone(),
-            decompressor: RefCell::default(),
-            last_compressed: RefCell::default(),
-            reuse_local: Cell::new(0),
-            device_size: Cell::new(self.device_size.get()),
-            header: RefCell::new(self.header.borrow().clone()),
-            geo: self.geo,
-            ctx: Cell::new(self.ctx.get()),
-            l1: RefCell::new(l1),
-            refcount_table: RefCell::new(refcount_table),
-            snapshots: RefCell::new(self.snapshots.borrow().clone()),
-            memo: Rc::new(SliceMemo::new(
-                l2_cache.capacity(),
-                self.geo.slice_entries() as usize,
-                self.geo.cluster_bits,
-            )),
-            l2_cache: RefCell::new(l2_cache),
-            rc_cache: RefCell::new(rc_cache),
-            role: ImageRole::ReadOnly { shared: None },
-            dirty_bitmaps: None,
-        })
+        Self::from_ro_seed(&self.ro_seed(), exec, dev, opts)
     }
 
     /// Publishes this image's metadata to other cores (ARCHITECTURE.md §6) and returns the shared

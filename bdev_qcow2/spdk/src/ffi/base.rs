@@ -414,11 +414,16 @@ impl LazyIo {
     /// The I/O of `desc` on the calling thread, taken later; the descriptor must stay open
     /// as long as this (or the [`BaseIo`] it opens) exists.
     pub fn new(desc: &Desc) -> LazyIo {
+        LazyIo::with_slots(desc, SLOTS, SLOT_IOVS)
+    }
+
+    /// [`new`](Self::new) opening as [`BaseIo::with_slots`] does.
+    pub fn with_slots(desc: &Desc, slots: usize, iovs: usize) -> LazyIo {
         LazyIo {
             desc: desc.raw(),
             bdev: desc.bdev(),
-            slots: SLOTS,
-            iovs: SLOT_IOVS,
+            slots,
+            iovs,
             sink: None,
         }
     }

@@ -16,9 +16,10 @@ use crate::device::SpdkDevice;
 use crate::registry::Registry;
 use qcow2_engine::image::UnlockedKey;
 use qcow2_engine::limits::MAX_BACKING_DEPTH;
-use qcow2_engine::{DevId, Exec, Layer, OpenOptions, Qcow2};
+use qcow2_engine::{DevId, Exec, Layer, OpenOptions, Qcow2, ReadOnlySeed};
 use std::cell::RefCell;
 use std::rc::Rc;
+use std::sync::Arc;
 
 /// The layers under the top once their images are open (`None`: still opening).
 pub type OpenedBelow = Rc<RefCell<Option<qcow2_engine::Result<Vec<Layer<SpdkDevice>>>>>>;
@@ -58,6 +59,9 @@ pub struct LayerSrc {
     pub opts: OpenOptions,
     /// The key its image was unlocked with, if it is encrypted.
     pub key: Option<UnlockedKey>,
+    /// Its image as that bdev's creation opened it: copied, not read again, and the layer's
+    /// bdev channel taken only when a read reaches the layer (`None`: opened by reading).
+    pub seed: Option<Arc<ReadOnlySeed>>,
 }
 
 /// The layers below an overlay, top first, and the raw bottom, if any.
@@ -73,6 +77,7 @@ struct Link {
     base: String,
     opts: OpenOptions,
     key: Option<UnlockedKey>,
+    seed: Option<Arc<ReadOnlySeed>>,
     /// Its backing bdev (`None`: its image has none, or a stream dropped it).
     backing: Option<String>,
 }
@@ -94,6 +99,7 @@ fn link(reg: &Registry, name: &str) -> Option<Link> {
             ..p.open_options()
         },
         key: n.key(),
+        seed: n.ro_seed(),
         backing: p.backing_bdev,
     })
 }
@@ -152,6 +158,7 @@ impl Below {
                     desc,
                     opts: l.opts,
                     key: l.key,
+                    seed: l.seed,
                 }),
                 Err(e) => return Err(e),
             }
@@ -189,13 +196,22 @@ impl Below {
 
     /// Adds a device of each layer (and of the bottom) to `exec`, this thread's, and starts
     /// opening the layers' images there, all at once; `out` gets them once all are open.
-    /// Returns the devices (they leave with the backing bdev); `None`: SPDK gave no I/O
-    /// channel.
+    /// A layer with a seed is copied from it, and its device takes the bdev's channel on
+    /// first use: a layer nothing reads here holds no channel on this thread (an AIO bdev's
+    /// channel is a kernel AIO context, which SPDK polls on every pass of the thread, and
+    /// whose `io_destroy` stalls the thread for an RCU grace period). Returns the devices
+    /// (they leave with the backing bdev); `None`: SPDK gave no I/O channel.
     pub fn open(&self, exec: &Exec<SpdkDevice>, out: &OpenedBelow) -> Option<Vec<DevId>> {
         let mut devs = Vec::with_capacity(self.depth());
-        let descs = self.layers.iter().map(|l| &l.desc).chain(self.bottom());
-        for desc in descs {
-            devs.push(exec.add_device(crate::device::open_layer(desc)?));
+        for l in &self.layers {
+            let d = match l.seed {
+                Some(_) => crate::device::open_layer_lazy(&l.desc),
+                None => crate::device::open_layer(&l.desc)?,
+            };
+            devs.push(exec.add_device(d));
+        }
+        if let Some(b) = self.bottom() {
+            devs.push(exec.add_device(crate::device::open_layer(b)?));
         }
         let n = self.layers.len();
         let bottom = self
@@ -213,9 +229,13 @@ impl Below {
         }
         for (i, l) in self.layers.iter().enumerate() {
             let (e2, st, out) = (exec.clone(), state.clone(), out.clone());
-            let (dev, opts, key) = (devs[i], l.opts, l.key.clone());
+            let (dev, opts, key, seed) = (devs[i], l.opts, l.key.clone(), l.seed.clone());
             exec.spawn(async move {
-                let r = Qcow2::open(&e2, dev, opts).await.and_then(|q| {
+                let q = match seed {
+                    Some(s) => Qcow2::from_ro_seed(&s, &e2, dev, opts),
+                    None => Qcow2::open(&e2, dev, opts).await,
+                };
+                let r = q.and_then(|q| {
                     if let Some(k) = &key {
                         q.unlock_with(k)?;
                     }
@@ -261,6 +281,11 @@ impl super::Node {
     /// the image as one of its layers with it).
     pub fn key(&self) -> Option<UnlockedKey> {
         self.current().key.clone()
+    }
+
+    /// Read-only bdev: its image as its creation opened it, to copy (`Image::ro_seed`).
+    pub fn ro_seed(&self) -> Option<Arc<ReadOnlySeed>> {
+        self.current().ro_seed.clone()
     }
 
     /// Whether channels read a deep chain's layers under the backing bdev, and how many.

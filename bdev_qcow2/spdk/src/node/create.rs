@@ -18,7 +18,7 @@ use crate::types::{OwnerBox, Qcow2Bdev};
 use qcow2_engine::golden::CachedDevice;
 use qcow2_engine::image::UnlockedKey;
 use qcow2_engine::ring::WriteGens;
-use qcow2_engine::{Chain, CoreSeed, DevId, Exec, Layer, OpenOptions, Qcow2};
+use qcow2_engine::{Chain, CoreSeed, DevId, Exec, Layer, OpenOptions, Qcow2, ReadOnlySeed};
 use std::cell::RefCell;
 use std::ffi::CString;
 use std::rc::Rc;
@@ -340,10 +340,12 @@ fn finish(mut job: Job) {
         .ring_config()
         .map(|c| (c, Arc::new(WriteGens::new())));
     if job.params.read_only {
-        // Every channel opens its own replica: release this one and its base channel.
+        // Every channel copies this image (and an overlay's channels as one of their
+        // layers): release it and its base channel.
+        let seed = Arc::new(image.ro_seed());
         drop(image);
         drop(job.exec);
-        let parts = (descs, None, key);
+        let parts = (descs, None, key, Some(seed));
         return register(job.params, job.uuid, info, parts, ring, None, done);
     }
     // The owner's chain reads through the backing bdev: added to `exec` only now that the
@@ -399,7 +401,7 @@ fn finish(mut job: Job) {
             return fail(&name, descs, done, e, m);
         }
     };
-    let parts = (descs, Some(owner), key);
+    let parts = (descs, Some(owner), key, None);
     register(job.params, job.uuid, info, parts, ring, below, done);
 }
 
@@ -467,6 +469,7 @@ type Parts = (
     [Option<Desc>; 2],
     Option<(OwnerBox, Option<CoreSeed>)>,
     Option<UnlockedKey>,
+    Option<Arc<ReadOnlySeed>>,
 );
 
 /// Registers the bdev of `params` over its base and backing descriptors.
@@ -474,7 +477,7 @@ fn register(
     params: CreateParams,
     uuid: Uuid,
     info: ImageInfo,
-    (descs, owner, key): Parts,
+    (descs, owner, key, ro_seed): Parts,
     ring: Option<Ring>,
     below: Option<Below>,
     done: Done,
@@ -548,20 +551,23 @@ fn register(
         info,
         live_channels: Arc::new(AtomicUsize::new(0)),
         key,
+        ro_seed,
     };
-    let node =
-        match handle::register::<Qcow2Bdev>(Node::new(image, ring, below), cname, &props, |max| {
-            cluster_cut(max, cluster_size)
-        }) {
-            Ok(r) => r,
-            Err(e) => {
-                // The node comes back to `never_registered` once its io_device is gone.
-                registry::lock().creating.retain(|n| n != &name);
-                let m = format!("spdk_bdev_register failed: {}", strerror(e));
-                tracing::error!("bdev_qcow2_create {name}: {m}");
-                return done(Err((e, m)));
-            }
-        };
+    let node = match handle::register::<Qcow2Bdev>(
+        Node::new(image, ring, below).with_link(keeps),
+        cname,
+        &props,
+        |max| cluster_cut(max, cluster_size),
+    ) {
+        Ok(r) => r,
+        Err(e) => {
+            // The node comes back to `never_registered` once its io_device is gone.
+            registry::lock().creating.retain(|n| n != &name);
+            let m = format!("spdk_bdev_register failed: {}", strerror(e));
+            tracing::error!("bdev_qcow2_create {name}: {m}");
+            return done(Err((e, m)));
+        }
+    };
     if keeps {
         node.node().set_kept(node.keep_channel());
     }

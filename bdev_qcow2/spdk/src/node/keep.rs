@@ -20,6 +20,17 @@ pub fn keeps(reg: &Registry, read_only: bool, backing: Option<&str>) -> bool {
 }
 
 impl Node {
+    /// Marks a node that keeps its channel (before it registers: SPDK's examines may build
+    /// channels meanwhile). Its channels on the md thread copy its image from the seed its
+    /// creation took and take its base bdev's channel on first use: a layer of a chain
+    /// whose own image nothing reads there holds no channel of its base (an AIO bdev's is a
+    /// kernel AIO context, polled on every pass of the thread, whose `io_destroy` waits an
+    /// RCU grace period: 1,000 of them took half of the core in polls).
+    pub fn with_link(mut self, keeps: bool) -> Node {
+        self.link = keeps;
+        self
+    }
+
     /// Holds `kept`, the node's channel on the md thread, until teardown.
     pub fn set_kept(&self, kept: Option<Kept>) {
         *self.kept.lock().unwrap_or_else(|e| e.into_inner()) = kept;
