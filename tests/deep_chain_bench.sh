@@ -43,10 +43,11 @@ SO=${BDEV_QCOW2_SO:-$PWD/target/release/libbdev_qcow2.so}
 # One open file per AIO bdev.
 ulimit -n 65536 2>/dev/null || ulimit -n "$(ulimit -Hn)"
 
-# Every AIO bdev's channel is a kernel AIO context of 128 events (SPDK's io_setup), and
-# the top reads each layer's AIO bdev on two threads (the app thread, where the read-only
-# bdevs keep their channels and the owner reads, and bdevperf's job thread): D = 1,000
-# needs about 2 x 1,000 x 128 of fs.aio-max-nr (65,536 by default: about 500 contexts).
+# Every AIO bdev's channel is a kernel AIO context of 128 events (SPDK's io_setup). A layer
+# takes its base's channel on a thread when a read there first reaches it, and the first
+# pass reaches every layer on bdevperf's job thread, at most once more on the app thread
+# (the owner's and the read-only bdevs' own reads): D = 1,000 needs up to 2 x 1,000 x 128
+# of fs.aio-max-nr (65,536 by default: about 500 contexts).
 # Raised when we may (root); otherwise the deeper depths are left out.
 max_d=$(echo $DEPTHS | tr ' ' '\n' | sort -n | tail -1)
 need=$((max_d * 2 * 128 + 16384))
@@ -122,7 +123,7 @@ run() {
   opened=$(echo "$(now) - $t0" | bc)
   # One run of WARM + TIME s on one channel of q0 (each perform_tests builds its jobs'
   # channels anew: a second run would measure a fresh channel, its layers opened again and
-  # the index empty, while the first one's 2 x D AIO contexts are destroyed, each
+  # the index empty, while the first one's AIO contexts (up to 2 x D) are destroyed, each
   # io_destroy waiting an RCU grace period on the reactor). bdevperf prints the average
   # IOPS since the start every second; second k read k*v[k] - (k-1)*v[k-1]. The first WARM
   # seconds are the first pass (every unit touched once: the layer index fills), the
@@ -135,8 +136,8 @@ run() {
   hot=$(echo "$vals" | sed -n "$((WARM + 1)),$((WARM + TIME))p" | median)
   rss=$(awk '/VmRSS/ {printf "%d", $2 / 1024}' /proc/"$pid"/status)
   echo "$opened $warm $hot $rss"
-  # SIGKILL: a clean exit puts 2 x D AIO contexts, each io_destroy waiting an RCU grace
-  # period (about 20 s at D = 1,000, with the lock held); the hugepages are unlinked.
+  # SIGKILL: a clean exit puts up to 2 x D AIO contexts, each io_destroy waiting an RCU
+  # grace period (seconds at D = 1,000, with the lock held); the hugepages are unlinked.
   kill -9 "$pid"
   wait "$pid" 2>/dev/null || true
 }

@@ -43,10 +43,10 @@ const MAPPED_EVICT_EVERY: u32 = 64;
 /// whose word answers) where the set-associative look-up hashes the key, reads the slot,
 /// the summary, the LRU clock and the entry, decodes it and writes the rank back. As many
 /// slots in use as the slice cache holds slices (a power of two, at most
-/// [`MEMO_MAX_SLOTS`]; the table has that many: 32 bytes each, where a table of the
-/// largest size for every image took 128 KiB per layer and thread in a deep chain); the map is allocated the first time a mapped slice is remembered
-/// (4 bytes per entry of every slot in use: half what the slice cache takes for as many
-/// slices).
+/// [`MEMO_MAX_SLOTS`]; the table has that many, 32 bytes each, so a deep chain's small
+/// layers keep small tables); the map is allocated the first time a mapped slice is
+/// remembered (4 bytes per entry of every slot in use: half what the slice cache takes
+/// for as many slices).
 ///
 /// Its entries are copies, valid on their own: on a core replica the epoch check is the same
 /// one the slice cache makes (ARCHITECTURE.md §6), and the owner (whose epochs are fixed)
