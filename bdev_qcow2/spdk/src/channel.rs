@@ -25,9 +25,11 @@
 mod ask;
 mod backing;
 mod below;
+mod hooks;
 
 use ask::SpdkLink;
 pub use ask::{send_ask, Ask};
+pub use hooks::stats_step;
 
 use crate::backing_slot::BackingSlot;
 use crate::device::{guest_buf, SpdkDevice};
@@ -35,10 +37,9 @@ use crate::direct::{self, DirectHost, Target};
 use crate::engine_host::{Driver, Host};
 use crate::ffi::bdev::Desc;
 use crate::ffi::bdev_io::{BufDone, Requests};
-use crate::ffi::io_channel::Channels;
 use crate::ffi::sys;
 use crate::ffi::thread::{self, Homed, Poll, Polled, PollerSlot, Thread};
-use crate::node::{ChannelSource, Node};
+use crate::node::ChannelSource;
 use crate::owner;
 pub use crate::stats::ChannelStats;
 use crate::status::Status;
@@ -48,7 +49,6 @@ use qcow2_engine::ring::{RingConfig, WriteGens};
 use qcow2_engine::{Chain, Exec, Grant, Layer, Op, Qcow2, Request, Step, Task};
 use std::cell::{Cell, OnceCell, RefCell};
 use std::collections::VecDeque;
-use std::ffi::c_int;
 use std::rc::Rc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -644,37 +644,11 @@ impl BufDone<Qcow2Bdev> for Channel {
     }
 }
 
-impl Drop for Channel {
-    fn drop(&mut self) {
-        let s = self.stats();
-        if let Ok(mut r) = self.retired.lock() {
-            r.add(&s);
-        }
-        // Release the base channels (and any other engine state) before the node may
-        // close the descriptors they belong to.
-        self.chain.take();
-        self.opened.borrow_mut().take();
-        self.driver.release();
-        self.live.fetch_sub(1, Ordering::AcqRel);
-    }
-}
-
 /// Completes a request the owner ran, on the thread (and channel) it was submitted on, with
 /// the status it carries back.
 pub fn complete_forwarded(io: BdevIo) {
     let status = io.ctx().status();
     io.with_channel(|c, io| c.finish_status(io, status));
-}
-
-impl Channel {
-    /// SPDK put the channel (`destroy_cb`): whether the state can go now; else its poll
-    /// finishes it once idle (a channel can go away while its replica is still being
-    /// opened).
-    pub fn release(&self) -> bool {
-        self.closing.set(true);
-        self.wake();
-        self.idle()
-    }
 }
 
 impl Polled for Channel {
@@ -733,37 +707,11 @@ impl Polled for Channel {
     }
 }
 
-/// SPDK's calls on our channels (`ffi/io_channel.rs`): a channel state is built from one
-/// view of the node that no switch changes meanwhile (`Node::new_channel`).
-impl Channels for Qcow2Bdev {
-    fn create_channel(node: &Node) -> Result<Box<Channel>, i32> {
-        node.new_channel(Channel::create)
-    }
-
-    fn release_channel(c: &Channel) -> bool {
-        c.release()
-    }
-}
-
 /// Requests reach the channel they were submitted on ([`submit_request`]).
 impl Requests for Qcow2Bdev {
     #[inline(always)]
     fn submit_request(c: &Channel, io: BdevIo, kind: sys::spdk_bdev_io_type) {
         submit_request(c, io, kind)
-    }
-}
-
-/// What the owner needs of the channels: its answers to their slice requests go back as
-/// [`Ask`]s, and the requests it ran complete on their channels.
-impl owner::ChannelSide for Qcow2Bdev {
-    type Ask = Ask;
-
-    fn send_ask(a: Box<Ask>) {
-        send_ask(a)
-    }
-
-    fn complete_forwarded(io: BdevIo) {
-        complete_forwarded(io)
     }
 }
 
@@ -790,35 +738,7 @@ fn submit_other(c: &Channel, io: BdevIo, t: sys::spdk_bdev_io_type) {
         sys::SPDK_BDEV_IO_TYPE_WRITE_ZEROES => c.other(io, Op::WriteZeroes),
         sys::SPDK_BDEV_IO_TYPE_UNMAP => c.other(io, Op::Discard),
         sys::SPDK_BDEV_IO_TYPE_FLUSH => c.other(io, Op::Flush),
-        sys::SPDK_BDEV_IO_TYPE_RESET => io.for_each_channel(reset_step, reset_done),
+        sys::SPDK_BDEV_IO_TYPE_RESET => io.for_each_channel(hooks::reset_step, hooks::reset_done),
         _ => io.complete(sys::SPDK_BDEV_IO_STATUS_FAILED),
     }
-}
-
-/// A reset visits every channel and moves on once that channel has no request in flight.
-fn reset_step(it: ChannelIter, _io: &mut BdevIo) {
-    it.with_channel(|c, it| {
-        if c.outstanding() == 0 {
-            it.next(0);
-        } else {
-            c.reset_waiters.borrow_mut().push(it);
-            c.wake();
-        }
-    });
-}
-
-fn reset_done(io: BdevIo, status: c_int) {
-    io.complete(if status == 0 {
-        sys::SPDK_BDEV_IO_STATUS_SUCCESS
-    } else {
-        sys::SPDK_BDEV_IO_STATUS_FAILED
-    });
-}
-
-/// Collects a channel's counters during a `for_each_channel` (see `rpc.rs`).
-pub fn stats_step(it: ChannelIter, acc: &mut Vec<ChannelStats>) {
-    it.with_channel(|c, it| {
-        acc.push(c.stats());
-        it.next(0);
-    });
 }
