@@ -14,12 +14,13 @@
 
 mod crash_common;
 use crash_common::new_image;
-use crash_common::states::{for_each_crash_state, qemu_accepts, say_states};
+use crash_common::states::{qemu_accepts, say_states};
 
 use qcow2_engine::create::CreateOptions;
 use qcow2_engine::exec::Outcome;
+use qcow2_engine::format::ClusterMapping;
 use qcow2_engine::io::{BlockDevice, BufSlice, Busy, DeviceError, DeviceOp, HeapBuf, IoBuffer};
-use qcow2_engine::testing::{host, MemDevice, Rng};
+use qcow2_engine::testing::{host, LoggedOp, MemDevice, Rng};
 use qcow2_engine::{Chain, Exec, Layer, OpenOptions, OwnerLink, Qcow2, Reserved};
 use std::collections::VecDeque;
 use std::rc::Rc;
@@ -109,6 +110,21 @@ fn pattern(id: u64, len: usize) -> Vec<u8> {
         .collect()
 }
 
+/// Whether image bytes `img` map guest offset `off` to data (opened read-only).
+fn maps_data(img: &[u8], off: u64) -> bool {
+    let exec: Exec<MemDevice> = Exec::new();
+    let id = exec.add_device(MemDevice::new(img.to_vec()));
+    let e2 = exec.clone();
+    let q = exec
+        .block_on(async move { Qcow2::open(&e2, id, OpenOptions::default()).await })
+        .unwrap();
+    let chain = Chain::new(&exec, vec![Layer::Qcow2(Box::new(q))]).unwrap();
+    let (m, _) = exec
+        .block_on(async move { chain.block_status(0, off, off + 512).await })
+        .unwrap();
+    matches!(m, ClusterMapping::Data { .. })
+}
+
 /// Reads `len` bytes at `off` of image bytes `img` (opened read-only).
 fn read_image(img: &[u8], off: u64, len: usize) -> Vec<u8> {
     let exec: Exec<MemDevice> = Exec::new();
@@ -125,10 +141,11 @@ fn read_image(img: &[u8], off: u64, len: usize) -> Vec<u8> {
     buf.to_vec()
 }
 
-/// `ops` first writes of a core into an empty image with `cs`-byte clusters, each handed
-/// to the owner without its data and written by the core; every third one with a full
-/// write-back of the owner between the core's data write and the commit. Returns the crash
-/// states checked.
+/// `ops` writes of a core (most of them first writes) into an empty image with
+/// 2^`cluster_bits`-byte clusters, each handed to the owner without its data and written
+/// by the core where the owner says; every third reserved one with a full write-back of
+/// the owner between the core's data write and the commit. Returns the crash states
+/// checked.
 fn run(seed: u64, cluster_bits: u32, extended_l2: bool, ops: usize) -> usize {
     let size = 8u64 << 20;
     let copts = CreateOptions {
@@ -174,8 +191,10 @@ fn run(seed: u64, cluster_bits: u32, extended_l2: bool, ops: usize) -> usize {
     let mut between = Vec::new();
     let (mut by_core, mut tag) = (0, 0u64);
     for i in 0..ops {
-        let sectors = 1 + rng.below(8);
-        let off = rng.below(size / 512 - sectors) * 512;
+        // With extended L2, whole subclusters (2 KiB): the guest's bytes alone.
+        let unit = if extended_l2 { 4 } else { 1 };
+        let sectors = unit * (1 + rng.below(8 / unit));
+        let off = rng.below((size / 512 - sectors) / unit) * unit * 512;
         let len = (sectors * 512) as usize;
         let data = pattern(i as u64 + 1, len);
         let buf = HeapBuf::new(len);
@@ -184,7 +203,8 @@ fn run(seed: u64, cluster_bits: u32, extended_l2: bool, ops: usize) -> usize {
         match owner.reserve_write(off, len as u64) {
             Reserved::Write { ticket, host } => {
                 by_core += 1;
-                core.write_reserved(tag, host, BufSlice::whole(buf));
+                let entry = core_exec.guest_enter();
+                core.write_reserved(tag, host, BufSlice::whole(buf), entry);
                 if i % 3 == 0 {
                     // The crash point: the data is on the device, the entry not committed.
                     let c = owner.clone();
@@ -200,6 +220,12 @@ fn run(seed: u64, cluster_bits: u32, extended_l2: bool, ops: usize) -> usize {
             Reserved::Data(ticket) => {
                 owner.run_reserved(ticket, tag, BufSlice::whole(buf));
                 wait(&owner_exec, tag).unwrap();
+            }
+            Reserved::InPlace { host } => {
+                // An overwrite of a cluster an earlier write took.
+                let entry = core_exec.guest_enter();
+                core.write_reserved(tag, host, BufSlice::whole(buf), entry);
+                wait(&core_exec, tag).unwrap();
             }
             Reserved::Send => {
                 host::write(&owner, tag, off, BufSlice::whole(buf));
@@ -229,19 +255,7 @@ fn run(seed: u64, cluster_bits: u32, extended_l2: bool, ops: usize) -> usize {
         "the final image"
     );
 
-    let replay = |upto: usize| {
-        let mut img = initial.clone();
-        for e in &log[..upto] {
-            if let qcow2_engine::testing::LoggedOp::Write(o, d) = e {
-                let end = *o as usize + d.len();
-                if img.len() < end {
-                    img.resize(end, 0);
-                }
-                img[*o as usize..end].copy_from_slice(d);
-            }
-        }
-        img
-    };
+    let replay = |upto: usize| apply(initial.clone(), &log[..upto]);
     assert!(!between.is_empty());
     for (p, off, before) in &between {
         let img = replay(*p);
@@ -252,8 +266,70 @@ fn run(seed: u64, cluster_bits: u32, extended_l2: bool, ops: usize) -> usize {
             before,
             "{label}: the range reads something else than before the write"
         );
+        // Reserved for a first write: nothing maps it before the commit.
+        assert!(!maps_data(&img, *off), "{label}: mapped before the commit");
     }
-    between.len() + for_each_crash_state(&initial, &log, 4, seed, |l, img| qemu_accepts(l, &img))
+    between.len() + crash_states(&initial, &log, 4, seed)
+}
+
+/// `img` with the logged operations applied: writes, and a file's new length (which
+/// survives like a write: kept or not until a flush).
+fn apply(mut img: Vec<u8>, ops: &[LoggedOp]) -> Vec<u8> {
+    for e in ops {
+        match e {
+            LoggedOp::Write(o, d) => {
+                let end = *o as usize + d.len();
+                if img.len() < end {
+                    img.resize(end, 0);
+                }
+                img[*o as usize..end].copy_from_slice(d);
+            }
+            LoggedOp::Grow(len) => {
+                if img.len() < *len as usize {
+                    img.resize(*len as usize, 0);
+                }
+            }
+            LoggedOp::Discard(..) | LoggedOp::Flush => {}
+        }
+    }
+    img
+}
+
+/// Every crash state of `log` on `initial`: each flush boundary, and `subsets` random
+/// subsets of the operations up to the next flush; `qemu-img check` must accept each.
+fn crash_states(initial: &[u8], log: &[LoggedOp], subsets: usize, seed: u64) -> usize {
+    let mut rng = Rng(seed ^ 0xdead_beef | 1);
+    let mut boundaries = vec![0];
+    boundaries.extend(
+        log.iter()
+            .enumerate()
+            .filter(|(_, e)| matches!(e, LoggedOp::Flush))
+            .map(|(i, _)| i + 1),
+    );
+    let mut states = 0;
+    for &p in &boundaries {
+        let next = log[p..]
+            .iter()
+            .position(|e| matches!(e, LoggedOp::Flush))
+            .map_or(log.len(), |q| p + q);
+        for subset in 0..=subsets {
+            if subset > 0 && next == p {
+                break;
+            }
+            let mut img = apply(initial.to_vec(), &log[..p]);
+            if subset > 0 {
+                let some: Vec<LoggedOp> = log[p..next]
+                    .iter()
+                    .filter(|_| rng.below(2) == 0)
+                    .cloned()
+                    .collect();
+                img = apply(img, &some);
+            }
+            states += 1;
+            qemu_accepts(&format!("log {p} subset {subset}"), &img);
+        }
+    }
+    states
 }
 
 #[test]
