@@ -12,6 +12,7 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // test helpers may panic
 
+#[allow(dead_code)] // the image openers of the one-chain crash tests
 mod crash_common;
 use crash_common::new_image;
 use crash_common::states::{qemu_accepts, say_states};
@@ -23,7 +24,6 @@ use qcow2_engine::io::{BlockDevice, BufSlice, Busy, DeviceError, DeviceOp, HeapB
 use qcow2_engine::testing::{host, LoggedOp, MemDevice, Rng};
 use qcow2_engine::{Chain, Exec, Layer, OpenOptions, OwnerLink, Qcow2, Reserved};
 use std::collections::VecDeque;
-use std::rc::Rc;
 
 /// One executor's channel to the logged device: its operations complete on its own polls.
 struct Channel {
