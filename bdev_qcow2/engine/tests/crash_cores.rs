@@ -15,15 +15,16 @@
 #[allow(dead_code)] // the image openers of the one-chain crash tests
 mod crash_common;
 use crash_common::new_image;
-use crash_common::states::{qemu_accepts, say_states};
+use crash_common::states::{for_each_crash_state, qemu_accepts, replay_op, say_states};
 
 use qcow2_engine::create::CreateOptions;
 use qcow2_engine::exec::Outcome;
 use qcow2_engine::format::ClusterMapping;
 use qcow2_engine::io::{BlockDevice, BufSlice, Busy, DeviceError, DeviceOp, HeapBuf, IoBuffer};
-use qcow2_engine::testing::{host, LoggedOp, MemDevice, Rng};
+use qcow2_engine::testing::{host, MemDevice, Rng};
 use qcow2_engine::{Chain, Exec, Layer, OpenOptions, OwnerLink, Qcow2, Reserved};
 use std::collections::VecDeque;
+use std::rc::Rc;
 
 /// One executor's channel to the logged device: its operations complete on its own polls.
 struct Channel {
@@ -110,8 +111,8 @@ fn pattern(id: u64, len: usize) -> Vec<u8> {
         .collect()
 }
 
-/// Whether image bytes `img` map guest offset `off` to data (opened read-only).
-fn maps_data(img: &[u8], off: u64) -> bool {
+/// Image bytes `img` opened read-only, as a chain of one layer.
+fn open_ro(img: &[u8]) -> (Exec<MemDevice>, Rc<Chain<MemDevice>>) {
     let exec: Exec<MemDevice> = Exec::new();
     let id = exec.add_device(MemDevice::new(img.to_vec()));
     let e2 = exec.clone();
@@ -119,21 +120,21 @@ fn maps_data(img: &[u8], off: u64) -> bool {
         .block_on(async move { Qcow2::open(&e2, id, OpenOptions::default()).await })
         .unwrap();
     let chain = Chain::new(&exec, vec![Layer::Qcow2(Box::new(q))]).unwrap();
+    (exec, chain)
+}
+
+/// Whether image bytes `img` map guest offset `off` to data.
+fn maps_data(img: &[u8], off: u64) -> bool {
+    let (exec, chain) = open_ro(img);
     let (m, _) = exec
         .block_on(async move { chain.block_status(0, off, off + 512).await })
         .unwrap();
     matches!(m, ClusterMapping::Data { .. })
 }
 
-/// Reads `len` bytes at `off` of image bytes `img` (opened read-only).
+/// Reads `len` bytes at `off` of image bytes `img`.
 fn read_image(img: &[u8], off: u64, len: usize) -> Vec<u8> {
-    let exec: Exec<MemDevice> = Exec::new();
-    let id = exec.add_device(MemDevice::new(img.to_vec()));
-    let e2 = exec.clone();
-    let q = exec
-        .block_on(async move { Qcow2::open(&e2, id, OpenOptions::default()).await })
-        .unwrap();
-    let chain = Chain::new(&exec, vec![Layer::Qcow2(Box::new(q))]).unwrap();
+    let (exec, chain) = open_ro(img);
     let buf = HeapBuf::new(len);
     let b2 = buf.clone();
     exec.block_on(async move { chain.read(off, BufSlice::whole(b2)).await })
@@ -255,7 +256,11 @@ fn run(seed: u64, cluster_bits: u32, extended_l2: bool, ops: usize) -> usize {
         "the final image"
     );
 
-    let replay = |upto: usize| apply(initial.clone(), &log[..upto]);
+    let replay = |upto: usize| {
+        let mut img = initial.clone();
+        log[..upto].iter().for_each(|e| replay_op(&mut img, e));
+        img
+    };
     assert!(!between.is_empty());
     for (p, off, before) in &between {
         let img = replay(*p);
@@ -269,67 +274,7 @@ fn run(seed: u64, cluster_bits: u32, extended_l2: bool, ops: usize) -> usize {
         // Reserved for a first write: nothing maps it before the commit.
         assert!(!maps_data(&img, *off), "{label}: mapped before the commit");
     }
-    between.len() + crash_states(&initial, &log, 4, seed)
-}
-
-/// `img` with the logged operations applied: writes, and a file's new length (which
-/// survives like a write: kept or not until a flush).
-fn apply(mut img: Vec<u8>, ops: &[LoggedOp]) -> Vec<u8> {
-    for e in ops {
-        match e {
-            LoggedOp::Write(o, d) => {
-                let end = *o as usize + d.len();
-                if img.len() < end {
-                    img.resize(end, 0);
-                }
-                img[*o as usize..end].copy_from_slice(d);
-            }
-            LoggedOp::Grow(len) => {
-                if img.len() < *len as usize {
-                    img.resize(*len as usize, 0);
-                }
-            }
-            LoggedOp::Discard(..) | LoggedOp::Flush => {}
-        }
-    }
-    img
-}
-
-/// Every crash state of `log` on `initial`: each flush boundary, and `subsets` random
-/// subsets of the operations up to the next flush; `qemu-img check` must accept each.
-fn crash_states(initial: &[u8], log: &[LoggedOp], subsets: usize, seed: u64) -> usize {
-    let mut rng = Rng(seed ^ 0xdead_beef | 1);
-    let mut boundaries = vec![0];
-    boundaries.extend(
-        log.iter()
-            .enumerate()
-            .filter(|(_, e)| matches!(e, LoggedOp::Flush))
-            .map(|(i, _)| i + 1),
-    );
-    let mut states = 0;
-    for &p in &boundaries {
-        let next = log[p..]
-            .iter()
-            .position(|e| matches!(e, LoggedOp::Flush))
-            .map_or(log.len(), |q| p + q);
-        for subset in 0..=subsets {
-            if subset > 0 && next == p {
-                break;
-            }
-            let mut img = apply(initial.to_vec(), &log[..p]);
-            if subset > 0 {
-                let some: Vec<LoggedOp> = log[p..next]
-                    .iter()
-                    .filter(|_| rng.below(2) == 0)
-                    .cloned()
-                    .collect();
-                img = apply(img, &some);
-            }
-            states += 1;
-            qemu_accepts(&format!("log {p} subset {subset}"), &img);
-        }
-    }
-    states
+    between.len() + for_each_crash_state(&initial, &log, 4, seed, |l, img| qemu_accepts(l, &img))
 }
 
 #[test]
