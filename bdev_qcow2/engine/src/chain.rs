@@ -148,6 +148,8 @@ pub struct Chain<D: BlockDevice> {
     pub(crate) sink: std::cell::OnceCell<crate::exec::OwnedSink<D>>,
     /// Slices loaded without a task ([`Chain::load_slice_ahead`]).
     pub(crate) loads: RefCell<crate::slice_load::SliceLoads<D::Buf>>,
+    /// Owner: first writes planned for cores that write their data themselves.
+    pub(crate) reservations: crate::write::Reservations,
 }
 
 impl<D: BlockDevice> Chain<D> {
@@ -184,6 +186,7 @@ impl<D: BlockDevice> Chain<D> {
             ring: Default::default(),
             sink: std::cell::OnceCell::new(),
             loads: RefCell::default(),
+            reservations: Default::default(),
         }))
     }
 

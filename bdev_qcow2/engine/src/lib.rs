@@ -63,3 +63,4 @@ pub use image::{
 };
 pub use plan::{Op, Request, RequestStats, Step, Task};
 pub use route::{Grant, GuestRange, ReadRoute, Role, WriteRoute};
+pub use write::{Reserved, Ticket};

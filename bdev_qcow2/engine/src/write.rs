@@ -10,8 +10,8 @@
 //!
 //! One concern per child module: `in_place` (the one-extent check and the fast path),
 //! `now` (a plan made on the spot), `chunk` (the two-phase plan), `parts` (what a plan is
-//! made of), `data` (its device writes, COW merged in), `commit`, `zero` (write-zeroes and
-//! discard), `background` (the owner's quiet write-back).
+//! made of), `data` (its device writes, COW merged in), `commit`, `reserve` (a core's first write whose
+//! data the core writes), `zero` (write-zeroes and discard), `background` (the owner's quiet write-back).
 
 use crate::chain::{Chain, Layer};
 use crate::error::{Error, Result};
@@ -27,9 +27,12 @@ mod data;
 mod in_place;
 mod now;
 mod parts;
+mod reserve;
 mod zero;
 
 pub(crate) use in_place::WriteExtent;
+pub(crate) use reserve::Reservations;
+pub use reserve::{Reserved, Ticket};
 
 /// The chain's top image when it is a writable qcow2 image; [`Error::ReadOnly`] otherwise.
 fn top<D: BlockDevice>(chain: &Chain<D>) -> Result<&Qcow2<D>> {

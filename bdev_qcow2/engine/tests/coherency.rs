@@ -24,7 +24,8 @@ use qcow2_engine::rng::Rng;
 use qcow2_engine::testing::host;
 use qcow2_engine::types::GuestOffset;
 use qcow2_engine::{
-    Chain, CoreSeed, Exec, Layer, OpenOptions, OwnerLink, Qcow2, ReadRoute, WriteRoute,
+    Chain, CoreSeed, Exec, Layer, OpenOptions, OwnerLink, Qcow2, ReadRoute, Reserved, Ticket,
+    WriteRoute,
 };
 use std::cell::RefCell;
 use std::collections::{HashMap, VecDeque};
@@ -34,6 +35,8 @@ use std::rc::Rc;
 mod mem_chain;
 
 const SECTOR: u64 = 512;
+/// Tag bit of a core's data write into clusters the owner reserved (`Chain::reserve_write`).
+const RESERVED: u64 = 1 << 40;
 
 /// Device completions one channel reports per poll. More than one lets two completions of
 /// one task's concurrent operations (a `join_all`) wake it twice in one `Exec::poll`: the
@@ -560,7 +563,9 @@ fn qemu_img(args: &[&str]) -> std::process::Output {
 }
 
 /// Returns how many writes the cores kept through an older copy of their slice.
-fn random_run(seed: u64, steps: usize) -> u64 {
+/// Returns the cores' writes kept through an older copy of a slice, and the first writes
+/// whose data a core wrote.
+fn random_run(seed: u64, steps: usize) -> (u64, u64) {
     let lazy = seed.is_multiple_of(3);
     let mut rig = Rig::new(seed, 2, lazy, 1 + seed % 4);
     let mut rng = Rng::new(seed);
@@ -571,6 +576,10 @@ fn random_run(seed: u64, steps: usize) -> u64 {
     let mut next_tag = 1u64;
     let mut next_id = 1u64;
     let (mut core_fast, mut core_fallback, mut reads) = (0u64, 0u64, 0u64);
+    // A core's first writes sent without their data: tag → the owner's ticket, while the
+    // core writes the data.
+    let mut reserved: HashMap<u64, Ticket> = HashMap::new();
+    let mut by_core = 0u64;
     // Hot region: most requests land in the first 512 KiB (two slices per core cache set).
     let pick = |rng: &mut Rng| -> (u64, u64) {
         let n = 1 + rng.below(24);
@@ -578,9 +587,19 @@ fn random_run(seed: u64, steps: usize) -> u64 {
         let first = rng.below(span - n + 1);
         (first * SECTOR, n * SECTOR)
     };
-    let handle = |rig: &mut Rig, model: &mut Model, ops: &mut HashMap<u64, Op>| {
+    let handle = |rig: &mut Rig,
+                  model: &mut Model,
+                  ops: &mut HashMap<u64, Op>,
+                  reserved: &mut HashMap<u64, Ticket>| {
         let done = std::mem::take(&mut rig.done);
         for (tag, r) in done {
+            if tag & RESERVED != 0 {
+                // The core's data write: the owner commits it (the write completes then).
+                let ticket = reserved.remove(&(tag & !RESERVED)).expect("unknown ticket");
+                let written = r.map_err(|_| qcow2_engine::Error::InvalidRequest("write failed"));
+                rig.chains[0].commit_reserved(ticket, tag & !RESERVED, written);
+                continue;
+            }
             if let Err(e) = &r {
                 panic!("seed {seed}: request {tag} failed: {e}");
             }
@@ -663,7 +682,39 @@ fn random_run(seed: u64, steps: usize) -> u64 {
                             // The owner's copy of the data.
                             let obuf = HeapBuf::new(len as usize);
                             obuf.copy_in(0, &buf.to_vec());
-                            host::write(&rig.chains[0], tag, off, BufSlice::whole(obuf));
+                            let obuf = BufSlice::whole(obuf);
+                            // Half a core's writes go as the hosts send a first write:
+                            // without data, the core writing it where the owner says.
+                            let (answer, entry) = match c < 3 && rng.below(2) == 0 {
+                                true => {
+                                    let entry = rig.chains[c].exec().guest_enter();
+                                    (rig.chains[0].reserve_write(off, len), Some(entry))
+                                }
+                                false => (Reserved::Send, None),
+                            };
+                            let core_exec = rig.chains[c.min(2)].exec().clone();
+                            match (answer, entry) {
+                                (Reserved::InPlace { host }, Some(entry)) => {
+                                    rig.chains[c].write_reserved(tag, host, guest, entry);
+                                }
+                                (Reserved::Write { ticket, host }, Some(entry)) => {
+                                    by_core += 1;
+                                    reserved.insert(tag, ticket);
+                                    let t = tag | RESERVED;
+                                    rig.chains[c].write_reserved(t, host, guest, entry);
+                                }
+                                (answer, entry) => {
+                                    if let Some(entry) = entry {
+                                        core_exec.guest_exit(entry);
+                                    }
+                                    match answer {
+                                        Reserved::Data(ticket) => {
+                                            rig.chains[0].run_reserved(ticket, tag, obuf)
+                                        }
+                                        _ => host::write(&rig.chains[0], tag, off, obuf),
+                                    }
+                                }
+                            }
                         }
                     }
                     13 if model.free(off / SECTOR, len / SECTOR) => {
@@ -698,7 +749,7 @@ fn random_run(seed: u64, steps: usize) -> u64 {
             0..=10 => {
                 let e = rng.below(3) as usize;
                 rig.poll(e);
-                handle(&mut rig, &mut model, &mut ops);
+                handle(&mut rig, &mut model, &mut ops, &mut reserved);
             }
             // The owner handles a core's request.
             11..=12 => {
@@ -733,7 +784,7 @@ fn random_run(seed: u64, steps: usize) -> u64 {
         }
         for e in 0..3 {
             rig.poll(e);
-            handle(&mut rig, &mut model, &mut ops);
+            handle(&mut rig, &mut model, &mut ops, &mut reserved);
         }
         while rig.answer(None) {}
         for c in 1..3 {
@@ -745,8 +796,10 @@ fn random_run(seed: u64, steps: usize) -> u64 {
     let kept: u64 = rig.chains[1..].iter().map(|c| c.kept_overwrites()).sum();
     eprintln!(
         "seed {seed}: {reads} reads, {core_fast} in-place core writes ({kept} through an \
-         older copy of the slice), {core_fallback} sent to the owner"
+         older copy of the slice), {core_fallback} sent to the owner ({by_core} of them \
+         written by the core)"
     );
+    assert_eq!(rig.chains[0].reservations_held(), 0);
     rig.close();
 
     let dir = tempfile::tempdir().unwrap();
@@ -781,7 +834,7 @@ fn random_run(seed: u64, steps: usize) -> u64 {
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );
-    kept
+    (kept, by_core)
 }
 
 /// Owner and two cores on a fresh image with 4 KiB clusters: allocations, overwrites,
@@ -789,11 +842,14 @@ fn random_run(seed: u64, steps: usize) -> u64 {
 /// cores overwrite through older copies of slices the owner only added to since (§6).
 #[test]
 fn random_interleavings_owner_and_two_cores() {
-    let mut kept = 0;
+    let (mut kept, mut by_core) = (0, 0);
     for seed in 1..=16u64 {
-        kept += random_run(seed * 0x9E37_79B9, 20_000);
+        let (k, b) = random_run(seed * 0x9E37_79B9, 20_000);
+        kept += k;
+        by_core += b;
     }
     assert!(kept > 0, "no core kept an overwrite through an older copy");
+    assert!(by_core > 0, "no core wrote a first write's data");
 }
 
 // ----- targeted ------------------------------------------------------------------------
@@ -854,6 +910,80 @@ fn core_sees_owner_allocation_in_cached_slice() {
     rig.run(10).unwrap();
     assert_eq!(decode(0, &obuf.to_vec()[..512]).unwrap(), 13);
     rig.close();
+}
+
+/// Two cores race first writes into one cluster (#48): the first is reserved and written
+/// by its core; the second finds the cluster in flight, goes to the owner with its data and
+/// waits there until the first is committed, then lands in the cluster the first took.
+/// Neither completes before its mapping is in place, and neither loses the other's data.
+#[test]
+fn two_cores_race_first_writes_into_one_cluster() {
+    for second_first in [false, true] {
+        let mut rig = Rig::with_granule(9, 2, false, 2, 0);
+        // Cluster 0 gives the slice its L2 table: cluster 2's first writes are planned on
+        // the spot.
+        write_sync(&mut rig, 90, 0, 5, 4096);
+        let (a, b) = (2 * 4096, 2 * 4096 + 2048);
+        for c in 1..=2 {
+            let r = route(&rig.chains[c], a + 1024 * (c as u64 - 1), 1024);
+            assert!(r.starts_with("owner") || r == "local", "{r}");
+        }
+        let (buf_a, _) = fill(21, a, 1024);
+        let (buf_b, _) = fill(22, b, 1024);
+        if second_first {
+            // Core 2's write reaches the owner (with its data) first.
+            host::write(&rig.chains[0], 2, b, BufSlice::whole(buf_b.clone()));
+        }
+        let Reserved::Write { ticket, host } = rig.chains[0].reserve_write(a, 1024) else {
+            // The cluster is in flight; once core 2's write is in, core 1's is an
+            // overwrite, which it writes itself where the owner says.
+            assert!(
+                second_first,
+                "the first write into the cluster is not reserved"
+            );
+            rig.run(2).unwrap();
+            let entry = rig.chains[1].exec().guest_enter();
+            let Reserved::InPlace { host } = rig.chains[0].reserve_write(a, 1024) else {
+                panic!("an overwrite not answered in place");
+            };
+            rig.chains[1].write_reserved(1, host, BufSlice::whole(buf_a), entry);
+            rig.run_core(1, 1).unwrap();
+            for c in 1..=2 {
+                let ids = core_read(&mut rig, c, 10 + c as u64, 2 * 4096, 4096);
+                assert_eq!(ids, [vec![21, 21, 0, 0], vec![22, 22, 0, 0]].concat());
+            }
+            rig.close();
+            continue;
+        };
+        assert!(!second_first);
+        // Core 2's write into the same cluster: in flight, so not reserved.
+        assert_eq!(rig.chains[0].reserve_write(b, 1024), Reserved::Send);
+        host::write(&rig.chains[0], 2, b, BufSlice::whole(buf_b));
+        // Core 1 writes its data; until the owner commits, nobody sees it mapped and
+        // core 2's write waits.
+        let entry = rig.chains[1].exec().guest_enter();
+        rig.chains[1].write_reserved(1 | RESERVED, host, BufSlice::whole(buf_a), entry);
+        rig.run_core(1, 1 | RESERVED).unwrap();
+        for _ in 0..50 {
+            rig.poll(0);
+        }
+        assert!(
+            rig.done.iter().all(|d| d.0 != 2),
+            "core 2's write did not wait"
+        );
+        assert_eq!(core_read(&mut rig, 2, 3, a, 1024), vec![0; 2]);
+        rig.chains[0].commit_reserved(ticket, 1, Ok(()));
+        rig.run(1).unwrap();
+        rig.run(2).unwrap();
+        for c in 1..=2 {
+            let ids = core_read(&mut rig, c, 10 + c as u64, 2 * 4096, 4096);
+            assert_eq!(ids, [vec![21, 21, 0, 0], vec![22, 22, 0, 0]].concat());
+        }
+        assert_eq!(rig.chains[0].reservations_held(), 0);
+        rig.close();
+        let ids = qemu_ids(&rig, None, 3 * 4096);
+        assert_eq!(ids[16..24], [21, 21, 0, 0, 22, 22, 0, 0]);
+    }
 }
 
 #[test]

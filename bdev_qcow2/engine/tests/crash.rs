@@ -15,6 +15,7 @@
 mod concurrent;
 mod crash_common;
 use concurrent::{run_concurrent, Flushes};
+use crash_common::states::replay_op;
 use crash_common::{new_image, open, open_with};
 
 use qcow2_engine::create::CreateOptions;
@@ -376,19 +377,8 @@ fn crash_test_with(
         for subset in 0..=subsets {
             let mut img = initial.clone();
             let mut replay = |e: &LoggedOp| match e {
-                LoggedOp::Write(off, data) => {
-                    let end = *off as usize + data.len();
-                    if img.len() < end {
-                        img.resize(end, 0);
-                    }
-                    img[*off as usize..end].copy_from_slice(data);
-                }
                 // A file's new length survives like a write: kept or not until a flush.
-                LoggedOp::Grow(len) => {
-                    if img.len() < *len as usize {
-                        img.resize(*len as usize, 0);
-                    }
-                }
+                LoggedOp::Write(..) | LoggedOp::Grow(_) => replay_op(&mut img, e),
                 // Discarded bytes read as anything: garbage shows a cluster still in use.
                 LoggedOp::Discard(off, len) => {
                     let end = ((off + len) as usize).min(img.len());

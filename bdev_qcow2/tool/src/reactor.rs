@@ -18,7 +18,8 @@ use qcow2_engine::exec::Outcome;
 use qcow2_engine::io::{BlockDevice, BufSlice, IoBuffer};
 use qcow2_engine::ring::{RingConfig, WriteGens};
 use qcow2_engine::{
-    Chain, CoreSeed, DevId, Exec, Layer, Op, OpenOptions, OwnerLink, Qcow2, Request, Step,
+    Chain, CoreSeed, DevId, Exec, GraceEntry, Layer, Op, OpenOptions, OwnerLink, Qcow2, Request,
+    Reserved, Step, Ticket,
 };
 use std::rc::Rc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -32,6 +33,10 @@ const LOCAL_WRITE: u64 = 1 << 62;
 /// Tag bit of a write whose completion moves the image's write generations first (the
 /// prefetch ring is on): the rest of the tag is its slot in `Reactor::ring_writes`.
 const RING_WRITE: u64 = 1 << 61;
+/// Tag bit of a core's data write into clusters the owner reserved for it (its
+/// completion goes back to the owner, which commits the mapping): the rest of the tag is
+/// its slot in `Reactor::reserved`.
+const RESERVED_WRITE: u64 = 1 << 60;
 
 /// Messages to the owner.
 enum ToOwner {
@@ -47,6 +52,30 @@ enum ToOwner {
         req: Request,
         data: Option<Vec<u8>>,
     },
+    /// A first write the core found not in place, without its data: the owner plans it
+    /// and answers where the core writes it ([`Chain::reserve_write`]).
+    Reserve {
+        core: usize,
+        /// The write's slot in the core's `Reactor::reserving`.
+        slot: usize,
+        offset: u64,
+        len: u64,
+    },
+    /// The core's data write of a reservation ended: the owner commits it (or frees its
+    /// clusters) and answers `Done` for `tag`.
+    Written {
+        core: usize,
+        tag: u64,
+        ticket: Ticket,
+        result: qcow2_engine::Result<()>,
+    },
+    /// The data of a reservation the owner writes itself ([`Reserved::Data`]).
+    Data {
+        core: usize,
+        tag: u64,
+        ticket: Ticket,
+        data: Vec<u8>,
+    },
 }
 
 /// Messages to a core.
@@ -58,6 +87,11 @@ enum ToCore {
     Done {
         tag: u64,
         result: qcow2_engine::Result<()>,
+    },
+    /// The owner's answer to `Reserve` for the write in `slot`.
+    Reserved {
+        slot: usize,
+        answer: Reserved,
     },
 }
 
@@ -134,6 +168,11 @@ pub struct Reactor<D: BlockDevice> {
     /// Core: writes tried here, by slot: (tag, offset, buffer) to send to the owner if they
     /// turn out not to be in-place writes.
     local: slab::Slab<(u64, u64, BufSlice<D::Buf>)>,
+    /// Core: writes waiting for the owner's answer, by slot: (tag, offset, buffer, the
+    /// grace period entered before sending).
+    reserving: slab::Slab<(u64, u64, BufSlice<D::Buf>, GraceEntry)>,
+    /// Core: data writes into reserved clusters in flight, by slot: (tag, ticket).
+    reserved: slab::Slab<(u64, Ticket)>,
     /// With the prefetch ring on: writes in flight, by slot: (tag, offset, length), whose
     /// range the completion invalidates in every core's ring before it is reported.
     ring_writes: slab::Slab<(u64, u64, u64)>,
@@ -173,7 +212,7 @@ impl<D: BlockDevice> Reactor<D> {
         self.image().map(|q| q.l2_cache_stats()).unwrap_or_default()
     }
 
-    /// Starts guest request `req` under `tag` (tags below 2^61 - 1: the reactor uses the
+    /// Starts guest request `req` under `tag` (tags below 2^60 - 1: the reactor uses the
     /// bits above), with its buffer (`None` for write zeroes, discard, flush): the engine
     /// decides it ([`Chain::plan`]) and this reactor takes the step — completes it, reads
     /// or writes the granted extent on its device, starts the engine's task, or sends it
@@ -219,6 +258,11 @@ impl<D: BlockDevice> Reactor<D> {
             Step::Owner(_) if self.is_owner() => {
                 let e = qcow2_engine::Error::InvalidRequest("sent to the owner by the owner");
                 self.exec.complete(tag, Err(e))
+            }
+            // A write the owner decides: this core writes its data where the owner says.
+            Step::Owner(Op::Write | Op::WriteNotInPlace) if buf.is_some() => {
+                let Some(b) = buf else { return };
+                self.reserve(tag, req.offset, b);
             }
             Step::Owner(op) => self.forward_request(tag, Request { op, ..req }, buf.as_ref()),
         }
@@ -344,11 +388,28 @@ impl<D: BlockDevice> Reactor<D> {
                         self.pending -= 1;
                         done(tag, result);
                     }
+                    ToCore::Reserved { slot, answer } => self.reserved_answer(slot, answer),
                 }
             }
             let local = &mut self.local;
+            let (reserved, mesh, id) = (&mut self.reserved, &self.mesh, self.id);
             let mut again = Vec::new();
             n += self.exec.poll_outcomes(&mut |tag, o| {
+                if tag & RESERVED_WRITE != 0 {
+                    // Still pending: the owner commits and answers `Done`.
+                    if let Some((tag, ticket)) =
+                        reserved.try_remove((tag & !RESERVED_WRITE) as usize)
+                    {
+                        let result = o.into_result();
+                        mesh.owner.push(ToOwner::Written {
+                            core: id,
+                            tag,
+                            ticket,
+                            result,
+                        });
+                    }
+                    return;
+                }
                 if tag & LOCAL_WRITE == 0 {
                     return done(tag, o.into_result());
                 }
@@ -361,16 +422,96 @@ impl<D: BlockDevice> Reactor<D> {
                 }
             });
             for (t, off, buf) in again {
-                // Not in place after all: the owner runs it (it may allocate).
-                let req = Request::new(Op::Write, off, buf.len as u64);
-                self.forward_request(t, req, Some(&buf));
+                // Not in place after all: the owner decides it (it may allocate).
+                self.reserve(t, off, buf);
             }
         }
         n
     }
 
+    /// Core: sends a write that is not in place here to the owner without its data
+    /// ([`Chain::reserve_write`]), in the grace period until this core wrote it.
+    fn reserve(&mut self, tag: u64, offset: u64, buf: BufSlice<D::Buf>) {
+        let len = buf.len as u64;
+        let entry = self.exec.guest_enter();
+        let slot = self.reserving.insert((tag, offset, buf, entry));
+        self.pending += 1;
+        self.mesh.owner.push(ToOwner::Reserve {
+            core: self.id,
+            slot,
+            offset,
+            len,
+        });
+    }
+
+    /// Core: the owner's answer to a write sent without its data.
+    fn reserved_answer(&mut self, slot: usize, answer: Reserved) {
+        let Some((tag, offset, buf, entry)) = self.reserving.try_remove(slot) else {
+            return;
+        };
+        match answer {
+            Reserved::InPlace { host } => {
+                self.pending -= 1;
+                self.chain.write_reserved(tag, host, buf, entry);
+            }
+            Reserved::Write { ticket, host } => {
+                let t = RESERVED_WRITE | self.reserved.insert((tag, ticket)) as u64;
+                self.chain.write_reserved(t, host, buf, entry);
+            }
+            Reserved::Data(ticket) => {
+                self.exec.guest_exit(entry);
+                let mut data = vec![0u8; buf.len];
+                buf.copy_out(0, &mut data);
+                let core = self.id;
+                self.mesh.owner.push(ToOwner::Data {
+                    core,
+                    tag,
+                    ticket,
+                    data,
+                });
+            }
+            Reserved::Send => {
+                self.exec.guest_exit(entry);
+                // Counted once: `forward_request` counts it again.
+                self.pending -= 1;
+                let req = Request::new(Op::Write, offset, buf.len as u64);
+                self.forward_request(tag, req, Some(&buf));
+            }
+        }
+    }
+
     fn serve(&mut self, m: ToOwner) {
         match m {
+            ToOwner::Reserve {
+                core,
+                slot,
+                offset,
+                len,
+            } => {
+                self.stats.served += 1;
+                let answer = self.chain.reserve_write(offset, len);
+                self.mesh.cores[core - 1].push(ToCore::Reserved { slot, answer });
+            }
+            ToOwner::Written {
+                core,
+                tag,
+                ticket,
+                result,
+            } => {
+                let t = FORWARDED | self.forwarded.insert((core, tag)) as u64;
+                self.chain.commit_reserved(ticket, t, result);
+            }
+            ToOwner::Data {
+                core,
+                tag,
+                ticket,
+                data,
+            } => {
+                let t = FORWARDED | self.forwarded.insert((core, tag)) as u64;
+                let buf = self.exec.alloc_buf(self.dev, data.len());
+                buf.copy_in(0, &data);
+                self.chain.run_reserved(ticket, t, BufSlice::whole(buf));
+            }
             ToOwner::Ask { core, key, ticket } => {
                 let reply = match self.image() {
                     Some(q) => q.slice_for_core(key),
@@ -398,7 +539,7 @@ impl<D: BlockDevice> Reactor<D> {
 
     /// Reads `buf` at `offset`, polling until done (set-up and checks, not the hot path).
     pub fn read_now(&mut self, offset: u64, buf: BufSlice<D::Buf>) -> qcow2_engine::Result<()> {
-        const TAG: u64 = RING_WRITE - 1;
+        const TAG: u64 = RESERVED_WRITE - 1;
         self.submit_read(TAG, offset, buf);
         let mut res = None;
         while res.is_none() {
@@ -433,7 +574,11 @@ impl<D: BlockDevice> Reactor<D> {
                     })?;
             }
         } else {
-            while self.pending > 0 || self.exec.busy() || !self.local.is_empty() {
+            while self.pending > 0
+                || self.exec.busy()
+                || !self.local.is_empty()
+                || !self.reserved.is_empty()
+            {
                 if self.mesh.owner_gone.load(Ordering::Acquire) {
                     return Err(ToolError::Usage("the owner reactor stopped".into()));
                 }
@@ -561,6 +706,8 @@ where
                     forwarded: slab::Slab::new(),
                     pending: 0,
                     local: slab::Slab::with_capacity(256),
+                    reserving: slab::Slab::with_capacity(256),
+                    reserved: slab::Slab::with_capacity(256),
                     ring_writes: slab::Slab::with_capacity(256),
                     stats: ReactorStats::default(),
                 };
@@ -611,6 +758,8 @@ where
                 forwarded: slab::Slab::new(),
                 pending: 0,
                 local: slab::Slab::new(),
+                reserving: slab::Slab::new(),
+                reserved: slab::Slab::new(),
                 ring_writes: slab::Slab::with_capacity(256),
                 stats: ReactorStats::default(),
             };

@@ -2,7 +2,7 @@
 //! needs is in memory, with the clusters taken ahead of it (`OpenOptions::alloc_granule`),
 //! and the small task that writes its data and commits it.
 
-use super::parts::{action_for, Action, AllocCursor, Allocs, Part, Parts};
+use super::parts::{action_for, Action, Allocs, Part, Parts};
 use super::top;
 use crate::chain::Chain;
 use crate::error::Result;
@@ -201,24 +201,9 @@ impl<D: BlockDevice> Chain<D> {
         let r = match top(&self).and_then(|q| q.owner()) {
             Ok(o) => {
                 let q = &o;
-                let mut cursor = AllocCursor::new(&allocs);
-                let mut one_run = true;
-                let mut host_start = None;
-                let mut next = None;
-                for p in &parts {
-                    let (h, span) = self.part_range(q, p, &mut cursor);
-                    if span.is_empty() {
-                        // A cluster of the group that this write leaves alone.
-                        continue;
-                    }
-                    let host_off = h.plus(span.start());
-                    one_run &= span == p.written && next.is_none_or(|n| n == host_off);
-                    host_start.get_or_insert(host_off);
-                    next = Some(host_off.plus(span.len()));
-                }
-                let res = match host_start {
-                    Some(h) if one_run => self.exec().write(q.data_dev(), h.0, data).await,
-                    _ => Box::pin(self.write_data(q, start, &parts, &allocs, Some(data))).await,
+                let res = match self.guest_only_run(q, &parts, &allocs) {
+                    Some(h) => self.exec().write(q.data_dev(), h.0, data).await,
+                    None => Box::pin(self.write_data(q, start, &parts, &allocs, Some(data))).await,
                 };
                 self.finish_chunk(q, &parts, &allocs, res).await
             }

@@ -34,15 +34,7 @@ pub fn for_each_crash_state(
                 break;
             }
             let mut img = initial.to_vec();
-            let mut replay = |e: &LoggedOp| {
-                if let LoggedOp::Write(off, data) = e {
-                    let end = *off as usize + data.len();
-                    if img.len() < end {
-                        img.resize(end, 0);
-                    }
-                    img[*off as usize..end].copy_from_slice(data);
-                }
-            };
+            let mut replay = |e: &LoggedOp| replay_op(&mut img, e);
             log[..p].iter().for_each(&mut replay);
             if subset > 0 {
                 for e in &log[p..next] {
@@ -56,6 +48,26 @@ pub fn for_each_crash_state(
         }
     }
     states
+}
+
+/// Applies logged operation `e` to image bytes `img`: a write, or a file's new length
+/// (which survives like a write: kept or not until a flush).
+pub fn replay_op(img: &mut Vec<u8>, e: &LoggedOp) {
+    match e {
+        LoggedOp::Write(off, data) => {
+            let end = *off as usize + data.len();
+            if img.len() < end {
+                img.resize(end, 0);
+            }
+            img[*off as usize..end].copy_from_slice(data);
+        }
+        LoggedOp::Grow(len) => {
+            if img.len() < *len as usize {
+                img.resize(*len as usize, 0);
+            }
+        }
+        LoggedOp::Discard(..) | LoggedOp::Flush => {}
+    }
 }
 
 /// `qemu-img check` accepts the image (no corruption; leaks allowed).

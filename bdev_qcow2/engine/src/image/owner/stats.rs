@@ -11,6 +11,9 @@ pub struct OwnerStats {
     /// planned on the spot, without a planning task (their metadata was in memory and the
     /// metadata lock free).
     pub writes_planned_now: u64,
+    /// Of those, first writes of core replicas whose data the core wrote itself
+    /// ([`Chain::reserve_write`](crate::Chain::reserve_write)).
+    pub first_writes_by_cores: u64,
     /// Clusters first writes took with their group and left unwritten, reading zeros
     /// (`OpenOptions::alloc_granule`).
     pub clusters_taken_ahead: u64,
