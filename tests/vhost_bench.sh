@@ -58,6 +58,14 @@
 # DIR/CASE-ROW-SERVER-RUN.data (perf report -i ...). PROFILE_EVENTS=sched:sched_switch records
 # where each server's threads leave the CPU instead (an off-CPU profile: blocking calls).
 #
+# PERF_STAT=EVENTS (e.g. cycles,instructions,cache-misses,L1-dcache-load-misses,LLC-load-misses):
+# perf stat of each SPDK server (ours, pt) over a window inside its client's run (from
+# half a second after its first request to a second before the end), divided by the
+# requests the bdev completed in that window (bdev_get_iostat before and after): each
+# event per request, printed under the row (medians). Per request, a busy-polling server's
+# counts do not depend on how much of the core the machine's load leaves it.
+# SERVERS: the servers to run (default "ours qsd pt"; e.g. "ours pt").
+#
 # OURS_OPTS: more parameters of bdev_qcow2_create, as JSON members (e.g. '"zero_ahead": false').
 #
 # Needs SPDK (spdk_tgt, bdevperf, rpc.py), qemu-storage-daemon, qemu-img, python3, cc; prints
@@ -104,7 +112,8 @@ LIMIT_BPS=${LIMIT_BPS:-$((125 << 20))}
 BLKIO=/sys/fs/cgroup/blkio
 # Cores of the server (spdk_tgt mask, its vhost controller's mask, qsd's CPUs) and client.
 SRV_MASK=0x1 VHOST_MASK=0x1 QSD_CPUS=0 CLI_MASK=0x2 CLI_ARGS= NO_LOCKS= VQS=2
-SERVERS=(ours qsd pt)
+read -r -a SERVERS <<<"${SERVERS:-ours qsd pt}"
+serves() { [[ " ${SERVERS[*]} " == *" $1 "* ]]; }
 
 WORK=$(mktemp -d /tmp/vhost_bench.XXXXXX)
 SERVER_PID=
@@ -315,6 +324,29 @@ cpu_per_io() {
     'BEGIN {printf "%.1f\n", c / hz * f / (r * t) * 1e6}'
 }
 
+# bdev_ops: requests bdev d0 of the SPDK server has completed.
+bdev_ops() {
+  "$RPC" -s "$WORK/spdk.sock" bdev_get_iostat -b d0 |
+    python3 -c 'import json,sys; b=json.load(sys.stdin)["bdevs"][0]; print(b["num_read_ops"] + b["num_write_ops"])'
+}
+
+# stat_window OUT: perf stat (PERF_STAT) of the SPDK server over a window of its client's
+# run; writes "event per-request" lines to OUT (nothing if the window could not be taken).
+stat_window() {
+  local out=$1 a b w
+  : >"$out"
+  for _ in $(seq 100); do
+    [ "$(bdev_ops 2>/dev/null || echo 0)" -gt 0 ] && break
+    sleep 0.1
+  done
+  sleep 0.5
+  w=$(awk -v t="$RUN_TIME" 'BEGIN {w = t - 1.5; print (w < 0.5 ? 0.5 : w)}')
+  a=$(bdev_ops) || return 0
+  perf stat -x, -e "$PERF_STAT" -p "$SERVER_PID" -o "$out.raw" -- sleep "$w" 2>/dev/null || return 0
+  b=$(bdev_ops) || return 0
+  awk -F, -v n=$((b - a)) 'n > 0 && $1 ~ /^[0-9]+$/ {printf "%s %.1f\n", $3, $1 / n}' "$out.raw" >"$out"
+}
+
 # alloc_share IMAGE: the share of the run's writes that allocated a cluster (allocated data
 # clusters / writes completed, from IOPS); fails unless qemu-img check finds the image clean.
 # The image goes after it (on tmpfs it holds gigabytes of memory).
@@ -429,7 +461,7 @@ for case in $CASES; do
     fi
     RUN_TIME=$TIME
     [ "$row" != alloc-write ] || RUN_TIME=$ALLOC_TIME
-    declare -A got=() ios=() share=() cpu=()
+    declare -A got=() ios=() share=() cpu=() stat=()
     for r in $(seq "$RUNS"); do
       if [ $((r % 2)) = 1 ]; then order=(ours qsd pt); else order=(pt qsd ours); fi
       for s in "${order[@]}"; do
@@ -443,6 +475,7 @@ for case in $CASES; do
           case $row in overwrite-4k | verify | alloc-write) c=P ;; esac
         fi
         [ "$s" = pt ] && { [ "$row" = alloc-write ] || [ "$row" = l2-small ]; } && continue
+        serves "$s" || continue
         f=$(image "$row" "$dir" "$c")
         QSD_OPTS=
         [ "$row" = l2-small ] && QSD_OPTS=,l2-cache-size=131072
@@ -454,10 +487,19 @@ for case in $CASES; do
           perf record -q -g ${PROFILE_EVENTS:+-e $PROFILE_EVENTS} -p "$SERVER_PID" -o "$PROFILE/$case-$row-$s-$r.data" -- sleep "$RUN_TIME" 2>/dev/null &
           perf_pid=$!
         fi
+        stat_pid=
+        if [ -n "${PERF_STAT:-}" ] && [ "$s" != qsd ]; then
+          stat_window "$WORK/stat.txt" &
+          stat_pid=$!
+        fi
         cpu_mark
         # shellcheck disable=SC2046
         client "$WORK/out.txt" $(row_args "$row")
         [ -z "$perf_pid" ] || wait "$perf_pid" || true
+        if [ -n "$stat_pid" ]; then
+          wait "$stat_pid" || true
+          while read -r ev v; do stat["$s $ev"]+="$v "; done <"$WORK/stat.txt"
+        fi
         cpu[$s]+="$(cpu_per_io "$s") "
         stop_server
         if [ "$row" = qd1 ]; then got[$s]+="$LAT_US "; else got[$s]+="$IOPS "; fi
@@ -493,8 +535,16 @@ for case in $CASES; do
     printf '%-14s %10s %10s %10s %9s %9s\n' "  cpu µs/req" "$co" "$cq" "$cp" \
       "$(awk -v a="$co" -v b="$cq" 'BEGIN {printf "%.2fx", b / a}')" \
       "$([ "$cp" = - ] && echo - || awk -v a="$co" -v b="$cp" 'BEGIN {printf "%.2fx", b / a}')"
+    if [ -n "${PERF_STAT:-}" ]; then
+      for ev in ${PERF_STAT//,/ }; do
+        so=$([ -n "${stat[ours $ev]:-}" ] && echo "${stat[ours $ev]}" | tr ' ' '\n' | grep . | median || echo -)
+        sp=$([ -n "${stat[pt $ev]:-}" ] && echo "${stat[pt $ev]}" | tr ' ' '\n' | grep . | median || echo -)
+        printf '%-14s %10s %10s %10s %9s %9s\n' "  $ev/req" "$so" - "$sp" - \
+          "$({ [ "$sp" = - ] || [ "$so" = - ]; } && echo - || awk -v a="$so" -v b="$sp" 'BEGIN {printf "%.2fx", (b > 0 ? a / b : 0)}')"
+      done
+    fi
     printf '%-14s %s\n' "  runs" "ours: ${got[ours]:-} qsd: ${got[qsd]:-}${got[pt]:+ pt: ${got[pt]}}"
-    unset got ios share cpu
+    unset got ios share cpu stat
     # The big images of a row go with it (tmpfs holds them in memory).
     rm -f "$dir"/*.big "$dir"/*.l2
   done

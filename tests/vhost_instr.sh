@@ -17,6 +17,11 @@
 #   tests/vhost_instr.sh                           # randread 4096 QD32, 1 GiB image on tmpfs
 #   ARGS="-q 1 -o 4096 -w randread" tests/vhost_instr.sh
 #   ARGS="-q 32 -o 512 -w randread" WIN=8 tests/vhost_instr.sh
+#   CACHE=1 tests/vhost_instr.sh                   # and simulated cache misses per request
+#
+# CACHE=1 runs callgrind with its cache simulation (--cache-sim=yes; the machine's VM has no
+# hardware counters for perf stat): per request, the server's L1 data misses (reads, writes)
+# and last-level misses, and the functions whose inclusive L1 read misses differ most.
 #
 # Needs SPDK (spdk_tgt, bdevperf, spdk-rpc or rpc.py), valgrind, qemu-img, cc; prints SKIPPED
 # without them. Run it under `flock /tmp/spdk-app.lock` (one SPDK application pair at a time).
@@ -72,7 +77,8 @@ count() {
  {"method": "bdev_wait_for_examine"}]}]}
 EOF
   # Started without a wrapper, so that $! is valgrind's own process (callgrind_control's).
-  LD_PRELOAD="$SO" valgrind --tool=callgrind --callgrind-out-file="$d/cg.out" \
+  # shellcheck disable=SC2086
+  LD_PRELOAD="$SO" valgrind --tool=callgrind ${CACHE:+--cache-sim=yes} --callgrind-out-file="$d/cg.out" \
     spdk_tgt -m 0x1 --no-huge -s 1024 -S "$d/vhost" -r "$d/spdk.sock" --json "$d/server.json" \
     >"$d/server.log" 2>&1 &
   SP=$!
@@ -100,8 +106,16 @@ EOF
   kill -9 "$CP" "$SP" 2>/dev/null || true
   wait "$CP" "$SP" 2>/dev/null || true
   CP= SP=
-  callgrind_annotate --auto=no --inclusive=yes --tree=calling --threshold=100 \
-    "$(ls -t "$d"/cg.out.* | head -1)" 2>/dev/null >"$d.tree"
+  local out
+  out=$(ls -t "$d"/cg.out.* | head -1)
+  callgrind_annotate --auto=no --inclusive=yes --tree=calling --threshold=100 --show=Ir \
+    "$out" 2>/dev/null >"$d.tree"
+  if [ -n "${CACHE:-}" ]; then
+    callgrind_annotate --auto=no --inclusive=yes --tree=calling --threshold=100 --show=D1mr \
+      "$out" 2>/dev/null >"$d.d1tree"
+    # Ir Dr Dw I1mr D1mr D1mw ILmr DLmr DLmw, the whole window.
+    awk '/^summary:/ {$1 = ""; print; exit}' "$out" >"$d.totals"
+  fi
   local n total
   n=$(grep -E "> +[^ ]*vhost_blk.c:blk_request_complete_cb \(" "$d.tree" |
     sed -E 's/.*\(([0-9,]+)x\).*/\1/' | tr -d , | awk '{s += $1} END {print s + 0}')
@@ -123,14 +137,22 @@ for k in ours pt; do
   awk -v k="$k" -v i="$(cat "$WORK/$k.it")" -v n="$(cat "$WORK/$k.n")" \
     'BEGIN {printf "%s: %d requests in the window, %.2f reactor iterations per request\n", k, n, i / n}'
 done
-# Inclusive cost per request of each function (its "*" line in the calling tree), side by
-# side; the largest differences first.
+# Inclusive cost per request of each function (its "*" line in the calling tree of TREE),
+# side by side; the largest differences (at least MIN) first.
 per_fn() {
   awk -v n="$(cat "$WORK/$1.n")" '/^ *[0-9,]+ .*\)  \*  / {v = $1; gsub(",", "", v)
       f = $0; sub(/.*\)  \*  /, "", f); sub(/ .*/, "", f); sub(/.*:/, "", f); c[f] += v / n}
-    END {for (f in c) printf "%s %.0f\n", f, c[f]}' "$WORK/$1.tree" | sort
+    END {for (f in c) printf "%s %.1f\n", f, c[f]}' "$WORK/$1.$2" | sort
 }
-join -a1 -a2 -e 0 -o 0,1.2,2.2 <(per_fn ours) <(per_fn pt) |
-  awk '{d = $2 - $3; a = d < 0 ? -d : d; if (a >= 20) printf "%d %8d %8d %+8d  %s\n", a, $2, $3, d, $1}' |
-  sort -k1,1nr | cut -d' ' -f2- | head -30 |
-  { echo "    ours passthru     diff  function (inclusive, per request)"; cat; }
+diffs() {
+  join -a1 -a2 -e 0 -o 0,1.2,2.2 <(per_fn ours "$1") <(per_fn pt "$1") |
+    awk -v m="$2" '{d = $2 - $3; a = d < 0 ? -d : d; if (a >= m) printf "%.1f %8.1f %8.1f %+8.1f  %s\n", a, $2, $3, d, $1}' |
+    sort -k1,1gr | cut -d' ' -f2- | head -30
+}
+diffs tree 20 | { echo "    ours passthru     diff  function (inclusive instructions, per request)"; cat; }
+if [ -n "${CACHE:-}" ]; then
+  for k in ours pt; do
+    awk -v k="$k" -v n="$(cat "$WORK/$k.n")" '{printf "%s per request: L1 data misses %.2f (reads %.2f, writes %.2f), LL data misses %.2f, L1 instruction misses %.2f\n", k, ($5 + $6) / n, $5 / n, $6 / n, ($8 + $9) / n, $4 / n}' "$WORK/$k.totals"
+  done
+  diffs d1tree 0.3 | { echo "    ours passthru     diff  function (inclusive L1 data read misses, per request)"; cat; }
+fi

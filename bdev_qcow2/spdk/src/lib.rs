@@ -23,6 +23,7 @@ mod channel;
 pub mod device;
 mod direct;
 mod engine_host;
+mod examine_channel;
 mod examine_hold;
 mod external_snapshot;
 pub mod ffi;

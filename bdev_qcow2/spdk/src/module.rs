@@ -89,6 +89,8 @@ pub fn fini() {
 /// examine stays open until they finish ([`ExamineHold`]), so `bdev_wait_for_examine`
 /// (and apps starting I/O after their config loaded) see the qcow2 bdevs, reading through.
 pub fn examine_config(name: &str) {
+    // Before SPDK's examine_disk of it: that and a creation over it share one channel.
+    crate::examine_channel::hold(name);
     let hold = ExamineHold::here();
     node::hotplug::appeared(name, &hold);
     let ready: Vec<_> = {

@@ -296,6 +296,9 @@ fn finish(mut job: Job) {
     let Some(done) = job.done.take() else { return };
     let mut descs = [job.base.take(), job.backing.take()];
     let opened = job.result.borrow_mut().take();
+    // The image is read: the base's channel held since its examine can go (with ours, once
+    // `exec` lets it go: one kernel AIO context for both).
+    crate::examine_channel::release(&job.params.base_bdev);
     let (mut info, image, key) = match opened {
         Some(Ok(i)) => i,
         Some(Err(e)) => {

@@ -1,0 +1,124 @@
+//! A new bdev's channel on the app thread, held from its `examine_config` until a qcow2
+//! creation over it has read its image (or [`HOLD`] has passed, or the bdev leaves).
+//!
+//! Why: an AIO bdev's channel is a kernel AIO context, and its `io_destroy` waits for an RCU
+//! grace period (35 ms each on the shared 2-core machine). SPDK's examine of a new bdev
+//! (raid, lvol, gpt: `examine_disk`, after every module's `examine_config`) takes a channel,
+//! reads and puts it; a qcow2 creation over the bdev then took a channel of its own to read
+//! the image and put it: two contexts made and destroyed per base bdev, one after the
+//! other, on the app thread. A chain of 1,000 qcow2 bdevs opened in 81 s, nearly all of it
+//! waiting in `io_destroy` (PERFORMANCE.md §14). Held here, both take this channel: one
+//! context per base bdev.
+
+use crate::ffi::bdev::{BdevEvents, ChannelRef, Desc};
+use crate::ffi::sys;
+use crate::ffi::thread::{self, Poll, Polled, PollerSlot};
+use std::cell::RefCell;
+use std::time::{Duration, Instant};
+
+/// How long a channel is held when no qcow2 creation comes to read it: long enough for a
+/// script's next RPC (`rpc.py` starts in about 100 ms), short enough that an AIO context
+/// nothing reads leaves the thread's polls soon.
+pub const HOLD: Duration = Duration::from_secs(1);
+
+/// One held channel: put back before its descriptor closes.
+struct Held {
+    name: String,
+    ch: Option<ChannelRef>,
+    desc: Option<Desc>,
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        drop(self.ch.take());
+        if let Some(d) = self.desc.take() {
+            d.close();
+        }
+    }
+}
+
+thread_local! {
+    /// The channels held on this thread (the app thread: examine runs there).
+    static HELD: RefCell<Vec<Held>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Our descriptor's events: a bdev that leaves is let go at once.
+struct Events;
+
+impl BdevEvents for Events {
+    fn event(ty: sys::spdk_bdev_event_type, bdev_name: &str) {
+        if ty == sys::SPDK_BDEV_EVENT_REMOVE {
+            release(bdev_name);
+        }
+    }
+}
+
+/// `examine_config` of bdev `name`: holds a channel of it on this thread for [`HOLD`],
+/// unless it is one of ours (nothing creates a qcow2 bdev over those at once, and our
+/// bdevs' channels cost no kernel context of their own). Best effort: nothing is held when
+/// SPDK refuses the descriptor, the channel or the timer.
+pub fn hold(name: &str) {
+    let Ok(desc) = Desc::open::<Events>(name, false) else {
+        return;
+    };
+    if desc.module_name() == "qcow2" {
+        return desc.close();
+    }
+    let held = Held {
+        name: name.to_string(),
+        ch: ChannelRef::of_bdev(&desc),
+        desc: Some(desc),
+    };
+    if held.ch.is_none() {
+        return;
+    }
+    let timer = Box::new(Timer {
+        at: Instant::now() + HOLD,
+        name: name.to_string(),
+        poller: PollerSlot::default(),
+    });
+    if thread::start_task(timer, c"qcow2_hold").is_err() {
+        return;
+    }
+    HELD.with(|h| h.borrow_mut().push(held));
+}
+
+/// Puts back the channel of bdev `name` held on this thread, if any (a creation over it
+/// has read its image; or the hold's time is up; or the bdev leaves).
+pub fn release(name: &str) {
+    let gone: Vec<Held> = HELD.with(|h| {
+        let mut h = h.borrow_mut();
+        let (gone, kept) = std::mem::take(&mut *h)
+            .into_iter()
+            .partition(|x| x.name == name);
+        *h = kept;
+        gone
+    });
+    // Dropped outside the borrow: the put may run SPDK callbacks.
+    drop(gone);
+}
+
+/// Releases a hold once [`HOLD`] has passed.
+struct Timer {
+    at: Instant,
+    name: String,
+    poller: PollerSlot,
+}
+
+impl Polled for Timer {
+    fn slot(&self) -> &PollerSlot {
+        &self.poller
+    }
+
+    fn poll(&self) -> Poll {
+        if Instant::now() < self.at {
+            Poll::Idle
+        } else {
+            Poll::Done
+        }
+    }
+
+    fn finish(self: Box<Self>) {
+        release(&self.name);
+    }
+}
