@@ -74,8 +74,27 @@ fn cache(broken: Broken) -> Arc<SharedReadCache> {
     .expect("one set")
 }
 
-/// A fill read in place: the slot's memory lent to a "device" thread that stores the
-/// granule through the loan's proof and hands the loan back; published after.
+/// How a filler fills the slot it claimed for granule `g` (with `g + 1`).
+#[derive(Clone, Copy)]
+enum FillBy {
+    /// `publish` copies the bytes in.
+    Copy,
+    /// Read in place: the slot's memory lent, stored through the loan's proof, published
+    /// after.
+    InPlace,
+}
+
+/// A cache of one set holding granules `gs`, each filled with its value (`g + 1`).
+fn cache_holding(broken: Broken, gs: std::ops::Range<u64>) -> Arc<SharedReadCache> {
+    let c = cache(broken);
+    for g in gs {
+        c.claim(g).expect("an empty slot").publish(&bytes(g + 1));
+    }
+    c
+}
+
+/// A fill read in place by a "device" thread: the slot's memory lent to it, it stores
+/// the granule through the loan's proof and hands the loan back; published after.
 fn fill_in_place(c: &Arc<SharedReadCache>, g: u64) {
     let lent = c.claim(g).expect("the empty slot").lend();
     let device = thread::spawn(move || {
@@ -100,15 +119,12 @@ fn read(c: &SharedReadCache, g: u64) {
 }
 
 /// A full set; a reader pins granule 0 and copies it out while a filler replaces a slot
-/// with granule 100. The filler starts once the pin is taken (a flag, so that the model
-/// needs no preemption inside the reader to reach the window; both copies race unless the
-/// protocol orders them).
-fn replace_under_a_reader(broken: Broken, in_place: bool) {
+/// with granule 100 (`FillBy::InPlace`: stored on the filler's own thread). The filler
+/// starts once the pin is taken (a flag, so that the model needs no preemption inside the
+/// reader to reach the window; both copies race unless the protocol orders them).
+fn replace_under_a_reader(broken: Broken, by: FillBy) {
     loom::model(move || {
-        let c = cache(broken);
-        for g in 0..WAYS as u64 {
-            c.claim(g).expect("an empty slot").publish(&bytes(g + 1));
-        }
+        let c = cache_holding(broken, 0..WAYS as u64);
         let pinned = Arc::new(AtomicBool::new(false));
         let f = {
             let (c, pinned) = (c.clone(), pinned.clone());
@@ -118,14 +134,14 @@ fn replace_under_a_reader(broken: Broken, in_place: bool) {
                 }
                 // The clock hand starts at granule 0's slot.
                 if let Some(f) = c.claim(100) {
-                    match in_place {
-                        true => {
+                    match by {
+                        FillBy::InPlace => {
                             let lent = f.lend();
                             let (mem, proof) = lent.memory();
                             mem.store(proof, 0, &bytes(101));
                             lent.publish();
                         }
-                        false => f.publish(&bytes(101)),
+                        FillBy::Copy => f.publish(&bytes(101)),
                     }
                 }
             })
@@ -144,55 +160,36 @@ fn replace_under_a_reader(broken: Broken, in_place: bool) {
     });
 }
 
-/// A reader looks granule 5 up while a filler fills it into the set's one empty slot.
-fn read_while_filled(broken: Broken) {
+/// A reader looks granule 5 up while a filler fills it into the set's one empty slot
+/// (`FillBy::InPlace`: read in place by a device thread, [`fill_in_place`]).
+fn read_while_filled(broken: Broken, by: FillBy) {
     loom::model(move || {
-        let c = cache(broken);
-        for g in 0..WAYS as u64 - 1 {
-            c.claim(g + 10)
-                .expect("an empty slot")
-                .publish(&bytes(g + 11));
-        }
+        let c = cache_holding(broken, 10..10 + WAYS as u64 - 1);
         let r = {
             let c = c.clone();
             thread::spawn(move || read(&c, 5))
         };
-        c.claim(5).expect("the empty slot").publish(&bytes(6));
-        r.join().unwrap();
-    });
-}
-
-/// A reader looks granule 5 up while a fill reads it in place into the set's empty slot.
-fn read_while_filled_in_place(broken: Broken) {
-    loom::model(move || {
-        let c = cache(broken);
-        for g in 0..WAYS as u64 - 1 {
-            c.claim(g + 10)
-                .expect("an empty slot")
-                .publish(&bytes(g + 11));
+        match by {
+            FillBy::Copy => c.claim(5).expect("the empty slot").publish(&bytes(6)),
+            FillBy::InPlace => fill_in_place(&c, 5),
         }
-        let r = {
-            let c = c.clone();
-            thread::spawn(move || read(&c, 5))
-        };
-        fill_in_place(&c, 5);
         r.join().unwrap();
     });
 }
 
 #[test]
 fn a_pinned_slot_is_never_replaced() {
-    replace_under_a_reader(Broken::default(), false);
+    replace_under_a_reader(Broken::default(), FillBy::Copy);
 }
 
 #[test]
 fn a_pinned_slot_is_never_replaced_in_place() {
-    replace_under_a_reader(Broken::default(), true);
+    replace_under_a_reader(Broken::default(), FillBy::InPlace);
 }
 
 #[test]
 fn a_hit_sees_its_fill() {
-    read_while_filled(Broken::default());
+    read_while_filled(Broken::default(), FillBy::Copy);
 }
 
 #[test]
@@ -203,7 +200,7 @@ fn broken_claim_of_a_pinned_slot_is_caught() {
             claim_pinned: true,
             ..Broken::default()
         },
-        false,
+        FillBy::Copy,
     );
 }
 
@@ -215,29 +212,35 @@ fn broken_claim_of_a_pinned_slot_in_place_is_caught() {
             claim_pinned: true,
             ..Broken::default()
         },
-        true,
+        FillBy::InPlace,
     );
 }
 
 #[test]
 #[should_panic]
 fn broken_publish_without_release_is_caught() {
-    read_while_filled(Broken {
-        relaxed_publish: true,
-        ..Broken::default()
-    });
+    read_while_filled(
+        Broken {
+            relaxed_publish: true,
+            ..Broken::default()
+        },
+        FillBy::Copy,
+    );
 }
 
 #[test]
 fn a_hit_sees_its_fill_read_in_place() {
-    read_while_filled_in_place(Broken::default());
+    read_while_filled(Broken::default(), FillBy::InPlace);
 }
 
 #[test]
 #[should_panic]
 fn broken_publish_in_place_without_release_is_caught() {
-    read_while_filled_in_place(Broken {
-        relaxed_publish: true,
-        ..Broken::default()
-    });
+    read_while_filled(
+        Broken {
+            relaxed_publish: true,
+            ..Broken::default()
+        },
+        FillBy::InPlace,
+    );
 }

@@ -847,6 +847,22 @@ mod real {
             v.get(0).cloned()
         }
 
+        /// Subsystem `nqn` listens on NVMe/TCP at 127.0.0.1:`port`.
+        fn listen_tcp(&self, nqn: &str, port: &str) {
+            self.rpc(&[
+                "nvmf_subsystem_add_listener",
+                nqn,
+                "-t",
+                "tcp",
+                "-f",
+                "ipv4",
+                "-a",
+                "127.0.0.1",
+                "-s",
+                port,
+            ]);
+        }
+
         fn stop(mut self) {
             let _ = self.try_rpc(&["spdk_kill_instance", "SIGTERM"]);
             if let Some(p) = self.proc.take() {
@@ -1099,8 +1115,14 @@ mod real {
 
     /// `qemu-img check` on `img`: exits 0 (no corruption, no leak).
     fn check_clean(img: &Path, what: &str) {
+        check_clean_args(&[s(img)], what);
+    }
+
+    /// `qemu-img check ARGS` (an image and how to open it): exits 0.
+    fn check_clean_args<A: AsRef<std::ffi::OsStr>>(args: &[A], what: &str) {
         let out = Command::new("qemu-img")
-            .args(["check", s(img)])
+            .arg("check")
+            .args(args)
             .output()
             .unwrap();
         assert!(
@@ -1993,18 +2015,7 @@ mod real {
             "bdev_qcow2",
         ]);
         t.rpc(&["nvmf_subsystem_add_ns", nqn, "q0"]);
-        t.rpc(&[
-            "nvmf_subsystem_add_listener",
-            nqn,
-            "-t",
-            "tcp",
-            "-f",
-            "ipv4",
-            "-a",
-            "127.0.0.1",
-            "-s",
-            &port,
-        ]);
+        t.listen_tcp(nqn, &port);
         let trid = format!("trtype:TCP adrfam:IPv4 traddr:127.0.0.1 trsvcid:{port} subnqn:{nqn}");
 
         // spdk_nvme_identify: one namespace of 64 MiB in 512-byte LBAs.
@@ -2316,6 +2327,18 @@ mod real {
         (out.status.success(), text)
     }
 
+    /// [`plugin_rpc`] of a call that must succeed; its answer as JSON.
+    fn plugin_json(sock: &Path, args: &[&str]) -> Value {
+        let (ok, text) = plugin_rpc(sock, args);
+        assert!(ok, "{}: {text}", args[0]);
+        serde_json::from_str(text.trim()).unwrap_or_else(|e| panic!("{}: {e}: {text}", args[0]))
+    }
+
+    /// `bdev_get_iostat` of bdev `name`: its object.
+    fn iostat(sock: &Path, name: &str) -> Value {
+        plugin_json(sock, &["bdev_get_iostat", "--names", name])["bdevs"][0].clone()
+    }
+
     /// bdevperf with an RPC socket, a `verify` workload (queue depth 32, 4 KiB) on every
     /// bdev of `cfg` from two cores for `secs` seconds; `during(sock)` runs while it does.
     /// Returns whether bdevperf saw no failure and no miscompare, and its output.
@@ -2527,10 +2550,7 @@ mod real {
 
     /// q0's object in `bdev_qcow2_get_stats` over the RPC socket `sock`.
     fn q0_stats(sock: &Path) -> Value {
-        let (ok, text) = plugin_rpc(sock, &["bdev_qcow2_get_stats", "-b", "q0"]);
-        assert!(ok, "bdev_qcow2_get_stats: {text}");
-        let v: Value = serde_json::from_str(text.trim()).unwrap();
-        v[0].clone()
+        plugin_json(sock, &["bdev_qcow2_get_stats", "-b", "q0"])[0].clone()
     }
 
     /// `no_space_errors` of q0 in `bdev_qcow2_get_stats`.
@@ -2974,6 +2994,26 @@ mod real {
             .and_then(|a| a.iter().find(|b| b["name"] == name))
             .map(|b| b["owner"]["stream"].clone())
             .unwrap_or(Value::Null)
+    }
+
+    /// Polls `bdev_qcow2_get_stats` of `name` through `rpc` (an RPC answering success and
+    /// its text) until the bdev's stream is done; panics if it fails or takes over 60 s.
+    /// Returns the last `stream` object.
+    fn wait_stream_done(name: &str, mut rpc: impl FnMut(&[&str]) -> (bool, String)) -> Value {
+        let t0 = Instant::now();
+        loop {
+            let (ok, out) = rpc(&["bdev_qcow2_get_stats", "-b", name]);
+            assert!(ok, "{out}");
+            let st = stream_stats(&out, name);
+            if st["state"] == "done" {
+                return st;
+            }
+            assert!(
+                st["state"] != "failed" && t0.elapsed() < Duration::from_secs(60),
+                "the stream did not finish: {st}"
+            );
+            std::thread::sleep(Duration::from_millis(200));
+        }
     }
 
     /// The `bdev_qcow2_create` call of `name` in `save_config` output `text`.

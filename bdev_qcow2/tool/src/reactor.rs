@@ -154,11 +154,9 @@ pub struct ReactorStats {
 /// of the queues. Lives on its own thread.
 pub struct Reactor<D: BlockDevice> {
     /// This reactor's index (0: the owner).
-    pub id: usize,
-    /// Its executor.
-    pub exec: Exec<D>,
-    /// Its chain.
-    pub chain: Rc<Chain<D>>,
+    id: usize,
+    exec: Exec<D>,
+    chain: Rc<Chain<D>>,
     dev: DevId,
     mesh: Arc<Mesh>,
     /// Owner: (core, tag) of forwarded requests in flight.
@@ -180,6 +178,21 @@ pub struct Reactor<D: BlockDevice> {
 }
 
 impl<D: BlockDevice> Reactor<D> {
+    /// This reactor's index (0: the owner).
+    pub fn id(&self) -> usize {
+        self.id
+    }
+
+    /// Its executor.
+    pub fn exec(&self) -> &Exec<D> {
+        &self.exec
+    }
+
+    /// Its chain (the owner's image or a core replica, with the backing layers).
+    pub fn chain(&self) -> &Rc<Chain<D>> {
+        &self.chain
+    }
+
     /// This core's channel to the image's device.
     pub fn dev(&self) -> DevId {
         self.dev

@@ -11,14 +11,10 @@ use std::process::{Command, Output};
 mod common;
 #[path = "common/dirty_ranges.rs"]
 mod dirty_ranges;
-use common::{info_bitmaps as bitmaps, output, qemu_img, qemu_io};
+use common::{info_bitmaps as bitmaps, output, qemu_img, qemu_io, s};
 use dirty_ranges::dirty_ranges;
 
 const QCOW2: &str = env!("CARGO_BIN_EXE_qcow2");
-
-fn s(p: &Path) -> &str {
-    p.to_str().unwrap()
-}
 
 /// `qcow2 bitmap ARGS` on `ours` and `qemu-img bitmap ARGS` on `theirs` (`IMG` standing
 /// for the image): both outputs.

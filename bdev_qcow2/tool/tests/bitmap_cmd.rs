@@ -14,15 +14,11 @@ mod common;
 mod dirty_ranges;
 #[path = "common/holder.rs"]
 mod holder;
-use common::{info_bitmaps as bitmaps, output, qemu_img, qemu_io};
+use common::{info_bitmaps as bitmaps, output, qemu_img, qemu_io, s};
 use dirty_ranges::dirty_ranges;
 use holder::QemuHolder;
 
 const QCOW2: &str = env!("CARGO_BIN_EXE_qcow2");
-
-fn s(p: &Path) -> &str {
-    p.to_str().unwrap()
-}
 
 /// A 64 MiB image with data and bitmaps `b0` (enabled, 64 KiB), `fine` (enabled, 4 KiB,
 /// holding later writes) and `off` (disabled, 512 B, holding other writes); and a copy.

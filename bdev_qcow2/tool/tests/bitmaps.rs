@@ -12,14 +12,10 @@ use std::time::{Duration, Instant};
 mod common;
 #[path = "common/dirty_ranges.rs"]
 mod dirty_ranges;
-use common::{output, qemu_img, qemu_io, run};
+use common::{output, qemu_img, qemu_io, run, s};
 use dirty_ranges::dirty_ranges as dirty;
 
 const QCOW2: &str = env!("CARGO_BIN_EXE_qcow2");
-
-fn s(p: &Path) -> &str {
-    p.to_str().expect("utf-8 path")
-}
 
 fn ours_io(img: &Path, cmds: &[&str]) {
     let mut c = Command::new(QCOW2);

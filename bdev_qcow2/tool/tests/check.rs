@@ -11,27 +11,12 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 mod common;
-use common::{qemu_img, run};
+use common::{qemu_img, qemu_io_clean, s};
 
 const QCOW2: &str = env!("CARGO_BIN_EXE_qcow2");
 
 fn qemu_io(img: &Path, cmds: &[&str]) {
-    let mut c = Command::new("qemu-io");
-    c.arg("-f").arg("qcow2");
-    for x in cmds {
-        c.arg("-c").arg(x);
-    }
-    c.arg(img);
-    let out = run(&mut c);
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        !text.contains("error") && !text.contains("failed"),
-        "qemu-io: {text}"
-    );
-}
-
-fn s(p: &Path) -> &str {
-    p.to_str().expect("utf-8 path")
+    qemu_io_clean(img, "qcow2", cmds);
 }
 
 /// Runs a check command; returns its exit code and the JSON it printed (Null if none).

@@ -12,14 +12,10 @@ use std::process::{Command, Output};
 mod common;
 #[path = "common/holder.rs"]
 mod holder;
-use common::{assert_check_clean, assert_same, output, qemu_img};
+use common::{assert_check_clean, assert_same, output, qemu_img, s};
 use holder::QemuHolder;
 
 const QCOW2: &str = env!("CARGO_BIN_EXE_qcow2");
-
-fn s(p: &Path) -> &str {
-    p.to_str().expect("utf-8 path")
-}
 
 fn text(b: &[u8]) -> String {
     String::from_utf8_lossy(b).into_owned()

@@ -4,13 +4,13 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // test helpers may panic
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::Command;
 
 mod common;
 #[path = "common/holder.rs"]
 mod holder;
-use common::{output, qemu_img, qemu_io};
+use common::{output, qemu_img, qemu_io, s};
 use holder::QemuHolder;
 
 const QCOW2: &str = env!("CARGO_BIN_EXE_qcow2");
@@ -38,10 +38,6 @@ impl Dir {
         }
         p
     }
-}
-
-fn s(p: &Path) -> &str {
-    p.to_str().unwrap()
 }
 
 /// Runs `qcow2 compare ARGS` and `qemu-img compare ARGS`; both must print the same on

@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 mod common;
-use common::{qemu_img, run};
+use common::{qemu_img, qemu_io_clean, run};
 
 const QCOW2: &str = env!("CARGO_BIN_EXE_qcow2");
 
@@ -27,18 +27,7 @@ fn qemu_io(img: &Path, cmds: &[String]) {
         .iter()
         .map(|c| c.replace("RAND", rand.to_str().expect("utf-8")))
         .collect();
-    let mut c = Command::new("qemu-io");
-    c.arg("-f").arg("qcow2");
-    for x in &cmds {
-        c.arg("-c").arg(x);
-    }
-    c.arg(img);
-    let out = run(&mut c);
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        !text.contains("error") && !text.contains("failed"),
-        "qemu-io: {text}"
-    );
+    qemu_io_clean(img, "qcow2", &cmds);
 }
 
 /// A random workload of writes (constant patterns, and random bytes so that data misplaced

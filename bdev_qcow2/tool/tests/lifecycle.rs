@@ -8,13 +8,9 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 mod common;
-use common::{output, qemu_img, qemu_io, run};
+use common::{output, qemu_img, qemu_io, run, s};
 
 const QCOW2: &str = env!("CARGO_BIN_EXE_qcow2");
-
-fn s(p: &Path) -> &str {
-    p.to_str().expect("utf-8 path")
-}
 
 struct Dir(tempfile::TempDir);
 

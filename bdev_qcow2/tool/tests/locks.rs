@@ -12,14 +12,10 @@ use std::time::{Duration, Instant};
 mod common;
 #[path = "common/holder.rs"]
 mod holder;
-use common::{output, qemu_img, qemu_io};
+use common::{output, qemu_img, qemu_io, s};
 use holder::{byte_locked, wait_locked, QemuHolder, READER_BYTE, WRITER_BYTE};
 
 const QCOW2: &str = env!("CARGO_BIN_EXE_qcow2");
-
-fn s(p: &Path) -> &str {
-    p.to_str().expect("utf-8 path")
-}
 
 fn text(b: &[u8]) -> String {
     String::from_utf8_lossy(b).into_owned()

@@ -4,17 +4,12 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // test helpers may panic
 
-use std::path::Path;
 use std::process::Command;
 
 mod common;
-use common::{output, qemu_img, qemu_io};
+use common::{output, qemu_img, qemu_io, s};
 
 const QCOW2: &str = env!("CARGO_BIN_EXE_qcow2");
-
-fn s(p: &Path) -> &str {
-    p.to_str().unwrap()
-}
 
 /// `qcow2 measure ARGS` and `qemu-img measure ARGS` print the same and exit alike;
 /// returns our stdout.

@@ -123,18 +123,18 @@ fn workload(
     // STRESS_QD overrides the queue depth per core (default 16).
     let qd_env = std::env::var("STRESS_QD").ok().and_then(|v| v.parse().ok());
     let qd: usize = qd_env.unwrap_or(16);
-    let mut rng = Rng(0x9e37_79b9 ^ ((r.id as u64 + 1) * 0x1000_0001));
+    let mut rng = Rng(0x9e37_79b9 ^ ((r.id() as u64 + 1) * 0x1000_0001));
     let bufs: Vec<AlignedBuf> = (0..qd).map(|_| AlignedBuf::new(64 << 10)).collect();
     let mut slots: Vec<Option<Op>> = vec![None; qd];
     let mut history = Vec::new();
     let mut issued = 0;
-    let mut next_id = (r.id as u64 + 1) << 40;
+    let mut next_id = (r.id() as u64 + 1) << 40;
     let mut done = Vec::new();
     let mut last_progress = std::time::Instant::now();
     // Every other band of 200 requests runs sequentially (each request starts where the
     // previous one of this core ended, whatever its kind), so read-ahead loads slices into
     // this core's cache while the owner changes them.
-    let mut cursor = ((r.id as u64 * 5) << 20) % size;
+    let mut cursor = ((r.id() as u64 * 5) << 20) % size;
     loop {
         if last_progress.elapsed() > std::time::Duration::from_secs(20) {
             let pending: Vec<_> = slots
@@ -144,9 +144,9 @@ fn workload(
                 .collect();
             panic!(
                 "reactor {} stalled: pending {pending:?}, stats {:?}, exec {:?}",
-                r.id,
+                r.id(),
                 r.stats(),
-                r.exec.stats()
+                r.exec().stats()
             );
         }
         for (i, slot) in slots.iter_mut().enumerate() {
@@ -189,7 +189,7 @@ fn workload(
             let tag = i as u64;
             let mut op = Op {
                 kind: Kind::Read,
-                core: r.id,
+                core: r.id(),
                 id: 0,
                 off,
                 len,
@@ -238,7 +238,7 @@ fn workload(
                 panic!("completion for an idle slot {i}");
             };
             if let Err(e) = res {
-                panic!("reactor {}: {:?} failed: {e}", r.id, op.kind);
+                panic!("reactor {}: {:?} failed: {e}", r.id(), op.kind);
             }
             op.complete = t;
             if op.kind == Kind::Read {
@@ -248,7 +248,7 @@ fn workload(
                     let sector = op.off / SECTOR + s as u64;
                     match stamp_of(chunk, sector) {
                         Ok(id) => op.seen.push(id),
-                        Err(e) => panic!("reactor {}: read at {:#x}: {e}", r.id, op.off),
+                        Err(e) => panic!("reactor {}: read at {:#x}: {e}", r.id(), op.off),
                     }
                 }
             }
@@ -355,14 +355,18 @@ fn run_stress(cfg: &Config) {
     let out = run_reactors_with_ring(cfg.cores, &open, eopts, true, ring, |r| {
         // The owner sweeps the zones the rings left (writes there then skip their bump)
         // many times a run, racing the rings' watches.
-        r.chain
+        r.chain()
             .ring()
             .set_sweep_every(std::time::Duration::from_micros(200));
         let history = workload(r, &clock, size, cfg.ops_per_core, cfg.ring, cfg.fresh);
-        let ring = r.chain.ring().stats().unwrap_or_default();
-        let kept = r.chain.kept_overwrites();
-        let swept = r.chain.ring().write_gens().map_or(0, |g| g.zones().swept());
-        Ok((history, r.chain.prefetch().stats(), (ring, swept), kept))
+        let ring = r.chain().ring().stats().unwrap_or_default();
+        let kept = r.chain().kept_overwrites();
+        let swept = r
+            .chain()
+            .ring()
+            .write_gens()
+            .map_or(0, |g| g.zones().swept());
+        Ok((history, r.chain().prefetch().stats(), (ring, swept), kept))
     })
     .expect("reactors");
     let stats: Vec<_> = out.iter().map(|(_, s)| *s).collect();

@@ -9,15 +9,11 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 mod common;
-use common::{qemu_img, qemu_io, run};
+use common::{qemu_img, qemu_io, run, s};
 
 const QCOW2: &str = env!("CARGO_BIN_EXE_qcow2");
 const CLUSTER: u64 = 64 << 10;
 const MIB: u64 = 1 << 20;
-
-fn s(p: &Path) -> &str {
-    p.to_str().expect("utf-8 path")
-}
 
 /// Bytes the file takes on its file system (`st_blocks`).
 fn allocated(p: &Path) -> u64 {

@@ -10,13 +10,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 mod common;
-use common::{assert_check_clean, assert_same, output, qemu_img, run};
+use common::{assert_check_clean, assert_same, output, qemu_img, qemu_io_clean, run, s};
 
 const QCOW2: &str = env!("CARGO_BIN_EXE_qcow2");
-
-fn s(p: &Path) -> &str {
-    p.to_str().expect("utf-8 path")
-}
 
 /// `qemu-img check`'s exit status (0 clean, 3 leaks only, 2 corrupt, 1 failed).
 fn check_status(img: &Path) -> i32 {
@@ -42,19 +38,7 @@ fn our_io(img: &Path, extra: &[&str], cmds: &[String]) -> Output {
 
 /// Runs qemu-io with `cmds` on `img` of format `fmt`.
 fn qemu_io(img: &Path, fmt: &str, cmds: &[String]) -> Output {
-    let mut c = Command::new("qemu-io");
-    c.arg("-f").arg(fmt);
-    for x in cmds {
-        c.arg("-c").arg(x);
-    }
-    c.arg(img);
-    let out = run(&mut c);
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        !text.contains("error") && !text.contains("failed"),
-        "qemu-io: {text}"
-    );
-    out
+    qemu_io_clean(img, fmt, cmds)
 }
 
 /// The report lines ("wrote …", "read …", "discard …") without the timing lines.

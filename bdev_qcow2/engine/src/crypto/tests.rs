@@ -1,3 +1,6 @@
+//! Unit tests of the sector ciphers and LUKS headers: known answers, round trips, hostile
+//! headers, the backends against each other.
+
 use super::cipher::{Backend, CipherAlg, IvGen, Mode};
 use super::hash::HashAlg;
 use super::*;

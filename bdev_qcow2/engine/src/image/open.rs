@@ -73,7 +73,7 @@ impl<D: BlockDevice> Qcow2<D> {
         let refcount_table: Vec<u64> = be_words(&rt_bytes).collect();
         let snapshots = Self::read_snapshots(exec, dev, &header, device_size).await?;
 
-        let (l2_cache, rc_cache) = Self::new_caches(&geo, l1.len(), refcount_table.len(), &opts)?;
+        let caches = Self::new_caches(&geo, l1.len(), refcount_table.len(), &opts)?;
         let role = if opts.writable {
             if header.is_corrupt() {
                 return Err(Error::MarkedCorrupt);
@@ -132,13 +132,9 @@ impl<D: BlockDevice> Qcow2<D> {
             l1: RefCell::new(l1),
             refcount_table: RefCell::new(refcount_table),
             snapshots: RefCell::new(snapshots),
-            memo: Rc::new(SliceMemo::new(
-                l2_cache.capacity(),
-                geo.slice_entries() as usize,
-                geo.cluster_bits,
-            )),
-            l2_cache: RefCell::new(l2_cache),
-            rc_cache: RefCell::new(rc_cache),
+            memo: caches.memo,
+            l2_cache: RefCell::new(caches.l2),
+            rc_cache: RefCell::new(caches.rc),
             role,
             dirty_bitmaps: None,
         };
@@ -185,13 +181,14 @@ impl<D: BlockDevice> Qcow2<D> {
         }
     }
 
-    /// Builds empty L2 slice and refcount block caches sized by `opts`.
+    /// Builds a core's empty L2 slice and refcount block caches sized by `opts`, and the
+    /// direct path's memo sized to the slice cache.
     pub(super) fn new_caches(
         geo: &Geometry,
         l1_entries: usize,
         rt_entries: usize,
         opts: &OpenOptions,
-    ) -> Result<(SetAssocCache<u64, SliceSummary>, SetAssocCache<u8>)> {
+    ) -> Result<Caches> {
         // By default, enough slices for the whole image, capped.
         let total_slices = (l1_entries as u64).max(1) * geo.slices_per_l2();
         let slice_bytes = 1u64 << geo.slice_bits;
@@ -217,6 +214,25 @@ impl<D: BlockDevice> Qcow2<D> {
             geo.cluster_size() as usize,
             rt_entries as u64,
         );
-        Ok((l2_cache, rc_cache))
+        let memo = Rc::new(SliceMemo::new(
+            l2_cache.capacity(),
+            geo.slice_entries() as usize,
+            geo.cluster_bits,
+        ));
+        Ok(Caches {
+            l2: l2_cache,
+            rc: rc_cache,
+            memo,
+        })
     }
+}
+
+/// A core's empty caches, built together so that the memo matches the slice cache.
+pub(super) struct Caches {
+    /// L2 slices.
+    pub(super) l2: SetAssocCache<u64, SliceSummary>,
+    /// Refcount blocks.
+    pub(super) rc: SetAssocCache<u8>,
+    /// The direct path's memo, one slot per slice the cache holds (up to its cap).
+    pub(super) memo: Rc<SliceMemo>,
 }

@@ -12,10 +12,8 @@ use crate::error::{Error, Result};
 use crate::exec::{DevId, Exec, WaitQueue};
 use crate::format::{L2Context, L2Entry, SubclusterBitmap};
 use crate::io::BlockDevice;
-use crate::memo::SliceMemo;
 use crate::types::GuestOffset;
 use std::cell::{Cell, RefCell};
-use std::rc::Rc;
 use std::sync::Arc;
 
 impl<D: BlockDevice> Qcow2<D> {
@@ -123,7 +121,7 @@ impl<D: BlockDevice> Qcow2<D> {
         }
         // Sized by the table, not by the room the owner keeps for it to grow online.
         let l1_len = seed.header.header.l1_size as usize;
-        let (l2_cache, rc_cache) = Self::new_caches(&seed.geo, l1_len, 0, &opts)?;
+        let caches = Self::new_caches(&seed.geo, l1_len, 0, &opts)?;
         // One reading for both: the owner may have grown the device since the seed was
         // taken, and `sync_core` only looks for changes from `device_size`.
         let device_size = seed.shared.device_size();
@@ -146,13 +144,9 @@ impl<D: BlockDevice> Qcow2<D> {
             l1: RefCell::new(Vec::new()),
             refcount_table: RefCell::new(Vec::new()),
             snapshots: RefCell::new(seed.snapshots),
-            memo: Rc::new(SliceMemo::new(
-                l2_cache.capacity(),
-                seed.geo.slice_entries() as usize,
-                seed.geo.cluster_bits,
-            )),
-            l2_cache: RefCell::new(l2_cache),
-            rc_cache: RefCell::new(rc_cache),
+            memo: caches.memo,
+            l2_cache: RefCell::new(caches.l2),
+            rc_cache: RefCell::new(caches.rc),
             role: ImageRole::Replica(CoreSide {
                 shared: seed.shared,
                 link,

@@ -10,10 +10,8 @@ use crate::error::Result;
 use crate::exec::{DevId, Exec};
 use crate::format::{ImageHeader, L1Entry, L2Context, Snapshot};
 use crate::io::BlockDevice;
-use crate::memo::SliceMemo;
 use crate::types::Geometry;
 use std::cell::{Cell, RefCell};
-use std::rc::Rc;
 use std::sync::Arc;
 
 /// The validated header and tables of an image opened read-only, copied (`Send`).
@@ -62,8 +60,7 @@ impl<D: BlockDevice> Qcow2<D> {
         dev: DevId,
         opts: OpenOptions,
     ) -> Result<Self> {
-        let (l2_cache, rc_cache) =
-            Self::new_caches(&seed.geo, seed.l1.len(), seed.refcount_table.len(), &opts)?;
+        let caches = Self::new_caches(&seed.geo, seed.l1.len(), seed.refcount_table.len(), &opts)?;
         let data_dev = super::encryption::data_view(exec, dev, seed.luks.as_ref());
         Ok(Qcow2 {
             exec: exec.clone(),
@@ -80,13 +77,9 @@ impl<D: BlockDevice> Qcow2<D> {
             l1: RefCell::new(seed.l1.clone()),
             refcount_table: RefCell::new(seed.refcount_table.clone()),
             snapshots: RefCell::new(seed.snapshots.clone()),
-            memo: Rc::new(SliceMemo::new(
-                l2_cache.capacity(),
-                seed.geo.slice_entries() as usize,
-                seed.geo.cluster_bits,
-            )),
-            l2_cache: RefCell::new(l2_cache),
-            rc_cache: RefCell::new(rc_cache),
+            memo: caches.memo,
+            l2_cache: RefCell::new(caches.l2),
+            rc_cache: RefCell::new(caches.rc),
             role: ImageRole::ReadOnly { shared: None },
             dirty_bitmaps: None,
         })

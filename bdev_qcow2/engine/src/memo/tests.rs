@@ -1,3 +1,5 @@
+//! Unit tests of the direct path's memo: slots, hits and conflicts, linear and mapped slices.
+
 use super::*;
 
 #[test]

@@ -159,19 +159,7 @@ fn a_deep_chain_of_qcow2_bdevs_reads_what_qemu_reads() {
     qemu_img(&["convert", "-O", "raw", s(&top), s(&want)]);
     let t = Target::start(d, "deep-stream", Some(&cfg));
     t.rpc(&["bdev_qcow2_stream", "-b", "q0"]);
-    let t0 = Instant::now();
-    loop {
-        let (ok, out) = t.try_rpc(&["bdev_qcow2_get_stats", "-b", "q0"]);
-        assert!(ok, "{out}");
-        if stream_stats(&out, "q0")["state"] == "done" {
-            break;
-        }
-        assert!(
-            t0.elapsed() < Duration::from_secs(60),
-            "the stream does not end: {out}"
-        );
-        std::thread::sleep(Duration::from_millis(200));
-    }
+    wait_stream_done("q0", |a| t.try_rpc(a));
     t.stop();
     check_clean(&top, "the overlay after a stream over the deep chain");
     no_backing(&top);

@@ -81,19 +81,7 @@ pub(super) fn decrypted(pw: &Path, img: &Path, out: &Path) -> Vec<u8> {
 }
 
 fn check_clean_keyed(pw: &Path, img: &Path, what: &str) {
-    let a = qemu_key_args(pw, img);
-    let out = Command::new("qemu-img")
-        .arg("check")
-        .args(&a)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{what}: qemu-img check exited {:?}:\n{}{}",
-        out.status.code(),
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    check_clean_args(&qemu_key_args(pw, img), what);
 }
 
 /// A config with the keyring's key `k0` over `pw` and `bdev` calls.

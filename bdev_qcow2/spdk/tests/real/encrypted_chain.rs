@@ -226,20 +226,7 @@ fn stream_of_an_encrypted_overlay_from_an_encrypted_golden_bdev() {
     fs::write(&cfg, serde_json::to_vec_pretty(&c).unwrap()).unwrap();
     let t = Target::start(d, "encst", Some(&cfg));
     t.rpc(&["bdev_qcow2_stream", "-b", "q0"]);
-    let t0 = Instant::now();
-    let last = loop {
-        let (ok, out) = t.try_rpc(&["bdev_qcow2_get_stats", "-b", "q0"]);
-        assert!(ok, "{out}");
-        let st = stream_stats(&out, "q0");
-        if st["state"] == "done" {
-            break st;
-        }
-        assert!(
-            t0.elapsed() < Duration::from_secs(60) && st["state"] != "failed",
-            "the stream did not finish: {st}"
-        );
-        std::thread::sleep(Duration::from_millis(200));
-    };
+    let last = wait_stream_done("q0", |a| t.try_rpc(a));
     t.stop();
     assert_eq!(last["bytes_done"], last["bytes_total"], "{last}");
     // The overlay alone: no backing file, clean, still encrypted with its own key, and it

@@ -11,10 +11,8 @@ const GOLDEN: u64 = 32 * MIB;
 
 /// bytes_read of bdev `name` (`bdev_get_iostat`).
 fn bytes_read(sock: &Path, name: &str) -> u64 {
-    let (ok, text) = plugin_rpc(sock, &["bdev_get_iostat", "--names", name]);
-    assert!(ok, "bdev_get_iostat: {text}");
-    let v: Value = serde_json::from_str(text.trim()).unwrap();
-    v["bdevs"][0]["bytes_read"]
+    let v = iostat(sock, name);
+    v["bytes_read"]
         .as_u64()
         .unwrap_or_else(|| panic!("no bytes_read: {v}"))
 }
@@ -55,12 +53,8 @@ fn storm(
         let r = perform(&[]);
         let golden_read = bytes_read(sock, "golden");
         let overlays: u64 = (0..n).map(|i| bytes_read(sock, &format!("vm{i}"))).sum();
-        let (ok, text) = plugin_rpc(sock, &["bdev_qcow2_get_stats", "-b", "vm0"]);
-        assert!(ok, "bdev_qcow2_get_stats: {text}");
-        let stats: Value = serde_json::from_str(text.trim()).unwrap();
-        let (ok, text) = plugin_rpc(sock, &["bdev_get_bdevs", "-b", "vm0"]);
-        assert!(ok, "bdev_get_bdevs: {text}");
-        let bdev: Value = serde_json::from_str(text.trim()).unwrap();
+        let stats = plugin_json(sock, &["bdev_qcow2_get_stats", "-b", "vm0"]);
+        let bdev = plugin_json(sock, &["bdev_get_bdevs", "-b", "vm0"]);
         assert!(r["results"].is_array(), "{r}");
         out = (golden_read, overlays, stats[0].clone(), bdev[0].clone());
     });

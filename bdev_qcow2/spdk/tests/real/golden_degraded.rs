@@ -84,18 +84,7 @@ print(json.dumps(out))
 fn export(t: &Target, name: &str, nqn: &str, port: u16) {
     t.rpc(&["nvmf_create_subsystem", nqn, "-a"]);
     t.rpc(&["nvmf_subsystem_add_ns", nqn, name]);
-    t.rpc(&[
-        "nvmf_subsystem_add_listener",
-        nqn,
-        "-t",
-        "tcp",
-        "-f",
-        "ipv4",
-        "-a",
-        "127.0.0.1",
-        "-s",
-        &port.to_string(),
-    ]);
+    t.listen_tcp(nqn, &port.to_string());
 }
 
 /// The backing state `bdev_qcow2_get_stats` and `bdev_get_bdevs` show for `name` (they

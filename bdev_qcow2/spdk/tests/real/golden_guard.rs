@@ -8,20 +8,9 @@ use super::*;
 
 const GOLDEN: u64 = 32 * MIB;
 
-/// `bdev_get_iostat` of bdev `name`.
-fn iostat(sock: &Path, name: &str) -> Value {
-    let (ok, text) = plugin_rpc(sock, &["bdev_get_iostat", "--names", name]);
-    assert!(ok, "bdev_get_iostat: {text}");
-    let v: Value = serde_json::from_str(text.trim()).unwrap();
-    v["bdevs"][0].clone()
-}
-
 /// The `backing_cache` object of bdev `name` in `bdev_qcow2_get_stats`.
 fn cache_stats(sock: &Path, name: &str) -> Value {
-    let (ok, text) = plugin_rpc(sock, &["bdev_qcow2_get_stats", "-b", name]);
-    assert!(ok, "bdev_qcow2_get_stats: {text}");
-    let v: Value = serde_json::from_str(text.trim()).unwrap();
-    v[0]["backing_cache"].clone()
+    plugin_json(sock, &["bdev_qcow2_get_stats", "-b", name])[0]["backing_cache"].clone()
 }
 
 fn overlay_args<'a>(name: &'a str, base: &'a str) -> [&'a str; 7] {
@@ -141,20 +130,7 @@ fn overlays_writes_never_reach_the_golden_bdev_and_a_stream_leaves_the_others_sh
         // vm0 streams the golden image into itself and drops it.
         let (ok, text) = plugin_rpc(sock, &["bdev_qcow2_stream", "-b", "vm0"]);
         assert!(ok, "bdev_qcow2_stream: {text}");
-        let t0 = Instant::now();
-        loop {
-            let (ok, out) = plugin_rpc(sock, &["bdev_qcow2_get_stats", "-b", "vm0"]);
-            assert!(ok, "{out}");
-            let st = stream_stats(&out, "vm0");
-            if st["state"] == "done" {
-                break;
-            }
-            assert!(
-                t0.elapsed() < Duration::from_secs(60),
-                "the stream does not end: {st}"
-            );
-            std::thread::sleep(Duration::from_millis(200));
-        }
+        wait_stream_done("vm0", |a| plugin_rpc(sock, a));
         let (_, all) = plugin_rpc(sock, &["bdev_qcow2_get_stats", "-b", "vm0"]);
         assert!(
             cache_stats(sock, "vm0").is_null(),

@@ -204,18 +204,7 @@ fn export(t: &Target, nqn: &str, port: &str) {
     t.rpc(&["nvmf_create_transport", "-t", "TCP"]);
     t.rpc(&["nvmf_create_subsystem", nqn, "-a", "-s", "QCOW2UUID0001"]);
     t.rpc(&["nvmf_subsystem_add_ns", nqn, "q0"]);
-    t.rpc(&[
-        "nvmf_subsystem_add_listener",
-        nqn,
-        "-t",
-        "tcp",
-        "-f",
-        "ipv4",
-        "-a",
-        "127.0.0.1",
-        "-s",
-        port,
-    ]);
+    t.listen_tcp(nqn, port);
 }
 
 /// Namespace 1's (UUID, NGUID) as an initiator reads them over TCP (`spdk_nvme_identify`).
@@ -407,20 +396,7 @@ fn driver_info_follows_resize_snapshots_and_stream() {
     // clusters, so with lazy refcounts the dirty bit goes up: the bdev says so as QEMU
     // reads it from the file.
     t.rpc(&["bdev_qcow2_stream", "-b", "q0"]);
-    let t0 = Instant::now();
-    loop {
-        let (ok, out) = t.try_rpc(&["bdev_qcow2_get_stats", "-b", "q0"]);
-        assert!(ok, "{out}");
-        let st = stream_stats(&out, "q0");
-        if st["state"] == "done" {
-            break;
-        }
-        assert!(
-            st["state"] != "failed" && t0.elapsed() < Duration::from_secs(60),
-            "stream: {st}"
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    wait_stream_done("q0", |a| t.try_rpc(a));
     let info = driver_info(&t, "q0").0;
     assert_eq!(info["backing_file"], Value::Null, "{info}");
     assert_eq!(info["backing_format"], Value::Null, "{info}");

@@ -15,9 +15,7 @@ fn space(sock: &Path) -> Value {
 
 /// The clusters the thin lvol lvs/lv has allocated.
 fn lvol_clusters(sock: &Path) -> u64 {
-    let (ok, text) = plugin_rpc(sock, &["bdev_get_bdevs", "-b", "lvs/lv"]);
-    assert!(ok, "bdev_get_bdevs: {text}");
-    let v: Value = serde_json::from_str(text.trim()).unwrap();
+    let v = plugin_json(sock, &["bdev_get_bdevs", "-b", "lvs/lv"]);
     v[0]["driver_specific"]["lvol"]["num_allocated_clusters"]
         .as_u64()
         .unwrap_or_else(|| panic!("no num_allocated_clusters: {v}"))

@@ -29,20 +29,7 @@ fn a_config_naming_a_streamed_away_backing_still_restarts() {
     // The stream runs to its end; the config saved before it still names `gold`.
     let t = Target::start(d, "sr1", Some(&before));
     t.rpc(&["bdev_qcow2_stream", "-b", "q0"]);
-    let t0 = Instant::now();
-    loop {
-        let (ok, out) = t.try_rpc(&["bdev_qcow2_get_stats", "-b", "q0"]);
-        assert!(ok, "{out}");
-        let st = stream_stats(&out, "q0");
-        if st["state"] == "done" {
-            break;
-        }
-        assert!(
-            st["state"] != "failed" && t0.elapsed() < Duration::from_secs(60),
-            "stream: {st}"
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    wait_stream_done("q0", |a| t.try_rpc(a));
     t.stop();
     no_backing(&ov);
 

@@ -8,14 +8,12 @@ use std::path::Path;
 use std::process::{Child, ChildStdin, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use crate::common::s;
+
 /// QEMU's lock byte held by every opener that writes (`RAW_LOCK_PERM_BASE` + write).
 pub const WRITER_BYTE: u64 = 101;
 /// The lock byte held by every opener that reads (+ consistent read).
 pub const READER_BYTE: u64 = 100;
-
-fn s(p: &Path) -> &str {
-    p.to_str().expect("utf-8 path")
-}
 
 /// Whether some open file description holds a lock over `byte` of `path` (/proc/locks).
 pub fn byte_locked(path: &Path, byte: u64) -> bool {

@@ -2,8 +2,14 @@
 
 #![allow(dead_code)] // each test crate uses its own subset
 
+use std::ffi::OsStr;
 use std::path::Path;
 use std::process::{Command, Output};
+
+/// `p` as a `&str` (test paths are UTF-8).
+pub fn s(p: &Path) -> &str {
+    p.to_str().expect("utf-8 path")
+}
 
 /// Runs `cmd` and returns its output (whatever the exit status).
 pub fn output(cmd: &mut Command) -> Output {
@@ -36,6 +42,23 @@ pub fn qemu_io(img: &std::path::Path, cmds: &[&str]) {
         c.arg("-c").arg(cmd);
     }
     run(c.arg(img));
+}
+
+/// `qemu-io -f FMT -c CMD... IMG`, which must succeed and print no error: qemu-io exits 0
+/// when a `-c` command fails, so its output is what tells.
+pub fn qemu_io_clean<C: AsRef<OsStr>>(img: &Path, fmt: &str, cmds: &[C]) -> Output {
+    let mut c = Command::new("qemu-io");
+    c.arg("-f").arg(fmt);
+    for cmd in cmds {
+        c.arg("-c").arg(cmd);
+    }
+    let out = run(c.arg(img));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        !text.contains("error") && !text.contains("failed"),
+        "qemu-io: {text}"
+    );
+    out
 }
 
 /// `qemu-img check IMG` finds nothing (exit status 0).

@@ -157,17 +157,17 @@ pub fn run_one(path: &Path, raw: bool, w: Workload, a: &PerfArgs) -> ToolResult<
         let ring = a.ring()?;
         let key = a.key()?;
         let out = run_reactors_keyed(cores, &open, opts, w.writes(), ring, key, |r| {
-            r.chain.prefetch().set_on(ring.is_some());
+            r.chain().prefetch().set_on(ring.is_some());
             if !a.cold {
                 warm(r)?;
             }
             let before = r.cache_stats();
-            let pf_before = r.chain.prefetch().stats();
-            let ring_before = r.chain.ring().stats().unwrap_or_default();
-            let core = r.id;
-            let dev_before = r.exec.with_device(r.dev(), |d| d.inner.stats());
+            let pf_before = r.chain().prefetch().stats();
+            let ring_before = r.chain().ring().stats().unwrap_or_default();
+            let core = r.id();
+            let dev_before = r.exec().with_device(r.dev(), |d| d.inner.stats());
             let (o, l, f) = drive(r, a, w, Lanes { core, cores })?;
-            let ds = device_since(&r.exec, r.dev(), dev_before);
+            let ds = device_since(r.exec(), r.dev(), dev_before);
             let after = r.cache_stats();
             let stats = qcow2_engine::cache::CacheStats {
                 hits: after.hits - before.hits,
@@ -175,8 +175,8 @@ pub fn run_one(path: &Path, raw: bool, w: Workload, a: &PerfArgs) -> ToolResult<
                 evictions: after.evictions - before.evictions,
                 ..after
             };
-            let pf = r.chain.prefetch().stats();
-            let ring_after = r.chain.ring().stats().unwrap_or_default();
+            let pf = r.chain().prefetch().stats();
+            let ring_after = r.chain().ring().stats().unwrap_or_default();
             Ok((
                 o,
                 l,

@@ -23,7 +23,7 @@ pub(super) trait PerfTarget {
 
 impl PerfTarget for Reactor<Dev> {
     fn size(&self) -> u64 {
-        self.chain.size()
+        self.chain().size()
     }
     fn submit(&mut self, tag: u64, write: bool, off: u64, buf: BufSlice<AlignedBuf>) {
         if write {
@@ -36,7 +36,7 @@ impl PerfTarget for Reactor<Dev> {
         Reactor::poll(self, done);
     }
     fn prefetch(&self, off: u64, write: bool) {
-        let disk = self.chain.disk();
+        let disk = self.chain().disk();
         if let Some(p) = disk.entry_hint(off) {
             crate::uring::prefetch_line(p.cast());
         }
@@ -210,8 +210,8 @@ pub(super) fn drive(
 /// Loads every L2 slice into this reactor's cache outside the timed run, like a
 /// long-running target: one sector per slice.
 pub(super) fn warm(r: &mut Reactor<Dev>) -> ToolResult<()> {
-    let size = r.chain.size();
-    let step = match &r.chain.layers()[0] {
+    let size = r.chain().size();
+    let step = match &r.chain().layers()[0] {
         Layer::Qcow2(q) => q.geometry().slice_coverage(),
         Layer::Raw { .. } => size.max(1),
     };
