@@ -461,8 +461,9 @@ pub(crate) struct MemoView {
     memo: Rc<SliceMemo>,
     /// A core replica's shared state (`None`: the owner, a read-only image).
     shared: Option<Arc<Shared>>,
-    /// A writable core replica: the memo answers overwrites ([`overwrite`](Self::overwrite)).
-    writable: bool,
+    /// A writable core replica's shared state (its memo answers overwrites,
+    /// [`overwrite`](Self::overwrite)); `None` elsewhere: one test per write, not two.
+    writes: Option<Arc<Shared>>,
     dev: DevId,
     /// log2 of a slice's coverage (guest bytes), and the coverage less one.
     coverage_bits: u32,
@@ -487,8 +488,8 @@ impl MemoView {
         debug_assert!(coverage.is_power_of_two());
         MemoView {
             memo,
+            writes: shared.clone().filter(|_| writable),
             shared,
-            writable,
             dev,
             coverage_bits: coverage.trailing_zeros(),
             coverage_mask: coverage - 1,
@@ -528,7 +529,7 @@ impl MemoView {
     /// ([`SliceMemo::extent_overwrite`], ARCHITECTURE.md §6); `None` elsewhere.
     #[inline(always)]
     pub(crate) fn overwrite(&self, off: u64, len: u64) -> Option<(u64, bool)> {
-        let sh = self.shared.as_deref().filter(|_| self.writable)?;
+        let sh = self.writes.as_deref()?;
         // (As in `read`.)
         let within = off & self.coverage_mask;
         if len == 0 || within + len > self.coverage_mask + 1 {

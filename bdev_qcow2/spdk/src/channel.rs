@@ -507,11 +507,13 @@ impl Channel {
     }
 
     /// A write this channel ran in place is about to complete: no thread's prefetch ring
-    /// may serve the bytes it replaced any more (a no-op while the ring is off).
+    /// may serve the bytes it replaced any more (a no-op while the image's ring is off).
+    /// The image's generations, held here: one test per write, not the chain's and its
+    /// ring's (and a channel whose own ring could not be allocated still bumps them).
     #[inline(always)]
     fn written(&self, io: &BdevIo) {
-        if let Some(chain) = self.chain.get() {
-            chain.ring().written(io.offset_bytes(), io.len_bytes());
+        if let Some((_, gens)) = &self.ring {
+            gens.written(io.offset_bytes(), io.len_bytes());
         }
     }
 

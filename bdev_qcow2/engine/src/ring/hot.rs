@@ -5,14 +5,19 @@
 //! ring's `RefCell`: where each stream continues, which stream slot a new stream takes
 //! next, and which slots a new stream may take without touching the ring's state.
 //!
-//! A random read continues no stream and starts one in a slot that reads nothing ahead
-//! and holds no chunk: [`Hot::passes`] does that here, with a few compares and stores,
-//! no borrow and no call. Everything else — a read that continues a stream, or one that
-//! must push out a stream holding chunks — goes to [`Ring::lookup`](super::Ring::lookup).
-//! A stream restarted here is marked fresh; the ring resets the rest of its state (its
-//! run, window, off switch) when the stream is next continued. The hot half also counts
-//! reads and when each stream was last started or continued: a stream not continued in
-//! [`STALE_READS`] reads has left, and its slot goes to the ring to hand on.
+//! A random read continues no stream and no recent read: [`Hot::passes`] finds that with
+//! one hash of its offset, a bit of a mask and one compare, and records where the read
+//! ends in a small table indexed by the same hash ([`ENDS`] slots), with no borrow and no
+//! call. A read that starts where a recent read ended is the second of a stream: that
+//! earlier read's stream takes its slot then, as if the earlier read had started it (what
+//! every read did before, in the table itself), and this read continues it — so a
+//! sequential chain is followed from the same read as before. Everything else — a read
+//! that continues a stream, or one whose stream must push out a stream holding chunks —
+//! goes to [`Ring::lookup`](super::Ring::lookup). A stream restarted here is marked fresh;
+//! the ring resets the rest of its state (its run, window, off switch) when the stream is
+//! next continued. The hot half also counts reads and when each stream was last started
+//! or continued: a stream not continued in [`STALE_READS`] reads has left, and its slot
+//! goes to the ring to hand on.
 
 use super::STALE_READS;
 use std::cell::Cell;
@@ -25,6 +30,22 @@ pub const STREAMS: usize = 4;
 const _: () = assert!(STREAMS <= 8 && 256 % STREAMS == 0);
 /// Every slot, a bit each.
 pub(crate) const ALL: u32 = (1 << STREAMS) - 1;
+
+/// Slots of the table of recent reads' ends (a power of two: the hash's top bits index
+/// it, and the streams' mask has a bit per slot).
+pub const ENDS: usize = 64;
+const _: () = assert!(ENDS.is_power_of_two() && ENDS <= 64);
+
+/// The hash of the table of ends (Fibonacci hashing: the top bits of a multiplication, so
+/// that ends a request size apart spread over every slot), and the shift to its top bits.
+const HASH: u64 = 0x9E37_79B9_7F4A_7C15;
+const HASH_SHIFT: u32 = 64 - ENDS.trailing_zeros();
+
+/// The slot of byte offset `x` in the table of ends.
+#[inline(always)]
+fn slot_of(x: u64) -> usize {
+    (x.wrapping_mul(HASH) >> HASH_SHIFT) as usize
+}
 
 /// Where [`STREAMS`] streams continue, and whose turn it is.
 #[derive(Debug)]
@@ -104,6 +125,12 @@ pub struct Hot {
     /// a stream not continued in [`STALE_READS`] reads has left.
     reads: Cell<u64>,
     last: [Cell<u64>; STREAMS],
+    /// Where recent reads that continued nothing ended, each in the slot of its hash
+    /// (`u64::MAX`: none; a later end with the same hash replaces it).
+    ends: [Cell<u64>; ENDS],
+    /// A bit per slot of `ends` whose hash some stream's next read has: a read whose bit
+    /// is clear continues no stream, without looking at them. Kept whenever a stream moves.
+    at: Cell<u64>,
 }
 
 impl Default for Hot {
@@ -115,6 +142,8 @@ impl Default for Hot {
             fresh: Default::default(),
             reads: Cell::new(0),
             last: Default::default(),
+            ends: std::array::from_fn(|_| Cell::new(u64::MAX)),
+            at: Cell::new(0),
         }
     }
 }
@@ -132,28 +161,46 @@ impl Hot {
     }
 
     /// A read of `len` bytes at `offset` arrives. True when the ring has nothing to do with
-    /// it: the ring is off, or the read continues no stream and a slot that neither reads
-    /// ahead nor holds chunks is free, where its stream starts (the read is a miss,
-    /// nothing more to do). False: the ring's state decides
-    /// ([`Ring::lookup`](super::Ring::lookup)).
+    /// it: the ring is off, or the read continues no stream and starts where no recent read
+    /// ended (it is a miss; where it ends is recorded), or it is the second of a stream
+    /// that a slot neither reading ahead nor holding chunks takes here. False: the ring's
+    /// state decides ([`Ring::lookup`](super::Ring::lookup)).
     ///
-    /// Every read runs it, and a random read nothing else of the ring: the look-up, the
-    /// round robin and the start are written out here on the fields (what
-    /// `StreamSlots::turn` and `start` do), and the count of reads stays in a register for
-    /// the start.
+    /// Every read runs it, and a random read nothing else of the ring: the count, one hash,
+    /// a bit of the streams' mask, one compare and one store.
     #[inline(always)]
     pub(crate) fn passes(&self, offset: u64, len: u64) -> bool {
         if !self.on.get() {
             return true;
         }
-        let reads = self.reads.get() + 1;
-        self.reads.set(reads);
-        let slots = &self.slots;
-        if slots.next.iter().any(|n| n.get() == offset) {
+        self.reads.set(self.reads.get() + 1);
+        // (`slot_of` written out: the request path's functions stay few, tests/read_path.py.)
+        let h = (offset.wrapping_mul(HASH) >> HASH_SHIFT) as usize;
+        if self.at.get() >> h & 1 == 0 && self.ends[h].get() != offset {
+            // (Wraps only past the end of any disk: an end no read starts at.)
+            let end = offset.wrapping_add(len);
+            self.ends[(end.wrapping_mul(HASH) >> HASH_SHIFT) as usize].set(end);
+            return true;
+        }
+        self.continues(offset, len)
+    }
+
+    /// [`passes`](Self::passes) for a read whose hash a stream's next read or a recent
+    /// end has.
+    #[inline(never)]
+    fn continues(&self, offset: u64, len: u64) -> bool {
+        if self.find(offset).is_some() {
             return false;
         }
-        // Most often the slot in turn is idle itself: no search.
-        let v = slots.victim.get() as usize % STREAMS;
+        if !self.ended_at(offset) {
+            // Another offset with the same hash: a read that continues nothing.
+            let end = offset.wrapping_add(len);
+            self.ends[slot_of(end)].set(end);
+            return true;
+        }
+        // The stream of the read that ended here starts now, in the slot in turn if it is
+        // idle (most often), else in an idle one; the ring continues it with this read.
+        let v = self.slots.turn();
         let i = if !self.busy[v].get() {
             v
         } else if self.left(v) {
@@ -165,12 +212,27 @@ impl Hot {
                 None => return false,
             }
         };
-        // (Wraps only past the end of any disk: a stream no read continues.)
-        slots.next[i].set(offset.wrapping_add(len));
-        slots.victim.set(i as u8 + 1);
-        self.fresh[i].set(true);
-        self.last[i].set(reads);
-        true
+        self.start(i, offset);
+        false
+    }
+
+    /// Whether a recent read that continued no stream ended at `offset` (the ring starts
+    /// its stream, which this read continues).
+    #[inline]
+    pub(super) fn ended_at(&self, offset: u64) -> bool {
+        self.ends[slot_of(offset)].get() == offset
+    }
+
+    /// Stream `i` moved on to `end`: the mask of the streams' next reads follows.
+    #[inline(always)]
+    fn moved(&self, i: usize, end: u64) {
+        self.slots.moved(i, end);
+        let at = self
+            .slots
+            .nexts()
+            .filter(|&n| n != u64::MAX)
+            .fold(0u64, |m, n| m | 1 << slot_of(n));
+        self.at.set(at);
     }
 
     /// The stream whose next read starts at `offset`.
@@ -219,7 +281,7 @@ impl Hot {
     /// it is next continued ([`take_fresh`](Self::take_fresh)).
     #[inline(always)]
     pub(super) fn start(&self, i: usize, end: u64) {
-        self.slots.moved(i, end);
+        self.moved(i, end);
         self.fresh[i].set(true);
         self.last[i].set(self.reads.get());
     }
@@ -228,7 +290,7 @@ impl Hot {
     /// last a new stream would take.
     #[inline(always)]
     pub(super) fn continued(&self, i: usize, end: u64) {
-        self.slots.moved(i, end);
+        self.moved(i, end);
         self.last[i].set(self.reads.get());
     }
 

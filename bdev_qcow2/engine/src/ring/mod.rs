@@ -277,9 +277,22 @@ impl Ring {
         gen_of: impl Fn(u64) -> u32,
     ) -> Lookup {
         let end = offset.saturating_add(len);
-        let Some(i) = hot.find(offset) else {
-            self.start_stream(hot, end);
-            return Lookup::Started;
+        let i = match hot.find(offset) {
+            Some(i) => i,
+            // The second read of a stream (a recent read ended here) whose slot the hot
+            // half could not give: its stream starts as if that read had started it, and
+            // this read continues it.
+            None if hot.ended_at(offset) => {
+                self.start_stream(hot, offset);
+                match hot.find(offset) {
+                    Some(i) => i,
+                    None => return Lookup::Started,
+                }
+            }
+            None => {
+                self.start_stream(hot, end);
+                return Lookup::Started;
+            }
         };
         hot.continued(i, end);
         {
