@@ -308,7 +308,7 @@ impl<D: BlockDevice> Exec<D> {
     /// Whether any task, device operation or unreported completion is outstanding.
     /// Inline: a host asks it after every completion it delivers (PERFORMANCE.md §13);
     /// the scan of devices with work of their own stays out of line.
-    #[inline]
+    #[inline(always)]
     pub fn busy(&self) -> bool {
         !self.inner.tasks.borrow().is_empty()
             || !self.inner.waiters.borrow().is_empty()
