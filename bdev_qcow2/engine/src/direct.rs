@@ -67,9 +67,13 @@ impl<D: BlockDevice> Chain<D> {
             true => None,
             false => self.plan_direct_read(offset, len),
         };
-        if let (None, false, Some(Layer::Qcow2(q))) =
-            (found, range.is_empty(), self.layers().first())
-        {
+        // (Only the owner caches from its dirty copy: a core replica, or a read-only
+        // image's channel, reading through to a backing layer asks nothing more.)
+        let owner = match self.layers().first() {
+            Some(Layer::Qcow2(q)) if q.is_writable() => Some(q),
+            _ => None,
+        };
+        if let (None, false, Some(q)) = (found, range.is_empty(), owner) {
             // The owner: a new table's slices are cached only once a request needs them.
             if q.cache_dirty_for_direct(GuestOffset(offset), false) {
                 found = self.plan_direct_read(offset, len);

@@ -90,6 +90,10 @@ struct Inner<D: BlockDevice> {
     grace: OnceCell<grace::Member>,
     /// A device may have work of its own ([`BlockDevice::may_have_own_work`]).
     own_work: Cell<bool>,
+    /// A device is visited only while it has operations outstanding
+    /// ([`BlockDevice::completes_only_submitted`], a deep chain's layer): without one, a
+    /// submission counts nothing for `polled`.
+    any_tracked: Cell<bool>,
 }
 
 impl<D: BlockDevice> Drop for Inner<D> {
@@ -142,6 +146,7 @@ impl<D: BlockDevice> Exec<D> {
                 failed: RefCell::new(Vec::new()),
                 grace: OnceCell::new(),
                 own_work: Cell::new(false),
+                any_tracked: Cell::new(false),
             }),
         }
     }
@@ -153,6 +158,9 @@ impl<D: BlockDevice> Exec<D> {
             self.inner.own_work.set(true);
         }
         let tracked = dev.completes_only_submitted();
+        if tracked {
+            self.inner.any_tracked.set(true);
+        }
         devs.push(dev);
         self.inner.polled.borrow_mut().add(devs.len() - 1, tracked);
         DevId(devs.len() - 1)
@@ -197,7 +205,10 @@ impl<D: BlockDevice> Exec<D> {
             return;
         }
         match self.inner.devs.borrow_mut()[dev.0].submit(op, tag) {
-            Ok(()) => self.inner.polled.borrow_mut().submitted(dev.0),
+            Ok(()) if self.inner.any_tracked.get() => {
+                self.inner.polled.borrow_mut().submitted(dev.0)
+            }
+            Ok(()) => {}
             Err(Busy(op, tag)) => {
                 self.bump(|s| s.busy_retries += 1);
                 retry.push_back((dev, op, tag));
@@ -295,14 +306,21 @@ impl<D: BlockDevice> Exec<D> {
     }
 
     /// Whether any task, device operation or unreported completion is outstanding.
+    /// Inline: a host asks it after every completion it delivers (PERFORMANCE.md §13);
+    /// the scan of devices with work of their own stays out of line.
+    #[inline(always)]
     pub fn busy(&self) -> bool {
         !self.inner.tasks.borrow().is_empty()
             || !self.inner.waiters.borrow().is_empty()
             || !self.inner.done.borrow().is_empty()
             || !self.inner.internal.borrow().is_empty()
-            || (self.inner.own_work.get()
-                && self.inner.devs.borrow().iter().any(|d| d.has_own_work()))
             || !self.inner.failed.borrow().is_empty()
+            || (self.inner.own_work.get() && self.devices_have_own_work())
+    }
+
+    #[inline(never)]
+    fn devices_have_own_work(&self) -> bool {
+        self.inner.devs.borrow().iter().any(|d| d.has_own_work())
     }
 
     /// Runs `fut` to completion by polling (the host's "synchronous" entry point for open,

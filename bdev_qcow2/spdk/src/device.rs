@@ -279,7 +279,15 @@ impl BaseDevice {
 
     /// A lazy device's first operation: takes the thread's channel of the bdev. `false`
     /// when SPDK gave none (the operation fails; the next one tries again).
+    #[inline(always)]
     fn take_channel(&mut self) -> bool {
+        self.later.is_none() || self.open_later()
+    }
+
+    /// [`take_channel`](Self::take_channel)'s first time (out of line: once per device).
+    #[cold]
+    #[inline(never)]
+    fn open_later(&mut self) -> bool {
         let Some(l) = &self.later else {
             return true;
         };
@@ -426,13 +434,14 @@ impl BlockDevice for BaseDevice {
                 .push_back((tag, Err(DeviceError(libc::ENOMEM))));
             return Ok(());
         }
-        let size = self.size();
         let Some(io) = &mut self.io else {
             // Gone: what needs the bdev fails (never zeros where its data belongs).
             self.refused.push_back((tag, Err(DeviceError(libc::EIO))));
             return Ok(());
         };
         let bs = io.block_size();
+        // (`size()` with a channel.)
+        let size = io.num_blocks() * bs;
         // Reads past the end of the device return zeros for the missing part (the seam's
         // contract); the part inside goes to the bdev.
         let inside_buf;

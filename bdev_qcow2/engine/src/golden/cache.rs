@@ -112,9 +112,11 @@ impl Default for Padded {
 }
 
 impl Padded {
+    #[inline]
     fn add(&self, n: u64) {
         self.0.fetch_add(n, Ordering::Relaxed);
     }
+    #[inline]
     fn get(&self) -> u64 {
         self.0.load(Ordering::Relaxed)
     }
@@ -240,6 +242,8 @@ impl SharedReadCache {
 
     /// Whether two readers or more hold it: only then do reads go through it. A reader
     /// alone would only pay the copies of a hit for what its own read-ahead already does.
+    /// Inline: every read of a backing device asks it (a call from another crate otherwise).
+    #[inline]
     pub fn is_shared(&self) -> bool {
         self.sharers.get() > 1
     }

@@ -39,6 +39,11 @@ pub struct CachedDevice<D: BlockDevice> {
     failed: Vec<u64>,
     /// Completions of reads served here, reported at the next poll.
     done: VecDeque<(u64, Result<(), DeviceError>)>,
+    /// Any of `fills`, `unsent`, `waiting`, `done` may be non-empty: set wherever they
+    /// grow outside a poll, recomputed at the end of each poll. The executor asks
+    /// [`has_own_work`](BlockDevice::has_own_work) after every completion; a lone
+    /// overlay's device answers it with this one load.
+    queued: bool,
 }
 
 /// How a host reads a fill straight into a slot's memory: a buffer of its device over a
@@ -93,6 +98,7 @@ impl<D: BlockDevice> CachedDevice<D> {
             unsent: VecDeque::new(),
             failed: Vec::new(),
             done: VecDeque::new(),
+            queued: false,
         }
     }
 
@@ -256,6 +262,7 @@ impl<D: BlockDevice> CachedDevice<D> {
     /// it; every other operation goes to the device.
     #[inline(never)]
     fn submit_shared(&mut self, op: DeviceOp<D::Buf>, tag: u64) -> Result<(), Busy<D::Buf>> {
+        self.queued = true;
         let DeviceOp::Read { offset, buf } = op else {
             return self.inner.submit(op, tag);
         };
@@ -281,6 +288,7 @@ impl<D: BlockDevice> CachedDevice<D> {
     }
 
     fn bypass(&mut self, tag: u64, offset: u64, buf: BufSlice<D::Buf>) {
+        self.queued = true;
         if let Some(c) = &self.cache {
             c.count_bypass();
         }
@@ -338,6 +346,10 @@ impl<D: BlockDevice> BlockDevice for CachedDevice<D> {
             done(tag, res);
             n += 1;
         }
+        self.queued = !(self.fills.is_empty()
+            && self.unsent.is_empty()
+            && self.waiting.is_empty()
+            && self.done.is_empty());
         n
     }
 
@@ -354,12 +366,9 @@ impl<D: BlockDevice> BlockDevice for CachedDevice<D> {
         self.cache.is_some() || self.inner.may_have_own_work()
     }
 
+    #[inline]
     fn has_own_work(&self) -> bool {
-        !(self.fills.is_empty()
-            && self.unsent.is_empty()
-            && self.waiting.is_empty()
-            && self.done.is_empty())
-            || self.inner.has_own_work()
+        self.queued || self.inner.has_own_work()
     }
 
     fn can_grow(&self) -> bool {
