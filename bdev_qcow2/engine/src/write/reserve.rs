@@ -27,6 +27,8 @@
 //! core's write completed.
 
 use super::parts::{AllocCursor, Allocs, Parts};
+use super::tickets::Plan;
+pub use super::tickets::Ticket;
 use super::top;
 use crate::chain::{Chain, Layer};
 use crate::error::Result;
@@ -34,27 +36,7 @@ use crate::exec::GraceEntry;
 use crate::image::owner::Owner;
 use crate::io::{BlockDevice, BufSlice, DeviceOp};
 use crate::types::{GuestOffset, HostOffset};
-use std::cell::RefCell;
 use std::rc::Rc;
-
-/// A first write the owner planned for a core ([`Chain::reserve_write`]): the owner's
-/// handle on it, handed back once ([`Chain::commit_reserved`], [`Chain::run_reserved`]).
-#[must_use = "a reservation holds clusters in flight until it is handed back"]
-#[derive(Debug, PartialEq, Eq)]
-pub struct Ticket(u64);
-
-impl Ticket {
-    /// The ticket as a word, for a host's message (SPDK: a bdev_io's driver area).
-    pub fn into_raw(self) -> u64 {
-        self.0
-    }
-
-    /// The ticket [`into_raw`](Self::into_raw) gave. A word no reservation holds is
-    /// refused by the owner's calls.
-    pub fn from_raw(raw: u64) -> Ticket {
-        Ticket(raw)
-    }
-}
 
 /// The owner's answer to a core's first write ([`Chain::reserve_write`]).
 #[derive(Debug, PartialEq, Eq)]
@@ -81,33 +63,6 @@ pub enum Reserved {
     /// lock taken, an overwrite by now, an error to report): the host sends the request
     /// with its data as any other.
     Send,
-}
-
-/// A plan kept for a core between [`Chain::reserve_write`] and its hand-back.
-struct Plan {
-    entry: GraceEntry,
-    start: GuestOffset,
-    parts: Parts,
-    allocs: Allocs,
-}
-
-/// The owner's plans held for cores, by ticket.
-#[derive(Default)]
-pub(crate) struct Reservations(RefCell<slab::Slab<Plan>>);
-
-impl Reservations {
-    fn insert(&self, plan: Plan) -> Ticket {
-        Ticket(self.0.borrow_mut().insert(plan) as u64)
-    }
-
-    fn take(&self, t: Ticket) -> Option<Plan> {
-        self.0.borrow_mut().try_remove(t.0 as usize)
-    }
-
-    /// How many are held (their clusters are in flight).
-    pub(crate) fn len(&self) -> usize {
-        self.0.borrow().len()
-    }
 }
 
 impl<D: BlockDevice> Chain<D> {
