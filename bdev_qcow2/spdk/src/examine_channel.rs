@@ -12,9 +12,8 @@
 
 use crate::ffi::bdev::{BdevEvents, ChannelRef, Desc};
 use crate::ffi::sys;
-use crate::ffi::thread::{self, Poll, Polled, PollerSlot};
 use std::cell::RefCell;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// How long a channel is held when no qcow2 creation comes to read it: long enough for a
 /// script's next RPC (`rpc.py` starts in about 100 ms), short enough that an AIO context
@@ -72,12 +71,8 @@ pub fn hold(name: &str) {
     if held.ch.is_none() {
         return;
     }
-    let timer = Box::new(Timer {
-        at: Instant::now() + HOLD,
-        name: name.to_string(),
-        poller: PollerSlot::default(),
-    });
-    if thread::start_task(timer, c"qcow2_hold").is_err() {
+    let hold_ends = |name: String| release(&name);
+    if crate::node::later::after(HOLD, c"qcow2_hold", name.to_string(), hold_ends).is_err() {
         return;
     }
     HELD.with(|h| h.borrow_mut().push(held));
@@ -96,29 +91,4 @@ pub fn release(name: &str) {
     });
     // Dropped outside the borrow: the put may run SPDK callbacks.
     drop(gone);
-}
-
-/// Releases a hold once [`HOLD`] has passed.
-struct Timer {
-    at: Instant,
-    name: String,
-    poller: PollerSlot,
-}
-
-impl Polled for Timer {
-    fn slot(&self) -> &PollerSlot {
-        &self.poller
-    }
-
-    fn poll(&self) -> Poll {
-        if Instant::now() < self.at {
-            Poll::Idle
-        } else {
-            Poll::Done
-        }
-    }
-
-    fn finish(self: Box<Self>) {
-        release(&self.name);
-    }
 }

@@ -15,7 +15,7 @@ pub mod hotplug;
 mod identity;
 mod info;
 mod keep;
-mod later;
+pub(crate) mod later;
 mod open;
 mod passes;
 mod teardown;

@@ -1,5 +1,6 @@
 //! A claim SPDK refused for a moment (another module's examine holds the bdev), tried again
-//! shortly on the same thread: one task poller that waits, then hands its state on.
+//! shortly on the same thread: one task poller that waits, then hands its state on (also
+//! the examine's channel hold, let go after a while).
 
 use crate::ffi::thread::{self, Poll, Polled, PollerSlot};
 use std::ffi::CStr;
@@ -41,8 +42,19 @@ impl<S: 'static> Polled for Later<S> {
 /// Runs `then(state)` on this thread once [`CLAIM_RETRY`] has passed; `Err(state)` when no
 /// poller could be registered.
 pub(super) fn retry_claim<S: 'static>(name: &CStr, state: S, then: fn(S)) -> Result<(), S> {
+    after(CLAIM_RETRY, name, state, then)
+}
+
+/// Runs `then(state)` on this thread once `delay` has passed; `Err(state)` when no poller
+/// could be registered.
+pub(crate) fn after<S: 'static>(
+    delay: Duration,
+    name: &CStr,
+    state: S,
+    then: fn(S),
+) -> Result<(), S> {
     let l = Box::new(Later {
-        at: Instant::now() + CLAIM_RETRY,
+        at: Instant::now() + delay,
         state,
         then,
         poller: PollerSlot::default(),
