@@ -149,7 +149,7 @@ pub struct Chain<D: BlockDevice> {
     /// Slices loaded without a task ([`Chain::load_slice_ahead`]).
     pub(crate) loads: RefCell<crate::slice_load::SliceLoads<D::Buf>>,
     /// Owner: first writes planned for cores that write their data themselves.
-    pub(crate) reservations: crate::write::Reservations,
+    pub(crate) reservations: crate::write::tickets::Reservations,
 }
 
 impl<D: BlockDevice> Chain<D> {

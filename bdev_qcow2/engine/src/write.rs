@@ -28,12 +28,11 @@ mod in_place;
 mod now;
 mod parts;
 mod reserve;
-mod tickets;
+pub(crate) mod tickets;
 mod zero;
 
 pub(crate) use in_place::WriteExtent;
 pub use reserve::{Reserved, Ticket};
-pub(crate) use tickets::Reservations;
 
 /// The chain's top image when it is a writable qcow2 image; [`Error::ReadOnly`] otherwise.
 fn top<D: BlockDevice>(chain: &Chain<D>) -> Result<&Qcow2<D>> {
