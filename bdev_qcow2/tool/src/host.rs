@@ -311,19 +311,15 @@ pub fn open_chain_on<D: BlockDevice>(
 /// more than the usual soft limit of 1024. Best effort: a chain that needs more than the
 /// limit fails to open a file with EMFILE, named.
 fn raise_fd_limit() {
-    let mut lim = libc::rlimit {
-        rlim_cur: 0,
-        rlim_max: 0,
+    use crate::ffi::sys;
+    let Ok(mut lim) = sys::nofile_limit() else {
+        return;
     };
-    // SAFETY: `lim` is a valid, writable `struct rlimit` that outlives the call.
-    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } != 0
-        || lim.rlim_cur >= lim.rlim_max
-    {
+    if lim.rlim_cur >= lim.rlim_max {
         return;
     }
     lim.rlim_cur = lim.rlim_max;
-    // SAFETY: `lim` is a valid, initialised `struct rlimit` that outlives the call.
-    unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &lim) };
+    let _ = sys::set_nofile_limit(&lim);
 }
 
 /// An image file and its format.

@@ -1,7 +1,12 @@
 //! `qcow2_tool`: the standalone polled host (io_uring devices, one executor per core) and
 //! the subcommands of the `qcow2` command-line tool.
 
+// `unsafe` lives in `ffi` alone, behind safe wrappers.
+#![deny(unsafe_code)]
+
 pub mod cmd;
+#[allow(unsafe_code)]
+pub mod ffi;
 pub mod host;
 pub mod lock;
 pub mod logwrites;

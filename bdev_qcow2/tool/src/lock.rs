@@ -15,9 +15,10 @@
 //! process ending, however) releases them, so a refused open needs no cleanup beyond
 //! dropping its file.
 
+use crate::ffi::sys::{self, OfdLockCmd};
 use std::fmt;
 use std::io;
-use std::os::fd::{AsRawFd, BorrowedFd};
+use std::os::fd::BorrowedFd;
 
 /// First lock byte of the permissions an opener uses (QEMU's `RAW_LOCK_PERM_BASE`; libvirt
 /// uses byte 0, QEMU leaves it room).
@@ -176,7 +177,7 @@ pub fn lock(fd: BorrowedFd<'_>, access: Access) -> Result<(), LockFailure> {
         .map(|(i, _)| PERM_BASE + i)
         .chain(denied.each().map(|(i, _)| SHARED_BASE + i));
     for byte in bytes {
-        ofd_lock(fd, libc::F_OFD_SETLK, libc::F_RDLCK, byte, 1)
+        ofd_lock(fd, OfdLockCmd::Set, libc::F_RDLCK, byte, 1)
             .map_err(|source| LockFailure::Os { byte, source })?;
     }
     let probes = perm
@@ -184,7 +185,7 @@ pub fn lock(fd: BorrowedFd<'_>, access: Access) -> Result<(), LockFailure> {
         .map(|(i, p)| (SHARED_BASE + i, p, false))
         .chain(denied.each().map(|(i, p)| (PERM_BASE + i, p, true)));
     for (byte, p, is_shared) in probes {
-        let held = ofd_lock(fd, libc::F_OFD_GETLK, libc::F_WRLCK, byte, 1)
+        let held = ofd_lock(fd, OfdLockCmd::Get, libc::F_WRLCK, byte, 1)
             .map_err(|source| LockFailure::Os { byte, source })?;
         if held {
             return Err(LockFailure::Conflict {
@@ -202,7 +203,7 @@ pub fn lock(fd: BorrowedFd<'_>, access: Access) -> Result<(), LockFailure> {
 /// that follows releases them anyway.
 pub fn unlock(fd: BorrowedFd<'_>) {
     let len = SHARED_BASE + 4 - PERM_BASE;
-    let _ = ofd_lock(fd, libc::F_OFD_SETLK, libc::F_UNLCK, PERM_BASE, len);
+    let _ = ofd_lock(fd, OfdLockCmd::Set, libc::F_UNLCK, PERM_BASE, len);
 }
 
 /// One OFD lock call on `len` bytes from `start`: `F_OFD_SETLK` takes (never waits) or,
@@ -211,7 +212,7 @@ pub fn unlock(fd: BorrowedFd<'_>) {
 /// holds (returns true if so).
 fn ofd_lock(
     fd: BorrowedFd<'_>,
-    cmd: libc::c_int,
+    cmd: OfdLockCmd,
     kind: libc::c_int,
     start: i64,
     len: i64,
@@ -224,14 +225,8 @@ fn ofd_lock(
         // OFD locks require 0 here.
         l_pid: 0,
     };
-    // SAFETY: `fd` is an open descriptor borrowed for the call; `fl` is a fully
-    // initialised `struct flock` that outlives it, which F_OFD_SETLK only reads and
-    // F_OFD_GETLK overwrites in place.
-    let r = unsafe { libc::fcntl(fd.as_raw_fd(), cmd, &mut fl as *mut libc::flock) };
-    if r == -1 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(cmd == libc::F_OFD_GETLK && fl.l_type != libc::F_UNLCK as libc::c_short)
+    sys::ofd_lock(fd, cmd, &mut fl)?;
+    Ok(cmd == OfdLockCmd::Get && fl.l_type != libc::F_UNLCK as libc::c_short)
 }
 
 #[cfg(test)]

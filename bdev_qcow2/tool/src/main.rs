@@ -1,6 +1,8 @@
 //! The `qcow2` command-line tool: qcow2 images through the bdev_qcow2 engine, with options,
 //! output and exit codes shaped like `qemu-img`.
 
+#![forbid(unsafe_code)]
+
 use clap::{CommandFactory, FromArgMatches, Subcommand};
 use qcow2_tool::cmd::{
     bitmap, check, commit, compare, convert, create, info, io, map, measure, perf, rebase, resize,

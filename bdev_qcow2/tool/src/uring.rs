@@ -8,169 +8,16 @@
 //! `FALLOC_FL_PUNCH_HOLE`, the size kept; on a block device the kernel unmaps, or answers
 //! EOPNOTSUPP).
 
-use io_uring::{opcode, types, IoUring};
-use qcow2_engine::compress::Decompressor;
-use qcow2_engine::format::CompressionType;
+use crate::ffi::ring::{Ring, RingOp};
+use crate::ffi::sys;
 use qcow2_engine::io::{BlockDevice, BufSlice, Busy, DeviceError, DeviceOp, IoBuffer};
 use slab::Slab;
-use std::alloc::{alloc_zeroed, dealloc, Layout};
 use std::fs::{File, OpenOptions};
-use std::os::fd::{AsFd, AsRawFd};
-use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
+use std::os::fd::AsFd;
+use std::os::unix::fs::{FileExt, FileTypeExt, OpenOptionsExt};
 use std::path::Path;
-use std::ptr::NonNull;
-use std::rc::Rc;
 
-/// Memory alignment of every buffer (enough for O_DIRECT on 4 KiB-sector devices).
-pub const BUF_ALIGN: usize = 4096;
-
-struct AlignedMem {
-    ptr: NonNull<u8>,
-    layout: Layout,
-}
-
-impl Drop for AlignedMem {
-    fn drop(&mut self) {
-        // SAFETY: `ptr` was returned by `alloc_zeroed(layout)` and is freed exactly once.
-        unsafe { dealloc(self.ptr.as_ptr(), self.layout) }
-    }
-}
-
-/// A 4 KiB-aligned, zero-initialised heap buffer shared by handle (like a DMA buffer).
-///
-/// Clones share the memory. The engine never touches a range while a device operation on
-/// it is in flight, and the device holds a clone until the operation completes, so the
-/// kernel never writes into freed memory.
-#[derive(Clone)]
-pub struct AlignedBuf {
-    mem: Rc<AlignedMem>,
-    len: usize,
-}
-
-impl AlignedBuf {
-    /// A zeroed buffer of `len` bytes.
-    pub fn new(len: usize) -> Self {
-        let size = len.max(1).next_multiple_of(BUF_ALIGN);
-        let Ok(layout) = Layout::from_size_align(size, BUF_ALIGN) else {
-            panic!("buffer of {len} bytes is too large");
-        };
-        // SAFETY: `layout` has a non-zero size.
-        let raw = unsafe { alloc_zeroed(layout) };
-        let Some(ptr) = NonNull::new(raw) else {
-            std::alloc::handle_alloc_error(layout)
-        };
-        AlignedBuf {
-            mem: Rc::new(AlignedMem { ptr, layout }),
-            len,
-        }
-    }
-
-    fn ptr(&self, off: usize, len: usize) -> *mut u8 {
-        assert!(
-            off.checked_add(len).is_some_and(|e| e <= self.len),
-            "buffer range out of bounds"
-        );
-        // SAFETY: `off + len <= self.len` was just checked, so the result stays inside the
-        // allocation.
-        unsafe { self.mem.ptr.as_ptr().add(off) }
-    }
-
-    /// Whether `len` bytes at `off` are all zero (no device I/O may be in flight on them).
-    pub fn is_zero(&self, off: usize, len: usize) -> bool {
-        let p = self.ptr(off, len);
-        // SAFETY: the range is in bounds (checked by `ptr`) and initialised (the allocation
-        // is zeroed at creation); no I/O writes it meanwhile (the caller's contract), and the
-        // slice does not outlive this call.
-        let s = unsafe { std::slice::from_raw_parts(p, len) };
-        s.iter().all(|b| *b == 0)
-    }
-
-    /// A copy of `len` bytes at `off`.
-    pub fn to_vec(&self, off: usize, len: usize) -> Vec<u8> {
-        let mut v = vec![0; len];
-        self.copy_out(off, &mut v);
-        v
-    }
-}
-
-impl IoBuffer for AlignedBuf {
-    fn len(&self) -> usize {
-        self.len
-    }
-    fn copy_out(&self, off: usize, dst: &mut [u8]) {
-        let src = self.ptr(off, dst.len());
-        // SAFETY: the range is in bounds (checked by `ptr`); `dst` is a distinct Rust slice,
-        // so the regions do not overlap; no device I/O is in flight on this range.
-        unsafe { std::ptr::copy_nonoverlapping(src, dst.as_mut_ptr(), dst.len()) }
-    }
-    fn copy_in(&self, off: usize, src: &[u8]) {
-        let dst = self.ptr(off, src.len());
-        // SAFETY: as in `copy_out`, with the roles swapped.
-        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst, src.len()) }
-    }
-    fn copy_to(&self, off: usize, dst: &Self, dst_off: usize, len: usize) {
-        let (src, to) = (self.ptr(off, len), dst.ptr(dst_off, len));
-        // SAFETY: both ranges are in bounds (checked by `ptr`); `copy` allows them to
-        // overlap (the same buffer); no device I/O is in flight on either range.
-        unsafe { std::ptr::copy(src, to, len) }
-    }
-    fn fill(&self, off: usize, len: usize, byte: u8) {
-        let dst = self.ptr(off, len);
-        // SAFETY: the range is in bounds (checked by `ptr`).
-        unsafe { std::ptr::write_bytes(dst, byte, len) }
-    }
-    fn with_bytes_mut(&self, off: usize, len: usize, f: &mut dyn FnMut(&mut [u8])) {
-        let p = self.ptr(off, len);
-        // SAFETY: in bounds (checked by `ptr`) and initialised (zeroed at allocation); no
-        // device I/O is in flight on it (the engine transforms a read's bytes after it
-        // completed, a write's before it is submitted), and `f`, the sector cipher, reaches
-        // no buffer: the slice is the only view of those bytes until the call returns.
-        let bytes = unsafe { std::slice::from_raw_parts_mut(p, len) };
-        f(bytes)
-    }
-    fn decompress_to(
-        &self,
-        off: usize,
-        len: usize,
-        dec: &mut Decompressor,
-        ct: CompressionType,
-        out: &mut [u8],
-    ) -> Option<qcow2_engine::Result<()>> {
-        let p = self.ptr(off, len);
-        // SAFETY: in bounds (checked by `ptr`) and initialised (zeroed at allocation); no
-        // device I/O is in flight on it, and for the call only the decompressor, which
-        // reaches no buffer, reads it; `out` is a distinct Rust slice.
-        let input = unsafe { std::slice::from_raw_parts(p, len) };
-        Some(dec.decompress(ct, input, out))
-    }
-    fn decompress_into(
-        &self,
-        off: usize,
-        len: usize,
-        src: &Self,
-        src_off: usize,
-        src_len: usize,
-        dec: &mut Decompressor,
-        ct: CompressionType,
-    ) -> Option<qcow2_engine::Result<()>> {
-        let overlap =
-            Rc::ptr_eq(&self.mem, &src.mem) && off < src_off + src_len && src_off < off + len;
-        if overlap {
-            return None;
-        }
-        let (p, q) = (self.ptr(off, len), src.ptr(src_off, src_len));
-        // SAFETY: both ranges are in bounds (checked by `ptr`) and do not overlap (just
-        // checked); no device I/O is in flight on either; for the call only the
-        // decompressor, which reaches no buffer, touches them.
-        let (out, input) = unsafe {
-            (
-                std::slice::from_raw_parts_mut(p, len),
-                std::slice::from_raw_parts(q, src_len),
-            )
-        };
-        Some(dec.decompress(ct, input, out))
-    }
-}
+pub use crate::ffi::aligned_buf::{AlignedBuf, BUF_ALIGN};
 
 /// An operation in flight: what to resubmit after a short transfer.
 struct InFlight {
@@ -182,7 +29,7 @@ struct InFlight {
 /// A file or block device served through io_uring.
 pub struct UringDevice {
     file: File,
-    ring: IoUring,
+    ring: Ring,
     size: u64,
     /// Length of the file on disk: at least `size`; grown ahead of appending writes (see
     /// `grow_ahead`) and trimmed back to `size` on drop. 0 for block devices.
@@ -244,15 +91,7 @@ impl Drop for UringDevice {
 fn device_size(file: &File) -> std::io::Result<u64> {
     let md = file.metadata()?;
     if md.file_type().is_block_device() {
-        let mut size: u64 = 0;
-        // BLKGETSIZE64 = _IOR(0x12, 114, size_t)
-        const BLKGETSIZE64: libc::c_ulong = 0x8008_1272;
-        // SAFETY: the fd is valid for the lifetime of `file`; the ioctl writes one u64.
-        let r = unsafe { libc::ioctl(file.as_raw_fd(), BLKGETSIZE64, &mut size as *mut u64) };
-        if r != 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        Ok(size)
+        sys::block_device_size(file.as_fd())
     } else {
         Ok(md.len())
     }
@@ -260,22 +99,17 @@ fn device_size(file: &File) -> std::io::Result<u64> {
 
 /// Whether `file` lies on tmpfs (memory only: its `fsync` is a no-op).
 fn on_tmpfs(file: &File) -> bool {
-    const TMPFS_MAGIC: libc::c_long = 0x0102_1994;
-    // SAFETY: `st` is a plain C struct that `fstatfs` fills; all-zero is a valid value.
-    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
-    // SAFETY: the fd is valid for the lifetime of `file`; `st` is writable and alive.
-    let r = unsafe { libc::fstatfs(file.as_raw_fd(), &mut st) };
-    r == 0 && st.f_type as libc::c_long == TMPFS_MAGIC
+    const TMPFS_MAGIC: i64 = 0x0102_1994;
+    sys::fs_type(file.as_fd()).is_ok_and(|t| t == TMPFS_MAGIC)
 }
 
 /// Whether 512-byte aligned O_DIRECT reads work on this file (a file system that cannot do
 /// direct I/O at that alignment answers EINVAL; an empty file answers 0 bytes).
 fn direct_io_works(file: &File) -> bool {
     let buf = AlignedBuf::new(512);
-    let p = buf.ptr(0, 512);
-    // SAFETY: `p` points at 512 writable bytes owned by `buf`, alive for the call.
-    let r = unsafe { libc::pread(file.as_raw_fd(), p.cast(), 512, 0) };
-    r >= 0
+    let mut ok = false;
+    buf.with_bytes_mut(0, 512, &mut |b| ok = file.read_at(b, 0).is_ok());
+    ok
 }
 
 impl UringDevice {
@@ -302,7 +136,7 @@ impl UringDevice {
             Err(e) => return Err(e),
         };
         let size = device_size(&file)?;
-        let ring = IoUring::new(depth.next_power_of_two())?;
+        let ring = Ring::new(depth.next_power_of_two())?;
         let regular_file = file.metadata()?.file_type().is_file();
         let in_memory = regular_file && on_tmpfs(&file);
         Ok(UringDevice {
@@ -368,32 +202,38 @@ impl UringDevice {
 
     /// Queues the SQE for `inflight[idx]` (its remaining part). Returns false if the SQ is full.
     fn push_sqe(&mut self, idx: usize) -> bool {
-        let fd = types::Fd(self.file.as_raw_fd());
         let f = &self.inflight[idx];
-        let entry = match &f.op {
+        let op = match &f.op {
             DeviceOp::Read { offset, buf } | DeviceOp::Write { offset, buf } => {
-                let ptr = buf.buf.ptr(buf.off + f.done, buf.len - f.done);
-                let len = (buf.len - f.done) as u32;
-                let off = offset + f.done as u64;
+                let (off, len, at) = (
+                    buf.off + f.done,
+                    (buf.len - f.done) as u32,
+                    offset + f.done as u64,
+                );
                 if matches!(f.op, DeviceOp::Read { .. }) {
-                    opcode::Read::new(fd, ptr, len).offset(off).build()
+                    RingOp::Read {
+                        buf: &buf.buf,
+                        off,
+                        len,
+                        at,
+                    }
                 } else {
-                    opcode::Write::new(fd, ptr, len).offset(off).build()
+                    RingOp::Write {
+                        buf: &buf.buf,
+                        off,
+                        len,
+                        at,
+                    }
                 }
             }
-            DeviceOp::Flush => opcode::Fsync::new(fd)
-                .flags(types::FsyncFlags::DATASYNC)
-                .build(),
-            DeviceOp::Discard { offset, len } => opcode::Fallocate::new(fd, *len)
-                .offset(*offset)
-                .mode(libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE)
-                .build(),
+            DeviceOp::Flush => RingOp::DataSync,
+            DeviceOp::Discard { offset, len } => RingOp::PunchHole {
+                at: *offset,
+                len: *len,
+            },
             DeviceOp::WriteZeroes { .. } => unreachable!("`submit` writes zeroes from a buffer"),
-        }
-        .user_data(idx as u64);
-        // SAFETY: the buffer behind `ptr` is kept alive by the `InFlight` entry (which holds
-        // a clone of its handle) until the CQE for this SQE is reaped in `poll`.
-        let pushed = unsafe { self.ring.submission().push(&entry).is_ok() };
+        };
+        let pushed = self.ring.push(self.file.as_fd(), op, idx).is_ok();
         if pushed {
             self.unsubmitted += 1;
         }
@@ -542,11 +382,7 @@ impl BlockDevice for UringDevice {
             }
         }
         let mut cqes = std::mem::take(&mut self.cqes);
-        cqes.extend(
-            self.ring
-                .completion()
-                .map(|cqe| (cqe.user_data(), cqe.result())),
-        );
+        self.ring.reap(&mut cqes);
         for &(idx, res) in &cqes {
             self.complete(idx as usize, res);
         }
@@ -563,20 +399,14 @@ impl BlockDevice for UringDevice {
 /// Whether `pos` of a file lies in data or a hole, and where that run ends (`SEEK_DATA` /
 /// `SEEK_HOLE`). Returns `(is_data, end)`; file systems without hole reporting say data.
 pub fn data_or_hole(file: &File, pos: u64, end: u64) -> (bool, u64) {
-    let fd = file.as_raw_fd();
-    // SAFETY: lseek on a valid fd has no memory effects.
-    let data = unsafe { libc::lseek(fd, pos as libc::off_t, libc::SEEK_DATA) };
-    if data < 0 {
+    let Ok(data) = sys::seek_data(file.as_fd(), pos) else {
         // ENXIO: no data at or after pos — a hole to the end.
         return (false, end);
-    }
-    let data = data as u64;
+    };
     if data > pos {
         return (false, data.min(end));
     }
-    // SAFETY: as above.
-    let hole = unsafe { libc::lseek(fd, pos as libc::off_t, libc::SEEK_HOLE) };
-    let hole = if hole < 0 { end } else { hole as u64 };
+    let hole = sys::seek_hole(file.as_fd(), pos).unwrap_or(end);
     (true, hole.min(end).max(pos + 1))
 }
 
@@ -585,49 +415,5 @@ pub fn data_or_hole(file: &File, pos: u64, end: u64) -> (bool, u64) {
 /// them ([`Disk::entry_hint`](qcow2_engine::chain::Disk::entry_hint)).
 #[inline]
 pub fn prefetch_line(p: *const u8) {
-    #[cfg(target_arch = "x86_64")]
-    // SAFETY: a prefetch never faults, whatever the address; SSE is part of x86_64.
-    unsafe {
-        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(p.cast())
-    };
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = p;
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use qcow2_engine::compress::compress;
-
-    #[test]
-    fn clusters_decompress_straight_between_buffers_and_never_onto_themselves() {
-        let cluster: Vec<u8> = (0..65536u32)
-            .map(|i| (i % 251) as u8 ^ (i >> 12) as u8)
-            .collect();
-        for ct in [CompressionType::Zlib, CompressionType::Zstd] {
-            let z = compress(ct, &cluster).expect("compressible");
-            let rec = AlignedBuf::new(z.len() + 4096);
-            rec.copy_in(100, &z);
-            let slot = AlignedBuf::new(3 * 65536);
-            let mut dec = Decompressor::default();
-            let r = slot.decompress_into(65536, 65536, &rec, 100, z.len(), &mut dec, ct);
-            assert!(matches!(r, Some(Ok(()))), "{ct:?}");
-            assert_eq!(slot.to_vec(65536, 65536), cluster);
-            assert!(slot.is_zero(0, 65536) && slot.is_zero(2 * 65536, 65536));
-            let mut out = vec![0; 65536];
-            let r = rec.decompress_to(100, z.len(), &mut dec, ct, &mut out);
-            assert!(matches!(r, Some(Ok(()))));
-            assert_eq!(out, cluster);
-            // Within one buffer: apart, straight; overlapping, refused.
-            slot.copy_in(0, &z);
-            let r = slot.decompress_into(65536, 65536, &slot, 0, z.len(), &mut dec, ct);
-            assert!(matches!(r, Some(Ok(()))));
-            assert!(slot
-                .decompress_into(0, 65536, &slot, 0, z.len(), &mut dec, ct)
-                .is_none());
-            // Garbage is an error, not a panic.
-            let r = slot.decompress_into(65536, 65536, &rec, 0, 64, &mut dec, ct);
-            assert!(matches!(r, Some(Err(_))));
-        }
-    }
+    sys::prefetch_line(p)
 }

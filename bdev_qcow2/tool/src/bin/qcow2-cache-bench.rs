@@ -1,3 +1,4 @@
+#![forbid(unsafe_code)]
 #![allow(clippy::expect_used, clippy::unwrap_used)] // a benchmark: abort on setup failure
 
 //! L2 slice cache benchmark (issue 5's figures): the per-core set-associative cache

@@ -12,6 +12,8 @@
 //!
 //! `qcow2-crypt-bench [ROUNDS]` (default 5).
 
+#![forbid(unsafe_code)]
+
 use openssl::cipher::Cipher;
 use openssl::cipher_ctx::CipherCtx;
 use openssl::error::ErrorStack;

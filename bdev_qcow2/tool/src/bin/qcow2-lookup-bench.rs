@@ -1,3 +1,4 @@
+#![forbid(unsafe_code)]
 #![allow(clippy::expect_used, clippy::unwrap_used)] // a benchmark: abort on setup failure
 
 //! Direct-path look-up benchmark: the CPU cost of `Chain::route_read` (what the SPDK module

@@ -1,3 +1,4 @@
+#![forbid(unsafe_code)]
 #![allow(clippy::expect_used, clippy::unwrap_used)] // a benchmark: abort on setup failure
 
 //! Write-path benchmark: allocating writes vs writes into allocated clusters, side by side

@@ -448,7 +448,7 @@ pub fn run(args: &CreateArgs) -> ToolResult<String> {
 /// later writes find the space; everything reads as before (zeros where nothing was
 /// written).
 fn reserve_blocks(path: &Path) -> ToolResult<()> {
-    use std::os::fd::AsRawFd;
+    use std::os::fd::AsFd;
     let io = |source| ToolError::Io {
         path: path.display().to_string(),
         source,
@@ -460,12 +460,7 @@ fn reserve_blocks(path: &Path) -> ToolResult<()> {
     let len = f.metadata().map_err(io)?.len();
     let len =
         libc::off_t::try_from(len).map_err(|_| io(std::io::ErrorKind::InvalidInput.into()))?;
-    // SAFETY: `f` is an open descriptor for the call's duration; posix_fallocate only
-    // allocates blocks for the range and returns an errno.
-    match unsafe { libc::posix_fallocate(f.as_raw_fd(), 0, len) } {
-        0 => Ok(()),
-        e => Err(io(std::io::Error::from_raw_os_error(e))),
-    }
+    crate::ffi::sys::posix_fallocate(f.as_fd(), 0, len).map_err(io)
 }
 
 /// `preallocation=metadata|full` on a freshly formatted image.
