@@ -182,13 +182,23 @@ pub struct Geometry {
     coverage_mask: u64,
 }
 
+/// The width of an image's L2 entries (the `extended_l2` incompatible feature).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum L2EntryWidth {
+    /// 64-bit entries, one per cluster.
+    Standard,
+    /// 128-bit extended entries: the mapping and a bitmap of 32 subclusters.
+    Extended,
+}
+
 /// Number of subclusters per cluster with extended L2 entries.
 pub const SUBCLUSTERS: u64 = 32;
 
 impl Geometry {
-    /// The geometry of clusters of 2^`cluster_bits` bytes, with extended L2 entries or not,
+    /// The geometry of clusters of 2^`cluster_bits` bytes, with L2 entries of `width`,
     /// cached in slices of 2^`slice_bits` bytes.
-    pub fn new(cluster_bits: u32, extended_l2: bool, slice_bits: u32) -> Self {
+    pub fn new(cluster_bits: u32, width: L2EntryWidth, slice_bits: u32) -> Self {
+        let extended_l2 = width == L2EntryWidth::Extended;
         let coverage_bits = cluster_bits + slice_bits - if extended_l2 { 4 } else { 3 };
         Geometry {
             cluster_bits,
@@ -334,7 +344,7 @@ mod tests {
 
     #[test]
     fn geometry_64k() {
-        let g = Geometry::new(16, false, 12);
+        let g = Geometry::new(16, L2EntryWidth::Standard, 12);
         assert_eq!(g.l2_entries(), 8192);
         assert_eq!(g.slice_entries(), 512);
         assert_eq!(g.slices_per_l2(), 16);
@@ -352,7 +362,7 @@ mod tests {
 
     #[test]
     fn host_clusters_and_offsets() {
-        let g = Geometry::new(16, false, 12);
+        let g = Geometry::new(16, L2EntryWidth::Standard, 12);
         assert_eq!(g.host_cluster_offset(HostCluster(3)), HostOffset(3 << 16));
         assert_eq!(g.host_cluster(HostOffset((3 << 16) + 5)), HostCluster(3));
         assert_eq!(HostCluster(3).plus(2), HostCluster(5));
@@ -382,7 +392,7 @@ mod tests {
 
     #[test]
     fn geometry_extended() {
-        let g = Geometry::new(16, true, 12);
+        let g = Geometry::new(16, L2EntryWidth::Extended, 12);
         assert_eq!(g.l2_entries(), 4096);
         assert_eq!(g.slice_entries(), 256);
         assert_eq!(g.subcluster_size(), 2048);
@@ -392,8 +402,8 @@ mod tests {
     fn slice_coverage_bits_match_the_entry_arithmetic() {
         for cluster_bits in 9..=21 {
             for slice_bits in 9..=cluster_bits {
-                for extended_l2 in [false, true] {
-                    let g = Geometry::new(cluster_bits, extended_l2, slice_bits);
+                for width in [L2EntryWidth::Standard, L2EntryWidth::Extended] {
+                    let g = Geometry::new(cluster_bits, width, slice_bits);
                     assert_eq!(g.slice_coverage(), g.slice_entries() << cluster_bits);
                     for off in [0, 1, (1 << 40) + 12345, u64::MAX >> 3] {
                         let off = GuestOffset(off);

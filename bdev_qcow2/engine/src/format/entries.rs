@@ -61,9 +61,35 @@ impl L1Entry {
     pub fn is_copied(&self) -> bool {
         self.0 & COPIED != 0
     }
-    /// An entry pointing at `l2` with COPIED set.
-    pub fn new(l2: HostOffset, copied: bool) -> L1Entry {
-        L1Entry(l2.0 | if copied { COPIED } else { 0 })
+    /// An entry pointing at `l2`, its COPIED flag as `copied` says.
+    pub fn new(l2: HostOffset, copied: CopiedFlag) -> L1Entry {
+        L1Entry(
+            l2.0 | match copied {
+                CopiedFlag::Set => COPIED,
+                CopiedFlag::Clear => 0,
+            },
+        )
+    }
+}
+
+/// The COPIED flag of an L1 or L2 entry: set when the table or cluster it points at has a
+/// refcount of exactly one (it may be written in place).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CopiedFlag {
+    /// Refcount one: written in place.
+    Set,
+    /// Shared (refcount above one, e.g. with a snapshot): copied before a write.
+    Clear,
+}
+
+impl CopiedFlag {
+    /// The flag for a table or cluster of refcount `refcount`.
+    pub fn for_refcount(refcount: i64) -> Self {
+        if refcount == 1 {
+            CopiedFlag::Set
+        } else {
+            CopiedFlag::Clear
+        }
     }
 }
 

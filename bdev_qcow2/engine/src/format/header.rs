@@ -511,9 +511,14 @@ impl ImageHeader {
 
     /// Geometry of this image with the given slice size (clamped to the cluster size).
     pub fn geometry(&self, slice_bits: u32) -> crate::types::Geometry {
+        let width = if self.extended_l2() {
+            crate::types::L2EntryWidth::Extended
+        } else {
+            crate::types::L2EntryWidth::Standard
+        };
         crate::types::Geometry::new(
             self.header.cluster_bits,
-            self.extended_l2(),
+            width,
             slice_bits.clamp(9, self.header.cluster_bits),
         )
     }

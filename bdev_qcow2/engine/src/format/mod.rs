@@ -10,7 +10,7 @@ pub mod refcount;
 pub mod snapshot;
 
 pub use entries::{
-    ClusterMapping, CompressedDescriptor, L1Entry, L2Context, L2Entry, LinearSlice,
+    ClusterMapping, CompressedDescriptor, CopiedFlag, L1Entry, L2Context, L2Entry, LinearSlice,
     SubclusterBitmap,
 };
 pub use header::{CompressionType, Extensions, Header, ImageHeader};

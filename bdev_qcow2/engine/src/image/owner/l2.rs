@@ -10,7 +10,7 @@ use super::Owner;
 use crate::coherency::{SliceChange, SliceStamp};
 use crate::error::{corrupt, Field, Result};
 use crate::exec::read_bytes;
-use crate::format::{L1Entry, L2Entry, SubclusterBitmap};
+use crate::format::entries::{CopiedFlag, L1Entry, L2Entry, SubclusterBitmap};
 use crate::image::Qcow2;
 use crate::io::BlockDevice;
 use crate::types::{GuestOffset, HostOffset, HostRange};
@@ -296,7 +296,7 @@ impl<D: BlockDevice> Owner<'_, D> {
                 }
             }
         }
-        let entry = L1Entry::new(new, true);
+        let entry = L1Entry::new(new, CopiedFlag::Set);
         self.l1.borrow_mut()[idx as usize] = entry;
         // Published after the new table's slices went odd (ARCHITECTURE.md §6).
         if let Some(sh) = self.published() {

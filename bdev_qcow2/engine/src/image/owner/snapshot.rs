@@ -35,8 +35,8 @@ use super::shadow::{Deltas, HeaderSwitch};
 use super::{words_to_bytes, Owner};
 use crate::error::{corrupt, Error, Field, Result};
 use crate::exec::read_bytes;
+use crate::format::entries::{CopiedFlag, L1Entry, L2Entry};
 use crate::format::snapshot::{encode_snapshots, Snapshot};
-use crate::format::{L1Entry, L2Entry};
 use crate::io::{BlockDevice, BufSlice, IoBuffer};
 use crate::limits::{MAX_SNAPSHOTS, MAX_SNAPSHOT_TABLE_BYTES};
 use crate::types::{GuestOffset, HostOffset, HostRange};
@@ -316,12 +316,12 @@ impl<D: BlockDevice> Owner<'_, D> {
                 words.push(0);
             } else {
                 let n = self.planned(t.0 >> bits, &deltas).await?;
-                words.push(L1Entry::new(t, n == 1).0);
+                words.push(L1Entry::new(t, CopiedFlag::for_refcount(n)).0);
             }
         }
         for (idx, raw) in &copies {
             let off = self.write_new_bytes(raw).await?;
-            words[*idx] = L1Entry::new(HostOffset(off), true).0;
+            words[*idx] = L1Entry::new(HostOffset(off), CopiedFlag::Set).0;
         }
         let (old_off, old_size) = {
             let h = self.header.borrow();
