@@ -39,7 +39,7 @@ use crate::ffi::bdev::Desc;
 use crate::ffi::bdev_io::{BufDone, Requests};
 use crate::ffi::sys;
 use crate::ffi::thread::{self, Homed, Poll, Polled, PollerSlot, Thread};
-use crate::node::ChannelSource;
+use crate::node::{BaseChannel, ChannelSource, NodeAccess, Prefetch};
 use crate::owner;
 pub use crate::stats::ChannelStats;
 use crate::status::Status;
@@ -115,19 +115,19 @@ pub struct Channel {
 impl Channel {
     /// This thread's channel state, built from `node`'s view `src` (SPDK's `create_cb`; see
     /// `ffi/io_channel.rs`).
-    pub fn create(src: ChannelSource<'_>) -> Result<Box<Channel>, i32> {
-        let base = src.base.ok_or(libc::ENODEV)?;
+    pub fn create(mut src: ChannelSource<'_>) -> Result<Box<Channel>, i32> {
+        let base = src.base().ok_or(libc::ENODEV)?;
         let thread_name = thread::current_name();
-        src.live.fetch_add(1, Ordering::AcqRel);
+        src.live().fetch_add(1, Ordering::AcqRel);
         let mut ch = Box::new(Channel {
-            live: src.live.clone(),
-            retired: src.retired.clone(),
+            live: src.live().clone(),
+            retired: src.retired().clone(),
             driver: Driver::new(Exec::new()),
             direct: None,
             forward_to: None,
             forward_only: Cell::new(false),
-            prefetch: src.prefetch,
-            ring: src.ring.cloned(),
+            prefetch: src.prefetch() == Prefetch::On,
+            ring: src.ring().cloned(),
             outbox: IoQueue::new(),
             unsent_asks: RefCell::new(Vec::new()),
             forwarded: Cell::new(0),
@@ -147,9 +147,9 @@ impl Channel {
             no_space_errors: Cell::new(0),
             thread_name,
         });
-        if src.writable {
-            ch.forward_to = src.md_thread;
-            if src.md_thread.is_some_and(Thread::is_current) || src.seed.is_none() {
+        if src.access() == NodeAccess::Writable {
+            ch.forward_to = src.md_thread();
+            if src.md_thread().is_some_and(Thread::is_current) || src.seed().is_none() {
                 return Ok(ch);
             }
         }
@@ -163,7 +163,7 @@ impl Channel {
         };
         // A link of a chain on its md thread (its kept channel, examines) takes its base's
         // channel on first use (`keep.rs`).
-        let lazy_base = src.lazy_base;
+        let lazy_base = src.base_channel() == BaseChannel::OnFirstUse;
         let base_dev = if lazy_base {
             let id = ch
                 .exec()
@@ -174,18 +174,18 @@ impl Channel {
         } else {
             add(base, None)?
         };
-        let below_devs = match src.below {
+        let below_devs = match src.below() {
             Some(b) => ch.open_below(b)?,
             None => Vec::new(),
         };
-        let backing_dev = match (src.backing, src.backing_gone) {
-            _ if src.below.is_some() => None,
+        let backing_dev = match (src.backing(), src.backing_gone()) {
+            _ if src.below().is_some() => None,
             // Its channel is taken on first use: over a chain of read-only qcow2 bdevs,
             // taking it now would build every channel below this one, nested.
             (Some(d), _) => {
                 let id = ch.exec().add_device(crate::device::open_cached_lazy(
                     d,
-                    src.backing_cache,
+                    src.backing_cache(),
                     lazy_base,
                 ));
                 // SAFETY: as for `add`.
@@ -199,18 +199,18 @@ impl Channel {
         let exec = ch.exec();
         // SAFETY: `host` is this boxed channel state, which stays until its asks are back.
         let chan = unsafe { Homed::channel(host) };
-        match (src.seed, src.owner, chan) {
+        match (src.seed(), src.take_owner(), chan) {
             (Some(seed), Some(owner), Some(chan)) => {
                 // A replica of the owner's image, usable at once.
                 let link = Box::new(SpdkLink { owner, chan });
-                let r = Qcow2::from_seed(seed.clone(), exec, base_dev, src.opts, link);
+                let r = Qcow2::from_seed(seed.clone(), exec, base_dev, src.opts(), link);
                 *ch.opened.borrow_mut() = Some(r);
             }
             // A read-only bdev's image as its creation opened it: nothing to read.
-            _ if src.ro_seed.is_some() => {
-                let r = src.ro_seed.map(|s| {
-                    Qcow2::from_ro_seed(s, exec, base_dev, src.opts).and_then(|q| {
-                        if let Some(k) = src.key {
+            _ if src.ro_seed().is_some() => {
+                let r = src.ro_seed().map(|s| {
+                    Qcow2::from_ro_seed(s, exec, base_dev, src.opts()).and_then(|q| {
+                        if let Some(k) = src.key() {
                             q.unlock_with(k)?;
                         }
                         Ok(q)
@@ -219,8 +219,8 @@ impl Channel {
                 *ch.opened.borrow_mut() = r;
             }
             _ => {
-                let (e2, o2, opts) = (exec.clone(), ch.opened.clone(), src.opts);
-                let key = src.key.cloned();
+                let (e2, o2, opts) = (exec.clone(), ch.opened.clone(), src.opts());
+                let key = src.key().cloned();
                 exec.spawn(async move {
                     let r = Qcow2::open(&e2, base_dev, opts).await.and_then(|q| {
                         // An encrypted image's key, unlocked once at creation.
@@ -233,12 +233,12 @@ impl Channel {
                 });
             }
         }
-        let pending = Some(src.backing_pending.clone());
+        let pending = Some(src.backing_pending().clone());
         ch.backing = match backing_dev {
             None if !below_devs.is_empty() => {
-                BackingSlot::layers(below_devs, src.backing_generation, pending)
+                BackingSlot::layers(below_devs, src.backing_generation(), pending)
             }
-            d => BackingSlot::new(d, src.backing_generation, pending),
+            d => BackingSlot::new(d, src.backing_generation(), pending),
         };
         // (A lazy base has no channel yet: its requests go through the executor.)
         ch.direct = (!lazy_base).then(|| {

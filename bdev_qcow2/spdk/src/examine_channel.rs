@@ -10,7 +10,7 @@
 //! waiting in `io_destroy` (PERFORMANCE.md §14). Held here, both take this channel: one
 //! context per base bdev.
 
-use crate::ffi::bdev::{BdevEvents, ChannelRef, Desc};
+use crate::ffi::bdev::{BdevEvents, ChannelRef, Desc, OpenMode};
 use crate::ffi::sys;
 use std::cell::RefCell;
 use std::time::Duration;
@@ -57,7 +57,7 @@ impl BdevEvents for Events {
 /// bdevs' channels cost no kernel context of their own). Best effort: nothing is held when
 /// SPDK refuses the descriptor, the channel or the timer.
 pub fn hold(name: &str) {
-    let Ok(desc) = Desc::open::<Events>(name, false) else {
+    let Ok(desc) = Desc::open::<Events>(name, OpenMode::ReadOnly) else {
         return;
     };
     if desc.module_name() == "qcow2" {

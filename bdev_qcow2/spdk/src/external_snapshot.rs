@@ -17,7 +17,7 @@
 
 use crate::backing_state::Phase;
 use crate::device::SpdkDevice;
-use crate::ffi::bdev::{self, Desc};
+use crate::ffi::bdev::{self, Desc, OpenMode};
 use crate::ffi::node::NodeKey;
 use crate::ffi::rpc::{Params, Request, INVALID_PARAMS};
 use crate::ffi::thread::{self, Poll, Polled, PollerSlot};
@@ -363,7 +363,7 @@ pub fn snapshot_external(req: Request, params: Params) {
     let old = current;
     let key = node.key();
     drop(reg);
-    let new_base = match node::open_claimed(&p.base_bdev, "base", true) {
+    let new_base = match node::open_claimed(&p.base_bdev, "base", OpenMode::ReadWrite) {
         Ok(d) => d,
         Err((e, m)) => return req.errno(e, &format!("{METHOD}: {m}")),
     };
@@ -573,17 +573,13 @@ fn switch(mut sw: Box<Switch>) {
             return advance(sw, State::Unregister(e, m));
         }
     };
-    let new = Box::new(Image {
-        base: sw.new_base.take(),
-        backing: Some(backing),
-        owner: Some(owner.0),
-        seed: owner.1,
-        params: sw.params.clone(),
+    let new = Box::new(Image::new(
+        [sw.new_base.take(), Some(backing)],
+        owner,
+        sw.params.clone(),
         info,
-        live_channels: Arc::new(AtomicUsize::new(0)),
-        key: sw.overlay_key.take(),
-        ro_seed: None,
-    });
+        sw.overlay_key.take(),
+    ));
     match node.switch_image(new) {
         Ok(old) => sw.old = Some(old),
         Err(_) => {
@@ -656,7 +652,7 @@ fn wait_old(mut sw: Box<Switch>) {
     sw.pause_us = sw.t0.map_or(0, |t| t.elapsed().as_micros() as u64);
     sw.quiesced = false;
     tracing::info!("{METHOD} {}: I/O paused {} us", sw.name, sw.pause_us);
-    let Some(live) = sw.old.as_ref().map(|o| o.live_channels.clone()) else {
+    let Some(live) = sw.old.as_ref().map(|o| o.live_channels()) else {
         return advance(sw, State::Answer);
     };
     let job = Box::new(WaitOld {
@@ -679,11 +675,11 @@ fn close_old_owner(mut sw: Box<Switch>) {
     let Some(mut old) = sw.old.take() else {
         return advance(sw, State::Answer);
     };
-    let Some(owner) = old.owner.take() else {
+    let Some(owner) = old.take_owner() else {
         return advance(sw, State::Answer);
     };
     owner.close(move |_| {
-        for d in [old.backing.take(), old.base.take()].into_iter().flatten() {
+        for d in old.take_descs().into_iter().flatten() {
             d.close();
         }
         advance(sw, State::Claim);

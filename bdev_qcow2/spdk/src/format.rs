@@ -4,7 +4,7 @@
 //! descriptor closes).
 
 use crate::device::SpdkDevice;
-use crate::ffi::bdev::Desc;
+use crate::ffi::bdev::{Desc, OpenMode};
 use crate::ffi::sys;
 use crate::ffi::thread::{self, Poll, Polled, PollerSlot};
 use crate::params::FormatParams;
@@ -81,7 +81,7 @@ pub fn format(mut p: FormatParams, done: Done) {
         Err(m) => return done(Err((libc::EINVAL, m))),
     };
     let base = p.base_bdev.clone();
-    let desc = match Desc::open::<IgnoreEvents>(&base, true) {
+    let desc = match Desc::open::<IgnoreEvents>(&base, OpenMode::ReadWrite) {
         Ok(d) => d,
         Err(e) => {
             let m = format!("cannot open bdev {base} for writing: {}", errno_msg(e));
@@ -191,7 +191,7 @@ struct Backing {
 
 /// Looks the backing bdev `name` up (opened read-only for the moment, claimed by nothing).
 fn backing_of(name: &str) -> Result<Backing, (i32, String)> {
-    let desc = Desc::open::<IgnoreEvents>(name, false).map_err(|e| {
+    let desc = Desc::open::<IgnoreEvents>(name, OpenMode::ReadOnly).map_err(|e| {
         let m = format!("cannot open backing bdev {name}: {}", errno_msg(e));
         (e, m)
     })?;

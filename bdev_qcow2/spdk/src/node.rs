@@ -166,74 +166,233 @@ impl Current {
     }
 }
 
+/// How a node serves its image.
+// Built once per bdev (or switch) and moved into its `Image` at once: the replica seed
+// stays inline rather than boxed.
+#[allow(clippy::large_enum_variant)]
+pub enum Serving {
+    /// Writable: the image's one writable instance, on the md thread.
+    Writable {
+        /// The metadata owner.
+        owner: OwnerBox,
+        /// What other threads' replicas are built from.
+        seed: Option<CoreSeed>,
+    },
+    /// Read-only: the image as its creation opened it, which every channel (and a deep
+    /// chain's overlay above, as one of its layers) copies instead of reading it again.
+    ReadOnly(Arc<ReadOnlySeed>),
+}
+
 /// The image under a node, as [`Node::new`] takes it and
 /// [`Registered::switch_image`](crate::ffi::node::Registered::switch_image) swaps it: a
 /// value handed over whole.
 pub struct Image {
     /// The base descriptor (holding the image).
-    pub base: Option<Desc>,
+    base: Option<Desc>,
     /// The backing descriptor.
-    pub backing: Option<Desc>,
-    /// The image's metadata owner (`None`: a read-only bdev).
-    pub owner: Option<OwnerBox>,
+    backing: Option<Desc>,
+    /// The image's metadata owner (`None`: a read-only bdev, or taken out).
+    owner: Option<OwnerBox>,
     /// What other threads' replicas are built from.
-    pub seed: Option<CoreSeed>,
+    seed: Option<CoreSeed>,
     /// The create call `save_config` writes.
-    pub params: CreateParams,
+    params: CreateParams,
     /// What the header said.
-    pub info: ImageInfo,
+    info: ImageInfo,
     /// Channel states built from this image that are not freed yet.
-    pub live_channels: Arc<AtomicUsize>,
+    live_channels: Arc<AtomicUsize>,
     /// The key an encrypted image was unlocked with (a read-only bdev's channels unlock
     /// their replicas with it).
-    pub key: Option<UnlockedKey>,
-    /// Read-only bdev: the image as its creation opened it, which every channel (and a deep
-    /// chain's overlay above, as one of its layers) copies instead of reading it again.
-    pub ro_seed: Option<Arc<ReadOnlySeed>>,
+    key: Option<UnlockedKey>,
+    /// Read-only bdev: what its channels copy (see [`Serving::ReadOnly`]).
+    ro_seed: Option<Arc<ReadOnlySeed>>,
+}
+
+impl Image {
+    /// The image of the create call `params`, over its `base` and `backing` descriptors,
+    /// served as `serving` says; `info` is what its header said, `key` what an encrypted
+    /// image was unlocked with. No channel state is built from it yet.
+    pub fn new(
+        [base, backing]: [Option<Desc>; 2],
+        serving: Serving,
+        params: CreateParams,
+        info: ImageInfo,
+        key: Option<UnlockedKey>,
+    ) -> Image {
+        let (owner, seed, ro_seed) = match serving {
+            Serving::Writable { owner, seed } => (Some(owner), seed, None),
+            Serving::ReadOnly(s) => (None, None, Some(s)),
+        };
+        Image {
+            base,
+            backing,
+            owner,
+            seed,
+            params,
+            info,
+            live_channels: Arc::new(AtomicUsize::new(0)),
+            key,
+            ro_seed,
+        }
+    }
+
+    /// The count of channel states built from this image and not freed yet.
+    pub fn live_channels(&self) -> Arc<AtomicUsize> {
+        self.live_channels.clone()
+    }
+
+    /// Takes the metadata owner out (`None`: read-only, or already taken).
+    pub fn take_owner(&mut self) -> Option<OwnerBox> {
+        self.owner.take()
+    }
+
+    /// Takes the descriptors out, backing first (the order they are closed in).
+    pub fn take_descs(&mut self) -> [Option<Desc>; 2] {
+        [self.backing.take(), self.base.take()]
+    }
+}
+
+/// One of the bdevs under a node.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Under {
+    /// The base bdev (holding the image).
+    Base,
+    /// The backing bdev.
+    Backing,
+}
+
+/// Whether a node takes writes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NodeAccess {
+    /// It has a metadata owner; its channels forward what needs it there.
+    Writable,
+    /// It serves reads only.
+    ReadOnly,
+}
+
+/// Whether a channel reads ahead on sequential streams (the `prefetch` parameter).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Prefetch {
+    /// Read-ahead on.
+    On,
+    /// Read-ahead off.
+    Off,
+}
+
+/// When a channel takes its base bdev's I/O channel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BaseChannel {
+    /// At once, with the direct path.
+    AtCreation,
+    /// On first use, and no direct path: a link of a chain on its md thread (`keep.rs`),
+    /// where taking it at once would build every channel below, nested.
+    OnFirstUse,
 }
 
 /// What a channel state is built from: one consistent view of the node, taken under its
 /// lock ([`Node::new_channel`]), so no switch changes it halfway.
 pub struct ChannelSource<'a> {
+    base: Option<&'a Desc>,
+    backing: Option<&'a Desc>,
+    access: NodeAccess,
+    md_thread: Option<Thread>,
+    owner: Option<Homed<Owner>>,
+    seed: Option<&'a CoreSeed>,
+    opts: OpenOptions,
+    prefetch: Prefetch,
+    ring: Option<&'a Ring>,
+    live: &'a Arc<AtomicUsize>,
+    retired: &'a Arc<Mutex<ChannelStats>>,
+    backing_cache: Option<&'a Arc<SharedReadCache>>,
+    key: Option<&'a UnlockedKey>,
+    backing_gone: Option<Gone>,
+    backing_generation: u64,
+    backing_pending: &'a Arc<AtomicUsize>,
+    below: Option<&'a Below>,
+    ro_seed: Option<&'a Arc<ReadOnlySeed>>,
+    base_channel: BaseChannel,
+}
+
+impl<'a> ChannelSource<'a> {
     /// The base descriptor (`None`: the node is being torn down).
-    pub base: Option<&'a Desc>,
-    /// The backing descriptor, unless a stream dropped the backing reference.
-    pub backing: Option<&'a Desc>,
+    pub fn base(&self) -> Option<&'a Desc> {
+        self.base
+    }
+    /// The backing descriptor, unless a stream dropped the backing reference or the
+    /// backing bdev is gone.
+    pub fn backing(&self) -> Option<&'a Desc> {
+        self.backing
+    }
     /// Whether the bdev takes writes (its requests may go to the owner).
-    pub writable: bool,
+    pub fn access(&self) -> NodeAccess {
+        self.access
+    }
     /// The md thread.
-    pub md_thread: Option<Thread>,
-    /// Writable bdev: the owner, reached from the channel's thread by message.
-    pub owner: Option<Homed<Owner>>,
+    pub fn md_thread(&self) -> Option<Thread> {
+        self.md_thread
+    }
+    /// Writable bdev: the owner, reached from the channel's thread by message (taken out:
+    /// `None` the second time).
+    pub fn take_owner(&mut self) -> Option<Homed<Owner>> {
+        self.owner.take()
+    }
     /// Writable bdev: what a replica is built from.
-    pub seed: Option<&'a CoreSeed>,
+    pub fn seed(&self) -> Option<&'a CoreSeed> {
+        self.seed
+    }
     /// Engine options of the replica.
-    pub opts: OpenOptions,
+    pub fn opts(&self) -> OpenOptions {
+        self.opts
+    }
     /// Read-ahead on sequential streams.
-    pub prefetch: bool,
-    /// The prefetch ring.
-    pub ring: Option<&'a Ring>,
+    pub fn prefetch(&self) -> Prefetch {
+        self.prefetch
+    }
+    /// The prefetch ring (`None`: `prefetch` is off).
+    pub fn ring(&self) -> Option<&'a Ring> {
+        self.ring
+    }
     /// The count of live channel states of this image (the channel adds itself).
-    pub live: &'a Arc<AtomicUsize>,
+    pub fn live(&self) -> &'a Arc<AtomicUsize> {
+        self.live
+    }
     /// Where the channel's counters go when it is freed.
-    pub retired: &'a Arc<Mutex<ChannelStats>>,
+    pub fn retired(&self) -> &'a Arc<Mutex<ChannelStats>> {
+        self.retired
+    }
     /// The backing bdev's shared read cache.
-    pub backing_cache: Option<&'a Arc<SharedReadCache>>,
+    pub fn backing_cache(&self) -> Option<&'a Arc<SharedReadCache>> {
+        self.backing_cache
+    }
     /// The key an encrypted image was unlocked with.
-    pub key: Option<&'a UnlockedKey>,
+    pub fn key(&self) -> Option<&'a UnlockedKey> {
+        self.key
+    }
     /// The backing bdev is gone (hot-removed): the channel reads it through a device
     /// that fails every operation until the bdev returns.
-    pub backing_gone: Option<Gone>,
+    pub fn backing_gone(&self) -> Option<Gone> {
+        self.backing_gone
+    }
     /// The generation of the backing descriptor (0 while gone).
-    pub backing_generation: u64,
+    pub fn backing_generation(&self) -> u64 {
+        self.backing_generation
+    }
     /// The node's count of channels draining a backing bdev that left.
-    pub backing_pending: &'a Arc<AtomicUsize>,
+    pub fn backing_pending(&self) -> &'a Arc<AtomicUsize> {
+        self.backing_pending
+    }
     /// A deep chain's layers under the backing bdev, read in place of it (`below.rs`).
-    pub below: Option<&'a Below>,
+    pub fn below(&self) -> Option<&'a Below> {
+        self.below
+    }
     /// Read-only bdev: the image to copy (its channels read nothing to open it).
-    pub ro_seed: Option<&'a Arc<ReadOnlySeed>>,
-    /// Take the base's channel on first use, and no direct path (`keep.rs`).
-    pub lazy_base: bool,
+    pub fn ro_seed(&self) -> Option<&'a Arc<ReadOnlySeed>> {
+        self.ro_seed
+    }
+    /// When the channel takes its base bdev's I/O channel.
+    pub fn base_channel(&self) -> BaseChannel {
+        self.base_channel
+    }
 }
 
 /// The buffer alignment a node over `base` and `backing` asks for (at least 1): what they
@@ -392,12 +551,15 @@ impl Node {
         self.backing_dropped.store(true, Ordering::Release);
     }
 
-    /// Claims the node's base bdev (`base`) or backing bdev for reading only (as
-    /// `bdev_qcow2_create` claims a backing bdev). `None`: it has no such descriptor;
-    /// `Err`: SPDK's errno and the bdev's name.
-    pub fn claim_read_only(&self, base: bool) -> Option<Result<(), (i32, String)>> {
+    /// Claims the node's bdev `which` for reading only (as `bdev_qcow2_create` claims a
+    /// backing bdev). `None`: it has no such descriptor; `Err`: SPDK's errno and the
+    /// bdev's name.
+    pub fn claim_read_only(&self, which: Under) -> Option<Result<(), (i32, String)>> {
         let c = self.current();
-        let d = if base { &c.base } else { &c.backing };
+        let d = match which {
+            Under::Base => &c.base,
+            Under::Backing => &c.backing,
+        };
         let d = d.as_ref()?;
         Some(
             d.claim(sys::SPDK_BDEV_CLAIM_READ_MANY_WRITE_NONE)
@@ -439,21 +601,34 @@ impl Node {
         let below = below
             .as_ref()
             .filter(|_| backing.is_some() && self.below_on.load(Ordering::Acquire));
+        let lazy = self.link && c.ro_seed.is_some() && md.is_some_and(Thread::is_current);
         build(ChannelSource {
             below,
             ro_seed: c.ro_seed.as_ref(),
-            lazy_base: self.link && c.ro_seed.is_some() && md.is_some_and(Thread::is_current),
+            base_channel: if lazy {
+                BaseChannel::OnFirstUse
+            } else {
+                BaseChannel::AtCreation
+            },
             base: c.base.as_ref(),
             backing,
             backing_gone,
             backing_generation,
             backing_pending: &self.backing_pending,
-            writable,
+            access: if writable {
+                NodeAccess::Writable
+            } else {
+                NodeAccess::ReadOnly
+            },
             md_thread: md,
             owner: self.owner.homed(md),
             seed: c.seed.as_ref(),
             opts: self.opts,
-            prefetch: c.params.prefetch_on(),
+            prefetch: if c.params.prefetch_on() {
+                Prefetch::On
+            } else {
+                Prefetch::Off
+            },
             ring: self.ring.as_ref(),
             live: &c.live_channels,
             retired: &self.retired,

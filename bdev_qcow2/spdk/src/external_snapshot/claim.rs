@@ -3,6 +3,7 @@
 //! examine the new bdev.
 
 use crate::ffi::thread::{self, Poll, Polled, PollerSlot};
+use crate::node::Under;
 use crate::registry;
 use std::time::Instant;
 
@@ -40,14 +41,14 @@ impl Polled for ClaimSnapshot {
         let reg = registry::lock();
         // The old base (the read-only bdev's), then the read-only bdev (the overlay's
         // backing).
-        let claims = [(&self.snap, true), (&self.name, false)];
+        let claims = [(&self.snap, Under::Base), (&self.name, Under::Backing)];
         let mut left = self.left.get();
         let late = Instant::now() > self.until;
-        for (i, (name, base)) in claims.into_iter().enumerate() {
+        for (i, (name, which)) in claims.into_iter().enumerate() {
             if !left[i] {
                 continue;
             }
-            match reg.node(name).and_then(|n| n.node().claim_read_only(base)) {
+            match reg.node(name).and_then(|n| n.node().claim_read_only(which)) {
                 None | Some(Ok(())) => left[i] = false,
                 Some(Err((e, bdev))) if late => {
                     tracing::warn!("bdev_qcow2_snapshot_external: cannot claim bdev {bdev} read-only (errno {e})");

@@ -40,6 +40,15 @@ pub unsafe fn name_of(bdev: *const sys::spdk_bdev) -> String {
         .into_owned()
 }
 
+/// How a bdev is opened.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OpenMode {
+    /// Reads only.
+    ReadOnly,
+    /// Reads and writes.
+    ReadWrite,
+}
+
 /// An open descriptor of a bdev, closed by [`Desc::close`] on the thread that opened it.
 pub struct Desc {
     desc: *mut sys::spdk_bdev_desc,
@@ -48,9 +57,10 @@ pub struct Desc {
 }
 
 impl Desc {
-    /// Opens bdev `name` (read-only unless `write`); `E` hears of its events. Returns
-    /// SPDK's errno on failure (`ENODEV`: no such bdev).
-    pub fn open<E: BdevEvents>(name: &str, write: bool) -> Result<Desc, i32> {
+    /// Opens bdev `name` in `mode`; `E` hears of its events. Returns SPDK's errno on
+    /// failure (`ENODEV`: no such bdev).
+    pub fn open<E: BdevEvents>(name: &str, mode: OpenMode) -> Result<Desc, i32> {
+        let write = mode == OpenMode::ReadWrite;
         let ctx = std::ptr::null_mut();
         let c = CString::new(name).map_err(|_| libc::EINVAL)?;
         let mut desc = std::ptr::null_mut();

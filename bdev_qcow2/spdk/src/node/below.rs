@@ -13,6 +13,7 @@
 use super::hotplug::BaseEvents;
 use super::open;
 use crate::device::SpdkDevice;
+use crate::ffi::bdev::OpenMode;
 use crate::registry::Registry;
 use qcow2_engine::image::UnlockedKey;
 use qcow2_engine::limits::MAX_BACKING_DEPTH;
@@ -153,7 +154,7 @@ impl Below {
             names: Vec::with_capacity(chain.len() + 1),
         };
         for l in chain {
-            match open::open_claimed::<BaseEvents>(&l.base, "layer", false) {
+            match open::open_claimed::<BaseEvents>(&l.base, "layer", OpenMode::ReadOnly) {
                 Ok(desc) => below.layers.push(LayerSrc {
                     desc,
                     opts: l.opts,
@@ -165,7 +166,7 @@ impl Below {
             below.names.push(l.base);
         }
         if let Some(b) = bottom {
-            match open::open_claimed::<BaseEvents>(&b, "backing", false) {
+            match open::open_claimed::<BaseEvents>(&b, "backing", OpenMode::ReadOnly) {
                 Ok(d) => below.bottom = Some(d),
                 Err(e) => return Err(e),
             }

@@ -5,24 +5,23 @@ use super::hotplug::BaseEvents;
 use super::later;
 use super::open::{self, strerror};
 use super::unlock::Unlock;
-use super::{identity, Below, Image, ImageInfo, Node, OpenedBelow, Ring, BLOCK_SIZE};
+use super::{identity, Below, Image, ImageInfo, Node, OpenedBelow, Ring, Serving, BLOCK_SIZE};
 use crate::device::{BaseDevice, SpdkDevice};
-use crate::ffi::bdev::{self, Desc};
+use crate::ffi::bdev::{self, Desc, OpenMode};
 use crate::ffi::node as handle;
 use crate::ffi::thread::{self, Poll, Polled, PollerSlot};
 use crate::ffi::uuid::Uuid;
 use crate::owner::Owner;
 use crate::params::CreateParams;
 use crate::registry;
-use crate::types::{OwnerBox, Qcow2Bdev};
+use crate::types::Qcow2Bdev;
 use qcow2_engine::golden::CachedDevice;
 use qcow2_engine::image::UnlockedKey;
 use qcow2_engine::ring::WriteGens;
-use qcow2_engine::{Chain, CoreSeed, DevId, Exec, Layer, OpenOptions, Qcow2, ReadOnlySeed};
+use qcow2_engine::{Chain, DevId, Exec, Layer, OpenOptions, Qcow2};
 use std::cell::RefCell;
 use std::ffi::CString;
 use std::rc::Rc;
-use std::sync::atomic::AtomicUsize;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -58,9 +57,10 @@ fn fail(name: &str, descs: [Option<Desc>; 2], done: Done, errno: i32, msg: Strin
     done(Err((errno, msg)));
 }
 
-/// Opens and claims `name` for our module: shared read-only, or (`write`) as its only writer.
-pub(crate) fn open_claimed(name: &str, role: &str, write: bool) -> Result<Desc, (i32, String)> {
-    open::open_claimed::<BaseEvents>(name, role, write)
+/// Opens and claims `name` for our module: shared read-only, or (`ReadWrite`) as its only
+/// writer.
+pub(crate) fn open_claimed(name: &str, role: &str, mode: OpenMode) -> Result<Desc, (i32, String)> {
+    open::open_claimed::<BaseEvents>(name, role, mode)
 }
 
 /// Opens `name` (our `role` bdev) read-only without claiming it (the claim follows).
@@ -145,8 +145,13 @@ fn open_and_read(
     tries: u32,
 ) {
     let name = params.name.clone();
+    let mode = if params.read_only {
+        OpenMode::ReadOnly
+    } else {
+        OpenMode::ReadWrite
+    };
     let base = match opening {
-        Opening::Claimed => open_claimed(&params.base_bdev, "base", !params.read_only),
+        Opening::Claimed => open_claimed(&params.base_bdev, "base", mode),
         Opening::Unclaimed(_) => open_unclaimed(&params.base_bdev, "base"),
     };
     let again = |params, done| Retry {
@@ -166,7 +171,7 @@ fn open_and_read(
         .backing_bdev
         .as_deref()
         .filter(|b| bdev::exists(b))
-        .map(|b| open_claimed(b, "backing", false))
+        .map(|b| open_claimed(b, "backing", OpenMode::ReadOnly))
     {
         None => None,
         Some(Ok(d)) => Some(d),
@@ -348,7 +353,11 @@ fn finish(mut job: Job) {
         let seed = Arc::new(image.ro_seed());
         drop(image);
         drop(job.exec);
-        let parts = (descs, None, key, Some(seed));
+        let parts = Parts {
+            descs,
+            serving: Serving::ReadOnly(seed),
+            key,
+        };
         return register(job.params, job.uuid, info, parts, ring, None, done);
     }
     // The owner's chain reads through the backing bdev: added to `exec` only now that the
@@ -404,7 +413,11 @@ fn finish(mut job: Job) {
             return fail(&name, descs, done, e, m);
         }
     };
-    let parts = (descs, Some(owner), key, None);
+    let parts = Parts {
+        descs,
+        serving: owner,
+        key,
+    };
     register(job.params, job.uuid, info, parts, ring, below, done);
 }
 
@@ -419,7 +432,7 @@ pub(crate) fn start_owner(
     backing: OwnerBacking,
     params: &CreateParams,
     ring: Option<&Ring>,
-) -> Result<(OwnerBox, Option<CoreSeed>), (i32, String)> {
+) -> Result<Serving, (i32, String)> {
     let name = &params.name;
     // Publish the metadata to the other threads' channels (ARCHITECTURE.md §6): they serve cache
     // hits and in-place writes on their own replica and send the rest here.
@@ -455,7 +468,7 @@ pub(crate) fn start_owner(
     let devs = [Some(DevId(0)), backing_dev].into_iter().flatten();
     let owner = Owner::start(exec, chain, devs, below_devs, params.space_warn_percent())
         .ok_or_else(|| (libc::ENOMEM, "cannot register a poller".to_string()))?;
-    Ok((owner, seed))
+    Ok(Serving::Writable { owner, seed })
 }
 
 /// What the owner's chain reads under the top image.
@@ -466,33 +479,35 @@ pub(crate) enum OwnerBacking {
     Layers(Vec<DevId>, Vec<Layer<SpdkDevice>>),
 }
 
-/// What a node is made of: its base and backing descriptors, the owner of a writable
-/// image and its replicas' seed, the key an encrypted image was unlocked with.
-type Parts = (
-    [Option<Desc>; 2],
-    Option<(OwnerBox, Option<CoreSeed>)>,
-    Option<UnlockedKey>,
-    Option<Arc<ReadOnlySeed>>,
-);
+/// What a node is made of.
+struct Parts {
+    /// Its base and backing descriptors.
+    descs: [Option<Desc>; 2],
+    /// The owner of a writable image and its replicas' seed, or a read-only image's seed.
+    serving: Serving,
+    /// The key an encrypted image was unlocked with.
+    key: Option<UnlockedKey>,
+}
 
 /// Registers the bdev of `params` over its base and backing descriptors.
 fn register(
     params: CreateParams,
     uuid: Uuid,
     info: ImageInfo,
-    (descs, owner, key, ro_seed): Parts,
+    Parts {
+        descs,
+        serving,
+        key,
+    }: Parts,
     ring: Option<Ring>,
     below: Option<Below>,
     done: Done,
 ) {
     let name = params.name.clone();
     let [base, backing] = descs;
-    let (owner, seed) = match owner {
-        Some((o, s)) => (Some(o), s),
-        None => (None, None),
-    };
+    let writable = matches!(serving, Serving::Writable { .. });
     let Ok(cname) = CString::new(name.clone()) else {
-        if let Some(o) = owner {
+        if let Serving::Writable { owner: o, .. } = serving {
             // Just started on this thread; nothing was submitted to it.
             o.close(|_| {});
         }
@@ -513,7 +528,7 @@ fn register(
         blockcnt: info.virtual_size / u64::from(BLOCK_SIZE),
         // Writes are acknowledged before their metadata is stable: only a FLUSH makes them
         // durable (ARCHITECTURE.md §7), which is what a volatile write cache means to SPDK.
-        write_cache: owner.is_some(),
+        write_cache: writable,
         // The hot path hands the guest's buffers to the base: ask for what the base needs.
         required_alignment: if align > 1 { align.ilog2() as u8 } else { 0 },
         uuid,
@@ -545,17 +560,7 @@ fn register(
             .map(|b| format!(", {} layers below read directly", b.depth()))
             .unwrap_or_default()
     );
-    let image = Image {
-        base,
-        backing,
-        owner,
-        seed,
-        params,
-        info,
-        live_channels: Arc::new(AtomicUsize::new(0)),
-        key,
-        ro_seed,
-    };
+    let image = Image::new([base, backing], serving, params, info, key);
     let node = match handle::register::<Qcow2Bdev>(
         Node::new(image, ring, below).with_link(keeps),
         cname,

@@ -19,7 +19,7 @@
 use super::{later, open, passes};
 use crate::backing_state::{Phase, Shape};
 use crate::examine_hold::ExamineHold;
-use crate::ffi::bdev;
+use crate::ffi::bdev::{self, OpenMode};
 use crate::ffi::node::NodeKey;
 use crate::ffi::sys;
 use crate::ffi::thread::{self, Poll, Polled, PollerSlot, Thread};
@@ -207,7 +207,7 @@ fn reopen(key: NodeKey, until: Instant, hold: Option<ExamineHold>) {
         _ => return,
     }
     let name = n.params().backing_bdev.unwrap_or_default();
-    let desc = match open::open_claimed::<BaseEvents>(&name, "backing", false) {
+    let desc = match open::open_claimed::<BaseEvents>(&name, "backing", OpenMode::ReadOnly) {
         Ok(d) => d,
         Err((e, m)) => {
             drop(reg);

@@ -2,20 +2,22 @@
 //! `E` hears of their events (`hotplug.rs`).
 
 use super::BLOCK_SIZE;
-use crate::ffi::bdev::{BdevEvents, Desc};
+use crate::ffi::bdev::{BdevEvents, Desc, OpenMode};
 use crate::ffi::sys;
 
 pub(super) fn strerror(e: i32) -> String {
     std::io::Error::from_raw_os_error(e).to_string()
 }
 
-/// Opens and claims `name` for our module: shared read-only, or (`write`) as its only writer.
+/// Opens and claims `name` for our module: shared read-only, or (`ReadWrite`) as its only
+/// writer.
 pub(super) fn open_claimed<E: BdevEvents>(
     name: &str,
     role: &str,
-    write: bool,
+    mode: OpenMode,
 ) -> Result<Desc, (i32, String)> {
-    let d = Desc::open::<E>(name, write).map_err(|e| {
+    let write = mode == OpenMode::ReadWrite;
+    let d = Desc::open::<E>(name, mode).map_err(|e| {
         (
             e,
             format!(
@@ -53,7 +55,7 @@ pub(super) fn open_claimed<E: BdevEvents>(
 
 /// Opens `name` (our `role` bdev) read-only without claiming it (the claim follows).
 pub(super) fn open_unclaimed<E: BdevEvents>(name: &str, role: &str) -> Result<Desc, (i32, String)> {
-    let d = Desc::open::<E>(name, false).map_err(|e| {
+    let d = Desc::open::<E>(name, OpenMode::ReadOnly).map_err(|e| {
         (
             e,
             format!("cannot open {role} bdev {name}: {}", strerror(e)),
