@@ -52,6 +52,8 @@ impl ModuleCell {
 macro_rules! bdev_module {
     ($name:expr, $hooks:ty, $types:ty) => {
         /// The bdev module, registered by `SPDK_BDEV_MODULE_REGISTER` in `register.c`.
+        // Expanded at the crate root, outside `ffi`, but written here.
+        #[allow(unsafe_code)]
         #[no_mangle]
         pub static BDEV_QCOW2_MODULE: $crate::ffi::module::ModuleCell =
             $crate::ffi::module::ModuleCell::new::<$hooks, $types>($name);

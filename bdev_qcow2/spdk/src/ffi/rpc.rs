@@ -61,6 +61,8 @@ macro_rules! rpc_entry {
         ///
         /// # Safety
         /// Called by SPDK's RPC server with a live request and its params.
+        // Expanded next to its handler, outside `ffi`, but `unsafe` as written here.
+        #[allow(unsafe_code)]
         #[no_mangle]
         pub unsafe extern "C" fn $name(
             request: *mut $crate::ffi::sys::spdk_jsonrpc_request,
