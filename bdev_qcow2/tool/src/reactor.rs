@@ -148,6 +148,8 @@ pub struct ReactorStats {
     pub slice_asks: u64,
     /// Requests served for other cores (owner).
     pub served: u64,
+    /// Messages this reactor took from its queue (another reactor sent them).
+    pub received: u64,
 }
 
 /// One reactor: its executor, its chain (the owner's image or a core replica) and its ends
@@ -365,6 +367,7 @@ impl<D: BlockDevice> Reactor<D> {
         if self.is_owner() {
             while let Some(m) = self.mesh.owner.pop() {
                 n += 1;
+                self.stats.received += 1;
                 self.serve(m);
             }
             // Dirty metadata that waited long enough for a flush goes back on its own, so
@@ -390,6 +393,7 @@ impl<D: BlockDevice> Reactor<D> {
         } else {
             while let Some(m) = self.mesh.cores[self.id - 1].pop() {
                 n += 1;
+                self.stats.received += 1;
                 match m {
                     ToCore::Slice { ticket, reply } => {
                         self.stats.slice_asks += 1;
@@ -466,6 +470,7 @@ impl<D: BlockDevice> Reactor<D> {
             Reserved::InPlace { host } => {
                 self.pending -= 1;
                 self.chain.write_reserved(tag, host, buf, entry);
+                self.chain.answered_in_place(offset);
             }
             Reserved::Write { ticket, host } => {
                 let t = RESERVED_WRITE | self.reserved.insert((tag, ticket)) as u64;
