@@ -27,8 +27,7 @@ use std::sync::{mpsc, Arc};
 
 /// Tag bit the owner uses for requests it runs on behalf of a core.
 const FORWARDED: u64 = 1 << 63;
-/// Tag bit a core uses for writes it runs on its engine path (they may end as
-/// [`Outcome::ToOwner`]).
+/// Tag bit of a core's write on its engine path (it may end as [`Outcome::ToOwner`]).
 const LOCAL_WRITE: u64 = 1 << 62;
 /// Tag bit of a write whose completion moves the image's write generations first (the
 /// prefetch ring is on): the rest of the tag is its slot in `Reactor::ring_writes`.
@@ -105,8 +104,7 @@ struct Mesh {
     owner_gone: std::sync::atomic::AtomicBool,
 }
 
-/// Signs a core off when its thread ends, even by a panic (the owner must not serve it
-/// forever).
+/// Signs a core off when its thread ends, even by a panic (the owner must not wait on it).
 struct SignOff<'a>(&'a Mesh);
 impl Drop for SignOff<'_> {
     fn drop(&mut self) {
@@ -148,7 +146,7 @@ pub struct ReactorStats {
     pub slice_asks: u64,
     /// Requests served for other cores (owner).
     pub served: u64,
-    /// Messages this reactor took from its queue (another reactor sent them).
+    /// Messages this reactor took from its queue (other reactors sent them).
     pub received: u64,
 }
 
@@ -168,8 +166,7 @@ pub struct Reactor<D: BlockDevice> {
     /// Core: writes tried here, by slot: (tag, offset, buffer) to send to the owner if they
     /// turn out not to be in-place writes.
     local: slab::Slab<(u64, u64, BufSlice<D::Buf>)>,
-    /// Core: writes waiting for the owner's answer, by slot: (tag, offset, buffer, the
-    /// grace period entered before sending).
+    /// Core: writes waiting for the owner's answer, by slot: (tag, offset, buffer, grace).
     reserving: slab::Slab<(u64, u64, BufSlice<D::Buf>, GraceEntry)>,
     /// Core: data writes into reserved clusters in flight, by slot: (tag, ticket).
     reserved: slab::Slab<(u64, Ticket)>,
@@ -441,6 +438,10 @@ impl<D: BlockDevice> Reactor<D> {
             for (t, off, buf) in again {
                 // Not in place after all: the owner decides it (it may allocate).
                 self.reserve(t, off, buf);
+            }
+            // Waiting on the owner, nothing moved: the CPU to the owner or a worker (no sleep).
+            if n == 0 && self.pending > 0 {
+                std::thread::yield_now();
             }
         }
         n
