@@ -180,6 +180,10 @@ impl<D: BlockDevice> Chain<D> {
             match q.core_slice_state(GuestOffset(pos)) {
                 None => return SliceRoute::NotCore,
                 Some(CoreSlice::StaleDirty) => return SliceRoute::Owner { slow: false },
+                // Asking for the owner's copy first would cost a round trip, and a 4 KiB
+                // copy, before the write goes there all the same unless it is an
+                // overwrite, which the owner answers in place (#48).
+                Some(CoreSlice::Dirty) => return SliceRoute::Owner { slow: false },
                 // No L2 table yet: only the owner can allocate one.
                 Some(CoreSlice::Missing) if matches!(q.l2_table(GuestOffset(pos)), Ok(None)) => {
                     return SliceRoute::Owner { slow: true }

@@ -255,6 +255,8 @@ pub enum CoreSlice {
     /// Cached under an older epoch, and the owner holds the slice dirty now (it is
     /// changing it).
     StaleDirty,
+    /// Not cached, and the owner holds the slice dirty (only the owner's copy answers).
+    Dirty,
     /// Not cached, or stale and clean on the device (the core reads it itself).
     Missing,
 }

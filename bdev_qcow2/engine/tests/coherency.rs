@@ -2031,3 +2031,60 @@ fn a_bitmap_added_while_cores_share_the_image_records_their_writes() {
     let set: Vec<usize> = (0..bits.len()).filter(|&g| bits[g]).collect();
     assert_eq!(set, vec![200]);
 }
+
+/// #48: a first write needing a new L2 table is planned on the spot (reserved, not sent
+/// with its data); a core that holds no copy of a slice the owner holds dirty sends a
+/// write there at once, the owner answers the overwrite in place, and once told so the
+/// core loads the owner's copy and decides the next overwrite itself. Every core reads
+/// what was written.
+#[test]
+fn a_core_sends_writes_into_a_dirty_slice_it_lacks_and_loads_it_after_an_overwrite() {
+    let mut rig = Rig::with_granule(5, 2, false, 2, 0);
+    // The first L2 table (and the refcounts in memory), by the owner's task.
+    write_sync(&mut rig, 90, 0, 5, 4096);
+    const T: u64 = 2 << 20;
+    let Reserved::Write { ticket, host } = rig.chains[0].reserve_write(T, 4096) else {
+        panic!("a first write needing a new L2 table was not reserved");
+    };
+    let (buf, _) = fill(31, T, 4096);
+    let entry = rig.chains[1].exec().guest_enter();
+    rig.chains[1].write_reserved(1 | RESERVED, host, BufSlice::whole(buf), entry);
+    rig.run_core(1, 1 | RESERVED).unwrap();
+    rig.chains[0].commit_reserved(ticket, 1, Ok(()));
+    rig.run(1).unwrap();
+    // Dirty on the owner, no copy here: to the owner without asking for one.
+    assert_eq!(
+        route(&rig.chains[1], T + 1024, 512),
+        "owner, may be in place"
+    );
+    let entry = rig.chains[1].exec().guest_enter();
+    let Reserved::InPlace { host } = rig.chains[0].reserve_write(T + 1024, 512) else {
+        panic!("an overwrite not answered in place");
+    };
+    let (buf, _) = fill(32, T + 1024, 512);
+    rig.chains[1].write_reserved(2, host, BufSlice::whole(buf), entry);
+    rig.run_core(1, 2).unwrap();
+    rig.chains[1].answered_in_place(T + 1024);
+    for _ in 0..1000 {
+        rig.poll(1);
+        while rig.answer(None) {}
+        while rig.deliver(1) {}
+    }
+    let r = route(&rig.chains[1], T + 2048, 512);
+    assert!(r.starts_with("direct"), "{r}");
+    // The owner has not changed the slice since: the core's copy is current.
+    assert_eq!(
+        route(&rig.chains[2], T + 2048, 512),
+        "owner, may be in place"
+    );
+    for c in 1..=2 {
+        let ids = core_read(&mut rig, c, 10 + c as u64, T, 4096);
+        assert_eq!(ids, vec![31, 31, 32, 31, 31, 31, 31, 31], "core {c}");
+    }
+    rig.close();
+    let ids = qemu_ids(&rig, None, T + 4096);
+    assert_eq!(
+        ids[(T / SECTOR) as usize..],
+        [31, 31, 32, 31, 31, 31, 31, 31]
+    );
+}

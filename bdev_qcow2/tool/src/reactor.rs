@@ -27,8 +27,7 @@ use std::sync::{mpsc, Arc};
 
 /// Tag bit the owner uses for requests it runs on behalf of a core.
 const FORWARDED: u64 = 1 << 63;
-/// Tag bit a core uses for writes it runs on its engine path (they may end as
-/// [`Outcome::ToOwner`]).
+/// Tag bit of a core's write on its engine path (it may end as [`Outcome::ToOwner`]).
 const LOCAL_WRITE: u64 = 1 << 62;
 /// Tag bit of a write whose completion moves the image's write generations first (the
 /// prefetch ring is on): the rest of the tag is its slot in `Reactor::ring_writes`.
@@ -105,8 +104,7 @@ struct Mesh {
     owner_gone: std::sync::atomic::AtomicBool,
 }
 
-/// Signs a core off when its thread ends, even by a panic (the owner must not serve it
-/// forever).
+/// Signs a core off when its thread ends, even by a panic (the owner must not wait on it).
 struct SignOff<'a>(&'a Mesh);
 impl Drop for SignOff<'_> {
     fn drop(&mut self) {
@@ -148,6 +146,8 @@ pub struct ReactorStats {
     pub slice_asks: u64,
     /// Requests served for other cores (owner).
     pub served: u64,
+    /// Messages this reactor took from its queue (other reactors sent them).
+    pub received: u64,
 }
 
 /// One reactor: its executor, its chain (the owner's image or a core replica) and its ends
@@ -166,8 +166,7 @@ pub struct Reactor<D: BlockDevice> {
     /// Core: writes tried here, by slot: (tag, offset, buffer) to send to the owner if they
     /// turn out not to be in-place writes.
     local: slab::Slab<(u64, u64, BufSlice<D::Buf>)>,
-    /// Core: writes waiting for the owner's answer, by slot: (tag, offset, buffer, the
-    /// grace period entered before sending).
+    /// Core: writes waiting for the owner's answer, by slot: (tag, offset, buffer, grace).
     reserving: slab::Slab<(u64, u64, BufSlice<D::Buf>, GraceEntry)>,
     /// Core: data writes into reserved clusters in flight, by slot: (tag, ticket).
     reserved: slab::Slab<(u64, Ticket)>,
@@ -365,6 +364,7 @@ impl<D: BlockDevice> Reactor<D> {
         if self.is_owner() {
             while let Some(m) = self.mesh.owner.pop() {
                 n += 1;
+                self.stats.received += 1;
                 self.serve(m);
             }
             // Dirty metadata that waited long enough for a flush goes back on its own, so
@@ -390,6 +390,7 @@ impl<D: BlockDevice> Reactor<D> {
         } else {
             while let Some(m) = self.mesh.cores[self.id - 1].pop() {
                 n += 1;
+                self.stats.received += 1;
                 match m {
                     ToCore::Slice { ticket, reply } => {
                         self.stats.slice_asks += 1;
@@ -438,6 +439,10 @@ impl<D: BlockDevice> Reactor<D> {
                 // Not in place after all: the owner decides it (it may allocate).
                 self.reserve(t, off, buf);
             }
+            // Waiting on the owner, nothing moved: the CPU to the owner or a worker (no sleep).
+            if n == 0 && self.pending > 0 {
+                std::thread::yield_now();
+            }
         }
         n
     }
@@ -466,6 +471,7 @@ impl<D: BlockDevice> Reactor<D> {
             Reserved::InPlace { host } => {
                 self.pending -= 1;
                 self.chain.write_reserved(tag, host, buf, entry);
+                self.chain.answered_in_place(offset);
             }
             Reserved::Write { ticket, host } => {
                 let t = RESERVED_WRITE | self.reserved.insert((tag, ticket)) as u64;

@@ -222,6 +222,7 @@ impl<D: BlockDevice> Qcow2<D> {
         Some(match self.l2_cache.borrow().peek_epoch(key) {
             Some(e) if e == now => CoreSlice::Valid,
             Some(_) if now & 1 == 1 => CoreSlice::StaleDirty,
+            None if now & 1 == 1 => CoreSlice::Dirty,
             _ => CoreSlice::Missing,
         })
     }

@@ -87,13 +87,15 @@ impl<D: BlockDevice> Chain<D> {
     /// one L2 slice that changes metadata (allocation, an extended-L2 bitmap, a zero flag),
     /// when everything it needs is in memory: the metadata lock free (no plan, commit or
     /// write-back under way), no allocation in flight on its clusters, its L2 table
-    /// writable, its slice dirty or cached, no cluster in place already, the clusters to
+    /// writable (or none yet, and a cluster for it found without I/O: the new table is
+    /// made here), its slice dirty or cached, no cluster in place already, the clusters to
     /// allocate consecutive (one run of host clusters, found without I/O). Then, as
     /// [`lock_clusters`](Self::lock_clusters) and `plan` would, marks the clusters in
     /// flight, takes the new clusters and returns the plan; else `Ok(None)`, having changed
-    /// nothing (the task runs the write as usual, and reports any corruption). An error is
-    /// the allocation's (the device cannot hold the new cluster): the write fails with it,
-    /// as it would in the task.
+    /// nothing but perhaps made that new table, as the task would have (the task runs the
+    /// write as usual, and reports any corruption). An error is the allocation's (the
+    /// device cannot hold the new cluster): the write fails with it, as it would in the
+    /// task.
     ///
     /// Nothing awaits between the checks and the changes, so holding the lock would change
     /// nothing; skipping the task's lock, planning futures and slice look-ups is the point:
@@ -114,9 +116,14 @@ impl<D: BlockDevice> Chain<D> {
         if m.lock().is_locked()
             || geo.slice_id(GuestOffset(start)) != geo.slice_id(GuestOffset(end - 1))
             || m.inflight_any(first, last)
-            || !matches!(q.writable_l2(GuestOffset(start)), Ok(Ok(())))
             || q.allocates_by_region()
         {
+            return Ok(None);
+        }
+        // A fresh image's first writes mostly land where no L2 table is yet: one made here
+        // spares them the task (and a core's write the data sent to the owner, #48).
+        // (An error here, a corrupt L1 entry, is the task's to report.)
+        if !matches!(q.ensure_l2_now(GuestOffset(start)), Ok(true)) {
             return Ok(None);
         }
         let mut parts = Parts::new();

@@ -144,6 +144,27 @@ impl<D: BlockDevice> Chain<D> {
         exec.request_single(tag, entry, dev, op);
     }
 
+    /// Core: the owner answered a write at guest `offset` in place ([`Reserved::InPlace`]):
+    /// when this core holds no copy of its slice (the owner holds it dirty, so the write
+    /// went there without one), loads the owner's copy in the background, so the next
+    /// overwrites into the slice are decided here (through the copy, even once it is
+    /// stale: §6's kept overwrites) instead of each costing a round trip. A failure is
+    /// left to a request that needs the slice. Nothing on the owner.
+    pub fn answered_in_place(self: &Rc<Self>, offset: u64) {
+        let Some(q) = self.disk.top_qcow2() else {
+            return;
+        };
+        if q.core_slice_state(GuestOffset(offset)) != Some(crate::image::CoreSlice::Dirty) {
+            return;
+        }
+        let chain = self.clone();
+        self.exec().spawn(async move {
+            if let Some(q) = chain.disk.top_qcow2() {
+                let _ = q.load_slice(GuestOffset(offset)).await;
+            }
+        });
+    }
+
     /// Owner: the core's data write of `ticket` ended with `written`: commits the plan's
     /// L2 entries (or, on an error, frees its clusters) and reports `tag` with the result.
     pub fn commit_reserved(self: &Rc<Self>, ticket: Ticket, tag: u64, written: Result<()>) {

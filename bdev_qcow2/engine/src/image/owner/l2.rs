@@ -13,7 +13,7 @@ use crate::exec::read_bytes;
 use crate::format::entries::{CopiedFlag, L1Entry, L2Entry, SubclusterBitmap};
 use crate::image::Qcow2;
 use crate::io::BlockDevice;
-use crate::types::{GuestOffset, HostOffset, HostRange};
+use crate::types::{GuestOffset, HostCluster, HostOffset, HostRange};
 
 impl<D: BlockDevice> Qcow2<D> {
     /// Where the owner's dirty copy of `off`'s L2 entry lies in memory, if the slice is
@@ -227,13 +227,31 @@ impl<D: BlockDevice> Owner<'_, D> {
         })
     }
 
+    /// [`ensure_l2`](Self::ensure_l2) without I/O, for a write planned on the spot: when
+    /// the L1 entry of `off` is empty and a cluster for the new table is found in memory,
+    /// makes a zeroed table as `ensure_l2` would. Returns whether the table covering `off`
+    /// exists and is writable now (`Ok(false)`: the write's task makes or copies it).
+    /// Caller holds the lock or awaits nothing between its checks and this.
+    pub(crate) fn ensure_l2_now(&self, off: GuestOffset) -> Result<bool> {
+        let idx = match self.writable_l2(off)? {
+            Ok(()) => return Ok(true),
+            Err((idx, None)) => idx,
+            // A table shared with a snapshot is read first: the task's.
+            Err((_, Some(_))) => return Ok(false),
+        };
+        let Some(run) = self.alloc_clusters_now(1)? else {
+            return Ok(false);
+        };
+        self.install_l2_table(idx, run.first, None);
+        Ok(true)
+    }
+
     /// Allocates a new L2 table for L1 index `idx` (a copy of `old`, or zeros), dirty in
     /// memory, and points the L1 entry at it. Caller holds the lock.
     async fn new_l2_table(&self, idx: u64, old: Option<HostOffset>) -> Result<()> {
         let m = self.meta();
         let cs = self.geo.cluster_size();
         let start = self.alloc_clusters(1).await?.first;
-        let new = self.geo.host_cluster_offset(start);
         // A copy of a shared table, else none: a new table is zeros, made per slice below.
         let copied: Option<Vec<u64>> = match old {
             Some(t) => {
@@ -250,6 +268,15 @@ impl<D: BlockDevice> Owner<'_, D> {
             }
             None => None,
         };
+        self.install_l2_table(idx, start, copied);
+        Ok(())
+    }
+
+    /// Points L1 entry `idx` at the table in host cluster `start` (taken for it): its
+    /// slices dirty in memory, `copied`'s words or zeros.
+    fn install_l2_table(&self, idx: u64, start: HostCluster, copied: Option<Vec<u64>>) {
+        let m = self.meta();
+        let new = self.geo.host_cluster_offset(start);
         let slice_words = ((1u64 << self.geo.slice_bits) / 8) as usize;
         let slices = self.geo.slices_per_l2();
         let first_slice = idx * slices;
@@ -302,6 +329,5 @@ impl<D: BlockDevice> Owner<'_, D> {
         if let Some(sh) = self.published() {
             sh.set_l1(idx as usize, entry.0);
         }
-        Ok(())
     }
 }

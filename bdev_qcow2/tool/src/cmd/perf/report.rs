@@ -43,6 +43,16 @@ pub(super) fn table(rows: &[(RunResult, Option<RunResult>)]) -> String {
                 "  device writes per request: qcow2 {qw:.3} ({qk:.1} KiB), raw {rw:.3} ({rk:.1} KiB)\n"
             );
         }
+        if q.cores > 1 {
+            // Load does not move these: what crosses cores, and how much of the device
+            // work the owner's channel carries.
+            let ops = q.ops.max(1) as f64;
+            s += &format!(
+                "  messages between cores per request {:.2}; owner's share of device writes {:.2}\n",
+                q.messages as f64 / ops,
+                q.owner_device_writes as f64 / q.device_writes.max(1) as f64
+            );
+        }
         if q.verify_failures > 0 {
             s += &format!("  VERIFY FAILURES: {}\n", q.verify_failures);
         }

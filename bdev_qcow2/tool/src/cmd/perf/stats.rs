@@ -78,6 +78,11 @@ pub struct RunResult {
     pub device_writes: u64,
     /// Bytes of those writes.
     pub device_bytes_written: u64,
+    /// Of `device_writes`, those core 0 (the metadata owner) gave its device.
+    pub owner_device_writes: u64,
+    /// Messages between reactors during the run (requests, answers, slices; qcow2 runs on
+    /// more than one core).
+    pub messages: u64,
 }
 
 /// Per-core outcome: ops, latencies, verify failures, (cache counters, slices read ahead,
@@ -88,7 +93,17 @@ type CoreRun = (
     u64,
     (qcow2_engine::cache::CacheStats, u64, u64, RingStats),
     DeviceStats,
+    Traffic,
 );
+
+/// What one core's run sent across reactors and where its device writes went.
+#[derive(Debug, Clone, Copy, Default)]
+struct Traffic {
+    /// Messages the core took from its queue during the run.
+    received: u64,
+    /// Whether the core is the metadata owner (core 0).
+    owner: bool,
+}
 
 /// What the device of `dev` counted between `before` and now.
 fn device_since<E: std::ops::Deref<Target = Exec<Dev>>>(
@@ -119,7 +134,7 @@ pub fn run_one(path: &Path, raw: bool, w: Workload, a: &PerfArgs) -> ToolResult<
                 let before = t.exec.with_device(dev, |d| d.inner.stats());
                 let (o, l, f) = drive(&mut t, &a2, w, Lanes { core, cores })?;
                 let ds = device_since(&t.exec, dev, before);
-                Ok((o, l, f, Default::default(), ds))
+                Ok((o, l, f, Default::default(), ds, Traffic::default()))
             }));
         }
         let mut v = Vec::new();
@@ -166,8 +181,13 @@ pub fn run_one(path: &Path, raw: bool, w: Workload, a: &PerfArgs) -> ToolResult<
             let ring_before = r.chain().ring().stats().unwrap_or_default();
             let core = r.id();
             let dev_before = r.exec().with_device(r.dev(), |d| d.inner.stats());
+            let received = r.stats().received;
             let (o, l, f) = drive(r, a, w, Lanes { core, cores })?;
             let ds = device_since(r.exec(), r.dev(), dev_before);
+            let traffic = Traffic {
+                received: r.stats().received - received,
+                owner: r.is_owner(),
+            };
             let after = r.cache_stats();
             let stats = qcow2_engine::cache::CacheStats {
                 hits: after.hits - before.hits,
@@ -188,6 +208,7 @@ pub fn run_one(path: &Path, raw: bool, w: Workload, a: &PerfArgs) -> ToolResult<
                     ring_after.since(&ring_before),
                 ),
                 ds,
+                traffic,
             ))
         })?;
         out.into_iter().map(|(r, _)| r).collect()
@@ -199,8 +220,13 @@ pub fn run_one(path: &Path, raw: bool, w: Workload, a: &PerfArgs) -> ToolResult<
     let (mut pf_loaded, mut pf_hits) = (0, 0);
     let mut ring = RingStats::default();
     let mut dev = DeviceStats::default();
-    for (o, l, f, (s, loaded, hits, rs), ds) in runs {
+    let (mut owner_writes, mut messages) = (0, 0);
+    for (o, l, f, (s, loaded, hits, rs), ds, t) in runs {
         ring.add(&rs);
+        messages += t.received;
+        if t.owner {
+            owner_writes += ds.writes;
+        }
         dev.writes += ds.writes;
         dev.bytes_written += ds.bytes_written;
         ops += o;
@@ -251,6 +277,8 @@ pub fn run_one(path: &Path, raw: bool, w: Workload, a: &PerfArgs) -> ToolResult<
         verify_failures: fails,
         device_writes: dev.writes,
         device_bytes_written: dev.bytes_written,
+        owner_device_writes: owner_writes,
+        messages,
     })
 }
 
@@ -283,6 +311,8 @@ pub(super) fn merge(a: RunResult, b: RunResult) -> RunResult {
         verify_failures: a.verify_failures + b.verify_failures,
         device_writes: a.device_writes + b.device_writes,
         device_bytes_written: a.device_bytes_written + b.device_bytes_written,
+        owner_device_writes: a.owner_device_writes + b.owner_device_writes,
+        messages: a.messages + b.messages,
         ..a
     }
 }
