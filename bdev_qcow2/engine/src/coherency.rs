@@ -35,6 +35,7 @@
 use loom::sync::atomic::{AtomicU64, Ordering};
 #[cfg(not(loom))]
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 
 mod epochs;
 pub mod fences;
@@ -76,6 +77,14 @@ impl SliceStamp {
     pub fn removals(self) -> u32 {
         (self.0 >> 32) as u32
     }
+}
+
+/// The stamp of slice `key` in `words` (a [`Shared::epoch_words`]) when the key is its own
+/// slot there (`None`: ask [`Shared::stamp`], which hashes it); as `Shared::stamp` loads it.
+#[inline(always)]
+pub(crate) fn stamp_of(words: &[AtomicU64], key: u64) -> Option<SliceStamp> {
+    let e = usize::try_from(key).ok().and_then(|k| words.get(k))?;
+    Some(SliceStamp(e.load(Ordering::SeqCst)))
 }
 
 /// How the owner changed a slice, for the slot's count of removals (ARCHITECTURE.md §6).
@@ -124,8 +133,9 @@ fn l1_headroom(len: usize) -> usize {
 pub struct Shared {
     /// Per slot: the epoch in the low half, the count of removals in the high half (one
     /// word, so that a core reads both at one instant; an epoch's carry only counts a
-    /// removal more).
-    epochs: Box<[AtomicU64]>,
+    /// removal more). An `Arc` of its own: a core's memo view holds the words themselves
+    /// (`memo::MemoView`), one load closer on every request than through this state.
+    epochs: Arc<[AtomicU64]>,
     epoch_mask: u64,
     /// The L1 table, with room to grow online (entries past the table read 0).
     l1: Box<[AtomicU64]>,
@@ -229,6 +239,13 @@ impl Shared {
                 None => self.epochs[self.slot(key)].load(Ordering::SeqCst),
             },
         )
+    }
+
+    /// The epoch words themselves, for a view that reads a slice's stamp without this
+    /// state ([`stamp_of`]: a key below their count is its own slot; others go through
+    /// [`stamp`](Self::stamp)).
+    pub(crate) fn epoch_words(&self) -> Arc<[AtomicU64]> {
+        self.epochs.clone()
     }
 
     /// Current epoch of slot `slot`.

@@ -1,10 +1,14 @@
 //! The direct path's memo of L2 slices ([`SliceMemo`]): a direct-mapped table in front of
 //! the set-associative slice cache that maps a request inside one slice in a few compares.
 
-use crate::coherency::Shared;
+use crate::coherency::{stamp_of, Shared};
 use crate::exec::DevId;
+#[cfg(loom)]
+use loom::sync::atomic::AtomicU64;
 use std::cell::{Cell, OnceCell};
 use std::rc::Rc;
+#[cfg(not(loom))]
+use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 
 /// The most slots a [`SliceMemo`] has (a power of two): 4,096 slices map 128 GiB with
@@ -459,6 +463,10 @@ impl SliceMemo {
 /// read-ahead's tail of a slice starts.
 pub(crate) struct MemoView {
     memo: Rc<SliceMemo>,
+    /// A core replica's slice epochs ([`Shared::epoch_words`]; none for the owner and a
+    /// read-only image): a hit reads its slice's stamp here, without loading and testing
+    /// `shared` first.
+    epochs: Arc<[AtomicU64]>,
     /// A core replica's shared state (`None`: the owner, a read-only image).
     shared: Option<Arc<Shared>>,
     /// A writable core replica's shared state (its memo answers overwrites,
@@ -488,6 +496,9 @@ impl MemoView {
         debug_assert!(coverage.is_power_of_two());
         MemoView {
             memo,
+            epochs: shared
+                .as_ref()
+                .map_or_else(|| Arc::from([]), |s| s.epoch_words()),
             writes: shared.clone().filter(|_| writable),
             shared,
             dev,
@@ -515,9 +526,9 @@ impl MemoView {
             return None;
         }
         let key = off >> self.coverage_bits;
-        let epoch = match &self.shared {
-            Some(s) => s.stamp(key).epoch(),
-            None => 0,
+        let epoch = match stamp_of(&self.epochs, key) {
+            Some(now) => now.epoch(),
+            None => self.epoch_hashed(key),
         };
         let host = self.memo.extent(key, epoch, within, len)?;
         Some((host, within + len > self.tail_from))
@@ -536,6 +547,8 @@ impl MemoView {
             return None;
         }
         let key = off >> self.coverage_bits;
+        // (Through the shared state, which the metadata generation needs anyway: the view's
+        // own words would only add a branch here.)
         let now = sh.stamp(key);
         let host = self.memo.extent_overwrite(
             key,
@@ -545,6 +558,17 @@ impl MemoView {
             len,
         )?;
         Some((host, within + len > self.tail_from))
+    }
+
+    /// The epoch of slice `key` when it is not its own slot in `epochs` (a large image's
+    /// hashed slots), or 0 without a core replica's shared state (the owner's requests
+    /// come here: inline).
+    #[inline(always)]
+    fn epoch_hashed(&self, key: u64) -> u32 {
+        match &self.shared {
+            Some(s) => s.stamp(key).epoch(),
+            None => 0,
+        }
     }
 }
 

@@ -444,7 +444,7 @@ impl Channel {
     /// base refuses it (busy), the engine's task for the same request.
     #[inline(always)]
     fn direct(&self, chain: &Rc<Chain<SpdkDevice>>, io: BdevIo, grant: Grant) {
-        let target = self.direct.as_ref();
+        let target = &self.direct;
         let r = match grant.is_write() {
             false => direct::submit::<Channel, direct::Read>(self, chain, target, io, grant),
             true => direct::submit::<Channel, direct::Write>(self, chain, target, io, grant),

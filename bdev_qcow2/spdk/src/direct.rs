@@ -116,15 +116,17 @@ impl<H: DirectHost, K: Kind> ChildDone<Qcow2Bdev> for Done<H, K> {
 pub fn submit<H: DirectHost, K: Kind>(
     host: &H,
     chain: &Chain<SpdkDevice>,
-    target: Option<&Target>,
+    target: &Option<Target>,
     io: BdevIo,
     grant: Grant,
 ) -> Result<(), BdevIo> {
-    // (The indices compared: `DevId`'s derived `==` would be one more function per request.)
-    let Some(t) = target.filter(|t| t.dev.0 == grant.dev().0) else {
-        return crypt_or_exec::<H, K>(host, chain, target, io, grant);
-    };
-    to_base::<H, K>(host, t, io, grant)
+    // (The indices compared: `DevId`'s derived `==` would be one more function per request.
+    // The host's own `Option` matched, not an `Option<&Target>` made of it: no pointer to
+    // build on every request.)
+    match target {
+        Some(t) if t.dev.0 == grant.dev().0 => to_base::<H, K>(host, t, io, grant),
+        _ => crypt_or_exec::<H, K>(host, chain, target.as_ref(), io, grant),
+    }
 }
 
 /// One child I/O of `t`'s base at the grant's host offset with the request's own iovecs,

@@ -498,7 +498,7 @@ impl Owner {
         let req = Request::new(io.ctx().op(), io.offset_bytes(), io.len_bytes());
         match c.plan(req, || guest_buf(io.data_view())) {
             Step::Direct(grant) => {
-                let target = self.direct.as_ref();
+                let target = &self.direct;
                 let r = match grant.is_write() {
                     false => direct::submit::<Owner, direct::Read>(self, c, target, io, grant),
                     true => direct::submit::<Owner, direct::Write>(self, c, target, io, grant),

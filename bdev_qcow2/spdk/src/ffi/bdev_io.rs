@@ -8,6 +8,7 @@ use super::types::BdevTypes;
 use std::cell::Cell;
 use std::ffi::{c_int, c_void};
 use std::marker::PhantomData;
+use std::mem::MaybeUninit;
 use std::ptr::NonNull;
 
 /// Block size of every bdev this module registers (`node.rs` registers with it).
@@ -15,12 +16,15 @@ pub const BLOCK_SIZE: u32 = 512;
 
 /// The area SPDK reserves in each of our bdev_ios (`get_ctx_size`): the link of the
 /// [`IoQueue`] it may travel in, the channel a direct-path request belongs to, then the
-/// module's per-I/O context.
+/// module's per-I/O context. Only the context is initialized when a request arrives: the
+/// link and the channel are written by the paths that read them ([`IoQueue::push`],
+/// [`BdevIo::record_channel`]), not on every request.
 #[repr(C)]
 struct DriverArea<M: BdevTypes> {
-    next: *mut sys::spdk_bdev_io,
-    /// Recorded by [`BdevIo::record_channel`] (null before).
-    chan: *const M::Channel,
+    /// Written by [`IoQueue::push`].
+    next: MaybeUninit<*mut sys::spdk_bdev_io>,
+    /// Written by [`BdevIo::record_channel`].
+    chan: MaybeUninit<*const M::Channel>,
     ctx: M::Ctx,
 }
 
@@ -54,22 +58,18 @@ impl<M: BdevTypes> BdevIo<M> {
     /// area in it to `ctx` (SPDK leaves it as the last user did).
     ///
     /// # Safety
-    /// `p` is null or a bdev_io submitted to a bdev of this module (driver area of
+    /// `p` is a bdev_io submitted to a bdev of this module (driver area of
     /// [`driver_ctx_size`] bytes, blocks of [`BLOCK_SIZE`]) that is not completed and has no
-    /// other handle.
+    /// other handle (never null: SPDK's bdev layer submits only bdev_ios it allocated).
     #[inline(always)]
-    pub unsafe fn submitted(p: *mut sys::spdk_bdev_io, ctx: M::Ctx) -> Option<BdevIo<M>> {
-        let io = BdevIo(NonNull::new(p)?, PhantomData);
+    pub unsafe fn submitted(p: *mut sys::spdk_bdev_io, ctx: M::Ctx) -> BdevIo<M> {
+        // SAFETY: not null, per the contract (no test on every request).
+        let io = BdevIo::<M>(unsafe { NonNull::new_unchecked(p) }, PhantomData);
         // SAFETY: the driver area follows the struct and is at least `driver_ctx_size`
-        // bytes, aligned for pointers (per the contract); nothing reads it before this.
-        unsafe {
-            io.area().write(DriverArea {
-                next: std::ptr::null_mut(),
-                chan: std::ptr::null(),
-                ctx,
-            })
-        };
-        Some(io)
+        // bytes, aligned for pointers (per the contract); nothing reads the context before
+        // this (the other fields are `MaybeUninit`, each written before it is read).
+        unsafe { std::ptr::addr_of_mut!((*io.area()).ctx).write(ctx) };
+        io
     }
 
     /// Back from a pointer made by [`BdevIo::into_raw`].
@@ -258,8 +258,8 @@ impl<M: BdevTypes> BdevIo<M> {
     /// finds with [`with_recorded_channel`](Self::with_recorded_channel).
     #[inline(always)]
     pub fn record_channel(&mut self, c: &M::Channel) {
-        // SAFETY: initialized by `submitted`; `&mut self` makes this the only reference.
-        unsafe { (*self.area()).chan = c };
+        // SAFETY: the area of a live bdev_io; `&mut self` makes this the only reference.
+        unsafe { (*self.area()).chan = MaybeUninit::new(c) };
     }
 
     /// As [`with_channel`](Self::with_channel), for a channel's direct-path request: the
@@ -272,14 +272,9 @@ impl<M: BdevTypes> BdevIo<M> {
     /// outstanding).
     #[inline(always)]
     pub unsafe fn with_recorded_channel<R>(self, f: impl FnOnce(&M::Channel, BdevIo<M>) -> R) -> R {
-        // SAFETY: initialized by `submitted`; only this handle reaches it.
-        let c = unsafe { (*self.area()).chan };
-        debug_assert!(
-            !c.is_null(),
-            "no channel recorded for a direct-path request"
-        );
-        // SAFETY: per the contract.
-        f(unsafe { &*c }, self)
+        // SAFETY: written by `record_channel` (per the contract); only this handle reaches
+        // it; the channel's state lives while the request is outstanding.
+        f(unsafe { &*(*self.area()).chan.assume_init() }, self)
     }
 
     /// Calls `f` with the state of the channel the request was submitted on (on its
@@ -343,7 +338,8 @@ pub(super) unsafe extern "C" fn submit_request<M: Requests>(
     bdev_io: *mut sys::spdk_bdev_io,
 ) {
     // SAFETY: SPDK passes a channel of our bdev (its state lives while the channel does) and
-    // a live bdev_io submitted to it, seen here first.
+    // a live bdev_io submitted to it (never null: `bdev_io_do_submit` calls us with the
+    // bdev_io it submits), seen here first.
     // (The channel's state read here, as `io_channel::state_of` does: its context area
     // holds the state's pointer. No accessor on the request path.)
     let (c, io) = unsafe {
@@ -352,11 +348,9 @@ pub(super) unsafe extern "C" fn submit_request<M: Requests>(
             BdevIo::<M>::submitted(bdev_io, M::NEW_CTX),
         )
     };
-    if let Some(io) = io {
-        // SAFETY: as above (its type, read here: no accessor on the request path).
-        let kind = sys::spdk_bdev_io_type::from(unsafe { (*bdev_io).type_ });
-        M::submit_request(c, io, kind);
-    }
+    // SAFETY: as above (its type, read here: no accessor on the request path).
+    let kind = sys::spdk_bdev_io_type::from(unsafe { (*bdev_io).type_ });
+    M::submit_request(c, io, kind);
 }
 
 /// Where [`BdevIo::get_buf`] continues.
@@ -471,14 +465,17 @@ impl<M: BdevTypes> IoQueue<M> {
     /// Appends `io`.
     pub fn push(&self, io: BdevIo<M>) {
         // SAFETY: the area of a live bdev_io we hold.
-        unsafe { (*io.area()).next = std::ptr::null_mut() };
+        unsafe { (*io.area()).next = MaybeUninit::new(std::ptr::null_mut()) };
         let p = io.into_raw();
         let tail = self.tail.get();
         if tail.is_null() {
             self.head.set(p);
         } else {
             // SAFETY: the tail is a live bdev_io of this queue.
-            unsafe { (*BdevIo::<M>(NonNull::new_unchecked(tail), PhantomData).area()).next = p };
+            unsafe {
+                (*BdevIo::<M>(NonNull::new_unchecked(tail), PhantomData).area()).next =
+                    MaybeUninit::new(p)
+            };
         }
         self.tail.set(p);
     }
@@ -528,8 +525,8 @@ impl<M: BdevTypes> Iterator for Arrived<M> {
         // SAFETY: the head, if any, is a live bdev_io of the queue `send` gave up; each is
         // taken out once.
         let io = unsafe { BdevIo::from_raw(self.0) }?;
-        // SAFETY: as in `IoQueue::push`.
-        self.0 = unsafe { (*io.area()).next };
+        // SAFETY: as in `IoQueue::push`, which wrote the link of every request it queued.
+        self.0 = unsafe { (*io.area()).next.assume_init() };
         Some(io)
     }
 }
@@ -544,7 +541,8 @@ unsafe extern "C" fn receive<M: BdevTypes, R: QueueReceiver<M>>(head: *mut c_voi
 /// also owns the executor that owns the device).
 #[derive(Debug)]
 pub struct DirectTarget {
-    desc: *mut sys::spdk_bdev_desc,
+    /// Not null: an `Option<Target>` of the direct path tests this word (no tag of its own).
+    desc: NonNull<sys::spdk_bdev_desc>,
     ch: *mut sys::spdk_io_channel,
     /// log2 of the block size.
     block_shift: u32,
@@ -556,8 +554,8 @@ impl DirectTarget {
     /// The target of `desc` through channel `ch` (blocks of `block_size` bytes).
     ///
     /// # Safety
-    /// `desc` is open and `ch` is this thread's channel of it, both for as long as the target
-    /// is used.
+    /// `desc` is open (not null) and `ch` is this thread's channel of it, both for as long
+    /// as the target is used.
     pub unsafe fn new(
         desc: *mut sys::spdk_bdev_desc,
         ch: *mut sys::spdk_io_channel,
@@ -565,7 +563,8 @@ impl DirectTarget {
     ) -> DirectTarget {
         let pow2 = block_size.is_power_of_two();
         DirectTarget {
-            desc,
+            // SAFETY: an open descriptor is not null (the contract).
+            desc: unsafe { NonNull::new_unchecked(desc) },
             ch,
             block_shift: block_size.trailing_zeros(),
             // Any other block size: every extent is refused (the engine path serves it).
@@ -606,7 +605,7 @@ impl DirectTarget {
         // completed, which only `child_done` can do, after the child completed.
         let rc = unsafe {
             f(
-                self.desc,
+                self.desc.as_ptr(),
                 self.ch,
                 iovs,
                 iovcnt,
@@ -638,8 +637,8 @@ unsafe extern "C" fn child_done<M: BdevTypes, D: ChildDone<M>>(
 ) {
     // SAFETY: SPDK hands back the child bdev_io of `submit`; freed once, here.
     unsafe { sys::spdk_bdev_free_io(child) };
-    // SAFETY: `arg` is the guest bdev_io `submit` gave up.
-    if let Some(io) = unsafe { BdevIo::<M>::from_raw(arg.cast()) } {
-        D::child_done(io, success);
-    }
+    // SAFETY: `arg` is the guest bdev_io `submit` gave up (a handle's: not null, so no
+    // test on every completion).
+    let io = BdevIo::<M>(unsafe { NonNull::new_unchecked(arg.cast()) }, PhantomData);
+    D::child_done(io, success);
 }
