@@ -278,6 +278,9 @@ reactor_tid() {
 # then cannot take the cores from the two pollers a QD1 round trip over TCP waits on.
 golden_rt() {
   local py=${BDEVPERF_PY:-/opt/spdk-src/examples/bdev/bdevperf/bdevperf.py} out bt
+  # Run inside `pairs`'s command substitution, where the script's EXIT trap does not hold:
+  # a failure here must not leave a reactor SCHED_FIFO.
+  trap '[ -n "$BP_PID" ] && kill -9 "$BP_PID" 2>/dev/null; chrt -o -p 0 "$TGT_TID" 2>/dev/null' EXIT
   rm -f "$DIR/bp.sock"
   LD_PRELOAD="$SO" bdevperf -u "${MEM[@]}" --disable-cpumask-locks -r "$DIR/bp.sock" -z \
     --json "$DIR/overlay.json" -m 0x2 -T q0 -q 1 -o 4096 -w read -t "$TIME" >"$DIR/last.log" 2>&1 &
@@ -293,6 +296,7 @@ golden_rt() {
   kill -INT "$BP_PID"
   wait "$BP_PID" || true
   BP_PID=
+  if [ "$BASHPID" = "$$" ]; then trap cleanup EXIT; else trap - EXIT; fi
   /usr/bin/python3 -c 'import json, sys
 rs = [r for r in json.loads(sys.argv[1])["results"] if "iops" in r]
 if any(r.get("io_failed", 0) for r in rs):
