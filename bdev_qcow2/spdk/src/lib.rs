@@ -39,6 +39,7 @@ mod offthread;
 mod overlay;
 mod owner;
 mod registry;
+mod reservation;
 pub mod rpc;
 mod stats;
 mod status;
