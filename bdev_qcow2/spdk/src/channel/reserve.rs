@@ -1,16 +1,16 @@
 //! A core replica's side of its first writes (`reservation.rs`): the channel sends the
-//! write to the owner without its data, writes the data where the owner answers through
+//! write to the owner for a reservation, writes the data where the owner answers through
 //! its own base channel, and hands the ticket back for the owner to commit. So the md
-//! thread plans and commits first writes but writes none of their data, and a channel
-//! runs the engine's answer as our reactor does (`tool/src/reactor.rs`).
+//! thread plans and commits first writes but writes none of the data a core can write,
+//! and a channel runs the engine's answer as our reactor does (`tool/src/reactor.rs`).
 
 use super::Channel;
 use crate::ffi::thread::Thread;
-use crate::reservation::{DataWrite, Reservation};
+use crate::reservation::{CoreWrite, DataWrite, Reservation};
 use crate::types::BdevIo;
 use qcow2_engine::exec::Outcome;
 use qcow2_engine::types::HostOffset;
-use qcow2_engine::{GraceEntry, Op, Reserved};
+use qcow2_engine::{GraceEntry, Op};
 
 impl Channel {
     /// A write the replica's plan gave the owner ([`Step::Owner`](qcow2_engine::Step)
@@ -23,34 +23,25 @@ impl Channel {
         self.forward(md, io, op);
     }
 
-    /// A first write back from the owner (`complete_forwarded`) with its answer: the
-    /// channel takes the step it says.
+    /// A first write back from the owner (`complete_forwarded`): with its answer, the
+    /// channel writes the data; run by the owner, it ends its grace period and completes.
     pub(super) fn reservation_back(&self, mut io: BdevIo) {
-        let (Reservation::Answer(answer, entry), Some(md)) =
-            (io.ctx_mut().take_reservation(), self.forward_to)
-        else {
-            // Nothing else comes back in the protocol (the owner finishes what it ran).
-            tracing::error!("a first write came back from the owner without its answer");
-            return self.finish(io, false);
-        };
-        match answer {
+        match io.ctx_mut().take_reservation() {
             // An overwrite by now: complete once written, as one on this core.
-            Reserved::InPlace { host } => self.write_reserved(io, host, entry),
-            Reserved::Write { ticket, host } => {
+            Reservation::Answer(CoreWrite::InPlace(host), entry) => {
+                self.write_reserved(io, host, entry)
+            }
+            Reservation::Answer(CoreWrite::Write(ticket, host), entry) => {
                 io.ctx_mut().set_reservation(Reservation::Writing(ticket));
                 self.write_reserved(io, host, entry)
             }
-            Reserved::Data(ticket) => {
+            Reservation::Release(entry) => {
                 self.exec().guest_exit(entry);
-                io.ctx_mut().set_reservation(Reservation::Data(ticket));
-                let op = io.ctx().op();
-                self.forward(md, io, op)
+                let status = io.ctx().status();
+                self.finish_status(io, status)
             }
-            Reserved::Send => {
-                self.exec().guest_exit(entry);
-                let op = io.ctx().op();
-                self.forward(md, io, op)
-            }
+            // Nothing else comes back (the owner finishes what it committed).
+            _ => self.reservation_failed(io),
         }
     }
 

@@ -31,10 +31,14 @@ fn first_writes_from_two_cores_verify_and_read_as_qemu_reads_them() {
     let img = d.join("fw.qcow2");
     sparse(&img, 160 * MIB);
     let cfg = d.join("fw.json");
+    // An AIO bdev made with fallocate: the image zeroes ahead by punching, so its first
+    // writes need the guest's bytes alone, which the cores write.
+    let mut base = aio(&img, "b0");
+    base["params"]["fallocate"] = json!(true);
     write_config(
         &cfg,
         vec![
-            aio(&img, "b0"),
+            base.clone(),
             format_call("b0", 128 * MIB),
             qcow2("q0", "b0", None),
         ],
@@ -43,14 +47,20 @@ fn first_writes_from_two_cores_verify_and_read_as_qemu_reads_them() {
         let (failed, done) = job_counts(&perform(&[]));
         assert!(failed == 0.0 && done > 0.0, "{failed} failed, {done} done");
         let by_cores = first_writes_by_cores(sock);
-        assert!(by_cores > 0, "no first write was written by a core");
+        assert!(
+            by_cores > 0,
+            "no first write was written by a core: {}",
+            q0_stats(sock)
+        );
         say(&format!(
             "two cores, fresh image, verify: {done:.0} requests, 0 failed; \
              {by_cores} first writes written by the cores"
         ));
     });
     check_clean(&img, "two cores' first writes");
-    dd_and_compare(d, &cfg2_of(d, &img, "fw"), "q0", &img, "fw");
+    let open = d.join("fw-open.json");
+    write_config(&open, vec![base, qcow2("q0", "b0", None)]);
+    dd_and_compare(d, &open, "q0", &img, "fw");
 }
 
 #[test]
@@ -70,7 +80,13 @@ fn a_base_failing_reserved_data_writes_frees_their_clusters() {
         vec![
             aio(&img, "aio0"),
             json!({"method": "bdev_error_create", "params": {"base_name": "aio0"}}),
-            format_call("EE_aio0", 128 * MIB),
+            // Zeroed by the format (a tail recorded): first writes need the guest's bytes
+            // alone, which the cores write.
+            {
+                let mut f = format_call("EE_aio0", 128 * MIB);
+                f["params"]["zero_base"] = json!(true);
+                f
+            },
             qcow2("q0", "EE_aio0", None),
             json!({"method": "bdev_error_inject_error", "params": {
                 "name": "EE_aio0", "io_type": "write", "error_type": "failure", "num": 300}}),
@@ -80,9 +96,17 @@ fn a_base_failing_reserved_data_writes_frees_their_clusters() {
     job[7] = "randwrite";
     bdevperf_driven_with(d, &cfg, "fwerr", &job, |sock, perform| {
         let (failed, done) = job_counts(&perform(&[]));
-        assert!(failed > 0.0, "the injected failures did not reach bdevperf");
+        assert!(
+            failed > 0.0,
+            "the injected failures did not reach bdevperf ({done} done): {}",
+            q0_stats(sock)
+        );
         let by_cores = first_writes_by_cores(sock);
-        assert!(by_cores > 0, "no first write was written by a core");
+        assert!(
+            by_cores > 0,
+            "no first write was written by a core: {}",
+            q0_stats(sock)
+        );
         // The failures are spent: a verify pass over the whole disk (reusing what the
         // failed writes freed) has none.
         let (vfailed, vdone) = job_counts(&perform(&["-w", "verify", "-t", "2"]));
@@ -91,7 +115,7 @@ fn a_base_failing_reserved_data_writes_frees_their_clusters() {
             "verify after the failures: {vfailed} failed, {vdone} done"
         );
         say(&format!(
-            "base failing writes: {failed:.0} of {done:.0} first writes failed \
+            "base failing writes: {failed:.0} of {done:.0} random writes into the fresh image failed \
              ({by_cores} written by the cores); then verify: {vdone:.0}, 0 failed"
         ));
     });
