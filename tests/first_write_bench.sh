@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # First writes on two cores (#48): bdevperf 4 KiB random writes, QD32, `-m 0x3 -C` (a job
-# on each core, neither on the md thread), into a fresh qcow2 image on an AIO file, against
+# on each core, neither on the md thread), into a fresh qcow2 image on an AIO file (made
+# with fallocate: the image zeroes ahead by punching, so a first write is the guest's
+# bytes alone, which the cores write themselves; ARCHITECTURE §5, §8), against
 # SPDK's passthru over a raw file of the same size in the same directory; each round runs
 # a fresh image and a fresh raw file, alternating, and the script prints each round's IOPS
 # and the median ratio. With BASE_SO, a second build of the module (e.g. main's) runs in
@@ -51,7 +53,7 @@ config() {
   fi
   cat <<JSON
 {"subsystems": [{"subsystem": "bdev", "config": [
-  {"method": "bdev_aio_create", "params": {"name": "b0", "filename": "$file", "block_size": 512}},
+  {"method": "bdev_aio_create", "params": {"name": "b0", "filename": "$file", "block_size": 512, "fallocate": true}},
   $top,
   {"method": "bdev_wait_for_examine"}]}]}
 JSON
