@@ -7,9 +7,10 @@
 //! - Writable bdev, on a thread other than the metadata owner's: the replica is built at once
 //!   from the owner's [`CoreSeed`](qcow2_engine::CoreSeed) and validated against the owner's
 //!   epochs (ARCHITECTURE.md §6). Reads of every kind and in-place writes to COPIED clusters run
-//!   here; allocating writes, write-zeroes, unmap and flush go to the owner (`owner.rs`) as
-//!   messages carrying the bdev_io, and so do the replica's requests for slices the owner
-//!   holds dirty ([`SpdkLink`]).
+//!   here; an allocating write goes to the owner without its data, which reserves its
+//!   clusters and answers where this channel writes it (`channel/reserve.rs`); write-zeroes,
+//!   unmap and flush go to the owner (`owner.rs`) as messages carrying the bdev_io, and so
+//!   do the replica's requests for slices the owner holds dirty ([`SpdkLink`]).
 //! - Writable bdev, on the owner's thread: everything goes straight to the owner.
 //!
 //! Every field is a `Cell`/`RefCell`/`OnceCell` used through `&Channel`, because completing
@@ -18,7 +19,8 @@
 //! A request's path: [`submit_request`] (the one switch on the I/O type) → `read`/`write`
 //! on the replica, routed by the engine (`Chain::route_read` / `Chain::route_write`) → the
 //! direct path (`direct.rs`) when it grants one extent, else the engine through the
-//! channel's [`Driver`] (`engine_host.rs`), else the owner (`owner::forward`). The poller
+//! channel's [`Driver`] (`engine_host.rs`), else the owner (`owner::forward`; a first write
+//! by the reservation protocol, `channel/reserve.rs`). The poller
 //! drives slow paths (tasks), resubmissions after `-ENOMEM`, opening the replica, and
 //! sending forwarded requests.
 
@@ -26,6 +28,7 @@ mod ask;
 mod backing;
 mod below;
 mod hooks;
+mod reserve;
 
 use ask::SpdkLink;
 pub use ask::{send_ask, Ask};
@@ -478,6 +481,8 @@ impl Channel {
     #[inline(never)]
     fn to_owner(&self, io: BdevIo, op: Op) {
         match self.forward_to {
+            // A write needing the owner's metadata: it reserves, this core writes.
+            Some(md) if matches!(op, Op::Write | Op::WriteNotInPlace) => self.reserve(md, io, op),
             Some(md) => self.forward(md, io, op),
             None => self.finish(io, false),
         }
@@ -585,6 +590,9 @@ impl Host for Channel {
     }
 
     fn request_done(&self, io: BdevIo, outcome: Outcome) {
+        if io.ctx().reserving() {
+            return self.reserved_written(io, outcome);
+        }
         let write = io.io_type() == sys::SPDK_BDEV_IO_TYPE_WRITE;
         match outcome {
             Outcome::Done(r) => {
@@ -649,6 +657,9 @@ impl BufDone<Qcow2Bdev> for Channel {
 /// Completes a request the owner ran, on the thread (and channel) it was submitted on, with
 /// the status it carries back.
 pub fn complete_forwarded(io: BdevIo) {
+    if io.ctx().reserving() {
+        return io.with_channel(|c, io| c.reservation_back(io));
+    }
     let status = io.ctx().status();
     io.with_channel(|c, io| c.finish_status(io, status));
 }

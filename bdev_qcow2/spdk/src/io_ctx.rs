@@ -2,6 +2,7 @@
 //! reserves it in every bdev_io: `get_ctx_size`). `submit_request` initializes it; the handle
 //! reaches it with [`BdevIo::ctx`](crate::ffi::bdev_io::BdevIo::ctx).
 
+use crate::reservation::Reservation;
 use crate::status::Status;
 use qcow2_engine::{DevId, GraceEntry, Op};
 use std::cell::Cell;
@@ -19,6 +20,8 @@ pub struct IoCtx {
     /// A direct read of an encrypted image: the crypt view it was granted and the host
     /// offset read, which its completion decrypts with.
     crypt: (DevId, u64),
+    /// A core replica's first write: its step in the owner's reservation protocol.
+    reservation: Reservation,
 }
 
 impl IoCtx {
@@ -30,6 +33,7 @@ impl IoCtx {
         entry: Cell::new(None),
         op: Op::Read,
         crypt: (DevId(0), 0),
+        reservation: Reservation::None,
     };
 
     /// The status a forwarded request carries back.
@@ -64,6 +68,25 @@ impl IoCtx {
     #[inline(always)]
     pub fn set_op(&mut self, op: Op) {
         self.op = op;
+    }
+}
+
+impl IoCtx {
+    /// Whether the request is a first write in the owner's reservation protocol.
+    #[inline(always)]
+    pub fn reserving(&self) -> bool {
+        !matches!(self.reservation, Reservation::None)
+    }
+
+    /// Takes the request's step in the reservation protocol (leaves
+    /// [`Reservation::None`]).
+    pub fn take_reservation(&mut self) -> Reservation {
+        std::mem::take(&mut self.reservation)
+    }
+
+    /// Sets the request's step in the reservation protocol.
+    pub fn set_reservation(&mut self, r: Reservation) {
+        self.reservation = r;
     }
 }
 

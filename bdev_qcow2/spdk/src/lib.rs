@@ -51,6 +51,7 @@ mod overlay;
 #[allow(unsafe_code)]
 mod owner;
 mod registry;
+mod reservation;
 pub mod rpc;
 mod stats;
 mod status;

@@ -23,6 +23,8 @@
 //! without waiting for the owner's poller; the poller drives the slow paths. Everything here
 //! runs on the md thread, which debug builds assert ([`Owner::assert_md_thread`]).
 
+mod reserve;
+
 use crate::backing_slot::BackingSlot;
 use crate::device::{guest_buf, SpdkDevice};
 use crate::direct::{self, DirectHost, Target};
@@ -361,6 +363,7 @@ impl Owner {
                 serde_json::json!({
                     "clusters_allocated": s.clusters_allocated,
                     "writes_planned_now": s.writes_planned_now,
+                    "first_writes_by_cores": s.first_writes_by_cores,
                     // Guest requests the owner ran as engine tasks (as a channel's).
                     "engine_tasks": self.driver.tasks(),
                     "clusters_taken_ahead": s.clusters_taken_ahead,
@@ -485,9 +488,13 @@ impl Owner {
 
     /// Runs `io` (submitted to a writable bdev, forwarded to run `io.ctx().op()`) on the
     /// owner's chain: reads and writes on the direct path when the engine grants them one
-    /// extent, else (and everything else) through the engine.
+    /// extent, else (and everything else) through the engine; a core's first write by
+    /// the reservation protocol's step it is at (`owner/reserve.rs`).
     fn submit(&self, io: BdevIo) {
         self.assert_md_thread();
+        if io.ctx().reserving() {
+            return self.driver.run(|| self.serve_reservation(io));
+        }
         self.driver.run(|| self.run_op(io));
     }
 
