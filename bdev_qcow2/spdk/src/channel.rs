@@ -33,6 +33,7 @@ mod reserve;
 use ask::SpdkLink;
 pub use ask::{send_ask, Ask};
 pub use hooks::stats_step;
+use reserve::FirstWrites;
 
 use crate::backing_slot::BackingSlot;
 use crate::device::{guest_buf, SpdkDevice};
@@ -71,6 +72,8 @@ pub struct Channel {
     /// Writable bdev: the md thread slow paths (all requests, on the md thread itself) are
     /// forwarded to.
     forward_to: Option<Thread>,
+    /// Who writes the data of this channel's first writes (`channel/reserve.rs`).
+    first_writes: FirstWrites,
     /// Writable bdev without a replica (it could not be built): everything goes to the owner.
     forward_only: Cell<bool>,
     /// Read-ahead on sequential streams (`prefetch` of the create call).
@@ -128,6 +131,7 @@ impl Channel {
             driver: Driver::new(Exec::new()),
             direct: None,
             forward_to: None,
+            first_writes: FirstWrites::Owner,
             forward_only: Cell::new(false),
             prefetch: src.prefetch() == Prefetch::On,
             ring: src.ring().cloned(),
@@ -152,6 +156,9 @@ impl Channel {
         });
         if src.access() == NodeAccess::Writable {
             ch.forward_to = src.md_thread();
+            if !src.on_md_core() {
+                ch.first_writes = FirstWrites::Core;
+            }
             if src.md_thread().is_some_and(Thread::is_current) || src.seed().is_none() {
                 return Ok(ch);
             }
@@ -482,7 +489,12 @@ impl Channel {
     fn to_owner(&self, io: BdevIo, op: Op) {
         match self.forward_to {
             // A write needing the owner's metadata: it reserves, this core writes.
-            Some(md) if matches!(op, Op::Write | Op::WriteNotInPlace) => self.reserve(md, io, op),
+            Some(md)
+                if self.first_writes == FirstWrites::Core
+                    && matches!(op, Op::Write | Op::WriteNotInPlace) =>
+            {
+                self.reserve(md, io, op)
+            }
             Some(md) => self.forward(md, io, op),
             None => self.finish(io, false),
         }

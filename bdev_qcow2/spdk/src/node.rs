@@ -65,6 +65,8 @@ pub type Ring = (RingConfig, Arc<WriteGens>);
 pub struct Node {
     /// The metadata owner: the thread that created the bdev (and opened the descriptors).
     md_thread: Option<Thread>,
+    /// The CPU the md thread runs on (its reactor's core), as seen at creation.
+    md_cpu: Option<u32>,
     /// Engine options of each channel's replica.
     opts: OpenOptions,
     /// The prefetch ring (`None`: `prefetch` is off).
@@ -296,6 +298,7 @@ pub struct ChannelSource<'a> {
     backing: Option<&'a Desc>,
     access: NodeAccess,
     md_thread: Option<Thread>,
+    md_cpu: Option<u32>,
     owner: Option<Homed<Owner>>,
     seed: Option<&'a CoreSeed>,
     opts: OpenOptions,
@@ -330,6 +333,11 @@ impl<'a> ChannelSource<'a> {
     /// The md thread.
     pub fn md_thread(&self) -> Option<Thread> {
         self.md_thread
+    }
+    /// Whether the caller runs on the md thread's core (a channel there gains nothing by
+    /// writing first writes' data itself: the owner's thread shares its core).
+    pub fn on_md_core(&self) -> bool {
+        self.md_cpu.is_some() && self.md_cpu == crate::ffi::thread::current_cpu()
     }
     /// Writable bdev: the owner, reached from the channel's thread by message (taken out:
     /// `None` the second time).
@@ -431,6 +439,7 @@ impl Node {
         let below_on = AtomicBool::new(below.is_some());
         Node {
             md_thread: Thread::current(),
+            md_cpu: crate::ffi::thread::current_cpu(),
             opts: image.params.open_options(),
             ring,
             retired: Arc::new(Mutex::new(Default::default())),
@@ -621,6 +630,7 @@ impl Node {
                 NodeAccess::ReadOnly
             },
             md_thread: md,
+            md_cpu: self.md_cpu,
             owner: self.owner.homed(md),
             seed: c.seed.as_ref(),
             opts: self.opts,

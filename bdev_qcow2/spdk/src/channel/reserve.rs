@@ -12,6 +12,16 @@ use qcow2_engine::exec::Outcome;
 use qcow2_engine::types::HostOffset;
 use qcow2_engine::{GraceEntry, Op};
 
+/// Who writes the data of a channel's first writes.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(super) enum FirstWrites {
+    /// The owner, with the whole request: a channel on the md thread's core (a round trip
+    /// for the reservation would buy no parallelism there), or one without a replica.
+    Owner,
+    /// This channel, where the owner reserved (the protocol below).
+    Core,
+}
+
 impl Channel {
     /// A write the replica's plan gave the owner ([`Step::Owner`](qcow2_engine::Step)
     /// with `op`): sent to `md` for the owner to reserve its clusters, with this core in
@@ -28,8 +38,13 @@ impl Channel {
     pub(super) fn reservation_back(&self, mut io: BdevIo) {
         match io.ctx_mut().take_reservation() {
             // An overwrite by now: complete once written, as one on this core.
+            // The owner holds the slice dirty: its copy is loaded here for the next ones.
             Reservation::Answer(CoreWrite::InPlace(host), entry) => {
-                self.write_reserved(io, host, entry)
+                let offset = io.extent().0;
+                self.write_reserved(io, host, entry);
+                if let Some(chain) = self.chain.get() {
+                    chain.answered_in_place(offset);
+                }
             }
             Reservation::Answer(CoreWrite::Write(ticket, host), entry) => {
                 io.ctx_mut().set_reservation(Reservation::Writing(ticket));

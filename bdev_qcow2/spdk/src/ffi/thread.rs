@@ -41,6 +41,14 @@ pub fn prefetch_line(p: *const u8) {
     let _ = p;
 }
 
+/// The CPU the calling thread runs on (`None` if the kernel does not say). A reactor is
+/// pinned to its core, so on an SPDK thread this names the reactor's core.
+pub fn current_cpu() -> Option<u32> {
+    // SAFETY: sched_getcpu takes no arguments and only reads the caller's own state.
+    let cpu = unsafe { libc::sched_getcpu() };
+    u32::try_from(cpu).ok()
+}
+
 /// An SPDK thread, as a handle that any thread may hold and send messages to.
 ///
 /// Invariant: the thread is live. Handles are taken from running SPDK threads
