@@ -325,7 +325,7 @@ pub async fn preallocate<D: BlockDevice>(
         let h = q.header();
         (h.backing_file.is_some(), h.header.version)
     };
-    if backed && !geo.extended_l2 {
+    if backed && !geo.extended_l2() {
         // A zero or data entry would hide the backing file's data.
         return Err(Error::UnsupportedFeature(
             "preallocation with a backing file needs extended_l2".into(),
@@ -336,8 +336,8 @@ pub async fn preallocate<D: BlockDevice>(
     // backing file), except that a full preallocation of an image without backing file
     // marks them allocated: they hold zeros, and the image is then fully allocated.
     let (flags, bitmap) = match mode {
-        Preallocation::Full if geo.extended_l2 && !backed => (COPIED, FULL_BITMAP),
-        _ if geo.extended_l2 => (COPIED, 0),
+        Preallocation::Full if geo.extended_l2() && !backed => (COPIED, FULL_BITMAP),
+        _ if geo.extended_l2() => (COPIED, 0),
         Preallocation::Full
         | Preallocation::Metadata {
             device_reads_zeros: true,
@@ -363,7 +363,7 @@ pub async fn preallocate<D: BlockDevice>(
     // Plain data entries whose clusters must read as zeros: all of them with `Full`; with
     // `Metadata` on a device that reads zeros, those of clusters written before (a freed
     // metadata cluster reused, such as the refcount table a growth replaced).
-    let plain = flags == COPIED && !(geo.extended_l2 && bitmap == 0);
+    let plain = flags == COPIED && !(geo.extended_l2() && bitmap == 0);
     let mut zeros: Option<BufSlice<D::Buf>> = None;
     let cheap_zeroes = exec.with_device(dev, |d| d.zeroes_cheaply());
     let mut end = 0;

@@ -116,7 +116,7 @@ impl<D: BlockDevice> Chain<D> {
             let cluster = GuestOffset(c);
             let (entry, bitmap) = o.l2_words(cluster).await?;
             c += cs;
-            if !geo.extended_l2 {
+            if !geo.extended_l2() {
                 if let crate::format::ClusterMapping::Unallocated { .. } = entry.mapping(&ctx)? {
                     fills.push(Fill {
                         cluster,
@@ -276,7 +276,7 @@ impl<D: BlockDevice> Chain<D> {
         let mut filled = 0;
         for (i, f) in fills.iter().enumerate() {
             let (a, z) = (f.bitmap.alloc_mask(), f.bitmap.zero_mask());
-            let words = if !geo.extended_l2 {
+            let words = if !geo.extended_l2() {
                 match allocs[i] {
                     Some(al) => (
                         L2Entry::copied_data(geo.host_cluster_offset(al.first)),

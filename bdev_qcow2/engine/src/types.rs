@@ -170,8 +170,8 @@ impl fmt::Display for HostOffset {
 pub struct Geometry {
     /// log2 of the cluster size (9..=21).
     pub cluster_bits: u32,
-    /// Whether L2 entries are 128-bit extended entries (32 subclusters each).
-    pub extended_l2: bool,
+    /// The width of its L2 entries.
+    width: L2EntryWidth,
     /// log2 of the L2 slice size in bytes (9..=cluster_bits).
     pub slice_bits: u32,
     /// [`slice_coverage_bits`](Self::slice_coverage_bits), computed once by
@@ -198,15 +198,29 @@ impl Geometry {
     /// The geometry of clusters of 2^`cluster_bits` bytes, with L2 entries of `width`,
     /// cached in slices of 2^`slice_bits` bytes.
     pub fn new(cluster_bits: u32, width: L2EntryWidth, slice_bits: u32) -> Self {
-        let extended_l2 = width == L2EntryWidth::Extended;
-        let coverage_bits = cluster_bits + slice_bits - if extended_l2 { 4 } else { 3 };
+        let coverage_bits = cluster_bits + slice_bits
+            - if width == L2EntryWidth::Extended {
+                4
+            } else {
+                3
+            };
         Geometry {
             cluster_bits,
-            extended_l2,
+            width,
             slice_bits,
             coverage_bits,
             coverage_mask: (1 << coverage_bits) - 1,
         }
+    }
+    /// The width of the image's L2 entries.
+    #[inline]
+    pub fn l2_entry_width(&self) -> L2EntryWidth {
+        self.width
+    }
+    /// Whether L2 entries are 128-bit extended entries (32 subclusters each).
+    #[inline]
+    pub fn extended_l2(&self) -> bool {
+        self.width == L2EntryWidth::Extended
     }
     /// Cluster size in bytes.
     #[inline]
@@ -216,7 +230,7 @@ impl Geometry {
     /// Bytes per L2 entry (8, or 16 with extended L2).
     #[inline]
     pub fn l2_entry_bytes(&self) -> u64 {
-        if self.extended_l2 {
+        if self.extended_l2() {
             16
         } else {
             8
@@ -225,7 +239,7 @@ impl Geometry {
     /// log2 of the number of L2 entries in one L2 table (one cluster).
     #[inline]
     pub fn l2_bits(&self) -> u32 {
-        self.cluster_bits - if self.extended_l2 { 4 } else { 3 }
+        self.cluster_bits - if self.extended_l2() { 4 } else { 3 }
     }
     /// Entries per L2 table.
     #[inline]
@@ -250,7 +264,7 @@ impl Geometry {
     /// Subcluster size in bytes (the cluster size without extended L2).
     #[inline]
     pub fn subcluster_size(&self) -> u64 {
-        if self.extended_l2 {
+        if self.extended_l2() {
             self.cluster_size() / SUBCLUSTERS
         } else {
             self.cluster_size()

@@ -424,11 +424,28 @@ pub const MISSING_BACKING_ALIGN: usize = 4096;
 #[derive(Debug, Clone, Copy)]
 pub struct Gone {
     /// Its size when it left.
-    pub size: u64,
+    size: u64,
     /// The buffer alignment the node asks for.
-    pub align: usize,
+    align: usize,
     /// Its reads may go through a shared cache once it is back.
-    pub may_cache: bool,
+    may_cache: bool,
+}
+
+impl Gone {
+    /// Its size in bytes when it left.
+    pub fn size(&self) -> u64 {
+        self.size
+    }
+
+    /// The buffer alignment the node asks for.
+    pub fn align(&self) -> usize {
+        self.align
+    }
+
+    /// Whether its reads may go through a shared cache once it is back.
+    pub fn may_cache(&self) -> bool {
+        self.may_cache
+    }
 }
 
 impl Node {

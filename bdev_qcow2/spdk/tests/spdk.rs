@@ -3252,8 +3252,8 @@ mod real {
     /// A writable overlay over a deep chain of qcow2 bdevs (`real/deep_chain.rs`).
     mod deep_chain;
 
-    /// First writes from two cores written by the cores, with and without base failures
-    /// (`real/first_writes.rs`).
+    /// First writes from two cores written by the cores, with and without base failures,
+    /// and read back through the other core's warm channel (`real/first_writes.rs`).
     mod first_writes;
 
     /// Exports the names our module exports (`nm -D | grep bdev_qcow2` finds them) and

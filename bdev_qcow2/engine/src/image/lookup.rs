@@ -50,7 +50,7 @@ impl<D: BlockDevice> Qcow2<D> {
         let i = self.geo.index_in_slice(off) as usize;
         let cs = self.geo.cluster_size();
         let cluster_start = off.0 & !(cs - 1);
-        if self.geo.extended_l2 {
+        if self.geo.extended_l2() {
             let sc_size = cs / SUBCLUSTERS;
             let sc = self.geo.offset_in_cluster(off.0) / sc_size;
             let m = L2Entry(block[2 * i]).subcluster_mapping(
@@ -97,7 +97,7 @@ impl<D: BlockDevice> Qcow2<D> {
             return Ok(None);
         };
         let way = hit.way;
-        if !self.geo.extended_l2 {
+        if !self.geo.extended_l2() {
             let ctx = self.ctx.get();
             let i = self.geo.index_in_slice(off);
             // A linear slice gives the mapping without loading the entry.
@@ -270,7 +270,7 @@ impl<D: BlockDevice> Qcow2<D> {
                 host
             }
             _ => {
-                if !self.geo.extended_l2 {
+                if !self.geo.extended_l2() {
                     let meta_gen = self
                         .writable_core_shared()
                         .map_or(MEMO_NO_META_GEN, |sh| sh.meta_gen());
@@ -283,7 +283,7 @@ impl<D: BlockDevice> Qcow2<D> {
                 }
                 let i = self.geo.index_in_slice(GuestOffset(off)) as usize;
                 let block = cache.block(way);
-                let entry = if self.geo.extended_l2 {
+                let entry = if self.geo.extended_l2() {
                     // The entry's host offset holds the whole cluster; the subclusters the
                     // range touches must all be allocated data.
                     let sc = self.geo.subcluster_size();
@@ -307,7 +307,7 @@ impl<D: BlockDevice> Qcow2<D> {
                     // Not COPIED: the general look-up agrees.
                     Some(_) => return CachedExtent::NotInPlace,
                     // No host cluster (standard L2): unallocated or zero, for everyone.
-                    None if !self.geo.extended_l2 && entry.host_bits() == 0 => {
+                    None if !self.geo.extended_l2() && entry.host_bits() == 0 => {
                         return CachedExtent::NotInPlace
                     }
                     None => return CachedExtent::Unknown,
@@ -388,7 +388,7 @@ impl<D: BlockDevice> Qcow2<D> {
         {
             return None;
         }
-        let i = self.geo.index_in_slice(off) as usize * if self.geo.extended_l2 { 2 } else { 1 };
+        let i = self.geo.index_in_slice(off) as usize * if self.geo.extended_l2() { 2 } else { 1 };
         cache.block(way).get(i).map(|e| e as *const u64)
     }
 

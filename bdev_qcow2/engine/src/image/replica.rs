@@ -268,7 +268,7 @@ impl<D: BlockDevice> Qcow2<D> {
                 }
                 let i = self.geo.index_in_slice(GuestOffset(off)) as usize;
                 let block = cache.block(hit.way);
-                let entry = if self.geo.extended_l2 {
+                let entry = if self.geo.extended_l2() {
                     let sc = self.geo.subcluster_size();
                     match (block.get(2 * i), block.get(2 * i + 1)) {
                         (Some(&e), Some(&bitmap))
@@ -310,7 +310,7 @@ impl<D: BlockDevice> Qcow2<D> {
                 let meta_gen = self.slice_clear_of_metadata(first, coverage);
                 self.memo.remember(key, first, stamp, meta_gen);
             }
-            None if !self.geo.extended_l2 => {
+            None if !self.geo.extended_l2() => {
                 let meta_gen = sh.meta_gen();
                 self.refresh_mapped(key, stamp, meta_gen, cache.block(hit.way));
             }

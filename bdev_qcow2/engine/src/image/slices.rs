@@ -67,7 +67,7 @@ impl<D: BlockDevice> Qcow2<D> {
         stamp: SliceStamp,
         words: impl ExactSizeIterator<Item = u64> + Clone,
     ) -> usize {
-        let carried = if self.geo.extended_l2 {
+        let carried = if self.geo.extended_l2() {
             None
         } else {
             self.carry_memo_row(key, words.clone())
@@ -130,7 +130,7 @@ impl<D: BlockDevice> Qcow2<D> {
         let linear = LinearSlice::of(
             cache.block(w),
             self.ctx.get().cluster_bits,
-            self.geo.extended_l2,
+            self.geo.extended_l2(),
         );
         cache.set_aux(
             w,

@@ -49,7 +49,7 @@ impl<D: BlockDevice> Chain<D> {
             Action::SubclusterInPlace { host, .. } => (host, p.written.round_out(sc)),
             Action::Alloc { old, .. } => {
                 let NewCluster { host: h, fresh } = allocs.next_cluster(&geo);
-                if geo.extended_l2 {
+                if geo.extended_l2() {
                     if matches!(
                         old,
                         ClusterMapping::Data { .. } | ClusterMapping::Compressed(_)

@@ -35,7 +35,7 @@ impl<D: BlockDevice> Chain<D> {
     ) -> Option<(u64, u64, Parts)> {
         let per = q.meta().granule_clusters();
         let geo = q.geometry();
-        if per <= 1 || geo.extended_l2 || self.layers().len() > 1 || parts.len() as u64 != n {
+        if per <= 1 || geo.extended_l2() || self.layers().len() > 1 || parts.len() as u64 != n {
             return None;
         }
         let unwritten = |p: &Part| {

@@ -91,7 +91,7 @@ impl Part {
             }
             Action::Alloc { bitmap, old } => {
                 let h = allocs.next_cluster(geo).host;
-                let nb = if geo.extended_l2 {
+                let nb = if geo.extended_l2() {
                     // A copied shared cluster keeps its allocated subclusters; a compressed
                     // one is copied whole, every subcluster allocated (as QEMU).
                     let old_alloc = match old {
@@ -168,7 +168,7 @@ pub(super) fn action_for<D: BlockDevice>(
 ) -> Result<Action> {
     let geo = q.geometry();
     let ctx = q.l2_context();
-    Ok(if geo.extended_l2 {
+    Ok(if geo.extended_l2() {
         // Validate (reserved bits, bitmap consistency) through the mapping decoder.
         if let old @ ClusterMapping::Compressed(_) = entry.subcluster_mapping(bitmap, 0, &ctx)? {
             // Copied whole into a new cluster ([`Part::new_words`]).

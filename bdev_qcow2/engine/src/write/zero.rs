@@ -75,7 +75,7 @@ impl<D: BlockDevice> Chain<D> {
         while pos < end {
             let cluster = pos & !(cs - 1);
             let b = end.min(cluster + cs);
-            let whole_units = if geo.extended_l2 {
+            let whole_units = if geo.extended_l2() {
                 (pos.div_ceil(gran) * gran, b / gran * gran)
             } else if pos == cluster && b == cluster + cs {
                 (pos, b)
@@ -140,7 +140,7 @@ impl<D: BlockDevice> Chain<D> {
             let has_backing = self.layers().get(1).is_some_and(|l| cluster.0 < l.size());
             let (entry, bitmap) = q.l2_words(cluster).await?;
             let ctx = q.l2_context();
-            let old = if geo.extended_l2 {
+            let old = if geo.extended_l2() {
                 match entry.subcluster_mapping(bitmap, 0, &ctx)? {
                     m @ ClusterMapping::Compressed(_) => Some(m),
                     _ => None,
@@ -166,7 +166,7 @@ impl<D: BlockDevice> Chain<D> {
                     Some(_) => None,
                 };
                 (L2Entry::UNALLOCATED, SubclusterBitmap::NONE, free)
-            } else if let (true, Some(ClusterMapping::Compressed(d))) = (geo.extended_l2, old) {
+            } else if let (true, Some(ClusterMapping::Compressed(d))) = (geo.extended_l2(), old) {
                 // Only whole: the cluster is freed and reads as zeros (as QEMU).
                 if span.whole_unit_mask(geo.subcluster_size()) != u32::MAX {
                     return Ok(false);
@@ -181,7 +181,7 @@ impl<D: BlockDevice> Chain<D> {
                     SubclusterBitmap::new(0, zero),
                     Some(d.sectors()),
                 )
-            } else if geo.extended_l2 {
+            } else if geo.extended_l2() {
                 let sc = geo.subcluster_size();
                 let t = span.whole_unit_mask(sc);
                 let host = entry.host_bits();

@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 /// Adds to `ch`'s executor a device standing in for a backing bdev that is gone `g`.
 pub(super) fn add_missing(ch: &Channel, g: Gone) -> DevId {
-    let dev = BaseDevice::missing(g.size, g.align, g.may_cache);
+    let dev = BaseDevice::missing(g.size(), g.align(), g.may_cache());
     ch.exec().add_device(CachedDevice::plain(dev))
 }
 

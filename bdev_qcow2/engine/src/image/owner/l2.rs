@@ -22,7 +22,7 @@ impl<D: BlockDevice> Qcow2<D> {
     pub fn dirty_entry_hint(&self, off: GuestOffset) -> Option<*const u64> {
         let st = self.meta_state()?.try_st()?;
         let b = st.dirty.slice(self.geo.slice_id(off))?;
-        let i = self.geo.index_in_slice(off) as usize * if self.geo.extended_l2 { 2 } else { 1 };
+        let i = self.geo.index_in_slice(off) as usize * if self.geo.extended_l2() { 2 } else { 1 };
         b.get(i).map(|e| e as *const u64)
     }
 
@@ -54,7 +54,7 @@ impl<D: BlockDevice> Qcow2<D> {
     /// `off`'s L2 words (entry, and bitmap with extended L2, else empty) in slice words `b`.
     fn words_in(&self, b: &[u64], off: GuestOffset) -> (L2Entry, SubclusterBitmap) {
         let i = self.geo.index_in_slice(off) as usize;
-        if self.geo.extended_l2 {
+        if self.geo.extended_l2() {
             (L2Entry(b[2 * i]), SubclusterBitmap(b[2 * i + 1]))
         } else {
             (L2Entry(b[i]), SubclusterBitmap(0))
@@ -139,7 +139,7 @@ impl<D: BlockDevice> Owner<'_, D> {
         let (entry, bitmap) = (entry.0, bitmap.0);
         let key = self.geo.slice_id(off);
         let i = self.geo.index_in_slice(off) as usize;
-        let ext = self.geo.extended_l2;
+        let ext = self.geo.extended_l2();
         // The direct path must not use what it remembered of the slice before the change
         // (only standard slices are remembered as mapped).
         match ext {

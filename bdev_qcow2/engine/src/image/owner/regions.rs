@@ -248,7 +248,7 @@ impl<D: BlockDevice> Owner<'_, D> {
             self.geo.slice_id(off),
             self.geo.index_in_slice(off) as usize,
         );
-        let step = if self.geo.extended_l2 { 2 } else { 1 };
+        let step = if self.geo.extended_l2() { 2 } else { 1 };
         let first = |words: &[u64]| {
             (0..len as usize).find_map(|k| {
                 let e = L2Entry(*words.get((i0 + k) * step)?);

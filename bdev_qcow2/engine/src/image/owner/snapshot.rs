@@ -227,7 +227,7 @@ impl<D: BlockDevice> Owner<'_, D> {
 
     /// The L2 entries of table bytes `raw` with their word index (bitmaps skipped).
     fn entries<'b>(&self, raw: &'b [u8]) -> impl Iterator<Item = (L2Entry, usize)> + 'b {
-        let step = if self.geo.extended_l2 { 2 } else { 1 };
+        let step = if self.geo.extended_l2() { 2 } else { 1 };
         raw.chunks_exact(8 * step).enumerate().map(move |(i, w)| {
             let mut b = [0u8; 8];
             b.copy_from_slice(&w[..8]);

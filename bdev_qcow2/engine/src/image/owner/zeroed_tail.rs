@@ -191,7 +191,7 @@ impl<D: BlockDevice> Owner<'_, D> {
             h.header.size,
             cs,
             h.header.refcount_order,
-            self.geo.extended_l2,
+            self.geo.extended_l2(),
         );
         need.div_ceil(cs) * cs
     }
