@@ -71,7 +71,7 @@ impl<D: BlockDevice> Qcow2<D> {
             let st = m.st();
             let first = off >> self.geo.cluster_bits;
             let last = (off + len.max(1) - 1) >> self.geo.cluster_bits;
-            if (first..=last).any(|c| st.index.contains(c)) {
+            if st.index.any_in(first, last) {
                 return true;
             }
         }

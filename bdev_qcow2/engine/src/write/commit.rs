@@ -7,9 +7,11 @@ use crate::error::Result;
 use crate::format::ClusterMapping;
 use crate::image::owner::alloc::Allocation;
 use crate::image::owner::discards::FreeKind;
+use crate::image::owner::l2::L2Update;
 use crate::image::owner::Owner;
 use crate::io::BlockDevice;
 use crate::types::HostRange;
+use smallvec::SmallVec;
 
 impl<D: BlockDevice> Chain<D> {
     /// Records a finished plan in the dirty metadata. Caller holds the lock. The parts
@@ -28,11 +30,21 @@ impl<D: BlockDevice> Chain<D> {
             q.dirty_slice_for(p.cluster).await?;
         }
         let mut cursor = AllocCursor::new(allocs);
+        let mut updates: SmallVec<[L2Update; 16]> = SmallVec::new();
         for p in parts {
-            let Some((entry, bitmap)) = p.new_words(&q.geometry(), &mut cursor) else {
-                continue;
-            };
-            q.set_l2_words(p.cluster, entry, bitmap)?;
+            if let Some((entry, bitmap)) = p.new_words(&q.geometry(), &mut cursor) {
+                updates.push(L2Update {
+                    off: p.cluster,
+                    entry,
+                    bitmap,
+                });
+            }
+        }
+        // The entries change together (one look-up of the slice), then what they no longer
+        // reference is freed, after their write-back (rule 2).
+        q.set_l2_entries(&updates)?;
+        for p in parts {
+            // (An allocating part always changes its entry.)
             if let Action::Alloc { old, .. } = p.action {
                 let cs = q.geometry().cluster_size();
                 match old {

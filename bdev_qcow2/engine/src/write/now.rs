@@ -62,19 +62,22 @@ impl<D: BlockDevice> Chain<D> {
         if end <= g0 + n || slice(g0) != slice(end - 1) || q.meta().inflight_any(g0, end - 1) {
             return None;
         }
-        let mut all = Parts::new();
+        let mut all = Parts::with_capacity((end - g0) as usize);
         let mut own = parts.iter();
-        for c in g0..end {
-            if (g..g + n).contains(&c) {
-                all.extend(own.next().copied());
-            } else if q
-                .l2_words_now(GuestOffset(c << bits))
-                .is_some_and(|(e, _)| e.0 == 0)
-            {
-                let at = c << bits;
-                all.push(Part::new(at, at, at, Action::UNWRITTEN));
+        // The group's entries in one look-up of its slice (checked above to hold it).
+        let whole = q.with_entries_now(GuestOffset(g0 << bits), |entries| {
+            let entries = entries.get(..(end - g0) as usize)?;
+            for (c, e) in (g0..end).zip(entries) {
+                if (g..g + n).contains(&c) {
+                    all.extend(own.next().copied());
+                } else if *e == 0 {
+                    let at = c << bits;
+                    all.push(Part::new(at, at, at, Action::UNWRITTEN));
+                }
             }
-        }
+            Some(())
+        });
+        whole??;
         let take = all.len() as u64;
         // The clusters marked in flight, from the plan's first part to its last (what
         // `finish_chunk` unmarks); allocated ones between them only wait a little.

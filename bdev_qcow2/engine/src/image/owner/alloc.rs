@@ -261,12 +261,11 @@ impl<D: BlockDevice> Owner<'_, D> {
                 None => return Ok(None),
             }
         }
-        for c in start + 1..start + n {
-            if self.cluster_is_free_now(c)? != Some(true) {
-                return Ok(None);
-            }
+        if !self.run_is_free_now(start + 1, n - 1)? {
+            return Ok(None);
         }
-        for c in start..start + n {
+        let mut c = start;
+        while c < start + n {
             // Checked free and loaded above, nothing ran since.
             let Some((block, idx)) = self.rc_locate(c)? else {
                 return Err(corrupt(
@@ -275,15 +274,57 @@ impl<D: BlockDevice> Owner<'_, D> {
                     "refcount block vanished",
                 ));
             };
-            if self.update_loaded_refcount(block, idx, c, 1)? != 1 {
-                return Err(corrupt(
-                    Field::RefcountBlockEntry,
-                    c,
-                    "allocated cluster already in use",
-                ));
-            }
+            let count = (self.per_block() - idx).min(start + n - c);
+            self.take_loaded_refcounts(block, idx, count, c)?;
+            c += count;
         }
         self.allocated(start, n).map(Some)
+    }
+
+    /// Whether the `n` host clusters from `first` on are all free for the allocator now
+    /// (as [`cluster_is_free_now`](Self::cluster_is_free_now) of each; false as well when
+    /// a refcount block is not in memory): one look-up per refcount block and one overlap
+    /// check for the run, not one of each per cluster, since a first write at small
+    /// clusters takes a granule of them (#48).
+    fn run_is_free_now(&self, first: u64, n: u64) -> Result<bool> {
+        if n == 0 {
+            return Ok(true);
+        }
+        {
+            let st = self.meta().st();
+            if !st.frees.holds_none() && (first..first + n).any(|c| st.frees.holds(c)) {
+                return Ok(false);
+            }
+        }
+        let cs = self.geo.cluster_size();
+        if self.overlaps_metadata(self.geo.host_cluster_offset(HostCluster(first)), n * cs) {
+            return Ok(false);
+        }
+        let order = self.header.borrow().header.refcount_order;
+        let mut c = first;
+        while c < first + n {
+            let Some((block, idx)) = self.rc_locate(c)? else {
+                return Ok(false);
+            };
+            let count = (self.per_block() - idx).min(first + n - c);
+            let all_free = |b: &[u8]| (idx..idx + count).all(|i| get_refcount(b, order, i) == 0);
+            // The dirty copy wins over the cache (as in `with_rc_block`).
+            let free = match self.meta().st().dirty.rc(block) {
+                Some(b) => all_free(b),
+                None => {
+                    let mut cache = self.rc_cache.borrow_mut();
+                    match cache.lookup(block, 0) {
+                        Some(w) => all_free(cache.block(w)),
+                        None => false,
+                    }
+                }
+            };
+            if !free {
+                return Ok(false);
+            }
+            c += count;
+        }
+        Ok(true)
     }
 
     /// Whether [`alloc_clusters_now`](Self::alloc_clusters_now) of `n` clusters would take

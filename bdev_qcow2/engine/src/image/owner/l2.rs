@@ -128,6 +128,31 @@ impl<D: BlockDevice> Owner<'_, D> {
         Some(self.words_in(cache.block(w), off))
     }
 
+    /// `f` of the L2 entries of `off`'s slice, dirty or cached, from `off`'s on (standard
+    /// L2 only; `None` with extended L2, or when [`l2_words_now`](Self::l2_words_now) would
+    /// give `None`): one look-up for the entries of a run of clusters.
+    pub(crate) fn with_entries_now<R>(
+        &self,
+        off: GuestOffset,
+        f: impl FnOnce(&[u64]) -> R,
+    ) -> Option<R> {
+        if self.geo.extended_l2() {
+            return None;
+        }
+        let key = self.geo.slice_id(off);
+        let i = self.geo.index_in_slice(off) as usize;
+        let st = self.meta().st();
+        if let Some(b) = st.dirty.slice(key) {
+            return b.get(i..).map(f);
+        }
+        if st.dirty.is_writing(key) {
+            return None;
+        }
+        let mut cache = self.l2_cache.borrow_mut();
+        let w = cache.lookup(key, 0)?;
+        cache.block(w).get(i..).map(f)
+    }
+
     /// Sets `off`'s L2 entry (and bitmap with extended L2) in the dirty slice and the
     /// cache replica. [`dirty_slice_for`](Self::dirty_slice_for) must have run.
     pub(crate) fn set_l2_words(
@@ -136,19 +161,49 @@ impl<D: BlockDevice> Owner<'_, D> {
         entry: L2Entry,
         bitmap: SubclusterBitmap,
     ) -> Result<()> {
-        let (entry, bitmap) = (entry.0, bitmap.0);
-        let key = self.geo.slice_id(off);
-        let i = self.geo.index_in_slice(off) as usize;
+        self.set_l2_entries(&[L2Update { off, entry, bitmap }])
+    }
+
+    /// [`set_l2_words`](Self::set_l2_words) of each update, in order: one look-up of the
+    /// dirty slice and of its cache replica per run of updates in one slice, not one per
+    /// entry (a first write at small clusters maps a granule of them, #48).
+    pub(crate) fn set_l2_entries(&self, updates: &[L2Update]) -> Result<()> {
+        let mut rest = updates;
+        while let Some(first) = rest.first() {
+            let key = self.geo.slice_id(first.off);
+            let n = rest
+                .iter()
+                .take_while(|u| self.geo.slice_id(u.off) == key)
+                .count();
+            let (run, next) = rest.split_at(n);
+            self.set_in_slice(key, run)?;
+            rest = next;
+        }
+        Ok(())
+    }
+
+    /// [`set_l2_entries`](Self::set_l2_entries) of updates all in slice `key`.
+    fn set_in_slice(&self, key: u64, updates: &[L2Update]) -> Result<()> {
         let ext = self.geo.extended_l2();
+        let index = |u: &L2Update| self.geo.index_in_slice(u.off) as usize;
+        // The words an update leaves: its entry, and its bitmap with extended L2 (else 0).
+        let words = |u: &L2Update| (u.entry.0, if ext { u.bitmap.0 } else { 0 });
         // The direct path must not use what it remembered of the slice before the change
         // (only standard slices are remembered as mapped).
         match ext {
             true => self.memo.forget(key),
-            false => self
-                .memo
-                .patch_mapped(key, i, self.memo_word(L2Entry(entry))),
+            false => {
+                for u in updates {
+                    self.memo
+                        .patch_mapped(key, index(u), self.memo_word(u.entry));
+                }
+            }
         }
-        let put = |b: &mut [u64]| {
+        let get = |b: &[u64], i: usize| match ext {
+            true => (b[2 * i], b[2 * i + 1]),
+            false => (b[i], 0),
+        };
+        let put = |b: &mut [u64], i: usize, (entry, bitmap): (u64, u64)| {
             if ext {
                 b[2 * i] = entry;
                 b[2 * i + 1] = bitmap;
@@ -159,19 +214,17 @@ impl<D: BlockDevice> Owner<'_, D> {
         // A core may overwrite in place through an older copy of the slice only while
         // every change since it was taken kept what the copy shows in place (§6).
         let classify_and_put = |b: &mut [u64]| {
-            let old = match ext {
-                true => (L2Entry(b[2 * i]), SubclusterBitmap(b[2 * i + 1])),
-                false => (L2Entry(b[i]), SubclusterBitmap::NONE),
-            };
-            let new = (
-                L2Entry(entry),
-                SubclusterBitmap(if ext { bitmap } else { 0 }),
-            );
-            put(b);
-            match L2Entry::change_only_adds(old, new, ext) {
-                true => SliceChange::Adds,
-                false => SliceChange::Removes,
+            let mut change = SliceChange::Adds;
+            for u in updates {
+                let i = index(u);
+                let (old, new) = (get(b, i), words(u));
+                put(b, i, new);
+                let pair = |(e, m): (u64, u64)| (L2Entry(e), SubclusterBitmap(m));
+                if !L2Entry::change_only_adds(pair(old), pair(new), ext) {
+                    change = SliceChange::Removes;
+                }
             }
+            change
         };
         if !self
             .meta()
@@ -183,17 +236,15 @@ impl<D: BlockDevice> Owner<'_, D> {
         }
         let mut cache = self.l2_cache.borrow_mut();
         if let Some(w) = cache.probe(key, 0).map(|h| h.way) {
-            let old = if ext {
-                (cache.block(w)[2 * i], cache.block(w)[2 * i + 1])
-            } else {
-                (cache.block(w)[i], 0)
-            };
-            put(cache.block_mut(w));
-            let new = (entry, if ext { bitmap } else { 0 });
             let mut summary = cache.aux(w);
-            summary
-                .linear
-                .changed(i, old, new, cache.block(w), self.geo.cluster_bits, ext);
+            for u in updates {
+                let i = index(u);
+                let (old, new) = (get(cache.block(w), i), words(u));
+                put(cache.block_mut(w), i, new);
+                summary
+                    .linear
+                    .changed(i, old, new, cache.block(w), self.geo.cluster_bits, ext);
+            }
             cache.set_aux(w, summary);
         }
         Ok(())
@@ -330,4 +381,15 @@ impl<D: BlockDevice> Owner<'_, D> {
             sh.set_l1(idx as usize, entry.0);
         }
     }
+}
+
+/// One L2 entry to set ([`Owner::set_l2_entries`]).
+#[derive(Clone, Copy)]
+pub(crate) struct L2Update {
+    /// A guest offset in the entry's cluster.
+    pub(crate) off: GuestOffset,
+    /// The new entry.
+    pub(crate) entry: L2Entry,
+    /// The new subcluster bitmap (extended L2; ignored otherwise).
+    pub(crate) bitmap: SubclusterBitmap,
 }

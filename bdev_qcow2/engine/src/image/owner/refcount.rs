@@ -39,21 +39,7 @@ impl<D: BlockDevice> Owner<'_, D> {
     ) -> Result<u64> {
         let order = self.header.borrow().header.refcount_order;
         let mut st = self.meta().st_mut();
-        let b = st.dirty.rc_or_load(block, || {
-            let bytes = {
-                let cache = self.rc_cache.borrow();
-                let w = cache.probe(block, 0).map(|h| h.way).ok_or_else(|| {
-                    corrupt(
-                        Field::RefcountBlockEntry,
-                        block,
-                        "refcount block evicted while in use",
-                    )
-                })?;
-                cache.block(w).to_vec()
-            };
-            self.rc_cache.borrow_mut().invalidate(block);
-            Ok::<_, Error>(bytes)
-        })?;
+        let b = st.dirty.rc_or_load(block, || self.clean_rc_block(block))?;
         let old = get_refcount(b, order, idx);
         let new = if delta >= 0 {
             old.checked_add(delta as u64)
@@ -63,6 +49,51 @@ impl<D: BlockDevice> Owner<'_, D> {
         .ok_or_else(|| corrupt(Field::RefcountBlockEntry, cluster, "refcount would wrap"))?;
         set_refcount(b, order, idx, new)?;
         Ok(new)
+    }
+
+    /// Takes the `count` host clusters from `first` on, at indices `idx..` of refcount
+    /// block `block`, which is dirty or cached: each refcount goes from 0 to 1, in one
+    /// look-up of the block. A refcount found in use is corruption (the caller checked
+    /// them free, and nothing ran since).
+    pub(crate) fn take_loaded_refcounts(
+        &self,
+        block: u64,
+        idx: u64,
+        count: u64,
+        first: u64,
+    ) -> Result<()> {
+        let order = self.header.borrow().header.refcount_order;
+        let mut st = self.meta().st_mut();
+        let b = st.dirty.rc_or_load(block, || self.clean_rc_block(block))?;
+        for i in 0..count {
+            if get_refcount(b, order, idx + i) != 0 {
+                return Err(corrupt(
+                    Field::RefcountBlockEntry,
+                    first + i,
+                    "allocated cluster already in use",
+                ));
+            }
+            set_refcount(b, order, idx + i, 1)?;
+        }
+        Ok(())
+    }
+
+    /// The cached bytes of refcount block `block`, taken out of the cache as it becomes
+    /// dirty (the dirty copy is the only one from then on).
+    fn clean_rc_block(&self, block: u64) -> Result<Vec<u8>> {
+        let bytes = {
+            let cache = self.rc_cache.borrow();
+            let w = cache.probe(block, 0).map(|h| h.way).ok_or_else(|| {
+                corrupt(
+                    Field::RefcountBlockEntry,
+                    block,
+                    "refcount block evicted while in use",
+                )
+            })?;
+            cache.block(w).to_vec()
+        };
+        self.rc_cache.borrow_mut().invalidate(block);
+        Ok(bytes)
     }
 
     /// The refcount block covering host cluster `cluster`, allocating a self-describing

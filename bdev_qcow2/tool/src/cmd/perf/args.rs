@@ -69,6 +69,11 @@ pub struct PerfArgs {
     /// Ways per set of the slice cache.
     #[arg(long, default_value_t = 8)]
     pub cache_ways: usize,
+    /// Bytes a first write takes at once where the clusters read as zeros (the image's
+    /// `alloc_granule`, as the tool's other commands take it; 0: one cluster per first
+    /// write, as QEMU).
+    #[arg(long, value_parser = crate::parse_size, default_value = "64K")]
+    pub alloc_granule: u64,
     /// Added device latency in microseconds (like SPDK's delay bdev).
     #[arg(long, default_value_t = 0)]
     pub base_latency_us: u64,

@@ -150,6 +150,7 @@ pub fn run_one(path: &Path, raw: bool, w: Workload, a: &PerfArgs) -> ToolResult<
             l2_cache_bytes: a.l2_cache_size,
             l2_slice_bytes: a.l2_slice_size,
             cache_ways: a.cache_ways,
+            alloc_granule: a.alloc_granule,
             ..OpenOptions::default()
         };
         let open = |id: usize, writable: bool| {
