@@ -244,23 +244,31 @@ impl<D: BlockDevice> Exec<D> {
             }
             self.inner.polled.borrow_mut().submitted(dev.0);
         }
-        // Reap device completions, of the devices that may have some.
+        // Reap device completions, of the devices that may have some: those visited always,
+        // then (a deep chain's layers) those with operations outstanding.
         let mut reaped = std::mem::take(&mut *self.inner.reaped.borrow_mut());
         {
             let mut devs = self.inner.devs.borrow_mut();
             let mut polled = self.inner.polled.borrow_mut();
-            let mut i = 0;
-            while let Some(d) = polled.at(i) {
-                let before = reaped.len();
+            for &d in polled.untracked() {
                 events += devs[d].poll(&mut |tag, res| reaped.push((tag, res)));
-                let mut n = (reaped.len() - before) as u32;
-                if polled.tracked(d) {
-                    n += devs[d].take_delivered();
+            }
+            if self.inner.any_tracked.get() {
+                let mut i = polled.untracked().len();
+                while let Some(d) = polled.at(i) {
+                    let before = reaped.len();
+                    events += devs[d].poll(&mut |tag, res| reaped.push((tag, res)));
+                    let n = (reaped.len() - before) as u32 + devs[d].take_delivered();
+                    i = polled.completed(i, n);
                 }
-                i = polled.completed(i, n);
             }
         }
-        reaped.append(&mut self.inner.failed.borrow_mut());
+        {
+            let mut failed = self.inner.failed.borrow_mut();
+            if !failed.is_empty() {
+                reaped.append(&mut failed);
+            }
+        }
         for (tag, res) in reaped.drain(..) {
             self.device_completed(tag, res);
         }

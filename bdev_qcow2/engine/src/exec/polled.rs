@@ -43,10 +43,10 @@ impl Polled {
         self.outstanding[dev] += 1;
     }
 
-    /// Whether device `dev` is visited only while it has operations outstanding.
+    /// The devices visited on every poll (positions `0..untracked().len()` of the visit).
     #[inline(always)]
-    pub(super) fn tracked(&self, dev: usize) -> bool {
-        self.tracked[dev]
+    pub(super) fn untracked(&self) -> &[usize] {
+        &self.visit[..self.untracked]
     }
 
     /// The device to visit at position `i` of this poll, if any.
@@ -86,6 +86,7 @@ mod tests {
         p.add(2, true);
         assert_eq!(p.at(0), Some(1));
         assert_eq!(p.at(1), None);
+        assert_eq!(p.untracked(), &[1]);
         p.submitted(2);
         p.submitted(2);
         p.submitted(0);

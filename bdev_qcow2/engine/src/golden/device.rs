@@ -297,30 +297,11 @@ impl<D: BlockDevice> CachedDevice<D> {
             self.unsent.push_back((tag, op));
         }
     }
-}
 
-impl<D: BlockDevice> BlockDevice for CachedDevice<D> {
-    type Buf = D::Buf;
-
-    fn size(&self) -> u64 {
-        self.inner.size()
-    }
-
-    fn alloc_buf(&mut self, len: usize) -> D::Buf {
-        self.inner.alloc_buf(len)
-    }
-
-    #[inline(always)]
-    fn submit(&mut self, op: DeviceOp<D::Buf>, tag: u64) -> Result<(), Busy<D::Buf>> {
-        // Unshared (a lone overlay, a base bdev): the operation goes to the device as it
-        // came, unmoved, at the cost of one load (PERFORMANCE.md §13).
-        if self.cache.as_ref().is_some_and(|c| c.is_shared()) {
-            return self.submit_shared(op, tag);
-        }
-        self.inner.submit(op, tag)
-    }
-
-    fn poll(&mut self, done: &mut dyn FnMut(u64, Result<(), DeviceError>)) -> usize {
+    /// [`BlockDevice::poll`] while the cache has work here: fills to send again or
+    /// completing, reads waiting for granules or served.
+    #[inline(never)]
+    fn poll_queued(&mut self, done: &mut dyn FnMut(u64, Result<(), DeviceError>)) -> usize {
         while let Some((tag, op)) = self.unsent.pop_front() {
             if let Err(Busy(op, tag)) = self.inner.submit(op, tag) {
                 self.unsent.push_front((tag, op));
@@ -351,6 +332,39 @@ impl<D: BlockDevice> BlockDevice for CachedDevice<D> {
             && self.waiting.is_empty()
             && self.done.is_empty());
         n
+    }
+}
+
+impl<D: BlockDevice> BlockDevice for CachedDevice<D> {
+    type Buf = D::Buf;
+
+    fn size(&self) -> u64 {
+        self.inner.size()
+    }
+
+    fn alloc_buf(&mut self, len: usize) -> D::Buf {
+        self.inner.alloc_buf(len)
+    }
+
+    #[inline(always)]
+    fn submit(&mut self, op: DeviceOp<D::Buf>, tag: u64) -> Result<(), Busy<D::Buf>> {
+        // Unshared (a lone overlay, a base bdev): the operation goes to the device as it
+        // came, unmoved, at the cost of one load (PERFORMANCE.md §13).
+        if self.cache.as_ref().is_some_and(|c| c.is_shared()) {
+            return self.submit_shared(op, tag);
+        }
+        self.inner.submit(op, tag)
+    }
+
+    /// Inline: with nothing of the cache's in flight or waiting (`queued` clear: always so
+    /// for a device without a cache or a lone reader of one), no fill can complete, and the
+    /// poll is the device's own; the executor makes it on every pass while a request is out.
+    #[inline]
+    fn poll(&mut self, done: &mut dyn FnMut(u64, Result<(), DeviceError>)) -> usize {
+        if !self.queued {
+            return self.inner.poll(done);
+        }
+        self.poll_queued(done)
     }
 
     fn completes_only_submitted(&self) -> bool {
