@@ -200,12 +200,17 @@ mod real {
     /// Starts SPDK application `app` with our module preloaded (LD_PRELOAD on the
     /// application alone), output to `log`.
     fn spawn_spdk(app: &str, args: &[String], log: &Path) -> Proc {
+        spawn_spdk_with_memory(app, &mem_args(), args, log)
+    }
+
+    /// [`spawn_spdk`] with the memory arguments `mem` instead of [`mem_args`]'s.
+    fn spawn_spdk_with_memory(app: &str, mem: &[String], args: &[String], log: &Path) -> Proc {
         let out = fs::File::create(log).unwrap();
         let err = out.try_clone().unwrap();
         let child = Command::new(app)
             .env("LD_PRELOAD", module_so())
             .arg("-u")
-            .args(mem_args())
+            .args(mem)
             .args(args)
             .stdin(Stdio::null())
             .stdout(out)

@@ -155,22 +155,7 @@ const CLIENT_ARGS: [&str; 6] = ["--disable-cpumask-locks", "-m", "0x2", "-g", "-
 /// [`spawn_spdk`] with its memory in `args` alone: a client started while the target holds
 /// hugepages would find too few free and be given `--no-huge`, which virtio-user cannot use.
 fn spawn_client(app: &str, args: &[String], log: &Path) -> Proc {
-    let out = fs::File::create(log).unwrap();
-    let err = out.try_clone().unwrap();
-    let child = Command::new(app)
-        .env("LD_PRELOAD", module_so())
-        .arg("-u")
-        .args(args)
-        .stdin(Stdio::null())
-        .stdout(out)
-        .stderr(err)
-        .spawn()
-        .unwrap_or_else(|e| panic!("cannot start {app}: {e}"));
-    Proc {
-        child: Some(child),
-        what: format!("{app} {}", args.join(" ")),
-        log: log.to_path_buf(),
-    }
+    spawn_spdk_with_memory(app, &[], args, log)
 }
 
 /// Waits for an SPDK application's RPC socket `sock` to answer; fails after a minute.
