@@ -34,7 +34,8 @@
 //! Broken variants — bumping before the data reached the device, bumping before the new
 //! mapping is published, recording the generation after the read-ahead, recording it
 //! without watching the zone, watching a zone another core is still arming without a
-//! barrier, sweeping a watched zone, serving the
+//! barrier, a watch left out of the image's word (which a write tests before its zone's),
+//! sweeping a watched zone, serving the
 //! reads waiting on a read-ahead without checking the generation when it completes,
 //! serving a read that waited for two chunks on the first chunk's check alone — must be
 //! caught: they run under `#[should_panic]`.
@@ -74,6 +75,9 @@ struct Faults {
     record_trusting: bool,
     /// The sweep clears zones that are still watched.
     sweep_watched: bool,
+    /// The read-ahead's watch counts in its zone but not in the image's word (which a
+    /// write tests first).
+    record_zone_only: bool,
 }
 
 /// The read-ahead's record of the generation, as `Chain::ring_read` takes it, and its
@@ -81,6 +85,9 @@ struct Faults {
 fn record(w: &World) -> (u32, Option<Watch>) {
     if w.faults.record_unwatched {
         (w.gens.current(OFF), None)
+    } else if w.faults.record_zone_only {
+        let (g, watch) = w.gens.record_zone_only(OFF);
+        (g, Some(watch))
     } else if w.faults.record_trusting {
         let (g, watch) = w.gens.record_trusting(OFF);
         (g, Some(watch))
@@ -364,6 +371,18 @@ fn broken_record_without_watching_the_zone_is_caught() {
         false,
         Faults {
             record_unwatched: true,
+            ..Faults::default()
+        },
+    );
+}
+
+#[test]
+#[should_panic(expected = "old data")]
+fn broken_watch_left_out_of_the_image_word_is_caught() {
+    run(
+        false,
+        Faults {
+            record_zone_only: true,
             ..Faults::default()
         },
     );

@@ -530,7 +530,8 @@ impl Channel {
     #[inline(always)]
     fn written(&self, io: &BdevIo) {
         if let Some((_, gens)) = &self.ring {
-            gens.written(io.offset_bytes(), io.len_bytes());
+            // (The range read from the request only where some core reads ahead.)
+            gens.written_of(|| (io.offset_bytes(), io.len_bytes()));
         }
     }
 

@@ -20,6 +20,10 @@
 //!   compare-and-swap that fails if a watch came in. Hosts call it now and then (the owner's
 //!   poll, [`SWEEP_EVERY`]), so a zone costs at most one barrier per sweep, and writes skip
 //!   their bump again where every reader has left.
+//! - **The whole image.** One more word, kept by the same rules, covers every zone: each
+//!   watch counts itself there too (one barrier after both counts serves both), and a write
+//!   that finds it 0 skips its bump without reading its range or its zone's word — where
+//!   no core reads ahead at all, a write's whole test is one load.
 //!
 //! The atomics come from `loom` under `--cfg loom` (`tests/loom_ring.rs`).
 
@@ -43,6 +47,9 @@ pub const ZONES: usize = 1 << 12;
 pub const ZONES: usize = 1;
 /// A zone's word: the heavy half ran after a watch was counted (and no sweep since).
 const ARMED: u32 = 1 << 31;
+/// The image's word where writes never skip their bump (no asymmetric pair): armed, with
+/// a count no watch takes away, so no sweep clears it.
+const PINNED: u32 = ARMED | 1 << 30;
 /// How often a host sweeps ([`Zones::sweep`]).
 pub const SWEEP_EVERY: Duration = Duration::from_secs(1);
 
@@ -52,6 +59,9 @@ pub struct Zones {
     /// In the structure itself (the image's `Arc<Zones>`), not behind a box of their own:
     /// a write's test loads its word one pointer closer.
     words: [AtomicU32; ZONES],
+    /// The word of the whole image: every watch counts here too (see the module
+    /// documentation).
+    any: AtomicU32,
     /// Zones cleared by sweeps so far.
     swept: std::sync::atomic::AtomicU64,
 }
@@ -76,13 +86,17 @@ impl Drop for Watch {
         // Release: a write that finds the zone swept after this comes after every serve
         // from the watched data.
         self.zones.words[self.zone].fetch_sub(1, Ordering::Release);
+        self.zones.any.fetch_sub(1, Ordering::Release);
     }
 }
 
 impl Zones {
-    pub(super) fn new() -> Self {
+    /// Zones with none watched; `skipping`: writes may skip their bump (else the image's
+    /// word stays set, and a write's first test never skips).
+    pub(super) fn new(skipping: bool) -> Self {
         Zones {
             words: std::array::from_fn(|_| AtomicU32::new(0)),
+            any: AtomicU32::new(if skipping { 0 } else { PINNED }),
             swept: Default::default(),
         }
     }
@@ -97,13 +111,21 @@ impl Zones {
     pub(super) fn watch(self: &Arc<Self>, offset: u64) -> Watch {
         let zone = Self::index(offset);
         let w = &self.words[zone];
-        // Acquire: synchronizes with the arming this may find.
-        if w.fetch_add(1, Ordering::Acquire) & ARMED == 0 {
+        // Acquire: synchronizes with the arming this may find. Both counts before the
+        // barrier: it then serves whichever word was not armed.
+        let any = self.any.fetch_add(1, Ordering::Acquire);
+        let own = w.fetch_add(1, Ordering::Acquire);
+        if any & own & ARMED == 0 {
             #[cfg(not(loom))]
             fences::heavy();
             #[cfg(loom)]
             fence(Ordering::SeqCst);
-            w.fetch_or(ARMED, Ordering::Release);
+            if own & ARMED == 0 {
+                w.fetch_or(ARMED, Ordering::Release);
+            }
+            if any & ARMED == 0 {
+                self.any.fetch_or(ARMED, Ordering::Release);
+            }
         }
         Watch {
             zones: self.clone(),
@@ -117,10 +139,32 @@ impl Zones {
     pub(super) fn watch_trusting(self: &Arc<Self>, offset: u64) -> Watch {
         let zone = Self::index(offset);
         let w = &self.words[zone];
-        if w.fetch_add(1, Ordering::Acquire) == 0 {
+        let any = self.any.fetch_add(1, Ordering::Acquire);
+        let own = w.fetch_add(1, Ordering::Acquire);
+        if any == 0 || own == 0 {
+            fence(Ordering::SeqCst);
+            w.fetch_or(ARMED, Ordering::Release);
+            self.any.fetch_or(ARMED, Ordering::Release);
+        }
+        Watch {
+            zones: self.clone(),
+            zone,
+        }
+    }
+
+    /// The deliberately broken watch of the model check: it counts in its zone's word
+    /// only, not in the image's (which a write tests first).
+    #[cfg(loom)]
+    pub(super) fn watch_zone_only(self: &Arc<Self>, offset: u64) -> Watch {
+        let zone = Self::index(offset);
+        let w = &self.words[zone];
+        if w.fetch_add(1, Ordering::Acquire) & ARMED == 0 {
             fence(Ordering::SeqCst);
             w.fetch_or(ARMED, Ordering::Release);
         }
+        // (Its drop takes one from the image's word: counted here after the barrier, too
+        // late for a write that tested the word before.)
+        self.any.fetch_add(1, Ordering::Relaxed);
         Watch {
             zones: self.clone(),
             zone,
@@ -133,6 +177,13 @@ impl Zones {
     pub(super) fn unwatched(&self, offset: u64) -> bool {
         // (`index`, written out: every write inside one region runs this.)
         self.words[(offset / ZONE) as usize % ZONES].load(Ordering::Acquire) == 0
+    }
+
+    /// A write's first test, after the light half of the pair: whether no read-ahead
+    /// watches any zone (acquire, as [`unwatched`](Self::unwatched)).
+    #[inline(always)]
+    pub(super) fn none_watched(&self) -> bool {
+        self.any.load(Ordering::Acquire) == 0
     }
 
     /// Whether the zone holding guest byte `offset` is watched or still armed (writes
@@ -159,6 +210,12 @@ impl Zones {
             {
                 cleared += 1;
             }
+        }
+        // (A watch counted since makes the compare-and-swap fail, as for a zone.)
+        if self.any.load(Ordering::Relaxed) == ARMED {
+            let _ = self
+                .any
+                .compare_exchange(ARMED, 0, Ordering::Relaxed, Ordering::Relaxed);
         }
         if cleared > 0 {
             self.swept
@@ -188,6 +245,7 @@ impl Zones {
         for w in self.words.iter() {
             w.store(0, Ordering::Relaxed);
         }
+        self.any.store(0, Ordering::Relaxed);
     }
 }
 
@@ -197,7 +255,7 @@ mod tests {
 
     #[test]
     fn a_zone_stays_watched_while_a_watch_lives_and_until_a_sweep_after() {
-        let z = Arc::new(Zones::new());
+        let z = Arc::new(Zones::new(true));
         assert!(!z.is_watched(4096));
         let a = z.watch(4096);
         let b = z.watch(ZONE - 1);
@@ -217,5 +275,35 @@ mod tests {
         drop(c);
         assert_eq!(z.sweep(), 1);
         assert_eq!(z.sweep(), 0);
+        assert!(z.none_watched());
+    }
+
+    #[test]
+    fn the_image_word_is_set_while_any_zone_is_watched_and_until_a_sweep_after() {
+        let z = Arc::new(Zones::new(true));
+        assert!(z.none_watched());
+        let a = z.watch(ZONE);
+        let b = z.watch(5 * ZONE);
+        assert!(!z.none_watched());
+        drop(a);
+        assert!(!z.none_watched());
+        assert_eq!(z.sweep(), 1, "the zone of `a` only");
+        assert!(!z.none_watched(), "`b` still watches");
+        drop(b);
+        assert!(!z.none_watched(), "armed until a sweep");
+        assert_eq!(z.sweep(), 1);
+        assert!(z.none_watched());
+        // Armed again by the next watch, with its zone.
+        let c = z.watch(0);
+        assert!(!z.none_watched() && z.is_watched(0));
+        drop(c);
+        assert_eq!(z.sweep(), 1);
+        assert!(z.none_watched());
+        // Where writes never skip, the image's word stays set.
+        let pinned = Arc::new(Zones::new(false));
+        assert!(!pinned.none_watched());
+        drop(pinned.watch(0));
+        assert_eq!(pinned.sweep(), 1);
+        assert!(!pinned.none_watched());
     }
 }
