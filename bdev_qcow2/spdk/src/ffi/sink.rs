@@ -155,3 +155,42 @@ unsafe fn offer<H: SinkHost>(host: NonNull<c_void>, tag: u64, r: Result<(), Devi
     // SAFETY: per the contract.
     H::offer(unsafe { host.cast::<H>().as_ref() }, tag, r)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A host that counts what it was offered.
+    struct Counting(Cell<u32>);
+
+    impl SinkHost for Counting {
+        fn offer(&self, _: u64, _: Result<(), DeviceError>) -> bool {
+            self.0.set(self.0.get() + 1);
+            true
+        }
+    }
+
+    #[test]
+    fn a_device_reaches_its_host_only_while_armed() {
+        let host = Box::new(Counting(Cell::new(0)));
+        let sinks = Sinks::<Counting>::new();
+        let dev = sinks.reference();
+        assert!(
+            dev.armed().is_none(),
+            "not armed before ffi starts the host"
+        );
+        sinks.arm(NonNull::from(&*host));
+        assert!(dev.armed().is_some_and(|a| a.offer(1, Ok(()))));
+        assert_eq!(host.0.get(), 1);
+        assert!(sinks.home().armed().is_some());
+        sinks.disarm();
+        assert!(dev.armed().is_none() && sinks.home().armed().is_none());
+        sinks.arm(NonNull::from(&*host));
+        drop(sinks);
+        assert!(
+            dev.armed().is_none(),
+            "a dropped registration reaches no host"
+        );
+        assert_eq!(host.0.get(), 1);
+    }
+}
