@@ -3,9 +3,7 @@
 
 The engine forbids it at its root (`#![forbid(unsafe_code)]`). In the SPDK crate
 (bdev_qcow2/spdk) and the tool (bdev_qcow2/tool) every `unsafe` block, fn, trait or impl
-must lie under a `src/ffi/` directory, or in one of the SPDK files listed in ALLOWED (the
-hosts whose address their devices' completions hold: ARCHITECTURE.md, "Unsafe code"). A
-listed file that no longer has any fails too, so the list only shrinks. Comments and
+must lie under a `src/ffi/` directory (ARCHITECTURE.md, "Unsafe code"). Comments and
 string literals are left out. Exits 1 with each offending file, else prints OK.
 """
 import re
@@ -18,19 +16,6 @@ FORBIDDING = {"bdev_qcow2/engine/src/lib.rs": "#![forbid(unsafe_code)]"}
 DENYING = {
     "bdev_qcow2/spdk/src/lib.rs": "#![deny(unsafe_code)]",
     "bdev_qcow2/tool/src/lib.rs": "#![deny(unsafe_code)]",
-}
-# The SPDK crate's hosts and devices: a device keeps its host's address to deliver
-# completions in SPDK's callback (`unsafe fn attach`/`deliver_to`/`join`), and a direct
-# request finds its channel through the address it recorded (`with_host`).
-ALLOWED = {
-    "bdev_qcow2/spdk/src/backing_slot.rs",
-    "bdev_qcow2/spdk/src/channel.rs",
-    "bdev_qcow2/spdk/src/channel/backing.rs",
-    "bdev_qcow2/spdk/src/channel/below.rs",
-    "bdev_qcow2/spdk/src/device.rs",
-    "bdev_qcow2/spdk/src/direct.rs",
-    "bdev_qcow2/spdk/src/engine_host.rs",
-    "bdev_qcow2/spdk/src/owner.rs",
 }
 LEX = re.compile(r'//[^\n]*|/\*.*?\*/|(?<!\w)b?r(#*)".*?"\1|b?"(?:\\.|[^"\\])*"'
                  r"|'(?:\\(?:'|[^']+)|[^\\'])'", re.S)
@@ -46,22 +31,17 @@ def main():
     for rel, attr in {**FORBIDDING, **DENYING}.items():
         if attr not in (ROOT / rel).read_text():
             bad.append(f"{rel}: lacks {attr}")
-    found = set()
     for crate in CRATES:
         for p in sorted((ROOT / crate).rglob("*.rs")):
             rel = p.relative_to(ROOT).as_posix()
             if "/target/" in rel or "/src/ffi/" in rel or not has_unsafe(p):
                 continue
-            found.add(rel)
-            if rel not in ALLOWED:
-                bad.append(f"{rel}: `unsafe` outside an ffi/ module")
-    for rel in sorted(ALLOWED - found):
-        bad.append(f"{rel}: listed in ALLOWED but has no `unsafe` any more: remove it")
+            bad.append(f"{rel}: `unsafe` outside an ffi/ module")
     for b in bad:
         print(b)
     if bad:
         return 1
-    print(f"OK: `unsafe` only in ffi/ modules (and {len(ALLOWED)} listed SPDK files)")
+    print("OK: `unsafe` only in ffi/ modules")
     return 0
 
 

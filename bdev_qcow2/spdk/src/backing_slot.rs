@@ -128,11 +128,7 @@ impl BackingSlot {
     /// The bdev came back as `desc` (generation `generation`), read through `cache`: the
     /// device reads it from now on. A host already on that generation (built after the
     /// return) is left alone.
-    ///
-    /// # Safety
-    /// `host` is boxed and owns this slot and the executor that owns the device (the
-    /// contract of [`Driver::attach`](crate::engine_host::Driver::attach)).
-    pub unsafe fn join<H: Host>(
+    pub fn join<H: Host>(
         &self,
         host: &H,
         desc: &Desc,
@@ -159,8 +155,7 @@ impl BackingSlot {
             return;
         }
         self.generation.set(generation);
-        // SAFETY: per the contract.
-        unsafe { d.attach(dev, host) };
+        d.attach(dev, host);
     }
 }
 

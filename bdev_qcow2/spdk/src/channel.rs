@@ -30,6 +30,7 @@ mod below;
 mod hooks;
 mod reserve;
 
+use crate::ffi::sink::Sinks;
 use ask::SpdkLink;
 pub use ask::{send_ask, Ask};
 pub use hooks::stats_step;
@@ -42,7 +43,7 @@ use crate::engine_host::{Driver, Host};
 use crate::ffi::bdev::Desc;
 use crate::ffi::bdev_io::{BufDone, Requests};
 use crate::ffi::sys;
-use crate::ffi::thread::{self, Homed, Poll, Polled, PollerSlot, Thread};
+use crate::ffi::thread::{self, Poll, Polled, PollerSlot, Thread};
 use crate::node::{BaseChannel, ChannelSource, NodeAccess, Prefetch};
 use crate::owner;
 pub use crate::stats::ChannelStats;
@@ -67,6 +68,8 @@ pub struct Channel {
     retired: Arc<Mutex<ChannelStats>>,
     /// The executor, the in-engine mark and the poller.
     driver: Driver,
+    /// Where its devices deliver completions (armed by `ffi` while it is its poller's state).
+    sinks: Sinks<Channel>,
     /// The base device for the direct path (a replica's channels).
     direct: Option<Target>,
     /// Writable bdev: the md thread slow paths (all requests, on the md thread itself) are
@@ -129,6 +132,7 @@ impl Channel {
             live: src.live().clone(),
             retired: src.retired().clone(),
             driver: Driver::new(Exec::new()),
+            sinks: Sinks::new(),
             direct: None,
             forward_to: None,
             first_writes: FirstWrites::Owner,
@@ -167,8 +171,7 @@ impl Channel {
         let add = |desc: &Desc, cache| {
             let d = crate::device::open_cached(desc, cache).ok_or(libc::ENOMEM)?;
             let id = ch.exec().add_device(d);
-            // SAFETY: the channel state is boxed and owns the executor that owns the device.
-            unsafe { ch.driver.attach(id, host) };
+            ch.driver.attach(id, host);
             Ok::<_, i32>(id)
         };
         // A link of a chain on its md thread (its kept channel, examines) takes its base's
@@ -178,8 +181,7 @@ impl Channel {
             let id = ch
                 .exec()
                 .add_device(crate::device::open_cached_lazy(base, None, true));
-            // SAFETY: as for `add`.
-            unsafe { ch.driver.attach(id, host) };
+            ch.driver.attach(id, host);
             id
         } else {
             add(base, None)?
@@ -198,8 +200,7 @@ impl Channel {
                     src.backing_cache(),
                     lazy_base,
                 ));
-                // SAFETY: as for `add`.
-                unsafe { ch.driver.attach(id, host) };
+                ch.driver.attach(id, host);
                 Some(id)
             }
             // Hot-removed: a device that fails what needs the bdev until it returns.
@@ -207,10 +208,9 @@ impl Channel {
             (None, None) => None,
         };
         let exec = ch.exec();
-        // SAFETY: `host` is this boxed channel state, which stays until its asks are back.
-        let chan = unsafe { Homed::channel(host) };
-        match (src.seed(), src.take_owner(), chan) {
-            (Some(seed), Some(owner), Some(chan)) => {
+        let chan = ch.sinks.home();
+        match (src.seed(), src.take_owner()) {
+            (Some(seed), Some(owner)) => {
                 // A replica of the owner's image, usable at once.
                 let link = Box::new(SpdkLink { owner, chan });
                 let r = Qcow2::from_seed(seed.clone(), exec, base_dev, src.opts(), link);
@@ -604,6 +604,10 @@ impl Host for Channel {
         &self.driver
     }
 
+    fn sinks(&self) -> &Sinks<Channel> {
+        &self.sinks
+    }
+
     fn request_done(&self, io: BdevIo, outcome: Outcome) {
         if io.ctx().reserving() {
             return self.reserved_written(io, outcome);
@@ -622,20 +626,12 @@ impl Host for Channel {
     }
 }
 
-/// A channel's direct-path requests (`direct.rs`): found again through the channel each
-/// recorded in its context, completed on the channel's thread.
+/// A channel's direct-path requests (`direct.rs`): found again through the channel state
+/// their bdev_io recorded when they arrived, completed on the channel's thread.
 impl DirectHost for Channel {
     #[inline(always)]
-    fn claim(&self, io: &mut BdevIo) {
-        io.record_channel(self);
-    }
-
-    #[inline(always)]
-    unsafe fn with_host<R>(io: BdevIo, f: impl FnOnce(&Channel, BdevIo) -> R) -> R {
-        // SAFETY: per the contract, the channel recorded itself (`claim`) before the
-        // request went down the direct path; its state lives while the request is
-        // outstanding.
-        unsafe { io.with_recorded_channel(f) }
+    fn with_host<R>(io: BdevIo, f: impl FnOnce(&Channel, BdevIo) -> R) -> R {
+        io.with_recorded_channel(f)
     }
 
     #[inline(always)]
@@ -680,6 +676,10 @@ pub fn complete_forwarded(io: BdevIo) {
 }
 
 impl Polled for Channel {
+    fn sinks(&self) -> Option<&Sinks<Channel>> {
+        Some(&self.sinks)
+    }
+
     fn slot(&self) -> &PollerSlot {
         self.driver.slot()
     }

@@ -6,20 +6,21 @@
 //! bdev_ios on this thread is empty) → `Busy`, and the device queues itself with
 //! `spdk_bdev_queue_io_wait`: until SPDK calls back (a bdev_io was freed), every submission
 //! answers `Busy` without calling SPDK, and the executor resubmits in order on the poll after
-//! the callback. The completion callback hands `(tag, result)` to the device's
-//! [`CompletionSink`] if the host installed one ([`BaseDevice::deliver_to`]: a channel delivers
+//! the callback. The completion callback hands `(tag, result)` to the host whose
+//! [`SinkRef`] it was given ([`BaseDevice::deliver_to`], while `ffi` has it armed: a channel delivers
 //! it into its executor at once, so a fast-path request completes right in the callback);
 //! otherwise, or when the sink declines (the host is inside the engine), it records it in the
 //! device's queue, and [`BlockDevice::poll`] — run by the poller through the executor —
 //! hands it to the engine. Per-operation state lives in a fixed pool of slots allocated
 //! when the channel is created, so a submission allocates nothing.
 
-use crate::ffi::base::{BaseIo, BaseOp, LazyIo, SinkHost, Submitted};
+use crate::ffi::base::{BaseIo, BaseOp, LazyIo, Submitted};
 use crate::ffi::bdev::Desc;
 use crate::ffi::bdev_io::{DirectTarget, IovView};
 use crate::ffi::dma::DmaMem;
 pub use crate::ffi::dma::SpdkBuf;
 use crate::ffi::granule::GranuleBuf;
+use crate::ffi::sink::SinkRef;
 use crate::ffi::sys;
 use qcow2_engine::golden::{CachedDevice, InPlace, SharedReadCache};
 use qcow2_engine::io::{BlockDevice, BufSlice, Busy, DeviceError, DeviceOp};
@@ -28,7 +29,7 @@ use std::rc::Rc;
 use std::sync::Arc;
 
 /// The data of a guest request (its iovecs, handed over by
-/// [`BdevIo::into_engine`](crate::ffi::bdev_io::BdevIo::into_engine)) as an engine buffer.
+/// [`EngineTags::hand`](crate::ffi::bdev_io::EngineTags::hand)) as an engine buffer.
 #[inline(always)]
 pub fn guest_buf(view: IovView) -> BufSlice<SpdkBuf> {
     BufSlice::whole(SpdkBuf::Iov(view))
@@ -309,18 +310,13 @@ impl BaseDevice {
         self.cheap_zeroes = on;
     }
 
-    /// Makes SPDK's completion callback offer each completion to `host` before queueing it
-    /// for `poll`.
-    ///
-    /// # Safety
-    /// `host` keeps its address and outlives this device (the invariant of [`SinkHost`]).
-    pub unsafe fn deliver_to<H: SinkHost>(&mut self, host: &H) {
+    /// Makes SPDK's completion callback offer each completion to the host of `sink` (while
+    /// `ffi` has it armed) before queueing it for `poll`.
+    pub fn deliver_to(&mut self, sink: SinkRef) {
         if let Some(io) = &mut self.io {
-            // SAFETY: per the contract.
-            unsafe { io.deliver_to(host) }
+            io.deliver_to(sink)
         } else if let Some(l) = &mut self.later {
-            // SAFETY: per the contract.
-            unsafe { l.deliver_to(host) }
+            l.deliver_to(sink)
         }
     }
 

@@ -25,16 +25,9 @@ use std::marker::PhantomData;
 /// A host of the direct path (a channel, the owner): where its requests' completions find
 /// it, and what completing one means there.
 pub trait DirectHost: Host {
-    /// Marks request `io` as this host's before it goes down the direct path, so that
-    /// [`with_host`](Self::with_host) finds this host again.
-    fn claim(&self, io: &mut BdevIo);
-    /// Calls `f` with the host that sent direct-path request `io` and the request, on the
-    /// host's thread.
-    ///
-    /// # Safety
-    /// `io` went down the direct path through [`submit`] with this host, which
-    /// [`claim`](Self::claim)ed it first, and has not completed.
-    unsafe fn with_host<R>(io: BdevIo, f: impl FnOnce(&Self, BdevIo) -> R) -> R;
+    /// Calls `f` with the host of direct-path request `io` (the channel it arrived on, or
+    /// its bdev's owner) and the request, on the host's thread.
+    fn with_host<R>(io: BdevIo, f: impl FnOnce(&Self, BdevIo) -> R) -> R;
     /// A write this host ran is about to complete: no thread's prefetch ring may serve the
     /// bytes it replaced any more.
     fn written(&self, io: &BdevIo);
@@ -82,28 +75,24 @@ impl<H: DirectHost, K: Kind> ChildDone<Qcow2Bdev> for Done<H, K> {
     // Inline in SPDK's callback, the generation bump (writes only) included.
     #[inline(always)]
     fn child_done(io: BdevIo, success: bool) {
-        // SAFETY: `Done<H, K>` is the completion only `submit::<H, K>` hands SPDK, after
-        // `H::claim`; SPDK calls it once, when the child I/O of `io` completed.
-        unsafe {
-            H::with_host(io, |h, io| {
-                if K::DECRYPT && success {
-                    // On the request's core, in its own buffer, before it completes; the
-                    // grace period still holds the clusters the IVs came from.
-                    let (view, host) = io.ctx().crypt();
-                    h.driver()
-                        .exec()
-                        .decrypt_view(view, host, &guest_buf(io.data_view()));
-                }
-                // (`leave`, written out: the completion's one function here.)
-                if let Some(entry) = io.ctx().take_entry() {
-                    h.driver().exec().guest_exit(entry);
-                }
-                if K::WRITE {
-                    h.written(&io);
-                }
-                h.complete_direct(io, success);
-            })
-        }
+        H::with_host(io, |h, io| {
+            if K::DECRYPT && success {
+                // On the request's core, in its own buffer, before it completes; the
+                // grace period still holds the clusters the IVs came from.
+                let (view, host) = io.ctx().crypt();
+                h.driver()
+                    .exec()
+                    .decrypt_view(view, host, &guest_buf(io.data_view()));
+            }
+            // (`leave`, written out: the completion's one function here.)
+            if let Some(entry) = io.ctx().take_entry() {
+                h.driver().exec().guest_exit(entry);
+            }
+            if K::WRITE {
+                h.written(&io);
+            }
+            h.complete_direct(io, success);
+        })
     }
 }
 
@@ -138,7 +127,6 @@ fn to_base<H: DirectHost, K: Kind>(
     mut io: BdevIo,
     grant: Grant,
 ) -> Result<(), BdevIo> {
-    host.claim(&mut io);
     let h = grant.host().0;
     // The completion leaves the grace period with the entry kept in the request's context.
     io.ctx_mut().set_entry(grant.submitted());

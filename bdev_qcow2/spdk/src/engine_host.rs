@@ -9,9 +9,10 @@
 //! a submission), the completion stays queued in the device and the poller delivers it.
 
 use crate::device::{guest_buf, SpdkBuf, SpdkDevice};
-use crate::ffi::base::SinkHost;
+use crate::ffi::bdev_io::EngineTags;
+use crate::ffi::sink::{SinkHost, Sinks};
 use crate::ffi::thread::PollerSlot;
-use crate::types::BdevIo;
+use crate::types::{BdevIo, Qcow2Bdev};
 use qcow2_engine::exec::Outcome;
 use qcow2_engine::golden::is_fill_tag;
 use qcow2_engine::io::{BufSlice, DeviceError};
@@ -19,9 +20,13 @@ use qcow2_engine::{DevId, Exec};
 use std::cell::Cell;
 
 /// A channel or the owner: whoever drives a [`Driver`] and completes its requests.
-pub trait Host {
+pub trait Host: Sized {
     /// Its driver.
     fn driver(&self) -> &Driver;
+    /// Where its devices deliver completions from SPDK's callback (armed by `ffi` while
+    /// the host is its poller's state: [`Polled::sinks`](crate::ffi::thread::Polled::sinks)
+    /// returns the same).
+    fn sinks(&self) -> &Sinks<Self>;
     /// The engine reported how the guest request `io` ended: done with a result, or (a
     /// core replica's write that is not in place there) for the metadata owner.
     fn request_done(&self, io: BdevIo, outcome: Outcome);
@@ -37,6 +42,8 @@ pub struct Driver {
     /// Guest requests handed to the engine as tasks ([`submit`](Self::submit),
     /// [`submit_no_data`](Self::submit_no_data)): `engine_tasks` in the statistics.
     tasks: Cell<u64>,
+    /// The guest requests the engine holds, by tag.
+    handed: EngineTags<Qcow2Bdev>,
 }
 
 impl Driver {
@@ -47,6 +54,7 @@ impl Driver {
             in_engine: Cell::new(false),
             slot: PollerSlot::default(),
             tasks: Cell::new(0),
+            handed: EngineTags::default(),
         }
     }
 
@@ -89,7 +97,7 @@ impl Driver {
     pub fn submit_no_data(&self, io: BdevIo, submit: impl FnOnce(u64, u64, u64)) {
         self.tasks.set(self.tasks.get() + 1);
         let (off, len) = (io.offset_bytes(), io.len_bytes());
-        let (tag, _) = io.into_engine();
+        let (tag, _) = self.handed.hand(io);
         self.slot.resume();
         self.run(|| submit(tag, off, len));
     }
@@ -101,7 +109,7 @@ impl Driver {
 
     #[inline(always)]
     fn hand(&self, io: BdevIo, submit: impl FnOnce(u64, BufSlice<SpdkBuf>)) {
-        let (tag, view) = io.into_engine();
+        let (tag, view) = self.handed.hand(io);
         // The executor has work: a poller paused while idle runs again.
         self.slot.resume();
         self.run(|| submit(tag, guest_buf(view)));
@@ -119,20 +127,14 @@ impl Driver {
         })
     }
 
-    /// Makes base device `dev` deliver its completions to `host` from SPDK's callback;
-    /// `host` is boxed and owns this driver (see [`SinkHost`]).
-    ///
-    /// # Safety
-    /// `host` keeps its address and outlives `dev` (it owns this driver, whose executor owns
-    /// the device).
-    pub unsafe fn attach<H: Host>(&self, dev: DevId, host: &H) {
+    /// Makes base device `dev` deliver its completions to `host` from SPDK's callback
+    /// (through its [`Sinks`], once `ffi` armed them).
+    pub fn attach<H: Host>(&self, dev: DevId, host: &H) {
         // A device read through a shared cache too: the sink leaves the cache's fills to
         // its poll (`deliver`), and the engine's own reads complete in the callback, so a
         // lone overlay with the cache on reads its backing bdev as one with it off does.
-        self.exec.with_device(dev, |d| {
-            // SAFETY: per the contract.
-            unsafe { d.inner_mut().deliver_to(host) }
-        });
+        self.exec
+            .with_device(dev, |d| d.inner_mut().deliver_to(host.sinks().reference()));
     }
 
     /// Where the host's poller is kept.
@@ -149,9 +151,7 @@ impl Driver {
 
 /// Hands the host the guest request the engine reported ended under `tag`.
 fn complete_tag<H: Host>(host: &H, tag: u64, outcome: Outcome) {
-    // SAFETY: the engine reports each tag `Driver::submit` handed it (from `into_engine`)
-    // once, when it is done with the request.
-    if let Some(io) = unsafe { BdevIo::from_tag(tag) } {
+    if let Some(io) = host.driver().handed.take(tag) {
         host.request_done(io, outcome);
     }
 }

@@ -15,23 +15,17 @@
 //! (`src/ffi/register.c`) compiled and are SPDK's libraries linked; without it
 //! `libbdev_qcow2.so` registers nothing and its calls into SPDK stay undefined symbols.
 //!
-//! `unsafe` lives in `ffi` (and in the few modules allowed below, which hold a host's
-//! address for its devices' completions: ARCHITECTURE.md, "Unsafe code").
+//! `unsafe` lives in `ffi` alone (ARCHITECTURE.md, "Unsafe code").
 
 #![deny(unsafe_code)]
 
 pub mod params;
 
-#[allow(unsafe_code)]
 mod backing_slot;
 pub mod backing_state;
-#[allow(unsafe_code)]
 mod channel;
-#[allow(unsafe_code)]
 pub mod device;
-#[allow(unsafe_code)]
 mod direct;
-#[allow(unsafe_code)]
 mod engine_host;
 mod examine_channel;
 mod examine_hold;
@@ -48,7 +42,6 @@ pub mod module;
 mod node;
 mod offthread;
 mod overlay;
-#[allow(unsafe_code)]
 mod owner;
 mod registry;
 mod reservation;

@@ -30,6 +30,7 @@ use crate::device::{guest_buf, SpdkDevice};
 use crate::direct::{self, DirectHost, Target};
 use crate::engine_host::{Driver, Host};
 use crate::ffi::bdev_io::QueueReceiver;
+use crate::ffi::sink::Sinks;
 use crate::ffi::thread::{self, Poll, Polled, PollerSlot, Thread};
 use crate::ffi::types::Closing;
 use crate::status::Status;
@@ -87,6 +88,8 @@ type Closed = Rc<Cell<Option<bool>>>;
 pub struct Owner {
     /// The executor, the in-engine mark and the poller.
     driver: Driver,
+    /// Where its devices deliver completions (armed by `ffi` while it is its poller's state).
+    sinks: Sinks<Owner>,
     /// The thread it lives on (the md thread).
     md_thread: Option<Thread>,
     /// The base device for the direct path.
@@ -169,6 +172,7 @@ impl Owner {
         });
         let o = Box::new(Owner {
             driver: Driver::new(exec),
+            sinks: Sinks::new(),
             md_thread: Thread::current(),
             direct,
             // The backing device follows the base (`start_owner`); one missing at creation
@@ -192,8 +196,7 @@ impl Owner {
             space_warn_percent,
         });
         for d in devs.into_iter().chain(layers) {
-            // SAFETY: the owner is boxed and owns the executor that owns the device.
-            unsafe { o.driver.attach(d, &*o) };
+            o.driver.attach(d, &*o);
         }
         o.watch_space();
         OwnerBox::start(o, c"qcow2_owner")
@@ -457,8 +460,7 @@ impl Owner {
         generation: u64,
     ) {
         self.assert_md_thread();
-        // SAFETY: the owner is boxed and owns its slot and executor.
-        unsafe { self.backing.join(self, desc, cache, generation) };
+        self.backing.join(self, desc, cache, generation);
         self.wake();
     }
 
@@ -576,6 +578,10 @@ impl Host for Owner {
         &self.driver
     }
 
+    fn sinks(&self) -> &Sinks<Owner> {
+        &self.sinks
+    }
+
     fn request_done(&self, io: BdevIo, outcome: Outcome) {
         self.written(&io);
         let status = match outcome {
@@ -603,10 +609,7 @@ impl Host for Owner {
 /// owner it is), completed like every request the owner ran.
 impl DirectHost for Owner {
     #[inline(always)]
-    fn claim(&self, _: &mut BdevIo) {}
-
-    #[inline(always)]
-    unsafe fn with_host<R>(io: BdevIo, f: impl FnOnce(&Owner, BdevIo) -> R) -> R {
+    fn with_host<R>(io: BdevIo, f: impl FnOnce(&Owner, BdevIo) -> R) -> R {
         io.with_owner(f)
     }
 
@@ -708,6 +711,10 @@ fn done(mut io: BdevIo, status: Status) {
 }
 
 impl Polled for Owner {
+    fn sinks(&self) -> Option<&Sinks<Owner>> {
+        Some(&self.sinks)
+    }
+
     fn slot(&self) -> &PollerSlot {
         self.driver.slot()
     }

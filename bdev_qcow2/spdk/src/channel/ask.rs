@@ -2,6 +2,7 @@
 //! [`Ask`] to the md thread and back (slow path only).
 
 use super::Channel;
+use crate::ffi::sink::HomeRef;
 use crate::ffi::thread::{self, Homed};
 use crate::owner;
 use qcow2_engine::coherency::SliceReply;
@@ -11,7 +12,8 @@ use qcow2_engine::{Layer, OwnerLink};
 /// [`Ask`] sent to the md thread and back (slow path only).
 pub(super) struct SpdkLink {
     pub(super) owner: Homed<owner::Owner>,
-    pub(super) chan: Homed<Channel>,
+    /// The channel, found once `ffi` started it (asks come only from its replica then).
+    pub(super) chan: HomeRef<Channel>,
 }
 
 /// One slice request on its way to the owner (on its md thread) and back to the channel.
@@ -25,9 +27,13 @@ pub struct Ask {
 
 impl OwnerLink for SpdkLink {
     fn ask_slice(&self, key: u64, ticket: u64) {
+        let Some(chan) = self.chan.homed() else {
+            tracing::error!("a slice asked for by a channel that is not running");
+            return;
+        };
         send_ask(Box::new(Ask {
             owner: self.owner,
-            chan: self.chan,
+            chan,
             key,
             ticket,
             reply: None,

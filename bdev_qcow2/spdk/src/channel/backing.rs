@@ -27,8 +27,7 @@ impl Channel {
     /// The backing bdev came back as `desc` (generation `generation`, read through
     /// `cache`): this channel reads it again.
     pub fn backing_join(&self, desc: &Desc, cache: Option<&Arc<SharedReadCache>>, generation: u64) {
-        // SAFETY: a channel state is boxed and owns its slot and executor.
-        unsafe { self.backing.join(self, desc, cache, generation) };
+        self.backing.join(self, desc, cache, generation);
         self.wake();
     }
 }

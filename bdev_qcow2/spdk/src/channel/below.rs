@@ -17,8 +17,7 @@ impl Channel {
             .open(self.exec(), &self.below_opened)
             .ok_or(libc::ENOMEM)?;
         for &id in &devs {
-            // SAFETY: the channel state is boxed and owns the executor that owns the device.
-            unsafe { self.driver.attach(id, self) };
+            self.driver.attach(id, self);
         }
         self.below_wait.set(true);
         Ok(devs)

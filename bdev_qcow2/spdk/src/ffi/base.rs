@@ -6,6 +6,7 @@
 use super::bdev::{ChannelRef, Desc};
 use super::bdev_io::DirectTarget;
 use super::dma::SpdkBuf;
+use super::sink::SinkRef;
 use super::sys;
 use qcow2_engine::io::{BufSlice, DeviceError};
 use std::collections::VecDeque;
@@ -18,16 +19,6 @@ const SLOT_IOVS: usize = 8;
 pub const SLOTS: usize = 1024;
 /// ... for a layer of a deep chain (the executor resubmits past it, in order).
 pub const LAYER_SLOTS: usize = 128;
-
-/// Takes a completion `(tag, result)` straight from SPDK's callback, with the context given
-/// to [`BaseIo::set_sink`]. Returns `false` to decline (the completion is then queued
-/// for [`BaseIo::pop_done`]), e.g. when the callback runs inside the engine (SPDK completing
-/// inline during a submission).
-///
-/// # Safety
-/// Called only with the context it was installed with, on the device's thread, outside any
-/// method of the device.
-pub type CompletionSink = unsafe fn(*mut c_void, u64, Result<(), DeviceError>) -> bool;
 
 /// One operation in flight.
 struct Slot {
@@ -49,8 +40,9 @@ struct Pool {
     wait: sys::spdk_bdev_io_wait_entry,
     /// Queued with `spdk_bdev_queue_io_wait` and not called back yet.
     waiting: bool,
-    /// Where the callback delivers completions first (see [`CompletionSink`]).
-    sink: Option<(CompletionSink, *mut c_void)>,
+    /// Where the callback delivers completions first: the host that drives the device
+    /// ([`BaseIo::deliver_to`]).
+    sink: Option<SinkRef>,
     /// Completions the sink took since [`BaseIo::take_delivered`] last asked.
     delivered: u32,
 }
@@ -182,15 +174,11 @@ impl BaseIo {
         unsafe { sys::spdk_bdev_get_num_blocks(self.bdev) }
     }
 
-    /// Makes SPDK's completion callback offer each completion to `sink` (with `ctx`) before
-    /// queueing it for `poll`.
-    ///
-    /// # Safety
-    /// `ctx` must stay valid for `sink` as long as the device may complete operations (the
-    /// device clears it if it is dropped with operations in flight).
-    pub unsafe fn set_sink(&mut self, sink: CompletionSink, ctx: *mut c_void) {
+    /// Makes SPDK's completion callback offer each completion to the host of `sink` (while
+    /// one is armed) before queueing it for `poll`.
+    pub fn deliver_to(&mut self, sink: SinkRef) {
         // SAFETY: see `in_flight`.
-        unsafe { (*self.pool.as_ptr()).sink = Some((sink, ctx)) };
+        unsafe { (*self.pool.as_ptr()).sink = Some(sink) };
     }
 
     /// Operations submitted and not yet reaped by `poll`.
@@ -363,14 +351,15 @@ unsafe extern "C" fn io_done(bdev_io: *mut sys::spdk_bdev_io, success: bool, cb_
         let sink = {
             let pool = &mut *owner;
             pool.free.push((*slot).index);
-            if pool.sink.is_some() {
+            let armed = pool.sink.as_ref().and_then(SinkRef::armed);
+            if armed.is_some() {
                 // Counted before the sink runs (the pool is not touched while it does).
                 pool.delivered += 1;
             }
-            pool.sink
+            armed
         };
-        if let Some((f, ctx)) = sink {
-            if f(ctx, tag, r) {
+        if let Some(s) = sink {
+            if s.offer(tag, r) {
                 return;
             }
             (*owner).delivered -= 1;
@@ -406,8 +395,8 @@ pub struct LazyIo {
     bdev: *mut sys::spdk_bdev,
     slots: usize,
     iovs: usize,
-    /// The sink to install once open (see [`BaseIo::set_sink`]).
-    sink: Option<(CompletionSink, *mut c_void)>,
+    /// The sink to install once open (see [`BaseIo::deliver_to`]).
+    sink: Option<SinkRef>,
 }
 
 impl LazyIo {
@@ -438,12 +427,8 @@ impl LazyIo {
     }
 
     /// See [`BaseIo::deliver_to`]; installed when it opens.
-    ///
-    /// # Safety
-    /// As for [`BaseIo::deliver_to`].
-    pub unsafe fn deliver_to<H: SinkHost>(&mut self, host: &H) {
-        let ctx = std::ptr::from_ref(host).cast_mut().cast::<c_void>();
-        self.sink = Some((offer::<H>, ctx));
+    pub fn deliver_to(&mut self, sink: SinkRef) {
+        self.sink = Some(sink);
     }
 
     /// Takes this thread's channel of the bdev; `None` if SPDK has none to give (the caller
@@ -451,46 +436,9 @@ impl LazyIo {
     pub fn open(&self) -> Option<BaseIo> {
         // SAFETY: the descriptor is open (see `new`).
         let mut io = unsafe { BaseIo::of_raw(self.desc, self.slots, self.iovs) }?;
-        if let Some((sink, ctx)) = self.sink {
-            // SAFETY: installed by `deliver_to` under its contract.
-            unsafe { io.set_sink(sink, ctx) };
+        if let Some(sink) = &self.sink {
+            io.deliver_to(sink.clone());
         }
         Some(io)
-    }
-}
-
-/// Whoever drives the executor that owns a device — a channel or the metadata owner — as
-/// the device's callback sees it: it takes each completion first.
-///
-/// Invariant (the one [`BaseIo::deliver_to`] rests on): a host is boxed, so it stays at
-/// its address, and it outlives every device attached to it — it owns the executor that owns
-/// them and drops that first (a device dropped with operations in flight forgets its host).
-pub trait SinkHost {
-    /// Takes the completion `(tag, r)` in SPDK's callback, on the device's thread; `false`
-    /// declines it (it is queued for the poller).
-    fn offer(&self, tag: u64, r: Result<(), DeviceError>) -> bool;
-}
-
-/// The [`CompletionSink`] of a [`SinkHost`] `H`.
-///
-/// # Safety
-/// `ctx` is the `H` given to [`BaseIo::deliver_to`].
-#[inline(always)]
-unsafe fn offer<H: SinkHost>(ctx: *mut c_void, tag: u64, r: Result<(), DeviceError>) -> bool {
-    // SAFETY: per the contract; the host is live and unmoved (the invariant of `SinkHost`).
-    H::offer(unsafe { &*ctx.cast::<H>() }, tag, r)
-}
-
-impl BaseIo {
-    /// Makes SPDK's completion callback offer each completion to `host` before queueing it
-    /// for `poll`.
-    ///
-    /// # Safety
-    /// `host` keeps its address and outlives this device (the invariant of [`SinkHost`]).
-    pub unsafe fn deliver_to<H: SinkHost>(&mut self, host: &H) {
-        let ctx = std::ptr::from_ref(host).cast_mut().cast::<c_void>();
-        // SAFETY: `offer::<H>` is called only with this `ctx`, which stays valid while the
-        // device may complete operations (the invariant of `SinkHost`).
-        unsafe { self.set_sink(offer::<H>, ctx) }
     }
 }

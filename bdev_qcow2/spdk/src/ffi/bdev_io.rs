@@ -5,7 +5,7 @@ use super::io_channel::{self, ChannelIter, Channels};
 use super::sys;
 use super::thread::Thread;
 use super::types::BdevTypes;
-use std::cell::Cell;
+use std::cell::{Cell, RefCell};
 use std::ffi::{c_int, c_void};
 use std::marker::PhantomData;
 use std::mem::MaybeUninit;
@@ -15,16 +15,17 @@ use std::ptr::NonNull;
 pub const BLOCK_SIZE: u32 = 512;
 
 /// The area SPDK reserves in each of our bdev_ios (`get_ctx_size`): the link of the
-/// [`IoQueue`] it may travel in, the channel a direct-path request belongs to, then the
-/// module's per-I/O context. Only the context is initialized when a request arrives: the
-/// link and the channel are written by the paths that read them ([`IoQueue::push`],
-/// [`BdevIo::record_channel`]), not on every request.
+/// [`IoQueue`] it may travel in, the channel state the request was submitted on, then the
+/// module's per-I/O context. The channel and the context are written when a request
+/// arrives ([`submit_request`]); the link by the path that reads it ([`IoQueue::push`]),
+/// not on every request.
 #[repr(C)]
 struct DriverArea<M: BdevTypes> {
     /// Written by [`IoQueue::push`].
     next: MaybeUninit<*mut sys::spdk_bdev_io>,
-    /// Written by [`BdevIo::record_channel`].
-    chan: MaybeUninit<*const M::Channel>,
+    /// The state of the channel the request arrived on (read back by
+    /// [`BdevIo::with_recorded_channel`] without asking SPDK).
+    chan: *const M::Channel,
     ctx: M::Ctx,
 }
 
@@ -54,21 +55,30 @@ impl<M: BdevTypes> std::fmt::Debug for BdevIo<M> {
 }
 
 impl<M: BdevTypes> BdevIo<M> {
-    /// Takes a bdev_io SPDK just submitted to one of our bdevs and initializes the module's
-    /// area in it to `ctx` (SPDK leaves it as the last user did).
+    /// Takes a bdev_io SPDK just submitted to one of our bdevs on the channel whose state
+    /// is `chan`, and initializes the module's area in it to `ctx` and `chan` (SPDK leaves
+    /// it as the last user did).
     ///
     /// # Safety
     /// `p` is a bdev_io submitted to a bdev of this module (driver area of
     /// [`driver_ctx_size`] bytes, blocks of [`BLOCK_SIZE`]) that is not completed and has no
-    /// other handle (never null: SPDK's bdev layer submits only bdev_ios it allocated).
+    /// other handle (never null: SPDK's bdev layer submits only bdev_ios it allocated);
+    /// `chan` is the state of the channel it was submitted on.
     #[inline(always)]
-    pub unsafe fn submitted(p: *mut sys::spdk_bdev_io, ctx: M::Ctx) -> BdevIo<M> {
+    unsafe fn submitted(
+        p: *mut sys::spdk_bdev_io,
+        ctx: M::Ctx,
+        chan: *const M::Channel,
+    ) -> BdevIo<M> {
         // SAFETY: not null, per the contract (no test on every request).
         let io = BdevIo::<M>(unsafe { NonNull::new_unchecked(p) }, PhantomData);
         // SAFETY: the driver area follows the struct and is at least `driver_ctx_size`
-        // bytes, aligned for pointers (per the contract); nothing reads the context before
-        // this (the other fields are `MaybeUninit`, each written before it is read).
-        unsafe { std::ptr::addr_of_mut!((*io.area()).ctx).write(ctx) };
+        // bytes, aligned for pointers (per the contract); nothing reads the context or the
+        // channel before this (the link is `MaybeUninit`, written before it is read).
+        unsafe {
+            std::ptr::addr_of_mut!((*io.area()).chan).write(chan);
+            std::ptr::addr_of_mut!((*io.area()).ctx).write(ctx);
+        }
         io
     }
 
@@ -87,19 +97,6 @@ impl<M: BdevTypes> BdevIo<M> {
         self.0.as_ptr()
     }
 
-    /// Gives up the handle for an engine request tag, with a view of its data iovecs
-    /// (`num_blocks` blocks) for the engine to use until it reports the request done.
-    #[inline(always)]
-    pub fn into_engine(self) -> (u64, IovView) {
-        let (iovs, cnt) = self.iovs();
-        let view = IovView {
-            iovs,
-            cnt,
-            len: self.len_bytes() as usize,
-        };
-        (self.into_raw() as u64, view)
-    }
-
     /// A view of the request's data iovecs while this handle holds the request (a read
     /// the prefetch ring serves is copied into it before the request completes).
     #[inline(always)]
@@ -110,17 +107,6 @@ impl<M: BdevTypes> BdevIo<M> {
             cnt,
             len: self.len_bytes() as usize,
         }
-    }
-
-    /// Back from a tag the engine reported done.
-    ///
-    /// # Safety
-    /// `tag` came from [`BdevIo::into_engine`] and is reported done once, after the engine
-    /// stopped using its view (what an executor does with the requests it was handed).
-    #[inline(always)]
-    pub unsafe fn from_tag(tag: u64) -> Option<BdevIo<M>> {
-        // The handle is as unique as the tag was: the executor reported it done once.
-        NonNull::new(tag as *mut sys::spdk_bdev_io).map(|p| BdevIo(p, PhantomData))
     }
 
     #[inline(always)]
@@ -254,27 +240,16 @@ impl<M: BdevTypes> BdevIo<M> {
         f(o, self)
     }
 
-    /// Records channel `c` in the request's driver area: the one its direct-path completion
-    /// finds with [`with_recorded_channel`](Self::with_recorded_channel).
+    /// As [`with_channel`](Self::with_channel), without asking SPDK: the channel state the
+    /// request arrived on, as [`submit_request`] recorded it (a state replaced under its
+    /// channel since, `ChannelIter::renew_state`, is still the one the request belongs to).
     #[inline(always)]
-    pub fn record_channel(&mut self, c: &M::Channel) {
-        // SAFETY: the area of a live bdev_io; `&mut self` makes this the only reference.
-        unsafe { (*self.area()).chan = MaybeUninit::new(c) };
-    }
-
-    /// As [`with_channel`](Self::with_channel), for a channel's direct-path request: the
-    /// channel is the one it recorded ([`record_channel`](Self::record_channel)), found
-    /// without asking SPDK.
-    ///
-    /// # Safety
-    /// The request's channel recorded itself with [`record_channel`](Self::record_channel)
-    /// when it sent the request down its direct path (its state lives while the request is
-    /// outstanding).
-    #[inline(always)]
-    pub unsafe fn with_recorded_channel<R>(self, f: impl FnOnce(&M::Channel, BdevIo<M>) -> R) -> R {
-        // SAFETY: written by `record_channel` (per the contract); only this handle reaches
-        // it; the channel's state lives while the request is outstanding.
-        f(unsafe { &*(*self.area()).chan.assume_init() }, self)
+    pub fn with_recorded_channel<R>(self, f: impl FnOnce(&M::Channel, BdevIo<M>) -> R) -> R {
+        // SAFETY: written by `submit_request` when the request arrived (every handle comes
+        // from `submitted`), and only read since; that channel state lives while the
+        // request is outstanding (as in `with_channel`: states are freed only once
+        // released and idle), which the handle proves it is.
+        f(unsafe { &*(*self.area()).chan }, self)
     }
 
     /// Calls `f` with the state of the channel the request was submitted on (on its
@@ -331,6 +306,62 @@ impl<M: BdevTypes> BdevIo<M> {
     }
 }
 
+/// Guest requests handed to an engine executor, each under the tag the engine knows it by
+/// (an index here, not an address: a tag the engine reports comes back as its request at
+/// most once, and a tag that was never handed comes back as none).
+pub struct EngineTags<M: BdevTypes> {
+    slots: RefCell<TagSlots<M>>,
+}
+
+struct TagSlots<M: BdevTypes> {
+    /// Requests by tag less one (`None`: free).
+    held: Vec<Option<BdevIo<M>>>,
+    /// Free indices of `held`.
+    free: Vec<u32>,
+}
+
+impl<M: BdevTypes> Default for EngineTags<M> {
+    fn default() -> Self {
+        EngineTags {
+            slots: RefCell::new(TagSlots {
+                held: Vec::new(),
+                free: Vec::new(),
+            }),
+        }
+    }
+}
+
+impl<M: BdevTypes> EngineTags<M> {
+    /// Keeps request `io` for the engine: its tag (never 0), and a view of its data iovecs
+    /// (`num_blocks` blocks) for the engine to use until it reports the tag done.
+    #[inline(always)]
+    pub fn hand(&self, io: BdevIo<M>) -> (u64, IovView) {
+        let view = io.data_view();
+        let mut s = self.slots.borrow_mut();
+        let i = match s.free.pop() {
+            Some(i) => {
+                s.held[i as usize] = Some(io);
+                i as usize
+            }
+            None => {
+                s.held.push(Some(io));
+                s.held.len() - 1
+            }
+        };
+        (i as u64 + 1, view)
+    }
+
+    /// The request handed under `tag`, taken back (`None`: no request is held under it).
+    #[inline(always)]
+    pub fn take(&self, tag: u64) -> Option<BdevIo<M>> {
+        let mut s = self.slots.borrow_mut();
+        let i = usize::try_from(tag.checked_sub(1)?).ok()?;
+        let io = s.held.get_mut(i)?.take()?;
+        s.free.push(i as u32);
+        Some(io)
+    }
+}
+
 /// `fn_table.submit_request`: hands a new request and its channel to
 /// [`Requests::submit_request`].
 pub(super) unsafe extern "C" fn submit_request<M: Requests>(
@@ -343,10 +374,8 @@ pub(super) unsafe extern "C" fn submit_request<M: Requests>(
     // (The channel's state read here, as `io_channel::state_of` does: its context area
     // holds the state's pointer. No accessor on the request path.)
     let (c, io) = unsafe {
-        (
-            &**sys::io_channel_get_ctx(ch).cast::<*const M::Channel>(),
-            BdevIo::<M>::submitted(bdev_io, M::NEW_CTX),
-        )
+        let c = *sys::io_channel_get_ctx(ch).cast::<*const M::Channel>();
+        (&*c, BdevIo::<M>::submitted(bdev_io, M::NEW_CTX, c))
     };
     // SAFETY: as above (its type, read here: no accessor on the request path).
     let kind = sys::spdk_bdev_io_type::from(unsafe { (*bdev_io).type_ });
@@ -372,7 +401,7 @@ unsafe extern "C" fn buf_done<M: BdevTypes, D: BufDone<M>>(
 
 /// The data iovecs of an outstanding bdev_io (or any iovec array), as the engine uses them:
 /// valid while that bdev_io is outstanding, which is longer than the engine holds the view
-/// (see [`BdevIo::into_engine`]).
+/// (see [`EngineTags::hand`]).
 #[derive(Clone, Debug)]
 pub struct IovView {
     iovs: *const sys::iovec,

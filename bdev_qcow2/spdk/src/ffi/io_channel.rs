@@ -1,7 +1,7 @@
 //! I/O devices, their per-thread channels, and iteration over every channel.
 
 use super::sys;
-use super::thread::{self, Homed, Thread};
+use super::thread::{self, Thread};
 use super::types::BdevTypes;
 use std::ffi::{c_int, c_void, CStr};
 use std::marker::PhantomData;
@@ -34,22 +34,6 @@ pub(super) unsafe fn state_of<'a, M: BdevTypes>(ctx: *mut c_void) -> &'a M::Chan
 pub(super) unsafe fn ctx_of(ch: *mut sys::spdk_io_channel) -> *mut c_void {
     // SAFETY: per the contract.
     unsafe { sys::io_channel_get_ctx(ch) }
-}
-
-impl<S> Homed<S> {
-    /// A handle to the channel state `state` (from [`Channels::create_channel`], on the
-    /// calling thread), for a request that leaves the thread and comes back while the
-    /// channel waits for it (`None` outside SPDK threads).
-    ///
-    /// # Safety
-    /// `state` is boxed and outlives every request carrying the handle: channel states are
-    /// freed only once released and idle (`destroy_cb`, or their poll), and a request
-    /// carrying the handle keeps the channel busy (its replica waits for it) until it returns.
-    pub unsafe fn channel(state: &S) -> Option<Homed<S>> {
-        let home = Thread::current()?;
-        // SAFETY: per the contract.
-        Some(unsafe { Homed::new(state, home) })
-    }
 }
 
 unsafe extern "C" fn create_cb<M: Channels>(io_device: *mut c_void, ctx: *mut c_void) -> c_int {

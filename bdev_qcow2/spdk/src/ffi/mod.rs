@@ -19,6 +19,7 @@ pub mod log;
 pub mod module;
 pub mod node;
 pub mod rpc;
+pub mod sink;
 pub mod thread;
 pub mod types;
 pub mod uuid;

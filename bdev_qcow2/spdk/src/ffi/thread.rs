@@ -1,5 +1,6 @@
 //! SPDK threads, messages and pollers.
 
+use super::sink::{HomeRef, Sinks};
 use super::sys;
 use std::cell::Cell;
 use std::ffi::{c_int, c_void, CStr};
@@ -145,8 +146,8 @@ impl Thread {
 /// (in a message) and back, and is dereferenced only on that thread ([`Homed::get`]).
 ///
 /// Invariant: the state outlives every handle to it. Handles are made in `ffi` only, for
-/// states whose lifetime `ffi` manages: a channel's state ([`Homed::channel`]), kept busy by
-/// the requests that carry its handle until they return, and a writable node's owner
+/// states whose lifetime `ffi` manages: a channel's state ([`HomeRef::homed`]), kept busy
+/// by the requests that carry its handle until they return, and a writable node's owner
 /// ([`Homed::owner`]), which outlives the node's channels, the only holders of its handle.
 #[derive(Debug)]
 pub struct Homed<T> {
@@ -187,6 +188,21 @@ impl<T> Homed<T> {
         debug_assert!(self.home.is_current(), "a homed state used off its thread");
         // SAFETY: live (the type's invariant), and used on its own thread only.
         unsafe { self.state.as_ref() }
+    }
+}
+
+impl<H> HomeRef<H> {
+    /// A handle to the host armed now, homed on the calling thread (the host's: a
+    /// `HomeRef` never leaves it), for a request that leaves the thread and comes back
+    /// while the host waits for it (`None`: no host armed, or not on an SPDK thread).
+    pub fn homed(&self) -> Option<Homed<H>> {
+        let host = self.armed()?;
+        let home = Thread::current()?;
+        // SAFETY: an armed host is a poller state `start` boxed on this thread (neither
+        // the registration nor its host leaves its thread), which `stop` frees only once
+        // its poll said done or SPDK released it idle: a host waits for the requests that
+        // carry its handle (a channel's replica, for its asks) before it is either.
+        Some(unsafe { Homed::new(host.as_ref(), home) })
     }
 }
 
@@ -261,6 +277,11 @@ pub trait Polled: Sized + 'static {
     fn slot(&self) -> &PollerSlot;
     /// One run.
     fn poll(&self) -> Poll;
+    /// Where its devices deliver completions (a host's: a channel, the owner), armed with
+    /// the state's address from [`start`] until it finishes; `None` by default.
+    fn sinks(&self) -> Option<&Sinks<Self>> {
+        None
+    }
     /// The poller has stopped: the last use of the state (dropped here by default). Never
     /// inlined, so that a profile tells teardown from the poll that ended it.
     #[inline(never)]
@@ -324,8 +345,13 @@ fn register<T: Polled>(
         // SAFETY: no poller refers to it: still only ours.
         return Err(unsafe { Box::from_raw(ctx) });
     }
-    // SAFETY: live (just leaked).
-    unsafe { (*ctx).slot().0.set(p) };
+    // SAFETY: live (just leaked), and only read from now on.
+    let st = unsafe { &*ctx };
+    st.slot().0.set(p);
+    if let Some(s) = st.sinks() {
+        // At its final address, which `stop` frees after disarming it.
+        s.arm(NonNull::from(st));
+    }
     Ok(ctx)
 }
 
@@ -338,6 +364,10 @@ pub unsafe fn stop<T: Polled>(state: *const T) {
     // SAFETY: per the contract, live; its poller was registered on this thread and is
     // unregistered once (the slot is nulled).
     let st = unsafe { Box::from_raw(state.cast_mut()) };
+    if let Some(s) = st.sinks() {
+        // Before `finish` may move or drop the state.
+        s.disarm();
+    }
     let mut p = st.slot().0.replace(std::ptr::null_mut());
     if !p.is_null() {
         // SAFETY: as just said; SPDK stops calling it after the current run.
