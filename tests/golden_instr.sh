@@ -10,6 +10,11 @@
 #   PREFETCH=on SECS=3 tests/golden_instr.sh
 #   CREATE_EXTRA=',"backing_cache_size":0' tests/golden_instr.sh
 #   BDEV_QCOW2_SO=/path/libbdev_qcow2.so KEEP=/tmp/cg.out tests/golden_instr.sh
+#   CACHE=1 tests/golden_instr.sh                       # and simulated cache misses per request
+#
+# CACHE=1 runs callgrind with its cache simulation (--cache-sim=yes; the machine's VM has no
+# hardware counters for perf stat): bdevperf's L1 data misses (reads, writes), last-level
+# data misses and L1 instruction misses per request, the reactor's idle passes included.
 #
 # Runs SPDK applications: wrap it in `flock /tmp/spdk-run.lock` on a shared machine. Needs
 # an installed SPDK (bdevperf, spdk_tgt, bdevperf.py), valgrind and qemu-img; prints
@@ -45,7 +50,10 @@ cleanup() {
 }
 trap cleanup EXIT
 
-spdk_tgt --disable-cpumask-locks -m 0x1 -r "$DIR/tgt.sock" >"$DIR/tgt.log" 2>&1 &
+# The target's golden malloc in hugepages when enough are free, else in ordinary memory.
+free_mb=$(awk '/HugePages_Free/ {f=$2} /Hugepagesize/ {s=$2} END {print f*s/1024}' /proc/meminfo)
+if [ "${free_mb%.*}" -ge $((MB + 1024)) ] && grep -q hugetlbfs /proc/mounts; then TMEM=(); else TMEM=(--no-huge -s $((MB + 1024))); fi
+spdk_tgt "${TMEM[@]}" --disable-cpumask-locks -m 0x1 -r "$DIR/tgt.sock" >"$DIR/tgt.log" 2>&1 &
 TGT_PID=$!
 for _ in $(seq 100); do [ -S "$DIR/tgt.sock" ] && break; sleep 0.2; done
 rpc() { timeout 60 "$RPC_PY" -s "$DIR/tgt.sock" "$@" >/dev/null; }
@@ -67,7 +75,7 @@ printf '%s\n' '{"subsystems":[{"subsystem":"bdev","config":[' \
   '{"method":"bdev_wait_for_examine"}]}]}' >"$DIR/overlay.json"
 
 # Started without a wrapper, so that $! is valgrind's own process (callgrind_control's).
-LD_PRELOAD="$SO" valgrind --tool=callgrind --callgrind-out-file="$DIR/all.out" \
+LD_PRELOAD="$SO" valgrind --tool=callgrind ${CACHE:+--cache-sim=yes} --callgrind-out-file="$DIR/all.out" \
   bdevperf -u --no-huge -s 1024 --disable-cpumask-locks -r "$DIR/bp.sock" -z \
   --json "$DIR/overlay.json" -m 0x2 -T q0 -q 1 -o 4096 -w read -t 1 >"$DIR/bp.log" 2>&1 &
 ZPID=$!
@@ -87,4 +95,10 @@ out=$(ls -t "$DIR"/all.out?* | head -1)
 rs = [r for r in json.load(open(sys.argv[1]))["results"] if "iops" in r]
 if any(r.get("io_failed", 0) for r in rs):
     sys.exit("failed I/O")' "$DIR/res.json"
-echo "golden row (ring ${PREFETCH:-off}), 4 KiB seq read QD1 under callgrind: $(python3 tests/golden_instr.py "$out")"
+res=$(python3 tests/golden_instr.py "$out")
+echo "golden row (ring ${PREFETCH:-off}), 4 KiB seq read QD1 under callgrind: $res"
+if [ -n "${CACHE:-}" ]; then
+  # The summary's events: Ir Dr Dw I1mr D1mr D1mw ILmr DLmr DLmw.
+  n=${res#requests }
+  awk -v n="${n%% *}" '/^summary:/ {printf "per request: L1 data misses %.2f (reads %.2f, writes %.2f), LL data misses %.2f, L1 instruction misses %.2f\n", ($6 + $7) / n, $6 / n, $7 / n, ($9 + $10) / n, $5 / n; exit}' "$out"
+fi

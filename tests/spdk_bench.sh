@@ -8,6 +8,7 @@
 #   BENCH_DIR=/dev/shm/qb tests/spdk_bench.sh # image in RAM (tmpfs): shows our CPU cost best
 #   SIZE=4G TIME=10 tests/spdk_bench.sh
 #   SKIP_AIO=1 tests/spdk_bench.sh            # only the malloc figures
+#   SKIP_OVERLAY=1 tests/spdk_bench.sh        # without the lone-overlay figures
 #   SKIP_LVOL=1 tests/spdk_bench.sh           # without the thin-lvol comparison
 #   SKIP_2CORE=1 tests/spdk_bench.sh          # without the two-core (-m 0x3 -C) figures
 #   SKIP_WRITABLE=1 tests/spdk_bench.sh       # without the writable-vs-passthru figures
@@ -38,7 +39,7 @@ SIZE=${SIZE:-1G}
 TIME=${TIME:-5}
 DIR=${BENCH_DIR:-$(mktemp -d)}
 mkdir -p "$DIR"
-trap 'rm -f "$DIR/full.qcow2"' EXIT
+trap 'rm -f "$DIR/full.qcow2" "$DIR/golden.raw" "$DIR/overlay.qcow2"' EXIT
 
 img=$DIR/full.qcow2
 qemu-img create -q -f qcow2 -o preallocation=falloc "$img" "$SIZE"
@@ -57,7 +58,7 @@ bench() {
   local out=$1 w=$2 o=$3
   shift 3
   if ! timeout -k 5 $((TIME + 60)) env LD_PRELOAD="$SO" bdevperf -u "${MEM[@]}" \
-      --json "$DIR/perf.json" -m 0x1 -q 32 -o "$o" -w "$w" -t "$TIME" "$@" >"$out" 2>&1; then
+      --json "${PERF_JSON:-$DIR/perf.json}" -m 0x1 -q 32 -o "$o" -w "$w" -t "$TIME" "$@" >"$out" 2>&1; then
     cat "$out"
     echo "bdevperf failed" >&2
     exit 1
@@ -97,6 +98,42 @@ if [ -z "${SKIP_AIO:-}" ]; then
   run randread 4096
   run randread 512
   run read 65536
+fi
+
+# --- One VM on a golden image ---------------------------------------------------------------
+# An empty qcow2 overlay (aio bdev ov) whose backing bdev is a raw golden image (aio bdev g0),
+# as an operator gives one VM a thin disk on a shared base, against passthru on the golden
+# file itself (aio bdev g1): every read goes through the overlay to the golden bdev. Alone,
+# alternating processes (passthru, overlay, passthru, overlay); means compared.
+overlay_run() {
+  local w=$1 o=$2 out=$DIR/bdevperf.txt qa=0 pa=0
+  for _ in 1 2; do
+    PERF_JSON=$DIR/overlay.json bench "$out" "$w" "$o" -T p0
+    pa=$(awk -v a="$pa" -v b="$(iops "$out" p0)" 'BEGIN {print a + b / 2}')
+    PERF_JSON=$DIR/overlay.json bench "$out" "$w" "$o" -T q0
+    qa=$(awk -v a="$qa" -v b="$(iops "$out" q0)" 'BEGIN {print a + b / 2}')
+  done
+  awk -v w="$w" -v o="$o" -v qa="$qa" -v pa="$pa" 'BEGIN {
+    printf "%-9s %6s B QD32 | alone: overlay %8.0f passthru on the golden image %8.0f IOPS ratio %.3f\n",
+      w, o, qa, pa, qa / pa }'
+}
+
+if [ -z "${SKIP_OVERLAY:-}" ]; then
+  golden=$DIR/golden.raw
+  qemu-img create -q -f raw -o preallocation=falloc "$golden" "$SIZE"
+  qemu-img create -q -u -f qcow2 -b "$golden" -F raw "$DIR/overlay.qcow2" "$SIZE"
+  truncate -s %512 "$DIR/overlay.qcow2"
+  printf '{"subsystems":[{"subsystem":"bdev","config":[
+{"method":"bdev_aio_create","params":{"name":"g0","filename":"%s","block_size":512}},
+{"method":"bdev_aio_create","params":{"name":"g1","filename":"%s","block_size":512}},
+{"method":"bdev_aio_create","params":{"name":"ov","filename":"%s","block_size":512}},
+{"method":"bdev_qcow2_create","params":{"name":"q0","base_bdev":"ov","backing_bdev":"g0"}},
+{"method":"bdev_passthru_create","params":{"name":"p0","base_bdev_name":"g1"}},
+{"method":"bdev_wait_for_examine"}]}]}' "$golden" "$golden" "$DIR/overlay.qcow2" >"$DIR/overlay.json"
+  echo "one VM: an empty overlay over a raw golden image ($golden, ${SIZE}), one core, 0 failures"
+  overlay_run randread 4096
+  overlay_run read 65536
+  rm -f "$golden" "$DIR/overlay.qcow2"
 fi
 
 # --- Writable bdevs on a malloc base -------------------------------------------------------
@@ -146,7 +183,7 @@ zrpc() {
 # Hugepages when 2 GiB are free (the malloc bdevs below take up to 1.3 GiB), else 3 GiB of
 # ordinary memory.
 if [ "${free_mb%.*}" -ge 2048 ] && grep -q hugetlbfs /proc/mounts; then ZMEM=(); else ZMEM=(--no-huge -s 3072); fi
-trap 'kill "${ZPID:-}" 2>/dev/null || true; rm -f "$DIR/full.qcow2"' EXIT
+trap 'kill "${ZPID:-}" 2>/dev/null || true; rm -f "$DIR/full.qcow2" "$DIR/golden.raw" "$DIR/overlay.qcow2"' EXIT
 zbench_stop() {
   kill "$ZPID" 2>/dev/null || true
   wait "$ZPID" 2>/dev/null || true
