@@ -326,6 +326,39 @@ impl<D: BlockDevice> Exec<D> {
             || (self.inner.own_work.get() && self.devices_have_own_work())
     }
 
+    /// Whether the host must poll: something is runnable or waits to be reported, or an
+    /// operation is outstanding on a device that does not announce its completions
+    /// ([`BlockDevice::completions_announced`]). A host whose executor is [`busy`](Self::busy)
+    /// but needs no poll waits for a device's callback, which hands the completion in (or
+    /// asks for a poll), or for a wake from outside (an answer its host delivers).
+    #[inline(always)]
+    pub fn needs_poll(&self) -> bool {
+        let i = &self.inner;
+        !i.ready.borrow().is_empty()
+            || !i.done.borrow().is_empty()
+            || !i.internal.borrow().is_empty()
+            || !i.failed.borrow().is_empty()
+            || !i.retry.borrow().is_empty()
+            || (i.own_work.get() && self.devices_have_own_work())
+            || ((!i.waiters.borrow().is_empty() || !i.crypt_reads.borrow().is_empty())
+                && !self.visited_devices_announce())
+    }
+
+    /// Whether every device a poll would visit announces its completions.
+    #[inline(never)]
+    fn visited_devices_announce(&self) -> bool {
+        let devs = self.inner.devs.borrow();
+        let polled = self.inner.polled.borrow();
+        let mut i = 0;
+        while let Some(d) = polled.at(i) {
+            if !devs[d].completions_announced() {
+                return false;
+            }
+            i += 1;
+        }
+        true
+    }
+
     #[inline(never)]
     fn devices_have_own_work(&self) -> bool {
         self.inner.devs.borrow().iter().any(|d| d.has_own_work())
