@@ -158,6 +158,11 @@ impl<D: BlockDevice> Exec<D> {
             self.inner.own_work.set(true);
         }
         let tracked = dev.completes_only_submitted();
+        // `needs_poll` asks only the visited devices for work of their own.
+        debug_assert!(
+            !(tracked && dev.may_have_own_work()),
+            "a tracked device with own work"
+        );
         if tracked {
             self.inner.any_tracked.set(true);
         }
@@ -324,6 +329,41 @@ impl<D: BlockDevice> Exec<D> {
             || !self.inner.internal.borrow().is_empty()
             || !self.inner.failed.borrow().is_empty()
             || (self.inner.own_work.get() && self.devices_have_own_work())
+    }
+
+    /// Whether the host must poll: something is runnable or waits to be reported, a device
+    /// has work of its own, or an operation is outstanding on a device that does not
+    /// announce its completions ([`BlockDevice::completions_announced`]). A host whose
+    /// executor is [`busy`](Self::busy) but needs no poll waits for a device's callback,
+    /// which hands the completion in (or asks for a poll), or for a wake from outside (an
+    /// answer its host delivers).
+    #[inline(always)]
+    pub fn needs_poll(&self) -> bool {
+        let i = &self.inner;
+        if !i.ready.borrow().is_empty()
+            || !i.done.borrow().is_empty()
+            || !i.internal.borrow().is_empty()
+            || !i.failed.borrow().is_empty()
+            || !i.retry.borrow().is_empty()
+        {
+            return true;
+        }
+        let waiting = !i.waiters.borrow().is_empty() || !i.crypt_reads.borrow().is_empty();
+        (waiting || i.own_work.get()) && self.visited_devices_need_poll(waiting)
+    }
+
+    /// One pass over the devices a poll visits: one with work of its own, or (`waiting`)
+    /// one that does not announce its completions. (A device that may have work of its own
+    /// is visited always: [`add_device`](Self::add_device).)
+    #[inline(never)]
+    fn visited_devices_need_poll(&self, waiting: bool) -> bool {
+        let own = self.inner.own_work.get();
+        let devs = self.inner.devs.borrow();
+        let polled = self.inner.polled.borrow();
+        polled.visited().iter().any(|&d| {
+            let d = &devs[d];
+            (own && d.has_own_work()) || (waiting && !d.completions_announced())
+        })
     }
 
     #[inline(never)]

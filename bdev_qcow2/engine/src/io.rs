@@ -256,6 +256,14 @@ pub trait BlockDevice: 'static {
     fn discard_zeroes(&self) -> bool {
         false
     }
+    /// Whether a poll of this device could find nothing now that no one else will announce:
+    /// each of its operations in flight completes through a callback that hands it to the
+    /// executor or wakes the executor's host ([`Exec::needs_poll`](crate::exec::Exec::needs_poll)),
+    /// and none waits for a poll. A host then stops polling while its requests wait only on
+    /// such devices (SPDK's bdevs). Default `false`: polled while operations are outstanding.
+    fn completions_announced(&self) -> bool {
+        false
+    }
     /// Whether the device has work of its own in flight that only its
     /// [`poll`](Self::poll) finishes (a fill of a shared cache other cores wait for), with
     /// no request of the executor waiting on it: the host keeps polling until it has none.

@@ -584,13 +584,14 @@ impl Channel {
         self.driver.slot().resume();
     }
 
-    /// Whether the poller may pause: the replica is open (or failed), nothing queued or
-    /// in flight in its executor, nothing to send, no reset waiting, not closing. Inline:
-    /// every idle pass of the poller asks it, most while a request is in flight.
+    /// Whether the poller may pause: the replica is open (or failed), nothing in its
+    /// executor that needs a poll (a read waiting only on a bdev's callback does not: the
+    /// callback completes it), nothing to send, no reset waiting, not closing. Inline:
+    /// every idle pass of the poller asks it.
     #[inline]
     fn may_pause(&self) -> bool {
         (self.chain.get().is_some() || self.failed.get())
-            && !self.exec().busy()
+            && !self.exec().needs_poll()
             && self.unsent_asks.borrow().is_empty()
             && self.outbox.is_empty()
             && self.reset_waiters.borrow().is_empty()

@@ -546,6 +546,15 @@ impl BlockDevice for BaseDevice {
         self.may_cache
     }
 
+    /// A bdev that did not leave, with its completions going to a host's sink and none
+    /// queued (nor refused) for `poll`.
+    #[inline]
+    fn completions_announced(&self) -> bool {
+        self.draining.is_empty()
+            && self.refused.is_empty()
+            && self.io.as_ref().is_none_or(BaseIo::announces)
+    }
+
     fn completes_only_submitted(&self) -> bool {
         self.tracked
     }

@@ -110,9 +110,12 @@ impl Driver {
     #[inline(always)]
     fn hand(&self, io: BdevIo, submit: impl FnOnce(u64, BufSlice<SpdkBuf>)) {
         let (tag, view) = self.handed.hand(io);
-        // The executor has work: a poller paused while idle runs again.
-        self.slot.resume();
         self.run(|| submit(tag, guest_buf(view)));
+        // The executor has work for a poll (a task to run, a device to poll): a poller
+        // paused while idle runs again. Not for a read waiting only on a bdev's callback.
+        if self.exec.needs_poll() {
+            self.slot.resume();
+        }
     }
 
     /// One pass of the executor (if it has anything to do), completing what finished.
@@ -180,7 +183,7 @@ fn deliver<H: Host>(host: &H, tag: u64, r: Result<(), DeviceError>) -> bool {
         d.exec
             .take_outcomes(&mut |tag, o| complete_tag(host, tag, o));
     });
-    if d.exec.busy() {
+    if d.exec.needs_poll() {
         d.slot.resume();
     }
     true

@@ -49,6 +49,12 @@ impl Polled {
         &self.visit[..self.untracked]
     }
 
+    /// Every device a poll visits now.
+    #[inline(always)]
+    pub(super) fn visited(&self) -> &[usize] {
+        &self.visit
+    }
+
     /// The device to visit at position `i` of this poll, if any.
     #[inline(always)]
     pub(super) fn at(&self, i: usize) -> Option<usize> {

@@ -385,6 +385,11 @@ impl<D: BlockDevice> BlockDevice for CachedDevice<D> {
         self.queued || self.inner.has_own_work()
     }
 
+    #[inline]
+    fn completions_announced(&self) -> bool {
+        !self.queued && self.inner.completions_announced()
+    }
+
     fn can_grow(&self) -> bool {
         self.inner.can_grow()
     }

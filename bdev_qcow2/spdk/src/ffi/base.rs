@@ -181,6 +181,16 @@ impl BaseIo {
         unsafe { (*self.pool.as_ptr()).sink = Some(sink) };
     }
 
+    /// Whether every operation in flight completes through SPDK's callback to the sink
+    /// (one is set: it takes the completion or has its host poll), and none is queued for
+    /// [`pop_done`](Self::pop_done).
+    #[inline]
+    pub fn announces(&self) -> bool {
+        // SAFETY: see `in_flight`.
+        let p = unsafe { self.pool.as_ref() };
+        p.sink.is_some() && p.done.is_empty()
+    }
+
     /// Operations submitted and not yet reaped by `poll`.
     pub fn in_flight(&self) -> usize {
         // SAFETY: the pool is ours; no callback runs concurrently (same thread).
