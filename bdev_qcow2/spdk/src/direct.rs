@@ -76,13 +76,19 @@ impl<H: DirectHost, K: Kind> ChildDone<Qcow2Bdev> for Done<H, K> {
     #[inline(always)]
     fn child_done(io: BdevIo, success: bool) {
         H::with_host(io, |h, io| {
+            let mut success = success;
             if K::DECRYPT && success {
                 // On the request's core, in its own buffer, before it completes; the
-                // grace period still holds the clusters the IVs came from.
-                let (view, host) = io.ctx().crypt();
-                h.driver()
-                    .exec()
-                    .decrypt_view(view, host, &guest_buf(io.data_view()));
+                // grace period still holds the clusters the IVs came from. (A decrypting
+                // request without its view was never submitted so: failed, not plaintext.)
+                match io.ctx().crypt() {
+                    Some((view, host)) => {
+                        h.driver()
+                            .exec()
+                            .decrypt_view(view, host, &guest_buf(io.data_view()))
+                    }
+                    None => success = false,
+                }
             }
             // (`leave`, written out: the completion's one function here.)
             if let Some(entry) = io.ctx().take_entry() {

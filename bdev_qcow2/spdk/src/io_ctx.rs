@@ -17,24 +17,35 @@ pub struct IoCtx {
     entry: Cell<Option<GraceEntry>>,
     /// What the owner runs for a forwarded request.
     op: Op,
+    /// What the few longer paths carry between their steps.
+    carried: Carried,
+}
+
+/// What a request carries between the steps of a longer path: at most one of these, so one
+/// enum, whose tag alone a new request writes.
+enum Carried {
+    /// Nothing (every request starts so).
+    Nothing,
     /// A direct read of an encrypted image: the crypt view it was granted and the host
     /// offset read, which its completion decrypts with.
-    crypt: (DevId, u64),
-    /// A core replica's first write: its step in the owner's reservation protocol.
-    reservation: Reservation,
+    Crypt(DevId, u64),
+    /// A core replica's first write: its step in the owner's reservation protocol (never
+    /// [`Reservation::None`]: that is `Nothing`).
+    Reservation(Reservation),
 }
 
 impl IoCtx {
-    /// A fresh context (nothing recorded yet). A value to initialize with: each use is a
-    /// context of its own, so its cell is never shared.
-    #[allow(clippy::declare_interior_mutable_const)]
-    pub const NEW: IoCtx = IoCtx {
-        status: Status::Success,
-        entry: Cell::new(None),
-        op: Op::Read,
-        crypt: (DevId(0), 0),
-        reservation: Reservation::None,
-    };
+    /// A fresh context (nothing recorded yet). A function, not a constant: built in place
+    /// it writes a few bytes and the enum's tag, where a constant's copy writes them all.
+    #[inline(always)]
+    pub fn new() -> IoCtx {
+        IoCtx {
+            status: Status::Success,
+            entry: Cell::new(None),
+            op: Op::Read,
+            carried: Carried::Nothing,
+        }
+    }
 
     /// The status a forwarded request carries back.
     pub fn status(&self) -> Status {
@@ -75,32 +86,50 @@ impl IoCtx {
     /// Whether the request is a first write in the owner's reservation protocol.
     #[inline(always)]
     pub fn reserving(&self) -> bool {
-        !matches!(self.reservation, Reservation::None)
+        matches!(self.carried, Carried::Reservation(_))
     }
 
     /// Takes the request's step in the reservation protocol (leaves
     /// [`Reservation::None`]).
     pub fn take_reservation(&mut self) -> Reservation {
-        std::mem::take(&mut self.reservation)
+        match std::mem::replace(&mut self.carried, Carried::Nothing) {
+            Carried::Reservation(r) => r,
+            other => {
+                self.carried = other;
+                Reservation::None
+            }
+        }
     }
 
     /// Sets the request's step in the reservation protocol.
     pub fn set_reservation(&mut self, r: Reservation) {
-        self.reservation = r;
+        self.carried = match r {
+            Reservation::None => Carried::Nothing,
+            r => Carried::Reservation(r),
+        };
     }
 }
 
 impl IoCtx {
     /// The crypt view and host offset of a direct read of an encrypted image.
     #[inline(always)]
-    pub fn crypt(&self) -> (DevId, u64) {
-        self.crypt
+    pub fn crypt(&self) -> Option<(DevId, u64)> {
+        match self.carried {
+            Carried::Crypt(view, host) => Some((view, host)),
+            _ => None,
+        }
     }
 
     /// Records the crypt view and host offset of a direct read of an encrypted image.
     #[inline(always)]
     pub fn set_crypt(&mut self, view: DevId, host: u64) {
-        self.crypt = (view, host);
+        self.carried = Carried::Crypt(view, host);
+    }
+}
+
+impl Default for IoCtx {
+    fn default() -> IoCtx {
+        IoCtx::new()
     }
 }
 
@@ -110,5 +139,37 @@ impl std::fmt::Debug for IoCtx {
             .field("status", &self.status)
             .field("op", &self.op)
             .finish_non_exhaustive()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_new_context_carries_nothing() {
+        let c = IoCtx::new();
+        assert!(!c.reserving());
+        assert_eq!(c.crypt(), None);
+        assert!(c.take_entry().is_none());
+        assert_eq!(c.status(), Status::Success);
+    }
+
+    #[test]
+    fn reservation_and_crypt_share_one_place() {
+        let mut c = IoCtx::new();
+        c.set_reservation(Reservation::Ask(GraceEntry::unshared()));
+        assert!(c.reserving());
+        assert_eq!(c.crypt(), None);
+        assert!(matches!(c.take_reservation(), Reservation::Ask(_)));
+        assert!(!c.reserving());
+        // Setting `None` is carrying nothing.
+        c.set_reservation(Reservation::None);
+        assert!(!c.reserving());
+        // A crypt view is not a reservation, and taking one leaves it in place.
+        c.set_crypt(DevId(3), 4096);
+        assert!(!c.reserving());
+        assert!(matches!(c.take_reservation(), Reservation::None));
+        assert_eq!(c.crypt(), Some((DevId(3), 4096)));
     }
 }

@@ -22,7 +22,10 @@ crate::bdev_module!(c"qcow2", Hooks, Qcow2Bdev);
 /// channel's state ([`Channel`]) and a writable bdev's metadata owner ([`Owner`]).
 impl BdevTypes for Qcow2Bdev {
     type Ctx = IoCtx;
-    const NEW_CTX: IoCtx = IoCtx::NEW;
+    #[inline(always)]
+    fn new_ctx() -> IoCtx {
+        IoCtx::new()
+    }
     type Node = Node;
     type Channel = Channel;
     type Owner = Owner;

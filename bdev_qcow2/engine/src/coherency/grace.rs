@@ -143,11 +143,14 @@ impl Grace {
         c.store(c.load(Ordering::Relaxed).wrapping_add(1), Ordering::Relaxed);
         // (`fences::light`, written out: the request's entry is the fence's one user per
         // request, and a call would be one more function on every request.)
+        // (The full fence out of line: the light half, a compiler fence, is the path every
+        // request of a core with the asymmetric pair takes, one test and no jump.)
         #[cfg(not(loom))]
-        if light {
+        {
             std::sync::atomic::compiler_fence(Ordering::SeqCst);
-        } else {
-            std::sync::atomic::fence(Ordering::SeqCst);
+            if !light {
+                full_fence();
+            }
         }
         #[cfg(loom)]
         let _ = light;
@@ -216,4 +219,12 @@ impl Grace {
         }
         g
     }
+}
+
+/// The full fence of an entry without the asymmetric pair (cold: see `Grace::enter_in`).
+#[cfg(not(loom))]
+#[cold]
+#[inline(never)]
+fn full_fence() {
+    std::sync::atomic::fence(Ordering::SeqCst);
 }

@@ -375,7 +375,7 @@ pub(super) unsafe extern "C" fn submit_request<M: Requests>(
     // holds the state's pointer. No accessor on the request path.)
     let (c, io) = unsafe {
         let c = *sys::io_channel_get_ctx(ch).cast::<*const M::Channel>();
-        (&*c, BdevIo::<M>::submitted(bdev_io, M::NEW_CTX, c))
+        (&*c, BdevIo::<M>::submitted(bdev_io, M::new_ctx(), c))
     };
     // SAFETY: as above (its type, read here: no accessor on the request path).
     let kind = sys::spdk_bdev_io_type::from(unsafe { (*bdev_io).type_ });

@@ -18,8 +18,9 @@ use std::sync::atomic::{AtomicPtr, Ordering};
 pub trait BdevTypes: Sized + 'static {
     /// The per-I/O context each of the module's bdev_ios carries in its driver area.
     type Ctx;
-    /// The context a request starts with (`submit_request` writes it).
-    const NEW_CTX: Self::Ctx;
+    /// The context a request starts with (`submit_request` writes it; a function, so that
+    /// it is built in place: see `IoCtx::new`).
+    fn new_ctx() -> Self::Ctx;
     /// A bdev of the module (its `ctxt`, and its io_device).
     type Node: 'static;
     /// The state of one of its channels (one per SPDK thread that opened the bdev).
