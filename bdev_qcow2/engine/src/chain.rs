@@ -130,8 +130,9 @@ pub struct Chain<D: BlockDevice> {
     pub(crate) disk: Disk<D>,
     /// Where this chain's requests that change metadata run ([`Chain::plan`]).
     pub(crate) role: Role,
-    /// The top image's memo as the plan asks it (`None`: a raw top layer).
-    pub(crate) memo: Option<crate::memo::MemoView>,
+    /// The top image's memo as the plan asks it (one that answers nothing over a raw top
+    /// layer: no `Option` tested on every request).
+    pub(crate) memo: crate::memo::MemoView,
     /// Request counters: plain cells, bumped on every request.
     pub(crate) counters: Counters,
     /// Read-ahead of L2 slices: its stream detector and counters.
@@ -171,8 +172,8 @@ impl<D: BlockDevice> Chain<D> {
         let index = index::LayerIndex::new(disk.layers(), disk.size());
         let readahead = crate::prefetch::ReadAhead::new(coverage);
         let memo = match top {
-            Layer::Qcow2(q) => Some(q.memo_view(readahead.tail_from())),
-            Layer::Raw { .. } => None,
+            Layer::Qcow2(q) => q.memo_view(readahead.tail_from()),
+            Layer::Raw { .. } => crate::memo::MemoView::answering_nothing(),
         };
         Ok(Rc::new(Chain {
             index,

@@ -482,6 +482,19 @@ pub(crate) struct MemoView {
 }
 
 impl MemoView {
+    /// A view that answers nothing (a chain whose top layer is raw data): slices of one
+    /// byte, so no request lies inside one, over an empty one-slot memo.
+    pub(crate) fn answering_nothing() -> Self {
+        MemoView::new(
+            Rc::new(SliceMemo::new(1, 1, 9)),
+            None,
+            false,
+            DevId(0),
+            1,
+            u64::MAX,
+        )
+    }
+
     /// The view of `memo`, checked against `shared` (a core replica's, else `None`),
     /// answering overwrites when `writable`, its answers on `dev`, for slices of `coverage`
     /// guest bytes (a power of two) whose tail starts at `tail_from`.

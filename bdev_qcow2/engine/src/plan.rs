@@ -182,18 +182,17 @@ impl<D: BlockDevice> Chain<D> {
         // Before resolving anything: a cluster freed meanwhile is not reused until the
         // request is over (shared images; see `coherency::Grace`).
         let entry = self.exec().guest_enter();
-        if let Some(m) = &self.memo {
-            if let Some((host, tail)) = m.read(offset, len) {
-                let grant = Grant::new(
-                    m.dev(),
-                    HostOffset(host),
-                    range,
-                    entry,
-                    FoundBy::Memo,
-                    Access::Read,
-                );
-                return (ReadRoute::Direct(grant), tail);
-            }
+        let m = &self.memo;
+        if let Some((host, tail)) = m.read(offset, len) {
+            let grant = Grant::new(
+                m.dev(),
+                HostOffset(host),
+                range,
+                entry,
+                FoundBy::Memo,
+                Access::Read,
+            );
+            return (ReadRoute::Direct(grant), tail);
         }
         let route = match self.route_read_past_memo(range, entry) {
             PastMemo::Direct(dev, host, entry) => ReadRoute::Direct(Grant::new(
@@ -246,18 +245,17 @@ impl<D: BlockDevice> Chain<D> {
         };
         self.disk.note_change(offset, len);
         let entry = self.exec().guest_enter();
-        if let Some(m) = &self.memo {
-            if let Some((host, tail)) = m.overwrite(offset, len) {
-                let grant = Grant::new(
-                    m.dev(),
-                    HostOffset(host),
-                    range,
-                    entry,
-                    FoundBy::Memo,
-                    Access::Write,
-                );
-                return (WriteDecision::Direct(grant), tail);
-            }
+        let m = &self.memo;
+        if let Some((host, tail)) = m.overwrite(offset, len) {
+            let grant = Grant::new(
+                m.dev(),
+                HostOffset(host),
+                range,
+                entry,
+                FoundBy::Memo,
+                Access::Write,
+            );
+            return (WriteDecision::Direct(grant), tail);
         }
         let decision = match self.route_write_past_memo(range, entry) {
             PastMemo::Direct(dev, host, entry) => WriteDecision::Direct(Grant::new(
