@@ -141,10 +141,9 @@ impl Grace {
         // light half costs it no instruction.
         let c = &mine.0[(g & 1) as usize];
         c.store(c.load(Ordering::Relaxed).wrapping_add(1), Ordering::Relaxed);
-        // (`fences::light`, written out: the request's entry is the fence's one user per
-        // request, and a call would be one more function on every request.)
-        // (The full fence out of line: the light half, a compiler fence, is the path every
-        // request of a core with the asymmetric pair takes, one test and no jump.)
+        // (`fences::light`, written out: a call would be one more function on every
+        // request. The full fence is out of line, so the light half, a compiler fence, is
+        // one test and no jump.)
         #[cfg(not(loom))]
         {
             std::sync::atomic::compiler_fence(Ordering::SeqCst);
