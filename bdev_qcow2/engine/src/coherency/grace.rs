@@ -38,11 +38,64 @@ pub struct Grace {
     asymmetric: bool,
 }
 
-/// One member's in-flight counts per parity, alone on its cache lines (cores write their
-/// own on every request: sharing a line would bounce it between cores). Only the member's
-/// core writes them; the owner reads them in [`Grace::try_advance`].
+/// One member's in-flight counts per parity and the generation its next entries count
+/// under, alone on their cache lines (cores write their own on every request: sharing a
+/// line would bounce it between cores). Only the member's core writes the counts; the owner
+/// reads them in [`Grace::try_advance`] and raises the generation when it advances.
 #[repr(align(128))]
-pub struct Counters([AtomicU64; 2]);
+pub struct Counters {
+    counts: [AtomicU64; 2],
+    /// The generation this member enters under: raised by the owner after every advance
+    /// (and to the current one when the member registers), read by the member on every
+    /// entry. Any parity is safe for an entry, only a stale one forever would stall the
+    /// owner (see [`Grace::try_advance`]); keeping it here puts an entry on one cache line,
+    /// the member's own.
+    gen: AtomicU64,
+}
+
+impl Counters {
+    fn new() -> Self {
+        Counters {
+            counts: [AtomicU64::new(0), AtomicU64::new(0)],
+            gen: AtomicU64::new(0),
+        }
+    }
+
+    /// A guest request of this member starts; returns its parity for
+    /// [`exit`](Self::exit). `light`: the light half of the fence pair suffices (see
+    /// [`Grace::enter_as`]).
+    #[inline(always)]
+    pub fn enter(&self, light: bool) -> u8 {
+        let p = (self.gen.load(Ordering::Relaxed) & 1) as usize;
+        // Only this member's core writes its counts: a plain increment, then the light
+        // half of an asymmetric fence pair orders it before whatever the request reads next
+        // (epochs, L1 entries, slices); `try_advance` runs the heavy half before it reads
+        // the counts (see `fences`). The owner needs no fence (see `Grace::enter_owner`).
+        let c = &self.counts[p];
+        c.store(c.load(Ordering::Relaxed).wrapping_add(1), Ordering::Relaxed);
+        // (`fences::light`, written out: a call would be one more function on every
+        // request. The full fence is out of line, so the light half, a compiler fence, is
+        // one test and no jump.)
+        #[cfg(not(loom))]
+        {
+            std::sync::atomic::compiler_fence(Ordering::SeqCst);
+            if !light {
+                full_fence();
+            }
+        }
+        #[cfg(loom)]
+        let _ = light;
+        p as u8
+    }
+
+    /// The guest request that entered with `parity` completed (on the member's core).
+    #[inline(always)]
+    pub fn exit(&self, parity: u8) {
+        // Only this member's core writes its counts: no read-modify-write needed.
+        let c = &self.counts[parity as usize & 1];
+        c.store(c.load(Ordering::Relaxed).wrapping_sub(1), Ordering::Release);
+    }
+}
 
 impl std::fmt::Debug for Counters {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -67,7 +120,7 @@ impl Default for Grace {
                 .map(|_| AtomicU64::new(0))
                 .collect(),
             counts: (0..MAX_GRACE_MEMBERS)
-                .map(|_| Arc::new(Counters([AtomicU64::new(0), AtomicU64::new(0)])))
+                .map(|_| Arc::new(Counters::new()))
                 .collect::<Box<[Arc<Counters>]>>()
                 .try_into()
                 .unwrap_or_else(|_| unreachable!("MAX_GRACE_MEMBERS counters")),
@@ -90,10 +143,19 @@ impl Grace {
                 match word.compare_exchange(
                     cur,
                     cur | (1 << free),
-                    Ordering::AcqRel,
+                    Ordering::SeqCst,
                     Ordering::Acquire,
                 ) {
-                    Ok(_) => return Some(i * 64 + free),
+                    Ok(_) => {
+                        // After the bit (SeqCst both, as the owner's store of the
+                        // generation and its scan of the bits): either this load sees an
+                        // advance, or that advance's scan sees the bit and raises `gen`.
+                        // Both raise it to a maximum, so neither undoes the other.
+                        let slot = i * 64 + free;
+                        let now = self.global.load(Ordering::SeqCst);
+                        self.counts[slot].gen.fetch_max(now, Ordering::Relaxed);
+                        return Some(slot);
+                    }
                     Err(now) => cur = now,
                 }
             }
@@ -102,14 +164,14 @@ impl Grace {
     }
 
     /// The counters of member `slot` (from [`register`](Self::register)), for
-    /// [`enter_in`](Self::enter_in) and [`exit_in`](Self::exit_in).
+    /// [`Counters::enter`] and [`Counters::exit`].
     pub fn counters(&self, slot: usize) -> Arc<Counters> {
         self.counts[slot % MAX_GRACE_MEMBERS].clone()
     }
 
     /// Gives a slot back (its core has no request in flight).
     pub fn unregister(&self, slot: usize) {
-        for c in &self.counts[slot].0 {
+        for c in &self.counts[slot].counts {
             c.store(0, Ordering::Release);
         }
         self.used[slot / 64].fetch_and(!(1 << (slot % 64)), Ordering::AcqRel);
@@ -126,34 +188,7 @@ impl Grace {
     /// which once: one path for both, with the fence chosen by a flag it holds.
     #[inline(always)]
     pub fn enter_as(&self, slot: usize, light: bool) -> u8 {
-        self.enter_in(&self.counts[slot % MAX_GRACE_MEMBERS], light)
-    }
-
-    /// [`enter_as`](Self::enter_as) for the member whose counters are `mine` (its
-    /// [`counters`](Self::counters)): what a core's guest requests run.
-    #[inline(always)]
-    pub fn enter_in(&self, mine: &Counters, light: bool) -> u8 {
-        let g = self.global.load(Ordering::Acquire);
-        // Only this member's core writes its counters: a plain increment, then the light
-        // half of an asymmetric fence pair orders it before whatever the request reads next
-        // (epochs, L1 entries, slices); `try_advance` runs the heavy half before it reads
-        // the counters (see `fences`). The owner needs no fence (see `enter_owner`): the
-        // light half costs it no instruction.
-        let c = &mine.0[(g & 1) as usize];
-        c.store(c.load(Ordering::Relaxed).wrapping_add(1), Ordering::Relaxed);
-        // (`fences::light`, written out: a call would be one more function on every
-        // request. The full fence is out of line, so the light half, a compiler fence, is
-        // one test and no jump.)
-        #[cfg(not(loom))]
-        {
-            std::sync::atomic::compiler_fence(Ordering::SeqCst);
-            if !light {
-                full_fence();
-            }
-        }
-        #[cfg(loom)]
-        let _ = light;
-        (g & 1) as u8
+        self.counts[slot % MAX_GRACE_MEMBERS].enter(light)
     }
 
     /// Whether a core's entries take the light half of the asymmetric pair (else a full
@@ -176,15 +211,7 @@ impl Grace {
     /// The guest request that entered with `parity` completed (on the core that entered).
     #[inline(always)]
     pub fn exit(&self, slot: usize, parity: u8) {
-        Self::exit_in(&self.counts[slot % MAX_GRACE_MEMBERS], parity)
-    }
-
-    /// [`exit`](Self::exit) for the member whose counters are `mine`.
-    #[inline(always)]
-    pub fn exit_in(mine: &Counters, parity: u8) {
-        // Only this member's core writes its counters: no read-modify-write needed.
-        let c = &mine.0[parity as usize & 1];
-        c.store(c.load(Ordering::Relaxed).wrapping_sub(1), Ordering::Release);
+        self.counts[slot % MAX_GRACE_MEMBERS].exit(parity)
     }
 
     /// The current generation.
@@ -205,22 +232,34 @@ impl Grace {
             let mut bits = word.load(Ordering::SeqCst);
             while bits != 0 {
                 let slot = i * 64 + bits.trailing_zeros() as usize;
-                if self.counts[slot].0[old].load(Ordering::SeqCst) != 0 {
+                if self.counts[slot].counts[old].load(Ordering::SeqCst) != 0 {
                     return false;
                 }
                 bits &= bits - 1;
             }
             true
         });
-        if drained {
-            self.global.store(g + 1, Ordering::SeqCst);
-            return g + 1;
+        if !drained {
+            return g;
         }
-        g
+        self.global.store(g + 1, Ordering::SeqCst);
+        // Members enter under the new generation from now on: the parity just drained
+        // is the one the next advance waits for. (A member that still enters under the old
+        // one for a while only delays that advance: whichever parity a request counts in,
+        // one of the two scans between a free and its reuse waits for it.)
+        for (i, word) in self.used.iter().enumerate() {
+            let mut bits = word.load(Ordering::SeqCst);
+            while bits != 0 {
+                let slot = i * 64 + bits.trailing_zeros() as usize;
+                self.counts[slot].gen.fetch_max(g + 1, Ordering::Relaxed);
+                bits &= bits - 1;
+            }
+        }
+        g + 1
     }
 }
 
-/// The full fence of an entry without the asymmetric pair (cold: see `Grace::enter_in`).
+/// The full fence of an entry without the asymmetric pair (cold: see `Counters::enter`).
 #[cfg(not(loom))]
 #[cold]
 #[inline(never)]

@@ -176,3 +176,25 @@ fn meta_bitmap() {
     assert!(!s.is_meta_cluster(701));
     assert!(s.is_meta_cluster(64 * 16 + 1), "beyond the bitmap");
 }
+
+#[test]
+fn members_enter_under_the_generation_the_owner_gives_them() {
+    // Each member reads the parity it enters under from its own counters: the owner raises
+    // it on every advance, and registration raises it to the current generation.
+    let g = Grace::default();
+    let a = g.register().unwrap();
+    assert_eq!(g.try_advance(), 1);
+    assert_eq!(g.try_advance(), 2);
+    assert_eq!(g.try_advance(), 3);
+    let b = g.register().unwrap();
+    let p = g.enter(a);
+    let q = g.enter(b);
+    assert_eq!((p, q), (1, 1), "both under generation 3");
+    assert_eq!(g.try_advance(), 4, "parity 0 is empty");
+    assert_eq!(g.try_advance(), 4, "the requests of generation 3 hold it");
+    g.exit(a, p);
+    assert_eq!(g.try_advance(), 4, "b's request still holds it");
+    g.exit(b, q);
+    assert_eq!(g.try_advance(), 5);
+    assert_eq!(g.enter(b), 1, "raised to generation 5");
+}

@@ -2,7 +2,7 @@
 //! executor's membership in a shared image's grace periods (`coherency::Grace`).
 
 use super::Exec;
-use crate::coherency::{Counters, Grace, Shared};
+use crate::coherency::{Counters, Shared};
 use crate::io::BlockDevice;
 use std::sync::Arc;
 
@@ -46,7 +46,7 @@ impl GraceEntry {
 /// An executor's membership in one shared image's grace periods: the image's shared state,
 /// this member's own counters (their own allocation, one load away: no slot index to
 /// scale on every request), its slot, and whether its entries need no full fence (the
-/// owner's, or a core's with the asymmetric pair; see [`Grace::enter_as`]).
+/// owner's, or a core's with the asymmetric pair; see [`Grace::enter_as`](crate::coherency::Grace::enter_as)).
 pub(crate) struct Member {
     shared: Arc<Shared>,
     mine: Arc<Counters>,
@@ -96,8 +96,11 @@ impl<D: BlockDevice> Exec<D> {
     /// A guest request starts (before it resolves any mapping): its grace entry.
     #[inline(always)]
     pub fn guest_enter(&self) -> GraceEntry {
+        // One test for the common case, a member with the light fence: a member that
+        // needs the full one enters out of line.
         match self.inner.grace.get() {
-            Some(m) => GraceEntry::of_parity(m.shared.grace.enter_in(&m.mine, m.light)),
+            Some(m) if m.light => GraceEntry::of_parity(m.mine.enter(true)),
+            Some(m) => enter_fenced(m),
             None => GraceEntry::unshared(),
         }
     }
@@ -110,7 +113,14 @@ impl<D: BlockDevice> Exec<D> {
             p => p as u8,
         };
         if let Some(m) = self.inner.grace.get() {
-            Grace::exit_in(&m.mine, parity);
+            m.mine.exit(parity);
         }
     }
+}
+
+/// [`Exec::guest_enter`] of a member whose entries need the full fence (no asymmetric pair).
+#[cold]
+#[inline(never)]
+fn enter_fenced(m: &Member) -> GraceEntry {
+    GraceEntry::of_parity(m.mine.enter(false))
 }
