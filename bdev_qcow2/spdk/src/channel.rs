@@ -345,8 +345,14 @@ impl Channel {
                 c.prefetch().set_on(self.prefetch);
                 if let Some((cfg, gens)) = &self.ring {
                     // Its buffer is DMA memory of the base, allocated once, here.
-                    if let Err(e) = c.enable_ring(*cfg, gens.clone()) {
-                        tracing::warn!("channel on {}: no prefetch ring ({e})", self.thread_name);
+                    match c.enable_ring(*cfg, gens.clone()) {
+                        Ok(()) => c.ring().probe_base(),
+                        Err(e) => {
+                            tracing::warn!(
+                                "channel on {}: no prefetch ring ({e})",
+                                self.thread_name
+                            )
+                        }
                     }
                 }
                 let _ = self.chain.set(c);

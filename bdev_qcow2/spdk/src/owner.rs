@@ -398,6 +398,7 @@ impl Owner {
                     "ring_invalidated": r.invalidated,
                     "ring_compressed_fills": r.compressed_fills,
                     "ring_readahead_tasks": r.readahead_tasks,
+                    "ring_synchronous_base": r.synchronous_base,
                     // Zones where writes bump their write generation (a ring holds data
                     // there, or left less than a sweep ago), and how many sweeps cleared.
                     "ring_zones_watched": self.chain.ring().write_gens().map_or(0, |g| g.zones().watched()),

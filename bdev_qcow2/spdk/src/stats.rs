@@ -76,6 +76,9 @@ pub struct ChannelStats {
     pub ring_compressed_fills: u64,
     /// Prefetch ring: read-aheads that ran as a task.
     pub ring_readahead_tasks: u64,
+    /// Prefetch ring: rings that stopped reading ahead because their base proved
+    /// synchronous (reads over as their submission returned: read-ahead only added a copy).
+    pub ring_synchronous_base: u64,
 }
 
 impl ChannelStats {
@@ -117,6 +120,7 @@ impl ChannelStats {
             invalidated: self.ring_invalidated,
             compressed_fills: self.ring_compressed_fills,
             readahead_tasks: self.ring_readahead_tasks,
+            synchronous_base: self.ring_synchronous_base,
         }
     }
 
@@ -135,5 +139,6 @@ impl ChannelStats {
         self.ring_invalidated += r.invalidated;
         self.ring_compressed_fills += r.compressed_fills;
         self.ring_readahead_tasks += r.readahead_tasks;
+        self.ring_synchronous_base += r.synchronous_base;
     }
 }

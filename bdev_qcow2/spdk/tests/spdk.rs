@@ -387,6 +387,8 @@ mod real {
         partial_waited: u64,
         waited: u64,
         waited_to_base: u64,
+        /// Rings that stopped reading ahead on a synchronous base.
+        synchronous: u64,
     }
 
     fn ring_summary(log: &str, bdev: &str) -> RingSummary {
@@ -400,7 +402,7 @@ mod real {
             .split(|c: char| !c.is_ascii_digit())
             .filter_map(|w| w.parse().ok())
             .collect();
-        assert_eq!(n.len(), 13, "{line}");
+        assert_eq!(n.len(), 14, "{line}");
         RingSummary {
             ahead: n[2],
             served: n[3],
@@ -409,6 +411,7 @@ mod real {
             partial_waited: n[6],
             waited: n[7],
             waited_to_base: n[8],
+            synchronous: n[13],
         }
     }
 
@@ -494,6 +497,28 @@ mod real {
         assert!(r.waited > 0 && r.waited_to_base == 0, "{r:?}\n{log}");
         // Most of the disk was served from the ring, not read twice.
         assert!(r.served > 24 << 20, "{r:?}");
+    }
+
+    #[test]
+    fn prefetch_ring_stops_reading_ahead_on_a_file_in_memory() {
+        require!("spdk_dd");
+        let _t = turn();
+        // An image on tmpfs: the AIO bdev's read is a kernel copy made inside its
+        // submission, over when the submission returns. Read-ahead hides nothing there
+        // and every byte the ring serves is copied twice: the ring times its read-aheads
+        // and stops.
+        let dir = tempfile::tempdir_in("/dev/shm").unwrap();
+        let d = dir.path();
+        let img = d.join("mem.qcow2");
+        ring_image(&img, 65536);
+        let cfg = d.join("mem.json");
+        write_config(&cfg, vec![aio(&img, "aio0"), qcow2("q0", "aio0", None)]);
+        let log = dd_and_compare(d, &cfg, "q0", &img, "mem");
+        let r = ring_summary(&log, "q0");
+        say(&format!("a file in memory: {r:?}"));
+        assert!(r.synchronous >= 1, "{r:?}\n{log}");
+        // The chunks read ahead before the verdict, not the 32 MiB the reader reads.
+        assert!(r.ahead < 8 << 20 && r.served <= r.ahead, "{r:?}");
     }
 
     #[test]

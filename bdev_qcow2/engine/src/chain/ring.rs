@@ -13,6 +13,7 @@ use crate::ring::{ChainRing, Fill, RingConfig, RingCopy, RingServed, WriteGens};
 use crate::slice_load::SliceLoad;
 use std::rc::Rc;
 use std::sync::Arc;
+use std::time::Instant;
 
 /// Times a read-ahead waits for a slice load before it runs as a task instead: a chunk
 /// spans several slices of a layer only with tiny ones (slices cover 16 KiB at least:
@@ -131,7 +132,14 @@ impl<D: BlockDevice> Chain<D> {
         // before it is over.
         let entry = self.exec().guest_enter();
         let token = self.sink().token(f.slot as u32);
+        let timed = rh.times_fills().then(Instant::now);
         let issued = match self.try_fast_read_as(token, f.offset, &dst, entry, true) {
+            Ok(()) => {
+                if let Some(at) = timed {
+                    rh.fill_issued(f.slot, at, at.elapsed());
+                }
+                return;
+            }
             Err((Unplanned::Compressed, entry)) => {
                 let r = self.start_zip_fill(f.slot, f.offset, &dst, entry);
                 if r.is_ok() {

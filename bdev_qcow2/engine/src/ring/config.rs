@@ -85,6 +85,10 @@ pub struct RingStats {
     /// Read-aheads that ran as a task: a chunk whose mapping the cached metadata could
     /// not plan (a slice no record could load, compressed bytes no record could take).
     pub readahead_tasks: u64,
+    /// Cores whose ring stopped reading ahead because their base proved synchronous: its
+    /// reads were over as soon as their submission returned, so read-ahead hid no
+    /// latency and cost a second copy ([`SyncProbe`](super::probe::SyncProbe)).
+    pub synchronous_base: u64,
 }
 
 impl RingStats {
@@ -104,6 +108,7 @@ impl RingStats {
             invalidated: self.invalidated - before.invalidated,
             compressed_fills: self.compressed_fills - before.compressed_fills,
             readahead_tasks: self.readahead_tasks - before.readahead_tasks,
+            synchronous_base: self.synchronous_base - before.synchronous_base,
         }
     }
 
@@ -122,5 +127,6 @@ impl RingStats {
         self.invalidated += o.invalidated;
         self.compressed_fills += o.compressed_fills;
         self.readahead_tasks += o.readahead_tasks;
+        self.synchronous_base += o.synchronous_base;
     }
 }

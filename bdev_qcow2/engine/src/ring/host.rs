@@ -4,6 +4,7 @@
 //! the chain (`chain/ring.rs`) looks every read up here before it is routed, and issues the
 //! read-aheads this hands out through the chain's own read path.
 
+use super::probe::SyncProbe;
 use super::wait::{Waiter, Waiters};
 use super::zones::SWEEP_EVERY;
 use super::{Fill, Hot, Lookup, Ring, RingConfig, RingStats, WriteGens, CHUNK};
@@ -121,6 +122,10 @@ pub(crate) struct RingHost<B> {
     ticks: u32,
     next_sweep: Instant,
     sweep_every: Duration,
+    /// Whether read-ahead can pay on this base ([`SyncProbe`]), and per slot when its
+    /// read-ahead was submitted and how long the submission took (while it is timed).
+    probe: SyncProbe,
+    issued: Box<[Option<(Instant, Duration)>]>,
 }
 
 /// [`RingHost::tick_zones`] calls between two reads of the clock.
@@ -139,7 +144,26 @@ impl<B: IoBuffer> RingHost<B> {
             ticks: 0,
             next_sweep: Instant::now() + SWEEP_EVERY,
             sweep_every: SWEEP_EVERY,
+            probe: SyncProbe::default(),
+            issued: vec![None; cfg.slots()].into_boxed_slice(),
         }
+    }
+
+    /// Times read-aheads from now on and stops reading ahead once the base proves
+    /// synchronous ([`SyncProbe`]).
+    pub(crate) fn probe_base(&mut self) {
+        self.probe.turn_on();
+    }
+
+    /// Whether read-aheads are being timed: the chain then times each one's submission
+    /// ([`fill_issued`](Self::fill_issued)).
+    pub(crate) fn times_fills(&self) -> bool {
+        self.probe.is_on()
+    }
+
+    /// The read-ahead into `slot` was submitted at `at`, its submission taking `took`.
+    pub(crate) fn fill_issued(&mut self, slot: u16, at: Instant, took: Duration) {
+        self.issued[slot as usize] = Some((at, took));
     }
 
     /// One tick of the owner's poll loop: every `sweep_every`, clears the zones no
@@ -227,7 +251,11 @@ impl<B: IoBuffer> RingHost<B> {
     /// The next read-ahead `stream` should issue now ([`Ring::next_fill`]), its chunk's
     /// write generation recorded (before the read-ahead resolves anything, see `gens`),
     /// with its slot's part of the buffer.
+    /// None at all once the base proved synchronous: streams then read from the base.
     pub(crate) fn next_fill(&mut self, hot: &Hot, stream: u8) -> Option<(Fill, BufSlice<B>)> {
+        if self.probe.synchronous() {
+            return None;
+        }
         let f = self.ring.next_fill(hot, stream)?;
         self.ring.filling(f.slot, self.gens.record(f.offset));
         Some((f, self.slot_buf(f)))
@@ -306,6 +334,11 @@ impl<B: IoBuffer> RingHost<B> {
     /// ([`Ring::filled`] under the chunk's generation read now, after every waiting read
     /// was submitted, as a hit reads it).
     pub(crate) fn filled(&mut self, slot: u16, ok: bool) -> bool {
+        if let Some((at, took)) = self.issued[slot as usize].take() {
+            if ok && self.probe.record(took, at.elapsed()) {
+                self.ring.count_synchronous_base();
+            }
+        }
         let gen_now = self.gens.current(self.ring.chunk_offset(slot));
         self.ring.filled(slot, ok, gen_now)
     }

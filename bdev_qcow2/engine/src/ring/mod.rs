@@ -24,6 +24,7 @@ pub mod gens;
 pub(crate) mod host;
 mod hot;
 mod part;
+pub mod probe;
 mod wait;
 pub mod zones;
 
@@ -524,6 +525,11 @@ impl Ring {
     /// A read-ahead runs as a task.
     pub fn count_readahead_task(&mut self) {
         self.stats.readahead_tasks += 1;
+    }
+
+    /// The base proved synchronous: this ring reads ahead no more.
+    pub fn count_synchronous_base(&mut self) {
+        self.stats.synchronous_base += 1;
     }
 
     /// The read-ahead into `slot` starts under write generation `gen` of its chunk, its

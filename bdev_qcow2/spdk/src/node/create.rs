@@ -460,8 +460,11 @@ pub(crate) fn start_owner(
     })?;
     chain.prefetch().set_on(params.prefetch_on());
     if let Some((cfg, gens)) = ring {
-        if let Err(e) = chain.enable_ring(*cfg, gens.clone()) {
-            tracing::warn!("owner of {name}: no prefetch ring ({e})");
+        match chain.enable_ring(*cfg, gens.clone()) {
+            // Read-ahead stops where the base proves synchronous (a file in the page
+            // cache): there it only adds a copy.
+            Ok(()) => chain.ring().probe_base(),
+            Err(e) => tracing::warn!("owner of {name}: no prefetch ring ({e})"),
         }
     }
     // The base device was added first (`create`), so it is `DevId(0)`.

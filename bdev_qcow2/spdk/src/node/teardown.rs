@@ -74,7 +74,7 @@ fn log_summary(n: &Node, owner: Option<crate::owner::OwnerCounters>) {
          in {} reads ({} of them in part, {} of those with the rest waited for; {} waited for their read-ahead, {} of those then \
          sent to the base), \
          {} bytes evicted unread, {} chunks invalidated by writes, {} compressed fills, \
-         {} read-aheads run as tasks",
+         {} read-aheads run as tasks, {} rings stopped on a synchronous base",
         n.name(),
         t.completed,
         t.l2_cache_hits,
@@ -95,7 +95,8 @@ fn log_summary(n: &Node, owner: Option<crate::owner::OwnerCounters>) {
         t.ring_bytes_evicted_unread,
         t.ring_invalidated,
         t.ring_compressed_fills,
-        t.ring_readahead_tasks
+        t.ring_readahead_tasks,
+        t.ring_synchronous_base
     );
 }
 

@@ -1,0 +1,111 @@
+//! Whether read-ahead can pay on this base at all ([`SyncProbe`]): a base whose reads are
+//! over as soon as their submission returns (a file in the page cache or on tmpfs, read by
+//! a kernel copy inside the submitting call) has no latency for the ring to hide, and every
+//! byte the ring serves costs a second copy there.
+
+use std::time::Duration;
+
+/// Read-aheads timed per verdict.
+pub const SAMPLE: u32 = 16;
+
+/// A base is synchronous when its read-aheads took, from submission to completion, less
+/// than this many times what their submission alone took.
+pub const RATIO: u32 = 2;
+
+/// Times the ring's read-aheads on one core: how long each one's submission took (the
+/// CPU the base spent inside it) against how long until it completed. Every [`SAMPLE`]
+/// read-aheads it gives a verdict; once the completions came no later than [`RATIO`] times
+/// the submissions, the base is synchronous for good (it does not become a device).
+#[derive(Debug, Default)]
+pub struct SyncProbe {
+    on: bool,
+    fills: u32,
+    submit: Duration,
+    latency: Duration,
+    synchronous: bool,
+}
+
+impl SyncProbe {
+    /// Starts timing (a probe that is not on records nothing and never finds the base
+    /// synchronous: hosts whose test devices complete inside their submission keep the ring).
+    pub fn turn_on(&mut self) {
+        self.on = true;
+    }
+
+    /// Whether it is timing read-aheads.
+    pub fn is_on(&self) -> bool {
+        self.on && !self.synchronous
+    }
+
+    /// A read-ahead whose submission took `submit` completed `latency` after it was
+    /// submitted. True when this made the base synchronous.
+    pub fn record(&mut self, submit: Duration, latency: Duration) -> bool {
+        if !self.is_on() {
+            return false;
+        }
+        self.fills += 1;
+        self.submit += submit;
+        self.latency += latency;
+        if self.fills < SAMPLE {
+            return false;
+        }
+        self.synchronous = self.latency < self.submit * RATIO;
+        (self.fills, self.submit, self.latency) = (0, Duration::ZERO, Duration::ZERO);
+        self.synchronous
+    }
+
+    /// Whether the base was found synchronous.
+    pub fn synchronous(&self) -> bool {
+        self.synchronous
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const US: Duration = Duration::from_micros(1);
+
+    #[test]
+    fn a_base_that_completes_inside_its_submission_is_synchronous() {
+        let mut p = SyncProbe::default();
+        p.turn_on();
+        for i in 1..SAMPLE {
+            assert!(
+                !p.record(20 * US, 23 * US),
+                "no verdict before {SAMPLE} ({i})"
+            );
+        }
+        assert!(p.record(20 * US, 23 * US));
+        assert!(p.synchronous() && !p.is_on());
+        assert!(!p.record(20 * US, 23 * US), "found once");
+    }
+
+    #[test]
+    fn a_device_whose_reads_outlast_their_submission_is_not() {
+        let mut p = SyncProbe::default();
+        p.turn_on();
+        // A disk behind O_DIRECT: 25 us to submit, 130 us to complete; an NVMe namespace:
+        // 2 us and 40 us. A few slow submissions (a preempted core) do not tip it.
+        for round in 0..4 {
+            for i in 0..SAMPLE {
+                let (s, l) = match (round, i % 8) {
+                    (0, _) => (25 * US, 130 * US),
+                    (_, 0) => (200 * US, 210 * US),
+                    _ => (2 * US, 40 * US),
+                };
+                assert!(!p.record(s, l));
+            }
+        }
+        assert!(!p.synchronous() && p.is_on());
+    }
+
+    #[test]
+    fn a_probe_not_turned_on_finds_nothing() {
+        let mut p = SyncProbe::default();
+        for _ in 0..2 * SAMPLE {
+            assert!(!p.record(20 * US, 20 * US));
+        }
+        assert!(!p.synchronous());
+    }
+}
