@@ -66,7 +66,7 @@ impl<B: IoBuffer> ChainRing<B> {
     /// Stops reading ahead once this core's read-aheads show a synchronous base: reads
     /// over as soon as their submission returns, where read-ahead hides no latency and
     /// costs a second copy ([`SyncProbe`](super::probe::SyncProbe)). For hosts on real
-    /// devices; a test device that completes inside its submission would turn it off.
+    /// devices: an in-memory test device would look synchronous and turn read-ahead off.
     pub fn probe_base(&self) {
         if let Some(rh) = self.host.borrow_mut().as_mut() {
             rh.probe_base();
