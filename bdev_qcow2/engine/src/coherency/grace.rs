@@ -228,17 +228,9 @@ impl Grace {
         let g = self.global.load(Ordering::SeqCst);
         let old = ((g + 1) & 1) as usize;
         // Only slots in use can hold requests (unregistered ones are zeroed).
-        let drained = self.used.iter().enumerate().all(|(i, word)| {
-            let mut bits = word.load(Ordering::SeqCst);
-            while bits != 0 {
-                let slot = i * 64 + bits.trailing_zeros() as usize;
-                if self.counts[slot].counts[old].load(Ordering::SeqCst) != 0 {
-                    return false;
-                }
-                bits &= bits - 1;
-            }
-            true
-        });
+        let drained = self
+            .members()
+            .all(|slot| self.counts[slot].counts[old].load(Ordering::SeqCst) == 0);
         if !drained {
             return g;
         }
@@ -247,15 +239,23 @@ impl Grace {
         // is the one the next advance waits for. (A member that still enters under the old
         // one for a while only delays that advance: whichever parity a request counts in,
         // one of the two scans between a free and its reuse waits for it.)
-        for (i, word) in self.used.iter().enumerate() {
-            let mut bits = word.load(Ordering::SeqCst);
-            while bits != 0 {
-                let slot = i * 64 + bits.trailing_zeros() as usize;
-                self.counts[slot].gen.fetch_max(g + 1, Ordering::Relaxed);
-                bits &= bits - 1;
-            }
+        for slot in self.members() {
+            self.counts[slot].gen.fetch_max(g + 1, Ordering::Relaxed);
         }
         g + 1
+    }
+
+    /// The member slots in use, each word of the bitmap loaded once (SeqCst), as it is
+    /// reached.
+    fn members(&self) -> impl Iterator<Item = usize> + '_ {
+        self.used.iter().enumerate().flat_map(|(i, word)| {
+            let mut bits = word.load(Ordering::SeqCst);
+            std::iter::from_fn(move || {
+                let b = (bits != 0).then(|| bits.trailing_zeros() as usize)?;
+                bits &= bits - 1;
+                Some(i * 64 + b)
+            })
+        })
     }
 }
 
