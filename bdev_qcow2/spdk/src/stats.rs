@@ -76,8 +76,9 @@ pub struct ChannelStats {
     pub ring_compressed_fills: u64,
     /// Prefetch ring: read-aheads that ran as a task.
     pub ring_readahead_tasks: u64,
-    /// Prefetch ring: rings that stopped reading ahead because their base proved
-    /// synchronous (reads over as their submission returned: read-ahead only added a copy).
+    /// Prefetch ring: times a ring stopped reading ahead because its base proved
+    /// synchronous (reads over as their submission returned: read-ahead only added a copy;
+    /// each ring looks again after 8,192 withheld read-aheads).
     pub ring_synchronous_base: u64,
 }
 

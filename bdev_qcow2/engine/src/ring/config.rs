@@ -85,9 +85,10 @@ pub struct RingStats {
     /// Read-aheads that ran as a task: a chunk whose mapping the cached metadata could
     /// not plan (a slice no record could load, compressed bytes no record could take).
     pub readahead_tasks: u64,
-    /// Cores whose ring stopped reading ahead because their base proved synchronous: its
+    /// Times a core's ring stopped reading ahead because its base proved synchronous: its
     /// reads were over as soon as their submission returned, so read-ahead hid no
-    /// latency and cost a second copy ([`SyncProbe`](super::probe::SyncProbe)).
+    /// latency and cost a second copy ([`SyncProbe`](super::probe::SyncProbe); it looks
+    /// again after [`RECHECK`](super::probe::RECHECK) withheld read-aheads).
     pub synchronous_base: u64,
 }
 

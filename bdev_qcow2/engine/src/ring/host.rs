@@ -251,9 +251,10 @@ impl<B: IoBuffer> RingHost<B> {
     /// The next read-ahead `stream` should issue now ([`Ring::next_fill`]), its chunk's
     /// write generation recorded (before the read-ahead resolves anything, see `gens`),
     /// with its slot's part of the buffer.
-    /// None at all once the base proved synchronous: streams then read from the base.
+    /// None while the base proved synchronous: streams then read from the base (the
+    /// probe lets one through now and then to look again, [`SyncProbe::withholds`]).
     pub(crate) fn next_fill(&mut self, hot: &Hot, stream: u8) -> Option<(Fill, BufSlice<B>)> {
-        if self.probe.synchronous() {
+        if self.probe.withholds() {
             return None;
         }
         let f = self.ring.next_fill(hot, stream)?;

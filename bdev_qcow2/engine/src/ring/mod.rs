@@ -527,7 +527,8 @@ impl Ring {
         self.stats.readahead_tasks += 1;
     }
 
-    /// The base proved synchronous: this ring reads ahead no more.
+    /// The base proved synchronous: this ring withholds its read-aheads until the probe
+    /// looks again.
     pub fn count_synchronous_base(&mut self) {
         self.stats.synchronous_base += 1;
     }

@@ -12,11 +12,17 @@ pub const SAMPLE: u32 = 16;
 /// this many times the quickest submission of the sample.
 pub const RATIO: u32 = 2;
 
+/// Read-aheads withheld on a synchronous base before the probe looks again (1 GiB of
+/// 128 KiB chunks): a base can change (a page cache that stops holding the file), and one
+/// look costs one sample of read-aheads.
+pub const RECHECK: u32 = 8192;
+
 /// Times the ring's read-aheads on one core: how long each one's submission took (the
 /// time the base spent inside it) against how long until it completed. Every [`SAMPLE`]
 /// read-aheads it gives a verdict; once the quickest completion came within [`RATIO`]
-/// times the quickest submission, the base is synchronous for good (it does not become a
-/// device). The quickest of each, not means: under a deep queue a completion waits for the
+/// times the quickest submission, the base is synchronous, and read-aheads are withheld
+/// until [`RECHECK`] of them were, when a new sample decides again. The quickest of each,
+/// not means: under a deep queue a completion waits for the
 /// host's other work before it is seen, and a preempted core makes a submission look long;
 /// the quickest is the one that waited least.
 #[derive(Debug, Default)]
@@ -26,6 +32,8 @@ pub struct SyncProbe {
     submit: Option<Duration>,
     latency: Option<Duration>,
     synchronous: bool,
+    /// Read-aheads withheld since the base was found synchronous.
+    withheld: u32,
 }
 
 impl SyncProbe {
@@ -59,9 +67,24 @@ impl SyncProbe {
         self.synchronous
     }
 
-    /// Whether the base was found synchronous.
+    /// Whether the base was found synchronous (at the last verdict).
     pub fn synchronous(&self) -> bool {
         self.synchronous
+    }
+
+    /// Whether a read-ahead is withheld: the base is synchronous. Every [`RECHECK`]-th is
+    /// let through instead, and the read-aheads from there on are timed for a new verdict.
+    pub fn withholds(&mut self) -> bool {
+        if !self.synchronous {
+            return false;
+        }
+        self.withheld += 1;
+        if self.withheld < RECHECK {
+            return true;
+        }
+        self.withheld = 0;
+        self.synchronous = false;
+        false
     }
 }
 
@@ -84,6 +107,31 @@ mod tests {
         assert!(p.record(20 * US, 23 * US));
         assert!(p.synchronous() && !p.is_on());
         assert!(!p.record(20 * US, 23 * US), "found once");
+    }
+
+    #[test]
+    fn a_synchronous_base_is_looked_at_again_after_recheck_withheld_read_aheads() {
+        let mut p = SyncProbe::default();
+        p.turn_on();
+        let sample = |p: &mut SyncProbe, submit: u32, latency: u32| {
+            (0..SAMPLE).fold(false, |_, _| p.record(submit * US, latency * US))
+        };
+        assert!(sample(&mut p, 20, 23));
+        for i in 1..RECHECK {
+            assert!(p.withholds(), "withheld {i}");
+        }
+        // The RECHECK-th goes out, timed again.
+        assert!(!p.withholds() && p.is_on() && !p.synchronous());
+        // Still synchronous: found again, withheld again.
+        assert!(sample(&mut p, 20, 23));
+        assert!(p.withholds());
+        for _ in 1..RECHECK {
+            p.withholds();
+        }
+        // Now a device (the page cache let the file go): read-ahead stays on.
+        assert!(!sample(&mut p, 25, 130));
+        assert!(!p.synchronous() && p.is_on());
+        assert!((0..2 * RECHECK).all(|_| !p.withholds()));
     }
 
     #[test]
