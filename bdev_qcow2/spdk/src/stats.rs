@@ -78,7 +78,7 @@ pub struct ChannelStats {
     pub ring_readahead_tasks: u64,
     /// Prefetch ring: times a ring stopped reading ahead because its base proved
     /// synchronous (reads over as their submission returned: read-ahead only added a copy;
-    /// each ring looks again after 8,192 withheld read-aheads).
+    /// a stopped ring looks again after 10 s).
     pub ring_synchronous_base: u64,
 }
 

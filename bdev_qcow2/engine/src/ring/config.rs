@@ -88,7 +88,7 @@ pub struct RingStats {
     /// Times a core's ring stopped reading ahead because its base proved synchronous: its
     /// reads were over as soon as their submission returned, so read-ahead hid no
     /// latency and cost a second copy ([`SyncProbe`](super::probe::SyncProbe); it looks
-    /// again after [`RECHECK`](super::probe::RECHECK) withheld read-aheads).
+    /// again after [`RECHECK`](super::probe::RECHECK)).
     pub synchronous_base: u64,
 }
 

@@ -3,7 +3,7 @@
 //! a kernel copy inside the submitting call) has no latency for the ring to hide, and every
 //! byte the ring serves costs a second copy there.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// Read-aheads timed per verdict.
 pub const SAMPLE: u32 = 16;
@@ -12,28 +12,47 @@ pub const SAMPLE: u32 = 16;
 /// this many times the quickest submission of the sample.
 pub const RATIO: u32 = 2;
 
-/// Read-aheads withheld on a synchronous base before the probe looks again (1 GiB of
-/// 128 KiB chunks): a base can change (a page cache that stops holding the file), and one
-/// look costs one sample of read-aheads.
-pub const RECHECK: u32 = 8192;
+/// How long a synchronous base goes without read-ahead before the probe looks again: a
+/// base can change (a page cache that stops holding the file), and one look costs one
+/// sample of read-aheads.
+pub const RECHECK: Duration = Duration::from_secs(10);
+
+/// Withheld read-aheads between two reads of the clock.
+const WITHHELD_PER_CLOCK: u32 = 1024;
 
 /// Times the ring's read-aheads on one core: how long each one's submission took (the
 /// time the base spent inside it) against how long until it completed. Every [`SAMPLE`]
 /// read-aheads it gives a verdict; once the quickest completion came within [`RATIO`]
 /// times the quickest submission, the base is synchronous, and read-aheads are withheld
-/// until [`RECHECK`] of them were, when a new sample decides again. The quickest of each,
-/// not means: under a deep queue a completion waits for the
+/// for [`RECHECK`], when a new sample decides again. The quickest of each, not means: under a deep queue a completion waits for the
 /// host's other work before it is seen, and a preempted core makes a submission look long;
 /// the quickest is the one that waited least.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct SyncProbe {
     on: bool,
     fills: u32,
     submit: Option<Duration>,
     latency: Option<Duration>,
     synchronous: bool,
-    /// Read-aheads withheld since the base was found synchronous.
+    /// When the base was last found synchronous, and read-aheads withheld since.
+    since: Option<Instant>,
     withheld: u32,
+    recheck: Duration,
+}
+
+impl Default for SyncProbe {
+    fn default() -> Self {
+        SyncProbe {
+            on: false,
+            fills: 0,
+            submit: None,
+            latency: None,
+            synchronous: false,
+            since: None,
+            withheld: 0,
+            recheck: RECHECK,
+        }
+    }
 }
 
 impl SyncProbe {
@@ -64,6 +83,10 @@ impl SyncProbe {
         let (submit, latency) = (self.submit.take(), self.latency.take());
         self.fills = 0;
         self.synchronous = latency.unwrap_or_default() < submit.unwrap_or_default() * RATIO;
+        if self.synchronous {
+            self.since = Some(Instant::now());
+            self.withheld = 0;
+        }
         self.synchronous
     }
 
@@ -72,17 +95,19 @@ impl SyncProbe {
         self.synchronous
     }
 
-    /// Whether a read-ahead is withheld: the base is synchronous. Every [`RECHECK`]-th is
-    /// let through instead, and the read-aheads from there on are timed for a new verdict.
+    /// Whether a read-ahead is withheld: the base is synchronous. Once [`RECHECK`] has
+    /// passed (looked at every so many withheld read-aheads, not on each), it lets this
+    /// one through, and the read-aheads from there on are timed for a new verdict.
     pub fn withholds(&mut self) -> bool {
         if !self.synchronous {
             return false;
         }
         self.withheld += 1;
-        if self.withheld < RECHECK {
+        if !self.withheld.is_multiple_of(WITHHELD_PER_CLOCK)
+            || self.since.is_some_and(|t| t.elapsed() < self.recheck)
+        {
             return true;
         }
-        self.withheld = 0;
         self.synchronous = false;
         false
     }
@@ -110,28 +135,28 @@ mod tests {
     }
 
     #[test]
-    fn a_synchronous_base_is_looked_at_again_after_recheck_withheld_read_aheads() {
+    fn a_synchronous_base_is_looked_at_again_once_recheck_has_passed() {
         let mut p = SyncProbe::default();
         p.turn_on();
         let sample = |p: &mut SyncProbe, submit: u32, latency: u32| {
             (0..SAMPLE).fold(false, |_, _| p.record(submit * US, latency * US))
         };
         assert!(sample(&mut p, 20, 23));
-        for i in 1..RECHECK {
-            assert!(p.withholds(), "withheld {i}");
-        }
-        // The RECHECK-th goes out, timed again.
-        assert!(!p.withholds() && p.is_on() && !p.synchronous());
+        // Ten seconds have not passed: withheld, the clock read once per 1,024.
+        assert!((0..3 * WITHHELD_PER_CLOCK).all(|_| p.withholds()));
+        // Once they have, the next look lets one through, timed again.
+        p.recheck = Duration::ZERO;
+        let through = (1..=WITHHELD_PER_CLOCK).find(|_| !p.withholds());
+        assert_eq!(through, Some(WITHHELD_PER_CLOCK));
+        assert!(p.is_on() && !p.synchronous());
         // Still synchronous: found again, withheld again.
         assert!(sample(&mut p, 20, 23));
         assert!(p.withholds());
-        for _ in 1..RECHECK {
-            p.withholds();
-        }
+        while p.withholds() {}
         // Now a device (the page cache let the file go): read-ahead stays on.
         assert!(!sample(&mut p, 25, 130));
         assert!(!p.synchronous() && p.is_on());
-        assert!((0..2 * RECHECK).all(|_| !p.withholds()));
+        assert!((0..2 * WITHHELD_PER_CLOCK).all(|_| !p.withholds()));
     }
 
     #[test]
