@@ -234,10 +234,20 @@ unsafe extern "C" fn quiesce_done(ctx: *mut c_void, status: c_int) {
     done(status);
 }
 
+/// Where SPDK cuts a bdev's requests ([`register`]'s `cut`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Cut {
+    /// The longest request, in blocks; also reported as the optimal I/O boundary.
+    pub blocks: u32,
+    /// Whether SPDK also splits a request at every multiple of `blocks` it crosses (a test
+    /// SPDK then makes on every request), rather than only by size.
+    pub at_boundaries: bool,
+}
+
 /// Leaks `node` and registers it: as an io_device (each channel gets a `M::Channel`
-/// state), then its bdev called `name` (`props`, the node as `ctxt`). Then `split` gets the
-/// request size SPDK chose (`max_rw_size`, 0: no limit) and may return a smaller one, at
-/// which requests are then split (also the optimal I/O boundary).
+/// state), then its bdev called `name` (`props`, the node as `ctxt`). Then `cut` gets the
+/// request size SPDK chose (`max_rw_size`, 0: no limit) and may return a [`Cut`] of at most
+/// that many blocks, at which requests are then split.
 ///
 /// On failure (SPDK's errno), the io_device is unregistered again and the node comes back
 /// to [`Nodes::never_registered`] on this thread once that is done.
@@ -245,7 +255,7 @@ pub fn register<M: Nodes>(
     node: M::Node,
     name: CString,
     props: &Props,
-    split: impl FnOnce(u32) -> Option<u32>,
+    cut: impl FnOnce(u32) -> Option<Cut>,
 ) -> Result<Registered<M>, i32> {
     let cell = NonNull::from(Box::leak(Box::new(NodeCell::<M> {
         node,
@@ -266,10 +276,12 @@ pub fn register<M: Nodes>(
     // SAFETY: registered just above on this thread; no request reaches the bdev before we
     // return to the reactor, and SPDK does not write these fields after registration.
     let b = unsafe { &mut (*p).bdev };
-    if let Some(cut) = split(b.max_rw_size) {
-        b.max_rw_size = cut;
-        b.optimal_io_boundary = cut;
-        bdev::set_split_on_optimal_io_boundary(b);
+    if let Some(cut) = cut(b.max_rw_size) {
+        b.max_rw_size = cut.blocks;
+        b.optimal_io_boundary = cut.blocks;
+        if cut.at_boundaries {
+            bdev::set_split_on_optimal_io_boundary(b);
+        }
     }
     Ok(Registered(cell))
 }
