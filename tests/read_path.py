@@ -52,13 +52,17 @@ FN = re.compile(r"^(\s*)(pub(\([^)]*\))?\s+)?(const\s+)?(async\s+)?(unsafe\s+)?"
 
 def parse(path):
     """Self cost per (function, file, line) and the functions each function calls, from a
-    callgrind output (positions: line)."""
+    callgrind output (positions: `line`, as tests/spdk_instr.sh writes them, or `instr
+    line` from a run with `--dump-instr=yes`, kept for per-instruction listings)."""
     names = {}
     cost = defaultdict(int)
     calls = defaultdict(set)
     objs = {}
     fl = fi = fn = cfn = ob = None
-    last = 0
+    # One position per kind the header names, each compressed against its own last value;
+    # the line is the last of them.
+    npos = 1
+    last = [0]
     skip_next = False
 
     def name(kind, rest):
@@ -78,19 +82,20 @@ def parse(path):
             c = line[0]
             if c.isdigit() or c in "+-*":
                 parts = line.split()
-                p = parts[0]
-                if p == "*":
-                    pos = last
-                elif p[0] in "+-":
-                    pos = last + int(p)
-                else:
-                    pos = int(p)
-                last = pos
+                for i, p in enumerate(parts[:npos]):
+                    if p == "*":
+                        continue
+                    last[i] = last[i] + int(p, 0) if p[0] in "+-" else int(p, 0)
+                pos = last[npos - 1]
                 if skip_next:
                     skip_next = False
                     continue
-                if len(parts) > 1 and fi is not None:
-                    cost[(fn, fi, pos)] += int(parts[1])
+                if len(parts) > npos and fi is not None:
+                    cost[(fn, fi, pos)] += int(parts[npos])
+                continue
+            if line.startswith("positions:"):
+                npos = len(line.split()) - 1
+                last = [0] * npos
                 continue
             key, _, rest = line.partition("=")
             if key == "fl":

@@ -49,10 +49,11 @@
 #
 # Reading ours/pt: passthru completes every request in the order it came, so SPDK's initiator
 # reuses its descriptors in order and the server's reads of them are prefetched by the CPU.
-# Any request that completes out of order (ours: each new channel's first read of an L2
-# slice) leaves that free list shuffled for the rest of the run, and every descriptor read
-# then misses: about a tenth of the server's time where the rest is cheap (big-defaults,
-# whose reads are holes). A guest's driver, over any real device, sees its order shuffled too.
+# Any request that completes out of order leaves that free list shuffled for the rest of the
+# run; a guest's driver, over any real device, sees its order shuffled too. (Whether that
+# is what ours pays in the tmpfs rows is not shown: warming each channel's slice cache so
+# that no read waited did not change the server's simulated cache misses, PERFORMANCE.md §5;
+# SPDK's split check on our bdev is most of its instructions over passthru, §4.)
 #
 # PROFILE=DIR: perf record -g of each server while its client runs, into
 # DIR/CASE-ROW-SERVER-RUN.data (perf report -i ...). PROFILE_EVENTS=sched:sched_switch records
