@@ -24,9 +24,9 @@ const WITHHELD_PER_CLOCK: u32 = 1024;
 /// time the base spent inside it) against how long until it completed. Every [`SAMPLE`]
 /// read-aheads it gives a verdict; once the quickest completion came within [`RATIO`]
 /// times the quickest submission, the base is synchronous, and read-aheads are withheld
-/// for [`RECHECK`], when a new sample decides again. The quickest of each, not means: under a deep queue a completion waits for the
-/// host's other work before it is seen, and a preempted core makes a submission look long;
-/// the quickest is the one that waited least.
+/// for [`RECHECK`], when a new sample decides again. The quickest of each, not means: under
+/// a deep queue a completion waits for the host's other work before it is seen, and a
+/// preempted core makes a submission look long; the quickest is the one that waited least.
 #[derive(Debug)]
 pub struct SyncProbe {
     on: bool,

@@ -609,7 +609,7 @@ fn register(
 /// boundary (an NVMe-oF namespace reports it to the guest as NOIOB). Returns the cut for
 /// SPDK's `max_rw_size` (`None`: SPDK set no limit). A read-only bdev is cut by size only:
 /// its reads allocate nothing, and a boundary makes SPDK test every request against it
-/// (about 35 instructions more per request on the vhost path, PERFORMANCE.md §4).
+/// (PERFORMANCE.md §4).
 fn cluster_cut(max_rw_size: u32, cluster_size: u64) -> Option<u32> {
     let max = u64::from(max_rw_size);
     if max == 0 {
