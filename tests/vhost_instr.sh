@@ -18,6 +18,9 @@
 #   ARGS="-q 1 -o 4096 -w randread" tests/vhost_instr.sh
 #   ARGS="-q 32 -o 512 -w randread" WIN=8 tests/vhost_instr.sh
 #   CACHE=1 tests/vhost_instr.sh                   # and simulated cache misses per request
+#   CACHE=1 KEEP=/tmp/vi tests/vhost_instr.sh      # keeps each server's callgrind output
+#                                                  # (ours.out, pt.out): misses per source
+#                                                  # line with callgrind_annotate --show=D1mr
 #
 # CACHE=1 runs callgrind with its cache simulation (--cache-sim=yes; the machine's VM has no
 # hardware counters for perf stat): per request, the server's L1 data misses (reads, writes)
@@ -108,6 +111,7 @@ EOF
   CP= SP=
   local out
   out=$(ls -t "$d"/cg.out.* | head -1)
+  [ -z "${KEEP:-}" ] || { mkdir -p "$KEEP" && cp "$out" "$KEEP/$kind.out"; }
   callgrind_annotate --auto=no --inclusive=yes --tree=calling --threshold=100 --show=Ir \
     "$out" 2>/dev/null >"$d.tree"
   if [ -n "${CACHE:-}" ]; then

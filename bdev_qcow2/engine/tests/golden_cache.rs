@@ -93,7 +93,12 @@ fn run(overlays: usize, cache: Option<Arc<SharedReadCache>>) -> Vec<u64> {
 #[test]
 fn four_overlays_read_the_golden_image_once() {
     let granules = SIZE / u64::from(GRANULE);
-    let cache = SharedReadCache::new(SIZE, GRANULE).unwrap();
+    // Twice the disk: the hash puts nine of the 128 granules in one set of eight when the
+    // cache holds exactly the disk, and an overlay its thread left behind then fills again
+    // what that set evicted (141 fills seen on a loaded machine). What this test asks is
+    // that the overlays share what the cache holds; eviction is the small cache's test.
+    let budget = 2 * SIZE;
+    let cache = SharedReadCache::new(budget, GRANULE).unwrap();
     let reads = run(4, Some(cache.clone()));
     let total: u64 = reads.iter().sum();
     let s = cache.stats();
@@ -105,7 +110,7 @@ fn four_overlays_read_the_golden_image_once() {
     );
     assert_eq!(s.fills, total, "every golden read is a fill");
     assert!(s.hits > 0 && s.bypasses == 0, "{s:?}");
-    assert!(s.memory_bytes <= SIZE, "{s:?}");
+    assert!(s.memory_bytes <= budget, "{s:?}");
 }
 
 #[test]
