@@ -9,8 +9,8 @@
 //! one hash of its offset, a bit of a mask and one compare, and records where the read
 //! ends in a small table indexed by the same hash ([`ENDS`] slots of the end's low 32 bits:
 //! four cache lines, which stay in the L1 cache between random reads where eight lines of
-//! whole offsets did not), with no borrow and no call. A read that starts where a recent read ended is the second of a stream: that
-//! earlier read's stream takes its slot then, as if the earlier read had started it (what
+//! whole offsets did not), with no borrow and no call. A read that starts where a recent
+//! read ended is the second of a stream: that earlier read's stream takes its slot then, as if the earlier read had started it (what
 //! every read did before, in the table itself), and this read continues it — so a
 //! sequential chain is followed from the same read as before. Everything else — a read
 //! that continues a stream, or one whose stream must push out a stream holding chunks —
@@ -336,6 +336,31 @@ impl Hot {
 #[cfg(test)]
 mod stream_slots_tests {
     use super::*;
+
+    #[test]
+    fn an_end_is_known_by_its_slot_and_low_32_bits() {
+        let h = Hot::default();
+        h.turn_on();
+        assert!(
+            !h.ended_at(0),
+            "an empty slot matches no read, offset 0 included"
+        );
+        assert!(h.passes(0, 4096), "a first read continues nothing");
+        assert!(h.ended_at(4096));
+        assert!(!h.ended_at(4096 + 512));
+        // An end a multiple of 4 GiB further in the same slot looks the same (documented:
+        // its stream is started and never continued).
+        let far = (1..4096u64)
+            .map(|k| 4096 + (k << 32))
+            .find(|&x| slot_of(x) == slot_of(4096))
+            .expect("some multiple of 4 GiB shares the slot");
+        assert!(h.ended_at(far));
+        let other = (1..4096u64)
+            .map(|k| 4096 + (k << 32))
+            .find(|&x| slot_of(x) != slot_of(4096))
+            .expect("another slot");
+        assert!(!h.ended_at(other));
+    }
 
     #[test]
     fn a_new_stream_takes_the_first_slot_of_a_mask_in_turn() {
