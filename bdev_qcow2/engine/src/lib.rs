@@ -61,6 +61,6 @@ pub use image::{
     BitmapBits, BitmapChange, CoreSeed, CoreSlice, OpenOptions, OwnerLink, Qcow2, ReadOnlySeed,
     SnapshotTime, SpaceUsage,
 };
-pub use plan::{Op, Request, RequestStats, Step, Task};
+pub use plan::{FastWrite, Op, Request, RequestStats, Step, Task};
 pub use route::{Grant, GuestRange, ReadRoute, Role, WriteRoute};
 pub use write::{Reserved, Ticket};

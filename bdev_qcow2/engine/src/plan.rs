@@ -16,6 +16,16 @@ use crate::route::{Access, FoundBy, Grant, ReadRoute, Role, WriteDecision, Write
 use crate::types::HostOffset;
 use std::rc::Rc;
 
+/// An overwrite the write plan's fast half granted ([`Chain::plan_write_fast`]).
+#[must_use = "a grant ends only in its submission or Chain::not_submitted"]
+pub struct FastWrite {
+    /// What the host submits.
+    pub grant: Grant,
+    /// The write ends in its slice's tail: once the host submitted it, it calls
+    /// [`Chain::watch_tail`].
+    pub in_tail: bool,
+}
+
 /// What a guest request asks for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[repr(u8)]
@@ -336,10 +346,54 @@ impl<D: BlockDevice> Chain<D> {
         self.counters.served_from_ring();
     }
 
+    /// Read-ahead watches an overwrite [`plan_write_fast`](Self::plan_write_fast) granted
+    /// in its slice's tail (as [`plan`](Self::plan) does before it grants one); after the
+    /// child's submission, out of line.
+    #[inline(never)]
+    pub fn watch_tail(self: &Rc<Self>, offset: u64, len: u64) {
+        self.read_ahead(offset, len);
+    }
+
     /// [`read_ahead`](Self::read_ahead) out of line: the memo's path stays small.
     #[inline(never)]
     fn read_ahead_out_of_line(self: &Rc<Self>, offset: u64, len: u64) {
         self.read_ahead(offset, len);
+    }
+
+    /// The fast half of a write's plan, for a host whose fast path must make no call
+    /// before the child's submission (every call on it keeps the registers of the whole
+    /// path saved): on a core replica whose persistent bitmaps do not record, an overwrite
+    /// the memo answers in place, granted as [`plan`](Self::plan) grants it (the same
+    /// checks, the same grant), with whether it ends in its slice's tail, for
+    /// [`watch_tail`](Self::watch_tail) after the submission. `None` leaves nothing behind
+    /// (an entry taken is left again, no counter moved): the request then takes `plan`.
+    #[inline(always)]
+    pub fn plan_write_fast(&self, offset: u64, len: u64) -> Option<FastWrite> {
+        if !matches!(self.role, Role::Replica) || self.disk.marks_writes() {
+            return None;
+        }
+        let range = self.disk.range_now(offset, len)?;
+        let entry = self.exec().guest_enter_light()?;
+        match self.memo.overwrite(offset, len) {
+            Some((host, tail)) => {
+                self.counters.wrote_here();
+                Some(FastWrite {
+                    grant: Grant::new(
+                        self.memo.dev(),
+                        HostOffset(host),
+                        range,
+                        entry,
+                        FoundBy::Memo,
+                        Access::Write,
+                    ),
+                    in_tail: tail,
+                })
+            }
+            _ => {
+                self.exec().guest_exit(entry);
+                None
+            }
+        }
     }
 
     #[inline(always)]

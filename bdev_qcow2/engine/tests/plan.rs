@@ -113,6 +113,15 @@ struct Rig {
 
 impl Rig {
     fn new() -> Rig {
+        Rig::with_core(OpenOptions::default())
+    }
+
+    /// A rig whose core replica opens with `core` (writable: its memo answers overwrites,
+    /// as the SPDK module's replicas do).
+    fn with_core(core: OpenOptions) -> Rig {
+        // The cores' light grace entries, as both hosts run them (decided before the first
+        // image is shared, for every test of this binary alike).
+        qcow2_engine::coherency::fences::install_membarrier();
         let disk = Disk::new(&Rc::default());
         let oexec: Exec<Disk> = Exec::new();
         let id = oexec.add_device(disk.channel());
@@ -140,7 +149,7 @@ impl Rig {
         let cdev = cexec.add_device(disk);
         let asks: Asks = Rc::default();
         let link = Box::new(Link(asks.clone()));
-        let r = Qcow2::from_seed(seed, &cexec, cdev, OpenOptions::default(), link).unwrap();
+        let r = Qcow2::from_seed(seed, &cexec, cdev, core, link).unwrap();
         let core = Chain::new(&cexec, vec![Layer::Qcow2(Box::new(r))]).unwrap();
         let host = |exec, chain| Host {
             exec,
@@ -279,6 +288,68 @@ fn a_core_sends_what_changes_metadata_to_the_owner_and_keeps_overwrites() {
             host.exec.poll(&mut |_, r| r.unwrap());
         }
         assert_eq!(bytes(&back), vec![0xb2; CLUSTER as usize]);
+    }
+}
+
+#[test]
+fn the_write_plans_fast_half_grants_what_the_plan_grants() {
+    let mut rig = Rig::with_core(OpenOptions {
+        writable: true,
+        ..Default::default()
+    });
+    let w = |off| Request::new(Op::Write, off, CLUSTER);
+    // Cluster 0 allocated by the owner and its slice written back (a core sends writes
+    // to a slice the owner holds dirty), then overwritten on the core until its slice is
+    // there and the memo answers.
+    rig.core.submit(1, w(0), Some(data(0xa1, CLUSTER)));
+    rig.settle();
+    rig.core.submit(7, Request::new(Op::Flush, 0, 0), None);
+    rig.settle();
+    for tag in 2..6 {
+        rig.core.submit(tag, w(0), Some(data(0xa2, CLUSTER)));
+        rig.settle();
+        assert!(rig.ok(tag));
+    }
+    // Not on the owner (its writes take the plan), nor for a cluster not allocated, which
+    // leaves no count behind.
+    assert!(rig.owner.chain.plan_write_fast(0, CLUSTER).is_none());
+    let here = rig.core.chain.counters().requests().writes_here;
+    assert!(rig
+        .core
+        .chain
+        .plan_write_fast(8 * CLUSTER, CLUSTER)
+        .is_none());
+    assert!(rig.core.chain.plan_write_fast(SIZE, CLUSTER).is_none());
+    assert_eq!(rig.core.chain.counters().requests().writes_here, here);
+    // The allocated cluster: the grant the plan gives, counted once each. (Without the
+    // process-wide barrier a core's entries take the full fence, out of line: the fast
+    // half declines them all, and the plan grants alone.)
+    let chain = rig.core.chain.clone();
+    if !qcow2_engine::coherency::fences::asymmetric() {
+        assert!(chain.plan_write_fast(0, CLUSTER).is_none());
+        return;
+    }
+    let fast = chain
+        .plan_write_fast(0, CLUSTER)
+        .expect("an overwrite the memo answers: the fast half grants it");
+    let Step::Direct(planned) = chain.plan(w(0), || data(0, CLUSTER)) else {
+        panic!("the plan grants the same overwrite");
+    };
+    assert_eq!(fast.grant.host().0, planned.host().0);
+    assert_eq!(fast.grant.dev().0, planned.dev().0);
+    assert_eq!(chain.counters().requests().writes_here, here + 2);
+    // Both grants end in their submission: the data is there, on both hosts.
+    chain.submit_direct(20, fast.grant, data(0xc3, CLUSTER));
+    chain.submit_direct(21, planned, data(0xc3, CLUSTER));
+    rig.settle();
+    assert!(rig.ok(20) && rig.ok(21));
+    for host in [&mut rig.core, &mut rig.owner] {
+        let back = data(0, CLUSTER);
+        host.submit(100, Request::new(Op::Read, 0, CLUSTER), Some(back.clone()));
+        for _ in 0..100 {
+            host.exec.poll(&mut |_, r| r.unwrap());
+        }
+        assert_eq!(bytes(&back), vec![0xc3; CLUSTER as usize]);
     }
 }
 

@@ -20,9 +20,8 @@
 //! on the replica, routed by the engine (`Chain::route_read` / `Chain::route_write`) → the
 //! direct path (`direct.rs`) when it grants one extent, else the engine through the
 //! channel's [`Driver`] (`engine_host.rs`), else the owner (`owner::forward`; a first write
-//! by the reservation protocol, `channel/reserve.rs`). The poller
-//! drives slow paths (tasks), resubmissions after `-ENOMEM`, opening the replica, and
-//! sending forwarded requests.
+//! by the reservation protocol, `channel/reserve.rs`). The poller drives slow paths (tasks),
+//! resubmissions after `-ENOMEM`, opening the replica, and sending forwarded requests.
 
 mod ask;
 mod backing;
@@ -423,10 +422,32 @@ impl Channel {
         }
     }
 
-    /// A guest write (`submit_request`): as the replica's engine plans it, or on the owner
-    /// while there is no replica.
+    /// A guest write (`submit_request`): an overwrite the plan's fast half grants
+    /// ([`Chain::plan_write_fast`]) submitted with no call before the child's, any other out
+    /// of line ([`write_planned`](Self::write_planned)): its calls save no registers here.
     #[inline(always)]
     fn write(&self, io: BdevIo) {
+        if let Some(chain) = self.chain.get() {
+            let (offset, len) = io.extent();
+            if let Some(fast) = chain.plan_write_fast(offset, len) {
+                self.accept();
+                let target = &self.direct;
+                let r =
+                    direct::submit::<Channel, direct::Write>(self, chain, target, io, fast.grant);
+                return match r {
+                    Err(io) => self.refused(chain, io),
+                    Ok(()) if fast.in_tail => chain.watch_tail(offset, len),
+                    Ok(()) => {}
+                };
+            }
+        }
+        self.write_planned(io)
+    }
+
+    /// A write past the plan's fast half (as the replica's engine plans it, or on the
+    /// owner while there is no replica): the channel's one loop, [`run`](Self::run).
+    #[inline(never)]
+    fn write_planned(&self, io: BdevIo) {
         self.accept();
         match (self.chain.get(), self.forward_to) {
             (Some(chain), _) => {

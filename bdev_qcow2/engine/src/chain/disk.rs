@@ -136,6 +136,20 @@ impl<D: BlockDevice> Disk<D> {
         self.size.set(size);
     }
 
+    /// Whether a persistent bitmap records the writes ([`note_change`](Self::note_change)
+    /// has work to do).
+    #[inline(always)]
+    pub(crate) fn marks_writes(&self) -> bool {
+        matches!(&self.dirty_bitmaps, Some(b) if b.recording())
+    }
+
+    /// [`check_range`](Self::check_range) against the size this chain holds, without its
+    /// look at a size the owner published since (`None` for any range outside it).
+    #[inline(always)]
+    pub(crate) fn range_now(&self, offset: u64, len: u64) -> Option<GuestRange> {
+        GuestRange::new(offset, len, self.size.get()).ok()
+    }
+
     /// A write, write-zeroes or discard of `len` bytes at `offset` (inside the disk) is
     /// about to change it: the persistent bitmaps record it before it is submitted.
     #[inline(always)]

@@ -105,8 +105,20 @@ impl<D: BlockDevice> Exec<D> {
         }
     }
 
-    /// The guest request that entered with `entry` is over.
-    #[inline]
+    /// [`guest_enter`](Self::guest_enter) where it needs no call: `None` for a member
+    /// whose entries take the full fence (nothing entered).
+    #[inline(always)]
+    pub fn guest_enter_light(&self) -> Option<GraceEntry> {
+        match self.inner.grace.get() {
+            Some(m) if m.light => Some(GraceEntry::of_parity(m.mine.enter(true))),
+            Some(_) => None,
+            None => Some(GraceEntry::unshared()),
+        }
+    }
+
+    /// The guest request that entered with `entry` is over. (Inline: a call on the
+    /// write's fast half, `Chain::plan_write_fast`, would keep registers saved on all of it.)
+    #[inline(always)]
     pub fn guest_exit(&self, entry: GraceEntry) {
         let parity = match entry.0 {
             Entered::Unshared => return,
