@@ -10,9 +10,12 @@ use crate::chain::Chain;
 pub use crate::chain::RequestStats;
 use crate::direct::PastMemo;
 use crate::error::{Error, Result};
+use crate::exec::GraceEntry;
 use crate::io::{BlockDevice, BufSlice, DeviceOp, IoBuffer};
 use crate::ring::{RingServed, RingWait};
-use crate::route::{Access, FoundBy, Grant, ReadRoute, Role, WriteDecision, WriteRoute};
+use crate::route::{
+    Access, FoundBy, Grant, GuestRange, ReadRoute, Role, WriteDecision, WriteRoute,
+};
 use crate::types::HostOffset;
 use std::rc::Rc;
 
@@ -254,19 +257,10 @@ impl<D: BlockDevice> Chain<D> {
             return (WriteDecision::Engine, false);
         };
         self.disk.note_change(offset, len);
-        let entry = self.exec().guest_enter();
-        let m = &self.memo;
-        if let Some((host, tail)) = m.overwrite(offset, len) {
-            let grant = Grant::new(
-                m.dev(),
-                HostOffset(host),
-                range,
-                entry,
-                FoundBy::Memo,
-                Access::Write,
-            );
-            return (WriteDecision::Direct(grant), tail);
-        }
+        let entry = match self.memo_overwrite(range, self.exec().guest_enter()) {
+            Ok(hit) => return (WriteDecision::Direct(hit.grant), hit.in_tail),
+            Err(entry) => entry,
+        };
         let decision = match self.route_write_past_memo(range, entry) {
             PastMemo::Direct(dev, host, entry) => WriteDecision::Direct(Grant::new(
                 dev,
@@ -373,26 +367,40 @@ impl<D: BlockDevice> Chain<D> {
             return None;
         }
         let range = self.disk.range_now(offset, len)?;
-        let entry = self.exec().guest_enter_light()?;
-        match self.memo.overwrite(offset, len) {
-            Some((host, tail)) => {
+        match self.memo_overwrite(range, self.exec().guest_enter_light()?) {
+            Ok(hit) => {
                 self.counters.wrote_here();
-                Some(FastWrite {
-                    grant: Grant::new(
-                        self.memo.dev(),
-                        HostOffset(host),
-                        range,
-                        entry,
-                        FoundBy::Memo,
-                        Access::Write,
-                    ),
-                    in_tail: tail,
-                })
+                Some(hit)
             }
-            _ => {
+            Err(entry) => {
                 self.exec().guest_exit(entry);
                 None
             }
+        }
+    }
+
+    /// The grant of an overwrite of `range` the memo answers, under `entry` (both the plan
+    /// and its fast half ask it); the entry back where the memo does not answer.
+    #[inline(always)]
+    fn memo_overwrite(
+        &self,
+        range: GuestRange,
+        entry: GraceEntry,
+    ) -> Result<FastWrite, GraceEntry> {
+        let m = &self.memo;
+        match m.overwrite(range.offset().0, range.len()) {
+            Some((host, in_tail)) => Ok(FastWrite {
+                grant: Grant::new(
+                    m.dev(),
+                    HostOffset(host),
+                    range,
+                    entry,
+                    FoundBy::Memo,
+                    Access::Write,
+                ),
+                in_tail,
+            }),
+            None => Err(entry),
         }
     }
 
