@@ -126,6 +126,8 @@ pub(crate) struct Run {
 #[repr(C)]
 pub struct Chain<D: BlockDevice> {
     exec: Exec<D>,
+    /// The executor's grace counters, for this chain's entries ([`GraceLane`](crate::exec::GraceLane)).
+    grace: crate::exec::GraceLane,
     /// The layers and what the guest sees of them.
     pub(crate) disk: Disk<D>,
     /// Where this chain's requests that change metadata run ([`Chain::plan`]).
@@ -176,6 +178,7 @@ impl<D: BlockDevice> Chain<D> {
             Layer::Raw { .. } => crate::memo::MemoView::answering_nothing(),
         };
         Ok(Rc::new(Chain {
+            grace: exec.grace_lane(),
             index,
             role,
             memo,
@@ -220,6 +223,19 @@ impl<D: BlockDevice> Chain<D> {
     pub fn exec(&self) -> &Exec<D> {
         &self.exec
     }
+
+    /// A guest request of this chain starts: its grace entry, through the chain's lane
+    /// ([`Exec::guest_enter`]).
+    #[inline(always)]
+    pub(crate) fn guest_enter(&self) -> crate::GraceEntry {
+        self.exec.guest_enter_on(&self.grace)
+    }
+
+    /// [`Exec::guest_enter_light`] through the chain's lane.
+    #[inline(always)]
+    pub(crate) fn guest_enter_light(&self) -> Option<crate::GraceEntry> {
+        self.exec.guest_enter_light_on(&self.grace)
+    }
     /// The chain's request counters.
     pub fn counters(&self) -> &Counters {
         &self.counters
@@ -238,7 +254,7 @@ impl<D: BlockDevice> Chain<D> {
         }
         // Before resolving anything: a cluster freed meanwhile is not reused until this
         // request is over (shared images; see `coherency::Grace`).
-        let entry = self.exec.guest_enter();
+        let entry = self.guest_enter();
         let Err(entry) = self.try_fast_read(tag, offset, &buf, entry) else {
             self.counters.fast_read();
             return;

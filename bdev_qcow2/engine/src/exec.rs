@@ -32,6 +32,7 @@ mod wait;
 
 pub use future::{join_all, read_bytes, IoFuture};
 pub use grace::GraceEntry;
+pub(crate) use grace::GraceLane;
 pub use request::Outcome;
 pub(crate) use sink::OwnedSink;
 pub use sink::{InternalSink, SinkId, SINK_SHIFT};

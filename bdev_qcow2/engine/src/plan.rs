@@ -194,7 +194,7 @@ impl<D: BlockDevice> Chain<D> {
         };
         // Before resolving anything: a cluster freed meanwhile is not reused until the
         // request is over (shared images; see `coherency::Grace`).
-        let entry = self.exec().guest_enter();
+        let entry = self.guest_enter();
         let m = &self.memo;
         if let Some((host, tail)) = m.read(offset, len) {
             let grant = Grant::new(
@@ -257,7 +257,7 @@ impl<D: BlockDevice> Chain<D> {
             return (WriteDecision::Engine, false);
         };
         self.disk.note_change(offset, len);
-        let entry = match self.memo_overwrite(range, self.exec().guest_enter()) {
+        let entry = match self.memo_overwrite(range, self.guest_enter()) {
             Ok(hit) => return (WriteDecision::Direct(hit.grant), hit.in_tail),
             Err(entry) => entry,
         };
@@ -367,7 +367,7 @@ impl<D: BlockDevice> Chain<D> {
             return None;
         }
         let range = self.disk.range_now(offset, len)?;
-        match self.memo_overwrite(range, self.exec().guest_enter_light()?) {
+        match self.memo_overwrite(range, self.guest_enter_light()?) {
             Ok(hit) => {
                 self.counters.wrote_here();
                 Some(hit)

@@ -64,7 +64,7 @@ impl<D: BlockDevice> Chain<D> {
             return self.exec().complete(tag, Err(e));
         }
         self.disk.note_change(offset, buf.len as u64);
-        let mut entry = self.exec().guest_enter();
+        let mut entry = self.guest_enter();
         if fast {
             match self.try_fast_write(tag, offset, &buf, entry) {
                 Ok(()) => return,
@@ -136,7 +136,7 @@ impl<D: BlockDevice> Chain<D> {
             return self.exec().complete(tag, Err(e));
         }
         self.disk.note_change(offset, buf.len as u64);
-        let entry = match self.try_fast_write(tag, offset, &buf, self.exec().guest_enter()) {
+        let entry = match self.try_fast_write(tag, offset, &buf, self.guest_enter()) {
             Ok(()) => return self.counters.wrote_here(),
             Err(entry) => entry,
         };
@@ -184,7 +184,7 @@ impl<D: BlockDevice> Chain<D> {
             return false;
         }
         self.disk.note_change(offset, buf.len as u64);
-        match self.try_fast_write(tag, offset, buf, self.exec().guest_enter()) {
+        match self.try_fast_write(tag, offset, buf, self.guest_enter()) {
             Ok(()) => true,
             Err(entry) => {
                 self.exec().guest_exit(entry);

@@ -68,7 +68,7 @@ impl<D: BlockDevice> Chain<D> {
         };
         drop(loads);
         // Like a guest request: the L2 table it reads is not reused before it is over.
-        let parity = self.exec().guest_enter();
+        let parity = self.guest_enter();
         let op = DeviceOp::Read { offset: host, buf };
         self.exec()
             .request_single_as(sink.token(p), parity, true, q.device(), op);

@@ -130,7 +130,7 @@ impl<D: BlockDevice> Chain<D> {
     ) {
         // A read-ahead is a request like a guest's: a cluster it resolves is not reused
         // before it is over.
-        let entry = self.exec().guest_enter();
+        let entry = self.guest_enter();
         let token = self.sink().token(f.slot as u32);
         let timed = rh
             .times_fills()
@@ -165,7 +165,7 @@ impl<D: BlockDevice> Chain<D> {
                     rh.park(f.slot, load, tries + 1);
                     return;
                 }
-                self.exec().guest_enter()
+                self.guest_enter()
             }
             Err((Unplanned::Busy(record), entry)) => {
                 // As for a slice load: it enters again when it is issued. Not a try: a

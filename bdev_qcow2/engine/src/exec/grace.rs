@@ -130,6 +130,46 @@ impl<D: BlockDevice> Exec<D> {
     }
 }
 
+/// A chain's own handle on its executor's grace counters when the executor is a member
+/// whose entries take the light fence (`None` otherwise: the executor's own entry then):
+/// taken when the chain is built, after its image joined (a core's replica joins as it is
+/// built, the owner when it shares the image, which takes it by `&mut`). An entry through
+/// it is one load and one test before the count, where the executor's reads its membership
+/// and then its mode.
+pub struct GraceLane(Option<Arc<Counters>>);
+
+impl<D: BlockDevice> Exec<D> {
+    /// The lane of this executor's membership as it is now ([`GraceLane`]).
+    pub(crate) fn grace_lane(&self) -> GraceLane {
+        GraceLane(
+            self.inner
+                .grace
+                .get()
+                .filter(|m| m.light)
+                .map(|m| m.mine.clone()),
+        )
+    }
+
+    /// [`guest_enter`](Self::guest_enter) through `lane`, a lane of this executor.
+    #[inline(always)]
+    pub(crate) fn guest_enter_on(&self, lane: &GraceLane) -> GraceEntry {
+        match &lane.0 {
+            Some(c) => GraceEntry::of_parity(c.enter(true)),
+            None => self.guest_enter(),
+        }
+    }
+
+    /// [`guest_enter_light`](Self::guest_enter_light) through `lane`, a lane of this
+    /// executor.
+    #[inline(always)]
+    pub(crate) fn guest_enter_light_on(&self, lane: &GraceLane) -> Option<GraceEntry> {
+        match &lane.0 {
+            Some(c) => Some(GraceEntry::of_parity(c.enter(true))),
+            None => self.guest_enter_light(),
+        }
+    }
+}
+
 /// [`Exec::guest_enter`] of a member whose entries need the full fence (no asymmetric pair).
 #[cold]
 #[inline(never)]

@@ -89,7 +89,7 @@ impl<D: BlockDevice> Chain<D> {
             return Reserved::Send;
         }
         self.disk.note_change(offset, len);
-        let entry = self.exec().guest_enter();
+        let entry = self.guest_enter();
         let (parts, allocs) = match self.plan_now(q, offset, offset + len) {
             Ok(Some(planned)) => planned,
             Ok(None) | Err(_) => {
