@@ -483,7 +483,8 @@ pub(crate) struct MemoView {
 
 impl MemoView {
     /// A view that answers nothing (a chain whose top layer is raw data): slices of one
-    /// byte, so no request lies inside one, over an empty one-slot memo.
+    /// byte, so no request lies inside one (and every request ends in a tail), over an
+    /// empty one-slot memo.
     pub(crate) fn answering_nothing() -> Self {
         MemoView::new(
             Rc::new(SliceMemo::new(1, 1, 9)),
@@ -491,7 +492,7 @@ impl MemoView {
             false,
             DevId(0),
             1,
-            u64::MAX,
+            0,
         )
     }
 
@@ -545,6 +546,14 @@ impl MemoView {
         };
         let host = self.memo.extent(key, epoch, within, len)?;
         Some((host, within + len > self.tail_from))
+    }
+
+    /// Whether a request of `len` bytes at guest byte `off` ends in its slice's tail, where
+    /// read-ahead watches it (every request, over a raw top layer, whose slices are one
+    /// byte): the test [`read`](Self::read) makes of its hits, for any request.
+    #[inline(always)]
+    pub(crate) fn in_tail(&self, off: u64, len: u64) -> bool {
+        (off & self.coverage_mask) + len > self.tail_from
     }
 
     /// An in-place write of `len` bytes at guest byte `off` on a writable core replica:

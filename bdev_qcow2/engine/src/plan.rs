@@ -305,24 +305,29 @@ impl<D: BlockDevice> Chain<D> {
                 return Step::Task(Task { kind, offset, len });
             }
         }
+        // Read-ahead watches every read in its slice's tail, and the rest unless the memo
+        // maps them (their slice is cached: the next one is loaded from the tail). The
+        // tail's before the route, so that nothing the route resolves is kept across it.
+        let tail = self.memo.in_tail(offset, len);
+        if tail {
+            self.read_ahead(offset, len);
+        }
         match self.route_read_in(offset, len) {
-            // The memo found it: its slice is cached, and read-ahead watches it only in
-            // the slice's tail (the memo's view tested it).
-            (ReadRoute::Direct(grant), tail) if grant.from_memo() => {
-                if tail {
-                    self.read_ahead(offset, len);
-                }
+            (ReadRoute::Direct(grant), _) if grant.from_memo() => {
                 self.counters.fast_read();
                 Step::Direct(grant)
             }
             (ReadRoute::Direct(grant), _) => {
-                let range = grant.range();
-                self.read_ahead_out_of_line(range.offset().0, range.len());
+                if !tail {
+                    self.read_ahead_out_of_line(offset, len);
+                }
                 self.counters.fast_read();
                 Step::Direct(grant)
             }
             (ReadRoute::Engine, _) => {
-                self.read_ahead_out_of_line(offset, len);
+                if !tail {
+                    self.read_ahead_out_of_line(offset, len);
+                }
                 Step::Task(Task {
                     kind: TaskKind::Read { skip: 0 },
                     offset,

@@ -81,16 +81,26 @@ impl Hot {
 }
 
 impl Hot {
-    /// The stream a request at `offset` continues, if any; a request that continues none
-    /// starts one (a run of 1) in a slot without a sequential stream, else in the next slot
-    /// in turn (whose stream then counts as new).
+    /// The stream a request at `offset` continues, if any. A request that continues
+    /// neither a stream nor a recent request is random: only its end is recorded. One that
+    /// starts where a recent request ended starts that request's stream (a run of 1, as if
+    /// that request had started it), in a slot without a sequential stream, else in the
+    /// next slot in turn (whose stream then counts as new), and continues it.
     #[inline(always)]
-    fn find_or_start(&self, offset: u64, len: u64) -> Result<usize, usize> {
+    fn find_or_start(&self, offset: u64, len: u64) -> Option<usize> {
+        if self.slots.continues_nothing(offset, len) {
+            return None;
+        }
         let next = offset.saturating_add(len);
         if let Some(i) = self.slots.find(offset) {
             // The slot just continued is the last a new stream would take.
             self.slots.moved(i, next);
-            return Ok(i);
+            return Some(i);
+        }
+        if !self.slots.ended_at(offset) {
+            // Another offset with the same hash: a request that continues nothing.
+            self.slots.note_end(next);
+            return None;
         }
         // In turn, skipping sequential streams unless every slot holds one.
         let seq = self.seq.get();
@@ -101,7 +111,7 @@ impl Hot {
         self.seq.set(seq & !(1 << v));
         self.slots.moved(v, next);
         self.run[v].set((1, u64::MAX));
-        Err(v)
+        Some(v)
     }
 
     /// Slot `i` holds a sequential stream.
@@ -213,7 +223,7 @@ impl ReadAhead {
         if !self.hot.on.get() || len == 0 {
             return None;
         }
-        self.hot.find_or_start(offset, len).ok()
+        self.hot.find_or_start(offset, len)
     }
 
     /// Whether a request the memo mapped ends in its slice's tail, where read-ahead
@@ -298,7 +308,7 @@ mod tests {
             Both(Hot::new(None), Prefetch::new())
         }
         fn note(&mut self, offset: u64, len: u64, cov: u64, size: u64) -> Option<u64> {
-            let i = self.0.find_or_start(offset, len).ok()?;
+            let i = self.0.find_or_start(offset, len)?;
             let t = self.1.advance(&self.0, i, offset, len, cov, size);
             if self.0.is_sequential_run(i) {
                 self.0.mark_sequential(i);

@@ -67,7 +67,10 @@ impl std::fmt::Debug for Ends {
     }
 }
 
-/// Where [`STREAMS`] streams continue, and whose turn it is.
+/// Where [`STREAMS`] streams continue, whose turn it is, and where recent requests that
+/// continued nothing ended: a request that starts at none of those is random, found with
+/// one hash ([`continues_nothing`](Self::continues_nothing)); one that starts where a
+/// recent request ended is the second of a stream, which takes a slot then.
 #[derive(Debug)]
 pub(crate) struct StreamSlots {
     /// Where each stream's next request starts (`u64::MAX`: none).
@@ -75,6 +78,13 @@ pub(crate) struct StreamSlots {
     /// Where the search for a slot for a new stream starts (round robin; taken modulo
     /// [`STREAMS`], so that moving it on is one add).
     victim: Cell<u8>,
+    /// Where recent requests that continued nothing ended ([`EndBits`]), each in the slot
+    /// of its hash ([`NO_END`]: none; a later end with the same hash replaces it).
+    ends: Ends,
+    /// A bit per slot of `ends` whose hash some stream's next request has: a request whose
+    /// bit is clear continues no stream, without looking at them. Kept whenever a stream
+    /// moves.
+    at: Cell<u64>,
 }
 
 impl Default for StreamSlots {
@@ -82,6 +92,8 @@ impl Default for StreamSlots {
         StreamSlots {
             next: std::array::from_fn(|_| Cell::new(u64::MAX)),
             victim: Cell::new(0),
+            ends: Ends(std::array::from_fn(|_| Cell::new(NO_END))),
+            at: Cell::new(0),
         }
     }
 }
@@ -94,11 +106,47 @@ impl StreamSlots {
     }
 
     /// Stream `i` was started or continued by a request ending at `end`: the slot just
-    /// used is the last a new stream would take.
+    /// used is the last a new stream would take, and the mask of the streams' next
+    /// requests follows.
     #[inline(always)]
     pub(crate) fn moved(&self, i: usize, end: u64) {
         self.next[i].set(end);
         self.victim.set(i as u8 + 1);
+        let at = self
+            .nexts()
+            .filter(|&n| n != u64::MAX)
+            .fold(0u64, |m, n| m | 1 << slot_of(n));
+        self.at.set(at);
+    }
+
+    /// A request of `len` bytes at `offset`: true when it continues no stream and starts
+    /// where no recent request ended (its end is recorded then), by one hash of its
+    /// offset, a bit of the streams' mask and one compare. False: it may continue a stream
+    /// ([`find`](Self::find)) or a recent request ([`ended_at`](Self::ended_at)).
+    #[inline(always)]
+    pub(crate) fn continues_nothing(&self, offset: u64, len: u64) -> bool {
+        // (`slot_of` written out: the request path's functions stay few, tests/read_path.py.)
+        let h = (offset.wrapping_mul(HASH) >> HASH_SHIFT) as usize;
+        if self.at.get() >> h & 1 == 0 && self.ends.0[h].get() != offset as EndBits {
+            // (Wraps only past the end of any disk: an end no request starts at.)
+            let end = offset.wrapping_add(len);
+            self.ends.0[(end.wrapping_mul(HASH) >> HASH_SHIFT) as usize].set(end as EndBits);
+            return true;
+        }
+        false
+    }
+
+    /// Whether a recent request that continued no stream ended at `offset`, by the bits the
+    /// table keeps ([`EndBits`]).
+    #[inline]
+    pub(crate) fn ended_at(&self, offset: u64) -> bool {
+        self.ends.0[slot_of(offset)].get() == offset as EndBits
+    }
+
+    /// A request that continued nothing ended at `end`.
+    #[inline]
+    pub(crate) fn note_end(&self, end: u64) {
+        self.ends.0[slot_of(end)].set(end as EndBits);
     }
 
     /// Where stream `i` continues.
@@ -145,12 +193,6 @@ pub struct Hot {
     /// a stream not continued in [`STALE_READS`] reads has left.
     reads: Cell<u64>,
     last: [Cell<u64>; STREAMS],
-    /// Where recent reads that continued nothing ended ([`EndBits`]), each in the slot of
-    /// its hash ([`NO_END`]: none; a later end with the same hash replaces it).
-    ends: Ends,
-    /// A bit per slot of `ends` whose hash some stream's next read has: a read whose bit
-    /// is clear continues no stream, without looking at them. Kept whenever a stream moves.
-    at: Cell<u64>,
 }
 
 impl Default for Hot {
@@ -162,8 +204,6 @@ impl Default for Hot {
             fresh: Default::default(),
             reads: Cell::new(0),
             last: Default::default(),
-            ends: Ends(std::array::from_fn(|_| Cell::new(NO_END))),
-            at: Cell::new(0),
         }
     }
 }
@@ -194,12 +234,7 @@ impl Hot {
             return true;
         }
         self.reads.set(self.reads.get() + 1);
-        // (`slot_of` written out: the request path's functions stay few, tests/read_path.py.)
-        let h = (offset.wrapping_mul(HASH) >> HASH_SHIFT) as usize;
-        if self.at.get() >> h & 1 == 0 && self.ends.0[h].get() != offset as EndBits {
-            // (Wraps only past the end of any disk: an end no read starts at.)
-            let end = offset.wrapping_add(len);
-            self.ends.0[(end.wrapping_mul(HASH) >> HASH_SHIFT) as usize].set(end as EndBits);
+        if self.slots.continues_nothing(offset, len) {
             return true;
         }
         self.continues(offset, len)
@@ -214,8 +249,7 @@ impl Hot {
         }
         if !self.ended_at(offset) {
             // Another offset with the same hash: a read that continues nothing.
-            let end = offset.wrapping_add(len);
-            self.ends.0[slot_of(end)].set(end as EndBits);
+            self.slots.note_end(offset.wrapping_add(len));
             return true;
         }
         // The stream of the read that ended here starts now, in the slot in turn if it is
@@ -240,19 +274,13 @@ impl Hot {
     /// table keeps ([`EndBits`]; the ring starts its stream, which this read continues).
     #[inline]
     pub(super) fn ended_at(&self, offset: u64) -> bool {
-        self.ends.0[slot_of(offset)].get() == offset as EndBits
+        self.slots.ended_at(offset)
     }
 
-    /// Stream `i` moved on to `end`: the mask of the streams' next reads follows.
+    /// Stream `i` moved on to `end` (the mask of the streams' next reads follows).
     #[inline(always)]
     fn moved(&self, i: usize, end: u64) {
         self.slots.moved(i, end);
-        let at = self
-            .slots
-            .nexts()
-            .filter(|&n| n != u64::MAX)
-            .fold(0u64, |m, n| m | 1 << slot_of(n));
-        self.at.set(at);
     }
 
     /// The stream whose next read starts at `offset`.
