@@ -90,11 +90,10 @@ struct MemoSlot {
     key: u64,
     /// A linear slice's first host offset, or [`MAPPED`] with the start of its row.
     host: u64,
-    epoch: u32,
-    /// The slot's count of removals the slice's copy was taken under (ARCHITECTURE.md §6):
-    /// on a writable core replica an overwrite may use it while the count holds, even
-    /// when the epoch moved on (additions only).
-    removals: u32,
+    /// The epoch and the count of removals the slice's copy was taken under
+    /// (ARCHITECTURE.md §6): on a writable core replica an overwrite may use it while the
+    /// count holds, even when the epoch moved on (additions only).
+    taken: Taken,
     /// On a writable core replica: the metadata bitmap's generation under which no host
     /// cluster the slot answers for was metadata (`Shared::meta_range_clear`);
     /// [`MEMO_NO_META_GEN`] otherwise.
@@ -104,10 +103,32 @@ struct MemoSlot {
 const MEMO_EMPTY: MemoSlot = MemoSlot {
     key: EMPTY_KEY,
     host: 0,
-    epoch: 0,
-    removals: 0,
+    taken: Taken(0),
     meta_gen: MEMO_NO_META_GEN,
 };
+
+/// A slot's epoch (the low half) and count of removals (the high half), as a slice's stamp
+/// packs them: an overwrite through a copy taken under the slot's current stamp compares
+/// both at once.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Taken(u64);
+
+impl Taken {
+    #[inline(always)]
+    fn of((epoch, removals): (u32, u32)) -> Taken {
+        Taken(u64::from(epoch) | u64::from(removals) << 32)
+    }
+
+    #[inline(always)]
+    fn epoch(self) -> u32 {
+        self.0 as u32
+    }
+
+    #[inline(always)]
+    fn removals(self) -> u32 {
+        (self.0 >> 32) as u32
+    }
+}
 
 /// The word of entry `index` whose host cluster is `host` (0: none the memo answers for);
 /// clusters from 2^31 on are not answered (the word is signed).
@@ -168,7 +189,7 @@ impl SliceMemo {
     #[inline(always)]
     pub fn extent(&self, key: u64, epoch: u32, within: u64, len: u64) -> Option<u64> {
         let s = self.slots[key as usize & self.mask].get();
-        if s.key != key || s.epoch != epoch {
+        if s.key != key || s.taken.epoch() != epoch {
             return None;
         }
         let host = match s.host & MAPPED {
@@ -195,17 +216,42 @@ impl SliceMemo {
         len: u64,
     ) -> Option<u64> {
         let s = self.slots[key as usize & self.mask].get();
-        if s.key != key || s.removals != removals || s.meta_gen != meta_gen {
+        if s.key != key || s.meta_gen != meta_gen {
             return None;
+        }
+        // Taken under the current stamp (most often): one compare for both halves.
+        if s.taken != Taken::of((epoch, removals)) {
+            return self.extent_kept(s.host, s.taken, removals, (within, len));
         }
         let host = match s.host & MAPPED {
             0 => s.host + within,
             _ => self.mapped(s.host as u32 as usize, within, len)?,
         };
         self.hits.set(self.hits.get() + 1);
-        if s.epoch != epoch {
-            self.kept.set(self.kept.get() + 1);
+        Some(host)
+    }
+
+    /// [`extent_overwrite`](Self::extent_overwrite) through a slot whose copy was `taken`
+    /// under an older epoch (its `host` word): it answers while the count of removals is
+    /// still `removals`.
+    #[cold]
+    #[inline(never)]
+    fn extent_kept(
+        &self,
+        host: u64,
+        taken: Taken,
+        removals: u32,
+        (within, len): (u64, u64),
+    ) -> Option<u64> {
+        if taken.removals() != removals {
+            return None;
         }
+        let host = match host & MAPPED {
+            0 => host + within,
+            _ => self.mapped(host as u32 as usize, within, len)?,
+        };
+        self.hits.set(self.hits.get() + 1);
+        self.kept.set(self.kept.get() + 1);
         Some(host)
     }
 
@@ -236,8 +282,7 @@ impl SliceMemo {
         self.slot(key).set(MemoSlot {
             key,
             host,
-            epoch,
-            removals,
+            taken: Taken::of((epoch, removals)),
             meta_gen,
         });
     }
@@ -250,7 +295,7 @@ impl SliceMemo {
     pub fn takes_mapped(&self, key: u64, epoch: u32, meta_gen: u64) -> bool {
         let held = self.slot(key).get();
         if held.key == key {
-            return held.epoch != epoch || held.meta_gen != meta_gen;
+            return held.taken.epoch() != epoch || held.meta_gen != meta_gen;
         }
         if held.key == EMPTY_KEY {
             return true;
@@ -278,8 +323,7 @@ impl SliceMemo {
         let s = self.slot(key).get();
         if s.key != key
             || s.host & MAPPED == 0
-            || s.epoch != epoch
-            || s.removals != removals
+            || s.taken != Taken::of((epoch, removals))
             || s.meta_gen == meta_gen
         {
             return false;
@@ -344,8 +388,7 @@ impl SliceMemo {
         self.slot(key).set(MemoSlot {
             key,
             host: MAPPED | u64::from(tag),
-            epoch,
-            removals,
+            taken: Taken::of((epoch, removals)),
             meta_gen,
         });
     }
@@ -399,8 +442,7 @@ impl SliceMemo {
         let s = self.slot(key).get();
         (s.key == key
             && s.host & MAPPED != 0
-            && s.epoch == epoch
-            && s.removals == removals
+            && s.taken == Taken::of((epoch, removals))
             && s.meta_gen == meta_gen)
             .then_some(MappedRow { key, host: s.host })
     }
@@ -420,8 +462,7 @@ impl SliceMemo {
         self.slot(row.key).set(MemoSlot {
             key: row.key,
             host: row.host,
-            epoch,
-            removals,
+            taken: Taken::of((epoch, removals)),
             meta_gen,
         });
     }

@@ -1,24 +1,26 @@
 //! The stream table both stream detectors are built on ([`StreamSlots`]: where each
-//! followed stream continues, and the round robin that says which slot a new stream takes
-//! first; read-ahead of L2 slices, `prefetch.rs`, keeps one too, watching other requests),
-//! and the part of the ring's stream table every read looks at, on plain cells outside the
-//! ring's `RefCell`: where each stream continues, which stream slot a new stream takes
-//! next, and which slots a new stream may take without touching the ring's state.
+//! followed stream continues, the round robin that says which slot a new stream takes
+//! first, and where recent requests that continued nothing ended; read-ahead of L2 slices,
+//! `prefetch.rs`, keeps one too, watching other requests), and the part of the ring's
+//! stream table every read looks at, on plain cells outside the ring's `RefCell`: which
+//! slots a new stream may take without touching the ring's state, and when each stream
+//! last moved.
 //!
-//! A random read continues no stream and no recent read: [`Hot::passes`] finds that with
-//! one hash of its offset, a bit of a mask and one compare, and records where the read
-//! ends in a small table indexed by the same hash ([`ENDS`] slots of the end's low 32 bits:
-//! four cache lines, which stay in the L1 cache between random reads where eight lines of
-//! whole offsets did not), with no borrow and no call. A read that starts where a recent
-//! read ended is the second of a stream: that earlier read's stream takes its slot then, as if the earlier read had started it (what
-//! every read did before, in the table itself), and this read continues it — so a
-//! sequential chain is followed from the same read as before. Everything else — a read
-//! that continues a stream, or one whose stream must push out a stream holding chunks —
-//! goes to [`Ring::lookup`](super::Ring::lookup). A stream restarted here is marked fresh;
-//! the ring resets the rest of its state (its run, window, off switch) when the stream is
-//! next continued. The hot half also counts reads and when each stream was last started
-//! or continued: a stream not continued in [`STALE_READS`] reads has left, and its slot
-//! goes to the ring to hand on.
+//! A random request continues no stream and no recent request:
+//! [`StreamSlots::continues_nothing`] finds that with one hash of its offset, a bit of a
+//! mask and one compare, and records where the request ends in a small table indexed by
+//! the same hash ([`ENDS`] slots of the end's low 32 bits: four cache lines, which stay in
+//! the L1 cache between random requests where eight lines of whole offsets did not), with
+//! no borrow and no call; it takes no stream slot. A request that starts where a recent
+//! request ended is the second of a stream: that earlier request's stream takes its slot
+//! then, as if the earlier request had started it, and this request continues it — so a
+//! sequential chain is followed from the same request as when every request took a slot.
+//! In the ring, everything else — a read that continues a stream, or one whose stream must
+//! push out a stream holding chunks — goes to [`Ring::lookup`](super::Ring::lookup). A
+//! stream restarted here is marked fresh; the ring resets the rest of its state (its run,
+//! window, off switch) when the stream is next continued. The hot half also counts reads
+//! and when each stream was last started or continued: a stream not continued in
+//! [`STALE_READS`] reads has left, and its slot goes to the ring to hand on.
 
 use super::STALE_READS;
 use std::cell::Cell;
