@@ -368,7 +368,9 @@ impl<D: BlockDevice> Chain<D> {
     /// (an entry taken is left again, no counter moved): the request then takes `plan`.
     #[inline(always)]
     pub fn plan_write_fast(&self, offset: u64, len: u64) -> Option<FastWrite> {
-        if !matches!(self.role, Role::Replica) || self.disk.marks_writes() {
+        // (Not on another role: the memo's view answers overwrites on a writable core
+        // replica alone, `MemoView::overwrite`, the condition of `Role::Replica`.)
+        if self.disk.marks_writes() {
             return None;
         }
         let range = self.disk.range_now(offset, len)?;

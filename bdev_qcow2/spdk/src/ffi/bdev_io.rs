@@ -191,13 +191,12 @@ impl<M: BdevTypes> BdevIo<M> {
     /// in one, a read's one accessor on the request path.
     #[inline(always)]
     pub fn buffered_extent(&self) -> Option<(u64, u64)> {
-        // SAFETY: as in `offset_blocks`; `iovs` points at `iovcnt` iovecs when `iovcnt > 0`.
+        // SAFETY: as in `offset_blocks`; `iovs` points at `iovcnt` iovecs when `iovcnt > 0`
+        // (SPDK's bdev layer sets both together, from the caller's array or its own
+        // one-element one: no null test of the array on every read).
         let (b, has) = unsafe {
             let b = &(*self.0.as_ptr()).u.bdev;
-            (
-                b,
-                b.iovcnt > 0 && !b.iovs.is_null() && !(*b.iovs).iov_base.is_null(),
-            )
+            (b, b.iovcnt > 0 && !(*b.iovs).iov_base.is_null())
         };
         let bs = u64::from(BLOCK_SIZE);
         has.then(|| (b.offset_blocks * bs, b.num_blocks * bs))
