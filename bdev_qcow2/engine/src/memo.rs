@@ -494,6 +494,15 @@ impl SliceMemo {
     }
 }
 
+/// Where a request lies in the slices of a [`MemoView`] ([`MemoView::spot`]): its slice,
+/// its offset in it, and that offset plus its length.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Spot {
+    key: u64,
+    within: u64,
+    end: u64,
+}
+
 /// The top image's memo as its chain's requests ask it (`Chain::plan`): what a memo hit
 /// needs, held by the chain in one place, so that a direct request reaches the memo in one
 /// step rather than through the chain's disk, its top image, the image's role and the
@@ -569,32 +578,42 @@ impl MemoView {
         self.dev
     }
 
-    /// A read of `len` bytes at guest byte `off`: where it lies on the device and whether
-    /// it ends in its slice's tail (where read-ahead watches it), when the memo knows its
-    /// slice under the slice's current epoch and answers for the range (a hit, counted).
-    /// Every read the memo answers runs this and [`SliceMemo::extent`], nothing else.
+    /// Where a request of `len` bytes at guest byte `off` lies in this view's slices
+    /// ([`Spot`]): worked out once per read, for the tail's test before its route and the
+    /// memo's look-up in it.
     #[inline(always)]
-    pub(crate) fn read(&self, off: u64, len: u64) -> Option<(u64, bool)> {
-        // The slice of the range, when it is not empty and lies inside one slice.
+    pub(crate) fn spot(&self, off: u64, len: u64) -> Spot {
         let within = off & self.coverage_mask;
-        if len == 0 || within + len > self.coverage_mask + 1 {
+        Spot {
+            key: off >> self.coverage_bits,
+            within,
+            // (Past a valid range only for a request the route refuses before the memo.)
+            end: within.wrapping_add(len),
+        }
+    }
+
+    /// Whether the request at `spot` ends in its slice's tail, where read-ahead watches it
+    /// (every request, over a raw top layer, whose slices are one byte).
+    #[inline(always)]
+    pub(crate) fn in_tail(&self, spot: Spot) -> bool {
+        spot.end > self.tail_from
+    }
+
+    /// A read of `len` bytes at `spot` (of a valid range): where it lies on the device,
+    /// when it lies inside one slice, the memo knows that slice under its current epoch
+    /// and answers for the range (a hit, counted). Every read the memo answers runs this
+    /// and [`SliceMemo::extent`], nothing else.
+    #[inline(always)]
+    pub(crate) fn read(&self, spot: Spot, len: u64) -> Option<u64> {
+        if len == 0 || spot.end > self.coverage_mask + 1 {
             return None;
         }
-        let key = off >> self.coverage_bits;
+        let key = spot.key;
         let epoch = match stamp_of(&self.epochs, key) {
             Some(now) => now.epoch(),
             None => self.epoch_hashed(key),
         };
-        let host = self.memo.extent(key, epoch, within, len)?;
-        Some((host, within + len > self.tail_from))
-    }
-
-    /// Whether a request of `len` bytes at guest byte `off` ends in its slice's tail, where
-    /// read-ahead watches it (every request, over a raw top layer, whose slices are one
-    /// byte): the test [`read`](Self::read) makes of its hits, for any request.
-    #[inline(always)]
-    pub(crate) fn in_tail(&self, off: u64, len: u64) -> bool {
-        (off & self.coverage_mask) + len > self.tail_from
+        self.memo.extent(key, epoch, spot.within, len)
     }
 
     /// An in-place write of `len` bytes at guest byte `off` on a writable core replica:

@@ -9,6 +9,7 @@
 use crate::chain::Chain;
 pub use crate::chain::RequestStats;
 use crate::direct::PastMemo;
+use crate::memo::Spot;
 use crate::error::{Error, Result};
 use crate::exec::GraceEntry;
 use crate::io::{BlockDevice, BufSlice, DeviceOp, IoBuffer};
@@ -181,22 +182,22 @@ impl<D: BlockDevice> Chain<D> {
     ///   ([`Chain::start`]).
     #[inline(always)]
     pub fn route_read(&self, offset: u64, len: u64) -> ReadRoute {
-        self.route_read_in(offset, len).0
+        self.route_read_in(offset, len, self.memo.spot(offset, len))
     }
 
-    /// [`route_read`](Self::route_read), and whether a memo hit ends in its slice's tail
-    /// (where read-ahead watches it; false past the memo). The memo's hit is asked here,
-    /// of the chain's view of it (`MemoView`), in one step.
+    /// [`route_read`](Self::route_read) of the request at `spot` in the memo's slices
+    /// (`MemoView::spot`). The memo's hit is asked here, of the chain's view of it
+    /// (`MemoView`), in one step.
     #[inline(always)]
-    fn route_read_in(&self, offset: u64, len: u64) -> (ReadRoute, bool) {
+    fn route_read_in(&self, offset: u64, len: u64, spot: Spot) -> ReadRoute {
         let Ok(range) = self.disk.check_range(offset, len) else {
-            return (ReadRoute::Engine, false);
+            return ReadRoute::Engine;
         };
         // Before resolving anything: a cluster freed meanwhile is not reused until the
         // request is over (shared images; see `coherency::Grace`).
         let entry = self.guest_enter();
         let m = &self.memo;
-        if let Some((host, tail)) = m.read(offset, len) {
+        if let Some(host) = m.read(spot, len) {
             let grant = Grant::new(
                 m.dev(),
                 HostOffset(host),
@@ -205,9 +206,9 @@ impl<D: BlockDevice> Chain<D> {
                 FoundBy::Memo,
                 Access::Read,
             );
-            return (ReadRoute::Direct(grant), tail);
+            return ReadRoute::Direct(grant);
         }
-        let route = match self.route_read_past_memo(range, entry) {
+        match self.route_read_past_memo(range, entry) {
             PastMemo::Direct(dev, host, entry) => ReadRoute::Direct(Grant::new(
                 dev,
                 host,
@@ -217,8 +218,7 @@ impl<D: BlockDevice> Chain<D> {
                 Access::Read,
             )),
             PastMemo::Engine | PastMemo::Owner { .. } | PastMemo::NotInPlace => ReadRoute::Engine,
-        };
-        (route, false)
+        }
     }
 
     /// Where a guest write of `len` bytes at `offset` goes, from one look-up of this
@@ -308,23 +308,24 @@ impl<D: BlockDevice> Chain<D> {
         // Read-ahead watches every read in its slice's tail, and the rest unless the memo
         // maps them (their slice is cached: the next one is loaded from the tail). The
         // tail's before the route, so that nothing the route resolves is kept across it.
-        let tail = self.memo.in_tail(offset, len);
+        let spot = self.memo.spot(offset, len);
+        let tail = self.memo.in_tail(spot);
         if tail {
             self.read_ahead(offset, len);
         }
-        match self.route_read_in(offset, len) {
-            (ReadRoute::Direct(grant), _) if grant.from_memo() => {
+        match self.route_read_in(offset, len, spot) {
+            ReadRoute::Direct(grant) if grant.from_memo() => {
                 self.counters.fast_read();
                 Step::Direct(grant)
             }
-            (ReadRoute::Direct(grant), _) => {
+            ReadRoute::Direct(grant) => {
                 if !tail {
                     self.read_ahead_out_of_line(offset, len);
                 }
                 self.counters.fast_read();
                 Step::Direct(grant)
             }
-            (ReadRoute::Engine, _) => {
+            ReadRoute::Engine => {
                 if !tail {
                     self.read_ahead_out_of_line(offset, len);
                 }

@@ -280,9 +280,11 @@ fn a_held_slot_gives_way_to_mapped_slices_rarely() {
 #[test]
 fn the_view_of_a_raw_top_layer_answers_nothing() {
     let v = MemoView::answering_nothing();
-    // No guest range (whole 512-byte blocks) lies inside one of its one-byte slices.
+    // No guest range (whole 512-byte blocks) lies inside one of its one-byte slices, and
+    // every one ends in a tail (read-ahead watches every request over a raw layer).
     for (off, len) in [(0, 512), (0, 4096), (4096, 512), (1 << 30, 65536)] {
-        assert_eq!(v.read(off, len), None, "read {off}+{len}");
+        assert_eq!(v.read(v.spot(off, len), len), None, "read {off}+{len}");
+        assert!(v.in_tail(v.spot(off, len)), "tail {off}+{len}");
         assert_eq!(v.overwrite(off, len), None, "overwrite {off}+{len}");
     }
 }
