@@ -9,10 +9,10 @@
 use crate::chain::Chain;
 pub use crate::chain::RequestStats;
 use crate::direct::PastMemo;
-use crate::memo::Spot;
 use crate::error::{Error, Result};
 use crate::exec::GraceEntry;
 use crate::io::{BlockDevice, BufSlice, DeviceOp, IoBuffer};
+use crate::memo::Spot;
 use crate::ring::{RingServed, RingWait};
 use crate::route::{
     Access, FoundBy, Grant, GuestRange, ReadRoute, Role, WriteDecision, WriteRoute,

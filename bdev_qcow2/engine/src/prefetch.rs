@@ -408,6 +408,36 @@ mod tests {
     }
 
     #[test]
+    fn random_requests_take_no_stream_slot() {
+        // Four sequential streams hold every slot; eight random requests between each of
+        // their requests record only their ends, so no stream is pushed out.
+        let mut p = Both::new();
+        let mut asked = Vec::new();
+        let mut x = 7u64;
+        for i in 0..64u64 {
+            for base in [0u64, 100, 200, 300] {
+                if let Some(t) = p.note(base * COV + i * 65536, 65536, COV, 1 << 40) {
+                    asked.push(t);
+                }
+                for _ in 0..8 {
+                    x = x
+                        .wrapping_mul(6364136223846793005)
+                        .wrapping_add(1442695040888963407);
+                    let off = (1 << 32) + (((x >> 24) % (1 << 30)) & !4095);
+                    assert_eq!(p.note(off, 4096, COV, 1 << 40), None);
+                }
+            }
+        }
+        asked.sort_unstable();
+        let want: Vec<_> = [0u64, 100, 200, 300]
+            .iter()
+            .flat_map(|b| (1..=4).map(move |k| (b + k) * COV))
+            .collect();
+        assert_eq!(asked, want);
+        assert_eq!(p.1.stats.streams, 4);
+    }
+
+    #[test]
     fn a_request_longer_than_a_slice_asks_for_the_slice_after_it() {
         let mut p = Both::new();
         let len = 3 * COV / 2;
