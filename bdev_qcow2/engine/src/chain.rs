@@ -236,6 +236,7 @@ impl<D: BlockDevice> Chain<D> {
     pub(crate) fn guest_enter_light(&self) -> Option<crate::GraceEntry> {
         self.exec.guest_enter_light_on(&self.grace)
     }
+
     /// The chain's request counters.
     pub fn counters(&self) -> &Counters {
         &self.counters
