@@ -192,10 +192,7 @@ impl SliceMemo {
         if s.key != key || s.taken.epoch() != epoch {
             return None;
         }
-        let host = match s.host & MAPPED {
-            0 => s.host + within,
-            _ => self.mapped(s.host as u32 as usize, within, len)?,
-        };
+        let host = self.answer(s.host, within, len)?;
         self.hits.set(self.hits.get() + 1);
         Some(host)
     }
@@ -223,10 +220,7 @@ impl SliceMemo {
         if s.taken != Taken::of((epoch, removals)) {
             return self.extent_kept(s.host, s.taken, removals, (within, len));
         }
-        let host = match s.host & MAPPED {
-            0 => s.host + within,
-            _ => self.mapped(s.host as u32 as usize, within, len)?,
-        };
+        let host = self.answer(s.host, within, len)?;
         self.hits.set(self.hits.get() + 1);
         Some(host)
     }
@@ -246,13 +240,20 @@ impl SliceMemo {
         if taken.removals() != removals {
             return None;
         }
-        let host = match host & MAPPED {
-            0 => host + within,
-            _ => self.mapped(host as u32 as usize, within, len)?,
-        };
+        let host = self.answer(host, within, len)?;
         self.hits.set(self.hits.get() + 1);
         self.kept.set(self.kept.get() + 1);
         Some(host)
+    }
+
+    /// What a slot whose `host` word is this answers for the range at `within`: a linear
+    /// slice's start plus `within`, or its mapped row's word ([`mapped`](Self::mapped)).
+    #[inline(always)]
+    fn answer(&self, host: u64, within: u64, len: u64) -> Option<u64> {
+        match host & MAPPED {
+            0 => Some(host + within),
+            _ => self.mapped(host as u32 as usize, within, len),
+        }
     }
 
     /// A mapped slice's answer for the range at `within`, from the row starting at word

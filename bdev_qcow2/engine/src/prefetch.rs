@@ -284,6 +284,7 @@ impl ReadAhead {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::rng::Rng;
 
     #[test]
     fn the_tail_is_an_eighth_of_a_slice_at_least_tail_min() {
@@ -322,12 +323,9 @@ mod tests {
     #[test]
     fn random_requests_never_prefetch() {
         let mut p = Both::new();
-        let mut x = 12345u64;
+        let mut rng = Rng::new(12345);
         for _ in 0..10_000 {
-            x = x
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            let off = ((x >> 20) % (1 << 30)) & !4095;
+            let off = rng.below(1 << 30) & !4095;
             assert_eq!(p.note(off, 4096, COV, 1 << 30), None);
         }
         assert_eq!(p.1.stats.streams, 0);
@@ -389,19 +387,13 @@ mod tests {
     fn random_requests_between_a_streams_requests_do_not_break_it() {
         let mut p = Both::new();
         let mut asked = Vec::new();
-        let mut x = 99u64;
+        let mut rng = Rng::new(99);
         for i in 0..64u64 {
             if let Some(t) = p.note(i * 65536, 65536, COV, 1 << 40) {
                 asked.push(t);
             }
             for _ in 0..3 {
-                x = x
-                    .wrapping_mul(6364136223846793005)
-                    .wrapping_add(1442695040888963407);
-                assert_eq!(
-                    p.note(((x >> 24) % (1 << 30)) & !4095, 4096, COV, 1 << 40),
-                    None
-                );
+                assert_eq!(p.note(rng.below(1 << 30) & !4095, 4096, COV, 1 << 40), None);
             }
         }
         assert_eq!(asked, (1..=4).map(|k| k * COV).collect::<Vec<_>>());
@@ -413,17 +405,16 @@ mod tests {
         // their requests record only their ends, so no stream is pushed out.
         let mut p = Both::new();
         let mut asked = Vec::new();
-        let mut x = 7u64;
+        let mut rng = Rng::new(7);
         for i in 0..64u64 {
             for base in [0u64, 100, 200, 300] {
                 if let Some(t) = p.note(base * COV + i * 65536, 65536, COV, 1 << 40) {
                     asked.push(t);
                 }
                 for _ in 0..8 {
-                    x = x
-                        .wrapping_mul(6364136223846793005)
-                        .wrapping_add(1442695040888963407);
-                    let off = (1 << 32) + (((x >> 24) % (1 << 30)) & !4095);
+                    // (8 KiB apart: no random request starts where another ended, which
+                    // would be a stream of two, taking a slot.)
+                    let off = (1 << 32) + (rng.below(1 << 30) & !8191);
                     assert_eq!(p.note(off, 4096, COV, 1 << 40), None);
                 }
             }
