@@ -242,6 +242,15 @@ impl DirtyBitmaps {
         d
     }
 
+    /// A set with no bitmap and no room for one, which never records (a chain whose top
+    /// layer keeps no bitmaps asks it as it asks any other).
+    pub(crate) fn never_recording() -> Self {
+        DirtyBitmaps {
+            maps: Box::new([]),
+            recording: AtomicBool::new(false),
+        }
+    }
+
     /// Whether a write must be [`mark`](Self::mark)ed: some bitmap records.
     #[inline(always)]
     pub fn recording(&self) -> bool {

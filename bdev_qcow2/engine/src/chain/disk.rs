@@ -59,8 +59,9 @@ pub struct Disk<D: BlockDevice> {
     /// larger size published).
     size: Cell<u64>,
     /// The top image's persistent bitmaps, which every change of the disk marks
-    /// ([`note_change`](Self::note_change)).
-    dirty_bitmaps: Option<Arc<crate::dirty_bitmaps::DirtyBitmaps>>,
+    /// ([`note_change`](Self::note_change)); a set that never records where the top layer
+    /// has none (no `Option` tested on every write).
+    dirty_bitmaps: Arc<crate::dirty_bitmaps::DirtyBitmaps>,
 }
 
 impl<D: BlockDevice> Disk<D> {
@@ -79,7 +80,8 @@ impl<D: BlockDevice> Disk<D> {
         let dirty_bitmaps = match &layers[0] {
             Layer::Qcow2(q) => q.dirty_bitmaps().cloned(),
             Layer::Raw { .. } => None,
-        };
+        }
+        .unwrap_or_else(|| Arc::new(crate::dirty_bitmaps::DirtyBitmaps::never_recording()));
         Ok(Disk {
             size: Cell::new(layers[0].size()),
             depth: Cell::new(layers.len()),
@@ -140,7 +142,7 @@ impl<D: BlockDevice> Disk<D> {
     /// has work to do).
     #[inline(always)]
     pub(crate) fn marks_writes(&self) -> bool {
-        matches!(&self.dirty_bitmaps, Some(b) if b.recording())
+        self.dirty_bitmaps.recording()
     }
 
     /// [`check_range`](Self::check_range) against the size this chain holds, without its
@@ -154,10 +156,9 @@ impl<D: BlockDevice> Disk<D> {
     /// about to change it: the persistent bitmaps record it before it is submitted.
     #[inline(always)]
     pub(crate) fn note_change(&self, offset: u64, len: u64) {
-        if let Some(b) = &self.dirty_bitmaps {
-            if b.recording() {
-                b.mark(offset, len);
-            }
+        let b = &self.dirty_bitmaps;
+        if b.recording() {
+            b.mark(offset, len);
         }
     }
 
