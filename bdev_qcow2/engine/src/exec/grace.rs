@@ -63,18 +63,20 @@ impl Member {
 
 impl<D: BlockDevice> Exec<D> {
     /// Makes this core a member of `shared`'s grace periods (see
-    /// [`Grace`](crate::coherency::Grace)); false when every member slot is taken. Once a
-    /// member, every guest request must enter ([`guest_enter`](Self::guest_enter)) before it
-    /// resolves a mapping and exit when it completes. `owner`: this is the metadata owner's
-    /// executor, on the thread that advances the grace periods (its entries need no fence:
-    /// see [`Grace::enter_owner`](crate::coherency::Grace::enter_owner)).
+    /// [`Grace`](crate::coherency::Grace)); false when every member slot is taken, or when
+    /// this executor is already a member of another image's (it has one membership, and
+    /// entering that one would not hold this image's frees back). Once a member, every
+    /// guest request must enter ([`guest_enter`](Self::guest_enter)) before it resolves a
+    /// mapping and exit when it completes. `owner`: this is the metadata owner's executor,
+    /// on the thread that advances the grace periods (its entries need no fence: see
+    /// [`Grace::enter_owner`](crate::coherency::Grace::enter_owner)).
     pub fn join_grace(
         &self,
         shared: std::sync::Arc<crate::coherency::Shared>,
         owner: bool,
     ) -> bool {
-        if self.inner.grace.get().is_some() {
-            return true;
+        if let Some(m) = self.inner.grace.get() {
+            return Arc::ptr_eq(&m.shared, &shared);
         }
         match shared.grace.register() {
             Some(slot) => {
@@ -175,4 +177,40 @@ impl<D: BlockDevice> Exec<D> {
 #[inline(never)]
 fn enter_fenced(m: &Member) -> GraceEntry {
     GraceEntry::of_parity(m.mine.enter(false))
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::coherency::Shared;
+    use crate::exec::Exec;
+    use crate::testing::MemDevice;
+    use std::sync::Arc;
+
+    #[test]
+    fn an_executor_joins_one_images_grace_periods_and_refuses_another() {
+        let exec: Exec<MemDevice> = Exec::new();
+        let a = Arc::new(Shared::new(4, &[0; 4], 1 << 20, 16));
+        let b = Arc::new(Shared::new(4, &[0; 4], 1 << 20, 16));
+        assert!(exec.join_grace(a.clone(), false));
+        // Joining the same image again is a no-op that succeeds.
+        assert!(exec.join_grace(a.clone(), false));
+        // Another image: its frees would not wait for this executor's requests.
+        assert!(!exec.join_grace(b.clone(), false));
+        // The entry counts in `a`'s grace periods: `a` cannot advance past it, `b` can.
+        let entry = exec.guest_enter();
+        let g = a.grace.try_advance();
+        assert_eq!(
+            a.grace.try_advance(),
+            g,
+            "a's open entry holds its grace period"
+        );
+        let h = b.grace.try_advance();
+        assert_eq!(
+            b.grace.try_advance(),
+            h + 1,
+            "b has no member with an open entry"
+        );
+        exec.guest_exit(entry);
+        assert_eq!(a.grace.try_advance(), g + 1);
+    }
 }

@@ -75,7 +75,13 @@ impl<D: BlockDevice> Qcow2<D> {
         }
         // The owner's own requests take part in grace periods too (its fast paths race
         // with its own discards like a core's do).
-        self.exec.join_grace(shared.clone(), true);
+        // The first member of a new image's grace periods: this fails only for an executor
+        // that is already another shared image's, whose entries would not hold back this
+        // image's frees (a host's bug, which must not become a silent reuse).
+        assert!(
+            self.exec.join_grace(shared.clone(), true),
+            "the owner's executor already takes part in another image's grace periods"
+        );
         shared.set_virtual_size(self.size());
         self.role.publish(shared.clone());
         // Its generation is `Shared`'s from now on: what was kept under the owner's own is
@@ -116,7 +122,8 @@ impl<D: BlockDevice> Qcow2<D> {
     ) -> Result<Self> {
         if !exec.join_grace(seed.shared.clone(), false) {
             return Err(Error::InvalidRequest(
-                "too many cores share this image (256 at most)",
+                "this core cannot take part in the image's grace periods (256 cores at \
+                 most, and one shared image per executor)",
             ));
         }
         // Sized by the table, not by the room the owner keeps for it to grow online.
