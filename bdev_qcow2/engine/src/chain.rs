@@ -167,9 +167,7 @@ impl<D: BlockDevice> Chain<D> {
         };
         let role = match top {
             Layer::Raw { .. } => Role::Owner,
-            Layer::Qcow2(q) if q.writable_core_shared().is_some() => Role::Replica,
-            Layer::Qcow2(q) if q.is_writable() && !q.is_core_replica() => Role::Owner,
-            Layer::Qcow2(_) => Role::ReadOnly,
+            Layer::Qcow2(q) => q.plan_role(),
         };
         let index = index::LayerIndex::new(disk.layers(), disk.size());
         let readahead = crate::prefetch::ReadAhead::new(coverage);

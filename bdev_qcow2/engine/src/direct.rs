@@ -9,9 +9,9 @@
 use crate::chain::{Chain, Layer};
 use crate::exec::{DevId, GraceEntry};
 use crate::format::ClusterMapping;
-use crate::image::{CachedExtent, CoreSlice, KeptCopy, Qcow2};
+use crate::image::{CachedExtent, CoreSlice, KeptCopy, MemoFirst, Qcow2, Wanted};
 use crate::io::BlockDevice;
-use crate::route::GuestRange;
+use crate::route::{GuestRange, Role};
 use crate::types::{GuestOffset, HostOffset};
 use crate::write::WriteExtent;
 
@@ -99,9 +99,9 @@ impl<D: BlockDevice> Chain<D> {
         }
         // The memo of overwrites answers only on a writable core replica, which asked it;
         // elsewhere (the owner) the memo of slices still stands for the cache.
-        let memo = match self.layers().first() {
-            Some(Layer::Qcow2(q)) => q.writable_core_shared().is_none(),
-            _ => true,
+        let memo = match self.role {
+            Role::Replica => MemoFirst::Skip,
+            Role::Owner | Role::ReadOnly => MemoFirst::Ask,
         };
         let (offset, len) = (range.offset().0, range.len());
         match self.plan_write_extent_with(offset, len, memo) {
@@ -208,7 +208,9 @@ impl<D: BlockDevice> Chain<D> {
             Layer::Raw { dev, .. } => return Some((*dev, offset)),
             Layer::Qcow2(q) => q,
         };
-        if let CachedExtent::Host(h) = q.cached_extent_with(offset, len, false, false) {
+        if let CachedExtent::Host(h) =
+            q.cached_extent_with(offset, len, Wanted::Data, MemoFirst::Skip)
+        {
             return Some((q.data_dev(), h));
         }
         Self::walk_direct_read(q, offset, len)

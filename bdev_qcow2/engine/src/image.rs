@@ -31,7 +31,7 @@ mod role;
 mod seed;
 mod slices;
 pub use encryption::{LockedLuks, Luks, UnlockedKey};
-pub(crate) use lookup::CachedExtent;
+pub(crate) use lookup::{CachedExtent, MemoFirst, Wanted};
 pub use owner::bitmap_change::{BitmapBits, BitmapChange};
 pub use owner::snapshot::SnapshotTime;
 pub use owner::SpaceUsage;

@@ -11,7 +11,7 @@
 //! `Qcow2::slice_for_core`. A slice's content is a
 //! version number; the "device" holds it in two words written one after the other (a
 //! non-atomic slice write, torn while in progress). Core threads run the miss path of
-//! `Qcow2::load_slice_core` (cached replica valid for the current epoch; odd epoch → ask
+//! `Replica::load_slice` (cached replica valid for the current epoch; odd epoch → ask
 //! the owner; even or `Clean` → read L1 and the device, then re-check the epoch) with a
 //! per-core replica cache.
 //!
@@ -308,7 +308,7 @@ impl Core {
         }
     }
 
-    /// `Qcow2::load_slice_core`: the version of `key` this request uses (`None`: gave up).
+    /// `Replica::load_slice`: the version of `key` this request uses (`None`: gave up).
     fn load(&mut self, key: u64) -> Option<u64> {
         let sh = &self.w.shared;
         let k = key as usize;
@@ -804,7 +804,7 @@ fn grace_request(w: &GraceWorld, slot: usize, cache: &mut Option<(u32, u64)>) {
         parity = Some(sh.grace.enter(slot));
         w.seqcst_point();
     }
-    // resolve_cached / load_slice_core: the epoch, then the replica or a checked read.
+    // resolve_cached / Replica::load_slice: the epoch, then the replica or a checked read.
     let epoch = sh.epoch(0);
     let host = match *cache {
         Some((e, h)) if e == epoch => Some(h),

@@ -248,7 +248,7 @@ impl Polled for Job {
             return Poll::Idle;
         };
         let n = exec.poll(&mut |_, _| {});
-        Poll::of_task(n, self.result.borrow().is_some(), exec.busy())
+        Poll::of_task(n, self.result.borrow().is_some() && !exec.busy())
     }
 
     fn finish(self: Box<Self>) {

@@ -2,7 +2,7 @@
 //! devices driven by one executor (one core).
 
 use crate::lock::{Access, LockFailure};
-use crate::uring::UringDevice;
+use crate::uring::{OpenMode, UringDevice};
 use qcow2_engine::io::{BlockDevice, BufSlice};
 use qcow2_engine::{Chain, Exec, Layer, OpenOptions, Qcow2, Request, Step};
 use std::collections::HashSet;
@@ -178,13 +178,18 @@ pub fn uring_device(path: &Path, writable: bool, spec: &OpenSpec) -> ToolResult<
         (false, true) => Access::ReadForceShare,
         (false, false) => Access::Read,
     };
-    let mut dev =
-        UringDevice::open(path, writable, spec.direct, spec.queue_depth).map_err(|source| {
-            ToolError::Io {
-                path: path.display().to_string(),
-                source,
-            }
-        })?;
+    let mut dev = UringDevice::open(
+        path,
+        OpenMode {
+            writable,
+            direct: spec.direct,
+        },
+        spec.queue_depth,
+    )
+    .map_err(|source| ToolError::Io {
+        path: path.display().to_string(),
+        source,
+    })?;
     lock_device(&mut dev, path, access)?;
     Ok(dev)
 }

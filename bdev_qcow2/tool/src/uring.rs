@@ -112,10 +112,19 @@ fn direct_io_works(file: &File) -> bool {
     ok
 }
 
+/// How [`UringDevice::open`] opens a file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct OpenMode {
+    /// For writing as well as reading.
+    pub writable: bool,
+    /// With O_DIRECT when the file system supports it (buffered otherwise).
+    pub direct: bool,
+}
+
 impl UringDevice {
-    /// Opens `path` (read-only unless `writable`) with a ring of `depth` entries, with
-    /// O_DIRECT if `direct` is asked for and the file system supports it.
-    pub fn open(path: &Path, writable: bool, direct: bool, depth: u32) -> std::io::Result<Self> {
+    /// Opens `path` as `mode` says with a ring of `depth` entries.
+    pub fn open(path: &Path, mode: OpenMode, depth: u32) -> std::io::Result<Self> {
+        let OpenMode { writable, direct } = mode;
         let open = |direct: bool| {
             let mut o = OpenOptions::new();
             o.read(true).write(writable);
@@ -127,7 +136,7 @@ impl UringDevice {
         let (file, direct) = match open(direct) {
             Ok(f) => {
                 if !direct || direct_io_works(&f) {
-                    (f, true)
+                    (f, direct)
                 } else {
                     (open(false)?, false)
                 }

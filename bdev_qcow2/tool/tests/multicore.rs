@@ -15,7 +15,7 @@ use qcow2_engine::ring::{RingConfig, RingStats};
 use qcow2_engine::rng::Rng;
 use qcow2_engine::OpenOptions;
 use qcow2_tool::reactor::{run_reactors_with_ring, Reactor};
-use qcow2_tool::uring::{AlignedBuf, UringDevice};
+use qcow2_tool::uring::{AlignedBuf, OpenMode, UringDevice};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -334,11 +334,17 @@ fn run_stress(cfg: &Config) {
 
     let clock = AtomicU64::new(1);
     let open = |id: usize, writable: bool| {
-        let d = UringDevice::open(&img, writable, false, 64).map_err(|source| {
-            qcow2_tool::host::ToolError::Io {
-                path: img.display().to_string(),
-                source,
-            }
+        let d = UringDevice::open(
+            &img,
+            OpenMode {
+                writable,
+                direct: false,
+            },
+            64,
+        )
+        .map_err(|source| qcow2_tool::host::ToolError::Io {
+            path: img.display().to_string(),
+            source,
         })?;
         Ok(if id > 0 { d.into_channel() } else { d })
     };

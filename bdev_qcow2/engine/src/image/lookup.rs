@@ -25,6 +25,24 @@ pub(crate) enum CachedExtent {
     Unknown,
 }
 
+/// What a cached look-up wants of a range's clusters ([`Qcow2::cached_extent_with`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Wanted {
+    /// Plain data to read.
+    Data,
+    /// Plain data to overwrite in place: COPIED clusters only.
+    CopiedData,
+}
+
+/// Whether a cached look-up asks the memo of slices before the slice cache.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum MemoFirst {
+    /// Ask it.
+    Ask,
+    /// Skip it: the caller has just asked it.
+    Skip,
+}
+
 impl<D: BlockDevice> Qcow2<D> {
     /// The host offset of the L2 table covering `off`, or `None` if unallocated.
     pub(crate) fn l2_table(&self, off: GuestOffset) -> Result<Option<crate::types::HostOffset>> {
@@ -136,12 +154,13 @@ impl<D: BlockDevice> Qcow2<D> {
     /// lies in one cached slice that is valid now, and either the slice is linear (every
     /// entry plain COPIED data in consecutive host clusters, `LinearSlice`: any range
     /// inside it; with `memo`, asked of the memo of slices first) or the range lies
-    /// in one cluster whose entry is plain data (COPIED when `copied`, as an in-place write
+    /// in one cluster whose entry is plain data (COPIED when [`Wanted::CopiedData`], as an in-place write
     /// needs; with extended L2, every subcluster the range touches allocated data). The
     /// clusters lie inside the device. Touches the LRU and counts a hit only then.
     ///
     /// [`CachedExtent::NotInPlace`] when the range lies in one cluster of a current slice
-    /// whose standard entry has no host cluster (unallocated, or zero) or, with `copied`, is
+    /// whose standard entry has no host cluster (unallocated, or zero) or, for
+    /// [`Wanted::CopiedData`], is
     /// not COPIED: no in-place plan exists there, and the general look-up would find the
     /// same. [`CachedExtent::Unknown`] sends the caller to the general look-up, which also
     /// handles everything
@@ -149,15 +168,15 @@ impl<D: BlockDevice> Qcow2<D> {
     /// subclusters, a device size this core has not synced yet. (No L1 check is needed: a
     /// slice is cached only from an allocated table, and the owner makes a table's slices
     /// odd, or drops them from its own cache, before it changes the L1 entry; see
-    /// `coherency`.) Without `memo`: for a caller that has just asked the memo
+    /// `coherency`.) [`MemoFirst::Skip`]: for a caller that has just asked the memo
     /// ([`memo_extent`](Self::memo_extent)).
     #[inline(always)]
     pub(crate) fn cached_extent_with(
         &self,
         off: u64,
         len: u64,
-        copied: bool,
-        memo: bool,
+        wanted: Wanted,
+        memo: MemoFirst,
     ) -> CachedExtent {
         let Some((key, within)) = self.geo.in_one_slice(off, len) else {
             return CachedExtent::Unknown;
@@ -165,13 +184,13 @@ impl<D: BlockDevice> Qcow2<D> {
         let epoch = self.cur_epoch(key);
         // A slice remembered under the current epoch: the clusters it answers for are
         // COPIED data inside the device (checked when remembered).
-        if let Some(host) = memo
+        if let Some(host) = (memo == MemoFirst::Ask)
             .then(|| self.memo.extent(key, epoch, within, len))
             .flatten()
         {
             return CachedExtent::Host(host);
         }
-        self.cached_extent_in_cache(off, len, copied, (key, within), epoch)
+        self.cached_extent_in_cache(off, len, wanted, (key, within), epoch)
     }
 
     /// On a writable core replica, for the memo: the metadata generation under which none
@@ -235,7 +254,7 @@ impl<D: BlockDevice> Qcow2<D> {
         &self,
         off: u64,
         len: u64,
-        copied: bool,
+        wanted: Wanted,
         (key, within): (u64, u64),
         epoch: u32,
     ) -> CachedExtent {
@@ -303,7 +322,7 @@ impl<D: BlockDevice> Qcow2<D> {
                     L2Entry(e)
                 };
                 match entry.plain_data(ctx.cluster_bits, ctx.device_size) {
-                    Some((h, c)) if c || !copied => h + in_cluster,
+                    Some((h, c)) if c || wanted == Wanted::Data => h + in_cluster,
                     // Not COPIED: the general look-up agrees.
                     Some(_) => return CachedExtent::NotInPlace,
                     // No host cluster (standard L2): unallocated or zero, for everyone.

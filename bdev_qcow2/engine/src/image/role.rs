@@ -8,6 +8,7 @@
 use super::{owner, CoreSide, Qcow2, Replica};
 use crate::coherency::Shared;
 use crate::io::BlockDevice;
+use crate::route::Role;
 use std::sync::Arc;
 
 /// The image's role and the state only that role has.
@@ -112,6 +113,16 @@ impl<D: BlockDevice> Qcow2<D> {
         match &self.role {
             ImageRole::Replica(c) if c.writable => Some(&c.shared),
             _ => None,
+        }
+    }
+
+    /// The role a chain over this image as its top layer plays ([`Role`]): where its
+    /// requests that change metadata run. A replica of a read-only image is read-only.
+    pub(crate) fn plan_role(&self) -> Role {
+        match &self.role {
+            ImageRole::Owner { .. } => Role::Owner,
+            ImageRole::Replica(c) if c.writable => Role::Replica,
+            ImageRole::Replica(_) | ImageRole::ReadOnly { .. } => Role::ReadOnly,
         }
     }
 }

@@ -6,7 +6,7 @@ use crate::chain::{Chain, Layer};
 use crate::coherency::Shared;
 use crate::exec::{DevId, GraceEntry};
 use crate::format::ClusterMapping;
-use crate::image::{CachedExtent, Qcow2, Touch};
+use crate::image::{CachedExtent, MemoFirst, Qcow2, Touch, Wanted};
 use crate::io::{BlockDevice, BufSlice, DeviceOp};
 use crate::types::{GuestOffset, HostOffset};
 
@@ -115,24 +115,32 @@ impl<D: BlockDevice> Chain<D> {
     /// cluster.
     #[inline(always)]
     pub(crate) fn plan_write_extent(&self, offset: u64, len: u64) -> WriteExtent {
-        self.plan_write_extent_with(offset, len, true)
+        self.plan_write_extent_with(offset, len, MemoFirst::Ask)
     }
 
-    /// [`plan_write_extent`](Self::plan_write_extent); without `memo`, for a caller that
-    /// has just asked the memo, straight to the slice cache.
+    /// [`plan_write_extent`](Self::plan_write_extent); with [`MemoFirst::Skip`], for a
+    /// caller that has just asked the memo, straight to the slice cache.
     #[inline(always)]
-    pub(crate) fn plan_write_extent_with(&self, offset: u64, len: u64, memo: bool) -> WriteExtent {
+    pub(crate) fn plan_write_extent_with(
+        &self,
+        offset: u64,
+        len: u64,
+        memo: MemoFirst,
+    ) -> WriteExtent {
         let Layer::Qcow2(q) = &self.layers()[0] else {
             return WriteExtent::Refused;
         };
-        if let Some(h) = memo.then(|| q.memo_overwrite(offset, len)).flatten() {
+        if let Some(h) = (memo == MemoFirst::Ask)
+            .then(|| q.memo_overwrite(offset, len))
+            .flatten()
+        {
             return WriteExtent::One(q.data_dev(), HostOffset(h));
         }
         let side = match self.fast_write_side(q) {
             InPlaceSide::ReadOnly => return WriteExtent::Refused,
             side => side,
         };
-        let h = match q.cached_extent_with(offset, len, true, memo) {
+        let h = match q.cached_extent_with(offset, len, Wanted::CopiedData, memo) {
             CachedExtent::Host(h) => HostOffset(h),
             // One cluster with no host cluster, or not COPIED: the walk would find the same.
             CachedExtent::NotInPlace => return WriteExtent::Refused,

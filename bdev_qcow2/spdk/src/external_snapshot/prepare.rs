@@ -48,7 +48,7 @@ impl Polled for Prepare {
 
     fn poll(&self) -> Poll {
         let n = self.exec.poll(&mut |_, _| {});
-        Poll::of_task(n, self.result.borrow().is_some(), self.exec.busy())
+        Poll::of_task(n, self.result.borrow().is_some() && !self.exec.busy())
     }
 
     fn finish(self: Box<Self>) {

@@ -218,10 +218,11 @@ pub enum Poll {
 }
 
 impl Poll {
-    /// One run of a one-shot engine task (a create or format job): done once its result is
-    /// in and its executor has nothing in flight, else busy when the run polled something.
-    pub fn of_task(polled: usize, result_in: bool, busy: bool) -> Poll {
-        if result_in && !busy {
+    /// One run of a one-shot engine task (a create or format job) that polled `polled`
+    /// things: done once `finished` (its result is in and its executor has nothing in
+    /// flight), else busy when the run polled something.
+    pub fn of_task(polled: usize, finished: bool) -> Poll {
+        if finished {
             Poll::Done
         } else if polled > 0 {
             Poll::Busy

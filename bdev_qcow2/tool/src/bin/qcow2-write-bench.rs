@@ -13,7 +13,7 @@ use qcow2_engine::create::{create, CreateOptions};
 use qcow2_engine::io::BufSlice;
 use qcow2_engine::{Chain, Exec, Layer, Op, OpenOptions, Qcow2, Request};
 use qcow2_tool::rng::Rng;
-use qcow2_tool::uring::{AlignedBuf, UringDevice};
+use qcow2_tool::uring::{AlignedBuf, OpenMode, UringDevice};
 use std::path::{Path, PathBuf};
 use std::rc::Rc;
 use std::time::Instant;
@@ -50,7 +50,17 @@ struct Img {
 fn make(path: &Path, size: u64, extended_l2: bool, direct: bool) -> Img {
     std::fs::File::create(path).expect("create image file");
     let exec = Exec::new();
-    let dev = exec.add_device(UringDevice::open(path, true, direct, 128).expect("open"));
+    let dev = exec.add_device(
+        UringDevice::open(
+            path,
+            OpenMode {
+                writable: true,
+                direct,
+            },
+            128,
+        )
+        .expect("open"),
+    );
     let e2 = exec.clone();
     let opts = CreateOptions {
         size,
@@ -129,7 +139,17 @@ fn run(img: &Img, qd: usize, n: u64, len: usize, mut next_off: impl FnMut(u64) -
 /// The same sequential writes straight to a raw file on the same device type (baseline).
 fn run_raw(path: &Path, direct: bool, qd: usize, n: u64, len: usize) -> f64 {
     let exec: Exec<UringDevice> = Exec::new();
-    let dev = exec.add_device(UringDevice::open(path, true, direct, 128).expect("open raw"));
+    let dev = exec.add_device(
+        UringDevice::open(
+            path,
+            OpenMode {
+                writable: true,
+                direct,
+            },
+            128,
+        )
+        .expect("open raw"),
+    );
     let bufs: Vec<AlignedBuf> = (0..qd).map(|_| AlignedBuf::new(len)).collect();
     let t = Instant::now();
     let (mut issued, mut done) = (0, 0);

@@ -8,7 +8,7 @@
 use super::{CacheMode, OutputFormat};
 use crate::host::{lock_device, Format};
 use crate::lock::Access;
-use crate::uring::UringDevice;
+use crate::uring::{OpenMode, UringDevice};
 use qcow2_engine::check::{check, CheckReport, Repair};
 use qcow2_engine::Exec;
 use serde_json::{json, Map, Value};
@@ -202,8 +202,10 @@ pub fn main(args: &CheckArgs) -> ExitCode {
     };
     let mut dev = match UringDevice::open(
         &image,
-        access == Access::Write,
-        args.cache == CacheMode::None,
+        OpenMode {
+            writable: access == Access::Write,
+            direct: args.cache == CacheMode::None,
+        },
         64,
     ) {
         Ok(d) => d,

@@ -15,7 +15,7 @@ use super::ImageArgs;
 use crate::host::{open_chain, ToolError, ToolResult};
 use crate::lock::Access;
 use crate::progress::Progress;
-use crate::uring::{AlignedBuf, UringDevice};
+use crate::uring::{AlignedBuf, OpenMode, UringDevice};
 use qcow2_engine::io::{BufSlice, DeviceOp};
 use qcow2_engine::{Op, Request};
 
@@ -84,7 +84,15 @@ pub fn run(args: &ConvertArgs) -> ToolResult<String> {
     crate::cmd::create::create_file(&args.output, size)?;
     // Output writes go through io_uring too, so they overlap with reads (the kernel copies
     // into the page cache on its own workers) instead of stalling the polling loop.
-    let mut out_dev = UringDevice::open(&args.output, true, false, 64).map_err(io_err)?;
+    let mut out_dev = UringDevice::open(
+        &args.output,
+        OpenMode {
+            writable: true,
+            direct: false,
+        },
+        64,
+    )
+    .map_err(io_err)?;
     crate::host::lock_device(&mut out_dev, &args.output, Access::WriteRaw)?;
     let out_id = o.exec.add_device(out_dev);
 
@@ -164,7 +172,7 @@ mod qcow2_out {
     use crate::cmd::CacheMode;
     use crate::host::{open_chain, ToolError, ToolResult};
     use crate::progress::Progress;
-    use crate::uring::{AlignedBuf, UringDevice};
+    use crate::uring::{AlignedBuf, OpenMode, UringDevice};
     use qcow2_engine::format::ClusterMapping;
     use qcow2_engine::io::{BlockDevice, BufSlice};
     use qcow2_engine::{Chain, Layer, OpenOptions};
@@ -374,11 +382,18 @@ mod qcow2_out {
             source,
         };
         let direct = args.image.cache == CacheMode::None;
-        let mut dev =
-            UringDevice::open(&args.output, true, direct, 64).map_err(|source| ToolError::Io {
-                path: args.output.display().to_string(),
-                source,
-            })?;
+        let mut dev = UringDevice::open(
+            &args.output,
+            OpenMode {
+                writable: true,
+                direct,
+            },
+            64,
+        )
+        .map_err(|source| ToolError::Io {
+            path: args.output.display().to_string(),
+            source,
+        })?;
         crate::host::lock_device(&mut dev, &args.output, crate::lock::Access::Write)?;
         let id = o.exec.add_device(dev);
         let e2 = o.exec.clone();

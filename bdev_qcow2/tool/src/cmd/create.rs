@@ -5,7 +5,7 @@
 
 use super::create_encrypt::EncryptOptions;
 use crate::host::{Format, OpenSpec, ToolError, ToolResult};
-use crate::uring::UringDevice;
+use crate::uring::{OpenMode, UringDevice};
 use qcow2_engine::create::{create, CreateOptions};
 use qcow2_engine::format::header::CompressionType;
 use qcow2_engine::{Exec, OpenOptions};
@@ -305,7 +305,15 @@ pub fn format_image(path: &Path, opts: &CreateOptions) -> ToolResult<()> {
     };
     create_file(path, 0)?;
     // Buffered: a fresh, empty file cannot be probed for O_DIRECT support.
-    let mut dev = UringDevice::open(path, true, false, 64).map_err(io_err)?;
+    let mut dev = UringDevice::open(
+        path,
+        OpenMode {
+            writable: true,
+            direct: false,
+        },
+        64,
+    )
+    .map_err(io_err)?;
     crate::host::lock_device(&mut dev, path, crate::lock::Access::Write)?;
     let exec: Exec<UringDevice> = Exec::new();
     let id = exec.add_device(dev);

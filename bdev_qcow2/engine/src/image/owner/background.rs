@@ -76,13 +76,34 @@ impl Default for BackgroundTimer {
     }
 }
 
+/// What the owner's metadata is doing when the timer is asked ([`BackgroundTimer::due`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Activity {
+    /// Nothing is dirty.
+    Clean,
+    /// Something is dirty and an allocation is in flight: a stream, not a pause.
+    Allocating,
+    /// Something is dirty and nothing is in flight.
+    DirtyAndIdle,
+}
+
+impl Activity {
+    /// The activity of metadata that is `dirty` or not, with an allocation in flight or not.
+    pub(crate) fn of(dirty: bool, allocating: bool) -> Activity {
+        match (dirty, allocating) {
+            (false, _) => Activity::Clean,
+            (true, true) => Activity::Allocating,
+            (true, false) => Activity::DirtyAndIdle,
+        }
+    }
+}
+
 impl BackgroundTimer {
-    /// Whether a background write-back is due, with `dirty` telling whether anything is
-    /// dirty, `busy` whether an allocation is in flight, and `sig` the change signature
-    /// now. Reads the clock only when something is dirty, nothing is in flight and no
-    /// write-back is running.
-    pub(crate) fn due(&mut self, dirty: bool, busy: bool, sig: ChangeSignature) -> bool {
-        if self.running || !dirty || busy {
+    /// Whether a background write-back is due, given the metadata's `activity` and `sig`,
+    /// its change signature now. Reads the clock only when something is dirty, nothing is
+    /// in flight and no write-back is running.
+    pub(crate) fn due(&mut self, activity: Activity, sig: ChangeSignature) -> bool {
+        if self.running || activity != Activity::DirtyAndIdle {
             self.quiet = None;
             return false;
         }
@@ -173,9 +194,9 @@ impl<D: BlockDevice> Owner<'_, D> {
 
     pub(crate) fn background_writeback_due(&self) -> bool {
         let mut st = self.meta().st_mut();
-        let (dirty, sig) = (st.dirty.has_l2_or_l1(), st.change_signature());
-        let busy = !st.alloc.inflight().is_empty();
-        st.timer.due(dirty, busy, sig)
+        let sig = st.change_signature();
+        let activity = Activity::of(st.dirty.has_l2_or_l1(), !st.alloc.inflight().is_empty());
+        st.timer.due(activity, sig)
     }
 
     /// Writes the dirty metadata back in dependency order, as a flush does but without
@@ -301,7 +322,7 @@ mod tests {
         assert!(!tm.due_at(t, (1, 1, 1)));
         assert!(!tm.due_at(t + 9 * MS, (1, 1, 1)));
         // Every allocation waits for its data write: a stream, not a pause.
-        assert!(!tm.due(true, true, (1, 1, 1)));
+        assert!(!tm.due(Activity::Allocating, (1, 1, 1)));
         let now = Instant::now();
         assert!(!tm.due_at(now, (1, 1, 1)), "the quiet starts over");
         assert_eq!(polled_until_due(&mut tm, now, (1, 1, 1)), now + 10 * MS);
@@ -324,8 +345,11 @@ mod tests {
     #[test]
     fn nothing_dirty_or_a_write_back_running_is_never_due() {
         let mut tm = BackgroundTimer::default();
-        assert!(!tm.due(false, false, (1, 1, 1)));
+        assert_eq!(Activity::of(false, true), Activity::Clean);
+        assert_eq!(Activity::of(true, true), Activity::Allocating);
+        assert_eq!(Activity::of(true, false), Activity::DirtyAndIdle);
+        assert!(!tm.due(Activity::Clean, (1, 1, 1)));
         tm.start();
-        assert!(!tm.due(true, false, (1, 1, 1)));
+        assert!(!tm.due(Activity::DirtyAndIdle, (1, 1, 1)));
     }
 }

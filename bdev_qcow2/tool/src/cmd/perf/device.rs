@@ -3,7 +3,7 @@
 
 use super::args::PerfArgs;
 use crate::host::{ToolError, ToolResult};
-use crate::uring::UringDevice;
+use crate::uring::{OpenMode, UringDevice};
 use qcow2_engine::io::{BlockDevice, Busy, DeviceError, DeviceOp};
 use std::collections::VecDeque;
 use std::path::Path;
@@ -81,11 +81,18 @@ impl<D: BlockDevice> DelayDevice<D> {
 }
 
 pub(super) fn open_dev(path: &Path, writable: bool, a: &PerfArgs) -> ToolResult<Dev> {
-    let inner = UringDevice::open(path, writable, !a.buffered, (a.depth * 2).max(8) as u32)
-        .map_err(|source| ToolError::Io {
-            path: path.display().to_string(),
-            source,
-        })?;
+    let inner = UringDevice::open(
+        path,
+        OpenMode {
+            writable,
+            direct: !a.buffered,
+        },
+        (a.depth * 2).max(8) as u32,
+    )
+    .map_err(|source| ToolError::Io {
+        path: path.display().to_string(),
+        source,
+    })?;
     Ok(DelayDevice::new(
         inner,
         Duration::from_micros(a.base_latency_us),
