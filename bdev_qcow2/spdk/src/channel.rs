@@ -27,12 +27,14 @@ mod ask;
 mod backing;
 mod below;
 mod hooks;
+mod replica;
 mod reserve;
 
 use crate::ffi::sink::Sinks;
 use ask::SpdkLink;
 pub use ask::{send_ask, Ask};
 pub use hooks::stats_step;
+use replica::ReplicaState;
 use reserve::FirstWrites;
 
 use crate::backing_slot::BackingSlot;
@@ -76,8 +78,8 @@ pub struct Channel {
     forward_to: Option<Thread>,
     /// Who writes the data of this channel's first writes (`channel/reserve.rs`).
     first_writes: FirstWrites,
-    /// Writable bdev without a replica (it could not be built): everything goes to the owner.
-    forward_only: Cell<bool>,
+    /// Where this channel's replica stands.
+    replica: Cell<ReplicaState>,
     /// Read-ahead on sequential streams (`prefetch` of the create call).
     prefetch: bool,
     /// The prefetch ring the replica's chain allocates once it is built, and the image's
@@ -104,7 +106,6 @@ pub struct Channel {
     /// The replica's chain, set once when it is ready (`try_ready`): the request path
     /// serves on it when set.
     chain: OnceCell<Rc<Chain<SpdkDevice>>>,
-    failed: Cell<bool>,
     /// Reads that arrived before the replica was open.
     queued: RefCell<VecDeque<BdevIo>>,
     /// Guest requests accepted (those not completed yet are outstanding: see
@@ -135,7 +136,7 @@ impl Channel {
             direct: None,
             forward_to: None,
             first_writes: FirstWrites::Owner,
-            forward_only: Cell::new(false),
+            replica: Cell::new(ReplicaState::None),
             prefetch: src.prefetch() == Prefetch::On,
             ring: src.ring().cloned(),
             outbox: IoQueue::new(),
@@ -147,7 +148,6 @@ impl Channel {
             below_wait: Cell::new(false),
             opened: Rc::new(RefCell::new(None)),
             chain: OnceCell::new(),
-            failed: Cell::new(false),
             queued: RefCell::new(VecDeque::new()),
             accepted: Cell::new(0),
             reset_waiters: RefCell::new(Vec::new()),
@@ -242,6 +242,7 @@ impl Channel {
                 });
             }
         }
+        ch.replica.set(ReplicaState::Opening);
         let pending = Some(src.backing_pending().clone());
         ch.backing = match backing_dev {
             None if !below_devs.is_empty() => {
@@ -312,73 +313,6 @@ impl Channel {
         }
     }
 
-    /// Once the replica is open: builds the chain (the backing bdev, if any, is a raw layer:
-    /// a qcow2 backing image is another of our bdevs; or, over a deep chain of them, the
-    /// layers under it, `channel/below.rs`) and submits the queued reads.
-    fn try_ready(&self) {
-        if self.chain.get().is_some() || self.failed.get() || self.below_pending() {
-            return;
-        }
-        let Some(r) = self.opened.borrow_mut().take() else {
-            return;
-        };
-        let below = self.take_below();
-        let chain = self.driver.run(|| {
-            r.and_then(|q| {
-                let mut layers = vec![Layer::Qcow2(Box::new(q))];
-                if let Some(b) = below.filter(|_| !self.backing_detached.get()) {
-                    // A deep chain: its layers in place of the backing bdev.
-                    layers.extend(b?);
-                } else if let Some(d) = self.backing.dev().filter(|_| !self.backing_detached.get())
-                {
-                    layers.push(Layer::Raw {
-                        dev: d,
-                        size: self.exec().device_size(d),
-                    });
-                }
-                Chain::new(self.exec(), layers)
-            })
-        });
-        match chain {
-            Ok(c) => {
-                c.prefetch().set_on(self.prefetch);
-                if let Some((cfg, gens)) = &self.ring {
-                    // Its buffer is DMA memory of the base, allocated once, here.
-                    match c.enable_ring(*cfg, gens.clone()) {
-                        Ok(()) => c.ring().probe_base(),
-                        Err(e) => {
-                            tracing::warn!(
-                                "channel on {}: no prefetch ring ({e})",
-                                self.thread_name
-                            )
-                        }
-                    }
-                }
-                let _ = self.chain.set(c);
-            }
-            Err(e) if self.forward_to.is_some() => {
-                // A writable bdev's replica could not be built (e.g. more threads than
-                // grace-period slots): this channel sends everything to the owner instead.
-                tracing::warn!(
-                    "channel on {}: no replica ({e}); its requests go to the metadata owner",
-                    self.thread_name
-                );
-                self.forward_only.set(true);
-            }
-            Err(e) => {
-                tracing::error!(
-                    "channel on {}: opening the image failed: {e}",
-                    self.thread_name
-                );
-                self.failed.set(true);
-            }
-        }
-        let queued = std::mem::take(&mut *self.queued.borrow_mut());
-        for io in queued {
-            self.read_replica(io);
-        }
-    }
-
     /// A guest read (`submit_request`).
     #[inline(always)]
     fn read(&self, io: BdevIo) {
@@ -401,16 +335,9 @@ impl Channel {
         }
     }
 
-    /// Whether this channel serves requests on its own replica (read-only bdevs, and
-    /// writable bdevs away from the md thread).
-    fn has_replica(&self) -> bool {
-        !self.forward_only.get()
-            && (self.chain.get().is_some() || self.opened.borrow().is_some() || self.failed.get())
-    }
-
     /// A guest read on this channel's replica, queued until it is open.
     fn read_replica(&self, io: BdevIo) {
-        if self.failed.get() {
+        if self.replica.get() == ReplicaState::Failed {
             return self.finish(io, false);
         }
         match self.chain.get() {
@@ -617,8 +544,10 @@ impl Channel {
     /// every idle pass of the poller asks it.
     #[inline]
     fn may_pause(&self) -> bool {
-        (self.chain.get().is_some() || self.failed.get())
-            && !self.exec().needs_poll()
+        matches!(
+            self.replica.get(),
+            ReplicaState::Ready | ReplicaState::Failed
+        ) && !self.exec().needs_poll()
             && self.unsent_asks.borrow().is_empty()
             && self.outbox.is_empty()
             && self.reset_waiters.borrow().is_empty()
@@ -719,8 +648,7 @@ impl Polled for Channel {
         // Idle (or a writable bdev's forwarding channel): nothing for the executor to do.
         let mut n = self.driver.poll(self);
         // (The chain first: once it is built, this poll's idle checks stay cheap.)
-        if self.chain.get().is_none()
-            && !self.failed.get()
+        if self.replica.get() == ReplicaState::Opening
             && (self.forward_to.is_none() || self.opened.borrow().is_some())
         {
             self.try_ready();
