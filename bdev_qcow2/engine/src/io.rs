@@ -132,6 +132,34 @@ impl<B: IoBuffer> BufSlice<B> {
     }
 }
 
+/// A guest request's buffer lent to the engine for one call (the plan's copy of a read
+/// the prefetch ring serves, the decryption of a direct read): a host may lend a borrow of
+/// its request, which the engine cannot keep past the call. A [`BufSlice`] lends itself.
+pub trait LentBuf<B: IoBuffer> {
+    /// Bytes covered.
+    fn len(&self) -> usize;
+    /// Whether it covers nothing.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// Copies `n` bytes at `src_off` of `src` to `off` of this buffer.
+    fn copy_from(&self, off: usize, src: &B, src_off: usize, n: usize);
+    /// Runs `f` on all its bytes, changed in place ([`IoBuffer::with_bytes_mut`]).
+    fn with_bytes_mut(&self, f: &mut dyn FnMut(&mut [u8]));
+}
+
+impl<B: IoBuffer> LentBuf<B> for BufSlice<B> {
+    fn len(&self) -> usize {
+        self.len
+    }
+    fn copy_from(&self, off: usize, src: &B, src_off: usize, n: usize) {
+        src.copy_to(src_off, &self.buf, self.off + off, n);
+    }
+    fn with_bytes_mut(&self, f: &mut dyn FnMut(&mut [u8])) {
+        self.buf.with_bytes_mut(self.off, self.len, f);
+    }
+}
+
 impl<B> fmt::Debug for BufSlice<B> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "BufSlice({}+{})", self.off, self.len)

@@ -11,7 +11,7 @@ pub use crate::chain::RequestStats;
 use crate::direct::PastMemo;
 use crate::error::{Error, Result};
 use crate::exec::GraceEntry;
-use crate::io::{BlockDevice, BufSlice, DeviceOp, IoBuffer};
+use crate::io::{BlockDevice, BufSlice, DeviceOp, LentBuf};
 use crate::memo::Spot;
 use crate::ring::{RingServed, RingWait};
 use crate::route::{
@@ -142,8 +142,9 @@ enum TaskKind {
 }
 
 impl<D: BlockDevice> Chain<D> {
-    /// Decides guest request `req` — the one call a host makes per request. `buf` gives
-    /// the request's buffer; it is called only when the prefetch ring copies into it.
+    /// Decides guest request `req` — the one call a host makes per request. `buf` lends
+    /// the request's buffer ([`LentBuf`]: the host may lend a borrow, kept for this call
+    /// alone); it is called only when the prefetch ring copies into it.
     ///
     /// Reads: the prefetch ring first (a read it holds whole completes here; a partial
     /// hit becomes a task for the rest), then the route (memo, slice cache), read-ahead
@@ -152,9 +153,10 @@ impl<D: BlockDevice> Chain<D> {
     /// read-ahead watches the writes that load a slice here; on the owner every write
     /// feeds read-ahead. Write zeroes, discard, flush: the owner's (a task there).
     #[inline(always)]
-    pub fn plan<B>(self: &Rc<Self>, req: Request, buf: B) -> Step
+    pub fn plan<B, L>(self: &Rc<Self>, req: Request, buf: B) -> Step
     where
-        B: FnOnce() -> BufSlice<D::Buf>,
+        B: FnOnce() -> L,
+        L: LentBuf<D::Buf>,
     {
         match req.op {
             Op::Read => self.plan_read(req.offset, req.len, buf),
@@ -282,14 +284,15 @@ impl<D: BlockDevice> Chain<D> {
     // branches keep a grant in registers.
 
     #[inline(always)]
-    fn plan_read<B>(self: &Rc<Self>, offset: u64, len: u64, buf: B) -> Step
+    fn plan_read<B, L>(self: &Rc<Self>, offset: u64, len: u64, buf: B) -> Step
     where
-        B: FnOnce() -> BufSlice<D::Buf>,
+        B: FnOnce() -> L,
+        L: LentBuf<D::Buf>,
     {
         if !self.ring.passes(offset, len) {
             let buf = buf();
             let served = self.ring_read_past(offset, len, &mut |src, src_off, off, n| {
-                src.copy_to(src_off, &buf.buf, buf.off + off, n)
+                buf.copy_from(off, src, src_off, n)
             });
             let kind = match served {
                 RingServed::Nothing => None,

@@ -56,7 +56,9 @@ impl Host {
     fn submit(&mut self, tag: u64, req: Request, buf: Option<BufSlice<HeapBuf>>) -> Took {
         let step = match &buf {
             Some(b) => self.chain.plan(req, || b.clone()),
-            None => self.chain.plan(req, || unreachable!("no data")),
+            None => self
+                .chain
+                .plan(req, || -> BufSlice<HeapBuf> { unreachable!("no data") }),
         };
         match step {
             Step::Complete(r) => {

@@ -38,7 +38,7 @@ use replica::ReplicaState;
 use reserve::FirstWrites;
 
 use crate::backing_slot::BackingSlot;
-use crate::device::{guest_buf, SpdkDevice};
+use crate::device::SpdkDevice;
 use crate::direct::{self, DirectHost, Target};
 use crate::engine_host::{Driver, Host};
 use crate::ffi::bdev::Desc;
@@ -395,7 +395,7 @@ impl Channel {
     #[inline(always)]
     fn run(&self, chain: &Rc<Chain<SpdkDevice>>, op: Op, io: BdevIo, (offset, len): (u64, u64)) {
         let req = Request::new(op, offset, len);
-        match chain.plan(req, || guest_buf(io.data_view())) {
+        match chain.plan(req, || io.data()) {
             Step::Direct(grant) => self.direct(chain, io, grant),
             Step::Task(task) => self.task(chain, io, task),
             Step::Owner(op) => self.to_owner(io, op),

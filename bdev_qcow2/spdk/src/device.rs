@@ -16,10 +16,11 @@
 
 use crate::ffi::base::{BaseIo, BaseOp, LazyIo, Submitted};
 use crate::ffi::bdev::Desc;
-use crate::ffi::bdev_io::{DirectTarget, IovView};
+use crate::ffi::bdev_io::DirectTarget;
 use crate::ffi::dma::DmaMem;
 pub use crate::ffi::dma::SpdkBuf;
 use crate::ffi::granule::GranuleBuf;
+use crate::ffi::iov::IovView;
 use crate::ffi::sink::SinkRef;
 use crate::ffi::sys;
 use qcow2_engine::golden::{CachedDevice, InPlace, SharedReadCache};

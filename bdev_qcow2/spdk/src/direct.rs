@@ -14,8 +14,8 @@
 //! [`submit`] returns the guest request (`Err(io)`), having submitted nothing and ended the
 //! grant, only when the base refused it (busy): the engine path runs it then.
 
+use crate::device::SpdkDevice;
 pub use crate::device::Target;
-use crate::device::{guest_buf, SpdkDevice};
 use crate::engine_host::Host;
 use crate::ffi::bdev_io::ChildDone;
 use crate::types::{BdevIo, Qcow2Bdev};
@@ -82,11 +82,7 @@ impl<H: DirectHost, K: Kind> ChildDone<Qcow2Bdev> for Done<H, K> {
                 // grace period still holds the clusters the IVs came from. (A decrypting
                 // request without its view was never submitted so: failed, not plaintext.)
                 match io.ctx().crypt() {
-                    Some((view, host)) => {
-                        h.driver()
-                            .exec()
-                            .decrypt_view(view, host, &guest_buf(io.data_view()))
-                    }
+                    Some((view, host)) => h.driver().exec().decrypt_view(view, host, &io.data()),
                     None => success = false,
                 }
             }

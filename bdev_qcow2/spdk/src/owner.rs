@@ -26,7 +26,7 @@
 mod reserve;
 
 use crate::backing_slot::BackingSlot;
-use crate::device::{guest_buf, SpdkDevice};
+use crate::device::SpdkDevice;
 use crate::direct::{self, DirectHost, Target};
 use crate::engine_host::{Driver, Host};
 use crate::ffi::bdev_io::QueueReceiver;
@@ -506,7 +506,7 @@ impl Owner {
     fn run_op(&self, io: BdevIo) {
         let c = &self.chain;
         let req = Request::new(io.ctx().op(), io.offset_bytes(), io.len_bytes());
-        match c.plan(req, || guest_buf(io.data_view())) {
+        match c.plan(req, || io.data()) {
             Step::Direct(grant) => {
                 let target = &self.direct;
                 let r = match grant.is_write() {

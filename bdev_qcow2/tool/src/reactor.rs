@@ -242,9 +242,9 @@ impl<D: BlockDevice> Reactor<D> {
     fn take_step(&mut self, tag: u64, req: Request, buf: Option<BufSlice<D::Buf>>) {
         let step = match &buf {
             Some(b) => self.chain.plan(req, || b.clone()),
-            None => self
-                .chain
-                .plan(req, || unreachable!("a request without data")),
+            None => self.chain.plan(req, || -> BufSlice<D::Buf> {
+                unreachable!("a request without data")
+            }),
         };
         match step {
             Step::Complete(r) => self.exec.complete(tag, r),

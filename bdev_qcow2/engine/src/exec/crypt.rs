@@ -9,7 +9,7 @@
 use super::{DevId, Exec};
 use crate::crypto::cipher::SECTOR_BYTES;
 use crate::crypto::{SectorCipher, SectorWorker};
-use crate::io::{BlockDevice, BufSlice, DeviceError, DeviceOp, IoBuffer};
+use crate::io::{BlockDevice, BufSlice, DeviceError, DeviceOp, IoBuffer, LentBuf};
 use std::sync::Arc;
 
 /// Ids from this bit up are views ([`Exec::add_crypt_view`]), not devices.
@@ -58,14 +58,15 @@ impl<D: BlockDevice> Exec<D> {
         v.cipher.as_ref().map(|_| v.dev)
     }
 
-    /// Decrypts `buf`, read from device offset `offset` under view `view`, in place with
-    /// the view's cipher (nothing when the view is locked or not a view).
+    /// Decrypts `buf` (lent for the call), read from device offset `offset` under view
+    /// `view`, in place with the view's cipher (nothing when the view is locked or not a
+    /// view).
     #[inline]
-    pub fn decrypt_view(&self, view: DevId, offset: u64, buf: &BufSlice<D::Buf>) {
+    pub fn decrypt_view(&self, view: DevId, offset: u64, buf: &impl LentBuf<D::Buf>) {
         self.decrypt_at(view.0 & !VIEW_BIT, offset, buf)
     }
 
-    fn decrypt_at(&self, view: usize, offset: u64, buf: &BufSlice<D::Buf>) {
+    fn decrypt_at(&self, view: usize, offset: u64, buf: &impl LentBuf<D::Buf>) {
         // The cipher runs on the buffer alone: nothing in it re-enters the executor.
         if let Some(w) = self
             .inner
@@ -74,9 +75,7 @@ impl<D: BlockDevice> Exec<D> {
             .get_mut(view)
             .and_then(|v| v.cipher.as_mut())
         {
-            buf.buf.with_bytes_mut(buf.off, buf.len, &mut |b| {
-                w.decrypt(offset / SECTOR_BYTES as u64, b)
-            });
+            buf.with_bytes_mut(&mut |b| w.decrypt(offset / SECTOR_BYTES as u64, b));
         }
     }
 

@@ -19,7 +19,9 @@ pub fn submit<D: BlockDevice>(
 ) -> Option<Op> {
     let step = match &buf {
         Some(b) => chain.plan(req, || b.clone()),
-        None => chain.plan(req, || unreachable!("a request without data")),
+        None => chain.plan(req, || -> BufSlice<D::Buf> {
+            unreachable!("a request without data")
+        }),
     };
     match step {
         Step::Complete(r) => chain.exec().complete(tag, r),

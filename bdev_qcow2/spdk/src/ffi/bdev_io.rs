@@ -2,6 +2,7 @@
 //! module's area in it, queues of them, and submitting one straight to a base bdev.
 
 use super::io_channel::{self, ChannelIter, Channels};
+use super::iov::{IovRef, IovView, Iovecs, Lease};
 use super::sys;
 use super::thread::Thread;
 use super::types::BdevTypes;
@@ -10,6 +11,7 @@ use std::ffi::{c_int, c_void};
 use std::marker::PhantomData;
 use std::mem::MaybeUninit;
 use std::ptr::NonNull;
+use std::rc::Rc;
 
 /// Block size of every bdev this module registers (`node.rs` registers with it).
 pub const BLOCK_SIZE: u32 = 512;
@@ -97,12 +99,19 @@ impl<M: BdevTypes> BdevIo<M> {
         self.0.as_ptr()
     }
 
-    /// A view of the request's data iovecs while this handle holds the request (a read
-    /// the prefetch ring serves is copied into it before the request completes).
+    /// The request's data iovecs, lent while this handle is borrowed (a read the prefetch
+    /// ring serves is copied into them before the request completes).
     #[inline(always)]
-    pub fn data_view(&self) -> IovView {
+    pub fn data(&self) -> IovRef<'_> {
+        // SAFETY: the request is outstanding while its handle is borrowed.
+        unsafe { IovRef::new(self.iovecs()) }
+    }
+
+    /// The request's data iovec array.
+    #[inline(always)]
+    fn iovecs(&self) -> Iovecs {
         let (iovs, cnt) = self.iovs();
-        IovView {
+        Iovecs {
             iovs,
             cnt,
             len: self.len_bytes() as usize,
@@ -315,6 +324,8 @@ pub struct EngineTags<M: BdevTypes> {
 struct TagSlots<M: BdevTypes> {
     /// Requests by tag less one (`None`: free).
     held: Vec<Option<BdevIo<M>>>,
+    /// Each slot's lease count: the views of its request end when it is taken back.
+    leases: Vec<Rc<Cell<u32>>>,
     /// Free indices of `held`.
     free: Vec<u32>,
 }
@@ -324,6 +335,7 @@ impl<M: BdevTypes> Default for EngineTags<M> {
         EngineTags {
             slots: RefCell::new(TagSlots {
                 held: Vec::new(),
+                leases: Vec::new(),
                 free: Vec::new(),
             }),
         }
@@ -332,10 +344,11 @@ impl<M: BdevTypes> Default for EngineTags<M> {
 
 impl<M: BdevTypes> EngineTags<M> {
     /// Keeps request `io` for the engine: its tag (never 0), and a view of its data iovecs
-    /// (`num_blocks` blocks) for the engine to use until it reports the tag done.
+    /// (`num_blocks` blocks) for the engine to use until it reports the tag done: the
+    /// view's lease ends when the request is [`take`](Self::take)n back.
     #[inline(always)]
     pub fn hand(&self, io: BdevIo<M>) -> (u64, IovView) {
-        let view = io.data_view();
+        let iovs = io.iovecs();
         let mut s = self.slots.borrow_mut();
         let i = match s.free.pop() {
             Some(i) => {
@@ -344,10 +357,14 @@ impl<M: BdevTypes> EngineTags<M> {
             }
             None => {
                 s.held.push(Some(io));
+                s.leases.push(Rc::new(Cell::new(0)));
                 s.held.len() - 1
             }
         };
-        (i as u64 + 1, view)
+        let lease = Lease::on(&s.leases[i]);
+        // SAFETY: the request stays outstanding while it is held here, and `take` ends the
+        // lease before it gives the request back.
+        (i as u64 + 1, unsafe { IovView::new(iovs, lease) })
     }
 
     /// The request handed under `tag`, taken back (`None`: no request is held under it).
@@ -356,6 +373,7 @@ impl<M: BdevTypes> EngineTags<M> {
         let mut s = self.slots.borrow_mut();
         let i = usize::try_from(tag.checked_sub(1)?).ok()?;
         let io = s.held.get_mut(i)?.take()?;
+        Lease::end_all(&s.leases[i]);
         s.free.push(i as u32);
         Some(io)
     }
@@ -395,58 +413,6 @@ unsafe extern "C" fn buf_done<M: BdevTypes, D: BufDone<M>>(
     // SAFETY: SPDK hands back the bdev_io `get_buf` gave up.
     if let Some(io) = unsafe { BdevIo::<M>::from_raw(bdev_io) } {
         D::buf_done(io, success);
-    }
-}
-
-/// The data iovecs of an outstanding bdev_io (or any iovec array), as the engine uses them:
-/// valid while that bdev_io is outstanding, which is longer than the engine holds the view
-/// (see [`EngineTags::hand`]).
-#[derive(Clone, Debug)]
-pub struct IovView {
-    iovs: *const sys::iovec,
-    cnt: usize,
-    len: usize,
-}
-
-impl IovView {
-    /// Bytes covered.
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    /// Whether it covers nothing.
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    /// Calls `f(ptr, len, pos)` for each contiguous piece of `len` bytes at `off`, where
-    /// `pos` is the piece's offset from `off`. Panics if the range is out of bounds or the
-    /// iovecs are shorter than they say (never, for a bdev_io SPDK checked).
-    pub fn segments(&self, off: usize, len: usize, mut f: impl FnMut(*mut u8, usize, usize)) {
-        assert!(
-            off.checked_add(len).is_some_and(|e| e <= self.len),
-            "buffer range out of bounds"
-        );
-        let mut skip = off;
-        let mut pos = 0;
-        for i in 0..self.cnt {
-            if pos == len {
-                return;
-            }
-            // SAFETY: `i < cnt`; the array is valid while the bdev_io is outstanding.
-            let v = unsafe { &*self.iovs.add(i) };
-            let (base, ilen) = (v.iov_base.cast::<u8>(), v.iov_len);
-            if skip >= ilen {
-                skip -= ilen;
-                continue;
-            }
-            let n = (ilen - skip).min(len - pos);
-            // SAFETY: `skip < ilen`, so the pointer stays inside this iovec.
-            f(unsafe { base.add(skip) }, n, pos);
-            pos += n;
-            skip = 0;
-        }
-        assert!(pos == len, "iovecs shorter than the request");
     }
 }
 

@@ -1,13 +1,13 @@
 //! DMA-able memory for metadata and bounce buffers, and the buffers the engine does I/O
 //! with ([`SpdkBuf`]).
 
-use super::bdev_io::IovView;
 pub use super::dma_mem::DmaMem;
 use super::granule::GranuleBuf;
+use super::iov::{IovRef, IovView};
 use super::sys;
 use qcow2_engine::compress::Decompressor;
 use qcow2_engine::format::CompressionType;
-use qcow2_engine::io::IoBuffer;
+use qcow2_engine::io::{IoBuffer, LentBuf};
 use std::ffi::c_void;
 use std::rc::Rc;
 
@@ -103,26 +103,7 @@ impl IoBuffer for SpdkBuf {
         });
     }
     fn with_bytes_mut(&self, off: usize, len: usize, f: &mut dyn FnMut(&mut [u8])) {
-        let (mut pieces, mut one) = (0, None);
-        self.segments(off, len, |p, n, _| {
-            pieces += 1;
-            one = Some((p, n));
-        });
-        match one {
-            Some((p, n)) if pieces == 1 => {
-                // SAFETY: one piece of `n` bytes inside the buffer's memory (segments),
-                // initialised; no I/O is in flight on it, and `f` reaches no buffer (the
-                // trait's contract), so for the call the slice is the only access to it.
-                f(unsafe { std::slice::from_raw_parts_mut(p, n) })
-            }
-            // Across iovecs: through a copy.
-            _ => {
-                let mut tmp = vec![0u8; len];
-                self.copy_out(off, &mut tmp);
-                f(&mut tmp);
-                self.copy_in(off, &tmp);
-            }
-        }
+        bytes_mut(&|o, n, g| self.segments(off + o, n, g), len, f)
     }
     fn fill(&self, off: usize, len: usize, byte: u8) {
         self.segments(off, len, |p, n, _| {
@@ -171,5 +152,60 @@ impl IoBuffer for SpdkBuf {
             )
         };
         Some(dec.decompress(ct, input, out))
+    }
+}
+
+/// What lists the pieces of a buffer's range: `segments(off, len, piece)` calls
+/// `piece(ptr, n, pos)` for each.
+type Segments<'a> = &'a dyn Fn(usize, usize, &mut dyn FnMut(*mut u8, usize, usize));
+
+/// Runs `f` on the `len` bytes whose pieces `segments` lists, changed in place: lent as
+/// they are when they are one piece, else through a copy.
+fn bytes_mut(segments: Segments<'_>, len: usize, f: &mut dyn FnMut(&mut [u8])) {
+    let (mut pieces, mut one) = (0, None);
+    segments(0, len, &mut |p, n, _| {
+        pieces += 1;
+        one = Some((p, n));
+    });
+    match one {
+        Some((p, n)) if pieces == 1 => {
+            // SAFETY: one piece of `n` bytes inside the buffer's memory (segments),
+            // initialised; no I/O is in flight on it, and `f` reaches no buffer (the
+            // engine's contract), so for the call the slice is the only access to it.
+            f(unsafe { std::slice::from_raw_parts_mut(p, n) })
+        }
+        // Across iovecs: through a copy.
+        _ => {
+            let mut tmp = vec![0u8; len];
+            segments(0, len, &mut |p, n, pos| {
+                // SAFETY: `p..p+n` is inside the buffer (segments), `tmp[pos..pos+n]` in
+                // bounds; a Rust vector never overlaps the buffer.
+                unsafe { std::ptr::copy_nonoverlapping(p, tmp.as_mut_ptr().add(pos), n) }
+            });
+            f(&mut tmp);
+            segments(0, len, &mut |p, n, pos| {
+                // SAFETY: as above, the other way.
+                unsafe { std::ptr::copy_nonoverlapping(tmp.as_ptr().add(pos), p, n) }
+            });
+        }
+    }
+}
+
+/// A request's iovecs lent to the engine for one call.
+impl LentBuf<SpdkBuf> for IovRef<'_> {
+    fn len(&self) -> usize {
+        IovRef::len(self)
+    }
+    fn copy_from(&self, off: usize, src: &SpdkBuf, src_off: usize, n: usize) {
+        src.segments(src_off, n, |p, m, pos| {
+            self.segments(off + pos, m, |q, k, at| {
+                // SAFETY: both pieces are inside their buffers (segments); the guest's
+                // buffer is not the engine's, and `copy` allows overlap anyway.
+                unsafe { std::ptr::copy(p.add(at), q, k) }
+            })
+        });
+    }
+    fn with_bytes_mut(&self, f: &mut dyn FnMut(&mut [u8])) {
+        bytes_mut(&|o, n, g| self.segments(o, n, g), IovRef::len(self), f)
     }
 }

@@ -13,6 +13,7 @@ pub mod dma;
 pub mod dma_mem;
 pub mod granule;
 pub mod io_channel;
+pub mod iov;
 pub mod json;
 pub mod keyring;
 pub mod log;
