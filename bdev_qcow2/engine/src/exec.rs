@@ -31,8 +31,8 @@ mod sink;
 mod wait;
 
 pub use future::{join_all, read_bytes, IoFuture};
-pub use grace::GraceEntry;
 pub(crate) use grace::GraceLane;
+pub use grace::{GraceEntry, JoinRefused, Joiner};
 pub use request::Outcome;
 pub(crate) use sink::OwnedSink;
 pub use sink::{InternalSink, SinkId, SINK_SHIFT};

@@ -196,8 +196,8 @@ impl<D: BlockDevice> Chain<D> {
         // Once over the slots: a read-ahead that parks again (on another slice, or the
         // same one loading again under the same record) waits for that load's end.
         for k in 0..rh.parked_slots() {
-            if let Some((f, dst, tries)) = rh.unpark(k, load) {
-                self.start_fill(f, dst, rh, tries);
+            if let Some(u) = rh.unpark(k, load) {
+                self.start_fill(u.fill, u.dst, rh, u.tries);
             }
         }
     }

@@ -85,8 +85,12 @@ impl<D: BlockDevice> Chain<D> {
                 },
             );
         }
-        for (dev, host, buf) in zips.reads(payload) {
-            exec.request_op(req, dev, DeviceOp::Read { offset: host, buf });
+        for r in zips.reads(payload) {
+            let op = DeviceOp::Read {
+                offset: r.host,
+                buf: r.dst,
+            };
+            exec.request_op(req, r.dev, op);
         }
         exec.request_arm(req);
         Ok(())

@@ -63,36 +63,32 @@ impl Member {
 
 impl<D: BlockDevice> Exec<D> {
     /// Makes this core a member of `shared`'s grace periods (see
-    /// [`Grace`](crate::coherency::Grace)); false when every member slot is taken, or when
-    /// this executor is already a member of another image's (it has one membership, and
-    /// entering that one would not hold this image's frees back). Once a member, every
-    /// guest request must enter ([`guest_enter`](Self::guest_enter)) before it resolves a
-    /// mapping and exit when it completes. `owner`: this is the metadata owner's executor,
-    /// on the thread that advances the grace periods (its entries need no fence: see
-    /// [`Grace::enter_owner`](crate::coherency::Grace::enter_owner)).
+    /// [`Grace`](crate::coherency::Grace)), as `who`; joining the same image again does
+    /// nothing. Once a member, every guest request must enter
+    /// ([`guest_enter`](Self::guest_enter)) before it resolves a mapping and exit when it
+    /// completes.
     pub fn join_grace(
         &self,
         shared: std::sync::Arc<crate::coherency::Shared>,
-        owner: bool,
-    ) -> bool {
+        who: Joiner,
+    ) -> Result<(), JoinRefused> {
         if let Some(m) = self.inner.grace.get() {
-            return Arc::ptr_eq(&m.shared, &shared);
+            return match Arc::ptr_eq(&m.shared, &shared) {
+                true => Ok(()),
+                false => Err(JoinRefused::OtherImage),
+            };
         }
-        match shared.grace.register() {
-            Some(slot) => {
-                // Not set before (checked above; one thread): `set` succeeds.
-                let light = owner || shared.grace.light_entries();
-                let mine = shared.grace.counters(slot);
-                let _ = self.inner.grace.set(Member {
-                    shared,
-                    mine,
-                    slot,
-                    light,
-                });
-                true
-            }
-            None => false,
-        }
+        let slot = shared.grace.register().ok_or(JoinRefused::SlotsTaken)?;
+        // Not set before (checked above; one thread): `set` succeeds.
+        let light = who == Joiner::Owner || shared.grace.light_entries();
+        let mine = shared.grace.counters(slot);
+        let _ = self.inner.grace.set(Member {
+            shared,
+            mine,
+            slot,
+            light,
+        });
+        Ok(())
     }
 
     /// A guest request starts (before it resolves any mapping): its grace entry.
@@ -130,6 +126,26 @@ impl<D: BlockDevice> Exec<D> {
             m.mine.exit(parity);
         }
     }
+}
+
+/// Who joins an image's grace periods ([`Exec::join_grace`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Joiner {
+    /// The metadata owner's executor, on the thread that advances the grace periods: its
+    /// entries need no fence (see [`Grace::enter_owner`](crate::coherency::Grace::enter_owner)).
+    Owner,
+    /// A core's executor.
+    Core,
+}
+
+/// Why an executor could not join an image's grace periods ([`Exec::join_grace`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum JoinRefused {
+    /// Every member slot of the image is taken.
+    SlotsTaken,
+    /// The executor takes part in another image's grace periods already: it has one
+    /// membership, and entering that one would not hold this image's frees back.
+    OtherImage,
 }
 
 /// A chain's own handle on its executor's grace counters when the executor is a member
@@ -182,7 +198,7 @@ fn enter_fenced(m: &Member) -> GraceEntry {
 #[cfg(test)]
 mod tests {
     use crate::coherency::Shared;
-    use crate::exec::Exec;
+    use crate::exec::{Exec, JoinRefused, Joiner};
     use crate::testing::MemDevice;
     use std::sync::Arc;
 
@@ -191,11 +207,14 @@ mod tests {
         let exec: Exec<MemDevice> = Exec::new();
         let a = Arc::new(Shared::new(4, &[0; 4], 1 << 20, 16));
         let b = Arc::new(Shared::new(4, &[0; 4], 1 << 20, 16));
-        assert!(exec.join_grace(a.clone(), false));
+        assert_eq!(exec.join_grace(a.clone(), Joiner::Core), Ok(()));
         // Joining the same image again is a no-op that succeeds.
-        assert!(exec.join_grace(a.clone(), false));
+        assert_eq!(exec.join_grace(a.clone(), Joiner::Core), Ok(()));
         // Another image: its frees would not wait for this executor's requests.
-        assert!(!exec.join_grace(b.clone(), false));
+        assert_eq!(
+            exec.join_grace(b.clone(), Joiner::Core),
+            Err(JoinRefused::OtherImage)
+        );
         // The entry counts in `a`'s grace periods: `a` cannot advance past it, `b` can.
         let entry = exec.guest_enter();
         let g = a.grace.try_advance();

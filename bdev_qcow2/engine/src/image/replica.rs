@@ -9,7 +9,7 @@ use super::{
 };
 use crate::coherency::{Shared, SliceReply};
 use crate::error::{Error, Result};
-use crate::exec::{DevId, Exec, WaitQueue};
+use crate::exec::{DevId, Exec, JoinRefused, Joiner, WaitQueue};
 use crate::format::{L2Context, L2Entry, SubclusterBitmap};
 use crate::io::BlockDevice;
 use crate::types::GuestOffset;
@@ -78,8 +78,9 @@ impl<D: BlockDevice> Qcow2<D> {
         // The first member of a new image's grace periods: this fails only for an executor
         // that is already another shared image's, whose entries would not hold back this
         // image's frees (a host's bug, which must not become a silent reuse).
-        assert!(
-            self.exec.join_grace(shared.clone(), true),
+        assert_eq!(
+            self.exec.join_grace(shared.clone(), Joiner::Owner),
+            Ok(()),
             "the owner's executor already takes part in another image's grace periods"
         );
         shared.set_virtual_size(self.size());
@@ -120,11 +121,20 @@ impl<D: BlockDevice> Qcow2<D> {
         opts: OpenOptions,
         link: Box<dyn OwnerLink>,
     ) -> Result<Self> {
-        if !exec.join_grace(seed.shared.clone(), false) {
-            return Err(Error::InvalidRequest(
-                "this core cannot take part in the image's grace periods (256 cores at \
-                 most, and one shared image per executor)",
-            ));
+        match exec.join_grace(seed.shared.clone(), Joiner::Core) {
+            Ok(()) => {}
+            Err(JoinRefused::SlotsTaken) => {
+                return Err(Error::InvalidRequest(
+                    "this core cannot take part in the image's grace periods (256 cores at \
+                     most)",
+                ))
+            }
+            Err(JoinRefused::OtherImage) => {
+                return Err(Error::InvalidRequest(
+                    "this core's executor takes part in another image's grace periods (one \
+                     shared image per executor)",
+                ))
+            }
         }
         // Sized by the table, not by the room the owner keeps for it to grow online.
         let l1_len = seed.header.header.l1_size as usize;

@@ -25,6 +25,16 @@ use crate::format::CompressedDescriptor;
 use crate::image::Qcow2;
 use crate::io::{BlockDevice, BufSlice, IoBuffer, SECTOR};
 
+/// One device read of a compressed fill's payload ([`ZipFills::reads`]).
+pub(crate) struct PayloadRead<B> {
+    /// The device.
+    pub(crate) dev: DevId,
+    /// Its host offset there.
+    pub(crate) host: u64,
+    /// Where it goes in the record's buffer.
+    pub(crate) dst: BufSlice<B>,
+}
+
 /// The bit of an internal token's payload that names a compressed fill's record (the
 /// others: a ring slot, or a slice load's bit).
 pub(crate) const ZIP_BIT: u32 = 1 << 30;
@@ -193,24 +203,20 @@ impl<B: IoBuffer> ZipFills<B> {
         Ok(ZIP_BIT | i as u32)
     }
 
-    /// The device reads of the fill [`take`](Self::take) just laid out under `payload`:
-    /// device, host offset, and where they go in the record's buffer.
-    pub(crate) fn reads(
-        &self,
-        payload: u32,
-    ) -> impl Iterator<Item = (DevId, u64, BufSlice<B>)> + '_ {
+    /// The device reads of the fill [`take`](Self::take) just laid out under `payload`.
+    pub(crate) fn reads(&self, payload: u32) -> impl Iterator<Item = PayloadRead<B>> + '_ {
         let buf = &self.recs[(payload & !ZIP_BIT) as usize].buf;
-        self.reads.iter().map(move |&(dev, host, off, len)| {
-            (
+        self.reads
+            .iter()
+            .map(move |&(dev, host, off, len)| PayloadRead {
                 dev,
                 host,
-                BufSlice {
+                dst: BufSlice {
                     buf: buf.clone(),
                     off,
                     len,
                 },
-            )
-        })
+            })
     }
 
     /// The device reads of fill `payload` ended (`ok`): frees its record and decompresses

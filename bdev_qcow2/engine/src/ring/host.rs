@@ -59,6 +59,16 @@ impl Parked {
 /// read, length) for each piece, in order.
 pub type RingCopy<'a, B> = dyn FnMut(&B, usize, usize, usize) + 'a;
 
+/// A read-ahead taken out of its wait for a load ([`RingHost::unpark`]).
+pub(crate) struct Unparked<B> {
+    /// What it reads.
+    pub(crate) fill: Fill,
+    /// Its slot's buffer.
+    pub(crate) dst: BufSlice<B>,
+    /// How many loads it waited for.
+    pub(crate) tries: u8,
+}
+
 /// What the ring did with a guest read ([`Chain::ring_read`](crate::Chain::ring_read)).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[must_use]
@@ -293,17 +303,20 @@ impl<B: IoBuffer> RingHost<B> {
         self.parked.slots()
     }
 
-    /// Takes the read-ahead parked in slot `k` if it waits for `load`: the fill, its
-    /// slot's buffer, and how many loads it waited for.
-    pub(crate) fn unpark(&mut self, k: usize, load: u32) -> Option<(Fill, BufSlice<B>, u8)> {
+    /// Takes the read-ahead parked in slot `k` if it waits for `load`.
+    pub(crate) fn unpark(&mut self, k: usize, load: u32) -> Option<Unparked<B>> {
         let tries = self.parked.take(k, load)?;
         let slot = k as u16;
-        let f = Fill {
+        let fill = Fill {
             slot,
             offset: self.ring.chunk_offset(slot),
             len: self.ring.chunk_len(slot),
         };
-        Some((f, self.slot_buf(f), tries))
+        Some(Unparked {
+            fill,
+            dst: self.slot_buf(fill),
+            tries,
+        })
     }
 
     /// Queues read `tag`, answered `wait`, with `buf` its whole buffer, on every chunk it

@@ -178,7 +178,7 @@ pub fn run(args: &BitmapArgs) -> ToolResult<String> {
             merge = Some(bits);
         }
     }
-    let (path, format, keys) =
+    let super::ImageTarget { path, format, keys } =
         super::image_target(&args.image, args.format, &args.objects, args.image_opts)?;
     if format != Format::Qcow2 {
         return Err(ToolError::Usage(format!(

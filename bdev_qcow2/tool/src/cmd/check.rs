@@ -172,7 +172,7 @@ fn eprint_messages(r: &CheckReport) {
 pub fn main(args: &CheckArgs) -> ExitCode {
     let (image, format) =
         match super::image_target(&args.image, args.format, &args.objects, args.image_opts) {
-            Ok((path, format, _keys)) => (path, format),
+            Ok(t) => (t.path, t.format),
             Err(e) => {
                 eprintln!("qcow2: {e}");
                 return ExitCode::from(1);

@@ -118,7 +118,7 @@ impl ImageArgs {
                 "--cache-ways must be 1..=64".into(),
             ));
         }
-        let (path, format, keys) =
+        let ImageTarget { path, format, keys } =
             image_target(&self.image, self.format, &self.objects, self.image_opts)?;
         Ok(OpenSpec {
             path,
@@ -144,6 +144,17 @@ impl ImageArgs {
     }
 }
 
+/// The image a command names ([`image_target`]).
+#[derive(Debug)]
+pub struct ImageTarget {
+    /// Its path.
+    pub path: PathBuf,
+    /// Its format.
+    pub format: Format,
+    /// The keys it is opened with.
+    pub keys: crate::secrets::Keys,
+}
+
 /// The image's path, format and keys from the image argument, `-f`, `--object` and
 /// `--image-opts` (then the argument is QEMU's option string).
 pub fn image_target(
@@ -151,11 +162,15 @@ pub fn image_target(
     format: Format,
     objects: &[String],
     image_opts: bool,
-) -> Result<(PathBuf, Format, crate::secrets::Keys), crate::host::ToolError> {
+) -> Result<ImageTarget, crate::host::ToolError> {
     let usage = crate::host::ToolError::Usage;
     let secrets = crate::secrets::parse_objects(objects).map_err(usage)?;
     if !image_opts {
-        return Ok((image.to_path_buf(), format, Default::default()));
+        return Ok(ImageTarget {
+            path: image.to_path_buf(),
+            format,
+            keys: Default::default(),
+        });
     }
     let o = crate::secrets::parse_image_opts(&image.to_string_lossy(), &secrets).map_err(usage)?;
     let format = if o.driver == "raw" {
@@ -163,7 +178,11 @@ pub fn image_target(
     } else {
         Format::Qcow2
     };
-    Ok((o.path, format, o.keys))
+    Ok(ImageTarget {
+        path: o.path,
+        format,
+        keys: o.keys,
+    })
 }
 
 /// `--output` choices, as qemu-img spells them.
