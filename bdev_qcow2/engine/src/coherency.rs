@@ -66,6 +66,12 @@ impl SliceStamp {
     /// changes and never validated).
     pub const OWNER: SliceStamp = SliceStamp(0);
 
+    /// The stamp of `epoch` and count `removals`, as a slot's word packs them.
+    #[inline(always)]
+    pub(crate) const fn of(epoch: u32, removals: u32) -> SliceStamp {
+        SliceStamp(epoch as u64 | (removals as u64) << 32)
+    }
+
     /// The slot's epoch.
     #[inline(always)]
     pub fn epoch(self) -> u32 {

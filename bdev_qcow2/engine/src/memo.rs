@@ -1,7 +1,7 @@
 //! The direct path's memo of L2 slices ([`SliceMemo`]): a direct-mapped table in front of
 //! the set-associative slice cache that maps a request inside one slice in a few compares.
 
-use crate::coherency::{stamp_of, Shared};
+use crate::coherency::{stamp_of, Shared, SliceStamp};
 use crate::exec::DevId;
 #[cfg(loom)]
 use loom::sync::atomic::AtomicU64;
@@ -93,7 +93,7 @@ struct MemoSlot {
     /// The epoch and the count of removals the slice's copy was taken under
     /// (ARCHITECTURE.md §6): on a writable core replica an overwrite may use it while the
     /// count holds, even when the epoch moved on (additions only).
-    taken: Taken,
+    taken: SliceStamp,
     /// On a writable core replica: the metadata bitmap's generation under which no host
     /// cluster the slot answers for was metadata (`Shared::meta_range_clear`);
     /// [`MEMO_NO_META_GEN`] otherwise.
@@ -103,32 +103,9 @@ struct MemoSlot {
 const MEMO_EMPTY: MemoSlot = MemoSlot {
     key: EMPTY_KEY,
     host: 0,
-    taken: Taken(0),
+    taken: SliceStamp::OWNER,
     meta_gen: MEMO_NO_META_GEN,
 };
-
-/// A slot's epoch (the low half) and count of removals (the high half), as a slice's stamp
-/// packs them: an overwrite through a copy taken under the slot's current stamp compares
-/// both at once.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct Taken(u64);
-
-impl Taken {
-    #[inline(always)]
-    fn of((epoch, removals): (u32, u32)) -> Taken {
-        Taken(u64::from(epoch) | u64::from(removals) << 32)
-    }
-
-    #[inline(always)]
-    fn epoch(self) -> u32 {
-        self.0 as u32
-    }
-
-    #[inline(always)]
-    fn removals(self) -> u32 {
-        (self.0 >> 32) as u32
-    }
-}
 
 /// The word of entry `index` whose host cluster is `host` (0: none the memo answers for);
 /// clusters from 2^31 on are not answered (the word is signed).
@@ -198,16 +175,16 @@ impl SliceMemo {
     }
 
     /// For an in-place write on a writable core replica: where the memo answers for the
-    /// range while the slot's count of removals is still `removals` (the epoch may have
-    /// moved by additions only: what the copy shows as COPIED data still is, §6) and no
+    /// range while the slot's count of removals is still the one `stamp`, the slot's
+    /// current stamp, has (its epoch may have moved by additions only: what the copy shows
+    /// as COPIED data still is, §6; such answers are counted, [`kept`](Self::kept)) and no
     /// cluster the slot answers for was metadata under metadata generation `meta_gen` (the
-    /// current one). `epoch`: the slot's current one, to count the answers through an
-    /// older copy ([`kept`](Self::kept)). Written out as [`extent`](Self::extent) is.
+    /// current one). Written out as [`extent`](Self::extent) is.
     #[inline(always)]
     pub fn extent_overwrite(
         &self,
         key: u64,
-        (epoch, removals): (u32, u32),
+        stamp: SliceStamp,
         meta_gen: u64,
         within: u64,
         len: u64,
@@ -217,8 +194,8 @@ impl SliceMemo {
             return None;
         }
         // Taken under the current stamp (most often): one compare for both halves.
-        if s.taken != Taken::of((epoch, removals)) {
-            return self.extent_kept(s.host, s.taken, removals, (within, len));
+        if s.taken != stamp {
+            return self.extent_kept(s.host, s.taken, stamp.removals(), (within, len));
         }
         let host = self.answer(s.host, within, len)?;
         self.hits.set(self.hits.get() + 1);
@@ -233,7 +210,7 @@ impl SliceMemo {
     fn extent_kept(
         &self,
         host: u64,
-        taken: Taken,
+        taken: SliceStamp,
         removals: u32,
         (within, len): (u64, u64),
     ) -> Option<u64> {
@@ -271,11 +248,11 @@ impl SliceMemo {
         (w != NO_WORD).then(|| ((i64::from(w) << bits) as u64).wrapping_add(within))
     }
 
-    /// Remembers that linear slice `key`, read under `epoch` and `removals` (the slot's
+    /// Remembers that linear slice `key`, read under `stamp` (with the slot's
     /// count when the copy was taken), starts at `host`; `meta_gen`: the metadata
     /// generation under which none of its clusters was metadata (a writable core replica),
     /// else [`MEMO_NO_META_GEN`].
-    pub fn remember(&self, key: u64, host: u64, (epoch, removals): (u32, u32), meta_gen: u64) {
+    pub fn remember(&self, key: u64, host: u64, stamp: SliceStamp, meta_gen: u64) {
         // (Past 2^63 it would read as a mapped slot; no device is that large.)
         if host & MAPPED != 0 {
             return self.forget(key);
@@ -283,7 +260,7 @@ impl SliceMemo {
         self.slot(key).set(MemoSlot {
             key,
             host,
-            taken: Taken::of((epoch, removals)),
+            taken: stamp,
             meta_gen,
         });
     }
@@ -306,7 +283,7 @@ impl SliceMemo {
         n.is_multiple_of(MAPPED_EVICT_EVERY)
     }
 
-    /// Brings slice `key`'s mapped row, remembered under `(epoch, removals)` but an older
+    /// Brings slice `key`'s mapped row, remembered under `stamp` but an older
     /// metadata generation, to generation `meta_gen` (read before the bitmap) without
     /// decoding its slice again: every word whose host cluster `is_meta` now stops
     /// answering. Clusters only ever become metadata, so the rest still holds.
@@ -316,17 +293,13 @@ impl SliceMemo {
     pub fn revalidate_mapped(
         &self,
         key: u64,
-        (epoch, removals): (u32, u32),
+        stamp: SliceStamp,
         meta_gen: u64,
         is_meta: impl Fn(u64) -> bool,
         marked_min: impl Fn(u64) -> Option<u64>,
     ) -> bool {
         let s = self.slot(key).get();
-        if s.key != key
-            || s.host & MAPPED == 0
-            || s.taken != Taken::of((epoch, removals))
-            || s.meta_gen == meta_gen
-        {
+        if s.key != key || s.host & MAPPED == 0 || s.taken != stamp || s.meta_gen == meta_gen {
             return false;
         }
         let start = s.host as u32 as usize;
@@ -355,13 +328,13 @@ impl SliceMemo {
         true
     }
 
-    /// Remembers slice `key`, read under `epoch` and `removals`, as mapped: `hosts` gives the host cluster
+    /// Remembers slice `key`, read under `stamp`, as mapped: `hosts` gives the host cluster
     /// of each entry in order (0: the memo does not answer for it; at most as many as a
     /// slice has entries, the rest 0); `meta_gen` as for [`remember`](Self::remember).
     pub fn remember_mapped(
         &self,
         key: u64,
-        (epoch, removals): (u32, u32),
+        stamp: SliceStamp,
         meta_gen: u64,
         hosts: impl Iterator<Item = u32>,
     ) {
@@ -389,7 +362,7 @@ impl SliceMemo {
         self.slot(key).set(MemoSlot {
             key,
             host: MAPPED | u64::from(tag),
-            taken: Taken::of((epoch, removals)),
+            taken: stamp,
             meta_gen,
         });
     }
@@ -431,20 +404,12 @@ impl SliceMemo {
     }
 
     /// Slice `key`'s mapped row, when the memo holds it as remembered from the copy cached
-    /// under `(epoch, removals)` with metadata generation `meta_gen`: a newer copy of the
+    /// under `stamp` with metadata generation `meta_gen`: a newer copy of the
     /// slice can take the row over ([`carry_mapped`](Self::carry_mapped)) with only the
     /// entries that changed patched, instead of decoding every entry again.
-    pub fn mapped_row(
-        &self,
-        key: u64,
-        (epoch, removals): (u32, u32),
-        meta_gen: u64,
-    ) -> Option<MappedRow> {
+    pub fn mapped_row(&self, key: u64, stamp: SliceStamp, meta_gen: u64) -> Option<MappedRow> {
         let s = self.slot(key).get();
-        (s.key == key
-            && s.host & MAPPED != 0
-            && s.taken == Taken::of((epoch, removals))
-            && s.meta_gen == meta_gen)
+        (s.key == key && s.host & MAPPED != 0 && s.taken == stamp && s.meta_gen == meta_gen)
             .then_some(MappedRow { key, host: s.host })
     }
 
@@ -455,15 +420,15 @@ impl SliceMemo {
         self.patch_at(row.host, index, host)
     }
 
-    /// Remembers `row`'s slice again, now as read under `(epoch, removals)`, once every
+    /// Remembers `row`'s slice again, now as read under `stamp`, once every
     /// entry in which the newer copy differs is patched ([`patch_row`](Self::patch_row))
     /// and nothing else was remembered since [`mapped_row`](Self::mapped_row) (the row's
     /// words are still the slice's even if the slot was forgotten meanwhile).
-    pub fn carry_mapped(&self, row: MappedRow, (epoch, removals): (u32, u32), meta_gen: u64) {
+    pub fn carry_mapped(&self, row: MappedRow, stamp: SliceStamp, meta_gen: u64) {
         self.slot(row.key).set(MemoSlot {
             key: row.key,
             host: row.host,
-            taken: Taken::of((epoch, removals)),
+            taken: stamp,
             meta_gen,
         });
     }
@@ -633,13 +598,9 @@ impl MemoView {
         // (Through the shared state, which the metadata generation needs anyway: the view's
         // own words would only add a branch here.)
         let now = sh.stamp(key);
-        let host = self.memo.extent_overwrite(
-            key,
-            (now.epoch(), now.removals()),
-            sh.meta_gen(),
-            within,
-            len,
-        )?;
+        let host = self
+            .memo
+            .extent_overwrite(key, now, sh.meta_gen(), within, len)?;
         Some((host, within + len > self.tail_from))
     }
 

@@ -4,7 +4,7 @@
 
 use super::role::ImageRole;
 use super::{Qcow2, Touch};
-use crate::coherency::Shared;
+use crate::coherency::{Shared, SliceStamp};
 use crate::error::{corrupt, Field, Result};
 use crate::format::{ClusterMapping, L1Entry, L2Entry, SubclusterBitmap};
 use crate::io::BlockDevice;
@@ -218,13 +218,8 @@ impl<D: BlockDevice> Qcow2<D> {
         let sh = self.writable_core_shared()?;
         let (key, within) = self.geo.in_one_slice(off, len)?;
         let now = sh.stamp(key);
-        self.memo.extent_overwrite(
-            key,
-            (now.epoch(), now.removals()),
-            sh.meta_gen(),
-            within,
-            len,
-        )
+        self.memo
+            .extent_overwrite(key, now, sh.meta_gen(), within, len)
     }
 
     /// The view of this image's memo its chain's requests ask (`Chain::plan`): checked
@@ -284,7 +279,8 @@ impl<D: BlockDevice> Qcow2<D> {
                 {
                     let meta_gen = self.slice_clear_of_metadata(first, coverage);
                     let removals = cache.aux(way).removals;
-                    self.memo.remember(key, first, (epoch, removals), meta_gen);
+                    self.memo
+                        .remember(key, first, SliceStamp::of(epoch, removals), meta_gen);
                 }
                 host
             }
@@ -294,7 +290,8 @@ impl<D: BlockDevice> Qcow2<D> {
                         .writable_core_shared()
                         .map_or(MEMO_NO_META_GEN, |sh| sh.meta_gen());
                     let removals = cache.aux(way).removals;
-                    self.refresh_mapped(key, (epoch, removals), meta_gen, cache.block(way));
+                    let stamp = SliceStamp::of(epoch, removals);
+                    self.refresh_mapped(key, stamp, meta_gen, cache.block(way));
                 }
                 let in_cluster = off & (cs - 1);
                 if in_cluster + len > cs {
@@ -342,14 +339,14 @@ impl<D: BlockDevice> Qcow2<D> {
     /// older generation (a new L2 table or refcount block moves the generation, dozens of
     /// times in a fill, and each move would otherwise decode every slice again), else
     /// afresh when [`SliceMemo::takes_mapped`] says so.
-    pub(super) fn refresh_mapped(&self, key: u64, stamp: (u32, u32), meta_gen: u64, block: &[u64]) {
+    pub(super) fn refresh_mapped(&self, key: u64, stamp: SliceStamp, meta_gen: u64, block: &[u64]) {
         let sh = self.writable_core_shared();
         let is_meta = |c: u64| sh.is_some_and(|sh| sh.is_meta_cluster(c));
         let marked_min = |since: u64| sh.and_then(|sh| sh.meta_marked_min(since, meta_gen));
         if !self
             .memo
             .revalidate_mapped(key, stamp, meta_gen, is_meta, marked_min)
-            && self.memo.takes_mapped(key, stamp.0, meta_gen)
+            && self.memo.takes_mapped(key, stamp.epoch(), meta_gen)
         {
             self.remember_mapped(key, stamp, meta_gen, block);
         }
@@ -364,7 +361,7 @@ impl<D: BlockDevice> Qcow2<D> {
     pub(super) fn remember_mapped(
         &self,
         key: u64,
-        stamp: (u32, u32),
+        stamp: SliceStamp,
         meta_gen: u64,
         block: &[u64],
     ) {

@@ -7,7 +7,7 @@ use super::role::ImageRole;
 use super::{
     be_words, CoreSeed, CoreSide, CoreSlice, KeptCopy, OpenOptions, OwnerLink, Qcow2, Replica,
 };
-use crate::coherency::{Shared, SliceReply};
+use crate::coherency::{Shared, SliceReply, SliceStamp};
 use crate::error::{Error, Result};
 use crate::exec::{DevId, Exec, JoinRefused, Joiner, WaitQueue};
 use crate::format::{L2Context, L2Entry, SubclusterBitmap};
@@ -316,7 +316,7 @@ impl<D: BlockDevice> Qcow2<D> {
         }
         // Later overwrites through this copy find it in the memo, under the same count of
         // removals (`memo_overwrite`), in a few compares.
-        let stamp = (epoch, summary.removals);
+        let stamp = SliceStamp::of(epoch, summary.removals);
         let coverage = self.geo.slice_coverage();
         match summary.linear.host(0, bits) {
             Some(first)

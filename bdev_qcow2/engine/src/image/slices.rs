@@ -78,8 +78,7 @@ impl<D: BlockDevice> Qcow2<D> {
             }
         });
         if let Some((row, meta_gen)) = carried {
-            self.memo
-                .carry_mapped(row, (stamp.epoch(), stamp.removals()), meta_gen);
+            self.memo.carry_mapped(row, stamp, meta_gen);
         }
         w
     }
@@ -98,9 +97,11 @@ impl<D: BlockDevice> Qcow2<D> {
         let cache = self.l2_cache.borrow();
         let way = cache.peek(key)?;
         let epoch = cache.peek_epoch(key)?;
-        let row = self
-            .memo
-            .mapped_row(key, (epoch, cache.aux(way).removals), meta_gen)?;
+        let row = self.memo.mapped_row(
+            key,
+            SliceStamp::of(epoch, cache.aux(way).removals),
+            meta_gen,
+        )?;
         let old = cache.block(way);
         if old.len() != words.len() {
             return None;
