@@ -86,7 +86,10 @@ class Worker(threading.Thread):
         try:
             while not self.stop.is_set() and not self.errors:
                 with self.gate:
-                    self._one()
+                    # A pause that took the gate first and failed leaves the client held:
+                    # not one more command (this thread may have waited on the gate).
+                    if not self.hold:
+                        self._one()
                 while self.hold and not self.stop.is_set():  # let the driver take the gate
                     time.sleep(0.005)
         except LinkError:
