@@ -32,7 +32,7 @@ impl OwnerLink for SpdkLink {
             return;
         };
         send_ask(Box::new(Ask {
-            owner: self.owner,
+            owner: self.owner.clone(),
             chan,
             key,
             ticket,
@@ -45,7 +45,7 @@ impl OwnerLink for SpdkLink {
 /// is empty, the sending side's poller sends it again ([`Channel::poll`],
 /// [`Owner::defer_ask`](owner::Owner::defer_ask)).
 pub fn send_ask(a: Box<Ask>) {
-    let (owner, chan) = (a.owner, a.chan);
+    let (owner, chan) = (a.owner.clone(), a.chan.clone());
     let to = if a.reply.is_none() {
         owner.home()
     } else {

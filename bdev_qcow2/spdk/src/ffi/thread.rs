@@ -155,17 +155,20 @@ pub struct Homed<T> {
     home: Thread,
 }
 
-impl<T> Clone for Homed<T> {
-    fn clone(&self) -> Self {
-        *self
-    }
-}
-
-impl<T> Copy for Homed<T> {}
-
 // SAFETY: other threads only carry the handle; it is dereferenced on its home thread alone
 // (`get`), where the state lives, so `T` itself never crosses threads.
 unsafe impl<T> Send for Homed<T> {}
+
+/// Another handle to the same state, under the same invariant (not `Copy`: each copy is
+/// made where it is needed, in sight).
+impl<T> Clone for Homed<T> {
+    fn clone(&self) -> Self {
+        Homed {
+            state: self.state,
+            home: self.home,
+        }
+    }
+}
 
 impl<T> Homed<T> {
     /// # Safety
