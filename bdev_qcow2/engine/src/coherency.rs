@@ -44,7 +44,7 @@ mod grace;
 mod tests;
 
 pub use epochs::OwnerEpochs;
-pub use grace::{Counters, Grace, MAX_GRACE_MEMBERS};
+pub use grace::{Counters, Grace, Parity, MAX_GRACE_MEMBERS};
 
 /// Upper bound on epoch slots (4 MiB of epochs): larger images hash several slices into
 /// one slot, which only costs false invalidations.

@@ -276,6 +276,7 @@ pub enum Role {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::coherency::Parity;
 
     #[test]
     fn a_range_is_aligned_and_inside_the_disk() {
@@ -311,7 +312,7 @@ mod tests {
             DevId(0),
             HostOffset(0),
             range,
-            GraceEntry::of_parity(0),
+            GraceEntry::of_parity(Parity::of(0)),
             FoundBy::Lookup,
             Access::Read,
         );
@@ -320,7 +321,7 @@ mod tests {
     #[test]
     fn a_submitted_grant_hands_over_its_parity() {
         let range = GuestRange::new(0, 512, 512).expect("valid");
-        let entry = GraceEntry::of_parity(1);
+        let entry = GraceEntry::of_parity(Parity::of(1));
         assert_eq!(
             Grant::new(
                 DevId(0),
@@ -331,7 +332,7 @@ mod tests {
                 Access::Read
             )
             .submitted(),
-            GraceEntry::of_parity(1)
+            GraceEntry::of_parity(Parity::of(1))
         );
     }
 }

@@ -125,11 +125,8 @@ struct Switch {
     /// The bdev's parameters over the overlay, and the old image's bdev's.
     params: CreateParams,
     snap_params: CreateParams,
-    /// When the quiesce was asked for.
-    t0: Option<Instant>,
-    quiesced: bool,
-    /// How long I/O paused, once it goes on.
-    pause_us: u64,
+    /// Where the bdev's I/O pause stands.
+    pause: Pause,
     /// The node's former image, until it is closed.
     old: Option<Box<Image>>,
     /// How the overlay of an encrypted image is encrypted (until its format takes it).
@@ -138,6 +135,30 @@ struct Switch {
     /// bdevs over them take them without deriving them again, with I/O paused.
     overlay_key: Option<UnlockedKey>,
     old_key: Option<UnlockedKey>,
+}
+
+/// The pause of a switch's bdev: asked for at `Quiesce`, held once SPDK quiesced the bdev,
+/// over (with how long it lasted) once `Resume` let requests go on.
+#[derive(Clone, Copy, Debug)]
+enum Pause {
+    /// Not asked for yet.
+    NotAsked,
+    /// Asked for at this instant; SPDK has not quiesced the bdev yet (or refused).
+    Asked(Instant),
+    /// The bdev is quiesced since the quiesce asked for at this instant.
+    Held(Instant),
+    /// Over: I/O paused this many microseconds.
+    Over(u64),
+}
+
+impl Pause {
+    /// Microseconds I/O paused, once over (0 before).
+    fn us(self) -> u64 {
+        match self {
+            Pause::Over(us) => us,
+            _ => 0,
+        }
+    }
 }
 
 /// Where a switch is. [`advance`] runs each state's action; the action (or the SPDK
@@ -223,7 +244,7 @@ fn fail(mut sw: Box<Switch>, errno: i32, msg: String) {
     if let Some(d) = sw.new_base.take() {
         d.close();
     }
-    if sw.quiesced {
+    if matches!(sw.pause, Pause::Held(_)) {
         let reg = registry::lock();
         if let Some(n) = reg.by_key(sw.key) {
             n.unquiesce(move |_| advance(sw, State::Refuse(errno, msg)));
@@ -424,9 +445,7 @@ pub fn snapshot_external(req: Request, params: Params) {
         zeroing,
         params,
         snap_params,
-        t0: None,
-        quiesced: false,
-        pause_us: 0,
+        pause: Pause::NotAsked,
         old: None,
         encrypt,
         overlay_key: None,
@@ -472,7 +491,8 @@ fn format(mut sw: Box<Switch>, opts: CreateOptions) {
 
 /// `Quiesce`: once no request is in flight, `CloseOld`; `Fail` if SPDK refuses.
 fn quiesce(mut sw: Box<Switch>) {
-    sw.t0 = Some(Instant::now());
+    let t0 = Instant::now();
+    sw.pause = Pause::Asked(t0);
     let reg = registry::lock();
     let Some(n) = reg.by_key(sw.key) else {
         drop(reg);
@@ -483,7 +503,7 @@ fn quiesce(mut sw: Box<Switch>) {
             let e = State::Fail(-status, "SPDK could not quiesce the bdev".into());
             return advance(sw, e);
         }
-        sw.quiesced = true;
+        sw.pause = Pause::Held(t0);
         advance(sw, State::CloseOld)
     });
 }
@@ -649,9 +669,11 @@ impl Polled for WaitOld {
 /// `WaitOld`: records the pause, then waits for the old channel states ([`WaitOld`]);
 /// `Answer` at once without an old image, or with no poller to wait (it stays open).
 fn wait_old(mut sw: Box<Switch>) {
-    sw.pause_us = sw.t0.map_or(0, |t| t.elapsed().as_micros() as u64);
-    sw.quiesced = false;
-    tracing::info!("{METHOD} {}: I/O paused {} us", sw.name, sw.pause_us);
+    sw.pause = match sw.pause {
+        Pause::Held(t0) | Pause::Asked(t0) => Pause::Over(t0.elapsed().as_micros() as u64),
+        p => p,
+    };
+    tracing::info!("{METHOD} {}: I/O paused {} us", sw.name, sw.pause.us());
     let Some(live) = sw.old.as_ref().map(|o| o.live_channels()) else {
         return advance(sw, State::Answer);
     };
@@ -699,7 +721,7 @@ fn answer(mut sw: Box<Switch>) {
             "name": sw.name,
             "snapshot": sw.snapshot,
             "base_bdev": sw.params.base_bdev,
-            "pause_us": sw.pause_us,
+            "pause_us": sw.pause.us(),
         }));
     }
 }

@@ -38,6 +38,27 @@ pub struct Grace {
     asymmetric: bool,
 }
 
+/// Which of its member's two counters a request entered under ([`Grace::enter`]): handed
+/// back once to [`Grace::exit`], neither `Copy` nor `Clone`, so that an entry is counted
+/// out exactly where it was counted in.
+#[must_use = "an entered request exits with its parity"]
+#[derive(Debug, PartialEq, Eq)]
+pub struct Parity(u8);
+
+impl Parity {
+    /// The parity of a request entered under counter `bit` (0 or 1: the low bit).
+    #[inline(always)]
+    pub(crate) fn of(bit: u8) -> Parity {
+        Parity(bit & 1)
+    }
+
+    /// Its counter: 0 or 1.
+    #[inline(always)]
+    pub fn bit(&self) -> u8 {
+        self.0
+    }
+}
+
 /// One member's in-flight counts per parity and the generation its next entries count
 /// under, alone on their cache lines (cores write their own on every request: sharing a
 /// line would bounce it between cores). Only the member's core writes the counts; the owner
@@ -65,7 +86,7 @@ impl Counters {
     /// [`exit`](Self::exit). `light`: the light half of the fence pair suffices (see
     /// [`Grace::enter_as`]).
     #[inline(always)]
-    pub fn enter(&self, light: bool) -> u8 {
+    pub fn enter(&self, light: bool) -> Parity {
         let p = (self.gen.load(Ordering::Relaxed) & 1) as usize;
         // Only this member's core writes its counts: a plain increment, then the light
         // half of an asymmetric fence pair orders it before whatever the request reads next
@@ -85,14 +106,14 @@ impl Counters {
         }
         #[cfg(loom)]
         let _ = light;
-        p as u8
+        Parity(p as u8)
     }
 
     /// The guest request that entered with `parity` completed (on the member's core).
     #[inline(always)]
-    pub fn exit(&self, parity: u8) {
+    pub fn exit(&self, parity: Parity) {
         // Only this member's core writes its counts: no read-modify-write needed.
-        let c = &self.counts[parity as usize & 1];
+        let c = &self.counts[parity.0 as usize & 1];
         c.store(c.load(Ordering::Relaxed).wrapping_sub(1), Ordering::Release);
     }
 }
@@ -179,7 +200,7 @@ impl Grace {
 
     /// A guest request of core `slot` starts; returns its parity for [`exit`](Self::exit).
     #[inline(always)]
-    pub fn enter(&self, slot: usize) -> u8 {
+    pub fn enter(&self, slot: usize) -> Parity {
         self.enter_as(slot, self.asymmetric)
     }
 
@@ -187,7 +208,7 @@ impl Grace {
     /// [`enter_owner`](Self::enter_owner) (`light`: true), for a member that decided
     /// which once: one path for both, with the fence chosen by a flag it holds.
     #[inline(always)]
-    pub fn enter_as(&self, slot: usize, light: bool) -> u8 {
+    pub fn enter_as(&self, slot: usize, light: bool) -> Parity {
         self.counts[slot % MAX_GRACE_MEMBERS].enter(light)
     }
 
@@ -204,13 +225,13 @@ impl Grace {
     /// waits for the store buffer to drain: 12 % of the owner's time in a first-write-heavy
     /// run.)
     #[inline(always)]
-    pub fn enter_owner(&self, slot: usize) -> u8 {
+    pub fn enter_owner(&self, slot: usize) -> Parity {
         self.enter_as(slot, true)
     }
 
     /// The guest request that entered with `parity` completed (on the core that entered).
     #[inline(always)]
-    pub fn exit(&self, slot: usize, parity: u8) {
+    pub fn exit(&self, slot: usize, parity: Parity) {
         self.counts[slot % MAX_GRACE_MEMBERS].exit(parity)
     }
 

@@ -2,7 +2,7 @@
 //! executor's membership in a shared image's grace periods (`coherency::Grace`).
 
 use super::Exec;
-use crate::coherency::{Counters, Shared};
+use crate::coherency::{Counters, Parity, Shared};
 use crate::io::BlockDevice;
 use std::sync::Arc;
 
@@ -32,10 +32,10 @@ impl GraceEntry {
         GraceEntry(Entered::Unshared)
     }
 
-    /// The entry into a shared image's grace period under counter `parity` (0 or 1).
+    /// The entry into a shared image's grace period under `parity`.
     #[inline(always)]
-    pub(crate) fn of_parity(parity: u8) -> GraceEntry {
-        GraceEntry(if parity & 1 == 0 {
+    pub(crate) fn of_parity(parity: Parity) -> GraceEntry {
+        GraceEntry(if parity.bit() == 0 {
             Entered::Even
         } else {
             Entered::Odd
@@ -120,7 +120,7 @@ impl<D: BlockDevice> Exec<D> {
     pub fn guest_exit(&self, entry: GraceEntry) {
         let parity = match entry.0 {
             Entered::Unshared => return,
-            p => p as u8,
+            p => Parity::of(p as u8),
         };
         if let Some(m) = self.inner.grace.get() {
             m.mine.exit(parity);
