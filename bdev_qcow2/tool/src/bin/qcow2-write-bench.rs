@@ -47,20 +47,19 @@ struct Img {
     dev: qcow2_engine::DevId,
 }
 
+/// `path` opened for writing, O_DIRECT when `direct` (and the file system allows it).
+fn open_rw(path: &Path, direct: bool) -> UringDevice {
+    let mode = OpenMode {
+        writable: true,
+        direct,
+    };
+    UringDevice::open(path, mode, 128).expect("open")
+}
+
 fn make(path: &Path, size: u64, extended_l2: bool, direct: bool) -> Img {
     std::fs::File::create(path).expect("create image file");
     let exec = Exec::new();
-    let dev = exec.add_device(
-        UringDevice::open(
-            path,
-            OpenMode {
-                writable: true,
-                direct,
-            },
-            128,
-        )
-        .expect("open"),
-    );
+    let dev = exec.add_device(open_rw(path, direct));
     let e2 = exec.clone();
     let opts = CreateOptions {
         size,
@@ -139,17 +138,7 @@ fn run(img: &Img, qd: usize, n: u64, len: usize, mut next_off: impl FnMut(u64) -
 /// The same sequential writes straight to a raw file on the same device type (baseline).
 fn run_raw(path: &Path, direct: bool, qd: usize, n: u64, len: usize) -> f64 {
     let exec: Exec<UringDevice> = Exec::new();
-    let dev = exec.add_device(
-        UringDevice::open(
-            path,
-            OpenMode {
-                writable: true,
-                direct,
-            },
-            128,
-        )
-        .expect("open raw"),
-    );
+    let dev = exec.add_device(open_rw(path, direct));
     let bufs: Vec<AlignedBuf> = (0..qd).map(|_| AlignedBuf::new(len)).collect();
     let t = Instant::now();
     let (mut issued, mut done) = (0, 0);
