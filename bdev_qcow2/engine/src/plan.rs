@@ -289,24 +289,29 @@ impl<D: BlockDevice> Chain<D> {
         B: FnOnce() -> L,
         L: LentBuf<D::Buf>,
     {
+        // The stream the ring's look-up continued: read-ahead of L2 slices follows the same
+        // streams, and a read is looked up in their table once.
+        let mut stream = None;
         if !self.ring.passes(offset, len) {
             let buf = buf();
-            let served = self.ring_read_past(offset, len, &mut |src, src_off, off, n| {
-                buf.copy_from(off, src, src_off, n)
-            });
+            let (served, continued) =
+                self.ring_read_past(offset, len, &mut |src, src_off, off, n| {
+                    buf.copy_from(off, src, src_off, n)
+                });
             let kind = match served {
                 RingServed::Nothing => None,
                 RingServed::All => {
-                    self.ring_served(offset, len);
+                    self.ring_served(continued, offset, len);
                     return Step::Complete(Ok(()));
                 }
                 RingServed::Prefix(n) => Some(TaskKind::Read { skip: n }),
                 RingServed::Wait(w) => Some(TaskKind::RingWait(w)),
             };
             if let Some(kind) = kind {
-                self.read_ahead_out_of_line(offset, len);
+                self.read_ahead_after_ring(continued, offset, len);
                 return Step::Task(Task { kind, offset, len });
             }
+            stream = continued;
         }
         // Read-ahead watches every read in its slice's tail, and the rest unless the memo
         // maps them (their slice is cached: the next one is loaded from the tail). The
@@ -314,7 +319,7 @@ impl<D: BlockDevice> Chain<D> {
         let spot = self.memo.spot(offset, len);
         let tail = self.memo.in_tail(spot);
         if tail {
-            self.read_ahead(offset, len);
+            self.read_ahead_after_ring(stream, offset, len);
         }
         match self.route_read_in(offset, len, spot) {
             ReadRoute::Direct(grant) if grant.from_memo() => {
@@ -323,14 +328,14 @@ impl<D: BlockDevice> Chain<D> {
             }
             ReadRoute::Direct(grant) => {
                 if !tail {
-                    self.read_ahead_out_of_line(offset, len);
+                    self.read_ahead_after_ring(stream, offset, len);
                 }
                 self.counters.fast_read();
                 Step::Direct(grant)
             }
             ReadRoute::Engine => {
                 if !tail {
-                    self.read_ahead_out_of_line(offset, len);
+                    self.read_ahead_after_ring(stream, offset, len);
                 }
                 Step::Task(Task {
                     kind: TaskKind::Read { skip: 0 },
@@ -341,11 +346,12 @@ impl<D: BlockDevice> Chain<D> {
         }
     }
 
-    /// A read the prefetch ring served whole: read-ahead of L2 slices watches the stream
-    /// the ring serves too (its own read-aheads then find the next slices cached).
+    /// A read the prefetch ring served whole, continuing `stream`: read-ahead of L2 slices
+    /// follows the stream the ring serves too (its own read-aheads then find the next
+    /// slices cached).
     #[inline(never)]
-    fn ring_served(self: &Rc<Self>, offset: u64, len: u64) {
-        self.read_ahead(offset, len);
+    fn ring_served(self: &Rc<Self>, stream: Option<u8>, offset: u64, len: u64) {
+        self.read_ahead_after_ring(stream, offset, len);
         self.counters.served_from_ring();
     }
 

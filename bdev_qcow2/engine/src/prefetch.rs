@@ -1,13 +1,14 @@
 //! L2 slice read-ahead on sequential streams, one per core replica: the chain's
-//! [`ReadAhead`] part, its stream detector, state and counters (`readahead` issues the loads
-//! it asks for: [`Chain::read_ahead`](crate::Chain::read_ahead)).
+//! [`ReadAhead`] part, its state and counters (`readahead` issues the loads it asks for:
+//! [`Chain::read_ahead`](crate::Chain::read_ahead)).
 //!
-//! A host tells its chain where each guest request goes. Four stream slots remember where
-//! recent streams will continue; a request that starts exactly there extends its stream,
-//! anything else takes the least recently continued slot that holds no sequential stream
-//! (random I/O costs a compare per slot and never loads anything; up to three random
-//! requests between a stream's requests do not push it out). Once a stream has run
-//! [`SEQ_MIN`] requests in a row, the slice *after* the last one its request covers is
+//! Streams are the chain's one stream table's ([`Hot`], shared with the prefetch ring):
+//! a host tells its chain where each guest request goes, and a request that continues a
+//! stream there — looked up by the ring for a read while the ring is on, else by
+//! [`Hot::watch`] — is handed here with its stream. Random I/O costs the table's one hash
+//! and never loads anything; a stream read-ahead found sequential keeps its slot from new
+//! streams, so random requests between its requests do not push it out. Once a stream has
+//! run [`SEQ_MIN`] requests in a row, the slice *after* the last one its request covers is
 //! loaded into this core's cache in the background, so the stream does not wait for a
 //! slice read when it crosses into it. Each slice is asked for once per stream; one cached
 //! already (current epoch), one without an L2 table, and on a core one the owner holds
@@ -15,7 +16,7 @@
 //!
 //! Single-threaded like the rest of a replica: nothing here is shared, nothing locks.
 
-use crate::ring::{StreamSlots, ALL, STREAMS};
+use crate::ring::{Hot, SliceRun};
 use std::cell::{Cell, RefCell};
 
 /// Requests in a row that make a stream sequential.
@@ -40,92 +41,7 @@ pub struct PrefetchStats {
     pub streams: u64,
 }
 
-/// What every request looks at: whether read-ahead is on and where the followed streams
-/// continue. Kept in the [`Chain`](crate::Chain) next to the fields every request reads, so a random
-/// request costs no cache line of its own.
-struct Hot {
-    on: Cell<bool>,
-    /// Slots holding a sequential stream (bit per slot): a new stream takes another slot
-    /// first, so random requests between a stream's requests do not push it out.
-    seq: Cell<u8>,
-    /// Where each stream's next request starts, and the round robin (the stream table
-    /// the prefetch ring's detector is built on too).
-    slots: StreamSlots,
-    /// Per stream: requests in a row, and the last slice asked for (`u64::MAX`: none).
-    /// Here rather than in [`Prefetch`]: a random request restarts a stream.
-    run: [Cell<(u32, u64)>; STREAMS],
-    /// [`Chain::read_ahead_memo`](crate::Chain::read_ahead_memo)'s tail of a slice: a request whose offset within its
-    /// slice (`offset & tail_mask`) plus its length passes `tail_from` ends in the tail.
-    tail_mask: u64,
-    tail_from: u64,
-}
-
-impl Hot {
-    /// The state of a chain whose top image has slices of `coverage` bytes (`None`: a raw
-    /// top layer, whose requests are all watched).
-    fn new(coverage: Option<u64>) -> Self {
-        let (tail_mask, tail_from) = match coverage {
-            // The last eighth, at least TAIL_MIN (or the whole slice).
-            Some(c) => (c - 1, c.saturating_sub((c / 8).max(TAIL_MIN))),
-            None => (0, 0),
-        };
-        Hot {
-            tail_mask,
-            tail_from,
-            on: Cell::new(false),
-            seq: Cell::new(0),
-            slots: StreamSlots::default(),
-            run: std::array::from_fn(|_| Cell::new((0, u64::MAX))),
-        }
-    }
-}
-
-impl Hot {
-    /// The stream a request at `offset` continues, if any. A request that continues
-    /// neither a stream nor a recent request is random: only its end is recorded. One that
-    /// starts where a recent request ended starts that request's stream (a run of 1, as if
-    /// that request had started it), in a slot without a sequential stream, else in the
-    /// next slot in turn (whose stream then counts as new), and continues it.
-    #[inline(always)]
-    fn find_or_start(&self, offset: u64, len: u64) -> Option<usize> {
-        if self.slots.continues_nothing(offset, len) {
-            return None;
-        }
-        let next = offset.saturating_add(len);
-        if let Some(i) = self.slots.find(offset) {
-            // The slot just continued is the last a new stream would take.
-            self.slots.moved(i, next);
-            return Some(i);
-        }
-        if !self.slots.ended_at(offset) {
-            // Another offset with the same hash: a request that continues nothing.
-            self.slots.note_end(next);
-            return None;
-        }
-        // In turn, skipping sequential streams unless every slot holds one.
-        let seq = self.seq.get();
-        let v = self
-            .slots
-            .first_of(!u32::from(seq) & ALL)
-            .unwrap_or_else(|| self.slots.turn());
-        self.seq.set(seq & !(1 << v));
-        self.slots.moved(v, next);
-        self.run[v].set((1, u64::MAX));
-        Some(v)
-    }
-
-    /// Slot `i` holds a sequential stream.
-    fn mark_sequential(&self, i: usize) {
-        self.seq.set(self.seq.get() | 1 << i);
-    }
-
-    /// Whether stream `i` has run long enough to be sequential.
-    fn is_sequential_run(&self, i: usize) -> bool {
-        self.run[i].get().0 >= SEQ_MIN
-    }
-}
-
-/// The rest of a replica's read-ahead state (touched only by sequential requests).
+/// The part of a replica's read-ahead state touched only by sequential requests.
 #[derive(Default)]
 struct Prefetch {
     /// Slices loaded ahead, not yet reached (`u64::MAX`: empty).
@@ -142,12 +58,12 @@ impl Prefetch {
         }
     }
 
-    /// Request `offset`/`len` continues stream `i` (in slices of `coverage` bytes, on a
-    /// disk of `size`): returns the guest offset of a slice to load ahead, if any — the
-    /// slice after the last one the request covers.
+    /// Request `offset`/`len` continues stream `i` of `streams` (in slices of `coverage`
+    /// bytes, on a disk of `size`): returns the guest offset of a slice to load ahead, if
+    /// any — the slice after the last one the request covers.
     fn advance(
         &mut self,
-        hot: &Hot,
+        streams: &Hot,
         i: usize,
         offset: u64,
         len: u64,
@@ -156,25 +72,29 @@ impl Prefetch {
     ) -> Option<u64> {
         let first = offset / coverage;
         let last = offset.saturating_add(len.max(1) - 1) / coverage;
-        let (run, a) = hot.run[i].get();
-        let r = run.saturating_add(1);
-        hot.run[i].set((r, a));
+        let SliceRun { run, asked } = streams.slice_run(i);
+        let run = run.saturating_add(1);
+        let sequential = run >= SEQ_MIN;
         for slot in self.loaded.iter_mut() {
             if (first..=last).contains(slot) {
                 *slot = u64::MAX;
                 self.stats.hits += 1;
             }
         }
-        if r == SEQ_MIN {
+        if run == SEQ_MIN {
             self.stats.streams += 1;
         }
         let ahead = last + 1;
-        if r < SEQ_MIN || a == ahead {
-            return None;
-        }
-        let target = ahead.checked_mul(coverage).filter(|&t| t < size)?;
-        hot.run[i].set((r, ahead));
-        Some(target)
+        let target = match sequential && asked != ahead {
+            true => ahead.checked_mul(coverage).filter(|&t| t < size),
+            false => None,
+        };
+        let asked = match target {
+            Some(_) => ahead,
+            None => asked,
+        };
+        streams.set_slice_run(i, SliceRun { run, asked }, sequential);
+        target
     }
 
     fn remember_loaded(&mut self, key: u64) {
@@ -183,10 +103,16 @@ impl Prefetch {
     }
 }
 
-/// A chain's read-ahead ([`Chain::prefetch`](crate::Chain::prefetch)): what every
-/// request looks at, and the rest, touched only by sequential requests.
+/// A chain's read-ahead ([`Chain::prefetch`](crate::Chain::prefetch)): whether it is on
+/// and where a slice's tail starts, which every request may look at, and the rest,
+/// touched only by sequential requests.
 pub struct ReadAhead {
-    hot: Hot,
+    on: Cell<bool>,
+    /// [`Chain::read_ahead_memo`](crate::Chain::read_ahead_memo)'s tail of a slice: a
+    /// request whose offset within its slice (`offset & tail_mask`) plus its length passes
+    /// `tail_from` ends in the tail.
+    tail_mask: u64,
+    tail_from: u64,
     cold: RefCell<Prefetch>,
 }
 
@@ -194,8 +120,15 @@ impl ReadAhead {
     /// Off, for a chain whose top image has slices of `coverage` bytes (`None`: a raw top
     /// layer, whose requests are all watched).
     pub(crate) fn new(coverage: Option<u64>) -> Self {
+        let (tail_mask, tail_from) = match coverage {
+            // The last eighth, at least TAIL_MIN (or the whole slice).
+            Some(c) => (c - 1, c.saturating_sub((c / 8).max(TAIL_MIN))),
+            None => (0, 0),
+        };
         ReadAhead {
-            hot: Hot::new(coverage),
+            on: Cell::new(false),
+            tail_mask,
+            tail_from,
             cold: RefCell::new(Prefetch::new()),
         }
     }
@@ -203,12 +136,13 @@ impl ReadAhead {
     /// Turns read-ahead of L2 slices on sequential streams on or off for this replica
     /// (off by default; hosts turn it on per their configuration).
     pub fn set_on(&self, on: bool) {
-        self.hot.on.set(on);
+        self.on.set(on);
     }
 
     /// Whether read-ahead is on.
+    #[inline(always)]
     pub fn is_on(&self) -> bool {
-        self.hot.on.get()
+        self.on.get()
     }
 
     /// Read-ahead counters.
@@ -216,34 +150,36 @@ impl ReadAhead {
         self.cold.borrow().stats
     }
 
-    /// A request of `len` bytes at `offset`: the stream it continues, if read-ahead is on
-    /// (one that continues none starts one).
+    /// A request of `len` bytes at `offset` that the ring did not look up: the stream of
+    /// `streams` it continues, if read-ahead is on ([`Hot::watch`]).
     #[inline(always)]
-    pub(crate) fn watch(&self, offset: u64, len: u64) -> Option<usize> {
-        if !self.hot.on.get() || len == 0 {
+    pub(crate) fn watch(&self, streams: &Hot, offset: u64, len: u64) -> Option<usize> {
+        if !self.on.get() || len == 0 {
             return None;
         }
-        self.hot.find_or_start(offset, len)
+        streams.watch(offset, len)
     }
 
     /// Whether a request the memo mapped ends in its slice's tail, where read-ahead
     /// watches it.
     #[inline(always)]
     pub(crate) fn in_tail(&self, offset: u64, len: u64) -> bool {
-        (offset & self.hot.tail_mask) + len > self.hot.tail_from
+        (offset & self.tail_mask) + len > self.tail_from
     }
 
     /// Where a slice's tail starts ([`in_tail`](Self::in_tail)), in bytes from the slice's
     /// start: the memo's view tests it on the offset within the slice it computed anyway
     /// (`memo::MemoView`).
     pub(crate) fn tail_from(&self) -> u64 {
-        self.hot.tail_from
+        self.tail_from
     }
 
-    /// Stream `i` was continued by `len` bytes at `offset` (slices of `coverage` bytes, a
-    /// disk of `size`): the guest offset of the slice to load ahead, if any.
+    /// Stream `i` of `streams` was continued by `len` bytes at `offset` (slices of
+    /// `coverage` bytes, a disk of `size`): the guest offset of the slice to load ahead,
+    /// if any.
     pub(crate) fn advance(
         &self,
+        streams: &Hot,
         i: usize,
         offset: u64,
         len: u64,
@@ -251,11 +187,7 @@ impl ReadAhead {
         size: u64,
     ) -> Option<u64> {
         let mut p = self.cold.try_borrow_mut().ok()?;
-        let target = p.advance(&self.hot, i, offset, len, coverage, size);
-        if self.hot.is_sequential_run(i) {
-            self.hot.mark_sequential(i);
-        }
-        target
+        p.advance(streams, i, offset, len, coverage, size)
     }
 
     /// A load of the slice ahead was started.
@@ -264,13 +196,12 @@ impl ReadAhead {
     }
 
     /// The slice covering `target` (slices of `coverage` bytes) that read-ahead asked for
-    /// is cached: counts it, and remembers it to count the stream reaching it.
-    pub(crate) fn loaded(&self, target: u64, coverage: u64) {
+    /// is cached: counts it, and remembers it to count the stream reaching it (unless a
+    /// stream of `streams` is in it already).
+    pub(crate) fn loaded(&self, streams: &Hot, target: u64, coverage: u64) {
         let key = target / coverage;
         // A stream already in the slice was not helped: not remembered as a hit.
-        let late = self
-            .hot
-            .slots
+        let late = streams
             .nexts()
             .any(|n| n != u64::MAX && n > target && (n - 1) / coverage == key);
         let mut p = self.cold.borrow_mut();
@@ -289,8 +220,8 @@ mod tests {
     #[test]
     fn the_tail_is_an_eighth_of_a_slice_at_least_tail_min() {
         let tail = |c: Option<u64>| {
-            let h = Hot::new(c);
-            (h.tail_mask, h.tail_from)
+            let r = ReadAhead::new(c);
+            (r.tail_mask, r.tail_from)
         };
         // 64 KiB clusters, 4 KiB slices: the last 4 of 32 MiB.
         assert_eq!(tail(Some(32 << 20)), ((32 << 20) - 1, 28 << 20));
@@ -301,20 +232,17 @@ mod tests {
         assert_eq!(tail(None), (0, 0));
     }
 
-    /// Both halves, driven as `read_ahead` drives them.
+    /// The stream table and read-ahead's state, driven as `read_ahead` drives them
+    /// while the ring is off.
     struct Both(Hot, Prefetch);
 
     impl Both {
         fn new() -> Self {
-            Both(Hot::new(None), Prefetch::new())
+            Both(Hot::default(), Prefetch::new())
         }
         fn note(&mut self, offset: u64, len: u64, cov: u64, size: u64) -> Option<u64> {
-            let i = self.0.find_or_start(offset, len)?;
-            let t = self.1.advance(&self.0, i, offset, len, cov, size);
-            if self.0.is_sequential_run(i) {
-                self.0.mark_sequential(i);
-            }
-            t
+            let i = self.0.watch(offset, len)?;
+            self.1.advance(&self.0, i, offset, len, cov, size)
         }
     }
 

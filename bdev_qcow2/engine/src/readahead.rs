@@ -1,6 +1,6 @@
-//! Read-ahead for a chain: tells its [`ReadAhead`] part (`prefetch`) about each guest
-//! request and loads the next L2 slice of a sequential stream into this replica's cache in
-//! the background.
+//! Read-ahead for a chain: hands its [`ReadAhead`] part (`prefetch`) each guest request
+//! that continues a stream of the chain's stream table, and loads the next L2 slice of a
+//! sequential stream into this replica's cache in the background.
 //!
 //! Above the chain and the detector: neither uses this module.
 
@@ -18,15 +18,36 @@ impl<D: BlockDevice> Chain<D> {
     }
 
     /// Tells read-ahead about a guest request (read or write) of `len` bytes at `offset`
-    /// that this replica is about to serve or route; when it continues a sequential stream
-    /// and the stream's next slice is not cached here, starts loading that slice in the
+    /// that this replica is about to serve or route and that the prefetch ring did not
+    /// look up: it is looked up in the chain's stream table
+    /// ([`Hot::watch`](crate::ring::Hot::watch)); when it continues a sequential stream
+    /// and the stream's next slice is not cached here, that slice starts loading in the
     /// background (the engine's own request on this executor, `slice_load.rs`; a task
     /// only when its records cannot take it; a failure is left to the request that needs
     /// the slice, which reports it). Costs a few compares when off or on random I/O.
     #[inline]
     pub fn read_ahead(self: &Rc<Self>, offset: u64, len: u64) {
-        if let Some(i) = self.readahead.watch(offset, len) {
+        if let Some(i) = self.readahead.watch(self.ring.hot(), offset, len) {
             self.continue_stream(i, offset, len);
+        }
+    }
+
+    /// [`read_ahead`](Self::read_ahead) for a guest read after the prefetch ring's look-up:
+    /// `stream` is the stream it continued there. `None`: the ring continued none (the read
+    /// is random, or starts a stream), or, while the ring is off, it did not look the read
+    /// up, and read-ahead does.
+    #[inline(never)]
+    pub(crate) fn read_ahead_after_ring(
+        self: &Rc<Self>,
+        stream: Option<u8>,
+        offset: u64,
+        len: u64,
+    ) {
+        match stream {
+            Some(i) if self.readahead.is_on() => self.continue_stream(i as usize, offset, len),
+            Some(_) => {}
+            None if self.ring.is_on() => {}
+            None => self.read_ahead(offset, len),
         }
     }
 
@@ -51,9 +72,9 @@ impl<D: BlockDevice> Chain<D> {
             return;
         };
         let coverage = q.geometry().slice_coverage();
-        let Some(target) = self
-            .readahead
-            .advance(i, offset, len, coverage, self.size())
+        let Some(target) =
+            self.readahead
+                .advance(self.ring.hot(), i, offset, len, coverage, self.size())
         else {
             return;
         };
@@ -86,7 +107,8 @@ impl<D: BlockDevice> Chain<D> {
     /// The slice covering `target` that read-ahead asked for is cached: counts it.
     pub(crate) fn slice_ahead_loaded(&self, target: u64) {
         if let Some(q) = self.disk.top_qcow2() {
-            self.readahead.loaded(target, q.geometry().slice_coverage());
+            self.readahead
+                .loaded(self.ring.hot(), target, q.geometry().slice_coverage());
         }
     }
 }

@@ -5,6 +5,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)] // test helpers may panic
 
 use qcow2_engine::io::{BufSlice, HeapBuf, IoBuffer};
+use qcow2_engine::ring::{RingConfig, WriteGens};
 use qcow2_engine::testing::host;
 use qcow2_engine::testing::MemDevice;
 use qcow2_engine::{Chain, Error, Exec, Layer, OpenOptions, Qcow2, ReadRoute, WriteRoute};
@@ -12,6 +13,7 @@ use std::cell::RefCell;
 use std::path::Path;
 use std::process::Command;
 use std::rc::Rc;
+use std::sync::Arc;
 
 mod mem_chain;
 
@@ -530,6 +532,46 @@ fn read_ahead_loads_the_next_slice_of_a_sequential_stream() {
         .collect();
     let (_, p) = run(true, &random);
     assert_eq!(p.issued, 0, "{p:?}");
+}
+
+#[test]
+fn the_prefetch_ring_and_read_ahead_follow_one_stream() {
+    // As above, with the prefetch ring on too: the ring looks each read up in the chain's
+    // one stream table, and read-ahead of L2 slices follows the stream it found there.
+    const LEN: usize = 32 << 10;
+    let dir = tempfile::tempdir().unwrap();
+    let (img, raw) = make_image(
+        dir.path(),
+        "cluster_size=4096",
+        "8M",
+        &["write -P 0x5a 0 3M", "write -P 0xa5 5M 3M"],
+    );
+    let (exec, _dev, chain) = open_sliced(img, 512, true);
+    chain
+        .enable_ring(RingConfig::default(), Arc::new(WriteGens::new()))
+        .unwrap();
+    let mut x = 7u64;
+    for off in (0..256).map(|i| i * LEN as u64) {
+        // Random reads between the stream's: neither follows them.
+        x = x.wrapping_mul(6364136223846793005).wrapping_add(1);
+        let far = ((x >> 33) % 64) * 2 * LEN as u64 + 4096;
+        for at in [off, far] {
+            let buf = HeapBuf::new(LEN.min((8 << 20) - at as usize));
+            let slice = BufSlice::whole(buf.clone());
+            let n = slice.len;
+            wait_for(&exec, |t| host::read(&chain, t, at, slice)).unwrap();
+            assert_eq!(
+                buf.to_vec()[..],
+                raw[at as usize..at as usize + n],
+                "at {at}"
+            );
+        }
+    }
+    let p = chain.prefetch().stats();
+    let r = chain.ring().stats().unwrap();
+    assert_eq!((p.streams, r.streams), (1, 1), "{p:?} {r:?}");
+    // (The ring's own read-aheads load the slices they cross: read-ahead finds them cached.)
+    assert!(r.readahead_ios > 0, "{r:?}");
 }
 
 #[test]

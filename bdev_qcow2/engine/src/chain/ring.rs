@@ -76,36 +76,37 @@ impl<D: BlockDevice> Chain<D> {
         if self.ring.passes(offset, len) {
             return RingServed::Nothing;
         }
-        self.ring_read_past(offset, len, copy)
+        self.ring_read_past(offset, len, copy).0
     }
 
     /// The second half of [`ring_read_with`](Self::ring_read_with), for a read
     /// [`ChainRing::passes`] did not pass (calling it for one it passed would
-    /// look the read up twice).
+    /// look the read up twice): what the ring served, and the stream the read continued
+    /// (for read-ahead of L2 slices, which follows the same streams).
     #[inline(never)]
-    pub fn ring_read_past(
+    pub(crate) fn ring_read_past(
         self: &Rc<Self>,
         offset: u64,
         len: u64,
         copy: &mut RingCopy<'_, D::Buf>,
-    ) -> RingServed {
+    ) -> (RingServed, Option<u8>) {
         if self.disk.check_range(offset, len).is_err() {
-            return RingServed::Nothing;
+            return (RingServed::Nothing, None);
         }
         let Ok(mut guard) = self.ring.host().try_borrow_mut() else {
-            return RingServed::Nothing;
+            return (RingServed::Nothing, None);
         };
         let Some(rh) = guard.as_mut() else {
-            return RingServed::Nothing;
+            return (RingServed::Nothing, None);
         };
         let hot = self.ring.hot();
         let Some((stream, served)) = rh.look_up(hot, offset, len, copy) else {
-            return RingServed::Nothing;
+            return (RingServed::Nothing, None);
         };
         while let Some((f, dst)) = rh.next_fill(hot, stream) {
             self.start_fill(f, dst, rh, 0);
         }
-        served
+        (served, Some(stream))
     }
 
     /// Issues read-ahead `f` into `dst` (its slot's part of the ring's buffer). Where the

@@ -1,10 +1,17 @@
-//! The stream table both stream detectors are built on ([`StreamSlots`]: where each
-//! followed stream continues, the round robin that says which slot a new stream takes
-//! first, and where recent requests that continued nothing ended; read-ahead of L2 slices,
-//! `prefetch.rs`, keeps one too, watching other requests), and the part of the ring's
-//! stream table every read looks at, on plain cells outside the ring's `RefCell`: which
-//! slots a new stream may take without touching the ring's state, and when each stream
-//! last moved.
+//! The chain's one stream table ([`Hot`]), which both users of sequential streams read:
+//! the prefetch ring (data read ahead into the ring, `ring/`) and read-ahead of L2
+//! slices (`prefetch.rs`). Each request is looked up in it once: every read by the ring
+//! while the ring is on ([`Hot::passes`], then [`Ring::lookup`](super::Ring::lookup)),
+//! and the requests read-ahead watches that the ring did not see ([`Hot::watch`]: writes,
+//! and reads while the ring is off). A stream keeps one slot for both; what each user
+//! keeps of it beside the slot (the ring's window and chunks, read-ahead's run) is reset
+//! when the slot is restarted.
+//!
+//! [`StreamSlots`] holds where each followed stream continues, the round robin that says
+//! which slot a new stream takes first, and where recent requests that continued nothing
+//! ended. The rest of [`Hot`] sits on plain cells outside the ring's `RefCell`: which
+//! slots a new stream may take without touching the ring's state, when each stream last
+//! moved, and read-ahead's share of each stream.
 //!
 //! A random request continues no stream and no recent request:
 //! [`StreamSlots::continues_nothing`] finds that with one hash of its offset, a bit of a
@@ -25,14 +32,14 @@
 use super::STALE_READS;
 use std::cell::Cell;
 
-/// Streams followed at once by each detector.
+/// Streams followed at once per chain.
 pub const STREAMS: usize = 4;
 
 // The search rotates a mask of slots in a `u32`; the round robin's position is a `u8`
 // taken modulo STREAMS, which must divide 256 to wrap evenly.
 const _: () = assert!(STREAMS <= 8 && 256 % STREAMS == 0);
 /// Every slot, a bit each.
-pub(crate) const ALL: u32 = (1 << STREAMS) - 1;
+const ALL: u32 = (1 << STREAMS) - 1;
 
 /// Slots of the table of recent reads' ends (a power of two: the hash's top bits index
 /// it, and the streams' mask has a bit per slot).
@@ -74,7 +81,7 @@ impl std::fmt::Debug for Ends {
 /// one hash ([`continues_nothing`](Self::continues_nothing)); one that starts where a
 /// recent request ended is the second of a stream, which takes a slot then.
 #[derive(Debug)]
-pub(crate) struct StreamSlots {
+struct StreamSlots {
     /// Where each stream's next request starts (`u64::MAX`: none).
     next: [Cell<u64>; STREAMS],
     /// Where the search for a slot for a new stream starts (round robin; taken modulo
@@ -177,18 +184,40 @@ impl StreamSlots {
     }
 }
 
-/// Where the followed streams continue and which slots are free to take (see the module
-/// documentation). One per core's chain, next to the fields every request reads.
+/// Read-ahead's share of a stream (`prefetch.rs`): requests in a row, and the last slice
+/// asked for (`u64::MAX`: none). Reset when its slot is restarted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct SliceRun {
+    pub(crate) run: u32,
+    pub(crate) asked: u64,
+}
+
+impl SliceRun {
+    /// A stream just started: the request that started it counts.
+    const STARTED: SliceRun = SliceRun {
+        run: 1,
+        asked: u64::MAX,
+    };
+}
+
+/// The chain's stream table: where the followed streams continue and which slots are free
+/// to take (see the module documentation). One per core's chain, next to the fields every
+/// request reads.
 #[derive(Debug)]
 pub struct Hot {
     /// Whether the ring is on: every read looks at it, here with the rest.
     on: Cell<bool>,
-    /// Where each stream's next read starts, and the round robin (the stream table
-    /// read-ahead's detector is built on too).
+    /// Where each stream's next request starts, and the round robin.
     slots: StreamSlots,
-    /// Per slot: a new stream may not take it here (reading ahead, or holding chunks).
-    /// Bytes rather than bits: one compare to test, one store to set.
+    /// Per slot: a new stream may not take it here (the ring reads ahead for it, or it
+    /// holds chunks). Bytes rather than bits: one compare to test, one store to set.
     busy: [Cell<bool>; STREAMS],
+    /// Slots whose stream read-ahead found sequential (a bit each): a new stream takes
+    /// another slot first, so that random requests between its requests do not push it
+    /// out.
+    seq: Cell<u8>,
+    /// Per slot: read-ahead's share of its stream.
+    slice_runs: [Cell<SliceRun>; STREAMS],
     /// Per slot: restarted here, its state in the ring not reset yet.
     fresh: [Cell<bool>; STREAMS],
     /// Reads looked at so far, and the read that last started or continued each stream:
@@ -203,6 +232,8 @@ impl Default for Hot {
             on: Cell::new(false),
             slots: StreamSlots::default(),
             busy: Default::default(),
+            seq: Cell::new(0),
+            slice_runs: std::array::from_fn(|_| Cell::new(SliceRun::STARTED)),
             fresh: Default::default(),
             reads: Cell::new(0),
             last: Default::default(),
@@ -257,7 +288,7 @@ impl Hot {
         // The stream of the read that ended here starts now, in the slot in turn if it is
         // idle (most often), else in an idle one; the ring continues it with this read.
         let v = self.slots.turn();
-        let i = if !self.busy[v].get() {
+        let i = if !self.taken(v) {
             v
         } else if self.left(v) {
             // Its chunks must go first: the ring takes it.
@@ -291,16 +322,30 @@ impl Hot {
         self.slots.find(offset)
     }
 
+    /// Whether a new stream may not take slot `i` here: the ring reads ahead for its
+    /// stream or holds chunks of it, or read-ahead found it sequential.
+    #[inline(always)]
+    fn taken(&self, i: usize) -> bool {
+        self.busy[i].get() || self.seq.get() >> i & 1 != 0
+    }
+
+    /// The slots (a bit each) the ring is not busy with.
+    fn not_busy(&self) -> u32 {
+        (0..STREAMS)
+            .filter(|&i| !self.busy[i].get())
+            .fold(0, |m, i| m | 1 << i)
+    }
+
     /// The first slot from the round robin's position on that a new stream may take here.
     fn idle(&self) -> Option<usize> {
-        let idle = (0..STREAMS).filter(|&i| !self.busy[i].get());
+        let idle = (0..STREAMS).filter(|&i| !self.taken(i));
         self.first_of(idle.fold(0, |m, i| m | 1 << i))
     }
 
     /// The slots (a bit each) that are idle or whose stream has left.
     pub(super) fn idle_or_left(&self) -> u32 {
         (0..STREAMS)
-            .filter(|&i| !self.busy[i].get() || self.left(i))
+            .filter(|&i| !self.taken(i) || self.left(i))
             .fold(0, |m, i| m | 1 << i)
     }
 
@@ -327,13 +372,15 @@ impl Hot {
         self.slots.first_of(mask)
     }
 
-    /// Stream `i` starts with a read ending at `end`: its state in the ring is reset when
-    /// it is next continued ([`take_fresh`](Self::take_fresh)).
+    /// Stream `i` starts with a request ending at `end`: its state in the ring is reset
+    /// when it is next continued ([`take_fresh`](Self::take_fresh)), read-ahead's at once.
     #[inline(always)]
     pub(super) fn start(&self, i: usize, end: u64) {
         self.moved(i, end);
         self.fresh[i].set(true);
         self.last[i].set(self.reads.get());
+        self.seq.set(self.seq.get() & !(1 << i));
+        self.slice_runs[i].set(SliceRun::STARTED);
     }
 
     /// Stream `i` was continued by a read ending at `end`: the slot just continued is the
@@ -360,6 +407,54 @@ impl Hot {
     #[inline(always)]
     pub(super) fn set_busy(&self, i: usize, busy: bool) {
         self.busy[i].set(busy);
+    }
+
+    /// A request of `len` bytes at `offset` that read-ahead watches and the ring did not
+    /// look up (a write, or a read while the ring is off): the stream it continues, if
+    /// any. One that continues neither a stream nor a recent request is random: only its
+    /// end is recorded. One that starts where a recent request ended starts that
+    /// request's stream (as if that request had started it) and continues it, in the
+    /// next slot in turn that no stream holds, else in the next the ring is not busy with
+    /// (read-ahead's own streams give way; the ring's chunks are the ring's to hand on):
+    /// none such, and the request continues nothing.
+    pub(crate) fn watch(&self, offset: u64, len: u64) -> Option<usize> {
+        if self.slots.continues_nothing(offset, len) {
+            return None;
+        }
+        let end = offset.saturating_add(len);
+        if let Some(i) = self.find(offset) {
+            self.continued(i, end);
+            return Some(i);
+        }
+        if !self.ended_at(offset) {
+            // Another offset with the same hash: a request that continues nothing.
+            self.slots.note_end(end);
+            return None;
+        }
+        let i = self.idle().or_else(|| self.first_of(self.not_busy()))?;
+        self.start(i, end);
+        Some(i)
+    }
+
+    /// Read-ahead's share of stream `i`.
+    #[inline]
+    pub(crate) fn slice_run(&self, i: usize) -> SliceRun {
+        self.slice_runs[i].get()
+    }
+
+    /// Sets read-ahead's share of stream `i`; `sequential`: read-ahead found it so, and
+    /// keeps its slot from new streams while it runs.
+    #[inline]
+    pub(crate) fn set_slice_run(&self, i: usize, run: SliceRun, sequential: bool) {
+        self.slice_runs[i].set(run);
+        if sequential {
+            self.seq.set(self.seq.get() | 1 << i);
+        }
+    }
+
+    /// Where each stream continues (`u64::MAX`: none).
+    pub(crate) fn nexts(&self) -> impl Iterator<Item = u64> + '_ {
+        self.slots.nexts()
     }
 }
 
@@ -390,6 +485,68 @@ mod stream_slots_tests {
             .find(|&x| slot_of(x) != slot_of(4096))
             .expect("another slot");
         assert!(!h.ended_at(other));
+    }
+
+    /// A stream the ring follows, started by reads 0 and 4096: its slot.
+    fn ring_stream(h: &Hot) -> usize {
+        h.turn_on();
+        assert!(h.passes(0, 4096), "a first read continues nothing");
+        assert!(
+            !h.passes(4096, 4096),
+            "the second starts a stream for the ring"
+        );
+        let i = h.find(4096).expect("started in a slot");
+        // As the ring's look-up continues it.
+        h.continued(i, 8192);
+        i
+    }
+
+    #[test]
+    fn read_ahead_watches_the_streams_the_ring_follows() {
+        let h = Hot::default();
+        let i = ring_stream(&h);
+        // A write read-ahead watches continues the ring's stream, in the same slot.
+        assert_eq!(h.watch(8192, 4096), Some(i));
+        assert_eq!(h.find(12288), Some(i));
+        // And a random request, none.
+        assert_eq!(h.watch(1 << 30, 4096), None);
+        assert_eq!(h.find(12288), Some(i));
+    }
+
+    #[test]
+    fn a_stream_read_ahead_found_sequential_keeps_its_slot_from_new_streams() {
+        let h = Hot::default();
+        let i = ring_stream(&h);
+        h.set_slice_run(
+            i,
+            SliceRun {
+                run: 4,
+                asked: u64::MAX,
+            },
+            true,
+        );
+        // Streams started by the ring after it take every other slot, in turn.
+        let mut taken = vec![i];
+        for k in 1..STREAMS as u64 {
+            let at = k << 30;
+            assert!(h.passes(at, 4096));
+            assert!(!h.passes(at + 4096, 4096));
+            let j = h.find(at + 4096).expect("started");
+            assert!(!taken.contains(&j), "slot {j} taken twice");
+            taken.push(j);
+        }
+        assert_eq!(h.find(8192), Some(i), "the sequential stream kept its slot");
+    }
+
+    #[test]
+    fn a_restarted_slot_starts_read_aheads_share_over() {
+        let h = Hot::default();
+        let i = ring_stream(&h);
+        h.set_slice_run(i, SliceRun { run: 9, asked: 3 }, true);
+        assert_eq!(h.slice_run(i), SliceRun { run: 9, asked: 3 });
+        h.start(i, 1 << 20);
+        assert_eq!(h.slice_run(i), SliceRun::STARTED);
+        assert!(!h.taken(i), "no longer held for a sequential stream");
     }
 
     #[test]

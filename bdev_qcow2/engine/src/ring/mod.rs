@@ -32,7 +32,7 @@ pub use config::{RingConfig, RingStats};
 pub use gens::WriteGens;
 pub use host::{RingCopy, RingServed, RingWait};
 pub use hot::Hot;
-pub(crate) use hot::{StreamSlots, ALL};
+pub(crate) use hot::SliceRun;
 pub use part::ChainRing;
 pub use zones::{Watch, Zones};
 
