@@ -109,32 +109,80 @@ fn fully_allocated(size: u64, cluster: u64) -> u64 {
     qcow2_engine::format::measure::prealloc_size(size, cluster, 4, false)
 }
 
-/// A switch in progress: what every step hands the next.
+/// A switch in progress: what every step reads. What a step hands the next that only
+/// some steps hold (the new base, the open overlay, the old image) travels in the
+/// [`State`] it names.
 struct Switch {
-    req: Option<Request>,
+    req: Request,
     _busy: Busy,
     key: NodeKey,
     name: String,
     snapshot: String,
-    /// The new base, claimed as its writer (until the node takes it).
-    new_base: Option<Desc>,
-    /// The overlay's executor (its device 0 is `new_base`) and the open overlay.
-    exec: Option<Exec<SpdkDevice>>,
-    image: Option<Qcow2<SpdkDevice>>,
     zeroing: crate::device::Zeroing,
     /// The bdev's parameters over the overlay, and the old image's bdev's.
     params: CreateParams,
     snap_params: CreateParams,
     /// Where the bdev's I/O pause stands.
     pause: Pause,
-    /// The node's former image, until it is closed.
-    old: Option<Box<Image>>,
-    /// How the overlay of an encrypted image is encrypted (until its format takes it).
+}
+
+/// The new base before the overlay is formatted on it: claimed as its writer.
+struct NewBase {
+    desc: Desc,
+    /// How the overlay of an encrypted image is encrypted (its format takes it).
     encrypt: Option<prepare::Encrypt>,
+}
+
+/// What `Format` starts from: the overlay's options (from the old image), the new base,
+/// and the old image's key (encrypted images).
+struct ToFormat {
+    opts: CreateOptions,
+    base: NewBase,
+    old_key: Option<UnlockedKey>,
+}
+
+/// The overlay, formatted and open on the new base on a poller of its own, from `Format`
+/// until `Switch` puts it under the node.
+struct Overlay {
+    // (Dropped in this order, before the base's descriptor closes: `Held::release`.)
+    image: Qcow2<SpdkDevice>,
+    /// Its executor: device 0 is the new base.
+    exec: Exec<SpdkDevice>,
+    new_base: Desc,
     /// The keys the overlay and the old image were unlocked with (encrypted images): the
     /// bdevs over them take them without deriving them again, with I/O paused.
-    overlay_key: Option<UnlockedKey>,
+    key: Option<UnlockedKey>,
     old_key: Option<UnlockedKey>,
+}
+
+/// What a failing switch still holds, released by `Fail`: the bdev serves its old image
+/// as before.
+enum Held {
+    Nothing,
+    /// The new base, claimed.
+    Base(Desc),
+    Overlay(Box<Overlay>),
+}
+
+impl Held {
+    /// Closes what is held: the overlay and its executor first, then the new base.
+    fn release(self) {
+        match self {
+            Held::Nothing => {}
+            Held::Base(d) => d.close(),
+            Held::Overlay(ov) => {
+                let Overlay {
+                    image,
+                    exec,
+                    new_base,
+                    ..
+                } = *ov;
+                drop(image);
+                drop(exec);
+                new_base.close();
+            }
+        }
+    }
 }
 
 /// The pause of a switch's bdev: asked for at `Quiesce`, held once SPDK quiesced the bdev,
@@ -161,8 +209,9 @@ impl Pause {
     }
 }
 
-/// Where a switch is. [`advance`] runs each state's action; the action (or the SPDK
-/// callback it waits for) names the next state. Forward, in order (ARCHITECTURE.md §13):
+/// Where a switch is, with what that step holds. [`advance`] runs each state's action; the
+/// action (or the SPDK callback it waits for) names the next state. Forward, in order
+/// (ARCHITECTURE.md §13):
 ///
 /// | state | what happens | next |
 /// | --- | --- | --- |
@@ -178,72 +227,68 @@ impl Pause {
 /// | `Claim` | the old base and the read-only bdev are claimed read-only (a poller retries) | `Answer` |
 /// | `Answer` | the RPC answers | — |
 ///
-/// Errors unwind through `Unregister` (the read-only bdev goes again) and `Fail` (the
-/// overlay and the new base are released, the bdev unquiesced if it was), to `Refuse`
-/// (the RPC answers the error), the bdev serving its old image as before.
+/// Errors unwind through `Unregister` (the read-only bdev goes again) and `Fail` (what the
+/// switch holds is released, the bdev unquiesced if it was), to `Refuse` (the RPC answers
+/// the error), the bdev serving its old image as before.
 enum State {
-    Flush,
-    Format(CreateOptions),
-    Quiesce,
-    CloseOld,
-    RegisterSnapshot,
-    Switch,
-    /// With the status of the channels' renewal.
-    Resume(c_int),
-    WaitOld,
-    CloseOldOwner,
+    Flush(NewBase),
+    Format(Box<ToFormat>),
+    Quiesce(Box<Overlay>),
+    CloseOld(Box<Overlay>),
+    RegisterSnapshot(Box<Overlay>),
+    Switch(Box<Overlay>),
+    /// With the status of the channels' renewal, and the node's former image.
+    Resume(c_int, Box<Image>),
+    WaitOld(Box<Image>),
+    CloseOldOwner(Box<Image>),
     Claim,
     Answer,
-    Unregister(i32, String),
-    Fail(i32, String),
+    Unregister(i32, String, Held),
+    Fail(i32, String, Held),
     Refuse(i32, String),
 }
 
-/// The error state of a step that found the bdev gone.
-fn went_away() -> State {
-    State::Fail(libc::ENODEV, "the bdev went away".into())
+/// The error state of a step holding `held` that found the bdev gone.
+fn went_away(held: Held) -> State {
+    State::Fail(libc::ENODEV, "the bdev went away".into(), held)
 }
 
 /// Runs the action of `state` on switch `sw`.
 fn advance(sw: Box<Switch>, state: State) {
     match state {
         // Step 1: most of what the close in the pause would write goes now.
-        State::Flush => flush(sw),
-        State::Format(opts) => format(sw, opts),
+        State::Flush(base) => flush(sw, base),
+        State::Format(f) => format(sw, *f),
         // Step 2: no request in flight from here, then the old image is final.
-        State::Quiesce => quiesce(sw),
-        State::CloseOld => close_old(sw),
+        State::Quiesce(ov) => quiesce(sw, ov),
+        State::CloseOld(ov) => close_old(sw, ov),
         // Step 3.
-        State::RegisterSnapshot => register_snapshot(sw),
-        State::Switch => switch(sw),
+        State::RegisterSnapshot(ov) => register_snapshot(sw, ov),
+        State::Switch(ov) => switch(sw, ov),
         // Step 4: requests go on; the old image goes once nothing uses it.
-        State::Resume(status) => resume(sw, status),
-        State::WaitOld => wait_old(sw),
-        State::CloseOldOwner => close_old_owner(sw),
+        State::Resume(status, old) => resume(sw, status, old),
+        State::WaitOld(old) => wait_old(sw, old),
+        State::CloseOldOwner(old) => close_old_owner(sw, old),
         State::Claim => {
             claim::claim_snapshot(&sw.name, &sw.snapshot);
             advance(sw, State::Answer)
         }
-        State::Answer => answer(sw),
+        State::Answer => answer(*sw),
         // Unwinding.
-        State::Unregister(errno, msg) => {
+        State::Unregister(errno, msg, held) => {
             drop_snapshot(&sw.snapshot);
-            advance(sw, State::Fail(errno, msg))
+            advance(sw, State::Fail(errno, msg, held))
         }
-        State::Fail(errno, msg) => fail(sw, errno, msg),
-        State::Refuse(errno, msg) => refuse(sw, errno, &msg),
+        State::Fail(errno, msg, held) => fail(sw, errno, msg, held),
+        State::Refuse(errno, msg) => refuse(*sw, errno, &msg),
     }
 }
 
-/// `Fail`: the bdev serves as before. Releases the overlay and the new base, and lets the
-/// requests go if they were held; then `Refuse`.
-fn fail(mut sw: Box<Switch>, errno: i32, msg: String) {
+/// `Fail`: the bdev serves as before. Releases what the switch holds (the overlay, the new
+/// base), and lets the requests go if they were held; then `Refuse`.
+fn fail(sw: Box<Switch>, errno: i32, msg: String, held: Held) {
     tracing::error!("{METHOD} {}: {msg}", sw.name);
-    sw.image = None;
-    sw.exec = None;
-    if let Some(d) = sw.new_base.take() {
-        d.close();
-    }
+    held.release();
     if matches!(sw.pause, Pause::Held(_)) {
         let reg = registry::lock();
         if let Some(n) = reg.by_key(sw.key) {
@@ -255,43 +300,60 @@ fn fail(mut sw: Box<Switch>, errno: i32, msg: String) {
 }
 
 /// `Refuse`: the RPC answers the error.
-fn refuse(mut sw: Box<Switch>, errno: i32, msg: &str) {
-    if let Some(req) = sw.req.take() {
-        req.errno(errno, &format!("{METHOD}: {msg}"));
-    }
+fn refuse(sw: Switch, errno: i32, msg: &str) {
+    sw.req.errno(errno, &format!("{METHOD}: {msg}"));
 }
 
-/// Runs `job` with the switch on the owner's executor, as a life-cycle job (requests keep
-/// flowing); `Fail` when the bdev went away.
-fn owner_job<F>(sw: Box<Switch>, job: impl FnOnce(Box<Switch>, Rc<Chain<SpdkDevice>>) -> F)
-where
+/// Runs `job` with the switch and what it holds on the owner's executor, as a life-cycle
+/// job (requests keep flowing); `Fail` when the bdev went away.
+fn owner_job<H, F>(
+    sw: Box<Switch>,
+    held: H,
+    into_held: fn(H) -> Held,
+    job: impl FnOnce(Box<Switch>, H, Rc<Chain<SpdkDevice>>) -> F,
+) where
+    H: 'static,
     F: std::future::Future<Output = ()> + 'static,
 {
     let reg = registry::lock();
     let Some(owner) = reg.by_key(sw.key).and_then(|n| n.owner_here()) else {
         drop(reg);
-        return advance(sw, went_away());
+        return advance(sw, went_away(into_held(held)));
     };
-    owner.run_job(move |chain| job(sw, chain));
+    owner.run_job(move |chain| job(sw, held, chain));
+}
+
+/// What a failure before the format releases.
+fn base_held(base: NewBase) -> Held {
+    Held::Base(base.desc)
 }
 
 /// `Flush`: the overlay's options (and the key) from the old image, which is flushed;
 /// then `Format`.
-fn flush(sw: Box<Switch>) {
-    owner_job(sw, |mut sw, chain| async move {
-        let opts = match chain.layers().first() {
+fn flush(sw: Box<Switch>, base: NewBase) {
+    owner_job(sw, base, base_held, |sw, base, chain| async move {
+        let (opts, old_key) = match chain.layers().first() {
             Some(qcow2_engine::Layer::Qcow2(q)) => {
-                sw.old_key = q.unlocked_key();
-                overlay_options(q, &sw.snapshot)
+                (overlay_options(q, &sw.snapshot), q.unlocked_key())
             }
-            _ => return advance(sw, State::Fail(libc::EROFS, "no writable image".into())),
+            _ => {
+                let m = "no writable image".into();
+                return advance(sw, State::Fail(libc::EROFS, m, base_held(base)));
+            }
         };
         match chain.flush().await {
-            Ok(()) => advance(sw, State::Format(opts)),
-            Err(e) => advance(
-                sw,
-                State::Fail(e.errno(), format!("flushing the image: {e}")),
-            ),
+            Ok(()) => {
+                let f = ToFormat {
+                    opts,
+                    base,
+                    old_key,
+                };
+                advance(sw, State::Format(Box::new(f)))
+            }
+            Err(e) => {
+                let m = format!("flushing the image: {e}");
+                advance(sw, State::Fail(e.errno(), m, base_held(base)))
+            }
         }
     });
 }
@@ -434,39 +496,40 @@ pub fn snapshot_external(req: Request, params: Params) {
         ..old
     };
     let sw = Box::new(Switch {
-        req: Some(req),
+        req,
         _busy: busy,
         key,
         name: p.name.clone(),
         snapshot,
-        new_base: Some(new_base),
-        exec: None,
-        image: None,
         zeroing,
         params,
         snap_params,
         pause: Pause::NotAsked,
-        old: None,
-        encrypt,
-        overlay_key: None,
-        old_key: None,
     });
-    advance(sw, State::Flush);
+    let base = NewBase {
+        desc: new_base,
+        encrypt,
+    };
+    advance(sw, State::Flush(base));
 }
 
 /// `Format`: formats the overlay `opts` on the new base (encrypted if the image is) and
 /// opens it writable, on a poller of its own ([`prepare`]); then `Quiesce`, or `Fail`.
-fn format(mut sw: Box<Switch>, opts: CreateOptions) {
-    let Some(dev) = sw.new_base.as_ref().and_then(crate::device::open) else {
-        let e = State::Fail(libc::ENOMEM, "no I/O channel for the new base".into());
-        return advance(sw, e);
+fn format(sw: Box<Switch>, f: ToFormat) {
+    let ToFormat {
+        opts,
+        base: NewBase { desc, encrypt },
+        old_key,
+    } = f;
+    let Some(dev) = crate::device::open(&desc) else {
+        let m = "no I/O channel for the new base".into();
+        return advance(sw, State::Fail(libc::ENOMEM, m, Held::Base(desc)));
     };
     let open = OpenOptions {
         writable: true,
         zero_ahead: sw.zeroing.ahead,
         ..sw.params.open_options()
     };
-    let encrypt = sw.encrypt.take();
     prepare::start(
         dev,
         sw.zeroing,
@@ -475,49 +538,53 @@ fn format(mut sw: Box<Switch>, opts: CreateOptions) {
         encrypt,
         Box::new(move |r| match r {
             Ok(p) => {
-                sw.exec = Some(p.exec);
-                sw.image = Some(p.image);
-                sw.overlay_key = p.key;
-                advance(sw, State::Quiesce)
+                let ov = Box::new(Overlay {
+                    image: p.image,
+                    exec: p.exec,
+                    new_base: desc,
+                    key: p.key,
+                    old_key,
+                });
+                advance(sw, State::Quiesce(ov))
             }
             Err((e, m)) => {
                 let base = &sw.params.base_bdev;
                 let m = format!("formatting the overlay on {base}: {m}");
-                advance(sw, State::Fail(e, m))
+                advance(sw, State::Fail(e, m, Held::Base(desc)))
             }
         }),
     );
 }
 
 /// `Quiesce`: once no request is in flight, `CloseOld`; `Fail` if SPDK refuses.
-fn quiesce(mut sw: Box<Switch>) {
+fn quiesce(mut sw: Box<Switch>, ov: Box<Overlay>) {
     let t0 = Instant::now();
     sw.pause = Pause::Asked(t0);
     let reg = registry::lock();
     let Some(n) = reg.by_key(sw.key) else {
         drop(reg);
-        return advance(sw, went_away());
+        return advance(sw, went_away(Held::Overlay(ov)));
     };
     n.quiesce(move |status| {
         if status != 0 {
-            let e = State::Fail(-status, "SPDK could not quiesce the bdev".into());
-            return advance(sw, e);
+            let m = "SPDK could not quiesce the bdev".into();
+            return advance(sw, State::Fail(-status, m, Held::Overlay(ov)));
         }
         sw.pause = Pause::Held(t0);
-        advance(sw, State::CloseOld)
+        advance(sw, State::CloseOld(ov))
     });
 }
 
 /// `CloseOld`: the old image written back and closed (no request is in flight); then
 /// `RegisterSnapshot`.
-fn close_old(sw: Box<Switch>) {
-    owner_job(sw, |sw, chain| async move {
+fn close_old(sw: Box<Switch>, ov: Box<Overlay>) {
+    owner_job(sw, ov, Held::Overlay, |sw, ov, chain| async move {
         match chain.close().await {
-            Ok(()) => advance(sw, State::RegisterSnapshot),
-            Err(e) => advance(
-                sw,
-                State::Fail(e.errno(), format!("closing the old image: {e}")),
-            ),
+            Ok(()) => advance(sw, State::RegisterSnapshot(ov)),
+            Err(e) => {
+                let m = format!("closing the old image: {e}");
+                advance(sw, State::Fail(e.errno(), m, Held::Overlay(ov)))
+            }
         }
     });
 }
@@ -525,14 +592,17 @@ fn close_old(sw: Box<Switch>) {
 /// `RegisterSnapshot`: the old image's read-only bdev, on a descriptor of the old base
 /// opened without a claim (the bdev still holds its writer's claim until its old states
 /// are gone); then `Switch`.
-fn register_snapshot(sw: Box<Switch>) {
+fn register_snapshot(sw: Box<Switch>, ov: Box<Overlay>) {
     let p = sw.snap_params.clone();
     node::create_unclaimed(
         p,
-        sw.old_key.clone(),
+        ov.old_key.clone(),
         Box::new(move |r| match r {
-            Ok(_) => advance(sw, State::Switch),
-            Err((e, m)) => advance(sw, State::Fail(e, format!("the old image's bdev: {m}"))),
+            Ok(_) => advance(sw, State::Switch(ov)),
+            Err((e, m)) => {
+                let m = format!("the old image's bdev: {m}");
+                advance(sw, State::Fail(e, m, Held::Overlay(ov)))
+            }
         }),
     );
 }
@@ -547,37 +617,36 @@ fn drop_snapshot(name: &str) {
 /// `Switch`: the overlay's owner over the old image's bdev, put under the node and then
 /// under every channel; `Resume` once every channel has its new state. Before the node
 /// switched, a failure unregisters the read-only bdev (`Unregister`).
-fn switch(mut sw: Box<Switch>) {
+fn switch(sw: Box<Switch>, ov: Box<Overlay>) {
     let snap = sw.snapshot.clone();
     // Claimed later (`Claim`): other modules examine the new bdev now, some with a
     // descriptor open for writing, which a read-only claim cannot coexist with.
     let backing = match node::open_unclaimed(&snap, "backing") {
         Ok(d) => d,
-        Err((e, m)) => return advance(sw, State::Unregister(e, m)),
-    };
-    let (Some(exec), Some(image)) = (sw.exec.take(), sw.image.take()) else {
-        backing.close();
-        let e = State::Unregister(libc::EIO, "the overlay is not open".into());
-        return advance(sw, e);
+        Err((e, m)) => return advance(sw, State::Unregister(e, m, Held::Overlay(ov))),
     };
     let Some(bdev) = crate::device::open(&backing) else {
-        drop(image);
-        drop(exec);
         backing.close();
-        let e = State::Unregister(libc::ENOMEM, format!("no I/O channel for {snap}"));
-        return advance(sw, e);
+        let m = format!("no I/O channel for {snap}");
+        return advance(sw, State::Unregister(libc::ENOMEM, m, Held::Overlay(ov)));
     };
-    let backing_dev = exec.add_device(bdev);
-    let info = ImageInfo::of(&image, &sw.params, sw.zeroing);
     let reg = registry::lock();
     let Some(node) = reg.by_key(sw.key) else {
         drop(reg);
-        drop(image);
-        drop(exec);
+        drop(bdev);
         backing.close();
-        let e = State::Unregister(libc::ENODEV, "the bdev went away".into());
-        return advance(sw, e);
+        let m = "the bdev went away".into();
+        return advance(sw, State::Unregister(libc::ENODEV, m, Held::Overlay(ov)));
     };
+    let Overlay {
+        image,
+        exec,
+        new_base,
+        key,
+        ..
+    } = *ov;
+    let backing_dev = exec.add_device(bdev);
+    let info = ImageInfo::of(&image, &sw.params, sw.zeroing);
     let ring = node.node().ring().cloned();
     let owner = match node::start_owner(
         exec,
@@ -590,39 +659,40 @@ fn switch(mut sw: Box<Switch>) {
         Err((e, m)) => {
             drop(reg);
             backing.close();
-            return advance(sw, State::Unregister(e, m));
+            return advance(sw, State::Unregister(e, m, Held::Base(new_base)));
         }
     };
     let new = Box::new(Image::new(
-        [sw.new_base.take(), Some(backing)],
+        [Some(new_base), Some(backing)],
         owner,
         sw.params.clone(),
         info,
-        sw.overlay_key.take(),
+        key,
     ));
-    match node.switch_image(new) {
-        Ok(old) => sw.old = Some(old),
+    let old = match node.switch_image(new) {
+        Ok(old) => old,
         Err(_) => {
             // Not reached: the node was found writable on this thread above.
             drop(reg);
-            return advance(sw, State::Fail(libc::EIO, "the switch was refused".into()));
+            let m = "the switch was refused".into();
+            return advance(sw, State::Fail(libc::EIO, m, Held::Nothing));
         }
-    }
+    };
     tracing::info!(
         "qcow2 bdev {} now serves the overlay on {} over {snap}",
         sw.name,
         sw.params.base_bdev
     );
     node.for_each_channel(
-        sw,
+        (sw, old),
         |it: ChannelIter, _| it.renew_state(),
-        |sw, status| advance(sw, State::Resume(status)),
+        |(sw, old), status| advance(sw, State::Resume(status, old)),
     );
 }
 
 /// `Resume`: every channel has its new state (or kept the old one: `status`); the
 /// requests go on. Then `WaitOld`.
-fn resume(sw: Box<Switch>, status: c_int) {
+fn resume(sw: Box<Switch>, status: c_int, old: Box<Image>) {
     if status != 0 {
         tracing::error!(
             "{METHOD} {}: a channel kept the old image (errno {}); its requests fail",
@@ -633,9 +703,9 @@ fn resume(sw: Box<Switch>, status: c_int) {
     let reg = registry::lock();
     let Some(n) = reg.by_key(sw.key) else {
         drop(reg);
-        return advance(sw, State::WaitOld);
+        return advance(sw, State::WaitOld(old));
     };
-    n.unquiesce(move |_| advance(sw, State::WaitOld));
+    n.unquiesce(move |_| advance(sw, State::WaitOld(old)));
 }
 
 /// Waits for the old channel states to be freed (an idle one at once, one finishing its
@@ -643,7 +713,7 @@ fn resume(sw: Box<Switch>, status: c_int) {
 struct WaitOld {
     live: Arc<AtomicUsize>,
     poller: PollerSlot,
-    sw: Option<Box<Switch>>,
+    switch: Option<(Box<Switch>, Box<Image>)>,
 }
 
 impl Polled for WaitOld {
@@ -660,32 +730,29 @@ impl Polled for WaitOld {
     }
 
     fn finish(mut self: Box<Self>) {
-        if let Some(sw) = self.sw.take() {
-            advance(sw, State::CloseOldOwner);
+        if let Some((sw, old)) = self.switch.take() {
+            advance(sw, State::CloseOldOwner(old));
         }
     }
 }
 
 /// `WaitOld`: records the pause, then waits for the old channel states ([`WaitOld`]);
-/// `Answer` at once without an old image, or with no poller to wait (it stays open).
-fn wait_old(mut sw: Box<Switch>) {
+/// `Answer` at once with no poller to wait (the old image stays open).
+fn wait_old(mut sw: Box<Switch>, old: Box<Image>) {
     sw.pause = match sw.pause {
         Pause::Held(t0) | Pause::Asked(t0) => Pause::Over(t0.elapsed().as_micros() as u64),
         p => p,
     };
     tracing::info!("{METHOD} {}: I/O paused {} us", sw.name, sw.pause.us());
-    let Some(live) = sw.old.as_ref().map(|o| o.live_channels()) else {
-        return advance(sw, State::Answer);
-    };
     let job = Box::new(WaitOld {
-        live,
+        live: old.live_channels(),
         poller: PollerSlot::default(),
-        sw: Some(sw),
+        switch: Some((sw, old)),
     });
     if let Err(mut j) = thread::start_task(job, c"qcow2_switch_wait") {
         tracing::error!("{METHOD}: no poller to retire the old image; it stays open");
-        if let Some(mut sw) = j.sw.take() {
-            sw.old = None;
+        if let Some((sw, old)) = j.switch.take() {
+            drop(old);
             advance(sw, State::Answer);
         }
     }
@@ -693,10 +760,7 @@ fn wait_old(mut sw: Box<Switch>) {
 
 /// `CloseOldOwner`: the old owner closes (nothing left to write), then its descriptors,
 /// which releases the old base; then `Claim`. Without an old owner, `Answer`.
-fn close_old_owner(mut sw: Box<Switch>) {
-    let Some(mut old) = sw.old.take() else {
-        return advance(sw, State::Answer);
-    };
+fn close_old_owner(sw: Box<Switch>, mut old: Box<Image>) {
     let Some(owner) = old.take_owner() else {
         return advance(sw, State::Answer);
     };
@@ -709,21 +773,19 @@ fn close_old_owner(mut sw: Box<Switch>) {
 }
 
 /// `Answer`: the RPC answers the bdev's name, the read-only bdev and the pause.
-fn answer(mut sw: Box<Switch>) {
+fn answer(sw: Switch) {
     tracing::info!(
         "{METHOD}: {} switched to the overlay on {}; the old image is read-only bdev {}",
         sw.name,
         sw.params.base_bdev,
         sw.snapshot
     );
-    if let Some(req) = sw.req.take() {
-        req.result(&json!({
-            "name": sw.name,
-            "snapshot": sw.snapshot,
-            "base_bdev": sw.params.base_bdev,
-            "pause_us": sw.pause.us(),
-        }));
-    }
+    sw.req.result(&json!({
+        "name": sw.name,
+        "snapshot": sw.snapshot,
+        "base_bdev": sw.params.base_bdev,
+        "pause_us": sw.pause.us(),
+    }));
 }
 
 #[cfg(test)]
