@@ -27,11 +27,9 @@ use crate::params::CreateParams;
 use crate::registry::{self, Registry};
 use crate::rpc::decode;
 use crate::types::ChannelIter;
-use qcow2_engine::create::CreateOptions;
 use qcow2_engine::crypto::LuksParams;
-use qcow2_engine::image::UnlockedKey;
 use qcow2_engine::overlay::overlay_options;
-use qcow2_engine::{Chain, Exec, OpenOptions, Qcow2};
+use qcow2_engine::{Chain, OpenOptions};
 use serde::Deserialize;
 use serde_json::json;
 use std::ffi::c_int;
@@ -41,7 +39,10 @@ use std::sync::Arc;
 use std::time::Instant;
 
 mod claim;
+mod held;
 mod prepare;
+
+use held::{Held, NewBase, Overlay, Pause, ToFormat};
 
 const METHOD: &str = "bdev_qcow2_snapshot_external";
 
@@ -124,89 +125,6 @@ struct Switch {
     snap_params: CreateParams,
     /// Where the bdev's I/O pause stands.
     pause: Pause,
-}
-
-/// The new base before the overlay is formatted on it: claimed as its writer.
-struct NewBase {
-    desc: Desc,
-    /// How the overlay of an encrypted image is encrypted (its format takes it).
-    encrypt: Option<prepare::Encrypt>,
-}
-
-/// What `Format` starts from: the overlay's options (from the old image), the new base,
-/// and the old image's key (encrypted images).
-struct ToFormat {
-    opts: CreateOptions,
-    base: NewBase,
-    old_key: Option<UnlockedKey>,
-}
-
-/// The overlay, formatted and open on the new base on a poller of its own, from `Format`
-/// until `Switch` puts it under the node.
-struct Overlay {
-    // (Dropped in this order, before the base's descriptor closes: `Held::release`.)
-    image: Qcow2<SpdkDevice>,
-    /// Its executor: device 0 is the new base.
-    exec: Exec<SpdkDevice>,
-    new_base: Desc,
-    /// The keys the overlay and the old image were unlocked with (encrypted images): the
-    /// bdevs over them take them without deriving them again, with I/O paused.
-    key: Option<UnlockedKey>,
-    old_key: Option<UnlockedKey>,
-}
-
-/// What a failing switch still holds, released by `Fail`: the bdev serves its old image
-/// as before.
-enum Held {
-    Nothing,
-    /// The new base, claimed.
-    Base(Desc),
-    Overlay(Box<Overlay>),
-}
-
-impl Held {
-    /// Closes what is held: the overlay and its executor first, then the new base.
-    fn release(self) {
-        match self {
-            Held::Nothing => {}
-            Held::Base(d) => d.close(),
-            Held::Overlay(ov) => {
-                let Overlay {
-                    image,
-                    exec,
-                    new_base,
-                    ..
-                } = *ov;
-                drop(image);
-                drop(exec);
-                new_base.close();
-            }
-        }
-    }
-}
-
-/// The pause of a switch's bdev: asked for at `Quiesce`, held once SPDK quiesced the bdev,
-/// over (with how long it lasted) once `Resume` let requests go on.
-#[derive(Clone, Copy, Debug)]
-enum Pause {
-    /// Not asked for yet.
-    NotAsked,
-    /// Asked for at this instant; SPDK has not quiesced the bdev yet (or refused).
-    Asked(Instant),
-    /// The bdev is quiesced since the quiesce asked for at this instant.
-    Held(Instant),
-    /// Over: I/O paused this many microseconds.
-    Over(u64),
-}
-
-impl Pause {
-    /// Microseconds I/O paused, once over (0 before).
-    fn us(self) -> u64 {
-        match self {
-            Pause::Over(us) => us,
-            _ => 0,
-        }
-    }
 }
 
 /// Where a switch is, with what that step holds. [`advance`] runs each state's action; the
