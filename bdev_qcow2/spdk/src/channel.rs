@@ -33,6 +33,7 @@ mod reserve;
 use crate::ffi::sink::Sinks;
 use ask::SpdkLink;
 pub use ask::{send_ask, Ask};
+use below::Underneath;
 pub use hooks::stats_step;
 use replica::ReplicaState;
 use reserve::FirstWrites;
@@ -95,13 +96,9 @@ pub struct Channel {
     forwarded: Cell<u64>,
     /// The device of the backing bdev, as it leaves and comes back.
     backing: BackingSlot,
-    /// A stream dropped the backing reference: the chain reads no backing layer (set by
-    /// [`detach_backing`](Self::detach_backing), which may come before the chain exists).
-    backing_detached: Cell<bool>,
-    /// A deep chain's layers under the top, opened beside the replica (`channel/below.rs`).
-    below_opened: crate::node::OpenedBelow,
-    /// The chain waits for `below_opened`.
-    below_wait: Cell<bool>,
+    /// What the chain reads under the top image (`channel/below.rs`): set before the chain
+    /// is built, which may come after a stream dropped the backing reference.
+    under: RefCell<Underneath>,
     opened: Opened,
     /// The replica's chain, set once when it is ready (`try_ready`): the request path
     /// serves on it when set.
@@ -143,9 +140,7 @@ impl Channel {
             unsent_asks: RefCell::new(Vec::new()),
             forwarded: Cell::new(0),
             backing: BackingSlot::new(None, 0, None),
-            backing_detached: Cell::new(false),
-            below_opened: Rc::new(RefCell::new(None)),
-            below_wait: Cell::new(false),
+            under: RefCell::new(Underneath::Backing),
             opened: Rc::new(RefCell::new(None)),
             chain: OnceCell::new(),
             queued: RefCell::new(VecDeque::new()),
@@ -307,7 +302,7 @@ impl Channel {
     /// The image no longer names its backing file (a stream dropped it): this channel's
     /// chain stops reading the backing bdev, now or when it is built.
     pub fn detach_backing(&self) {
-        self.backing_detached.set(true);
+        *self.under.borrow_mut() = Underneath::Detached;
         if let Some(c) = self.chain.get() {
             c.disk().detach_backing();
         }

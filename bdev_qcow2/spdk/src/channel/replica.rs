@@ -28,26 +28,20 @@ impl Channel {
     /// a qcow2 backing image is another of our bdevs; or, over a deep chain of them, the
     /// layers under it, `channel/below.rs`) and submits the queued reads.
     pub(super) fn try_ready(&self) {
-        if self.replica.get() != ReplicaState::Opening || self.below_pending() {
+        if self.replica.get() != ReplicaState::Opening
+            || self.below_pending()
+            || self.opened.borrow().is_none()
+        {
             return;
         }
-        let Some(r) = self.opened.borrow_mut().take() else {
+        // (Both there: checked just above.)
+        let (Some(r), Some(below)) = (self.opened.borrow_mut().take(), self.layers_below()) else {
             return;
         };
-        let below = self.take_below();
         let chain = self.driver.run(|| {
             r.and_then(|q| {
                 let mut layers = vec![Layer::Qcow2(Box::new(q))];
-                if let Some(b) = below.filter(|_| !self.backing_detached.get()) {
-                    // A deep chain: its layers in place of the backing bdev.
-                    layers.extend(b?);
-                } else if let Some(d) = self.backing.dev().filter(|_| !self.backing_detached.get())
-                {
-                    layers.push(Layer::Raw {
-                        dev: d,
-                        size: self.exec().device_size(d),
-                    });
-                }
+                layers.extend(below?);
                 Chain::new(self.exec(), layers)
             })
         });
