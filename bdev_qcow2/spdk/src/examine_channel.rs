@@ -10,7 +10,7 @@
 //! waiting in `io_destroy` (PERFORMANCE.md §14). Held here, both take this channel: one
 //! context per base bdev.
 
-use crate::ffi::bdev::{BdevEvents, ChannelRef, Desc, OpenMode};
+use crate::ffi::bdev::{BdevEvents, Desc, DescChannel, OpenMode};
 use crate::ffi::sys;
 use std::cell::RefCell;
 use std::time::Duration;
@@ -20,20 +20,10 @@ use std::time::Duration;
 /// nothing reads leaves the thread's polls soon.
 pub const HOLD: Duration = Duration::from_secs(1);
 
-/// One held channel: put back before its descriptor closes.
+/// One held channel of bdev `name` (put back before its descriptor closes).
 struct Held {
     name: String,
-    ch: Option<ChannelRef>,
-    desc: Option<Desc>,
-}
-
-impl Drop for Held {
-    fn drop(&mut self) {
-        drop(self.ch.take());
-        if let Some(d) = self.desc.take() {
-            d.close();
-        }
-    }
+    _ch: DescChannel,
 }
 
 thread_local! {
@@ -63,14 +53,13 @@ pub fn hold(name: &str) {
     if desc.module_name() == "qcow2" {
         return desc.close();
     }
-    let held = Held {
-        name: name.to_string(),
-        ch: ChannelRef::of_bdev(&desc),
-        desc: Some(desc),
+    let held = match DescChannel::of(desc) {
+        Ok(ch) => Held {
+            name: name.to_string(),
+            _ch: ch,
+        },
+        Err(desc) => return desc.close(),
     };
-    if held.ch.is_none() {
-        return;
-    }
     let hold_ends = |name: String| release(&name);
     if crate::node::later::after(HOLD, c"qcow2_hold", name.to_string(), hold_ends).is_err() {
         return;

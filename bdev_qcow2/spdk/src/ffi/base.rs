@@ -3,8 +3,9 @@
 //! [`CompletionSink`] right in SPDK's callback or queued for the poller, and the wait for a
 //! free bdev_io after `-ENOMEM`.
 
-use super::bdev::{ChannelRef, Desc};
+use super::bdev::Desc;
 use super::bdev_io::DirectTarget;
+use super::channel_ref::ChannelRef;
 use super::dma::SpdkBuf;
 use super::sink::SinkRef;
 use super::sys;
@@ -12,6 +13,7 @@ use qcow2_engine::io::{BufSlice, DeviceError};
 use std::collections::VecDeque;
 use std::ffi::c_void;
 use std::ptr::NonNull;
+use std::rc::Rc;
 
 /// Iovecs preallocated per slot; requests with more segments grow that slot's vector once.
 const SLOT_IOVS: usize = 8;
@@ -50,7 +52,9 @@ struct Pool {
 /// A base bdev's I/O as seen from one SPDK thread.
 pub struct BaseIo {
     desc: *mut sys::spdk_bdev_desc,
-    ch: ChannelRef,
+    /// This thread's channel of it, shared with the direct path's target
+    /// ([`direct_target`](Self::direct_target)): put back when both are gone.
+    ch: Rc<ChannelRef>,
     /// The base bdev (its size is read live: a base may grow while open).
     bdev: *mut sys::spdk_bdev,
     block_size: u64,
@@ -153,7 +157,7 @@ impl BaseIo {
         unsafe { (*pool).slots = slots };
         Some(BaseIo {
             desc,
-            ch,
+            ch: Rc::new(ch),
             // SAFETY: as above.
             block_size: u64::from(unsafe { sys::spdk_bdev_get_block_size(bdev) }),
             bdev,
@@ -227,11 +231,12 @@ impl BaseIo {
         }
     }
 
-    /// What the direct path needs to submit here without the executor. Valid while this
-    /// lives (the target's holder owns the executor that owns the device).
+    /// What the direct path needs to submit here without the executor: it holds this
+    /// thread's channel too, so the channel stays while either does.
     pub fn direct_target(&self) -> DirectTarget {
-        // SAFETY: `desc` is open and `ch` is this thread's channel of it while this lives.
-        unsafe { DirectTarget::new(self.desc, self.ch.raw(), self.block_size) }
+        // SAFETY: `desc` is open while the node that owns it lives, which outlives every
+        // channel state holding a target (see `new`).
+        unsafe { DirectTarget::new(self.desc, self.ch.clone(), self.block_size) }
     }
 
     /// Queues a completion for [`pop_done`](Self::pop_done) (an operation finished without

@@ -1,5 +1,6 @@
 //! Base bdevs: open descriptors, claims, geometry.
 
+use super::channel_ref::ChannelRef;
 use super::sys;
 use super::uuid::Uuid;
 use std::ffi::{c_int, c_void, CStr, CString};
@@ -234,36 +235,35 @@ pub fn set_split_on_optimal_io_boundary(bdev: &mut sys::spdk_bdev) {
     unsafe { sys::spdk_sys_bdev_set_split_on_optimal_io_boundary(bdev, true) };
 }
 
-/// A reference to a channel of some io_device (a base bdev's channel), put back on drop.
-/// Must be dropped on the thread that got it.
-pub struct ChannelRef(*mut sys::spdk_io_channel);
+/// A descriptor and this thread's channel of its bdev, owned together: the channel is put
+/// back before the descriptor closes (on drop), so it cannot outlive what it came from.
+/// Must be dropped on the thread that made it.
+pub struct DescChannel {
+    // (Both `Some` until dropped.)
+    ch: Option<ChannelRef>,
+    desc: Option<Desc>,
+}
 
-impl ChannelRef {
-    /// Gets this thread's channel of the bdev open as `desc`; `None` if SPDK refused.
-    pub fn of_bdev(desc: &Desc) -> Option<ChannelRef> {
-        // SAFETY: `desc` is open.
-        unsafe { ChannelRef::of_raw(desc.raw()) }
-    }
-
-    /// [`of_bdev`](Self::of_bdev) by the raw descriptor.
-    ///
-    /// # Safety
-    /// `desc` is open (its owner keeps it open while the channel lives).
-    pub unsafe fn of_raw(desc: *mut sys::spdk_bdev_desc) -> Option<ChannelRef> {
-        // SAFETY: per the contract; the call runs on an SPDK thread.
-        let ch = unsafe { sys::spdk_bdev_get_io_channel(desc) };
-        (!ch.is_null()).then_some(ChannelRef(ch))
-    }
-
-    /// The raw channel (for I/O submission).
-    pub fn raw(&self) -> *mut sys::spdk_io_channel {
-        self.0
+impl DescChannel {
+    /// Takes this thread's channel of the bdev open as `desc`; the descriptor back if SPDK
+    /// refused one.
+    pub fn of(desc: Desc) -> Result<DescChannel, Desc> {
+        // SAFETY: `desc` is open, and this keeps it open while the channel lives.
+        match unsafe { ChannelRef::of_raw(desc.raw()) } {
+            Some(ch) => Ok(DescChannel {
+                ch: Some(ch),
+                desc: Some(desc),
+            }),
+            None => Err(desc),
+        }
     }
 }
 
-impl Drop for ChannelRef {
+impl Drop for DescChannel {
     fn drop(&mut self) {
-        // SAFETY: the reference was obtained on this thread and is put back once.
-        unsafe { sys::spdk_put_io_channel(self.0) }
+        drop(self.ch.take());
+        if let Some(d) = self.desc.take() {
+            d.close();
+        }
     }
 }

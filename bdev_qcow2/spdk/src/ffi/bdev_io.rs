@@ -1,6 +1,7 @@
 //! The bdev_io SPDK hands to our `submit_request`: an owned handle completed once, the
 //! module's area in it, queues of them, and submitting one straight to a base bdev.
 
+use super::channel_ref::ChannelRef;
 use super::io_channel::{self, ChannelIter, Channels};
 use super::iov::{IovRef, IovView, Iovecs, Lease};
 use super::sys;
@@ -530,14 +531,17 @@ unsafe extern "C" fn receive<M: BdevTypes, R: QueueReceiver<M>>(head: *mut c_voi
 }
 
 /// A base bdev as the direct path sees it: its descriptor and this thread's channel of it,
-/// copied out of the device that owns them so a request reaches the base without borrowing
-/// the executor. Valid while that device lives (the channel or owner holding the target
-/// also owns the executor that owns the device).
+/// shared with the device that took the channel, so a request reaches the base without
+/// borrowing the executor. The channel is held here (put back once the device and this
+/// are gone); the descriptor is the node's, open while the node lives (which outlives
+/// the channel states and owners that hold targets).
 #[derive(Debug)]
 pub struct DirectTarget {
     /// Not null: an `Option<Target>` of the direct path tests this word (no tag of its own).
     desc: NonNull<sys::spdk_bdev_desc>,
+    /// `_held`'s channel, read on every request.
     ch: *mut sys::spdk_io_channel,
+    _held: Rc<ChannelRef>,
     /// log2 of the block size.
     block_shift: u32,
     /// The block size minus 1; all ones when the block size is not a power of two.
@@ -545,21 +549,22 @@ pub struct DirectTarget {
 }
 
 impl DirectTarget {
-    /// The target of `desc` through channel `ch` (blocks of `block_size` bytes).
+    /// The target of `desc` through `ch`, this thread's channel of it (blocks of
+    /// `block_size` bytes).
     ///
     /// # Safety
-    /// `desc` is open (not null) and `ch` is this thread's channel of it, both for as long
-    /// as the target is used.
-    pub unsafe fn new(
+    /// `desc` is open (not null) for as long as the target is used.
+    pub(super) unsafe fn new(
         desc: *mut sys::spdk_bdev_desc,
-        ch: *mut sys::spdk_io_channel,
+        ch: Rc<ChannelRef>,
         block_size: u64,
     ) -> DirectTarget {
         let pow2 = block_size.is_power_of_two();
         DirectTarget {
             // SAFETY: an open descriptor is not null (the contract).
             desc: unsafe { NonNull::new_unchecked(desc) },
-            ch,
+            ch: ch.raw(),
+            _held: ch,
             block_shift: block_size.trailing_zeros(),
             // Any other block size: every extent is refused (the engine path serves it).
             align_mask: if pow2 { block_size - 1 } else { u64::MAX },

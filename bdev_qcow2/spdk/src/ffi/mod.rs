@@ -9,6 +9,7 @@
 pub mod base;
 pub mod bdev;
 pub mod bdev_io;
+mod channel_ref;
 pub mod dma;
 pub mod dma_mem;
 pub mod granule;
