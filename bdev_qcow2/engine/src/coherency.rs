@@ -163,7 +163,7 @@ pub struct Shared {
     /// slot `g % META_LOG`), written before the generation moves past it.
     meta_log: [AtomicU64; META_LOG],
     /// Grace periods before freed clusters are reused.
-    pub grace: Grace,
+    pub(crate) grace: Grace,
     /// Moved by the owner whenever freed clusters become its allocator's again, before it
     /// hands any out: bytes in use at one value are unchanged while it holds.
     reuse: AtomicU64,
@@ -180,6 +180,13 @@ impl std::fmt::Debug for Shared {
 }
 
 impl Shared {
+    /// The raw grace period, for the fence and model tests (hosts enter it through
+    /// `GraceEntry` only).
+    #[cfg(feature = "testing")]
+    pub fn grace(&self) -> &Grace {
+        &self.grace
+    }
+
     /// The reuse generation (see the field): a core reads it after resolving a mapping,
     /// so it sees any move made before the owner published that mapping.
     pub fn reuse_gen(&self) -> u64 {

@@ -1575,7 +1575,10 @@ fn core_routes_writes_by_its_cached_slice() {
     );
     // Every route left the grace period it entered: with nothing in flight, the generation
     // advances twice (a request still counted in either parity would hold it).
-    let grace = &image(&rig.chains[0]).shared().expect("shared image").grace;
+    let grace = image(&rig.chains[0])
+        .shared()
+        .expect("shared image")
+        .grace();
     let g = grace.now();
     assert_eq!(grace.try_advance(), g + 1);
     assert_eq!(

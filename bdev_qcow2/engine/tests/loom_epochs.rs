@@ -801,7 +801,7 @@ fn grace_request(w: &GraceWorld, slot: usize, cache: &mut Option<(u32, u64)>) {
     let sh = &w.shared;
     let mut parity = None;
     if !w.faults.enter_after_resolve {
-        parity = Some(sh.grace.enter(slot));
+        parity = Some(sh.grace().enter(slot));
         w.seqcst_point();
     }
     // resolve_cached / Replica::load_slice: the epoch, then the replica or a checked read.
@@ -823,7 +823,7 @@ fn grace_request(w: &GraceWorld, slot: usize, cache: &mut Option<(u32, u64)>) {
     let parity = match parity {
         Some(p) => p,
         None => {
-            let p = sh.grace.enter(slot);
+            let p = sh.grace().enter(slot);
             w.seqcst_point();
             p
         }
@@ -839,7 +839,7 @@ fn grace_request(w: &GraceWorld, slot: usize, cache: &mut Option<(u32, u64)>) {
         );
         w.using[h].fetch_sub(1, Ordering::SeqCst);
     }
-    sh.grace.exit(slot, parity);
+    sh.grace().exit(slot, parity);
 }
 
 /// The owner (a member, without requests of its own here): removes the mapping, then
@@ -847,7 +847,7 @@ fn grace_request(w: &GraceWorld, slot: usize, cache: &mut Option<(u32, u64)>) {
 fn grace_owner(w: &GraceWorld, mut ep: OwnerEpochs, s: &GraceScenario) {
     let sh = &w.shared;
     for _ in 0..s.pre_advances {
-        sh.grace.try_advance();
+        sh.grace().try_advance();
     }
     // COW of guest cluster 0: dirty slice, changed in memory, epoch bump (before the ack).
     ep.dirtied(sh, 0, SliceChange::Adds);
@@ -857,13 +857,13 @@ fn grace_owner(w: &GraceWorld, mut ep: OwnerEpochs, s: &GraceScenario) {
     ep.cleaned(sh, 0);
     // release_unstable: tag the batch (no fence: the owner is the generation's only
     // writer, so it reads its own latest value).
-    let tag = sh.grace.now();
+    let tag = sh.grace().now();
     let need = if w.faults.reuse_at_tag_plus_one { 1 } else { 2 };
     let mut g = tag;
     for _ in 0..s.rounds {
         // reclaim_graced: try_advance starts with the heavy half of the pair.
         w.seqcst_point();
-        let now = sh.grace.try_advance();
+        let now = sh.grace().try_advance();
         if now >= tag + need {
             w.reused[OLD].fetch_add(1, Ordering::SeqCst);
             assert_eq!(
@@ -897,8 +897,8 @@ fn check_grace(s: GraceScenario, preemptions: usize) {
         // Setup (before the threads): both members, a slice that was written back once
         // (epoch 2), the published mapping, and the core's replica of it under epoch 2. The
         // setup stores are SeqCst so that loom's SeqCst loads do not read the initial values.
-        let owner_slot = w.shared.grace.register().unwrap();
-        let core_slot = w.shared.grace.register().unwrap();
+        let owner_slot = w.shared.grace().register().unwrap();
+        let core_slot = w.shared.grace().register().unwrap();
         assert_ne!(owner_slot, core_slot);
         let mut ep = OwnerEpochs::default();
         ep.dirtied(&w.shared, 0, SliceChange::Adds);

@@ -364,7 +364,7 @@ fn grace_drains(owner: &Chain<Disk>) {
     let Layer::Qcow2(q) = &owner.layers()[0] else {
         unreachable!("a qcow2 chain")
     };
-    let grace = &q.shared().expect("a shared image").grace;
+    let grace = q.shared().expect("a shared image").grace();
     let g = grace.now();
     assert_eq!(grace.try_advance(), g + 1, "an entry left open");
     assert_eq!(grace.try_advance(), g + 2, "an entry left open");

@@ -197,24 +197,21 @@ fn step(exec: &Exec<MemDevice>, chain: &Rc<Chain<MemDevice>>, r: &mut Reader, ex
     let len = r.len.min((r.end - r.pos) as usize);
     let whole = BufSlice::whole(r.buf.clone());
     let slice = whole.sub(0, len);
-    // As the hosts do: the slice read-ahead watches every read the ring did not serve
-    // whole (a no-op while it is off).
+    // As the hosts' plan does: the ring's look-up tells the slice read-ahead the stream it
+    // found (a no-op while read-ahead is off).
     let wait = match chain.ring_read(r.pos, &slice) {
         RingServed::All => false,
         RingServed::Nothing => {
-            chain.read_ahead(r.pos, len as u64);
             host::engine_read(chain, TAG, r.pos, slice.clone());
             true
         }
         RingServed::Prefix(n) => {
-            chain.read_ahead(r.pos, len as u64);
             let n = n as usize;
             let rest = slice.sub(n, len - n);
             host::engine_read(chain, TAG, r.pos + n as u64, rest);
             true
         }
         RingServed::Wait(w) => {
-            chain.read_ahead(r.pos, len as u64);
             chain.ring().wait(w, TAG, slice.clone());
             true
         }

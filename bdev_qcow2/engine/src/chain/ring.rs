@@ -57,8 +57,11 @@ impl<D: BlockDevice> Chain<D> {
     }
 
     /// Looks a guest read of `len` bytes at `offset` up in the ring, before the host
-    /// routes it: tells the stream detector about it, and starts the read-ahead its stream
-    /// needs now (the engine's own requests on this executor, see `start_fill`). The bytes from the start of the read that are
+    /// routes it, as the request plan does: looks it up in the chain's stream table once
+    /// (and tells read-ahead of L2 slices the stream it continues: a host that uses this
+    /// does not call [`read_ahead`](Self::read_ahead) for the read too), and starts the
+    /// read-ahead its stream needs now (the engine's own requests on this executor, see
+    /// `start_fill`). The bytes from the start of the read that are
     /// in the ring, valid under the current write generations, are handed to `copy` as
     /// (ring buffer, offset in it, offset in the read, length): all of them
     /// ([`RingServed::All`]: the read is done, with no device I/O) or a prefix
@@ -74,9 +77,12 @@ impl<D: BlockDevice> Chain<D> {
         copy: &mut RingCopy<'_, D::Buf>,
     ) -> RingServed {
         if self.ring.passes(offset, len) {
+            self.read_ahead_after_ring(None, offset, len);
             return RingServed::Nothing;
         }
-        self.ring_read_past(offset, len, copy).0
+        let (served, stream) = self.ring_read_past(offset, len, copy);
+        self.read_ahead_after_ring(stream, offset, len);
+        served
     }
 
     /// The second half of [`ring_read_with`](Self::ring_read_with), for a read

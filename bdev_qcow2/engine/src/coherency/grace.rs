@@ -83,8 +83,8 @@ impl Counters {
     }
 
     /// A guest request of this member starts; returns its parity for
-    /// [`exit`](Self::exit). `light`: the light half of the fence pair suffices (see
-    /// [`Grace::enter_as`]).
+    /// [`exit`](Self::exit). `light`: the light half of the fence pair suffices (the
+    /// owner's own requests, or a core's under the asymmetric pair).
     #[inline(always)]
     pub fn enter(&self, light: bool) -> Parity {
         let p = (self.gen.load(Ordering::Relaxed) & 1) as usize;
@@ -199,6 +199,8 @@ impl Grace {
     }
 
     /// A guest request of core `slot` starts; returns its parity for [`exit`](Self::exit).
+    // (The tests' way in; hosts enter through their member's `Counters`.)
+    #[cfg(any(test, feature = "testing"))]
     #[inline(always)]
     pub fn enter(&self, slot: usize) -> Parity {
         self.enter_as(slot, self.asymmetric)
@@ -207,13 +209,15 @@ impl Grace {
     /// [`enter`](Self::enter) (`light`: [`light_entries`](Self::light_entries)) or
     /// [`enter_owner`](Self::enter_owner) (`light`: true), for a member that decided
     /// which once: one path for both, with the fence chosen by a flag it holds.
+    // (The tests' way in; hosts enter through their member's `Counters`.)
+    #[cfg(any(test, feature = "testing"))]
     #[inline(always)]
     pub fn enter_as(&self, slot: usize, light: bool) -> Parity {
         self.counts[slot % MAX_GRACE_MEMBERS].enter(light)
     }
 
     /// Whether a core's entries take the light half of the asymmetric pair (else a full
-    /// fence): what [`enter_as`](Self::enter_as) is told for a core.
+    /// fence): what a core's member is told when it joins.
     pub fn light_entries(&self) -> bool {
         self.asymmetric
     }
@@ -224,12 +228,16 @@ impl Grace {
     /// follow it, so no fence is needed. (Without the asymmetric pair, `enter`'s full fence
     /// waits for the store buffer to drain: 12 % of the owner's time in a first-write-heavy
     /// run.)
+    // (The tests' way in; hosts enter through their member's `Counters`.)
+    #[cfg(any(test, feature = "testing"))]
     #[inline(always)]
     pub fn enter_owner(&self, slot: usize) -> Parity {
         self.enter_as(slot, true)
     }
 
     /// The guest request that entered with `parity` completed (on the core that entered).
+    // (The tests' way in; hosts enter through their member's `Counters`.)
+    #[cfg(any(test, feature = "testing"))]
     #[inline(always)]
     pub fn exit(&self, slot: usize, parity: Parity) {
         self.counts[slot % MAX_GRACE_MEMBERS].exit(parity)

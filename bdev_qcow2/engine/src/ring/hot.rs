@@ -414,9 +414,12 @@ impl Hot {
     /// any. One that continues neither a stream nor a recent request is random: only its
     /// end is recorded. One that starts where a recent request ended starts that
     /// request's stream (as if that request had started it) and continues it, in the
-    /// next slot in turn that no stream holds, else in the next the ring is not busy with
-    /// (read-ahead's own streams give way; the ring's chunks are the ring's to hand on):
-    /// none such, and the request continues nothing.
+    /// next slot in turn that is idle (the ring is not busy with it and read-ahead did not
+    /// find it sequential), else in the next the ring is not busy with (read-ahead's own
+    /// streams give way; the ring's chunks are the ring's to hand on): none such, and the
+    /// request continues nothing. A write that continues a stream the ring follows moves
+    /// it on as a read would (a stream that mixes reads and writes stays one stream); the
+    /// ring checks what it holds of the range against the write generations as ever.
     pub(crate) fn watch(&self, offset: u64, len: u64) -> Option<usize> {
         if self.slots.continues_nothing(offset, len) {
             return None;

@@ -81,7 +81,7 @@ impl<B: IoBuffer> ChainRing<B> {
 
     /// True when the ring has nothing to do with a read of `len` bytes at `offset`: off, or
     /// a read that starts a stream on the hot half ([`Hot::passes`]); false: the
-    /// chain looks it up ([`Chain::ring_read_past`](crate::Chain::ring_read_past)).
+    /// chain looks it up in the ring.
     #[inline(always)]
     pub fn passes(&self, offset: u64, len: u64) -> bool {
         self.hot.passes(offset, len)

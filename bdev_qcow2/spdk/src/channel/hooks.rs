@@ -21,6 +21,7 @@ impl Drop for Channel {
         // close the descriptors they belong to.
         self.chain.take();
         self.opened.borrow_mut().take();
+        self.direct = None;
         self.driver.release();
         self.live.fetch_sub(1, Ordering::AcqRel);
     }

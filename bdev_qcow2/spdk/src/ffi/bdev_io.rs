@@ -537,7 +537,8 @@ unsafe extern "C" fn receive<M: BdevTypes, R: QueueReceiver<M>>(head: *mut c_voi
 /// the channel states and owners that hold targets).
 #[derive(Debug)]
 pub struct DirectTarget {
-    /// Not null: an `Option<Target>` of the direct path tests this word (no tag of its own).
+    /// Not null (as `_held` is): an `Option<Target>` of the direct path needs no tag of its
+    /// own.
     desc: NonNull<sys::spdk_bdev_desc>,
     /// `_held`'s channel, read on every request.
     ch: *mut sys::spdk_io_channel,
