@@ -472,18 +472,24 @@ fn direct_path_maps_where_qemu_img_maps() {
     }
 }
 
+/// An 8 MiB image of 4 KiB clusters with data in its first and last 3 MiB, and the raw
+/// bytes QEMU reads from it.
+fn two_runs_image(dir: &Path) -> (Vec<u8>, Vec<u8>) {
+    make_image(
+        dir,
+        "cluster_size=4096",
+        "8M",
+        &["write -P 0x5a 0 3M", "write -P 0xa5 5M 3M"],
+    )
+}
+
 #[test]
 fn read_ahead_loads_the_next_slice_of_a_sequential_stream() {
     // 4 KiB clusters and 512-byte slices: a slice covers 256 KiB, so 32 KiB reads cross
     // into a new slice every 8 requests.
     const LEN: usize = 32 << 10;
     let dir = tempfile::tempdir().unwrap();
-    let (img, raw) = make_image(
-        dir.path(),
-        "cluster_size=4096",
-        "8M",
-        &["write -P 0x5a 0 3M", "write -P 0xa5 5M 3M"],
-    );
+    let (img, raw) = two_runs_image(dir.path());
     let cov = 256 << 10;
     let run = |prefetch: bool, offsets: &[u64]| {
         let (exec, _dev, chain) = open_sliced(img.clone(), 512, prefetch);
@@ -540,12 +546,7 @@ fn the_prefetch_ring_and_read_ahead_follow_one_stream() {
     // one stream table, and read-ahead of L2 slices follows the stream it found there.
     const LEN: usize = 32 << 10;
     let dir = tempfile::tempdir().unwrap();
-    let (img, raw) = make_image(
-        dir.path(),
-        "cluster_size=4096",
-        "8M",
-        &["write -P 0x5a 0 3M", "write -P 0xa5 5M 3M"],
-    );
+    let (img, raw) = two_runs_image(dir.path());
     let (exec, _dev, chain) = open_sliced(img, 512, true);
     chain
         .enable_ring(RingConfig::default(), Arc::new(WriteGens::new()))
