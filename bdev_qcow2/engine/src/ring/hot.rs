@@ -565,4 +565,90 @@ mod stream_slots_tests {
         s.moved(3, 8192);
         assert_eq!(s.turn(), 0);
     }
+
+    /// What the property test does to the table.
+    #[derive(Debug, Clone)]
+    enum Op {
+        /// A read the ring looks up (as `Chain::ring_read_with` does, with
+        /// `Ring::lookup`'s part on the table: continue the stream found, else start one
+        /// in a slot the ring may take).
+        RingRead(u64, u64),
+        /// A request read-ahead watches (`Hot::watch`).
+        Watch(u64, u64),
+        /// The ring is, or is no longer, busy with a slot.
+        Busy(usize, bool),
+        /// Read-ahead found a stream sequential (a run of 9, slice 3 asked for).
+        Sequential(usize),
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        // Offsets on a small grid of 4 KiB blocks: streams and recent ends meet often.
+        let at = (0u64..64).prop_map(|b| b << 12);
+        let len = (1u64..4).prop_map(|b| b << 12);
+        prop_oneof![
+            4 => (at.clone(), len.clone()).prop_map(|(o, l)| Op::RingRead(o, l)),
+            4 => (at, len).prop_map(|(o, l)| Op::Watch(o, l)),
+            1 => (0..STREAMS, any::<bool>()).prop_map(|(i, b)| Op::Busy(i, b)),
+            1 => (0..STREAMS).prop_map(Op::Sequential),
+        ]
+    }
+
+    use proptest::prelude::*;
+
+    proptest! {
+        /// Whatever mix of ring reads and watched requests the table sees: the mask of the
+        /// streams' next requests matches where they continue; a request the table says
+        /// continues stream `i` leaves `i` continuing where it ends; `watch` never restarts
+        /// a slot the ring is busy with, and a restarted slot's read-ahead share starts
+        /// over.
+        #[test]
+        fn the_shared_table_keeps_its_invariants(
+            ops in proptest::collection::vec(op(), 1..400),
+            ring_on in any::<bool>(),
+        ) {
+            let h = Hot::default();
+            if ring_on {
+                h.turn_on();
+            }
+            for op in ops {
+                match op {
+                    Op::RingRead(o, l) => {
+                        if !h.passes(o, l) {
+                            let i = match h.find(o) {
+                                Some(i) => i,
+                                None => {
+                                    let i = h.first_of(h.idle_or_left()).unwrap_or(0);
+                                    h.start(i, o);
+                                    i
+                                }
+                            };
+                            h.continued(i, o + l);
+                            prop_assert_eq!(h.next(i), o + l);
+                        }
+                    }
+                    Op::Watch(o, l) => {
+                        let before: Vec<u64> = h.nexts().collect();
+                        let busy: Vec<bool> = h.busy.iter().map(Cell::get).collect();
+                        if let Some(i) = h.watch(o, l) {
+                            prop_assert_eq!(h.next(i), o + l);
+                            if before[i] != o {
+                                prop_assert!(!busy[i], "restarted slot {} the ring holds", i);
+                                prop_assert_eq!(h.slice_run(i), SliceRun::STARTED);
+                            }
+                        }
+                    }
+                    Op::Busy(i, b) => h.set_busy(i, b),
+                    Op::Sequential(i) => {
+                        let run = SliceRun { run: 9, asked: 3 };
+                        h.set_slice_run(i, run, true);
+                    }
+                }
+                let mask = h
+                    .nexts()
+                    .filter(|&n| n != u64::MAX)
+                    .fold(0u64, |m, n| m | 1 << slot_of(n));
+                prop_assert_eq!(h.slots.at.get(), mask);
+            }
+        }
+    }
 }
