@@ -32,7 +32,6 @@ use qcow2_engine::overlay::overlay_options;
 use qcow2_engine::{Chain, OpenOptions};
 use serde::Deserialize;
 use serde_json::json;
-use std::ffi::c_int;
 use std::rc::Rc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -155,8 +154,8 @@ enum State {
     CloseOld(Box<Overlay>),
     RegisterSnapshot(Box<Overlay>),
     Switch(Box<Overlay>),
-    /// With the status of the channels' renewal, and the node's former image.
-    Resume(c_int, Box<Image>),
+    /// With the number of channels that kept the old image, and the node's former image.
+    Resume(u32, Box<Image>),
     WaitOld(Box<Image>),
     CloseOldOwner(Box<Image>),
     Claim,
@@ -184,7 +183,7 @@ fn advance(sw: Box<Switch>, state: State) {
         State::RegisterSnapshot(ov) => register_snapshot(sw, ov),
         State::Switch(ov) => switch(sw, ov),
         // Step 4: requests go on; the old image goes once nothing uses it.
-        State::Resume(status, old) => resume(sw, status, old),
+        State::Resume(kept, old) => resume(sw, kept, old),
         State::WaitOld(old) => wait_old(sw, old),
         State::CloseOldOwner(old) => close_old_owner(sw, old),
         State::Claim => {
@@ -601,21 +600,27 @@ fn switch(sw: Box<Switch>, ov: Box<Overlay>) {
         sw.name,
         sw.params.base_bdev
     );
+    // A channel whose new state cannot be built (its replica falls back to forwarding
+    // first, `create_channel`) is counted; the others still move.
     node.for_each_channel(
-        (sw, old),
-        |it: ChannelIter, _| it.renew_state(),
-        |(sw, old), status| advance(sw, State::Resume(status, old)),
+        (sw, old, 0u32),
+        |it: ChannelIter, (_, _, kept)| {
+            if it.renew_state().is_err() {
+                *kept += 1;
+            }
+        },
+        |(sw, old, kept), _| advance(sw, State::Resume(kept, old)),
     );
 }
 
-/// `Resume`: every channel has its new state (or kept the old one: `status`); the
+/// `Resume`: every channel has its new state (or, `kept` of them, the old one); the
 /// requests go on. Then `WaitOld`.
-fn resume(sw: Box<Switch>, status: c_int, old: Box<Image>) {
-    if status != 0 {
+fn resume(sw: Box<Switch>, kept: u32, old: Box<Image>) {
+    if kept != 0 {
         tracing::error!(
-            "{METHOD} {}: a channel kept the old image (errno {}); its requests fail",
+            "{METHOD} {}: {kept} channel(s) could not be moved to the overlay and serve the \
+             old image until they close",
             sw.name,
-            -status
         );
     }
     let reg = registry::lock();

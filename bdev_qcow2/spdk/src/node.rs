@@ -348,6 +348,11 @@ impl<'a> ChannelSource<'a> {
     pub fn seed(&self) -> Option<&'a CoreSeed> {
         self.seed
     }
+    /// The same source without a replica's seed: a writable bdev's channel built from it
+    /// forwards every request to the owner.
+    pub fn forward_only(self) -> Self {
+        ChannelSource { seed: None, ..self }
+    }
     /// Engine options of the replica.
     pub fn opts(&self) -> OpenOptions {
         self.opts

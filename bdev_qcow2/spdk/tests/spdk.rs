@@ -3292,6 +3292,10 @@ mod real {
     /// and read back through the other core's warm channel (`real/first_writes.rs`).
     mod first_writes;
 
+    /// An external snapshot when the kernel's AIO limit refuses the overlay's channels:
+    /// they forward to the md thread (`real/aio_limit.rs`).
+    mod aio_limit;
+
     /// Exports the names our module exports (`nm -D | grep bdev_qcow2` finds them) and
     /// registers nothing with SPDK.
     const LOOKALIKE_NOTHING: &str = "\

@@ -41,8 +41,25 @@ impl Channel {
 /// SPDK's calls on our channels (`ffi/io_channel.rs`): a channel state is built from one
 /// view of the node that no switch changes meanwhile (`Node::new_channel`).
 impl Channels for Qcow2Bdev {
+    /// A writable node's channel whose core replica cannot be built (its base bdev gives
+    /// this thread no I/O channel: out of memory, or the kernel's `fs.aio-max-nr` reached)
+    /// falls back to forwarding every request to the owner: slower, but it serves the
+    /// node's current image. Failing instead would, during an external snapshot, leave the
+    /// channel on its old state, whose replica writes in place into what is now the
+    /// read-only snapshot.
     fn create_channel(node: &Node) -> Result<Box<Channel>, i32> {
-        node.new_channel(Channel::create)
+        match node.new_channel(Channel::create) {
+            Err(e) if node.writable() => {
+                let thread = crate::ffi::thread::current_name();
+                tracing::warn!(
+                    "qcow2 bdev {}: no core replica on thread {thread} (errno {e}); its \
+                     requests go to the metadata thread",
+                    node.name()
+                );
+                node.new_channel(|src| Channel::create(src.forward_only()))
+            }
+            r => r,
+        }
     }
 
     fn release_channel(c: &Channel) -> bool {

@@ -15,7 +15,13 @@ impl ChannelRef {
     pub(super) unsafe fn of_raw(desc: *mut sys::spdk_bdev_desc) -> Option<ChannelRef> {
         // SAFETY: per the contract; the call runs on an SPDK thread.
         let ch = unsafe { sys::spdk_bdev_get_io_channel(desc) };
-        (!ch.is_null()).then_some(ChannelRef(ch))
+        // (Not `then_some`: it builds its argument, whose drop would put back a null
+        // channel, whether or not it is taken.)
+        if ch.is_null() {
+            None
+        } else {
+            Some(ChannelRef(ch))
+        }
     }
 
     /// The raw channel (for I/O submission).

@@ -113,8 +113,9 @@ impl<M: Channels> ChannelIter<M> {
     /// Puts a new state under the visited channel, built from its node as the node is now
     /// (after an external snapshot switched the node's image), and releases the old state
     /// (freed now if idle, else by its poll once idle); then continues. A channel whose new
-    /// state cannot be built keeps the old one and the iteration stops with the errno.
-    pub fn renew_state(self) {
+    /// state cannot be built keeps the old one: the errno comes back, and the iteration
+    /// goes on to the other channels.
+    pub fn renew_state(self) -> Result<(), i32> {
         // SAFETY: the iterator is live until continued; its io_device is one of our nodes,
         // registered while the iteration runs, and its channel's context area holds a live
         // state pointer (`create_cb`), which only this thread replaces.
@@ -124,7 +125,7 @@ impl<M: Channels> ChannelIter<M> {
                 ctx_of(sys::spdk_io_channel_iter_get_channel(self.0)).cast::<*const M::Channel>(),
             )
         };
-        let status = match new_state::<M>(node) {
+        let renewed = match new_state::<M>(node) {
             Ok(new) => {
                 // SAFETY: as above; requests already carry the state they were submitted
                 // to (the old one stays until they completed), new ones find the new one.
@@ -134,11 +135,12 @@ impl<M: Channels> ChannelIter<M> {
                     // SAFETY: idle and no longer reachable from the channel: finished once.
                     unsafe { thread::stop(old) };
                 }
-                0
+                Ok(())
             }
-            Err(e) => -e,
+            Err(e) => Err(e),
         };
-        self.next(status);
+        self.next(0);
+        renewed
     }
 
     /// Moves to the next channel (or to the completion), with `status` (non-zero stops).

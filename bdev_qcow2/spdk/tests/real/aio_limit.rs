@@ -1,0 +1,146 @@
+//! An external snapshot under load when the kernel's `fs.aio-max-nr` is reached: the
+//! overlay's AIO bdev gives the md thread its I/O channel and no other thread one. The
+//! channels on bdevperf's threads cannot build their replica of the overlay; they forward
+//! every request to the md thread instead, and nothing writes into the old image, which
+//! is the read-only snapshot from the switch on.
+
+use super::*;
+
+const AIO_MAX_NR: &str = "/proc/sys/fs/aio-max-nr";
+const AIO_NR: &str = "/proc/sys/fs/aio-nr";
+
+/// Events one AIO bdev channel asks `io_setup` for (SPDK's `SPDK_AIO_QUEUE_DEPTH`): what one
+/// more channel adds to `fs.aio-nr`.
+const AIO_CHANNEL_EVENTS: u64 = 128;
+
+fn read_u64(path: &str) -> u64 {
+    fs::read_to_string(path)
+        .unwrap_or_else(|e| panic!("{path}: {e}"))
+        .trim()
+        .parse()
+        .unwrap_or_else(|e| panic!("{path}: {e}"))
+}
+
+/// `fs.aio-nr` once no AIO context comes or goes: the same over half a second, after the
+/// second for which a new bdev's examine channel is held.
+fn steady_aio_nr() -> u64 {
+    std::thread::sleep(Duration::from_millis(1500));
+    let mut last = read_u64(AIO_NR);
+    for _ in 0..20 {
+        std::thread::sleep(Duration::from_millis(500));
+        let now = read_u64(AIO_NR);
+        if now == last {
+            return now;
+        }
+        last = now;
+    }
+    panic!("fs.aio-nr never settled (last {last})");
+}
+
+/// The kernel's limit as it was, put back when dropped (a failed assertion included).
+struct AioLimit(u64);
+
+impl AioLimit {
+    fn lower_to(limit: u64) -> AioLimit {
+        let was = read_u64(AIO_MAX_NR);
+        fs::write(AIO_MAX_NR, limit.to_string()).expect("set fs.aio-max-nr");
+        AioLimit(was)
+    }
+}
+
+impl Drop for AioLimit {
+    fn drop(&mut self) {
+        let _ = fs::write(AIO_MAX_NR, self.0.to_string());
+    }
+}
+
+#[test]
+fn external_snapshot_at_the_aio_limit_forwards_and_leaves_the_snapshot_untouched() {
+    require!("bdevperf", "spdk_tgt");
+    require_rpc!();
+    // Root's sysctl: CI runs as root; a developer's unprivileged run cannot set the limit.
+    let writable = fs::OpenOptions::new().write(true).open(AIO_MAX_NR).is_ok();
+    if !writable {
+        say("SKIPPED: /proc/sys/fs/aio-max-nr is not writable (needs root)");
+        return;
+    }
+    let _t = turn();
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let old = d.join("old.qcow2");
+    qemu_img(&["create", "-q", "-f", "qcow2", s(&old), "64M"]);
+    qemu_io(&old, &["write -P 0x5a 0 64M"]);
+    pad(&old);
+    let f = fs::OpenOptions::new().write(true).open(&old).unwrap();
+    f.set_len(128 * MIB).unwrap();
+    drop(f);
+    let ov = d.join("ov.qcow2");
+    sparse(&ov, 96 * MIB);
+    let cfg = d.join("aio-limit.json");
+    write_config(&cfg, vec![aio(&old, "aio0"), qcow2("q0", "aio0", None)]);
+    let mut answers = Vec::new();
+    let mut old_after = Vec::new();
+    let mut limits = (0, 0);
+    let (ok, text) = verify_load_with_rpc(d, &cfg, "aio-limit", 8, |sock| {
+        let rpc = |args: &[&str]| plugin_rpc(sock, args);
+        answers.push(rpc(&["bdev_aio_create", s(&ov), "aio1", "512"]));
+        // The examine of aio1 has let go of its channels (ours holds one for a second).
+        let nr = steady_aio_nr();
+        // Room for one more AIO channel: the md thread's of aio1, which the overlay's
+        // format and its owner use. bdevperf's threads keep their channels of aio0 while
+        // they forward: nothing else needs a new AIO context.
+        let limit = AioLimit::lower_to(nr + AIO_CHANNEL_EVENTS);
+        limits = (nr, nr + AIO_CHANNEL_EVENTS);
+        answers.push(rpc(&[
+            "bdev_qcow2_snapshot_external",
+            "-b",
+            "q0",
+            "--base-bdev",
+            "aio1",
+        ]));
+        drop(limit);
+        old_after = fs::read(&old).unwrap();
+        // Verify goes on for seconds more, every request through the md thread.
+        std::thread::sleep(Duration::from_millis(2000));
+        answers.push(rpc(&["bdev_qcow2_get_stats", "-b", "q0"]));
+    });
+    assert!(
+        ok,
+        "bdevperf verify failed across the external snapshot at the AIO limit:\n{text}"
+    );
+    for (i, (answered, out)) in answers.iter().enumerate() {
+        assert!(answered, "answer {i}: {out}");
+    }
+    // SPDK's AIO module refused the channels beyond the limit; ours fell back.
+    assert!(
+        text.contains("exceeding kernel limit"),
+        "no AIO channel was refused (aio-nr {} limit {}): the test did not reach the limit\n{text}",
+        limits.0,
+        limits.1
+    );
+    let fallbacks = text.matches("no core replica on thread").count();
+    assert!(
+        fallbacks >= 1,
+        "no channel fell back to forwarding:\n{text}"
+    );
+    assert!(
+        !text.contains("could not be moved to the overlay"),
+        "a channel kept the old image:\n{text}"
+    );
+    let sw: Value = serde_json::from_str(answers[1].1.trim()).unwrap();
+    assert_eq!(sw["snapshot"], "q0_snap0", "{sw}");
+    // Nothing wrote to the old image after the switch, bdevperf's shutdown included.
+    assert!(
+        fs::read(&old).unwrap() == old_after,
+        "the old image changed after the switch"
+    );
+    check_clean(&old, "the old image after the switch");
+    // The overlay names its backing as our module reopens it: for qemu-img, a file of
+    // that name beside it.
+    std::os::unix::fs::symlink(&old, d.join("q0_snap0")).unwrap();
+    check_clean(&ov, "the overlay after the load");
+    say(&format!(
+        "bdev_qcow2_snapshot_external with fs.aio-max-nr reached ({} of {}): {fallbacks} channel(s) forwarded to the md thread, verify passed, the old image unchanged and clean, the overlay clean",
+        limits.0, limits.1
+    ));
+}
