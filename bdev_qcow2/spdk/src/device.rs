@@ -50,6 +50,15 @@ pub struct Target {
 /// through the shared read cache of its golden image ([`open_cached`]).
 pub type SpdkDevice = CachedDevice<BaseDevice>;
 
+/// The error of an open whose bdev gave this thread no I/O channel (`what`: which bdev),
+/// with the two causes an operator meets: memory, and an AIO bdev's kernel AIO context.
+pub fn no_channel(what: &str) -> String {
+    format!(
+        "no I/O channel for {what} (out of memory, or for an AIO bdev the kernel's \
+         fs.aio-max-nr reached)"
+    )
+}
+
 /// A device over `desc` on the calling thread, reading it directly (see
 /// [`BaseDevice::new`]).
 pub fn open(desc: &Desc) -> Option<SpdkDevice> {

@@ -439,7 +439,7 @@ fn format(sw: Box<Switch>, f: ToFormat) {
         old_key,
     } = f;
     let Some(dev) = crate::device::open(&desc) else {
-        let m = "no I/O channel for the new base".into();
+        let m = crate::device::no_channel(&format!("the new base {}", desc.name()));
         return advance(sw, State::Fail(libc::ENOMEM, m, Held::Base(desc)));
     };
     let open = OpenOptions {
@@ -544,7 +544,7 @@ fn switch(sw: Box<Switch>, ov: Box<Overlay>) {
     };
     let Some(bdev) = crate::device::open(&backing) else {
         backing.close();
-        let m = format!("no I/O channel for {snap}");
+        let m = crate::device::no_channel(&snap);
         return advance(sw, State::Unregister(libc::ENOMEM, m, Held::Overlay(ov)));
     };
     let reg = registry::lock();

@@ -121,7 +121,7 @@ pub fn format(mut p: FormatParams, done: Done) {
         desc.close();
         return done(Err((
             libc::ENOMEM,
-            format!("no I/O channel for bdev {base}"),
+            crate::device::no_channel(&format!("bdev {base}")),
         )));
     };
     let exec: Exec<SpdkDevice> = Exec::new();

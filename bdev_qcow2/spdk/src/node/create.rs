@@ -218,7 +218,7 @@ fn open_and_read(
     };
     let exec: Exec<SpdkDevice> = Exec::new();
     let Some(mut dev) = crate::device::open(&base) else {
-        let m = format!("no I/O channel for base bdev {}", params.base_bdev);
+        let m = crate::device::no_channel(&format!("base bdev {}", params.base_bdev));
         return fail(&name, [Some(base), backing], done, libc::ENOMEM, m);
     };
     let zeroing = crate::device::Zeroing::of(&base, params.zero_offload, params.zero_ahead);
@@ -385,7 +385,7 @@ fn finish(mut job: Job) {
         let Some(bd) = crate::device::open_cached(b, cache.as_ref()) else {
             drop(image);
             drop(job.exec);
-            let m = format!("no I/O channel for backing bdev {}", b.name());
+            let m = crate::device::no_channel(&format!("backing bdev {}", b.name()));
             return fail(&name, descs, done, libc::ENOMEM, m);
         };
         backing_dev = Some(job.exec.add_device(bd));

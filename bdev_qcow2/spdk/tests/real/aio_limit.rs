@@ -37,6 +37,21 @@ fn steady_aio_nr() -> u64 {
     panic!("fs.aio-nr never settled (last {last})");
 }
 
+/// The sum of every number named `key` anywhere in `v`.
+fn sum_of(v: &Value, key: &str) -> u64 {
+    match v {
+        Value::Object(m) => m
+            .iter()
+            .map(|(k, x)| match x {
+                Value::Number(n) if k == key => n.as_u64().unwrap_or(0),
+                _ => sum_of(x, key),
+            })
+            .sum(),
+        Value::Array(a) => a.iter().map(|x| sum_of(x, key)).sum(),
+        _ => 0,
+    }
+}
+
 /// The kernel's limit as it was, put back when dropped (a failed assertion included).
 struct AioLimit(u64);
 
@@ -81,10 +96,23 @@ fn external_snapshot_at_the_aio_limit_forwards_and_leaves_the_snapshot_untouched
     let mut answers = Vec::new();
     let mut old_after = Vec::new();
     let mut limits = (0, 0);
-    let (ok, text) = verify_load_with_rpc(d, &cfg, "aio-limit", 8, |sock| {
+    let mut refused = (false, String::new());
+    let (ok, text) = verify_load_with_rpc(d, &cfg, "aio-limit", 14, |sock| {
         let rpc = |args: &[&str]| plugin_rpc(sock, args);
         answers.push(rpc(&["bdev_aio_create", s(&ov), "aio1", "512"]));
         // The examine of aio1 has let go of its channels (ours holds one for a second).
+        let nr = steady_aio_nr();
+        // No room at all: the overlay cannot be formatted on aio1; refused, and q0 goes on
+        // serving its image.
+        let limit = AioLimit::lower_to(nr);
+        refused = rpc(&[
+            "bdev_qcow2_snapshot_external",
+            "-b",
+            "q0",
+            "--base-bdev",
+            "aio1",
+        ]);
+        drop(limit);
         let nr = steady_aio_nr();
         // Room for one more AIO channel: the md thread's of aio1, which the overlay's
         // format and its owner use. bdevperf's threads keep their channels of aio0 while
@@ -108,9 +136,23 @@ fn external_snapshot_at_the_aio_limit_forwards_and_leaves_the_snapshot_untouched
         ok,
         "bdevperf verify failed across the external snapshot at the AIO limit:\n{text}"
     );
+    assert!(
+        !refused.0,
+        "a snapshot with no AIO context to spare: {}",
+        refused.1
+    );
+    assert!(
+        refused.1.contains("no I/O channel for the new base aio1")
+            && refused.1.contains("fs.aio-max-nr"),
+        "the refusal names the new base: {}",
+        refused.1
+    );
     for (i, (answered, out)) in answers.iter().enumerate() {
         assert!(answered, "answer {i}: {out}");
     }
+    // The channels forwarded after the switch: the owner ran their requests.
+    let stats: Value = serde_json::from_str(answers[2].1.trim()).unwrap();
+    assert!(sum_of(&stats, "forwarded") > 0, "{stats}");
     // SPDK's AIO module refused the channels beyond the limit; ours fell back.
     assert!(
         text.contains("exceeding kernel limit"),
@@ -140,7 +182,9 @@ fn external_snapshot_at_the_aio_limit_forwards_and_leaves_the_snapshot_untouched
     std::os::unix::fs::symlink(&old, d.join("q0_snap0")).unwrap();
     check_clean(&ov, "the overlay after the load");
     say(&format!(
-        "bdev_qcow2_snapshot_external with fs.aio-max-nr reached ({} of {}): {fallbacks} channel(s) forwarded to the md thread, verify passed, the old image unchanged and clean, the overlay clean",
-        limits.0, limits.1
+        "bdev_qcow2_snapshot_external with fs.aio-max-nr reached: with no context to spare refused ({}); with one ({} of {}) {fallbacks} channel(s) forwarded to the md thread, verify passed, the old image unchanged and clean, the overlay clean",
+        refused.1.lines().find(|l| l.contains("message")).unwrap_or("").trim(),
+        limits.0,
+        limits.1
     ));
 }
