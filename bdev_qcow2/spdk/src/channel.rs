@@ -53,7 +53,7 @@ use crate::status::Status;
 use crate::types::{BdevIo, ChannelIter, IoQueue, Qcow2Bdev};
 use qcow2_engine::exec::Outcome;
 use qcow2_engine::ring::{RingConfig, WriteGens};
-use qcow2_engine::{Chain, Exec, Grant, Layer, Op, Qcow2, Request, Step, Task};
+use qcow2_engine::{Chain, Error, Exec, Grant, Layer, Op, Qcow2, Request, Step, Task};
 use std::cell::{Cell, OnceCell, RefCell};
 use std::collections::VecDeque;
 use std::rc::Rc;
@@ -566,6 +566,12 @@ impl Host for Channel {
         }
         let write = io.io_type() == sys::SPDK_BDEV_IO_TYPE_WRITE;
         match outcome {
+            // A read whose backing bdev gave this thread no I/O channel (ENOMEM, from
+            // `BaseDevice`'s lazy open): the owner reads it through its own.
+            Outcome::Done(Err(Error::Io(libc::ENOMEM))) if !write && self.forward_to.is_some() => {
+                self.forwarded.set(self.forwarded.get() + 1);
+                self.to_owner(io, Op::Read)
+            }
             Outcome::Done(r) => {
                 if write {
                     self.written(&io);

@@ -28,6 +28,7 @@ use qcow2_engine::io::{BlockDevice, BufSlice, Busy, DeviceError, DeviceOp};
 use qcow2_engine::DevId;
 use std::rc::Rc;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 /// The data of a guest request (its iovecs, handed over by
 /// [`EngineTags::hand`](crate::ffi::bdev_io::EngineTags::hand)) as an engine buffer.
@@ -49,6 +50,9 @@ pub struct Target {
 /// A bdev as the engine sees it from one SPDK thread: a base bdev, or a backing bdev read
 /// through the shared read cache of its golden image ([`open_cached`]).
 pub type SpdkDevice = CachedDevice<BaseDevice>;
+
+/// How long a lazy device whose bdev gave no channel fails operations before it asks again.
+const RETRY_CHANNEL: Duration = Duration::from_secs(1);
 
 /// The error of an open whose bdev gave this thread no I/O channel (`what`: which bdev),
 /// with the two causes an operator meets: memory, and an AIO bdev's kernel AIO context.
@@ -120,6 +124,9 @@ pub struct BaseDevice {
     io: Option<BaseIo>,
     /// The bdev's I/O before its channel is taken ([`lazy`](Self::lazy)).
     later: Option<LazyIo>,
+    /// After SPDK gave no channel: no new attempt before then (each attempt that fails
+    /// logs, and an AIO bdev's tries a kernel AIO context).
+    retry_at: Option<Instant>,
     /// The I/O of a bdev that left, until what it had in flight completes.
     draining: Vec<BaseIo>,
     /// Operations refused because the bdev is gone, completed by the next poll.
@@ -161,7 +168,8 @@ impl BaseDevice {
     /// A device over `desc` that takes the thread's channel of the bdev on its first
     /// operation (a backing bdev: a read-only qcow2 bdev's channel would otherwise build
     /// the channels of a whole chain under it at once, nested). If SPDK has no channel to
-    /// give then, that operation fails (and the next one tries again).
+    /// give then, that operation fails, and so does every one for a second before the
+    /// next asks again (a writable bdev's channel sends such a read to the owner).
     pub fn lazy(desc: &Desc) -> BaseDevice {
         BaseDevice {
             io: None,
@@ -189,6 +197,7 @@ impl BaseDevice {
         BaseDevice {
             io,
             later: None,
+            retry_at: None,
             draining: Vec::new(),
             refused: Default::default(),
             size_gone: 0,
@@ -229,6 +238,7 @@ impl BaseDevice {
         BaseDevice {
             io: None,
             later: None,
+            retry_at: None,
             draining: Vec::new(),
             refused: Default::default(),
             size_gone: size,
@@ -295,21 +305,27 @@ impl BaseDevice {
         self.later.is_none() || self.open_later()
     }
 
-    /// [`take_channel`](Self::take_channel)'s first time (out of line: once per device).
+    /// [`take_channel`](Self::take_channel)'s first time (out of line: once per device),
+    /// and its retries, at most one per [`RETRY_CHANNEL`].
     #[cold]
     #[inline(never)]
     fn open_later(&mut self) -> bool {
         let Some(l) = &self.later else {
             return true;
         };
+        if self.retry_at.is_some_and(|t| Instant::now() < t) {
+            return false;
+        }
         match l.open() {
             Some(io) => {
                 self.io = Some(io);
                 self.later = None;
+                self.retry_at = None;
                 true
             }
             None => {
-                tracing::warn!("no I/O channel of a backing bdev on this thread");
+                tracing::warn!("{}, on this thread", no_channel("a backing bdev"));
+                self.retry_at = Some(Instant::now() + RETRY_CHANNEL);
                 false
             }
         }

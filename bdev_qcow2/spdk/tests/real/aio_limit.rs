@@ -1,8 +1,12 @@
-//! An external snapshot under load when the kernel's `fs.aio-max-nr` is reached: the
-//! overlay's AIO bdev gives the md thread its I/O channel and no other thread one. The
-//! channels on bdevperf's threads cannot build their replica of the overlay; they forward
-//! every request to the md thread instead, and nothing writes into the old image, which
-//! is the read-only snapshot from the switch on.
+//! The kernel's `fs.aio-max-nr` reached, a real limit an operator meets with many AIO bdevs
+//! and threads: an AIO bdev's channel is a kernel AIO context, and SPDK gives no channel
+//! past the limit.
+//! - An external snapshot under load: the overlay's AIO bdev gives the md thread its I/O
+//!   channel and no other thread one. The channels on bdevperf's threads cannot build their
+//!   replica of the overlay; they forward every request to the md thread instead, and
+//!   nothing writes into the old image, the read-only snapshot from the switch on.
+//! - Reads of an overlay whose golden bdev gives bdevperf's threads no channel: each
+//!   backing read that fails there for want of one goes to the owner.
 
 use super::*;
 
@@ -35,21 +39,6 @@ fn steady_aio_nr() -> u64 {
         last = now;
     }
     panic!("fs.aio-nr never settled (last {last})");
-}
-
-/// The sum of every number named `key` anywhere in `v`.
-fn sum_of(v: &Value, key: &str) -> u64 {
-    match v {
-        Value::Object(m) => m
-            .iter()
-            .map(|(k, x)| match x {
-                Value::Number(n) if k == key => n.as_u64().unwrap_or(0),
-                _ => sum_of(x, key),
-            })
-            .sum(),
-        Value::Array(a) => a.iter().map(|x| sum_of(x, key)).sum(),
-        _ => 0,
-    }
 }
 
 /// The kernel's limit as it was, put back when dropped (a failed assertion included).
@@ -152,7 +141,7 @@ fn external_snapshot_at_the_aio_limit_forwards_and_leaves_the_snapshot_untouched
     }
     // The channels forwarded after the switch: the owner ran their requests.
     let stats: Value = serde_json::from_str(answers[2].1.trim()).unwrap();
-    assert!(sum_of(&stats, "forwarded") > 0, "{stats}");
+    assert!(stats[0]["total"]["forwarded"].as_u64() > Some(0), "{stats}");
     // SPDK's AIO module refused the channels beyond the limit; ours fell back.
     assert!(
         text.contains("exceeding kernel limit"),
@@ -186,5 +175,68 @@ fn external_snapshot_at_the_aio_limit_forwards_and_leaves_the_snapshot_untouched
         refused.1.lines().find(|l| l.contains("message")).unwrap_or("").trim(),
         limits.0,
         limits.1
+    ));
+}
+
+/// An overlay on a malloc bdev over a read-only qcow2 bdev on an AIO file, read at random
+/// from two cores with `fs.aio-max-nr` reached: bdevperf's threads get no channel of the
+/// golden bdev (its own channel there needs an AIO context), so their backing reads fail on
+/// the thread and go to the owner, which reads through its channel; no request fails.
+#[test]
+fn backing_reads_without_a_channel_go_to_the_owner() {
+    require!("bdevperf", "spdk_tgt");
+    require_rpc!();
+    let writable = fs::OpenOptions::new().write(true).open(AIO_MAX_NR).is_ok();
+    if !writable {
+        say("SKIPPED: /proc/sys/fs/aio-max-nr is not writable (needs root)");
+        return;
+    }
+    let _t = turn();
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let golden = d.join("golden.qcow2");
+    qemu_img(&["create", "-q", "-f", "qcow2", s(&golden), "64M"]);
+    qemu_io(&golden, &["write -P 0x5a 0 64M"]);
+    pad(&golden);
+    let cfg = d.join("backing-limit.json");
+    write_config(
+        &cfg,
+        vec![
+            json!({"method": "bdev_malloc_create",
+                   "params": {"name": "m0", "num_blocks": 96 * 2048, "block_size": 512}}),
+            aio(&golden, "aio0"),
+            json!({"method": "bdev_qcow2_create",
+                   "params": {"name": "gold", "base_bdev": "aio0", "read_only": true}}),
+            json!({"method": "bdev_qcow2_overlay_create",
+                   "params": {"name": "q0", "base_bdev": "m0", "backing_bdev": "gold"}}),
+        ],
+    );
+    let job = [
+        "-T", "q0", "-q", "32", "-o", "4096", "-w", "randread", "-t", "3", "-m", "0x3", "-C",
+    ];
+    let mut result = Value::Null;
+    let mut stats = Value::Null;
+    let mut limits = (0, 0);
+    let log = bdevperf_driven_with(d, &cfg, "backing-limit", &job, |sock, perform| {
+        let nr = steady_aio_nr();
+        let limit = AioLimit::lower_to(nr);
+        limits = (nr, nr);
+        result = perform(&[]);
+        drop(limit);
+        stats = plugin_json(sock, &["bdev_qcow2_get_stats", "-b", "q0"]);
+    });
+    let (failed, done) = job_counts(&result);
+    assert!(
+        log.contains("no I/O channel for a backing bdev"),
+        "no backing channel was refused (aio-nr {}): the test did not reach the limit\n{log}",
+        limits.0
+    );
+    assert_eq!(failed, 0.0, "reads failed: {result}\n{log}");
+    assert!(done > 0.0, "{result}");
+    let forwarded = stats[0]["total"]["forwarded"].as_u64().unwrap_or(0);
+    assert!(forwarded > 0, "no read went to the owner: {stats}");
+    say(&format!(
+        "random reads of an overlay whose golden bdev's channel the AIO limit ({}) refused on bdevperf's threads: {done:.0} reads, none failed, {forwarded} through the owner",
+        limits.0
     ));
 }
