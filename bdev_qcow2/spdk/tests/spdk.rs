@@ -3296,6 +3296,10 @@ mod real {
     /// they forward to the md thread (`real/aio_limit.rs`).
     mod aio_limit;
 
+    /// SPDK's bdev_io pool exhausted under load: refused child requests are retried
+    /// (`real/io_pool.rs`).
+    mod io_pool;
+
     /// Exports the names our module exports (`nm -D | grep bdev_qcow2` finds them) and
     /// registers nothing with SPDK.
     const LOOKALIKE_NOTHING: &str = "\
