@@ -296,6 +296,14 @@ mod real {
         f.set_len(len.next_multiple_of(512)).unwrap();
     }
 
+    /// A qcow2 image of `mib` MiB at `path`, every byte 0x5a (as qemu-io wrote it), its
+    /// file padded to whole sectors.
+    fn filled_qcow2(path: &Path, mib: u64) {
+        qemu_img(&["create", "-q", "-f", "qcow2", s(path), &format!("{mib}M")]);
+        qemu_io(path, &[&format!("write -P 0x5a 0 {mib}M")]);
+        pad(path);
+    }
+
     fn write_config(path: &Path, calls: Vec<Value>) {
         let mut calls = calls;
         calls.push(json!({"method": "bdev_wait_for_examine"}));
@@ -2747,9 +2755,7 @@ mod real {
         let dir = tempfile::tempdir().unwrap();
         let d = dir.path();
         let old = d.join("old.qcow2");
-        qemu_img(&["create", "-q", "-f", "qcow2", s(&old), "64M"]);
-        qemu_io(&old, &["write -P 0x5a 0 64M"]);
-        pad(&old);
+        filled_qcow2(&old, 64);
         let f = fs::OpenOptions::new().write(true).open(&old).unwrap();
         f.set_len(128 * MIB).unwrap();
         drop(f);

@@ -41,6 +41,15 @@ fn steady_aio_nr() -> u64 {
     panic!("fs.aio-nr never settled (last {last})");
 }
 
+/// Whether this run may lower the limit (root's sysctl: CI runs as root); says why not.
+fn limit_settable() -> bool {
+    let writable = fs::OpenOptions::new().write(true).open(AIO_MAX_NR).is_ok();
+    if !writable {
+        say("SKIPPED: /proc/sys/fs/aio-max-nr is not writable (needs root)");
+    }
+    writable
+}
+
 /// The kernel's limit as it was, put back when dropped (a failed assertion included).
 struct AioLimit(u64);
 
@@ -62,19 +71,14 @@ impl Drop for AioLimit {
 fn external_snapshot_at_the_aio_limit_forwards_and_leaves_the_snapshot_untouched() {
     require!("bdevperf", "spdk_tgt");
     require_rpc!();
-    // Root's sysctl: CI runs as root; a developer's unprivileged run cannot set the limit.
-    let writable = fs::OpenOptions::new().write(true).open(AIO_MAX_NR).is_ok();
-    if !writable {
-        say("SKIPPED: /proc/sys/fs/aio-max-nr is not writable (needs root)");
+    if !limit_settable() {
         return;
     }
     let _t = turn();
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
     let old = d.join("old.qcow2");
-    qemu_img(&["create", "-q", "-f", "qcow2", s(&old), "64M"]);
-    qemu_io(&old, &["write -P 0x5a 0 64M"]);
-    pad(&old);
+    filled_qcow2(&old, 64);
     let f = fs::OpenOptions::new().write(true).open(&old).unwrap();
     f.set_len(128 * MIB).unwrap();
     drop(f);
@@ -186,18 +190,14 @@ fn external_snapshot_at_the_aio_limit_forwards_and_leaves_the_snapshot_untouched
 fn backing_reads_without_a_channel_go_to_the_owner() {
     require!("bdevperf", "spdk_tgt");
     require_rpc!();
-    let writable = fs::OpenOptions::new().write(true).open(AIO_MAX_NR).is_ok();
-    if !writable {
-        say("SKIPPED: /proc/sys/fs/aio-max-nr is not writable (needs root)");
+    if !limit_settable() {
         return;
     }
     let _t = turn();
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
     let golden = d.join("golden.qcow2");
-    qemu_img(&["create", "-q", "-f", "qcow2", s(&golden), "64M"]);
-    qemu_io(&golden, &["write -P 0x5a 0 64M"]);
-    pad(&golden);
+    filled_qcow2(&golden, 64);
     let cfg = d.join("backing-limit.json");
     write_config(
         &cfg,
