@@ -568,7 +568,9 @@ impl Host for Channel {
         match outcome {
             // A read whose backing bdev gave this thread no I/O channel (ENOMEM, from
             // `BaseDevice`'s lazy open): the owner reads it through its own.
-            Outcome::Done(Err(Error::Io(libc::ENOMEM))) if !write && self.forward_to.is_some() => {
+            Outcome::Done(Err(Error::Io(libc::ENOMEM)))
+                if io.io_type() == sys::SPDK_BDEV_IO_TYPE_READ && self.forward_to.is_some() =>
+            {
                 self.forwarded.set(self.forwarded.get() + 1);
                 self.to_owner(io, Op::Read)
             }

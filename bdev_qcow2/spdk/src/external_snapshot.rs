@@ -604,11 +604,7 @@ fn switch(sw: Box<Switch>, ov: Box<Overlay>) {
     // first, `create_channel`) is counted; the others still move.
     node.for_each_channel(
         (sw, old, 0u32),
-        |it: ChannelIter, (_, _, kept)| {
-            if it.renew_state().is_err() {
-                *kept += 1;
-            }
-        },
+        |it: ChannelIter, (_, _, kept)| it.renew_state(|_| *kept += 1),
         |(sw, old, kept), _| advance(sw, State::Resume(kept, old)),
     );
 }
@@ -618,8 +614,9 @@ fn switch(sw: Box<Switch>, ov: Box<Overlay>) {
 fn resume(sw: Box<Switch>, kept: u32, old: Box<Image>) {
     if kept != 0 {
         tracing::error!(
-            "{METHOD} {}: {kept} channel(s) could not be moved to the overlay and serve the \
-             old image until they close",
+            "{METHOD} {}: {kept} channel(s) could not be moved to the overlay (no memory for \
+             a channel state): until they close, their writes in place reach the old image, \
+             now the snapshot, and the answer waits for them",
             sw.name,
         );
     }

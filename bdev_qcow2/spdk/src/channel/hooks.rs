@@ -49,7 +49,8 @@ impl Channels for Qcow2Bdev {
     /// read-only snapshot.
     fn create_channel(node: &Node) -> Result<Box<Channel>, i32> {
         match node.new_channel(Channel::create) {
-            Err(e) if node.writable() => {
+            // (Not for a node being torn down, which has no base: nothing to forward to.)
+            Err(e) if e != libc::ENODEV && node.writable() => {
                 let thread = crate::ffi::thread::current_name();
                 tracing::warn!(
                     "qcow2 bdev {}: no core replica on thread {thread} (errno {e}); its \

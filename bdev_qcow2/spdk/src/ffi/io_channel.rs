@@ -113,9 +113,10 @@ impl<M: Channels> ChannelIter<M> {
     /// Puts a new state under the visited channel, built from its node as the node is now
     /// (after an external snapshot switched the node's image), and releases the old state
     /// (freed now if idle, else by its poll once idle); then continues. A channel whose new
-    /// state cannot be built keeps the old one: the errno comes back, and the iteration
-    /// goes on to the other channels.
-    pub fn renew_state(self) -> Result<(), i32> {
+    /// state cannot be built keeps the old one: `kept(errno)` runs, and the iteration goes
+    /// on to the other channels. (`kept` runs before the iteration moves on: the next step,
+    /// or its end, may run on another thread at once and owns the iteration's context.)
+    pub fn renew_state(self, kept: impl FnOnce(i32)) {
         // SAFETY: the iterator is live until continued; its io_device is one of our nodes,
         // registered while the iteration runs, and its channel's context area holds a live
         // state pointer (`create_cb`), which only this thread replaces.
@@ -125,7 +126,7 @@ impl<M: Channels> ChannelIter<M> {
                 ctx_of(sys::spdk_io_channel_iter_get_channel(self.0)).cast::<*const M::Channel>(),
             )
         };
-        let renewed = match new_state::<M>(node) {
+        match new_state::<M>(node) {
             Ok(new) => {
                 // SAFETY: as above; requests already carry the state they were submitted
                 // to (the old one stays until they completed), new ones find the new one.
@@ -135,12 +136,10 @@ impl<M: Channels> ChannelIter<M> {
                     // SAFETY: idle and no longer reachable from the channel: finished once.
                     unsafe { thread::stop(old) };
                 }
-                Ok(())
             }
-            Err(e) => Err(e),
-        };
+            Err(e) => kept(e),
+        }
         self.next(0);
-        renewed
     }
 
     /// Moves to the next channel (or to the completion), with `status` (non-zero stops).

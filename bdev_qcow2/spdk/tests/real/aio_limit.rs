@@ -7,6 +7,9 @@
 //!   nothing writes into the old image, the read-only snapshot from the switch on.
 //! - Reads of an overlay whose golden bdev gives bdevperf's threads no channel: each
 //!   backing read that fails there for want of one goes to the owner.
+//!
+//! The limit is the machine's: while it is lowered (seconds) no other process can make an
+//! AIO context either. The tests hold the SPDK turn, and put the limit back when dropped.
 
 use super::*;
 
@@ -41,13 +44,19 @@ fn steady_aio_nr() -> u64 {
     panic!("fs.aio-nr never settled (last {last})");
 }
 
-/// Whether this run may lower the limit (root's sysctl: CI runs as root); says why not.
+/// Whether this run may set the limit (root's sysctl, outside a user namespace: CI runs so;
+/// tried by writing back the value it has); says why not.
 fn limit_settable() -> bool {
-    let writable = fs::OpenOptions::new().write(true).open(AIO_MAX_NR).is_ok();
-    if !writable {
-        say("SKIPPED: /proc/sys/fs/aio-max-nr is not writable (needs root)");
+    let now = read_u64(AIO_MAX_NR);
+    match fs::write(AIO_MAX_NR, now.to_string()) {
+        Ok(()) => true,
+        Err(e) => {
+            say(&format!(
+                "SKIPPED: cannot set /proc/sys/fs/aio-max-nr ({e}; needs root)"
+            ));
+            false
+        }
     }
-    writable
 }
 
 /// The kernel's limit as it was, put back when dropped (a failed assertion included).
@@ -63,7 +72,9 @@ impl AioLimit {
 
 impl Drop for AioLimit {
     fn drop(&mut self) {
-        let _ = fs::write(AIO_MAX_NR, self.0.to_string());
+        if let Err(e) = fs::write(AIO_MAX_NR, self.0.to_string()) {
+            eprintln!("cannot restore fs.aio-max-nr to {}: {e}", self.0);
+        }
     }
 }
 
@@ -108,8 +119,9 @@ fn external_snapshot_at_the_aio_limit_forwards_and_leaves_the_snapshot_untouched
         drop(limit);
         let nr = steady_aio_nr();
         // Room for one more AIO channel: the md thread's of aio1, which the overlay's
-        // format and its owner use. bdevperf's threads keep their channels of aio0 while
-        // they forward: nothing else needs a new AIO context.
+        // format and its owner use. bdevperf's threads find none: their channels forward
+        // (one that renews after another thread's old state let go of its aio0 context
+        // might get one; at least one forwards).
         let limit = AioLimit::lower_to(nr + AIO_CHANNEL_EVENTS);
         limits = (nr, nr + AIO_CHANNEL_EVENTS);
         answers.push(rpc(&[
