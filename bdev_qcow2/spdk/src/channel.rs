@@ -325,7 +325,7 @@ impl Channel {
     /// one): forwarded to the owner (writable bdev) or read from this channel's replica.
     fn start(&self, io: BdevIo) {
         match self.forward_to {
-            Some(md) if !self.has_replica() => self.forward(md, io, Op::Read),
+            Some(md) if !self.has_replica() => self.forward_counted(md, io, Op::Read),
             _ => self.read_replica(io),
         }
     }
@@ -376,10 +376,7 @@ impl Channel {
                 let extent = io.extent();
                 self.run(chain, Op::Write, io, extent)
             }
-            (None, Some(md)) => {
-                self.forwarded.set(self.forwarded.get() + 1);
-                self.forward(md, io, Op::Write)
-            }
+            (None, Some(md)) => self.forward_counted(md, io, Op::Write),
             // A read-only bdev whose replica is not open (or failed).
             (None, None) => self.finish(io, false),
         }
@@ -467,7 +464,7 @@ impl Channel {
                 let extent = io.extent();
                 self.run(chain, op, io, extent)
             }
-            (None, Some(md)) => self.forward(md, io, op),
+            (None, Some(md)) => self.forward_counted(md, io, op),
             (None, None) => self.finish(io, false),
         }
     }
@@ -514,6 +511,13 @@ impl Channel {
     /// Whether nothing is in flight (the channel may be freed).
     fn idle(&self) -> bool {
         !self.exec().busy() && self.outstanding() == 0
+    }
+
+    /// [`forward`](Self::forward) of a request the engine did not route (the engine counts
+    /// those it sends to the owner itself): counted in the channel's `forwarded`.
+    fn forward_counted(&self, md: Thread, io: BdevIo, op: Op) {
+        self.forwarded.set(self.forwarded.get() + 1);
+        self.forward(md, io, op);
     }
 
     /// Hands `io` to the owner (see [`owner::forward`]); the poller sends the outbox.
@@ -569,10 +573,12 @@ impl Host for Channel {
             // A read whose backing bdev gave this thread no I/O channel (ENOMEM, from
             // `BaseDevice`'s lazy open): the owner reads it through its own.
             Outcome::Done(Err(Error::Io(libc::ENOMEM)))
-                if io.io_type() == sys::SPDK_BDEV_IO_TYPE_READ && self.forward_to.is_some() =>
+                if io.io_type() == sys::SPDK_BDEV_IO_TYPE_READ =>
             {
-                self.forwarded.set(self.forwarded.get() + 1);
-                self.to_owner(io, Op::Read)
+                match self.forward_to {
+                    Some(md) => self.forward_counted(md, io, Op::Read),
+                    None => self.complete(io, Err(Error::Io(libc::ENOMEM))),
+                }
             }
             Outcome::Done(r) => {
                 if write {
