@@ -252,3 +252,56 @@ fn backing_reads_without_a_channel_go_to_the_owner() {
         limits.0
     ));
 }
+
+/// bdevperf's channels of a writable bdev on an AIO file, made with `fs.aio-max-nr` reached
+/// (its base gives their threads no channel): built without a replica, they forward every
+/// request to the md thread; verify passes and the image checks clean.
+#[test]
+fn channels_made_at_the_limit_forward_to_the_owner() {
+    require!("bdevperf", "spdk_tgt");
+    require_rpc!();
+    if !limit_settable() {
+        return;
+    }
+    let _t = turn();
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let img = d.join("new-channels.qcow2");
+    sparse(&img, 96 * MIB);
+    let cfg = d.join("new-channels.json");
+    write_config(
+        &cfg,
+        vec![
+            aio(&img, "aio0"),
+            format_call("aio0", 64 * MIB),
+            qcow2("q0", "aio0", None),
+        ],
+    );
+    let job = [
+        "-T", "q0", "-q", "32", "-o", "4096", "-w", "verify", "-t", "3", "-m", "0x3", "-C",
+    ];
+    let mut result = Value::Null;
+    let mut stats = Value::Null;
+    let mut nr = 0;
+    let log = bdevperf_driven_with(d, &cfg, "new-channels", &job, |sock, perform| {
+        nr = steady_aio_nr();
+        let limit = AioLimit::lower_to(nr);
+        result = perform(&[]);
+        drop(limit);
+        stats = plugin_json(sock, &["bdev_qcow2_get_stats", "-b", "q0"]);
+    });
+    let (failed, done) = job_counts(&result);
+    let fallbacks = log.matches("no core replica on thread").count();
+    assert!(
+        fallbacks >= 1,
+        "no channel fell back to forwarding (aio-nr {nr}):\n{log}"
+    );
+    assert_eq!(failed, 0.0, "requests failed: {result}\n{log}");
+    assert!(done > 0.0, "{result}");
+    let forwarded = stats[0]["total"]["forwarded"].as_u64().unwrap_or(0);
+    assert!(forwarded > 0, "no request went to the owner: {stats}");
+    check_clean(&img, "the image after the load");
+    say(&format!(
+        "bdevperf verify on 2 cores, its channels made at the AIO limit ({nr}): {fallbacks} forwarding, {done:.0} requests, none failed, {forwarded} through the owner; the image clean"
+    ));
+}
