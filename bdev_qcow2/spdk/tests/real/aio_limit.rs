@@ -5,6 +5,7 @@
 //!   channel and no other thread one. The channels on bdevperf's threads cannot build their
 //!   replica of the overlay; they forward every request to the md thread instead, and
 //!   nothing writes into the old image, the read-only snapshot from the switch on.
+//! - bdevperf's channels of a writable bdev made at the limit: they forward from the start.
 //! - Reads of an overlay whose golden bdev gives bdevperf's threads no channel: each
 //!   backing read that fails there for want of one goes to the owner.
 //!
