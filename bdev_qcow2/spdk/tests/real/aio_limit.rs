@@ -45,6 +45,37 @@ fn steady_aio_nr() -> u64 {
     panic!("fs.aio-nr never settled (last {last})");
 }
 
+/// What one bdevperf run of q0 at the limit left: `fs.aio-nr` when the limit was set to
+/// it, the run's result, q0's `bdev_qcow2_get_stats` after it, bdevperf's log.
+struct AtLimit {
+    nr: u64,
+    result: Value,
+    stats: Value,
+    log: String,
+}
+
+/// bdevperf on config `cfg`, `workload` on q0 (QD32, 4 KiB, two cores, 3 s), its jobs
+/// started with `fs.aio-max-nr` at the current `fs.aio-nr`: no new AIO context anywhere.
+fn q0_at_the_limit(d: &Path, cfg: &Path, tag: &str, workload: &str) -> AtLimit {
+    let job = [
+        "-T", "q0", "-q", "32", "-o", "4096", "-w", workload, "-t", "3", "-m", "0x3", "-C",
+    ];
+    let (mut nr, mut result, mut stats) = (0, Value::Null, Value::Null);
+    let log = bdevperf_driven_with(d, cfg, tag, &job, |sock, perform| {
+        nr = steady_aio_nr();
+        let limit = AioLimit::lower_to(nr);
+        result = perform(&[]);
+        drop(limit);
+        stats = plugin_json(sock, &["bdev_qcow2_get_stats", "-b", "q0"]);
+    });
+    AtLimit {
+        nr,
+        result,
+        stats,
+        log,
+    }
+}
+
 /// Whether this run may set the limit (root's sysctl, outside a user namespace: CI runs so;
 /// tried by writing back the value it has); says why not.
 fn limit_settable() -> bool {
@@ -224,33 +255,23 @@ fn backing_reads_without_a_channel_go_to_the_owner() {
                    "params": {"name": "q0", "base_bdev": "m0", "backing_bdev": "gold"}}),
         ],
     );
-    let job = [
-        "-T", "q0", "-q", "32", "-o", "4096", "-w", "randread", "-t", "3", "-m", "0x3", "-C",
-    ];
-    let mut result = Value::Null;
-    let mut stats = Value::Null;
-    let mut limits = (0, 0);
-    let log = bdevperf_driven_with(d, &cfg, "backing-limit", &job, |sock, perform| {
-        let nr = steady_aio_nr();
-        let limit = AioLimit::lower_to(nr);
-        limits = (nr, nr);
-        result = perform(&[]);
-        drop(limit);
-        stats = plugin_json(sock, &["bdev_qcow2_get_stats", "-b", "q0"]);
-    });
+    let AtLimit {
+        nr,
+        result,
+        stats,
+        log,
+    } = q0_at_the_limit(d, &cfg, "backing-limit", "randread");
     let (failed, done) = job_counts(&result);
     assert!(
         log.contains("no I/O channel for a backing bdev"),
-        "no backing channel was refused (aio-nr {}): the test did not reach the limit\n{log}",
-        limits.0
+        "no backing channel was refused (aio-nr {nr}): the test did not reach the limit\n{log}"
     );
     assert_eq!(failed, 0.0, "reads failed: {result}\n{log}");
     assert!(done > 0.0, "{result}");
     let forwarded = stats[0]["total"]["forwarded"].as_u64().unwrap_or(0);
     assert!(forwarded > 0, "no read went to the owner: {stats}");
     say(&format!(
-        "random reads of an overlay whose golden bdev's channel the AIO limit ({}) refused on bdevperf's threads: {done:.0} reads, none failed, {forwarded} through the owner",
-        limits.0
+        "random reads of an overlay whose golden bdev's channel the AIO limit ({nr}) refused on bdevperf's threads: {done:.0} reads, none failed, {forwarded} through the owner"
     ));
 }
 
@@ -278,19 +299,12 @@ fn channels_made_at_the_limit_forward_to_the_owner() {
             qcow2("q0", "aio0", None),
         ],
     );
-    let job = [
-        "-T", "q0", "-q", "32", "-o", "4096", "-w", "verify", "-t", "3", "-m", "0x3", "-C",
-    ];
-    let mut result = Value::Null;
-    let mut stats = Value::Null;
-    let mut nr = 0;
-    let log = bdevperf_driven_with(d, &cfg, "new-channels", &job, |sock, perform| {
-        nr = steady_aio_nr();
-        let limit = AioLimit::lower_to(nr);
-        result = perform(&[]);
-        drop(limit);
-        stats = plugin_json(sock, &["bdev_qcow2_get_stats", "-b", "q0"]);
-    });
+    let AtLimit {
+        nr,
+        result,
+        stats,
+        log,
+    } = q0_at_the_limit(d, &cfg, "new-channels", "verify");
     let (failed, done) = job_counts(&result);
     let fallbacks = log.matches("no core replica on thread").count();
     assert!(
