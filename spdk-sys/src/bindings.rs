@@ -10535,11 +10535,33 @@ unsafe extern "C" {
     pub fn spdk_bdev_get_io_channel(desc: *mut spdk_bdev_desc) -> *mut spdk_io_channel;
 }
 unsafe extern "C" {
+    pub fn spdk_bdev_read_blocks(
+        desc: *mut spdk_bdev_desc,
+        ch: *mut spdk_io_channel,
+        buf: *mut ::std::os::raw::c_void,
+        offset_blocks: u64,
+        num_blocks: u64,
+        cb: spdk_bdev_io_completion_cb,
+        cb_arg: *mut ::std::os::raw::c_void,
+    ) -> ::std::os::raw::c_int;
+}
+unsafe extern "C" {
     pub fn spdk_bdev_readv_blocks(
         desc: *mut spdk_bdev_desc,
         ch: *mut spdk_io_channel,
         iov: *mut iovec,
         iovcnt: ::std::os::raw::c_int,
+        offset_blocks: u64,
+        num_blocks: u64,
+        cb: spdk_bdev_io_completion_cb,
+        cb_arg: *mut ::std::os::raw::c_void,
+    ) -> ::std::os::raw::c_int;
+}
+unsafe extern "C" {
+    pub fn spdk_bdev_write_blocks(
+        desc: *mut spdk_bdev_desc,
+        ch: *mut spdk_io_channel,
+        buf: *mut ::std::os::raw::c_void,
         offset_blocks: u64,
         num_blocks: u64,
         cb: spdk_bdev_io_completion_cb,
