@@ -7,6 +7,7 @@ use super::bdev::Desc;
 use super::bdev_io::DirectTarget;
 use super::channel_ref::ChannelRef;
 use super::dma::SpdkBuf;
+use super::rw::Blocks;
 use super::sink::SinkRef;
 use super::sys;
 use qcow2_engine::io::{BufSlice, DeviceError};
@@ -309,19 +310,17 @@ impl BaseIo {
                     buf.buf.append_iovs(buf.off, buf.len, &mut slot.iovs);
                     slot.buf = (!matches!(buf.buf, SpdkBuf::Iov(_))).then(|| buf.buf.clone());
                     let iovcnt = slot.iovs.len() as i32;
-                    let f = if is_read {
-                        sys::spdk_bdev_readv_blocks
-                    } else {
-                        sys::spdk_bdev_writev_blocks
+                    let to = Blocks {
+                        desc: self.desc,
+                        ch: self.ch.raw(),
                     };
-                    f(
-                        self.desc,
-                        self.ch.raw(),
+                    to.submit(
+                        !is_read,
                         slot.iovs.as_mut_ptr(),
                         iovcnt,
                         offset / bs,
                         buf.len as u64 / bs,
-                        Some(io_done),
+                        io_done,
                         slot_ptr,
                     )
                 }

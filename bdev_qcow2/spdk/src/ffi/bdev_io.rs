@@ -4,6 +4,7 @@
 use super::channel_ref::ChannelRef;
 use super::io_channel::{self, ChannelIter, Channels};
 use super::iov::{IovRef, IovView, Iovecs, Lease};
+use super::rw::Blocks;
 use super::sys;
 use super::thread::Thread;
 use super::types::BdevTypes;
@@ -595,48 +596,23 @@ impl DirectTarget {
             return Err((io, libc::EINVAL));
         }
         let (offset_blocks, len_blocks) = (host >> self.block_shift, len >> self.block_shift);
-        let (desc, ch, done, arg) = (
-            self.desc.as_ptr(),
-            self.ch,
-            Some(child_done::<M, D> as ChildCb),
-            io.0.as_ptr().cast(),
-        );
+        let to = Blocks {
+            desc: self.desc.as_ptr(),
+            ch: self.ch,
+        };
         // SAFETY: `desc` is open and `ch` is this thread's channel of it (constructor); the
-        // iovecs hold the `len` bytes of the guest request and stay valid until it is
+        // request's iovecs (at least one) hold its `len` bytes and stay valid until it is
         // completed, which only `child_done` can do, after the child completed.
         let rc = unsafe {
-            // One buffer (most requests) goes by SPDK's single-buffer call, which skips
-            // the vectored call's extended-options step: the same bdev_io, fewer steps.
-            if iovcnt == 1 {
-                let buf = (*iovs).iov_base;
-                if write {
-                    sys::spdk_bdev_write_blocks(desc, ch, buf, offset_blocks, len_blocks, done, arg)
-                } else {
-                    sys::spdk_bdev_read_blocks(desc, ch, buf, offset_blocks, len_blocks, done, arg)
-                }
-            } else if write {
-                sys::spdk_bdev_writev_blocks(
-                    desc,
-                    ch,
-                    iovs,
-                    iovcnt,
-                    offset_blocks,
-                    len_blocks,
-                    done,
-                    arg,
-                )
-            } else {
-                sys::spdk_bdev_readv_blocks(
-                    desc,
-                    ch,
-                    iovs,
-                    iovcnt,
-                    offset_blocks,
-                    len_blocks,
-                    done,
-                    arg,
-                )
-            }
+            to.submit(
+                write,
+                iovs,
+                iovcnt,
+                offset_blocks,
+                len_blocks,
+                child_done::<M, D>,
+                io.0.as_ptr().cast(),
+            )
         };
         if rc == 0 {
             let _ = io.into_raw();
@@ -652,8 +628,6 @@ pub trait ChildDone<M: BdevTypes> {
     /// The child I/O completed (`success`); `io` is the guest request.
     fn child_done(io: BdevIo<M>, success: bool);
 }
-
-type ChildCb = unsafe extern "C" fn(*mut sys::spdk_bdev_io, bool, *mut c_void);
 
 unsafe extern "C" fn child_done<M: BdevTypes, D: ChildDone<M>>(
     child: *mut sys::spdk_bdev_io,

@@ -21,6 +21,7 @@ pub mod log;
 pub mod module;
 pub mod node;
 pub mod rpc;
+mod rw;
 pub mod sink;
 pub mod thread;
 pub mod types;
