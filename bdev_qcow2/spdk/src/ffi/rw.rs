@@ -36,37 +36,31 @@ impl Blocks {
         arg: *mut c_void,
     ) -> c_int {
         let (desc, ch, cb) = (self.desc, self.ch, Some(done));
+        // (`write` is a constant where this is inlined: each call below is direct.)
         // SAFETY: the caller's contract; `iovs` holds at least one iovec.
         unsafe {
             if iovcnt == 1 {
-                let buf = (*iovs).iov_base;
-                if write {
-                    sys::spdk_bdev_write_blocks(desc, ch, buf, offset_blocks, num_blocks, cb, arg)
+                let one = if write {
+                    sys::spdk_bdev_write_blocks
                 } else {
-                    sys::spdk_bdev_read_blocks(desc, ch, buf, offset_blocks, num_blocks, cb, arg)
-                }
-            } else if write {
-                sys::spdk_bdev_writev_blocks(
+                    sys::spdk_bdev_read_blocks
+                };
+                one(
                     desc,
                     ch,
-                    iovs,
-                    iovcnt,
+                    (*iovs).iov_base,
                     offset_blocks,
                     num_blocks,
                     cb,
                     arg,
                 )
             } else {
-                sys::spdk_bdev_readv_blocks(
-                    desc,
-                    ch,
-                    iovs,
-                    iovcnt,
-                    offset_blocks,
-                    num_blocks,
-                    cb,
-                    arg,
-                )
+                let vectored = if write {
+                    sys::spdk_bdev_writev_blocks
+                } else {
+                    sys::spdk_bdev_readv_blocks
+                };
+                vectored(desc, ch, iovs, iovcnt, offset_blocks, num_blocks, cb, arg)
             }
         }
     }
