@@ -13,7 +13,7 @@ use crate::error::{Error, Result};
 use crate::exec::GraceEntry;
 use crate::io::{BlockDevice, BufSlice, DeviceOp, LentBuf};
 use crate::memo::Spot;
-use crate::ring::{RingServed, RingWait};
+use crate::ring::{Passes, RingServed, RingWait};
 use crate::route::{
     Access, FoundBy, Grant, GuestRange, ReadRoute, Role, WriteDecision, WriteRoute,
 };
@@ -292,26 +292,30 @@ impl<D: BlockDevice> Chain<D> {
         // The stream the ring's look-up continued: read-ahead of L2 slices follows the same
         // streams, and a read is looked up in their table once.
         let mut stream = None;
-        if !self.ring.passes(offset, len) {
-            let buf = buf();
-            let (served, continued) =
-                self.ring_read_past(offset, len, &mut |src, src_off, off, n| {
-                    buf.copy_from(off, src, src_off, n)
-                });
-            let kind = match served {
-                RingServed::Nothing => None,
-                RingServed::All => {
-                    self.ring_served(continued, offset, len);
-                    return Step::Complete(Ok(()));
+        match self.ring.passes(offset, len) {
+            Passes::By => {}
+            Passes::ByStream(i) => stream = Some(i),
+            Passes::ToRing => {
+                let buf = buf();
+                let (served, continued) =
+                    self.ring_read_past(offset, len, &mut |src, src_off, off, n| {
+                        buf.copy_from(off, src, src_off, n)
+                    });
+                let kind = match served {
+                    RingServed::Nothing => None,
+                    RingServed::All => {
+                        self.ring_served(continued, offset, len);
+                        return Step::Complete(Ok(()));
+                    }
+                    RingServed::Prefix(n) => Some(TaskKind::Read { skip: n }),
+                    RingServed::Wait(w) => Some(TaskKind::RingWait(w)),
+                };
+                if let Some(kind) = kind {
+                    self.read_ahead_after_ring(continued, offset, len);
+                    return Step::Task(Task { kind, offset, len });
                 }
-                RingServed::Prefix(n) => Some(TaskKind::Read { skip: n }),
-                RingServed::Wait(w) => Some(TaskKind::RingWait(w)),
-            };
-            if let Some(kind) = kind {
-                self.read_ahead_after_ring(continued, offset, len);
-                return Step::Task(Task { kind, offset, len });
+                stream = continued;
             }
-            stream = continued;
         }
         // Read-ahead watches every read in its slice's tail, and the rest unless the memo
         // maps them (their slice is cached: the next one is loaded from the tail). The

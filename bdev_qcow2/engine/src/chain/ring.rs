@@ -9,7 +9,7 @@ use super::{read_layer, Chain, Unplanned};
 use crate::error::{Error, Result};
 use crate::io::{BlockDevice, BufSlice, IoBuffer};
 use crate::ring::host::{RingHost, Woken};
-use crate::ring::{ChainRing, Fill, RingConfig, RingCopy, RingServed, WriteGens};
+use crate::ring::{ChainRing, Fill, Passes, RingConfig, RingCopy, RingServed, WriteGens};
 use crate::slice_load::SliceLoad;
 use std::rc::Rc;
 use std::sync::Arc;
@@ -76,11 +76,11 @@ impl<D: BlockDevice> Chain<D> {
         len: u64,
         copy: &mut RingCopy<'_, D::Buf>,
     ) -> RingServed {
-        if self.ring.passes(offset, len) {
-            self.read_ahead_after_ring(None, offset, len);
-            return RingServed::Nothing;
-        }
-        let (served, stream) = self.ring_read_past(offset, len, copy);
+        let (served, stream) = match self.ring.passes(offset, len) {
+            Passes::By => (RingServed::Nothing, None),
+            Passes::ByStream(i) => (RingServed::Nothing, Some(i)),
+            Passes::ToRing => self.ring_read_past(offset, len, copy),
+        };
         self.read_ahead_after_ring(stream, offset, len);
         served
     }

@@ -200,6 +200,27 @@ impl SliceRun {
     };
 }
 
+/// What the hot half says of a read ([`Hot::passes`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[must_use]
+pub enum Passes {
+    /// The ring's state decides ([`Ring::lookup`](super::Ring::lookup)).
+    ToRing,
+    /// The ring has nothing to do with the read.
+    By,
+    /// Nor with this read, which continued stream `.0`: one the ring turned off for good
+    /// and holds nothing of (it reads nothing ahead for it again until the slot is
+    /// restarted). Read-ahead of L2 slices still follows it.
+    ByStream(u8),
+}
+
+impl Passes {
+    /// Whether the ring has nothing to do with the read.
+    pub fn by(self) -> bool {
+        self != Passes::ToRing
+    }
+}
+
 /// The chain's stream table: where the followed streams continue and which slots are free
 /// to take (see the module documentation). One per core's chain, next to the fields every
 /// request reads.
@@ -220,6 +241,10 @@ pub struct Hot {
     slice_runs: [Cell<SliceRun>; STREAMS],
     /// Per slot: restarted here, its state in the ring not reset yet.
     fresh: [Cell<bool>; STREAMS],
+    /// Per slot: the ring turned its stream off for good and holds none of its chunks; its
+    /// reads pass here ([`Passes::ByStream`]) and skip the ring's look-up, whose answer
+    /// would be a miss and no read-ahead.
+    dormant: [Cell<bool>; STREAMS],
     /// Reads looked at so far, and the read that last started or continued each stream:
     /// a stream not continued in [`STALE_READS`] reads has left.
     reads: Cell<u64>,
@@ -235,6 +260,7 @@ impl Default for Hot {
             seq: Cell::new(0),
             slice_runs: std::array::from_fn(|_| Cell::new(SliceRun::STARTED)),
             fresh: Default::default(),
+            dormant: Default::default(),
             reads: Cell::new(0),
             last: Default::default(),
         }
@@ -253,22 +279,23 @@ impl Hot {
         self.on.get()
     }
 
-    /// A read of `len` bytes at `offset` arrives. True when the ring has nothing to do with
-    /// it: the ring is off, or the read continues no stream and starts where no recent read
-    /// ended (it is a miss; where it ends is recorded), or it is the second of a stream
-    /// that a slot neither reading ahead nor holding chunks takes here. False: the ring's
-    /// state decides ([`Ring::lookup`](super::Ring::lookup)).
+    /// A read of `len` bytes at `offset` arrives. [`Passes::By`] when the ring has nothing
+    /// to do with it: the ring is off, or the read continues no stream and starts where no
+    /// recent read ended (it is a miss; where it ends is recorded), or it is the second of
+    /// a stream that a slot neither reading ahead nor holding chunks takes here.
+    /// [`Passes::ByStream`] when it continues a dormant stream (moved on here).
+    /// [`Passes::ToRing`]: the ring's state decides ([`Ring::lookup`](super::Ring::lookup)).
     ///
     /// Every read runs it, and a random read nothing else of the ring: the count, one hash,
     /// a bit of the streams' mask, one compare and one store.
     #[inline(always)]
-    pub(crate) fn passes(&self, offset: u64, len: u64) -> bool {
+    pub(crate) fn passes(&self, offset: u64, len: u64) -> Passes {
         if !self.on.get() {
-            return true;
+            return Passes::By;
         }
         self.reads.set(self.reads.get() + 1);
         if self.slots.continues_nothing(offset, len) {
-            return true;
+            return Passes::By;
         }
         self.continues(offset, len)
     }
@@ -276,14 +303,19 @@ impl Hot {
     /// [`passes`](Self::passes) for a read whose hash a stream's next read or a recent
     /// end has.
     #[inline(never)]
-    fn continues(&self, offset: u64, len: u64) -> bool {
-        if self.find(offset).is_some() {
-            return false;
+    fn continues(&self, offset: u64, len: u64) -> Passes {
+        if let Some(i) = self.find(offset) {
+            if !self.dormant[i].get() {
+                return Passes::ToRing;
+            }
+            // As the ring's look-up would move it (and find nothing to serve or read).
+            self.continued(i, offset.saturating_add(len));
+            return Passes::ByStream(i as u8);
         }
         if !self.ended_at(offset) {
             // Another offset with the same hash: a read that continues nothing.
             self.slots.note_end(offset.wrapping_add(len));
-            return true;
+            return Passes::By;
         }
         // The stream of the read that ended here starts now, in the slot in turn if it is
         // idle (most often), else in an idle one; the ring continues it with this read.
@@ -292,15 +324,15 @@ impl Hot {
             v
         } else if self.left(v) {
             // Its chunks must go first: the ring takes it.
-            return false;
+            return Passes::ToRing;
         } else {
             match self.idle() {
                 Some(i) => i,
-                None => return false,
+                None => return Passes::ToRing,
             }
         };
         self.start(i, offset);
-        false
+        Passes::ToRing
     }
 
     /// Whether a recent read that continued no stream ended at `offset`, by the bits the
@@ -378,6 +410,7 @@ impl Hot {
     pub(super) fn start(&self, i: usize, end: u64) {
         self.moved(i, end);
         self.fresh[i].set(true);
+        self.dormant[i].set(false);
         self.last[i].set(self.reads.get());
         self.seq.set(self.seq.get() & !(1 << i));
         self.slice_runs[i].set(SliceRun::STARTED);
@@ -407,6 +440,12 @@ impl Hot {
     #[inline(always)]
     pub(super) fn set_busy(&self, i: usize, busy: bool) {
         self.busy[i].set(busy);
+    }
+
+    /// Records whether slot `i`'s stream is dormant: turned off for good in the ring, none
+    /// of its chunks held ([`Passes::ByStream`]; a restart clears it).
+    pub(super) fn set_dormant(&self, i: usize, dormant: bool) {
+        self.dormant[i].set(dormant);
     }
 
     /// A request of `len` bytes at `offset` that read-ahead watches and the ring did not
@@ -473,7 +512,7 @@ mod stream_slots_tests {
             !h.ended_at(0),
             "an empty slot matches no read, offset 0 included"
         );
-        assert!(h.passes(0, 4096), "a first read continues nothing");
+        assert!(h.passes(0, 4096).by(), "a first read continues nothing");
         assert!(h.ended_at(4096));
         assert!(!h.ended_at(4096 + 512));
         // An end a multiple of 4 GiB further in the same slot looks the same (documented:
@@ -493,9 +532,9 @@ mod stream_slots_tests {
     /// A stream the ring follows, started by reads 0 and 4096: its slot.
     fn ring_stream(h: &Hot) -> usize {
         h.turn_on();
-        assert!(h.passes(0, 4096), "a first read continues nothing");
+        assert!(h.passes(0, 4096).by(), "a first read continues nothing");
         assert!(
-            !h.passes(4096, 4096),
+            !h.passes(4096, 4096).by(),
             "the second starts a stream for the ring"
         );
         let i = h.find(4096).expect("started in a slot");
@@ -532,8 +571,8 @@ mod stream_slots_tests {
         let mut taken = vec![i];
         for k in 1..STREAMS as u64 {
             let at = k << 30;
-            assert!(h.passes(at, 4096));
-            assert!(!h.passes(at + 4096, 4096));
+            assert!(h.passes(at, 4096).by());
+            assert!(!h.passes(at + 4096, 4096).by());
             let j = h.find(at + 4096).expect("started");
             assert!(!taken.contains(&j), "slot {j} taken twice");
             taken.push(j);
@@ -579,6 +618,8 @@ mod stream_slots_tests {
         Busy(usize, bool),
         /// Read-ahead found a stream sequential (a run of 9, slice 3 asked for).
         Sequential(usize),
+        /// The ring turned a stream off for good, none of its chunks held (not busy).
+        Dormant(usize),
     }
 
     fn op() -> impl Strategy<Value = Op> {
@@ -590,6 +631,7 @@ mod stream_slots_tests {
             4 => (at, len).prop_map(|(o, l)| Op::Watch(o, l)),
             1 => (0..STREAMS, any::<bool>()).prop_map(|(i, b)| Op::Busy(i, b)),
             1 => (0..STREAMS).prop_map(Op::Sequential),
+            1 => (0..STREAMS).prop_map(Op::Dormant),
         ]
     }
 
@@ -613,7 +655,15 @@ mod stream_slots_tests {
             for op in ops {
                 match op {
                     Op::RingRead(o, l) => {
-                        if !h.passes(o, l) {
+                        let before: Vec<u64> = h.nexts().collect();
+                        let passes = h.passes(o, l);
+                        if let Passes::ByStream(i) = passes {
+                            let i = i as usize;
+                            prop_assert_eq!(before[i], o, "passed by a stream it does not continue");
+                            prop_assert!(h.dormant[i].get());
+                            prop_assert_eq!(h.next(i), o + l);
+                        }
+                        if !passes.by() {
                             let i = match h.find(o) {
                                 Some(i) => i,
                                 None => {
@@ -632,12 +682,17 @@ mod stream_slots_tests {
                         if let Some(i) = h.watch(o, l) {
                             prop_assert_eq!(h.next(i), o + l);
                             if before[i] != o {
+                                prop_assert!(!h.dormant[i].get(), "restarted slot {} dormant", i);
                                 prop_assert!(!busy[i], "restarted slot {} the ring holds", i);
                                 prop_assert_eq!(h.slice_run(i), SliceRun::STARTED);
                             }
                         }
                     }
                     Op::Busy(i, b) => h.set_busy(i, b),
+                    Op::Dormant(i) => {
+                        h.set_busy(i, false);
+                        h.set_dormant(i, true);
+                    }
                     Op::Sequential(i) => {
                         let run = SliceRun { run: 9, asked: 3 };
                         h.set_slice_run(i, run, true);

@@ -31,8 +31,8 @@ pub mod zones;
 pub use config::{RingConfig, RingStats};
 pub use gens::WriteGens;
 pub use host::{RingCopy, RingServed, RingWait};
-pub use hot::Hot;
 pub(crate) use hot::SliceRun;
+pub use hot::{Hot, Passes};
 pub use part::ChainRing;
 pub use zones::{Watch, Zones};
 
@@ -646,7 +646,9 @@ impl Ring {
                 }
             }
         }
-        hot.set_busy(i, self.streams[i].count > 0 || self.ahead & (1 << i) != 0);
+        let s = &self.streams[i];
+        hot.set_busy(i, s.count > 0 || self.ahead & (1 << i) != 0);
+        hot.set_dormant(i, s.off && s.count == 0);
         self.release(k);
     }
 
@@ -696,6 +698,7 @@ impl Ring {
         self.streams[j].window = 0;
         self.ahead &= !(1 << j);
         hot.set_busy(j, false);
+        hot.set_dormant(j, self.streams[j].off);
         Some(())
     }
 

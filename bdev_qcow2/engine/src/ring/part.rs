@@ -6,7 +6,7 @@
 
 use super::compressed::ZipFills;
 use super::host::RingHost;
-use super::{Hot, RingConfig, RingStats, RingWait, WriteGens};
+use super::{Hot, Passes, RingConfig, RingStats, RingWait, WriteGens};
 use crate::io::{BufSlice, IoBuffer};
 use std::cell::{OnceCell, RefCell};
 use std::sync::Arc;
@@ -79,11 +79,11 @@ impl<B: IoBuffer> ChainRing<B> {
         self.hot.is_on()
     }
 
-    /// True when the ring has nothing to do with a read of `len` bytes at `offset`: off, or
-    /// a read that starts a stream on the hot half ([`Hot::passes`]); false: the
-    /// chain looks it up in the ring.
+    /// Whether the ring has something to do with a read of `len` bytes at `offset`
+    /// ([`Hot::passes`]: not when it is off, for a read that continues nothing or starts a
+    /// stream on the hot half, or one of a stream the ring turned off for good).
     #[inline(always)]
-    pub fn passes(&self, offset: u64, len: u64) -> bool {
+    pub fn passes(&self, offset: u64, len: u64) -> Passes {
         self.hot.passes(offset, len)
     }
 

@@ -55,7 +55,7 @@ impl Sim {
 
     /// A read as `chain` drives it, the hot half first: the bytes served from its start.
     fn read_prefix(&mut self, off: u64, len: u64) -> u64 {
-        if self.hot.passes(off, len) {
+        if self.hot.passes(off, len).by() {
             return 0;
         }
         let gens = self.gens.clone();
@@ -256,6 +256,43 @@ fn written_chunks_are_not_served_and_the_window_shrinks_to_off() {
 }
 
 #[test]
+fn reads_of_a_stream_turned_off_pass_the_hot_half_and_continue_it() {
+    let mut s = Sim::new(RingConfig::default(), DISK);
+    // The read-modify-write stream above, until the ring turned it off and let go of its
+    // chunks.
+    let mut k = 0u64;
+    let i = loop {
+        if let Some(i) =
+            (0..STREAMS).find(|&i| s.ring.streams[i].off && s.ring.streams[i].count == 0)
+        {
+            break i;
+        }
+        assert!(k < 2048, "never turned off");
+        s.read(k * B, B);
+        s.complete();
+        s.write(k * B + CHUNK);
+        s.write(k * B + 2 * CHUNK);
+        k += 1;
+    };
+    assert_eq!(s.hot.next(i), k * B);
+    let ios = s.ring.stats().readahead_ios;
+    // Its next reads: passed on the hot half, which moves the stream on itself.
+    for k in k..k + 64 {
+        assert_eq!(s.hot.passes(k * B, B), Passes::ByStream(i as u8));
+        assert_eq!(s.hot.next(i), (k + 1) * B);
+    }
+    assert_eq!(s.ring.stats().readahead_ios, ios);
+    // A new stream that takes its slot is followed by the ring again.
+    for r in 1..=4u64 {
+        for k in 0..64u64 {
+            s.read((r << 32) + k * B, B);
+            s.complete();
+        }
+    }
+    assert!(s.ring.stats().readahead_ios > ios);
+}
+
+#[test]
 fn a_hit_checks_the_generation_at_the_time_of_the_read() {
     let mut s = Sim::new(RingConfig::default(), DISK);
     for k in 0..8u64 {
@@ -420,7 +457,7 @@ fn random_reads_start_streams_on_the_hot_half_alone() {
     let mut s = Sim::new(RingConfig::default(), DISK);
     // Every random read passes the hot half without the ring (it records where it ends).
     for k in 0..64u64 {
-        assert!(s.hot.passes((k * 7919 % 1000) << 20, B));
+        assert!(s.hot.passes((k * 7919 % 1000) << 20, B).by());
     }
     // A stream that reads ahead keeps its slot busy: the hot half skips it, and its next
     // read goes to the ring (which continues it and serves it).
@@ -431,10 +468,10 @@ fn random_reads_start_streams_on_the_hot_half_alone() {
     }
     let busy = s.hot.find(at(40)).unwrap();
     for k in 0..16u64 {
-        assert!(s.hot.passes((k * 104729 % 1000) << 21, B));
+        assert!(s.hot.passes((k * 104729 % 1000) << 21, B).by());
         assert_eq!(s.hot.find(at(40)), Some(busy), "the stream was pushed out");
     }
-    assert!(!s.hot.passes(at(40), B));
+    assert!(!s.hot.passes(at(40), B).by());
     assert!(s.read(at(40), B));
     assert_eq!(s.hot.find(at(41)), Some(busy));
     assert_eq!(s.ring.stats().streams, 1);
@@ -839,7 +876,7 @@ fn a_stream_among_random_reads_reads_ahead_from_the_same_read_as_alone() {
         for k in 0..16u64 {
             for r in 0..random {
                 let n = k * random + r;
-                assert!(s.hot.passes((1 << 39) | (n * 7919 % 4096) << 20, B));
+                assert!(s.hot.passes((1 << 39) | (n * 7919 % 4096) << 20, B).by());
             }
             s.read((5 << 30) + k * B, B);
             if !s.inflight.is_empty() {
